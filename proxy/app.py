@@ -1,0 +1,393 @@
+"""The ASGI applications: the proxy itself (pure ASGI on the response path) and the admin listener."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import TracerProvider
+
+from proxy.forward import Router, Upstreams, request_headers, response_headers, upstream_url
+from proxy.providers import provider_for
+from proxy.providers.base import Provider
+from proxy.settings import Route, Settings
+from proxy.streaming import Tap
+from proxy.telemetry.prometheus import CONTENT_TYPE, PrometheusReader
+from proxy.telemetry.recorder import Recorder
+from proxy.timeline import Timeline, now
+from proxy.types import Message, Receive, RequestInfo, Scope, Send
+
+log = logging.getLogger("llmtap.proxy")
+
+PROMPT_VERSION_HEADER = b"x-llmtap-prompt-version"
+
+
+class ClientGone(Exception):
+    """The client disconnected; the upstream request is cancelled."""
+
+
+async def send_json(send: Send, status: int, error_type: str, message: str) -> None:
+    """An error of the proxy's own, in the OpenAI error shape most SDKs display."""
+    body = json.dumps({"error": {"type": error_type, "message": message, "code": status}}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ProxyApp:
+    """Relays any request to its route's upstream and records what the stream shows."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+    ) -> None:
+        self.settings = settings
+        self.router = Router(settings.routes)
+        self.upstreams = Upstreams(settings, transport)
+        self.recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+        self.ready = False
+        #: Requests between arrival and the hand-over of their record to the recorder.
+        self.inflight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        await self.handle(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.ready = True
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                self.ready = False
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait (from another thread) until every request so far is recorded; True when done in time."""
+        deadline = time.monotonic() + timeout
+        while self.inflight:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return self.recorder.flush(max(deadline - time.monotonic(), 0.1))
+
+    async def aclose(self) -> None:
+        """Close the upstream pools and drain the recorder."""
+        await self.upstreams.aclose()
+        await asyncio.to_thread(self.recorder.close)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Relay one HTTP request."""
+        received, wall = now(), time.time_ns()
+        path: str = scope["path"]
+        route = self.router.match(path)
+        if route is None:
+            await send_json(send, 404, "no_route", f"no route for {path}")
+            return
+        method: str = scope["method"]
+        inner_path = path[len(route.prefix) :] if route.strip_prefix and route.prefix != "/" else path
+        provider = provider_for(method, inner_path)
+        tl = Timeline(
+            method=method,
+            path=path,
+            route=route.name,
+            upstream=route.upstream,
+            server_address=route.host,
+            server_port=route.port,
+            protocol=provider.name if provider else None,
+            provider_name=route.provider or (provider.family if provider else "_OTHER"),
+            received=received,
+            received_wall_ns=wall,
+        )
+        headers: list[tuple[bytes, bytes]] = list(scope["headers"])
+        for name, value in headers:
+            if name.lower() == PROMPT_VERSION_HEADER:
+                tl.prompt_version = value.decode("latin-1")[:128]
+        try:
+            body, more = await self._read_body(receive, self.settings.max_inspect_bytes if provider else 0)
+        except ClientGone:
+            return
+        tl.body_read = now()
+        info: RequestInfo | None = None
+        if provider is not None:
+            if more is None:
+                info = provider.inspect(body, inject_usage=self.settings.inject_usage)
+            else:
+                info = provider.inspect(b"{}", inject_usage=False)
+                info.parse_error = "body_not_inspected"
+            tl.request = info
+        tl.admitted = now()
+        handle, trace_headers = self.recorder.start(tl, _text_headers(headers))
+        self.inflight += 1
+        try:
+            await self._relay(scope, receive, send, route, provider, tl, info, headers, body, more, trace_headers)
+        except _Truncated:
+            # Returning without completing the response makes the server drop the connection, so
+            # the client sees the same truncation the proxy saw.
+            pass
+        finally:
+            if tl.end is None:
+                tl.end = now()
+            self.recorder.finish(tl, handle)
+            self.inflight -= 1
+
+    async def _read_body(self, receive: Receive, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
+        """Read the body up to ``limit`` bytes; past it, return what was read and an iterator over the rest."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            if chunk:
+                parts.append(chunk)
+                size += len(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts), None
+            if size > limit:
+                return b"".join(parts), _rest_of_body(receive)
+
+    async def _relay(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: Route,
+        provider: Provider | None,
+        tl: Timeline,
+        info: RequestInfo | None,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        more: AsyncIterator[bytes] | None,
+        trace_headers: dict[str, str],
+    ) -> None:
+        rewritten = info.rewritten_body if info is not None else None
+        content: bytes | AsyncIterator[bytes]
+        if more is not None:
+            content = _prepend(body, more)
+        else:
+            content = rewritten if rewritten is not None else body
+        client = self.upstreams.client(route)
+        request = client.build_request(
+            scope["method"],
+            upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b"")),
+            headers=request_headers(headers, trace=trace_headers, body_changed=rewritten is not None),
+            content=content,
+        )
+        # Only once the body is read can disconnects be watched: both need ``receive``.
+        task = asyncio.current_task()
+        watch = _DisconnectWatch(receive, task) if more is None and task is not None else None
+        response: httpx.Response | None = None
+        started = False
+        try:
+            tl.sent = now()
+            try:
+                response = await client.send(request, stream=True)
+            except httpx.TimeoutException as exc:
+                tl.fail("timeout", f"upstream timed out: {type(exc).__name__}")
+                await send_json(send, 504, "upstream_timeout", f"upstream {route.upstream} timed out")
+                return
+            except httpx.TransportError as exc:
+                tl.fail("upstream_unreachable", str(exc) or type(exc).__name__)
+                await send_json(
+                    send, 502, "upstream_unreachable", f"upstream {route.upstream} unreachable: {type(exc).__name__}"
+                )
+                return
+            except ClientGone:
+                raise
+            tl.headers = now()
+            tl.status_code = response.status_code
+            tap = Tap(
+                tl,
+                provider,
+                content_type=response.headers.get("content-type", ""),
+                content_encoding=response.headers.get("content-encoding", ""),
+                strip_usage=bool(info and info.strip_usage and response.status_code < 300),
+                stream_requested=bool(info and info.stream),
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": response_headers(response.headers.raw, body_changed=tap.changes_body),
+                }
+            )
+            started = True
+            async for chunk in response.aiter_raw():
+                out = tap.feed(chunk, now())
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            tail = tap.finish(now())
+            tl.end = now()
+            if response.status_code >= 400:
+                tl.fail(tl.error_type or str(response.status_code))
+            if watch is not None:
+                watch.stop()
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        except asyncio.CancelledError:
+            tl.fail("cancelled", cancelled=True)
+            if watch is not None and watch.fired and task is not None:
+                # Our own cancellation, caused by the client leaving: nothing to propagate.
+                task.uncancel()
+                return
+            raise
+        except (ClientGone, OSError) as exc:
+            if isinstance(exc, OSError) and not started:
+                raise
+            tl.fail("cancelled", cancelled=True)
+        except httpx.TimeoutException:
+            tl.fail("timeout", "upstream stopped sending")
+            _abort(tl, started)
+        except httpx.HTTPError as exc:
+            tl.fail("upstream_closed" if started else "upstream_error", f"{type(exc).__name__}: {exc}")
+            if not started:
+                await send_json(send, 502, "upstream_error", f"upstream {route.upstream}: {type(exc).__name__}")
+            else:
+                _abort(tl, started)
+        finally:
+            if watch is not None:
+                watch.stop()
+            if response is not None:
+                # Closing the response closes the upstream connection mid-stream: the server sees the
+                # client leave and stops generating. Shielded so a cancellation cannot skip it.
+                await asyncio.shield(response.aclose())
+
+
+def _abort(tl: Timeline, started: bool) -> None:
+    """The upstream broke mid-stream: end the client's response the same way (no clean end)."""
+    tl.end = now()
+    if started:
+        raise _Truncated
+
+
+class _Truncated(Exception):
+    """Raised past the relay so the server drops the connection and the client sees the truncation."""
+
+
+class _DisconnectWatch:
+    """Cancels the relay the moment the client disconnects, so the upstream request stops at once.
+
+    uvicorn drops writes to a closed connection silently, so a failing ``send`` cannot be relied on.
+    """
+
+    def __init__(self, receive: Receive, task: asyncio.Task[object]) -> None:
+        self.fired = False
+        self._stopped = False
+        self._task = task
+        self._watcher = asyncio.create_task(self._run(receive))
+
+    async def _run(self, receive: Receive) -> None:
+        while True:
+            message: Message = await receive()
+            if message["type"] == "http.disconnect":
+                # After the last byte went out, the server also reports a disconnect: not a cancellation.
+                if not self._stopped:
+                    self.fired = True
+                    self._task.cancel()
+                return
+
+    def stop(self) -> None:
+        """The response is complete (or failed); stop watching."""
+        self._stopped = True
+        self._watcher.cancel()
+
+
+async def _rest_of_body(receive: Receive) -> AsyncIterator[bytes]:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def _text_headers(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {
+        k.decode("latin-1").lower(): v.decode("latin-1")
+        for k, v in headers
+        if k.lower() in (b"traceparent", b"tracestate")
+    }
+
+
+class AdminApp:
+    """The admin listener: ``/metrics``, ``/healthz`` and ``/readyz``; read-only."""
+
+    def __init__(self, proxy: ProxyApp, prometheus: PrometheusReader | None) -> None:
+        self.proxy = proxy
+        self.prometheus = prometheus
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                kind = message["type"].replace("lifespan.", "")
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/metrics":
+            text = self.prometheus.render() if self.prometheus is not None else "# prometheus endpoint disabled\n"
+            await _plain(send, 200, text.encode(), CONTENT_TYPE)
+        elif path == "/healthz":
+            await _plain(send, 200, b"ok\n")
+        elif path == "/readyz":
+            ready = self.proxy.ready
+            await _plain(send, 200 if ready else 503, b"ready\n" if ready else b"not ready\n")
+        else:
+            await _plain(send, 404, b"not found\n")
+
+
+async def _plain(send: Send, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app(
+    settings: Settings,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    tracer_provider: TracerProvider | None = None,
+    meter_provider: MeterProvider | None = None,
+) -> ProxyApp:
+    """The proxy application; providers and the upstream transport are injected, never global."""
+    return ProxyApp(settings, transport=transport, tracer_provider=tracer_provider, meter_provider=meter_provider)

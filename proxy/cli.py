@@ -1,0 +1,88 @@
+"""The ``llmtap`` command: ``serve``, ``simulate`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from proxy import __version__
+from proxy.settings import CHUNK_SPAN_MODES, ConfigError, build
+
+
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the tracing proxy in front of an LLM API")
+    p.add_argument("--upstream", help="upstream base URL, e.g. https://api.openai.com (env LLMTAP_UPSTREAM)")
+    p.add_argument("--provider", help="gen_ai.provider.name to report, e.g. openai, anthropic, vllm")
+    p.add_argument("--config", help="YAML file with routes and settings (env LLMTAP_CONFIG)")
+    p.add_argument("--host", help="proxy listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="proxy listen port (default 8080)")
+    p.add_argument("--admin-host", dest="admin_host", help="admin listen address (default 127.0.0.1)")
+    p.add_argument(
+        "--admin-port", dest="admin_port", type=int, help="admin port for /metrics, /healthz, /readyz (default 9464)"
+    )
+    p.add_argument(
+        "--chunk-spans", dest="chunk_spans", choices=CHUNK_SPAN_MODES, help="one span per decode chunk, events, or off"
+    )
+    p.add_argument("--connect-timeout", dest="connect_timeout", type=float, help="upstream connect timeout, seconds")
+    p.add_argument("--read-timeout", dest="read_timeout", type=float, help="longest upstream silence, seconds")
+    p.add_argument("--slo-ttft-ms", dest="slo_ttft_ms", type=float, help="TTFT objective for goodput, ms")
+    p.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=float, help="TPOT objective for goodput, ms")
+    p.add_argument("--slo-e2e-ms", dest="slo_e2e_ms", type=float, help="end-to-end objective for goodput, ms")
+    p.add_argument(
+        "--no-inject-usage",
+        dest="inject_usage",
+        action="store_const",
+        const=False,
+        help="never add stream_options.include_usage to OpenAI streams",
+    )
+    p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
+
+
+def _simulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("simulate", help="run the simulated LLM server (an offline upstream)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--profile", default="support", help="support, code or fast")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``llmtap`` command."""
+    p = argparse.ArgumentParser(prog="llmtap", description="OpenTelemetry tracing proxy for LLM inference.")
+    p.add_argument("--version", action="version", version=f"llmtap {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _simulate_parser(sub)
+    return p
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code (2 for a bad configuration)."""
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            settings = build(vars(args))
+            _logging(settings.log_level)
+            from proxy.server import serve
+
+            asyncio.run(serve(settings))
+        elif args.command == "simulate":
+            _logging("info")
+            from proxy import simulator
+
+            profile = simulator.PROFILES.get(args.profile)
+            if profile is None:
+                raise ConfigError(f"unknown profile {args.profile!r}; known: {', '.join(sorted(simulator.PROFILES))}")
+            asyncio.run(simulator.serve(args.host, args.port, profile))
+    except ConfigError as exc:
+        print(f"llmtap: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,125 @@
+"""The upstream side of the relay: routing, one connection pool per upstream, and header hygiene."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+import httpx
+
+from proxy.settings import Route, Settings
+
+# RFC 9110 section 7.6.1: connection-specific fields never travel past one hop. Host is the
+# upstream's, set by httpx from the configured URL; Content-Length is recomputed when a body changes.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# Headers llmtap reads from the client and keeps to itself.
+PRIVATE_PREFIX = b"x-llmtap-"
+TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
+
+
+def _connection_listed(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    listed: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            listed.update(token.strip().lower() for token in value.split(b",") if token.strip())
+    return listed
+
+
+def request_headers(
+    headers: list[tuple[bytes, bytes]], *, trace: dict[str, str], body_changed: bool
+) -> list[tuple[bytes, bytes]]:
+    """Client headers as they go upstream: hop-by-hop, Host and llmtap's own removed; our trace context added."""
+    drop = HOP_BY_HOP | _connection_listed(headers) | {b"host"}
+    if trace:
+        drop |= TRACE_HEADERS
+    if body_changed:
+        drop |= {b"content-length"}
+    out = [(k, v) for k, v in headers if (kl := k.lower()) not in drop and not kl.startswith(PRIVATE_PREFIX)]
+    out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in trace.items())
+    return out
+
+
+def response_headers(headers: Iterable[tuple[bytes, bytes]], *, body_changed: bool) -> list[tuple[bytes, bytes]]:
+    """Upstream response headers as they go to the client: unchanged but for hop-by-hop ones."""
+    headers = list(headers)
+    drop = HOP_BY_HOP | _connection_listed(headers)
+    if body_changed:
+        drop |= {b"content-length"}
+    return [(k, v) for k, v in headers if k.lower() not in drop]
+
+
+class Router:
+    """Picks the route of a request path; the upstream host comes only from configuration."""
+
+    def __init__(self, routes: tuple[Route, ...]) -> None:
+        # Settings sorts routes longest prefix first.
+        self.routes = routes
+
+    def match(self, path: str) -> Route | None:
+        """The route whose prefix is the longest one that ``path`` starts with, on a segment boundary."""
+        for route in self.routes:
+            prefix = route.prefix
+            if prefix == "/" or path == prefix or path.startswith(prefix + "/"):
+                return route
+        return None
+
+
+def upstream_url(route: Route, raw_path: bytes, query: bytes) -> str:
+    """The upstream URL: the route's base URL joined with the request's path, never another host.
+
+    The raw (still percent-encoded) path is appended to the configured base, so neither an absolute
+    request target nor an encoded slash nor ``..`` can name another host.
+    """
+    path = raw_path.decode("latin-1") or "/"
+    if not path.startswith("/"):
+        path = "/" + path
+    if route.strip_prefix and route.prefix != "/":
+        path = path[len(route.prefix) :] or "/"
+        if not path.startswith("/"):
+            path = "/" + path
+    base = urlsplit(route.upstream)
+    url = f"{base.scheme}://{base.netloc}{base.path.rstrip('/')}{path}"
+    if query:
+        url += "?" + query.decode("latin-1")
+    return url
+
+
+class Upstreams:
+    """One shared ``httpx.AsyncClient`` (one connection pool) per upstream base URL."""
+
+    def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        t = settings.timeouts
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        limits = httpx.Limits(
+            max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
+        )
+        timeout = httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool)
+        for route in settings.routes:
+            if route.upstream in self._clients:
+                continue
+            # trust_env=False: an HTTP_PROXY variable must not silently reroute traffic, and
+            # redirects are relayed to the client, never followed here.
+            self._clients[route.upstream] = httpx.AsyncClient(
+                transport=transport, limits=limits, timeout=timeout, trust_env=False, follow_redirects=False
+            )
+
+    def client(self, route: Route) -> httpx.AsyncClient:
+        """The pool for a route's upstream."""
+        return self._clients[route.upstream]
+
+    async def aclose(self) -> None:
+        """Close every pool."""
+        for client in self._clients.values():
+            await client.aclose()

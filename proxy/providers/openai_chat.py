@@ -1,0 +1,80 @@
+"""OpenAI Chat Completions (``POST …/chat/completions``), as served by OpenAI, vLLM, SGLang, TGI, llama.cpp.
+
+Wire format: standards D.1. A stream is ``data: {chat.completion.chunk}`` events ending in ``data: [DONE]``;
+vLLM opens with a role-only delta and sends empty-content deltas, neither of which is content.
+"""
+
+from __future__ import annotations
+
+from proxy.providers.base import Framing, StreamParser
+from proxy.providers.openai_common import (
+    ChoicesStreamParser,
+    JSONObject,
+    as_dict,
+    collect_text,
+    inspect_openai,
+    matches_suffix,
+    parse_choices_body,
+    prompt_text,
+)
+from proxy.types import Facts, RequestInfo
+
+
+def _message_text(message: JSONObject) -> str:
+    """The generated text of a ``delta`` or ``message``: reasoning, content, refusal, tool-call arguments."""
+    out: list[str] = []
+    # vLLM names reasoning ``reasoning_content`` in older releases and ``reasoning`` in newer ones; a
+    # server that sends both sends the same text twice, so take one.
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    collect_text(reasoning, out)
+    collect_text(message.get("content"), out)
+    collect_text(message.get("refusal"), out)
+    calls = message.get("tool_calls")
+    for call in calls if isinstance(calls, list) else ():
+        collect_text(as_dict(as_dict(call).get("function")).get("arguments"), out)
+    collect_text(as_dict(message.get("function_call")).get("arguments"), out)  # the deprecated single call
+    return "".join(out)
+
+
+def chat_choice_text(choice: JSONObject) -> str:
+    """The generated text of one choice, streamed (``delta``) or whole (``message``)."""
+    message = choice.get("delta")
+    if not isinstance(message, dict):
+        message = choice.get("message")
+    return _message_text(message) if isinstance(message, dict) else ""
+
+
+def _prompt(obj: JSONObject) -> str:
+    # The system prompt is one of the messages here; ``functions`` is the pre-tools spelling.
+    return prompt_text(messages=obj.get("messages"), tools=obj.get("tools") or obj.get("functions"))
+
+
+class OpenAIChat:
+    """The Chat Completions protocol."""
+
+    name: str = "openai_chat"
+    family: str = "openai"
+    framing: Framing = "sse"
+
+    def matches(self, method: str, path: str) -> bool:
+        """True for ``POST …/chat/completions``."""
+        return matches_suffix(method, path, "/chat/completions")
+
+    def inspect(self, body: bytes, *, inject_usage: bool) -> RequestInfo:
+        """Model, stream flag, params and prompt text; ask for usage on streams that did not."""
+        return inspect_openai(
+            body,
+            inject_usage=inject_usage,
+            operation="chat",
+            # max_completion_tokens replaced max_tokens in the OpenAI API; clients send either.
+            max_tokens_keys=("max_completion_tokens", "max_tokens"),
+            prompt=_prompt,
+        )
+
+    def stream_parser(self) -> StreamParser:
+        """A parser for one ``chat.completion.chunk`` stream."""
+        return ChoicesStreamParser(chat_choice_text)
+
+    def parse_body(self, body: bytes) -> Facts:
+        """Facts of a ``chat.completion`` body or a JSON error body."""
+        return parse_choices_body(body, chat_choice_text)

@@ -1,0 +1,61 @@
+"""OpenAI legacy Completions (``POST …/completions``, not ``…/chat/completions``).
+
+Wire format: standards D.2. Streamed and whole responses share the ``text_completion`` shape, with the
+generated text in ``choices[].text``; ``stream_options.include_usage`` adds a final ``choices: []`` chunk.
+"""
+
+from __future__ import annotations
+
+from proxy.providers.base import Framing, StreamParser
+from proxy.providers.openai_common import (
+    ChoicesStreamParser,
+    JSONObject,
+    as_str,
+    inspect_openai,
+    matches_suffix,
+    parse_choices_body,
+    prompt_text,
+)
+from proxy.types import Facts, RequestInfo
+
+
+def completion_choice_text(choice: JSONObject) -> str:
+    """The generated text of one ``text_completion`` choice."""
+    return as_str(choice.get("text")) or ""
+
+
+def _prompt(obj: JSONObject) -> str:
+    # ``prompt`` is a string or a list of strings; token-id arrays carry no text to count and are skipped.
+    prompt, suffix = obj.get("prompt"), obj.get("suffix")
+    texts = prompt if isinstance(prompt, list) else [prompt]
+    return prompt_text(messages=[t for t in [*texts, suffix] if isinstance(t, str)])
+
+
+class OpenAICompletions:
+    """The legacy Completions protocol."""
+
+    name: str = "openai_completions"
+    family: str = "openai"
+    framing: Framing = "sse"
+
+    def matches(self, method: str, path: str) -> bool:
+        """True for ``POST …/completions`` that is not ``…/chat/completions``."""
+        return matches_suffix(method, path, "/completions") and not matches_suffix(method, path, "/chat/completions")
+
+    def inspect(self, body: bytes, *, inject_usage: bool) -> RequestInfo:
+        """Model, stream flag, params and prompt text; ask for usage on streams that did not."""
+        return inspect_openai(
+            body,
+            inject_usage=inject_usage,
+            operation="text_completion",
+            max_tokens_keys=("max_tokens",),
+            prompt=_prompt,
+        )
+
+    def stream_parser(self) -> StreamParser:
+        """A parser for one ``text_completion`` stream."""
+        return ChoicesStreamParser(completion_choice_text)
+
+    def parse_body(self, body: bytes) -> Facts:
+        """Facts of a ``text_completion`` body or a JSON error body."""
+        return parse_choices_body(body, completion_choice_text)

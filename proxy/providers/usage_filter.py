@@ -1,0 +1,112 @@
+"""Removes the usage event the proxy asked for from an OpenAI stream; every other byte passes unchanged.
+
+When a client streams Chat Completions or Completions without ``stream_options.include_usage``, the
+proxy asks for usage anyway (DESIGN "Tokens"); the server then sends one extra ``data:`` event whose JSON
+has ``"choices": []`` and a non-null ``usage`` before ``data: [DONE]`` (standards D.1, D.2). That client
+never asked for it, and SDKs that index ``choices[0]`` break on it, so it is cut out here.
+
+Why holding a partial event adds no delay a client can see: an SSE client dispatches an event only when
+it reads the blank line that ends it (WHATWG HTML, "Interpreting an event stream": an empty line
+dispatches; a stream that ends mid-event dispatches nothing). Bytes up to the last complete event boundary
+leave immediately, and the held bytes go out in the same ``feed`` call that brings their blank line, so
+every event reaches the client at the moment it would have without the filter.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+#: A held partial event larger than this makes the filter give up and pass everything through.
+MAX_HELD_BYTES = 1 << 20
+
+# A blank line ends an event: two line terminators in a row (LF, CRLF or CR line endings). Mixed forms
+# such as LF followed by CRLF are left unrecognised: the events around them stay joined in one block,
+# which then never looks like a lone usage event and passes through. Failing safe costs one usage chunk.
+_BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+# The cheap test that picks candidates; only a block that passes it is parsed as JSON. Servers write the
+# empty array compactly (OpenAI, vLLM) or with spaces, and text content cannot match it unescaped.
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+# A boundary is at most four bytes long, so one that completes inside a new chunk starts at most three
+# bytes before the chunk in the held buffer.
+_BOUNDARY_REACH = 3
+
+
+def _is_usage_event(block: bytes) -> bool:
+    """True when ``block`` is exactly one plain ``data:`` event whose JSON is the extra usage chunk."""
+    data: list[bytes] = []
+    for line in _LINE_END.split(block):
+        if not line:
+            continue
+        if not line.startswith(b"data:"):
+            return False  # event:, id:, retry: or a comment: not the plain usage chunk, so keep it
+        value = line[5:]
+        data.append(value[1:] if value.startswith(b" ") else value)
+    if not data:
+        return False
+    try:
+        obj = json.loads(b"\n".join(data))
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and obj.get("choices") == [] and obj.get("usage") is not None
+
+
+class UsageEventFilter:
+    """Passes an SSE byte stream through, minus the usage event(s) the client did not ask for."""
+
+    def __init__(self, max_held: int = MAX_HELD_BYTES) -> None:
+        self._held = bytearray()
+        self._max_held = max_held
+        self._passthrough = False
+        #: How many events were removed; 1 for a well-behaved server.
+        self.removed = 0
+
+    @property
+    def gave_up(self) -> bool:
+        """True once an oversized partial event switched the filter to plain pass-through."""
+        return self._passthrough
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes to send now: everything up to the last complete event, minus usage events; may be empty."""
+        if self._passthrough:
+            return chunk
+        held = self._held
+        start = max(0, len(held) - _BOUNDARY_REACH)
+        held += chunk
+        cut = -1
+        for match in _BOUNDARY.finditer(held, start):
+            cut = match.end()
+        if cut < 0:
+            return self._give_up() if len(held) > self._max_held else b""
+        complete = bytes(held[:cut])
+        del held[:cut]
+        out = self._drop_usage(complete)
+        if len(held) > self._max_held:
+            return out + self._give_up()
+        return out
+
+    def flush(self) -> bytes:
+        """The held tail at stream end, unchanged: an event without its blank line is never dispatched."""
+        rest = bytes(self._held)
+        self._held.clear()
+        return rest
+
+    def _give_up(self) -> bytes:
+        self._passthrough = True
+        return self.flush()
+
+    def _drop_usage(self, complete: bytes) -> bytes:
+        # ``complete`` starts and ends on event boundaries, so its events are the blocks between matches.
+        if not _EMPTY_CHOICES.search(complete):
+            return complete
+        kept: list[bytes] = []
+        pos = 0
+        for match in _BOUNDARY.finditer(complete):
+            block = complete[pos : match.start()]
+            if _EMPTY_CHOICES.search(block) and _is_usage_event(block):
+                self.removed += 1
+            else:
+                kept.append(complete[pos : match.end()])
+            pos = match.end()
+        return b"".join(kept)

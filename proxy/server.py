@@ -1,0 +1,94 @@
+"""Running the proxy: bind both listeners, serve them with uvicorn in one event loop, stop cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Generator
+
+import uvicorn
+
+from proxy.app import AdminApp, create_app
+from proxy.settings import ConfigError, Settings
+from proxy.telemetry import setup
+
+log = logging.getLogger("llmtap")
+
+
+class _QuietTruncation(logging.Filter):
+    """The relay drops a client connection on purpose when the upstream broke mid-stream; it logs that itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "without completing response" not in record.getMessage()
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server whose signals are handled by the caller, so two servers share one shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind(host: str, port: int, what: str) -> socket.socket:
+    """A listening socket, or ``ConfigError`` naming the address when it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"{what} {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def uvicorn_config(app: object, settings: Settings, *, access_log: bool = False) -> uvicorn.Config:
+    """uvicorn settings shared by every listener: no Server or Date header of its own (the upstream's pass through)."""
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        log_level=settings.log_level,
+        access_log=access_log,
+        server_header=False,
+        date_header=False,
+        lifespan="on",
+        timeout_graceful_shutdown=30,
+        h11_max_incomplete_event_size=64 * 1024,
+    )
+
+
+async def serve(settings: Settings) -> None:
+    """Serve the proxy and the admin listener until SIGINT or SIGTERM."""
+    proxy_sock = bind(settings.host, settings.port, "proxy listener")
+    admin_sock = bind(settings.admin_host, settings.admin_port, "admin listener")
+    providers = setup.build(settings.telemetry)
+    app = create_app(settings, tracer_provider=providers.tracer_provider, meter_provider=providers.meter_provider)
+    admin = AdminApp(app, providers.prometheus)
+    logging.getLogger("uvicorn.error").addFilter(_QuietTruncation())
+    servers = [_Server(uvicorn_config(app, settings)), _Server(uvicorn_config(admin, settings))]
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        for server in servers:
+            server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    routes = ", ".join(f"{r.prefix} -> {r.upstream}" for r in settings.routes)
+    log.info(
+        "llmtap proxy on http://%s:%d (%s); admin on http://%s:%d",
+        settings.host,
+        proxy_sock.getsockname()[1],
+        routes,
+        settings.admin_host,
+        admin_sock.getsockname()[1],
+    )
+    try:
+        await asyncio.gather(servers[0].serve(sockets=[proxy_sock]), servers[1].serve(sockets=[admin_sock]))
+    finally:
+        await asyncio.to_thread(providers.shutdown)

@@ -1,0 +1,385 @@
+"""One frozen ``Settings``, built at the edge from flags, ``LLMTAP_*`` variables, a YAML file and ``OTEL_*``.
+
+Precedence: flags, then environment, then the file, then defaults. Anything wrong raises
+``ConfigError`` with a one-line message; the CLI turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+CHUNK_SPAN_MODES = ("spans", "events", "off")
+SEMCONV_LATEST = "gen_ai_latest_experimental"
+
+
+class ConfigError(ValueError):
+    """A configuration the proxy cannot run with; the message is one line, meant for the user."""
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """Service-level objectives in seconds; a request that meets all configured ones counts for goodput."""
+
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+
+    @property
+    def configured(self) -> bool:
+        """True when at least one objective is set."""
+        return any(v is not None for v in (self.ttft, self.tpot, self.e2e))
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Requests whose path starts with ``prefix`` go to ``upstream``, and nowhere else."""
+
+    prefix: str
+    upstream: str
+    name: str
+    provider: str | None = None
+    strip_prefix: bool = False
+
+    @property
+    def host(self) -> str:
+        """The upstream's host name."""
+        return urlsplit(self.upstream).hostname or ""
+
+    @property
+    def port(self) -> int:
+        """The upstream's port, explicit or by scheme."""
+        parts = urlsplit(self.upstream)
+        return parts.port or (443 if parts.scheme == "https" else 80)
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Upstream timeouts in seconds; ``read`` is also the longest silence allowed between two chunks."""
+
+    connect: float = 10.0
+    read: float = 600.0
+    write: float = 60.0
+    pool: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """Where telemetry goes and how much of it; mostly from the standard ``OTEL_*`` variables."""
+
+    sdk_disabled: bool = False
+    traces_exporter: str = "none"
+    metrics_exporter: str = "none"
+    traces_endpoint: str | None = None
+    metrics_endpoint: str | None = None
+    traces_protocol: str = "grpc"
+    metrics_protocol: str = "grpc"
+    traces_headers: Mapping[str, str] = field(default_factory=dict)
+    metrics_headers: Mapping[str, str] = field(default_factory=dict)
+    metric_export_interval_ms: int = 10_000
+    semconv_latest: bool = False
+    capture_content: bool = False
+    chunk_spans: str = "spans"
+    chunk_span_cap: int = 200
+    queue_size: int = 4096
+    prometheus: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the proxy needs to run; immutable, passed down by constructors."""
+
+    routes: tuple[Route, ...]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 9464
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    slo: SLO = field(default_factory=SLO)
+    inject_usage: bool = True
+    max_inspect_bytes: int = 8 * 1024 * 1024
+    max_connections: int = 1000
+    log_level: str = "info"
+
+
+# ----------------------------------------------------------------------------------------------
+# Building settings at the edge.
+
+_FILE_KEYS = {
+    "listen": {"host", "port"},
+    "admin": {"host", "port"},
+    "routes": None,
+    "timeouts": {"connect", "read", "write", "pool"},
+    "telemetry": {"chunk_spans", "chunk_span_cap", "queue_size", "prometheus"},
+    "slo": {"ttft_ms", "tpot_ms", "e2e_ms"},
+    "inject_usage": None,
+    "max_inspect_bytes": None,
+    "max_connections": None,
+    "log_level": None,
+    "upstream": None,
+    "provider": None,
+}
+_ROUTE_KEYS = {"prefix", "upstream", "provider", "strip_prefix", "name"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _bool(value: Any, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{what}: expected true or false, got {value!r}")
+
+
+def _number(value: Any, what: str, *, integer: bool = False, minimum: float = 0.0) -> float:
+    try:
+        number = int(value) if integer else float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: expected a number, got {value!r}") from None
+    if isinstance(value, bool) or number < minimum:
+        raise ConfigError(f"{what}: expected a number >= {minimum:g}, got {value!r}")
+    return number
+
+
+def _port(value: Any, what: str) -> int:
+    port = int(_number(value, what, integer=True))
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{what}: expected a port 0-65535, got {value!r}")
+    return port
+
+
+def check_url(url: Any, what: str) -> str:
+    """A normalized upstream base URL (http or https, a host, no query), else ``ConfigError``."""
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"{what}: expected a URL such as https://api.openai.com, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{what}: bad URL {url!r} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{what}: bad URL {url!r}: needs http:// or https:// and a host")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ConfigError(f"{what}: bad URL {url!r}: no query, fragment or credentials allowed")
+    del port
+    return url.rstrip("/")
+
+
+def _headers(text: str | None) -> dict[str, str]:
+    """``OTEL_EXPORTER_OTLP_HEADERS`` form: ``k1=v1,k2=v2`` with percent-encoded values."""
+    from urllib.parse import unquote
+
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"OTEL_EXPORTER_OTLP_HEADERS: bad entry {item.strip()!r}; expected key=value")
+        out[unquote(key.strip()).lower()] = unquote(value.strip())
+    return out
+
+
+def _otlp_endpoint(env: Mapping[str, str], signal: str) -> str | None:
+    """Signal endpoint as the OTLP exporter spec resolves it (signal-specific wins, base gets ``/v1/<signal>``)."""
+    specific = env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+    if specific:
+        return check_url(specific, f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if base:
+        return check_url(base, "OTEL_EXPORTER_OTLP_ENDPOINT")
+    return None
+
+
+def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] | None = None) -> Telemetry:
+    """The telemetry settings from ``OTEL_*`` (and the file's ``telemetry:`` section and ``LLMTAP_*``)."""
+    section = dict(file_section or {})
+    disabled = _bool(env.get("OTEL_SDK_DISABLED", "false"), "OTEL_SDK_DISABLED")
+    values: dict[str, Any] = {"sdk_disabled": disabled}
+    for signal in ("traces", "metrics"):
+        endpoint = _otlp_endpoint(env, signal)
+        exporter = env.get(f"OTEL_{signal.upper()}_EXPORTER", "").strip().lower()
+        if not exporter:
+            # With no endpoint anywhere, exporting to the SDK's default localhost:4317 would only log
+            # errors: stay quiet until the user names a backend. /metrics is always there.
+            exporter = "otlp" if endpoint else "none"
+        if exporter not in ("otlp", "console", "none"):
+            raise ConfigError(f"OTEL_{signal.upper()}_EXPORTER: {exporter!r} is not one of otlp, console, none")
+        protocol = (
+            env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+        ).strip()
+        if protocol not in ("grpc", "http/protobuf"):
+            raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r} is not one of grpc, http/protobuf")
+        headers = _headers(env.get("OTEL_EXPORTER_OTLP_HEADERS"))
+        headers.update(_headers(env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS")))
+        values[f"{signal}_exporter"] = "none" if disabled else exporter
+        values[f"{signal}_endpoint"] = endpoint
+        values[f"{signal}_protocol"] = protocol
+        values[f"{signal}_headers"] = headers
+    values["metric_export_interval_ms"] = int(
+        _number(env.get("OTEL_METRIC_EXPORT_INTERVAL", 10_000), "OTEL_METRIC_EXPORT_INTERVAL", integer=True, minimum=1)
+    )
+    opt_in = {v.strip() for v in env.get("OTEL_SEMCONV_STABILITY_OPT_IN", "").split(",")}
+    values["semconv_latest"] = SEMCONV_LATEST in opt_in
+    capture = env.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "").strip().upper()
+    values["capture_content"] = capture in ("TRUE", "1", "SPAN_ONLY", "SPAN_AND_EVENT", "EVENT_ONLY")
+    chunk_spans = env.get("LLMTAP_CHUNK_SPANS", section.get("chunk_spans", "spans"))
+    if chunk_spans not in CHUNK_SPAN_MODES:
+        raise ConfigError(f"chunk_spans: {chunk_spans!r} is not one of {', '.join(CHUNK_SPAN_MODES)}")
+    values["chunk_spans"] = chunk_spans
+    cap = env.get("LLMTAP_CHUNK_SPAN_CAP", section.get("chunk_span_cap", 200))
+    values["chunk_span_cap"] = int(_number(cap, "chunk_span_cap", integer=True, minimum=1))
+    qsize = env.get("LLMTAP_TELEMETRY_QUEUE", section.get("queue_size", 4096))
+    values["queue_size"] = int(_number(qsize, "queue_size", integer=True, minimum=1))
+    values["prometheus"] = _bool(env.get("LLMTAP_PROMETHEUS", section.get("prometheus", True)), "prometheus")
+    return Telemetry(**values)
+
+
+def _route(raw: Any, index: int, default_provider: str | None) -> Route:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"routes[{index}]: expected a mapping with prefix and upstream")
+    unknown = set(raw) - _ROUTE_KEYS
+    if unknown:
+        raise ConfigError(
+            f"routes[{index}]: unknown key {sorted(unknown)[0]!r}; known: {', '.join(sorted(_ROUTE_KEYS))}"
+        )
+    prefix = str(raw.get("prefix", "/"))
+    if not prefix.startswith("/"):
+        raise ConfigError(f"routes[{index}].prefix: must start with '/', got {prefix!r}")
+    upstream = check_url(raw.get("upstream"), f"routes[{index}].upstream")
+    name = str(raw.get("name") or (prefix.strip("/") or "default"))
+    provider = raw.get("provider", default_provider)
+    strip = _bool(raw.get("strip_prefix", False), f"routes[{index}].strip_prefix")
+    return Route(prefix=prefix.rstrip("/") or "/", upstream=upstream, name=name, provider=provider, strip_prefix=strip)
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read and shape-check a YAML config file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {str(path)!r}: invalid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
+    for key, value in data.items():
+        if key not in _FILE_KEYS:
+            raise ConfigError(f"config file: unknown key {key!r}; known: {', '.join(sorted(_FILE_KEYS))}")
+        allowed = _FILE_KEYS[key]
+        if allowed is not None:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config file: {key!r} must be a mapping")
+            extra = set(value) - allowed
+            if extra:
+                raise ConfigError(
+                    f"config file: unknown key {key}.{sorted(extra)[0]}; known: {', '.join(sorted(allowed))}"
+                )
+    return data
+
+
+def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
+    """Settings from parsed CLI flags (``None`` means not given), the environment and the config file."""
+    env = os.environ if env is None else env
+
+    def pick(flag: str, env_name: str, file_value: Any, default: Any) -> Any:
+        value = flags.get(flag)
+        if value is not None:
+            return value
+        if env_name in env and env[env_name] != "":
+            return env[env_name]
+        return default if file_value is None else file_value
+
+    config_path = flags.get("config") or env.get("LLMTAP_CONFIG")
+    data = load_file(config_path) if config_path else {}
+    listen, admin = data.get("listen", {}), data.get("admin", {})
+    provider = pick("provider", "LLMTAP_PROVIDER", data.get("provider"), None)
+
+    upstream = pick("upstream", "LLMTAP_UPSTREAM", data.get("upstream"), None)
+    routes: list[Route] = []
+    raw_routes = data.get("routes") or []
+    if not isinstance(raw_routes, list):
+        raise ConfigError("config file: 'routes' must be a list")
+    routes.extend(_route(raw, i, provider) for i, raw in enumerate(raw_routes))
+    if upstream is not None:
+        routes = [r for r in routes if r.prefix != "/"]
+        routes.append(_route({"prefix": "/", "upstream": upstream, "name": "default"}, len(routes), provider))
+    if not routes:
+        raise ConfigError("no upstream: pass --upstream URL, set LLMTAP_UPSTREAM, or give routes in --config FILE")
+    prefixes = [r.prefix for r in routes]
+    if len(set(prefixes)) != len(prefixes):
+        raise ConfigError("routes: two routes share one prefix")
+    # Longest prefix first, so /openai/v1 wins over /openai.
+    routes.sort(key=lambda r: len(r.prefix), reverse=True)
+
+    slo_file = data.get("slo", {})
+
+    def slo_value(flag: str, env_name: str, key: str) -> float | None:
+        value = pick(flag, env_name, slo_file.get(key), None)
+        return None if value is None else _number(value, key) / 1000.0
+
+    timeouts_file = data.get("timeouts", {})
+    tdefault = Timeouts()
+    timeouts = Timeouts(
+        connect=_number(
+            pick("connect_timeout", "LLMTAP_CONNECT_TIMEOUT", timeouts_file.get("connect"), tdefault.connect),
+            "connect timeout",
+        ),
+        read=_number(
+            pick("read_timeout", "LLMTAP_READ_TIMEOUT", timeouts_file.get("read"), tdefault.read), "read timeout"
+        ),
+        write=_number(timeouts_file.get("write", tdefault.write), "write timeout"),
+        pool=_number(timeouts_file.get("pool", tdefault.pool), "pool timeout"),
+    )
+    telemetry_env = dict(env)
+    if flags.get("chunk_spans") is not None:
+        telemetry_env["LLMTAP_CHUNK_SPANS"] = str(flags["chunk_spans"])
+    level = str(pick("log_level", "LLMTAP_LOG_LEVEL", data.get("log_level"), "info")).lower()
+    if level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"log level: {level!r} is not one of debug, info, warning, error")
+    return Settings(
+        routes=tuple(routes),
+        host=str(pick("host", "LLMTAP_HOST", listen.get("host"), "127.0.0.1")),
+        port=_port(pick("port", "LLMTAP_PORT", listen.get("port"), 8080), "port"),
+        admin_host=str(pick("admin_host", "LLMTAP_ADMIN_HOST", admin.get("host"), "127.0.0.1")),
+        admin_port=_port(pick("admin_port", "LLMTAP_ADMIN_PORT", admin.get("port"), 9464), "admin port"),
+        timeouts=timeouts,
+        telemetry=telemetry_from_env(telemetry_env, data.get("telemetry")),
+        slo=SLO(
+            ttft=slo_value("slo_ttft_ms", "LLMTAP_SLO_TTFT_MS", "ttft_ms"),
+            tpot=slo_value("slo_tpot_ms", "LLMTAP_SLO_TPOT_MS", "tpot_ms"),
+            e2e=slo_value("slo_e2e_ms", "LLMTAP_SLO_E2E_MS", "e2e_ms"),
+        ),
+        inject_usage=_bool(pick("inject_usage", "LLMTAP_INJECT_USAGE", data.get("inject_usage"), True), "inject_usage"),
+        max_inspect_bytes=int(
+            _number(
+                pick("max_inspect_bytes", "LLMTAP_MAX_INSPECT_BYTES", data.get("max_inspect_bytes"), 8 << 20),
+                "max_inspect_bytes",
+                integer=True,
+            )
+        ),
+        max_connections=int(
+            _number(
+                pick("max_connections", "LLMTAP_MAX_CONNECTIONS", data.get("max_connections"), 1000),
+                "max_connections",
+                integer=True,
+                minimum=1,
+            )
+        ),
+        log_level=level,
+    )

@@ -1,0 +1,69 @@
+"""Serving the simulator with uvicorn: in the foreground, or in a background thread for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import uvicorn
+
+from proxy.simulator.app import create_app
+from proxy.simulator.profiles import Profile
+
+
+def _config(app: Any, **kwargs: Any) -> uvicorn.Config:
+    # No lifespan or websockets to set up; access logs would cost more than the simulated work at
+    # benchmark rates. Open streams get a short grace period on shutdown, not the whole answer.
+    return uvicorn.Config(app, lifespan="off", ws="none", access_log=False, timeout_graceful_shutdown=2, **kwargs)
+
+
+async def serve(host: str, port: int, profile: Profile) -> None:
+    """Serve the simulator on ``host:port`` until the process is told to stop."""
+    await uvicorn.Server(_config(create_app(profile), host=host, port=port, log_level="info")).serve()
+
+
+class Background(NamedTuple):
+    """A simulator running in a thread: its base URL and how to stop it."""
+
+    url: str
+    stop: Callable[[], None]
+
+
+def run_in_thread(
+    profile: Profile,
+    *,
+    host: str = "127.0.0.1",
+    seed: int | None = None,
+    clock: Callable[[], float] = time.time,
+    timeout: float = 10.0,
+) -> Background:
+    """Start the simulator on a free port in a daemon thread; returns once it accepts connections."""
+    # Binding the socket here, not in uvicorn, gives the port before the thread starts and no race.
+    # proto must say TCP: asyncio sets TCP_NODELAY on accepted sockets only then, and without it
+    # Nagle holds each small SSE write until the client's delayed ACK, 40 ms later.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(_config(create_app(profile, seed=seed, clock=clock), log_level="warning"))
+    thread = threading.Thread(
+        target=lambda: asyncio.run(server.serve(sockets=[sock])), name=f"llmtap-sim-{port}", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            sock.close()
+            raise RuntimeError(f"the simulator did not start on {host}:{port}")
+        time.sleep(0.005)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
+
+    return Background(f"http://{host}:{port}", stop)

@@ -1,0 +1,177 @@
+"""Derived figures of one request (TTFT, chunk gaps, TPOT, tokens and their sources, SLO outcome).
+
+Pure functions over a finished ``Timeline``; the recorder, the demo and request records all read the
+same ``Summary``, so every consumer agrees on what TTFT or TPOT means (DESIGN, "Timing definitions").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proxy import tokens
+from proxy.settings import SLO
+from proxy.timeline import OK, Timeline
+
+USAGE = "usage"
+PROXY = "proxy"
+SERVER = "server"
+# Prefill when the server says nothing: request sent upstream to first content chunk. It includes any
+# queueing inside the server, and says so.
+UPSTREAM_TTFT = "upstream_ttft"
+
+_SIZE_CLASSES = ((256, "le_256"), (1024, "le_1k"), (4096, "le_4k"), (16384, "le_16k"), (65536, "le_64k"))
+
+
+@dataclass(slots=True)
+class Summary:
+    """Every figure the telemetry reports about one request, in seconds and tokens."""
+
+    ttft: float | None = None
+    ttfb: float | None = None
+    upstream_ttft: float | None = None
+    e2e: float | None = None
+    decode: float | None = None
+    tpot: float | None = None
+    queue: float | None = None
+    queue_source: str = PROXY
+    prefill: float | None = None
+    prefill_source: str = UPSTREAM_TTFT
+    gaps: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    chunk_tokens_source: str = ""
+    input_tokens: int | None = None
+    input_source: str = ""
+    output_tokens: int | None = None
+    output_source: str = ""
+    cache_read_tokens: int | None = None
+    cache_write_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    input_drift: float | None = None
+    output_drift: float | None = None
+    input_size: str = "unknown"
+    slo: str = "none"
+
+    @property
+    def itl_per_token(self) -> list[float]:
+        """Each chunk gap divided over the tokens its chunk carried, one sample per token."""
+        out: list[float] = []
+        for gap, n in zip(self.gaps, self.chunk_tokens[1:], strict=False):
+            if n > 0:
+                out.extend([gap / n] * n)
+        return out
+
+
+def input_size_class(n: int | None) -> str:
+    """A bounded label for the prompt's size: the request shape metrics are split by."""
+    if n is None:
+        return "unknown"
+    for limit, label in _SIZE_CLASSES:
+        if n <= limit:
+            return label
+    return "gt_64k"
+
+
+def apportion(total: int, weights: list[int]) -> list[int]:
+    """Split ``total`` tokens over chunks in proportion to ``weights`` (largest remainder), >= 1 each if possible."""
+    k = len(weights)
+    if k == 0:
+        return []
+    if total >= k:
+        base = [1] * k
+        rest = total - k
+        w = [max(x - 1, 0) for x in weights]
+    else:
+        base = [0] * k
+        rest = total
+        w = list(weights)
+    wsum = sum(w)
+    if rest == 0:
+        return base
+    if wsum == 0:
+        w, wsum = [1] * k, k
+    shares = [rest * x / wsum for x in w]
+    floors = [int(s) for s in shares]
+    left = rest - sum(floors)
+    order = sorted(range(k), key=lambda i: shares[i] - floors[i], reverse=True)
+    for i in order[:left]:
+        floors[i] += 1
+    return [b + f for b, f in zip(base, floors, strict=True)]
+
+
+def _drift(counted: int, reported: int | None) -> float | None:
+    if reported is None or reported <= 0:
+        return None
+    return (counted - reported) / reported
+
+
+def summarize(tl: Timeline, slo: SLO | None = None) -> Summary:
+    """Compute the summary; counts tokens with tiktoken, so call it off the event loop."""
+    s = Summary()
+    if tl.first_content is not None:
+        s.ttft = tl.first_content - tl.received
+        if tl.sent is not None:
+            s.upstream_ttft = tl.first_content - tl.sent
+    if tl.first_byte is not None:
+        s.ttfb = tl.first_byte - tl.received
+    if tl.end is not None:
+        s.e2e = tl.end - tl.received
+    times = tl.chunk_times
+    s.gaps = [times[i] - times[i - 1] for i in range(1, len(times))]
+    if tl.first_content is not None and tl.last_content is not None:
+        s.decode = tl.last_content - tl.first_content
+
+    # Phases: server-reported first, then what the proxy measured itself.
+    st = tl.server_timing
+    if st is not None and st.queue is not None:
+        s.queue, s.queue_source = st.queue, SERVER
+    elif tl.admitted is not None and tl.body_read is not None:
+        s.queue, s.queue_source = max(tl.admitted - tl.body_read, 0.0), PROXY
+    if st is not None and st.prefill is not None:
+        s.prefill, s.prefill_source = st.prefill, SERVER
+    elif s.upstream_ttft is not None:
+        s.prefill, s.prefill_source = s.upstream_ttft, UPSTREAM_TTFT
+
+    # Tokens: upstream usage is the truth; tiktoken fills in what it cannot tell.
+    req = tl.request
+    enc = tokens.encoding_for_model(tl.response_model or (req.model if req else None))
+    src = tokens.source(enc)
+    counted_chunks = [tokens.count(t, enc) for t in tl.chunk_texts]
+    counted_out = tokens.count("".join(tl.chunk_texts), enc) if tl.chunk_texts else 0
+    usage = tl.usage
+    if usage is not None and usage.output_tokens is not None:
+        s.output_tokens, s.output_source = usage.output_tokens, USAGE
+        s.output_drift = _drift(counted_out, usage.output_tokens) if tl.chunk_texts else None
+        s.chunk_tokens = apportion(usage.output_tokens, counted_chunks)
+        s.chunk_tokens_source = f"{USAGE}+{src}"
+    elif tl.chunk_texts or tl.outcome == OK:
+        s.output_tokens, s.output_source = counted_out, src
+        s.chunk_tokens, s.chunk_tokens_source = counted_chunks, src
+    prompt = req.prompt_text if req else ""
+    if usage is not None and usage.input_tokens is not None:
+        s.input_tokens, s.input_source = usage.input_tokens, USAGE
+        if prompt:
+            s.input_drift = _drift(tokens.count(prompt, enc), usage.input_tokens)
+    elif prompt:
+        s.input_tokens, s.input_source = tokens.count(prompt, enc), src
+    if usage is not None:
+        s.cache_read_tokens = usage.cache_read_tokens
+        s.cache_write_tokens = usage.cache_write_tokens
+        s.reasoning_tokens = usage.reasoning_tokens
+    s.input_size = input_size_class(s.input_tokens)
+    if s.output_tokens is not None and s.output_tokens > 1 and s.decode is not None:
+        s.tpot = s.decode / (s.output_tokens - 1)
+    s.slo = slo_outcome(tl, s, slo)
+    return s
+
+
+def slo_outcome(tl: Timeline, s: Summary, slo: SLO | None) -> str:
+    """``met`` when every configured SLO holds, ``missed`` otherwise (errors and cancellations miss)."""
+    if slo is None or not slo.configured:
+        return "none"
+    if tl.outcome != OK:
+        return "missed"
+    checks = ((slo.ttft, s.ttft), (slo.tpot, s.tpot if s.tpot is not None else 0.0), (slo.e2e, s.e2e))
+    for limit, value in checks:
+        if limit is not None and (value is None or value > limit):
+            return "missed"
+    return "met"

@@ -1,0 +1,1 @@
+"""Telemetry: the only package that imports OpenTelemetry."""

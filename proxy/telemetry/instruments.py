@@ -1,0 +1,153 @@
+"""The metric instruments: names from ``semconv``, units, descriptions and bucket boundaries.
+
+Bucket choice: the conventions' advisory buckets double at each step (0.01, 0.02, 0.04, ...), so a
+p95 read back from a backend can be off by a third. llmtap's duration buckets grow by 2^(1/8)
+(about 9%) from 1 ms to about 131 s, so ``histogram_quantile`` lands within 10% of the exact value
+wherever the data is; token buckets grow by 2^(1/4). See gen-ai-metrics.md (v1.41.1) for the advisory
+buckets this replaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opentelemetry.metrics import Counter, Histogram, Meter, UpDownCounter
+
+from proxy.telemetry import semconv as sc
+
+#: 1 ms to ~131 s in steps of 2^(1/8).
+DURATION_BUCKETS: tuple[float, ...] = tuple(round(0.001 * 2 ** (i / 8), 7) for i in range(137))
+#: 1 to ~2M tokens in steps of 2^(1/4), rounded to distinct integers.
+TOKEN_BUCKETS: tuple[float, ...] = tuple(sorted({float(round(2 ** (i / 4))) for i in range(85)}))
+#: Size of the relative drift between tiktoken and reported usage (its sign is an attribute).
+DRIFT_BUCKETS: tuple[float, ...] = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+@dataclass(slots=True)
+class Instruments:
+    """Every instrument the recorder writes to, created once per meter."""
+
+    names: sc.MetricNames
+    operation_duration: Histogram
+    time_to_first_chunk: Histogram
+    time_per_output_chunk: Histogram
+    token_usage: Histogram | None
+    input_tokens_counter: Counter | None
+    output_tokens_counter: Counter | None
+    cache_read_counter: Counter | None
+    cache_write_counter: Counter | None
+    input_tokens_histogram: Histogram | None
+    output_tokens_histogram: Histogram | None
+    server_ttft: Histogram
+    server_tpot: Histogram
+    server_duration: Histogram
+    ttfb: Histogram
+    upstream_ttft: Histogram
+    itl: Histogram
+    queue: Histogram
+    prefill: Histogram
+    decode: Histogram
+    cache_read: Counter
+    cache_write: Counter
+    input_tokens: Counter
+    output_tokens: Counter
+    requests: Counter
+    active_streams: UpDownCounter
+    overhead: Histogram
+    drift: Histogram
+    telemetry_dropped: Counter
+    malformed: Counter
+
+
+def _seconds(meter: Meter, name: str, description: str) -> Histogram:
+    return meter.create_histogram(
+        name, unit="s", description=description, explicit_bucket_boundaries_advisory=DURATION_BUCKETS
+    )
+
+
+def _tokens(meter: Meter, name: str, description: str) -> Histogram:
+    return meter.create_histogram(
+        name, unit="{token}", description=description, explicit_bucket_boundaries_advisory=TOKEN_BUCKETS
+    )
+
+
+def create(meter: Meter, *, latest: bool) -> Instruments:
+    """Create the instruments, with the latest experimental GenAI names when ``latest``."""
+    names = sc.LATEST if latest else sc.RELEASED
+
+    def counter(name: str | None, description: str) -> Counter | None:
+        return None if name is None else meter.create_counter(name, unit="{token}", description=description)
+
+    return Instruments(
+        names=names,
+        operation_duration=_seconds(meter, names.operation_duration, "Request received by the proxy to stream end."),
+        time_to_first_chunk=_seconds(
+            meter,
+            names.time_to_first_chunk,
+            "Request received to the first chunk carrying generated content (streaming).",
+        ),
+        time_per_output_chunk=_seconds(
+            meter, names.time_per_output_chunk, "End of the previous content chunk to the end of this one (streaming)."
+        ),
+        token_usage=None
+        if names.token_usage is None
+        else _tokens(meter, names.token_usage, "Tokens used, by gen_ai.token.type."),
+        input_tokens_counter=counter(names.input_tokens_counter, "Input tokens, cached included."),
+        output_tokens_counter=counter(names.output_tokens_counter, "Output tokens, reasoning included."),
+        cache_read_counter=counter(names.cache_read_counter, "Input tokens read from the provider's prompt cache."),
+        cache_write_counter=counter(names.cache_write_counter, "Input tokens written to the provider's prompt cache."),
+        input_tokens_histogram=None
+        if names.input_tokens_histogram is None
+        else _tokens(meter, names.input_tokens_histogram, "Input tokens per request."),
+        output_tokens_histogram=None
+        if names.output_tokens_histogram is None
+        else _tokens(meter, names.output_tokens_histogram, "Output tokens per request."),
+        server_ttft=_seconds(
+            meter, sc.SERVER_TIME_TO_FIRST_TOKEN, "Time to first token, as the proxy saw it (successful requests)."
+        ),
+        server_tpot=_seconds(
+            meter, sc.SERVER_TIME_PER_OUTPUT_TOKEN, "(last content chunk - first content chunk) / (output tokens - 1)."
+        ),
+        server_duration=_seconds(meter, sc.SERVER_REQUEST_DURATION, "Time to last byte of the response."),
+        ttfb=_seconds(meter, sc.METRIC_TTFB, "Request received to the first response body byte."),
+        upstream_ttft=_seconds(meter, sc.METRIC_UPSTREAM_TTFT, "Request sent upstream to the first content chunk."),
+        itl=_seconds(
+            meter, sc.METRIC_ITL, "A chunk gap divided over the tokens its chunk carried; one sample per token."
+        ),
+        queue=_seconds(meter, sc.METRIC_QUEUE, "Time queued before the model starts reading, by llmtap.queue.source."),
+        prefill=_seconds(meter, sc.METRIC_PREFILL, "Time reading the prompt, by llmtap.prefill.source."),
+        decode=_seconds(meter, sc.METRIC_DECODE, "First content chunk to last content chunk."),
+        cache_read=meter.create_counter(
+            sc.METRIC_CACHE_READ, unit="{token}", description="Input tokens read from the prompt cache."
+        ),
+        cache_write=meter.create_counter(
+            sc.METRIC_CACHE_WRITE, unit="{token}", description="Input tokens written to the prompt cache."
+        ),
+        input_tokens=meter.create_counter(
+            sc.METRIC_INPUT_TOKENS, unit="{token}", description="Input tokens, by source."
+        ),
+        output_tokens=meter.create_counter(
+            sc.METRIC_OUTPUT_TOKENS, unit="{token}", description="Output tokens, by source."
+        ),
+        requests=meter.create_counter(
+            sc.METRIC_REQUESTS, unit="{request}", description="Finished requests, by llmtap.outcome and llmtap.slo."
+        ),
+        active_streams=meter.create_up_down_counter(
+            sc.METRIC_ACTIVE_STREAMS, unit="{request}", description="Requests in flight through the proxy."
+        ),
+        overhead=_seconds(meter, sc.METRIC_OVERHEAD, "Time the proxy itself spent before the request went upstream."),
+        drift=meter.create_histogram(
+            sc.METRIC_TOKEN_DRIFT,
+            unit="1",
+            description="|tiktoken count - reported usage| / reported usage, by gen_ai.token.type and direction.",
+            explicit_bucket_boundaries_advisory=DRIFT_BUCKETS,
+        ),
+        telemetry_dropped=meter.create_counter(
+            sc.METRIC_TELEMETRY_DROPPED, unit="{item}", description="Telemetry dropped, by llmtap.telemetry.reason."
+        ),
+        malformed=meter.create_counter(
+            sc.METRIC_MALFORMED,
+            unit="{event}",
+            description="Stream events the proxy could not parse (relayed unchanged).",
+        ),
+    )

@@ -1,0 +1,131 @@
+"""Prometheus text exposition of the proxy's own metrics, from a pull-based OpenTelemetry reader.
+
+A reader of our own rather than the global ``prometheus_client`` registry: several apps (tests, the
+demo) can live in one process, and nothing global is touched. Names follow the OpenTelemetry to
+Prometheus compatibility rules: dots become underscores, ``s`` adds ``_seconds``, counters get
+``_total``, and units in braces (``{token}``) are annotations that add nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from opentelemetry.sdk.metrics import Counter, Histogram, ObservableCounter, UpDownCounter
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    Gauge,
+    Histogram as HistogramData,
+    MetricReader,
+    MetricsData,
+    Sum,
+)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_INVALID = re.compile(r"[^a-zA-Z0-9_:]")
+_UNITS = {"s": "seconds", "ms": "milliseconds", "By": "bytes", "1": "ratio"}
+
+
+class PrometheusReader(MetricReader):
+    """Collects on demand and renders the Prometheus text format."""
+
+    def __init__(self) -> None:
+        cumulative = AggregationTemporality.CUMULATIVE
+        super().__init__(
+            preferred_temporality={
+                Counter: cumulative,
+                UpDownCounter: cumulative,
+                Histogram: cumulative,
+                ObservableCounter: cumulative,
+            }
+        )
+        self._latest: MetricsData | None = None
+
+    def _receive_metrics(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> None:
+        self._latest = metrics_data
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        """Nothing to release."""
+
+    def render(self) -> str:
+        """Collect now and return the exposition text."""
+        self._latest = None
+        self.collect()
+        return render(self._latest)
+
+
+def metric_name(name: str, unit: str, *, counter: bool = False) -> str:
+    """The Prometheus name of an OpenTelemetry metric."""
+    out = _INVALID.sub("_", name)
+    suffix = _UNITS.get(unit) if unit and not unit.startswith("{") else None
+    if suffix is None and unit and not unit.startswith("{"):
+        suffix = _INVALID.sub("_", unit)
+    if suffix and not out.endswith("_" + suffix):
+        out += "_" + suffix
+    if counter and not out.endswith("_total"):
+        out += "_total"
+    return out
+
+
+def _label_value(value: Any) -> str:
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, list | tuple):
+        text = ",".join(str(v) for v in value)
+    else:
+        text = str(value)
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(attrs: Any, extra: tuple[str, str] | None = None) -> str:
+    parts = [f'{_INVALID.sub("_", str(k))}="{_label_value(v)}"' for k, v in sorted((attrs or {}).items())]
+    if extra is not None:
+        parts.append(f'{extra[0]}="{extra[1]}"')
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+def render(data: MetricsData | None) -> str:
+    """Prometheus text for one collection."""
+    lines: list[str] = []
+    if data is None:
+        return "# no metrics (OpenTelemetry SDK disabled or nothing recorded yet)\n"
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                points = metric.data
+                help_text = (metric.description or metric.name).replace("\\", "\\\\").replace("\n", " ")
+                if isinstance(points, HistogramData):
+                    name = metric_name(metric.name, metric.unit or "")
+                    lines.append(f"# HELP {name} {help_text}")
+                    lines.append(f"# TYPE {name} histogram")
+                    for p in points.data_points:
+                        running = 0
+                        for bound, count in zip(p.explicit_bounds, p.bucket_counts, strict=False):
+                            running += count
+                            lines.append(f"{name}_bucket{_labels(p.attributes, ('le', _number(bound)))} {running}")
+                        lines.append(f"{name}_bucket{_labels(p.attributes, ('le', '+Inf'))} {p.count}")
+                        lines.append(f"{name}_sum{_labels(p.attributes)} {_number(p.sum)}")
+                        lines.append(f"{name}_count{_labels(p.attributes)} {p.count}")
+                elif isinstance(points, Sum):
+                    counter = points.is_monotonic
+                    name = metric_name(metric.name, metric.unit or "", counter=counter)
+                    lines.append(f"# HELP {name} {help_text}")
+                    lines.append(f"# TYPE {name} {'counter' if counter else 'gauge'}")
+                    for sp in points.data_points:
+                        lines.append(f"{name}{_labels(sp.attributes)} {_number(sp.value)}")
+                elif isinstance(points, Gauge):
+                    name = metric_name(metric.name, metric.unit or "")
+                    lines.append(f"# HELP {name} {help_text}")
+                    lines.append(f"# TYPE {name} gauge")
+                    for gp in points.data_points:
+                        lines.append(f"{name}{_labels(gp.attributes)} {_number(gp.value)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,460 @@
+"""The only code that turns a finished request into spans, metrics and record lines.
+
+The relay calls ``start`` once when a request arrives (the root span must exist then, so its context
+can go upstream as ``traceparent``) and ``finish`` once when the stream ends. ``finish`` only queues
+the timeline: a worker thread summarizes it (tiktoken counting included) and records everything,
+so no telemetry work runs on the event loop between chunks, and a failure here never reaches a
+client's stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry import context as otel_context, trace
+from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
+from opentelemetry.trace import NoOpTracerProvider, Span, SpanKind, Status, StatusCode, TracerProvider
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from proxy.settings import Settings
+from proxy.summary import Summary, summarize
+from proxy.telemetry import semconv as sc
+from proxy.telemetry.instruments import Instruments, create
+from proxy.timeline import CANCELLED, OK, Timeline
+
+log = logging.getLogger("llmtap.telemetry")
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_STOP = object()
+_CONTENT_CAP = 16 * 1024
+
+
+class BoundedValues:
+    """Keeps the first ``limit`` distinct values of a metric attribute; later ones become ``_OTHER``.
+
+    Model names come from clients; without a bound, a client could create unbounded time series.
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self._limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        with self._lock:
+            if len(self._seen) < self._limit:
+                self._seen.add(value)
+                return value
+        return "_OTHER"
+
+
+class TraceHandle:
+    """The root span of one request, opaque to the relay."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+
+
+class Recorder:
+    """Turns timelines into telemetry; one per app."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+    ) -> None:
+        self.settings = settings
+        self._tracer = (tracer_provider or NoOpTracerProvider()).get_tracer("llmtap")
+        meter = (meter_provider or NoOpMeterProvider()).get_meter("llmtap")
+        self.instruments: Instruments = create(meter, latest=settings.telemetry.semconv_latest)
+        self._models = BoundedValues()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.telemetry.queue_size)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.recorded = 0
+        self.failed = 0
+        self.dropped = 0
+
+    # -- called on the event loop -------------------------------------------------------------
+
+    def start(self, tl: Timeline, incoming: Mapping[str, str]) -> tuple[TraceHandle | None, dict[str, str]]:
+        """Open the root span (child of the client's ``traceparent``); return it and the headers to send upstream."""
+        try:
+            parent = _PROPAGATOR.extract(incoming)
+            span = self._tracer.start_span(
+                root_name(tl),
+                context=parent,
+                kind=SpanKind.CLIENT,
+                attributes=start_attributes(tl),
+                start_time=tl.received_wall_ns,
+            )
+            carrier: dict[str, str] = {}
+            _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span, otel_context.Context()))
+            ctx = span.get_span_context()
+            if ctx.is_valid:
+                tl.trace_id = format(ctx.trace_id, "032x")
+                tl.span_id = format(ctx.span_id, "016x")
+            self.instruments.active_streams.add(1, {sc.ROUTE: tl.route})
+            return TraceHandle(span), carrier
+        except Exception:
+            log.exception("telemetry: could not start the request span")
+            return None, {}
+
+    def finish(self, tl: Timeline, handle: TraceHandle | None) -> None:
+        """Hand the finished timeline to the worker; never blocks, never raises."""
+        try:
+            self._ensure_worker()
+            self._queue.put_nowait((tl, handle))
+        except queue.Full:
+            self.dropped += 1
+            log.debug("telemetry queue full: dropped the record of %s %s", tl.method, tl.path)
+            try:
+                self.instruments.telemetry_dropped.add(1, {sc.TELEMETRY_REASON: "queue_full"})
+                self.instruments.active_streams.add(-1, {sc.ROUTE: tl.route})
+            except Exception:
+                log.debug("telemetry: could not count a drop", exc_info=True)
+        except Exception:
+            log.exception("telemetry: could not queue a request record")
+
+    # -- the worker --------------------------------------------------------------------------
+
+    def _ensure_worker(self) -> None:
+        if self._thread is not None:
+            return
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="llmtap-recorder", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            if isinstance(item, _Marker):
+                item.event.set()
+                continue
+            tl, handle = item
+            try:
+                self.record(tl, handle)
+                self.recorded += 1
+            except Exception:
+                self.failed += 1
+                log.exception("telemetry: could not record %s %s", tl.method, tl.path)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every queued record is written; True when the queue drained in time."""
+        if self._thread is None:
+            return True
+        done = threading.Event()
+        try:
+            self._queue.put(_Marker(done), timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Drain the queue and stop the worker."""
+        if self._thread is None:
+            return
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            log.warning("telemetry: queue still full at shutdown; some records are lost")
+            return
+        self._thread.join(timeout)
+
+    # -- mapping a timeline to telemetry -------------------------------------------------------
+
+    def record(self, tl: Timeline, handle: TraceHandle | None) -> Summary:
+        """Write spans and metrics for one finished request (runs on the worker thread)."""
+        s = summarize(tl, self.settings.slo)
+        self.instruments.active_streams.add(-1, {sc.ROUTE: tl.route})
+        if handle is not None:
+            self._spans(tl, s, handle.span)
+        if tl.protocol is not None:
+            self._metrics(tl, s)
+        return s
+
+    def _spans(self, tl: Timeline, s: Summary, root: Span) -> None:
+        end = tl.end if tl.end is not None else tl.received
+        if tl.protocol is not None:
+            root.set_attributes(end_attributes(tl, s, capture=self.settings.telemetry.capture_content))
+        if tl.status_code is not None:
+            root.set_attribute(sc.HTTP_STATUS, tl.status_code)
+        if tl.outcome != OK:
+            root.set_attribute(sc.ERROR_TYPE, tl.error_type or "_OTHER")
+            root.set_status(Status(StatusCode.ERROR, tl.error_message or tl.error_type))
+        if tl.protocol is not None:
+            ctx = trace.set_span_in_context(root, otel_context.Context())
+            self._phase_spans(tl, s, ctx)
+        root.end(end_time=tl.wall_ns(end))
+
+    def _phase_spans(self, tl: Timeline, s: Summary, ctx: otel_context.Context) -> None:
+        tracer = self._tracer
+        queue_end = tl.admitted if tl.admitted is not None else tl.body_read
+        if queue_end is not None:
+            span = tracer.start_span(sc.SPAN_QUEUE, context=ctx, start_time=tl.wall_ns(tl.received))
+            span.set_attributes({sc.QUEUE_DURATION: s.queue or 0.0, sc.QUEUE_SOURCE: s.queue_source})
+            span.end(end_time=tl.wall_ns(queue_end))
+        start = tl.sent if tl.sent is not None else queue_end
+        if start is not None and tl.first_content is not None:
+            span = tracer.start_span(sc.SPAN_PREFILL, context=ctx, start_time=tl.wall_ns(start))
+            attrs: dict[str, Any] = {sc.PREFILL_SOURCE: s.prefill_source}
+            if s.prefill is not None:
+                attrs[sc.PREFILL_DURATION] = s.prefill
+            if s.input_tokens is not None:
+                attrs[sc.USAGE_INPUT_TOKENS] = s.input_tokens
+                attrs[sc.UNCACHED_INPUT_TOKENS] = s.input_tokens - (s.cache_read_tokens or 0)
+            if s.cache_read_tokens is not None:
+                attrs[sc.USAGE_CACHE_READ] = s.cache_read_tokens
+            span.set_attributes(attrs)
+            span.end(end_time=tl.wall_ns(tl.first_content))
+        if tl.first_content is None or tl.last_content is None:
+            return
+        decode = tracer.start_span(sc.SPAN_DECODE, context=ctx, start_time=tl.wall_ns(tl.first_content))
+        attrs = {sc.CHUNK_COUNT: len(tl.chunk_times), sc.DECODE_DURATION: s.decode or 0.0}
+        if s.output_tokens is not None:
+            attrs[sc.USAGE_OUTPUT_TOKENS] = s.output_tokens
+        if s.tpot is not None:
+            attrs[sc.TPOT] = s.tpot
+        decode.set_attributes(attrs)
+        mode = self.settings.telemetry.chunk_spans
+        if mode != "off":
+            self._chunks(tl, s, decode, mode)
+        decode.end(end_time=tl.wall_ns(tl.last_content))
+
+    def _chunks(self, tl: Timeline, s: Summary, decode: Span, mode: str) -> None:
+        times, sizes = tl.chunk_times, tl.chunk_bytes
+        n = len(times)
+        cap = self.settings.telemetry.chunk_span_cap
+        shown = n if n <= cap else cap - 1
+        ctx = trace.set_span_in_context(decode, otel_context.Context())
+        for i in range(shown):
+            gap = times[i] - times[i - 1] if i else 0.0
+            attrs: dict[str, Any] = {sc.CHUNK_INDEX: i, sc.CHUNK_BYTES: sizes[i], sc.CHUNK_GAP: gap}
+            if i < len(s.chunk_tokens):
+                attrs[sc.CHUNK_TOKENS] = s.chunk_tokens[i]
+            if mode == "events":
+                decode.add_event(sc.EVENT_CHUNK, attrs, timestamp=tl.wall_ns(times[i]))
+            else:
+                begin = times[i - 1] if i else times[i]
+                span = self._tracer.start_span(
+                    sc.SPAN_CHUNK, context=ctx, start_time=tl.wall_ns(begin), attributes=attrs
+                )
+                span.end(end_time=tl.wall_ns(times[i]))
+        if shown < n:
+            # Past the cap, the tail folds into one span so a 10,000-chunk stream stays cheap.
+            attrs = {
+                sc.CHUNK_INDEX: shown,
+                sc.CHUNK_FOLDED: n - shown,
+                sc.CHUNK_BYTES: sum(sizes[shown:]),
+                sc.CHUNK_GAP: times[-1] - times[shown - 1] if shown else 0.0,
+            }
+            if len(s.chunk_tokens) == n:
+                attrs[sc.CHUNK_TOKENS] = sum(s.chunk_tokens[shown:])
+            if mode == "events":
+                decode.add_event(sc.EVENT_CHUNK, attrs, timestamp=tl.wall_ns(times[-1]))
+            else:
+                begin = times[shown - 1] if shown else times[0]
+                span = self._tracer.start_span(
+                    sc.SPAN_CHUNK, context=ctx, start_time=tl.wall_ns(begin), attributes=attrs
+                )
+                span.end(end_time=tl.wall_ns(times[-1]))
+
+    def metric_attributes(self, tl: Timeline, s: Summary) -> dict[str, Any]:
+        """The bounded subset of span attributes that metrics carry."""
+        req = tl.request
+        attrs: dict[str, Any] = {
+            sc.OPERATION_NAME: req.operation if req else sc.OP_CHAT,
+            sc.PROVIDER_NAME: tl.provider_name,
+            sc.SERVER_ADDRESS: tl.server_address,
+            sc.SERVER_PORT: tl.server_port,
+            sc.ROUTE: tl.route,
+            sc.REQUEST_STREAM: bool(req and req.stream),
+            sc.INPUT_SIZE: s.input_size,
+        }
+        if req is not None and req.model:
+            attrs[sc.REQUEST_MODEL] = self._models(req.model)
+        if tl.response_model:
+            attrs[sc.RESPONSE_MODEL] = self._models(tl.response_model)
+        if tl.outcome != OK:
+            attrs[sc.ERROR_TYPE] = tl.error_type or "_OTHER"
+        return attrs
+
+    def _metrics(self, tl: Timeline, s: Summary) -> None:
+        ins = self.instruments
+        attrs = self.metric_attributes(tl, s)
+        ok = tl.outcome == OK
+        stream = bool(tl.request and tl.request.stream)
+        if s.e2e is not None:
+            ins.operation_duration.record(s.e2e, attrs)
+            ins.server_duration.record(s.e2e, attrs)
+        ins.requests.add(1, {**attrs, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo})
+        if tl.malformed_events:
+            ins.malformed.add(tl.malformed_events, {sc.ROUTE: tl.route})
+        if s.ttfb is not None:
+            ins.ttfb.record(s.ttfb, attrs)
+        if stream and s.ttft is not None:
+            ins.time_to_first_chunk.record(s.ttft, attrs)
+            for gap in s.gaps:
+                ins.time_per_output_chunk.record(gap, attrs)
+            for itl in s.itl_per_token:
+                ins.itl.record(itl, attrs)
+        if s.upstream_ttft is not None and stream:
+            ins.upstream_ttft.record(s.upstream_ttft, attrs)
+        if ok and s.ttft is not None and stream:
+            ins.server_ttft.record(s.ttft, attrs)
+        if ok and s.tpot is not None:
+            ins.server_tpot.record(s.tpot, attrs)
+        if s.queue is not None:
+            ins.queue.record(s.queue, {**attrs, sc.QUEUE_SOURCE: s.queue_source})
+        if s.prefill is not None and stream:
+            ins.prefill.record(s.prefill, {**attrs, sc.PREFILL_SOURCE: s.prefill_source})
+        if s.decode is not None and stream:
+            ins.decode.record(s.decode, attrs)
+        self._token_metrics(s, attrs)
+        if tl.sent is not None:
+            start = tl.admitted if tl.admitted is not None else tl.received
+            ins.overhead.record(max(tl.sent - start, 0.0), {sc.ROUTE: tl.route})
+
+    def _token_metrics(self, s: Summary, attrs: dict[str, Any]) -> None:
+        ins = self.instruments
+        for kind, value, source, drift in (
+            ("input", s.input_tokens, s.input_source, s.input_drift),
+            ("output", s.output_tokens, s.output_source, s.output_drift),
+        ):
+            if value is None:
+                continue
+            if ins.token_usage is not None:
+                ins.token_usage.record(value, {**attrs, sc.TOKEN_TYPE: kind})
+            hist = ins.input_tokens_histogram if kind == "input" else ins.output_tokens_histogram
+            if hist is not None:
+                hist.record(value, attrs)
+            counter = ins.input_tokens_counter if kind == "input" else ins.output_tokens_counter
+            if counter is not None:
+                counter.add(value, {**attrs, sc.TOKEN_MODALITY: "text"})
+            own = ins.input_tokens if kind == "input" else ins.output_tokens
+            own.add(value, {**attrs, sc.INPUT_TOKENS_SOURCE if kind == "input" else sc.OUTPUT_TOKENS_SOURCE: source})
+            if drift is not None:
+                # OTel histograms take no negative values: the size goes in the value, the sign in an attribute.
+                direction = "over" if drift > 0 else "under" if drift < 0 else "exact"
+                ins.drift.record(
+                    abs(drift), {sc.TOKEN_TYPE: kind, sc.ROUTE: attrs[sc.ROUTE], sc.DRIFT_DIRECTION: direction}
+                )
+        if s.cache_read_tokens is not None:
+            ins.cache_read.add(s.cache_read_tokens, attrs)
+            if ins.cache_read_counter is not None:
+                ins.cache_read_counter.add(s.cache_read_tokens, {**attrs, sc.TOKEN_MODALITY: "text"})
+        if s.cache_write_tokens is not None:
+            ins.cache_write.add(s.cache_write_tokens, attrs)
+            if ins.cache_write_counter is not None:
+                ins.cache_write_counter.add(s.cache_write_tokens, {**attrs, sc.TOKEN_MODALITY: "text"})
+
+
+class _Marker:
+    """A flush marker: the worker sets the event when it reaches it."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+
+def root_name(tl: Timeline) -> str:
+    """``{gen_ai.operation.name} {gen_ai.request.model}`` for LLM calls; ``{method}`` for plain relays."""
+    req = tl.request
+    if tl.protocol is None or req is None:
+        return tl.method
+    return f"{req.operation} {req.model}" if req.model else req.operation
+
+
+def start_attributes(tl: Timeline) -> dict[str, Any]:
+    """Attributes known when the request arrives; samplers see these (gen-ai-spans.md: set at creation)."""
+    attrs: dict[str, Any] = {
+        sc.SERVER_ADDRESS: tl.server_address,
+        sc.SERVER_PORT: tl.server_port,
+        sc.HTTP_METHOD: tl.method,
+        sc.URL_PATH: tl.path,
+        sc.ROUTE: tl.route,
+    }
+    req = tl.request
+    if tl.protocol is None or req is None:
+        return attrs
+    attrs[sc.OPERATION_NAME] = req.operation
+    attrs[sc.PROVIDER_NAME] = tl.provider_name
+    attrs[sc.PROTOCOL] = tl.protocol
+    if req.model:
+        attrs[sc.REQUEST_MODEL] = req.model
+    if req.stream:
+        attrs[sc.REQUEST_STREAM] = True
+    if req.parse_error:
+        attrs[sc.REQUEST_PARSE_ERROR] = req.parse_error
+    for key, value in req.params.items():
+        if value is not None:
+            attrs[key] = value
+    if tl.prompt_version:
+        attrs[sc.PROMPT_VERSION] = tl.prompt_version
+    return attrs
+
+
+def _put(attrs: dict[str, Any], key: str, value: Any) -> None:
+    if value is not None:
+        attrs[key] = value
+
+
+def end_attributes(tl: Timeline, s: Summary, *, capture: bool) -> dict[str, Any]:
+    """Attributes known when the stream ends."""
+    attrs: dict[str, Any] = {}
+    _put(attrs, sc.RESPONSE_ID, tl.response_id)
+    _put(attrs, sc.RESPONSE_MODEL, tl.response_model)
+    if tl.finish_reasons:
+        attrs[sc.RESPONSE_FINISH_REASONS] = list(tl.finish_reasons)
+    elif tl.outcome != OK and tl.request is not None:
+        # semantic-conventions-genai: a missing or aborted finish is reported as "error".
+        attrs[sc.RESPONSE_FINISH_REASONS] = ["error"]
+    _put(attrs, sc.USAGE_INPUT_TOKENS, s.input_tokens)
+    _put(attrs, sc.USAGE_OUTPUT_TOKENS, s.output_tokens)
+    _put(attrs, sc.USAGE_CACHE_READ, s.cache_read_tokens)
+    _put(attrs, sc.USAGE_CACHE_CREATION, s.cache_write_tokens)
+    _put(attrs, sc.USAGE_REASONING, s.reasoning_tokens)
+    if s.input_tokens is not None:
+        attrs[sc.INPUT_TOKENS_SOURCE] = s.input_source
+    if s.output_tokens is not None:
+        attrs[sc.OUTPUT_TOKENS_SOURCE] = s.output_source
+    if tl.request is not None and tl.request.stream:
+        _put(attrs, sc.RESPONSE_TIME_TO_FIRST_CHUNK, s.ttft)
+    _put(attrs, sc.TTFB, s.ttfb)
+    _put(attrs, sc.UPSTREAM_TTFT, s.upstream_ttft)
+    _put(attrs, sc.TPOT, s.tpot)
+    _put(attrs, sc.E2E, s.e2e)
+    _put(attrs, sc.QUEUE_DURATION, s.queue)
+    _put(attrs, sc.PREFILL_DURATION, s.prefill)
+    _put(attrs, sc.DECODE_DURATION, s.decode)
+    if s.queue is not None:
+        attrs[sc.QUEUE_SOURCE] = s.queue_source
+    if s.prefill is not None:
+        attrs[sc.PREFILL_SOURCE] = s.prefill_source
+    attrs[sc.OUTCOME] = tl.outcome
+    attrs[sc.SLO_OUTCOME] = s.slo
+    attrs[sc.INPUT_SIZE] = s.input_size
+    attrs[sc.RESPONSE_BYTES] = tl.response_bytes
+    if tl.malformed_events:
+        attrs[sc.MALFORMED_EVENTS] = tl.malformed_events
+    if tl.oversized_events:
+        attrs[sc.OVERSIZED_EVENTS] = tl.oversized_events
+    if capture and tl.chunk_texts:
+        text = "".join(tl.chunk_texts)[:_CONTENT_CAP]
+        attrs[sc.OUTPUT_MESSAGES] = json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": text}]}])
+    if tl.outcome == CANCELLED:
+        attrs[sc.ERROR_TYPE] = "cancelled"
+    return attrs

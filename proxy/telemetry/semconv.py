@@ -1,0 +1,158 @@
+"""Every telemetry name llmtap emits, defined once.
+
+GenAI names follow the released OpenTelemetry semantic conventions v1.41.1
+(https://github.com/open-telemetry/semantic-conventions/tree/v1.41.1/docs/gen-ai); with
+``OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental`` the newer names of
+open-telemetry/semantic-conventions-genai are used instead (see ``MetricNames``). What the
+conventions lack lives under ``llmtap.``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --- span and metric attributes (gen-ai-spans.md, v1.41.1) ---
+OPERATION_NAME = "gen_ai.operation.name"
+PROVIDER_NAME = "gen_ai.provider.name"
+REQUEST_MODEL = "gen_ai.request.model"
+REQUEST_STREAM = "gen_ai.request.stream"
+REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+REQUEST_TOP_P = "gen_ai.request.top_p"
+REQUEST_TOP_K = "gen_ai.request.top_k"
+REQUEST_FREQUENCY_PENALTY = "gen_ai.request.frequency_penalty"
+REQUEST_PRESENCE_PENALTY = "gen_ai.request.presence_penalty"
+REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
+REQUEST_SEED = "gen_ai.request.seed"
+REQUEST_CHOICE_COUNT = "gen_ai.request.choice.count"
+RESPONSE_ID = "gen_ai.response.id"
+RESPONSE_MODEL = "gen_ai.response.model"
+RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
+USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+USAGE_CACHE_READ = "gen_ai.usage.cache_read.input_tokens"
+USAGE_CACHE_CREATION = "gen_ai.usage.cache_creation.input_tokens"  # v1.41.1
+USAGE_CACHE_WRITE = "gen_ai.usage.cache_write.input_tokens"  # semantic-conventions-genai PR #440
+USAGE_REASONING = "gen_ai.usage.reasoning.output_tokens"
+TOKEN_TYPE = "gen_ai.token.type"
+TOKEN_MODALITY = "gen_ai.token.modality"
+INPUT_MESSAGES = "gen_ai.input.messages"
+OUTPUT_MESSAGES = "gen_ai.output.messages"
+ERROR_TYPE = "error.type"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+HTTP_METHOD = "http.request.method"
+HTTP_STATUS = "http.response.status_code"
+URL_PATH = "url.path"
+
+# gen_ai.operation.name values
+OP_CHAT = "chat"
+OP_TEXT_COMPLETION = "text_completion"
+
+# --- llmtap attributes: what the conventions lack ---
+ROUTE = "llmtap.route"
+PROTOCOL = "llmtap.protocol"
+OUTCOME = "llmtap.outcome"
+SLO_OUTCOME = "llmtap.slo"
+INPUT_SIZE = "llmtap.request.input_size"
+PROMPT_VERSION = "llmtap.prompt.version"
+REQUEST_PARSE_ERROR = "llmtap.request.parse_error"
+TTFB = "llmtap.time_to_first_byte"
+UPSTREAM_TTFT = "llmtap.upstream.time_to_first_chunk"
+TPOT = "llmtap.time_per_output_token"
+E2E = "llmtap.duration"
+QUEUE_DURATION = "llmtap.queue.duration"
+QUEUE_SOURCE = "llmtap.queue.source"
+PREFILL_DURATION = "llmtap.prefill.duration"
+PREFILL_SOURCE = "llmtap.prefill.source"
+DECODE_DURATION = "llmtap.decode.duration"
+INPUT_TOKENS_SOURCE = "llmtap.usage.input_tokens.source"
+OUTPUT_TOKENS_SOURCE = "llmtap.usage.output_tokens.source"
+UNCACHED_INPUT_TOKENS = "llmtap.usage.uncached_input_tokens"
+CHUNK_COUNT = "llmtap.decode.chunks"
+CHUNK_INDEX = "llmtap.chunk.index"
+CHUNK_TOKENS = "llmtap.chunk.tokens"
+CHUNK_TOKENS_SOURCE = "llmtap.chunk.tokens.source"
+CHUNK_BYTES = "llmtap.chunk.bytes"
+CHUNK_GAP = "llmtap.chunk.gap"
+CHUNK_FOLDED = "llmtap.chunk.folded"
+MALFORMED_EVENTS = "llmtap.stream.malformed_events"
+OVERSIZED_EVENTS = "llmtap.stream.oversized_events"
+RESPONSE_BYTES = "llmtap.response.bytes"
+TELEMETRY_REASON = "llmtap.telemetry.reason"
+DRIFT_DIRECTION = "llmtap.tokens.drift.direction"
+
+# Span names (DESIGN "Span model"); the root span is "{operation} {model}".
+SPAN_QUEUE = "llmtap.queue"
+SPAN_PREFILL = "llmtap.prefill"
+SPAN_DECODE = "llmtap.decode"
+SPAN_CHUNK = "llmtap.decode.chunk"
+EVENT_CHUNK = "llmtap.decode.chunk"
+
+
+@dataclass(frozen=True, slots=True)
+class MetricNames:
+    """Metric names for one semantic-conventions flavour."""
+
+    operation_duration: str
+    time_to_first_chunk: str
+    time_per_output_chunk: str
+    token_usage: str | None  # v1.41.1 histogram with gen_ai.token.type; None in the latest conventions
+    input_tokens_counter: str | None  # latest: counters with gen_ai.token.modality
+    output_tokens_counter: str | None
+    cache_read_counter: str | None
+    cache_write_counter: str | None
+    input_tokens_histogram: str | None
+    output_tokens_histogram: str | None
+
+
+# v1.41.1 model/gen-ai/metrics.yaml
+RELEASED = MetricNames(
+    operation_duration="gen_ai.client.operation.duration",
+    time_to_first_chunk="gen_ai.client.operation.time_to_first_chunk",
+    time_per_output_chunk="gen_ai.client.operation.time_per_output_chunk",
+    token_usage="gen_ai.client.token.usage",
+    input_tokens_counter=None,
+    output_tokens_counter=None,
+    cache_read_counter=None,
+    cache_write_counter=None,
+    input_tokens_histogram=None,
+    output_tokens_histogram=None,
+)
+# semantic-conventions-genai docs/gen-ai/non-normative/migration.md (v1.41 -> latest)
+LATEST = MetricNames(
+    operation_duration="gen_ai.client.inference.duration",
+    time_to_first_chunk="gen_ai.client.inference.time_to_first_chunk",
+    time_per_output_chunk="gen_ai.client.inference.time_per_output_chunk",
+    token_usage=None,
+    input_tokens_counter="gen_ai.client.inference.usage.input_tokens",
+    output_tokens_counter="gen_ai.client.inference.usage.output_tokens",
+    cache_read_counter="gen_ai.client.inference.usage.cache_read.input_tokens",
+    cache_write_counter="gen_ai.client.inference.usage.cache_write.input_tokens",
+    input_tokens_histogram="gen_ai.client.inference.operation.input_tokens",
+    output_tokens_histogram="gen_ai.client.inference.operation.output_tokens",
+)
+
+# Server-side metrics model-server dashboards query (v1.41.1, kept unchanged in the latest conventions).
+SERVER_TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"
+SERVER_TIME_PER_OUTPUT_TOKEN = "gen_ai.server.time_per_output_token"
+SERVER_REQUEST_DURATION = "gen_ai.server.request.duration"
+
+# llmtap metrics
+METRIC_TTFB = "llmtap.time_to_first_byte"
+METRIC_UPSTREAM_TTFT = "llmtap.upstream.time_to_first_chunk"
+METRIC_ITL = "llmtap.inter_token_latency"
+METRIC_QUEUE = "llmtap.queue.duration"
+METRIC_PREFILL = "llmtap.prefill.duration"
+METRIC_DECODE = "llmtap.decode.duration"
+METRIC_CACHE_READ = "llmtap.usage.cache_read.input_tokens"
+METRIC_CACHE_WRITE = "llmtap.usage.cache_write.input_tokens"
+METRIC_INPUT_TOKENS = "llmtap.usage.input_tokens"
+METRIC_OUTPUT_TOKENS = "llmtap.usage.output_tokens"
+METRIC_REQUESTS = "llmtap.requests"
+METRIC_ACTIVE_STREAMS = "llmtap.streams.active"
+METRIC_OVERHEAD = "llmtap.proxy.overhead"
+METRIC_TOKEN_DRIFT = "llmtap.tokens.drift"
+METRIC_TELEMETRY_DROPPED = "llmtap.telemetry.dropped"
+METRIC_MALFORMED = "llmtap.stream.malformed_events"

@@ -1,0 +1,76 @@
+"""The shared vocabulary: ASGI aliases and the plain value types every layer passes around."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token usage as the upstream reported it, normalized.
+
+    ``input_tokens`` includes cached tokens (OTel GenAI: "SHOULD include all types of input tokens,
+    including cached tokens"); for Anthropic it is input + cache_read + cache_creation.
+    A field left ``None`` was not reported; it is never reported as 0.
+    """
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_tokens: int | None = None
+    cache_write_tokens: int | None = None
+    reasoning_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class ServerTiming:
+    """Phase durations in seconds that the server itself reported (Ollama durations, TGI headers, ...)."""
+
+    queue: float | None = None
+    prefill: float | None = None
+    decode: float | None = None
+
+
+@dataclass(slots=True)
+class Facts:
+    """What one stream event (or one whole non-streamed body) says, in protocol-neutral terms.
+
+    Providers return these; they never touch OpenTelemetry. ``content`` is the generated text the
+    event carries (text, tool-call arguments, reasoning or refusal); an event with ``has_content``
+    False (role-only deltas, ``response.created``, ``message_start``, ``ping``) does not end TTFT.
+    """
+
+    has_content: bool = False
+    content: str = ""
+    usage: Usage | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    response_id: str | None = None
+    response_model: str | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+    server_timing: ServerTiming | None = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    """What the proxy learned from the client's request body before forwarding it."""
+
+    operation: str
+    model: str | None = None
+    stream: bool = False
+    parse_error: str | None = None
+    # The body to send upstream when the provider rewrote it (usage injection), else None.
+    rewritten_body: bytes | None = None
+    # True when the proxy asked for usage the client did not: the extra usage event is removed.
+    strip_usage: bool = False
+    params: dict[str, Any] = field(default_factory=dict)
+    # The prompt's text, joined, for counting when the server reports no usage (never exported).
+    prompt_text: str = ""

@@ -1,0 +1,182 @@
+"""Shared fixtures: in-memory OpenTelemetry providers, the scripted upstream, and a proxy on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+import uvicorn
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from proxy.app import AdminApp, ProxyApp, create_app
+from proxy.settings import Settings
+from proxy.telemetry.prometheus import PrometheusReader
+
+TESTS = Path(__file__).parent
+
+
+@dataclass
+class Telemetry:
+    """In-memory exporters, injected into the app (no global providers)."""
+
+    spans: InMemorySpanExporter = field(default_factory=InMemorySpanExporter)
+    reader: InMemoryMetricReader = field(default_factory=InMemoryMetricReader)
+    prometheus: PrometheusReader = field(default_factory=PrometheusReader)
+
+    def __post_init__(self) -> None:
+        self.tracer_provider = TracerProvider()
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
+        self.meter_provider = MeterProvider(metric_readers=[self.reader, self.prometheus])
+
+    def finished(self) -> list[ReadableSpan]:
+        """Every span ended so far."""
+        return list(self.spans.get_finished_spans())
+
+    def metrics(self) -> dict[str, list[Any]]:
+        """Data points by metric name."""
+        data: MetricsData | None = self.reader.get_metrics_data()
+        out: dict[str, list[Any]] = {}
+        if data is None:
+            return out
+        for rm in data.resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    out.setdefault(m.name, []).extend(m.data.data_points)
+        return out
+
+
+@pytest.fixture
+def telemetry() -> Iterator[Telemetry]:
+    t = Telemetry()
+    yield t
+    t.tracer_provider.shutdown()
+    t.meter_provider.shutdown()
+
+
+def free_port() -> int:
+    """A port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    """Runs an ASGI app under uvicorn on a real socket, in a thread with its own event loop."""
+
+    def __init__(self, app: Any, *, lifespan: Literal["auto", "on", "off"] = "on") -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+        config = uvicorn.Config(app, log_level="warning", server_header=False, date_header=False, lifespan=lifespan)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self.sock]))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@dataclass
+class Running:
+    """A proxy app served on a real socket."""
+
+    app: ProxyApp
+    server: ServerThread
+    admin: ServerThread | None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def flush(self) -> None:
+        """Wait until the recorder has written every finished request."""
+        assert self.app.flush(10)
+
+
+def start_proxy(settings: Settings, telemetry: Telemetry, *, admin: bool = False) -> tuple[Running, list[ServerThread]]:
+    """Build the app with injected providers and serve it (and optionally the admin listener)."""
+    app = create_app(settings, tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+    server = ServerThread(app).__enter__()
+    threads = [server]
+    admin_server = None
+    if admin:
+        admin_server = ServerThread(AdminApp(app, telemetry.prometheus)).__enter__()
+        threads.append(admin_server)
+    return Running(app, server, admin_server), threads
+
+
+@pytest.fixture
+def proxy_factory(telemetry: Telemetry) -> Iterator[Any]:
+    started: list[ServerThread] = []
+
+    def make(settings: Settings, *, admin: bool = False) -> Running:
+        running, threads = start_proxy(settings, telemetry, admin=admin)
+        started.extend(threads)
+        return running
+
+    yield make
+    for server in reversed(started):
+        server.__exit__(None, None, None)
+
+
+class Scripted:
+    """The scripted upstream in a child process (so its timing does not share our GIL)."""
+
+    def __init__(self, **env: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TESTS / "scripted_upstream.py")],
+            stdout=subprocess.PIPE,
+            env={**os.environ, **env},
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@pytest.fixture(scope="session")
+def scripted() -> Iterator[Scripted]:
+    up = Scripted()
+    yield up
+    up.close()

@@ -1,0 +1,343 @@
+"""A lean, scripted LLM upstream on raw asyncio streams, for exact timing checks.
+
+The script: the role-only chunk (not content) goes out at once, the first content chunk ``ttft``
+seconds after the request arrived, then one content chunk every ``gap`` seconds; every 4th chunk
+carries three tokens. Deadlines are absolute from the request's arrival, so there is no drift.
+Run ``python tests/scripted_upstream.py``; it prints its port on stdout.
+
+Responses are deterministic (fixed ids and timestamps), so a direct call and a call through
+the proxy can be compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+WORDS = ["alpha", "beta", "gamma", "delta", "river", "sigma", "omega", "theta"]  # one o200k token each
+
+
+def script(ttft: float, gap: float, chunks: int) -> list[tuple[float, list[str]]]:
+    """(offset from request arrival, tokens) per content chunk."""
+    out = []
+    for i in range(chunks):
+        n = 3 if i % 4 == 3 else 1
+        out.append((ttft + i * gap, [" " + WORDS[(i + k) % len(WORDS)] for k in range(n)]))
+    return out
+
+
+def _chat_chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    body = {
+        "id": "chatcmpl-scripted",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "scripted",
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _usage_chunk(prompt: int, completion: int) -> bytes:
+    body = {
+        "id": "chatcmpl-scripted",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "scripted",
+        "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    }
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _anthropic(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: ".encode() + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Upstream:
+    """Serves the script on /v1/chat/completions and /v1/messages (streamed or not)."""
+
+    def __init__(self, ttft: float, gap: float, chunks: int) -> None:
+        self.plan = script(ttft, gap, chunks)
+        self.output_tokens = sum(len(t) for _, t in self.plan)
+        self.last_headers: dict[str, str] = {}
+        self.active = 0
+        self.cancelled = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                arrived = time.perf_counter()
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ", 2)
+                headers = {}
+                for line in lines[1:]:
+                    if ":" in line:
+                        k, v = line.split(":", 1)
+                        headers[k.strip().lower()] = v.strip()
+                body = b""
+                if "content-length" in headers:
+                    body = await reader.readexactly(int(headers["content-length"]))
+                elif headers.get("transfer-encoding", "").lower() == "chunked":
+                    body = await self._read_chunked(reader)
+                self.last_headers = headers
+                await self.respond(writer, method, target, headers, body, arrived)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
+        out = bytearray()
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                return bytes(out)
+            out += data[:-2]
+
+    async def respond(
+        self,
+        writer: asyncio.StreamWriter,
+        method: str,
+        target: str,
+        headers: dict[str, str],
+        body: bytes,
+        arrived: float,
+    ) -> None:
+        path = target.split("?", 1)[0]
+        if path in ("/echo-headers", "/active") or path.startswith("/echo-body/"):
+            if path == "/active":
+                info: dict[str, Any] = {"active": self.active, "cancelled": self.cancelled}
+            elif path == "/echo-headers":
+                info = {"headers": headers, "target": target}
+            else:
+                info = {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+            payload = json.dumps(info).encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(payload)
+            )
+            writer.write(payload)
+            await writer.drain()
+            return
+        if path == "/status/500":
+            payload = b'{"error":{"message":"boom","type":"InternalServerError","code":500}}'
+            writer.write(
+                b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                % len(payload)
+            )
+            writer.write(payload)
+            await writer.drain()
+            return
+        if path.startswith("/special/"):
+            await self.special(writer, path)
+            return
+        try:
+            request = json.loads(body or b"{}")
+        except ValueError:
+            request = {}
+        stream = bool(request.get("stream"))
+        anthropic = path.endswith("/messages")
+        if not stream:
+            await asyncio.sleep(max(self.plan[-1][0] - (time.perf_counter() - arrived), 0))
+            text = "".join(t for _, toks in self.plan for t in toks)
+            if anthropic:
+                payload = json.dumps(
+                    {
+                        "id": "msg_scripted",
+                        "type": "message",
+                        "role": "assistant",
+                        "model": "scripted",
+                        "content": [{"type": "text", "text": text}],
+                        "stop_reason": "end_turn",
+                        "stop_sequence": None,
+                        "usage": {"input_tokens": 12, "output_tokens": self.output_tokens},
+                    }
+                ).encode()
+            else:
+                payload = json.dumps(
+                    {
+                        "id": "chatcmpl-scripted",
+                        "object": "chat.completion",
+                        "created": 1700000000,
+                        "model": "scripted",
+                        "choices": [
+                            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                        ],
+                        "usage": {
+                            "prompt_tokens": 12,
+                            "completion_tokens": self.output_tokens,
+                            "total_tokens": 12 + self.output_tokens,
+                        },
+                    }
+                ).encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(payload)
+            )
+            writer.write(payload)
+            await writer.drain()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+
+        def chunk(data: bytes) -> None:
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+        self.active += 1
+        try:
+            await self._stream(writer, request, anthropic, arrived, chunk)
+        except ConnectionError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+    async def _stream(
+        self, writer: asyncio.StreamWriter, request: dict[str, Any], anthropic: bool, arrived: float, chunk: Any
+    ) -> None:
+        include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
+        if anthropic:
+            chunk(
+                _anthropic(
+                    "message_start",
+                    {
+                        "type": "message_start",
+                        "message": {
+                            "id": "msg_scripted",
+                            "type": "message",
+                            "role": "assistant",
+                            "content": [],
+                            "model": "scripted",
+                            "stop_reason": None,
+                            "stop_sequence": None,
+                            "usage": {"input_tokens": 12, "output_tokens": 1},
+                        },
+                    },
+                )
+            )
+            chunk(
+                _anthropic(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                )
+            )
+            chunk(_anthropic("ping", {"type": "ping"}))
+        else:
+            chunk(_chat_chunk({"role": "assistant", "content": ""}))
+        await writer.drain()
+        for i, (offset, toks) in enumerate(self.plan):
+            delay = arrived + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            last = i == len(self.plan) - 1
+            if anthropic:
+                chunk(
+                    _anthropic(
+                        "content_block_delta",
+                        {
+                            "type": "content_block_delta",
+                            "index": 0,
+                            "delta": {"type": "text_delta", "text": "".join(toks)},
+                        },
+                    )
+                )
+            else:
+                chunk(_chat_chunk({"content": "".join(toks)}, "stop" if last else None))
+            await writer.drain()
+        if anthropic:
+            chunk(_anthropic("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            chunk(
+                _anthropic(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                        "usage": {"output_tokens": self.output_tokens},
+                    },
+                )
+            )
+            chunk(_anthropic("message_stop", {"type": "message_stop"}))
+        else:
+            if include_usage:
+                chunk(_usage_chunk(12, self.output_tokens))
+            chunk(b"data: [DONE]\n\n")
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def special(self, writer: asyncio.StreamWriter, path: str) -> None:
+        """Hostile or broken streams, each named by its path."""
+        name = path.split("/")[2]
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+
+        def chunk(data: bytes) -> None:
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+        if name == "truncate":
+            for i in range(5):
+                chunk(_chat_chunk({"content": f" word{i}"}))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            writer.transport.abort()  # dies mid-stream: no terminating chunk
+            return
+        if name == "weird":
+            # Invalid UTF-8 inside a data line, and bare CR line endings.
+            head = b'data: {"id":"x","object":"chat.completion.chunk","model":"scripted","choices":[{"index":0,'
+            chunk(head + b'"delta":{"content":"caf\xff\xfe"}}]}\r\r')
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            chunk(head + b'"delta":{"content":" ok"},"finish_reason":"stop"}]}\r\r')
+            chunk(b"data: [DONE]\r\r")
+        elif name == "anthropic-error":
+            chunk(
+                _anthropic(
+                    "message_start",
+                    {
+                        "type": "message_start",
+                        "message": {
+                            "id": "msg_e",
+                            "type": "message",
+                            "role": "assistant",
+                            "content": [],
+                            "model": "scripted",
+                            "stop_reason": None,
+                            "stop_sequence": None,
+                            "usage": {"input_tokens": 5, "output_tokens": 1},
+                        },
+                    },
+                )
+            )
+            chunk(
+                _anthropic(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hello"}},
+                )
+            )
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            chunk(
+                _anthropic("error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})
+            )
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+async def main() -> None:
+    up = Upstream(
+        ttft=float(os.environ.get("SCRIPT_TTFT", "0.3")),
+        gap=float(os.environ.get("SCRIPT_GAP", "0.02")),
+        chunks=int(os.environ.get("SCRIPT_CHUNKS", "40")),
+    )
+    server = await asyncio.start_server(up.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    sys.stdout.write(f"{port}\n")
+    sys.stdout.flush()
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

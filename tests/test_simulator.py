@@ -1,0 +1,620 @@
+"""The simulated upstream, through real sockets: uvicorn on 127.0.0.1 and httpx clients.
+
+Shapes are compared with the vLLM 0.32 recordings by skeleton (keys in order, value types), timings
+with the profile and with the server's own truth at ``/debug/requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy import tokens
+from proxy.simulator import PROFILES, Profile, get_profile, run_in_thread
+from proxy.simulator.cache import PrefixCache
+from proxy.simulator.text import Vocabulary, block_hashes
+
+TRANSCRIPTS = Path("/work/shared/data/transcripts/vllm-0.32-cpu")
+FIXED_CLOCK = 1795985942.0
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = "/v1/messages"
+
+pytestmark = pytest.mark.e2e
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def fast(**overrides: Any) -> Profile:
+    """The test profile with some fields changed."""
+    return get_profile("fast", **overrides)
+
+
+class Sim:
+    """A simulator in a thread, stopped on exit."""
+
+    def __init__(self, profile: Profile, seed: int | None = 7) -> None:
+        self.profile = profile
+        self.url, self.stop = run_in_thread(profile, seed=seed, clock=lambda: FIXED_CLOCK)
+
+    def __enter__(self) -> Sim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[Sim]:
+    with Sim(fast()) as s:
+        yield s
+
+
+def parse_sse(raw: bytes) -> list[tuple[str | None, str]]:
+    """(event name, data) for every event of an SSE body."""
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if not block:
+            continue
+        name, data = None, []
+        for line in block.split("\n"):
+            field, _, value = line.partition(": ")
+            if field == "event":
+                name = value
+            elif field == "data":
+                data.append(value)
+        out.append((name, "\n".join(data)))
+    return out
+
+
+def skeleton(value: Any) -> Any:
+    """Keys in order and leaf types: what the shape of a JSON value is, without its content."""
+    if isinstance(value, dict):
+        return [(k, skeleton(v)) for k, v in value.items()]
+    if isinstance(value, list):
+        return ["list", *(skeleton(v) for v in value[:1])]
+    return type(value).__name__
+
+
+def event_skeletons(raw: bytes) -> list[Any]:
+    """Skeletons of a stream's events, with runs of equal skeletons collapsed to one."""
+    out: list[Any] = []
+    for name, data in parse_sse(raw):
+        sk = (name, "[DONE]" if data == "[DONE]" else skeleton(json.loads(data)))
+        if not out or out[-1] != sk:
+            out.append(sk)
+    return out
+
+
+def chunks(raw: bytes) -> list[dict[str, Any]]:
+    """The JSON payloads of a stream, without [DONE]."""
+    return [json.loads(data) for _, data in parse_sse(raw) if data != "[DONE]"]
+
+
+def transcript(name: str) -> bytes:
+    """A recorded vLLM body."""
+    return (TRANSCRIPTS / f"{name}.body").read_bytes()
+
+
+def chat_body(text: str = "Where is my parcel?", **extra: Any) -> dict[str, Any]:
+    """A chat request with one user message."""
+    return {"model": "llmtap-sim", "messages": [{"role": "user", "content": text}], **extra}
+
+
+def body_for(path: str, text: str, **extra: Any) -> dict[str, Any]:
+    """The same prompt for any of the three generation routes."""
+    if path == COMPLETIONS:
+        return {"model": "llmtap-sim", "prompt": text, **extra}
+    if path == MESSAGES:
+        return {"max_tokens": 16, **chat_body(text), **extra}
+    return chat_body(text, **extra)
+
+
+def text_of(path: str, raw: bytes, stream: bool) -> str:
+    """The generated text of a response."""
+    if not stream:
+        obj = json.loads(raw)
+        if path == CHAT:
+            return str(obj["choices"][0]["message"]["content"])
+        if path == COMPLETIONS:
+            return str(obj["choices"][0]["text"])
+        return str(obj["content"][0]["text"])
+    parts = []
+    for c in chunks(raw):
+        if path == MESSAGES:
+            parts.append(c["delta"]["text"] if c["type"] == "content_block_delta" else "")
+        else:
+            for choice in c["choices"]:
+                parts.append(choice["delta"].get("content", "") if path == CHAT else choice["text"])
+    return "".join(parts)
+
+
+def usage_of(path: str, raw: bytes, stream: bool) -> dict[str, Any]:
+    """The final usage object of a response."""
+    if not stream:
+        return dict(json.loads(raw)["usage"])
+    final = [c for c in chunks(raw) if c.get("type") == "message_delta" or c.get("choices") == []]
+    return dict(final[-1]["usage"])
+
+
+def truth(client: httpx.Client, **params: int) -> list[dict[str, Any]]:
+    """The simulator's per-request records."""
+    return list(client.get("/debug/requests", params=params).json()["requests"])
+
+
+def record_for(client: httpx.Client, rid: str) -> dict[str, Any]:
+    """The truth record of the response with id ``rid``."""
+    return next(r for r in truth(client) if r["id"] == rid)
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    """Sum of the samples of one metric at /metrics."""
+    text = client.get("/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+async def ametric(client: httpx.AsyncClient, name: str) -> float:
+    """``metric`` for an async client."""
+    text = (await client.get("/metrics")).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+async def seconds_until_zero(client: httpx.AsyncClient, name: str, limit_s: float = 2.0) -> float:
+    """Poll a gauge until it reads 0; the seconds that took."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if not await ametric(client, name):
+            return time.monotonic() - start
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"{name} stayed above 0 for {limit_s} s")
+
+
+def has_content(event: bytes) -> bool:
+    """True for an SSE event that carries generated text (not a role chunk, usage or [DONE])."""
+    data = event.partition(b"data: ")[2]
+    if not data or data == b"[DONE]":
+        return False
+    obj = json.loads(data)
+    if "choices" not in obj:
+        return bool(obj.get("delta", {}).get("text"))
+    return any(c.get("text") or c.get("delta", {}).get("content") for c in obj["choices"])
+
+
+async def timed_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[float, list[float], bytes]:
+    """Send a streamed request; (send time, arrival time of each content event, raw body)."""
+    start = time.monotonic()
+    stamps: list[float] = []
+    raw, pending = b"", b""
+    async with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        async for piece in response.aiter_raw():
+            now = time.monotonic()
+            raw += piece
+            pending += piece
+            *done, pending = pending.split(b"\n\n")
+            stamps += [now for ev in done if has_content(ev)]
+    return start, stamps, raw
+
+
+# ---------------------------------------------------------------- shapes
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "extra"),
+    [
+        ("chat-stream", CHAT, {}),
+        ("chat-stream-usage", CHAT, {"stream_options": {"include_usage": True}}),
+        (
+            "chat-stream-continuous-usage",
+            CHAT,
+            {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        ),
+        ("completions-stream-usage", COMPLETIONS, {"stream_options": {"include_usage": True}}),
+        ("messages-stream", MESSAGES, {}),
+    ],
+)
+def test_streams_have_the_vllm_shapes(sim: Sim, name: str, path: str, extra: dict[str, Any]) -> None:
+    with httpx.Client(base_url=sim.url) as client:
+        r = client.post(path, json=body_for(path, "Hello there", stream=True, max_tokens=6, **extra))
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+    events = parse_sse(r.content)
+    if path == MESSAGES:
+        # Anthropic's ping right after content_block_start, then exactly vLLM's sequence.
+        assert [n for n, _ in events[:3]] == ["message_start", "content_block_start", "ping"]
+        r_raw = b"".join(f"event: {n}\ndata: {d}\n\n".encode() for n, d in events if n != "ping")
+    else:
+        assert events[-1] == (None, "[DONE]")
+        r_raw = r.content
+    assert event_skeletons(r_raw) == event_skeletons(transcript(name))
+    if path == CHAT:
+        body = chunks(r.content)
+        assert body[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        finishes = [c["choices"][0]["finish_reason"] for c in body if c["choices"]]
+        assert finishes == [None] * 6 + ["length"]  # role chunk, five deltas, the last delta
+        assert ("usage" in body[-1] and body[-1]["choices"] == []) == bool(extra)
+
+
+def test_without_include_usage_there_is_no_usage_chunk(sim: Sim) -> None:
+    with httpx.Client(base_url=sim.url) as client:
+        r = client.post(CHAT, json=chat_body(stream=True, max_tokens=3, stream_options={"include_usage": False}))
+    assert all("usage" not in c and c["choices"] for c in chunks(r.content))
+
+
+@pytest.mark.parametrize(("name", "path"), [("chat-nonstream", CHAT), ("messages-nonstream", MESSAGES)])
+def test_whole_bodies_have_the_vllm_shapes(sim: Sim, name: str, path: str) -> None:
+    with httpx.Client(base_url=sim.url) as client:
+        r = client.post(path, json=body_for(path, "Hello there", max_tokens=5))
+    assert r.headers["content-type"] == "application/json"
+    assert skeleton(r.json()) == skeleton(json.loads(transcript(name)))
+
+
+def test_completions_whole_body(sim: Sim) -> None:
+    with httpx.Client(base_url=sim.url) as client:
+        obj = client.post(COMPLETIONS, json={"prompt": "Once upon", "max_tokens": 4}).json()
+    assert obj["object"] == "text_completion" and obj["id"].startswith("cmpl-")
+    assert obj["choices"][0]["finish_reason"] == "length"
+    assert obj["usage"] == {
+        "prompt_tokens": 2,
+        "total_tokens": 6,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+# ---------------------------------------------------------------- tokens
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, MESSAGES])
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_equals_tiktoken_count(sim: Sim, path: str, stream: bool) -> None:
+    prompt = "Please check order 1234 — it's late, and the 'express' label was wrong!"
+    extra: dict[str, Any] = {"stream_options": {"include_usage": True}} if stream and path != MESSAGES else {}
+    with httpx.Client(base_url=sim.url) as client:
+        r = client.post(path, json=body_for(path, prompt, stream=stream, max_tokens=23, **extra))
+    text, usage = text_of(path, r.content, stream), usage_of(path, r.content, stream)
+    assert tokens.count(text) == 23
+    if path == MESSAGES:
+        # Earlier tests sent this prompt too: Anthropic counts cache reads outside input_tokens.
+        assert usage["output_tokens"] == 23
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == tokens.count(prompt)
+    else:
+        assert usage["completion_tokens"] == 23 and usage["prompt_tokens"] == tokens.count(prompt)
+
+
+def test_prompt_joining_rule(sim: Sim) -> None:
+    messages = [
+        {"role": "system", "content": "You are a helpful agent."},
+        {"role": "user", "content": [{"type": "text", "text": "First part."}, {"type": "image_url"}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": [{"type": "text", "text": "Second part."}]},
+    ]
+    joined = "You are a helpful agent.\nFirst part.\nSecond part."
+    with httpx.Client(base_url=sim.url) as client:
+        chat = client.post(CHAT, json={"messages": messages, "max_tokens": 1}).json()
+        anthropic = client.post(
+            MESSAGES, json={"system": "You are a helpful agent.", "messages": messages[1:], "max_tokens": 1}
+        ).json()
+    assert chat["usage"]["prompt_tokens"] == tokens.count(joined)
+    assert anthropic["usage"]["input_tokens"] == tokens.count(joined)
+
+
+def test_output_length_rules(sim: Sim) -> None:
+    with httpx.Client(base_url=sim.url) as client:
+        default = client.post(CHAT, json=chat_body()).json()
+        both = client.post(CHAT, json=chat_body(max_tokens=9, max_completion_tokens=4, ignore_eos=True)).json()
+    assert default["usage"]["completion_tokens"] == sim.profile.default_max_tokens
+    assert both["usage"]["completion_tokens"] == 4  # max_completion_tokens wins, as in OpenAI's API
+
+
+def test_vocabulary_words_are_single_tokens() -> None:
+    for encoding in tokens.ENCODINGS:
+        vocab = Vocabulary(encoding)
+        assert all(len(tokens.get_encoding(encoding).encode_ordinary(w)) == 1 for w in vocab.words)
+        text = vocab.generate("seed", 500)
+        assert tokens.count("".join(text), encoding) == 500
+        assert vocab.generate("seed", 500) == text != vocab.generate("other seed", 500)
+
+
+def test_identical_requests_give_identical_bytes_but_ids() -> None:
+    bodies = []
+    for _ in range(2):
+        with Sim(fast(), seed=42) as s, httpx.Client(base_url=s.url) as client:
+            bodies.append(client.post(CHAT, json=chat_body(stream=True, max_tokens=8)).content)
+            bodies.append(client.post(CHAT, json=chat_body(stream=True, max_tokens=8)).content)
+    assert bodies[0] == bodies[2] and bodies[1] == bodies[3]  # same seed, same clock: same bytes
+    ids = [chunks(b)[0]["id"] for b in bodies[:2]]
+    assert ids[0] != ids[1] and all(re.fullmatch(r"chatcmpl-[0-9a-f]{16}", i) for i in ids)
+    assert bodies[0].replace(ids[0].encode(), b"ID") == bodies[1].replace(ids[1].encode(), b"ID")
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_errors_have_vllm_shapes_and_statuses(sim: Sim) -> None:
+    big = " word" * (sim.profile.max_model_len + 5)
+    with httpx.Client(base_url=sim.url) as client:
+        unknown = client.post(CHAT, json=chat_body(model="nope"))
+        bad_json = client.post(CHAT, content=b'{"model": "llmtap-sim", messages}')
+        too_long = client.post(CHAT, json=chat_body(big))
+        over_budget = client.post(CHAT, json=chat_body(max_tokens=sim.profile.max_model_len))
+        missing = client.post(CHAT, json={"model": "llmtap-sim"})
+        no_stream = client.post(CHAT, json=chat_body(stream_options={"include_usage": True}))
+        no_prompt = client.post(COMPLETIONS, json={"model": "llmtap-sim"})
+        records = truth(client, limit=7)
+    assert unknown.status_code == 404
+    assert skeleton(unknown.json()) == skeleton(json.loads(transcript("error-unknown-model")))
+    assert unknown.json()["error"]["message"] == "The model `nope` does not exist. Valid aliases: llmtap-sim."
+    assert bad_json.status_code == 400
+    assert skeleton(bad_json.json()) == skeleton(json.loads(transcript("error-bad-json")))
+    assert "'loc': 'body.24'" in bad_json.json()["error"]["message"]
+    assert too_long.status_code == 400
+    assert skeleton(too_long.json()) == skeleton(json.loads(transcript("error-too-long")))
+    assert f"maximum context length is {sim.profile.max_model_len} tokens" in too_long.json()["error"]["message"]
+    for r in (over_budget, missing, no_stream, no_prompt):
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    assert "'messages'" in missing.json()["error"]["message"]
+    assert [r["outcome"] for r in records] == ["error"] * 7
+    assert [r["status"] for r in records] == [404, 400, 400, 400, 400, 400, 400]
+
+
+def test_anthropic_errors(sim: Sim) -> None:
+    with httpx.Client(base_url=sim.url) as client:
+        unknown = client.post(MESSAGES, json=body_for(MESSAGES, "hi", model="nope"))
+        bad_json = client.post(MESSAGES, content=b"{")
+        no_max = client.post(MESSAGES, json=chat_body())
+    assert unknown.status_code == 404
+    assert unknown.json()["type"] == "error" and unknown.json()["error"]["type"] == "not_found_error"
+    for r in (bad_json, no_max):
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_models_health_and_unknown_path(sim: Sim) -> None:
+    with Sim(fast(served_models=["a-model", "b-alias"])) as s, httpx.Client(base_url=s.url) as client:
+        models = client.get("/v1/models").json()
+        health = client.get("/health")
+        alias = client.post(CHAT, json=chat_body(model="b-alias", max_tokens=1)).json()
+        missing = client.get("/v2/nothing")
+    assert [m["id"] for m in models["data"]] == ["a-model", "b-alias"]
+    assert models["data"][0]["max_model_len"] == 8192
+    assert health.status_code == 200
+    assert alias["model"] == "b-alias"
+    assert missing.status_code == 404
+
+
+# ---------------------------------------------------------------- prefix cache
+
+
+def test_prefix_cache_hits_only_a_shared_prefix() -> None:
+    fixed = " ".join(f"Rule {i}: answer politely and cite the order number." for i in range(60))
+    with Sim(fast(prefill_base_s=0.005, prefill_tokens_per_s=20000.0)) as s, httpx.Client(base_url=s.url) as client:
+
+        def ask(system: str, user: str) -> dict[str, Any]:
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            return dict(client.post(CHAT, json={"messages": messages, "max_tokens": 2}).json())
+
+        first = ask(fixed, "Where is order 1?")
+        second = ask(fixed, "Where is order 2, please?")
+        variable_first = [ask("Order 3 was late.", fixed), ask("Order 4 is broken.", fixed)]
+        anthropic = client.post(MESSAGES, json={"system": fixed, "messages": [{"role": "user", "content": "5"}],
+                                                "max_tokens": 2}).json()  # fmt: skip
+        records = truth(client)
+        cached_total = metric(client, "llmtap_sim_cached_tokens_total")
+    fixed_tokens = tokens.count(fixed + "\n")
+    expected = fixed_tokens // 16 * 16  # full blocks wholly inside the shared part
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == expected > 400
+    assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in variable_first] == [0, 0]
+    assert anthropic["usage"]["cache_read_input_tokens"] == expected
+    assert anthropic["usage"]["input_tokens"] == tokens.count(fixed + "\n5") - expected
+    # The cached read is cheaper by exactly the cached tokens' prefill.
+    prefill = {r["id"]: r["prefill_s"] for r in records}
+    saved = prefill[first["id"]] - prefill[second["id"]]
+    delta_tokens = first["usage"]["prompt_tokens"] - second["usage"]["prompt_tokens"]
+    assert saved == pytest.approx((expected + delta_tokens) / 20000.0, abs=0.003)
+    assert cached_total == 2 * expected
+
+
+def test_cache_evicts_least_recently_used_blocks() -> None:
+    cache = PrefixCache(block_size=4, capacity_blocks=6)
+    a, b, c = (block_hashes(list(range(base, base + 13)), 4) for base in (0, 100, 200))  # 3 blocks each
+    cache.insert(a)
+    cache.insert(b)
+    assert cache.lookup(a, 13).cached_tokens == 12  # touching A makes B the least recently used
+    cache.insert(c)
+    assert len(cache) == 6
+    assert cache.lookup(b, 13).cached_tokens == 0
+    assert cache.lookup(a, 13).cached_tokens == 12 and cache.lookup(c, 13).cached_tokens == 12
+    # A full hit still computes the last token, as vLLM does: 12 tokens give at most 8 cached.
+    assert cache.lookup(a[:3], 12).cached_tokens == 8
+
+
+def test_lru_eviction_through_the_server() -> None:
+    prompts = [" ".join(f"{name} line {i} of the policy." for i in range(20)) for name in ("Alpha", "Beta", "Gamma")]
+    blocks = [tokens.count(p) // 16 for p in prompts]
+    with Sim(fast(cache_blocks=max(blocks) * 2 + 1)) as s, httpx.Client(base_url=s.url) as client:
+
+        def cached(prompt: str) -> int:
+            r = client.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 1}).json()
+            return int(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        alpha, beta, gamma = prompts
+        assert [cached(alpha), cached(beta), cached(alpha), cached(gamma)] == [0, 0, (blocks[0] - 1) * 16, 0]
+        # Alpha was touched after beta, so gamma's blocks pushed beta out, tail first (a head block is left).
+        assert cached(alpha) == (blocks[0] - 1) * 16
+        assert cached(beta) == 16
+
+
+# ---------------------------------------------------------------- scheduler and timing
+
+
+async def test_queueing_appears_beyond_max_num_seqs_and_prefill_does_not_grow() -> None:
+    profile = fast(max_num_seqs=2, prefill_base_s=0.01, decode_s_per_token=0.01, default_max_tokens=8)
+    with Sim(profile) as s:
+        async with httpx.AsyncClient(base_url=s.url) as client:
+            waiting_seen: list[float] = []
+
+            async def watch() -> None:
+                while True:
+                    text = (await client.get("/metrics")).text
+                    waiting_seen.append(float(re.findall(r"waiting\{[^}]*\} (\S+)", text)[0]))
+                    await asyncio.sleep(0.01)
+
+            watcher = asyncio.create_task(watch())
+            await asyncio.gather(*(client.post(CHAT, json=chat_body(f"question {i}")) for i in range(6)))
+            watcher.cancel()
+            records = (await client.get("/debug/requests")).json()["requests"]
+    assert max(waiting_seen) >= 2
+    by_arrival = sorted(records, key=lambda r: r["arrival"])
+    assert [r["id"] for r in by_arrival] == [r["id"] for r in sorted(records, key=lambda r: r["admitted"])]  # FIFO
+    queues = sorted(r["queue_s"] for r in records)
+    one_request = profile.prefill_s(3) + 7 * profile.decode_s_per_token
+    assert queues[:2] == pytest.approx([0, 0], abs=0.005)
+    assert queues[2:4] == pytest.approx([one_request] * 2, abs=0.01)
+    assert queues[4:] == pytest.approx([2 * one_request] * 2, abs=0.015)
+    assert [r["prefill_s"] for r in records] == pytest.approx([profile.prefill_s(3)] * 6, abs=0.003)
+
+
+async def test_timing_matches_profile_and_truth_at_low_load() -> None:
+    profile = fast(prefill_base_s=0.03, prefill_tokens_per_s=100000.0, decode_s_per_token=0.012)
+    with Sim(profile) as s:
+        async with httpx.AsyncClient(base_url=s.url) as client:
+            runs = [await timed_stream(client, CHAT, chat_body(f"timing {i}", stream=True, max_tokens=15))
+                    for i in range(3)]  # fmt: skip
+            records = {r["id"]: r for r in (await client.get("/debug/requests")).json()["requests"]}
+    errors: dict[str, list[float]] = {"ttft_vs_profile": [], "ttft_vs_truth": [], "gap_vs_truth": [], "gap_vs_step": []}
+    for start, stamps, raw in runs:
+        record = records[chunks(raw)[0]["id"]]
+        assert len(stamps) == 15 == len(record["chunk_offsets_s"])
+        expected_ttft = profile.prefill_s(record["prompt_tokens"])
+        errors["ttft_vs_profile"].append(stamps[0] - start - expected_ttft)
+        errors["ttft_vs_truth"].append(stamps[0] - record["arrival"] - record["chunk_offsets_s"][0])
+        client_gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        offsets = record["chunk_offsets_s"]
+        truth_gaps = [b - a for a, b in itertools.pairwise(offsets)]
+        errors["gap_vs_truth"] += [c - t for c, t in zip(client_gaps, truth_gaps, strict=True)]
+        errors["gap_vs_step"] += [t - profile.decode_s_per_token for t in truth_gaps]
+        # Absolute deadlines: the whole decode is 14 steps, with no drift accumulated.
+        assert record["decode_s"] == pytest.approx(14 * profile.decode_s_per_token, abs=0.002)
+    worst = {k: max(abs(e) for e in v) for k, v in errors.items()}
+    assert worst["ttft_vs_profile"] < 0.005, worst
+    assert worst["ttft_vs_truth"] < 0.005, worst
+    assert worst["gap_vs_truth"] < 0.004, worst
+    assert worst["gap_vs_step"] < 0.003, worst
+
+
+def test_stream_interval_and_batch_slowdown() -> None:
+    profile = fast(stream_interval=4, decode_s_per_token=0.005, batch_slowdown=1.0, prefill_base_s=0.001)
+    with Sim(profile) as s, httpx.Client(base_url=s.url) as client:
+        alone = client.post(CHAT, json=chat_body("alone", stream=True, max_tokens=10))
+        records = truth(client)
+    deltas = [c["choices"][0]["delta"]["content"] for c in chunks(alone.content)[1:]]
+    assert [tokens.count(d) for d in deltas] == [1, 4, 4, 1]
+    assert records[-1]["chunk_tokens"] == [1, 4, 4, 1]
+    assert records[-1]["decode_s"] == pytest.approx(9 * 0.005, abs=0.002)
+
+    async def pair() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=s.url) as client:
+            await asyncio.gather(*(client.post(CHAT, json=chat_body(f"pair {i}", max_tokens=10)) for i in range(2)))
+            return list((await client.get("/debug/requests", params={"limit": 2})).json()["requests"])
+
+    with Sim(profile) as s:
+        both = asyncio.run(pair())
+    # Two running sequences: each step takes decode * (1 + 1.0 * (2 - 1)), twice as long.
+    assert [r["decode_s"] for r in both] == pytest.approx([9 * 0.010] * 2, abs=0.004)
+
+
+async def test_disconnect_frees_the_slot_at_once() -> None:
+    profile = fast(max_num_seqs=1, decode_s_per_token=0.005, default_max_tokens=2000)
+    running, waiting = "llmtap_sim_num_requests_running", "llmtap_sim_num_requests_waiting"
+    with Sim(profile) as s:
+        async with httpx.AsyncClient(base_url=s.url) as client, httpx.AsyncClient(base_url=s.url) as probe:
+            async with client.stream("POST", CHAT, json=chat_body("long", stream=True)) as first:
+                # Hold the iterator: a dropped one is finalized, which would close the connection early.
+                pieces = first.aiter_raw()
+                async for piece in pieces:
+                    if b'"content":" ' in piece:
+                        break
+                # A second request waits for the only slot, then leaves from the line.
+                async with client.stream("POST", CHAT, json=chat_body("queued", stream=True)):
+                    await asyncio.sleep(0.05)
+                    assert (await ametric(probe, running), await ametric(probe, waiting)) == (1, 1)
+                unqueued_after = await seconds_until_zero(probe, waiting)
+                assert await ametric(probe, running) == 1
+                await pieces.aclose()
+            freed_after = await seconds_until_zero(probe, running)
+            queued, long = (await probe.get("/debug/requests")).json()["requests"]
+            # The slot is free: the next request is admitted without queueing.
+            after_id = (await probe.post(CHAT, json=chat_body("after", max_tokens=2))).json()["id"]
+            after = (await probe.get("/debug/requests", params={"limit": 1})).json()["requests"][0]
+            cancelled = await ametric(probe, 'llmtap_sim_requests_total{model_name="llmtap-sim",outcome="cancelled"}')
+    assert unqueued_after < 0.05 and freed_after < 0.05
+    assert (queued["outcome"], queued["admitted"], queued["output_tokens"]) == ("cancelled", None, 0)
+    assert long["outcome"] == "cancelled" and 0 < long["output_tokens"] < 2000
+    assert (after["id"], after["outcome"]) == (after_id, "ok") and after["queue_s"] < 0.005
+    assert cancelled == 2
+
+
+async def test_long_prompt_is_counted_off_the_event_loop() -> None:
+    profile = fast(decode_s_per_token=0.01, max_model_len=1000)
+    huge = "please check the order and the invoice " * 50_000  # 2 MB, 350 k tokens
+    with Sim(profile) as s:
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as client:
+            stream = asyncio.create_task(client.post(CHAT, json=chat_body("steady", stream=True, max_tokens=40)))
+            await asyncio.sleep(0.05)
+            started = time.monotonic()
+            rejected = await client.post(COMPLETIONS, json={"prompt": huge, "max_tokens": 1})
+            busy = time.monotonic() - started
+            steady = (await stream).content
+            record = (await client.get("/debug/requests")).json()["requests"][-1]
+    assert rejected.status_code == 400 and f"{tokens.count(huge)} input tokens" in rejected.json()["error"]["message"]
+    assert busy > 0.1  # long enough that counting on the loop would stretch a gap far past its 10 ms
+    assert record["id"] == chunks(steady)[0]["id"]
+    gaps = [b - a for a, b in itertools.pairwise(record["chunk_offsets_s"])]
+    assert max(gaps) < 0.01 + 0.008
+
+
+# ---------------------------------------------------------------- truth, metrics, profiles
+
+
+def test_debug_requests_is_bounded_and_pages_by_seq() -> None:
+    with Sim(fast(history=5)) as s, httpx.Client(base_url=s.url) as client:
+        ids = [client.post(CHAT, json=chat_body(f"q{i}", max_tokens=1)).json()["id"] for i in range(8)]
+        page = client.get("/debug/requests").json()
+        since = client.get("/debug/requests", params={"since": page["last_seq"] - 2}).json()["requests"]
+        latest = truth(client, limit=1)
+        counted = metric(client, "llmtap_sim_requests_total")
+    assert [r["id"] for r in page["requests"]] == ids[3:]
+    assert [r["seq"] for r in since] == [7, 8]
+    assert [r["id"] for r in latest] == ids[-1:]
+    assert counted == 8
+    record = page["requests"][-1]
+    assert record["outcome"] == "ok" and record["output_tokens"] == 1
+    assert record["queue_s"] >= 0 and record["prefill_s"] > 0 and record["decode_s"] == 0
+
+
+def test_profiles_carry_the_course_numbers() -> None:
+    support, code = PROFILES["support"], PROFILES["code"]
+    assert support.prefill_s(6200) == pytest.approx(0.78, abs=0.005)
+    assert support.prefill_s(6200 - 5248) == pytest.approx(0.12, abs=0.005)
+    assert support.default_max_tokens * support.decode_s_per_token == pytest.approx(6.6)
+    assert 1 / support.decode_s_per_token == pytest.approx(45, abs=1)
+    assert code.prefill_s(200) == pytest.approx(0.025)
+    assert code.decode_s_per_token < support.decode_s_per_token and code.default_max_tokens == 64
+    changed = get_profile("support", max_num_seqs=2, served_models=["x", "y"])
+    assert (changed.max_num_seqs, changed.served_models, changed.model) == (2, ("x", "y"), "x")
+    assert PROFILES["support"].max_num_seqs == 8
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        get_profile("fast", max_num_seqs=0)
+    with pytest.raises(KeyError, match="unknown profile"):
+        get_profile("nope")
