@@ -48,6 +48,19 @@ def _simulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--profile", default="support", help="support, code or fast")
 
 
+def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo", help="offline: a simulated server behind the proxy; prints TTFT, ITL, throughput, goodput"
+    )
+    p.add_argument("--requests", type=int, help="requests per workload and layout (default 8 support, 16 code)")
+    p.add_argument("--concurrency", type=int, help="concurrent streams (default 4)")
+    p.add_argument("--output-tokens", dest="output_tokens", type=int, help="output tokens per request")
+    p.add_argument("--workload", choices=("support", "code"), help="run one workload only")
+    p.add_argument("--slo-ttft-ms", dest="slo_ttft_ms", type=float, help="TTFT objective for goodput, ms")
+    p.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=float, help="TPOT objective for goodput, ms")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of the ``llmtap`` command."""
     p = argparse.ArgumentParser(prog="llmtap", description="OpenTelemetry tracing proxy for LLM inference.")
@@ -55,6 +68,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _simulate_parser(sub)
+    _demo_parser(sub)
     return p
 
 
@@ -80,6 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if profile is None:
                 raise ConfigError(f"unknown profile {args.profile!r}; known: {', '.join(sorted(simulator.PROFILES))}")
             asyncio.run(simulator.serve(args.host, args.port, profile))
+        elif args.command == "demo":
+            logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+            from proxy import demo
+
+            return demo.main(args)
     except ConfigError as exc:
         print(f"llmtap: error: {exc}", file=sys.stderr)
         return 2

@@ -36,7 +36,9 @@ class _Server(uvicorn.Server):
 def bind(host: str, port: int, what: str) -> socket.socket:
     """A listening socket, or ``ConfigError`` naming the address when it is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only then; without it Nagle
+    # can hold a small SSE write until the client's delayed ACK, up to 40 ms later.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

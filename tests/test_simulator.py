@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import re
 import time
 from collections.abc import Iterator
@@ -489,6 +490,7 @@ async def test_timing_matches_profile_and_truth_at_low_load() -> None:
     profile = fast(prefill_base_s=0.03, prefill_tokens_per_s=100000.0, decode_s_per_token=0.012)
     with Sim(profile) as s:
         async with httpx.AsyncClient(base_url=s.url) as client:
+            await client.get("/health")  # connect first: TTFT is measured on a warm connection
             runs = [await timed_stream(client, CHAT, chat_body(f"timing {i}", stream=True, max_tokens=15))
                     for i in range(3)]  # fmt: skip
             records = {r["id"]: r for r in (await client.get("/debug/requests")).json()["requests"]}
@@ -567,18 +569,23 @@ async def test_disconnect_frees_the_slot_at_once() -> None:
 
 async def test_long_prompt_is_counted_off_the_event_loop() -> None:
     profile = fast(decode_s_per_token=0.01, max_model_len=1000)
-    huge = "please check the order and the invoice " * 50_000  # 2 MB, 350 k tokens
+    # One 400 kB "word": slow to encode (about 0.15 s) for its size, so what the test sees is the
+    # counting itself rather than Python's unavoidable GIL-holding work (JSON decoding, the id list).
+    huge = "".join(random.Random(1).choices("abcdefghijklmnopqrstuvwxyz", k=400_000))
+    counted = time.monotonic()
+    huge_tokens = tokens.count(huge)
+    count_s = time.monotonic() - counted
+    # Encoded up front: the client shares this process's GIL, and encoding 6 MB mid-stream would stall the server.
+    payload = json.dumps({"prompt": huge, "max_tokens": 1}).encode()
     with Sim(profile) as s:
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as client:
             stream = asyncio.create_task(client.post(CHAT, json=chat_body("steady", stream=True, max_tokens=40)))
             await asyncio.sleep(0.05)
-            started = time.monotonic()
-            rejected = await client.post(COMPLETIONS, json={"prompt": huge, "max_tokens": 1})
-            busy = time.monotonic() - started
+            rejected = await client.post(COMPLETIONS, content=payload)
             steady = (await stream).content
             record = (await client.get("/debug/requests")).json()["requests"][-1]
-    assert rejected.status_code == 400 and f"{tokens.count(huge)} input tokens" in rejected.json()["error"]["message"]
-    assert busy > 0.1  # long enough that counting on the loop would stretch a gap far past its 10 ms
+    assert rejected.status_code == 400 and f"{huge_tokens} input tokens" in rejected.json()["error"]["message"]
+    assert count_s > 0.05  # long enough that counting on the loop would stretch a gap far past its 10 ms
     assert record["id"] == chunks(steady)[0]["id"]
     gaps = [b - a for a, b in itertools.pairwise(record["chunk_offsets_s"])]
     assert max(gaps) < 0.01 + 0.008

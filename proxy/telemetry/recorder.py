@@ -13,7 +13,7 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import context as otel_context, trace
@@ -85,6 +85,9 @@ class Recorder:
         self.recorded = 0
         self.failed = 0
         self.dropped = 0
+        #: Called on the worker thread with each finished request's timeline and summary (the demo's
+        #: tables read them); a listener that raises is logged and skipped.
+        self.listeners: list[Callable[[Timeline, Summary], None]] = []
 
     # -- called on the event loop -------------------------------------------------------------
 
@@ -185,6 +188,11 @@ class Recorder:
             self._spans(tl, s, handle.span)
         if tl.protocol is not None:
             self._metrics(tl, s)
+        for listener in self.listeners:
+            try:
+                listener(tl, s)
+            except Exception:
+                log.exception("telemetry: a record listener failed")
         return s
 
     def _spans(self, tl: Timeline, s: Summary, root: Span) -> None:
@@ -399,9 +407,10 @@ def start_attributes(tl: Timeline) -> dict[str, Any]:
         attrs[sc.REQUEST_STREAM] = True
     if req.parse_error:
         attrs[sc.REQUEST_PARSE_ERROR] = req.parse_error
+    # Provider params are keyed by their gen_ai.request.* suffix (max_tokens, temperature, choice.count, ...).
     for key, value in req.params.items():
         if value is not None:
-            attrs[key] = value
+            attrs[f"gen_ai.request.{key}"] = value
     if tl.prompt_version:
         attrs[sc.PROMPT_VERSION] = tl.prompt_version
     return attrs
