@@ -6,6 +6,7 @@ same ``Summary``, so every consumer agrees on what TTFT or TPOT means (DESIGN, "
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from proxy import tokens
@@ -76,26 +77,29 @@ def apportion(total: int, weights: list[int]) -> list[int]:
     k = len(weights)
     if k == 0:
         return []
-    if total >= k:
-        base = [1] * k
-        rest = total - k
-        w = [max(x - 1, 0) for x in weights]
-    else:
-        base = [0] * k
-        rest = total
-        w = list(weights)
+    w = [max(x, 0) for x in weights]
     wsum = sum(w)
-    if rest == 0:
-        return base
     if wsum == 0:
         w, wsum = [1] * k, k
-    shares = [rest * x / wsum for x in w]
-    floors = [int(s) for s in shares]
-    left = rest - sum(floors)
-    order = sorted(range(k), key=lambda i: shares[i] - floors[i], reverse=True)
+    shares = [total * x / wsum for x in w]
+    out = [int(s) for s in shares]
+    left = total - sum(out)
+    order = sorted(range(k), key=lambda i: shares[i] - out[i], reverse=True)
     for i in order[:left]:
-        floors[i] += 1
-    return [b + f for b, f in zip(base, floors, strict=True)]
+        out[i] += 1
+    if total >= k:
+        # Every content chunk carried at least one token: give the empty ones one, taken from the largest.
+        empty = [i for i in range(k) if out[i] == 0]
+        if empty:
+            largest = [(-n, i) for i, n in enumerate(out) if n > 1]
+            heapq.heapify(largest)
+            for i in empty:
+                n, j = heapq.heappop(largest)
+                out[j] -= 1
+                out[i] = 1
+                if -n - 1 > 1:
+                    heapq.heappush(largest, (n + 1, j))
+    return out
 
 
 def _drift(counted: int, reported: int | None) -> float | None:

@@ -11,10 +11,13 @@ import itertools
 import json
 import random
 import re
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -24,7 +27,18 @@ from proxy.simulator import PROFILES, Profile, get_profile, run_in_thread
 from proxy.simulator.cache import PrefixCache
 from proxy.simulator.text import Vocabulary, block_hashes
 
-TRANSCRIPTS = Path("/work/shared/data/transcripts/vllm-0.32-cpu")
+# Recorded from vLLM 0.32 (see their README): a copy beside the tests wins over the shared one.
+TRANSCRIPTS = next(
+    (
+        p
+        for p in (
+            Path(__file__).parent / "transcripts" / "vllm-0.32-cpu",
+            Path("/work/shared/data/transcripts/vllm-0.32-cpu"),
+        )
+        if p.is_dir()
+    ),
+    None,
+)
 FIXED_CLOCK = 1795985942.0
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -104,6 +118,8 @@ def chunks(raw: bytes) -> list[dict[str, Any]]:
 
 def transcript(name: str) -> bytes:
     """A recorded vLLM body."""
+    if TRANSCRIPTS is None:
+        pytest.skip("vLLM transcripts not found")
     return (TRANSCRIPTS / f"{name}.body").read_bytes()
 
 
@@ -153,21 +169,19 @@ def truth(client: httpx.Client, **params: int) -> list[dict[str, Any]]:
     return list(client.get("/debug/requests", params=params).json()["requests"])
 
 
-def record_for(client: httpx.Client, rid: str) -> dict[str, Any]:
-    """The truth record of the response with id ``rid``."""
-    return next(r for r in truth(client) if r["id"] == rid)
+def sample_sum(text: str, name: str) -> float:
+    """Sum of the samples of one metric (``name`` may carry its labels) in Prometheus text."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def metric(client: httpx.Client, name: str) -> float:
-    """Sum of the samples of one metric at /metrics."""
-    text = client.get("/metrics").text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    """A metric read from /metrics."""
+    return sample_sum(client.get("/metrics").text, name)
 
 
 async def ametric(client: httpx.AsyncClient, name: str) -> float:
     """``metric`` for an async client."""
-    text = (await client.get("/metrics")).text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sample_sum((await client.get("/metrics")).text, name)
 
 
 async def seconds_until_zero(client: httpx.AsyncClient, name: str, limit_s: float = 2.0) -> float:
@@ -407,8 +421,8 @@ def test_prefix_cache_hits_only_a_shared_prefix() -> None:
         first = ask(fixed, "Where is order 1?")
         second = ask(fixed, "Where is order 2, please?")
         variable_first = [ask("Order 3 was late.", fixed), ask("Order 4 is broken.", fixed)]
-        anthropic = client.post(MESSAGES, json={"system": fixed, "messages": [{"role": "user", "content": "5"}],
-                                                "max_tokens": 2}).json()  # fmt: skip
+        anthropic_body = {"system": fixed, "messages": [{"role": "user", "content": "5"}], "max_tokens": 2}
+        anthropic = client.post(MESSAGES, json=anthropic_body).json()
         records = truth(client)
         cached_total = metric(client, "llmtap_sim_cached_tokens_total")
     fixed_tokens = tokens.count(fixed + "\n")
@@ -422,7 +436,7 @@ def test_prefix_cache_hits_only_a_shared_prefix() -> None:
     prefill = {r["id"]: r["prefill_s"] for r in records}
     saved = prefill[first["id"]] - prefill[second["id"]]
     delta_tokens = first["usage"]["prompt_tokens"] - second["usage"]["prompt_tokens"]
-    assert saved == pytest.approx((expected + delta_tokens) / 20000.0, abs=0.003)
+    assert saved == pytest.approx((expected + delta_tokens) / 20000.0, abs=0.004)
     assert cached_total == 2 * expected
 
 
@@ -442,18 +456,23 @@ def test_cache_evicts_least_recently_used_blocks() -> None:
 
 def test_lru_eviction_through_the_server() -> None:
     prompts = [" ".join(f"{name} line {i} of the policy." for i in range(20)) for name in ("Alpha", "Beta", "Gamma")]
-    blocks = [tokens.count(p) // 16 for p in prompts]
-    with Sim(fast(cache_blocks=max(blocks) * 2 + 1)) as s, httpx.Client(base_url=s.url) as client:
+    counts = [tokens.count(p) for p in prompts]
+    blocks = [n // 16 for n in counts]
+    capacity = blocks[0] + blocks[1] + 1
+    with Sim(fast(cache_blocks=capacity)) as s, httpx.Client(base_url=s.url) as client:
 
         def cached(prompt: str) -> int:
             r = client.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 1}).json()
             return int(r["usage"]["prompt_tokens_details"]["cached_tokens"])
 
         alpha, beta, gamma = prompts
-        assert [cached(alpha), cached(beta), cached(alpha), cached(gamma)] == [0, 0, (blocks[0] - 1) * 16, 0]
-        # Alpha was touched after beta, so gamma's blocks pushed beta out, tail first (a head block is left).
-        assert cached(alpha) == (blocks[0] - 1) * 16
-        assert cached(beta) == 16
+        full_alpha = (counts[0] - 1) // 16 * 16  # the last prompt token is always computed
+        assert [cached(alpha), cached(beta), cached(alpha), cached(gamma)] == [0, 0, full_alpha, 0]
+        # Alpha was touched after beta, so gamma's blocks pushed beta out, tail first: beta keeps its head.
+        kept = capacity - blocks[0] - blocks[2]
+        assert 0 < kept < blocks[1]
+        assert cached(alpha) == full_alpha
+        assert cached(beta) == kept * 16
 
 
 # ---------------------------------------------------------------- scheduler and timing
@@ -467,8 +486,7 @@ async def test_queueing_appears_beyond_max_num_seqs_and_prefill_does_not_grow() 
 
             async def watch() -> None:
                 while True:
-                    text = (await client.get("/metrics")).text
-                    waiting_seen.append(float(re.findall(r"waiting\{[^}]*\} (\S+)", text)[0]))
+                    waiting_seen.append(await ametric(client, "llmtap_sim_num_requests_waiting"))
                     await asyncio.sleep(0.01)
 
             watcher = asyncio.create_task(watch())
@@ -479,61 +497,114 @@ async def test_queueing_appears_beyond_max_num_seqs_and_prefill_does_not_grow() 
     by_arrival = sorted(records, key=lambda r: r["arrival"])
     assert [r["id"] for r in by_arrival] == [r["id"] for r in sorted(records, key=lambda r: r["admitted"])]  # FIFO
     queues = sorted(r["queue_s"] for r in records)
-    one_request = profile.prefill_s(3) + 7 * profile.decode_s_per_token
+    prefill = [profile.prefill_s(r["prompt_tokens"]) for r in records]
+    one_request = prefill[0] + 7 * profile.decode_s_per_token  # the first token ends prefill, then 7 steps
     assert queues[:2] == pytest.approx([0, 0], abs=0.005)
     assert queues[2:4] == pytest.approx([one_request] * 2, abs=0.01)
     assert queues[4:] == pytest.approx([2 * one_request] * 2, abs=0.015)
-    assert [r["prefill_s"] for r in records] == pytest.approx([profile.prefill_s(3)] * 6, abs=0.003)
+    assert [r["prefill_s"] for r in records] == pytest.approx(prefill, abs=0.004)  # no growth under load
 
 
 async def test_timing_matches_profile_and_truth_at_low_load() -> None:
     profile = fast(prefill_base_s=0.03, prefill_tokens_per_s=100000.0, decode_s_per_token=0.012)
+    step = profile.decode_s_per_token
     with Sim(profile) as s:
         async with httpx.AsyncClient(base_url=s.url) as client:
-            await client.get("/health")  # connect first: TTFT is measured on a warm connection
-            runs = [await timed_stream(client, CHAT, chat_body(f"timing {i}", stream=True, max_tokens=15))
-                    for i in range(3)]  # fmt: skip
+            await timed_stream(client, CHAT, chat_body("warm-up", stream=True, max_tokens=2))  # connect, warm paths
+            runs = []
+            for i in range(4):
+                runs.append(await timed_stream(client, CHAT, chat_body(f"timing {i}", stream=True, max_tokens=15)))
             records = {r["id"]: r for r in (await client.get("/debug/requests")).json()["requests"]}
-    errors: dict[str, list[float]] = {"ttft_vs_profile": [], "ttft_vs_truth": [], "gap_vs_truth": [], "gap_vs_step": []}
+    errors: dict[str, list[float]] = {
+        "server_ttft_vs_profile": [],  # TTFT in the truth against prefill_base_s + tokens / prefill rate
+        "client_ttft_vs_server": [],  # what the client measured against the truth
+        "delivery": [],  # each chunk: client receipt against the server's write
+        "gap_vs_truth": [],  # client chunk gaps against the truth's
+        "schedule": [],  # chunk k of the truth against first + k * step: no drift accumulates
+    }
     for start, stamps, raw in runs:
         record = records[chunks(raw)[0]["id"]]
-        assert len(stamps) == 15 == len(record["chunk_offsets_s"])
-        expected_ttft = profile.prefill_s(record["prompt_tokens"])
-        errors["ttft_vs_profile"].append(stamps[0] - start - expected_ttft)
-        errors["ttft_vs_truth"].append(stamps[0] - record["arrival"] - record["chunk_offsets_s"][0])
-        client_gaps = [b - a for a, b in itertools.pairwise(stamps)]
         offsets = record["chunk_offsets_s"]
-        truth_gaps = [b - a for a, b in itertools.pairwise(offsets)]
-        errors["gap_vs_truth"] += [c - t for c, t in zip(client_gaps, truth_gaps, strict=True)]
-        errors["gap_vs_step"] += [t - profile.decode_s_per_token for t in truth_gaps]
-        # Absolute deadlines: the whole decode is 14 steps, with no drift accumulated.
-        assert record["decode_s"] == pytest.approx(14 * profile.decode_s_per_token, abs=0.002)
+        assert len(stamps) == 15 == len(offsets)
+        errors["server_ttft_vs_profile"].append(offsets[0] - profile.prefill_s(record["prompt_tokens"]))
+        errors["client_ttft_vs_server"].append(stamps[0] - start - offsets[0])
+        errors["delivery"] += [t - record["arrival"] - o for t, o in zip(stamps, offsets, strict=True)]
+        errors["gap_vs_truth"] += [
+            (b - a) - (y - x)
+            for (a, b), (x, y) in zip(itertools.pairwise(stamps), itertools.pairwise(offsets), strict=True)
+        ]
+        errors["schedule"] += [o - offsets[0] - k * step for k, o in enumerate(offsets)]
     worst = {k: max(abs(e) for e in v) for k, v in errors.items()}
-    assert worst["ttft_vs_profile"] < 0.005, worst
-    assert worst["ttft_vs_truth"] < 0.005, worst
-    assert worst["gap_vs_truth"] < 0.004, worst
-    assert worst["gap_vs_step"] < 0.003, worst
+    # Timers fire up to ~1 ms late (epoll's millisecond timeouts), never early; the rest is Python and
+    # the GIL this client shares with the server thread. Typical worst cases are 1 to 2.5 ms.
+    assert all(e >= 0 for e in errors["server_ttft_vs_profile"]), errors
+    assert all(e < 0.005 for e in worst.values()), worst
 
 
-def test_stream_interval_and_batch_slowdown() -> None:
+async def test_stream_interval_and_batch_slowdown() -> None:
     profile = fast(stream_interval=4, decode_s_per_token=0.005, batch_slowdown=1.0, prefill_base_s=0.001)
-    with Sim(profile) as s, httpx.Client(base_url=s.url) as client:
-        alone = client.post(CHAT, json=chat_body("alone", stream=True, max_tokens=10))
-        records = truth(client)
-    deltas = [c["choices"][0]["delta"]["content"] for c in chunks(alone.content)[1:]]
-    assert [tokens.count(d) for d in deltas] == [1, 4, 4, 1]
-    assert records[-1]["chunk_tokens"] == [1, 4, 4, 1]
-    assert records[-1]["decode_s"] == pytest.approx(9 * 0.005, abs=0.002)
-
-    async def pair() -> list[dict[str, Any]]:
-        async with httpx.AsyncClient(base_url=s.url) as client:
-            await asyncio.gather(*(client.post(CHAT, json=chat_body(f"pair {i}", max_tokens=10)) for i in range(2)))
-            return list((await client.get("/debug/requests", params={"limit": 2})).json()["requests"])
-
     with Sim(profile) as s:
-        both = asyncio.run(pair())
+        async with httpx.AsyncClient(base_url=s.url) as client:
+            alone = await client.post(CHAT, json=chat_body("alone", stream=True, max_tokens=10))
+            record = (await client.get("/debug/requests")).json()["requests"][-1]
+            pair = [client.post(CHAT, json=chat_body(f"pair {i}", max_tokens=10)) for i in range(2)]
+            await asyncio.gather(*pair)
+            both = (await client.get("/debug/requests", params={"limit": 2})).json()["requests"]
+    deltas = [c["choices"][0]["delta"]["content"] for c in chunks(alone.content)[1:]]
+    assert [tokens.count(d) for d in deltas] == [1, 4, 4, 1]  # the first token alone, then 4 per chunk
+    assert record["chunk_tokens"] == [1, 4, 4, 1]
+    assert record["decode_s"] == pytest.approx(9 * 0.005, abs=0.004)
     # Two running sequences: each step takes decode * (1 + 1.0 * (2 - 1)), twice as long.
     assert [r["decode_s"] for r in both] == pytest.approx([9 * 0.010] * 2, abs=0.004)
+
+
+async def test_prelude_goes_out_at_admission_or_with_the_first_token() -> None:
+    arrivals = []
+    for early in (True, False):
+        with Sim(fast(prefill_base_s=0.04, prelude_on_admit=early)) as s:
+            async with httpx.AsyncClient(base_url=s.url) as client:
+                start = time.monotonic()
+                stamps: list[float] = []
+                async with client.stream("POST", MESSAGES, json=body_for(MESSAGES, "hi", stream=True)) as r:
+                    pending = b""
+                    async for piece in r.aiter_raw():
+                        pending += piece
+                        *done, pending = pending.split(b"\n\n")
+                        stamps += [time.monotonic() - start for ev in done if ev.startswith(b"event: message_start")]
+                        stamps += [time.monotonic() - start for ev in done if has_content(ev)][:1]
+                arrivals.append(stamps[:2])
+    (early_start, early_first), (late_start, late_first) = arrivals
+    assert early_start < 0.02 and early_first == pytest.approx(0.04, abs=0.006)  # TTFB well before TTFT
+    assert late_start == pytest.approx(late_first, abs=0.002) and late_first == pytest.approx(0.04, abs=0.006)
+
+
+def test_serve_runs_in_its_own_process() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = (
+        "import asyncio; from proxy.simulator import get_profile, serve; "
+        f"asyncio.run(serve('127.0.0.1', {port}, get_profile('fast', served_models=['own-process'])))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline and proc.poll() is None, "the simulator did not start"
+                    time.sleep(0.05)
+            models = client.get("/v1/models").json()
+            reply = client.post(CHAT, json=chat_body(model="own-process", max_tokens=3)).json()
+    finally:
+        proc.terminate()  # uvicorn shuts down gracefully on SIGTERM
+        returncode = proc.wait(timeout=10)
+    assert models["data"][0]["id"] == "own-process"
+    assert reply["usage"]["completion_tokens"] == 3
+    assert returncode == 0
 
 
 async def test_disconnect_frees_the_slot_at_once() -> None:
@@ -543,7 +614,7 @@ async def test_disconnect_frees_the_slot_at_once() -> None:
         async with httpx.AsyncClient(base_url=s.url) as client, httpx.AsyncClient(base_url=s.url) as probe:
             async with client.stream("POST", CHAT, json=chat_body("long", stream=True)) as first:
                 # Hold the iterator: a dropped one is finalized, which would close the connection early.
-                pieces = first.aiter_raw()
+                pieces = cast(AsyncGenerator[bytes, None], first.aiter_raw())
                 async for piece in pieces:
                     if b'"content":" ' in piece:
                         break
@@ -575,7 +646,7 @@ async def test_long_prompt_is_counted_off_the_event_loop() -> None:
     counted = time.monotonic()
     huge_tokens = tokens.count(huge)
     count_s = time.monotonic() - counted
-    # Encoded up front: the client shares this process's GIL, and encoding 6 MB mid-stream would stall the server.
+    # Encoded up front: the client shares this process's GIL, and encoding mid-stream would stall the server.
     payload = json.dumps({"prompt": huge, "max_tokens": 1}).encode()
     with Sim(profile) as s:
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as client:

@@ -92,7 +92,7 @@ def test_tpot_unset_for_a_single_token() -> None:
         (24, [2, 4, 6], [4, 8, 12]),  # twice as many tokens: twice as many per chunk
         (12, [1, 1, 1, 1], [3, 3, 3, 3]),
         (4, [0, 0, 10, 0], [1, 1, 1, 1]),  # every chunk carried at least one token
-        (2, [1, 5, 1, 1], [0, 2, 0, 0]),  # fewer tokens than chunks: no floor of one
+        (2, [1, 6, 1], [0, 2, 0]),  # fewer tokens than chunks: no floor of one
         (5, [0, 0, 0], [2, 2, 1]),  # no weights: an even split
         (0, [3, 3], [0, 0]),
         (7, [], []),
@@ -214,7 +214,7 @@ def test_cache_and_reasoning_tokens_from_usage() -> None:
     assert s.input_size == "le_1k"
 
 
-# SLO: ttft 0.5 s, tpot 0.1 s, e2e 2 s. The base request: TTFT 0.5, TPOT 1/16 (6 tokens, 5 chunks... see below).
+# The base request below: TTFT 0.5 s, TPOT 1/16 s (5 chunks, 5 tokens), E2E 1 s.
 SLOS = SLO(ttft=0.5, tpot=0.1, e2e=2.0)
 
 

@@ -94,6 +94,8 @@ class Recorder:
     def start(self, tl: Timeline, incoming: Mapping[str, str]) -> tuple[TraceHandle | None, dict[str, str]]:
         """Open the root span (child of the client's ``traceparent``); return it and the headers to send upstream."""
         try:
+            # Counted first: ``record`` takes it back even when the span below cannot be started.
+            self.instruments.active_streams.add(1, {sc.ROUTE: tl.route})
             parent = _PROPAGATOR.extract(incoming)
             span = self._tracer.start_span(
                 root_name(tl),
@@ -108,7 +110,6 @@ class Recorder:
             if ctx.is_valid:
                 tl.trace_id = format(ctx.trace_id, "032x")
                 tl.span_id = format(ctx.span_id, "016x")
-            self.instruments.active_streams.add(1, {sc.ROUTE: tl.route})
             return TraceHandle(span), carrier
         except Exception:
             log.exception("telemetry: could not start the request span")
@@ -185,7 +186,10 @@ class Recorder:
         s = summarize(tl, self.settings.slo)
         self.instruments.active_streams.add(-1, {sc.ROUTE: tl.route})
         if handle is not None:
-            self._spans(tl, s, handle.span)
+            try:
+                self._spans(tl, s, handle.span)
+            except Exception:
+                log.exception("telemetry: could not write the spans of %s %s", tl.method, tl.path)
         if tl.protocol is not None:
             self._metrics(tl, s)
         for listener in self.listeners:
@@ -198,7 +202,8 @@ class Recorder:
     def _spans(self, tl: Timeline, s: Summary, root: Span) -> None:
         end = tl.end if tl.end is not None else tl.received
         if tl.protocol is not None:
-            root.set_attributes(end_attributes(tl, s, capture=self.settings.telemetry.capture_content))
+            t = self.settings.telemetry
+            root.set_attributes(end_attributes(tl, s, capture=t.capture_content, latest=t.semconv_latest))
         if tl.status_code is not None:
             root.set_attribute(sc.HTTP_STATUS, tl.status_code)
         if tl.outcome != OK:
@@ -290,9 +295,11 @@ class Recorder:
             sc.SERVER_ADDRESS: tl.server_address,
             sc.SERVER_PORT: tl.server_port,
             sc.ROUTE: tl.route,
-            sc.REQUEST_STREAM: bool(req and req.stream),
             sc.INPUT_SIZE: s.input_size,
         }
+        if req is not None and req.stream:
+            # As on the span: set if and only if the request streams (gen-ai-spans.md).
+            attrs[sc.REQUEST_STREAM] = True
         if req is not None and req.model:
             attrs[sc.REQUEST_MODEL] = self._models(req.model)
         if tl.response_model:
@@ -421,7 +428,7 @@ def _put(attrs: dict[str, Any], key: str, value: Any) -> None:
         attrs[key] = value
 
 
-def end_attributes(tl: Timeline, s: Summary, *, capture: bool) -> dict[str, Any]:
+def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = False) -> dict[str, Any]:
     """Attributes known when the stream ends."""
     attrs: dict[str, Any] = {}
     _put(attrs, sc.RESPONSE_ID, tl.response_id)
@@ -434,7 +441,8 @@ def end_attributes(tl: Timeline, s: Summary, *, capture: bool) -> dict[str, Any]
     _put(attrs, sc.USAGE_INPUT_TOKENS, s.input_tokens)
     _put(attrs, sc.USAGE_OUTPUT_TOKENS, s.output_tokens)
     _put(attrs, sc.USAGE_CACHE_READ, s.cache_read_tokens)
-    _put(attrs, sc.USAGE_CACHE_CREATION, s.cache_write_tokens)
+    # semantic-conventions-genai migration.md: cache_creation.input_tokens -> cache_write.input_tokens.
+    _put(attrs, sc.USAGE_CACHE_WRITE if latest else sc.USAGE_CACHE_CREATION, s.cache_write_tokens)
     _put(attrs, sc.USAGE_REASONING, s.reasoning_tokens)
     if s.input_tokens is not None:
         attrs[sc.INPUT_TOKENS_SOURCE] = s.input_source

@@ -1,0 +1,719 @@
+"""The recorder: spans, events and metrics from hand-built timelines, with in-memory providers injected."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.context import Context
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, Metric
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from proxy.settings import SLO, Route, Settings, Telemetry as TelemetrySettings, build
+from proxy.summary import Summary
+from proxy.telemetry import semconv as sc
+from proxy.telemetry.recorder import BoundedValues, Recorder
+from proxy.timeline import Timeline
+from proxy.types import Facts, RequestInfo, Usage
+from tests.conftest import Running, Scripted, Telemetry
+
+WALL = 1_700_000_000_000_000_000
+T0 = 5000.0  # offsets are multiples of 1/128 s: exact in binary and in whole nanoseconds
+GAP = 1 / 16
+FIRST = 0.5
+WORDS = [" alpha", " beta gamma", " delta river sigma"]  # 1, 2 and 3 o200k tokens
+ROUTES = (Route(prefix="/", upstream="http://upstream:8000", name="default"),)
+# Metric attributes that spans do not carry (or carry under the same key only on the root).
+METRIC_ONLY = {sc.TOKEN_TYPE, sc.OUTCOME, sc.SLO_OUTCOME, sc.DRIFT_DIRECTION, sc.TOKEN_MODALITY}
+
+
+def ns(offset: float) -> int:
+    """Epoch nanoseconds of ``T0 + offset``."""
+    return WALL + round(offset * 1e9)
+
+
+def chunk_tokens(n: int) -> int:
+    return sum(i % 3 + 1 for i in range(n))
+
+
+def timeline(
+    n: int = 6,
+    *,
+    stream: bool = True,
+    model: str | None = "gpt-4o",
+    response_model: str | None = "gpt-4o-2024-08-06",
+    usage: Usage | None = None,
+    finish: list[str] | None = None,
+    prompt: str = "",
+    texts: list[str] | None = None,
+) -> Timeline:
+    """A chat request received at T0: admitted +1/64, sent +1/32, first byte +1/8, n chunks from +0.5 every 1/16."""
+    tl = Timeline(
+        method="POST",
+        path="/v1/chat/completions",
+        route="default",
+        upstream="http://upstream:8000",
+        server_address="upstream",
+        server_port=8000,
+        protocol="openai_chat",
+        provider_name="openai",
+        received=T0,
+        received_wall_ns=WALL,
+        request=RequestInfo(
+            operation="chat",
+            model=model,
+            stream=stream,
+            params={"max_tokens": 256, "temperature": 0.5},
+            prompt_text=prompt,
+        ),
+        body_read=T0 + 1 / 128,
+        admitted=T0 + 1 / 64,
+        sent=T0 + 1 / 32,
+        headers=T0 + 1 / 16,
+        first_byte=T0 + 1 / 8,
+        status_code=200,
+    )
+    texts = texts if texts is not None else [WORDS[i % 3] for i in range(n)]
+    for i, text in enumerate(texts):
+        tl.add_chunk(T0 + FIRST + i * GAP, 30 + i, text)
+    tl.end = T0 + FIRST + (len(texts) - 1) * GAP + 0.25
+    tl.response_bytes = sum(tl.chunk_bytes)
+    tl.apply(
+        Facts(
+            usage=usage if usage is not None else Usage(input_tokens=40, output_tokens=chunk_tokens(len(texts))),
+            finish_reasons=["stop"] if finish is None else finish,
+            response_id="chatcmpl-1",
+            response_model=response_model,
+        )
+    )
+    return tl
+
+
+class StartAttributes(SpanProcessor):
+    """Records the attributes each span has when it starts (what a sampler or on_start hook sees)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        self.seen.append((span.name, dict(span.attributes or {})))
+
+
+class Raising(SpanProcessor):
+    """A broken span processor."""
+
+    def __init__(self, *, on_start: bool = False, on_end: bool = False) -> None:
+        self.start, self.end = on_start, on_end
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        if self.start:
+            raise RuntimeError("processor on_start failed")
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self.end:
+            raise RuntimeError("processor on_end failed")
+
+
+class Blocking(SpanProcessor):
+    """Blocks the first span end on the recorder's worker thread until released (a stuck exporter)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if threading.current_thread().name == "llmtap-recorder" and not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(10)
+
+
+class Harness:
+    """A recorder with in-memory span and metric readers (no global providers)."""
+
+    def __init__(self, telemetry: TelemetrySettings, slo: SLO, processors: tuple[SpanProcessor, ...]) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider(shutdown_on_exit=False)
+        for p in processors:
+            self.tracer_provider.add_span_processor(p)
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
+        self.recorder = Recorder(
+            Settings(routes=ROUTES, telemetry=telemetry, slo=slo),
+            tracer_provider=self.tracer_provider,
+            meter_provider=self.meter_provider,
+        )
+
+    def run(self, tl: Timeline, incoming: dict[str, str] | None = None) -> Summary:
+        """Start and record one request synchronously."""
+        handle, _ = self.recorder.start(tl, incoming or {})
+        return self.recorder.record(tl, handle)
+
+    def spans(self, name: str | None = None) -> list[ReadableSpan]:
+        return [s for s in self.exporter.get_finished_spans() if name is None or s.name == name]
+
+    def root(self) -> ReadableSpan:
+        roots = [s for s in self.spans() if s.kind == SpanKind.CLIENT]
+        assert len(roots) == 1, [s.name for s in self.spans()]
+        return roots[0]
+
+    def metrics(self) -> dict[str, Metric]:
+        data = self.reader.get_metrics_data()
+        out: dict[str, Metric] = {}
+        if data is not None:
+            for rm in data.resource_metrics:
+                for sm in rm.scope_metrics:
+                    for m in sm.metrics:
+                        out[m.name] = m
+        return out
+
+    def close(self) -> None:
+        self.recorder.close()
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+HarnessFactory = Callable[..., Harness]
+
+
+@pytest.fixture
+def harness() -> Iterator[HarnessFactory]:
+    made: list[Harness] = []
+
+    def make(*processors: SpanProcessor, slo: SLO | None = None, **telemetry: Any) -> Harness:
+        h = Harness(TelemetrySettings(**telemetry), slo or SLO(), processors)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def attrs(span: ReadableSpan) -> dict[str, Any]:
+    return dict(span.attributes or {})
+
+
+def children(h: Harness, parent: ReadableSpan, name: str) -> list[ReadableSpan]:
+    pid = parent.context.span_id
+    found = [s for s in h.spans(name) if s.parent is not None and s.parent.span_id == pid]
+    return sorted(found, key=lambda s: s.start_time or 0)
+
+
+def points(m: Metric) -> list[Any]:
+    return list(m.data.data_points)
+
+
+def point(metrics: dict[str, Metric], name: str, **match: Any) -> Any:
+    """The one data point of ``name`` whose attributes include ``match``."""
+    found = [p for p in points(metrics[name]) if all(p.attributes.get(k) == v for k, v in match.items())]
+    assert len(found) == 1, (name, match, [dict(p.attributes) for p in points(metrics[name])])
+    return found[0]
+
+
+# --- spans --------------------------------------------------------------------------------------
+
+
+def test_span_tree_links_and_times(harness: HarnessFactory) -> None:
+    h = harness()
+    tl = timeline(6)
+    handle, carrier = h.recorder.start(tl, {})
+    h.recorder.record(tl, handle)
+    root = h.root()
+    assert root.name == "chat gpt-4o" and root.kind == SpanKind.CLIENT
+    assert root.parent is None
+    assert (root.start_time, root.end_time) == (WALL, ns(FIRST + 5 * GAP + 0.25))
+    assert root.status.status_code == StatusCode.UNSET
+    # The context that goes upstream names the root span; the timeline keeps the ids for request records.
+    assert carrier["traceparent"].startswith(f"00-{root.context.trace_id:032x}-{root.context.span_id:016x}-")
+    assert (tl.trace_id, tl.span_id) == (f"{root.context.trace_id:032x}", f"{root.context.span_id:016x}")
+
+    (queue,) = children(h, root, sc.SPAN_QUEUE)
+    (prefill,) = children(h, root, sc.SPAN_PREFILL)
+    (decode,) = children(h, root, sc.SPAN_DECODE)
+    assert (queue.start_time, queue.end_time) == (ns(0), ns(1 / 64))
+    assert (prefill.start_time, prefill.end_time) == (ns(1 / 32), ns(FIRST))
+    assert (decode.start_time, decode.end_time) == (ns(FIRST), ns(FIRST + 5 * GAP))
+    assert attrs(queue)[sc.QUEUE_DURATION] == 1 / 128 and attrs(queue)[sc.QUEUE_SOURCE] == "proxy"
+    assert attrs(prefill)[sc.USAGE_INPUT_TOKENS] == 40 and attrs(prefill)[sc.PREFILL_DURATION] == FIRST - 1 / 32
+    assert attrs(decode)[sc.CHUNK_COUNT] == 6 and attrs(decode)[sc.USAGE_OUTPUT_TOKENS] == 12
+    assert attrs(decode)[sc.TPOT] == 5 * GAP / 11
+
+    chunks = children(h, decode, sc.SPAN_CHUNK)
+    assert len(chunks) == 6
+    assert {s.context.trace_id for s in [*chunks, queue, prefill, decode]} == {root.context.trace_id}
+    for i, span in enumerate(chunks):
+        a = attrs(span)
+        assert a[sc.CHUNK_INDEX] == i and a[sc.CHUNK_TOKENS] == i % 3 + 1 and a[sc.CHUNK_BYTES] == 30 + i
+        assert a[sc.CHUNK_GAP] == (GAP if i else 0.0)
+        assert span.end_time == ns(FIRST + i * GAP)
+        assert span.start_time == ns(FIRST + (i - 1) * GAP if i else FIRST)
+
+    a = attrs(root)
+    assert a[sc.RESPONSE_FINISH_REASONS] == ("stop",)
+    assert a[sc.RESPONSE_ID] == "chatcmpl-1" and a[sc.RESPONSE_MODEL] == "gpt-4o-2024-08-06"
+    assert a[sc.USAGE_INPUT_TOKENS] == 40 and a[sc.USAGE_OUTPUT_TOKENS] == 12
+    assert a[sc.RESPONSE_TIME_TO_FIRST_CHUNK] == FIRST and a[sc.TTFB] == 1 / 8
+    assert a[sc.E2E] == FIRST + 5 * GAP + 0.25
+    assert a[sc.OUTCOME] == "ok" and a[sc.HTTP_STATUS] == 200 and sc.ERROR_TYPE not in a
+
+
+def test_root_is_child_of_client_traceparent(harness: HarnessFactory) -> None:
+    h = harness()
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    h.run(timeline(2), {"traceparent": f"00-{trace_id}-{parent_id}-01"})
+    root = h.root()
+    assert f"{root.context.trace_id:032x}" == trace_id
+    assert root.parent is not None and f"{root.parent.span_id:016x}" == parent_id
+    assert all(s.context.trace_id == root.context.trace_id for s in h.spans())
+
+
+def test_gen_ai_attributes_present_at_span_start(harness: HarnessFactory) -> None:
+    seen = StartAttributes()
+    h = harness(seen)
+    h.run(timeline(3))
+    name, at_start = seen.seen[0]
+    assert name == "chat gpt-4o"
+    assert at_start[sc.OPERATION_NAME] == "chat"
+    assert at_start[sc.PROVIDER_NAME] == "openai"
+    assert at_start[sc.REQUEST_MODEL] == "gpt-4o"
+    assert at_start[sc.SERVER_ADDRESS] == "upstream" and at_start[sc.SERVER_PORT] == 8000
+    assert at_start[sc.REQUEST_STREAM] is True
+    assert at_start[sc.REQUEST_MAX_TOKENS] == 256 and at_start[sc.REQUEST_TEMPERATURE] == 0.5
+    # What only the end can know is not there yet, and is there at the end.
+    assert sc.USAGE_OUTPUT_TOKENS not in at_start and sc.RESPONSE_ID not in at_start
+    assert attrs(h.root())[sc.USAGE_OUTPUT_TOKENS] == 6
+
+
+def test_chunk_cap_folds_the_tail(harness: HarnessFactory) -> None:
+    h = harness(chunk_span_cap=200)
+    tl = timeline(500, usage=Usage(input_tokens=40, output_tokens=1100))
+    s = h.run(tl)
+    (decode,) = h.spans(sc.SPAN_DECODE)
+    chunks = children(h, decode, sc.SPAN_CHUNK)
+    assert len(chunks) == 200
+    plain, folded = chunks[:199], chunks[199]
+    assert all(sc.CHUNK_FOLDED not in attrs(c) for c in plain)
+    assert [attrs(c)[sc.CHUNK_INDEX] for c in plain] == list(range(199))
+    f = attrs(folded)
+    assert f[sc.CHUNK_FOLDED] == 301 and f[sc.CHUNK_INDEX] == 199
+    assert f[sc.CHUNK_BYTES] == sum(30 + i for i in range(199, 500))
+    assert f[sc.CHUNK_TOKENS] == sum(s.chunk_tokens[199:])
+    assert f[sc.CHUNK_GAP] == 301 * GAP
+    assert (folded.start_time, folded.end_time) == (ns(FIRST + 198 * GAP), ns(FIRST + 499 * GAP))
+    # Nothing is lost by folding: bytes and tokens add up to the whole stream.
+    assert sum(attrs(c)[sc.CHUNK_TOKENS] for c in chunks) == 1100
+    assert sum(attrs(c)[sc.CHUNK_BYTES] for c in chunks) == tl.response_bytes
+    assert attrs(decode)[sc.CHUNK_COUNT] == 500
+
+
+def test_chunk_cap_not_reached(harness: HarnessFactory) -> None:
+    h = harness(chunk_span_cap=200)
+    h.run(timeline(200))
+    chunks = h.spans(sc.SPAN_CHUNK)
+    assert len(chunks) == 200 and all(sc.CHUNK_FOLDED not in attrs(c) for c in chunks)
+
+
+def test_events_mode(harness: HarnessFactory) -> None:
+    h = harness(chunk_spans="events")
+    h.run(timeline(5))
+    assert h.spans(sc.SPAN_CHUNK) == []
+    (decode,) = h.spans(sc.SPAN_DECODE)
+    events = list(decode.events)
+    assert [e.name for e in events] == [sc.EVENT_CHUNK] * 5
+    assert [e.timestamp for e in events] == [ns(FIRST + i * GAP) for i in range(5)]
+    assert [dict(e.attributes or {})[sc.CHUNK_TOKENS] for e in events] == [1, 2, 3, 1, 2]
+    assert [dict(e.attributes or {})[sc.CHUNK_INDEX] for e in events] == [0, 1, 2, 3, 4]
+
+
+def test_events_mode_folds_too(harness: HarnessFactory) -> None:
+    h = harness(chunk_spans="events", chunk_span_cap=10)
+    h.run(timeline(25))
+    (decode,) = h.spans(sc.SPAN_DECODE)
+    events = list(decode.events)
+    assert len(events) == 10
+    last = dict(events[-1].attributes or {})
+    assert last[sc.CHUNK_FOLDED] == 16 and last[sc.CHUNK_INDEX] == 9
+    counted: list[Any] = [dict(e.attributes or {})[sc.CHUNK_TOKENS] for e in events]
+    assert sum(counted) == chunk_tokens(25)
+
+
+def test_off_mode(harness: HarnessFactory) -> None:
+    h = harness(chunk_spans="off")
+    h.run(timeline(5))
+    assert h.spans(sc.SPAN_CHUNK) == []
+    (decode,) = h.spans(sc.SPAN_DECODE)
+    assert list(decode.events) == []
+    assert attrs(decode)[sc.CHUNK_COUNT] == 5
+    assert {s.name for s in h.spans()} == {"chat gpt-4o", sc.SPAN_QUEUE, sc.SPAN_PREFILL, sc.SPAN_DECODE}
+
+
+def test_error_outcome(harness: HarnessFactory) -> None:
+    h = harness(slo=SLO(e2e=100.0))
+    tl = timeline(3, finish=[])
+    tl.fail("upstream_closed", "connection reset by peer")
+    h.run(tl)
+    root = h.root()
+    a = attrs(root)
+    assert root.status.status_code == StatusCode.ERROR
+    assert root.status.description == "connection reset by peer"
+    assert a[sc.ERROR_TYPE] == "upstream_closed" and a[sc.OUTCOME] == "error"
+    assert a[sc.RESPONSE_FINISH_REASONS] == ("error",)
+    assert a[sc.SLO_OUTCOME] == "missed"
+    m = h.metrics()
+    duration = point(m, sc.RELEASED.operation_duration)
+    assert duration.attributes[sc.ERROR_TYPE] == "upstream_closed"
+    requests = point(m, sc.METRIC_REQUESTS)
+    assert requests.attributes[sc.OUTCOME] == "error" and requests.attributes[sc.SLO_OUTCOME] == "missed"
+    # gen_ai.server.* latency metrics count successful requests only.
+    assert sc.SERVER_TIME_TO_FIRST_TOKEN not in m and sc.SERVER_TIME_PER_OUTPUT_TOKEN not in m
+
+
+def test_error_keeps_reported_finish_reasons(harness: HarnessFactory) -> None:
+    h = harness()
+    tl = timeline(3, finish=["length"])
+    tl.fail("upstream_closed")
+    h.run(tl)
+    assert attrs(h.root())[sc.RESPONSE_FINISH_REASONS] == ("length",)
+    assert h.root().status.description == "upstream_closed"
+
+
+def test_cancelled_outcome(harness: HarnessFactory) -> None:
+    h = harness()
+    tl = timeline(3, finish=[])
+    tl.fail("cancelled", cancelled=True)
+    h.run(tl)
+    root = h.root()
+    a = attrs(root)
+    assert root.status.status_code == StatusCode.ERROR
+    assert a[sc.ERROR_TYPE] == "cancelled" and a[sc.OUTCOME] == "cancelled"
+    assert a[sc.RESPONSE_FINISH_REASONS] == ("error",)
+    requests = point(h.metrics(), sc.METRIC_REQUESTS)
+    assert requests.attributes[sc.OUTCOME] == "cancelled" and requests.attributes[sc.ERROR_TYPE] == "cancelled"
+    assert requests.attributes[sc.SLO_OUTCOME] == "none"
+
+
+def test_plain_relay_gets_a_root_span_only(harness: HarnessFactory) -> None:
+    h = harness()
+    tl = Timeline(
+        method="GET",
+        path="/v1/models",
+        route="default",
+        upstream="http://upstream:8000",
+        server_address="upstream",
+        server_port=8000,
+        protocol=None,
+        provider_name="_OTHER",
+        received=T0,
+        received_wall_ns=WALL,
+        end=T0 + 0.25,
+        status_code=200,
+    )
+    h.run(tl)
+    (root,) = h.spans()
+    assert root.name == "GET" and (root.start_time, root.end_time) == (WALL, ns(0.25))
+    assert sc.OPERATION_NAME not in attrs(root)
+    assert sc.METRIC_REQUESTS not in h.metrics()
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+
+def test_metrics_values_units_and_attributes(harness: HarnessFactory) -> None:
+    h = harness(slo=SLO(ttft=1.0, tpot=0.5))
+    prompt = "The quick brown fox jumps over the lazy dog."  # 10 tiktoken tokens
+    tl = timeline(6, prompt=prompt, usage=Usage(input_tokens=8, output_tokens=15, cache_read_tokens=4))
+    s = h.run(tl)
+    m = h.metrics()
+    units = {name: metric.unit for name, metric in m.items()}
+    assert units[sc.RELEASED.operation_duration] == "s"
+    assert units[sc.RELEASED.time_to_first_chunk] == "s"
+    assert units[sc.RELEASED.time_per_output_chunk] == "s"
+    assert units[sc.RELEASED.token_usage or ""] == "{token}"
+    assert units[sc.METRIC_REQUESTS] == "{request}"
+    assert units[sc.METRIC_ITL] == "s" and units[sc.METRIC_CACHE_READ] == "{token}"
+    assert units[sc.METRIC_TOKEN_DRIFT] == "1"
+
+    e2e = FIRST + 5 * GAP + 0.25
+    duration = point(m, sc.RELEASED.operation_duration)
+    assert (duration.count, duration.sum) == (1, e2e)
+    a = duration.attributes
+    assert a[sc.OPERATION_NAME] == "chat" and a[sc.PROVIDER_NAME] == "openai"
+    assert a[sc.REQUEST_MODEL] == "gpt-4o" and a[sc.RESPONSE_MODEL] == "gpt-4o-2024-08-06"
+    assert a[sc.SERVER_ADDRESS] == "upstream" and a[sc.SERVER_PORT] == 8000 and a[sc.ROUTE] == "default"
+    assert a[sc.INPUT_SIZE] == "le_256"
+    assert sc.ERROR_TYPE not in a
+
+    assert point(m, sc.RELEASED.time_to_first_chunk).sum == FIRST
+    chunk = point(m, sc.RELEASED.time_per_output_chunk)
+    assert (chunk.count, chunk.sum) == (5, 5 * GAP)
+    itl = point(m, sc.METRIC_ITL)
+    assert itl.count == sum(s.chunk_tokens[1:]) and itl.sum == pytest.approx(5 * GAP)
+    assert point(m, sc.SERVER_TIME_TO_FIRST_TOKEN).sum == FIRST
+    assert point(m, sc.SERVER_TIME_PER_OUTPUT_TOKEN).sum == pytest.approx(5 * GAP / 14)
+    assert point(m, sc.METRIC_UPSTREAM_TTFT).sum == FIRST - 1 / 32
+    assert point(m, sc.METRIC_TTFB).sum == 1 / 8
+    assert point(m, sc.METRIC_QUEUE, **{sc.QUEUE_SOURCE: "proxy"}).sum == 1 / 128
+    assert point(m, sc.METRIC_PREFILL, **{sc.PREFILL_SOURCE: "upstream_ttft"}).sum == FIRST - 1 / 32
+    assert point(m, sc.METRIC_DECODE).sum == 5 * GAP
+    assert point(m, sc.METRIC_OVERHEAD).sum == 1 / 32 - 1 / 64
+
+    token_usage = sc.RELEASED.token_usage or ""
+    assert point(m, token_usage, **{sc.TOKEN_TYPE: "input"}).sum == 8
+    assert point(m, token_usage, **{sc.TOKEN_TYPE: "output"}).sum == 15
+    assert point(m, sc.METRIC_INPUT_TOKENS, **{sc.INPUT_TOKENS_SOURCE: "usage"}).value == 8
+    assert point(m, sc.METRIC_OUTPUT_TOKENS, **{sc.OUTPUT_TOKENS_SOURCE: "usage"}).value == 15
+    assert point(m, sc.METRIC_CACHE_READ).value == 4
+    # Drift: tiktoken says 10 input (25% over 8) and 12 output (20% under 15).
+    assert point(m, sc.METRIC_TOKEN_DRIFT, **{sc.TOKEN_TYPE: "input", sc.DRIFT_DIRECTION: "over"}).sum == 0.25
+    assert point(m, sc.METRIC_TOKEN_DRIFT, **{sc.TOKEN_TYPE: "output", sc.DRIFT_DIRECTION: "under"}).sum == 0.2
+
+    requests = point(m, sc.METRIC_REQUESTS)
+    assert requests.value == 1
+    assert requests.attributes[sc.OUTCOME] == "ok" and requests.attributes[sc.SLO_OUTCOME] == "met"
+    assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 0
+    # No latest-convention names by default.
+    assert not [name for name in m if name.startswith("gen_ai.client.inference.")]
+
+
+def test_time_to_first_chunk_only_for_streams(harness: HarnessFactory) -> None:
+    h = harness()
+    # A non-streamed answer arrives as one piece of content.
+    h.run(timeline(texts=[" alpha beta gamma"], stream=False))
+    m = h.metrics()
+    assert point(m, sc.RELEASED.operation_duration).count == 1
+    for name in (
+        sc.RELEASED.time_to_first_chunk,
+        sc.RELEASED.time_per_output_chunk,
+        sc.METRIC_ITL,
+        sc.SERVER_TIME_TO_FIRST_TOKEN,
+        sc.METRIC_UPSTREAM_TTFT,
+        sc.METRIC_DECODE,
+    ):
+        assert name not in m, name
+    assert sc.RESPONSE_TIME_TO_FIRST_CHUNK not in attrs(h.root())
+    assert sc.REQUEST_STREAM not in attrs(h.root())
+
+
+@pytest.mark.parametrize("latest", [False, True])
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("outcome", ["ok", "error", "cancelled"])
+def test_metric_attributes_are_a_subset_of_span_attributes(
+    harness: HarnessFactory, latest: bool, stream: bool, outcome: str
+) -> None:
+    h = harness(semconv_latest=latest, slo=SLO(ttft=1.0))
+    usage = Usage(input_tokens=8, output_tokens=15, cache_read_tokens=4, cache_write_tokens=2)
+    tl = timeline(6, stream=stream, prompt="The quick brown fox jumps over the lazy dog.", usage=usage)
+    if outcome == "error":
+        tl.fail("upstream_closed", "reset")
+    elif outcome == "cancelled":
+        tl.fail("cancelled", cancelled=True)
+    h.run(tl)
+    allowed = set(attrs(h.root())) | METRIC_ONLY
+    m = h.metrics()
+    assert len(m) > 10
+    for name, metric in m.items():
+        for p in points(metric):
+            extra = {
+                k for k in p.attributes if k not in allowed and not (k.startswith("llmtap.") and k.endswith(".source"))
+            }
+            assert not extra, (name, extra)
+
+
+def test_latest_semconv_names(harness: HarnessFactory) -> None:
+    h = harness(semconv_latest=True)
+    usage = Usage(input_tokens=40, output_tokens=12, cache_read_tokens=16, cache_write_tokens=8)
+    h.run(timeline(6, usage=usage))
+    m = h.metrics()
+    for name in (
+        "gen_ai.client.inference.duration",
+        "gen_ai.client.inference.time_to_first_chunk",
+        "gen_ai.client.inference.time_per_output_chunk",
+        "gen_ai.client.inference.operation.input_tokens",
+        "gen_ai.client.inference.operation.output_tokens",
+    ):
+        assert name in m, name
+    assert point(m, "gen_ai.client.inference.duration").sum == FIRST + 5 * GAP + 0.25
+    for name, value in (
+        ("gen_ai.client.inference.usage.input_tokens", 40),
+        ("gen_ai.client.inference.usage.output_tokens", 12),
+        ("gen_ai.client.inference.usage.cache_read.input_tokens", 16),
+        ("gen_ai.client.inference.usage.cache_write.input_tokens", 8),
+    ):
+        assert m[name].unit == "{token}"
+        assert point(m, name, **{sc.TOKEN_MODALITY: "text"}).value == value
+    assert point(m, "gen_ai.client.inference.operation.output_tokens").sum == 12
+    for old in (
+        "gen_ai.client.operation.duration",
+        "gen_ai.client.operation.time_to_first_chunk",
+        "gen_ai.client.operation.time_per_output_chunk",
+        "gen_ai.client.token.usage",
+    ):
+        assert old not in m, old
+    # gen_ai.token.type went with gen_ai.client.token.usage; only llmtap's own drift histogram keeps it.
+    typed = {metric.name for metric in m.values() for p in points(metric) if sc.TOKEN_TYPE in p.attributes}
+    assert typed <= {sc.METRIC_TOKEN_DRIFT}
+    # The span attribute renamed with them (migration.md): cache_creation -> cache_write.
+    a = attrs(h.root())
+    assert a[sc.USAGE_CACHE_WRITE] == 8 and sc.USAGE_CACHE_CREATION not in a
+
+
+def test_released_names_use_cache_creation(harness: HarnessFactory) -> None:
+    h = harness()
+    h.run(timeline(2, usage=Usage(input_tokens=40, output_tokens=3, cache_write_tokens=8)))
+    a = attrs(h.root())
+    assert a[sc.USAGE_CACHE_CREATION] == 8 and sc.USAGE_CACHE_WRITE not in a
+
+
+def test_bounded_values() -> None:
+    bound = BoundedValues(limit=3)
+    assert [bound(v) for v in ("a", "b", "a", "c", "d", "e", "b")] == ["a", "b", "a", "c", "_OTHER", "_OTHER", "b"]
+
+
+def test_model_name_cardinality_is_bounded(harness: HarnessFactory) -> None:
+    h = harness()
+    for i in range(70):
+        h.run(timeline(2, model=f"model-{i}", response_model=None))
+    h.run(timeline(2, model="model-0", response_model=None))
+    m = h.metrics()
+    counts = {p.attributes[sc.REQUEST_MODEL]: p.count for p in points(m[sc.RELEASED.operation_duration])}
+    assert len(counts) == 65
+    assert counts["_OTHER"] == 6
+    assert counts["model-0"] == 2 and "model-63" in counts and "model-64" not in counts
+    # Spans are per request: they keep the real name.
+    assert "chat model-69" in {s.name for s in h.spans()}
+
+
+def test_content_not_captured_by_default(harness: HarnessFactory) -> None:
+    h = harness()
+    h.run(timeline(3, prompt="secret prompt text"))
+    everything = json.dumps([attrs(s) for s in h.spans()], default=str)
+    assert sc.OUTPUT_MESSAGES not in everything and sc.INPUT_MESSAGES not in everything
+    assert "alpha" not in everything and "secret prompt text" not in everything
+
+
+def test_content_captured_when_opted_in(harness: HarnessFactory) -> None:
+    h = harness(capture_content=True)
+    h.run(timeline(3))
+    messages = json.loads(attrs(h.root())[sc.OUTPUT_MESSAGES])
+    assert messages == [{"role": "assistant", "parts": [{"type": "text", "content": "".join(WORDS)}]}]
+
+
+def test_captured_content_is_capped_at_16_kib(harness: HarnessFactory) -> None:
+    h = harness(capture_content=True)
+    texts = ["x" * 1000 + f"{i:04d}" for i in range(20)]  # 20,080 characters
+    h.run(timeline(texts=texts))
+    content = json.loads(attrs(h.root())[sc.OUTPUT_MESSAGES])[0]["parts"][0]["content"]
+    assert content == "".join(texts)[: 16 * 1024]
+
+
+# --- failure isolation ---------------------------------------------------------------------------
+
+
+def test_span_processor_failing_at_end_never_reaches_the_caller(harness: HarnessFactory) -> None:
+    h = harness(Raising(on_end=True))
+    tl = timeline(3)
+    handle, _ = h.recorder.start(tl, {})
+    assert handle is not None
+    h.recorder.finish(tl, handle)
+    assert h.recorder.flush(5)
+    # Called directly too: the broken trace pipeline does not cost the metrics.
+    tl2 = timeline(3)
+    handle2, _ = h.recorder.start(tl2, {})
+    h.recorder.record(tl2, handle2)
+    m = h.metrics()
+    assert point(m, sc.METRIC_REQUESTS).value == 2
+    assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 0
+
+
+def test_span_processor_failing_at_start_never_reaches_the_caller(harness: HarnessFactory) -> None:
+    h = harness(Raising(on_start=True))
+    tl = timeline(3)
+    handle, carrier = h.recorder.start(tl, {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+    assert handle is None and carrier == {}
+    h.recorder.finish(tl, handle)
+    assert h.recorder.flush(5)
+    assert h.recorder.failed == 0 and h.recorder.recorded == 1
+    m = h.metrics()
+    assert point(m, sc.METRIC_REQUESTS).value == 1
+    # The in-flight gauge is balanced even though the span never started.
+    assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 0
+
+
+def test_queue_full_drops_are_counted(harness: HarnessFactory) -> None:
+    blocking = Blocking()
+    h = harness(blocking, queue_size=1)
+    rec = h.recorder
+    first = timeline(2)
+    rec.finish(first, rec.start(first, {})[0])
+    assert blocking.entered.wait(5)  # the worker is stuck inside the first record
+    rest = [timeline(2) for _ in range(4)]
+    try:
+        for tl in rest:
+            rec.finish(tl, rec.start(tl, {})[0])  # one fits in the queue, three do not
+        assert rec.dropped == 3
+        dropped = point(h.metrics(), sc.METRIC_TELEMETRY_DROPPED)
+        assert dropped.value == 3 and dict(dropped.attributes) == {sc.TELEMETRY_REASON: "queue_full"}
+    finally:
+        blocking.release.set()
+    assert rec.flush(5)
+    assert rec.recorded == 2 and rec.failed == 0
+    m = h.metrics()
+    assert point(m, sc.METRIC_REQUESTS).value == 2
+    assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 0
+
+
+# --- secrets -------------------------------------------------------------------------------------
+
+SECRETS = {
+    "authorization": "Bearer sk-LLMTAP-SECRET-0001",
+    "x-api-key": "sk-ant-LLMTAP-SECRET-0002",
+    "api-key": "LLMTAP-SECRET-0003",
+    "cookie": "session=LLMTAP-SECRET-0004",
+    "proxy-authorization": "Basic LLMTAP-SECRET-0005",
+}
+
+
+@pytest.mark.e2e
+def test_no_secret_from_request_headers_in_telemetry(
+    proxy_factory: Any, scripted: Scripted, telemetry: Telemetry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    running: Running = proxy_factory(build({"upstream": scripted.url, "read_timeout": 5}, env={}))
+    seen: list[Timeline] = []
+    finish = running.app.recorder.finish
+
+    def spy(tl: Timeline, handle: Any) -> None:
+        seen.append(tl)
+        finish(tl, handle)
+
+    monkeypatch.setattr(running.app.recorder, "finish", spy)
+    body = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
+    with httpx.stream("POST", running.url + "/v1/chat/completions", json=body, headers=SECRETS, timeout=10) as r:
+        assert r.status_code == 200
+        r.read()
+    echoed = httpx.get(running.url + "/echo-headers", headers=SECRETS, timeout=10).json()["headers"]
+    # The relay forwards the credentials upstream unchanged ...
+    assert echoed["authorization"] == SECRETS["authorization"] and echoed["x-api-key"] == SECRETS["x-api-key"]
+    running.flush()
+    # ... and nothing the telemetry sees or writes holds them.
+    assert len(seen) == 2
+    spans = telemetry.finished()
+    assert any(s.name == "chat scripted" for s in spans) and any(s.name == "GET" for s in spans)
+    dumped = [repr(tl) for tl in seen]
+    for span in spans:
+        dumped.append(span.name)
+        dumped.append(repr(dict(span.attributes or {})))
+        dumped.extend(repr(dict(e.attributes or {})) for e in span.events)
+    dumped.append(repr(telemetry.metrics()))
+    dumped.append(telemetry.prometheus.render())
+    text = "\n".join(dumped)
+    assert "chat scripted" in text and "gen_ai_client_operation_duration_seconds" in text
+    assert "LLMTAP-SECRET" not in text
