@@ -6,6 +6,7 @@ Precedence: flags, then environment, then the file, then defaults. Anything wron
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -145,9 +146,9 @@ def _bool(value: Any, what: str) -> bool:
 def _number(value: Any, what: str, *, integer: bool = False, minimum: float = 0.0) -> float:
     try:
         number = int(value) if integer else float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{what}: expected a number, got {value!r}") from None
-    if isinstance(value, bool) or number < minimum:
+    if isinstance(value, bool) or not math.isfinite(number) or number < minimum:
         raise ConfigError(f"{what}: expected a number >= {minimum:g}, got {value!r}")
     return number
 
@@ -176,7 +177,7 @@ def check_url(url: Any, what: str) -> str:
     return url.rstrip("/")
 
 
-def _headers(text: str | None) -> dict[str, str]:
+def _headers(text: str | None, what: str = "OTEL_EXPORTER_OTLP_HEADERS") -> dict[str, str]:
     """``OTEL_EXPORTER_OTLP_HEADERS`` form: ``k1=v1,k2=v2`` with percent-encoded values."""
     from urllib.parse import unquote
 
@@ -186,7 +187,7 @@ def _headers(text: str | None) -> dict[str, str]:
             continue
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"OTEL_EXPORTER_OTLP_HEADERS: bad entry {item.strip()!r}; expected key=value")
+            raise ConfigError(f"{what}: bad entry {item.strip()!r}; expected key=value")
         out[unquote(key.strip()).lower()] = unquote(value.strip())
     return out
 
@@ -216,13 +217,18 @@ def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] |
             exporter = "otlp" if endpoint else "none"
         if exporter not in ("otlp", "console", "none"):
             raise ConfigError(f"OTEL_{signal.upper()}_EXPORTER: {exporter!r} is not one of otlp, console, none")
-        protocol = (
-            env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
-        ).strip()
+        protocol_key = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
+        if not env.get(protocol_key):
+            protocol_key = "OTEL_EXPORTER_OTLP_PROTOCOL"
+        protocol = (env.get(protocol_key) or "grpc").strip()
         if protocol not in ("grpc", "http/protobuf"):
-            raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r} is not one of grpc, http/protobuf")
+            raise ConfigError(f"{protocol_key}: {protocol!r} is not one of grpc, http/protobuf")
+        if exporter == "otlp" and endpoint is None:
+            # Asked for OTLP by name without an endpoint: the spec's default (a local collector or sidecar).
+            endpoint = "http://localhost:4317" if protocol == "grpc" else "http://localhost:4318"
         headers = _headers(env.get("OTEL_EXPORTER_OTLP_HEADERS"))
-        headers.update(_headers(env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS")))
+        headers_key = f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS"
+        headers.update(_headers(env.get(headers_key), headers_key))
         values[f"{signal}_exporter"] = "none" if disabled else exporter
         values[f"{signal}_endpoint"] = endpoint
         values[f"{signal}_protocol"] = protocol
@@ -235,6 +241,8 @@ def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] |
     capture = env.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "").strip().upper()
     values["capture_content"] = capture in ("TRUE", "1", "SPAN_ONLY", "SPAN_AND_EVENT", "EVENT_ONLY")
     chunk_spans = env.get("LLMTAP_CHUNK_SPANS", section.get("chunk_spans", "spans"))
+    if chunk_spans is False:  # YAML 1.1 reads a bare ``off`` as false
+        chunk_spans = "off"
     if chunk_spans not in CHUNK_SPAN_MODES:
         raise ConfigError(f"chunk_spans: {chunk_spans!r} is not one of {', '.join(CHUNK_SPAN_MODES)}")
     values["chunk_spans"] = chunk_spans
@@ -252,7 +260,7 @@ def _route(raw: Any, index: int, default_provider: str | None) -> Route:
     unknown = set(raw) - _ROUTE_KEYS
     if unknown:
         raise ConfigError(
-            f"routes[{index}]: unknown key {sorted(unknown)[0]!r}; known: {', '.join(sorted(_ROUTE_KEYS))}"
+            f"routes[{index}]: unknown key {sorted(unknown, key=str)[0]!r}; known: {', '.join(sorted(_ROUTE_KEYS))}"
         )
     prefix = str(raw.get("prefix", "/"))
     if not prefix.startswith("/"):
@@ -270,6 +278,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"config file {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(path)!r}: not UTF-8 text") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
@@ -288,7 +298,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
             extra = set(value) - allowed
             if extra:
                 raise ConfigError(
-                    f"config file: unknown key {key}.{sorted(extra)[0]}; known: {', '.join(sorted(allowed))}"
+                    f"config file: unknown key {key}.{sorted(extra, key=str)[0]}; known: {', '.join(sorted(allowed))}"
                 )
     return data
 
@@ -317,6 +327,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         raise ConfigError("config file: 'routes' must be a list")
     routes.extend(_route(raw, i, provider) for i, raw in enumerate(raw_routes))
     if upstream is not None:
+        check_url(upstream, "upstream")
         routes = [r for r in routes if r.prefix != "/"]
         routes.append(_route({"prefix": "/", "upstream": upstream, "name": "default"}, len(routes), provider))
     if not routes:

@@ -25,12 +25,13 @@ from proxy.simulator.profiles import Profile
 from proxy.simulator.requests import Route as GenRoute, SimError, output_tokens, parse_json, parse_request
 from proxy.simulator.scheduler import Engine, Job
 from proxy.simulator.shapes import ChatFormat, CompletionsFormat, Format, MessagesFormat, Reply
-from proxy.simulator.text import THREAD_THRESHOLD_CHARS, Vocabulary, block_hashes_async, tokenize
+from proxy.simulator.text import Vocabulary, block_hashes_async, tokenize
 from proxy.simulator.truth import RequestRecord, TruthLog, render_metrics
 from proxy.types import Receive, Scope, Send
 
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+_BIG_BODY = 64 * 1024
 
 
 class IdSource:
@@ -170,8 +171,7 @@ class GenerateEndpoint:
             return
         try:
             # A multi-megabyte body takes tens of ms to decode: off the loop, like the tokenizing below.
-            big = len(body) > THREAD_THRESHOLD_CHARS * 16
-            payload = await asyncio.to_thread(parse_json, body) if big else parse_json(body)
+            payload = await asyncio.to_thread(parse_json, body) if len(body) > _BIG_BODY else parse_json(body)
             req = parse_request(self.route, payload, profile)
             record.model, record.stream = req.model, req.stream
             ids = await tokenize(req.prompt_text, profile.encoding)

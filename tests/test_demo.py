@@ -1,0 +1,95 @@
+"""The demo reproduces the course's numbers ("Inference 101") through the proxy, within 10%."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from proxy import demo
+from proxy.settings import SLO
+
+pytestmark = pytest.mark.e2e
+
+
+def within(value: float | None, target: float, share: float = 0.10) -> bool:
+    return value is not None and abs(value - target) <= share * target
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], demo.PhaseResult]:
+    workloads = demo.default_workloads(requests=3, concurrency=3)
+    workloads[1] = replace(workloads[1], requests=6)
+    run = asyncio.run(demo.run(workloads, env={}, telemetry_dir=tmp_path_factory.mktemp("telemetry")))
+    for path in run.telemetry_files:
+        assert Path(path).stat().st_size > 0, path
+    return {(r.workload, r.layout): r for r in run.results}
+
+
+def test_support_assistant_matches_the_course(results: dict[tuple[str, str], demo.PhaseResult]) -> None:
+    cold = results[("support assistant", demo.VARIABLE_FIRST)]
+    warm = results[("support assistant", demo.FIXED_FIRST)]
+    assert cold.errors == warm.errors == 0
+    assert within(cold.ttft_p50, 0.78), cold.ttft_p50  # 6,200 tokens read at ~7,950 tokens/s
+    assert within(warm.ttft_p50, 0.12), warm.ttft_p50  # the unchanging part cached
+    assert within(cold.itl_p50, 0.022) and within(warm.itl_p50, 0.022), (cold.itl_p50, warm.itl_p50)
+    assert within(cold.decode_p50, 6.6) and within(warm.decode_p50, 6.6), (cold.decode_p50, warm.decode_p50)
+    assert cold.output_tokens_p50 == 300
+    assert cold.cached_share == 0.0 and warm.cached_share > 0.8
+    # SLO TTFT <= 500 ms: only the fixed layout meets it.
+    assert cold.slo_met_share == 0.0 and warm.slo_met_share == 1.0
+
+
+def test_code_completion_gains_almost_nothing(results: dict[tuple[str, str], demo.PhaseResult]) -> None:
+    cold = results[("code completion", demo.VARIABLE_FIRST)]
+    warm = results[("code completion", demo.FIXED_FIRST)]
+    assert cold.errors == 0
+    # 200 tokens read in 25 ms, plus the proxy's overhead of a few ms.
+    assert cold.ttft_p50 is not None and 0.025 * 0.9 <= cold.ttft_p50 <= 0.025 * 1.1 + 0.005, cold.ttft_p50
+    assert "saves almost nothing" in demo.verdict(cold, warm)
+    support = demo.verdict(
+        results[("support assistant", demo.VARIABLE_FIRST)], results[("support assistant", demo.FIXED_FIRST)]
+    )
+    assert "caching gain" in support and "almost nothing" not in support
+
+
+def test_render_and_json_cli(tmp_path: Path) -> None:
+    text = demo.render(
+        [
+            demo.PhaseResult("w", demo.VARIABLE_FIRST, ttft_p50=0.78),
+            demo.PhaseResult("w", demo.FIXED_FIRST, ttft_p50=0.12),
+        ],
+        [demo.Workload("w", "w", "support", 1, 1, 1, 1, 1, SLO(ttft=0.5))],
+    )
+    assert "780 ms" in text and "120 ms" in text and "caching gain" in text
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "proxy",
+            "demo",
+            "--workload",
+            "code",
+            "--requests",
+            "2",
+            "--concurrency",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path)},
+        cwd=Path(__file__).parent.parent,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    layouts = [r["layout"] for r in data["results"]]
+    assert layouts == [demo.VARIABLE_FIRST, demo.FIXED_FIRST]
+    assert all(r["requests"] == 2 and r["errors"] == 0 for r in data["results"])
+    assert all(Path(p).exists() for p in data["telemetry_files"])
