@@ -78,7 +78,8 @@ class ServerThread:
     """Runs an ASGI app under uvicorn on a real socket, in a thread with its own event loop."""
 
     def __init__(self, app: Any, *, lifespan: Literal["auto", "on", "off"] = "on") -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY, see server.bind
+        # IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections (see proxy.server.bind).
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = int(self.sock.getsockname()[1])
