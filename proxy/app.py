@@ -12,6 +12,7 @@ import httpx
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
+from proxy import tokens
 from proxy.forward import Router, Upstreams, request_headers, response_headers, upstream_url
 from proxy.providers import provider_for
 from proxy.providers.base import Provider
@@ -75,6 +76,9 @@ class ProxyApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                # Load the default encoding now: loading it lazily on the recorder thread would hold
+                # the GIL for a few hundred ms while the first streams are being relayed.
+                await asyncio.to_thread(tokens.get_encoding)
                 self.ready = True
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":

@@ -41,7 +41,8 @@ def children(t: Telemetry, parent: ReadableSpan, name: str) -> list[ReadableSpan
 def proxy(proxy_factory: Any, scripted: Scripted) -> Running:
     running: Running = proxy_factory(build({"upstream": scripted.url, "read_timeout": 5}, env={}), admin=True)
     # Warm the upstream connection pool so the measured request pays no connect.
-    httpx.post(running.url + "/v1/chat/completions", json={**CHAT, "stream": False}, timeout=10)
+    with httpx.stream("POST", running.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
+        r.read()
     running.flush()
     return running
 
