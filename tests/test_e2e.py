@@ -41,8 +41,9 @@ def children(t: Telemetry, parent: ReadableSpan, name: str) -> list[ReadableSpan
 def proxy(proxy_factory: Any, scripted: Scripted) -> Running:
     running: Running = proxy_factory(build({"upstream": scripted.url, "read_timeout": 5}, env={}), admin=True)
     # Warm the upstream connection pool so the measured request pays no connect.
-    with httpx.stream("POST", running.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
-        r.read()
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/messages", {**CHAT, "max_tokens": 10})):
+        with httpx.stream("POST", running.url + path, json=body, timeout=10) as r:
+            r.read()
     running.flush()
     return running
 

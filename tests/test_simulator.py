@@ -30,15 +30,13 @@ from proxy.simulator import PROFILES, Profile, get_profile, run_in_thread
 from proxy.simulator.cache import PrefixCache
 from proxy.simulator.text import Vocabulary, block_hashes
 
-# Recorded from vLLM 0.32 (see their README): a copy beside the tests wins over the shared one.
+# Recorded from vLLM 0.32 (/work/shared/data/transcripts/vllm-0.32-cpu/README.md); the copy beside the
+# tests wins over the shared one.
 TRANSCRIPTS = next(
     (
         p
-        for p in (
-            Path(__file__).parent / "transcripts" / "vllm-0.32-cpu",
-            Path("/work/shared/data/transcripts/vllm-0.32-cpu"),
-        )
-        if p.is_dir()
+        for p in (Path(__file__).parent / "transcripts", Path("/work/shared/data/transcripts/vllm-0.32-cpu"))
+        if (p / "chat-stream.body").is_file()
     ),
     None,
 )

@@ -98,13 +98,17 @@ class Engine:
 
     async def run(self, job: Job, record: RequestRecord, sink: Sink) -> None:
         """Wait for a slot, prefill, decode; note every step in ``record``. Cancellation frees the slot."""
+        waited = self.running >= self.profile.max_num_seqs or bool(self._waiting)
         await self._admit()
         try:
             record.admitted = admitted = time.monotonic()
             hit = self.cache.lookup(job.block_hashes, job.prompt_tokens)
             record.cached_tokens = hit.cached_tokens
             await sink.admitted(hit)
-            deadline = admitted + self.profile.prefill_s(job.prompt_tokens - hit.cached_tokens)
+            # Reading a prompt includes tokenizing it: a request that got a slot at once starts its
+            # prefill clock at arrival, so clients see the profile's read time, not read + tokenize.
+            start = admitted if waited else min(record.arrival, admitted)
+            deadline = max(start + self.profile.prefill_s(job.prompt_tokens - hit.cached_tokens), admitted)
             await sleep_until(deadline)
             # The prompt's blocks are in the KV cache once its prefill is done, ready for the next request.
             self.cache.insert(job.block_hashes)

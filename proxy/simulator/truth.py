@@ -2,6 +2,11 @@
 
 All timestamps come from ``time.monotonic()``, which on Linux is the system-wide CLOCK_MONOTONIC, so
 a proxy or a test on the same machine can compare its own monotonic readings with these directly.
+``arrival`` is when the request reached the app; ``queue_s`` (arrival to admitted) therefore holds
+reading and tokenizing the request as well as waiting for a slot, as a real server's queue time does;
+``prefill_s`` runs from admission to the first token (a request admitted at once started its prefill
+clock at arrival, so its tokenizing shows in ``queue_s`` and its ``queue_s + prefill_s`` is the profile's read time) and ``decode_s`` from the first token to the last.
+Records are kept (and numbered by ``seq``) when a request finishes.
 """
 
 from __future__ import annotations
