@@ -4,8 +4,9 @@ All timestamps come from ``time.monotonic()``, which on Linux is the system-wide
 a proxy or a test on the same machine can compare its own monotonic readings with these directly.
 ``arrival`` is when the request reached the app; ``queue_s`` (arrival to admitted) therefore holds
 reading and tokenizing the request as well as waiting for a slot, as a real server's queue time does;
-``prefill_s`` runs from admission to the first token (a request admitted at once started its prefill
-clock at arrival, so its tokenizing shows in ``queue_s`` and its ``queue_s + prefill_s`` is the profile's read time) and ``decode_s`` from the first token to the last.
+``prefill_s`` runs from admission to the first token and ``decode_s`` from the first token to the last.
+A request admitted at once starts its prefill clock at arrival, so for it ``queue_s + prefill_s`` is the
+profile's read time.
 Records are kept (and numbered by ``seq``) when a request finishes.
 """
 
