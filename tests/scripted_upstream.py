@@ -66,6 +66,7 @@ class Upstream:
         self.output_tokens = sum(len(t) for _, t in self.plan)
         self.last_headers: dict[str, str] = {}
         self.active = 0
+        self.first_content_offset = 0.0
         self.cancelled = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -113,7 +114,11 @@ class Upstream:
         path = target.split("?", 1)[0]
         if path in ("/echo-headers", "/active") or path.startswith("/echo-body/"):
             if path == "/active":
-                info: dict[str, Any] = {"active": self.active, "cancelled": self.cancelled}
+                info: dict[str, Any] = {
+                    "active": self.active,
+                    "cancelled": self.cancelled,
+                    "first_content_offset": self.first_content_offset,
+                }
             elif path == "/echo-headers":
                 info = {"headers": headers, "target": target}
             else:
@@ -233,6 +238,9 @@ class Upstream:
             delay = arrived + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if i == 0:
+                # What the script really did: its first content chunk's offset from the request's arrival.
+                self.first_content_offset = time.perf_counter() - arrived
             last = i == len(self.plan) - 1
             if anthropic:
                 chunk(
