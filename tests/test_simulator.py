@@ -556,9 +556,13 @@ async def test_timing_matches_profile_and_truth_at_low_load() -> None:
         errors["schedule"] += [o - offsets[0] - k * step for k, o in enumerate(offsets)]
     worst = {k: max(abs(e) for e in v) for k, v in errors.items()}
     # Timers fire up to ~1 ms late (epoll's millisecond timeouts), never early; the rest is Python and
-    # the GIL this client shares with the server thread. Typical worst cases are 1 to 2.5 ms.
+    # the GIL this client shares with the server thread. Typical worst cases on a quiet machine are 1 to
+    # 2.5 ms; a shared CI machine can deschedule us once for longer, so the bound is on the 90th percentile
+    # with a loose ceiling for the single worst.
     assert all(e >= 0 for e in errors["server_ttft_vs_profile"]), errors
-    assert all(e < 0.005 for e in worst.values()), worst
+    p90 = {k: sorted(abs(e) for e in v)[int(0.9 * (len(v) - 1))] for k, v in errors.items()}
+    assert all(e < 0.005 for e in p90.values()), p90
+    assert all(e < 0.025 for e in worst.values()), worst
 
 
 async def test_stream_interval_and_batch_slowdown() -> None:
