@@ -186,3 +186,22 @@ def scripted() -> Iterator[Scripted]:
     up = Scripted()
     yield up
     up.close()
+
+
+# --- The real-component tier ---------------------------------------------------------------------------
+
+#: Where `.ci/install.d/*.sh` put tools that live in their own virtual environments (vLLM, Phoenix, ...).
+TOOLS = Path(os.environ.get("LLMTAP_TOOLS", TESTS.parent / ".tools"))
+
+
+def require_real(available: bool, what: str, how: str) -> None:
+    """Skip loudly when a real component is missing; fail instead under CI (``LLMTAP_REQUIRE_REAL=1``).
+
+    A real tier must never pass by skipping quietly: the reason names the part and how to install it.
+    """
+    if available:
+        return
+    message = f"REAL TIER NOT RUN: {what} is not installed here ({how})"
+    if os.environ.get("LLMTAP_REQUIRE_REAL") == "1":
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
