@@ -82,6 +82,15 @@ OVERSIZED_EVENTS = "llmtap.stream.oversized_events"
 RESPONSE_BYTES = "llmtap.response.bytes"
 TELEMETRY_REASON = "llmtap.telemetry.reason"
 DRIFT_DIRECTION = "llmtap.tokens.drift.direction"
+# Prompt fingerprints and cache diagnosis (one attribute per prompt region: tools, system, m0.., rest).
+CACHE_CLASS = "llmtap.cache.class"
+CACHE_CHANGED_REGION = "llmtap.cache.changed_region"
+CACHE_EXPECTED_PREFIX = "llmtap.cache.expected_prefix_tokens"
+PROMPT_FINGERPRINT = "llmtap.prompt.fingerprint"
+PROMPT_SHARED_PREFIX = "llmtap.prompt.shared_prefix_tokens"
+# The admission queue and timings a server reported but llmtap could not trust.
+QUEUE_OUTCOME = "llmtap.queue.outcome"
+TIMING_FIELD = "llmtap.server_timing.field"
 
 # Span names (DESIGN "Span model"); the root span is "{operation} {model}".
 SPAN_QUEUE = "llmtap.queue"
@@ -156,3 +165,7 @@ METRIC_OVERHEAD = "llmtap.proxy.overhead"
 METRIC_TOKEN_DRIFT = "llmtap.tokens.drift"
 METRIC_TELEMETRY_DROPPED = "llmtap.telemetry.dropped"
 METRIC_MALFORMED = "llmtap.stream.malformed_events"
+METRIC_CACHE_REQUESTS = "llmtap.cache.requests"
+METRIC_QUEUE_WAITING = "llmtap.queue.waiting"
+METRIC_QUEUE_REJECTED = "llmtap.queue.rejected"
+METRIC_TIMING_REJECTED = "llmtap.server_timing.rejected"
