@@ -13,6 +13,7 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
 from proxy import tokens
+from proxy.admission import Admission, QueueFull
 from proxy.forward import Router, Upstreams, request_headers, response_headers, upstream_url
 from proxy.providers import provider_for
 from proxy.providers.base import Provider
@@ -32,16 +33,13 @@ class ClientGone(Exception):
     """The client disconnected; the upstream request is cancelled."""
 
 
-async def send_json(send: Send, status: int, error_type: str, message: str) -> None:
+async def send_json(
+    send: Send, status: int, error_type: str, message: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
     """An error of the proxy's own, in the OpenAI error shape most SDKs display."""
     body = json.dumps({"error": {"type": error_type, "message": message, "code": status}}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -63,6 +61,15 @@ class ProxyApp:
         self.ready = False
         #: Requests between arrival and the hand-over of their record to the recorder.
         self.inflight = 0
+        #: The admission queue of each route that limits its concurrency.
+        self.admissions = {
+            r.name: Admission(r.max_concurrency, r.queue_limit, r.queue_timeout)
+            for r in settings.routes
+            if r.max_concurrency is not None
+        }
+        # Requests in flight to each upstream, and a sequence number: what the estimator replays.
+        self._upstream_inflight: dict[str, int] = {}
+        self._upstream_seq = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -136,12 +143,11 @@ class ProxyApp:
         info: RequestInfo | None = None
         if provider is not None:
             if more is None:
-                info = provider.inspect(body, inject_usage=self.settings.inject_usage)
+                info = provider.inspect(body, inject_usage=self.settings.inject_usage, path=inner_path)
             else:
-                info = provider.inspect(b"{}", inject_usage=False)
+                info = provider.inspect(b"{}", inject_usage=False, path=inner_path)
                 info.parse_error = "body_not_inspected"
             tl.request = info
-        tl.admitted = now()
         handle, trace_headers = self.recorder.start(tl, _text_headers(headers))
         self.inflight += 1
         try:
@@ -205,7 +211,21 @@ class ProxyApp:
         watch = _DisconnectWatch(receive, task) if more is None and task is not None else None
         response: httpx.Response | None = None
         started = False
+        admission = self.admissions.get(route.name)
+        admitted = sent = False
         try:
+            if admission is not None:
+                try:
+                    await self._admit(admission, tl)
+                except QueueFull as exc:
+                    await self._refuse(send, route, tl, exc.reason)
+                    return
+                admitted = True
+            tl.admitted = now()
+            tl.upstream_seq = self._upstream_seq = self._upstream_seq + 1
+            tl.upstream_ahead = self._upstream_inflight.get(route.upstream, 0)
+            self._upstream_inflight[route.upstream] = tl.upstream_ahead + 1
+            sent = True
             tl.sent = now()
             try:
                 response = await client.send(request, stream=True)
@@ -277,6 +297,38 @@ class ProxyApp:
                 # Closing the response closes the upstream connection mid-stream: the server sees the
                 # client leave and stops generating. Shielded so a cancellation cannot skip it.
                 await asyncio.shield(response.aclose())
+            if sent:
+                self._upstream_inflight[route.upstream] -= 1
+                if tl.end is None:
+                    tl.end = now()
+            if admitted and admission is not None:
+                admission.release()
+
+    async def _admit(self, admission: Admission, tl: Timeline) -> None:
+        """Wait in the route's line; the waiting count is a metric while anyone waits."""
+        if admission.active < admission.limit and not admission.waiting:
+            await admission.acquire()
+            return
+        self.recorder.queue_changed(tl.route, +1)
+        try:
+            await admission.acquire()
+        finally:
+            self.recorder.queue_changed(tl.route, -1)
+
+    async def _refuse(self, send: Send, route: Route, tl: Timeline, reason: str) -> None:
+        """The line is full (or the wait too long): refuse with Retry-After; nothing went upstream."""
+        tl.admitted = tl.end = now()
+        status = route.queue_full_status
+        tl.status_code = status
+        why = "is full" if reason == "queue_full" else "wait passed its limit"
+        tl.fail(reason, f"admission queue of route {route.name} {why}")
+        await send_json(
+            send,
+            status,
+            reason,
+            f"llmtap: the admission queue for {route.upstream} {why}; retry later",
+            [(b"retry-after", str(route.retry_after).encode())],
+        )
 
 
 def _abort(tl: Timeline, started: bool) -> None:

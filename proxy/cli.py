@@ -39,6 +39,25 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="never add stream_options.include_usage to OpenAI streams",
     )
     p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
+    q = p.add_argument_group("admission queue and queue/prefill estimates (per route in --config)")
+    q.add_argument(
+        "--max-concurrency", dest="max_concurrency", type=int, help="requests in flight to an upstream at most"
+    )
+    q.add_argument("--queue-limit", dest="queue_limit", type=int, help="requests waiting in line at most (100)")
+    q.add_argument("--queue-timeout", dest="queue_timeout", type=float, help="longest wait in line, seconds")
+    q.add_argument(
+        "--queue-full-status", dest="queue_full_status", type=int, choices=(429, 503), help="status when full (503)"
+    )
+    q.add_argument("--retry-after", dest="retry_after", type=int, help="Retry-After seconds when full (1)")
+    q.add_argument(
+        "--server-slots",
+        dest="server_slots",
+        type=int,
+        help="sequences the upstream runs at once (vLLM --max-num-seqs), to infer its queueing",
+    )
+    q.add_argument(
+        "--prefill-rate", dest="prefill_rate", type=float, help="upstream prefill rate, input tokens/s (else learned)"
+    )
 
 
 def _simulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

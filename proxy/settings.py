@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from proxy.fingerprint import INVALID_VERSION, VERSION_MAX_BYTES, version_label
+
 CHUNK_SPAN_MODES = ("spans", "events", "off")
 SEMCONV_LATEST = "gen_ai_latest_experimental"
 
@@ -47,6 +49,24 @@ class Route:
     name: str
     provider: str | None = None
     strip_prefix: bool = False
+    #: The admission queue: at most this many requests in flight to the upstream (None: no limit) ...
+    max_concurrency: int | None = None
+    #: ... with at most this many waiting in line, first come first served ...
+    queue_limit: int = 100
+    #: ... and at most this long (seconds; None: no limit). A request the line cannot take gets this
+    #: status (429 or 503) with ``Retry-After``.
+    queue_timeout: float | None = None
+    queue_full_status: int = 503
+    retry_after: int = 1
+    #: How many sequences the upstream server runs at once (vLLM ``--max-num-seqs``): lets the
+    #: estimator replay its admissions. None: learn the unloaded TTFT line instead.
+    server_slots: int | None = None
+    #: The upstream's prefill rate in input tokens per second, when known; else learned.
+    prefill_rate: float | None = None
+    #: The prompt version of requests that send no ``x-llmtap-prompt-version`` header (None: none).
+    prompt_version: str | None = None
+    #: The shortest prompt the upstream caches, in tokens (None: by the kind of server, see ``cachediag``).
+    cache_min_tokens: int | None = None
 
     @property
     def host(self) -> str:
@@ -93,6 +113,15 @@ class Telemetry:
 
 
 @dataclass(frozen=True, slots=True)
+class Records:
+    """Request records (``--record PATH``): JSON lines, a new file past ``max_bytes``, ``files`` files at most."""
+
+    path: str | None = None
+    max_bytes: int = 64 << 20
+    files: int = 5
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything the proxy needs to run; immutable, passed down by constructors."""
 
@@ -108,11 +137,24 @@ class Settings:
     max_inspect_bytes: int = 8 * 1024 * 1024
     max_connections: int = 1000
     log_level: str = "info"
+    record: Records = field(default_factory=Records)
 
 
 # ----------------------------------------------------------------------------------------------
 # Building settings at the edge.
 
+#: Route options that can also be given once for every route (flags, ``LLMTAP_*``, top level of the file).
+_ROUTE_OPTIONS = (
+    "max_concurrency",
+    "queue_limit",
+    "queue_timeout",
+    "queue_full_status",
+    "retry_after",
+    "server_slots",
+    "prefill_rate",
+    "prompt_version",
+    "cache_min_tokens",
+)
 _FILE_KEYS = {
     "listen": {"host", "port"},
     "admin": {"host", "port"},
@@ -126,8 +168,10 @@ _FILE_KEYS = {
     "log_level": None,
     "upstream": None,
     "provider": None,
+    "record": {"path", "max_mb", "files"},
+    **dict.fromkeys(_ROUTE_OPTIONS),
 }
-_ROUTE_KEYS = {"prefix", "upstream", "provider", "strip_prefix", "name"}
+_ROUTE_KEYS = {"prefix", "upstream", "provider", "strip_prefix", "name", *_ROUTE_OPTIONS}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -254,7 +298,57 @@ def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] |
     return Telemetry(**values)
 
 
-def _route(raw: Any, index: int, default_provider: str | None) -> Route:
+def _version(value: Any, what: str) -> str:
+    label = version_label(str(value))
+    if label is None or label == INVALID_VERSION:
+        raise ConfigError(f"{what}: a label of 1 to {VERSION_MAX_BYTES} bytes without control characters expected")
+    return label
+
+
+def _records(pick: Any, section: Mapping[str, Any]) -> Records:
+    """``--record PATH`` and its rotation: ``--record-max-mb`` per file, ``--record-files`` files at most."""
+    path = pick("record", "LLMTAP_RECORD", section.get("path"), None)
+    max_mb = _number(pick("record_max_mb", "LLMTAP_RECORD_MAX_MB", section.get("max_mb"), 64), "record max_mb")
+    if max_mb <= 0:
+        raise ConfigError(f"record max_mb: expected a size in MB > 0, got {max_mb:g}")
+    files = pick("record_files", "LLMTAP_RECORD_FILES", section.get("files"), 5)
+    files = int(_number(files, "record files", integer=True, minimum=1))
+    return Records(path=str(path) if path else None, max_bytes=max(int(max_mb * (1 << 20)), 1024), files=files)
+
+
+def _route_options(raw: Mapping[str, Any], where: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The admission-queue and estimator options of one route, over the defaults for every route."""
+    merged = {**defaults, **{k: raw[k] for k in _ROUTE_OPTIONS if k in raw and raw[k] is not None}}
+    out: dict[str, Any] = {}
+    for key in ("max_concurrency", "server_slots"):
+        if merged.get(key) is not None:
+            out[key] = int(_number(merged[key], f"{where}{key}", integer=True, minimum=1))
+    if merged.get("queue_limit") is not None:
+        out["queue_limit"] = int(_number(merged["queue_limit"], f"{where}queue_limit", integer=True))
+    if merged.get("queue_timeout") is not None:
+        out["queue_timeout"] = _number(merged["queue_timeout"], f"{where}queue_timeout")
+    if merged.get("retry_after") is not None:
+        out["retry_after"] = int(_number(merged["retry_after"], f"{where}retry_after", integer=True))
+    if merged.get("prefill_rate") is not None:
+        rate = _number(merged["prefill_rate"], f"{where}prefill_rate")
+        if rate <= 0:
+            raise ConfigError(f"{where}prefill_rate: expected tokens per second > 0, got {merged['prefill_rate']!r}")
+        out["prefill_rate"] = rate
+    if merged.get("prompt_version") is not None:
+        out["prompt_version"] = _version(merged["prompt_version"], f"{where}prompt_version")
+    if merged.get("cache_min_tokens") is not None:
+        out["cache_min_tokens"] = int(
+            _number(merged["cache_min_tokens"], f"{where}cache_min_tokens", integer=True, minimum=1)
+        )
+    if merged.get("queue_full_status") is not None:
+        status = int(_number(merged["queue_full_status"], f"{where}queue_full_status", integer=True))
+        if status not in (429, 503):
+            raise ConfigError(f"{where}queue_full_status: expected 429 or 503, got {merged['queue_full_status']!r}")
+        out["queue_full_status"] = status
+    return out
+
+
+def _route(raw: Any, index: int, default_provider: str | None, defaults: Mapping[str, Any] | None = None) -> Route:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"routes[{index}]: expected a mapping with prefix and upstream")
     unknown = set(raw) - _ROUTE_KEYS
@@ -269,7 +363,10 @@ def _route(raw: Any, index: int, default_provider: str | None) -> Route:
     name = str(raw.get("name") or (prefix.strip("/") or "default"))
     provider = raw.get("provider", default_provider)
     strip = _bool(raw.get("strip_prefix", False), f"routes[{index}].strip_prefix")
-    return Route(prefix=prefix.rstrip("/") or "/", upstream=upstream, name=name, provider=provider, strip_prefix=strip)
+    options = _route_options(raw, f"routes[{index}].", defaults or {})
+    return Route(
+        prefix=prefix.rstrip("/") or "/", upstream=upstream, name=name, provider=provider, strip_prefix=strip, **options
+    )
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
@@ -325,11 +422,13 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
     raw_routes = data.get("routes") or []
     if not isinstance(raw_routes, list):
         raise ConfigError("config file: 'routes' must be a list")
-    routes.extend(_route(raw, i, provider) for i, raw in enumerate(raw_routes))
+    route_defaults = {key: pick(key, f"LLMTAP_{key.upper()}", data.get(key), None) for key in _ROUTE_OPTIONS}
+    routes.extend(_route(raw, i, provider, route_defaults) for i, raw in enumerate(raw_routes))
     if upstream is not None:
         check_url(upstream, "upstream")
         routes = [r for r in routes if r.prefix != "/"]
-        routes.append(_route({"prefix": "/", "upstream": upstream, "name": "default"}, len(routes), provider))
+        default = {"prefix": "/", "upstream": upstream, "name": "default"}
+        routes.append(_route(default, len(routes), provider, route_defaults))
     if not routes:
         raise ConfigError("no upstream: pass --upstream URL, set LLMTAP_UPSTREAM, or give routes in --config FILE")
     prefixes = [r.prefix for r in routes]
@@ -393,4 +492,5 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
             )
         ),
         log_level=level,
+        record=_records(pick, data.get("record", {})),
     )

@@ -10,7 +10,8 @@ import heapq
 from dataclasses import dataclass, field
 
 from proxy import tokens
-from proxy.settings import SLO
+from proxy.estimator import ESTIMATED, Estimator
+from proxy.settings import SLO, Route
 from proxy.timeline import OK, Timeline
 
 USAGE = "usage"
@@ -33,8 +34,11 @@ class Summary:
     e2e: float | None = None
     decode: float | None = None
     tpot: float | None = None
-    queue: float | None = None
-    queue_source: str = PROXY
+    queue: float | None = None  # the proxy's own queue plus the upstream's
+    queue_source: str = PROXY  # the upstream part's source when there is one
+    proxy_queue: float | None = None
+    upstream_queue: float | None = None
+    upstream_queue_source: str | None = None
     prefill: float | None = None
     prefill_source: str = UPSTREAM_TTFT
     gaps: list[float] = field(default_factory=list)
@@ -108,8 +112,13 @@ def _drift(counted: int, reported: int | None) -> float | None:
     return (counted - reported) / reported
 
 
-def summarize(tl: Timeline, slo: SLO | None = None) -> Summary:
-    """Compute the summary; counts tokens with tiktoken, so call it off the event loop."""
+def summarize(
+    tl: Timeline, slo: SLO | None = None, *, estimator: Estimator | None = None, route: Route | None = None
+) -> Summary:
+    """Compute the summary; counts tokens with tiktoken, so call it off the event loop.
+
+    With an ``estimator``, call it for every request in the order they end (it replays admissions).
+    """
     s = Summary()
     if tl.first_content is not None:
         s.ttft = tl.first_content - tl.received
@@ -123,17 +132,6 @@ def summarize(tl: Timeline, slo: SLO | None = None) -> Summary:
     s.gaps = [times[i] - times[i - 1] for i in range(1, len(times))]
     if tl.first_content is not None and tl.last_content is not None:
         s.decode = tl.last_content - tl.first_content
-
-    # Phases: server-reported first, then what the proxy measured itself.
-    st = tl.server_timing
-    if st is not None and st.queue is not None:
-        s.queue, s.queue_source = st.queue, SERVER
-    elif tl.admitted is not None and tl.body_read is not None:
-        s.queue, s.queue_source = max(tl.admitted - tl.body_read, 0.0), PROXY
-    if st is not None and st.prefill is not None:
-        s.prefill, s.prefill_source = st.prefill, SERVER
-    elif s.upstream_ttft is not None:
-        s.prefill, s.prefill_source = s.upstream_ttft, UPSTREAM_TTFT
 
     # Tokens: upstream usage is the truth; tiktoken fills in what it cannot tell.
     req = tl.request
@@ -162,10 +160,43 @@ def summarize(tl: Timeline, slo: SLO | None = None) -> Summary:
         s.cache_write_tokens = usage.cache_write_tokens
         s.reasoning_tokens = usage.reasoning_tokens
     s.input_size = input_size_class(s.input_tokens)
+    _phases(tl, s, estimator, route)
     if s.output_tokens is not None and s.output_tokens > 1 and s.decode is not None:
         s.tpot = s.decode / (s.output_tokens - 1)
     s.slo = slo_outcome(tl, s, slo)
     return s
+
+
+def _phases(tl: Timeline, s: Summary, estimator: Estimator | None, route: Route | None) -> None:
+    """Queue and prefill, from the best source each: server-reported, then measured, then estimated."""
+    if tl.admitted is not None and tl.body_read is not None:
+        s.proxy_queue = max(tl.admitted - tl.body_read, 0.0)
+    uncached = None if s.input_tokens is None else max(s.input_tokens - (s.cache_read_tokens or 0), 0)
+    split = None
+    if estimator is not None:
+        # Always observed, even when the server reports its timings: the slot replay needs every end.
+        slots = route.server_slots if route is not None else None
+        rate = route.prefill_rate if route is not None else None
+        split = estimator.observe(tl, uncached, slots=slots, rate=rate)
+    st = tl.server_timing
+    if st is not None and st.queue is not None:
+        s.upstream_queue, s.upstream_queue_source = st.queue, SERVER
+    if st is not None and st.prefill is not None:
+        s.prefill, s.prefill_source = st.prefill, SERVER
+    ttft = s.upstream_ttft
+    if ttft is not None:
+        if s.prefill is None and s.upstream_queue is not None:
+            s.prefill, s.prefill_source = max(ttft - s.upstream_queue, 0.0), SERVER
+        elif s.prefill is None and split is not None:
+            s.upstream_queue, s.upstream_queue_source = split.queue, ESTIMATED
+            s.prefill, s.prefill_source = split.prefill, ESTIMATED
+        elif s.prefill is None:
+            s.prefill, s.prefill_source = ttft, UPSTREAM_TTFT
+    if s.upstream_queue is not None:
+        s.queue = (s.proxy_queue or 0.0) + s.upstream_queue
+        s.queue_source = s.upstream_queue_source or PROXY
+    else:
+        s.queue, s.queue_source = s.proxy_queue, PROXY
 
 
 def slo_outcome(tl: Timeline, s: Summary, slo: SLO | None) -> str:

@@ -57,6 +57,12 @@ class Timeline:
     malformed_events: int = 0
     oversized_events: int = 0
     trace_id: str | None = None
+    # The upstream's sequence number of this request and how many requests to the same upstream were
+    # in flight when it was sent: what the estimator needs to replay a slot-limited server.
+    upstream_seq: int | None = None
+    upstream_ahead: int = 0
+    # Names of server-reported timing fields that were malformed or absurd, and so ignored.
+    rejected_timings: list[str] = field(default_factory=list)
     span_id: str | None = None
 
     def wall_ns(self, t: float) -> int:

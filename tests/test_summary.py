@@ -259,7 +259,10 @@ def test_no_slo_is_none() -> None:
 def test_server_reported_phases_win() -> None:
     tl = streamed(WORDS, server_timing=ServerTiming(queue=0.25, prefill=0.125, decode=0.0625))
     s = summarize(tl)
-    assert (s.queue, s.queue_source) == (0.25, SERVER)
+    assert (s.upstream_queue, s.upstream_queue_source) == (0.25, SERVER)
+    # The queue is the proxy's own line (measured) and then the server's (reported).
+    assert s.proxy_queue == 1 / 64 - 1 / 128
+    assert (s.queue, s.queue_source) == (s.proxy_queue + 0.25, SERVER)
     assert (s.prefill, s.prefill_source) == (0.125, SERVER)
     # What the proxy measured itself is unchanged beside them.
     assert s.upstream_ttft == 0.5 - 1 / 32 and s.decode == 0.125
@@ -270,5 +273,6 @@ def test_server_reports_one_phase_only() -> None:
     assert (s.queue, s.queue_source) == (1 / 64 - 1 / 128, PROXY)
     assert (s.prefill, s.prefill_source) == (0.125, SERVER)
     s = summarize(streamed(WORDS, server_timing=ServerTiming(queue=0.0)))
-    assert (s.queue, s.queue_source) == (0.0, SERVER)
-    assert (s.prefill, s.prefill_source) == (0.5 - 1 / 32, UPSTREAM_TTFT)
+    assert (s.upstream_queue, s.queue, s.queue_source) == (0.0, 1 / 64 - 1 / 128, SERVER)
+    # A reported queue leaves the rest of the upstream TTFT to prefill, on the server's word.
+    assert (s.prefill, s.prefill_source) == (0.5 - 1 / 32, SERVER)

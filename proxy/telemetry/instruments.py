@@ -57,6 +57,9 @@ class Instruments:
     drift: Histogram
     telemetry_dropped: Counter
     malformed: Counter
+    queue_waiting: UpDownCounter
+    queue_rejected: Counter
+    timing_rejected: Counter
 
 
 def _seconds(meter: Meter, name: str, description: str) -> Histogram:
@@ -149,5 +152,18 @@ def create(meter: Meter, *, latest: bool) -> Instruments:
             sc.METRIC_MALFORMED,
             unit="{event}",
             description="Stream events the proxy could not parse (relayed unchanged).",
+        ),
+        queue_waiting=meter.create_up_down_counter(
+            sc.METRIC_QUEUE_WAITING, unit="{request}", description="Requests waiting in a route's admission queue."
+        ),
+        queue_rejected=meter.create_counter(
+            sc.METRIC_QUEUE_REJECTED,
+            unit="{request}",
+            description="Requests the admission queue refused, by error.type (queue_full, queue_timeout).",
+        ),
+        timing_rejected=meter.create_counter(
+            sc.METRIC_TIMING_REJECTED,
+            unit="{field}",
+            description="Server-reported timing fields ignored as malformed or absurd, by llmtap.server_timing.field.",
         ),
     )

@@ -21,6 +21,7 @@ from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 from opentelemetry.trace import NoOpTracerProvider, Span, SpanKind, Status, StatusCode, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from proxy.estimator import Estimator
 from proxy.settings import Settings
 from proxy.summary import Summary, summarize
 from proxy.telemetry import semconv as sc
@@ -88,6 +89,9 @@ class Recorder:
         #: Called on the worker thread with each finished request's timeline and summary (the demo's
         #: tables read them); a listener that raises is logged and skipped.
         self.listeners: list[Callable[[Timeline, Summary], None]] = []
+        #: Splits upstream TTFT into queue and prefill; only the worker thread touches it.
+        self.estimator = Estimator()
+        self._routes = {r.name: r for r in settings.routes}
 
     # -- called on the event loop -------------------------------------------------------------
 
@@ -114,6 +118,13 @@ class Recorder:
         except Exception:
             log.exception("telemetry: could not start the request span")
             return None, {}
+
+    def queue_changed(self, route: str, delta: int) -> None:
+        """A request joined (+1) or left (-1) a route's admission queue; never raises."""
+        try:
+            self.instruments.queue_waiting.add(delta, {sc.ROUTE: route})
+        except Exception:
+            log.exception("telemetry: could not count the admission queue")
 
     def finish(self, tl: Timeline, handle: TraceHandle | None) -> None:
         """Hand the finished timeline to the worker; never blocks, never raises."""
@@ -183,8 +194,14 @@ class Recorder:
 
     def record(self, tl: Timeline, handle: TraceHandle | None) -> Summary:
         """Write spans and metrics for one finished request (runs on the worker thread)."""
-        s = summarize(tl, self.settings.slo)
-        self.instruments.active_streams.add(-1, {sc.ROUTE: tl.route})
+        s = summarize(tl, self.settings.slo, estimator=self.estimator, route=self._routes.get(tl.route))
+        ins = self.instruments
+        ins.active_streams.add(-1, {sc.ROUTE: tl.route})
+        if tl.error_type in ("queue_full", "queue_timeout"):
+            ins.queue_rejected.add(1, {sc.ROUTE: tl.route, sc.ERROR_TYPE: tl.error_type})
+        for name in tl.rejected_timings:
+            log.debug("ignored server timing %s of %s %s", name, tl.method, tl.path)
+            ins.timing_rejected.add(1, {sc.ROUTE: tl.route, sc.TIMING_FIELD: name})
         if handle is not None:
             try:
                 self._spans(tl, s, handle.span)
@@ -217,11 +234,15 @@ class Recorder:
     def _phase_spans(self, tl: Timeline, s: Summary, ctx: otel_context.Context) -> None:
         tracer = self._tracer
         queue_end = tl.admitted if tl.admitted is not None else tl.body_read
+        start = tl.sent if tl.sent is not None else queue_end
+        if start is not None and s.upstream_queue is not None:
+            # The server's own line follows the proxy's: the queue span runs until the server took it up.
+            queue_end = start + s.upstream_queue
+            start = queue_end
         if queue_end is not None:
             span = tracer.start_span(sc.SPAN_QUEUE, context=ctx, start_time=tl.wall_ns(tl.received))
-            span.set_attributes({sc.QUEUE_DURATION: s.queue or 0.0, sc.QUEUE_SOURCE: s.queue_source})
+            span.set_attributes(queue_attributes(s))
             span.end(end_time=tl.wall_ns(queue_end))
-        start = tl.sent if tl.sent is not None else queue_end
         if start is not None and tl.first_content is not None:
             span = tracer.start_span(sc.SPAN_PREFILL, context=ctx, start_time=tl.wall_ns(start))
             attrs: dict[str, Any] = {sc.PREFILL_SOURCE: s.prefill_source}
@@ -428,6 +449,19 @@ def _put(attrs: dict[str, Any], key: str, value: Any) -> None:
         attrs[key] = value
 
 
+def queue_attributes(s: Summary) -> dict[str, Any]:
+    """The queue and its two parts: the proxy's own line (measured) and the server's (reported or estimated)."""
+    attrs: dict[str, Any] = {}
+    if s.queue is not None:
+        attrs[sc.QUEUE_DURATION] = s.queue
+        attrs[sc.QUEUE_SOURCE] = s.queue_source
+    _put(attrs, sc.QUEUE_PROXY_DURATION, s.proxy_queue)
+    if s.upstream_queue is not None:
+        attrs[sc.QUEUE_UPSTREAM_DURATION] = s.upstream_queue
+        attrs[sc.QUEUE_UPSTREAM_SOURCE] = s.upstream_queue_source
+    return attrs
+
+
 def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = False) -> dict[str, Any]:
     """Attributes known when the stream ends."""
     attrs: dict[str, Any] = {}
@@ -454,11 +488,9 @@ def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = Fa
     _put(attrs, sc.UPSTREAM_TTFT, s.upstream_ttft)
     _put(attrs, sc.TPOT, s.tpot)
     _put(attrs, sc.E2E, s.e2e)
-    _put(attrs, sc.QUEUE_DURATION, s.queue)
+    attrs.update(queue_attributes(s))
     _put(attrs, sc.PREFILL_DURATION, s.prefill)
     _put(attrs, sc.DECODE_DURATION, s.decode)
-    if s.queue is not None:
-        attrs[sc.QUEUE_SOURCE] = s.queue_source
     if s.prefill is not None:
         attrs[sc.PREFILL_SOURCE] = s.prefill_source
     attrs[sc.OUTCOME] = tl.outcome
