@@ -14,9 +14,12 @@ from opentelemetry.trace import TracerProvider
 
 from proxy import tokens
 from proxy.admission import Admission, QueueFull
+from proxy.fingerprint import version_label
 from proxy.forward import Router, Upstreams, request_headers, response_headers, upstream_url
+from proxy.live import LiveView
 from proxy.providers import provider_for
 from proxy.providers.base import Provider
+from proxy.providers.timing import from_headers
 from proxy.settings import Route, Settings
 from proxy.streaming import Tap
 from proxy.telemetry.prometheus import CONTENT_TYPE, PrometheusReader
@@ -134,7 +137,7 @@ class ProxyApp:
         headers: list[tuple[bytes, bytes]] = list(scope["headers"])
         for name, value in headers:
             if name.lower() == PROMPT_VERSION_HEADER:
-                tl.prompt_version = value.decode("latin-1")[:128]
+                tl.prompt_version = version_label(value)
         try:
             body, more = await self._read_body(receive, self.settings.max_inspect_bytes if provider else 0)
         except ClientGone:
@@ -243,6 +246,10 @@ class ProxyApp:
                 raise
             tl.headers = now()
             tl.status_code = response.status_code
+            if "x-queue-time" in response.headers:
+                # TGI reports its queue time in headers (non-streamed responses).
+                tl.server_timing, bad = from_headers(response.headers)
+                tl.rejected_timings.extend(bad)
             tap = Tap(
                 tl,
                 provider,
@@ -398,11 +405,16 @@ def _text_headers(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
 
 
 class AdminApp:
-    """The admin listener: ``/metrics``, ``/healthz`` and ``/readyz``; read-only."""
+    """The admin listener: ``/metrics``, ``/healthz``, ``/readyz`` and the live view (``/``, ``/events``); read-only.
 
-    def __init__(self, proxy: ProxyApp, prometheus: PrometheusReader | None) -> None:
+    The live view subscribes to the proxy's recorder here, so it sees every request recorded from now on;
+    ``traces`` says whether trace ids lead anywhere (default: an OTLP or console span exporter is set).
+    """
+
+    def __init__(self, proxy: ProxyApp, prometheus: PrometheusReader | None, *, traces: bool | None = None) -> None:
         self.proxy = proxy
         self.prometheus = prometheus
+        self.live = LiveView(proxy.recorder, proxy.settings, traces=traces)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -423,6 +435,8 @@ class AdminApp:
         elif path == "/readyz":
             ready = self.proxy.ready
             await _plain(send, 200 if ready else 503, b"ready\n" if ready else b"not ready\n")
+        elif self.live.serves(path):
+            await self.live(scope, receive, send)
         else:
             await _plain(send, 404, b"not found\n")
 

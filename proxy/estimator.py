@@ -79,25 +79,23 @@ class Envelope:
         return self._line
 
     def _fit(self) -> tuple[float, float] | None:
-        # The lowest TTFT seen in each bin: queueing and interference only ever add time.
-        points = [min(b, key=lambda p: p[1]) for b in self._bins if b]
+        points = sorted(p for b in self._bins for p in b)
         if not points:
             return None
         if self.fixed_rate is not None:
             per_token = 1.0 / self.fixed_rate
             return max(min(t - n * per_token for n, t in points), 0.0), per_token
-        if len(points) < 2:
+        hull = _lower_hull(points)
+        if len(hull) < 2:
             return None
-        n = len(points)
-        mx = sum(p[0] for p in points) / n
-        my = sum(p[1] for p in points) / n
-        sxx = sum((p[0] - mx) ** 2 for p in points)
-        if sxx <= 0:
-            return None
-        slope = max(sum((p[0] - mx) * (p[1] - my) for p in points) / sxx, 0.0)
-        # Lower the line until no envelope point lies below it, so ``base`` is the true floor.
-        base = max(min(t - x * slope for x, t in points), 0.0)
-        return base, slope
+        # Queueing and interference only ever add time, so the line lies under every point. Of those
+        # lines, the one closest to the points overall (least summed distance) is the lower hull's
+        # edge over the mean token count.
+        mean = sum(p[0] for p in points) / len(points)
+        edge = next((i for i in range(1, len(hull)) if hull[i][0] >= mean), len(hull) - 1)
+        (x0, t0), (x1, t1) = hull[edge - 1], hull[edge]
+        slope = max((t1 - t0) / (x1 - x0), 0.0)
+        return max(min(t - x * slope for x, t in points), 0.0), slope
 
     def prefill(self, tokens: int) -> float | None:
         """The unloaded prefill of ``tokens`` uncached input tokens, or None while unknown."""
@@ -105,6 +103,23 @@ class Envelope:
         if line is None:
             return None
         return line[0] + tokens * line[1]
+
+
+def _lower_hull(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The lower convex hull of points sorted by x, one point per distinct x."""
+    hull: list[tuple[int, float]] = []
+    for p in points:
+        if hull and hull[-1][0] == p[0]:
+            continue  # sorted: the first point at each x is its lowest
+        while len(hull) >= 2:
+            (ax, at), (bx, bt) = hull[-2], hull[-1]
+            # Drop b when it lies on or above the segment from a to p.
+            if (bt - at) * (p[0] - ax) >= (p[1] - at) * (bx - ax):
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    return hull
 
 
 class SlotLog:

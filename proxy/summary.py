@@ -7,10 +7,12 @@ same ``Summary``, so every consumer agrees on what TTFT or TPOT means (DESIGN, "
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 from proxy import tokens
 from proxy.estimator import ESTIMATED, Estimator
+from proxy.providers.timing import validate
 from proxy.settings import SLO, Route
 from proxy.timeline import OK, Timeline
 
@@ -179,6 +181,12 @@ def _phases(tl: Timeline, s: Summary, estimator: Estimator | None, route: Route 
         rate = route.prefill_rate if route is not None else None
         split = estimator.observe(tl, uncached, slots=slots, rate=rate)
     st = tl.server_timing
+    if st is not None:
+        # Wrong types, negative or absurd values (a queue longer than the request) are dropped and
+        # counted; the estimate stands in for them.
+        elapsed = (tl.end - tl.sent) if tl.end is not None and tl.sent is not None else math.inf
+        st, _ = validate(st, elapsed)
+        tl.rejected_timings.extend(name for name in st.rejected if name not in tl.rejected_timings)
     if st is not None and st.queue is not None:
         s.upstream_queue, s.upstream_queue_source = st.queue, SERVER
     if st is not None and st.prefill is not None:

@@ -31,11 +31,16 @@ class Usage:
 
 @dataclass(slots=True)
 class ServerTiming:
-    """Phase durations in seconds that the server itself reported (Ollama durations, TGI headers, ...)."""
+    """Phase durations in seconds that the server itself reported (Ollama durations, TGI headers, ...).
+
+    ``rejected`` names the reported fields that were dropped as unusable (wrong type, negative, not
+    finite, absurd; see ``providers/timing.py``): they are counted, never used.
+    """
 
     queue: float | None = None
     prefill: float | None = None
     decode: float | None = None
+    rejected: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -59,6 +64,18 @@ class Facts:
     done: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class PromptRegion:
+    """One part of a prompt as the client sent it: ``tools``, ``system`` or one ``message``.
+
+    ``value`` is the part's parsed JSON (a string for a plain text prompt). Kept in memory only: the
+    recorder's worker thread hashes and counts it (``proxy.fingerprint``); it is never exported.
+    """
+
+    kind: str
+    value: Any
+
+
 @dataclass(slots=True)
 class RequestInfo:
     """What the proxy learned from the client's request body before forwarding it."""
@@ -74,3 +91,5 @@ class RequestInfo:
     params: dict[str, Any] = field(default_factory=dict)
     # The prompt's text, joined, for counting when the server reports no usage (never exported).
     prompt_text: str = ""
+    # The prompt's parts in the order servers cache them (tools, system, messages): for fingerprints.
+    regions: list[PromptRegion] = field(default_factory=list)

@@ -526,4 +526,8 @@ def test_provider_identity() -> None:
         ("openai_completions", "openai", "sse"),
         ("openai_responses", "openai", "sse"),
         ("anthropic", "anthropic", "sse"),
+        ("ollama_chat", "ollama", "ndjson"),
+        ("ollama_generate", "ollama", "ndjson"),
+        ("gemini", "gcp.gemini", "json-array"),
+        ("gemini", "gcp.vertex_ai", "json-array"),
     ]

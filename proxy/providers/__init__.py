@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from proxy.providers.anthropic import AnthropicMessages
 from proxy.providers.base import Framing, Provider, StreamParser
+from proxy.providers.gemini import Gemini
+from proxy.providers.ollama import Ollama
 from proxy.providers.openai_chat import OpenAIChat
 from proxy.providers.openai_completions import OpenAICompletions
 from proxy.providers.openai_responses import OpenAIResponses
@@ -18,6 +20,8 @@ __all__ = [
     "PROVIDERS",
     "AnthropicMessages",
     "Framing",
+    "Gemini",
+    "Ollama",
     "OpenAIChat",
     "OpenAICompletions",
     "OpenAIResponses",
@@ -28,7 +32,16 @@ __all__ = [
 ]
 
 #: Every protocol llmtap understands; providers hold no state, so one instance serves all requests.
-PROVIDERS: tuple[Provider, ...] = (OpenAIChat(), OpenAICompletions(), OpenAIResponses(), AnthropicMessages())
+PROVIDERS: tuple[Provider, ...] = (
+    OpenAIChat(),
+    OpenAICompletions(),
+    OpenAIResponses(),
+    AnthropicMessages(),
+    Ollama(generate=False),
+    Ollama(generate=True),
+    Gemini(vertex=False),
+    Gemini(vertex=True),
+)
 
 
 def provider_for(method: str, path: str) -> Provider | None:

@@ -17,6 +17,7 @@ from proxy.providers.openai_common import (
     error_facts,
     load_object,
     matches_suffix,
+    prompt_regions,
     prompt_text,
     request_params,
 )
@@ -114,7 +115,7 @@ class AnthropicMessages:
         """True for ``POST …/messages``, except OpenAI Assistants' ``…/threads/{id}/messages``."""
         return matches_suffix(method, path, "/messages") and "/threads/" not in path
 
-    def inspect(self, body: bytes, *, inject_usage: bool) -> RequestInfo:
+    def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag, params (top_k included) and prompt text; never rewritten."""
         obj, error = load_object(body)
         if obj is None:
@@ -125,6 +126,7 @@ class AnthropicMessages:
             stream=obj.get("stream") is True,
             params=request_params(obj, max_tokens_keys=("max_tokens",), stop_key="stop_sequences"),
             prompt_text=_prompt(obj),
+            regions=prompt_regions(tools=obj.get("tools"), system=obj.get("system"), messages=obj.get("messages")),
         )
 
     def stream_parser(self) -> StreamParser:

@@ -40,10 +40,12 @@ class Provider(Protocol):
         """True when this provider speaks the protocol of ``method path`` (path without query)."""
         ...
 
-    def inspect(self, body: bytes, *, inject_usage: bool) -> RequestInfo:
+    def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Read the request body: model, stream flag, parameters; rewrite it to ask for usage.
 
-        Never raises: a malformed body gives ``RequestInfo.parse_error`` and is forwarded unchanged.
+        ``path`` is the request path as the provider matched it (without query): Gemini names the model
+        and the stream flag there, not in the body. Never raises: a malformed body gives
+        ``RequestInfo.parse_error`` and is forwarded unchanged.
         """
         ...
 

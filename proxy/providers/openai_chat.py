@@ -15,9 +15,10 @@ from proxy.providers.openai_common import (
     inspect_openai,
     matches_suffix,
     parse_choices_body,
+    prompt_regions,
     prompt_text,
 )
-from proxy.types import Facts, RequestInfo
+from proxy.types import Facts, PromptRegion, RequestInfo
 
 
 def _message_text(message: JSONObject) -> str:
@@ -49,6 +50,16 @@ def _prompt(obj: JSONObject) -> str:
     return prompt_text(messages=obj.get("messages"), tools=obj.get("tools") or obj.get("functions"))
 
 
+def _regions(obj: JSONObject) -> list[PromptRegion]:
+    # The leading system (or developer) messages are the system region; the messages after it follow.
+    messages = obj.get("messages")
+    listed = messages if isinstance(messages, list) else []
+    n = 0
+    while n < len(listed) and as_dict(listed[n]).get("role") in ("system", "developer"):
+        n += 1
+    return prompt_regions(tools=obj.get("tools") or obj.get("functions"), system=listed[:n], messages=listed[n:])
+
+
 class OpenAIChat:
     """The Chat Completions protocol."""
 
@@ -60,7 +71,7 @@ class OpenAIChat:
         """True for ``POST …/chat/completions``."""
         return matches_suffix(method, path, "/chat/completions")
 
-    def inspect(self, body: bytes, *, inject_usage: bool) -> RequestInfo:
+    def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag, params and prompt text; ask for usage on streams that did not."""
         return inspect_openai(
             body,
@@ -69,6 +80,7 @@ class OpenAIChat:
             # max_completion_tokens replaced max_tokens in the OpenAI API; clients send either.
             max_tokens_keys=("max_completion_tokens", "max_tokens"),
             prompt=_prompt,
+            regions=_regions,
         )
 
     def stream_parser(self) -> StreamParser:

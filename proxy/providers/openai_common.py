@@ -11,8 +11,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from proxy.providers.timing import MS, FieldMap, from_body
 from proxy.sse import Event
-from proxy.types import Facts, RequestInfo, ServerTiming, Usage
+from proxy.types import Facts, PromptRegion, RequestInfo, ServerTiming, Usage
 
 JSONObject = dict[str, Any]
 
@@ -113,20 +114,26 @@ def error_facts(raw: object) -> Facts:
     )
 
 
-def vllm_server_timing(raw: object) -> ServerTiming | None:
-    """vLLM's per-request ``metrics`` (``--enable-per-request-metrics``, standards B.3), in seconds.
+# vLLM ``--enable-per-request-metrics`` (standards B.3; docs/features/per_request_metrics.md): ``metrics``
+# in ms. Its time_to_first_token_ms runs from scheduling to the first token, i.e. prefill, and
+# generation_time_ms is documented as "first output token to the last output token", i.e. decode.
+VLLM_METRICS: FieldMap = {
+    "queue": ("queue_time_ms", MS),
+    "prefill": ("time_to_first_token_ms", MS),
+    "decode": ("generation_time_ms", MS),
+}
+# NVIDIA NIM ``NIM_PER_REQ_METRICS_ENABLE=1`` (docs.nvidia.com/nim/large-language-models, "Per-Request
+# Metrics"): ``stats.time_in_queue_in_ms``. Its ``response_tokens.time_to_first_token_in_ms`` runs
+# "from processing start", which the documentation does not place before or after the queue, and
+# ``generation_time_in_ms`` is "total time for LLM processing": neither is a phase, so neither is read.
+NIM_STATS: FieldMap = {"queue": ("time_in_queue_in_ms", MS)}
+# Fireworks' ``perf_metrics`` (``perf_metrics_in_response``) is not read: Fireworks' documentation says
+# where it arrives (the chunk with finish_reason) but not its fields' meaning or units.
 
-    Its ``time_to_first_token_ms`` runs from scheduling to the first token, i.e. prefill; the meaning of
-    ``generation_time_ms`` is not documented precisely enough to call it decode, so it is left out.
-    """
-    obj = as_dict(raw)
-    queue, prefill = _as_float(obj.get("queue_time_ms")), _as_float(obj.get("time_to_first_token_ms"))
-    if queue is None and prefill is None:
-        return None
-    return ServerTiming(
-        queue=None if queue is None else queue / 1000.0,
-        prefill=None if prefill is None else prefill / 1000.0,
-    )
+
+def reported_timing(obj: JSONObject) -> ServerTiming | None:
+    """The phases a body or chunk reports: vLLM's ``metrics``, else NIM's ``stats``; None when neither."""
+    return from_body(obj.get("metrics"), VLLM_METRICS) or from_body(obj.get("stats"), NIM_STATS)
 
 
 def request_params(obj: JSONObject, *, max_tokens_keys: tuple[str, ...], stop_key: str) -> dict[str, Any]:
@@ -189,6 +196,23 @@ def prompt_text(*, system: object = None, messages: object = None, tools: object
     return "\n".join(out)
 
 
+def prompt_regions(*, tools: object = None, system: object = None, messages: object = None) -> list[PromptRegion]:
+    """The prompt's parts in the order servers cache them: tools, system, then each message.
+
+    Only references to the parsed body: ``proxy.fingerprint`` hashes and counts them off the event loop.
+    """
+    regions: list[PromptRegion] = []
+    if isinstance(tools, list | dict) and tools:
+        regions.append(PromptRegion("tools", tools))
+    if system is not None and system != "" and system != []:
+        regions.append(PromptRegion("system", system))
+    if isinstance(messages, list):
+        regions.extend(PromptRegion("message", m) for m in messages)
+    elif isinstance(messages, str | dict) and messages:
+        regions.append(PromptRegion("message", messages))
+    return regions
+
+
 def _asks_for_usage(obj: JSONObject) -> bool:
     return as_dict(obj.get("stream_options")).get("include_usage") is True
 
@@ -215,6 +239,7 @@ def inspect_openai(
     operation: str,
     max_tokens_keys: tuple[str, ...],
     prompt: Callable[[JSONObject], str],
+    regions: Callable[[JSONObject], list[PromptRegion]],
 ) -> RequestInfo:
     """Inspect a Chat Completions or Completions request; ask for streamed usage when the client did not."""
     obj, error = load_object(body)
@@ -226,6 +251,7 @@ def inspect_openai(
         stream=obj.get("stream") is True,
         params=request_params(obj, max_tokens_keys=max_tokens_keys, stop_key="stop"),
         prompt_text=prompt(obj),
+        regions=regions(obj),
     )
     # Without include_usage a stream carries no usage at all (D.1); with it, one extra chunk with
     # ``choices: []`` arrives before [DONE], which UsageEventFilter removes again for this client.
@@ -262,7 +288,7 @@ def choices_facts(obj: JSONObject, choice_text: Callable[[JSONObject], str]) -> 
         finish_reasons=reasons,
         response_id=as_str(obj.get("id")),
         response_model=as_str(obj.get("model")),
-        server_timing=vllm_server_timing(obj.get("metrics")),
+        server_timing=reported_timing(obj),
     )
 
 

@@ -14,9 +14,10 @@ from proxy.providers.openai_common import (
     inspect_openai,
     matches_suffix,
     parse_choices_body,
+    prompt_regions,
     prompt_text,
 )
-from proxy.types import Facts, RequestInfo
+from proxy.types import Facts, PromptRegion, RequestInfo
 
 
 def completion_choice_text(choice: JSONObject) -> str:
@@ -31,6 +32,13 @@ def _prompt(obj: JSONObject) -> str:
     return prompt_text(messages=[t for t in [*texts, suffix] if isinstance(t, str)])
 
 
+def _regions(obj: JSONObject) -> list[PromptRegion]:
+    # One text prompt is one region; of a batch of prompts, the first stands for the request.
+    prompt = obj.get("prompt")
+    first = prompt[0] if isinstance(prompt, list) and prompt else prompt
+    return prompt_regions(messages=first if isinstance(first, str) else None)
+
+
 class OpenAICompletions:
     """The legacy Completions protocol."""
 
@@ -42,7 +50,7 @@ class OpenAICompletions:
         """True for ``POST …/completions`` that is not ``…/chat/completions``."""
         return matches_suffix(method, path, "/completions") and not matches_suffix(method, path, "/chat/completions")
 
-    def inspect(self, body: bytes, *, inject_usage: bool) -> RequestInfo:
+    def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag, params and prompt text; ask for usage on streams that did not."""
         return inspect_openai(
             body,
@@ -50,6 +58,7 @@ class OpenAICompletions:
             operation="text_completion",
             max_tokens_keys=("max_tokens",),
             prompt=_prompt,
+            regions=_regions,
         )
 
     def stream_parser(self) -> StreamParser:

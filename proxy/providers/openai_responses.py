@@ -17,6 +17,7 @@ from proxy.providers.openai_common import (
     error_facts,
     load_object,
     matches_suffix,
+    prompt_regions,
     prompt_text,
     request_params,
     usage_from_openai,
@@ -118,7 +119,7 @@ class OpenAIResponses:
         """True for ``POST …/responses``."""
         return matches_suffix(method, path, "/responses")
 
-    def inspect(self, body: bytes, *, inject_usage: bool) -> RequestInfo:
+    def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag, params and prompt text; never rewritten (usage always arrives)."""
         obj, error = load_object(body)
         if obj is None:
@@ -129,6 +130,7 @@ class OpenAIResponses:
             stream=obj.get("stream") is True,
             params=request_params(obj, max_tokens_keys=("max_output_tokens",), stop_key="stop"),
             prompt_text=_prompt(obj),
+            regions=prompt_regions(tools=obj.get("tools"), system=obj.get("instructions"), messages=obj.get("input")),
         )
 
     def stream_parser(self) -> StreamParser:

@@ -1,0 +1,197 @@
+"""The admission queue: FIFO order, the bound on the line, the wait limit, and giving up while waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.admission import Admission, QueueFull
+from proxy.settings import build
+from proxy.telemetry import semconv as sc
+from tests.conftest import Running, Scripted, ServerThread, Telemetry
+
+
+async def test_slots_then_first_come_first_served() -> None:
+    adm = Admission(limit=2, queue_limit=10)
+    await adm.acquire()
+    await adm.acquire()
+    order: list[int] = []
+
+    async def wait(i: int) -> None:
+        await adm.acquire()
+        order.append(i)
+
+    tasks = [asyncio.create_task(wait(i)) for i in range(4)]
+    await asyncio.sleep(0)
+    assert adm.waiting == 4 and adm.active == 2 and order == []
+    for _ in range(4):
+        adm.release()
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3]
+    # Each release handed its slot straight to the next in line: still two active, nobody waiting.
+    assert adm.active == 2 and adm.waiting == 0
+
+
+async def test_no_one_jumps_the_line() -> None:
+    adm = Admission(limit=1, queue_limit=10)
+    await adm.acquire()
+    waiter = asyncio.create_task(adm.acquire())
+    await asyncio.sleep(0)
+    adm.release()  # the slot now belongs to the waiter, even before it runs
+    late = asyncio.create_task(adm.acquire())
+    await asyncio.sleep(0)
+    assert waiter.done() and not late.done()
+    adm.release()
+    await late
+    assert adm.active == 1
+
+
+async def test_a_full_line_refuses() -> None:
+    adm = Admission(limit=1, queue_limit=1)
+    await adm.acquire()
+    waiter = asyncio.create_task(adm.acquire())
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFull) as caught:
+        await adm.acquire()
+    assert caught.value.reason == "queue_full"
+    adm.release()
+    await waiter
+
+
+async def test_wait_limit_refuses_and_leaves_the_line() -> None:
+    adm = Admission(limit=1, queue_limit=5, timeout=0.02)
+    await adm.acquire()
+    with pytest.raises(QueueFull) as caught:
+        await adm.acquire()
+    assert caught.value.reason == "queue_timeout"
+    assert adm.waiting == 0 and adm.active == 1
+    adm.release()
+    assert adm.active == 0
+
+
+async def test_cancelled_waiter_leaves_the_line_and_loses_no_slot() -> None:
+    adm = Admission(limit=1, queue_limit=5)
+    await adm.acquire()
+    gone = asyncio.create_task(adm.acquire())
+    stays = asyncio.create_task(adm.acquire())
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    assert adm.waiting == 1
+    adm.release()
+    await stays
+    adm.release()
+    assert adm.active == 0 and adm.waiting == 0
+
+
+async def test_slot_handed_over_as_the_waiter_is_cancelled_is_passed_on() -> None:
+    adm = Admission(limit=1, queue_limit=5)
+    await adm.acquire()
+    first = asyncio.create_task(adm.acquire())
+    second = asyncio.create_task(adm.acquire())
+    await asyncio.sleep(0)
+    adm.release()  # hands the slot to ``first`` ...
+    first.cancel()  # ... which is cancelled before it could run
+    await asyncio.sleep(0)
+    await asyncio.wait_for(second, 1)  # the slot went on to the next in line
+    assert first.cancelled()
+    adm.release()
+    assert adm.active == 0
+
+
+# --- through the proxy, on real sockets ------------------------------------------------------------
+
+CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
+
+
+@pytest.mark.e2e
+async def test_the_proxy_queues_measures_and_refuses(
+    proxy_factory: Any, scripted: Scripted, telemetry: Telemetry
+) -> None:
+    settings = build({"upstream": scripted.url, "max_concurrency": 1, "queue_limit": 1, "retry_after": 7}, env={})
+    proxy: Running = proxy_factory(settings, admin=True)
+
+    async def stream(client: httpx.AsyncClient) -> tuple[int, float, httpx.Headers]:
+        started = time.monotonic()
+        async with client.stream("POST", "/v1/chat/completions", json=CHAT) as r:
+            await r.aread()
+        return r.status_code, time.monotonic() - started, r.headers
+
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=20) as client:
+        first = asyncio.create_task(stream(client))
+        await asyncio.sleep(0.1)
+        second = asyncio.create_task(stream(client))
+        await asyncio.sleep(0.1)
+        refused = await stream(client)  # the slot is taken and the line (one place) is full
+        (s1, d1, _), (s2, d2, _) = await asyncio.gather(first, second)
+    assert (s1, s2) == (200, 200)
+    status, took, headers = refused
+    assert status == 503 and headers["retry-after"] == "7" and took < 0.1
+    assert d2 > d1 + 0.05  # the second waited for the first to finish
+    proxy.flush()
+    roots = sorted(
+        (s for s in telemetry.finished() if sc.ROUTE in (s.attributes or {})), key=lambda s: s.start_time or 0
+    )
+    queued = [s.attributes or {} for s in roots if float((s.attributes or {}).get(sc.QUEUE_PROXY_DURATION, 0)) > 0.1]  # type: ignore[arg-type]
+    assert len(queued) == 1
+    # It waited from its arrival (0.1 s after the first) until the first one's end.
+    assert queued[0][sc.QUEUE_PROXY_DURATION] == pytest.approx(d1 - 0.1, abs=0.05)
+    assert queued[0][sc.QUEUE_SOURCE] == "proxy"
+    errors = [s.attributes or {} for s in roots if (s.attributes or {}).get(sc.ERROR_TYPE) == "queue_full"]
+    assert len(errors) == 1 and errors[0][sc.HTTP_STATUS] == 503
+    assert proxy.admin is not None
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(proxy.admin.url + "/metrics")).text
+    assert 'llmtap_queue_rejected_total{error_type="queue_full",llmtap_route="default"} 1' in text, text
+
+
+async def _tgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A non-streamed TGI-style answer whose headers report the server's phases (milliseconds)."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    answer = {
+        "id": "x",
+        "object": "chat.completion",
+        "model": "tgi",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+    }
+    body = json.dumps(answer).encode()
+    queue: bytes = scope["query_string"].partition(b"=")[2]
+    headers = [(b"content-type", b"application/json"), (b"x-queue-time", queue), (b"x-total-time", b"40")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("queue_header", "expected"), [("7", 0.007), ("-3", None), ("9000000", None), ("2furlongs", None)]
+)
+def test_tgi_queue_header_is_used_or_rejected(
+    proxy_factory: Any, telemetry: Telemetry, queue_header: str, expected: float | None
+) -> None:
+    with ServerThread(_tgi) as upstream:
+        proxy: Running = proxy_factory(build({"upstream": upstream.url}, env={}), admin=True)
+        body = {"model": "tgi", "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(proxy.url + f"/v1/chat/completions?queue={queue_header}", json=body, timeout=10)
+        assert r.status_code == 200
+        proxy.flush()
+    attrs = next(s.attributes or {} for s in telemetry.finished() if sc.ROUTE in (s.attributes or {}))
+    assert proxy.admin is not None
+    metrics = httpx.get(proxy.admin.url + "/metrics").text
+    if expected is not None:
+        assert attrs[sc.QUEUE_UPSTREAM_DURATION] == pytest.approx(expected)
+        assert attrs[sc.QUEUE_UPSTREAM_SOURCE] == "server"
+        assert "llmtap_server_timing_rejected_total{" not in metrics
+    else:
+        assert attrs.get(sc.QUEUE_UPSTREAM_SOURCE) != "server"
+        assert all(v >= 0 for k, v in attrs.items() if k.endswith(".duration"))  # type: ignore[operator]
+        assert "llmtap_server_timing_rejected_total{" in metrics, metrics

@@ -1,0 +1,101 @@
+"""The queue/prefill estimator on exact synthetic timelines: slot replay, the learned envelope, bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy import estimator as est
+from proxy.estimator import Envelope, Estimator, SlotLog
+from proxy.timeline import Timeline
+from proxy.types import RequestInfo
+
+
+def timeline(seq: int, sent: float, ahead: int, first: float, end: float, model: str = "m") -> Timeline:
+    tl = Timeline(
+        method="POST",
+        path="/v1/chat/completions",
+        route="default",
+        upstream="http://up",
+        server_address="up",
+        server_port=80,
+        protocol="openai_chat",
+        provider_name="openai",
+        received=sent,
+        received_wall_ns=0,
+    )
+    tl.request = RequestInfo(operation="chat", model=model, stream=True)
+    tl.sent, tl.first_content, tl.end = sent, first, end
+    tl.upstream_seq, tl.upstream_ahead = seq, ahead
+    return tl
+
+
+def test_envelope_learns_the_lower_line_through_noise() -> None:
+    env = Envelope()
+    assert env.prefill(1000) is None
+    base, per_token = 0.010, 1 / 5000
+    for i, tokens in enumerate(range(100, 4000, 150)):
+        env.add(tokens, base + tokens * per_token + (0.05 if i % 3 == 0 else 0.0))  # some saw interference
+    assert env.prefill(2000) == pytest.approx(base + 2000 * per_token, rel=0.02)
+
+
+def test_envelope_with_a_configured_rate_needs_one_sample() -> None:
+    env = Envelope(rate=1000.0)
+    env.add(500, 0.52)
+    assert env.line() == pytest.approx((0.02, 0.001))
+
+
+def test_envelope_is_bounded() -> None:
+    env = Envelope()
+    for i in range(100_000):
+        env.add(i % 5000, 0.1)
+    assert env.samples <= est._BINS * est._PER_BIN
+
+
+def test_slot_replay_admits_at_the_right_completion() -> None:
+    log = SlotLog()
+    # Two slots. Requests 1 and 2 run; 3 and 4 are sent while both run.
+    log.add(1, 5.0)
+    log.add(2, 6.0)
+    assert log.admitted(3, sent=1.0, ahead=2, slots=2, first=5.5) == 5.0  # the first end frees a slot
+    assert log.admitted(4, sent=1.0, ahead=3, slots=2, first=6.5) == 6.0  # the second end frees the next
+    assert log.admitted(5, sent=1.0, ahead=1, slots=2, first=1.2) == 1.0  # a free slot: no wait
+    # Not enough ends seen before the first chunk: the server has more slots than configured.
+    assert log.admitted(6, sent=1.0, ahead=4, slots=2, first=5.5) is None
+
+
+def test_estimator_slot_split_and_fallback_to_envelope() -> None:
+    e = Estimator()
+    # Unloaded requests teach the envelope: base 5 ms + 1 ms per 10 tokens.
+    t = 0.0
+    for seq, tokens in enumerate((100, 400, 800, 1600), start=1):
+        first = t + 0.005 + tokens / 10_000
+        e.observe(timeline(seq, t, 0, first, first + 0.1), tokens, slots=None, rate=None)
+        t += 1.0
+    # One that queued 0.3 s behind others, with no slot count: the envelope gives its prefill.
+    tl = timeline(10, 10.0, 3, 10.0 + 0.3 + 0.005 + 0.08, 11.0)
+    split = e.observe(tl, 800, slots=None, rate=None)
+    assert split is not None and split.method == "envelope"
+    assert split.queue == pytest.approx(0.3, abs=1e-6) and split.prefill == pytest.approx(0.085, abs=1e-6)
+
+
+def test_estimator_split_never_negative_nor_longer_than_ttft() -> None:
+    e = Estimator()
+    e.observe(timeline(1, 0.0, 0, 1.0, 2.0), 100, slots=None, rate=None)
+    e.observe(timeline(2, 2.0, 0, 4.0, 5.0), 10_000, slots=None, rate=None)
+    # Faster than the envelope says (a warm cache the usage did not report): all of it is prefill.
+    split = e.observe(timeline(3, 6.0, 0, 6.01, 7.0), 10_000, slots=None, rate=None)
+    assert split is not None and split.queue == 0.0 and split.prefill == pytest.approx(0.01)
+
+
+def test_estimator_models_are_bounded() -> None:
+    e = Estimator()
+    for i in range(est.MAX_MODELS * 3):
+        e.observe(timeline(i + 1, float(i), 0, i + 0.1, i + 0.2, model=f"m{i}"), 100, slots=None, rate=None)
+    assert e.models == est.MAX_MODELS
+
+
+def test_nothing_to_split_without_a_first_chunk() -> None:
+    e = Estimator()
+    tl = timeline(1, 0.0, 0, 0.0, 1.0)
+    tl.first_content = None
+    assert e.observe(tl, 100, slots=2, rate=None) is None
