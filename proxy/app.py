@@ -15,7 +15,8 @@ from opentelemetry.trace import TracerProvider
 from proxy import tokens
 from proxy.admission import Admission, QueueFull
 from proxy.fingerprint import version_label
-from proxy.forward import Router, Upstreams, request_headers, response_headers, upstream_url
+from proxy.forward import Router, Upstreams, close_if_surplus, request_headers, response_headers, upstream_url
+from proxy.guard import Refusal, check_request, check_route
 from proxy.live import LiveView
 from proxy.providers import provider_for
 from proxy.providers.base import Provider
@@ -34,6 +35,10 @@ PROMPT_VERSION_HEADER = b"x-llmtap-prompt-version"
 
 class ClientGone(Exception):
     """The client disconnected; the upstream request is cancelled."""
+
+
+class RequestTooLarge(Exception):
+    """The request body grew past ``max_request_bytes`` while it was being read."""
 
 
 async def send_json(
@@ -62,6 +67,8 @@ class ProxyApp:
         self.upstreams = Upstreams(settings, transport)
         self.recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
         self.ready = False
+        #: Set on SIGTERM: streams still running at the drain deadline are cut and recorded as ``shutdown``.
+        self.draining = False
         #: Requests between arrival and the hand-over of their record to the recorder.
         self.inflight = 0
         #: The admission queue of each route that limits its concurrency.
@@ -97,6 +104,11 @@ class ProxyApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    def begin_drain(self) -> None:
+        """SIGTERM: report not ready; streams in flight may finish until the server's drain deadline."""
+        self.ready = False
+        self.draining = True
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait (from another thread) until every request so far is recorded; True when done in time."""
         deadline = time.monotonic() + timeout
@@ -114,10 +126,21 @@ class ProxyApp:
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Relay one HTTP request."""
         received, wall = now(), time.time_ns()
+        settings = self.settings
+        refusal = check_request(
+            scope, max_header_bytes=settings.max_header_bytes, max_request_bytes=settings.max_request_bytes
+        )
+        if refusal is not None:
+            await _refuse_request(send, refusal)
+            return
         path: str = scope["path"]
         route = self.router.match(path)
         if route is None:
             await send_json(send, 404, "no_route", f"no route for {path}")
+            return
+        refusal = check_route(scope.get("raw_path") or path.encode(), route)
+        if refusal is not None:
+            await _refuse_request(send, refusal)
             return
         method: str = scope["method"]
         inner_path = path[len(route.prefix) :] if route.strip_prefix and route.prefix != "/" else path
@@ -139,8 +162,11 @@ class ProxyApp:
             if name.lower() == PROMPT_VERSION_HEADER:
                 tl.prompt_version = version_label(value)
         try:
-            body, more = await self._read_body(receive, self.settings.max_inspect_bytes if provider else 0)
+            body, more = await self._read_body(receive, settings.max_inspect_bytes if provider else 0)
         except ClientGone:
+            return
+        except RequestTooLarge:
+            await _refuse_request(send, _too_large(settings.max_request_bytes))
             return
         tl.body_read = now()
         info: RequestInfo | None = None
@@ -166,9 +192,14 @@ class ProxyApp:
             self.inflight -= 1
 
     async def _read_body(self, receive: Receive, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
-        """Read the body up to ``limit`` bytes; past it, return what was read and an iterator over the rest."""
+        """Read the body up to ``limit`` bytes; past it, return what was read and an iterator over the rest.
+
+        A body past ``max_request_bytes`` (possible only without Content-Length) raises ``RequestTooLarge``,
+        here or from the iterator while the rest streams upstream.
+        """
         parts: list[bytes] = []
         size = 0
+        most = self.settings.max_request_bytes
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -177,10 +208,12 @@ class ProxyApp:
             if chunk:
                 parts.append(chunk)
                 size += len(chunk)
+                if size > most:
+                    raise RequestTooLarge
             if not message.get("more_body", False):
                 return b"".join(parts), None
             if size > limit:
-                return b"".join(parts), _rest_of_body(receive)
+                return b"".join(parts), _rest_of_body(receive, most - size)
 
     async def _relay(
         self,
@@ -232,19 +265,19 @@ class ProxyApp:
             tl.sent = now()
             try:
                 response = await client.send(request, stream=True)
-            except httpx.TimeoutException as exc:
-                tl.fail("timeout", f"upstream timed out: {type(exc).__name__}")
-                await send_json(send, 504, "upstream_timeout", f"upstream {route.upstream} timed out")
-                return
             except httpx.TransportError as exc:
-                tl.fail("upstream_unreachable", str(exc) or type(exc).__name__)
-                await send_json(
-                    send, 502, "upstream_unreachable", f"upstream {route.upstream} unreachable: {type(exc).__name__}"
-                )
+                await _upstream_failed(send, route, tl, exc)
                 return
-            except ClientGone:
-                raise
+            except RequestTooLarge:
+                tl.fail("request_too_large", f"request body exceeds {self.settings.max_request_bytes} bytes")
+                await _refuse_request(send, _too_large(self.settings.max_request_bytes))
+                return
             tl.headers = now()
+            timeouts = self.settings.timeouts
+            if timeouts.idle is not None:
+                # httpcore reads the read timeout when the body starts: from here on it bounds the silence
+                # between two chunks, not the wait for the headers.
+                request.extensions["timeout"]["read"] = timeouts.idle
             tl.status_code = response.status_code
             if "x-queue-time" in response.headers:
                 # TGI reports its queue time in headers (non-streamed responses).
@@ -274,22 +307,33 @@ class ProxyApp:
             tl.end = now()
             if response.status_code >= 400:
                 tl.fail(tl.error_type or str(response.status_code))
+            surplus = await close_if_surplus(response)
+            if surplus:
+                tl.fail("upstream_protocol_error", f"{surplus} bytes past the end of the response; connection closed")
             if watch is not None:
                 watch.stop()
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         except asyncio.CancelledError:
-            tl.fail("cancelled", cancelled=True)
             if watch is not None and watch.fired and task is not None:
                 # Our own cancellation, caused by the client leaving: nothing to propagate.
+                tl.fail("cancelled", cancelled=True)
                 task.uncancel()
                 return
-            raise
+            if not self.draining or task is None:
+                tl.fail("cancelled", cancelled=True)
+                raise
+            # The server cancels what still runs at the drain deadline: the client sees the stream cut.
+            tl.fail("shutdown", "cut at the drain deadline")
+            task.uncancel()
+            if not started:
+                await send_json(send, 503, "shutting_down", "llmtap is shutting down; retry")
+            _abort(tl, started)
         except (ClientGone, OSError) as exc:
             if isinstance(exc, OSError) and not started:
                 raise
             tl.fail("cancelled", cancelled=True)
         except httpx.TimeoutException:
-            tl.fail("timeout", "upstream stopped sending")
+            tl.fail("idle_timeout", "upstream stopped sending")
             _abort(tl, started)
         except httpx.HTTPError as exc:
             tl.fail("upstream_closed" if started else "upstream_error", f"{type(exc).__name__}: {exc}")
@@ -338,6 +382,31 @@ class ProxyApp:
         )
 
 
+def _too_large(limit: int) -> Refusal:
+    return Refusal(413, "request_too_large", f"request body exceeds {limit} bytes")
+
+
+async def _refuse_request(send: Send, refusal: Refusal) -> None:
+    """A request llmtap will not relay; nothing went upstream. The connection is closed after the answer."""
+    await send_json(send, refusal.status, refusal.error_type, refusal.message, [(b"connection", b"close")])
+
+
+async def _upstream_failed(send: Send, route: Route, tl: Timeline, exc: httpx.TransportError) -> None:
+    """No response headers came: 502 when the upstream could not be reached or hung up, 504 when it was too slow."""
+    what = type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        kind = "connect_timeout" if isinstance(exc, httpx.ConnectTimeout) else "timeout"
+        tl.fail(kind, f"upstream timed out: {what}")
+        await send_json(send, 504, "upstream_timeout", f"upstream {route.upstream} timed out ({what})")
+    elif isinstance(exc, httpx.ConnectError):
+        tl.fail("upstream_unreachable", str(exc) or what)
+        await send_json(send, 502, "upstream_unreachable", f"upstream {route.upstream} unreachable: {what}")
+    else:
+        # Connected, but the connection broke (reset, closed) before any response.
+        tl.fail("upstream_closed", str(exc) or what)
+        await send_json(send, 502, "upstream_closed", f"upstream {route.upstream} closed the connection: {what}")
+
+
 def _abort(tl: Timeline, started: bool) -> None:
     """The upstream broke mid-stream: end the client's response the same way (no clean end)."""
     tl.end = now()
@@ -377,13 +446,17 @@ class _DisconnectWatch:
         self._watcher.cancel()
 
 
-async def _rest_of_body(receive: Receive) -> AsyncIterator[bytes]:
+async def _rest_of_body(receive: Receive, room: int) -> AsyncIterator[bytes]:
+    """The rest of a large body as it arrives; ``RequestTooLarge`` once it outgrows ``room`` bytes."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
         chunk = message.get("body", b"")
         if chunk:
+            room -= len(chunk)
+            if room < 0:
+                raise RequestTooLarge
             yield chunk
         if not message.get("more_body", False):
             return

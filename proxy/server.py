@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import signal
 import socket
 from collections.abc import Generator
@@ -13,6 +14,7 @@ from collections.abc import Generator
 import uvicorn
 
 from proxy.app import AdminApp, create_app
+from proxy.protocol import BoundedHeadProtocol
 from proxy.settings import ConfigError, Settings
 from proxy.telemetry import setup
 
@@ -52,7 +54,11 @@ def bind(host: str, port: int, what: str) -> socket.socket:
 
 
 def uvicorn_config(app: object, settings: Settings, *, access_log: bool = False) -> uvicorn.Config:
-    """uvicorn settings shared by every listener: no Server or Date header of its own (the upstream's pass through)."""
+    """uvicorn settings shared by every listener: no Server or Date header of its own (the upstream's pass through).
+
+    A request head is bounded by ``max_header_bytes`` (``BoundedHeadProtocol``); on SIGTERM, requests in
+    flight get ``timeouts.drain`` seconds (whole seconds, rounded up) before uvicorn cancels them.
+    """
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         log_level=settings.log_level,
@@ -60,8 +66,9 @@ def uvicorn_config(app: object, settings: Settings, *, access_log: bool = False)
         server_header=False,
         date_header=False,
         lifespan="on",
-        timeout_graceful_shutdown=30,
-        h11_max_incomplete_event_size=64 * 1024,
+        http=BoundedHeadProtocol,
+        timeout_graceful_shutdown=math.ceil(settings.timeouts.drain),
+        h11_max_incomplete_event_size=settings.max_header_bytes,
     )
 
 
@@ -81,6 +88,8 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
+        app.begin_drain()
+        admin.live.close()  # an open browser tab's event stream must not hold shutdown
         for server in servers:
             server.should_exit = True
 
@@ -98,4 +107,5 @@ async def serve(settings: Settings) -> None:
     try:
         await asyncio.gather(servers[0].serve(sockets=[proxy_sock]), servers[1].serve(sockets=[admin_sock]))
     finally:
-        await asyncio.to_thread(providers.shutdown)
+        # Bounded: a dead or slow collector delays the exit by at most this long.
+        await asyncio.to_thread(providers.shutdown, settings.timeouts.flush)

@@ -21,7 +21,10 @@ from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 from opentelemetry.trace import NoOpTracerProvider, Span, SpanKind, Status, StatusCode, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from proxy.cachediag import MISS_CHANGED, CacheDiagnoser, Diagnosis
 from proxy.estimator import Estimator
+from proxy.fingerprint import TopK
+from proxy.records import RecordWriter, record_line
 from proxy.settings import Settings
 from proxy.summary import Summary, summarize
 from proxy.telemetry import semconv as sc
@@ -92,12 +95,22 @@ class Recorder:
         #: Splits upstream TTFT into queue and prefill; only the worker thread touches it.
         self.estimator = Estimator()
         self._routes = {r.name: r for r in settings.routes}
+        #: Fingerprints prompts and classifies their cache use; only the worker thread touches it.
+        self.cache = CacheDiagnoser(settings.routes)
+        self._versions = TopK()
+        rec = settings.record
+        #: ``--record PATH``: one JSON line per request, written by the worker thread.
+        self.records = RecordWriter(rec.path, max_bytes=rec.max_bytes, files=rec.files) if rec.path else None
 
     # -- called on the event loop -------------------------------------------------------------
 
     def start(self, tl: Timeline, incoming: Mapping[str, str]) -> tuple[TraceHandle | None, dict[str, str]]:
         """Open the root span (child of the client's ``traceparent``); return it and the headers to send upstream."""
         try:
+            if tl.prompt_version is None:
+                # No header: the route's configured version, if any.
+                route = self._routes.get(tl.route)
+                tl.prompt_version = route.prompt_version if route is not None else None
             # Counted first: ``record`` takes it back even when the span below cannot be started.
             self.instruments.active_streams.add(1, {sc.ROUTE: tl.route})
             parent = _PROPAGATOR.extract(incoming)
@@ -118,6 +131,10 @@ class Recorder:
         except Exception:
             log.exception("telemetry: could not start the request span")
             return None, {}
+
+    def model_label(self, model: str) -> str:
+        """The label metrics give ``model``: itself, or ``_OTHER`` past the bound on distinct models."""
+        return self._models(model)
 
     def queue_changed(self, route: str, delta: int) -> None:
         """A request joined (+1) or left (-1) a route's admission queue; never raises."""
@@ -158,6 +175,7 @@ class Recorder:
             if item is _STOP:
                 return
             if isinstance(item, _Marker):
+                self._flush_records()
                 item.event.set()
                 continue
             tl, handle = item
@@ -167,6 +185,16 @@ class Recorder:
             except Exception:
                 self.failed += 1
                 log.exception("telemetry: could not record %s %s", tl.method, tl.path)
+            if self._queue.empty():
+                # Idle: push record lines out now, so ``llmtap compare`` can read a live file.
+                self._flush_records()
+
+    def _flush_records(self) -> None:
+        if self.records is not None:
+            try:
+                self.records.flush()
+            except OSError:
+                log.exception("telemetry: could not flush the record file")
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued record is written; True when the queue drained in time."""
@@ -180,7 +208,14 @@ class Recorder:
         return done.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Drain the queue and stop the worker."""
+        """Drain the queue, stop the worker and close the record file."""
+        try:
+            self._stop_worker(timeout)
+        finally:
+            if self.records is not None:
+                self.records.close()
+
+    def _stop_worker(self, timeout: float) -> None:
         if self._thread is None:
             return
         try:
@@ -202,19 +237,48 @@ class Recorder:
         for name in tl.rejected_timings:
             log.debug("ignored server timing %s of %s %s", name, tl.method, tl.path)
             ins.timing_rejected.add(1, {sc.ROUTE: tl.route, sc.TIMING_FIELD: name})
+        diag = self._diagnose(tl, s)
         if handle is not None:
             try:
+                if diag is not None:
+                    handle.span.set_attributes(cache_attributes(diag))
                 self._spans(tl, s, handle.span)
             except Exception:
                 log.exception("telemetry: could not write the spans of %s %s", tl.method, tl.path)
         if tl.protocol is not None:
             self._metrics(tl, s)
+            if diag is not None:
+                ins.cache_requests.add(1, self._cache_metric_attributes(tl, diag))
+        if self.records is not None:
+            try:
+                self.records.write(record_line(tl, s, diag))
+            except (OSError, ValueError):
+                log.exception("telemetry: could not write the record of %s %s", tl.method, tl.path)
         for listener in self.listeners:
             try:
                 listener(tl, s)
             except Exception:
                 log.exception("telemetry: a record listener failed")
         return s
+
+    def _diagnose(self, tl: Timeline, s: Summary) -> Diagnosis | None:
+        try:
+            return self.cache.diagnose(tl, s)
+        except Exception:
+            log.exception("telemetry: could not diagnose the cache use of %s %s", tl.method, tl.path)
+            return None
+
+    def _cache_metric_attributes(self, tl: Timeline, diag: Diagnosis) -> dict[str, Any]:
+        # After ``metric_attributes`` counted this request's version: read its label, do not count again.
+        req = tl.request
+        attrs: dict[str, Any] = {sc.CACHE_CLASS: diag.cache_class, sc.ROUTE: tl.route}
+        if req is not None and req.model:
+            attrs[sc.REQUEST_MODEL] = self._models(req.model)
+        if tl.prompt_version:
+            attrs[sc.PROMPT_VERSION] = self._versions.label(tl.prompt_version)
+        if diag.cache_class == MISS_CHANGED and diag.changed_region:
+            attrs[sc.CACHE_CHANGED_REGION] = diag.changed_region
+        return attrs
 
     def _spans(self, tl: Timeline, s: Summary, root: Span) -> None:
         end = tl.end if tl.end is not None else tl.received
@@ -327,6 +391,9 @@ class Recorder:
             attrs[sc.RESPONSE_MODEL] = self._models(tl.response_model)
         if tl.outcome != OK:
             attrs[sc.ERROR_TYPE] = tl.error_type or "_OTHER"
+        if tl.prompt_version:
+            # Versions come from clients: a bounded top-K keeps the number of series small.
+            attrs[sc.PROMPT_VERSION] = self._versions(tl.prompt_version)
         return attrs
 
     def _metrics(self, tl: Timeline, s: Summary) -> None:
@@ -459,6 +526,21 @@ def queue_attributes(s: Summary) -> dict[str, Any]:
     if s.upstream_queue is not None:
         attrs[sc.QUEUE_UPSTREAM_DURATION] = s.upstream_queue
         attrs[sc.QUEUE_UPSTREAM_SOURCE] = s.upstream_queue_source
+    return attrs
+
+
+def cache_attributes(diag: Diagnosis) -> dict[str, Any]:
+    """The prompt's fingerprint (hash and tokens per region) and its cache class, for the root span."""
+    attrs: dict[str, Any] = {
+        sc.CACHE_CLASS: diag.cache_class,
+        sc.CACHE_EXPECTED_PREFIX: diag.expected_prefix_tokens,
+        sc.PROMPT_SHARED_PREFIX: diag.shared_prefix_tokens,
+    }
+    _put(attrs, sc.CACHE_CHANGED_REGION, diag.changed_region)
+    if diag.fingerprint is not None:
+        for region in diag.fingerprint.regions:
+            attrs[f"{sc.PROMPT_FINGERPRINT}.{region.name}"] = region.digest
+            attrs[f"{sc.PROMPT_REGION_TOKENS}.{region.name}"] = region.tokens
     return attrs
 
 

@@ -1,0 +1,636 @@
+"""Generates ``docs/reference.md``: every metric, span and attribute llmtap emits, from the code that emits them.
+
+``python -m proxy.docs`` writes the file; ``python -m proxy.docs --check`` fails when it is stale. Names,
+units, instrument types, descriptions and buckets are read from ``telemetry/instruments.py`` (through a
+meter that writes down what it is asked to create); which attributes each metric and span carries is
+read from a run of the real recorder over a set of requests that touch every path (stream and unary,
+server timings, errors, cancellations, rejections, folded chunks). What a name means is written here,
+once, next to the name: a name the code emits or ``semconv.py`` declares without a definition below
+stops the generator, so the reference and the code cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.metrics import Counter, Histogram, NoOpMeter, UpDownCounter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from proxy.providers import provider_for
+from proxy.settings import SLO, Route, Settings, Telemetry
+from proxy.telemetry import semconv as sc
+from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
+from proxy.telemetry.prometheus import metric_name
+from proxy.telemetry.recorder import Recorder
+from proxy.timeline import Timeline
+from proxy.types import Facts, ServerTiming, Usage
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
+
+# --- what each name means ------------------------------------------------------------------------
+
+_SOURCE = "`server` (the server reported it), `proxy` (measured at the proxy), `estimated` (inferred, see queue)"
+
+#: Attribute name: (type, exact definition). ``{region}`` stands for a prompt region: tools, system, m0.., rest.
+ATTRIBUTES: dict[str, tuple[str, str]] = {
+    sc.OPERATION_NAME: ("string", "`chat` for chat and messages APIs, `text_completion` for legacy completions."),
+    sc.PROVIDER_NAME: ("string", "The route's `provider` setting, else the wire protocol's family (`openai`, ...)."),
+    sc.REQUEST_MODEL: ("string", "The model the client asked for (the first 64 distinct names; later ones `_OTHER`)."),
+    sc.REQUEST_STREAM: ("boolean", "Set to true if and only if the client asked for a streamed answer."),
+    sc.REQUEST_MAX_TOKENS: ("int", "`max_tokens` (or `max_completion_tokens`) as the client sent it."),
+    sc.REQUEST_TEMPERATURE: ("double", "`temperature` as the client sent it."),
+    sc.REQUEST_TOP_P: ("double", "`top_p` as the client sent it."),
+    sc.REQUEST_TOP_K: ("int", "`top_k` as the client sent it."),
+    sc.REQUEST_FREQUENCY_PENALTY: ("double", "`frequency_penalty` as the client sent it."),
+    sc.REQUEST_PRESENCE_PENALTY: ("double", "`presence_penalty` as the client sent it."),
+    sc.REQUEST_STOP_SEQUENCES: ("string[]", "`stop` as the client sent it, always as a list."),
+    sc.REQUEST_SEED: ("int", "`seed` as the client sent it."),
+    sc.REQUEST_CHOICE_COUNT: ("int", "`n`: how many answers the client asked for, when not 1."),
+    sc.RESPONSE_ID: ("string", "The response id the upstream gave (`chatcmpl-...`, `msg_...`)."),
+    sc.RESPONSE_MODEL: ("string", "The model the upstream says answered (bounded like the request model)."),
+    sc.RESPONSE_FINISH_REASONS: ("string[]", "One finish reason per choice; `error` when the stream failed."),
+    sc.RESPONSE_TIME_TO_FIRST_CHUNK: ("double", "TTFT in seconds (streams only): see Timing definitions."),
+    sc.USAGE_INPUT_TOKENS: ("int", "Input tokens, cached ones included (Anthropic: input + cache read + cache write)."),
+    sc.USAGE_OUTPUT_TOKENS: ("int", "Output tokens, reasoning included."),
+    sc.USAGE_CACHE_READ: ("int", "Input tokens the upstream read from its prompt cache."),
+    sc.USAGE_CACHE_CREATION: ("int", "Input tokens written to the prompt cache (v1.41.1 name)."),
+    sc.USAGE_CACHE_WRITE: ("int", "Input tokens written to the prompt cache (latest experimental name)."),
+    sc.USAGE_REASONING: ("int", "Output tokens spent on reasoning, when the upstream reports them."),
+    sc.TOKEN_TYPE: ("string", "`input` or `output`."),
+    sc.TOKEN_MODALITY: ("string", "`text`."),
+    sc.INPUT_MESSAGES: ("string", "Declared for prompt capture; llmtap never records prompts."),
+    sc.OUTPUT_MESSAGES: (
+        "string",
+        "The completion as JSON, at most 16 KiB, only when `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` "
+        "is true.",
+    ),
+    sc.ERROR_TYPE: (
+        "string",
+        "Why the request failed: an upstream error type or status code, `timeout`, `upstream_unreachable`, "
+        "`upstream_closed`, `queue_full`, `queue_timeout`, `cancelled` (the client left), or `_OTHER`.",
+    ),
+    sc.SERVER_ADDRESS: ("string", "The upstream's host name."),
+    sc.SERVER_PORT: ("int", "The upstream's port."),
+    sc.HTTP_METHOD: ("string", "The client's HTTP method."),
+    sc.HTTP_STATUS: ("int", "The status the client got (the upstream's, or the proxy's own 4xx/5xx)."),
+    sc.URL_PATH: ("string", "The path the client called (no query string)."),
+    sc.ROUTE: ("string", "The name of the route that matched the request (configuration)."),
+    sc.PROTOCOL: ("string", "The wire protocol llmtap parsed: `openai_chat`, `anthropic`, `ollama`, ..."),
+    sc.OUTCOME: ("string", "`ok`, `error` or `cancelled` (the client left before the end)."),
+    sc.SLO_OUTCOME: (
+        "string",
+        "`met` when every configured SLO held (TTFT, TPOT, E2E), `missed` otherwise (errors and cancellations "
+        "always miss), `none` when no SLO is configured.",
+    ),
+    sc.INPUT_SIZE: (
+        "string",
+        "The request's shape by input tokens: `le_256`, `le_1k`, `le_4k`, `le_16k`, `le_64k`, `gt_64k`, `unknown`.",
+    ),
+    sc.PROMPT_VERSION: (
+        "string",
+        "The client's `x-llmtap-prompt-version` header (or `--prompt-version`); on metrics the 8 versions used "
+        "most lately, others `_OTHER`.",
+    ),
+    sc.REQUEST_PARSE_ERROR: ("string", "Why the request body could not be read (it was relayed unchanged)."),
+    sc.TTFB: ("double", "TTFB in seconds: request received to the first response body byte."),
+    sc.UPSTREAM_TTFT: ("double", "Seconds from sending the request upstream to the first content chunk."),
+    sc.TPOT: ("double", "TPOT in seconds: see Timing definitions."),
+    sc.E2E: ("double", "Seconds from request received to the end of the stream."),
+    sc.QUEUE_DURATION: ("double", "Seconds queued: the proxy's own queue plus the upstream's, when known."),
+    sc.QUEUE_SOURCE: ("string", f"Source of the upstream part of the queue, else `proxy`: {_SOURCE}."),
+    sc.QUEUE_PROXY_DURATION: ("double", "Seconds in the proxy's admission queue: body read to admitted."),
+    sc.QUEUE_UPSTREAM_DURATION: ("double", "Seconds the upstream server queued the request, reported or estimated."),
+    sc.QUEUE_UPSTREAM_SOURCE: ("string", f"Source of the upstream queue: {_SOURCE}."),
+    sc.PREFILL_DURATION: (
+        "double",
+        "Seconds reading the prompt: server-reported; else estimated; else (`upstream_ttft`) request sent to first "
+        "content chunk, server queueing included.",
+    ),
+    sc.PREFILL_SOURCE: ("string", f"{_SOURCE}, or `upstream_ttft` (request sent to first content chunk)."),
+    sc.DECODE_DURATION: ("double", "Seconds from the first content chunk to the last."),
+    sc.INPUT_TOKENS_SOURCE: ("string", "`usage` (the upstream reported it) or the tiktoken encoding that counted it."),
+    sc.OUTPUT_TOKENS_SOURCE: ("string", "`usage` (the upstream reported it) or the tiktoken encoding that counted it."),
+    sc.UNCACHED_INPUT_TOKENS: ("int", "Input tokens minus cache-read tokens: what prefill had to read."),
+    sc.CHUNK_COUNT: ("int", "Content chunks in the stream."),
+    sc.CHUNK_INDEX: ("int", "The chunk's position, from 0."),
+    sc.CHUNK_TOKENS: ("int", "Tokens the chunk carried: usage apportioned by tiktoken counts, at least 1 each."),
+    sc.CHUNK_TOKENS_SOURCE: ("string", "Declared: how chunk tokens were counted."),
+    sc.CHUNK_BYTES: ("int", "Bytes of the upstream read that carried the chunk."),
+    sc.CHUNK_GAP: ("double", "Chunk gap in seconds (0 for the first): see Timing definitions."),
+    sc.CHUNK_FOLDED: ("int", "How many chunks past the cap this one span or event stands for."),
+    sc.MALFORMED_EVENTS: ("int", "Stream events llmtap could not parse (relayed unchanged)."),
+    sc.OVERSIZED_EVENTS: ("int", "Stream events larger than the decoder keeps (relayed unchanged)."),
+    sc.RESPONSE_BYTES: ("int", "Response body bytes relayed to the client."),
+    sc.TELEMETRY_REASON: ("string", "Why telemetry was dropped: `queue_full` (the recorder's queue)."),
+    sc.DRIFT_DIRECTION: ("string", "`over`, `under` or `exact`: tiktoken's count against the reported usage."),
+    sc.CACHE_CLASS: (
+        "string",
+        "Why the prompt was or was not served from cache: `hit`, `cold`, `miss_changed`, `miss_evicted`, "
+        "`too_short`, `unknown`.",
+    ),
+    sc.CACHE_CHANGED_REGION: ("string", "For `miss_changed`: the prompt region where it first differs."),
+    sc.CACHE_EXPECTED_PREFIX: ("int", "Tokens the upstream could have read from cache (shared with a recent prompt)."),
+    f"{sc.PROMPT_FINGERPRINT}.{{region}}": ("string", "A short sha256 of one prompt region, never its text."),
+    f"{sc.PROMPT_REGION_TOKENS}.{{region}}": ("int", "Tokens in one prompt region."),
+    sc.PROMPT_SHARED_PREFIX: ("int", "Tokens this prompt shares with the most similar recent one."),
+    sc.QUEUE_OUTCOME: ("string", "Declared: how a request left the admission queue."),
+    sc.TIMING_FIELD: ("string", "Which server-reported timing field was ignored as malformed or absurd."),
+}
+
+#: Attributes of metrics the reference run cannot provoke (they count failures of llmtap itself).
+UNEXERCISED: dict[str, tuple[str, ...]] = {sc.METRIC_TELEMETRY_DROPPED: (sc.TELEMETRY_REASON,)}
+
+#: Metric name: when it is recorded (its description, from the code, says what it measures).
+METRICS: dict[str, str] = {
+    sc.RELEASED.operation_duration: "Every LLM request, with `error.type` when it failed.",
+    sc.LATEST.operation_duration: "Every LLM request, with `error.type` when it failed.",
+    sc.RELEASED.time_to_first_chunk: "Streamed requests that got a first content chunk.",
+    sc.LATEST.time_to_first_chunk: "Streamed requests that got a first content chunk.",
+    sc.RELEASED.time_per_output_chunk: "One sample per chunk gap of a streamed request.",
+    sc.LATEST.time_per_output_chunk: "One sample per chunk gap of a streamed request.",
+    str(sc.RELEASED.token_usage): "Every LLM request with a token count, once per `gen_ai.token.type`.",
+    str(sc.LATEST.input_tokens_counter): "Every LLM request with an input token count.",
+    str(sc.LATEST.output_tokens_counter): "Every LLM request with an output token count.",
+    str(sc.LATEST.cache_read_counter): "Every LLM request whose usage reports cache reads.",
+    str(sc.LATEST.cache_write_counter): "Every LLM request whose usage reports cache writes.",
+    str(sc.LATEST.input_tokens_histogram): "Every LLM request with an input token count.",
+    str(sc.LATEST.output_tokens_histogram): "Every LLM request with an output token count.",
+    sc.SERVER_TIME_TO_FIRST_TOKEN: "Successful streamed requests.",
+    sc.SERVER_TIME_PER_OUTPUT_TOKEN: "Successful requests with more than one output token.",
+    sc.SERVER_REQUEST_DURATION: "Every LLM request, as `gen_ai.client.operation.duration`.",
+    sc.METRIC_TTFB: "Every LLM request that got a response body byte.",
+    sc.METRIC_UPSTREAM_TTFT: "Streamed requests that got a first content chunk.",
+    sc.METRIC_ITL: "Streamed requests: one sample per output token after the first chunk.",
+    sc.METRIC_QUEUE: "Every LLM request whose queue time is known.",
+    sc.METRIC_PREFILL: "Streamed requests whose prefill is known.",
+    sc.METRIC_DECODE: "Streamed requests with a first and last content chunk.",
+    sc.METRIC_CACHE_READ: "Every LLM request whose usage reports cache reads.",
+    sc.METRIC_CACHE_WRITE: "Every LLM request whose usage reports cache writes.",
+    sc.METRIC_INPUT_TOKENS: "Every LLM request with an input token count.",
+    sc.METRIC_OUTPUT_TOKENS: "Every LLM request with an output token count.",
+    sc.METRIC_REQUESTS: "Every finished LLM request, once.",
+    sc.METRIC_ACTIVE_STREAMS: "+1 when a request arrives, -1 when its record is written or dropped.",
+    sc.METRIC_OVERHEAD: "Every request that was sent upstream.",
+    sc.METRIC_TOKEN_DRIFT: "Requests where both usage and a tiktoken count exist.",
+    sc.METRIC_TELEMETRY_DROPPED: "Each record dropped because the recorder's queue was full.",
+    sc.METRIC_MALFORMED: "Streams with events llmtap could not parse.",
+    sc.METRIC_CACHE_REQUESTS: "Every LLM request, once, by its cache class.",
+    sc.METRIC_QUEUE_WAITING: "+1 when a request joins a route's admission queue, -1 when it leaves.",
+    sc.METRIC_QUEUE_REJECTED: "Each request the admission queue refused.",
+    sc.METRIC_TIMING_REJECTED: "Each server-reported timing field that was ignored.",
+}
+
+#: The timing definitions every figure rests on (DESIGN, "Timing definitions"); all from one monotonic clock.
+TIMINGS: tuple[tuple[str, str], ...] = (
+    ("TTFT", "Request received by the proxy to the first chunk that carries generated content: text, tool-call "
+     "arguments or reasoning. Role-only deltas, `response.created`, `message_start` and `ping` do not count."),
+    ("TTFB", "Request received to the first response body byte; reported beside TTFT, never instead of it."),
+    ("upstream TTFT", "Request sent upstream to the first content chunk."),
+    ("content chunk", "All generated content that arrived in one read from the upstream connection."),
+    ("chunk gap", "End of the previous content chunk to the end of this one."),
+    ("ITL", "A chunk gap divided over the tokens its chunk carried: one sample per token."),
+    ("TPOT", "(last content chunk - first content chunk) / (output tokens - 1)."),
+    ("E2E", "Request received to the end of the stream (or the failure, or the client leaving)."),
+    ("decode", "First content chunk to last content chunk."),
+    ("queue", "The proxy's admission queue (body read to admitted, measured) plus the upstream server's queue: "
+     "reported by the server (vLLM, TGI, Ollama, NIM), else estimated by replaying the server's slots or from "
+     "the unloaded-TTFT envelope, marked `estimated`."),
+    ("prefill", "Server-reported, else estimated (`uncached tokens / prefill rate`), else upstream TTFT "
+     "(`upstream_ttft`, server queueing included); each with its `llmtap.prefill.source`."),
+    ("goodput", "Requests per second that met every configured SLO; errors and cancellations count as missed."),
+)  # fmt: skip
+
+
+#: Released metric names the latest conventions rename (the same instrument, another name).
+RENAMED = {
+    sc.RELEASED.operation_duration: sc.LATEST.operation_duration,
+    sc.RELEASED.time_to_first_chunk: sc.LATEST.time_to_first_chunk,
+    sc.RELEASED.time_per_output_chunk: sc.LATEST.time_per_output_chunk,
+}
+
+
+# --- reading the instruments ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Instrument:
+    """One instrument as ``instruments.create`` asked a meter for it."""
+
+    name: str
+    kind: str
+    unit: str
+    description: str
+    buckets: Sequence[float] | None = None
+
+
+class _CatalogMeter(NoOpMeter):
+    """A meter that writes down every instrument it is asked to create."""
+
+    def __init__(self) -> None:
+        super().__init__("llmtap-docs")
+        self.created: list[Instrument] = []
+
+    def create_counter(self, name: str, unit: str = "", description: str = "") -> Counter:
+        self.created.append(Instrument(name, "counter", unit, description))
+        return super().create_counter(name, unit, description)
+
+    def create_up_down_counter(self, name: str, unit: str = "", description: str = "") -> UpDownCounter:
+        self.created.append(Instrument(name, "up-down counter", unit, description))
+        return super().create_up_down_counter(name, unit, description)
+
+    def create_histogram(
+        self,
+        name: str,
+        unit: str = "",
+        description: str = "",
+        *,
+        explicit_bucket_boundaries_advisory: Sequence[float] | None = None,
+    ) -> Histogram:
+        self.created.append(Instrument(name, "histogram", unit, description, explicit_bucket_boundaries_advisory))
+        return super().create_histogram(
+            name, unit, description, explicit_bucket_boundaries_advisory=explicit_bucket_boundaries_advisory
+        )
+
+
+def instruments(*, latest: bool) -> list[Instrument]:
+    """Every instrument of one naming flavour."""
+    meter = _CatalogMeter()
+    create(meter, latest=latest)
+    return meter.created
+
+
+# --- exercising the recorder ---------------------------------------------------------------------
+
+_T0 = 100.0
+_WALL = 1_700_000_000_000_000_000
+_ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default", provider="vllm")
+_BODY: dict[str, Any] = {
+    "model": "example-model",
+    "messages": [
+        {"role": "system", "content": "You answer questions about an invoice. " * 8},
+        {"role": "user", "content": "What is the total?"},
+    ],
+    "max_tokens": 64,
+    "temperature": 0.2,
+    "top_p": 0.9,
+    "top_k": 40,
+    "frequency_penalty": 0.1,
+    "presence_penalty": 0.1,
+    "stop": ["END"],
+    "seed": 7,
+    "n": 2,
+}
+
+
+def _timeline(
+    *,
+    stream: bool = True,
+    chunks: int = 5,
+    relay: bool = False,
+    body: dict[str, Any] | None = None,
+    raw: bytes = b"",
+    at: float = _T0,
+) -> Timeline:
+    provider = provider_for("POST", "/v1/chat/completions")
+    assert provider is not None
+    tl = Timeline(
+        method="POST",
+        path="/v1/chat/completions",
+        route=_ROUTE.name,
+        upstream=_ROUTE.upstream,
+        server_address=_ROUTE.host,
+        server_port=_ROUTE.port,
+        protocol=None if relay else provider.name,
+        provider_name=_ROUTE.provider or provider.family,
+        received=at,
+        received_wall_ns=_WALL,
+        body_read=at + 0.001,
+        admitted=at + 0.002,
+        sent=at + 0.003,
+        headers=at + 0.05,
+        first_byte=at + 0.05,
+        status_code=200,
+        prompt_version="v2" if body is None else None,
+    )
+    if not relay:
+        content = raw or json.dumps({**(_BODY if body is None else body), "stream": stream}).encode()
+        tl.request = provider.inspect(content, inject_usage=True)
+    for i in range(chunks):
+        tl.add_chunk(at + 0.2 + i * 0.02, 40, f" word{i}")
+    tl.end = at + 0.2 + chunks * 0.02
+    tl.response_bytes = 40 * chunks + 100
+    return tl
+
+
+def _requests() -> Iterable[Timeline]:
+    """Requests that between them take every path the recorder has."""
+    full = _timeline()
+    full.apply(
+        Facts(
+            usage=Usage(input_tokens=120, output_tokens=11, cache_read_tokens=96, cache_write_tokens=8,
+                        reasoning_tokens=2),
+            finish_reasons=["stop", "stop"],
+            response_id="chatcmpl-1",
+            response_model="example-model-2025",
+            server_timing=ServerTiming(queue=0.05, prefill=0.1),
+        )
+    )  # fmt: skip
+    full.malformed_events, full.oversized_events, full.rejected_timings = 1, 1, ["decode"]
+    yield full
+    again = _timeline()
+    again.apply(Facts(usage=Usage(input_tokens=120, output_tokens=10), finish_reasons=["length"]))
+    yield again
+    yield _timeline(chunks=3)  # no usage: tiktoken counts
+    unary = _timeline(stream=False, chunks=1)
+    unary.apply(Facts(usage=Usage(input_tokens=120, output_tokens=9), finish_reasons=["stop"]))
+    yield unary
+    failed = _timeline(chunks=0)
+    failed.status_code = 500
+    failed.fail("500", "upstream error")
+    yield failed
+    left = _timeline(chunks=2)
+    left.fail("cancelled", cancelled=True)
+    yield left
+    refused = _timeline(chunks=0)
+    refused.sent = refused.headers = refused.first_byte = None
+    refused.status_code = 503
+    refused.fail("queue_full", "the admission queue is full")
+    yield refused
+    yield _timeline(chunks=9)  # past the chunk cap: the tail folds
+    yield _timeline(chunks=1, relay=True)
+    # No prompt version and another system prompt (the cache diagnosis names the changed region), and a
+    # body that is not JSON at all: no model, relayed unchanged.
+    changed = [{"role": "system", "content": "You answer questions about a receipt. " * 8}, *_BODY["messages"][1:]]
+    other = _timeline(body={"model": _BODY["model"], "messages": changed}, at=_T0 + 10)
+    other.apply(Facts(usage=Usage(input_tokens=120, output_tokens=10, cache_read_tokens=0)))
+    yield other
+    yield _timeline(raw=b"{not json", chunks=1)
+
+
+@dataclass(slots=True)
+class Observed:
+    """Attribute names (and value types) seen on each metric and span."""
+
+    metric_attrs: dict[str, list[set[str]]] = field(default_factory=dict)
+    span_attrs: dict[str, set[str]] = field(default_factory=dict)
+    span_kinds: dict[str, str] = field(default_factory=dict)
+    types: dict[str, set[str]] = field(default_factory=dict)
+
+
+def _generic(name: str) -> str:
+    for prefix in (sc.PROMPT_FINGERPRINT, sc.PROMPT_REGION_TOKENS):
+        if name.startswith(prefix + "."):
+            return prefix + ".{region}"
+    return name
+
+
+def _type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "double"
+    if isinstance(value, list | tuple):
+        return "string[]"
+    return "string"
+
+
+def _note(out: Observed, attrs: Any) -> set[str]:
+    keys = set()
+    for key, value in (attrs or {}).items():
+        name = _generic(key)
+        keys.add(name)
+        out.types.setdefault(name, set()).add(_type(value))
+    return keys
+
+
+def exercise(*, latest: bool, chunk_mode: str, out: Observed) -> None:
+    """Record ``_requests()`` with a real recorder and write down what it emitted."""
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader])
+    telemetry = Telemetry(semconv_latest=latest, capture_content=True, chunk_spans=chunk_mode, chunk_span_cap=4)
+    settings = Settings(routes=(_ROUTE,), slo=SLO(ttft=0.5, tpot=0.05), telemetry=telemetry)
+    recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    try:
+        for tl in _requests():
+            handle, _ = recorder.start(tl, {})
+            recorder.record(tl, handle)
+        recorder.queue_changed(_ROUTE.name, 1)
+        recorder.queue_changed(_ROUTE.name, -1)
+        data = reader.get_metrics_data()
+        for rm in data.resource_metrics if data is not None else ():
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    seen = out.metric_attrs.setdefault(metric.name, [])
+                    seen.extend(_note(out, p.attributes) for p in metric.data.data_points)
+        for span in spans.get_finished_spans():
+            name = span.name
+            if span.kind == SpanKind.CLIENT:
+                root = span.attributes is not None and sc.OPERATION_NAME in span.attributes
+                name = "root" if root else "relay"
+            out.span_kinds[name] = span.kind.name
+            out.span_attrs.setdefault(name, set()).update(_note(out, span.attributes))
+            for event in span.events:
+                key = f"event {event.name}"
+                out.span_kinds[key] = "event"
+                out.span_attrs.setdefault(key, set()).update(_note(out, event.attributes))
+    finally:
+        recorder.close()
+        tracer_provider.shutdown()
+        meter_provider.shutdown()
+
+
+# --- writing the reference -----------------------------------------------------------------------
+
+
+def declared_attributes() -> set[str]:
+    """Every attribute name ``semconv`` declares (span, event and metric names aside)."""
+    out = set()
+    for key, value in vars(sc).items():
+        if not key.isupper() or not isinstance(value, str) or key.startswith(("SPAN_", "EVENT_", "METRIC_", "OP_")):
+            continue
+        if key.startswith("SERVER_") and value.startswith("gen_ai.server."):
+            continue  # server-side metric names
+        out.add(_generic(value + ".x") if key in ("PROMPT_FINGERPRINT", "PROMPT_REGION_TOKENS") else value)
+    return out
+
+
+def _buckets(bounds: Sequence[float] | None) -> str:
+    if bounds is None:
+        return "the SDK's default"
+    if tuple(bounds) == DURATION_BUCKETS:
+        return f"{len(bounds)} bounds from 1 ms to {bounds[-1]:.0f} s, each 2^(1/8) (about 9%) above the last"
+    if tuple(bounds) == TOKEN_BUCKETS:
+        return f"{len(bounds)} bounds from 1 to {bounds[-1]:,.0f} tokens, each about 2^(1/4) above the last"
+    return ", ".join(f"{b:g}" for b in bounds)
+
+
+def _code(names: Iterable[str]) -> str:
+    return ", ".join(f"`{n}`" for n in sorted(names)) or "none"
+
+
+def render(observed: Observed, released: list[Instrument], latest: list[Instrument]) -> str:
+    """The reference as Markdown."""
+    missing = sorted((set(observed.types) | declared_attributes()) - set(ATTRIBUTES))
+    unnamed = sorted({i.name for i in released + latest} - set(METRICS))
+    if missing or unnamed:
+        raise SystemExit(
+            "proxy/docs.py: no definition for "
+            + ", ".join(missing + unnamed)
+            + " (add it to ATTRIBUTES or METRICS, then run python -m proxy.docs)"
+        )
+    for name, seen in observed.types.items():
+        declared = ATTRIBUTES[name][0]
+        if seen != {declared}:
+            raise SystemExit(f"proxy/docs.py: {name} is declared {declared} but emitted as {', '.join(sorted(seen))}")
+    lines = [
+        "# Telemetry reference",
+        "",
+        "<!-- Generated by `python -m proxy.docs` from proxy/telemetry/semconv.py, proxy/telemetry/instruments.py",
+        "     and a run of the recorder. Do not edit: CI runs `python -m proxy.docs --check`. -->",
+        "",
+        "Every metric, span and attribute llmtap emits. Names follow the OpenTelemetry GenAI semantic conventions",
+        "v1.41.1; with `OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental` the names in the last column",
+        "of the metric table replace them. Prometheus names are what `/metrics` on the admin listener shows.",
+        "How to read the numbers: [reading-the-numbers.md](reading-the-numbers.md).",
+        "",
+        "## Timing definitions",
+        "",
+        "All times come from one monotonic clock in the proxy.",
+        "",
+        "| figure | definition |",
+        "| --- | --- |",
+        *(f"| {name} | {text} |" for name, text in TIMINGS),
+        "",
+        "## Metrics",
+        "",
+        "| metric | Prometheus | type | unit | recorded | latest-conventions name |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    released_names = {i.name for i in released}
+    shown = released + [i for i in latest if i.name not in released_names and i.name not in RENAMED.values()]
+    for ins in shown:
+        prom = metric_name(ins.name, ins.unit, counter=ins.kind == "counter")
+        lines.append(
+            f"| [`{ins.name}`](#{ins.name.replace('.', '')}) | `{prom}` | {ins.kind} | `{ins.unit}` "
+            f"| {METRICS[ins.name]} | {_latest_cell(ins.name, released_names)} |"
+        )
+    lines.append("")
+    for ins in shown:
+        lines += _metric_section(ins, observed)
+    lines += [
+        "## Spans",
+        "",
+        "One trace per request: the root span (`CLIENT`, a child of the client's `traceparent`), and under it",
+        "`llmtap.queue`, `llmtap.prefill` and `llmtap.decode`, with one `llmtap.decode.chunk` span (or event, with",
+        "`--chunk-spans events`) per content chunk up to the cap; past it the tail folds into one.",
+        "",
+    ]
+    for name in sorted(observed.span_attrs, key=_span_order):
+        kind = observed.span_kinds[name].lower()
+        lines += [f"### {SPAN_TITLES.get(name, f'`{name}`')} ({kind})", "", _code(observed.span_attrs[name]), ""]
+    lines += [
+        "## Attributes",
+        "",
+        "| attribute | type | on spans | on metrics | definition |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    on_metrics = {a for seen in observed.metric_attrs.values() for keys in seen for a in keys}
+    on_metrics.update(a for names in UNEXERCISED.values() for a in names)
+    for name in sorted(ATTRIBUTES):
+        kind, text = ATTRIBUTES[name]
+        spans = sorted(s for s, keys in observed.span_attrs.items() if name in keys)
+        where = ", ".join(f"`{s}`" for s in spans) if spans else "–"
+        if name not in observed.types and name not in on_metrics:
+            where = "declared, not emitted"
+        lines.append(f"| `{name}` | {kind} | {where} | {'yes' if name in on_metrics else '–'} | {text} |")
+    return "\n".join(lines) + "\n"
+
+
+def _latest_cell(name: str, released: set[str]) -> str:
+    if name in RENAMED:
+        return f"`{RENAMED[name]}`"
+    if name == sc.RELEASED.token_usage:
+        return "replaced by the `gen_ai.client.inference.*` token metrics below"
+    if name not in released:
+        return "(latest conventions only)"
+    return "same"
+
+
+SPAN_TITLES = {
+    "root": "root: `{gen_ai.operation.name} {gen_ai.request.model}`",
+    "relay": "root of a plain relay (no LLM protocol): `{http.request.method}`",
+}
+
+
+def _span_order(name: str) -> int:
+    order = ["root", sc.SPAN_QUEUE, sc.SPAN_PREFILL, sc.SPAN_DECODE, sc.SPAN_CHUNK, f"event {sc.EVENT_CHUNK}", "relay"]
+    return order.index(name) if name in order else len(order)
+
+
+def _metric_section(ins: Instrument, observed: Observed) -> list[str]:
+    seen = observed.metric_attrs.get(ins.name) or [set(UNEXERCISED.get(ins.name, ()))]
+    always = set.intersection(*seen) if seen else set()
+    sometimes = set.union(*seen) - always if seen else set()
+    lines = [
+        f"### {ins.name}",
+        "",
+        f"{ins.description} Recorded: {METRICS[ins.name]}",
+        "",
+        f"- Prometheus: `{metric_name(ins.name, ins.unit, counter=ins.kind == 'counter')}`; type {ins.kind}; "
+        f"unit `{ins.unit}`",
+    ]
+    if ins.kind == "histogram":
+        lines.append(f"- buckets: {_buckets(ins.buckets)}")
+    if seen:
+        lines.append(f"- attributes, always: {_code(always)}")
+        lines.append(f"- attributes, when known: {_code(sometimes)}")
+    lines.append("")
+    return lines
+
+
+def generate() -> str:
+    """The reference, freshly generated."""
+    observed = Observed()
+    exercise(latest=False, chunk_mode="spans", out=observed)
+    exercise(latest=True, chunk_mode="events", out=observed)
+    return render(observed, instruments(latest=False), instruments(latest=True))
+
+
+def main(argv: Sequence[str] | None = None, *, write: Callable[[str], object] = sys.stdout.write) -> int:
+    """``python -m proxy.docs [--check] [--out PATH]``."""
+    p = argparse.ArgumentParser(prog="python -m proxy.docs", description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="fail when the file differs from what the code says")
+    p.add_argument("--out", type=Path, default=OUT, help=f"where the reference goes (default {OUT})")
+    args = p.parse_args(argv)
+    text = generate()
+    if args.check:
+        current = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
+        if current != text:
+            write(f"{args.out} is stale: run python -m proxy.docs\n")
+            return 1
+        write(f"{args.out} is up to date\n")
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text, encoding="utf-8")
+    write(f"wrote {args.out}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

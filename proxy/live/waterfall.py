@@ -1,0 +1,117 @@
+"""One request as the live view draws it: phase bars, chunk ticks and the facts beside them.
+
+Times are milliseconds from the moment the proxy received the request. No prompt or completion
+text, no headers and no error messages (an upstream's message can quote the prompt) ever go in:
+only timings, token counts, their sources, and bounded labels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.estimator import ESTIMATED
+from proxy.summary import PROXY, SERVER, Summary
+from proxy.timeline import Timeline
+
+#: Chunk ticks kept per request; past it the rest are counted, not drawn.
+TICK_CAP = 1000
+
+
+def source_class(source: str) -> str:
+    """How the page colours a phase: reported by the server, estimated, or measured at the proxy."""
+    if source == SERVER:
+        return "server"
+    if source == ESTIMATED:
+        return "estimated"
+    return "measured"
+
+
+def _ms(t: float | None) -> float | None:
+    return None if t is None else round(t * 1000, 3)
+
+
+def _phases(tl: Timeline, s: Summary) -> list[dict[str, Any]]:
+    """Queue, prefill and decode bars, each placed where that time was spent (as the spans place them).
+
+    The proxy's own queue runs from reading the body to admission; the server's queue (reported or
+    estimated) starts when the request went upstream; prefill ends at the first content chunk and
+    decode runs from the first content chunk to the last.
+    """
+    r = tl.received
+    sent = tl.sent if tl.sent is not None else tl.admitted
+    out: list[dict[str, Any]] = []
+    if s.proxy_queue and tl.body_read is not None:
+        out.append(_bar("queue", tl.body_read - r, s.proxy_queue, PROXY))
+    upstream_end = sent
+    if s.upstream_queue is not None and sent is not None:
+        out.append(_bar("queue", sent - r, s.upstream_queue, s.upstream_queue_source or SERVER))
+        upstream_end = sent + s.upstream_queue
+    if s.prefill is not None and tl.first_content is not None:
+        begin = tl.first_content - s.prefill
+        if upstream_end is not None:
+            begin = max(begin, upstream_end)
+        out.append(_bar("prefill", begin - r, tl.first_content - begin, s.prefill_source))
+    if s.decode is not None and tl.first_content is not None:
+        out.append(_bar("decode", tl.first_content - r, s.decode, PROXY))
+    return out
+
+
+def _bar(phase: str, start: float, length: float, source: str) -> dict[str, Any]:
+    return {
+        "phase": phase,
+        "start": _ms(start),
+        "length": _ms(max(length, 0.0)),
+        "source": source,
+        "class": source_class(source),
+    }
+
+
+def _cache_class(tl: Timeline, s: Summary) -> str | None:
+    # ``llmtap.cache.class`` comes from the prompt-cache diagnosis (``proxy.cachediag``), carried on the
+    # summary or the timeline as ``diagnosis`` or ``cache_class``; a request recorded without one shows none.
+    for holder in (s, tl, getattr(s, "diagnosis", None), getattr(tl, "diagnosis", None)):
+        value = getattr(holder, "cache_class", None)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def waterfall(seq: int, tl: Timeline, s: Summary, *, route: str, model: str, trace: bool) -> dict[str, Any]:
+    """The JSON the page draws one request from."""
+    r = tl.received
+    ticks = [round((t - r) * 1000, 2) for t in tl.chunk_times[:TICK_CAP]]
+    req = tl.request
+    return {
+        "id": seq,
+        "at": tl.received_wall_ns // 1_000_000,
+        "route": route,
+        "model": model,
+        "response_model": tl.response_model,
+        "operation": req.operation if req else None,
+        "provider": tl.provider_name,
+        "protocol": tl.protocol,
+        "path": tl.path,
+        "stream": bool(req and req.stream),
+        "status": tl.status_code,
+        "outcome": tl.outcome,
+        "error_type": tl.error_type,
+        "slo": s.slo,
+        "ttfb": _ms(s.ttfb),
+        "ttft": _ms(s.ttft),
+        "tpot": _ms(s.tpot),
+        "e2e": _ms(s.e2e),
+        "phases": _phases(tl, s),
+        "chunks": len(tl.chunk_times),
+        "ticks": ticks,
+        "input_tokens": s.input_tokens,
+        "input_source": s.input_source or None,
+        "output_tokens": s.output_tokens,
+        "output_source": s.output_source or None,
+        "cache_read_tokens": s.cache_read_tokens,
+        "cache_write_tokens": s.cache_write_tokens,
+        "input_size": s.input_size,
+        "cache_class": _cache_class(tl, s),
+        "prompt_version": tl.prompt_version,
+        "response_id": tl.response_id,
+        "trace_id": tl.trace_id if trace else None,
+    }

@@ -1,0 +1,302 @@
+"""The live view's memory: figures per route and model over a recent window, and the last requests.
+
+A recorder listener feeds it on the recorder's worker thread, after the request's telemetry is written,
+so nothing here runs on a request's path. Memory is bounded: per route and model, one tally per
+``SLOT`` seconds for ``HORIZON`` seconds plus one since start (models are already capped by the
+recorder's ``BoundedValues``), and the last ``HISTORY`` requests.
+
+Every figure counts exactly what the recorder's metrics count, under the same conditions (see
+``Tally.add_request``), and percentiles are read from the same bucket boundaries with Prometheus'
+``histogram_quantile`` interpolation: over the window "since start" the page shows what
+``histogram_quantile(q, sum by (le) (...))`` over ``/metrics`` shows, to the last digit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.live.waterfall import waterfall
+from proxy.summary import Summary
+from proxy.telemetry.instruments import DURATION_BUCKETS
+from proxy.timeline import CANCELLED, ERROR, OK, Timeline
+
+#: Seconds per tally; a window's start is rounded down to a slot boundary.
+SLOT = 5.0
+#: The longest window kept, in seconds.
+HORIZON = 900.0
+#: The windows the page offers: a name and its length in seconds (None: since start).
+WINDOWS: tuple[tuple[str, float | None], ...] = (("1m", 60.0), ("5m", 300.0), ("15m", 900.0), ("all", None))
+#: Requests kept for waterfalls.
+HISTORY = 200
+QUANTILES = (0.5, 0.95, 0.99)
+
+#: The route and model label a request's metrics carry.
+Labels = Callable[[Timeline, Summary], tuple[str, str]]
+
+
+@dataclass(slots=True)
+class Hist:
+    """A sparse histogram over ``DURATION_BUCKETS``: bucket index to count, as the OTel SDK buckets values."""
+
+    counts: dict[int, int] = field(default_factory=dict)
+    count: int = 0
+    total: float = 0.0
+
+    def add(self, value: float) -> None:
+        """Count one value in the bucket whose upper bound is the first >= value (the SDK's rule)."""
+        i = bisect_left(DURATION_BUCKETS, value)
+        self.counts[i] = self.counts.get(i, 0) + 1
+        self.count += 1
+        self.total += value
+
+    def merge(self, other: Hist) -> None:
+        """Add another histogram's counts."""
+        for i, n in other.counts.items():
+            self.counts[i] = self.counts.get(i, 0) + n
+        self.count += other.count
+        self.total += other.total
+
+    def quantile(self, q: float) -> float | None:
+        """Prometheus' ``histogram_quantile``: linear interpolation inside the bucket holding rank q*N."""
+        if self.count == 0:
+            return None
+        bounds = DURATION_BUCKETS
+        rank = q * self.count
+        below = 0
+        for i in sorted(self.counts):
+            n = self.counts[i]
+            if n == 0:
+                continue
+            if below + n >= rank:
+                if i >= len(bounds):
+                    return bounds[-1]  # the +Inf bucket: the highest finite bound, as Prometheus does
+                lower = bounds[i - 1] if i > 0 else 0.0
+                return lower + (bounds[i] - lower) * (rank - below) / n
+            below += n
+        return None  # unreachable: the last bucket always holds rank q*N for q <= 1
+
+    def figures(self) -> dict[str, Any]:
+        """Count, sum and the page's three percentiles."""
+        out: dict[str, Any] = {"count": self.count, "sum": self.total}
+        for q in QUANTILES:
+            out[f"p{round(q * 100)}"] = self.quantile(q)
+        return out
+
+
+@dataclass(slots=True)
+class Tally:
+    """What one route and model did in one slot (or since start)."""
+
+    requests: int = 0
+    errors: int = 0
+    cancelled: int = 0
+    slo_met: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    ttft: Hist = field(default_factory=Hist)
+    itl: Hist = field(default_factory=Hist)
+    tpot: Hist = field(default_factory=Hist)
+
+    def add_request(self, tl: Timeline, s: Summary) -> None:
+        """Count one request exactly as ``Recorder._metrics`` records it."""
+        stream = bool(tl.request and tl.request.stream)
+        self.requests += 1  # llmtap.requests
+        self.errors += tl.outcome == ERROR
+        self.cancelled += tl.outcome == CANCELLED
+        self.slo_met += s.slo == "met"
+        if stream and s.ttft is not None:  # gen_ai.client.operation.time_to_first_chunk
+            self.ttft.add(s.ttft)
+            for itl in s.itl_per_token:  # llmtap.inter_token_latency
+                self.itl.add(itl)
+        if tl.outcome == OK and s.tpot is not None:  # gen_ai.server.time_per_output_token
+            self.tpot.add(s.tpot)
+        self.input_tokens += s.input_tokens or 0  # llmtap.usage.input_tokens
+        self.output_tokens += s.output_tokens or 0  # llmtap.usage.output_tokens
+        self.cache_read_tokens += s.cache_read_tokens or 0  # llmtap.usage.cache_read.input_tokens
+
+    def merge(self, other: Tally) -> None:
+        """Add another tally."""
+        self.requests += other.requests
+        self.errors += other.errors
+        self.cancelled += other.cancelled
+        self.slo_met += other.slo_met
+        self.input_tokens += other.input_tokens
+        self.output_tokens += other.output_tokens
+        self.cache_read_tokens += other.cache_read_tokens
+        self.ttft.merge(other.ttft)
+        self.itl.merge(other.itl)
+        self.tpot.merge(other.tpot)
+
+    def figures(self, seconds: float, *, slo: bool) -> dict[str, Any]:
+        """Counts, rates over ``seconds`` and percentiles, as the page shows them."""
+
+        def per_s(n: int) -> float:
+            return n / seconds if seconds > 0 else 0.0
+
+        return {
+            "requests": self.requests,
+            "errors": self.errors,
+            "cancelled": self.cancelled,
+            "slo_met": self.slo_met if slo else None,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "cache_read_tokens": self.cache_read_tokens,
+            "requests_per_s": per_s(self.requests),
+            "output_tokens_per_s": per_s(self.output_tokens),
+            "goodput_per_s": per_s(self.slo_met) if slo else None,
+            "cached_share": self.cache_read_tokens / self.input_tokens if self.input_tokens else None,
+            "ttft": self.ttft.figures(),
+            "itl": self.itl.figures(),
+            "tpot": self.tpot.figures(),
+        }
+
+
+@dataclass(slots=True)
+class _Series:
+    total: Tally = field(default_factory=Tally)
+    slots: dict[int, Tally] = field(default_factory=dict)
+
+
+class Subscription:
+    """One open event stream: woken (from any thread) when a request is recorded or the view closes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.event = asyncio.Event()
+        self._loop = loop
+        self._pending = False
+
+    def notify(self) -> None:
+        """Wake the stream's task; coalesces: at most one wake-up is queued on its loop at a time."""
+        if self._pending:
+            return
+        self._pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:
+            pass  # the loop is closed: the stream is gone and unsubscribes itself
+
+    def _wake(self) -> None:
+        self._pending = False
+        self.event.set()
+
+
+def _first_slot(now: float, window: float) -> int:
+    """The oldest slot a window of ``window`` seconds ending now takes in (the current one counts)."""
+    return math.floor(now / SLOT) - math.ceil(window / SLOT) + 1
+
+
+class LiveWindow:
+    """The recorder listener behind the live view, and the figures it serves."""
+
+    def __init__(
+        self,
+        labels: Labels,
+        *,
+        slo: bool,
+        traces: bool,
+        clock: Callable[[], float] = time.monotonic,
+        history: int = HISTORY,
+    ) -> None:
+        self._labels = labels
+        self.slo = slo
+        self.traces = traces
+        self._clock = clock
+        self.started = clock()
+        self._series: dict[tuple[str, str], _Series] = {}
+        self._requests: deque[dict[str, Any]] = deque(maxlen=history)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._subscribers: set[Subscription] = set()
+        self.closed = False
+
+    # -- the recorder's worker thread ------------------------------------------------------------
+
+    def __call__(self, tl: Timeline, s: Summary) -> None:
+        """Count one finished request and keep its waterfall (the listener; the recorder's thread)."""
+        if tl.protocol is None:
+            return  # a plain relay: no LLM figures, and no metrics either
+        route, model = self._labels(tl, s)
+        now = self._clock()
+        slot = math.floor(now / SLOT)
+        with self._lock:
+            series = self._series.setdefault((route, model), _Series())
+            series.total.add_request(tl, s)
+            tally = series.slots.get(slot)
+            if tally is None:
+                tally = series.slots[slot] = Tally()
+                self._prune(series, slot)
+            tally.add_request(tl, s)
+            self._seq += 1
+            self._requests.append(waterfall(self._seq, tl, s, route=route, model=model, trace=self.traces))
+            subscribers = list(self._subscribers)
+        for sub in subscribers:
+            sub.notify()
+
+    @staticmethod
+    def _prune(series: _Series, slot: int) -> None:
+        oldest = slot - math.ceil(HORIZON / SLOT)
+        for old in [k for k in series.slots if k <= oldest]:
+            del series.slots[old]
+
+    # -- readers (any thread) --------------------------------------------------------------------
+
+    def window_seconds(self, window: float | None, now: float | None = None) -> float:
+        """The span a window really covers: from its first slot's start (or the start) to now."""
+        now = self._clock() if now is None else now
+        if window is None:
+            return now - self.started
+        return now - max(_first_slot(now, window) * SLOT, self.started)
+
+    def snapshot(self, window: float | None) -> dict[str, Any]:
+        """The figures of every route and model over the last ``window`` seconds (None: since start)."""
+        now = self._clock()
+        seconds = self.window_seconds(window, now)
+        first = _first_slot(now, window) if window is not None else 0
+        rows: list[dict[str, Any]] = []
+        with self._lock:
+            for (route, model), series in sorted(self._series.items()):
+                if window is None:
+                    tally = series.total
+                else:
+                    tally = Tally()
+                    for k, part in series.slots.items():
+                        if k >= first:
+                            tally.merge(part)
+                if tally.requests:
+                    rows.append({"route": route, "model": model, **tally.figures(seconds, slo=self.slo)})
+            last = self._seq
+        return {"window": window, "seconds": seconds, "last": last, "slo": self.slo, "series": rows}
+
+    def since(self, seq: int) -> list[dict[str, Any]]:
+        """The kept requests recorded after ``seq``, oldest first."""
+        with self._lock:
+            return [r for r in self._requests if r["id"] > seq]
+
+    def subscribe(self, loop: asyncio.AbstractEventLoop) -> Subscription:
+        """A new stream's wake-up handle."""
+        sub = Subscription(loop)
+        with self._lock:
+            self._subscribers.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """The stream ended."""
+        with self._lock:
+            self._subscribers.discard(sub)
+
+    def close(self) -> None:
+        """End every open stream now (a server waits for open responses before it stops)."""
+        self.closed = True
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for sub in subscribers:
+            sub.notify()

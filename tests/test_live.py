@@ -1,0 +1,483 @@
+"""The live view: its window counts what ``/metrics`` counts, its waterfalls hold no content, ``/events`` streams."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.trace import TracerProvider
+
+from proxy import simulator
+from proxy.app import AdminApp
+from proxy.live import LiveView
+from proxy.live.view import recorder_labels
+from proxy.live.waterfall import TICK_CAP, waterfall
+from proxy.live.window import HISTORY, HORIZON, SLOT, LiveWindow
+from proxy.settings import SLO, Route, Settings
+from proxy.summary import summarize
+from proxy.telemetry.instruments import DURATION_BUCKETS
+from proxy.telemetry.prometheus import PrometheusReader
+from proxy.telemetry.recorder import Recorder
+from proxy.timeline import CANCELLED, ERROR, OK, Timeline
+from proxy.types import RequestInfo, ServerTiming, Usage
+from tests.conftest import Running
+from tests.test_prometheus import histogram_quantile, samples
+
+WALL = 1_700_000_000_000_000_000
+SECRET = "PROMPT-SECRET-7f3a"
+ROUTES = (Route(prefix="/", upstream="http://upstream:8000", name="chat"),)
+
+
+def make_timeline(
+    i: int,
+    *,
+    route: str = "chat",
+    model: str = "m1",
+    stream: bool = True,
+    outcome: str = OK,
+    ttft: float = 0.3,
+    chunks: int = 5,
+    gap: float = 0.02,
+    usage: Usage | None = None,
+    timing: ServerTiming | None = None,
+) -> Timeline:
+    """A chat request received at t=1000 whose first content chunk comes ``ttft`` later; prompt and text are secret."""
+    t0 = 1000.0
+    tl = Timeline(
+        method="POST",
+        path="/v1/chat/completions",
+        route=route,
+        upstream="http://upstream:8000",
+        server_address="upstream",
+        server_port=8000,
+        protocol="openai_chat",
+        provider_name="vllm",
+        received=t0,
+        received_wall_ns=WALL + i * 1_000_000_000,
+        request=RequestInfo(operation="chat", model=model, stream=stream, prompt_text=f"{SECRET} prompt {i}"),
+        body_read=t0 + 0.001,
+        admitted=t0 + 0.002,
+        sent=t0 + 0.003,
+        headers=t0 + 0.01,
+        first_byte=t0 + 0.01,
+        status_code=200,
+    )
+    for k in range(chunks):
+        tl.add_chunk(t0 + ttft + k * gap, 40, f" {SECRET} word{k}")
+    tl.end = t0 + ttft + chunks * gap + 0.001
+    tl.usage = (
+        usage if usage is not None else Usage(input_tokens=100 + i, output_tokens=chunks * 2, cache_read_tokens=64)
+    )
+    tl.server_timing = timing
+    tl.response_model = model
+    tl.response_id = f"chatcmpl-{i}"
+    if outcome == ERROR:
+        tl.fail("upstream_closed", f"{SECRET} quoted back by the upstream")
+    elif outcome == CANCELLED:
+        tl.fail("cancelled", cancelled=True)
+    return tl
+
+
+class Harness:
+    """A recorder with a real SDK meter provider read by the Prometheus reader, and a live window on it."""
+
+    def __init__(self, *, slo: SLO | None = None, clock: Any = time.monotonic, traces: bool = False) -> None:
+        self.prometheus = PrometheusReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.prometheus], shutdown_on_exit=False)
+        self.tracer_provider = TracerProvider(shutdown_on_exit=False)
+        settings = Settings(routes=ROUTES, slo=slo or SLO())
+        self.recorder = Recorder(settings, tracer_provider=self.tracer_provider, meter_provider=self.meter_provider)
+        self.window = LiveWindow(
+            recorder_labels(self.recorder), slo=settings.slo.configured, traces=traces, clock=clock
+        )
+        self.recorder.listeners.append(self.window)
+
+    def run(self, tl: Timeline) -> None:
+        handle, _ = self.recorder.start(tl, {})
+        self.recorder.record(tl, handle)
+
+    def close(self) -> None:
+        self.recorder.close()
+        self.meter_provider.shutdown()
+        self.tracer_provider.shutdown()
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness(slo=SLO(ttft=0.5, tpot=0.05))
+    yield h
+    h.close()
+
+
+def varied(h: Harness, n: int = 60) -> None:
+    """Streams and unary calls, two routes, two models, errors, cancellations, TTFTs from 5 ms to 1.3 s."""
+    for i in range(n):
+        h.run(
+            make_timeline(
+                i,
+                route="chat" if i % 4 else "code",
+                model="m1" if i % 3 else "m2",
+                stream=i % 7 != 0,
+                outcome=ERROR if i % 11 == 5 else CANCELLED if i % 13 == 6 else OK,
+                ttft=0.005 * (1 + (i * 37) % 260),
+                chunks=1 + i % 9,
+                gap=0.004 + (i % 5) * 0.01,
+            )
+        )
+
+
+def prom_sum(text: str, name: str, route: str, model: str, **labels: str) -> float:
+    """The sum of every sample of ``name`` for one route and model (and the given labels)."""
+    want = {"llmtap_route": route, "gen_ai_request_model": model, **labels}
+    return sum(v for lab, v in samples(text, name) if all(lab.get(k) == x for k, x in want.items()))
+
+
+def prom_buckets(text: str, name: str, route: str, model: str) -> list[tuple[float, float]]:
+    """``sum by (le)`` of one histogram's buckets for one route and model."""
+    by_le: dict[float, float] = {}
+    for lab, v in samples(text, name + "_bucket"):
+        if lab.get("llmtap_route") == route and lab.get("gen_ai_request_model") == model:
+            le = float(lab["le"])
+            by_le[le] = by_le.get(le, 0.0) + v
+    return sorted(by_le.items())
+
+
+HISTOGRAMS = {
+    "ttft": "gen_ai_client_operation_time_to_first_chunk_seconds",
+    "itl": "llmtap_inter_token_latency_seconds",
+    "tpot": "gen_ai_server_time_per_output_token_seconds",
+}
+
+
+def test_since_start_equals_metrics(harness: Harness) -> None:
+    varied(harness)
+    text = harness.prometheus.render()
+    snap = harness.window.snapshot(None)
+    assert {(s["route"], s["model"]) for s in snap["series"]} == {
+        ("chat", "m1"),
+        ("chat", "m2"),
+        ("code", "m1"),
+        ("code", "m2"),
+    }
+    assert sum(s["requests"] for s in snap["series"]) == 60
+    for s in snap["series"]:
+        key = (s["route"], s["model"])
+        assert s["requests"] == prom_sum(text, "llmtap_requests_total", *key)
+        assert s["errors"] == prom_sum(text, "llmtap_requests_total", *key, llmtap_outcome="error")
+        assert s["cancelled"] == prom_sum(text, "llmtap_requests_total", *key, llmtap_outcome="cancelled")
+        assert s["slo_met"] == prom_sum(text, "llmtap_requests_total", *key, llmtap_slo="met")
+        assert s["output_tokens"] == prom_sum(text, "llmtap_usage_output_tokens_total", *key)
+        assert s["input_tokens"] == prom_sum(text, "llmtap_usage_input_tokens_total", *key)
+        assert s["cache_read_tokens"] == prom_sum(text, "llmtap_usage_cache_read_input_tokens_total", *key)
+        for fig, name in HISTOGRAMS.items():
+            series = prom_buckets(text, name, *key)
+            assert s[fig]["count"] == series[-1][1] == prom_sum(text, name + "_count", *key), (key, fig)
+            assert s[fig]["sum"] == pytest.approx(prom_sum(text, name + "_sum", *key), rel=1e-12)
+            for q in (0.5, 0.95, 0.99):
+                # The same buckets read the same way: equal, not merely close.
+                assert s[fig][f"p{round(q * 100)}"] == pytest.approx(histogram_quantile(q, series), rel=1e-12)
+        assert s["requests_per_s"] == s["requests"] / snap["seconds"]
+
+
+def test_percentiles_within_a_bucket_of_the_exact_values(harness: Harness) -> None:
+    ttfts = [0.005 * (1 + (i * 37) % 260) for i in range(200)]
+    for i, ttft in enumerate(ttfts):
+        harness.run(make_timeline(i, ttft=ttft))
+    (s,) = harness.window.snapshot(None)["series"]
+    ordered = sorted(ttfts)
+    for q in (0.5, 0.95, 0.99):
+        exact = ordered[max(round(q * len(ordered)) - 1, 0)]
+        # Buckets grow by 2^(1/8): an interpolated quantile is within one bucket's width of the true one.
+        assert abs(s["ttft"][f"p{round(q * 100)}"] - exact) <= exact * (2 ** (1 / 8) - 1), q
+
+
+def test_the_window_slides_and_forgets() -> None:
+    now = [0.0]
+    h = Harness(clock=lambda: now[0])
+    try:
+        for at in (2.0, 200.0, 880.0):
+            now[0] = at
+            h.run(make_timeline(int(at)))
+        now[0] = 890.0
+        counts = {w: sum(s["requests"] for s in h.window.snapshot(w)["series"]) for w in (60.0, 300.0, 900.0, None)}
+        assert counts == {60.0: 1, 300.0: 1, 900.0: 3, None: 3}
+        # A window covers whole slots up to now; before the first slot of its length it is shorter.
+        assert h.window.window_seconds(60.0) == pytest.approx(890.0 - (178 - 12 + 1) * SLOT)
+        assert h.window.window_seconds(None) == pytest.approx(890.0)
+        now[0] = 5000.0
+        h.run(make_timeline(5000))
+        assert sum(s["requests"] for s in h.window.snapshot(900.0)["series"]) == 1
+        assert sum(s["requests"] for s in h.window.snapshot(None)["series"]) == 4
+        # Memory is bounded: slots older than the horizon are gone.
+        kept = [len(series.slots) for series in h.window._series.values()]
+        assert max(kept) <= HORIZON / SLOT + 1
+        assert h.window.snapshot(60.0)["seconds"] == pytest.approx(5000.0 - (1000 - 12 + 1) * SLOT)
+    finally:
+        h.close()
+
+
+def test_history_is_bounded_and_resumable(harness: Harness) -> None:
+    for i in range(HISTORY + 25):
+        harness.run(make_timeline(i))
+    kept = harness.window.since(0)
+    assert len(kept) == HISTORY
+    assert [r["id"] for r in kept] == list(range(26, HISTORY + 26))
+    assert [r["id"] for r in harness.window.since(HISTORY + 20)] == [221, 222, 223, 224, 225]
+
+
+def test_no_content_and_no_error_messages(harness: Harness) -> None:
+    varied(harness, 30)
+    out = json.dumps([harness.window.since(0), harness.window.snapshot(None)])
+    assert SECRET not in out
+    assert "word0" not in out
+
+
+def test_waterfall_places_each_phase_where_it_happened() -> None:
+    # The server says it queued the request 100 ms and read the prompt in 150 ms.
+    tl = make_timeline(1, ttft=0.3, chunks=4, gap=0.05, timing=ServerTiming(queue=0.1, prefill=0.15))
+    tl.admitted = tl.received + 0.011  # 10 ms in the proxy's own admission queue
+    s = summarize(tl)
+    r = waterfall(7, tl, s, route="chat", model="m1", trace=False)
+    phases = {(p["phase"], p["class"]): p for p in r["phases"]}
+    assert set(phases) == {("queue", "measured"), ("queue", "server"), ("prefill", "server"), ("decode", "measured")}
+    own = phases[("queue", "measured")]
+    assert (own["start"], own["length"]) == (pytest.approx(1.0), pytest.approx(10.0))
+    upstream = phases[("queue", "server")]
+    assert (upstream["start"], upstream["length"]) == (pytest.approx(3.0), pytest.approx(100.0))
+    prefill = phases[("prefill", "server")]
+    assert (prefill["start"], prefill["length"]) == (pytest.approx(150.0), pytest.approx(150.0))
+    decode = phases[("decode", "measured")]
+    assert (decode["start"], decode["length"]) == (pytest.approx(300.0), pytest.approx(150.0))
+    assert r["ticks"] == pytest.approx([300.0, 350.0, 400.0, 450.0])
+    assert r["trace_id"] is None and r["ttft"] == pytest.approx(300.0)
+
+    # Nothing reported: the proxy measured prefill as request sent to first token.
+    plain = make_timeline(2, ttft=0.25)
+    (prefill,) = [
+        p
+        for p in waterfall(8, plain, summarize(plain), route="c", model="m", trace=True)["phases"]
+        if p["phase"] == "prefill"
+    ]
+    assert (prefill["class"], prefill["source"], prefill["start"]) == ("measured", "upstream_ttft", pytest.approx(3.0))
+
+
+def test_ticks_are_capped() -> None:
+    tl = make_timeline(1, chunks=TICK_CAP + 50, gap=0.001)
+    r = waterfall(1, tl, summarize(tl), route="c", model="m", trace=False)
+    assert r["chunks"] == TICK_CAP + 50 and len(r["ticks"]) == TICK_CAP
+
+
+def test_trace_ids_only_with_a_tracing_backend() -> None:
+    for traces in (False, True):
+        h = Harness(traces=traces)
+        try:
+            tl = make_timeline(1)
+            h.run(tl)
+            (r,) = h.window.since(0)
+            assert tl.trace_id is not None
+            assert r["trace_id"] == (tl.trace_id if traces else None)
+        finally:
+            h.close()
+
+
+def test_buckets_match_the_sdk() -> None:
+    # A value on a boundary falls in that boundary's bucket (le), as the SDK and Prometheus count it.
+    from proxy.live.window import Hist
+
+    h = Hist()
+    for v in (DURATION_BUCKETS[0], DURATION_BUCKETS[10], DURATION_BUCKETS[10] * 1.0001, 1e6):
+        h.add(v)
+    assert h.counts == {0: 1, 10: 1, 11: 1, len(DURATION_BUCKETS): 1}
+    assert h.quantile(1.0) == DURATION_BUCKETS[-1]
+
+
+# --- over real sockets ------------------------------------------------------------------------
+
+
+def sse(lines: Iterator[str]) -> Iterator[tuple[str, str, str | None]]:
+    """(event, data, id) for each server-sent event."""
+    kind, eid = "message", None
+    data: list[str] = []
+    for line in lines:
+        if not line:
+            if data:
+                yield kind, "\n".join(data), eid
+            kind, data, eid = "message", [], None
+            continue
+        field, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if field == "event":
+            kind = value
+        elif field == "data":
+            data.append(value)
+        elif field == "id":
+            eid = value
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[str]:
+    background = simulator.run_in_thread(simulator.get_profile("fast"))
+    yield background.url
+    background.stop()
+
+
+@pytest.fixture
+def live(proxy_factory: Any, sim: str) -> Running:
+    routes = (Route(prefix="/", upstream=sim, name="sim", provider="vllm"),)
+    return proxy_factory(Settings(routes=routes, slo=SLO(ttft=1.0)), admin=True)  # type: ignore[no-any-return]
+
+
+def chat(url: str, n: int = 4) -> str:
+    """One streamed chat request through the proxy; returns its response id."""
+    body = {"model": "llmtap-sim", "stream": True, "max_tokens": n, "messages": [{"role": "user", "content": SECRET}]}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=10) as r:
+        raw = b"".join(r.iter_raw())
+    match = re.search(rb'"id":\s*"([^"]+)"', raw)
+    assert match is not None
+    return match.group(1).decode()
+
+
+def test_page_and_assets(live: Running) -> None:
+    assert live.admin is not None
+    base = live.admin.url
+    page = httpx.get(base + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp and "script-src 'self'" in csp
+    for path, kind in (("/live.js", "text/javascript"), ("/live.css", "text/css")):
+        r = httpx.get(base + path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith(kind), path
+    assert httpx.post(base + "/", content=b"x").status_code == 405
+    assert httpx.get(base + "/live.json").status_code == 404
+    assert httpx.get(base + "/metrics").status_code == 200
+
+
+def test_assets_name_no_other_host() -> None:
+    static = resources.files("proxy.live").joinpath("static")
+    for name in ("index.html", "live.js", "live.css"):
+        text = static.joinpath(name).read_text()
+        # The SVG namespace is a name, not an address the browser fetches.
+        text = text.replace('"http://www.w3.org/2000/svg"', "")
+        assert not re.search(r"https?:|//[a-z0-9.-]+\.[a-z]{2,}|@import", text, re.IGNORECASE), name
+
+
+def test_events_stream_requests_as_they_finish(live: Running) -> None:
+    assert live.admin is not None
+    events = f"{live.admin.url}/events?window=all"
+    with httpx.stream("GET", events, timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        stream = sse(r.iter_lines())
+        kind, data, _ = next(stream)
+        assert kind == "hello" and json.loads(data)["window"] == "all"
+        kind, data, _ = next(stream)
+        assert kind == "snapshot" and json.loads(data)["series"] == []
+        done = time.monotonic()
+        rid = chat(live.url)
+        for kind, data, eid in stream:
+            if kind == "requests":
+                (rec,) = json.loads(data)
+                assert time.monotonic() - done < 2.0
+                assert rec["response_id"] == rid and eid == str(rec["id"])
+                break
+        kind, data, _ = next(stream)
+        assert kind == "snapshot"
+        (series,) = json.loads(data)["series"]
+        assert (series["route"], series["model"], series["requests"], series["slo_met"]) == ("sim", "llmtap-sim", 1, 1)
+        first = rec["id"]
+    chat(live.url)
+    live.flush()
+    # A reconnecting browser sends the last id it saw and gets only what came after.
+    with httpx.stream("GET", events, headers={"last-event-id": str(first)}, timeout=10) as r:
+        for kind, data, _ in sse(r.iter_lines()):
+            if kind == "requests":
+                assert [x["id"] for x in json.loads(data)] == [first + 1]
+                break
+
+
+def view_of(running: Running) -> LiveView:
+    """The live view served on a running proxy's admin listener."""
+    assert running.admin is not None
+    app = running.admin.server.config.app
+    assert isinstance(app, AdminApp)
+    return app.live
+
+
+def test_close_ends_open_streams(live: Running) -> None:
+    admin = live.admin
+    assert admin is not None
+    view = view_of(live)
+    opened = threading.Event()
+    ended: list[float] = []
+
+    def read() -> None:
+        with httpx.stream("GET", f"{admin.url}/events", timeout=10) as r:
+            for line in r.iter_lines():
+                if line.startswith("event: snapshot"):
+                    opened.set()
+        ended.append(time.monotonic())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert opened.wait(5)
+    closed = time.monotonic()
+    view.close()
+    reader.join(5)
+    assert ended and ended[0] - closed < 1.5
+
+
+def test_listener_runs_on_the_recorder_thread(live: Running) -> None:
+    window = view_of(live).window
+    threads: list[str] = []
+
+    def spy(tl: Timeline, s: Any) -> None:
+        threads.append(threading.current_thread().name)
+
+    listeners = live.app.recorder.listeners
+    listeners.insert(listeners.index(window), spy)
+    chat(live.url)
+    live.flush()
+    assert threads == ["llmtap-recorder"]
+    assert [r["response_id"] for r in window.since(0)] != []
+
+
+def test_demo_serve_keeps_the_view_up_until_ctrl_c() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "demo", "--serve", "--workload", "code", "--requests", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    try:
+        assert proc.stdout is not None
+        view = next(line.split()[-1] for line in proc.stdout if line.startswith("Live view:"))
+        base = view.split("/?")[0]
+        assert "llmtap" in httpx.get(view).text
+        assert "llmtap_requests_total{" in httpx.get(base + "/metrics").text
+        with httpx.stream("GET", base + "/events?window=all", timeout=10) as r:
+            kinds = [kind for kind, _, _ in itertools.islice(sse(r.iter_lines()), 3)]
+            assert kinds == ["hello", "requests", "snapshot"]
+            # Ctrl-C while a browser holds an event stream open: the demo still stops at once.
+            stopped = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(10) == 0
+        assert time.monotonic() - stopped < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
