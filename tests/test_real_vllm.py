@@ -1,0 +1,392 @@
+"""The proxy's queue, prefill, TTFT, cached tokens and trace context against a real vLLM's own figures.
+
+vLLM (CPU build) serves the medium model (dummy weights) with two sequence slots, so a burst of ten
+requests queues inside the server. vLLM is the truth here: its ``/metrics`` histograms summed over the
+burst, and its per-request ``llm_request`` spans (received over OTLP, matched to the proxy's requests
+by trace id). Each run prints a per-request table of both sides (``pytest -s`` shows it).
+
+The workload: three unloaded requests of different lengths (so a learning estimator has an envelope),
+one request that puts a 768-token shared prefix in vLLM's prefix cache, then the burst: five prompts
+of 300 to 1500 tokens that share nothing, and five that start with the cached prefix, interleaved,
+shortest first. Two runs, each through its own proxy: one told vLLM's batch capacity
+(``server_slots``), one left to learn.
+
+vLLM starts its queue clock only when its engine loop picks a request up, between two model steps, so
+a request that arrives during a step waits that step out in neither vLLM's queue nor its prefill
+(the table's ``unseen``), while the proxy counts it as queueing. The burst arrives during its first,
+shortest prefill (about 0.3 s), which keeps that difference near 7% of the summed queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+
+from proxy.settings import build
+from proxy.telemetry import semconv as sc
+from tests.conftest import Running, Telemetry, start_proxy
+from tests.vllm_server import (
+    Scrape,
+    ServerSpan,
+    VllmServer,
+    vllm_medium as vllm_medium,  # the fixture: one server for this module
+)
+
+pytestmark = pytest.mark.real
+
+MODEL = "medium"
+SLOTS = 2  # --max-num-seqs of the vllm_medium fixture
+MAX_TOKENS = 12
+# Each of these is one token for the model's tokenizer, so N words make a prompt of about N tokens.
+WORDS = ("def", "return", "self", "import", "class", "if", "else", "for", "in", "None")
+SHARED_PREFIX = 768  # words; 24 blocks of 32, all cacheable
+UNIQUE = (300, 600, 900, 1200, 1500)
+TAILS = (100, 250, 400, 550, 700)
+CALIBRATION = (300, 900, 1500)
+# Between two requests of the burst. vLLM's front end takes 5 to 80 ms (under load) before its engine sees
+# a request; closer arrivals can swap places there, and no replay of a first-come-first-served line from
+# outside can know that. The burst still lasts under 0.4 s, against seconds of queueing.
+STAGGER = 0.040
+# The issue's bar for summed queue and prefill against vLLM's own histograms.
+SUM_TOLERANCE = 0.15
+# TTFT, proxy minus vLLM (the hop): vLLM's clock starts once its front end has parsed the request and
+# stops when the front end has the first token, so the way in (the proxy, loopback, vLLM's parsing) and
+# the way out (vLLM's SSE, loopback, the proxy's parsing) come on top. Measured on this 2-core box, with
+# vLLM's engine on one core and its front end on the other: median 20 ms and max 36 ms when quiet; while
+# other test suites shared the cores (load average 2 to 6), medians 30 to 95 ms and one request at 294 ms.
+# The bounds still catch a proxy that stops its clock at the wrong event: a role-only chunk comes early
+# (negative), the end of the stream half a second or more late.
+TTFT_HOP_MEDIAN = 0.150
+TTFT_HOP_MAX = 0.500
+# Two processes' timestamps of one wall clock, one of them rounded to whole nanoseconds of a float.
+CLOCK = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One request of the workload."""
+
+    label: str
+    prompt: str
+    cached_prefix: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the client got back, and the trace it sent the request in."""
+
+    ask: Ask
+    trace_id: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One burst request seen from both sides, in seconds."""
+
+    answer: Answer
+    proxy: dict[str, Any]
+    proxy_start: float  # the proxy's request span, seconds since the epoch (the clock vLLM's spans use)
+    server: ServerSpan
+
+    def p(self, key: str) -> float:
+        """A proxy figure; a missing one reads as NaN, so the table still prints and the checks fail."""
+        value = self.proxy.get(key)
+        return math.nan if value is None else float(value)
+
+    def s(self, key: str) -> float:
+        return self.server.seconds(f"gen_ai.latency.{key}")
+
+
+class Workload:
+    """Prompts made of one-token words; a per-run salt at the front keeps runs out of each other's cache."""
+
+    def __init__(self, salt: str) -> None:
+        self.rng = random.Random(salt)
+        self.salt = salt
+
+    def text(self, n: int) -> str:
+        return " ".join(self.rng.choice(WORDS) for _ in range(n))
+
+    def unique(self, label: str, n: int) -> Ask:
+        return Ask(label, f"{self.salt} {label} {self.text(n)}")
+
+    def shared(self, prefix: str, label: str, tail: int) -> Ask:
+        return Ask(label, f"{prefix} {label} {self.text(tail)}", cached_prefix=True)
+
+    def build(self) -> tuple[list[Ask], list[Ask]]:
+        """The sequential part (calibration and cache warm-up) and the burst, interleaved."""
+        prefix = f"{self.salt} shared {self.text(SHARED_PREFIX)}"
+        before = [self.unique(f"cal{n}", n) for n in CALIBRATION] + [self.shared(prefix, "warm", 10)]
+        burst: list[Ask] = []
+        for n, tail in zip(UNIQUE, TAILS, strict=True):
+            burst += [self.unique(f"u{n}", n), self.shared(prefix, f"p+{tail}", tail)]
+        return before, burst
+
+
+async def chat(client: httpx.AsyncClient, url: str, ask: Ask, delay: float, words: list[int]) -> Answer:
+    """One streamed chat request in a fresh trace; usage asked for so the client sees cached tokens.
+
+    The model may only answer with ``words`` (token ids of whole words): with random weights it would
+    otherwise now and then start with a lone byte of a UTF-8 character, which vLLM holds back, so the
+    first visible text (the proxy's TTFT) would come a decode step after vLLM's first token (its TTFT).
+    """
+    await asyncio.sleep(delay)
+    trace_id = os.urandom(16).hex()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": ask.prompt}],
+        "stream": True,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "allowed_token_ids": words,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200, (ask.label, await r.aread())
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[len("data: ") :]).get("usage") or usage
+    assert usage, f"{ask.label}: no usage in the stream"
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Answer(ask, trace_id, int(usage["prompt_tokens"]), int(cached))
+
+
+async def send(url: str, asks: Sequence[Ask], words: list[int], *, concurrent: bool) -> list[Answer]:
+    """The asks one after another, or all at once, ``STAGGER`` apart so they reach vLLM's engine in order."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        if concurrent:
+            return list(await asyncio.gather(*(chat(client, url, a, STAGGER * i, words) for i, a in enumerate(asks))))
+        return [await chat(client, url, a, 0.0, words) for a in asks]
+
+
+def roots(telemetry: Telemetry) -> dict[str, ReadableSpan]:
+    """The proxy's request spans by trace id."""
+    return {format(s.context.trace_id, "032x"): s for s in telemetry.finished() if sc.ROUTE in (s.attributes or {})}
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One workload through the proxy: the burst's rows and vLLM's histograms over exactly the burst."""
+
+    rows: list[Row]
+    before: Scrape
+    after: Scrape
+    spans: list[ReadableSpan]
+
+    def delta(self, name: str) -> float:
+        return self.after.delta(self.before, name)
+
+
+def run_workload(vllm: VllmServer, proxy: Running, telemetry: Telemetry, salt: str) -> Run:
+    """Calibrate and warm sequentially, then send the burst; pair each request with vLLM's span of it."""
+    start = vllm.scrape()
+    before_asks, burst_asks = Workload(salt).build()
+    words = sorted(set(vllm.tokenize(" " + " ".join(WORDS))))
+    asyncio.run(send(proxy.url, before_asks, words, concurrent=False))
+    before = vllm.scrape_after(start, len(before_asks))
+    answers = asyncio.run(send(proxy.url, burst_asks, words, concurrent=True))
+    after = vllm.scrape_after(before, len(burst_asks))
+    proxy.flush()
+    server = vllm.request_spans([a.trace_id for a in answers])
+    mine = roots(telemetry)
+    missing = [a.ask.label for a in answers if a.trace_id not in mine]
+    assert not missing, f"no proxy span (in the client's trace) for {missing}"
+    rows = [
+        Row(a, dict(mine[a.trace_id].attributes or {}), start_of(mine[a.trace_id]), server[a.trace_id]) for a in answers
+    ]
+    print_table(
+        rows,
+        after.delta(before, "vllm:request_queue_time_seconds_sum"),
+        after.delta(before, "vllm:request_prefill_time_seconds_sum"),
+    )
+    return Run(rows, before, after, telemetry.finished())
+
+
+def start_of(span: ReadableSpan) -> float:
+    assert span.start_time is not None
+    return span.start_time / 1e9
+
+
+def ms(x: float) -> str:
+    return "   -" if math.isnan(x) else f"{x * 1000:5.0f}"
+
+
+def print_table(rows: Sequence[Row], queue_sum: float, prefill_sum: float) -> None:
+    """Both sides per request, then the sums (milliseconds).
+
+    ``unseen`` is vLLM's TTFT minus its queue and prefill: time vLLM counts in neither (its HTTP and
+    tokenizing front end, and a new request waiting for the engine step in progress before the engine
+    even queues it). ``hop`` is the proxy's TTFT minus vLLM's; ``in`` is when vLLM's clock started, after
+    the proxy's (the same machine's wall clock); ``at`` is when the proxy took the request, in the burst.
+    """
+    print(
+        "\nrequest  prompt cached |    at    in | queue proxy vLLM   err  source    "
+        "| prefill proxy vLLM   err  source    | TTFT proxy vLLM unseen   hop"
+    )
+    t0 = min(r.proxy_start for r in rows)
+    for r in rows:
+        q, vq = r.p(sc.QUEUE_DURATION), r.s("time_in_queue")
+        f, vf = r.p(sc.PREFILL_DURATION), r.s("time_in_model_prefill")
+        t, vt = r.p(sc.RESPONSE_TIME_TO_FIRST_CHUNK), r.s("time_to_first_token")
+        print(
+            f"{r.answer.ask.label:8} {r.answer.prompt_tokens:6} {r.answer.cached_tokens:6} |"
+            f" {ms(r.proxy_start - t0)} {ms(r.server.start - r.proxy_start)} |"
+            f"       {ms(q)} {ms(vq)} {ms(q - vq)}  {r.proxy.get(sc.QUEUE_SOURCE, '-')!s:9} |"
+            f"         {ms(f)} {ms(vf)} {ms(f - vf)}  {r.proxy.get(sc.PREFILL_SOURCE, '-')!s:9} |"
+            f"      {ms(t)} {ms(vt)}  {ms(vt - vq - vf)} {ms(t - vt)}"
+        )
+    pq, pf = proxy_sum(rows, sc.QUEUE_DURATION), proxy_sum(rows, sc.PREFILL_DURATION)
+    vt = math.fsum(r.s("time_to_first_token") for r in rows)
+    print(f"sum queue:   proxy {pq:7.3f} s  vLLM /metrics {queue_sum:7.3f} s  error {relative(pq, queue_sum):+.1%}")
+    print(f"sum prefill: proxy {pf:7.3f} s  vLLM /metrics {prefill_sum:7.3f} s  error {relative(pf, prefill_sum):+.1%}")
+    both, vboth = pq + pf, queue_sum + prefill_sum
+    print(f"sum both:    proxy {both:7.3f} s  vLLM /metrics {vboth:7.3f} s  error {relative(both, vboth):+.1%}")
+    print(f"sum vLLM TTFT {vt:7.3f} s, of which unseen {vt - vboth:6.3f} s ({(vt - vboth) / vt:.1%})")
+    # What the proxy's queue means (sent until the server starts on it), from vLLM's own figures.
+    waited = vt - prefill_sum
+    print(f"queue vs vLLM TTFT - prefill: proxy {pq:7.3f} s  vLLM {waited:7.3f} s  error {relative(pq, waited):+.1%}")
+
+
+def proxy_sum(rows: Sequence[Row], key: str) -> float:
+    return math.fsum(r.p(key) for r in rows)
+
+
+def relative(measured: float, truth: float) -> float:
+    return (measured - truth) / truth
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q * len(ordered)) - 1, 0)]
+
+
+def start_run(vllm: VllmServer, route: dict[str, Any], name: str) -> Iterator[Run]:
+    """A fresh proxy (and fresh estimator) in front of the shared vLLM, the workload through it, then closed."""
+    telemetry = Telemetry()
+    settings = build({"upstream": vllm.url, "provider": "vllm", "read_timeout": 120, **route}, env={})
+    running, threads = start_proxy(settings, telemetry)
+    try:
+        # The salt starts every prompt, so one run's prompts never hit the cache another run filled.
+        yield run_workload(vllm, running, telemetry, f"{name} {os.urandom(4).hex()}")
+    finally:
+        for thread in reversed(threads):
+            thread.__exit__(None, None, None)
+        telemetry.tracer_provider.shutdown()
+        telemetry.meter_provider.shutdown()
+
+
+@pytest.fixture(scope="module")
+def slots_run(vllm_medium: VllmServer) -> Iterator[Run]:
+    """The route knows the server's batch capacity (``server_slots``, vLLM's ``--max-num-seqs``)."""
+    yield from start_run(vllm_medium, {"server_slots": SLOTS}, "slots")
+
+
+@pytest.fixture(scope="module")
+def learned_run(vllm_medium: VllmServer) -> Iterator[Run]:
+    """Nothing configured: the estimator learns the unloaded envelope from what it sees."""
+    yield from start_run(vllm_medium, {}, "learned")
+
+
+def test_vllm_truth_is_consistent(slots_run: Run) -> None:
+    """vLLM's spans and its histograms describe the same requests, and vLLM really queued them."""
+    n = len(slots_run.rows)
+    assert slots_run.delta("vllm:request_queue_time_seconds_count") == n
+    for metric, key in (("queue", "time_in_queue"), ("prefill", "time_in_model_prefill")):
+        spans = math.fsum(r.s(key) for r in slots_run.rows)
+        total = slots_run.delta(f"vllm:request_{metric}_time_seconds_sum")
+        assert spans == pytest.approx(total, rel=1e-6, abs=1e-6), metric
+    # Two slots and ten requests: a proxy that reported no queue could not pass the sums below.
+    assert slots_run.delta("vllm:request_queue_time_seconds_sum") > 1.0
+
+
+def test_queue_and_prefill_sums_agree_with_vllm(slots_run: Run) -> None:
+    """The issue's bar: summed over the burst, queue and prefill each within 15% of vLLM's histograms."""
+    for key, metric in ((sc.QUEUE_DURATION, "queue"), (sc.PREFILL_DURATION, "prefill")):
+        missing = [r.answer.ask.label for r in slots_run.rows if r.proxy.get(key) is None]
+        assert not missing, f"no {key} on {missing}"
+        mine, truth = proxy_sum(slots_run.rows, key), slots_run.delta(f"vllm:request_{metric}_time_seconds_sum")
+        assert abs(relative(mine, truth)) <= SUM_TOLERANCE, (key, mine, truth)
+
+
+def test_ttft_agrees_with_vllm_plus_a_hop(slots_run: Run) -> None:
+    """The proxy's TTFT against vLLM's, per request, at p50, p90 and max, and as the histogram's mean.
+
+    The difference (the hop) splits on the machine's one wall clock: ``in``, from the proxy taking the
+    request to vLLM's clock starting, and ``out``, from vLLM's first token to the proxy seeing it.
+    Neither can be negative (the proxy would have measured the wrong events); both are small.
+    """
+    rows = slots_run.rows
+    proxy = [r.p(sc.RESPONSE_TIME_TO_FIRST_CHUNK) for r in rows]
+    server = [r.s("time_to_first_token") for r in rows]
+    hops = [p - s for p, s in zip(proxy, server, strict=True)]
+    inbound = [r.server.start - r.proxy_start for r in rows]
+    outbound = [h - i for h, i in zip(hops, inbound, strict=True)]
+    quantiles = {q: (nearest_rank(proxy, q), nearest_rank(server, q)) for q in (0.5, 0.9, 1.0)}
+    print("TTFT p50/p90/max, proxy vs vLLM (ms):", {q: (ms(p), ms(s)) for q, (p, s) in quantiles.items()})
+    print("hop in (ms): ", " ".join(ms(x) for x in inbound))
+    print("hop out (ms):", " ".join(ms(x) for x in outbound))
+    assert min(inbound) >= -CLOCK and min(outbound) >= -CLOCK, (inbound, outbound)
+    assert statistics.median(hops) < TTFT_HOP_MEDIAN, hops
+    assert max(hops) < TTFT_HOP_MAX, hops
+    for q, (p, s) in quantiles.items():
+        assert -2 * CLOCK <= p - s < TTFT_HOP_MAX, (q, p, s)
+    mean = slots_run.delta("vllm:time_to_first_token_seconds_sum") / len(rows)
+    assert -2 * CLOCK <= statistics.fmean(proxy) - mean < TTFT_HOP_MEDIAN, (statistics.fmean(proxy), mean)
+
+
+def test_cached_tokens_equal_what_vllm_reported(slots_run: Run) -> None:
+    """Input and cached tokens on the proxy's spans are exactly the usage vLLM sent the client."""
+    for r in slots_run.rows:
+        label = r.answer.ask.label
+        assert r.proxy.get(sc.USAGE_INPUT_TOKENS) == r.answer.prompt_tokens, label
+        assert r.server.attributes["gen_ai.usage.prompt_tokens"] == r.answer.prompt_tokens, label
+        assert r.proxy.get(sc.USAGE_CACHE_READ, 0) == r.answer.cached_tokens, label
+        if r.answer.ask.cached_prefix:
+            # Whole 32-token blocks of the shared prefix, which the warm-up request left in the cache.
+            assert r.answer.cached_tokens >= SHARED_PREFIX - 32, (label, r.answer.cached_tokens)
+        else:
+            assert r.answer.cached_tokens == 0, (label, r.answer.cached_tokens)
+
+
+def test_traceparent_reaches_vllm(slots_run: Run) -> None:
+    """vLLM's span sits in the client's trace, as a child of the proxy's request span (the root)."""
+    by_id = {format(s.context.span_id, "016x"): s for s in slots_run.spans}
+    for r in slots_run.rows:
+        parent = by_id.get(r.server.parent_span_id)
+        assert parent is not None, (r.answer.ask.label, r.server.parent_span_id)
+        assert format(parent.context.trace_id, "032x") == r.server.trace_id == r.answer.trace_id
+        assert sc.ROUTE in (parent.attributes or {}), parent.name  # not a queue, prefill or decode span
+
+
+def test_learned_envelope_splits_inside_ttft(learned_run: Run) -> None:
+    """Without ``server_slots`` the split is only printed (the table shows its errors against vLLM's).
+
+    What holds whatever the split: every value is marked estimated, is non-negative and lies inside the
+    TTFT, and queue plus prefill (the upstream's part of TTFT and the proxy's own moment) cover vLLM's
+    TTFT of the request plus no more than the hop.
+    """
+    extra = []
+    for r in learned_run.rows:
+        label = r.answer.ask.label
+        queue, prefill = r.p(sc.QUEUE_DURATION), r.p(sc.PREFILL_DURATION)
+        assert r.proxy.get(sc.QUEUE_SOURCE) == r.proxy.get(sc.PREFILL_SOURCE) == "estimated", label
+        assert queue >= 0 and prefill >= 0, (label, queue, prefill)
+        assert queue + prefill <= r.p(sc.RESPONSE_TIME_TO_FIRST_CHUNK), (label, queue, prefill)
+        extra.append(queue + prefill - r.s("time_to_first_token"))
+    assert min(extra) >= -2 * CLOCK, extra
+    assert statistics.median(extra) < TTFT_HOP_MEDIAN and max(extra) < TTFT_HOP_MAX, extra

@@ -1,0 +1,348 @@
+"""A real vLLM server (CPU build) for the real tier, with its own ground truth beside it.
+
+vLLM runs as a child process on a free loopback port, serving a model folder that
+``.ci/install.d/30-vllm.sh`` made. Next to it runs a small OTLP/HTTP trace receiver, so each request's
+``llm_request`` span (queue, prefill and TTFT as vLLM measured them, parented on the ``traceparent`` it
+received) can be read back per request; ``/metrics`` gives the same figures summed. Import the
+``vllm_medium`` fixture into a test module to use it (one server per importing module), or ``serve`` for
+another model or other arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import math
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from tests.conftest import TOOLS, free_port, require_real
+
+VENV = TOOLS / "vllm"
+MODELS = TOOLS / "models"
+INSTALL_HINT = "run bash .ci/install.d/30-vllm.sh; LLMTAP_TOOLS picks the folder; about 2 minutes"
+#: A cold start of the medium model takes 20 to 60 s on a shared 2-core machine; past this it is broken.
+START_TIMEOUT = 180.0
+#: vLLM's own flags, as in shared/tools/vllm-cpu/serve.sh: block size 32 is the CPU backend's minimum.
+BASE_ARGS = (
+    "--dtype",
+    "bfloat16",
+    "--max-model-len",
+    "2048",
+    "--block-size",
+    "32",
+    "--enforce-eager",
+    "--enable-prefix-caching",
+    "--enable-prompt-tokens-details",
+)
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
+
+
+def installed(model: str) -> bool:
+    """True when the vLLM venv and the model folder are where the install script puts them."""
+    return (VENV / "bin" / "python").is_file() and (MODELS / model / "config.json").is_file()
+
+
+# --- vLLM's spans, received over OTLP/HTTP ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpan:
+    """One span vLLM exported, ids as lowercase hex, times in seconds since the epoch."""
+
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    start: float  # for llm_request: when vLLM's front end took the request (its TTFT clock starts here)
+    end: float
+    attributes: dict[str, Any]
+
+    def seconds(self, key: str) -> float:
+        """A latency attribute (vLLM reports them in seconds)."""
+        return float(self.attributes[key])
+
+
+def _value(v: AnyValue) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return None if kind is None else getattr(v, kind)
+
+
+def decode_spans(body: bytes) -> list[ServerSpan]:
+    """Every span in an ``ExportTraceServiceRequest``."""
+    request = ExportTraceServiceRequest()
+    request.ParseFromString(body)
+    return [
+        ServerSpan(
+            name=span.name,
+            trace_id=span.trace_id.hex(),
+            span_id=span.span_id.hex(),
+            parent_span_id=span.parent_span_id.hex(),
+            start=span.start_time_unix_nano / 1e9,
+            end=span.end_time_unix_nano / 1e9,
+            attributes={a.key: _value(a.value) for a in span.attributes},
+        )
+        for resource_spans in request.resource_spans
+        for scope_spans in resource_spans.scope_spans
+        for span in scope_spans.spans
+    ]
+
+
+class OtlpReceiver:
+    """An OTLP/HTTP trace receiver on loopback that keeps every span it is sent, in a thread."""
+
+    def __init__(self) -> None:
+        self._spans: list[ServerSpan] = []
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        """The traces endpoint, for ``--otlp-traces-endpoint``."""
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+
+    def spans(self) -> list[ServerSpan]:
+        """Every span received so far."""
+        with self._lock:
+            return list(self._spans)
+
+    def _keep(self, spans: list[ServerSpan]) -> None:
+        with self._lock:
+            self._spans.extend(spans)
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        keep = self._keep
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                if self.headers.get("content-encoding") == "gzip":
+                    body = gzip.decompress(body)
+                keep(decode_spans(body))
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                """Quiet: a test's output is for its own findings."""
+
+        return Handler
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+# --- /metrics ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Scrape:
+    """One scrape of vLLM's Prometheus ``/metrics``: every sample, keyed by ``name{labels}``."""
+
+    samples: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Scrape:
+        samples: dict[str, float] = {}
+        for line in text.splitlines():
+            m = _SAMPLE.match(line)
+            if m is not None and not line.startswith("#"):
+                samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+        return cls(samples)
+
+    def total(self, name: str) -> float:
+        """The sum of a metric's samples over every label set (0 when vLLM has not emitted it yet)."""
+        return math.fsum(v for k, v in self.samples.items() if k == name or k.startswith(name + "{"))
+
+    def delta(self, before: Scrape, name: str) -> float:
+        """How much a counter (or a histogram's ``_sum``/``_count``) grew since ``before``."""
+        return self.total(name) - before.total(name)
+
+
+# --- the server -------------------------------------------------------------------------------------
+
+
+class VllmServer:
+    """A vLLM OpenAI-compatible server in a child process group, with its log file and span receiver."""
+
+    def __init__(self, model: str, args: Sequence[str], workdir: Path) -> None:
+        self.model = model
+        self.port = free_port()
+        self.receiver = OtlpReceiver()
+        self.log_path = workdir / f"vllm-{model}.log"
+        self._log = self.log_path.open("wb")
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CACHE_ROOT": str(workdir / "cache"),
+            "HF_HOME": str(workdir / "hf"),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            # Spans leave in batches every 5 s by default; a test waits for them, so send them promptly.
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "OTEL_SERVICE_NAME": "vllm",
+        }
+        command = [
+            str(VENV / "bin" / "python"),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(MODELS / model),
+            "--served-model-name",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--otlp-traces-endpoint",
+            self.receiver.url,
+            *BASE_ARGS,
+            *args,
+        ]
+        # Its own process group: vLLM starts an engine-core child, and closing must end both.
+        self.proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def tail(self, lines: int = 40) -> str:
+        """The end of vLLM's log, for a failure message."""
+        self._log.flush()
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
+        """Block until ``GET /v1/models`` lists the served name; return how long that took."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(self.url + "/v1/models", timeout=2)
+                if r.status_code == 200 and self.model in {m["id"] for m in r.json().get("data", [])}:
+                    return time.monotonic() - started
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM not ready after {timeout:.0f} s:\n{self.tail()}")
+
+    def tokenize(self, text: str) -> list[int]:
+        """The served model's token ids for ``text`` (no special tokens), from vLLM's ``/tokenize``."""
+        r = httpx.post(
+            self.url + "/tokenize", json={"model": self.model, "prompt": text, "add_special_tokens": False}, timeout=10
+        )
+        r.raise_for_status()
+        return [int(t) for t in r.json()["tokens"]]
+
+    def scrape(self) -> Scrape:
+        """vLLM's ``/metrics`` now, parsed into numbers."""
+        r = httpx.get(self.url + "/metrics", timeout=10)
+        r.raise_for_status()
+        return Scrape.parse(r.text)
+
+    def scrape_after(self, before: Scrape, finished: int, timeout: float = 10.0) -> Scrape:
+        """A scrape taken once ``finished`` more requests have been counted since ``before``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = self.scrape()
+            done = now.delta(before, "vllm:request_success_total")
+            if done >= finished or time.monotonic() > deadline:
+                assert done == finished, f"vLLM counted {done} finished requests, expected {finished}"
+                return now
+            time.sleep(0.1)
+
+    def request_spans(self, trace_ids: Sequence[str], timeout: float = 15.0) -> dict[str, ServerSpan]:
+        """vLLM's ``llm_request`` span for each trace id, waiting for the exporter's batches."""
+        wanted = set(trace_ids)
+        deadline = time.monotonic() + timeout
+        while True:
+            found = {s.trace_id: s for s in self.receiver.spans() if s.name == "llm_request" and s.trace_id in wanted}
+            if len(found) == len(wanted) or time.monotonic() > deadline:
+                missing = wanted - set(found)
+                assert not missing, f"no llm_request span from vLLM for traces {sorted(missing)}"
+                return found
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Stop vLLM (SIGTERM to its group, then SIGKILL if it lingers) and the receiver."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # an engine child that outlived its parent
+        self._log.close()
+        self.receiver.close()
+
+
+@contextlib.contextmanager
+def serve(model: str, args: Sequence[str], workdir: Path) -> Iterator[VllmServer]:
+    """A ready vLLM serving ``MODELS/model``; closed on exit, whatever happened."""
+    server = VllmServer(model, args, workdir)
+    try:
+        seconds = server.wait_ready()
+        print(f"vLLM {model} ready in {seconds:.1f} s on {server.url}")
+        yield server
+    finally:
+        server.close()
+
+
+def report_on_failure(request: pytest.FixtureRequest, server: VllmServer) -> Callable[[], None]:
+    """A finalizer that shows vLLM's log tail when a test that used the server failed."""
+    failed_before = request.session.testsfailed
+
+    def show() -> None:
+        if request.session.testsfailed > failed_before:
+            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"--- tail of {server.log_path} ---\n{server.tail()}")
+
+    return show
+
+
+@pytest.fixture(scope="module")
+def vllm_medium(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """The medium model (dummy weights) with two sequence slots, so a burst of requests queues.
+
+    Module-scoped: it holds about 3 GB, so it goes when the module that imported it is done. Its log
+    stays in pytest's temporary folder for a post-mortem.
+    """
+    require_real(installed("medium"), "the CPU build of vLLM with its medium model", INSTALL_HINT)
+    args = ["--load-format", "dummy", "--max-num-seqs", "2"]
+    with serve("medium", args, tmp_path_factory.mktemp("vllm")) as server:
+        show = report_on_failure(request, server)
+        yield server
+        show()
