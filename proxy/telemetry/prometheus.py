@@ -93,6 +93,28 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
+def _buckets(name: str, attrs: Any, bounds: Any, counts: Any, total: int) -> list[str]:
+    """The ``_bucket`` lines of one histogram point, leaving out runs of empty buckets.
+
+    The fine buckets (9% apart, 136 of them) would make ``/metrics`` megabytes long with a few dozen
+    label sets. A bucket is written when it holds observations or the next one does: that keeps every
+    non-empty bucket's lower bound, so ``histogram_quantile`` gives exactly what it gives over all
+    buckets. Counts only grow, so a bucket once written is written at every later scrape too.
+    """
+    labels = _labels(attrs)
+    prefix = f"{name}_bucket{{{labels[1:-1]},le=" if labels else f"{name}_bucket{{le="
+    out: list[str] = []
+    running = 0
+    # OpenTelemetry: one count per bound, then the overflow bucket's.
+    following = [*counts[1 : len(bounds) + 1], 0]
+    for bound, count, after in zip(bounds, counts, following, strict=False):
+        running += count
+        if count or after:
+            out.append(f'{prefix}"{_number(bound)}"}} {running}')
+    out.append(f'{prefix}"+Inf"}} {total}')
+    return out
+
+
 def render(data: MetricsData | None) -> str:
     """Prometheus text for one collection."""
     lines: list[str] = []
@@ -108,11 +130,7 @@ def render(data: MetricsData | None) -> str:
                     lines.append(f"# HELP {name} {help_text}")
                     lines.append(f"# TYPE {name} histogram")
                     for p in points.data_points:
-                        running = 0
-                        for bound, count in zip(p.explicit_bounds, p.bucket_counts, strict=False):
-                            running += count
-                            lines.append(f"{name}_bucket{_labels(p.attributes, ('le', _number(bound)))} {running}")
-                        lines.append(f"{name}_bucket{_labels(p.attributes, ('le', '+Inf'))} {p.count}")
+                        lines.extend(_buckets(name, p.attributes, p.explicit_bounds, p.bucket_counts, p.count))
                         lines.append(f"{name}_sum{_labels(p.attributes)} {_number(p.sum)}")
                         lines.append(f"{name}_count{_labels(p.attributes)} {p.count}")
                 elif isinstance(points, Sum):
