@@ -1,0 +1,1 @@
+"""llmtap's Grafana dashboards, generated from code (``python -m dashboards.build``)."""

@@ -1,0 +1,615 @@
+"""collectors/: the contrib configs checked against the distribution's component list, and rotel run for real.
+
+The contrib collector cannot run on these machines, so its configs are checked for what breaks a collector
+at start-up: a component type the distribution does not build, a pipeline naming an undefined component, a
+defined component no pipeline uses, YAML that does not lint. rotel, the one OTLP collector that installs
+here (its binary ships inside the PyPI wheel), runs with ``collectors/rotel/rotel.env``: llmtap exports to
+it over gRPC and over HTTP, it forwards to a second rotel that prints what it received, and the spans and
+metrics are read back from that print-out, names, attributes and values.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import pytest
+import yaml
+from yamllint import linter  # type: ignore[import-untyped]
+from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
+
+from proxy.telemetry import semconv as sc
+from tests.conftest import Scripted, free_port, require_real
+from tests.scripted_upstream import script
+
+ROOT = Path(__file__).resolve().parent.parent
+COLLECTORS = ROOT / "collectors"
+COMPONENTS = COLLECTORS / "otelcol-contrib-components.yaml"
+ROTEL_ENV = COLLECTORS / "rotel" / "rotel.env"
+CONTRIB_CONFIGS = sorted(p for p in COLLECTORS.glob("*.yaml") if p != COMPONENTS)
+KINDS = ("receivers", "processors", "exporters", "connectors", "extensions")
+SIGNALS = ("traces", "metrics", "logs", "profiles")
+YAMLLINT = YamlLintConfig(
+    "{extends: default, rules: {line-length: {max: 120}, document-start: disable, truthy: {check-keys: false}}}"
+)
+
+# The scripted upstream's stream: 8 content chunks, the first 30 ms after the request, 12 tokens in all.
+CHUNKS = 8
+TTFT = 0.03
+PLAN = script(TTFT, 0.005, CHUNKS)
+TOKENS = sum(len(tokens) for _, tokens in PLAN)
+CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
+
+
+# --- child processes ------------------------------------------------------------------------------
+
+
+class Proc:
+    """A child process whose output goes to a file (a pipe could fill and block it); ended by its own pid."""
+
+    def __init__(self, argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> None:
+        self.log_path = log
+        self.log: IO[str] = log.open("w", encoding="utf-8")
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, env=dict(env or clean_env()), stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    def output(self) -> str:
+        """Everything the process wrote so far."""
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def tail(self) -> str:
+        return self.output()[-3000:]
+
+    def wait_until(self, what: str, ready: Callable[[], bool], timeout: float = 20.0) -> None:
+        """Poll ``ready`` until it holds; fail with the process's output if it dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{what}: the process exited ({self.proc.returncode}):\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not within {timeout:g} s:\n{self.tail()}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without telemetry or llmtap settings, plus ``extra``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_", "ROTEL_"))}
+    return {**base, **extra}
+
+
+def listening(port: int) -> Callable[[], bool]:
+    def check() -> bool:
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    return check
+
+
+def answers(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return httpx.get(url, timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    return check
+
+
+@dataclass
+class Llmtap:
+    """``llmtap serve`` in a child process on free ports."""
+
+    proc: Proc
+    port: int
+    admin_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+
+def start_llmtap(upstream: str | None, log: Path, env: Mapping[str, str], *args: str) -> Llmtap:
+    """Start the proxy with ``env`` on top of a clean environment and wait for ``/readyz``."""
+    port, admin_port = free_port(), free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "serve",
+        *(["--upstream", upstream] if upstream else []),
+        "--port",
+        str(port),
+    ]
+    proc = Proc([*argv, "--admin-port", str(admin_port), *args], log, clean_env(**env))
+    proxy = Llmtap(proc, port, admin_port)
+    proc.wait_until("llmtap /readyz", answers(f"{proxy.admin_url}/readyz"))
+    return proxy
+
+
+def stream_chat(client: httpx.Client, url: str, body: Mapping[str, Any] = CHAT, **headers: str) -> list[str]:
+    """One streamed request; returns its ``data:`` payloads."""
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+# --- the contrib configs, structurally -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """The component types one contrib collector version builds in, by kind."""
+
+    version: str
+    types: Mapping[str, frozenset[str]]
+
+
+def load_distribution(path: Path = COMPONENTS) -> Distribution:
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return Distribution(str(data["version"]), {kind: frozenset(data[kind]) for kind in KINDS})
+
+
+def config_problems(config: Mapping[str, Any], dist: Distribution) -> list[str]:
+    """What would stop a contrib collector from starting with ``config``, one line each, naming the key."""
+    problems: list[str] = []
+    defined: dict[str, set[str]] = {}
+    for kind in KINDS:
+        section = config.get(kind) or {}
+        if not isinstance(section, dict):
+            problems.append(f"{kind}: expected a mapping of component ids")
+            section = {}
+        defined[kind] = set(section)
+        for cid in section:
+            ctype = str(cid).split("/", 1)[0]
+            if ctype not in dist.types[kind]:
+                problems.append(f"{kind}.{cid}: {ctype!r} is not among the {kind} of otelcol-contrib {dist.version}")
+    service = config.get("service") or {}
+    used: dict[str, set[str]] = {kind: set() for kind in KINDS}
+    for ext in service.get("extensions") or []:
+        if ext not in defined["extensions"]:
+            problems.append(f"service.extensions: {ext!r} is not defined under extensions")
+        used["extensions"].add(ext)
+    pipelines = service.get("pipelines") or {}
+    if not pipelines:
+        problems.append("service.pipelines: no pipeline defined")
+    roles = {
+        "receivers": ("receivers", "connectors"),
+        "processors": ("processors",),
+        "exporters": ("exporters", "connectors"),
+    }
+    for name, pipeline in pipelines.items():
+        if str(name).split("/", 1)[0] not in SIGNALS:
+            problems.append(f"service.pipelines.{name}: the signal must be one of {', '.join(SIGNALS)}")
+        for role, kinds in roles.items():
+            ids = (pipeline or {}).get(role) or []
+            if not ids and role != "processors":
+                problems.append(f"service.pipelines.{name}.{role}: empty")
+            for cid in ids:
+                owner = next((k for k in kinds if cid in defined[k]), None)
+                if owner is None:
+                    problems.append(f"service.pipelines.{name}.{role}: {cid!r} is not defined under {kinds[0]}")
+                else:
+                    used[owner].add(cid)
+    for kind in KINDS:
+        for cid in sorted(defined[kind] - used[kind]):
+            problems.append(f"{kind}.{cid}: defined but used by no pipeline")
+    return problems
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert isinstance(data, dict), path
+    return data
+
+
+def test_component_list_is_pinned_and_plausible() -> None:
+    dist = load_distribution()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", dist.version), dist.version
+    text = COMPONENTS.read_text(encoding="utf-8")
+    assert "distributions/otelcol-contrib/manifest.yaml" in text  # the source is named
+    for kind in KINDS:
+        listed = yaml.safe_load(text)[kind]
+        assert len(listed) == len(set(listed)), f"{kind}: duplicates"
+    # The distribution is large; a truncated list would wave typos through as "unknown" less often, not more,
+    # but it would also fail good configs. Floors well under what the manifest builds in.
+    assert len(dist.types["receivers"]) > 80 and len(dist.types["exporters"]) > 30
+    for kind, name in (("receivers", "otlp"), ("processors", "tail_sampling"), ("exporters", "load_balancing")):
+        assert name in dist.types[kind]
+
+
+@pytest.mark.parametrize("path", CONTRIB_CONFIGS, ids=[p.name for p in CONTRIB_CONFIGS])
+def test_contrib_config_is_structurally_valid(path: Path) -> None:
+    assert config_problems(load_config(path), load_distribution()) == []
+
+
+def test_collector_yaml_lints() -> None:
+    files = [*CONTRIB_CONFIGS, COMPONENTS]
+    assert len(CONTRIB_CONFIGS) >= 3
+    problems = [
+        f"{path.name}:{p.line}:{p.column}: {p.message}"
+        for path in files
+        for p in linter.run(path.read_text(encoding="utf-8"), YAMLLINT)
+    ]
+    assert problems == []
+
+
+def test_bad_configs_are_named() -> None:
+    dist = load_distribution()
+    good = load_config(COLLECTORS / "gateway.yaml")
+    # An old type name that the current distribution only keeps as a deprecated alias, and a typo.
+    renamed = {**good, "exporters": {**good["exporters"], "loadbalancing": {}, "otlp/typo": {}}}
+    problems = config_problems(renamed, dist)
+    assert (
+        f"exporters.loadbalancing: 'loadbalancing' is not among the exporters of otelcol-contrib {dist.version}"
+        in problems
+    )
+    assert "exporters.loadbalancing: defined but used by no pipeline" in problems
+    assert any(p.startswith("exporters.otlp/typo: 'otlp' is not") for p in problems)
+    service = good["service"]
+    broken = {**good, "service": {**service, "pipelines": {"traces": {"receivers": ["otlp"], "exporters": ["x"]}}}}
+    problems = config_problems(broken, dist)
+    assert "service.pipelines.traces.exporters: 'x' is not defined under exporters" in problems
+    assert "processors.tail_sampling: defined but used by no pipeline" in problems
+    bad_lint = [p.rule for p in linter.run("a: 1\na: 2\nb:  [x ]\n", YAMLLINT)]
+    assert "key-duplicates" in bad_lint and "brackets" in bad_lint
+
+
+def test_every_pipeline_limits_memory_first_and_batches_last() -> None:
+    for path in CONTRIB_CONFIGS:
+        for name, pipeline in load_config(path)["service"]["pipelines"].items():
+            processors = [p.split("/", 1)[0] for p in pipeline["processors"]]
+            assert processors[0] == "memory_limiter", (path.name, name)
+            assert processors[-1] == "batch", (path.name, name)
+
+
+def test_tail_sampling_keeps_errors_slow_ttft_and_slo_misses() -> None:
+    gateway = load_config(COLLECTORS / "gateway.yaml")
+    sampling = gateway["processors"]["tail_sampling"]
+    assert sampling == load_config(COLLECTORS / "standalone.yaml")["processors"]["tail_sampling"]
+    by_type = {p["type"]: p for p in sampling["policies"]}
+    assert by_type["status_code"]["status_code"]["status_codes"] == ["ERROR"]
+    (ttft_rule,) = by_type["ottl_condition"]["ottl_condition"]["span"]
+    assert f'attributes["{sc.RESPONSE_TIME_TO_FIRST_CHUNK}"] >' in ttft_rule
+    assert by_type["string_attribute"]["string_attribute"] == {"key": sc.SLO_OUTCOME, "values": ["missed"]}
+    assert 0 < by_type["probabilistic"]["probabilistic"]["sampling_percentage"] < 100
+    # Tail sampling only holds behind a trace-ID-aware hop: the agent tier routes traces by trace ID.
+    agent = load_config(COLLECTORS / "agent.yaml")
+    assert agent["service"]["pipelines"]["traces"]["exporters"] == ["load_balancing"]
+    assert agent["exporters"]["load_balancing"]["routing_key"] == "traceID"
+    for path in (COLLECTORS / "gateway.yaml", COLLECTORS / "agent.yaml", COLLECTORS / "standalone.yaml"):
+        assert "tail_sampling" not in load_config(path)["service"]["pipelines"]["metrics"]["processors"]
+
+
+def test_attribute_names_in_configs_are_llmtap_names() -> None:
+    known = {v for k, v in vars(sc).items() if k.isupper() and isinstance(v, str)}
+    named: set[str] = set()
+    for path in CONTRIB_CONFIGS:
+        text = path.read_text(encoding="utf-8")
+        named |= set(re.findall(r'attributes\["([^"]+)"\]', text))
+        named |= {p["string_attribute"]["key"] for p in _policies(load_config(path)) if "string_attribute" in p}
+    assert named and named <= known, sorted(named - known)
+
+
+def _policies(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [
+        p for cid, body in config["processors"].items() if cid.startswith("tail_sampling") for p in body["policies"]
+    ]
+
+
+def test_environment_variables_are_documented() -> None:
+    readme = (COLLECTORS / "README.md").read_text(encoding="utf-8")
+    variables = {v for path in CONTRIB_CONFIGS for v in re.findall(r"\$\{env:(\w+)", path.read_text(encoding="utf-8"))}
+    assert variables and {v for v in variables if f"`{v}`" not in readme} == set()
+
+
+# --- rotel, for real ---------------------------------------------------------------------------
+
+
+def rotel_binary() -> Path | None:
+    """The agent binary inside the installed ``rotel`` wheel."""
+    spec = importlib.util.find_spec("rotel")
+    if spec is None or spec.origin is None:
+        return None
+    binary = Path(spec.origin).parent / "rotel-agent"
+    return binary if binary.is_file() else None
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """``KEY=VALUE`` lines; blank lines and ``#`` comments skipped."""
+    out: dict[str, str] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, sep, value = line.partition("=")
+            assert sep, f"{path.name}: not KEY=VALUE: {line!r}"
+            out[key] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def rotel() -> Path:
+    binary = rotel_binary()
+    require_real(binary is not None, "rotel", "pip install rotel, part of the test extra")
+    assert binary is not None
+    return binary
+
+
+@pytest.mark.real
+def test_rotel_env_names_only_rotel_options(rotel: Path) -> None:
+    usage = subprocess.run([str(rotel), "start", "--help"], capture_output=True, text=True, timeout=30, check=True)
+    options = set(re.findall(r"\[env: (ROTEL_\w+)=", usage.stdout))
+    assert len(options) > 50
+    settings = read_env_file(ROTEL_ENV)
+    assert settings and set(settings) - options == set()
+
+
+_VALUE = re.compile(r"(Str|Int|Double|Bool|Slice|Bytes|Map|Empty)\((.*)\)$")
+
+
+def _value(text: str) -> Any:
+    """A value as rotel's detailed debug log prints it: ``Str(chat)``, ``Int(12)``, ``Slice(Str(stop))``."""
+    match = _VALUE.match(text.strip())
+    if match is None:
+        return text.strip()
+    kind, inner = match.groups()
+    if kind == "Int":
+        return int(inner)
+    if kind == "Double":
+        return float(inner)
+    if kind == "Bool":
+        return inner == "true"
+    if kind == "Slice":
+        return [_value(part) for part in re.findall(r"\w+\([^()]*\)", inner)]
+    return inner
+
+
+@dataclass
+class SpanSeen:
+    """One span as the collector printed it."""
+
+    resource: dict[str, Any]
+    fields: dict[str, str] = field(default_factory=dict)
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.fields["Name"]
+
+
+@dataclass
+class PointSeen:
+    """One metric data point as the collector printed it (cumulative: later prints supersede earlier ones)."""
+
+    resource: dict[str, Any]
+    metric: dict[str, Any]
+    fields: dict[str, str] = field(default_factory=dict)
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_debug_log(text: str) -> tuple[list[SpanSeen], list[PointSeen]]:
+    """Spans and data points from rotel's ``--debug-log-verbosity detailed`` output."""
+    spans: list[SpanSeen] = []
+    points: list[PointSeen] = []
+    resource: dict[str, Any] = {}
+    metric: dict[str, Any] = {}
+    target: dict[str, Any] = resource
+    current: SpanSeen | PointSeen | None = None
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        stripped = line.strip()
+        if line.startswith(("ResourceSpans #", "ResourceMetrics #")):
+            resource, current = {}, None
+        elif line == "Resource attributes:":
+            target = resource
+        elif line.startswith("Span #"):
+            current = SpanSeen(dict(resource))
+            spans.append(current)
+        elif line.startswith("Metric #"):
+            metric, current = {}, None
+        elif line == "Descriptor:":
+            target = metric
+        elif re.match(r"(Number|Histogram)DataPoints #", line):
+            current = PointSeen(dict(resource), metric)
+            points.append(current)
+        elif line in ("Attributes:", "Data point attributes:") and current is not None:
+            target = current.attributes
+        elif stripped.startswith("-> ") and ": " in stripped:
+            key, _, value = stripped[3:].partition(": ")
+            target[key] = _value(value)
+        elif ":" in stripped and current is not None:
+            key, _, value = stripped.partition(":")
+            current.fields[key.strip()] = value.strip()
+    return spans, points
+
+
+@dataclass
+class Received:
+    """What the sink printed, for one llmtap service."""
+
+    spans: list[SpanSeen]
+    points: list[PointSeen]
+
+    def latest(self, metric: str) -> list[PointSeen]:
+        """The newest point of each series of ``metric``."""
+        series: dict[str, PointSeen] = {}
+        for p in self.points:
+            if p.metric.get("Name") == metric:
+                series[json.dumps(p.attributes, sort_keys=True)] = p
+        return list(series.values())
+
+
+def received(text: str, service: str) -> Received:
+    spans, points = parse_debug_log(text)
+    return Received(
+        [s for s in spans if s.resource.get("service.name") == service],
+        [p for p in points if p.resource.get("service.name") == service],
+    )
+
+
+@dataclass
+class RotelStack:
+    """rotel with the shipped configuration (the agent), forwarding to a rotel that prints (the sink)."""
+
+    agent: Proc
+    sink: Proc
+    grpc_port: int
+    http_port: int
+
+
+@pytest.fixture(scope="module")
+def rotel_stack(rotel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RotelStack]:
+    tmp = tmp_path_factory.mktemp("rotel")
+    sink_grpc, sink_http, grpc_port, http_port = (free_port() for _ in range(4))
+    sink = Proc(
+        [
+            str(rotel),
+            "start",
+            "--otlp-grpc-endpoint",
+            f"127.0.0.1:{sink_grpc}",
+            "--otlp-http-endpoint",
+            f"127.0.0.1:{sink_http}",
+            "--exporter",
+            "blackhole",
+            *("--debug-log", "traces", "--debug-log", "metrics", "--debug-log-verbosity", "detailed"),
+            *("--pid-file", str(tmp / "sink.pid"), "--log-file", str(tmp / "sink.log")),
+        ],
+        tmp / "sink.out",
+    )
+    agent_env = {
+        **read_env_file(ROTEL_ENV),
+        # Only the addresses change: loopback ports of this test, and the sink as the next hop.
+        "ROTEL_OTLP_GRPC_ENDPOINT": f"127.0.0.1:{grpc_port}",
+        "ROTEL_OTLP_HTTP_ENDPOINT": f"127.0.0.1:{http_port}",
+        "ROTEL_OTLP_EXPORTER_ENDPOINT": f"http://127.0.0.1:{sink_grpc}",
+        "ROTEL_PID_FILE": str(tmp / "agent.pid"),
+        "ROTEL_LOG_FILE": str(tmp / "agent.log"),
+    }
+    agent = Proc([str(rotel), "start"], tmp / "agent.out", clean_env(**agent_env))
+    try:
+        sink.wait_until("rotel sink gRPC port", listening(sink_grpc))
+        agent.wait_until("rotel agent gRPC port", listening(grpc_port))
+        agent.wait_until("rotel agent HTTP port", listening(http_port))
+        yield RotelStack(agent, sink, grpc_port, http_port)
+    finally:
+        agent.close()
+        sink.close()
+
+
+@pytest.fixture(scope="module")
+def scripted_upstream() -> Iterator[Scripted]:
+    up = Scripted(SCRIPT_TTFT=str(TTFT), SCRIPT_GAP="0.005", SCRIPT_CHUNKS=str(CHUNKS))
+    yield up
+    up.close()
+
+
+REQUESTS = 3
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_rotel_receives_llmtap_spans_and_metrics(
+    protocol: str, rotel_stack: RotelStack, scripted_upstream: Scripted, tmp_path: Path
+) -> None:
+    port = rotel_stack.grpc_port if protocol == "grpc" else rotel_stack.http_port
+    service = "llmtap-" + protocol.split("/")[0]
+    env = {
+        "OTEL_SERVICE_NAME": service,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_METRIC_EXPORT_INTERVAL": "500",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+    }
+    proxy = start_llmtap(scripted_upstream.url, tmp_path / "llmtap.log", env)
+    try:
+        with httpx.Client(timeout=10) as client:
+            for _ in range(REQUESTS):
+                assert stream_chat(client, proxy.url)[-1] == "[DONE]"
+
+        def arrived() -> bool:
+            got = received(rotel_stack.sink.output(), service)
+            roots = [s for s in got.spans if s.name == "chat scripted"]
+            counts = [int(p.fields.get("Count", 0)) for p in got.latest(RELEASED_TTFC)]
+            return len(roots) == REQUESTS and sum(counts) == REQUESTS
+
+        rotel_stack.sink.wait_until(f"{REQUESTS} traces and metrics from {service}", arrived, timeout=20)
+    finally:
+        proxy.proc.close()
+    got = received(rotel_stack.sink.output(), service)
+    check_spans(got.spans)
+    check_metrics(got)
+    print(f"\nrotel sink, {protocol}: {len(got.spans)} spans, {len(got.points)} data points printed")
+
+
+RELEASED_TTFC = sc.RELEASED.time_to_first_chunk
+
+
+def check_spans(spans: list[SpanSeen]) -> None:
+    roots = [s for s in spans if s.name == "chat scripted"]
+    assert len(roots) == REQUESTS
+    for root in roots:
+        assert root.fields["Kind"] == "SPAN_KIND_CLIENT"
+        assert root.fields["Parent ID"] == ""
+        assert root.fields["Status code"] == "STATUS_CODE_UNSET"
+        attrs = root.attributes
+        assert attrs[sc.OPERATION_NAME] == sc.OP_CHAT
+        assert attrs[sc.PROVIDER_NAME] == "openai"
+        assert attrs[sc.REQUEST_MODEL] == attrs[sc.RESPONSE_MODEL] == "scripted"
+        assert attrs[sc.REQUEST_STREAM] is True
+        assert attrs[sc.USAGE_OUTPUT_TOKENS] == TOKENS
+        assert attrs[sc.RESPONSE_FINISH_REASONS] == ["stop"]
+        assert attrs[sc.OUTCOME] == "ok"
+        assert TTFT <= attrs[sc.RESPONSE_TIME_TO_FIRST_CHUNK] < TTFT + 1.0
+        trace = [s for s in spans if s.fields["Trace ID"] == root.fields["Trace ID"]]
+        children = {s.name: s for s in trace if s.fields["Parent ID"] == root.fields["ID"]}
+        assert {sc.SPAN_QUEUE, sc.SPAN_PREFILL, sc.SPAN_DECODE} <= set(children)
+        decode_id = children[sc.SPAN_DECODE].fields["ID"]
+        chunks = [s for s in trace if s.name == sc.SPAN_CHUNK and s.fields["Parent ID"] == decode_id]
+        assert sorted(c.attributes[sc.CHUNK_INDEX] for c in chunks) == list(range(CHUNKS))
+        assert sum(c.attributes[sc.CHUNK_TOKENS] for c in chunks) == TOKENS
+        assert children[sc.SPAN_DECODE].attributes[sc.USAGE_OUTPUT_TOKENS] == TOKENS
+
+
+def check_metrics(got: Received) -> None:
+    (ttfc,) = got.latest(RELEASED_TTFC)
+    assert ttfc.metric["Unit"] == "s" and ttfc.metric["DataType"] == "Histogram"
+    assert int(ttfc.fields["Count"]) == REQUESTS
+    assert REQUESTS * TTFT <= float(ttfc.fields["Sum"]) < REQUESTS * (TTFT + 1.0)
+    assert ttfc.attributes[sc.REQUEST_MODEL] == "scripted"
+    assert ttfc.attributes[sc.ROUTE] == "default"
+    usage = {p.attributes[sc.TOKEN_TYPE]: p for p in got.latest(sc.RELEASED.token_usage or "")}
+    assert int(usage["output"].fields["Count"]) == REQUESTS
+    assert float(usage["output"].fields["Sum"]) == REQUESTS * TOKENS
+    (requests,) = got.latest(sc.METRIC_REQUESTS)
+    assert requests.metric["DataType"] == "Sum" and requests.metric["IsMonotonic"] == "true"
+    assert requests.attributes[sc.OUTCOME] == "ok"
+    assert float(requests.fields["Value"]) == REQUESTS
+    (active,) = got.latest(sc.METRIC_ACTIVE_STREAMS)
+    assert float(active.fields["Value"]) == 0

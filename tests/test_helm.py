@@ -1,0 +1,255 @@
+"""helm/llmtap: linted and rendered by Helm (v4, as a library), manifests validated for two Kubernetes versions.
+
+Each values file in ``helm/llmtap/ci/`` is one CI case: ``helm lint --strict`` must report nothing above
+info; the rendered manifests must validate, strictly, against the Kubernetes schemas of both versions; the
+proxy's rendered config file must load in llmtap's own settings loader; the sidecar collector's config
+must pass the same structural check as ``collectors/``; and the pieces must be wired to each other
+(selectors, named ports, probes). Bad values fail lint with the key named.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+from helm_python.chart import Chart, lint
+from yamllint import linter  # type: ignore[import-untyped]
+from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
+
+from proxy import settings as llmtap_settings
+from tests.test_collectors import config_problems, load_distribution
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "llmtap"
+CASES = sorted((CHART / "ci").glob("*-values.yaml"))
+KUBERNETES = ("1.30.0", "1.37.0")
+# Rendered manifests: yamllint's defaults, except what Helm's own toYaml output does not follow.
+RENDERED_LINT = YamlLintConfig(
+    "{extends: default, rules: {line-length: disable, document-start: disable,"
+    " indentation: {indent-sequences: whatever}}}"
+)
+
+
+def values_of(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert isinstance(data, dict), path
+    return data
+
+
+def render(values: Mapping[str, Any]) -> dict[str, str]:
+    """Template file name -> rendered text, as ``helm template`` would print them."""
+    files = Chart.load(str(CHART)).render(dict(values), name="rel", namespace="llm", is_install=True)
+    return {name: text for name, text in files.items() if name.endswith(".yaml") and text.strip()}
+
+
+def manifests(values: Mapping[str, Any]) -> list[dict[str, Any]]:
+    docs = [doc for text in render(values).values() for doc in yaml.safe_load_all(text) if doc]
+    assert all(isinstance(doc, dict) for doc in docs)
+    return docs
+
+
+def by_kind(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        out.setdefault(doc["kind"], []).append(doc)
+    return out
+
+
+@pytest.fixture(params=CASES, ids=[p.name.removesuffix("-values.yaml") for p in CASES])
+def case(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    yield values_of(request.param)
+
+
+def test_the_ci_matrix_covers_the_options() -> None:
+    names = {p.name for p in CASES}
+    assert {"default-values.yaml", "scale-values.yaml", "sidecar-values.yaml", "multi-route-values.yaml"} <= names
+
+
+@pytest.mark.parametrize("kube", KUBERNETES)
+def test_lint_strict(case: dict[str, Any], kube: str) -> None:
+    report = lint(str(CHART), case, strict=True, kube_version=f"v{kube}")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_rendered_manifests_validate_for_two_kubernetes_versions(case: dict[str, Any]) -> None:
+    docs = manifests(case)
+    checked = 0
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            continue  # a CRD: no schema in kubernetes-validate; its wiring is checked below
+        for kube in KUBERNETES:
+            kubernetes_validate.validate(doc, kube, strict=True)
+            checked += 1
+    assert {"Deployment", "Service", "ConfigMap"} <= {d["kind"] for d in docs}
+    assert checked == len(KUBERNETES) * len([d for d in docs if d["kind"] != "ServiceMonitor"])
+
+
+def test_a_bad_manifest_fails_validation() -> None:
+    deployment = by_kind(manifests({}))["Deployment"][0]
+    deployment["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "eighty"
+    deployment["spec"]["replicass"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES[0], strict=True)
+
+
+def test_rendered_yaml_lints(case: dict[str, Any]) -> None:
+    problems = [
+        f"{name}:{p.line}: {p.message}" for name, text in render(case).items() for p in linter.run(text, RENDERED_LINT)
+    ]
+    assert problems == []
+
+
+def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -> None:
+    docs = by_kind(manifests(case))
+    (config_map,) = [c for c in docs["ConfigMap"] if "llmtap.yaml" in c["data"]]
+    path = tmp_path / "llmtap.yaml"
+    path.write_text(config_map["data"]["llmtap.yaml"], encoding="utf-8")
+    loaded = llmtap_settings.build({"config": str(path)}, env={})
+    service = docs["Service"][0]["spec"]["ports"]
+    assert {"http": loaded.port, "admin": loaded.admin_port} == {p["name"]: p["port"] for p in service}
+    assert loaded.host == loaded.admin_host == "0.0.0.0"
+    expected = case.get("config", {}).get("routes") or values_of(CHART / "values.yaml")["config"]["routes"]
+    assert sorted(r.upstream for r in loaded.routes) == sorted(r["upstream"] for r in expected)
+
+
+def test_sidecar_collector_config_passes_the_collector_checks() -> None:
+    docs = by_kind(manifests(values_of(CHART / "ci" / "sidecar-values.yaml")))
+    (config_map,) = [c for c in docs["ConfigMap"] if "config.yaml" in c["data"]]
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    assert config_problems(config, load_distribution()) == []
+    assert config["exporters"]["otlp_grpc"]["endpoint"] == "otelcol-gateway.observability:4317"
+    pod = docs["Deployment"][0]["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["llmtap", "collector"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://127.0.0.1:4317"
+    assert "deployment.environment=prod" in env["OTEL_RESOURCE_ATTRIBUTES"]
+
+
+def test_pieces_are_wired_to_each_other(case: dict[str, Any]) -> None:
+    docs = by_kind(manifests(case))
+    (deployment,) = docs["Deployment"]
+    (service,) = docs["Service"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    pod = deployment["spec"]["template"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["selector"] == selector
+    proxy = pod["spec"]["containers"][0]
+    ports = {p["name"] for p in proxy["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
+    assert proxy["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    assert proxy["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    assert "OTEL_RESOURCE_ATTRIBUTES" in {e["name"] for e in proxy["env"]}
+    hpa_on = bool(case.get("hpa", {}).get("enabled"))
+    assert ("replicas" in deployment["spec"]) is not hpa_on
+    for hpa in docs.get("HorizontalPodAutoscaler", []):
+        assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    for pdb in docs.get("PodDisruptionBudget", []):
+        assert pdb["spec"]["selector"]["matchLabels"] == selector
+    for monitor in docs.get("ServiceMonitor", []):
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["admin"]
+    secrets = case.get("secretEnv", {})
+    refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in proxy["env"]
+        if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]
+    }
+    assert {k: v["key"] for k, v in refs.items()} == secrets
+    assert all(v["name"] == case.get("secretName") for v in refs.values())
+
+
+def test_the_scale_case_renders_its_options() -> None:
+    docs = by_kind(manifests(values_of(CHART / "ci" / "scale-values.yaml")))
+    assert {"HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"} <= set(docs)
+    (hpa,) = docs["HorizontalPodAutoscaler"]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (10, 100)
+    assert [m["type"] for m in hpa["spec"]["metrics"]] == ["Resource", "Pods"]
+    assert "release" in docs["ServiceMonitor"][0]["metadata"]["labels"]
+
+
+# --- values: commented, closed, and enforced ----------------------------------------------------
+
+
+def test_every_value_is_commented() -> None:
+    lines = (CHART / "values.yaml").read_text(encoding="utf-8").splitlines()
+    uncommented = []
+    for i, line in enumerate(lines):
+        if not re.match(r"^\s*(- )?[A-Za-z_][\w.]*:", line):
+            continue
+        previous = next((p for p in reversed(lines[:i]) if p.strip()), "")
+        if " # " not in line and not previous.lstrip().startswith("#"):
+            uncommented.append(f"{i + 1}: {line.strip()}")
+    assert uncommented == []
+
+
+def _walk(schema: Mapping[str, Any], path: str = "") -> Iterator[tuple[str, Mapping[str, Any]]]:
+    yield path, schema
+    for key, sub in schema.get("properties", {}).items():
+        yield from _walk(sub, f"{path}.{key}")
+    if isinstance(schema.get("items"), dict):
+        yield from _walk(schema["items"], f"{path}[]")
+
+
+SCHEMA = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
+
+
+def test_values_schema_is_closed() -> None:
+    for path, node in _walk(SCHEMA):
+        if node.get("type") != "object":
+            continue
+        extra = node.get("additionalProperties")
+        if "properties" in node:
+            assert extra is False, f"{path or '(root)'}: an object with named keys must refuse others"
+        else:
+            # Label, annotation, selector and Secret maps have free keys, but only string values.
+            assert extra == {"type": "string"} or extra == {"type": "string", "minLength": 1}, path
+
+
+def _keys(values: Mapping[str, Any], schema: Mapping[str, Any], path: str = "") -> list[str]:
+    """Values keys the schema does not describe, and schema keys values.yaml lacks."""
+    if "properties" not in schema:
+        return []
+    props = schema["properties"]
+    out = [f"{path}.{k}: not in the schema" for k in values if k not in props]
+    out += [f"{path}.{k}: not in values.yaml" for k in props if k not in values]
+    for key, value in values.items():
+        if isinstance(value, dict) and key in props:
+            out += _keys(value, props[key], f"{path}.{key}")
+    return out
+
+
+def test_schema_and_values_describe_the_same_keys() -> None:
+    values = values_of(CHART / "values.yaml")
+    assert _keys(values, SCHEMA) == []
+
+
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        ("replicas: 3\n", "additional properties 'replicas' not allowed"),
+        ("replicaCount: two\n", "at '/replicaCount': got string, want integer"),
+        ("config:\n  routes:\n    - upstream: http://vllm:8000\n      prefx: /\n", "'prefx' not allowed"),
+        ("service:\n  port: '8080'\n", "at '/service/port': got string, want integer"),
+        ("hpa:\n  enabled: true\n  maxReplicas: many\n", "at '/hpa/maxReplicas'"),
+    ],
+    ids=["unknown-key", "wrong-type", "unknown-route-key", "port-as-string", "nested-wrong-type"],
+)
+def test_bad_values_fail_lint_with_the_key_named(bad: str, named: str, tmp_path: Path) -> None:
+    values_file = tmp_path / "bad-values.yaml"
+    values_file.write_text(bad, encoding="utf-8")
+    report = lint(str(CHART), values_of(values_file), strict=True, kube_version=f"v{KUBERNETES[0]}")
+    assert report["errors"], bad
+    assert any(named in error for error in report["errors"]), report["errors"]
+
+
+def test_readme_explains_scaling_out() -> None:
+    readme = (CHART / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Scaling out", 1)[1]
+    assert "10 replicas" in section and "100 replicas" in section
