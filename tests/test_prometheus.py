@@ -244,7 +244,8 @@ def test_left_out_buckets_change_no_quantile(metrics: Metrics) -> None:
     for v in values:
         metrics.instruments.time_per_output_chunk.record(v, {sc.ROUTE: "default"})
     sparse = buckets(metrics.reader.render(), "gen_ai_client_operation_time_per_output_chunk_seconds")
-    full = [(b, sum(v <= b for v in values)) for b in DURATION_BUCKETS] + [(math.inf, len(values))]
+    full: list[tuple[float, float]] = [(b, sum(v <= b for v in values)) for b in DURATION_BUCKETS]
+    full.append((math.inf, len(values)))
     assert len(sparse) < len(full) / 2
     for q in (0.5, 0.9, 0.95, 0.99):
         assert histogram_quantile(q, sparse) == pytest.approx(histogram_quantile(q, full), rel=1e-12)
