@@ -501,7 +501,12 @@ class AdminApp:
             return
         path = scope["path"]
         if path == "/metrics":
-            text = self.prometheus.render() if self.prometheus is not None else "# prometheus endpoint disabled\n"
+            # Rendered on a thread: a large page takes long enough to stall the relay's event loop.
+            text = (
+                await asyncio.to_thread(self.prometheus.render)
+                if self.prometheus is not None
+                else "# prometheus endpoint disabled\n"
+            )
             await _plain(send, 200, text.encode(), CONTENT_TYPE)
         elif path == "/healthz":
             await _plain(send, 200, b"ok\n")

@@ -1,4 +1,4 @@
-"""The ``llmtap`` command: ``serve``, ``simulate`` and ``demo``."""
+"""The ``llmtap`` command: ``serve``, ``simulate``, ``demo`` and ``compare``."""
 
 from __future__ import annotations
 
@@ -27,7 +27,28 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--chunk-spans", dest="chunk_spans", choices=CHUNK_SPAN_MODES, help="one span per decode chunk, events, or off"
     )
     p.add_argument("--connect-timeout", dest="connect_timeout", type=float, help="upstream connect timeout, seconds")
-    p.add_argument("--read-timeout", dest="read_timeout", type=float, help="longest upstream silence, seconds")
+    p.add_argument(
+        "--read-timeout", dest="read_timeout", type=float, help="longest wait for upstream response headers, seconds"
+    )
+    p.add_argument(
+        "--idle-timeout", dest="idle_timeout", type=float, help="longest silence between two chunks (default: read)"
+    )
+    p.add_argument(
+        "--drain-timeout", dest="drain_timeout", type=float, help="on SIGTERM, how long streams may finish (30)"
+    )
+    p.add_argument(
+        "--flush-timeout", dest="flush_timeout", type=float, help="on exit, how long telemetry may take to flush (5)"
+    )
+    p.add_argument("--max-request-bytes", dest="max_request_bytes", type=int, help="largest request body (64 MiB)")
+    p.add_argument(
+        "--max-header-bytes", dest="max_header_bytes", type=int, help="largest request line plus headers (64 KiB)"
+    )
+    p.add_argument(
+        "--stream-buffer-bytes",
+        dest="stream_buffer_bytes",
+        type=int,
+        help="receive buffer per upstream connection, what a slow client can make a stream hold (128 KiB; 0: kernel)",
+    )
     p.add_argument("--slo-ttft-ms", dest="slo_ttft_ms", type=float, help="TTFT objective for goodput, ms")
     p.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=float, help="TPOT objective for goodput, ms")
     p.add_argument("--slo-e2e-ms", dest="slo_e2e_ms", type=float, help="end-to-end objective for goodput, ms")
@@ -39,6 +60,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="never add stream_options.include_usage to OpenAI streams",
     )
     p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--workers", type=int, help="worker processes sharing the port, one per core; /metrics merges them (1)"
+    )
     q = p.add_argument_group("admission queue and queue/prefill estimates (per route in --config)")
     q.add_argument(
         "--max-concurrency", dest="max_concurrency", type=int, help="requests in flight to an upstream at most"
@@ -57,6 +81,21 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     q.add_argument(
         "--prefill-rate", dest="prefill_rate", type=float, help="upstream prefill rate, input tokens/s (else learned)"
+    )
+    r = p.add_argument_group("request records and prompt caching (see llmtap compare)")
+    r.add_argument("--record", metavar="PATH", help="write one JSON line per request to PATH (env LLMTAP_RECORD)")
+    r.add_argument("--record-max-mb", dest="record_max_mb", type=float, help="start a new record file past this (64)")
+    r.add_argument("--record-files", dest="record_files", type=int, help="record files kept on disk at most (5)")
+    r.add_argument(
+        "--prompt-version",
+        dest="prompt_version",
+        help="prompt version of requests without an x-llmtap-prompt-version header",
+    )
+    r.add_argument(
+        "--cache-min-tokens",
+        dest="cache_min_tokens",
+        type=int,
+        help="shortest prompt the upstream caches (default 16 for self-hosted servers, 1024 for hosted APIs)",
     )
 
 
@@ -78,6 +117,31 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--slo-ttft-ms", dest="slo_ttft_ms", type=float, help="TTFT objective for goodput, ms")
     p.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=float, help="TPOT objective for goodput, ms")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument(
+        "--serve", action="store_true", help="keep the proxy running after the tables and print the live view's URL"
+    )
+
+
+def _compare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="before against after a prompt change: TTFT percentiles with CIs, cached share, cache classes",
+    )
+    p.add_argument("records", nargs="?", help="a record file written by serve --record (rotated siblings included)")
+    p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
+    p.add_argument("--before", metavar="V1", help="prompt version before the change")
+    p.add_argument("--after", metavar="V2", help="prompt version after the change")
+    p.add_argument("--split-at", dest="split_at", metavar="TIME", help="split at this ISO 8601 time instead")
+    p.add_argument("--window", metavar="DURATION", help="only this long (each side for --split-at), e.g. 1h")
+    p.add_argument("--until", metavar="TIME", help="the end of the window (default now)")
+    p.add_argument("--route", help="only requests of this route")
+    p.add_argument("--model", help="only requests for this model")
+    p.add_argument("--min-gain-ms", dest="min_gain_ms", type=float, help="least TTFT p50 gain that counts (100)")
+    p.add_argument("--min-requests", dest="min_requests", type=int, help="least requests with a TTFT a side (3)")
+    p.add_argument("--resamples", type=int, help="bootstrap resamples (2000)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed, for repeatable intervals (0)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the TTFT distributions and cached shares (matplotlib)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -88,11 +152,16 @@ def parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _simulate_parser(sub)
     _demo_parser(sub)
+    _compare_parser(sub)
     return p
 
 
 def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every upstream request's full URL at INFO (API keys in the query, Gemini's ?key=, included)
+    # and httpcore logs response headers at DEBUG: neither may reach llmtap's log, at any level.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,9 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             settings = build(vars(args))
             _logging(settings.log_level)
-            from proxy.server import serve
+            from proxy.server import run
 
-            asyncio.run(serve(settings))
+            run(settings)
         elif args.command == "simulate":
             _logging("info")
             from proxy import simulator
@@ -118,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from proxy import demo
 
             return demo.main(args)
+        elif args.command == "compare":
+            from proxy import compare
+
+            return compare.main(args)
     except ConfigError as exc:
         print(f"llmtap: error: {exc}", file=sys.stderr)
         return 2

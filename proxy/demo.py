@@ -4,8 +4,9 @@ It starts the simulator (one per workload profile) and the proxy in this process
 drives each workload through the proxy twice (prompt laid out variable part first, then the
 unchanging part first, the course's "fix the support assistant" step) and prints, from the proxy's
 own measurements, TTFT, ITL, TPOT, throughput, goodput, the queue/prefill/decode split and the
-cached-token share, then a verdict on the caching gain. Telemetry goes wherever ``OTEL_*`` points;
-with no endpoint set, to local JSON-lines files whose paths are printed.
+cached-token share, then the caching verdict of ``llmtap compare`` over the request records it wrote
+(``--record``), split by prompt layout. Telemetry goes wherever ``OTEL_*`` points; with no endpoint
+set, to local JSON-lines files whose paths are printed.
 """
 
 from __future__ import annotations
@@ -18,23 +19,28 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 from proxy import simulator
-from proxy.settings import SLO, Route, Settings, Telemetry, telemetry_from_env
+from proxy.compare import Comparison, Split, compare_records
+from proxy.settings import SLO, Records, Route, Settings, Telemetry, telemetry_from_env
 from proxy.simulator.text import Vocabulary
 from proxy.summary import Summary, slo_outcome
 from proxy.telemetry import setup
+from proxy.telemetry.prometheus import PrometheusReader
 from proxy.timeline import OK, Timeline
+
+if TYPE_CHECKING:
+    from uvicorn import Server
 
 VARIABLE_FIRST, FIXED_FIRST = "variable-first", "fixed-first"
 WARMUP = "warmup"
@@ -152,32 +158,14 @@ def phase_result(w: Workload, layout: str, rows: list[tuple[Timeline, Summary]],
     return r
 
 
-def verdict(before: PhaseResult, after: PhaseResult) -> str:
-    """One line on what moving the unchanging part first bought.
-
-    A gain counts when TTFT p50 fell by at least 100 ms and 20%: a code completion's prompt reads in
-    tens of milliseconds, so even a large relative cut saves almost nothing a user would notice.
-    """
-    if before.ttft_p50 is None or after.ttft_p50 is None:
-        return f"{before.workload}: no verdict (no successful requests)"
-    saved = before.ttft_p50 - after.ttft_p50
-    change = saved / before.ttft_p50
-    gain = "caching gain" if saved >= 0.1 and change >= 0.2 else "caching saves almost nothing"
-    return (
-        f"{before.workload}: {gain}: TTFT p50 {_ms(before.ttft_p50)} to {_ms(after.ttft_p50)} ({-change:+.0%}, "
-        f"{saved * 1000:.0f} ms saved), cached share {before.cached_share:.0%} to {after.cached_share:.0%}, "
-        f"goodput {before.goodput_per_s:.2f} to {after.goodput_per_s:.2f} req/s"
-    )
-
-
 def _ms(v: float | None) -> str:
     if v is None:
         return "-"
     return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
 
 
-def render(results: list[PhaseResult], workloads: list[Workload]) -> str:
-    """The human-readable report: one table per workload, then the verdicts."""
+def render(results: list[PhaseResult], workloads: list[Workload], verdicts: dict[str, str]) -> str:
+    """The human-readable report: one table per workload, then ``llmtap compare``'s verdict for each."""
     lines: list[str] = []
     for w in workloads:
         rows = [r for r in results if r.workload == w.name]
@@ -227,12 +215,12 @@ def render(results: list[PhaseResult], workloads: list[Workload]) -> str:
                 lines.append("  " + "  ".join("-" * w_ for w_ in widths))
     lines.append("")
     for w in workloads:
-        by_layout = {r.layout: r for r in results if r.workload == w.name}
-        if VARIABLE_FIRST in by_layout and FIXED_FIRST in by_layout:
-            lines.append(verdict(by_layout[VARIABLE_FIRST], by_layout[FIXED_FIRST]))
+        if w.name in verdicts:
+            lines.append(f"{w.name}: {verdicts[w.name]}")
     lines.append(
         "\nFigures are the proxy's own measurements (p50/p95 over requests; ITL over tokens). "
         "Sources in brackets: server = reported by the server, proxy = measured here, "
+        "estimated = inferred from the server's slots and what the proxy saw, "
         "upstream_ttft = request sent to first token, server queueing included."
     )
     return "\n".join(lines)
@@ -307,9 +295,14 @@ class DemoRun:
 
     results: list[PhaseResult] = field(default_factory=list)
     telemetry_files: list[str] = field(default_factory=list)
+    #: ``llmtap compare`` of the two layouts, per workload, over the request records.
+    comparisons: dict[str, Comparison] = field(default_factory=dict)
+    records_file: str = ""
 
 
-def _file_providers(directory: Path) -> tuple[TracerProvider, MeterProvider, list[IO[str]]]:
+def _file_providers(
+    directory: Path, readers: Sequence[MetricReader] = ()
+) -> tuple[TracerProvider, MeterProvider, list[IO[str]]]:
     directory.mkdir(parents=True, exist_ok=True)
     traces = (directory / "traces.jsonl").open("w", encoding="utf-8")
     metrics = (directory / "metrics.jsonl").open("w", encoding="utf-8")
@@ -321,7 +314,7 @@ def _file_providers(directory: Path) -> tuple[TracerProvider, MeterProvider, lis
         ConsoleMetricExporter(out=metrics, formatter=lambda m: m.to_json(indent=None) + "\n"),
         export_interval_millis=60_000,
     )
-    return tp, MeterProvider(resource=setup.resource(), metric_readers=[reader]), [traces, metrics]
+    return tp, MeterProvider(resource=setup.resource(), metric_readers=[reader, *readers]), [traces, metrics]
 
 
 async def run(
@@ -330,11 +323,17 @@ async def run(
     progress: Callable[[str], None] = lambda _: None,
     env: dict[str, str] | None = None,
     telemetry_dir: Path | None = None,
+    serve: Callable[[DemoRun, str, str], Awaitable[None]] | None = None,
 ) -> DemoRun:
-    """Run the demo and return its figures."""
+    """Run the demo and return its figures.
+
+    With ``serve``, the proxy, the simulators and an admin listener with the live view stay up after the
+    tables: ``serve(figures, view_url, proxy_url)`` is awaited, and everything stops when it returns or is
+    cancelled (Ctrl-C).
+    """
     import uvicorn
 
-    from proxy.app import create_app
+    from proxy.app import AdminApp, create_app
     from proxy.server import bind, uvicorn_config
 
     env = dict(os.environ if env is None else env)
@@ -342,9 +341,13 @@ async def run(
     sims = {w.profile: simulator.run_in_thread(simulator.get_profile(w.profile)) for w in workloads}
     tel: Telemetry = telemetry_from_env(env)
     files: list[IO[str]] = []
+    directory = telemetry_dir or Path(tempfile.gettempdir()) / f"llmtap-demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    records = directory / "records.jsonl"
+    records.unlink(missing_ok=True)
+    out.records_file = str(records)
+    prometheus = PrometheusReader() if serve is not None else None
     if tel.traces_exporter == "none" and tel.metrics_exporter == "none" and not tel.sdk_disabled:
-        directory = telemetry_dir or Path(tempfile.gettempdir()) / f"llmtap-demo-{time.strftime('%Y%m%d-%H%M%S')}"
-        tracer_provider, meter_provider, files = _file_providers(directory)
+        tracer_provider, meter_provider, files = _file_providers(directory, [prometheus] if prometheus else [])
         out.telemetry_files = [str(directory / "traces.jsonl"), str(directory / "metrics.jsonl")]
 
         def shutdown() -> None:
@@ -354,23 +357,40 @@ async def run(
         providers = setup.build(tel, env)
         tracer_provider, meter_provider = providers.tracer_provider, providers.meter_provider  # type: ignore[assignment]
         shutdown = providers.shutdown
+        prometheus = providers.prometheus if serve is not None else None
     routes = tuple(
         Route(
-            prefix=f"/{w.route}", upstream=sims[w.profile].url, name=w.route, provider="llmtap-sim", strip_prefix=True
+            prefix=f"/{w.route}",
+            upstream=sims[w.profile].url,
+            name=w.route,
+            provider="llmtap-sim",
+            strip_prefix=True,
+            # The simulator's batch size, as a user would pass vLLM's --max-num-seqs: queueing is inferred.
+            server_slots=simulator.get_profile(w.profile).max_num_seqs,
         )
         for w in workloads
     )
-    settings = Settings(routes=routes, telemetry=tel, log_level="warning")
+    settings = Settings(routes=routes, telemetry=tel, log_level="warning", record=Records(path=str(records)))
     app = create_app(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
     collector = _Collector()
     app.recorder.listeners.append(collector)
     sock = bind("127.0.0.1", 0, "demo proxy")
     server = uvicorn.Server(uvicorn_config(app, settings))
     task = asyncio.create_task(server.serve(sockets=[sock]))
+    # The live view must see the tables' traffic too, so its listener is subscribed before any request.
+    admin: AdminApp | None = None
+    admin_server: uvicorn.Server | None = None
+    admin_task: asyncio.Task[None] | None = None
+    if serve is not None:
+        admin = AdminApp(app, prometheus, traces=True)
+        admin_sock = bind("127.0.0.1", 0, "demo admin listener")
+        admin_server = uvicorn.Server(uvicorn_config(admin, settings))
+        admin_task = asyncio.create_task(admin_server.serve(sockets=[admin_sock]))
     try:
-        while not server.started:
-            if task.done():
-                task.result()
+        while not server.started or (admin_server is not None and not admin_server.started):
+            for t in (task, admin_task):
+                if t is not None and t.done():
+                    t.result()
             await asyncio.sleep(0.01)
         base = f"http://127.0.0.1:{sock.getsockname()[1]}"
         vocab = Vocabulary("o200k_base")
@@ -383,7 +403,16 @@ async def run(
                     )
                     await asyncio.to_thread(app.flush)
                     out.results.append(phase_result(w, layout, collector.take(w.route, layout), seconds))
+        if serve is not None and admin_server is not None:
+            _compare(out, workloads, records)
+            view = f"http://127.0.0.1:{admin_sock.getsockname()[1]}/?window=all"
+            await _until_stopped(serve(out, view, base), [server, admin_server])
     finally:
+        if admin is not None and admin_server is not None and admin_task is not None:
+            # Open event streams would hold the admin listener's shutdown: end them first.
+            admin.live.close()
+            admin_server.should_exit = True
+            await admin_task
         server.should_exit = True
         await task
         for sim in sims.values():
@@ -391,7 +420,27 @@ async def run(
         await asyncio.to_thread(shutdown)
         for f in files:
             f.close()
+    if serve is None:
+        _compare(out, workloads, records)
     return out
+
+
+async def _until_stopped(keep: Awaitable[None], servers: list[Server]) -> None:
+    """Await ``keep`` until it returns or a server is told to stop (uvicorn catches Ctrl-C itself)."""
+    waiting = asyncio.ensure_future(keep)
+    try:
+        while not waiting.done() and not any(server.should_exit for server in servers):
+            await asyncio.wait([waiting], timeout=0.1)
+    finally:
+        waiting.cancel()
+    if waiting.done() and not waiting.cancelled():
+        waiting.result()
+
+
+def _compare(out: DemoRun, workloads: list[Workload], records: Path) -> None:
+    for w in workloads:
+        # The same statistics as ``llmtap compare records.jsonl --before variable-first --after fixed-first``.
+        out.comparisons[w.name] = compare_records(records, Split(VARIABLE_FIRST, FIXED_FIRST), route=w.route)
 
 
 def main(args: Any) -> int:
@@ -425,21 +474,52 @@ def main(args: Any) -> int:
         print(
             "llmtap demo: a simulated LLM server, the proxy in front of it, two workloads (offline).", file=sys.stderr
         )
+    serving = False
+
+    async def keep_serving(result: DemoRun, view: str, proxy_url: str) -> None:
+        nonlocal serving
+        serving = True
+        if interactive and not args.json:
+            sys.stderr.write("\n")
+        _report(result, workloads, as_json=args.json)
+        route = workloads[0].route if workloads else "support"
+        print(
+            f"\nLive view: {view}\n  (the proxy and the simulated server keep running; Ctrl-C stops them)\n"
+            f"  send your own: curl -N {proxy_url}/{route}/v1/chat/completions -H 'content-type: application/json' "
+            '-d \'{"model": "llmtap-sim", "stream": true, "max_tokens": 60, '
+            '"messages": [{"role": "user", "content": "hello"}]}\'',
+            flush=True,
+        )
+        await asyncio.Event().wait()
+
     try:
-        result = asyncio.run(run(workloads, progress=progress))
+        result = asyncio.run(run(workloads, progress=progress, serve=keep_serving if args.serve else None))
     except KeyboardInterrupt:
         print("\nllmtap demo: stopped.", file=sys.stderr)
-        return 130
-    if interactive and not args.json:
-        sys.stderr.write("\n")
-    if args.json:
-        print(
-            json.dumps(
-                {"results": [asdict(r) for r in result.results], "telemetry_files": result.telemetry_files}, indent=2
-            )
-        )
+        return 0 if serving else 130
+    if not args.serve:
+        if interactive and not args.json:
+            sys.stderr.write("\n")
+        _report(result, workloads, as_json=args.json)
+    return 0
+
+
+def _report(result: DemoRun, workloads: list[Workload], *, as_json: bool) -> None:
+    """Print the tables and verdicts (or the JSON report), and where the records and telemetry went."""
+    if as_json:
+        report = {
+            "results": [asdict(r) for r in result.results],
+            "verdicts": {name: c.to_json() for name, c in result.comparisons.items()},
+            "records_file": result.records_file,
+            "telemetry_files": result.telemetry_files,
+        }
+        print(json.dumps(report, indent=2))
     else:
-        print(render(result.results, workloads))
+        print(render(result.results, workloads, {name: c.verdict for name, c in result.comparisons.items()}))
+        print(
+            f"\nRequest records: {result.records_file}\n  compare them yourself: llmtap compare "
+            f"{result.records_file} --route support --before {VARIABLE_FIRST} --after {FIXED_FIRST} --plot ttft.png"
+        )
         if result.telemetry_files:
             print(
                 "\nTelemetry (no OTEL_EXPORTER_OTLP_ENDPOINT set) was written to:\n  "
@@ -447,4 +527,3 @@ def main(args: Any) -> int:
             )
         else:
             print("\nTelemetry went to the OTLP endpoint named by OTEL_EXPORTER_OTLP_ENDPOINT.")
-    return 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
+import h11
 import httpx
 
 from proxy.settings import Route, Settings
@@ -96,6 +98,26 @@ def upstream_url(route: Route, raw_path: bytes, query: bytes) -> str:
     return url
 
 
+async def close_if_surplus(response: httpx.Response) -> int:
+    """Close the connection of a finished response when the upstream sent bytes past its end; return their count.
+
+    RFC 9112 section 6.3: a client "MUST NOT process, cache, or forward such extra data as a separate
+    response". httpcore returns the connection to its pool with those bytes still buffered in h11, where
+    they would answer the next request on it (another client's). Reaching the h11 state takes httpx's and
+    httpcore's internal attributes; if their shape changes this does nothing, and tests/test_faults.py
+    (the Content-Length fault) fails. Runs once per response, never per chunk.
+    """
+    stream = getattr(getattr(response.stream, "_stream", None), "_httpcore_stream", None)
+    connection = getattr(getattr(stream, "_stream", None), "_connection", None)
+    state = getattr(connection, "_h11_state", None)
+    if not isinstance(state, h11.Connection):
+        return 0
+    surplus, _ = state.trailing_data
+    if surplus:
+        await connection.aclose()  # type: ignore[union-attr]
+    return len(surplus)
+
+
 class Upstreams:
     """One shared ``httpx.AsyncClient`` (one connection pool) per upstream base URL."""
 
@@ -106,13 +128,20 @@ class Upstreams:
             max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
         )
         timeout = httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool)
+        # Backpressure: when a client reads slower than its upstream writes, the relay stops reading, but
+        # the event loop may already have drained the socket's whole receive buffer (uvloop reads up to
+        # 32 times per wake-up), and Linux grows that buffer to megabytes. A fixed SO_RCVBUF bounds what
+        # one stream can make the proxy hold (tests/test_faults.py measures it).
+        buffer = settings.stream_buffer_bytes
+        options = [(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)] if buffer else None
         for route in settings.routes:
             if route.upstream in self._clients:
                 continue
             # trust_env=False: an HTTP_PROXY variable must not silently reroute traffic, and
             # redirects are relayed to the client, never followed here.
+            pool = transport or httpx.AsyncHTTPTransport(limits=limits, trust_env=False, socket_options=options)
             self._clients[route.upstream] = httpx.AsyncClient(
-                transport=transport, limits=limits, timeout=timeout, trust_env=False, follow_redirects=False
+                transport=pool, timeout=timeout, trust_env=False, follow_redirects=False
             )
 
     def client(self, route: Route) -> httpx.AsyncClient:

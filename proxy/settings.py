@@ -82,12 +82,25 @@ class Route:
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    """Upstream timeouts in seconds; ``read`` is also the longest silence allowed between two chunks."""
+    """Timeouts in seconds: the upstream's (connect, response headers, silence between chunks) and shutdown's.
+
+    ``read`` bounds the wait for the response headers and, unless ``idle`` is set, every silence between
+    two chunks of the body. On SIGTERM, streams in flight get ``drain`` seconds to finish, then telemetry
+    gets ``flush`` seconds to reach the collector; past either, what is left is cut (and counted).
+    """
 
     connect: float = 10.0
     read: float = 600.0
     write: float = 60.0
     pool: float = 10.0
+    idle: float | None = None
+    drain: float = 30.0
+    flush: float = 5.0
+
+    @property
+    def between_chunks(self) -> float:
+        """The longest silence allowed between two chunks of a response body."""
+        return self.read if self.idle is None else self.idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +148,18 @@ class Settings:
     slo: SLO = field(default_factory=SLO)
     inject_usage: bool = True
     max_inspect_bytes: int = 8 * 1024 * 1024
+    #: A request body larger than this is refused with 413; its request line and headers together
+    #: may hold at most ``max_header_bytes`` (431).
+    max_request_bytes: int = 64 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    #: The receive buffer (SO_RCVBUF) of each upstream connection: with a client that reads slowly, about
+    #: what one stream can make the proxy hold. 0 leaves the kernel's own, which grows to megabytes.
+    stream_buffer_bytes: int = 128 * 1024
     max_connections: int = 1000
     log_level: str = "info"
     record: Records = field(default_factory=Records)
+    #: Worker processes sharing the proxy port (SO_REUSEPORT); the admin listener merges their metrics.
+    workers: int = 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,12 +181,16 @@ _FILE_KEYS = {
     "listen": {"host", "port"},
     "admin": {"host", "port"},
     "routes": None,
-    "timeouts": {"connect", "read", "write", "pool"},
+    "timeouts": {"connect", "read", "idle", "write", "pool", "drain", "flush"},
     "telemetry": {"chunk_spans", "chunk_span_cap", "queue_size", "prometheus"},
     "slo": {"ttft_ms", "tpot_ms", "e2e_ms"},
     "inject_usage": None,
     "max_inspect_bytes": None,
+    "max_request_bytes": None,
+    "max_header_bytes": None,
+    "stream_buffer_bytes": None,
     "max_connections": None,
+    "workers": None,
     "log_level": None,
     "upstream": None,
     "provider": None,
@@ -195,6 +221,22 @@ def _number(value: Any, what: str, *, integer: bool = False, minimum: float = 0.
     if isinstance(value, bool) or not math.isfinite(number) or number < minimum:
         raise ConfigError(f"{what}: expected a number >= {minimum:g}, got {value!r}")
     return number
+
+
+def _optional_number(value: Any, what: str) -> float | None:
+    return None if value is None else _number(value, what)
+
+
+def _size(value: Any, what: str) -> int:
+    """A byte limit: a whole number of at least 1 KiB (anything smaller could not hold one request line)."""
+    return int(_number(value, what, integer=True, minimum=1024))
+
+
+def _buffer(value: Any) -> int:
+    size = int(_number(value, "stream_buffer_bytes", integer=True))
+    if 0 < size < 4096:
+        raise ConfigError(f"stream_buffer_bytes: expected 0 (the kernel's) or at least 4096, got {value!r}")
+    return size
 
 
 def _port(value: Any, what: str) -> int:
@@ -455,6 +497,15 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         ),
         write=_number(timeouts_file.get("write", tdefault.write), "write timeout"),
         pool=_number(timeouts_file.get("pool", tdefault.pool), "pool timeout"),
+        idle=_optional_number(
+            pick("idle_timeout", "LLMTAP_IDLE_TIMEOUT", timeouts_file.get("idle"), None), "idle timeout"
+        ),
+        drain=_number(
+            pick("drain_timeout", "LLMTAP_DRAIN_TIMEOUT", timeouts_file.get("drain"), tdefault.drain), "drain timeout"
+        ),
+        flush=_number(
+            pick("flush_timeout", "LLMTAP_FLUSH_TIMEOUT", timeouts_file.get("flush"), tdefault.flush), "flush timeout"
+        ),
     )
     telemetry_env = dict(env)
     if flags.get("chunk_spans") is not None:
@@ -483,6 +534,17 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
                 integer=True,
             )
         ),
+        max_request_bytes=_size(
+            pick("max_request_bytes", "LLMTAP_MAX_REQUEST_BYTES", data.get("max_request_bytes"), 64 << 20),
+            "max_request_bytes",
+        ),
+        max_header_bytes=_size(
+            pick("max_header_bytes", "LLMTAP_MAX_HEADER_BYTES", data.get("max_header_bytes"), 64 << 10),
+            "max_header_bytes",
+        ),
+        stream_buffer_bytes=_buffer(
+            pick("stream_buffer_bytes", "LLMTAP_STREAM_BUFFER_BYTES", data.get("stream_buffer_bytes"), 128 << 10)
+        ),
         max_connections=int(
             _number(
                 pick("max_connections", "LLMTAP_MAX_CONNECTIONS", data.get("max_connections"), 1000),
@@ -493,4 +555,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         ),
         log_level=level,
         record=_records(pick, data.get("record", {})),
+        workers=int(
+            _number(pick("workers", "LLMTAP_WORKERS", data.get("workers"), 1), "workers", integer=True, minimum=1)
+        ),
     )

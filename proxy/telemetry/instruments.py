@@ -60,6 +60,7 @@ class Instruments:
     queue_waiting: UpDownCounter
     queue_rejected: Counter
     timing_rejected: Counter
+    cache_requests: Counter
 
 
 def _seconds(meter: Meter, name: str, description: str) -> Histogram:
@@ -165,5 +166,10 @@ def create(meter: Meter, *, latest: bool) -> Instruments:
             sc.METRIC_TIMING_REJECTED,
             unit="{field}",
             description="Server-reported timing fields ignored as malformed or absurd, by llmtap.server_timing.field.",
+        ),
+        cache_requests=meter.create_counter(
+            sc.METRIC_CACHE_REQUESTS,
+            unit="{request}",
+            description="Requests by prompt-cache class (llmtap.cache.class): hit, cold, miss_changed, ...",
         ),
     )

@@ -94,23 +94,18 @@ def _number(value: float) -> str:
 
 
 def _buckets(name: str, attrs: Any, bounds: Any, counts: Any, total: int) -> list[str]:
-    """The ``_bucket`` lines of one histogram point, leaving out runs of empty buckets.
+    """The ``_bucket`` lines of one histogram point, cumulative, every bound written.
 
-    The fine buckets (9% apart, 136 of them) would make ``/metrics`` megabytes long with a few dozen
-    label sets. A bucket is written when it holds observations or the next one does: that keeps every
-    non-empty bucket's lower bound, so ``histogram_quantile`` gives exactly what it gives over all
-    buckets. Counts only grow, so a bucket once written is written at every later scrape too.
+    Every series of a histogram must carry the same bounds: ``sum by (le)`` across label sets, which
+    every dashboard does, adds bucket by bucket, and a bound left out of one series would break it.
     """
     labels = _labels(attrs)
     prefix = f"{name}_bucket{{{labels[1:-1]},le=" if labels else f"{name}_bucket{{le="
     out: list[str] = []
     running = 0
-    # OpenTelemetry: one count per bound, then the overflow bucket's.
-    following = [*counts[1 : len(bounds) + 1], 0]
-    for bound, count, after in zip(bounds, counts, following, strict=False):
+    for bound, count in zip(bounds, counts, strict=False):
         running += count
-        if count or after:
-            out.append(f'{prefix}"{_number(bound)}"}} {running}')
+        out.append(f'{prefix}"{_number(bound)}"}} {running}')
     out.append(f'{prefix}"+Inf"}} {total}')
     return out
 

@@ -8,34 +8,110 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.context import Context
+from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
     MetricExporter,
+    MetricExportResult,
     MetricReader,
+    MetricsData,
     PeriodicExportingMetricReader,
 )
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 
 from proxy.settings import Telemetry
+from proxy.telemetry import semconv as sc
 from proxy.telemetry.prometheus import PrometheusReader
 
 log = logging.getLogger("llmtap.telemetry")
 
+#: Why a span never reached the collector (``llmtap.telemetry.reason``).
+DROP_REASONS = ("queue_full", "export_failed", "shutdown")
+
+
+class ExportGate(SpanProcessor):
+    """The SDK's batch processor behind a gate that bounds what waits for export and counts what is lost.
+
+    A span passes only while fewer than ``capacity`` spans are between here and the end of their export,
+    so the batch queue behind it never overflows (where the SDK would drop without a count). Turned away
+    at the gate: ``queue_full`` (the collector is slow or down); refused by the exporter:
+    ``export_failed``; still waiting when the flush deadline passed: ``shutdown``. Memory stays bounded
+    by ``capacity`` spans whatever the collector does.
+    """
+
+    def __init__(self, exporter: SpanExporter, capacity: int) -> None:
+        self.capacity = capacity
+        self.exported = 0
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._pending = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._batch = BatchSpanProcessor(CountingSpanExporter(exporter, self), max_queue_size=capacity)
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        """Nothing to do when a span starts."""
+
+    def on_end(self, span: ReadableSpan) -> None:
+        """Let the span through to the batch queue, or count it dropped."""
+        if span.context is None or not span.context.trace_flags.sampled:
+            return  # the batch processor ignores unsampled spans too
+        with self._lock:
+            if self._closed:
+                self.dropped["shutdown"] += 1
+                return
+            if self._pending >= self.capacity:
+                self.dropped["queue_full"] += 1
+                return
+            self._pending += 1
+        self._batch.on_end(span)
+
+    def exported_batch(self, count: int, ok: bool) -> None:
+        """The exporter returned for ``count`` spans (called by ``CountingSpanExporter``)."""
+        with self._lock:
+            self._pending -= count
+            if ok:
+                self.exported += count
+            else:
+                self.dropped["export_failed"] += count
+
+    def abandon(self) -> int:
+        """The flush deadline passed: count what still waits as dropped at shutdown; return how many."""
+        with self._lock:
+            self._closed = True
+            lost, self._pending = self._pending, 0
+            self.dropped["shutdown"] += lost
+        return lost
+
+    def shutdown(self) -> None:
+        """Close the gate and export what waits (the caller bounds how long this may take)."""
+        with self._lock:
+            self._closed = True
+        self._batch.shutdown()  # type: ignore[no-untyped-call]
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        """Export what waits now."""
+        return self._batch.force_flush(timeout_millis)
+
+    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
+        """The dropped spans by reason, for the observable counter on ``/metrics``."""
+        return [Observation(n, {sc.TELEMETRY_REASON: reason}) for reason, n in self.dropped.items()]
+
 
 class CountingSpanExporter(SpanExporter):
-    """Wraps an exporter and counts spans it failed to deliver, for ``/metrics``."""
+    """Wraps an exporter: failures are counted (never raised) and every returned batch is reported to the gate."""
 
-    def __init__(self, inner: SpanExporter) -> None:
+    def __init__(self, inner: SpanExporter, gate: ExportGate) -> None:
         self.inner = inner
-        self.failed_spans = 0
-        self.exported_spans = 0
+        self.gate = gate
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         """Export, counting failures instead of raising."""
@@ -44,10 +120,7 @@ class CountingSpanExporter(SpanExporter):
         except Exception:
             log.debug("span export raised", exc_info=True)
             result = SpanExportResult.FAILURE
-        if result == SpanExportResult.SUCCESS:
-            self.exported_spans += len(spans)
-        else:
-            self.failed_spans += len(spans)
+        self.gate.exported_batch(len(spans), result == SpanExportResult.SUCCESS)
         return result
 
     def shutdown(self) -> None:
@@ -59,6 +132,42 @@ class CountingSpanExporter(SpanExporter):
         return self.inner.force_flush(timeout_millis)
 
 
+class CountingMetricExporter(MetricExporter):
+    """Wraps a metric exporter and counts the exports that failed (with cumulative sums, the next one catches up)."""
+
+    def __init__(self, inner: MetricExporter) -> None:
+        # The reader asks the exporter for its temporality and aggregation: the wrapped exporter's apply.
+        super().__init__(
+            preferred_temporality=getattr(inner, "_preferred_temporality", None),
+            preferred_aggregation=getattr(inner, "_preferred_aggregation", None),
+        )
+        self.inner = inner
+        self.failed = 0
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        """Export, counting failures instead of raising."""
+        try:
+            result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        except Exception:
+            log.debug("metric export raised", exc_info=True)
+            result = MetricExportResult.FAILURE
+        if result != MetricExportResult.SUCCESS:
+            self.failed += 1
+        return result
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        """Flush the wrapped exporter."""
+        return self.inner.force_flush(timeout_millis)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        """Shut the wrapped exporter down."""
+        self.inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
+        """The failed exports, for the observable counter on ``/metrics``."""
+        return [Observation(self.failed)]
+
+
 @dataclass(slots=True)
 class Providers:
     """The providers the app was given, and the handles needed to inspect and stop them."""
@@ -66,10 +175,28 @@ class Providers:
     tracer_provider: TracerProvider | None
     meter_provider: MeterProvider | None
     prometheus: PrometheusReader | None
-    span_exporter: CountingSpanExporter | None
+    span_gate: ExportGate | None = None
+    metric_exporter: CountingMetricExporter | None = None
 
-    def shutdown(self) -> None:
-        """Flush and stop everything; errors are logged, never raised."""
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Flush and stop everything within ``timeout`` seconds; never raises.
+
+        A dead or slow collector can hold an export for its whole timeout, with retries: past the
+        deadline the flush is left to its daemon thread, what it still holds is counted as dropped,
+        and the caller goes on (the process exits).
+        """
+        worker = threading.Thread(target=self._shutdown, name="llmtap-telemetry-flush", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        lost = self.span_gate.abandon() if self.span_gate is not None else 0
+        if worker.is_alive():
+            log.warning(
+                "telemetry: flush not done within %.1f s (collector slow or unreachable); %d spans dropped",
+                timeout,
+                lost,
+            )
+
+    def _shutdown(self) -> None:
         for provider in (self.tracer_provider, self.meter_provider):
             if provider is None:
                 continue
@@ -142,21 +269,39 @@ def build(t: Telemetry, env: Mapping[str, str] | None = None) -> Providers:
     if t.sdk_disabled:
         return Providers(None, None, None, None)
     res = resource(env)
-    tracer_provider = TracerProvider(resource=res)
-    span_exporter: CountingSpanExporter | None = None
+    # No atexit handlers: the caller shuts the providers down, within a deadline (``Providers.shutdown``).
+    tracer_provider = TracerProvider(resource=res, shutdown_on_exit=False)
+    gate: ExportGate | None = None
     inner = _span_exporter(t)
     if inner is not None:
-        span_exporter = CountingSpanExporter(inner)
-        # A bounded queue: when the collector is down or slow, spans are dropped, never buffered without end.
-        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter, max_queue_size=t.queue_size))
+        # A bounded queue: when the collector is down or slow, spans are dropped and counted, never buffered.
+        gate = ExportGate(inner, t.queue_size)
+        tracer_provider.add_span_processor(gate)
     readers: list[MetricReader] = []
     prometheus = PrometheusReader() if t.prometheus else None
     if prometheus is not None:
         readers.append(prometheus)
-    metric_exporter = _metric_exporter(t)
+    inner_metrics = _metric_exporter(t)
+    metric_exporter = CountingMetricExporter(inner_metrics) if inner_metrics is not None else None
     if metric_exporter is not None:
         readers.append(
             PeriodicExportingMetricReader(metric_exporter, export_interval_millis=t.metric_export_interval_ms)
         )
-    meter_provider = MeterProvider(resource=res, metric_readers=readers)
-    return Providers(tracer_provider, meter_provider, prometheus, span_exporter)
+    meter_provider = MeterProvider(resource=res, metric_readers=readers, shutdown_on_exit=False)
+    meter = meter_provider.get_meter("llmtap")
+    if gate is not None:
+        meter.create_observable_counter(
+            sc.METRIC_SPANS_DROPPED,
+            callbacks=[gate.observe],
+            unit="{span}",
+            description="Spans that never reached the collector, by llmtap.telemetry.reason "
+            "(queue_full, export_failed, shutdown).",
+        )
+    if metric_exporter is not None:
+        meter.create_observable_counter(
+            sc.METRIC_EXPORTS_FAILED,
+            callbacks=[metric_exporter.observe],
+            unit="{export}",
+            description="Metric exports the collector did not take (cumulative sums: the next export catches up).",
+        )
+    return Providers(tracer_provider, meter_provider, prometheus, gate, metric_exporter)

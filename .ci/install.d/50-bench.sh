@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs the peers and the reference client of the benchmark (bench/, tests/test_bench_smoke.py):
+# nginx (Debian nginx-light, the floor for a proxy), LiteLLM's proxy and NVIDIA's aiperf, each of the two
+# Python tools in its own virtual environment ("$LLMTAP_TOOLS/litellm", "$LLMTAP_TOOLS/aiperf") because
+# their pins clash with ours and with each other. py-spy (a wheel with its binary inside) profiles the proxy.
+# Idempotent: what already runs is kept.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
+tools="${LLMTAP_TOOLS:-$repo/.tools}"
+mkdir -p "$tools"
+
+if ! command -v nginx >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null
+    apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends nginx-light >/dev/null
+    # Nothing may keep running from the package's own set-up: the benchmark starts its own nginx.
+    if command -v service >/dev/null 2>&1; then
+        service nginx stop >/dev/null 2>&1 || true
+    fi
+fi
+command -v nginx >/dev/null
+
+# venv NAME IMPORT-CHECK PACKAGE...: a virtual environment that passes the check, made anew when it does not.
+venv() {
+    local dir="$tools/$1" check="$2"
+    shift 2
+    if [ -x "$dir/bin/python" ] && "$dir/bin/python" -c "$check" >/dev/null 2>&1; then
+        return 0
+    fi
+    rm -rf "$dir"
+    python3 -m venv "$dir"
+    "$dir/bin/python" -m pip install --quiet --upgrade pip
+    "$dir/bin/python" -m pip install --quiet "$@"
+    "$dir/bin/python" -c "$check"
+}
+
+# Importing LiteLLM fetches a price list from the network unless told to use its bundled copy.
+export LITELLM_LOCAL_MODEL_COST_MAP=True
+venv litellm "import litellm.proxy.proxy_server" "litellm[proxy]>=1.60,<2"
+venv aiperf "import aiperf.cli" "aiperf>=0.2"
+venv py-spy "import shutil, sys; sys.exit(shutil.which('py-spy', path='$tools/py-spy/bin') is None)" "py-spy>=0.4"

@@ -1,0 +1,194 @@
+"""Processes of the benchmark: start them pinned to a core, wait for them, and read their CPU time and memory.
+
+CPU seconds and resident memory come from ``/proc`` for a process and all its descendants (nginx's
+workers, a proxy's worker processes), so each path is charged for everything it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+_TICK = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def free_port() -> int:
+    """A port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pinned(argv: Sequence[str], cpu: str | None) -> list[str]:
+    """``argv`` run on the given CPU list (``taskset -c``), or as is when taskset is missing or no CPU is named."""
+    if cpu is None or shutil.which("taskset") is None:
+        return list(argv)
+    return ["taskset", "-c", cpu, *argv]
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User plus system CPU seconds of the processes (all their threads)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / _TICK
+
+
+def rss_bytes(pids: Sequence[int]) -> int:
+    """Resident memory of the processes, summed."""
+    total = 0
+    for pid in pids:
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+        except OSError:
+            continue
+    return total
+
+
+class Service:
+    """A child process with a name, a log file and a pid tree to measure."""
+
+    def __init__(
+        self, name: str, argv: Sequence[str], *, log: Path, env: Mapping[str, str] | None = None, cpu: str | None
+    ) -> None:
+        self.name = name
+        self.log_path = log
+        self._log: IO[bytes] = log.open("wb")
+        self.proc = subprocess.Popen(
+            pinned(argv, cpu),
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def read_line(self, timeout: float = 30.0) -> str:
+        """The first line the process prints (a port), or an error naming its log."""
+        assert self.proc.stdout is not None
+        result: list[str] = []
+        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline().decode()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout)
+        if not result or not result[0].strip():
+            raise RuntimeError(f"{self.name} printed nothing; see {self.log_path}")
+        return result[0].strip()
+
+    def pids(self) -> list[int]:
+        """The process and its descendants."""
+        return descendants(self.proc.pid)
+
+    def cpu(self) -> float:
+        """CPU seconds used so far by the whole tree."""
+        return cpu_seconds(self.pids())
+
+    def rss(self) -> int:
+        """Resident bytes of the whole tree now."""
+        return rss_bytes(self.pids())
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+        """Signal the process group, wait, and kill what is left."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+
+
+def wait_http(
+    url: str, timeout: float, *, alive: Callable[[], bool] | None = None, headers: Mapping[str, str] | None = None
+) -> None:
+    """Wait until ``url`` answers 200."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise RuntimeError(f"process for {url} exited")
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=dict(headers or {})), timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            last = exc
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s: {last}")
+
+
+class Sampler:
+    """Samples a service's resident memory in a thread; ``peak`` is the largest seen since ``start``."""
+
+    def __init__(self, service: Service, interval: float = 0.05) -> None:
+        self.service = service
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        pids = self.service.pids()
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes(pids))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def quiesce(service: Service, *, settle: float = 1.0, timeout: float = 15.0) -> float:
+    """Wait until the service's CPU time stops growing (telemetry drained); return its CPU seconds then."""
+    deadline = time.monotonic() + timeout
+    last = service.cpu()
+    while time.monotonic() < deadline:
+        time.sleep(settle)
+        now = service.cpu()
+        if now - last < 0.02 * settle:
+            return now
+        last = now
+    return last

@@ -1,0 +1,133 @@
+"""From raw records to the figures: what a path added to TTFT and to each chunk gap, request by request.
+
+Client and upstream take their times on one clock (CLOCK_MONOTONIC), so for each request:
+
+* added TTFT = (client's first content − client's send) − (upstream's first content write − upstream's arrival);
+* added gap of chunk i = (client's gap i) − (upstream's gap i), for every chunk after the first;
+* merged chunks = content events that came in the same socket read as the one before, plus content
+  events the upstream wrote that never reached the client as events of their own.
+
+Percentiles interpolate linearly between order statistics (numpy's default, and aiperf's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass
+class PathFigures:
+    """One path at one concurrency; times in ms."""
+
+    path: str
+    streams: int
+    requests: int = 0
+    failed: int = 0
+    unmatched: int = 0
+    chunks: int = 0
+    seconds: float = 0.0
+    chunks_per_s: float = 0.0
+    ttft_ms_p50: float = math.nan
+    ttft_ms_p99: float = math.nan
+    added_ttft_ms_p50: float = math.nan
+    added_ttft_ms_p99: float = math.nan
+    added_gap_ms_p50: float = math.nan
+    added_gap_ms_p99: float = math.nan
+    added_gap_ms_max: float = math.nan
+    merged: int = 0
+    upstream_late_ms_p99: float = math.nan
+    cpu_s: float | None = None
+    cpu_s_per_1000_chunks: float | None = None
+    rss_idle_mib: float | None = None
+    rss_peak_mib: float | None = None
+    rss_kib_per_stream: float | None = None
+    client_cpu_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, NaN as None."""
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
+
+
+def analyse(
+    path: str,
+    streams: int,
+    client: Iterable[Mapping[str, Any]],
+    upstream: Iterable[Mapping[str, Any]],
+    *,
+    gap: float,
+) -> PathFigures:
+    """Join client and upstream records by request id and compute the figures of one phase."""
+    by_id = {str(r["id"]): r for r in upstream if r.get("id")}
+    fig = PathFigures(path, streams)
+    ttfts: list[float] = []
+    added_ttft: list[float] = []
+    added_gap: list[float] = []
+    late: list[float] = []
+    first_sent, last_end = math.inf, -math.inf
+    for rec in client:
+        fig.requests += 1
+        first_sent, last_end = min(first_sent, rec["sent"]), max(last_end, rec["end"])
+        if rec.get("error") or rec.get("status") != 200:
+            fig.failed += 1
+            if len(fig.errors) < 5:
+                fig.errors.append(str(rec.get("error") or f"status {rec.get('status')}"))
+            continue
+        up = by_id.get(str(rec["id"]))
+        times: list[float] = rec["times"]
+        if up is None or not times:
+            fig.unmatched += 1
+            continue
+        sent: list[float] = up["sent"]
+        fig.chunks += len(times)
+        ttft = times[0] - rec["sent"]
+        ttfts.append(ttft)
+        added_ttft.append(ttft - (sent[0] - up["arrived"]))
+        n = min(len(times), len(sent))
+        added_gap.extend((times[i] - times[i - 1]) - (sent[i] - sent[i - 1]) for i in range(1, n))
+        reads: list[int] = rec["reads"]
+        fig.merged += sum(1 for i in range(1, len(reads)) if reads[i] == reads[i - 1])
+        fig.merged += max(0, len(sent) - len(times))
+        base = up["arrived"] + up["ttft"]
+        late.extend(s - (base + i * gap) for i, s in enumerate(sent))
+    if fig.requests:
+        fig.seconds = max(last_end - first_sent, 1e-9)
+        fig.chunks_per_s = fig.chunks / fig.seconds
+    ms = 1000.0
+    fig.ttft_ms_p50 = percentile(ttfts, 50) * ms
+    fig.ttft_ms_p99 = percentile(ttfts, 99) * ms
+    fig.added_ttft_ms_p50 = percentile(added_ttft, 50) * ms
+    fig.added_ttft_ms_p99 = percentile(added_ttft, 99) * ms
+    fig.added_gap_ms_p50 = percentile(added_gap, 50) * ms
+    fig.added_gap_ms_p99 = percentile(added_gap, 99) * ms
+    fig.added_gap_ms_max = max(added_gap) * ms if added_gap else math.nan
+    fig.upstream_late_ms_p99 = percentile(late, 99) * ms
+    return fig
+
+
+def crossing(points: Sequence[tuple[float, float]], limit: float) -> float | None:
+    """The x at which y first passes ``limit``, interpolated between the two points around it.
+
+    ``points`` are (x, y) in increasing x; None when y never passes; the first x when it already does.
+    """
+    for i, (x, y) in enumerate(points):
+        if y > limit:
+            if i == 0:
+                return x
+            x0, y0 = points[i - 1]
+            return x0 + (x - x0) * (limit - y0) / (y - y0)
+    return None

@@ -1,0 +1,612 @@
+"""``llmtap compare``: did a prompt change make caching work, and what did it buy in TTFT?
+
+Reads request records (``--record``) or a Prometheus server's HTTP API, splits the requests into
+before and after (by prompt version, or at a moment in time) and prints, for each side, TTFT
+p50/p95/p99 with bootstrap 95% confidence intervals, prefill time, the cached-token share, the cache
+classes and the request counts, then a one-line verdict. The verdict rests on the confidence interval
+of the change in TTFT p50: a gain must be real (the interval excludes zero) and large enough to
+matter (``--min-gain-ms``); with too few requests it says there is no verdict.
+
+The intervals come from ``proxy.stats`` (an exact percentile bootstrap, numpy-free).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import sys
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from proxy.promql import Prometheus, quote
+from proxy.records import ReadStats, read_records
+from proxy.settings import ConfigError
+from proxy.stats import Distribution, Estimate, change_estimates, quantile_estimate
+
+QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
+MIN_REQUESTS = 3
+#: The least TTFT p50 gain that counts: about what a person notices. A short prompt reads in tens of
+#: milliseconds, so caching it can be a real but unnoticeable gain, and the verdict says so.
+MIN_GAIN_MS = 100.0
+RESAMPLES = 2000
+#: A rise in cached share below this does not make a TTFT gain a caching gain.
+CACHED_SHARE_RISE = 0.05
+
+
+# -- the two sides ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Side:
+    """The requests of one side, reduced to what the comparison needs."""
+
+    label: str
+    requests: int = 0
+    errors: int = 0
+    ttft: Distribution = field(default_factory=Distribution)
+    prefill: Distribution = field(default_factory=Distribution)
+    prefill_sources: set[str] = field(default_factory=set)
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    classes: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def cached_share(self) -> float | None:
+        """Cached input tokens over all input tokens; None when no input tokens were reported."""
+        return self.cached_tokens / self.input_tokens if self.input_tokens else None
+
+
+@dataclass(slots=True)
+class SideFigures:
+    """One side's figures as printed."""
+
+    label: str
+    requests: int
+    errors: int
+    ttft_requests: int
+    ttft: dict[str, Estimate | None]
+    prefill_p50: Estimate | None
+    prefill_source: str
+    cached_share: float | None
+    input_tokens: int
+    cached_tokens: int
+    classes: dict[str, int]
+
+
+@dataclass(slots=True)
+class Comparison:
+    """Everything ``llmtap compare`` reports."""
+
+    source: str
+    split: str
+    before: SideFigures
+    after: SideFigures
+    change: dict[str, dict[str, Estimate] | None]
+    verdict: str
+    kind: str
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The same figures for scripts."""
+        return asdict(self)
+
+
+class Row(NamedTuple):
+    """The part of one request record a comparison reads (small: a record file can hold 200,000)."""
+
+    time: float
+    version: str | None
+    route: str | None
+    model: str | None
+    ok: bool
+    stream: bool
+    ttft: float | None
+    prefill: float | None
+    prefill_source: str | None
+    input_tokens: int | None
+    cached_tokens: int | None
+    cache_class: str | None
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def row(rec: dict[str, Any]) -> Row:
+    """A record reduced to a row; wrong-typed fields read as absent."""
+    tokens, cache = rec.get("tokens"), rec.get("cache")
+    tokens = tokens if isinstance(tokens, dict) else {}
+    cache = cache if isinstance(cache, dict) else {}
+    try:
+        t = parse_time(str(rec.get("time")))
+    except ConfigError:
+        t = math.nan
+    return Row(
+        time=t,
+        version=_str(rec.get("prompt_version")),
+        route=_str(rec.get("route")),
+        model=_str(rec.get("model")),
+        ok=rec.get("outcome") == "ok",
+        stream=rec.get("stream") is True,
+        ttft=_num(rec.get("ttft")),
+        prefill=_num(rec.get("prefill")),
+        prefill_source=_str(rec.get("prefill_source")),
+        input_tokens=_int(tokens.get("input")),
+        cached_tokens=_int(tokens.get("cache_read")),
+        cache_class=_str(cache.get("class")),
+    )
+
+
+def side_from_rows(label: str, rows: Iterable[Row]) -> Side:
+    """A side from record rows: TTFT and prefill of successful streams, tokens of successful requests."""
+    side = Side(label)
+    ttft: list[float] = []
+    prefill: list[float] = []
+    for r in rows:
+        side.requests += 1
+        if r.cache_class:
+            side.classes[r.cache_class] += 1
+        if not r.ok:
+            side.errors += 1
+            continue
+        if r.stream and r.ttft is not None:
+            ttft.append(r.ttft)
+            if r.prefill is not None:
+                prefill.append(r.prefill)
+                side.prefill_sources.add(r.prefill_source or "unknown")
+        if r.input_tokens is not None:
+            side.input_tokens += r.input_tokens
+            side.cached_tokens += r.cached_tokens or 0
+    side.ttft, side.prefill = Distribution(ttft), Distribution(prefill)
+    return side
+
+
+def figures(side: Side, rng: random.Random, resamples: int) -> SideFigures:
+    """Percentiles with intervals, shares and counts of one side."""
+    return SideFigures(
+        label=side.label,
+        requests=side.requests,
+        errors=side.errors,
+        ttft_requests=side.ttft.n,
+        ttft={name: quantile_estimate(side.ttft, q, rng, resamples) for name, q in QUANTILES},
+        prefill_p50=quantile_estimate(side.prefill, 0.5, rng, resamples),
+        prefill_source=",".join(sorted(side.prefill_sources)),
+        cached_share=side.cached_share,
+        input_tokens=side.input_tokens,
+        cached_tokens=side.cached_tokens,
+        classes=dict(side.classes.most_common()),
+    )
+
+
+# -- the verdict -----------------------------------------------------------------------------------
+
+
+def seconds(v: float | None) -> str:
+    """A duration as people read it: ``781 ms`` under a second, ``1.23 s`` from there."""
+    if v is None:
+        return "-"
+    return f"{v * 1000:.0f} ms" if abs(v) < 1 else f"{v:.2f} s"
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def verdict(
+    before: SideFigures,
+    after: SideFigures,
+    p50: tuple[Estimate, Estimate] | None,
+    *,
+    min_requests: int = MIN_REQUESTS,
+    min_gain: float = MIN_GAIN_MS / 1000,
+) -> tuple[str, str]:
+    """The kind (gain, no_gain, no_change, regression, insufficient) and the one-line verdict."""
+    if p50 is None or min(before.ttft_requests, after.ttft_requests) < min_requests:
+        return "insufficient", (
+            f"no verdict: too few requests with a TTFT ({before.ttft_requests} before, {after.ttft_requests} after; "
+            f"at least {min_requests} a side needed)"
+        )
+    diff, rel = p50
+    b, a = before.ttft["p50"], after.ttft["p50"]
+    assert b is not None and a is not None
+    shares = f"cached share {_share(before.cached_share)} to {_share(after.cached_share)}"
+    moved = f"TTFT p50 {seconds(b.value)} to {seconds(a.value)} ({rel.value:+.0%}, CI {rel.low:+.0%} to {rel.high:+.0%}"
+    kind = "no_gain" if diff.value < 0 else "no_change"
+    none = f"no significant {kind[3:]}"
+    if diff.low <= 0 <= diff.high:
+        return kind, f"{none}: {moved}, which includes no change), {shares}"
+    if abs(diff.value) < min_gain:
+        return kind, (
+            f"{none}: {moved}), {abs(diff.value) * 1000:.0f} ms, under the {min_gain * 1000:.0f} ms that counts; "
+            f"{shares}"
+        )
+    if diff.value > 0:
+        return "regression", f"regression: {moved}), {shares}"
+    rise = (after.cached_share or 0.0) - (before.cached_share or 0.0)
+    label = "caching gain" if rise >= CACHED_SHARE_RISE else "TTFT gain, not from caching"
+    return "gain", f"{label}: {moved}), {shares}"
+
+
+def analyze(
+    before: Side,
+    after: Side,
+    *,
+    source: str,
+    split: str,
+    min_requests: int = MIN_REQUESTS,
+    min_gain_ms: float = MIN_GAIN_MS,
+    resamples: int = RESAMPLES,
+    seed: int | None = 0,
+    skipped: dict[str, int] | None = None,
+) -> Comparison:
+    """Compare two sides: figures with intervals, the change of each percentile, the verdict."""
+    rng = random.Random(seed)
+    fb, fa = figures(before, rng, resamples), figures(after, rng, resamples)
+    change: dict[str, dict[str, Estimate] | None] = {}
+    p50: tuple[Estimate, Estimate] | None = None
+    for name, q in QUANTILES:
+        est = change_estimates(before.ttft, after.ttft, q, rng, resamples)
+        change[f"ttft_{name}"] = None if est is None else {"seconds": est[0], "relative": est[1]}
+        if name == "p50":
+            p50 = est
+    kind, text = verdict(fb, fa, p50, min_requests=min_requests, min_gain=min_gain_ms / 1000)
+    return Comparison(
+        source=source, split=split, before=fb, after=fa, change=change, verdict=text, kind=kind, skipped=skipped or {}
+    )
+
+
+# -- record files ----------------------------------------------------------------------------------
+
+
+def parse_time(text: str) -> float:
+    """Epoch seconds of an ISO 8601 time; without a zone it is UTC."""
+    try:
+        moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise ConfigError(f"{text!r} is not an ISO 8601 time such as 2026-05-01T12:00:00Z") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of ``90``, ``90s``, ``30m``, ``1h`` or ``2d``."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if match is None or float(match.group(1)) <= 0:
+        raise ConfigError(f"{text!r} is not a duration such as 90s, 30m, 1h or 2d")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """How requests are split: by version (``before``/``after``) or at ``at`` (epoch seconds), within a window."""
+
+    before: str | None = None
+    after: str | None = None
+    at: float | None = None
+    window: float | None = None
+    until: float | None = None
+
+    def describe(self) -> str:
+        """How the split reads in a report."""
+        if self.at is not None:
+            moment = datetime.fromtimestamp(self.at, UTC).isoformat(timespec="seconds")
+            return f"at {moment}" + (f", {self.window:g} s each side" if self.window else "")
+        return f"prompt version {self.before} against {self.after}" + (
+            f", the last {self.window:g} s" if self.window else ""
+        )
+
+
+def _side_of(r: Row, split: Split) -> str | None:
+    if split.at is not None:
+        if split.window is not None and not split.at - split.window <= r.time < split.at + split.window:
+            return None
+        return "before" if r.time < split.at else "after" if r.time >= split.at else None
+    if r.version is not None and r.version == split.before:
+        return "before"
+    if r.version is not None and r.version == split.after:
+        return "after"
+    return None
+
+
+def by_versions(rows: Sequence[Row], split: Split) -> Split:
+    """The split as given; with neither versions nor a time, the two versions the rows hold, in order of appearance."""
+    if split.at is not None or (split.before is not None and split.after is not None):
+        return split
+    if split.before is not None or split.after is not None:
+        raise ConfigError("--before and --after go together")
+    seen: dict[str, float] = {}
+    for r in rows:
+        if r.version is not None and r.version not in seen:
+            seen[r.version] = r.time
+    if len(seen) != 2:
+        names = ", ".join(seen) or "none"
+        raise ConfigError(f"say how to split: --before V1 --after V2, or --split-at TIME (versions seen: {names})")
+    first, second = sorted(seen, key=lambda v: seen[v])
+    return Split(first, second, window=split.window, until=split.until)
+
+
+@dataclass(slots=True)
+class Sides:
+    """The two sides as read from a source, ready for ``analyze``."""
+
+    before: Side
+    after: Side
+    source: str
+    split: str
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def compare(self, **options: Any) -> Comparison:
+        """``analyze`` the two sides."""
+        return analyze(self.before, self.after, source=self.source, split=self.split, skipped=self.skipped, **options)
+
+
+def compare_records(
+    path: str | Path, split: Split, *, route: str | None = None, model: str | None = None, **options: Any
+) -> Comparison:
+    """Compare over a record file and its rotated siblings (what the demo's verdict comes from)."""
+    return record_sides(path, split, route=route, model=model).compare(**options)
+
+
+def record_sides(path: str | Path, split: Split, *, route: str | None = None, model: str | None = None) -> Sides:
+    """Read a record file and its rotated siblings and split their requests."""
+    stats = ReadStats()
+    rows = [
+        r
+        for r in map(row, read_records(path, stats))
+        if (route is None or r.route == route) and (model is None or r.model == model)
+    ]
+    if not stats.files:
+        raise ConfigError(f"no record file at {str(path)!r}")
+    if split.at is None and split.window is not None:
+        # A version split over a window: the last ``window`` seconds before ``until`` (or now).
+        end = split.until if split.until is not None else time.time()
+        rows = [r for r in rows if end - split.window <= r.time <= end]
+    split = by_versions(rows, split)
+    sides: dict[str, list[Row]] = {"before": [], "after": []}
+    for r in rows:
+        side = _side_of(r, split)
+        if side is not None:
+            sides[side].append(r)
+    files = len(stats.files)
+    return Sides(
+        side_from_rows(split.before or "before", sides["before"]),
+        side_from_rows(split.after or "after", sides["after"]),
+        source=f"{path} ({files} file{'s' if files > 1 else ''}, {stats.records} records)",
+        split=split.describe(),
+        skipped={"truncated": stats.truncated, "foreign": stats.foreign, "other_schema": stats.other_schema},
+    )
+
+
+# -- Prometheus ------------------------------------------------------------------------------------
+
+#: The proxy's metric names as Prometheus stores them (either semantic-conventions flavour for TTFT).
+PROM_TTFT = r"gen_ai_client_(operation|inference)_time_to_first_chunk_seconds_bucket"
+PROM_PREFILL = "llmtap_prefill_duration_seconds_bucket"
+PROM_INPUT = "llmtap_usage_input_tokens_total"
+PROM_CACHED = "llmtap_usage_cache_read_input_tokens_total"
+PROM_CLASSES = "llmtap_cache_requests_total"
+PROM_REQUESTS = "llmtap_requests_total"
+
+
+def _selector(matchers: dict[str, str]) -> str:
+    return ",".join(f"{k}={quote(v)}" for k, v in sorted(matchers.items()))
+
+
+def side_from_prometheus(
+    prom: Prometheus, label: str, matchers: dict[str, str], start: float | None, end: float
+) -> Side:
+    """A side from the proxy's metrics in Prometheus: TTFT and prefill histograms, token and request counters."""
+    sel = _selector(matchers)
+    side = Side(label)
+
+    def buckets(name_matcher: str) -> Distribution:
+        grown = prom.increase(f"sum by (le) ({{{name_matcher}{',' + sel if sel else ''}}})", start, end)
+        pairs = [(float(dict(k)["le"]), v) for k, v in grown.items() if "le" in dict(k)]
+        return Distribution(buckets=pairs) if pairs and max(v for _, v in pairs) > 0 else Distribution()
+
+    def total(metric: str, by: str | None = None) -> dict[str, float]:
+        grouping = f" by ({by})" if by else ""
+        grown = prom.increase(f"sum{grouping} ({metric}{{{sel}}})", start, end)
+        return {dict(k).get(by, "") if by else "": v for k, v in grown.items()}
+
+    side.ttft = buckets(f'__name__=~"{PROM_TTFT}"')
+    side.prefill = buckets(f'__name__="{PROM_PREFILL}"')
+    sources = total("llmtap_prefill_duration_seconds_count", "llmtap_prefill_source")
+    side.prefill_sources = {k for k, v in sources.items() if v > 0 and k}
+    side.input_tokens = round(sum(total(PROM_INPUT).values()))
+    side.cached_tokens = round(sum(total(PROM_CACHED).values()))
+    side.classes = Counter({k: round(v) for k, v in total(PROM_CLASSES, "llmtap_cache_class").items() if v >= 0.5})
+    outcomes = total(PROM_REQUESTS, "llmtap_outcome")
+    side.requests = round(sum(outcomes.values()))
+    side.errors = side.requests - round(outcomes.get("ok", 0.0))
+    return side
+
+
+def prometheus_sides(url: str, split: Split, *, route: str | None = None, model: str | None = None) -> Sides:
+    """The two sides from the proxy's metrics in Prometheus: by version label, or at a time, over a window.
+
+    A version split without ``--window`` reads what the counters hold at the end (since the proxy last
+    started); a time split compares equal windows on either side of the moment, up to ``--until`` or now.
+    """
+    base: dict[str, str] = {}
+    if route is not None:
+        base["llmtap_route"] = route
+    if model is not None:
+        base["gen_ai_request_model"] = model
+    end = split.until if split.until is not None else time.time()
+    prom = Prometheus(url)
+    try:
+        if split.at is not None:
+            window = split.window if split.window is not None else max(end - split.at, 1.0)
+            before = side_from_prometheus(prom, "before", base, split.at - window, split.at)
+            after = side_from_prometheus(prom, "after", base, split.at, min(split.at + window, end))
+        else:
+            if split.before is None or split.after is None:
+                raise ConfigError("with --prometheus, say how to split: --before V1 --after V2, or --split-at TIME")
+            start = end - split.window if split.window is not None else None
+            before = side_from_prometheus(
+                prom, split.before, {**base, "llmtap_prompt_version": split.before}, start, end
+            )
+            after = side_from_prometheus(prom, split.after, {**base, "llmtap_prompt_version": split.after}, start, end)
+    finally:
+        prom.close()
+    return Sides(before, after, source=f"Prometheus at {prom.url}", split=split.describe())
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+
+def _estimate(e: Estimate | None) -> str:
+    if e is None:
+        return "-"
+    return f"{seconds(e.value)} [{seconds(e.low)}, {seconds(e.high)}]"
+
+
+def _relative(change: dict[str, Estimate] | None) -> str:
+    if change is None:
+        return ""
+    rel = change["relative"]
+    return f"{rel.value:+.0%} [{rel.low:+.0%}, {rel.high:+.0%}]"
+
+
+def _classes(classes: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n}" for name, n in classes.items()) or "-"
+
+
+def render(c: Comparison) -> str:
+    """The report: what was read, a table of both sides and the change, and the verdict."""
+    b, a = c.before, c.after
+    rows: list[tuple[str, str, str, str]] = [
+        ("", f"before ({b.label})", f"after ({a.label})", "change"),
+        ("requests", f"{b.requests} ({b.errors} errors)", f"{a.requests} ({a.errors} errors)", ""),
+    ]
+    for name, _ in QUANTILES:
+        rows.append(
+            (f"TTFT {name}", _estimate(b.ttft[name]), _estimate(a.ttft[name]), _relative(c.change[f"ttft_{name}"]))
+        )
+    rows.append(
+        (
+            "prefill p50",
+            _estimate(b.prefill_p50) + (f" ({b.prefill_source})" if b.prefill_source else ""),
+            _estimate(a.prefill_p50) + (f" ({a.prefill_source})" if a.prefill_source else ""),
+            "",
+        )
+    )
+    rows.append(("cached share", _share(b.cached_share), _share(a.cached_share), ""))
+    rows.append(("cache classes", _classes(b.classes), _classes(a.classes), ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [f"llmtap compare: {c.source}", f"split: {c.split}"]
+    skipped = {k: v for k, v in c.skipped.items() if v}
+    if skipped:
+        lines.append("skipped lines: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in skipped.items()))
+    lines.append("")
+    for r in rows:
+        lines.append("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip())
+    lines.append("  (95% bootstrap confidence intervals in brackets; TTFT of successful streams)")
+    few = [name for name, q in QUANTILES[1:] if min(b.ttft_requests, a.ttft_requests) < 2 / (1 - q)]
+    if few:
+        lines.append(f"  ({' and '.join(few)} rest on few requests: read them as rough)")
+    lines.append("")
+    lines.append(c.verdict)
+    return "\n".join(lines)
+
+
+def plot(c: Comparison, before: Distribution, after: Distribution, path: str | Path) -> None:
+    """Draw the two TTFT distributions (cumulative) and the cached share of each side into a PNG."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter, LogLocator
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'llmtap[plot]'") from None
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[3, 1])
+    for dist, side, color in ((before, c.before, "tab:red"), (after, c.after, "tab:blue")):
+        xs, ys = dist.cdf()
+        if not xs:
+            continue
+        # From 0 at the smallest value, so the first step is drawn too.
+        left.step([xs[0], *xs], [0.0, *ys], where="post", color=color, label=f"{side.label} (n={side.ttft_requests})")
+        p50 = side.ttft["p50"]
+        if p50 is not None:
+            left.axvline(p50.value, color=color, linestyle=":", linewidth=1)
+    values = [v for dist in (before, after) for v in dist.cdf()[0] if v > 0]
+    wide = bool(values) and max(values) > 10 * min(values)
+    if wide:
+        # A caching gain spans a decade or more: a log scale shows both sides' spread.
+        left.set_xscale("log")
+        left.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        left.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    left.xaxis.set_major_formatter(FuncFormatter(lambda v, _: seconds(v)))
+    left.set_xlabel(f"TTFT{' (log scale)' if wide else ''}; dotted: p50")
+    left.set_ylabel("share of requests")
+    left.set_ylim(0, 1.02)
+    left.grid(True, which="both", alpha=0.3)
+    left.legend(loc="lower right")
+    shares = [(c.before.cached_share or 0.0) * 100, (c.after.cached_share or 0.0) * 100]
+    bars = right.bar([c.before.label, c.after.label], shares, color=["tab:red", "tab:blue"])
+    right.bar_label(bars, labels=[f"{v:.0f}%" for v in shares])
+    right.set_ylim(0, 105)
+    right.set_ylabel("cached share of input tokens (%)")
+    fig.suptitle("\n".join(textwrap.wrap(c.verdict, 110)), fontsize=9)
+    try:
+        fig.savefig(str(path), dpi=100)
+    except OSError as exc:
+        raise ConfigError(f"--plot {str(path)!r}: {exc.strerror or exc}") from None
+
+
+def main(args: Any) -> int:
+    """``llmtap compare``; bad input raises ``ConfigError`` (exit code 2 in the CLI)."""
+    if (args.records is None) == (args.prometheus is None):
+        raise ConfigError("compare needs a record file or --prometheus URL (one of them)")
+    if args.split_at is not None and (args.before is not None or args.after is not None):
+        raise ConfigError("split by version (--before/--after) or by time (--split-at), not both")
+    if args.resamples is not None and args.resamples < 100:
+        raise ConfigError("--resamples must be at least 100")
+    if args.min_requests is not None and args.min_requests < 1:
+        raise ConfigError("--min-requests must be at least 1")
+    if args.min_gain_ms is not None and not args.min_gain_ms >= 0:
+        raise ConfigError("--min-gain-ms must be a duration in ms >= 0")
+    split = Split(
+        before=args.before,
+        after=args.after,
+        at=parse_time(args.split_at) if args.split_at else None,
+        window=parse_duration(args.window) if args.window else None,
+        until=parse_time(args.until) if args.until else None,
+    )
+    if args.records is not None:
+        sides = record_sides(args.records, split, route=args.route, model=args.model)
+    else:
+        sides = prometheus_sides(args.prometheus, split, route=args.route, model=args.model)
+    comparison = sides.compare(
+        min_requests=MIN_REQUESTS if args.min_requests is None else args.min_requests,
+        min_gain_ms=MIN_GAIN_MS if args.min_gain_ms is None else args.min_gain_ms,
+        resamples=RESAMPLES if args.resamples is None else args.resamples,
+        seed=args.seed,
+    )
+    if args.plot:
+        plot(comparison, sides.before.ttft, sides.after.ttft, args.plot)
+    if args.json:
+        print(json.dumps(comparison.to_json(), indent=2))
+    else:
+        print(render(comparison))
+        if args.plot:
+            print(f"\nplot: {args.plot}")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,153 @@
+"""Child processes for the fault, security and shutdown tests: ``llmtap serve`` and the fault upstream.
+
+The proxy runs as users run it (``python -m proxy serve``, uvicorn with its own protocol and signal
+handling), so its resident memory, open files and exit can be read from ``/proc`` and the process table.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class FaultUpstream:
+    """``tests/fault_upstream.py`` in a child process."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "fault_upstream.py")], stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def sent(self, request_id: str) -> dict[str, Any]:
+        """What the upstream wrote for the request named ``request_id`` (see ``fault_upstream.Sent``)."""
+        info: dict[str, Any] = httpx.get(f"{self.url}/sent/{request_id}", timeout=5).json()
+        return info
+
+    def stats(self) -> dict[str, int]:
+        """Open connections and responses being written now."""
+        info: dict[str, int] = httpx.get(f"{self.url}/stats", timeout=5).json()
+        return info
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+class Llmtap:
+    """``python -m proxy serve`` on free ports; its log goes to a file (a full pipe could block it)."""
+
+    def __init__(self, upstream: str, log: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.admin_port = free_port()
+        while self.admin_port == self.port:
+            self.admin_port = free_port()
+        self.log_path = log
+        self._log: IO[str] = log.open("w", encoding="utf-8")
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
+        argv = ["serve", "--upstream", upstream, "--port", str(self.port), "--admin-port", str(self.admin_port)]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", *argv, *args],
+            cwd=ROOT,
+            env={**base, "OTEL_TRACES_EXPORTER": "none", **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+        )
+        self.wait_ready()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def logs(self) -> str:
+        return self.log_path.read_text(encoding="utf-8")
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.logs()[-3000:]
+            try:
+                if httpx.get(self.admin_url + "/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError("llmtap never became ready:\n" + self.logs()[-3000:])
+
+    def metrics(self) -> str:
+        """The admin listener's ``/metrics`` text."""
+        return httpx.get(self.admin_url + "/metrics", timeout=5).text
+
+    def rss(self) -> int:
+        """Resident bytes now."""
+        return int(Path(f"/proc/{self.proc.pid}/statm").read_text().split()[1]) * _PAGE
+
+    def fds(self) -> int:
+        """Open file descriptors now."""
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def terminate(self) -> None:
+        """SIGTERM, as an orchestrator stops a pod."""
+        self.proc.send_signal(signal.SIGTERM)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self._log.close()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels``, from Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{", 1)[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def tcp_queues(ports: set[int]) -> int:
+    """Bytes sitting in kernel socket queues (send and receive) of loopback TCP sockets touching ``ports``."""
+    total = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, remote, state, queues = fields[1], fields[2], fields[3], fields[4]
+            if state == "0A":
+                continue  # LISTEN: its "queues" are the accept backlog, not bytes
+            if int(local.rsplit(":", 1)[1], 16) in ports or int(remote.rsplit(":", 1)[1], 16) in ports:
+                tx, rx = queues.split(":")
+                total += int(tx, 16) + int(rx, 16)
+    return total

@@ -1,0 +1,413 @@
+"""``llmtap compare``: the bootstrap, the verdicts, bad input, and the course's two workloads on the simulator.
+
+The simulator checks run the real commands in their own processes (``llmtap simulate``, ``llmtap serve
+--record``, ``llmtap compare``), so the timings are the simulator's and the proxy's, not a shared GIL's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy import cli
+from proxy.compare import MIN_GAIN_MS, Side, analyze
+from proxy.records import SCHEMA_KEY
+from proxy.simulator.text import Vocabulary
+from proxy.stats import Distribution, quantile_estimate
+from tests.conftest import free_port, require_real
+from tests.test_prometheus import histogram_quantile
+
+ROOT = Path(__file__).parent.parent
+
+
+def within(value: float | None, target: float, share: float = 0.10, slack: float = 0.0) -> bool:
+    return value is not None and abs(value - target) <= share * target + slack
+
+
+# -- the bootstrap ---------------------------------------------------------------------------------
+
+
+def test_quantiles_of_samples_and_of_histogram_buckets() -> None:
+    dist = Distribution([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert [dist.quantile(q) for q in (0.2, 0.5, 0.8, 0.99)] == [1.0, 3.0, 4.0, 5.0]
+    assert Distribution().quantile(0.5) is None
+    # Buckets read as Prometheus' histogram_quantile reads them: linear inside the bucket.
+    series = [(0.1, 2.0), (0.2, 10.0), (0.4, 30.0), (0.8, 31.0), (math.inf, 32.0)]
+    hist = Distribution(buckets=series)
+    assert hist.n == 32
+    for q in (0.05, 0.5, 0.9, 0.97, 0.999):
+        assert hist.quantile(q) == pytest.approx(histogram_quantile(q, series)), q
+
+
+def test_the_one_draw_bootstrap_equals_resampling() -> None:
+    rng = random.Random(7)
+    sample = [rng.lognormvariate(-1.0, 0.6) for _ in range(60)]
+    ordered = sorted(sample)
+    dist = Distribution(sample)
+    for q in (0.5, 0.95):
+        exact = quantile_estimate(dist, q, random.Random(1), 4000)
+        assert exact is not None
+        k = max(1, math.ceil(q * len(sample)))
+        brute = sorted(sorted(rng.choice(sample) for _ in sample)[k - 1] for _ in range(4000))
+        lo, hi = brute[int(0.025 * 3999)], brute[math.ceil(0.975 * 3999)]
+        # The same interval, up to one rank of the sample at either end.
+        assert abs(ordered.index(exact.low) - ordered.index(lo)) <= 1, (q, exact, lo)
+        assert abs(ordered.index(exact.high) - ordered.index(hi)) <= 1, (q, exact, hi)
+    again = quantile_estimate(dist, 0.5, random.Random(1), 4000)
+    assert again == quantile_estimate(dist, 0.5, random.Random(1), 4000)
+
+
+def side(label: str, ttfts: list[float], cached: float = 0.0) -> Side:
+    s = Side(label, requests=len(ttfts), ttft=Distribution(ttfts), prefill=Distribution(ttfts))
+    s.input_tokens, s.cached_tokens = 1000 * len(ttfts), round(1000 * len(ttfts) * cached)
+    return s
+
+
+def spread(center: float, n: int = 20, width: float = 0.02, seed: int = 0) -> list[float]:
+    rng = random.Random(seed)
+    return [center * (1 + rng.uniform(-width, width)) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "kind", "start"),
+    [
+        (side("v1", spread(0.78)), side("v2", spread(0.12), cached=0.85), "gain", "caching gain: TTFT p50 7"),
+        (side("v1", spread(0.78)), side("v2", spread(0.30)), "gain", "TTFT gain, not from caching"),
+        (side("v1", spread(0.025)), side("v2", spread(0.014), 0.56), "no_gain", "no significant gain: TTFT p50 25 ms"),
+        (side("v1", spread(0.5, width=0.5)), side("v2", spread(0.5, width=0.5, seed=1)), "", "no significant"),
+        (side("v1", spread(0.12)), side("v2", spread(0.78)), "regression", "regression: TTFT p50 1"),
+        (side("v1", spread(0.78, n=2)), side("v2", spread(0.12)), "insufficient", "no verdict: too few requests"),
+    ],
+)
+def test_verdicts(before: Side, after: Side, kind: str, start: str) -> None:
+    c = analyze(before, after, source="test", split="test")
+    assert c.verdict.startswith(start), c.verdict
+    assert c.kind == kind or (not kind and c.kind in ("no_gain", "no_change") and "includes no change" in c.verdict)
+    assert "\n" not in c.verdict
+    if kind == "gain":
+        change = c.change["ttft_p50"]
+        assert change is not None and change["relative"].high < 0 < -change["seconds"].value
+    if kind == "no_gain":
+        assert f"under the {MIN_GAIN_MS:.0f} ms that counts" in c.verdict
+
+
+# -- record files and the command ------------------------------------------------------------------
+
+
+def record(version: str, ttft: float, *, at: str = "2026-05-01T12:00:00.000+00:00", cached: int = 0) -> dict[str, Any]:
+    return {
+        SCHEMA_KEY: 1,
+        "time": at,
+        "route": "support",
+        "model": "m",
+        "stream": True,
+        "outcome": "ok",
+        "prompt_version": version,
+        "ttft": ttft,
+        "prefill": ttft - 0.001,
+        "prefill_source": "upstream_ttft",
+        "tokens": {"input": 6200, "cache_read": cached},
+        "cache": {"class": "hit" if cached else "miss_changed"},
+    }
+
+
+def write(path: Path, recs: list[dict[str, Any]], tail: str = "") -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + tail)
+    return path
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def gain_records() -> list[dict[str, Any]]:
+    before = [record("v1", t, at=f"2026-05-01T12:00:{i:02d}Z") for i, t in enumerate(spread(0.78, 12))]
+    after = [record("v2", t, at=f"2026-05-01T13:00:{i:02d}Z", cached=5248) for i, t in enumerate(spread(0.12, 12))]
+    return before + after
+
+
+def test_bad_lines_are_counted_and_the_report_still_made(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "r.jsonl"
+    write(path, gain_records())
+    with path.open("a") as f:
+        f.write('{"msg": "a line of some other log"}\n')
+        f.write("garbage\n")
+        f.write(json.dumps(record("v1", 0.5) | {SCHEMA_KEY: 99}) + "\n")
+        f.write('{"llmtap_record":1,"time":"2026-05-01T13:')  # the last line, cut short
+    code, out, err = run(["compare", str(path), "--before", "v1", "--after", "v2"], capsys)
+    assert code == 0, err
+    assert "skipped lines: 1 truncated, 2 foreign, 1 other schema" in out
+    assert out.strip().splitlines()[-1].startswith("caching gain: TTFT p50 7")
+    assert "cache classes  miss_changed 12" in out and "hit 12" in out
+    code, out, _ = run(["compare", str(path), "--before", "v1", "--after", "v2", "--json"], capsys)
+    data = json.loads(out)
+    assert data["skipped"] == {"truncated": 1, "foreign": 2, "other_schema": 1}
+    assert data["kind"] == "gain" and data["before"]["requests"] == data["after"]["requests"] == 12
+    assert within(data["before"]["ttft"]["p50"]["value"], 0.78, 0.03)
+    assert data["after"]["cached_share"] == pytest.approx(5248 / 6200)
+
+
+def test_ways_to_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "r.jsonl", gain_records())
+    code, out, _ = run(["compare", str(path), "--json"], capsys)  # two versions: in order of appearance
+    assert code == 0 and json.loads(out)["split"] == "prompt version v1 against v2"
+    code, out, _ = run(["compare", str(path), "--split-at", "2026-05-01T12:30:00Z", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["kind"] == "gain" and data["before"]["requests"] == 12
+    code, out, _ = run(
+        ["compare", str(path), "--split-at", "2026-05-01T12:30:00Z", "--window", "45m", "--json"], capsys
+    )
+    assert json.loads(out)["after"]["requests"] == 12
+    code, out, _ = run(["compare", str(path), "--before", "v2", "--after", "v1"], capsys)
+    assert out.strip().splitlines()[-1].startswith("regression")
+    write(tmp_path / "three.jsonl", [*gain_records(), record("v3", 0.2)])
+    for argv, message in [
+        (["compare", str(tmp_path / "three.jsonl")], "versions seen: v1, v2, v3"),
+        (["compare", str(path), "--before", "v1"], "--before and --after go together"),
+        (["compare", str(path), "--before", "v1", "--after", "v2", "--split-at", "2026-05-01"], "not both"),
+        (["compare", str(tmp_path / "missing.jsonl"), "--before", "a", "--after", "b"], "no record file"),
+        (["compare", str(path), "--split-at", "yesterday"], "not an ISO 8601 time"),
+        (["compare", str(path), "--window", "soon"], "not a duration"),
+        (["compare"], "a record file or --prometheus"),
+    ]:
+        code, _, err = run(argv, capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, (argv, err)
+
+
+def test_too_few_requests_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "r.jsonl", [record("v1", 0.78), record("v2", 0.12), record("v2", 0.13)])
+    code, out, _ = run(["compare", str(path), "--before", "v1", "--after", "v2"], capsys)
+    assert code == 0
+    assert out.strip().splitlines()[-1].startswith("no verdict: too few requests with a TTFT (1 before, 2 after")
+
+
+def test_plot_draws_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "r.jsonl", gain_records())
+    png = tmp_path / "ttft.png"
+    code, out, err = run(["compare", str(path), "--plot", str(png)], capsys)
+    assert code == 0, err
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 20_000
+    assert f"plot: {png}" in out
+
+
+def test_a_prometheus_that_is_down_is_one_line_and_exit_2() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "compare", "--prometheus", url, "--before", "v1", "--after", "v2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and f"Prometheus at {url} is not reachable" in out.stderr, out.stderr
+
+
+# -- the course's workloads on the simulator -------------------------------------------------------
+
+PER_SIDE = 8
+CONCURRENCY = 4
+WORKLOADS = {"support": (5250, 950), "code": (120, 80)}  # unchanging and variable prompt tokens
+
+
+def wait_until_up(url: str, proc: subprocess.Popen[bytes], what: str, log: Path | None = None) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
+            pytest.fail(f"{what} did not start\n{tail}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Stack:
+    """Two simulated servers and the proxy in front of them, each in its own process, after the traffic."""
+
+    proxy: str
+    admin: str
+    records: Path
+    requests: int
+
+
+async def drive(base: str) -> int:
+    """Per workload: the variable part first (v1), then the unchanging part first (v2), warm-ups aside."""
+    vocab = Vocabulary("o200k_base")
+    sent = 0
+
+    async def one(client: httpx.AsyncClient, route: str, layout: str, index: int, version: str) -> None:
+        nonlocal sent
+        fixed_n, variable_n = WORKLOADS[route]
+        fixed = "".join(vocab.generate(f"{route}:fixed", fixed_n))
+        variable = "".join(vocab.generate(f"{route}:{index}", variable_n))
+        first, second = (fixed, variable) if layout == "fixed" else (variable, fixed)
+        body = {
+            "model": "llmtap-sim",
+            "messages": [{"role": "system", "content": first}, {"role": "user", "content": second}],
+            "max_tokens": 2,
+            "stream": True,
+        }
+        url = f"{base}/{route}/v1/chat/completions"
+        async with client.stream("POST", url, json=body, headers={"x-llmtap-prompt-version": version}) as r:
+            assert r.status_code == 200
+            await r.aread()
+        sent += 1
+
+    async def phase(client: httpx.AsyncClient, route: str, layout: str, version: str, offset: int) -> None:
+        await one(client, route, layout, offset + 999, "warmup")
+        sem = asyncio.Semaphore(CONCURRENCY)
+
+        async def limited(i: int) -> None:
+            async with sem:
+                await one(client, route, layout, offset + i, version)
+
+        await asyncio.gather(*(limited(i) for i in range(PER_SIDE)))
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        for route in WORKLOADS:
+            await phase(client, route, "variable", "v1", 0)
+            await phase(client, route, "fixed", "v2", 1000)
+    return sent
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("compare")
+    procs: list[subprocess.Popen[bytes]] = []
+    env = {**os.environ, "OTEL_SDK_DISABLED": "false"}
+    try:
+        # All three start at once; the proxy does not need its upstreams until traffic comes.
+        sims = {profile: free_port() for profile in WORKLOADS}
+        for profile, port in sims.items():
+            cmd = [sys.executable, "-m", "proxy", "simulate", "--profile", profile, "--port", str(port)]
+            procs.append(subprocess.Popen(cmd, stderr=subprocess.DEVNULL, cwd=ROOT))
+        config = tmp / "llmtap.yaml"
+        routes = "".join(
+            f"  - {{prefix: /{p}, upstream: 'http://127.0.0.1:{port}', provider: llmtap-sim, strip_prefix: true}}\n"
+            for p, port in sims.items()
+        )
+        config.write_text("routes:\n" + routes)
+        port, admin = free_port(), free_port()
+        records = tmp / "records.jsonl"
+        cmd = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--record", str(records)]
+        cmd += ["--port", str(port), "--admin-port", str(admin), "--log-level", "warning"]
+        log = (tmp / "proxy.log").open("wb")
+        procs.append(subprocess.Popen(cmd, stderr=log, cwd=ROOT, env=env))
+        log.close()
+        for (profile, sim_port), proc in zip(sims.items(), procs, strict=False):
+            wait_until_up(f"http://127.0.0.1:{sim_port}/v1/models", proc, f"the {profile} simulator")
+        wait_until_up(f"http://127.0.0.1:{admin}/readyz", procs[-1], "the proxy", tmp / "proxy.log")
+        sent = asyncio.run(drive(f"http://127.0.0.1:{port}"))
+        # The records of the last requests are written by the proxy's worker just after their streams end.
+        deadline = time.monotonic() + 10
+        while not records.exists() or records.read_text().count("\n") < sent:
+            assert time.monotonic() < deadline, "the proxy did not write every record"
+            time.sleep(0.05)
+        yield Stack(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", records, sent)
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+
+
+def compare_json(*args: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "compare", *args, "--before", "v1", "--after", "v2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    data: dict[str, Any] = json.loads(out.stdout)
+    return data
+
+
+@pytest.mark.e2e
+def test_support_assistant_shows_the_caching_gain(stack: Stack) -> None:
+    data = compare_json(str(stack.records), "--route", "support")
+    before, after = data["before"], data["after"]
+    print("support:", data["verdict"])
+    assert before["requests"] == after["requests"] == PER_SIDE and before["errors"] == after["errors"] == 0
+    # 6,200 tokens read at 7,950 tokens/s; then 952 uncached tokens (the unchanging part cached). The
+    # slack is the proxy's and the simulator's own milliseconds on a shared 2-core machine.
+    assert within(before["ttft"]["p50"]["value"], 0.781, slack=0.01), before["ttft"]
+    assert within(after["ttft"]["p50"]["value"], 0.121, slack=0.01), after["ttft"]
+    change = data["change"]["ttft_p50"]
+    assert change["seconds"]["high"] < 0 and change["relative"]["high"] < 0  # the interval excludes zero
+    assert before["cached_share"] == 0 and after["cached_share"] > 0.8
+    assert before["classes"] == {"miss_changed": PER_SIDE} and after["classes"] == {"hit": PER_SIDE}
+    assert data["kind"] == "gain" and data["verdict"].startswith("caching gain: TTFT p50 "), data["verdict"]
+
+
+@pytest.mark.e2e
+def test_code_completion_shows_no_significant_gain(stack: Stack) -> None:
+    data = compare_json(str(stack.records), "--route", "code")
+    print("code:", data["verdict"])
+    # 200 tokens read in 25 ms, plus the proxy's and the simulator's few milliseconds.
+    assert within(data["before"]["ttft"]["p50"]["value"], 0.025, slack=0.01), data["before"]["ttft"]
+    assert -data["change"]["ttft_p50"]["seconds"]["value"] < MIN_GAIN_MS / 1000
+    assert data["after"]["cached_share"] > 0.4  # the cache works, but there is little to save
+    assert data["kind"] in ("no_gain", "no_change") and data["verdict"].startswith("no significant"), data["verdict"]
+
+
+@pytest.mark.e2e
+@pytest.mark.real
+def test_compare_over_prometheus(stack: Stack, tmp_path: Path) -> None:
+    binary = shutil.which("prometheus")
+    require_real(binary is not None, "Prometheus", "bash .ci/install.d/20-prometheus.sh")
+    assert binary is not None
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: llmtap, static_configs: [{{targets: ['{stack.admin[len('http://') :]}']}}]}}]\n"
+    )
+    cmd = [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}"]
+    cmd += [f"--web.listen-address=127.0.0.1:{port}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(url + "/-/ready", proc, "Prometheus")
+        query = 'sum(llmtap_requests_total{llmtap_route="support",llmtap_prompt_version=~"v1|v2"})'
+        deadline = time.monotonic() + 20
+        while True:
+            result = httpx.get(url + "/api/v1/query", params={"query": query}).json()["data"]["result"]
+            if result and float(result[0]["value"][1]) >= 2 * PER_SIDE:
+                break
+            assert time.monotonic() < deadline, "Prometheus did not scrape the proxy"
+            time.sleep(0.2)
+        data = compare_json("--prometheus", url, "--route", "support")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    print("support, from Prometheus:", data["verdict"])
+    before, after = data["before"], data["after"]
+    assert before["requests"] == after["requests"] == PER_SIDE
+    # Read back from buckets 9% apart: within their width of the exact figures.
+    assert within(before["ttft"]["p50"]["value"], 0.78, 0.15) and within(after["ttft"]["p50"]["value"], 0.12, 0.15)
+    assert data["change"]["ttft_p50"]["relative"]["high"] < 0
+    assert after["cached_share"] > 0.8 and after["classes"] == {"hit": PER_SIDE}
+    assert data["kind"] == "gain" and data["verdict"].startswith("caching gain")

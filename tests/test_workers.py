@@ -1,0 +1,198 @@
+"""``llmtap serve --workers N``: the merged exposition, and real worker processes on a shared port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.workers import merge_metrics
+from tests.conftest import Scripted, free_port
+
+ROOT = Path(__file__).parent.parent
+COUNT = "gen_ai_client_operation_time_to_first_chunk_seconds_count"
+
+A = """# HELP req_total Finished requests.
+# TYPE req_total counter
+req_total{route="a"} 3
+# HELP ttft_seconds TTFT.
+# TYPE ttft_seconds histogram
+ttft_seconds_bucket{route="a",le="0.1"} 1
+ttft_seconds_bucket{route="a",le="+Inf"} 2
+ttft_seconds_sum{route="a"} 0.25
+ttft_seconds_count{route="a"} 2
+# HELP active Open streams.
+# TYPE active gauge
+active{route="a"} 1
+"""
+B = """# HELP req_total Finished requests.
+# TYPE req_total counter
+req_total{route="a"} 4
+req_total{route="b"} 1
+# HELP ttft_seconds TTFT.
+# TYPE ttft_seconds histogram
+ttft_seconds_bucket{route="a",le="0.1"} 0
+ttft_seconds_bucket{route="a",le="+Inf"} 5
+ttft_seconds_sum{route="a"} 1.5
+ttft_seconds_count{route="a"} 5
+ttft_seconds_bucket{route="b",le="0.1"} 1
+ttft_seconds_bucket{route="b",le="+Inf"} 1
+ttft_seconds_sum{route="b"} 0.05
+ttft_seconds_count{route="b"} 1
+# HELP active Open streams.
+# TYPE active gauge
+active{route="a"} 2
+"""
+
+
+def test_merge_sums_each_series_once() -> None:
+    merged = merge_metrics([A, B])
+    lines = merged.splitlines()
+    values = {line.rpartition(" ")[0]: line.rpartition(" ")[2] for line in lines if not line.startswith("#")}
+    assert values == {
+        'req_total{route="a"}': "7",
+        'req_total{route="b"}': "1",
+        'ttft_seconds_bucket{route="a",le="0.1"}': "1",
+        'ttft_seconds_bucket{route="a",le="+Inf"}': "7",
+        'ttft_seconds_sum{route="a"}': "1.75",
+        'ttft_seconds_count{route="a"}': "7",
+        'ttft_seconds_bucket{route="b",le="0.1"}': "1",
+        'ttft_seconds_bucket{route="b",le="+Inf"}': "1",
+        'ttft_seconds_sum{route="b"}': "0.05",
+        'ttft_seconds_count{route="b"}': "1",
+        'active{route="a"}': "3",
+    }
+    # Each family once, HELP then TYPE, and every sample inside its own family.
+    assert [line for line in lines if line.startswith("# TYPE")] == [
+        "# TYPE req_total counter",
+        "# TYPE ttft_seconds histogram",
+        "# TYPE active gauge",
+    ]
+    family = ""
+    for line in lines:
+        if line.startswith("# TYPE"):
+            family = line.split()[2]
+        elif not line.startswith("#"):
+            assert line.startswith(family), line
+
+
+def test_merge_of_one_is_the_same_and_of_none_is_a_comment() -> None:
+    assert merge_metrics([A]) == A
+    assert merge_metrics([]).startswith("#")
+
+
+@pytest.fixture
+def upstream() -> Iterator[Scripted]:
+    up = Scripted(SCRIPT_TTFT="0.02", SCRIPT_GAP="0.005", SCRIPT_CHUNKS="5")
+    yield up
+    up.close()
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
+
+
+def _merged_count(admin: str) -> float:
+    text = httpx.get(admin + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(COUNT + "{"))
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"), reason="needs SO_REUSEPORT (Linux)")
+def test_two_workers_share_the_port_and_metrics_add_up(upstream: Scripted, tmp_path: Path) -> None:
+    port, admin_port = free_port(), free_port()
+    argv = ["serve", "--upstream", upstream.url, "--port", str(port), "--admin-port", str(admin_port)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", *argv, "--workers", "2", "--log-level", "warning"],
+        cwd=ROOT,
+        env={**env, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    admin = f"http://127.0.0.1:{admin_port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, "llmtap exited before it was ready"
+            try:
+                ready = httpx.get(admin + "/readyz", timeout=2)
+                if ready.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "workers never became ready"
+            time.sleep(0.1)
+        assert "2/2 workers" in ready.text
+        assert len(_children(proc.pid)) == 2
+
+        # A new connection per request: the kernel spreads them over both workers.
+        requests = 16
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(requests):
+            with httpx.Client(timeout=10) as client:
+                r = client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
+                assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        deadline = time.monotonic() + 10
+        while _merged_count(admin) < requests and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _merged_count(admin) == requests
+
+        sockets = sorted(tmp_path.glob("llmtap-workers-*/worker-*.sock"))
+        assert len(sockets) == 2
+        each = []
+        for path in sockets:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(path))) as client:
+                text = client.get("http://worker/metrics").text
+            each.append(sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(COUNT + "{")))
+        assert sum(each) == requests and min(each) > 0, each
+
+        # A worker killed outright is started again, and the server stays whole.
+        victim = _children(proc.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            children = _children(proc.pid)
+            if victim not in children and len(children) == 2 and httpx.get(admin + "/readyz").status_code == 200:
+                break
+            assert time.monotonic() < deadline, "the killed worker was not replaced"
+            time.sleep(0.2)
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert proc.stderr is not None
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def test_workers_on_a_taken_port_fail_once_with_exit_2(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", "--upstream", "http://127.0.0.1:9", "--port", str(port), "--admin-port", str(free_port())]
+        result = subprocess.run(
+            [sys.executable, "-m", "proxy", *argv, "--workers", "2"],
+            cwd=ROOT,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert result.returncode == 2
+    assert f"proxy listener 127.0.0.1:{port}" in result.stderr
