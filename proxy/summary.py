@@ -57,6 +57,8 @@ class Summary:
     output_drift: float | None = None
     input_size: str = "unknown"
     slo: str = "none"
+    #: ``llmtap.cache.class`` of the prompt-cache diagnosis, when the recorder made one.
+    cache_class: str | None = None
 
     @property
     def itl_per_token(self) -> list[float]:

@@ -66,16 +66,6 @@ def _bar(phase: str, start: float, length: float, source: str) -> dict[str, Any]
     }
 
 
-def _cache_class(tl: Timeline, s: Summary) -> str | None:
-    # ``llmtap.cache.class`` comes from the prompt-cache diagnosis (``proxy.cachediag``), carried on the
-    # summary or the timeline as ``diagnosis`` or ``cache_class``; a request recorded without one shows none.
-    for holder in (s, tl, getattr(s, "diagnosis", None), getattr(tl, "diagnosis", None)):
-        value = getattr(holder, "cache_class", None)
-        if isinstance(value, str) and value:
-            return value
-    return None
-
-
 def waterfall(seq: int, tl: Timeline, s: Summary, *, route: str, model: str, trace: bool) -> dict[str, Any]:
     """The JSON the page draws one request from."""
     r = tl.received
@@ -110,7 +100,7 @@ def waterfall(seq: int, tl: Timeline, s: Summary, *, route: str, model: str, tra
         "cache_read_tokens": s.cache_read_tokens,
         "cache_write_tokens": s.cache_write_tokens,
         "input_size": s.input_size,
-        "cache_class": _cache_class(tl, s),
+        "cache_class": s.cache_class,
         "prompt_version": tl.prompt_version,
         "response_id": tl.response_id,
         "trace_id": tl.trace_id if trace else None,

@@ -238,6 +238,8 @@ class Recorder:
             log.debug("ignored server timing %s of %s %s", name, tl.method, tl.path)
             ins.timing_rejected.add(1, {sc.ROUTE: tl.route, sc.TIMING_FIELD: name})
         diag = self._diagnose(tl, s)
+        if diag is not None:
+            s.cache_class = diag.cache_class
         if handle is not None:
             try:
                 if diag is not None:
