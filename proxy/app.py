@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import httpx
 from opentelemetry.metrics import MeterProvider
@@ -31,6 +33,8 @@ from proxy.types import Message, Receive, RequestInfo, Scope, Send
 log = logging.getLogger("llmtap.proxy")
 
 PROMPT_VERSION_HEADER = b"x-llmtap-prompt-version"
+#: At shutdown, how long requests cancelled at the drain deadline get to hand over their records.
+_SETTLE_SECONDS = 2.0
 
 
 class ClientGone(Exception):
@@ -71,6 +75,8 @@ class ProxyApp:
         self.draining = False
         #: Requests between arrival and the hand-over of their record to the recorder.
         self.inflight = 0
+        self._idle = asyncio.Event()  # set while ``inflight`` is 0
+        self._idle.set()
         #: The admission queue of each route that limits its concurrency.
         self.admissions = {
             r.name: Admission(r.max_concurrency, r.queue_limit, r.queue_timeout)
@@ -100,9 +106,16 @@ class ProxyApp:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 self.ready = False
+                await self._settle()
                 await self.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    async def _settle(self) -> None:
+        """Let requests the server just cancelled (drain deadline) hand their records to the recorder first."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_SETTLE_SECONDS):
+                await self._idle.wait()
 
     def begin_drain(self) -> None:
         """SIGTERM: report not ready; streams in flight may finish until the server's drain deadline."""
@@ -179,6 +192,7 @@ class ProxyApp:
             tl.request = info
         handle, trace_headers = self.recorder.start(tl, _text_headers(headers))
         self.inflight += 1
+        self._idle.clear()
         try:
             await self._relay(scope, receive, send, route, provider, tl, info, headers, body, more, trace_headers)
         except _Truncated:
@@ -190,6 +204,8 @@ class ProxyApp:
                 tl.end = now()
             self.recorder.finish(tl, handle)
             self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
 
     async def _read_body(self, receive: Receive, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
         """Read the body up to ``limit`` bytes; past it, return what was read and an iterator over the rest.
@@ -246,6 +262,7 @@ class ProxyApp:
         task = asyncio.current_task()
         watch = _DisconnectWatch(receive, task) if more is None and task is not None else None
         response: httpx.Response | None = None
+        tap: Tap | None = None
         started = False
         admission = self.admissions.get(route.name)
         admitted = sent = False
@@ -325,22 +342,22 @@ class ProxyApp:
             # The server cancels what still runs at the drain deadline: the client sees the stream cut.
             tl.fail("shutdown", "cut at the drain deadline")
             task.uncancel()
-            if not started:
-                await send_json(send, 503, "shutting_down", "llmtap is shutting down; retry")
-            _abort(tl, started)
+            if started:
+                await _cut(send, tl, tap)
+            await send_json(send, 503, "shutting_down", "llmtap is shutting down; retry")
         except (ClientGone, OSError) as exc:
             if isinstance(exc, OSError) and not started:
                 raise
             tl.fail("cancelled", cancelled=True)
         except httpx.TimeoutException:
             tl.fail("idle_timeout", "upstream stopped sending")
-            _abort(tl, started)
+            if started:
+                await _cut(send, tl, tap)
         except httpx.HTTPError as exc:
             tl.fail("upstream_closed" if started else "upstream_error", f"{type(exc).__name__}: {exc}")
-            if not started:
-                await send_json(send, 502, "upstream_error", f"upstream {route.upstream}: {type(exc).__name__}")
-            else:
-                _abort(tl, started)
+            if started:
+                await _cut(send, tl, tap)
+            await send_json(send, 502, "upstream_error", f"upstream {route.upstream}: {type(exc).__name__}")
         finally:
             if watch is not None:
                 watch.stop()
@@ -407,11 +424,16 @@ async def _upstream_failed(send: Send, route: Route, tl: Timeline, exc: httpx.Tr
         await send_json(send, 502, "upstream_closed", f"upstream {route.upstream} closed the connection: {what}")
 
 
-def _abort(tl: Timeline, started: bool) -> None:
-    """The upstream broke mid-stream: end the client's response the same way (no clean end)."""
+async def _cut(send: Send, tl: Timeline, tap: Tap | None) -> NoReturn:
+    """The stream broke after the headers went out: relay what the tap still holds, then end the client's
+    response the same way, without a clean end. Not one byte the upstream sent is held back.
+    """
+    if tap is not None:
+        held = tap.finish(now())
+        if held:
+            await send({"type": "http.response.body", "body": held, "more_body": True})
     tl.end = now()
-    if started:
-        raise _Truncated
+    raise _Truncated
 
 
 class _Truncated(Exception):

@@ -69,7 +69,11 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.USAGE_REASONING: ("int", "Output tokens spent on reasoning, when the upstream reports them."),
     sc.TOKEN_TYPE: ("string", "`input` or `output`."),
     sc.TOKEN_MODALITY: ("string", "`text`."),
-    sc.INPUT_MESSAGES: ("string", "Declared for prompt capture; llmtap never records prompts."),
+    sc.INPUT_MESSAGES: (
+        "string",
+        "The prompt (system part and messages, role and text) as JSON, at most 16 KiB of text, only when "
+        "`OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` is true.",
+    ),
     sc.OUTPUT_MESSAGES: (
         "string",
         "The completion as JSON, at most 16 KiB, only when `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` "
@@ -77,8 +81,10 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     ),
     sc.ERROR_TYPE: (
         "string",
-        "Why the request failed: an upstream error type or status code, `timeout`, `upstream_unreachable`, "
-        "`upstream_closed`, `queue_full`, `queue_timeout`, `cancelled` (the client left), or `_OTHER`.",
+        "Why the request failed: an upstream error type or status code, `upstream_unreachable`, "
+        "`connect_timeout`, `timeout` (no headers in time), `idle_timeout` (silence between chunks), "
+        "`upstream_closed`, `upstream_protocol_error`, `request_too_large`, `queue_full`, `queue_timeout`, "
+        "`shutdown` (cut at the drain deadline), `cancelled` (the client left), or `_OTHER`.",
     ),
     sc.SERVER_ADDRESS: ("string", "The upstream's host name."),
     sc.SERVER_PORT: ("int", "The upstream's port."),
@@ -132,7 +138,12 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.MALFORMED_EVENTS: ("int", "Stream events llmtap could not parse (relayed unchanged)."),
     sc.OVERSIZED_EVENTS: ("int", "Stream events larger than the decoder keeps (relayed unchanged)."),
     sc.RESPONSE_BYTES: ("int", "Response body bytes relayed to the client."),
-    sc.TELEMETRY_REASON: ("string", "Why telemetry was dropped: `queue_full` (the recorder's queue)."),
+    sc.TELEMETRY_REASON: (
+        "string",
+        "Why telemetry was dropped: `queue_full` (the recorder's queue, or the span export queue), "
+        "`export_failed` (the collector refused or could not be reached), `shutdown` (still queued at the flush "
+        "deadline).",
+    ),
     sc.DRIFT_DIRECTION: ("string", "`over`, `under` or `exact`: tiktoken's count against the reported usage."),
     sc.CACHE_CLASS: (
         "string",

@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import socket
+import sys
 from collections.abc import Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,9 @@ from proxy.settings import ConfigError, Settings
 from proxy.telemetry import setup
 
 log = logging.getLogger("llmtap")
+
+#: Seconds a thread may hold the GIL while another waits for it (Python's default is 0.005).
+SWITCH_INTERVAL = 0.001
 
 
 class _QuietTruncation(logging.Filter):
@@ -41,6 +45,12 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """After the app's start-up (which loads the tokenizer's 200,000-entry table), freeze what it made too."""
+        await super().startup(sockets)
+        gc.collect()
+        gc.freeze()
 
 
 def bind(host: str, port: int, what: str, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
@@ -140,6 +150,9 @@ async def serve(settings: Settings, *, worker: Worker | None = None) -> None:
     else:
         proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True)
         admin_sock = bind_unix(worker.admin_path)
+    # The recorder and exporter threads share the GIL with the event loop: holding it for the default
+    # 5 ms at a time delays relayed chunks by as much; 1 ms bounds that (bench/RESULTS.md, the steps).
+    sys.setswitchinterval(SWITCH_INTERVAL)
     providers = setup.build(settings.telemetry)
     app = create_app(settings, tracer_provider=providers.tracer_provider, meter_provider=providers.meter_provider)
     admin = AdminApp(app, providers.prometheus)

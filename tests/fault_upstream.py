@@ -2,10 +2,13 @@
 
 ``python tests/fault_upstream.py`` prints its port on stdout. ``POST .../chat/completions`` answers with
 an OpenAI chat stream (``"stream": true``) or body in vLLM's shape; the request header ``x-fault`` picks a
-fault (``FAULTS``) and ``x-fault-arg`` its size. ``x-chunks`` and ``x-gap-ms`` shape a normal stream.
+fault (``FAULTS``) and ``x-fault-arg`` its size. ``x-chunks`` and ``x-gap-ms`` shape a normal stream;
+``x-say`` makes the answer that text, one character per chunk. ``GET /echo`` returns the target and headers
+as they arrived here.
 Each request named by ``x-request-id`` leaves a record at ``GET /sent/<id>``: the sha256 of the body bytes
 it wrote (and of the same bytes without the usage event, which the proxy removes when it asked for usage
-on the client's behalf), how many bytes reached the kernel, and when it saw the client leave, on
+on the client's behalf; with ``x-keep: 1``, ``?prefix=N`` gives the sha256 of the first N), how many bytes
+reached the kernel, and when it saw the client leave, on
 ``time.monotonic()`` (CLOCK_MONOTONIC, shared by every process on the machine). ``GET /stats`` counts open
 connections and running responses. Every response is deterministic, so a direct call and a call through
 the proxy can be compared byte for byte.
@@ -78,11 +81,6 @@ def usage_event(prompt: int, completion: int) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-def text_of(chunks: int) -> str:
-    """The generated text of a normal stream of ``chunks`` content chunks (one token each)."""
-    return "".join(WORDS[i % len(WORDS)] for i in range(chunks))
-
-
 @dataclass
 class Sent:
     """What one named request received from this upstream."""
@@ -93,16 +91,30 @@ class Sent:
     done: bool = False
     gone_at: float | None = None  # when the client (the proxy) was seen to leave
     transport: asyncio.WriteTransport | None = None
+    kept: bytearray | None = None  # the body itself, when the request said ``x-keep: 1``
 
-    def as_json(self) -> dict[str, Any]:
+    def add(self, data: bytes, *, usage: bool = False) -> None:
+        """Body bytes written: hash them (apart from a usage event, in the second hash) and count them."""
+        self.sha.update(data)
+        if not usage:
+            self.sha_without_usage.update(data)
+        self.written += len(data)
+        if self.kept is not None:
+            self.kept += data
+
+    def as_json(self, prefix: int | None = None) -> dict[str, Any]:
         buffered = self.transport.get_write_buffer_size() if self.transport is not None else 0
-        return {
+        info = {
             "sha256": self.sha.hexdigest(),
             "sha256_without_usage": self.sha_without_usage.hexdigest(),
             "written": self.written - buffered,
             "done": self.done,
             "gone_at": self.gone_at,
         }
+        if prefix is not None and self.kept is not None:
+            # A client cut off by a reset holds a prefix of what was written (the kernel drops the rest).
+            info["prefix_sha256"] = hashlib.sha256(self.kept[:prefix]).hexdigest()
+        return info
 
 
 class Exchange:
@@ -136,10 +148,7 @@ class Exchange:
     def event(self, data: bytes, *, usage: bool = False) -> None:
         """One body piece as its own HTTP chunk."""
         self.writer.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.sent.sha.update(data)
-        if not usage:
-            self.sent.sha_without_usage.update(data)
-        self.sent.written += len(data)
+        self.sent.add(data, usage=usage)
 
     def end(self) -> None:
         self.writer.write(b"0\r\n\r\n")
@@ -185,7 +194,7 @@ class Upstream:
                     body = await reader.readexactly(int(headers["content-length"]))
                 elif headers.get("transfer-encoding", "").lower() == "chunked":
                     body = await _read_chunked(reader)
-                if not await self.respond(reader, writer, method, target.split("?", 1)[0], headers, body):
+                if not await self.respond(reader, writer, method, target, headers, body):
                     return
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
@@ -194,7 +203,7 @@ class Upstream:
             writer.close()
 
     def record(self, headers: dict[str, str]) -> Sent:
-        sent = Sent()
+        sent = Sent(kept=bytearray() if headers.get("x-keep") == "1" else None)
         rid = headers.get("x-request-id")
         if rid:
             self.sent[rid] = sent
@@ -207,17 +216,22 @@ class Upstream:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         method: str,
-        path: str,
+        target: str,
         headers: dict[str, str],
         body: bytes,
     ) -> bool:
         """Answer one request; False when the connection must not be used again."""
-        if method == "GET" and (path == "/stats" or path.startswith("/sent/")):
+        path = target.split("?", 1)[0]
+        if method == "GET" and (path in ("/stats", "/echo") or path.startswith("/sent/")):
             if path == "/stats":
                 info: dict[str, Any] = {"open": self.open, "active": self.active}
+            elif path == "/echo":
+                info = {"target": target, "headers": headers}
             else:
                 found = self.sent.get(path[len("/sent/") :])
-                info = found.as_json() if found is not None else {}
+                query = target.partition("?")[2]
+                prefix = int(query[len("prefix=") :]) if query.startswith("prefix=") else None
+                info = found.as_json(prefix) if found is not None else {}
             payload = json.dumps(info).encode()
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(payload)
@@ -272,18 +286,21 @@ class Upstream:
             ex.end()
             await ex.drain()
             return True
-        chunks = int(headers.get("x-chunks", "20"))
+        say = headers.get("x-say", "")
+        chunks = len(say) if say else int(headers.get("x-chunks", "20"))
+        words = [say[i] for i in range(len(say))] if say else [WORDS[i % len(WORDS)] for i in range(chunks)]
         gap = float(headers.get("x-gap-ms", "0")) / 1000
         if not request.get("stream"):
-            await _whole(ex, chunks)
+            await _whole(ex, "".join(words), chunks)
             return True
         include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
         ex.head()
-        return await _stream(ex, chunks, gap, include_usage, fault, arg)
+        return await _stream(ex, words, gap, include_usage, fault, arg)
 
 
-async def _stream(ex: Exchange, chunks: int, gap: float, include_usage: bool, fault: str, arg: int) -> bool:
-    """A normal chat stream, or one that breaks after ``arg`` chunks (stall, reset or close mid-stream)."""
+async def _stream(ex: Exchange, words: list[str], gap: float, include_usage: bool, fault: str, arg: int) -> bool:
+    """A chat stream of ``words``, or one that breaks after ``arg`` chunks (stall, reset or close mid-stream)."""
+    chunks = len(words)
     start = time.monotonic()
     ex.event(chat_chunk({"role": "assistant", "content": ""}))
     await ex.drain()
@@ -304,7 +321,7 @@ async def _stream(ex: Exchange, chunks: int, gap: float, include_usage: bool, fa
                 except TimeoutError:
                     pass
         last = i == chunks - 1
-        ex.event(chat_chunk({"content": WORDS[i % len(WORDS)]}, "stop" if last else None))
+        ex.event(chat_chunk({"content": words[i]}, "stop" if last else None))
         await ex.drain()
     if include_usage:
         ex.event(usage_event(12, chunks), usage=True)
@@ -314,24 +331,20 @@ async def _stream(ex: Exchange, chunks: int, gap: float, include_usage: bool, fa
     return True
 
 
-async def _whole(ex: Exchange, chunks: int) -> None:
+async def _whole(ex: Exchange, text: str, chunks: int) -> None:
     payload = json.dumps(
         {
             "id": "chatcmpl-fault",
             "object": "chat.completion",
             "created": 1700000000,
             "model": "fault",
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": text_of(chunks)}, "finish_reason": "stop"}
-            ],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 12, "completion_tokens": chunks, "total_tokens": 12 + chunks},
         }
     ).encode()
     ex.writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(payload))
     ex.writer.write(payload)
-    ex.sent.sha.update(payload)
-    ex.sent.sha_without_usage.update(payload)
-    ex.sent.written += len(payload)
+    ex.sent.add(payload)
     ex.sent.done = True
     await ex.drain()
 
@@ -344,8 +357,7 @@ async def _wrong_length(ex: Exchange, fault: str) -> bool:
     ex.writer.write(
         b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s%s" % (declared, body, extra)
     )
-    ex.sent.sha.update(body)
-    ex.sent.written += len(body)
+    ex.sent.add(body)
     await ex.drain()
     if fault == "cl-long":
         await asyncio.sleep(0.05)
@@ -361,8 +373,7 @@ async def _flood(ex: Exchange, size: int) -> None:
     while left > 0:
         piece = block[:left]
         ex.writer.write(piece)
-        ex.sent.sha.update(piece)
-        ex.sent.written += len(piece)
+        ex.sent.add(piece)
         left -= len(piece)
         await ex.drain()
     ex.sent.done = True

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -31,6 +32,8 @@ class FaultUpstream:
         )
         assert self.proc.stdout is not None
         self.port = int(self.proc.stdout.readline())
+        self._client = httpx.Client(base_url=self.url, timeout=5)
+        self._lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -38,15 +41,18 @@ class FaultUpstream:
 
     def sent(self, request_id: str) -> dict[str, Any]:
         """What the upstream wrote for the request named ``request_id`` (see ``fault_upstream.Sent``)."""
-        info: dict[str, Any] = httpx.get(f"{self.url}/sent/{request_id}", timeout=5).json()
+        with self._lock:
+            info: dict[str, Any] = self._client.get(f"/sent/{request_id}").json()
         return info
 
     def stats(self) -> dict[str, int]:
         """Open connections and responses being written now."""
-        info: dict[str, int] = httpx.get(f"{self.url}/stats", timeout=5).json()
+        with self._lock:
+            info: dict[str, int] = self._client.get("/stats").json()
         return info
 
     def close(self) -> None:
+        self._client.close()
         self.proc.terminate()
         self.proc.wait(10)
         if self.proc.stdout is not None:
@@ -56,7 +62,10 @@ class FaultUpstream:
 class Llmtap:
     """``python -m proxy serve`` on free ports; its log goes to a file (a full pipe could block it)."""
 
-    def __init__(self, upstream: str, log: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, upstream: str, log: Path, *args: str, env: dict[str, str] | None = None, admin_host: str = "127.0.0.1"
+    ) -> None:
+        self.admin_host = admin_host
         self.port = free_port()
         self.admin_port = free_port()
         while self.admin_port == self.port:
@@ -65,6 +74,7 @@ class Llmtap:
         self._log: IO[str] = log.open("w", encoding="utf-8")
         base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
         argv = ["serve", "--upstream", upstream, "--port", str(self.port), "--admin-port", str(self.admin_port)]
+        argv += ["--admin-host", admin_host]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "proxy", *argv, *args],
             cwd=ROOT,
@@ -80,7 +90,7 @@ class Llmtap:
 
     @property
     def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
+        return f"http://{self.admin_host}:{self.admin_port}"
 
     def logs(self) -> str:
         return self.log_path.read_text(encoding="utf-8")

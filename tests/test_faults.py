@@ -16,17 +16,19 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from proxy.settings import build
 from proxy.telemetry import semconv as sc
+from proxy.telemetry.setup import ExportGate
 from tests.conftest import Running, Telemetry, free_port
 from tests.fault_upstream import SMUGGLED
 from tests.procs import FaultUpstream, Llmtap, metric_value, tcp_queues
@@ -96,20 +98,30 @@ FAULTS = [
 ]
 
 
+@pytest.mark.parametrize("usage", ["asked", "injected"])
 @pytest.mark.parametrize(("fault", "status", "cut", "error_type"), FAULTS, ids=[f[0] for f in FAULTS])
 def test_upstream_fault(
-    proxy: Running, upstream: FaultUpstream, telemetry: Telemetry, fault: str, status: int, cut: bool, error_type: str
+    proxy: Running,
+    upstream: FaultUpstream,
+    telemetry: Telemetry,
+    fault: str,
+    status: int,
+    cut: bool,
+    error_type: str,
+    usage: str,
 ) -> None:
+    """With usage "injected" the proxy asked for usage itself, so its usage filter holds partial events."""
     telemetry.spans.clear()
+    body = CHAT if usage == "asked" else {k: v for k, v in CHAT.items() if k != "stream_options"}
     started = time.monotonic()
-    got, received, error, rid = request(proxy.url, fault, 3)
+    got, received, error, rid = request(proxy.url, fault, 3, body=body)
     elapsed = time.monotonic() - started
     assert got == status
     if cut:
         # The proxy ends the client's response the way the upstream ended its own: without a clean end.
         assert isinstance(error, httpx.RemoteProtocolError), error
         # Zero bytes lost or altered: the client holds exactly what the upstream wrote before it failed.
-        assert hashlib.sha256(received).hexdigest() == upstream.sent(rid)["sha256"]
+        assert hashlib.sha256(received).hexdigest() == upstream.sent(rid)["sha256_without_usage"]
         assert received
     else:
         assert error is None
@@ -249,19 +261,22 @@ class Simulator:
             stderr=subprocess.DEVNULL,
         )
         self.url = f"http://127.0.0.1:{self.port}"
+        # One kept-alive client: polling must cost far less than the 100 ms it measures.
+        self.client = httpx.Client(base_url=self.url, timeout=2)
         deadline = time.monotonic() + 20
         while True:
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + "/debug/requests?limit=1", timeout=1).status_code == 200:
+                if self.client.get("/debug/requests?limit=1").status_code == 200:
                     break
             assert time.monotonic() < deadline and self.proc.poll() is None, "simulator did not start"
             time.sleep(0.05)
 
     def state(self) -> dict[str, Any]:
-        info: dict[str, Any] = httpx.get(self.url + "/debug/requests?limit=1", timeout=2).json()
+        info: dict[str, Any] = self.client.get("/debug/requests?limit=1").json()
         return info
 
     def close(self) -> None:
+        self.client.close()
         self.proc.terminate()
         self.proc.wait(10)
 
@@ -446,3 +461,40 @@ def test_collector_fault_drops_are_counted_and_memory_stays_flat(
             assert proxy.proc.poll() is None
         finally:
             proxy.close()
+
+
+class _Stuck(SpanExporter):
+    """A span exporter that blocks until released, then succeeds or fails: a collector that hangs."""
+
+    def __init__(self, ok: bool) -> None:
+        self.ok = ok
+        self.release = threading.Event()
+        self.received = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.release.wait(10)
+        self.received += len(spans)
+        return SpanExportResult.SUCCESS if self.ok else SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.release.set()
+
+
+@pytest.mark.parametrize("ok", [True, False], ids=["collector-recovers", "collector-refuses"])
+def test_export_gate_accounts_for_every_span(ok: bool) -> None:
+    """Each ended span is exported, or dropped and counted once: queue_full, export_failed or shutdown."""
+    exporter = _Stuck(ok)
+    gate = ExportGate(exporter, capacity=100)
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(gate)
+    tracer = provider.get_tracer("test")
+    for i in range(1000):
+        tracer.start_span(f"s{i}").end()
+    assert gate.dropped["queue_full"] == 900  # the exporter hangs: only the queue's worth waits
+    exporter.release.set()
+    provider.shutdown()
+    assert gate.exported + gate.dropped["export_failed"] == 100 == exporter.received
+    assert gate.exported == (100 if ok else 0)
+    assert sum(gate.dropped.values()) + gate.exported == 1000
+    observed = {o.attributes[sc.TELEMETRY_REASON]: o.value for o in gate.observe(None)}  # type: ignore[arg-type, index]
+    assert observed == gate.dropped

@@ -24,12 +24,14 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from proxy.cachediag import MISS_CHANGED, CacheDiagnoser, Diagnosis
 from proxy.estimator import Estimator
 from proxy.fingerprint import TopK
+from proxy.providers.openai_common import collect_text
 from proxy.records import RecordWriter, record_line
 from proxy.settings import Settings
 from proxy.summary import Summary, summarize
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import Instruments, create
 from proxy.timeline import CANCELLED, OK, Timeline
+from proxy.types import PromptRegion
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -166,8 +168,10 @@ class Recorder:
             return
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="llmtap-recorder", daemon=True)
-                self._thread.start()
+                # Published only once started: ``close`` on another thread may join it at any moment.
+                thread = threading.Thread(target=self._run, name="llmtap-recorder", daemon=True)
+                thread.start()
+                self._thread = thread
 
     def _run(self) -> None:
         while True:
@@ -546,6 +550,26 @@ def cache_attributes(diag: Diagnosis) -> dict[str, Any]:
     return attrs
 
 
+def input_messages(regions: list[PromptRegion], cap: int) -> str:
+    """``gen_ai.input.messages`` (content capture only): the system part and messages, ``cap`` characters of text."""
+    messages: list[dict[str, Any]] = []
+    room = cap
+    for region in regions:
+        if region.kind == "tools":
+            continue
+        value = region.value
+        role = value.get("role") if isinstance(value, dict) else None
+        parts: list[str] = []
+        collect_text(value, parts)
+        text = "\n".join(parts)[:room]
+        room -= len(text)
+        content = [{"type": "text", "content": text}]
+        messages.append({"role": "system" if region.kind == "system" else role or "user", "parts": content})
+        if room <= 0:
+            break
+    return json.dumps(messages, ensure_ascii=False)
+
+
 def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = False) -> dict[str, Any]:
     """Attributes known when the stream ends."""
     attrs: dict[str, Any] = {}
@@ -585,6 +609,8 @@ def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = Fa
         attrs[sc.MALFORMED_EVENTS] = tl.malformed_events
     if tl.oversized_events:
         attrs[sc.OVERSIZED_EVENTS] = tl.oversized_events
+    if capture and tl.request is not None and tl.request.regions:
+        attrs[sc.INPUT_MESSAGES] = input_messages(tl.request.regions, _CONTENT_CAP)
     if capture and tl.chunk_texts:
         text = "".join(tl.chunk_texts)[:_CONTENT_CAP]
         attrs[sc.OUTPUT_MESSAGES] = json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": text}]}])

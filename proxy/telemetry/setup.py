@@ -55,7 +55,11 @@ class ExportGate(SpanProcessor):
         self._pending = 0
         self._closed = False
         self._lock = threading.Lock()
-        self._batch = BatchSpanProcessor(CountingSpanExporter(exporter, self), max_queue_size=capacity)
+        # The SDK refuses batches larger than its queue (512 by default): a small queue exports its own size.
+        batch = capacity if capacity < 512 else None
+        self._batch = BatchSpanProcessor(
+            CountingSpanExporter(exporter, self), max_queue_size=capacity, max_export_batch_size=batch
+        )
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         """Nothing to do when a span starts."""

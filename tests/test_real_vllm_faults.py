@@ -1,0 +1,128 @@
+"""A client that leaves cancels the request on a real vLLM server, seen in vLLM's own metrics.
+
+The client closes its connection to llmtap before the headers of a non-streamed answer, during the
+prefill of a long prompt, or in the middle of decoding. llmtap closes its upstream connection; vLLM aborts
+the request: ``vllm:num_requests_running`` drops, ``vllm:generation_tokens_total`` stops growing, and the
+request never counts in ``vllm:request_success_total``. vLLM cannot stop a step it has begun, so during
+prefill the abort lands when that step ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.settings import build
+from proxy.telemetry import semconv as sc
+from tests.conftest import Running, Telemetry, start_proxy
+from tests.vllm_server import (
+    Scrape,
+    VllmServer,
+    vllm_medium as vllm_medium,  # the fixture: one server for this module
+)
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def proxy(vllm_medium: VllmServer) -> Iterator[tuple[Running, Telemetry]]:
+    telemetry = Telemetry()
+    running, threads = start_proxy(build({"upstream": vllm_medium.url, "provider": "vllm"}, env={}), telemetry)
+    yield running, telemetry
+    for server in reversed(threads):
+        server.__exit__(None, None, None)
+    telemetry.tracer_provider.shutdown()
+    telemetry.meter_provider.shutdown()
+
+
+_ITL = "vllm:inter_token_latency_seconds"
+
+
+def _busy(scrape: Scrape) -> float:
+    """Requests vLLM is running or holding in its line."""
+    return scrape.total("vllm:num_requests_running") + scrape.total("vllm:num_requests_waiting")
+
+
+def _send(port: int, body: dict[str, Any]) -> socket.socket:
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: llmtap\r\ncontent-type: application/json\r\n"
+    sock.sendall(head + b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+    sock.settimeout(60)
+    return sock
+
+
+def _read_until(sock: socket.socket, marker: bytes, count: int = 1) -> None:
+    seen = b""
+    while seen.count(marker) < count:
+        part = sock.recv(65536)
+        assert part, seen[-500:]
+        seen += part
+
+
+@pytest.mark.parametrize("phase", ["before-headers", "during-prefill", "mid-decode"])
+def test_client_disconnect_aborts_the_vllm_request(
+    proxy: tuple[Running, Telemetry], vllm_medium: VllmServer, phase: str
+) -> None:
+    running, telemetry = proxy
+    telemetry.spans.clear()
+    words = 1800 if phase == "during-prefill" else 40
+    body = {
+        "model": "medium",
+        "prompt": f"{time.monotonic_ns()} " + " ".join(["def"] * words),  # never a prefix-cache hit
+        "max_tokens": 600,
+        "ignore_eos": True,
+        "stream": phase != "before-headers",
+    }
+    # One kept-alive client: a scrape must cost far less than the 100 ms it measures.
+    with httpx.Client(base_url=vllm_medium.url, timeout=10) as scraper:
+
+        def scrape() -> Scrape:
+            return Scrape.parse(scraper.get("/metrics").text)
+
+        before = scrape()
+        with contextlib.closing(_send(running.server.port, body)) as sock:
+            if phase == "before-headers":
+                deadline = time.monotonic() + 30
+                while scrape().total("vllm:num_requests_running") < 1:
+                    assert time.monotonic() < deadline, "vLLM never ran the request"
+                    time.sleep(0.05)
+                time.sleep(0.3)  # decoding now; a non-streamed answer has no headers yet
+            elif phase == "during-prefill":
+                _read_until(sock, b"HTTP/1.1 200")  # vLLM sends a stream's headers at once
+            else:
+                _read_until(sock, b'"text"', 5)
+            left = time.monotonic()
+        samples: list[tuple[float, float]] = []
+        while time.monotonic() - left < 15:
+            now = scrape()
+            samples.append((time.monotonic() - left, _busy(now)))
+            if samples[-1][1] == 0:
+                break
+            time.sleep(0.005)
+        took, busy = samples[-1]
+        time.sleep(2.0)  # long enough for a request that kept running to show more tokens
+        later = scrape()
+    generated = later.delta(before, "vllm:generation_tokens_total")
+    print(f"\nvLLM {phase}: running back to 0 {1000 * took:.0f} ms after the client left; {generated:.0f} tokens made")
+    step = later.delta(before, f"{_ITL}_sum") / max(later.delta(before, f"{_ITL}_count"), 1)
+    print(f"vLLM step (its mean inter-token latency here): {1000 * step:.0f} ms")
+    assert busy == 0 and _busy(later) == 0, samples[-5:]
+    # Never finished (an abort is not a success), and stopped generating far short of its 600 tokens.
+    assert later.delta(before, "vllm:request_success_total") == 0
+    assert generated == now.delta(before, "vllm:generation_tokens_total") < 600
+    if phase == "during-prefill":
+        assert generated <= 1  # at most the token its prefill step produced
+    else:
+        # Decoding: vLLM notices the abort at the end of the step it is in (its own inter-token latency).
+        assert took < 0.100 + step, (took, step, samples)
+    running.flush()
+    roots = [s for s in telemetry.finished() if sc.ROUTE in (s.attributes or {})]
+    assert roots and roots[-1].attributes[sc.OUTCOME] == "cancelled"  # type: ignore[index]
