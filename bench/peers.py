@@ -14,6 +14,7 @@ import secrets
 import shutil
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from importlib import resources
@@ -27,7 +28,6 @@ REPO = HERE.parent
 TOOLS = Path(os.environ.get("LLMTAP_TOOLS", REPO / ".tools"))
 LITELLM = TOOLS / "litellm" / "bin" / "litellm"
 AIPERF = TOOLS / "aiperf" / "bin" / "aiperf"
-PYSPY = TOOLS / "py-spy" / "bin" / "py-spy"
 INSTALL = "bash .ci/install.d/50-bench.sh"
 
 
@@ -118,6 +118,7 @@ def llmtap(
     name: str = "llmtap",
     workers: int = 1,
     extra_env: dict[str, str] | None = None,
+    module: str = "proxy",
 ) -> tuple[Endpoint, int]:
     """``llmtap serve`` with full telemetry: chunk spans on, traces and metrics exported over OTLP/gRPC to the sink.
 
@@ -136,7 +137,7 @@ def llmtap(
     argv = [
         sys.executable,
         "-m",
-        "proxy",
+        module,
         "serve",
         "--upstream",
         f"http://127.0.0.1:{upstream_port}",

@@ -58,16 +58,22 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """User plus system CPU seconds of the processes (all their threads)."""
-    total = 0
+def cpu_split(pids: Sequence[int]) -> tuple[float, float]:
+    """User and system CPU seconds of the processes (all their threads)."""
+    user = system = 0
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])
-    return total / _TICK
+        user += int(fields[11])
+        system += int(fields[12])
+    return user / _TICK, system / _TICK
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User plus system CPU seconds of the processes (all their threads)."""
+    return sum(cpu_split(pids))
 
 
 def rss_bytes(pids: Sequence[int]) -> int:
@@ -116,6 +122,10 @@ class Service:
     def cpu(self) -> float:
         """CPU seconds used so far by the whole tree."""
         return cpu_seconds(self.pids())
+
+    def cpu_system(self) -> float:
+        """The part of ``cpu()`` spent in the kernel (for a proxy on loopback: mostly TCP)."""
+        return cpu_split(self.pids())[1]
 
     def rss(self) -> int:
         """Resident bytes of the whole tree now."""

@@ -20,13 +20,18 @@ def _f(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def _pct(share: float | None) -> str:
+    return "–" if share is None else f"{100 * share:.0f}%"
+
+
 def phase_line(fig: PathFigures) -> str:
     """A one-line progress report."""
     return (
         f"{fig.path:>8} x{fig.streams:<4} req {fig.requests:>4} fail {fig.failed} "
         f"ttft+ p50 {_f(fig.added_ttft_ms_p50)} p99 {_f(fig.added_ttft_ms_p99)} ms  "
         f"gap+ p50 {_f(fig.added_gap_ms_p50)} p99 {_f(fig.added_gap_ms_p99)} ms  merged {fig.merged}  "
-        f"{fig.chunks_per_s:.0f} chunks/s  cpu/1k {_f(fig.cpu_s_per_1000_chunks, 3)} s  "
+        f"{fig.chunks_per_s:.0f} chunks/s  cpu/1k {_f(fig.cpu_s_per_1000_chunks, 3)} s "
+        f"(kernel {_pct(fig.cpu_system_share)})  "
         f"rss/stream {_f(fig.rss_kib_per_stream, 1)} KiB"
     )
 
@@ -34,8 +39,9 @@ def phase_line(fig: PathFigures) -> str:
 def _phases_table(phases: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| path | streams | requests (failed) | added TTFT p50 / p99 (ms) | added gap p50 / p99 (ms) | merged | "
-        "chunks/s | CPU s per 1000 chunks | RSS per open stream (KiB) | upstream late p99 (ms) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "chunks/s | CPU s per 1000 chunks (kernel share) | idle CPU (ms/s) | RSS per open stream (KiB) | "
+        "upstream late p99 (ms) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     order = {"direct": 0, "nginx": 1, "llmtap": 2, "litellm": 3}
     for p in sorted(phases, key=lambda p: (p["streams"], order.get(p["path"], 9))):
@@ -43,7 +49,8 @@ def _phases_table(phases: list[dict[str, Any]]) -> list[str]:
             f"| {p['path']} | {p['streams']} | {p['requests']} ({p['failed']}) | "
             f"{_f(p['added_ttft_ms_p50'])} / {_f(p['added_ttft_ms_p99'])} | "
             f"{_f(p['added_gap_ms_p50'])} / {_f(p['added_gap_ms_p99'])} | {p['merged']} | "
-            f"{_f(p['chunks_per_s'], 0)} | {_f(p['cpu_s_per_1000_chunks'], 3)} | {_f(p['rss_kib_per_stream'], 1)} | "
+            f"{_f(p['chunks_per_s'], 0)} | {_f(p['cpu_s_per_1000_chunks'], 3)} ({_pct(p.get('cpu_system_share'))}) | "
+            f"{_f(p.get('idle_cpu_ms_per_s'), 1)} | {_f(p['rss_kib_per_stream'], 1)} | "
             f"{_f(p['upstream_late_ms_p99'])} |"
         )
     return lines
@@ -105,11 +112,25 @@ def _accuracy(acc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _workers(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| workers | streams | added TTFT p50 / p99 (ms) | added gap p99 (ms) | merged | CPU s per 1000 chunks | "
+             "RSS idle (MiB) | /metrics scrape p50 (ms) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"| {r['workers']} | {r['streams']} | {_f(r['added_ttft_ms_p50'])} / {_f(r['added_ttft_ms_p99'])} | "
+            f"{_f(r['added_gap_ms_p99'])} | {r['merged']} | {_f(r['cpu_s_per_1000_chunks'], 3)} | "
+            f"{_f(r['rss_idle_mib'], 1)} | {_f(r['scrape_ms_p50'], 1)} |"
+        )
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The figures of a run as Markdown."""
     m = results["machine"]
     lines = [
-        f"Run: {results['started']} ({results['mode']}), network namespace: {'yes' if results['netns'] else 'no'}.",
+        f"Run: {results['started']} ({results['mode']}), network namespace: {'yes' if results['netns'] else 'no'}, "
+        f"niceness {results.get('nice', 0)}.",
         f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, Python {m['python']}; "
         f"{m['nginx']}; LiteLLM {m['litellm']}; aiperf {m['aiperf']}; {m['prometheus']}.",
         f"Libraries: {', '.join(f'{k} {v}' for k, v in m['versions'].items())}.",
@@ -125,6 +146,8 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     if results.get("ramp"):
         lines += ["", "### llmtap's ramp (50 chunks/s per stream)", "", *_ramp(results)]
+    if results.get("workers"):
+        lines += ["", "### Scale-out: llmtap --workers, both cores free to it", "", *_workers(results["workers"])]
     if results.get("accuracy"):
         lines += ["", "### Accuracy", "", *_accuracy(results["accuracy"])]
     return "\n".join(lines) + "\n"

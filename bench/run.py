@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 from bench import accuracy, peers, report
 from bench.peers import Endpoint
 from bench.procs import Sampler, Service, pinned, quiesce
-from bench.stats import PathFigures, analyse, crossing
+from bench.stats import PathFigures, analyse, crossing, percentile
 
 PATHS = ("direct", "nginx", "llmtap", "litellm")
 IN_NETNS = "BENCH_IN_NETNS"
@@ -44,21 +45,26 @@ class Plan:
     gap: float = 0.020
     ttft: float = 0.020
     streams_per_client: int = 64
+    #: Streams for the --workers comparison (None: skipped).
+    workers_streams: int | None = None
+    idle_probe: float = 3.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 FULL = Plan(
     streams=(1, 64, 256),
     requests={1: 30, 64: 6, 256: 4},
-    ramp=(128, 192, 256, 320, 384, 448, 512),
+    ramp=(4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512),
     ramp_requests=3,
     accuracy=accuracy.AccuracyPlan(concurrency=16, requests=320, warmup=32),
+    workers_streams=64,
 )
 SMOKE = Plan(
     streams=(1, 8),
     requests={1: 3, 8: 2},
-    ramp=(16, 32),
+    ramp=(16,),
     ramp_requests=1,
+    idle_probe=1.0,
     accuracy=accuracy.AccuracyPlan(concurrency=4, requests=16, warmup=4),
 )
 
@@ -73,6 +79,7 @@ class Bench:
         self.client_cpu = client_cpu
         self.services: list[Service] = []
         self.results: dict[str, Any] = {"phases": [], "ramp": []}
+        self.idle_cpu: dict[str, float] = {}
 
     def start_shared(self) -> None:
         """The upstream and the OTLP sink, on the client's core."""
@@ -138,16 +145,21 @@ class Bench:
         peers.records(self.up_port)
         if ep.service is None:
             return 0.0
-        quiesce(ep.service)
+        before = quiesce(ep.service)
+        # What the path burns doing nothing (timers, exporters): charged to every phase's CPU too.
+        time.sleep(self.plan.idle_probe)
+        self.idle_cpu[ep.name] = 1000 * (ep.service.cpu() - before) / self.plan.idle_probe
         return float(ep.service.rss())
 
     def phase(self, ep: Endpoint, streams: int, requests: int, idle_rss: float, tag: str) -> PathFigures:
         """One measured phase of one path at one concurrency."""
         cpu0 = quiesce(ep.service) if ep.service is not None else 0.0
         if ep.service is not None:
+            sys0 = ep.service.cpu_system()
             with Sampler(ep.service) as sampler:
                 records, client_cpu = self.clients(ep, streams, requests, tag)
             cpu1 = quiesce(ep.service)
+            sys1 = ep.service.cpu_system()
         else:
             records, client_cpu = self.clients(ep, streams, requests, tag)
         upstream = peers.records(self.up_port)
@@ -157,6 +169,8 @@ class Bench:
         fig.client_cpu_s = client_cpu
         if ep.service is not None:
             fig.cpu_s = cpu1 - cpu0
+            fig.cpu_system_share = (sys1 - sys0) / fig.cpu_s if fig.cpu_s > 0 else None
+            fig.idle_cpu_ms_per_s = self.idle_cpu.get(ep.name)
             fig.cpu_s_per_1000_chunks = fig.cpu_s / (fig.chunks / 1000) if fig.chunks else None
             fig.rss_idle_mib = idle_rss / 2**20
             fig.rss_peak_mib = sampler.peak / 2**20
@@ -164,12 +178,12 @@ class Bench:
         print(report.phase_line(fig), flush=True)
         return fig
 
-    def run_path(self, name: str, *, ramp: bool) -> None:
+    def run_path(self, name: str, *, ramp: bool, phases: bool = True) -> None:
         """All concurrencies of one path (and llmtap's ramp), then stop it."""
         ep = self.endpoint(name)
         try:
             idle = self.warm(ep)
-            for streams in self.plan.streams:
+            for streams in self.plan.streams if phases else ():
                 fig = self.phase(ep, streams, self.plan.requests[streams], idle, f"{name}-{streams}")
                 self.results["phases"].append(fig.as_dict())
             if ramp:
@@ -180,15 +194,43 @@ class Bench:
                 self.services.remove(ep.service)
 
     def ramp(self, ep: Endpoint, idle: float) -> None:
-        """More streams at 50 chunks/s each until llmtap's added gap p99 passes 5 ms."""
+        """More streams at 50 chunks/s each, past the point where llmtap's added gap p99 passes 5 ms, until it
+        falls behind (the phase takes a quarter longer than the script) or its gap p99 passes 50 ms."""
         points = []
-        for streams in self.plan.ramp:
-            fig = self.phase(ep, streams, self.plan.ramp_requests, idle, f"ramp-{streams}")
+        p = self.plan
+        for streams in p.ramp:
+            fig = self.phase(ep, streams, p.ramp_requests, idle, f"ramp-{streams}")
             self.results["ramp"].append(fig.as_dict())
             points.append((fig.chunks_per_s, fig.added_gap_ms_p99))
-            if fig.added_gap_ms_p99 > 5.0:
+            period = p.ttft + p.chunks * p.gap
+            scripted = period * (1 + p.ramp_requests)  # the starts are staggered over one period
+            if fig.seconds > 1.25 * scripted or fig.added_gap_ms_p99 > 50.0:
                 break
         self.results["ramp_crossing_chunks_per_s"] = crossing(points, 5.0)
+
+    def workers(self) -> None:
+        """llmtap with one and with two workers, free on both cores: added figures, memory, scrape time."""
+        streams = self.plan.workers_streams
+        assert streams is not None
+        rows = self.results.setdefault("workers", [])
+        for n in (1, 2):
+            ep, admin = peers.llmtap(self.work, None, self.up_port, self.sink_port, name=f"llmtap-w{n}", workers=n)
+            assert ep.service is not None
+            self.services.append(ep.service)
+            try:
+                idle = self.warm(ep)
+                fig = self.phase(ep, streams, self.plan.requests[streams], idle, f"workers-{n}")
+                scrapes = []
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10) as r:
+                        size = len(r.read())
+                    scrapes.append(1000 * (time.perf_counter() - t0))
+                rows.append({**fig.as_dict(), "workers": n, "scrape_ms_p50": percentile(scrapes, 50),
+                             "scrape_bytes": size})  # fmt: skip
+            finally:
+                ep.service.stop()
+                self.services.remove(ep.service)
 
 
 def machine() -> dict[str, Any]:
@@ -199,14 +241,14 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    versions = {}
-    for mod in ("uvicorn", "uvloop", "httptools", "httpx", "opentelemetry.sdk"):
-        try:
-            from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-            versions[mod] = version(mod.replace(".", "-"))
-        except Exception:
-            versions[mod] = None
+    versions: dict[str, str | None] = {}
+    for dist in ("uvicorn", "uvloop", "httptools", "httpx", "opentelemetry-sdk"):
+        try:
+            versions[dist] = version(dist)
+        except PackageNotFoundError:
+            versions[dist] = None
     return {
         "cpu": model,
         "cores": os.cpu_count(),
@@ -214,8 +256,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "versions": versions,
         "nginx": _out(["nginx", "-v"]),
-        "litellm": _out([str(peers.TOOLS / "litellm/bin/python"), "-m", "pip", "show", "-q", "litellm"], "Version:"),
-        "aiperf": _out([str(peers.TOOLS / "aiperf/bin/python"), "-m", "pip", "show", "-q", "aiperf"], "Version:"),
+        "litellm": _version(peers.TOOLS / "litellm/bin/python", "litellm"),
+        "aiperf": _version(peers.TOOLS / "aiperf/bin/python", "aiperf"),
         "prometheus": _out(["prometheus", "--version"]).split("\n")[0],
     }
 
@@ -225,17 +267,17 @@ def load() -> str:
     return _out(["uptime"])
 
 
-def _out(argv: list[str], prefix: str | None = None) -> str:
+def _out(argv: list[str]) -> str:
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return ""
-    text = (done.stdout + done.stderr).strip()
-    if prefix:
-        for line in text.splitlines():
-            if line.startswith(prefix):
-                return line[len(prefix) :].strip()
-    return text
+    return (done.stdout + done.stderr).strip()
+
+
+def _version(python: Path, dist: str) -> str:
+    """The version of a distribution installed in another virtual environment."""
+    return _out([str(python), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"])
 
 
 def _netns(argv: list[str]) -> None:
@@ -256,12 +298,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="small counts (about a minute); what CI runs")
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {', '.join(PATHS)}")
     p.add_argument("--no-ramp", dest="ramp", action="store_false", help="skip llmtap's ramp")
+    p.add_argument("--ramp-only", dest="ramp_only", action="store_true", help="with --paths llmtap: the ramp alone")
     p.add_argument("--no-accuracy", dest="accuracy", action="store_false", help="skip the aiperf/Prometheus part")
+    p.add_argument("--no-workers", dest="workers", action="store_false", help="skip the --workers 1 and 2 comparison")
     p.add_argument("--no-netns", dest="netns", action="store_false", help="do not re-run inside unshare -n")
     p.add_argument("--out", help="results folder (default bench/out/<time>)")
     p.add_argument("--proxy-cpu", default="0", help="core of the proxy under test")
     p.add_argument("--client-cpu", default="1", help="core(s) of client, upstream, sink, Prometheus, aiperf")
     p.add_argument("--write", action="store_true", help="rewrite the figures block of bench/RESULTS.md")
+    p.add_argument(
+        "--nice",
+        type=int,
+        help="niceness of the whole run (default -10 for a full run as root, so other work on a shared machine "
+        "disturbs it less; 0 in smoke mode)",
+    )
     return p
 
 
@@ -279,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         print("missing: " + "; ".join(f"{k} ({v})" for k, v in absent.items()), file=sys.stderr)
         return 3
     plan = SMOKE if args.smoke else FULL
+    nice = args.nice if args.nice is not None else (0 if args.smoke or os.geteuid() != 0 else -10)
+    if nice:
+        os.nice(nice)
     work = Path(args.out or peers.REPO / "bench" / "out" / time.strftime("%Y%m%d-%H%M%S"))
     work.mkdir(parents=True, exist_ok=True)
     single_core = (os.cpu_count() or 1) < 2
@@ -288,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         mode="smoke" if args.smoke else "full",
         started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         netns=bool(os.environ.get(IN_NETNS)),
+        nice=os.nice(0),
         machine=machine(),
         load_before=load(),
         plan={"streams": plan.streams, "requests": plan.requests, "ramp": plan.ramp, "chunks": plan.chunks,
@@ -296,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bench.start_shared()
         for name in paths:
-            bench.run_path(name, ramp=args.ramp and name == "llmtap")
+            bench.run_path(name, ramp=args.ramp and name == "llmtap", phases=not args.ramp_only)
+        if args.workers and plan.workers_streams and "llmtap" in paths:
+            bench.workers()
         if args.accuracy:
             results["accuracy"] = accuracy.run(
                 work,

@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import sys
 import threading
 from collections import Counter
 from concurrent import futures
 from typing import Any, TextIO
 
-import grpc
+import grpc  # type: ignore[import-untyped]
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
@@ -89,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.max_receive_message_length", 64 << 20)]
         )
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
-        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(sink, server)
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)  # type: ignore[no-untyped-call]
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(sink, server)  # type: ignore[no-untyped-call]
         port = server.add_insecure_port(f"127.0.0.1:{args.port}")
         server.start()
         print(port, flush=True)
@@ -102,4 +101,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -51,6 +51,8 @@ class PathFigures:
     merged: int = 0
     upstream_late_ms_p99: float = math.nan
     cpu_s: float | None = None
+    cpu_system_share: float | None = None
+    idle_cpu_ms_per_s: float | None = None
     cpu_s_per_1000_chunks: float | None = None
     rss_idle_mib: float | None = None
     rss_peak_mib: float | None = None

@@ -18,7 +18,6 @@ import asyncio
 import json
 import math
 import re
-import sys
 import time
 from typing import Any, cast
 
@@ -85,6 +84,7 @@ class Upstream:
     def __init__(self, script: Script) -> None:
         self.script = script
         self.records: list[dict[str, Any]] = []
+        self.connections = 0
         self._content: dict[str, list[bytes]] = {}
 
     def content_events(self, model: str) -> list[bytes]:
@@ -109,6 +109,8 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
+        self.up.connections += 1
+        self.serial = self.up.connections
 
     def connection_lost(self, exc: Exception | None) -> None:
         for handle in self.handles:
@@ -161,6 +163,7 @@ class _Conn(asyncio.Protocol):
             "id": found.group(1).decode() if found else None,
             "arrived": arrived,
             "ttft": script.next_ttft(),
+            "conn": self.serial,
             "sent": [],
         }
         if not request.get("stream"):
@@ -235,4 +238,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -20,16 +20,21 @@ import pytest
 
 from bench import peers
 from bench.run import PATHS, SMOKE
+from bench.stats import analyse
 from tests.conftest import require_real
 
 ROOT = Path(__file__).parent.parent
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.fixture(scope="module")
+def results(out: Path) -> dict[str, Any]:
     absent = peers.missing()
     require_real(not absent, ", ".join(sorted(absent)) or "-", "; ".join(sorted(set(absent.values()))) or "-")
-    out = tmp_path_factory.mktemp("bench")
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--smoke", "--out", str(out)],
         cwd=ROOT,
@@ -64,14 +69,24 @@ def test_every_path_measured_at_every_concurrency(results: dict[str, Any]) -> No
 
 
 @pytest.mark.real
-def test_direct_path_shows_the_client_is_not_the_bottleneck(results: dict[str, Any]) -> None:
+def test_direct_path_shows_the_client_is_not_the_bottleneck(results: dict[str, Any], out: Path) -> None:
     for streams in SMOKE.streams:
         direct = _phase(results, "direct", streams)
         assert direct["merged"] == 0, direct
         assert direct["chunks"] == direct["requests"] * SMOKE.chunks
-        assert direct["added_ttft_ms_p50"] <= 2.0, direct
-        assert abs(direct["added_gap_ms_p50"]) <= 2.0, direct
         assert direct["cpu_s"] is None and direct["client_cpu_s"] > 0
+    # Within 2 ms of the script, over every direct request of the run (a smoke phase has few requests;
+    # one late wake-up on a shared machine must not decide).
+    client: list[dict[str, Any]] = []
+    upstream: list[dict[str, Any]] = []
+    for streams in SMOKE.streams:
+        raw = json.loads((out / f"records-direct-{streams}.json").read_text())
+        client += raw["client"]
+        upstream += raw["upstream"]
+    pooled = analyse("direct", 0, client, upstream, gap=SMOKE.gap)
+    assert pooled.unmatched == 0 and pooled.failed == 0
+    assert pooled.added_ttft_ms_p50 <= 2.0, pooled
+    assert abs(pooled.added_gap_ms_p50) <= 2.0, pooled
 
 
 @pytest.mark.real

@@ -2,7 +2,7 @@
 # Installs the peers and the reference client of the benchmark (bench/, tests/test_bench_smoke.py):
 # nginx (Debian nginx-light, the floor for a proxy), LiteLLM's proxy and NVIDIA's aiperf, each of the two
 # Python tools in its own virtual environment ("$LLMTAP_TOOLS/litellm", "$LLMTAP_TOOLS/aiperf") because
-# their pins clash with ours and with each other. py-spy (a wheel with its binary inside) profiles the proxy.
+# their pins clash with ours and with each other.
 # Idempotent: what already runs is kept.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -38,4 +38,3 @@ venv() {
 export LITELLM_LOCAL_MODEL_COST_MAP=True
 venv litellm "import litellm.proxy.proxy_server" "litellm[proxy]>=1.60,<2"
 venv aiperf "import aiperf.cli" "aiperf>=0.2"
-venv py-spy "import shutil, sys; sys.exit(shutil.which('py-spy', path='$tools/py-spy/bin') is None)" "py-spy>=0.4"
