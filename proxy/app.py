@@ -17,7 +17,15 @@ from opentelemetry.trace import TracerProvider
 from proxy import tokens
 from proxy.admission import Admission, QueueFull
 from proxy.fingerprint import version_label
-from proxy.forward import Router, Upstreams, close_if_surplus, request_headers, response_headers, upstream_url
+from proxy.forward import (
+    TRACE_HEADERS,
+    Router,
+    Upstreams,
+    close_if_surplus,
+    request_headers,
+    response_headers,
+    upstream_url,
+)
 from proxy.guard import Refusal, check_request, check_route
 from proxy.live import LiveView
 from proxy.providers import provider_for
@@ -492,11 +500,7 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
 
 
 def _text_headers(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    return {
-        k.decode("latin-1").lower(): v.decode("latin-1")
-        for k, v in headers
-        if k.lower() in (b"traceparent", b"tracestate")
-    }
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k.lower() in TRACE_HEADERS}
 
 
 class AdminApp:

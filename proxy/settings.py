@@ -112,6 +112,9 @@ class Telemetry:
     metrics_exporter: str = "none"
     traces_endpoint: str | None = None
     metrics_endpoint: str | None = None
+    #: True when the endpoint came from the signal's own variable (used as is; a base one gets ``/v1/<signal>``).
+    traces_endpoint_specific: bool = False
+    metrics_endpoint_specific: bool = False
     traces_protocol: str = "grpc"
     metrics_protocol: str = "grpc"
     traces_headers: Mapping[str, str] = field(default_factory=dict)
@@ -317,6 +320,7 @@ def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] |
         headers.update(_headers(env.get(headers_key), headers_key))
         values[f"{signal}_exporter"] = "none" if disabled else exporter
         values[f"{signal}_endpoint"] = endpoint
+        values[f"{signal}_endpoint_specific"] = bool(env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
         values[f"{signal}_protocol"] = protocol
         values[f"{signal}_headers"] = headers
     values["metric_export_interval_ms"] = int(

@@ -229,7 +229,7 @@ def _span_exporter(t: Telemetry) -> SpanExporter | None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
 
         return HTTPSpanExporter(
-            endpoint=_http_endpoint(t.traces_endpoint, "traces", specific=_specific("TRACES")), headers=headers
+            endpoint=_http_endpoint(t.traces_endpoint, "traces", specific=t.traces_endpoint_specific), headers=headers
         )
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GRPCSpanExporter
 
@@ -248,17 +248,14 @@ def _metric_exporter(t: Telemetry) -> MetricExporter | None:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HTTPMetricExporter
 
         return HTTPMetricExporter(
-            endpoint=_http_endpoint(t.metrics_endpoint, "metrics", specific=_specific("METRICS")), headers=headers
+            endpoint=_http_endpoint(t.metrics_endpoint, "metrics", specific=t.metrics_endpoint_specific),
+            headers=headers,
         )
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GRPCMetricExporter
 
     return GRPCMetricExporter(
         endpoint=t.metrics_endpoint, headers=headers, insecure=t.metrics_endpoint.startswith("http://")
     )
-
-
-def _specific(signal: str) -> bool:
-    return bool(os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"))
 
 
 def _http_endpoint(endpoint: str, signal: str, *, specific: bool) -> str:
