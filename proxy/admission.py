@@ -34,9 +34,14 @@ class Admission:
         """Requests in line now (a waiter that gave up is removed when it does)."""
         return len(self._waiters)
 
+    @property
+    def free(self) -> bool:
+        """True when ``acquire`` would take a slot at once, without waiting."""
+        return self.active < self.limit and not self._waiters
+
     async def acquire(self) -> None:
         """Take a slot, waiting in line for one; raises ``QueueFull`` when the line cannot take us."""
-        if self.active < self.limit and not self._waiters:
+        if self.free:
             self.active += 1
             return
         if len(self._waiters) >= self.queue_limit:

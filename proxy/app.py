@@ -382,7 +382,7 @@ class ProxyApp:
 
     async def _admit(self, admission: Admission, tl: Timeline) -> None:
         """Wait in the route's line; the waiting count is a metric while anyone waits."""
-        if admission.active < admission.limit and not admission.waiting:
+        if admission.free:
             await admission.acquire()
             return
         self.recorder.queue_changed(tl.route, +1)

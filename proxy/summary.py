@@ -57,6 +57,8 @@ class Summary:
     output_drift: float | None = None
     input_size: str = "unknown"
     slo: str = "none"
+    #: Server timing fields ignored as malformed or absurd: the relay's (headers), the provider's and validation's.
+    rejected_timings: list[str] = field(default_factory=list)
     #: ``llmtap.cache.class`` of the prompt-cache diagnosis, when the recorder made one.
     cache_class: str | None = None
 
@@ -123,7 +125,7 @@ def summarize(
 
     With an ``estimator``, call it for every request in the order they end (it replays admissions).
     """
-    s = Summary()
+    s = Summary(rejected_timings=list(tl.rejected_timings))
     if tl.first_content is not None:
         s.ttft = tl.first_content - tl.received
         if tl.sent is not None:
@@ -188,7 +190,7 @@ def _phases(tl: Timeline, s: Summary, estimator: Estimator | None, route: Route 
         # counted; the estimate stands in for them.
         elapsed = (tl.end - tl.sent) if tl.end is not None and tl.sent is not None else math.inf
         st, _ = validate(st, elapsed)
-        tl.rejected_timings.extend(name for name in st.rejected if name not in tl.rejected_timings)
+        s.rejected_timings.extend(st.rejected)
     if st is not None and st.queue is not None:
         s.upstream_queue, s.upstream_queue_source = st.queue, SERVER
     if st is not None and st.prefill is not None:

@@ -61,7 +61,7 @@ class Timeline:
     # in flight when it was sent: what the estimator needs to replay a slot-limited server.
     upstream_seq: int | None = None
     upstream_ahead: int = 0
-    # Names of server-reported timing fields that were malformed or absurd, and so ignored.
+    # Names of timing headers the relay found malformed or inconsistent, and so ignored.
     rejected_timings: list[str] = field(default_factory=list)
     span_id: str | None = None
 

@@ -238,7 +238,7 @@ class Recorder:
         ins.active_streams.add(-1, {sc.ROUTE: tl.route})
         if tl.error_type in ("queue_full", "queue_timeout"):
             ins.queue_rejected.add(1, {sc.ROUTE: tl.route, sc.ERROR_TYPE: tl.error_type})
-        for name in tl.rejected_timings:
+        for name in s.rejected_timings:
             log.debug("ignored server timing %s of %s %s", name, tl.method, tl.path)
             ins.timing_rejected.add(1, {sc.ROUTE: tl.route, sc.TIMING_FIELD: name})
         diag = self._diagnose(tl, s)
