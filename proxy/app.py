@@ -34,7 +34,7 @@ from proxy.providers.timing import from_headers
 from proxy.settings import Route, Settings
 from proxy.streaming import Tap
 from proxy.telemetry.prometheus import CONTENT_TYPE, PrometheusReader
-from proxy.telemetry.recorder import Recorder
+from proxy.telemetry.recorder import Recorder, Ticket
 from proxy.timeline import Timeline, now
 from proxy.types import Message, Receive, RequestInfo, Scope, Send
 
@@ -199,10 +199,13 @@ class ProxyApp:
                 info.parse_error = "body_not_inspected"
             tl.request = info
         handle, trace_headers = self.recorder.start(tl, _text_headers(headers))
+        ticket = self.recorder.gate.enter()
         self.inflight += 1
         self._idle.clear()
         try:
-            await self._relay(scope, receive, send, route, provider, tl, info, headers, body, more, trace_headers)
+            await self._relay(
+                scope, receive, send, route, provider, tl, info, headers, body, more, trace_headers, ticket
+            )
         except _Truncated:
             # Returning without completing the response makes the server drop the connection, so
             # the client sees the same truncation the proxy saw.
@@ -210,6 +213,7 @@ class ProxyApp:
         finally:
             if tl.end is None:
                 tl.end = now()
+            ticket.leave()
             self.recorder.finish(tl, handle)
             self.inflight -= 1
             if not self.inflight:
@@ -252,6 +256,7 @@ class ProxyApp:
         body: bytes,
         more: AsyncIterator[bytes] | None,
         trace_headers: dict[str, str],
+        ticket: Ticket,
     ) -> None:
         rewritten = info.rewritten_body if info is not None else None
         content: bytes | AsyncIterator[bytes]
@@ -328,6 +333,8 @@ class ProxyApp:
                 out = tap.feed(chunk, now())
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
+                if tl.first_content is not None:
+                    ticket.leave()
             tail = tap.finish(now())
             tl.end = now()
             if response.status_code >= 400:
@@ -527,9 +534,10 @@ class AdminApp:
             return
         path = scope["path"]
         if path == "/metrics":
-            # Rendered on a thread: a large page takes long enough to stall the relay's event loop.
+            # Rendered on a thread: a large page takes long enough to stall the relay's event loop; and,
+            # like every telemetry thread, after requests waiting for their first content got it.
             text = (
-                await asyncio.to_thread(self.prometheus.render)
+                await asyncio.to_thread(self._render, self.prometheus)
                 if self.prometheus is not None
                 else "# prometheus endpoint disabled\n"
             )
@@ -543,6 +551,10 @@ class AdminApp:
             await self.live(scope, receive, send)
         else:
             await _plain(send, 404, b"not found\n")
+
+    def _render(self, prometheus: PrometheusReader) -> str:
+        self.proxy.recorder.gate.give_way()
+        return prometheus.render()
 
 
 async def _plain(send: Send, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:

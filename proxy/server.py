@@ -155,6 +155,7 @@ async def serve(settings: Settings, *, worker: Worker | None = None) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL)
     providers = setup.build(settings.telemetry)
     app = create_app(settings, tracer_provider=providers.tracer_provider, meter_provider=providers.meter_provider)
+    providers.give_way_to(app.recorder.gate.give_way)
     admin = AdminApp(app, providers.prometheus)
     logging.getLogger("uvicorn.error").addFilter(_QuietTruncation())
     # Objects made at start-up live for the whole run: freeze them so the cyclic collector never

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from proxy.settings import SLO, Route, Settings, Telemetry as TelemetrySettings, build
 from proxy.summary import Summary
 from proxy.telemetry import semconv as sc
-from proxy.telemetry.recorder import BoundedValues, Recorder
+from proxy.telemetry.recorder import GIVE_WAY_BACKLOG, BoundedValues, FirstContentGate, Recorder
 from proxy.timeline import Timeline
 from proxy.types import Facts, RequestInfo, Usage
 from tests.conftest import Running, Scripted, Telemetry
@@ -669,6 +670,74 @@ def test_queue_full_drops_are_counted(harness: HarnessFactory) -> None:
     m = h.metrics()
     assert point(m, sc.METRIC_REQUESTS).value == 2
     assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 0
+
+
+def test_gate_counts_requests_until_their_first_content() -> None:
+    gate = FirstContentGate(wait=10.0)
+    first, second = gate.enter(), gate.enter()
+    assert gate.waiting == 2
+    first.leave()
+    first.leave()  # a ticket leaves once, however often the relay says so
+    assert gate.waiting == 1
+    waited = threading.Event()
+
+    def worker() -> None:
+        gate.give_way()
+        waited.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert not waited.wait(0.3)  # one request still waits for its first content
+    second.leave()
+    assert waited.wait(5) and gate.waiting == 0
+    thread.join(5)
+
+
+def test_gate_wait_is_bounded() -> None:
+    gate = FirstContentGate(wait=0.05)
+    ticket = gate.enter()
+    started = time.monotonic()
+    gate.give_way()
+    assert time.monotonic() - started < 5  # bounded: never waits for a request that never ends
+    ticket.leave()
+
+
+def test_recorder_gives_way_to_a_request_before_its_first_content(harness: HarnessFactory) -> None:
+    """A finished request is recorded only once the waiting one has its first content (here: leaves)."""
+    h = harness()
+    rec = h.recorder
+    rec.gate = FirstContentGate(wait=30.0)
+    ticket = rec.gate.enter()
+    tl = timeline(3)
+    rec.finish(tl, rec.start(tl, {})[0])
+    time.sleep(0.5)
+    assert rec.recorded == 0
+    ticket.leave()
+    assert rec.flush(5) and rec.recorded == 1
+
+
+def test_recorder_stops_giving_way_when_records_pile_up(harness: HarnessFactory) -> None:
+    """Under load (requests always arriving), records past GIVE_WAY_BACKLOG are written without waiting."""
+    h = harness()
+    rec = h.recorder
+    rec.gate = FirstContentGate(wait=30.0)
+    ticket = rec.gate.enter()
+    try:
+        first = timeline(1)
+        rec.finish(first, rec.start(first, {})[0])
+        time.sleep(0.3)
+        assert rec.recorded == 0  # given way
+        more = [timeline(1) for _ in range(GIVE_WAY_BACKLOG + 4)]
+        for tl in more:
+            rec.finish(tl, rec.start(tl, {})[0])
+        # Written down to the backlog bound at once; each record would otherwise wait 30 s.
+        deadline = time.monotonic() + 10
+        while rec.recorded < len(more) + 1 - GIVE_WAY_BACKLOG and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rec.recorded >= len(more) + 1 - GIVE_WAY_BACKLOG, rec.recorded
+    finally:
+        ticket.leave()
+    assert rec.flush(10) and rec.recorded == len(more) + 1
 
 
 # --- secrets -------------------------------------------------------------------------------------

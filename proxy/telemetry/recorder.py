@@ -13,6 +13,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,6 +39,14 @@ log = logging.getLogger("llmtap.telemetry")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _STOP = object()
 _CONTENT_CAP = 16 * 1024
+#: Longest the recorder waits at one point for requests to get their first content before it goes on.
+GIVE_WAY_WAIT = 0.05
+#: With more records than this queued, the recorder stops giving way, so under load it cannot fall behind.
+GIVE_WAY_BACKLOG = 16
+#: How often a waiting recorder looks at its backlog.
+GIVE_WAY_POLL = 0.01
+#: Chunk spans written between two chances to give way.
+GIVE_WAY_EVERY = 8
 
 
 class BoundedValues:
@@ -59,6 +68,65 @@ class BoundedValues:
                 self._seen.add(value)
                 return value
         return "_OTHER"
+
+
+class Ticket:
+    """One request's place among those still waiting for their first content; ``leave`` is idempotent."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: FirstContentGate) -> None:
+        self._gate: FirstContentGate | None = gate
+
+    def leave(self) -> None:
+        """The request has its first content (or ended without): telemetry need not wait for it any more."""
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.leave()
+
+
+class FirstContentGate:
+    """Counts the requests still waiting for their first content, so that telemetry work waits for them.
+
+    Telemetry runs on threads that share the GIL with the relay. Work done while a request waits for its
+    first token delays that token: every time the event loop wakes (accept, headers, body, upstream
+    connect, first chunk) it waits for the GIL, up to the switch interval each time. Decode gaps are 20 to
+    60 ms of idle loop, so work moved there costs nobody a token. ``enter`` and ``leave`` run on the event
+    loop only, ``give_way`` on telemetry threads.
+    """
+
+    def __init__(self, *, wait: float = GIVE_WAY_WAIT) -> None:
+        self._waiting = 0
+        self._clear = threading.Event()
+        self._clear.set()
+        self._wait = wait
+
+    def enter(self) -> Ticket:
+        """A request arrived: it waits for its first content until its ticket is left."""
+        self._waiting += 1
+        self._clear.clear()
+        return Ticket(self)
+
+    def leave(self) -> None:
+        self._waiting -= 1
+        if not self._waiting:
+            self._clear.set()
+
+    @property
+    def waiting(self) -> int:
+        """Requests between arrival and first content."""
+        return self._waiting
+
+    def give_way(self, enough: Callable[[], bool] = lambda: False) -> None:
+        """Block (without the GIL) until no request waits for its first content, ``wait`` seconds pass, or
+        ``enough()`` (asked every few milliseconds) says to go on."""
+        if self._clear.is_set():
+            return
+        deadline = time.monotonic() + self._wait
+        while not enough():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._clear.wait(min(left, GIVE_WAY_POLL)):
+                return
 
 
 class TraceHandle:
@@ -103,6 +171,8 @@ class Recorder:
         rec = settings.record
         #: ``--record PATH``: one JSON line per request, written by the worker thread.
         self.records = RecordWriter(rec.path, max_bytes=rec.max_bytes, files=rec.files) if rec.path else None
+        #: The relay enters every request here; the worker gives way while any waits for its first content.
+        self.gate = FirstContentGate()
 
     # -- called on the event loop -------------------------------------------------------------
 
@@ -183,6 +253,7 @@ class Recorder:
                 item.event.set()
                 continue
             tl, handle = item
+            self._give_way()
             try:
                 self.record(tl, handle)
                 self.recorded += 1
@@ -192,6 +263,13 @@ class Recorder:
             if self._queue.empty():
                 # Idle: push record lines out now, so ``llmtap compare`` can read a live file.
                 self._flush_records()
+
+    def _give_way(self) -> None:
+        """Let requests waiting for their first content go first, unless records pile up."""
+        self.gate.give_way(self._backlogged)
+
+    def _backlogged(self) -> bool:
+        return self._queue.qsize() >= GIVE_WAY_BACKLOG
 
     def _flush_records(self) -> None:
         if self.records is not None:
@@ -346,6 +424,8 @@ class Recorder:
         shown = n if n <= cap else cap - 1
         ctx = trace.set_span_in_context(decode, otel_context.Context())
         for i in range(shown):
+            if i % GIVE_WAY_EVERY == GIVE_WAY_EVERY - 1:
+                self._give_way()
             gap = times[i] - times[i - 1] if i else 0.0
             attrs: dict[str, Any] = {sc.CHUNK_INDEX: i, sc.CHUNK_BYTES: sizes[i], sc.CHUNK_GAP: gap}
             if i < len(s.chunk_tokens):
