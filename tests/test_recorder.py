@@ -323,6 +323,32 @@ def test_chunk_cap_not_reached(harness: HarnessFactory) -> None:
     assert len(chunks) == 200 and all(sc.CHUNK_FOLDED not in attrs(c) for c in chunks)
 
 
+def test_chunk_spans_written_directly_equal_those_through_the_tracer(harness: HarnessFactory) -> None:
+    """The SDK provider's chunk spans skip ``start_span``; what reaches the exporter is the same."""
+
+    def chunk_view(h: Harness) -> list[tuple[Any, ...]]:
+        (decode,) = h.spans(sc.SPAN_DECODE)
+        out = []
+        for c in h.spans(sc.SPAN_CHUNK):
+            assert c.parent is not None and c.parent.span_id == decode.context.span_id
+            assert c.context.trace_id == decode.context.trace_id and c.context.trace_flags.sampled
+            assert c.context.span_id not in (0, decode.context.span_id) and not c.context.is_remote
+            scope = c.instrumentation_scope
+            out.append((c.name, c.kind, c.start_time, c.end_time, attrs(c), c.resource, scope and scope.name))
+        return sorted(out, key=lambda row: row[4][sc.CHUNK_INDEX])
+
+    direct = harness(chunk_span_cap=8)
+    assert direct.recorder.chunk_writer is not None
+    direct.run(timeline(12))
+    tracer = harness(chunk_span_cap=8)
+    tracer.recorder.chunk_writer = None
+    tracer.run(timeline(12))
+    assert len(chunk_view(direct)) == 8
+    assert chunk_view(direct) == chunk_view(tracer)
+    ids = [c.context.span_id for c in direct.spans(sc.SPAN_CHUNK)]
+    assert len(set(ids)) == len(ids)
+
+
 def test_events_mode(harness: HarnessFactory) -> None:
     h = harness(chunk_spans="events")
     h.run(timeline(5))
