@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from proxy import __version__
-from proxy.settings import CHUNK_SPAN_MODES, ConfigError, build
+from proxy.settings import CHUNK_SPAN_MODES, UPSTREAM_CLIENTS, ConfigError, build
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,6 +48,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         dest="stream_buffer_bytes",
         type=int,
         help="receive buffer per upstream connection, what a slow client can make a stream hold (128 KiB; 0: kernel)",
+    )
+    p.add_argument(
+        "--upstream-client",
+        dest="upstream_client",
+        choices=UPSTREAM_CLIENTS,
+        help="client for http:// upstreams: llmtap's own HTTP/1.1 one, or httpx's (lean; https: always httpx)",
     )
     p.add_argument("--slo-ttft-ms", dest="slo_ttft_ms", type=float, help="TTFT objective for goodput, ms")
     p.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=float, help="TPOT objective for goodput, ms")

@@ -10,6 +10,7 @@ import h11
 import httpx
 
 from proxy.settings import Route, Settings
+from proxy.upstream_http import SURPLUS, LeanTransport
 
 # RFC 9110 section 7.6.1: connection-specific fields never travel past one hop. Host is the
 # upstream's, set by httpx from the configured URL; Content-Length is recomputed when a body changes.
@@ -107,6 +108,10 @@ async def close_if_surplus(response: httpx.Response) -> int:
     httpcore's internal attributes; if their shape changes this does nothing, and tests/test_faults.py
     (the Content-Length fault) fails. Runs once per response, never per chunk.
     """
+    counted = response.extensions.get(SURPLUS)
+    if callable(counted):
+        # proxy.upstream_http counts these bytes itself, never parses them, and has closed the connection.
+        return int(counted())
     stream = getattr(getattr(response.stream, "_stream", None), "_httpcore_stream", None)
     connection = getattr(getattr(stream, "_stream", None), "_connection", None)
     state = getattr(connection, "_h11_state", None)
@@ -139,7 +144,13 @@ class Upstreams:
                 continue
             # trust_env=False: an HTTP_PROXY variable must not silently reroute traffic, and
             # redirects are relayed to the client, never followed here.
-            pool = transport or httpx.AsyncHTTPTransport(limits=limits, trust_env=False, socket_options=options)
+            pool: httpx.AsyncBaseTransport
+            if transport is not None:
+                pool = transport
+            elif settings.upstream_client == "lean" and route.upstream.startswith("http://"):
+                pool = LeanTransport(max_connections=settings.max_connections, receive_buffer=buffer)
+            else:
+                pool = httpx.AsyncHTTPTransport(limits=limits, trust_env=False, socket_options=options)
             self._clients[route.upstream] = httpx.AsyncClient(
                 transport=pool, timeout=timeout, trust_env=False, follow_redirects=False
             )

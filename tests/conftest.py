@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import socket
@@ -73,6 +74,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def unanswered_port() -> Iterator[int]:
+    """A port whose listener's accept queue is full: the kernel drops further SYNs, so a connect hangs."""
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        fillers = []
+        try:
+            for _ in range(4):
+                s = socket.socket()
+                fillers.append(s)
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    s.connect(full.getsockname())
+            time.sleep(0.1)
+            yield int(full.getsockname()[1])
+        finally:
+            for s in fillers:
+                s.close()
 
 
 class ServerThread:

@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from proxy.settings import build
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.setup import ExportGate
-from tests.conftest import Running, Telemetry, free_port
+from tests.conftest import Running, Telemetry, free_port, unanswered_port
 from tests.fault_upstream import SMUGGLED
 from tests.procs import FaultUpstream, Llmtap, metric_value, tcp_queues
 
@@ -147,27 +147,13 @@ def test_connection_refused(proxy_factory: Any, telemetry: Telemetry) -> None:
 
 
 def test_connect_timeout(proxy_factory: Any, telemetry: Telemetry) -> None:
-    # A listener whose accept queue is full: the kernel drops further SYNs, so a connect hangs.
-    with socket.socket() as full:
-        full.bind(("127.0.0.1", 0))
-        full.listen(0)
-        fillers = []
-        for _ in range(4):
-            s = socket.socket()
-            s.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                s.connect(full.getsockname())
-            fillers.append(s)
-        time.sleep(0.1)
-        port = full.getsockname()[1]
+    with unanswered_port() as port:
         running: Running = proxy_factory(
             build({"upstream": f"http://127.0.0.1:{port}", "connect_timeout": 0.3}, env={})
         )
         started = time.monotonic()
         status, received, _, _ = request(running.url)
         elapsed = time.monotonic() - started
-        for s in fillers:
-            s.close()
     assert status == 504 and json.loads(received)["error"]["type"] == "upstream_timeout"
     assert 0.3 <= elapsed < 1.0, elapsed
     running.flush()
