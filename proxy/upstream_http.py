@@ -56,8 +56,11 @@ def _wake(waiter: asyncio.Future[bool] | None) -> None:
 
 def _readable(fd: int) -> bool:
     """True when an idle connection has something to read: the server closed it, or sent what nobody asked for."""
+    # poll, not select: select cannot watch a descriptor numbered past 1023, which a busy proxy reaches.
+    poller = select.poll()
     try:
-        return bool(select.select([fd], [], [], 0)[0])
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
 

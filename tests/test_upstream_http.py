@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import socket
 import struct
 import threading
@@ -185,6 +186,36 @@ def test_request_head_is_httpx_own_and_the_connection_is_kept(run: Any) -> None:
             assert heads[1].startswith(b"POST /p HTTP/1.1\r\n") and heads[1].endswith(b"\r\n\r\n{}")
 
     run(scenario())
+
+
+def test_connections_on_descriptors_past_1023_are_kept(run: Any) -> None:
+    """A busy proxy's sockets get numbers past select()'s limit; its idle check must still say usable."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.fail(f"RLIMIT_NOFILE hard limit {hard}: cannot open descriptors past 1023")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    filler = socket.socket()
+    low = [os.dup(filler.fileno()) for _ in range(1100)]
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(3):
+            await read_request(reader)
+            writer.write(OK)
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Upstream(script) as up, client(LeanTransport()) as c:
+            for _ in range(3):
+                assert (await c.get(up.url)).content == b"ok"
+            assert up.connections == 1
+
+    try:
+        run(scenario())
+    finally:
+        for fd in low:
+            os.close(fd)
+        filler.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_httptools_is_a_declared_dependency() -> None:
