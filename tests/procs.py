@@ -12,15 +12,25 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import pytest
 
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[FaultUpstream]:
+    """The fault upstream, one per test module that imports this fixture."""
+    up = FaultUpstream()
+    yield up
+    up.close()
 
 
 class FaultUpstream:

@@ -31,7 +31,7 @@ from proxy.telemetry import semconv as sc
 from proxy.telemetry.setup import ExportGate
 from tests.conftest import Running, Telemetry, free_port, unanswered_port
 from tests.fault_upstream import SMUGGLED
-from tests.procs import FaultUpstream, Llmtap, metric_value, tcp_queues
+from tests.procs import FaultUpstream, Llmtap, metric_value, tcp_queues, upstream as upstream  # the fixture
 
 pytestmark = pytest.mark.e2e
 
@@ -42,13 +42,6 @@ CHAT: dict[str, Any] = {
     "messages": [{"role": "user", "content": "Say something."}],
     "stream_options": {"include_usage": True},
 }
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[FaultUpstream]:
-    up = FaultUpstream()
-    yield up
-    up.close()
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from proxy.streaming import Tap
 from proxy.telemetry import semconv as sc
 from proxy.timeline import Timeline
 from tests.conftest import Running, Telemetry
-from tests.procs import FaultUpstream, Llmtap
+from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes
 
 CHAT = {
@@ -44,13 +44,6 @@ CHAT = {
     "stream_options": {"include_usage": True},
 }
 INT64_MAX = 2**63 - 1
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[FaultUpstream]:
-    up = FaultUpstream()
-    yield up
-    up.close()
 
 
 # --- through a real proxy process: bytes, memory and the span -----------------------------------------

@@ -171,6 +171,14 @@ class HTTPReceiver(ThreadingHTTPServer):
         self.thread.join(5)
 
 
+@pytest.fixture
+def receiver() -> Iterator[HTTPReceiver]:
+    """An OTLP/HTTP receiver for one test."""
+    r = HTTPReceiver()
+    yield r
+    r.close()
+
+
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, received: Received) -> None:
         self.received = received

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import FaultUpstream, Llmtap
-from tests.test_otlp import HTTPReceiver, attributes
+from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
+from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
 
 pytestmark = pytest.mark.e2e
 
@@ -31,20 +31,6 @@ TELEMETRY_ENV = {
     "OTEL_BSP_SCHEDULE_DELAY": "50",
     "OTEL_METRIC_EXPORT_INTERVAL": "200",
 }
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[FaultUpstream]:
-    up = FaultUpstream()
-    yield up
-    up.close()
-
-
-@pytest.fixture
-def receiver() -> Iterator[HTTPReceiver]:
-    r = HTTPReceiver()
-    yield r
-    r.close()
 
 
 def everything_exported(proxy: Llmtap, receiver: HTTPReceiver, records: Path) -> dict[str, bytes]:

@@ -13,7 +13,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,8 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.procs import FaultUpstream, Llmtap
-from tests.test_otlp import HTTPReceiver, attributes
+from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
+from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
 
 pytestmark = pytest.mark.e2e
 
@@ -32,20 +31,6 @@ CHAT = {
     "messages": [{"role": "user", "content": "Say something."}],
     "stream_options": {"include_usage": True},
 }
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[FaultUpstream]:
-    up = FaultUpstream()
-    yield up
-    up.close()
-
-
-@pytest.fixture
-def receiver() -> Iterator[HTTPReceiver]:
-    r = HTTPReceiver()
-    yield r
-    r.close()
 
 
 class Stream(threading.Thread):
