@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO
 
@@ -29,6 +30,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class LoopbackHTTPServer(ThreadingHTTPServer):
+    """An HTTP server on a free port of 127.0.0.1, serving from a daemon thread from the start until ``close``."""
+
+    daemon_threads = True
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], *, poll: float = 0.05) -> None:
+        super().__init__(("127.0.0.1", 0), handler)
+        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": poll}, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+        self.thread.join(5)
 
 
 def pinned(argv: Sequence[str], cpu: str | None) -> list[str]:

@@ -35,13 +35,13 @@ import uuid
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.procs import cpu_seconds, free_port, wait_http
+from bench.procs import LoopbackHTTPServer, cpu_seconds, free_port, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / "tests" / "fault_upstream.py"
@@ -139,24 +139,12 @@ class _Flaky(BaseHTTPRequestHandler):
         """Quiet."""
 
 
-class FlakyCollector(ThreadingHTTPServer):
+class FlakyCollector(LoopbackHTTPServer):
     """OTLP/HTTP that answers every third export with 503."""
 
-    daemon_threads = True
-
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Flaky)
         self.exports = 0
-        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
+        super().__init__(_Flaky, poll=0.1)
 
 
 # --- the load -------------------------------------------------------------------------------------------

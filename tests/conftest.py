@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bench.procs import free_port as free_port  # one definition for the tests and the benchmark
 from proxy.app import AdminApp, ProxyApp, create_app
 from proxy.settings import Settings
 from proxy.telemetry.prometheus import PrometheusReader
@@ -67,13 +68,6 @@ def telemetry() -> Iterator[Telemetry]:
     yield t
     t.tracer_provider.shutdown()
     t.meter_provider.shutdown()
-
-
-def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

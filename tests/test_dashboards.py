@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import jsonschema
 import pytest
 from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, UpDownCounter
 
+from bench.procs import LoopbackHTTPServer
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import create
 from proxy.telemetry.prometheus import metric_name
@@ -253,26 +254,13 @@ class Live:
         return f"as of {self.at}: {failed[0]['value'][1]} failed scrapes in the last 5 minutes"
 
 
-class Misreporting(ThreadingHTTPServer):
+class Misreporting(LoopbackHTTPServer):
     """A model server that reports impossible timings (vLLM's per-request ``metrics``: a negative queue time,
     a first token later than the whole request), so the proxy's rejected-timings counter has something to
     count. Everything else about its answer is ordinary."""
 
-    daemon_threads = True
-
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _MisreportingHandler)
-        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
-        self.thread.join(5)
+        super().__init__(_MisreportingHandler)
 
 
 class _MisreportingHandler(BaseHTTPRequestHandler):

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,6 +40,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from bench.procs import LoopbackHTTPServer
 from tests.conftest import Scripted, free_port
 from tests.scripted_upstream import script
 
@@ -149,26 +150,13 @@ class _OTLPHandler(BaseHTTPRequestHandler):
         """Quiet."""
 
 
-class HTTPReceiver(ThreadingHTTPServer):
+class HTTPReceiver(LoopbackHTTPServer):
     """OTLP/HTTP (protobuf) on a free port: POST /v1/traces and /v1/metrics."""
 
-    daemon_threads = True
-
     def __init__(self, delay: float = 0.0) -> None:
-        super().__init__(("127.0.0.1", 0), _OTLPHandler)
         self.delay = delay
         self.received = Received()
-        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
-        self.thread.join(5)
+        super().__init__(_OTLPHandler)
 
 
 @pytest.fixture
