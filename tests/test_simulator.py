@@ -511,15 +511,20 @@ async def test_queueing_appears_beyond_max_num_seqs_and_prefill_does_not_grow() 
             watcher.cancel()
             records = (await client.get("/debug/requests")).json()["requests"]
     assert max(waiting_seen) >= 2
-    by_arrival = sorted(records, key=lambda r: r["arrival"])
-    assert by_arrival == sorted(records, key=lambda r: r["admitted"])  # first come, first served
+    # First come, first served: in the order requests joined the line, after reading and tokenizing them
+    # (two arrivals 2 ms apart swapped places before the line once, on a loaded machine).
+    by_joining = sorted(records, key=lambda r: r["joined"])
+    assert by_joining == sorted(records, key=lambda r: r["admitted"])
+    assert all(r["arrival"] <= r["joined"] <= r["admitted"] for r in records)
     # A waiting request takes a slot the moment one frees: its admission is some request's last token.
     finishes = [r["last_token"] for r in records]
-    assert all(min(abs(r["admitted"] - f) for f in finishes) < 0.003 for r in by_arrival[2:])
+    assert all(min(abs(r["admitted"] - f) for f in finishes) < 0.003 for r in by_joining[2:])
     prefill = [profile.prefill_s(r["prompt_tokens"]) for r in records]
     one_request = prefill[0] + 7 * profile.decode_s_per_token  # the first token ends prefill, then 7 steps
-    assert [r["queue_s"] for r in by_arrival[:2]] == pytest.approx([0, 0], abs=0.005)
-    assert by_arrival[-1]["queue_s"] > one_request  # two rounds ahead of it
+    # The first two took a slot the moment they joined the line (their queue_s also holds reading and
+    # tokenizing them, which the loaded machine can stretch).
+    assert [r["admitted"] - r["joined"] for r in by_joining[:2]] == pytest.approx([0, 0], abs=0.005)
+    assert by_joining[-1]["queue_s"] > one_request  # two rounds ahead of it
     assert [r["prefill_s"] for r in records] == pytest.approx(prefill, abs=0.005)  # no growth under load
 
 

@@ -99,6 +99,7 @@ class Engine:
     async def run(self, job: Job, record: RequestRecord, sink: Sink) -> None:
         """Wait for a slot, prefill, decode; note every step in ``record``. Cancellation frees the slot."""
         waited = self.running >= self.profile.max_num_seqs or bool(self._waiting)
+        record.joined = time.monotonic()
         await self._admit()
         try:
             record.admitted = admitted = time.monotonic()

@@ -32,6 +32,8 @@ class RequestRecord:
     status: int = 200
     outcome: Outcome = "ok"
     error: str | None = None
+    #: When it joined the scheduler's line, after its body was read and its prompt tokenized.
+    joined: float | None = None
     admitted: float | None = None
     first_token: float | None = None
     last_token: float | None = None
@@ -69,6 +71,7 @@ class RequestRecord:
             "outcome": self.outcome,
             "error": self.error,
             "arrival": self.arrival,
+            "joined": self.joined,
             "admitted": self.admitted,
             "first_token": self.first_token,
             "last_token": self.last_token,
