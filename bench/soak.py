@@ -25,6 +25,7 @@ import json
 import os
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -103,22 +104,29 @@ def _link(path: str) -> str:
 
 
 def serve_monitored(status: Path, serve_args: Sequence[str]) -> int:
-    """``llmtap serve`` with the monitor beside it in the same event loop (the ``--serve`` entry)."""
+    """``llmtap serve`` with the monitor beside the relay in the same event loop (the ``--serve`` entry).
+
+    The telemetry process runs as under ``llmtap serve``; the monitor reads the relay's own process.
+    """
     from proxy.cli import _logging, parser
-    from proxy.server import serve
+    from proxy.server import Telemetry, bind, serve
     from proxy.settings import build
 
     settings = build(vars(parser().parse_args(["serve", *serve_args])))
     _logging(settings.log_level)
 
-    async def run() -> None:
+    async def run(proxy_sock: socket.socket, channel_path: str, telemetry: Telemetry) -> None:
         monitor = asyncio.create_task(_monitor(status))
         try:
-            await serve(settings)
+            await serve(settings, proxy_sock, channel_path, telemetry=telemetry)
         finally:
             monitor.cancel()
 
-    asyncio.run(run())
+    with tempfile.TemporaryDirectory(prefix="llmtap-soak-") as folder:
+        channel_path = os.path.join(folder, "telemetry.sock")
+        proxy_sock = bind(settings.host, settings.port, "proxy listener")
+        with Telemetry(settings, channel_path, relays=1) as telemetry:
+            asyncio.run(run(proxy_sock, channel_path, telemetry))
     return 0
 
 

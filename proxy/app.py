@@ -1,14 +1,15 @@
-"""The ASGI applications: the proxy itself (pure ASGI on the response path) and the admin listener."""
+"""The ASGI applications: the relay (pure ASGI on the response path) and the admin listener."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import NoReturn
+from typing import Any, NoReturn, Protocol
 
 import httpx
 from opentelemetry.metrics import MeterProvider
@@ -16,9 +17,8 @@ from opentelemetry.trace import TracerProvider
 
 from proxy import tokens
 from proxy.admission import Admission, QueueFull
-from proxy.fingerprint import version_label
+from proxy.channel import Channel, LocalChannel
 from proxy.forward import (
-    TRACE_HEADERS,
     Router,
     Upstreams,
     close_if_surplus,
@@ -28,21 +28,24 @@ from proxy.forward import (
 )
 from proxy.guard import Refusal, check_request, check_route
 from proxy.live import LiveView
+from proxy.protocol import RECEIVED
 from proxy.providers import provider_for
-from proxy.providers.base import Provider
-from proxy.providers.timing import from_headers
+from proxy.providers.usage_filter import UsageEventFilter
 from proxy.settings import Route, Settings
-from proxy.streaming import Tap
+from proxy.tape import STATS, Tape
 from proxy.telemetry.prometheus import CONTENT_TYPE, PrometheusReader
-from proxy.telemetry.recorder import Recorder, Ticket
-from proxy.timeline import Timeline, now
-from proxy.types import Message, Receive, RequestInfo, Scope, Send
+from proxy.telemetry.recorder import Recorder
+from proxy.timeline import now
+from proxy.tracecontext import Sampler, begin
+from proxy.types import Message, Receive, Scope, Send
 
 log = logging.getLogger("llmtap.proxy")
 
 PROMPT_VERSION_HEADER = b"x-llmtap-prompt-version"
-#: At shutdown, how long requests cancelled at the drain deadline get to hand over their records.
+#: At shutdown, how long requests cancelled at the drain deadline get to hand over their tapes.
 _SETTLE_SECONDS = 2.0
+#: Seconds between two reports of the relay's gauges (active streams, admission line) when they changed.
+STATS_EVERY = 0.5
 
 
 class ClientGone(Exception):
@@ -64,24 +67,39 @@ async def send_json(
 
 
 class ProxyApp:
-    """Relays any request to its route's upstream and records what the stream shows."""
+    """The relay: forwards any request to its route's upstream, and records what it saw on a tape.
+
+    Nothing here parses a response, counts a token or calls OpenTelemetry: each finished request's tape
+    goes through ``channel`` to the telemetry side, which does all of that (``proxy.telemetry``). Without
+    a channel, the telemetry side runs in this process on the recorder's thread, built from the given
+    providers (tests, the demo, embedding).
+    """
 
     def __init__(
         self,
         settings: Settings,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
+        channel: Channel | None = None,
         tracer_provider: TracerProvider | None = None,
         meter_provider: MeterProvider | None = None,
     ) -> None:
         self.settings = settings
         self.router = Router(settings.routes)
         self.upstreams = Upstreams(settings, transport)
-        self.recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+        #: The telemetry side when it runs in this process; None when tapes go to a telemetry process.
+        self.recorder: Recorder | None = None
+        if channel is None:
+            self.recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+            channel = LocalChannel(self.recorder)
+        self.channel = channel
+        #: Trace ids are made here; a disabled SDK means no spans, so the client's trace headers pass as sent.
+        self.tracing = not settings.telemetry.sdk_disabled
+        self.sampler = Sampler.from_env()
         self.ready = False
         #: Set on SIGTERM: streams still running at the drain deadline are cut and recorded as ``shutdown``.
         self.draining = False
-        #: Requests between arrival and the hand-over of their record to the recorder.
+        #: Requests between arrival and the hand-over of their tape.
         self.inflight = 0
         self._idle = asyncio.Event()  # set while ``inflight`` is 0
         self._idle.set()
@@ -94,6 +112,14 @@ class ProxyApp:
         # Requests in flight to each upstream, and a sequence number: what the estimator replays.
         self._upstream_inflight: dict[str, int] = {}
         self._upstream_seq = 0
+        self._keys = itertools.count(1)
+        # What the telemetry side's gauges show, sent as absolute values (a dropped message loses nothing).
+        self._active = {r.name: 0 for r in settings.routes}
+        self._waiting = {r.name: 0 for r in settings.routes}
+        #: Tapes that did not reach the telemetry side, in whole or in part.
+        self.tapes_dropped = 0
+        self._stats_changed = True
+        self._stats_task: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -107,28 +133,63 @@ class ProxyApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                # Load the default encoding now: loading it lazily on the recorder thread would hold
-                # the GIL for a few hundred ms while the first streams are being relayed.
-                await asyncio.to_thread(tokens.get_encoding)
-                self.ready = True
+                await self.startup()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                self.ready = False
-                await self._settle()
-                await self.aclose()
+                await self.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    async def startup(self) -> None:
+        """Ready to relay; the gauges' values go to the telemetry side from now on."""
+        if self.recorder is not None:
+            # Load the default encoding now, not on the first request's playback.
+            await asyncio.to_thread(tokens.get_encoding)
+        self.ready = True
+        self._stats_changed = True
+        self._stats_task = asyncio.create_task(self._report_stats())
+
+    async def shutdown(self) -> None:
+        """Let the last tapes go, close the upstream pools and the channel, drain a local recorder."""
+        self.ready = False
+        await self._settle()
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stats_task
+        self._stats_changed = True
+        self._send_stats()
+        await self.aclose()
+
     async def _settle(self) -> None:
-        """Let requests the server just cancelled (drain deadline) hand their records to the recorder first."""
+        """Let requests the server just cancelled (drain deadline) hand over their tapes first."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_SETTLE_SECONDS):
                 await self._idle.wait()
+
+    async def _report_stats(self) -> None:
+        while True:
+            self._send_stats()
+            await asyncio.sleep(STATS_EVERY)
+
+    def _send_stats(self) -> None:
+        if not self._stats_changed:
+            return
+        message = (
+            STATS,
+            self.ready and not self.draining,
+            self.tapes_dropped,
+            tuple(self._active.items()),
+            tuple(self._waiting.items()),
+        )
+        if self.channel.send(message):
+            self._stats_changed = False
 
     def begin_drain(self) -> None:
         """SIGTERM: report not ready; streams in flight may finish until the server's drain deadline."""
         self.ready = False
         self.draining = True
+        self._stats_changed = True
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait (from another thread) until every request so far is recorded; True when done in time."""
@@ -137,16 +198,21 @@ class ProxyApp:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
+        if self.recorder is None:
+            return True
         return self.recorder.flush(max(deadline - time.monotonic(), 0.1))
 
     async def aclose(self) -> None:
-        """Close the upstream pools and drain the recorder."""
+        """Close the upstream pools and the channel, and drain a local recorder."""
         await self.upstreams.aclose()
-        await asyncio.to_thread(self.recorder.close)
+        await self.channel.aclose()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Relay one HTTP request."""
-        received, wall = now(), time.time_ns()
+        received = scope.get("extensions", {}).get(RECEIVED) or now()
+        wall = time.time_ns() - round((now() - received) * 1e9)
         settings = self.settings
         refusal = check_request(
             scope, max_header_bytes=settings.max_header_bytes, max_request_bytes=settings.max_request_bytes
@@ -166,22 +232,35 @@ class ProxyApp:
         method: str = scope["method"]
         inner_path = path[len(route.prefix) :] if route.strip_prefix and route.prefix != "/" else path
         provider = provider_for(method, inner_path)
-        tl = Timeline(
+        tape = Tape(
+            next(self._keys),
             method=method,
             path=path,
+            inner_path=inner_path,
             route=route.name,
-            upstream=route.upstream,
-            server_address=route.host,
-            server_port=route.port,
             protocol=provider.name if provider else None,
-            provider_name=route.provider or (provider.family if provider else "_OTHER"),
             received=received,
             received_wall_ns=wall,
         )
         headers: list[tuple[bytes, bytes]] = list(scope["headers"])
+        traceparent = tracestate = None
         for name, value in headers:
-            if name.lower() == PROMPT_VERSION_HEADER:
-                tl.prompt_version = version_label(value)
+            lowered = name.lower()
+            if lowered == PROMPT_VERSION_HEADER:
+                tape.prompt_version = value
+            elif lowered == b"traceparent":
+                traceparent = value.decode("latin-1")
+            elif lowered == b"tracestate":
+                tracestate = value.decode("latin-1")
+        trace: list[tuple[bytes, bytes]] | None = None
+        if self.tracing:
+            ids = begin(traceparent, self.sampler)
+            tape.trace_id, tape.span_id, tape.sampled = ids.trace_id, ids.span_id, ids.sampled
+            if traceparent is not None:
+                tape.parent = (traceparent, tracestate or "")
+            trace = [(b"traceparent", ids.traceparent)]
+            if tracestate is not None and tape.parent is not None:
+                trace.append((b"tracestate", tracestate.encode("latin-1")))
         try:
             body, more = await self._read_body(receive, settings.max_inspect_bytes if provider else 0)
         except ClientGone:
@@ -189,35 +268,59 @@ class ProxyApp:
         except RequestTooLarge:
             await _refuse_request(send, _too_large(settings.max_request_bytes))
             return
-        tl.body_read = now()
-        info: RequestInfo | None = None
-        if provider is not None:
-            if more is None:
-                info = provider.inspect(body, inject_usage=self.settings.inject_usage, path=inner_path)
-            else:
-                info = provider.inspect(b"{}", inject_usage=False, path=inner_path)
-                info.parse_error = "body_not_inspected"
-            tl.request = info
-        handle, trace_headers = self.recorder.start(tl, _text_headers(headers))
-        ticket = self.recorder.gate.enter()
+        tape.body_read = now()
+        tape.body = body
+        tape.body_complete = more is None
+        rewritten: bytes | None = None
+        if provider is not None and more is None and settings.inject_usage:
+            info = provider.inspect(body, inject_usage=True, path=inner_path)
+            rewritten, tape.strip_usage = info.rewritten_body, info.strip_usage
         self.inflight += 1
         self._idle.clear()
+        self._active[route.name] += 1
+        self._stats_changed = True
         try:
-            await self._relay(
-                scope, receive, send, route, provider, tl, info, headers, body, more, trace_headers, ticket
-            )
+            await self._relay(scope, receive, send, route, tape, headers, body, more, rewritten, trace)
         except _Truncated:
             # Returning without completing the response makes the server drop the connection, so
             # the client sees the same truncation the proxy saw.
             pass
         finally:
-            if tl.end is None:
-                tl.end = now()
-            ticket.leave()
-            self.recorder.finish(tl, handle)
+            if tape.end is None:
+                tape.end = now()
+            self._active[route.name] -= 1
+            self._hand_over(tape)
             self.inflight -= 1
             if not self.inflight:
                 self._idle.set()
+
+    def _segment(self, tape: Tape) -> None:
+        """The tape is full mid-stream: its reads leave now, so a long stream holds little here."""
+        if tape.lost:
+            tape.take_reads()
+        elif not self._send(tape.segment_message()):
+            tape.lost = True
+
+    def _hand_over(self, tape: Tape) -> None:
+        """The request is over: its tape goes to the telemetry side, or is counted as dropped."""
+        if tape.lost or not self._send(tape.end_message()):
+            self.tapes_dropped += 1
+            log.debug("telemetry behind: dropped the tape of %s %s", tape.method, tape.path)
+        self._stats_changed = True
+        self._send_stats()
+
+    def _send(self, message: tuple[Any, ...]) -> bool:
+        """Send a tape message; when the channel is full, send it again without the response bytes.
+
+        The reads' times and sizes are a few bytes each: the telemetry side keeps the stream's timing
+        exact and its record, and decodes only what it got (the stream counts as partial).
+        """
+        if self.channel.send(message):
+            return True
+        times, delivered, sizes, data = message[3]
+        if not data:
+            return False
+        return self.channel.send((*message[:3], (times, delivered, sizes, b""), *message[4:]), reserve=True)
 
     async def _read_body(self, receive: Receive, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
         """Read the body up to ``limit`` bytes; past it, return what was read and an iterator over the rest.
@@ -249,16 +352,13 @@ class ProxyApp:
         receive: Receive,
         send: Send,
         route: Route,
-        provider: Provider | None,
-        tl: Timeline,
-        info: RequestInfo | None,
+        tape: Tape,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         more: AsyncIterator[bytes] | None,
-        trace_headers: dict[str, str],
-        ticket: Ticket,
+        rewritten: bytes | None,
+        trace: list[tuple[bytes, bytes]] | None,
     ) -> None:
-        rewritten = info.rewritten_body if info is not None else None
         content: bytes | AsyncIterator[bytes]
         if more is not None:
             content = _prepend(body, more)
@@ -268,110 +368,107 @@ class ProxyApp:
         request = client.build_request(
             scope["method"],
             upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b"")),
-            headers=request_headers(headers, trace=trace_headers, body_changed=rewritten is not None),
+            headers=request_headers(headers, trace=trace, body_changed=rewritten is not None),
             content=content,
         )
         # Only once the body is read can disconnects be watched: both need ``receive``.
         task = asyncio.current_task()
         watch = _DisconnectWatch(receive, task) if more is None and task is not None else None
         response: httpx.Response | None = None
-        tap: Tap | None = None
+        strip: UsageEventFilter | None = None
         started = False
         admission = self.admissions.get(route.name)
         admitted = sent = False
         try:
             if admission is not None:
                 try:
-                    await self._admit(admission, tl)
+                    await self._admit(admission, route.name)
                 except QueueFull as exc:
-                    await self._refuse(send, route, tl, exc.reason)
+                    await self._refuse(send, route, tape, exc.reason)
                     return
                 admitted = True
-            tl.admitted = now()
-            tl.upstream_seq = self._upstream_seq = self._upstream_seq + 1
-            tl.upstream_ahead = self._upstream_inflight.get(route.upstream, 0)
-            self._upstream_inflight[route.upstream] = tl.upstream_ahead + 1
+            tape.admitted = now()
+            tape.upstream_seq = self._upstream_seq = self._upstream_seq + 1
+            tape.upstream_ahead = self._upstream_inflight.get(route.upstream, 0)
+            self._upstream_inflight[route.upstream] = tape.upstream_ahead + 1
             sent = True
-            tl.sent = now()
+            tape.sent = now()
             try:
                 response = await client.send(request, stream=True)
             except httpx.TransportError as exc:
-                await _upstream_failed(send, route, tl, exc)
+                await _upstream_failed(send, route, tape, exc)
                 return
             except RequestTooLarge:
-                tl.fail("request_too_large", f"request body exceeds {self.settings.max_request_bytes} bytes")
+                tape.fail("request_too_large", f"request body exceeds {self.settings.max_request_bytes} bytes")
                 await _refuse_request(send, _too_large(self.settings.max_request_bytes))
                 return
-            tl.headers = now()
+            tape.headers_at = now()
             timeouts = self.settings.timeouts
             if timeouts.idle is not None:
                 # httpcore reads the read timeout when the body starts: from here on it bounds the silence
                 # between two chunks, not the wait for the headers.
                 request.extensions["timeout"]["read"] = timeouts.idle
-            tl.status_code = response.status_code
-            if "x-queue-time" in response.headers:
-                # TGI reports its queue time in headers (non-streamed responses).
-                tl.server_timing, bad = from_headers(response.headers)
-                tl.rejected_timings.extend(bad)
-            tap = Tap(
-                tl,
-                provider,
-                content_type=response.headers.get("content-type", ""),
-                content_encoding=response.headers.get("content-encoding", ""),
-                strip_usage=bool(info and info.strip_usage and response.status_code < 300),
-                stream_requested=bool(info and info.stream),
-            )
+            status = response.status_code
+            tape.status_code = status
+            raw_headers = response.headers.raw
+            tape.response_headers = raw_headers
+            if tape.strip_usage and status < 300 and _plain_encoding(raw_headers):
+                # The filter reads SSE framing; a compressed body would show it nothing, so it stays off.
+                strip = UsageEventFilter()
             await send(
                 {
                     "type": "http.response.start",
-                    "status": response.status_code,
-                    "headers": response_headers(response.headers.raw, body_changed=tap.changes_body),
+                    "status": status,
+                    "headers": response_headers(raw_headers, body_changed=strip is not None),
                 }
             )
             started = True
             async for chunk in response.aiter_raw():
-                out = tap.feed(chunk, now())
+                full = tape.read(now(), chunk)
+                out = chunk
+                if strip is not None:
+                    out, strip = _strip(strip, chunk)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
-                if tl.first_content is not None:
-                    ticket.leave()
-            tail = tap.finish(now())
-            tl.end = now()
-            if response.status_code >= 400:
-                tl.fail(tl.error_type or str(response.status_code))
+                tape.delivered(now())
+                if full:
+                    self._segment(tape)
+            tail = b""
+            if strip is not None:
+                tail, _ = _strip(strip, None)
+            tape.end = now()
             surplus = await close_if_surplus(response)
-            if surplus:
-                tl.fail("upstream_protocol_error", f"{surplus} bytes past the end of the response; connection closed")
+            tape.surplus = surplus
             if watch is not None:
                 watch.stop()
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         except asyncio.CancelledError:
             if watch is not None and watch.fired and task is not None:
                 # Our own cancellation, caused by the client leaving: nothing to propagate.
-                tl.fail("cancelled", cancelled=True)
+                tape.fail("cancelled", cancelled=True)
                 task.uncancel()
                 return
             if not self.draining or task is None:
-                tl.fail("cancelled", cancelled=True)
+                tape.fail("cancelled", cancelled=True)
                 raise
             # The server cancels what still runs at the drain deadline: the client sees the stream cut.
-            tl.fail("shutdown", "cut at the drain deadline")
+            tape.fail("shutdown", "cut at the drain deadline")
             task.uncancel()
             if started:
-                await _cut(send, tl, tap)
+                await _cut(send, tape, strip)
             await send_json(send, 503, "shutting_down", "llmtap is shutting down; retry")
         except (ClientGone, OSError) as exc:
             if isinstance(exc, OSError) and not started:
                 raise
-            tl.fail("cancelled", cancelled=True)
+            tape.fail("cancelled", cancelled=True)
         except httpx.TimeoutException:
-            tl.fail("idle_timeout", "upstream stopped sending")
+            tape.fail("idle_timeout", "upstream stopped sending")
             if started:
-                await _cut(send, tl, tap)
+                await _cut(send, tape, strip)
         except httpx.HTTPError as exc:
-            tl.fail("upstream_closed" if started else "upstream_error", f"{type(exc).__name__}: {exc}")
+            tape.fail("upstream_closed" if started else "upstream_error", f"{type(exc).__name__}: {exc}")
             if started:
-                await _cut(send, tl, tap)
+                await _cut(send, tape, strip)
             await send_json(send, 502, "upstream_error", f"upstream {route.upstream}: {type(exc).__name__}")
         finally:
             if watch is not None:
@@ -382,29 +479,31 @@ class ProxyApp:
                 await asyncio.shield(response.aclose())
             if sent:
                 self._upstream_inflight[route.upstream] -= 1
-                if tl.end is None:
-                    tl.end = now()
+                if tape.end is None:
+                    tape.end = now()
             if admitted and admission is not None:
                 admission.release()
 
-    async def _admit(self, admission: Admission, tl: Timeline) -> None:
-        """Wait in the route's line; the waiting count is a metric while anyone waits."""
+    async def _admit(self, admission: Admission, route: str) -> None:
+        """Wait in the route's line; the waiting count is a gauge while anyone waits."""
         if admission.free:
             await admission.acquire()
             return
-        self.recorder.queue_changed(tl.route, +1)
+        self._waiting[route] += 1
+        self._stats_changed = True
         try:
             await admission.acquire()
         finally:
-            self.recorder.queue_changed(tl.route, -1)
+            self._waiting[route] -= 1
+            self._stats_changed = True
 
-    async def _refuse(self, send: Send, route: Route, tl: Timeline, reason: str) -> None:
+    async def _refuse(self, send: Send, route: Route, tape: Tape, reason: str) -> None:
         """The line is full (or the wait too long): refuse with Retry-After; nothing went upstream."""
-        tl.admitted = tl.end = now()
+        tape.admitted = tape.end = now()
         status = route.queue_full_status
-        tl.status_code = status
+        tape.status_code = status
         why = "is full" if reason == "queue_full" else "wait passed its limit"
-        tl.fail(reason, f"admission queue of route {route.name} {why}")
+        tape.fail(reason, f"admission queue of route {route.name} {why}")
         await send_json(
             send,
             status,
@@ -423,7 +522,7 @@ async def _refuse_request(send: Send, refusal: Refusal) -> None:
     await send_json(send, refusal.status, refusal.error_type, refusal.message, [(b"connection", b"close")])
 
 
-async def _upstream_failed(send: Send, route: Route, tl: Timeline, exc: httpx.TransportError) -> None:
+async def _upstream_failed(send: Send, route: Route, tl: Tape, exc: httpx.TransportError) -> None:
     """No response headers came: 502 when the upstream could not be reached or hung up, 504 when it was too slow."""
     what = type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
@@ -439,16 +538,37 @@ async def _upstream_failed(send: Send, route: Route, tl: Timeline, exc: httpx.Tr
         await send_json(send, 502, "upstream_closed", f"upstream {route.upstream} closed the connection: {what}")
 
 
-async def _cut(send: Send, tl: Timeline, tap: Tap | None) -> NoReturn:
-    """The stream broke after the headers went out: relay what the tap still holds, then end the client's
-    response the same way, without a clean end. Not one byte the upstream sent is held back.
+async def _cut(send: Send, tape: Tape, strip: UsageEventFilter | None) -> NoReturn:
+    """The stream broke after the headers went out: relay what the usage filter still holds, then end the
+    client's response the same way, without a clean end. Not one byte the upstream sent is held back.
     """
-    if tap is not None:
-        held = tap.finish(now())
+    if strip is not None:
+        held, _ = _strip(strip, None)
         if held:
             await send({"type": "http.response.body", "body": held, "more_body": True})
-    tl.end = now()
+    tape.end = now()
     raise _Truncated
+
+
+def _strip(strip: UsageEventFilter, chunk: bytes | None) -> tuple[bytes, UsageEventFilter | None]:
+    """The bytes to send for ``chunk`` (None: the end) with the injected usage event cut out.
+
+    A filter that fails is dropped for the rest of the stream, its held bytes sent as they are: the
+    client may then see the usage event it did not ask for, never lose a byte.
+    """
+    try:
+        return (strip.feed(chunk) if chunk is not None else strip.flush()), strip
+    except Exception:
+        log.exception("usage filter failed; relaying the rest unfiltered")
+        return strip.flush(), None
+
+
+def _plain_encoding(headers: list[tuple[bytes, bytes]]) -> bool:
+    """True when the response body is not compressed (no Content-Encoding, or identity)."""
+    for name, value in headers:
+        if name.lower() == b"content-encoding":
+            return value.strip().lower() in (b"", b"identity")
+    return True
 
 
 class _Truncated(Exception):
@@ -506,21 +626,34 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
         yield chunk
 
 
-def _text_headers(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k.lower() in TRACE_HEADERS}
+class AdminSource(Protocol):
+    """What the admin listener reads: the recorder, the settings, and whether the relay is ready."""
+
+    settings: Settings
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def recorder(self) -> Recorder | None: ...
 
 
 class AdminApp:
     """The admin listener: ``/metrics``, ``/healthz``, ``/readyz`` and the live view (``/``, ``/events``); read-only.
 
-    The live view subscribes to the proxy's recorder here, so it sees every request recorded from now on;
-    ``traces`` says whether trace ids lead anywhere (default: an OTLP or console span exporter is set).
+    It runs where the recorder runs: the telemetry process, or the proxy's own process when telemetry
+    runs in it. The live view subscribes to the recorder here, so it sees every request recorded from
+    now on; ``traces`` says whether trace ids lead anywhere (default: an OTLP or console span exporter is set).
     """
 
-    def __init__(self, proxy: ProxyApp, prometheus: PrometheusReader | None, *, traces: bool | None = None) -> None:
-        self.proxy = proxy
+    def __init__(self, source: AdminSource, prometheus: PrometheusReader | None, *, traces: bool | None = None) -> None:
+        recorder = source.recorder
+        if recorder is None:
+            raise ValueError("the admin listener needs the recorder: serve it where telemetry runs")
+        self.proxy = source
+        self.recorder = recorder
         self.prometheus = prometheus
-        self.live = LiveView(proxy.recorder, proxy.settings, traces=traces)
+        self.live = LiveView(recorder, source.settings, traces=traces)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -534,8 +667,7 @@ class AdminApp:
             return
         path = scope["path"]
         if path == "/metrics":
-            # Rendered on a thread: a large page takes long enough to stall the relay's event loop; and,
-            # like every telemetry thread, after requests waiting for their first content got it.
+            # Rendered on a thread: a large page takes long enough to stall the event loop.
             text = (
                 await asyncio.to_thread(self._render, self.prometheus)
                 if self.prometheus is not None
@@ -546,14 +678,15 @@ class AdminApp:
             await _plain(send, 200, b"ok\n")
         elif path == "/readyz":
             ready = self.proxy.ready
-            await _plain(send, 200 if ready else 503, b"ready\n" if ready else b"not ready\n")
+            detail = getattr(self.proxy, "ready_detail", "")
+            text = ("ready" if ready else "not ready") + (f" ({detail})" if detail else "")
+            await _plain(send, 200 if ready else 503, text.encode() + b"\n")
         elif self.live.serves(path):
             await self.live(scope, receive, send)
         else:
             await _plain(send, 404, b"not found\n")
 
     def _render(self, prometheus: PrometheusReader) -> str:
-        self.proxy.recorder.gate.give_way()
         return prometheus.render()
 
 
@@ -572,8 +705,11 @@ def create_app(
     settings: Settings,
     *,
     transport: httpx.AsyncBaseTransport | None = None,
+    channel: Channel | None = None,
     tracer_provider: TracerProvider | None = None,
     meter_provider: MeterProvider | None = None,
 ) -> ProxyApp:
-    """The proxy application; providers and the upstream transport are injected, never global."""
-    return ProxyApp(settings, transport=transport, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    """The proxy application; the channel (or the providers), and the upstream transport are injected, never global."""
+    return ProxyApp(
+        settings, transport=transport, channel=channel, tracer_provider=tracer_provider, meter_provider=meter_provider
+    )

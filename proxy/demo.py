@@ -373,6 +373,7 @@ async def run(
     settings = Settings(routes=routes, telemetry=tel, log_level="warning", record=Records(path=str(records)))
     app = create_app(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
     collector = _Collector()
+    assert app.recorder is not None  # telemetry runs in this process: no channel was given
     app.recorder.listeners.append(collector)
     sock = bind("127.0.0.1", 0, "demo proxy")
     server = uvicorn.Server(uvicorn_config(app, settings))

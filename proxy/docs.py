@@ -29,6 +29,7 @@ from opentelemetry.trace import SpanKind
 
 from proxy.providers import provider_for
 from proxy.settings import SLO, Route, Settings, Telemetry
+from proxy.tape import STATS
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
 from proxy.telemetry.prometheus import metric_name
@@ -194,7 +195,7 @@ METRICS: dict[str, str] = {
     sc.METRIC_ACTIVE_STREAMS: "+1 when a request arrives, -1 when its record is written or dropped.",
     sc.METRIC_OVERHEAD: "Every request that was sent upstream.",
     sc.METRIC_TOKEN_DRIFT: "Requests where both usage and a tiktoken count exist.",
-    sc.METRIC_TELEMETRY_DROPPED: "Each record dropped because the recorder's queue was full.",
+    sc.METRIC_TELEMETRY_DROPPED: "Each request whose tape was dropped: the relay's channel or the recorder's queue was full.",  # noqa: E501
     sc.METRIC_MALFORMED: "Streams with events llmtap could not parse.",
     sc.METRIC_CACHE_REQUESTS: "Every LLM request, once, by its cache class.",
     sc.METRIC_QUEUE_WAITING: "+1 when a request joins a route's admission queue, -1 when it leaves.",
@@ -439,10 +440,10 @@ def exercise(*, latest: bool, chunk_mode: str, out: Observed) -> None:
     recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
     try:
         for tl in _requests():
-            handle, _ = recorder.start(tl, {})
-            recorder.record(tl, handle)
-        recorder.queue_changed(_ROUTE.name, 1)
-        recorder.queue_changed(_ROUTE.name, -1)
+            recorder.record(tl)
+        # A relay reporting one stream active and one request in the admission line, then none.
+        recorder.take(0, (STATS, True, 0, ((_ROUTE.name, 1),), ((_ROUTE.name, 1),)))
+        recorder.take(0, (STATS, True, 0, ((_ROUTE.name, 0),), ((_ROUTE.name, 0),)))
         data = reader.get_metrics_data()
         for rm in data.resource_metrics if data is not None else ():
             for sm in rm.scope_metrics:

@@ -41,16 +41,20 @@ def _connection_listed(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
 
 
 def request_headers(
-    headers: list[tuple[bytes, bytes]], *, trace: dict[str, str], body_changed: bool
+    headers: list[tuple[bytes, bytes]], *, trace: list[tuple[bytes, bytes]] | None, body_changed: bool
 ) -> list[tuple[bytes, bytes]]:
-    """Client headers as they go upstream: hop-by-hop, Host and llmtap's own removed; our trace context added."""
+    """Client headers as they go upstream: hop-by-hop, Host and llmtap's own removed; our trace context added.
+
+    ``trace`` replaces the client's trace headers; None (tracing off) lets them pass as sent.
+    """
     drop = HOP_BY_HOP | _connection_listed(headers) | {b"host"}
-    if trace:
+    if trace is not None:
         drop |= TRACE_HEADERS
     if body_changed:
         drop |= {b"content-length"}
     out = [(k, v) for k, v in headers if (kl := k.lower()) not in drop and not kl.startswith(PRIVATE_PREFIX)]
-    out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in trace.items())
+    if trace:
+        out.extend(trace)
     return out
 
 

@@ -1,7 +1,10 @@
-"""Running the proxy: bind both listeners, serve them with uvicorn in one event loop, stop cleanly.
+"""Running the proxy: a telemetry process, and one relay (this process) or several (``--workers``).
 
-``run`` is the entry point: one process on uvloop (when installed), or with ``workers`` above one a
-supervisor (``proxy.workers``) whose worker processes each run ``serve`` on a port they share.
+``run`` binds every listener first (so a taken port fails at once, with its address), starts the
+telemetry process (``proxy.telemetry.process``) with the admin listener and the channel's socket, then
+relays in this process, on uvloop when installed; with ``workers`` above one a supervisor
+(``proxy.workers``) runs the relays as processes sharing the proxy port. On SIGTERM the relays drain
+their streams and hand over their last tapes; then the telemetry process records them and flushes.
 """
 
 from __future__ import annotations
@@ -14,22 +17,25 @@ import math
 import os
 import signal
 import socket
-import sys
-from collections.abc import Coroutine, Generator
-from dataclasses import dataclass
+import subprocess
+import tempfile
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
 import uvicorn
 
-from proxy.app import AdminApp, create_app
+from proxy.app import create_app
+from proxy.channel import SocketChannel
 from proxy.protocol import BoundedHeadProtocol
 from proxy.settings import ConfigError, Settings
-from proxy.telemetry import setup
+from proxy.telemetry import process
 
 log = logging.getLogger("llmtap")
 
-#: Seconds a thread may hold the GIL while another waits for it (Python's default is 0.005).
-SWITCH_INTERVAL = 0.001
+#: How long ``llmtap serve`` waits for the telemetry process to start (it loads the tokenizer first).
+START_WAIT = 60.0
+#: The relay's process name for ``ps`` and ``/proc/PID/comm``.
+RELAY_NAME = "llmtap-relay"
 
 
 class _QuietTruncation(logging.Filter):
@@ -40,7 +46,12 @@ class _QuietTruncation(logging.Filter):
 
 
 class _Server(uvicorn.Server):
-    """A uvicorn server whose signals are handled by the caller, so two servers share one shutdown."""
+    """A uvicorn server whose signals are handled by the caller, so two servers share one shutdown.
+
+    ``on_started`` runs once it listens (a relay tells its supervisor so).
+    """
+
+    on_started: Callable[[], None] | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -51,6 +62,8 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         gc.collect()
         gc.freeze()
+        if self.on_started is not None and self.started:
+            self.on_started()
 
 
 def bind(host: str, port: int, what: str, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
@@ -88,14 +101,6 @@ def bind_unix(path: str) -> socket.socket:
     return sock
 
 
-@dataclass(frozen=True, slots=True)
-class Worker:
-    """What makes a process one of several workers: its number and its private admin socket."""
-
-    index: int
-    admin_path: str
-
-
 def run_loop(main: Coroutine[Any, Any, None]) -> None:
     """Run ``main`` on uvloop when it is installed (uvicorn[standard] brings it), else on asyncio's own loop.
 
@@ -110,13 +115,67 @@ def run_loop(main: Coroutine[Any, Any, None]) -> None:
 
 
 def run(settings: Settings) -> None:
-    """``llmtap serve``: one process, or a supervisor of ``settings.workers`` worker processes."""
-    if settings.workers > 1:
-        from proxy.workers import supervise
+    """``llmtap serve``: the telemetry process, and one relay here or a supervisor of ``workers`` relays."""
+    # A Unix socket's path holds at most 107 bytes: under a deep TMPDIR, fall back to /tmp.
+    base = None if len(tempfile.gettempdir()) <= 68 else "/tmp"
+    with tempfile.TemporaryDirectory(prefix="llmtap-", dir=base) as folder:
+        os.chmod(folder, 0o700)
+        channel_path = os.path.join(folder, "telemetry.sock")
+        if settings.workers > 1:
+            from proxy.workers import supervise
 
-        supervise(settings)
-    else:
-        run_loop(serve(settings))
+            supervise(settings, channel_path)
+            return
+        proxy_sock = bind(settings.host, settings.port, "proxy listener")
+        with Telemetry(settings, channel_path, relays=1) as telemetry:
+            run_loop(serve(settings, proxy_sock, channel_path, telemetry=telemetry))
+
+
+class Telemetry:
+    """The telemetry process, its sockets, and its restart when it dies (the relays reconnect by themselves)."""
+
+    def __init__(self, settings: Settings, channel_path: str, *, relays: int) -> None:
+        self.settings = settings
+        self.relays = relays
+        self.admin_sock = bind(settings.admin_host, settings.admin_port, "admin listener")
+        self.channel_sock = bind_unix(channel_path)
+        self.proc = process.start(settings, self.channel_sock, self.admin_sock, relays, wait=START_WAIT)
+        self.stopping = False
+
+    @property
+    def admin_port(self) -> int:
+        """The admin listener's port (resolved when 0 was asked for)."""
+        return int(self.admin_sock.getsockname()[1])
+
+    async def watch(self) -> None:
+        """Start the telemetry process again when it dies; relays drop (and count) telemetry meanwhile."""
+        while not self.stopping:
+            await asyncio.sleep(0.5)
+            code = self.proc.poll()
+            if code is not None and not self.stopping:
+                log.warning("the telemetry process exited with code %s; starting it again", code)
+                self.restart()
+
+    def restart(self) -> None:
+        """Start the telemetry process again on the same sockets."""
+        self.proc = process.start(self.settings, self.channel_sock, self.admin_sock, self.relays)
+
+    def __enter__(self) -> Telemetry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """After the relays closed their channels: SIGTERM, then wait for the flush (bounded)."""
+        self.stopping = True
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(self.settings.timeouts.flush + 10)
+        except subprocess.TimeoutExpired:
+            log.warning("the telemetry process did not exit in time; killed")
+            self.proc.kill()
+            self.proc.wait()
+        self.channel_sock.close()
+        self.admin_sock.close()
 
 
 def uvicorn_config(app: object, settings: Settings, *, access_log: bool = False) -> uvicorn.Config:
@@ -138,42 +197,40 @@ def uvicorn_config(app: object, settings: Settings, *, access_log: bool = False)
     )
 
 
-async def serve(settings: Settings, *, worker: Worker | None = None) -> None:
-    """Serve the proxy and the admin listener until SIGINT or SIGTERM.
+async def serve(
+    settings: Settings,
+    proxy_sock: socket.socket,
+    channel_path: str,
+    *,
+    telemetry: Telemetry | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> None:
+    """Relay on ``proxy_sock`` until SIGINT or SIGTERM, sending tapes to the telemetry process at ``channel_path``.
 
-    As a ``worker``, the proxy port is shared with the other workers and the admin listener is the
-    worker's private Unix socket, which the supervisor reads and merges.
+    ``telemetry``: the telemetry process this relay watches (one relay); None when a supervisor does.
+    ``on_started``: called once the relay listens.
     """
-    if worker is None:
-        proxy_sock = bind(settings.host, settings.port, "proxy listener")
-        admin_sock = bind(settings.admin_host, settings.admin_port, "admin listener")
-    else:
-        proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True)
-        admin_sock = bind_unix(worker.admin_path)
-    # The recorder and exporter threads share the GIL with the event loop: holding it for the default
-    # 5 ms at a time delays relayed chunks by as much; 1 ms bounds that (bench/RESULTS.md, the steps).
-    sys.setswitchinterval(SWITCH_INTERVAL)
-    providers = setup.build(settings.telemetry)
-    app = create_app(settings, tracer_provider=providers.tracer_provider, meter_provider=providers.meter_provider)
-    providers.give_way_to(app.recorder.gate.give_way)
-    admin = AdminApp(app, providers.prometheus)
+    process.set_name(RELAY_NAME)
+    channel = SocketChannel(channel_path)
+    await channel.start()
+    app = create_app(settings, channel=channel)
     logging.getLogger("uvicorn.error").addFilter(_QuietTruncation())
     # Objects made at start-up live for the whole run: freeze them so the cyclic collector never
     # scans them again, keeping its pauses (and so added chunk gaps) short.
     gc.collect()
     gc.freeze()
-    servers = [_Server(uvicorn_config(app, settings)), _Server(uvicorn_config(admin, settings))]
+    server = _Server(uvicorn_config(app, settings))
+    server.on_started = on_started
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
         app.begin_drain()
-        admin.live.close()  # an open browser tab's event stream must not hold shutdown
-        for server in servers:
-            server.should_exit = True
+        server.should_exit = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
-    if worker is None:
+    watcher = asyncio.create_task(telemetry.watch()) if telemetry is not None else None
+    if telemetry is not None:
         routes = ", ".join(f"{r.prefix} -> {r.upstream}" for r in settings.routes)
         log.info(
             "llmtap proxy on http://%s:%d (%s); admin on http://%s:%d",
@@ -181,10 +238,12 @@ async def serve(settings: Settings, *, worker: Worker | None = None) -> None:
             proxy_sock.getsockname()[1],
             routes,
             settings.admin_host,
-            admin_sock.getsockname()[1],
+            telemetry.admin_port,
         )
     try:
-        await asyncio.gather(servers[0].serve(sockets=[proxy_sock]), servers[1].serve(sockets=[admin_sock]))
+        await server.serve(sockets=[proxy_sock])
     finally:
-        # Bounded: a dead or slow collector delays the exit by at most this long.
-        await asyncio.to_thread(providers.shutdown, settings.timeouts.flush)
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher

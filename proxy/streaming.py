@@ -1,10 +1,9 @@
-"""The observed stream: a tap that reads the relayed bytes into a timeline, without touching them.
+"""The observed stream: a tap that reads a response's bytes, read by read, into a timeline.
 
-The relay hands every upstream chunk to ``Tap.feed`` and sends what it returns: the same bytes, except
-the one usage event the proxy asked for on the client's behalf. The tap decodes events (SSE, NDJSON
-or a JSON array), lets the provider turn them into facts, and appends one content chunk per upstream
-read that carried generated content. Any error inside the tap switches it off for the rest of the
-stream: telemetry never breaks the user's stream.
+The telemetry side plays each upstream read of the relay's tape into ``Tap.feed`` at the time it
+arrived. The tap decodes events (SSE, NDJSON or a JSON array, gzip and deflate too), lets the provider
+turn them into facts, and appends one content chunk per upstream read that carried generated content.
+Any error inside the tap switches it off for the rest of the stream and is logged.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import logging
 import zlib
 
 from proxy.providers.base import Provider, StreamParser
-from proxy.providers.usage_filter import UsageEventFilter
 from proxy.sse import Decoder, decoder_for
 from proxy.timeline import Timeline
 
@@ -45,20 +43,17 @@ class Tap:
         *,
         content_type: str,
         content_encoding: str,
-        strip_usage: bool,
         stream_requested: bool,
     ) -> None:
         self.tl = tl
         self.provider = provider
         self.active = provider is not None
         encoding = content_encoding.strip().lower()
-        # The filter reads SSE framing; on a compressed body it could find nothing, so it stays off.
-        plain = encoding in ("", "identity")
-        self._filter = UsageEventFilter() if strip_usage and provider is not None and plain else None
         self._decoder: Decoder | None = None
         self._parser: StreamParser | None = None
         self._body: bytearray | None = None
         self._inflate: zlib._Decompress | None = None
+        self._framing: str | None = None
         if encoding in ("gzip", "deflate"):
             # Compressed bodies are relayed compressed; the tap reads a decompressed copy.
             self._inflate = zlib.decompressobj(wbits=47 if encoding == "gzip" else 15)
@@ -66,20 +61,15 @@ class Tap:
             self.active = False
         if provider is None or not self.active:
             return
-        framing = _framing(content_type, provider, stream_requested)
+        framing = self._framing = _framing(content_type, provider, stream_requested)
         if framing is not None:
             self._decoder = decoder_for(framing)
             self._parser = provider.stream_parser()
         else:
             self._body = bytearray()
 
-    @property
-    def changes_body(self) -> bool:
-        """True when the client's bytes may differ from upstream's (a usage event is removed)."""
-        return self._filter is not None
-
-    def feed(self, chunk: bytes, t: float) -> bytes:
-        """Observe one upstream chunk arriving at ``t``; return the bytes to send to the client."""
+    def feed(self, chunk: bytes, t: float) -> None:
+        """Observe one upstream chunk that arrived at ``t``."""
         tl = self.tl
         tl.response_bytes += len(chunk)
         if tl.first_byte is None:
@@ -89,17 +79,24 @@ class Tap:
                 self._observe(chunk, t)
             except Exception:
                 self.active = False
-                log.exception("stream tap failed; relaying the rest of %s %s unobserved", tl.method, tl.path)
-        if self._filter is not None:
-            try:
-                return self._filter.feed(chunk)
-            except Exception:
-                log.exception("usage filter failed; relaying unfiltered")
-                # The chunk is already inside the filter's held bytes: flushing returns it once.
-                held = self._filter.flush()
-                self._filter = None
-                return held
-        return chunk
+                log.exception("stream tap failed; the rest of %s %s is not observed", tl.method, tl.path)
+
+    def skip(self, size: int, t: float) -> None:
+        """A read of ``size`` bytes at ``t`` whose bytes never arrived here: counted, and decoding starts over.
+
+        The next bytes begin mid-event: a fresh decoder drops that partial event (counted as malformed at
+        worst) and reads every later one; a whole body with a hole in it is not parsed at all.
+        """
+        tl = self.tl
+        tl.response_bytes += size
+        if tl.first_byte is None:
+            tl.first_byte = t
+        if self._body is not None or self._inflate is not None:
+            # A hole in a whole body, or in a compressed stream, leaves nothing that can be read after it.
+            self._body = None
+            self.active = False
+        elif self._decoder is not None and self._framing is not None:
+            self._decoder = decoder_for(self._framing)
 
     def _observe(self, chunk: bytes, t: float) -> None:
         data = self._inflate.decompress(chunk) if self._inflate is not None else chunk
@@ -128,8 +125,8 @@ class Tap:
         if content:
             self.tl.add_chunk(t, len(chunk), "".join(texts))
 
-    def finish(self, t: float) -> bytes:
-        """The stream ended at ``t``: parse a buffered body, flush decoders; return any held bytes."""
+    def finish(self, t: float) -> None:
+        """The stream ended at ``t``: parse a buffered body, flush decoders."""
         tl = self.tl
         if self.active and self.provider is not None:
             try:
@@ -147,9 +144,3 @@ class Tap:
                     tl.oversized_events = self._decoder.oversized
             except Exception:
                 log.exception("stream tap failed at the end of %s %s", tl.method, tl.path)
-        if self._filter is not None:
-            try:
-                return self._filter.flush()
-            except Exception:
-                log.exception("usage filter failed at the end of the stream")
-        return b""

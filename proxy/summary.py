@@ -127,7 +127,9 @@ def summarize(
     """
     s = Summary(rejected_timings=list(tl.rejected_timings))
     if tl.first_content is not None:
-        s.ttft = tl.first_content - tl.received
+        # As the client sees it: until the first content was handed to its socket, when the relay knows.
+        shown = tl.first_content_delivered if tl.first_content_delivered is not None else tl.first_content
+        s.ttft = max(shown, tl.first_content) - tl.received
         if tl.sent is not None:
             s.upstream_ttft = tl.first_content - tl.sent
     if tl.first_byte is not None:

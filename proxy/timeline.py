@@ -1,7 +1,7 @@
 """The per-request record: monotonic timestamps, content chunks and what the stream said.
 
-Written on the hot path (one append per content chunk) and read once, after the stream ends, by the
-telemetry recorder. It holds no OpenTelemetry objects and does no I/O.
+Built on the telemetry side from the relay's tape (``proxy.telemetry.replay``) and read once, after the
+stream ends, by the recorder. It holds no OpenTelemetry objects and does no I/O.
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ class Timeline:
     # Names of timing headers the relay found malformed or inconsistent, and so ignored.
     rejected_timings: list[str] = field(default_factory=list)
     span_id: str | None = None
+    # Whether the relay marked the trace sampled, and the client's traceparent and tracestate (or None).
+    sampled: bool = True
+    parent: tuple[str, str] | None = None
+    # When the first content chunk was handed to the client's socket: the end of TTFT as the client sees it.
+    first_content_delivered: float | None = None
 
     def wall_ns(self, t: float) -> int:
         """Epoch nanoseconds of monotonic time ``t`` (span timestamps need wall-clock time)."""

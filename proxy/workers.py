@@ -1,20 +1,18 @@
-"""``llmtap serve --workers N``: N worker processes share the proxy port; one admin listener merges their metrics.
+"""``llmtap serve --workers N``: N relay processes share the proxy port and feed one telemetry process.
 
-Python runs one event loop per core at best, so past one core llmtap scales out in processes:
+Python runs one event loop per core at best, so past one core the relay scales out in processes:
 
 * the supervisor (this module, in the ``llmtap`` process) reserves the proxy port with SO_REUSEPORT
-  (bound, never listening: it takes no connections, but the port stays ours while workers restart),
-  binds the public admin listener, and starts the workers;
-* each worker is a full proxy (``proxy.server.serve``) with its own telemetry: it binds the same port
-  with SO_REUSEPORT, so the kernel spreads new connections over the workers, and serves its own admin
-  app on a private Unix socket. Its OTLP resource gets a ``service.instance.id`` of its own, so a backend
-  never folds two workers' cumulative series into one;
-* ``/metrics`` on the public listener asks every worker for its exposition and adds them up, series by
-  series. Every llmtap metric is additive (counters, up-down counters, histogram buckets, sums and
-  counts), so the sum is what one process would have counted: nothing twice, nothing missing.
-  ``/readyz`` is ready when every worker is; the live view is worker 0's (it sees 1/N of the traffic).
+  (bound, never listening: it takes no connections, but the port stays ours while relays restart),
+  starts the telemetry process (``proxy.server.Telemetry``: the admin listener, OTLP export) and the
+  relays, and restarts any that dies;
+* each relay is ``proxy.server.serve``: it binds the same port with SO_REUSEPORT, so the kernel spreads
+  new connections over the relays, and sends its tapes to the telemetry process over its own channel.
+  All requests are recorded in one place, so ``/metrics`` and the live view see the whole server.
 
-A worker that dies is started again; one that dies before it was ever ready stops the whole server.
+A relay that dies is started again; one that dies before it said it listens stops the whole server.
+``merge_metrics`` adds up the expositions of several processes, series by series (every llmtap metric
+is additive): for servers that run more than one telemetry process behind one scrape.
 """
 
 from __future__ import annotations
@@ -26,29 +24,18 @@ import logging
 import math
 import os
 import pickle
+import select
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Sequence
-from pathlib import Path
 
-import httpx
-
-from proxy.server import Worker, _Server, bind, run_loop, serve, uvicorn_config
+from proxy.server import Telemetry, bind, run_loop, serve
 from proxy.settings import ConfigError, Settings
-from proxy.telemetry.prometheus import CONTENT_TYPE
-from proxy.types import Receive, Scope, Send
+from proxy.telemetry.process import LOG_FORMAT, die_with_parent
 
 log = logging.getLogger("llmtap")
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-#: A worker that exits this soon after its start, never ready, is taken for a start-up failure.
-START_GRACE = 30.0
-
 
 # -- merging expositions ------------------------------------------------------------------------
 
@@ -96,163 +83,94 @@ def merge_metrics(texts: Sequence[str]) -> str:
     return "\n".join(out) + "\n" if out else "# no metrics\n"
 
 
-# -- the supervisor's admin listener --------------------------------------------------------------
-
-
-class MergedAdmin:
-    """The public admin listener of a multi-worker server: ``/metrics`` merged, ``/readyz`` of all workers."""
-
-    def __init__(self, sockets: Sequence[str]) -> None:
-        self.clients = [
-            httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=path), base_url="http://worker", timeout=10.0)
-            for path in sockets
-        ]
-
-    async def get(self, client: httpx.AsyncClient, path: str) -> httpx.Response | None:
-        """A worker's answer, or None when it does not answer."""
-        try:
-            return await client.get(path)
-        except httpx.HTTPError:
-            return None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = message["type"].replace("lifespan.", "")
-                if kind == "shutdown":
-                    for client in self.clients:
-                        await client.aclose()
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
-        if scope["type"] != "http":
-            return
-        path = scope["path"]
-        if path == "/metrics":
-            answers = await asyncio.gather(*(self.get(c, "/metrics") for c in self.clients))
-            texts = [a.text for a in answers if a is not None and a.status_code == 200]
-            await _plain(send, 200, merge_metrics(texts).encode(), CONTENT_TYPE)
-        elif path == "/healthz":
-            await _plain(send, 200, b"ok\n")
-        elif path == "/readyz":
-            answers = await asyncio.gather(*(self.get(c, "/readyz") for c in self.clients))
-            ready = sum(1 for a in answers if a is not None and a.status_code == 200)
-            body = f"{'ready' if ready == len(answers) else 'not ready'} ({ready}/{len(answers)} workers)\n"
-            await _plain(send, 200 if ready == len(answers) else 503, body.encode())
-        else:
-            await self._forward(scope, receive, send)
-
-    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Anything else (the live view and its event stream) is worker 0's, relayed as it streams."""
-        query = scope.get("query_string", b"").decode("latin-1")
-        url = scope["path"] + (f"?{query}" if query else "")
-        client = self.clients[0]
-        try:
-            request = client.build_request(scope["method"], url, timeout=httpx.Timeout(10.0, read=None))
-            response = await client.send(request, stream=True)
-        except httpx.HTTPError:
-            await _plain(send, 503, b"worker 0 is not answering\n")
-            return
-        try:
-            headers = [
-                (k, v) for k, v in response.headers.raw if k.lower() not in (b"transfer-encoding", b"connection")
-            ]
-            await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-            async for chunk in response.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except httpx.HTTPError:
-            pass
-        finally:
-            await response.aclose()
-
-
-async def _plain(send: Send, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
-    headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 # -- worker processes ---------------------------------------------------------------------------
 
 
 def worker_main() -> None:
-    """A worker process: read (settings, worker) from stdin and serve until SIGTERM."""
-    settings, worker = pickle.load(sys.stdin.buffer)
-    _die_with_parent()
+    """A relay process: read (settings, channel path, started pipe) from stdin and relay until SIGTERM."""
+    settings, channel_path, started_fd = pickle.load(sys.stdin.buffer)
+    die_with_parent()
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(process)d {LOG_FORMAT}")
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # One OTLP identity per process: cumulative series of two workers must not look like one.
-    extra = f"service.instance.id={uuid.uuid4()},llmtap.worker={worker.index}"
-    attrs = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
-    os.environ["OTEL_RESOURCE_ATTRIBUTES"] = f"{attrs},{extra}" if attrs else extra
-    run_loop(serve(settings, worker=worker))
+    proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True)
+    run_loop(serve(settings, proxy_sock, channel_path, on_started=lambda: _say_started(started_fd)))
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to send SIGTERM when the supervisor dies, however it dies (PR_SET_PDEATHSIG)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+def _say_started(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, b"ready\n")
+        os.close(fd)
 
 
 class _Proc:
-    """One worker process and when it started."""
+    """One relay process and when it started."""
 
-    def __init__(self, settings: Settings, worker: Worker) -> None:
-        self.worker = worker
-        self.started = time.monotonic()
+    def __init__(self, settings: Settings, index: int, channel_path: str) -> None:
+        self.index = index
         self.ready = False
         argv = [sys.executable, "-c", "from proxy.workers import worker_main; worker_main()"]
-        self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE)
+        self._said, write_end = os.pipe()
+        try:
+            self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(write_end,))
+        finally:
+            os.close(write_end)
         assert self.popen.stdin is not None
-        pickle.dump((settings, worker), self.popen.stdin)
+        pickle.dump((settings, channel_path, write_end), self.popen.stdin)
         self.popen.stdin.close()
+
+    def check_started(self) -> bool:
+        """True once the relay said it listens (read without waiting)."""
+        if not self.ready and self._said >= 0:
+            readable, _, _ = select.select([self._said], [], [], 0)
+            if readable:
+                self.ready = os.read(self._said, 16).startswith(b"ready")
+                os.close(self._said)
+                self._said = -1
+        return self.ready
 
 
 class Supervisor:
-    """Starts the workers, restarts those that die, and stops them all on SIGINT or SIGTERM."""
+    """Starts the relays, restarts those that die, and stops them all on SIGINT or SIGTERM."""
 
-    def __init__(self, settings: Settings, folder: Path) -> None:
+    def __init__(self, settings: Settings, channel_path: str) -> None:
         self.settings = settings
-        self.procs = [_Proc(settings, Worker(i, str(folder / f"worker-{i}.sock"))) for i in range(settings.workers)]
+        self.channel_path = channel_path
+        self.procs = [_Proc(settings, i, channel_path) for i in range(settings.workers)]
         self.stopping = False
         self.failure: str | None = None
+        self.stopped = asyncio.Event()
 
-    async def watch(self, admin: MergedAdmin, server: _Server) -> None:
-        """Every half second: note readiness, restart the dead, give up on a worker that cannot start."""
+    async def watch(self, telemetry: Telemetry) -> None:
+        """Twice a second: restart the dead, give up on a relay that cannot start."""
         while not self.stopping:
             await asyncio.sleep(0.5)
+            code = telemetry.proc.poll()
+            if code is not None and not self.stopping:
+                log.warning("the telemetry process exited with code %s; starting it again", code)
+                telemetry.restart()
             for i, proc in enumerate(self.procs):
+                started = proc.check_started()
                 code = proc.popen.poll()
-                if code is None:
-                    if not proc.ready:
-                        answer = await admin.get(admin.clients[i], "/readyz")
-                        proc.ready = answer is not None and answer.status_code == 200
+                if code is None or self.stopping:
                     continue
-                if self.stopping:
+                if not started:
+                    self.failure = f"relay {i} exited with code {code} while starting"
+                    self.stop()
                     return
-                if not proc.ready and time.monotonic() - proc.started < START_GRACE:
-                    self.failure = f"worker {i} exited with code {code} while starting"
-                    server.should_exit = True
-                    return
-                log.warning("worker %d exited with code %s; starting it again", i, code)
-                self.procs[i] = _Proc(self.settings, proc.worker)
+                log.warning("relay %d exited with code %s; starting it again", i, code)
+                self.procs[i] = _Proc(self.settings, i, self.channel_path)
 
     def stop(self) -> None:
-        """SIGTERM every worker (each drains its streams and flushes its telemetry)."""
+        """SIGTERM every relay (each drains its streams and hands over its tapes)."""
         self.stopping = True
+        self.stopped.set()
         for proc in self.procs:
             if proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGTERM)
 
     def join(self, timeout: float) -> None:
-        """Wait for the workers; kill what is left after ``timeout``."""
+        """Wait for the relays; kill what is left after ``timeout``."""
         deadline = time.monotonic() + timeout
         for proc in self.procs:
             try:
@@ -262,52 +180,43 @@ class Supervisor:
                 proc.popen.wait()
 
 
-def supervise(settings: Settings) -> None:
-    """Run ``settings.workers`` workers and the merged admin listener until SIGINT or SIGTERM."""
-    # Reserve the port (and resolve port 0) before any worker binds it; a taken port fails here, once.
+def supervise(settings: Settings, channel_path: str) -> None:
+    """Run the telemetry process and ``settings.workers`` relays until SIGINT or SIGTERM."""
+    # Reserve the port (and resolve port 0) before any relay binds it; a taken port fails here, once.
     reservation = bind(settings.host, settings.port, "proxy listener", reuse_port=True, listen=False)
-    admin_sock = bind(settings.admin_host, settings.admin_port, "admin listener")
     port = reservation.getsockname()[1]
     shared = dataclasses.replace(settings, port=port)
-    # A Unix socket's path holds at most 107 bytes: under a deep TMPDIR, fall back to /tmp.
-    base = None if len(tempfile.gettempdir()) <= 68 else "/tmp"
-    with tempfile.TemporaryDirectory(prefix="llmtap-workers-", dir=base) as folder:
-        os.chmod(folder, 0o700)
-        supervisor = Supervisor(shared, Path(folder))
-        try:
-            run_loop(_supervise(shared, supervisor, admin_sock, port))
-        finally:
-            supervisor.stop()
-            supervisor.join(settings.timeouts.drain + settings.timeouts.flush + 5)
-            reservation.close()
+    try:
+        with Telemetry(shared, channel_path, relays=settings.workers) as telemetry:
+            supervisor = Supervisor(shared, channel_path)
+            try:
+                run_loop(_supervise(shared, supervisor, telemetry, port))
+            finally:
+                supervisor.stop()
+                supervisor.join(settings.timeouts.drain + 10)
+    finally:
+        reservation.close()
     if supervisor.failure:
         raise ConfigError(supervisor.failure)
 
 
-async def _supervise(settings: Settings, supervisor: Supervisor, admin_sock: socket.socket, port: int) -> None:
-    admin = MergedAdmin([p.worker.admin_path for p in supervisor.procs])
-    server = _Server(uvicorn_config(admin, settings))
+async def _supervise(settings: Settings, supervisor: Supervisor, telemetry: Telemetry, port: int) -> None:
     loop = asyncio.get_running_loop()
-
-    def stop() -> None:
-        supervisor.stop()
-        server.should_exit = True
-
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop)
+        loop.add_signal_handler(sig, supervisor.stop)
     routes = ", ".join(f"{r.prefix} -> {r.upstream}" for r in settings.routes)
     log.info(
-        "llmtap proxy on http://%s:%d (%s) in %d workers; admin on http://%s:%d",
+        "llmtap proxy on http://%s:%d (%s) in %d relays; admin on http://%s:%d",
         settings.host,
         port,
         routes,
         settings.workers,
         settings.admin_host,
-        admin_sock.getsockname()[1],
+        telemetry.admin_port,
     )
-    watcher = asyncio.create_task(supervisor.watch(admin, server))
+    watcher = asyncio.create_task(supervisor.watch(telemetry))
     try:
-        await server.serve(sockets=[admin_sock])
+        await supervisor.stopped.wait()
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):

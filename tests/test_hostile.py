@@ -318,12 +318,14 @@ def test_fuzz_usage_filter_loses_no_byte_it_should_keep(chunks: list[bytes]) -> 
     provider=st.sampled_from(PROVIDERS),
     content_type=st.sampled_from(["text/event-stream", "application/x-ndjson", "application/json", ""]),
 )
-def test_fuzz_tap_relays_every_byte_unchanged(chunks: list[bytes], provider: Provider, content_type: str) -> None:
+def test_fuzz_tap_reads_any_bytes_without_raising(chunks: list[bytes], provider: Provider, content_type: str) -> None:
     tl = Timeline("POST", "/", "r", "http://u", "u", 80, provider.name, "p", received=0.0, received_wall_ns=0)
-    tap = Tap(tl, provider, content_type=content_type, content_encoding="", strip_usage=False, stream_requested=True)
-    out = b"".join(tap.feed(c, float(i)) for i, c in enumerate(chunks)) + tap.finish(99.0)
-    assert out == b"".join(chunks)
-    assert tl.response_bytes == len(out)
+    tap = Tap(tl, provider, content_type=content_type, content_encoding="", stream_requested=True)
+    for i, c in enumerate(chunks):
+        tap.feed(c, float(i))
+    tap.finish(99.0)
+    assert tl.response_bytes == sum(len(c) for c in chunks)
+    assert len(tl.chunk_times) <= len(chunks) + 1
 
 
 def test_decoder_memory_stays_bounded_on_an_endless_line() -> None:

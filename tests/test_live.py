@@ -106,8 +106,7 @@ class Harness:
         self.recorder.listeners.append(self.window)
 
     def run(self, tl: Timeline) -> None:
-        handle, _ = self.recorder.start(tl, {})
-        self.recorder.record(tl, handle)
+        self.recorder.record(tl)
 
     def close(self) -> None:
         self.recorder.close()
@@ -445,6 +444,7 @@ def test_listener_runs_on_the_recorder_thread(live: Running) -> None:
     def spy(tl: Timeline, s: Any) -> None:
         threads.append(threading.current_thread().name)
 
+    assert live.app.recorder is not None
     listeners = live.app.recorder.listeners
     listeners.insert(listeners.index(window), spy)
     chat(live.url)

@@ -141,6 +141,7 @@ def stack() -> Iterator[Stack]:
     admin = AdminApp(app, prometheus, traces=True)  # spans go to a backend (in memory): show trace ids
     gate = Gate()
     out = Stack(app, "", "", spans, gate)
+    assert app.recorder is not None
     app.recorder.listeners.extend([lambda tl, s: out.summaries.append((tl, s)), gate])
     with ServerThread(app) as proxy_server, ServerThread(admin) as admin_server:
         out.proxy_url, out.admin_url = proxy_server.url, admin_server.url

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,8 +19,9 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from proxy.settings import SLO, Route, Settings, Telemetry as TelemetrySettings, build
 from proxy.summary import Summary
+from proxy.tape import STATS, Tape
 from proxy.telemetry import semconv as sc
-from proxy.telemetry.recorder import GIVE_WAY_BACKLOG, BoundedValues, FirstContentGate, Recorder
+from proxy.telemetry.recorder import BoundedValues, Recorder
 from proxy.timeline import Timeline
 from proxy.types import Facts, RequestInfo, Usage
 from tests.conftest import Running, Scripted, Telemetry
@@ -34,6 +34,28 @@ WORDS = [" alpha", " beta gamma", " delta river sigma"]  # 1, 2 and 3 o200k toke
 ROUTES = (Route(prefix="/", upstream="http://upstream:8000", name="default"),)
 # Metric attributes that spans do not carry (or carry under the same key only on the root).
 METRIC_ONLY = {sc.TOKEN_TYPE, sc.OUTCOME, sc.SLO_OUTCOME, sc.DRIFT_DIRECTION, sc.TOKEN_MODALITY}
+
+
+def tape_end(key: int) -> tuple[Any, ...]:
+    """The channel's last message of a small finished request, as the relay sends it."""
+    tape = Tape(
+        key,
+        method="POST",
+        path="/v1/chat/completions",
+        inner_path="/v1/chat/completions",
+        route="default",
+        protocol="openai_chat",
+        received=1.0,
+        received_wall_ns=WALL,
+    )
+    tape.body = b'{"model": "m", "stream": true, "messages": []}'
+    tape.body_read = tape.admitted = tape.sent = 1.001
+    tape.headers_at, tape.status_code = 1.01, 200
+    tape.response_headers = [(b"content-type", b"text/event-stream")]
+    tape.read(1.02, b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n')
+    tape.delivered(1.021)
+    tape.end = 1.03
+    return tape.end_message()
 
 
 def ns(offset: float) -> int:
@@ -154,9 +176,10 @@ class Harness:
         )
 
     def run(self, tl: Timeline, incoming: dict[str, str] | None = None) -> Summary:
-        """Start and record one request synchronously."""
-        handle, _ = self.recorder.start(tl, incoming or {})
-        return self.recorder.record(tl, handle)
+        """Record one request synchronously; ``incoming`` are the client's trace headers, as the relay keeps them."""
+        if incoming and "traceparent" in incoming:
+            tl.parent = (incoming["traceparent"], incoming.get("tracestate", ""))
+        return self.recorder.record(tl)
 
     def spans(self, name: str | None = None) -> list[ReadableSpan]:
         return [s for s in self.exporter.get_finished_spans() if name is None or s.name == name]
@@ -226,16 +249,17 @@ def point(metrics: dict[str, Metric], name: str, **match: Any) -> Any:
 def test_span_tree_links_and_times(harness: HarnessFactory) -> None:
     h = harness()
     tl = timeline(6)
-    handle, carrier = h.recorder.start(tl, {})
-    h.recorder.record(tl, handle)
+    # The relay made the ids and sent them upstream as traceparent: the root span carries exactly those.
+    tl.trace_id, tl.span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    h.recorder.record(tl)
     root = h.root()
     assert root.name == "chat gpt-4o" and root.kind == SpanKind.CLIENT
     assert root.parent is None
     assert (root.start_time, root.end_time) == (WALL, ns(FIRST + 5 * GAP + 0.25))
     assert root.status.status_code == StatusCode.UNSET
-    # The context that goes upstream names the root span; the timeline keeps the ids for request records.
-    assert carrier["traceparent"].startswith(f"00-{root.context.trace_id:032x}-{root.context.span_id:016x}-")
-    assert (tl.trace_id, tl.span_id) == (f"{root.context.trace_id:032x}", f"{root.context.span_id:016x}")
+    assert (f"{root.context.trace_id:032x}", f"{root.context.span_id:016x}") == (tl.trace_id, tl.span_id)
+    # Every other span gets ids of its own.
+    assert len({s.context.span_id for s in h.spans()}) == len(h.spans())
 
     (queue,) = children(h, root, sc.SPAN_QUEUE)
     (prefill,) = children(h, root, sc.SPAN_PREFILL)
@@ -491,7 +515,8 @@ def test_metrics_values_units_and_attributes(harness: HarnessFactory) -> None:
     assert point(m, sc.METRIC_QUEUE, **{sc.QUEUE_SOURCE: "proxy"}).sum == 1 / 128
     assert point(m, sc.METRIC_PREFILL, **{sc.PREFILL_SOURCE: "upstream_ttft"}).sum == FIRST - 1 / 32
     assert point(m, sc.METRIC_DECODE).sum == 5 * GAP
-    assert point(m, sc.METRIC_OVERHEAD).sum == 1 / 32 - 1 / 64
+    # The proxy's own time: reading the request (received to body read) and admitted to sent; the line is not.
+    assert point(m, sc.METRIC_OVERHEAD).sum == 1 / 128 + 1 / 32 - 1 / 64
 
     token_usage = sc.RELEASED.token_usage or ""
     assert point(m, token_usage, **{sc.TOKEN_TYPE: "input"}).sum == 8
@@ -506,7 +531,6 @@ def test_metrics_values_units_and_attributes(harness: HarnessFactory) -> None:
     requests = point(m, sc.METRIC_REQUESTS)
     assert requests.value == 1
     assert requests.attributes[sc.OUTCOME] == "ok" and requests.attributes[sc.SLO_OUTCOME] == "met"
-    assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 0
     # No latest-convention names by default.
     assert not [name for name in m if name.startswith("gen_ai.client.inference.")]
 
@@ -647,45 +671,33 @@ def test_captured_content_is_capped_at_16_kib(harness: HarnessFactory) -> None:
 
 def test_span_processor_failing_at_end_never_reaches_the_caller(harness: HarnessFactory) -> None:
     h = harness(Raising(on_end=True))
-    tl = timeline(3)
-    handle, _ = h.recorder.start(tl, {})
-    assert handle is not None
-    h.recorder.finish(tl, handle)
+    h.recorder.record_timeline(timeline(3))
     assert h.recorder.flush(5)
     # Called directly too: the broken trace pipeline does not cost the metrics.
-    tl2 = timeline(3)
-    handle2, _ = h.recorder.start(tl2, {})
-    h.recorder.record(tl2, handle2)
+    h.recorder.record(timeline(3))
     m = h.metrics()
     assert point(m, sc.METRIC_REQUESTS).value == 2
-    assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 0
 
 
 def test_span_processor_failing_at_start_never_reaches_the_caller(harness: HarnessFactory) -> None:
     h = harness(Raising(on_start=True))
     tl = timeline(3)
-    handle, carrier = h.recorder.start(tl, {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
-    assert handle is None and carrier == {}
-    h.recorder.finish(tl, handle)
+    tl.parent = ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "")
+    h.recorder.record_timeline(tl)
     assert h.recorder.flush(5)
     assert h.recorder.failed == 0 and h.recorder.recorded == 1
-    m = h.metrics()
-    assert point(m, sc.METRIC_REQUESTS).value == 1
-    # The in-flight gauge is balanced even though the span never started.
-    assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 0
+    assert point(h.metrics(), sc.METRIC_REQUESTS).value == 1
 
 
 def test_queue_full_drops_are_counted(harness: HarnessFactory) -> None:
     blocking = Blocking()
     h = harness(blocking, queue_size=1)
     rec = h.recorder
-    first = timeline(2)
-    rec.finish(first, rec.start(first, {})[0])
+    assert rec.submit(tape_end(1))
     assert blocking.entered.wait(5)  # the worker is stuck inside the first record
-    rest = [timeline(2) for _ in range(4)]
     try:
-        for tl in rest:
-            rec.finish(tl, rec.start(tl, {})[0])  # one fits in the queue, three do not
+        taken = [rec.submit(tape_end(key)) for key in range(2, 6)]  # one fits in the queue, three do not
+        assert taken == [True, False, False, False]
         assert rec.dropped == 3
         dropped = point(h.metrics(), sc.METRIC_TELEMETRY_DROPPED)
         assert dropped.value == 3 and dict(dropped.attributes) == {sc.TELEMETRY_REASON: "queue_full"}
@@ -693,77 +705,25 @@ def test_queue_full_drops_are_counted(harness: HarnessFactory) -> None:
         blocking.release.set()
     assert rec.flush(5)
     assert rec.recorded == 2 and rec.failed == 0
+    assert point(h.metrics(), sc.METRIC_REQUESTS).value == 2
+
+
+def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: HarnessFactory) -> None:
+    h = harness()
+    rec = h.recorder
+    rec.take(0, (STATS, True, 0, (("default", 3),), (("default", 2),)))
+    rec.take(1, (STATS, True, 4, (("default", 1),), ()))
     m = h.metrics()
-    assert point(m, sc.METRIC_REQUESTS).value == 2
-    assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 0
-
-
-def test_gate_counts_requests_until_their_first_content() -> None:
-    gate = FirstContentGate(wait=10.0)
-    first, second = gate.enter(), gate.enter()
-    assert gate.waiting == 2
-    first.leave()
-    first.leave()  # a ticket leaves once, however often the relay says so
-    assert gate.waiting == 1
-    waited = threading.Event()
-
-    def worker() -> None:
-        gate.give_way()
-        waited.set()
-
-    thread = threading.Thread(target=worker)
-    thread.start()
-    assert not waited.wait(0.3)  # one request still waits for its first content
-    second.leave()
-    assert waited.wait(5) and gate.waiting == 0
-    thread.join(5)
-
-
-def test_gate_wait_is_bounded() -> None:
-    gate = FirstContentGate(wait=0.05)
-    ticket = gate.enter()
-    started = time.monotonic()
-    gate.give_way()
-    assert time.monotonic() - started < 5  # bounded: never waits for a request that never ends
-    ticket.leave()
-
-
-def test_recorder_gives_way_to_a_request_before_its_first_content(harness: HarnessFactory) -> None:
-    """A finished request is recorded only once the waiting one has its first content (here: leaves)."""
-    h = harness()
-    rec = h.recorder
-    rec.gate = FirstContentGate(wait=30.0)
-    ticket = rec.gate.enter()
-    tl = timeline(3)
-    rec.finish(tl, rec.start(tl, {})[0])
-    time.sleep(0.5)
-    assert rec.recorded == 0
-    ticket.leave()
-    assert rec.flush(5) and rec.recorded == 1
-
-
-def test_recorder_stops_giving_way_when_records_pile_up(harness: HarnessFactory) -> None:
-    """Under load (requests always arriving), records past GIVE_WAY_BACKLOG are written without waiting."""
-    h = harness()
-    rec = h.recorder
-    rec.gate = FirstContentGate(wait=30.0)
-    ticket = rec.gate.enter()
-    try:
-        first = timeline(1)
-        rec.finish(first, rec.start(first, {})[0])
-        time.sleep(0.3)
-        assert rec.recorded == 0  # given way
-        more = [timeline(1) for _ in range(GIVE_WAY_BACKLOG + 4)]
-        for tl in more:
-            rec.finish(tl, rec.start(tl, {})[0])
-        # Written down to the backlog bound at once; each record would otherwise wait 30 s.
-        deadline = time.monotonic() + 10
-        while rec.recorded < len(more) + 1 - GIVE_WAY_BACKLOG and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert rec.recorded >= len(more) + 1 - GIVE_WAY_BACKLOG, rec.recorded
-    finally:
-        ticket.leave()
-    assert rec.flush(10) and rec.recorded == len(more) + 1
+    assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 4 and point(m, sc.METRIC_QUEUE_WAITING).value == 2
+    dropped = point(m, sc.METRIC_TELEMETRY_DROPPED)
+    assert dropped.value == 4 and dict(dropped.attributes) == {sc.TELEMETRY_REASON: "channel_full"}
+    assert rec.relays_ready == {0: True, 1: True}
+    rec.take(0, (STATS, False, 0, (("default", 1),), (("default", 0),)))
+    rec.relay_gone(1)
+    assert rec.flush(5)
+    m = h.metrics()
+    assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 1 and point(m, sc.METRIC_QUEUE_WAITING).value == 0
+    assert rec.relays_ready == {0: False, 1: False}
 
 
 # --- secrets -------------------------------------------------------------------------------------
@@ -783,13 +743,15 @@ def test_no_secret_from_request_headers_in_telemetry(
 ) -> None:
     running: Running = proxy_factory(build({"upstream": scripted.url, "read_timeout": 5}, env={}))
     seen: list[Timeline] = []
-    finish = running.app.recorder.finish
+    recorder = running.app.recorder
+    assert recorder is not None
+    record = recorder.record
 
-    def spy(tl: Timeline, handle: Any) -> None:
+    def spy(tl: Timeline) -> Summary:
         seen.append(tl)
-        finish(tl, handle)
+        return record(tl)
 
-    monkeypatch.setattr(running.app.recorder, "finish", spy)
+    monkeypatch.setattr(recorder, "record", spy)
     body = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
     with httpx.stream("POST", running.url + "/v1/chat/completions", json=body, headers=SECRETS, timeout=10) as r:
         assert r.status_code == 200

@@ -123,8 +123,8 @@ def test_lines_are_buffered_until_flush_or_close(tmp_path: Path) -> None:
     settings = Settings(routes=(Route(prefix="/", upstream="http://upstream:8000", name="default"),))
     recorder = Recorder(Settings(routes=settings.routes, record=Records(path=str(path))))
     assert recorder.records is not None
-    recorder.record(timeline(), None)
-    recorder.record(timeline(), None)
+    recorder.record(timeline())
+    recorder.record(timeline())
     assert path.read_bytes() == b""  # still in the buffer: one write per second at most under load
     recorder.close()  # no worker thread ever ran, and close still flushes and closes the file
     assert len(records(path)) == 2

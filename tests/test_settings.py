@@ -347,7 +347,7 @@ def test_upstream_url_never_changes_host(raw: bytes) -> None:
 
 # --- forward: headers ---------------------------------------------------------------------------
 
-TRACE = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+TRACE = [(b"traceparent", b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01")]
 
 
 def names(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
@@ -371,13 +371,13 @@ def test_request_headers_hygiene() -> None:
         (b"traceparent", b"00-" + b"a" * 32 + b"-" + b"b" * 16 + b"-01"),
         (b"tracestate", b"k=v"),
     ]
-    out = request_headers(incoming, trace={}, body_changed=False)
+    out = request_headers(incoming, trace=None, body_changed=False)
     assert names(out) == [b"authorization", b"content-type", b"content-length", b"traceparent", b"tracestate"]
     assert dict(out)[b"Authorization"] == b"Bearer sk-test"  # case and value kept
-    # With a span of its own, the proxy's trace context replaces the client's; a changed body drops the length.
+    # With tracing on, the proxy's trace context replaces the client's; a changed body drops the length.
     out = request_headers(incoming, trace=TRACE, body_changed=True)
     assert names(out) == [b"authorization", b"content-type", b"traceparent"]
-    assert dict(out)[b"traceparent"] == TRACE["traceparent"].encode()
+    assert dict(out)[b"traceparent"] == TRACE[0][1]
 
 
 def test_response_headers_hygiene() -> None:

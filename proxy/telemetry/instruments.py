@@ -139,7 +139,11 @@ def create(meter: Meter, *, latest: bool) -> Instruments:
         active_streams=meter.create_up_down_counter(
             sc.METRIC_ACTIVE_STREAMS, unit="{request}", description="Requests in flight through the proxy."
         ),
-        overhead=_seconds(meter, sc.METRIC_OVERHEAD, "Time the proxy itself spent before the request went upstream."),
+        overhead=_seconds(
+            meter,
+            sc.METRIC_OVERHEAD,
+            "The proxy's own time in TTFT: request in to request sent, first content in to first content out.",
+        ),
         drift=meter.create_histogram(
             sc.METRIC_TOKEN_DRIFT,
             unit="1",

@@ -1,0 +1,257 @@
+"""The relay's tape, its channel and its playback: what crosses from the relay to the telemetry side."""
+
+from __future__ import annotations
+
+import asyncio
+import marshal
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from proxy.channel import LocalChannel, SocketChannel, frames
+from proxy.settings import Route, Settings
+from proxy.tape import END, SEGMENT, SEGMENT_BYTES, STATS, Tape
+from proxy.telemetry.replay import Playback
+from proxy.tracecontext import Sampler, begin, parse_traceparent
+
+ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default")
+SETTINGS = Settings(routes=(ROUTE,))
+ROUTES = {ROUTE.name: ROUTE}
+BODY = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+
+
+def event(text: str) -> bytes:
+    return b'data: {"model": "m", "choices": [{"index": 0, "delta": {"content": "' + text.encode() + b'"}}]}\n\n'
+
+
+USAGE = b'data: {"model": "m", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}\n\n'
+
+
+def tape_of(
+    reads: list[bytes], key: int = 1, *, fail: tuple[str, str | None, bool] | None = None
+) -> tuple[Tape, list[tuple[Any, ...]]]:
+    """A tape of a streamed chat request whose upstream sent ``reads`` (and the relay's ``fail``ure, if any);
+    the messages it would hand over."""
+    tape = Tape(
+        key,
+        method="POST",
+        path="/v1/chat/completions",
+        inner_path="/v1/chat/completions",
+        route="default",
+        protocol="openai_chat",
+        received=10.0,
+        received_wall_ns=1_700_000_000_000_000_000,
+    )
+    tape.trace_id, tape.span_id = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
+    tape.body, tape.body_read, tape.admitted, tape.sent = BODY, 10.001, 10.002, 10.003
+    tape.headers_at, tape.status_code = 10.05, 200
+    tape.response_headers = [(b"content-type", b"text/event-stream")]
+    messages: list[tuple[Any, ...]] = []
+    for i, data in enumerate(reads):
+        full = tape.read(10.1 + i * 0.02, data)
+        tape.delivered(10.1 + i * 0.02 + 0.0001)
+        if full:
+            messages.append(tape.segment_message())
+    tape.end = 10.1 + len(reads) * 0.02
+    if fail is not None:
+        tape.fail(fail[0], fail[1], cancelled=fail[2])
+    messages.append(tape.end_message())
+    return tape, messages
+
+
+def play(messages: list[tuple[Any, ...]]) -> Any:
+    playback: Playback | None = None
+    for message in messages:
+        # What crosses between processes is marshal's form: exactly what the socket channel sends.
+        kind, _, head, reads, *rest = marshal.loads(marshal.dumps(message))
+        if playback is None:
+            assert head is not None
+            playback = Playback(head, SETTINGS, ROUTES)
+        else:
+            assert head is None  # the head travels once, with the first message
+        playback.feed(reads)
+        if kind == END:
+            return playback.finish(rest[0])
+    raise AssertionError("no end message")
+
+
+def test_a_stream_played_back_gives_the_timeline_the_relay_saw() -> None:
+    reads = [event("Hel"), event("lo") + event(" there"), USAGE + b"data: [DONE]\n\n"]
+    _, messages = tape_of(reads)
+    assert [m[0] for m in messages] == [END]
+    tl = play(messages)
+    assert tl.protocol == "openai_chat" and tl.request is not None and tl.request.model == "m"
+    assert list(tl.chunk_times) == pytest.approx([10.1, 10.12])  # one content chunk per upstream read
+    assert tl.chunk_texts == ["Hel", "lo there"]
+    assert tl.first_content_delivered == pytest.approx(10.1001)
+    assert tl.usage is not None and (tl.usage.input_tokens, tl.usage.output_tokens) == (9, 3)
+    assert tl.response_bytes == sum(len(r) for r in reads)
+    assert (tl.trace_id, tl.span_id) == ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")
+    assert tl.outcome == "ok" and tl.end == pytest.approx(10.16)
+
+
+def test_a_long_stream_leaves_in_segments_and_the_relay_holds_little() -> None:
+    reads = [event("x" * 200) for _ in range(2000)]  # about 500 KB
+    _, messages = tape_of(reads)
+    kinds = [m[0] for m in messages]
+    assert kinds[-1] == END and kinds.count(SEGMENT) >= len(b"".join(reads)) // (SEGMENT_BYTES + 300)
+    # Each segment holds at most the bound plus one read: what one open stream keeps in the relay.
+    largest = max(len(m[3][3]) for m in messages)
+    assert largest < SEGMENT_BYTES + len(reads[0])
+    tl = play(messages)
+    assert len(tl.chunk_times) == 2000 and tl.response_bytes == len(b"".join(reads))
+    # Played in segments or whole, the same timeline.
+    whole = [tape_of(reads[:1])[1][0]]
+    assert play(whole).chunk_texts == ["x" * 200]
+
+
+@given(cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12))
+@hsettings(max_examples=60, deadline=None)
+def test_playback_does_not_depend_on_how_reads_were_cut(cuts: list[int]) -> None:
+    """Whatever the read boundaries, the content and usage played back are the stream's."""
+    stream = event("a") + event("b") + event("c") + USAGE + b"data: [DONE]\n\n"
+    points = sorted({c for c in cuts if 0 < c < len(stream)})
+    reads = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
+    tl = play(tape_of(reads)[1])
+    assert "".join(tl.chunk_texts) == "abc"
+    assert tl.usage is not None and tl.usage.output_tokens == 3
+
+
+def test_relay_failures_and_cancellation_reach_the_timeline() -> None:
+    _, messages = tape_of([event("a")], fail=("idle_timeout", "upstream stopped sending", False))
+    tl = play(messages)
+    assert (tl.outcome, tl.error_type, tl.error_message) == ("error", "idle_timeout", "upstream stopped sending")
+    _, messages = tape_of([event("a")], fail=("cancelled", None, True))
+    assert play(messages).outcome == "cancelled"
+    tape = Tape(
+        1, method="GET", path="/", inner_path="/", route="default", protocol=None, received=1.0, received_wall_ns=0
+    )
+    tape.fail("upstream_closed", "first")
+    tape.fail("idle_timeout", "second")  # the first failure wins
+    assert (tape.error_type, tape.error_message) == ("upstream_closed", "first")
+
+
+@given(data=st.lists(st.tuples(st.integers(0, 3), st.binary(max_size=64)), max_size=20), cut=st.integers(1, 50))
+@hsettings(max_examples=80, deadline=None)
+def test_frames_come_out_whole_however_the_bytes_are_cut(data: list[tuple[int, bytes]], cut: int) -> None:
+    wire = b"".join(len(m).to_bytes(4, "big") + m for m in (marshal.dumps(d) for d in data))
+    buffer = bytearray()
+    out: list[Any] = []
+    for i in range(0, len(wire), cut):
+        buffer += wire[i : i + cut]
+        out.extend(frames(buffer))
+    assert out == data and not buffer
+
+
+class _Sink:
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.got: list[tuple[Any, ...]] = []
+
+    def submit(self, message: tuple[Any, ...], source: int = 0) -> bool:
+        if len(self.got) >= self.room:
+            return False
+        self.got.append(message)
+        return True
+
+
+def test_local_channel_counts_what_the_full_recorder_turns_away() -> None:
+    sink = _Sink(room=2)
+    channel = LocalChannel(sink)
+    assert [channel.send((STATS, i)) for i in range(4)] == [True, True, False, False]
+    assert channel.dropped == 2 and len(sink.got) == 2
+
+
+async def test_socket_channel_delivers_batched_and_drops_while_nobody_listens() -> None:
+    folder = tempfile.mkdtemp(prefix="llmtap-test-")
+    path = os.path.join(folder, "t.sock")
+    alone = SocketChannel(path)
+    assert not alone.send((STATS, 1)) and alone.dropped == 1  # not connected: dropped, never waits
+    received = bytearray()
+    ended = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            received.extend(data)
+        ended.set()
+        writer.close()
+
+    server = await asyncio.start_unix_server(handle, path)
+    channel = SocketChannel(path)
+    await channel.start()
+    messages = [(END, i, None, (b"", b"", b"", b"x" * i), None) for i in range(100)]
+    assert all(channel.send(m) for m in messages)
+    await channel.aclose()
+    async with asyncio.timeout(10):
+        await ended.wait()  # the relay closed its end: everything it sent has arrived
+    server.close()
+    await server.wait_closed()
+    assert frames(received) == messages and channel.dropped == 0
+
+
+async def test_socket_channel_drops_past_its_buffer_bound(tmp_path: Path) -> None:
+    path = str(tmp_path / "t.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    channel = SocketChannel(path, limit=64 * 1024)
+    await channel.start()
+    peer, _ = listener.accept()  # connected, and never reads
+    try:
+        big = (END, 1, None, (b"", b"", b"", b"y" * 16 * 1024), None)
+        results = []
+        for _ in range(200):
+            results.append(channel.send(big))
+            await asyncio.sleep(0)
+        assert results[0] and not results[-1] and channel.dropped > 0
+    finally:
+        peer.close()
+        listener.close()
+        await channel.aclose()
+
+
+def test_traceparent_is_read_by_the_w3c_rules() -> None:
+    good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    assert parse_traceparent(good) == (0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, 1)
+    assert parse_traceparent("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-extra") is not None
+    for bad in (
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",  # version ff
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",  # zero trace id
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",  # zero parent id
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",  # upper case
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",  # version 00 with more
+        "garbage",
+    ):
+        assert parse_traceparent(bad) is None, bad
+
+
+def test_the_relay_continues_the_clients_trace_or_starts_one() -> None:
+    sampler = Sampler()
+    child = begin("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00", sampler)
+    assert child.trace_id == 0x4BF92F3577B34DA6A3CE929D0E0E4736 and not child.sampled
+    assert child.span_id not in (0, 0x00F067AA0BA902B7)
+    assert child.traceparent == f"00-4bf92f3577b34da6a3ce929d0e0e4736-{child.span_id:016x}-00".encode()
+    root = begin("not a traceparent", sampler)
+    assert root.trace_id != child.trace_id and root.sampled
+    assert len({begin(None, sampler).span_id for _ in range(1000)}) == 1000
+
+
+def test_the_relays_sampling_matches_the_sdks() -> None:
+    from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
+
+    env = {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"}
+    ours = Sampler.from_env(env)
+    theirs = TraceIdRatioBased(0.25)
+    ids = [begin(None, Sampler()).trace_id for _ in range(2000)]
+    for trace_id in ids:
+        decision = theirs.should_sample(None, trace_id, "x").decision
+        assert ours.sampled(trace_id, None) == (decision == Decision.RECORD_AND_SAMPLE)
+    assert 300 < sum(ours.sampled(t, None) for t in ids) < 700
+    assert not Sampler.from_env({"OTEL_TRACES_SAMPLER": "always_off"}).sampled(ids[0], 1)
+    assert Sampler.from_env({"OTEL_TRACES_SAMPLER": "parentbased_always_off"}).sampled(ids[0], 1)
+    assert Sampler.from_env({}).sampled(ids[0], None)
