@@ -21,7 +21,7 @@ from typing import Any
 
 from bench import peers
 from bench.procs import Service, pinned
-from bench.stats import percentile
+from bench.stats import percentile_ms
 
 TTFT_ATTR = "gen_ai.response.time_to_first_chunk"
 TPOT_ATTR = "llmtap.time_per_output_token"
@@ -170,8 +170,8 @@ def _figures(
     rows = []
     for q in QUANTILES:
         ref = float(aiperf["time_to_first_token"][f"p{q}"])
-        exact = percentile(prof_ttft, q) * ms
-        exact_all = percentile(all_ttft, q) * ms
+        exact = percentile_ms(prof_ttft, q)
+        exact_all = percentile_ms(all_ttft, q)
         hist = peers.promql(prom_port, f"histogram_quantile({q / 100}, sum by (le) ({TTFT_METRIC}_bucket))")
         hist_ms = hist * ms if hist is not None else None
         rows.append(
@@ -197,6 +197,6 @@ def _figures(
         "prometheus_count": prom_count,
         "aiperf_version": aiperf.get("aiperf_version"),
         "ttft": rows,
-        "itl_p50_ms": {"aiperf": itl.get("p50"), "llmtap_tpot": percentile(prof_tpot, 50) * ms},
-        "itl_p99_ms": {"aiperf": itl.get("p99"), "llmtap_tpot": percentile(prof_tpot, 99) * ms},
+        "itl_p50_ms": {"aiperf": itl.get("p50"), "llmtap_tpot": percentile_ms(prof_tpot, 50)},
+        "itl_p99_ms": {"aiperf": itl.get("p99"), "llmtap_tpot": percentile_ms(prof_tpot, 99)},
     }

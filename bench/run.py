@@ -26,7 +26,8 @@ from typing import Any
 from bench import accuracy, peers, report
 from bench.peers import Endpoint
 from bench.procs import Sampler, Service, pinned, quiesce
-from bench.stats import PathFigures, analyse, crossing, percentile
+from bench.stats import PathFigures, analyse, crossing
+from proxy.stats import quantile
 
 PATHS = ("direct", "nginx", "llmtap", "litellm")
 IN_NETNS = "BENCH_IN_NETNS"
@@ -226,7 +227,7 @@ class Bench:
                     with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10) as r:
                         size = len(r.read())
                     scrapes.append(1000 * (time.perf_counter() - t0))
-                rows.append({**fig.as_dict(), "workers": n, "scrape_ms_p50": percentile(scrapes, 50),
+                rows.append({**fig.as_dict(), "workers": n, "scrape_ms_p50": quantile(scrapes, 0.5),
                              "scrape_bytes": size})  # fmt: skip
             finally:
                 ep.service.stop()

@@ -7,7 +7,7 @@ Client and upstream take their times on one clock (CLOCK_MONOTONIC), so for each
 * merged chunks = content events that came in the same socket read as the one before, plus content
   events the upstream wrote that never reached the client as events of their own.
 
-Percentiles interpolate linearly between order statistics (numpy's default, and aiperf's).
+Percentiles are ``proxy.stats.quantile``'s: linear between the closest ranks (numpy's default, and aiperf's).
 """
 
 from __future__ import annotations
@@ -17,16 +17,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from proxy.stats import quantile
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) with linear interpolation; NaN for no values."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+def percentile_ms(seconds: Iterable[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of times in seconds, in ms; NaN (a missing figure) for no values."""
+    value = quantile(seconds, q / 100.0)
+    return math.nan if value is None else value * 1000.0
 
 
 @dataclass
@@ -110,14 +107,14 @@ def analyse(
         fig.seconds = max(last_end - first_sent, 1e-9)
         fig.chunks_per_s = fig.chunks / fig.seconds
     ms = 1000.0
-    fig.ttft_ms_p50 = percentile(ttfts, 50) * ms
-    fig.ttft_ms_p99 = percentile(ttfts, 99) * ms
-    fig.added_ttft_ms_p50 = percentile(added_ttft, 50) * ms
-    fig.added_ttft_ms_p99 = percentile(added_ttft, 99) * ms
-    fig.added_gap_ms_p50 = percentile(added_gap, 50) * ms
-    fig.added_gap_ms_p99 = percentile(added_gap, 99) * ms
+    fig.ttft_ms_p50 = percentile_ms(ttfts, 50)
+    fig.ttft_ms_p99 = percentile_ms(ttfts, 99)
+    fig.added_ttft_ms_p50 = percentile_ms(added_ttft, 50)
+    fig.added_ttft_ms_p99 = percentile_ms(added_ttft, 99)
+    fig.added_gap_ms_p50 = percentile_ms(added_gap, 50)
+    fig.added_gap_ms_p99 = percentile_ms(added_gap, 99)
     fig.added_gap_ms_max = max(added_gap) * ms if added_gap else math.nan
-    fig.upstream_late_ms_p99 = percentile(late, 99) * ms
+    fig.upstream_late_ms_p99 = percentile_ms(late, 99)
     return fig
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from proxy import simulator
 from proxy.compare import Comparison, Split, compare_records
 from proxy.settings import SLO, Records, Route, Settings, Telemetry, telemetry_from_env
 from proxy.simulator.text import Vocabulary
+from proxy.stats import quantile
 from proxy.summary import Summary, slo_outcome
 from proxy.telemetry import setup
 from proxy.telemetry.prometheus import PrometheusReader
@@ -89,18 +89,6 @@ def default_workloads(requests: int | None = None, concurrency: int | None = Non
     ]
 
 
-def _pct(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile; None for no data."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def _median(values: Sequence[float]) -> float | None:
-    return _pct(values, 0.5)
-
-
 @dataclass(slots=True)
 class PhaseResult:
     """The figures of one workload in one prompt layout, all from the proxy's own measurements."""
@@ -134,11 +122,11 @@ def phase_result(w: Workload, layout: str, rows: list[tuple[Timeline, Summary]],
     r = PhaseResult(workload=w.name, layout=layout, requests=len(rows), seconds=seconds)
     ok = [s for tl, s in rows if tl.outcome == OK]
     r.errors = len(rows) - len(ok)
-    r.ttft_p50 = _median([s.ttft for s in ok if s.ttft is not None])
-    r.ttft_p95 = _pct([s.ttft for s in ok if s.ttft is not None], 0.95)
+    r.ttft_p50 = quantile([s.ttft for s in ok if s.ttft is not None], 0.5)
+    r.ttft_p95 = quantile([s.ttft for s in ok if s.ttft is not None], 0.95)
     itl = [x for s in ok for x in s.itl_per_token]
-    r.itl_p50, r.itl_p95 = _median(itl), _pct(itl, 0.95)
-    r.tpot_p50 = _median([s.tpot for s in ok if s.tpot is not None])
+    r.itl_p50, r.itl_p95 = quantile(itl, 0.5), quantile(itl, 0.95)
+    r.tpot_p50 = quantile([s.tpot for s in ok if s.tpot is not None], 0.5)
     out = sum(s.output_tokens or 0 for s in ok)
     good = sum(1 for tl, s in rows if slo_outcome(tl, s, w.slo) == "met")
     if seconds > 0:
@@ -146,15 +134,15 @@ def phase_result(w: Workload, layout: str, rows: list[tuple[Timeline, Summary]],
         r.requests_per_s = len(ok) / seconds
         r.goodput_per_s = good / seconds
     r.slo_met_share = good / len(rows) if rows else 0.0
-    r.queue_p50 = _median([s.queue for s in ok if s.queue is not None])
+    r.queue_p50 = quantile([s.queue for s in ok if s.queue is not None], 0.5)
     r.queue_source = ",".join(sorted({s.queue_source for s in ok if s.queue is not None}))
-    r.prefill_p50 = _median([s.prefill for s in ok if s.prefill is not None])
+    r.prefill_p50 = quantile([s.prefill for s in ok if s.prefill is not None], 0.5)
     r.prefill_source = ",".join(sorted({s.prefill_source for s in ok if s.prefill is not None}))
-    r.decode_p50 = _median([s.decode for s in ok if s.decode is not None])
+    r.decode_p50 = quantile([s.decode for s in ok if s.decode is not None], 0.5)
     inputs = sum(s.input_tokens or 0 for s in ok)
     r.cached_share = sum(s.cache_read_tokens or 0 for s in ok) / inputs if inputs else 0.0
-    r.input_tokens_p50 = _median([float(s.input_tokens) for s in ok if s.input_tokens is not None])
-    r.output_tokens_p50 = _median([float(s.output_tokens) for s in ok if s.output_tokens is not None])
+    r.input_tokens_p50 = quantile([float(s.input_tokens) for s in ok if s.input_tokens is not None], 0.5)
+    r.output_tokens_p50 = quantile([float(s.output_tokens) for s in ok if s.output_tokens is not None], 0.5)
     return r
 
 

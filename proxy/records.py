@@ -11,7 +11,6 @@ and at most ``files`` files stay on disk; the buffer is flushed when the worker 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import time
@@ -23,6 +22,7 @@ from typing import IO, Any
 
 from proxy.cachediag import Diagnosis
 from proxy.settings import ConfigError
+from proxy.stats import sorted_quantile
 from proxy.summary import Summary
 from proxy.timeline import Timeline
 
@@ -39,18 +39,14 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
 
 
-def _nearest_rank(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def _gaps(gaps: list[float]) -> dict[str, Any]:
     if not gaps:
         return {"n": 0}
     ordered = sorted(gaps)
     return {
         "n": len(ordered),
-        "p50": _round(_nearest_rank(ordered, 0.5)),
-        "p95": _round(_nearest_rank(ordered, 0.95)),
+        "p50": _round(sorted_quantile(ordered, 0.5)),
+        "p95": _round(sorted_quantile(ordered, 0.95)),
         "max": _round(ordered[-1]),
     }
 

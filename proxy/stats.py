@@ -1,9 +1,25 @@
-"""Percentiles with bootstrap confidence intervals, for raw samples and for histogram buckets alike.
+"""Quantiles, and percentiles with bootstrap confidence intervals, for raw samples and histogram buckets alike.
+
+The one place llmtap computes a quantile (the demo, the records' gap figures, ``llmtap compare``, the
+live view and the benchmarks all read theirs here), by two definitions, one per kind of input:
+
+* raw samples, ``quantile``: linear interpolation between the closest ranks, the value at position
+  ``q * (n - 1)`` of the sorted samples (Hyndman and Fan's type 7). It is numpy's and pandas' default,
+  ``statistics.quantiles(method="inclusive")``, and what aiperf reports, so the benchmarks' exact
+  figures compare with aiperf's like for like; p0 and p100 are the minimum and the maximum, the median
+  of an even count is the mean of the middle two, and a quantile moves smoothly as q does, where the
+  nearest rank jumps from one sample to the next.
+* histogram buckets, ``histogram_quantile``: Prometheus' ``histogram_quantile``, linear interpolation
+  inside the bucket that holds rank ``q * N``, so a figure read from buckets here is what PromQL gives
+  over ``/metrics``, to the last digit.
 
 No numpy: a bootstrap resample's k-th smallest value is the empirical distribution's value at a
-Beta(k, n-k+1)-distributed position (the k-th order statistic of n uniform draws), so one draw per
-resample gives the exact bootstrap distribution of a percentile, whatever n is, in O(1). Seedable, so
+Beta(k, n-k+1)-distributed position (the k-th order statistic of n uniform draws), and the next one
+above it is a Beta(1, n-k) share of the way from there to the top; so two draws per resample give the
+exact bootstrap distribution of an interpolated percentile, whatever n is, in O(1). Seedable, so
 tests and repeated reports give the same intervals.
+
+Pure functions and values: no I/O.
 """
 
 from __future__ import annotations
@@ -13,6 +29,54 @@ import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+
+def _check(q: float) -> None:
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile {q!r} is outside [0, 1]")
+
+
+def _between(low: float, high: float, share: float) -> float:
+    """``share`` of the way from ``low`` to ``high`` (exactly ``low`` for ties, even infinite ones)."""
+    return low if share == 0 or low == high else low + (high - low) * share
+
+
+def sorted_quantile(ordered: Sequence[float], q: float) -> float | None:
+    """``quantile`` of values already in ascending order (read several quantiles after one sort)."""
+    _check(q)
+    if not ordered:
+        return None
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    return _between(ordered[lo], ordered[min(lo + 1, len(ordered) - 1)], pos - lo)
+
+
+def quantile(values: Iterable[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of raw samples, linear between the closest ranks; None for no values."""
+    return sorted_quantile(sorted(values), q)
+
+
+def histogram_quantile(bounds: Sequence[float], cumulative: Sequence[float], q: float) -> float | None:
+    """Prometheus' ``histogram_quantile`` over cumulative buckets; None when they count nothing.
+
+    ``bounds[i]`` is bucket i's upper bound (``le``), ascending, the last one usually +Inf;
+    ``cumulative[i]`` the count at or below it, never decreasing. The first bucket starts at 0. A rank
+    in the +Inf bucket reads as the highest finite bound, as Prometheus reads it; q = 0 reads as the
+    lower bound of the first bucket that counts anything (where Prometheus gives NaN if that is not
+    the first bucket).
+    """
+    _check(q)
+    if not cumulative or cumulative[-1] <= 0:
+        return None
+    rank = q * cumulative[-1]
+    if rank > 0:
+        i = min(bisect.bisect_left(cumulative, rank), len(bounds) - 1)
+    else:
+        i = bisect.bisect_right(cumulative, 0.0)
+    lower, below = (0.0, 0.0) if i == 0 else (bounds[i - 1], cumulative[i - 1])
+    if math.isinf(bounds[i]):
+        return lower
+    return _between(lower, bounds[i], (rank - below) / (cumulative[i] - below))
 
 
 class Distribution:
@@ -34,32 +98,36 @@ class Distribution:
             return round(self._cumulative[-1])
         return len(self._values)
 
-    def at_rank(self, rank: float) -> float:
-        """The value of rank ``rank`` (1..n): nearest rank for samples, interpolated inside a bucket."""
-        if not self._bounds:
-            return self._values[min(len(self._values), max(1, math.ceil(rank))) - 1]
-        # As Prometheus' histogram_quantile: linear inside the bucket that holds the rank.
-        i = min(bisect.bisect_left(self._cumulative, rank), len(self._bounds) - 1)
-        upper = self._bounds[i]
-        lower, below = (0.0, 0.0) if i == 0 else (self._bounds[i - 1], self._cumulative[i - 1])
-        if math.isinf(upper):
-            return lower
-        inside = self._cumulative[i] - below
-        return upper if inside <= 0 else lower + (upper - lower) * (rank - below) / inside
-
     def quantile(self, q: float) -> float | None:
-        """The ``q`` quantile, or None when empty."""
-        n = self.n
-        if n == 0:
-            return None
-        return self.at_rank(max(1, math.ceil(q * n)) if not self._bounds else q * n)
+        """The ``q`` quantile, or None when empty: ``quantile`` of samples, ``histogram_quantile`` of buckets."""
+        if self._bounds:
+            return histogram_quantile(self._bounds, self._cumulative, q)
+        return sorted_quantile(self._values, q)
+
+    def _drawn(self, u: float) -> float:
+        """The sample a uniform draw ``u`` picks: the empirical distribution's inverse at ``u``."""
+        n = len(self._values)
+        return self._values[min(n, max(1, math.ceil(u * n))) - 1]
 
     def resampled_quantile(self, q: float, rng: random.Random) -> float:
         """The ``q`` quantile of one bootstrap resample (n draws with replacement), drawn exactly in O(1)."""
         n = self.n
-        k = max(1, math.ceil(q * n))
-        u = rng.betavariate(k, n - k + 1)
-        return self.at_rank(max(1, math.ceil(u * n)) if not self._bounds else max(u * n, 1e-9))
+        if self._bounds:
+            k = max(1, math.ceil(q * n))
+            u = rng.betavariate(k, n - k + 1)
+            value = histogram_quantile(self._bounds, self._cumulative, u)
+            assert value is not None  # never empty here: betavariate(k, 0) would have raised first
+            return value
+        # The resample's quantile lies ``share`` of the way from its (k+1)-th smallest value to the next.
+        pos = q * (n - 1)
+        k = math.floor(pos)
+        share = pos - k
+        u = rng.betavariate(k + 1, n - k)
+        low = self._drawn(u)
+        if share == 0:
+            return low
+        # The next of the n uniform draws above u: the least of the n-k-1 others, all uniform on (u, 1).
+        return _between(low, self._drawn(u + (1.0 - u) * rng.betavariate(1, n - k - 1)), share)
 
     def cdf(self) -> tuple[list[float], list[float]]:
         """Points of the cumulative distribution (value, share of requests at or below it), for plots."""

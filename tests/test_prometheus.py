@@ -11,6 +11,7 @@ from itertools import pairwise
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 
+from proxy.stats import quantile
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, Instruments, create
 from proxy.telemetry.prometheus import PrometheusReader, metric_name, render
@@ -79,9 +80,10 @@ def histogram_quantile(q: float, series: list[tuple[float, float]]) -> float:
 
 
 def exact_quantile(q: float, values: list[float]) -> float:
-    """The nearest-rank quantile of the raw samples."""
-    ordered = sorted(values)
-    return ordered[max(math.ceil(q * len(ordered)) - 1, 0)]
+    """The quantile of the raw samples, as llmtap reads them (``proxy.stats.quantile``)."""
+    value = quantile(values, q)
+    assert value is not None
+    return value
 
 
 # --- names -------------------------------------------------------------------------------------

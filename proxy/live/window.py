@@ -7,8 +7,9 @@ recorder's ``BoundedValues``), and the last ``HISTORY`` requests.
 
 Every figure counts exactly what the recorder's metrics count, under the same conditions (see
 ``Tally.add_request``), and percentiles are read from the same bucket boundaries with Prometheus'
-``histogram_quantile`` interpolation: over the window "since start" the page shows what
-``histogram_quantile(q, sum by (le) (...))`` over ``/metrics`` shows, to the last digit.
+``histogram_quantile`` interpolation (``proxy.stats.histogram_quantile``): over the window "since
+start" the page shows what ``histogram_quantile(q, sum by (le) (...))`` over ``/metrics`` shows, to
+the last digit.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from proxy.live.waterfall import waterfall
+from proxy.stats import histogram_quantile
 from proxy.summary import Summary
 from proxy.telemetry.instruments import DURATION_BUCKETS
 from proxy.timeline import CANCELLED, ERROR, OK, Timeline
@@ -65,29 +68,21 @@ class Hist:
         self.total += other.total
 
     def quantile(self, q: float) -> float | None:
-        """Prometheus' ``histogram_quantile``: linear interpolation inside the bucket holding rank q*N."""
-        if self.count == 0:
-            return None
-        bounds = DURATION_BUCKETS
-        rank = q * self.count
-        below = 0
-        for i in sorted(self.counts):
-            n = self.counts[i]
-            if n == 0:
-                continue
-            if below + n >= rank:
-                if i >= len(bounds):
-                    return bounds[-1]  # the +Inf bucket: the highest finite bound, as Prometheus does
-                lower = bounds[i - 1] if i > 0 else 0.0
-                return lower + (bounds[i] - lower) * (rank - below) / n
-            below += n
-        return None  # unreachable: the last bucket always holds rank q*N for q <= 1
+        """Prometheus' ``histogram_quantile`` over these counts (``proxy.stats.histogram_quantile``)."""
+        return self.quantiles((q,))[0]
+
+    def quantiles(self, qs: Sequence[float]) -> list[float | None]:
+        """Several quantiles, the cumulative counts added up once."""
+        top = max(self.counts, default=-1)
+        bounds = [*DURATION_BUCKETS[: top + 1], math.inf][: top + 1]
+        cumulative = list(accumulate(self.counts.get(i, 0) for i in range(top + 1)))
+        return [histogram_quantile(bounds, cumulative, q) for q in qs]
 
     def figures(self) -> dict[str, Any]:
         """Count, sum and the page's three percentiles."""
         out: dict[str, Any] = {"count": self.count, "sum": self.total}
-        for q in QUANTILES:
-            out[f"p{round(q * 100)}"] = self.quantile(q)
+        for q, value in zip(QUANTILES, self.quantiles(QUANTILES), strict=True):
+            out[f"p{round(q * 100)}"] = value
         return out
 
 
