@@ -14,6 +14,13 @@ order, and only inserts the option: removing the inserted bytes gives the client
 Duplicate keys follow ``json.loads`` (and most servers): the last occurrence wins. So the option is
 inserted at the end of the last top-level ``stream_options`` object, where it wins over a client's
 ``include_usage: false`` inside it, or as a new last member of the body when there is none.
+
+Finding where: the body is validated by one ``json.loads`` first. With no top-level ``stream_options``
+the place is the final closing brace, found by stripping trailing whitespace: no scan at all. Otherwise
+the top-level members are walked one by one, each key and value read whole by json's own C scanner
+(``JSONDecoder.raw_decode``), so the Python loop runs once per top-level member. A regex tokenizer
+tracking bracket depth was tried first and dropped: Python's ``re`` spends 1-6 ns per byte inside long
+strings (about 95 µs for a 25 KB chat request, more than ``json.loads`` plus ``json.dumps``).
 """
 
 from __future__ import annotations
@@ -26,13 +33,11 @@ from proxy.types import UNCHANGED, Prepared
 
 _BOM = b"\xef\xbb\xbf"
 _JSON_WS = b" \t\n\r"
-# A JSON string (the unrolled ``"(?:[^"\\]|\\.)*"``, linear in C), and whether a colon follows it,
-# which makes it a key; or one bracket. Numbers, literals, commas and whitespace are skipped by
-# ``finditer`` itself, so the Python loop below runs once per string or bracket, never per byte.
-_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"([ \t\n\r]*:)?|[{}\[\]]', re.DOTALL)
-_KEY = b'"stream_options"'
-_OBJECT_VALUE = re.compile(rb"[ \t\n\r]*\{")
-_OPEN = frozenset(b"{[")
+_WS = re.compile(r"[ \t\n\r]*")
+_COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
+_COMMA = re.compile(r"[ \t\n\r]*(?:,[ \t\n\r]*)?")
+# Reads one JSON value from a position and says where it ended: json's C scanner, as json.loads uses.
+_DECODER = json.JSONDecoder()
 
 
 def prepare_usage(body: bytes, *, inject_usage: bool) -> Prepared:
@@ -67,16 +72,18 @@ def splice_usage(body: bytes, obj: Any) -> Prepared:
     if not isinstance(options, dict) or options.get("include_usage") is True:
         # Null or not an object: the server's reading of it is unknown, so do not guess. Asked: nothing to do.
         return UNCHANGED
-    found = _last_top_level_object(body, _KEY)
-    if found is None:  # unreachable for a body json.loads read; forwarding unchanged is the safe answer
+    try:
+        found = _last_member(body, "stream_options")
+    except (ValueError, IndexError, RecursionError):  # unreachable for a body json.loads read
+        found = None
+    if found is None:  # forwarding unchanged is the safe answer
         return UNCHANGED
-    start, end = found
+    end, empty = found
     members = [b'"include_usage":true']
     # vLLM only honours continuous_usage_stats together with include_usage (standards B.3); the client saw
     # no per-chunk usage before, so turning usage on must not turn that on behind its back.
     if options.get("continuous_usage_stats"):
         members.append(b'"continuous_usage_stats":false')
-    empty = not body[start + 1 : end].strip(_JSON_WS)
     return _insert(body, end, (b"" if empty else b",") + b",".join(members))
 
 
@@ -84,40 +91,33 @@ def _insert(body: bytes, at: int, inserted: bytes) -> Prepared:
     return Prepared(body[:at] + inserted + body[at:], True)
 
 
-def _last_top_level_object(body: bytes, key: bytes) -> tuple[int, int] | None:
-    """Offsets of ``{`` and ``}`` of the object value of the last top-level member named ``key``.
+def _last_member(body: bytes, name: str) -> tuple[int, bool] | None:
+    """The byte offset of the closing brace of the last top-level member ``name`` when its value is an
+    object, and whether that object is empty; None when there is no such member.
 
-    ``body`` must be valid JSON (one object). Depth counts both brackets: a key at depth 1 is a member of
-    the top-level object, while one in a nested object or array is deeper and left alone.
+    ``body`` must be a JSON object json.loads read. The loop runs once per top-level member: each key and
+    value is read whole by json's C scanner (``raw_decode``), so nested objects, arrays and strings, a
+    ``stream_options`` key inside them included, are skipped in C and never mistaken for top-level ones,
+    and an escaped key (``"stream\\u005foptions"``) is compared decoded.
     """
-    depth = 0
-    capture = False  # the next ``{`` at depth 1 opens the value of a matching key
-    start = -1
-    found: tuple[int, int] | None = None
-    for match in _TOKEN.finditer(body):
-        first = body[match.start()]
-        if first == 0x22:  # '"'
-            if depth == 1 and match.group(1) is not None:
-                token = body[match.start() : match.end() - len(match.group(1))]
-                capture = _is_key(token, key) and _OBJECT_VALUE.match(body, match.end()) is not None
-        elif first in _OPEN:
-            depth += 1
-            if capture and depth == 2:
-                start, capture = match.start(), False
-        else:
-            depth -= 1
-            if depth == 1 and start >= 0:
-                found, start = (start, match.start()), -1
-    return found
+    bom = len(_BOM) if body.startswith(_BOM) else 0
+    text = body[bom:].decode("utf-8", "surrogatepass")  # as json.loads decodes it: offsets agree
+    i = _after(_WS, text, 0) + 1  # past "{"
+    found: tuple[int, bool] | None = None
+    i = _after(_WS, text, i)
+    while text[i] != "}":
+        key, i = _DECODER.raw_decode(text, i)
+        value, i = _DECODER.raw_decode(text, _after(_COLON, text, i))
+        if key == name:
+            found = (i - 1, not value) if isinstance(value, dict) else None
+        i = _after(_COMMA, text, i)
+    if found is None or body.isascii():
+        return found
+    end, empty = found
+    return bom + len(text[:end].encode("utf-8", "surrogatepass")), empty
 
 
-def _is_key(token: bytes, key: bytes) -> bool:
-    """True when the JSON string ``token`` spells ``key``, escapes decoded (``"stream\\u005foptions"``)."""
-    if token == key:
-        return True
-    if b"\\" not in token:
-        return False
-    try:
-        return bool(json.loads(token) == json.loads(key))
-    except ValueError:
-        return False
+def _after(pattern: re.Pattern[str], text: str, i: int) -> int:
+    """The index just past what ``pattern`` matches at ``i``; ``i`` when it does not match."""
+    match = pattern.match(text, i)
+    return i if match is None else match.end()
