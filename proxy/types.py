@@ -76,6 +76,20 @@ class PromptRegion:
     value: Any
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What the relay changes in a request body before forwarding it (``Provider.prepare``)."""
+
+    # The bytes to send upstream when the provider changed the body (usage injection), else None.
+    body: bytes | None
+    # True when llmtap asked for usage the client did not: the relay removes the extra usage event.
+    strip_usage: bool
+
+
+#: The body goes upstream as the client sent it; nothing to strip.
+UNCHANGED = Prepared(None, False)
+
+
 @dataclass(slots=True)
 class RequestInfo:
     """What the proxy learned from the client's request body before forwarding it."""

@@ -18,7 +18,7 @@ from proxy.providers import (
     provider_for,
 )
 from proxy.sse import Event, SSEDecoder
-from proxy.types import Facts, Usage
+from proxy.types import Facts, Prepared, Usage
 
 TRANSCRIPTS = Path(__file__).parent / "transcripts"
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = OpenAIChat(), OpenAICompletions(), OpenAIResponses(), AnthropicMessages()
@@ -384,7 +384,10 @@ def test_usage_injected_when_absent(provider: Provider) -> None:
     info = provider.inspect(request(stream=True), inject_usage=True)
     assert info.stream and info.strip_usage and info.rewritten_body is not None
     assert json.loads(info.rewritten_body)["stream_options"] == {"include_usage": True}
-    assert b", " not in info.rewritten_body  # compact
+    # Spliced, not re-serialized: the client's bytes as sent, then the option before the closing brace.
+    sent = request(stream=True)
+    assert info.rewritten_body == sent[:-1] + b',"stream_options":{"include_usage":true}}'
+    assert provider.prepare(sent, inject_usage=True) == Prepared(info.rewritten_body, True)
 
 
 def test_usage_not_injected_when_asked_not_streamed_or_disabled() -> None:
@@ -410,11 +413,13 @@ def test_injection_keeps_other_stream_options() -> None:
     assert sent["messages"] == [{"role": "user", "content": "hi"}]
 
 
-def test_body_that_cannot_be_reserialised_is_forwarded_unchanged() -> None:
-    # 1e999 parses to inf and a lone surrogate cannot be UTF-8: re-serialising either would corrupt the request.
+def test_body_that_cannot_be_reserialised_is_spliced_as_sent() -> None:
+    # 1e999 parses to inf and a lone surrogate cannot be UTF-8: re-serialising either would corrupt the
+    # request, but splicing leaves the client's spelling of them alone.
     for raw in (b'{"stream": true, "temperature": 1e999}', b'{"stream": true, "user": "\\ud800"}'):
         info = CHAT.inspect(raw, inject_usage=True)
-        assert info.stream and info.rewritten_body is None and not info.strip_usage and info.parse_error is None
+        assert info.stream and info.strip_usage and info.parse_error is None
+        assert info.rewritten_body == raw[:-1] + b',"stream_options":{"include_usage":true}}'
 
 
 def test_chat_params_and_prompt_text() -> None:

@@ -22,7 +22,7 @@ from proxy.providers.openai_common import (
     request_params,
 )
 from proxy.sse import Event
-from proxy.types import Facts, RequestInfo, Usage
+from proxy.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
 
 # The delta field that carries generated text, per content_block_delta type. signature_delta and
 # citations_delta carry no generated tokens and are not content.
@@ -114,6 +114,10 @@ class AnthropicMessages:
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/messages``, except OpenAI Assistants' ``…/threads/{id}/messages``."""
         return matches_suffix(method, path, "/messages") and "/threads/" not in path
+
+    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
+        """Messages streams always carry usage: never changed."""
+        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag, params (top_k included) and prompt text; never rewritten."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal, Protocol
 
 from proxy.sse import Event
-from proxy.types import Facts, RequestInfo
+from proxy.types import Facts, Prepared, RequestInfo
 
 Framing = Literal["sse", "ndjson", "json-array"]
 
@@ -46,6 +46,15 @@ class Provider(Protocol):
         ``path`` is the request path as the provider matched it (without query): Gemini names the model
         and the stream flag there, not in the body. Never raises: a malformed body gives
         ``RequestInfo.parse_error`` and is forwarded unchanged.
+        """
+        ...
+
+    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
+        """Only what the relay must do to the body before forwarding it: ask a stream for usage.
+
+        Cheap and never raises. Only OpenAI Chat Completions and Completions change anything (usage
+        injection, bytes spliced in, see ``providers/splice.py``); every other protocol returns
+        ``Prepared(None, False)`` without parsing the body.
         """
         ...
 

@@ -36,7 +36,7 @@ from proxy.providers.openai_common import (
     request_params,
 )
 from proxy.sse import Event
-from proxy.types import Facts, RequestInfo, Usage
+from proxy.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
 
 _STREAM, _WHOLE = ":streamGenerateContent", ":generateContent"
 _USAGE_KEYS = (
@@ -237,6 +237,10 @@ class Gemini:
         if not (matches_suffix(method, path, _STREAM) or matches_suffix(method, path, _WHOLE)):
             return False
         return ("/projects/" in path) == self._vertex
+
+    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
+        """Gemini reports usage without being asked: never changed."""
+        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model and stream flag from the path; ``generationConfig`` params and prompt text from the body."""

@@ -36,7 +36,7 @@ from proxy.providers.openai_common import (
 )
 from proxy.providers.timing import NS, FieldMap, from_body
 from proxy.sse import Event
-from proxy.types import Facts, RequestInfo, Usage
+from proxy.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
 
 OLLAMA_TIMING: FieldMap = {
     "queue": ("load_duration", NS),
@@ -127,6 +127,10 @@ class Ollama:
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/api/chat`` (or ``…/api/generate``)."""
         return matches_suffix(method, path, self._suffix)
+
+    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
+        """Ollama reports usage in its final event: never changed."""
+        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag (true unless ``"stream": false``), ``options`` params and prompt text."""

@@ -18,7 +18,8 @@ from proxy.providers.openai_common import (
     prompt_regions,
     prompt_text,
 )
-from proxy.types import Facts, PromptRegion, RequestInfo
+from proxy.providers.splice import prepare_usage
+from proxy.types import Facts, Prepared, PromptRegion, RequestInfo
 
 
 def _message_text(message: JSONObject) -> str:
@@ -70,6 +71,10 @@ class OpenAIChat:
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/chat/completions``."""
         return matches_suffix(method, path, "/chat/completions")
+
+    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
+        """On a stream that did not ask for usage, the client's bytes with ``include_usage: true`` spliced in."""
+        return prepare_usage(body, inject_usage=inject_usage)
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag, params and prompt text; ask for usage on streams that did not."""

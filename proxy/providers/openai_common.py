@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from proxy.providers.splice import splice_usage
 from proxy.providers.timing import MS, FieldMap, from_body
 from proxy.sse import Event
 from proxy.types import Facts, PromptRegion, RequestInfo, ServerTiming, Usage
@@ -213,25 +214,6 @@ def prompt_regions(*, tools: object = None, system: object = None, messages: obj
     return regions
 
 
-def _asks_for_usage(obj: JSONObject) -> bool:
-    return as_dict(obj.get("stream_options")).get("include_usage") is True
-
-
-def _with_include_usage(obj: JSONObject) -> bytes | None:
-    options = dict(as_dict(obj.get("stream_options")))
-    options["include_usage"] = True
-    # vLLM only honours continuous_usage_stats together with include_usage (standards B.3); the client
-    # saw no per-chunk usage before, so turning usage on must not turn that on behind its back.
-    if options.get("continuous_usage_stats"):
-        options["continuous_usage_stats"] = False
-    obj["stream_options"] = options
-    try:
-        # allow_nan=False: a float that overflowed to inf on parsing must not go upstream as "Infinity".
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-    except ValueError:
-        return None
-
-
 def inspect_openai(
     body: bytes,
     *,
@@ -241,7 +223,10 @@ def inspect_openai(
     prompt: Callable[[JSONObject], str],
     regions: Callable[[JSONObject], list[PromptRegion]],
 ) -> RequestInfo:
-    """Inspect a Chat Completions or Completions request; ask for streamed usage when the client did not."""
+    """Inspect a Chat Completions or Completions request; ask for streamed usage when the client did not.
+
+    ``rewritten_body`` and ``strip_usage`` are what ``prepare`` gives for the same body.
+    """
     obj, error = load_object(body)
     if obj is None:
         return RequestInfo(operation=operation, parse_error=error)
@@ -255,10 +240,10 @@ def inspect_openai(
     )
     # Without include_usage a stream carries no usage at all (D.1); with it, one extra chunk with
     # ``choices: []`` arrives before [DONE], which UsageEventFilter removes again for this client.
-    if info.stream and inject_usage and not _asks_for_usage(obj):
-        rewritten = _with_include_usage(obj)
-        if rewritten is not None:
-            info.rewritten_body, info.strip_usage = rewritten, True
+    # The same splice as ``prepare`` (providers/splice.py), on the object already parsed here.
+    if inject_usage:
+        prepared = splice_usage(body, obj)
+        info.rewritten_body, info.strip_usage = prepared.body, prepared.strip_usage
     return info
 
 

@@ -23,7 +23,7 @@ from proxy.providers.openai_common import (
     usage_from_openai,
 )
 from proxy.sse import Event
-from proxy.types import Facts, RequestInfo
+from proxy.types import UNCHANGED, Facts, Prepared, RequestInfo
 
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _OPENING = frozenset({"response.created", "response.in_progress", "response.queued"})
@@ -118,6 +118,10 @@ class OpenAIResponses:
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/responses``."""
         return matches_suffix(method, path, "/responses")
+
+    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
+        """The Responses API has no include_usage option: never changed."""
+        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag, params and prompt text; never rewritten (usage always arrives)."""
