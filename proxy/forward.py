@@ -149,7 +149,7 @@ class _HttpxTLS(httpx.AsyncBaseTransport):
         except httpx.ConnectError as exc:
             cause: BaseException | None = exc
             while cause is not None and not isinstance(cause, ssl.SSLError):
-                cause = cause.__cause__  # httpx's error, from httpcore's, from the ssl module's
+                cause = cause.__cause__ or cause.__context__  # httpx's error, from httpcore's, from ssl's
             if isinstance(cause, ssl.SSLError):
                 raise httpx.ConnectError(tls.describe(cause)) from cause
             raise
