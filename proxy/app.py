@@ -433,7 +433,8 @@ async def _upstream_failed(send: Send, route: Route, tl: Timeline, exc: httpx.Tr
     detail = str(exc) or what
     if isinstance(exc, httpx.TimeoutException):
         kind = "connect_timeout" if isinstance(exc, httpx.ConnectTimeout) else "timeout"
-        message = f"upstream {route.upstream} timed out ({what}: {exc})" if str(exc) else f"upstream timed out ({what})"
+        reason = f"{what}: {exc}" if str(exc) else what
+        message = f"upstream {route.upstream} timed out ({reason})"
         tl.fail(kind, f"upstream timed out: {what}")
         log.warning("%s", message)
         await send_json(send, 504, "upstream_timeout", message)

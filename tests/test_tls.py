@@ -374,6 +374,39 @@ def test_tls_verify_false_connects_and_warns(run: Any, pki: Files, kind: str, ca
         assert any("'default'" in w and "NOT verified" in w and up.url() in w for w in warnings), warnings
 
 
+def test_a_reader_that_stops_stops_a_tls_upstream(run: Any, pki: Files) -> None:
+    """Backpressure under TLS: past the queue bound the TLS transport stops reading, the socket fills."""
+    total, sent = 16 << 20, [0]
+
+    def handle(sock: ssl.SSLSocket, server: TLSServer) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # what is held is on our side
+        read_request(sock, bytearray())
+        sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
+        block = b"x" * 16384
+        while sent[0] < total:
+            sock.sendall(block)
+            sent[0] += len(block)
+
+    with TLSServer(pki.server_cert, handle) as up:
+        transport = LeanTransport(ssl_context=ssl.create_default_context(cafile=pki.ca), receive_buffer=128 << 10)
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(transport=transport, timeout=5) as c:
+                async with c.stream("GET", up.url()) as response:
+                    parts = response.aiter_raw()
+                    await parts.__anext__()
+                    await asyncio.sleep(0.5)  # the reader stops; the upstream is held back
+                    held = sent[0]
+                    await asyncio.sleep(0.2)
+                    assert sent[0] == held < 2 << 20, (held, sent[0])
+                    got = 0
+                    async for part in parts:
+                        got += len(part)
+                    assert sent[0] == total and got > total - (1 << 20)
+
+        run(scenario())
+
+
 def test_failed_handshakes_leave_no_descriptor_behind(run: Any, pki: Files) -> None:
     with TLSServer(pki.self_signed) as up:
 
