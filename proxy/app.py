@@ -523,19 +523,31 @@ async def _refuse_request(send: Send, refusal: Refusal) -> None:
 
 
 async def _upstream_failed(send: Send, route: Route, tl: Tape, exc: httpx.TransportError) -> None:
-    """No response headers came: 502 when the upstream could not be reached or hung up, 504 when it was too slow."""
+    """No response headers came: 502 when the upstream could not be reached or hung up, 504 when it was too slow.
+
+    The body and the log say what failed (``certificate verify failed: self-signed certificate``), not
+    only the exception's class.
+    """
     what = type(exc).__name__
+    detail = str(exc) or what
     if isinstance(exc, httpx.TimeoutException):
         kind = "connect_timeout" if isinstance(exc, httpx.ConnectTimeout) else "timeout"
+        reason = f"{what}: {exc}" if str(exc) else what
+        message = f"upstream {route.upstream} timed out ({reason})"
         tl.fail(kind, f"upstream timed out: {what}")
-        await send_json(send, 504, "upstream_timeout", f"upstream {route.upstream} timed out ({what})")
+        log.warning("%s", message)
+        await send_json(send, 504, "upstream_timeout", message)
     elif isinstance(exc, httpx.ConnectError):
-        tl.fail("upstream_unreachable", str(exc) or what)
-        await send_json(send, 502, "upstream_unreachable", f"upstream {route.upstream} unreachable: {what}")
+        message = f"upstream {route.upstream} unreachable: {detail}"
+        tl.fail("upstream_unreachable", detail)
+        log.warning("%s", message)
+        await send_json(send, 502, "upstream_unreachable", message)
     else:
         # Connected, but the connection broke (reset, closed) before any response.
-        tl.fail("upstream_closed", str(exc) or what)
-        await send_json(send, 502, "upstream_closed", f"upstream {route.upstream} closed the connection: {what}")
+        message = f"upstream {route.upstream} closed the connection: {detail}"
+        tl.fail("upstream_closed", detail)
+        log.warning("%s", message)
+        await send_json(send, 502, "upstream_closed", message)
 
 
 async def _cut(send: Send, tape: Tape, strip: UsageEventFilter | None) -> NoReturn:

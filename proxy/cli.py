@@ -53,7 +53,37 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--upstream-client",
         dest="upstream_client",
         choices=UPSTREAM_CLIENTS,
-        help="client for http:// upstreams: llmtap's own HTTP/1.1 one, or httpx's (lean; https: always httpx)",
+        help="client for upstreams: llmtap's own HTTP/1.1 one, or httpx's (lean)",
+    )
+    t = p.add_argument_group("HTTPS upstream (per route as tls_* keys in --config)")
+    t.add_argument(
+        "--upstream-ca",
+        dest="upstream_ca",
+        metavar="FILE",
+        help="CA bundle to verify the upstream with instead of the default roots (env LLMTAP_UPSTREAM_CA)",
+    )
+    t.add_argument(
+        "--upstream-ca-dir", dest="upstream_ca_dir", metavar="DIR", help="directory of hashed CA certificates"
+    )
+    t.add_argument(
+        "--upstream-cert",
+        dest="upstream_cert",
+        metavar="FILE",
+        help="client certificate for mutual TLS, PEM; may hold its key too (env LLMTAP_UPSTREAM_CERT)",
+    )
+    t.add_argument("--upstream-key", dest="upstream_key", metavar="FILE", help="the client certificate's key, PEM")
+    t.add_argument(
+        "--upstream-server-name",
+        dest="upstream_server_name",
+        metavar="NAME",
+        help="name sent as SNI and verified in the certificate, when not the URL's host",
+    )
+    t.add_argument(
+        "--upstream-insecure",
+        dest="upstream_insecure",
+        action="store_const",
+        const=True,
+        help="do not verify the upstream's certificate at all (logged as a warning)",
     )
     p.add_argument("--slo-ttft-ms", dest="slo_ttft_ms", type=float, help="TTFT objective for goodput, ms")
     p.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=float, help="TPOT objective for goodput, ms")

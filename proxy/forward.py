@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import socket
+import ssl
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import h11
 import httpx
 
+from proxy import tls
 from proxy.settings import Route, Settings
+from proxy.tls import TLSOptions
 from proxy.upstream_http import SURPLUS, LeanTransport
+
+log = logging.getLogger("llmtap.upstream")
 
 # RFC 9110 section 7.6.1: connection-specific fields never travel past one hop. Host is the
 # upstream's, set by httpx from the configured URL; Content-Length is recomputed when a body changes.
@@ -127,12 +133,45 @@ async def close_if_surplus(response: httpx.Response) -> int:
     return len(surplus)
 
 
+class _HttpxTLS(httpx.AsyncBaseTransport):
+    """httpx's transport to an HTTPS upstream: a route's ``tls_server_name`` as every request's SNI (and the
+    name verified), and TLS failures before the response named as ``proxy.upstream_http`` names them
+    (httpcore wraps a certificate failure in ``ConnectError`` with OpenSSL's text, and lets an alert that
+    comes after the handshake, TLS 1.3's certificate required, out as a bare ``ssl.SSLError``)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, server_name: str | None) -> None:
+        self._inner = inner
+        self._name = server_name
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._name is not None:
+            request.extensions["sni_hostname"] = self._name
+        try:
+            return await self._inner.handle_async_request(request)
+        except ssl.SSLError as exc:
+            raise httpx.ConnectError(tls.describe(exc)) from exc
+        except httpx.ConnectError as exc:
+            cause: BaseException | None = exc
+            while cause is not None and not isinstance(cause, ssl.SSLError):
+                cause = cause.__cause__ or cause.__context__  # httpx's error, from httpcore's, from ssl's
+            if isinstance(cause, ssl.SSLError):
+                raise httpx.ConnectError(tls.describe(cause)) from cause
+            raise
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _pool_key(route: Route) -> tuple[str, TLSOptions | None]:
+    return route.upstream, TLSOptions.of(route) if route.upstream.startswith("https://") else None
+
+
 class Upstreams:
-    """One shared ``httpx.AsyncClient`` (one connection pool) per upstream base URL."""
+    """One shared ``httpx.AsyncClient`` (one connection pool) per upstream base URL and TLS settings."""
 
     def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> None:
         t = settings.timeouts
-        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._clients: dict[tuple[str, TLSOptions | None], httpx.AsyncClient] = {}
         limits = httpx.Limits(
             max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
         )
@@ -144,24 +183,48 @@ class Upstreams:
         buffer = settings.stream_buffer_bytes
         options = [(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)] if buffer else None
         for route in settings.routes:
-            if route.upstream in self._clients:
+            key = _pool_key(route)
+            if key in self._clients:
                 continue
-            # trust_env=False: an HTTP_PROXY variable must not silently reroute traffic, and
-            # redirects are relayed to the client, never followed here.
+            tls_options = key[1]
+            # Built (and its files checked) when the settings were: here it comes from the cache.
+            context = None if tls_options is None else tls.route_context(route)
+            if tls_options is not None and not tls_options.verify:
+                log.warning(
+                    "route %r: the certificate of %s is NOT verified (tls_verify: false / --upstream-insecure): "
+                    "anyone on the path can read and change its traffic",
+                    route.name,
+                    route.upstream,
+                )
+            # trust_env=False: an HTTP_PROXY variable must not silently reroute traffic (nor SSL_CERT_FILE
+            # be read by httpx: proxy.tls read it for the context), and redirects are relayed to the
+            # client, never followed here.
             pool: httpx.AsyncBaseTransport
             if transport is not None:
                 pool = transport
-            elif settings.upstream_client == "lean" and route.upstream.startswith("http://"):
-                pool = LeanTransport(max_connections=settings.max_connections, receive_buffer=buffer)
+            elif settings.upstream_client == "lean":
+                pool = LeanTransport(
+                    max_connections=settings.max_connections,
+                    receive_buffer=buffer,
+                    ssl_context=context,
+                    server_hostname=route.tls_server_name,
+                )
             else:
-                pool = httpx.AsyncHTTPTransport(limits=limits, trust_env=False, socket_options=options)
-            self._clients[route.upstream] = httpx.AsyncClient(
+                pool = httpx.AsyncHTTPTransport(
+                    verify=context if context is not None else True,
+                    limits=limits,
+                    trust_env=False,
+                    socket_options=options,
+                )
+                if context is not None:
+                    pool = _HttpxTLS(pool, route.tls_server_name)
+            self._clients[key] = httpx.AsyncClient(
                 transport=pool, timeout=timeout, trust_env=False, follow_redirects=False
             )
 
     def client(self, route: Route) -> httpx.AsyncClient:
         """The pool for a route's upstream."""
-        return self._clients[route.upstream]
+        return self._clients[_pool_key(route)]
 
     async def aclose(self) -> None:
         """Close every pool."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import yaml
 from proxy.fingerprint import INVALID_VERSION, VERSION_MAX_BYTES, version_label
 
 CHUNK_SPAN_MODES = ("spans", "events", "off")
-#: The client for ``http://`` upstreams: llmtap's own HTTP/1.1 one (``proxy.upstream_http``), or httpx's.
+#: The client for upstreams: llmtap's own HTTP/1.1 one (``proxy.upstream_http``), or httpx's.
 UPSTREAM_CLIENTS = ("lean", "httpx")
 SEMCONV_LATEST = "gen_ai_latest_experimental"
 
@@ -69,6 +69,15 @@ class Route:
     prompt_version: str | None = None
     #: The shortest prompt the upstream caches, in tokens (None: by the kind of server, see ``cachediag``).
     cache_min_tokens: int | None = None
+    #: HTTPS upstreams (``proxy.tls``): a CA bundle file and directory to verify the upstream with instead of
+    #: the default roots; a client certificate for mutual TLS (its key in ``tls_key`` or in the same file);
+    #: the name sent as SNI and verified, when it is not the URL's host; ``tls_verify=False`` verifies nothing.
+    tls_ca: str | None = None
+    tls_ca_dir: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+    tls_verify: bool = True
 
     @property
     def host(self) -> str:
@@ -161,8 +170,8 @@ class Settings:
     #: what one stream can make the proxy hold. 0 leaves the kernel's own, which grows to megabytes.
     stream_buffer_bytes: int = 128 * 1024
     max_connections: int = 1000
-    #: ``lean``: plain-HTTP upstreams go through ``proxy.upstream_http`` (less CPU per chunk); ``httpx``:
-    #: through httpx's own transport, as HTTPS upstreams always do.
+    #: ``lean``: upstreams, HTTP and HTTPS, go through ``proxy.upstream_http`` (less CPU per chunk); ``httpx``:
+    #: through httpx's own transport (with the same TLS context).
     upstream_client: str = "lean"
     log_level: str = "info"
     record: Records = field(default_factory=Records)
@@ -185,6 +194,16 @@ _ROUTE_OPTIONS = (
     "prompt_version",
     "cache_min_tokens",
 )
+#: The TLS settings of a route (``routes[].tls_*`` in the file) and, for the ``--upstream`` route and as the
+#: default of every https:// route of the file, their flag and ``LLMTAP_*`` variable.
+_TLS_OPTIONS = {
+    "tls_ca": ("upstream_ca", "LLMTAP_UPSTREAM_CA"),
+    "tls_ca_dir": ("upstream_ca_dir", "LLMTAP_UPSTREAM_CA_DIR"),
+    "tls_cert": ("upstream_cert", "LLMTAP_UPSTREAM_CERT"),
+    "tls_key": ("upstream_key", "LLMTAP_UPSTREAM_KEY"),
+    "tls_server_name": ("upstream_server_name", "LLMTAP_UPSTREAM_SERVER_NAME"),
+    "tls_verify": ("upstream_insecure", "LLMTAP_UPSTREAM_INSECURE"),
+}
 _FILE_KEYS = {
     "listen": {"host", "port"},
     "admin": {"host", "port"},
@@ -205,8 +224,9 @@ _FILE_KEYS = {
     "provider": None,
     "record": {"path", "max_mb", "files"},
     **dict.fromkeys(_ROUTE_OPTIONS),
+    **dict.fromkeys(_TLS_OPTIONS),
 }
-_ROUTE_KEYS = {"prefix", "upstream", "provider", "strip_prefix", "name", *_ROUTE_OPTIONS}
+_ROUTE_KEYS = {"prefix", "upstream", "provider", "strip_prefix", "name", *_ROUTE_OPTIONS, *_TLS_OPTIONS}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -400,7 +420,53 @@ def _route_options(raw: Mapping[str, Any], where: str, defaults: Mapping[str, An
     return out
 
 
-def _route(raw: Any, index: int, default_provider: str | None, defaults: Mapping[str, Any] | None = None) -> Route:
+def _tls_options(
+    raw: Mapping[str, Any], upstream: str, defaults: Mapping[str, Any], label: Callable[[str], str]
+) -> dict[str, Any]:
+    """A route's ``tls_*`` settings over the defaults for every https:// route; the files are loaded here."""
+    given = {k: raw[k] for k in _TLS_OPTIONS if raw.get(k) is not None}
+    if not upstream.startswith("https://"):
+        if given:
+            raise ConfigError(f"{label(sorted(given)[0])}: TLS settings need an https:// upstream, got {upstream}")
+        return {}
+    merged = {**{k: v for k, v in defaults.items() if v is not None}, **given}
+    out: dict[str, Any] = {}
+    for key in ("tls_ca", "tls_ca_dir", "tls_cert", "tls_key"):
+        if merged.get(key) is not None:
+            path = str(merged[key])
+            if not path.strip():
+                raise ConfigError(f"{label(key)}: expected a file name, got {merged[key]!r}")
+            out[key] = str(Path(path).expanduser())
+    name = merged.get("tls_server_name")
+    if name is not None:
+        name = str(name).strip()
+        if not name or any(c.isspace() or c in "/:@" for c in name):
+            raise ConfigError(f"{label('tls_server_name')}: expected a host name, got {merged['tls_server_name']!r}")
+        out["tls_server_name"] = name
+    if merged.get("tls_verify") is not None:
+        out["tls_verify"] = _bool(merged["tls_verify"], label("tls_verify"))
+    from proxy import tls  # proxy.tls reads Route from here
+
+    options = tls.TLSOptions(
+        ca=out.get("tls_ca"),
+        ca_dir=out.get("tls_ca_dir"),
+        cert=out.get("tls_cert"),
+        key=out.get("tls_key"),
+        server_name=out.get("tls_server_name"),
+        verify=out.get("tls_verify", True),
+    )
+    tls.context(options, label)  # built now: a file that does not load stops the start, not a request
+    return out
+
+
+def _route(
+    raw: Any,
+    index: int,
+    default_provider: str | None,
+    defaults: Mapping[str, Any] | None = None,
+    tls_defaults: Mapping[str, Any] | None = None,
+    label: Callable[[str], str] | None = None,
+) -> Route:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"routes[{index}]: expected a mapping with prefix and upstream")
     unknown = set(raw) - _ROUTE_KEYS
@@ -416,9 +482,16 @@ def _route(raw: Any, index: int, default_provider: str | None, defaults: Mapping
     provider = raw.get("provider", default_provider)
     strip = _bool(raw.get("strip_prefix", False), f"routes[{index}].strip_prefix")
     options = _route_options(raw, f"routes[{index}].", defaults or {})
+    options.update(_tls_options(raw, upstream, tls_defaults or {}, label or (lambda key: f"routes[{index}].{key}")))
     return Route(
         prefix=prefix.rstrip("/") or "/", upstream=upstream, name=name, provider=provider, strip_prefix=strip, **options
     )
+
+
+def _upstream_label(key: str) -> str:
+    """A TLS setting as the single-upstream flag names it."""
+    flag = _TLS_OPTIONS[key][0].replace("_", "-")
+    return f"--{flag} ({key})"
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
@@ -475,12 +548,20 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
     if not isinstance(raw_routes, list):
         raise ConfigError("config file: 'routes' must be a list")
     route_defaults = {key: pick(key, f"LLMTAP_{key.upper()}", data.get(key), None) for key in _ROUTE_OPTIONS}
-    routes.extend(_route(raw, i, provider, route_defaults) for i, raw in enumerate(raw_routes))
+    tls_defaults = {key: pick(flag, env_name, data.get(key), None) for key, (flag, env_name) in _TLS_OPTIONS.items()}
+    if tls_defaults["tls_verify"] is not None:  # given as --upstream-insecure / LLMTAP_UPSTREAM_INSECURE
+        tls_defaults["tls_verify"] = not _bool(tls_defaults["tls_verify"], "upstream_insecure")
+    if data.get("tls_verify") is not None and pick("upstream_insecure", "LLMTAP_UPSTREAM_INSECURE", None, None) is None:
+        tls_defaults["tls_verify"] = data["tls_verify"]  # the file's own key says it the other way round
+    routes.extend(_route(raw, i, provider, route_defaults, tls_defaults) for i, raw in enumerate(raw_routes))
     if upstream is not None:
         check_url(upstream, "upstream")
         routes = [r for r in routes if r.prefix != "/"]
         default = {"prefix": "/", "upstream": upstream, "name": "default"}
-        routes.append(_route(default, len(routes), provider, route_defaults))
+        routes.append(_route(default, len(routes), provider, route_defaults, tls_defaults, _upstream_label))
+    given = sorted(key for key, value in tls_defaults.items() if value is not None)
+    if given and routes and not any(r.upstream.startswith("https://") for r in routes):
+        raise ConfigError(f"{_upstream_label(given[0])}: TLS settings need an https:// upstream")
     if not routes:
         raise ConfigError("no upstream: pass --upstream URL, set LLMTAP_UPSTREAM, or give routes in --config FILE")
     prefixes = [r.prefix for r in routes]

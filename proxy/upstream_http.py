@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 client for plain-HTTP upstreams: an httpx transport on asyncio protocols, httptools parsing.
+"""A lean HTTP/1.1 client for HTTP and HTTPS upstreams: an httpx transport on asyncio protocols, httptools parsing.
 
 httpcore's pool, anyio and h11 cost about a third of the relay's CPU per chunk (bench/RESULTS.md, "Where
 the time goes"); here one protocol object per connection parses the response as it arrives and queues its
@@ -15,7 +15,11 @@ relies on, and this module keeps:
 * RFC 9112 section 6.3: bytes past the end of a response never reach the parser, are counted
   (``response.extensions[SURPLUS]``) and close the connection.
 
-HTTPS upstreams keep httpx's own transport (``proxy.forward.Upstreams``).
+HTTPS is the event loop's own TLS transport (``create_connection(ssl=...)``, asyncio's or uvloop's) under
+the same protocol, with the context of ``proxy.tls``: certificate and handshake failures are
+``ConnectError``s that say what failed (``certificate verify failed: self-signed certificate``). asyncio
+cannot hand a TLS session to ``create_connection`` for resumption; keeping connections alive in the pool
+is the session reuse: one handshake per connection, and a connection serves request after request.
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ from __future__ import annotations
 import asyncio
 import select
 import socket
+import ssl
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httptools
 import httpx
+
+from proxy import tls
 
 #: Response extension: a callable returning how many bytes the upstream sent past the response's end.
 SURPLUS = "llmtap.surplus"
@@ -119,7 +126,11 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self.active and not self.done and self.error is None:
-            if exc is not None:
+            if isinstance(exc, ssl.SSLError) and self._head_bytes == 0:
+                # TLS 1.3: the server checks our certificate after our side of the handshake is done, so
+                # its refusal (an alert) comes in place of the response.
+                self.error = httpx.ConnectError(tls.describe(exc))
+            elif exc is not None:
                 self.error = httpx.ReadError(f"upstream reset the connection: {exc}")
             elif self.head_done and not self._chunked and self._remaining is None and not self._interim:
                 self.done = True  # a body delimited by the end of the connection (RFC 9112 section 6.3, item 8)
@@ -260,7 +271,12 @@ class _Connection(asyncio.Protocol):
     # -- used by the transport and the body ------------------------------------------------------
 
     def usable(self) -> bool:
-        """An idle connection still open, with nothing unread on it."""
+        """An idle connection still open, with nothing unread on it.
+
+        The descriptor polled is the TCP socket's, under TLS too: the TLS transport reads all the socket
+        has whenever the loop runs, so on an idle connection anything there is news (a close_notify, a
+        FIN, bytes nobody asked for) and the connection is not trusted with a request.
+        """
         return (
             not self.closed
             and self._transport is not None
@@ -502,20 +518,42 @@ def _chunked(request: httpx.Request) -> bool:
     return codings.rsplit(",", 1)[-1].strip().lower() == "chunked"
 
 
-class LeanTransport(httpx.AsyncBaseTransport):
-    """HTTP/1.1 over asyncio protocols with a keep-alive pool per host and port; plain HTTP only."""
+_PORTS = {"http": 80, "https": 443}
+#: A pool's key: scheme, host, port and, under TLS, the name sent as SNI and verified.
+_Key = tuple[str, str, int, str | None]
 
-    def __init__(self, *, max_connections: int = 100, receive_buffer: int = 0) -> None:
+
+class LeanTransport(httpx.AsyncBaseTransport):
+    """HTTP/1.1 over asyncio protocols, plain or TLS, with a keep-alive pool per scheme, host and port.
+
+    ``ssl_context`` verifies HTTPS upstreams (default: ``proxy.tls``'s default context); ``server_hostname``
+    is the name sent as SNI and verified when it is not the URL's host (a request's ``sni_hostname``
+    extension, as httpcore reads it, wins).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_connections: int = 100,
+        receive_buffer: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+    ) -> None:
         self._limit = max_connections
         self._receive_buffer = receive_buffer
-        self._pools: dict[tuple[str, int], _Pool] = {}
+        self._ssl = ssl_context
+        self._server_hostname = server_hostname
+        self._pools: dict[_Key, _Pool] = {}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        if url.scheme != "http":
-            raise httpx.UnsupportedProtocol(f"{url.scheme!r} upstreams go through httpx's transport")
+        if url.scheme not in _PORTS:
+            raise httpx.UnsupportedProtocol(f"{url.scheme!r} upstreams are not HTTP")
         timeouts: _Timeouts = request.extensions.get("timeout", {})
-        key = (url.host, url.port or 80)
+        name = None
+        if url.scheme == "https":
+            name = request.extensions.get("sni_hostname") or self._server_hostname or url.host
+        key: _Key = (url.scheme, url.host, url.port or _PORTS[url.scheme], name)
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = _Pool(self._limit)
@@ -534,20 +572,27 @@ class LeanTransport(httpx.AsyncBaseTransport):
             pool.release(conn)
             raise
 
-    async def _connect(self, pool: _Pool, key: tuple[str, int], seconds: float | None) -> _Connection:
+    async def _connect(self, pool: _Pool, key: _Key, seconds: float | None) -> _Connection:
         loop = asyncio.get_running_loop()
+        _, host, port, _ = key
         try:
             async with asyncio.timeout(seconds):
                 return await self._open(pool, key, loop)
         except TimeoutError:
-            raise httpx.ConnectTimeout(f"no connection to {key[0]}:{key[1]} within {seconds:g} s") from None
+            raise httpx.ConnectTimeout(f"no connection to {host}:{port} within {seconds:g} s") from None
         except OSError as exc:
-            raise httpx.ConnectError(f"{key[0]}:{key[1]}: {exc}") from exc
+            raise httpx.ConnectError(f"{host}:{port}: {exc}") from exc
 
-    async def _open(self, pool: _Pool, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> _Connection:
+    def _context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = tls.context(tls.TLSOptions())
+        return self._ssl
+
+    async def _open(self, pool: _Pool, key: _Key, loop: asyncio.AbstractEventLoop) -> _Connection:
         """Each address in turn; SO_RCVBUF is set before connecting, as the TCP window is agreed then."""
-        error: OSError = OSError(f"no address for {key[0]}")
-        for family, kind, proto, _, address in await loop.getaddrinfo(*key, type=socket.SOCK_STREAM):
+        scheme, host, port, name = key
+        error: OSError = OSError(f"no address for {host}")
+        for family, kind, proto, _, address in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
             sock = socket.socket(family, kind, proto)
             try:
                 if self._receive_buffer:
@@ -562,7 +607,19 @@ class LeanTransport(httpx.AsyncBaseTransport):
             except BaseException:
                 sock.close()
                 raise
-            _, conn = await loop.create_connection(lambda: _Connection(pool, loop), sock=sock)
+            if scheme == "http":
+                _, conn = await loop.create_connection(lambda: _Connection(pool, loop), sock=sock)
+                return conn
+            try:
+                # The loop owns the socket from here: on failure it closes it itself.
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(pool, loop), sock=sock, ssl=self._context(), server_hostname=name
+                )
+            except ssl.SSLError as exc:
+                raise httpx.ConnectError(tls.describe(exc)) from exc
+            except OSError as exc:
+                # Connected, then the handshake broke off (the server reset or closed the connection).
+                raise httpx.ConnectError(f"TLS handshake failed: {exc.strerror or exc}") from exc
             return conn
         raise error
 

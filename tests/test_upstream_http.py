@@ -815,7 +815,9 @@ def _routes(*upstreams: str) -> tuple[Route, ...]:
     return tuple(Route(prefix=f"/{i}", upstream=u, name=str(i)) for i, u in enumerate(upstreams))
 
 
-def test_plain_http_upstreams_use_the_lean_client_unless_told_otherwise(run: Any) -> None:
+def test_upstreams_use_the_lean_client_unless_told_otherwise(run: Any) -> None:
+    """HTTP and HTTPS alike (tests/test_tls.py runs the HTTPS ones); ``httpx`` sends both through httpx."""
+
     async def scenario() -> None:
         async with Upstream(answer(OK, OK)) as up:
             routes = _routes(up.url, "https://api.example.com")
@@ -825,7 +827,7 @@ def test_plain_http_upstreams_use_the_lean_client_unless_told_otherwise(run: Any
                     response = await upstreams.client(routes[0]).get(up.url)
                     assert response.content == b"ok"
                     assert (SURPLUS in response.extensions) is lean
-                    assert not isinstance(upstreams.client(routes[1])._transport, LeanTransport)
+                    assert isinstance(upstreams.client(routes[1])._transport, LeanTransport) is lean
                 finally:
                     await upstreams.aclose()
             injected = httpx.MockTransport(lambda request: httpx.Response(200, content=b"mock"))
