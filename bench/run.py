@@ -58,6 +58,12 @@ class Plan:
     burst_budget: float = 9.0
     #: Time between a burst's requests' scripted end and the next burst's release.
     burst_slack: float = 0.4
+    #: Seconds between starting the load clients and their first request (their start-up must fit in it).
+    client_lead: float = 1.0
+    #: Requests per stream of the 4-stream warm-up.
+    warm_requests: int = 2
+    #: Seconds a path's CPU time must stay still to count as quiet (telemetry drained).
+    settle: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -93,6 +99,9 @@ SMOKE = Plan(
     bursts=(1, 8),
     bursts_per_size=2,
     burst_budget=3.0,
+    client_lead=0.6,
+    warm_requests=1,
+    settle=0.5,
 )
 
 
@@ -144,6 +153,8 @@ class Bench:
         self.idle_relay_rss: dict[str, float] = {}
         self.certs: tlsca.Certs | None = None
         self.tls_port: int | None = None
+        #: The last measured tree when its CPU had stopped moving: (service, CPU, CPU by role, system, tapes).
+        self._quiet: tuple[Service, float, dict[str, float], float, float | None] | None = None
 
     def start_shared(self) -> None:
         """The upstream (plain, and TLS when a part of the run needs it) and the OTLP sink, on the client's core."""
@@ -196,7 +207,7 @@ class Bench:
         """
         p = self.plan
         procs = max(1, math.ceil(streams / p.streams_per_client))
-        start_at = time.perf_counter() + 1.0 + 0.3 * procs
+        start_at = time.perf_counter() + p.client_lead + 0.3 * procs
         per = [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
         running = []
         offset = 0
@@ -233,11 +244,11 @@ class Bench:
 
     def warm(self, ep: Endpoint, tls: bool = False) -> float:
         """A few requests first (lazy imports, pools); returns the path's resident bytes when idle after them."""
-        self.clients(ep, 4, 2, f"{ep.name}-{scheme(tls)}-warm")
+        self.clients(ep, 4, self.plan.warm_requests, f"{ep.name}-{scheme(tls)}-warm")
         peers.records(self.up_port)
         if ep.service is None:
             return 0.0
-        before = quiesce(ep.service)
+        before = quiesce(ep.service, settle=self.plan.settle)
         # What the path burns doing nothing (timers, exporters): charged to every phase's CPU too.
         time.sleep(self.plan.idle_probe)
         self.idle_cpu[self.key(ep, tls)] = 1000 * (ep.service.cpu() - before) / self.plan.idle_probe
@@ -252,16 +263,20 @@ class Bench:
             records, client_cpu = run()
             return records, client_cpu, None
         svc = ep.service
-        tapes0 = peers.scrape_sum(ep.admin) if ep.admin else None
-        cpu0 = quiesce(svc)
-        roles0 = svc.cpu_roles()
-        sys0 = svc.cpu_system()
+        if self._quiet is not None and self._quiet[0] is svc:
+            # Quiet since the end of the part before (only clients and the upstream ran in between).
+            _, cpu0, roles0, sys0, tapes0 = self._quiet
+        else:
+            tapes0 = peers.scrape_sum(ep.admin) if ep.admin else None
+            cpu0 = quiesce(svc, settle=self.plan.settle)
+            roles0, sys0 = svc.cpu_roles(), svc.cpu_system()
         with Sampler(svc) as sampler:
             records, client_cpu = run()
-        cpu1 = quiesce(svc)
+        cpu1 = quiesce(svc, settle=self.plan.settle)
         roles1 = svc.cpu_roles()
         sys1 = svc.cpu_system()
         tapes1 = peers.scrape_sum(ep.admin) if ep.admin else None
+        self._quiet = (svc, cpu1, roles1, sys1, tapes1)
         # A process that left the tree took its CPU with it: a role's figure never goes below zero.
         roles = {r: max(0.0, roles1.get(r, 0.0) - roles0.get(r, 0.0)) for r in set(roles0) | set(roles1)}
         m = Measure(
@@ -338,11 +353,13 @@ class Bench:
             mine = [r for r in records if r.get("burst") == k]
             f = analyse(ep.name, size, mine, upstream, gap=self.plan.gap)
             releases = [r["start"] - r["release"] for r in mine if "start" in r]
+            connects = [1000 * (r["sent"] - r["start"]) for r in mine if "start" in r and not r.get("error")]
             per.append({
                 "burst": k, "requests": f.requests, "complete": f.complete, "errors": f.failed + f.unmatched,
                 "merged": f.merged, "added_ttft_ms_p50": _num(f.added_ttft_ms_p50),
                 "added_ttft_ms_p99": _num(f.added_ttft_ms_p99), "added_gap_ms_p99": _num(f.added_gap_ms_p99),
                 "late_start_ms_max": 1000 * max(releases) if releases else None,
+                "connect_ms_p50": _num(percentile(connects, 50)), "connect_ms_p99": _num(percentile(connects, 99)),
             })  # fmt: skip
         row = {
             **pooled.as_dict(),
@@ -353,6 +370,9 @@ class Bench:
             "added_ttft_ms_p50": median(b["added_ttft_ms_p50"] for b in per),
             "added_ttft_ms_p99": median(b["added_ttft_ms_p99"] for b in per),
             "added_gap_ms_p99": median(b["added_gap_ms_p99"] for b in per),
+            # The client's connect (and TLS handshake) to the first hop: a part of the added TTFT above.
+            "connect_ms_p50": median(b["connect_ms_p50"] for b in per),
+            "connect_ms_p99": median(b["connect_ms_p99"] for b in per),
             "pooled": {k: _num(getattr(pooled, k)) for k in ("added_ttft_ms_p50", "added_ttft_ms_p99",
                                                               "added_gap_ms_p50", "added_gap_ms_p99")},
             "per_burst": per,
