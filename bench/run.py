@@ -219,7 +219,10 @@ class Bench:
                 "--tag", tag, "--max-tokens", str(p.chunks),
             ]  # fmt: skip
             if bursts:
+                # Bounded in time too: no burst starts after twice the plan's time (a path that falls behind).
+                deadline = start_at + 2 * max(p.burst_budget, bursts * (p.period + p.burst_slack))
                 argv += ["--bursts", str(bursts), "--burst-period", str(p.period + p.burst_slack)]
+                argv += ["--deadline", str(deadline)]
             if ep.auth:
                 argv += ["--auth", ep.auth]
             if ep.url.startswith("https:") and self.certs is not None:
@@ -268,13 +271,15 @@ class Bench:
             _, cpu0, roles0, sys0, tapes0 = self._quiet
         else:
             tapes0 = peers.scrape_sum(ep.admin) if ep.admin else None
-            cpu0 = quiesce(svc, settle=self.plan.settle)
+            quiesce(svc, settle=self.plan.settle)
             roles0, sys0 = svc.cpu_roles(), svc.cpu_system()
+            cpu0 = sum(roles0.values())  # the whole from the same reading as its parts
         with Sampler(svc) as sampler:
             records, client_cpu = run()
-        cpu1 = quiesce(svc, settle=self.plan.settle)
+        quiesce(svc, settle=self.plan.settle)
         roles1 = svc.cpu_roles()
         sys1 = svc.cpu_system()
+        cpu1 = sum(roles1.values())
         tapes1 = peers.scrape_sum(ep.admin) if ep.admin else None
         self._quiet = (svc, cpu1, roles1, sys1, tapes1)
         # A process that left the tree took its CPU with it: a role's figure never goes below zero.
@@ -348,8 +353,9 @@ class Bench:
         pooled.upstream, pooled.scenario = scheme(tls), "burst"
         pooled.client_cpu_s = client_cpu
         self.charge(pooled, ep, tls, m, idle_rss, records)
+        ran = sorted({int(r["burst"]) for r in records})
         per = []
-        for k in range(count):
+        for k in ran:
             mine = [r for r in records if r.get("burst") == k]
             f = analyse(ep.name, size, mine, upstream, gap=self.plan.gap)
             releases = [r["start"] - r["release"] for r in mine if "start" in r]
@@ -364,7 +370,8 @@ class Bench:
         row = {
             **pooled.as_dict(),
             "size": size,
-            "bursts": count,
+            "bursts": len(ran),
+            "bursts_planned": count,
             "errors": pooled.failed + pooled.unmatched,
             # Medians across the bursts of each burst's own percentile.
             "added_ttft_ms_p50": median(b["added_ttft_ms_p50"] for b in per),
