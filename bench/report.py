@@ -92,7 +92,8 @@ def _cpu_table(results: dict[str, Any]) -> list[str]:
         return (r.get("upstream", "http"), r.get("scenario", "staggered"), r["streams"], _order(r["path"]))
 
     for r in sorted(rows, key=key):
-        scenario = f"burst {r['streams']}" if r.get("scenario") == "burst" else f"{r['streams']} streams"
+        n = r["streams"]
+        scenario = f"burst {n}" if r.get("scenario") == "burst" else f"{n} stream{'' if n == 1 else 's'}"
         procs = r.get("procs") or {}
         telemetry = _f(r.get("cpu_telemetry_s_per_1000_chunks"), 3) if r["path"].startswith("llmtap") else "–"
         tapes = _tapes(r.get("tapes_dropped")) if r["path"].startswith("llmtap") else "–"
