@@ -372,6 +372,8 @@ class Bench:
             "size": size,
             "bursts": len(ran),
             "bursts_planned": count,
+            # Connections the upstream saw for these requests (a proxy's pool reused, or one per request).
+            "upstream_connections": len({u.get("conn") for u in upstream}),
             "errors": pooled.failed + pooled.unmatched,
             # Medians across the bursts of each burst's own percentile.
             "added_ttft_ms_p50": median(b["added_ttft_ms_p50"] for b in per),
