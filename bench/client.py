@@ -9,6 +9,12 @@ length, so chunks arrive spread out, as from independent users.
 
 Several processes can share the streams (``--offset``, ``--total-streams``, a common ``--start-at`` on the
 monotonic clock). Each prints one JSON document: its records and the CPU seconds it used.
+
+Burst arrivals (``--bursts K --burst-period P``): every stream of every process sends its k-th request at
+``start_at + k * P`` (or when its previous one ended, if later), each on a new connection that is closed
+after the response (``connection: close``); the request's clock (``start``) starts before the connect, so
+connection set-up (and a TLS handshake) is part of its TTFT. ``https://`` URLs are read over TLS, trusting
+``--ca``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import asyncio
 import json
 import re
 import resource
+import ssl
 import sys
 import time
 from typing import Any, cast
@@ -136,9 +143,9 @@ class _Exchange(asyncio.Protocol):
             self.done.set_result(None)
 
 
-def _request_bytes(url: str, body: bytes, auth: str | None) -> tuple[str, int, bytes]:
+def _request_bytes(url: str, body: bytes, auth: str | None, *, close: bool = False) -> tuple[str, int, bytes]:
     parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
     headers = [
         f"POST {parts.path} HTTP/1.1",
         f"host: {host}:{port}",
@@ -148,18 +155,41 @@ def _request_bytes(url: str, body: bytes, auth: str | None) -> tuple[str, int, b
     ]
     if auth:
         headers.append(f"authorization: Bearer {auth}")
+    if close:
+        headers.append("connection: close")
     return host, port, ("\r\n".join(headers) + "\r\n\r\n").encode() + body
 
 
-async def _stream(args: argparse.Namespace, slot: int, records: list[dict[str, Any]]) -> None:
+def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The client's TLS context for an ``https://`` URL: trusting ``--ca`` (else the system's store)."""
+    if urlsplit(args.url).scheme != "https":
+        return None
+    return ssl.create_default_context(cafile=args.ca)
+
+
+async def _connect(args: argparse.Namespace, tls: ssl.SSLContext | None) -> _Exchange:
     loop = asyncio.get_running_loop()
     parts = urlsplit(args.url)
+    port = parts.port or (443 if tls is not None else 80)
+    _, conn = await loop.create_connection(_Exchange, parts.hostname, port, ssl=tls)
+    return conn
+
+
+async def _stream(args: argparse.Namespace, slot: int, records: list[dict[str, Any]]) -> None:
+    tls = _tls(args)
     conn: _Exchange | None = None
-    start = args.start_at + slot * args.stagger / args.total_streams
-    for n in range(args.requests):
-        if conn is None or conn.transport is None:
-            _, conn = await loop.create_connection(_Exchange, parts.hostname, parts.port or 80)
-        if n == 0:
+    bursts = args.bursts > 0
+    start = args.start_at + (0.0 if bursts else slot * args.stagger / args.total_streams)
+    for n in range(args.bursts if bursts else args.requests):
+        release = start + n * args.burst_period if bursts else start
+        if bursts and args.deadline and max(release, time.perf_counter()) > args.deadline:
+            break  # the time bound of the bursts: no burst starts after it
+        if bursts:
+            # A burst: released together, each request on its own new connection.
+            await asyncio.sleep(max(0.0, release - time.perf_counter()))
+        elif conn is None or conn.transport is None:
+            conn = await _connect(args, tls)
+        if n == 0 and not bursts:
             await asyncio.sleep(max(0.0, start - time.perf_counter()))
         rid = f"{args.tag}.{slot}.{n}"
         body = json.dumps(
@@ -170,28 +200,34 @@ async def _stream(args: argparse.Namespace, slot: int, records: list[dict[str, A
                 "max_tokens": args.max_tokens,
             }
         ).encode()
-        data = _request_bytes(args.url, body, args.auth)[2]
-        sent = time.perf_counter()
+        data = _request_bytes(args.url, body, args.auth, close=bursts)[2]
+        begun = time.perf_counter()
         error = None
+        sent = begun
         try:
+            if bursts:
+                conn = await asyncio.wait_for(_connect(args, tls), args.timeout)
+                sent = time.perf_counter()
+            assert conn is not None
             await asyncio.wait_for(conn.request(data), args.timeout)
         except (TimeoutError, ConnectionError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}"
-        records.append(
-            {
-                "id": rid,
-                "slot": slot,
-                "sent": sent,
-                "end": time.perf_counter(),
-                "status": conn.status,
-                "first_byte": conn.first_byte,
-                "times": conn.times,
-                "reads": conn.read_index,
-                "bytes": conn.body_bytes,
-                "error": error,
-            }
-        )
-        if error is not None and conn.transport is not None:
+        record: dict[str, Any] = {
+            "id": rid,
+            "slot": slot,
+            "sent": sent,
+            "end": time.perf_counter(),
+            "status": conn.status if conn is not None else 0,
+            "first_byte": conn.first_byte if conn is not None else None,
+            "times": conn.times if conn is not None else [],
+            "reads": conn.read_index if conn is not None else [],
+            "bytes": conn.body_bytes if conn is not None else 0,
+            "error": error,
+        }
+        if bursts:
+            record.update(start=begun, release=release, burst=n)
+        records.append(record)
+        if (bursts or error is not None) and conn is not None and conn.transport is not None:
             conn.transport.close()
             conn = None
     if conn is not None and conn.transport is not None:
@@ -222,6 +258,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=50)
     p.add_argument("--auth", help="bearer token")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    p.add_argument("--bursts", type=int, default=0, help="burst mode: this many bursts, a new connection each")
+    p.add_argument("--burst-period", dest="burst_period", type=float, default=1.5, help="seconds between bursts")
+    p.add_argument(
+        "--deadline", type=float, default=0.0, help="burst mode: perf_counter() time after which no burst starts"
+    )
+    p.add_argument("--ca", help="CA certificate (PEM) to trust for https:// URLs")
     return p
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
+import subprocess
 import sys
 import time
 import urllib.parse
@@ -22,6 +24,7 @@ from pathlib import Path
 from string import Template
 
 from bench.procs import Service, free_port, wait_http
+from bench.tlsca import SERVER_NAME, Certs
 
 HERE = Path(__file__).parent
 REPO = HERE.parent
@@ -53,18 +56,41 @@ class Endpoint:
     url: str
     service: Service | None
     auth: str | None = None
+    #: llmtap's admin port (``/metrics``), None for other paths.
+    admin: int | None = None
 
 
 def upstream(
     work: Path, cpu: str | None, *, ttft: float, gap: float, chunks: int, ttft_max: float | None = None
 ) -> tuple[Service, int]:
     """The scripted upstream; returns it and its port."""
+    svc, port, _ = upstreams(work, cpu, ttft=ttft, gap=gap, chunks=chunks, ttft_max=ttft_max)
+    return svc, port
+
+
+def upstreams(
+    work: Path,
+    cpu: str | None,
+    *,
+    ttft: float,
+    gap: float,
+    chunks: int,
+    ttft_max: float | None = None,
+    certs: Certs | None = None,
+) -> tuple[Service, int, int | None]:
+    """The scripted upstream, listening plain and (with ``certs``) with TLS too: it, its port, its TLS port.
+
+    One process for both, so plain and HTTPS paths of a run share the script and the records.
+    """
     argv = [sys.executable, "-m", "bench.upstream", "--ttft", str(ttft), "--gap", str(gap), "--chunks", str(chunks)]
     if ttft_max is not None:
         argv += ["--ttft-max", str(ttft_max)]
+    if certs is not None:
+        argv += ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key)]
     name = "upstream" if ttft_max is None else "upstream-spread"
     svc = Service(name, argv, log=work / f"{name}.log", cpu=cpu, env={"PYTHONPATH": str(REPO)})
-    return svc, int(svc.read_line())
+    port = int(svc.read_line())
+    return svc, port, int(svc.read_line()) if certs is not None else None
 
 
 def records(port: int) -> list[dict[str, object]]:
@@ -82,16 +108,29 @@ def sink(work: Path, cpu: str | None) -> tuple[Service, int, Path]:
     return svc, int(svc.read_line()), out
 
 
-def nginx(work: Path, cpu: str | None, upstream_port: int) -> Endpoint:
-    """nginx-light with ``proxy_buffering off`` in front of the upstream."""
-    d = work / "nginx"
+#: nginx's side of an HTTPS upstream: verify the run's CA, send and check the name, reuse sessions.
+NGINX_TLS = """
+            proxy_ssl_trusted_certificate ${ca};
+            proxy_ssl_verify on;
+            proxy_ssl_verify_depth 2;
+            proxy_ssl_server_name on;
+            proxy_ssl_name ${server_name};
+            proxy_ssl_session_reuse on;"""
+
+
+def nginx(work: Path, cpu: str | None, upstream_port: int, *, certs: Certs | None = None) -> Endpoint:
+    """nginx-light with ``proxy_buffering off`` in front of the upstream (over TLS with ``certs``)."""
+    scheme = "https" if certs is not None else "http"
+    d = work / f"nginx-{scheme}"
     d.mkdir(exist_ok=True)
     port = free_port()
+    tls = Template(NGINX_TLS).substitute(ca=certs.ca, server_name=SERVER_NAME) if certs is not None else ""
     conf = Template((HERE / "nginx.conf.template").read_text()).substitute(
-        dir=d, port=port, upstream_port=upstream_port
+        dir=d, port=port, upstream_port=upstream_port, upstream_scheme=scheme, upstream_tls=tls
     )
     (d / "nginx.conf").write_text(conf)
-    svc = Service("nginx", ["nginx", "-c", str(d / "nginx.conf"), "-p", str(d)], log=work / "nginx.log", cpu=cpu)
+    argv = ["nginx", "-c", str(d / "nginx.conf"), "-p", str(d)]
+    svc = Service("nginx", argv, log=work / f"nginx-{scheme}.log", cpu=cpu)
     _wait_port(port, svc)
     return Endpoint("nginx", f"http://127.0.0.1:{port}/v1/chat/completions", svc)
 
@@ -109,6 +148,70 @@ def litellm(work: Path, cpu: str | None, upstream_port: int) -> Endpoint:
     return Endpoint("litellm", f"http://127.0.0.1:{port}/v1/chat/completions", svc, auth=key)
 
 
+#: llmtap-side switches of ``--ablation``: extra environment and extra ``llmtap serve`` arguments.
+ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
+    # The OpenTelemetry SDK off: relay, tap and summaries only, no spans or metrics built.
+    "otel-off": ({"OTEL_SDK_DISABLED": "true"}, []),
+    # httpx's transport for plain-HTTP upstreams instead of llmtap's own client (HTTPS ones use httpx anyway).
+    "httpx": ({}, ["--upstream-client", "httpx"]),
+    # No span per chunk (the phase spans and the metrics stay).
+    "chunk-spans-off": ({"LLMTAP_CHUNK_SPANS": "off"}, []),
+}
+
+
+def ablation_names(spec: str) -> list[str]:
+    """The switches of an ablation spec (``otel-off+httpx``), each checked against ``ABLATIONS``."""
+    names = [n for n in spec.split("+") if n]
+    unknown = [n for n in names if n not in ABLATIONS]
+    if unknown:
+        raise ValueError(f"unknown ablation {', '.join(unknown)} (known: {', '.join(ABLATIONS)})")
+    return names
+
+
+_UPSTREAM_CA_FLAG: bool | None = None
+
+
+def llmtap_has_upstream_ca(module: str = "proxy") -> bool:
+    """Whether this llmtap has ``serve --upstream-ca`` (asked once, from its ``--help``)."""
+    global _UPSTREAM_CA_FLAG
+    if _UPSTREAM_CA_FLAG is None:
+        done = subprocess.run(
+            [sys.executable, "-m", module, "serve", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        _UPSTREAM_CA_FLAG = "--upstream-ca" in done.stdout
+    return _UPSTREAM_CA_FLAG
+
+
+#: Until ``--upstream-ca`` exists: SSL_CERT_FILE alone does not reach llmtap's HTTPS pool (it builds httpx
+#: with trust_env=False, which then trusts certifi's bundle only), so this module, put first on llmtap's
+#: PYTHONPATH as ``sitecustomize``, points ``certifi.where()`` at the run's CA in llmtap's processes.
+CA_SHIM = """\
+# Written by the benchmark (bench/peers.py): trust the run's private CA for HTTPS upstreams.
+import os
+
+_ca = os.environ.get("BENCH_UPSTREAM_CA")
+if _ca:
+    import certifi
+
+    certifi.where = lambda: _ca
+"""
+
+
+def _ca_env(work: Path, certs: Certs, module: str) -> tuple[dict[str, str], list[str]]:
+    """How llmtap is told to trust the run's CA: ``--upstream-ca``, else the environment (see ``CA_SHIM``)."""
+    if llmtap_has_upstream_ca(module):
+        return {}, ["--upstream-ca", str(certs.ca)]
+    shim = work / "ca-shim"
+    shim.mkdir(exist_ok=True)
+    (shim / "sitecustomize.py").write_text(CA_SHIM)
+    env = {"SSL_CERT_FILE": str(certs.ca), "BENCH_UPSTREAM_CA": str(certs.ca), "PYTHONPATH": f"{shim}:{REPO}"}
+    return env, []
+
+
 def llmtap(
     work: Path,
     cpu: str | None,
@@ -119,12 +222,24 @@ def llmtap(
     workers: int = 1,
     extra_env: dict[str, str] | None = None,
     module: str = "proxy",
+    certs: Certs | None = None,
+    ablation: str = "",
 ) -> tuple[Endpoint, int]:
     """``llmtap serve`` with full telemetry: chunk spans on, traces and metrics exported over OTLP/gRPC to the sink.
 
-    Returns the endpoint and the admin port (``/metrics``).
+    With ``certs`` the upstream is ``https://`` (its TLS port) and llmtap trusts the run's CA; ``ablation``
+    (``otel-off``, ``otel-off+httpx``, ...) applies switches of ``ABLATIONS``. Returns the endpoint and the
+    admin port (``/metrics``).
     """
     port, admin = free_port(), free_port()
+    scheme = "https" if certs is not None else "http"
+    switches_env: dict[str, str] = {}
+    switches_argv: list[str] = []
+    for switch in ablation_names(ablation):
+        more_env, more_argv = ABLATIONS[switch]
+        switches_env.update(more_env)
+        switches_argv += more_argv
+    ca_env, ca_argv = _ca_env(work, certs, module) if certs is not None else ({}, [])
     env = {
         "PYTHONPATH": str(REPO),
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
@@ -132,6 +247,8 @@ def llmtap(
         "LLMTAP_CHUNK_SPANS": "spans",
         # Spans leave in batches of 512 or after this many ms; short, so a phase's export is inside its window.
         "OTEL_BSP_SCHEDULE_DELAY": "500",
+        **ca_env,
+        **switches_env,
         **(extra_env or {}),
     }
     argv = [
@@ -140,7 +257,7 @@ def llmtap(
         module,
         "serve",
         "--upstream",
-        f"http://127.0.0.1:{upstream_port}",
+        f"{scheme}://127.0.0.1:{upstream_port}",
         "--provider",
         "vllm",
         "--port",
@@ -152,9 +269,31 @@ def llmtap(
     ]
     if workers != 1:
         argv += ["--workers", str(workers)]
-    svc = Service(name, argv, log=work / f"{name}.log", cpu=cpu, env=env)
+    argv += ca_argv + switches_argv
+    log = work / f"{name}{'-' + ablation if ablation else ''}-{scheme}.log"
+    svc = Service(name, argv, log=log, cpu=cpu, env=env)
     wait_http(f"http://127.0.0.1:{admin}/readyz", 60, alive=lambda: svc.proc.poll() is None)
-    return Endpoint(name, f"http://127.0.0.1:{port}/v1/chat/completions", svc), admin
+    return Endpoint(name, f"http://127.0.0.1:{port}/v1/chat/completions", svc, admin=admin), admin
+
+
+TAPES_DROPPED = "llmtap_telemetry_tapes_dropped_total"
+
+
+def scrape_sum(admin_port: int, metric: str = TAPES_DROPPED) -> float | None:
+    """The sum over labels of one metric on llmtap's ``/metrics``; None when it is absent (or unreachable)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=10) as r:
+            text = r.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    return exposition_sum(text, metric)
+
+
+def exposition_sum(text: str, metric: str) -> float | None:
+    """The sum of a metric's samples in a Prometheus text exposition; None when it has none."""
+    sample = re.compile(rf"^{re.escape(metric)}(?:\{{[^}}]*\}})?\s+(\S+)", re.M)
+    values = [float(m.group(1)) for m in sample.finditer(text)]
+    return sum(values) if values else None
 
 
 def prometheus(work: Path, cpu: str | None, admin_port: int) -> tuple[Service, int]:

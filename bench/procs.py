@@ -1,7 +1,10 @@
 """Processes of the benchmark: start them pinned to a core, wait for them, and read their CPU time and memory.
 
 CPU seconds and resident memory come from ``/proc`` for a process and all its descendants (nginx's
-workers, a proxy's worker processes), so each path is charged for everything it runs.
+workers, a proxy's worker processes), so each path is charged for everything it runs. Each process of a
+tree has a role by its ``/proc/PID/comm``: llmtap's telemetry process names itself ``llmtap-telemetry``
+(``llmtap-telemetr`` after the kernel's 15-character cut), its relays ``llmtap-relay``; every other
+process of the tree (the supervisor, nginx's master and worker) counts as relay.
 """
 
 from __future__ import annotations
@@ -79,6 +82,28 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+#: ``/proc/PID/comm`` of llmtap's telemetry process (``llmtap-telemetry`` cut to 15 characters).
+TELEMETRY_COMM = "llmtap-telemetr"
+ROLES = ("relay", "telemetry")
+
+
+def role(pid: int) -> str:
+    """``telemetry`` for llmtap's telemetry process, ``relay`` for any other (``llmtap-relay`` or not)."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "relay"
+    return "telemetry" if comm == TELEMETRY_COMM else "relay"
+
+
+def by_role(pids: Sequence[int]) -> dict[str, list[int]]:
+    """The processes of a tree by role (every role present, maybe empty)."""
+    out: dict[str, list[int]] = {r: [] for r in ROLES}
+    for pid in pids:
+        out[role(pid)].append(pid)
+    return out
+
+
 def cpu_split(pids: Sequence[int]) -> tuple[float, float]:
     """User and system CPU seconds of the processes (all their threads)."""
     user = system = 0
@@ -152,6 +177,18 @@ class Service:
         """Resident bytes of the whole tree now."""
         return rss_bytes(self.pids())
 
+    def roles(self) -> dict[str, list[int]]:
+        """The tree's processes by role."""
+        return by_role(self.pids())
+
+    def cpu_roles(self) -> dict[str, float]:
+        """CPU seconds used so far by the processes of each role."""
+        return {r: cpu_seconds(pids) for r, pids in self.roles().items()}
+
+    def rss_relay(self) -> int:
+        """Resident bytes of the relay processes now."""
+        return rss_bytes(self.roles()["relay"])
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
         """Signal the process group, wait, and kill what is left."""
         if self.proc.poll() is None:
@@ -188,19 +225,36 @@ def wait_http(
 
 
 class Sampler:
-    """Samples a service's resident memory in a thread; ``peak`` is the largest seen since ``start``."""
+    """Samples a service's resident memory in a thread; ``peak`` is the largest seen since ``start``.
+
+    ``samples`` holds (``perf_counter()``, relay processes' resident bytes) of every sample, so a phase can
+    take the memory of the moments when all its streams were open. The tree is read anew every second (a
+    telemetry process or a worker may start late).
+    """
 
     def __init__(self, service: Service, interval: float = 0.05) -> None:
         self.service = service
         self.interval = interval
         self.peak = 0
+        self.samples: list[tuple[float, int]] = []
+        self.roles: dict[str, set[int]] = {r: set() for r in ROLES}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        pids = self.service.pids()
+        pids: list[int] = []
+        relay: list[int] = []
+        looked = -1.0
         while not self._stop.is_set():
+            now = time.perf_counter()
+            if now - looked >= 1.0:
+                pids, looked = self.service.pids(), now
+                roles = by_role(pids)
+                relay = roles["relay"]
+                for r, found in roles.items():
+                    self.roles[r].update(found)
             self.peak = max(self.peak, rss_bytes(pids))
+            self.samples.append((now, rss_bytes(relay)))
             self._stop.wait(self.interval)
 
     def __enter__(self) -> Sampler:

@@ -27,26 +27,96 @@ def _pct(share: float | None) -> str:
 def phase_line(fig: PathFigures) -> str:
     """A one-line progress report."""
     return (
-        f"{fig.path:>8} x{fig.streams:<4} req {fig.requests:>4} fail {fig.failed} "
+        f"{fig.path:>8} {fig.upstream:<5} x{fig.streams:<4} req {fig.requests:>4} fail {fig.failed} "
         f"ttft+ p50 {_f(fig.added_ttft_ms_p50)} p99 {_f(fig.added_ttft_ms_p99)} ms  "
         f"gap+ p50 {_f(fig.added_gap_ms_p50)} p99 {_f(fig.added_gap_ms_p99)} ms  merged {fig.merged}  "
         f"{fig.chunks_per_s:.0f} chunks/s  cpu/1k {_f(fig.cpu_s_per_1000_chunks, 3)} s "
         f"(kernel {_pct(fig.cpu_system_share)})  "
-        f"rss/stream {_f(fig.rss_kib_per_stream, 1)} KiB"
+        f"rss/stream {_f(fig.rss_kib_per_stream, 1)} KiB  "
+        f"relay/telemetry cpu/1k {_f(fig.cpu_relay_s_per_1000_chunks, 3)}/"
+        f"{_f(fig.cpu_telemetry_s_per_1000_chunks, 3)} s"
     )
+
+
+def burst_line(row: dict[str, Any]) -> str:
+    """A one-line progress report of one burst size."""
+    return (
+        f"{row['path']:>8} {row['upstream']:<5} burst {row['size']:<4} x{row['bursts']} req {row['requests']:>4} "
+        f"complete {row['complete']} errors {row['errors']}  "
+        f"ttft+ p50 {_f(row['added_ttft_ms_p50'])} p99 {_f(row['added_ttft_ms_p99'])} ms  "
+        f"gap+ p99 {_f(row['added_gap_ms_p99'])} ms  merged {row['merged']}  "
+        f"relay/telemetry cpu/1k {_f(row['cpu_relay_s_per_1000_chunks'], 3)}/"
+        f"{_f(row['cpu_telemetry_s_per_1000_chunks'], 3)} s"
+    )
+
+
+ORDER = {"direct": 0, "nginx": 1, "llmtap": 2, "litellm": 3}
+
+
+def _order(path: str) -> tuple[int, str]:
+    return ORDER.get(path.split(":", 1)[0], 9), path
+
+
+def _bursts_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| path | upstream | burst | bursts | requests (complete) | added TTFT p50 / p99 (ms) | "
+        "over direct p50 / p99 (ms) | of which connect p50 / p99 (ms) | added gap p99 (ms) | merged | errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in sorted(rows, key=lambda r: (r["upstream"], r["size"], _order(r["path"]))):
+        lines.append(
+            f"| {r['path']} | {r['upstream']} | {r['size']} | {r['bursts']} | {r['requests']} ({r['complete']}) | "
+            f"{_f(r['added_ttft_ms_p50'])} / {_f(r['added_ttft_ms_p99'])} | "
+            f"{_f(r.get('over_direct_ttft_ms_p50'))} / {_f(r.get('over_direct_ttft_ms_p99'))} | "
+            f"{_f(r.get('connect_ms_p50'))} / {_f(r.get('connect_ms_p99'))} | "
+            f"{_f(r['added_gap_ms_p99'])} | {r['merged']} | {r['errors']} |"
+        )
+    return lines
+
+
+def _tapes(value: Any) -> str:
+    """Tapes dropped: the count, or n/a when llmtap does not export the counter (never a silent 0)."""
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+def _cpu_table(results: dict[str, Any]) -> list[str]:
+    lines = [
+        "| path | upstream | scenario | chunks | relay CPU s / 1k chunks | telemetry CPU s / 1k chunks | "
+        "processes (relay + telemetry) | relay RSS per open stream (KiB) | tapes dropped |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    rows = [r for r in results.get("phases", []) if r.get("cpu_s") is not None]
+    rows += [r for r in results.get("bursts", []) if r.get("cpu_s") is not None]
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (r.get("upstream", "http"), r.get("scenario", "staggered"), r["streams"], _order(r["path"]))
+
+    for r in sorted(rows, key=key):
+        n = r["streams"]
+        scenario = f"burst {n}" if r.get("scenario") == "burst" else f"{n} stream{'' if n == 1 else 's'}"
+        procs = r.get("procs") or {}
+        telemetry = _f(r.get("cpu_telemetry_s_per_1000_chunks"), 3) if r["path"].startswith("llmtap") else "–"
+        tapes = _tapes(r.get("tapes_dropped")) if r["path"].startswith("llmtap") else "–"
+        lines.append(
+            f"| {r['path']} | {r.get('upstream', 'http')} | {scenario} | {r['chunks']} | "
+            f"{_f(r.get('cpu_relay_s_per_1000_chunks'), 3)} | {telemetry} | "
+            f"{procs.get('relay', '–')} + {procs.get('telemetry', '–')} | "
+            f"{_f(r.get('rss_relay_kib_per_stream'), 1)} | {tapes} |"
+        )
+    return lines
 
 
 def _phases_table(phases: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| path | streams | requests (failed) | added TTFT p50 / p99 (ms) | added gap p50 / p99 (ms) | merged | "
+        "| path | upstream | streams | requests (failed) | added TTFT p50 / p99 (ms) | added gap p50 / p99 (ms) | "
+        "merged | "
         "chunks/s | CPU s per 1000 chunks (kernel share) | idle CPU (ms/s) | RSS per open stream (KiB) | "
         "upstream late p99 (ms) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    order = {"direct": 0, "nginx": 1, "llmtap": 2, "litellm": 3}
-    for p in sorted(phases, key=lambda p: (p["streams"], order.get(p["path"], 9))):
+    for p in sorted(phases, key=lambda p: (p.get("upstream", "http"), p["streams"], _order(p["path"]))):
         lines.append(
-            f"| {p['path']} | {p['streams']} | {p['requests']} ({p['failed']}) | "
+            f"| {p['path']} | {p.get('upstream', 'http')} | {p['streams']} | {p['requests']} ({p['failed']}) | "
             f"{_f(p['added_ttft_ms_p50'])} / {_f(p['added_ttft_ms_p99'])} | "
             f"{_f(p['added_gap_ms_p50'])} / {_f(p['added_gap_ms_p99'])} | {p['merged']} | "
             f"{_f(p['chunks_per_s'], 0)} | {_f(p['cpu_s_per_1000_chunks'], 3)} ({_pct(p.get('cpu_system_share'))}) | "
@@ -59,7 +129,7 @@ def _phases_table(phases: list[dict[str, Any]]) -> list[str]:
 def _ratios(phases: list[dict[str, Any]]) -> list[str]:
     lines = ["| streams | llmtap added TTFT p50 (ms) | LiteLLM added TTFT p50 (ms) | ratio LiteLLM / llmtap |",
              "| ---: | ---: | ---: | ---: |"]  # fmt: skip
-    by = {(p["path"], p["streams"]): p for p in phases}
+    by = {(p["path"], p["streams"]): p for p in phases if p.get("upstream", "http") == "http"}
     for (path, streams), p in sorted(by.items(), key=lambda kv: kv[0][1]):
         if path != "llmtap" or ("litellm", streams) not in by:
             continue
@@ -129,21 +199,48 @@ def markdown(results: dict[str, Any]) -> str:
     """The figures of a run as Markdown."""
     m = results["machine"]
     lines = [
+        f"Command: `{results.get('command', 'python -m bench')}` (each figure's own: `command` in results.json).",
         f"Run: {results['started']} ({results['mode']}), network namespace: {'yes' if results['netns'] else 'no'}, "
         f"niceness {results.get('nice', 0)}.",
         f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, Python {m['python']}; "
         f"{m['nginx']}; LiteLLM {m['litellm']}; aiperf {m['aiperf']}; {m['prometheus']}.",
         f"Libraries: {', '.join(f'{k} {v}' for k, v in m['versions'].items())}.",
         f"Load before: `{results['load_before']}`; after: `{results.get('load_after', '')}`.",
-        "",
-        "### Paths side by side",
-        "",
-        *_phases_table(results["phases"]),
-        "",
-        "### Added TTFT, llmtap against LiteLLM",
-        "",
-        *_ratios(results["phases"]),
     ]
+    for skip in results.get("skipped", []):
+        lines.append(f"Not run: {skip['path']} over {skip['upstream']} ({skip['why']}).")
+    if results.get("upstream_ca"):
+        lines.append(f"llmtap trusted the run's CA through: {results['upstream_ca']}.")
+    if results["phases"]:
+        lines += ["", "### Paths side by side", "", *_phases_table(results["phases"])]
+        ratios = _ratios(results["phases"])
+        if len(ratios) > 2:
+            lines += ["", "### Added TTFT, llmtap against LiteLLM", "", *ratios]
+    if results.get("bursts"):
+        plan = results.get("plan", {})
+        lines += [
+            "",
+            "### Burst arrivals (new connections, released at once)",
+            "",
+            f"Medians over {plan.get('bursts_per_size', '?')} bursts per size, {plan.get('burst_period_s', 0):.2f} s "
+            "apart, of each burst's own percentiles; merged and errors summed over the bursts. Added TTFT starts "
+            "before the client's connect, so it holds the connect (and, direct over https, a TLS handshake per "
+            "request, where a proxy reuses its pooled upstream connections): the connect column is that part.",
+            "",
+            *_bursts_table(results["bursts"]),
+        ]
+    if any(r.get("cpu_s") is not None for r in [*results["phases"], *results.get("bursts", [])]):
+        lines += [
+            "",
+            "### CPU per 1,000 chunks by process, and memory per open stream",
+            "",
+            "Relay: every process of the path's tree but llmtap's telemetry process (`/proc/PID/comm` "
+            "`llmtap-telemetr`); nginx's whole tree is its relay. RSS: relay processes with every stream of "
+            "the phase (or burst) open, less idle, per stream. Tapes dropped: `llmtap_telemetry_tapes_dropped_total` "
+            "over the phase, n/a when llmtap does not export it.",
+            "",
+            *_cpu_table(results),
+        ]
     if results.get("ramp"):
         lines += ["", "### llmtap's ramp (50 chunks/s per stream)", "", *_ramp(results)]
     if results.get("workers"):

@@ -10,23 +10,26 @@ the figures block of ``bench/RESULTS.md``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import accuracy, peers, report
+from bench import accuracy, peers, report, tlsca
 from bench.peers import Endpoint
 from bench.procs import Sampler, Service, pinned, quiesce
-from bench.stats import PathFigures, analyse, crossing
+from bench.stats import PathFigures, analyse, crossing, median, open_streams
 from proxy.stats import quantile
 
 PATHS = ("direct", "nginx", "llmtap", "litellm")
@@ -49,7 +52,33 @@ class Plan:
     #: Streams for the --workers comparison (None: skipped).
     workers_streams: int | None = None
     idle_probe: float = 3.0
+    #: Burst sizes (requests released at once, each on a new connection).
+    bursts: tuple[int, ...] = ()
+    #: Bursts per size at most, and at most this many seconds of bursts per size (at least two bursts).
+    bursts_per_size: int = 5
+    burst_budget: float = 9.0
+    #: Time between a burst's requests' scripted end and the next burst's release.
+    burst_slack: float = 0.4
+    #: Seconds between starting the load clients and their first request (their start-up must fit in it).
+    client_lead: float = 1.0
+    #: Requests per stream of the 4-stream warm-up.
+    warm_requests: int = 2
+    #: Seconds a path's CPU time must stay still to count as quiet (telemetry drained).
+    settle: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def period(self) -> float:
+        """One request's scripted length."""
+        return self.ttft + self.chunks * self.gap
+
+    def requests_for(self, streams: int) -> int:
+        """Requests per stream of a staggered phase at that concurrency."""
+        return self.requests.get(streams) or max(2, min(self.requests.values()))
+
+    def burst_count(self) -> int:
+        """Bursts per size: ``bursts_per_size``, fewer when they would take longer than ``burst_budget``."""
+        return max(2, min(self.bursts_per_size, int(self.burst_budget // (self.period + self.burst_slack))))
 
 
 FULL = Plan(
@@ -59,6 +88,7 @@ FULL = Plan(
     ramp_requests=3,
     accuracy=accuracy.AccuracyPlan(concurrency=16, requests=320, warmup=32),
     workers_streams=64,
+    bursts=(1, 8, 32, 64, 128),
 )
 SMOKE = Plan(
     streams=(1, 8),
@@ -67,25 +97,74 @@ SMOKE = Plan(
     ramp_requests=1,
     idle_probe=1.0,
     accuracy=accuracy.AccuracyPlan(concurrency=4, requests=16, warmup=4),
+    bursts=(1, 8),
+    bursts_per_size=2,
+    burst_budget=3.0,
+    client_lead=0.6,
+    warm_requests=1,
+    settle=0.5,
 )
+
+
+@dataclass
+class Measure:
+    """What a path's process tree did over one measured part: CPU by role, memory samples, tapes dropped."""
+
+    cpu_s: float
+    cpu_system_s: float
+    cpu_roles: dict[str, float]
+    peak: int
+    samples: list[tuple[float, int]]
+    procs: dict[str, int]
+    tapes_dropped: float | None
+
+
+def scheme(tls: bool) -> str:
+    """``https`` or ``http``."""
+    return "https" if tls else "http"
+
+
+def base_path(spec: str) -> str:
+    """The path of a path spec (``llmtap:otel-off`` is llmtap with the otel-off switch)."""
+    return spec.split(":", 1)[0]
 
 
 class Bench:
     """One run: the shared upstream and sink, the cores, and the figures gathered so far."""
 
-    def __init__(self, work: Path, plan: Plan, proxy_cpu: str | None, client_cpu: str | None) -> None:
+    def __init__(
+        self,
+        work: Path,
+        plan: Plan,
+        proxy_cpu: str | None,
+        client_cpu: str | None,
+        *,
+        tls: bool = False,
+        smoke: bool = False,
+    ) -> None:
         self.work = work
         self.plan = plan
         self.proxy_cpu = proxy_cpu
         self.client_cpu = client_cpu
+        self.want_tls = tls
+        self.smoke = smoke
         self.services: list[Service] = []
-        self.results: dict[str, Any] = {"phases": [], "ramp": []}
+        self.results: dict[str, Any] = {"phases": [], "ramp": [], "bursts": [], "skipped": []}
         self.idle_cpu: dict[str, float] = {}
+        self.idle_relay_rss: dict[str, float] = {}
+        self.certs: tlsca.Certs | None = None
+        self.tls_port: int | None = None
+        #: The last measured tree when its CPU had stopped moving: (service, CPU, CPU by role, system, tapes).
+        self._quiet: tuple[Service, float, dict[str, float], float, float | None] | None = None
 
     def start_shared(self) -> None:
-        """The upstream and the OTLP sink, on the client's core."""
+        """The upstream (plain, and TLS when a part of the run needs it) and the OTLP sink, on the client's core."""
         p = self.plan
-        up, self.up_port = peers.upstream(self.work, self.client_cpu, ttft=p.ttft, gap=p.gap, chunks=p.chunks)
+        if self.want_tls:
+            self.certs = tlsca.make(self.work / "tls")
+        up, self.up_port, self.tls_port = peers.upstreams(
+            self.work, self.client_cpu, ttft=p.ttft, gap=p.gap, chunks=p.chunks, certs=self.certs
+        )
         sink, self.sink_port, self.sink_file = peers.sink(self.work, self.client_cpu)
         self.services += [up, sink]
 
@@ -95,25 +174,41 @@ class Bench:
             svc.stop()
         self.services.clear()
 
-    def endpoint(self, name: str) -> Endpoint:
-        """Start one path."""
-        url = f"http://127.0.0.1:{self.up_port}/v1/chat/completions"
+    def endpoint(self, spec: str, tls: bool = False) -> Endpoint:
+        """Start one path (``direct``, ``nginx``, ``litellm``, ``llmtap`` or ``llmtap:<ablation>``) against the
+        plain or the TLS upstream."""
+        name, _, ablation = spec.partition(":")
+        certs = self.certs if tls else None
+        if tls and (certs is None or self.tls_port is None):
+            raise RuntimeError("no TLS upstream in this run")
+        port = self.tls_port if tls else self.up_port
+        assert port is not None
         if name == "direct":
-            return Endpoint("direct", url, None)
+            return Endpoint("direct", f"{scheme(tls)}://127.0.0.1:{port}/v1/chat/completions", None)
         if name == "nginx":
-            ep = peers.nginx(self.work, self.proxy_cpu, self.up_port)
+            ep = peers.nginx(self.work, self.proxy_cpu, port, certs=certs)
         elif name == "litellm":
-            ep = peers.litellm(self.work, self.proxy_cpu, self.up_port)
+            ep = peers.litellm(self.work, self.proxy_cpu, port)
         else:
-            ep, self.admin_port = peers.llmtap(self.work, self.proxy_cpu, self.up_port, self.sink_port)
+            ep, self.admin_port = peers.llmtap(
+                self.work, self.proxy_cpu, port, self.sink_port, certs=certs, ablation=ablation
+            )
+            ep.name = spec
         assert ep.service is not None
         self.services.append(ep.service)
         return ep
 
-    def clients(self, ep: Endpoint, streams: int, requests: int, tag: str) -> tuple[list[dict[str, Any]], float]:
-        """Run the load client processes; return their records and CPU seconds."""
-        procs = max(1, math.ceil(streams / self.plan.streams_per_client))
-        start_at = time.perf_counter() + 1.0 + 0.3 * procs
+    def clients(
+        self, ep: Endpoint, streams: int, requests: int, tag: str, *, bursts: int = 0
+    ) -> tuple[list[dict[str, Any]], float]:
+        """Run the load client processes; return their records and CPU seconds.
+
+        With ``bursts``, every stream sends ``bursts`` requests, each on a new connection, all streams' k-th
+        ones released at once (``requests`` is then ignored).
+        """
+        p = self.plan
+        procs = max(1, math.ceil(streams / p.streams_per_client))
+        start_at = time.perf_counter() + p.client_lead + 0.3 * procs
         per = [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
         running = []
         offset = 0
@@ -121,11 +216,18 @@ class Bench:
             argv = [
                 sys.executable, "-m", "bench.client", "--url", ep.url, "--streams", str(n),
                 "--offset", str(offset), "--total-streams", str(streams), "--requests", str(requests),
-                "--stagger", str(self.plan.ttft + self.plan.chunks * self.plan.gap), "--start-at", str(start_at),
-                "--tag", tag, "--max-tokens", str(self.plan.chunks),
+                "--stagger", str(p.period), "--start-at", str(start_at),
+                "--tag", tag, "--max-tokens", str(p.chunks),
             ]  # fmt: skip
+            if bursts:
+                # Bounded in time too: no burst starts after twice the plan's time (a path that falls behind).
+                deadline = start_at + 2 * max(p.burst_budget, bursts * (p.period + p.burst_slack))
+                argv += ["--bursts", str(bursts), "--burst-period", str(p.period + p.burst_slack)]
+                argv += ["--deadline", str(deadline)]
             if ep.auth:
                 argv += ["--auth", ep.auth]
+            if ep.url.startswith("https:") and self.certs is not None:
+                argv += ["--ca", str(self.certs.ca)]
             env = {**os.environ, "PYTHONPATH": str(peers.REPO)}
             running.append(subprocess.Popen(pinned(argv, self.client_cpu), stdout=subprocess.PIPE, env=env))
             offset += n
@@ -140,59 +242,186 @@ class Bench:
             cpu += doc["cpu"]
         return records, cpu
 
-    def warm(self, ep: Endpoint) -> float:
+    @staticmethod
+    def key(ep: Endpoint, tls: bool) -> str:
+        return f"{ep.name}/{scheme(tls)}"
+
+    def warm(self, ep: Endpoint, tls: bool = False) -> float:
         """A few requests first (lazy imports, pools); returns the path's resident bytes when idle after them."""
-        self.clients(ep, 4, 2, f"{ep.name}-warm")
+        self.clients(ep, 4, self.plan.warm_requests, f"{ep.name}-{scheme(tls)}-warm")
         peers.records(self.up_port)
         if ep.service is None:
             return 0.0
-        before = quiesce(ep.service)
+        before = quiesce(ep.service, settle=self.plan.settle)
         # What the path burns doing nothing (timers, exporters): charged to every phase's CPU too.
         time.sleep(self.plan.idle_probe)
-        self.idle_cpu[ep.name] = 1000 * (ep.service.cpu() - before) / self.plan.idle_probe
+        self.idle_cpu[self.key(ep, tls)] = 1000 * (ep.service.cpu() - before) / self.plan.idle_probe
+        self.idle_relay_rss[self.key(ep, tls)] = float(ep.service.rss_relay())
         return float(ep.service.rss())
 
-    def phase(self, ep: Endpoint, streams: int, requests: int, idle_rss: float, tag: str) -> PathFigures:
-        """One measured phase of one path at one concurrency."""
-        cpu0 = quiesce(ep.service) if ep.service is not None else 0.0
-        if ep.service is not None:
-            sys0 = ep.service.cpu_system()
-            with Sampler(ep.service) as sampler:
-                records, client_cpu = self.clients(ep, streams, requests, tag)
-            cpu1 = quiesce(ep.service)
-            sys1 = ep.service.cpu_system()
+    def measured(
+        self, ep: Endpoint, run: Callable[[], tuple[list[dict[str, Any]], float]]
+    ) -> tuple[list[dict[str, Any]], float, Measure | None]:
+        """Run the clients, measuring the path's tree from before until its telemetry stopped moving."""
+        if ep.service is None:
+            records, client_cpu = run()
+            return records, client_cpu, None
+        svc = ep.service
+        if self._quiet is not None and self._quiet[0] is svc:
+            # Quiet since the end of the part before (only clients and the upstream ran in between).
+            _, cpu0, roles0, sys0, tapes0 = self._quiet
         else:
-            records, client_cpu = self.clients(ep, streams, requests, tag)
+            tapes0 = peers.scrape_sum(ep.admin) if ep.admin else None
+            quiesce(svc, settle=self.plan.settle)
+            roles0, sys0 = svc.cpu_roles(), svc.cpu_system()
+            cpu0 = sum(roles0.values())  # the whole from the same reading as its parts
+        with Sampler(svc) as sampler:
+            records, client_cpu = run()
+        quiesce(svc, settle=self.plan.settle)
+        roles1 = svc.cpu_roles()
+        sys1 = svc.cpu_system()
+        cpu1 = sum(roles1.values())
+        tapes1 = peers.scrape_sum(ep.admin) if ep.admin else None
+        self._quiet = (svc, cpu1, roles1, sys1, tapes1)
+        # A process that left the tree took its CPU with it: a role's figure never goes below zero.
+        roles = {r: max(0.0, roles1.get(r, 0.0) - roles0.get(r, 0.0)) for r in set(roles0) | set(roles1)}
+        m = Measure(
+            cpu_s=cpu1 - cpu0,
+            cpu_system_s=sys1 - sys0,
+            cpu_roles=roles,
+            peak=sampler.peak,
+            samples=sampler.samples,
+            procs={r: len(pids) for r, pids in sampler.roles.items()},
+            tapes_dropped=None if tapes1 is None else tapes1 - (tapes0 or 0.0),
+        )
+        return records, client_cpu, m
+
+    def charge(
+        self,
+        fig: PathFigures,
+        ep: Endpoint,
+        tls: bool,
+        m: Measure | None,
+        idle_rss: float,
+        records: list[dict[str, Any]],
+    ) -> None:
+        """The path's CPU (whole tree and by role), memory and dropped tapes, onto its figures."""
+        if m is None:
+            return
+        k = 1000 / fig.chunks if fig.chunks else None
+        fig.cpu_s = m.cpu_s
+        fig.cpu_system_share = m.cpu_system_s / m.cpu_s if m.cpu_s > 0 else None
+        fig.idle_cpu_ms_per_s = self.idle_cpu.get(self.key(ep, tls))
+        fig.cpu_s_per_1000_chunks = m.cpu_s * k if k else None
+        fig.cpu_relay_s = m.cpu_roles.get("relay", 0.0)
+        fig.cpu_telemetry_s = m.cpu_roles.get("telemetry", 0.0)
+        fig.cpu_relay_s_per_1000_chunks = fig.cpu_relay_s * k if k else None
+        fig.cpu_telemetry_s_per_1000_chunks = fig.cpu_telemetry_s * k if k else None
+        fig.procs = m.procs
+        fig.rss_idle_mib = idle_rss / 2**20
+        fig.rss_peak_mib = m.peak / 2**20
+        fig.rss_kib_per_stream = (m.peak - idle_rss) / 1024 / fig.streams
+        # The plateau: the samples taken while every stream of the phase (or of a burst) was open.
+        plateau = median(rss for t, rss in m.samples if open_streams(records, t) >= fig.streams)
+        idle_relay = self.idle_relay_rss.get(self.key(ep, tls))
+        if plateau is not None and idle_relay is not None:
+            fig.rss_relay_kib_per_stream = (plateau - idle_relay) / 1024 / fig.streams
+        fig.tapes_dropped = m.tapes_dropped
+
+    def phase(
+        self, ep: Endpoint, streams: int, requests: int, idle_rss: float, tag: str, tls: bool = False
+    ) -> PathFigures:
+        """One measured phase of one path at one concurrency (staggered keep-alive streams)."""
+        records, client_cpu, m = self.measured(ep, lambda: self.clients(ep, streams, requests, tag))
         upstream = peers.records(self.up_port)
         raw = {"client": records, "upstream": upstream}
         (self.work / f"records-{tag}.json").write_text(json.dumps(raw))
         fig = analyse(ep.name, streams, records, upstream, gap=self.plan.gap)
+        fig.upstream = scheme(tls)
         fig.client_cpu_s = client_cpu
-        if ep.service is not None:
-            fig.cpu_s = cpu1 - cpu0
-            fig.cpu_system_share = (sys1 - sys0) / fig.cpu_s if fig.cpu_s > 0 else None
-            fig.idle_cpu_ms_per_s = self.idle_cpu.get(ep.name)
-            fig.cpu_s_per_1000_chunks = fig.cpu_s / (fig.chunks / 1000) if fig.chunks else None
-            fig.rss_idle_mib = idle_rss / 2**20
-            fig.rss_peak_mib = sampler.peak / 2**20
-            fig.rss_kib_per_stream = (sampler.peak - idle_rss) / 1024 / streams
+        self.charge(fig, ep, tls, m, idle_rss, records)
         print(report.phase_line(fig), flush=True)
         return fig
 
-    def run_path(self, name: str, *, ramp: bool, phases: bool = True) -> None:
-        """All concurrencies of one path (and llmtap's ramp), then stop it."""
-        ep = self.endpoint(name)
+    def bursts(self, ep: Endpoint, size: int, idle_rss: float, tls: bool) -> dict[str, Any]:
+        """Bursts of ``size`` requests on new connections: figures per burst, their medians, the tree's CPU."""
+        count = self.plan.burst_count()
+        tag = f"burst-{ep.name.replace(':', '_')}-{scheme(tls)}-{size}"
+        records, client_cpu, m = self.measured(ep, lambda: self.clients(ep, size, 0, tag, bursts=count))
+        upstream = peers.records(self.up_port)
+        (self.work / f"records-{tag}.json").write_text(json.dumps({"client": records, "upstream": upstream}))
+        pooled = analyse(ep.name, size, records, upstream, gap=self.plan.gap)
+        pooled.upstream, pooled.scenario = scheme(tls), "burst"
+        pooled.client_cpu_s = client_cpu
+        self.charge(pooled, ep, tls, m, idle_rss, records)
+        ran = sorted({int(r["burst"]) for r in records})
+        per = []
+        for k in ran:
+            mine = [r for r in records if r.get("burst") == k]
+            f = analyse(ep.name, size, mine, upstream, gap=self.plan.gap)
+            releases = [r["start"] - r["release"] for r in mine if "start" in r]
+            connects = [1000 * (r["sent"] - r["start"]) for r in mine if "start" in r and not r.get("error")]
+            per.append({
+                "burst": k, "requests": f.requests, "complete": f.complete, "errors": f.failed + f.unmatched,
+                "merged": f.merged, "added_ttft_ms_p50": _num(f.added_ttft_ms_p50),
+                "added_ttft_ms_p99": _num(f.added_ttft_ms_p99), "added_gap_ms_p99": _num(f.added_gap_ms_p99),
+                "late_start_ms_max": 1000 * max(releases) if releases else None,
+                "connect_ms_p50": quantile(connects, 0.5), "connect_ms_p99": quantile(connects, 0.99),
+            })  # fmt: skip
+        row = {
+            **pooled.as_dict(),
+            "size": size,
+            "bursts": len(ran),
+            "bursts_planned": count,
+            # Connections the upstream saw for these requests (a proxy's pool reused, or one per request).
+            "upstream_connections": len({u.get("conn") for u in upstream}),
+            "errors": pooled.failed + pooled.unmatched,
+            # Medians across the bursts of each burst's own percentile.
+            "added_ttft_ms_p50": median(b["added_ttft_ms_p50"] for b in per),
+            "added_ttft_ms_p99": median(b["added_ttft_ms_p99"] for b in per),
+            "added_gap_ms_p99": median(b["added_gap_ms_p99"] for b in per),
+            # The client's connect (and TLS handshake) to the first hop: a part of the added TTFT above.
+            "connect_ms_p50": median(b["connect_ms_p50"] for b in per),
+            "connect_ms_p99": median(b["connect_ms_p99"] for b in per),
+            "pooled": {k: _num(getattr(pooled, k)) for k in ("added_ttft_ms_p50", "added_ttft_ms_p99",
+                                                              "added_gap_ms_p50", "added_gap_ms_p99")},
+            "per_burst": per,
+        }  # fmt: skip
+        print(report.burst_line(row), flush=True)
+        return row
+
+    def run_path(self, spec: str, *, tls: bool = False, ramp: bool = False, phases: bool = True) -> None:
+        """All concurrencies and burst sizes of one path over one upstream (and llmtap's ramp), then stop it."""
+        ep = self.endpoint(spec, tls)
         try:
-            idle = self.warm(ep)
+            idle = self.warm(ep, tls)
             for streams in self.plan.streams if phases else ():
-                fig = self.phase(ep, streams, self.plan.requests[streams], idle, f"{name}-{streams}")
+                tag = f"{spec.replace(':', '_')}-{streams}" + ("-https" if tls else "")
+                fig = self.phase(ep, streams, self.plan.requests_for(streams), idle, tag, tls)
+                fig.command = self.command(spec, tls, streams=streams)
                 self.results["phases"].append(fig.as_dict())
+            for size in self.plan.bursts:
+                row = self.bursts(ep, size, idle, tls)
+                row["command"] = self.command(spec, tls, burst=size)
+                self.results["bursts"].append(row)
             if ramp:
                 self.ramp(ep, idle)
         finally:
             if ep.service is not None:
                 ep.service.stop()
                 self.services.remove(ep.service)
+
+    def command(self, spec: str, tls: bool, *, streams: int | None = None, burst: int | None = None) -> str:
+        """The command that measures this one figure again, beside the direct path it is judged against."""
+        paths = "direct" if spec == "direct" else f"direct,{spec}"
+        argv = ["python", "-m", "bench"] + (["--smoke"] if self.smoke else [])
+        argv += ["--paths", paths, "--tls", "on" if tls else "off"]
+        if streams is not None:
+            argv += ["--streams", str(streams), "--no-bursts"]
+        if burst is not None:
+            argv += ["--bursts", str(burst), "--no-staggered"]
+        argv += ["--no-ramp", "--no-accuracy", "--no-workers"]
+        return shlex.join(argv)
 
     def ramp(self, ep: Endpoint, idle: float) -> None:
         """More streams at 50 chunks/s each, past the point where llmtap's added gap p99 passes 5 ms, until it
@@ -201,10 +430,10 @@ class Bench:
         p = self.plan
         for streams in p.ramp:
             fig = self.phase(ep, streams, p.ramp_requests, idle, f"ramp-{streams}")
+            fig.command = "python -m bench --paths llmtap --tls off --ramp-only --no-accuracy --no-workers"
             self.results["ramp"].append(fig.as_dict())
             points.append((fig.chunks_per_s, fig.added_gap_ms_p99))
-            period = p.ttft + p.chunks * p.gap
-            scripted = period * (1 + p.ramp_requests)  # the starts are staggered over one period
+            scripted = p.period * (1 + p.ramp_requests)  # the starts are staggered over one period
             if fig.seconds > 1.25 * scripted or fig.added_gap_ms_p99 > 50.0:
                 break
         self.results["ramp_crossing_chunks_per_s"] = crossing(points, 5.0)
@@ -220,7 +449,7 @@ class Bench:
             self.services.append(ep.service)
             try:
                 idle = self.warm(ep)
-                fig = self.phase(ep, streams, self.plan.requests[streams], idle, f"workers-{n}")
+                fig = self.phase(ep, streams, self.plan.requests_for(streams), idle, f"workers-{n}")
                 scrapes = []
                 for _ in range(20):
                     t0 = time.perf_counter()
@@ -228,10 +457,26 @@ class Bench:
                         size = len(r.read())
                     scrapes.append(1000 * (time.perf_counter() - t0))
                 rows.append({**fig.as_dict(), "workers": n, "scrape_ms_p50": quantile(scrapes, 0.5),
-                             "scrape_bytes": size})  # fmt: skip
+                             "scrape_bytes": size,
+                             "command": "python -m bench --paths llmtap --tls off --no-staggered --no-bursts "
+                                        "--no-ramp --no-accuracy"})  # fmt: skip
             finally:
                 ep.service.stop()
                 self.services.remove(ep.service)
+
+    def over_direct(self) -> None:
+        """Each burst row's added TTFT less the direct path's, same size and upstream, same run."""
+        direct = {(r["size"], r["upstream"]): r for r in self.results["bursts"] if r["path"] == "direct"}
+        for r in self.results["bursts"]:
+            d = direct.get((r["size"], r["upstream"])) if r["path"] != "direct" else None
+            for q in ("p50", "p99"):
+                mine, floor = r[f"added_ttft_ms_{q}"], d[f"added_ttft_ms_{q}"] if d else None
+                r[f"over_direct_ttft_ms_{q}"] = mine - floor if mine is not None and floor is not None else None
+
+
+def _num(value: float) -> float | None:
+    """NaN as None (JSON)."""
+    return None if math.isnan(value) else value
 
 
 def machine() -> dict[str, Any]:
@@ -293,13 +538,48 @@ def _netns(argv: list[str]) -> None:
     os.execvp("unshare", ["unshare", "-n", "sh", "-c", script, "sh", sys.executable, "-m", "bench", *argv])
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    """``1,32,64`` as sizes; ``none`` (or nothing) as none."""
+    if text.strip().lower() in ("", "none", "off"):
+        return ()
+    sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    if any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError("sizes are positive integers")
+    return sizes
+
+
 def parser() -> argparse.ArgumentParser:
     """The harness's command line."""
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="small counts (about a minute); what CI runs")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {', '.join(PATHS)}")
+    p.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help=f"comma list of {', '.join(PATHS)}; llmtap:ABLATION (e.g. llmtap:otel-off) for an ablated llmtap",
+    )
+    p.add_argument(
+        "--ablation",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"also run llmtap with a switch beside llmtap (repeatable; NAME+NAME combines): "
+        f"{', '.join(peers.ABLATIONS)}",
+    )
+    p.add_argument(
+        "--tls",
+        choices=("off", "on", "both"),
+        default="both",
+        help="upstream over plain HTTP, HTTPS (private CA), or each in turn (default); ramp, workers and "
+        "accuracy always plain",
+    )
+    p.add_argument("--streams", type=_sizes, help="concurrencies of the staggered keep-alive phases (e.g. 1,64)")
+    p.add_argument("--bursts", type=_sizes, help="burst sizes, new connections released at once (e.g. 1,32,64)")
+    p.add_argument("--no-bursts", dest="no_bursts", action="store_true", help="skip the bursts")
+    p.add_argument("--no-staggered", dest="staggered", action="store_false", help="skip the staggered phases")
     p.add_argument("--no-ramp", dest="ramp", action="store_false", help="skip llmtap's ramp")
-    p.add_argument("--ramp-only", dest="ramp_only", action="store_true", help="with --paths llmtap: the ramp alone")
+    p.add_argument(
+        "--ramp-only", dest="ramp_only", action="store_true", help="with --paths llmtap: the ramp alone (no phases)"
+    )
     p.add_argument("--no-accuracy", dest="accuracy", action="store_false", help="skip the aiperf/Prometheus part")
     p.add_argument("--no-workers", dest="workers", action="store_false", help="skip the --workers 1 and 2 comparison")
     p.add_argument("--no-netns", dest="netns", action="store_false", help="do not re-run inside unshare -n")
@@ -316,42 +596,96 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def path_specs(args: argparse.Namespace) -> list[str]:
+    """The paths of a run, each checked; ``--ablation`` adds ``llmtap:NAME`` after llmtap."""
+    specs = [p for p in args.paths.split(",") if p]
+    for name in args.ablation:
+        spec = f"llmtap:{name}"
+        if spec not in specs:
+            specs.append(spec)
+    for spec in specs:
+        name, _, ablation = spec.partition(":")
+        if name not in PATHS or (ablation and name != "llmtap"):
+            raise SystemExit(f"unknown path {spec!r} (paths: {', '.join(PATHS)}, llmtap:ABLATION)")
+        try:
+            peers.ablation_names(ablation)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+    return specs
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print where the results are."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     if args.netns:
         _netns(argv)
-    paths = [p for p in args.paths.split(",") if p]
+    paths = path_specs(args)
+    bases = {base_path(p) for p in paths}
     absent = {
-        k: v for k, v in peers.missing().items() if k in paths or (args.accuracy and k in ("aiperf", "prometheus"))
+        k: v for k, v in peers.missing().items() if k in bases or (args.accuracy and k in ("aiperf", "prometheus"))
     }
     if absent:
         print("missing: " + "; ".join(f"{k} ({v})" for k, v in absent.items()), file=sys.stderr)
         return 3
-    plan = SMOKE if args.smoke else FULL
+    plan = dataclasses.replace(SMOKE if args.smoke else FULL)
+    if args.streams is not None:
+        plan.streams = args.streams
+    if args.bursts is not None:
+        plan.bursts = args.bursts
+    if args.no_bursts:
+        plan.bursts = ()
+    staggered = args.staggered and not args.ramp_only
+    if args.ramp_only:
+        plan.bursts = ()
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.tls]
     nice = args.nice if args.nice is not None else (0 if args.smoke or os.geteuid() != 0 else -10)
     if nice:
         os.nice(nice)
     work = Path(args.out or peers.REPO / "bench" / "out" / time.strftime("%Y%m%d-%H%M%S"))
     work.mkdir(parents=True, exist_ok=True)
     single_core = (os.cpu_count() or 1) < 2
-    bench = Bench(work, plan, None if single_core else args.proxy_cpu, None if single_core else args.client_cpu)
+    bench = Bench(
+        work,
+        plan,
+        None if single_core else args.proxy_cpu,
+        None if single_core else args.client_cpu,
+        tls=True in modes,
+        smoke=args.smoke,
+    )
     results = bench.results
     results.update(
         mode="smoke" if args.smoke else "full",
+        command=shlex.join(["python", "-m", "bench", *argv]),
         started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         netns=bool(os.environ.get(IN_NETNS)),
         nice=os.nice(0),
         machine=machine(),
         load_before=load(),
-        plan={"streams": plan.streams, "requests": plan.requests, "ramp": plan.ramp, "chunks": plan.chunks,
-              "gap_ms": plan.gap * 1000, "ttft_ms": plan.ttft * 1000},
+        plan={"streams": plan.streams if staggered else (), "requests": plan.requests, "ramp": plan.ramp,
+              "chunks": plan.chunks, "gap_ms": plan.gap * 1000, "ttft_ms": plan.ttft * 1000,
+              "bursts": plan.bursts, "bursts_per_size": plan.burst_count(),
+              "burst_period_s": plan.period + plan.burst_slack, "tls": [scheme(t) for t in modes],
+              "paths": paths},
+        upstream_ca=None,
     )  # fmt: skip
     try:
         bench.start_shared()
-        for name in paths:
-            bench.run_path(name, ramp=args.ramp and name == "llmtap", phases=not args.ramp_only)
+        if "llmtap" in bases and True in modes:
+            # How llmtap is told to trust the run's CA (the flag, or the environment until the flag exists).
+            results["upstream_ca"] = "--upstream-ca" if peers.llmtap_has_upstream_ca() else "SSL_CERT_FILE+certifi"
+        for tls in modes:
+            for spec in paths:
+                if tls and base_path(spec) == "litellm":
+                    why = "LiteLLM is not pointed at a private CA by this harness (plain upstream only)"
+                    results["skipped"].append({"path": spec, "upstream": "https", "why": why})
+                    print(f"skipped: {spec} over https: {why}", flush=True)
+                    continue
+                ramp = args.ramp and spec == "llmtap" and not tls
+                if not (staggered or plan.bursts or ramp):
+                    continue
+                bench.run_path(spec, tls=tls, ramp=ramp, phases=staggered)
+        bench.over_direct()
         if args.workers and plan.workers_streams and "llmtap" in paths:
             bench.workers()
         if args.accuracy:
@@ -362,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
                 sink_port=bench.sink_port,
                 sink_file=bench.sink_file,
                 plan=plan.accuracy,
+            )
+            results["accuracy"]["command"] = (
+                "python -m bench --paths llmtap --tls off --no-staggered --no-bursts --no-ramp --no-workers"
             )
     finally:
         bench.stop_all()

@@ -2,7 +2,9 @@
 
 Client and upstream take their times on one clock (CLOCK_MONOTONIC), so for each request:
 
-* added TTFT = (client's first content − client's send) − (upstream's first content write − upstream's arrival);
+* added TTFT = (client's first content − client's start) − (upstream's first content write − upstream's arrival),
+  the client's start being its send on a keep-alive connection, and the moment before its connect for a
+  burst's request on a new connection (``start`` in the record);
 * added gap of chunk i = (client's gap i) − (upstream's gap i), for every chunk after the first;
 * merged chunks = content events that came in the same socket read as the one before, plus content
   events the upstream wrote that never reached the client as events of their own.
@@ -32,7 +34,13 @@ class PathFigures:
 
     path: str
     streams: int
+    #: ``http`` or ``https``: the scheme of the upstream the path was pointed at.
+    upstream: str = "http"
+    #: ``staggered`` (keep-alive streams) or ``burst`` (new connections released at once).
+    scenario: str = "staggered"
     requests: int = 0
+    #: Requests that ended with status 200, no error, and every content chunk the upstream wrote.
+    complete: int = 0
     failed: int = 0
     unmatched: int = 0
     chunks: int = 0
@@ -54,7 +62,20 @@ class PathFigures:
     rss_idle_mib: float | None = None
     rss_peak_mib: float | None = None
     rss_kib_per_stream: float | None = None
+    #: CPU of the relay processes and of the telemetry process (``/proc/PID/comm``), and per 1,000 chunks.
+    cpu_relay_s: float | None = None
+    cpu_telemetry_s: float | None = None
+    cpu_relay_s_per_1000_chunks: float | None = None
+    cpu_telemetry_s_per_1000_chunks: float | None = None
+    #: Processes of each role seen in the tree during the phase.
+    procs: dict[str, int] = field(default_factory=dict)
+    #: Relay processes' resident memory with every stream open (median of those samples) less idle, per stream.
+    rss_relay_kib_per_stream: float | None = None
+    #: ``llmtap_telemetry_tapes_dropped_total`` over the phase (None: the metric is absent).
+    tapes_dropped: float | None = None
     client_cpu_s: float = 0.0
+    #: The command that measures this figure again (``python -m bench ...``).
+    command: str = ""
     errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -80,7 +101,7 @@ def analyse(
     first_sent, last_end = math.inf, -math.inf
     for rec in client:
         fig.requests += 1
-        first_sent, last_end = min(first_sent, rec["sent"]), max(last_end, rec["end"])
+        first_sent, last_end = min(first_sent, rec.get("start", rec["sent"])), max(last_end, rec["end"])
         if rec.get("error") or rec.get("status") != 200:
             fig.failed += 1
             if len(fig.errors) < 5:
@@ -93,7 +114,9 @@ def analyse(
             continue
         sent: list[float] = up["sent"]
         fig.chunks += len(times)
-        ttft = times[0] - rec["sent"]
+        if not rec.get("error") and len(times) >= len(sent) > 0:
+            fig.complete += 1
+        ttft = times[0] - rec.get("start", rec["sent"])
         ttfts.append(ttft)
         added_ttft.append(ttft - (sent[0] - up["arrived"]))
         n = min(len(times), len(sent))
@@ -116,6 +139,17 @@ def analyse(
     fig.added_gap_ms_max = max(added_gap) * ms if added_gap else math.nan
     fig.upstream_late_ms_p99 = percentile_ms(late, 99)
     return fig
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are numbers (None and NaN left out); None for none."""
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    return quantile(kept, 0.5)
+
+
+def open_streams(client: Iterable[Mapping[str, Any]], t: float) -> int:
+    """How many of the requests were open (from their start to their end) at time ``t``."""
+    return sum(1 for r in client if r.get("start", r["sent"]) <= t <= r["end"])
 
 
 def crossing(points: Sequence[tuple[float, float]], limit: float) -> float | None:

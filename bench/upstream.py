@@ -8,7 +8,9 @@ clock every process on the machine shares), so the harness can subtract what the
 from what a client saw, request by request, chunk by chunk.
 
 ``GET /bench/records`` returns (and forgets) every finished request's record. Run
-``python -m bench.upstream --port 0``: it prints its port on stdout.
+``python -m bench.upstream --port 0``: it prints its port on stdout. With ``--tls-cert`` and ``--tls-key``
+the same process also listens with TLS (``--tls-port``, 0 for any) and prints that port on a second line;
+both listeners share the script and the records, so one upstream serves plain and HTTPS paths of a run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import json
 import math
 import re
+import ssl
 import time
 from typing import Any, cast
 
@@ -111,6 +114,7 @@ class _Conn(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         self.up.connections += 1
         self.serial = self.up.connections
+        self.tls = transport.get_extra_info("sslcontext") is not None
 
     def connection_lost(self, exc: Exception | None) -> None:
         for handle in self.handles:
@@ -164,6 +168,7 @@ class _Conn(asyncio.Protocol):
             "arrived": arrived,
             "ttft": script.next_ttft(),
             "conn": self.serial,
+            "tls": self.tls,
             "sent": [],
         }
         if not request.get("stream"):
@@ -212,14 +217,16 @@ class _Conn(asyncio.Protocol):
         self.handles = [loop.call_at(base, send, 0)]
 
 
-async def serve(host: str, port: int, script: Script) -> None:
-    """Serve until cancelled; print the bound port on stdout once listening."""
+async def serve(host: str, port: int, script: Script, *, tls: ssl.SSLContext | None = None, tls_port: int = 0) -> None:
+    """Serve until cancelled; print the bound port on stdout once listening (and the TLS port, with ``tls``)."""
     loop = asyncio.get_running_loop()
     up = Upstream(script)
-    server = await loop.create_server(lambda: _Conn(up), host, port, backlog=4096)
-    print(server.sockets[0].getsockname()[1], flush=True)
-    async with server:
-        await server.serve_forever()
+    servers = [await loop.create_server(lambda: _Conn(up), host, port, backlog=4096)]
+    if tls is not None:
+        servers.append(await loop.create_server(lambda: _Conn(up), host, tls_port, backlog=4096, ssl=tls))
+    for server in servers:
+        print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.gather(*(server.serve_forever() for server in servers))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -231,10 +238,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gap", type=float, default=0.020)
     p.add_argument("--ttft", type=float, default=0.020)
     p.add_argument("--ttft-max", dest="ttft_max", type=float)
+    p.add_argument("--tls-cert", dest="tls_cert", help="PEM certificate chain: also listen with TLS")
+    p.add_argument("--tls-key", dest="tls_key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-port", dest="tls_port", type=int, default=0, help="port of the TLS listener (0: any)")
     args = p.parse_args(argv)
     import uvloop
 
-    uvloop.run(serve(args.host, args.port, Script(args.chunks, args.gap, args.ttft, args.ttft_max)))
+    tls = None
+    if args.tls_cert:
+        from pathlib import Path
+
+        from bench.tlsca import server_context
+
+        tls = server_context(Path(args.tls_cert), Path(args.tls_key or args.tls_cert))
+    script = Script(args.chunks, args.gap, args.ttft, args.ttft_max)
+    uvloop.run(serve(args.host, args.port, script, tls=tls, tls_port=args.tls_port))
 
 
 if __name__ == "__main__":

@@ -273,8 +273,8 @@ class ProxyApp:
         tape.body_complete = more is None
         rewritten: bytes | None = None
         if provider is not None and more is None and settings.inject_usage:
-            info = provider.inspect(body, inject_usage=True, path=inner_path)
-            rewritten, tape.strip_usage = info.rewritten_body, info.strip_usage
+            prepared = provider.prepare(body, inject_usage=True, path=inner_path)
+            rewritten, tape.strip_usage = prepared.body, prepared.strip_usage
         self.inflight += 1
         self._idle.clear()
         self._active[route.name] += 1

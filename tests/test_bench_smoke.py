@@ -1,14 +1,16 @@
-"""The benchmark harness in smoke mode (about a minute): it runs end to end and its figures hang together.
+"""The benchmark harness in smoke mode: it runs end to end and its figures hang together.
 
 Not a performance test: nothing here asserts llmtap's targets. It asserts that the harness measured what
 it says (every path, every concurrency, every request matched to the upstream's own record), that the
 load client was not the bottleneck on the direct path, and that the accuracy part read aiperf, llmtap's
-spans and a real Prometheus.
+spans and a real Prometheus (all peers: about a minute and a half). The burst part (direct, llmtap and
+nginx when installed; bursts of 1 and 8 over plain and HTTPS upstreams; about 80 s) needs no other peer.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 
 from bench import peers
+from bench.procs import TELEMETRY_COMM, Service
 from bench.run import PATHS, SMOKE
 from bench.stats import analyse
 from tests.conftest import require_real
@@ -36,7 +39,7 @@ def results(out: Path) -> dict[str, Any]:
     absent = peers.missing()
     require_real(not absent, ", ".join(sorted(absent)) or "-", "; ".join(sorted(set(absent.values()))) or "-")
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "bench", "--smoke", "--tls", "off", "--no-bursts", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -131,3 +134,146 @@ def test_run_was_isolated_and_described(results: dict[str, Any]) -> None:
     m = results["machine"]
     assert m["cores"] and m["python"] and "nginx" in m["nginx"] and m["litellm"] and m["aiperf"]
     assert "load average" in results["load_before"] and "load average" in results["load_after"]
+
+
+# --- bursts over plain and HTTPS upstreams ----------------------------------------------------------------
+
+BURST_SIZES = (1, 8)
+BURST_PATHS = ("direct", "llmtap", *(("nginx",) if shutil.which("nginx") else ()))
+
+
+@pytest.fixture(scope="module")
+def burst_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bench-bursts")
+
+
+@pytest.fixture(scope="module")
+def bursts(burst_out: Path) -> dict[str, Any]:
+    argv = [
+        sys.executable, "-m", "bench", "--smoke", "--paths", ",".join(BURST_PATHS), "--tls", "both",
+        "--bursts", ",".join(map(str, BURST_SIZES)), "--no-staggered", "--no-ramp", "--no-accuracy",
+        "--no-workers", "--out", str(burst_out),
+    ]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "### Burst arrivals" in done.stdout and "### CPU per 1,000 chunks by process" in done.stdout
+    data: dict[str, Any] = json.loads((burst_out / "results.json").read_text())
+    return data
+
+
+@pytest.mark.real
+def test_bursts_every_request_complete_over_plain_and_https(bursts: dict[str, Any]) -> None:
+    rows = bursts["bursts"]
+    expected = {(p, u, n) for p in BURST_PATHS for u in ("http", "https") for n in BURST_SIZES}
+    assert {(r["path"], r["upstream"], r["size"]) for r in rows} == expected
+    count = SMOKE.burst_count()
+    for r in rows:
+        assert r["bursts"] == count and len(r["per_burst"]) == count, r
+        # Every request of every burst completed, each with every chunk the upstream wrote, on its own connection.
+        assert r["requests"] == r["complete"] == r["size"] * count and r["errors"] == 0, r
+        assert r["chunks"] + r["merged"] >= r["requests"] * SMOKE.chunks, r
+        for b in r["per_burst"]:
+            assert b["requests"] == b["complete"] == r["size"] and b["errors"] == 0, b
+            assert b["added_ttft_ms_p50"] is not None and math.isfinite(b["added_ttft_ms_p50"]), b
+        for key in ("added_ttft_ms_p50", "added_ttft_ms_p99", "added_gap_ms_p99", "connect_ms_p50"):
+            assert r[key] is not None and math.isfinite(r[key]), (key, r)
+        # Nothing arrives before the upstream sent it: only clock-read jitter below zero.
+        assert r["added_ttft_ms_p50"] > -1.0, r
+        assert r["command"].startswith("python -m bench ") and f"--bursts {r['size']}" in r["command"], r
+        if r["path"] != "direct":
+            assert r["over_direct_ttft_ms_p50"] is not None and math.isfinite(r["over_direct_ttft_ms_p50"]), r
+
+
+@pytest.mark.real
+def test_bursts_reached_the_upstream_over_the_scheme_asked(bursts: dict[str, Any], burst_out: Path) -> None:
+    assert bursts["plan"]["tls"] == ["http", "https"]
+    for path in BURST_PATHS:
+        for scheme in ("http", "https"):
+            raw = json.loads((burst_out / f"records-burst-{path}-{scheme}-8.json").read_text())
+            # The upstream marks each request with its listener: https rows really came in over TLS.
+            assert raw["upstream"] and all(u["tls"] is (scheme == "https") for u in raw["upstream"]), (path, scheme)
+            # One new client connection per request: every request's clock started before its own connect.
+            assert all(c["start"] <= c["sent"] for c in raw["client"])
+    assert bursts["upstream_ca"] in ("--upstream-ca", "SSL_CERT_FILE+certifi")
+
+
+@pytest.mark.real
+def test_bursts_charge_cpu_by_process_role(bursts: dict[str, Any]) -> None:
+    for r in bursts["bursts"]:
+        if r["path"] == "direct":
+            assert r["cpu_s"] is None and r["cpu_relay_s_per_1000_chunks"] is None, r
+            continue
+        assert r["cpu_relay_s_per_1000_chunks"] is not None and r["cpu_relay_s_per_1000_chunks"] > 0, r
+        assert r["cpu_telemetry_s_per_1000_chunks"] is not None and r["cpu_telemetry_s_per_1000_chunks"] >= 0, r
+        assert r["procs"]["relay"] >= 1, r
+        # The roles split the tree's CPU: together they are the whole (one reading of /proc at each end).
+        assert r["cpu_relay_s"] + r["cpu_telemetry_s"] == pytest.approx(r["cpu_s"], abs=1e-6), r
+        assert r["rss_relay_kib_per_stream"] is not None and math.isfinite(r["rss_relay_kib_per_stream"]), r
+        if r["path"] == "nginx":
+            assert r["procs"]["telemetry"] == 0, r
+
+
+@pytest.mark.real
+def test_tapes_dropped_absent_is_not_zero(bursts: dict[str, Any]) -> None:
+    for r in bursts["bursts"]:
+        if r["path"] != "llmtap":
+            continue
+        # Either llmtap exports the counter (a count, never negative) or the figure is absent (n/a), not 0.
+        assert r["tapes_dropped"] is None or r["tapes_dropped"] >= 0, r
+
+
+# --- the parts of the harness that need no peer -----------------------------------------------------------
+
+
+def test_process_roles_by_comm(tmp_path: Path) -> None:
+    """A tree whose child names itself llmtap-telemetry: its CPU is the telemetry role's, the rest relay's."""
+    script = (
+        "import subprocess, sys, time\n"
+        "child = ('open(\\'/proc/self/comm\\', \\'w\\').write(\\'llmtap-telemetry\\')\\n'\n"
+        "         'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.3: pass\\n'\n"
+        "         'print(1, flush=True)\\ntime.sleep(30)')\n"
+        "p = subprocess.Popen([sys.executable, '-c', child], stdout=subprocess.PIPE)\n"
+        "p.stdout.readline()\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    svc = Service("roles", [sys.executable, "-c", script], log=tmp_path / "roles.log", cpu=None)
+    try:
+        child = int(svc.read_line())
+        assert Path(f"/proc/{child}/comm").read_text().strip() == TELEMETRY_COMM
+        roles = svc.roles()
+        assert roles["telemetry"] == [child] and roles["relay"] == [svc.proc.pid]
+        cpu = svc.cpu_roles()
+        assert cpu["telemetry"] >= 0.2, cpu
+        assert svc.rss_relay() > 0
+    finally:
+        svc.stop()
+
+
+def test_tapes_dropped_summed_over_labels_and_absent_as_none() -> None:
+    text = (
+        "# TYPE llmtap_telemetry_tapes_dropped_total counter\n"
+        'llmtap_telemetry_tapes_dropped_total{reason="queue_full"} 3.0\n'
+        'llmtap_telemetry_tapes_dropped_total{reason="encode"} 2\n'
+        "llmtap_telemetry_tapes_dropped_created 1.7e9\n"
+        "llmtap_other_total 9\n"
+    )
+    assert peers.exposition_sum(text, peers.TAPES_DROPPED) == 5.0
+    assert peers.exposition_sum("llmtap_telemetry_tapes_dropped_total 0\n", peers.TAPES_DROPPED) == 0.0
+    assert peers.exposition_sum("llmtap_other_total 9\n", peers.TAPES_DROPPED) is None
+
+
+def test_burst_command_line_and_ablations() -> None:
+    from bench.run import parser, path_specs
+
+    args = parser().parse_args(["--bursts", "1,32,64", "--tls", "on", "--paths", "direct,nginx,llmtap",
+                                "--ablation", "otel-off", "--ablation", "httpx"])  # fmt: skip
+    assert args.bursts == (1, 32, 64) and args.tls == "on"
+    assert path_specs(args) == ["direct", "nginx", "llmtap", "llmtap:otel-off", "llmtap:httpx"]
+    assert peers.ablation_names("otel-off+httpx") == ["otel-off", "httpx"]
+    with pytest.raises(ValueError):
+        peers.ablation_names("no-such-switch")
+    with pytest.raises(SystemExit):
+        path_specs(parser().parse_args(["--paths", "nginx:otel-off"]))
+    # Bounded: at least two bursts per size, never more than the plan's count or its time budget allows.
+    assert 2 <= SMOKE.burst_count() <= SMOKE.bursts_per_size
