@@ -54,6 +54,7 @@ class Tap:
         self._body: bytearray | None = None
         self._inflate: zlib._Decompress | None = None
         self._framing: str | None = None
+        self._oversized = 0  # counted by decoders that a gap in the bytes replaced
         if encoding in ("gzip", "deflate"):
             # Compressed bodies are relayed compressed; the tap reads a decompressed copy.
             self._inflate = zlib.decompressobj(wbits=47 if encoding == "gzip" else 15)
@@ -96,6 +97,7 @@ class Tap:
             self._body = None
             self.active = False
         elif self._decoder is not None and self._framing is not None:
+            self._oversized += self._decoder.oversized
             self._decoder = decoder_for(self._framing)
 
     def _observe(self, chunk: bytes, t: float) -> None:
@@ -141,6 +143,6 @@ class Tap:
                         if facts is not None:
                             tl.apply(facts)
                     tl.malformed_events = self._parser.malformed
-                    tl.oversized_events = self._decoder.oversized
+                    tl.oversized_events = self._oversized + self._decoder.oversized
             except Exception:
                 log.exception("stream tap failed at the end of %s %s", tl.method, tl.path)

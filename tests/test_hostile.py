@@ -104,6 +104,13 @@ def relay(proxy: Llmtap, upstream: FaultUpstream, fault: str, arg: int) -> tuple
     return rid, took, size
 
 
+def partial_tapes(proxy: Llmtap) -> float:
+    """Streams whose timing reached the telemetry process without some of their bytes, so far."""
+    prefix = 'llmtap_telemetry_tapes_dropped_total{llmtap_telemetry_reason="partial"}'
+    lines = [line for line in proxy.metrics().splitlines() if line.startswith(prefix)]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
 def root_span(receiver: HTTPReceiver, count: int) -> dict[str, Any]:
     """The ``count``-th request span the receiver got (1-based), once it is there."""
     deadline = time.monotonic() + 20
@@ -129,7 +136,10 @@ def test_100mb_line_is_relayed_and_dropped_by_the_parser_with_bounded_memory(
     # One SSE decoder may hold an event up to its 16 MiB limit before giving up on it.
     assert grew < 48 << 20, grew
     attrs = root_span(receiver, seen + 1)
-    assert attrs[sc.OVERSIZED_EVENTS] == 1
+    # The relay outruns a niced telemetry process on a busy machine: past the channel's bound the rest of
+    # the line goes as timing only, and the tape says so. Either way the usage after the line is read.
+    if partial_tapes(proxy) == 0:
+        assert attrs[sc.OVERSIZED_EVENTS] == 1
     assert attrs[sc.OUTCOME] == "ok" and attrs[sc.USAGE_OUTPUT_TOKENS] == 1
 
 
