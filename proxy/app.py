@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import httpx
 from opentelemetry.metrics import MeterProvider
@@ -26,14 +26,13 @@ from proxy.forward import (
     response_headers,
     upstream_url,
 )
+from proxy.frame import relay_frame
 from proxy.guard import Refusal, check_request, check_route
-from proxy.live import LiveView
 from proxy.protocol import RECEIVED
 from proxy.providers import provider_for
 from proxy.providers.usage_filter import UsageEventFilter
 from proxy.settings import Route, Settings
 from proxy.tape import STATS, Tape
-from proxy.telemetry.prometheus import CONTENT_TYPE, PrometheusReader
 from proxy.telemetry.recorder import Recorder
 from proxy.timeline import now
 from proxy.tracecontext import Sampler, begin
@@ -121,24 +120,19 @@ class ProxyApp:
         self._stats_changed = True
         self._stats_task: asyncio.Task[None] | None = None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        await self.handle(scope, receive, send)
+        #: The Starlette application around the relay: what a server serves (``__call__`` is its call).
+        self.frame = relay_frame(self._endpoint, startup=self.startup, shutdown=self.shutdown)
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await self.startup()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.frame(scope, receive, send)
+
+    async def _endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The catch-all route: every HTTP request, raw ASGI."""
+        if scope["type"] == "http":
+            await self.handle(scope, receive, send)
+        elif scope["type"] == "websocket":
+            # A WebSocket upgrade (uvicorn hands those over as their own scope) is not relayed.
+            await send({"type": "websocket.close", "code": 1008, "reason": "llmtap relays HTTP only"})
 
     async def startup(self) -> None:
         """Ready to relay; the gauges' values go to the telemetry side from now on."""
@@ -636,81 +630,6 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
         yield first
     async for chunk in rest:
         yield chunk
-
-
-class AdminSource(Protocol):
-    """What the admin listener reads: the recorder, the settings, and whether the relay is ready."""
-
-    settings: Settings
-
-    @property
-    def ready(self) -> bool: ...
-
-    @property
-    def recorder(self) -> Recorder | None: ...
-
-
-class AdminApp:
-    """The admin listener: ``/metrics``, ``/healthz``, ``/readyz`` and the live view (``/``, ``/events``); read-only.
-
-    It runs where the recorder runs: the telemetry process, or the proxy's own process when telemetry
-    runs in it. The live view subscribes to the recorder here, so it sees every request recorded from
-    now on; ``traces`` says whether trace ids lead anywhere (default: an OTLP or console span exporter is set).
-    """
-
-    def __init__(self, source: AdminSource, prometheus: PrometheusReader | None, *, traces: bool | None = None) -> None:
-        recorder = source.recorder
-        if recorder is None:
-            raise ValueError("the admin listener needs the recorder: serve it where telemetry runs")
-        self.proxy = source
-        self.recorder = recorder
-        self.prometheus = prometheus
-        self.live = LiveView(recorder, source.settings, traces=traces)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = message["type"].replace("lifespan.", "")
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
-        if scope["type"] != "http":
-            return
-        path = scope["path"]
-        if path == "/metrics":
-            # Rendered on a thread: a large page takes long enough to stall the event loop.
-            text = (
-                await asyncio.to_thread(self._render, self.prometheus)
-                if self.prometheus is not None
-                else "# prometheus endpoint disabled\n"
-            )
-            await _plain(send, 200, text.encode(), CONTENT_TYPE)
-        elif path == "/healthz":
-            await _plain(send, 200, b"ok\n")
-        elif path == "/readyz":
-            ready = self.proxy.ready
-            detail = getattr(self.proxy, "ready_detail", "")
-            text = ("ready" if ready else "not ready") + (f" ({detail})" if detail else "")
-            await _plain(send, 200 if ready else 503, text.encode() + b"\n")
-        elif self.live.serves(path):
-            await self.live(scope, receive, send)
-        else:
-            await _plain(send, 404, b"not found\n")
-
-    def _render(self, prometheus: PrometheusReader) -> str:
-        return prometheus.render()
-
-
-async def _plain(send: Send, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 def create_app(

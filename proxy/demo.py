@@ -321,8 +321,9 @@ async def run(
     """
     import uvicorn
 
-    from proxy.app import AdminApp, create_app
+    from proxy.app import create_app
     from proxy.server import bind, uvicorn_config
+    from proxy.telemetry.admin import AdminApp
 
     env = dict(os.environ if env is None else env)
     out = DemoRun()

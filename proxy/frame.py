@@ -14,9 +14,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.routing import Route
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 Hook = Callable[[], Awaitable[None]]
+
+
+class Endpoint:
+    """``relay`` as an ASGI object: Starlette serves an object raw, where it wraps a function or a bound
+    method as a ``Request`` handler."""
+
+    __slots__ = ("_relay",)
+
+    def __init__(self, relay: ASGIApp) -> None:
+        self._relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._relay(scope, receive, send)
 
 
 def relay_frame(relay: ASGIApp, *, startup: Hook | None = None, shutdown: Hook | None = None) -> Starlette:
@@ -32,6 +45,10 @@ def relay_frame(relay: ASGIApp, *, startup: Hook | None = None, shutdown: Hook |
             if shutdown is not None:
                 await shutdown()
 
-    app = Starlette(routes=[Route("/{path:path}", relay)], lifespan=lifespan)
-    app.router.default = relay
+    endpoint = Endpoint(relay)
+    app = Starlette(routes=[Route("/{path:path}", endpoint)], lifespan=lifespan)
+    # Whatever the route does not take (a target that is not a path, a WebSocket) is the relay's too,
+    # and never a redirect of Starlette's: a proxy answers for the upstream's paths, not its own.
+    app.router.default = endpoint
+    app.router.redirect_slashes = False
     return app

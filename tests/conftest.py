@@ -25,8 +25,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench.procs import free_port as free_port  # one definition for the tests and the benchmark
-from proxy.app import AdminApp, ProxyApp, create_app
+from proxy.app import ProxyApp, create_app
 from proxy.settings import Settings
+from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.prometheus import PrometheusReader
 
 TESTS = Path(__file__).parent

@@ -21,13 +21,13 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 
 from proxy import simulator
-from proxy.app import AdminApp
 from proxy.live import LiveView
 from proxy.live.view import recorder_labels
 from proxy.live.waterfall import TICK_CAP, waterfall
 from proxy.live.window import HISTORY, HORIZON, SLOT, LiveWindow
 from proxy.settings import SLO, Route, Settings
 from proxy.summary import summarize
+from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.instruments import DURATION_BUCKETS
 from proxy.telemetry.prometheus import PrometheusReader
 from proxy.telemetry.recorder import Recorder

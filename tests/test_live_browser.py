@@ -28,10 +28,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from proxy import simulator
-from proxy.app import AdminApp, ProxyApp, create_app
+from proxy.app import ProxyApp, create_app
 from proxy.settings import SLO, Route, Settings
 from proxy.summary import Summary
 from proxy.telemetry import semconv as sc
+from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.prometheus import PrometheusReader
 from proxy.timeline import Timeline
 from tests.conftest import ServerThread, require_real

@@ -3,23 +3,27 @@
 ``/events`` is a server-sent event stream: ``hello`` once, then ``requests`` (new waterfalls, each
 batch with the last request's ``id`` so a reconnecting ``EventSource`` resumes where it left off) and
 ``snapshot`` (the window's figures, about once a second). Snapshots are computed in a worker thread,
-since the admin listener may share its event loop with the proxy's relay.
+so a large window never stalls the admin listener's other requests. All of it is Starlette routes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qs
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from proxy.live.window import HISTORY, SLOT, WINDOWS, Labels, LiveWindow
 from proxy.settings import Settings
 from proxy.summary import Summary
 from proxy.telemetry.recorder import Recorder
 from proxy.timeline import Timeline
-from proxy.types import Receive, Scope, Send
 
 #: Seconds between snapshots while nothing happens, and the shortest gap after new requests.
 SNAPSHOT_EVERY = 1.0
@@ -40,18 +44,18 @@ _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
-_PAGE_HEADERS = [
-    (b"content-security-policy", _CSP.encode()),
-    (b"x-content-type-options", b"nosniff"),
-    (b"referrer-policy", b"no-referrer"),
-    (b"cache-control", b"no-cache"),
-]
+_PAGE_HEADERS = {
+    "content-security-policy": _CSP,
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-cache",
+}
+_STREAM_HEADERS = {"cache-control": "no-store", "x-accel-buffering": "no"}
 
 
-def _window(query: bytes) -> float | None:
+def _window(name: str | None) -> float | None:
     """The window named by ``?window=`` (1m, 5m, 15m, all); 5 minutes when absent or unknown."""
-    name = parse_qs(query.decode("latin-1")).get("window", ["5m"])[0]
-    return dict(WINDOWS).get(name, 300.0)
+    return dict(WINDOWS).get(name or "5m", 300.0)
 
 
 def _event(kind: str, data: Any, event_id: int | None = None) -> bytes:
@@ -85,50 +89,37 @@ class LiveView:
             for path, (name, kind) in _ASSETS.items()
         }
 
-    def serves(self, path: str) -> bool:
-        """True for the paths this view answers."""
-        return path in self._assets or path == "/events"
-
     def close(self) -> None:
         """End the open event streams, so the admin listener can stop at once."""
         self.window.close()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["method"] != "GET":
-            await _respond(send, 405, b"read-only\n", "text/plain; charset=utf-8", [(b"allow", b"GET")])
-            return
-        path = scope["path"]
-        if path == "/events":
-            await self._events(scope, receive, send)
-            return
-        body, kind = self._assets[path]
-        await _respond(send, 200, body, f"{kind}; charset=utf-8", _PAGE_HEADERS)
+    def routes(self) -> list[Route]:
+        """The page, its assets and the event stream, as the admin application's routes (GET only)."""
+        pages = [Route(path, self._asset, methods=["GET"]) for path in self._assets]
+        return [*pages, Route("/events", self._events, methods=["GET"])]
 
-    async def _events(self, scope: Scope, receive: Receive, send: Send) -> None:
-        window = _window(scope.get("query_string", b""))
+    async def _asset(self, request: Request) -> Response:
+        body, kind = self._assets[request.url.path]
+        return Response(body, media_type=kind, headers=_PAGE_HEADERS)
+
+    async def _events(self, request: Request) -> StreamingResponse:
+        window = _window(request.query_params.get("window"))
         # The page asks for requests after the last one it holds; a reconnecting EventSource says the same
         # in Last-Event-ID.
-        after = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("after", ["0"])[0]
+        after = request.query_params.get("after", "0")
         last = int(after) if after.isdigit() else 0
-        for name, value in scope["headers"]:
-            if name.lower() == b"last-event-id" and value.isdigit():
-                last = max(last, int(value))
+        resume = request.headers.get("last-event-id", "")
+        if resume.isdigit():
+            last = max(last, int(resume))
+        # Starlette ends the stream (cancelling the generator) when the browser leaves.
+        return StreamingResponse(self._stream(window, last), media_type="text/event-stream", headers=_STREAM_HEADERS)
+
+    async def _stream(self, window: float | None, last: int) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         sub = self.window.subscribe(loop)
-        gone = asyncio.Event()
-        watcher = asyncio.create_task(_watch(receive, gone, sub.event))
+        wake = sub.event
+        until = loop.time() + STREAM_LIFETIME
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        (b"content-type", b"text/event-stream; charset=utf-8"),
-                        (b"cache-control", b"no-store"),
-                        (b"x-accel-buffering", b"no"),
-                    ],
-                }
-            )
             hello = {
                 "windows": [name for name, _ in WINDOWS],
                 "window": next((n for n, w in WINDOWS if w == window), "5m"),
@@ -137,60 +128,21 @@ class LiveView:
                 "slo": self.window.slo,
                 "traces": self.window.traces,
             }
-            await _body(send, f"retry: {RETRY_MS}\n\n".encode() + _event("hello", hello))
-            await self._stream(send, window, last, sub.event, gone, loop.time() + STREAM_LIFETIME)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            yield f"retry: {RETRY_MS}\n\n".encode() + _event("hello", hello)
+            next_snapshot = loop.time()
+            while not self.window.closed and loop.time() < until:
+                wake.clear()
+                records = self.window.since(last)
+                if records:
+                    last = records[-1]["id"]
+                    yield _event("requests", records, last)
+                    next_snapshot = min(next_snapshot, loop.time() + SNAPSHOT_SOON)
+                if loop.time() >= next_snapshot:
+                    snapshot = await asyncio.to_thread(self.window.snapshot, window)
+                    yield _event("snapshot", snapshot)
+                    next_snapshot = loop.time() + SNAPSHOT_EVERY
+                timeout = max(min(next_snapshot, until) - loop.time(), 0.0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), timeout)
         finally:
             self.window.unsubscribe(sub)
-            watcher.cancel()
-
-    async def _stream(
-        self, send: Send, window: float | None, last: int, wake: asyncio.Event, gone: asyncio.Event, until: float
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        next_snapshot = loop.time()
-        while not gone.is_set() and not self.window.closed and loop.time() < until:
-            wake.clear()
-            records = self.window.since(last)
-            if records:
-                last = records[-1]["id"]
-                await _body(send, _event("requests", records, last))
-                next_snapshot = min(next_snapshot, loop.time() + SNAPSHOT_SOON)
-            if loop.time() >= next_snapshot:
-                snapshot = await asyncio.to_thread(self.window.snapshot, window)
-                await _body(send, _event("snapshot", snapshot))
-                next_snapshot = loop.time() + SNAPSHOT_EVERY
-            timeout = max(min(next_snapshot, until) - loop.time(), 0.0)
-            try:
-                await asyncio.wait_for(wake.wait(), timeout)
-            except TimeoutError:
-                pass
-
-
-async def _watch(receive: Receive, gone: asyncio.Event, wake: asyncio.Event) -> None:
-    """Notice the browser leaving (uvicorn drops writes to a closed connection silently)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            gone.set()
-            wake.set()
-            return
-
-
-async def _body(send: Send, data: bytes) -> None:
-    await send({"type": "http.response.body", "body": data, "more_body": True})
-
-
-async def _respond(send: Send, status: int, body: bytes, content_type: str, headers: list[tuple[bytes, bytes]]) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", content_type.encode()),
-                (b"content-length", str(len(body)).encode()),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})

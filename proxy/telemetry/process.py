@@ -27,6 +27,7 @@ from proxy import tokens
 from proxy.channel import frames
 from proxy.settings import ConfigError, Settings
 from proxy.telemetry import setup
+from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.recorder import Recorder
 
 log = logging.getLogger("llmtap.telemetry")
@@ -108,7 +109,6 @@ class TelemetryState:
 
 async def serve(launch: Launch) -> None:
     """Take the relays' tapes and serve the admin listener until SIGTERM; then drain and flush."""
-    from proxy.app import AdminApp
     from proxy.server import _Server, uvicorn_config
 
     settings = launch.settings

@@ -1,0 +1,79 @@
+"""The admin listener: a Starlette application of read-only routes over the recorder.
+
+``/metrics`` (the Prometheus exposition, rendered on a thread), ``/healthz``, ``/readyz`` (the relays are
+connected and ready) and the live view (``proxy.live``). It runs where the recorder runs: the telemetry
+process, or the proxy's own process when telemetry runs in it (tests, the demo, embedding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from proxy.live import LiveView
+from proxy.settings import Settings
+from proxy.telemetry.prometheus import CONTENT_TYPE, PrometheusReader
+from proxy.telemetry.recorder import Recorder
+from proxy.types import Receive, Scope, Send
+
+
+class AdminSource(Protocol):
+    """What the admin listener reads: the recorder, the settings, and whether the relay is ready."""
+
+    settings: Settings
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def recorder(self) -> Recorder | None: ...
+
+
+class AdminApp:
+    """The admin listener, a Starlette application: ``/metrics``, ``/healthz``, ``/readyz`` and the live view
+    (``/``, its assets, ``/events``); read-only.
+
+    It runs where the recorder runs: the telemetry process, or the proxy's own process when telemetry
+    runs in it. The live view subscribes to the recorder here, so it sees every request recorded from
+    now on; ``traces`` says whether trace ids lead anywhere (default: an OTLP or console span exporter is set).
+    """
+
+    def __init__(self, source: AdminSource, prometheus: PrometheusReader | None, *, traces: bool | None = None) -> None:
+        recorder = source.recorder
+        if recorder is None:
+            raise ValueError("the admin listener needs the recorder: serve it where telemetry runs")
+        self.proxy = source
+        self.recorder = recorder
+        self.prometheus = prometheus
+        self.live = LiveView(recorder, source.settings, traces=traces)
+        routes = [
+            Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/healthz", self._healthz, methods=["GET"]),
+            Route("/readyz", self._readyz, methods=["GET"]),
+            *self.live.routes(),
+        ]
+        self.app = Starlette(routes=routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+    async def _metrics(self, request: Request) -> Response:
+        if self.prometheus is None:
+            return PlainTextResponse("# prometheus endpoint disabled\n")
+        # Rendered on a thread: a large page takes long enough to stall the event loop.
+        text = await asyncio.to_thread(self.prometheus.render)
+        return Response(text, headers={"content-type": CONTENT_TYPE})
+
+    async def _healthz(self, request: Request) -> Response:
+        return PlainTextResponse("ok\n")
+
+    async def _readyz(self, request: Request) -> Response:
+        ready = self.proxy.ready
+        detail = getattr(self.proxy, "ready_detail", "")
+        text = ("ready" if ready else "not ready") + (f" ({detail})" if detail else "")
+        return PlainTextResponse(text + "\n", status_code=200 if ready else 503)
