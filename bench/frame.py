@@ -63,7 +63,7 @@ async def _per_request(app: ASGIApp, requests: int) -> float:
 
 def measure(requests: int, chunks: int, rounds: int) -> dict[str, Any]:
     """Median CPU µs per request for the bare endpoint and for it inside the relay's frame."""
-    from proxy.frame import relay_frame
+    from proxy.relay.frame import relay_frame
 
     bare = _endpoint(chunks)
     framed = relay_frame(bare)

@@ -109,7 +109,7 @@ def serve_monitored(status: Path, serve_args: Sequence[str]) -> int:
     The telemetry process runs as under ``llmtap serve``; the monitor reads the relay's own process.
     """
     from proxy.cli import _logging, parser
-    from proxy.server import Telemetry, bind, serve
+    from proxy.relay.server import Telemetry, bind, serve
     from proxy.settings import build
 
     settings = build(vars(parser().parse_args(["serve", *serve_args])))

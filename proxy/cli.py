@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             settings = build(vars(args))
             _logging(settings.log_level)
-            from proxy.server import run
+            from proxy.relay.server import run
 
             run(settings)
         elif args.command == "simulate":

@@ -30,14 +30,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 from proxy import simulator
-from proxy.compare import Comparison, Split, compare_records
+from proxy.analysis.compare import Comparison, Split, compare_records
+from proxy.analysis.stats import quantile
+from proxy.analysis.summary import Summary, slo_outcome
+from proxy.analysis.timeline import OK, Timeline
 from proxy.settings import SLO, Records, Route, Settings, Telemetry, telemetry_from_env
 from proxy.simulator.text import Vocabulary
-from proxy.stats import quantile
-from proxy.summary import Summary, slo_outcome
 from proxy.telemetry import setup
 from proxy.telemetry.prometheus import PrometheusReader
-from proxy.timeline import OK, Timeline
 
 if TYPE_CHECKING:
     from uvicorn import Server
@@ -321,8 +321,8 @@ async def run(
     """
     import uvicorn
 
-    from proxy.app import create_app
-    from proxy.server import bind, uvicorn_config
+    from proxy.relay.app import create_app
+    from proxy.relay.server import bind, uvicorn_config
     from proxy.telemetry.admin import AdminApp
 
     env = dict(os.environ if env is None else env)

@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from proxy.analysis.timeline import Timeline
 from proxy.providers import provider_for
 from proxy.settings import SLO, Route, Settings, Telemetry
 from proxy.tape import STATS
@@ -34,7 +35,6 @@ from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
 from proxy.telemetry.prometheus import metric_name
 from proxy.telemetry.recorder import Recorder
-from proxy.timeline import Timeline
 from proxy.types import Facts, ServerTiming, Usage
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "reference.md"

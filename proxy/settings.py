@@ -16,10 +16,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from proxy.fingerprint import INVALID_VERSION, VERSION_MAX_BYTES, version_label
+from proxy.versions import INVALID_VERSION, VERSION_MAX_BYTES, version_label
 
 CHUNK_SPAN_MODES = ("spans", "events", "off")
-#: The client for upstreams: llmtap's own HTTP/1.1 one (``proxy.upstream_http``), or httpx's.
+#: The client for upstreams: llmtap's own HTTP/1.1 one (``proxy.relay.upstream_http``), or httpx's.
 UPSTREAM_CLIENTS = ("lean", "httpx")
 SEMCONV_LATEST = "gen_ai_latest_experimental"
 
@@ -69,7 +69,7 @@ class Route:
     prompt_version: str | None = None
     #: The shortest prompt the upstream caches, in tokens (None: by the kind of server, see ``cachediag``).
     cache_min_tokens: int | None = None
-    #: HTTPS upstreams (``proxy.tls``): a CA bundle file and directory to verify the upstream with instead of
+    #: HTTPS upstreams (``proxy.relay.tls``): a CA bundle file and directory to verify the upstream with instead of
     #: the default roots; a client certificate for mutual TLS (its key in ``tls_key`` or in the same file);
     #: the name sent as SNI and verified, when it is not the URL's host; ``tls_verify=False`` verifies nothing.
     tls_ca: str | None = None
@@ -170,7 +170,7 @@ class Settings:
     #: what one stream can make the proxy hold. 0 leaves the kernel's own, which grows to megabytes.
     stream_buffer_bytes: int = 128 * 1024
     max_connections: int = 1000
-    #: ``lean``: upstreams, HTTP and HTTPS, go through ``proxy.upstream_http`` (less CPU per chunk); ``httpx``:
+    #: ``lean``: upstreams, HTTP and HTTPS, go through ``proxy.relay.upstream_http`` (less CPU per chunk); ``httpx``:
     #: through httpx's own transport (with the same TLS context).
     upstream_client: str = "lean"
     log_level: str = "info"
@@ -445,7 +445,7 @@ def _tls_options(
         out["tls_server_name"] = name
     if merged.get("tls_verify") is not None:
         out["tls_verify"] = _bool(merged["tls_verify"], label("tls_verify"))
-    from proxy import tls  # proxy.tls reads Route from here
+    from proxy import tls  # proxy.relay.tls reads Route from here
 
     options = tls.TLSOptions(
         ca=out.get("tls_ca"),

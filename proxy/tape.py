@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from array import array
 from typing import Any
 
@@ -28,6 +29,9 @@ SEGMENT_BYTES = 32 * 1024
 START, SEGMENT, END, STATS = 0, 1, 2, 3
 
 _ids = random.Random(os.urandom(16))
+
+#: The one monotonic clock every timestamp of llmtap comes from, in both processes.
+now = time.perf_counter
 
 
 def new_trace_id() -> int:

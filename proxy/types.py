@@ -69,7 +69,7 @@ class PromptRegion:
     """One part of a prompt as the client sent it: ``tools``, ``system`` or one ``message``.
 
     ``value`` is the part's parsed JSON (a string for a plain text prompt). Kept in memory only: the
-    recorder's worker thread hashes and counts it (``proxy.fingerprint``); it is never exported.
+    recorder's worker thread hashes and counts it (``proxy.analysis.fingerprint``); it is never exported.
     """
 
     kind: str

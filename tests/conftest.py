@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench.procs import free_port as free_port  # one definition for the tests and the benchmark
-from proxy.app import ProxyApp, create_app
+from proxy.relay.app import ProxyApp, create_app
 from proxy.settings import Settings
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.prometheus import PrometheusReader
@@ -96,7 +96,7 @@ class ServerThread:
     """Runs an ASGI app under uvicorn on a real socket, in a thread with its own event loop."""
 
     def __init__(self, app: Any, *, lifespan: Literal["auto", "on", "off"] = "on") -> None:
-        # IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections (see proxy.server.bind).
+        # IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections (see proxy.relay.server.bind).
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))

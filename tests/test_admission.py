@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.admission import Admission, QueueFull
+from proxy.relay.admission import Admission, QueueFull
 from proxy.settings import build
 from proxy.telemetry import semconv as sc
 from tests.conftest import Running, Scripted, ServerThread, Telemetry

@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import tokens
-from proxy.cachediag import (
+from proxy.analysis import tokens
+from proxy.analysis.cachediag import (
     BLOCK_MIN_TOKENS,
     COLD,
     HIT,
@@ -21,7 +21,7 @@ from proxy.cachediag import (
     classify,
     min_cacheable_tokens,
 )
-from proxy.fingerprint import PrefixMatch
+from proxy.analysis.fingerprint import PrefixMatch
 from proxy.settings import Route, Settings
 from proxy.simulator import get_profile, run_in_thread
 from proxy.simulator.text import Vocabulary

@@ -26,10 +26,10 @@ import httpx
 import pytest
 
 from proxy import cli
-from proxy.compare import MIN_GAIN_MS, Side, analyze
-from proxy.records import SCHEMA_KEY
+from proxy.analysis.compare import MIN_GAIN_MS, Side, analyze
+from proxy.analysis.stats import Distribution, quantile, quantile_estimate
 from proxy.simulator.text import Vocabulary
-from proxy.stats import Distribution, quantile, quantile_estimate
+from proxy.telemetry.records import SCHEMA_KEY
 from tests.conftest import free_port, require_real
 from tests.test_prometheus import histogram_quantile
 

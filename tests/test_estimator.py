@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from proxy import estimator as est
-from proxy.estimator import Envelope, Estimator, SlotLog
-from proxy.timeline import Timeline
+from proxy.analysis.estimator import Envelope, Estimator, SlotLog
+from proxy.analysis.timeline import Timeline
 from proxy.types import RequestInfo
 
 

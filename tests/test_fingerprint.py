@@ -9,22 +9,21 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import tokens
-from proxy.fingerprint import (
+from proxy.analysis import tokens
+from proxy.analysis.fingerprint import (
     BLOCK_CHARS,
-    INVALID_VERSION,
     OTHER,
     PrefixIndex,
     TokenCounts,
     TopK,
     fingerprint,
-    version_label,
 )
 from proxy.providers import AnthropicMessages, OpenAIChat, OpenAICompletions, OpenAIResponses
 from proxy.settings import Route, Settings
 from proxy.simulator import get_profile, run_in_thread
 from proxy.telemetry import semconv as sc
 from proxy.types import PromptRegion
+from proxy.versions import INVALID_VERSION, version_label
 from tests.conftest import Telemetry
 
 SYSTEM = "You are the support assistant of a bank. " * 40

@@ -26,13 +26,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
+from proxy.analysis.timeline import Timeline
 from proxy.providers import PROVIDERS, UsageEventFilter
 from proxy.providers.base import Provider
 from proxy.settings import build
 from proxy.sse import Event, decoder_for
-from proxy.streaming import Tap
 from proxy.telemetry import semconv as sc
-from proxy.timeline import Timeline
+from proxy.telemetry.tap import Tap
 from tests.conftest import Running, Telemetry
 from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes

@@ -21,17 +21,17 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 
 from proxy import simulator
-from proxy.live import LiveView
-from proxy.live.view import recorder_labels
-from proxy.live.waterfall import TICK_CAP, waterfall
-from proxy.live.window import HISTORY, HORIZON, SLOT, LiveWindow
+from proxy.analysis.summary import summarize
+from proxy.analysis.timeline import CANCELLED, ERROR, OK, Timeline
 from proxy.settings import SLO, Route, Settings
-from proxy.summary import summarize
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.instruments import DURATION_BUCKETS
+from proxy.telemetry.live import LiveView
+from proxy.telemetry.live.view import recorder_labels
+from proxy.telemetry.live.waterfall import TICK_CAP, waterfall
+from proxy.telemetry.live.window import HISTORY, HORIZON, SLOT, LiveWindow
 from proxy.telemetry.prometheus import PrometheusReader
 from proxy.telemetry.recorder import Recorder
-from proxy.timeline import CANCELLED, ERROR, OK, Timeline
 from proxy.types import RequestInfo, ServerTiming, Usage
 from tests.conftest import Running
 from tests.test_prometheus import histogram_quantile, samples
@@ -294,7 +294,7 @@ def test_trace_ids_only_with_a_tracing_backend() -> None:
 
 def test_buckets_match_the_sdk() -> None:
     # A value on a boundary falls in that boundary's bucket (le), as the SDK and Prometheus count it.
-    from proxy.live.window import Hist
+    from proxy.telemetry.live.window import Hist
 
     h = Hist()
     for v in (DURATION_BUCKETS[0], DURATION_BUCKETS[10], DURATION_BUCKETS[10] * 1.0001, 1e6):
@@ -365,7 +365,7 @@ def test_page_and_assets(live: Running) -> None:
 
 
 def test_assets_name_no_other_host() -> None:
-    static = resources.files("proxy.live").joinpath("static")
+    static = resources.files("proxy.telemetry.live").joinpath("static")
     for name in ("index.html", "live.js", "live.css"):
         text = static.joinpath(name).read_text()
         # The SVG namespace is a name, not an address the browser fetches.

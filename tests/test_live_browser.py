@@ -28,13 +28,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from proxy import simulator
-from proxy.app import ProxyApp, create_app
+from proxy.analysis.summary import Summary
+from proxy.analysis.timeline import Timeline
+from proxy.relay.app import ProxyApp, create_app
 from proxy.settings import SLO, Route, Settings
-from proxy.summary import Summary
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.prometheus import PrometheusReader
-from proxy.timeline import Timeline
 from tests.conftest import ServerThread, require_real
 from tests.test_live import HISTOGRAMS, prom_buckets, prom_sum
 from tests.test_prometheus import histogram_quantile

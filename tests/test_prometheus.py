@@ -11,7 +11,7 @@ from itertools import pairwise
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 
-from proxy.stats import quantile
+from proxy.analysis.stats import quantile
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, Instruments, create
 from proxy.telemetry.prometheus import PrometheusReader, metric_name, render
@@ -80,7 +80,7 @@ def histogram_quantile(q: float, series: list[tuple[float, float]]) -> float:
 
 
 def exact_quantile(q: float, values: list[float]) -> float:
-    """The quantile of the raw samples, as llmtap reads them (``proxy.stats.quantile``)."""
+    """The quantile of the raw samples, as llmtap reads them (``proxy.analysis.stats.quantile``)."""
     value = quantile(values, q)
     assert value is not None
     return value

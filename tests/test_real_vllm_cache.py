@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.records import ReadStats, read_records
 from proxy.settings import Records, Route, Settings, Timeouts
+from proxy.telemetry.records import ReadStats, read_records
 from tests.conftest import Telemetry, start_proxy
 from tests.vllm_server import VllmServer, vllm_medium
 

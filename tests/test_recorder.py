@@ -17,12 +17,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from proxy.analysis.summary import Summary
+from proxy.analysis.timeline import Timeline
 from proxy.settings import SLO, Route, Settings, Telemetry as TelemetrySettings, build
-from proxy.summary import Summary
 from proxy.tape import STATS, Tape
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.recorder import BoundedValues, Recorder
-from proxy.timeline import Timeline
 from proxy.types import Facts, RequestInfo, Usage
 from tests.conftest import Running, Scripted, Telemetry
 

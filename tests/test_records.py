@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import tokens
-from proxy.records import SCHEMA_KEY, ReadStats, RecordWriter, read_records, record_files
+from proxy.analysis import tokens
 from proxy.settings import ConfigError, Records, Route, Settings, build
 from proxy.simulator import get_profile, run_in_thread
 from proxy.telemetry.recorder import Recorder
+from proxy.telemetry.records import SCHEMA_KEY, ReadStats, RecordWriter, read_records, record_files
 from tests.conftest import Telemetry, free_port
 from tests.test_recorder import timeline
 
@@ -138,7 +138,7 @@ def test_records_are_written_on_the_recorder_thread(
     proxy = proxy_factory(
         Settings(routes=(Route(prefix="/", upstream=sim, name="sim"),), record=Records(path=str(path)))
     )
-    writer = proxy.app.recorder.records
+    writer = proxy.relay.app.recorder.records
     assert writer is not None
     threads: list[str] = []
     original = writer.write

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.forward import Router, request_headers, response_headers, upstream_url
+from proxy.relay.forward import Router, request_headers, response_headers, upstream_url
 from proxy.settings import ConfigError, Route, build, telemetry_from_env
 
 UP = "http://127.0.0.1:9"

@@ -25,7 +25,7 @@ from typing import Any, cast
 import httpx
 import pytest
 
-from proxy import tokens
+from proxy.analysis import tokens
 from proxy.simulator import PROFILES, Profile, get_profile, run_in_thread
 from proxy.simulator.cache import PrefixCache
 from proxy.simulator.text import Vocabulary, block_hashes

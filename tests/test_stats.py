@@ -1,4 +1,4 @@
-"""The one quantile implementation: ``proxy.stats.quantile`` (samples) and ``histogram_quantile`` (buckets)."""
+"""The one quantile implementation: ``proxy.analysis.stats.quantile`` (samples) and ``histogram_quantile`` (buckets)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from proxy.stats import histogram_quantile, quantile, sorted_quantile
+from proxy.analysis.stats import histogram_quantile, quantile, sorted_quantile
 from tests.test_prometheus import histogram_quantile as promql_reference
 
 

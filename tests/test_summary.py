@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from proxy import tokens
+from proxy.analysis import tokens
+from proxy.analysis.summary import PROXY, SERVER, UPSTREAM_TTFT, USAGE, apportion, input_size_class, summarize
+from proxy.analysis.timeline import Timeline
 from proxy.settings import SLO
-from proxy.summary import PROXY, SERVER, UPSTREAM_TTFT, USAGE, apportion, input_size_class, summarize
-from proxy.timeline import Timeline
 from proxy.types import RequestInfo, ServerTiming, Usage
 
 T0 = 1000.0  # every offset below is a multiple of 1/1024 s, so differences are exact in binary

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from proxy.channel import LocalChannel, SocketChannel, frames
+from proxy.relay.channel import LocalChannel, SocketChannel, frames
+from proxy.relay.tracecontext import Sampler, begin, parse_traceparent
 from proxy.settings import Route, Settings
 from proxy.tape import END, SEGMENT, SEGMENT_BYTES, STATS, Tape
 from proxy.telemetry.replay import Playback
-from proxy.tracecontext import Sampler, begin, parse_traceparent
 
 ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default")
 SETTINGS = Settings(routes=(ROUTE,))

@@ -27,10 +27,10 @@ import trustme
 import uvloop
 
 from proxy import cli
-from proxy.forward import Upstreams
+from proxy.relay.forward import Upstreams
+from proxy.relay.upstream_http import SURPLUS, LeanTransport
 from proxy.settings import ConfigError, Route, Settings, build
 from proxy.telemetry import semconv as sc
-from proxy.upstream_http import SURPLUS, LeanTransport
 from tests.conftest import Running, Telemetry
 
 CLIENTS = ("lean", "httpx")

@@ -1,4 +1,4 @@
-"""The lean upstream client (``proxy.upstream_http``) against scripted HTTP/1.1 servers on real sockets.
+"""The lean upstream client (``proxy.relay.upstream_http``) against scripted HTTP/1.1 servers on real sockets.
 
 Every scenario runs on asyncio's own loop and on uvloop (what ``llmtap serve`` runs on). The servers are
 raw asyncio streams on free ports of 127.0.0.1, so each byte on the wire is the test's choice; a few that
@@ -23,9 +23,9 @@ import httpx
 import pytest
 import uvloop
 
-from proxy.forward import Upstreams, close_if_surplus
+from proxy.relay.forward import Upstreams, close_if_surplus
+from proxy.relay.upstream_http import MAX_HEAD_BYTES, SURPLUS, LeanTransport
 from proxy.settings import ConfigError, Route, Settings, build
-from proxy.upstream_http import MAX_HEAD_BYTES, SURPLUS, LeanTransport
 from tests.conftest import TESTS, free_port, unanswered_port
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

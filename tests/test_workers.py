@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.workers import merge_metrics
+from proxy.relay.workers import merge_metrics
 from tests.conftest import Scripted, free_port
 
 ROOT = Path(__file__).parent.parent

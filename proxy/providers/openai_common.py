@@ -200,7 +200,7 @@ def prompt_text(*, system: object = None, messages: object = None, tools: object
 def prompt_regions(*, tools: object = None, system: object = None, messages: object = None) -> list[PromptRegion]:
     """The prompt's parts in the order servers cache them: tools, system, then each message.
 
-    Only references to the parsed body: ``proxy.fingerprint`` hashes and counts them off the event loop.
+    Only references to the parsed body: ``proxy.analysis.fingerprint`` hashes and counts them off the event loop.
     """
     regions: list[PromptRegion] = []
     if isinstance(tools, list | dict) and tools:

@@ -14,7 +14,7 @@ import random
 from array import array
 from collections.abc import Sequence
 
-from proxy import tokens
+from proxy.analysis import tokens
 
 # Prompts longer than this many characters are tokenized on a worker thread: tiktoken releases the
 # GIL, and a 25 kB prompt takes about a millisecond, which would delay every other stream's chunks.

@@ -1,7 +1,7 @@
 """The admin listener: a Starlette application of read-only routes over the recorder.
 
 ``/metrics`` (the Prometheus exposition, rendered on a thread), ``/healthz``, ``/readyz`` (the relays are
-connected and ready) and the live view (``proxy.live``). It runs where the recorder runs: the telemetry
+connected and ready) and the live view (``proxy.telemetry.live``). It runs where the recorder runs: the telemetry
 process, or the proxy's own process when telemetry runs in it (tests, the demo, embedding).
 """
 
@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from proxy.live import LiveView
 from proxy.settings import Settings
+from proxy.telemetry.live import LiveView
 from proxy.telemetry.prometheus import CONTENT_TYPE, PrometheusReader
 from proxy.telemetry.recorder import Recorder
 from proxy.types import Receive, Scope, Send

@@ -1,7 +1,7 @@
 """The telemetry process: tapes in from the relays, spans, metrics, records and the admin listener out.
 
-``llmtap serve`` starts it before the relays (``proxy.server``), niced, so that under load the relays get
-the CPU first. It listens on a private Unix socket for the relays' channels (``proxy.channel``), hands
+``llmtap serve`` starts it before the relays (``proxy.relay.server``), niced, so that under load the relays get
+the CPU first. It listens on a private Unix socket for the relays' channels (``proxy.relay.channel``), hands
 every message to the recorder's bounded queue (a full queue drops the message and counts its tape), and
 serves the admin listener (``/metrics``, ``/healthz``, ``/readyz``, the live view) on the public admin
 port, whose socket the parent bound and passed down. It runs no relay code at all: nothing it does, not
@@ -22,13 +22,13 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from proxy import tokens
-from proxy.channel import frames
+from proxy.relay.channel import frames
 from proxy.settings import ConfigError, Settings
-from proxy.telemetry import setup
-from proxy.telemetry.admin import AdminApp
-from proxy.telemetry.recorder import Recorder
+
+if TYPE_CHECKING:
+    from proxy.telemetry.recorder import Recorder
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -109,7 +109,12 @@ class TelemetryState:
 
 async def serve(launch: Launch) -> None:
     """Take the relays' tapes and serve the admin listener until SIGTERM; then drain and flush."""
-    from proxy.server import _Server, uvicorn_config
+    # Only this process loads OpenTelemetry and the tokenizer; the relays import this module to start it.
+    from proxy.analysis import tokens
+    from proxy.relay.server import _Server, uvicorn_config
+    from proxy.telemetry import setup
+    from proxy.telemetry.admin import AdminApp
+    from proxy.telemetry.recorder import Recorder
 
     settings = launch.settings
     channel_sock = socket.socket(fileno=launch.channel_fd)
@@ -160,7 +165,7 @@ def main() -> None:
     logging.basicConfig(level=launch.settings.log_level.upper(), format=LOG_FORMAT)
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    from proxy.server import run_loop
+    from proxy.relay.server import run_loop
 
     run_loop(serve(launch))
 

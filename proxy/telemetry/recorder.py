@@ -37,18 +37,18 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from proxy.cachediag import MISS_CHANGED, CacheDiagnoser, Diagnosis
-from proxy.estimator import Estimator
-from proxy.fingerprint import TopK
+from proxy.analysis.cachediag import MISS_CHANGED, CacheDiagnoser, Diagnosis
+from proxy.analysis.estimator import Estimator
+from proxy.analysis.fingerprint import TopK
+from proxy.analysis.summary import Summary, summarize
+from proxy.analysis.timeline import CANCELLED, OK, Timeline
 from proxy.providers.openai_common import collect_text
-from proxy.records import RecordWriter, record_line
 from proxy.settings import Settings
-from proxy.summary import Summary, summarize
 from proxy.tape import END, SEGMENT, STATS
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import Instruments, create
+from proxy.telemetry.records import RecordWriter, record_line
 from proxy.telemetry.replay import Playback
-from proxy.timeline import CANCELLED, OK, Timeline
 from proxy.types import PromptRegion
 
 log = logging.getLogger("llmtap.telemetry")

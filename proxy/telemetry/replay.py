@@ -15,14 +15,14 @@ import math
 from array import array
 from typing import Any
 
-from proxy.fingerprint import version_label
+from proxy.analysis.timeline import Timeline
 from proxy.providers import PROVIDERS
 from proxy.providers.base import Provider
 from proxy.providers.timing import from_headers
 from proxy.settings import Route, Settings
-from proxy.streaming import Tap
-from proxy.timeline import Timeline
+from proxy.telemetry.tap import Tap
 from proxy.types import RequestInfo
+from proxy.versions import version_label
 
 log = logging.getLogger("llmtap.telemetry")
 

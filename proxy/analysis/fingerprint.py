@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from proxy import tokens
+from proxy.analysis import tokens
 from proxy.providers.openai_common import collect_text
 from proxy.types import PromptRegion
 
@@ -31,9 +31,6 @@ BLOCK_CHARS = 1024
 #: Hex digits of a region's hash shown on spans and records (48 bits: collisions are not a concern
 #: among the handful of variants one prompt goes through).
 SHORT_HASH = 12
-#: A version label longer than this or with control characters is not used as a label.
-VERSION_MAX_BYTES = 128
-INVALID_VERSION = "invalid"
 OTHER = "_OTHER"
 
 
@@ -205,25 +202,6 @@ class PrefixIndex:
             self._ready.move_to_end(digest)
         while len(self._ready) > self._capacity:
             self._ready.popitem(last=False)
-
-
-def version_label(raw: bytes | str | None) -> str | None:
-    """A prompt version fit to be a label: None when absent, ``invalid`` when too long or with control characters.
-
-    The request itself always goes through: only the label is refused.
-    """
-    if raw is None:
-        return None
-    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-    data = data.strip(b" ")
-    if not data:
-        return None
-    if len(data) > VERSION_MAX_BYTES or any(b < 0x20 or b == 0x7F for b in data):
-        return INVALID_VERSION
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return INVALID_VERSION
 
 
 class TopK:

@@ -20,11 +20,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from proxy.cachediag import Diagnosis
+from proxy.analysis.cachediag import Diagnosis
+from proxy.analysis.stats import sorted_quantile
+from proxy.analysis.summary import Summary
+from proxy.analysis.timeline import Timeline
 from proxy.settings import ConfigError
-from proxy.stats import sorted_quantile
-from proxy.summary import Summary
-from proxy.timeline import Timeline
 
 #: The key that marks a line as a request record; its value is the schema version.
 SCHEMA_KEY = "llmtap_record"

@@ -3,7 +3,7 @@
 ``run`` binds every listener first (so a taken port fails at once, with its address), starts the
 telemetry process (``proxy.telemetry.process``) with the admin listener and the channel's socket, then
 relays in this process, on uvloop when installed; with ``workers`` above one a supervisor
-(``proxy.workers``) runs the relays as processes sharing the proxy port. On SIGTERM the relays drain
+(``proxy.relay.workers``) runs the relays as processes sharing the proxy port. On SIGTERM the relays drain
 their streams and hand over their last tapes; then the telemetry process records them and flushes.
 """
 
@@ -24,9 +24,9 @@ from typing import Any
 
 import uvicorn
 
-from proxy.app import create_app
-from proxy.channel import SocketChannel
-from proxy.protocol import BoundedHeadProtocol
+from proxy.relay.app import create_app
+from proxy.relay.channel import SocketChannel
+from proxy.relay.protocol import BoundedHeadProtocol
 from proxy.settings import ConfigError, Settings
 from proxy.telemetry import process
 
@@ -122,7 +122,7 @@ def run(settings: Settings) -> None:
         os.chmod(folder, 0o700)
         channel_path = os.path.join(folder, "telemetry.sock")
         if settings.workers > 1:
-            from proxy.workers import supervise
+            from proxy.relay.workers import supervise
 
             supervise(settings, channel_path)
             return

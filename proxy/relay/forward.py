@@ -11,10 +11,10 @@ from urllib.parse import urlsplit
 import h11
 import httpx
 
-from proxy import tls
+from proxy.relay import tls
+from proxy.relay.tls import TLSOptions
+from proxy.relay.upstream_http import SURPLUS, LeanTransport
 from proxy.settings import Route, Settings
-from proxy.tls import TLSOptions
-from proxy.upstream_http import SURPLUS, LeanTransport
 
 log = logging.getLogger("llmtap.upstream")
 
@@ -120,7 +120,7 @@ async def close_if_surplus(response: httpx.Response) -> int:
     """
     counted = response.extensions.get(SURPLUS)
     if callable(counted):
-        # proxy.upstream_http counts these bytes itself, never parses them, and has closed the connection.
+        # proxy.relay.upstream_http counts these bytes itself, never parses them, and has closed the connection.
         return int(counted())
     stream = getattr(getattr(response.stream, "_stream", None), "_httpcore_stream", None)
     connection = getattr(getattr(stream, "_stream", None), "_connection", None)
@@ -135,7 +135,7 @@ async def close_if_surplus(response: httpx.Response) -> int:
 
 class _HttpxTLS(httpx.AsyncBaseTransport):
     """httpx's transport to an HTTPS upstream: a route's ``tls_server_name`` as every request's SNI (and the
-    name verified), and TLS failures before the response named as ``proxy.upstream_http`` names them
+    name verified), and TLS failures before the response named as ``proxy.relay.upstream_http`` names them
     (httpcore wraps a certificate failure in ``ConnectError`` with OpenSSL's text, and lets an alert that
     comes after the handshake, TLS 1.3's certificate required, out as a bare ``ssl.SSLError``)."""
 
@@ -197,7 +197,7 @@ class Upstreams:
                     route.upstream,
                 )
             # trust_env=False: an HTTP_PROXY variable must not silently reroute traffic (nor SSL_CERT_FILE
-            # be read by httpx: proxy.tls read it for the context), and redirects are relayed to the
+            # be read by httpx: proxy.relay.tls read it for the context), and redirects are relayed to the
             # client, never followed here.
             pool: httpx.AsyncBaseTransport
             if transport is not None:

@@ -7,7 +7,7 @@ classes and the request counts, then a one-line verdict. The verdict rests on th
 of the change in TTFT p50: a gain must be real (the interval excludes zero) and large enough to
 matter (``--min-gain-ms``); with too few requests it says there is no verdict.
 
-The intervals come from ``proxy.stats`` (an exact percentile bootstrap, numpy-free).
+The intervals come from ``proxy.analysis.stats`` (an exact percentile bootstrap, numpy-free).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from proxy.promql import Prometheus, quote
-from proxy.records import ReadStats, read_records
+from proxy.analysis.promql import Prometheus, quote
+from proxy.analysis.stats import Distribution, Estimate, change_estimates, quantile_estimate
 from proxy.settings import ConfigError
-from proxy.stats import Distribution, Estimate, change_estimates, quantile_estimate
+from proxy.telemetry.records import ReadStats, read_records
 
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
 MIN_REQUESTS = 3

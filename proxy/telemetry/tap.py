@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import zlib
 
+from proxy.analysis.timeline import Timeline
 from proxy.providers.base import Provider, StreamParser
 from proxy.sse import Decoder, decoder_for
-from proxy.timeline import Timeline
 
 log = logging.getLogger("llmtap.stream")
 

@@ -4,9 +4,9 @@ Python runs one event loop per core at best, so past one core the relay scales o
 
 * the supervisor (this module, in the ``llmtap`` process) reserves the proxy port with SO_REUSEPORT
   (bound, never listening: it takes no connections, but the port stays ours while relays restart),
-  starts the telemetry process (``proxy.server.Telemetry``: the admin listener, OTLP export) and the
+  starts the telemetry process (``proxy.relay.server.Telemetry``: the admin listener, OTLP export) and the
   relays, and restarts any that dies;
-* each relay is ``proxy.server.serve``: it binds the same port with SO_REUSEPORT, so the kernel spreads
+* each relay is ``proxy.relay.server.serve``: it binds the same port with SO_REUSEPORT, so the kernel spreads
   new connections over the relays, and sends its tapes to the telemetry process over its own channel.
   All requests are recorded in one place, so ``/metrics`` and the live view see the whole server.
 
@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from proxy.server import Telemetry, bind, run_loop, serve
+from proxy.relay.server import Telemetry, bind, run_loop, serve
 from proxy.settings import ConfigError, Settings
 from proxy.telemetry.process import LOG_FORMAT, die_with_parent
 
@@ -109,7 +109,7 @@ class _Proc:
     def __init__(self, settings: Settings, index: int, channel_path: str) -> None:
         self.index = index
         self.ready = False
-        argv = [sys.executable, "-c", "from proxy.workers import worker_main; worker_main()"]
+        argv = [sys.executable, "-c", "from proxy.relay.workers import worker_main; worker_main()"]
         self._said, write_end = os.pipe()
         try:
             self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(write_end,))

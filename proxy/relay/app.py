@@ -9,16 +9,15 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import httpx
-from opentelemetry.metrics import MeterProvider
-from opentelemetry.trace import TracerProvider
 
-from proxy import tokens
-from proxy.admission import Admission, QueueFull
-from proxy.channel import Channel, LocalChannel
-from proxy.forward import (
+from proxy.providers import provider_for
+from proxy.providers.usage_filter import UsageEventFilter
+from proxy.relay.admission import Admission, QueueFull
+from proxy.relay.channel import Channel, LocalChannel
+from proxy.relay.forward import (
     Router,
     Upstreams,
     close_if_surplus,
@@ -26,17 +25,19 @@ from proxy.forward import (
     response_headers,
     upstream_url,
 )
-from proxy.frame import relay_frame
-from proxy.guard import Refusal, check_request, check_route
-from proxy.protocol import RECEIVED
-from proxy.providers import provider_for
-from proxy.providers.usage_filter import UsageEventFilter
+from proxy.relay.frame import relay_frame
+from proxy.relay.guard import Refusal, check_request, check_route
+from proxy.relay.protocol import RECEIVED
+from proxy.relay.tracecontext import Sampler, begin
 from proxy.settings import Route, Settings
-from proxy.tape import STATS, Tape
-from proxy.telemetry.recorder import Recorder
-from proxy.timeline import now
-from proxy.tracecontext import Sampler, begin
+from proxy.tape import STATS, Tape, now
 from proxy.types import Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import MeterProvider
+    from opentelemetry.trace import TracerProvider
+
+    from proxy.telemetry.recorder import Recorder
 
 log = logging.getLogger("llmtap.proxy")
 
@@ -89,6 +90,9 @@ class ProxyApp:
         #: The telemetry side when it runs in this process; None when tapes go to a telemetry process.
         self.recorder: Recorder | None = None
         if channel is None:
+            # Imported here: a relay with a telemetry process never loads OpenTelemetry or the tokenizer.
+            from proxy.telemetry.recorder import Recorder
+
             self.recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
             channel = LocalChannel(self.recorder)
         self.channel = channel
@@ -137,6 +141,8 @@ class ProxyApp:
     async def startup(self) -> None:
         """Ready to relay; the gauges' values go to the telemetry side from now on."""
         if self.recorder is not None:
+            from proxy.analysis import tokens
+
             # Load the default encoding now, not on the first request's playback.
             await asyncio.to_thread(tokens.get_encoding)
         self.ready = True

@@ -6,10 +6,10 @@ stream ends, by the recorder. It holds no OpenTelemetry objects and does no I/O.
 
 from __future__ import annotations
 
-import time
 from array import array
 from dataclasses import dataclass, field
 
+from proxy.tape import now as tape_now
 from proxy.types import Facts, RequestInfo, ServerTiming, Usage
 
 #: Outcomes of a request, as ``llmtap.outcome``.
@@ -128,6 +128,4 @@ def merge_usage(old: Usage | None, new: Usage) -> Usage:
     )
 
 
-def now() -> float:
-    """The one monotonic clock every timestamp in a timeline comes from."""
-    return time.perf_counter()
+now = tape_now  # the relay's clock: one monotonic clock for both processes

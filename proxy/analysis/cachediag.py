@@ -1,7 +1,7 @@
 """Cache diagnosis: why a request was or was not served from the upstream's prompt cache.
 
 The expected cacheable prefix (what the request shares with recent requests to the same upstream and
-model, ``proxy.fingerprint``) is set next to the cached tokens the server reported, and the request
+model, ``proxy.analysis.fingerprint``) is set next to the cached tokens the server reported, and the request
 gets one class:
 
 * ``hit``: the server reported cached tokens;
@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from proxy import tokens
-from proxy.fingerprint import Fingerprint, PrefixIndex, PrefixMatch, TokenCounts, fingerprint
+from proxy.analysis import tokens
+from proxy.analysis.fingerprint import Fingerprint, PrefixIndex, PrefixMatch, TokenCounts, fingerprint
+from proxy.analysis.summary import Summary
+from proxy.analysis.timeline import Timeline
 from proxy.settings import Route
-from proxy.summary import Summary
-from proxy.timeline import Timeline
 
 HIT, COLD, MISS_CHANGED, MISS_EVICTED, TOO_SHORT, UNKNOWN = (
     "hit",

@@ -16,7 +16,7 @@ relies on, and this module keeps:
   (``response.extensions[SURPLUS]``) and close the connection.
 
 HTTPS is the event loop's own TLS transport (``create_connection(ssl=...)``, asyncio's or uvloop's) under
-the same protocol, with the context of ``proxy.tls``: certificate and handshake failures are
+the same protocol, with the context of ``proxy.relay.tls``: certificate and handshake failures are
 ``ConnectError``s that say what failed (``certificate verify failed: self-signed certificate``). asyncio
 cannot hand a TLS session to ``create_connection`` for resumption; keeping connections alive in the pool
 is the session reuse: one handshake per connection, and a connection serves request after request.
@@ -35,7 +35,7 @@ from typing import Any
 import httptools
 import httpx
 
-from proxy import tls
+from proxy.relay import tls
 
 #: Response extension: a callable returning how many bytes the upstream sent past the response's end.
 SURPLUS = "llmtap.surplus"
@@ -526,7 +526,7 @@ _Key = tuple[str, str, int, str | None]
 class LeanTransport(httpx.AsyncBaseTransport):
     """HTTP/1.1 over asyncio protocols, plain or TLS, with a keep-alive pool per scheme, host and port.
 
-    ``ssl_context`` verifies HTTPS upstreams (default: ``proxy.tls``'s default context); ``server_hostname``
+    ``ssl_context`` verifies HTTPS upstreams (default: ``proxy.relay.tls``'s default context); ``server_hostname``
     is the name sent as SNI and verified when it is not the URL's host (a request's ``sni_hostname``
     extension, as httpcore reads it, wins).
     """

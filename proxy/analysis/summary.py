@@ -10,11 +10,11 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from proxy import tokens
-from proxy.estimator import ESTIMATED, Estimator
+from proxy.analysis import tokens
+from proxy.analysis.estimator import ESTIMATED, Estimator
+from proxy.analysis.timeline import OK, Timeline
 from proxy.providers.timing import validate
 from proxy.settings import SLO, Route
-from proxy.timeline import OK, Timeline
 
 USAGE = "usage"
 PROXY = "proxy"

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.estimator import ESTIMATED
-from proxy.summary import PROXY, SERVER, Summary
-from proxy.timeline import Timeline
+from proxy.analysis.estimator import ESTIMATED
+from proxy.analysis.summary import PROXY, SERVER, Summary
+from proxy.analysis.timeline import Timeline
 
 #: Chunk ticks kept per request; past it the rest are counted, not drawn.
 TICK_CAP = 1000

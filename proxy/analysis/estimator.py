@@ -25,7 +25,7 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from proxy.timeline import Timeline
+from proxy.analysis.timeline import Timeline
 
 ESTIMATED = "estimated"
 

@@ -7,7 +7,7 @@ recorder's ``BoundedValues``), and the last ``HISTORY`` requests.
 
 Every figure counts exactly what the recorder's metrics count, under the same conditions (see
 ``Tally.add_request``), and percentiles are read from the same bucket boundaries with Prometheus'
-``histogram_quantile`` interpolation (``proxy.stats.histogram_quantile``): over the window "since
+``histogram_quantile`` interpolation (``proxy.analysis.stats.histogram_quantile``): over the window "since
 start" the page shows what ``histogram_quantile(q, sum by (le) (...))`` over ``/metrics`` shows, to
 the last digit.
 """
@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from proxy.live.waterfall import waterfall
-from proxy.stats import histogram_quantile
-from proxy.summary import Summary
+from proxy.analysis.stats import histogram_quantile
+from proxy.analysis.summary import Summary
+from proxy.analysis.timeline import CANCELLED, ERROR, OK, Timeline
 from proxy.telemetry.instruments import DURATION_BUCKETS
-from proxy.timeline import CANCELLED, ERROR, OK, Timeline
+from proxy.telemetry.live.waterfall import waterfall
 
 #: Seconds per tally; a window's start is rounded down to a slot boundary.
 SLOT = 5.0
@@ -68,7 +68,7 @@ class Hist:
         self.total += other.total
 
     def quantile(self, q: float) -> float | None:
-        """Prometheus' ``histogram_quantile`` over these counts (``proxy.stats.histogram_quantile``)."""
+        """Prometheus' ``histogram_quantile`` over these counts (``proxy.analysis.stats.histogram_quantile``)."""
         return self.quantiles((q,))[0]
 
     def quantiles(self, qs: Sequence[float]) -> list[float | None]:

@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from proxy.live.window import HISTORY, SLOT, WINDOWS, Labels, LiveWindow
+from proxy.analysis.summary import Summary
+from proxy.analysis.timeline import Timeline
 from proxy.settings import Settings
-from proxy.summary import Summary
+from proxy.telemetry.live.window import HISTORY, SLOT, WINDOWS, Labels, LiveWindow
 from proxy.telemetry.recorder import Recorder
-from proxy.timeline import Timeline
 
 #: Seconds between snapshots while nothing happens, and the shortest gap after new requests.
 SNAPSHOT_EVERY = 1.0
@@ -85,7 +85,7 @@ class LiveView:
         self.window = LiveWindow(recorder_labels(recorder), slo=settings.slo.configured, traces=traces)
         recorder.listeners.append(self.window)
         self._assets = {
-            path: (resources.files("proxy.live").joinpath("static", name).read_bytes(), kind)
+            path: (resources.files("proxy.telemetry.live").joinpath("static", name).read_bytes(), kind)
             for path, (name, kind) in _ASSETS.items()
         }
 

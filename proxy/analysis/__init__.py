@@ -1,0 +1,1 @@
+"""Pure functions over finished requests: summary, estimator, cache diagnosis, fingerprints, compare."""

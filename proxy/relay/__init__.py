@@ -1,0 +1,1 @@
+"""The relay process: what must happen while bytes flow, and nothing else."""
