@@ -445,7 +445,7 @@ def _tls_options(
         out["tls_server_name"] = name
     if merged.get("tls_verify") is not None:
         out["tls_verify"] = _bool(merged["tls_verify"], label("tls_verify"))
-    from proxy import tls  # proxy.relay.tls reads Route from here
+    from proxy.relay import tls  # proxy.relay.tls reads Route from here
 
     options = tls.TLSOptions(
         ca=out.get("tls_ca"),

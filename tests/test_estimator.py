@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy import estimator as est
+from proxy.analysis import estimator as est
 from proxy.analysis.estimator import Envelope, Estimator, SlotLog
 from proxy.analysis.timeline import Timeline
 from proxy.types import RequestInfo

@@ -22,7 +22,8 @@ from proxy.analysis.timeline import Timeline
 from proxy.settings import SLO, Route, Settings, Telemetry as TelemetrySettings, build
 from proxy.tape import STATS, Tape
 from proxy.telemetry import semconv as sc
-from proxy.telemetry.recorder import BoundedValues, Recorder
+from proxy.telemetry.metrics import BoundedValues
+from proxy.telemetry.recorder import Recorder
 from proxy.types import Facts, RequestInfo, Usage
 from tests.conftest import Running, Scripted, Telemetry
 
@@ -362,10 +363,10 @@ def test_chunk_spans_written_directly_equal_those_through_the_tracer(harness: Ha
         return sorted(out, key=lambda row: row[4][sc.CHUNK_INDEX])
 
     direct = harness(chunk_span_cap=8)
-    assert direct.recorder.chunk_writer is not None
+    assert direct.recorder.spans.chunk_writer is not None
     direct.run(timeline(12))
     tracer = harness(chunk_span_cap=8)
-    tracer.recorder.chunk_writer = None
+    tracer.recorder.spans.chunk_writer = None
     tracer.run(timeline(12))
     assert len(chunk_view(direct)) == 8
     assert chunk_view(direct) == chunk_view(tracer)

@@ -1,0 +1,156 @@
+"""Span attributes of a finished request, as pure functions of its timeline and summary (GenAI semconv)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from proxy.analysis.cachediag import Diagnosis
+from proxy.analysis.summary import Summary
+from proxy.analysis.timeline import CANCELLED, OK, Timeline
+from proxy.providers.openai_common import collect_text
+from proxy.telemetry import semconv as sc
+from proxy.types import PromptRegion
+
+#: Captured content (opt-in) is cut at this many characters.
+CONTENT_CAP = 16 * 1024
+
+
+def root_name(tl: Timeline) -> str:
+    """``{gen_ai.operation.name} {gen_ai.request.model}`` for LLM calls; ``{method}`` for plain relays."""
+    req = tl.request
+    if tl.protocol is None or req is None:
+        return tl.method
+    return f"{req.operation} {req.model}" if req.model else req.operation
+
+
+def start_attributes(tl: Timeline) -> dict[str, Any]:
+    """Attributes known when the request arrives; samplers see these (gen-ai-spans.md: set at creation)."""
+    attrs: dict[str, Any] = {
+        sc.SERVER_ADDRESS: tl.server_address,
+        sc.SERVER_PORT: tl.server_port,
+        sc.HTTP_METHOD: tl.method,
+        sc.URL_PATH: tl.path,
+        sc.ROUTE: tl.route,
+    }
+    req = tl.request
+    if tl.protocol is None or req is None:
+        return attrs
+    attrs[sc.OPERATION_NAME] = req.operation
+    attrs[sc.PROVIDER_NAME] = tl.provider_name
+    attrs[sc.PROTOCOL] = tl.protocol
+    if req.model:
+        attrs[sc.REQUEST_MODEL] = req.model
+    if req.stream:
+        attrs[sc.REQUEST_STREAM] = True
+    if req.parse_error:
+        attrs[sc.REQUEST_PARSE_ERROR] = req.parse_error
+    # Provider params are keyed by their gen_ai.request.* suffix (max_tokens, temperature, choice.count, ...).
+    for key, value in req.params.items():
+        if value is not None:
+            attrs[f"gen_ai.request.{key}"] = value
+    if tl.prompt_version:
+        attrs[sc.PROMPT_VERSION] = tl.prompt_version
+    return attrs
+
+
+def _put(attrs: dict[str, Any], key: str, value: Any) -> None:
+    if value is not None:
+        attrs[key] = value
+
+
+def queue_attributes(s: Summary) -> dict[str, Any]:
+    """The queue and its two parts: the proxy's own line (measured) and the server's (reported or estimated)."""
+    attrs: dict[str, Any] = {}
+    if s.queue is not None:
+        attrs[sc.QUEUE_DURATION] = s.queue
+        attrs[sc.QUEUE_SOURCE] = s.queue_source
+    _put(attrs, sc.QUEUE_PROXY_DURATION, s.proxy_queue)
+    if s.upstream_queue is not None:
+        attrs[sc.QUEUE_UPSTREAM_DURATION] = s.upstream_queue
+        attrs[sc.QUEUE_UPSTREAM_SOURCE] = s.upstream_queue_source
+    return attrs
+
+
+def cache_attributes(diag: Diagnosis) -> dict[str, Any]:
+    """The prompt's fingerprint (hash and tokens per region) and its cache class, for the root span."""
+    attrs: dict[str, Any] = {
+        sc.CACHE_CLASS: diag.cache_class,
+        sc.CACHE_EXPECTED_PREFIX: diag.expected_prefix_tokens,
+        sc.PROMPT_SHARED_PREFIX: diag.shared_prefix_tokens,
+    }
+    _put(attrs, sc.CACHE_CHANGED_REGION, diag.changed_region)
+    if diag.fingerprint is not None:
+        for region in diag.fingerprint.regions:
+            attrs[f"{sc.PROMPT_FINGERPRINT}.{region.name}"] = region.digest
+            attrs[f"{sc.PROMPT_REGION_TOKENS}.{region.name}"] = region.tokens
+    return attrs
+
+
+def input_messages(regions: list[PromptRegion], cap: int) -> str:
+    """``gen_ai.input.messages`` (content capture only): the system part and messages, ``cap`` characters of text."""
+    messages: list[dict[str, Any]] = []
+    room = cap
+    for region in regions:
+        if region.kind == "tools":
+            continue
+        value = region.value
+        role = value.get("role") if isinstance(value, dict) else None
+        parts: list[str] = []
+        collect_text(value, parts)
+        text = "\n".join(parts)[:room]
+        room -= len(text)
+        content = [{"type": "text", "content": text}]
+        messages.append({"role": "system" if region.kind == "system" else role or "user", "parts": content})
+        if room <= 0:
+            break
+    return json.dumps(messages, ensure_ascii=False)
+
+
+def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = False) -> dict[str, Any]:
+    """Attributes known when the stream ends."""
+    attrs: dict[str, Any] = {}
+    _put(attrs, sc.RESPONSE_ID, tl.response_id)
+    _put(attrs, sc.RESPONSE_MODEL, tl.response_model)
+    if tl.finish_reasons:
+        attrs[sc.RESPONSE_FINISH_REASONS] = list(tl.finish_reasons)
+    elif tl.outcome != OK and tl.request is not None:
+        # semantic-conventions-genai: a missing or aborted finish is reported as "error".
+        attrs[sc.RESPONSE_FINISH_REASONS] = ["error"]
+    _put(attrs, sc.USAGE_INPUT_TOKENS, s.input_tokens)
+    _put(attrs, sc.USAGE_OUTPUT_TOKENS, s.output_tokens)
+    _put(attrs, sc.USAGE_CACHE_READ, s.cache_read_tokens)
+    # semantic-conventions-genai migration.md: cache_creation.input_tokens -> cache_write.input_tokens.
+    _put(attrs, sc.USAGE_CACHE_WRITE if latest else sc.USAGE_CACHE_CREATION, s.cache_write_tokens)
+    _put(attrs, sc.USAGE_REASONING, s.reasoning_tokens)
+    if s.input_tokens is not None:
+        attrs[sc.INPUT_TOKENS_SOURCE] = s.input_source
+    if s.output_tokens is not None:
+        attrs[sc.OUTPUT_TOKENS_SOURCE] = s.output_source
+    if tl.request is not None and tl.request.stream:
+        _put(attrs, sc.RESPONSE_TIME_TO_FIRST_CHUNK, s.ttft)
+    _put(attrs, sc.TTFB, s.ttfb)
+    _put(attrs, sc.UPSTREAM_TTFT, s.upstream_ttft)
+    _put(attrs, sc.TPOT, s.tpot)
+    _put(attrs, sc.E2E, s.e2e)
+    attrs.update(queue_attributes(s))
+    _put(attrs, sc.PREFILL_DURATION, s.prefill)
+    _put(attrs, sc.DECODE_DURATION, s.decode)
+    if s.prefill is not None:
+        attrs[sc.PREFILL_SOURCE] = s.prefill_source
+    attrs[sc.OUTCOME] = tl.outcome
+    attrs[sc.SLO_OUTCOME] = s.slo
+    attrs[sc.INPUT_SIZE] = s.input_size
+    attrs[sc.RESPONSE_BYTES] = tl.response_bytes
+    if tl.malformed_events:
+        attrs[sc.MALFORMED_EVENTS] = tl.malformed_events
+    if tl.oversized_events:
+        attrs[sc.OVERSIZED_EVENTS] = tl.oversized_events
+    if capture and tl.request is not None and tl.request.regions:
+        attrs[sc.INPUT_MESSAGES] = input_messages(tl.request.regions, CONTENT_CAP)
+    if capture and tl.chunk_texts:
+        text = "".join(tl.chunk_texts)[:CONTENT_CAP]
+        attrs[sc.OUTPUT_MESSAGES] = json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": text}]}])
+    if tl.outcome == CANCELLED:
+        attrs[sc.ERROR_TYPE] = "cancelled"
+    return attrs

@@ -1,0 +1,171 @@
+"""Metrics of a finished request: the bounded subset of its span attributes on the GenAI and llmtap instruments."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
+
+from proxy.analysis.cachediag import MISS_CHANGED, Diagnosis
+from proxy.analysis.fingerprint import TopK
+from proxy.analysis.summary import Summary
+from proxy.analysis.timeline import OK, Timeline
+from proxy.settings import Settings
+from proxy.telemetry import semconv as sc
+from proxy.telemetry.instruments import Instruments, create
+
+
+class BoundedValues:
+    """Keeps the first ``limit`` distinct values of a metric attribute; later ones become ``_OTHER``.
+
+    Model names come from clients; without a bound, a client could create unbounded time series.
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self._limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        with self._lock:
+            if len(self._seen) < self._limit:
+                self._seen.add(value)
+                return value
+        return "_OTHER"
+
+
+class MetricWriter:
+    """Records each finished request on the instruments; model names and prompt versions bounded."""
+
+    def __init__(self, settings: Settings, meter_provider: MeterProvider | None) -> None:
+        meter = (meter_provider or NoOpMeterProvider()).get_meter("llmtap")
+        self.instruments: Instruments = create(meter, latest=settings.telemetry.semconv_latest)
+        self._models = BoundedValues()
+        self._versions = TopK()
+
+    def model_label(self, model: str) -> str:
+        """The label metrics give ``model``: itself, or ``_OTHER`` past the bound on distinct models."""
+        return self._models(model)
+
+    def metric_attributes(self, tl: Timeline, s: Summary) -> dict[str, Any]:
+        """The bounded subset of span attributes that metrics carry."""
+        req = tl.request
+        attrs: dict[str, Any] = {
+            sc.OPERATION_NAME: req.operation if req else sc.OP_CHAT,
+            sc.PROVIDER_NAME: tl.provider_name,
+            sc.SERVER_ADDRESS: tl.server_address,
+            sc.SERVER_PORT: tl.server_port,
+            sc.ROUTE: tl.route,
+            sc.INPUT_SIZE: s.input_size,
+        }
+        if req is not None and req.stream:
+            # As on the span: set if and only if the request streams (gen-ai-spans.md).
+            attrs[sc.REQUEST_STREAM] = True
+        if req is not None and req.model:
+            attrs[sc.REQUEST_MODEL] = self._models(req.model)
+        if tl.response_model:
+            attrs[sc.RESPONSE_MODEL] = self._models(tl.response_model)
+        if tl.outcome != OK:
+            attrs[sc.ERROR_TYPE] = tl.error_type or "_OTHER"
+        if tl.prompt_version:
+            # Versions come from clients: a bounded top-K keeps the number of series small.
+            attrs[sc.PROMPT_VERSION] = self._versions(tl.prompt_version)
+        return attrs
+
+    def record(self, tl: Timeline, s: Summary) -> None:
+        """Record one finished request's latency, token and outcome metrics."""
+        ins = self.instruments
+        attrs = self.metric_attributes(tl, s)
+        ok = tl.outcome == OK
+        stream = bool(tl.request and tl.request.stream)
+        if s.e2e is not None:
+            ins.operation_duration.record(s.e2e, attrs)
+            ins.server_duration.record(s.e2e, attrs)
+        ins.requests.add(1, {**attrs, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo})
+        if tl.malformed_events:
+            ins.malformed.add(tl.malformed_events, {sc.ROUTE: tl.route})
+        if s.ttfb is not None:
+            ins.ttfb.record(s.ttfb, attrs)
+        if stream and s.ttft is not None:
+            ins.time_to_first_chunk.record(s.ttft, attrs)
+            for gap in s.gaps:
+                ins.time_per_output_chunk.record(gap, attrs)
+            for itl in s.itl_per_token:
+                ins.itl.record(itl, attrs)
+        if s.upstream_ttft is not None and stream:
+            ins.upstream_ttft.record(s.upstream_ttft, attrs)
+        if ok and s.ttft is not None and stream:
+            ins.server_ttft.record(s.ttft, attrs)
+        if ok and s.tpot is not None:
+            ins.server_tpot.record(s.tpot, attrs)
+        if s.queue is not None:
+            ins.queue.record(s.queue, {**attrs, sc.QUEUE_SOURCE: s.queue_source})
+        if s.prefill is not None and stream:
+            ins.prefill.record(s.prefill, {**attrs, sc.PREFILL_SOURCE: s.prefill_source})
+        if s.decode is not None and stream:
+            ins.decode.record(s.decode, attrs)
+        self._token_metrics(s, attrs)
+        if tl.sent is not None:
+            ins.overhead.record(proxy_added(tl), {sc.ROUTE: tl.route})
+
+    def _token_metrics(self, s: Summary, attrs: dict[str, Any]) -> None:
+        ins = self.instruments
+        for kind, value, source, drift in (
+            ("input", s.input_tokens, s.input_source, s.input_drift),
+            ("output", s.output_tokens, s.output_source, s.output_drift),
+        ):
+            if value is None:
+                continue
+            if ins.token_usage is not None:
+                ins.token_usage.record(value, {**attrs, sc.TOKEN_TYPE: kind})
+            hist = ins.input_tokens_histogram if kind == "input" else ins.output_tokens_histogram
+            if hist is not None:
+                hist.record(value, attrs)
+            counter = ins.input_tokens_counter if kind == "input" else ins.output_tokens_counter
+            if counter is not None:
+                counter.add(value, {**attrs, sc.TOKEN_MODALITY: "text"})
+            own = ins.input_tokens if kind == "input" else ins.output_tokens
+            own.add(value, {**attrs, sc.INPUT_TOKENS_SOURCE if kind == "input" else sc.OUTPUT_TOKENS_SOURCE: source})
+            if drift is not None:
+                # OTel histograms take no negative values: the size goes in the value, the sign in an attribute.
+                direction = "over" if drift > 0 else "under" if drift < 0 else "exact"
+                ins.drift.record(
+                    abs(drift), {sc.TOKEN_TYPE: kind, sc.ROUTE: attrs[sc.ROUTE], sc.DRIFT_DIRECTION: direction}
+                )
+        if s.cache_read_tokens is not None:
+            ins.cache_read.add(s.cache_read_tokens, attrs)
+            if ins.cache_read_counter is not None:
+                ins.cache_read_counter.add(s.cache_read_tokens, {**attrs, sc.TOKEN_MODALITY: "text"})
+        if s.cache_write_tokens is not None:
+            ins.cache_write.add(s.cache_write_tokens, attrs)
+            if ins.cache_write_counter is not None:
+                ins.cache_write_counter.add(s.cache_write_tokens, {**attrs, sc.TOKEN_MODALITY: "text"})
+
+    def cache_attributes(self, tl: Timeline, diag: Diagnosis) -> dict[str, Any]:
+        """The attributes of ``llmtap.cache.requests``."""
+        # After ``metric_attributes`` counted this request's version: read its label, do not count again.
+        req = tl.request
+        attrs: dict[str, Any] = {sc.CACHE_CLASS: diag.cache_class, sc.ROUTE: tl.route}
+        if req is not None and req.model:
+            attrs[sc.REQUEST_MODEL] = self._models(req.model)
+        if tl.prompt_version:
+            attrs[sc.PROMPT_VERSION] = self._versions.label(tl.prompt_version)
+        if diag.cache_class == MISS_CHANGED and diag.changed_region:
+            attrs[sc.CACHE_CHANGED_REGION] = diag.changed_region
+        return attrs
+
+
+def proxy_added(tl: Timeline) -> float:
+    """The proxy's own time in the user's TTFT: from the request's first byte to its send upstream (less the
+    admission line, a measured queue of its own), plus from the first content's arrival to its hand-over
+    to the client. A saturated proxy shows here, in its own numbers."""
+    start = tl.admitted if tl.admitted is not None else tl.received
+    added = max((tl.sent or start) - start, 0.0)
+    if tl.admitted is not None and tl.body_read is not None:
+        added += max(tl.body_read - tl.received, 0.0)
+    if tl.first_content is not None and tl.first_content_delivered is not None:
+        added += max(tl.first_content_delivered - tl.first_content, 0.0)
+    return added

@@ -1,0 +1,264 @@
+"""Spans of a finished request: the root with the relay's ids, the queue, prefill and decode phases, one per chunk.
+
+Everything here runs on the recorder's worker thread, after the stream ended: spans are written with
+their real start and end times (epoch nanoseconds from the timeline's monotonic stamps).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry import context as otel_context, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import (
+    ReadableSpan,
+    SpanProcessor as SdkSpanProcessor,
+    TracerProvider as SdkTracerProvider,
+)
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    NoOpTracerProvider,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TracerProvider,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from proxy.analysis.summary import Summary
+from proxy.analysis.timeline import OK, Timeline
+from proxy.settings import Settings
+from proxy.telemetry import semconv as sc
+from proxy.telemetry.attributes import end_attributes, queue_attributes, root_name, start_attributes
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class FixedIds(IdGenerator):
+    """The SDK's id generator, told the next ids: so the spans carry the ids the relay already sent.
+
+    The relay makes a request's trace and span ids and sends them upstream as ``traceparent`` before
+    any span exists; the recorder, writing the root span later, primes this generator with them. Unprimed
+    (every other span) it returns the wrapped generator's ids. Primed values are per thread.
+    """
+
+    def __init__(self, inner: IdGenerator) -> None:
+        self.inner = inner
+        self._next = threading.local()
+
+    def prime(self, trace_id: int | None, span_id: int | None) -> None:
+        """The next trace id and span id this thread asks for."""
+        self._next.trace_id, self._next.span_id = trace_id, span_id
+
+    def generate_span_id(self) -> int:
+        """The primed span id, once; else a new one."""
+        value: int | None = getattr(self._next, "span_id", None)
+        if value is None:
+            return self.inner.generate_span_id()
+        self._next.span_id = None
+        return value
+
+    def generate_trace_id(self) -> int:
+        """The primed trace id, once; else a new one."""
+        value: int | None = getattr(self._next, "trace_id", None)
+        if value is None:
+            return self.inner.generate_trace_id()
+        self._next.trace_id = None
+        return value
+
+    @classmethod
+    def install(cls, provider: TracerProvider | None) -> FixedIds | None:
+        """Wrap an SDK provider's generator (before its tracer is made); None for any other provider."""
+        if not isinstance(provider, SdkTracerProvider):
+            return None
+        current = provider.id_generator
+        if isinstance(current, FixedIds):
+            return current
+        fixed = cls(current)
+        provider.id_generator = fixed  # type: ignore[assignment]
+        return fixed
+
+
+class ChunkSpanWriter:
+    """Writes finished chunk spans straight to the SDK provider's span processors.
+
+    A chunk span is born finished: its times, parent and attributes are known when the request is
+    recorded. ``Tracer.start_span`` and ``end`` (context lookup, sampler, attribute validation, a lock per
+    end) cost about 25 µs a span, the constructed span about 4 µs (bench/RESULTS.md), and a stream has a
+    span per chunk. Sampling follows the parent (the decode span), as the SDK's default sampler decides;
+    ``on_start`` is not called, as nothing can be added to a finished span. Reaching the processors takes
+    two SDK attributes that are not public: without them (another SDK version, another provider) ``of``
+    returns None and chunk spans go through the tracer as any other.
+    """
+
+    def __init__(self, processor: SdkSpanProcessor, resource: Resource, scope: InstrumentationScope, ids: Any) -> None:
+        self._processor = processor
+        self._resource = resource
+        self._scope = scope
+        self._span_id: Callable[[], int] = ids.generate_span_id
+
+    @classmethod
+    def of(cls, provider: TracerProvider | None, tracer: Any) -> ChunkSpanWriter | None:
+        """A writer for an SDK provider and its tracer, or None."""
+        if not isinstance(provider, SdkTracerProvider):
+            return None
+        processor = getattr(provider, "_active_span_processor", None)
+        scope = getattr(tracer, "_instrumentation_scope", None)
+        if not isinstance(processor, SdkSpanProcessor) or not isinstance(scope, InstrumentationScope):
+            return None
+        return cls(processor, provider.resource, scope, provider.id_generator)
+
+    def write(self, parent: SpanContext, start: int, end: int, attributes: dict[str, Any]) -> None:
+        """One finished chunk span, child of ``parent``, from ``start`` to ``end`` (epoch ns)."""
+        context = SpanContext(parent.trace_id, self._span_id(), False, parent.trace_flags, parent.trace_state)
+        span = ReadableSpan(
+            sc.SPAN_CHUNK,
+            context=context,
+            parent=parent,
+            resource=self._resource,
+            attributes=attributes,
+            kind=SpanKind.INTERNAL,
+            instrumentation_scope=self._scope,
+            start_time=start,
+            end_time=end,
+        )
+        self._processor.on_end(span)
+
+
+class SpanWriter:
+    """Writes each finished request's spans through one tracer (the injected provider's)."""
+
+    def __init__(self, settings: Settings, tracer_provider: TracerProvider | None) -> None:
+        self.settings = settings
+        self._ids = FixedIds.install(tracer_provider)
+        self._tracer = (tracer_provider or NoOpTracerProvider()).get_tracer("llmtap")
+        #: Chunk spans straight to the SDK's processors when the provider is the SDK's; None otherwise.
+        self.chunk_writer = ChunkSpanWriter.of(tracer_provider, self._tracer)
+
+    def root(self, tl: Timeline) -> Span:
+        """The request's root span, with the ids the relay made (a child of the client's ``traceparent``)."""
+        parent = otel_context.Context()
+        if tl.parent is not None:
+            traceparent, tracestate = tl.parent
+            carrier = {"traceparent": traceparent}
+            if tracestate:
+                carrier["tracestate"] = tracestate
+            parent = _PROPAGATOR.extract(carrier)
+        if self._ids is not None and tl.span_id is not None and tl.trace_id is not None:
+            self._ids.prime(int(tl.trace_id, 16), int(tl.span_id, 16))
+        span = self._tracer.start_span(
+            root_name(tl),
+            context=parent,
+            kind=SpanKind.CLIENT,
+            attributes=start_attributes(tl),
+            start_time=tl.received_wall_ns,
+        )
+        if self._ids is not None:
+            self._ids.prime(None, None)
+        ctx = span.get_span_context()
+        if ctx.is_valid and tl.span_id is None:
+            tl.trace_id = format(ctx.trace_id, "032x")
+            tl.span_id = format(ctx.span_id, "016x")
+        return span
+
+    def write(self, tl: Timeline, s: Summary, root: Span) -> None:
+        """End the root span with what the stream said, and write its phase and chunk spans."""
+        end = tl.end if tl.end is not None else tl.received
+        if tl.protocol is not None:
+            t = self.settings.telemetry
+            root.set_attributes(end_attributes(tl, s, capture=t.capture_content, latest=t.semconv_latest))
+        if tl.status_code is not None:
+            root.set_attribute(sc.HTTP_STATUS, tl.status_code)
+        if tl.outcome != OK:
+            root.set_attribute(sc.ERROR_TYPE, tl.error_type or "_OTHER")
+            root.set_status(Status(StatusCode.ERROR, tl.error_message or tl.error_type))
+        if tl.protocol is not None:
+            ctx = trace.set_span_in_context(root, otel_context.Context())
+            self._phase_spans(tl, s, ctx)
+        root.end(end_time=tl.wall_ns(end))
+
+    def _phase_spans(self, tl: Timeline, s: Summary, ctx: otel_context.Context) -> None:
+        tracer = self._tracer
+        queue_end = tl.admitted if tl.admitted is not None else tl.body_read
+        start = tl.sent if tl.sent is not None else queue_end
+        if start is not None and s.upstream_queue is not None:
+            # The server's own line follows the proxy's: the queue span runs until the server took it up.
+            queue_end = start + s.upstream_queue
+            start = queue_end
+        if queue_end is not None:
+            span = tracer.start_span(sc.SPAN_QUEUE, context=ctx, start_time=tl.wall_ns(tl.received))
+            span.set_attributes(queue_attributes(s))
+            span.end(end_time=tl.wall_ns(queue_end))
+        if start is not None and tl.first_content is not None:
+            span = tracer.start_span(sc.SPAN_PREFILL, context=ctx, start_time=tl.wall_ns(start))
+            attrs: dict[str, Any] = {sc.PREFILL_SOURCE: s.prefill_source}
+            if s.prefill is not None:
+                attrs[sc.PREFILL_DURATION] = s.prefill
+            if s.input_tokens is not None:
+                attrs[sc.USAGE_INPUT_TOKENS] = s.input_tokens
+                attrs[sc.UNCACHED_INPUT_TOKENS] = s.input_tokens - (s.cache_read_tokens or 0)
+            if s.cache_read_tokens is not None:
+                attrs[sc.USAGE_CACHE_READ] = s.cache_read_tokens
+            span.set_attributes(attrs)
+            span.end(end_time=tl.wall_ns(tl.first_content))
+        if tl.first_content is None or tl.last_content is None:
+            return
+        decode = tracer.start_span(sc.SPAN_DECODE, context=ctx, start_time=tl.wall_ns(tl.first_content))
+        attrs = {sc.CHUNK_COUNT: len(tl.chunk_times), sc.DECODE_DURATION: s.decode or 0.0}
+        if s.output_tokens is not None:
+            attrs[sc.USAGE_OUTPUT_TOKENS] = s.output_tokens
+        if s.tpot is not None:
+            attrs[sc.TPOT] = s.tpot
+        decode.set_attributes(attrs)
+        mode = self.settings.telemetry.chunk_spans
+        if mode != "off":
+            self._chunks(tl, s, decode, mode)
+        decode.end(end_time=tl.wall_ns(tl.last_content))
+
+    def _chunks(self, tl: Timeline, s: Summary, decode: Span, mode: str) -> None:
+        times, sizes = tl.chunk_times, tl.chunk_bytes
+        n = len(times)
+        cap = self.settings.telemetry.chunk_span_cap
+        shown = n if n <= cap else cap - 1
+        ctx = trace.set_span_in_context(decode, otel_context.Context())
+        emit = self._chunk_emitter(decode, ctx)
+        for i in range(shown):
+            gap = times[i] - times[i - 1] if i else 0.0
+            attrs: dict[str, Any] = {sc.CHUNK_INDEX: i, sc.CHUNK_BYTES: sizes[i], sc.CHUNK_GAP: gap}
+            if i < len(s.chunk_tokens):
+                attrs[sc.CHUNK_TOKENS] = s.chunk_tokens[i]
+            if mode == "events":
+                decode.add_event(sc.EVENT_CHUNK, attrs, timestamp=tl.wall_ns(times[i]))
+            else:
+                emit(tl.wall_ns(times[i - 1] if i else times[i]), tl.wall_ns(times[i]), attrs)
+        if shown < n:
+            # Past the cap, the tail folds into one span so a 10,000-chunk stream stays cheap.
+            attrs = {
+                sc.CHUNK_INDEX: shown,
+                sc.CHUNK_FOLDED: n - shown,
+                sc.CHUNK_BYTES: sum(sizes[shown:]),
+                sc.CHUNK_GAP: times[-1] - times[shown - 1] if shown else 0.0,
+            }
+            if len(s.chunk_tokens) == n:
+                attrs[sc.CHUNK_TOKENS] = sum(s.chunk_tokens[shown:])
+            if mode == "events":
+                decode.add_event(sc.EVENT_CHUNK, attrs, timestamp=tl.wall_ns(times[-1]))
+            else:
+                emit(tl.wall_ns(times[shown - 1] if shown else times[0]), tl.wall_ns(times[-1]), attrs)
+
+    def _chunk_emitter(self, decode: Span, ctx: otel_context.Context) -> Callable[[int, int, dict[str, Any]], None]:
+        """How this request's chunk spans are written: straight to the processors, or through the tracer."""
+        writer = self.chunk_writer
+        parent = decode.get_span_context()
+        if writer is not None and decode.is_recording() and parent.trace_flags.sampled:
+            return lambda start, end, attrs: writer.write(parent, start, end, attrs)
+
+        def through_tracer(start: int, end: int, attrs: dict[str, Any]) -> None:
+            self._tracer.start_span(sc.SPAN_CHUNK, context=ctx, start_time=start, attributes=attrs).end(end_time=end)
+
+        return through_tracer
