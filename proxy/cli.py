@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return demo.main(args)
         elif args.command == "compare":
-            from proxy import compare
+            from proxy.analysis import compare
 
             return compare.main(args)
     except ConfigError as exc:

@@ -138,7 +138,7 @@ def test_records_are_written_on_the_recorder_thread(
     proxy = proxy_factory(
         Settings(routes=(Route(prefix="/", upstream=sim, name="sim"),), record=Records(path=str(path)))
     )
-    writer = proxy.relay.app.recorder.records
+    writer = proxy.app.recorder.records
     assert writer is not None
     threads: list[str] = []
     original = writer.write

@@ -302,20 +302,23 @@ class ProxyApp:
             tape.lost = True
 
     def _hand_over(self, tape: Tape) -> None:
-        """The request is over: its tape goes to the telemetry side, or is counted as dropped."""
-        if tape.lost or not self._send(tape.end_message()):
+        """The request is over: its tape goes to the telemetry side, or is counted as dropped.
+
+        The end may use the channel's reserve: it holds a stream's last reads, where usage is reported.
+        """
+        if tape.lost or not self._send(tape.end_message(), reserve=True):
             self.tapes_dropped += 1
             log.debug("telemetry behind: dropped the tape of %s %s", tape.method, tape.path)
         self._stats_changed = True
         self._send_stats()
 
-    def _send(self, message: tuple[Any, ...]) -> bool:
+    def _send(self, message: tuple[Any, ...], *, reserve: bool = False) -> bool:
         """Send a tape message; when the channel is full, send it again without the response bytes.
 
         The reads' times and sizes are a few bytes each: the telemetry side keeps the stream's timing
         exact and its record, and decodes only what it got (the stream counts as partial).
         """
-        if self.channel.send(message):
+        if self.channel.send(message, reserve=reserve):
             return True
         times, delivered, sizes, data = message[3]
         if not data:

@@ -210,13 +210,14 @@ class Recorder:
         new_active, new_waiting = dict(active), dict(waiting)
         old_active, old_waiting, old_dropped = self._gauges.get(source, ({}, {}, 0))
         ins = self.instruments
+        # A route reported for the first time gets its series even at 0: an idle gauge reads 0, not absent.
         for route in new_active.keys() | old_active.keys():
             change = new_active.get(route, 0) - old_active.get(route, 0)
-            if change:
+            if change or route not in old_active:
                 ins.active_streams.add(change, {sc.ROUTE: route})
         for route in new_waiting.keys() | old_waiting.keys():
             change = new_waiting.get(route, 0) - old_waiting.get(route, 0)
-            if change:
+            if change or route not in old_waiting:
                 ins.queue_waiting.add(change, {sc.ROUTE: route})
         if dropped > old_dropped:
             self._count_drop("channel_full", dropped - old_dropped)
