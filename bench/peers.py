@@ -224,12 +224,14 @@ def llmtap(
     module: str = "proxy",
     certs: Certs | None = None,
     ablation: str = "",
+    telemetry_cpu: str | None = None,
 ) -> tuple[Endpoint, int]:
     """``llmtap serve`` with full telemetry: chunk spans on, traces and metrics exported over OTLP/gRPC to the sink.
 
     With ``certs`` the upstream is ``https://`` (its TLS port) and llmtap trusts the run's CA; ``ablation``
     (``otel-off``, ``otel-off+httpx``, ...) applies switches of ``ABLATIONS``. Returns the endpoint and the
-    admin port (``/metrics``).
+    admin port (``/metrics``). ``telemetry_cpu``: the core(s) the telemetry process moves to once it runs
+    (the relay stays alone on ``cpu``, as the issue's targets ask); None leaves it where it started.
     """
     port, admin = free_port(), free_port()
     scheme = "https" if certs is not None else "http"
@@ -273,6 +275,10 @@ def llmtap(
     log = work / f"{name}{'-' + ablation if ablation else ''}-{scheme}.log"
     svc = Service(name, argv, log=log, cpu=cpu, env=env)
     wait_http(f"http://127.0.0.1:{admin}/readyz", 60, alive=lambda: svc.proc.poll() is None)
+    if telemetry_cpu is not None:
+        cores = {int(c) for c in telemetry_cpu.split(",")}
+        for pid in svc.roles()["telemetry"]:
+            os.sched_setaffinity(pid, cores)
     return Endpoint(name, f"http://127.0.0.1:{port}/v1/chat/completions", svc, admin=admin), admin
 
 

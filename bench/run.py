@@ -191,7 +191,13 @@ class Bench:
             ep = peers.litellm(self.work, self.proxy_cpu, port)
         else:
             ep, self.admin_port = peers.llmtap(
-                self.work, self.proxy_cpu, port, self.sink_port, certs=certs, ablation=ablation
+                self.work,
+                self.proxy_cpu,
+                port,
+                self.sink_port,
+                certs=certs,
+                ablation=ablation,
+                telemetry_cpu=self.client_cpu,
             )
             ep.name = spec
         assert ep.service is not None
