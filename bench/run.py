@@ -648,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     nice = args.nice if args.nice is not None else (0 if args.smoke or os.geteuid() != 0 else -10)
     if nice:
         os.nice(nice)
-    work = Path(args.out or peers.REPO / "bench" / "out" / time.strftime("%Y%m%d-%H%M%S"))
+    # Absolute: nginx takes its prefix from it, and a relative one would be read from that prefix again.
+    work = Path(args.out).resolve() if args.out else peers.REPO / "bench" / "out" / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
     single_core = (os.cpu_count() or 1) < 2
     bench = Bench(

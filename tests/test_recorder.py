@@ -33,8 +33,8 @@ GAP = 1 / 16
 FIRST = 0.5
 WORDS = [" alpha", " beta gamma", " delta river sigma"]  # 1, 2 and 3 o200k tokens
 ROUTES = (Route(prefix="/", upstream="http://upstream:8000", name="default"),)
-# Metric attributes that spans do not carry (or carry under the same key only on the root).
-METRIC_ONLY = {sc.TOKEN_TYPE, sc.OUTCOME, sc.SLO_OUTCOME, sc.DRIFT_DIRECTION, sc.TOKEN_MODALITY}
+# Metric attributes that spans do not carry (or carry under the same key only on the root), and why a tape was lost.
+METRIC_ONLY = {sc.TOKEN_TYPE, sc.OUTCOME, sc.SLO_OUTCOME, sc.DRIFT_DIRECTION, sc.TOKEN_MODALITY, sc.TELEMETRY_REASON}
 
 
 def tape_end(key: int) -> tuple[Any, ...]:
@@ -700,8 +700,8 @@ def test_queue_full_drops_are_counted(harness: HarnessFactory) -> None:
         taken = [rec.submit(tape_end(key)) for key in range(2, 6)]  # one fits in the queue, three do not
         assert taken == [True, False, False, False]
         assert rec.dropped == 3
-        dropped = point(h.metrics(), sc.METRIC_TELEMETRY_DROPPED)
-        assert dropped.value == 3 and dict(dropped.attributes) == {sc.TELEMETRY_REASON: "queue_full"}
+        dropped = point(h.metrics(), sc.METRIC_TELEMETRY_DROPPED, **{sc.TELEMETRY_REASON: "queue_full"})
+        assert dropped.value == 3
     finally:
         blocking.release.set()
     assert rec.flush(5)
@@ -716,8 +716,15 @@ def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: Harnes
     rec.take(1, (STATS, True, 4, (("default", 1),), ()))
     m = h.metrics()
     assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 4 and point(m, sc.METRIC_QUEUE_WAITING).value == 2
-    dropped = point(m, sc.METRIC_TELEMETRY_DROPPED)
-    assert dropped.value == 4 and dict(dropped.attributes) == {sc.TELEMETRY_REASON: "channel_full"}
+    dropped = point(m, sc.METRIC_TELEMETRY_DROPPED, **{sc.TELEMETRY_REASON: "channel_full"})
+    assert dropped.value == 4
+    # Every other reason reads 0 from the start.
+    assert {p.attributes[sc.TELEMETRY_REASON]: p.value for p in points(m[sc.METRIC_TELEMETRY_DROPPED])} == {
+        "channel_full": 4,
+        "queue_full": 0,
+        "evicted": 0,
+        "partial": 0,
+    }
     assert rec.relays_ready == {0: True, 1: True}
     rec.take(0, (STATS, False, 0, (("default", 1),), (("default", 0),)))
     rec.relay_gone(1)

@@ -39,6 +39,9 @@ log = logging.getLogger("llmtap.telemetry")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _STOP = object()
 _CONTENT_CAP = 16 * 1024
+#: Why a tape did not become telemetry, in whole (``channel_full``: the relay's channel; ``queue_full``: this
+#: queue; ``evicted``: too many streams open at once) or in part (``partial``: timing without some bytes).
+TAPE_DROP_REASONS = ("channel_full", "queue_full", "evicted", "partial")
 #: Streams being played back at once (their segments came, their end not yet); past it the oldest goes.
 MAX_OPEN_STREAMS = 4096
 
@@ -85,6 +88,9 @@ class Recorder:
         self._gauges: dict[int, tuple[dict[str, int], dict[str, int], int]] = {}
         #: Whether each relay said it is ready (``/readyz`` of the telemetry process).
         self.relays_ready: dict[int, bool] = {}
+        # Every reason a tape can be lost reads 0 from the start: "none dropped" is a value, not an absence.
+        for reason in TAPE_DROP_REASONS:
+            self._count_drop(reason, 0)
 
     # -- called by the relay's channel, or the telemetry process's reader ------------------------
 
