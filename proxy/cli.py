@@ -96,8 +96,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="never add stream_options.include_usage to OpenAI streams",
     )
     p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--workers", type=int, help="relay processes sharing the port, one per core (1)")
     p.add_argument(
-        "--workers", type=int, help="worker processes sharing the port, one per core; /metrics merges them (1)"
+        "--telemetry-workers",
+        dest="telemetry_workers",
+        type=int,
+        help="telemetry processes, upstreams spread over them; /metrics merges them (1; env LLMTAP_TELEMETRY_WORKERS)",
     )
     q = p.add_argument_group("admission queue and queue/prefill estimates (per route in --config)")
     q.add_argument(

@@ -175,8 +175,10 @@ class Settings:
     upstream_client: str = "lean"
     log_level: str = "info"
     record: Records = field(default_factory=Records)
-    #: Worker processes sharing the proxy port (SO_REUSEPORT); the admin listener merges their metrics.
+    #: Relay processes sharing the proxy port (SO_REUSEPORT).
     workers: int = 1
+    #: Telemetry processes; each upstream's tapes go to one of them (so its estimator sees all its requests).
+    telemetry_workers: int = 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,6 +221,7 @@ _FILE_KEYS = {
     "max_connections": None,
     "upstream_client": None,
     "workers": None,
+    "telemetry_workers": None,
     "log_level": None,
     "upstream": None,
     "provider": None,
@@ -652,5 +655,13 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         record=_records(pick, data.get("record", {})),
         workers=int(
             _number(pick("workers", "LLMTAP_WORKERS", data.get("workers"), 1), "workers", integer=True, minimum=1)
+        ),
+        telemetry_workers=int(
+            _number(
+                pick("telemetry_workers", "LLMTAP_TELEMETRY_WORKERS", data.get("telemetry_workers"), 1),
+                "telemetry_workers",
+                integer=True,
+                minimum=1,
+            )
         ),
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.relay.workers import merge_metrics
+from proxy.telemetry.prometheus import merge_metrics
 from tests.conftest import Scripted, free_port
 
 ROOT = Path(__file__).parent.parent
@@ -193,3 +193,71 @@ def test_workers_on_a_taken_port_fail_once_with_exit_2(tmp_path: Path) -> None:
         )
     assert result.returncode == 2
     assert f"proxy listener 127.0.0.1:{port}" in result.stderr
+
+
+@pytest.mark.e2e
+def test_two_telemetry_processes_share_the_upstreams_and_one_scrape_adds_them_up(
+    upstream: Scripted, tmp_path: Path
+) -> None:
+    """Each upstream's tapes go to one telemetry process, always the same; /metrics on the admin port is all."""
+    other = Scripted()
+    port, admin_port = free_port(), free_port()
+    config = tmp_path / "llmtap.yaml"
+    config.write_text(
+        "routes:\n"
+        f"  - {{prefix: /b, upstream: '{other.url}', strip_prefix: true}}\n"
+        f"  - {{prefix: /, upstream: '{upstream.url}'}}\n"
+    )
+    argv = ["serve", "--config", str(config), "--port", str(port), "--admin-port", str(admin_port)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", *argv, "--telemetry-workers", "2", "--log-level", "warning"],
+        cwd=ROOT,
+        env={**env, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    admin = f"http://127.0.0.1:{admin_port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, "llmtap exited before it was ready"
+            try:
+                if httpx.get(admin + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "never became ready"
+            time.sleep(0.1)
+        assert sorted(_comm(pid) for pid in _children(proc.pid)) == ["llmtap-telemetr", "llmtap-telemetr"]
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.Client(timeout=10) as client:
+            for prefix in ("", "/b", "", "/b", ""):
+                r = client.post(f"http://127.0.0.1:{port}{prefix}/v1/chat/completions", json=body)
+                assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        deadline = time.monotonic() + 10
+        while _merged_count(admin) < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _merged_count(admin) == 5
+        # Each process recorded its own upstream's requests: the private socket of process 1 shows one route.
+        (peer,) = sorted(tmp_path.glob("llmtap-*/telemetry.sock.admin.1"))
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(peer))) as client:
+            text = client.get("http://telemetry/metrics").text
+        routes = {
+            line.split('llmtap_route="', 1)[1].split('"', 1)[0]
+            for line in text.splitlines()
+            if line.startswith(COUNT + "{")
+        }
+        assert len(routes) == 1, routes
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert proc.stderr is not None
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        other.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        if proc.stderr is not None:
+            proc.stderr.close()

@@ -116,6 +116,10 @@ class ProxyApp:
         self._upstream_inflight: dict[str, int] = {}
         self._upstream_seq = 0
         self._keys = itertools.count(1)
+        # With several telemetry processes, each upstream's tapes go to one of them, always the same: its
+        # estimator and cache diagnosis must see every request to that upstream.
+        upstreams = list(dict.fromkeys(r.upstream for r in settings.routes))
+        self._shards = {r.name: upstreams.index(r.upstream) for r in settings.routes}
         # What the telemetry side's gauges show, sent as absolute values (a dropped message loses nothing).
         self._active = {r.name: 0 for r in settings.routes}
         self._waiting = {r.name: 0 for r in settings.routes}
@@ -298,7 +302,7 @@ class ProxyApp:
         """The tape is full mid-stream: its reads leave now, so a long stream holds little here."""
         if tape.lost:
             tape.take_reads()
-        elif not self._send(tape.segment_message()):
+        elif not self._send(tape.segment_message(), shard=self._shards[tape.route]):
             tape.lost = True
 
     def _hand_over(self, tape: Tape) -> None:
@@ -306,24 +310,26 @@ class ProxyApp:
 
         The end may use the channel's reserve: it holds a stream's last reads, where usage is reported.
         """
-        if tape.lost or not self._send(tape.end_message(), reserve=True):
+        if tape.lost or not self._send(tape.end_message(), reserve=True, shard=self._shards[tape.route]):
             self.tapes_dropped += 1
             log.debug("telemetry behind: dropped the tape of %s %s", tape.method, tape.path)
         self._stats_changed = True
         self._send_stats()
 
-    def _send(self, message: tuple[Any, ...], *, reserve: bool = False) -> bool:
+    def _send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0) -> bool:
         """Send a tape message; when the channel is full, send it again without the response bytes.
 
         The reads' times and sizes are a few bytes each: the telemetry side keeps the stream's timing
         exact and its record, and decodes only what it got (the stream counts as partial).
         """
-        if self.channel.send(message, reserve=reserve):
+        if self.channel.send(message, reserve=reserve, shard=shard):
             return True
         times, delivered, sizes, data = message[3]
         if not data:
             return False
-        return self.channel.send((*message[:3], (times, delivered, sizes, b""), *message[4:]), reserve=True)
+        return self.channel.send(
+            (*message[:3], (times, delivered, sizes, b""), *message[4:]), reserve=True, shard=shard
+        )
 
     async def _read_body(self, receive: Receive, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
         """Read the body up to ``limit`` bytes; past it, return what was read and an iterator over the rest.

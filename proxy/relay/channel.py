@@ -41,13 +41,17 @@ class Sink(Protocol):
 class Channel(Protocol):
     """What the relay sends its tapes through."""
 
-    #: Messages dropped so far because the telemetry side was full or away.
-    dropped: int
+    @property
+    def dropped(self) -> int:
+        """Messages dropped so far because the telemetry side was full or away."""
+        ...
 
-    def send(self, message: tuple[Any, ...], *, reserve: bool = False) -> bool:
+    def send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0) -> bool:
         """Hand over one message; False when it was dropped. Never blocks, never raises.
 
-        ``reserve``: a small message that may use room kept back for it (a stream's timing without its bytes).
+        ``reserve``: a message that may use room kept back for it (a stream's end, its timing without bytes).
+        ``shard``: which telemetry process takes it, where there are several (all of a stream's messages
+        name the same one).
         """
         ...
 
@@ -63,7 +67,7 @@ class LocalChannel:
         self.sink = sink
         self.dropped = 0
 
-    def send(self, message: tuple[Any, ...], *, reserve: bool = False) -> bool:
+    def send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0) -> bool:
         """Into the recorder's queue, or dropped when it is full."""
         if self.sink.submit(message):
             return True
@@ -135,7 +139,7 @@ class SocketChannel(asyncio.Protocol):
 
     # -- the relay's side ---------------------------------------------------------------------
 
-    def send(self, message: tuple[Any, ...], *, reserve: bool = False) -> bool:
+    def send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0) -> bool:
         """Queue one message for this turn's write, or drop it when the buffer is full or nobody listens.
 
         A ``reserve`` message may use another quarter of the bound: so a stream whose bytes no longer fit
@@ -187,6 +191,32 @@ class SocketChannel(asyncio.Protocol):
                 await self._lost.wait()
         if not self._lost.is_set():
             transport.abort()
+
+
+class ShardedChannel:
+    """One socket channel to each of several telemetry processes; ``shard`` picks the one a message goes to."""
+
+    def __init__(self, channels: list[SocketChannel]) -> None:
+        self.channels = channels
+
+    @property
+    def dropped(self) -> int:
+        """Messages dropped by any of the channels."""
+        return sum(c.dropped for c in self.channels)
+
+    async def start(self) -> None:
+        """Connect every channel."""
+        for channel in self.channels:
+            await channel.start()
+
+    def send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0) -> bool:
+        """Into the channel of telemetry process ``shard`` (modulo their number)."""
+        return self.channels[shard % len(self.channels)].send(message, reserve=reserve)
+
+    async def aclose(self) -> None:
+        """Close every channel."""
+        for channel in self.channels:
+            await channel.aclose()
 
 
 def frames(buffer: bytearray) -> list[tuple[Any, ...]]:

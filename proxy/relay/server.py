@@ -25,7 +25,7 @@ from typing import Any
 import uvicorn
 
 from proxy.relay.app import create_app
-from proxy.relay.channel import SocketChannel
+from proxy.relay.channel import ShardedChannel, SocketChannel
 from proxy.relay.protocol import BoundedHeadProtocol
 from proxy.settings import ConfigError, Settings
 from proxy.telemetry import process
@@ -131,16 +131,39 @@ def run(settings: Settings) -> None:
             run_loop(serve(settings, proxy_sock, channel_path, telemetry=telemetry))
 
 
+def channel_paths(base: str, count: int) -> list[str]:
+    """The channel sockets of ``count`` telemetry processes: ``base`` itself for one."""
+    return [base] if count == 1 else [f"{base}.{i}" for i in range(count)]
+
+
 class Telemetry:
-    """The telemetry process, its sockets, and its restart when it dies (the relays reconnect by themselves)."""
+    """The telemetry processes, their sockets, and their restart when one dies (the relays reconnect by themselves).
+
+    Process 0 serves the public admin listener; with ``settings.telemetry_workers`` above one, each other
+    process serves its own on a private Unix socket, whose ``/metrics`` process 0 adds to its own.
+    """
 
     def __init__(self, settings: Settings, channel_path: str, *, relays: int) -> None:
         self.settings = settings
         self.relays = relays
+        count = settings.telemetry_workers
         self.admin_sock = bind(settings.admin_host, settings.admin_port, "admin listener")
-        self.channel_sock = bind_unix(channel_path)
-        self.proc = process.start(settings, self.channel_sock, self.admin_sock, relays, wait=START_WAIT)
+        self.channel_socks = [bind_unix(path) for path in channel_paths(channel_path, count)]
+        self.peer_paths = tuple(f"{channel_path}.admin.{i}" for i in range(1, count))
+        self.admin_socks = [self.admin_sock, *(bind_unix(path) for path in self.peer_paths)]
+        self.procs = [self._start(i, wait=START_WAIT) for i in range(count)]
         self.stopping = False
+
+    def _start(self, index: int, *, wait: float | None = None) -> subprocess.Popen[bytes]:
+        return process.start(
+            self.settings,
+            self.channel_socks[index],
+            self.admin_socks[index],
+            self.relays,
+            wait=wait,
+            index=index,
+            peers=self.peer_paths if index == 0 else (),
+        )
 
     @property
     def admin_port(self) -> int:
@@ -148,17 +171,18 @@ class Telemetry:
         return int(self.admin_sock.getsockname()[1])
 
     async def watch(self) -> None:
-        """Start the telemetry process again when it dies; relays drop (and count) telemetry meanwhile."""
+        """Twice a second, start again any telemetry process that died."""
         while not self.stopping:
             await asyncio.sleep(0.5)
-            code = self.proc.poll()
-            if code is not None and not self.stopping:
-                log.warning("the telemetry process exited with code %s; starting it again", code)
-                self.restart()
+            self.restart_dead()
 
-    def restart(self) -> None:
-        """Start the telemetry process again on the same sockets."""
-        self.proc = process.start(self.settings, self.channel_sock, self.admin_sock, self.relays)
+    def restart_dead(self) -> None:
+        """Start again, on the same sockets, each telemetry process that died; relays drop (and count) meanwhile."""
+        for i, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None and not self.stopping:
+                log.warning("telemetry process %d exited with code %s; starting it again", i, code)
+                self.procs[i] = self._start(i)
 
     def __enter__(self) -> Telemetry:
         return self
@@ -166,16 +190,18 @@ class Telemetry:
     def __exit__(self, *exc: object) -> None:
         """After the relays closed their channels: SIGTERM, then wait for the flush (bounded)."""
         self.stopping = True
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(self.settings.timeouts.flush + 10)
-        except subprocess.TimeoutExpired:
-            log.warning("the telemetry process did not exit in time; killed")
-            self.proc.kill()
-            self.proc.wait()
-        self.channel_sock.close()
-        self.admin_sock.close()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(self.settings.timeouts.flush + 10)
+            except subprocess.TimeoutExpired:
+                log.warning("a telemetry process did not exit in time; killed")
+                proc.kill()
+                proc.wait()
+        for sock in (*self.channel_socks, *self.admin_socks):
+            sock.close()
 
 
 def uvicorn_config(app: object, settings: Settings, *, access_log: bool = False) -> uvicorn.Config:
@@ -211,7 +237,10 @@ async def serve(
     ``on_started``: called once the relay listens.
     """
     process.set_name(RELAY_NAME)
-    channel = SocketChannel(channel_path)
+    paths = channel_paths(channel_path, settings.telemetry_workers)
+    channel: SocketChannel | ShardedChannel = (
+        SocketChannel(paths[0]) if len(paths) == 1 else ShardedChannel([SocketChannel(p) for p in paths])
+    )
     await channel.start()
     app = create_app(settings, channel=channel)
     logging.getLogger("uvicorn.error").addFilter(_QuietTruncation())

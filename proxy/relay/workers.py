@@ -11,8 +11,6 @@ Python runs one event loop per core at best, so past one core the relay scales o
   All requests are recorded in one place, so ``/metrics`` and the live view see the whole server.
 
 A relay that dies is started again; one that dies before it said it listens stops the whole server.
-``merge_metrics`` adds up the expositions of several processes, series by series (every llmtap metric
-is additive): for servers that run more than one telemetry process behind one scrape.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import pickle
 import select
@@ -29,59 +26,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 
 from proxy.relay.server import Telemetry, bind, run_loop, serve
 from proxy.settings import ConfigError, Settings
 from proxy.telemetry.process import LOG_FORMAT, die_with_parent
 
 log = logging.getLogger("llmtap")
-
-# -- merging expositions ------------------------------------------------------------------------
-
-
-def _value(text: str) -> float:
-    return float(text.replace("+Inf", "inf").replace("-Inf", "-inf"))
-
-
-def _render(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(value)
-
-
-def merge_metrics(texts: Sequence[str]) -> str:
-    """One Prometheus exposition from several: the same series (name and labels) summed, families kept whole.
-
-    Samples belong to the family of the ``# TYPE`` line above them; a series only some workers have is
-    added at the end of its family, so a histogram's buckets, sum and count stay together.
-    """
-    families: dict[str, tuple[list[str], dict[str, float]]] = {}
-    for text in texts:
-        samples: dict[str, float] | None = None
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            if line.startswith(("# HELP ", "# TYPE ")):
-                name = line.split(" ", 3)[2]
-                meta, samples = families.setdefault(name, ([], {}))
-                if not any(m.startswith(line[:7]) for m in meta):
-                    meta.append(line)
-                continue
-            if line.startswith("#"):
-                continue
-            key, _, value = line.rpartition(" ")
-            if samples is None:
-                samples = families.setdefault(key.split("{", 1)[0], ([], {}))[1]
-            samples[key] = samples.get(key, 0.0) + _value(value)
-    out: list[str] = []
-    for meta, samples in families.values():
-        out += sorted(meta, key=lambda m: m.startswith("# TYPE"))
-        out += [f"{key} {_render(value)}" for key, value in samples.items()]
-    return "\n".join(out) + "\n" if out else "# no metrics\n"
-
 
 # -- worker processes ---------------------------------------------------------------------------
 
@@ -145,10 +95,8 @@ class Supervisor:
         """Twice a second: restart the dead, give up on a relay that cannot start."""
         while not self.stopping:
             await asyncio.sleep(0.5)
-            code = telemetry.proc.poll()
-            if code is not None and not self.stopping:
-                log.warning("the telemetry process exited with code %s; starting it again", code)
-                telemetry.restart()
+            if not self.stopping:
+                telemetry.restart_dead()
             for i, proc in enumerate(self.procs):
                 started = proc.check_started()
                 code = proc.popen.poll()

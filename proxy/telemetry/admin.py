@@ -8,8 +8,10 @@ process, or the proxy's own process when telemetry runs in it (tests, the demo, 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Protocol
 
+import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -17,7 +19,7 @@ from starlette.routing import Route
 
 from proxy.settings import Settings
 from proxy.telemetry.live import LiveView
-from proxy.telemetry.prometheus import CONTENT_TYPE, PrometheusReader
+from proxy.telemetry.prometheus import CONTENT_TYPE, PrometheusReader, merge_metrics
 from proxy.telemetry.recorder import Recorder
 from proxy.types import Receive, Scope, Send
 
@@ -43,7 +45,14 @@ class AdminApp:
     now on; ``traces`` says whether trace ids lead anywhere (default: an OTLP or console span exporter is set).
     """
 
-    def __init__(self, source: AdminSource, prometheus: PrometheusReader | None, *, traces: bool | None = None) -> None:
+    def __init__(
+        self,
+        source: AdminSource,
+        prometheus: PrometheusReader | None,
+        *,
+        traces: bool | None = None,
+        peers: Sequence[str] = (),
+    ) -> None:
         recorder = source.recorder
         if recorder is None:
             raise ValueError("the admin listener needs the recorder: serve it where telemetry runs")
@@ -51,6 +60,8 @@ class AdminApp:
         self.recorder = recorder
         self.prometheus = prometheus
         self.live = LiveView(recorder, source.settings, traces=traces)
+        #: The admin sockets of the other telemetry processes, whose ``/metrics`` this one adds to its own.
+        self.peers = tuple(peers)
         routes = [
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/healthz", self._healthz, methods=["GET"]),
@@ -67,6 +78,9 @@ class AdminApp:
             return PlainTextResponse("# prometheus endpoint disabled\n")
         # Rendered on a thread: a large page takes long enough to stall the event loop.
         text = await asyncio.to_thread(self.prometheus.render)
+        if self.peers:
+            others = await asyncio.gather(*(_peer_metrics(path) for path in self.peers))
+            text = merge_metrics([text, *(t for t in others if t is not None)])
         return Response(text, headers={"content-type": CONTENT_TYPE})
 
     async def _healthz(self, request: Request) -> Response:
@@ -77,3 +91,13 @@ class AdminApp:
         detail = getattr(self.proxy, "ready_detail", "")
         text = ("ready" if ready else "not ready") + (f" ({detail})" if detail else "")
         return PlainTextResponse(text + "\n", status_code=200 if ready else 503)
+
+
+async def _peer_metrics(path: str) -> str | None:
+    """Another telemetry process's ``/metrics``, or None when it does not answer (it is being restarted)."""
+    try:
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=path), timeout=10.0) as client:
+            answer = await client.get("http://telemetry/metrics")
+    except httpx.HTTPError:
+        return None
+    return answer.text if answer.status_code == 200 else None

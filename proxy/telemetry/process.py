@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,9 @@ class Launch:
     admin_fd: int
     relays: int
     started_fd: int
+    #: Which telemetry process this is, and (process 0 only) the admin sockets of the others.
+    index: int = 0
+    peers: tuple[str, ...] = ()
 
 
 class _Intake(asyncio.Protocol):
@@ -137,7 +141,7 @@ async def serve(launch: Launch) -> None:
     )
     _say(launch.started_fd, "ready")
     state = TelemetryState(recorder, settings, launch.relays, connected)
-    admin = AdminApp(state, providers.prometheus)
+    admin = AdminApp(state, providers.prometheus, peers=launch.peers)
     server = _Server(uvicorn_config(admin, settings))
 
     def stop() -> None:
@@ -158,6 +162,11 @@ async def serve(launch: Launch) -> None:
 def main() -> None:
     """The telemetry process's entry point: read its ``Launch`` from stdin, serve until SIGTERM."""
     launch: Launch = pickle.load(sys.stdin.buffer)
+    if launch.settings.telemetry_workers > 1:
+        # One OTLP identity per process: cumulative series of two processes must not look like one.
+        extra = f"service.instance.id={uuid.uuid4()},llmtap.telemetry.worker={launch.index}"
+        attrs = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+        os.environ["OTEL_RESOURCE_ATTRIBUTES"] = f"{attrs},{extra}" if attrs else extra
     set_name(NAME)
     die_with_parent()
     with contextlib.suppress(OSError):
@@ -178,7 +187,14 @@ def _say(fd: int, line: str) -> None:
 
 
 def start(
-    settings: Settings, channel: socket.socket, admin: socket.socket, relays: int, *, wait: float | None = None
+    settings: Settings,
+    channel: socket.socket,
+    admin: socket.socket,
+    relays: int,
+    *,
+    wait: float | None = None,
+    index: int = 0,
+    peers: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """Start the telemetry process with the two listening sockets (which stay open here too, for a restart).
 
@@ -193,7 +209,7 @@ def start(
     finally:
         os.close(write_end)
     assert proc.stdin is not None
-    pickle.dump(Launch(settings, fds[0], fds[1], relays, write_end), proc.stdin)
+    pickle.dump(Launch(settings, fds[0], fds[1], relays, write_end, index, peers), proc.stdin)
     proc.stdin.close()
     with os.fdopen(read_end, "rb") as said:
         if wait is None:

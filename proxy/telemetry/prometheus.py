@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry.sdk.metrics import Counter, Histogram, ObservableCounter, UpDownCounter
@@ -142,3 +143,46 @@ def render(data: MetricsData | None) -> str:
                     for gp in points.data_points:
                         lines.append(f"{name}{_labels(gp.attributes)} {_number(gp.value)}")
     return "\n".join(lines) + "\n"
+
+
+def _value(text: str) -> float:
+    return float(text.replace("+Inf", "inf").replace("-Inf", "-inf"))
+
+
+def _render(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
+
+
+def merge_metrics(texts: Sequence[str]) -> str:
+    """One Prometheus exposition from several: the same series (name and labels) summed, families kept whole.
+
+    Samples belong to the family of the ``# TYPE`` line above them; a series only some workers have is
+    added at the end of its family, so a histogram's buckets, sum and count stay together.
+    """
+    families: dict[str, tuple[list[str], dict[str, float]]] = {}
+    for text in texts:
+        samples: dict[str, float] | None = None
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            if line.startswith(("# HELP ", "# TYPE ")):
+                name = line.split(" ", 3)[2]
+                meta, samples = families.setdefault(name, ([], {}))
+                if not any(m.startswith(line[:7]) for m in meta):
+                    meta.append(line)
+                continue
+            if line.startswith("#"):
+                continue
+            key, _, value = line.rpartition(" ")
+            if samples is None:
+                samples = families.setdefault(key.split("{", 1)[0], ([], {}))[1]
+            samples[key] = samples.get(key, 0.0) + _value(value)
+    out: list[str] = []
+    for meta, samples in families.values():
+        out += sorted(meta, key=lambda m: m.startswith("# TYPE"))
+        out += [f"{key} {_render(value)}" for key, value in samples.items()]
+    return "\n".join(out) + "\n" if out else "# no metrics\n"
