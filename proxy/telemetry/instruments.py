@@ -151,7 +151,9 @@ def create(meter: Meter, *, latest: bool) -> Instruments:
             explicit_bucket_boundaries_advisory=DRIFT_BUCKETS,
         ),
         telemetry_dropped=meter.create_counter(
-            sc.METRIC_TELEMETRY_DROPPED, unit="{item}", description="Telemetry dropped, by llmtap.telemetry.reason."
+            sc.METRIC_TELEMETRY_DROPPED,
+            unit="{item}",
+            description="Tapes that did not become telemetry, in whole or in part, by llmtap.telemetry.reason.",
         ),
         malformed=meter.create_counter(
             sc.METRIC_MALFORMED,
