@@ -47,8 +47,23 @@ def _event(text: str) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
-def tape(key: int, chunks: int) -> tuple[Any, ...]:
-    """The end message of one finished stream of ``chunks`` content chunks (one upstream read each)."""
+def chat_tape(
+    key: int,
+    reads: Sequence[bytes],
+    *,
+    received: float = 1000.0,
+    body: bytes = b'{"model": "m", "stream": true, "messages": []}',
+    gap: float = 0.02,
+    trace_id: int | None = None,
+    span_id: int | None = None,
+    fail: tuple[str, str | None, bool] | None = None,
+) -> tuple[Tape, list[tuple[Any, ...]]]:
+    """A relay's tape of one streamed chat request whose upstream sent ``reads``, ``gap`` seconds apart from
+    ``received + 0.1``, and the messages the relay would hand over for it (segments, then the end).
+
+    ``fail`` is the relay's own failure, if any: ``(error_type, message, cancelled)``. Also what the tests
+    build their tapes with.
+    """
     t = Tape(
         key,
         method="POST",
@@ -56,23 +71,35 @@ def tape(key: int, chunks: int) -> tuple[Any, ...]:
         inner_path="/v1/chat/completions",
         route="default",
         protocol="openai_chat",
-        received=1000.0,
+        received=received,
         received_wall_ns=1_700_000_000_000_000_000,
     )
-    t.trace_id, t.span_id = key + 1, key + 1
-    prompt = [{"role": "user", "content": "hello " * 50}]
-    t.body = json.dumps({"model": "m", "stream": True, "messages": prompt}).encode()
-    t.body_read, t.admitted, t.sent, t.headers_at, t.status_code = 1000.001, 1000.001, 1000.002, 1000.02, 200
+    t.trace_id = trace_id if trace_id is not None else key + 1
+    t.span_id = span_id if span_id is not None else key + 1
+    t.body, t.body_read, t.admitted, t.sent = body, received + 0.001, received + 0.002, received + 0.003
+    t.headers_at, t.status_code = received + 0.05, 200
     t.response_headers = [(b"content-type", b"text/event-stream")]
-    for i in range(chunks):
-        at = 1000.05 + i * 0.02
-        t.read(at, _event(" word word"))
+    messages: list[tuple[Any, ...]] = []
+    for i, data in enumerate(reads):
+        at = received + 0.1 + i * gap
+        full = t.read(at, data)
         t.delivered(at + 0.0001)
+        if full:
+            messages.append(t.segment_message())
+    t.end = received + 0.1 + len(reads) * gap
+    if fail is not None:
+        t.fail(fail[0], fail[1], cancelled=fail[2])
+    messages.append(t.end_message())
+    return t, messages
+
+
+def tape(key: int, chunks: int) -> tuple[Any, ...]:
+    """The end message of one finished stream of ``chunks`` content chunks (one upstream read each), usage last."""
     usage = {"model": "m", "choices": [], "usage": {"prompt_tokens": 51, "completion_tokens": 2 * chunks}}
-    t.read(1000.05 + chunks * 0.02, b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
-    t.delivered(1000.05 + chunks * 0.02)
-    t.end = 1000.06 + chunks * 0.02
-    return t.end_message()
+    reads = [_event(" word word")] * chunks + [b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n"]
+    prompt = [{"role": "user", "content": "hello " * 50}]
+    body = json.dumps({"model": "m", "stream": True, "messages": prompt}).encode()
+    return chat_tape(key, reads, body=body)[1][-1]
 
 
 def measure(requests: int, chunks: int) -> dict[str, Any]:

@@ -17,10 +17,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from bench.telemetry import chat_tape
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import Timeline
 from proxy.settings import SLO, Route, Settings, Telemetry as TelemetrySettings, build
-from proxy.tape import STATS, Tape
+from proxy.tape import STATS
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.metrics import BoundedValues
 from proxy.telemetry.recorder import Recorder
@@ -39,24 +40,7 @@ METRIC_ONLY = {sc.TOKEN_TYPE, sc.OUTCOME, sc.SLO_OUTCOME, sc.DRIFT_DIRECTION, sc
 
 def tape_end(key: int) -> tuple[Any, ...]:
     """The channel's last message of a small finished request, as the relay sends it."""
-    tape = Tape(
-        key,
-        method="POST",
-        path="/v1/chat/completions",
-        inner_path="/v1/chat/completions",
-        route="default",
-        protocol="openai_chat",
-        received=1.0,
-        received_wall_ns=WALL,
-    )
-    tape.body = b'{"model": "m", "stream": true, "messages": []}'
-    tape.body_read = tape.admitted = tape.sent = 1.001
-    tape.headers_at, tape.status_code = 1.01, 200
-    tape.response_headers = [(b"content-type", b"text/event-stream")]
-    tape.read(1.02, b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n')
-    tape.delivered(1.021)
-    tape.end = 1.03
-    return tape.end_message()
+    return chat_tape(key, [b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n'])[1][-1]
 
 
 def ns(offset: float) -> int:

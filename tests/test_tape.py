@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
+from bench.telemetry import chat_tape
 from proxy.relay.channel import LocalChannel, SocketChannel, frames
 from proxy.relay.tracecontext import Sampler, begin, parse_traceparent
 from proxy.settings import Route, Settings
@@ -35,33 +36,17 @@ USAGE = b'data: {"model": "m", "choices": [], "usage": {"prompt_tokens": 9, "com
 def tape_of(
     reads: list[bytes], key: int = 1, *, fail: tuple[str, str | None, bool] | None = None
 ) -> tuple[Tape, list[tuple[Any, ...]]]:
-    """A tape of a streamed chat request whose upstream sent ``reads`` (and the relay's ``fail``ure, if any);
-    the messages it would hand over."""
-    tape = Tape(
+    """A tape of a streamed chat request received at 10 s whose upstream sent ``reads`` 20 ms apart from 10.1 s
+    (and the relay's ``fail``ure, if any); the messages it would hand over."""
+    return chat_tape(
         key,
-        method="POST",
-        path="/v1/chat/completions",
-        inner_path="/v1/chat/completions",
-        route="default",
-        protocol="openai_chat",
+        reads,
         received=10.0,
-        received_wall_ns=1_700_000_000_000_000_000,
+        body=BODY,
+        trace_id=0x4BF92F3577B34DA6A3CE929D0E0E4736,
+        span_id=0x00F067AA0BA902B7,
+        fail=fail,
     )
-    tape.trace_id, tape.span_id = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
-    tape.body, tape.body_read, tape.admitted, tape.sent = BODY, 10.001, 10.002, 10.003
-    tape.headers_at, tape.status_code = 10.05, 200
-    tape.response_headers = [(b"content-type", b"text/event-stream")]
-    messages: list[tuple[Any, ...]] = []
-    for i, data in enumerate(reads):
-        full = tape.read(10.1 + i * 0.02, data)
-        tape.delivered(10.1 + i * 0.02 + 0.0001)
-        if full:
-            messages.append(tape.segment_message())
-    tape.end = 10.1 + len(reads) * 0.02
-    if fail is not None:
-        tape.fail(fail[0], fail[1], cancelled=fail[2])
-    messages.append(tape.end_message())
-    return tape, messages
 
 
 def play(messages: list[tuple[Any, ...]]) -> Any:
