@@ -101,6 +101,34 @@ def _children(pid: int) -> list[int]:
     return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
 
 
+def _serve(argv: list[str], tmp_path: Path) -> subprocess.Popen[str]:
+    """``python -m proxy`` with ``argv``, no OTEL_ or LLMTAP_ variable of ours, its temporary files in ``tmp_path``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
+    return subprocess.Popen(
+        [sys.executable, "-m", "proxy", *argv, "--log-level", "warning"],
+        cwd=ROOT,
+        env={**env, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _ready(proc: subprocess.Popen[str], admin: str) -> str:
+    """Wait (30 s at most) until the admin listener's ``/readyz`` answers 200; return its text."""
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None, "llmtap exited before it was ready"
+        try:
+            ready = httpx.get(admin + "/readyz", timeout=2)
+            if ready.status_code == 200:
+                return ready.text
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "llmtap never became ready"
+        time.sleep(0.1)
+
+
 def _comm(pid: int) -> str:
     return Path(f"/proc/{pid}/comm").read_text().strip()
 
@@ -114,30 +142,11 @@ def _merged_count(admin: str) -> float:
 @pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"), reason="needs SO_REUSEPORT (Linux)")
 def test_two_relays_share_the_port_and_one_telemetry_process_counts_all(upstream: Scripted, tmp_path: Path) -> None:
     port, admin_port = free_port(), free_port()
-    argv = ["serve", "--upstream", upstream.url, "--port", str(port), "--admin-port", str(admin_port)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", *argv, "--workers", "2", "--log-level", "warning"],
-        cwd=ROOT,
-        env={**env, "TMPDIR": str(tmp_path)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    argv = ["serve", "--upstream", upstream.url, "--port", str(port), "--admin-port", str(admin_port), "--workers", "2"]
+    proc = _serve(argv, tmp_path)
     admin = f"http://127.0.0.1:{admin_port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, "llmtap exited before it was ready"
-            try:
-                ready = httpx.get(admin + "/readyz", timeout=2)
-                if ready.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "workers never became ready"
-            time.sleep(0.1)
-        assert "2/2 relays" in ready.text
+        assert "2/2 relays" in _ready(proc, admin)
         children = _children(proc.pid)
         assert sorted(_comm(pid) for pid in children) == ["llmtap-relay", "llmtap-relay", "llmtap-telemetr"]
 
@@ -209,27 +218,10 @@ def test_two_telemetry_processes_share_the_upstreams_and_one_scrape_adds_them_up
         f"  - {{prefix: /, upstream: '{upstream.url}'}}\n"
     )
     argv = ["serve", "--config", str(config), "--port", str(port), "--admin-port", str(admin_port)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", *argv, "--telemetry-workers", "2", "--log-level", "warning"],
-        cwd=ROOT,
-        env={**env, "TMPDIR": str(tmp_path)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _serve([*argv, "--telemetry-workers", "2"], tmp_path)
     admin = f"http://127.0.0.1:{admin_port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, "llmtap exited before it was ready"
-            try:
-                if httpx.get(admin + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "never became ready"
-            time.sleep(0.1)
+        _ready(proc, admin)
         assert sorted(_comm(pid) for pid in _children(proc.pid)) == ["llmtap-telemetr", "llmtap-telemetr"]
         body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         with httpx.Client(timeout=10) as client:
