@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,12 +115,9 @@ class CountingSpanExporter(SpanExporter):
     def __init__(self, inner: SpanExporter, gate: ExportGate) -> None:
         self.inner = inner
         self.gate = gate
-        #: Called before each export (encoding a batch is GIL-bound work): see ``Providers.give_way_to``.
-        self.before_export: Callable[[], None] = _go_on
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         """Export, counting failures instead of raising."""
-        self.before_export()
         try:
             result = self.inner.export(spans)
         except Exception:
@@ -149,12 +146,9 @@ class CountingMetricExporter(MetricExporter):
         )
         self.inner = inner
         self.failed = 0
-        #: Called before each export: see ``Providers.give_way_to``.
-        self.before_export: Callable[[], None] = _go_on
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         """Export, counting failures instead of raising."""
-        self.before_export()
         try:
             result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception:
@@ -177,10 +171,6 @@ class CountingMetricExporter(MetricExporter):
         return [Observation(self.failed)]
 
 
-def _go_on() -> None:
-    """The default before an export: nothing to wait for."""
-
-
 @dataclass(slots=True)
 class Providers:
     """The providers the app was given, and the handles needed to inspect and stop them."""
@@ -190,14 +180,6 @@ class Providers:
     prometheus: PrometheusReader | None
     span_gate: ExportGate | None = None
     metric_exporter: CountingMetricExporter | None = None
-
-    def give_way_to(self, wait: Callable[[], None]) -> None:
-        """Call ``wait`` before every span and metric export: the recorder's gate, so that encoding batches
-        (GIL-bound, a few ms each) waits while a request waits for its first content."""
-        if self.span_gate is not None:
-            self.span_gate.exporter.before_export = wait
-        if self.metric_exporter is not None:
-            self.metric_exporter.before_export = wait
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Flush and stop everything within ``timeout`` seconds; never raises.
