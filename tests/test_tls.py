@@ -394,15 +394,15 @@ def test_a_reader_that_stops_stops_a_tls_upstream(run: Any, pki: Files) -> None:
             async with httpx.AsyncClient(transport=transport, timeout=5) as c:
                 async with c.stream("GET", up.url()) as response:
                     parts = response.aiter_raw()
-                    await parts.__anext__()
+                    got = len(await parts.__anext__())
                     await asyncio.sleep(0.5)  # the reader stops; the upstream is held back
                     held = sent[0]
                     await asyncio.sleep(0.2)
                     assert sent[0] == held < 2 << 20, (held, sent[0])
-                    got = 0
                     async for part in parts:
                         got += len(part)
-                    assert sent[0] == total and got > total - (1 << 20)
+                    # every byte arrives once the reader resumes (the server's own count may lag its last send)
+                    assert got == total
 
         run(scenario())
 
