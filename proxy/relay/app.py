@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import time
+import zlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -27,6 +28,7 @@ from proxy.relay.forward import (
 )
 from proxy.relay.frame import relay_frame
 from proxy.relay.guard import Refusal, check_request, check_route
+from proxy.relay.inflate import Inflater, decodable
 from proxy.relay.protocol import RECEIVED
 from proxy.relay.tracecontext import Sampler, begin
 from proxy.settings import Route, Settings
@@ -374,17 +376,21 @@ class ProxyApp:
         else:
             content = rewritten if rewritten is not None else body
         client = self.upstreams.client(route)
-        request = client.build_request(
+        # Built directly, not by the client: its default headers (Accept, Accept-Encoding, User-Agent) would go
+        # upstream although the client never sent them.
+        request = httpx.Request(
             scope["method"],
             upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b"")),
-            headers=request_headers(headers, trace=trace, body_changed=rewritten is not None),
+            headers=request_headers(headers, trace=trace, body_changed=rewritten is not None, plain=tape.strip_usage),
             content=content,
+            extensions={"timeout": client.timeout.as_dict()},
         )
         # Only once the body is read can disconnects be watched: both need ``receive``.
         task = asyncio.current_task()
         watch = _DisconnectWatch(receive, task) if more is None and task is not None else None
         response: httpx.Response | None = None
         strip: UsageEventFilter | None = None
+        inflater: Inflater | None = None
         started = False
         admission = self.admissions.get(route.name)
         admitted = sent = False
@@ -421,30 +427,43 @@ class ProxyApp:
             tape.status_code = status
             raw_headers = response.headers.raw
             tape.response_headers = raw_headers
-            if tape.strip_usage and status < 300 and _plain_encoding(raw_headers):
-                # The filter reads SSE framing; a compressed body would show it nothing, so it stays off.
-                strip = UsageEventFilter()
+            if tape.strip_usage and status < 300:
+                # The filter reads SSE framing. The upstream was asked for an uncompressed body; one that
+                # compresses anyway is decompressed here, and one the relay cannot read keeps its usage event.
+                encoding = _content_encoding(raw_headers)
+                if encoding is None:
+                    strip = UsageEventFilter()
+                elif decodable(encoding):
+                    strip, inflater = UsageEventFilter(), Inflater(encoding)
             await send(
                 {
                     "type": "http.response.start",
                     "status": status,
-                    "headers": response_headers(raw_headers, body_changed=strip is not None),
+                    "headers": response_headers(
+                        raw_headers, body_changed=strip is not None, status=status, decoded=inflater is not None
+                    ),
                 }
             )
             started = True
             async for chunk in response.aiter_raw():
                 full = tape.read(now(), chunk)
-                out = chunk
-                if strip is not None:
-                    out, strip = _strip(strip, chunk)
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                for piece in inflater.feed(chunk) if inflater is not None else (chunk,):
+                    out = piece
+                    if strip is not None:
+                        out, strip = _strip(strip, piece)
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
                 tape.delivered(now())
                 if full:
                     self._segment(tape)
             tail = b""
+            if inflater is not None:
+                tail = inflater.flush()
+                if strip is not None:
+                    tail, strip = _strip(strip, tail)
             if strip is not None:
-                tail, _ = _strip(strip, None)
+                end, _ = _strip(strip, None)
+                tail += end
             tape.end = now()
             surplus = await close_if_surplus(response)
             tape.surplus = surplus
@@ -470,6 +489,10 @@ class ProxyApp:
             if isinstance(exc, OSError) and not started:
                 raise
             tape.fail("cancelled", cancelled=True)
+        except zlib.error as exc:
+            tape.fail("upstream_error", f"the upstream's compressed body is corrupt: {exc}")
+            log.warning("upstream %s sent a corrupt compressed body: %s", route.upstream, exc)
+            await _cut(send, tape, strip)
         except httpx.TimeoutException:
             tape.fail("idle_timeout", "upstream stopped sending")
             if started:
@@ -584,12 +607,12 @@ def _strip(strip: UsageEventFilter, chunk: bytes | None) -> tuple[bytes, UsageEv
         return strip.flush(), None
 
 
-def _plain_encoding(headers: list[tuple[bytes, bytes]]) -> bool:
-    """True when the response body is not compressed (no Content-Encoding, or identity)."""
+def _content_encoding(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The response body's Content-Encoding; None when it is not compressed (none given, or identity)."""
     for name, value in headers:
         if name.lower() == b"content-encoding":
-            return value.strip().lower() in (b"", b"identity")
-    return True
+            return None if value.strip().lower() in (b"", b"identity") else value
+    return None
 
 
 class _Truncated(Exception):

@@ -47,29 +47,53 @@ def _connection_listed(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
 
 
 def request_headers(
-    headers: list[tuple[bytes, bytes]], *, trace: list[tuple[bytes, bytes]] | None, body_changed: bool
+    headers: list[tuple[bytes, bytes]],
+    *,
+    trace: list[tuple[bytes, bytes]] | None,
+    body_changed: bool,
+    plain: bool = False,
 ) -> list[tuple[bytes, bytes]]:
     """Client headers as they go upstream: hop-by-hop, Host and llmtap's own removed; our trace context added.
 
-    ``trace`` replaces the client's trace headers; None (tracing off) lets them pass as sent.
+    Nothing else is added: Host (the upstream's) and the body's length come from the request itself.
+    ``trace`` replaces the client's trace headers; None (tracing off) lets them pass as sent. ``plain``
+    asks for an uncompressed response (``accept-encoding: identity``, which every client accepts): llmtap
+    must read the events of a stream whose usage event it removes.
     """
     drop = HOP_BY_HOP | _connection_listed(headers) | {b"host"}
     if trace is not None:
         drop |= TRACE_HEADERS
     if body_changed:
         drop |= {b"content-length"}
+    if plain:
+        drop |= {b"accept-encoding"}
     out = [(k, v) for k, v in headers if (kl := k.lower()) not in drop and not kl.startswith(PRIVATE_PREFIX)]
+    if plain:
+        out.append((b"accept-encoding", b"identity"))
     if trace:
         out.extend(trace)
     return out
 
 
-def response_headers(headers: Iterable[tuple[bytes, bytes]], *, body_changed: bool) -> list[tuple[bytes, bytes]]:
-    """Upstream response headers as they go to the client: unchanged but for hop-by-hop ones."""
+#: Statuses whose responses never have a body (RFC 9110 sections 15.3.5 and 15.4.5).
+BODILESS = frozenset({204, 304})
+
+
+def response_headers(
+    headers: Iterable[tuple[bytes, bytes]], *, body_changed: bool, status: int = 200, decoded: bool = False
+) -> list[tuple[bytes, bytes]]:
+    """Upstream response headers as they go to the client: unchanged but for hop-by-hop ones.
+
+    A 204 or 304 goes without Content-Length: a 204 must never carry one (RFC 9110 section 8.6), and a
+    304's describes a body that is not sent, which the server below would wait for. ``decoded``: the
+    relay sends the body decompressed, so without its Content-Encoding.
+    """
     headers = list(headers)
     drop = HOP_BY_HOP | _connection_listed(headers)
-    if body_changed:
+    if body_changed or status in BODILESS:
         drop |= {b"content-length"}
+    if decoded:
+        drop |= {b"content-encoding"}
     return [(k, v) for k, v in headers if k.lower() not in drop]
 
 

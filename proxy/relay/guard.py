@@ -2,9 +2,10 @@
 
 The upstream's address comes only from configuration (``forward.upstream_url``), so no request can name
 another host. These checks keep a request on the path its route allows (no dot segments, no percent-encoded
-route prefix), refuse what a reverse proxy for LLM APIs has no use for (``CONNECT``, ``TRACE``), and bound
-what one request may make the proxy hold (RFC 9110 section 15.5.14, RFC 6585 section 5). They run once per
-request, before anything goes upstream, and cost a few microseconds.
+route prefix), refuse what a reverse proxy for LLM APIs has no use for (``CONNECT``, ``TRACE``, a WebSocket or
+other protocol upgrade), hold HTTP/1.1 to its one Host field (RFC 9112 section 3.2), and bound what one request
+may make the proxy hold (RFC 9110 section 15.5.14, RFC 6585 section 5). They run once per request, before
+anything goes upstream, and cost a few microseconds.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ _BAD_FIELD_BYTES = re.compile(rb"[\r\n\0]")
 # section 5.2.4), which would leave the route's base path on the upstream. Run on the decoded path, so
 # "%2e%2e" is caught too.
 _DOT_SEGMENT = re.compile(r"(?:^|[/\\])\.\.?(?:$|[/\\])")
+# RFC 9110 section 7.2: Host is uri-host [ ":" port ]; a reg-name, an IPv4 address or a bracketed IP literal.
+_HOST = re.compile(rb"(?:\[[0-9A-Za-z:.]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]*)(?::[0-9]*)?")
+#: Upgrades an HTTP/1.1 server may ignore and answer in HTTP/1.1 (RFC 9110 section 7.8): an HTTP/2 offer over
+#: cleartext (RFC 7540 section 3.2), which curl --http2 sends with every plain-HTTP request.
+IGNORABLE_UPGRADES = frozenset({b"h2c"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +53,42 @@ def check_request(scope: Scope, *, max_header_bytes: int, max_request_bytes: int
         return Refusal(400, "bad_target", "the path holds a '.' or '..' segment")
     size = len(raw_path) + len(scope.get("query_string", b""))
     length = b""
+    hosts: list[bytes] = []
+    upgrade: bytes | None = None
+    connection = b""
+    chunked = False
     for name, value in scope["headers"]:
         size += len(name) + len(value) + 4  # ": " and CRLF
         if _BAD_FIELD_BYTES.search(value) or _BAD_FIELD_BYTES.search(name):
             return Refusal(400, "bad_header", "a header holds CR, LF or NUL")
         if name == b"content-length":
             length = value
+        elif name == b"host":
+            hosts.append(value)
+        elif name == b"upgrade":
+            upgrade = value
+        elif name == b"connection":
+            connection += b"," + value
+        elif name == b"transfer-encoding":
+            chunked = True
     if size > max_header_bytes:
         return Refusal(431, "headers_too_large", f"request line and headers exceed {max_header_bytes} bytes")
+    if len(hosts) > 1 or (hosts and not _HOST.fullmatch(hosts[0].strip())):
+        return Refusal(400, "bad_host", "the request has more than one Host header, or an invalid one")
+    if not hosts and scope.get("http_version") == "1.1":
+        return Refusal(400, "missing_host", "an HTTP/1.1 request must have a Host header (RFC 9112 section 3.2)")
+    if upgrade is not None and b"upgrade" in {t.strip().lower() for t in connection.split(b",")}:
+        offered = {t.strip().split(b"/")[0].lower() for t in upgrade.split(b",") if t.strip()}
+        what = upgrade.decode("latin-1")[:64]
+        if not offered <= IGNORABLE_UPGRADES:
+            return Refusal(
+                400, "upgrade_not_supported", f"llmtap relays HTTP requests only; it does not upgrade to {what!r}"
+            )
+        if length.strip(b"0") or chunked:
+            # The parser takes what follows an Upgrade request's head for the new protocol, not for its body.
+            return Refusal(
+                400, "upgrade_not_supported", f"llmtap cannot read a request body sent with an upgrade to {what!r}"
+            )
     if length.isdigit() and int(length) > max_request_bytes:
         return Refusal(413, "request_too_large", f"request body exceeds {max_request_bytes} bytes")
     return None

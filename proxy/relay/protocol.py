@@ -60,3 +60,13 @@ class BoundedHeadProtocol(HttpToolsProtocol):
                 self.transport.write(_RESPONSE_431)
             # Mid-response (a pipelined head), the response in flight is cut rather than interleaved.
             self.transport.close()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """The parser stopped at an Upgrade request (uvicorn serves no WebSocket here, ``ws="none"``).
+
+        The relay answers the request itself (a refusal, or HTTP/1.1 for an ignorable ``h2c`` offer), and
+        the parser reads nothing more on this connection, so the answer closes it. No warning: this is the
+        relay's designed answer, not a fault of the server.
+        """
+        if self.cycle is not None:
+            self.cycle.keep_alive = False

@@ -208,7 +208,9 @@ def uvicorn_config(app: object, settings: Settings, *, access_log: bool = False)
     """uvicorn settings shared by every listener: no Server or Date header of its own (the upstream's pass through).
 
     A request head is bounded by ``max_header_bytes`` (``BoundedHeadProtocol``); on SIGTERM, requests in
-    flight get ``timeouts.drain`` seconds (whole seconds, rounded up) before uvicorn cancels them.
+    flight get ``timeouts.drain`` seconds (whole seconds, rounded up) before uvicorn cancels them. WebSocket
+    support is off whatever is installed: an Upgrade request reaches the application as plain HTTP, and the
+    relay answers it (``proxy.relay.guard``).
     """
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
@@ -218,6 +220,7 @@ def uvicorn_config(app: object, settings: Settings, *, access_log: bool = False)
         date_header=False,
         lifespan="on",
         http=BoundedHeadProtocol,
+        ws="none",
         timeout_graceful_shutdown=math.ceil(settings.timeouts.drain),
         h11_max_incomplete_event_size=settings.max_header_bytes,
     )

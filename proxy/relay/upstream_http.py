@@ -228,6 +228,8 @@ class _Connection(asyncio.Protocol):
                 self._remaining = int(value)  # the parser refuses malformed or conflicting lengths
         if self._chunked:
             self._remaining = None
+        if status in (204, 304):
+            self._remaining = 0  # never a body, whatever Content-Length says (RFC 9112 section 6.3)
         if self.head_only:
             # The parser cannot be told the request was HEAD: the message ends here, and the connection
             # is closed after it rather than trusted with a parser expecting a body.
