@@ -39,6 +39,31 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--flush-timeout", dest="flush_timeout", type=float, help="on exit, how long telemetry may take to flush (5)"
     )
+    c = p.add_argument_group("clients: slow or idle connections and how many (timeouts in seconds)")
+    c.add_argument(
+        "--client-header-timeout",
+        dest="client_header_timeout",
+        type=float,
+        help="a request's line and headers must all arrive this soon after its first byte, else 408 (20)",
+    )
+    c.add_argument(
+        "--client-body-timeout",
+        dest="client_body_timeout",
+        type=float,
+        help="longest silence while a request body is arriving; past it 408 and the request is dropped (60)",
+    )
+    c.add_argument(
+        "--keep-alive-timeout",
+        dest="keep_alive_timeout",
+        type=float,
+        help="a connection without a request in progress is closed after this (5)",
+    )
+    c.add_argument(
+        "--max-client-connections",
+        dest="max_client_connections",
+        type=int,
+        help="client connections open at once per relay; past it 503 (default: from the descriptor limit, <= 4096)",
+    )
     p.add_argument("--max-request-bytes", dest="max_request_bytes", type=int, help="largest request body (64 MiB)")
     p.add_argument(
         "--max-header-bytes", dest="max_header_bytes", type=int, help="largest request line plus headers (64 KiB)"

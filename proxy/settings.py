@@ -93,11 +93,16 @@ class Route:
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    """Timeouts in seconds: the upstream's (connect, response headers, silence between chunks) and shutdown's.
+    """Timeouts in seconds: the upstream's (connect, response headers, silence between chunks), clients', shutdown's.
 
     ``read`` bounds the wait for the response headers and, unless ``idle`` is set, every silence between
     two chunks of the body. On SIGTERM, streams in flight get ``drain`` seconds to finish, then telemetry
     gets ``flush`` seconds to reach the collector; past either, what is left is cut (and counted).
+
+    A client must send a whole request head within ``client_header`` of its first byte, may fall silent
+    for at most ``client_body`` while its request body is still arriving, and may keep a connection open
+    without a request for at most ``keep_alive`` (a new connection as one between requests; nginx's
+    ``client_header_timeout``, ``client_body_timeout`` and ``keepalive_timeout``).
     """
 
     connect: float = 10.0
@@ -107,6 +112,9 @@ class Timeouts:
     idle: float | None = None
     drain: float = 30.0
     flush: float = 5.0
+    client_header: float = 20.0
+    client_body: float = 60.0
+    keep_alive: float = 5.0
 
     @property
     def between_chunks(self) -> float:
@@ -169,7 +177,11 @@ class Settings:
     #: The receive buffer (SO_RCVBUF) of each upstream connection: with a client that reads slowly, about
     #: what one stream can make the proxy hold. 0 leaves the kernel's own, which grows to megabytes.
     stream_buffer_bytes: int = 128 * 1024
+    #: Connections to each upstream at most (the pool).
     max_connections: int = 1000
+    #: Client connections open at once, per relay process, at most; past it a new one is answered 503 and
+    #: closed. None: derived from the descriptor limit at start (``proxy.relay.protocol.connection_cap``).
+    max_client_connections: int | None = None
     #: ``lean``: upstreams, HTTP and HTTPS, go through ``proxy.relay.upstream_http`` (less CPU per chunk); ``httpx``:
     #: through httpx's own transport (with the same TLS context).
     upstream_client: str = "lean"
@@ -210,7 +222,18 @@ _FILE_KEYS = {
     "listen": {"host", "port"},
     "admin": {"host", "port"},
     "routes": None,
-    "timeouts": {"connect", "read", "idle", "write", "pool", "drain", "flush"},
+    "timeouts": {
+        "connect",
+        "read",
+        "idle",
+        "write",
+        "pool",
+        "drain",
+        "flush",
+        "client_header",
+        "client_body",
+        "keep_alive",
+    },
     "telemetry": {"chunk_spans", "chunk_span_cap", "queue_size", "prometheus"},
     "slo": {"ttft_ms", "tpot_ms", "e2e_ms"},
     "inject_usage": None,
@@ -219,6 +242,7 @@ _FILE_KEYS = {
     "max_header_bytes": None,
     "stream_buffer_bytes": None,
     "max_connections": None,
+    "max_client_connections": None,
     "upstream_client": None,
     "workers": None,
     "telemetry_workers": None,
@@ -257,6 +281,14 @@ def _number(value: Any, what: str, *, integer: bool = False, minimum: float = 0.
 
 def _optional_number(value: Any, what: str) -> float | None:
     return None if value is None else _number(value, what)
+
+
+def _positive(value: Any, what: str) -> float:
+    """A length of time that must pass before anything is cut: 0 would cut at once."""
+    number = _number(value, what)
+    if number <= 0:
+        raise ConfigError(f"{what}: expected seconds > 0, got {value!r}")
+    return number
 
 
 def _size(value: Any, what: str) -> int:
@@ -600,6 +632,33 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         flush=_number(
             pick("flush_timeout", "LLMTAP_FLUSH_TIMEOUT", timeouts_file.get("flush"), tdefault.flush), "flush timeout"
         ),
+        client_header=_positive(
+            pick(
+                "client_header_timeout",
+                "LLMTAP_CLIENT_HEADER_TIMEOUT",
+                timeouts_file.get("client_header"),
+                tdefault.client_header,
+            ),
+            "client header timeout",
+        ),
+        client_body=_positive(
+            pick(
+                "client_body_timeout",
+                "LLMTAP_CLIENT_BODY_TIMEOUT",
+                timeouts_file.get("client_body"),
+                tdefault.client_body,
+            ),
+            "client body timeout",
+        ),
+        keep_alive=_positive(
+            pick(
+                "keep_alive_timeout", "LLMTAP_KEEP_ALIVE_TIMEOUT", timeouts_file.get("keep_alive"), tdefault.keep_alive
+            ),
+            "keep-alive timeout",
+        ),
+    )
+    client_cap = pick(
+        "max_client_connections", "LLMTAP_MAX_CLIENT_CONNECTIONS", data.get("max_client_connections"), None
     )
     telemetry_env = dict(env)
     if flags.get("chunk_spans") is not None:
@@ -650,6 +709,9 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
                 minimum=1,
             )
         ),
+        max_client_connections=None
+        if client_cap is None
+        else int(_number(client_cap, "max_client_connections", integer=True, minimum=1)),
         upstream_client=client,
         log_level=level,
         record=_records(pick, data.get("record", {})),

@@ -50,6 +50,23 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path: Path) -> No
     assert s.port == 3003 and s.routes[0].upstream == "http://file.example"
 
 
+def test_client_limits_flags_env_file_and_defaults(tmp_path: Path) -> None:
+    s = build({"upstream": UP}, env={})
+    assert (s.timeouts.client_header, s.timeouts.client_body, s.timeouts.keep_alive) == (20.0, 60.0, 5.0)
+    assert s.max_client_connections is None  # derived from the descriptor limit when the relay starts
+    cfg = write(
+        tmp_path,
+        "timeouts: {client_header: 7, client_body: 8, keep_alive: 9}\nmax_client_connections: 100\n",
+    )
+    s = build({"upstream": UP, "config": cfg}, env={})
+    assert (s.timeouts.client_header, s.timeouts.client_body, s.timeouts.keep_alive) == (7.0, 8.0, 9.0)
+    assert s.max_client_connections == 100
+    env = {"LLMTAP_CLIENT_HEADER_TIMEOUT": "3", "LLMTAP_KEEP_ALIVE_TIMEOUT": "4", "LLMTAP_MAX_CLIENT_CONNECTIONS": "50"}
+    s = build({"upstream": UP, "config": cfg, "client_body_timeout": 2.5, "max_client_connections": 10}, env=env)
+    assert (s.timeouts.client_header, s.timeouts.client_body, s.timeouts.keep_alive) == (3.0, 2.5, 4.0)
+    assert s.max_client_connections == 10
+
+
 def test_flag_config_wins_over_env_config(tmp_path: Path) -> None:
     (tmp_path / "other.yaml").write_text("listen: {port: 5005}\n", encoding="utf-8")
     cfg = write(tmp_path, "listen: {port: 6006}\n")
@@ -185,6 +202,11 @@ def test_bad_upstream_url(url: str) -> None:
         ({"connect_timeout": float("inf")}, {}, "connect timeout"),
         ({}, {"LLMTAP_SLO_TTFT_MS": "fast"}, "ttft_ms"),
         ({}, {"LLMTAP_MAX_INSPECT_BYTES": "lots"}, "max_inspect_bytes"),
+        ({"client_header_timeout": 0.0}, {}, "client header timeout: expected seconds > 0"),
+        ({}, {"LLMTAP_CLIENT_BODY_TIMEOUT": "-1"}, "client body timeout"),
+        ({}, {"LLMTAP_KEEP_ALIVE_TIMEOUT": "never"}, "keep-alive timeout: expected a number"),
+        ({}, {"LLMTAP_MAX_CLIENT_CONNECTIONS": "0"}, "max_client_connections"),
+        ({}, {"LLMTAP_MAX_CLIENT_CONNECTIONS": "many"}, "max_client_connections: expected a number"),
         ({}, {"LLMTAP_INJECT_USAGE": "2"}, "inject_usage"),
         ({}, {"LLMTAP_CHUNK_SPANS": "all"}, "chunk_spans"),
         ({}, {"LLMTAP_CHUNK_SPAN_CAP": "0"}, "chunk_span_cap"),
