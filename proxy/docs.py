@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind
 from proxy.analysis.timeline import Timeline
 from proxy.providers import provider_for
 from proxy.settings import SLO, Route, Settings, Telemetry
-from proxy.tape import STATS
+from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, STATS
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
 from proxy.telemetry.prometheus import metric_name
@@ -158,6 +158,16 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.PROMPT_SHARED_PREFIX: ("int", "Tokens this prompt shares with the most similar recent one."),
     sc.QUEUE_OUTCOME: ("string", "Declared: how a request left the admission queue."),
     sc.TIMING_FIELD: ("string", "Which server-reported timing field was ignored as malformed or absurd."),
+    sc.TIMEOUT_KIND: (
+        "string",
+        "Which client timeout closed the connection: `header` (no whole request line and headers within "
+        "`timeouts.client_header` of the first byte; 408), `body` (a request body silent for "
+        "`timeouts.client_body`; 408 when no response had started), `idle` (no request for `timeouts.keep_alive`).",
+    ),
+    sc.REFUSAL_REASON: (
+        "string",
+        "Why a client connection was refused with 503: `limit` (`max_client_connections` were open in its relay).",
+    ),
 }
 
 #: Attributes of metrics the reference run cannot provoke (they count failures of llmtap itself).
@@ -201,6 +211,8 @@ METRICS: dict[str, str] = {
     sc.METRIC_QUEUE_WAITING: "+1 when a request joins a route's admission queue, -1 when it leaves.",
     sc.METRIC_QUEUE_REJECTED: "Each request the admission queue refused.",
     sc.METRIC_TIMING_REJECTED: "Each server-reported timing field that was ignored.",
+    sc.METRIC_CLIENT_TIMEOUTS: "Each client connection a relay closed for a timeout; each kind reads 0 from the start.",
+    sc.METRIC_CONNECTIONS_REFUSED: "Each client connection a relay refused; every reason reads 0 from the start.",
 }
 
 #: The timing definitions every figure rests on (DESIGN, "Timing definitions"); all from one monotonic clock.
@@ -441,9 +453,12 @@ def exercise(*, latest: bool, chunk_mode: str, out: Observed) -> None:
     try:
         for tl in _requests():
             recorder.record(tl)
-        # A relay reporting one stream active and one request in the admission line, then none.
-        recorder.take(0, (STATS, True, 0, ((_ROUTE.name, 1),), ((_ROUTE.name, 1),)))
-        recorder.take(0, (STATS, True, 0, ((_ROUTE.name, 0),), ((_ROUTE.name, 0),)))
+        # A relay reporting one stream active and one request in the admission line, then none, and a client
+        # connection cut for each timeout and one refused.
+        none = (tuple((kind, 0) for kind in CLIENT_TIMEOUT_KINDS), tuple((r, 0) for r in CONNECTION_REFUSAL_REASONS))
+        some = (tuple((kind, 1) for kind in CLIENT_TIMEOUT_KINDS), tuple((r, 1) for r in CONNECTION_REFUSAL_REASONS))
+        recorder.take(0, (STATS, True, 0, ((_ROUTE.name, 1),), ((_ROUTE.name, 1),), *none))
+        recorder.take(0, (STATS, True, 0, ((_ROUTE.name, 0),), ((_ROUTE.name, 0),), *some))
         data = reader.get_metrics_data()
         for rm in data.resource_metrics if data is not None else ():
             for sm in rm.scope_metrics:

@@ -27,6 +27,10 @@ SEGMENT_BYTES = 32 * 1024
 
 # Message kinds on the channel.
 START, SEGMENT, END, STATS = 0, 1, 2, 3
+#: What a STATS message counts beside the gauges, as absolute numbers: client connections cut by a timeout,
+#: by kind, and refused, by reason (``proxy.relay.protocol``).
+CLIENT_TIMEOUT_KINDS = ("header", "body", "idle")
+CONNECTION_REFUSAL_REASONS = ("limit",)
 
 _ids = random.Random(os.urandom(16))
 

@@ -36,6 +36,8 @@ WORDS = [" alpha", " beta gamma", " delta river sigma"]  # 1, 2 and 3 o200k toke
 ROUTES = (Route(prefix="/", upstream="http://upstream:8000", name="default"),)
 # Metric attributes that spans do not carry (or carry under the same key only on the root), and why a tape was lost.
 METRIC_ONLY = {sc.TOKEN_TYPE, sc.OUTCOME, sc.SLO_OUTCOME, sc.DRIFT_DIRECTION, sc.TOKEN_MODALITY, sc.TELEMETRY_REASON}
+# Counts of client connections, not of requests: no span carries them.
+METRIC_ONLY |= {sc.TIMEOUT_KIND, sc.REFUSAL_REASON}
 
 
 def tape_end(key: int) -> tuple[Any, ...]:
@@ -696,8 +698,8 @@ def test_queue_full_drops_are_counted(harness: HarnessFactory) -> None:
 def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: HarnessFactory) -> None:
     h = harness()
     rec = h.recorder
-    rec.take(0, (STATS, True, 0, (("default", 3),), (("default", 2),)))
-    rec.take(1, (STATS, True, 4, (("default", 1),), ()))
+    rec.take(0, (STATS, True, 0, (("default", 3),), (("default", 2),), (), ()))
+    rec.take(1, (STATS, True, 4, (("default", 1),), (), (), ()))
     m = h.metrics()
     assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 4 and point(m, sc.METRIC_QUEUE_WAITING).value == 2
     dropped = point(m, sc.METRIC_TELEMETRY_DROPPED, **{sc.TELEMETRY_REASON: "channel_full"})
@@ -710,12 +712,36 @@ def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: Harnes
         "partial": 0,
     }
     assert rec.relays_ready == {0: True, 1: True}
-    rec.take(0, (STATS, False, 0, (("default", 1),), (("default", 0),)))
+    rec.take(0, (STATS, False, 0, (("default", 1),), (("default", 0),), (), ()))
     rec.relay_gone(1)
     assert rec.flush(5)
     m = h.metrics()
     assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 1 and point(m, sc.METRIC_QUEUE_WAITING).value == 0
     assert rec.relays_ready == {0: False, 1: False}
+
+
+def test_relay_connection_counts_are_absolute_and_read_0_from_the_start(harness: HarnessFactory) -> None:
+    h = harness()
+    rec = h.recorder
+
+    def counts() -> tuple[dict[str, float], dict[str, float]]:
+        m = h.metrics()
+        timeouts = {p.attributes[sc.TIMEOUT_KIND]: p.value for p in points(m[sc.METRIC_CLIENT_TIMEOUTS])}
+        refused = {p.attributes[sc.REFUSAL_REASON]: p.value for p in points(m[sc.METRIC_CONNECTIONS_REFUSED])}
+        return timeouts, refused
+
+    assert counts() == ({"header": 0, "body": 0, "idle": 0}, {"limit": 0})
+    gauges = (STATS, True, 0, (("default", 0),), ())
+    rec.take(0, (*gauges, (("header", 2), ("body", 0), ("idle", 5)), (("limit", 1),)))
+    # A report that never arrived changes nothing: the next one carries the total.
+    rec.take(0, (*gauges, (("header", 3), ("body", 1), ("idle", 9)), (("limit", 4),)))
+    rec.take(1, (*gauges, (("header", 1), ("body", 0), ("idle", 0)), (("limit", 0),)))
+    assert counts() == ({"header": 4, "body": 1, "idle": 9}, {"limit": 4})
+    # Relay 1 goes; a new process in its place counts from 0 again: its counts add, none are lost.
+    rec.relay_gone(1)
+    rec.take(1, (*gauges, (("header", 0), ("body", 2), ("idle", 0)), (("limit", 0),)))
+    assert rec.flush(5)
+    assert counts() == ({"header": 4, "body": 3, "idle": 9}, {"limit": 4})
 
 
 # --- secrets -------------------------------------------------------------------------------------

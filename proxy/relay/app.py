@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
     from opentelemetry.trace import TracerProvider
 
+    from proxy.relay.protocol import ClientLimits
     from proxy.telemetry.recorder import Recorder
 
 log = logging.getLogger("llmtap.proxy")
@@ -127,6 +128,10 @@ class ProxyApp:
         self._waiting = {r.name: 0 for r in settings.routes}
         #: Tapes that did not reach the telemetry side, in whole or in part.
         self.tapes_dropped = 0
+        #: The server's counts of client connections cut or refused (``proxy.relay.server`` sets it), reported
+        #: beside the gauges; None when no such server runs this app.
+        self.connections: ClientLimits | None = None
+        self._counts_sent: tuple[Any, ...] = ()
         self._stats_changed = True
         self._stats_task: asyncio.Task[None] | None = None
 
@@ -179,7 +184,8 @@ class ProxyApp:
             await asyncio.sleep(STATS_EVERY)
 
     def _send_stats(self) -> None:
-        if not self._stats_changed:
+        counts = self.connections.counts() if self.connections is not None else ((), ())
+        if not self._stats_changed and counts == self._counts_sent:
             return
         message = (
             STATS,
@@ -187,9 +193,11 @@ class ProxyApp:
             self.tapes_dropped,
             tuple(self._active.items()),
             tuple(self._waiting.items()),
+            *counts,
         )
         if self.channel.send(message):
             self._stats_changed = False
+            self._counts_sent = counts
 
     def begin_drain(self) -> None:
         """SIGTERM: report not ready; streams in flight may finish until the server's drain deadline."""

@@ -1,10 +1,30 @@
-"""The HTTP/1.1 server protocol llmtap runs under uvicorn: httptools, with a bound on a request's head.
+"""The HTTP/1.1 server protocol llmtap runs under uvicorn: httptools, with bounds on what a client may hold.
 
 httptools (llhttp) has no limit of its own on a request line or header block: uvicorn would buffer a
 gigabyte of header bytes from one client. This protocol counts what arrives while a head is incomplete
 and answers 431 (RFC 6585 section 5) once it passes ``h11_max_incomplete_event_size``, the limit uvicorn's
 h11 protocol applies to the same thing, which ``proxy.relay.server`` sets to ``max_header_bytes``. Only bytes
 of a request head are counted: request bodies and responses pay nothing.
+
+uvicorn has no timeout on a request's head or body either, and only arms its keep-alive timer after a
+response: a client sending a header a byte a second, a connection that never sends anything, or an upload
+that stops halfway would each be kept forever, and enough of them exhaust the descriptors (then every
+new connection fails, and nothing says why). So, after ``ClientLimits``:
+
+* idle: a connection with no request in progress is closed ``keep_alive`` seconds after it opened or after
+  its last response ended (uvicorn's timer; blank lines, which begin no request, do not extend it);
+* header: a request's line and headers must all arrive within ``header_timeout`` of its first byte, else 408;
+* body: while a body is arriving, a silence past ``body_timeout`` gets 408 (when no response started) and
+  the application sees ``http.disconnect``, so the request lets go of its admission slot and its upstream.
+  Silence the proxy causes (it stopped reading, or has not yet asked for a ``100-continue`` body) is not
+  the client's;
+* a connection past ``max_connections`` open ones is answered 503 and closed at once.
+
+Each is counted by kind in ``ClientLimits`` (the relay reports the counts to the telemetry process) and,
+except idle closes, which are routine, logged at most once per ``LOG_EVERY`` seconds. The timers are armed
+only while a head or body is still incomplete after a read, and a body's timer is not moved on each read but
+checks, when it fires, how long the client was really silent: a request that arrives in one read, and every
+response byte, cost nothing.
 
 It also stamps each request with the moment its first byte was read from the socket (``RECEIVED`` in
 the scope's extensions): TTFT as the client sees it starts there, not when the application is called,
@@ -13,53 +33,179 @@ so time the proxy spends before its handler runs (a busy event loop) shows in it
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import resource
 import time
+from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from proxy.settings import Settings
+from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS
+
+log = logging.getLogger("llmtap.proxy")
 
 DEFAULT_MAX_HEAD = 64 * 1024
 #: The scope extension holding the ``time.perf_counter()`` of the read that brought a request's first byte.
 RECEIVED = "llmtap.received"
+#: Seconds between two log lines about the same kind of cut or refusal; the counters have every one.
+LOG_EVERY = 10.0
+#: The most client connections a relay takes by default, and the descriptors kept back from the limit
+#: for everything else (listeners, the channel, log files); each client may need an upstream connection too.
+DEFAULT_CAP = 4096
+_RESERVED_FDS = 64
+#: How long a refused or timed-out connection is read (and its bytes dropped) after its answer, so the
+#: answer is not lost to a reset when the client's unread request is still arriving (RFC 9112 section 9.6).
+LINGER = 2.0
 
-_TOO_LARGE = b"request line and headers too large\n"
-_RESPONSE_431 = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-    b"content-type: text/plain; charset=utf-8\r\n"
-    b"content-length: " + str(len(_TOO_LARGE)).encode() + b"\r\n"
-    b"connection: close\r\n\r\n" + _TOO_LARGE
-)
+
+def _answer(status: bytes, text: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        b"content-length: " + str(len(text)).encode() + b"\r\nconnection: close\r\n" + extra + b"\r\n" + text
+    )
+
+
+_RESPONSE_431 = _answer(b"431 Request Header Fields Too Large", b"request line and headers too large\n")
+_RESPONSE_408_HEAD = _answer(b"408 Request Timeout", b"request line and headers not received in time\n")
+_RESPONSE_408_BODY = _answer(b"408 Request Timeout", b"request body stalled\n")
+_RESPONSE_503 = _answer(b"503 Service Unavailable", b"too many client connections; retry\n", b"retry-after: 1\r\n")
+
+
+def connection_cap(configured: int | None) -> int:
+    """``max_client_connections``, or by default half of the descriptors left above a reserve, at most 4096."""
+    if configured is not None:
+        return configured
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return DEFAULT_CAP
+    return max(16, min(DEFAULT_CAP, (soft - _RESERVED_FDS) // 2))
+
+
+class ClientLimits:
+    """One relay process's bounds on its clients, and absolute counts of the connections they cut or refused."""
+
+    def __init__(self, *, header_timeout: float, body_timeout: float, max_connections: int) -> None:
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
+        self.max_connections = max_connections
+        self.timeouts = dict.fromkeys(CLIENT_TIMEOUT_KINDS, 0)
+        self.refused = dict.fromkeys(CONNECTION_REFUSAL_REASONS, 0)
+        self._logged: dict[str, float] = {}
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ClientLimits:
+        """The limits ``settings`` give (the keep-alive timeout goes to uvicorn's own timer)."""
+        return cls(
+            header_timeout=settings.timeouts.client_header,
+            body_timeout=settings.timeouts.client_body,
+            max_connections=connection_cap(settings.max_client_connections),
+        )
+
+    def counts(self) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
+        """(timeouts by kind, refusals by reason), as the relay's STATS message carries them."""
+        return tuple(self.timeouts.items()), tuple(self.refused.items())
+
+    def timed_out(self, kind: str, client: Any) -> None:
+        """Count a connection cut for ``kind``; log it, unless it is a routine idle close."""
+        self.timeouts[kind] += 1
+        if kind == "header":
+            why = f"no complete request line and headers within {self.header_timeout:g} s"
+        elif kind == "body":
+            why = f"its request body stalled for {self.body_timeout:g} s"
+        else:
+            return
+        self._log(kind, "closed a client connection from %s: %s (%s timeout; %d so far)", _peer(client), why, kind)
+
+    def refuse(self, reason: str, client: Any, open_now: int) -> None:
+        """Count and log a connection refused for ``reason``."""
+        self.refused[reason] += 1
+        self._log(
+            reason,
+            "refused a client connection from %s with 503: %d open, max_client_connections is %d (%d refused so far)",
+            _peer(client),
+            open_now,
+            self.max_connections,
+        )
+
+    def _log(self, key: str, message: str, *args: Any) -> None:
+        """Log at most once per ``LOG_EVERY`` seconds per ``key``, with the count so far as the last argument."""
+        clock = time.monotonic()
+        if clock - self._logged.get(key, -LOG_EVERY) < LOG_EVERY:
+            return
+        self._logged[key] = clock
+        total = self.refused[key] if key in self.refused else self.timeouts[key]
+        log.warning(message, *args, total)
+
+
+def _peer(client: Any) -> str:
+    return f"{client[0]}:{client[1]}" if client else "an unknown address"
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol that refuses a request head longer than the configured limit."""
+    """uvicorn's httptools protocol with bounds on a request head's size and time, a body's silence, idle
+    connections and how many are open (see the module's docstring)."""
 
     _head_bytes = -1  # bytes received while the current request head is incomplete; -1 outside a head
     _read_at = 0.0  # when the data being parsed was read
+    _heard_at = 0.0  # when the client last sent anything, or the proxy last stopped holding it back
+    _head_at = 0.0  # when the current request head's first byte was read
+    _heads = 0  # request heads begun on this connection
+    _in_body = False  # a request's head is complete, its body is not
+    _detached = False  # refused or timed out: input is no longer parsed, no timer runs
+    _timer: asyncio.TimerHandle | None = None
+    _timer_kind = ""  # "header" or "body" while ``_timer`` runs
+    _linger: asyncio.TimerHandle | None = None
+
+    def __init__(self, *args: Any, limits: ClientLimits, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Refuse a connection past the cap; else start its idle timer (uvicorn starts one only after a response)."""
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self.limits.refuse("limit", self.client, len(self.connections) - 1)
+            self._close_with(_RESPONSE_503)
+            return
+        self._idle_until(self.loop.time() + self.timeout_keep_alive)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._unset_keepalive_if_required()
+        if self._linger is not None:
+            self._linger.cancel()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         """A request starts: its head is being received, and its first byte came with the current read."""
         super().on_message_begin()
         self.scope["extensions"] = {RECEIVED: self._read_at}  # type: ignore[dict-item]
         self._head_bytes = 0
+        self._head_at = self._read_at
+        self._heads += 1
 
     def on_headers_complete(self) -> None:
-        """The head is complete: stop counting."""
+        """The head is complete: stop counting and timing it; its body, if any, is next."""
         self._head_bytes = -1
+        if self._timer_kind == "header":
+            self._disarm()
+        self._in_body = True
         super().on_headers_complete()
 
-    def data_received(self, data: bytes) -> None:
-        """Parse, then refuse the connection's request if its head is still incomplete and too large."""
-        self._read_at = time.perf_counter()
-        super().data_received(data)
-        if self._head_bytes < 0 or self.transport.is_closing():
-            return
-        self._head_bytes += len(data)
-        if self._head_bytes > (self.config.h11_max_incomplete_event_size or DEFAULT_MAX_HEAD):
-            self._head_bytes = -1
-            if self.cycle is None or self.cycle.response_complete:
-                self.transport.write(_RESPONSE_431)
-            # Mid-response (a pipelined head), the response in flight is cut rather than interleaved.
-            self.transport.close()
+    def on_message_complete(self) -> None:
+        """The body is complete: nothing more to wait for from the client until its next request."""
+        self._in_body = False
+        if self._timer_kind == "body":
+            self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        """uvicorn starts the idle timer here; a request already on its way is timed by its own timer instead."""
+        super().on_response_complete()
+        if self._head_bytes >= 0 or self._in_body:
+            self._unset_keepalive_if_required()
 
     def _unsupported_upgrade_warning(self) -> None:
         """The parser stopped at an Upgrade request (uvicorn serves no WebSocket here, ``ws="none"``).
@@ -70,3 +216,98 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         """
         if self.cycle is not None:
             self.cycle.keep_alive = False
+
+    def timeout_keep_alive_handler(self) -> None:
+        """An idle connection's time is up: count it, then let uvicorn close it."""
+        if not self.transport.is_closing():
+            self.limits.timed_out("idle", self.client)
+        super().timeout_keep_alive_handler()
+
+    def data_received(self, data: bytes) -> None:
+        """Parse, then refuse a head that grew too large, and time what is still incomplete."""
+        if self._detached:
+            return  # a refused or timed-out connection: read and dropped until it closes
+        self._read_at = self._heard_at = time.perf_counter()
+        idle = self.timeout_keep_alive_task
+        heads = self._heads
+        super().data_received(data)
+        if self.transport.is_closing() or self._detached:
+            return
+        if self._head_bytes >= 0:
+            self._head_bytes += len(data)
+            if self._head_bytes > (self.config.h11_max_incomplete_event_size or DEFAULT_MAX_HEAD):
+                self._head_bytes = -1
+                if self.cycle is None or self.cycle.response_complete:
+                    self.transport.write(_RESPONSE_431)
+                # Mid-response (a pipelined head), the response in flight is cut rather than interleaved.
+                self.transport.close()
+            elif self._timer is None:
+                self._arm("header", self.limits.header_timeout - (time.perf_counter() - self._head_at))
+        elif self._in_body:
+            if self._timer is None:
+                self._arm("body", self.limits.body_timeout)
+        elif (
+            self.timeout_keep_alive_task is None
+            and not self.pipeline
+            and (self.cycle is None or self.cycle.response_complete)
+        ):
+            # Nothing in progress: idle again. Bytes that began no request (blank lines, which RFC 9112
+            # section 2.2 lets a server ignore) leave the deadline where it was.
+            kept = idle is not None and self._heads == heads
+            self._idle_until(idle.when() if kept and idle is not None else self.loop.time() + self.timeout_keep_alive)
+
+    def _idle_until(self, when: float) -> None:
+        self.timeout_keep_alive_task = self.loop.call_at(when, self.timeout_keep_alive_handler)
+
+    def _arm(self, kind: str, delay: float) -> None:
+        self._timer_kind = kind
+        self._timer = self.loop.call_later(max(delay, 0.0), self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_kind = ""
+
+    def _expired(self) -> None:
+        """A head's deadline passed, or a body's timer came round: cut the connection, or look again later."""
+        kind, self._timer, self._timer_kind = self._timer_kind, None, ""
+        if self.transport.is_closing() or self._detached:
+            return
+        cycle = self.cycle
+        if kind == "header":
+            self.limits.timed_out("header", self.client)
+            if cycle is None or cycle.response_complete:
+                self._close_with(_RESPONSE_408_HEAD)
+            else:
+                # A pipelined head behind a response in flight: that response ends, then the connection.
+                self._detached = True
+                cycle.keep_alive = False
+            return
+        clock = time.perf_counter()
+        if self.flow.read_paused or cycle.waiting_for_100_continue:
+            # The proxy holds the body back itself (its buffer is full, or it has not asked for it yet).
+            self._heard_at = clock
+            self._arm("body", self.limits.body_timeout)
+            return
+        silence = clock - self._heard_at
+        if silence < self.limits.body_timeout:
+            self._arm("body", self.limits.body_timeout - silence)
+            return
+        self.limits.timed_out("body", self.client)
+        answer = None if cycle.response_started else _RESPONSE_408_BODY
+        # The application's next receive() gets http.disconnect, and what it sends from now on goes nowhere.
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self._close_with(answer)
+
+    def _close_with(self, answer: bytes | None) -> None:
+        """Answer (when there is an answer to give), stop reading requests, and close after a short linger."""
+        self._detached = True
+        self._disarm()
+        self._unset_keepalive_if_required()
+        if answer is not None:
+            self.transport.write(answer)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._linger = self.loop.call_later(LINGER, self.transport.close)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -26,7 +27,7 @@ import uvicorn
 
 from proxy.relay.app import create_app
 from proxy.relay.channel import ShardedChannel, SocketChannel
-from proxy.relay.protocol import BoundedHeadProtocol
+from proxy.relay.protocol import BoundedHeadProtocol, ClientLimits
 from proxy.settings import ConfigError, Settings
 from proxy.telemetry import process
 
@@ -204,14 +205,18 @@ class Telemetry:
             sock.close()
 
 
-def uvicorn_config(app: object, settings: Settings, *, access_log: bool = False) -> uvicorn.Config:
+def uvicorn_config(
+    app: object, settings: Settings, *, access_log: bool = False, limits: ClientLimits | None = None
+) -> uvicorn.Config:
     """uvicorn settings shared by every listener: no Server or Date header of its own (the upstream's pass through).
 
-    A request head is bounded by ``max_header_bytes`` (``BoundedHeadProtocol``); on SIGTERM, requests in
-    flight get ``timeouts.drain`` seconds (whole seconds, rounded up) before uvicorn cancels them. WebSocket
-    support is off whatever is installed: an Upgrade request reaches the application as plain HTTP, and the
-    relay answers it (``proxy.relay.guard``).
+    A request head is bounded by ``max_header_bytes``, and clients by ``limits`` (``BoundedHeadProtocol``;
+    by default the settings' own, counted where nobody reads them); on SIGTERM, requests in flight get
+    ``timeouts.drain`` seconds (whole seconds, rounded up) before uvicorn cancels them. WebSocket support is
+    off whatever is installed: an Upgrade request reaches the application as plain HTTP, and the relay
+    answers it (``proxy.relay.guard``).
     """
+    protocol = functools.partial(BoundedHeadProtocol, limits=limits or ClientLimits.from_settings(settings))
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         log_level=settings.log_level,
@@ -219,8 +224,9 @@ def uvicorn_config(app: object, settings: Settings, *, access_log: bool = False)
         server_header=False,
         date_header=False,
         lifespan="on",
-        http=BoundedHeadProtocol,
+        http=protocol,  # type: ignore[arg-type]
         ws="none",
+        timeout_keep_alive=settings.timeouts.keep_alive,  # type: ignore[arg-type]
         timeout_graceful_shutdown=math.ceil(settings.timeouts.drain),
         h11_max_incomplete_event_size=settings.max_header_bytes,
     )
@@ -246,12 +252,14 @@ async def serve(
     )
     await channel.start()
     app = create_app(settings, channel=channel)
+    limits = ClientLimits.from_settings(settings)
+    app.connections = limits
     logging.getLogger("uvicorn.error").addFilter(_QuietTruncation())
     # Objects made at start-up live for the whole run: freeze them so the cyclic collector never
     # scans them again, keeping its pauses (and so added chunk gaps) short.
     gc.collect()
     gc.freeze()
-    server = _Server(uvicorn_config(app, settings))
+    server = _Server(uvicorn_config(app, settings, limits=limits))
     server.on_started = on_started
     loop = asyncio.get_running_loop()
 

@@ -61,6 +61,8 @@ class Instruments:
     queue_rejected: Counter
     timing_rejected: Counter
     cache_requests: Counter
+    client_timeouts: Counter
+    connections_refused: Counter
 
 
 def _seconds(meter: Meter, name: str, description: str) -> Histogram:
@@ -177,5 +179,15 @@ def create(meter: Meter, *, latest: bool) -> Instruments:
             sc.METRIC_CACHE_REQUESTS,
             unit="{request}",
             description="Requests by prompt-cache class (llmtap.cache.class): hit, cold, miss_changed, ...",
+        ),
+        client_timeouts=meter.create_counter(
+            sc.METRIC_CLIENT_TIMEOUTS,
+            unit="{connection}",
+            description="Client connections closed for a timeout, by llmtap.timeout.kind (header, body, idle).",
+        ),
+        connections_refused=meter.create_counter(
+            sc.METRIC_CONNECTIONS_REFUSED,
+            unit="{connection}",
+            description="Client connections refused with 503, by llmtap.refusal.reason (limit).",
         ),
     )

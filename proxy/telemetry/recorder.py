@@ -26,7 +26,7 @@ from proxy.analysis.estimator import Estimator
 from proxy.analysis.summary import Summary, summarize
 from proxy.analysis.timeline import Timeline
 from proxy.settings import Settings
-from proxy.tape import END, SEGMENT, STATS
+from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, SEGMENT, STATS
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.attributes import cache_attributes
 from proxy.telemetry.metrics import MetricWriter
@@ -88,9 +88,16 @@ class Recorder:
         self._gauges: dict[int, tuple[dict[str, int], dict[str, int], int]] = {}
         #: Whether each relay said it is ready (``/readyz`` of the telemetry process).
         self.relays_ready: dict[int, bool] = {}
+        # The relays' counts of client connections cut or refused, by source, as each last reported them.
+        self._connections: dict[int, dict[tuple[str, str], int]] = {}
         # Every reason a tape can be lost reads 0 from the start: "none dropped" is a value, not an absence.
         for reason in TAPE_DROP_REASONS:
             self._count_drop(reason, 0)
+        # So does every way a client connection can be cut or refused.
+        for kind in CLIENT_TIMEOUT_KINDS:
+            self.instruments.client_timeouts.add(0, {sc.TIMEOUT_KIND: kind})
+        for reason in CONNECTION_REFUSAL_REASONS:
+            self.instruments.connections_refused.add(0, {sc.REFUSAL_REASON: reason})
 
     # -- called by the relay's channel, or the telemetry process's reader ------------------------
 
@@ -211,8 +218,9 @@ class Recorder:
             log.debug("telemetry: could not count a drop", exc_info=True)
 
     def _stats(self, source: int, message: tuple[Any, ...]) -> None:
-        """A relay's gauges, as absolute values: added to the instruments as the change since its last report."""
-        _, ready, dropped, active, waiting = message
+        """A relay's gauges and counts, as absolute values: added to the instruments as the change since its last
+        report."""
+        _, ready, dropped, active, waiting, timeouts, refused = message
         new_active, new_waiting = dict(active), dict(waiting)
         old_active, old_waiting, old_dropped = self._gauges.get(source, ({}, {}, 0))
         ins = self.instruments
@@ -230,11 +238,23 @@ class Recorder:
             self._dropped += dropped - old_dropped
         self._gauges[source] = (new_active, new_waiting, dropped)
         self.relays_ready[source] = bool(ready)
+        counted = self._connections.setdefault(source, {})
+        for attribute, counter, counts in (
+            (sc.TIMEOUT_KIND, ins.client_timeouts, timeouts),
+            (sc.REFUSAL_REASON, ins.connections_refused, refused),
+        ):
+            for label, count in counts:
+                before = counted.get((attribute, label), 0)
+                # Fewer than last time: a new relay process took this source's place and counts from 0.
+                change = count - before if count >= before else count
+                if change:
+                    counter.add(change, {attribute: str(label)})
+                counted[(attribute, label)] = count
 
     def relay_gone(self, source: int) -> None:
         """Relay ``source`` disconnected: its gauges go back to zero and its open streams are dropped."""
         self._ensure_worker()
-        self._queue.put((source, (STATS, False, self._gauges.get(source, ({}, {}, 0))[2], (), ())))
+        self._queue.put((source, (STATS, False, self._gauges.get(source, ({}, {}, 0))[2], (), (), (), ())))
 
     def _flush_records(self) -> None:
         if self.records is not None:

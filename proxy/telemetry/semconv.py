@@ -95,6 +95,9 @@ PROMPT_SHARED_PREFIX = "llmtap.prompt.shared_prefix_tokens"
 # The admission queue and timings a server reported but llmtap could not trust.
 QUEUE_OUTCOME = "llmtap.queue.outcome"
 TIMING_FIELD = "llmtap.server_timing.field"
+# Client connections the relay cut for a timeout, or refused.
+TIMEOUT_KIND = "llmtap.timeout.kind"
+REFUSAL_REASON = "llmtap.refusal.reason"
 
 # Span names (DESIGN "Span model"); the root span is "{operation} {model}".
 SPAN_QUEUE = "llmtap.queue"
@@ -175,3 +178,5 @@ METRIC_CACHE_REQUESTS = "llmtap.cache.requests"
 METRIC_QUEUE_WAITING = "llmtap.queue.waiting"
 METRIC_QUEUE_REJECTED = "llmtap.queue.rejected"
 METRIC_TIMING_REJECTED = "llmtap.server_timing.rejected"
+METRIC_CLIENT_TIMEOUTS = "llmtap.client.timeouts"
+METRIC_CONNECTIONS_REFUSED = "llmtap.connections.refused"
