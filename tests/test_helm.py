@@ -117,6 +117,14 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
     assert loaded.host == loaded.admin_host == "0.0.0.0"
     expected = case.get("config", {}).get("routes") or values_of(CHART / "values.yaml")["config"]["routes"]
     assert sorted(r.upstream for r in loaded.routes) == sorted(r["upstream"] for r in expected)
+    defaults = values_of(CHART / "values.yaml")["config"]
+    timeouts = {**defaults["timeouts"], **case.get("config", {}).get("timeouts", {})}
+    assert (loaded.timeouts.client_header, loaded.timeouts.client_body, loaded.timeouts.keep_alive) == (
+        timeouts["client_header"],
+        timeouts["client_body"],
+        timeouts["keep_alive"],
+    )
+    assert loaded.max_client_connections == case.get("config", {}).get("max_client_connections")
 
 
 def test_sidecar_collector_config_passes_the_collector_checks() -> None:
