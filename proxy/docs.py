@@ -47,7 +47,11 @@ _SOURCE = "`server` (the server reported it), `proxy` (measured at the proxy), `
 ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.OPERATION_NAME: ("string", "`chat` for chat and messages APIs, `text_completion` for legacy completions."),
     sc.PROVIDER_NAME: ("string", "The route's `provider` setting, else the wire protocol's family (`openai`, ...)."),
-    sc.REQUEST_MODEL: ("string", "The model the client asked for (the first 64 distinct names; later ones `_OTHER`)."),
+    sc.REQUEST_MODEL: (
+        "string",
+        "The model the client asked for, cut at 1,024 characters (on metrics at 256, control characters "
+        "replaced); on metrics up to 64 names used often lately, the `telemetry.metric_models` ones, others `_OTHER`.",
+    ),
     sc.REQUEST_STREAM: ("boolean", "Set to true if and only if the client asked for a streamed answer."),
     sc.REQUEST_MAX_TOKENS: ("int", "`max_tokens` (or `max_completion_tokens`) as the client sent it."),
     sc.REQUEST_TEMPERATURE: ("double", "`temperature` as the client sent it."),
@@ -85,7 +89,8 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "Why the request failed: an upstream error type or status code, `upstream_unreachable`, "
         "`connect_timeout`, `timeout` (no headers in time), `idle_timeout` (silence between chunks), "
         "`upstream_closed`, `upstream_protocol_error`, `request_too_large`, `queue_full`, `queue_timeout`, "
-        "`shutdown` (cut at the drain deadline), `cancelled` (the client left), or `_OTHER`.",
+        "`shutdown` (cut at the drain deadline), `cancelled` (the client left), or `_OTHER`; on metrics up to 32 "
+        "types used often lately.",
     ),
     sc.SERVER_ADDRESS: ("string", "The upstream's host name."),
     sc.SERVER_PORT: ("int", "The upstream's port."),
@@ -106,8 +111,8 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     ),
     sc.PROMPT_VERSION: (
         "string",
-        "The client's `x-llmtap-prompt-version` header (or `--prompt-version`); on metrics the 8 versions used "
-        "most lately, others `_OTHER`.",
+        "The client's `x-llmtap-prompt-version` header (or `--prompt-version`); on metrics up to 8 versions used "
+        "often lately, others `_OTHER`.",
     ),
     sc.REQUEST_PARSE_ERROR: ("string", "Why the request body could not be read (it was relayed unchanged)."),
     sc.TTFB: ("double", "TTFB in seconds: request received to the first response body byte."),
@@ -144,6 +149,11 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "Why telemetry was dropped: `queue_full` (the recorder's queue, or the span export queue), "
         "`export_failed` (the collector refused or could not be reached), `shutdown` (still queued at the flush "
         "deadline).",
+    ),
+    sc.TELEMETRY_ATTRIBUTE: (
+        "string",
+        "The metric attribute whose values a label guard bounds: `gen_ai.request.model` (request and response "
+        "models), `llmtap.prompt.version`, `error.type`.",
     ),
     sc.DRIFT_DIRECTION: ("string", "`over`, `under` or `exact`: tiktoken's count against the reported usage."),
     sc.CACHE_CLASS: (
@@ -206,6 +216,7 @@ METRICS: dict[str, str] = {
     sc.METRIC_OVERHEAD: "Every request that was sent upstream.",
     sc.METRIC_TOKEN_DRIFT: "Requests where both usage and a tiktoken count exist.",
     sc.METRIC_TELEMETRY_DROPPED: "Each request whose tape was dropped: the relay's channel or the recorder's queue was full.",  # noqa: E501
+    sc.METRIC_LABELS_EVICTED: "Each label value that lost its slot to a more frequent one.",
     sc.METRIC_MALFORMED: "Streams with events llmtap could not parse.",
     sc.METRIC_CACHE_REQUESTS: "Every LLM request, once, by its cache class.",
     sc.METRIC_QUEUE_WAITING: "+1 when a request joins a route's admission queue, -1 when it leaves.",

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from proxy.labels import LABEL_CAP, clean
 from proxy.versions import INVALID_VERSION, VERSION_MAX_BYTES, version_label
 
 CHUNK_SPAN_MODES = ("spans", "events", "off")
@@ -145,6 +146,8 @@ class Telemetry:
     chunk_span_cap: int = 200
     queue_size: int = 4096
     prometheus: bool = True
+    #: Model names that always keep their own label on metrics, however rarely used (``LLMTAP_METRIC_MODELS``).
+    metric_models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +237,7 @@ _FILE_KEYS = {
         "client_body",
         "keep_alive",
     },
-    "telemetry": {"chunk_spans", "chunk_span_cap", "queue_size", "prometheus"},
+    "telemetry": {"chunk_spans", "chunk_span_cap", "queue_size", "prometheus", "metric_models"},
     "slo": {"ttft_ms", "tpot_ms", "e2e_ms"},
     "inject_usage": None,
     "max_inspect_bytes": None,
@@ -402,7 +405,30 @@ def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] |
     qsize = env.get("LLMTAP_TELEMETRY_QUEUE", section.get("queue_size", 4096))
     values["queue_size"] = int(_number(qsize, "queue_size", integer=True, minimum=1))
     values["prometheus"] = _bool(env.get("LLMTAP_PROMETHEUS", section.get("prometheus", True)), "prometheus")
+    values["metric_models"] = _metric_models(env.get("LLMTAP_METRIC_MODELS", section.get("metric_models")))
     return Telemetry(**values)
+
+
+#: Names ``metric_models`` may list: each one adds its series to every instrument.
+METRIC_MODELS_MAX = 256
+
+
+def _metric_models(value: Any) -> tuple[str, ...]:
+    """``metric_models``: a list in the file, comma-separated in ``LLMTAP_METRIC_MODELS``."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise ConfigError(f"metric_models: expected a list of model names, got {value!r}")
+    names = tuple(dict.fromkeys(str(item).strip() for item in items if str(item).strip()))
+    for name in names:
+        if clean(name, LABEL_CAP, label=True) != name:
+            raise ConfigError(
+                f"metric_models: {name[:40]!r}: a name of at most {LABEL_CAP} characters, no control characters"
+            )
+    if len(names) > METRIC_MODELS_MAX:
+        raise ConfigError(f"metric_models: at most {METRIC_MODELS_MAX} names, got {len(names)}")
+    return names
 
 
 def _version(value: Any, what: str) -> str:

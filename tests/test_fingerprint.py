@@ -10,14 +10,7 @@ import httpx
 import pytest
 
 from proxy.analysis import tokens
-from proxy.analysis.fingerprint import (
-    BLOCK_CHARS,
-    OTHER,
-    PrefixIndex,
-    TokenCounts,
-    TopK,
-    fingerprint,
-)
+from proxy.analysis.fingerprint import BLOCK_CHARS, PrefixIndex, TokenCounts, fingerprint
 from proxy.providers import AnthropicMessages, OpenAIChat, OpenAICompletions, OpenAIResponses
 from proxy.settings import Route, Settings
 from proxy.simulator import get_profile, run_in_thread
@@ -163,24 +156,6 @@ def test_token_counts_are_remembered_by_content() -> None:
 )
 def test_version_labels(raw: bytes | None, label: str | None) -> None:
     assert version_label(raw) == label
-
-
-def test_top_k_bounds_labels_and_lets_a_new_version_in() -> None:
-    now = [0.0]
-    top = TopK(2, half_life=60.0, candidates=3, clock=lambda: now[0])
-    assert [top("a"), top("b"), top("c")] == ["a", "b", OTHER]
-    for _ in range(5):
-        top("a")
-        top("b")
-    assert top("c") == OTHER and top.label("c") == OTHER
-    # An hour later "a" and "b" are no longer sent: "c" takes a slot after a couple of uses.
-    now[0] = 3600.0
-    labels = [top("c") for _ in range(3)]
-    assert labels[-1] == "c" and top.label("c") == "c"
-    assert sum(top.label(v) != OTHER for v in ("a", "b", "c")) == 2
-    for i in range(50):
-        top(f"noise{i}")
-    assert len(top._waiting) <= 3
 
 
 @pytest.fixture

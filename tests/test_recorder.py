@@ -23,7 +23,6 @@ from proxy.analysis.timeline import Timeline
 from proxy.settings import SLO, Route, Settings, Telemetry as TelemetrySettings, build
 from proxy.tape import STATS
 from proxy.telemetry import semconv as sc
-from proxy.telemetry.metrics import BoundedValues
 from proxy.telemetry.recorder import Recorder
 from proxy.types import Facts, RequestInfo, Usage
 from tests.conftest import Running, Scripted, Telemetry
@@ -35,7 +34,15 @@ FIRST = 0.5
 WORDS = [" alpha", " beta gamma", " delta river sigma"]  # 1, 2 and 3 o200k tokens
 ROUTES = (Route(prefix="/", upstream="http://upstream:8000", name="default"),)
 # Metric attributes that spans do not carry (or carry under the same key only on the root), and why a tape was lost.
-METRIC_ONLY = {sc.TOKEN_TYPE, sc.OUTCOME, sc.SLO_OUTCOME, sc.DRIFT_DIRECTION, sc.TOKEN_MODALITY, sc.TELEMETRY_REASON}
+METRIC_ONLY = {
+    sc.TOKEN_TYPE,
+    sc.OUTCOME,
+    sc.SLO_OUTCOME,
+    sc.DRIFT_DIRECTION,
+    sc.TOKEN_MODALITY,
+    sc.TELEMETRY_REASON,
+    sc.TELEMETRY_ATTRIBUTE,
+}
 # Counts of client connections, not of requests: no span carries them.
 METRIC_ONLY |= {sc.TIMEOUT_KIND, sc.REFUSAL_REASON}
 
@@ -609,25 +616,6 @@ def test_released_names_use_cache_creation(harness: HarnessFactory) -> None:
     h.run(timeline(2, usage=Usage(input_tokens=40, output_tokens=3, cache_write_tokens=8)))
     a = attrs(h.root())
     assert a[sc.USAGE_CACHE_CREATION] == 8 and sc.USAGE_CACHE_WRITE not in a
-
-
-def test_bounded_values() -> None:
-    bound = BoundedValues(limit=3)
-    assert [bound(v) for v in ("a", "b", "a", "c", "d", "e", "b")] == ["a", "b", "a", "c", "_OTHER", "_OTHER", "b"]
-
-
-def test_model_name_cardinality_is_bounded(harness: HarnessFactory) -> None:
-    h = harness()
-    for i in range(70):
-        h.run(timeline(2, model=f"model-{i}", response_model=None))
-    h.run(timeline(2, model="model-0", response_model=None))
-    m = h.metrics()
-    counts = {p.attributes[sc.REQUEST_MODEL]: p.count for p in points(m[sc.RELEASED.operation_duration])}
-    assert len(counts) == 65
-    assert counts["_OTHER"] == 6
-    assert counts["model-0"] == 2 and "model-63" in counts and "model-64" not in counts
-    # Spans are per request: they keep the real name.
-    assert "chat model-69" in {s.name for s in h.spans()}
 
 
 def test_content_not_captured_by_default(harness: HarnessFactory) -> None:

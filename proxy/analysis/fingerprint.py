@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from proxy.analysis import tokens
@@ -31,7 +30,6 @@ BLOCK_CHARS = 1024
 #: Hex digits of a region's hash shown on spans and records (48 bits: collisions are not a concern
 #: among the handful of variants one prompt goes through).
 SHORT_HASH = 12
-OTHER = "_OTHER"
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,61 +200,3 @@ class PrefixIndex:
             self._ready.move_to_end(digest)
         while len(self._ready) > self._capacity:
             self._ready.popitem(last=False)
-
-
-class TopK:
-    """The ``k`` values of a metric attribute used most lately; every other value reads ``_OTHER``.
-
-    Use counts halve every ``half_life`` seconds, so a new prompt version takes the slot of one no
-    longer sent once it is used more, and the number of label values in use stays bounded. Used by
-    one thread (the recorder's worker).
-    """
-
-    def __init__(
-        self,
-        k: int = 8,
-        *,
-        half_life: float = 3600.0,
-        candidates: int = 64,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._k = k
-        self._half_life = half_life
-        self._candidates = candidates
-        self._clock = clock
-        # value -> (decayed count, time of that count)
-        self._members: dict[str, tuple[float, float]] = {}
-        self._waiting: dict[str, tuple[float, float]] = {}
-
-    def _score(self, entry: tuple[float, float], now: float) -> float:
-        count, at = entry
-        return count * float(0.5 ** ((now - at) / self._half_life))
-
-    def label(self, value: str) -> str:
-        """The label ``value`` has now, without counting a use."""
-        return value if value in self._members else OTHER
-
-    def __call__(self, value: str) -> str:
-        """Count one use of ``value`` and return its label: itself while among the top ``k``, else ``_OTHER``."""
-        now = self._clock()
-        if value in self._members:
-            self._members[value] = (self._score(self._members[value], now) + 1.0, now)
-            return value
-        entry = self._waiting.pop(value, None)
-        score = (self._score(entry, now) if entry is not None else 0.0) + 1.0
-        if len(self._members) < self._k:
-            self._members[value] = (score, now)
-            return value
-        weakest = min(self._members, key=lambda v: self._score(self._members[v], now))
-        weakest_score = self._score(self._members[weakest], now)
-        if score > weakest_score + 1.0:
-            # A margin of one use, so two versions of equal traffic do not swap the slot back and forth.
-            self._waiting[weakest] = (weakest_score, now)
-            del self._members[weakest]
-            self._members[value] = (score, now)
-            return value
-        self._waiting[value] = (score, now)
-        if len(self._waiting) > self._candidates:
-            least = min(self._waiting, key=lambda v: self._score(self._waiting[v], now))
-            del self._waiting[least]
-        return OTHER

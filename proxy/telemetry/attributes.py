@@ -1,4 +1,8 @@
-"""Span attributes of a finished request, as pure functions of its timeline and summary (GenAI semconv)."""
+"""Span attributes of a finished request, as pure functions of its timeline and summary (GenAI semconv).
+
+Every string a client or an upstream chose goes through ``proxy.labels.clean``: bounded and valid UTF-8,
+so one hostile value can neither fail a whole export batch nor fill it.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 from proxy.analysis.cachediag import Diagnosis
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import CANCELLED, OK, Timeline
+from proxy.labels import LABEL_CAP, clean, clean_list, clean_or_none
 from proxy.providers.openai_common import collect_text
 from proxy.telemetry import semconv as sc
 from proxy.types import PromptRegion
@@ -20,8 +25,8 @@ def root_name(tl: Timeline) -> str:
     """``{gen_ai.operation.name} {gen_ai.request.model}`` for LLM calls; ``{method}`` for plain relays."""
     req = tl.request
     if tl.protocol is None or req is None:
-        return tl.method
-    return f"{req.operation} {req.model}" if req.model else req.operation
+        return clean(tl.method, LABEL_CAP, label=True)
+    return f"{req.operation} {clean(req.model, LABEL_CAP, label=True)}" if req.model else req.operation
 
 
 def start_attributes(tl: Timeline) -> dict[str, Any]:
@@ -29,8 +34,8 @@ def start_attributes(tl: Timeline) -> dict[str, Any]:
     attrs: dict[str, Any] = {
         sc.SERVER_ADDRESS: tl.server_address,
         sc.SERVER_PORT: tl.server_port,
-        sc.HTTP_METHOD: tl.method,
-        sc.URL_PATH: tl.path,
+        sc.HTTP_METHOD: clean(tl.method),
+        sc.URL_PATH: clean(tl.path),
         sc.ROUTE: tl.route,
     }
     req = tl.request
@@ -40,15 +45,16 @@ def start_attributes(tl: Timeline) -> dict[str, Any]:
     attrs[sc.PROVIDER_NAME] = tl.provider_name
     attrs[sc.PROTOCOL] = tl.protocol
     if req.model:
-        attrs[sc.REQUEST_MODEL] = req.model
+        attrs[sc.REQUEST_MODEL] = clean(req.model)
     if req.stream:
         attrs[sc.REQUEST_STREAM] = True
     if req.parse_error:
-        attrs[sc.REQUEST_PARSE_ERROR] = req.parse_error
-    # Provider params are keyed by their gen_ai.request.* suffix (max_tokens, temperature, choice.count, ...).
+        attrs[sc.REQUEST_PARSE_ERROR] = clean(req.parse_error)
+    # Provider params are keyed by their gen_ai.request.* suffix (max_tokens, temperature, choice.count, ...);
+    # the only strings among them are stop sequences, a list as long as the client likes.
     for key, value in req.params.items():
         if value is not None:
-            attrs[f"gen_ai.request.{key}"] = value
+            attrs[f"gen_ai.request.{key}"] = clean_list(value) if isinstance(value, list) else value
     if tl.prompt_version:
         attrs[sc.PROMPT_VERSION] = tl.prompt_version
     return attrs
@@ -98,7 +104,7 @@ def input_messages(regions: list[PromptRegion], cap: int) -> str:
         role = value.get("role") if isinstance(value, dict) else None
         parts: list[str] = []
         collect_text(value, parts)
-        text = "\n".join(parts)[:room]
+        text = clean("\n".join(parts)[:room], cap)
         room -= len(text)
         content = [{"type": "text", "content": text}]
         messages.append({"role": "system" if region.kind == "system" else role or "user", "parts": content})
@@ -110,10 +116,10 @@ def input_messages(regions: list[PromptRegion], cap: int) -> str:
 def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = False) -> dict[str, Any]:
     """Attributes known when the stream ends."""
     attrs: dict[str, Any] = {}
-    _put(attrs, sc.RESPONSE_ID, tl.response_id)
-    _put(attrs, sc.RESPONSE_MODEL, tl.response_model)
+    _put(attrs, sc.RESPONSE_ID, clean_or_none(tl.response_id))
+    _put(attrs, sc.RESPONSE_MODEL, clean_or_none(tl.response_model))
     if tl.finish_reasons:
-        attrs[sc.RESPONSE_FINISH_REASONS] = list(tl.finish_reasons)
+        attrs[sc.RESPONSE_FINISH_REASONS] = clean_list(tl.finish_reasons)
     elif tl.outcome != OK and tl.request is not None:
         # semantic-conventions-genai: a missing or aborted finish is reported as "error".
         attrs[sc.RESPONSE_FINISH_REASONS] = ["error"]
@@ -149,7 +155,7 @@ def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = Fa
     if capture and tl.request is not None and tl.request.regions:
         attrs[sc.INPUT_MESSAGES] = input_messages(tl.request.regions, CONTENT_CAP)
     if capture and tl.chunk_texts:
-        text = "".join(tl.chunk_texts)[:CONTENT_CAP]
+        text = clean("".join(tl.chunk_texts)[:CONTENT_CAP], CONTENT_CAP)
         attrs[sc.OUTPUT_MESSAGES] = json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": text}]}])
     if tl.outcome == CANCELLED:
         attrs[sc.ERROR_TYPE] = "cancelled"

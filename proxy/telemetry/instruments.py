@@ -56,6 +56,7 @@ class Instruments:
     overhead: Histogram
     drift: Histogram
     telemetry_dropped: Counter
+    labels_evicted: Counter
     malformed: Counter
     queue_waiting: UpDownCounter
     queue_rejected: Counter
@@ -156,6 +157,12 @@ def create(meter: Meter, *, latest: bool) -> Instruments:
             sc.METRIC_TELEMETRY_DROPPED,
             unit="{item}",
             description="Tapes that did not become telemetry, in whole or in part, by llmtap.telemetry.reason.",
+        ),
+        labels_evicted=meter.create_counter(
+            sc.METRIC_LABELS_EVICTED,
+            unit="{value}",
+            description="Label values (model, prompt version, error type) that lost their slot on metrics to a "
+            "more frequent one, by llmtap.telemetry.attribute; later requests with them read _OTHER.",
         ),
         malformed=meter.create_counter(
             sc.METRIC_MALFORMED,

@@ -2,56 +2,58 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 
 from proxy.analysis.cachediag import MISS_CHANGED, Diagnosis
-from proxy.analysis.fingerprint import TopK
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import OK, Timeline
+from proxy.labels import OTHER, LabelGuard
 from proxy.settings import Settings
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import Instruments, create
 
 
-class BoundedValues:
-    """Keeps the first ``limit`` distinct values of a metric attribute; later ones become ``_OTHER``.
-
-    Model names come from clients; without a bound, a client could create unbounded time series.
-    """
-
-    def __init__(self, limit: int = 64) -> None:
-        self._limit = limit
-        self._seen: set[str] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self, value: str) -> str:
-        if value in self._seen:
-            return value
-        with self._lock:
-            if len(self._seen) < self._limit:
-                self._seen.add(value)
-                return value
-        return "_OTHER"
-
-
 class MetricWriter:
-    """Records each finished request on the instruments; model names and prompt versions bounded."""
+    """Records each finished request on the instruments; the values clients and upstreams choose bounded.
+
+    Model names, prompt versions and error types each pass a ``LabelGuard`` (``proxy.labels``): a label is
+    a clean, short string, and only values used often enough keep one; models listed in
+    ``telemetry.metric_models`` always do.
+    """
 
     def __init__(self, settings: Settings, meter_provider: MeterProvider | None) -> None:
         meter = (meter_provider or NoOpMeterProvider()).get_meter("llmtap")
         self.instruments: Instruments = create(meter, latest=settings.telemetry.semconv_latest)
-        self._models = BoundedValues()
-        self._versions = TopK()
+        self._models = self._guard(
+            sc.REQUEST_MODEL, 64, trial=8, candidates=256, pinned=settings.telemetry.metric_models
+        )
+        # Versions are a handful at a time: the ones being compared.
+        self._versions = self._guard(sc.PROMPT_VERSION, 8, trial=4, candidates=64)
+        # llmtap's own error types are a few; an upstream's error.type or code may be anything.
+        self._errors = self._guard(sc.ERROR_TYPE, 32, trial=16, candidates=64)
+
+    def _guard(self, attribute: str, slots: int, *, trial: int, candidates: int, pinned: Any = ()) -> LabelGuard:
+        evicted = self.instruments.labels_evicted
+        # Every guarded attribute's count reads 0 from the start: "none evicted" is a value, not an absence.
+        evicted.add(0, {sc.TELEMETRY_ATTRIBUTE: attribute})
+        return LabelGuard(
+            attribute,
+            slots,
+            trial=trial,
+            candidates=candidates,
+            replacements=slots,
+            pinned=pinned,
+            on_evict=lambda _: evicted.add(1, {sc.TELEMETRY_ATTRIBUTE: attribute}),
+        )
 
     def model_label(self, model: str) -> str:
-        """The label metrics give ``model``: itself, or ``_OTHER`` past the bound on distinct models."""
-        return self._models(model)
+        """The label metrics gave ``model`` (read, not counted as a use): itself, or ``_OTHER``."""
+        return self._models.label(model)
 
     def metric_attributes(self, tl: Timeline, s: Summary) -> dict[str, Any]:
-        """The bounded subset of span attributes that metrics carry."""
+        """The bounded subset of span attributes that metrics carry (counts one use of each guarded value)."""
         req = tl.request
         attrs: dict[str, Any] = {
             sc.OPERATION_NAME: req.operation if req else sc.OP_CHAT,
@@ -64,14 +66,16 @@ class MetricWriter:
         if req is not None and req.stream:
             # As on the span: set if and only if the request streams (gen-ai-spans.md).
             attrs[sc.REQUEST_STREAM] = True
-        if req is not None and req.model:
-            attrs[sc.REQUEST_MODEL] = self._models(req.model)
+        model = req.model if req is not None else None
+        if model:
+            attrs[sc.REQUEST_MODEL] = self._models(model)
         if tl.response_model:
-            attrs[sc.RESPONSE_MODEL] = self._models(tl.response_model)
+            # The same name in request and response is one use of it, not two.
+            same = tl.response_model == model
+            attrs[sc.RESPONSE_MODEL] = attrs[sc.REQUEST_MODEL] if same else self._models(tl.response_model)
         if tl.outcome != OK:
-            attrs[sc.ERROR_TYPE] = tl.error_type or "_OTHER"
+            attrs[sc.ERROR_TYPE] = self._errors(tl.error_type) if tl.error_type else OTHER
         if tl.prompt_version:
-            # Versions come from clients: a bounded top-K keeps the number of series small.
             attrs[sc.PROMPT_VERSION] = self._versions(tl.prompt_version)
         return attrs
 
@@ -146,11 +150,11 @@ class MetricWriter:
 
     def cache_attributes(self, tl: Timeline, diag: Diagnosis) -> dict[str, Any]:
         """The attributes of ``llmtap.cache.requests``."""
-        # After ``metric_attributes`` counted this request's version: read its label, do not count again.
+        # After ``metric_attributes`` counted this request's values: read their labels, do not count again.
         req = tl.request
         attrs: dict[str, Any] = {sc.CACHE_CLASS: diag.cache_class, sc.ROUTE: tl.route}
         if req is not None and req.model:
-            attrs[sc.REQUEST_MODEL] = self._models(req.model)
+            attrs[sc.REQUEST_MODEL] = self._models.label(req.model)
         if tl.prompt_version:
             attrs[sc.PROMPT_VERSION] = self._versions.label(tl.prompt_version)
         if diag.cache_class == MISS_CHANGED and diag.changed_region:

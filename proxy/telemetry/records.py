@@ -24,6 +24,7 @@ from proxy.analysis.cachediag import Diagnosis
 from proxy.analysis.stats import sorted_quantile
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import Timeline
+from proxy.labels import clean_or_none
 from proxy.settings import ConfigError
 
 #: The key that marks a line as a request record; its value is the schema version.
@@ -52,7 +53,10 @@ def _gaps(gaps: list[float]) -> dict[str, Any]:
 
 
 def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None) -> dict[str, Any]:
-    """The record of one finished request (schema version 1)."""
+    """The record of one finished request (schema version 1).
+
+    The strings a client or an upstream chose are ``clean``: a lone surrogate cannot be written as UTF-8,
+    and the whole line would be lost."""
     req = tl.request
     out: dict[str, Any] = {
         SCHEMA_KEY: SCHEMA_VERSION,
@@ -62,12 +66,12 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None) -> dict[str, A
         "upstream": tl.upstream,
         "protocol": tl.protocol,
         "operation": req.operation if req else None,
-        "model": req.model if req else None,
-        "response_model": tl.response_model,
+        "model": clean_or_none(req.model) if req else None,
+        "response_model": clean_or_none(tl.response_model),
         "stream": bool(req and req.stream),
         "status": tl.status_code,
         "outcome": tl.outcome,
-        "error_type": tl.error_type,
+        "error_type": clean_or_none(tl.error_type),
         "slo": s.slo,
         "prompt_version": tl.prompt_version,
         "ttft": _round(s.ttft),

@@ -84,6 +84,7 @@ MALFORMED_EVENTS = "llmtap.stream.malformed_events"
 OVERSIZED_EVENTS = "llmtap.stream.oversized_events"
 RESPONSE_BYTES = "llmtap.response.bytes"
 TELEMETRY_REASON = "llmtap.telemetry.reason"
+TELEMETRY_ATTRIBUTE = "llmtap.telemetry.attribute"  # the metric attribute a label guard bounds
 DRIFT_DIRECTION = "llmtap.tokens.drift.direction"
 # Prompt fingerprints and cache diagnosis (one attribute per prompt region: tools, system, m0.., rest).
 CACHE_CLASS = "llmtap.cache.class"
@@ -173,6 +174,7 @@ METRIC_TOKEN_DRIFT = "llmtap.tokens.drift"
 METRIC_TELEMETRY_DROPPED = "llmtap.telemetry.tapes.dropped"  # tapes that never became telemetry, by reason
 METRIC_SPANS_DROPPED = "llmtap.telemetry.spans.dropped"  # never reached the collector, by reason
 METRIC_EXPORTS_FAILED = "llmtap.telemetry.exports.failed"  # metric exports the collector did not take
+METRIC_LABELS_EVICTED = "llmtap.telemetry.labels.evicted"  # label values that lost their slot, by attribute
 METRIC_MALFORMED = "llmtap.stream.malformed_events"
 METRIC_CACHE_REQUESTS = "llmtap.cache.requests"
 METRIC_QUEUE_WAITING = "llmtap.queue.waiting"

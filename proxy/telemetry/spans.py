@@ -32,6 +32,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import OK, Timeline
+from proxy.labels import OTHER, clean
 from proxy.settings import Settings
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.attributes import end_attributes, queue_attributes, root_name, start_attributes
@@ -175,8 +176,10 @@ class SpanWriter:
         if tl.status_code is not None:
             root.set_attribute(sc.HTTP_STATUS, tl.status_code)
         if tl.outcome != OK:
-            root.set_attribute(sc.ERROR_TYPE, tl.error_type or "_OTHER")
-            root.set_status(Status(StatusCode.ERROR, tl.error_message or tl.error_type))
+            # Both from the upstream as often as not (its error object): cleaned like every such string.
+            root.set_attribute(sc.ERROR_TYPE, clean(tl.error_type) if tl.error_type else OTHER)
+            message = tl.error_message or tl.error_type
+            root.set_status(Status(StatusCode.ERROR, clean(message) if message else None))
         if tl.protocol is not None:
             ctx = trace.set_span_in_context(root, otel_context.Context())
             self._phase_spans(tl, s, ctx)

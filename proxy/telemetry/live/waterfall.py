@@ -12,6 +12,7 @@ from typing import Any
 from proxy.analysis.estimator import ESTIMATED
 from proxy.analysis.summary import PROXY, SERVER, Summary
 from proxy.analysis.timeline import Timeline
+from proxy.labels import clean, clean_or_none
 
 #: Chunk ticks kept per request; past it the rest are counted, not drawn.
 TICK_CAP = 1000
@@ -76,15 +77,15 @@ def waterfall(seq: int, tl: Timeline, s: Summary, *, route: str, model: str, tra
         "at": tl.received_wall_ns // 1_000_000,
         "route": route,
         "model": model,
-        "response_model": tl.response_model,
+        "response_model": clean_or_none(tl.response_model),
         "operation": req.operation if req else None,
         "provider": tl.provider_name,
         "protocol": tl.protocol,
-        "path": tl.path,
+        "path": clean(tl.path),
         "stream": bool(req and req.stream),
         "status": tl.status_code,
         "outcome": tl.outcome,
-        "error_type": tl.error_type,
+        "error_type": clean_or_none(tl.error_type),
         "slo": s.slo,
         "ttfb": _ms(s.ttfb),
         "ttft": _ms(s.ttft),
@@ -102,6 +103,6 @@ def waterfall(seq: int, tl: Timeline, s: Summary, *, route: str, model: str, tra
         "input_size": s.input_size,
         "cache_class": s.cache_class,
         "prompt_version": tl.prompt_version,
-        "response_id": tl.response_id,
+        "response_id": clean_or_none(tl.response_id),
         "trace_id": tl.trace_id if trace else None,
     }

@@ -3,7 +3,7 @@
 A recorder listener feeds it on the recorder's worker thread, after the request's telemetry is written,
 so nothing here runs on a request's path. Memory is bounded: per route and model, one tally per
 ``SLOT`` seconds for ``HORIZON`` seconds plus one since start (models are already capped by the
-recorder's ``BoundedValues``), and the last ``HISTORY`` requests.
+recorder's label guard, ``proxy.labels.LabelGuard``), and the last ``HISTORY`` requests.
 
 Every figure counts exactly what the recorder's metrics count, under the same conditions (see
 ``Tally.add_request``), and percentiles are read from the same bucket boundaries with Prometheus'
