@@ -16,10 +16,11 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 from proxy import simulator
-from proxy.analysis.compare import Comparison, Split, compare_records
+from proxy.analysis.compare import MIN_GAIN_MS, Comparison, Split, compare_records
 from proxy.analysis.stats import quantile
 from proxy.analysis.summary import Summary, slo_outcome
 from proxy.analysis.timeline import OK, Timeline
@@ -103,6 +104,9 @@ class PhaseResult:
     itl_p50: float | None = None
     itl_p95: float | None = None
     tpot_p50: float | None = None
+    #: One stream's decode rate, output tokens per second after the first token (1 / TPOT): p50 over requests.
+    stream_tokens_per_s_p50: float | None = None
+    #: Output tokens of all streams together over the phase's wall time (at the workload's concurrency).
     output_tokens_per_s: float = 0.0
     requests_per_s: float = 0.0
     goodput_per_s: float = 0.0
@@ -127,6 +131,7 @@ def phase_result(w: Workload, layout: str, rows: list[tuple[Timeline, Summary]],
     itl = [x for s in ok for x in s.itl_per_token]
     r.itl_p50, r.itl_p95 = quantile(itl, 0.5), quantile(itl, 0.95)
     r.tpot_p50 = quantile([s.tpot for s in ok if s.tpot is not None], 0.5)
+    r.stream_tokens_per_s_p50 = quantile([1 / s.tpot for s in ok if s.tpot], 0.5)
     out = sum(s.output_tokens or 0 for s in ok)
     good = sum(1 for tl, s in rows if slo_outcome(tl, s, w.slo) == "met")
     if seconds > 0:
@@ -152,6 +157,60 @@ def _ms(v: float | None) -> str:
     return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
 
 
+def _rate(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+#: The table's columns: a group label, the statistic, and the cell of one phase. Every cell names its
+#: statistic in the second header line, so no figure reads as another (a total as a per-stream rate).
+_COLUMNS: tuple[tuple[str, str, Callable[[PhaseResult], str]], ...] = (
+    ("", "layout", lambda r: r.layout),
+    ("TTFT", "p50", lambda r: _ms(r.ttft_p50)),
+    ("", "p95", lambda r: _ms(r.ttft_p95)),
+    ("ITL", "p50", lambda r: _ms(r.itl_p50)),
+    ("", "p95", lambda r: _ms(r.itl_p95)),
+    ("TPOT", "p50", lambda r: _ms(r.tpot_p50)),
+    ("output tokens/s", "per stream p50", lambda r: _rate(r.stream_tokens_per_s_p50)),
+    ("", "all streams", lambda r: _rate(r.output_tokens_per_s)),
+    ("goodput", "req/s (met SLO)", lambda r: f"{r.goodput_per_s:.2f} ({r.slo_met_share:.0%})"),
+    ("queue", "p50", lambda r: _ms(r.queue_p50)),
+    ("prefill", "p50", lambda r: _ms(r.prefill_p50)),
+    ("decode", "p50", lambda r: _ms(r.decode_p50)),
+    ("cached", "share", lambda r: f"{r.cached_share:.0%}"),
+)
+
+
+def _table(rows: list[PhaseResult]) -> list[str]:
+    """Two header lines (what, then which statistic), a rule, one line per phase."""
+    cells = [[cell(r) for _, _, cell in _COLUMNS] for r in rows]
+    widths = [max(len(stat), *(len(c[i]) for c in cells)) for i, (_, stat, _) in enumerate(_COLUMNS)]
+    groups, i = [], 0
+    while i < len(_COLUMNS):
+        # A group label spans its column and the unlabelled ones after it.
+        span = 1
+        while i + span < len(_COLUMNS) and not _COLUMNS[i + span][0]:
+            span += 1
+        room = sum(widths[i : i + span]) + 2 * (span - 1)
+        if len(_COLUMNS[i][0]) > room:
+            widths[i + span - 1] += len(_COLUMNS[i][0]) - room
+            room = len(_COLUMNS[i][0])
+        groups.append(_COLUMNS[i][0].ljust(room))
+        i += span
+    stats = [stat for _, stat, _ in _COLUMNS]
+    table = [groups, [x.ljust(w) for x, w in zip(stats, widths, strict=True)], ["-" * w for w in widths]]
+    table += [[c.ljust(w) for c, w in zip(row, widths, strict=True)] for row in cells]
+    return [("  " + "  ".join(row)).rstrip() for row in table]
+
+
+#: What each source of a queue or prefill figure means.
+_SOURCES = {
+    "server": "reported by the server",
+    "proxy": "measured here",
+    "estimated": "inferred from the server's slots and what the proxy saw",
+    "upstream_ttft": "request sent to first token, server queueing included",
+}
+
+
 def render(results: list[PhaseResult], workloads: list[Workload], verdicts: dict[str, str]) -> str:
     """The human-readable report: one table per workload, then ``llmtap compare``'s verdict for each."""
     lines: list[str] = []
@@ -164,53 +223,19 @@ def render(results: list[PhaseResult], workloads: list[Workload], verdicts: dict
             f"\n{w.name}: {w.fixed_tokens + w.variable_tokens} prompt tokens ({w.fixed_tokens} unchanging), "
             f"{w.output_tokens} output tokens, {w.requests} requests at concurrency {w.concurrency}; SLO {slo}"
         )
-        header = (
-            "layout",
-            "TTFT p50",
-            "TTFT p95",
-            "ITL p50",
-            "ITL p95",
-            "TPOT",
-            "out tok/s",
-            "goodput",
-            "queue",
-            "prefill",
-            "decode",
-            "cached",
-        )
-        table = [header]
-        for r in rows:
-            table.append(
-                (
-                    r.layout,
-                    _ms(r.ttft_p50),
-                    _ms(r.ttft_p95),
-                    _ms(r.itl_p50),
-                    _ms(r.itl_p95),
-                    _ms(r.tpot_p50),
-                    f"{r.output_tokens_per_s:.0f}",
-                    f"{r.goodput_per_s:.2f}/s ({r.slo_met_share:.0%})",
-                    f"{_ms(r.queue_p50)} [{r.queue_source}]",
-                    f"{_ms(r.prefill_p50)} [{r.prefill_source}]",
-                    _ms(r.decode_p50),
-                    f"{r.cached_share:.0%}",
-                )
-            )
-        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-        for i, row in enumerate(table):
-            lines.append("  " + "  ".join(cell.ljust(widths[j]) for j, cell in enumerate(row)))
-            if i == 0:
-                lines.append("  " + "  ".join("-" * w_ for w_ in widths))
+        lines += _table(rows)
     lines.append("")
     for w in workloads:
         if w.name in verdicts:
             lines.append(f"{w.name}: {verdicts[w.name]}")
-    lines.append(
-        "\nFigures are the proxy's own measurements (p50/p95 over requests; ITL over tokens). "
-        "Sources in brackets: server = reported by the server, proxy = measured here, "
-        "estimated = inferred from the server's slots and what the proxy saw, "
-        "upstream_ttft = request sent to first token, server queueing included."
-    )
+    used = sorted({src for r in results for src in f"{r.queue_source},{r.prefill_source}".split(",") if src})
+    sources = "; ".join(f"{src} = {_SOURCES.get(src, src)}" for src in used)
+    legend = (
+        "Figures are the proxy's own measurements: p50/p95 over requests, ITL over tokens. Output tokens/s per "
+        "stream is one stream's decode rate (1/TPOT); all streams is every stream's output over the phase's wall "
+        "time. Goodput counts the requests a second that met every SLO."
+    ) + (f" Queue and prefill: {sources}." if sources else "")
+    lines += ["", *textwrap.wrap(legend, 110)]
     return "\n".join(lines)
 
 
@@ -237,17 +262,38 @@ def _messages(w: Workload, layout: str, index: int, vocab: Vocabulary) -> list[d
     return [{"role": "system", "content": first}, {"role": "user", "content": second}]
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where one phase stands: its requests started and finished, seconds since it began."""
+
+    workload: str
+    layout: str
+    requests: int
+    concurrency: int
+    started: int
+    done: int
+    seconds: float
+    #: True once, when the phase is over.
+    finished: bool = False
+
+
 async def _drive(
     client: httpx.AsyncClient,
     base: str,
     w: Workload,
     layout: str,
     vocab: Vocabulary,
-    progress: Callable[[str], None],
+    progress: Callable[[Progress], None],
     offset: int,
 ) -> float:
     """Send one phase's requests at the workload's concurrency; returns the phase's wall time."""
     url = f"{base}/{w.route}/v1/chat/completions"
+    began = time.perf_counter()
+    started = done = 0
+
+    def report(finished: bool = False) -> None:
+        seconds = time.perf_counter() - began
+        progress(Progress(w.name, layout, w.requests, w.concurrency, started, done, seconds, finished))
 
     async def one(index: int, version: str, max_tokens: int) -> None:
         body = {
@@ -260,21 +306,35 @@ async def _drive(
             async for _ in r.aiter_raw():
                 pass
 
-    # One short request first, so the phase measures a warm cache as steady traffic would see it.
-    await one(offset + 10_000, WARMUP, 1)
-    sem = asyncio.Semaphore(w.concurrency)
-    done = 0
+    async def tick() -> None:
+        # A long answer takes seconds: the line moves every second, not only when a request ends.
+        while True:
+            await asyncio.sleep(1.0)
+            report()
 
-    async def limited(i: int) -> None:
-        nonlocal done
-        async with sem:
-            await one(offset + i, layout, w.output_tokens)
-        done += 1
-        progress(f"{w.name}, {layout}: {done}/{w.requests} requests")
+    report()
+    ticker = asyncio.create_task(tick())
+    try:
+        # One short request first, so the phase measures a warm cache as steady traffic would see it.
+        await one(offset + 10_000, WARMUP, 1)
+        sem = asyncio.Semaphore(w.concurrency)
 
-    start = time.perf_counter()
-    await asyncio.gather(*(limited(i) for i in range(w.requests)))
-    return time.perf_counter() - start
+        async def limited(i: int) -> None:
+            nonlocal started, done
+            async with sem:
+                started += 1
+                report()
+                await one(offset + i, layout, w.output_tokens)
+            done += 1
+            report()
+
+        start = time.perf_counter()
+        await asyncio.gather(*(limited(i) for i in range(w.requests)))
+        seconds = time.perf_counter() - start
+    finally:
+        ticker.cancel()
+    report(finished=True)
+    return seconds
 
 
 @dataclass(slots=True)
@@ -308,10 +368,11 @@ def _file_providers(
 async def run(
     workloads: list[Workload],
     *,
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[Progress], None] = lambda _: None,
     env: dict[str, str] | None = None,
     telemetry_dir: Path | None = None,
     serve: Callable[[DemoRun, str, str], Awaitable[None]] | None = None,
+    min_gain_ms: float = MIN_GAIN_MS,
 ) -> DemoRun:
     """Run the demo and return its figures.
 
@@ -394,7 +455,7 @@ async def run(
                     await asyncio.to_thread(app.flush)
                     out.results.append(phase_result(w, layout, collector.take(w.route, layout), seconds))
         if serve is not None and admin_server is not None:
-            _compare(out, workloads, records)
+            _compare(out, workloads, records, min_gain_ms)
             view = f"http://127.0.0.1:{admin_sock.getsockname()[1]}/?window=all"
             await _until_stopped(serve(out, view, base), [server, admin_server])
     finally:
@@ -411,7 +472,7 @@ async def run(
         for f in files:
             f.close()
     if serve is None:
-        _compare(out, workloads, records)
+        _compare(out, workloads, records, min_gain_ms)
     return out
 
 
@@ -427,10 +488,50 @@ async def _until_stopped(keep: Awaitable[None], servers: list[Server]) -> None:
         waiting.result()
 
 
-def _compare(out: DemoRun, workloads: list[Workload], records: Path) -> None:
+def _compare(out: DemoRun, workloads: list[Workload], records: Path, min_gain_ms: float) -> None:
+    split = Split(VARIABLE_FIRST, FIXED_FIRST)
     for w in workloads:
         # The same statistics as ``llmtap compare records.jsonl --before variable-first --after fixed-first``.
-        out.comparisons[w.name] = compare_records(records, Split(VARIABLE_FIRST, FIXED_FIRST), route=w.route)
+        out.comparisons[w.name] = compare_records(records, split, route=w.route, min_gain_ms=min_gain_ms)
+
+
+class ProgressLine:
+    """Progress on stderr, from a phase's first second: on a terminal one line rewritten in place as each
+    request starts and ends and every second, kept when the phase ends; else a line as each phase starts
+    and ends (a log file or a CI console cannot rewrite a line: two lines a phase, not one a request).
+    """
+
+    def __init__(self, out: IO[str], *, interactive: bool) -> None:
+        self.out, self.interactive = out, interactive
+        self._open = False  # a rewritten line is showing and needs its newline
+        self._seen: set[tuple[str, str]] = set()
+
+    def __call__(self, p: Progress) -> None:
+        """Show where the phase stands."""
+        phase = f"{p.workload}, {p.layout}"
+        first = (p.workload, p.layout) not in self._seen
+        self._seen.add((p.workload, p.layout))
+        if self.interactive and not p.finished:
+            state = f"{p.started}/{p.requests} started, {p.done} done" if p.started else "warm-up request"
+            self.out.write(f"\r\033[K{phase}: {state}, {p.seconds:.0f} s")
+            self._open = True
+        elif p.finished:
+            # Each finished phase keeps its line, so a terminal ends with one line per phase.
+            self.out.write("\r\033[K" if self._open else "")
+            self._open = False
+            self.out.write(f"{phase}: {p.done}/{p.requests} done in {p.seconds:.1f} s\n")
+        elif first:
+            self.out.write(f"{phase}: {p.requests} requests at concurrency {p.concurrency}, after one warm-up\n")
+        else:
+            return
+        self.out.flush()
+
+    def close(self) -> None:
+        """End the rewritten line, so what follows starts on a line of its own."""
+        if self._open:
+            self.out.write("\n")
+            self.out.flush()
+            self._open = False
 
 
 def main(args: Any) -> int:
@@ -438,39 +539,32 @@ def main(args: Any) -> int:
     workloads = default_workloads(args.requests, args.concurrency)
     if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
         workloads = [
-            Workload(
-                **{
-                    **asdict(w),
-                    "slo": SLO(
-                        ttft=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else w.slo.ttft,
-                        tpot=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else w.slo.tpot,
-                    ),
-                }
+            replace(
+                w,
+                slo=SLO(
+                    ttft=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else w.slo.ttft,
+                    tpot=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else w.slo.tpot,
+                ),
             )
             for w in workloads
         ]
     if args.output_tokens is not None:
-        workloads = [Workload(**{**asdict(w), "output_tokens": args.output_tokens}) for w in workloads]
+        # ``replace``, not ``asdict``: asdict would turn the nested SLO into a plain dict.
+        workloads = [replace(w, output_tokens=args.output_tokens) for w in workloads]
     if args.workload:
         workloads = [w for w in workloads if w.route == args.workload]
-    interactive = sys.stderr.isatty()
-
-    def progress(message: str) -> None:
-        if not args.json:
-            sys.stderr.write(("\r\033[K" if interactive else "") + message + ("" if interactive else "\n"))
-            sys.stderr.flush()
+    progress = None if args.json else ProgressLine(sys.stderr, interactive=sys.stderr.isatty())
 
     if not args.json:
-        print(
-            "llmtap demo: a simulated LLM server, the proxy in front of it, two workloads (offline).", file=sys.stderr
-        )
+        names = " and ".join(w.name for w in workloads)
+        print(f"llmtap demo: a simulated LLM server, the proxy in front of it, {names} (offline).", file=sys.stderr)
     serving = False
 
     async def keep_serving(result: DemoRun, view: str, proxy_url: str) -> None:
         nonlocal serving
         serving = True
-        if interactive and not args.json:
-            sys.stderr.write("\n")
+        if progress is not None:
+            progress.close()
         _report(result, workloads, as_json=args.json)
         route = workloads[0].route if workloads else "support"
         print(
@@ -483,13 +577,20 @@ def main(args: Any) -> int:
         await asyncio.Event().wait()
 
     try:
-        result = asyncio.run(run(workloads, progress=progress, serve=keep_serving if args.serve else None))
+        result = asyncio.run(
+            run(
+                workloads,
+                progress=progress or (lambda _: None),
+                serve=keep_serving if args.serve else None,
+                min_gain_ms=MIN_GAIN_MS if args.min_gain_ms is None else args.min_gain_ms,
+            )
+        )
     except KeyboardInterrupt:
         print("\nllmtap demo: stopped.", file=sys.stderr)
         return 0 if serving else 130
     if not args.serve:
-        if interactive and not args.json:
-            sys.stderr.write("\n")
+        if progress is not None:
+            progress.close()
         _report(result, workloads, as_json=args.json)
     return 0
 
@@ -505,10 +606,11 @@ def _report(result: DemoRun, workloads: list[Workload], *, as_json: bool) -> Non
         }
         print(json.dumps(report, indent=2))
     else:
+        route = workloads[0].route if workloads else "support"
         print(render(result.results, workloads, {name: c.verdict for name, c in result.comparisons.items()}))
         print(
             f"\nRequest records: {result.records_file}\n  compare them yourself: llmtap compare "
-            f"{result.records_file} --route support --before {VARIABLE_FIRST} --after {FIXED_FIRST} --plot ttft.png"
+            f"{result.records_file} --route {route} --before {VARIABLE_FIRST} --after {FIXED_FIRST} --plot ttft.png"
         )
         if result.telemetry_files:
             print(
