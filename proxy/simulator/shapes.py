@@ -50,14 +50,14 @@ class Reply:
     fingerprint: str
     prompt_tokens: int
     output_tokens: int
+    #: The server's own record of the request, for protocols that report their phases (Ollama).
+    truth: RequestRecord
     include_usage: bool = False
     continuous_usage: bool = False
     cached_tokens: int = 0
     created_cache_tokens: int = 0
     #: Events written so far: the Responses API numbers them, a Gemini array puts commas between them.
     events: int = 0
-    #: The server's own record of the request, for protocols that report their phases (Ollama).
-    truth: RequestRecord | None = None
 
 
 class Format(Protocol):
