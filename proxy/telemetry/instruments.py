@@ -56,6 +56,7 @@ class Instruments:
     overhead: Histogram
     drift: Histogram
     telemetry_dropped: Counter
+    records_dropped: Counter
     malformed: Counter
     queue_waiting: UpDownCounter
     queue_rejected: Counter
@@ -154,6 +155,11 @@ def create(meter: Meter, *, latest: bool) -> Instruments:
             sc.METRIC_TELEMETRY_DROPPED,
             unit="{item}",
             description="Tapes that did not become telemetry, in whole or in part, by llmtap.telemetry.reason.",
+        ),
+        records_dropped=meter.create_counter(
+            sc.METRIC_RECORDS_DROPPED,
+            unit="{record}",
+            description="Request records (--record) that could not be written, by llmtap.telemetry.reason.",
         ),
         malformed=meter.create_counter(
             sc.METRIC_MALFORMED,
