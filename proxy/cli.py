@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from proxy import __version__
-from proxy.settings import CHUNK_SPAN_MODES, UPSTREAM_CLIENTS, ConfigError, build
+from proxy.settings import CHUNK_SPAN_MODES, SPAN_ROLES, UPSTREAM_CLIENTS, ConfigError, build
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -25,6 +25,20 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument(
         "--chunk-spans", dest="chunk_spans", choices=CHUNK_SPAN_MODES, help="one span per decode chunk, events, or off"
+    )
+    p.add_argument(
+        "--span-role",
+        dest="span_role",
+        choices=SPAN_ROLES,
+        help="the proxy span: the GenAI generation, or the HTTP hop under a traced client's own (default auto: "
+        "the hop when a traceparent arrives)",
+    )
+    p.add_argument(
+        "--offline-token-usage",
+        dest="offline_token_usage",
+        action="store_true",
+        default=None,
+        help="report tiktoken's counts as gen_ai.usage.* when the upstream reports no usage",
     )
     p.add_argument("--connect-timeout", dest="connect_timeout", type=float, help="upstream connect timeout, seconds")
     p.add_argument(

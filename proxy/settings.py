@@ -20,6 +20,10 @@ from proxy.labels import LABEL_CAP, clean
 from proxy.versions import INVALID_VERSION, VERSION_MAX_BYTES, version_label
 
 CHUNK_SPAN_MODES = ("spans", "events", "off")
+#: What the proxy's span is in a trace: the GenAI generation (``chat {model}``, with usage), or the HTTP hop
+#: under the client's own generation span (no ``gen_ai.*``, so trace backends count one generation);
+#: ``auto``: the hop when the request arrives with a ``traceparent``, the generation otherwise.
+SPAN_ROLES = ("auto", "generation", "hop")
 #: The client for upstreams: llmtap's own HTTP/1.1 one (``proxy.relay.upstream_http``), or httpx's.
 UPSTREAM_CLIENTS = ("lean", "httpx")
 SEMCONV_LATEST = "gen_ai_latest_experimental"
@@ -148,6 +152,12 @@ class Telemetry:
     prometheus: bool = True
     #: Model names that always keep their own label on metrics, however rarely used (``LLMTAP_METRIC_MODELS``).
     metric_models: tuple[str, ...] = ()
+    #: ``SPAN_ROLES``: the proxy span's role in the trace.
+    span_role: str = "auto"
+    #: Report tiktoken's counts as ``gen_ai.usage.*`` when the upstream reports no usage ("offline token
+    #: counting", which the GenAI conventions allow only when the user enables it); they are always under
+    #: ``llmtap.usage.*`` with their source.
+    offline_token_usage: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +247,15 @@ _FILE_KEYS = {
         "client_body",
         "keep_alive",
     },
-    "telemetry": {"chunk_spans", "chunk_span_cap", "queue_size", "prometheus", "metric_models"},
+    "telemetry": {
+        "chunk_spans",
+        "chunk_span_cap",
+        "queue_size",
+        "prometheus",
+        "metric_models",
+        "span_role",
+        "offline_token_usage",
+    },
     "slo": {"ttft_ms", "tpot_ms", "e2e_ms"},
     "inject_usage": None,
     "max_inspect_bytes": None,
@@ -406,6 +424,12 @@ def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] |
     values["queue_size"] = int(_number(qsize, "queue_size", integer=True, minimum=1))
     values["prometheus"] = _bool(env.get("LLMTAP_PROMETHEUS", section.get("prometheus", True)), "prometheus")
     values["metric_models"] = _metric_models(env.get("LLMTAP_METRIC_MODELS", section.get("metric_models")))
+    role = env.get("LLMTAP_SPAN_ROLE", section.get("span_role", "auto"))
+    if role not in SPAN_ROLES:
+        raise ConfigError(f"span_role: {role!r} is not one of {', '.join(SPAN_ROLES)}")
+    values["span_role"] = role
+    offline = env.get("LLMTAP_OFFLINE_TOKEN_USAGE", section.get("offline_token_usage", False))
+    values["offline_token_usage"] = _bool(offline, "offline_token_usage")
     return Telemetry(**values)
 
 
@@ -689,6 +713,10 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
     telemetry_env = dict(env)
     if flags.get("chunk_spans") is not None:
         telemetry_env["LLMTAP_CHUNK_SPANS"] = str(flags["chunk_spans"])
+    if flags.get("span_role") is not None:
+        telemetry_env["LLMTAP_SPAN_ROLE"] = str(flags["span_role"])
+    if flags.get("offline_token_usage"):
+        telemetry_env["LLMTAP_OFFLINE_TOKEN_USAGE"] = "true"
     level = str(pick("log_level", "LLMTAP_LOG_LEVEL", data.get("log_level"), "info")).lower()
     if level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log level: {level!r} is not one of debug, info, warning, error")
