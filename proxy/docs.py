@@ -64,6 +64,8 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.REQUEST_CHOICE_COUNT: ("int", "`n`: how many answers the client asked for, when not 1."),
     sc.RESPONSE_ID: ("string", "The response id the upstream gave (`chatcmpl-...`, `msg_...`)."),
     sc.RESPONSE_MODEL: ("string", "The model the upstream says answered (bounded like the request model)."),
+    sc.OPENAI_API_TYPE: ("string", "`chat_completions` or `responses`: which OpenAI API the request used."),
+    sc.OPENAI_SYSTEM_FINGERPRINT: ("string", "OpenAI's `system_fingerprint`: the backend configuration that answered."),
     sc.RESPONSE_FINISH_REASONS: ("string[]", "One finish reason per choice; `error` when the stream failed."),
     sc.RESPONSE_TIME_TO_FIRST_CHUNK: ("double", "TTFT in seconds (streams only): see Timing definitions."),
     sc.USAGE_INPUT_TOKENS: ("int", "Input tokens, cached ones included (Anthropic: input + cache read + cache write)."),
@@ -378,6 +380,7 @@ def _requests() -> Iterable[Timeline]:
             finish_reasons=["stop", "stop"],
             response_id="chatcmpl-1",
             response_model="example-model-2025",
+            system_fingerprint="fp_example",
             server_timing=ServerTiming(queue=0.05, prefill=0.1),
         )
     )  # fmt: skip

@@ -50,6 +50,7 @@ class Timeline:
     finish_reasons: list[str] = field(default_factory=list)
     response_id: str | None = None
     response_model: str | None = None
+    system_fingerprint: str | None = None
     server_timing: ServerTiming | None = None
     outcome: str = OK
     error_type: str | None = None
@@ -85,6 +86,8 @@ class Timeline:
             self.response_id = facts.response_id
         if facts.response_model and not self.response_model:
             self.response_model = facts.response_model
+        if facts.system_fingerprint and not self.system_fingerprint:
+            self.system_fingerprint = facts.system_fingerprint
         if facts.server_timing is not None:
             self.server_timing = facts.server_timing
         if facts.error_type and not self.error_type:

@@ -273,6 +273,7 @@ def choices_facts(obj: JSONObject, choice_text: Callable[[JSONObject], str]) -> 
         finish_reasons=reasons,
         response_id=as_str(obj.get("id")),
         response_model=as_str(obj.get("model")),
+        system_fingerprint=as_str(obj.get("system_fingerprint")),
         server_timing=reported_timing(obj),
     )
 

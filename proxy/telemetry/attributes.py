@@ -19,6 +19,8 @@ from proxy.types import PromptRegion
 
 #: Captured content (opt-in) is cut at this many characters.
 CONTENT_CAP = 16 * 1024
+#: ``openai.api.type`` (openai.md) of the protocols it names; legacy Completions has no value there.
+OPENAI_API_TYPES = {"openai_chat": "chat_completions", "openai_responses": "responses"}
 
 
 def root_name(tl: Timeline) -> str:
@@ -44,6 +46,7 @@ def start_attributes(tl: Timeline) -> dict[str, Any]:
     attrs[sc.OPERATION_NAME] = req.operation
     attrs[sc.PROVIDER_NAME] = tl.provider_name
     attrs[sc.PROTOCOL] = tl.protocol
+    _put(attrs, sc.OPENAI_API_TYPE, OPENAI_API_TYPES.get(tl.protocol))
     if req.model:
         attrs[sc.REQUEST_MODEL] = clean(req.model)
     if req.stream:
@@ -118,6 +121,7 @@ def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = Fa
     attrs: dict[str, Any] = {}
     _put(attrs, sc.RESPONSE_ID, clean_or_none(tl.response_id))
     _put(attrs, sc.RESPONSE_MODEL, clean_or_none(tl.response_model))
+    _put(attrs, sc.OPENAI_SYSTEM_FINGERPRINT, clean_or_none(tl.system_fingerprint))
     if tl.finish_reasons:
         attrs[sc.RESPONSE_FINISH_REASONS] = clean_list(tl.finish_reasons)
     elif tl.outcome != OK and tl.request is not None:

@@ -45,6 +45,9 @@ SERVER_PORT = "server.port"
 HTTP_METHOD = "http.request.method"
 HTTP_STATUS = "http.response.status_code"
 URL_PATH = "url.path"
+# OpenAI's own (v1.41.1 docs/gen-ai/openai.md, both Recommended)
+OPENAI_API_TYPE = "openai.api.type"
+OPENAI_SYSTEM_FINGERPRINT = "openai.response.system_fingerprint"
 
 # gen_ai.operation.name values
 OP_CHAT = "chat"
