@@ -29,6 +29,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
 MAX_TOKENS = 8
+#: The stream that holds llmtap's one slot while the refused call is made: long enough (about 1.2 s on the
+#: simulator's fast profile) that the refusal never depends on how quickly this process makes the next call.
+HELD_TOKENS = 400
 
 
 class Calls:
@@ -111,7 +114,7 @@ def run(base_url: str, otlp: str) -> list[dict[str, Any]]:
     ]
     # llmtap admits one request at a time with no line (--max-concurrency 1 --queue-limit 0): a call made
     # while a stream holds the slot is refused by llmtap itself and never reaches the model.
-    held = calls.open("held", **model, stream_options={"include_usage": True})
+    held = calls.open("held", model="llmtap-sim", max_tokens=HELD_TOKENS, stream_options={"include_usage": True})
     results.append(calls.chat("refused", **model))
     results.append(calls.finish(held))
     tracer_provider.shutdown()

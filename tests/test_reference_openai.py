@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,10 +143,15 @@ SPAN_DIFFERENCES: dict[str, tuple[Difference, ...]] = {
     ),
     "openai.response.system_fingerprint": (
         Difference(
-            STREAMED,
+            STREAMED - {"stream"},
             REFERENCE,
-            "openai.md: Recommended. The upstream sends it in the stream's last chunks; the reference reads it "
+            "openai.md: Recommended. The upstream sends it in the stream's usage chunk; the reference reads it "
             "from whole answers only.",
+        ),
+        Difference(
+            frozenset({"stream"}),
+            INTENDED,
+            "it came in the usage chunk llmtap asked for and removed from what the client reads",
         ),
     ),
     "openai.api.type": (
@@ -208,16 +213,11 @@ class SpanSeen:
     def trace(self) -> str:
         return self.span.trace_id.hex()
 
-    @property
-    def duration(self) -> float:
-        return (self.span.end_time_unix_nano - self.span.start_time_unix_nano) / 1e9
-
 
 @dataclass(repr=False)
 class Run:
     """One pass of the application's calls through llmtap, and what each side exported."""
 
-    role: str
     llmtap_port: int
     upstream_port: int
     calls: dict[str, dict[str, Any]]
@@ -260,7 +260,7 @@ def total_count(metric: Metric | None) -> int:
     return sum(p.count for _, p in points(metric))
 
 
-def wait(what: str, check: Any, proc: Proc, timeout: float = 30.0) -> None:
+def wait(what: str, check: Callable[[], bool], proc: Proc, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, f"no {what} within {timeout:g} s:\n{proc.tail()}"
@@ -313,7 +313,7 @@ def run_calls(role: str, receiver: HTTPReceiver, upstream_port: int, tmp: Path) 
         children = Counter(
             s.parent for s in spans_of(receiver) if s.service == f"llmtap-{role}" and s.parent in app_ids
         )
-        return Run(role, proxy.port, upstream_port, calls, truth, app, under, children, metrics_of(receiver))
+        return Run(proxy.port, upstream_port, calls, truth, app, under, children, metrics_of(receiver))
     finally:
         proxy.proc.close()
 
@@ -383,8 +383,11 @@ def test_hop_role_leaves_the_generation_to_the_application(runs: dict[str, Run])
         tokens = (ours.attrs.get("llmtap.usage.input_tokens"), ours.attrs.get("llmtap.usage.output_tokens"))
         assert tokens == (run.usage(call) if call in OK_CALLS else (None, None)), call
         assert ours.attrs.get("http.response.status_code") == STATUS.get(call, 200), call
-        error = ours.span.status.code == Status.STATUS_CODE_ERROR
-        assert error == (call in ERRORS), call
+        # http-spans.md: a SERVER span leaves 4xx unset unless the instrumentation knows better (llmtap may:
+        # the model is unknown), and sets Error for 5xx.
+        if call != "unknown_model":
+            expected = Status.STATUS_CODE_ERROR if call in ERRORS else Status.STATUS_CODE_UNSET
+            assert ours.span.status.code == expected, call
 
 
 #: What makes a span a generation (gen-ai-spans.md): the hop span carries none of it.
@@ -416,6 +419,7 @@ def test_generation_role_matches_the_reference_attribute_by_attribute(runs: dict
 def test_generation_role_agreed_values(runs: dict[str, Run]) -> None:
     """What both sides must say, against the SDK's answer and the upstream's own record of each request."""
     run = runs["generation"]
+    (fingerprint,) = {c["system_fingerprint"] for c in run.calls.values() if c.get("system_fingerprint")}
     for call in sorted(ALL_CALLS):
         seen, app, ours = run.calls[call], run.app[call].attrs, run.llmtap[call].attrs
         for side in (app, ours):
@@ -435,7 +439,8 @@ def test_generation_role_agreed_values(runs: dict[str, Run]) -> None:
         assert ours["gen_ai.response.id"] == app["gen_ai.response.id"] == seen["id"], call
         assert ours["gen_ai.response.model"] == app["gen_ai.response.model"] == seen["model"], call
         assert ours["gen_ai.response.finish_reasons"] == seen["finish_reasons"], call
-        assert ours["openai.response.system_fingerprint"] == seen["system_fingerprint"], call
+        # The server's one fingerprint, also where the SDK did not get it (the usage chunk llmtap removed).
+        assert ours["openai.response.system_fingerprint"] == fingerprint, call
         truth = run.usage(call)
         assert (ours["gen_ai.usage.input_tokens"], ours["gen_ai.usage.output_tokens"]) == truth, call
         if call in USAGE_SEEN:
@@ -512,3 +517,13 @@ def test_generation_role_metrics_match_the_reference(runs: dict[str, Run]) -> No
     assert total_count(ours[TTFC]) == len(STREAMED)
     gaps = sum(len(run.truth[run.calls[c]["id"]]["chunk_offsets_s"]) - 1 for c in STREAMED)
     assert total_count(ours[TPOC]) == gaps
+
+
+def test_every_listed_difference_is_in_the_comparison_table() -> None:
+    """docs/reference-comparison.md has a row naming each listed difference with its verdict."""
+    rows = [
+        line for line in (ROOT / "docs" / "reference-comparison.md").read_text("utf-8").splitlines() if line[:1] == "|"
+    ]
+    listed = [(key, d) for key, ds in SPAN_DIFFERENCES.items() for d in ds] + list(METRIC_DIFFERENCES.items())
+    missing = [(key, d.verdict) for key, d in listed if not any(f"`{key}`" in r and d.verdict in r for r in rows)]
+    assert not missing, missing
