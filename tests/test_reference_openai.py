@@ -344,6 +344,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
 MODELS = {"unknown_model": "no-such-model"}
 #: Wall-clock stamps of two processes, one converted from monotonic time: their agreement, generously.
 CLOCK_SLACK_NS = 5_000_000
+#: What makes a span a generation (gen-ai-spans.md): the hop span carries none of it.
+GENERATION = frozenset({"gen_ai.operation.name", "gen_ai.request.model"})
 
 
 def same(a: Any, b: Any) -> bool:
@@ -388,10 +390,6 @@ def test_hop_role_leaves_the_generation_to_the_application(runs: dict[str, Run])
         if call != "unknown_model":
             expected = Status.STATUS_CODE_ERROR if call in ERRORS else Status.STATUS_CODE_UNSET
             assert ours.span.status.code == expected, call
-
-
-#: What makes a span a generation (gen-ai-spans.md): the hop span carries none of it.
-GENERATION = frozenset({"gen_ai.operation.name", "gen_ai.request.model"})
 
 
 @pytest.mark.real
