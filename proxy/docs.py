@@ -64,6 +64,8 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.REQUEST_CHOICE_COUNT: ("int", "`n`: how many answers the client asked for, when not 1."),
     sc.RESPONSE_ID: ("string", "The response id the upstream gave (`chatcmpl-...`, `msg_...`)."),
     sc.RESPONSE_MODEL: ("string", "The model the upstream says answered (bounded like the request model)."),
+    sc.OPENAI_API_TYPE: ("string", "`chat_completions` or `responses`: which OpenAI API the request used."),
+    sc.OPENAI_SYSTEM_FINGERPRINT: ("string", "OpenAI's `system_fingerprint`: the backend configuration that answered."),
     sc.RESPONSE_FINISH_REASONS: ("string[]", "One finish reason per choice; `error` when the stream failed."),
     sc.RESPONSE_TIME_TO_FIRST_CHUNK: ("double", "TTFT in seconds (streams only): see Timing definitions."),
     sc.USAGE_INPUT_TOKENS: (
@@ -79,7 +81,6 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.USAGE_REASONING: ("int", "Output tokens spent on reasoning, when the upstream reports them."),
     sc.TOKEN_TYPE: ("string", "`input` or `output`."),
     sc.TOKEN_MODALITY: ("string", "`text`; `unknown` on the 0 recorded for a response without usage."),
-    sc.SYSTEM_FINGERPRINT: ("string", "OpenAI's `system_fingerprint`: the backend configuration that answered."),
     sc.INPUT_MESSAGES: (
         "string",
         "The prompt (system part and messages, role and text) as JSON, at most 16 KiB of text, only when "
@@ -413,6 +414,7 @@ def _requests() -> Iterable[Timeline]:
             finish_reasons=["stop", "stop"],
             response_id="chatcmpl-1",
             response_model="example-model-2025",
+            system_fingerprint="fp_example",
             server_timing=ServerTiming(queue=0.05, prefill=0.1),
         )
     )  # fmt: skip

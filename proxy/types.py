@@ -58,12 +58,12 @@ class Facts:
     finish_reasons: list[str] = field(default_factory=list)
     response_id: str | None = None
     response_model: str | None = None
+    #: OpenAI's ``system_fingerprint``: the backend configuration that answered.
+    system_fingerprint: str | None = None
     error_type: str | None = None
     error_message: str | None = None
     server_timing: ServerTiming | None = None
     done: bool = False
-    #: OpenAI's ``system_fingerprint``: the backend configuration that served the request.
-    system_fingerprint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

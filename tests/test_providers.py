@@ -59,6 +59,7 @@ def fold(results: list[Facts | None]) -> Facts:
         total.finish_reasons += facts.finish_reasons
         total.response_id = total.response_id or facts.response_id
         total.response_model = total.response_model or facts.response_model
+        total.system_fingerprint = total.system_fingerprint or facts.system_fingerprint
         total.error_type = total.error_type or facts.error_type
         total.done |= facts.done
     return total
@@ -310,6 +311,8 @@ def test_chat_streamed_equals_non_streamed() -> None:
         streamed.response_model,
         streamed.content,
     )
+    # openai.response.system_fingerprint: vLLM sends it in the whole body and in the stream's usage chunk.
+    assert whole.system_fingerprint == streamed.system_fingerprint == "vllm-0.32.0-358ce51c"
     assert whole.has_content and not whole.done
 
 

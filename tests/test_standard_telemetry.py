@@ -204,7 +204,7 @@ def test_a_client_that_leaves_at_done_got_the_whole_stream(
         proxy.close()
     assert first[sc.OUTCOME] == "ok" and sc.ERROR_TYPE not in first, first
     assert first[sc.USAGE_OUTPUT_TOKENS] == 3 and first[sc.RESPONSE_FINISH_REASONS] == ["stop"]
-    assert first[sc.SYSTEM_FINGERPRINT] == "fp_llmtap_test"
+    assert first[sc.OPENAI_SYSTEM_FINGERPRINT] == "fp_llmtap_test"
     assert second[sc.OUTCOME] == "cancelled" and second[sc.ERROR_TYPE] == "cancelled", second
 
 

@@ -123,12 +123,12 @@ class Timeline:
     usage: Usage | None = None
     finish_reasons: list[str] = field(default_factory=list)
     response_id: str | None = None
-    system_fingerprint: str | None = None
     #: The protocol's last event (``[DONE]``, ``message_stop``, ``response.completed``, ``done: true``) or a
     #: whole body arrived; ``completed_delivered``: and the relay handed it to the client's socket.
     completed: bool = False
     completed_delivered: bool = False
     response_model: str | None = None
+    system_fingerprint: str | None = None
     server_timing: ServerTiming | None = None
     outcome: str = OK
     error_type: str | None = None

@@ -273,8 +273,8 @@ def choices_facts(obj: JSONObject, choice_text: Callable[[JSONObject], str]) -> 
         finish_reasons=reasons,
         response_id=as_str(obj.get("id")),
         response_model=as_str(obj.get("model")),
-        server_timing=reported_timing(obj),
         system_fingerprint=as_str(obj.get("system_fingerprint")),
+        server_timing=reported_timing(obj),
     )
 
 

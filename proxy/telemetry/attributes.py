@@ -19,6 +19,8 @@ from proxy.types import PromptRegion
 
 #: Captured content (opt-in) is cut at this many characters: as much as a timeline keeps of the output.
 CONTENT_CAP = KEEP_CHARS
+#: ``openai.api.type`` (openai.md) of the protocols it names; legacy Completions has no value there.
+OPENAI_API_TYPES = {"openai_chat": "chat_completions", "openai_responses": "responses"}
 
 
 def root_name(tl: Timeline) -> str:
@@ -44,6 +46,7 @@ def start_attributes(tl: Timeline) -> dict[str, Any]:
     attrs[sc.OPERATION_NAME] = req.operation
     attrs[sc.PROVIDER_NAME] = tl.provider_name
     attrs[sc.PROTOCOL] = tl.protocol
+    _put(attrs, sc.OPENAI_API_TYPE, OPENAI_API_TYPES.get(tl.protocol))
     if req.model:
         attrs[sc.REQUEST_MODEL] = clean(req.model)
     if req.stream:
@@ -159,12 +162,12 @@ def end_attributes(
     attrs: dict[str, Any] = {}
     _put(attrs, sc.RESPONSE_ID, clean_or_none(tl.response_id))
     _put(attrs, sc.RESPONSE_MODEL, clean_or_none(tl.response_model))
+    _put(attrs, sc.OPENAI_SYSTEM_FINGERPRINT, clean_or_none(tl.system_fingerprint))
     if tl.finish_reasons:
         attrs[sc.RESPONSE_FINISH_REASONS] = clean_list(tl.finish_reasons)
     elif tl.outcome != OK and tl.request is not None:
         # semantic-conventions-genai: a missing or aborted finish is reported as "error".
         attrs[sc.RESPONSE_FINISH_REASONS] = ["error"]
-    _put(attrs, sc.SYSTEM_FINGERPRINT, clean_or_none(tl.system_fingerprint))
     # gen_ai.usage.* is what the upstream reported (or, when the user enabled offline counting, tiktoken's
     # count where it reported nothing); every count is under llmtap.usage.* with its source.
     _put(attrs, sc.USAGE_INPUT_TOKENS, usage_value(s.input_tokens, s.input_source, offline))

@@ -45,6 +45,9 @@ SERVER_PORT = "server.port"
 HTTP_METHOD = "http.request.method"
 HTTP_STATUS = "http.response.status_code"
 URL_PATH = "url.path"
+# OpenAI's own (v1.41.1 docs/gen-ai/openai.md, both Recommended)
+OPENAI_API_TYPE = "openai.api.type"
+OPENAI_SYSTEM_FINGERPRINT = "openai.response.system_fingerprint"
 
 # gen_ai.operation.name values
 OP_CHAT = "chat"
@@ -113,7 +116,6 @@ HOP_RESPONSE_MODEL = "llmtap.response.model"
 HOP_RESPONSE_ID = "llmtap.response.id"
 HOP_FINISH_REASONS = "llmtap.response.finish_reasons"
 HOP_TIME_TO_FIRST_CHUNK = "llmtap.time_to_first_chunk"
-SYSTEM_FINGERPRINT = "openai.response.system_fingerprint"
 
 # Span names (DESIGN "Span model"); the root span is "{operation} {model}" (a hop: "{method} {path}").
 SPAN_QUEUE = "llmtap.queue"
