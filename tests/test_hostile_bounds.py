@@ -2,7 +2,10 @@
 
 Through a real ``llmtap serve``: the telemetry process's memory stays within a bound whatever the response's
 length or compression ratio, a normal request's record appears promptly while the hostile one plays and
-after it, and a record file that cannot be written is said once, counted, and written again once it can.
+after it, and a record file that cannot be written is said once and counted. In process, each bound itself:
+tiktoken never sees a long string and counts stay exact, past the count limit an estimate says so, a claim
+of millions of tokens gives a bounded number of samples, a bomb inflates in small steps, the telemetry
+queue holds a bounded number of bytes, and a disk that fills up and frees again loses only what it refused.
 """
 
 from __future__ import annotations

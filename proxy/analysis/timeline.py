@@ -39,25 +39,27 @@ class Output:
         self.whole = tokens.Counter(encoding, limit=COUNT_CHARS)
         self.chars = 0
         self.kept: list[str] = []
-        self._chunk = tokens.Counter(encoding, limit=COUNT_CHARS)
-        self._chunk_rest = 0  # characters of the open chunk past the count limit
+        self._chunk: list[str] = []  # the open chunk's text, as far as the whole's limit took it
+        self._chunk_rest = 0  # characters of the open chunk past the limit
 
     def add(self, text: str) -> None:
         """Part of the content chunk being read."""
         took = self.whole.feed(text)
         if took:
-            self._chunk.feed(text if took == len(text) else text[:took])
+            self._chunk.append(text if took == len(text) else text[:took])
         self._chunk_rest += len(text) - took
-        room = self.keep - min(self.chars, self.keep)
-        if room:
-            self.kept.append(text[:room])
+        if self.chars < self.keep:
+            self.kept.append(text[: self.keep - self.chars])
         self.chars += len(text)
 
     def end_chunk(self) -> int:
         """Close the chunk being read: its tokens, counted, and estimated for what was past the limit."""
-        n = self._chunk.count() + round(self._chunk_rest * self._rate())
-        self._chunk = tokens.Counter(self.encoding, limit=COUNT_CHARS)
-        self._chunk_rest = 0
+        parts = self._chunk
+        n = tokens.count(parts[0] if len(parts) == 1 else "".join(parts), self.encoding) if parts else 0
+        if self._chunk_rest:
+            n += round(self._chunk_rest * self._rate())
+            self._chunk_rest = 0
+        self._chunk = []
         return n
 
     @property

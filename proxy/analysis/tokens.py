@@ -126,6 +126,8 @@ def count(text: str, encoding: str = DEFAULT_ENCODING) -> int:
     if not text:
         return 0
     encode = get_encoding(encoding).encode_ordinary
+    if len(text) <= PIECE_CHARS:
+        return len(encode(text))
     return sum(len(encode(piece)) for piece in pieces(text))
 
 
@@ -148,19 +150,22 @@ class Counter:
 
     def feed(self, text: str) -> int:
         """Take the next part of the text; how many of its characters were taken (the rest is past the limit)."""
+        n = len(text)
         room = self.limit - self.counted
-        if room <= 0 or not text:
+        if n > room:
+            if room <= 0:
+                return 0
+            text, n = text[:room], room
+        if not n:
             return 0
-        if len(text) > room:
-            text = text[:room]
-        self.counted += len(text)
+        self.counted += n
         self._held.append(text)
-        self._held_chars += len(text)
+        self._held_chars += n
         if self.counted == self.limit:
             self._settle(hold=False)  # nothing more comes in: the tail is counted now
         elif self._held_chars > PIECE_CHARS:
             self._settle(hold=True)
-        return len(text)
+        return n
 
     def count(self) -> int:
         """Tokens of every character taken; call it once the text is complete."""
