@@ -121,6 +121,12 @@ def pieces(text: str, start: int = 0) -> Iterator[str]:
         yield text[start:]
 
 
+def encode(text: str, encoding: str = DEFAULT_ENCODING) -> list[int]:
+    """Token ids of ``text``, encoded in the pieces ``count`` counts: ``len(encode(t)) == count(t)``."""
+    ordinary = get_encoding(encoding).encode_ordinary
+    return [token for piece in pieces(text) for token in ordinary(piece)]
+
+
 def count(text: str, encoding: str = DEFAULT_ENCODING) -> int:
     """Tokens in ``text``; special-token strings count as ordinary text, as they would in a prompt."""
     if not text:

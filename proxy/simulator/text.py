@@ -66,16 +66,12 @@ class Vocabulary:
         return random.Random(seed).choices(self.words, k=n)
 
 
-def _encode(text: str, encoding: str) -> list[int]:
-    ids: list[int] = tokens.get_encoding(encoding).encode_ordinary(text)
-    return ids
-
-
 async def tokenize(text: str, encoding: str) -> list[int]:
-    """Token ids of a prompt; long prompts are encoded on a worker thread, off the event loop."""
+    """Token ids of a prompt (as many as ``tokens.count`` says); long prompts are encoded on a worker thread,
+    off the event loop."""
     if len(text) > THREAD_THRESHOLD_CHARS:
-        return await asyncio.to_thread(_encode, text, encoding)
-    return _encode(text, encoding)
+        return await asyncio.to_thread(tokens.encode, text, encoding)
+    return tokens.encode(text, encoding)
 
 
 def block_hashes(ids: Sequence[int], block_size: int) -> list[bytes]:
