@@ -222,6 +222,7 @@ def uvicorn_config(app: object, settings: Settings, *, access_log: bool = False)
         http=BoundedHeadProtocol,
         ws="none",
         timeout_graceful_shutdown=math.ceil(settings.timeouts.drain),
+        timeout_keep_alive=75,  # nginx's default; past clients' own (httpx: 5 s), so a reuse never meets our close
         h11_max_incomplete_event_size=settings.max_header_bytes,
     )
 
