@@ -197,7 +197,7 @@ async def seconds_until_zero(client: httpx.AsyncClient, name: str, limit_s: floa
 
 def lateness(record: dict[str, Any]) -> float:
     """The most that any chunk of a request was written after its deadline (the machine's doing)."""
-    return max(t - d for t, d in zip(record["chunk_offsets_s"], record["chunk_due_offsets_s"], strict=True))
+    return float(max(t - d for t, d in zip(record["chunk_offsets_s"], record["chunk_due_offsets_s"], strict=True)))
 
 
 @contextlib.contextmanager
