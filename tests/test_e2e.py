@@ -41,10 +41,9 @@ def children(t: Telemetry, parent: ReadableSpan, name: str) -> list[ReadableSpan
 @pytest.fixture
 def proxy(proxy_factory: Any, scripted: Scripted) -> Running:
     running: Running = proxy_factory(build({"upstream": scripted.url, "read_timeout": 5}, env={}), admin=True)
-    # Warm the upstream connection pool so the measured request pays no connect.
-    for path, body in (("/v1/chat/completions", CHAT), ("/v1/messages", {**CHAT, "max_tokens": 10})):
-        with httpx.stream("POST", running.url + path, json=body, timeout=10) as r:
-            r.read()
+    # Warm the upstream connection pool so the measured request pays no connect (a short answer of the
+    # script's does: a whole stream would cost a second per test).
+    assert httpx.get(running.url + "/echo-headers", timeout=10).status_code == 200
     running.flush()
     return running
 
@@ -100,7 +99,7 @@ def test_openai_sdk_stream_timings_match_script(proxy: Running, scripted: Script
     # deadlines): one late read by the proxy stretches one gap and shortens the next; the median holds.
     written = httpx.get(scripted.url + "/active").json()["content_offsets"]
     script_gaps = [b - a for a, b in itertools.pairwise(written)]
-    assert len(written) == CHUNKS and statistics.median(script_gaps) >= GAP, written
+    assert len(written) == CHUNKS and written[0] >= TTFT, written  # this stream's record
     assert statistics.median(abs(g - w) for g, w in zip(gaps, script_gaps, strict=True)) < 0.002, (gaps, script_gaps)
     tpot = float(attrs[sc.TPOT])  # type: ignore[arg-type]
     assert abs(tpot - (written[-1] - written[0]) / (TOKENS - 1)) < 0.005, (tpot, written)
@@ -302,8 +301,6 @@ def _gap_buckets(telemetry: Telemetry) -> tuple[list[float], list[int]]:
 
 def test_percentiles_from_histograms_within_10_percent(proxy: Running, telemetry: Telemetry) -> None:
     telemetry.spans.clear()
-    # The histogram is cumulative and already holds the warm-up's gaps: compare only what this test adds.
-    _, before = _gap_buckets(telemetry)
     for _ in range(3):
         with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
             r.read()
@@ -313,8 +310,7 @@ def test_percentiles_from_histograms_within_10_percent(proxy: Running, telemetry
         for s in telemetry.finished()
         if s.name == sc.SPAN_CHUNK and s.attributes[sc.CHUNK_INDEX]  # type: ignore[index]
     )
-    bounds, after = _gap_buckets(telemetry)
-    counts = [a - b for a, b in zip(after, before, strict=True)]
+    bounds, counts = _gap_buckets(telemetry)  # this test's proxy and telemetry: only its own three streams
     assert sum(counts) == len(exact_gaps)
     for q in (0.5, 0.95, 0.99):
         exact = exact_gaps[min(int(q * len(exact_gaps)), len(exact_gaps) - 1)]
@@ -339,6 +335,9 @@ def quantile(q: float, bounds: list[float], counts: list[int]) -> float:
 
 def test_admin_endpoints(proxy: Running) -> None:
     assert proxy.admin is not None
+    with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
+        r.read()
+    proxy.flush()
     assert httpx.get(proxy.admin.url + "/healthz").status_code == 200
     assert httpx.get(proxy.admin.url + "/readyz").status_code == 200
     text = httpx.get(proxy.admin.url + "/metrics").text
