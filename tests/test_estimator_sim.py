@@ -6,7 +6,7 @@ the proxy; the simulator says when it admitted each request and when its first t
 whatever the machine itself put between the two in this very run. That is measured, not guessed: how
 late the simulator wrote a chunk against the deadline it planned (its record has both), and how much
 longer the proxy saw a request's upstream TTFT than the simulator's own arrival-to-first-token. On a quiet
-machine both are a millisecond or two; a busy one stretches them, and the estimate may not be blamed for it.
+machine both are a few milliseconds; a busy one stretches them, and the estimate may not be blamed for it.
 """
 
 from __future__ import annotations

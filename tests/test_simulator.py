@@ -566,7 +566,7 @@ async def test_timing_follows_the_profile_and_the_client_sees_the_truth() -> Non
         assert all(t >= record["arrival"] + o for t, o in zip(stamps, offsets, strict=True))
         client_ttft.append(stamps[0] - start - offsets[0])
     assert min(late) >= 0 and min(client_ttft) >= 0, (late, client_ttft)
-    # How late is the machine's doing (1 to 2.5 ms on a quiet one, bench/); a simulator that slept a step
+    # How late is the machine's doing (1 to 2.5 ms at worst on a quiet 2-core one); a simulator that slept a step
     # too long, or a client that read a chunk late, would be a whole step out in the median.
     assert statistics.median(late) < step and statistics.median(client_ttft) < step, (late, client_ttft)
 
