@@ -8,8 +8,10 @@ OTLP collector that refuses a third of the exports. It reports and checks:
 
 * every response's bytes against the sha256 of what the upstream wrote (a prefix of it when the upstream
   reset the connection, since the kernel drops what was not yet read): ``bytes_lost`` must be 0;
-* no leaked tasks, file descriptors or connections: the proxy's own counts (it runs here under a monitor
-  that writes them every second) are the same when idle after the load as when idle after the warm-up;
+* no leaked tasks, threads, file descriptors or connections: the proxy's own counts (it runs here under a
+  monitor that writes them every second, on the event loop ``llmtap serve`` runs) come back, once the load
+  ends, to what they were when idle after the warm-up; they are given up to ``SETTLE_S`` to do so (streams
+  cut by the idle timeout, records handed over), and a count still above it then is a leak;
 * resident memory flat: the median of the last tenth of the run within 10% of the first tenth's.
 
 The result is one JSON object (``--json``) or a short table, and the exit code is 0 only when all hold.
@@ -48,6 +50,8 @@ ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / "tests" / "fault_upstream.py"
 CHAT = {"model": "fault", "stream": True, "messages": [{"role": "user", "content": "Soak."}]}
 IDLE_TIMEOUT = 1.0
+#: How long the proxy's counts get to come back to their idle level after the load.
+SETTLE_S = 30.0
 #: What each request does, and how often. Faults are a fifth of the traffic.
 SCENARIOS: dict[str, int] = {
     "stream": 50,
@@ -109,7 +113,7 @@ def serve_monitored(status: Path, serve_args: Sequence[str]) -> int:
     The telemetry process runs as under ``llmtap serve``; the monitor reads the relay's own process.
     """
     from proxy.cli import _logging, parser
-    from proxy.relay.server import Telemetry, bind, serve
+    from proxy.relay.server import Telemetry, bind, run_loop, serve
     from proxy.settings import build
 
     settings = build(vars(parser().parse_args(["serve", *serve_args])))
@@ -126,7 +130,7 @@ def serve_monitored(status: Path, serve_args: Sequence[str]) -> int:
         channel_path = os.path.join(folder, "telemetry.sock")
         proxy_sock = bind(settings.host, settings.port, "proxy listener")
         with Telemetry(settings, channel_path, relays=1) as telemetry:
-            asyncio.run(run(proxy_sock, channel_path, telemetry))
+            run_loop(run(proxy_sock, channel_path, telemetry))
     return 0
 
 
@@ -294,6 +298,27 @@ def _idle(status: Path, since: float) -> dict[str, int]:
     raise RuntimeError("the proxy's monitor stopped writing")
 
 
+def _leaks(before: dict[str, int], after: dict[str, int], pooled: int) -> dict[str, int]:
+    """What the proxy holds now beyond its idle level; keep-alive connections to the upstream are the pool's
+    working set, not a leak (at most one per stream)."""
+    return {key: after[key] - before[key] - (pooled if key in ("fds", "sockets") else 0) for key in _COUNTS}
+
+
+def _settled(
+    status: Path, since: float, before: dict[str, int], upstream_port: int, pool_before: int
+) -> tuple[dict[str, int], int]:
+    """The monitor's first line after ``since`` that holds nothing beyond ``before``, or its last one once
+    ``SETTLE_S`` have passed; with the upstream pool's size then."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        after, pool_after = _idle(status, since), _connections_to(upstream_port)
+        settled = all(v <= 0 for v in _leaks(before, after, pool_after - pool_before).values())
+        if settled or time.monotonic() > deadline:
+            return after, pool_after
+        since = after["t"] + 0.001  # the next line: the monitor writes one a second
+        time.sleep(0.5)
+
+
 def _connections_to(port: int) -> int:
     """Open TCP connections (any state but LISTEN and TIME_WAIT) whose far end is ``port``."""
     count = 0
@@ -344,9 +369,7 @@ def run(duration: float, concurrency: int, seed: int, workdir: Path) -> dict[str
         started, cpu_before = time.monotonic(), cpu_seconds([proxy.pid])
         tally = asyncio.run(Load(proxy_url, upstream_url, concurrency, seed).run(duration))
         ended, cpu_after, load = time.monotonic(), cpu_seconds([proxy.pid]), os.getloadavg()[0]
-        time.sleep(IDLE_TIMEOUT + 2.5)  # stalled streams cut, records handed over, monitor sampled
-        after = _idle(status, time.monotonic() - 0.1)
-        pool_after = _connections_to(upstream_port)
+        after, pool_after = _settled(status, ended, before, upstream_port, pool_before)
         lines = [json.loads(x) for x in status.read_text().splitlines() if x.strip()]
         during = [x["rss"] for x in lines if started <= x["t"] <= ended]
         tenth = max(len(during) // 10, 1)
@@ -366,9 +389,7 @@ def run(duration: float, concurrency: int, seed: int, workdir: Path) -> dict[str
         if upstream.stdout is not None:
             upstream.stdout.close()
         collector.close()
-    # Keep-alive connections to the upstream are the pool's working set, not a leak: at most one per stream.
-    pooled = pool_after - pool_before
-    leaks = {key: after[key] - before[key] - (pooled if key in ("fds", "sockets") else 0) for key in _COUNTS}
+    leaks = _leaks(before, after, pool_after - pool_before)
     growth = (last - first) / first
     cancels = sorted(tally.cancel_seconds)
     result: dict[str, Any] = {

@@ -67,6 +67,8 @@ class Upstream:
         self.last_headers: dict[str, str] = {}
         self.active = 0
         self.first_content_offset = 0.0
+        #: Each content chunk's offset from the request's arrival, as written (the latest stream's).
+        self.content_offsets: list[float] = []
         self.cancelled = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -118,6 +120,7 @@ class Upstream:
                     "active": self.active,
                     "cancelled": self.cancelled,
                     "first_content_offset": self.first_content_offset,
+                    "content_offsets": self.content_offsets,
                 }
             elif path == "/echo-headers":
                 info = {"headers": headers, "target": target}
@@ -238,9 +241,11 @@ class Upstream:
             delay = arrived + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            # What the script really did: each content chunk's offset from the request's arrival.
+            written = time.perf_counter() - arrived
             if i == 0:
-                # What the script really did: its first content chunk's offset from the request's arrival.
-                self.first_content_offset = time.perf_counter() - arrived
+                self.first_content_offset, self.content_offsets = written, []
+            self.content_offsets.append(written)
             last = i == len(self.plan) - 1
             if anthropic:
                 chunk(

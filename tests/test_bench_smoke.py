@@ -65,8 +65,6 @@ def test_every_path_measured_at_every_concurrency(results: dict[str, Any]) -> No
         assert p["requests"] == expected and p["failed"] == 0 and p["unmatched"] == 0, p
         # Every content chunk the upstream wrote reached the client as an event of its own or merged.
         assert p["chunks"] + p["merged"] >= expected * SMOKE.chunks, p
-        assert p["added_ttft_ms_p50"] <= p["added_ttft_ms_p99"]
-        assert p["added_gap_ms_p50"] <= p["added_gap_ms_p99"]
         # A path cannot deliver before the upstream sent: only clock-read jitter below zero.
         assert p["added_ttft_ms_p50"] > -1.0, p
 
@@ -122,15 +120,20 @@ def test_accuracy_read_aiperf_spans_and_prometheus(results: dict[str, Any]) -> N
         # llmtap's TTFT is a part of the client's: never longer (beyond 2 ms of clock reads), never tiny.
         assert row["llmtap_exact_ms"] <= row["aiperf_ms"] + 2.0, row
         assert row["llmtap_exact_ms"] >= 0.5 * row["aiperf_ms"], row
-        # Histogram buckets are 9% apart: a wrong unit or metric would be far outside this.
+        # Histogram buckets are 9% apart: within 10% of the exact figure, as the README says of any backend.
         assert row["prometheus_ms"] is not None
-        assert abs(row["hist_error_pct"]) <= 20.0, row
+        assert abs(row["hist_error_pct"]) <= 10.0, row
 
 
 @pytest.mark.real
-def test_run_was_isolated_and_described(results: dict[str, Any]) -> None:
-    if os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip"):
-        assert results["netns"] is True
+def test_run_was_isolated_in_a_network_namespace(results: dict[str, Any]) -> None:
+    can = os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("ip") is not None
+    require_real(can, "a network namespace for the benchmark", "run as root with unshare and ip (util-linux, iproute2)")
+    assert results["netns"] is True
+
+
+@pytest.mark.real
+def test_run_was_described(results: dict[str, Any]) -> None:
     m = results["machine"]
     assert m["cores"] and m["python"] and "nginx" in m["nginx"] and m["litellm"] and m["aiperf"]
     assert "load average" in results["load_before"] and "load average" in results["load_after"]

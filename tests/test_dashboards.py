@@ -370,8 +370,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             f"  - job_name: llmtap\n    static_configs: [{{targets: ['127.0.0.1:{proxy.admin_port}']}}]\n",
             encoding="utf-8",
         )
-        if shutil.which("promtool"):
-            subprocess.run(["promtool", "check", "config", str(config)], check=True, capture_output=True, timeout=30)
+        promtool = shutil.which("promtool")
+        require_real(promtool is not None, "promtool", "it comes with Prometheus: see .ci/install.d/20-prometheus.sh")
+        assert promtool is not None
+        subprocess.run([promtool, "check", "config", str(config)], check=True, capture_output=True, timeout=30)
         argv = [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}"]
         prom = Proc([*argv, f"--web.listen-address=127.0.0.1:{port}"], tmp / "prometheus.log")
         started.append(prom)

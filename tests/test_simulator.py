@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import itertools
 import json
 import random
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -193,6 +193,11 @@ async def seconds_until_zero(client: httpx.AsyncClient, name: str, limit_s: floa
             return time.monotonic() - start
         await asyncio.sleep(0.002)
     raise AssertionError(f"{name} stayed above 0 for {limit_s} s")
+
+
+def lateness(record: dict[str, Any]) -> float:
+    """The most that any chunk of a request was written after its deadline (the machine's doing)."""
+    return float(max(t - d for t, d in zip(record["chunk_offsets_s"], record["chunk_due_offsets_s"], strict=True)))
 
 
 @contextlib.contextmanager
@@ -444,11 +449,13 @@ def test_prefix_cache_hits_only_a_shared_prefix() -> None:
     assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in variable_first] == [0, 0]
     assert anthropic["usage"]["cache_read_input_tokens"] == expected
     assert anthropic["usage"]["input_tokens"] == tokens.count(fixed + "\n5") - expected
-    # The cached read is cheaper by exactly the cached tokens' prefill.
-    prefill = {r["id"]: r["prefill_s"] for r in records}
-    saved = prefill[first["id"]] - prefill[second["id"]]
+    # The cached read is planned cheaper by exactly the cached tokens' prefill (what the simulator planned:
+    # its measured prefill also holds how late a busy machine woke it), and it was not served early.
+    planned = {r["id"]: r["prefill_plan_s"] for r in records}
+    saved = planned[first["id"]] - planned[second["id"]]
     delta_tokens = first["usage"]["prompt_tokens"] - second["usage"]["prompt_tokens"]
-    assert saved == pytest.approx((expected + delta_tokens) / 20000.0, abs=0.004)
+    assert saved == pytest.approx((expected + delta_tokens) / 20000.0, abs=1e-9)
+    assert all(r["chunk_offsets_s"][0] >= r["chunk_due_offsets_s"][0] for r in records)
     assert cached_total == 2 * expected
 
 
@@ -516,19 +523,23 @@ async def test_queueing_appears_beyond_max_num_seqs_and_prefill_does_not_grow() 
     by_joining = sorted(records, key=lambda r: r["joined"])
     assert by_joining == sorted(records, key=lambda r: r["admitted"])
     assert all(r["arrival"] <= r["joined"] <= r["admitted"] for r in records)
-    # A waiting request takes a slot the moment one frees: its admission is some request's last token.
-    finishes = [r["last_token"] for r in records]
-    assert all(min(abs(r["admitted"] - f) for f in finishes) < 0.003 for r in by_joining[2:])
-    prefill = [profile.prefill_s(r["prompt_tokens"]) for r in records]
-    one_request = prefill[0] + 7 * profile.decode_s_per_token  # the first token ends prefill, then 7 steps
-    # The first two took a slot the moment they joined the line (their queue_s also holds reading and
-    # tokenizing them, which the loaded machine can stretch).
-    assert [r["admitted"] - r["joined"] for r in by_joining[:2]] == pytest.approx([0, 0], abs=0.005)
+    # The first two took a slot the moment they joined the line, before anything finished; each later one
+    # waited for a slot and took it the moment one freed: within 3 ms of a request's last token, plus how
+    # late this machine woke the simulator (its own record: actual against due).
+    finishes = sorted(r["last_token"] for r in records)
+    assert all(r["admitted"] < finishes[0] for r in by_joining[:2])
+    late = max(lateness(r) for r in records)
+    for k, r in enumerate(by_joining[2:]):
+        assert r["admitted"] >= finishes[k]
+        assert min(r["admitted"] - f for f in finishes if f <= r["admitted"]) < 0.003 + late, (r, late)
+    one_request = profile.prefill_s(records[0]["prompt_tokens"]) + 7 * profile.decode_s_per_token
     assert by_joining[-1]["queue_s"] > one_request  # two rounds ahead of it
-    assert [r["prefill_s"] for r in records] == pytest.approx(prefill, abs=0.005)  # no growth under load
+    # No growth under load: every prefill was planned at the profile's figure, waiting or not.
+    assert all(r["cached_tokens"] == 0 for r in records)
+    assert [r["prefill_plan_s"] for r in records] == [profile.prefill_s(r["prompt_tokens"]) for r in records]
 
 
-async def test_timing_matches_profile_and_truth_at_low_load() -> None:
+async def test_timing_follows_the_profile_and_the_client_sees_the_truth() -> None:
     profile = fast(prefill_base_s=0.03, prefill_tokens_per_s=100000.0, decode_s_per_token=0.012)
     step = profile.decode_s_per_token
     with Sim(profile) as s:
@@ -540,41 +551,29 @@ async def test_timing_matches_profile_and_truth_at_low_load() -> None:
                     body = chat_body(f"timing {i}", stream=True, max_tokens=15)
                     runs.append(await timed_stream(client, CHAT, body))
             records = {r["id"]: r for r in (await client.get("/debug/requests")).json()["requests"]}
-    errors: dict[str, list[float]] = {
-        "server_ttft_vs_profile": [],  # TTFT in the truth against prefill_base_s + tokens / prefill rate
-        "client_ttft_vs_server": [],  # what the client measured against the truth
-        "delivery": [],  # each chunk: client receipt against the server's write
-        "gap_vs_truth": [],  # client chunk gaps against the truth's
-        "schedule": [],  # chunk k of the truth against first + k * step: no drift accumulates
-    }
+    late: list[float] = []  # each chunk: written against due
+    client_ttft: list[float] = []  # what the client measured against the truth
     for start, stamps, raw in runs:
         record = records[chunks(raw)[0]["id"]]
-        offsets = record["chunk_offsets_s"]
-        assert len(stamps) == 15 == len(offsets)
-        errors["server_ttft_vs_profile"].append(offsets[0] - profile.prefill_s(record["prompt_tokens"]))
-        errors["client_ttft_vs_server"].append(stamps[0] - start - offsets[0])
-        errors["delivery"] += [t - record["arrival"] - o for t, o in zip(stamps, offsets, strict=True)]
-        errors["gap_vs_truth"] += [
-            (b - a) - (y - x)
-            for (a, b), (x, y) in zip(itertools.pairwise(stamps), itertools.pairwise(offsets), strict=True)
-        ]
-        errors["schedule"] += [o - offsets[0] - k * step for k, o in enumerate(offsets)]
-    worst = {k: max(abs(e) for e in v) for k, v in errors.items()}
-    # Timers fire up to ~1 ms late (epoll's millisecond timeouts), never early; the rest is Python and
-    # the GIL this client shares with the server thread. Typical worst cases on a quiet machine are 1 to
-    # 2.5 ms; a shared CI machine can deschedule us once for longer, so the bound is on the 90th percentile
-    # with a loose ceiling for the single worst.
-    assert all(e >= 0 for e in errors["server_ttft_vs_profile"]), errors
-    p90 = {k: sorted(abs(e) for e in v)[int(0.9 * (len(v) - 1))] for k, v in errors.items()}
-    # The server's own figures hold to 5 ms; what the client sees also waits on the GIL it shares here.
-    assert p90["server_ttft_vs_profile"] < 0.005 and p90["schedule"] < 0.005, p90
-    assert all(e < 0.010 for e in p90.values()), p90
-    assert all(e < 0.025 for e in worst.values()), worst
+        offsets, due = record["chunk_offsets_s"], record["chunk_due_offsets_s"]
+        assert len(stamps) == 15 == len(offsets) == len(due)
+        # The plan is the profile's, exactly: the first token a prefill after arrival, then one step per
+        # token from the first token's deadline (never from a late wake-up: no drift accumulates).
+        assert due[0] == pytest.approx(profile.prefill_s(record["prompt_tokens"]), abs=2e-6)
+        assert [d - due[0] for d in due] == pytest.approx([k * step for k in range(15)], abs=2e-6)
+        late += [o - d for o, d in zip(offsets, due, strict=True)]
+        # Nothing is early: not the server against its plan, not the client against the server's write.
+        assert all(t >= record["arrival"] + o for t, o in zip(stamps, offsets, strict=True))
+        client_ttft.append(stamps[0] - start - offsets[0])
+    assert min(late) >= 0 and min(client_ttft) >= 0, (late, client_ttft)
+    # How late is the machine's doing (1 to 2.5 ms at worst on a quiet 2-core one); a simulator that slept a step
+    # too long, or a client that read a chunk late, would be a whole step out in the median.
+    assert statistics.median(late) < step and statistics.median(client_ttft) < step, (late, client_ttft)
 
 
 async def test_stream_interval_and_batch_slowdown() -> None:
     # A prefill long enough that both of the pair are admitted before either starts decoding.
-    profile = fast(stream_interval=4, decode_s_per_token=0.005, batch_slowdown=1.0, prefill_base_s=0.02)
+    profile = fast(stream_interval=4, decode_s_per_token=0.005, batch_slowdown=1.0, prefill_base_s=0.1)
     with Sim(profile) as s:
         async with httpx.AsyncClient(base_url=s.url) as client:
             alone = await client.post(CHAT, json=chat_body("alone", stream=True, max_tokens=10))
@@ -585,15 +584,26 @@ async def test_stream_interval_and_batch_slowdown() -> None:
     deltas = [c["choices"][0]["delta"]["content"] for c in chunks(alone.content)[1:]]
     assert [tokens.count(d) for d in deltas] == [1, 4, 4, 1]  # the first token alone, then 4 per chunk
     assert record["chunk_tokens"] == [1, 4, 4, 1]
-    assert record["decode_s"] == pytest.approx(9 * 0.005, abs=0.004)
-    # Two running sequences: each step takes decode * (1 + 1.0 * (2 - 1)), twice as long.
-    assert [r["decode_s"] for r in both] == pytest.approx([9 * 0.010] * 2, abs=0.004)
+
+    def planned_decode(r: dict[str, Any]) -> float:
+        return float(r["chunk_due_offsets_s"][-1] - r["chunk_due_offsets_s"][0])
+
+    # The plan (what a busy machine cannot move: it only wakes the simulator late, never early).
+    assert planned_decode(record) == pytest.approx(9 * 0.005, abs=2e-6)
+    assert all(o >= d for o, d in zip(record["chunk_offsets_s"], record["chunk_due_offsets_s"], strict=True))
+    # Two running sequences: each step takes decode * (1 + 1.0 * (2 - 1)), twice as long. The pair's second
+    # arrived within the first's 100 ms prefill, so it ran beside the first for all of the first's decode.
+    first = min(both, key=lambda r: r["admitted"])
+    assert planned_decode(first) == pytest.approx(9 * 0.010, abs=2e-6)
+
+
+PRELUDE_PREFILL = 0.2
 
 
 async def test_prelude_goes_out_at_admission_or_with_the_first_token() -> None:
     arrivals = []
     for early in (True, False):
-        with Sim(fast(prefill_base_s=0.04, prelude_on_admit=early)) as s:
+        with Sim(fast(prefill_base_s=PRELUDE_PREFILL, prelude_on_admit=early)) as s:
             async with httpx.AsyncClient(base_url=s.url) as client:
                 await client.get("/health")  # connect first
                 start = time.monotonic()
@@ -607,8 +617,10 @@ async def test_prelude_goes_out_at_admission_or_with_the_first_token() -> None:
                         stamps += [time.monotonic() - start for ev in done if has_content(ev)][:1]
                 arrivals.append(stamps[:2])
     (early_start, early_first), (late_start, late_first) = arrivals
-    assert early_first - early_start > 0.03  # message_start a whole prefill (40 ms) before the first token
-    assert late_first - late_start < 0.003  # message_start and the first token together, as vLLM sends them
+    # message_start a whole prefill before the first token, or with it as vLLM sends them: each within half a
+    # prefill of that (a client thread that a busy machine holds up between two reads sees them apart).
+    assert early_first - early_start > PRELUDE_PREFILL / 2, arrivals
+    assert late_first - late_start < PRELUDE_PREFILL / 2, arrivals
 
 
 def test_serve_runs_in_its_own_process() -> None:
@@ -687,12 +699,14 @@ async def test_long_prompt_is_counted_off_the_event_loop() -> None:
             await asyncio.sleep(0.05)
             rejected = await client.post(COMPLETIONS, content=payload)
             steady = (await stream).content
-            record = (await client.get("/debug/requests")).json()["requests"][-1]
+            records = (await client.get("/debug/requests")).json()["requests"]
     assert rejected.status_code == 400 and f"{huge_tokens} input tokens" in rejected.json()["error"]["message"]
     assert count_s > 0.05  # long enough that counting on the loop would stretch a gap far past its 10 ms
-    assert record["id"] == chunks(steady)[0]["id"]
-    gaps = [b - a for a, b in itertools.pairwise(record["chunk_offsets_s"])]
-    assert max(gaps) < 0.01 + 0.008
+    (record,) = (r for r in records if r["id"] == chunks(steady)[0]["id"])
+    assert record["output_tokens"] == 40
+    # Counting on the event loop would have held one of the stream's chunks back by the whole count (the
+    # control: the same count, timed here, on the same busy machine); off the loop, no chunk comes near.
+    assert lateness(record) < count_s / 2, (lateness(record), count_s)
 
 
 # ---------------------------------------------------------------- truth, metrics, profiles

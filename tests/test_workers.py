@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from proxy.telemetry.prometheus import merge_metrics
-from tests.conftest import Scripted, free_port
+from tests.conftest import Scripted, free_port, require_real
 
 ROOT = Path(__file__).parent.parent
 COUNT = "gen_ai_client_operation_time_to_first_chunk_seconds_count"
@@ -139,8 +139,8 @@ def _merged_count(admin: str) -> float:
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"), reason="needs SO_REUSEPORT (Linux)")
 def test_two_relays_share_the_port_and_one_telemetry_process_counts_all(upstream: Scripted, tmp_path: Path) -> None:
+    require_real(hasattr(socket, "SO_REUSEPORT"), "SO_REUSEPORT", "--workers needs Linux's SO_REUSEPORT")
     port, admin_port = free_port(), free_port()
     argv = ["serve", "--upstream", upstream.url, "--port", str(port), "--admin-port", str(admin_port), "--workers", "2"]
     proc = _serve(argv, tmp_path)

@@ -550,7 +550,8 @@ def plot(c: Comparison, before: Distribution, after: Distribution, path: str | P
         from matplotlib.figure import Figure
         from matplotlib.ticker import FuncFormatter, LogLocator
     except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'llmtap[plot]'") from None
+        hint = "pip install matplotlib (in a checkout of llmtap: pip install -e '.[plot]')"
+        raise ConfigError(f"--plot needs matplotlib: {hint}") from None
     fig = Figure(figsize=(10, 4.2), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[3, 1])
     for dist, side, color in ((before, c.before, "tab:red"), (after, c.after, "tab:blue")):

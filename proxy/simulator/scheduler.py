@@ -109,7 +109,8 @@ class Engine:
             # Reading a prompt includes tokenizing it: a request that got a slot at once starts its
             # prefill clock at arrival, so clients see the profile's read time, not read + tokenize.
             start = admitted if waited else min(record.arrival, admitted)
-            deadline = max(start + self.profile.prefill_s(job.prompt_tokens - hit.cached_tokens), admitted)
+            record.prefill_plan_s = self.profile.prefill_s(job.prompt_tokens - hit.cached_tokens)
+            deadline = max(start + record.prefill_plan_s, admitted)
             await sleep_until(deadline)
             # The prompt's blocks are in the KV cache once its prefill is done, ready for the next request.
             self.cache.insert(job.block_hashes)
@@ -120,7 +121,7 @@ class Engine:
                 if done:
                     deadline += (end - done) * self.profile.decode_step_s(self.running)
                     await sleep_until(deadline)
-                record.add_chunk(time.monotonic(), end - done)
+                record.add_chunk(time.monotonic(), end - done, deadline)
                 await sink.tokens(done, end)
                 done, size = end, self.profile.stream_interval
         finally:

@@ -7,6 +7,11 @@ reading and tokenizing the request as well as waiting for a slot, as a real serv
 ``prefill_s`` runs from admission to the first token and ``decode_s`` from the first token to the last.
 A request admitted at once starts its prefill clock at arrival, so for it ``queue_s + prefill_s`` is the
 profile's read time.
+Beside what happened, each record keeps what the engine planned: ``prefill_plan_s``, the profile's prefill
+for the prompt's uncached tokens, and ``chunk_due``, the deadline each chunk was written at or after. The
+actual times are never earlier than the plan; by how much they are later is the machine's doing (a busy
+event loop wakes late), so a check of the simulator's schedule reads the plan, and a check of its
+promptness compares the two.
 Records are kept (and numbered by ``seq``) when a request finishes.
 """
 
@@ -41,17 +46,21 @@ class RequestRecord:
     cached_tokens: int = 0
     max_tokens: int = 0
     output_tokens: int = 0
+    #: The profile's prefill for the uncached tokens: what the first token's deadline was set from.
+    prefill_plan_s: float | None = None
     seq: int = 0
-    # When each chunk of tokens was written, and how many tokens it carried.
+    # When each chunk of tokens was due and when it was written, and how many tokens it carried.
+    chunk_due: array[float] = field(default_factory=lambda: array("d"))
     chunk_times: array[float] = field(default_factory=lambda: array("d"))
     chunk_tokens: array[int] = field(default_factory=lambda: array("I"))
 
-    def add_chunk(self, at: float, n_tokens: int) -> None:
-        """Note a chunk of ``n_tokens`` written at ``at``."""
+    def add_chunk(self, at: float, n_tokens: int, due: float) -> None:
+        """Note a chunk of ``n_tokens`` due at ``due`` and written at ``at``."""
         if self.first_token is None:
             self.first_token = at
         self.last_token = at
         self.output_tokens += n_tokens
+        self.chunk_due.append(due)
         self.chunk_times.append(at)
         self.chunk_tokens.append(n_tokens)
 
@@ -82,6 +91,8 @@ class RequestRecord:
             "cached_tokens": self.cached_tokens,
             "max_tokens": self.max_tokens,
             "output_tokens": self.output_tokens,
+            "prefill_plan_s": self.prefill_plan_s,
+            "chunk_due_offsets_s": [round(t - self.arrival, 6) for t in self.chunk_due],
             "chunk_offsets_s": [round(t - self.arrival, 6) for t in self.chunk_times],
             "chunk_tokens": list(self.chunk_tokens),
         }
