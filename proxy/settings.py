@@ -23,6 +23,11 @@ CHUNK_SPAN_MODES = ("spans", "events", "off")
 #: The client for upstreams: llmtap's own HTTP/1.1 one (``proxy.relay.upstream_http``), or httpx's.
 UPSTREAM_CLIENTS = ("lean", "httpx")
 SEMCONV_LATEST = "gen_ai_latest_experimental"
+#: Buckets of the ``gen_ai.*`` histograms: the conventions' advisory ones, or llmtap's fine ones.
+HISTOGRAM_BUCKETS = ("standard", "fine")
+#: ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION``: the histograms' aggregation over OTLP.
+EXPLICIT = "explicit_bucket_histogram"
+EXPONENTIAL = "base2_exponential_bucket_histogram"
 
 
 class ConfigError(ValueError):
@@ -148,6 +153,13 @@ class Telemetry:
     prometheus: bool = True
     #: Model names that always keep their own label on metrics, however rarely used (``LLMTAP_METRIC_MODELS``).
     metric_models: tuple[str, ...] = ()
+    #: ``standard``: the ``gen_ai.*`` histograms use the conventions' advisory buckets; ``fine``: llmtap's
+    #: (2^(1/8) apart), as its own latency histograms always do.
+    histogram_buckets: str = "standard"
+    #: Also emit ``gen_ai.server.*``, the model server's own metric names, with values that include the hop.
+    server_metrics: bool = False
+    #: How histograms go over OTLP (``/metrics`` is always explicit buckets): ``EXPLICIT`` or ``EXPONENTIAL``.
+    histogram_aggregation: str = EXPLICIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +249,15 @@ _FILE_KEYS = {
         "client_body",
         "keep_alive",
     },
-    "telemetry": {"chunk_spans", "chunk_span_cap", "queue_size", "prometheus", "metric_models"},
+    "telemetry": {
+        "chunk_spans",
+        "chunk_span_cap",
+        "queue_size",
+        "prometheus",
+        "metric_models",
+        "histogram_buckets",
+        "server_metrics",
+    },
     "slo": {"ttft_ms", "tpot_ms", "e2e_ms"},
     "inject_usage": None,
     "max_inspect_bytes": None,
@@ -406,6 +426,18 @@ def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] |
     values["queue_size"] = int(_number(qsize, "queue_size", integer=True, minimum=1))
     values["prometheus"] = _bool(env.get("LLMTAP_PROMETHEUS", section.get("prometheus", True)), "prometheus")
     values["metric_models"] = _metric_models(env.get("LLMTAP_METRIC_MODELS", section.get("metric_models")))
+    buckets = str(env.get("LLMTAP_HISTOGRAM_BUCKETS", section.get("histogram_buckets", "standard"))).strip().lower()
+    if buckets not in HISTOGRAM_BUCKETS:
+        raise ConfigError(f"histogram_buckets: {buckets!r} is not one of {', '.join(HISTOGRAM_BUCKETS)}")
+    values["histogram_buckets"] = buckets
+    server = env.get("LLMTAP_SERVER_METRICS", section.get("server_metrics", False))
+    values["server_metrics"] = _bool(server, "server_metrics")
+    # The SDK's OTLP exporters read this variable too, but warn and carry on at a typo: here it is an error.
+    key = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+    aggregation = env.get(key, "").strip().lower() or EXPLICIT
+    if aggregation not in (EXPLICIT, EXPONENTIAL):
+        raise ConfigError(f"{key}: {aggregation!r} is not one of {EXPLICIT}, {EXPONENTIAL}")
+    values["histogram_aggregation"] = aggregation
     return Telemetry(**values)
 
 
@@ -687,8 +719,9 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         "max_client_connections", "LLMTAP_MAX_CLIENT_CONNECTIONS", data.get("max_client_connections"), None
     )
     telemetry_env = dict(env)
-    if flags.get("chunk_spans") is not None:
-        telemetry_env["LLMTAP_CHUNK_SPANS"] = str(flags["chunk_spans"])
+    for flag in ("chunk_spans", "histogram_buckets", "server_metrics"):
+        if flags.get(flag) is not None:
+            telemetry_env[f"LLMTAP_{flag.upper()}"] = str(flags[flag])
     level = str(pick("log_level", "LLMTAP_LOG_LEVEL", data.get("log_level"), "info")).lower()
     if level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log level: {level!r} is not one of debug, info, warning, error")
