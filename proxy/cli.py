@@ -177,11 +177,50 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default after its help; descriptions and tables keep their own line breaks."""
+
+
+class _ProfilesAction(argparse.Action):
+    """``--help`` or ``--list-profiles`` of simulate: the profile table, read only when asked for.
+
+    The table lives with the profiles in ``proxy.simulator``, which loads the tokenizer: ``llmtap serve``
+    must not pay for it (nor the relay load it), so it is imported here and not when the parser is built.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from proxy.simulator.profiles import profile_table
+
+        table = f"profiles (--profile NAME):\n{profile_table()}\n"
+        if "--list-profiles" in self.option_strings:
+            sys.stdout.write(table)
+        else:
+            parser.epilog = table
+            parser.print_help()
+        parser.exit()
+
+
 def _simulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("simulate", help="run the simulated LLM server (an offline upstream)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--profile", default="support", help="support, code or fast")
+    p = sub.add_parser(
+        "simulate",
+        help="run the simulated LLM server (an offline upstream)",
+        description=(
+            "A simulated LLM server: OpenAI Chat Completions, Completions and Responses, Anthropic Messages,\n"
+            "Ollama (/api/chat, /api/generate) and Gemini (:generateContent, :streamGenerateContent), timed\n"
+            "by a continuous-batching scheduler with a prefix cache. Its own truth per request is at\n"
+            "GET /debug/requests, its counters at GET /metrics."
+        ),
+        formatter_class=_HelpFormatter,
+        add_help=False,
+    )
+    p.add_argument("-h", "--help", action=_ProfilesAction, help="show this help and the profiles, then exit")
+    p.add_argument("--host", default="127.0.0.1", help="listen address")
+    p.add_argument("--port", type=int, default=8000, help="listen port")
+    p.add_argument("--profile", default="support", metavar="NAME", help="timing and capacity profile, listed below")
+    p.add_argument("--list-profiles", action=_ProfilesAction, help="print the profiles and what each models, then exit")
 
 
 def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -190,10 +229,28 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     p.add_argument("--requests", type=int, help="requests per workload and layout (default 8 support, 16 code)")
     p.add_argument("--concurrency", type=int, help="concurrent streams (default 4)")
-    p.add_argument("--output-tokens", dest="output_tokens", type=int, help="output tokens per request")
-    p.add_argument("--workload", choices=("support", "code"), help="run one workload only")
-    p.add_argument("--slo-ttft-ms", dest="slo_ttft_ms", type=float, help="TTFT objective for goodput, ms")
-    p.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=float, help="TPOT objective for goodput, ms")
+    p.add_argument(
+        "--output-tokens",
+        dest="output_tokens",
+        type=int,
+        help="output tokens per request (default 300 support, 64 code)",
+    )
+    p.add_argument("--workload", choices=("support", "code"), help="run one workload only (default both)")
+    p.add_argument(
+        "--slo-ttft-ms",
+        dest="slo_ttft_ms",
+        type=float,
+        help="TTFT objective for goodput, ms (default 500 support, 100 code)",
+    )
+    p.add_argument(
+        "--slo-tpot-ms",
+        dest="slo_tpot_ms",
+        type=float,
+        help="TPOT objective for goodput, ms (default 30 support, 15 code)",
+    )
+    p.add_argument(
+        "--min-gain-ms", dest="min_gain_ms", type=float, help="least TTFT p50 gain the verdict counts, ms (100)"
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument(
         "--serve", action="store_true", help="keep the proxy running after the tables and print the live view's URL"

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -30,10 +30,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 from proxy import simulator
-from proxy.analysis.compare import Comparison, Split, compare_records
+from proxy.analysis.compare import MIN_GAIN_MS, Comparison, Split, compare_records
 from proxy.analysis.stats import quantile
 from proxy.analysis.summary import Summary, slo_outcome
 from proxy.analysis.timeline import OK, Timeline
+from proxy.demo_report import ProgressLine, render as render  # render is part of the demo's API
 from proxy.settings import SLO, Records, Route, Settings, Telemetry, telemetry_from_env
 from proxy.simulator.text import Vocabulary
 from proxy.telemetry import setup
@@ -103,6 +104,9 @@ class PhaseResult:
     itl_p50: float | None = None
     itl_p95: float | None = None
     tpot_p50: float | None = None
+    #: One stream's decode rate, output tokens per second after the first token (1 / TPOT): p50 over requests.
+    stream_tokens_per_s_p50: float | None = None
+    #: Output tokens of all streams together over the phase's wall time (at the workload's concurrency).
     output_tokens_per_s: float = 0.0
     requests_per_s: float = 0.0
     goodput_per_s: float = 0.0
@@ -127,6 +131,7 @@ def phase_result(w: Workload, layout: str, rows: list[tuple[Timeline, Summary]],
     itl = [x for s in ok for x in s.itl_per_token]
     r.itl_p50, r.itl_p95 = quantile(itl, 0.5), quantile(itl, 0.95)
     r.tpot_p50 = quantile([s.tpot for s in ok if s.tpot is not None], 0.5)
+    r.stream_tokens_per_s_p50 = quantile([1 / s.tpot for s in ok if s.tpot], 0.5)
     out = sum(s.output_tokens or 0 for s in ok)
     good = sum(1 for tl, s in rows if slo_outcome(tl, s, w.slo) == "met")
     if seconds > 0:
@@ -144,74 +149,6 @@ def phase_result(w: Workload, layout: str, rows: list[tuple[Timeline, Summary]],
     r.input_tokens_p50 = quantile([float(s.input_tokens) for s in ok if s.input_tokens is not None], 0.5)
     r.output_tokens_p50 = quantile([float(s.output_tokens) for s in ok if s.output_tokens is not None], 0.5)
     return r
-
-
-def _ms(v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
-
-
-def render(results: list[PhaseResult], workloads: list[Workload], verdicts: dict[str, str]) -> str:
-    """The human-readable report: one table per workload, then ``llmtap compare``'s verdict for each."""
-    lines: list[str] = []
-    for w in workloads:
-        rows = [r for r in results if r.workload == w.name]
-        if not rows:
-            continue
-        slo = " ".join(f"{k} <= {_ms(v)}" for k, v in (("TTFT", w.slo.ttft), ("TPOT", w.slo.tpot)) if v is not None)
-        lines.append(
-            f"\n{w.name}: {w.fixed_tokens + w.variable_tokens} prompt tokens ({w.fixed_tokens} unchanging), "
-            f"{w.output_tokens} output tokens, {w.requests} requests at concurrency {w.concurrency}; SLO {slo}"
-        )
-        header = (
-            "layout",
-            "TTFT p50",
-            "TTFT p95",
-            "ITL p50",
-            "ITL p95",
-            "TPOT",
-            "out tok/s",
-            "goodput",
-            "queue",
-            "prefill",
-            "decode",
-            "cached",
-        )
-        table = [header]
-        for r in rows:
-            table.append(
-                (
-                    r.layout,
-                    _ms(r.ttft_p50),
-                    _ms(r.ttft_p95),
-                    _ms(r.itl_p50),
-                    _ms(r.itl_p95),
-                    _ms(r.tpot_p50),
-                    f"{r.output_tokens_per_s:.0f}",
-                    f"{r.goodput_per_s:.2f}/s ({r.slo_met_share:.0%})",
-                    f"{_ms(r.queue_p50)} [{r.queue_source}]",
-                    f"{_ms(r.prefill_p50)} [{r.prefill_source}]",
-                    _ms(r.decode_p50),
-                    f"{r.cached_share:.0%}",
-                )
-            )
-        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-        for i, row in enumerate(table):
-            lines.append("  " + "  ".join(cell.ljust(widths[j]) for j, cell in enumerate(row)))
-            if i == 0:
-                lines.append("  " + "  ".join("-" * w_ for w_ in widths))
-    lines.append("")
-    for w in workloads:
-        if w.name in verdicts:
-            lines.append(f"{w.name}: {verdicts[w.name]}")
-    lines.append(
-        "\nFigures are the proxy's own measurements (p50/p95 over requests; ITL over tokens). "
-        "Sources in brackets: server = reported by the server, proxy = measured here, "
-        "estimated = inferred from the server's slots and what the proxy saw, "
-        "upstream_ttft = request sent to first token, server queueing included."
-    )
-    return "\n".join(lines)
 
 
 class _Collector:
@@ -237,17 +174,38 @@ def _messages(w: Workload, layout: str, index: int, vocab: Vocabulary) -> list[d
     return [{"role": "system", "content": first}, {"role": "user", "content": second}]
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where one phase stands: its requests started and finished, seconds since it began."""
+
+    workload: str
+    layout: str
+    requests: int
+    concurrency: int
+    started: int
+    done: int
+    seconds: float
+    #: True once, when the phase is over.
+    finished: bool = False
+
+
 async def _drive(
     client: httpx.AsyncClient,
     base: str,
     w: Workload,
     layout: str,
     vocab: Vocabulary,
-    progress: Callable[[str], None],
+    progress: Callable[[Progress], None],
     offset: int,
 ) -> float:
     """Send one phase's requests at the workload's concurrency; returns the phase's wall time."""
     url = f"{base}/{w.route}/v1/chat/completions"
+    began = time.perf_counter()
+    started = done = 0
+
+    def report(finished: bool = False) -> None:
+        seconds = time.perf_counter() - began
+        progress(Progress(w.name, layout, w.requests, w.concurrency, started, done, seconds, finished))
 
     async def one(index: int, version: str, max_tokens: int) -> None:
         body = {
@@ -260,21 +218,35 @@ async def _drive(
             async for _ in r.aiter_raw():
                 pass
 
-    # One short request first, so the phase measures a warm cache as steady traffic would see it.
-    await one(offset + 10_000, WARMUP, 1)
-    sem = asyncio.Semaphore(w.concurrency)
-    done = 0
+    async def tick() -> None:
+        # A long answer takes seconds: the line moves every second, not only when a request ends.
+        while True:
+            await asyncio.sleep(1.0)
+            report()
 
-    async def limited(i: int) -> None:
-        nonlocal done
-        async with sem:
-            await one(offset + i, layout, w.output_tokens)
-        done += 1
-        progress(f"{w.name}, {layout}: {done}/{w.requests} requests")
+    report()
+    ticker = asyncio.create_task(tick())
+    try:
+        # One short request first, so the phase measures a warm cache as steady traffic would see it.
+        await one(offset + 10_000, WARMUP, 1)
+        sem = asyncio.Semaphore(w.concurrency)
 
-    start = time.perf_counter()
-    await asyncio.gather(*(limited(i) for i in range(w.requests)))
-    return time.perf_counter() - start
+        async def limited(i: int) -> None:
+            nonlocal started, done
+            async with sem:
+                started += 1
+                report()
+                await one(offset + i, layout, w.output_tokens)
+            done += 1
+            report()
+
+        start = time.perf_counter()
+        await asyncio.gather(*(limited(i) for i in range(w.requests)))
+        seconds = time.perf_counter() - start
+    finally:
+        ticker.cancel()
+    report(finished=True)
+    return seconds
 
 
 @dataclass(slots=True)
@@ -308,10 +280,11 @@ def _file_providers(
 async def run(
     workloads: list[Workload],
     *,
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[Progress], None] = lambda _: None,
     env: dict[str, str] | None = None,
     telemetry_dir: Path | None = None,
     serve: Callable[[DemoRun, str, str], Awaitable[None]] | None = None,
+    min_gain_ms: float = MIN_GAIN_MS,
 ) -> DemoRun:
     """Run the demo and return its figures.
 
@@ -394,7 +367,7 @@ async def run(
                     await asyncio.to_thread(app.flush)
                     out.results.append(phase_result(w, layout, collector.take(w.route, layout), seconds))
         if serve is not None and admin_server is not None:
-            _compare(out, workloads, records)
+            _compare(out, workloads, records, min_gain_ms)
             view = f"http://127.0.0.1:{admin_sock.getsockname()[1]}/?window=all"
             await _until_stopped(serve(out, view, base), [server, admin_server])
     finally:
@@ -411,7 +384,7 @@ async def run(
         for f in files:
             f.close()
     if serve is None:
-        _compare(out, workloads, records)
+        _compare(out, workloads, records, min_gain_ms)
     return out
 
 
@@ -427,10 +400,11 @@ async def _until_stopped(keep: Awaitable[None], servers: list[Server]) -> None:
         waiting.result()
 
 
-def _compare(out: DemoRun, workloads: list[Workload], records: Path) -> None:
+def _compare(out: DemoRun, workloads: list[Workload], records: Path, min_gain_ms: float) -> None:
+    split = Split(VARIABLE_FIRST, FIXED_FIRST)
     for w in workloads:
         # The same statistics as ``llmtap compare records.jsonl --before variable-first --after fixed-first``.
-        out.comparisons[w.name] = compare_records(records, Split(VARIABLE_FIRST, FIXED_FIRST), route=w.route)
+        out.comparisons[w.name] = compare_records(records, split, route=w.route, min_gain_ms=min_gain_ms)
 
 
 def main(args: Any) -> int:
@@ -438,39 +412,32 @@ def main(args: Any) -> int:
     workloads = default_workloads(args.requests, args.concurrency)
     if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
         workloads = [
-            Workload(
-                **{
-                    **asdict(w),
-                    "slo": SLO(
-                        ttft=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else w.slo.ttft,
-                        tpot=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else w.slo.tpot,
-                    ),
-                }
+            replace(
+                w,
+                slo=SLO(
+                    ttft=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else w.slo.ttft,
+                    tpot=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else w.slo.tpot,
+                ),
             )
             for w in workloads
         ]
     if args.output_tokens is not None:
-        workloads = [Workload(**{**asdict(w), "output_tokens": args.output_tokens}) for w in workloads]
+        # ``replace``, not ``asdict``: asdict would turn the nested SLO into a plain dict.
+        workloads = [replace(w, output_tokens=args.output_tokens) for w in workloads]
     if args.workload:
         workloads = [w for w in workloads if w.route == args.workload]
-    interactive = sys.stderr.isatty()
-
-    def progress(message: str) -> None:
-        if not args.json:
-            sys.stderr.write(("\r\033[K" if interactive else "") + message + ("" if interactive else "\n"))
-            sys.stderr.flush()
+    progress = None if args.json else ProgressLine(sys.stderr, interactive=sys.stderr.isatty())
 
     if not args.json:
-        print(
-            "llmtap demo: a simulated LLM server, the proxy in front of it, two workloads (offline).", file=sys.stderr
-        )
+        names = " and ".join(w.name for w in workloads)
+        print(f"llmtap demo: a simulated LLM server, the proxy in front of it, {names} (offline).", file=sys.stderr)
     serving = False
 
     async def keep_serving(result: DemoRun, view: str, proxy_url: str) -> None:
         nonlocal serving
         serving = True
-        if interactive and not args.json:
-            sys.stderr.write("\n")
+        if progress is not None:
+            progress.close()
         _report(result, workloads, as_json=args.json)
         route = workloads[0].route if workloads else "support"
         print(
@@ -483,13 +450,20 @@ def main(args: Any) -> int:
         await asyncio.Event().wait()
 
     try:
-        result = asyncio.run(run(workloads, progress=progress, serve=keep_serving if args.serve else None))
+        result = asyncio.run(
+            run(
+                workloads,
+                progress=progress or (lambda _: None),
+                serve=keep_serving if args.serve else None,
+                min_gain_ms=MIN_GAIN_MS if args.min_gain_ms is None else args.min_gain_ms,
+            )
+        )
     except KeyboardInterrupt:
         print("\nllmtap demo: stopped.", file=sys.stderr)
         return 0 if serving else 130
     if not args.serve:
-        if interactive and not args.json:
-            sys.stderr.write("\n")
+        if progress is not None:
+            progress.close()
         _report(result, workloads, as_json=args.json)
     return 0
 
@@ -505,10 +479,11 @@ def _report(result: DemoRun, workloads: list[Workload], *, as_json: bool) -> Non
         }
         print(json.dumps(report, indent=2))
     else:
+        route = workloads[0].route if workloads else "support"
         print(render(result.results, workloads, {name: c.verdict for name, c in result.comparisons.items()}))
         print(
             f"\nRequest records: {result.records_file}\n  compare them yourself: llmtap compare "
-            f"{result.records_file} --route support --before {VARIABLE_FIRST} --after {FIXED_FIRST} --plot ttft.png"
+            f"{result.records_file} --route {route} --before {VARIABLE_FIRST} --after {FIXED_FIRST} --plot ttft.png"
         )
         if result.telemetry_files:
             print(

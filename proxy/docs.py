@@ -133,7 +133,11 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.PREFILL_SOURCE: ("string", f"{_SOURCE}, or `upstream_ttft` (request sent to first content chunk)."),
     sc.DECODE_DURATION: ("double", "Seconds from the first content chunk to the last."),
     sc.INPUT_TOKENS_SOURCE: ("string", "`usage` (the upstream reported it) or the tiktoken encoding that counted it."),
-    sc.OUTPUT_TOKENS_SOURCE: ("string", "`usage` (the upstream reported it) or the tiktoken encoding that counted it."),
+    sc.OUTPUT_TOKENS_SOURCE: (
+        "string",
+        "`usage` (the upstream reported it), the tiktoken encoding that counted it, or `estimated` (past the first "
+        "million characters, at the tokens per character counted before).",
+    ),
     sc.UNCACHED_INPUT_TOKENS: ("int", "Input tokens minus cache-read tokens: what prefill had to read."),
     sc.CHUNK_COUNT: ("int", "Content chunks in the stream."),
     sc.CHUNK_INDEX: ("int", "The chunk's position, from 0."),
@@ -144,12 +148,18 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.CHUNK_FOLDED: ("int", "How many chunks past the cap this one span or event stands for."),
     sc.MALFORMED_EVENTS: ("int", "Stream events llmtap could not parse (relayed unchanged)."),
     sc.OVERSIZED_EVENTS: ("int", "Stream events larger than the decoder keeps (relayed unchanged)."),
+    sc.STREAM_UNREAD: (
+        "string",
+        "Why llmtap stopped reading the response before its end (it relayed every byte): `inflate_limit` (it "
+        "inflated past 64 MiB, or past 256 times its compressed size), `body_limit` (a whole body past 32 MiB).",
+    ),
     sc.RESPONSE_BYTES: ("int", "Response body bytes relayed to the client."),
     sc.TELEMETRY_REASON: (
         "string",
         "Why telemetry was dropped: `queue_full` (the recorder's queue, or the span export queue), "
         "`export_failed` (the collector refused or could not be reached), `shutdown` (still queued at the flush "
-        "deadline).",
+        "deadline); for tapes also `channel_full`, `evicted`, `partial` and, read in part, `inflate_limit` and "
+        "`body_limit`; for records `no_space`, `io_error` and `invalid`.",
     ),
     sc.TELEMETRY_ATTRIBUTE: (
         "string",
@@ -182,7 +192,10 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
 }
 
 #: Attributes of metrics the reference run cannot provoke (they count failures of llmtap itself).
-UNEXERCISED: dict[str, tuple[str, ...]] = {sc.METRIC_TELEMETRY_DROPPED: (sc.TELEMETRY_REASON,)}
+UNEXERCISED: dict[str, tuple[str, ...]] = {
+    sc.METRIC_TELEMETRY_DROPPED: (sc.TELEMETRY_REASON,),
+    sc.METRIC_RECORDS_DROPPED: (sc.TELEMETRY_REASON,),
+}
 
 _SERVER_SETTING = "`telemetry.server_metrics: true`"
 
@@ -192,8 +205,8 @@ METRICS: dict[str, str] = {
     sc.LATEST.operation_duration: "Every LLM request, with `error.type` when it failed.",
     sc.RELEASED.time_to_first_chunk: "Streamed requests that got a first content chunk.",
     sc.LATEST.time_to_first_chunk: "Streamed requests that got a first content chunk.",
-    sc.RELEASED.time_per_output_chunk: "One sample per chunk gap of a streamed request.",
-    sc.LATEST.time_per_output_chunk: "One sample per chunk gap of a streamed request.",
+    sc.RELEASED.time_per_output_chunk: "One sample per chunk gap of a streamed request (past 8192, that many spread evenly).",  # noqa: E501
+    sc.LATEST.time_per_output_chunk: "One sample per chunk gap of a streamed request (past 8192, that many spread evenly).",  # noqa: E501
     str(sc.RELEASED.token_usage): "Every LLM request with a token count, once per `gen_ai.token.type`.",
     str(sc.LATEST.input_tokens_counter): "Every LLM request with an input token count.",
     str(sc.LATEST.output_tokens_counter): "Every LLM request with an output token count.",
@@ -211,7 +224,7 @@ METRICS: dict[str, str] = {
     sc.METRIC_TPOT: "Successful requests with more than one output token.",
     sc.METRIC_TTFB: "Every LLM request that got a response body byte.",
     sc.METRIC_UPSTREAM_TTFT: "Streamed requests that got a first content chunk.",
-    sc.METRIC_ITL: "Streamed requests: one sample per output token after the first chunk.",
+    sc.METRIC_ITL: "Streamed requests: one sample per output token after the first chunk (past 8192, that many spread evenly).",  # noqa: E501
     sc.METRIC_QUEUE: "Every LLM request whose queue time is known.",
     sc.METRIC_PREFILL: "Streamed requests whose prefill is known.",
     sc.METRIC_DECODE: "Streamed requests with a first and last content chunk.",
@@ -225,6 +238,7 @@ METRICS: dict[str, str] = {
     sc.METRIC_TOKEN_DRIFT: "Requests where both usage and a tiktoken count exist.",
     sc.METRIC_TELEMETRY_DROPPED: "Each request whose tape was dropped: the relay's channel or the recorder's queue was full.",  # noqa: E501
     sc.METRIC_LABELS_EVICTED: "Each label value that lost its slot to a more frequent one.",
+    sc.METRIC_RECORDS_DROPPED: "Each request record (`--record`) that a failed write lost; 0 per reason from the start.",  # noqa: E501
     sc.METRIC_MALFORMED: "Streams with events llmtap could not parse.",
     sc.METRIC_CACHE_REQUESTS: "Every LLM request, once, by its cache class.",
     sc.METRIC_QUEUE_WAITING: "+1 when a request joins a route's admission queue, -1 when it leaves.",
@@ -417,6 +431,9 @@ def _requests() -> Iterable[Timeline]:
     refused.fail("queue_full", "the admission queue is full")
     yield refused
     yield _timeline(chunks=9)  # past the chunk cap: the tail folds
+    bomb = _timeline(chunks=2)
+    bomb.unread = "inflate_limit"  # the tap stopped reading it
+    yield bomb
     yield _timeline(chunks=1, relay=True)
     # No prompt version and another system prompt (the cache diagnosis names the changed region), and a
     # body that is not JSON at all: no model, relayed unchanged.

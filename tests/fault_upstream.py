@@ -24,8 +24,9 @@ import socket
 import struct
 import sys
 import time
+import zlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,8 @@ FAULTS = (
     "dup-usage",
     "cumulative-usage",
     "flood",
+    "one-letter",
+    "gzip-bomb",
 )
 #: The response a ``cl-short`` upstream hides after its declared body; it must never reach a client.
 SMUGGLED = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 8\r\n\r\nSMUGGLED"
@@ -280,6 +283,12 @@ class Upstream:
         if fault == "flood":
             await _flood(ex, arg)
             return True
+        if fault == "gzip-bomb":
+            ex.head(headers=b"content-type: text/event-stream\r\ncontent-encoding: gzip\r\n")
+            await _gzip_bomb(ex, arg)
+            ex.end()
+            await ex.drain()
+            return True
         if fault in _HOSTILE:
             ex.head()
             await _HOSTILE[fault](ex, arg)
@@ -401,6 +410,43 @@ async def _tiny_events(ex: Exchange, count: int) -> None:
     await _finish(ex, count, content=False)
 
 
+def _letter_events(size: int) -> Iterator[bytes]:
+    """``size`` bytes of content, one letter repeated, in events of 64 KiB of it: a run tiktoken cannot split."""
+    left = size
+    while left > 0:
+        n = min(left, 65536)
+        yield b'data: {"choices":[{"index":0,"delta":{"content":"' + b"a" * n + b'"}}]}\n\n'
+        left -= n
+
+
+async def _one_letter(ex: Exchange, size: int) -> None:
+    """``size`` bytes of content of one letter, as fast as the reader takes them, then usage."""
+    for event in _letter_events(size):
+        ex.event(event)
+        await ex.drain()
+    await _finish(ex, size // 8)
+
+
+_bombs: dict[int, list[bytes]] = {}
+
+
+async def _gzip_bomb(ex: Exchange, size: int) -> None:
+    """A gzip-encoded stream of ``size`` bytes of SSE (one-letter content events and usage): about a
+    thousandth of that on the wire. Compressed once per size and kept, so repeated requests cost nothing."""
+    if size not in _bombs:
+        pack = zlib.compressobj(9, zlib.DEFLATED, 31)
+        wire = bytearray()
+        for event in _letter_events(size):
+            wire += pack.compress(event)
+        wire += pack.compress(chat_chunk({}, "stop") + usage_event(12, size // 8) + b"data: [DONE]\n\n")
+        wire += pack.flush()
+        _bombs.clear()
+        _bombs[size] = [bytes(wire[i : i + 16384]) for i in range(0, len(wire), 16384)]
+    for piece in _bombs[size]:
+        ex.event(piece)
+        await ex.drain()
+
+
 async def _deep_json(ex: Exchange, depth: int) -> None:
     """An event nested ``depth`` arrays deep (past any recursion limit), then a normal stream."""
     ex.event(b"data: " + b"[" * depth + b"]" * depth + b"\n\n")
@@ -448,6 +494,7 @@ async def _finish(ex: Exchange, tokens: int, *, content: bool = True) -> None:
 
 _HOSTILE: dict[str, Callable[[Exchange, int], Awaitable[None]]] = {
     "big-line": _big_line,
+    "one-letter": _one_letter,
     "tiny-events": _tiny_events,
     "deep-json": _deep_json,
     "overflow": _overflow,

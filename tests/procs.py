@@ -23,6 +23,8 @@ from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+#: ``/proc/PID/comm`` of the telemetry process (``llmtap-telemetry``, cut to Linux's 15 bytes).
+TELEMETRY_COMM = "llmtap-telemetr"
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,19 @@ class Llmtap:
 
     def rss(self) -> int:
         """Resident bytes now."""
-        return int(Path(f"/proc/{self.proc.pid}/statm").read_text().split()[1]) * _PAGE
+        return _rss(self.proc.pid)
+
+    def telemetry_pid(self) -> int:
+        """The telemetry process ``llmtap serve`` started: its child named ``llmtap-telemetry``."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in children:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == TELEMETRY_COMM:
+                return int(pid)
+        raise AssertionError(f"no telemetry process among the children {children}")
+
+    def telemetry_rss(self) -> int:
+        """Resident bytes of the telemetry process now."""
+        return _rss(self.telemetry_pid())
 
     def fds(self) -> int:
         """Open file descriptors now."""
@@ -138,6 +152,10 @@ class Llmtap:
             self.proc.kill()
         self.proc.wait(10)
         self._log.close()
+
+
+def _rss(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -14,14 +14,16 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from bench.telemetry import chat_tape
+from proxy.analysis import tokens
 from proxy.relay.channel import LocalChannel, SocketChannel, frames
 from proxy.relay.tracecontext import Sampler, begin, parse_traceparent
-from proxy.settings import Route, Settings
+from proxy.settings import Route, Settings, Telemetry
 from proxy.tape import END, SEGMENT, SEGMENT_BYTES, STATS, Tape
 from proxy.telemetry.replay import Playback
 
 ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default")
-SETTINGS = Settings(routes=(ROUTE,))
+# Content capture on: the timeline keeps the output's text, so a test can read it back.
+SETTINGS = Settings(routes=(ROUTE,), telemetry=Telemetry(capture_content=True))
 ROUTES = {ROUTE.name: ROUTE}
 BODY = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
 
@@ -72,7 +74,8 @@ def test_a_stream_played_back_gives_the_timeline_the_relay_saw() -> None:
     tl = play(messages)
     assert tl.protocol == "openai_chat" and tl.request is not None and tl.request.model == "m"
     assert list(tl.chunk_times) == pytest.approx([10.1, 10.12])  # one content chunk per upstream read
-    assert tl.chunk_texts == ["Hel", "lo there"]
+    assert tl.output is not None and tl.output.text == "Hello there"
+    assert list(tl.chunk_tokens) == [tokens.count("Hel"), tokens.count("lo there")]
     assert tl.first_content_delivered == pytest.approx(10.1001)
     assert tl.usage is not None and (tl.usage.input_tokens, tl.usage.output_tokens) == (9, 3)
     assert tl.response_bytes == sum(len(r) for r in reads)
@@ -92,7 +95,9 @@ def test_a_long_stream_leaves_in_segments_and_the_relay_holds_little() -> None:
     assert len(tl.chunk_times) == 2000 and tl.response_bytes == len(b"".join(reads))
     # Played in segments or whole, the same timeline.
     whole = [tape_of(reads[:1])[1][0]]
-    assert play(whole).chunk_texts == ["x" * 200]
+    one = play(whole)
+    assert one.output is not None and one.output.text == "x" * 200
+    assert list(one.chunk_tokens) == [tokens.count("x" * 200)]
 
 
 @given(cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12))
@@ -103,7 +108,7 @@ def test_playback_does_not_depend_on_how_reads_were_cut(cuts: list[int]) -> None
     points = sorted({c for c in cuts if 0 < c < len(stream)})
     reads = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
     tl = play(tape_of(reads)[1])
-    assert "".join(tl.chunk_texts) == "abc"
+    assert tl.output is not None and tl.output.text == "abc"
     assert tl.usage is not None and tl.usage.output_tokens == 3
 
 

@@ -208,6 +208,19 @@ def _share(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
 
 
+def percents(*values: float) -> list[str]:
+    """Relative changes with one decimal, or more where two different values would read the same.
+
+    An interval printed as "-84% to -84%" looks broken; one decimal tells its bounds apart in practice.
+    """
+    texts: list[str] = []
+    for digits in (1, 2, 3):
+        texts = [f"{v:+.{digits}%}" for v in values]
+        if len(set(texts)) == len(set(values)):
+            break
+    return texts
+
+
 def verdict(
     before: SideFigures,
     after: SideFigures,
@@ -226,15 +239,18 @@ def verdict(
     b, a = before.ttft["p50"], after.ttft["p50"]
     assert b is not None and a is not None
     shares = f"cached share {_share(before.cached_share)} to {_share(after.cached_share)}"
-    moved = f"TTFT p50 {seconds(b.value)} to {seconds(a.value)} ({rel.value:+.0%}, CI {rel.low:+.0%} to {rel.high:+.0%}"
+    value, low, high = percents(rel.value, rel.low, rel.high)
+    moved = f"TTFT p50 {seconds(b.value)} to {seconds(a.value)} ({value}, CI {low} to {high}"
     kind = "no_gain" if diff.value < 0 else "no_change"
     none = f"no significant {kind[3:]}"
     if diff.low <= 0 <= diff.high:
         return kind, f"{none}: {moved}, which includes no change), {shares}"
     if abs(diff.value) < min_gain:
+        # The interval excludes zero, so the change is real: what it lacks is size, and the verdict says so.
+        what = "gain" if diff.value < 0 else "rise"
         return kind, (
-            f"{none}: {moved}), {abs(diff.value) * 1000:.0f} ms, under the {min_gain * 1000:.0f} ms that counts; "
-            f"{shares}"
+            f"{none}: {moved}): a real {abs(diff.value) * 1000:.0f} ms {what}, but below the "
+            f"{min_gain * 1000:.0f} ms threshold (--min-gain-ms); {shares}"
         )
     if diff.value > 0:
         return "regression", f"regression: {moved}), {shares}"
@@ -483,8 +499,8 @@ def _estimate(e: Estimate | None) -> str:
 def _relative(change: dict[str, Estimate] | None) -> str:
     if change is None:
         return ""
-    rel = change["relative"]
-    return f"{rel.value:+.0%} [{rel.low:+.0%}, {rel.high:+.0%}]"
+    value, low, high = percents(change["relative"].value, change["relative"].low, change["relative"].high)
+    return f"{value} [{low}, {high}]"
 
 
 def _classes(classes: dict[str, int]) -> str:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from proxy.analysis import tokens
 from proxy.analysis.estimator import ESTIMATED, Estimator
@@ -22,6 +24,11 @@ SERVER = "server"
 # Prefill when the server says nothing: request sent upstream to first content chunk. It includes any
 # queueing inside the server, and says so.
 UPSTREAM_TTFT = "upstream_ttft"
+
+#: Samples one request gives each per-chunk and per-token histogram at most. Past it they are spread evenly
+#: over the stream: its distribution stays, and its cost stays bounded (a histogram sample costs tens of
+#: microseconds; a stream of a million tokens would hold the telemetry process for half a minute).
+MAX_SAMPLES = 8192
 
 _SIZE_CLASSES = ((256, "le_256"), (1024, "le_1k"), (4096, "le_4k"), (16384, "le_16k"), (65536, "le_64k"))
 
@@ -63,13 +70,25 @@ class Summary:
     cache_class: str | None = None
 
     @property
+    def gap_samples(self) -> list[float]:
+        """The chunk gaps a histogram records: all of them, or ``MAX_SAMPLES`` spread evenly over them."""
+        gaps = self.gaps
+        if len(gaps) <= MAX_SAMPLES:
+            return gaps
+        step = len(gaps) / MAX_SAMPLES
+        return [gaps[int(k * step)] for k in range(MAX_SAMPLES)]
+
+    @property
     def itl_per_token(self) -> list[float]:
-        """Each chunk gap divided over the tokens its chunk carried, one sample per token."""
-        out: list[float] = []
-        for gap, n in zip(self.gaps, self.chunk_tokens[1:], strict=False):
-            if n > 0:
-                out.extend([gap / n] * n)
-        return out
+        """Each chunk gap divided over the tokens its chunk carried, one sample per token; past ``MAX_SAMPLES``
+        tokens, the samples of tokens spread evenly over the stream (usage may claim millions)."""
+        per_chunk = [(gap / n, n) for gap, n in zip(self.gaps, self.chunk_tokens[1:], strict=False) if n > 0]
+        total = sum(n for _, n in per_chunk)
+        if total <= MAX_SAMPLES:
+            return [itl for itl, n in per_chunk for _ in range(n)]
+        ends = list(accumulate(n for _, n in per_chunk))
+        step = total / MAX_SAMPLES
+        return [per_chunk[bisect_right(ends, int(k * step))][0] for k in range(MAX_SAMPLES)]
 
 
 def input_size_class(n: int | None) -> str:
@@ -141,21 +160,28 @@ def summarize(
     if tl.first_content is not None and tl.last_content is not None:
         s.decode = tl.last_content - tl.first_content
 
-    # Tokens: upstream usage is the truth; tiktoken fills in what it cannot tell.
+    # Tokens: upstream usage is the truth; tiktoken fills in what it cannot tell, counted as the content came.
     req = tl.request
     enc = tokens.encoding_for_model(tl.response_model or (req.model if req else None))
     src = tokens.source(enc)
-    counted_chunks = [tokens.count(t, enc) for t in tl.chunk_texts]
-    counted_out = tokens.count("".join(tl.chunk_texts), enc) if tl.chunk_texts else 0
+    out = tl.output
+    counted_chunks = list(tl.chunk_tokens)
+    counted_out = out.tokens() if out is not None else 0
+    # Past the count limit (``timeline.COUNT_CHARS``) the output's count is an estimate, and says so.
+    if out is None:
+        out_src = src
+    else:
+        out_src = ESTIMATED if out.estimated else tokens.source(out.encoding)
     usage = tl.usage
     if usage is not None and usage.output_tokens is not None:
         s.output_tokens, s.output_source = usage.output_tokens, USAGE
-        s.output_drift = _drift(counted_out, usage.output_tokens) if tl.chunk_texts else None
+        if out is not None and not out.estimated:
+            s.output_drift = _drift(counted_out, usage.output_tokens)
         s.chunk_tokens = apportion(usage.output_tokens, counted_chunks)
-        s.chunk_tokens_source = f"{USAGE}+{src}"
-    elif tl.chunk_texts or tl.outcome == OK:
-        s.output_tokens, s.output_source = counted_out, src
-        s.chunk_tokens, s.chunk_tokens_source = counted_chunks, src
+        s.chunk_tokens_source = f"{USAGE}+{out_src}"
+    elif tl.chunk_times or tl.outcome == OK:
+        s.output_tokens, s.output_source = counted_out, out_src
+        s.chunk_tokens, s.chunk_tokens_source = counted_chunks, out_src
     prompt = req.prompt_text if req else ""
     if usage is not None and usage.input_tokens is not None:
         s.input_tokens, s.input_source = usage.input_tokens, USAGE

@@ -2,6 +2,10 @@
 
 Built on the telemetry side from the relay's tape (``proxy.telemetry.replay``) and read once, after the
 stream ends, by the recorder. It holds no OpenTelemetry objects and does no I/O.
+
+Its memory is bounded whatever the response's length: the generated text is counted as it arrives
+(``Output``) and kept only up to ``KEEP_CHARS``; past ``MAX_CHUNKS`` content chunks, each further one
+is folded into the last.
 """
 
 from __future__ import annotations
@@ -9,11 +13,72 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
+from proxy.analysis import tokens
 from proxy.tape import now as tape_now
 from proxy.types import Facts, RequestInfo, ServerTiming, Usage
 
 #: Outcomes of a request, as ``llmtap.outcome``.
 OK, ERROR, CANCELLED = "ok", "error", "cancelled"
+#: Characters of a response's text given to tiktoken (a quarter of a million tokens or so, past the longest
+#: outputs models stream); the count of the rest is estimated at the tokens per character counted.
+COUNT_CHARS = 1 << 20
+#: Characters of a response's text kept for its span when content capture is on (``attributes.CONTENT_CAP``).
+KEEP_CHARS = 16 * 1024
+#: Content chunks kept one by one (twice the longest outputs at a token per chunk); later ones join the last.
+MAX_CHUNKS = 1 << 18
+
+
+class Output:
+    """A response's generated text as it arrives: counted in bounded pieces, kept up to ``keep`` characters."""
+
+    __slots__ = ("_chunk", "_chunk_rest", "chars", "encoding", "keep", "kept", "whole")
+
+    def __init__(self, encoding: str, *, keep: int = KEEP_CHARS) -> None:
+        self.encoding = encoding
+        self.keep = keep
+        self.whole = tokens.Counter(encoding, limit=COUNT_CHARS)
+        self.chars = 0
+        self.kept: list[str] = []
+        self._chunk = tokens.Counter(encoding, limit=COUNT_CHARS)
+        self._chunk_rest = 0  # characters of the open chunk past the count limit
+
+    def add(self, text: str) -> None:
+        """Part of the content chunk being read."""
+        took = self.whole.feed(text)
+        if took:
+            self._chunk.feed(text if took == len(text) else text[:took])
+        self._chunk_rest += len(text) - took
+        room = self.keep - min(self.chars, self.keep)
+        if room:
+            self.kept.append(text[:room])
+        self.chars += len(text)
+
+    def end_chunk(self) -> int:
+        """Close the chunk being read: its tokens, counted, and estimated for what was past the limit."""
+        n = self._chunk.count() + round(self._chunk_rest * self._rate())
+        self._chunk = tokens.Counter(self.encoding, limit=COUNT_CHARS)
+        self._chunk_rest = 0
+        return n
+
+    @property
+    def estimated(self) -> bool:
+        """Whether part of the text was past the count limit, its tokens estimated rather than counted."""
+        return self.chars > self.whole.counted
+
+    def tokens(self) -> int:
+        """Tokens of the whole text, as one string: counted, and estimated past the limit."""
+        n = self.whole.count()
+        return n + round((self.chars - self.whole.counted) * self._rate())
+
+    @property
+    def text(self) -> str:
+        """The text kept: its first ``keep`` characters."""
+        return "".join(self.kept)
+
+    def _rate(self) -> float:
+        # Only asked for past the limit, when the whole count has settled its tail.
+        counter = self.whole
+        return counter.tokens / counter.counted if counter.counted else 0.0
 
 
 @dataclass(slots=True)
@@ -41,10 +106,19 @@ class Timeline:
     last_content: float | None = None
     end: float | None = None
     status_code: int | None = None
-    # One entry per content chunk: the time its bytes reached the proxy, their size, their text.
+    # One entry per content chunk: the time its bytes reached the proxy, their size, their tokens (tiktoken's,
+    # or estimated past the count limit: ``output.estimated``).
     chunk_times: array[float] = field(default_factory=lambda: array("d"))
     chunk_bytes: array[int] = field(default_factory=lambda: array("l"))
-    chunk_texts: list[str] = field(default_factory=list)
+    chunk_tokens: array[int] = field(default_factory=lambda: array("q"))
+    #: Content chunks past ``MAX_CHUNKS``, folded into the last one kept.
+    folded_chunks: int = 0
+    #: The generated text, counted; None until the first content arrives.
+    output: Output | None = None
+    #: Characters of generated text to keep (``KEEP_CHARS``, or 0 when content capture is off).
+    keep_chars: int = KEEP_CHARS
+    #: Why the tap stopped reading the response before its end (``inflate_limit``, ``body_limit``), if it did.
+    unread: str | None = None
     response_bytes: int = 0
     usage: Usage | None = None
     finish_reasons: list[str] = field(default_factory=list)
@@ -92,14 +166,34 @@ class Timeline:
             self.error_message = facts.error_message
             self.outcome = ERROR
 
-    def add_chunk(self, t: float, nbytes: int, text: str) -> None:
-        """Record one content chunk: all content that arrived in one upstream read."""
+    def add_text(self, text: str) -> None:
+        """Content of the chunk being read (one event's), counted now; ``add_chunk`` closes the chunk."""
+        out = self.output
+        if out is None:
+            # The encoding is the response model's when the stream said it before its first content.
+            model = self.response_model or (self.request.model if self.request is not None else None)
+            out = self.output = Output(tokens.encoding_for_model(model), keep=self.keep_chars)
+        out.add(text)
+
+    def add_chunk(self, t: float, nbytes: int, text: str = "") -> None:
+        """Record one content chunk: all content that arrived in one upstream read (``text``, or given before
+        through ``add_text``)."""
+        if text:
+            self.add_text(text)
+        n = self.output.end_chunk() if self.output is not None else 0
         if self.first_content is None:
             self.first_content = t
         self.last_content = t
+        if len(self.chunk_times) >= MAX_CHUNKS:
+            # One more gap would be one more entry for ever: the chunk joins the last, its gap and tokens too.
+            self.chunk_times[-1] = t
+            self.chunk_bytes[-1] += nbytes
+            self.chunk_tokens[-1] += n
+            self.folded_chunks += 1
+            return
         self.chunk_times.append(t)
         self.chunk_bytes.append(nbytes)
-        self.chunk_texts.append(text)
+        self.chunk_tokens.append(n)
 
     def fail(self, error_type: str, message: str | None = None, *, cancelled: bool = False) -> None:
         """Mark the request failed (first failure wins) or cancelled by the client."""

@@ -2,12 +2,19 @@
 
 Upstream usage is the truth; these counts fill in what usage cannot tell (tokens per chunk, the
 fallback when a server reports nothing). Every count carries its source, e.g. ``tiktoken:o200k_base``.
+
+tiktoken's byte-pair merge is super-linear in the length of one pre-token (a 32 MiB run of one letter took
+42 s as one string), so no string longer than ``PIECE_CHARS`` ever reaches it: text is cut where a space
+follows a non-space, which is where the encodings' split patterns begin a pre-token anyway, so the cut
+changes no count; a run with no such place in it is cut at the bound (at most a token per cut differs).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
+from collections.abc import Iterator
 from importlib import resources
 from typing import Any
 
@@ -94,11 +101,85 @@ def encoding_for_model(model: str | None) -> str:
     return DEFAULT_ENCODING
 
 
+#: The longest string tiktoken is given at once; a cut is looked for in its second half.
+PIECE_CHARS = 4096
+# A space after a non-space: both encodings' split patterns start a pre-token at such a space, so a piece
+# cut there encodes exactly as it would inside the whole text.
+_CUT = re.compile(r"(?<=\S) ")
+
+
+def pieces(text: str, start: int = 0) -> Iterator[str]:
+    """``text[start:]`` in pieces of at most ``PIECE_CHARS``, cut where a cut changes no count when there is one."""
+    end = len(text)
+    while end - start > PIECE_CHARS:
+        limit = start + PIECE_CHARS
+        found = _CUT.search(text, start + PIECE_CHARS // 2, limit)
+        cut = found.start() if found is not None else limit
+        yield text[start:cut]
+        start = cut
+    if start < end:
+        yield text[start:]
+
+
 def count(text: str, encoding: str = DEFAULT_ENCODING) -> int:
     """Tokens in ``text``; special-token strings count as ordinary text, as they would in a prompt."""
     if not text:
         return 0
-    return len(get_encoding(encoding).encode_ordinary(text))
+    encode = get_encoding(encoding).encode_ordinary
+    return sum(len(encode(piece)) for piece in pieces(text))
+
+
+class Counter:
+    """The tokens of a text that arrives in parts, counted as the whole string would be, in bounded memory and time.
+
+    At most ``limit`` characters are taken (``feed`` says how many of each part); between parts at most one
+    piece is held, so a cut never falls inside a word that continues in the next part.
+    """
+
+    __slots__ = ("_encode", "_held", "_held_chars", "counted", "limit", "tokens")
+
+    def __init__(self, encoding: str = DEFAULT_ENCODING, *, limit: int) -> None:
+        self._encode = get_encoding(encoding).encode_ordinary
+        self.limit = limit
+        self.tokens = 0  # of the pieces counted so far
+        self.counted = 0  # characters taken: counted, or held to be
+        self._held: list[str] = []
+        self._held_chars = 0
+
+    def feed(self, text: str) -> int:
+        """Take the next part of the text; how many of its characters were taken (the rest is past the limit)."""
+        room = self.limit - self.counted
+        if room <= 0 or not text:
+            return 0
+        if len(text) > room:
+            text = text[:room]
+        self.counted += len(text)
+        self._held.append(text)
+        self._held_chars += len(text)
+        if self.counted == self.limit:
+            self._settle(hold=False)  # nothing more comes in: the tail is counted now
+        elif self._held_chars > PIECE_CHARS:
+            self._settle(hold=True)
+        return len(text)
+
+    def count(self) -> int:
+        """Tokens of every character taken; call it once the text is complete."""
+        self._settle(hold=False)
+        return self.tokens
+
+    def _settle(self, *, hold: bool) -> None:
+        if not self._held:
+            return
+        last = ""
+        for piece in pieces("".join(self._held)):
+            if last:
+                self.tokens += len(self._encode(last))
+            last = piece
+        if hold:
+            self._held, self._held_chars = [last], len(last)
+        else:
+            self.tokens += len(self._encode(last)) if last else 0
+            self._held, self._held_chars = [], 0
 
 
 def source(encoding: str) -> str:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -21,16 +22,18 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from proxy.simulator.cache import CacheHit, PrefixCache
+from proxy.simulator.native import GeminiFormat, OllamaFormat
 from proxy.simulator.profiles import Profile
 from proxy.simulator.requests import Route as GenRoute, SimError, output_tokens, parse_json, parse_request
 from proxy.simulator.scheduler import Engine, Job
-from proxy.simulator.shapes import ChatFormat, CompletionsFormat, Format, MessagesFormat, Reply
+from proxy.simulator.shapes import ChatFormat, CompletionsFormat, Format, MessagesFormat, Reply, ResponsesFormat
 from proxy.simulator.text import Vocabulary, block_hashes_async, tokenize
 from proxy.simulator.truth import RequestRecord, TruthLog, render_metrics
 from proxy.types import Receive, Scope, Send
 
-_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+# Gemini API paths; the model is a path segment, the method follows a colon.
+_GEMINI = "/v1beta/models/{model}"
 _BIG_BODY = 64 * 1024
 
 
@@ -87,7 +90,7 @@ class _StreamWriter:
         events = [] if self.early or start else self.fmt.prelude(self.reply)
         events += self.fmt.chunk(self.reply, "".join(self.pieces[start:end]), end)
         if end == self.reply.output_tokens:
-            events += self.fmt.tail(self.reply)
+            events += self.fmt.tail(self.reply, "".join(self.pieces[:end]))
         await _send_all(self.send, events)
 
 
@@ -144,16 +147,20 @@ async def _send_json(send: Send, status: int, body: bytes) -> None:
 
 
 class GenerateEndpoint:
-    """One generation route (chat, completions or messages) as a pure ASGI app."""
+    """One generation route (chat, completions, responses, messages, Ollama's, Gemini's) as a pure ASGI app."""
 
     def __init__(self, state: SimState, route: GenRoute, fmt: Format) -> None:
         self.state, self.route, self.fmt = state, route, fmt
+
+    def format_for(self, scope: Scope) -> Format:
+        """The protocol's shape for this request; one route may speak several framings."""
+        return self.fmt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one request and record its truth, whatever happens."""
         record = RequestRecord(id="", route=self.route, arrival=time.monotonic())
         try:
-            await self._serve(record, receive, send)
+            await self._serve(record, scope, receive, send)
         except asyncio.CancelledError:
             record.outcome = "cancelled"  # the server is shutting down
             raise
@@ -163,8 +170,8 @@ class GenerateEndpoint:
         finally:
             self.state.log.finish(record)
 
-    async def _serve(self, record: RequestRecord, receive: Receive, send: Send) -> None:
-        st, profile = self.state, self.state.profile
+    async def _serve(self, record: RequestRecord, scope: Scope, receive: Receive, send: Send) -> None:
+        st, profile, fmt = self.state, self.state.profile, self.format_for(scope)
         body = await _read_body(receive)
         if body is None:
             record.outcome = "cancelled"
@@ -172,7 +179,7 @@ class GenerateEndpoint:
         try:
             # A multi-megabyte body takes tens of ms to decode: off the loop, like the tokenizing below.
             payload = await asyncio.to_thread(parse_json, body) if len(body) > _BIG_BODY else parse_json(body)
-            req = parse_request(self.route, payload, profile)
+            req = parse_request(self.route, payload, profile, path_model=scope.get("path_params", {}).get("model"))
             record.model, record.stream = req.model, req.stream
             ids = await tokenize(req.prompt_text, profile.encoding)
             record.prompt_tokens = len(ids)
@@ -180,10 +187,10 @@ class GenerateEndpoint:
             hashes = await block_hashes_async(ids, profile.block_size)
         except SimError as err:
             record.status, record.outcome, record.error = err.status, "error", err.message
-            await _send_json(send, err.status, self.fmt.error(err))
+            await _send_json(send, err.status, fmt.error(err))
             return
         reply = Reply(
-            id=st.ids.next(self.fmt.id_prefix),
+            id=st.ids.next(fmt.id_prefix),
             created=int(st.wall_clock()),
             model=req.model,
             fingerprint=profile.system_fingerprint,
@@ -191,14 +198,16 @@ class GenerateEndpoint:
             output_tokens=n,
             include_usage=req.include_usage,
             continuous_usage=req.continuous_usage,
+            truth=record,
         )
         record.id = reply.id
         pieces = st.vocab.generate(req.prompt_text, n)
         job = Job(prompt_tokens=len(ids), block_hashes=hashes, output_tokens=n)
         if req.stream:
             # Headers go out before the request is even admitted, as vLLM's StreamingResponse does.
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            writer = _StreamWriter(send, self.fmt, reply, pieces, profile.prelude_on_admit)
+            headers = [(b"content-type", fmt.stream_type)]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            writer = _StreamWriter(send, fmt, reply, pieces, profile.prelude_on_admit)
             if not await _until_disconnect(receive, st.engine.run(job, record, writer)):
                 record.outcome = "cancelled"
                 return
@@ -207,7 +216,20 @@ class GenerateEndpoint:
             if not await _until_disconnect(receive, st.engine.run(job, record, _BodyWriter(reply))):
                 record.outcome = "cancelled"
                 return
-            await _send_json(send, 200, self.fmt.body(reply, "".join(pieces)))
+            await _send_json(send, 200, fmt.body(reply, "".join(pieces)))
+
+
+class GeminiStreamEndpoint(GenerateEndpoint):
+    """``:streamGenerateContent``: SSE events with ``?alt=sse``, else the elements of one JSON array."""
+
+    def __init__(self, state: SimState) -> None:
+        super().__init__(state, "gemini_stream", GeminiFormat(sse=True))
+        self._array = GeminiFormat(sse=False)
+
+    def format_for(self, scope: Scope) -> Format:
+        """SSE only when the query asks for it (``alt=sse``), as Google's API does."""
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        return self.fmt if query.get("alt") == ["sse"] else self._array
 
 
 def _models(state: SimState) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -281,10 +303,19 @@ def create_app(profile: Profile, *, seed: int | None = None, clock: Callable[[],
         ids=IdSource(seed),
         wall_clock=clock,
     )
+    ollama_chat = OllamaFormat(generate=False, clock=clock)
+    ollama_generate = OllamaFormat(generate=True, clock=clock)
     routes = [
         Route("/v1/chat/completions", GenerateEndpoint(state, "chat", ChatFormat()), methods=["POST"]),
         Route("/v1/completions", GenerateEndpoint(state, "completions", CompletionsFormat()), methods=["POST"]),
+        Route("/v1/responses", GenerateEndpoint(state, "responses", ResponsesFormat()), methods=["POST"]),
         Route("/v1/messages", GenerateEndpoint(state, "messages", MessagesFormat()), methods=["POST"]),
+        Route("/api/chat", GenerateEndpoint(state, "ollama_chat", ollama_chat), methods=["POST"]),
+        Route("/api/generate", GenerateEndpoint(state, "ollama_generate", ollama_generate), methods=["POST"]),
+        Route(
+            f"{_GEMINI}:generateContent", GenerateEndpoint(state, "gemini", GeminiFormat(sse=False)), methods=["POST"]
+        ),
+        Route(f"{_GEMINI}:streamGenerateContent", GeminiStreamEndpoint(state), methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),

@@ -17,6 +17,8 @@ class Profile:
     """One simulated server: timing model, batch and cache capacity, served model names."""
 
     name: str
+    #: What the profile stands for, in a few words (``llmtap simulate --list-profiles``).
+    about: str = ""
     #: Names the server answers to; the first is the canonical one (vLLM's ``--served-model-name``).
     served_models: tuple[str, ...] = ("llmtap-sim",)
     #: tiktoken encoding for prompts and generated text (shipped with the package, so offline).
@@ -87,6 +89,7 @@ class Profile:
 # 300 tokens in 6.6 s, about 45 tokens/s.
 SUPPORT = Profile(
     name="support",
+    about="the course's support assistant: long prompts, long answers",
     max_num_seqs=8,
     max_model_len=32768,
     default_max_tokens=300,
@@ -102,6 +105,7 @@ SUPPORT = Profile(
 # (125 tokens/s) finish in about 0.5 s.
 CODE = Profile(
     name="code",
+    about="code completion: short prompts, short answers, fast decode",
     max_num_seqs=16,
     max_model_len=16384,
     default_max_tokens=64,
@@ -116,6 +120,7 @@ CODE = Profile(
 # so timings are exact and a whole request takes tens of milliseconds.
 FAST = Profile(
     name="fast",
+    about="tests and benchmarks: every request in tens of milliseconds",
     max_num_seqs=4,
     max_model_len=8192,
     default_max_tokens=16,
@@ -136,3 +141,22 @@ def get_profile(name: str, **overrides: Any) -> Profile:
     except KeyError:
         raise KeyError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}") from None
     return base.replace(**overrides) if overrides else base
+
+
+def profile_table(profiles: dict[str, Profile] = PROFILES) -> str:
+    """What each profile models, and its timing and capacity as its fields give them (so never stale)."""
+    width = max(len(name) for name in profiles)
+    lines = []
+    for p in profiles.values():
+        pad = " " * (width + 4)
+        decode = f"{p.decode_s_per_token * 1000:g} ms/token"
+        if p.decode_s_per_token:
+            decode += f" ({1 / p.decode_s_per_token:.0f} tokens/s)"
+        lines += [
+            f"  {p.name.ljust(width)}  {p.about}",
+            f"{pad}prefill {p.prefill_base_s * 1000:g} ms + {p.prefill_tokens_per_s:,.0f} tokens/s; decode {decode}, "
+            f"+{p.batch_slowdown:.0%} per other stream",
+            f"{pad}{p.max_num_seqs} slots; prefix cache {p.cache_blocks:,} blocks of {p.block_size} tokens; "
+            f"{p.default_max_tokens} output tokens by default; context {p.max_model_len:,} tokens",
+        ]
+    return "\n".join(lines)

@@ -2,11 +2,16 @@
 
 Prompt text, which the simulator counts and the proxy counts the same way:
   * chat (``/v1/chat/completions``): every text piece of every message, in order, joined with "\\n";
-    a message's piece is its ``content`` when that is a string, else the ``text`` of each
-    ``{"type": "text"}`` part; roles, names and non-text parts are not counted;
+    a message's piece is its ``content`` when that is a string, else the ``text`` of each text part
+    (``text``; Responses' ``input_text``, ``output_text``); roles, names and other parts are not counted;
   * messages (``/v1/messages``): the ``system`` text pieces first (a string, or text blocks), then the
     messages' pieces as for chat, all joined with "\\n";
-  * completions (``/v1/completions``): ``prompt`` when a string; a list of one string is that string.
+  * completions (``/v1/completions``): ``prompt`` when a string; a list of one string is that string;
+  * responses (``/v1/responses``): the ``instructions`` first, then ``input``: a string, or messages
+    as for chat;
+  * Ollama: ``/api/chat`` as chat; ``/api/generate`` the ``system`` text, then the ``prompt``;
+  * Gemini: the ``systemInstruction`` parts' texts, then every part's ``text`` of every ``contents``
+    entry.
 A real server also counts its chat template's tokens; the simulator has no template, so its usage is
 exactly ``tokens.count(prompt_text)``.
 """
@@ -19,7 +24,9 @@ from typing import Any, Literal
 
 from proxy.simulator.profiles import Profile
 
-Route = Literal["chat", "completions", "messages"]
+Route = Literal[
+    "chat", "completions", "messages", "responses", "ollama_chat", "ollama_generate", "gemini", "gemini_stream"
+]
 
 
 class SimError(Exception):
@@ -44,6 +51,10 @@ class GenRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+
+
+# Part types whose ``text`` is prompt text: chat and Messages say "text", Responses input_/output_text.
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 
 
 def _missing(field: str) -> SimError:
@@ -95,7 +106,7 @@ def _pieces(content: Any, field: str) -> list[str]:
         for part in content:
             if not isinstance(part, dict):
                 raise _invalid(field, "content parts must be objects")
-            if part.get("type") == "text":
+            if part.get("type") in _TEXT_PARTS:
                 text = part.get("text")
                 if not isinstance(text, str):
                     raise _invalid(field, "a text part needs a string 'text'")
@@ -154,8 +165,58 @@ def _stream_flags(payload: dict[str, Any]) -> tuple[bool, bool, bool]:
     return stream, include, include and options.get("continuous_usage_stats") is True
 
 
-def parse_request(route: Route, payload: dict[str, Any], profile: Profile) -> GenRequest:
-    """Validate a decoded body for ``route`` and normalize it."""
+def _ollama_request(route: Route, payload: dict[str, Any], profile: Profile) -> GenRequest:
+    # Ollama's own wording: a plain {"error": "..."} message, 404 for a model it does not have.
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise SimError(400, "model is required")
+    if model.removesuffix(":latest") not in profile.served_models:
+        raise SimError(404, f'model "{model}" not found, try pulling it first', param="model")
+    if route == "ollama_chat":
+        text = "\n".join(_message_pieces(payload.get("messages")))
+    else:
+        prompt = payload.get("prompt")
+        if not isinstance(prompt, str):
+            raise SimError(400, "prompt must be a string")
+        text = "\n".join([*_pieces(payload.get("system"), "system"), prompt])
+    options = payload.get("options")
+    limit = options.get("num_predict") if isinstance(options, dict) else None
+    # num_predict -1 (no limit) and -2 (fill the context) both mean the server's own default here.
+    max_tokens = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+    # Ollama streams unless told not to; its metrics always come with the last line.
+    return GenRequest(route, model, text, max_tokens, payload.get("stream") is not False, True, False)
+
+
+def _gemini_request(route: Route, payload: dict[str, Any], profile: Profile, path_model: str | None) -> GenRequest:
+    # The model and the stream flag are in the path (``models/{model}:streamGenerateContent``).
+    if path_model is None or path_model not in profile.served_models:
+        raise SimError(404, f"models/{path_model} is not found for API version v1beta", param="model")
+    contents = payload.get("contents")
+    if not isinstance(contents, list) or not contents:
+        raise SimError(400, "* GenerateContentRequest.contents: contents is not specified\n", param="contents")
+    system = payload.get("systemInstruction", payload.get("system_instruction"))
+    pieces: list[str] = []
+    for content in ([system] if isinstance(system, dict) else []) + contents:
+        parts = content.get("parts") if isinstance(content, dict) else None
+        if not isinstance(parts, list):
+            raise SimError(400, "* GenerateContentRequest.contents: each content needs its parts", param="contents")
+        pieces += [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    config = payload.get("generationConfig", payload.get("generation_config"))
+    config = config if isinstance(config, dict) else {}
+    limit = config.get("maxOutputTokens", config.get("max_output_tokens"))
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise SimError(400, "* GenerateContentRequest.generation_config.max_output_tokens: must be positive")
+    return GenRequest(route, path_model, "\n".join(pieces), limit, route == "gemini_stream", True, False)
+
+
+def parse_request(
+    route: Route, payload: dict[str, Any], profile: Profile, *, path_model: str | None = None
+) -> GenRequest:
+    """Validate a decoded body for ``route`` and normalize it; ``path_model`` is Gemini's model from the path."""
+    if route in ("ollama_chat", "ollama_generate"):
+        return _ollama_request(route, payload, profile)
+    if route in ("gemini", "gemini_stream"):
+        return _gemini_request(route, payload, profile, path_model)
     model = _model(payload, profile)
     if route == "chat":
         text = "\n".join(_message_pieces(payload.get("messages")))
@@ -172,6 +233,18 @@ def parse_request(route: Route, payload: dict[str, Any], profile: Profile) -> Ge
         text = prompt
         max_tokens = _positive_int(payload, "max_tokens")
         stream, include, continuous = _stream_flags(payload)
+    elif route == "responses":
+        if payload.get("input") is None:
+            raise _missing("input")
+        pieces = _pieces(payload.get("instructions"), "instructions") + (
+            _pieces(payload["input"], "input")
+            if isinstance(payload["input"], str)
+            else _message_pieces(payload["input"])
+        )
+        text = "\n".join(pieces)
+        max_tokens = _positive_int(payload, "max_output_tokens")
+        # The usage rides on response.completed whatever the request says.
+        stream, include, continuous = payload.get("stream") is True, True, False
     else:
         pieces = _pieces(payload.get("system"), "system") + _message_pieces(payload.get("messages"))
         text = "\n".join(pieces)

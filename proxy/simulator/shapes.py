@@ -4,7 +4,10 @@ Key order, null fields and framing follow the recordings: ``data: {...}\\n\\n`` 
 UTF-8; the chat stream opens with a role-only delta whose content is ""; ``finish_reason`` rides on the
 last content chunk; the usage chunk (``"choices": []``) comes before ``data: [DONE]`` only with
 ``stream_options.include_usage``. One addition on /v1/messages: a ``ping`` after ``content_block_start``,
-as Anthropic's own API sends (standards D.4), so clients' ping handling is exercised.
+as Anthropic's own API sends (standards D.4), so clients' ping handling is exercised. The Responses
+stream names its events (``event: response.created`` ...) and numbers them (``sequence_number``); its
+only usage rides on the terminal ``response.completed``. Ollama's and Gemini's own shapes are in
+``proxy.simulator.native``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy.simulator.requests import SimError
+from proxy.simulator.truth import RequestRecord
 
 # We never see an EOS token (ignore_eos in effect), so every answer stops on its length limit.
 _FINISH = "length"
@@ -33,6 +37,7 @@ def sse(obj: Any, event: str | None = None) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+SSE_TYPE = b"text/event-stream; charset=utf-8"
 
 
 @dataclass(slots=True)
@@ -45,16 +50,22 @@ class Reply:
     fingerprint: str
     prompt_tokens: int
     output_tokens: int
+    #: The server's own record of the request, for protocols that report their phases (Ollama).
+    truth: RequestRecord
     include_usage: bool = False
     continuous_usage: bool = False
     cached_tokens: int = 0
     created_cache_tokens: int = 0
+    #: Events written so far: the Responses API numbers them, a Gemini array puts commas between them.
+    events: int = 0
 
 
 class Format(Protocol):
     """How one protocol writes a stream (prelude, chunks, tail), a whole body, and an error body."""
 
     id_prefix: str
+    #: Content type of a streamed response.
+    stream_type: bytes
 
     def prelude(self, r: Reply) -> list[bytes]:
         """Events before the first token (role chunk, message_start, ...)."""
@@ -64,8 +75,8 @@ class Format(Protocol):
         """Events for one chunk of text; ``done`` counts the tokens written so far, this chunk included."""
         ...
 
-    def tail(self, r: Reply) -> list[bytes]:
-        """Events after the last token (usage, [DONE], message_stop, ...)."""
+    def tail(self, r: Reply, text: str) -> list[bytes]:
+        """Events after the last token (usage, [DONE], message_stop, ...); ``text`` is the whole answer."""
         ...
 
     def body(self, r: Reply, text: str) -> bytes:
@@ -94,6 +105,7 @@ class ChatFormat:
     """OpenAI Chat Completions as vLLM serves it."""
 
     id_prefix = "chatcmpl-"
+    stream_type = SSE_TYPE
     error = staticmethod(openai_error)
 
     def _usage(self, r: Reply) -> dict[str, Any]:
@@ -125,7 +137,7 @@ class ChatFormat:
             obj["system_fingerprint"] = r.fingerprint
         return [sse(obj)]
 
-    def tail(self, r: Reply) -> list[bytes]:
+    def tail(self, r: Reply, text: str) -> list[bytes]:
         """The usage chunk when asked for, then ``[DONE]``."""
         out = []
         if r.include_usage:
@@ -175,6 +187,7 @@ class CompletionsFormat:
     """OpenAI legacy Completions as vLLM serves it (no role chunk)."""
 
     id_prefix = "cmpl-"
+    stream_type = SSE_TYPE
     error = staticmethod(openai_error)
 
     def _usage(self, r: Reply) -> dict[str, Any]:
@@ -201,7 +214,7 @@ class CompletionsFormat:
             obj["usage"] = _running_usage(r, done)
         return [sse(obj)]
 
-    def tail(self, r: Reply) -> list[bytes]:
+    def tail(self, r: Reply, text: str) -> list[bytes]:
         """The usage chunk when asked for, then ``[DONE]``."""
         out = []
         if r.include_usage:
@@ -222,6 +235,129 @@ class CompletionsFormat:
         return dumps(obj)
 
 
+class ResponsesFormat:
+    """OpenAI Responses as vLLM serves it: named, numbered events; usage only on ``response.completed``.
+
+    An answer that stops on its length is ``status: incomplete`` with ``incomplete_details.reason``
+    ``max_output_tokens``, yet vLLM still ends the stream with ``response.completed`` (as recorded).
+    """
+
+    id_prefix = "resp_"
+    stream_type = SSE_TYPE
+    error = staticmethod(openai_error)
+
+    def _item_id(self, r: Reply) -> str:
+        # The message item's id shares the response's hex digits: unique per response, no second draw.
+        return "msg_" + r.id.removeprefix(self.id_prefix)
+
+    def _event(self, r: Reply, kind: str, fields: dict[str, Any]) -> bytes:
+        obj = fields | {"sequence_number": r.events, "type": kind}
+        r.events += 1
+        return sse(dict(sorted(obj.items())), kind)
+
+    def _usage(self, r: Reply) -> dict[str, Any]:
+        return {
+            "input_tokens": r.prompt_tokens,
+            "input_tokens_details": {
+                "cached_tokens": r.cached_tokens,
+                # No cache writes are billed by automatic prefix caching (0 in the recording too).
+                "cache_write_tokens": 0,
+                "input_tokens_per_turn": [],
+                "cached_tokens_per_turn": [],
+            },
+            "output_tokens": r.output_tokens,
+            "output_tokens_details": {
+                "reasoning_tokens": 0,
+                "tool_output_tokens": 0,
+                "output_tokens_per_turn": [],
+                "tool_output_tokens_per_turn": [],
+            },
+            "total_tokens": r.prompt_tokens + r.output_tokens,
+        }
+
+    def _part(self, text: str, logprobs: list[Any] | None) -> dict[str, Any]:
+        return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
+
+    def _item(self, r: Reply, text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [self._part(text, None)]
+        status = "in_progress" if text is None else "completed"
+        return {
+            "id": self._item_id(r),
+            "content": content,
+            "role": "assistant",
+            "status": status,
+            "type": "message",
+            "phase": None,
+        }
+
+    def _response(self, r: Reply, text: str | None) -> dict[str, Any]:
+        """The ``response`` object: in progress (no output, no usage) or done (``text`` given)."""
+        done = text is not None
+        return {
+            "id": r.id,
+            "created_at": r.created,
+            "incomplete_details": {"reason": "max_output_tokens"} if done else None,
+            "instructions": None,
+            "metadata": None,
+            "model": r.model,
+            "object": "response",
+            "output": [self._item(r, text)] if done else [],
+            "parallel_tool_calls": True,
+            "temperature": 1.0,
+            "tool_choice": "none",
+            "tools": [],
+            "top_p": 1.0,
+            "background": False,
+            "max_output_tokens": r.output_tokens,
+            "max_tool_calls": None,
+            "previous_response_id": None,
+            "prompt": None,
+            "reasoning": None,
+            "service_tier": "auto",
+            "status": "incomplete" if done else "in_progress",
+            "text": None,
+            "top_logprobs": None,
+            "truncation": "disabled",
+            "usage": self._usage(r) if done else None,
+            "user": None,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "input_messages": None,
+            "output_messages": None,
+        }
+
+    def prelude(self, r: Reply) -> list[bytes]:
+        """response.created and .in_progress, then the message item and its text part, both empty."""
+        where = {"item_id": self._item_id(r), "output_index": 0}
+        return [
+            self._event(r, "response.created", {"response": self._response(r, None)}),
+            self._event(r, "response.in_progress", {"response": self._response(r, None)}),
+            self._event(r, "response.output_item.added", {"item": self._item(r, None), "output_index": 0}),
+            self._event(r, "response.content_part.added", where | {"content_index": 0, "part": self._part("", [])}),
+        ]
+
+    def chunk(self, r: Reply, text: str, done: int) -> list[bytes]:
+        """One ``response.output_text.delta``."""
+        where = {"content_index": 0, "item_id": self._item_id(r), "output_index": 0}
+        return [self._event(r, "response.output_text.delta", where | {"delta": text, "logprobs": []})]
+
+    def tail(self, r: Reply, text: str) -> list[bytes]:
+        """The text, part and item marked done, then ``response.completed`` with the usage."""
+        where = {"content_index": 0, "item_id": self._item_id(r), "output_index": 0}
+        return [
+            self._event(r, "response.output_text.done", where | {"logprobs": [], "text": text}),
+            self._event(r, "response.content_part.done", where | {"part": self._part(text, None)}),
+            self._event(r, "response.output_item.done", {"item": self._item(r, text), "output_index": 0}),
+            self._event(r, "response.completed", {"response": self._response(r, text)}),
+        ]
+
+    def body(self, r: Reply, text: str) -> bytes:
+        """A ``response`` object."""
+        return dumps(self._response(r, text))
+
+
 def anthropic_error(err: SimError) -> bytes:
     """Anthropic's error body: ``{"type": "error", "error": {type, message}}``."""
     kind = _ANTHROPIC_ERRORS.get(err.status, "api_error")
@@ -232,6 +368,7 @@ class MessagesFormat:
     """Anthropic Messages as vLLM serves it, plus Anthropic's ``ping``."""
 
     id_prefix = "chatcmpl-"  # vLLM reuses its chat ids on /v1/messages
+    stream_type = SSE_TYPE
     error = staticmethod(anthropic_error)
 
     def _usage(self, r: Reply) -> dict[str, Any]:
@@ -270,7 +407,7 @@ class MessagesFormat:
         delta = {"type": "content_block_delta", "delta": {"type": "text_delta", "text": text}, "index": 0}
         return [sse(delta, "content_block_delta")]
 
-    def tail(self, r: Reply) -> list[bytes]:
+    def tail(self, r: Reply, text: str) -> list[bytes]:
         """content_block_stop, message_delta with the usage, message_stop."""
         delta = {"stop_reason": _ANTHROPIC_FINISH, "stop_sequence": None}
         return [

@@ -11,14 +11,14 @@ from typing import Any
 
 from proxy.analysis.cachediag import Diagnosis
 from proxy.analysis.summary import Summary
-from proxy.analysis.timeline import CANCELLED, OK, Timeline
+from proxy.analysis.timeline import CANCELLED, KEEP_CHARS, OK, Timeline
 from proxy.labels import LABEL_CAP, clean, clean_list, clean_or_none
 from proxy.providers.openai_common import collect_text
 from proxy.telemetry import semconv as sc
 from proxy.types import PromptRegion
 
-#: Captured content (opt-in) is cut at this many characters.
-CONTENT_CAP = 16 * 1024
+#: Captured content (opt-in) is cut at this many characters: as much as a timeline keeps of the output.
+CONTENT_CAP = KEEP_CHARS
 
 
 def root_name(tl: Timeline) -> str:
@@ -152,10 +152,12 @@ def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = Fa
         attrs[sc.MALFORMED_EVENTS] = tl.malformed_events
     if tl.oversized_events:
         attrs[sc.OVERSIZED_EVENTS] = tl.oversized_events
+    if tl.unread is not None:
+        attrs[sc.STREAM_UNREAD] = tl.unread
     if capture and tl.request is not None and tl.request.regions:
         attrs[sc.INPUT_MESSAGES] = input_messages(tl.request.regions, CONTENT_CAP)
-    if capture and tl.chunk_texts:
-        text = clean("".join(tl.chunk_texts)[:CONTENT_CAP], CONTENT_CAP)
+    if capture and tl.output is not None:
+        text = clean(tl.output.text[:CONTENT_CAP], CONTENT_CAP)
         attrs[sc.OUTPUT_MESSAGES] = json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": text}]}])
     if tl.outcome == CANCELLED:
         attrs[sc.ERROR_TYPE] = "cancelled"

@@ -68,6 +68,7 @@ class Instruments:
     drift: Histogram
     telemetry_dropped: Counter
     labels_evicted: Counter
+    records_dropped: Counter
     malformed: Counter
     queue_waiting: UpDownCounter
     queue_rejected: Counter
@@ -193,6 +194,11 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             unit="{value}",
             description="Label values (model, prompt version, error type) that lost their slot on metrics to a "
             "more frequent one, by llmtap.telemetry.attribute; later requests with them read _OTHER.",
+        ),
+        records_dropped=meter.create_counter(
+            sc.METRIC_RECORDS_DROPPED,
+            unit="{record}",
+            description="Request records (--record) that could not be written, by llmtap.telemetry.reason.",
         ),
         malformed=meter.create_counter(
             sc.METRIC_MALFORMED,

@@ -127,7 +127,7 @@ class MetricWriter:
         if stream and s.ttft is not None:
             ins.time_to_first_chunk.record(s.ttft, attrs)
             ins.ttft.record(s.ttft, shaped)
-            for gap in s.gaps:
+            for gap in s.gap_samples:
                 ins.time_per_output_chunk.record(gap, attrs)
             for itl in s.itl_per_token:
                 ins.itl.record(itl, shaped)

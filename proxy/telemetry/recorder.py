@@ -31,7 +31,7 @@ from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, SE
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.attributes import cache_attributes
 from proxy.telemetry.metrics import MetricWriter
-from proxy.telemetry.records import RecordWriter, record_line
+from proxy.telemetry.records import RECORD_DROP_REASONS, RecordWriter, record_line
 from proxy.telemetry.replay import Playback
 from proxy.telemetry.spans import SpanWriter
 
@@ -39,14 +39,18 @@ log = logging.getLogger("llmtap.telemetry")
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _STOP = object()
-_CONTENT_CAP = 16 * 1024
 #: Why a tape did not become telemetry, in whole (``channel_full``: the relay's channel; ``queue_full``: this
-#: queue; ``evicted``: too many streams open at once) or in part (``partial``: timing without some bytes).
-TAPE_DROP_REASONS = ("channel_full", "queue_full", "evicted", "partial")
+#: queue; ``evicted``: too many streams open at once) or in part (``partial``: timing without some bytes;
+#: ``inflate_limit``, ``body_limit``: the tap stopped reading a response past its bounds, ``proxy.telemetry.tap``).
+TAPE_DROP_REASONS = ("channel_full", "queue_full", "evicted", "partial", "inflate_limit", "body_limit")
 #: How the admission queue refuses a request (``error.type``).
 QUEUE_REFUSALS = ("queue_full", "queue_timeout")
 #: Streams being played back at once (their segments came, their end not yet); past it the oldest goes.
 MAX_OPEN_STREAMS = 4096
+#: Response bytes waiting in the queue at most. Past it a message keeps its timing and loses its bytes (its
+#: tape is ``partial``), as at the relay's channel: what waits here, and so how long any record waits behind
+#: it, stays bounded however fast one upstream streams.
+MAX_QUEUED_BYTES = 16 * 1024 * 1024
 
 
 class Recorder:
@@ -72,6 +76,9 @@ class Recorder:
         # Tapes dropped on the worker thread, and ends the full queue turned away (the producer's count).
         self._dropped = 0
         self._dropped_ends = 0
+        # Response bytes queued (by the producer) and taken (by the worker): each written by one thread only.
+        self._queued_in = 0
+        self._queued_out = 0
         #: Called on the worker thread with each finished request's timeline and summary (the demo's
         #: tables read them); a listener that raises is logged and skipped.
         self.listeners: list[Callable[[Timeline, Summary], None]] = []
@@ -82,7 +89,13 @@ class Recorder:
         self.cache = CacheDiagnoser(settings.routes)
         rec = settings.record
         #: ``--record PATH``: one JSON line per request, written by the worker thread.
-        self.records = RecordWriter(rec.path, max_bytes=rec.max_bytes, files=rec.files) if rec.path else None
+        self.records: RecordWriter | None = None
+        if rec.path:
+            self.records = RecordWriter(
+                rec.path, max_bytes=rec.max_bytes, files=rec.files, on_drop=self._count_record_drop
+            )
+            for reason in RECORD_DROP_REASONS:
+                self._count_record_drop(reason, 0)
         #: Streams whose segments came and whose end has not, by (source, key); only the worker touches it.
         self._open: OrderedDict[tuple[int, int], Playback] = OrderedDict()
         # Streams a message of which was dropped here: their end is counted as a dropped tape.
@@ -122,7 +135,13 @@ class Recorder:
         """
         try:
             self._ensure_worker()
-            self._queue.put_nowait((source, message))
+            size = len(message[3][3]) if message[0] in (SEGMENT, END) else 0
+            if size and self._queued_in + size - self._queued_out > MAX_QUEUED_BYTES:
+                times, delivered, sizes, _ = message[3]
+                message = (*message[:3], (times, delivered, sizes, b""), *message[4:])
+                size = 0
+            self._queue.put_nowait((source, message, size))
+            self._queued_in += size
             return True
         except queue.Full:
             if message[0] == END:
@@ -138,7 +157,7 @@ class Recorder:
     def record_timeline(self, tl: Timeline) -> None:
         """Queue a finished timeline as it is (tests and tools that build timelines themselves)."""
         self._ensure_worker()
-        self._queue.put((-1, tl))
+        self._queue.put((-1, tl, 0))
 
     # -- the worker --------------------------------------------------------------------------
 
@@ -161,7 +180,8 @@ class Recorder:
                 self._flush_records()
                 item.event.set()
                 continue
-            source, message = item
+            source, message, size = item
+            self._queued_out += size
             try:
                 if isinstance(message, Timeline):
                     self._record_counted(message)
@@ -201,7 +221,10 @@ class Recorder:
             return
         if playback.partial:
             self._count_drop("partial")
-        self._record_counted(playback.finish(message[4]))
+        tl = playback.finish(message[4])
+        if tl.unread is not None:
+            self._count_drop(tl.unread)
+        self._record_counted(tl)
 
     def _record_counted(self, tl: Timeline) -> None:
         try:
@@ -220,6 +243,12 @@ class Recorder:
         self._dropped += 1
         log.debug("telemetry: dropped a tape (%s) of route %s", reason, route)
         self._count_drop(reason)
+
+    def _count_record_drop(self, reason: str, n: int) -> None:
+        try:
+            self.instruments.records_dropped.add(n, {sc.TELEMETRY_REASON: reason})
+        except Exception:
+            log.debug("telemetry: could not count a lost record", exc_info=True)
 
     def _count_drop(self, reason: str, n: int = 1) -> None:
         try:
@@ -264,14 +293,11 @@ class Recorder:
     def relay_gone(self, source: int) -> None:
         """Relay ``source`` disconnected: its gauges go back to zero and its open streams are dropped."""
         self._ensure_worker()
-        self._queue.put((source, (STATS, False, self._gauges.get(source, ({}, {}, 0))[2], (), (), (), ())))
+        self._queue.put((source, (STATS, False, self._gauges.get(source, ({}, {}, 0))[2], (), (), (), ()), 0))
 
     def _flush_records(self) -> None:
         if self.records is not None:
-            try:
-                self.records.flush()
-            except OSError:
-                log.exception("telemetry: could not flush the record file")
+            self.records.flush()  # a write that fails is counted and said there, once
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued record is written; True when the queue drained in time."""
@@ -328,10 +354,7 @@ class Recorder:
             if diag is not None:
                 ins.cache_requests.add(1, self.metrics.cache_attributes(tl, diag))
         if self.records is not None:
-            try:
-                self.records.write(record_line(tl, s, diag))
-            except (OSError, ValueError):
-                log.exception("telemetry: could not write the record of %s %s", tl.method, tl.path)
+            self.records.write(record_line(tl, s, diag))  # never raises: a lost record is counted
         for listener in self.listeners:
             try:
                 listener(tl, s)

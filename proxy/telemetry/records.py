@@ -5,20 +5,24 @@ fingerprint and version, its cache class and its SLO outcome; never prompt or co
 or error messages (which can quote a prompt). Lines are written by the recorder's worker thread, so
 no file I/O runs on the event loop. The file rotates by size (``PATH`` -> ``PATH.1`` -> ``PATH.2`` ..)
 and at most ``files`` files stay on disk; the buffer is flushed when the worker goes idle, on
-``flush`` and on shutdown.
+``flush`` and on shutdown. A disk that fills up costs records, counted, never the worker.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
+import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from proxy.analysis.cachediag import Diagnosis
 from proxy.analysis.stats import sorted_quantile
@@ -32,7 +36,14 @@ SCHEMA_KEY = "llmtap_record"
 SCHEMA_VERSION = 1
 #: Seconds between flushes while requests keep coming (the file is flushed at once when traffic pauses).
 FLUSH_INTERVAL = 1.0
+#: Bytes of lines buffered before they leave in one write, whatever the time.
+BUFFER_BYTES = 64 * 1024
+#: Why a record was lost: ``no_space`` (a full disk, quota or file-size limit), ``io_error`` (any other failed
+#: write), ``invalid`` (a value JSON cannot hold).
+RECORD_DROP_REASONS = ("no_space", "io_error", "invalid")
 _OWN_PREFIX = b'{"' + SCHEMA_KEY.encode() + b'":'
+
+log = logging.getLogger("llmtap.telemetry")
 
 
 def _round(value: float | None) -> float | None:
@@ -118,51 +129,173 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None) -> dict[str, A
     return out
 
 
-class RecordWriter:
-    """Appends record lines to ``path``, rotating past ``max_bytes`` and keeping ``files`` files at most."""
+class _WriteFailed(Exception):
+    """A write that failed after ``whole`` of its lines got out."""
 
-    def __init__(self, path: str | Path, *, max_bytes: int = 64 << 20, files: int = 5) -> None:
+    def __init__(self, error: OSError, whole: int) -> None:
+        super().__init__(error)
+        self.error = error
+        self.whole = whole
+
+
+def _open_append(path: Path) -> io.FileIO:
+    return path.open("ab", buffering=0)
+
+
+def drop_reason(exc: OSError) -> str:
+    """``no_space`` for a full disk, quota or file-size limit; ``io_error`` for any other failed write."""
+    return "no_space" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "io_error"
+
+
+class RecordWriter:
+    """Appends record lines to ``path``, rotating past ``max_bytes`` and keeping ``files`` files at most.
+
+    Lines wait in a small buffer (``BUFFER_BYTES``) and leave in one write. A write that fails (a full disk)
+    loses the lines it carried: each is counted through ``on_drop`` by reason (``RECORD_DROP_REASONS``),
+    the failure is logged once, and every later flush tries again; the first that succeeds says so, once.
+    A line a failed write cut short is ended before the next one, so it stays one bad line.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_bytes: int = 64 << 20,
+        files: int = 5,
+        on_drop: Callable[[str, int], None] | None = None,
+        opener: Callable[[Path], io.FileIO] = _open_append,
+    ) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.files = max(files, 1)
+        self._opener = opener
+        self._on_drop = on_drop
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file: IO[str] = self.path.open("a", encoding="utf-8")
+            self._file: io.FileIO | None = opener(self.path)
         except OSError as exc:
             raise ConfigError(f"record file {str(self.path)!r}: {exc.strerror or exc}") from None
         self._size = self._file.tell()
-        if self._size and not _ends_with_newline(self.path):
-            # A line cut short by a killed process: end it, so it stays one bad line and spoils no other.
-            self._file.write("\n")
-            self._size += 1
+        # A line cut short by a killed process or a failed write is ended before the next one is written.
+        self._torn = bool(self._size) and not _ends_with_newline(self.path)
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
         self._flushed = time.monotonic()
+        self._failing = False
+        self._lost_while_failing = 0
+        self._said_invalid = False
         self.written = 0
+        #: Records lost, by reason.
+        self.dropped: dict[str, int] = dict.fromkeys(RECORD_DROP_REASONS, 0)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record; rotate first when it would push the file past ``max_bytes``."""
-        line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
-        size = len(line.encode("utf-8"))
-        if self._size and self._size + size > self.max_bytes:
-            self._rotate()
-        self._file.write(line)
-        self._size += size
-        self.written += 1
-        if time.monotonic() - self._flushed >= FLUSH_INTERVAL:
+        """Queue one record; the buffer leaves once a second at most, or when it is full."""
+        try:
+            line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
+        except ValueError as exc:
+            if not self._said_invalid:
+                self._said_invalid = True
+                log.warning(
+                    "record file %s: a record could not be written as JSON (%s); such records are counted",
+                    self.path,
+                    exc,
+                )
+            self._drop("invalid", 1)
+            return
+        data = line.encode("utf-8")
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        if self._pending_bytes >= BUFFER_BYTES or time.monotonic() - self._flushed >= FLUSH_INTERVAL:
             self.flush()
 
     def flush(self) -> None:
-        """Push buffered lines to the operating system."""
-        self._file.flush()
+        """Write the buffered lines out; a failure drops them, counted, and is said once until a write succeeds."""
         self._flushed = time.monotonic()
+        lines, self._pending, self._pending_bytes = self._pending, [], 0
+        done = 0
+        try:
+            while done < len(lines):
+                end = self._batch_end(lines, done)
+                self._write(lines[done:end])
+                done = end
+        except _WriteFailed as failed:
+            self._failed(failed.error, len(lines) - done - failed.whole)
+            return
+        except OSError as exc:  # opening or rotating
+            self._failed(exc, len(lines) - done)
+            return
+        if self._failing and lines:
+            self._failing = False
+            log.warning(
+                "record file %s is written again; %d records were lost while it could not be",
+                self.path,
+                self._lost_while_failing,
+            )
+            self._lost_while_failing = 0
 
     def close(self) -> None:
         """Flush and close; later writes are an error."""
-        if not self._file.closed:
-            self._file.flush()
-            self._file.close()
+        self.flush()
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+    def _batch_end(self, lines: list[bytes], start: int) -> int:
+        """Open or rotate the file as needed; the end of the lines from ``start`` that fit in it."""
+        if self._file is None:
+            self._file = self._opener(self.path)
+            self._size = self._file.tell()
+        if self._size and self._size + len(lines[start]) > self.max_bytes:
+            self._rotate()
+        end, size = start + 1, self._size + len(lines[start])
+        while end < len(lines) and size + len(lines[end]) <= self.max_bytes:
+            size += len(lines[end])
+            end += 1
+        return end
+
+    def _write(self, lines: list[bytes]) -> None:
+        """One write of whole lines (after a newline that ends a torn one); a failure says how many got out whole."""
+        assert self._file is not None
+        lead = int(self._torn)
+        data = b"\n" * lead + b"".join(lines)
+        view, written = memoryview(data), 0
+        try:
+            while written < len(data):
+                written += self._file.write(view[written:])
+        except OSError as exc:
+            whole = max(data.count(b"\n", 0, written) - lead, 0)
+            raise _WriteFailed(exc, whole) from exc
+        finally:
+            self._size += written
+            if written:
+                self._torn = data[written - 1] != 0x0A
+        self.written += len(lines)
+
+    def _failed(self, exc: OSError, lost: int) -> None:
+        reason = drop_reason(exc)
+        if not self._failing:
+            self._failing = True
+            log.warning(
+                "record file %s cannot be written (%s); records are dropped and counted "
+                "(llmtap_telemetry_records_dropped_total) until it can",
+                self.path,
+                exc.strerror or exc,
+            )
+        self._lost_while_failing += lost
+        self._drop(reason, lost)
+
+    def _drop(self, reason: str, n: int) -> None:
+        if not n:
+            return
+        self.dropped[reason] += n
+        if self._on_drop is not None:
+            self._on_drop(reason, n)
 
     def _rotate(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         # The oldest file falls off the end; the others move up one: PATH.(n-1) is the oldest kept.
         oldest = self.files - 1
         if oldest == 0:
@@ -174,8 +307,9 @@ class RecordWriter:
                 if older.exists():
                     os.replace(older, f"{self.path}.{i + 1}")
             os.replace(self.path, f"{self.path}.1")
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = self._opener(self.path)
         self._size = 0
+        self._torn = False
 
 
 def _ends_with_newline(path: Path) -> bool:

@@ -15,7 +15,7 @@ import math
 from array import array
 from typing import Any
 
-from proxy.analysis.timeline import Timeline
+from proxy.analysis.timeline import KEEP_CHARS, Timeline
 from proxy.providers import PROVIDERS
 from proxy.providers.base import Provider
 from proxy.providers.timing import from_headers
@@ -86,6 +86,8 @@ class Playback:
             or (provider.family if provider else "_OTHER"),
             received=received,
             received_wall_ns=received_wall_ns,
+            # The output's text is kept only where a span may show it.
+            keep_chars=KEEP_CHARS if settings.telemetry.capture_content else 0,
         )
         self.tl = tl
         if prompt_version is not None:

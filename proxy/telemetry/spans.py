@@ -216,7 +216,7 @@ class SpanWriter:
         if tl.first_content is None or tl.last_content is None:
             return
         decode = tracer.start_span(sc.SPAN_DECODE, context=ctx, start_time=tl.wall_ns(tl.first_content))
-        attrs = {sc.CHUNK_COUNT: len(tl.chunk_times), sc.DECODE_DURATION: s.decode or 0.0}
+        attrs = {sc.CHUNK_COUNT: len(tl.chunk_times) + tl.folded_chunks, sc.DECODE_DURATION: s.decode or 0.0}
         if s.output_tokens is not None:
             attrs[sc.USAGE_OUTPUT_TOKENS] = s.output_tokens
         if s.tpot is not None:

@@ -4,6 +4,12 @@ The telemetry side plays each upstream read of the relay's tape into ``Tap.feed`
 arrived. The tap decodes events (SSE, NDJSON or a JSON array, gzip and deflate too), lets the provider
 turn them into facts, and appends one content chunk per upstream read that carried generated content.
 Any error inside the tap switches it off for the rest of the stream and is logged.
+
+Compressed bodies are inflated in steps of at most ``INFLATE_STEP`` bytes, each decoded before the next, so
+no step holds or takes much. A response that inflates past ``MAX_INFLATED_BYTES``, or past
+``MAX_INFLATE_RATIO`` times its compressed bytes (beyond a first ``INFLATE_ALLOWANCE``), is a bomb or as
+good as one: the tap stops reading it and says why (``Timeline.unread``). The relay relayed it byte for byte
+anyway; only its telemetry ends there, and the rest of the process never waits long for it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,14 @@ log = logging.getLogger("llmtap.stream")
 
 #: A non-streamed body larger than this is relayed but not parsed.
 MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Inflated bytes one decompression step yields at most.
+INFLATE_STEP = 256 * 1024
+#: Inflated bytes the tap reads of one response at most.
+MAX_INFLATED_BYTES = 64 * 1024 * 1024
+#: Inflated bytes per compressed byte past the allowance: gzip'd SSE runs 13x to 37x, identical events
+#: repeated without a flush about 250x; a bomb is near deflate's limit of about 1000x.
+MAX_INFLATE_RATIO = 256
+INFLATE_ALLOWANCE = 1024 * 1024
 
 
 def _framing(content_type: str, provider: Provider, stream_requested: bool) -> str | None:
@@ -53,7 +67,10 @@ class Tap:
         self._parser: StreamParser | None = None
         self._body: bytearray | None = None
         self._inflate: zlib._Decompress | None = None
+        self._inflated = 0  # bytes inflated so far, and the compressed bytes they came from
+        self._deflated = 0
         self._framing: str | None = None
+        self._content = False  # whether the read being observed carried content
         self._oversized = 0  # counted by decoders that a gap in the bytes replaced
         if encoding in ("gzip", "deflate"):
             # Compressed bodies are relayed compressed; the tap reads a decompressed copy.
@@ -101,31 +118,58 @@ class Tap:
             self._decoder = decoder_for(self._framing)
 
     def _observe(self, chunk: bytes, t: float) -> None:
-        data = self._inflate.decompress(chunk) if self._inflate is not None else chunk
+        if self._inflate is None:
+            self._take(chunk)
+        else:
+            self._take_compressed(chunk)
+        if self._content:
+            self._content = False
+            self.tl.add_chunk(t, len(chunk), "")
+
+    def _take_compressed(self, chunk: bytes) -> None:
+        """Inflate one read step by step, each step decoded before the next; stop at the bounds."""
+        inflate = self._inflate
+        assert inflate is not None
+        data = chunk
+        while self.active and not inflate.eof:
+            step = inflate.decompress(data, INFLATE_STEP)
+            self._deflated += len(data) - len(inflate.unconsumed_tail)
+            data = inflate.unconsumed_tail
+            self._inflated += len(step)
+            if self._inflated > MAX_INFLATED_BYTES or (
+                self._inflated > INFLATE_ALLOWANCE + MAX_INFLATE_RATIO * self._deflated
+            ):
+                self._stop("inflate_limit")
+                return
+            if step:
+                self._take(step)
+            if not data and len(step) < INFLATE_STEP:
+                return  # all of the read consumed, and a step that was not full: nothing left inside zlib
+
+    def _take(self, data: bytes) -> None:
         if self._body is not None:
             if len(self._body) + len(data) > MAX_BODY_BYTES:
-                self._body = None
-                self.active = False
+                self._stop("body_limit")
                 return
             self._body += data
             return
         assert self._decoder is not None and self._parser is not None
-        events = self._decoder.feed(data)
-        if not events:
-            return
-        texts: list[str] = []
-        content = False
+        tl = self.tl
         parser = self._parser
-        for event in events:
+        for event in self._decoder.feed(data):
             facts = parser.feed(event)
             if facts is None:
                 continue
-            self.tl.apply(facts)
+            tl.apply(facts)
             if facts.has_content:
-                content = True
-                texts.append(facts.content)
-        if content:
-            self.tl.add_chunk(t, len(chunk), "".join(texts))
+                self._content = True
+                tl.add_text(facts.content)
+
+    def _stop(self, reason: str) -> None:
+        """Stop reading the response (it is still relayed whole): ``reason`` goes on its span and counters."""
+        self._body = None
+        self.active = False
+        self.tl.unread = reason
 
     def finish(self, t: float) -> None:
         """The stream ended at ``t``: parse a buffered body, flush decoders."""
