@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from proxy import __version__
-from proxy.settings import CHUNK_SPAN_MODES, HISTOGRAM_BUCKETS, UPSTREAM_CLIENTS, ConfigError, build
+from proxy.settings import CHUNK_SPAN_MODES, HISTOGRAM_BUCKETS, SPAN_ROLES, UPSTREAM_CLIENTS, ConfigError, build
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,6 +38,20 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="store_const",
         const=True,
         help="also emit gen_ai.server.* (the model server's metric names; llmtap's values include its hop)",
+    )
+    p.add_argument(
+        "--span-role",
+        dest="span_role",
+        choices=SPAN_ROLES,
+        help="the proxy span: the GenAI generation, or the HTTP hop under a traced client's own (default auto: "
+        "the hop when a traceparent arrives)",
+    )
+    p.add_argument(
+        "--offline-token-usage",
+        dest="offline_token_usage",
+        action="store_true",
+        default=None,
+        help="report tiktoken's counts as gen_ai.usage.* when the upstream reports no usage",
     )
     p.add_argument("--connect-timeout", dest="connect_timeout", type=float, help="upstream connect timeout, seconds")
     p.add_argument(

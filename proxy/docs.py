@@ -67,14 +67,20 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.RESPONSE_MODEL: ("string", "The model the upstream says answered (bounded like the request model)."),
     sc.RESPONSE_FINISH_REASONS: ("string[]", "One finish reason per choice; `error` when the stream failed."),
     sc.RESPONSE_TIME_TO_FIRST_CHUNK: ("double", "TTFT in seconds (streams only): see Timing definitions."),
-    sc.USAGE_INPUT_TOKENS: ("int", "Input tokens, cached ones included (Anthropic: input + cache read + cache write)."),
-    sc.USAGE_OUTPUT_TOKENS: ("int", "Output tokens, reasoning included."),
+    sc.USAGE_INPUT_TOKENS: (
+        "int",
+        "Input tokens the upstream reported, cached ones included (Anthropic: input + cache read + cache write); "
+        "absent when it reported none (tiktoken's count is `llmtap.usage.input_tokens`, unless "
+        "`telemetry.offline_token_usage`) and for a request that never reached the model.",
+    ),
+    sc.USAGE_OUTPUT_TOKENS: ("int", "Output tokens the upstream reported, reasoning included; absent as above."),
     sc.USAGE_CACHE_READ: ("int", "Input tokens the upstream read from its prompt cache."),
     sc.USAGE_CACHE_CREATION: ("int", "Input tokens written to the prompt cache (v1.41.1 name)."),
     sc.USAGE_CACHE_WRITE: ("int", "Input tokens written to the prompt cache (latest experimental name)."),
     sc.USAGE_REASONING: ("int", "Output tokens spent on reasoning, when the upstream reports them."),
     sc.TOKEN_TYPE: ("string", "`input` or `output`."),
-    sc.TOKEN_MODALITY: ("string", "`text`."),
+    sc.TOKEN_MODALITY: ("string", "`text`; `unknown` on the 0 recorded for a response without usage."),
+    sc.SYSTEM_FINGERPRINT: ("string", "OpenAI's `system_fingerprint`: the backend configuration that answered."),
     sc.INPUT_MESSAGES: (
         "string",
         "The prompt (system part and messages, role and text) as JSON, at most 16 KiB of text, only when "
@@ -132,6 +138,21 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     ),
     sc.PREFILL_SOURCE: ("string", f"{_SOURCE}, or `upstream_ttft` (request sent to first content chunk)."),
     sc.DECODE_DURATION: ("double", "Seconds from the first content chunk to the last."),
+    sc.INPUT_TOKENS: (
+        "int",
+        "Input tokens from the best source (usage, else tiktoken), only for a request that reached the model; "
+        "also on `llmtap.prefill`.",
+    ),
+    sc.OUTPUT_TOKENS: ("int", "Output tokens from the best source (usage, else tiktoken); also on `llmtap.decode`."),
+    sc.CACHE_READ_TOKENS: ("int", "Cache-read input tokens, on `llmtap.prefill`."),
+    sc.SPAN_ROLE: ("string", "`hop` on a root span that is the proxy hop under a traced client's generation."),
+    sc.HOP_OPERATION: ("string", "On a hop span: the operation (`gen_ai.operation.name` of a generation)."),
+    sc.HOP_PROVIDER: ("string", "On a hop span: the provider (`gen_ai.provider.name` of a generation)."),
+    sc.HOP_REQUEST_MODEL: ("string", "On a hop span: the model asked for."),
+    sc.HOP_RESPONSE_MODEL: ("string", "On a hop span: the model that answered."),
+    sc.HOP_RESPONSE_ID: ("string", "On a hop span: the response id."),
+    sc.HOP_FINISH_REASONS: ("string[]", "On a hop span: the finish reasons."),
+    sc.HOP_TIME_TO_FIRST_CHUNK: ("double", "On a hop span: TTFT in seconds (streams)."),
     sc.INPUT_TOKENS_SOURCE: ("string", "`usage` (the upstream reported it) or the tiktoken encoding that counted it."),
     sc.OUTPUT_TOKENS_SOURCE: (
         "string",

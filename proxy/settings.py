@@ -20,6 +20,10 @@ from proxy.labels import LABEL_CAP, clean
 from proxy.versions import INVALID_VERSION, VERSION_MAX_BYTES, version_label
 
 CHUNK_SPAN_MODES = ("spans", "events", "off")
+#: What the proxy's span is in a trace: the GenAI generation (``chat {model}``, with usage), or the HTTP hop
+#: under the client's own generation span (no ``gen_ai.*``, so trace backends count one generation);
+#: ``auto``: the hop when the request arrives with a ``traceparent``, the generation otherwise.
+SPAN_ROLES = ("auto", "generation", "hop")
 #: The client for upstreams: llmtap's own HTTP/1.1 one (``proxy.relay.upstream_http``), or httpx's.
 UPSTREAM_CLIENTS = ("lean", "httpx")
 SEMCONV_LATEST = "gen_ai_latest_experimental"
@@ -160,6 +164,12 @@ class Telemetry:
     server_metrics: bool = False
     #: How histograms go over OTLP (``/metrics`` is always explicit buckets): ``EXPLICIT`` or ``EXPONENTIAL``.
     histogram_aggregation: str = EXPLICIT
+    #: ``SPAN_ROLES``: the proxy span's role in the trace.
+    span_role: str = "auto"
+    #: Report tiktoken's counts as ``gen_ai.usage.*`` when the upstream reports no usage ("offline token
+    #: counting", which the GenAI conventions allow only when the user enables it); they are always under
+    #: ``llmtap.usage.*`` with their source.
+    offline_token_usage: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +267,8 @@ _FILE_KEYS = {
         "metric_models",
         "histogram_buckets",
         "server_metrics",
+        "span_role",
+        "offline_token_usage",
     },
     "slo": {"ttft_ms", "tpot_ms", "e2e_ms"},
     "inject_usage": None,
@@ -438,6 +450,12 @@ def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] |
     if aggregation not in (EXPLICIT, EXPONENTIAL):
         raise ConfigError(f"{key}: {aggregation!r} is not one of {EXPLICIT}, {EXPONENTIAL}")
     values["histogram_aggregation"] = aggregation
+    role = env.get("LLMTAP_SPAN_ROLE", section.get("span_role", "auto"))
+    if role not in SPAN_ROLES:
+        raise ConfigError(f"span_role: {role!r} is not one of {', '.join(SPAN_ROLES)}")
+    values["span_role"] = role
+    offline = env.get("LLMTAP_OFFLINE_TOKEN_USAGE", section.get("offline_token_usage", False))
+    values["offline_token_usage"] = _bool(offline, "offline_token_usage")
     return Telemetry(**values)
 
 
@@ -719,7 +737,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         "max_client_connections", "LLMTAP_MAX_CLIENT_CONNECTIONS", data.get("max_client_connections"), None
     )
     telemetry_env = dict(env)
-    for flag in ("chunk_spans", "histogram_buckets", "server_metrics"):
+    for flag in ("chunk_spans", "histogram_buckets", "server_metrics", "span_role", "offline_token_usage"):
         if flags.get(flag) is not None:
             telemetry_env[f"LLMTAP_{flag.upper()}"] = str(flags[flag])
     level = str(pick("log_level", "LLMTAP_LOG_LEVEL", data.get("log_level"), "info")).lower()

@@ -62,6 +62,8 @@ class Facts:
     error_message: str | None = None
     server_timing: ServerTiming | None = None
     done: bool = False
+    #: OpenAI's ``system_fingerprint``: the backend configuration that served the request.
+    system_fingerprint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -594,7 +594,7 @@ def check_spans(spans: list[SpanSeen]) -> None:
         chunks = [s for s in trace if s.name == sc.SPAN_CHUNK and s.fields["Parent ID"] == decode_id]
         assert sorted(c.attributes[sc.CHUNK_INDEX] for c in chunks) == list(range(CHUNKS))
         assert sum(c.attributes[sc.CHUNK_TOKENS] for c in chunks) == TOKENS
-        assert children[sc.SPAN_DECODE].attributes[sc.USAGE_OUTPUT_TOKENS] == TOKENS
+        assert children[sc.SPAN_DECODE].attributes[sc.OUTPUT_TOKENS] == TOKENS
 
 
 def check_metrics(got: Received) -> None:

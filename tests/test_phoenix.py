@@ -133,7 +133,7 @@ def check_trees(spans: list[dict[str, Any]]) -> None:
         children = {s["name"]: s for s in trace if s["parent_id"] == root["context"]["span_id"]}
         assert set(children) == {sc.SPAN_QUEUE, sc.SPAN_PREFILL, sc.SPAN_DECODE}
         decode = children[sc.SPAN_DECODE]
-        assert decode["attributes"][sc.USAGE_OUTPUT_TOKENS] == TOKENS
+        assert decode["attributes"][sc.OUTPUT_TOKENS] == TOKENS
         chunks = [s for s in trace if s["parent_id"] == decode["context"]["span_id"]]
         assert {s["name"] for s in chunks} == {sc.SPAN_CHUNK}
         assert sorted(s["attributes"][sc.CHUNK_INDEX] for s in chunks) == list(range(CHUNKS))

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from opentelemetry.context import Context
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader, Metric
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, Metric, NumberDataPoint
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -71,8 +71,12 @@ def timeline(
     finish: list[str] | None = None,
     prompt: str = "",
     texts: list[str] | None = None,
+    reported: bool = True,
 ) -> Timeline:
-    """A chat request received at T0: admitted +1/64, sent +1/32, first byte +1/8, n chunks from +0.5 every 1/16."""
+    """A chat request received at T0: admitted +1/64, sent +1/32, first byte +1/8, n chunks from +0.5 every 1/16.
+
+    Usage is ``usage``, or the chunks' own count; none at all when not ``reported``.
+    """
     tl = Timeline(
         method="POST",
         path="/v1/chat/completions",
@@ -105,7 +109,7 @@ def timeline(
     tl.response_bytes = sum(tl.chunk_bytes)
     tl.apply(
         Facts(
-            usage=usage if usage is not None else Usage(input_tokens=40, output_tokens=chunk_tokens(len(texts))),
+            usage=(usage or Usage(input_tokens=40, output_tokens=chunk_tokens(len(texts)))) if reported else None,
             finish_reasons=["stop"] if finish is None else finish,
             response_id="chatcmpl-1",
             response_model=response_model,
@@ -179,7 +183,7 @@ class Harness:
         return [s for s in self.exporter.get_finished_spans() if name is None or s.name == name]
 
     def root(self) -> ReadableSpan:
-        roots = [s for s in self.spans() if s.kind == SpanKind.CLIENT]
+        roots = [s for s in self.spans() if s.kind in (SpanKind.CLIENT, SpanKind.SERVER)]
         assert len(roots) == 1, [s.name for s in self.spans()]
         return roots[0]
 
@@ -262,8 +266,8 @@ def test_span_tree_links_and_times(harness: HarnessFactory) -> None:
     assert (prefill.start_time, prefill.end_time) == (ns(1 / 32), ns(FIRST))
     assert (decode.start_time, decode.end_time) == (ns(FIRST), ns(FIRST + 5 * GAP))
     assert attrs(queue)[sc.QUEUE_DURATION] == 1 / 128 and attrs(queue)[sc.QUEUE_SOURCE] == "proxy"
-    assert attrs(prefill)[sc.USAGE_INPUT_TOKENS] == 40 and attrs(prefill)[sc.PREFILL_DURATION] == FIRST - 1 / 32
-    assert attrs(decode)[sc.CHUNK_COUNT] == 6 and attrs(decode)[sc.USAGE_OUTPUT_TOKENS] == 12
+    assert attrs(prefill)[sc.INPUT_TOKENS] == 40 and attrs(prefill)[sc.PREFILL_DURATION] == FIRST - 1 / 32
+    assert attrs(decode)[sc.CHUNK_COUNT] == 6 and attrs(decode)[sc.OUTPUT_TOKENS] == 12
     assert attrs(decode)[sc.TPOT] == 5 * GAP / 11
 
     chunks = children(h, decode, sc.SPAN_CHUNK)
@@ -293,6 +297,64 @@ def test_root_is_child_of_client_traceparent(harness: HarnessFactory) -> None:
     assert f"{root.context.trace_id:032x}" == trace_id
     assert root.parent is not None and f"{root.parent.span_id:016x}" == parent_id
     assert all(s.context.trace_id == root.context.trace_id for s in h.spans())
+
+
+def _gen_ai(span: ReadableSpan) -> dict[str, Any]:
+    return {k: v for k, v in attrs(span).items() if k.startswith("gen_ai.")}
+
+
+@pytest.mark.parametrize("role", ["auto", "hop"])
+def test_under_a_traced_client_the_root_is_the_hop_not_a_second_generation(harness: HarnessFactory, role: str) -> None:
+    """The client's span is the generation: llmtap's repeats no gen_ai.* (backends would count it again)."""
+    h = harness(span_role=role)
+    tl = timeline(3, usage=Usage(input_tokens=40, output_tokens=6))
+    h.run(tl, {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+    root = h.root()
+    assert root.name == "POST /v1/chat/completions" and root.kind == SpanKind.SERVER
+    assert all(not _gen_ai(span) for span in h.spans()), {s.name: _gen_ai(s) for s in h.spans()}
+    a = attrs(root)
+    assert a[sc.SPAN_ROLE] == "hop" and a[sc.HOP_REQUEST_MODEL] == "gpt-4o" and a[sc.HOP_OPERATION] == "chat"
+    assert (a[sc.INPUT_TOKENS], a[sc.OUTPUT_TOKENS], a[sc.INPUT_TOKENS_SOURCE]) == (40, 6, "usage")
+    assert a[sc.HOP_FINISH_REASONS] == ("stop",) and sc.HOP_TIME_TO_FIRST_CHUNK in a
+
+
+@pytest.mark.parametrize(("role", "traced"), [("generation", True), ("auto", False), ("hop", False)])
+def test_the_root_is_the_generation_when_asked_or_when_the_client_does_not_trace(
+    harness: HarnessFactory, role: str, traced: bool
+) -> None:
+    h = harness(span_role=role)
+    incoming = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"} if traced else None
+    h.run(timeline(3, usage=Usage(input_tokens=40, output_tokens=6)), incoming)
+    root = h.root()
+    if role == "hop":
+        assert root.kind == SpanKind.SERVER  # asked for: a hop, traced client or not
+        return
+    assert root.name == "chat gpt-4o" and root.kind == SpanKind.CLIENT
+    assert attrs(root)[sc.USAGE_INPUT_TOKENS] == 40 and attrs(root)[sc.USAGE_OUTPUT_TOKENS] == 6
+    # Usage once per trace: on the generation, never again on its children.
+    children_usage = [k for s in h.spans() if s is not root for k in attrs(s) if k.startswith("gen_ai.usage.")]
+    assert children_usage == []
+
+
+def test_without_usage_tiktoken_counts_stay_llmtaps_own(harness: HarnessFactory) -> None:
+    """Offline token counting is not usage (gen-ai-metrics.md): under llmtap.* only, unless enabled."""
+    h = harness(semconv_latest=True)
+    h.run(timeline(3, reported=False))
+    a = attrs(h.root())
+    assert sc.USAGE_INPUT_TOKENS not in a and sc.USAGE_OUTPUT_TOKENS not in a
+    assert a[sc.OUTPUT_TOKENS] == 6 and a[sc.OUTPUT_TOKENS_SOURCE] == "tiktoken:o200k_base"
+    points = {
+        (name, tuple(sorted((p.attributes or {}).items()))): p.value
+        for name, m in h.metrics().items()
+        if name.startswith("gen_ai.client.inference.usage.")
+        for p in m.data.data_points
+        if isinstance(p, NumberDataPoint)
+    }
+    assert points and all(v == 0 for v in points.values()), points
+    assert all(dict(k)[sc.TOKEN_MODALITY] == "unknown" for _, k in points), points
+    enabled = harness(offline_token_usage=True)
+    enabled.run(timeline(3, reported=False))
+    assert attrs(enabled.root())[sc.USAGE_OUTPUT_TOKENS] == 6
 
 
 def test_gen_ai_attributes_present_at_span_start(harness: HarnessFactory) -> None:

@@ -38,6 +38,7 @@ def make(*, model: str | None = "gpt-4o", stream: bool = True, prompt: str = "",
 
 def streamed(texts: list[str], *, first: float = 0.5, gap: float = 0.0625, **kw: Any) -> Timeline:
     """Received at T0, body read +1/128, admitted +1/64, sent +1/32, first byte +1/8, chunks from +first."""
+    kw.setdefault("status_code", 200)
     tl = make(body_read=T0 + 1 / 128, admitted=T0 + 1 / 64, sent=T0 + 1 / 32, first_byte=T0 + 0.125, **kw)
     for i, text in enumerate(texts):
         tl.add_chunk(T0 + first + i * gap, len(text.encode()) + 40, text)
@@ -276,3 +277,19 @@ def test_server_reports_one_phase_only() -> None:
     assert (s.upstream_queue, s.queue, s.queue_source) == (0.0, 1 / 64 - 1 / 128, SERVER)
     # A reported queue leaves the rest of the upstream TTFT to prefill, on the server's word.
     assert (s.prefill, s.prefill_source) == (0.5 - 1 / 32, SERVER)
+
+
+@pytest.mark.parametrize(("sent", "status"), [(None, None), (T0 + 1 / 32, 404), (T0 + 1 / 32, None)])
+def test_a_request_that_never_reached_the_model_counts_no_input(sent: float | None, status: int | None) -> None:
+    """Refused by llmtap (never sent), by the upstream (an error status), or cut before any response."""
+    tl = make(prompt="Where is my order?", sent=sent, status_code=status)
+    tl.end = T0 + 0.25
+    s = summarize(tl)
+    assert s.input_tokens is None and s.input_source == "" and s.input_size == "unknown"
+
+
+def test_a_whole_body_has_no_time_per_output_token() -> None:
+    """One content chunk: no decode was timed, so TPOT is unknown, not 0 (which would drag percentiles down)."""
+    tl = streamed([" alpha beta gamma"], stream=False, usage=Usage(input_tokens=5, output_tokens=3))
+    s = summarize(tl)
+    assert s.decode == 0.0 and s.tpot is None

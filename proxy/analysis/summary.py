@@ -187,7 +187,7 @@ def summarize(
         s.input_tokens, s.input_source = usage.input_tokens, USAGE
         if prompt:
             s.input_drift = _drift(tokens.count(prompt, enc), usage.input_tokens)
-    elif prompt:
+    elif prompt and reached_model(tl):
         s.input_tokens, s.input_source = tokens.count(prompt, enc), src
     if usage is not None:
         s.cache_read_tokens = usage.cache_read_tokens
@@ -195,10 +195,17 @@ def summarize(
         s.reasoning_tokens = usage.reasoning_tokens
     s.input_size = input_size_class(s.input_tokens)
     _phases(tl, s, estimator, route)
-    if s.output_tokens is not None and s.output_tokens > 1 and s.decode is not None:
+    if s.output_tokens is not None and s.output_tokens > 1 and s.decode is not None and len(tl.chunk_times) > 1:
+        # Only where a decode was timed: two content chunks or more (a whole body arrives as one).
         s.tpot = s.decode / (s.output_tokens - 1)
     s.slo = slo_outcome(tl, s, slo)
     return s
+
+
+def reached_model(tl: Timeline) -> bool:
+    """True unless the request never reached the model: refused by llmtap (never sent) or by the upstream
+    (an error status). Such a request processed no input, so none is counted for it."""
+    return tl.sent is not None and tl.status_code is not None and tl.status_code < 400
 
 
 def _phases(tl: Timeline, s: Summary, estimator: Estimator | None, route: Route | None) -> None:

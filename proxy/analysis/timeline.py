@@ -123,6 +123,11 @@ class Timeline:
     usage: Usage | None = None
     finish_reasons: list[str] = field(default_factory=list)
     response_id: str | None = None
+    system_fingerprint: str | None = None
+    #: The protocol's last event (``[DONE]``, ``message_stop``, ``response.completed``, ``done: true``) or a
+    #: whole body arrived; ``completed_delivered``: and the relay handed it to the client's socket.
+    completed: bool = False
+    completed_delivered: bool = False
     response_model: str | None = None
     server_timing: ServerTiming | None = None
     outcome: str = OK
@@ -159,6 +164,10 @@ class Timeline:
             self.response_id = facts.response_id
         if facts.response_model and not self.response_model:
             self.response_model = facts.response_model
+        if facts.system_fingerprint and not self.system_fingerprint:
+            self.system_fingerprint = facts.system_fingerprint
+        if facts.done:
+            self.completed = True
         if facts.server_timing is not None:
             self.server_timing = facts.server_timing
         if facts.error_type and not self.error_type:

@@ -274,6 +274,7 @@ def choices_facts(obj: JSONObject, choice_text: Callable[[JSONObject], str]) -> 
         response_id=as_str(obj.get("id")),
         response_model=as_str(obj.get("model")),
         server_timing=reported_timing(obj),
+        system_fingerprint=as_str(obj.get("system_fingerprint")),
     )
 
 

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from proxy.analysis.cachediag import Diagnosis
-from proxy.analysis.summary import Summary
+from proxy.analysis.summary import USAGE, Summary
 from proxy.analysis.timeline import CANCELLED, KEEP_CHARS, OK, Timeline
 from proxy.labels import LABEL_CAP, clean, clean_list, clean_or_none
 from proxy.providers.openai_common import collect_text
@@ -113,7 +113,48 @@ def input_messages(regions: list[PromptRegion], cap: int) -> str:
     return json.dumps(messages, ensure_ascii=False)
 
 
-def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = False) -> dict[str, Any]:
+def usage_value(count: int | None, source: str, offline: bool) -> int | None:
+    """A token count as ``gen_ai.usage.*`` shows it: the upstream's report, or with ``offline`` any count."""
+    return count if source == USAGE or offline else None
+
+
+#: What a hop span keeps of the GenAI attributes, under llmtap's names; every other ``gen_ai.*`` is left out.
+_HOP_NAMES = {
+    sc.OPERATION_NAME: sc.HOP_OPERATION,
+    sc.PROVIDER_NAME: sc.HOP_PROVIDER,
+    sc.REQUEST_MODEL: sc.HOP_REQUEST_MODEL,
+    sc.RESPONSE_MODEL: sc.HOP_RESPONSE_MODEL,
+    sc.RESPONSE_ID: sc.HOP_RESPONSE_ID,
+    sc.RESPONSE_FINISH_REASONS: sc.HOP_FINISH_REASONS,
+    sc.RESPONSE_TIME_TO_FIRST_CHUNK: sc.HOP_TIME_TO_FIRST_CHUNK,
+}
+
+
+def as_hop(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The attributes of a hop span: no ``gen_ai.*`` (trace backends take any of them for a generation).
+
+    The client's own span under which this one runs is the generation, with its usage; this span says
+    what the proxy saw, in llmtap's names, so tokens are counted once.
+    """
+    out: dict[str, Any] = {}
+    for key, value in attrs.items():
+        if key.startswith("gen_ai."):
+            renamed = _HOP_NAMES.get(key)
+            if renamed is not None:
+                out[renamed] = value
+        else:
+            out[key] = value
+    return out
+
+
+def hop_name(tl: Timeline) -> str:
+    """A hop span's name, as HTTP server spans are named: ``{method} {path}``."""
+    return f"{clean(tl.method, LABEL_CAP, label=True)} {clean(tl.path, LABEL_CAP, label=True)}"
+
+
+def end_attributes(
+    tl: Timeline, s: Summary, *, capture: bool, latest: bool = False, offline: bool = False
+) -> dict[str, Any]:
     """Attributes known when the stream ends."""
     attrs: dict[str, Any] = {}
     _put(attrs, sc.RESPONSE_ID, clean_or_none(tl.response_id))
@@ -123,15 +164,20 @@ def end_attributes(tl: Timeline, s: Summary, *, capture: bool, latest: bool = Fa
     elif tl.outcome != OK and tl.request is not None:
         # semantic-conventions-genai: a missing or aborted finish is reported as "error".
         attrs[sc.RESPONSE_FINISH_REASONS] = ["error"]
-    _put(attrs, sc.USAGE_INPUT_TOKENS, s.input_tokens)
-    _put(attrs, sc.USAGE_OUTPUT_TOKENS, s.output_tokens)
+    _put(attrs, sc.SYSTEM_FINGERPRINT, clean_or_none(tl.system_fingerprint))
+    # gen_ai.usage.* is what the upstream reported (or, when the user enabled offline counting, tiktoken's
+    # count where it reported nothing); every count is under llmtap.usage.* with its source.
+    _put(attrs, sc.USAGE_INPUT_TOKENS, usage_value(s.input_tokens, s.input_source, offline))
+    _put(attrs, sc.USAGE_OUTPUT_TOKENS, usage_value(s.output_tokens, s.output_source, offline))
     _put(attrs, sc.USAGE_CACHE_READ, s.cache_read_tokens)
     # semantic-conventions-genai migration.md: cache_creation.input_tokens -> cache_write.input_tokens.
     _put(attrs, sc.USAGE_CACHE_WRITE if latest else sc.USAGE_CACHE_CREATION, s.cache_write_tokens)
     _put(attrs, sc.USAGE_REASONING, s.reasoning_tokens)
     if s.input_tokens is not None:
+        attrs[sc.INPUT_TOKENS] = s.input_tokens
         attrs[sc.INPUT_TOKENS_SOURCE] = s.input_source
     if s.output_tokens is not None:
+        attrs[sc.OUTPUT_TOKENS] = s.output_tokens
         attrs[sc.OUTPUT_TOKENS_SOURCE] = s.output_source
     if tl.request is not None and tl.request.stream:
         _put(attrs, sc.RESPONSE_TIME_TO_FIRST_CHUNK, s.ttft)

@@ -20,6 +20,7 @@ from proxy.analysis.timeline import OK, Timeline
 from proxy.labels import OTHER, LabelGuard
 from proxy.settings import Settings
 from proxy.telemetry import semconv as sc
+from proxy.telemetry.attributes import usage_value
 from proxy.telemetry.instruments import Instruments, create
 
 #: What the conventions list for their metrics (gen-ai-metrics.md v1.41.1): every ``gen_ai.*`` metric carries
@@ -55,6 +56,7 @@ class MetricWriter:
         self.instruments: Instruments = create(
             meter, latest=t.semconv_latest, fine=t.histogram_buckets == "fine", server=t.server_metrics
         )
+        self._offline = t.offline_token_usage
         self._models = self._guard(
             sc.REQUEST_MODEL, 64, trial=8, candidates=256, pinned=settings.telemetry.metric_models
         )
@@ -155,16 +157,22 @@ class MetricWriter:
             ("input", s.input_tokens, s.input_source, s.input_drift),
             ("output", s.output_tokens, s.output_source, s.output_drift),
         ):
+            counter = ins.input_tokens_counter if kind == "input" else ins.output_tokens_counter
+            usage = usage_value(value, source, self._offline)
+            if usage is None:
+                # gen-ai-token-metrics.md: a response without usage records 0, with modality unknown.
+                if counter is not None:
+                    counter.add(0, {**attrs, sc.TOKEN_MODALITY: "unknown"})
+            else:
+                if ins.token_usage is not None:
+                    ins.token_usage.record(usage, {**attrs, sc.TOKEN_TYPE: kind})
+                hist = ins.input_tokens_histogram if kind == "input" else ins.output_tokens_histogram
+                if hist is not None:
+                    hist.record(usage, attrs)
+                if counter is not None:
+                    counter.add(usage, {**attrs, sc.TOKEN_MODALITY: "text"})
             if value is None:
                 continue
-            if ins.token_usage is not None:
-                ins.token_usage.record(value, {**attrs, sc.TOKEN_TYPE: kind})
-            hist = ins.input_tokens_histogram if kind == "input" else ins.output_tokens_histogram
-            if hist is not None:
-                hist.record(value, attrs)
-            counter = ins.input_tokens_counter if kind == "input" else ins.output_tokens_counter
-            if counter is not None:
-                counter.add(value, {**attrs, sc.TOKEN_MODALITY: "text"})
             mine = ins.input_tokens if kind == "input" else ins.output_tokens
             mine.add(value, {**own, sc.INPUT_TOKENS_SOURCE if kind == "input" else sc.OUTPUT_TOKENS_SOURCE: source})
             if drift is not None:

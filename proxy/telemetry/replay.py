@@ -44,7 +44,7 @@ def provider_named(name: str | None, method: str, path: str) -> Provider | None:
 class Playback:
     """One stream being played back: created from its head, fed its reads, finished with its tail."""
 
-    __slots__ = ("_delivered_first", "_tap", "partial", "tl")
+    __slots__ = ("_delivered_first", "_last_delivered", "_tap", "partial", "tl")
 
     def __init__(self, head: tuple[Any, ...], settings: Settings, routes: dict[str, Route]) -> None:
         (
@@ -125,6 +125,7 @@ class Playback:
                 stream_requested=bool(info and info.stream),
             )
         self._delivered_first = False
+        self._last_delivered = False  # the last read so far reached the client's socket
         #: Some reads came without their bytes (the relay's channel was full): timing only.
         self.partial = False
 
@@ -152,6 +153,10 @@ class Playback:
                 self._delivered_first = True
                 when = delivered[i]
                 tl.first_content_delivered = when if not math.isnan(when) else None
+            if tl.completed and not tl.completed_delivered:
+                # The read that brought the protocol's last event: did it reach the client's socket?
+                tl.completed_delivered = not math.isnan(delivered[i])
+        self._last_delivered = not math.isnan(delivered[-1]) if len(delivered) else self._last_delivered
 
     def finish(self, tail: tuple[Any, ...]) -> Timeline:
         """The stream's end: the relay's own verdict applied after what the stream itself said."""
@@ -159,6 +164,9 @@ class Playback:
         tl = self.tl
         if self._tap is not None:
             self._tap.finish(end if end is not None else tl.received)
+        if tl.completed and not tl.completed_delivered and self._last_delivered:
+            # Completed at the end (a whole body parsed, a last event flushed): its bytes were the last read.
+            tl.completed_delivered = True
         tl.end = end
         tl.response_bytes = response_bytes
         # The first failure wins: what the stream said, then what the relay saw, then the status code.
@@ -168,6 +176,7 @@ class Playback:
             tl.fail(tl.error_type or str(tl.status_code))
         if surplus:
             tl.fail("upstream_protocol_error", f"{surplus} bytes past the end of the response; connection closed")
-        if cancelled:
+        if cancelled and not tl.completed_delivered:
+            # A client that hangs up once it has the last event (many do, at [DONE]) got the whole answer.
             tl.fail("cancelled", cancelled=True)
         return tl

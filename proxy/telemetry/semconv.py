@@ -81,6 +81,9 @@ QUEUE_UPSTREAM_SOURCE = "llmtap.queue.upstream.source"
 PREFILL_DURATION = "llmtap.prefill.duration"
 PREFILL_SOURCE = "llmtap.prefill.source"
 DECODE_DURATION = "llmtap.decode.duration"
+INPUT_TOKENS = "llmtap.usage.input_tokens"  # every count, from usage or tiktoken (its source beside it)
+OUTPUT_TOKENS = "llmtap.usage.output_tokens"
+CACHE_READ_TOKENS = "llmtap.usage.cache_read.input_tokens"
 INPUT_TOKENS_SOURCE = "llmtap.usage.input_tokens.source"
 OUTPUT_TOKENS_SOURCE = "llmtap.usage.output_tokens.source"
 UNCACHED_INPUT_TOKENS = "llmtap.usage.uncached_input_tokens"
@@ -112,7 +115,18 @@ TIMING_FIELD = "llmtap.server_timing.field"
 TIMEOUT_KIND = "llmtap.timeout.kind"
 REFUSAL_REASON = "llmtap.refusal.reason"
 
-# Span names (DESIGN "Span model"); the root span is "{operation} {model}".
+SPAN_ROLE = "llmtap.span.role"  # generation or hop (telemetry.span_role)
+# A hop span (span_role hop) names the request's GenAI facts here, so no backend counts it as a generation.
+HOP_OPERATION = "llmtap.operation"
+HOP_PROVIDER = "llmtap.provider"
+HOP_REQUEST_MODEL = "llmtap.request.model"
+HOP_RESPONSE_MODEL = "llmtap.response.model"
+HOP_RESPONSE_ID = "llmtap.response.id"
+HOP_FINISH_REASONS = "llmtap.response.finish_reasons"
+HOP_TIME_TO_FIRST_CHUNK = "llmtap.time_to_first_chunk"
+SYSTEM_FINGERPRINT = "openai.response.system_fingerprint"
+
+# Span names (DESIGN "Span model"); the root span is "{operation} {model}" (a hop: "{method} {path}").
 SPAN_QUEUE = "llmtap.queue"
 SPAN_PREFILL = "llmtap.prefill"
 SPAN_DECODE = "llmtap.decode"

@@ -36,7 +36,14 @@ from proxy.analysis.timeline import OK, Timeline
 from proxy.labels import OTHER, clean
 from proxy.settings import Settings
 from proxy.telemetry import semconv as sc
-from proxy.telemetry.attributes import end_attributes, queue_attributes, root_name, start_attributes
+from proxy.telemetry.attributes import (
+    as_hop,
+    end_attributes,
+    hop_name,
+    queue_attributes,
+    root_name,
+    start_attributes,
+)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -156,13 +163,14 @@ class SpanWriter:
             parent = _PROPAGATOR.extract(carrier)
         if self._ids is not None and tl.span_id is not None and tl.trace_id is not None:
             self._ids.prime(int(tl.trace_id, 16), int(tl.span_id, 16))
-        span = self._tracer.start_span(
-            root_name(tl),
-            context=parent,
-            kind=SpanKind.CLIENT,
-            attributes=start_attributes(tl),
-            start_time=tl.received_wall_ns,
-        )
+        attrs = start_attributes(tl)
+        if self.is_hop(tl):
+            # The client's own span is the generation: this one is the HTTP hop through the proxy.
+            name, kind, attrs = hop_name(tl), SpanKind.SERVER, {**as_hop(attrs), sc.SPAN_ROLE: "hop"}
+        else:
+            name, kind = root_name(tl), SpanKind.CLIENT
+        start = tl.received_wall_ns
+        span = self._tracer.start_span(name, context=parent, kind=kind, attributes=attrs, start_time=start)
         if self._ids is not None:
             self._ids.prime(None, None)
         ctx = span.get_span_context()
@@ -171,12 +179,21 @@ class SpanWriter:
             tl.span_id = format(ctx.span_id, "016x")
         return span
 
+    def is_hop(self, tl: Timeline) -> bool:
+        """True when the root span is the hop, not the generation (``telemetry.span_role``): with ``auto``,
+        when the request came with a ``traceparent``, its client's own span being the generation."""
+        role = self.settings.telemetry.span_role
+        return tl.protocol is not None and (role == "hop" or (role == "auto" and tl.parent is not None))
+
     def write(self, tl: Timeline, s: Summary, root: Span) -> None:
         """End the root span with what the stream said, and write its phase and chunk spans."""
         end = tl.end if tl.end is not None else tl.received
         if tl.protocol is not None:
             t = self.settings.telemetry
-            root.set_attributes(end_attributes(tl, s, capture=t.capture_content, latest=t.semconv_latest))
+            attrs = end_attributes(
+                tl, s, capture=t.capture_content, latest=t.semconv_latest, offline=t.offline_token_usage
+            )
+            root.set_attributes(as_hop(attrs) if self.is_hop(tl) else attrs)
         if tl.status_code is not None:
             root.set_attribute(sc.HTTP_STATUS, tl.status_code)
         if tl.outcome != OK:
@@ -206,11 +223,12 @@ class SpanWriter:
             attrs: dict[str, Any] = {sc.PREFILL_SOURCE: s.prefill_source}
             if s.prefill is not None:
                 attrs[sc.PREFILL_DURATION] = s.prefill
+            # Children carry llmtap's names: a gen_ai.usage.* here would count the request's tokens again.
             if s.input_tokens is not None:
-                attrs[sc.USAGE_INPUT_TOKENS] = s.input_tokens
+                attrs[sc.INPUT_TOKENS] = s.input_tokens
                 attrs[sc.UNCACHED_INPUT_TOKENS] = s.input_tokens - (s.cache_read_tokens or 0)
             if s.cache_read_tokens is not None:
-                attrs[sc.USAGE_CACHE_READ] = s.cache_read_tokens
+                attrs[sc.CACHE_READ_TOKENS] = s.cache_read_tokens
             span.set_attributes(attrs)
             span.end(end_time=tl.wall_ns(tl.first_content))
         if tl.first_content is None or tl.last_content is None:
@@ -218,7 +236,7 @@ class SpanWriter:
         decode = tracer.start_span(sc.SPAN_DECODE, context=ctx, start_time=tl.wall_ns(tl.first_content))
         attrs = {sc.CHUNK_COUNT: len(tl.chunk_times) + tl.folded_chunks, sc.DECODE_DURATION: s.decode or 0.0}
         if s.output_tokens is not None:
-            attrs[sc.USAGE_OUTPUT_TOKENS] = s.output_tokens
+            attrs[sc.OUTPUT_TOKENS] = s.output_tokens
         if s.tpot is not None:
             attrs[sc.TPOT] = s.tpot
         decode.set_attributes(attrs)

@@ -178,6 +178,7 @@ class Tap:
             try:
                 if self._body is not None:
                     body = self.provider.parse_body(bytes(self._body))
+                    body.done = True  # a whole body: what arrived is all there is
                     tl.apply(body)
                     if body.has_content:
                         tl.add_chunk(t, len(self._body), body.content)
