@@ -236,13 +236,12 @@ METRICS: dict[str, str] = {
     str(sc.LATEST.input_tokens_histogram): "Every LLM request with an input token count.",
     str(sc.LATEST.output_tokens_histogram): "Every LLM request with an output token count.",
     sc.SERVER_TIME_TO_FIRST_TOKEN: f"Only with {_SERVER_SETTING}: successful streamed requests.",
-    sc.SERVER_TIME_PER_OUTPUT_TOKEN: f"Only with {_SERVER_SETTING}: successful requests with more than one output "
-    "token.",
+    sc.SERVER_TIME_PER_OUTPUT_TOKEN: f"Only with {_SERVER_SETTING}: as `llmtap.time_per_output_token`.",
     sc.SERVER_REQUEST_DURATION: f"Only with {_SERVER_SETTING}: every LLM request, as "
     "`gen_ai.client.operation.duration`.",
     sc.METRIC_TTFT: "Streamed requests that got a first content chunk, as "
     "`gen_ai.client.operation.time_to_first_chunk`.",
-    sc.METRIC_TPOT: "Successful requests with more than one output token.",
+    sc.METRIC_TPOT: "Successful requests with a decode to time: two content chunks or more, two output tokens or more.",
     sc.METRIC_TTFB: "Every LLM request that got a response body byte.",
     sc.METRIC_UPSTREAM_TTFT: "Streamed requests that got a first content chunk.",
     sc.METRIC_ITL: "Streamed requests: one sample per output token after the first chunk (past 8192, that many spread evenly).",  # noqa: E501
