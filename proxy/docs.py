@@ -259,11 +259,13 @@ METRICS: dict[str, str] = {
     sc.METRIC_TELEMETRY_DROPPED: "Each request whose tape was dropped: the relay's channel or the recorder's queue was full.",  # noqa: E501
     sc.METRIC_LABELS_EVICTED: "Each label value that lost its slot to a more frequent one.",
     sc.METRIC_RECORDS_DROPPED: "Each request record (`--record`) that a failed write lost; 0 per reason from the start.",  # noqa: E501
-    sc.METRIC_MALFORMED: "Streams with events llmtap could not parse.",
+    sc.METRIC_MALFORMED: "Streams with events llmtap could not parse; every route reads 0 from the start.",
     sc.METRIC_CACHE_REQUESTS: "Every LLM request, once, by its cache class.",
     sc.METRIC_QUEUE_WAITING: "+1 when a request joins a route's admission queue, -1 when it leaves.",
-    sc.METRIC_QUEUE_REJECTED: "Each request the admission queue refused.",
-    sc.METRIC_TIMING_REJECTED: "Each server-reported timing field that was ignored.",
+    sc.METRIC_QUEUE_REJECTED: "Each request the admission queue refused; every route reads 0 for each `error.type` "
+    "from the start.",
+    sc.METRIC_TIMING_REJECTED: "Each server-reported timing field that was ignored; every route reads 0 for each "
+    "phase (`queue`, `prefill`, `decode`) from the start.",
     sc.METRIC_CLIENT_TIMEOUTS: "Each client connection a relay closed for a timeout; each kind reads 0 from the start.",
     sc.METRIC_CONNECTIONS_REFUSED: "Each client connection a relay refused; every reason reads 0 from the start.",
 }

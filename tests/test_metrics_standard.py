@@ -159,11 +159,12 @@ def test_counters_read_zero_before_any_event(upstream: Scripted, tmp_path: Path)
     )
     proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--config", str(config))
     try:
-        # Each counter's label beside the route, and the values it reads 0 for (the gauge has none).
+        # Each counter's label beside the route, and the values it reads 0 for (None: the route alone).
         want: dict[str, tuple[str, tuple[str, ...]] | None] = {
             "llmtap_queue_rejected_total": ("error_type", ("queue_full", "queue_timeout")),
             "llmtap_server_timing_rejected_total": ("llmtap_server_timing_field", ("queue", "prefill", "decode")),
             "llmtap_queue_waiting": None,
+            "llmtap_stream_malformed_events_total": None,
         }
 
         def present() -> bool:

@@ -114,9 +114,10 @@ class Recorder:
             self.instruments.client_timeouts.add(0, {sc.TIMEOUT_KIND: kind})
         for reason in CONNECTION_REFUSAL_REASONS:
             self.instruments.connections_refused.add(0, {sc.REFUSAL_REASON: reason})
-        # And every route's admission refusals and ignored server timings (by phase): their panels show a
-        # line at 0, not "No data", until the first one.
+        # And every route's admission refusals, ignored server timings (by phase) and unparsable events: their
+        # panels show a line at 0, not "No data", until the first one.
         for route in settings.routes:
+            self.instruments.malformed.add(0, {sc.ROUTE: route.name})
             for error in QUEUE_REFUSALS:
                 self.instruments.queue_rejected.add(0, {sc.ROUTE: route.name, sc.ERROR_TYPE: error})
             for phase in PHASES:
