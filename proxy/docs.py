@@ -660,8 +660,8 @@ def _attribute_sets(observed: Observed, names: Iterable[str]) -> list[str]:
         "",
         "| set | attributes | metrics |",
         "| --- | --- | --- |",
-        f"| {SET_CONVENTIONS} | {_code(CONVENTIONS)} (`error.type` when the request failed; token usage adds "
-        f"`gen_ai.token.type`, the latest conventions' token counters `gen_ai.token.modality`) "
+        f"| {SET_CONVENTIONS} | {_code(CONVENTIONS)} (`error.type` on the durations, when the request failed; "
+        "token usage adds `gen_ai.token.type`, the latest conventions' token counters `gen_ai.token.modality`) "
         f"| {_code(members[SET_CONVENTIONS])} |",
         f"| {SET_OWN} | the conventions' and {_code(OWN)} | {_code(members[SET_OWN])} |",
         f"| {SET_SHAPED} | llmtap's and {_code(SHAPE)} | {_code(members[SET_SHAPED])} |",

@@ -484,6 +484,10 @@ def test_error_outcome(harness: HarnessFactory) -> None:
     assert sc.SERVER_TIME_TO_FIRST_TOKEN not in m and sc.SERVER_TIME_PER_OUTPUT_TOKEN not in m
     assert point(m, sc.SERVER_REQUEST_DURATION).attributes == duration.attributes
     assert sc.METRIC_TPOT not in m
+    # The conventions name error.type on the durations only: the chunk metrics of a failed stream go without.
+    ttfc = point(m, sc.RELEASED.time_to_first_chunk).attributes
+    assert ttfc == {k: v for k, v in duration.attributes.items() if k != sc.ERROR_TYPE}
+    assert point(m, sc.METRIC_TTFT).attributes[sc.ERROR_TYPE] == "upstream_closed"
 
 
 def test_error_keeps_reported_finish_reasons(harness: HarnessFactory) -> None:

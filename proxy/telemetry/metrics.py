@@ -1,15 +1,16 @@
 """Metrics of a finished request: the bounded subset of its span attributes on the GenAI and llmtap instruments.
 
 Two attribute sets. The ``gen_ai.*`` metrics carry the conventions' list and nothing else
-(gen-ai-metrics.md v1.41.1: operation, provider, request and response model, server address and port,
-``error.type`` when failed; ``gen_ai.token.type`` on token usage), so they read like any instrumentation's.
+(gen-ai-metrics.md v1.41.1: operation, provider, request and response model, server address and port;
+``error.type`` on the durations when failed; ``gen_ai.token.type`` on token usage), so they read like any
+instrumentation's.
 llmtap's own metrics add what its dashboards, live view and ``llmtap compare`` group by: the route, the
 stream flag and the prompt version, and on the figures users feel (TTFT, ITL, TPOT) the request shape.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 
@@ -24,7 +25,8 @@ from proxy.telemetry.attributes import usage_value
 from proxy.telemetry.instruments import Instruments, create
 
 #: What the conventions list for their metrics (gen-ai-metrics.md v1.41.1): every ``gen_ai.*`` metric carries
-#: these and no other (``error.type`` when the request failed; token metrics add their token type or modality).
+#: these and no other (``error.type`` only on the durations, when the request failed; token metrics add their
+#: token type or modality).
 CONVENTIONS = (
     sc.OPERATION_NAME,
     sc.PROVIDER_NAME,
@@ -38,6 +40,18 @@ CONVENTIONS = (
 OWN = (sc.ROUTE, sc.REQUEST_STREAM, sc.PROMPT_VERSION)
 #: ... and its figures users feel (TTFT, ITL, TPOT) on top: the request shape.
 SHAPE = (sc.INPUT_SIZE,)
+
+
+class Labels(NamedTuple):
+    """A request's metric attributes: three sets, each a bounded subset of its span's attributes."""
+
+    #: What every ``gen_ai.*`` metric carries (the conventions' ``metric_attributes.gen_ai``).
+    common: dict[str, Any]
+    #: ... and ``error.type`` when the request failed: the set of the durations (and the latest conventions'
+    #: per-request token histograms), the metrics whose lists name it.
+    outcome: dict[str, Any]
+    #: ... and the route, the stream flag and the prompt version: llmtap's own request metrics.
+    own: dict[str, Any]
 
 
 class MetricWriter:
@@ -83,9 +97,8 @@ class MetricWriter:
         """The label metrics gave ``model`` (read, not counted as a use): itself, or ``_OTHER``."""
         return self._models.label(model)
 
-    def metric_attributes(self, tl: Timeline, s: Summary) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The conventions' attributes (``gen_ai.*`` metrics) and llmtap's (its own request metrics), both
-        bounded subsets of the span's; counts one use of each guarded value."""
+    def metric_attributes(self, tl: Timeline, s: Summary) -> Labels:
+        """A request's attribute sets, bounded subsets of its span's; counts one use of each guarded value."""
         req = tl.request
         attrs: dict[str, Any] = {
             sc.OPERATION_NAME: req.operation if req else sc.OP_CHAT,
@@ -100,27 +113,28 @@ class MetricWriter:
             # The same name in request and response is one use of it, not two.
             same = tl.response_model == model
             attrs[sc.RESPONSE_MODEL] = attrs[sc.REQUEST_MODEL] if same else self._models(tl.response_model)
+        outcome = dict(attrs)
         if tl.outcome != OK:
-            attrs[sc.ERROR_TYPE] = self._errors(tl.error_type) if tl.error_type else OTHER
-        own = {**attrs, sc.ROUTE: tl.route}
+            outcome[sc.ERROR_TYPE] = self._errors(tl.error_type) if tl.error_type else OTHER
+        own = {**outcome, sc.ROUTE: tl.route}
         if req is not None and req.stream:
             # As on the span: set if and only if the request streams (gen-ai-spans.md).
             own[sc.REQUEST_STREAM] = True
         if tl.prompt_version:
             own[sc.PROMPT_VERSION] = self._versions(tl.prompt_version)
-        return attrs, own
+        return Labels(attrs, outcome, own)
 
     def record(self, tl: Timeline, s: Summary) -> None:
         """Record one finished request's latency, token and outcome metrics."""
         ins = self.instruments
-        attrs, own = self.metric_attributes(tl, s)
+        attrs, outcome, own = self.metric_attributes(tl, s)
         shaped = {**own, sc.INPUT_SIZE: s.input_size}
         ok = tl.outcome == OK
         stream = bool(tl.request and tl.request.stream)
         if s.e2e is not None:
-            ins.operation_duration.record(s.e2e, attrs)
+            ins.operation_duration.record(s.e2e, outcome)
             if ins.server_duration is not None:
-                ins.server_duration.record(s.e2e, attrs)
+                ins.server_duration.record(s.e2e, outcome)
         ins.requests.add(1, {**own, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo})
         if tl.malformed_events:
             ins.malformed.add(tl.malformed_events, {sc.ROUTE: tl.route})
@@ -147,11 +161,11 @@ class MetricWriter:
             ins.prefill.record(s.prefill, {**own, sc.PREFILL_SOURCE: s.prefill_source})
         if s.decode is not None and stream:
             ins.decode.record(s.decode, own)
-        self._token_metrics(s, attrs, own)
+        self._token_metrics(s, attrs, outcome, own)
         if tl.sent is not None:
             ins.overhead.record(proxy_added(tl), {sc.ROUTE: tl.route})
 
-    def _token_metrics(self, s: Summary, attrs: dict[str, Any], own: dict[str, Any]) -> None:
+    def _token_metrics(self, s: Summary, attrs: dict[str, Any], outcome: dict[str, Any], own: dict[str, Any]) -> None:
         ins = self.instruments
         for kind, value, source, drift in (
             ("input", s.input_tokens, s.input_source, s.input_drift),
@@ -168,7 +182,7 @@ class MetricWriter:
                     ins.token_usage.record(usage, {**attrs, sc.TOKEN_TYPE: kind})
                 hist = ins.input_tokens_histogram if kind == "input" else ins.output_tokens_histogram
                 if hist is not None:
-                    hist.record(usage, attrs)
+                    hist.record(usage, outcome)
                 if counter is not None:
                     counter.add(usage, {**attrs, sc.TOKEN_MODALITY: "text"})
             if value is None:
