@@ -25,7 +25,7 @@ from bench.stats import percentile_ms
 
 TTFT_ATTR = "gen_ai.response.time_to_first_chunk"
 TPOT_ATTR = "llmtap.time_per_output_token"
-TTFT_METRIC = "gen_ai_client_operation_time_to_first_chunk_seconds"
+TTFT_METRIC = "llmtap_time_to_first_token_seconds"  # fine buckets (the gen_ai.* one: the conventions')
 QUANTILES = (50, 95, 99)
 
 

@@ -46,10 +46,12 @@ def total(metric: str) -> str:
     return metric_name(metric, "{count}", counter=True)
 
 
-# Metrics, by their Prometheus names.
-TTFT = seconds(sc.RELEASED.time_to_first_chunk)
+# Metrics, by their Prometheus names. Percentiles come from llmtap's own histograms: they carry the route,
+# request shape and prompt version the panels group by, and fine buckets whatever telemetry.histogram_buckets
+# says (the gen_ai.* ones carry the conventions' attributes only, and by default their coarse buckets).
+TTFT = seconds(sc.METRIC_TTFT)
 ITL = seconds(sc.METRIC_ITL)
-TPOT = seconds(sc.SERVER_TIME_PER_OUTPUT_TOKEN)
+TPOT = seconds(sc.METRIC_TPOT)
 QUEUE = seconds(sc.METRIC_QUEUE)
 PREFILL = seconds(sc.METRIC_PREFILL)
 DECODE = seconds(sc.METRIC_DECODE)

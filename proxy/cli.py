@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from proxy import __version__
-from proxy.settings import CHUNK_SPAN_MODES, SPAN_ROLES, UPSTREAM_CLIENTS, ConfigError, build
+from proxy.settings import CHUNK_SPAN_MODES, HISTOGRAM_BUCKETS, SPAN_ROLES, UPSTREAM_CLIENTS, ConfigError, build
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -25,6 +25,19 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument(
         "--chunk-spans", dest="chunk_spans", choices=CHUNK_SPAN_MODES, help="one span per decode chunk, events, or off"
+    )
+    p.add_argument(
+        "--histogram-buckets",
+        dest="histogram_buckets",
+        choices=HISTOGRAM_BUCKETS,
+        help="gen_ai.* histogram buckets: the conventions' (standard, default) or llmtap's fine ones",
+    )
+    p.add_argument(
+        "--server-metrics",
+        dest="server_metrics",
+        action="store_const",
+        const=True,
+        help="also emit gen_ai.server.* (the model server's metric names; llmtap's values include its hop)",
     )
     p.add_argument(
         "--span-role",
@@ -70,7 +83,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--keep-alive-timeout",
         dest="keep_alive_timeout",
         type=float,
-        help="a connection without a request in progress is closed after this (5)",
+        help="a connection without a request in progress is closed after this (75)",
     )
     c.add_argument(
         "--max-client-connections",

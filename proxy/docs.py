@@ -33,6 +33,7 @@ from proxy.settings import SLO, Route, Settings, Telemetry
 from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, STATS
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
+from proxy.telemetry.metrics import CONVENTIONS, OWN, SHAPE
 from proxy.telemetry.prometheus import metric_name
 from proxy.telemetry.recorder import Recorder
 from proxy.types import Facts, ServerTiming, Usage
@@ -218,6 +219,8 @@ UNEXERCISED: dict[str, tuple[str, ...]] = {
     sc.METRIC_RECORDS_DROPPED: (sc.TELEMETRY_REASON,),
 }
 
+_SERVER_SETTING = "`telemetry.server_metrics: true`"
+
 #: Metric name: when it is recorded (its description, from the code, says what it measures).
 METRICS: dict[str, str] = {
     sc.RELEASED.operation_duration: "Every LLM request, with `error.type` when it failed.",
@@ -233,9 +236,13 @@ METRICS: dict[str, str] = {
     str(sc.LATEST.cache_write_counter): "Every LLM request whose usage reports cache writes.",
     str(sc.LATEST.input_tokens_histogram): "Every LLM request with an input token count.",
     str(sc.LATEST.output_tokens_histogram): "Every LLM request with an output token count.",
-    sc.SERVER_TIME_TO_FIRST_TOKEN: "Successful streamed requests.",
-    sc.SERVER_TIME_PER_OUTPUT_TOKEN: "Successful requests with more than one output token.",
-    sc.SERVER_REQUEST_DURATION: "Every LLM request, as `gen_ai.client.operation.duration`.",
+    sc.SERVER_TIME_TO_FIRST_TOKEN: f"Only with {_SERVER_SETTING}: successful streamed requests.",
+    sc.SERVER_TIME_PER_OUTPUT_TOKEN: f"Only with {_SERVER_SETTING}: as `llmtap.time_per_output_token`.",
+    sc.SERVER_REQUEST_DURATION: f"Only with {_SERVER_SETTING}: every LLM request, as "
+    "`gen_ai.client.operation.duration`.",
+    sc.METRIC_TTFT: "Streamed requests that got a first content chunk, as "
+    "`gen_ai.client.operation.time_to_first_chunk`.",
+    sc.METRIC_TPOT: "Successful requests with a decode to time: two content chunks or more, two output tokens or more.",
     sc.METRIC_TTFB: "Every LLM request that got a response body byte.",
     sc.METRIC_UPSTREAM_TTFT: "Streamed requests that got a first content chunk.",
     sc.METRIC_ITL: "Streamed requests: one sample per output token after the first chunk (past 8192, that many spread evenly).",  # noqa: E501
@@ -253,11 +260,13 @@ METRICS: dict[str, str] = {
     sc.METRIC_TELEMETRY_DROPPED: "Each request whose tape was dropped: the relay's channel or the recorder's queue was full.",  # noqa: E501
     sc.METRIC_LABELS_EVICTED: "Each label value that lost its slot to a more frequent one.",
     sc.METRIC_RECORDS_DROPPED: "Each request record (`--record`) that a failed write lost; 0 per reason from the start.",  # noqa: E501
-    sc.METRIC_MALFORMED: "Streams with events llmtap could not parse.",
+    sc.METRIC_MALFORMED: "Streams with events llmtap could not parse; every route reads 0 from the start.",
     sc.METRIC_CACHE_REQUESTS: "Every LLM request, once, by its cache class.",
     sc.METRIC_QUEUE_WAITING: "+1 when a request joins a route's admission queue, -1 when it leaves.",
-    sc.METRIC_QUEUE_REJECTED: "Each request the admission queue refused.",
-    sc.METRIC_TIMING_REJECTED: "Each server-reported timing field that was ignored.",
+    sc.METRIC_QUEUE_REJECTED: "Each request the admission queue refused; every route reads 0 for each `error.type` "
+    "from the start.",
+    sc.METRIC_TIMING_REJECTED: "Each server-reported timing field that was ignored; every route reads 0 for each "
+    "phase (`queue`, `prefill`, `decode`) from the start.",
     sc.METRIC_CLIENT_TIMEOUTS: "Each client connection a relay closed for a timeout; each kind reads 0 from the start.",
     sc.METRIC_CONNECTIONS_REFUSED: "Each client connection a relay refused; every reason reads 0 from the start.",
 }
@@ -303,6 +312,8 @@ class Instrument:
     unit: str
     description: str
     buckets: Sequence[float] | None = None
+    #: The buckets with ``telemetry.histogram_buckets: fine``.
+    fine_buckets: Sequence[float] | None = None
 
 
 class _CatalogMeter(NoOpMeter):
@@ -335,10 +346,14 @@ class _CatalogMeter(NoOpMeter):
 
 
 def instruments(*, latest: bool) -> list[Instrument]:
-    """Every instrument of one naming flavour."""
-    meter = _CatalogMeter()
-    create(meter, latest=latest)
-    return meter.created
+    """Every instrument of one naming flavour (the opt-in ``gen_ai.server.*`` ones too), with the buckets of
+    either ``telemetry.histogram_buckets`` setting."""
+    standard, fine = _CatalogMeter(), _CatalogMeter()
+    create(standard, latest=latest, server=True)
+    create(fine, latest=latest, fine=True, server=True)
+    for ins, other in zip(standard.created, fine.created, strict=True):
+        ins.fine_buckets = other.buckets
+    return standard.created
 
 
 # --- exercising the recorder ---------------------------------------------------------------------
@@ -498,7 +513,9 @@ def exercise(*, latest: bool, chunk_mode: str, out: Observed) -> None:
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     reader = InMemoryMetricReader()
     meter_provider = MeterProvider(metric_readers=[reader])
-    telemetry = Telemetry(semconv_latest=latest, capture_content=True, chunk_spans=chunk_mode, chunk_span_cap=4)
+    telemetry = Telemetry(
+        semconv_latest=latest, capture_content=True, chunk_spans=chunk_mode, chunk_span_cap=4, server_metrics=True
+    )
     settings = Settings(routes=(_ROUTE,), slo=SLO(ttft=0.5, tpot=0.05), telemetry=telemetry)
     recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
     try:
@@ -540,7 +557,11 @@ def declared_attributes() -> set[str]:
     """Every attribute name ``semconv`` declares (span, event and metric names aside)."""
     out = set()
     for key, value in vars(sc).items():
-        if not key.isupper() or not isinstance(value, str) or key.startswith(("SPAN_", "EVENT_", "METRIC_", "OP_")):
+        if (
+            not key.isupper()
+            or not isinstance(value, str)
+            or key.startswith(("SPAN_", "EVENT_", "METRIC_", "OP_", "SCHEMA"))
+        ):
             continue
         if key.startswith("SERVER_") and value.startswith("gen_ai.server."):
             continue  # server-side metric names
@@ -552,10 +573,106 @@ def _buckets(bounds: Sequence[float] | None) -> str:
     if bounds is None:
         return "the SDK's default"
     if tuple(bounds) == DURATION_BUCKETS:
-        return f"{len(bounds)} bounds from 1 ms to {bounds[-1]:.0f} s, each 2^(1/8) (about 9%) above the last"
+        span = f"from 1 ms to {bounds[-1]:.0f} s, each 2^(1/8) (about 9%) above the last"
+        return f"llmtap's fine ones, {len(bounds)} bounds {span}"
     if tuple(bounds) == TOKEN_BUCKETS:
-        return f"{len(bounds)} bounds from 1 to {bounds[-1]:,.0f} tokens, each about 2^(1/4) above the last"
-    return ", ".join(f"{b:g}" for b in bounds)
+        span = f"from 1 to {bounds[-1]:,.0f} tokens, each about 2^(1/4) above the last"
+        return f"llmtap's fine ones, {len(bounds)} bounds {span}"
+    advised = tuple(bounds) in (sc.BUCKETS_DURATION, sc.BUCKETS_TOKENS, sc.BUCKETS_SERVER_TTFT, sc.BUCKETS_SERVER_TPOT)
+    listed = ", ".join(f"{b:.0f}" if b >= 1 and float(b).is_integer() else f"{b:g}" for b in bounds)
+    return f"the conventions' advice, {len(bounds)} bounds: {listed}" if advised else listed
+
+
+def _bucket_lines(ins: Instrument) -> str:
+    """The buckets of a histogram under either setting, and the ``/metrics`` lines one label set of it takes."""
+    if ins.buckets == ins.fine_buckets:
+        return f"- buckets, either setting: {_buckets(ins.buckets)}; {_lines(ins.buckets)} lines per label set"
+    return (
+        f"- buckets, `standard` (default): {_buckets(ins.buckets)}; {_lines(ins.buckets)} lines per label set\n"
+        f"- buckets, `fine`: {_buckets(ins.fine_buckets)}; {_lines(ins.fine_buckets)} lines per label set"
+    )
+
+
+def _lines(bounds: Sequence[float] | None) -> int:
+    """``/metrics`` lines of one histogram series: a bucket per bound and ``+Inf``, ``_sum``, ``_count``."""
+    return len(bounds or ()) + 3
+
+
+#: The attribute sets of metrics (``proxy.telemetry.metrics``), as the reference names them.
+SET_CONVENTIONS = "the conventions'"
+SET_OWN = "llmtap's"
+SET_SHAPED = "llmtap's, by request shape"
+
+
+def attribute_set(name: str, seen: Iterable[str]) -> str | None:
+    """Which attribute set a metric carries, from what the run saw on it; stops the generator when a ``gen_ai.*``
+    metric carries more than the conventions list (``gen_ai.token.type`` or modality aside)."""
+    keys = set(seen)
+    if name.startswith("gen_ai."):
+        extra = keys - set(CONVENTIONS) - {sc.TOKEN_TYPE, sc.TOKEN_MODALITY}
+        if extra:
+            raise SystemExit(f"proxy/docs.py: {name} carries {', '.join(sorted(extra))}, not in the conventions' list")
+        return SET_CONVENTIONS
+    if not {sc.OPERATION_NAME, sc.ROUTE} <= keys:
+        return None
+    return SET_SHAPED if set(SHAPE) <= keys else SET_OWN
+
+
+def _histogram_section(released: list[Instrument]) -> list[str]:
+    genai = next(i for i in released if i.name == sc.RELEASED.operation_duration)
+    own = next(i for i in released if i.name == sc.METRIC_TTFT)
+    return [
+        "## Histograms: buckets and aggregation",
+        "",
+        "Explicit buckets by default, on `/metrics` and over OTLP alike:",
+        "",
+        "- the `gen_ai.*` histograms use the conventions' advisory boundaries (`telemetry.histogram_buckets:",
+        "  standard`, the default), so dashboards and alerts written for the conventions find their `le`",
+        f"  values: {_lines(genai.buckets)} lines of `/metrics` per label set. `fine` (`--histogram-buckets fine`,",
+        "  `LLMTAP_HISTOGRAM_BUCKETS=fine`) gives them llmtap's fine buckets instead:",
+        f"  {_lines(genai.fine_buckets)} lines per label set.",
+        "- llmtap's own latency histograms always use the fine buckets (2^(1/8), about 9%, apart),",
+        f"  {_lines(own.buckets)} lines per label set. They carry the route, request shape and prompt version that",
+        "  the dashboards, the live view and `llmtap compare` group by, and theirs are the percentiles llmtap",
+        "  promises to the millisecond.",
+        "- `OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram` makes",
+        "  every histogram exponential over OTLP (at most 160 buckets over the range its values span, as narrow",
+        "  as that range allows), whatever the setting says; any other value than that or",
+        "  `explicit_bucket_histogram` stops the start. `/metrics` keeps explicit buckets: the Prometheus text",
+        "  format has no native histograms.",
+        "",
+        "How far a percentile read back from each lies from the exact value: `python -m bench.buckets`",
+        "(`bench/RESULTS.md`).",
+        "",
+    ]
+
+
+def _attribute_sets(observed: Observed, names: Iterable[str]) -> list[str]:
+    members: dict[str, list[str]] = {SET_CONVENTIONS: [], SET_OWN: [], SET_SHAPED: []}
+    for name in names:
+        seen = observed.metric_attrs.get(name)
+        chosen = attribute_set(name, set().union(*seen)) if seen else None
+        if chosen is not None:
+            members[chosen].append(name)
+    return [
+        "## Metric attribute sets",
+        "",
+        "Metric attributes are a bounded subset of the span's. A metric may add its own (a source, an outcome),",
+        "named in its section below; llmtap's process counters carry only theirs.",
+        "",
+        "| set | attributes | metrics |",
+        "| --- | --- | --- |",
+        f"| {SET_CONVENTIONS} | {_code(CONVENTIONS)} (`error.type` on the durations, when the request failed; "
+        "token usage adds `gen_ai.token.type`, the latest conventions' token counters `gen_ai.token.modality`) "
+        f"| {_code(members[SET_CONVENTIONS])} |",
+        f"| {SET_OWN} | the conventions' and {_code(OWN)} | {_code(members[SET_OWN])} |",
+        f"| {SET_SHAPED} | llmtap's and {_code(SHAPE)} | {_code(members[SET_SHAPED])} |",
+        "",
+        "The `gen_ai.*` metrics carry the conventions' list and nothing else, so they read as any",
+        "instrumentation's do; what llmtap's dashboards group by (route, shape, prompt version) lives on its own",
+        "metrics. Series per model and route: see the README (Telemetry).",
+        "",
+    ]
 
 
 def _code(names: Iterable[str]) -> str:
@@ -585,6 +702,8 @@ def render(observed: Observed, released: list[Instrument], latest: list[Instrume
         "Every metric, span and attribute llmtap emits. Names follow the OpenTelemetry GenAI semantic conventions",
         "v1.41.1; with `OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental` the names in the last column",
         "of the metric table replace them. Prometheus names are what `/metrics` on the admin listener shows.",
+        "The meter's and tracer's instrumentation scope is `llmtap`, with the `schema_url`",
+        f"{sc.SCHEMA_URL} (none with the latest experimental names: they have no published schema).",
         "How to read the numbers: [reading-the-numbers.md](reading-the-numbers.md).",
         "",
         "## Timing definitions",
@@ -609,6 +728,8 @@ def render(observed: Observed, released: list[Instrument], latest: list[Instrume
             f"| {METRICS[ins.name]} | {_latest_cell(ins.name, released_names)} |"
         )
     lines.append("")
+    lines += _histogram_section(released)
+    lines += _attribute_sets(observed, [i.name for i in shown])
     for ins in shown:
         lines += _metric_section(ins, observed)
     lines += [
@@ -674,7 +795,7 @@ def _metric_section(ins: Instrument, observed: Observed) -> list[str]:
         f"unit `{ins.unit}`",
     ]
     if ins.kind == "histogram":
-        lines.append(f"- buckets: {_buckets(ins.buckets)}")
+        lines.append(_bucket_lines(ins))
     if seen:
         lines.append(f"- attributes, always: {_code(always)}")
         lines.append(f"- attributes, when known: {_code(sometimes)}")

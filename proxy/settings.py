@@ -27,6 +27,11 @@ SPAN_ROLES = ("auto", "generation", "hop")
 #: The client for upstreams: llmtap's own HTTP/1.1 one (``proxy.relay.upstream_http``), or httpx's.
 UPSTREAM_CLIENTS = ("lean", "httpx")
 SEMCONV_LATEST = "gen_ai_latest_experimental"
+#: Buckets of the ``gen_ai.*`` histograms: the conventions' advisory ones, or llmtap's fine ones.
+HISTOGRAM_BUCKETS = ("standard", "fine")
+#: ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION``: the histograms' aggregation over OTLP.
+EXPLICIT = "explicit_bucket_histogram"
+EXPONENTIAL = "base2_exponential_bucket_histogram"
 
 
 class ConfigError(ValueError):
@@ -119,7 +124,7 @@ class Timeouts:
     flush: float = 5.0
     client_header: float = 20.0
     client_body: float = 60.0
-    keep_alive: float = 5.0
+    keep_alive: float = 75.0  # nginx's default: past what clients keep an idle connection (httpx: 5 s)
 
     @property
     def between_chunks(self) -> float:
@@ -152,6 +157,13 @@ class Telemetry:
     prometheus: bool = True
     #: Model names that always keep their own label on metrics, however rarely used (``LLMTAP_METRIC_MODELS``).
     metric_models: tuple[str, ...] = ()
+    #: ``standard``: the ``gen_ai.*`` histograms use the conventions' advisory buckets; ``fine``: llmtap's
+    #: (2^(1/8) apart), as its own latency histograms always do.
+    histogram_buckets: str = "standard"
+    #: Also emit ``gen_ai.server.*``, the model server's own metric names, with values that include the hop.
+    server_metrics: bool = False
+    #: How histograms go over OTLP (``/metrics`` is always explicit buckets): ``EXPLICIT`` or ``EXPONENTIAL``.
+    histogram_aggregation: str = EXPLICIT
     #: ``SPAN_ROLES``: the proxy span's role in the trace.
     span_role: str = "auto"
     #: Report tiktoken's counts as ``gen_ai.usage.*`` when the upstream reports no usage ("offline token
@@ -253,6 +265,8 @@ _FILE_KEYS = {
         "queue_size",
         "prometheus",
         "metric_models",
+        "histogram_buckets",
+        "server_metrics",
         "span_role",
         "offline_token_usage",
     },
@@ -424,6 +438,18 @@ def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] |
     values["queue_size"] = int(_number(qsize, "queue_size", integer=True, minimum=1))
     values["prometheus"] = _bool(env.get("LLMTAP_PROMETHEUS", section.get("prometheus", True)), "prometheus")
     values["metric_models"] = _metric_models(env.get("LLMTAP_METRIC_MODELS", section.get("metric_models")))
+    buckets = str(env.get("LLMTAP_HISTOGRAM_BUCKETS", section.get("histogram_buckets", "standard"))).strip().lower()
+    if buckets not in HISTOGRAM_BUCKETS:
+        raise ConfigError(f"histogram_buckets: {buckets!r} is not one of {', '.join(HISTOGRAM_BUCKETS)}")
+    values["histogram_buckets"] = buckets
+    server = env.get("LLMTAP_SERVER_METRICS", section.get("server_metrics", False))
+    values["server_metrics"] = _bool(server, "server_metrics")
+    # The SDK's OTLP exporters read this variable too, but warn and carry on at a typo: here it is an error.
+    key = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+    aggregation = env.get(key, "").strip().lower() or EXPLICIT
+    if aggregation not in (EXPLICIT, EXPONENTIAL):
+        raise ConfigError(f"{key}: {aggregation!r} is not one of {EXPLICIT}, {EXPONENTIAL}")
+    values["histogram_aggregation"] = aggregation
     role = env.get("LLMTAP_SPAN_ROLE", section.get("span_role", "auto"))
     if role not in SPAN_ROLES:
         raise ConfigError(f"span_role: {role!r} is not one of {', '.join(SPAN_ROLES)}")
@@ -711,12 +737,9 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         "max_client_connections", "LLMTAP_MAX_CLIENT_CONNECTIONS", data.get("max_client_connections"), None
     )
     telemetry_env = dict(env)
-    if flags.get("chunk_spans") is not None:
-        telemetry_env["LLMTAP_CHUNK_SPANS"] = str(flags["chunk_spans"])
-    if flags.get("span_role") is not None:
-        telemetry_env["LLMTAP_SPAN_ROLE"] = str(flags["span_role"])
-    if flags.get("offline_token_usage"):
-        telemetry_env["LLMTAP_OFFLINE_TOKEN_USAGE"] = "true"
+    for flag in ("chunk_spans", "histogram_buckets", "server_metrics", "span_role", "offline_token_usage"):
+        if flags.get(flag) is not None:
+            telemetry_env[f"LLMTAP_{flag.upper()}"] = str(flags[flag])
     level = str(pick("log_level", "LLMTAP_LOG_LEVEL", data.get("log_level"), "info")).lower()
     if level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log level: {level!r} is not one of debug, info, warning, error")

@@ -181,5 +181,6 @@ def test_bad_version_header_is_refused_as_a_label_not_as_a_request(
     # The same prompt each time: one fingerprint, with the region's token length beside it.
     assert len({(s.attributes or {})[f"{sc.PROMPT_FINGERPRINT}.m0"] for s in roots}) == 1
     assert {(s.attributes or {})[f"{sc.PROMPT_REGION_TOKENS}.m0"] for s in roots} == {tokens.count("hello")}
-    points = telemetry.metrics()["gen_ai.client.operation.duration"]
+    # The prompt version is llmtap's label (the gen_ai.* metrics carry the conventions' attributes only).
+    points = telemetry.metrics()[sc.METRIC_REQUESTS]
     assert {p.attributes.get(sc.PROMPT_VERSION) for p in points} == {INVALID_VERSION, "v2"}

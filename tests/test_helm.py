@@ -125,6 +125,11 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
         timeouts["keep_alive"],
     )
     assert loaded.max_client_connections == case.get("config", {}).get("max_client_connections")
+    telemetry = {**defaults["telemetry"], **case.get("config", {}).get("telemetry", {})}
+    assert (loaded.telemetry.histogram_buckets, loaded.telemetry.server_metrics) == (
+        telemetry["histogram_buckets"],
+        telemetry["server_metrics"],
+    )
 
 
 def test_sidecar_collector_config_passes_the_collector_checks() -> None:
@@ -180,6 +185,9 @@ def test_the_scale_case_renders_its_options() -> None:
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (10, 100)
     assert [m["type"] for m in hpa["spec"]["metrics"]] == ["Resource", "Pods"]
     assert "release" in docs["ServiceMonitor"][0]["metadata"]["labels"]
+    (deployment,) = docs["Deployment"]
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"] == "base2_exponential_bucket_histogram"
 
 
 # --- values: commented, closed, and enforced ----------------------------------------------------

@@ -155,9 +155,9 @@ def prom_buckets(text: str, name: str, route: str, model: str) -> list[tuple[flo
 
 
 HISTOGRAMS = {
-    "ttft": "gen_ai_client_operation_time_to_first_chunk_seconds",
+    "ttft": "llmtap_time_to_first_token_seconds",
     "itl": "llmtap_inter_token_latency_seconds",
-    "tpot": "gen_ai_server_time_per_output_token_seconds",
+    "tpot": "llmtap_time_per_output_token_seconds",
 }
 
 

@@ -176,10 +176,10 @@ def test_render_without_data() -> None:
     assert render(None).startswith("# no metrics")
 
 
-def test_duration_histograms_use_llmtap_buckets(metrics: Metrics) -> None:
-    metrics.instruments.time_per_output_chunk.record(0.02, {sc.ROUTE: "default"})
+def test_llmtap_latency_histograms_use_fine_buckets(metrics: Metrics) -> None:
+    metrics.instruments.itl.record(0.02, {sc.ROUTE: "default"})
     text = metrics.reader.render()
-    series = buckets(text, "gen_ai_client_operation_time_per_output_chunk_seconds")
+    series = buckets(text, "llmtap_inter_token_latency_seconds")
     assert [le for le, _ in series[:-1]] == list(DURATION_BUCKETS)
 
 
@@ -209,10 +209,10 @@ def test_quantiles_read_back_within_10_percent(metrics: Metrics) -> None:
     data = distributions()
     for dist, values in data.items():
         for v in values:
-            metrics.instruments.operation_duration.record(v, {"dist": dist})
+            metrics.instruments.ttft.record(v, {"dist": dist})
     text = metrics.reader.render()
     for dist, values in data.items():
-        series = buckets(text, "gen_ai_client_operation_duration_seconds", dist=dist)
+        series = buckets(text, "llmtap_time_to_first_token_seconds", dist=dist)
         assert series[-1] == (math.inf, 1000)
         for q in (0.5, 0.95, 0.99):
             exact = exact_quantile(q, values)
@@ -240,9 +240,9 @@ def test_conventions_advisory_buckets_would_not_do(metrics: Metrics) -> None:
 
 def test_every_series_of_a_histogram_carries_every_bound(metrics: Metrics) -> None:
     """``sum by (le)`` across label sets adds bucket by bucket: no series may leave a bound out."""
-    metrics.instruments.time_per_output_chunk.record(0.02, {sc.ROUTE: "a"})
-    metrics.instruments.time_per_output_chunk.record(3.0, {sc.ROUTE: "b"})
+    metrics.instruments.itl.record(0.02, {sc.ROUTE: "a"})
+    metrics.instruments.itl.record(3.0, {sc.ROUTE: "b"})
     text = metrics.reader.render()
-    name = "gen_ai_client_operation_time_per_output_chunk_seconds"
+    name = "llmtap_inter_token_latency_seconds"
     a, b = buckets(text, name, llmtap_route="a"), buckets(text, name, llmtap_route="b")
     assert [le for le, _ in a] == [le for le, _ in b] == [*DURATION_BUCKETS, math.inf]

@@ -464,7 +464,7 @@ def test_off_mode(harness: HarnessFactory) -> None:
 
 
 def test_error_outcome(harness: HarnessFactory) -> None:
-    h = harness(slo=SLO(e2e=100.0))
+    h = harness(slo=SLO(e2e=100.0), server_metrics=True)
     tl = timeline(3, finish=[])
     tl.fail("upstream_closed", "connection reset by peer")
     h.run(tl)
@@ -480,8 +480,14 @@ def test_error_outcome(harness: HarnessFactory) -> None:
     assert duration.attributes[sc.ERROR_TYPE] == "upstream_closed"
     requests = point(m, sc.METRIC_REQUESTS)
     assert requests.attributes[sc.OUTCOME] == "error" and requests.attributes[sc.SLO_OUTCOME] == "missed"
-    # gen_ai.server.* latency metrics count successful requests only.
+    # gen_ai.server.* latency metrics count successful requests only; the request duration counts them all.
     assert sc.SERVER_TIME_TO_FIRST_TOKEN not in m and sc.SERVER_TIME_PER_OUTPUT_TOKEN not in m
+    assert point(m, sc.SERVER_REQUEST_DURATION).attributes == duration.attributes
+    assert sc.METRIC_TPOT not in m
+    # The conventions name error.type on the durations only: the chunk metrics of a failed stream go without.
+    ttfc = point(m, sc.RELEASED.time_to_first_chunk).attributes
+    assert ttfc == {k: v for k, v in duration.attributes.items() if k != sc.ERROR_TYPE}
+    assert point(m, sc.METRIC_TTFT).attributes[sc.ERROR_TYPE] == "upstream_closed"
 
 
 def test_error_keeps_reported_finish_reasons(harness: HarnessFactory) -> None:
@@ -555,17 +561,34 @@ def test_metrics_values_units_and_attributes(harness: HarnessFactory) -> None:
     a = duration.attributes
     assert a[sc.OPERATION_NAME] == "chat" and a[sc.PROVIDER_NAME] == "openai"
     assert a[sc.REQUEST_MODEL] == "gpt-4o" and a[sc.RESPONSE_MODEL] == "gpt-4o-2024-08-06"
-    assert a[sc.SERVER_ADDRESS] == "upstream" and a[sc.SERVER_PORT] == 8000 and a[sc.ROUTE] == "default"
-    assert a[sc.INPUT_SIZE] == "le_256"
-    assert sc.ERROR_TYPE not in a
+    assert a[sc.SERVER_ADDRESS] == "upstream" and a[sc.SERVER_PORT] == 8000
+    # The gen_ai.* metrics carry the conventions' attributes only; llmtap's own add route, stream and shape.
+    assert set(a) == {
+        sc.OPERATION_NAME,
+        sc.PROVIDER_NAME,
+        sc.REQUEST_MODEL,
+        sc.RESPONSE_MODEL,
+        sc.SERVER_ADDRESS,
+        sc.SERVER_PORT,
+    }
+    ttft = point(m, sc.METRIC_TTFT)
+    assert (ttft.count, ttft.sum) == (1, FIRST)
+    assert ttft.attributes == {
+        **a,
+        sc.ROUTE: "default",
+        sc.REQUEST_STREAM: True,
+        sc.INPUT_SIZE: "le_256",
+    }
+    assert point(m, sc.METRIC_DECODE).attributes == {**a, sc.ROUTE: "default", sc.REQUEST_STREAM: True}
 
     assert point(m, sc.RELEASED.time_to_first_chunk).sum == FIRST
     chunk = point(m, sc.RELEASED.time_per_output_chunk)
     assert (chunk.count, chunk.sum) == (5, 5 * GAP)
     itl = point(m, sc.METRIC_ITL)
     assert itl.count == sum(s.chunk_tokens[1:]) and itl.sum == pytest.approx(5 * GAP)
-    assert point(m, sc.SERVER_TIME_TO_FIRST_TOKEN).sum == FIRST
-    assert point(m, sc.SERVER_TIME_PER_OUTPUT_TOKEN).sum == pytest.approx(5 * GAP / 14)
+    assert point(m, sc.METRIC_TPOT).sum == pytest.approx(5 * GAP / 14)
+    # gen_ai.server.* are the model server's names: not emitted unless asked for.
+    assert not [name for name in m if name.startswith("gen_ai.server.")]
     assert point(m, sc.METRIC_UPSTREAM_TTFT).sum == FIRST - 1 / 32
     assert point(m, sc.METRIC_TTFB).sum == 1 / 8
     assert point(m, sc.METRIC_QUEUE, **{sc.QUEUE_SOURCE: "proxy"}).sum == 1 / 128
@@ -601,7 +624,7 @@ def test_time_to_first_chunk_only_for_streams(harness: HarnessFactory) -> None:
         sc.RELEASED.time_to_first_chunk,
         sc.RELEASED.time_per_output_chunk,
         sc.METRIC_ITL,
-        sc.SERVER_TIME_TO_FIRST_TOKEN,
+        sc.METRIC_TTFT,
         sc.METRIC_UPSTREAM_TTFT,
         sc.METRIC_DECODE,
     ):
@@ -610,13 +633,25 @@ def test_time_to_first_chunk_only_for_streams(harness: HarnessFactory) -> None:
     assert sc.REQUEST_STREAM not in attrs(h.root())
 
 
+def test_server_metrics_when_asked_for(harness: HarnessFactory) -> None:
+    h = harness(server_metrics=True)
+    h.run(timeline(6, usage=Usage(input_tokens=8, output_tokens=15)))
+    m = h.metrics()
+    conventions = point(m, sc.RELEASED.operation_duration).attributes
+    assert point(m, sc.SERVER_TIME_TO_FIRST_TOKEN).sum == FIRST
+    assert point(m, sc.SERVER_TIME_PER_OUTPUT_TOKEN).sum == pytest.approx(5 * GAP / 14)
+    assert point(m, sc.SERVER_REQUEST_DURATION).sum == FIRST + 5 * GAP + 0.25
+    for name in (sc.SERVER_TIME_TO_FIRST_TOKEN, sc.SERVER_TIME_PER_OUTPUT_TOKEN, sc.SERVER_REQUEST_DURATION):
+        assert point(m, name).attributes == conventions, name
+
+
 @pytest.mark.parametrize("latest", [False, True])
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("outcome", ["ok", "error", "cancelled"])
 def test_metric_attributes_are_a_subset_of_span_attributes(
     harness: HarnessFactory, latest: bool, stream: bool, outcome: str
 ) -> None:
-    h = harness(semconv_latest=latest, slo=SLO(ttft=1.0))
+    h = harness(semconv_latest=latest, slo=SLO(ttft=1.0), server_metrics=True)
     usage = Usage(input_tokens=8, output_tokens=15, cache_read_tokens=4, cache_write_tokens=2)
     tl = timeline(6, stream=stream, prompt="The quick brown fox jumps over the lazy dog.", usage=usage)
     if outcome == "error":
@@ -628,7 +663,8 @@ def test_metric_attributes_are_a_subset_of_span_attributes(
     m = h.metrics()
     assert len(m) > 10
     for name, metric in m.items():
-        for p in points(metric):
+        # Counters every route reads 0 on from the start (refusals, ignored timings) carry no request's values.
+        for p in (p for p in points(metric) if getattr(p, "value", None) != 0):
             extra = {
                 k for k in p.attributes if k not in allowed and not (k.startswith("llmtap.") and k.endswith(".source"))
             }

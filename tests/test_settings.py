@@ -52,7 +52,7 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path: Path) -> No
 
 def test_client_limits_flags_env_file_and_defaults(tmp_path: Path) -> None:
     s = build({"upstream": UP}, env={})
-    assert (s.timeouts.client_header, s.timeouts.client_body, s.timeouts.keep_alive) == (20.0, 60.0, 5.0)
+    assert (s.timeouts.client_header, s.timeouts.client_body, s.timeouts.keep_alive) == (20.0, 60.0, 75.0)
     assert s.max_client_connections is None  # derived from the descriptor limit when the relay starts
     cfg = write(
         tmp_path,
@@ -92,6 +92,23 @@ def test_chunk_spans_flag_env_file(tmp_path: Path) -> None:
     assert build({"config": cfg}, env={"LLMTAP_CHUNK_SPANS": "events"}).telemetry.chunk_spans == "events"
     s = build({"config": cfg, "chunk_spans": "spans"}, env={"LLMTAP_CHUNK_SPANS": "events"})
     assert s.telemetry.chunk_spans == "spans" and s.telemetry.chunk_span_cap == 7
+
+
+def test_histogram_buckets_server_metrics_and_aggregation(tmp_path: Path) -> None:
+    default = build({"upstream": UP}, env={}).telemetry
+    assert (default.histogram_buckets, default.server_metrics) == ("standard", False)
+    assert default.histogram_aggregation == "explicit_bucket_histogram"
+    cfg = write(tmp_path, "upstream: http://u.example\ntelemetry: {histogram_buckets: fine, server_metrics: true}\n")
+    t = build({"config": cfg}, env={}).telemetry
+    assert (t.histogram_buckets, t.server_metrics) == ("fine", True)
+    env = {"LLMTAP_HISTOGRAM_BUCKETS": "standard", "LLMTAP_SERVER_METRICS": "false"}
+    t = build({"config": cfg}, env=env).telemetry
+    assert (t.histogram_buckets, t.server_metrics) == ("standard", False)
+    t = build({"config": cfg, "histogram_buckets": "fine", "server_metrics": True}, env=env).telemetry
+    assert (t.histogram_buckets, t.server_metrics) == ("fine", True)
+    base2 = "base2_exponential_bucket_histogram"
+    variable = {"OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION": base2}
+    assert build({"upstream": UP}, env=variable).telemetry.histogram_aggregation == base2
 
 
 # --- routes from a file -------------------------------------------------------------------------
@@ -210,6 +227,13 @@ def test_bad_upstream_url(url: str) -> None:
         ({}, {"LLMTAP_INJECT_USAGE": "2"}, "inject_usage"),
         ({}, {"LLMTAP_CHUNK_SPANS": "all"}, "chunk_spans"),
         ({}, {"LLMTAP_CHUNK_SPAN_CAP": "0"}, "chunk_span_cap"),
+        ({}, {"LLMTAP_HISTOGRAM_BUCKETS": "coarse"}, "histogram_buckets: 'coarse' is not one of standard, fine"),
+        ({}, {"LLMTAP_SERVER_METRICS": "maybe"}, "server_metrics: expected true or false"),
+        (
+            {},
+            {"OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION": "exponential"},
+            "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION: 'exponential' is not one of",
+        ),
         ({}, {"OTEL_SDK_DISABLED": "sometimes"}, "OTEL_SDK_DISABLED"),
         ({}, {"OTEL_METRIC_EXPORT_INTERVAL": "0"}, "OTEL_METRIC_EXPORT_INTERVAL"),
         ({}, {"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER"),

@@ -18,7 +18,7 @@ from proxy.telemetry.prometheus import merge_metrics
 from tests.conftest import Scripted, free_port, require_real
 
 ROOT = Path(__file__).parent.parent
-COUNT = "gen_ai_client_operation_time_to_first_chunk_seconds_count"
+COUNT = "llmtap_time_to_first_token_seconds_count"  # by route (the gen_ai.* one carries no route)
 
 A = """# HELP req_total Finished requests.
 # TYPE req_total counter

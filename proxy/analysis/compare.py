@@ -412,8 +412,9 @@ def record_sides(path: str | Path, split: Split, *, route: str | None = None, mo
 
 # -- Prometheus ------------------------------------------------------------------------------------
 
-#: The proxy's metric names as Prometheus stores them (either semantic-conventions flavour for TTFT).
-PROM_TTFT = r"gen_ai_client_(operation|inference)_time_to_first_chunk_seconds_bucket"
+#: The proxy's metric names as Prometheus stores them: llmtap's own, which carry the route and prompt version
+#: and have fine buckets (the ``gen_ai.*`` ones carry neither, and have the conventions' coarse buckets).
+PROM_TTFT = "llmtap_time_to_first_token_seconds_bucket"
 PROM_PREFILL = "llmtap_prefill_duration_seconds_bucket"
 PROM_INPUT = "llmtap_usage_input_tokens_total"
 PROM_CACHED = "llmtap_usage_cache_read_input_tokens_total"
@@ -442,7 +443,7 @@ def side_from_prometheus(
         grown = prom.increase(f"sum{grouping} ({metric}{{{sel}}})", start, end)
         return {dict(k).get(by, "") if by else "": v for k, v in grown.items()}
 
-    side.ttft = buckets(f'__name__=~"{PROM_TTFT}"')
+    side.ttft = buckets(f'__name__="{PROM_TTFT}"')
     side.prefill = buckets(f'__name__="{PROM_PREFILL}"')
     sources = total("llmtap_prefill_duration_seconds_count", "llmtap_prefill_source")
     side.prefill_sources = {k for k, v in sources.items() if v > 0 and k}

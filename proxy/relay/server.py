@@ -228,7 +228,6 @@ def uvicorn_config(
         ws="none",
         timeout_keep_alive=settings.timeouts.keep_alive,  # type: ignore[arg-type]
         timeout_graceful_shutdown=math.ceil(settings.timeouts.drain),
-        timeout_keep_alive=75,  # nginx's default; past clients' own (httpx: 5 s), so a reuse never meets our close
         h11_max_incomplete_event_size=settings.max_header_bytes,
     )
 

@@ -1,23 +1,32 @@
 """The metric instruments: names from ``semconv``, units, descriptions and bucket boundaries.
 
-Bucket choice: the conventions' advisory buckets double at each step (0.01, 0.02, 0.04, ...), so a
-p95 read back from a backend can be off by a third. llmtap's duration buckets grow by 2^(1/8)
-(about 9%) from 1 ms to about 131 s, so ``histogram_quantile`` lands within 10% of the exact value
-wherever the data is; token buckets grow by 2^(1/4). See gen-ai-metrics.md (v1.41.1) for the advisory
-buckets this replaces.
+Bucket choice. The ``gen_ai.*`` histograms take the conventions' advisory boundaries by default
+(``semconv.BUCKETS_*``): dashboards and alerts written for the conventions key on those ``le`` values, and
+a hosted backend bills each bucket as a series. Those bounds double at each step (0.64, 1.28, ...), so a
+percentile read back from them can be off by a third: ``telemetry.histogram_buckets: fine`` gives them
+llmtap's fine buckets instead, and over OTLP ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=
+base2_exponential_bucket_histogram`` makes every histogram exponential (``setup``), precise and compact.
+
+llmtap's own latency histograms (TTFT, ITL and TPOT by route and request shape, TTFB, upstream TTFT,
+queue, prefill, decode, overhead) always use the fine buckets: they are what the dashboards, the live
+view and ``llmtap compare`` read percentiles from, and those percentiles are promised to the millisecond.
+Fine duration buckets grow by 2^(1/8) (about 9%) from 1 ms to about 131 s, so ``histogram_quantile``
+lands within a few percent of the exact value wherever the data is (``python -m bench.buckets``); fine
+token buckets grow by 2^(1/4).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from opentelemetry.metrics import Counter, Histogram, Meter, UpDownCounter
 
 from proxy.telemetry import semconv as sc
 
-#: 1 ms to ~131 s in steps of 2^(1/8).
+#: Fine duration buckets: 1 ms to ~131 s in steps of 2^(1/8).
 DURATION_BUCKETS: tuple[float, ...] = tuple(round(0.001 * 2 ** (i / 8), 7) for i in range(137))
-#: 1 to ~2M tokens in steps of 2^(1/4), rounded to distinct integers.
+#: Fine token buckets: 1 to ~2M tokens in steps of 2^(1/4), rounded to distinct integers.
 TOKEN_BUCKETS: tuple[float, ...] = tuple(sorted({float(round(2 ** (i / 4))) for i in range(85)}))
 #: Size of the relative drift between tiktoken and reported usage (its sign is an attribute).
 DRIFT_BUCKETS: tuple[float, ...] = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
@@ -38,9 +47,11 @@ class Instruments:
     cache_write_counter: Counter | None
     input_tokens_histogram: Histogram | None
     output_tokens_histogram: Histogram | None
-    server_ttft: Histogram
-    server_tpot: Histogram
-    server_duration: Histogram
+    server_ttft: Histogram | None  # gen_ai.server.*: only with telemetry.server_metrics
+    server_tpot: Histogram | None
+    server_duration: Histogram | None
+    ttft: Histogram
+    tpot: Histogram
     ttfb: Histogram
     upstream_ttft: Histogram
     itl: Histogram
@@ -67,56 +78,75 @@ class Instruments:
     connections_refused: Counter
 
 
+def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Sequence[float]) -> Histogram:
+    return meter.create_histogram(name, unit=unit, description=description, explicit_bucket_boundaries_advisory=buckets)
+
+
 def _seconds(meter: Meter, name: str, description: str) -> Histogram:
-    return meter.create_histogram(
-        name, unit="s", description=description, explicit_bucket_boundaries_advisory=DURATION_BUCKETS
-    )
+    """One of llmtap's own latency histograms: fine buckets, whatever the setting."""
+    return _histogram(meter, name, "s", description, DURATION_BUCKETS)
 
 
-def _tokens(meter: Meter, name: str, description: str) -> Histogram:
-    return meter.create_histogram(
-        name, unit="{token}", description=description, explicit_bucket_boundaries_advisory=TOKEN_BUCKETS
-    )
+def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = False) -> Instruments:
+    """Create the instruments, with the latest experimental GenAI names when ``latest``.
 
-
-def create(meter: Meter, *, latest: bool) -> Instruments:
-    """Create the instruments, with the latest experimental GenAI names when ``latest``."""
+    ``fine``: the ``gen_ai.*`` histograms get llmtap's fine buckets instead of the conventions' advisory
+    ones; ``server``: the ``gen_ai.server.*`` histograms exist too.
+    """
     names = sc.LATEST if latest else sc.RELEASED
+
+    def seconds(name: str, description: str, advised: Sequence[float] = sc.BUCKETS_DURATION) -> Histogram:
+        return _histogram(meter, name, "s", description, DURATION_BUCKETS if fine else advised)
+
+    def tokens(name: str | None, description: str) -> Histogram | None:
+        buckets = TOKEN_BUCKETS if fine else sc.BUCKETS_TOKENS
+        return None if name is None else _histogram(meter, name, "{token}", description, buckets)
 
     def counter(name: str | None, description: str) -> Counter | None:
         return None if name is None else meter.create_counter(name, unit="{token}", description=description)
 
+    def server_side(name: str, description: str, advised: Sequence[float]) -> Histogram | None:
+        return seconds(name, description, advised) if server else None
+
     return Instruments(
         names=names,
-        operation_duration=_seconds(meter, names.operation_duration, "Request received by the proxy to stream end."),
-        time_to_first_chunk=_seconds(
-            meter,
-            names.time_to_first_chunk,
-            "Request received to the first chunk carrying generated content (streaming).",
+        operation_duration=seconds(names.operation_duration, "Request received by the proxy to stream end."),
+        time_to_first_chunk=seconds(
+            names.time_to_first_chunk, "Request received to the first chunk carrying generated content (streaming)."
         ),
-        time_per_output_chunk=_seconds(
-            meter, names.time_per_output_chunk, "End of the previous content chunk to the end of this one (streaming)."
+        time_per_output_chunk=seconds(
+            names.time_per_output_chunk, "End of the previous content chunk to the end of this one (streaming)."
         ),
-        token_usage=None
-        if names.token_usage is None
-        else _tokens(meter, names.token_usage, "Tokens used, by gen_ai.token.type."),
+        token_usage=tokens(names.token_usage, "Tokens used, by gen_ai.token.type."),
         input_tokens_counter=counter(names.input_tokens_counter, "Input tokens, cached included."),
         output_tokens_counter=counter(names.output_tokens_counter, "Output tokens, reasoning included."),
         cache_read_counter=counter(names.cache_read_counter, "Input tokens read from the provider's prompt cache."),
         cache_write_counter=counter(names.cache_write_counter, "Input tokens written to the provider's prompt cache."),
-        input_tokens_histogram=None
-        if names.input_tokens_histogram is None
-        else _tokens(meter, names.input_tokens_histogram, "Input tokens per request."),
-        output_tokens_histogram=None
-        if names.output_tokens_histogram is None
-        else _tokens(meter, names.output_tokens_histogram, "Output tokens per request."),
-        server_ttft=_seconds(
-            meter, sc.SERVER_TIME_TO_FIRST_TOKEN, "Time to first token, as the proxy saw it (successful requests)."
+        input_tokens_histogram=tokens(names.input_tokens_histogram, "Input tokens per request."),
+        output_tokens_histogram=tokens(names.output_tokens_histogram, "Output tokens per request."),
+        server_ttft=server_side(
+            sc.SERVER_TIME_TO_FIRST_TOKEN,
+            "Time to first token, as the proxy saw it (successful requests).",
+            sc.BUCKETS_SERVER_TTFT,
         ),
-        server_tpot=_seconds(
-            meter, sc.SERVER_TIME_PER_OUTPUT_TOKEN, "(last content chunk - first content chunk) / (output tokens - 1)."
+        server_tpot=server_side(
+            sc.SERVER_TIME_PER_OUTPUT_TOKEN,
+            "(last content chunk - first content chunk) / (output tokens - 1).",
+            sc.BUCKETS_SERVER_TPOT,
         ),
-        server_duration=_seconds(meter, sc.SERVER_REQUEST_DURATION, "Time to last byte of the response."),
+        server_duration=server_side(
+            sc.SERVER_REQUEST_DURATION, "Time to last byte of the response.", sc.BUCKETS_DURATION
+        ),
+        ttft=_seconds(
+            meter,
+            sc.METRIC_TTFT,
+            "Request received to the first chunk carrying generated content (streaming), by route and request shape.",
+        ),
+        tpot=_seconds(
+            meter,
+            sc.METRIC_TPOT,
+            "(last content chunk - first content chunk) / (output tokens - 1), by route and request shape.",
+        ),
         ttfb=_seconds(meter, sc.METRIC_TTFB, "Request received to the first response body byte."),
         upstream_ttft=_seconds(meter, sc.METRIC_UPSTREAM_TTFT, "Request sent upstream to the first content chunk."),
         itl=_seconds(

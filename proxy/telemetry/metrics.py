@@ -1,11 +1,20 @@
-"""Metrics of a finished request: the bounded subset of its span attributes on the GenAI and llmtap instruments."""
+"""Metrics of a finished request: the bounded subset of its span attributes on the GenAI and llmtap instruments.
+
+Two attribute sets. The ``gen_ai.*`` metrics carry the conventions' list and nothing else
+(gen-ai-metrics.md v1.41.1: operation, provider, request and response model, server address and port;
+``error.type`` on the durations when failed; ``gen_ai.token.type`` on token usage), so they read like any
+instrumentation's.
+llmtap's own metrics add what its dashboards, live view and ``llmtap compare`` group by: the route, the
+stream flag and the prompt version, and on the figures users feel (TTFT, ITL, TPOT) the request shape.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 
+from proxy import __version__
 from proxy.analysis.cachediag import MISS_CHANGED, Diagnosis
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import OK, Timeline
@@ -14,6 +23,35 @@ from proxy.settings import Settings
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.attributes import usage_value
 from proxy.telemetry.instruments import Instruments, create
+
+#: What the conventions list for their metrics (gen-ai-metrics.md v1.41.1): every ``gen_ai.*`` metric carries
+#: these and no other (``error.type`` only on the durations, when the request failed; token metrics add their
+#: token type or modality).
+CONVENTIONS = (
+    sc.OPERATION_NAME,
+    sc.PROVIDER_NAME,
+    sc.REQUEST_MODEL,
+    sc.RESPONSE_MODEL,
+    sc.SERVER_ADDRESS,
+    sc.SERVER_PORT,
+    sc.ERROR_TYPE,
+)
+#: What llmtap's own request metrics add to them ...
+OWN = (sc.ROUTE, sc.REQUEST_STREAM, sc.PROMPT_VERSION)
+#: ... and its figures users feel (TTFT, ITL, TPOT) on top: the request shape.
+SHAPE = (sc.INPUT_SIZE,)
+
+
+class Labels(NamedTuple):
+    """A request's metric attributes: three sets, each a bounded subset of its span's attributes."""
+
+    #: What every ``gen_ai.*`` metric carries (the conventions' ``metric_attributes.gen_ai``).
+    common: dict[str, Any]
+    #: ... and ``error.type`` when the request failed: the set of the durations (and the latest conventions'
+    #: per-request token histograms), the metrics whose lists name it.
+    outcome: dict[str, Any]
+    #: ... and the route, the stream flag and the prompt version: llmtap's own request metrics.
+    own: dict[str, Any]
 
 
 class MetricWriter:
@@ -25,9 +63,14 @@ class MetricWriter:
     """
 
     def __init__(self, settings: Settings, meter_provider: MeterProvider | None) -> None:
-        meter = (meter_provider or NoOpMeterProvider()).get_meter("llmtap")
-        self.instruments: Instruments = create(meter, latest=settings.telemetry.semconv_latest)
-        self._offline = settings.telemetry.offline_token_usage
+        t = settings.telemetry
+        meter = (meter_provider or NoOpMeterProvider()).get_meter(
+            "llmtap", __version__, schema_url=sc.schema_url(t.semconv_latest)
+        )
+        self.instruments: Instruments = create(
+            meter, latest=t.semconv_latest, fine=t.histogram_buckets == "fine", server=t.server_metrics
+        )
+        self._offline = t.offline_token_usage
         self._models = self._guard(
             sc.REQUEST_MODEL, 64, trial=8, candidates=256, pinned=settings.telemetry.metric_models
         )
@@ -54,20 +97,15 @@ class MetricWriter:
         """The label metrics gave ``model`` (read, not counted as a use): itself, or ``_OTHER``."""
         return self._models.label(model)
 
-    def metric_attributes(self, tl: Timeline, s: Summary) -> dict[str, Any]:
-        """The bounded subset of span attributes that metrics carry (counts one use of each guarded value)."""
+    def metric_attributes(self, tl: Timeline, s: Summary) -> Labels:
+        """A request's attribute sets, bounded subsets of its span's; counts one use of each guarded value."""
         req = tl.request
         attrs: dict[str, Any] = {
             sc.OPERATION_NAME: req.operation if req else sc.OP_CHAT,
             sc.PROVIDER_NAME: tl.provider_name,
             sc.SERVER_ADDRESS: tl.server_address,
             sc.SERVER_PORT: tl.server_port,
-            sc.ROUTE: tl.route,
-            sc.INPUT_SIZE: s.input_size,
         }
-        if req is not None and req.stream:
-            # As on the span: set if and only if the request streams (gen-ai-spans.md).
-            attrs[sc.REQUEST_STREAM] = True
         model = req.model if req is not None else None
         if model:
             attrs[sc.REQUEST_MODEL] = self._models(model)
@@ -75,49 +113,59 @@ class MetricWriter:
             # The same name in request and response is one use of it, not two.
             same = tl.response_model == model
             attrs[sc.RESPONSE_MODEL] = attrs[sc.REQUEST_MODEL] if same else self._models(tl.response_model)
+        outcome = dict(attrs)
         if tl.outcome != OK:
-            attrs[sc.ERROR_TYPE] = self._errors(tl.error_type) if tl.error_type else OTHER
+            outcome[sc.ERROR_TYPE] = self._errors(tl.error_type) if tl.error_type else OTHER
+        own = {**outcome, sc.ROUTE: tl.route}
+        if req is not None and req.stream:
+            # As on the span: set if and only if the request streams (gen-ai-spans.md).
+            own[sc.REQUEST_STREAM] = True
         if tl.prompt_version:
-            attrs[sc.PROMPT_VERSION] = self._versions(tl.prompt_version)
-        return attrs
+            own[sc.PROMPT_VERSION] = self._versions(tl.prompt_version)
+        return Labels(attrs, outcome, own)
 
     def record(self, tl: Timeline, s: Summary) -> None:
         """Record one finished request's latency, token and outcome metrics."""
         ins = self.instruments
-        attrs = self.metric_attributes(tl, s)
+        attrs, outcome, own = self.metric_attributes(tl, s)
+        shaped = {**own, sc.INPUT_SIZE: s.input_size}
         ok = tl.outcome == OK
         stream = bool(tl.request and tl.request.stream)
         if s.e2e is not None:
-            ins.operation_duration.record(s.e2e, attrs)
-            ins.server_duration.record(s.e2e, attrs)
-        ins.requests.add(1, {**attrs, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo})
+            ins.operation_duration.record(s.e2e, outcome)
+            if ins.server_duration is not None:
+                ins.server_duration.record(s.e2e, outcome)
+        ins.requests.add(1, {**own, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo})
         if tl.malformed_events:
             ins.malformed.add(tl.malformed_events, {sc.ROUTE: tl.route})
         if s.ttfb is not None:
-            ins.ttfb.record(s.ttfb, attrs)
+            ins.ttfb.record(s.ttfb, own)
         if stream and s.ttft is not None:
             ins.time_to_first_chunk.record(s.ttft, attrs)
+            ins.ttft.record(s.ttft, shaped)
             for gap in s.gap_samples:
                 ins.time_per_output_chunk.record(gap, attrs)
             for itl in s.itl_per_token:
-                ins.itl.record(itl, attrs)
+                ins.itl.record(itl, shaped)
         if s.upstream_ttft is not None and stream:
-            ins.upstream_ttft.record(s.upstream_ttft, attrs)
-        if ok and s.ttft is not None and stream:
+            ins.upstream_ttft.record(s.upstream_ttft, own)
+        if ok and s.ttft is not None and stream and ins.server_ttft is not None:
             ins.server_ttft.record(s.ttft, attrs)
         if ok and s.tpot is not None:
-            ins.server_tpot.record(s.tpot, attrs)
+            ins.tpot.record(s.tpot, shaped)
+            if ins.server_tpot is not None:
+                ins.server_tpot.record(s.tpot, attrs)
         if s.queue is not None:
-            ins.queue.record(s.queue, {**attrs, sc.QUEUE_SOURCE: s.queue_source})
+            ins.queue.record(s.queue, {**own, sc.QUEUE_SOURCE: s.queue_source})
         if s.prefill is not None and stream:
-            ins.prefill.record(s.prefill, {**attrs, sc.PREFILL_SOURCE: s.prefill_source})
+            ins.prefill.record(s.prefill, {**own, sc.PREFILL_SOURCE: s.prefill_source})
         if s.decode is not None and stream:
-            ins.decode.record(s.decode, attrs)
-        self._token_metrics(s, attrs)
+            ins.decode.record(s.decode, own)
+        self._token_metrics(s, attrs, outcome, own)
         if tl.sent is not None:
             ins.overhead.record(proxy_added(tl), {sc.ROUTE: tl.route})
 
-    def _token_metrics(self, s: Summary, attrs: dict[str, Any]) -> None:
+    def _token_metrics(self, s: Summary, attrs: dict[str, Any], outcome: dict[str, Any], own: dict[str, Any]) -> None:
         ins = self.instruments
         for kind, value, source, drift in (
             ("input", s.input_tokens, s.input_source, s.input_drift),
@@ -134,25 +182,25 @@ class MetricWriter:
                     ins.token_usage.record(usage, {**attrs, sc.TOKEN_TYPE: kind})
                 hist = ins.input_tokens_histogram if kind == "input" else ins.output_tokens_histogram
                 if hist is not None:
-                    hist.record(usage, attrs)
+                    hist.record(usage, outcome)
                 if counter is not None:
                     counter.add(usage, {**attrs, sc.TOKEN_MODALITY: "text"})
             if value is None:
                 continue
-            own = ins.input_tokens if kind == "input" else ins.output_tokens
-            own.add(value, {**attrs, sc.INPUT_TOKENS_SOURCE if kind == "input" else sc.OUTPUT_TOKENS_SOURCE: source})
+            mine = ins.input_tokens if kind == "input" else ins.output_tokens
+            mine.add(value, {**own, sc.INPUT_TOKENS_SOURCE if kind == "input" else sc.OUTPUT_TOKENS_SOURCE: source})
             if drift is not None:
                 # OTel histograms take no negative values: the size goes in the value, the sign in an attribute.
                 direction = "over" if drift > 0 else "under" if drift < 0 else "exact"
                 ins.drift.record(
-                    abs(drift), {sc.TOKEN_TYPE: kind, sc.ROUTE: attrs[sc.ROUTE], sc.DRIFT_DIRECTION: direction}
+                    abs(drift), {sc.TOKEN_TYPE: kind, sc.ROUTE: own[sc.ROUTE], sc.DRIFT_DIRECTION: direction}
                 )
         if s.cache_read_tokens is not None:
-            ins.cache_read.add(s.cache_read_tokens, attrs)
+            ins.cache_read.add(s.cache_read_tokens, own)
             if ins.cache_read_counter is not None:
                 ins.cache_read_counter.add(s.cache_read_tokens, {**attrs, sc.TOKEN_MODALITY: "text"})
         if s.cache_write_tokens is not None:
-            ins.cache_write.add(s.cache_write_tokens, attrs)
+            ins.cache_write.add(s.cache_write_tokens, own)
             if ins.cache_write_counter is not None:
                 ins.cache_write_counter.add(s.cache_write_tokens, {**attrs, sc.TOKEN_MODALITY: "text"})
 

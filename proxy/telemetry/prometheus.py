@@ -3,7 +3,9 @@
 A reader of our own rather than the global ``prometheus_client`` registry: several apps (tests, the
 demo) can live in one process, and nothing global is touched. Names follow the OpenTelemetry to
 Prometheus compatibility rules: dots become underscores, ``s`` adds ``_seconds``, counters get
-``_total``, and units in braces (``{token}``) are annotations that add nothing.
+``_total``, and units in braces (``{token}``) are annotations that add nothing. The text format has no
+native (exponential) histograms: this reader always takes explicit buckets, the instruments' advisory ones,
+whatever ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` asks of the OTLP exporter.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from opentelemetry.sdk.metrics.export import (
     MetricsData,
     Sum,
 )
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _INVALID = re.compile(r"[^a-zA-Z0-9_:]")
@@ -39,7 +42,8 @@ class PrometheusReader(MetricReader):
                 UpDownCounter: cumulative,
                 Histogram: cumulative,
                 ObservableCounter: cumulative,
-            }
+            },
+            preferred_aggregation={Histogram: ExplicitBucketHistogramAggregation()},
         )
         self._latest: MetricsData | None = None
 

@@ -25,6 +25,7 @@ from proxy.analysis.cachediag import CacheDiagnoser, Diagnosis
 from proxy.analysis.estimator import Estimator
 from proxy.analysis.summary import Summary, summarize
 from proxy.analysis.timeline import Timeline
+from proxy.providers.timing import PHASES
 from proxy.settings import Settings
 from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, SEGMENT, STATS
 from proxy.telemetry import semconv as sc
@@ -42,6 +43,8 @@ _STOP = object()
 #: queue; ``evicted``: too many streams open at once) or in part (``partial``: timing without some bytes;
 #: ``inflate_limit``, ``body_limit``: the tap stopped reading a response past its bounds, ``proxy.telemetry.tap``).
 TAPE_DROP_REASONS = ("channel_full", "queue_full", "evicted", "partial", "inflate_limit", "body_limit")
+#: How the admission queue refuses a request (``error.type``).
+QUEUE_REFUSALS = ("queue_full", "queue_timeout")
 #: Streams being played back at once (their segments came, their end not yet); past it the oldest goes.
 MAX_OPEN_STREAMS = 4096
 #: Response bytes waiting in the queue at most. Past it a message keeps its timing and loses its bytes (its
@@ -111,6 +114,14 @@ class Recorder:
             self.instruments.client_timeouts.add(0, {sc.TIMEOUT_KIND: kind})
         for reason in CONNECTION_REFUSAL_REASONS:
             self.instruments.connections_refused.add(0, {sc.REFUSAL_REASON: reason})
+        # And every route's admission refusals, ignored server timings (by phase) and unparsable events: their
+        # panels show a line at 0, not "No data", until the first one.
+        for route in settings.routes:
+            self.instruments.malformed.add(0, {sc.ROUTE: route.name})
+            for error in QUEUE_REFUSALS:
+                self.instruments.queue_rejected.add(0, {sc.ROUTE: route.name, sc.ERROR_TYPE: error})
+            for phase in PHASES:
+                self.instruments.timing_rejected.add(0, {sc.ROUTE: route.name, sc.TIMING_FIELD: phase})
 
     # -- called by the relay's channel, or the telemetry process's reader ------------------------
 
@@ -324,7 +335,7 @@ class Recorder:
         """Write spans and metrics for one finished request (runs on the worker thread)."""
         s = summarize(tl, self.settings.slo, estimator=self.estimator, route=self._routes.get(tl.route))
         ins = self.instruments
-        if tl.error_type in ("queue_full", "queue_timeout"):
+        if tl.error_type in QUEUE_REFUSALS:
             ins.queue_rejected.add(1, {sc.ROUTE: tl.route, sc.ERROR_TYPE: tl.error_type})
         for name in s.rejected_timings:
             log.debug("ignored server timing %s of %s %s", name, tl.method, tl.path)

@@ -11,6 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: The released conventions llmtap's default names follow, as the ``schema_url`` of its meter's and tracer's
+#: instrumentation scope (https://github.com/open-telemetry/semantic-conventions/blob/main/schemas/1.41.1).
+#: The latest experimental GenAI names have no published schema: with them the scope carries none.
+SCHEMA_URL = "https://opentelemetry.io/schemas/1.41.1"
+
+
+def schema_url(latest: bool) -> str | None:
+    """The ``schema_url`` of llmtap's instrumentation scope for one naming flavour."""
+    return None if latest else SCHEMA_URL
+
+
 # --- span and metric attributes (gen-ai-spans.md, v1.41.1) ---
 OPERATION_NAME = "gen_ai.operation.name"
 PROVIDER_NAME = "gen_ai.provider.name"
@@ -168,12 +179,35 @@ LATEST = MetricNames(
     output_tokens_histogram="gen_ai.client.inference.operation.output_tokens",
 )
 
-# Server-side metrics model-server dashboards query (v1.41.1, kept unchanged in the latest conventions).
+# The model server's own metrics (v1.41.1, kept unchanged in the latest conventions). A proxy's values would
+# include its hop and collide with the series a real server emits: llmtap emits them only when asked
+# (``telemetry.server_metrics``).
 SERVER_TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"
 SERVER_TIME_PER_OUTPUT_TOKEN = "gen_ai.server.time_per_output_token"
 SERVER_REQUEST_DURATION = "gen_ai.server.request.duration"
 
+# The conventions' advisory ExplicitBucketBoundaries (v1.41.1 docs/gen-ai/gen-ai-metrics.md; the latest
+# conventions keep them, their token histograms taking the token-usage ones).
+#: gen_ai.client.operation.duration, .time_to_first_chunk, .time_per_output_chunk, gen_ai.server.request.duration.
+BUCKETS_DURATION: tuple[float, ...] = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
+#: gen_ai.client.token.usage (and the latest conventions' per-request token histograms).
+BUCKETS_TOKENS: tuple[float, ...] = (
+    1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864,
+)  # fmt: skip
+#: gen_ai.server.time_to_first_token.
+BUCKETS_SERVER_TTFT: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+#: gen_ai.server.time_per_output_token.
+BUCKETS_SERVER_TPOT: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+
 # llmtap metrics
+METRIC_TTFT = "llmtap.time_to_first_token"  # TTFT by route, request shape and prompt version, fine buckets
+METRIC_TPOT = "llmtap.time_per_output_token"
 METRIC_TTFB = "llmtap.time_to_first_byte"
 METRIC_UPSTREAM_TTFT = "llmtap.upstream.time_to_first_chunk"
 METRIC_ITL = "llmtap.inter_token_latency"

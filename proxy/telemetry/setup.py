@@ -1,7 +1,10 @@
 """Builds the OpenTelemetry providers from ``Settings``: OTLP over gRPC or HTTP, and the /metrics reader.
 
 Nothing here is global: the providers are returned to the caller (the CLI), which injects them into
-the app and shuts them down on exit.
+the app and shuts them down on exit. Histograms over OTLP follow
+``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` (read into ``Telemetry.histogram_aggregation``):
+``base2_exponential_bucket_histogram`` sends every histogram as an exponential one: at most 160 buckets over
+the range its values span, as narrow as that range allows. ``/metrics`` keeps explicit buckets whatever it says.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import Histogram, MeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
     MetricExporter,
@@ -24,11 +27,17 @@ from opentelemetry.sdk.metrics.export import (
     MetricsData,
     PeriodicExportingMetricReader,
 )
+from opentelemetry.sdk.metrics.view import (
+    Aggregation,
+    ExplicitBucketHistogramAggregation,
+    ExponentialBucketHistogramAggregation,
+)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 
-from proxy.settings import Telemetry
+from proxy import __version__
+from proxy.settings import EXPONENTIAL, Telemetry
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.prometheus import PrometheusReader
 
@@ -243,17 +252,27 @@ def _metric_exporter(t: Telemetry) -> MetricExporter | None:
     if t.metrics_exporter != "otlp" or t.metrics_endpoint is None:
         return None
     headers = dict(t.metrics_headers)
+    # From the settings, not left to the exporter's own reading of the variable (the same one, checked there).
+    aggregation: dict[type, Aggregation] = {
+        Histogram: ExponentialBucketHistogramAggregation()
+        if t.histogram_aggregation == EXPONENTIAL
+        else ExplicitBucketHistogramAggregation()
+    }
     if t.metrics_protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HTTPMetricExporter
 
         return HTTPMetricExporter(
             endpoint=_http_endpoint(t.metrics_endpoint, "metrics", specific=t.metrics_endpoint_specific),
             headers=headers,
+            preferred_aggregation=aggregation,
         )
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GRPCMetricExporter
 
     return GRPCMetricExporter(
-        endpoint=t.metrics_endpoint, headers=headers, insecure=t.metrics_endpoint.startswith("http://")
+        endpoint=t.metrics_endpoint,
+        headers=headers,
+        insecure=t.metrics_endpoint.startswith("http://"),
+        preferred_aggregation=aggregation,
     )
 
 
@@ -288,7 +307,7 @@ def build(t: Telemetry, env: Mapping[str, str] | None = None) -> Providers:
             PeriodicExportingMetricReader(metric_exporter, export_interval_millis=t.metric_export_interval_ms)
         )
     meter_provider = MeterProvider(resource=res, metric_readers=readers, shutdown_on_exit=False)
-    meter = meter_provider.get_meter("llmtap")
+    meter = meter_provider.get_meter("llmtap", __version__, schema_url=sc.schema_url(t.semconv_latest))
     if gate is not None:
         meter.create_observable_counter(
             sc.METRIC_SPANS_DROPPED,

@@ -30,6 +30,7 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from proxy import __version__
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import OK, Timeline
 from proxy.labels import OTHER, clean
@@ -144,7 +145,10 @@ class SpanWriter:
     def __init__(self, settings: Settings, tracer_provider: TracerProvider | None) -> None:
         self.settings = settings
         self._ids = FixedIds.install(tracer_provider)
-        self._tracer = (tracer_provider or NoOpTracerProvider()).get_tracer("llmtap")
+        latest = settings.telemetry.semconv_latest
+        self._tracer = (tracer_provider or NoOpTracerProvider()).get_tracer(
+            "llmtap", __version__, schema_url=sc.schema_url(latest)
+        )
         #: Chunk spans straight to the SDK's processors when the provider is the SDK's; None otherwise.
         self.chunk_writer = ChunkSpanWriter.of(tracer_provider, self._tracer)
 

@@ -5,8 +5,8 @@ so nothing here runs on a request's path. Memory is bounded: per route and model
 ``SLOT`` seconds for ``HORIZON`` seconds plus one since start (models are already capped by the
 recorder's label guard, ``proxy.labels.LabelGuard``), and the last ``HISTORY`` requests.
 
-Every figure counts exactly what the recorder's metrics count, under the same conditions (see
-``Tally.add_request``), and percentiles are read from the same bucket boundaries with Prometheus'
+Every figure counts exactly what the recorder's ``llmtap.*`` metrics count, under the same conditions (see
+``Tally.add_request``), and percentiles are read from the same (fine) bucket boundaries with Prometheus'
 ``histogram_quantile`` interpolation (``proxy.analysis.stats.histogram_quantile``): over the window "since
 start" the page shows what ``histogram_quantile(q, sum by (le) (...))`` over ``/metrics`` shows, to
 the last digit.
@@ -102,17 +102,17 @@ class Tally:
     tpot: Hist = field(default_factory=Hist)
 
     def add_request(self, tl: Timeline, s: Summary) -> None:
-        """Count one request exactly as ``Recorder._metrics`` records it."""
+        """Count one request exactly as ``MetricWriter.record`` records it."""
         stream = bool(tl.request and tl.request.stream)
         self.requests += 1  # llmtap.requests
         self.errors += tl.outcome == ERROR
         self.cancelled += tl.outcome == CANCELLED
         self.slo_met += s.slo == "met"
-        if stream and s.ttft is not None:  # gen_ai.client.operation.time_to_first_chunk
+        if stream and s.ttft is not None:  # llmtap.time_to_first_token
             self.ttft.add(s.ttft)
             for itl in s.itl_per_token:  # llmtap.inter_token_latency
                 self.itl.add(itl)
-        if tl.outcome == OK and s.tpot is not None:  # gen_ai.server.time_per_output_token
+        if tl.outcome == OK and s.tpot is not None:  # llmtap.time_per_output_token
             self.tpot.add(s.tpot)
         self.input_tokens += s.input_tokens or 0  # llmtap.usage.input_tokens
         self.output_tokens += s.output_tokens or 0  # llmtap.usage.output_tokens

@@ -1,0 +1,265 @@
+"""Metrics as the conventions say, read off a real ``llmtap serve``: its ``/metrics`` and a real OTLP receiver.
+
+The ``gen_ai.*`` histograms carry the conventions' advisory buckets and attribute lists by default, llmtap's
+fine buckets with ``--histogram-buckets fine``, and are exponential over OTLP with the standard
+``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION``; ``gen_ai.server.*`` (the model server's own
+names) appear only when asked for; counters a dashboard panel reads exist at 0 before any event; the
+instrumentation scope names the conventions' schema.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.telemetry import semconv as sc
+from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS
+from tests.conftest import Scripted
+from tests.procs import ROOT, Llmtap
+from tests.test_otlp import HTTPReceiver
+
+CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
+DURATION = "gen_ai_client_operation_duration_seconds"
+GEN_AI_SECONDS = (
+    DURATION,
+    "gen_ai_client_operation_time_to_first_chunk_seconds",
+    "gen_ai_client_operation_time_per_output_chunk_seconds",
+)
+TOKEN_USAGE = "gen_ai_client_token_usage"
+LLMTAP_SECONDS = (
+    "llmtap_time_to_first_token_seconds",
+    "llmtap_inter_token_latency_seconds",
+    "llmtap_time_per_output_token_seconds",
+    "llmtap_queue_duration_seconds",
+)
+#: The conventions' metric attributes as Prometheus labels (gen-ai-metrics.md v1.41.1), and the bucket bound.
+CONVENTION_LABELS = {
+    "gen_ai_operation_name",
+    "gen_ai_provider_name",
+    "gen_ai_request_model",
+    "gen_ai_response_model",
+    "server_address",
+    "server_port",
+    "error_type",
+    "gen_ai_token_type",
+    "le",
+}
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[Scripted]:
+    up = Scripted(SCRIPT_TTFT="0.02", SCRIPT_GAP="0.005", SCRIPT_CHUNKS="6")
+    yield up
+    up.close()
+
+
+def labels(line: str) -> dict[str, str]:
+    """The labels of one sample line (values in this test's data hold no quotes or commas)."""
+    inside = line.partition("{")[2].rpartition("}")[0]
+    return dict(item.split("=", 1) for item in inside.replace('"', "").split(",") if item)
+
+
+def series(text: str, name: str) -> list[str]:
+    """The sample lines of one metric family member (``name`` exactly, before its labels)."""
+    return [line for line in text.splitlines() if line.split("{", 1)[0].split(" ", 1)[0] == name]
+
+
+def bounds(text: str, histogram: str) -> list[float]:
+    """The finite ``le`` values of a histogram's first series, in order."""
+    lines = series(text, histogram + "_bucket")
+    assert lines, f"no {histogram} on /metrics"
+    first = {k: v for k, v in labels(lines[0]).items() if k != "le"}
+    les = [labels(line)["le"] for line in lines if {k: v for k, v in labels(line).items() if k != "le"} == first]
+    assert les[-1] == "+Inf"
+    return [float(le) for le in les[:-1]]
+
+
+def chat(proxy: Llmtap) -> None:
+    with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
+        assert r.status_code == 200
+        assert [line for line in r.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
+
+
+def wait_for(what: str, check: Callable[[], bool], proxy: Llmtap, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{proxy.logs()[-3000:]}"
+        time.sleep(0.05)
+
+
+def recorded(proxy: Llmtap) -> str:
+    """``/metrics`` once the one request made so far is on it."""
+    wait_for("request on /metrics", lambda: any(series(proxy.metrics(), DURATION + "_count")), proxy)
+    return proxy.metrics()
+
+
+def test_default_buckets_and_attributes_are_the_conventions(upstream: Scripted, tmp_path: Path) -> None:
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log")
+    try:
+        chat(proxy)
+        text = recorded(proxy)
+        for name in GEN_AI_SECONDS:
+            assert bounds(text, name) == list(sc.BUCKETS_DURATION), name
+        assert bounds(text, TOKEN_USAGE) == list(sc.BUCKETS_TOKENS)
+        # llmtap's own latency histograms keep the fine buckets: theirs are the percentiles it promises.
+        for name in LLMTAP_SECONDS:
+            assert bounds(text, name) == list(DURATION_BUCKETS), name
+        # The gen_ai.* series carry the conventions' attributes and no other; llmtap's carry the route.
+        genai = [line for line in text.splitlines() if line.startswith("gen_ai_")]
+        assert genai and {key for line in genai for key in labels(line)} <= CONVENTION_LABELS
+        assert all(labels(line)["llmtap_route"] == "default" for line in series(text, LLMTAP_SECONDS[0] + "_count"))
+        # The model server's own names are not a proxy's to emit unless asked.
+        assert "gen_ai_server_" not in text
+    finally:
+        proxy.close()
+
+
+def test_fine_setting_and_server_metrics(upstream: Scripted, tmp_path: Path) -> None:
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--histogram-buckets", "fine", "--server-metrics")
+    try:
+        chat(proxy)
+        text = recorded(proxy)
+        for name in GEN_AI_SECONDS:
+            assert bounds(text, name) == list(DURATION_BUCKETS), name
+        assert bounds(text, TOKEN_USAGE) == list(TOKEN_BUCKETS)
+        for name in ("gen_ai_server_time_to_first_token_seconds", "gen_ai_server_request_duration_seconds"):
+            assert bounds(text, name) == list(DURATION_BUCKETS), name
+            assert sum(float(line.rpartition(" ")[2]) for line in series(text, name + "_count")) == 1, name
+    finally:
+        proxy.close()
+
+
+def test_server_metrics_take_their_own_advice(upstream: Scripted, tmp_path: Path) -> None:
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env={"LLMTAP_SERVER_METRICS": "true"})
+    try:
+        chat(proxy)
+        text = recorded(proxy)
+        assert bounds(text, "gen_ai_server_time_to_first_token_seconds") == list(sc.BUCKETS_SERVER_TTFT)
+        assert bounds(text, "gen_ai_server_time_per_output_token_seconds") == list(sc.BUCKETS_SERVER_TPOT)
+        assert bounds(text, "gen_ai_server_request_duration_seconds") == list(sc.BUCKETS_DURATION)
+    finally:
+        proxy.close()
+
+
+def test_counters_read_zero_before_any_event(upstream: Scripted, tmp_path: Path) -> None:
+    config = tmp_path / "llmtap.yaml"
+    config.write_text(
+        "max_concurrency: 2\n"
+        "routes:\n"
+        f"  - {{prefix: /a, upstream: '{upstream.url}', strip_prefix: true, name: a}}\n"
+        f"  - {{prefix: /b, upstream: '{upstream.url}', strip_prefix: true, name: b}}\n",
+        encoding="utf-8",
+    )
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--config", str(config))
+    try:
+        # Each counter's label beside the route, and the values it reads 0 for (None: the route alone).
+        want: dict[str, tuple[str, tuple[str, ...]] | None] = {
+            "llmtap_queue_rejected_total": ("error_type", ("queue_full", "queue_timeout")),
+            "llmtap_server_timing_rejected_total": ("llmtap_server_timing_field", ("queue", "prefill", "decode")),
+            "llmtap_queue_waiting": None,
+            "llmtap_stream_malformed_events_total": None,
+        }
+
+        def present() -> bool:
+            text = proxy.metrics()
+            return all(series(text, name) for name in want)
+
+        wait_for("counters at 0", present, proxy)
+        text = proxy.metrics()
+        routes = ("a", "b", "default")  # the file's two and --upstream's
+        for name, keyed in want.items():
+            seen = {frozenset(labels(line).items()): line.rpartition(" ")[2] for line in series(text, name)}
+            if keyed is None:
+                expected = {frozenset({("llmtap_route", r)}) for r in routes}
+            else:
+                key, values = keyed
+                expected = {frozenset({("llmtap_route", r), (key, v)}) for r in routes for v in values}
+            assert set(seen) == expected, (name, seen)
+            assert set(seen.values()) == {"0"}, (name, seen)
+    finally:
+        proxy.close()
+
+
+def otlp_env(receiver: HTTPReceiver, **extra: str) -> dict[str, str]:
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRIC_EXPORT_INTERVAL": "300",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        **extra,
+    }
+
+
+def test_base2_variable_gives_exponential_histograms_over_otlp(upstream: Scripted, tmp_path: Path) -> None:
+    receiver = HTTPReceiver()
+    env = otlp_env(
+        receiver, OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION="base2_exponential_bucket_histogram"
+    )
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env=env)
+    try:
+        chat(proxy)
+        names = (sc.RELEASED.operation_duration, sc.RELEASED.time_to_first_chunk, sc.METRIC_TTFT, sc.METRIC_ITL)
+        wait_for("metrics over OTLP", lambda: set(names) <= set(receiver.received.latest_metrics()), proxy)
+        metrics = receiver.received.latest_metrics()
+        for name in names:
+            _, metric = metrics[name]
+            assert metric.WhichOneof("data") == "exponential_histogram", name
+            (point,) = metric.exponential_histogram.data_points
+            assert point.count >= 1 and point.scale > 0, name
+        # The same request's TTFT, exponential over OTLP and in explicit standard buckets on /metrics.
+        _, ttft = metrics[sc.METRIC_TTFT]
+        text = recorded(proxy)
+        ((line,),) = [series(text, "llmtap_time_to_first_token_seconds_sum")]
+        assert float(line.rpartition(" ")[2]) == pytest.approx(ttft.exponential_histogram.data_points[0].sum)
+        assert bounds(text, DURATION) == list(sc.BUCKETS_DURATION)
+    finally:
+        proxy.close()
+        receiver.close()
+
+
+def test_an_unknown_aggregation_stops_the_start(upstream: Scripted) -> None:
+    key = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url, "--port", "0", "--admin-port", "0"],
+        cwd=ROOT,
+        env={**clean, key: "base2"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    # A one-line error naming the variable and what it takes, not the SDK's warning and a start without it.
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("llmtap: error: ") and key in line and "base2_exponential_bucket_histogram" in line
+
+
+@pytest.mark.parametrize("latest", [False, True], ids=["released", "latest"])
+def test_schema_url_on_the_exported_scope(latest: bool, upstream: Scripted, tmp_path: Path) -> None:
+    receiver = HTTPReceiver()
+    extra = {"OTEL_SEMCONV_STABILITY_OPT_IN": "gen_ai_latest_experimental"} if latest else {}
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env=otlp_env(receiver, **extra))
+    try:
+        chat(proxy)
+        got = receiver.received
+        wait_for("a trace", lambda: any(s.name == "chat scripted" for _, s in got.spans()), proxy)
+        wait_for("request metrics", lambda: sc.METRIC_TTFT in got.latest_metrics(), proxy)
+        with got.lock:
+            spans = [ss for request in got.traces for rs in request.resource_spans for ss in rs.scope_spans]
+            metrics = [sm for request in got.metrics for rm in request.resource_metrics for sm in rm.scope_metrics]
+        want = "" if latest else sc.SCHEMA_URL
+        assert spans and {(ss.scope.name, ss.schema_url) for ss in spans} == {("llmtap", want)}
+        # One scope for every metric: the request's instruments and the exporters' own counters alike.
+        assert metrics and {(sm.scope.name, sm.schema_url) for sm in metrics} == {("llmtap", want)}
+        assert {sm.scope.version for sm in metrics} == {ss.scope.version for ss in spans} != {""}
+    finally:
+        proxy.close()
+        receiver.close()
