@@ -10,6 +10,9 @@ the queue, prefill and decode children, and one chunk span per content chunk und
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ from tests.test_collectors import (
     start_llmtap,
     stream_chat,
 )
+from tests.test_reference_openai import CLIENT, PYTHON
 
 PHOENIX = TOOLS / "phoenix" / "bin" / "phoenix"
 REQUESTS = 2
@@ -172,3 +176,66 @@ def test_phoenix_receives_traces_through_rotel(phoenix: Phoenix, upstream: Scrip
         rotel.close()
     check_trees(spans)
     print(f"\nPhoenix through rotel: {len(spans)} spans read back in {REQUESTS} traces")
+
+
+@pytest.mark.real
+def test_phoenix_counts_one_generation_under_an_instrumented_application(phoenix: Phoenix, tmp_path: Path) -> None:
+    """The application traces (the openai SDK under opentelemetry-instrumentation-openai-v2) and llmtap too,
+    both into one Phoenix project: each call is one LLM span, the application's, and its tokens count once."""
+    require_real(
+        PYTHON.is_file(), "opentelemetry-instrumentation-openai-v2", "run .ci/install.d/27-openai-reference.sh"
+    )
+    project = "llmtap-under-app"
+    resource = f"openinference.project.name={project}"
+    port = free_port()
+    simulator = Proc(
+        [sys.executable, "-m", "proxy", "simulate", "--profile", "fast", "--port", str(port)], tmp_path / "sim.log"
+    )
+    env = {
+        "OTEL_SERVICE_NAME": "llmtap",
+        "OTEL_RESOURCE_ATTRIBUTES": resource,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.url,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+    }
+    try:
+        simulator.wait_until("llmtap simulate", listening(port))
+        limits = ("--max-concurrency", "1", "--queue-limit", "0")  # the client's refused call is refused
+        proxy = start_llmtap(f"http://127.0.0.1:{port}", tmp_path / "llmtap.log", env, *limits)
+        try:
+            client = subprocess.run(
+                [str(PYTHON), str(CLIENT), f"{proxy.url}/v1", phoenix.url],
+                env=clean_env(OTEL_SERVICE_NAME="app", OTEL_RESOURCE_ATTRIBUTES=resource),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert client.returncode == 0, client.stderr[-4000:]
+            calls = [json.loads(line) for line in client.stdout.splitlines()]
+            app_ids = {c["span_id"] for c in calls}
+            deadline = time.monotonic() + 30
+            while True:
+                spans = phoenix.spans(project)
+                # llmtap's span under each call (the application nests a call made while a stream is open under
+                # that stream's span, so its own spans are told apart by their ids)
+                under = [s for s in spans if s["parent_id"] in app_ids and s["context"]["span_id"] not in app_ids]
+                if len(under) >= len(calls) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.25)
+            truth = httpx.get(f"http://127.0.0.1:{port}/debug/requests", timeout=5).json()["requests"]
+        finally:
+            proxy.proc.close()
+    finally:
+        simulator.close()
+    assert len(under) == len(calls), f"{len(under)} llmtap spans under {len(calls)} application calls"
+    llm = [s for s in spans if s["span_kind"] == "LLM"]
+    # One generation per call, the application's own; llmtap's hop spans and their children are not.
+    assert sorted(s["context"]["span_id"] for s in llm) == sorted(app_ids), [(s["name"], s["span_kind"]) for s in spans]
+    assert all(s["name"].startswith(("POST ", "GET ")) for s in under), [s["name"] for s in under]
+    counted = sum(s["attributes"].get("llm.token_count.prompt", 0) for s in spans)
+    completed = sum(s["attributes"].get("llm.token_count.completion", 0) for s in spans)
+    # Tokens counted once: what the application's spans report, no more than the model processed.
+    assert 0 < counted <= sum(r["prompt_tokens"] for r in truth), (counted, truth)
+    assert 0 < completed <= sum(r["output_tokens"] for r in truth), (completed, truth)
+    print(f"\nPhoenix, application + llmtap: {len(llm)} LLM spans for {len(calls)} calls, {counted} prompt tokens")
