@@ -459,6 +459,18 @@ def _requests() -> Iterable[Timeline]:
     bomb.unread = "inflate_limit"  # the tap stopped reading it
     yield bomb
     yield _timeline(chunks=1, relay=True)
+    # A client that traces: with span_role auto, llmtap's root is the hop under the client's generation.
+    hop = _timeline(chunks=3)
+    hop.parent = ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "")
+    hop.apply(
+        Facts(
+            usage=Usage(input_tokens=120, output_tokens=10),
+            finish_reasons=["stop"],
+            response_id="chatcmpl-2",
+            response_model="example-model-2025",
+        )
+    )
+    yield hop
     # No prompt version and another system prompt (the cache diagnosis names the changed region), and a
     # body that is not JSON at all: no model, relayed unchanged.
     changed = [{"role": "system", "content": "You answer questions about a receipt. " * 8}, *_BODY["messages"][1:]]
@@ -538,6 +550,8 @@ def exercise(*, latest: bool, chunk_mode: str, out: Observed) -> None:
             if span.kind == SpanKind.CLIENT:
                 root = span.attributes is not None and sc.OPERATION_NAME in span.attributes
                 name = "root" if root else "relay"
+            elif span.kind == SpanKind.SERVER:
+                name = "hop"
             out.span_kinds[name] = span.kind.name
             out.span_attrs.setdefault(name, set()).update(_note(out, span.attributes))
             for event in span.events:
@@ -735,9 +749,16 @@ def render(observed: Observed, released: list[Instrument], latest: list[Instrume
     lines += [
         "## Spans",
         "",
-        "One trace per request: the root span (`CLIENT`, a child of the client's `traceparent`), and under it",
+        "One trace per request: the root span (a child of the client's `traceparent`), and under it",
         "`llmtap.queue`, `llmtap.prefill` and `llmtap.decode`, with one `llmtap.decode.chunk` span (or event, with",
         "`--chunk-spans events`) per content chunk up to the cap; past it the tail folds into one.",
+        "",
+        "The root's role (`telemetry.span_role`, `--span-role`, `LLMTAP_SPAN_ROLE`): `generation` makes it the",
+        "GenAI `CLIENT` span `{gen_ai.operation.name} {gen_ai.request.model}` with `gen_ai.usage.*`; `hop` makes it",
+        "a `SERVER` span `{method} {path}` with no `gen_ai.*` attribute at all (its GenAI facts under `llmtap.*`),",
+        "so that under a client's own generation span trace backends count one generation and its tokens once;",
+        "`auto` (the default) is `hop` when the request arrives with a `traceparent`, `generation` otherwise.",
+        "Child spans never carry `gen_ai.usage.*`.",
         "",
     ]
     for name in sorted(observed.span_attrs, key=_span_order):
@@ -774,11 +795,14 @@ def _latest_cell(name: str, released: set[str]) -> str:
 SPAN_TITLES = {
     "root": "root: `{gen_ai.operation.name} {gen_ai.request.model}`",
     "relay": "root of a plain relay (no LLM protocol): `{http.request.method}`",
+    "hop": "root under a traced client (`telemetry.span_role` hop, or auto with a `traceparent`): "
+    "`{http.request.method} {url.path}`",
 }
 
 
 def _span_order(name: str) -> int:
-    order = ["root", sc.SPAN_QUEUE, sc.SPAN_PREFILL, sc.SPAN_DECODE, sc.SPAN_CHUNK, f"event {sc.EVENT_CHUNK}", "relay"]
+    order = ["root", "hop", sc.SPAN_QUEUE, sc.SPAN_PREFILL, sc.SPAN_DECODE, sc.SPAN_CHUNK]
+    order += [f"event {sc.EVENT_CHUNK}", "relay"]
     return order.index(name) if name in order else len(order)
 
 
