@@ -278,7 +278,10 @@ def nearest_rank(values: Sequence[float], q: float) -> float:
 def start_run(vllm: VllmServer, route: dict[str, Any], name: str) -> Iterator[Run]:
     """A fresh proxy (and fresh estimator) in front of the shared vLLM, the workload through it, then closed."""
     telemetry = Telemetry()
-    settings = build({"upstream": vllm.url, "provider": "vllm", "read_timeout": 120, **route}, env={})
+    # The client sends a traceparent only to find vLLM's own span of each request: llmtap's span stays the
+    # generation being compared with it (under span_role auto, a traceparent would make it the hop).
+    flags = {"upstream": vllm.url, "provider": "vllm", "read_timeout": 120, "span_role": "generation", **route}
+    settings = build(flags, env={})
     running, threads = start_proxy(settings, telemetry)
     try:
         # The salt starts every prompt, so one run's prompts never hit the cache another run filled.
