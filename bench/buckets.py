@@ -38,8 +38,8 @@ from opentelemetry.sdk.metrics import Histogram, MeterProvider
 from opentelemetry.sdk.metrics.export import ExponentialHistogramDataPoint, InMemoryMetricReader
 from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
 
-from bench.peers import promql
-from bench.procs import LoopbackHTTPServer, Service, free_port, wait_http
+from bench.peers import promql, start_prometheus
+from bench.procs import LoopbackHTTPServer, Service
 from proxy.analysis.stats import histogram_quantile, quantile
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import create
@@ -169,23 +169,13 @@ def _local_buckets(text: str, dist: str) -> tuple[list[float], list[float]]:
     return [b for b, _ in pairs], [n for _, n in pairs]
 
 
-def _prometheus(work: Path, port: int, target: str) -> tuple[Service, int]:
-    (work / "data").mkdir()
-    config = work / "prometheus.yml"
+def _prometheus(work: Path, target: str) -> tuple[Service, int]:
+    """Prometheus scraping each explicit choice's exposition from ``target``, one job each."""
     jobs = "".join(
         f"  - job_name: {choice}\n    metrics_path: /{choice}\n    static_configs: [{{targets: ['{target}']}}]\n"
         for choice in EXPLICIT
     )
-    config.write_text(f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nscrape_configs:\n{jobs}")
-    argv = [
-        "prometheus",
-        f"--config.file={config}",
-        f"--storage.tsdb.path={work / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-    ]
-    service = Service("prometheus", argv, log=work / "prometheus.log", cpu=None)
-    wait_http(f"http://127.0.0.1:{port}/-/ready", 60, alive=lambda: service.proc.poll() is None)
-    return service, port
+    return start_prometheus(work, jobs, cpu=None, log=work / "prometheus.log")
 
 
 def measure(samples: int = 10_000, seed: int = 20) -> Report:
@@ -218,7 +208,7 @@ def measure(samples: int = 10_000, seed: int = 20) -> Report:
     texts = {choice: reader.render() for choice, reader in readers.items()}
     agreement = 0.0
     with tempfile.TemporaryDirectory(prefix="llmtap-buckets-") as tmp:
-        service, port = _prometheus(Path(tmp), free_port(), server.url.removeprefix("http://"))
+        service, port = _prometheus(Path(tmp), server.url.removeprefix("http://"))
         try:
             _wait_scraped(port, samples)
             for row in rows:

@@ -304,14 +304,16 @@ def exposition_sum(text: str, metric: str) -> float | None:
 
 def prometheus(work: Path, cpu: str | None, admin_port: int) -> tuple[Service, int]:
     """Debian's Prometheus as a plain process, scraping llmtap's ``/metrics`` every second."""
-    d = work / "prometheus"
+    job = f"  - job_name: llmtap\n    static_configs: [{{targets: ['127.0.0.1:{admin_port}']}}]\n"
+    return start_prometheus(work / "prometheus", job, cpu=cpu, log=work / "prometheus.log")
+
+
+def start_prometheus(d: Path, jobs: str, *, cpu: str | None, log: Path) -> tuple[Service, int]:
+    """Debian's Prometheus on a free port with its files under ``d``, scraping ``jobs`` (YAML scrape configs)
+    every second; returned once it is ready."""
     (d / "data").mkdir(parents=True, exist_ok=True)
     conf = d / "prometheus.yml"
-    conf.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        "scrape_configs:\n"
-        f"  - job_name: llmtap\n    static_configs: [{{targets: ['127.0.0.1:{admin_port}']}}]\n"
-    )
+    conf.write_text(f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nscrape_configs:\n{jobs}")
     port = free_port()
     argv = [
         "prometheus",
@@ -319,7 +321,7 @@ def prometheus(work: Path, cpu: str | None, admin_port: int) -> tuple[Service, i
         f"--storage.tsdb.path={d / 'data'}",
         f"--web.listen-address=127.0.0.1:{port}",
     ]
-    svc = Service("prometheus", argv, log=work / "prometheus.log", cpu=cpu)
+    svc = Service("prometheus", argv, log=log, cpu=cpu)
     wait_http(f"http://127.0.0.1:{port}/-/ready", 60, alive=lambda: svc.proc.poll() is None)
     return svc, port
 
