@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -290,6 +291,9 @@ def scrape_sum(admin_port: int, metric: str = TAPES_DROPPED) -> float | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=10) as r:
             text = r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return None
     except OSError:
         return None
     return exposition_sum(text, metric)

@@ -218,6 +218,9 @@ def wait_http(
             with urllib.request.urlopen(urllib.request.Request(url, headers=dict(headers or {})), timeout=2) as r:
                 if r.status == 200:
                     return
+        except urllib.error.HTTPError as exc:
+            exc.close()  # a "not ready yet" answer (Prometheus's 503) holds its socket until closed
+            last = exc
         except (urllib.error.URLError, OSError) as exc:
             last = exc
         time.sleep(0.1)

@@ -135,7 +135,7 @@ def test_demo_tables_name_every_statistic_and_both_token_rates() -> None:
             # Four streams at once, prefill short: the total is several times one stream's rate.
             assert all_streams > 2 * per_stream, row
     verdict = next(line for line in out.stdout.splitlines() if line.startswith("support assistant: no significant"))
-    found = re.search(r"\(([+-]\d+\.\d%), CI ([+-]\d+\.\d%) to ([+-]\d+\.\d%)\): a real (\d+) ms gain", verdict)
+    found = re.search(r"\(([+-]\d+\.\d+%), CI ([+-]\d+\.\d+%) to ([+-]\d+\.\d+%)\): a real (\d+) ms gain", verdict)
     assert found, verdict
     value, low, high = (float(x.rstrip("%")) for x in found.groups()[:3])
     assert low <= value <= high < 0 and low != high, verdict
