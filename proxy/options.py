@@ -666,6 +666,15 @@ _TABLE = (
     ),
     # processes and logging
     option("log_level", choice(*LOG_LEVELS), "info", "what llmtap logs", "process"),
+    option(
+        "access_log",
+        path("PATH"),
+        None,
+        "one line per request (method, path, status, TTFT, tokens in and out, duration) to PATH, - for stderr; "
+        "written by the telemetry process",
+        "process",
+        default_text="off",
+    ),
     option("workers", integer(1), 1, "relay processes sharing the port, one per core", "process"),
     option(
         "telemetry_workers",

@@ -236,6 +236,8 @@ class Settings:
     #: through httpx's own transport (with the same TLS context).
     upstream_client: str = default("upstream_client")
     log_level: str = default("log_level")
+    #: ``--access-log PATH``: one line per finished request, by the telemetry process (``-``: its stderr).
+    access_log: str | None = default("access_log")
     record: Records = field(default_factory=Records)
     #: Relay processes sharing the proxy port (SO_REUSEPORT).
     workers: int = default("workers")
@@ -513,6 +515,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         max_client_connections=values["max_client_connections"],
         upstream_client=values["upstream_client"],
         log_level=values["log_level"],
+        access_log=values["access_log"],
         record=Records(
             path=values["record"],
             max_bytes=max(int(values["record_max_mb"] * MIB), 1024),
