@@ -105,3 +105,29 @@ def test_a_bad_access_log_path_stops_the_start(tmp_path: Path) -> None:
         "--upstream", "http://127.0.0.1:9", "--port", "0", "--admin-port", "0", "--access-log", str(blocker / "a.log")
     )
     assert_config_error(result, f"access log {str(blocker / 'a.log')!r}: ")
+
+
+def test_an_access_line_stays_one_line_and_says_what_it_does_not_know() -> None:
+    from proxy.analysis.summary import Summary
+    from proxy.telemetry.access_log import PATH_CAP, access_line
+    from tests.test_summary import make
+
+    hostile = make(path="/v1/chat\r\nGET /forged HTTP/1.1 x", status_code=None, error_type="client_gone")
+    line = access_line(hostile, Summary())
+    assert "\n" not in line and "\r" not in line and " /forged" not in line, line
+    assert line.split(" ")[1:] == [
+        "POST",
+        "/v1/chat%0D%0AGET%20/forged%20HTTP/1.1%20x",
+        "-",
+        "ttft=-",
+        "in=-",
+        "out=-",
+        "duration=-",
+        "route=default",
+        "model=gpt-4o",
+        "error=client_gone",
+    ]
+    assert line.startswith("2023-11-14T22:13:20.000Z ")
+    long = access_line(make(path="/" + "a" * 1000, status_code=200), Summary(ttft=0.0213, e2e=1.5, input_tokens=3))
+    assert long.split(" ")[2] == "/" + "a" * (PATH_CAP - 1) + "..."
+    assert long.split(" ")[3:8] == ["200", "ttft=21.3ms", "in=3", "out=-", "duration=1500.0ms"]
