@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,10 +47,49 @@ class SLO:
     tpot: float | None = None
     e2e: float | None = None
 
+    #: The percentile that counts (0.95: p95), for the verdict over many requests (``proxy.analysis.slo``).
+    percentile: float = 0.99
+    #: The request shape this objective holds for (``Shape.name``); None: every shape.
+    shape: str | None = None
+
     @property
     def configured(self) -> bool:
         """True when at least one objective is set."""
         return any(v is not None for v in (self.ttft, self.tpot, self.e2e))
+
+    def limits(self) -> dict[str, float]:
+        """The configured objectives by figure (``ttft``, ``tpot``, ``e2e``), in seconds."""
+        return {k: v for k, v in (("ttft", self.ttft), ("tpot", self.tpot), ("e2e", self.e2e)) if v is not None}
+
+
+#: The shape of a request no configured class takes (or whose input tokens are unknown).
+OTHER_SHAPE = "other"
+#: Classes ``shapes:`` may define at most: each one adds its series to the latency histograms.
+SHAPES_MAX = 16
+_SHAPE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A request shape: the requests whose input and output tokens fall within these bounds (inclusive).
+
+    The course's first rule of measuring: agree on the request's shape and on the percentile that counts
+    before measuring anything. A bound left out is open on that side.
+    """
+
+    name: str
+    min_input_tokens: int | None = None
+    max_input_tokens: int | None = None
+    min_output_tokens: int | None = None
+    max_output_tokens: int | None = None
+
+
+#: The default classes, the course's two workloads: a support assistant (6,200-token prompts, 300-token
+#: answers) and code completion (200-token prompts, short answers). Anything else is ``other``.
+DEFAULT_SHAPES = (
+    Shape("long_prompt", min_input_tokens=2048, max_output_tokens=2048),
+    Shape("short_prompt", max_input_tokens=1024, max_output_tokens=512),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +128,9 @@ class Route:
     tls_key: str | None = None
     tls_server_name: str | None = None
     tls_verify: bool = True
+    #: The route's objectives (``routes[].slo``), each for one shape or every shape, with its percentile;
+    #: a request is judged by the first one for its shape, else by the global ``slo``.
+    slo: tuple[SLO, ...] = ()
 
     @property
     def host(self) -> str:
@@ -193,6 +236,8 @@ class Settings:
     timeouts: Timeouts = field(default_factory=Timeouts)
     telemetry: Telemetry = field(default_factory=Telemetry)
     slo: SLO = field(default_factory=SLO)
+    #: The request shapes (``shapes:``), matched in order; a request none takes is ``OTHER_SHAPE``.
+    shapes: tuple[Shape, ...] = DEFAULT_SHAPES
     inject_usage: bool = True
     max_inspect_bytes: int = 8 * 1024 * 1024
     #: A request body larger than this is refused with 413; its request line and headers together
@@ -270,7 +315,8 @@ _FILE_KEYS = {
         "span_role",
         "offline_token_usage",
     },
-    "slo": {"ttft_ms", "tpot_ms", "e2e_ms"},
+    "slo": {"ttft_ms", "tpot_ms", "e2e_ms", "percentile"},
+    "shapes": None,
     "inject_usage": None,
     "max_inspect_bytes": None,
     "max_request_bytes": None,
@@ -288,7 +334,9 @@ _FILE_KEYS = {
     **dict.fromkeys(_ROUTE_OPTIONS),
     **dict.fromkeys(_TLS_OPTIONS),
 }
-_ROUTE_KEYS = {"prefix", "upstream", "provider", "strip_prefix", "name", *_ROUTE_OPTIONS, *_TLS_OPTIONS}
+_ROUTE_KEYS = {"prefix", "upstream", "provider", "strip_prefix", "name", "slo", *_ROUTE_OPTIONS, *_TLS_OPTIONS}
+_SHAPE_KEYS = {"min_input_tokens", "max_input_tokens", "min_output_tokens", "max_output_tokens"}
+_OBJECTIVE_KEYS = {"shape", "percentile", "ttft_ms", "tpot_ms", "e2e_ms"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -531,6 +579,87 @@ def _route_options(raw: Mapping[str, Any], where: str, defaults: Mapping[str, An
     return out
 
 
+def percentile(value: Any, what: str) -> float:
+    """A percentile as ``95``, ``99.9``, ``p95`` or ``0.95``: the share of requests that must meet the objective."""
+    text = str(value).strip().lower().removeprefix("p")
+    number = _number(text, what)
+    share = number / 100 if number > 1 else number
+    if not 0 < share < 1:
+        raise ConfigError(f"{what}: expected a percentile such as 95 or p99, got {value!r}")
+    return share
+
+
+def objectives(raw: Any, what: str) -> tuple[SLO, ...]:
+    """A route's ``slo``: one objective (a mapping) or a list, each ``{shape, percentile, ttft_ms, ...}``."""
+    items = [raw] if isinstance(raw, Mapping) else raw
+    if not isinstance(items, list):
+        raise ConfigError(f"{what}: expected a list of objectives such as {{shape: long_prompt, ttft_ms: 800}}")
+    out: list[SLO] = []
+    for i, item in enumerate(items):
+        where = f"{what}[{i}]"
+        if not isinstance(item, Mapping):
+            raise ConfigError(
+                f"{where}: expected a mapping such as {{shape: long_prompt, percentile: 95, ttft_ms: 800}}"
+            )
+        unknown = set(item) - _OBJECTIVE_KEYS
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown key {sorted(unknown, key=str)[0]!r}; known: {', '.join(sorted(_OBJECTIVE_KEYS))}"
+            )
+        limits = {
+            k: _number(item[f"{k}_ms"], f"{where}.{k}_ms") / 1000
+            for k in ("ttft", "tpot", "e2e")
+            if item.get(f"{k}_ms") is not None
+        }
+        if not limits:
+            raise ConfigError(f"{where}: give at least one of ttft_ms, tpot_ms, e2e_ms")
+        shape = item.get("shape")
+        if shape is not None:
+            shape = str(shape)
+            if shape != OTHER_SHAPE and not _SHAPE_NAME.match(shape):
+                raise ConfigError(f"{where}.shape: {shape!r} is not a shape name")
+        share = percentile(item["percentile"], f"{where}.percentile") if item.get("percentile") is not None else 0.99
+        out.append(SLO(**limits, percentile=share, shape=shape))
+    return tuple(out)
+
+
+def shapes(raw: Any) -> tuple[Shape, ...]:
+    """The ``shapes:`` section: class name to its token bounds, matched in the file's order."""
+    if raw is None:
+        return DEFAULT_SHAPES
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            "shapes: expected a mapping of class names to bounds, such as {long_prompt: {min_input_tokens: 2048}}"
+        )
+    if len(raw) > SHAPES_MAX:
+        raise ConfigError(
+            f"shapes: at most {SHAPES_MAX} classes (each adds series to the latency metrics), got {len(raw)}"
+        )
+    out: list[Shape] = []
+    for name, bounds in raw.items():
+        name = str(name)
+        if name == OTHER_SHAPE or not _SHAPE_NAME.match(name):
+            raise ConfigError(
+                f"shapes: {name!r} is not a class name "
+                f"(lowercase letters, digits, _ . -, at most 32; not {OTHER_SHAPE!r})"
+            )
+        bounds = bounds or {}
+        if not isinstance(bounds, Mapping):
+            raise ConfigError(f"shapes.{name}: expected a mapping of bounds ({', '.join(sorted(_SHAPE_KEYS))})")
+        unknown = set(bounds) - _SHAPE_KEYS
+        if unknown:
+            raise ConfigError(
+                f"shapes.{name}: unknown key {sorted(unknown, key=str)[0]!r}; known: {', '.join(sorted(_SHAPE_KEYS))}"
+            )
+        values = {k: int(_number(v, f"shapes.{name}.{k}", integer=True)) for k, v in bounds.items() if v is not None}
+        for kind in ("input", "output"):
+            low, high = values.get(f"min_{kind}_tokens"), values.get(f"max_{kind}_tokens")
+            if low is not None and high is not None and low > high:
+                raise ConfigError(f"shapes.{name}: min_{kind}_tokens {low} is above max_{kind}_tokens {high}")
+        out.append(Shape(name, **values))
+    return tuple(out)
+
+
 def _tls_options(
     raw: Mapping[str, Any], upstream: str, defaults: Mapping[str, Any], label: Callable[[str], str]
 ) -> dict[str, Any]:
@@ -592,7 +721,9 @@ def _route(
     name = str(raw.get("name") or (prefix.strip("/") or "default"))
     provider = raw.get("provider", default_provider)
     strip = _bool(raw.get("strip_prefix", False), f"routes[{index}].strip_prefix")
-    options = _route_options(raw, f"routes[{index}].", defaults or {})
+    options: dict[str, Any] = _route_options(raw, f"routes[{index}].", defaults or {})
+    if raw.get("slo") is not None:
+        options["slo"] = objectives(raw["slo"], f"routes[{index}].slo")
     options.update(_tls_options(raw, upstream, tls_defaults or {}, label or (lambda key: f"routes[{index}].{key}")))
     return Route(
         prefix=prefix.rstrip("/") or "/", upstream=upstream, name=name, provider=provider, strip_prefix=strip, **options
@@ -681,6 +812,15 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
     # Longest prefix first, so /openai/v1 wins over /openai.
     routes.sort(key=lambda r: len(r.prefix), reverse=True)
 
+    shape_classes = shapes(data.get("shapes"))
+    known_shapes = {c.name for c in shape_classes} | {OTHER_SHAPE}
+    for r in routes:
+        for objective in r.slo:
+            if objective.shape is not None and objective.shape not in known_shapes:
+                raise ConfigError(
+                    f"routes ({r.name}).slo: shape {objective.shape!r} is not a class of shapes: "
+                    f"{', '.join(sorted(known_shapes))}"
+                )
     slo_file = data.get("slo", {})
 
     def slo_value(flag: str, env_name: str, key: str) -> float | None:
@@ -758,7 +898,11 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
             ttft=slo_value("slo_ttft_ms", "LLMTAP_SLO_TTFT_MS", "ttft_ms"),
             tpot=slo_value("slo_tpot_ms", "LLMTAP_SLO_TPOT_MS", "tpot_ms"),
             e2e=slo_value("slo_e2e_ms", "LLMTAP_SLO_E2E_MS", "e2e_ms"),
+            percentile=0.99
+            if slo_file.get("percentile") is None
+            else percentile(slo_file["percentile"], "slo.percentile"),
         ),
+        shapes=shape_classes,
         inject_usage=_bool(pick("inject_usage", "LLMTAP_INJECT_USAGE", data.get("inject_usage"), True), "inject_usage"),
         max_inspect_bytes=int(
             _number(
