@@ -8,6 +8,7 @@ fixed, small set. Pure functions: the recorder, the live view and ``llmtap slo``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from proxy.settings import OTHER_SHAPE, SLO, Route, Shape
@@ -36,6 +37,15 @@ def classify(shapes: Sequence[Shape], input_tokens: int | None, output_tokens: i
 def names(shapes: Sequence[Shape]) -> tuple[str, ...]:
     """Every value the shape attribute can take, ``other`` last."""
     return (*(s.name for s in shapes), OTHER_SHAPE)
+
+
+#: The least requests any percentile is judged from.
+MIN_REQUESTS = 3
+
+
+def needed(percentile: float) -> int:
+    """Requests a percentile needs before one of them lies past it: 20 for p95, 100 for p99."""
+    return max(MIN_REQUESTS, math.ceil(round(1 / (1 - percentile), 6)))
 
 
 def objective(route: Route | None, shape: str, default: SLO | None) -> SLO | None:
