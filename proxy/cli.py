@@ -285,6 +285,8 @@ def _compare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--until", metavar="TIME", help="the end of the window (default now)")
     p.add_argument("--route", help="only requests of this route")
     p.add_argument("--model", help="only requests for this model")
+    p.add_argument("--shape", help="only requests of this shape (llmtap.request.shape)")
+    p.add_argument("--config", metavar="FILE", help="judge each side's SLOs by this config's objectives")
     p.add_argument("--min-gain-ms", dest="min_gain_ms", type=float, help="least TTFT p50 gain that counts (100)")
     p.add_argument("--min-requests", dest="min_requests", type=int, help="least requests with a TTFT a side (3)")
     p.add_argument("--resamples", type=int, help="bootstrap resamples (2000)")

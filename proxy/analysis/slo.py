@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from proxy.analysis import shapes as shape_classes
-from proxy.analysis.compare import parse_duration, parse_time, seconds
 from proxy.analysis.promql import Prometheus, quote
 from proxy.analysis.shapes import needed
 from proxy.analysis.stats import Distribution, Estimate, quantile_estimate
+from proxy.analysis.units import parse_duration, parse_time, seconds
 from proxy.settings import SLO, ConfigError, Settings, build
 from proxy.telemetry.records import ReadStats, read_records
 
@@ -304,14 +304,17 @@ def from_prometheus(
     shape: str | None = None,
     resamples: int = RESAMPLES,
     seed: int = 0,
+    start: float | None = None,
+    matchers: dict[str, str] | None = None,
 ) -> Report:
     """The verdicts from the proxy's metrics in Prometheus: the request counters by route, shape and SLO
     outcome, and the fine-bucket TTFT and TPOT histograms by route and shape (E2E has no histogram by
     route; an E2E objective reads as insufficient here)."""
-    matchers = {k: v for k, v in ((ROUTE_LABEL, route), (SHAPE_LABEL, shape)) if v is not None}
-    sel = ",".join(f"{k}={quote(v)}" for k, v in sorted(matchers.items()))
+    given = {k: v for k, v in ((ROUTE_LABEL, route), (SHAPE_LABEL, shape)) if v is not None}
+    sel = ",".join(f"{k}={quote(v)}" for k, v in sorted({**(matchers or {}), **given}.items()))
     end = until if until is not None else time.time()
-    start = end - window if window is not None else None
+    if start is None and window is not None:
+        start = end - window
     prom = Prometheus(url)
     groups: dict[tuple[str, str], Group] = {}
     try:

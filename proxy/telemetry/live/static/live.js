@@ -195,7 +195,7 @@
 
   function showTail(c, key, q) {
     const ids = (c.slowest && c.slowest[key] && c.slowest[key][q]) || [];
-    for (const [id, node] of state.rows) node.classList.toggle("tail", ids.includes(id));
+    for (const [id, node] of state.rows) node.classList.toggle("behind", ids.includes(id));
     if (ids.length) select(ids[0]);
   }
 
