@@ -227,6 +227,12 @@ class Subscription:
         self.event.set()
 
 
+def floor_ms(value: float) -> float:
+    """The lower bound, in ms, of the bucket a value falls in (``Hist.add``'s rule)."""
+    i = bisect_left(DURATION_BUCKETS, value)
+    return DURATION_BUCKETS[i - 1] * 1000 if i > 0 else 0.0
+
+
 def _first_slot(now: float, window: float) -> int:
     """The oldest slot a window of ``window`` seconds ending now takes in (the current one counts)."""
     return math.floor(now / SLOT) - math.ceil(window / SLOT) + 1
@@ -322,8 +328,9 @@ class LiveWindow:
         return {"window": window, "seconds": seconds, "last": last, "slo": self.slo, "series": rows}
 
     def _slowest(self, row: dict[str, Any], first: int) -> dict[str, dict[str, list[int]]]:
-        """For each latency and percentile of a row, the kept requests at or past it, slowest first (their ids):
-        the waterfalls behind the figure. Called with the lock held."""
+        """For each latency and percentile of a row, the kept requests it rests on, slowest first (their ids):
+        those in the percentile's bucket or above (a reading interpolated inside a bucket may lie past every
+        request in it). Called with the lock held."""
         mine = [
             r
             for slot, r in self._requests
@@ -338,8 +345,7 @@ class LiveWindow:
                 value = row[figure][name]
                 if value is None:
                     continue
-                # The waterfall's figure is in ms, rounded: a request at the percentile itself counts.
-                behind = [r["id"] for r in timed if r[figure] >= value * 1000 - 0.01]
+                behind = [r["id"] for r in timed if r[figure] > floor_ms(value)]
                 out[figure][name] = behind[:SLOWEST]
         return out
 
