@@ -41,6 +41,7 @@ from proxy.telemetry import semconv as sc
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.instruments import create
 from proxy.telemetry.live.window import SLOWEST, floor_ms
+from proxy.telemetry.metrics import _record_samples
 from proxy.telemetry.prometheus import PrometheusReader, wants_openmetrics
 from tests.conftest import ServerThread, require_real
 
@@ -183,6 +184,24 @@ def test_openmetrics_carries_each_buckets_exemplar() -> None:
     # OpenMetrics names a counter's family without _total; its samples keep it.
     assert "# TYPE llmtap_requests counter" in text and "\nllmtap_requests_total{" in text
     assert "# TYPE llmtap_requests_total counter" in plain
+
+
+def test_per_token_samples_link_only_the_slowest_to_the_request() -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    try:
+        ins = create(provider.get_meter("llmtap-test"), latest=False)
+        ctx = set_span_in_context(NonRecordingSpan(SpanContext(0xF00D, 0x1, False, TraceFlags(1))))
+        _record_samples(ins.itl, [0.01, 0.5, 0.02, 0.011], {sc.ROUTE: "r"}, ctx)
+        data = reader.get_metrics_data()
+    finally:
+        provider.shutdown()
+    assert data is not None
+    (point,) = [
+        p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics for p in m.data.data_points
+    ]
+    assert getattr(point, "count", 0) == 4
+    assert [(e.value, e.trace_id) for e in point.exemplars] == [(0.5, 0xF00D)]
 
 
 @pytest.mark.parametrize(
