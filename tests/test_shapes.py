@@ -114,13 +114,13 @@ routes:
         ("shapes: {Big: {}}", "not a class name"),
         ("shapes: {a: {max_tokens: 3}}", "unknown key 'max_tokens'"),
         ("shapes: {a: {min_input_tokens: 9, max_input_tokens: 3}}", "min_input_tokens 9 is above"),
-        ("shapes: {a: {min_input_tokens: -1}}", "expected a number >= 0"),
+        ("shapes: {a: {min_input_tokens: -1}}", "expected an integer >= 0"),
         ("shapes: {" + ", ".join(f"s{i}: {{}}" for i in range(17)) + "}", "at most 16 classes"),
         ("routes: [{prefix: /, upstream: 'http://h:1', slo: {shape: long_prompt}}]", "at least one of ttft_ms"),
         ("routes: [{prefix: /, upstream: 'http://h:1', slo: {ttft_ms: 5, percentile: 100}}]", "a percentile"),
         ("routes: [{prefix: /, upstream: 'http://h:1', slo: {ttft_ms: 5, pct: 95}}]", "unknown key 'pct'"),
         ("routes: [{prefix: /, upstream: 'http://h:1', slo: {shape: nope, ttft_ms: 5}}]", "shape 'nope' is not"),
-        ("routes: [{prefix: /, upstream: 'http://h:1', slo: 5}]", "expected a list of objectives"),
+        ("routes: [{prefix: /, upstream: 'http://h:1', slo: 5}]", "expected an objective or a list of them"),
     ],
 )
 def test_bad_shapes_and_objectives_are_clear_errors(tmp_path: Path, text: str, message: str) -> None:
