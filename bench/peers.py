@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -313,9 +314,11 @@ def prometheus(work: Path, cpu: str | None, admin_port: int) -> tuple[Service, i
     return start_prometheus(work / "prometheus", job, cpu=cpu, log=work / "prometheus.log")
 
 
-def start_prometheus(d: Path, jobs: str, *, cpu: str | None, log: Path) -> tuple[Service, int]:
+def start_prometheus(
+    d: Path, jobs: str, *, cpu: str | None, log: Path, flags: Sequence[str] = ()
+) -> tuple[Service, int]:
     """Debian's Prometheus on a free port with its files under ``d``, scraping ``jobs`` (YAML scrape configs)
-    every second; returned once it is ready."""
+    every second, with any further ``flags`` (``--enable-feature=exemplar-storage``); returned once it is ready."""
     (d / "data").mkdir(parents=True, exist_ok=True)
     conf = d / "prometheus.yml"
     conf.write_text(f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nscrape_configs:\n{jobs}")
@@ -325,6 +328,7 @@ def start_prometheus(d: Path, jobs: str, *, cpu: str | None, log: Path) -> tuple
         f"--config.file={conf}",
         f"--storage.tsdb.path={d / 'data'}",
         f"--web.listen-address=127.0.0.1:{port}",
+        *flags,
     ]
     svc = Service("prometheus", argv, log=log, cpu=cpu)
     svc.ready(lambda: wait_http(f"http://127.0.0.1:{port}/-/ready", 60, alive=lambda: svc.proc.poll() is None))

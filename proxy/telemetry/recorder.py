@@ -341,7 +341,13 @@ class Recorder:
 
     def record(self, tl: Timeline) -> Summary:
         """Write spans and metrics for one finished request (runs on the worker thread)."""
-        s = summarize(tl, self.settings.slo, estimator=self.estimator, route=self._routes.get(tl.route))
+        s = summarize(
+            tl,
+            self.settings.slo,
+            estimator=self.estimator,
+            route=self._routes.get(tl.route),
+            shapes=self.settings.shapes,
+        )
         ins = self.instruments
         if tl.error_type in QUEUE_REFUSALS:
             ins.queue_rejected.add(1, {sc.ROUTE: tl.route, sc.ERROR_TYPE: tl.error_type})
