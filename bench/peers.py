@@ -359,7 +359,7 @@ def tiktoken_cache(work: Path) -> Path:
     return d
 
 
-def _wait_port(port: int, svc: Service, timeout: float = 20.0) -> None:
+def _wait_port(port: int, svc: Service, timeout: float = 60.0) -> None:
     import socket
 
     deadline = time.monotonic() + timeout
