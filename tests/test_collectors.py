@@ -412,6 +412,8 @@ class PointSeen:
     metric: dict[str, Any]
     fields: dict[str, str] = field(default_factory=dict)
     attributes: dict[str, Any] = field(default_factory=dict)
+    #: Each exemplar's fields (``Trace ID``, ``Span ID``, ``Value``, ...), in the order printed.
+    exemplars: list[dict[str, Any]] = field(default_factory=list)
 
 
 def parse_debug_log(text: str) -> tuple[list[SpanSeen], list[PointSeen]]:
@@ -441,6 +443,9 @@ def parse_debug_log(text: str) -> tuple[list[SpanSeen], list[PointSeen]]:
             points.append(current)
         elif line in ("Attributes:", "Data point attributes:") and current is not None:
             target = current.attributes
+        elif line.startswith("Exemplar #") and isinstance(current, PointSeen):
+            current.exemplars.append({})
+            target = current.exemplars[-1]
         elif stripped.startswith("-> ") and ": " in stripped:
             key, _, value = stripped[3:].partition(": ")
             target[key] = _value(value)
@@ -600,6 +605,12 @@ def check_spans(spans: list[SpanSeen]) -> None:
 def check_metrics(got: Received) -> None:
     (ttfc,) = got.latest(RELEASED_TTFC)
     assert ttfc.metric["Unit"] == "s" and ttfc.metric["DataType"] == "Histogram"
+    # Exemplars through a real collector (each export carries those of its own interval): every one names a trace
+    # llmtap exported, with a value inside the histogram's.
+    traces = {s.fields["Trace ID"] for s in got.spans}
+    exemplars = [e for p in got.points if p.metric.get("Name") == RELEASED_TTFC for e in p.exemplars]
+    assert exemplars and {e["Trace ID"] for e in exemplars} <= traces, exemplars
+    assert all(float(ttfc.fields["Min"]) <= float(e["Value"]) <= float(ttfc.fields["Max"]) for e in exemplars)
     assert int(ttfc.fields["Count"]) == REQUESTS
     assert REQUESTS * TTFT <= float(ttfc.fields["Sum"]) < REQUESTS * (TTFT + 1.0)
     assert ttfc.attributes[sc.REQUEST_MODEL] == "scripted"

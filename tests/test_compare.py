@@ -368,9 +368,12 @@ def test_support_assistant_shows_the_caching_gain(stack: Stack) -> None:
 @pytest.mark.e2e
 def test_code_completion_shows_no_significant_gain(stack: Stack) -> None:
     data = compare_json(str(stack.records), "--route", "code")
+    support = compare_json(str(stack.records), "--route", "support")
     print("code:", data["verdict"])
-    # 200 tokens read in 25 ms, plus the proxy's and the simulator's few milliseconds.
-    assert within(data["before"]["ttft"]["p50"]["value"], 0.025, slack=0.01), data["before"]["ttft"]
+    # 200 tokens read in 25 ms: never faster, and a small share of the support prompt's read measured in the
+    # same run (780 ms in the course); what a busy machine adds to both stays far below that gap.
+    code_p50, support_p50 = data["before"]["ttft"]["p50"]["value"], support["before"]["ttft"]["p50"]["value"]
+    assert 0.025 <= code_p50 < support_p50 / 10, (data["before"]["ttft"], support["before"]["ttft"])
     assert -data["change"]["ttft_p50"]["seconds"]["value"] < MIN_GAIN_MS / 1000
     assert data["after"]["cached_share"] > 0.4  # the cache works, but there is little to save
     assert data["kind"] in ("no_gain", "no_change") and data["verdict"].startswith("no significant"), data["verdict"]
