@@ -170,6 +170,10 @@ class Telemetry:
     #: counting", which the GenAI conventions allow only when the user enables it); they are always under
     #: ``llmtap.usage.*`` with their source.
     offline_token_usage: bool = False
+    #: How long a finished request to an upstream that exports its own spans (vLLM's
+    #: ``--otlp-traces-endpoint`` pointed at the admin listener's ``/v1/traces``) waits for its span, seconds;
+    #: 0: never (the span then counts as late). Covers vLLM's default batch delay of 5 s.
+    server_spans_wait: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +273,7 @@ _FILE_KEYS = {
         "server_metrics",
         "span_role",
         "offline_token_usage",
+        "server_spans_wait",
     },
     "slo": {"ttft_ms", "tpot_ms", "e2e_ms"},
     "inject_usage": None,
@@ -456,6 +461,8 @@ def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] |
     values["span_role"] = role
     offline = env.get("LLMTAP_OFFLINE_TOKEN_USAGE", section.get("offline_token_usage", False))
     values["offline_token_usage"] = _bool(offline, "offline_token_usage")
+    wait = env.get("LLMTAP_SERVER_SPANS_WAIT", section.get("server_spans_wait", 10.0))
+    values["server_spans_wait"] = _number(wait, "server_spans_wait")
     return Telemetry(**values)
 
 
