@@ -51,7 +51,7 @@ def span_bytes(
     )
     other = Span(trace_id=bytes.fromhex(trace), span_id=b"\x01" * 8, name="no latency here")
     request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=[span, other])])])
-    return request.SerializeToString()
+    return bytes(request.SerializeToString())
 
 
 def server_span(parent: str, queue: float = 1.25) -> ServerSpan:

@@ -23,7 +23,7 @@ from proxy.analysis.slots import SlotLearner, Slots, load
 
 log = logging.getLogger("llmtap.telemetry")
 
-BUSY = 0.25
+BUSY = 0.5
 IDLE = 2.0
 RECHECK = 300.0
 RETRY = 10.0
