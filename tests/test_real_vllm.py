@@ -455,7 +455,7 @@ def test_cold_burst_without_spans_learns_the_slots(cold_run: Run) -> None:
     # Learned as the burst began: never more than vLLM's --max-num-seqs, and that by the burst's later requests.
     learned = [(r.proxy.get(sc.UPSTREAM_SLOTS), r.proxy.get(sc.UPSTREAM_SLOTS_CONFIDENCE)) for r in cold_run.rows]
     print("slots learned (count, confidence) per request:", learned)
-    assert max(n for n, _ in learned) == SLOTS, learned
+    assert max(int(n or 0) for n, _ in learned) == SLOTS, learned
     for key, metric in ((sc.QUEUE_DURATION, "queue"), (sc.PREFILL_DURATION, "prefill")):
         mine, truth = proxy_sum(cold_run.rows, key), cold_run.delta(f"vllm:request_{metric}_time_seconds_sum")
         assert abs(relative(mine, truth)) <= COLD_SUM_TOLERANCE, (key, mine, truth)
