@@ -169,7 +169,7 @@ async def chat(client: httpx.AsyncClient, url: str, ask: Ask, delay: float, word
 
 async def send(url: str, asks: Sequence[Ask], words: list[int], *, concurrent: bool) -> list[Answer]:
     """The asks one after another, or all at once, ``STAGGER`` apart so they reach vLLM's engine in order."""
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=600) as client:
         if concurrent:
             return list(await asyncio.gather(*(chat(client, url, a, STAGGER * i, words) for i, a in enumerate(asks))))
         return [await chat(client, url, a, 0.0, words) for a in asks]

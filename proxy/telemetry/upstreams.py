@@ -27,7 +27,7 @@ BUSY = 0.5
 IDLE = 2.0
 RECHECK = 300.0
 RETRY = 10.0
-TIMEOUT = 2.0
+TIMEOUT = 1.0
 #: Bytes of a ``/metrics`` page read at most (vLLM's is about 100 KB).
 MAX_PAGE = 4 << 20
 #: Upstreams watched at most.
@@ -90,7 +90,7 @@ class UpstreamWatch:
         with self._lock:
             thread = self._thread
         if thread is not None:
-            thread.join(TIMEOUT + 1.0)
+            thread.join(TIMEOUT + 0.5)
 
     def _run(self) -> None:
         client = self._client or httpx.Client(timeout=TIMEOUT, follow_redirects=False)
