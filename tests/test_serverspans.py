@@ -18,6 +18,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from proxy.analysis.slots import FROM_METRICS, SlotLearner, Slots, load
 from proxy.analysis.timeline import Timeline
 from proxy.settings import Route, Settings, Telemetry as TelemetrySettings
+from proxy.tape import STATS
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.recorder import Recorder
@@ -360,3 +361,25 @@ def test_receiver_takes_otlp_protobuf_and_refuses_bad_bodies(
     assert attrs[sc.PREFILL_SOURCE] == "server"
     rejected = counter(telemetry, sc.METRIC_OTLP_REJECTED, sc.OTLP_REJECT_REASON)
     assert rejected == {"bad_body": 1, "too_large": 2, "unsupported_type": 1}
+
+
+class _Calls(UpstreamWatch):
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: list[str] = []
+
+    def watch(self, upstream: str) -> None:
+        self.watched.append(upstream)
+
+
+def test_two_requests_in_flight_start_the_watch_of_their_upstream(telemetry: Telemetry) -> None:
+    settings = Settings(routes=(Route(prefix="/", upstream=UPSTREAM, name="default"),))
+    rec = Recorder(settings, tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+    calls = rec.upstreams = _Calls()
+    try:
+        rec.take(0, (STATS, True, 0, (("default", 1),), (), (), ()))
+        assert calls.watched == []  # one at a time: slots do not matter
+        rec.take(0, (STATS, True, 0, (("default", 2),), (), (), ()))
+        assert calls.watched == [UPSTREAM]
+    finally:
+        rec.close()
