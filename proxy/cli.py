@@ -4,191 +4,78 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import logging
+import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from proxy import __version__
-from proxy.settings import CHUNK_SPAN_MODES, HISTOGRAM_BUCKETS, SPAN_ROLES, UPSTREAM_CLIENTS, ConfigError, build
+from proxy.options import GROUPS, OPTIONS, Option, by_group
+from proxy.settings import ConfigError, build
 
 
-def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="run the tracing proxy in front of an LLM API")
-    p.add_argument("--upstream", help="upstream base URL, e.g. https://api.openai.com (env LLMTAP_UPSTREAM)")
-    p.add_argument("--provider", help="gen_ai.provider.name to report, e.g. openai, anthropic, vllm")
-    p.add_argument("--config", help="YAML file with routes and settings (env LLMTAP_CONFIG)")
-    p.add_argument("--host", help="proxy listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="proxy listen port (default 8080)")
-    p.add_argument("--admin-host", dest="admin_host", help="admin listen address (default 127.0.0.1)")
-    p.add_argument(
-        "--admin-port", dest="admin_port", type=int, help="admin port for /metrics, /healthz, /readyz (default 9464)"
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, exit code 2, with a "did you mean" for an unknown flag."""
+
+    def error(self, message: str) -> NoReturn:
+        """``llmtap serve: error: unrecognized arguments: --prot (did you mean --port?)``, not the usage block."""
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        if unknown is not None and unknown.group(1).startswith("--"):
+            flag = unknown.group(1).split("=", 1)[0]
+            close = difflib.get_close_matches(flag, self._flags(), n=1, cutoff=0.6)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def _flags(self) -> list[str]:
+        """Every flag of this parser and of its commands."""
+        flags = [f for action in self._actions for f in action.option_strings if f.startswith("--")]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    flags += [f for a in sub._actions for f in a.option_strings if f.startswith("--")]
+        return flags
+
+
+def help_text(option: Option) -> str:
+    """An option's line in ``llmtap serve --help``: what it does, its variable and its default."""
+    where = [f"env {option.env}"] if option.env is not None else []
+    if option.key is not None:
+        where.append(f"file {option.key}")
+    where.append(f"default {option.shown_default()}")
+    return f"{option.help} ({'; '.join(where)})".replace("%", "%%")
+
+
+SERVE_DESCRIPTION = """\
+Run the tracing proxy in front of an LLM API: llmtap serve --upstream https://api.openai.com
+
+Every setting is a flag, an LLMTAP_* variable or a key in the --config file (routes: several upstreams);
+flags win over variables, variables over the file. docs/settings.md lists them all."""
+
+
+def _serve_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the tracing proxy in front of an LLM API",
+        usage="llmtap serve [--upstream URL | --config FILE] [options]",
+        description=SERVE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--chunk-spans", dest="chunk_spans", choices=CHUNK_SPAN_MODES, help="one span per decode chunk, events, or off"
-    )
-    p.add_argument(
-        "--histogram-buckets",
-        dest="histogram_buckets",
-        choices=HISTOGRAM_BUCKETS,
-        help="gen_ai.* histogram buckets: the conventions' (standard, default) or llmtap's fine ones",
-    )
-    p.add_argument(
-        "--server-metrics",
-        dest="server_metrics",
-        action="store_const",
-        const=True,
-        help="also emit gen_ai.server.* (the model server's metric names; llmtap's values include its hop)",
-    )
-    p.add_argument(
-        "--span-role",
-        dest="span_role",
-        choices=SPAN_ROLES,
-        help="the proxy span: the GenAI generation, or the HTTP hop under a traced client's own (default auto: "
-        "the hop when a traceparent arrives)",
-    )
-    p.add_argument(
-        "--offline-token-usage",
-        dest="offline_token_usage",
-        action="store_true",
-        default=None,
-        help="report tiktoken's counts as gen_ai.usage.* when the upstream reports no usage",
-    )
-    p.add_argument("--connect-timeout", dest="connect_timeout", type=float, help="upstream connect timeout, seconds")
-    p.add_argument(
-        "--read-timeout", dest="read_timeout", type=float, help="longest wait for upstream response headers, seconds"
-    )
-    p.add_argument(
-        "--idle-timeout", dest="idle_timeout", type=float, help="longest silence between two chunks (default: read)"
-    )
-    p.add_argument(
-        "--drain-timeout", dest="drain_timeout", type=float, help="on SIGTERM, how long streams may finish (30)"
-    )
-    p.add_argument(
-        "--flush-timeout", dest="flush_timeout", type=float, help="on exit, how long telemetry may take to flush (5)"
-    )
-    c = p.add_argument_group("clients: slow or idle connections and how many (timeouts in seconds)")
-    c.add_argument(
-        "--client-header-timeout",
-        dest="client_header_timeout",
-        type=float,
-        help="a request's line and headers must all arrive this soon after its first byte, else 408 (20)",
-    )
-    c.add_argument(
-        "--client-body-timeout",
-        dest="client_body_timeout",
-        type=float,
-        help="longest silence while a request body is arriving; past it 408 and the request is dropped (60)",
-    )
-    c.add_argument(
-        "--keep-alive-timeout",
-        dest="keep_alive_timeout",
-        type=float,
-        help="a connection without a request in progress is closed after this (75)",
-    )
-    c.add_argument(
-        "--max-client-connections",
-        dest="max_client_connections",
-        type=int,
-        help="client connections open at once per relay; past it 503 (default: from the descriptor limit, <= 4096)",
-    )
-    p.add_argument("--max-request-bytes", dest="max_request_bytes", type=int, help="largest request body (64 MiB)")
-    p.add_argument(
-        "--max-header-bytes", dest="max_header_bytes", type=int, help="largest request line plus headers (64 KiB)"
-    )
-    p.add_argument(
-        "--stream-buffer-bytes",
-        dest="stream_buffer_bytes",
-        type=int,
-        help="receive buffer per upstream connection, what a slow client can make a stream hold (128 KiB; 0: kernel)",
-    )
-    p.add_argument(
-        "--upstream-client",
-        dest="upstream_client",
-        choices=UPSTREAM_CLIENTS,
-        help="client for upstreams: llmtap's own HTTP/1.1 one, or httpx's (lean)",
-    )
-    t = p.add_argument_group("HTTPS upstream (per route as tls_* keys in --config)")
-    t.add_argument(
-        "--upstream-ca",
-        dest="upstream_ca",
-        metavar="FILE",
-        help="CA bundle to verify the upstream with instead of the default roots (env LLMTAP_UPSTREAM_CA)",
-    )
-    t.add_argument(
-        "--upstream-ca-dir", dest="upstream_ca_dir", metavar="DIR", help="directory of hashed CA certificates"
-    )
-    t.add_argument(
-        "--upstream-cert",
-        dest="upstream_cert",
-        metavar="FILE",
-        help="client certificate for mutual TLS, PEM; may hold its key too (env LLMTAP_UPSTREAM_CERT)",
-    )
-    t.add_argument("--upstream-key", dest="upstream_key", metavar="FILE", help="the client certificate's key, PEM")
-    t.add_argument(
-        "--upstream-server-name",
-        dest="upstream_server_name",
-        metavar="NAME",
-        help="name sent as SNI and verified in the certificate, when not the URL's host",
-    )
-    t.add_argument(
-        "--upstream-insecure",
-        dest="upstream_insecure",
-        action="store_const",
-        const=True,
-        help="do not verify the upstream's certificate at all (logged as a warning)",
-    )
-    p.add_argument("--slo-ttft-ms", dest="slo_ttft_ms", type=float, help="TTFT objective for goodput, ms")
-    p.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=float, help="TPOT objective for goodput, ms")
-    p.add_argument("--slo-e2e-ms", dest="slo_e2e_ms", type=float, help="end-to-end objective for goodput, ms")
-    p.add_argument(
-        "--no-inject-usage",
-        dest="inject_usage",
-        action="store_const",
-        const=False,
-        help="never add stream_options.include_usage to OpenAI streams",
-    )
-    p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
-    p.add_argument("--workers", type=int, help="relay processes sharing the port, one per core (1)")
-    p.add_argument(
-        "--telemetry-workers",
-        dest="telemetry_workers",
-        type=int,
-        help="telemetry processes, upstreams spread over them; /metrics merges them (1; env LLMTAP_TELEMETRY_WORKERS)",
-    )
-    q = p.add_argument_group("admission queue and queue/prefill estimates (per route in --config)")
-    q.add_argument(
-        "--max-concurrency", dest="max_concurrency", type=int, help="requests in flight to an upstream at most"
-    )
-    q.add_argument("--queue-limit", dest="queue_limit", type=int, help="requests waiting in line at most (100)")
-    q.add_argument("--queue-timeout", dest="queue_timeout", type=float, help="longest wait in line, seconds")
-    q.add_argument(
-        "--queue-full-status", dest="queue_full_status", type=int, choices=(429, 503), help="status when full (503)"
-    )
-    q.add_argument("--retry-after", dest="retry_after", type=int, help="Retry-After seconds when full (1)")
-    q.add_argument(
-        "--server-slots",
-        dest="server_slots",
-        type=int,
-        help="sequences the upstream runs at once (vLLM --max-num-seqs), to infer its queueing",
-    )
-    q.add_argument(
-        "--prefill-rate", dest="prefill_rate", type=float, help="upstream prefill rate, input tokens/s (else learned)"
-    )
-    r = p.add_argument_group("request records and prompt caching (see llmtap compare)")
-    r.add_argument("--record", metavar="PATH", help="write one JSON line per request to PATH (env LLMTAP_RECORD)")
-    r.add_argument("--record-max-mb", dest="record_max_mb", type=float, help="start a new record file past this (64)")
-    r.add_argument("--record-files", dest="record_files", type=int, help="record files kept on disk at most (5)")
-    r.add_argument(
-        "--prompt-version",
-        dest="prompt_version",
-        help="prompt version of requests without an x-llmtap-prompt-version header",
-    )
-    r.add_argument(
-        "--cache-min-tokens",
-        dest="cache_min_tokens",
-        type=int,
-        help="shortest prompt the upstream caches (default 16 for self-hosted servers, 1024 for hosted APIs)",
-    )
+    for group, found in by_group(OPTIONS.values()).items():
+        flagged = [o for o in found if o.flag is not None]
+        if not flagged:
+            continue
+        g = p.add_argument_group(GROUPS[group])
+        for o in flagged:
+            assert o.flag is not None
+            if o.switch is not None:
+                g.add_argument(o.flag, dest=o.name, action="store_const", const=o.switch, help=help_text(o))
+            else:
+                # Taken as text: the value is checked with the variable's and the file's, and a bad one is
+                # named in one line (``--port abc: expected ...``) rather than by argparse's usage block.
+                g.add_argument(o.flag, dest=o.name, metavar=o.kind.metavar, help=help_text(o))
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -217,7 +104,7 @@ class _ProfilesAction(argparse.Action):
         parser.exit()
 
 
-def _simulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _simulate_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser(
         "simulate",
         help="run the simulated LLM server (an offline upstream)",
@@ -237,7 +124,7 @@ def _simulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--list-profiles", action=_ProfilesAction, help="print the profiles and what each models, then exit")
 
 
-def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _demo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser(
         "demo", help="offline: a simulated server behind the proxy; prints TTFT, ITL, throughput, goodput"
     )
@@ -271,7 +158,7 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
 
 
-def _compare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser(
         "compare",
         help="before against after a prompt change: TTFT percentiles with CIs, cached share, cache classes",
@@ -295,9 +182,9 @@ def _compare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser of the ``llmtap`` command."""
-    p = argparse.ArgumentParser(prog="llmtap", description="OpenTelemetry tracing proxy for LLM inference.")
+    p = _Parser(prog="llmtap", description="OpenTelemetry tracing proxy for LLM inference.")
     p.add_argument("--version", action="version", version=f"llmtap {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _serve_parser(sub)
     _simulate_parser(sub)
     _demo_parser(sub)

@@ -6,9 +6,9 @@ Precedence: flags, then environment, then the file, then defaults. Anything wron
 
 from __future__ import annotations
 
-import math
+import difflib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,22 +16,45 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from proxy.labels import LABEL_CAP, clean
-from proxy.versions import INVALID_VERSION, VERSION_MAX_BYTES, version_label
+from proxy import options
+from proxy.options import (
+    CHUNK_SPAN_MODES,
+    HISTOGRAM_BUCKETS,
+    METRIC_MODELS_MAX,
+    OPTIONS,
+    ROUTE_OPTIONS,
+    SPAN_ROLES,
+    UPSTREAM_CLIENTS,
+    Invalid,
+    Option,
+    default,
+)
 
-CHUNK_SPAN_MODES = ("spans", "events", "off")
-#: What the proxy's span is in a trace: the GenAI generation (``chat {model}``, with usage), or the HTTP hop
-#: under the client's own generation span (no ``gen_ai.*``, so trace backends count one generation);
-#: ``auto``: the hop when the request arrives with a ``traceparent``, the generation otherwise.
-SPAN_ROLES = ("auto", "generation", "hop")
-#: The client for upstreams: llmtap's own HTTP/1.1 one (``proxy.relay.upstream_http``), or httpx's.
-UPSTREAM_CLIENTS = ("lean", "httpx")
+__all__ = [
+    "CHUNK_SPAN_MODES",
+    "EXPLICIT",
+    "EXPONENTIAL",
+    "HISTOGRAM_BUCKETS",
+    "METRIC_MODELS_MAX",
+    "SLO",
+    "SPAN_ROLES",
+    "UPSTREAM_CLIENTS",
+    "ConfigError",
+    "Records",
+    "Route",
+    "Settings",
+    "Sources",
+    "Telemetry",
+    "Timeouts",
+    "build",
+    "telemetry_from_env",
+]
+
 SEMCONV_LATEST = "gen_ai_latest_experimental"
-#: Buckets of the ``gen_ai.*`` histograms: the conventions' advisory ones, or llmtap's fine ones.
-HISTOGRAM_BUCKETS = ("standard", "fine")
 #: ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION``: the histograms' aggregation over OTLP.
 EXPLICIT = "explicit_bucket_histogram"
 EXPONENTIAL = "base2_exponential_bucket_histogram"
+MIB = 1 << 20
 
 
 class ConfigError(ValueError):
@@ -60,16 +83,16 @@ class Route:
     upstream: str
     name: str
     provider: str | None = None
-    strip_prefix: bool = False
+    strip_prefix: bool = default("strip_prefix")
     #: The admission queue: at most this many requests in flight to the upstream (None: no limit) ...
     max_concurrency: int | None = None
     #: ... with at most this many waiting in line, first come first served ...
-    queue_limit: int = 100
+    queue_limit: int = default("queue_limit")
     #: ... and at most this long (seconds; None: no limit). A request the line cannot take gets this
     #: status (429 or 503) with ``Retry-After``.
     queue_timeout: float | None = None
-    queue_full_status: int = 503
-    retry_after: int = 1
+    queue_full_status: int = default("queue_full_status")
+    retry_after: int = default("retry_after")
     #: How many sequences the upstream server runs at once (vLLM ``--max-num-seqs``): lets the
     #: estimator replay its admissions. None: learn the unloaded TTFT line instead.
     server_slots: int | None = None
@@ -87,7 +110,7 @@ class Route:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_server_name: str | None = None
-    tls_verify: bool = True
+    tls_verify: bool = default("tls_verify")
 
     @property
     def host(self) -> str:
@@ -115,16 +138,18 @@ class Timeouts:
     ``client_header_timeout``, ``client_body_timeout`` and ``keepalive_timeout``).
     """
 
-    connect: float = 10.0
-    read: float = 600.0
-    write: float = 60.0
-    pool: float = 10.0
+    connect: float = default("connect_timeout")
+    read: float = default("read_timeout")
+    write: float = default("write_timeout")
+    pool: float = default("pool_timeout")
     idle: float | None = None
-    drain: float = 30.0
-    flush: float = 5.0
-    client_header: float = 20.0
-    client_body: float = 60.0
-    keep_alive: float = 75.0  # nginx's default: past what clients keep an idle connection (httpx: 5 s)
+    drain: float = default("drain_timeout")
+    flush: float = default("flush_timeout")
+    client_header: float = default("client_header_timeout")
+    client_body: float = default("client_body_timeout")
+    keep_alive: float = default(
+        "keep_alive_timeout"
+    )  # nginx's default: past what clients keep an idle connection (httpx: 5 s)
 
     @property
     def between_chunks(self) -> float:
@@ -151,29 +176,29 @@ class Telemetry:
     metric_export_interval_ms: int = 10_000
     semconv_latest: bool = False
     capture_content: bool = False
-    chunk_spans: str = "spans"
-    chunk_span_cap: int = 200
-    queue_size: int = 4096
-    prometheus: bool = True
+    chunk_spans: str = default("chunk_spans")
+    chunk_span_cap: int = default("chunk_span_cap")
+    queue_size: int = default("telemetry_queue")
+    prometheus: bool = default("prometheus")
     #: Model names that always keep their own label on metrics, however rarely used (``LLMTAP_METRIC_MODELS``).
     metric_models: tuple[str, ...] = ()
     #: ``standard``: the ``gen_ai.*`` histograms use the conventions' advisory buckets; ``fine``: llmtap's
     #: (2^(1/8) apart), as its own latency histograms always do.
-    histogram_buckets: str = "standard"
+    histogram_buckets: str = default("histogram_buckets")
     #: Also emit ``gen_ai.server.*``, the model server's own metric names, with values that include the hop.
-    server_metrics: bool = False
+    server_metrics: bool = default("server_metrics")
     #: How histograms go over OTLP (``/metrics`` is always explicit buckets): ``EXPLICIT`` or ``EXPONENTIAL``.
     histogram_aggregation: str = EXPLICIT
     #: ``SPAN_ROLES``: the proxy span's role in the trace.
-    span_role: str = "auto"
+    span_role: str = default("span_role")
     #: Report tiktoken's counts as ``gen_ai.usage.*`` when the upstream reports no usage ("offline token
     #: counting", which the GenAI conventions allow only when the user enables it); they are always under
     #: ``llmtap.usage.*`` with their source.
-    offline_token_usage: bool = False
+    offline_token_usage: bool = default("offline_token_usage")
     #: How long a finished request to an upstream that exports its own spans (vLLM's
     #: ``--otlp-traces-endpoint`` pointed at the admin listener's ``/v1/traces``) waits for its span, seconds;
     #: 0: never (the span then counts as late). Covers vLLM's default batch delay of 5 s.
-    server_spans_wait: float = 10.0
+    server_spans_wait: float = default("server_spans_wait")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,8 +206,8 @@ class Records:
     """Request records (``--record PATH``): JSON lines, a new file past ``max_bytes``, ``files`` files at most."""
 
     path: str | None = None
-    max_bytes: int = 64 << 20
-    files: int = 5
+    max_bytes: int = int(default("record_max_mb") * MIB)
+    files: int = default("record_files")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,181 +215,345 @@ class Settings:
     """Everything the proxy needs to run; immutable, passed down by constructors."""
 
     routes: tuple[Route, ...]
-    host: str = "127.0.0.1"
-    port: int = 8080
-    admin_host: str = "127.0.0.1"
-    admin_port: int = 9464
+    host: str = default("host")
+    port: int = default("port")
+    admin_host: str = default("admin_host")
+    admin_port: int = default("admin_port")
     timeouts: Timeouts = field(default_factory=Timeouts)
     telemetry: Telemetry = field(default_factory=Telemetry)
     slo: SLO = field(default_factory=SLO)
-    inject_usage: bool = True
-    max_inspect_bytes: int = 8 * 1024 * 1024
+    inject_usage: bool = default("inject_usage")
+    max_inspect_bytes: int = default("max_inspect_bytes")
     #: A request body larger than this is refused with 413; its request line and headers together
     #: may hold at most ``max_header_bytes`` (431).
-    max_request_bytes: int = 64 * 1024 * 1024
-    max_header_bytes: int = 64 * 1024
+    max_request_bytes: int = default("max_request_bytes")
+    max_header_bytes: int = default("max_header_bytes")
     #: The receive buffer (SO_RCVBUF) of each upstream connection: with a client that reads slowly, about
     #: what one stream can make the proxy hold. 0 leaves the kernel's own, which grows to megabytes.
-    stream_buffer_bytes: int = 128 * 1024
+    stream_buffer_bytes: int = default("stream_buffer_bytes")
     #: Connections to each upstream at most (the pool).
-    max_connections: int = 1000
+    max_connections: int = default("max_connections")
     #: Client connections open at once, per relay process, at most; past it a new one is answered 503 and
     #: closed. None: derived from the descriptor limit at start (``proxy.relay.protocol.connection_cap``).
     max_client_connections: int | None = None
     #: ``lean``: upstreams, HTTP and HTTPS, go through ``proxy.relay.upstream_http`` (less CPU per chunk); ``httpx``:
     #: through httpx's own transport (with the same TLS context).
-    upstream_client: str = "lean"
-    log_level: str = "info"
+    upstream_client: str = default("upstream_client")
+    log_level: str = default("log_level")
+    #: ``--access-log PATH``: one line per finished request, by the telemetry process (``-``: its stderr).
+    access_log: str | None = default("access_log")
     record: Records = field(default_factory=Records)
     #: Relay processes sharing the proxy port (SO_REUSEPORT).
-    workers: int = 1
+    workers: int = default("workers")
     #: Telemetry processes; each upstream's tapes go to one of them (so its estimator sees all its requests).
-    telemetry_workers: int = 1
+    telemetry_workers: int = default("telemetry_workers")
 
 
 # ----------------------------------------------------------------------------------------------
-# Building settings at the edge.
+# Building settings at the edge, from the table of options (``proxy.options``).
 
-#: Route options that can also be given once for every route (flags, ``LLMTAP_*``, top level of the file).
-_ROUTE_OPTIONS = (
-    "max_concurrency",
-    "queue_limit",
-    "queue_timeout",
-    "queue_full_status",
-    "retry_after",
-    "server_slots",
-    "prefill_rate",
-    "prompt_version",
-    "cache_min_tokens",
-)
-#: The TLS settings of a route (``routes[].tls_*`` in the file) and, for the ``--upstream`` route and as the
-#: default of every https:// route of the file, their flag and ``LLMTAP_*`` variable.
-_TLS_OPTIONS = {
-    "tls_ca": ("upstream_ca", "LLMTAP_UPSTREAM_CA"),
-    "tls_ca_dir": ("upstream_ca_dir", "LLMTAP_UPSTREAM_CA_DIR"),
-    "tls_cert": ("upstream_cert", "LLMTAP_UPSTREAM_CERT"),
-    "tls_key": ("upstream_key", "LLMTAP_UPSTREAM_KEY"),
-    "tls_server_name": ("upstream_server_name", "LLMTAP_UPSTREAM_SERVER_NAME"),
-    "tls_verify": ("upstream_insecure", "LLMTAP_UPSTREAM_INSECURE"),
+_FILE_KEYS = options.file_keys()
+_FILE_PATHS = options.file_paths()
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``; did you mean 'x'?`` for the closest of ``known``, or the list of them when none is close."""
+    known = list(known)
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; known: {', '.join(sorted(known))}"
+
+
+def _unknown(where: str, key: Any, known: Iterable[str]) -> ConfigError:
+    return ConfigError(f"{where}unknown key {str(key)!r}{did_you_mean(str(key), known)}")
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file and check its keys against the table (each value is checked where it is used)."""
+    name = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {name!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {name!r}: not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {name!r}: invalid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {name!r}: expected a mapping at the top level")
+    for key, value in data.items():
+        if key not in _FILE_KEYS:
+            raise _unknown(f"{name}: ", key, [*_FILE_KEYS, *(p for p in _FILE_PATHS if "." in p)])
+        allowed = _FILE_KEYS[key]
+        if allowed is not None:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{name}: {key!r} must be a mapping")
+            for sub in value:
+                if sub not in allowed:
+                    raise _unknown(f"{name}: ", f"{key}.{sub}", [f"{key}.{k}" for k in allowed])
+    if "routes" in data and not isinstance(data["routes"], list | type(None)):
+        raise ConfigError(f"{name}: 'routes' must be a list")
+    return data
+
+
+def _shown(value: Any) -> str:
+    """A value as a message quotes it: cut short, and in quotes when it is empty or has spaces."""
+    text = str(value)
+    if len(text) > 60:
+        text = text[:59] + "…"
+    return repr(text) if not text or any(c.isspace() for c in text) else text
+
+
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """Where settings come from, in order: flags (by option name; None: not given), variables, the file."""
+
+    flags: Mapping[str, Any]
+    env: Mapping[str, str]
+    data: Mapping[str, Any] = field(default_factory=dict)
+    #: The file's name as the user gave it, to name it in messages.
+    file: str = "config file"
+
+    def given(self, option: Option) -> tuple[Any, str, bool] | None:
+        """The raw value, where it came from (``--port abc``, ``LLMTAP_PORT=abc``, ``FILE: listen.port``) and
+        whether that is the file; None when not given anywhere."""
+        value = self.flags.get(option.name)
+        if value is not None and option.flag is not None:
+            shown = (
+                option.flag
+                if option.switch is not None and value == option.switch
+                else f"{option.flag} {_shown(value)}"
+            )
+            return value, shown, False
+        if option.env is not None and self.env.get(option.env, "") != "":
+            raw = self.env[option.env]
+            return raw, f"{option.env}={_shown(raw)}", False
+        if option.key is not None:
+            section: Any = self.data
+            for part in option.key.split("."):
+                section = section.get(part) if isinstance(section, Mapping) else None
+            if section is not None:
+                return section, f"{self.file}: {option.key}", True
+        return None
+
+    def get(self, name: str) -> Any:
+        """The option's value from the first source that gives it, checked; else its default."""
+        option = OPTIONS[name]
+        found = self.given(option)
+        if found is None:
+            return option.default
+        return parse(option, *found)
+
+
+def parse(option: Option, raw: Any, label: str, in_file: bool) -> Any:
+    """``option``'s value from ``raw``, or ``ConfigError`` naming ``label``: what was expected (and, in a file, got)."""
+    try:
+        return option.parse(raw)
+    except Invalid as exc:
+        problem = str(exc)
+        got = f", got {raw!r}" if in_file and problem.startswith("expected") else ""
+        raise ConfigError(f"{label}: {problem}{got}") from None
+
+
+def _tls_options(
+    given: Mapping[str, Any], upstream: str, defaults: Mapping[str, Any], label: Callable[[str], str]
+) -> dict[str, Any]:
+    """A route's ``tls_*`` settings (checked already) over the defaults for every https:// route; files load here."""
+    given = {k: v for k, v in given.items() if k in _TLS_KEYS and v is not None}
+    if not upstream.startswith("https://"):
+        if given:
+            raise ConfigError(f"{label(sorted(given)[0])}: TLS settings need an https:// upstream, got {upstream}")
+        return {}
+    out = {**{k: v for k, v in defaults.items() if v is not None}, **given}
+    from proxy.relay import tls  # proxy.relay.tls reads Route from here
+
+    options = tls.TLSOptions(
+        ca=out.get("tls_ca"),
+        ca_dir=out.get("tls_ca_dir"),
+        cert=out.get("tls_cert"),
+        key=out.get("tls_key"),
+        server_name=out.get("tls_server_name"),
+        verify=out.get("tls_verify", True),
+    )
+    tls.context(options, label)  # built now: a file that does not load stops the start, not a request
+    return out
+
+
+#: A route's TLS keys and, for the single upstream, the option that gives each one for every https:// route.
+_TLS_KEYS = {
+    "tls_ca": "upstream_ca",
+    "tls_ca_dir": "upstream_ca_dir",
+    "tls_cert": "upstream_cert",
+    "tls_key": "upstream_key",
+    "tls_server_name": "upstream_server_name",
+    "tls_verify": "tls_verify",
 }
-_FILE_KEYS = {
-    "listen": {"host", "port"},
-    "admin": {"host", "port"},
-    "routes": None,
-    "timeouts": {
-        "connect",
-        "read",
-        "idle",
-        "write",
-        "pool",
-        "drain",
-        "flush",
-        "client_header",
-        "client_body",
-        "keep_alive",
-    },
-    "telemetry": {
-        "chunk_spans",
-        "chunk_span_cap",
-        "queue_size",
-        "prometheus",
-        "metric_models",
-        "histogram_buckets",
-        "server_metrics",
-        "span_role",
-        "offline_token_usage",
-        "server_spans_wait",
-    },
-    "slo": {"ttft_ms", "tpot_ms", "e2e_ms"},
-    "inject_usage": None,
-    "max_inspect_bytes": None,
-    "max_request_bytes": None,
-    "max_header_bytes": None,
-    "stream_buffer_bytes": None,
-    "max_connections": None,
-    "max_client_connections": None,
-    "upstream_client": None,
-    "workers": None,
-    "telemetry_workers": None,
-    "log_level": None,
-    "upstream": None,
-    "provider": None,
-    "record": {"path", "max_mb", "files"},
-    **dict.fromkeys(_ROUTE_OPTIONS),
-    **dict.fromkeys(_TLS_OPTIONS),
-}
-_ROUTE_KEYS = {"prefix", "upstream", "provider", "strip_prefix", "name", *_ROUTE_OPTIONS, *_TLS_OPTIONS}
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+#: The settings a route takes from the top level (flags, variables, file) when it does not set them itself.
+_ROUTE_DEFAULTS = [
+    o.name
+    for key, o in ROUTE_OPTIONS.items()
+    if o.key is not None and o.name == key and key not in ("upstream", "provider", *_TLS_KEYS)
+]
+
+
+def _route(
+    raw: Any,
+    where: str,
+    defaults: Mapping[str, Any],
+    tls_defaults: Mapping[str, Any],
+    label: Callable[[str], str],
+) -> Route:
+    """One route from the file (``where``: ``FILE: routes[0]``) or the single upstream, over the top-level defaults."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping with prefix and upstream")
+    for key in raw:
+        if key not in ROUTE_OPTIONS:
+            raise _unknown(f"{where}: ", key, ROUTE_OPTIONS)
+    values = {
+        key: parse(ROUTE_OPTIONS[key], value, f"{where}.{key}", True) for key, value in raw.items() if value is not None
+    }
+    if "upstream" not in values:
+        raise ConfigError(f"{where}.upstream: expected a URL such as https://api.openai.com")
+    prefix = values.get("prefix", "/")
+    if not prefix.startswith("/"):
+        raise ConfigError(f"{where}.prefix: must start with '/', got {prefix!r}")
+    upstream = values["upstream"]
+    queue = {key: values.get(key, defaults.get(key)) for key in _ROUTE_DEFAULTS}
+    tls = _tls_options(values, upstream, tls_defaults, label)
+    return Route(
+        prefix=prefix.rstrip("/") or "/",
+        upstream=upstream,
+        name=str(values.get("name") or (prefix.strip("/") or "default")),
+        provider=values.get("provider", defaults.get("provider")),
+        strip_prefix=values.get("strip_prefix", False),
+        **{k: v for k, v in queue.items() if v is not None},
+        **tls,
+    )
+
+
+def _file_label(file: str, index: int) -> Callable[[str], str]:
+    """A setting of the file's ``index``-th route as messages name it."""
+    return lambda key: f"{file}: routes[{index}].{key}"
+
+
+def _upstream_label(key: str) -> str:
+    """A TLS setting as the single-upstream flag names it."""
+    flag = OPTIONS[_TLS_KEYS[key]].flag or key
+    return f"{flag} ({key})"
+
+
+def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
+    """Settings from parsed CLI flags (by option name; ``None``: not given), the environment and the config file.
+
+    Every option is checked first, in the table's order (the ports before any upstream), then the routes.
+    """
+    env = os.environ if env is None else env
+    config = Sources(flags, env).get("config")
+    data = load_file(config) if config else {}
+    sources = Sources(flags, env, data, str(config))
+    values = {name: sources.get(name) for name, o in OPTIONS.items() if o.group != "route"}
+
+    insecure = sources.given(OPTIONS["upstream_insecure"])
+    tls_defaults = {key: values[name] for key, name in _TLS_KEYS.items() if sources.given(OPTIONS[name]) is not None}
+    if insecure is not None:  # the flag and variable say it the other way round from the file's tls_verify
+        tls_defaults["tls_verify"] = not values["upstream_insecure"]
+    defaults = {name: values[name] for name in (*_ROUTE_DEFAULTS, "provider")}
+    raw_routes = data.get("routes") or []
+    routes = [
+        _route(raw, f"{sources.file}: routes[{i}]", defaults, tls_defaults, _file_label(sources.file, i))
+        for i, raw in enumerate(raw_routes)
+    ]
+    upstream = values["upstream"]
+    if upstream is not None:
+        routes = [r for r in routes if r.prefix != "/"]
+        default_route = {"prefix": "/", "upstream": upstream, "name": "default"}
+        routes.append(_route(default_route, "upstream", defaults, tls_defaults, _upstream_label))
+    given = sorted(key for key, value in tls_defaults.items() if value is not None)
+    if given and routes and not any(r.upstream.startswith("https://") for r in routes):
+        found = sources.given(OPTIONS["upstream_insecure" if given[0] == "tls_verify" else _TLS_KEYS[given[0]]])
+        where = f"{found[1]} ({given[0]})" if found is not None else _upstream_label(given[0])
+        raise ConfigError(f"{where}: TLS settings need an https:// upstream")
+    if not routes:
+        raise ConfigError("no upstream: pass --upstream URL, set LLMTAP_UPSTREAM, or give routes in --config FILE")
+    prefixes = [r.prefix for r in routes]
+    if len(set(prefixes)) != len(prefixes):
+        raise ConfigError(f"{sources.file}: routes: two routes share one prefix")
+    # Longest prefix first, so /openai/v1 wins over /openai.
+    routes.sort(key=lambda r: len(r.prefix), reverse=True)
+
+    def ms(name: str) -> float | None:
+        value = values[name]
+        return None if value is None else value / 1000.0
+
+    return Settings(
+        routes=tuple(routes),
+        host=values["host"],
+        port=values["port"],
+        admin_host=values["admin_host"],
+        admin_port=values["admin_port"],
+        timeouts=Timeouts(
+            connect=values["connect_timeout"],
+            read=values["read_timeout"],
+            write=values["write_timeout"],
+            pool=values["pool_timeout"],
+            idle=values["idle_timeout"],
+            drain=values["drain_timeout"],
+            flush=values["flush_timeout"],
+            client_header=values["client_header_timeout"],
+            client_body=values["client_body_timeout"],
+            keep_alive=values["keep_alive_timeout"],
+        ),
+        telemetry=telemetry_from_env(env, sources=sources),
+        slo=SLO(ttft=ms("slo_ttft_ms"), tpot=ms("slo_tpot_ms"), e2e=ms("slo_e2e_ms")),
+        inject_usage=values["inject_usage"],
+        max_inspect_bytes=values["max_inspect_bytes"],
+        max_request_bytes=values["max_request_bytes"],
+        max_header_bytes=values["max_header_bytes"],
+        stream_buffer_bytes=values["stream_buffer_bytes"],
+        max_connections=values["max_connections"],
+        max_client_connections=values["max_client_connections"],
+        upstream_client=values["upstream_client"],
+        log_level=values["log_level"],
+        access_log=values["access_log"],
+        record=Records(
+            path=values["record"],
+            max_bytes=max(int(values["record_max_mb"] * MIB), 1024),
+            files=values["record_files"],
+        ),
+        workers=values["workers"],
+        telemetry_workers=values["telemetry_workers"],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Telemetry: the standard OTEL_* variables, and llmtap's own options.
 
 
 def _bool(value: Any, what: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"{what}: expected true or false, got {value!r}")
-
-
-def _number(value: Any, what: str, *, integer: bool = False, minimum: float = 0.0) -> float:
     try:
-        number = int(value) if integer else float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"{what}: expected a number, got {value!r}") from None
-    if isinstance(value, bool) or not math.isfinite(number) or number < minimum:
-        raise ConfigError(f"{what}: expected a number >= {minimum:g}, got {value!r}")
-    return number
+        return bool(options.boolean().parse(value))
+    except Invalid:
+        raise ConfigError(f"{what}: expected true or false, got {value!r}") from None
 
 
-def _optional_number(value: Any, what: str) -> float | None:
-    return None if value is None else _number(value, what)
-
-
-def _positive(value: Any, what: str) -> float:
-    """A length of time that must pass before anything is cut: 0 would cut at once."""
-    number = _number(value, what)
-    if number <= 0:
-        raise ConfigError(f"{what}: expected seconds > 0, got {value!r}")
-    return number
-
-
-def _size(value: Any, what: str) -> int:
-    """A byte limit: a whole number of at least 1 KiB (anything smaller could not hold one request line)."""
-    return int(_number(value, what, integer=True, minimum=1024))
-
-
-def _buffer(value: Any) -> int:
-    size = int(_number(value, "stream_buffer_bytes", integer=True))
-    if 0 < size < 4096:
-        raise ConfigError(f"stream_buffer_bytes: expected 0 (the kernel's) or at least 4096, got {value!r}")
-    return size
-
-
-def _port(value: Any, what: str) -> int:
-    port = int(_number(value, what, integer=True))
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{what}: expected a port 0-65535, got {value!r}")
-    return port
+def _interval(value: Any) -> int:
+    try:
+        return int(options.integer(1).parse(value))
+    except Invalid as exc:
+        raise ConfigError(f"OTEL_METRIC_EXPORT_INTERVAL={_shown(value)}: {exc}") from None
 
 
 def check_url(url: Any, what: str) -> str:
-    """A normalized upstream base URL (http or https, a host, no query), else ``ConfigError``."""
-    if not isinstance(url, str) or not url:
-        raise ConfigError(f"{what}: expected a URL such as https://api.openai.com, got {url!r}")
+    """A normalized upstream base URL (http or https, a host, no query), else ``ConfigError`` naming ``what``."""
     try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise ConfigError(f"{what}: bad URL {url!r} ({exc})") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{what}: bad URL {url!r}: needs http:// or https:// and a host")
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise ConfigError(f"{what}: bad URL {url!r}: no query, fragment or credentials allowed")
-    del port
-    return url.rstrip("/")
+        return options.check_url(url)
+    except Invalid as exc:
+        raise ConfigError(f"{what}={_shown(url)}: {exc}") from None
 
 
 def _headers(text: str | None, what: str = "OTEL_EXPORTER_OTLP_HEADERS") -> dict[str, str]:
@@ -393,9 +582,13 @@ def _otlp_endpoint(env: Mapping[str, str], signal: str) -> str | None:
     return None
 
 
-def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] | None = None) -> Telemetry:
-    """The telemetry settings from ``OTEL_*`` (and the file's ``telemetry:`` section and ``LLMTAP_*``)."""
-    section = dict(file_section or {})
+def telemetry_from_env(
+    env: Mapping[str, str], file_section: Mapping[str, Any] | None = None, *, sources: Sources | None = None
+) -> Telemetry:
+    """The telemetry settings from ``OTEL_*``, and llmtap's own from ``sources`` (by default: ``LLMTAP_*`` in
+    ``env`` over the file's ``telemetry:`` section ``file_section``)."""
+    if sources is None:
+        sources = Sources({}, env, {"telemetry": dict(file_section or {})})
     disabled = _bool(env.get("OTEL_SDK_DISABLED", "false"), "OTEL_SDK_DISABLED")
     values: dict[str, Any] = {"sdk_disabled": disabled}
     for signal in ("traces", "metrics"):
@@ -424,390 +617,32 @@ def telemetry_from_env(env: Mapping[str, str], file_section: Mapping[str, Any] |
         values[f"{signal}_endpoint_specific"] = bool(env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
         values[f"{signal}_protocol"] = protocol
         values[f"{signal}_headers"] = headers
-    values["metric_export_interval_ms"] = int(
-        _number(env.get("OTEL_METRIC_EXPORT_INTERVAL", 10_000), "OTEL_METRIC_EXPORT_INTERVAL", integer=True, minimum=1)
-    )
+    values["metric_export_interval_ms"] = _interval(env.get("OTEL_METRIC_EXPORT_INTERVAL", 10_000))
     opt_in = {v.strip() for v in env.get("OTEL_SEMCONV_STABILITY_OPT_IN", "").split(",")}
     values["semconv_latest"] = SEMCONV_LATEST in opt_in
     capture = env.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "").strip().upper()
     values["capture_content"] = capture in ("TRUE", "1", "SPAN_ONLY", "SPAN_AND_EVENT", "EVENT_ONLY")
-    chunk_spans = env.get("LLMTAP_CHUNK_SPANS", section.get("chunk_spans", "spans"))
-    if chunk_spans is False:  # YAML 1.1 reads a bare ``off`` as false
-        chunk_spans = "off"
-    if chunk_spans not in CHUNK_SPAN_MODES:
-        raise ConfigError(f"chunk_spans: {chunk_spans!r} is not one of {', '.join(CHUNK_SPAN_MODES)}")
-    values["chunk_spans"] = chunk_spans
-    cap = env.get("LLMTAP_CHUNK_SPAN_CAP", section.get("chunk_span_cap", 200))
-    values["chunk_span_cap"] = int(_number(cap, "chunk_span_cap", integer=True, minimum=1))
-    qsize = env.get("LLMTAP_TELEMETRY_QUEUE", section.get("queue_size", 4096))
-    values["queue_size"] = int(_number(qsize, "queue_size", integer=True, minimum=1))
-    values["prometheus"] = _bool(env.get("LLMTAP_PROMETHEUS", section.get("prometheus", True)), "prometheus")
-    values["metric_models"] = _metric_models(env.get("LLMTAP_METRIC_MODELS", section.get("metric_models")))
-    buckets = str(env.get("LLMTAP_HISTOGRAM_BUCKETS", section.get("histogram_buckets", "standard"))).strip().lower()
-    if buckets not in HISTOGRAM_BUCKETS:
-        raise ConfigError(f"histogram_buckets: {buckets!r} is not one of {', '.join(HISTOGRAM_BUCKETS)}")
-    values["histogram_buckets"] = buckets
-    server = env.get("LLMTAP_SERVER_METRICS", section.get("server_metrics", False))
-    values["server_metrics"] = _bool(server, "server_metrics")
     # The SDK's OTLP exporters read this variable too, but warn and carry on at a typo: here it is an error.
     key = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
     aggregation = env.get(key, "").strip().lower() or EXPLICIT
     if aggregation not in (EXPLICIT, EXPONENTIAL):
         raise ConfigError(f"{key}: {aggregation!r} is not one of {EXPLICIT}, {EXPONENTIAL}")
     values["histogram_aggregation"] = aggregation
-    role = env.get("LLMTAP_SPAN_ROLE", section.get("span_role", "auto"))
-    if role not in SPAN_ROLES:
-        raise ConfigError(f"span_role: {role!r} is not one of {', '.join(SPAN_ROLES)}")
-    values["span_role"] = role
-    offline = env.get("LLMTAP_OFFLINE_TOKEN_USAGE", section.get("offline_token_usage", False))
-    values["offline_token_usage"] = _bool(offline, "offline_token_usage")
-    wait = env.get("LLMTAP_SERVER_SPANS_WAIT", section.get("server_spans_wait", 10.0))
-    values["server_spans_wait"] = _number(wait, "server_spans_wait")
+    for field_name, name in _TELEMETRY_OPTIONS.items():
+        values[field_name] = sources.get(name)
     return Telemetry(**values)
 
 
-#: Names ``metric_models`` may list: each one adds its series to every instrument.
-METRIC_MODELS_MAX = 256
-
-
-def _metric_models(value: Any) -> tuple[str, ...]:
-    """``metric_models``: a list in the file, comma-separated in ``LLMTAP_METRIC_MODELS``."""
-    if value is None:
-        return ()
-    items = value.split(",") if isinstance(value, str) else value
-    if not isinstance(items, list | tuple):
-        raise ConfigError(f"metric_models: expected a list of model names, got {value!r}")
-    names = tuple(dict.fromkeys(str(item).strip() for item in items if str(item).strip()))
-    for name in names:
-        if clean(name, LABEL_CAP, label=True) != name:
-            raise ConfigError(
-                f"metric_models: {name[:40]!r}: a name of at most {LABEL_CAP} characters, no control characters"
-            )
-    if len(names) > METRIC_MODELS_MAX:
-        raise ConfigError(f"metric_models: at most {METRIC_MODELS_MAX} names, got {len(names)}")
-    return names
-
-
-def _version(value: Any, what: str) -> str:
-    label = version_label(str(value))
-    if label is None or label == INVALID_VERSION:
-        raise ConfigError(f"{what}: a label of 1 to {VERSION_MAX_BYTES} bytes without control characters expected")
-    return label
-
-
-def _records(pick: Any, section: Mapping[str, Any]) -> Records:
-    """``--record PATH`` and its rotation: ``--record-max-mb`` per file, ``--record-files`` files at most."""
-    path = pick("record", "LLMTAP_RECORD", section.get("path"), None)
-    max_mb = _number(pick("record_max_mb", "LLMTAP_RECORD_MAX_MB", section.get("max_mb"), 64), "record max_mb")
-    if max_mb <= 0:
-        raise ConfigError(f"record max_mb: expected a size in MB > 0, got {max_mb:g}")
-    files = pick("record_files", "LLMTAP_RECORD_FILES", section.get("files"), 5)
-    files = int(_number(files, "record files", integer=True, minimum=1))
-    return Records(path=str(path) if path else None, max_bytes=max(int(max_mb * (1 << 20)), 1024), files=files)
-
-
-def _route_options(raw: Mapping[str, Any], where: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """The admission-queue and estimator options of one route, over the defaults for every route."""
-    merged = {**defaults, **{k: raw[k] for k in _ROUTE_OPTIONS if k in raw and raw[k] is not None}}
-    out: dict[str, Any] = {}
-    for key in ("max_concurrency", "server_slots"):
-        if merged.get(key) is not None:
-            out[key] = int(_number(merged[key], f"{where}{key}", integer=True, minimum=1))
-    if merged.get("queue_limit") is not None:
-        out["queue_limit"] = int(_number(merged["queue_limit"], f"{where}queue_limit", integer=True))
-    if merged.get("queue_timeout") is not None:
-        out["queue_timeout"] = _number(merged["queue_timeout"], f"{where}queue_timeout")
-    if merged.get("retry_after") is not None:
-        out["retry_after"] = int(_number(merged["retry_after"], f"{where}retry_after", integer=True))
-    if merged.get("prefill_rate") is not None:
-        rate = _number(merged["prefill_rate"], f"{where}prefill_rate")
-        if rate <= 0:
-            raise ConfigError(f"{where}prefill_rate: expected tokens per second > 0, got {merged['prefill_rate']!r}")
-        out["prefill_rate"] = rate
-    if merged.get("prompt_version") is not None:
-        out["prompt_version"] = _version(merged["prompt_version"], f"{where}prompt_version")
-    if merged.get("cache_min_tokens") is not None:
-        out["cache_min_tokens"] = int(
-            _number(merged["cache_min_tokens"], f"{where}cache_min_tokens", integer=True, minimum=1)
-        )
-    if merged.get("queue_full_status") is not None:
-        status = int(_number(merged["queue_full_status"], f"{where}queue_full_status", integer=True))
-        if status not in (429, 503):
-            raise ConfigError(f"{where}queue_full_status: expected 429 or 503, got {merged['queue_full_status']!r}")
-        out["queue_full_status"] = status
-    return out
-
-
-def _tls_options(
-    raw: Mapping[str, Any], upstream: str, defaults: Mapping[str, Any], label: Callable[[str], str]
-) -> dict[str, Any]:
-    """A route's ``tls_*`` settings over the defaults for every https:// route; the files are loaded here."""
-    given = {k: raw[k] for k in _TLS_OPTIONS if raw.get(k) is not None}
-    if not upstream.startswith("https://"):
-        if given:
-            raise ConfigError(f"{label(sorted(given)[0])}: TLS settings need an https:// upstream, got {upstream}")
-        return {}
-    merged = {**{k: v for k, v in defaults.items() if v is not None}, **given}
-    out: dict[str, Any] = {}
-    for key in ("tls_ca", "tls_ca_dir", "tls_cert", "tls_key"):
-        if merged.get(key) is not None:
-            path = str(merged[key])
-            if not path.strip():
-                raise ConfigError(f"{label(key)}: expected a file name, got {merged[key]!r}")
-            out[key] = str(Path(path).expanduser())
-    name = merged.get("tls_server_name")
-    if name is not None:
-        name = str(name).strip()
-        if not name or any(c.isspace() or c in "/:@" for c in name):
-            raise ConfigError(f"{label('tls_server_name')}: expected a host name, got {merged['tls_server_name']!r}")
-        out["tls_server_name"] = name
-    if merged.get("tls_verify") is not None:
-        out["tls_verify"] = _bool(merged["tls_verify"], label("tls_verify"))
-    from proxy.relay import tls  # proxy.relay.tls reads Route from here
-
-    options = tls.TLSOptions(
-        ca=out.get("tls_ca"),
-        ca_dir=out.get("tls_ca_dir"),
-        cert=out.get("tls_cert"),
-        key=out.get("tls_key"),
-        server_name=out.get("tls_server_name"),
-        verify=out.get("tls_verify", True),
-    )
-    tls.context(options, label)  # built now: a file that does not load stops the start, not a request
-    return out
-
-
-def _route(
-    raw: Any,
-    index: int,
-    default_provider: str | None,
-    defaults: Mapping[str, Any] | None = None,
-    tls_defaults: Mapping[str, Any] | None = None,
-    label: Callable[[str], str] | None = None,
-) -> Route:
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"routes[{index}]: expected a mapping with prefix and upstream")
-    unknown = set(raw) - _ROUTE_KEYS
-    if unknown:
-        raise ConfigError(
-            f"routes[{index}]: unknown key {sorted(unknown, key=str)[0]!r}; known: {', '.join(sorted(_ROUTE_KEYS))}"
-        )
-    prefix = str(raw.get("prefix", "/"))
-    if not prefix.startswith("/"):
-        raise ConfigError(f"routes[{index}].prefix: must start with '/', got {prefix!r}")
-    upstream = check_url(raw.get("upstream"), f"routes[{index}].upstream")
-    name = str(raw.get("name") or (prefix.strip("/") or "default"))
-    provider = raw.get("provider", default_provider)
-    strip = _bool(raw.get("strip_prefix", False), f"routes[{index}].strip_prefix")
-    options = _route_options(raw, f"routes[{index}].", defaults or {})
-    options.update(_tls_options(raw, upstream, tls_defaults or {}, label or (lambda key: f"routes[{index}].{key}")))
-    return Route(
-        prefix=prefix.rstrip("/") or "/", upstream=upstream, name=name, provider=provider, strip_prefix=strip, **options
-    )
-
-
-def _upstream_label(key: str) -> str:
-    """A TLS setting as the single-upstream flag names it."""
-    flag = _TLS_OPTIONS[key][0].replace("_", "-")
-    return f"--{flag} ({key})"
-
-
-def load_file(path: str | Path) -> dict[str, Any]:
-    """Read and shape-check a YAML config file."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"config file {str(path)!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {str(path)!r}: not UTF-8 text") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {str(path)!r}: invalid YAML{where}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
-    for key, value in data.items():
-        if key not in _FILE_KEYS:
-            raise ConfigError(f"config file: unknown key {key!r}; known: {', '.join(sorted(_FILE_KEYS))}")
-        allowed = _FILE_KEYS[key]
-        if allowed is not None:
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"config file: {key!r} must be a mapping")
-            extra = set(value) - allowed
-            if extra:
-                raise ConfigError(
-                    f"config file: unknown key {key}.{sorted(extra, key=str)[0]}; known: {', '.join(sorted(allowed))}"
-                )
-    return data
-
-
-def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
-    """Settings from parsed CLI flags (``None`` means not given), the environment and the config file."""
-    env = os.environ if env is None else env
-
-    def pick(flag: str, env_name: str, file_value: Any, default: Any) -> Any:
-        value = flags.get(flag)
-        if value is not None:
-            return value
-        if env_name in env and env[env_name] != "":
-            return env[env_name]
-        return default if file_value is None else file_value
-
-    config_path = flags.get("config") or env.get("LLMTAP_CONFIG")
-    data = load_file(config_path) if config_path else {}
-    listen, admin = data.get("listen", {}), data.get("admin", {})
-    provider = pick("provider", "LLMTAP_PROVIDER", data.get("provider"), None)
-
-    upstream = pick("upstream", "LLMTAP_UPSTREAM", data.get("upstream"), None)
-    routes: list[Route] = []
-    raw_routes = data.get("routes") or []
-    if not isinstance(raw_routes, list):
-        raise ConfigError("config file: 'routes' must be a list")
-    route_defaults = {key: pick(key, f"LLMTAP_{key.upper()}", data.get(key), None) for key in _ROUTE_OPTIONS}
-    tls_defaults = {key: pick(flag, env_name, data.get(key), None) for key, (flag, env_name) in _TLS_OPTIONS.items()}
-    if tls_defaults["tls_verify"] is not None:  # given as --upstream-insecure / LLMTAP_UPSTREAM_INSECURE
-        tls_defaults["tls_verify"] = not _bool(tls_defaults["tls_verify"], "upstream_insecure")
-    if data.get("tls_verify") is not None and pick("upstream_insecure", "LLMTAP_UPSTREAM_INSECURE", None, None) is None:
-        tls_defaults["tls_verify"] = data["tls_verify"]  # the file's own key says it the other way round
-    routes.extend(_route(raw, i, provider, route_defaults, tls_defaults) for i, raw in enumerate(raw_routes))
-    if upstream is not None:
-        check_url(upstream, "upstream")
-        routes = [r for r in routes if r.prefix != "/"]
-        default = {"prefix": "/", "upstream": upstream, "name": "default"}
-        routes.append(_route(default, len(routes), provider, route_defaults, tls_defaults, _upstream_label))
-    given = sorted(key for key, value in tls_defaults.items() if value is not None)
-    if given and routes and not any(r.upstream.startswith("https://") for r in routes):
-        raise ConfigError(f"{_upstream_label(given[0])}: TLS settings need an https:// upstream")
-    if not routes:
-        raise ConfigError("no upstream: pass --upstream URL, set LLMTAP_UPSTREAM, or give routes in --config FILE")
-    prefixes = [r.prefix for r in routes]
-    if len(set(prefixes)) != len(prefixes):
-        raise ConfigError("routes: two routes share one prefix")
-    # Longest prefix first, so /openai/v1 wins over /openai.
-    routes.sort(key=lambda r: len(r.prefix), reverse=True)
-
-    slo_file = data.get("slo", {})
-
-    def slo_value(flag: str, env_name: str, key: str) -> float | None:
-        value = pick(flag, env_name, slo_file.get(key), None)
-        return None if value is None else _number(value, key) / 1000.0
-
-    timeouts_file = data.get("timeouts", {})
-    tdefault = Timeouts()
-    timeouts = Timeouts(
-        connect=_number(
-            pick("connect_timeout", "LLMTAP_CONNECT_TIMEOUT", timeouts_file.get("connect"), tdefault.connect),
-            "connect timeout",
-        ),
-        read=_number(
-            pick("read_timeout", "LLMTAP_READ_TIMEOUT", timeouts_file.get("read"), tdefault.read), "read timeout"
-        ),
-        write=_number(timeouts_file.get("write", tdefault.write), "write timeout"),
-        pool=_number(timeouts_file.get("pool", tdefault.pool), "pool timeout"),
-        idle=_optional_number(
-            pick("idle_timeout", "LLMTAP_IDLE_TIMEOUT", timeouts_file.get("idle"), None), "idle timeout"
-        ),
-        drain=_number(
-            pick("drain_timeout", "LLMTAP_DRAIN_TIMEOUT", timeouts_file.get("drain"), tdefault.drain), "drain timeout"
-        ),
-        flush=_number(
-            pick("flush_timeout", "LLMTAP_FLUSH_TIMEOUT", timeouts_file.get("flush"), tdefault.flush), "flush timeout"
-        ),
-        client_header=_positive(
-            pick(
-                "client_header_timeout",
-                "LLMTAP_CLIENT_HEADER_TIMEOUT",
-                timeouts_file.get("client_header"),
-                tdefault.client_header,
-            ),
-            "client header timeout",
-        ),
-        client_body=_positive(
-            pick(
-                "client_body_timeout",
-                "LLMTAP_CLIENT_BODY_TIMEOUT",
-                timeouts_file.get("client_body"),
-                tdefault.client_body,
-            ),
-            "client body timeout",
-        ),
-        keep_alive=_positive(
-            pick(
-                "keep_alive_timeout", "LLMTAP_KEEP_ALIVE_TIMEOUT", timeouts_file.get("keep_alive"), tdefault.keep_alive
-            ),
-            "keep-alive timeout",
-        ),
-    )
-    client_cap = pick(
-        "max_client_connections", "LLMTAP_MAX_CLIENT_CONNECTIONS", data.get("max_client_connections"), None
-    )
-    telemetry_env = dict(env)
-    for flag in ("chunk_spans", "histogram_buckets", "server_metrics", "span_role", "offline_token_usage"):
-        if flags.get(flag) is not None:
-            telemetry_env[f"LLMTAP_{flag.upper()}"] = str(flags[flag])
-    level = str(pick("log_level", "LLMTAP_LOG_LEVEL", data.get("log_level"), "info")).lower()
-    if level not in ("debug", "info", "warning", "error"):
-        raise ConfigError(f"log level: {level!r} is not one of debug, info, warning, error")
-    client = str(pick("upstream_client", "LLMTAP_UPSTREAM_CLIENT", data.get("upstream_client"), "lean")).lower()
-    if client not in UPSTREAM_CLIENTS:
-        raise ConfigError(f"upstream_client: {client!r} is not one of {', '.join(UPSTREAM_CLIENTS)}")
-    return Settings(
-        routes=tuple(routes),
-        host=str(pick("host", "LLMTAP_HOST", listen.get("host"), "127.0.0.1")),
-        port=_port(pick("port", "LLMTAP_PORT", listen.get("port"), 8080), "port"),
-        admin_host=str(pick("admin_host", "LLMTAP_ADMIN_HOST", admin.get("host"), "127.0.0.1")),
-        admin_port=_port(pick("admin_port", "LLMTAP_ADMIN_PORT", admin.get("port"), 9464), "admin port"),
-        timeouts=timeouts,
-        telemetry=telemetry_from_env(telemetry_env, data.get("telemetry")),
-        slo=SLO(
-            ttft=slo_value("slo_ttft_ms", "LLMTAP_SLO_TTFT_MS", "ttft_ms"),
-            tpot=slo_value("slo_tpot_ms", "LLMTAP_SLO_TPOT_MS", "tpot_ms"),
-            e2e=slo_value("slo_e2e_ms", "LLMTAP_SLO_E2E_MS", "e2e_ms"),
-        ),
-        inject_usage=_bool(pick("inject_usage", "LLMTAP_INJECT_USAGE", data.get("inject_usage"), True), "inject_usage"),
-        max_inspect_bytes=int(
-            _number(
-                pick("max_inspect_bytes", "LLMTAP_MAX_INSPECT_BYTES", data.get("max_inspect_bytes"), 8 << 20),
-                "max_inspect_bytes",
-                integer=True,
-            )
-        ),
-        max_request_bytes=_size(
-            pick("max_request_bytes", "LLMTAP_MAX_REQUEST_BYTES", data.get("max_request_bytes"), 64 << 20),
-            "max_request_bytes",
-        ),
-        max_header_bytes=_size(
-            pick("max_header_bytes", "LLMTAP_MAX_HEADER_BYTES", data.get("max_header_bytes"), 64 << 10),
-            "max_header_bytes",
-        ),
-        stream_buffer_bytes=_buffer(
-            pick("stream_buffer_bytes", "LLMTAP_STREAM_BUFFER_BYTES", data.get("stream_buffer_bytes"), 128 << 10)
-        ),
-        max_connections=int(
-            _number(
-                pick("max_connections", "LLMTAP_MAX_CONNECTIONS", data.get("max_connections"), 1000),
-                "max_connections",
-                integer=True,
-                minimum=1,
-            )
-        ),
-        max_client_connections=None
-        if client_cap is None
-        else int(_number(client_cap, "max_client_connections", integer=True, minimum=1)),
-        upstream_client=client,
-        log_level=level,
-        record=_records(pick, data.get("record", {})),
-        workers=int(
-            _number(pick("workers", "LLMTAP_WORKERS", data.get("workers"), 1), "workers", integer=True, minimum=1)
-        ),
-        telemetry_workers=int(
-            _number(
-                pick("telemetry_workers", "LLMTAP_TELEMETRY_WORKERS", data.get("telemetry_workers"), 1),
-                "telemetry_workers",
-                integer=True,
-                minimum=1,
-            )
-        ),
-    )
+#: ``Telemetry`` fields that are llmtap's own options, and their names in the table.
+_TELEMETRY_OPTIONS = {
+    "chunk_spans": "chunk_spans",
+    "chunk_span_cap": "chunk_span_cap",
+    "queue_size": "telemetry_queue",
+    "prometheus": "prometheus",
+    "metric_models": "metric_models",
+    "histogram_buckets": "histogram_buckets",
+    "server_metrics": "server_metrics",
+    "span_role": "span_role",
+    "offline_token_usage": "offline_token_usage",
+    "server_spans_wait": "server_spans_wait",
+}

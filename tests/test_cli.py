@@ -71,7 +71,7 @@ def test_unknown_nested_config_key(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("url", ["localhost:8000", "ftp://h.example", "http://u:p@h.example", "http://h/?x=1"])
 def test_bad_upstream_url(url: str) -> None:
-    assert_config_error(run("serve", "--upstream", url), f"upstream: bad URL {url!r}")
+    assert_config_error(run("serve", "--upstream", url), f"llmtap: error: --upstream {url}: expected ")
 
 
 def test_invalid_yaml(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from tests.vllm_server import (
     Scrape,
     ServerSpan,
     VllmServer,
-    vllm_medium as vllm_medium,  # the fixture: one server for this module
+    vllm_medium as vllm_medium,  # the fixture: one server, shared with the other real-vLLM modules
 )
 
 pytestmark = pytest.mark.real

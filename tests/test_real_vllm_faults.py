@@ -25,7 +25,7 @@ from tests.conftest import Running, Telemetry, start_proxy
 from tests.vllm_server import (
     Scrape,
     VllmServer,
-    vllm_medium as vllm_medium,  # the fixture: one server for this module
+    vllm_medium as vllm_medium,  # the fixture: one server, shared with the other real-vLLM modules
 )
 
 pytestmark = pytest.mark.real

@@ -808,7 +808,7 @@ def test_upstream_client_setting(tmp_path: Any) -> None:
     config = tmp_path / "llmtap.yaml"
     config.write_text("upstream: http://u\nupstream_client: httpx\n")
     assert build({"config": str(config)}, env={}).upstream_client == "httpx"
-    with pytest.raises(ConfigError, match="upstream_client"):
+    with pytest.raises(ConfigError, match=r"^LLMTAP_UPSTREAM_CLIENT=curl: expected one of lean, httpx$"):
         build({"upstream": "http://u"}, env={"LLMTAP_UPSTREAM_CLIENT": "curl"})
 
 

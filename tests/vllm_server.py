@@ -10,6 +10,7 @@ another model or other arguments.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gzip
 import math
@@ -211,6 +212,7 @@ class VllmServer:
         self.model = model
         self.port = free_port()
         self.receiver = OtlpReceiver()
+        self._closed = False
         self.log_path = workdir / f"vllm-{model}.log"
         self._log = self.log_path.open("wb")
         env = {
@@ -310,7 +312,10 @@ class VllmServer:
             time.sleep(0.1)
 
     def close(self) -> None:
-        """Stop vLLM (SIGTERM to its group, then SIGKILL if it lingers) and the receiver."""
+        """Stop vLLM (SIGTERM to its group, then SIGKILL if it lingers) and the receiver; once."""
+        if self._closed:
+            return
+        self._closed = True
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -349,16 +354,43 @@ def report_on_failure(request: pytest.FixtureRequest, server: VllmServer) -> Cal
     return show
 
 
+#: The one medium server of a pytest session, shared by every module that asks for ``vllm_medium``.
+_shared: dict[str, VllmServer] = {}
+
+
+def _later_users(request: pytest.FixtureRequest, fixture: str) -> bool:
+    """Whether a test collected after the requesting module's tests also uses ``fixture``."""
+    items = [item for item in request.session.items if isinstance(item, pytest.Function)]
+    mine = [i for i, item in enumerate(items) if item.module is request.module]
+    return any(fixture in item.fixturenames for item in items[max(mine, default=-1) + 1 :])
+
+
 @pytest.fixture(scope="module")
 def vllm_medium(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     """The medium model (dummy weights) with two sequence slots, so a burst of requests queues.
 
-    Module-scoped: it holds about 3 GB, so it goes when the module that imported it is done. Its log
-    stays in pytest's temporary folder for a post-mortem.
+    One server for the session's modules that use it (starting vLLM takes about a minute): started by the
+    first, stopped when a module ends and no test collected after it uses the fixture, since it holds about
+    3 GB. Each test takes its own figures as deltas of vLLM's counters and its own prompts, so sharing
+    changes no result. Its log stays in pytest's temporary folder for a post-mortem.
     """
     require_real(installed("medium"), "the CPU build of vLLM with its medium model", INSTALL_HINT)
-    args = ["--load-format", "dummy", "--max-num-seqs", "2"]
-    with serve("medium", args, tmp_path_factory.mktemp("vllm")) as server:
-        show = report_on_failure(request, server)
+    server = _shared.get("medium")
+    if server is None or server.proc.poll() is not None:
+        args = ["--load-format", "dummy", "--max-num-seqs", "2"]
+        server = VllmServer("medium", args, tmp_path_factory.mktemp("vllm"))
+        _shared["medium"] = server
+        atexit.register(server.close)
+        try:
+            print(f"vLLM medium ready in {server.wait_ready():.1f} s on {server.url}")
+        except BaseException:
+            server.close()
+            raise
+    show = report_on_failure(request, server)
+    try:
         yield server
         show()
+    finally:
+        if not _later_users(request, "vllm_medium"):
+            server.close()
+            _shared.pop("medium", None)

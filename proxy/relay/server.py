@@ -25,10 +25,12 @@ from typing import Any
 
 import uvicorn
 
+from proxy import __version__
+from proxy.options import binary
 from proxy.relay.app import create_app
 from proxy.relay.channel import ShardedChannel, SocketChannel
 from proxy.relay.protocol import BoundedHeadProtocol, ClientLimits
-from proxy.settings import ConfigError, Settings
+from proxy.settings import ConfigError, Settings, Telemetry as TelemetrySettings
 from proxy.telemetry import process
 
 log = logging.getLogger("llmtap")
@@ -132,6 +134,56 @@ def run(settings: Settings) -> None:
             run_loop(serve(settings, proxy_sock, channel_path, telemetry=telemetry))
 
 
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _otlp(t: TelemetrySettings, signal: str) -> str:
+    """Where one signal goes: ``OTLP grpc to URL``, ``the console`` or ``off``."""
+    exporter = getattr(t, f"{signal}_exporter")
+    if exporter == "console":
+        return "the console"
+    if exporter != "otlp":
+        return "off"
+    endpoint, protocol = getattr(t, f"{signal}_endpoint"), getattr(t, f"{signal}_protocol")
+    if protocol == "http/protobuf" and not getattr(t, f"{signal}_endpoint_specific"):
+        endpoint = f"{endpoint}/v1/{signal}"  # where the exporter posts, as the OTLP spec joins a base endpoint
+    return f"OTLP {protocol} to {endpoint}"
+
+
+def startup_lines(settings: Settings, port: int, admin_port: int) -> list[str]:
+    """What ``llmtap serve`` says once it listens: where the proxy, admin listener and live view are, where
+    each route goes, where telemetry goes, and where records and the access log are written."""
+    admin = _url(settings.admin_host, admin_port)
+    relays = "1 relay process" if settings.workers == 1 else f"{settings.workers} relay processes"
+    lines = [f"llmtap {__version__}: proxy on {_url(settings.host, port)} ({relays})"]
+    scrape = "/metrics, " if settings.telemetry.prometheus else ""
+    lines.append(f"admin on {admin}: {scrape}/healthz, /readyz; live view {admin}/")
+    for r in sorted(settings.routes, key=lambda r: r.prefix):
+        provider = r.provider or "provider from the API it speaks"
+        insecure = ", TLS not verified" if r.upstream.startswith("https://") and not r.tls_verify else ""
+        lines.append(f"route {r.prefix} -> {r.upstream} ({provider}{insecure})")
+    t = settings.telemetry
+    traces, metrics = _otlp(t, "traces"), _otlp(t, "metrics")
+    if traces == metrics == "off":
+        why = "OTEL_SDK_DISABLED is set" if t.sdk_disabled else "set OTEL_EXPORTER_OTLP_ENDPOINT"
+        lines.append(f"telemetry: OTLP off: {why}" + (f"; Prometheus can scrape {admin}/metrics" if scrape else ""))
+    elif traces == metrics:
+        lines.append(f"telemetry: traces and metrics to {traces}")
+    else:
+        lines.append(f"telemetry: traces to {traces}; metrics to {metrics}")
+    rec = settings.record
+    records = (
+        f"records: {rec.path} (a new file past {binary(rec.max_bytes)}, {rec.files} kept)"
+        if rec.path
+        else "records: off (--record PATH)"
+    )
+    where = "stderr" if settings.access_log == "-" else settings.access_log
+    access = f"access log: {where}" if where else "access log: off (--access-log PATH, - for stderr)"
+    lines.append(f"{records}; {access}")
+    return lines
+
+
 def channel_paths(base: str, count: int) -> list[str]:
     """The channel sockets of ``count`` telemetry processes: ``base`` itself for one."""
     return [base] if count == 1 else [f"{base}.{i}" for i in range(count)]
@@ -205,6 +257,42 @@ class Telemetry:
             sock.close()
 
 
+#: uvicorn's own lines about the application's lifespan: said at ``debug`` only (llmtap says when it is ready).
+_LIFESPAN_LINES = frozenset(
+    {
+        "Waiting for application startup.",
+        "Application startup complete.",
+        "Waiting for application shutdown.",
+        "Application shutdown complete.",
+    }
+)
+
+
+class _UvicornLabel(logging.Filter):
+    """uvicorn's lines under the name of the listener they belong to (``uvicorn.relay``, ``uvicorn.admin``).
+
+    Two kinds of process run uvicorn, each with its own listener: without the name their lines read alike.
+    """
+
+    def __init__(self, listener: str) -> None:
+        super().__init__()
+        self.listener = listener
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno <= logging.INFO and record.getMessage() in _LIFESPAN_LINES:
+            return logging.getLogger("llmtap").isEnabledFor(logging.DEBUG)
+        record.name = f"uvicorn.{self.listener}"
+        return True
+
+
+def label_uvicorn(listener: str) -> None:
+    """Name this process's uvicorn lines after ``listener`` (once per process; a second call replaces it)."""
+    logger = logging.getLogger("uvicorn.error")
+    for old in [f for f in logger.filters if isinstance(f, _UvicornLabel)]:
+        logger.removeFilter(old)
+    logger.addFilter(_UvicornLabel(listener))
+
+
 def uvicorn_config(
     app: object, settings: Settings, *, access_log: bool = False, limits: ClientLimits | None = None
 ) -> uvicorn.Config:
@@ -220,6 +308,8 @@ def uvicorn_config(
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         log_level=settings.log_level,
+        # llmtap's own logging (one format, the listener's name: ``label_uvicorn``), not uvicorn's dictConfig.
+        log_config=None,
         access_log=access_log,
         server_header=False,
         date_header=False,
@@ -255,6 +345,7 @@ async def serve(
     limits = ClientLimits.from_settings(settings)
     app.connections = limits
     logging.getLogger("uvicorn.error").addFilter(_QuietTruncation())
+    label_uvicorn("relay")  # with --workers, each relay's lines begin with its process id
     # Objects made at start-up live for the whole run: freeze them so the cyclic collector never
     # scans them again, keeping its pauses (and so added chunk gaps) short.
     gc.collect()
@@ -271,15 +362,8 @@ async def serve(
         loop.add_signal_handler(sig, stop)
     watcher = asyncio.create_task(telemetry.watch()) if telemetry is not None else None
     if telemetry is not None:
-        routes = ", ".join(f"{r.prefix} -> {r.upstream}" for r in settings.routes)
-        log.info(
-            "llmtap proxy on http://%s:%d (%s); admin on http://%s:%d",
-            settings.host,
-            proxy_sock.getsockname()[1],
-            routes,
-            settings.admin_host,
-            telemetry.admin_port,
-        )
+        for line in startup_lines(settings, proxy_sock.getsockname()[1], telemetry.admin_port):
+            log.info("%s", line)
     try:
         await server.serve(sockets=[proxy_sock])
     finally:

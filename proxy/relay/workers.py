@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from proxy.relay.server import Telemetry, bind, run_loop, serve
+from proxy.relay.server import Telemetry, bind, run_loop, serve, startup_lines
 from proxy.settings import ConfigError, Settings
 from proxy.telemetry.process import LOG_FORMAT, die_with_parent
 
@@ -152,16 +152,8 @@ async def _supervise(settings: Settings, supervisor: Supervisor, telemetry: Tele
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, supervisor.stop)
-    routes = ", ".join(f"{r.prefix} -> {r.upstream}" for r in settings.routes)
-    log.info(
-        "llmtap proxy on http://%s:%d (%s) in %d relays; admin on http://%s:%d",
-        settings.host,
-        port,
-        routes,
-        settings.workers,
-        settings.admin_host,
-        telemetry.admin_port,
-    )
+    for line in startup_lines(settings, port, telemetry.admin_port):
+        log.info("%s", line)
     watcher = asyncio.create_task(supervisor.watch(telemetry))
     try:
         await supervisor.stopped.wait()

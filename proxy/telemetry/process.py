@@ -115,7 +115,7 @@ async def serve(launch: Launch) -> None:
     """Take the relays' tapes and serve the admin listener until SIGTERM; then drain and flush."""
     # Only this process loads OpenTelemetry and the tokenizer; the relays import this module to start it.
     from proxy.analysis import tokens
-    from proxy.relay.server import _Server, uvicorn_config
+    from proxy.relay.server import _Server, label_uvicorn, uvicorn_config
     from proxy.telemetry import setup
     from proxy.telemetry.admin import AdminApp
     from proxy.telemetry.recorder import Recorder
@@ -142,6 +142,7 @@ async def serve(launch: Launch) -> None:
     _say(launch.started_fd, "ready")
     state = TelemetryState(recorder, settings, launch.relays, connected)
     admin = AdminApp(state, providers.prometheus, peers=launch.peers)
+    label_uvicorn("admin" if launch.index == 0 else f"admin.{launch.index}")
     server = _Server(uvicorn_config(admin, settings))
 
     def stop() -> None:

@@ -30,6 +30,7 @@ from proxy.providers.timing import PHASES
 from proxy.settings import Settings
 from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, SEGMENT, STATS
 from proxy.telemetry import semconv as sc
+from proxy.telemetry.access_log import AccessLog
 from proxy.telemetry.attributes import cache_attributes
 from proxy.telemetry.metrics import MetricWriter
 from proxy.telemetry.records import RECORD_DROP_REASONS, RecordWriter, record_line
@@ -103,6 +104,11 @@ class Recorder:
             )
             for reason in RECORD_DROP_REASONS:
                 self._count_record_drop(reason, 0)
+        #: ``--access-log PATH``: one line per request, written by the worker thread after the record.
+        self.access_log: AccessLog | None = None
+        if settings.access_log:
+            self.access_log = AccessLog(settings.access_log)
+            self.listeners.append(self.access_log.write)
         #: Streams whose segments came and whose end has not, by (source, key); only the worker touches it.
         self._open: OrderedDict[tuple[int, int], Playback] = OrderedDict()
         # Streams a message of which was dropped here: their end is counted as a dropped tape.
@@ -365,6 +371,8 @@ class Recorder:
         finally:
             if self.records is not None:
                 self.records.close()
+            if self.access_log is not None:
+                self.access_log.close()
 
     def _stop_worker(self, timeout: float) -> None:
         if self._thread is None:

@@ -1,0 +1,641 @@
+"""Every setting of ``llmtap serve`` once: its flag, ``LLMTAP_*`` variable, key in the YAML file, default,
+validation and help (``OPTIONS``).
+
+The command line (``proxy.cli``), the settings' resolution (``proxy.settings.build``), the file's schema
+and the settings page (``docs/settings.md``, ``python -m proxy.options``) are all made from this table. A
+new setting is one more ``option(...)`` line here, and its use where ``build`` makes ``Settings``.
+
+This module knows nothing of ``Settings``: a value that does not parse raises ``Invalid`` (``proxy.kinds``)
+with what was expected; ``proxy.settings`` turns that into a ``ConfigError`` naming where it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.kinds import (
+    METRIC_MODELS_MAX,
+    Invalid,
+    Kind,
+    binary,
+    boolean,
+    buffer_size,
+    byte_size,
+    check_url,
+    choice,
+    host_name,
+    integer,
+    model_names,
+    number,
+    path,
+    text,
+    url,
+    version,
+)
+
+__all__ = [
+    "GROUPS",
+    "METRIC_MODELS_MAX",
+    "OPTIONS",
+    "ROUTE_OPTIONS",
+    "STANDARD_VARIABLES",
+    "Invalid",
+    "Kind",
+    "Option",
+    "binary",
+    "boolean",
+    "buffer_size",
+    "by_group",
+    "byte_size",
+    "check_url",
+    "choice",
+    "default",
+    "file_keys",
+    "file_paths",
+    "host_name",
+    "integer",
+    "json_schema",
+    "model_names",
+    "number",
+    "option",
+    "path",
+    "text",
+    "url",
+    "version",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# The table.
+
+#: Sections of ``llmtap serve --help`` and of ``docs/settings.md``, in their order.
+GROUPS = {
+    "listen": "where llmtap listens",
+    "upstream": "upstreams (several, with their own settings, as routes in --config)",
+    "tls": "HTTPS upstreams (per route as tls_* keys in --config)",
+    "timeouts": "upstream timeouts and shutdown (seconds)",
+    "clients": "clients: slow or idle connections and how many (timeouts in seconds)",
+    "limits": "sizes and pools",
+    "telemetry": "telemetry (the OTLP exporters follow the standard OTEL_* variables)",
+    "slo": "service-level objectives: a request that meets every one counts for goodput",
+    "queue": "admission queue and queue/prefill estimates (per route in --config)",
+    "records": "request records and prompt caching (see llmtap compare)",
+    "process": "processes and logging",
+    "route": "keys of a route in the file only (routes: [...])",
+}
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting: where it can be given, what it accepts, and what it is when not given."""
+
+    #: The setting's name: the flag's ``dest`` and the key ``proxy.settings.build`` looks it up by.
+    name: str
+    kind: Kind
+    default: Any
+    help: str
+    group: str
+    #: ``--port``; None: no flag.
+    flag: str | None
+    #: ``LLMTAP_PORT``; None: no variable.
+    env: str | None
+    #: Its place in the YAML file, dotted (``listen.port``); None: not in the file's top level.
+    key: str | None
+    #: Its key in each of the file's ``routes:`` (a per-route setting; the top-level value is the default).
+    route_key: str | None = None
+    #: For a flag that takes no value: what giving it sets (``--no-inject-usage``: False).
+    switch: Any = None
+    #: The default in words, where the value alone would not say it (``the read timeout``).
+    default_text: str | None = None
+
+    def shown_default(self) -> str:
+        """The default as ``--help`` and the docs give it."""
+        if self.default_text is not None:
+            return self.default_text
+        return "none" if self.default is None else self.kind.show(self.default)
+
+    def parse(self, value: Any) -> Any:
+        """The value checked and converted; ``Invalid`` when it does not fit."""
+        return self.kind.parse(value)
+
+
+def option(
+    name: str,
+    kind: Kind,
+    default: Any,
+    help: str,
+    group: str,
+    *,
+    flag: str | None = AUTO,
+    env: str | None = AUTO,
+    key: str | None = AUTO,
+    route_key: str | None = None,
+    switch: Any = None,
+    default_text: str | None = None,
+) -> Option:
+    """An ``Option``; the flag, variable and file key follow from ``name`` unless given (None: there is none)."""
+    return Option(
+        name=name,
+        kind=kind,
+        default=default,
+        help=help,
+        group=group,
+        flag="--" + name.replace("_", "-") if flag == AUTO else flag,
+        env="LLMTAP_" + name.upper() if env == AUTO else env,
+        key=name if key == AUTO else key,
+        route_key=route_key,
+        switch=switch,
+        default_text=default_text,
+    )
+
+
+def _route(name: str, kind: Kind, default: Any, help: str, group: str, **kw: Any) -> Option:
+    """An option that each route may set for itself, with the same name in the file's top level and routes."""
+    return option(name, kind, default, help, group, route_key=name, **kw)
+
+
+def _tls(name: str, key: str, kind: Kind, help: str) -> Option:
+    return option(name, kind, None, help, "tls", key=key, route_key=key)
+
+
+PORT = integer(0, 65535, metavar="PORT")
+SECONDS = number(unit="seconds", metavar="SECONDS")
+POSITIVE_SECONDS = number(above=True, unit="seconds", metavar="SECONDS")
+MS = number(unit="milliseconds", metavar="MS")
+CHUNK_SPAN_MODES = ("spans", "events", "off")
+#: What the proxy's span is in a trace (``auto``: the hop when a request arrives with a ``traceparent``).
+SPAN_ROLES = ("auto", "generation", "hop")
+#: The client for upstreams: llmtap's own HTTP/1.1 one (``proxy.relay.upstream_http``), or httpx's.
+UPSTREAM_CLIENTS = ("lean", "httpx")
+#: Buckets of the ``gen_ai.*`` histograms: the conventions' advisory ones, or llmtap's fine ones.
+HISTOGRAM_BUCKETS = ("standard", "fine")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+_TABLE = (
+    # where llmtap listens
+    option("host", text("ADDRESS"), "127.0.0.1", "the proxy's listen address", "listen", key="listen.host"),
+    option("port", PORT, 8080, "the proxy's listen port, 0 for any free one", "listen", key="listen.port"),
+    option("admin_host", text("ADDRESS"), "127.0.0.1", "the admin listener's address", "listen", key="admin.host"),
+    option(
+        "admin_port",
+        PORT,
+        9464,
+        "the admin listener's port: /metrics, /healthz, /readyz and the live view",
+        "listen",
+        key="admin.port",
+    ),
+    # upstreams
+    option(
+        "upstream",
+        url(),
+        None,
+        "upstream base URL, e.g. https://api.openai.com (replaces the file's route for /)",
+        "upstream",
+        route_key="upstream",
+        default_text="none: the routes of --config",
+    ),
+    option(
+        "provider",
+        text("NAME"),
+        None,
+        "gen_ai.provider.name to report, e.g. openai, anthropic, vllm",
+        "upstream",
+        route_key="provider",
+        default_text="from the API the request speaks",
+    ),
+    option("config", path(), None, "YAML file with routes and settings", "upstream", key=None),
+    option(
+        "upstream_client",
+        choice(*UPSTREAM_CLIENTS),
+        "lean",
+        "client for upstreams: llmtap's own HTTP/1.1 one, or httpx's",
+        "upstream",
+    ),
+    # HTTPS upstreams
+    _tls("upstream_ca", "tls_ca", path(), "CA bundle to verify the upstream with instead of the default roots"),
+    _tls("upstream_ca_dir", "tls_ca_dir", path("DIR"), "directory of hashed CA certificates"),
+    _tls("upstream_cert", "tls_cert", path(), "client certificate for mutual TLS, PEM; may hold its key too"),
+    _tls("upstream_key", "tls_key", path(), "the client certificate's key, PEM"),
+    _tls("upstream_server_name", "tls_server_name", host_name(), "name sent as SNI and verified, when not the URL's"),
+    option(
+        "upstream_insecure",
+        boolean(),
+        False,
+        "do not verify the upstream's certificate at all (logged as a warning)",
+        "tls",
+        key=None,
+        switch=True,
+    ),
+    option(
+        "tls_verify",
+        boolean(),
+        True,
+        "verify the upstream's certificate (the file's way to say --upstream-insecure)",
+        "tls",
+        flag=None,
+        env=None,
+        route_key="tls_verify",
+    ),
+    # upstream timeouts and shutdown
+    option("connect_timeout", SECONDS, 10.0, "upstream connect timeout", "timeouts", key="timeouts.connect"),
+    option(
+        "read_timeout",
+        SECONDS,
+        600.0,
+        "longest wait for the upstream's response headers, and between chunks unless --idle-timeout is set",
+        "timeouts",
+        key="timeouts.read",
+    ),
+    option(
+        "idle_timeout",
+        SECONDS,
+        None,
+        "longest silence between two chunks of a response",
+        "timeouts",
+        key="timeouts.idle",
+        default_text="the read timeout",
+    ),
+    option(
+        "write_timeout", SECONDS, 60.0, "longest wait to send the request upstream", "timeouts", key="timeouts.write"
+    ),
+    option(
+        "pool_timeout", SECONDS, 10.0, "longest wait for a free upstream connection", "timeouts", key="timeouts.pool"
+    ),
+    option(
+        "drain_timeout",
+        SECONDS,
+        30.0,
+        "on SIGTERM, how long streams in flight may finish",
+        "timeouts",
+        key="timeouts.drain",
+    ),
+    option(
+        "flush_timeout", SECONDS, 5.0, "on exit, how long telemetry may take to flush", "timeouts", key="timeouts.flush"
+    ),
+    # clients
+    option(
+        "client_header_timeout",
+        POSITIVE_SECONDS,
+        20.0,
+        "a request's line and headers must all arrive this soon after its first byte, else 408",
+        "clients",
+        key="timeouts.client_header",
+    ),
+    option(
+        "client_body_timeout",
+        POSITIVE_SECONDS,
+        60.0,
+        "longest silence while a request body is arriving; past it 408 and the request is dropped",
+        "clients",
+        key="timeouts.client_body",
+    ),
+    option(
+        "keep_alive_timeout",
+        POSITIVE_SECONDS,
+        75.0,
+        "a connection without a request in progress is closed after this",
+        "clients",
+        key="timeouts.keep_alive",
+    ),
+    option(
+        "max_client_connections",
+        integer(1),
+        None,
+        "client connections open at once per relay process; past it 503",
+        "clients",
+        default_text="from the descriptor limit, at most 4096",
+    ),
+    # sizes and pools
+    option("max_request_bytes", byte_size(), 64 << 20, "largest request body (413 past it)", "limits"),
+    option("max_header_bytes", byte_size(), 64 << 10, "largest request line plus headers (431 past it)", "limits"),
+    option(
+        "max_inspect_bytes",
+        integer(0, metavar="BYTES", show=binary),
+        8 << 20,
+        "largest request body read for its model and stream flag",
+        "limits",
+    ),
+    option(
+        "stream_buffer_bytes",
+        buffer_size(),
+        128 << 10,
+        "receive buffer per upstream connection: what a slow client can make a stream hold (0: the kernel's)",
+        "limits",
+    ),
+    option("max_connections", integer(1), 1000, "connections to each upstream at most (the pool)", "limits"),
+    # telemetry
+    option(
+        "chunk_spans",
+        choice(*CHUNK_SPAN_MODES, aliases={False: "off"}),
+        "spans",
+        "one span per decode chunk, span events, or off",
+        "telemetry",
+        key="telemetry.chunk_spans",
+    ),
+    option(
+        "chunk_span_cap",
+        integer(1),
+        200,
+        "chunk spans per request at most",
+        "telemetry",
+        key="telemetry.chunk_span_cap",
+    ),
+    option(
+        "telemetry_queue",
+        integer(1),
+        4096,
+        "finished requests waiting for the exporters at most",
+        "telemetry",
+        key="telemetry.queue_size",
+    ),
+    option(
+        "prometheus",
+        boolean(),
+        True,
+        "serve /metrics on the admin listener",
+        "telemetry",
+        flag="--no-prometheus",
+        key="telemetry.prometheus",
+        switch=False,
+    ),
+    option(
+        "metric_models",
+        model_names(),
+        (),
+        "model names that always keep their own metric label, however rarely used",
+        "telemetry",
+        key="telemetry.metric_models",
+    ),
+    option(
+        "histogram_buckets",
+        choice(*HISTOGRAM_BUCKETS),
+        "standard",
+        "gen_ai.* histogram buckets: the conventions' advisory ones, or llmtap's fine ones",
+        "telemetry",
+        key="telemetry.histogram_buckets",
+    ),
+    option(
+        "server_metrics",
+        boolean(),
+        False,
+        "also emit gen_ai.server.* (the model server's metric names; llmtap's values include its hop)",
+        "telemetry",
+        key="telemetry.server_metrics",
+        switch=True,
+    ),
+    option(
+        "span_role",
+        choice(*SPAN_ROLES),
+        "auto",
+        "the proxy span: the GenAI generation, or the HTTP hop under a traced client's own (auto: the hop "
+        "when a traceparent arrives)",
+        "telemetry",
+        key="telemetry.span_role",
+    ),
+    option(
+        "offline_token_usage",
+        boolean(),
+        False,
+        "report tiktoken's counts as gen_ai.usage.* when the upstream reports no usage",
+        "telemetry",
+        key="telemetry.offline_token_usage",
+        switch=True,
+    ),
+    option(
+        "server_spans_wait",
+        SECONDS,
+        10.0,
+        "how long a finished request waits for the upstream's own span of it (a vLLM exporting its traces to "
+        "the admin listener's /v1/traces); 0: never",
+        "telemetry",
+        key="telemetry.server_spans_wait",
+    ),
+    option(
+        "inject_usage",
+        boolean(),
+        True,
+        "add stream_options.include_usage to OpenAI streams (and take the usage out again)",
+        "telemetry",
+        flag="--no-inject-usage",
+        switch=False,
+    ),
+    # SLOs
+    option("slo_ttft_ms", MS, None, "time-to-first-token objective", "slo", key="slo.ttft_ms"),
+    option("slo_tpot_ms", MS, None, "time-per-output-token objective", "slo", key="slo.tpot_ms"),
+    option("slo_e2e_ms", MS, None, "end-to-end objective", "slo", key="slo.e2e_ms"),
+    # admission queue and estimates
+    _route(
+        "max_concurrency",
+        integer(1),
+        None,
+        "requests in flight to an upstream at most",
+        "queue",
+        default_text="no limit",
+    ),
+    _route("queue_limit", integer(0), 100, "requests waiting in line at most", "queue"),
+    _route("queue_timeout", SECONDS, None, "longest wait in line", "queue", default_text="no limit"),
+    _route("queue_full_status", choice(429, 503), 503, "status of a request the line cannot take", "queue"),
+    _route("retry_after", integer(0, metavar="SECONDS"), 1, "Retry-After of a refused request, seconds", "queue"),
+    _route(
+        "server_slots",
+        integer(1),
+        None,
+        "sequences the upstream runs at once (vLLM --max-num-seqs), to infer its queueing",
+        "queue",
+        default_text="learned",
+    ),
+    _route(
+        "prefill_rate",
+        number(above=True, metavar="TOKENS_PER_S"),
+        None,
+        "upstream prefill rate, input tokens per second",
+        "queue",
+        default_text="learned",
+    ),
+    # records and caching
+    option("record", path("PATH"), None, "write one JSON line per request to PATH", "records", key="record.path"),
+    option(
+        "record_max_mb",
+        number(above=True, metavar="MB"),
+        64.0,
+        "start a new record file past this",
+        "records",
+        key="record.max_mb",
+    ),
+    option("record_files", integer(1), 5, "record files kept on disk at most", "records", key="record.files"),
+    _route(
+        "prompt_version",
+        version(),
+        None,
+        "prompt version of requests without an x-llmtap-prompt-version header",
+        "records",
+    ),
+    _route(
+        "cache_min_tokens",
+        integer(1),
+        None,
+        "shortest prompt the upstream caches",
+        "records",
+        default_text="16 for self-hosted servers, 1024 for hosted APIs",
+    ),
+    # processes and logging
+    option("log_level", choice(*LOG_LEVELS), "info", "what llmtap logs", "process"),
+    option(
+        "access_log",
+        path("PATH"),
+        None,
+        "one line per request (method, path, status, TTFT, tokens in and out, duration) to PATH, - for stderr; "
+        "written by the telemetry process",
+        "process",
+        default_text="off",
+    ),
+    option("workers", integer(1), 1, "relay processes sharing the port, one per core", "process"),
+    option(
+        "telemetry_workers",
+        integer(1),
+        1,
+        "telemetry processes, upstreams spread over them; /metrics merges them",
+        "process",
+    ),
+    # the file's routes only
+    option(
+        "prefix",
+        text("PATH"),
+        "/",
+        "requests whose path starts with this go to the route's upstream",
+        "route",
+        flag=None,
+        env=None,
+        key=None,
+        route_key="prefix",
+    ),
+    option(
+        "name",
+        text(),
+        None,
+        "the route's name in telemetry",
+        "route",
+        flag=None,
+        env=None,
+        key=None,
+        route_key="name",
+        default_text="the prefix without slashes, or default",
+    ),
+    option(
+        "strip_prefix",
+        boolean(),
+        False,
+        "send the path upstream without the prefix",
+        "route",
+        flag=None,
+        env=None,
+        key=None,
+        route_key="strip_prefix",
+    ),
+)
+
+#: Every option by name, in the order of ``--help``.
+OPTIONS: Mapping[str, Option] = {o.name: o for o in _TABLE}
+#: The options each route may set for itself, by their key in ``routes[]``.
+ROUTE_OPTIONS: Mapping[str, Option] = {o.route_key: o for o in _TABLE if o.route_key is not None}
+
+
+def default(name: str) -> Any:
+    """An option's default (what the ``Settings`` dataclasses default to as well)."""
+    return OPTIONS[name].default
+
+
+def file_keys() -> dict[str, set[str] | None]:
+    """The file's top-level keys; a section's value is the set of keys it holds, None for a plain value."""
+    keys: dict[str, set[str] | None] = {"routes": None}
+    for o in _TABLE:
+        if o.key is None:
+            continue
+        section, _, sub = o.key.partition(".")
+        if sub:
+            found = keys.setdefault(section, set())
+            assert found is not None, o.key
+            found.add(sub)
+        else:
+            keys[section] = None
+    return keys
+
+
+def file_paths() -> list[str]:
+    """Every key the file accepts, dotted (``listen.port``), with ``routes[].KEY`` for a route's."""
+    return [*(o.key for o in _TABLE if o.key is not None), *(f"routes[].{key}" for key in ROUTE_OPTIONS)]
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of the YAML file, closed: an editor can check and complete it."""
+
+    def describe(o: Option) -> dict[str, Any]:
+        extra = {"default": o.default} if o.default is not None and not isinstance(o.default, tuple) else {}
+        return {**o.kind.schema, "description": o.help, **extra}
+
+    properties: dict[str, Any] = {}
+    for o in _TABLE:
+        if o.key is None:
+            continue
+        section, _, sub = o.key.partition(".")
+        if sub:
+            box = properties.setdefault(section, {"type": "object", "additionalProperties": False, "properties": {}})
+            box["properties"][sub] = describe(o)
+        else:
+            properties[section] = describe(o)
+    route = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["upstream"],
+        "properties": {key: describe(o) for key, o in ROUTE_OPTIONS.items()},
+    }
+    properties["routes"] = {"type": "array", "items": route, "description": "upstreams by path prefix"}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "llmtap serve --config FILE",
+        "type": "object",
+        "additionalProperties": False,
+        "properties": dict(sorted(properties.items())),
+    }
+
+
+def by_group(options: Iterable[Option] = _TABLE) -> dict[str, list[Option]]:
+    """Options in the order of ``GROUPS``."""
+    out: dict[str, list[Option]] = {group: [] for group in GROUPS}
+    for o in options:
+        out[o.group].append(o)
+    return {group: found for group, found in out.items() if found}
+
+
+@dataclass(frozen=True, slots=True)
+class Variable:
+    """A standard ``OTEL_*`` variable llmtap reads (not in ``OPTIONS``: its name and meaning are the SDK's)."""
+
+    name: str
+    help: str
+    default: str = field(default="")
+
+
+STANDARD_VARIABLES = (
+    Variable("OTEL_EXPORTER_OTLP_ENDPOINT", "where traces and metrics go over OTLP; unset: OTLP off", "unset"),
+    Variable("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "traces' own endpoint, used as is", "unset"),
+    Variable("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "metrics' own endpoint, used as is", "unset"),
+    Variable("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc or http/protobuf (also per signal: _TRACES_, _METRICS_)", "grpc"),
+    Variable("OTEL_EXPORTER_OTLP_HEADERS", "k=v,k2=v2 sent with every export (also per signal)", "none"),
+    Variable("OTEL_TRACES_EXPORTER", "otlp, console or none", "otlp with an endpoint, else none"),
+    Variable("OTEL_METRICS_EXPORTER", "otlp, console or none", "otlp with an endpoint, else none"),
+    Variable("OTEL_METRIC_EXPORT_INTERVAL", "milliseconds between metric exports", "10000"),
+    Variable(
+        "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION",
+        "explicit_bucket_histogram or base2_exponential_bucket_histogram (OTLP only)",
+        "explicit_bucket_histogram",
+    ),
+    Variable("OTEL_SDK_DISABLED", "true: no OTLP export at all (/metrics stays)", "false"),
+    Variable("OTEL_SEMCONV_STABILITY_OPT_IN", "gen_ai_latest_experimental: the latest GenAI names", "unset"),
+    Variable("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "true: prompts and completions on spans", "false"),
+    Variable("OTEL_SERVICE_NAME", "the service.name resource attribute", "llmtap"),
+)

@@ -1,0 +1,133 @@
+"""What ``llmtap serve`` says when it starts, through the real command: where everything is, uvicorn's lines
+once each under their listener's name, and the access log (``--access-log``) written by the telemetry process."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.relay.server import startup_lines
+from proxy.settings import build
+from tests.conftest import Scripted
+from tests.procs import Llmtap
+
+pytestmark = pytest.mark.e2e
+
+CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
+
+
+def _messages(log: str, logger: str) -> list[str]:
+    """The messages of ``logger``'s lines in ``log``."""
+    return re.findall(rf"^\S+ \S+ \w+ {re.escape(logger)}: (.*)$", log, re.MULTILINE)
+
+
+def test_startup_says_where_everything_is_and_the_access_log_has_each_request(
+    scripted: Scripted, tmp_path: Path
+) -> None:
+    access, records = tmp_path / "access.log", tmp_path / "records.jsonl"
+    proxy = Llmtap(scripted.url, tmp_path / "llmtap.log", "--access-log", str(access), "--record", str(records))
+    try:
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
+            assert r.status_code == 200
+            body = "".join(r.iter_text())
+        assert "[DONE]" in body
+        r = httpx.get(proxy.url + "/no/such/path", timeout=10)  # the upstream answers 404: a line too
+        deadline = time.monotonic() + 10
+        lines: list[str] = []
+        while len(lines) < 2 and time.monotonic() < deadline:  # written after playback, off the relay's path
+            lines = access.read_text(encoding="utf-8").splitlines() if access.exists() else []
+            time.sleep(0.05)
+    finally:
+        proxy.close()
+    log = proxy.logs()
+    said = _messages(log, "llmtap")
+    admin = proxy.admin_url
+    assert said[:5] == [
+        said[0],
+        f"admin on {admin}: /metrics, /healthz, /readyz; live view {admin}/",
+        f"route / -> {scripted.url} (provider from the API it speaks)",
+        f"telemetry: OTLP off: set OTEL_EXPORTER_OTLP_ENDPOINT; Prometheus can scrape {admin}/metrics",
+        f"records: {records} (a new file past 64 MiB, 5 kept); access log: {access}",
+    ], log
+    assert re.fullmatch(rf"llmtap \S+: proxy on {re.escape(proxy.url)} \(1 relay process\)", said[0]), said[0]
+    # uvicorn's lines: each once, under its listener's name; its lifespan chatter not at all.
+    for listener in ("relay", "admin"):
+        lines_of = _messages(log, f"uvicorn.{listener}")
+        assert [m for m in lines_of if m.startswith("Started server process")] != [], log
+        assert len(lines_of) == len(set(lines_of)), log
+    assert "Application startup complete" not in log and "INFO:     " not in log, log
+    assert len(lines) == 2, lines
+    first = lines[0].split(" ")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first[0]), lines[0]
+    assert first[1:4] == ["POST", "/v1/chat/completions", "200"], lines[0]
+    fields = dict(word.split("=", 1) for word in first[4:])
+    assert re.fullmatch(r"\d+\.\dms", fields["ttft"]) and re.fullmatch(r"\d+\.\dms", fields["duration"]), lines[0]
+    assert float(fields["ttft"][:-2]) <= float(fields["duration"][:-2])
+    assert (fields["in"], fields["route"], fields["model"]) == ("12", "default", "scripted"), lines[0]
+    assert int(fields["out"]) > 0
+    assert lines[1].split(" ")[1:3] == ["GET", "/no/such/path"], lines[1]
+
+
+def test_startup_names_the_otlp_endpoint_and_protocol() -> None:
+    settings = build(
+        {"upstream": "https://api.example", "provider": "openai", "upstream_insecure": True},
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+    )
+    lines = startup_lines(settings, 8080, 9464)
+    assert lines[2] == "route / -> https://api.example (openai, TLS not verified)"
+    assert lines[3] == (
+        "telemetry: traces to OTLP http/protobuf to http://collector:4318/v1/traces; "
+        "metrics to OTLP http/protobuf to http://collector:4318/v1/metrics"
+    )
+    grpc = build({"upstream": "http://u"}, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"})
+    assert startup_lines(grpc, 8080, 9464)[3] == "telemetry: traces and metrics to OTLP grpc to http://collector:4317"
+    off = build(
+        {"upstream": "http://u"}, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "1"}
+    )
+    assert startup_lines(off, 8080, 9464)[3].startswith("telemetry: OTLP off: OTEL_SDK_DISABLED is set")
+    assert (
+        startup_lines(off, 8080, 9464)[4]
+        == "records: off (--record PATH); access log: off (--access-log PATH, - for stderr)"
+    )
+
+
+def test_a_bad_access_log_path_stops_the_start(tmp_path: Path) -> None:
+    from tests.test_cli import assert_config_error
+    from tests.test_options import serve
+
+    blocker = tmp_path / "file"
+    blocker.write_text("", encoding="utf-8")
+    result = serve(
+        "--upstream", "http://127.0.0.1:9", "--port", "0", "--admin-port", "0", "--access-log", str(blocker / "a.log")
+    )
+    assert_config_error(result, f"access log {str(blocker / 'a.log')!r}: ")
+
+
+def test_an_access_line_stays_one_line_and_says_what_it_does_not_know() -> None:
+    from proxy.analysis.summary import Summary
+    from proxy.telemetry.access_log import PATH_CAP, access_line
+    from tests.test_summary import make
+
+    hostile = make(path="/v1/chat\r\nGET /forged HTTP/1.1 x", status_code=None, error_type="client_gone")
+    line = access_line(hostile, Summary())
+    assert "\n" not in line and "\r" not in line and " /forged" not in line, line
+    assert line.split(" ")[1:] == [
+        "POST",
+        "/v1/chat%0D%0AGET%20/forged%20HTTP/1.1%20x",
+        "-",
+        "ttft=-",
+        "in=-",
+        "out=-",
+        "duration=-",
+        "route=default",
+        "model=gpt-4o",
+        "error=client_gone",
+    ]
+    assert line.startswith("2023-11-14T22:13:20.000Z ")
+    long = access_line(make(path="/" + "a" * 1000, status_code=200), Summary(ttft=0.0213, e2e=1.5, input_tokens=3))
+    assert long.split(" ")[2] == "/" + "a" * (PATH_CAP - 1) + "..."
+    assert long.split(" ")[3:8] == ["200", "ttft=21.3ms", "in=3", "out=-", "duration=1500.0ms"]
