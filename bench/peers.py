@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -90,8 +91,8 @@ def upstreams(
         argv += ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key)]
     name = "upstream" if ttft_max is None else "upstream-spread"
     svc = Service(name, argv, log=work / f"{name}.log", cpu=cpu, env={"PYTHONPATH": str(REPO)})
-    port = int(svc.read_line())
-    return svc, port, int(svc.read_line()) if certs is not None else None
+    port = svc.ready(lambda: int(svc.read_line()))
+    return svc, port, svc.ready(lambda: int(svc.read_line())) if certs is not None else None
 
 
 def records(port: int) -> list[dict[str, object]]:
@@ -106,7 +107,7 @@ def sink(work: Path, cpu: str | None) -> tuple[Service, int, Path]:
     out = work / "otlp-sink.jsonl"
     argv = [sys.executable, "-m", "bench.sink", "--out", str(out)]
     svc = Service("otlp-sink", argv, log=work / "otlp-sink.log", cpu=cpu, env={"PYTHONPATH": str(REPO)})
-    return svc, int(svc.read_line()), out
+    return svc, svc.ready(lambda: int(svc.read_line())), out
 
 
 #: nginx's side of an HTTPS upstream: verify the run's CA, send and check the name, reuse sessions.
@@ -132,7 +133,7 @@ def nginx(work: Path, cpu: str | None, upstream_port: int, *, certs: Certs | Non
     (d / "nginx.conf").write_text(conf)
     argv = ["nginx", "-c", str(d / "nginx.conf"), "-p", str(d)]
     svc = Service("nginx", argv, log=work / f"nginx-{scheme}.log", cpu=cpu)
-    _wait_port(port, svc)
+    svc.ready(lambda: _wait_port(port, svc))
     return Endpoint("nginx", f"http://127.0.0.1:{port}/v1/chat/completions", svc)
 
 
@@ -145,7 +146,8 @@ def litellm(work: Path, cpu: str | None, upstream_port: int) -> Endpoint:
     env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_MASTER_KEY": key, "LITELLM_LOG": "ERROR"}
     argv = [str(LITELLM), "--config", str(conf), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
     svc = Service("litellm", argv, log=work / "litellm.log", cpu=cpu, env=env)
-    wait_http(f"http://127.0.0.1:{port}/health/liveliness", 120, alive=lambda: svc.proc.poll() is None)
+    health = f"http://127.0.0.1:{port}/health/liveliness"
+    svc.ready(lambda: wait_http(health, 120, alive=lambda: svc.proc.poll() is None))
     return Endpoint("litellm", f"http://127.0.0.1:{port}/v1/chat/completions", svc, auth=key)
 
 
@@ -275,7 +277,7 @@ def llmtap(
     argv += ca_argv + switches_argv
     log = work / f"{name}{'-' + ablation if ablation else ''}-{scheme}.log"
     svc = Service(name, argv, log=log, cpu=cpu, env=env)
-    wait_http(f"http://127.0.0.1:{admin}/readyz", 60, alive=lambda: svc.proc.poll() is None)
+    svc.ready(lambda: wait_http(f"http://127.0.0.1:{admin}/readyz", 60, alive=lambda: svc.proc.poll() is None))
     if telemetry_cpu is not None:
         cores = {int(c) for c in telemetry_cpu.split(",")}
         for pid in svc.roles()["telemetry"]:
@@ -312,9 +314,11 @@ def prometheus(work: Path, cpu: str | None, admin_port: int) -> tuple[Service, i
     return start_prometheus(work / "prometheus", job, cpu=cpu, log=work / "prometheus.log")
 
 
-def start_prometheus(d: Path, jobs: str, *, cpu: str | None, log: Path) -> tuple[Service, int]:
+def start_prometheus(
+    d: Path, jobs: str, *, cpu: str | None, log: Path, flags: Sequence[str] = ()
+) -> tuple[Service, int]:
     """Debian's Prometheus on a free port with its files under ``d``, scraping ``jobs`` (YAML scrape configs)
-    every second; returned once it is ready."""
+    every second, with any further ``flags`` (``--enable-feature=exemplar-storage``); returned once it is ready."""
     (d / "data").mkdir(parents=True, exist_ok=True)
     conf = d / "prometheus.yml"
     conf.write_text(f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nscrape_configs:\n{jobs}")
@@ -324,9 +328,10 @@ def start_prometheus(d: Path, jobs: str, *, cpu: str | None, log: Path) -> tuple
         f"--config.file={conf}",
         f"--storage.tsdb.path={d / 'data'}",
         f"--web.listen-address=127.0.0.1:{port}",
+        *flags,
     ]
     svc = Service("prometheus", argv, log=log, cpu=cpu)
-    wait_http(f"http://127.0.0.1:{port}/-/ready", 60, alive=lambda: svc.proc.poll() is None)
+    svc.ready(lambda: wait_http(f"http://127.0.0.1:{port}/-/ready", 60, alive=lambda: svc.proc.poll() is None))
     return svc, port
 
 
@@ -354,7 +359,7 @@ def tiktoken_cache(work: Path) -> Path:
     return d
 
 
-def _wait_port(port: int, svc: Service, timeout: float = 20.0) -> None:
+def _wait_port(port: int, svc: Service, timeout: float = 60.0) -> None:
     import socket
 
     deadline = time.monotonic() + timeout

@@ -22,10 +22,12 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -188,6 +190,14 @@ class Service:
     def rss_relay(self) -> int:
         """Resident bytes of the relay processes now."""
         return rss_bytes(self.roles()["relay"])
+
+    def ready(self, check: Callable[[], T]) -> T:
+        """``check()``, a wait until the service answers; should it fail, the service stops before the error goes on."""
+        try:
+            return check()
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
         """Signal the process group, wait, and kill what is left."""

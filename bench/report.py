@@ -207,6 +207,20 @@ def markdown(results: dict[str, Any]) -> str:
         f"Libraries: {', '.join(f'{k} {v}' for k, v in m['versions'].items())}.",
         f"Load before: `{results['load_before']}`; after: `{results.get('load_after', '')}`.",
     ]
+    check = results.get("client_check")
+    if check:
+        figures = (
+            f"direct path, {check['requests']} staggered requests pooled: added TTFT p50 "
+            f"{_f(check['added_ttft_ms_p50'])} ms, gap p50 {_f(check['added_gap_ms_p50'])} ms, "
+            f"{check['merged']} merged"
+        )
+        if check["ok"]:
+            lines.append(f"Load client kept up ({figures}; within {check['limit_ms']:g} ms).")
+        else:
+            lines.append(
+                f"**Load client lagged** ({figures}; over {check['limit_ms']:g} ms or merged): the machine was "
+                "busy, and every path's added figures include the client's own delay."
+            )
     for skip in results.get("skipped", []):
         lines.append(f"Not run: {skip['path']} over {skip['upstream']} ({skip['why']}).")
     if results.get("upstream_ca"):

@@ -34,6 +34,8 @@ from proxy.analysis.stats import quantile
 
 PATHS = ("direct", "nginx", "llmtap", "litellm")
 IN_NETNS = "BENCH_IN_NETNS"
+#: The direct path within this of the upstream's script (added TTFT and gap, p50): the load client kept up.
+CLIENT_LIMIT_MS = 2.0
 
 
 @dataclass
@@ -417,6 +419,35 @@ class Bench:
                 ep.service.stop()
                 self.services.remove(ep.service)
 
+    def client_check(self) -> None:
+        """Whether the load client kept up: the direct path's staggered requests, pooled, within
+        ``CLIENT_LIMIT_MS`` of the upstream's script and with no chunk merged. A busy machine can fail it; the
+        run then says that its added figures include the client's own delay (``results["client_check"]``)."""
+        client: list[dict[str, Any]] = []
+        upstream: list[dict[str, Any]] = []
+        for streams in self.plan.streams:
+            path = self.work / f"records-direct-{streams}.json"
+            if path.exists():
+                raw = json.loads(path.read_text())
+                client += raw["client"]
+                upstream += raw["upstream"]
+        if not client:
+            return
+        pooled = analyse("direct", 0, client, upstream, gap=self.plan.gap)
+        ttft, gap = _num(pooled.added_ttft_ms_p50), _num(pooled.added_gap_ms_p50)
+        self.results["client_check"] = {
+            "requests": pooled.requests,
+            "added_ttft_ms_p50": ttft,
+            "added_gap_ms_p50": gap,
+            "merged": pooled.merged,
+            "limit_ms": CLIENT_LIMIT_MS,
+            "ok": ttft is not None
+            and gap is not None
+            and ttft <= CLIENT_LIMIT_MS
+            and abs(gap) <= CLIENT_LIMIT_MS
+            and pooled.merged == 0,
+        }
+
     def command(self, spec: str, tls: bool, *, streams: int | None = None, burst: int | None = None) -> str:
         """The command that measures this one figure again, beside the direct path it is judged against."""
         paths = "direct" if spec == "direct" else f"direct,{spec}"
@@ -693,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 bench.run_path(spec, tls=tls, ramp=ramp, phases=staggered)
         bench.over_direct()
+        bench.client_check()
         if args.workers and plan.workers_streams and "llmtap" in paths:
             bench.workers()
         if args.accuracy:

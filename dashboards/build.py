@@ -71,7 +71,8 @@ WAITING = metric_name(sc.METRIC_QUEUE_WAITING, "{request}")
 MODEL = label(sc.REQUEST_MODEL)
 ROUTE = label(sc.ROUTE)
 VERSION = label(sc.PROMPT_VERSION)
-SHAPE = label(sc.INPUT_SIZE)
+SHAPE = label(sc.SHAPE)
+INPUT_SIZE = label(sc.INPUT_SIZE)
 OUTCOME = label(sc.OUTCOME)
 SLO = label(sc.SLO_OUTCOME)
 ERROR = label(sc.ERROR_TYPE)
@@ -84,6 +85,7 @@ TIMING_FIELD = label(sc.TIMING_FIELD)
 # Every query filters on the template variables; "All" is ".*", which also matches a missing label.
 ON_ROUTE = f'{ROUTE}=~"$route"'
 SELECTED = f'{MODEL}=~"$model", {ON_ROUTE}'
+SELECTED_SHAPE = f'{SELECTED}, {SHAPE}=~"$shape"'
 SELECTED_VERSION = f'{SELECTED}, {VERSION}=~"$version"'
 
 
@@ -107,13 +109,14 @@ def mean(metric: str, selector: str, by: Sequence[str] = ()) -> str:
     )
 
 
-def percentile_queries(metric: str, selector: str, by: str | None = None) -> list[prometheus.Dataquery]:
-    """p50, p95 and p99, optionally one series per value of ``by``."""
+def percentile_queries(metric: str, selector: str, by: Sequence[str] = ()) -> list[prometheus.Dataquery]:
+    """p50, p95 and p99, optionally one series per value of the ``by`` labels; with exemplars, so a point
+    links to the trace of a request in its bucket (the proxy's OpenMetrics exemplars)."""
     out = []
     for ref, q in zip(REFS, QUANTILES, strict=False):
         name = f"p{round(q * 100)}"
-        legend = f"{{{{{by}}}}} {name}" if by else name
-        out.append(query(quantile(q, metric, selector, [by] if by else []), legend, ref))
+        legend = " ".join([*(f"{{{{{b}}}}}" for b in by), name])
+        out.append(query(quantile(q, metric, selector, by), legend, ref).exemplar(True))
     return out
 
 
@@ -163,11 +166,12 @@ def variable(name: str, title: str, metric: str, lbl: str) -> db.QueryVariable:
 
 
 def variables() -> list[Builder[dm.VariableModel]]:
-    """Data source, model, route and prompt version: the same four on every llmtap dashboard."""
+    """Data source, model, route, request shape and prompt version: the same five on every llmtap dashboard."""
     return [
         db.DatasourceVariable("datasource").label("Data source").type("prometheus"),
         variable("model", "Model", REQUESTS, MODEL),
         variable("route", "Route", REQUESTS, ROUTE),
+        variable("shape", "Request shape", REQUESTS, SHAPE),
         variable("version", "Prompt version", CACHE_REQUESTS, VERSION),
     ]
 
@@ -197,16 +201,23 @@ def latency_panels() -> list[Builder[dm.Panel]]:
     )
     panels: list[Builder[dm.Panel]] = []
     for name, metric, what in figures:
-        panels.append(graph(f"{name} by model", what, "s", percentile_queries(metric, SELECTED, MODEL)))
-        shape = f"{what} Request shape: the prompt's size class ({sc.INPUT_SIZE})."
-        panels.append(graph(f"{name} by request shape", shape, "s", percentile_queries(metric, SELECTED, SHAPE)))
+        panels.append(graph(f"{name} by model", what, "s", percentile_queries(metric, SELECTED_SHAPE, [MODEL])))
+        shape = (
+            f"{what} By route and request shape ({sc.SHAPE}: the configured classes by input and output tokens), "
+            "the split objectives are set for. Exemplars link a bucket to a request's trace."
+        )
+        split = percentile_queries(metric, SELECTED_SHAPE, [ROUTE, SHAPE])
+        panels.append(graph(f"{name} by route and request shape", shape, "s", split))
     return panels
 
 
 def throughput_panels() -> list[Builder[dm.Panel]]:
-    requests = f"sum by ({OUTCOME}) (rate({REQUESTS}{{{SELECTED}}}{RATE}))"
-    met = f'sum(rate({REQUESTS}{{{SELECTED}, {SLO}="met"}}{RATE}))'
-    judged = f'sum(rate({REQUESTS}{{{SELECTED}, {SLO}!="none"}}{RATE}))'
+    requests = f"sum by ({OUTCOME}) (rate({REQUESTS}{{{SELECTED_SHAPE}}}{RATE}))"
+    met = f'sum(rate({REQUESTS}{{{SELECTED_SHAPE}, {SLO}="met"}}{RATE}))'
+    judged = f'sum(rate({REQUESTS}{{{SELECTED_SHAPE}, {SLO}!="none"}}{RATE}))'
+    by_shape = f"sum by ({ROUTE}, {SHAPE})"
+    shape_met = f'{by_shape} (rate({REQUESTS}{{{SELECTED_SHAPE}, {SLO}="met"}}{RATE}))'
+    shape_judged = f'{by_shape} (rate({REQUESTS}{{{SELECTED_SHAPE}, {SLO}!="none"}}{RATE}))'
     return [
         graph(
             "Tokens per second",
@@ -229,6 +240,17 @@ def throughput_panels() -> list[Builder[dm.Panel]]:
             "beside all requests judged. Empty when the proxy runs without SLOs (--slo-ttft-ms, --slo-tpot-ms).",
             "reqps",
             [query(met, "goodput", "A"), query(judged, "judged", "B")],
+        ),
+        graph(
+            "Goodput by route and request shape",
+            "Requests per second that met their objective (routes[].slo for their shape, else the global slo), "
+            "and the share met, per route and shape. llmtap slo gives each its verdict at the percentile that "
+            "counts, with intervals.",
+            "reqps",
+            [
+                query(shape_met, f"{{{{{ROUTE}}}}} {{{{{SHAPE}}}}} goodput", "A"),
+                query(f"{shape_met} / {shape_judged}", f"{{{{{ROUTE}}}}} {{{{{SHAPE}}}}} share met", "B"),
+            ],
         ),
         single(
             "Share meeting SLO",

@@ -1,4 +1,4 @@
-"""The ``llmtap`` command: ``serve``, ``simulate``, ``demo`` and ``compare``."""
+"""The ``llmtap`` command: ``serve``, ``simulate``, ``demo``, ``compare`` and ``slo``."""
 
 from __future__ import annotations
 
@@ -172,12 +172,36 @@ def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--until", metavar="TIME", help="the end of the window (default now)")
     p.add_argument("--route", help="only requests of this route")
     p.add_argument("--model", help="only requests for this model")
+    p.add_argument("--shape", help="only requests of this shape (llmtap.request.shape)")
+    p.add_argument("--config", metavar="FILE", help="judge each side's SLOs by this config's objectives")
     p.add_argument("--min-gain-ms", dest="min_gain_ms", type=float, help="least TTFT p50 gain that counts (100)")
     p.add_argument("--min-requests", dest="min_requests", type=int, help="least requests with a TTFT a side (3)")
     p.add_argument("--resamples", type=int, help="bootstrap resamples (2000)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed, for repeatable intervals (0)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw the TTFT distributions and cached shares (matplotlib)")
+
+
+def _slo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "slo",
+        help="each route and request shape against its objective: the percentile that counts, with its CI",
+    )
+    p.add_argument("records", nargs="?", help="a record file written by serve --record (rotated siblings included)")
+    p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="judge by this config's objectives (routes[].slo); needed with --prometheus",
+    )
+    p.add_argument("--window", metavar="DURATION", help="only the requests of this long before --until, e.g. 1h")
+    p.add_argument("--until", metavar="TIME", help="the end of the window (default now)")
+    p.add_argument("--route", help="only requests of this route")
+    p.add_argument("--shape", help="only requests of this shape")
+    p.add_argument("--resamples", type=int, help="bootstrap resamples (2000)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed, for repeatable intervals (0)")
+    p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    p.add_argument("--check", action="store_true", help="exit 1 when any objective is missed")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -189,6 +213,7 @@ def parser() -> argparse.ArgumentParser:
     _simulate_parser(sub)
     _demo_parser(sub)
     _compare_parser(sub)
+    _slo_parser(sub)
     return p
 
 
@@ -227,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from proxy.analysis import compare
 
             return compare.main(args)
+        elif args.command == "slo":
+            from proxy.analysis import slo
+
+            return slo.main(args)
     except ConfigError as exc:
         print(f"llmtap: error: {exc}", file=sys.stderr)
         return 2

@@ -74,7 +74,8 @@ def default_workloads(requests: int | None = None, concurrency: int | None = Non
             output_tokens=300,
             requests=requests or 8,
             concurrency=concurrency or 4,
-            slo=SLO(ttft=0.5, tpot=0.030, e2e=None),
+            # The course's objectives: the percentile that counts, for the shape it holds for.
+            slo=SLO(ttft=0.5, tpot=0.030, e2e=None, percentile=0.95, shape="long_prompt"),
         ),
         Workload(
             name="code completion",
@@ -85,7 +86,7 @@ def default_workloads(requests: int | None = None, concurrency: int | None = Non
             output_tokens=64,
             requests=requests or 16,
             concurrency=concurrency or 4,
-            slo=SLO(ttft=0.1, tpot=0.015, e2e=None),
+            slo=SLO(ttft=0.1, tpot=0.015, e2e=None, percentile=0.99, shape="short_prompt"),
         ),
     ]
 
@@ -329,6 +330,8 @@ async def run(
             strip_prefix=True,
             # The simulator's batch size, as a user would pass vLLM's --max-num-seqs: queueing is inferred.
             server_slots=simulator.get_profile(w.profile).max_num_seqs,
+            # Each request is judged by its workload's objective (the records carry it, for ``llmtap slo``).
+            slo=(w.slo,),
         )
         for w in workloads
     )
@@ -414,7 +417,8 @@ def main(args: Any) -> int:
         workloads = [
             replace(
                 w,
-                slo=SLO(
+                slo=replace(
+                    w.slo,
                     ttft=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else w.slo.ttft,
                     tpot=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else w.slo.tpot,
                 ),

@@ -113,12 +113,20 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.OUTCOME: ("string", "`ok`, `error` or `cancelled` (the client left before the end)."),
     sc.SLO_OUTCOME: (
         "string",
-        "`met` when every configured SLO held (TTFT, TPOT, E2E), `missed` otherwise (errors and cancellations "
+        "`met` when every objective of the request's SLO held (TTFT, TPOT, E2E; its route's `slo` for its shape, "
+        "else the global `slo`), `missed` otherwise (errors and cancellations "
         "always miss), `none` when no SLO is configured.",
     ),
     sc.INPUT_SIZE: (
         "string",
         "The request's shape by input tokens: `le_256`, `le_1k`, `le_4k`, `le_16k`, `le_64k`, `gt_64k`, `unknown`.",
+    ),
+    sc.SHAPE: (
+        "string",
+        "The request's shape class by input and output tokens: the first class of `shapes:` whose bounds hold "
+        "(default `long_prompt`: input >= 2048, output <= 2048; `short_prompt`: input <= 1024, output <= 512), "
+        "else `other` (also when the input is unknown). On metrics as it is: the names come from the "
+        "configuration, at most 16 and `other`.",
     ),
     sc.PROMPT_VERSION: (
         "string",

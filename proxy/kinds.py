@@ -252,3 +252,36 @@ def buffer_size() -> Kind:
         return size
 
     return Kind(expected, parse, {"type": "integer", "minimum": 0}, "BYTES", binary)
+
+
+def percentile() -> Kind:
+    """A percentile as ``95``, ``99.9``, ``p95`` or ``0.95``; the value is the share (``0.95``)."""
+    expected = "a percentile such as 95, p99 or 0.999"
+
+    def parse(value: Any) -> float:
+        value = _scalar(value)
+        text = str(value).lower().removeprefix("p")
+        try:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            number = float(text)
+        except (TypeError, ValueError, OverflowError):
+            raise Invalid(f"expected {expected}") from None
+        share = number / 100 if number > 1 else number
+        if not math.isfinite(share) or not 0 < share < 1:
+            raise Invalid(f"expected {expected}")
+        return share
+
+    schema = {"type": ["number", "string"], "pattern": "^p?[0-9.]+$"}
+    return Kind(expected, parse, schema, "PERCENTILE", lambda v: f"p{v * 100:g}")
+
+
+def structure(expected: str, types: tuple[type, ...], schema: Mapping[str, Any]) -> Kind:
+    """A YAML-only value (a mapping or a list) taken as it is, for ``proxy.settings`` to check in depth."""
+
+    def parse(value: Any) -> Any:
+        if not isinstance(value, types):
+            raise Invalid(f"expected {expected}")
+        return value
+
+    return Kind(expected, parse, schema, "YAML", lambda v: "see the file")

@@ -30,6 +30,8 @@ from proxy.kinds import (
     model_names,
     number,
     path,
+    percentile,
+    structure,
     text,
     url,
     version,
@@ -61,6 +63,8 @@ __all__ = [
     "number",
     "option",
     "path",
+    "percentile",
+    "structure",
     "text",
     "url",
     "version",
@@ -174,6 +178,32 @@ UPSTREAM_CLIENTS = ("lean", "httpx")
 #: Buckets of the ``gen_ai.*`` histograms: the conventions' advisory ones, or llmtap's fine ones.
 HISTOGRAM_BUCKETS = ("standard", "fine")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+#: The file's ``shapes:`` and a route's ``slo`` (checked in depth by ``proxy.settings``).
+SHAPES_SCHEMA: Mapping[str, Any] = {
+    "type": "object",
+    "maxProperties": 16,
+    "additionalProperties": {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            k: {"type": "integer", "minimum": 0}
+            for k in ("min_input_tokens", "max_input_tokens", "min_output_tokens", "max_output_tokens")
+        },
+    },
+}
+_OBJECTIVE: Mapping[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "shape": {"type": "string"},
+        "percentile": {"type": ["number", "string"]},
+        "ttft_ms": {"type": "number", "minimum": 0},
+        "tpot_ms": {"type": "number", "minimum": 0},
+        "e2e_ms": {"type": "number", "minimum": 0},
+    },
+}
+ROUTE_SLO_SCHEMA: Mapping[str, Any] = {"oneOf": [_OBJECTIVE, {"type": "array", "items": _OBJECTIVE}]}
 
 _TABLE = (
     # where llmtap listens
@@ -427,6 +457,26 @@ _TABLE = (
     option("slo_ttft_ms", MS, None, "time-to-first-token objective", "slo", key="slo.ttft_ms"),
     option("slo_tpot_ms", MS, None, "time-per-output-token objective", "slo", key="slo.tpot_ms"),
     option("slo_e2e_ms", MS, None, "end-to-end objective", "slo", key="slo.e2e_ms"),
+    option(
+        "slo_percentile",
+        percentile(),
+        0.99,
+        "the percentile that counts for these objectives (llmtap slo's verdict)",
+        "slo",
+        key="slo.percentile",
+    ),
+    option(
+        "shapes",
+        structure("a mapping of shape names to token bounds", (Mapping,), SHAPES_SCHEMA),
+        None,
+        "request shape classes, matched in order: {NAME: {min_input_tokens, max_input_tokens, min_output_tokens, "
+        "max_output_tokens}}; a request none takes is other",
+        "slo",
+        flag=None,
+        env=None,
+        key="shapes",
+        default_text="long_prompt (input >= 2048, output <= 2048), short_prompt (input <= 1024, output <= 512)",
+    ),
     # admission queue and estimates
     _route(
         "max_concurrency",
@@ -524,6 +574,19 @@ _TABLE = (
         key=None,
         route_key="name",
         default_text="the prefix without slashes, or default",
+    ),
+    option(
+        "route_slo",
+        structure("an objective or a list of them", (Mapping, list), ROUTE_SLO_SCHEMA),
+        None,
+        "the route's objectives: [{shape, percentile, ttft_ms, tpot_ms, e2e_ms}], the first for a request's shape "
+        "(none: every shape) judges it",
+        "route",
+        flag=None,
+        env=None,
+        key=None,
+        route_key="slo",
+        default_text="the global slo",
     ),
     option(
         "strip_prefix",

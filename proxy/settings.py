@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +33,12 @@ from proxy.options import (
 
 __all__ = [
     "CHUNK_SPAN_MODES",
+    "DEFAULT_SHAPES",
     "EXPLICIT",
     "EXPONENTIAL",
     "HISTOGRAM_BUCKETS",
     "METRIC_MODELS_MAX",
+    "OTHER_SHAPE",
     "SLO",
     "SPAN_ROLES",
     "UPSTREAM_CLIENTS",
@@ -43,6 +46,7 @@ __all__ = [
     "Records",
     "Route",
     "Settings",
+    "Shape",
     "Sources",
     "Telemetry",
     "Timeouts",
@@ -68,11 +72,49 @@ class SLO:
     ttft: float | None = None
     tpot: float | None = None
     e2e: float | None = None
+    #: The percentile that counts (0.95: p95), for the verdict over many requests (``proxy.analysis.slo``).
+    percentile: float = default("slo_percentile")
+    #: The request shape this objective holds for (``Shape.name``); None: every shape.
+    shape: str | None = None
 
     @property
     def configured(self) -> bool:
         """True when at least one objective is set."""
         return any(v is not None for v in (self.ttft, self.tpot, self.e2e))
+
+    def limits(self) -> dict[str, float]:
+        """The configured objectives by figure (``ttft``, ``tpot``, ``e2e``), in seconds."""
+        return {k: v for k, v in (("ttft", self.ttft), ("tpot", self.tpot), ("e2e", self.e2e)) if v is not None}
+
+
+#: The shape of a request no configured class takes (or whose input tokens are unknown).
+OTHER_SHAPE = "other"
+#: Classes ``shapes:`` may define at most: each one adds its series to the latency histograms.
+SHAPES_MAX = 16
+_SHAPE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A request shape: the requests whose input and output tokens fall within these bounds (inclusive).
+
+    The course's first rule of measuring: agree on the request's shape and on the percentile that counts
+    before measuring anything. A bound left out is open on that side.
+    """
+
+    name: str
+    min_input_tokens: int | None = None
+    max_input_tokens: int | None = None
+    min_output_tokens: int | None = None
+    max_output_tokens: int | None = None
+
+
+#: The default classes, the course's two workloads: a support assistant (6,200-token prompts, 300-token
+#: answers) and code completion (200-token prompts, short answers). Anything else is ``other``.
+DEFAULT_SHAPES = (
+    Shape("long_prompt", min_input_tokens=2048, max_output_tokens=2048),
+    Shape("short_prompt", max_input_tokens=1024, max_output_tokens=512),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +153,9 @@ class Route:
     tls_key: str | None = None
     tls_server_name: str | None = None
     tls_verify: bool = default("tls_verify")
+    #: The route's objectives (``routes[].slo``), each for one shape or every shape, with its percentile;
+    #: a request is judged by the first one for its shape, else by the global ``slo``.
+    slo: tuple[SLO, ...] = ()
 
     @property
     def host(self) -> str:
@@ -222,6 +267,8 @@ class Settings:
     timeouts: Timeouts = field(default_factory=Timeouts)
     telemetry: Telemetry = field(default_factory=Telemetry)
     slo: SLO = field(default_factory=SLO)
+    #: The request shapes (``shapes:``), matched in order; a request none takes is ``OTHER_SHAPE``.
+    shapes: tuple[Shape, ...] = DEFAULT_SHAPES
     inject_usage: bool = default("inject_usage")
     max_inspect_bytes: int = default("max_inspect_bytes")
     #: A request body larger than this is refused with 413; its request line and headers together
@@ -431,9 +478,85 @@ def _route(
         name=str(values.get("name") or (prefix.strip("/") or "default")),
         provider=values.get("provider", defaults.get("provider")),
         strip_prefix=values.get("strip_prefix", False),
+        slo=() if values.get("slo") is None else objectives(values["slo"], f"{where}.slo"),
         **{k: v for k, v in queue.items() if v is not None},
         **tls,
     )
+
+
+_SHAPE_KEYS = ("min_input_tokens", "max_input_tokens", "min_output_tokens", "max_output_tokens")
+_OBJECTIVE_KEYS = ("shape", "percentile", "ttft_ms", "tpot_ms", "e2e_ms")
+
+
+def _checked(kind: options.Kind, value: Any, what: str) -> Any:
+    try:
+        return kind.parse(value)
+    except Invalid as exc:
+        raise ConfigError(f"{what}: {exc}, got {value!r}") from None
+
+
+def objectives(raw: Any, what: str) -> tuple[SLO, ...]:
+    """A route's ``slo``: one objective (a mapping) or a list, each ``{shape, percentile, ttft_ms, ...}``."""
+    items = [raw] if isinstance(raw, Mapping) else raw
+    if not isinstance(items, list):
+        raise ConfigError(f"{what}: expected a list of objectives such as {{shape: long_prompt, ttft_ms: 800}}")
+    out: list[SLO] = []
+    for i, item in enumerate(items):
+        where = f"{what}[{i}]"
+        if not isinstance(item, Mapping):
+            raise ConfigError(
+                f"{where}: expected a mapping such as {{shape: long_prompt, percentile: 95, ttft_ms: 800}}"
+            )
+        for key in item:
+            if key not in _OBJECTIVE_KEYS:
+                raise _unknown(f"{where}: ", key, _OBJECTIVE_KEYS)
+        limits = {
+            k: _checked(options.number(unit="milliseconds"), item[f"{k}_ms"], f"{where}.{k}_ms") / 1000
+            for k in ("ttft", "tpot", "e2e")
+            if item.get(f"{k}_ms") is not None
+        }
+        if not limits:
+            raise ConfigError(f"{where}: give at least one of ttft_ms, tpot_ms, e2e_ms")
+        shape = item.get("shape")
+        if shape is not None:
+            shape = str(shape)
+            if shape != OTHER_SHAPE and not _SHAPE_NAME.match(shape):
+                raise ConfigError(f"{where}.shape: {shape!r} is not a shape name")
+        share = default("slo_percentile")
+        if item.get("percentile") is not None:
+            share = _checked(options.percentile(), item["percentile"], f"{where}.percentile")
+        out.append(SLO(**limits, percentile=share, shape=shape))
+    return tuple(out)
+
+
+def shapes(raw: Any, what: str = "shapes") -> tuple[Shape, ...]:
+    """The ``shapes:`` section: class name to its token bounds, matched in the file's order."""
+    if raw is None:
+        return DEFAULT_SHAPES
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{what}: expected a mapping of class names to bounds, such as {{long_prompt: {{...}}}}")
+    if len(raw) > SHAPES_MAX:
+        raise ConfigError(f"{what}: at most {SHAPES_MAX} classes (each adds series to the latency metrics)")
+    out: list[Shape] = []
+    for name, bounds in raw.items():
+        name = str(name)
+        if name == OTHER_SHAPE or not _SHAPE_NAME.match(name):
+            raise ConfigError(
+                f"{what}: {name!r} is not a class name (lowercase letters, digits, _ . -, at most 32; not other)"
+            )
+        bounds = bounds or {}
+        if not isinstance(bounds, Mapping):
+            raise ConfigError(f"{what}.{name}: expected a mapping of bounds ({', '.join(_SHAPE_KEYS)})")
+        for key in bounds:
+            if key not in _SHAPE_KEYS:
+                raise _unknown(f"{what}.{name}: ", key, _SHAPE_KEYS)
+        values = {k: _checked(options.integer(0), v, f"{what}.{name}.{k}") for k, v in bounds.items() if v is not None}
+        for kind in ("input", "output"):
+            low, high = values.get(f"min_{kind}_tokens"), values.get(f"max_{kind}_tokens")
+            if low is not None and high is not None and low > high:
+                raise ConfigError(f"{what}.{name}: min_{kind}_tokens {low} is above max_{kind}_tokens {high}")
+        out.append(Shape(name, **values))
+    return tuple(out)
 
 
 def _file_label(file: str, index: int) -> Callable[[str], str]:
@@ -485,6 +608,15 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         raise ConfigError(f"{sources.file}: routes: two routes share one prefix")
     # Longest prefix first, so /openai/v1 wins over /openai.
     routes.sort(key=lambda r: len(r.prefix), reverse=True)
+    shape_classes = shapes(values["shapes"], f"{sources.file}: shapes")
+    known_shapes = {c.name for c in shape_classes} | {OTHER_SHAPE}
+    for r in routes:
+        for goal in r.slo:
+            if goal.shape is not None and goal.shape not in known_shapes:
+                raise ConfigError(
+                    f"{sources.file}: routes ({r.name}).slo: shape {goal.shape!r} is not a class of shapes: "
+                    f"{', '.join(sorted(known_shapes))}"
+                )
 
     def ms(name: str) -> float | None:
         value = values[name]
@@ -509,7 +641,10 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
             keep_alive=values["keep_alive_timeout"],
         ),
         telemetry=telemetry_from_env(env, sources=sources),
-        slo=SLO(ttft=ms("slo_ttft_ms"), tpot=ms("slo_tpot_ms"), e2e=ms("slo_e2e_ms")),
+        slo=SLO(
+            ttft=ms("slo_ttft_ms"), tpot=ms("slo_tpot_ms"), e2e=ms("slo_e2e_ms"), percentile=values["slo_percentile"]
+        ),
+        shapes=shape_classes,
         inject_usage=values["inject_usage"],
         max_inspect_bytes=values["max_inspect_bytes"],
         max_request_bytes=values["max_request_bytes"],

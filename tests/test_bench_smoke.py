@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from bench import peers
+from bench import peers, report
 from bench.procs import TELEMETRY_COMM, Service
 from bench.run import PATHS, SMOKE
 from bench.stats import analyse
@@ -70,14 +70,16 @@ def test_every_path_measured_at_every_concurrency(results: dict[str, Any]) -> No
 
 
 @pytest.mark.real
-def test_direct_path_shows_the_client_is_not_the_bottleneck(results: dict[str, Any], out: Path) -> None:
+def test_direct_path_checks_that_the_client_kept_up(results: dict[str, Any], out: Path) -> None:
+    """The run says whether its load client kept up, from the direct path's own records.
+
+    Whether it did is the machine's business (a busy one makes the client late, and the run must then say
+    so); that the run's verdict matches its records, and is printed, is the harness's.
+    """
     for streams in SMOKE.streams:
         direct = _phase(results, "direct", streams)
-        assert direct["merged"] == 0, direct
-        assert direct["chunks"] == direct["requests"] * SMOKE.chunks
+        assert direct["chunks"] + direct["merged"] == direct["requests"] * SMOKE.chunks, direct
         assert direct["cpu_s"] is None and direct["client_cpu_s"] > 0
-    # Within 2 ms of the script, over every direct request of the run (a smoke phase has few requests;
-    # one late wake-up on a shared machine must not decide).
     client: list[dict[str, Any]] = []
     upstream: list[dict[str, Any]] = []
     for streams in SMOKE.streams:
@@ -86,8 +88,15 @@ def test_direct_path_shows_the_client_is_not_the_bottleneck(results: dict[str, A
         upstream += raw["upstream"]
     pooled = analyse("direct", 0, client, upstream, gap=SMOKE.gap)
     assert pooled.unmatched == 0 and pooled.failed == 0
-    assert pooled.added_ttft_ms_p50 <= 2.0, pooled
-    assert abs(pooled.added_gap_ms_p50) <= 2.0, pooled
+    check = results["client_check"]
+    assert check["requests"] == pooled.requests == sum(_phase(results, "direct", s)["requests"] for s in SMOKE.streams)
+    assert check["added_ttft_ms_p50"] == pytest.approx(pooled.added_ttft_ms_p50)
+    assert check["added_gap_ms_p50"] == pytest.approx(pooled.added_gap_ms_p50)
+    assert check["merged"] == pooled.merged
+    kept_up = pooled.added_ttft_ms_p50 <= 2.0 and abs(pooled.added_gap_ms_p50) <= 2.0 and pooled.merged == 0
+    assert check["ok"] is kept_up
+    text = report.markdown(results)
+    assert ("Load client kept up (" in text) is kept_up and ("**Load client lagged** (" in text) is not kept_up
 
 
 @pytest.mark.real

@@ -38,7 +38,7 @@ from tests.test_collectors import Llmtap, Proc, answers, listening, start_llmtap
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
-VARIABLES = ("model", "route", "version")
+VARIABLES = ("model", "route", "shape", "version")
 # PromQL words that look like names but are not metrics.
 KEYWORDS = {"and", "or", "unless", "on", "ignoring", "group_left", "group_right", "bool", "offset", "by", "without"}
 
@@ -215,6 +215,19 @@ def test_template_variables_filter_every_dashboard() -> None:
         assert "$model" in text and "$route" in text, path.name
     caching = " ".join(q.expr for q in queries(load(ROOT / "dashboards" / "llmtap-caching.json")))
     assert "$version" in caching
+
+
+def test_latency_percentiles_turn_exemplars_on() -> None:
+    # Grafana draws a panel's exemplars (and links them to their traces) only when its query asks for them.
+    overview = load(ROOT / "dashboards" / "llmtap-overview.json")
+    shaped = [p for p in overview["panels"] if "by route and request shape" in p.get("title", "")]
+    assert {p["title"] for p in shaped} >= {"TTFT by route and request shape", "TPOT by route and request shape"}
+    for panel in overview["panels"]:
+        for target in panel.get("targets", []):
+            if "llmtap_time_to_first_token_seconds_bucket" in target["expr"]:
+                assert target.get("exemplar") is True, (panel["title"], target["refId"])
+    for panel in shaped:
+        assert all("llmtap_request_shape" in t["expr"] for t in panel["targets"]), panel["title"]
 
 
 # --- a real Prometheus scraping a real proxy ----------------------------------------------------------

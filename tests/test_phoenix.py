@@ -79,7 +79,8 @@ def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix]:
     proc = Proc([str(PHOENIX), "serve"], tmp / "phoenix.log", env)
     try:
         url = f"http://127.0.0.1:{port}"
-        proc.wait_until("Phoenix /healthz", answers(f"{url}/healthz"), timeout=120)
+        # A first start creates its database (over 120 s seen at a load average of 8): a deadline, not a bound.
+        proc.wait_until("Phoenix /healthz", answers(f"{url}/healthz"), timeout=400)
         proc.wait_until("Phoenix gRPC port", listening(grpc_port), timeout=30)
         yield Phoenix(url, grpc_port)
     finally:

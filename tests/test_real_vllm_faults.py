@@ -55,7 +55,7 @@ def _send(port: int, body: dict[str, Any]) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port))
     head = b"POST /v1/completions HTTP/1.1\r\nhost: llmtap\r\ncontent-type: application/json\r\n"
     sock.sendall(head + b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
-    sock.settimeout(60)
+    sock.settimeout(180)  # vLLM's CPU worker shares its core with whatever else runs: a deadline, not a bound
     return sock
 
 

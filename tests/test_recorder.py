@@ -578,6 +578,7 @@ def test_metrics_values_units_and_attributes(harness: HarnessFactory) -> None:
         sc.ROUTE: "default",
         sc.REQUEST_STREAM: True,
         sc.INPUT_SIZE: "le_256",
+        sc.SHAPE: "short_prompt",
     }
     assert point(m, sc.METRIC_DECODE).attributes == {**a, sc.ROUTE: "default", sc.REQUEST_STREAM: True}
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import sys
 import textwrap
 import time
@@ -26,9 +25,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from proxy.analysis import slo as slo_report
 from proxy.analysis.promql import Prometheus, quote
+from proxy.analysis.slo import Objectives, Verdict
 from proxy.analysis.stats import Distribution, Estimate, change_estimates, quantile_estimate
-from proxy.settings import ConfigError
+from proxy.analysis.units import parse_duration, parse_time, seconds
+from proxy.settings import ConfigError, build
 from proxy.telemetry.records import ReadStats, read_records
 
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
@@ -93,6 +95,8 @@ class Comparison:
     verdict: str
     kind: str
     skipped: dict[str, int] = field(default_factory=dict)
+    #: Each side's SLO verdicts by route and shape (``proxy.analysis.slo``), when objectives are known.
+    slo: dict[str, list[Verdict]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The same figures for scripts."""
@@ -106,6 +110,7 @@ class Row(NamedTuple):
     version: str | None
     route: str | None
     model: str | None
+    shape: str | None
     ok: bool
     stream: bool
     ttft: float | None
@@ -142,6 +147,7 @@ def row(rec: dict[str, Any]) -> Row:
         version=_str(rec.get("prompt_version")),
         route=_str(rec.get("route")),
         model=_str(rec.get("model")),
+        shape=_str(rec.get("shape")),
         ok=rec.get("outcome") == "ok",
         stream=rec.get("stream") is True,
         ttft=_num(rec.get("ttft")),
@@ -195,13 +201,6 @@ def figures(side: Side, rng: random.Random, resamples: int) -> SideFigures:
 
 
 # -- the verdict -----------------------------------------------------------------------------------
-
-
-def seconds(v: float | None) -> str:
-    """A duration as people read it: ``781 ms`` under a second, ``1.23 s`` from there."""
-    if v is None:
-        return "-"
-    return f"{v * 1000:.0f} ms" if abs(v) < 1 else f"{v:.2f} s"
 
 
 def _share(v: float | None) -> str:
@@ -290,25 +289,6 @@ def analyze(
 # -- record files ----------------------------------------------------------------------------------
 
 
-def parse_time(text: str) -> float:
-    """Epoch seconds of an ISO 8601 time; without a zone it is UTC."""
-    try:
-        moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise ConfigError(f"{text!r} is not an ISO 8601 time such as 2026-05-01T12:00:00Z") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.timestamp()
-
-
-def parse_duration(text: str) -> float:
-    """Seconds of ``90``, ``90s``, ``30m``, ``1h`` or ``2d``."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
-    if match is None or float(match.group(1)) <= 0:
-        raise ConfigError(f"{text!r} is not a duration such as 90s, 30m, 1h or 2d")
-    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
-
-
 @dataclass(frozen=True, slots=True)
 class Split:
     """How requests are split: by version (``before``/``after``) or at ``at`` (epoch seconds), within a window."""
@@ -367,33 +347,57 @@ class Sides:
     source: str
     split: str
     skipped: dict[str, int] = field(default_factory=dict)
+    slo: dict[str, list[Verdict]] = field(default_factory=dict)
 
     def compare(self, **options: Any) -> Comparison:
         """``analyze`` the two sides."""
-        return analyze(self.before, self.after, source=self.source, split=self.split, skipped=self.skipped, **options)
+        c = analyze(self.before, self.after, source=self.source, split=self.split, skipped=self.skipped, **options)
+        c.slo = self.slo
+        return c
 
 
 def compare_records(
-    path: str | Path, split: Split, *, route: str | None = None, model: str | None = None, **options: Any
+    path: str | Path,
+    split: Split,
+    *,
+    route: str | None = None,
+    model: str | None = None,
+    shape: str | None = None,
+    **options: Any,
 ) -> Comparison:
     """Compare over a record file and its rotated siblings (what the demo's verdict comes from)."""
-    return record_sides(path, split, route=route, model=model).compare(**options)
+    return record_sides(path, split, route=route, model=model, shape=shape).compare(**options)
 
 
-def record_sides(path: str | Path, split: Split, *, route: str | None = None, model: str | None = None) -> Sides:
+def record_sides(
+    path: str | Path,
+    split: Split,
+    *,
+    route: str | None = None,
+    model: str | None = None,
+    shape: str | None = None,
+    objectives: Objectives | None = None,
+) -> Sides:
     """Read a record file and its rotated siblings and split their requests."""
     stats = ReadStats()
-    rows = [
-        r
-        for r in map(row, read_records(path, stats))
-        if (route is None or r.route == route) and (model is None or r.model == model)
-    ]
+
+    def wanted(r: Row) -> bool:
+        return (
+            (route is None or r.route == route)
+            and (model is None or r.model == model)
+            and (shape is None or r.shape == shape)
+        )
+
+    rows = [r for r in map(row, read_records(path, stats)) if wanted(r)]
     if not stats.files:
         raise ConfigError(f"no record file at {str(path)!r}")
     if split.at is None and split.window is not None:
         # A version split over a window: the last ``window`` seconds before ``until`` (or now).
         end = split.until if split.until is not None else time.time()
         rows = [r for r in rows if end - split.window <= r.time <= end]
+        window = (end - split.window, end)
+    else:
+        window = (-math.inf, math.inf)
     split = by_versions(rows, split)
     sides: dict[str, list[Row]] = {"before": [], "after": []}
     for r in rows:
@@ -401,12 +405,34 @@ def record_sides(path: str | Path, split: Split, *, route: str | None = None, mo
         if side is not None:
             sides[side].append(r)
     files = len(stats.files)
-    return Sides(
+    before, after = (
         side_from_rows(split.before or "before", sides["before"]),
         side_from_rows(split.after or "after", sides["after"]),
+    )
+    # The SLO verdicts of each side: the file read once more, each record kept by the side its row falls on.
+    verdicts: dict[str, list[Verdict]] = {}
+    for name, label in (("before", before.label), ("after", after.label)):
+
+        def on_side(rec: dict[str, Any], name: str = name) -> bool:
+            r = row(rec)
+            return wanted(r) and window[0] <= r.time <= window[1] and _side_of(r, split) == name
+
+        kept = [r for r in rows if _side_of(r, split) == name]
+        span = max(r.time for r in kept) - min(r.time for r in kept) if len(kept) > 1 else None
+        groups, _ = slo_report.record_groups(
+            (rec for rec in read_records(path, ReadStats()) if on_side(rec)),
+            start=None,
+            end=None,
+            objectives=objectives,
+        )
+        verdicts[label] = slo_report.verdicts(groups, span)
+    return Sides(
+        before,
+        after,
         source=f"{path} ({files} file{'s' if files > 1 else ''}, {stats.records} records)",
         split=split.describe(),
         skipped={"truncated": stats.truncated, "foreign": stats.foreign, "other_schema": stats.other_schema},
+        slo=verdicts,
     )
 
 
@@ -456,7 +482,15 @@ def side_from_prometheus(
     return side
 
 
-def prometheus_sides(url: str, split: Split, *, route: str | None = None, model: str | None = None) -> Sides:
+def prometheus_sides(
+    url: str,
+    split: Split,
+    *,
+    route: str | None = None,
+    model: str | None = None,
+    shape: str | None = None,
+    objectives: Objectives | None = None,
+) -> Sides:
     """The two sides from the proxy's metrics in Prometheus: by version label, or at a time, over a window.
 
     A version split without ``--window`` reads what the counters hold at the end (since the proxy last
@@ -467,13 +501,21 @@ def prometheus_sides(url: str, split: Split, *, route: str | None = None, model:
         base["llmtap_route"] = route
     if model is not None:
         base["gen_ai_request_model"] = model
+    if shape is not None:
+        base[slo_report.SHAPE_LABEL] = shape
     end = split.until if split.until is not None else time.time()
     prom = Prometheus(url)
+    # The same windows and matchers per side, for the SLO verdicts (when the objectives are known).
+    windows: dict[str, tuple[float | None, float, dict[str, str]]] = {}
     try:
         if split.at is not None:
             window = split.window if split.window is not None else max(end - split.at, 1.0)
             before = side_from_prometheus(prom, "before", base, split.at - window, split.at)
             after = side_from_prometheus(prom, "after", base, split.at, min(split.at + window, end))
+            windows = {
+                "before": (split.at - window, split.at, base),
+                "after": (split.at, min(split.at + window, end), base),
+            }
         else:
             if split.before is None or split.after is None:
                 raise ConfigError("with --prometheus, say how to split: --before V1 --after V2, or --split-at TIME")
@@ -482,9 +524,25 @@ def prometheus_sides(url: str, split: Split, *, route: str | None = None, model:
                 prom, split.before, {**base, "llmtap_prompt_version": split.before}, start, end
             )
             after = side_from_prometheus(prom, split.after, {**base, "llmtap_prompt_version": split.after}, start, end)
+            windows = {
+                split.before: (start, end, {**base, "llmtap_prompt_version": split.before}),
+                split.after: (start, end, {**base, "llmtap_prompt_version": split.after}),
+            }
     finally:
         prom.close()
-    return Sides(before, after, source=f"Prometheus at {prom.url}", split=split.describe())
+    verdicts: dict[str, list[Verdict]] = {}
+    if objectives is not None:
+        for label, (first, last, matchers) in windows.items():
+            report = slo_report.from_prometheus(
+                url,
+                objectives,
+                until=last,
+                start=first,
+                window=None if first is None else last - first,
+                matchers=matchers,
+            )
+            verdicts[label] = report.verdicts
+    return Sides(before, after, source=f"Prometheus at {prom.url}", split=split.describe(), slo=verdicts)
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -542,6 +600,13 @@ def render(c: Comparison) -> str:
         lines.append(f"  ({' and '.join(few)} rest on few requests: read them as rough)")
     lines.append("")
     lines.append(c.verdict)
+    if any(c.slo.values()):
+        lines += ["", "SLO by route and shape (the percentile that counts, 95% CI):"]
+        for label, verdicts in c.slo.items():
+            for v in verdicts:
+                for check in v.checks:
+                    figure = f"{check.describe()}: {_estimate(check.estimate)}"
+                    lines.append(f"  {label}: {v.route} {v.shape}: {figure} {check.verdict}")
     return "\n".join(lines)
 
 
@@ -608,10 +673,12 @@ def main(args: Any) -> int:
         window=parse_duration(args.window) if args.window else None,
         until=parse_time(args.until) if args.until else None,
     )
+    objectives = slo_report.config_objectives(build({"config": args.config}, env={})) if args.config else None
+    where = {"route": args.route, "model": args.model, "shape": args.shape, "objectives": objectives}
     if args.records is not None:
-        sides = record_sides(args.records, split, route=args.route, model=args.model)
+        sides = record_sides(args.records, split, **where)
     else:
-        sides = prometheus_sides(args.prometheus, split, route=args.route, model=args.model)
+        sides = prometheus_sides(args.prometheus, split, **where)
     comparison = sides.compare(
         min_requests=MIN_REQUESTS if args.min_requests is None else args.min_requests,
         min_gain_ms=MIN_GAIN_MS if args.min_gain_ms is None else args.min_gain_ms,

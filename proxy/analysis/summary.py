@@ -9,15 +9,17 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 from proxy.analysis import tokens
 from proxy.analysis.estimator import ESTIMATED, Estimator, Split
+from proxy.analysis.shapes import classify, objective
 from proxy.analysis.slots import CONFIGURED, Slots
 from proxy.analysis.timeline import OK, Timeline
 from proxy.providers.timing import validate
-from proxy.settings import SLO, Route
+from proxy.settings import DEFAULT_SHAPES, OTHER_SHAPE, SLO, Route, Shape
 from proxy.types import ServerTiming
 
 USAGE = "usage"
@@ -69,7 +71,11 @@ class Summary:
     input_drift: float | None = None
     output_drift: float | None = None
     input_size: str = "unknown"
+    #: The request's shape class (``proxy.analysis.shapes``), from its input and output tokens.
+    shape: str = OTHER_SHAPE
     slo: str = "none"
+    #: The objective ``slo`` judged the request by (its route's for its shape, else the global one).
+    objective: SLO | None = None
     #: Server timing fields ignored as malformed or absurd: the relay's (headers), the provider's and validation's.
     rejected_timings: list[str] = field(default_factory=list)
     #: ``llmtap.cache.class`` of the prompt-cache diagnosis, when the recorder made one.
@@ -149,6 +155,7 @@ def summarize(
     *,
     estimator: Estimator | None = None,
     route: Route | None = None,
+    shapes: Sequence[Shape] = DEFAULT_SHAPES,
     slots: Slots | None = None,
 ) -> Summary:
     """Compute the summary; counts tokens with tiktoken, so call it off the event loop.
@@ -210,7 +217,9 @@ def summarize(
     if s.output_tokens is not None and s.output_tokens > 1 and s.decode is not None and len(tl.chunk_times) > 1:
         # Only where a decode was timed: two content chunks or more (a whole body arrives as one).
         s.tpot = s.decode / (s.output_tokens - 1)
-    s.slo = slo_outcome(tl, s, slo)
+    s.shape = classify(shapes, s.input_tokens, s.output_tokens)
+    s.objective = objective(route, s.shape, slo)
+    s.slo = slo_outcome(tl, s, s.objective)
     return s
 
 

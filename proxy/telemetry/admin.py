@@ -23,7 +23,13 @@ from starlette.routing import Route
 
 from proxy.settings import Settings
 from proxy.telemetry.live import LiveView
-from proxy.telemetry.prometheus import CONTENT_TYPE, PrometheusReader, merge_metrics
+from proxy.telemetry.prometheus import (
+    CONTENT_TYPE,
+    OPENMETRICS_CONTENT_TYPE,
+    PrometheusReader,
+    merge_metrics,
+    wants_openmetrics,
+)
 from proxy.telemetry.recorder import Recorder
 from proxy.telemetry.serverspans import MAX_BODY_BYTES, BadBody, inflate, parse
 from proxy.types import Receive, Scope, Send
@@ -82,12 +88,15 @@ class AdminApp:
     async def _metrics(self, request: Request) -> Response:
         if self.prometheus is None:
             return PlainTextResponse("# prometheus endpoint disabled\n")
+        # OpenMetrics (with exemplars) when the scraper asks for it; the pages of several telemetry processes
+        # are added up in the plain format, which has no exemplars.
+        openmetrics = not self.peers and wants_openmetrics(request.headers.get("accept", ""))
         # Rendered on a thread: a large page takes long enough to stall the event loop.
-        text = await asyncio.to_thread(self.prometheus.render)
+        text = await asyncio.to_thread(self.prometheus.render, openmetrics=openmetrics)
         if self.peers:
             others = await asyncio.gather(*(_peer_metrics(path) for path in self.peers))
             text = merge_metrics([text, *(t for t in others if t is not None)])
-        return Response(text, headers={"content-type": CONTENT_TYPE})
+        return Response(text, headers={"content-type": OPENMETRICS_CONTENT_TYPE if openmetrics else CONTENT_TYPE})
 
     async def _traces(self, request: Request) -> Response:
         """OTLP/HTTP protobuf spans from the upstream: read within bounds, queued for the recorder's join."""

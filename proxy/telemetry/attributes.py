@@ -201,6 +201,7 @@ def end_attributes(
     attrs[sc.OUTCOME] = tl.outcome
     attrs[sc.SLO_OUTCOME] = s.slo
     attrs[sc.INPUT_SIZE] = s.input_size
+    attrs[sc.SHAPE] = s.shape
     attrs[sc.RESPONSE_BYTES] = tl.response_bytes
     if tl.malformed_events:
         attrs[sc.MALFORMED_EVENTS] = tl.malformed_events

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.metrics import Histogram, MeterProvider, NoOpMeterProvider
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from proxy import __version__
 from proxy.analysis.cachediag import MISS_CHANGED, Diagnosis
@@ -36,10 +39,14 @@ CONVENTIONS = (
     sc.SERVER_PORT,
     sc.ERROR_TYPE,
 )
+#: An empty context: a sample recorded in it has no current span, so no exemplar (whatever context the
+#: recorder's thread has).
+_NO_SPAN = Context()
 #: What llmtap's own request metrics add to them ...
 OWN = (sc.ROUTE, sc.REQUEST_STREAM, sc.PROMPT_VERSION)
-#: ... and its figures users feel (TTFT, ITL, TPOT) on top: the request shape.
-SHAPE = (sc.INPUT_SIZE,)
+#: ... and its figures users feel (TTFT, ITL, TPOT, E2E) and its request counts by SLO outcome on top: the
+#: request shape, by input size and by the configured shape classes (names from the configuration, ``other``).
+SHAPE = (sc.INPUT_SIZE, sc.SHAPE)
 
 
 class Labels(NamedTuple):
@@ -128,39 +135,43 @@ class MetricWriter:
         """Record one finished request's latency, token and outcome metrics."""
         ins = self.instruments
         attrs, outcome, own = self.metric_attributes(tl, s)
-        shaped = {**own, sc.INPUT_SIZE: s.input_size}
+        # Recorded in the request's span context: the SDK's exemplar reservoirs keep its trace id beside the
+        # bucket the value fell in (the default trace-based filter: only for sampled traces).
+        ctx = request_context(tl)
+        shaped = {**own, sc.INPUT_SIZE: s.input_size, sc.SHAPE: s.shape}
         ok = tl.outcome == OK
         stream = bool(tl.request and tl.request.stream)
         if s.e2e is not None:
-            ins.operation_duration.record(s.e2e, outcome)
+            ins.operation_duration.record(s.e2e, outcome, context=ctx)
             if ins.server_duration is not None:
-                ins.server_duration.record(s.e2e, outcome)
-        ins.requests.add(1, {**own, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo})
+                ins.server_duration.record(s.e2e, outcome, context=ctx)
+        ins.requests.add(1, {**own, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo, sc.SHAPE: s.shape})
         if tl.malformed_events:
             ins.malformed.add(tl.malformed_events, {sc.ROUTE: tl.route})
         if s.ttfb is not None:
-            ins.ttfb.record(s.ttfb, own)
+            ins.ttfb.record(s.ttfb, own, context=ctx)
         if stream and s.ttft is not None:
-            ins.time_to_first_chunk.record(s.ttft, attrs)
-            ins.ttft.record(s.ttft, shaped)
-            for gap in s.gap_samples:
-                ins.time_per_output_chunk.record(gap, attrs)
-            for itl in s.itl_per_token:
-                ins.itl.record(itl, shaped)
+            ins.time_to_first_chunk.record(s.ttft, attrs, context=ctx)
+            ins.ttft.record(s.ttft, shaped, context=ctx)
+            # Per chunk and per token, only the request's slowest sample carries its span context: an exemplar
+            # costs about a third of a sample again (10 against 14 us a sample here), and a stream has thousands;
+            # the bucket of its worst stall still leads to it.
+            _record_samples(ins.time_per_output_chunk, s.gap_samples, attrs, ctx)
+            _record_samples(ins.itl, s.itl_per_token, shaped, ctx)
         if s.upstream_ttft is not None and stream:
-            ins.upstream_ttft.record(s.upstream_ttft, own)
+            ins.upstream_ttft.record(s.upstream_ttft, own, context=ctx)
         if ok and s.ttft is not None and stream and ins.server_ttft is not None:
-            ins.server_ttft.record(s.ttft, attrs)
+            ins.server_ttft.record(s.ttft, attrs, context=ctx)
         if ok and s.tpot is not None:
-            ins.tpot.record(s.tpot, shaped)
+            ins.tpot.record(s.tpot, shaped, context=ctx)
             if ins.server_tpot is not None:
-                ins.server_tpot.record(s.tpot, attrs)
+                ins.server_tpot.record(s.tpot, attrs, context=ctx)
         if s.queue is not None:
-            ins.queue.record(s.queue, {**own, sc.QUEUE_SOURCE: s.queue_source})
+            ins.queue.record(s.queue, {**own, sc.QUEUE_SOURCE: s.queue_source}, context=ctx)
         if s.prefill is not None and stream:
-            ins.prefill.record(s.prefill, {**own, sc.PREFILL_SOURCE: s.prefill_source})
+            ins.prefill.record(s.prefill, {**own, sc.PREFILL_SOURCE: s.prefill_source}, context=ctx)
         if s.decode is not None and stream:
-            ins.decode.record(s.decode, own)
+            ins.decode.record(s.decode, own, context=ctx)
         self._token_metrics(s, attrs, outcome, own)
         if tl.sent is not None:
             ins.overhead.record(proxy_added(tl), {sc.ROUTE: tl.route})
@@ -216,6 +227,31 @@ class MetricWriter:
         if diag.cache_class == MISS_CHANGED and diag.changed_region:
             attrs[sc.CACHE_CHANGED_REGION] = diag.changed_region
         return attrs
+
+
+def _record_samples(hist: Histogram, samples: list[float], attrs: dict[str, Any], ctx: Context | None) -> None:
+    """Record every sample; the largest one in ``ctx`` (its exemplar), the others with no span context."""
+    if not samples:
+        return
+    slowest = max(range(len(samples)), key=samples.__getitem__)
+    for i, value in enumerate(samples):
+        hist.record(value, attrs, context=ctx if i == slowest else _NO_SPAN)
+
+
+def request_context(tl: Timeline) -> Context | None:
+    """A context whose current span is the request's root span (by the ids the relay made), or None."""
+    if tl.trace_id is None or tl.span_id is None:
+        return None
+    try:
+        span = SpanContext(
+            int(tl.trace_id, 16),
+            int(tl.span_id, 16),
+            is_remote=False,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED if tl.sampled else TraceFlags.DEFAULT),
+        )
+    except ValueError:
+        return None
+    return trace.set_span_in_context(NonRecordingSpan(span)) if span.is_valid else None
 
 
 def proxy_added(tl: Timeline) -> float:

@@ -6,12 +6,18 @@ Prometheus compatibility rules: dots become underscores, ``s`` adds ``_seconds``
 ``_total``, and units in braces (``{token}``) are annotations that add nothing. The text format has no
 native (exponential) histograms: this reader always takes explicit buckets, the instruments' advisory ones,
 whatever ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` asks of the OTLP exporter.
+
+A scraper that asks for OpenMetrics (``Accept: application/openmetrics-text``, as Prometheus does) gets
+it, with exemplars: each histogram bucket carries the trace and span id of the last request the SDK's
+reservoir kept for it (``# {trace_id="...",span_id="..."} value timestamp``), so a dashboard can go from a
+p99 bucket to that request's trace. The plain text format has no exemplars.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +33,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 _INVALID = re.compile(r"[^a-zA-Z0-9_:]")
 _UNITS = {"s": "seconds", "ms": "milliseconds", "By": "bytes", "1": "ratio"}
 
@@ -53,11 +60,29 @@ class PrometheusReader(MetricReader):
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         """Nothing to release."""
 
-    def render(self) -> str:
-        """Collect now and return the exposition text."""
+    def render(self, *, openmetrics: bool = False) -> str:
+        """Collect now and return the exposition text (OpenMetrics, with exemplars, when asked)."""
         self._latest = None
         self.collect()
-        return render(self._latest)
+        return render(self._latest, openmetrics=openmetrics)
+
+
+def wants_openmetrics(accept: str) -> bool:
+    """True when an ``Accept`` header prefers OpenMetrics to the plain text format (a q of 0 refuses it)."""
+    best: dict[str, float] = {}
+    for item in accept.split(","):
+        media, *params = (part.strip() for part in item.split(";"))
+        q = 1.0
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        best[media.lower()] = max(best.get(media.lower(), 0.0), q)
+    om = best.get("application/openmetrics-text", 0.0)
+    return om > 0 and om >= best.get("text/plain", 0.0)
 
 
 def metric_name(name: str, unit: str, *, counter: bool = False) -> str:
@@ -98,7 +123,28 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
-def _buckets(name: str, attrs: Any, bounds: Any, counts: Any, total: int) -> list[str]:
+def _exemplar(exemplar: Any) -> str:
+    """An OpenMetrics exemplar: `` # {trace_id="...",span_id="..."} value timestamp``."""
+    labels = f'trace_id="{exemplar.trace_id:032x}",span_id="{exemplar.span_id:016x}"'
+    when = exemplar.time_unix_nano / 1e9
+    return f" # {{{labels}}} {_number(exemplar.value)} {when:.3f}"
+
+
+def _bucket_exemplars(bounds: Sequence[float], exemplars: Any) -> dict[int, str]:
+    """Each bucket's exemplar (the newest of the values that fell in it), by bucket index."""
+    out: dict[int, tuple[int, str]] = {}
+    for e in exemplars or ():
+        if not e.trace_id or not e.span_id:
+            continue
+        i = bisect_left(bounds, e.value)  # the SDK's rule: a value goes in the first bucket whose bound >= it
+        if i not in out or out[i][0] < e.time_unix_nano:
+            out[i] = (e.time_unix_nano, _exemplar(e))
+    return {i: text for i, (_, text) in out.items()}
+
+
+def _buckets(
+    name: str, attrs: Any, bounds: Any, counts: Any, total: int, exemplars: dict[int, str] | None = None
+) -> list[str]:
     """The ``_bucket`` lines of one histogram point, cumulative, every bound written.
 
     Every series of a histogram must carry the same bounds: ``sum by (le)`` across label sets, which
@@ -106,38 +152,46 @@ def _buckets(name: str, attrs: Any, bounds: Any, counts: Any, total: int) -> lis
     """
     labels = _labels(attrs)
     prefix = f"{name}_bucket{{{labels[1:-1]},le=" if labels else f"{name}_bucket{{le="
+    marks = exemplars or {}
     out: list[str] = []
     running = 0
-    for bound, count in zip(bounds, counts, strict=False):
+    for i, (bound, count) in enumerate(zip(bounds, counts, strict=False)):
         running += count
-        out.append(f'{prefix}"{_number(bound)}"}} {running}')
-    out.append(f'{prefix}"+Inf"}} {total}')
+        out.append(f'{prefix}"{_number(bound)}"}} {running}{marks.get(i, "")}')
+    out.append(f'{prefix}"+Inf"}} {total}{marks.get(len(bounds), "")}')
     return out
 
 
-def render(data: MetricsData | None) -> str:
-    """Prometheus text for one collection."""
+def render(data: MetricsData | None, *, openmetrics: bool = False) -> str:
+    """Prometheus text for one collection; OpenMetrics (families named without ``_total``, bucket exemplars,
+    ``# EOF``) when asked."""
     lines: list[str] = []
+    end = "# EOF\n" if openmetrics else ""
     if data is None:
-        return "# no metrics (OpenTelemetry SDK disabled or nothing recorded yet)\n"
+        return end or "# no metrics (OpenTelemetry SDK disabled or nothing recorded yet)\n"
     for rm in data.resource_metrics:
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 points = metric.data
                 help_text = (metric.description or metric.name).replace("\\", "\\\\").replace("\n", " ")
+                if openmetrics:
+                    help_text = help_text.replace('"', '\\"')
                 if isinstance(points, HistogramData):
                     name = metric_name(metric.name, metric.unit or "")
                     lines.append(f"# HELP {name} {help_text}")
                     lines.append(f"# TYPE {name} histogram")
                     for p in points.data_points:
-                        lines.extend(_buckets(name, p.attributes, p.explicit_bounds, p.bucket_counts, p.count))
+                        marks = _bucket_exemplars(p.explicit_bounds, p.exemplars) if openmetrics else None
+                        lines.extend(_buckets(name, p.attributes, p.explicit_bounds, p.bucket_counts, p.count, marks))
                         lines.append(f"{name}_sum{_labels(p.attributes)} {_number(p.sum)}")
                         lines.append(f"{name}_count{_labels(p.attributes)} {p.count}")
                 elif isinstance(points, Sum):
                     counter = points.is_monotonic
                     name = metric_name(metric.name, metric.unit or "", counter=counter)
-                    lines.append(f"# HELP {name} {help_text}")
-                    lines.append(f"# TYPE {name} {'counter' if counter else 'gauge'}")
+                    # OpenMetrics names a counter's family without the ``_total`` its samples carry.
+                    family = name.removesuffix("_total") if openmetrics and counter else name
+                    lines.append(f"# HELP {family} {help_text}")
+                    lines.append(f"# TYPE {family} {'counter' if counter else 'gauge'}")
                     for sp in points.data_points:
                         lines.append(f"{name}{_labels(sp.attributes)} {_number(sp.value)}")
                 elif isinstance(points, Gauge):
@@ -146,7 +200,7 @@ def render(data: MetricsData | None) -> str:
                     lines.append(f"# TYPE {name} gauge")
                     for gp in points.data_points:
                         lines.append(f"{name}{_labels(gp.attributes)} {_number(gp.value)}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + end
 
 
 def _value(text: str) -> float:

@@ -393,7 +393,14 @@ class Recorder:
         at most ``telemetry.server_spans_wait`` seconds; the summary returned is then the estimate.
         """
         slots = self.upstreams.slots(tl.upstream)
-        s = summarize(tl, self.settings.slo, estimator=self.estimator, route=self._routes.get(tl.route), slots=slots)
+        s = summarize(
+            tl,
+            self.settings.slo,
+            estimator=self.estimator,
+            route=self._routes.get(tl.route),
+            shapes=self.settings.shapes,
+            slots=slots,
+        )
         if self._joinable(tl):
             assert tl.span_id is not None
             now = time.monotonic()

@@ -29,7 +29,7 @@ from proxy.analysis.stats import sorted_quantile
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import Timeline
 from proxy.labels import clean_or_none
-from proxy.settings import ConfigError
+from proxy.settings import SLO, ConfigError
 
 #: The key that marks a line as a request record; its value is the schema version.
 SCHEMA_KEY = "llmtap_record"
@@ -63,6 +63,13 @@ def _gaps(gaps: list[float]) -> dict[str, Any]:
     }
 
 
+def objective_line(slo: SLO | None) -> dict[str, Any] | None:
+    """The objective a request was judged by, as its record keeps it (so ``llmtap slo`` needs no config)."""
+    if slo is None:
+        return None
+    return {"shape": slo.shape, "percentile": slo.percentile, **slo.limits()}
+
+
 def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None) -> dict[str, Any]:
     """The record of one finished request (schema version 1).
 
@@ -84,6 +91,8 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None) -> dict[str, A
         "outcome": tl.outcome,
         "error_type": clean_or_none(tl.error_type),
         "slo": s.slo,
+        "shape": s.shape,
+        "objective": objective_line(s.objective),
         "prompt_version": tl.prompt_version,
         "ttft": _round(s.ttft),
         "ttfb": _round(s.ttfb),

@@ -70,6 +70,8 @@ PROTOCOL = "llmtap.protocol"
 OUTCOME = "llmtap.outcome"
 SLO_OUTCOME = "llmtap.slo"
 INPUT_SIZE = "llmtap.request.input_size"
+#: The request shape class by input and output tokens (``shapes:``; issue 18).
+SHAPE = "llmtap.request.shape"
 PROMPT_VERSION = "llmtap.prompt.version"
 REQUEST_PARSE_ERROR = "llmtap.request.parse_error"
 TTFB = "llmtap.time_to_first_byte"

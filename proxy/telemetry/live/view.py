@@ -82,7 +82,8 @@ class LiveView:
     def __init__(self, recorder: Recorder, settings: Settings, *, traces: bool | None = None) -> None:
         if traces is None:
             traces = settings.telemetry.traces_exporter != "none"
-        self.window = LiveWindow(recorder_labels(recorder), slo=settings.slo.configured, traces=traces)
+        slo = settings.slo.configured or any(r.slo for r in settings.routes)
+        self.window = LiveWindow(recorder_labels(recorder), slo=slo, traces=traces)
         recorder.listeners.append(self.window)
         self._assets = {
             path: (resources.files("proxy.telemetry.live").joinpath("static", name).read_bytes(), kind)

@@ -101,6 +101,7 @@ def waterfall(seq: int, tl: Timeline, s: Summary, *, route: str, model: str, tra
         "cache_read_tokens": s.cache_read_tokens,
         "cache_write_tokens": s.cache_write_tokens,
         "input_size": s.input_size,
+        "shape": s.shape,
         "cache_class": s.cache_class,
         "prompt_version": tl.prompt_version,
         "response_id": clean_or_none(tl.response_id),

@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
+from proxy.analysis.shapes import needed
 from proxy.analysis.stats import histogram_quantile
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import CANCELLED, ERROR, OK, Timeline
+from proxy.settings import SLO
 from proxy.telemetry.instruments import DURATION_BUCKETS
 from proxy.telemetry.live.waterfall import waterfall
 
@@ -43,6 +45,10 @@ QUANTILES = (0.5, 0.95, 0.99)
 
 #: The route and model label a request's metrics carry.
 Labels = Callable[[Timeline, Summary], tuple[str, str]]
+#: The figures an objective can bound, and the request's own field for each in its waterfall (ms).
+OBJECTIVE_FIGURES = ("ttft", "tpot", "e2e")
+#: Requests behind a percentile the page links to, slowest first.
+SLOWEST = 5
 
 
 @dataclass(slots=True)
@@ -100,6 +106,8 @@ class Tally:
     ttft: Hist = field(default_factory=Hist)
     itl: Hist = field(default_factory=Hist)
     tpot: Hist = field(default_factory=Hist)
+    #: Every request's E2E (no ``llmtap.*`` histogram of its own: for E2E objectives only).
+    e2e: Hist = field(default_factory=Hist)
 
     def add_request(self, tl: Timeline, s: Summary) -> None:
         """Count one request exactly as ``MetricWriter.record`` records it."""
@@ -114,6 +122,8 @@ class Tally:
                 self.itl.add(itl)
         if tl.outcome == OK and s.tpot is not None:  # llmtap.time_per_output_token
             self.tpot.add(s.tpot)
+        if s.e2e is not None:
+            self.e2e.add(s.e2e)
         self.input_tokens += s.input_tokens or 0  # llmtap.usage.input_tokens
         self.output_tokens += s.output_tokens or 0  # llmtap.usage.output_tokens
         self.cache_read_tokens += s.cache_read_tokens or 0  # llmtap.usage.cache_read.input_tokens
@@ -130,6 +140,7 @@ class Tally:
         self.ttft.merge(other.ttft)
         self.itl.merge(other.itl)
         self.tpot.merge(other.tpot)
+        self.e2e.merge(other.e2e)
 
     def figures(self, seconds: float, *, slo: bool) -> dict[str, Any]:
         """Counts, rates over ``seconds`` and percentiles, as the page shows them."""
@@ -155,10 +166,42 @@ class Tally:
         }
 
 
+def verdict(tally: Tally, objective: SLO | None) -> dict[str, Any] | None:
+    """The objective's checks over a tally: each percentile read from the buckets against its limit.
+
+    ``met`` or ``missed`` by the percentile itself (the page has no intervals; ``llmtap slo`` gives them),
+    ``insufficient`` below the requests the percentile needs (``proxy.analysis.shapes.needed``)."""
+    if objective is None:
+        return None
+    checks = []
+    for figure, limit in objective.limits().items():
+        hist: Hist = getattr(tally, figure)
+        value = hist.quantile(objective.percentile)
+        if hist.count < needed(objective.percentile) or value is None:
+            result = "insufficient"
+        else:
+            result = "met" if value <= limit else "missed"
+        checks.append(
+            {
+                "figure": figure,
+                "percentile": objective.percentile,
+                "limit": limit,
+                "value": value,
+                "count": hist.count,
+                "verdict": result,
+            }
+        )
+    results = {c["verdict"] for c in checks}
+    overall = next((v for v in ("missed", "insufficient", "met") if v in results), "none")
+    return {"verdict": overall, "checks": checks}
+
+
 @dataclass(slots=True)
 class _Series:
     total: Tally = field(default_factory=Tally)
     slots: dict[int, Tally] = field(default_factory=dict)
+    #: The objective the series' requests are judged by (the newest request's).
+    objective: SLO | None = None
 
 
 class Subscription:
@@ -184,6 +227,12 @@ class Subscription:
         self.event.set()
 
 
+def floor_ms(value: float) -> float:
+    """The lower bound, in ms, of the bucket a value falls in (``Hist.add``'s rule)."""
+    i = bisect_left(DURATION_BUCKETS, value)
+    return DURATION_BUCKETS[i - 1] * 1000 if i > 0 else 0.0
+
+
 def _first_slot(now: float, window: float) -> int:
     """The oldest slot a window of ``window`` seconds ending now takes in (the current one counts)."""
     return math.floor(now / SLOT) - math.ceil(window / SLOT) + 1
@@ -206,8 +255,9 @@ class LiveWindow:
         self.traces = traces
         self._clock = clock
         self.started = clock()
-        self._series: dict[tuple[str, str], _Series] = {}
-        self._requests: deque[dict[str, Any]] = deque(maxlen=history)
+        self._series: dict[tuple[str, str, str], _Series] = {}
+        # The kept waterfalls, each with the slot it was recorded in (for the requests behind a percentile).
+        self._requests: deque[tuple[int, dict[str, Any]]] = deque(maxlen=history)
         self._seq = 0
         self._lock = threading.Lock()
         self._subscribers: set[Subscription] = set()
@@ -223,7 +273,8 @@ class LiveWindow:
         now = self._clock()
         slot = math.floor(now / SLOT)
         with self._lock:
-            series = self._series.setdefault((route, model), _Series())
+            series = self._series.setdefault((route, model, s.shape), _Series())
+            series.objective = s.objective
             series.total.add_request(tl, s)
             tally = series.slots.get(slot)
             if tally is None:
@@ -231,7 +282,7 @@ class LiveWindow:
                 self._prune(series, slot)
             tally.add_request(tl, s)
             self._seq += 1
-            self._requests.append(waterfall(self._seq, tl, s, route=route, model=model, trace=self.traces))
+            self._requests.append((slot, waterfall(self._seq, tl, s, route=route, model=model, trace=self.traces)))
             subscribers = list(self._subscribers)
         for sub in subscribers:
             sub.notify()
@@ -258,7 +309,7 @@ class LiveWindow:
         first = _first_slot(now, window) if window is not None else 0
         rows: list[dict[str, Any]] = []
         with self._lock:
-            for (route, model), series in sorted(self._series.items()):
+            for (route, model, shape), series in sorted(self._series.items()):
                 if window is None:
                     tally = series.total
                 else:
@@ -267,14 +318,41 @@ class LiveWindow:
                         if k >= first:
                             tally.merge(part)
                 if tally.requests:
-                    rows.append({"route": route, "model": model, **tally.figures(seconds, slo=self.slo)})
+                    row = {"route": route, "model": model, "shape": shape, **tally.figures(seconds, slo=self.slo)}
+                    goal = series.objective
+                    row["objective"] = None if goal is None else {**goal.limits(), "percentile": goal.percentile}
+                    row["verdict"] = verdict(tally, series.objective)
+                    row["slowest"] = self._slowest(row, first)
+                    rows.append(row)
             last = self._seq
         return {"window": window, "seconds": seconds, "last": last, "slo": self.slo, "series": rows}
+
+    def _slowest(self, row: dict[str, Any], first: int) -> dict[str, dict[str, list[int]]]:
+        """For each latency and percentile of a row, the kept requests it rests on, slowest first (their ids):
+        those in the percentile's bucket or above (a reading interpolated inside a bucket may lie past every
+        request in it). Called with the lock held."""
+        mine = [
+            r
+            for slot, r in self._requests
+            if slot >= first and (r["route"], r["model"], r["shape"]) == (row["route"], row["model"], row["shape"])
+        ]
+        out: dict[str, dict[str, list[int]]] = {}
+        for figure in ("ttft", "tpot"):
+            timed = sorted((r for r in mine if r[figure] is not None), key=lambda r: r[figure], reverse=True)
+            out[figure] = {}
+            for q in QUANTILES:
+                name = f"p{round(q * 100)}"
+                value = row[figure][name]
+                if value is None:
+                    continue
+                behind = [r["id"] for r in timed if r[figure] > floor_ms(value)]
+                out[figure][name] = behind[:SLOWEST]
+        return out
 
     def since(self, seq: int) -> list[dict[str, Any]]:
         """The kept requests recorded after ``seq``, oldest first."""
         with self._lock:
-            return [r for r in self._requests if r["id"] > seq]
+            return [r for _, r in self._requests if r["id"] > seq]
 
     def subscribe(self, loop: asyncio.AbstractEventLoop) -> Subscription:
         """A new stream's wake-up handle."""

@@ -134,16 +134,17 @@
     ["tpot", "TPOT", "per output token"],
   ];
 
-  function card(route, model) {
+  function card(route, model, shape) {
     const c = el("article", "card");
     c.dataset.route = route;
     c.dataset.model = model;
+    c.dataset.shape = shape;
     const head = el("div", "card-head");
     const count = el("span", "count");
     const n = el("b", null, "0");
     n.dataset.fig = "requests";
     count.append(n, " requests");
-    head.append(el("span", "route", route), el("span", "model", model || "(no model)"), count);
+    head.append(el("span", "route", route), el("span", "shape", shape), el("span", "model", model || "(no model)"), count);
     const tiles = el("div", "tiles");
     tiles.append(
       tile("requests_per_s", "requests/s"),
@@ -167,6 +168,8 @@
       for (const q of ["p50", "p95", "p99"]) {
         const td = el("td", null, "–");
         td.dataset.fig = `${key}.${q}`;
+        // A percentile opens the slowest request behind it and marks the others in the waterfall list.
+        td.addEventListener("click", () => showTail(c, key, q));
         tr.append(td);
       }
       const n2 = el("td", "n", "0");
@@ -175,8 +178,25 @@
       tbody.append(tr);
     }
     table.append(thead, tbody);
-    c.append(head, tiles, table);
+    const goal = el("div", "slo-line");
+    goal.dataset.fig = "verdict";
+    c.append(head, tiles, goal, table);
     return c;
+  }
+
+  const FIGURE_NAMES = { ttft: "TTFT", tpot: "TPOT", e2e: "E2E" };
+
+  function verdictText(v) {
+    if (!v) return "";
+    return v.checks
+      .map((k) => `p${+(k.percentile * 100).toFixed(2)} ${FIGURE_NAMES[k.figure]} ≤ ${dur(k.limit)}: ${dur(k.value)} ${k.verdict}`)
+      .join(" · ");
+  }
+
+  function showTail(c, key, q) {
+    const ids = (c.slowest && c.slowest[key] && c.slowest[key][q]) || [];
+    for (const [id, node] of state.rows) node.classList.toggle("behind", ids.includes(id));
+    if (ids.length) select(ids[0]);
   }
 
   function setFig(c, fig, text, note) {
@@ -200,20 +220,29 @@
     const errors = setFig(c, "errors", int(s.errors), `${int(s.cancelled)} cancelled`);
     errors.classList.toggle("bad", s.errors > 0);
     for (const [key] of LATENCIES) {
-      for (const q of ["p50", "p95", "p99"]) setFig(c, `${key}.${q}`, dur(s[key][q]));
+      for (const q of ["p50", "p95", "p99"]) {
+        const node = setFig(c, `${key}.${q}`, dur(s[key][q]));
+        const ids = (s.slowest && s.slowest[key] && s.slowest[key][q]) || [];
+        node.classList.toggle("link", ids.length > 0);
+        node.title = ids.length ? `the ${ids.length} slowest kept requests at or past ${q}: click for their waterfalls` : "";
+      }
       setFig(c, `${key}.count`, int(s[key].count));
     }
+    c.slowest = s.slowest;
+    const goal = c.querySelector('[data-fig="verdict"]');
+    goal.textContent = verdictText(s.verdict);
+    goal.dataset.verdict = s.verdict ? s.verdict.verdict : "none";
   }
 
   function renderSnapshot(snap) {
     const box = $("series");
     const seen = new Set();
     for (const s of snap.series) {
-      const key = JSON.stringify([s.route, s.model]);
+      const key = JSON.stringify([s.route, s.model, s.shape]);
       seen.add(key);
       let c = [...box.children].find((x) => x.dataset.key === key);
       if (!c) {
-        c = card(s.route, s.model);
+        c = card(s.route, s.model, s.shape);
         c.dataset.key = key;
         box.append(c);
       }
@@ -375,6 +404,7 @@
     put("cache write", int(r.cache_write_tokens));
     put("output tokens", int(r.output_tokens), r.output_source);
     put("input size", r.input_size);
+    put("shape", r.shape);
     put("cache class", r.cache_class);
     put("prompt version", r.prompt_version);
     put("response id", r.response_id, null, true);

@@ -1,0 +1,426 @@
+"""``llmtap slo``: does each route and request shape meet its objective, at the percentile that counts?
+
+An objective (``routes[].slo``, or the global ``slo``) says which figure, which percentile and what limit:
+``p95 TTFT <= 800 ms`` for the long-prompt support assistant, ``p99 TTFT <= 60 ms`` for code completion.
+Over a window of request records (``--record``) or a Prometheus server's copy of the proxy's metrics,
+this groups the requests by route and shape, reads each objective's percentile with its bootstrap 95%
+interval (``proxy.analysis.stats``), and says for each:
+
+- ``met``: the whole interval is within the limit; ``missed``: the whole interval is past it;
+- ``uncertain``: the interval holds the limit (more requests would tell);
+- ``insufficient``: fewer requests than the percentile needs to have a tail at all (20 for p95, 100 for p99).
+
+A percentile reads the requests that have the figure, as the latency histograms record them (TTFT: streams
+that got a first token; TPOT: successful streams of two tokens or more). Goodput counts every request, and
+errors and cancellations count as missed. Records carry the objective each request was judged by, so a
+record file needs no configuration; ``--config`` judges them by another.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from proxy.analysis import shapes as shape_classes
+from proxy.analysis.promql import Prometheus, quote
+from proxy.analysis.shapes import needed
+from proxy.analysis.stats import Distribution, Estimate, quantile_estimate
+from proxy.analysis.units import parse_duration, parse_time, seconds
+from proxy.settings import SLO, ConfigError, Settings, build
+from proxy.telemetry.records import ReadStats, read_records
+
+#: The figures an objective can bound, as records and reports name them.
+FIGURES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E"}
+MET, MISSED, UNCERTAIN, INSUFFICIENT, NONE = "met", "missed", "uncertain", "insufficient", "none"
+#: The verdict of several checks: the worst of them, in this order.
+_WORST = (MISSED, UNCERTAIN, INSUFFICIENT, MET)
+RESAMPLES = 2000
+#: The proxy's metrics as Prometheus stores them (llmtap's own: they carry the route and the shape).
+PROM_BUCKETS = {
+    "ttft": "llmtap_time_to_first_token_seconds_bucket",
+    "tpot": "llmtap_time_per_output_token_seconds_bucket",
+}
+PROM_REQUESTS = "llmtap_requests_total"
+ROUTE_LABEL, SHAPE_LABEL = "llmtap_route", "llmtap_request_shape"
+
+#: The objective of one route and shape (None: none applies).
+Objectives = Callable[[str, str], SLO | None]
+
+
+@dataclass(slots=True)
+class Check:
+    """One figure of an objective: its percentile with the interval, against the limit."""
+
+    figure: str
+    percentile: float
+    limit: float
+    requests: int
+    estimate: Estimate | None
+    verdict: str
+
+    def describe(self) -> str:
+        """``p95 TTFT <= 800 ms``."""
+        return f"{_pname(self.percentile)} {FIGURES[self.figure]} <= {seconds(self.limit)}"
+
+
+@dataclass(slots=True)
+class Group:
+    """The requests of one route and shape in the window."""
+
+    route: str
+    shape: str
+    requests: int = 0
+    errors: int = 0
+    met: int = 0
+    objective: SLO | None = None
+    figures: dict[str, Distribution] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Verdict:
+    """One route and shape: counts, goodput, each check and the verdict."""
+
+    route: str
+    shape: str
+    requests: int
+    errors: int
+    met: int
+    met_share: float | None
+    goodput_per_s: float | None
+    checks: list[Check]
+    verdict: str
+
+
+@dataclass(slots=True)
+class Report:
+    """Everything ``llmtap slo`` prints."""
+
+    source: str
+    window: str
+    seconds: float | None
+    verdicts: list[Verdict]
+
+    def to_json(self) -> dict[str, Any]:
+        """The same figures for scripts (an interval past every bound reads null)."""
+        out: dict[str, Any] = _finite(asdict(self))
+        return out
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _pname(percentile: float) -> str:
+    return f"p{percentile * 100:g}"
+
+
+def judge(
+    figure: str, dist: Distribution, percentile: float, limit: float, rng: random.Random, resamples: int
+) -> Check:
+    """The check of one figure: ``met`` when the percentile's whole interval is within the limit."""
+    n = dist.n
+    if n < needed(percentile):
+        estimate = quantile_estimate(dist, percentile, rng, resamples) if n else None
+        return Check(figure, percentile, limit, n, estimate, INSUFFICIENT)
+    estimate = quantile_estimate(dist, percentile, rng, resamples)
+    assert estimate is not None  # not empty
+    verdict = MET if estimate.high <= limit else MISSED if estimate.low > limit else UNCERTAIN
+    return Check(figure, percentile, limit, n, estimate, verdict)
+
+
+def verdicts(
+    groups: Iterable[Group], window: float | None, *, resamples: int = RESAMPLES, seed: int = 0
+) -> list[Verdict]:
+    """Each group's checks and verdict, by route and shape."""
+    rng = random.Random(seed)
+    out: list[Verdict] = []
+    for g in sorted(groups, key=lambda g: (g.route, g.shape)):
+        checks: list[Check] = []
+        if g.objective is not None:
+            for figure, limit in g.objective.limits().items():
+                dist = g.figures.get(figure, Distribution())
+                checks.append(judge(figure, dist, g.objective.percentile, limit, rng, resamples))
+        verdict = next((v for v in _WORST if any(c.verdict == v for c in checks)), NONE)
+        judged = g.objective is not None
+        out.append(
+            Verdict(
+                route=g.route,
+                shape=g.shape,
+                requests=g.requests,
+                errors=g.errors,
+                met=g.met if judged else 0,
+                met_share=g.met / g.requests if judged and g.requests else None,
+                goodput_per_s=g.met / window if judged and window else None,
+                checks=checks,
+                verdict=verdict,
+            )
+        )
+    return out
+
+
+# -- record files ----------------------------------------------------------------------------------
+
+
+def _objective(raw: Any) -> SLO | None:
+    """The objective a record carries, or None (a record of a request no objective judged)."""
+    if not isinstance(raw, dict):
+        return None
+    limits = {k: float(v) for k in FIGURES if isinstance(v := raw.get(k), int | float) and not isinstance(v, bool)}
+    share = raw.get("percentile")
+    if not limits or not isinstance(share, int | float) or not 0 < share < 1:
+        return None
+    shape = raw.get("shape")
+    return SLO(**limits, percentile=float(share), shape=shape if isinstance(shape, str) else None)
+
+
+def record_groups(
+    records: Iterable[dict[str, Any]],
+    *,
+    start: float | None,
+    end: float | None,
+    route: str | None = None,
+    shape: str | None = None,
+    objectives: Objectives | None = None,
+) -> tuple[list[Group], float | None]:
+    """Records grouped by route and shape, and the seconds they span (the window's, when given)."""
+    groups: dict[tuple[str, str], Group] = {}
+    values: dict[tuple[str, str], dict[str, list[float]]] = {}
+    first, last = math.inf, -math.inf
+    for rec in records:
+        try:
+            t = parse_time(str(rec.get("time")))
+        except ConfigError:
+            continue
+        if (start is not None and t < start) or (end is not None and t > end):
+            continue
+        r, sh = rec.get("route"), rec.get("shape")
+        if not isinstance(r, str) or not isinstance(sh, str):
+            continue  # written before shapes existed
+        if (route is not None and r != route) or (shape is not None and sh != shape):
+            continue
+        first, last = min(first, t), max(last, t)
+        key = (r, sh)
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = Group(r, sh, objective=objectives(r, sh) if objectives else None)
+            values[key] = {k: [] for k in FIGURES}
+        g.requests += 1
+        ok = rec.get("outcome") == "ok"
+        g.errors += not ok
+        if objectives is None:
+            # Each record says what it was judged by; the newest objective is what the proxy judges by now.
+            g.objective = _objective(rec.get("objective")) or g.objective
+            g.met += rec.get("slo") == "met"
+        else:
+            g.met += _meets(rec, g.objective)
+        for figure in FIGURES:
+            value = rec.get(figure)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            # As the histograms record them: TTFT of streams, TPOT of successful ones, E2E of all.
+            if (figure == "ttft" and rec.get("stream") is not True) or (figure == "tpot" and not ok):
+                continue
+            values[key][figure].append(float(value))
+    for key, g in groups.items():
+        g.figures = {k: Distribution(v) for k, v in values[key].items()}
+    if start is not None and end is not None:
+        span: float | None = end - start
+    else:
+        span = last - first if last > first else None
+    return list(groups.values()), span
+
+
+def _meets(rec: dict[str, Any], objective: SLO | None) -> bool:
+    """Whether a record meets another objective than its own (``--config``), as the proxy would judge it."""
+    if objective is None or rec.get("outcome") != "ok":
+        return False
+    for figure, limit in objective.limits().items():
+        value = rec.get(figure)
+        if figure == "tpot" and value is None:
+            value = 0.0  # one chunk: nothing to time, nothing missed (``summary.slo_outcome``)
+        if not isinstance(value, int | float) or value > limit:
+            return False
+    return True
+
+
+def from_records(
+    path: str | Path,
+    *,
+    window: float | None = None,
+    until: float | None = None,
+    route: str | None = None,
+    shape: str | None = None,
+    objectives: Objectives | None = None,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> Report:
+    """The verdicts over a record file and its rotated siblings."""
+    stats = ReadStats()
+    end = until if until is not None else (time.time() if window is not None else None)
+    start = end - window if window is not None and end is not None else None
+    groups, span = record_groups(
+        read_records(path, stats), start=start, end=end, route=route, shape=shape, objectives=objectives
+    )
+    if not stats.files:
+        raise ConfigError(f"no record file at {str(path)!r}")
+    files = len(stats.files)
+    return Report(
+        source=f"{path} ({files} file{'s' if files > 1 else ''}, {stats.records} records)",
+        window=_describe(window, until),
+        seconds=span,
+        verdicts=verdicts(groups, span, resamples=resamples, seed=seed),
+    )
+
+
+def _describe(window: float | None, until: float | None) -> str:
+    end = "now" if until is None else datetime.fromtimestamp(until, UTC).isoformat(timespec="seconds")
+    return f"the {window:g} s up to {end}" if window is not None else "every request"
+
+
+# -- Prometheus ------------------------------------------------------------------------------------
+
+
+def from_prometheus(
+    url: str,
+    objectives: Objectives,
+    *,
+    window: float | None = None,
+    until: float | None = None,
+    route: str | None = None,
+    shape: str | None = None,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    start: float | None = None,
+    matchers: dict[str, str] | None = None,
+) -> Report:
+    """The verdicts from the proxy's metrics in Prometheus: the request counters by route, shape and SLO
+    outcome, and the fine-bucket TTFT and TPOT histograms by route and shape (E2E has no histogram by
+    route; an E2E objective reads as insufficient here)."""
+    given = {k: v for k, v in ((ROUTE_LABEL, route), (SHAPE_LABEL, shape)) if v is not None}
+    sel = ",".join(f"{k}={quote(v)}" for k, v in sorted({**(matchers or {}), **given}.items()))
+    end = until if until is not None else time.time()
+    if start is None and window is not None:
+        start = end - window
+    prom = Prometheus(url)
+    groups: dict[tuple[str, str], Group] = {}
+    try:
+        by = f"{ROUTE_LABEL}, {SHAPE_LABEL}"
+        counts = prom.increase(f"sum by ({by}, llmtap_slo, llmtap_outcome) ({PROM_REQUESTS}{{{sel}}})", start, end)
+        for key, value in counts.items():
+            labels = dict(key)
+            r, sh = labels.get(ROUTE_LABEL, ""), labels.get(SHAPE_LABEL, "")
+            if not r or not sh:
+                continue
+            g = groups.get((r, sh))
+            if g is None:
+                g = groups[(r, sh)] = Group(r, sh, objective=objectives(r, sh))
+            n = round(value)
+            g.requests += n
+            g.errors += n if labels.get("llmtap_outcome") != "ok" else 0
+            g.met += n if labels.get("llmtap_slo") == "met" else 0
+        for figure, metric in PROM_BUCKETS.items():
+            grown = prom.increase(f"sum by (le, {by}) ({metric}{{{sel}}})", start, end)
+            buckets: dict[tuple[str, str], list[tuple[float, float]]] = {}
+            for key, value in grown.items():
+                labels = dict(key)
+                if "le" in labels:
+                    buckets.setdefault((labels.get(ROUTE_LABEL, ""), labels.get(SHAPE_LABEL, "")), []).append(
+                        (float(labels["le"]), value)
+                    )
+            for k, pairs in buckets.items():
+                if k in groups and max(v for _, v in pairs) > 0:
+                    groups[k].figures[figure] = Distribution(buckets=pairs)
+    finally:
+        prom.close()
+    return Report(
+        source=f"Prometheus at {prom.url}",
+        window=_describe(window, until),
+        seconds=window,
+        verdicts=verdicts(groups.values(), window, resamples=resamples, seed=seed),
+    )
+
+
+def config_objectives(settings: Settings) -> Objectives:
+    """The objectives a configuration gives each route and shape (a route it does not name: the global)."""
+    routes = {r.name: r for r in settings.routes}
+
+    def lookup(route: str, shape: str) -> SLO | None:
+        return shape_classes.objective(routes.get(route), shape, settings.slo)
+
+    return lookup
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+
+def _estimate(e: Estimate | None) -> str:
+    if e is None:
+        return "-"
+    return f"{seconds(e.value)} [{seconds(e.low)}, {seconds(e.high)}]"
+
+
+def render(report: Report) -> str:
+    """The report as a table, one line per check."""
+    lines = [f"SLO verdicts: {report.source}, {report.window}", ""]
+    head = ("route", "shape", "requests", "errors", "met", "goodput/s", "objective", "value [95% CI]", "verdict")
+    rows: list[tuple[str, ...]] = [head]
+    for v in report.verdicts:
+        share = "-" if v.met_share is None else f"{v.met_share:.0%}"
+        goodput = "-" if v.goodput_per_s is None else f"{v.goodput_per_s:.2f}"
+        counts = (v.route, v.shape, str(v.requests), str(v.errors), share, goodput)
+        if not v.checks:
+            rows.append((*counts, "none configured", "-", NONE))
+        for i, c in enumerate(v.checks):
+            lead = counts if i == 0 else ("",) * len(counts)
+            value = _estimate(c.estimate)
+            if c.verdict == INSUFFICIENT:
+                value += f" ({c.requests} of {needed(c.percentile)} requests)"
+            rows.append((*lead, c.describe(), value, c.verdict))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if not report.verdicts:
+        lines.append("(no requests with a shape in the window)")
+    return "\n".join(lines)
+
+
+def main(args: Any) -> int:
+    """``llmtap slo``; bad input raises ``ConfigError`` (exit code 2). With ``--check``, 1 when any missed."""
+    if (args.records is None) == (args.prometheus is None):
+        raise ConfigError("slo needs a record file or --prometheus URL (one of them)")
+    if args.resamples is not None and args.resamples < 100:
+        raise ConfigError("--resamples must be at least 100")
+    objectives = config_objectives(build({"config": args.config}, env={})) if args.config else None
+    options: dict[str, Any] = {
+        "window": parse_duration(args.window) if args.window else None,
+        "until": parse_time(args.until) if args.until else None,
+        "route": args.route,
+        "shape": args.shape,
+        "resamples": RESAMPLES if args.resamples is None else args.resamples,
+        "seed": args.seed,
+    }
+    if args.records is not None:
+        report = from_records(args.records, objectives=objectives, **options)
+    else:
+        if objectives is None:
+            raise ConfigError("with --prometheus, give the proxy's --config FILE: the objectives are in its routes")
+        report = from_prometheus(args.prometheus, objectives, **options)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(render(report))
+    sys.stdout.flush()
+    return 1 if args.check and any(v.verdict == MISSED for v in report.verdicts) else 0
