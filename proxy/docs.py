@@ -42,7 +42,10 @@ OUT = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 
 # --- what each name means ------------------------------------------------------------------------
 
-_SOURCE = "`server` (the server reported it), `proxy` (measured at the proxy), `estimated` (inferred, see queue)"
+_SOURCE = (
+    "`server` (the server reported it: its own span, sent to `/v1/traces`, or its response), `proxy` (measured "
+    "at the proxy), `estimated` (inferred, see queue)"
+)
 
 #: Attribute name: (type, exact definition). ``{region}`` stands for a prompt region: tools, system, m0.., rest.
 ATTRIBUTES: dict[str, tuple[str, str]] = {
@@ -146,6 +149,32 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "content chunk, server queueing included.",
     ),
     sc.PREFILL_SOURCE: ("string", f"{_SOURCE}, or `upstream_ttft` (request sent to first content chunk)."),
+    sc.DECODE_SERVER_DURATION: (
+        "double",
+        "Seconds the server itself decoded (first to last token), from its span; `llmtap.decode.duration` stays "
+        "the proxy's measurement.",
+    ),
+    sc.UPSTREAM_SLOTS: ("int", "The upstream's slot count the queue estimate replayed (vLLM `--max-num-seqs`)."),
+    sc.UPSTREAM_SLOTS_SOURCE: (
+        "string",
+        "`configured` (the route's `server_slots`) or `server_metrics` (learned from the upstream's `/metrics`: "
+        "the peak of `vllm:num_requests_running` while `vllm:num_requests_waiting` > 0).",
+    ),
+    sc.UPSTREAM_SLOTS_CONFIDENCE: (
+        "double",
+        "1 when configured; learned: `1 - 2^-n` after `n` samples at that peak with requests waiting.",
+    ),
+    sc.SERVER_SPAN_OUTCOME: (
+        "string",
+        "`matched` (joined its request in time), `late` (came after its request was written; counted only), "
+        "`unmatched` (no request of llmtap is its parent), `missing` (a request whose span did not come within "
+        "`telemetry.server_spans_wait`).",
+    ),
+    sc.OTLP_REJECT_REASON: (
+        "string",
+        "Why `/v1/traces` refused a body: `bad_body` (400: not OTLP protobuf, bad gzip), `too_large` (413: over "
+        "4 MiB, or 16 MiB inflated), `unsupported_type` (415: not `application/x-protobuf`, or not gzip).",
+    ),
     sc.DECODE_DURATION: ("double", "Seconds from the first content chunk to the last."),
     sc.INPUT_TOKENS: (
         "int",
@@ -225,6 +254,8 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
 UNEXERCISED: dict[str, tuple[str, ...]] = {
     sc.METRIC_TELEMETRY_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_RECORDS_DROPPED: (sc.TELEMETRY_REASON,),
+    sc.METRIC_SERVER_SPANS: (sc.SERVER_SPAN_OUTCOME,),
+    sc.METRIC_OTLP_REJECTED: (sc.OTLP_REJECT_REASON,),
 }
 
 _SERVER_SETTING = "`telemetry.server_metrics: true`"
@@ -277,6 +308,9 @@ METRICS: dict[str, str] = {
     "phase (`queue`, `prefill`, `decode`) from the start.",
     sc.METRIC_CLIENT_TIMEOUTS: "Each client connection a relay closed for a timeout; each kind reads 0 from the start.",
     sc.METRIC_CONNECTIONS_REFUSED: "Each client connection a relay refused; every reason reads 0 from the start.",
+    sc.METRIC_SERVER_SPANS: "Each span the upstream sent to `/v1/traces` with latency attributes, and each request "
+    "that waited for one in vain; every outcome reads 0 from the start.",
+    sc.METRIC_OTLP_REJECTED: "Each body `/v1/traces` refused; every reason reads 0 from the start.",
 }
 
 #: The timing definitions every figure rests on (DESIGN, "Timing definitions"); all from one monotonic clock.
@@ -292,10 +326,11 @@ TIMINGS: tuple[tuple[str, str], ...] = (
     ("E2E", "Request received to the end of the stream (or the failure, or the client leaving)."),
     ("decode", "First content chunk to last content chunk."),
     ("queue", "The proxy's admission queue (body read to admitted, measured) plus the upstream server's queue: "
-     "reported by the server (vLLM, TGI, Ollama, NIM), else estimated by replaying the server's slots or from "
-     "the unloaded-TTFT envelope, marked `estimated`."),
-    ("prefill", "Server-reported, else estimated (`uncached tokens / prefill rate`), else upstream TTFT "
-     "(`upstream_ttft`, server queueing included); each with its `llmtap.prefill.source`."),
+     "reported by the server (its own span sent to `/v1/traces`, or vLLM, TGI, Ollama, NIM in the response), else "
+     "estimated by replaying the server's slots (configured, or learned from its `/metrics`) or from the "
+     "unloaded-TTFT envelope, marked `estimated`."),
+    ("prefill", "Server-reported (its span or its response), else estimated (`uncached tokens / prefill rate`), "
+     "else upstream TTFT (`upstream_ttft`, server queueing included); each with its `llmtap.prefill.source`."),
     ("goodput", "Requests per second that met every configured SLO; errors and cancellations count as missed."),
 )  # fmt: skip
 

@@ -436,6 +436,15 @@ _TABLE = (
         switch=True,
     ),
     option(
+        "server_spans_wait",
+        SECONDS,
+        10.0,
+        "how long a finished request waits for the upstream's own span of it (a vLLM exporting its traces to "
+        "the admin listener's /v1/traces); 0: never",
+        "telemetry",
+        key="telemetry.server_spans_wait",
+    ),
+    option(
         "inject_usage",
         boolean(),
         True,

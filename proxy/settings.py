@@ -240,6 +240,10 @@ class Telemetry:
     #: counting", which the GenAI conventions allow only when the user enables it); they are always under
     #: ``llmtap.usage.*`` with their source.
     offline_token_usage: bool = default("offline_token_usage")
+    #: How long a finished request to an upstream that exports its own spans (vLLM's
+    #: ``--otlp-traces-endpoint`` pointed at the admin listener's ``/v1/traces``) waits for its span, seconds;
+    #: 0: never (the span then counts as late). Covers vLLM's default batch delay of 5 s.
+    server_spans_wait: float = default("server_spans_wait")
 
 
 @dataclass(frozen=True, slots=True)
@@ -775,4 +779,5 @@ _TELEMETRY_OPTIONS = {
     "server_metrics": "server_metrics",
     "span_role": "span_role",
     "offline_token_usage": "offline_token_usage",
+    "server_spans_wait": "server_spans_wait",
 }

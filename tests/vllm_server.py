@@ -110,9 +110,16 @@ def decode_spans(body: bytes) -> list[ServerSpan]:
 
 
 class OtlpReceiver:
-    """An OTLP/HTTP trace receiver on loopback that keeps every span it is sent, in a thread."""
+    """An OTLP/HTTP trace receiver on loopback that keeps every span it is sent, in a thread.
+
+    With ``forward_to`` set, each export goes on to that OTLP/HTTP endpoint (llmtap's ``/v1/traces``)
+    before it is kept, as a collector's fan-out would send it: vLLM exports to one endpoint, and the test
+    needs the spans both as its ground truth and in llmtap.
+    """
 
     def __init__(self) -> None:
+        self.forward_to: str | None = None
+        self.forwarded: list[int] = []  # the status of each forwarded export
         self._spans: list[ServerSpan] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -133,14 +140,23 @@ class OtlpReceiver:
         with self._lock:
             self._spans.extend(spans)
 
+    def _forward(self, body: bytes) -> None:
+        if self.forward_to is None:
+            return
+        answer = httpx.post(
+            self.forward_to, content=body, headers={"content-type": "application/x-protobuf"}, timeout=10
+        )
+        self.forwarded.append(answer.status_code)
+
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        keep = self._keep
+        keep, forward = self._keep, self._forward
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 if self.headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)
+                forward(body)
                 keep(decode_spans(body))
                 reply = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from proxy.analysis import tokens
-from proxy.analysis.estimator import ESTIMATED, Estimator
+from proxy.analysis.estimator import ESTIMATED, Estimator, Split
 from proxy.analysis.shapes import classify, objective
+from proxy.analysis.slots import CONFIGURED, Slots
 from proxy.analysis.timeline import OK, Timeline
 from proxy.providers.timing import validate
 from proxy.settings import DEFAULT_SHAPES, OTHER_SHAPE, SLO, Route, Shape
+from proxy.types import ServerTiming
 
 USAGE = "usage"
 PROXY = "proxy"
@@ -52,6 +54,10 @@ class Summary:
     upstream_queue_source: str | None = None
     prefill: float | None = None
     prefill_source: str = UPSTREAM_TTFT
+    #: The server's own decode time, when it reported one (``decode`` is always the proxy's measurement).
+    server_decode: float | None = None
+    #: The upstream's slot count the estimator replayed with (configured or learned), when it had one.
+    slots: Slots | None = None
     gaps: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     chunk_tokens_source: str = ""
@@ -150,10 +156,12 @@ def summarize(
     estimator: Estimator | None = None,
     route: Route | None = None,
     shapes: Sequence[Shape] = DEFAULT_SHAPES,
+    slots: Slots | None = None,
 ) -> Summary:
     """Compute the summary; counts tokens with tiktoken, so call it off the event loop.
 
     With an ``estimator``, call it for every request in the order they end (it replays admissions).
+    ``slots``: the upstream's slot count as learned, used when the route configures none.
     """
     s = Summary(rejected_timings=list(tl.rejected_timings))
     if tl.first_content is not None:
@@ -205,7 +213,7 @@ def summarize(
         s.cache_write_tokens = usage.cache_write_tokens
         s.reasoning_tokens = usage.reasoning_tokens
     s.input_size = input_size_class(s.input_tokens)
-    _phases(tl, s, estimator, route)
+    _phases(tl, s, estimator, route, slots)
     if s.output_tokens is not None and s.output_tokens > 1 and s.decode is not None and len(tl.chunk_times) > 1:
         # Only where a decode was timed: two content chunks or more (a whole body arrives as one).
         s.tpot = s.decode / (s.output_tokens - 1)
@@ -221,7 +229,7 @@ def reached_model(tl: Timeline) -> bool:
     return tl.sent is not None and tl.status_code is not None and tl.status_code < 400
 
 
-def _phases(tl: Timeline, s: Summary, estimator: Estimator | None, route: Route | None) -> None:
+def _phases(tl: Timeline, s: Summary, estimator: Estimator | None, route: Route | None, learned: Slots | None) -> None:
     """Queue and prefill, from the best source each: server-reported, then measured, then estimated."""
     if tl.admitted is not None and tl.body_read is not None:
         s.proxy_queue = max(tl.admitted - tl.body_read, 0.0)
@@ -229,9 +237,31 @@ def _phases(tl: Timeline, s: Summary, estimator: Estimator | None, route: Route 
     split = None
     if estimator is not None:
         # Always observed, even when the server reports its timings: the slot replay needs every end.
-        slots = route.server_slots if route is not None else None
+        configured = route.server_slots if route is not None else None
+        s.slots = Slots(configured, CONFIGURED, 1.0) if configured is not None else learned
         rate = route.prefill_rate if route is not None else None
-        split = estimator.observe(tl, uncached, slots=slots, rate=rate)
+        split = estimator.observe(tl, uncached, slots=s.slots.slots if s.slots else None, rate=rate)
+    _server_phases(tl, s, split)
+
+
+def adopt_server_timing(tl: Timeline, s: Summary, timing: ServerTiming) -> None:
+    """The server's own report of the request's phases (its span), over the estimate ``s`` holds.
+
+    Only where the stream itself reported no phase; checked like every server timing (``validate``).
+    """
+    if tl.server_timing is not None and (tl.server_timing.queue is not None or tl.server_timing.prefill is not None):
+        return
+    # What the estimate said stands in for any phase the check refuses.
+    estimate = None
+    if s.prefill_source == ESTIMATED and s.prefill is not None and s.upstream_queue is not None:
+        estimate = Split(s.upstream_queue, s.prefill, "estimate")
+    tl.server_timing = timing
+    s.upstream_queue = s.upstream_queue_source = None
+    s.prefill, s.prefill_source = None, UPSTREAM_TTFT
+    _server_phases(tl, s, estimate)
+
+
+def _server_phases(tl: Timeline, s: Summary, split: Split | None) -> None:
     st = tl.server_timing
     if st is not None:
         # Wrong types, negative or absurd values (a queue longer than the request) are dropped and
@@ -239,6 +269,8 @@ def _phases(tl: Timeline, s: Summary, estimator: Estimator | None, route: Route 
         elapsed = (tl.end - tl.sent) if tl.end is not None and tl.sent is not None else math.inf
         st, _ = validate(st, elapsed)
         s.rejected_timings.extend(st.rejected)
+    if st is not None:
+        s.server_decode = st.decode
     if st is not None and st.queue is not None:
         s.upstream_queue, s.upstream_queue_source = st.queue, SERVER
     if st is not None and st.prefill is not None:

@@ -1,8 +1,10 @@
-"""The admin listener: a Starlette application of read-only routes over the recorder.
+"""The admin listener: a Starlette application of routes over the recorder.
 
 ``/metrics`` (the Prometheus exposition, rendered on a thread), ``/healthz``, ``/readyz`` (the relays are
-connected and ready) and the live view (``proxy.telemetry.live``). It runs where the recorder runs: the telemetry
-process, or the proxy's own process when telemetry runs in it (tests, the demo, embedding).
+connected and ready), the live view (``proxy.telemetry.live``) and the one route that takes data in:
+``POST /v1/traces``, an OTLP/HTTP (protobuf) trace receiver for the upstream's own spans
+(``proxy.telemetry.serverspans``). It runs where the recorder runs: the telemetry process, or the proxy's
+own process when telemetry runs in it (tests, the demo, embedding).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import httpx
+from google.rpc.status_pb2 import Status
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -27,6 +31,7 @@ from proxy.telemetry.prometheus import (
     wants_openmetrics,
 )
 from proxy.telemetry.recorder import Recorder
+from proxy.telemetry.serverspans import MAX_BODY_BYTES, BadBody, inflate, parse
 from proxy.types import Receive, Scope, Send
 
 
@@ -72,6 +77,7 @@ class AdminApp:
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/healthz", self._healthz, methods=["GET"]),
             Route("/readyz", self._readyz, methods=["GET"]),
+            Route("/v1/traces", self._traces, methods=["POST"]),
             *self.live.routes(),
         ]
         self.app = Starlette(routes=routes)
@@ -92,6 +98,21 @@ class AdminApp:
             text = merge_metrics([text, *(t for t in others if t is not None)])
         return Response(text, headers={"content-type": OPENMETRICS_CONTENT_TYPE if openmetrics else CONTENT_TYPE})
 
+    async def _traces(self, request: Request) -> Response:
+        """OTLP/HTTP protobuf spans from the upstream: read within bounds, queued for the recorder's join."""
+        try:
+            media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if media not in (_PROTOBUF, "application/protobuf"):
+                raise BadBody("unsupported_type", f"content-type {media!r}: only {_PROTOBUF} is taken")
+            body = await _read_bounded(request)
+            spans = await asyncio.to_thread(lambda: parse(inflate(body, request.headers.get("content-encoding"))))
+        except BadBody as exc:
+            self.recorder.count_rejected(exc.reason)
+            return _status(_REFUSAL_STATUS[exc.reason], str(exc))
+        if spans and not self.recorder.submit_spans(spans):
+            return _status(503, "telemetry queue full")
+        return Response(ExportTraceServiceResponse().SerializeToString(), media_type=_PROTOBUF)
+
     async def _healthz(self, request: Request) -> Response:
         return PlainTextResponse("ok\n")
 
@@ -100,6 +121,31 @@ class AdminApp:
         detail = getattr(self.proxy, "ready_detail", "")
         text = ("ready" if ready else "not ready") + (f" ({detail})" if detail else "")
         return PlainTextResponse(text + "\n", status_code=200 if ready else 503)
+
+
+async def _read_bounded(request: Request) -> bytes:
+    """The request body, refused past ``MAX_BODY_BYTES`` however it is framed."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise BadBody("too_large", f"body of {length} bytes is over {MAX_BODY_BYTES}")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise BadBody("too_large", f"body over {MAX_BODY_BYTES} bytes")
+    return bytes(body)
+
+
+#: OTLP/HTTP's status for each refusal; the body is a ``google.rpc.Status`` (OTLP spec, "Failures").
+_REFUSAL_STATUS = {"bad_body": 400, "too_large": 413, "unsupported_type": 415}
+_PROTOBUF = "application/x-protobuf"
+
+
+def _status(code: int, message: str) -> Response:
+    # google.rpc codes: 3 invalid argument, 14 unavailable.
+    body = Status(code=14 if code == 503 else 3, message=message).SerializeToString()
+    headers = {"retry-after": "1"} if code == 503 else None
+    return Response(body, status_code=code, media_type=_PROTOBUF, headers=headers)
 
 
 async def _peer_metrics(path: str) -> str | None:

@@ -191,8 +191,13 @@ def end_attributes(
     attrs.update(queue_attributes(s))
     _put(attrs, sc.PREFILL_DURATION, s.prefill)
     _put(attrs, sc.DECODE_DURATION, s.decode)
+    _put(attrs, sc.DECODE_SERVER_DURATION, s.server_decode)
     if s.prefill is not None:
         attrs[sc.PREFILL_SOURCE] = s.prefill_source
+    if s.slots is not None:
+        attrs[sc.UPSTREAM_SLOTS] = s.slots.slots
+        attrs[sc.UPSTREAM_SLOTS_SOURCE] = s.slots.source
+        attrs[sc.UPSTREAM_SLOTS_CONFIDENCE] = s.slots.confidence
     attrs[sc.OUTCOME] = tl.outcome
     attrs[sc.SLO_OUTCOME] = s.slo
     attrs[sc.INPUT_SIZE] = s.input_size

@@ -76,6 +76,8 @@ class Instruments:
     cache_requests: Counter
     client_timeouts: Counter
     connections_refused: Counter
+    server_spans: Counter
+    otlp_rejected: Counter
 
 
 def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Sequence[float]) -> Histogram:
@@ -232,5 +234,16 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             sc.METRIC_CONNECTIONS_REFUSED,
             unit="{connection}",
             description="Client connections refused with 503, by llmtap.refusal.reason (limit).",
+        ),
+        server_spans=meter.create_counter(
+            sc.METRIC_SERVER_SPANS,
+            unit="{span}",
+            description="The upstream's request spans by llmtap.server_span.outcome (matched, late, unmatched); "
+            "missing: requests whose span did not come in time.",
+        ),
+        otlp_rejected=meter.create_counter(
+            sc.METRIC_OTLP_REJECTED,
+            unit="{request}",
+            description="OTLP bodies the span receiver refused, by llmtap.otlp.reason.",
         ),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from proxy.analysis.cachediag import CacheDiagnoser, Diagnosis
 from proxy.analysis.estimator import Estimator
-from proxy.analysis.summary import Summary, summarize
+from proxy.analysis.summary import Summary, adopt_server_timing, reached_model, summarize
 from proxy.analysis.timeline import Timeline
 from proxy.providers.timing import PHASES
 from proxy.settings import Settings
@@ -34,7 +35,9 @@ from proxy.telemetry.attributes import cache_attributes
 from proxy.telemetry.metrics import MetricWriter
 from proxy.telemetry.records import RECORD_DROP_REASONS, RecordWriter, record_line
 from proxy.telemetry.replay import Playback
+from proxy.telemetry.serverspans import OUTCOMES, REJECT_REASONS, Join, ServerSpan
 from proxy.telemetry.spans import SpanWriter
+from proxy.telemetry.upstreams import UpstreamWatch
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -85,6 +88,10 @@ class Recorder:
         self.listeners: list[Callable[[Timeline, Summary], None]] = []
         #: Splits upstream TTFT into queue and prefill; only the worker thread touches it.
         self.estimator = Estimator()
+        #: Finished requests waiting for the upstream's own span of them; only the worker thread touches it.
+        self.join: Join[tuple[Timeline, Summary]] = Join(settings.telemetry.server_spans_wait, self._count_join)
+        #: The upstreams' ``/metrics``: whether each can trace, and its slot count (read on their own thread).
+        self.upstreams = UpstreamWatch()
         self._routes = {r.name: r for r in settings.routes}
         #: Fingerprints prompts and classifies their cache use; only the worker thread touches it.
         self.cache = CacheDiagnoser(settings.routes)
@@ -120,6 +127,10 @@ class Recorder:
             self.instruments.client_timeouts.add(0, {sc.TIMEOUT_KIND: kind})
         for reason in CONNECTION_REFUSAL_REASONS:
             self.instruments.connections_refused.add(0, {sc.REFUSAL_REASON: reason})
+        for outcome in OUTCOMES:
+            self._count_join(outcome, 0)
+        for reason in REJECT_REASONS:
+            self.count_rejected(reason, 0)
         # And every route's admission refusals, ignored server timings (by phase) and unparsable events: their
         # panels show a line at 0, not "No data", until the first one.
         for route in settings.routes:
@@ -161,6 +172,22 @@ class Recorder:
             log.exception("telemetry: could not queue a tape message")
             return False
 
+    def submit_spans(self, spans: list[ServerSpan]) -> bool:
+        """Queue the upstream's spans (the admin listener's receiver) for the join; False when the queue is full."""
+        try:
+            self._ensure_worker()
+            self._queue.put_nowait((-1, _Spans(spans), 0))
+            return True
+        except queue.Full:
+            return False
+
+    def count_rejected(self, reason: str, n: int = 1) -> None:
+        """An OTLP body the span receiver refused."""
+        try:
+            self.instruments.otlp_rejected.add(n, {sc.OTLP_REJECT_REASON: reason})
+        except Exception:
+            log.debug("telemetry: could not count a refused OTLP body", exc_info=True)
+
     def record_timeline(self, tl: Timeline) -> None:
         """Queue a finished timeline as it is (tests and tools that build timelines themselves)."""
         self._ensure_worker()
@@ -180,10 +207,21 @@ class Recorder:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            deadline = self.join.next_deadline()
+            try:
+                if deadline is None:
+                    item = self._queue.get()
+                else:
+                    item = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                self._emit_all(self.join.due(time.monotonic()))
+                continue
             if item is _STOP:
+                self._emit_all(self.join.release())
                 return
             if isinstance(item, _Marker):
+                # Flushed means written: what waits for its server span is written as it is.
+                self._emit_all(self.join.release())
                 self._flush_records()
                 item.event.set()
                 continue
@@ -192,10 +230,14 @@ class Recorder:
             try:
                 if isinstance(message, Timeline):
                     self._record_counted(message)
+                elif isinstance(message, _Spans):
+                    self._join_spans(message)
                 else:
                     self.take(source, message)
             except Exception:
                 log.exception("telemetry: could not take a tape message")
+            if deadline is not None and deadline <= time.monotonic():
+                self._emit_all(self.join.due(time.monotonic()))
             if self._queue.empty():
                 # Idle: push record lines out now, so ``llmtap compare`` can read a live file.
                 self._flush_records()
@@ -271,6 +313,10 @@ class Recorder:
         old_active, old_waiting, old_dropped = self._gauges.get(source, ({}, {}, 0))
         ins = self.instruments
         # A route reported for the first time gets its series even at 0: an idle gauge reads 0, not absent.
+        for route, active in new_active.items():
+            # Two requests in flight at once: the upstream's slot count matters; read its gauges.
+            if active >= 2 and route in self._routes:
+                self.upstreams.watch(self._routes[route].upstream)
         for route in new_active.keys() | old_active.keys():
             change = new_active.get(route, 0) - old_active.get(route, 0)
             if change or route not in old_active:
@@ -321,6 +367,7 @@ class Recorder:
         """Drain the queue, stop the worker and close the record file."""
         try:
             self._stop_worker(timeout)
+            self.upstreams.close()
         finally:
             if self.records is not None:
                 self.records.close()
@@ -340,14 +387,71 @@ class Recorder:
     # -- mapping a timeline to telemetry -------------------------------------------------------
 
     def record(self, tl: Timeline) -> Summary:
-        """Write spans and metrics for one finished request (runs on the worker thread)."""
+        """Write spans and metrics for one finished request (runs on the worker thread).
+
+        A request to an upstream that exports its own spans waits for its span first (``serverspans``),
+        at most ``telemetry.server_spans_wait`` seconds; the summary returned is then the estimate.
+        """
+        slots = self.upstreams.slots(tl.upstream)
         s = summarize(
             tl,
             self.settings.slo,
             estimator=self.estimator,
             route=self._routes.get(tl.route),
             shapes=self.settings.shapes,
+            slots=slots,
         )
+        if self._joinable(tl):
+            assert tl.span_id is not None
+            now = time.monotonic()
+            span = self.join.early(tl.span_id, now)
+            if span is not None:
+                self._count_join("matched", 1)
+                adopt_server_timing(tl, s, span.timing)
+            elif self.join.wants(tl.upstream, compatible=self.upstreams.compatible(tl.upstream)):
+                self._emit_all(self.join.hold(tl.span_id, tl.upstream, (tl, s), now))
+                return s
+            else:
+                self.join.recorded(tl.span_id, tl.upstream)
+        self._emit(tl, s)
+        return s
+
+    def _joinable(self, tl: Timeline) -> bool:
+        """Whether a server span of ``tl`` can come: it reached the model, in a sampled trace, with no phase
+        reported in the stream itself."""
+        st = tl.server_timing
+        return (
+            tl.span_id is not None
+            and tl.sampled
+            and tl.protocol is not None
+            and reached_model(tl)
+            and (st is None or (st.queue is None and st.prefill is None))
+        )
+
+    def _join_spans(self, spans: _Spans) -> None:
+        for (tl, s), span in self.join.spans(spans, time.monotonic()):
+            adopt_server_timing(tl, s, span.timing)
+            self._emit_counted(tl, s)
+
+    def _emit_all(self, items: list[tuple[Timeline, Summary]]) -> None:
+        for tl, s in items:
+            self._emit_counted(tl, s)
+
+    def _emit_counted(self, tl: Timeline, s: Summary) -> None:
+        try:
+            self._emit(tl, s)
+        except Exception:
+            self.failed += 1
+            log.exception("telemetry: could not record %s %s", tl.method, tl.path)
+
+    def _count_join(self, outcome: str, n: int) -> None:
+        try:
+            self.instruments.server_spans.add(n, {sc.SERVER_SPAN_OUTCOME: outcome})
+        except Exception:
+            log.debug("telemetry: could not count a server span", exc_info=True)
+
+    def _emit(self, tl: Timeline, s: Summary) -> None:
+        """Spans, metrics, the record line and the listeners of one summarized request."""
         ins = self.instruments
         if tl.error_type in QUEUE_REFUSALS:
             ins.queue_rejected.add(1, {sc.ROUTE: tl.route, sc.ERROR_TYPE: tl.error_type})
@@ -375,7 +479,6 @@ class Recorder:
                 listener(tl, s)
             except Exception:
                 log.exception("telemetry: a record listener failed")
-        return s
 
     def _diagnose(self, tl: Timeline, s: Summary) -> Diagnosis | None:
         try:
@@ -383,6 +486,10 @@ class Recorder:
         except Exception:
             log.exception("telemetry: could not diagnose the cache use of %s %s", tl.method, tl.path)
             return None
+
+
+class _Spans(list[ServerSpan]):
+    """Spans the upstream exported, as the receiver read them: a queue item of their own kind."""
 
 
 class _Marker:

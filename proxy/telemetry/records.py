@@ -104,6 +104,10 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None) -> dict[str, A
         "prefill": _round(s.prefill),
         "prefill_source": s.prefill_source if s.prefill is not None else None,
         "decode": _round(s.decode),
+        "server_decode": _round(s.server_decode),
+        "slots": None
+        if s.slots is None
+        else {"value": s.slots.slots, "source": s.slots.source, "confidence": s.slots.confidence},
         "gaps": _gaps(s.gaps),
         "tokens": {
             "input": s.input_tokens,

@@ -1,0 +1,385 @@
+"""The upstream's own spans: the OTLP receiver, the join to llmtap's requests, and slot learning."""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from proxy.analysis.slots import FROM_METRICS, SlotLearner, Slots, load
+from proxy.analysis.timeline import Timeline
+from proxy.settings import Route, Settings, Telemetry as TelemetrySettings
+from proxy.tape import STATS
+from proxy.telemetry import semconv as sc
+from proxy.telemetry.admin import AdminApp
+from proxy.telemetry.recorder import Recorder
+from proxy.telemetry.serverspans import MAX_BODY_BYTES, PROBE, BadBody, Join, ServerSpan, inflate, parse
+from proxy.telemetry.upstreams import UpstreamWatch
+from proxy.types import ServerTiming
+from tests.conftest import ServerThread, Telemetry
+from tests.test_recorder import timeline
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+UPSTREAM = "http://upstream:8000"
+
+
+def span_bytes(
+    parent: str, *, queue: float = 0.125, prefill: float = 0.25, decode: float = 0.5, trace: str = TRACE, **extra: Any
+) -> bytes:
+    """An OTLP export holding one vLLM-like ``llm_request`` span under ``parent``."""
+    attrs = [
+        KeyValue(key="gen_ai.latency.time_in_queue", value=AnyValue(double_value=queue)),
+        KeyValue(key="gen_ai.latency.time_in_model_prefill", value=AnyValue(double_value=prefill)),
+        KeyValue(key="gen_ai.latency.time_in_model_decode", value=AnyValue(double_value=decode)),
+        KeyValue(key="gen_ai.usage.prompt_tokens", value=AnyValue(int_value=40)),
+        *(KeyValue(key=k, value=AnyValue(**v)) for k, v in extra.items()),
+    ]
+    span = Span(
+        trace_id=bytes.fromhex(trace),
+        span_id=bytes.fromhex("00f067aa0ba902b7"),
+        parent_span_id=bytes.fromhex(parent),
+        name="llm_request",
+        attributes=attrs,
+    )
+    other = Span(trace_id=bytes.fromhex(trace), span_id=b"\x01" * 8, name="no latency here")
+    request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=[span, other])])])
+    return bytes(request.SerializeToString())
+
+
+def server_span(parent: str, queue: float = 1.25) -> ServerSpan:
+    return ServerSpan(TRACE, "00f067aa0ba902b7", parent, "llm_request", ServerTiming(queue, 0.5, 0.75))
+
+
+# --- parsing ----------------------------------------------------------------------------------------
+
+
+def test_parse_reads_the_latency_attributes_of_a_server_span() -> None:
+    (span,) = parse(span_bytes("b7ad6b7169203331"))
+    assert (span.trace_id, span.parent_span_id, span.name) == (TRACE, "b7ad6b7169203331", "llm_request")
+    assert (span.timing.queue, span.timing.prefill, span.timing.decode) == (0.125, 0.25, 0.5)
+    assert span.timing.rejected == []
+
+
+def test_parse_refuses_unusable_phases_and_non_otlp_bytes() -> None:
+    (span,) = parse(span_bytes("b7ad6b7169203331", queue=-1.0, prefill=float("nan")))
+    assert span.timing.queue is None and span.timing.prefill is None and span.timing.decode == 0.5
+    assert span.timing.rejected == ["queue", "prefill"]
+    with pytest.raises(BadBody) as bad:
+        parse(b"\xff\xff\xff\xff not protobuf")
+    assert bad.value.reason == "bad_body"
+
+
+def test_inflate_bounds_and_encodings() -> None:
+    body = span_bytes("b7ad6b7169203331")
+    assert inflate(gzip.compress(body), "gzip") == body
+    assert inflate(body, None) == body
+    bomb = gzip.compress(b"\0" * (20 << 20))
+    for data, encoding, reason in (
+        (bomb, "gzip", "too_large"),
+        (b"\0" * (MAX_BODY_BYTES + 1), None, "too_large"),
+        (body, "br", "unsupported_type"),
+        (b"not gzip", "gzip", "bad_body"),
+        (gzip.compress(body)[:-12], "gzip", "bad_body"),
+    ):
+        with pytest.raises(BadBody) as bad:
+            inflate(data, encoding)
+        assert bad.value.reason == reason, (encoding, reason)
+
+
+# --- the join ---------------------------------------------------------------------------------------
+
+
+class Counts:
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+
+    def __call__(self, outcome: str, n: int) -> None:
+        self.seen[outcome] = self.seen.get(outcome, 0) + n
+
+
+def test_join_matches_a_waiting_request_by_its_span_id() -> None:
+    counts = Counts()
+    join: Join[str] = Join(10.0, counts)
+    assert join.wants(UPSTREAM, compatible=True) and not join.wants(UPSTREAM, compatible=False)
+    assert join.hold("aaaaaaaaaaaaaaaa", UPSTREAM, "request a", 0.0) == []
+    assert join.hold("bbbbbbbbbbbbbbbb", UPSTREAM, "request b", 1.0) == []
+    matched = join.spans([server_span("bbbbbbbbbbbbbbbb")], 2.0)
+    assert [item for item, _ in matched] == ["request b"] and join.held == 1
+    assert join.traced(UPSTREAM) and join.wants(UPSTREAM, compatible=False)
+    assert join.next_deadline() == 10.0
+    assert join.due(9.9) == [] and join.due(10.0) == ["request a"]
+    assert counts.seen == {"matched": 1, "missing": 1}
+
+
+def test_join_counts_late_and_unmatched_spans_and_keeps_early_ones() -> None:
+    counts = Counts()
+    join: Join[str] = Join(5.0, counts)
+    join.recorded("cccccccccccccccc", UPSTREAM)  # recorded without waiting: its span is late
+    assert join.spans([server_span("cccccccccccccccc")], 1.0) == []
+    assert join.traced(UPSTREAM)  # ... and says the upstream traces
+    # A span before its request finished waits for it, within the wait; past it, it joined nothing.
+    assert join.spans([server_span("dddddddddddddddd"), server_span("eeeeeeeeeeeeeeee")], 1.0) == []
+    span = join.early("dddddddddddddddd", 2.0)
+    assert span is not None and span.timing.queue == 1.25
+    assert join.due(7.0) == []
+    assert join.early("eeeeeeeeeeeeeeee", 7.0) is None
+    assert counts.seen == {"late": 1, "unmatched": 1}
+
+
+def test_join_stops_waiting_for_an_upstream_that_sends_no_spans() -> None:
+    join: Join[int] = Join(1.0, Counts())
+    for i in range(PROBE):
+        assert join.wants(UPSTREAM, compatible=True)
+        join.hold(f"{i:016x}", UPSTREAM, i, float(i))
+        assert join.due(float(i) + 1.0) == [i]
+    assert not join.wants(UPSTREAM, compatible=True)
+    assert not Join(0.0, Counts()).wants(UPSTREAM, compatible=True)  # a wait of 0: never
+
+
+def test_join_is_bounded_and_release_empties_it() -> None:
+    join: Join[int] = Join(60.0, Counts())
+    from proxy.telemetry import serverspans
+
+    for i in range(serverspans.MAX_HELD + 3):
+        out = join.hold(f"{i:016x}", UPSTREAM, i, 0.0)
+        assert out == ([i - serverspans.MAX_HELD] if i >= serverspans.MAX_HELD else [])
+    assert join.held == serverspans.MAX_HELD
+    assert len(join.release()) == serverspans.MAX_HELD and join.held == 0 and join.next_deadline() is None
+
+
+# --- slot learning ----------------------------------------------------------------------------------
+
+VLLM_PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="medium"}} {running}
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="medium"}} {waiting}
+vllm:num_requests_running_total_bogus 99
+"""
+
+
+def test_load_reads_running_and_waiting_of_vllm_and_sglang() -> None:
+    assert load(VLLM_PAGE.format(running=2.0, waiting=7.0)) == (2, 7)
+    assert load("sglang:num_running_reqs 4\nsglang:num_queue_reqs 1\n") == (4, 1)
+    assert load("llmtap_sim_num_requests_running 3\n") is None
+    assert load("vllm:num_requests_running NaN\n") is None
+
+
+def test_slot_learner_takes_the_peak_while_requests_wait() -> None:
+    learner = SlotLearner()
+    assert learner.slots is None
+    for running, waiting in ((1, 0), (2, 0), (1, 3)):  # idle or unqueued samples say nothing above 1
+        learner.observe(running, waiting)
+    assert learner.slots == Slots(1, FROM_METRICS, 0.5)
+    for running, waiting in ((2, 5), (1, 4), (2, 3), (2, 1)):  # a step's new arrival: 1 for a moment
+        learner.observe(running, waiting)
+    assert learner.slots == Slots(2, FROM_METRICS, 0.875)
+
+
+class _Page(BaseHTTPRequestHandler):
+    page = ""
+
+    def do_GET(self) -> None:
+        body = self.page.encode() if self.path == "/metrics" else b""
+        self.send_response(200 if body else 404)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet."""
+
+
+@pytest.fixture
+def metrics_server() -> Iterator[tuple[str, type[_Page]]]:
+    handler = type("Page", (_Page,), {"page": VLLM_PAGE.format(running=2, waiting=6)})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1", handler
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def test_upstream_watch_learns_slots_from_the_upstreams_metrics(metrics_server: tuple[str, type[_Page]]) -> None:
+    url, _ = metrics_server
+    watch = UpstreamWatch()
+    try:
+        watch.watch(url)
+        watch.watch("https://api.example.com")  # not read: hosted APIs have no such page
+        deadline = time.monotonic() + 10
+        while (watch.slots(url) is None or watch.slots(url).confidence < 0.75) and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.05)
+        slots = watch.slots(url)
+        assert watch.compatible(url) and slots is not None and slots.slots == 2 and slots.confidence >= 0.75
+        assert not watch.compatible("https://api.example.com")
+    finally:
+        watch.close()
+
+
+def test_upstream_watch_says_a_server_without_the_gauges_is_not_compatible(
+    metrics_server: tuple[str, type[_Page]],
+) -> None:
+    url, handler = metrics_server
+    handler.page = "some_other_server_metric 1\n"
+    watch = UpstreamWatch()
+    try:
+        watch.watch(url)
+        deadline = time.monotonic() + 10
+        while watch._watched[url].compatible is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch._watched[url].compatible is False and watch.slots(url) is None
+    finally:
+        watch.close()
+
+
+# --- the recorder and the receiver ------------------------------------------------------------------
+
+
+class _Watch(UpstreamWatch):
+    """An upstream that shows vLLM's gauges, with two slots learned, without reading anything."""
+
+    def compatible(self, upstream: str) -> bool:
+        return True
+
+    def slots(self, upstream: str) -> Slots | None:
+        return Slots(2, FROM_METRICS, 0.75)
+
+
+def traced(span_id: str, **kw: Any) -> Timeline:
+    tl = timeline(**kw)
+    tl.trace_id, tl.span_id, tl.upstream_seq = TRACE, span_id, 1
+    return tl
+
+
+@pytest.fixture
+def recorder(telemetry: Telemetry) -> Iterator[Recorder]:
+    settings = Settings(
+        routes=(Route(prefix="/", upstream=UPSTREAM, name="default"),),
+        telemetry=TelemetrySettings(server_spans_wait=30.0),
+    )
+    rec = Recorder(settings, tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+    rec.upstreams = _Watch()
+    yield rec
+    rec.close()
+
+
+def root_attributes(telemetry: Telemetry) -> list[dict[str, Any]]:
+    return [dict(s.attributes or {}) for s in telemetry.finished() if sc.ROUTE in (s.attributes or {})]
+
+
+def counter(telemetry: Telemetry, name: str, key: str) -> dict[str, int]:
+    return {p.attributes[key]: p.value for p in telemetry.metrics().get(name, [])}
+
+
+def test_recorder_waits_for_the_server_span_and_takes_its_phases(recorder: Recorder, telemetry: Telemetry) -> None:
+    recorder.record_timeline(traced("b7ad6b7169203331"))
+    deadline = time.monotonic() + 5
+    while recorder.join.held == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert recorder.join.held == 1 and root_attributes(telemetry) == []  # waiting: nothing written yet
+    assert recorder.submit_spans(parse(span_bytes("b7ad6b7169203331", queue=0.125, prefill=0.25)))
+    assert recorder.flush(5)
+    (attrs,) = root_attributes(telemetry)
+    assert attrs[sc.QUEUE_SOURCE] == attrs[sc.PREFILL_SOURCE] == attrs[sc.QUEUE_UPSTREAM_SOURCE] == "server"
+    assert attrs[sc.QUEUE_UPSTREAM_DURATION] == 0.125 and attrs[sc.PREFILL_DURATION] == 0.25
+    assert attrs[sc.QUEUE_DURATION] == pytest.approx(0.125 + 1 / 128)  # the proxy's own line, then the server's
+    assert attrs[sc.DECODE_SERVER_DURATION] == 0.5
+    assert (attrs[sc.UPSTREAM_SLOTS], attrs[sc.UPSTREAM_SLOTS_SOURCE]) == (2, FROM_METRICS)
+    prefill = [p for p in telemetry.metrics()[sc.METRIC_PREFILL] if p.attributes[sc.PREFILL_SOURCE] == "server"]
+    assert len(prefill) == 1 and prefill[0].sum == 0.25
+    outcomes = counter(telemetry, sc.METRIC_SERVER_SPANS, sc.SERVER_SPAN_OUTCOME)
+    assert outcomes == {"matched": 1, "late": 0, "unmatched": 0, "missing": 0}
+
+
+def test_a_request_whose_span_never_comes_is_written_estimated_at_flush(
+    recorder: Recorder, telemetry: Telemetry
+) -> None:
+    recorder.record_timeline(traced("b7ad6b7169203331"))
+    assert recorder.flush(5)
+    (attrs,) = root_attributes(telemetry)
+    assert attrs[sc.PREFILL_SOURCE] == "estimated" and sc.DECODE_SERVER_DURATION not in attrs
+    # Its span, coming now, is late: counted, and the request is not written twice.
+    assert recorder.submit_spans(parse(span_bytes("b7ad6b7169203331")))
+    assert recorder.flush(5)
+    assert len(root_attributes(telemetry)) == 1
+    assert counter(telemetry, sc.METRIC_SERVER_SPANS, sc.SERVER_SPAN_OUTCOME)["late"] == 1
+
+
+def test_a_span_that_came_first_joins_its_request_at_once(recorder: Recorder, telemetry: Telemetry) -> None:
+    assert recorder.submit_spans(parse(span_bytes("b7ad6b7169203331", queue=0.0625)))
+    recorder.record_timeline(traced("b7ad6b7169203331"))
+    assert recorder.flush(5)
+    (attrs,) = root_attributes(telemetry)
+    assert attrs[sc.QUEUE_UPSTREAM_SOURCE] == "server" and attrs[sc.QUEUE_UPSTREAM_DURATION] == 0.0625
+
+
+class _Source:
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.settings = recorder.settings
+        self.ready = True
+
+
+@pytest.fixture
+def admin(recorder: Recorder, telemetry: Telemetry) -> Iterator[str]:
+    server = ServerThread(AdminApp(_Source(recorder), telemetry.prometheus)).__enter__()
+    yield server.url + "/v1/traces"
+    server.__exit__(None, None, None)
+
+
+def test_receiver_takes_otlp_protobuf_and_refuses_bad_bodies(
+    admin: str, recorder: Recorder, telemetry: Telemetry
+) -> None:
+    recorder.record_timeline(traced("b7ad6b7169203331"))
+    protobuf = {"content-type": "application/x-protobuf"}
+    with httpx.Client(timeout=10) as client:
+        body = gzip.compress(span_bytes("b7ad6b7169203331"))
+        ok = client.post(admin, content=body, headers={**protobuf, "content-encoding": "gzip"})
+        assert ok.status_code == 200 and ok.headers["content-type"] == "application/x-protobuf"
+        assert client.post(admin, content=b"\xff\xff\xff\xff", headers=protobuf).status_code == 400
+        assert client.post(admin, content=b"{}", headers={"content-type": "application/json"}).status_code == 415
+        big = client.post(admin, content=b"\0" * (MAX_BODY_BYTES + 1), headers=protobuf)
+        assert big.status_code == 413
+        # Without a length the bound holds too (a chunked body).
+        chunks = iter([b"\0" * (1 << 20)] * 5)
+        assert client.post(admin, content=chunks, headers=protobuf).status_code == 413
+        assert client.get(admin).status_code == 405
+    assert recorder.flush(5)
+    (attrs,) = root_attributes(telemetry)
+    assert attrs[sc.PREFILL_SOURCE] == "server"
+    rejected = counter(telemetry, sc.METRIC_OTLP_REJECTED, sc.OTLP_REJECT_REASON)
+    assert rejected == {"bad_body": 1, "too_large": 2, "unsupported_type": 1}
+
+
+class _Calls(UpstreamWatch):
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: list[str] = []
+
+    def watch(self, upstream: str) -> None:
+        self.watched.append(upstream)
+
+
+def test_two_requests_in_flight_start_the_watch_of_their_upstream(telemetry: Telemetry) -> None:
+    settings = Settings(routes=(Route(prefix="/", upstream=UPSTREAM, name="default"),))
+    rec = Recorder(settings, tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+    calls = rec.upstreams = _Calls()
+    try:
+        rec.take(0, (STATS, True, 0, (("default", 1),), (), (), ()))
+        assert calls.watched == []  # one at a time: slots do not matter
+        rec.take(0, (STATS, True, 0, (("default", 2),), (), (), ()))
+        assert calls.watched == [UPSTREAM]
+    finally:
+        rec.close()
