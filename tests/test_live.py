@@ -27,7 +27,7 @@ from proxy.settings import SLO, Route, Settings
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.instruments import DURATION_BUCKETS
 from proxy.telemetry.live import LiveView
-from proxy.telemetry.live.view import recorder_labels
+from proxy.telemetry.live.view import embed, recorder_labels
 from proxy.telemetry.live.waterfall import TICK_CAP, waterfall
 from proxy.telemetry.live.window import HISTORY, HORIZON, SLOT, LiveWindow
 from proxy.telemetry.prometheus import PrometheusReader
@@ -362,6 +362,35 @@ def test_page_and_assets(live: Running) -> None:
     assert httpx.post(base + "/", content=b"x").status_code == 405
     assert httpx.get(base + "/live.json").status_code == 404
     assert httpx.get(base + "/metrics").status_code == 200
+
+
+def initial(page: str) -> dict[str, Any]:
+    """The first data a page carries in its ``#initial`` block."""
+    match = re.search(r'<script id="initial" type="application/json">(.*?)</script>', page, re.DOTALL)
+    assert match is not None
+    data: dict[str, Any] = json.loads(match.group(1))
+    return data
+
+
+def test_page_carries_its_first_data(live: Running) -> None:
+    assert live.admin is not None
+    rid = chat(live.url)
+    live.flush()
+    first = initial(httpx.get(live.admin.url + "/?window=all").text)
+    # What a stream would send first: hello, the kept requests, a snapshot of the asked window.
+    assert first["hello"]["window"] == "all" and first["hello"]["slo"] is True
+    assert [r["response_id"] for r in first["requests"]] == [rid]
+    (series,) = first["snapshot"]["series"]
+    assert (series["route"], series["requests"], series["slo_met"]) == ("sim", 1, 1)
+    assert first["snapshot"]["last"] == first["requests"][-1]["id"]
+    assert initial(httpx.get(live.admin.url + "/").text)["hello"]["window"] == "5m"
+
+
+def test_embedded_data_cannot_close_its_block() -> None:
+    hostile = {"model": "</script><script>alert(1)</script>", "note": "a & b > c"}
+    text = embed(hostile).decode()
+    assert "<" not in text and ">" not in text and "&" not in text
+    assert json.loads(text) == hostile
 
 
 def test_assets_name_no_other_host() -> None:

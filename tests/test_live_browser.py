@@ -2,15 +2,19 @@
 
 The figures read from the page's DOM must equal what ``/metrics`` says within the page's rounding, a new
 request's waterfall must appear within two seconds, and the page must ask nothing of any host but the
-admin listener. A screenshot is saved for people to look at.
+admin listener. Screenshots are saved for people to look at, under ``LLMTAP_ARTIFACTS`` when it is set (CI
+keeps that directory), and one is taken by Chromium's own one-shot mode on load: the page must already show
+its figures then, and must let the screenshot finish (the event stream opens after the load).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -291,6 +295,13 @@ def recorded(stack: Stack) -> int:
     return len(stack.summaries)
 
 
+def artifacts(tmp_path: Path) -> Path:
+    """Where pictures for people go: ``LLMTAP_ARTIFACTS`` (kept by CI), else the test's own directory."""
+    out = Path(os.environ.get("LLMTAP_ARTIFACTS") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 # --- the tests ----------------------------------------------------------------------------------
 
 
@@ -377,7 +388,7 @@ def test_new_waterfall_within_two_seconds(stack: Stack, browser: Browser, tmp_pa
     assert "the one to find" not in page.content()
     traffic.join(60)
     page.wait_for_timeout(1200)  # a settled snapshot for the picture
-    shot = tmp_path / "live-view.png"
+    shot = artifacts(tmp_path) / "live-view.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 20_000
     print(f"screenshot: {shot}")
@@ -399,3 +410,40 @@ def test_only_the_admin_listener_is_asked(stack: Stack, browser: Browser) -> Non
     assert outside == [] and browser.refused == []
     paths = {urlsplit(u).path for u in browser.requests}
     assert paths <= {"/", "/live.js", "/live.css", "/events"}, paths
+
+
+def headless(flag: str, url: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Chromium's own one-shot mode: load ``url``, then screenshot or dump the DOM once it has loaded."""
+    args = [CHROMIUM, "--headless", *CHROMIUM_ARGS, "--hide-scrollbars", "--window-size=1440,1000", flag, url]
+    # A page that kept its load waiting (an open stream before load) would hang here: the bound says so.
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=90, check=False)
+
+
+def test_first_figures_are_in_the_page_on_load(stack: Stack, tmp_path: Path) -> None:
+    require_real(Path(CHROMIUM).exists(), "Chromium", "bash .ci/install.d/40-chromium.sh")
+    traffic = stack.traffic(12, concurrency=2)
+    traffic.join(60)
+    assert stack.proxy.flush(10)
+    n = recorded(stack)
+    url = stack.admin_url + "/?window=all"
+    snapshot = httpx.get(url).text
+    # The page itself carries the figures: no stream needed to read them.
+    assert f'"last":{n}' in snapshot
+
+    dom = headless("--dump-dom", url, tmp_path)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    page = dom.stdout
+    cards = re.findall(r'<b data-fig="requests">([\d,]+)</b>', page)
+    assert cards and sum(int(c.replace(",", "")) for c in cards) == n, cards
+    ttft = re.findall(r'<td data-fig="ttft\.p50"[^>]*>([^<]+)</td>', page)
+    # A card of failed requests only has no TTFT; the others have theirs.
+    assert any(re.fullmatch(r"[\d.]+ (ms|s)", t) for t in ttft), ttft
+    assert f'data-last="{n}"' in page
+    assert 'class="req' in page  # the waterfalls too
+
+    out = artifacts(tmp_path)
+    shot = out / "live-view-on-load.png"
+    taken = headless(f"--screenshot={shot}", url, tmp_path)
+    assert taken.returncode == 0, taken.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+    print(f"screenshot on load: {shot}")

@@ -4,6 +4,11 @@
 batch with the last request's ``id`` so a reconnecting ``EventSource`` resumes where it left off) and
 ``snapshot`` (the window's figures, about once a second). Snapshots are computed in a worker thread,
 so a large window never stalls the admin listener's other requests. All of it is Starlette routes.
+
+The page itself carries its first data: ``/`` embeds what the stream would send first (``hello``, the kept
+requests and a snapshot) as a JSON data block, which the script draws before it opens the stream, after the
+page's load. A page fetched once, by a headless screenshot say, shows the current figures and never waits
+on the open stream.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ _PAGE_HEADERS = {
     "referrer-policy": "no-referrer",
     "cache-control": "no-cache",
 }
+#: Where ``index.html`` takes the page's first data.
+_INITIAL = b"{{initial}}"
 _STREAM_HEADERS = {"cache-control": "no-store", "x-accel-buffering": "no"}
 
 
@@ -61,6 +68,13 @@ def _window(name: str | None) -> float | None:
 def _event(kind: str, data: Any, event_id: int | None = None) -> bytes:
     head = f"id: {event_id}\n" if event_id is not None else ""
     return f"{head}event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def embed(data: Any) -> bytes:
+    """JSON safe inside the page's ``<script type="application/json">`` block: no ``<``, ``>`` or ``&`` in it
+    (a route or model name is client text and could otherwise close the block)."""
+    text = json.dumps(data, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").encode()
 
 
 def recorder_labels(recorder: Recorder) -> Labels:
@@ -101,7 +115,29 @@ class LiveView:
 
     async def _asset(self, request: Request) -> Response:
         body, kind = self._assets[request.url.path]
+        if request.url.path == "/":
+            window = _window(request.query_params.get("window"))
+            first = await asyncio.to_thread(self.first_data, window)
+            body = body.replace(_INITIAL, embed(first))
         return Response(body, media_type=kind, headers=_PAGE_HEADERS)
+
+    def _hello(self, window: float | None) -> dict[str, Any]:
+        return {
+            "windows": [name for name, _ in WINDOWS],
+            "window": next((n for n, w in WINDOWS if w == window), "5m"),
+            "slot": SLOT,
+            "history": HISTORY,
+            "slo": self.window.slo,
+            "traces": self.window.traces,
+        }
+
+    def first_data(self, window: float | None) -> dict[str, Any]:
+        """What a new stream sends first, for the page to carry: ``hello``, the kept requests, a snapshot."""
+        return {
+            "hello": self._hello(window),
+            "requests": self.window.since(0),
+            "snapshot": self.window.snapshot(window),
+        }
 
     async def _events(self, request: Request) -> StreamingResponse:
         window = _window(request.query_params.get("window"))
@@ -121,15 +157,7 @@ class LiveView:
         wake = sub.event
         until = loop.time() + STREAM_LIFETIME
         try:
-            hello = {
-                "windows": [name for name, _ in WINDOWS],
-                "window": next((n for n, w in WINDOWS if w == window), "5m"),
-                "slot": SLOT,
-                "history": HISTORY,
-                "slo": self.window.slo,
-                "traces": self.window.traces,
-            }
-            yield f"retry: {RETRY_MS}\n\n".encode() + _event("hello", hello)
+            yield f"retry: {RETRY_MS}\n\n".encode() + _event("hello", self._hello(window))
             next_snapshot = loop.time()
             while not self.window.closed and loop.time() < until:
                 wake.clear()

@@ -89,13 +89,16 @@
     else apply();
   }
 
+  function hello(h) {
+    state.traces = h.traces;
+  }
+
   function connect() {
     if (state.source) state.source.close();
     const es = new EventSource(`events?window=${encodeURIComponent(state.window)}&after=${state.last}`);
     state.source = es;
     es.addEventListener("hello", (e) => {
-      const hello = JSON.parse(e.data);
-      state.traces = hello.traces;
+      hello(JSON.parse(e.data));
       setStatus("live");
     });
     es.addEventListener("requests", (e) => addRequests(JSON.parse(e.data)));
@@ -110,11 +113,33 @@
     };
   }
 
-  function chooseWindow(w) {
+  function markWindow(w) {
     state.window = w;
     for (const b of document.querySelectorAll("#windows button")) b.classList.toggle("on", b.dataset.window === w);
+  }
+
+  function chooseWindow(w) {
+    markWindow(w);
     history.replaceState(null, "", `?window=${w}`);
     connect();
+  }
+
+  // The page arrives with the figures a stream would send first: drawn at once, so the page shows numbers
+  // on load (a screenshot taken then too), before any stream is open.
+  function drawInitial() {
+    const node = $("initial");
+    let first = null;
+    try {
+      first = JSON.parse(node.textContent);
+    } catch {
+      return; // served without its data: the stream brings everything
+    }
+    if (!first || !first.snapshot) return;
+    hello(first.hello);
+    if (first.hello.window === state.window) {
+      addRequests(first.requests);
+      renderSnapshot(first.snapshot);
+    }
   }
 
   // -- figures per route and model ---------------------------------------------------------------
@@ -434,5 +459,9 @@
   }
   $("details-close").addEventListener("click", closeDetails);
   drawAxis();
-  chooseWindow(state.window);
+  markWindow(state.window);
+  drawInitial();
+  // The stream opens once the page has loaded: nothing waiting for the load (a screenshot) waits on it.
+  if (document.readyState === "complete") connect();
+  else window.addEventListener("load", () => setTimeout(connect, 0), { once: true });
 })();
