@@ -348,7 +348,9 @@ async def run(
     admin_server: uvicorn.Server | None = None
     admin_task: asyncio.Task[None] | None = None
     if serve is not None:
-        admin = AdminApp(app, prometheus, traces=True)
+        # The page agrees with the tables: the same objectives (the routes'), no warm-ups, and rates over the
+        # time requests were in flight, as the tables' rates are over each phase's time.
+        admin = AdminApp(app, prometheus, traces=True, busy=True, skip=lambda tl: tl.prompt_version == WARMUP)
         admin_sock = bind("127.0.0.1", 0, "demo admin listener")
         admin_server = uvicorn.Server(uvicorn_config(admin, settings))
         admin_task = asyncio.create_task(admin_server.serve(sockets=[admin_sock]))

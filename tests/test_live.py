@@ -23,13 +23,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from proxy import simulator
 from proxy.analysis.summary import summarize
 from proxy.analysis.timeline import CANCELLED, ERROR, OK, Timeline
+from proxy.demo import FIXED_FIRST, VARIABLE_FIRST, default_workloads
 from proxy.settings import SLO, Route, Settings
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.instruments import DURATION_BUCKETS
 from proxy.telemetry.live import LiveView
 from proxy.telemetry.live.view import embed, recorder_labels
 from proxy.telemetry.live.waterfall import TICK_CAP, waterfall
-from proxy.telemetry.live.window import HISTORY, HORIZON, SLOT, LiveWindow
+from proxy.telemetry.live.window import HISTORY, HORIZON, SLOT, TICK, Busy, LiveWindow
 from proxy.telemetry.prometheus import PrometheusReader
 from proxy.telemetry.recorder import Recorder
 from proxy.types import RequestInfo, ServerTiming, Usage
@@ -53,9 +54,9 @@ def make_timeline(
     gap: float = 0.02,
     usage: Usage | None = None,
     timing: ServerTiming | None = None,
+    t0: float = 1000.0,
 ) -> Timeline:
-    """A chat request received at t=1000 whose first content chunk comes ``ttft`` later; prompt and text are secret."""
-    t0 = 1000.0
+    """A chat request received at ``t0`` whose first content chunk comes ``ttft`` later; prompt and text are secret."""
     tl = Timeline(
         method="POST",
         path="/v1/chat/completions",
@@ -226,6 +227,68 @@ def test_the_window_slides_and_forgets() -> None:
         assert h.window.snapshot(60.0)["seconds"] == pytest.approx(5000.0 - (1000 - 12 + 1) * SLOT)
     finally:
         h.close()
+
+
+def test_busy_time_counts_time_in_flight_once() -> None:
+    b = Busy()
+    b.add(10.0, 11.0)
+    b.add(10.5, 12.0)  # overlaps the first: 2 s in flight in all
+    b.add(20.0, 20.25)
+    assert b.seconds() == pytest.approx(2.25)
+    assert b.seconds(since=11.0) == pytest.approx(1.25)
+    b.add(24.9, 25.1)  # across a slot's edge
+    b.add(30.0, 30.0)  # shorter than a tick: one tick
+    assert b.seconds() == pytest.approx(2.25 + 0.2 + TICK)
+    # Past the horizon old slots go; the total keeps them.
+    b.add(5000.0, 5001.0)
+    assert b.seconds() == pytest.approx(3.46)
+    assert b.seconds(since=4000.0) == pytest.approx(1.0)
+    assert len(b.slots) <= HORIZON / SLOT + 2
+    # A request longer than the horizon: counted whole, kept bounded.
+    b.add(6000.0, 8000.0)
+    assert b.seconds() == pytest.approx(2003.46)
+    assert len(b.slots) <= HORIZON / SLOT + 2
+
+
+def test_busy_rates_hold_while_idle_and_warmups_can_be_left_out() -> None:
+    now = [0.0]
+
+    def window(busy: bool) -> LiveWindow:
+        return LiveWindow(
+            lambda tl, s: (tl.route, "m1"),
+            slo=False,
+            traces=False,
+            clock=lambda: now[0],
+            busy=busy,
+            skip=lambda tl: tl.prompt_version == "warmup",
+        )
+
+    # The requests' clock is not the window's: busy time is placed by the least lag seen (here 3000 s).
+    now[0] = 4000.0
+    busy, plain = window(True), window(False)
+    for i in range(8):
+        t0 = 1000.0 + (i // 2) * 1.0  # two at a time, a pause between pairs; each in flight 0.401 s
+        tl = make_timeline(i, t0=t0)
+        tl.prompt_version = "warmup" if i == 0 else "v1"
+        now[0] = 4000.0 + (tl.end or 0.0) - 1000.0
+        for w in (busy, plain):
+            w(tl, summarize(tl))
+    # The pairs' busy time at 10 ms ticks: 0.41 s each, four pairs.
+    in_flight = 4 * 0.41
+    before = busy.snapshot(None)
+    (row,) = before["series"]
+    assert before["rates"] == "busy" and row["requests"] == 7  # the warm-up is left out
+    assert row["rate_seconds"] == pytest.approx(in_flight)
+    assert row["requests_per_s"] == pytest.approx(7 / in_flight)
+    assert row["output_tokens_per_s"] == pytest.approx(row["output_tokens"] / in_flight)
+    ((recent,),) = [busy.snapshot(60.0)["series"]]
+    assert recent["rate_seconds"] == pytest.approx(in_flight)
+    # Ten idle minutes: the busy rate holds; the window's rate falls.
+    falling = plain.snapshot(None)["series"][0]["requests_per_s"]
+    now[0] += 600.0
+    assert busy.snapshot(None)["series"][0]["requests_per_s"] == pytest.approx(7 / in_flight)
+    assert plain.snapshot(None)["series"][0]["requests_per_s"] < falling / 100
+    assert plain.snapshot(None)["rates"] == "window"
 
 
 def test_history_is_bounded_and_resumable(harness: Harness) -> None:
@@ -494,7 +557,18 @@ def test_demo_serve_keeps_the_view_up_until_ctrl_c() -> None:
         assert proc.stdout is not None
         view = next(line.split()[-1] for line in proc.stdout if line.startswith("Live view:"))
         base = view.split("/?")[0]
-        assert "llmtap" in httpx.get(view).text
+        page = httpx.get(view).text
+        assert "llmtap" in page
+        # The page agrees with the tables: the workload's objective, no warm-up, rates over busy time.
+        first = initial(page)
+        (code,) = [w for w in default_workloads(1) if w.route == "code"]
+        (series,) = first["snapshot"]["series"]
+        assert first["hello"]["slo"] is True and first["snapshot"]["rates"] == "busy"
+        objective = {"ttft": code.slo.ttft, "tpot": code.slo.tpot, "percentile": code.slo.percentile}
+        assert (series["route"], series["shape"], series["objective"]) == ("code", code.slo.shape, objective)
+        assert series["requests"] == 2  # one per prompt layout
+        assert {r["prompt_version"] for r in first["requests"]} == {VARIABLE_FIRST, FIXED_FIRST}
+        assert 0 < series["rate_seconds"] < first["snapshot"]["seconds"]
         assert "llmtap_requests_total{" in httpx.get(base + "/metrics").text
         with httpx.stream("GET", base + "/events?window=all", timeout=10) as r:
             kinds = [kind for kind, _, _ in itertools.islice(sse(r.iter_lines()), 3)]

@@ -394,6 +394,27 @@ def test_new_waterfall_within_two_seconds(stack: Stack, browser: Browser, tmp_pa
     print(f"screenshot: {shot}")
 
 
+def test_card_subtitles_are_shown_whole(stack: Stack, browser: Browser) -> None:
+    stack.traffic(6, concurrency=2).join(60)
+    assert stack.proxy.flush(10)
+    page = browser.page
+    # Two columns of cards at their narrowest: the tiles' subtitles ("720 / 960 tok") are longest against them.
+    page.set_viewport_size({"width": 1160, "height": 1000})
+    try:
+        page.goto(stack.admin_url + "/?window=all")
+        page.wait_for_selector(".card")
+        cut = page.evaluate(
+            """() => [...document.querySelectorAll('.tile small')]
+                .filter(n => n.scrollWidth > n.clientWidth + 1)
+                .map(n => n.textContent)"""
+        )
+        notes = page.evaluate("() => [...document.querySelectorAll('.tile small')].map(n => n.textContent)")
+        assert notes and any("/" in n for n in notes), notes
+        assert cut == [], f"subtitles cut off: {cut}"
+    finally:
+        page.set_viewport_size({"width": 1440, "height": 1000})
+
+
 def test_only_the_admin_listener_is_asked(stack: Stack, browser: Browser) -> None:
     page = browser.page
     page.goto(stack.admin_url + "/")

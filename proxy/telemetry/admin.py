@@ -10,7 +10,7 @@ own process when telemetry runs in it (tests, the demo, embedding).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import httpx
@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from proxy.analysis.timeline import Timeline
 from proxy.settings import Settings
 from proxy.telemetry.live import LiveView
 from proxy.telemetry.prometheus import (
@@ -63,6 +64,8 @@ class AdminApp:
         *,
         traces: bool | None = None,
         peers: Sequence[str] = (),
+        busy: bool = False,
+        skip: Callable[[Timeline], bool] | None = None,
     ) -> None:
         recorder = source.recorder
         if recorder is None:
@@ -70,7 +73,8 @@ class AdminApp:
         self.proxy = source
         self.recorder = recorder
         self.prometheus = prometheus
-        self.live = LiveView(recorder, source.settings, traces=traces)
+        # ``busy`` and ``skip`` are the live view's: rates over busy time, requests it leaves out.
+        self.live = LiveView(recorder, source.settings, traces=traces, busy=busy, skip=skip)
         #: The admin sockets of the other telemetry processes, whose ``/metrics`` this one adds to its own.
         self.peers = tuple(peers)
         routes = [

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from typing import Any
 
@@ -93,11 +93,20 @@ def recorder_labels(recorder: Recorder) -> Labels:
 class LiveView:
     """Serves the live view; subscribes its window to the recorder's finished requests."""
 
-    def __init__(self, recorder: Recorder, settings: Settings, *, traces: bool | None = None) -> None:
+    def __init__(
+        self,
+        recorder: Recorder,
+        settings: Settings,
+        *,
+        traces: bool | None = None,
+        busy: bool = False,
+        skip: Callable[[Timeline], bool] | None = None,
+    ) -> None:
+        """``busy`` and ``skip`` as ``LiveWindow`` takes them: rates over busy time, requests left out."""
         if traces is None:
             traces = settings.telemetry.traces_exporter != "none"
         slo = settings.slo.configured or any(r.slo for r in settings.routes)
-        self.window = LiveWindow(recorder_labels(recorder), slo=slo, traces=traces)
+        self.window = LiveWindow(recorder_labels(recorder), slo=slo, traces=traces, busy=busy, skip=skip)
         recorder.listeners.append(self.window)
         self._assets = {
             path: (resources.files("proxy.telemetry.live").joinpath("static", name).read_bytes(), kind)

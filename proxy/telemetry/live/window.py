@@ -49,6 +49,10 @@ Labels = Callable[[Timeline, Summary], tuple[str, str]]
 OBJECTIVE_FIGURES = ("ttft", "tpot", "e2e")
 #: Requests behind a percentile the page links to, slowest first.
 SLOWEST = 5
+#: The resolution of busy time, in seconds: a series marks each tick in which one of its requests was in flight.
+TICK = 0.01
+_TICKS = round(SLOT / TICK)
+_EDGE = 1e-6
 
 
 @dataclass(slots=True)
@@ -197,9 +201,53 @@ def verdict(tally: Tally, objective: SLO | None) -> dict[str, Any] | None:
 
 
 @dataclass(slots=True)
+class Busy:
+    """The time a series had requests in flight, at ``TICK`` resolution, on the requests' own clock.
+
+    One bit per tick, a Python integer per slot (kept for ``HORIZON``), and the ticks since start: overlapping
+    requests count once, and a gap with nothing in flight not at all. Bounded however many requests come."""
+
+    slots: dict[int, int] = field(default_factory=dict)
+    ticks: int = 0
+
+    def add(self, start: float, end: float) -> None:
+        """Mark ``start`` to ``end`` (seconds) busy; at least the one tick ``start`` falls in."""
+        # Ticks [first, last), rounded so that a time on a tick's edge (10.0 / 0.01 = 1000.0000000000001) stays on it.
+        first = math.floor(start / TICK + _EDGE)
+        last = max(math.ceil(end / TICK - _EDGE), first + 1)
+        # Slots past the horizon are not kept: their ticks count in the total only.
+        oldest = (last - 1) // _TICKS - math.ceil(HORIZON / SLOT)
+        if first < oldest * _TICKS:
+            self.ticks += oldest * _TICKS - first
+            first = oldest * _TICKS
+        for slot in range(first // _TICKS, (last - 1) // _TICKS + 1):
+            base = slot * _TICKS
+            lo, hi = max(first, base) - base, min(last, base + _TICKS) - base
+            old = self.slots.get(slot, 0)
+            new = old | (((1 << (hi - lo)) - 1) << lo)
+            self.ticks += new.bit_count() - old.bit_count()
+            self.slots[slot] = new
+        for k in [k for k in self.slots if k < oldest]:
+            del self.slots[k]
+
+    def seconds(self, since: float | None = None) -> float:
+        """Busy seconds since ``since`` (on the requests' clock), or since start (None)."""
+        if since is None:
+            return self.ticks * TICK
+        first = math.floor(since / TICK + _EDGE)
+        ticks = 0
+        for slot, mask in self.slots.items():
+            base = slot * _TICKS
+            if base + _TICKS > first:
+                ticks += (mask >> max(first - base, 0)).bit_count()
+        return ticks * TICK
+
+
+@dataclass(slots=True)
 class _Series:
     total: Tally = field(default_factory=Tally)
     slots: dict[int, Tally] = field(default_factory=dict)
+    busy: Busy = field(default_factory=Busy)
     #: The objective the series' requests are judged by (the newest request's).
     objective: SLO | None = None
 
@@ -239,7 +287,12 @@ def _first_slot(now: float, window: float) -> int:
 
 
 class LiveWindow:
-    """The recorder listener behind the live view, and the figures it serves."""
+    """The recorder listener behind the live view, and the figures it serves.
+
+    Rates divide by the seconds the window covers (what ``rate()`` over ``/metrics`` does), or, with ``busy``,
+    by the seconds each series had requests in flight within it: a rate that holds while traffic pauses, as a
+    benchmark's tables give it (``llmtap demo --serve``). ``skip`` leaves requests out (the demo's warm-ups).
+    """
 
     def __init__(
         self,
@@ -249,12 +302,19 @@ class LiveWindow:
         traces: bool,
         clock: Callable[[], float] = time.monotonic,
         history: int = HISTORY,
+        busy: bool = False,
+        skip: Callable[[Timeline], bool] | None = None,
     ) -> None:
         self._labels = labels
         self.slo = slo
         self.traces = traces
+        self.busy = busy
+        self._skip = skip
         self._clock = clock
         self.started = clock()
+        # The window's clock minus the requests' clock (``perf_counter``, maybe another process's), plus the
+        # least delay seen between a request's end and its recording: the smallest such difference seen.
+        self._lag = math.inf
         self._series: dict[tuple[str, str, str], _Series] = {}
         # The kept waterfalls, each with the slot it was recorded in (for the requests behind a percentile).
         self._requests: deque[tuple[int, dict[str, Any]]] = deque(maxlen=history)
@@ -269,13 +329,18 @@ class LiveWindow:
         """Count one finished request and keep its waterfall (the listener; the recorder's thread)."""
         if tl.protocol is None:
             return  # a plain relay: no LLM figures, and no metrics either
+        if self._skip is not None and self._skip(tl):
+            return
         route, model = self._labels(tl, s)
         now = self._clock()
         slot = math.floor(now / SLOT)
+        end = tl.end if tl.end is not None else tl.received
         with self._lock:
+            self._lag = min(self._lag, now - end)
             series = self._series.setdefault((route, model, s.shape), _Series())
             series.objective = s.objective
             series.total.add_request(tl, s)
+            series.busy.add(tl.received, end)
             tally = series.slots.get(slot)
             if tally is None:
                 tally = series.slots[slot] = Tally()
@@ -318,14 +383,22 @@ class LiveWindow:
                         if k >= first:
                             tally.merge(part)
                 if tally.requests:
-                    row = {"route": route, "model": model, "shape": shape, **tally.figures(seconds, slo=self.slo)}
+                    if self.busy:
+                        # The window's start on the requests' clock; since start: all the series' busy time.
+                        since = None if window is None else max(first * SLOT, self.started) - self._lag
+                        rate_seconds = series.busy.seconds(since)
+                    else:
+                        rate_seconds = seconds
+                    figures = tally.figures(rate_seconds, slo=self.slo)
+                    row = {"route": route, "model": model, "shape": shape, "rate_seconds": rate_seconds, **figures}
                     goal = series.objective
                     row["objective"] = None if goal is None else {**goal.limits(), "percentile": goal.percentile}
                     row["verdict"] = verdict(tally, series.objective)
                     row["slowest"] = self._slowest(row, first)
                     rows.append(row)
             last = self._seq
-        return {"window": window, "seconds": seconds, "last": last, "slo": self.slo, "series": rows}
+        rates = "busy" if self.busy else "window"
+        return {"window": window, "seconds": seconds, "last": last, "slo": self.slo, "rates": rates, "series": rows}
 
     def _slowest(self, row: dict[str, Any], first: int) -> dict[str, dict[str, list[int]]]:
         """For each latency and percentile of a row, the kept requests it rests on, slowest first (their ids):

@@ -51,6 +51,7 @@
   const pct = (x) => (x === null || x === undefined ? "–" : (x * 100).toFixed(1) + "%");
 
   function span(seconds) {
+    if (seconds < 9.95) return seconds.toFixed(1) + " s";
     const s = Math.round(seconds);
     if (s < 60) return s + " s";
     const m = Math.floor(s / 60);
@@ -231,9 +232,12 @@
     return node;
   }
 
-  function fillCard(c, s, seconds, slo) {
+  function fillCard(c, s, snap) {
+    const slo = snap.slo;
+    // Rates divide by the window's seconds, or by the seconds this series had requests in flight ("busy").
+    const over = snap.rates === "busy" ? `${span(s.rate_seconds)} busy` : span(snap.seconds);
     setFig(c, "requests", int(s.requests));
-    setFig(c, "requests_per_s", rate(s.requests_per_s), `${int(s.requests)} in ${span(seconds)}`);
+    setFig(c, "requests_per_s", rate(s.requests_per_s), `${int(s.requests)} in ${over}`);
     setFig(c, "output_tokens_per_s", rate(s.output_tokens_per_s), `${int(s.output_tokens)} tok`);
     if (slo) {
       const share = s.requests ? s.slo_met / s.requests : 0;
@@ -271,7 +275,7 @@
         c.dataset.key = key;
         box.append(c);
       }
-      fillCard(c, s, snap.seconds, snap.slo);
+      fillCard(c, s, snap);
     }
     for (const c of [...box.children]) if (!seen.has(c.dataset.key)) c.remove();
     box.dataset.last = snap.last;
