@@ -114,8 +114,12 @@ def partial_tapes(proxy: Llmtap) -> float:
 
 
 def root_span(receiver: HTTPReceiver, count: int) -> dict[str, Any]:
-    """The ``count``-th request span the receiver got (1-based), once it is there."""
-    deadline = time.monotonic() + 20
+    """The ``count``-th request span the receiver got (1-based), once it is there.
+
+    A deadline for arrival, not a bound on speed: the niced telemetry process decodes a million events in
+    seconds on a quiet machine, and several times that when busy loops at normal priority hold every core.
+    """
+    deadline = time.monotonic() + 120
     while True:
         roots = [attributes(s.attributes) for _, s in receiver.received.spans() if s.name == "chat fault"]
         if len(roots) >= count:
