@@ -445,6 +445,17 @@ _TABLE = (
         key="telemetry.server_spans_wait",
     ),
     option(
+        "forward_server_spans",
+        boolean(),
+        True,
+        "forward the upstream's own spans (those /v1/traces takes) to the OTLP traces backend, unchanged, so "
+        "a trace shows both sides; only when traces go out over OTLP",
+        "telemetry",
+        flag="--no-forward-server-spans",
+        key="telemetry.forward_server_spans",
+        switch=False,
+    ),
+    option(
         "inject_usage",
         boolean(),
         True,

@@ -244,6 +244,9 @@ class Telemetry:
     #: ``--otlp-traces-endpoint`` pointed at the admin listener's ``/v1/traces``) waits for its span, seconds;
     #: 0: never (the span then counts as late). Covers vLLM's default batch delay of 5 s.
     server_spans_wait: float = default("server_spans_wait")
+    #: Forward the spans ``/v1/traces`` took to the OTLP traces endpoint, as they came (``proxy.telemetry.forward``);
+    #: only when traces go out over OTLP.
+    forward_server_spans: bool = default("forward_server_spans")
 
 
 @dataclass(frozen=True, slots=True)
@@ -780,4 +783,5 @@ _TELEMETRY_OPTIONS = {
     "span_role": "span_role",
     "offline_token_usage": "offline_token_usage",
     "server_spans_wait": "server_spans_wait",
+    "forward_server_spans": "forward_server_spans",
 }
