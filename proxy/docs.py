@@ -31,7 +31,7 @@ from proxy.analysis.timeline import Timeline
 from proxy.providers import provider_for
 from proxy.settings import SLO, Route, Settings, Telemetry
 from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, STATS
-from proxy.telemetry import semconv as sc
+from proxy.telemetry import forward, semconv as sc
 from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
 from proxy.telemetry.metrics import CONVENTIONS, OWN, SHAPE
 from proxy.telemetry.prometheus import metric_name
@@ -178,8 +178,9 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.OTLP_FORWARD_OUTCOME: (
         "string",
         "What became of a span `/v1/traces` took, forwarded unchanged to llmtap's OTLP traces backend: `sent` "
-        "(the backend took it), `dropped` (the forward queue, 256 bodies or 32 MiB, was full, or it still waited "
-        "at shutdown), `failed` (the backend refused it, was unreachable, or took over 10 s; no retry).",
+        f"(the backend took it), `dropped` (the forward queue, {forward.MAX_QUEUED} bodies or "
+        f"{forward.MAX_QUEUED_BYTES >> 20} MiB, was full, or it still waited at shutdown), `failed` (the backend "
+        f"refused it, was unreachable, or took over {forward.TIMEOUT:g} s; no retry).",
     ),
     sc.DECODE_DURATION: ("double", "Seconds from the first content chunk to the last."),
     sc.INPUT_TOKENS: (
