@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,16 +18,16 @@ from proxy.settings import Route, Settings, Telemetry as TelemetrySettings, tele
 from proxy.telemetry import forward, semconv as sc
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.recorder import Recorder
-from tests.conftest import ServerThread, Telemetry
-from tests.test_otlp import GRPCReceiver, HTTPReceiver, Received
-from tests.test_serverspans import UPSTREAM, counter, span_bytes
+from tests.conftest import Scripted, ServerThread, Telemetry
+from tests.test_otlp import OTEL_ENV, GRPCReceiver, HTTPReceiver, Llmtap, Received, attributes
+from tests.test_serverspans import TRACE, UPSTREAM, counter, span_bytes
 
 PROTOBUF = {"content-type": "application/x-protobuf"}
 
 
-def vllm_export(parent: str) -> bytes:
+def vllm_export(parent: str, trace: str = TRACE) -> bytes:
     """A vLLM-like export: its own resource and scope around the ``llm_request`` span under ``parent``."""
-    request = ExportTraceServiceRequest.FromString(span_bytes(parent))
+    request = ExportTraceServiceRequest.FromString(span_bytes(parent, trace=trace))
     resource_spans = request.resource_spans[0]
     resource_spans.resource.CopyFrom(
         Resource(attributes=[KeyValue(key="service.name", value=AnyValue(string_value="vllm"))])
@@ -187,3 +188,36 @@ def test_the_setting_defaults_on_and_reads_from_the_environment() -> None:
     assert telemetry_from_env(env).forward_server_spans is True
     assert telemetry_from_env({**env, "LLMTAP_FORWARD_SERVER_SPANS": "false"}).forward_server_spans is False
     assert telemetry_from_env(env, {"forward_server_spans": False}).forward_server_spans is False
+
+
+def test_llmtap_serve_shows_the_servers_span_under_its_own_at_the_backend(tmp_path: Path) -> None:
+    upstream = Scripted(SCRIPT_TTFT="0.02", SCRIPT_GAP="0.005", SCRIPT_CHUNKS="4")
+    backend = HTTPReceiver()
+    env = {**OTEL_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": backend.url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env)
+    try:
+        proxy.wait_ready()
+        chat = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Hi."}]}
+        with proxy.client.stream("POST", "/v1/chat/completions", json=chat) as answer:
+            assert answer.status_code == 200
+            answer.read()
+        deadline = time.monotonic() + 20
+        while not [s for _, s in backend.received.spans() if s.name == "chat scripted"]:
+            assert time.monotonic() < deadline, proxy.logs()
+            time.sleep(0.05)
+        (root,) = [s for _, s in backend.received.spans() if s.name == "chat scripted"]
+        # The model server's export of that request, sent where vLLM's --otlp-traces-endpoint would send it.
+        export = vllm_export(root.span_id.hex(), trace=root.trace_id.hex())
+        admin = f"http://127.0.0.1:{proxy.admin_port}/v1/traces"
+        assert httpx.post(admin, content=export, headers=PROTOBUF, timeout=10).status_code == 200
+        while not [s for _, s in backend.received.spans() if s.name == "llm_request"]:
+            assert time.monotonic() < deadline + 20, proxy.logs()
+            time.sleep(0.05)
+        ((resource, server),) = [(r, s) for r, s in backend.received.spans() if s.name == "llm_request"]
+        assert resource["service.name"] == "vllm"
+        assert (server.trace_id, server.parent_span_id) == (root.trace_id, root.span_id)
+        assert attributes(server.attributes)["gen_ai.latency.time_in_queue"] == 0.125
+    finally:
+        proxy.close()
+        backend.close()
+        upstream.close()
