@@ -180,7 +180,8 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "What became of a span `/v1/traces` took, forwarded unchanged to llmtap's OTLP traces backend: `sent` "
         f"(the backend took it), `dropped` (the forward queue, {forward.MAX_QUEUED} bodies or "
         f"{forward.MAX_QUEUED_BYTES >> 20} MiB, was full, or it still waited at shutdown), `failed` (the backend "
-        f"refused it, was unreachable, or took over {forward.TIMEOUT:g} s; no retry).",
+        "refused it, was unreachable, or took longer than `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`, 10 s by default; no "
+        "retry).",
     ),
     sc.DECODE_DURATION: ("double", "Seconds from the first content chunk to the last."),
     sc.INPUT_TOKENS: (

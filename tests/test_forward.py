@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
-from proxy.settings import Route, Settings, Telemetry as TelemetrySettings, telemetry_from_env
+from proxy.settings import ConfigError, Route, Settings, Telemetry as TelemetrySettings, telemetry_from_env
 from proxy.telemetry import forward, semconv as sc
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.recorder import Recorder
@@ -125,7 +125,6 @@ def test_grpc_backend_gets_the_spans_with_the_headers_as_metadata(
 def test_a_backend_that_never_answers_delays_no_answer_and_drops_are_counted(
     make_admin: Callable[..., tuple[Recorder, str]], telemetry: Telemetry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(forward, "TIMEOUT", 60.0)
     monkeypatch.setattr(forward, "MAX_QUEUED", 2)
     # Connections complete in the kernel's accept queue and are never accepted: an export sent there hangs.
     hole = socket.socket()
@@ -136,6 +135,7 @@ def test_a_backend_that_never_answers_delays_no_answer_and_drops_are_counted(
             traces_exporter="otlp",
             traces_endpoint=f"http://127.0.0.1:{hole.getsockname()[1]}",
             traces_protocol="http/protobuf",
+            traces_timeout=60.0,
         )
         forwarder = recorder.forwarder
         assert forwarder is not None
@@ -188,6 +188,12 @@ def test_the_setting_defaults_on_and_reads_from_the_environment() -> None:
     assert telemetry_from_env(env).forward_server_spans is True
     assert telemetry_from_env({**env, "LLMTAP_FORWARD_SERVER_SPANS": "false"}).forward_server_spans is False
     assert telemetry_from_env(env, {"forward_server_spans": False}).forward_server_spans is False
+    # The exporter's timeout, in seconds as the SDK reads it, is the forwarder's too.
+    assert telemetry_from_env(env).traces_timeout == 10.0
+    both = {"OTEL_EXPORTER_OTLP_TIMEOUT": "3", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "2.5"}
+    assert telemetry_from_env({**env, **both}).traces_timeout == 2.5
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_TIMEOUT"):
+        telemetry_from_env({**env, "OTEL_EXPORTER_OTLP_TIMEOUT": "soon"})
 
 
 def test_llmtap_serve_shows_the_servers_span_under_its_own_at_the_backend(tmp_path: Path) -> None:

@@ -6,8 +6,9 @@ and protocol, with the exporter's headers): the server's resource (``service.nam
 parent (llmtap's span) unchanged, so a trace backend shows the server's span under llmtap's.
 
 Nothing waits for it: the receiver hands the body over (``offer``, which never blocks) and answers; one
-daemon thread sends what waits, each export within ``TIMEOUT`` seconds. What waits is bounded by count
-(``MAX_QUEUED``) and bytes (``MAX_QUEUED_BYTES``); past either a body is dropped, and every span is
+daemon thread sends what waits, each export within the traces exporter's timeout (``traces_timeout``:
+``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``, 10 s by default). What waits is bounded by count (``MAX_QUEUED``)
+and bytes (``MAX_QUEUED_BYTES``); past either a body is dropped, and every span is
 counted by outcome (``OUTCOMES``): ``sent`` (the backend took it), ``dropped`` (the queue was full, or
 still waiting at shutdown), ``failed`` (the backend refused it, could not be reached, or took too long).
 There are no retries: the backend sees the spans once or not at all, and a down backend costs one
@@ -33,8 +34,6 @@ OUTCOMES = ("sent", "dropped", "failed")
 #: Bodies waiting to be sent at most, and their bytes at most.
 MAX_QUEUED = 256
 MAX_QUEUED_BYTES = 32 << 20
-#: Seconds one export may take (the SDK exporter's own default is 10).
-TIMEOUT = 10.0
 
 #: Sends one ``ExportTraceServiceRequest`` (its bytes); raises when the backend did not take it.
 Send = Callable[[bytes], None]
@@ -121,13 +120,9 @@ class Forwarder:
             self._close()
 
 
-def http_sender(
-    endpoint: str, headers: Mapping[str, str], timeout: float | None = None
-) -> tuple[Send, Callable[[], None]]:
+def http_sender(endpoint: str, headers: Mapping[str, str], timeout: float) -> tuple[Send, Callable[[], None]]:
     """POST each body to an OTLP/HTTP traces ``endpoint`` (the full URL, ``.../v1/traces``); and its closer."""
-    client = httpx.Client(
-        timeout=TIMEOUT if timeout is None else timeout, headers={**headers, "content-type": "application/x-protobuf"}
-    )
+    client = httpx.Client(timeout=timeout, headers={**headers, "content-type": "application/x-protobuf"})
 
     def send(body: bytes) -> None:
         answer = client.post(endpoint, content=body)
@@ -137,9 +132,7 @@ def http_sender(
     return send, client.close
 
 
-def grpc_sender(
-    endpoint: str, headers: Mapping[str, str], timeout: float | None = None
-) -> tuple[Send, Callable[[], None]]:
+def grpc_sender(endpoint: str, headers: Mapping[str, str], timeout: float) -> tuple[Send, Callable[[], None]]:
     """Export each body to an OTLP/gRPC ``endpoint`` over the trace service; and its closer.
 
     The channel is built as the SDK's exporter builds it: plaintext for ``http://``, TLS otherwise.
@@ -158,7 +151,6 @@ def grpc_sender(
         channel = grpc.secure_channel(target, grpc.ssl_channel_credentials())
     stub = TraceServiceStub(channel)  # type: ignore[no-untyped-call]
     metadata = tuple(headers.items())
-    timeout = TIMEOUT if timeout is None else timeout
 
     def send(body: bytes) -> None:
         stub.Export(ExportTraceServiceRequest.FromString(body), timeout=timeout, metadata=metadata)
@@ -173,7 +165,7 @@ def from_settings(t: Telemetry, count: Callable[[str, int], None]) -> Forwarder 
     headers = dict(t.traces_headers)
     if t.traces_protocol == "http/protobuf":
         url = http_endpoint(t.traces_endpoint, "traces", specific=t.traces_endpoint_specific)
-        send, close = http_sender(url, headers)
+        send, close = http_sender(url, headers, t.traces_timeout)
     else:
-        send, close = grpc_sender(t.traces_endpoint, headers)
+        send, close = grpc_sender(t.traces_endpoint, headers, t.traces_timeout)
     return Forwarder(send, count, close=close)
