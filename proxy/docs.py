@@ -31,7 +31,7 @@ from proxy.analysis.timeline import Timeline
 from proxy.providers import provider_for
 from proxy.settings import SLO, Route, Settings, Telemetry
 from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, STATS
-from proxy.telemetry import semconv as sc
+from proxy.telemetry import forward, semconv as sc
 from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
 from proxy.telemetry.metrics import CONVENTIONS, OWN, SHAPE
 from proxy.telemetry.prometheus import metric_name
@@ -175,6 +175,14 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "Why `/v1/traces` refused a body: `bad_body` (400: not OTLP protobuf, bad gzip), `too_large` (413: over "
         "4 MiB, or 16 MiB inflated), `unsupported_type` (415: not `application/x-protobuf`, or not gzip).",
     ),
+    sc.OTLP_FORWARD_OUTCOME: (
+        "string",
+        "What became of a span `/v1/traces` took, forwarded unchanged to llmtap's OTLP traces backend: `sent` "
+        f"(the backend took it), `dropped` (the forward queue, {forward.MAX_QUEUED} bodies or "
+        f"{forward.MAX_QUEUED_BYTES >> 20} MiB, was full, or it still waited at shutdown), `failed` (the backend "
+        "refused it, was unreachable, or took longer than `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`, 10 s by default; no "
+        "retry).",
+    ),
     sc.DECODE_DURATION: ("double", "Seconds from the first content chunk to the last."),
     sc.INPUT_TOKENS: (
         "int",
@@ -256,6 +264,7 @@ UNEXERCISED: dict[str, tuple[str, ...]] = {
     sc.METRIC_RECORDS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_SERVER_SPANS: (sc.SERVER_SPAN_OUTCOME,),
     sc.METRIC_OTLP_REJECTED: (sc.OTLP_REJECT_REASON,),
+    sc.METRIC_OTLP_FORWARDED: (sc.OTLP_FORWARD_OUTCOME,),
 }
 
 _SERVER_SETTING = "`telemetry.server_metrics: true`"
@@ -311,6 +320,8 @@ METRICS: dict[str, str] = {
     sc.METRIC_SERVER_SPANS: "Each span the upstream sent to `/v1/traces` with latency attributes, and each request "
     "that waited for one in vain; every outcome reads 0 from the start.",
     sc.METRIC_OTLP_REJECTED: "Each body `/v1/traces` refused; every reason reads 0 from the start.",
+    sc.METRIC_OTLP_FORWARDED: "Each span `/v1/traces` took, once forwarded to the traces backend or not "
+    "(`telemetry.forward_server_spans`, only when traces go out over OTLP); every outcome reads 0 from the start.",
 }
 
 #: The timing definitions every figure rests on (DESIGN, "Timing definitions"); all from one monotonic clock.

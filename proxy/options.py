@@ -445,6 +445,17 @@ _TABLE = (
         key="telemetry.server_spans_wait",
     ),
     option(
+        "forward_server_spans",
+        boolean(),
+        True,
+        "forward the upstream's own spans (those /v1/traces takes) to the OTLP traces backend, unchanged, so "
+        "a trace shows both sides; only when traces go out over OTLP",
+        "telemetry",
+        flag="--no-forward-server-spans",
+        key="telemetry.forward_server_spans",
+        switch=False,
+    ),
+    option(
         "inject_usage",
         boolean(),
         True,
@@ -689,6 +700,11 @@ STANDARD_VARIABLES = (
     Variable("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "metrics' own endpoint, used as is", "unset"),
     Variable("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc or http/protobuf (also per signal: _TRACES_, _METRICS_)", "grpc"),
     Variable("OTEL_EXPORTER_OTLP_HEADERS", "k=v,k2=v2 sent with every export (also per signal)", "none"),
+    Variable(
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+        "seconds an export may take, as the SDK reads it (also per signal); the forwarded server spans' too",
+        "10",
+    ),
     Variable("OTEL_TRACES_EXPORTER", "otlp, console or none", "otlp with an endpoint, else none"),
     Variable("OTEL_METRICS_EXPORTER", "otlp, console or none", "otlp with an endpoint, else none"),
     Variable("OTEL_METRIC_EXPORT_INTERVAL", "milliseconds between metric exports", "10000"),

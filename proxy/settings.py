@@ -217,6 +217,9 @@ class Telemetry:
     traces_protocol: str = "grpc"
     metrics_protocol: str = "grpc"
     traces_headers: Mapping[str, str] = field(default_factory=dict)
+    #: Seconds one trace export may take (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`` or ``OTEL_EXPORTER_OTLP_TIMEOUT``,
+    #: in seconds as the SDK's exporters read them); the forwarded server spans take the same.
+    traces_timeout: float = 10.0
     metrics_headers: Mapping[str, str] = field(default_factory=dict)
     metric_export_interval_ms: int = 10_000
     semconv_latest: bool = False
@@ -244,6 +247,9 @@ class Telemetry:
     #: ``--otlp-traces-endpoint`` pointed at the admin listener's ``/v1/traces``) waits for its span, seconds;
     #: 0: never (the span then counts as late). Covers vLLM's default batch delay of 5 s.
     server_spans_wait: float = default("server_spans_wait")
+    #: Forward the spans ``/v1/traces`` took to the OTLP traces endpoint, as they came (``proxy.telemetry.forward``);
+    #: only when traces go out over OTLP.
+    forward_server_spans: bool = default("forward_server_spans")
 
 
 @dataclass(frozen=True, slots=True)
@@ -683,6 +689,20 @@ def _interval(value: Any) -> int:
         raise ConfigError(f"OTEL_METRIC_EXPORT_INTERVAL={_shown(value)}: {exc}") from None
 
 
+def _export_timeout(env: Mapping[str, str]) -> float:
+    """The traces exporter's timeout, seconds: the signal's variable, else the general one, else 10."""
+    key = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
+    if not env.get(key, "").strip():
+        key = "OTEL_EXPORTER_OTLP_TIMEOUT"
+    raw = env.get(key, "").strip()
+    if not raw:
+        return 10.0
+    try:
+        return float(options.POSITIVE_SECONDS.parse(raw))
+    except Invalid as exc:
+        raise ConfigError(f"{key}={_shown(raw)}: {exc}") from None
+
+
 def check_url(url: Any, what: str) -> str:
     """A normalized upstream base URL (http or https, a host, no query), else ``ConfigError`` naming ``what``."""
     try:
@@ -752,6 +772,7 @@ def telemetry_from_env(
         values[f"{signal}_endpoint_specific"] = bool(env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
         values[f"{signal}_protocol"] = protocol
         values[f"{signal}_headers"] = headers
+    values["traces_timeout"] = _export_timeout(env)
     values["metric_export_interval_ms"] = _interval(env.get("OTEL_METRIC_EXPORT_INTERVAL", 10_000))
     opt_in = {v.strip() for v in env.get("OTEL_SEMCONV_STABILITY_OPT_IN", "").split(",")}
     values["semconv_latest"] = SEMCONV_LATEST in opt_in
@@ -780,4 +801,5 @@ _TELEMETRY_OPTIONS = {
     "span_role": "span_role",
     "offline_token_usage": "offline_token_usage",
     "server_spans_wait": "server_spans_wait",
+    "forward_server_spans": "forward_server_spans",
 }

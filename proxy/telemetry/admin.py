@@ -32,7 +32,15 @@ from proxy.telemetry.prometheus import (
     wants_openmetrics,
 )
 from proxy.telemetry.recorder import Recorder
-from proxy.telemetry.serverspans import MAX_BODY_BYTES, BadBody, inflate, parse
+from proxy.telemetry.serverspans import (
+    MAX_BODY_BYTES,
+    BadBody,
+    ServerSpan,
+    decode,
+    inflate,
+    server_spans,
+    span_count,
+)
 from proxy.types import Receive, Scope, Send
 
 
@@ -109,12 +117,14 @@ class AdminApp:
             if media not in (_PROTOBUF, "application/protobuf"):
                 raise BadBody("unsupported_type", f"content-type {media!r}: only {_PROTOBUF} is taken")
             body = await _read_bounded(request)
-            spans = await asyncio.to_thread(lambda: parse(inflate(body, request.headers.get("content-encoding"))))
+            raw, spans, count = await asyncio.to_thread(_read_export, body, request.headers.get("content-encoding"))
         except BadBody as exc:
             self.recorder.count_rejected(exc.reason)
             return _status(_REFUSAL_STATUS[exc.reason], str(exc))
         if spans and not self.recorder.submit_spans(spans):
-            return _status(503, "telemetry queue full")
+            return _status(503, "telemetry queue full")  # the sender retries: forwarded then, not now
+        if count:
+            self.recorder.forward(raw, count)  # never waits: queued for the traces backend, or counted dropped
         return Response(ExportTraceServiceResponse().SerializeToString(), media_type=_PROTOBUF)
 
     async def _healthz(self, request: Request) -> Response:
@@ -125,6 +135,13 @@ class AdminApp:
         detail = getattr(self.proxy, "ready_detail", "")
         text = ("ready" if ready else "not ready") + (f" ({detail})" if detail else "")
         return PlainTextResponse(text + "\n", status_code=200 if ready else 503)
+
+
+def _read_export(body: bytes, encoding: str | None) -> tuple[bytes, list[ServerSpan], int]:
+    """The body inflated, its spans that report a server phase, and how many spans it holds in all."""
+    raw = inflate(body, encoding)
+    request = decode(raw)
+    return raw, server_spans(request), span_count(request)
 
 
 async def _read_bounded(request: Request) -> bytes:

@@ -78,6 +78,7 @@ class Instruments:
     connections_refused: Counter
     server_spans: Counter
     otlp_rejected: Counter
+    otlp_forwarded: Counter
 
 
 def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Sequence[float]) -> Histogram:
@@ -245,5 +246,11 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             sc.METRIC_OTLP_REJECTED,
             unit="{request}",
             description="OTLP bodies the span receiver refused, by llmtap.otlp.reason.",
+        ),
+        otlp_forwarded=meter.create_counter(
+            sc.METRIC_OTLP_FORWARDED,
+            unit="{span}",
+            description="Spans the span receiver took, forwarded to the OTLP traces backend, by llmtap.otlp.outcome "
+            "(sent, dropped, failed).",
         ),
     )

@@ -29,9 +29,10 @@ from proxy.analysis.timeline import Timeline
 from proxy.providers.timing import PHASES
 from proxy.settings import Settings
 from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, SEGMENT, STATS
-from proxy.telemetry import semconv as sc
+from proxy.telemetry import forward, semconv as sc
 from proxy.telemetry.access_log import AccessLog
 from proxy.telemetry.attributes import cache_attributes
+from proxy.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
 from proxy.telemetry.metrics import MetricWriter
 from proxy.telemetry.records import RECORD_DROP_REASONS, RecordWriter, record_line
 from proxy.telemetry.replay import Playback
@@ -109,6 +110,11 @@ class Recorder:
         if settings.access_log:
             self.access_log = AccessLog(settings.access_log)
             self.listeners.append(self.access_log.write)
+        #: Passes the spans ``/v1/traces`` took on to the OTLP traces backend (None: traces do not go out over OTLP).
+        self.forwarder = forward.from_settings(settings.telemetry, self._count_forward)
+        if self.forwarder is not None:
+            for outcome in FORWARD_OUTCOMES:
+                self._count_forward(outcome, 0)
         #: Streams whose segments came and whose end has not, by (source, key); only the worker touches it.
         self._open: OrderedDict[tuple[int, int], Playback] = OrderedDict()
         # Streams a message of which was dropped here: their end is counted as a dropped tape.
@@ -187,6 +193,17 @@ class Recorder:
             self.instruments.otlp_rejected.add(n, {sc.OTLP_REJECT_REASON: reason})
         except Exception:
             log.debug("telemetry: could not count a refused OTLP body", exc_info=True)
+
+    def forward(self, body: bytes, spans: int) -> None:
+        """Queue an OTLP trace body the receiver took (``spans`` spans) for the traces backend; never waits."""
+        if self.forwarder is not None:
+            self.forwarder.offer(body, spans)
+
+    def _count_forward(self, outcome: str, n: int) -> None:
+        try:
+            self.instruments.otlp_forwarded.add(n, {sc.OTLP_FORWARD_OUTCOME: outcome})
+        except Exception:
+            log.debug("telemetry: could not count a forwarded span", exc_info=True)
 
     def record_timeline(self, tl: Timeline) -> None:
         """Queue a finished timeline as it is (tests and tools that build timelines themselves)."""
@@ -368,6 +385,8 @@ class Recorder:
         try:
             self._stop_worker(timeout)
             self.upstreams.close()
+            if self.forwarder is not None:
+                self.forwarder.close(timeout)
         finally:
             if self.records is not None:
                 self.records.close()

@@ -107,16 +107,34 @@ def _number(value: AnyValue) -> object:
 
 
 def parse(body: bytes) -> list[ServerSpan]:
-    """Every span of an OTLP ``ExportTraceServiceRequest`` that reports a server phase.
+    """Every span of an OTLP ``ExportTraceServiceRequest`` that reports a server phase (``server_spans``).
 
-    Raises ``BadBody`` when the bytes are no such message. A phase that is not a finite non-negative
-    number of seconds is named in the timing's ``rejected`` and left out.
+    Raises ``BadBody`` when the bytes are no such message.
     """
+    return server_spans(decode(body))
+
+
+def decode(body: bytes) -> ExportTraceServiceRequest:
+    """The OTLP ``ExportTraceServiceRequest`` of ``body``; ``BadBody`` when the bytes are no such message."""
     request = ExportTraceServiceRequest()
     try:
         request.ParseFromString(body)
     except (DecodeError, RuntimeWarning, ValueError) as exc:
         raise BadBody("bad_body", f"not an OTLP trace export: {exc}") from None
+    return request
+
+
+def span_count(request: ExportTraceServiceRequest) -> int:
+    """How many spans ``request`` holds, of any kind."""
+    return sum(len(scope.spans) for resource in request.resource_spans for scope in resource.scope_spans)
+
+
+def server_spans(request: ExportTraceServiceRequest) -> list[ServerSpan]:
+    """Every span of ``request`` that reports a server phase.
+
+    A phase that is not a finite non-negative number of seconds is named in the timing's ``rejected`` and
+    left out.
+    """
     spans: list[ServerSpan] = []
     for resource_spans in request.resource_spans:
         for scope_spans in resource_spans.scope_spans:

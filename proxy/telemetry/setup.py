@@ -237,7 +237,7 @@ def _span_exporter(t: Telemetry) -> SpanExporter | None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
 
         return HTTPSpanExporter(
-            endpoint=_http_endpoint(t.traces_endpoint, "traces", specific=t.traces_endpoint_specific), headers=headers
+            endpoint=http_endpoint(t.traces_endpoint, "traces", specific=t.traces_endpoint_specific), headers=headers
         )
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GRPCSpanExporter
 
@@ -262,7 +262,7 @@ def _metric_exporter(t: Telemetry) -> MetricExporter | None:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HTTPMetricExporter
 
         return HTTPMetricExporter(
-            endpoint=_http_endpoint(t.metrics_endpoint, "metrics", specific=t.metrics_endpoint_specific),
+            endpoint=http_endpoint(t.metrics_endpoint, "metrics", specific=t.metrics_endpoint_specific),
             headers=headers,
             preferred_aggregation=aggregation,
         )
@@ -276,7 +276,7 @@ def _metric_exporter(t: Telemetry) -> MetricExporter | None:
     )
 
 
-def _http_endpoint(endpoint: str, signal: str, *, specific: bool) -> str:
+def http_endpoint(endpoint: str, signal: str, *, specific: bool) -> str:
     """OTLP/HTTP: a base endpoint gets ``/v1/<signal>`` appended; a signal-specific one is used as is."""
     if specific:
         return endpoint
