@@ -600,13 +600,14 @@ def render(c: Comparison) -> str:
         lines.append(f"  ({' and '.join(few)} rest on few requests: read them as rough)")
     lines.append("")
     lines.append(c.verdict)
-    if any(c.slo.values()):
-        lines += ["", "SLO by route and shape (the percentile that counts, 95% CI):"]
-        for label, verdicts in c.slo.items():
-            for v in verdicts:
-                for check in v.checks:
-                    figure = f"{check.describe()}: {_estimate(check.estimate)}"
-                    lines.append(f"  {label}: {v.route} {v.shape}: {figure} {check.verdict}")
+    slo = [
+        f"  {label}: {v.route} {v.shape}: {check.describe()}: {_estimate(check.estimate)} {check.verdict}"
+        for label, verdicts in c.slo.items()
+        for v in verdicts
+        for check in v.checks
+    ]
+    if slo:  # a header only over rows: a route judged by no objective has none
+        lines += ["", "SLO by route and shape (the percentile that counts, 95% CI):", *slo]
     return "\n".join(lines)
 
 
