@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gzip
+import json
 import math
 import os
 import re
@@ -39,13 +40,15 @@ from tests.conftest import TOOLS, free_port, require_real
 VENV = TOOLS / "vllm"
 MODELS = TOOLS / "models"
 INSTALL_HINT = "run bash .ci/install.d/30-vllm.sh; LLMTAP_TOOLS picks the folder; about 2 minutes"
-#: A cold start of the medium model takes 20 to 60 s on a quiet 2-core machine and over 180 s at a load
+#: A cold start of the medium model takes 20 to 75 s on a quiet 2-core machine and over 180 s at a load
 #: average of 8 (a first start compiles and caches); past this it is broken, not slow.
 START_TIMEOUT = 600.0
-#: vLLM's own flags, as in shared/tools/vllm-cpu/serve.sh: block size 32 is the CPU backend's minimum.
+#: vLLM's own flags, as in shared/tools/vllm-cpu/serve.sh (block size 32 is the CPU backend's minimum), but in
+#: float32: on a CPU without bfloat16 instructions (AVX2 only, as here) vLLM's bfloat16 is emulated, and the
+#: medium model read 1,528 tokens in 55 s against 11 s in float32.
 BASE_ARGS = (
     "--dtype",
-    "bfloat16",
+    "float32",
     "--max-model-len",
     "2048",
     "--block-size",
@@ -355,6 +358,11 @@ def report_on_failure(request: pytest.FixtureRequest, server: VllmServer) -> Cal
     return show
 
 
+#: The medium model's 12 layers cut to 2 (about 27M parameters): in float32 on one of these cores it reads 300
+#: tokens in 0.4 s and 1,500 in 1.7 s and writes a token every 28 ms, as the course's support assistant
+#: does (22 ms); with all 12, 300 tokens took 2.2 s and a burst of the real tier several minutes.
+MEDIUM_OVERRIDES = {"num_hidden_layers": 2}
+
 #: The one medium server of a pytest session, shared by every module that asks for ``vllm_medium``.
 _shared: dict[str, VllmServer] = {}
 
@@ -368,7 +376,7 @@ def _later_users(request: pytest.FixtureRequest, fixture: str) -> bool:
 
 @pytest.fixture(scope="module")
 def vllm_medium(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """The medium model (dummy weights) with two sequence slots, so a burst of requests queues.
+    """The medium model (dummy weights, two layers) with two sequence slots, so a burst of requests queues.
 
     One server for the session's modules that use it (starting vLLM takes about a minute): started by the
     first, stopped when a module ends and no test collected after it uses the fixture, since it holds about
@@ -378,7 +386,7 @@ def vllm_medium(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     require_real(installed("medium"), "the CPU build of vLLM with its medium model", INSTALL_HINT)
     server = _shared.get("medium")
     if server is None or server.proc.poll() is not None:
-        args = ["--load-format", "dummy", "--max-num-seqs", "2"]
+        args = ["--load-format", "dummy", "--max-num-seqs", "2", "--hf-overrides", json.dumps(MEDIUM_OVERRIDES)]
         server = VllmServer("medium", args, tmp_path_factory.mktemp("vllm"))
         _shared["medium"] = server
         atexit.register(server.close)
