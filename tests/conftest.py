@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +31,33 @@ from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.prometheus import PrometheusReader
 
 TESTS = Path(__file__).parent
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist hands out whole files (one worker runs a module's tests, so its fixtures start once), and
+    the real-vLLM files as one: one server (about 3 GB, a minute to start) serves them all."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "real-vllm" if Path(path).name.startswith("test_real_vllm") else path
+
+    return ByFile(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    """A failed test that used the real vLLM server carries the end of vLLM's log in its report."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if report.failed and "vllm_medium" in getattr(item, "fixturenames", ()):
+        from tests.vllm_server import log_tail
+
+        tail = log_tail()
+        if tail is not None:
+            report.sections.append(("vLLM log", tail))
 
 
 @dataclass

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,11 +205,20 @@ def test_workers_on_a_taken_port_fail_once_with_exit_2(tmp_path: Path) -> None:
     assert f"proxy listener 127.0.0.1:{port}" in result.stderr
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temporary folder with a short path: llmtap's Unix sockets go under TMPDIR only when the path fits
+    (107 bytes), else under /tmp, and a test that looks for them needs to know where."""
+    with tempfile.TemporaryDirectory(prefix="lt-", dir="/tmp") as folder:
+        yield Path(folder)
+
+
 @pytest.mark.e2e
 def test_two_telemetry_processes_share_the_upstreams_and_one_scrape_adds_them_up(
-    upstream: Scripted, tmp_path: Path
+    upstream: Scripted, short_tmp: Path
 ) -> None:
     """Each upstream's tapes go to one telemetry process, always the same; /metrics on the admin port is all."""
+    tmp_path = short_tmp
     other = Scripted()
     port, admin_port = free_port(), free_port()
     config = tmp_path / "llmtap.yaml"

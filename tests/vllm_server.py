@@ -21,7 +21,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -345,17 +345,10 @@ def serve(model: str, args: Sequence[str], workdir: Path) -> Iterator[VllmServer
         server.close()
 
 
-def report_on_failure(request: pytest.FixtureRequest, server: VllmServer) -> Callable[[], None]:
-    """A finalizer that shows vLLM's log tail when a test that used the server failed."""
-    failed_before = request.session.testsfailed
-
-    def show() -> None:
-        if request.session.testsfailed > failed_before:
-            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                reporter.write_line(f"--- tail of {server.log_path} ---\n{server.tail()}")
-
-    return show
+def log_tail() -> str | None:
+    """The end of the shared server's log, for the report of a failed test that used it (see conftest)."""
+    server = _shared.get("medium")
+    return None if server is None else f"{server.log_path}:\n{server.tail()}"
 
 
 #: The medium model's 12 layers cut to 2 (about 27M parameters): in float32 on one of these cores it reads 300
@@ -395,10 +388,8 @@ def vllm_medium(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         except BaseException:
             server.close()
             raise
-    show = report_on_failure(request, server)
     try:
         yield server
-        show()
     finally:
         if not _later_users(request, "vllm_medium"):
             server.close()
