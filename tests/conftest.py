@@ -36,13 +36,15 @@ TESTS = Path(__file__).parent
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist hands out whole files (one worker runs a module's tests, so its fixtures start once), and
-    the real-vLLM files as one: one server (about 3 GB, a minute to start) serves them all."""
+    the real-vLLM files as one: one server (about 3 GB, a minute to start) serves them all. The benchmark's
+    smoke runs on that worker too (before them): it pins its proxies to core 0, where vLLM's engine binds."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFile(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "real-vllm" if Path(path).name.startswith("test_real_vllm") else path
+            name = Path(path).name
+            return "core-0" if name.startswith("test_real_vllm") or name == "test_bench_smoke.py" else path
 
     return ByFile(config, log)
 

@@ -104,7 +104,9 @@ def test_proxies_charged_cpu_and_memory(results: dict[str, Any]) -> None:
     for path in ("nginx", "llmtap", "litellm"):
         for streams in SMOKE.streams:
             p = _phase(results, path, streams)
-            assert p["cpu_s_per_1000_chunks"] is not None and p["cpu_s_per_1000_chunks"] > 0, p
+            # nginx's CPU time over a short phase can be under one clock tick (10 ms): read, not necessarily > 0.
+            assert p["cpu_s_per_1000_chunks"] is not None and p["cpu_s_per_1000_chunks"] >= 0, p
+            assert path == "nginx" or p["cpu_s_per_1000_chunks"] > 0, p
             assert p["rss_peak_mib"] is not None and p["rss_peak_mib"] >= p["rss_idle_mib"] > 0, p
     # The Python proxies hold far more memory than nginx: the process tree was really measured.
     assert _phase(results, "llmtap", 1)["rss_idle_mib"] > 5 * _phase(results, "nginx", 1)["rss_idle_mib"]

@@ -446,12 +446,25 @@ def test_server_spans_make_queue_and_prefill_the_servers_own(spans_run: Run) -> 
 
 
 def test_cold_burst_without_spans_learns_the_slots(cold_run: Run) -> None:
-    """No spans, nothing configured, no history: the slots come from vLLM's ``/metrics``, every value is marked
-    estimated, and queue and prefill summed over the burst are each within 25% of vLLM's histograms."""
+    """No spans, nothing configured, no history: the slots come from vLLM's ``/metrics``, every value after they
+    are learned is marked estimated, and queue and prefill summed over the burst are each within 25% of vLLM's
+    histograms.
+
+    The slots are learned once a request waits while others run; a request of the first batch may end before
+    that (the model reads 300 tokens in 0.4 s). It then says what is known: no upstream queue, prefill the
+    upstream's TTFT (source ``upstream_ttft``), no slot count; true for a request nobody was ahead of.
+    """
+    unknown = []
     for r in cold_run.rows:
         label = r.answer.ask.label
+        if r.proxy.get(sc.PREFILL_SOURCE) == "upstream_ttft":
+            assert r.proxy.get(sc.QUEUE_SOURCE) == "proxy" and sc.UPSTREAM_SLOTS not in r.proxy, (label, r.proxy)
+            unknown.append(label)
+            continue
         assert r.proxy.get(sc.QUEUE_SOURCE) == r.proxy.get(sc.PREFILL_SOURCE) == "estimated", (label, r.proxy)
         assert r.proxy.get(sc.UPSTREAM_SLOTS_SOURCE) == "server_metrics", (label, r.proxy)
+    # Only requests that found a free slot can end before anyone waited.
+    assert len(unknown) <= SLOTS, unknown
     # Learned as the burst began: never more than vLLM's --max-num-seqs, and that by the burst's later requests.
     learned = [(r.proxy.get(sc.UPSTREAM_SLOTS), r.proxy.get(sc.UPSTREAM_SLOTS_CONFIDENCE)) for r in cold_run.rows]
     print("slots learned (count, confidence) per request:", learned)
