@@ -175,7 +175,9 @@ def test_ollama_streams_are_ndjson_in_ollamas_shape(sim: Sim, path: str, name: s
     assert usage.cache_read_tokens is not None and usage.cache_read_tokens >= 192
     # Durations in nanoseconds: the server's own phases, which llmtap takes as reported.
     assert timing is not None and timing.prefill is not None and 0 < timing.prefill < 1.0
-    assert timing.decode is not None and 3 * 0.003 * 0.9 < timing.decode < 1.0
+    # Read in the right unit (nanoseconds), not the planned 3 x 3 ms: a simulator behind its schedule after a
+    # stall sends the late tokens at once, so on a busy machine its real decode can be shorter (seen: 3.4 ms).
+    assert timing.decode is not None and 1e-4 < timing.decode < 1.0
 
 
 def test_ollama_whole_bodies_and_errors(sim: Sim) -> None:
