@@ -4,7 +4,7 @@ vLLM runs as a child process on a free loopback port, serving a model folder tha
 ``.ci/install.d/30-vllm.sh`` made. Next to it runs a small OTLP/HTTP trace receiver, so each request's
 ``llm_request`` span (queue, prefill and TTFT as vLLM measured them, parented on the ``traceparent`` it
 received) can be read back per request; ``/metrics`` gives the same figures summed. Import the
-``vllm_medium`` fixture into a test module to use it (one server per importing module), or ``serve`` for
+``vllm_medium`` fixture into a test module to use it (one server for every module that does), or ``serve`` for
 another model or other arguments.
 """
 
