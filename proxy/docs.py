@@ -158,7 +158,8 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.UPSTREAM_SLOTS_SOURCE: (
         "string",
         "`configured` (the route's `server_slots`) or `server_metrics` (learned from the upstream's `/metrics`: "
-        "the peak of `vllm:num_requests_running` while `vllm:num_requests_waiting` > 0).",
+        "the peak of `vllm:num_requests_running`, given once `vllm:num_requests_waiting` > 0, raised to the most "
+        "requests llmtap saw decoding at once).",
     ),
     sc.UPSTREAM_SLOTS_CONFIDENCE: (
         "double",

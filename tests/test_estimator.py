@@ -6,8 +6,10 @@ import pytest
 
 from proxy.analysis import estimator as est
 from proxy.analysis.estimator import Envelope, Estimator, SlotLog
+from proxy.analysis.slots import FROM_METRICS, Slots
+from proxy.analysis.summary import summarize
 from proxy.analysis.timeline import Timeline
-from proxy.types import RequestInfo
+from proxy.types import RequestInfo, Usage
 
 
 def timeline(seq: int, sent: float, ahead: int, first: float, end: float, model: str = "m") -> Timeline:
@@ -61,6 +63,32 @@ def test_slot_replay_admits_at_the_right_completion() -> None:
     assert log.admitted(5, sent=1.0, ahead=1, slots=2, first=1.2) == 1.0  # a free slot: no wait
     # Not enough ends seen before the first chunk: the server has more slots than configured.
     assert log.admitted(6, sent=1.0, ahead=4, slots=2, first=5.5) is None
+
+
+def test_requests_decoding_together_are_a_floor_under_the_slots() -> None:
+    e = Estimator()
+    # Recorded in the order they end: 1 decodes 1.0-2.0, 2 from 1.5, 3 from 1.8 (while both still decode),
+    # 4 from 3.0 (alone again).
+    assert e.decoding_peak(timeline(1, 0.0, 0, 1.0, 2.0)) == 1
+    assert e.decoding_peak(timeline(2, 0.1, 1, 1.5, 2.5)) == 2
+    assert e.decoding_peak(timeline(3, 0.2, 2, 1.8, 3.0)) == 3
+    assert e.decoding_peak(timeline(4, 2.9, 0, 3.0, 3.5)) == 3  # the peak stays
+    other = timeline(1, 0.0, 0, 1.0, 2.0)
+    other.upstream = "http://other"
+    assert e.decoding_peak(other) == 1  # per upstream
+
+
+def test_learned_slots_rise_to_what_decoded_together() -> None:
+    """The gauges said 1 (sampled while one ran and others waited); two streams overlapped: the replay uses 2,
+    unconfirmed."""
+    e = Estimator()
+    learned = Slots(1, FROM_METRICS, 0.9)
+    tls = [timeline(1, 0.0, 0, 1.0, 2.0), timeline(2, 0.1, 1, 1.5, 2.5)]
+    for tl in tls:
+        tl.usage = Usage(input_tokens=100, output_tokens=10)
+    summarize(tls[0], None, estimator=e, slots=learned)
+    s = summarize(tls[1], None, estimator=e, slots=learned)
+    assert s.slots == Slots(2, FROM_METRICS, 0.0)
 
 
 def test_estimator_slot_split_and_fallback_to_envelope() -> None:

@@ -175,15 +175,20 @@ def test_load_reads_running_and_waiting_of_vllm_and_sglang() -> None:
     assert load("vllm:num_requests_running NaN\n") is None
 
 
-def test_slot_learner_takes_the_peak_while_requests_wait() -> None:
+def test_slot_learner_takes_the_peak_once_requests_wait() -> None:
     learner = SlotLearner()
-    assert learner.slots is None
-    for running, waiting in ((1, 0), (2, 0), (1, 3)):  # idle or unqueued samples say nothing above 1
+    for running, waiting in ((1, 0), (2, 0), (0, 4)):  # nothing queued while running: no count yet
         learner.observe(running, waiting)
-    assert learner.slots == Slots(1, FROM_METRICS, 0.5)
-    for running, waiting in ((2, 5), (1, 4), (2, 3), (2, 1)):  # a step's new arrival: 1 for a moment
+    assert learner.slots is None
+    # Queued with one running (a long prompt holds the step, or a new arrival waits out a step): the count
+    # is still the peak ever seen, unconfirmed.
+    learner.observe(1, 3)
+    assert learner.slots == Slots(2, FROM_METRICS, 0.0)
+    for running, waiting in ((2, 5), (1, 4), (2, 3), (2, 0), (2, 1)):
         learner.observe(running, waiting)
     assert learner.slots == Slots(2, FROM_METRICS, 0.875)
+    learner.observe(3, 0)  # a higher peak starts over, unconfirmed
+    assert learner.slots == Slots(3, FROM_METRICS, 0.0)
 
 
 class _Page(BaseHTTPRequestHandler):
@@ -228,6 +233,21 @@ def test_upstream_watch_learns_slots_from_the_upstreams_metrics(metrics_server: 
         watch.close()
 
 
+def test_a_first_request_waits_for_the_first_read(metrics_server: tuple[str, type[_Page]]) -> None:
+    """An upstream nothing started watching is read when its first request is recorded, and the answer
+    waited for: a fresh proxy's first requests may end before two are ever in flight."""
+    url, _ = metrics_server
+    watch = UpstreamWatch()
+    try:
+        assert not watch.compatible(url)  # without a wait: not read yet
+        assert watch.compatible(url, wait=10)
+        started = time.monotonic()
+        assert not watch.compatible("https://api.example.com", wait=10)  # never read, so never waited for
+        assert time.monotonic() - started < 5
+    finally:
+        watch.close()
+
+
 def test_upstream_watch_says_a_server_without_the_gauges_is_not_compatible(
     metrics_server: tuple[str, type[_Page]],
 ) -> None:
@@ -250,7 +270,7 @@ def test_upstream_watch_says_a_server_without_the_gauges_is_not_compatible(
 class _Watch(UpstreamWatch):
     """An upstream that shows vLLM's gauges, with two slots learned, without reading anything."""
 
-    def compatible(self, upstream: str) -> bool:
+    def compatible(self, upstream: str, wait: float = 0.0) -> bool:
         return True
 
     def slots(self, upstream: str) -> Slots | None:

@@ -685,12 +685,18 @@ async def test_disconnect_frees_the_slot_at_once() -> None:
 
 async def test_long_prompt_is_counted_off_the_event_loop() -> None:
     profile = fast(decode_s_per_token=0.01, max_model_len=1000)
-    # One 400 kB "word": slow to encode (about 0.15 s) for its size, so what the test sees is the
-    # counting itself rather than Python's unavoidable GIL-holding work (JSON decoding, the id list).
-    huge = "".join(random.Random(1).choices("abcdefghijklmnopqrstuvwxyz", k=400_000))
-    counted = time.monotonic()
-    huge_tokens = tokens.count(huge)
-    count_s = time.monotonic() - counted
+    # One long "word": slow to encode for its size, so what the test sees is the counting itself rather than
+    # Python's unavoidable GIL-holding work (JSON decoding, the id list). 400 kB took 0.15 s on an AVX2 EPYC and
+    # 0.05 s on a newer Xeon; doubled until it takes a tenth of a second here.
+    rng = random.Random(1)
+    huge = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=400_000))
+    while True:
+        counted = time.monotonic()
+        huge_tokens = tokens.count(huge)
+        count_s = time.monotonic() - counted
+        if count_s > 0.1 or len(huge) >= 3_200_000:
+            break
+        huge += "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=len(huge)))
     # Encoded up front: the client shares this process's GIL, and encoding mid-stream would stall the server.
     payload = json.dumps({"prompt": huge, "max_tokens": 1}).encode()
     with Sim(profile) as s:

@@ -128,6 +128,22 @@ class SlotLog:
     def __init__(self, maxlen: int = MAX_COMPLETIONS) -> None:
         # (sequence number, end time); appended in the order requests end.
         self._ends: deque[tuple[int, float]] = deque(maxlen=maxlen)
+        # (first content, end) of the same requests: when each was decoding, so held in the server's batch.
+        self._decoding: deque[tuple[float, float]] = deque(maxlen=maxlen)
+        #: The most requests seen decoding at one moment: never more than the server's slots.
+        self.decoding_peak = 0
+
+    def decoding(self, first: float, end: float) -> int:
+        """A request that streamed from ``first`` to ``end``: how many (itself too) were decoding as it began.
+
+        A request between its first content chunk and its end holds one of the server's slots, so this is a
+        floor under the slot count that llmtap's own clock gives, as soon as two requests overlap; the
+        server's gauges (``proxy.analysis.slots``) may be sampled too seldom to catch that.
+        """
+        together = 1 + sum(1 for f, e in self._decoding if f <= first <= e)
+        self._decoding.append((first, end))
+        self.decoding_peak = max(self.decoding_peak, together)
+        return together
 
     def add(self, seq: int, end: float) -> None:
         """A request to this upstream ended (its slot is free again)."""
@@ -175,6 +191,14 @@ class Estimator:
         if up is None:
             up = self._upstreams[key] = _Upstream(SlotLog(), OrderedDict())
         return up
+
+    def decoding_peak(self, tl: Timeline) -> int:
+        """Record ``tl``'s decode (first content to end) and return the most requests to its upstream seen
+        decoding at once (``SlotLog.decoding``); 0 when nothing was timed yet."""
+        up = self._upstream(tl.upstream)
+        if tl.first_content is not None and tl.end is not None and tl.sent is not None:
+            up.log.decoding(tl.first_content, tl.end)
+        return up.log.decoding_peak
 
     def envelope(self, upstream: str, model: str, rate: float | None = None) -> Envelope:
         """The envelope of one upstream and model, created on first use; least recently used forgotten."""

@@ -2,13 +2,16 @@
 
 The slot replay (``estimator``) needs the server's batch capacity (vLLM's ``--max-num-seqs``). A
 vLLM-compatible server says how many requests it runs and how many wait (``vllm:num_requests_running``,
-``vllm:num_requests_waiting``; SGLang's ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``). While
-some wait, the running count is at the server's limit, or below it for a moment (a request that
-arrived during a model step waits for the next step in ``waiting`` even with a slot free): so the
-peak running count seen while some wait is the capacity, never above it. Each later sample that
-reaches that peak while some wait confirms it; ``confidence`` is ``1 - 2**-n`` after ``n`` of them.
-A server whose memory, not its sequence limit, caps the batch shows that lower count, which is what
-the replay needs.
+``vllm:num_requests_waiting``; SGLang's ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``). The
+running count never exceeds the capacity, so the peak of every sample is a floor under it; while some
+wait, the running count is at the limit, but often below it too: a request that arrived during a model
+step waits for the next step in ``waiting`` with a slot free, and a long prompt can hold a step's token
+budget so that one request runs while others wait (measured on vLLM's CPU build: two slots, a burst of
+ten, most samples read one running and several waiting, the two-running windows about 100 ms each). So
+the count is the peak of all samples, given once any sample had requests waiting (until then no queue
+has formed and the count does not matter); each sample at that peak while some wait confirms it, and
+``confidence`` is ``1 - 2**-n`` after ``n`` of them (0 before any). A server whose memory, not its
+sequence limit, caps the batch shows that lower count, which is what the replay needs.
 """
 
 from __future__ import annotations
@@ -58,24 +61,26 @@ def load(text: str) -> tuple[int, int] | None:
 
 
 class SlotLearner:
-    """The peak running count while some requests wait, from successive samples of one upstream."""
+    """The peak running count over successive samples of one upstream, and how often it was seen saturated."""
 
     def __init__(self) -> None:
         self.peak = 0
         self.confirmed = 0
+        self.queued = False
 
     def observe(self, running: int, waiting: int) -> None:
         """One sample of the server's gauges."""
-        if waiting <= 0 or running <= 0:
+        if running <= 0:
             return
+        self.queued = self.queued or waiting > 0
         if running > self.peak:
-            self.peak, self.confirmed = running, 1
-        elif running == self.peak:
+            self.peak, self.confirmed = running, 0
+        if running == self.peak and waiting > 0:
             self.confirmed += 1
 
     @property
     def slots(self) -> Slots | None:
         """The learned count, or None before any sample had requests waiting."""
-        if self.peak == 0:
+        if not self.queued:
             return None
         return Slots(self.peak, FROM_METRICS, round(1.0 - 0.5**self.confirmed, 3))

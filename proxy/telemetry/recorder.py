@@ -52,6 +52,12 @@ TAPE_DROP_REASONS = ("channel_full", "queue_full", "evicted", "partial", "inflat
 QUEUE_REFUSALS = ("queue_full", "queue_timeout")
 #: Streams being played back at once (their segments came, their end not yet); past it the oldest goes.
 MAX_OPEN_STREAMS = 4096
+#: Seconds a request recorded before its upstream's ``/metrics`` was first read waits for that read (once per
+#: upstream), on a route that declares a tracing model server (``provider``): whether the upstream traces
+#: decides whether the request waits for the server's span, and a fresh proxy's first request can end before
+#: two are ever in flight (which starts the reads otherwise). Other upstreams are not read on a first request.
+FIRST_READ = 2.0
+TRACING_PROVIDERS = frozenset({"vllm", "sglang"})
 #: Response bytes waiting in the queue at most. Past it a message keeps its timing and loses its bytes (its
 #: tape is ``partial``), as at the relay's channel: what waits here, and so how long any record waits behind
 #: it, stays bounded however fast one upstream streams.
@@ -427,13 +433,20 @@ class Recorder:
             if span is not None:
                 self._count_join("matched", 1)
                 adopt_server_timing(tl, s, span.timing)
-            elif self.join.wants(tl.upstream, compatible=self.upstreams.compatible(tl.upstream)):
+            elif self.join.wants(tl.upstream, compatible=self._compatible(tl)):
                 self._emit_all(self.join.hold(tl.span_id, tl.upstream, (tl, s), now))
                 return s
             else:
                 self.join.recorded(tl.span_id, tl.upstream)
         self._emit(tl, s)
         return s
+
+    def _compatible(self, tl: Timeline) -> bool:
+        """Whether ``tl``'s upstream showed a tracing-capable server; on a route declared ``vllm`` or ``sglang``, an
+        upstream never read is read now and the answer waited for (``FIRST_READ``)."""
+        route = self._routes.get(tl.route)
+        declared = route is not None and (route.provider or "").lower() in TRACING_PROVIDERS
+        return self.upstreams.compatible(tl.upstream, wait=FIRST_READ if declared else 0.0)
 
     def _joinable(self, tl: Timeline) -> bool:
         """Whether a server span of ``tl`` can come: it reached the model, in a sampled trace, with no phase

@@ -1,6 +1,8 @@
 """The upstreams' own load gauges, read from their ``/metrics`` by one thread of the telemetry side.
 
-Started for an upstream once llmtap has two requests in flight to it (only then do its slots matter).
+Started for an upstream once llmtap has two requests in flight to it (only then do its slots matter), or,
+on a route declared ``vllm`` or ``sglang``, when its first request is recorded (``compatible(wait=...)``:
+whether to wait for the server's span of it).
 The first read tells whether it is a vLLM-compatible server (``proxy.analysis.slots``: its gauges of
 running and waiting requests); such a server is read again every ``BUSY`` seconds while it has work
 and every ``IDLE`` seconds otherwise, and its slot count is learned from what it shows. Any other
@@ -23,7 +25,7 @@ from proxy.analysis.slots import SlotLearner, Slots, load
 
 log = logging.getLogger("llmtap.telemetry")
 
-BUSY = 0.5
+BUSY = 0.25
 IDLE = 2.0
 RECHECK = 300.0
 RETRY = 10.0
@@ -41,6 +43,7 @@ class _Watched:
     learner: SlotLearner = field(default_factory=SlotLearner)
     busy: bool = False
     next_at: float = 0.0
+    read: threading.Event = field(default_factory=threading.Event)
 
 
 class UpstreamWatch:
@@ -73,9 +76,19 @@ class UpstreamWatch:
                 self._thread.start()
         self._wake.set()
 
-    def compatible(self, upstream: str) -> bool:
-        """True once ``upstream``'s ``/metrics`` showed the gauges of a vLLM-compatible server."""
+    def compatible(self, upstream: str, wait: float = 0.0) -> bool:
+        """True once ``upstream``'s ``/metrics`` showed the gauges of a vLLM-compatible server.
+
+        ``wait``: an upstream not read yet is watched from now, and its first read waited for, at most that
+        long (so the first requests to a fresh proxy, which may end before anything else starts the watch, are
+        judged as the later ones are).
+        """
         known = self._watched.get(upstream)
+        if wait > 0 and (known is None or not known.read.is_set()):
+            self.watch(upstream)
+            known = self._watched.get(upstream)
+            if known is not None:
+                known.read.wait(wait)
         return known is not None and bool(known.compatible)
 
     def slots(self, upstream: str) -> Slots | None:
@@ -130,6 +143,7 @@ class UpstreamWatch:
             if not failed and watched.compatible is None:
                 watched.compatible = False
             watched.next_at = now + (RETRY if failed or watched.compatible else RECHECK)
+            watched.read.set()
             return
         if not watched.compatible:
             log.info("telemetry: %s shows a vLLM-compatible server; learning its slots from it", watched.url)
@@ -138,3 +152,4 @@ class UpstreamWatch:
         watched.learner.observe(running, waiting)
         watched.busy = running + waiting > 0
         watched.next_at = now + (BUSY if watched.busy else IDLE)
+        watched.read.set()
