@@ -188,36 +188,40 @@ def test_a_stalled_upload_gets_408_and_lets_go_of_its_admission_slot(serve: Serv
 def test_past_the_connection_cap_a_connection_gets_503_and_each_is_counted(serve: Serve) -> None:
     proxy = serve("--max-client-connections", "3", "--keep-alive-timeout", "60")
     assert exported(proxy, REFUSED, "llmtap_refusal_reason", "limit")
-    held = []
-    for _ in range(3):
-        sock = connect(proxy)
-        assert echo(sock).startswith(b"HTTP/1.1 200 ")  # open, and kept alive
-        held.append(sock)
-    refusals = []
-    for _ in range(4):
-        extra = connect(proxy)
-        extra.sendall(b"GET /echo HTTP/1.1\r\nhost: llmtap\r\n\r\n")
-        got, _ = read_until_closed(extra, SLACK)
-        extra.close()
-        refusals.append(got)
-    for got in refusals:
-        assert got.startswith(b"HTTP/1.1 503 "), got
-        assert b"connection: close" in got.lower() and got.endswith(b"too many client connections; retry\n")
-    assert counted(proxy, REFUSED, "llmtap_refusal_reason", "limit", 4) == 4
-    # Logged, at most once per 10 s: four refusals in a burst are one line, with the count so far.
-    lines = [line for line in proxy.logs().splitlines() if "refused a client connection" in line]
-    assert len(lines) == 1 and "max_client_connections is 3" in lines[0], lines
-    # The cap is on connections open now: one closes, the next one is served.
-    held.pop().close()
-    deadline = time.monotonic() + SLACK
-    while True:
-        try:
-            status = httpx.get(proxy.url + "/echo", timeout=SLACK).status_code
-        except httpx.TransportError:
-            status = 0
-        if status == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert status == 200
-    for sock in held:
-        sock.close()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(3):
+            sock = connect(proxy)
+            assert echo(sock).startswith(b"HTTP/1.1 200 ")  # open, and kept alive
+            held.append(sock)
+        refusals = []
+        for _ in range(4):
+            extra = connect(proxy)
+            extra.sendall(b"GET /echo HTTP/1.1\r\nhost: llmtap\r\n\r\n")
+            got, _ = read_until_closed(extra, SLACK)
+            extra.close()
+            refusals.append(got)
+        for got in refusals:
+            assert got.startswith(b"HTTP/1.1 503 "), got
+            assert b"connection: close" in got.lower() and got.endswith(b"too many client connections; retry\n")
+        refused = counted(proxy, REFUSED, "llmtap_refusal_reason", "limit", 4)
+        assert refused == 4, (refused, proxy.logs()[-3000:])
+        # Logged, at most once per 10 s: four refusals in a burst are one line, with the count so far.
+        lines = [line for line in proxy.logs().splitlines() if "refused a client connection" in line]
+        assert len(lines) == 1 and "max_client_connections is 3" in lines[0], lines
+        # The cap is on connections open now: one closes, the next one is served.
+        held.pop().close()
+        deadline = time.monotonic() + SLACK
+        while True:
+            try:
+                status = httpx.get(proxy.url + "/echo", timeout=SLACK).status_code
+            except httpx.TransportError:
+                status = 0
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert status == 200
+    finally:
+        # Closed on a failure too: a socket left to the collector warns in whichever test runs next.
+        for sock in held:
+            sock.close()

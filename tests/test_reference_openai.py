@@ -308,6 +308,16 @@ def run_calls(role: str, receiver: HTTPReceiver, upstream_port: int, tmp: Path) 
                 lambda: total_count(metrics_of(receiver).get(f"llmtap-{role}", {}).get(name)) == len(calls),
                 proxy.proc,
             )
+            # A request's instruments are recorded one after another, and an export can fall between two of them:
+            # the token usage of the last call may come an export later than its duration.
+            usage = "gen_ai.client.token.usage"
+            settled: list[int] = []
+
+            def tokens_settled() -> bool:
+                settled.append(total_count(metrics_of(receiver).get(f"llmtap-{role}", {}).get(usage)))
+                return len(settled) > 10 and len(set(settled[-10:])) == 1  # the same over 1 s, 4 exports
+
+            wait("llmtap's token usage to settle", tokens_settled, proxy.proc)
         truth = {r["id"]: r for r in httpx.get(f"{upstream}/debug/requests", timeout=5).json()["requests"]}
         app, under = by_call()
         children = Counter(
