@@ -107,7 +107,8 @@ class Llmtap:
     def logs(self) -> str:
         return self.log_path.read_text(encoding="utf-8")
 
-    def wait_ready(self, timeout: float = 20.0) -> None:
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        # A deadline, not a bound on start-up: two busy loops on two cores made a start take over 20 s.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.logs()[-3000:]

@@ -60,6 +60,8 @@ class Upstream:
 
     def __init__(self, linger: float = 1.0) -> None:
         self.linger = linger
+        #: Released as each stream's headers go out: the stream holds its slot in llmtap from then on.
+        self.streaming = threading.Semaphore(0)
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
@@ -101,6 +103,7 @@ class Upstream:
                 ).encode()
                 _whole(conn, b"200 OK", answer)
                 return
+            self.streaming.release()
             conn.sendall(
                 b"HTTP/1.1 200 OK\r\n"
                 + CLOSE
@@ -216,9 +219,11 @@ def test_requests_that_never_reached_the_model_report_no_usage(
         missing = post(proxy.port, {**CHAT, "model": "missing", "stream": False})
         assert missing.startswith(b"HTTP/1.1 404"), missing[:200]
         # One stream holds the only slot (it lingers after [DONE]); the next is refused by llmtap itself.
+        while upstream.streaming.acquire(blocking=False):
+            pass  # the module's earlier streams
         holder = threading.Thread(target=post, args=(proxy.port, CHAT))
         holder.start()
-        time.sleep(0.3)
+        assert upstream.streaming.acquire(timeout=30), "the first stream never reached the upstream"
         refused = post(proxy.port, CHAT)
         holder.join()
         assert refused.startswith(b"HTTP/1.1 503"), refused[:200]
