@@ -94,7 +94,11 @@ class Llmtap:
             stdout=subprocess.DEVNULL,
             stderr=self._log,
         )
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.close()  # a start that failed its deadline must not outlive the test
+            raise
 
     @property
     def url(self) -> str:
