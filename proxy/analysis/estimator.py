@@ -133,17 +133,24 @@ class SlotLog:
         #: The most requests seen decoding at one moment: never more than the server's slots.
         self.decoding_peak = 0
 
-    def decoding(self, first: float, end: float) -> int:
-        """A request that streamed from ``first`` to ``end``: how many (itself too) were decoding as it began.
+    def decoding(self, first: float, end: float) -> None:
+        """A request that streamed from ``first`` to ``end``: the peak rises to how many (itself too) were
+        decoding as it began.
 
         A request between its first content chunk and its end holds one of the server's slots, so this is a
         floor under the slot count that llmtap's own clock gives, as soon as two requests overlap; the
-        server's gauges (``proxy.analysis.slots``) may be sampled too seldom to catch that.
+        server's gauges (``proxy.analysis.slots``) may be sampled too seldom to catch that. The log is in the
+        order requests ended, so the walk back stops at the first that ended before this one began (one out of
+        order is missed at worst, which only keeps the floor lower).
         """
-        together = 1 + sum(1 for f, e in self._decoding if f <= first <= e)
+        together = 1
+        for f, e in reversed(self._decoding):
+            if e < first:
+                break
+            if f <= first:
+                together += 1
         self._decoding.append((first, end))
         self.decoding_peak = max(self.decoding_peak, together)
-        return together
 
     def add(self, seq: int, end: float) -> None:
         """A request to this upstream ended (its slot is free again)."""
@@ -196,7 +203,7 @@ class Estimator:
         """Record ``tl``'s decode (first content to end) and return the most requests to its upstream seen
         decoding at once (``SlotLog.decoding``); 0 when nothing was timed yet."""
         up = self._upstream(tl.upstream)
-        if tl.first_content is not None and tl.end is not None and tl.sent is not None:
+        if tl.first_content is not None and tl.end is not None:
             up.log.decoding(tl.first_content, tl.end)
         return up.log.decoding_peak
 

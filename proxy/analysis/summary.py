@@ -238,14 +238,11 @@ def _phases(tl: Timeline, s: Summary, estimator: Estimator | None, route: Route 
     if estimator is not None:
         # Always observed, even when the server reports its timings: the slot replay needs every end.
         configured = route.server_slots if route is not None else None
-        if configured is None and learned is not None:
+        peak = estimator.decoding_peak(tl)
+        if configured is None and learned is not None and peak > learned.slots:
             # The gauges' peak, raised to the most requests llmtap saw decoding at once (a floor as well; not
             # confirmed by the gauges at that count, so no confidence).
-            peak = estimator.decoding_peak(tl)
-            if peak > learned.slots:
-                learned = Slots(peak, learned.source, 0.0)
-        else:
-            estimator.decoding_peak(tl)
+            learned = Slots(peak, learned.source, 0.0)
         s.slots = Slots(configured, CONFIGURED, 1.0) if configured is not None else learned
         rate = route.prefill_rate if route is not None else None
         split = estimator.observe(tl, uncached, slots=s.slots.slots if s.slots else None, rate=rate)
