@@ -8,8 +8,9 @@ time are printed; the exit status is 0 only when every run passed.
     python -m tests.stress --runs 5                      # the README's pytest command, five times
     python -m tests.stress --runs 3 -- tests/test_e2e.py  # arguments after -- go to pytest instead
 
-The busy loops stop when the runs end (and by themselves after ``--max-hours``, should this process be
-killed before it can stop them).
+The busy loops stop when the runs end; should this process be killed (even with SIGKILL) they notice that
+their parent is gone and stop within a fraction of a second, and in any case after ``--max-hours``. A
+SIGTERM or SIGINT also stops the pytest run under way.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,12 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def spin(deadline: float) -> None:
-    """Burn one core until the monotonic clock passes ``deadline``."""
+def spin(deadline: float, parent: int) -> None:
+    """Burn one core until the monotonic clock passes ``deadline`` or process ``parent`` is gone."""
     n = 0
-    while time.monotonic() < deadline:
-        for _ in range(10_000):
+    while time.monotonic() < deadline and os.getppid() == parent:
+        for _ in range(100_000):
             n += 1
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
     context = multiprocessing.get_context("spawn")
     deadline = time.monotonic() + args.max_hours * 3600
-    loops = [context.Process(target=spin, args=(deadline,), daemon=True) for _ in range(args.busy)]
+    loops = [context.Process(target=spin, args=(deadline, os.getpid()), daemon=True) for _ in range(args.busy)]
+    signal.signal(signal.SIGTERM, _stop)
     for loop in loops:
         loop.start()
     results: list[tuple[int, float]] = []

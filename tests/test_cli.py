@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from proxy import __version__
-from tests.conftest import Scripted, free_port
+from tests.conftest import PATIENCE, Scripted, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
@@ -108,7 +108,7 @@ def test_version() -> None:
 
 def wait_ready(proc: subprocess.Popen[str], admin: str) -> None:
     """Poll ``/readyz`` until 200, failing early if the process exits."""
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + PATIENCE
     while time.monotonic() < deadline:
         assert proc.poll() is None, "llmtap exited before it was ready"
         try:
@@ -147,7 +147,7 @@ def test_serve_stream_metrics_and_sigterm(upstream: Scripted) -> None:
 
         # The recorder writes after the stream ends, off the request path: poll briefly.
         count = None
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + PATIENCE
         while count is None and time.monotonic() < deadline:
             for line in httpx.get(admin + "/metrics", timeout=5).text.splitlines():
                 if line.startswith("gen_ai_client_operation_duration_seconds_count{") and 'model="scripted"' in line:

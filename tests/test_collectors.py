@@ -31,7 +31,7 @@ from yamllint import linter  # type: ignore[import-untyped]
 from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
 
 from proxy.telemetry import semconv as sc
-from tests.conftest import Scripted, free_port, require_real
+from tests.conftest import PATIENCE, Scripted, free_port, require_real
 from tests.scripted_upstream import script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +73,7 @@ class Proc:
     def tail(self) -> str:
         return self.output()[-3000:]
 
-    def wait_until(self, what: str, ready: Callable[[], bool], timeout: float = 20.0) -> None:
+    def wait_until(self, what: str, ready: Callable[[], bool], timeout: float = PATIENCE) -> None:
         """Poll ``ready`` until it holds; fail with the process's output if it dies or time runs out."""
         deadline = time.monotonic() + timeout
         while not ready():
@@ -564,7 +564,7 @@ def test_rotel_receives_llmtap_spans_and_metrics(
             counts = [int(p.fields.get("Count", 0)) for p in got.latest(RELEASED_TTFC)]
             return len(roots) == REQUESTS and sum(counts) == REQUESTS
 
-        rotel_stack.sink.wait_until(f"{REQUESTS} traces and metrics from {service}", arrived, timeout=20)
+        rotel_stack.sink.wait_until(f"{REQUESTS} traces and metrics from {service}", arrived, timeout=PATIENCE)
     finally:
         proxy.proc.close()
     got = received(rotel_stack.sink.output(), service)

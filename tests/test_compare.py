@@ -30,7 +30,7 @@ from proxy.analysis.compare import MIN_GAIN_MS, Side, analyze
 from proxy.analysis.stats import Distribution, quantile, quantile_estimate
 from proxy.simulator.text import Vocabulary
 from proxy.telemetry.records import SCHEMA_KEY
-from tests.conftest import free_port, require_real
+from tests.conftest import PATIENCE, free_port, require_real
 from tests.test_prometheus import histogram_quantile
 
 ROOT = Path(__file__).parent.parent
@@ -232,7 +232,7 @@ WORKLOADS = {"support": (5250, 950), "code": (120, 80)}  # unchanging and variab
 
 
 def wait_until_up(url: str, proc: subprocess.Popen[bytes], what: str, log: Path | None = None) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + PATIENCE
     while True:
         try:
             if httpx.get(url, timeout=1).status_code == 200:
@@ -324,7 +324,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         wait_until_up(f"http://127.0.0.1:{admin}/readyz", procs[-1], "the proxy", tmp / "proxy.log")
         sent = asyncio.run(drive(f"http://127.0.0.1:{port}"))
         # The records of the last requests are written by the proxy's worker just after their streams end.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE
         while not records.exists() or records.read_text().count("\n") < sent:
             assert time.monotonic() < deadline, "the proxy did not write every record"
             time.sleep(0.05)
@@ -398,7 +398,7 @@ def test_compare_over_prometheus(stack: Stack, tmp_path: Path) -> None:
     try:
         wait_until_up(url + "/-/ready", proc, "Prometheus")
         query = 'sum(llmtap_requests_total{llmtap_route="support",llmtap_prompt_version=~"v1|v2"})'
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + PATIENCE
         while True:
             result = httpx.get(url + "/api/v1/query", params={"query": query}).json()["data"]["result"]
             if result and float(result[0]["value"][1]) >= 2 * PER_SIDE:

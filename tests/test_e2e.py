@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from proxy.settings import build
 from proxy.telemetry import semconv as sc
-from tests.conftest import Running, Scripted, Telemetry
+from tests.conftest import PATIENCE, Running, Scripted, Telemetry
 
 pytestmark = pytest.mark.e2e
 
@@ -281,7 +281,7 @@ def test_client_disconnect_cancels_upstream(proxy: Running, scripted: Scripted, 
     with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
         for _ in r.iter_raw():
             break
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + PATIENCE
     while time.monotonic() < deadline:
         now = httpx.get(scripted.url + "/active").json()
         if now["active"] == before["active"]:

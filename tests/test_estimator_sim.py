@@ -26,7 +26,7 @@ import pytest
 from proxy.settings import build
 from proxy.simulator import get_profile
 from proxy.telemetry import semconv as sc
-from tests.conftest import Running, Telemetry, free_port
+from tests.conftest import PATIENCE, Running, Telemetry, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +56,7 @@ def simulator() -> Iterator[str]:
     proc = subprocess.Popen([sys.executable, "-c", SERVE, str(port)], stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + PATIENCE
         while True:
             try:
                 if httpx.get(url + "/v1/models", timeout=1).status_code == 200:

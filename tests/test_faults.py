@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from proxy.settings import build
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.setup import ExportGate
-from tests.conftest import Running, Telemetry, free_port, unanswered_port
+from tests.conftest import PATIENCE, Running, Telemetry, free_port, unanswered_port
 from tests.fault_upstream import SMUGGLED
 from tests.procs import FaultUpstream, Llmtap, metric_value, tcp_queues, upstream as upstream  # the fixture
 
@@ -242,7 +242,7 @@ class Simulator:
         self.url = f"http://127.0.0.1:{self.port}"
         # One kept-alive client: polling must cost far less than the 100 ms it measures.
         self.client = httpx.Client(base_url=self.url, timeout=2)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + PATIENCE
         while True:
             with contextlib.suppress(httpx.TransportError):
                 if self.client.get("/debug/requests?limit=1").status_code == 200:

@@ -18,7 +18,7 @@ from proxy.settings import ConfigError, Route, Settings, Telemetry as TelemetryS
 from proxy.telemetry import forward, semconv as sc
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.recorder import Recorder
-from tests.conftest import Scripted, ServerThread, Telemetry
+from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry
 from tests.test_otlp import OTEL_ENV, GRPCReceiver, HTTPReceiver, Llmtap, Received, attributes
 from tests.test_serverspans import TRACE, UPSTREAM, counter, span_bytes
 
@@ -65,7 +65,7 @@ def make_admin(telemetry: Telemetry) -> Iterator[Callable[..., tuple[Recorder, s
 
 
 def wait_for(received: Received, count: int) -> None:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE
     while time.monotonic() < deadline:
         with received.lock:
             if len(received.traces) >= count:
@@ -141,7 +141,7 @@ def test_a_backend_that_never_answers_delays_no_answer_and_drops_are_counted(
         assert forwarder is not None
         with httpx.Client(timeout=10) as client:
             assert client.post(admin, content=vllm_export("b7ad6b7169203331"), headers=PROTOBUF).status_code == 200
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + PATIENCE
             while forwarder.queued and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert forwarder.queued == 0  # the sender took it and waits on the backend
@@ -207,7 +207,7 @@ def test_llmtap_serve_shows_the_servers_span_under_its_own_at_the_backend(tmp_pa
         with proxy.client.stream("POST", "/v1/chat/completions", json=chat) as answer:
             assert answer.status_code == 200
             answer.read()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + PATIENCE
         while not [s for _, s in backend.received.spans() if s.name == "chat scripted"]:
             assert time.monotonic() < deadline, proxy.logs()
             time.sleep(0.05)

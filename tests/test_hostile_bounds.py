@@ -39,6 +39,7 @@ from proxy.telemetry.recorder import MAX_QUEUED_BYTES, Recorder
 from proxy.telemetry.records import SCHEMA_KEY, ReadStats, RecordWriter, read_records
 from proxy.telemetry.tap import MAX_INFLATED_BYTES, Tap
 from proxy.types import Usage
+from tests.conftest import PATIENCE
 from tests.fault_upstream import WORDS, chat_chunk, usage_event
 from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 from tests.test_hostile import relay
@@ -172,7 +173,7 @@ def test_a_full_disk_is_said_once_and_every_lost_record_counted(upstream: FaultU
             with httpx.stream("POST", proxy.url + "/v1/chat/completions", json={"model": "m", "stream": True}) as r:
                 r.read()
             time.sleep(0.1)  # let the telemetry process go idle, so it tries to write each record on its own
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + PATIENCE
         while True:
             lost = metric_value(
                 proxy.metrics(), "llmtap_telemetry_records_dropped_total", llmtap_telemetry_reason="no_space"

@@ -23,6 +23,7 @@ from bench.procs import LoopbackHTTPServer
 from proxy.labels import LABEL_CAP, OTHER, LabelGuard, clean
 from proxy.settings import ConfigError, build
 from proxy.telemetry import semconv as sc
+from tests.conftest import PATIENCE
 from tests.procs import Llmtap, metric_value
 from tests.test_live import sse
 from tests.test_otlp import HTTPReceiver, attributes
@@ -155,7 +156,7 @@ def test_a_lone_surrogate_or_a_nul_becomes_a_replacement_character_everywhere(
     assert "\ufffdbad" in label_values(text, "error_type")
 
     # OTLP: the spans of all three arrive (one bad string would fail their whole batch), cleaned.
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + PATIENCE
     while True:
         roots = {s.name: s for _, s in receiver.received.spans() if s.name.startswith("chat ")}
         if len(roots) >= 3:
@@ -172,7 +173,7 @@ def test_a_lone_surrogate_or_a_nul_becomes_a_replacement_character_everywhere(
     assert attributes(failed.attributes)[sc.ERROR_TYPE] == "\ufffdbad"
     assert failed.status.message == "\ufffdbad refused"
     # OTLP metrics: the export goes through, with the replaced label.
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + PATIENCE
     while True:
         metric = receiver.received.latest_metrics().get(sc.RELEASED.operation_duration)
         models = (

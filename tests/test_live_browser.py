@@ -39,7 +39,7 @@ from proxy.settings import SLO, Route, Settings
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.prometheus import PrometheusReader
-from tests.conftest import ServerThread, require_real
+from tests.conftest import PATIENCE, ServerThread, require_real
 from tests.test_live import HISTOGRAMS, prom_buckets, prom_sum
 from tests.test_prometheus import histogram_quantile
 
@@ -274,7 +274,7 @@ def compare(stack: Stack, view: dict[str, Any]) -> int:
     return total
 
 
-def wait_until(page: Any, predicate: str, timeout: float = 5.0) -> None:
+def wait_until(page: Any, predicate: str, timeout: float = PATIENCE) -> None:
     """Poll a JavaScript function until it returns true (the page's CSP forbids the eval of ``wait_for_function``)."""
     deadline = time.monotonic() + timeout
     while not page.evaluate(predicate):

@@ -21,7 +21,7 @@ import pytest
 
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS
-from tests.conftest import Scripted
+from tests.conftest import PATIENCE, Scripted
 from tests.procs import ROOT, Llmtap
 from tests.test_otlp import HTTPReceiver
 
@@ -87,7 +87,7 @@ def chat(proxy: Llmtap) -> None:
         assert [line for line in r.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
 
 
-def wait_for(what: str, check: Callable[[], bool], proxy: Llmtap, timeout: float = 15.0) -> None:
+def wait_for(what: str, check: Callable[[], bool], proxy: Llmtap, timeout: float = PATIENCE) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{proxy.logs()[-3000:]}"

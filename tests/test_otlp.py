@@ -41,7 +41,7 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from bench.procs import LoopbackHTTPServer
-from tests.conftest import Scripted, free_port
+from tests.conftest import PATIENCE, Scripted, free_port
 from tests.scripted_upstream import script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,7 +234,7 @@ class Llmtap:
         return self.log_path.read_text(encoding="utf-8")[-4000:]
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + PATIENCE
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.logs()
             try:
@@ -273,7 +273,7 @@ def upstream() -> Iterator[Scripted]:
     up.close()
 
 
-def wait_for(what: str, check: Callable[[], bool], proxy: Llmtap, timeout: float = 10.0) -> None:
+def wait_for(what: str, check: Callable[[], bool], proxy: Llmtap, timeout: float = PATIENCE) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:

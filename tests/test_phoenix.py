@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from proxy.telemetry import semconv as sc
-from tests.conftest import TOOLS, Scripted, free_port, require_real
+from tests.conftest import PATIENCE, TOOLS, Scripted, free_port, require_real
 from tests.test_collectors import (
     CHUNKS,
     ROTEL_ENV,
@@ -109,7 +109,7 @@ def send_and_read_back(
         with httpx.Client(timeout=10) as client:
             for _ in range(REQUESTS):
                 assert stream_chat(client, proxy.url)[-1] == "[DONE]"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PATIENCE
         while len(spans := phoenix.spans(project)) < REQUESTS * SPANS_PER_TRACE:
             assert time.monotonic() < deadline, f"{len(spans)} spans in Phoenix project {project}:\n{proxy.proc.tail()}"
             time.sleep(0.25)
@@ -215,7 +215,7 @@ def test_phoenix_counts_one_generation_under_an_instrumented_application(phoenix
             assert client.returncode == 0, client.stderr[-4000:]
             calls = [json.loads(line) for line in client.stdout.splitlines()]
             app_ids = {c["span_id"] for c in calls}
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + PATIENCE
             while True:
                 spans = phoenix.spans(project)
                 # llmtap's span under each call (the application nests a call made while a stream is open under

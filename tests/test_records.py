@@ -22,7 +22,7 @@ from proxy.settings import ConfigError, Records, Route, Settings, build
 from proxy.simulator import get_profile, run_in_thread
 from proxy.telemetry.recorder import Recorder
 from proxy.telemetry.records import SCHEMA_KEY, ReadStats, RecordWriter, read_records, record_files
-from tests.conftest import Telemetry, free_port
+from tests.conftest import PATIENCE, Telemetry, free_port
 from tests.test_recorder import timeline
 
 CANARY_PROMPT = "canary-prompt-7f3a9"
@@ -216,7 +216,7 @@ def test_serve_writes_records_until_it_stops(sim: str, tmp_path: Path) -> None:
     env = {**os.environ, "OTEL_SDK_DISABLED": "true"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PATIENCE
         while True:
             try:
                 if httpx.get(f"http://127.0.0.1:{admin}/readyz", timeout=1).status_code == 200:

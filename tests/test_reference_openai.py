@@ -33,7 +33,7 @@ import pytest
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from tests.conftest import TOOLS, free_port, require_real
+from tests.conftest import PATIENCE, TOOLS, free_port, require_real
 from tests.test_collectors import Proc, clean_env, listening, start_llmtap
 from tests.test_otlp import HTTPReceiver, attributes
 
@@ -260,7 +260,7 @@ def total_count(metric: Metric | None) -> int:
     return sum(p.count for _, p in points(metric))
 
 
-def wait(what: str, check: Callable[[], bool], proc: Proc, timeout: float = 30.0) -> None:
+def wait(what: str, check: Callable[[], bool], proc: Proc, timeout: float = PATIENCE) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, f"no {what} within {timeout:g} s:\n{proc.tail()}"

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import PATIENCE
 from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
 
@@ -55,7 +56,7 @@ def everything_exported(proxy: Llmtap, receiver: HTTPReceiver, records: Path) ->
 
 
 def wait_exported(receiver: HTTPReceiver, count: int) -> None:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE
     while len([s for _, s in receiver.received.spans() if "llmtap.route" in attributes(s.attributes)]) < count:
         assert time.monotonic() < deadline, "spans did not arrive"
         time.sleep(0.05)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Scripted
+from tests.conftest import PATIENCE, Scripted
 from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 
 pytestmark = pytest.mark.e2e
@@ -61,7 +61,7 @@ async def test_a_full_line_and_a_long_wait_are_refused_with_429(upstream: FaultU
                 answers = [other, await waiting]
                 assert not holding.is_closed  # the slot was held all along: nothing was let in
             # The counts reach /metrics through the telemetry process: wait for them, with a deadline.
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + PATIENCE
             while True:
                 metrics = (await client.get(proxy.admin_url + "/metrics")).text
                 if metric_value(metrics, "llmtap_queue_rejected_total") >= 2 or time.monotonic() > deadline:

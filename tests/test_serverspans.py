@@ -25,7 +25,7 @@ from proxy.telemetry.recorder import Recorder
 from proxy.telemetry.serverspans import MAX_BODY_BYTES, PROBE, BadBody, Join, ServerSpan, inflate, parse
 from proxy.telemetry.upstreams import UpstreamWatch
 from proxy.types import ServerTiming
-from tests.conftest import ServerThread, Telemetry
+from tests.conftest import PATIENCE, ServerThread, Telemetry
 from tests.test_recorder import timeline
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -223,7 +223,7 @@ def test_upstream_watch_learns_slots_from_the_upstreams_metrics(metrics_server: 
     try:
         watch.watch(url)
         watch.watch("https://api.example.com")  # not read: hosted APIs have no such page
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE
         while (watch.slots(url) is None or watch.slots(url).confidence < 0.75) and time.monotonic() < deadline:  # type: ignore[union-attr]
             time.sleep(0.05)
         slots = watch.slots(url)
@@ -256,7 +256,7 @@ def test_upstream_watch_says_a_server_without_the_gauges_is_not_compatible(
     watch = UpstreamWatch()
     try:
         watch.watch(url)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE
         while watch._watched[url].compatible is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert watch._watched[url].compatible is False and watch.slots(url) is None
@@ -305,7 +305,7 @@ def counter(telemetry: Telemetry, name: str, key: str) -> dict[str, int]:
 
 def test_recorder_waits_for_the_server_span_and_takes_its_phases(recorder: Recorder, telemetry: Telemetry) -> None:
     recorder.record_timeline(traced("b7ad6b7169203331"))
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + PATIENCE
     while recorder.join.held == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert recorder.join.held == 1 and root_attributes(telemetry) == []  # waiting: nothing written yet

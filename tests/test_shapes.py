@@ -43,7 +43,7 @@ from proxy.telemetry.instruments import create
 from proxy.telemetry.live.window import SLOWEST, floor_ms
 from proxy.telemetry.metrics import _record_samples
 from proxy.telemetry.prometheus import PrometheusReader, wants_openmetrics
-from tests.conftest import ServerThread, require_real
+from tests.conftest import PATIENCE, ServerThread, require_real
 
 # -- shapes and objectives from the configuration -------------------------------------------------
 
@@ -505,7 +505,7 @@ def test_an_exemplar_of_the_slowest_bucket_is_a_trace_the_waterfall_shows(tmp_pa
             selector = (
                 'llmtap_time_to_first_token_seconds_bucket{llmtap_route="support",llmtap_request_shape="long_prompt"}'
             )
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + PATIENCE
             while True:
                 params = {"query": selector, "start": f"{time.time() - 600:.3f}", "end": f"{time.time() + 60:.3f}"}
                 answer = httpx.get(f"{base}/api/v1/query_exemplars", params=params, timeout=10).json()

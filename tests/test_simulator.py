@@ -29,6 +29,7 @@ from proxy.analysis import tokens
 from proxy.simulator import PROFILES, Profile, get_profile, run_in_thread
 from proxy.simulator.cache import PrefixCache
 from proxy.simulator.text import Vocabulary, block_hashes
+from tests.conftest import PATIENCE
 
 # Recorded from vLLM 0.32 (/work/shared/data/transcripts/vllm-0.32-cpu/README.md); the copy beside the
 # tests wins over the shared one.
@@ -634,7 +635,7 @@ def test_serve_runs_in_its_own_process() -> None:
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + PATIENCE
             while True:
                 try:
                     if client.get("/health").status_code == 200:

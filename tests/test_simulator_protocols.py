@@ -28,7 +28,7 @@ from proxy.simulator import get_profile, run_in_thread
 from proxy.simulator.text import Vocabulary
 from proxy.sse import decoder_for
 from proxy.types import Facts
-from tests.conftest import free_port
+from tests.conftest import PATIENCE, free_port
 from tests.procs import ROOT, Llmtap
 
 TRANSCRIPTS = Path(__file__).parent / "transcripts"
@@ -320,7 +320,7 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
     sim_url = f"http://127.0.0.1:{port}"
     proxy: Llmtap | None = None
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + PATIENCE
         while True:
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(sim_url + "/health", timeout=1).status_code == 200:
@@ -337,7 +337,7 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
                     r = client.post(p.stream_path if stream else p.path, json=p.body(prompt, stream))
                     assert r.status_code == 200, (p.name, r.text[:500])
                     sent += 1
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + PATIENCE
         while True:
             lines = records.read_text().splitlines() if records.exists() else []
             if len(lines) >= sent or time.monotonic() > deadline:

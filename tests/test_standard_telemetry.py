@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from proxy.telemetry import semconv as sc
+from tests.conftest import PATIENCE
 from tests.procs import Llmtap
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
 
@@ -178,7 +179,7 @@ def _complete(data: bytes) -> bool:
     return body.endswith(b"0\r\n\r\n")
 
 
-def root_spans(receiver: HTTPReceiver, count: int, timeout: float = 15.0) -> list[dict[str, Any]]:
+def root_spans(receiver: HTTPReceiver, count: int, timeout: float = PATIENCE) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     while True:
         found = [attributes(s.attributes) | {"_name": s.name, "_kind": s.kind} for _, s in receiver.received.spans()]
@@ -274,7 +275,9 @@ def test_under_a_traced_client_llmtaps_span_is_the_hop(
     assert (root[sc.INPUT_TOKENS], root[sc.OUTPUT_TOKENS], root[sc.HOP_REQUEST_MODEL]) == (11, 3, "std")
 
 
-def _metric_points(receiver: HTTPReceiver, name: str, timeout: float = 10.0) -> list[tuple[dict[str, Any], int, float]]:
+def _metric_points(
+    receiver: HTTPReceiver, name: str, timeout: float = PATIENCE
+) -> list[tuple[dict[str, Any], int, float]]:
     """(attributes, count, sum) of each point of histogram ``name`` in the newest export that has it."""
     deadline = time.monotonic() + timeout
     while True:

@@ -12,7 +12,7 @@ import pytest
 
 from proxy.relay.server import startup_lines
 from proxy.settings import build
-from tests.conftest import Scripted
+from tests.conftest import PATIENCE, Scripted
 from tests.procs import Llmtap
 
 pytestmark = pytest.mark.e2e
@@ -36,7 +36,7 @@ def test_startup_says_where_everything_is_and_the_access_log_has_each_request(
             body = "".join(r.iter_text())
         assert "[DONE]" in body
         r = httpx.get(proxy.url + "/no/such/path", timeout=10)  # the upstream answers 404: a line too
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE
         lines: list[str] = []
         while len(lines) < 2 and time.monotonic() < deadline:  # written after playback, off the relay's path
             lines = access.read_text(encoding="utf-8").splitlines() if access.exists() else []

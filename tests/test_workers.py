@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from proxy.telemetry.prometheus import merge_metrics
-from tests.conftest import Scripted, free_port, require_real
+from tests.conftest import PATIENCE, Scripted, free_port, require_real
 
 ROOT = Path(__file__).parent.parent
 COUNT = "llmtap_time_to_first_token_seconds_count"  # by route (the gen_ai.* one carries no route)
@@ -116,8 +116,8 @@ def _serve(argv: list[str], tmp_path: Path) -> subprocess.Popen[str]:
 
 
 def _ready(proc: subprocess.Popen[str], admin: str) -> str:
-    """Wait (30 s at most) until the admin listener's ``/readyz`` answers 200; return its text."""
-    deadline = time.monotonic() + 30
+    """Wait (PATIENCE at most) until the admin listener's ``/readyz`` answers 200; return its text."""
+    deadline = time.monotonic() + PATIENCE
     while True:
         assert proc.poll() is None, "llmtap exited before it was ready"
         try:
@@ -159,7 +159,7 @@ def test_two_relays_share_the_port_and_one_telemetry_process_counts_all(upstream
             with httpx.Client(timeout=10) as client:
                 r = client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
                 assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE
         while _merged_count(admin) < requests and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _merged_count(admin) == requests
@@ -167,7 +167,7 @@ def test_two_relays_share_the_port_and_one_telemetry_process_counts_all(upstream
         # A relay killed outright is started again, and the server stays whole.
         victim = next(pid for pid in children if _comm(pid) == "llmtap-relay")
         os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PATIENCE
         while True:
             children = _children(proc.pid)
             if victim not in children and len(children) == 3 and httpx.get(admin + "/readyz").status_code == 200:
@@ -238,7 +238,7 @@ def test_two_telemetry_processes_share_the_upstreams_and_one_scrape_adds_them_up
             for prefix in ("", "/b", "", "/b", ""):
                 r = client.post(f"http://127.0.0.1:{port}{prefix}/v1/chat/completions", json=body)
                 assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE
         while _merged_count(admin) < 5 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _merged_count(admin) == 5

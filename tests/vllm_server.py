@@ -35,7 +35,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from tests.conftest import TOOLS, free_port, require_real
+from tests.conftest import PATIENCE, TOOLS, free_port, require_real
 
 VENV = TOOLS / "vllm"
 MODELS = TOOLS / "models"
@@ -292,7 +292,7 @@ class VllmServer:
         r.raise_for_status()
         return Scrape.parse(r.text)
 
-    def scrape_after(self, before: Scrape, finished: int, timeout: float = 10.0) -> Scrape:
+    def scrape_after(self, before: Scrape, finished: int, timeout: float = PATIENCE) -> Scrape:
         """A scrape taken once ``finished`` more requests have been counted since ``before``."""
         deadline = time.monotonic() + timeout
         while True:
@@ -303,7 +303,7 @@ class VllmServer:
                 return now
             time.sleep(0.1)
 
-    def request_spans(self, trace_ids: Sequence[str], timeout: float = 15.0) -> dict[str, ServerSpan]:
+    def request_spans(self, trace_ids: Sequence[str], timeout: float = PATIENCE) -> dict[str, ServerSpan]:
         """vLLM's ``llm_request`` span for each trace id, waiting for the exporter's batches."""
         wanted = set(trace_ids)
         deadline = time.monotonic() + timeout
