@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -253,6 +254,24 @@ class Stack:
     admin: str
     records: Path
     requests: int
+    #: Each simulator's own records (``/debug/requests``) of the traffic, in the order the requests arrived.
+    truth: dict[str, list[dict[str, Any]]]
+
+    def server_ttft(self, route: str, side: str) -> list[float]:
+        """The simulator's own TTFT (arrival to first token) of one side's requests, warm-ups left out.
+
+        The phases run one after the other, each a warm-up and then ``PER_SIDE`` requests: v1 first, then v2.
+        """
+        records = self.truth[route]
+        assert len(records) == 2 * (PER_SIDE + 1), len(records)
+        start = 1 if side == "before" else PER_SIDE + 2
+        return [r["first_token"] - r["arrival"] for r in records[start : start + PER_SIDE]]
+
+    def planned_prefill(self, route: str, side: str) -> list[float]:
+        """The prefill the simulator's profile set for each of one side's requests (its uncached tokens)."""
+        records = self.truth[route]
+        start = 1 if side == "before" else PER_SIDE + 2
+        return [r["prefill_plan_s"] for r in records[start : start + PER_SIDE]]
 
 
 async def drive(base: str) -> int:
@@ -328,7 +347,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         while not records.exists() or records.read_text().count("\n") < sent:
             assert time.monotonic() < deadline, "the proxy did not write every record"
             time.sleep(0.05)
-        yield Stack(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", records, sent)
+        truth = {}
+        for profile, sim_port in sims.items():
+            answer = httpx.get(f"http://127.0.0.1:{sim_port}/debug/requests", timeout=PATIENCE).json()
+            truth[profile] = sorted(answer["requests"], key=lambda r: r["arrival"])
+        yield Stack(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", records, sent, truth)
     finally:
         for proc in reversed(procs):
             proc.send_signal(signal.SIGTERM)
@@ -354,10 +377,22 @@ def test_support_assistant_shows_the_caching_gain(stack: Stack) -> None:
     before, after = data["before"], data["after"]
     print("support:", data["verdict"])
     assert before["requests"] == after["requests"] == PER_SIDE and before["errors"] == after["errors"] == 0
-    # 6,200 tokens read at 7,950 tokens/s; then 952 uncached tokens (the unchanging part cached). The
-    # slack is the proxy's and the simulator's own milliseconds on a shared 2-core machine.
-    assert within(before["ttft"]["p50"]["value"], 0.781, slack=0.01), before["ttft"]
-    assert within(after["ttft"]["p50"]["value"], 0.121, slack=0.01), after["ttft"]
+    # The course's figures are the simulator's plan: 6,200 tokens read at 7,950 tokens/s; then 952 uncached
+    # tokens (the unchanging part cached).
+    assert within(statistics.median(stack.planned_prefill("support", "before")), 0.781)
+    assert within(statistics.median(stack.planned_prefill("support", "after")), 0.121)
+    # What the proxy measured is the server's own TTFT of the same requests and the hop to the proxy: never
+    # earlier, and late by far less than the gain it reports. A busy machine makes the simulator late to its
+    # plan (seen: 218 ms for the planned 121 ms under two busy loops), the server's figures and the proxy's alike.
+    gain = statistics.median(stack.server_ttft("support", "before")) - statistics.median(
+        stack.server_ttft("support", "after")
+    )
+    assert gain > 0.5, gain  # 0.66 s planned
+    for side, measured in (("before", before), ("after", after)):
+        server = statistics.median(stack.server_ttft("support", side))
+        proxy = measured["ttft"]["p50"]["value"]
+        print(f"support {side}: TTFT p50 {1000 * proxy:.0f} ms at the proxy, {1000 * server:.0f} ms at the server")
+        assert server - 0.001 <= proxy < server + gain / 4, (side, proxy, server, gain)
     change = data["change"]["ttft_p50"]
     assert change["seconds"]["high"] < 0 and change["relative"]["high"] < 0  # the interval excludes zero
     assert before["cached_share"] == 0 and after["cached_share"] > 0.8
