@@ -4,7 +4,8 @@
 (``tests/test_soak_smoke.py``). The upstream is ``tests/fault_upstream.py``: normal streams and bodies,
 upstream faults (resets, hang-ups, stalls cut by the idle timeout, bodies shorter or longer than their
 Content-Length, 500s, repeated usage), clients that leave mid-stream and clients that read slowly, and an
-OTLP collector that refuses a third of the exports. It reports and checks:
+OTLP collector that refuses a third of the exports (half of those with 503, which the exporter retries, half
+with 400, which it does not: those spans are lost and must be counted). It reports and checks:
 
 * every response's bytes against the sha256 of what the upstream wrote (a prefix of it when the upstream
   reset the connection, since the kernel drops what was not yet read): ``bytes_lost`` must be 0;
@@ -142,7 +143,8 @@ class _Flaky(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("content-length", "0")))
         server: FlakyCollector = self.server  # type: ignore[assignment]
         server.exports += 1
-        self.send_response(503 if server.exports % 3 == 0 else 200)
+        # Every third export refused: 503 (retried, so usually delivered) and 400 (final: the spans are lost)
+        self.send_response({3: 503, 0: 400}.get(server.exports % 6, 200))
         self.send_header("content-type", "application/x-protobuf")
         self.send_header("content-length", "0")
         self.end_headers()
@@ -152,7 +154,7 @@ class _Flaky(BaseHTTPRequestHandler):
 
 
 class FlakyCollector(LoopbackHTTPServer):
-    """OTLP/HTTP that answers every third export with 503."""
+    """OTLP/HTTP that refuses every third export, with 503 and 400 in turn."""
 
     def __init__(self) -> None:
         self.exports = 0

@@ -155,8 +155,21 @@ def test_sigterm_with_a_dead_collector_exits_within_the_flush_bound(upstream: Fa
         proxy.terminate()
         end = exited(proxy, 15)
         took = end - signalled
-        print(f"\nSIGTERM with a dead collector: exited in {took:.2f} s (flush bound 2 s)")
-        assert took < 3.5, took
+        # The control: the same proxy with no collector at all, its exit timed the same way in the same test. A
+        # wait past the flush bound for the exporter's 10 s of retries shows however slow the machine is.
+        control = Llmtap(upstream.url, tmp_path / "control.log", "--flush-timeout", "2")
+        try:
+            with httpx.Client(base_url=control.url, timeout=10) as client:
+                for _ in range(20):
+                    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+            time.sleep(0.3)
+            signalled = time.monotonic()
+            control.terminate()
+            plain = exited(control, 15) - signalled
+        finally:
+            control.close()
+        print(f"\nSIGTERM with a dead collector: exited in {took:.2f} s (flush bound 2 s; no collector: {plain:.2f} s)")
+        assert took < 2.0 + plain + max(1.0, plain), (took, plain)
         assert proxy.proc.returncode == 0
         assert "spans dropped" in proxy.logs()
     finally:

@@ -47,6 +47,8 @@ def test_soak_smoke_60s(tmp_path: Path) -> None:
     assert all(n <= 0 for n in result["leaked"].values()), result["leaked"]
     assert result["client_connections_left"] == 0
     assert abs(result["rss_growth_pct"]) <= 10.0
-    assert result["spans_dropped"] > 0  # the flaky collector refused exports, and they were counted
+    # The collector's 400s are final: those spans are lost, and counted (its 503s are retried, and a retry that
+    # lands loses nothing, so on a busy machine with fewer, smaller exports they alone may drop none).
+    assert result["spans_dropped"] > 0
     assert result["proxy_exit_code"] == 0, log
     assert result["pass"] and done.returncode == 0
