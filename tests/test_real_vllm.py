@@ -355,7 +355,7 @@ def test_vllm_truth_is_consistent(slots_run: Run) -> None:
     assert slots_run.delta("vllm:request_queue_time_seconds_sum") > 1.0
 
 
-def assert_sums_cover_vllms(run: Run, tolerance: float) -> None:
+def assert_sums_cover_vllms(run: Run, tolerance: float, *, of_both: bool = False) -> None:
     """Summed over the burst, queue and prefill each against vLLM's histogram: within ``tolerance`` of it,
     past which only the time vLLM counted in neither may go, to either side.
 
@@ -367,12 +367,19 @@ def assert_sums_cover_vllms(run: Run, tolerance: float) -> None:
     a quiet machine, much more on a busy one (2.2 s of 6 s in one run of the cold burst, the whole machine
     stalled for 150 ms at a time, seen by a process of its own), where a fixed bar would hold only while the
     box is quiet.
+
+    With ``of_both`` the tolerance is a share of vLLM's queue and prefill together, not of each. The proxy's
+    queue and prefill add up to the time it saw, so past the unseen time their errors are one error, the time
+    the split put on the wrong side, seen twice with opposite signs; scaled by the queue alone, it depends on
+    how long vLLM's engine queue happened to be, which a starved front end shortens (it holds the requests back
+    and they wait there, unseen: 3.8 s of engine queue in a cold burst under two busy loops, 13 s quiet).
     """
     unseen = math.fsum(
         r.p(sc.QUEUE_PROXY_DURATION)
         + max(r.p(sc.UPSTREAM_TTFT) - r.s("time_in_queue") - r.s("time_in_model_prefill"), 0.0)
         for r in run.rows
     )
+    both = run.delta("vllm:request_queue_time_seconds_sum") + run.delta("vllm:request_prefill_time_seconds_sum")
     for key, metric in ((sc.QUEUE_DURATION, "queue"), (sc.PREFILL_DURATION, "prefill")):
         missing = [r.answer.ask.label for r in run.rows if r.proxy.get(key) is None]
         assert not missing, f"no {key} on {missing}"
@@ -381,7 +388,8 @@ def assert_sums_cover_vllms(run: Run, tolerance: float) -> None:
             f"{metric}: proxy {mine:.3f} s, vLLM {truth:.3f} s ({relative(mine, truth):+.1%}),"
             f" uncounted {unseen:.3f} s ({unseen / truth:.1%})"
         )
-        assert abs(mine - truth) <= tolerance * truth + unseen, (key, mine, truth, unseen)
+        scale = both if of_both else truth
+        assert abs(mine - truth) <= tolerance * scale + unseen, (key, mine, truth, scale, unseen)
 
 
 def test_queue_and_prefill_sums_agree_with_vllm(slots_run: Run) -> None:
@@ -498,7 +506,10 @@ def test_server_spans_make_queue_and_prefill_the_servers_own(spans_run: Run) -> 
 def test_cold_burst_without_spans_learns_the_slots(cold_run: Run) -> None:
     """No spans, nothing configured, no history: the slots come from vLLM's ``/metrics``, every value after they
     are learned is marked estimated, and queue and prefill summed over the burst are each within 25% of vLLM's
-    histograms, past which only the time vLLM counted in neither may go (``assert_sums_cover_vllms``).
+    two histograms together, past which only the time vLLM counted in neither may go (``assert_sums_cover_vllms``
+    with ``of_both``: seven of ten requests may end before the slots are known, and their split rests on the
+    unloaded envelope alone; a run under two busy loops put 1.2 s of vLLM's 8.9 s of prefill in the queue, when
+    vLLM's queue was 3.8 s).
 
     The slots are learned once a request waits while others run; a request of the first batch may end before
     that (the model reads 300 tokens in 0.1 to 0.4 s, by CPU). It then says what is known: no upstream queue and
@@ -525,4 +536,4 @@ def test_cold_burst_without_spans_learns_the_slots(cold_run: Run) -> None:
     learned = [(r.proxy.get(sc.UPSTREAM_SLOTS), r.proxy.get(sc.UPSTREAM_SLOTS_CONFIDENCE)) for r in cold_run.rows]
     print("slots learned (count, confidence) per request:", learned)
     assert max(int(n or 0) for n, _ in learned) == SLOTS, learned
-    assert_sums_cover_vllms(cold_run, COLD_SUM_TOLERANCE)
+    assert_sums_cover_vllms(cold_run, COLD_SUM_TOLERANCE, of_both=True)
