@@ -156,7 +156,7 @@ def test_serve_stream_metrics_and_sigterm(upstream: Scripted) -> None:
         assert count == 1
 
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=5) == 0
+        assert proc.wait(PATIENCE) == 0
         assert proc.stderr is not None
         assert "Traceback" not in proc.stderr.read()
     finally:

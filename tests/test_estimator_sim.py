@@ -93,11 +93,14 @@ def within(estimate: float, truth: float, rel: float = 0.10, floor: float = 0.02
 
 
 def check(rows: list[dict[str, Any]], noise: float) -> None:
-    """Every request within 10% or 20 ms of the truth, the floor widened by the run's measured ``noise``."""
+    """Every request within 10% or 20 ms of the truth, the floor widened by twice the run's measured ``noise``.
+
+    Twice: the replay puts a request's wait between its own send and an earlier request's end, as the proxy saw
+    them, so its error can hold one request's hop in and another's hop out, each up to the noise."""
     for r in rows:
         assert r["source"] == ("estimated", "estimated"), r
     for phase in ("queue", "prefill"):
-        misses = [r for r in rows if not within(r[phase][0], r[phase][1], floor=0.020 + noise)]
+        misses = [r for r in rows if not within(r[phase][0], r[phase][1], floor=0.020 + 2 * noise)]
         assert not misses, (phase, noise, misses)
 
 
@@ -120,11 +123,14 @@ async def run_burst(url: str, seed: int) -> tuple[list[str], list[str]]:
 
 def machine_noise(attrs: Any, t: dict[str, Any]) -> float:
     """What the machine added to one request, from both sides' own records: the simulator's latest chunk
-    against its deadline, plus the proxy's upstream TTFT beyond the simulator's arrival to first token."""
+    against its deadline, plus the larger of the proxy's two views beyond the simulator's: its upstream TTFT
+    beyond the simulator's arrival to first token, and its upstream time to the end beyond the simulator's
+    arrival to last token (the ends the replay frees slots at; a stalled proxy sees them late)."""
     late = max(o - d for o, d in zip(t["chunk_offsets_s"], t["chunk_due_offsets_s"], strict=True))
-    hop = float(attrs[sc.UPSTREAM_TTFT]) - t["chunk_offsets_s"][0]
-    assert late >= 0 and hop >= 0, (late, hop)  # neither side is ever early
-    return float(late + hop)
+    first = float(attrs[sc.UPSTREAM_TTFT]) - t["chunk_offsets_s"][0]
+    end = float(attrs[sc.E2E]) - float(attrs[sc.QUEUE_PROXY_DURATION]) - t["chunk_offsets_s"][-1]
+    assert late >= 0 and first >= 0 and end >= 0, (late, first, end)  # neither side is ever early
+    return float(late + max(first, end))
 
 
 def compare(

@@ -357,7 +357,7 @@ def test_the_telemetry_queue_holds_a_bounded_number_of_bytes() -> None:
     recorder.listeners.append(wait)
     try:
         recorder.record_timeline(streamed([" alpha"], None))  # the worker waits in the listener from here
-        assert held.wait(10)
+        assert held.wait(PATIENCE)
         reads = [b"data: " + b"x" * (1 << 20) + b"\n\n" for _ in range(48)]  # a fast upstream: 48 MiB
         _, messages = chat_tape(1, reads)
         for message in messages:

@@ -34,7 +34,7 @@ from proxy.telemetry.live.window import HISTORY, HORIZON, SLOT, TICK, Busy, Live
 from proxy.telemetry.prometheus import PrometheusReader
 from proxy.telemetry.recorder import Recorder
 from proxy.types import RequestInfo, ServerTiming, Usage
-from tests.conftest import Running
+from tests.conftest import PATIENCE, Running
 from tests.test_prometheus import histogram_quantile, samples
 
 WALL = 1_700_000_000_000_000_000
@@ -522,7 +522,7 @@ def test_close_ends_open_streams(live: Running) -> None:
 
     reader = threading.Thread(target=read)
     reader.start()
-    assert opened.wait(5)
+    assert opened.wait(PATIENCE)
     closed = time.monotonic()
     view.close()
     reader.join(5)
@@ -576,7 +576,7 @@ def test_demo_serve_keeps_the_view_up_until_ctrl_c() -> None:
             # Ctrl-C while a browser holds an event stream open: the demo still stops at once.
             stopped = time.monotonic()
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(10) == 0
+            assert proc.wait(PATIENCE) == 0
         assert time.monotonic() - stopped < 5
     finally:
         if proc.poll() is None:

@@ -83,7 +83,7 @@ class Gate:
     def close(self) -> None:
         self.release.clear()
         self.shut.set()
-        assert self.holding.wait(10), "no request was recorded while the gate was shut"
+        assert self.holding.wait(PATIENCE), "no request was recorded while the gate was shut"
 
     def open(self) -> None:
         self.shut.clear()

@@ -25,7 +25,7 @@ from proxy.tape import STATS
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.recorder import Recorder
 from proxy.types import Facts, RequestInfo, Usage
-from tests.conftest import Running, Scripted, Telemetry
+from tests.conftest import PATIENCE, Running, Scripted, Telemetry
 
 WALL = 1_700_000_000_000_000_000
 T0 = 5000.0  # offsets are multiples of 1/128 s: exact in binary and in whole nanoseconds
@@ -153,7 +153,7 @@ class Blocking(SpanProcessor):
     def on_end(self, span: ReadableSpan) -> None:
         if threading.current_thread().name == "llmtap-recorder" and not self.entered.is_set():
             self.entered.set()
-            assert self.release.wait(10)
+            assert self.release.wait(PATIENCE)
 
 
 class Harness:
@@ -768,7 +768,7 @@ def test_queue_full_drops_are_counted(harness: HarnessFactory) -> None:
     h = harness(blocking, queue_size=1)
     rec = h.recorder
     assert rec.submit(tape_end(1))
-    assert blocking.entered.wait(5)  # the worker is stuck inside the first record
+    assert blocking.entered.wait(PATIENCE)  # the worker is stuck inside the first record
     try:
         taken = [rec.submit(tape_end(key)) for key in range(2, 6)]  # one fits in the queue, three do not
         assert taken == [True, False, False, False]

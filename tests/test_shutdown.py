@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import PATIENCE, free_port
 from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
 
@@ -90,7 +90,7 @@ def test_sigterm_lets_streams_finish_then_flushes(
     try:
         stream = Stream(proxy.url, chunks=40, gap_ms=50)  # 2 s of stream
         stream.start()
-        assert stream.first.wait(5)
+        assert stream.first.wait(PATIENCE)
         signalled = time.monotonic()
         proxy.terminate()
         # New connections are refused at once; the stream in flight goes on.
@@ -123,7 +123,7 @@ def test_sigterm_cuts_streams_at_the_drain_deadline(
     try:
         stream = Stream(proxy.url, chunks=100, gap_ms=100)  # 10 s of stream: longer than the deadline
         stream.start()
-        assert stream.first.wait(5)
+        assert stream.first.wait(PATIENCE)
         signalled = time.monotonic()
         proxy.terminate()
         stream.join(10)

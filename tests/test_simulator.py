@@ -647,7 +647,7 @@ def test_serve_runs_in_its_own_process() -> None:
             reply = client.post(CHAT, json=chat_body(model="own-process", max_tokens=3)).json()
     finally:
         proc.terminate()
-        returncode = proc.wait(timeout=10)
+        returncode = proc.wait(timeout=PATIENCE)
     assert models["data"][0]["id"] == "own-process"
     assert reply["usage"]["completion_tokens"] == 3
     assert returncode == -signal.SIGTERM  # uvicorn shuts down, then re-raises the signal it caught
@@ -677,10 +677,14 @@ async def test_disconnect_frees_the_slot_at_once() -> None:
             after_id = (await probe.post(CHAT, json=chat_body("after", max_tokens=2))).json()["id"]
             after = (await probe.get("/debug/requests", params={"limit": 1})).json()["requests"][0]
             cancelled = await ametric(probe, 'llmtap_sim_requests_total{model_name="llmtap-sim",outcome="cancelled"}')
-    assert unqueued_after < 0.05 and freed_after < 0.05
+    # "At once" against what holding on would cost: the long stream had 2,000 tokens at 5 ms to go (10 s, less
+    # what it sent), so a slot or a place in line kept until then is seen here; the quiet figures (a few ms) are
+    # not a bound, a busy machine stretches the polls.
+    assert unqueued_after < 1.0 and freed_after < 1.0, (unqueued_after, freed_after)
     assert (queued["outcome"], queued["admitted"], queued["output_tokens"]) == ("cancelled", None, 0)
     assert long["outcome"] == "cancelled" and 0 < long["output_tokens"] < 2000
-    assert (after["id"], after["outcome"]) == (after_id, "ok") and after["queue_s"] < 0.005
+    assert (after["id"], after["outcome"]) == (after_id, "ok")
+    assert after["admitted"] - after["joined"] < 1.0, after  # joined the line and got a slot, no wait
     assert cancelled == 2
 
 

@@ -31,7 +31,7 @@ from proxy.relay.forward import Upstreams
 from proxy.relay.upstream_http import SURPLUS, LeanTransport
 from proxy.settings import ConfigError, Route, Settings, build
 from proxy.telemetry import semconv as sc
-from tests.conftest import Running, Telemetry
+from tests.conftest import PATIENCE, Running, Telemetry
 
 CLIENTS = ("lean", "httpx")
 # Every byte value, and a length that spans several TLS records.
@@ -290,7 +290,7 @@ def test_idle_tls_connection_closed_unseen_by_the_loop_is_not_used(run: Any, pki
         async def scenario() -> None:
             async with httpx.AsyncClient(transport=transport, timeout=5) as c:
                 assert (await c.get(up.url())).content == BODY
-                assert closed.wait(5)  # blocks the loop: it sees nothing of the close
+                assert closed.wait(PATIENCE)  # blocks the loop: it sees nothing of the close
                 time.sleep(0.05)  # noqa: ASYNC251 (the point: the loop must not run before the next request)
                 assert (await c.get(up.url())).content == BODY
 

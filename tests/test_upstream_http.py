@@ -26,7 +26,7 @@ import uvloop
 from proxy.relay.forward import Upstreams, close_if_surplus
 from proxy.relay.upstream_http import MAX_HEAD_BYTES, SURPLUS, LeanTransport
 from proxy.settings import ConfigError, Route, Settings, build
-from tests.conftest import TESTS, free_port, unanswered_port
+from tests.conftest import PATIENCE, TESTS, free_port, unanswered_port
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
@@ -312,7 +312,7 @@ def test_idle_connection_closed_unseen_by_the_loop_is_not_used(run: Any) -> None
     async def scenario() -> None:
         async with client(LeanTransport()) as c:
             assert (await c.get(url)).content == b"ok"
-            assert closed.wait(5)  # blocks the loop: it sees nothing of the close
+            assert closed.wait(PATIENCE)  # blocks the loop: it sees nothing of the close
             time.sleep(0.05)  # noqa: ASYNC251 (the point: the loop must not run before the next request)
             assert (await c.get(url)).content == b"ok"
 

@@ -176,7 +176,7 @@ def test_two_relays_share_the_port_and_one_telemetry_process_counts_all(upstream
             time.sleep(0.2)
 
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        assert proc.wait(PATIENCE) == 0
         assert proc.stderr is not None
         assert "Traceback" not in proc.stderr.read()
     finally:
@@ -253,7 +253,7 @@ def test_two_telemetry_processes_share_the_upstreams_and_one_scrape_adds_them_up
         }
         assert len(routes) == 1, routes
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        assert proc.wait(PATIENCE) == 0
         assert proc.stderr is not None
         assert "Traceback" not in proc.stderr.read()
     finally:
