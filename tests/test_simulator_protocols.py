@@ -407,4 +407,7 @@ def test_ollama_phases_are_the_ones_the_server_reports(traffic: Traffic) -> None
         for rec, sim in traffic.pairs[name]:
             assert rec["queue_source"] == rec["prefill_source"] == "server", rec
             assert rec["prefill"] == pytest.approx(sim["prefill_s"], abs=0.002), (rec["prefill"], sim["prefill_s"])
-            assert rec["queue"] == pytest.approx(sim["queue_s"], abs=0.002), (rec["queue"], sim["queue_s"])
+            # The queue is the server's plus the proxy's own line (body read to sent upstream: microseconds when
+            # quiet, 5 ms once under two busy loops), which lies inside the relay's part of the whole request.
+            relay = rec["e2e"] - (sim["last_token"] - sim["arrival"])
+            assert sim["queue_s"] - 0.002 <= rec["queue"] <= sim["queue_s"] + relay + 0.002, (rec, sim)
