@@ -10,12 +10,13 @@ time are printed; the exit status is 0 only when every run passed.
 
 The busy loops stop when the runs end; should this process be killed (even with SIGKILL) they notice that
 their parent is gone and stop within a fraction of a second, and in any case after ``--max-hours``. A
-SIGTERM or SIGINT also stops the pytest run under way.
+SIGTERM or SIGINT also stops the pytest run under way, as Ctrl-C would: its teardown runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -39,6 +40,25 @@ def _stop(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def run_pytest(pytest_args: list[str]) -> int:
+    """One pytest run in a session of its own; stopped as Ctrl-C would stop it, so its teardown runs.
+
+    Interrupted (SIGTERM or SIGINT here), the whole session gets SIGINT, pytest's workers and the servers
+    they started included, and a minute to finish its teardown; whatever is left then is killed.
+    """
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *pytest_args], cwd=ROOT, start_new_session=True)
+    try:
+        return proc.wait()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            finally:
+                os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     """Start the busy loops, run pytest ``--runs`` times, stop the loops; 0 when every run passed."""
     parser = argparse.ArgumentParser(prog="python -m tests.stress", description=__doc__.split("\n\n")[0])
@@ -59,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(1, args.runs + 1):
             started = time.monotonic()
             print(f"== stress run {run}/{args.runs}: {args.busy} busy loops", flush=True)
-            code = subprocess.call([sys.executable, "-m", "pytest", *args.pytest_args], cwd=ROOT)
+            code = run_pytest(args.pytest_args)
             results.append((code, time.monotonic() - started))
             print(f"== stress run {run}/{args.runs}: exit {code} in {results[-1][1]:.0f} s", flush=True)
     finally:
