@@ -388,7 +388,11 @@ def test_prefix_cache_hits_show_as_cached_tokens_and_a_shorter_ttft(traffic: Tra
         # Every whole block of the repeated prompt is read from the cache (blocks of 16 tokens).
         assert warm["tokens"]["cache_read"] == warm_sim["cached_tokens"] >= PROMPT_TOKENS - 16, (p.name, warm)
         assert warm["cache"]["cached_tokens"] == warm_sim["cached_tokens"], (p.name, warm["cache"])
-        assert cold["ttft"] > 0.2 and warm["ttft"] < cold["ttft"] / 2, (p.name, cold["ttft"], warm["ttft"])
+        # The server read the warm prompt in under half the time, and the proxy saw it sooner (by how much more
+        # than the server's gain depends on the machine: the relay's hop is the benchmark's).
+        cold_server, warm_server = (s["first_token"] - s["arrival"] for s in (cold_sim, warm_sim))
+        assert cold_server > 0.2 and warm_server < cold_server / 2, (p.name, cold_server, warm_server)
+        assert warm["ttft"] < cold["ttft"], (p.name, cold["ttft"], warm["ttft"])
 
 
 def test_ttft_of_every_protocol_is_the_servers_plus_the_relays_hop(traffic: Traffic) -> None:
