@@ -150,10 +150,9 @@ def test_client_disconnect_aborts_the_vllm_request(
     else:
         assert generated >= 1, "vLLM never ran the request"
         # Decoding: vLLM notices the abort at the end of the step it is in (its own inter-token latency), once its
-        # front end has run; that front end answers the scrapes too, so its slowest answer meanwhile is how late
-        # it could run then (a few ms on a quiet machine, seconds with every core busy).
-        # Summed over the scrapes that still saw it: a starved front end can be slow to answer several in a row
-        # (673 ms, then 137 ms, once under two busy loops).
+        # front end has run; that front end answers the scrapes too, so its answers to the scrapes that still saw
+        # the request, summed, are how late it could run then (a few ms on a quiet machine, seconds with every
+        # core busy; a starved front end can be slow to answer several in a row: 673 ms, then 137 ms, once).
         late = math.fsum(answered for began, answered, _ in samples if began < took)
         # And the machine may not run anyone for a while: the longest this process itself did not run between
         # the client's leaving and its scrapes (each began at once after the last, 5 ms apart) bounds a stall
