@@ -78,7 +78,10 @@ def test_direct_path_checks_that_the_client_kept_up(results: dict[str, Any], out
     """
     for streams in SMOKE.streams:
         direct = _phase(results, "direct", streams)
-        assert direct["chunks"] + direct["merged"] == direct["requests"] * SMOKE.chunks, direct
+        # Every chunk the upstream wrote reached the client as an event of its own (nothing in between could
+        # join two), though a late client may have read several in one go: those count as merged as well.
+        assert direct["chunks"] == direct["requests"] * SMOKE.chunks, direct
+        assert 0 <= direct["merged"] < direct["chunks"], direct
         assert direct["cpu_s"] is None and direct["client_cpu_s"] > 0
     client: list[dict[str, Any]] = []
     upstream: list[dict[str, Any]] = []
