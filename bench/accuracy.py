@@ -12,7 +12,9 @@ sink, and from its Prometheus histograms through a real Prometheus's ``histogram
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from typing import Any
 from bench import peers
 from bench.procs import Service, pinned
 from bench.stats import percentile_ms
+from proxy.telemetry.instruments import DURATION_BUCKETS
 
 TTFT_ATTR = "gen_ai.response.time_to_first_chunk"
 TPOT_ATTR = "llmtap.time_per_output_token"
@@ -155,6 +158,20 @@ def run(
             svc.stop()
 
 
+def hist_bounds(samples: list[float], q: float) -> tuple[float, float]:
+    """The bucket (seconds) in which ``histogram_quantile(q, ...)`` must answer for these samples in llmtap's fine
+    buckets: the one holding the sample of rank ``q * n`` (Prometheus's rank), which it interpolates inside.
+
+    The exact quantile (linear between the closest ranks) may lie outside it when few samples sit far apart, as
+    p99 of a few dozen does: a histogram cannot know where inside a bucket its samples were."""
+    ordered = sorted(samples)
+    k = max(math.ceil(q * len(ordered)) - 1, 0)
+    i = bisect.bisect_left(DURATION_BUCKETS, ordered[k])  # a value equal to a bound counts in that bound's bucket
+    lo = DURATION_BUCKETS[i - 1] if i > 0 else 0.0
+    hi = DURATION_BUCKETS[i] if i < len(DURATION_BUCKETS) else DURATION_BUCKETS[-1]
+    return lo, hi
+
+
 def _figures(
     roots: list[dict[str, Any]],
     profiled: list[dict[str, Any]],
@@ -185,6 +202,7 @@ def _figures(
                 "llmtap_exact_all_ms": exact_all,
                 "prometheus_ms": hist_ms,
                 "hist_error_pct": None if hist_ms is None else 100.0 * (hist_ms - exact_all) / exact_all,
+                "hist_bucket_ms": [bound * ms for bound in hist_bounds(all_ttft, q / 100)] if all_ttft else None,
                 "ok_hist": hist_ms is not None and abs(hist_ms - exact_all) <= 0.05 * exact_all,
             }
         )

@@ -158,6 +158,10 @@ def _ramp(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _bucket(bounds: list[float] | None) -> str:
+    return "-" if not bounds else f"{_f(bounds[0])} to {_f(bounds[1])}"
+
+
 def _accuracy(acc: dict[str, Any]) -> list[str]:
     lines = [
         f"aiperf {acc.get('aiperf_version')} at concurrency {acc['concurrency']}: {acc['aiperf_requests']} requests "
@@ -165,14 +169,15 @@ def _accuracy(acc: dict[str, Any]) -> list[str]:
         f"in aiperf's profiling window; Prometheus counted {_f(acc['prometheus_count'], 0)}.",
         "",
         "| TTFT | aiperf (ms) | llmtap exact (ms) | diff (ms) | allowed (ms) | ok | llmtap exact, all (ms) | "
-        "Prometheus histogram_quantile (ms) | error | ok (≤ 5%) |",
-        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |",
+        "Prometheus histogram_quantile (ms) | its bucket (ms) | error | ok (≤ 5%) |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in acc["ttft"]:
         lines.append(
             f"| p{r['quantile']} | {_f(r['aiperf_ms'])} | {_f(r['llmtap_exact_ms'])} | {_f(r['diff_ms'])} | "
             f"{_f(r['allowed_ms'])} | {'yes' if r['ok_vs_aiperf'] else 'NO'} | {_f(r['llmtap_exact_all_ms'])} | "
-            f"{_f(r['prometheus_ms'])} | {_f(r['hist_error_pct'], 1)}% | {'yes' if r['ok_hist'] else 'NO'} |"
+            f"{_f(r['prometheus_ms'])} | {_bucket(r.get('hist_bucket_ms'))} | {_f(r['hist_error_pct'], 1)}% | "
+            f"{'yes' if r['ok_hist'] else 'NO'} |"
         )
     lines += [
         "",

@@ -118,11 +118,11 @@ async def test_the_proxy_queues_measures_and_refuses(
     settings = build({"upstream": scripted.url, "max_concurrency": 1, "queue_limit": 1, "retry_after": 7}, env={})
     proxy: Running = proxy_factory(settings, admin=True)
 
-    async def stream(client: httpx.AsyncClient) -> tuple[int, float, httpx.Headers]:
+    async def stream(client: httpx.AsyncClient) -> tuple[int, float, float, httpx.Headers]:
         started = time.monotonic()
         async with client.stream("POST", "/v1/chat/completions", json=CHAT) as r:
             await r.aread()
-        return r.status_code, time.monotonic() - started, r.headers
+        return r.status_code, started, time.monotonic(), r.headers
 
     async with httpx.AsyncClient(base_url=proxy.url, timeout=20) as client:
         first = asyncio.create_task(stream(client))
@@ -130,20 +130,31 @@ async def test_the_proxy_queues_measures_and_refuses(
         second = asyncio.create_task(stream(client))
         await asyncio.sleep(0.1)
         refused = await stream(client)  # the slot is taken and the line (one place) is full
-        (s1, d1, _), (s2, d2, _) = await asyncio.gather(first, second)
+        (s1, _, end1, _), (s2, start2, end2, _) = await asyncio.gather(first, second)
     assert (s1, s2) == (200, 200)
-    status, took, headers = refused
-    assert status == 503 and headers["retry-after"] == "7" and took < 0.1
-    assert d2 > d1 + 0.05  # the second waited for the first to finish
+    status, _, refused_at, headers = refused
+    # Refused at once: before the request holding the slot ended, where a place in the line would have waited.
+    assert status == 503 and headers["retry-after"] == "7" and refused_at < end1
+    assert end2 > end1 + 0.05  # the second waited for the first to finish
     proxy.flush()
-    roots = sorted(
-        (s for s in telemetry.finished() if sc.ROUTE in (s.attributes or {})), key=lambda s: s.start_time or 0
-    )
-    queued = [s.attributes or {} for s in roots if float((s.attributes or {}).get(sc.QUEUE_PROXY_DURATION, 0)) > 0.1]  # type: ignore[arg-type]
-    assert len(queued) == 1
-    # It waited from its arrival (0.1 s after the first) until the first one's end.
-    assert queued[0][sc.QUEUE_PROXY_DURATION] == pytest.approx(d1 - 0.1, abs=0.05)
-    assert queued[0][sc.QUEUE_SOURCE] == "proxy"
+    spans = telemetry.finished()
+    roots = sorted((s for s in spans if sc.ROUTE in (s.attributes or {})), key=lambda s: s.start_time or 0)
+    waited = [s for s in roots if float((s.attributes or {}).get(sc.QUEUE_PROXY_DURATION, 0)) > 0.1]  # type: ignore[arg-type]
+    assert len(waited) == 1 and waited[0] is roots[1]
+    queued = waited[0].attributes or {}
+    wait = float(queued[sc.QUEUE_PROXY_DURATION])  # type: ignore[arg-type]
+    assert queued[sc.QUEUE_SOURCE] == "proxy"
+    # It waited from its arrival until the first one's end, on the proxy's one clock: its queue span (received to
+    # admitted) holds the wait and ends no sooner than the first request's root; the slot is freed after that.
+    (line,) = [
+        s for s in spans if s.name == sc.SPAN_QUEUE and s.parent and s.parent.span_id == roots[1].context.span_id
+    ]
+    assert line.start_time and line.end_time and roots[0].start_time and roots[0].end_time
+    assert roots[0].start_time < line.start_time < roots[0].end_time <= line.end_time + 1_000_000
+    assert wait <= (line.end_time - line.start_time) / 1e9 + 1e-6
+    # And on the client's clock, the wait is part of the second request's time, which also held the upstream's
+    # whole script (0.3 s to the first chunk, then 39 more 20 ms apart) once the slot was free.
+    assert wait <= end2 - start2 - (0.3 + 39 * 0.02)
     errors = [s.attributes or {} for s in roots if (s.attributes or {}).get(sc.ERROR_TYPE) == "queue_full"]
     assert len(errors) == 1 and errors[0][sc.HTTP_STATUS] == 503
     assert proxy.admin is not None

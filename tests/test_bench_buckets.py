@@ -7,10 +7,16 @@ Prometheus reads the explicit ones exactly as llmtap's own ``histogram_quantile`
 
 from __future__ import annotations
 
+import math
+import random
 import shutil
 
-from bench import buckets
+import pytest
+
+from bench import accuracy, buckets
+from proxy.telemetry.instruments import DURATION_BUCKETS
 from tests.conftest import require_real
+from tests.test_prometheus import histogram_quantile as promql_reference
 
 
 def test_percentile_error_of_each_choice() -> None:
@@ -26,3 +32,18 @@ def test_percentile_error_of_each_choice() -> None:
     assert all(0 < row.size["base2"] <= 160 and row.scale > 0 for row in report.rows)
     text = buckets.table(report)
     assert text.count("\n| ") == len(report.rows) + 4 and "largest error" in text  # header, rule, rows, two sums
+
+
+def test_the_accuracy_run_knows_the_bucket_prometheus_answers_in() -> None:
+    """``bench.accuracy.hist_bounds`` names the fine bucket that ``histogram_quantile`` interpolates inside, for
+    a few samples far apart (where the exact quantile may lie outside it) as for many; edges included."""
+    rng = random.Random(5)
+    bounds = [*DURATION_BUCKETS, math.inf]
+    cases = [[0.02 * 25 ** rng.random() for _ in range(n)] for n in (1, 2, 20, 20, 20, 352)]
+    cases.append([DURATION_BUCKETS[40]] * 3 + [DURATION_BUCKETS[60]])  # samples on bucket edges
+    for samples in cases:
+        series = [(b, float(sum(s <= b for s in samples))) for b in bounds]
+        for q in (0.5, 0.95, 0.99, 0.75):
+            lo, hi = accuracy.hist_bounds(samples, q)
+            value = promql_reference(q, series)
+            assert lo <= value <= hi and hi / lo == pytest.approx(2 ** (1 / 8), rel=1e-3), (samples, q, lo, hi)

@@ -134,9 +134,13 @@ def test_accuracy_read_aiperf_spans_and_prometheus(results: dict[str, Any]) -> N
         # llmtap's TTFT is a part of the client's: never longer (beyond 2 ms of clock reads), never tiny.
         assert row["llmtap_exact_ms"] <= row["aiperf_ms"] + 2.0, row
         assert row["llmtap_exact_ms"] >= 0.5 * row["aiperf_ms"], row
-        # Histogram buckets are 9% apart: within 10% of the exact figure, as the README says of any backend.
+        # Prometheus answers inside the fine bucket (9% wide) that holds the sample of its rank. How far that is
+        # from the exact figure depends on how far apart the samples are (p99 of 20 is nearly the largest, which
+        # the histogram interpolates inside its bucket): the benchmark's 352 requests hold it to 5%.
         assert row["prometheus_ms"] is not None
-        assert abs(row["hist_error_pct"]) <= 10.0, row
+        lo, hi = row["hist_bucket_ms"]
+        assert hi / lo == pytest.approx(2 ** (1 / 8), rel=1e-3), row
+        assert lo * (1 - 1e-6) <= row["prometheus_ms"] <= hi * (1 + 1e-6), row
 
 
 @pytest.mark.real
