@@ -159,7 +159,7 @@ def _ramp(results: dict[str, Any]) -> list[str]:
 
 
 def _bucket(bounds: list[float] | None) -> str:
-    return "-" if not bounds else f"{_f(bounds[0])} to {_f(bounds[1])}"
+    return _f(None) if not bounds else f"{_f(bounds[0])} to {_f(bounds[1])}"
 
 
 def _accuracy(acc: dict[str, Any]) -> list[str]:

@@ -141,12 +141,8 @@ def admission_lateness(records: list[dict[str, Any]]) -> float:
     have let it in (its own arrival, or the latest end of another request before its admission) to its
     admission. Its truth's queue holds this time (reading and tokenizing the body, waking the waiter a freed
     slot was handed to), which no replay of ends and sends can see; quiet, it is a millisecond or two."""
-    ends = sorted(r["last_token"] for r in records)
-    late = 0.0
-    for r in records:
-        before = [e for e in ends if e <= r["admitted"]]
-        late = max(late, r["admitted"] - max([r["arrival"], *before]))
-    return late
+    ends = [r["last_token"] for r in records]
+    return float(max(r["admitted"] - max([r["arrival"], *(e for e in ends if e <= r["admitted"])]) for r in records))
 
 
 def compare(
