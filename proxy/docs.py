@@ -174,7 +174,8 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.OTLP_REJECT_REASON: (
         "string",
         "Why `/v1/traces` refused a body: `bad_body` (400: not OTLP protobuf, bad gzip), `too_large` (413: over "
-        "4 MiB, or 16 MiB inflated), `unsupported_type` (415: not `application/x-protobuf`, or not gzip).",
+        "4 MiB, or 16 MiB inflated), `unsupported_type` (415: not `application/x-protobuf`, or not gzip), "
+        "`unauthorized` (401: marked as passed on by another replica, without `telemetry.peer_token`).",
     ),
     sc.OTLP_FORWARD_OUTCOME: (
         "string",
@@ -182,7 +183,10 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         f"(the backend took it), `dropped` (the forward queue, {forward.MAX_QUEUED} bodies or "
         f"{forward.MAX_QUEUED_BYTES >> 20} MiB, was full, or it still waited at shutdown), `failed` (the backend "
         "refused it, was unreachable, or took longer than `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`, 10 s by default; no "
-        "retry).",
+        "retry), `unowned` (not forwarded: no request this process relayed is in its trace, within "
+        "`telemetry.server_spans_wait`, at least 2 s). On `llmtap.otlp.routed`, a span passed to the replica that "
+        "relayed its request (`telemetry.peer_address`, docs/fleet.md): `sent`, `dropped` (the same queue's bounds), "
+        "`failed` (refused, unreachable, or over 2 s).",
     ),
     sc.DECODE_DURATION: ("double", "Seconds from the first content chunk to the last."),
     sc.INPUT_TOKENS: (
@@ -266,6 +270,7 @@ UNEXERCISED: dict[str, tuple[str, ...]] = {
     sc.METRIC_SERVER_SPANS: (sc.SERVER_SPAN_OUTCOME,),
     sc.METRIC_OTLP_REJECTED: (sc.OTLP_REJECT_REASON,),
     sc.METRIC_OTLP_FORWARDED: (sc.OTLP_FORWARD_OUTCOME,),
+    sc.METRIC_OTLP_ROUTED: (sc.OTLP_FORWARD_OUTCOME,),
 }
 
 _SERVER_SETTING = "`telemetry.server_metrics: true`"
@@ -323,6 +328,8 @@ METRICS: dict[str, str] = {
     sc.METRIC_OTLP_REJECTED: "Each body `/v1/traces` refused; every reason reads 0 from the start.",
     sc.METRIC_OTLP_FORWARDED: "Each span `/v1/traces` took, once forwarded to the traces backend or not "
     "(`telemetry.forward_server_spans`, only when traces go out over OTLP); every outcome reads 0 from the start.",
+    sc.METRIC_OTLP_ROUTED: "Each span `/v1/traces` passed to the replica named in its `tracestate` (with "
+    "`telemetry.peer_address`); `sent`, `dropped` and `failed` read 0 from the start.",
 }
 
 #: The timing definitions every figure rests on (DESIGN, "Timing definitions"); all from one monotonic clock.

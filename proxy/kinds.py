@@ -8,6 +8,7 @@ A value that does not fit raises ``Invalid`` with what was expected (``expected 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +187,19 @@ def host_name() -> Kind:
         return name
 
     return Kind("a host name", parse, {"type": "string", "pattern": r"^[^\s/:@]+$"}, "NAME")
+
+
+def address() -> Kind:
+    """``host:port`` in the characters a W3C ``tracestate`` value allows (``proxy.tracestate.ADDRESS``)."""
+    pattern = r"[A-Za-z0-9.\-\[\]:]{1,200}:[0-9]{1,5}"
+
+    def parse(value: Any) -> str:
+        found = str(_scalar(value)).strip()
+        if re.fullmatch(pattern, found) is None or not 0 < int(found.rpartition(":")[2]) < 65536:
+            raise Invalid("expected host:port (a name or address, then a port from 1 to 65535)")
+        return found
+
+    return Kind("host:port", parse, {"type": "string", "pattern": f"^{pattern}$"}, "HOST:PORT")
 
 
 def version() -> Kind:

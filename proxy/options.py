@@ -19,6 +19,7 @@ from proxy.kinds import (
     METRIC_MODELS_MAX,
     Invalid,
     Kind,
+    address,
     binary,
     boolean,
     buffer_size,
@@ -46,6 +47,7 @@ __all__ = [
     "Invalid",
     "Kind",
     "Option",
+    "address",
     "binary",
     "boolean",
     "buffer_size",
@@ -454,6 +456,26 @@ _TABLE = (
         flag="--no-forward-server-spans",
         key="telemetry.forward_server_spans",
         switch=False,
+    ),
+    option(
+        "peer_address",
+        address(),
+        None,
+        "this replica's admin listener as the other replicas reach it (e.g. $(POD_IP):9464): the model server's "
+        "spans then reach the replica that relayed their request, wherever the server sends them (docs/fleet.md)",
+        "telemetry",
+        key="telemetry.peer_address",
+        default_text="none: one replica, no routing",
+    ),
+    option(
+        "peer_token",
+        text("TOKEN"),
+        None,
+        "a secret the replicas share: signs this replica's address in the tracestate sent upstream and goes "
+        "with every span passed to another replica; required with peer_address",
+        "telemetry",
+        flag=None,
+        key="telemetry.peer_token",
     ),
     option(
         "inject_usage",

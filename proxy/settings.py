@@ -250,6 +250,11 @@ class Telemetry:
     #: Forward the spans ``/v1/traces`` took to the OTLP traces endpoint, as they came (``proxy.telemetry.forward``);
     #: only when traces go out over OTLP.
     forward_server_spans: bool = default("forward_server_spans")
+    #: This replica's admin listener as its peers reach it (``host:port``), and the secret they share: the
+    #: relay names the replica in the ``tracestate`` it sends upstream, and a server span that names another
+    #: replica is passed there (``proxy.telemetry.peers``). None: one replica, no routing.
+    peer_address: str | None = None
+    peer_token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -786,6 +791,10 @@ def telemetry_from_env(
     values["histogram_aggregation"] = aggregation
     for field_name, name in _TELEMETRY_OPTIONS.items():
         values[field_name] = sources.get(name)
+    if values["peer_address"] is not None and values["peer_token"] is None:
+        raise ConfigError(
+            "telemetry.peer_address needs telemetry.peer_token (LLMTAP_PEER_TOKEN), a secret the replicas share"
+        )
     return Telemetry(**values)
 
 
@@ -802,4 +811,6 @@ _TELEMETRY_OPTIONS = {
     "offline_token_usage": "offline_token_usage",
     "server_spans_wait": "server_spans_wait",
     "forward_server_spans": "forward_server_spans",
+    "peer_address": "peer_address",
+    "peer_token": "peer_token",
 }

@@ -20,7 +20,7 @@ from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.recorder import Recorder
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry
 from tests.test_otlp import OTEL_ENV, GRPCReceiver, HTTPReceiver, Llmtap, Received, attributes
-from tests.test_serverspans import TRACE, UPSTREAM, counter, span_bytes
+from tests.test_serverspans import TRACE, UPSTREAM, counter, span_bytes, traced
 
 PROTOBUF = {"content-type": "application/x-protobuf"}
 
@@ -84,6 +84,7 @@ def test_a_span_posted_to_the_receiver_reaches_the_backend_unchanged(
             traces_protocol="http/protobuf",
             traces_headers={"x-tenant": "abc"},
         )
+        recorder.record_timeline(traced("b7ad6b7169203331"))  # the request this process relayed
         body = vllm_export("b7ad6b7169203331")
         with httpx.Client(timeout=10) as client:
             assert client.post(admin, content=body, headers=PROTOBUF).status_code == 200
@@ -96,7 +97,7 @@ def test_a_span_posted_to_the_receiver_reaches_the_backend_unchanged(
         assert backend.received.headers[0]["content-type"] == "application/x-protobuf"
         recorder.close(5)
         outcomes = counter(telemetry, sc.METRIC_OTLP_FORWARDED, sc.OTLP_FORWARD_OUTCOME)
-        assert outcomes == {"sent": 2, "dropped": 0, "failed": 0}  # both spans of the body, counted as spans
+        assert outcomes == {"sent": 2, "dropped": 0, "failed": 0, "unowned": 0}  # both spans, counted as spans
     finally:
         backend.close()
 
@@ -106,12 +107,13 @@ def test_grpc_backend_gets_the_spans_with_the_headers_as_metadata(
 ) -> None:
     backend = GRPCReceiver()
     try:
-        _, admin = make_admin(
+        recorder, admin = make_admin(
             traces_exporter="otlp",
             traces_endpoint=backend.url,
             traces_protocol="grpc",
             traces_headers={"x-tenant": "abc"},
         )
+        recorder.record_timeline(traced("b7ad6b7169203331"))
         body = vllm_export("b7ad6b7169203331")
         with httpx.Client(timeout=10) as client:
             assert client.post(admin, content=body, headers=PROTOBUF).status_code == 200
@@ -139,6 +141,7 @@ def test_a_backend_that_never_answers_delays_no_answer_and_drops_are_counted(
         )
         forwarder = recorder.forwarder
         assert forwarder is not None
+        recorder.record_timeline(traced("b7ad6b7169203331"))
         with httpx.Client(timeout=10) as client:
             assert client.post(admin, content=vllm_export("b7ad6b7169203331"), headers=PROTOBUF).status_code == 200
             deadline = time.monotonic() + PATIENCE
@@ -151,13 +154,13 @@ def test_a_backend_that_never_answers_delays_no_answer_and_drops_are_counted(
         # Every answer came while the first export still hung (60 s): no answer waited for the backend.
         # Two bodies wait behind it; the other two found the queue full (two spans each).
         outcomes = counter(telemetry, sc.METRIC_OTLP_FORWARDED, sc.OTLP_FORWARD_OUTCOME)
-        assert outcomes == {"sent": 0, "dropped": 4, "failed": 0}
+        assert outcomes == {"sent": 0, "dropped": 4, "failed": 0, "unowned": 0}
         assert forwarder.queued == 2
     finally:
         hole.close()  # resets the hanging connection: that export fails, and so do the two behind it
     recorder.close(10)
     outcomes = counter(telemetry, sc.METRIC_OTLP_FORWARDED, sc.OTLP_FORWARD_OUTCOME)
-    assert outcomes == {"sent": 0, "dropped": 4, "failed": 6}
+    assert outcomes == {"sent": 0, "dropped": 4, "failed": 6, "unowned": 0}
 
 
 def test_forwarding_is_off_by_setting_and_without_otlp_traces(

@@ -380,7 +380,7 @@ def test_receiver_takes_otlp_protobuf_and_refuses_bad_bodies(
     (attrs,) = root_attributes(telemetry)
     assert attrs[sc.PREFILL_SOURCE] == "server"
     rejected = counter(telemetry, sc.METRIC_OTLP_REJECTED, sc.OTLP_REJECT_REASON)
-    assert rejected == {"bad_body": 1, "too_large": 2, "unsupported_type": 1}
+    assert rejected == {"bad_body": 1, "too_large": 2, "unsupported_type": 1, "unauthorized": 0}
 
 
 class _Calls(UpstreamWatch):

@@ -33,6 +33,7 @@ from proxy.relay.protocol import RECEIVED
 from proxy.relay.tracecontext import Sampler, begin
 from proxy.settings import Route, Settings
 from proxy.tape import STATS, Tape, now
+from proxy.tracestate import entry, upstream_tracestate
 from proxy.types import Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -102,6 +103,10 @@ class ProxyApp:
         #: Trace ids are made here; a disabled SDK means no spans, so the client's trace headers pass as sent.
         self.tracing = not settings.telemetry.sdk_disabled
         self.sampler = Sampler.from_env()
+        #: This replica's ``tracestate`` entry (``proxy.tracestate``): the model server's span of a request then
+        #: says which replica relayed it, wherever the server sends it. None: one replica, nothing to route.
+        peer = settings.telemetry
+        self.owner_entry = entry(peer.peer_address, peer.peer_token) if peer.peer_address and peer.peer_token else None
         self.ready = False
         #: Set on SIGTERM: streams still running at the drain deadline are cut and recorded as ``shutdown``.
         self.draining = False
@@ -265,7 +270,9 @@ class ProxyApp:
             elif lowered == b"traceparent":
                 traceparent = value.decode("latin-1")
             elif lowered == b"tracestate":
-                tracestate = value.decode("latin-1")
+                # Several fields are one list (RFC 9110 section 5.3; W3C Trace Context section 3.3.1.1).
+                part = value.decode("latin-1")
+                tracestate = part if tracestate is None else f"{tracestate},{part}"
         trace: list[tuple[bytes, bytes]] | None = None
         if self.tracing:
             ids = begin(traceparent, self.sampler)
@@ -273,8 +280,11 @@ class ProxyApp:
             if traceparent is not None:
                 tape.parent = (traceparent, tracestate or "")
             trace = [(b"traceparent", ids.traceparent)]
-            if tracestate is not None and tape.parent is not None:
-                trace.append((b"tracestate", tracestate.encode("latin-1")))
+            state = tracestate if tape.parent is not None else None
+            if self.owner_entry is not None:
+                state = upstream_tracestate(state, self.owner_entry)
+            if state is not None:
+                trace.append((b"tracestate", state.encode("latin-1")))
         try:
             body, more = await self._read_body(receive, settings.max_inspect_bytes if provider else 0)
         except ClientGone:

@@ -10,12 +10,16 @@ own process when telemetry runs in it (tests, the demo, embedding).
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import httpx
 from google.rpc.status_pb2 import Status
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -24,6 +28,7 @@ from starlette.routing import Route
 from proxy.analysis.timeline import Timeline
 from proxy.settings import Settings
 from proxy.telemetry.live import LiveView
+from proxy.telemetry.peers import PEER_HEADER, split
 from proxy.telemetry.prometheus import (
     CONTENT_TYPE,
     OPENMETRICS_CONTENT_TYPE,
@@ -35,7 +40,6 @@ from proxy.telemetry.recorder import Recorder
 from proxy.telemetry.serverspans import (
     MAX_BODY_BYTES,
     BadBody,
-    ServerSpan,
     decode,
     inflate,
     server_spans,
@@ -117,15 +121,31 @@ class AdminApp:
             if media not in (_PROTOBUF, "application/protobuf"):
                 raise BadBody("unsupported_type", f"content-type {media!r}: only {_PROTOBUF} is taken")
             body = await _read_bounded(request)
-            raw, spans, count = await asyncio.to_thread(_read_export, body, request.headers.get("content-encoding"))
+            # A body another replica passed here is this replica's to keep: never passed on again.
+            peer = self._peer(request)
+            encoding = request.headers.get("content-encoding")
+            raw, mine, theirs = await asyncio.to_thread(_read_export, body, encoding, peer)
         except BadBody as exc:
             self.recorder.count_rejected(exc.reason)
             return _status(_REFUSAL_STATUS[exc.reason], str(exc))
-        if spans and not self.recorder.submit_spans(spans):
+        # The spans this replica keeps go to the join, and to the backend when their trace was relayed here
+        # (``peers.Ownership``); spans another replica relayed go there (``peers``). Neither ever waits.
+        if mine is not None and not self.recorder.submit_spans(server_spans(mine), mine, len(raw)):
             return _status(503, "telemetry queue full")  # the sender retries: forwarded then, not now
-        if count:
-            self.recorder.forward(raw, count)  # never waits: queued for the traces backend, or counted dropped
+        for address, (export, count) in theirs.items():
+            self.recorder.route(address, export, count)
         return Response(ExportTraceServiceResponse().SerializeToString(), media_type=_PROTOBUF)
+
+    def _peer(self, request: Request) -> tuple[str, str] | None:
+        """This replica's address and token when the body may be another replica's to keep; None for a peer's."""
+        t = self.proxy.settings.telemetry
+        if t.peer_address is None or t.peer_token is None:
+            return None
+        if PEER_HEADER in request.headers:
+            if not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {t.peer_token}"):
+                raise BadBody("unauthorized", f"{PEER_HEADER} without the replicas' token")
+            return None
+        return t.peer_address, t.peer_token
 
     async def _healthz(self, request: Request) -> Response:
         return PlainTextResponse("ok\n")
@@ -137,11 +157,16 @@ class AdminApp:
         return PlainTextResponse(text + "\n", status_code=200 if ready else 503)
 
 
-def _read_export(body: bytes, encoding: str | None) -> tuple[bytes, list[ServerSpan], int]:
-    """The body inflated, its spans that report a server phase, and how many spans it holds in all."""
+def _read_export(
+    body: bytes, encoding: str | None, peer: tuple[str, str] | None
+) -> tuple[bytes, ExportTraceServiceRequest | None, dict[str, tuple[ExportTraceServiceRequest, int]]]:
+    """The body inflated, the spans this replica keeps (None: none), and those other replicas own by address."""
     raw = inflate(body, encoding)
     request = decode(raw)
-    return raw, server_spans(request), span_count(request)
+    if peer is None:
+        return raw, (request if span_count(request) else None), {}
+    mine, theirs = split(request, *peer)
+    return raw, mine, theirs
 
 
 async def _read_bounded(request: Request) -> bytes:
@@ -158,13 +183,13 @@ async def _read_bounded(request: Request) -> bytes:
 
 
 #: OTLP/HTTP's status for each refusal; the body is a ``google.rpc.Status`` (OTLP spec, "Failures").
-_REFUSAL_STATUS = {"bad_body": 400, "too_large": 413, "unsupported_type": 415}
+_REFUSAL_STATUS = {"bad_body": 400, "too_large": 413, "unsupported_type": 415, "unauthorized": 401}
 _PROTOBUF = "application/x-protobuf"
 
 
 def _status(code: int, message: str) -> Response:
-    # google.rpc codes: 3 invalid argument, 14 unavailable.
-    body = Status(code=14 if code == 503 else 3, message=message).SerializeToString()
+    # google.rpc codes: 3 invalid argument, 14 unavailable, 16 unauthenticated.
+    body = Status(code={503: 14, 401: 16}.get(code, 3), message=message).SerializeToString()
     headers = {"retry-after": "1"} if code == 503 else None
     return Response(body, status_code=code, media_type=_PROTOBUF, headers=headers)
 

@@ -29,14 +29,18 @@ from proxy.telemetry.setup import http_endpoint
 
 log = logging.getLogger("llmtap.telemetry")
 
-#: How a forwarded span ended up (``llmtap.otlp.outcome``).
-OUTCOMES = ("sent", "dropped", "failed")
+#: How a forwarded span ended up (``llmtap.otlp.outcome``); ``unowned``: not forwarded, since no request this
+#: process relayed is in its trace (``proxy.telemetry.peers.Ownership``). Spans passed to another replica end
+#: up as one of the first three.
+OUTCOMES = ("sent", "dropped", "failed", "unowned")
 #: Bodies waiting to be sent at most, and their bytes at most.
 MAX_QUEUED = 256
 MAX_QUEUED_BYTES = 32 << 20
 
 #: Sends one ``ExportTraceServiceRequest`` (its bytes); raises when the backend did not take it.
 Send = Callable[[bytes], None]
+#: Sends one to the named destination (another replica's admin listener, ``proxy.telemetry.peers``).
+SendTo = Callable[[bytes, str], None]
 
 
 class Forwarder:
@@ -44,32 +48,35 @@ class Forwarder:
 
     def __init__(
         self,
-        send: Send,
+        send: Send | None,
         count: Callable[[str, int], None],
         *,
         max_queued: int | None = None,
         max_bytes: int | None = None,
         close: Callable[[], None] | None = None,
+        send_to: SendTo | None = None,
     ) -> None:
         self._send = send
+        self._send_to = send_to
         self._count = count
         self._close = close
         self.max_queued = MAX_QUEUED if max_queued is None else max_queued
         self.max_bytes = MAX_QUEUED_BYTES if max_bytes is None else max_bytes
-        self._queue: deque[tuple[bytes, int]] = deque()
+        self._queue: deque[tuple[bytes, int, str | None]] = deque()
         self._bytes = 0
         self._closed = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def offer(self, body: bytes, spans: int) -> bool:
-        """Queue one body of ``spans`` spans for the backend; False (counted dropped) when it cannot wait."""
+    def offer(self, body: bytes, spans: int, to: str | None = None) -> bool:
+        """Queue one body of ``spans`` spans for the backend (or destination ``to``); False (counted dropped)
+        when it cannot wait."""
         with self._cond:
             if self._closed or len(self._queue) >= self.max_queued or self._bytes + len(body) > self.max_bytes:
                 full = True
             else:
                 full = False
-                self._queue.append((body, spans))
+                self._queue.append((body, spans, to))
                 self._bytes += len(body)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="llmtap-span-forward", daemon=True)
@@ -92,10 +99,15 @@ class Forwarder:
                     self._cond.wait()
                 if not self._queue:
                     return
-                body, spans = self._queue.popleft()
+                body, spans, to = self._queue.popleft()
                 self._bytes -= len(body)
             try:
-                self._send(body)
+                if to is None:
+                    assert self._send is not None
+                    self._send(body)
+                else:
+                    assert self._send_to is not None
+                    self._send_to(body, to)
             except Exception as exc:
                 log.debug("telemetry: forwarding %d server spans failed: %s", spans, exc)
                 self._count("failed", spans)
@@ -111,7 +123,7 @@ class Forwarder:
         if thread is not None:
             thread.join(timeout)
         with self._cond:
-            lost = sum(spans for _, spans in self._queue)
+            lost = sum(spans for _, spans, _ in self._queue)
             self._queue.clear()
             self._bytes = 0
         if lost:

@@ -79,6 +79,7 @@ class Instruments:
     server_spans: Counter
     otlp_rejected: Counter
     otlp_forwarded: Counter
+    otlp_routed: Counter
 
 
 def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Sequence[float]) -> Histogram:
@@ -251,6 +252,12 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             sc.METRIC_OTLP_FORWARDED,
             unit="{span}",
             description="Spans the span receiver took, forwarded to the OTLP traces backend, by llmtap.otlp.outcome "
-            "(sent, dropped, failed).",
+            "(sent, dropped, failed; unowned: of a trace this process did not relay, not forwarded).",
+        ),
+        otlp_routed=meter.create_counter(
+            sc.METRIC_OTLP_ROUTED,
+            unit="{span}",
+            description="Spans the span receiver passed to the replica that relayed their request, by "
+            "llmtap.otlp.outcome (sent, dropped, failed).",
         ),
     )

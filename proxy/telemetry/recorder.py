@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.metrics import MeterProvider
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.trace import (
     TracerProvider,
 )
@@ -29,7 +30,7 @@ from proxy.analysis.timeline import Timeline
 from proxy.providers.timing import PHASES
 from proxy.settings import Settings
 from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, SEGMENT, STATS
-from proxy.telemetry import forward, semconv as sc
+from proxy.telemetry import forward, peers, semconv as sc
 from proxy.telemetry.access_log import AccessLog
 from proxy.telemetry.attributes import cache_attributes
 from proxy.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
@@ -121,6 +122,13 @@ class Recorder:
         if self.forwarder is not None:
             for outcome in FORWARD_OUTCOMES:
                 self._count_forward(outcome, 0)
+        #: The traces this process relayed: only their spans go to the backend; only the worker thread touches it.
+        self.owned = peers.Ownership(settings.telemetry.server_spans_wait, self._count_unowned)
+        #: Passes spans another replica owns to that replica's admin listener (None: no peers).
+        self.peers = peers.peer_forwarder(settings.telemetry, self._count_routed)
+        if self.peers is not None:
+            for outcome in FORWARD_OUTCOMES[:3]:
+                self._count_routed(outcome, 0)
         #: Streams whose segments came and whose end has not, by (source, key); only the worker touches it.
         self._open: OrderedDict[tuple[int, int], Playback] = OrderedDict()
         # Streams a message of which was dropped here: their end is counted as a dropped tape.
@@ -184,14 +192,25 @@ class Recorder:
             log.exception("telemetry: could not queue a tape message")
             return False
 
-    def submit_spans(self, spans: list[ServerSpan]) -> bool:
-        """Queue the upstream's spans (the admin listener's receiver) for the join; False when the queue is full."""
+    def submit_spans(
+        self, spans: list[ServerSpan], export: ExportTraceServiceRequest | None = None, size: int = 0
+    ) -> bool:
+        """Queue the upstream's spans (the admin listener's receiver) for the join, and ``export`` (all the spans
+        they came with, ``size`` bytes) for the traces backend; False when the queue is full."""
         try:
             self._ensure_worker()
-            self._queue.put_nowait((-1, _Spans(spans), 0))
+            if size and self._queued_in + size - self._queued_out > MAX_QUEUED_BYTES:
+                return False
+            self._queue.put_nowait((-1, _Spans(spans, export), size))
+            self._queued_in += size
             return True
         except queue.Full:
             return False
+
+    def route(self, address: str, export: ExportTraceServiceRequest, spans: int) -> None:
+        """Pass spans another replica owns to its admin listener; never waits (queued, or counted dropped)."""
+        if self.peers is not None:
+            self.peers.offer(export.SerializeToString(), spans, to=address)
 
     def count_rejected(self, reason: str, n: int = 1) -> None:
         """An OTLP body the span receiver refused."""
@@ -200,10 +219,14 @@ class Recorder:
         except Exception:
             log.debug("telemetry: could not count a refused OTLP body", exc_info=True)
 
-    def forward(self, body: bytes, spans: int) -> None:
-        """Queue an OTLP trace body the receiver took (``spans`` spans) for the traces backend; never waits."""
-        if self.forwarder is not None:
-            self.forwarder.offer(body, spans)
+    def _count_unowned(self, n: int) -> None:
+        self._count_forward("unowned", n)
+
+    def _count_routed(self, outcome: str, n: int) -> None:
+        try:
+            self.instruments.otlp_routed.add(n, {sc.OTLP_FORWARD_OUTCOME: outcome})
+        except Exception:
+            log.debug("telemetry: could not count a span passed to another replica", exc_info=True)
 
     def _count_forward(self, outcome: str, n: int) -> None:
         try:
@@ -228,16 +251,28 @@ class Recorder:
                 thread.start()
                 self._thread = thread
 
+    def _next_deadline(self) -> float | None:
+        deadlines = [d for d in (self.join.next_deadline(), self.owned.next_deadline()) if d is not None]
+        return min(deadlines) if deadlines else None
+
+    def _due(self) -> None:
+        now = time.monotonic()
+        self._emit_all(self.join.due(now))
+        self.owned.due(now)
+
     def _run(self) -> None:
         while True:
-            deadline = self.join.next_deadline()
+            deadline = self._next_deadline()
             try:
                 if deadline is None:
                     item = self._queue.get()
                 else:
                     item = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
             except queue.Empty:
-                self._emit_all(self.join.due(time.monotonic()))
+                # A wait ran out with nothing else to do: what it released is written now, not with the next
+                # request (the record line included).
+                self._due()
+                self._flush_records()
                 continue
             if item is _STOP:
                 self._emit_all(self.join.release())
@@ -260,7 +295,7 @@ class Recorder:
             except Exception:
                 log.exception("telemetry: could not take a tape message")
             if deadline is not None and deadline <= time.monotonic():
-                self._emit_all(self.join.due(time.monotonic()))
+                self._due()
             if self._queue.empty():
                 # Idle: push record lines out now, so ``llmtap compare`` can read a live file.
                 self._flush_records()
@@ -278,6 +313,7 @@ class Recorder:
         head = message[2]
         if playback is None and head is not None and key not in self._lost:
             playback = Playback(head, self.settings, self._routes)
+            self._relayed(playback.tl.trace_id)
         if playback is not None:
             playback.feed(message[3])
         if kind == SEGMENT:
@@ -393,6 +429,8 @@ class Recorder:
             self.upstreams.close()
             if self.forwarder is not None:
                 self.forwarder.close(timeout)
+            if self.peers is not None:
+                self.peers.close(timeout)
         finally:
             if self.records is not None:
                 self.records.close()
@@ -417,6 +455,7 @@ class Recorder:
         A request to an upstream that exports its own spans waits for its span first (``serverspans``),
         at most ``telemetry.server_spans_wait`` seconds; the summary returned is then the estimate.
         """
+        self._relayed(tl.trace_id)
         slots = self.upstreams.slots(tl.upstream)
         s = summarize(
             tl,
@@ -464,6 +503,18 @@ class Recorder:
         for (tl, s), span in self.join.spans(spans, time.monotonic()):
             adopt_server_timing(tl, s, span.timing)
             self._emit_counted(tl, s)
+        if spans.export is not None and self.forwarder is not None:
+            own = self.owned.take(spans.export, time.monotonic())
+            if own is not None:
+                self.forwarder.offer(own[0].SerializeToString(), own[1])
+
+    def _relayed(self, trace_id: str | None) -> None:
+        """This process relayed ``trace_id``: spans of it may go to the backend, and those that waited go now."""
+        if trace_id is None or self.forwarder is None:
+            return
+        found = self.owned.relayed(trace_id)
+        if found is not None:
+            self.forwarder.offer(found[0].SerializeToString(), found[1])
 
     def _emit_all(self, items: list[tuple[Timeline, Summary]]) -> None:
         for tl, s in items:
@@ -521,7 +572,12 @@ class Recorder:
 
 
 class _Spans(list[ServerSpan]):
-    """Spans the upstream exported, as the receiver read them: a queue item of their own kind."""
+    """Spans the upstream exported, as the receiver read them: a queue item of their own kind, with every span
+    of their export (for the backend)."""
+
+    def __init__(self, spans: list[ServerSpan], export: ExportTraceServiceRequest | None) -> None:
+        super().__init__(spans)
+        self.export = export
 
 
 class _Marker:

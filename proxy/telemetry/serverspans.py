@@ -53,8 +53,8 @@ PROBE = 4
 #: How each span (or each request, for ``missing``) ended up: joined in time; came after its request
 #: was recorded; joined nothing llmtap sent; a request whose span never came within the wait.
 OUTCOMES = ("matched", "late", "unmatched", "missing")
-#: Why the receiver refused a body (HTTP 400, 413 or 415).
-REJECT_REASONS = ("bad_body", "too_large", "unsupported_type")
+#: Why the receiver refused a body (HTTP 400, 413 or 415; 401: marked as another replica's, without their token).
+REJECT_REASONS = ("bad_body", "too_large", "unsupported_type", "unauthorized")
 
 
 class BadBody(ValueError):
