@@ -7,6 +7,12 @@ Run ``python tests/scripted_upstream.py``; it prints its port on stdout.
 
 Responses are deterministic (fixed ids and timestamps), so a direct call and a call through
 the proxy can be compared byte for byte.
+
+With ``SCRIPT_OTLP_TRACES=URL`` it also traces as vLLM's ``--otlp-traces-endpoint`` does: the OpenTelemetry
+SDK takes the request's ``traceparent`` and ``tracestate``, and each streamed request ends one SERVER span
+``llm_request`` under it, with the script's own queue (``SCRIPT_QUEUE``, 0.0625 s), prefill (TTFT less queue)
+and decode in vLLM's attributes, exported over OTLP/HTTP in batches (``OTEL_BSP_SCHEDULE_DELAY``); and
+``/metrics`` shows vLLM's two gauges, so llmtap takes it for a server that can trace.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ class Upstream:
 
     def __init__(self, ttft: float, gap: float, chunks: int) -> None:
         self.plan = script(ttft, gap, chunks)
+        self.tracer = _tracer(os.environ.get("SCRIPT_OTLP_TRACES"))
+        self.queue_s = float(os.environ.get("SCRIPT_QUEUE", "0.0625"))
         self.output_tokens = sum(len(t) for _, t in self.plan)
         self.last_headers: dict[str, str] = {}
         self.active = 0
@@ -114,6 +122,12 @@ class Upstream:
         arrived: float,
     ) -> None:
         path = target.split("?", 1)[0]
+        if path == "/metrics" and self.tracer is not None:
+            page = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n" % len(page))
+            writer.write(page)
+            await writer.drain()
+            return
         if path in ("/echo-headers", "/active") or path.startswith("/echo-body/"):
             if path == "/active":
                 info: dict[str, Any] = {
@@ -198,6 +212,7 @@ class Upstream:
         self.active += 1
         try:
             await self._stream(writer, request, anthropic, arrived, chunk)
+            self._trace(headers, arrived)
         except ConnectionError:
             self.cancelled += 1
             raise
@@ -336,6 +351,42 @@ class Upstream:
             )
         writer.write(b"0\r\n\r\n")
         await writer.drain()
+
+    def _trace(self, headers: dict[str, str], arrived: float) -> None:
+        """The server's span of a finished request, as vLLM makes it (``vllm/v1/engine/output_processor.py``)."""
+        if self.tracer is None:
+            return
+        from opentelemetry.trace import SpanKind
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        context = TraceContextTextMapPropagator().extract({k: v for k, v in headers.items() if k.startswith("trace")})
+        ended = time.time_ns()
+        started = ended - round((time.perf_counter() - arrived) * 1e9)
+        first, last = self.content_offsets[0], self.content_offsets[-1]
+        span = self.tracer.start_span("llm_request", context=context, kind=SpanKind.SERVER, start_time=started)
+        span.set_attributes(
+            {
+                "gen_ai.latency.time_in_queue": self.queue_s,
+                "gen_ai.latency.time_in_model_prefill": max(first - self.queue_s, 0.0),
+                "gen_ai.latency.time_in_model_decode": last - first,
+                "gen_ai.latency.time_to_first_token": first,
+            }
+        )
+        span.end(end_time=ended)
+
+
+def _tracer(endpoint: str | None) -> Any:
+    """An OpenTelemetry tracer exporting to ``endpoint`` over OTLP/HTTP in batches, or None."""
+    if not endpoint:
+        return None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "scripted-server"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    return provider.get_tracer("scripted.llm_engine")
 
 
 async def main() -> None:
