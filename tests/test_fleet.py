@@ -9,11 +9,19 @@ recorder's timer that writes a record whose wait ended without another request c
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import pytest
@@ -32,12 +40,13 @@ from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.recorder import Recorder
 from proxy.telemetry.upstreams import UpstreamWatch
 from proxy.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
-from tests.conftest import PATIENCE, ServerThread, Telemetry
+from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry, free_port
 from tests.test_forward import PROTOBUF, _Source, vllm_export, wait_for
 from tests.test_otlp import HTTPReceiver
 from tests.test_serverspans import TRACE, UPSTREAM, counter, traced
 
 TOKEN = "replicas-share-this"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # --- the tracestate entry ---------------------------------------------------------------------------
@@ -195,3 +204,305 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+# --- two real replicas -------------------------------------------------------------------------------
+
+
+class Service:
+    """One address in front of several (a Service): each OTLP body goes to the next target in turn.
+
+    The turns run over ``targets`` as given; listing one twice (``[a, a, b]``) keeps the turns out of step
+    with requests sent to the replicas in turn, so some spans land on the replica that did not relay them
+    whatever the phase. It notes, per body, where it went and which traces' ``llm_request`` spans it held.
+    """
+
+    def __init__(self) -> None:
+        self.targets: list[str] = []
+        self.sent: list[tuple[str, list[str], int]] = []  # (target, trace ids of llm_request spans, status)
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                with service._lock:
+                    target = service.targets[next(service._turn) % len(service.targets)]
+                headers = {k: v for k, v in self.headers.items() if k.lower().startswith("content-")}
+                answer = httpx.post(target, content=body, headers=headers, timeout=10)
+                request = ExportTraceServiceRequest.FromString(body)
+                traces = [
+                    span.trace_id.hex()
+                    for rs in request.resource_spans
+                    for ss in rs.scope_spans
+                    for span in ss.spans
+                    if span.name == "llm_request"
+                ]
+                with service._lock:
+                    service.sent.append((target, traces, answer.status_code))
+                self.send_response(answer.status_code)
+                self.send_header("content-type", answer.headers.get("content-type", "application/x-protobuf"))
+                self.send_header("content-length", str(len(answer.content)))
+                self.end_headers()
+                self.wfile.write(answer.content)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                """Quiet."""
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+_taken: set[int] = set()
+
+
+def _port() -> int:
+    port = free_port()
+    while port in _taken:
+        port = free_port()
+    _taken.add(port)
+    return port
+
+
+class Replica:
+    """``llmtap serve`` on free ports, recording to a file, exporting to ``backend``; ``peers``: routing on."""
+
+    def __init__(self, name: str, upstream: str, backend: str, tmp: Path, *, wait: float, peers: bool) -> None:
+        self.name = name
+        self.port, self.admin_port = _port(), _port()
+        self.record = tmp / f"{name}.jsonl"
+        self.log_path = tmp / f"{name}.log"
+        self.log: IO[str] = self.log_path.open("w", encoding="utf-8")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
+        env |= {
+            "OTEL_SERVICE_NAME": f"llmtap-{name}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": backend,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_BSP_SCHEDULE_DELAY": "50",
+            "OTEL_METRICS_EXPORTER": "none",
+            "LLMTAP_SERVER_SPANS_WAIT": str(wait),
+            "LLMTAP_RECORD": str(self.record),
+        }
+        if peers:
+            env |= {"LLMTAP_PEER_ADDRESS": f"127.0.0.1:{self.admin_port}", "LLMTAP_PEER_TOKEN": TOKEN}
+        argv = ["serve", "--upstream", upstream, "--provider", "vllm"]
+        argv += ["--port", str(self.port), "--admin-port", str(self.admin_port)]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log
+        )
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=PATIENCE)
+
+    @property
+    def traces_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}/v1/traces"
+
+    def logs(self) -> str:
+        return self.log_path.read_text(encoding="utf-8")[-4000:]
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + PATIENCE
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.logs()
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.admin_port}/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name} never became ready:\n{self.logs()}")
+
+    def counts(self, metric: str, label: str) -> dict[str, float]:
+        """A counter's values on this replica's ``/metrics``, by ``label``."""
+        text = httpx.get(f"http://127.0.0.1:{self.admin_port}/metrics", timeout=10).text
+        found: dict[str, float] = {}
+        pattern = re.compile(rf'^{metric}_total\{{[^}}]*{label}="([^"]+)"[^}}]*\}} (\S+)$', re.M)
+        for key, value in pattern.findall(text):
+            found[key] = found.get(key, 0.0) + float(value)
+        return found
+
+    def close(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+def _prom(name: str) -> str:
+    return name.replace(".", "_")
+
+
+class Fleet:
+    """Two replicas, the shared span address in front of them, the OTLP backend, and what each request did."""
+
+    def __init__(self, upstream: Callable[[str], str], tmp: Path, *, wait: float, peers: bool) -> None:
+        self.wait = wait
+        self.backend = HTTPReceiver()
+        self.service = Service()
+        self.upstream_url = upstream(self.service.url)
+        self.replicas = [
+            Replica(name, self.upstream_url, self.backend.url, tmp, wait=wait, peers=peers) for name in ("a", "b")
+        ]
+        a, b = (r.traces_url for r in self.replicas)
+        self.service.targets = [a, a, b]
+        for r in self.replicas:
+            r.wait_ready()
+        self.ended: dict[str, float] = {}  # trace id -> when the client had the whole answer
+        self.owner: dict[str, int] = {}  # trace id -> the replica that relayed it
+        self.seen: dict[str, float] = {}  # trace id -> when its record line was first seen on disk
+
+    def chat(self, i: int, body: dict[str, Any]) -> None:
+        """Request ``i`` through replica ``i % 2``, in a trace of the client's (with its own tracestate)."""
+        trace = secrets.token_hex(16)
+        headers = {"traceparent": f"00-{trace}-{secrets.token_hex(8)}-01", "tracestate": "vendor=abc"}
+        with self.replicas[i % 2].client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            r.read()
+        self.ended[trace] = time.monotonic()
+        self.owner[trace] = i % 2
+
+    def watch_records(self, timeout: float) -> dict[str, dict[str, Any]]:
+        """Every request's record line, noting when each first appeared; waits at most ``timeout``."""
+        lines: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(lines) < len(self.ended) and time.monotonic() < deadline:
+            for r in self.replicas:
+                for line in _lines(r.record):
+                    if line["trace_id"] not in lines:
+                        lines[line["trace_id"]] = line
+                        self.seen[line["trace_id"]] = time.monotonic()
+            time.sleep(0.02)
+        return lines
+
+    def sum_counts(self, metric: str, label: str) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for r in self.replicas:
+            for key, value in r.counts(_prom(metric), _prom(label)).items():
+                total[key] = total.get(key, 0.0) + value
+        return total
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {r.name}\n{r.logs()}" for r in self.replicas)
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()
+        self.service.close()
+        self.backend.close()
+
+
+CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Hi."}]}
+#: The replicas' wait for a server span, seconds: the bound every request's telemetry is held to.
+WAIT = 4.0
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    """Two routing replicas (``peers``: the test's parameter) in front of the scripted upstream that traces."""
+    made: list[Scripted] = []
+
+    def upstream(spans: str) -> str:
+        up = Scripted(
+            SCRIPT_TTFT="0.1",
+            SCRIPT_GAP="0.01",
+            SCRIPT_CHUNKS="4",
+            SCRIPT_OTLP_TRACES=spans,
+            OTEL_BSP_SCHEDULE_DELAY="200",
+        )
+        made.append(up)
+        return up.url
+
+    f = Fleet(upstream, tmp_path, wait=WAIT, peers=request.param)
+    try:
+        yield f
+    finally:
+        f.close()
+        for up in made:
+            up.close()
+
+
+@pytest.mark.parametrize("fleet", [True], indirect=True)
+def test_two_replicas_each_get_the_server_truth_of_their_own_requests(fleet: Fleet) -> None:
+    """The upstream exports to one address that alternates between the replicas; every request's queue and
+    prefill come out as the server's, no record waits out the bound, and each span reaches the backend once,
+    from the replica that relayed it."""
+    n = 8
+    for i in range(n):
+        fleet.chat(i, CHAT)
+    lines = fleet.watch_records(WAIT + PATIENCE)
+    assert set(lines) == set(fleet.ended), fleet.logs()
+    joined = fleet.sum_counts(sc.METRIC_SERVER_SPANS, sc.SERVER_SPAN_OUTCOME)
+    routed = fleet.sum_counts(sc.METRIC_OTLP_ROUTED, sc.OTLP_FORWARD_OUTCOME)
+    why = (joined, routed, fleet.service.sent, fleet.owner)
+    for trace, line in lines.items():
+        assert (line["queue_source"], line["prefill_source"]) == ("server", "server"), (trace, line, why)
+        assert line["queue"] >= 0.0625 and line["prefill"] == pytest.approx(line["upstream_ttft"] - 0.0625, abs=0.05)
+        # Written when its span came, never past the wait (1.5 s over it allowed for the telemetry queue).
+        assert fleet.seen[trace] - fleet.ended[trace] < WAIT + 1.5, (trace, fleet.seen[trace] - fleet.ended[trace])
+    # The shared address sent some spans to the replica that did not relay them: each was passed on, once.
+    landed_elsewhere = sum(
+        1
+        for target, traces, status in fleet.service.sent
+        for trace in traces
+        if status == 200 and target != fleet.replicas[fleet.owner[trace]].traces_url
+    )
+    assert landed_elsewhere >= 1, fleet.service.sent
+    assert routed == {"sent": landed_elsewhere, "dropped": 0, "failed": 0}
+    assert joined == {"matched": n, "late": 0, "unmatched": 0, "missing": 0}
+    # At the backend: each request's server span once, under llmtap's span, carrying the client's tracestate.
+    deadline = time.monotonic() + PATIENCE
+    while len([s for _, s in fleet.backend.received.spans() if s.name == "llm_request"]) < n:
+        assert time.monotonic() < deadline, fleet.logs()
+        time.sleep(0.05)
+    time.sleep(0.5)  # a duplicate would come about now
+    server = [s for _, s in fleet.backend.received.spans() if s.name == "llm_request"]
+    assert sorted(s.trace_id.hex() for s in server) == sorted(fleet.ended)
+    for s in server:
+        state = s.trace_state.split(",")
+        assert state[0].startswith("llmtap=127.0.0.1:") and state[1:] == ["vendor=abc"], s.trace_state
+        assert (
+            state[0].split("=")[1].split("~")[0]
+            == f"127.0.0.1:{fleet.replicas[fleet.owner[s.trace_id.hex()]].admin_port}"
+        )
+
+
+@pytest.mark.parametrize("fleet", [False], indirect=True)
+def test_without_routing_a_span_that_lands_on_the_other_replica_is_lost_to_its_request(fleet: Fleet) -> None:
+    """The control: the same fleet without ``peer_address``. What the routing test holds fails here."""
+    n = 4
+    for i in range(n):
+        fleet.chat(i, CHAT)
+    lines = fleet.watch_records(WAIT + PATIENCE)
+    assert set(lines) == set(fleet.ended), fleet.logs()
+    landed_elsewhere = sum(
+        1
+        for target, traces, _ in fleet.service.sent
+        for trace in traces
+        if target != fleet.replicas[fleet.owner[trace]].traces_url
+    )
+    fallback = [t for t, line in lines.items() if line["prefill_source"] != "server"]
+    assert landed_elsewhere >= 1 and len(fallback) == landed_elsewhere, fleet.service.sent
+    # A span that found no request is kept for the wait (its request might still be queued), then counted.
+    deadline = time.monotonic() + WAIT + PATIENCE
+    while (joined := fleet.sum_counts(sc.METRIC_SERVER_SPANS, sc.SERVER_SPAN_OUTCOME))["unmatched"] < landed_elsewhere:
+        assert time.monotonic() < deadline, joined
+        time.sleep(0.1)
+    assert joined["missing"] == landed_elsewhere and joined["unmatched"] == landed_elsewhere
+    # Each fallback still came out within the bound, and marked.
+    for trace in fallback:
+        assert fleet.seen[trace] - fleet.ended[trace] < WAIT + 1.5
