@@ -174,6 +174,9 @@ def test_pieces_are_wired_to_each_other(case: dict[str, Any]) -> None:
         for e in proxy["env"]
         if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]
     }
+    peers = case.get("peers", {})
+    if peers.get("enabled"):  # the replicas' shared token, from its own Secret
+        assert refs.pop("LLMTAP_PEER_TOKEN") == {"name": peers["tokenSecret"], "key": peers.get("tokenKey", "token")}
     assert {k: v["key"] for k, v in refs.items()} == secrets
     assert all(v["name"] == case.get("secretName") for v in refs.values())
 
@@ -188,6 +191,23 @@ def test_the_scale_case_renders_its_options() -> None:
     (deployment,) = docs["Deployment"]
     env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"] == "base2_exponential_bucket_histogram"
+    # Span routing between the pods: each names itself by pod IP and admin port, with the shared token.
+    variables = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert variables["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["LLMTAP_PEER_ADDRESS"] == "$(POD_IP):9464"
+    assert variables["LLMTAP_PEER_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "llmtap-peers", "key": "token"}
+    names = [e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]]
+    assert names.index("POD_IP") < names.index("LLMTAP_PEER_ADDRESS")  # $(POD_IP) expands only from earlier ones
+    # The address and token the pods get are what llmtap takes.
+    loaded = llmtap_settings.telemetry_from_env(
+        {"LLMTAP_PEER_ADDRESS": env["LLMTAP_PEER_ADDRESS"].replace("$(POD_IP)", "10.0.3.7"), "LLMTAP_PEER_TOKEN": "t"}
+    )
+    assert loaded.peer_address == "10.0.3.7:9464"
+    # Off by default; on without a Secret, the chart refuses with the key named.
+    default = by_kind(manifests({}))["Deployment"][0]
+    assert "LLMTAP_PEER_ADDRESS" not in {e["name"] for e in default["spec"]["template"]["spec"]["containers"][0]["env"]}
+    with pytest.raises(Exception, match="peers.tokenSecret"):
+        manifests({"peers": {"enabled": True}})
 
 
 # --- values: commented, closed, and enforced ----------------------------------------------------

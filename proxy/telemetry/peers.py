@@ -176,7 +176,10 @@ def peer_forwarder(t: Telemetry, count: Callable[[str, int], None]) -> Forwarder
     client = httpx.Client(timeout=PEER_TIMEOUT, headers=headers)
 
     def send_to(body: bytes, address: str) -> None:
-        answer = client.post(f"http://{address}/v1/traces", content=body)
+        host, _, port = address.rpartition(":")
+        if ":" in host and not host.startswith("["):  # an IPv6 pod IP, as $(POD_IP) gives it
+            host = f"[{host}]"
+        answer = client.post(f"http://{host}:{port}/v1/traces", content=body)
         if answer.status_code != 200:
             raise RuntimeError(f"{address} answered {answer.status_code}")
 
