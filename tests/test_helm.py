@@ -206,7 +206,7 @@ def test_the_scale_case_renders_its_options() -> None:
     # Off by default; on without a Secret, the chart refuses with the key named.
     default = by_kind(manifests({}))["Deployment"][0]
     assert "LLMTAP_PEER_ADDRESS" not in {e["name"] for e in default["spec"]["template"]["spec"]["containers"][0]["env"]}
-    with pytest.raises(Exception, match="peers.tokenSecret"):
+    with pytest.raises(Exception, match=r"peers\.tokenSecret"):
         manifests({"peers": {"enabled": True}})
 
 
