@@ -171,6 +171,21 @@ def test_a_span_of_a_trace_nobody_relayed_is_not_forwarded_and_is_counted(
         backend.close()
 
 
+def test_a_body_marked_as_a_peers_needs_the_replicas_token(
+    make_admin: Callable[..., tuple[Recorder, str]], telemetry: Telemetry
+) -> None:
+    _, admin = make_admin(peer_address="127.0.0.1:1", peer_token=TOKEN)
+    body = vllm_export("b7ad6b7169203331")
+    with httpx.Client(timeout=10) as client:
+        marked = {**PROTOBUF, peers.PEER_HEADER: "1"}
+        assert client.post(admin, content=body, headers=marked).status_code == 401
+        wrong = {**marked, "authorization": "Bearer guess"}
+        assert client.post(admin, content=body, headers=wrong).status_code == 401
+        right = {**marked, "authorization": f"Bearer {TOKEN}"}
+        assert client.post(admin, content=body, headers=right).status_code == 200
+    assert counter(telemetry, sc.METRIC_OTLP_REJECTED, sc.OTLP_REJECT_REASON)["unauthorized"] == 2
+
+
 def test_a_record_whose_wait_ends_is_written_at_once_without_another_request(
     make_admin: Callable[..., tuple[Recorder, str]], tmp_path: Path
 ) -> None:

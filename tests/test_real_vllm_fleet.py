@@ -86,5 +86,15 @@ def test_two_replicas_in_front_of_one_real_vllm_each_get_the_server_truth(
     )
     assert landed_elsewhere >= 1 and routed == {"sent": landed_elsewhere, "dropped": 0, "failed": 0}, why
     assert joined == {"matched": n, "late": 0, "unmatched": 0, "missing": 0}, why
+    # vLLM's spans, as each owner forwarded them to the backend, carry the entry naming that owner.
+    deadline = time.monotonic() + PATIENCE
+    while len([s for _, s in fleet.backend.received.spans() if s.name == "llm_request"]) < n:
+        assert time.monotonic() < deadline, fleet.logs()
+        time.sleep(0.05)
+    for _, span in fleet.backend.received.spans():
+        if span.name == "llm_request":
+            owner = fleet.replicas[fleet.owner[span.trace_id.hex()]]
+            assert span.trace_state.startswith(f"llmtap=127.0.0.1:{owner.admin_port}~"), span.trace_state
+            assert span.trace_state.endswith(",vendor=abc"), span.trace_state
     held = sorted(round(w, 3) for w in waited)
     print(f"held per request (s): max {max(waited):.3f}, {held}; routed {landed_elsewhere}")
