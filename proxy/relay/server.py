@@ -294,7 +294,12 @@ def label_uvicorn(listener: str) -> None:
 
 
 def uvicorn_config(
-    app: object, settings: Settings, *, access_log: bool = False, limits: ClientLimits | None = None
+    app: object,
+    settings: Settings,
+    *,
+    access_log: bool = False,
+    limits: ClientLimits | None = None,
+    protocol: type[BoundedHeadProtocol] = BoundedHeadProtocol,
 ) -> uvicorn.Config:
     """uvicorn settings shared by every listener: no Server or Date header of its own (the upstream's pass through).
 
@@ -304,7 +309,7 @@ def uvicorn_config(
     off whatever is installed: an Upgrade request reaches the application as plain HTTP, and the relay
     answers it (``proxy.relay.guard``).
     """
-    protocol = functools.partial(BoundedHeadProtocol, limits=limits or ClientLimits.from_settings(settings))
+    http = functools.partial(protocol, limits=limits or ClientLimits.from_settings(settings))
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         log_level=settings.log_level,
@@ -314,7 +319,7 @@ def uvicorn_config(
         server_header=False,
         date_header=False,
         lifespan="on",
-        http=protocol,  # type: ignore[arg-type]
+        http=http,  # type: ignore[arg-type]
         ws="none",
         timeout_keep_alive=settings.timeouts.keep_alive,  # type: ignore[arg-type]
         timeout_graceful_shutdown=math.ceil(settings.timeouts.drain),

@@ -22,7 +22,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from proxy.analysis.timeline import Timeline
-from proxy.settings import Settings
+from proxy.settings import Admin, Settings
+from proxy.telemetry.access import Gate
 from proxy.telemetry.live import LiveView
 from proxy.telemetry.prometheus import (
     CONTENT_TYPE,
@@ -33,7 +34,6 @@ from proxy.telemetry.prometheus import (
 )
 from proxy.telemetry.recorder import Recorder
 from proxy.telemetry.serverspans import (
-    MAX_BODY_BYTES,
     BadBody,
     ServerSpan,
     decode,
@@ -81,8 +81,10 @@ class AdminApp:
         self.proxy = source
         self.recorder = recorder
         self.prometheus = prometheus
+        #: Who may use the span receiver and the event stream (``proxy.telemetry.access``).
+        self.gate = Gate(source.settings.admin)
         # ``busy`` and ``skip`` are the live view's: rates over busy time, requests it leaves out.
-        self.live = LiveView(recorder, source.settings, traces=traces, busy=busy, skip=skip)
+        self.live = LiveView(recorder, source.settings, traces=traces, busy=busy, skip=skip, gate=self.gate)
         #: The admin sockets of the other telemetry processes, whose ``/metrics`` this one adds to its own.
         self.peers = tuple(peers)
         routes = [
@@ -112,12 +114,19 @@ class AdminApp:
 
     async def _traces(self, request: Request) -> Response:
         """OTLP/HTTP protobuf spans from the upstream: read within bounds, queued for the recorder's join."""
+        refusal = self.gate.refusal(request, "the span receiver")
+        if refusal is not None:
+            self.recorder.count_rejected(refusal.reason)
+            return _status(refusal.status, refusal.message)
+        limits = self.proxy.settings.admin
         try:
             media = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if media not in (_PROTOBUF, "application/protobuf"):
                 raise BadBody("unsupported_type", f"content-type {media!r}: only {_PROTOBUF} is taken")
-            body = await _read_bounded(request)
-            raw, spans, count = await asyncio.to_thread(_read_export, body, request.headers.get("content-encoding"))
+            body = await _read_bounded(request, limits.max_body_bytes)
+            raw, spans, count = await asyncio.to_thread(
+                _read_export, body, request.headers.get("content-encoding"), limits
+            )
         except BadBody as exc:
             self.recorder.count_rejected(exc.reason)
             return _status(_REFUSAL_STATUS[exc.reason], str(exc))
@@ -137,35 +146,42 @@ class AdminApp:
         return PlainTextResponse(text + "\n", status_code=200 if ready else 503)
 
 
-def _read_export(body: bytes, encoding: str | None) -> tuple[bytes, list[ServerSpan], int]:
-    """The body inflated, its spans that report a server phase, and how many spans it holds in all."""
-    raw = inflate(body, encoding)
+def _read_export(body: bytes, encoding: str | None, limits: Admin) -> tuple[bytes, list[ServerSpan], int]:
+    """The body inflated (within ``limits``), its spans that report a server phase, and how many spans it holds."""
+    raw = inflate(
+        body,
+        encoding,
+        max_body=limits.max_body_bytes,
+        max_inflated=limits.max_inflated_bytes,
+        max_ratio=limits.max_inflate_ratio,
+    )
     request = decode(raw)
     return raw, server_spans(request), span_count(request)
 
 
-async def _read_bounded(request: Request) -> bytes:
-    """The request body, refused past ``MAX_BODY_BYTES`` however it is framed."""
+async def _read_bounded(request: Request, limit: int) -> bytes:
+    """The request body, refused past ``limit`` bytes however it is framed."""
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise BadBody("too_large", f"body of {length} bytes is over {MAX_BODY_BYTES}")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise BadBody("too_large", f"body of {length} bytes is over {limit}")
     body = bytearray()
     async for part in request.stream():
         body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise BadBody("too_large", f"body over {MAX_BODY_BYTES} bytes")
+        if len(body) > limit:
+            raise BadBody("too_large", f"body over {limit} bytes")
     return bytes(body)
 
 
 #: OTLP/HTTP's status for each refusal; the body is a ``google.rpc.Status`` (OTLP spec, "Failures").
-_REFUSAL_STATUS = {"bad_body": 400, "too_large": 413, "unsupported_type": 415}
+_REFUSAL_STATUS = {"bad_body": 400, "too_large": 413, "inflated_too_large": 413, "unsupported_type": 415}
 _PROTOBUF = "application/x-protobuf"
 
 
 def _status(code: int, message: str) -> Response:
-    # google.rpc codes: 3 invalid argument, 14 unavailable.
-    body = Status(code=14 if code == 503 else 3, message=message).SerializeToString()
-    headers = {"retry-after": "1"} if code == 503 else None
+    # google.rpc codes: 3 invalid argument, 7 permission denied, 14 unavailable, 16 unauthenticated.
+    rpc = {503: 14, 401: 16, 403: 7}.get(code, 3)
+    body = Status(code=rpc, message=message).SerializeToString()
+    headers = {"retry-after": "1"} if code == 503 else {"www-authenticate": "Bearer"} if code == 401 else None
     return Response(body, status_code=code, media_type=_PROTOBUF, headers=headers)
 
 

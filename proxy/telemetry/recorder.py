@@ -48,6 +48,10 @@ _STOP = object()
 #: queue; ``evicted``: too many streams open at once) or in part (``partial``: timing without some bytes;
 #: ``inflate_limit``, ``body_limit``: the tap stopped reading a response past its bounds, ``proxy.telemetry.tap``).
 TAPE_DROP_REASONS = ("channel_full", "queue_full", "evicted", "partial", "inflate_limit", "body_limit")
+#: Why a client's trace header was not read (``llmtap.trace_context.ignored``).
+TRACE_CONTEXT_REASONS = ("traceparent_too_long", "tracestate_too_long")
+#: Why the admin listener refused or cut something (``llmtap.admin.refused``; the instrument says each).
+ADMIN_REASONS = ("connection_evicted", "connection_limit", "event_streams", "unauthorized", "forbidden")
 #: How the admission queue refuses a request (``error.type``).
 QUEUE_REFUSALS = ("queue_full", "queue_timeout")
 #: Streams being played back at once (their segments came, their end not yet); past it the oldest goes.
@@ -79,6 +83,7 @@ class Recorder:
         self.spans = SpanWriter(settings, tracer_provider)
         self.metrics = MetricWriter(settings, meter_provider)
         self.instruments = self.metrics.instruments
+        self.spans.on_ignored = self._count_trace_context
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.telemetry.queue_size)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -143,6 +148,11 @@ class Recorder:
             self._count_join(outcome, 0)
         for reason in REJECT_REASONS:
             self.count_rejected(reason, 0)
+        for reason in ADMIN_REASONS:
+            self.count_admin(reason, 0)
+        self.instruments.event_streams.add(0)
+        for reason in TRACE_CONTEXT_REASONS:
+            self._count_trace_context(reason, 0)
         # And every route's admission refusals, ignored server timings (by phase) and unparsable events: their
         # panels show a line at 0, not "No data", until the first one.
         for route in settings.routes:
@@ -199,6 +209,26 @@ class Recorder:
             self.instruments.otlp_rejected.add(n, {sc.OTLP_REJECT_REASON: reason})
         except Exception:
             log.debug("telemetry: could not count a refused OTLP body", exc_info=True)
+
+    def count_admin(self, reason: str, n: int = 1) -> None:
+        """Something the admin listener refused or cut (``ADMIN_REASONS``)."""
+        try:
+            self.instruments.admin_refused.add(n, {sc.ADMIN_REASON: reason})
+        except Exception:
+            log.debug("telemetry: could not count an admin refusal", exc_info=True)
+
+    def _count_trace_context(self, reason: str, n: int = 1) -> None:
+        try:
+            self.instruments.trace_context_ignored.add(n, {sc.TRACE_CONTEXT_REASON: reason})
+        except Exception:
+            log.debug("telemetry: could not count an ignored trace header", exc_info=True)
+
+    def event_streams(self, change: int) -> None:
+        """The live view's open ``/events`` streams went up or down by ``change``."""
+        try:
+            self.instruments.event_streams.add(change)
+        except Exception:
+            log.debug("telemetry: could not count an event stream", exc_info=True)
 
     def forward(self, body: bytes, spans: int) -> None:
         """Queue an OTLP trace body the receiver took (``spans`` spans) for the traces backend; never waits."""
