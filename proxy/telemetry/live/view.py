@@ -43,8 +43,9 @@ RETRY_MS = 500
 #: A snapshot computed this recently (seconds) is what every stream asking for the same window gets: its
 #: cost is one computation per window, not one per open stream.
 SHARE_FOR = 0.5
-#: Shortest gap between two ``requests`` events of a stream (seconds): bursts of requests go out together.
-REQUESTS_EVERY = 0.1
+#: ``requests`` events go out on a shared clock of this period (seconds): bursts of requests go out together,
+#: and every stream sends at the same instants, so they hold the same requests and share one encoding.
+REQUESTS_EVERY = 0.25
 
 _ASSETS = {
     "/": ("index.html", "text/html"),
@@ -122,9 +123,10 @@ class LiveView:
         #: ``/events`` streams open now, and at most.
         self.streams = 0
         self.max_streams = settings.admin.max_event_streams
-        # The snapshot event last computed per window: (when, its task); the ``requests`` event last encoded.
+        # The snapshot event last computed per window: (when, its task); ``requests`` events encoded lately, by the
+        # id they follow: (the newest id in it, the event).
         self._snapshots: dict[float | None, tuple[float, asyncio.Future[bytes]]] = {}
-        self._encoded: tuple[int, int, bytes] = (0, 0, b"")
+        self._encoded: dict[int, tuple[int, bytes]] = {}
         self._assets = {
             path: (resources.files("proxy.telemetry.live").joinpath("static", name).read_bytes(), kind)
             for path, (name, kind) in _ASSETS.items()
@@ -211,15 +213,17 @@ class LiveView:
         newest = self.window.latest()
         if newest <= last:
             return last, b""
-        after, upto, encoded = self._encoded
-        if (after, upto) != (last, newest):
-            records = self.window.since(last)
-            if not records:
-                return last, b""
-            newest = records[-1]["id"]
-            encoded = _event("requests", records, newest)
-            self._encoded = (last, newest, encoded)
-        return newest, encoded
+        found = self._encoded.get(last)
+        if found is not None and found[0] == newest:
+            return found
+        records = self.window.since(last)
+        if not records:
+            return last, b""
+        newest = records[-1]["id"]
+        if len(self._encoded) >= 16:
+            self._encoded.clear()
+        found = self._encoded[last] = (newest, _event("requests", records, newest))
+        return found
 
     async def _stream(self, window: float | None, last: int) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
@@ -235,7 +239,8 @@ class LiveView:
                 if records:
                     yield records
                     next_snapshot = min(next_snapshot, loop.time() + SNAPSHOT_SOON)
-                    await asyncio.sleep(REQUESTS_EVERY)  # what comes meanwhile goes out in one event
+                    # What comes meanwhile goes out in one event, at the next tick of the shared clock.
+                    await asyncio.sleep(REQUESTS_EVERY - loop.time() % REQUESTS_EVERY)
                 if loop.time() >= next_snapshot:
                     yield await self._snapshot(window)
                     next_snapshot = loop.time() + SNAPSHOT_EVERY
