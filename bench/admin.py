@@ -12,9 +12,11 @@ older checkout runs the same phases) exporting traces over OTLP/HTTP, with a bea
   the bytes the backend received, and the telemetry process's resident memory before and at its peak;
 * idle: ``--idle`` connections opened to the admin port and left silent, then ``/healthz`` asked five times on
   fresh connections; the statuses;
-* events: with short streams relayed one after another (``tests/fault_upstream.py``), ``--subscribers``
-  live-view ``/events`` streams held open (and read), then ``/metrics`` fetched ten times; its time (median,
-  max), the telemetry process's CPU over that time, and the streams refused.
+* drain (only with ``--only drain``): SIGTERM with a stream in flight; how long ``/readyz`` still said 200;
+* events: with short streams relayed one after another (``tests/fault_upstream.py``), ``/metrics`` fetched ten
+  times (the control), then ``--subscribers`` live-view ``/events`` streams held open (and read) and ``/metrics``
+  fetched ten times again; its time (median, max) and the telemetry process's CPU over each, and the streams
+  refused.
 
 ``--serve-arg`` passes a flag to ``llmtap serve`` (repeat it), e.g. the settings that make a loopback sender
 count as an outsider: the forged post is sent from loopback.
@@ -26,8 +28,10 @@ import argparse
 import contextlib
 import gzip
 import json
+import os
 import resource
 import selectors
+import signal
 import socket
 import statistics
 import sys
@@ -160,7 +164,22 @@ class Traffic(threading.Thread):
                 time.sleep(self.pause)
 
 
+def scrape(admin: str, service: Service, count: int) -> tuple[list[float], float]:
+    """``/metrics`` fetched ``count`` times, 0.2 s apart: each one's time, and the telemetry process's CPU meanwhile."""
+    pids = telemetry_pids(service)
+    cpu0, t0 = cpu_seconds(pids), time.monotonic()
+    times = []
+    for _ in range(count):
+        start = time.monotonic()
+        with contextlib.suppress(httpx.TimeoutException):  # counted as the 60 s it was given
+            httpx.get(admin + "/metrics", timeout=60)
+        times.append(time.monotonic() - start)
+        time.sleep(0.2)
+    return times, (cpu_seconds(pids) - cpu0) / (time.monotonic() - t0)
+
+
 def events(host: str, port: int, count: int, admin: str, service: Service, auth: dict[str, str]) -> dict[str, Any]:
+    control, control_cpu = scrape(admin, service, 10)  # the same traffic, no subscriber
     selector = selectors.DefaultSelector()
     socks: list[socket.socket] = []
     refused = 0
@@ -190,27 +209,49 @@ def events(host: str, port: int, count: int, admin: str, service: Service, auth:
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     time.sleep(3.0)
-    pids = telemetry_pids(service)
-    cpu0, t0 = cpu_seconds(pids), time.monotonic()
-    times = []
-    for _ in range(10):
-        start = time.monotonic()
-        httpx.get(admin + "/metrics", timeout=60)
-        times.append(time.monotonic() - start)
-        time.sleep(0.2)
-    cpu = (cpu_seconds(pids) - cpu0) / (time.monotonic() - t0)
+    times, cpu = scrape(admin, service, 10)
     stop.set()
     reader.join(5)
     refused = sum(1 for head in heads.values() if not head.startswith(b"HTTP/1.1 200"))
     for s in socks:
         s.close()
     return {
+        "control_metrics_s_median": round(statistics.median(control), 3),
+        "control_metrics_s_max": round(max(control), 3),
+        "control_telemetry_cpu_percent": round(control_cpu * 100, 1),
         "events_streams": count,
         "events_refused": refused,
         "metrics_s_median": round(statistics.median(times), 3),
         "metrics_s_max": round(max(times), 3),
+        "metrics_s_each": [round(t, 2) for t in times],
         "telemetry_cpu_percent": round(cpu * 100, 1),
     }
+
+
+def drain(admin: str, url: str, service: Service) -> dict[str, Any]:
+    """SIGTERM with a stream in flight: seconds until ``/readyz`` first says 503, asked every 2 ms."""
+    body = {"model": "drain", "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+    started = threading.Event()
+
+    def stream() -> None:
+        headers = {"x-chunks": "100", "x-gap-ms": "50"}
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+                for _ in r.iter_raw():
+                    started.set()
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    started.wait(30)
+    with httpx.Client(timeout=5) as client:
+        assert client.get(admin + "/readyz").status_code == 200
+        os.kill(service.proc.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        while client.get(admin + "/readyz").status_code == 200 and time.monotonic() - sent < 10:
+            time.sleep(0.002)
+        took = time.monotonic() - sent
+    thread.join(30)
+    return {"drain_readyz_503_after_s": round(took, 3)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--subscribers", type=int, default=300, help="live-view event streams (300)")
     p.add_argument("--serve-arg", action="append", default=[], help="a flag for llmtap serve (repeatable)")
     p.add_argument("--token", help="the admin token: given to llmtap serve, sent with the bomb and the streams")
+    p.add_argument("--only", choices=("forged", "bomb", "idle", "events", "drain"), help="run this phase alone")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -249,13 +291,19 @@ def main(argv: list[str] | None = None) -> None:
             service.ready(lambda: wait_http(admin + "/healthz", 60, alive=lambda: service.proc.poll() is None))
             time.sleep(1.0)
             result: dict[str, Any] = {}
-            result.update(forged(admin, backend))
-            result.update(bomb(admin, backend, service, args.bombs, auth))
-            result.update(idle("127.0.0.1", admin_port, args.idle, admin))
-            traffic.start()
-            time.sleep(5.0)
-            result.update(events("127.0.0.1", admin_port, args.subscribers, admin, service, auth))
-            result["events_requests_during"] = traffic.done
+            if args.only in (None, "forged"):
+                result.update(forged(admin, backend))
+            if args.only in (None, "bomb"):
+                result.update(bomb(admin, backend, service, args.bombs, auth))
+            if args.only in (None, "idle"):
+                result.update(idle("127.0.0.1", admin_port, args.idle, admin))
+            if args.only in (None, "events"):
+                traffic.start()
+                time.sleep(5.0)
+                result.update(events("127.0.0.1", admin_port, args.subscribers, admin, service, auth))
+                result["events_requests_during"] = traffic.done
+            if args.only == "drain":
+                result.update(drain(admin, f"http://127.0.0.1:{port}", service))
         finally:
             traffic.halt.set()
             service.stop()
