@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from starlette.requests import Request
 
-from proxy.settings import Admin
+from proxy.settings import Admin, ConfigError, build
 from proxy.telemetry.access import Gate, is_loopback
 from tests.conftest import PATIENCE
 from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
@@ -160,6 +160,26 @@ def test_the_gate_tells_loopback_from_the_network() -> None:
     assert locked.refusal(request("192.0.2.7", f"Bearer {TOKEN}"), "x") is None
     wrong = locked.refusal(request("192.0.2.7", f"Bearer {TOKEN[:-1]}"), "x")
     assert wrong is not None and wrong.status == 401
+
+
+def test_the_admin_token_comes_from_a_file_or_the_environment_and_must_be_sound(tmp_path: Path) -> None:
+    path = token_file(tmp_path)
+    assert build({"upstream": "http://u", "admin_token_file": path}, env={}).admin.token == TOKEN
+    assert build({"upstream": "http://u"}, env={"LLMTAP_ADMIN_TOKEN": TOKEN}).admin.token == TOKEN
+    # The file wins over the variable; neither: no token.
+    env = {"LLMTAP_ADMIN_TOKEN": "another-token-0123456789"}
+    assert build({"upstream": "http://u", "admin_token_file": path}, env=env).admin.token == TOKEN
+    assert build({"upstream": "http://u"}, env={}).admin.token is None
+    empty, short = tmp_path / "empty", tmp_path / "short"
+    empty.write_text("\n")
+    short.write_text("short\n")
+    for flags, message in (
+        ({"admin_token_file": str(tmp_path / "missing")}, "cannot read it"),
+        ({"admin_token_file": str(empty)}, "the file is empty"),
+        ({"admin_token_file": str(short)}, "at least 16 printable characters"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            build({"upstream": "http://u", **flags}, env={})
 
 
 def test_a_gzip_bomb_is_refused_with_413_and_memory_stays_flat(serve: Serve, backend: HTTPReceiver) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import ipaddress
 import logging
 import math
 import os
@@ -134,6 +135,13 @@ def run(settings: Settings) -> None:
             run_loop(serve(settings, proxy_sock, channel_path, telemetry=telemetry))
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -158,7 +166,14 @@ def startup_lines(settings: Settings, port: int, admin_port: int) -> list[str]:
     relays = "1 relay process" if settings.workers == 1 else f"{settings.workers} relay processes"
     lines = [f"llmtap {__version__}: proxy on {_url(settings.host, port)} ({relays})"]
     scrape = "/metrics, " if settings.telemetry.prometheus else ""
-    lines.append(f"admin on {admin}: {scrape}/healthz, /readyz; live view {admin}/")
+    guard = ""
+    if settings.admin.loopback_token or not _is_loopback(settings.admin_host):
+        guard = (
+            "; /v1/traces and /events ask the admin token"
+            if settings.admin.token
+            else "; /v1/traces and /events refuse peers beyond loopback (no admin token)"
+        )
+    lines.append(f"admin on {admin}: {scrape}/healthz, /readyz; live view {admin}/{guard}")
     for r in sorted(settings.routes, key=lambda r: r.prefix):
         provider = r.provider or "provider from the API it speaks"
         insecure = ", TLS not verified" if r.upstream.startswith("https://") and not r.tls_verify else ""
