@@ -83,7 +83,7 @@ class _Intake(asyncio.Protocol):
         for message in messages:
             if message[0] == STATS:
                 # Readiness is read here, not after the queue: /readyz follows a drain's start at once.
-                self.recorder.relays_ready[self.source] = bool(message[1])
+                self.recorder.relay_ready(self.source, bool(message[1]))
             submit(message, self.source)
 
     def connection_lost(self, exc: Exception | None) -> None:

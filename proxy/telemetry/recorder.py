@@ -134,6 +134,8 @@ class Recorder:
         self._gauges: dict[int, tuple[dict[str, int], dict[str, int], int]] = {}
         #: Whether each relay said it is ready (``/readyz`` of the telemetry process).
         self.relays_ready: dict[int, bool] = {}
+        # Readiness is taken as each report arrives (``relay_ready``), not when the worker reaches it in the queue.
+        self._ready_on_arrival = False
         # The relays' counts of client connections cut or refused, by source, as each last reported them.
         self._connections: dict[int, dict[tuple[str, str], int]] = {}
         # Every reason a tape can be lost reads 0 from the start: "none dropped" is a value, not an absence.
@@ -382,7 +384,8 @@ class Recorder:
             self._count_drop("channel_full", dropped - old_dropped)
             self._dropped += dropped - old_dropped
         self._gauges[source] = (new_active, new_waiting, dropped)
-        self.relays_ready[source] = bool(ready)
+        if not self._ready_on_arrival:
+            self.relays_ready[source] = bool(ready)
         counted = self._connections.setdefault(source, {})
         for attribute, counter, counts in (
             (sc.TIMEOUT_KIND, ins.client_timeouts, timeouts),
@@ -396,8 +399,16 @@ class Recorder:
                     counter.add(change, {attribute: str(label)})
                 counted[(attribute, label)] = count
 
+    def relay_ready(self, source: int, ready: bool) -> None:
+        """Relay ``source`` reported its readiness: taken now, so ``/readyz`` follows a drain's start at once (the
+        worker, which may be behind, then leaves readiness alone)."""
+        self._ready_on_arrival = True
+        self.relays_ready[source] = ready
+
     def relay_gone(self, source: int) -> None:
         """Relay ``source`` disconnected: its gauges go back to zero and its open streams are dropped."""
+        if self._ready_on_arrival:
+            self.relays_ready[source] = False
         self._ensure_worker()
         self._queue.put((source, (STATS, False, self._gauges.get(source, ({}, {}, 0))[2], (), (), (), ()), 0))
 
