@@ -25,6 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from starlette.requests import Request
 
+from proxy.relay.tracecontext import MAX_TRACEPARENT, parse_traceparent
 from proxy.settings import Admin, ConfigError, build
 from proxy.telemetry.access import Gate, is_loopback
 from tests.conftest import PATIENCE
@@ -350,3 +351,9 @@ def test_an_over_long_traceparent_is_ignored_counted_and_logged_once(serve: Serv
     logs = proxy.logs()
     assert logs.count("ignored a client's traceparent") == 1, logs[-3000:]
     assert "exceeded the maximum length" not in logs
+
+
+def test_the_relay_starts_a_new_trace_for_a_traceparent_the_sdk_would_not_read() -> None:
+    valid = "01-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    assert parse_traceparent(valid + "-" + "e" * (MAX_TRACEPARENT - len(valid) - 1)) is not None
+    assert parse_traceparent(valid + "-" + "e" * (MAX_TRACEPARENT - len(valid))) is None  # 513 characters
