@@ -174,8 +174,23 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.OTLP_REJECT_REASON: (
         "string",
         "Why `/v1/traces` refused a body: `bad_body` (400: not OTLP protobuf, bad gzip), `too_large` (413: over "
-        "4 MiB, or 16 MiB inflated), `unsupported_type` (415: not `application/x-protobuf`, or not gzip), "
-        "`unauthorized` (401: marked as passed on by another replica, without `telemetry.peer_token`).",
+        "`admin.max_body_bytes` as sent), `inflated_too_large` (413: over `admin.max_inflated_bytes` inflated, or "
+        "over `admin.max_inflate_ratio` times its size past 1 MiB), `unsupported_type` (415: not "
+        "`application/x-protobuf`, or not gzip), `unauthorized` (401: no or a wrong bearer token, or marked as passed "
+        "on by another replica without `telemetry.peer_token`), `forbidden` "
+        "(403: a peer beyond loopback, or any with `admin.loopback_token`, and no token configured).",
+    ),
+    sc.ADMIN_REASON: (
+        "string",
+        "What the admin listener refused or cut: `connection_evicted` (the connection waiting longest, closed for "
+        "a new one past `admin.max_connections`), `connection_limit` (503: every open connection had a request "
+        "in progress), `event_streams` (503: `admin.max_event_streams` live-view streams open), `unauthorized` "
+        "(401) and `forbidden` (403): `/events` without the token a peer needs.",
+    ),
+    sc.TRACE_CONTEXT_REASON: (
+        "string",
+        "Which client trace header was ignored as over 512 characters (the OpenTelemetry SDK reads none longer): "
+        "`traceparent_too_long` (the request starts a new trace), `tracestate_too_long` (the parent is kept).",
     ),
     sc.OTLP_FORWARD_OUTCOME: (
         "string",
@@ -271,6 +286,8 @@ UNEXERCISED: dict[str, tuple[str, ...]] = {
     sc.METRIC_OTLP_REJECTED: (sc.OTLP_REJECT_REASON,),
     sc.METRIC_OTLP_FORWARDED: (sc.OTLP_FORWARD_OUTCOME,),
     sc.METRIC_OTLP_ROUTED: (sc.OTLP_FORWARD_OUTCOME,),
+    sc.METRIC_ADMIN_REFUSED: (sc.ADMIN_REASON,),
+    sc.METRIC_TRACE_CONTEXT_IGNORED: (sc.TRACE_CONTEXT_REASON,),
 }
 
 _SERVER_SETTING = "`telemetry.server_metrics: true`"
@@ -330,6 +347,9 @@ METRICS: dict[str, str] = {
     "(`telemetry.forward_server_spans`, only when traces go out over OTLP); every outcome reads 0 from the start.",
     sc.METRIC_OTLP_ROUTED: "Each span `/v1/traces` passed to the replica named in its `tracestate` (with "
     "`telemetry.peer_address`); `sent`, `dropped` and `failed` read 0 from the start.",
+    sc.METRIC_ADMIN_REFUSED: "Each admin connection or request refused or cut; every reason reads 0 from the start.",
+    sc.METRIC_EVENT_STREAMS: "The live view's open `/events` streams, up and down as they open and end.",
+    sc.METRIC_TRACE_CONTEXT_IGNORED: "Each client trace header too long to read; every reason reads 0 from the start.",
 }
 
 #: The timing definitions every figure rests on (DESIGN, "Timing definitions"); all from one monotonic clock.

@@ -79,6 +79,7 @@ __all__ = [
 #: Sections of ``llmtap serve --help`` and of ``docs/settings.md``, in their order.
 GROUPS = {
     "listen": "where llmtap listens",
+    "admin": "the admin listener: who may send to it and what it holds",
     "upstream": "upstreams (several, with their own settings, as routes in --config)",
     "tls": "HTTPS upstreams (per route as tls_* keys in --config)",
     "timeouts": "upstream timeouts and shutdown (seconds)",
@@ -219,6 +220,77 @@ _TABLE = (
         "the admin listener's port: /metrics, /healthz, /readyz and the live view",
         "listen",
         key="admin.port",
+    ),
+    # the admin listener
+    option(
+        "admin_token_file",
+        path(),
+        None,
+        "file holding the bearer token that /v1/traces (the span receiver) and the live view's /events ask of "
+        "peers beyond loopback; without a token those refuse such peers (403)",
+        "admin",
+        key="admin.token_file",
+        default_text="none: loopback peers only",
+    ),
+    option(
+        "admin_token",
+        text("TOKEN"),
+        None,
+        "the same token given in the environment (never a flag or a file key: a secret stays out of both)",
+        "admin",
+        flag=None,
+        key=None,
+        default_text="none",
+    ),
+    option(
+        "admin_loopback_token",
+        boolean(),
+        False,
+        "ask the token of loopback peers too (in a pod, every container shares the loopback)",
+        "admin",
+        key="admin.loopback_token",
+        switch=True,
+    ),
+    option(
+        "admin_max_body_bytes",
+        byte_size(),
+        4 << 20,
+        "largest OTLP body /v1/traces takes as sent (413 past it)",
+        "admin",
+        key="admin.max_body_bytes",
+    ),
+    option(
+        "admin_max_inflated_bytes",
+        byte_size(),
+        16 << 20,
+        "largest OTLP body /v1/traces takes once inflated (413 past it)",
+        "admin",
+        key="admin.max_inflated_bytes",
+    ),
+    option(
+        "admin_max_inflate_ratio",
+        integer(1),
+        64,
+        "a gzip body may inflate to this many times its size (or 1 MiB, whichever is more); 413 past it",
+        "admin",
+        key="admin.max_inflate_ratio",
+    ),
+    option(
+        "admin_max_connections",
+        integer(2),
+        256,
+        "admin connections open at once; past it the one idle longest is closed for the new one (a request in "
+        "progress never is), else 503",
+        "admin",
+        key="admin.max_connections",
+    ),
+    option(
+        "admin_max_event_streams",
+        integer(0),
+        32,
+        "live view /events streams open at once (each browser tab holds one); past it 503",
+        "admin",
+        key="admin.max_event_streams",
     ),
     # upstreams
     option(

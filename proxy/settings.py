@@ -267,6 +267,38 @@ class Records:
 
 
 @dataclass(frozen=True, slots=True)
+class Admin:
+    """The admin listener's bounds, and the bearer token its span receiver and event stream ask of outsiders."""
+
+    #: The token (from ``admin_token_file`` or ``LLMTAP_ADMIN_TOKEN``); None: peers beyond loopback are refused.
+    token: str | None = field(default=None, repr=False)
+    #: Ask the token of loopback peers too.
+    loopback_token: bool = default("admin_loopback_token")
+    max_body_bytes: int = default("admin_max_body_bytes")
+    max_inflated_bytes: int = default("admin_max_inflated_bytes")
+    max_inflate_ratio: int = default("admin_max_inflate_ratio")
+    max_connections: int = default("admin_max_connections")
+    max_event_streams: int = default("admin_max_event_streams")
+
+
+def _admin_token(values: Mapping[str, Any]) -> str | None:
+    """The token from its file (one line; surrounding white space dropped) or its variable; a file wins."""
+    name = values["admin_token_file"]
+    if name is not None:
+        try:
+            token = Path(name).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"admin_token_file {name}: cannot read it: {exc}") from None
+        if not token:
+            raise ConfigError(f"admin_token_file {name}: the file is empty")
+    else:
+        token = (values["admin_token"] or "").strip()
+    if token and (len(token) < 16 or any(c.isspace() or not c.isprintable() for c in token)):
+        raise ConfigError("the admin token must be at least 16 printable characters, without white space")
+    return token or None
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything the proxy needs to run; immutable, passed down by constructors."""
 
@@ -275,6 +307,7 @@ class Settings:
     port: int = default("port")
     admin_host: str = default("admin_host")
     admin_port: int = default("admin_port")
+    admin: Admin = field(default_factory=Admin)
     timeouts: Timeouts = field(default_factory=Timeouts)
     telemetry: Telemetry = field(default_factory=Telemetry)
     slo: SLO = field(default_factory=SLO)
@@ -639,6 +672,15 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         port=values["port"],
         admin_host=values["admin_host"],
         admin_port=values["admin_port"],
+        admin=Admin(
+            token=_admin_token(values),
+            loopback_token=values["admin_loopback_token"],
+            max_body_bytes=values["admin_max_body_bytes"],
+            max_inflated_bytes=values["admin_max_inflated_bytes"],
+            max_inflate_ratio=values["admin_max_inflate_ratio"],
+            max_connections=values["admin_max_connections"],
+            max_event_streams=values["admin_max_event_streams"],
+        ),
         timeouts=Timeouts(
             connect=values["connect_timeout"],
             read=values["read_timeout"],

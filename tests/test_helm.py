@@ -109,9 +109,29 @@ def test_rendered_yaml_lints(case: dict[str, Any]) -> None:
 def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -> None:
     docs = by_kind(manifests(case))
     (config_map,) = [c for c in docs["ConfigMap"] if "llmtap.yaml" in c["data"]]
+    config = yaml.safe_load(config_map["data"]["llmtap.yaml"])
+    admin = {**values_of(CHART / "values.yaml")["admin"], **case.get("admin", {})}
+    pod = docs["Deployment"][0]["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    if admin["tokenSecret"]:
+        # The token file is the Secret's key, mounted where the config names it.
+        assert config["admin"]["token_file"] == f"{mounts['admin-token']}/{admin['tokenSecretKey']}"
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "admin-token"]
+        assert volume["secret"]["secretName"] == admin["tokenSecret"]
+        token = tmp_path / "token"
+        token.write_text("a-token-of-the-secret-0123456789\n", encoding="utf-8")
+        config["admin"]["token_file"] = str(token)
+    else:
+        assert "token_file" not in config["admin"] and "admin-token" not in mounts
     path = tmp_path / "llmtap.yaml"
-    path.write_text(config_map["data"]["llmtap.yaml"], encoding="utf-8")
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
     loaded = llmtap_settings.build({"config": str(path)}, env={})
+    assert (loaded.admin.token is not None) is bool(admin["tokenSecret"])
+    assert (loaded.admin.loopback_token, loaded.admin.max_connections, loaded.admin.max_event_streams) == (
+        admin["loopbackToken"],
+        admin["maxConnections"],
+        admin["maxEventStreams"],
+    )
     service = docs["Service"][0]["spec"]["ports"]
     assert {"http": loaded.port, "admin": loaded.admin_port} == {p["name"]: p["port"] for p in service}
     assert loaded.host == loaded.admin_host == "0.0.0.0"

@@ -22,7 +22,16 @@ from proxy.tape import STATS
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.recorder import Recorder
-from proxy.telemetry.serverspans import MAX_BODY_BYTES, PROBE, BadBody, Join, ServerSpan, inflate, parse
+from proxy.telemetry.serverspans import (
+    MAX_BODY_BYTES,
+    PROBE,
+    RATIO_FLOOR,
+    BadBody,
+    Join,
+    ServerSpan,
+    inflate,
+    parse,
+)
 from proxy.telemetry.upstreams import UpstreamWatch
 from proxy.types import ServerTiming
 from tests.conftest import PATIENCE, ServerThread, Telemetry
@@ -84,7 +93,7 @@ def test_inflate_bounds_and_encodings() -> None:
     assert inflate(body, None) == body
     bomb = gzip.compress(b"\0" * (20 << 20))
     for data, encoding, reason in (
-        (bomb, "gzip", "too_large"),
+        (bomb, "gzip", "inflated_too_large"),
         (b"\0" * (MAX_BODY_BYTES + 1), None, "too_large"),
         (body, "br", "unsupported_type"),
         (b"not gzip", "gzip", "bad_body"),
@@ -93,6 +102,20 @@ def test_inflate_bounds_and_encodings() -> None:
         with pytest.raises(BadBody) as bad:
             inflate(data, encoding)
         assert bad.value.reason == reason, (encoding, reason)
+
+
+def test_inflate_bounds_the_ratio_above_its_floor() -> None:
+    """A body may inflate to ``max_ratio`` times its size, or to ``RATIO_FLOOR`` bytes when that is more."""
+    small = gzip.compress(b"\0" * (RATIO_FLOOR - 1024))  # about 1 KB sent: far over the ratio, under the floor
+    assert len(inflate(small, "gzip", max_ratio=4)) == RATIO_FLOOR - 1024
+    big = gzip.compress(b"\0" * (4 << 20))  # 4 MiB from about 4 KB: 1,000 times
+    with pytest.raises(BadBody) as bad:
+        inflate(big, "gzip", max_ratio=64)
+    assert bad.value.reason == "inflated_too_large" and "64 times" in str(bad.value)
+    assert len(inflate(big, "gzip", max_ratio=2000)) == 4 << 20
+    with pytest.raises(BadBody) as bad:
+        inflate(big, "gzip", max_ratio=2000, max_inflated=2 << 20)
+    assert bad.value.reason == "inflated_too_large" and str(2 << 20) in str(bad.value)
 
 
 # --- the join ---------------------------------------------------------------------------------------
@@ -380,7 +403,8 @@ def test_receiver_takes_otlp_protobuf_and_refuses_bad_bodies(
     (attrs,) = root_attributes(telemetry)
     assert attrs[sc.PREFILL_SOURCE] == "server"
     rejected = counter(telemetry, sc.METRIC_OTLP_REJECTED, sc.OTLP_REJECT_REASON)
-    assert rejected == {"bad_body": 1, "too_large": 2, "unsupported_type": 1, "unauthorized": 0}
+    zero = {"forbidden": 0, "inflated_too_large": 0, "unauthorized": 0}
+    assert rejected == {"bad_body": 1, "too_large": 2, "unsupported_type": 1, **zero}
 
 
 class _Calls(UpstreamWatch):

@@ -95,6 +95,19 @@ def test_startup_names_the_otlp_endpoint_and_protocol() -> None:
     )
 
 
+def test_startup_says_who_may_use_the_span_receiver_beyond_loopback() -> None:
+    loopback = build({"upstream": "http://u"}, env={})
+    assert startup_lines(loopback, 8080, 9464)[1].endswith("live view http://127.0.0.1:9464/")
+    open_admin = build({"upstream": "http://u", "admin_host": "0.0.0.0"}, env={})
+    assert startup_lines(open_admin, 8080, 9464)[1].endswith(
+        "; /v1/traces and /events refuse peers beyond loopback (no admin token)"
+    )
+    token = {"LLMTAP_ADMIN_TOKEN": "a-token-of-sixteen-or-more"}
+    guarded = build({"upstream": "http://u", "admin_host": "0.0.0.0"}, env=token)
+    assert startup_lines(guarded, 8080, 9464)[1].endswith("; /v1/traces and /events ask the admin token")
+    assert "a-token-of-sixteen-or-more" not in repr(guarded)
+
+
 def test_a_bad_access_log_path_stops_the_start(tmp_path: Path) -> None:
     from tests.test_cli import assert_config_error
     from tests.test_options import serve

@@ -209,6 +209,8 @@ class ProxyApp:
         self.ready = False
         self.draining = True
         self._stats_changed = True
+        # Now, not at the next report (up to STATS_EVERY later): /readyz must say so from the drain's start.
+        self._send_stats()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait (from another thread) until every request so far is recorded; True when done in time."""

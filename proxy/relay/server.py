@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import ipaddress
 import logging
 import math
 import os
@@ -134,6 +135,13 @@ def run(settings: Settings) -> None:
             run_loop(serve(settings, proxy_sock, channel_path, telemetry=telemetry))
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -158,7 +166,14 @@ def startup_lines(settings: Settings, port: int, admin_port: int) -> list[str]:
     relays = "1 relay process" if settings.workers == 1 else f"{settings.workers} relay processes"
     lines = [f"llmtap {__version__}: proxy on {_url(settings.host, port)} ({relays})"]
     scrape = "/metrics, " if settings.telemetry.prometheus else ""
-    lines.append(f"admin on {admin}: {scrape}/healthz, /readyz; live view {admin}/")
+    guard = ""
+    if settings.admin.loopback_token or not _is_loopback(settings.admin_host):
+        guard = (
+            "; /v1/traces and /events ask the admin token"
+            if settings.admin.token
+            else "; /v1/traces and /events refuse peers beyond loopback (no admin token)"
+        )
+    lines.append(f"admin on {admin}: {scrape}/healthz, /readyz; live view {admin}/{guard}")
     for r in sorted(settings.routes, key=lambda r: r.prefix):
         provider = r.provider or "provider from the API it speaks"
         insecure = ", TLS not verified" if r.upstream.startswith("https://") and not r.tls_verify else ""
@@ -294,7 +309,12 @@ def label_uvicorn(listener: str) -> None:
 
 
 def uvicorn_config(
-    app: object, settings: Settings, *, access_log: bool = False, limits: ClientLimits | None = None
+    app: object,
+    settings: Settings,
+    *,
+    access_log: bool = False,
+    limits: ClientLimits | None = None,
+    protocol: type[BoundedHeadProtocol] = BoundedHeadProtocol,
 ) -> uvicorn.Config:
     """uvicorn settings shared by every listener: no Server or Date header of its own (the upstream's pass through).
 
@@ -304,7 +324,7 @@ def uvicorn_config(
     off whatever is installed: an Upgrade request reaches the application as plain HTTP, and the relay
     answers it (``proxy.relay.guard``).
     """
-    protocol = functools.partial(BoundedHeadProtocol, limits=limits or ClientLimits.from_settings(settings))
+    http = functools.partial(protocol, limits=limits or ClientLimits.from_settings(settings))
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         log_level=settings.log_level,
@@ -314,7 +334,7 @@ def uvicorn_config(
         server_header=False,
         date_header=False,
         lifespan="on",
-        http=protocol,  # type: ignore[arg-type]
+        http=http,  # type: ignore[arg-type]
         ws="none",
         timeout_keep_alive=settings.timeouts.keep_alive,  # type: ignore[arg-type]
         timeout_graceful_shutdown=math.ceil(settings.timeouts.drain),

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from proxy.tape import new_span_id, new_trace_id
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+#: The longest ``traceparent`` taken (the OpenTelemetry SDK's propagator ignores a longer one).
+MAX_TRACEPARENT = 512
 #: The SDK's ``TraceIdRatioBased`` compares the trace id's low 64 bits with ``round(rate * 2**64)``.
 _LOW64 = (1 << 64) - 1
 
@@ -27,6 +29,8 @@ def parse_traceparent(value: str) -> tuple[int, int, int] | None:
     W3C Trace Context, section 3.2: version ``ff`` is invalid, all-zero ids are invalid, and a version
     00 header has nothing after the flags; a later version may carry more, which is ignored.
     """
+    if len(value) > MAX_TRACEPARENT:
+        return None  # the telemetry side's SDK reads no longer one: a new trace, on both sides
     match = _TRACEPARENT.fullmatch(value.strip())
     if match is None:
         return None

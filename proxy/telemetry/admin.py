@@ -26,7 +26,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from proxy.analysis.timeline import Timeline
-from proxy.settings import Settings
+from proxy.settings import Admin, Settings
+from proxy.telemetry.access import Gate
 from proxy.telemetry.live import LiveView
 from proxy.telemetry.peers import PEER_HEADER, split
 from proxy.telemetry.prometheus import (
@@ -38,7 +39,6 @@ from proxy.telemetry.prometheus import (
 )
 from proxy.telemetry.recorder import Recorder
 from proxy.telemetry.serverspans import (
-    MAX_BODY_BYTES,
     BadBody,
     decode,
     inflate,
@@ -85,8 +85,10 @@ class AdminApp:
         self.proxy = source
         self.recorder = recorder
         self.prometheus = prometheus
+        #: Who may use the span receiver and the event stream (``proxy.telemetry.access``).
+        self.gate = Gate(source.settings.admin)
         # ``busy`` and ``skip`` are the live view's: rates over busy time, requests it leaves out.
-        self.live = LiveView(recorder, source.settings, traces=traces, busy=busy, skip=skip)
+        self.live = LiveView(recorder, source.settings, traces=traces, busy=busy, skip=skip, gate=self.gate)
         #: The admin sockets of the other telemetry processes, whose ``/metrics`` this one adds to its own.
         self.peers = tuple(peers)
         routes = [
@@ -117,14 +119,25 @@ class AdminApp:
     async def _traces(self, request: Request) -> Response:
         """OTLP/HTTP protobuf spans from the upstream: read within bounds, queued for the recorder's join."""
         try:
+            passed = self._passed_by_peer(request)
+        except BadBody as exc:
+            self.recorder.count_rejected(exc.reason)
+            return _status(_REFUSAL_STATUS[exc.reason], str(exc))
+        # A replica's pass carries the replicas' token; anything else meets the admin listener's gate.
+        refusal = None if passed else self.gate.refusal(request, "the span receiver")
+        if refusal is not None:
+            self.recorder.count_rejected(refusal.reason)
+            return _status(refusal.status, refusal.message)
+        limits = self.proxy.settings.admin
+        try:
             media = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if media not in (_PROTOBUF, "application/protobuf"):
                 raise BadBody("unsupported_type", f"content-type {media!r}: only {_PROTOBUF} is taken")
-            body = await _read_bounded(request)
+            body = await _read_bounded(request, limits.max_body_bytes)
             # A body another replica passed here is this replica's to keep: never passed on again.
-            peer = self._peer(request)
+            owner = None if passed else self._owner()
             encoding = request.headers.get("content-encoding")
-            raw, mine, theirs = await asyncio.to_thread(_read_export, body, encoding, peer)
+            raw, mine, theirs = await asyncio.to_thread(_read_export, body, encoding, owner, limits)
         except BadBody as exc:
             self.recorder.count_rejected(exc.reason)
             return _status(_REFUSAL_STATUS[exc.reason], str(exc))
@@ -136,14 +149,19 @@ class AdminApp:
             self.recorder.route(address, export, count)
         return Response(ExportTraceServiceResponse().SerializeToString(), media_type=_PROTOBUF)
 
-    def _peer(self, request: Request) -> tuple[str, str] | None:
-        """This replica's address and token when the body may be another replica's to keep; None for a peer's."""
+    def _passed_by_peer(self, request: Request) -> bool:
+        """Whether another replica passed this body here; a body marked so without the replicas' token is refused."""
+        if PEER_HEADER not in request.headers:
+            return False
+        token = self.proxy.settings.telemetry.peer_token
+        if token is None or not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
+            raise BadBody("unauthorized", f"{PEER_HEADER} without the replicas' token")
+        return True
+
+    def _owner(self) -> tuple[str, str] | None:
+        """This replica's address and the replicas' token, when spans are routed between replicas."""
         t = self.proxy.settings.telemetry
         if t.peer_address is None or t.peer_token is None:
-            return None
-        if PEER_HEADER in request.headers:
-            if not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {t.peer_token}"):
-                raise BadBody("unauthorized", f"{PEER_HEADER} without the replicas' token")
             return None
         return t.peer_address, t.peer_token
 
@@ -158,39 +176,53 @@ class AdminApp:
 
 
 def _read_export(
-    body: bytes, encoding: str | None, peer: tuple[str, str] | None
+    body: bytes, encoding: str | None, owner: tuple[str, str] | None, limits: Admin
 ) -> tuple[bytes, ExportTraceServiceRequest | None, dict[str, tuple[ExportTraceServiceRequest, int]]]:
-    """The body inflated, the spans this replica keeps (None: none), and those other replicas own by address."""
-    raw = inflate(body, encoding)
+    """The body inflated (within ``limits``), the spans this replica keeps (None: none), and those other
+    replicas own, by address."""
+    raw = inflate(
+        body,
+        encoding,
+        max_body=limits.max_body_bytes,
+        max_inflated=limits.max_inflated_bytes,
+        max_ratio=limits.max_inflate_ratio,
+    )
     request = decode(raw)
-    if peer is None:
+    if owner is None:
         return raw, (request if span_count(request) else None), {}
-    mine, theirs = split(request, *peer)
+    mine, theirs = split(request, *owner)
     return raw, mine, theirs
 
 
-async def _read_bounded(request: Request) -> bytes:
-    """The request body, refused past ``MAX_BODY_BYTES`` however it is framed."""
+async def _read_bounded(request: Request, limit: int) -> bytes:
+    """The request body, refused past ``limit`` bytes however it is framed."""
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise BadBody("too_large", f"body of {length} bytes is over {MAX_BODY_BYTES}")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise BadBody("too_large", f"body of {length} bytes is over {limit}")
     body = bytearray()
     async for part in request.stream():
         body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise BadBody("too_large", f"body over {MAX_BODY_BYTES} bytes")
+        if len(body) > limit:
+            raise BadBody("too_large", f"body over {limit} bytes")
     return bytes(body)
 
 
 #: OTLP/HTTP's status for each refusal; the body is a ``google.rpc.Status`` (OTLP spec, "Failures").
-_REFUSAL_STATUS = {"bad_body": 400, "too_large": 413, "unsupported_type": 415, "unauthorized": 401}
+_REFUSAL_STATUS = {
+    "bad_body": 400,
+    "too_large": 413,
+    "inflated_too_large": 413,
+    "unsupported_type": 415,
+    "unauthorized": 401,
+}
 _PROTOBUF = "application/x-protobuf"
 
 
 def _status(code: int, message: str) -> Response:
-    # google.rpc codes: 3 invalid argument, 14 unavailable, 16 unauthenticated.
-    body = Status(code={503: 14, 401: 16}.get(code, 3), message=message).SerializeToString()
-    headers = {"retry-after": "1"} if code == 503 else None
+    # google.rpc codes: 3 invalid argument, 7 permission denied, 14 unavailable, 16 unauthenticated.
+    rpc = {503: 14, 401: 16, 403: 7}.get(code, 3)
+    body = Status(code=rpc, message=message).SerializeToString()
+    headers = {"retry-after": "1"} if code == 503 else {"www-authenticate": "Bearer"} if code == 401 else None
     return Response(body, status_code=code, media_type=_PROTOBUF, headers=headers)
 
 

@@ -80,6 +80,9 @@ class Instruments:
     otlp_rejected: Counter
     otlp_forwarded: Counter
     otlp_routed: Counter
+    admin_refused: Counter
+    trace_context_ignored: Counter
+    event_streams: UpDownCounter
 
 
 def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Sequence[float]) -> Histogram:
@@ -259,5 +262,21 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             unit="{span}",
             description="Spans the span receiver passed to the replica that relayed their request, by "
             "llmtap.otlp.outcome (sent, dropped, failed).",
+        ),
+        admin_refused=meter.create_counter(
+            sc.METRIC_ADMIN_REFUSED,
+            unit="{request}",
+            description="What the admin listener refused or cut, by llmtap.admin.reason: connection_evicted (the "
+            "longest idle, for a new one past admin_max_connections), connection_limit (503: none idle), "
+            "event_streams (503 past admin_max_event_streams), unauthorized and forbidden (/events without the token).",
+        ),
+        trace_context_ignored=meter.create_counter(
+            sc.METRIC_TRACE_CONTEXT_IGNORED,
+            unit="{header}",
+            description="Client traceparent or tracestate headers ignored as over 512 characters, by "
+            "llmtap.trace_context.reason (traceparent_too_long, tracestate_too_long).",
+        ),
+        event_streams=meter.create_up_down_counter(
+            sc.METRIC_EVENT_STREAMS, unit="{stream}", description="The live view's /events streams open now."
         ),
     )

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from proxy.relay.channel import frames
 from proxy.settings import ConfigError, Settings
+from proxy.tape import STATS
 
 if TYPE_CHECKING:
     from proxy.telemetry.recorder import Recorder
@@ -80,6 +81,9 @@ class _Intake(asyncio.Protocol):
             return
         submit = self.recorder.submit
         for message in messages:
+            if message[0] == STATS:
+                # Readiness is read here, not after the queue: /readyz follows a drain's start at once.
+                self.recorder.relay_ready(self.source, bool(message[1]))
             submit(message, self.source)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -118,6 +122,7 @@ async def serve(launch: Launch) -> None:
     from proxy.relay.server import _Server, label_uvicorn, uvicorn_config
     from proxy.telemetry import setup
     from proxy.telemetry.admin import AdminApp
+    from proxy.telemetry.admin_conn import AdminLimits, AdminProtocol
     from proxy.telemetry.recorder import Recorder
 
     settings = launch.settings
@@ -143,7 +148,8 @@ async def serve(launch: Launch) -> None:
     state = TelemetryState(recorder, settings, launch.relays, connected)
     admin = AdminApp(state, providers.prometheus, peers=launch.peers)
     label_uvicorn("admin" if launch.index == 0 else f"admin.{launch.index}")
-    server = _Server(uvicorn_config(admin, settings))
+    limits = AdminLimits(settings, recorder.count_admin)
+    server = _Server(uvicorn_config(admin, settings, limits=limits, protocol=AdminProtocol))
 
     def stop() -> None:
         admin.live.close()  # an open browser tab's event stream must not hold shutdown

@@ -49,6 +49,10 @@ _STOP = object()
 #: queue; ``evicted``: too many streams open at once) or in part (``partial``: timing without some bytes;
 #: ``inflate_limit``, ``body_limit``: the tap stopped reading a response past its bounds, ``proxy.telemetry.tap``).
 TAPE_DROP_REASONS = ("channel_full", "queue_full", "evicted", "partial", "inflate_limit", "body_limit")
+#: Why a client's trace header was not read (``llmtap.trace_context.ignored``).
+TRACE_CONTEXT_REASONS = ("traceparent_too_long", "tracestate_too_long")
+#: Why the admin listener refused or cut something (``llmtap.admin.refused``; the instrument says each).
+ADMIN_REASONS = ("connection_evicted", "connection_limit", "event_streams", "unauthorized", "forbidden")
 #: How the admission queue refuses a request (``error.type``).
 QUEUE_REFUSALS = ("queue_full", "queue_timeout")
 #: Streams being played back at once (their segments came, their end not yet); past it the oldest goes.
@@ -80,6 +84,7 @@ class Recorder:
         self.spans = SpanWriter(settings, tracer_provider)
         self.metrics = MetricWriter(settings, meter_provider)
         self.instruments = self.metrics.instruments
+        self.spans.on_ignored = self._count_trace_context
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.telemetry.queue_size)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -137,6 +142,8 @@ class Recorder:
         self._gauges: dict[int, tuple[dict[str, int], dict[str, int], int]] = {}
         #: Whether each relay said it is ready (``/readyz`` of the telemetry process).
         self.relays_ready: dict[int, bool] = {}
+        # Readiness is taken as each report arrives (``relay_ready``), not when the worker reaches it in the queue.
+        self._ready_on_arrival = False
         # The relays' counts of client connections cut or refused, by source, as each last reported them.
         self._connections: dict[int, dict[tuple[str, str], int]] = {}
         # Every reason a tape can be lost reads 0 from the start: "none dropped" is a value, not an absence.
@@ -151,6 +158,11 @@ class Recorder:
             self._count_join(outcome, 0)
         for reason in REJECT_REASONS:
             self.count_rejected(reason, 0)
+        for reason in ADMIN_REASONS:
+            self.count_admin(reason, 0)
+        self.instruments.event_streams.add(0)
+        for reason in TRACE_CONTEXT_REASONS:
+            self._count_trace_context(reason, 0)
         # And every route's admission refusals, ignored server timings (by phase) and unparsable events: their
         # panels show a line at 0, not "No data", until the first one.
         for route in settings.routes:
@@ -227,6 +239,26 @@ class Recorder:
             self.instruments.otlp_routed.add(n, {sc.OTLP_FORWARD_OUTCOME: outcome})
         except Exception:
             log.debug("telemetry: could not count a span passed to another replica", exc_info=True)
+
+    def count_admin(self, reason: str, n: int = 1) -> None:
+        """Something the admin listener refused or cut (``ADMIN_REASONS``)."""
+        try:
+            self.instruments.admin_refused.add(n, {sc.ADMIN_REASON: reason})
+        except Exception:
+            log.debug("telemetry: could not count an admin refusal", exc_info=True)
+
+    def _count_trace_context(self, reason: str, n: int = 1) -> None:
+        try:
+            self.instruments.trace_context_ignored.add(n, {sc.TRACE_CONTEXT_REASON: reason})
+        except Exception:
+            log.debug("telemetry: could not count an ignored trace header", exc_info=True)
+
+    def event_streams(self, change: int) -> None:
+        """The live view's open ``/events`` streams went up or down by ``change``."""
+        try:
+            self.instruments.event_streams.add(change)
+        except Exception:
+            log.debug("telemetry: could not count an event stream", exc_info=True)
 
     def _count_forward(self, outcome: str, n: int) -> None:
         try:
@@ -388,7 +420,8 @@ class Recorder:
             self._count_drop("channel_full", dropped - old_dropped)
             self._dropped += dropped - old_dropped
         self._gauges[source] = (new_active, new_waiting, dropped)
-        self.relays_ready[source] = bool(ready)
+        if not self._ready_on_arrival:
+            self.relays_ready[source] = bool(ready)
         counted = self._connections.setdefault(source, {})
         for attribute, counter, counts in (
             (sc.TIMEOUT_KIND, ins.client_timeouts, timeouts),
@@ -402,8 +435,16 @@ class Recorder:
                     counter.add(change, {attribute: str(label)})
                 counted[(attribute, label)] = count
 
+    def relay_ready(self, source: int, ready: bool) -> None:
+        """Relay ``source`` reported its readiness: taken now, so ``/readyz`` follows a drain's start at once (the
+        worker, which may be behind, then leaves readiness alone)."""
+        self._ready_on_arrival = True
+        self.relays_ready[source] = ready
+
     def relay_gone(self, source: int) -> None:
         """Relay ``source`` disconnected: its gauges go back to zero and its open streams are dropped."""
+        if self._ready_on_arrival:
+            self.relays_ready[source] = False
         self._ensure_worker()
         self._queue.put((source, (STATS, False, self._gauges.get(source, ({}, {}, 0))[2], (), (), (), ()), 0))
 

@@ -111,6 +111,8 @@ TELEMETRY_REASON = "llmtap.telemetry.reason"
 SERVER_SPAN_OUTCOME = "llmtap.server_span.outcome"  # matched, late, unmatched, missing
 OTLP_REJECT_REASON = "llmtap.otlp.reason"  # why the span receiver refused a body
 OTLP_FORWARD_OUTCOME = "llmtap.otlp.outcome"  # sent, dropped, failed, unowned: a received span passed on
+TRACE_CONTEXT_REASON = "llmtap.trace_context.reason"  # why a client's trace header was ignored
+ADMIN_REASON = "llmtap.admin.reason"  # why the admin listener closed, refused or ignored something
 TELEMETRY_ATTRIBUTE = "llmtap.telemetry.attribute"  # the metric attribute a label guard bounds
 DRIFT_DIRECTION = "llmtap.tokens.drift.direction"
 # Prompt fingerprints and cache diagnosis (one attribute per prompt region: tools, system, m0.., rest).
@@ -247,3 +249,6 @@ METRIC_SERVER_SPANS = "llmtap.server_spans"  # the upstream's spans (and request
 METRIC_OTLP_REJECTED = "llmtap.otlp.rejected"  # OTLP bodies the span receiver refused, by reason
 METRIC_OTLP_FORWARDED = "llmtap.otlp.forwarded"  # the receiver's spans passed on to the traces backend, by outcome
 METRIC_OTLP_ROUTED = "llmtap.otlp.routed"  # the receiver's spans passed to the replica that relayed them, by outcome
+METRIC_TRACE_CONTEXT_IGNORED = "llmtap.trace_context.ignored"  # client trace headers too long to read, by reason
+METRIC_ADMIN_REFUSED = "llmtap.admin.refused"  # admin connections and requests refused or cut, by reason
+METRIC_EVENT_STREAMS = "llmtap.admin.event_streams"  # the live view's /events streams open now

@@ -42,6 +42,8 @@ LATENCY_ATTRIBUTES = {
 #: Largest OTLP body taken, as sent and once inflated (vLLM sends at most 512 spans of ~1 KB per batch).
 MAX_BODY_BYTES = 4 << 20
 MAX_INFLATED_BYTES = 16 << 20
+#: A gzip body may always inflate to this many bytes, whatever its ratio (a small batch compresses well).
+RATIO_FLOOR = 1 << 20
 #: Finished requests waiting for their server span at most; past it the oldest is recorded without.
 MAX_HELD = 4096
 #: Spans kept that came before their request finished (the telemetry queue was behind); the oldest go.
@@ -53,8 +55,10 @@ PROBE = 4
 #: How each span (or each request, for ``missing``) ended up: joined in time; came after its request
 #: was recorded; joined nothing llmtap sent; a request whose span never came within the wait.
 OUTCOMES = ("matched", "late", "unmatched", "missing")
-#: Why the receiver refused a body (HTTP 400, 413 or 415; 401: marked as another replica's, without their token).
-REJECT_REASONS = ("bad_body", "too_large", "unsupported_type", "unauthorized")
+#: Why the receiver refused a body: unreadable (400), too large as sent or once inflated (413), not
+#: protobuf or gzip (415), no or a wrong token, or marked as
+#: passed on by another replica without the replicas' token (401), from beyond loopback with no token configured (403).
+REJECT_REASONS = ("bad_body", "too_large", "inflated_too_large", "unsupported_type", "unauthorized", "forbidden")
 
 
 class BadBody(ValueError):
@@ -76,22 +80,35 @@ class ServerSpan:
     timing: ServerTiming
 
 
-def inflate(body: bytes, encoding: str | None) -> bytes:
-    """The body as sent (``gzip`` or none), inflated within ``MAX_INFLATED_BYTES``."""
-    if len(body) > MAX_BODY_BYTES:
-        raise BadBody("too_large", f"body of {len(body)} bytes is over {MAX_BODY_BYTES}")
+def inflate(
+    body: bytes,
+    encoding: str | None,
+    *,
+    max_body: int = MAX_BODY_BYTES,
+    max_inflated: int = MAX_INFLATED_BYTES,
+    max_ratio: int | None = None,
+) -> bytes:
+    """The body as sent (``gzip`` or none), inflated within ``max_inflated`` bytes and, with ``max_ratio``,
+    within ``max_ratio`` times its size as sent (or ``RATIO_FLOOR`` bytes, whichever is more).
+
+    The inflater stops one byte past the bound, so a gzip bomb costs at most the bound in memory.
+    """
+    if len(body) > max_body:
+        raise BadBody("too_large", f"body of {len(body)} bytes is over {max_body}")
     coding = (encoding or "identity").strip().lower()
     if coding == "identity":
         return body
     if coding != "gzip":
         raise BadBody("unsupported_type", f"content-encoding {coding!r} is not gzip")
+    limit = max_inflated if max_ratio is None else min(max_inflated, max(RATIO_FLOOR, max_ratio * len(body)))
     inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
     try:
-        out = inflater.decompress(body, MAX_INFLATED_BYTES + 1)
+        out = inflater.decompress(body, limit + 1)
     except zlib.error as exc:
         raise BadBody("bad_body", f"gzip: {exc}") from None
-    if len(out) > MAX_INFLATED_BYTES:
-        raise BadBody("too_large", f"inflated body over {MAX_INFLATED_BYTES} bytes")
+    if len(out) > limit:
+        why = f"{max_ratio} times its {len(body)} bytes" if limit < max_inflated else f"{max_inflated} bytes"
+        raise BadBody("inflated_too_large", f"inflated body over {why}")
     if not inflater.eof:
         raise BadBody("bad_body", "gzip: truncated")
     return out

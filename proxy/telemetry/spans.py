@@ -6,7 +6,9 @@ their real start and end times (epoch nanoseconds from the timeline's monotonic 
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +48,12 @@ from proxy.telemetry.attributes import (
 )
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+#: The longest ``traceparent`` and ``tracestate`` the SDK's propagator reads (W3C Trace Context, section 3.3.1.1:
+#: 512 characters for tracestate); past it the SDK logs a warning per request, so llmtap ignores them first.
+MAX_TRACE_CONTEXT = 512
+#: Seconds between two log lines about ignored trace context; the counter has every one.
+LOG_EVERY = 60.0
+log = logging.getLogger("llmtap.telemetry")
 
 
 class FixedIds(IdGenerator):
@@ -151,16 +159,42 @@ class SpanWriter:
         )
         #: Chunk spans straight to the SDK's processors when the provider is the SDK's; None otherwise.
         self.chunk_writer = ChunkSpanWriter.of(tracer_provider, self._tracer)
+        #: Called with ``traceparent_too_long`` or ``tracestate_too_long`` for each client header ignored.
+        self.on_ignored: Callable[[str], None] | None = None
+        self._ignored = 0
+        self._logged_at = -LOG_EVERY
+
+    def _ignore(self, reason: str, length: int) -> None:
+        """Count a client trace header too long to read; log it at most once per ``LOG_EVERY`` seconds."""
+        self._ignored += 1
+        if self.on_ignored is not None:
+            self.on_ignored(reason)
+        clock = time.monotonic()
+        if clock - self._logged_at >= LOG_EVERY:
+            self._logged_at = clock
+            log.warning(
+                "telemetry: ignored a client's %s of %d characters (over %d; %d ignored so far, "
+                "llmtap_trace_context_ignored_total counts each)",
+                reason.removesuffix("_too_long"),
+                length,
+                MAX_TRACE_CONTEXT,
+                self._ignored,
+            )
 
     def root(self, tl: Timeline) -> Span:
         """The request's root span, with the ids the relay made (a child of the client's ``traceparent``)."""
         parent = otel_context.Context()
         if tl.parent is not None:
             traceparent, tracestate = tl.parent
-            carrier = {"traceparent": traceparent}
-            if tracestate:
-                carrier["tracestate"] = tracestate
-            parent = _PROPAGATOR.extract(carrier)
+            if len(traceparent) > MAX_TRACE_CONTEXT:
+                self._ignore("traceparent_too_long", len(traceparent))
+            else:
+                carrier = {"traceparent": traceparent}
+                if len(tracestate) > MAX_TRACE_CONTEXT:
+                    self._ignore("tracestate_too_long", len(tracestate))
+                elif tracestate:
+                    carrier["tracestate"] = tracestate
+                parent = _PROPAGATOR.extract(carrier)
         if self._ids is not None and tl.span_id is not None and tl.trace_id is not None:
             self._ids.prime(int(tl.trace_id, 16), int(tl.span_id, 16))
         attrs = start_attributes(tl)

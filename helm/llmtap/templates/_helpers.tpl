@@ -45,10 +45,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* The llmtap config file: the values' settings plus the listen and admin addresses the chart owns. */}}
+{{/* The llmtap config file: the values' settings plus the listen and admin sections the chart owns. The admin
+listener binds every address of the pod so the probes and Prometheus reach it; its span receiver and event
+stream ask a token of anything beyond the pod's loopback (the token file, when admin.tokenSecret is set). */}}
 {{- define "llmtap.config" -}}
-{{- $listen := dict "listen" (dict "host" "0.0.0.0" "port" .Values.service.port) "admin" (dict "host" "0.0.0.0" "port" .Values.service.adminPort) }}
+{{- $admin := dict "host" "0.0.0.0" "port" .Values.service.adminPort "loopback_token" .Values.admin.loopbackToken "max_connections" .Values.admin.maxConnections "max_event_streams" .Values.admin.maxEventStreams }}
+{{- if .Values.admin.tokenSecret }}
+{{- $_ := set $admin "token_file" (include "llmtap.adminTokenFile" .) }}
+{{- end }}
+{{- $listen := dict "listen" (dict "host" "0.0.0.0" "port" .Values.service.port) "admin" $admin }}
 {{- toYaml (merge $listen (deepCopy .Values.config)) }}
+{{- end }}
+
+{{/* Where the admin token's Secret is mounted. */}}
+{{- define "llmtap.adminTokenFile" -}}
+/etc/llmtap-admin/{{ .Values.admin.tokenSecretKey }}
 {{- end }}
 
 {{/* The sidecar collector's config: localhost OTLP in, memory limit, batch, OTLP out. */}}

@@ -21,12 +21,14 @@ from importlib import resources
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import Timeline
 from proxy.settings import Settings
+from proxy.telemetry.access import Gate
 from proxy.telemetry.live.window import HISTORY, SLOT, WINDOWS, Labels, LiveWindow
 from proxy.telemetry.recorder import Recorder
 
@@ -38,6 +40,12 @@ SNAPSHOT_SOON = 0.25
 STREAM_LIFETIME = 15.0
 #: Milliseconds the browser waits before reconnecting.
 RETRY_MS = 500
+#: A snapshot computed this recently (seconds) is what every stream asking for the same window gets: its
+#: cost is one computation per window, not one per open stream.
+SHARE_FOR = 0.5
+#: ``requests`` events go out on a shared clock of this period (seconds): bursts of requests go out together,
+#: and every stream sends at the same instants, so they hold the same requests and share one encoding.
+REQUESTS_EVERY = 0.25
 
 _ASSETS = {
     "/": ("index.html", "text/html"),
@@ -101,13 +109,24 @@ class LiveView:
         traces: bool | None = None,
         busy: bool = False,
         skip: Callable[[Timeline], bool] | None = None,
+        gate: Gate | None = None,
     ) -> None:
-        """``busy`` and ``skip`` as ``LiveWindow`` takes them: rates over busy time, requests left out."""
+        """``busy`` and ``skip`` as ``LiveWindow`` takes them: rates over busy time, requests left out; ``gate``:
+        who may open ``/events`` (default: the settings' own)."""
         if traces is None:
             traces = settings.telemetry.traces_exporter != "none"
         slo = settings.slo.configured or any(r.slo for r in settings.routes)
         self.window = LiveWindow(recorder_labels(recorder), slo=slo, traces=traces, busy=busy, skip=skip)
         recorder.listeners.append(self.window)
+        self.recorder = recorder
+        self.gate = gate or Gate(settings.admin)
+        #: ``/events`` streams open now, and at most.
+        self.streams = 0
+        self.max_streams = settings.admin.max_event_streams
+        # The snapshot event last computed per window: (when, its task); ``requests`` events encoded lately, by the
+        # id they follow: (the newest id in it, the event).
+        self._snapshots: dict[float | None, tuple[float, asyncio.Future[bytes]]] = {}
+        self._encoded: dict[int, tuple[int, bytes]] = {}
         self._assets = {
             path: (resources.files("proxy.telemetry.live").joinpath("static", name).read_bytes(), kind)
             for path, (name, kind) in _ASSETS.items()
@@ -148,7 +167,16 @@ class LiveView:
             "snapshot": self.window.snapshot(window),
         }
 
-    async def _events(self, request: Request) -> StreamingResponse:
+    async def _events(self, request: Request) -> Response:
+        refusal = self.gate.refusal(request, "the live view's event stream")
+        if refusal is not None:
+            self.recorder.count_admin(refusal.reason)
+            auth = {"www-authenticate": "Bearer"} if refusal.status == 401 else None
+            return PlainTextResponse(refusal.message + "\n", status_code=refusal.status, headers=auth)
+        if self.streams >= self.max_streams:
+            self.recorder.count_admin("event_streams")
+            message = f"{self.streams} live view streams are open, admin_max_event_streams is {self.max_streams}\n"
+            return PlainTextResponse(message, status_code=503, headers={"retry-after": "5"})
         window = _window(request.query_params.get("window"))
         # The page asks for requests after the last one it holds; a reconnecting EventSource says the same
         # in Last-Event-ID.
@@ -157,8 +185,45 @@ class LiveView:
         resume = request.headers.get("last-event-id", "")
         if resume.isdigit():
             last = max(last, int(resume))
-        # Starlette ends the stream (cancelling the generator) when the browser leaves.
-        return StreamingResponse(self._stream(window, last), media_type="text/event-stream", headers=_STREAM_HEADERS)
+        # Counted from here until the response ends, however it ends (Starlette ends the stream, cancelling
+        # the generator, when the browser leaves; a generator that never started has no ``finally``).
+        self.streams += 1
+        self.recorder.event_streams(1)
+        return _Counted(self._stream(window, last), self._released, headers=_STREAM_HEADERS)
+
+    def _released(self) -> None:
+        self.streams -= 1
+        self.recorder.event_streams(-1)
+
+    async def _snapshot(self, window: float | None) -> bytes:
+        """The window's ``snapshot`` event, computed on a thread at most once per ``SHARE_FOR`` seconds."""
+        loop = asyncio.get_running_loop()
+        found = self._snapshots.get(window)
+        if found is None or loop.time() - found[0] >= SHARE_FOR:
+            task = asyncio.ensure_future(asyncio.to_thread(lambda: _event("snapshot", self.window.snapshot(window))))
+            found = self._snapshots[window] = (loop.time(), task)
+        # shield: one stream leaving must not cancel the computation the others wait for.
+        return await asyncio.shield(found[1])
+
+    def _requests(self, last: int) -> tuple[int, bytes]:
+        """The ``requests`` event of the kept requests after ``last``, and the newest id (``last``: none).
+
+        Streams that hold the same requests get the same encoded bytes: encoded once, not once per stream.
+        """
+        newest = self.window.latest()
+        if newest <= last:
+            return last, b""
+        found = self._encoded.get(last)
+        if found is not None and found[0] == newest:
+            return found
+        records = self.window.since(last)
+        if not records:
+            return last, b""
+        newest = records[-1]["id"]
+        if len(self._encoded) >= 16:
+            self._encoded.clear()
+        found = self._encoded[last] = (newest, _event("requests", records, newest))
+        return found
 
     async def _stream(self, window: float | None, last: int) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
@@ -170,17 +235,31 @@ class LiveView:
             next_snapshot = loop.time()
             while not self.window.closed and loop.time() < until:
                 wake.clear()
-                records = self.window.since(last)
+                last, records = self._requests(last)
                 if records:
-                    last = records[-1]["id"]
-                    yield _event("requests", records, last)
+                    yield records
                     next_snapshot = min(next_snapshot, loop.time() + SNAPSHOT_SOON)
+                    # What comes meanwhile goes out in one event, at the next tick of the shared clock.
+                    await asyncio.sleep(REQUESTS_EVERY - loop.time() % REQUESTS_EVERY)
                 if loop.time() >= next_snapshot:
-                    snapshot = await asyncio.to_thread(self.window.snapshot, window)
-                    yield _event("snapshot", snapshot)
+                    yield await self._snapshot(window)
                     next_snapshot = loop.time() + SNAPSHOT_EVERY
                 timeout = max(min(next_snapshot, until) - loop.time(), 0.0)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), timeout)
         finally:
             self.window.unsubscribe(sub)
+
+
+class _Counted(StreamingResponse):
+    """An event stream that calls ``release`` once it ends, however it ends."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None], headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()

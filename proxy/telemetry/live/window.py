@@ -427,6 +427,11 @@ class LiveWindow:
         with self._lock:
             return [r for _, r in self._requests if r["id"] > seq]
 
+    def latest(self) -> int:
+        """The id of the newest kept request (0: none yet)."""
+        with self._lock:
+            return self._requests[-1][1]["id"] if self._requests else 0
+
     def subscribe(self, loop: asyncio.AbstractEventLoop) -> Subscription:
         """A new stream's wake-up handle."""
         sub = Subscription(loop)
