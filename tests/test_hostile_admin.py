@@ -76,9 +76,25 @@ def export(name: str, attribute_bytes: int = 8) -> bytes:
     """An OTLP export of one span named ``name`` with one string attribute of ``attribute_bytes`` letters."""
     request = ExportTraceServiceRequest()
     span = request.resource_spans.add().scope_spans.add().spans.add()
-    span.trace_id, span.span_id, span.name = bytes(range(1, 17)), bytes(range(1, 9)), name
+    span.trace_id, span.span_id, span.name = TRACE_ID, bytes(range(1, 9)), name
     span.attributes.append(KeyValue(key="x", value=AnyValue(string_value="a" * attribute_bytes)))
     return bytes(request.SerializeToString())
+
+
+#: The trace of every span ``export`` makes; ``relay_trace`` relays a request in it, so that the receiver, which
+#: forwards only spans of traces its proxy relayed, forwards an accepted span.
+TRACE_ID = bytes(range(1, 17))
+
+
+def relay_trace(proxy: Llmtap) -> None:
+    """One request through the proxy as part of ``TRACE_ID``'s trace (the client's traceparent)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    traceparent = f"00-{TRACE_ID.hex()}-{'ab' * 8}-01"
+    with httpx.Client(timeout=PATIENCE) as client:
+        answer = client.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={"traceparent": traceparent, "x-chunks": "2"}
+        )
+    assert answer.status_code == 200, answer.text
 
 
 def forwarded(backend: HTTPReceiver, prefix: str) -> list[str]:
@@ -103,6 +119,7 @@ def test_forged_spans_without_the_token_are_refused_and_never_forwarded(
     serve: Serve, backend: HTTPReceiver, tmp_path: Path
 ) -> None:
     proxy = serve("--admin-token-file", token_file(tmp_path), "--admin-loopback-token")
+    relay_trace(proxy)
     url = proxy.admin_url + "/v1/traces"
     with httpx.Client(timeout=10) as client:
 
@@ -185,6 +202,7 @@ def test_the_admin_token_comes_from_a_file_or_the_environment_and_must_be_sound(
 
 def test_a_gzip_bomb_is_refused_with_413_and_memory_stays_flat(serve: Serve, backend: HTTPReceiver) -> None:
     proxy = serve()  # a loopback sender, as a vLLM beside llmtap: allowed, and still bounded
+    relay_trace(proxy)
     url = proxy.admin_url + "/v1/traces"
     bomb = gzip.compress(export("bomb", 16_000_000), 9)
     assert len(bomb) < 20_000

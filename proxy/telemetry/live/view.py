@@ -123,9 +123,9 @@ class LiveView:
         #: ``/events`` streams open now, and at most.
         self.streams = 0
         self.max_streams = settings.admin.max_event_streams
-        # The snapshot event last computed per window: (when, its task); ``requests`` events encoded lately, by the
-        # id they follow: (the newest id in it, the event).
-        self._snapshots: dict[float | None, tuple[float, asyncio.Future[bytes]]] = {}
+        # The snapshot event last computed per window: (when, the newest request it holds, its task); the
+        # ``requests`` events encoded lately, by the id they follow: (the newest id in it, the event).
+        self._snapshots: dict[float | None, tuple[float, int, asyncio.Future[bytes]]] = {}
         self._encoded: dict[int, tuple[int, bytes]] = {}
         self._assets = {
             path: (resources.files("proxy.telemetry.live").joinpath("static", name).read_bytes(), kind)
@@ -195,15 +195,18 @@ class LiveView:
         self.streams -= 1
         self.recorder.event_streams(-1)
 
-    async def _snapshot(self, window: float | None) -> bytes:
-        """The window's ``snapshot`` event, computed on a thread at most once per ``SHARE_FOR`` seconds."""
+    async def _snapshot(self, window: float | None, covering: int) -> bytes:
+        """The window's ``snapshot`` event, computed on a thread at most once per ``SHARE_FOR`` seconds, and
+        always after the request ``covering`` (the newest the stream has sent), so a snapshot never lags the
+        requests its stream has shown."""
         loop = asyncio.get_running_loop()
         found = self._snapshots.get(window)
-        if found is None or loop.time() - found[0] >= SHARE_FOR:
+        if found is None or loop.time() - found[0] >= SHARE_FOR or found[1] < covering:
+            newest = self.window.latest()  # read before computing: the snapshot holds at least this request
             task = asyncio.ensure_future(asyncio.to_thread(lambda: _event("snapshot", self.window.snapshot(window))))
-            found = self._snapshots[window] = (loop.time(), task)
+            found = self._snapshots[window] = (loop.time(), newest, task)
         # shield: one stream leaving must not cancel the computation the others wait for.
-        return await asyncio.shield(found[1])
+        return await asyncio.shield(found[2])
 
     def _requests(self, last: int) -> tuple[int, bytes]:
         """The ``requests`` event of the kept requests after ``last``, and the newest id (``last``: none).
@@ -242,7 +245,7 @@ class LiveView:
                     # What comes meanwhile goes out in one event, at the next tick of the shared clock.
                     await asyncio.sleep(REQUESTS_EVERY - loop.time() % REQUESTS_EVERY)
                 if loop.time() >= next_snapshot:
-                    yield await self._snapshot(window)
+                    yield await self._snapshot(window, last)
                     next_snapshot = loop.time() + SNAPSHOT_EVERY
                 timeout = max(min(next_snapshot, until) - loop.time(), 0.0)
                 with contextlib.suppress(TimeoutError):
