@@ -254,11 +254,22 @@ class Telemetry:
 
 @dataclass(frozen=True, slots=True)
 class Records:
-    """Request records (``--record PATH``): JSON lines, a new file past ``max_bytes``, ``files`` files at most."""
+    """Request records (``--record DIR``): a dataset of JSON-lines files (``proxy.telemetry.dataset``).
+
+    A new file past ``max_bytes`` or ``rotate_s`` seconds; closed files kept within ``keep_bytes`` and ``keep_s``;
+    ``logs``: each record also goes out as an OTLP log record (``proxy.telemetry.sinks``)."""
 
     path: str | None = None
     max_bytes: int = int(default("record_max_mb") * MIB)
-    files: int = default("record_files")
+    rotate_s: float = default("record_rotate_minutes") * 60.0
+    keep_bytes: int = int(default("record_keep_mb") * MIB)
+    keep_s: float = default("record_keep_hours") * 3600.0
+    logs: bool = default("record_logs")
+
+    @property
+    def on(self) -> bool:
+        """Whether records are made at all."""
+        return bool(self.path) or self.logs
 
 
 @dataclass(frozen=True, slots=True)
@@ -664,7 +675,10 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         record=Records(
             path=values["record"],
             max_bytes=max(int(values["record_max_mb"] * MIB), 1024),
-            files=values["record_files"],
+            rotate_s=max(values["record_rotate_minutes"] * 60.0, 1.0),
+            keep_bytes=int(values["record_keep_mb"] * MIB),
+            keep_s=values["record_keep_hours"] * 3600.0,
+            logs=values["record_logs"],
         ),
         workers=values["workers"],
         telemetry_workers=values["telemetry_workers"],
