@@ -163,7 +163,11 @@ def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         "compare",
         help="before against after a prompt change: TTFT percentiles with CIs, cached share, cache classes",
     )
-    p.add_argument("records", nargs="?", help="a record folder written by serve --record (or an older record file, rotated siblings included)")
+    p.add_argument(
+        "records",
+        nargs="?",
+        help="a record folder written by serve --record (or an older record file, rotated siblings included)",
+    )
     p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
     p.add_argument("--before", metavar="V1", help="prompt version before the change")
     p.add_argument("--after", metavar="V2", help="prompt version after the change")
@@ -187,7 +191,11 @@ def _slo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         "slo",
         help="each route and request shape against its objective: the percentile that counts, with its CI",
     )
-    p.add_argument("records", nargs="?", help="a record folder written by serve --record (or an older record file, rotated siblings included)")
+    p.add_argument(
+        "records",
+        nargs="?",
+        help="a record folder written by serve --record (or an older record file, rotated siblings included)",
+    )
     p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
     p.add_argument(
         "--config",

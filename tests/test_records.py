@@ -16,19 +16,21 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 
 from proxy import __version__ as proxy_version
 from proxy.analysis import tokens
 from proxy.settings import ConfigError, Records, Route, Settings, build
 from proxy.simulator import get_profile, run_in_thread
-from proxy.telemetry.recorder import Recorder
 from proxy.telemetry.dataset import DatasetWriter
 from proxy.telemetry.identity import Identity, current
+from proxy.telemetry.recorder import Recorder
 from proxy.telemetry.records import SCHEMA_KEY, ReadStats, read_records, record_files
 from tests.conftest import PATIENCE, Telemetry, free_port
 from tests.test_recorder import timeline
 
+ROOT = Path(__file__).resolve().parent.parent
 CANARY_PROMPT = "canary-prompt-7f3a9"
 CANARY_KEY = "sk-canary-key-0b41d"
 
@@ -71,6 +73,13 @@ def test_a_record_holds_the_figures_and_never_content_or_secrets(
     assert CANARY_PROMPT.encode() not in raw.replace(b"no-" + CANARY_PROMPT.encode(), b"")
     assert CANARY_KEY.encode() not in raw and b"Bearer" not in raw
     streamed, whole, failed = records(path)
+    # Each is a record as the published schema describes it, and the schema describes every field written.
+    schema = json.loads((ROOT / "docs" / "record.schema.json").read_text(encoding="utf-8"))
+    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    for rec in (streamed, whole, failed):
+        validator.validate(rec)
+        assert set(rec) == set(schema["required"]) == set(schema["properties"])
+    assert not validator.is_valid({**streamed, "pid": "12"})
     assert streamed[SCHEMA_KEY] == 2
     me = current()
     assert (streamed["instance_id"], streamed["host"], streamed["pid"]) == (me.instance_id, me.host, me.pid)
@@ -214,7 +223,7 @@ def test_records_are_written_on_the_recorder_thread(
         threads.append(threading.current_thread().name)
         original(record)
 
-    writer.write = write  # type: ignore[method-assign]
+    writer.write = write
     body = {"model": "llmtap-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for _ in range(3):
         assert httpx.post(proxy.url + "/v1/chat/completions", json=body).is_success
