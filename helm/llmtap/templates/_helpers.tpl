@@ -48,6 +48,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* The llmtap config file: the values' settings plus the listen and admin addresses the chart owns. */}}
 {{- define "llmtap.config" -}}
 {{- $listen := dict "listen" (dict "host" "0.0.0.0" "port" .Values.service.port) "admin" (dict "host" "0.0.0.0" "port" .Values.service.adminPort) }}
+{{- if .Values.records.enabled }}
+{{- $_ := set $listen "record" (dict "path" .Values.records.mountPath) }}
+{{- end }}
 {{- toYaml (merge $listen (deepCopy .Values.config)) }}
 {{- end }}
 
