@@ -217,6 +217,12 @@ class Telemetry:
     traces_protocol: str = "grpc"
     metrics_protocol: str = "grpc"
     traces_headers: Mapping[str, str] = field(default_factory=dict)
+    #: OTLP logs (the records' copy, ``--record-logs``): the same variables, ``OTEL_EXPORTER_OTLP_LOGS_*``.
+    logs_exporter: str = "none"
+    logs_endpoint: str | None = None
+    logs_endpoint_specific: bool = False
+    logs_protocol: str = "grpc"
+    logs_headers: Mapping[str, str] = field(default_factory=dict)
     #: Seconds one trace export may take (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`` or ``OTEL_EXPORTER_OTLP_TIMEOUT``,
     #: in seconds as the SDK's exporters read them); the forwarded server spans take the same.
     traces_timeout: float = 10.0
@@ -760,7 +766,7 @@ def telemetry_from_env(
         sources = Sources({}, env, {"telemetry": dict(file_section or {})})
     disabled = _bool(env.get("OTEL_SDK_DISABLED", "false"), "OTEL_SDK_DISABLED")
     values: dict[str, Any] = {"sdk_disabled": disabled}
-    for signal in ("traces", "metrics"):
+    for signal in ("traces", "metrics", "logs"):
         endpoint = _otlp_endpoint(env, signal)
         exporter = env.get(f"OTEL_{signal.upper()}_EXPORTER", "").strip().lower()
         if not exporter:

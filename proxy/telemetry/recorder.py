@@ -32,13 +32,12 @@ from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, SE
 from proxy.telemetry import forward, identity, semconv as sc
 from proxy.telemetry.access_log import AccessLog
 from proxy.telemetry.attributes import cache_attributes
-from proxy.telemetry.dataset import RECORD_DROP_REASONS
 from proxy.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
 from proxy.telemetry.metrics import MetricWriter
 from proxy.telemetry.records import record_line
 from proxy.telemetry.replay import Playback
 from proxy.telemetry.serverspans import OUTCOMES, REJECT_REASONS, Join, ServerSpan
-from proxy.telemetry.sinks import Sink, build_sinks
+from proxy.telemetry.sinks import Sink, build_sinks, drop_reasons
 from proxy.telemetry.spans import SpanWriter
 from proxy.telemetry.upstreams import UpstreamWatch
 
@@ -111,9 +110,8 @@ class Recorder:
         self.sinks: list[Sink] = build_sinks(
             settings, self.identity, self._count_record_drop, logger_provider=logger_provider
         )
-        if self.sinks:
-            for reason in RECORD_DROP_REASONS:
-                self._count_record_drop(reason, 0)
+        for reason in drop_reasons(settings):
+            self._count_record_drop(reason, 0)
         #: ``--access-log PATH``: one line per request, written by the worker thread after the record.
         self.access_log: AccessLog | None = None
         if settings.access_log:

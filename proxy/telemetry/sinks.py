@@ -27,10 +27,28 @@ class Sink(Protocol):
         """Flush and release, within ``timeout`` seconds."""
 
 
+def drop_reasons(settings: Settings) -> tuple[str, ...]:
+    """Every reason the sinks the settings ask for can lose a record (each counted at 0 from the start)."""
+    from proxy.telemetry.dataset import RECORD_DROP_REASONS
+
+    reasons: tuple[str, ...] = RECORD_DROP_REASONS if settings.record.path else ()
+    if settings.record.logs:
+        from proxy.telemetry.recordlogs import LOG_DROP_REASONS
+
+        reasons += LOG_DROP_REASONS
+    return reasons
+
+
 def build_sinks(
-    settings: Settings, identity: Identity, on_drop: Callable[[str, int], None], **providers: Any
+    settings: Settings,
+    identity: Identity,
+    on_drop: Callable[[str, int], None],
+    *,
+    logger_provider: Any = None,
 ) -> list[Sink]:
-    """The record sinks the settings ask for (none: records are not made at all)."""
+    """The record sinks the settings ask for (none: records are not made at all).
+
+    ``logger_provider``: the SDK ``LoggerProvider`` log records go through (by default one of their own)."""
     rec = settings.record
     sinks: list[Sink] = []
     if rec.path:
@@ -45,6 +63,19 @@ def build_sinks(
                 keep_bytes=rec.keep_bytes,
                 keep_s=rec.keep_s,
                 on_drop=on_drop,
+            )
+        )
+    if rec.logs:
+        # Only then: the OTLP log exporter and the SDK's logs are loaded by those who ask for them.
+        from proxy.telemetry.recordlogs import LogSink, log_exporter
+
+        sinks.append(
+            LogSink(
+                log_exporter(settings.telemetry),
+                capacity=settings.telemetry.queue_size,
+                on_drop=on_drop,
+                provider=logger_provider,
+                instance_id=identity.instance_id,
             )
         )
     return sinks
