@@ -719,3 +719,21 @@ def test_records_reach_rotel_as_otlp_log_records(
         for key in ("trace_id", "span_id", "instance_id", "route", "outcome", "response_id"):
             assert f"{key}:Str({record[key]})" in body, key
         assert f"ttft:Double({record['ttft']})" in body and f"pid:Int({record['pid']})" in body
+
+
+def test_record_pipelines_land_logs_in_clickhouse_and_in_files() -> None:
+    clickhouse = load_config(COLLECTORS / "records-clickhouse.yaml")
+    assert clickhouse["service"]["pipelines"]["logs"]["exporters"] == ["clickhouse"]
+    exporter = clickhouse["exporters"]["clickhouse"]
+    assert exporter["endpoint"] == "${env:CLICKHOUSE_ENDPOINT}" and exporter["create_schema"] is True
+    assert (exporter["database"], exporter["logs_table_name"]) == ("llmtap", "llmtap_records")
+    files = load_config(COLLECTORS / "records-files.yaml")
+    assert files["service"]["pipelines"]["logs"]["exporters"] == ["file"]
+    assert (
+        files["exporters"]["file"]["path"] == "${env:RECORDS_FILE}" and files["exporters"]["file"]["format"] == "json"
+    )
+    for config in (clickhouse, files):
+        assert set(config["service"]["pipelines"]) == {"logs"}
+        assert config["receivers"]["otlp"]["protocols"].keys() == {"grpc", "http"}
+    readme = (COLLECTORS / "README.md").read_text(encoding="utf-8")
+    assert "records-clickhouse.yaml" in readme and "records-files.yaml" in readme

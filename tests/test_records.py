@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
+from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 
 from proxy import __version__ as proxy_version
 from proxy.analysis import tokens
@@ -26,6 +27,7 @@ from proxy.simulator import get_profile, run_in_thread
 from proxy.telemetry.dataset import DatasetWriter
 from proxy.telemetry.identity import Identity, current
 from proxy.telemetry.recorder import Recorder
+from proxy.telemetry.recordlogs import LogSink
 from proxy.telemetry.records import SCHEMA_KEY, ReadStats, read_records, record_files
 from tests.conftest import PATIENCE, Telemetry, free_port
 from tests.test_recorder import timeline
@@ -347,3 +349,52 @@ def test_an_unwritable_record_path_stops_serve_with_exit_2(tmp_path: Path) -> No
     )
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "record folder" in out.stderr, out.stderr
+
+
+class _Held(LogRecordExporter):
+    """A collector that takes log records only when let, and refuses them while ``refuse`` is set."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.refuse = False
+        self.taken: list[Any] = []
+
+    def export(self, batch: Sequence[Any]) -> LogRecordExportResult:
+        self.go.wait(PATIENCE)
+        if self.refuse:
+            return LogRecordExportResult.FAILURE
+        self.taken.extend(batch)
+        return LogRecordExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self.go.set()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+
+def test_record_log_records_wait_bounded_and_every_lost_one_is_counted() -> None:
+    held = _Held()
+    lost: dict[str, int] = {}
+    sink = LogSink(held, capacity=4, on_drop=lambda reason, n: lost.update({reason: lost.get(reason, 0) + n}))
+    trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    for i in range(10):  # the collector holds the first export: 4 wait, 6 are turned away at once
+        sink.write({SCHEMA_KEY: 2, "seq": i, "trace_id": trace_id, "span_id": span_id, "time": "2026-01-01T00:00:00"})
+    assert lost == {"otlp_queue_full": 6}
+    held.go.set()
+    deadline = time.monotonic() + PATIENCE
+    while len(held.taken) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first = held.taken[0]
+    assert first.log_record.body["seq"] == 0 and first.log_record.event_name == "llmtap.request"
+    assert (first.log_record.trace_id, first.log_record.span_id) == (int(trace_id, 16), int(span_id, 16))
+    held.refuse = True
+    sink.write({SCHEMA_KEY: 2, "seq": 10})
+    sink.close(PATIENCE)
+    assert lost == {"otlp_queue_full": 6, "otlp_export_failed": 1} and len(held.taken) == 4
+
+
+def test_record_logs_without_an_otlp_logs_endpoint_is_a_clear_error() -> None:
+    routes = (Route(prefix="/", upstream="http://upstream:8000", name="default"),)
+    with pytest.raises(ConfigError, match="--record-logs needs an OTLP logs endpoint"):
+        Recorder(Settings(routes=routes, record=Records(logs=True)))

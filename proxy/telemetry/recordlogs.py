@@ -20,10 +20,13 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
+from opentelemetry import trace
 from opentelemetry._logs import LogRecord, SeverityNumber
+from opentelemetry.context import Context
 from opentelemetry.sdk._logs import LoggerProvider, ReadableLogRecord
 from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from proxy import __version__
 from proxy.settings import ConfigError, Telemetry
@@ -76,7 +79,7 @@ class _Counting(LogRecordExporter):
 
     def shutdown(self) -> None:
         """Shut the wrapped exporter down."""
-        self.inner.shutdown()
+        self.inner.shutdown()  # type: ignore[no-untyped-call]
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         """Flush the wrapped exporter."""
@@ -137,8 +140,7 @@ class LogSink:
                 LogRecord(
                     timestamp=_time_ns(record.get("time")),
                     observed_timestamp=time.time_ns(),
-                    trace_id=_hex_id(record.get("trace_id"), 32),
-                    span_id=_hex_id(record.get("span_id"), 16),
+                    context=_span_context(record),
                     severity_number=SeverityNumber.INFO,
                     severity_text="INFO",
                     body=record,
@@ -180,6 +182,15 @@ class LogSink:
             self._on_drop(reason, n)
         except Exception:
             log.debug("telemetry: could not count a lost log record", exc_info=True)
+
+
+def _span_context(record: dict[str, Any]) -> Context | None:
+    """The request's root span as the log record's context (how the SDK puts trace and span ids on it)."""
+    trace_id, span_id = _hex_id(record.get("trace_id"), 32), _hex_id(record.get("span_id"), 16)
+    if trace_id is None or span_id is None:
+        return None
+    span = SpanContext(trace_id, span_id, is_remote=False, trace_flags=TraceFlags(TraceFlags.DEFAULT))
+    return trace.set_span_in_context(NonRecordingSpan(span))
 
 
 def _time_ns(value: Any) -> int | None:
