@@ -143,6 +143,19 @@ def test_files_rotate_by_size_and_time_into_hour_partitions_and_are_compressed(t
     assert all(0 < size <= 2000 for size in sizes), sizes
     assert len(files) >= 60 * 30 // 120
     assert [r["seq"] for r in records(tmp_path / "ds")] == list(range(60))
+    # Idle, the open file is closed and compressed once its time is up, at the next flush with nothing to write.
+    idle = DatasetWriter(tmp_path / "idle", ME, rotate_s=120, clock=lambda: clock[0])
+    idle.write({SCHEMA_KEY: 2, "seq": 0})
+    idle.flush()
+    assert idle.path is not None and idle.path.name.endswith(".jsonl")
+    clock[0] += 60
+    idle.flush()
+    assert idle.path.exists()
+    clock[0] += 60
+    idle.flush()
+    idle._closer.stop(PATIENCE)  # the compression done
+    assert [f.name.endswith(".jsonl.gz") for f in record_files(tmp_path / "idle")] == [True]
+    idle.close()
 
 
 def test_retention_keeps_the_newest_closed_files_within_the_bounds(tmp_path: Path) -> None:

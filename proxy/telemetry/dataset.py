@@ -181,6 +181,10 @@ class DatasetWriter:
         self._flushed = time.monotonic()
         lines, self._pending, self._pending_bytes = self._pending, [], 0
         if not lines:
+            # Idle (the recorder flushes each time its queue empties, at least as often as the relays report):
+            # a file past its time is closed now, so it is compressed and readers see it whole within the hour.
+            if self._file is not None and self._due(self._clock()):
+                self._close_file()
             return
         done = 0
         try:
@@ -216,9 +220,7 @@ class DatasetWriter:
         """Open or rotate the file as needed; the end of the lines from ``start`` that fit in it."""
         now = self._clock()
         if self._file is not None and (
-            (self._size and self._size + len(lines[start]) > self.max_bytes)
-            or now - self._opened >= self.rotate_s
-            or partition(now) != self._partition
+            (self._size and self._size + len(lines[start]) > self.max_bytes) or self._due(now)
         ):
             self._close_file()
         if self._file is None:
@@ -228,6 +230,10 @@ class DatasetWriter:
             size += len(lines[end])
             end += 1
         return end
+
+    def _due(self, now: float) -> bool:
+        """Whether the open file's time is up: ``rotate_s`` passed, or the UTC hour turned."""
+        return now - self._opened >= self.rotate_s or partition(now) != self._partition
 
     def _open(self, now: float) -> None:
         self._seq += 1
