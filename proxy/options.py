@@ -560,6 +560,14 @@ _TABLE = (
         key="record.keep_hours",
     ),
     option(
+        "record_format",
+        choice("jsonl", "parquet"),
+        "jsonl",
+        "what a closed record file becomes: gzip-compressed JSON lines, or Parquet (pip install llmtap[parquet])",
+        "records",
+        key="record.format",
+    ),
+    option(
         "record_logs",
         boolean(),
         False,

@@ -270,6 +270,8 @@ class Records:
     rotate_s: float = default("record_rotate_minutes") * 60.0
     keep_bytes: int = int(default("record_keep_mb") * MIB)
     keep_s: float = default("record_keep_hours") * 3600.0
+    #: ``jsonl``: closed files are gzip-compressed JSON lines; ``parquet``: Parquet files (``pyarrow``).
+    format: str = default("record_format")
     logs: bool = default("record_logs")
 
     @property
@@ -684,6 +686,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
             rotate_s=max(values["record_rotate_minutes"] * 60.0, 1.0),
             keep_bytes=int(values["record_keep_mb"] * MIB),
             keep_s=values["record_keep_hours"] * 3600.0,
+            format=values["record_format"],
             logs=values["record_logs"],
         ),
         workers=values["workers"],

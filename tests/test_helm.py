@@ -144,6 +144,7 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
         rotate_s=record["rotate_minutes"] * 60,
         keep_bytes=int(record["keep_mb"] * (1 << 20)),
         keep_s=record["keep_hours"] * 3600,
+        format=record["format"],
         logs=record["logs"],
     )
 
@@ -218,7 +219,7 @@ def test_records_get_a_writable_volume_under_the_read_only_root() -> None:
     assert volume == {"name": "records", "emptyDir": {"sizeLimit": "4Gi"}}
     (config_map,) = [c for c in docs["ConfigMap"] if "llmtap.yaml" in c["data"]]
     record = yaml.safe_load(config_map["data"]["llmtap.yaml"])["record"]
-    assert record == {"path": "/var/lib/llmtap/records", **values["config"]["record"]}
+    assert record == {"path": "/var/lib/llmtap/records", "format": "jsonl", **values["config"]["record"]}
     # (llmtap reads it as the folder, with the rotation, retention and logs set: test_rendered_config_loads_in_llmtap.)
     claimed = by_kind(manifests({**values, "records": {**values["records"], "existingClaim": "llmtap-records"}}))
     (volume,) = [v for v in claimed["Deployment"][0]["spec"]["template"]["spec"]["volumes"] if v["name"] == "records"]

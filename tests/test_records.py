@@ -82,6 +82,13 @@ def test_a_record_holds_the_figures_and_never_content_or_secrets(
         validator.validate(rec)
         assert set(rec) == set(schema["required"]) == set(schema["properties"])
     assert not validator.is_valid({**streamed, "pid": "12"})
+    # Real records through Parquet and back: the same records.
+    parquet = DatasetWriter(tmp_path / "pq", current(), parquet=True)
+    for rec in (streamed, whole, failed):
+        parquet.write(rec)
+    parquet.close()
+    assert [f.suffix for f in record_files(tmp_path / "pq")] == [".parquet"]
+    assert records(tmp_path / "pq") == [streamed, whole, failed]
     assert streamed[SCHEMA_KEY] == 2
     me = current()
     assert (streamed["instance_id"], streamed["host"], streamed["pid"]) == (me.instance_id, me.host, me.pid)
@@ -411,3 +418,23 @@ def test_record_logs_without_an_otlp_logs_endpoint_is_a_clear_error() -> None:
     routes = (Route(prefix="/", upstream="http://upstream:8000", name="default"),)
     with pytest.raises(ConfigError, match="--record-logs needs an OTLP logs endpoint"):
         Recorder(Settings(routes=routes, record=Records(logs=True)))
+
+
+def test_closed_files_can_become_parquet_and_read_back_as_the_lines_were(tmp_path: Path) -> None:
+    every = dict.fromkeys(json.loads((ROOT / "docs" / "record.schema.json").read_text())["required"])
+    lines = [
+        every | {SCHEMA_KEY: 2, "time": "2026-01-01T00:00:00.000+00:00", "span_id": "1234567890123456", "pid": i,
+         "gaps": {"n": 0} if i % 2 else {"n": 3, "p50": 0.01, "p95": 0.02, "max": 0.03},
+         "objective": None if i % 3 else {"shape": "short", "percentile": 95, "ttft": 0.5}}
+        for i in range(50)
+    ]  # fmt: skip
+    writer = DatasetWriter(tmp_path / "pq", ME, max_bytes=3000, parquet=True)
+    for line in lines:
+        writer.write(line)
+        writer.flush()
+    writer.close()
+    files = record_files(tmp_path / "pq")
+    assert len(files) > 1 and all(f.name.endswith(".parquet") for f in files), files
+    assert not list((tmp_path / "pq").rglob("*.jsonl"))
+    assert records(tmp_path / "pq") == lines  # strings stay strings (an ISO time, a span id of digits)
+    assert Records(format="parquet") == build({"upstream": "http://u:1", "record_format": "parquet"}, env={}).record

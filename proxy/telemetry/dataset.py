@@ -45,6 +45,7 @@ RECORD_DROP_REASONS = ("no_space", "io_error", "invalid")
 ORPHAN_GRACE = 120.0
 OPEN_SUFFIX = ".jsonl"
 CLOSED_SUFFIX = ".jsonl.gz"
+PARQUET_SUFFIX = ".parquet"
 PART_SUFFIX = ".part"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -117,11 +118,18 @@ class DatasetWriter:
         keep_bytes: int = 2048 << 20,
         keep_s: float = 7 * 86400.0,
         compress: bool = True,
+        parquet: bool = False,
         on_drop: Callable[[str, int], None] | None = None,
         opener: Callable[[Path], io.FileIO] = _open_append,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.root = check_root(root)
+        if parquet:
+            try:
+                import pyarrow.json
+                import pyarrow.parquet  # noqa: F401
+            except ImportError:
+                raise ConfigError("--record-format parquet needs pyarrow: pip install 'llmtap[parquet]'") from None
         self.identity = identity
         self.max_bytes = max_bytes
         self.rotate_s = rotate_s
@@ -149,7 +157,7 @@ class DatasetWriter:
         #: Records lost, by reason.
         self.dropped: dict[str, int] = dict.fromkeys(RECORD_DROP_REASONS, 0)
         #: Closed files go to the compressor thread, which also applies retention.
-        self._closer = _Closer(self, compress)
+        self._closer = _Closer(self, compress, parquet)
 
     @property
     def path(self) -> Path | None:
@@ -325,6 +333,23 @@ class DatasetWriter:
         return {self._path} if self._file is not None and self._path is not None else set()
 
 
+#: Top-level string fields typed as strings, whatever they look like: an ISO time would be read as a timestamp,
+#: a span id of digits only as a number.
+_STRING_FIELDS = (
+    "time", "trace_id", "span_id", "response_id", "instance_id", "host", "llmtap_version", "route", "upstream",
+    "protocol", "operation", "model", "response_model", "outcome", "error_type", "slo", "shape", "prompt_version",
+    "queue_source", "prefill_source",
+)  # fmt: skip
+
+
+def _parquet_parse_options() -> Any:
+    import pyarrow as pa
+    import pyarrow.json as pa_json
+
+    schema = pa.schema([(name, pa.string()) for name in _STRING_FIELDS])
+    return pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="infer")
+
+
 def _identity_of(file: io.FileIO) -> tuple[int, int]:
     st = os.fstat(file.fileno())
     return st.st_ino, st.st_dev
@@ -333,9 +358,10 @@ def _identity_of(file: io.FileIO) -> tuple[int, int]:
 class _Closer:
     """The writer's small thread: compresses closed files, then keeps the dataset within its bounds."""
 
-    def __init__(self, writer: DatasetWriter, compress: bool) -> None:
+    def __init__(self, writer: DatasetWriter, compress: bool, parquet: bool) -> None:
         self.writer = writer
         self.compress = compress
+        self.parquet = parquet
         self._queue: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._said = False
@@ -364,7 +390,9 @@ class _Closer:
             if path is None:
                 return
             try:
-                if self.compress:
+                if self.parquet:
+                    self._to_parquet(path)
+                elif self.compress:
                     self._compress(path)
                 self.retain()
             except Exception:
@@ -390,6 +418,30 @@ class _Closer:
             path.unlink()
         self.compressed += 1
 
+    def _to_parquet(self, path: Path) -> None:
+        """``X.jsonl`` -> ``X.parquet`` (zstd), by the same steps as the compression; a failure leaves the lines."""
+        import pyarrow.json as pa_json
+        import pyarrow.parquet as pq
+
+        target = path.with_name(path.name[: -len(OPEN_SUFFIX)] + PARQUET_SUFFIX)
+        part = target.with_name(target.name + PART_SUFFIX)
+        try:
+            table = pa_json.read_json(path, parse_options=_parquet_parse_options())
+            pq.write_table(table, part, compression="zstd")
+            os.replace(part, target)
+        except FileNotFoundError:
+            return
+        except Exception as exc:  # pyarrow raises its own errors for what it cannot type
+            with contextlib.suppress(OSError):
+                part.unlink()
+            if not self._said:
+                self._said = True
+                log.warning("record file %s stays JSON lines (not Parquet: %s)", path, exc)
+            return
+        with contextlib.suppress(OSError):
+            path.unlink()
+        self.compressed += 1
+
     def retain(self) -> None:
         """Remove the oldest files past ``keep_s`` or beyond ``keep_bytes`` in all; never an open one."""
         w = self.writer
@@ -398,7 +450,7 @@ class _Closer:
         files: list[tuple[float, int, Path]] = []
         for path in w.root.rglob("*"):
             name = path.name
-            if not name.endswith((CLOSED_SUFFIX, OPEN_SUFFIX, ".parquet")):
+            if not name.endswith((CLOSED_SUFFIX, OPEN_SUFFIX, PARQUET_SUFFIX)):
                 continue
             try:
                 st = path.stat()

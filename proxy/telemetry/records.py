@@ -27,7 +27,7 @@ from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import Timeline
 from proxy.labels import clean_or_none
 from proxy.settings import SLO
-from proxy.telemetry.dataset import CLOSED_SUFFIX, OPEN_SUFFIX
+from proxy.telemetry.dataset import CLOSED_SUFFIX, OPEN_SUFFIX, PARQUET_SUFFIX
 from proxy.telemetry.identity import Identity
 
 #: The key that marks a line as a request record; its value is the schema version.
@@ -152,11 +152,20 @@ def record_files(path: str | Path) -> list[Path]:
     base = Path(path)
     if base.is_dir():
         found = sorted(
-            (p for p in base.rglob("*") if p.name.endswith((OPEN_SUFFIX, CLOSED_SUFFIX)) and p.is_file()),
+            (
+                p
+                for p in base.rglob("*")
+                if p.name.endswith((OPEN_SUFFIX, CLOSED_SUFFIX, PARQUET_SUFFIX)) and p.is_file()
+            ),
             key=lambda p: (p.parent.as_posix(), p.name),
         )
-        closed = {p for p in found if p.name.endswith(CLOSED_SUFFIX)}
-        return [p for p in found if p.name.endswith(CLOSED_SUFFIX) or p.with_name(p.name + ".gz") not in closed]
+        names = {p.name for p in found}
+
+        def superseded(p: Path) -> bool:
+            stem = p.name[: -len(OPEN_SUFFIX)]
+            return p.name.endswith(OPEN_SUFFIX) and (stem + CLOSED_SUFFIX in names or stem + PARQUET_SUFFIX in names)
+
+        return [p for p in found if not superseded(p)]
     pattern = re.compile(re.escape(base.name) + r"\.(\d+)")
     rotated: list[tuple[int, Path]] = []
     if base.parent.is_dir():
@@ -205,6 +214,9 @@ def read_records(path: str | Path, stats: ReadStats) -> Iterator[dict[str, Any]]
 
 
 def _read_file(file: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
+    if file.name.endswith(PARQUET_SUFFIX):
+        yield from _read_parquet(file, stats)
+        return
     opened = gzip.open(file, "rb") if file.name.endswith(".gz") else file.open("rb")
     with opened as f:
         for raw in f:
@@ -225,3 +237,29 @@ def _read_file(file: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
             else:
                 stats.records += 1
                 yield obj
+
+
+def _read_parquet(file: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
+    """The records of a Parquet file (``--record-format parquet``); needs ``pyarrow``."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise OSError(f"{file}: reading Parquet needs pyarrow (pip install 'llmtap[parquet]')") from None
+    for obj in pq.read_table(file).to_pylist():
+        if obj.get(SCHEMA_KEY) in READABLE_VERSIONS:
+            stats.records += 1
+            yield _without_absent(obj)
+        else:
+            stats.other_schema += 1
+
+
+def _without_absent(obj: dict[str, Any]) -> dict[str, Any]:
+    """A Parquet row as its JSON line was: a struct field absent from some lines (``gaps.p50`` when ``n`` is 0)
+    reads back as null in every row; the line had no such key."""
+    gaps = obj.get("gaps")
+    if isinstance(gaps, dict) and not gaps.get("n"):
+        obj["gaps"] = {"n": gaps.get("n", 0)}
+    objective = obj.get("objective")
+    if isinstance(objective, dict):
+        obj["objective"] = {k: v for k, v in objective.items() if v is not None or k == "shape"}
+    return obj

@@ -62,6 +62,7 @@ def build_sinks(
                 rotate_s=rec.rotate_s,
                 keep_bytes=rec.keep_bytes,
                 keep_s=rec.keep_s,
+                parquet=rec.format == "parquet",
                 on_drop=on_drop,
             )
         )
