@@ -342,3 +342,5 @@ def test_two_telemetry_processes_write_every_record_into_their_own_files(short_t
         assert len(writers) == 1 and file_stats.skipped == 0, f
         assert f"-{writers.pop()}-" in f.name
         assert len(gzip.decompress(f.read_bytes())) <= 0.02 * (1 << 20)
+    per = {i: sum(1 for r in got if r["instance_id"] == i) for i in by_instance}
+    print(f"\n{sent} requests: {len(got)} records in {len(files)} files, by process {sorted(per.values())}")
