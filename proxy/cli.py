@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from proxy import __version__
+from proxy import __version__, options
 from proxy.options import GROUPS, OPTIONS, Option, by_group
 from proxy.settings import ConfigError, build
 
@@ -25,7 +25,9 @@ class _Parser(argparse.ArgumentParser):
         if unknown is not None and unknown.group(1).startswith("--"):
             flag = unknown.group(1).split("=", 1)[0]
             close = difflib.get_close_matches(flag, self._flags(), n=1, cutoff=0.6)
-            if close:
+            if flag in options.REMOVED:
+                message += f" ({flag} was removed: {options.REMOVED[flag]})"
+            elif close:
                 message += f" (did you mean {close[0]}?)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 

@@ -661,6 +661,11 @@ _TABLE = (
 
 #: Every option by name, in the order of ``--help``.
 OPTIONS: Mapping[str, Option] = {o.name: o for o in _TABLE}
+#: Options an earlier version had, by flag and file key, and what to use now.
+REMOVED: Mapping[str, str] = {
+    "--record-files": "records are now kept by total size and age: --record-keep-mb, --record-keep-hours",
+    "record.files": "records are now kept by total size and age: record.keep_mb, record.keep_hours",
+}
 #: The options each route may set for itself, by their key in ``routes[]``.
 ROUTE_OPTIONS: Mapping[str, Option] = {o.route_key: o for o in _TABLE if o.route_key is not None}
 

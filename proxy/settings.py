@@ -338,6 +338,8 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
 
 
 def _unknown(where: str, key: Any, known: Iterable[str]) -> ConfigError:
+    if str(key) in options.REMOVED:
+        return ConfigError(f"{where}{str(key)!r} was removed: {options.REMOVED[str(key)]}")
     return ConfigError(f"{where}unknown key {str(key)!r}{did_you_mean(str(key), known)}")
 
 

@@ -208,6 +208,17 @@ def test_a_file_moved_away_by_another_program_is_left_to_it(tmp_path: Path) -> N
 
 
 def test_an_old_record_file_setting_is_a_clear_error(tmp_path: Path) -> None:
+    config = tmp_path / "old.yaml"
+    config.write_text("upstream: http://u:1\nrecord: {path: /tmp/x, files: 3}\n")
+    with pytest.raises(ConfigError, match=r"'record.files' was removed: .*record.keep_mb, record.keep_hours"):
+        build({"config": str(config)}, env={})
+    run = subprocess.run(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", "http://u:1", "--record-files", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "--record-files was removed" in run.stderr and "--record-keep-mb" in run.stderr
     old = tmp_path / "records.jsonl"
     old.write_text(json.dumps({SCHEMA_KEY: 1, "seq": 1}) + "\n")
     for path in (old, tmp_path / "new.jsonl"):
