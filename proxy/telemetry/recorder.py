@@ -514,7 +514,10 @@ class Recorder:
         if self.sinks:
             line = record_line(tl, s, diag, self.identity)
             for sink in self.sinks:
-                sink.write(line)  # never raises: a lost record is counted
+                try:
+                    sink.write(line)  # a lost record is counted there
+                except Exception:
+                    log.exception("telemetry: a record sink failed")
         for listener in self.listeners:
             try:
                 listener(tl, s)
