@@ -6,8 +6,9 @@ was opened and the writing process's instance id, so no two processes ever write
 past ``max_bytes``, past ``rotate_s`` seconds or when the UTC hour turns; a closed file is compressed off the
 request path by a small thread of the writer (``<stem>.jsonl.gz.part``, renamed to ``<stem>.jsonl.gz``, then the
 ``.jsonl`` removed; with ``parquet``, ``<stem>.parquet`` by the same steps), which then keeps the dataset within
-``keep_bytes`` and ``keep_s`` by removing the oldest closed files (every process's: one folder, one budget). A file that an outside tool (logrotate) renamed or removed is noticed at the next write (the path
-no longer names the open file) and a new one is opened. A write that fails (a full disk) loses whole records
+``keep_bytes`` and ``keep_s`` by removing the oldest closed files (every process's: one folder, one budget).
+A file that an outside tool (logrotate) renamed or removed is noticed at the next write (the path no longer
+names the open file) and a new one is opened. A write that fails (a full disk) loses whole records
 only, counted: what it cut short is cut off again (``ftruncate``), so no line is ever torn.
 """
 
