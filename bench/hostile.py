@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from bench.procs import Service, by_role, free_port, rss_bytes, wait_http
+from proxy.telemetry.records import ReadStats, read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / "tests" / "fault_upstream.py"
@@ -70,7 +71,7 @@ class Bench:
         self.wait = wait
         self.upstream = Service("upstream", [sys.executable, str(UPSTREAM)], log=home / "upstream.log", cpu=None)
         self.upstream_url = f"http://127.0.0.1:{self.upstream.read_line()}"
-        self.records = home / "records.jsonl"
+        self.records = home / "records"
         port, admin = free_port(), free_port()
         argv = [sys.executable, "-m", "proxy", "serve", "--upstream", self.upstream_url, "--port", str(port)]
         argv += ["--admin-port", str(admin), "--record", str(self.records), "--log-level", "warning"]
@@ -78,22 +79,15 @@ class Bench:
         self.url, self.admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
         wait_http(self.admin + "/readyz", 30, alive=lambda: self.llmtap.proc.poll() is None)
         self._seen: set[str] = set()
-        self._read = 0
 
     def close(self) -> None:
         self.llmtap.stop()
         self.upstream.stop()
 
     def recorded(self, model: str) -> bool:
-        """Whether a record of ``model`` is in the file (read on from where the last look stopped)."""
-        if self.records.exists():
-            with self.records.open("rb") as f:
-                f.seek(self._read)
-                for line in f:
-                    if not line.endswith(b"\n"):
-                        break
-                    self._read += len(line)
-                    self._seen.add(json.loads(line).get("model") or "")
+        """Whether a record of ``model`` is in the record folder (read whole each look: the files stay small here)."""
+        if model not in self._seen:
+            self._seen.update(r.get("model") or "" for r in read_records(self.records, ReadStats()))
         return model in self._seen
 
     def normal(self) -> dict[str, float]:

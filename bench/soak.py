@@ -352,7 +352,7 @@ def run(duration: float, concurrency: int, seed: int, workdir: Path) -> dict[str
         }
         serve_args = ["--upstream", upstream_url, "--port", str(port), "--admin-port", str(admin)]
         serve_args += ["--idle-timeout", str(IDLE_TIMEOUT), "--read-timeout", "5", "--log-level", "error"]
-        serve_args += ["--record", str(workdir / "records.jsonl"), "--slo-ttft-ms", "1000"]
+        serve_args += ["--record", str(workdir / "records"), "--slo-ttft-ms", "1000"]
         with (workdir / "llmtap.log").open("wb") as log:
             proxy = subprocess.Popen(
                 [sys.executable, "-m", "bench.soak", "--serve", str(status), "--", *serve_args],

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from proxy import __version__
+from proxy import __version__, options
 from proxy.options import GROUPS, OPTIONS, Option, by_group
 from proxy.settings import ConfigError, build
 
@@ -25,7 +25,9 @@ class _Parser(argparse.ArgumentParser):
         if unknown is not None and unknown.group(1).startswith("--"):
             flag = unknown.group(1).split("=", 1)[0]
             close = difflib.get_close_matches(flag, self._flags(), n=1, cutoff=0.6)
-            if close:
+            if flag in options.REMOVED:
+                message += f" ({flag} was removed: {options.REMOVED[flag]})"
+            elif close:
                 message += f" (did you mean {close[0]}?)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
@@ -163,7 +165,11 @@ def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         "compare",
         help="before against after a prompt change: TTFT percentiles with CIs, cached share, cache classes",
     )
-    p.add_argument("records", nargs="?", help="a record file written by serve --record (rotated siblings included)")
+    p.add_argument(
+        "records",
+        nargs="?",
+        help="a record folder written by serve --record (or an older record file, rotated siblings included)",
+    )
     p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
     p.add_argument("--before", metavar="V1", help="prompt version before the change")
     p.add_argument("--after", metavar="V2", help="prompt version after the change")
@@ -187,7 +193,11 @@ def _slo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         "slo",
         help="each route and request shape against its objective: the percentile that counts, with its CI",
     )
-    p.add_argument("records", nargs="?", help="a record file written by serve --record (rotated siblings included)")
+    p.add_argument(
+        "records",
+        nargs="?",
+        help="a record folder written by serve --record (or an older record file, rotated siblings included)",
+    )
     p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
     p.add_argument(
         "--config",

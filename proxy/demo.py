@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -305,8 +306,9 @@ async def run(
     tel: Telemetry = telemetry_from_env(env)
     files: list[IO[str]] = []
     directory = telemetry_dir or Path(tempfile.gettempdir()) / f"llmtap-demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    records = directory / "records.jsonl"
-    records.unlink(missing_ok=True)
+    records = directory / "records"
+    if records.is_dir():
+        shutil.rmtree(records)  # a folder of an earlier run under the same name: this run's records only
     out.records_file = str(records)
     prometheus = PrometheusReader() if serve is not None else None
     if tel.traces_exporter == "none" and tel.metrics_exporter == "none" and not tel.sdk_disabled:
@@ -408,7 +410,7 @@ async def _until_stopped(keep: Awaitable[None], servers: list[Server]) -> None:
 def _compare(out: DemoRun, workloads: list[Workload], records: Path, min_gain_ms: float) -> None:
     split = Split(VARIABLE_FIRST, FIXED_FIRST)
     for w in workloads:
-        # The same statistics as ``llmtap compare records.jsonl --before variable-first --after fixed-first``.
+        # The same statistics as ``llmtap compare records --before variable-first --after fixed-first``.
         out.comparisons[w.name] = compare_records(records, split, route=w.route, min_gain_ms=min_gain_ms)
 
 

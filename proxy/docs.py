@@ -246,7 +246,8 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "Why telemetry was dropped: `queue_full` (the recorder's queue, or the span export queue), "
         "`export_failed` (the collector refused or could not be reached), `shutdown` (still queued at the flush "
         "deadline); for tapes also `channel_full`, `evicted`, `partial` and, read in part, `inflate_limit` and "
-        "`body_limit`; for records `no_space`, `io_error` and `invalid`.",
+        "`body_limit`; for records `no_space`, `io_error` and `invalid`, and as OTLP log records (`--record-logs`) "
+        "`otlp_queue_full` and `otlp_export_failed`.",
     ),
     sc.TELEMETRY_ATTRIBUTE: (
         "string",
@@ -330,7 +331,8 @@ METRICS: dict[str, str] = {
     sc.METRIC_TOKEN_DRIFT: "Requests where both usage and a tiktoken count exist.",
     sc.METRIC_TELEMETRY_DROPPED: "Each request whose tape was dropped: the relay's channel or the recorder's queue was full.",  # noqa: E501
     sc.METRIC_LABELS_EVICTED: "Each label value that lost its slot to a more frequent one.",
-    sc.METRIC_RECORDS_DROPPED: "Each request record (`--record`) that a failed write lost; 0 per reason from the start.",  # noqa: E501
+    sc.METRIC_RECORDS_DROPPED: "Each request record that a failed write (`--record`) or a full queue or failed "
+    "export of its log record (`--record-logs`) lost; 0 per reason from the start.",
     sc.METRIC_MALFORMED: "Streams with events llmtap could not parse; every route reads 0 from the start.",
     sc.METRIC_CACHE_REQUESTS: "Every LLM request, once, by its cache class.",
     sc.METRIC_QUEUE_WAITING: "+1 when a request joins a route's admission queue, -1 when it leaves.",

@@ -612,16 +612,63 @@ _TABLE = (
         default_text="learned",
     ),
     # records and caching
-    option("record", path("PATH"), None, "write one JSON line per request to PATH", "records", key="record.path"),
+    option(
+        "record",
+        path("DIR"),
+        None,
+        "write one JSON record per request into the folder DIR (DIR/date=YYYY-MM-DD/hour=HH/*.jsonl, each process "
+        "its own files, closed files gzip-compressed)",
+        "records",
+        key="record.path",
+    ),
     option(
         "record_max_mb",
         number(above=True, metavar="MB"),
         64.0,
-        "start a new record file past this",
+        "start a new record file past this size",
         "records",
         key="record.max_mb",
     ),
-    option("record_files", integer(1), 5, "record files kept on disk at most", "records", key="record.files"),
+    option(
+        "record_rotate_minutes",
+        number(above=True, metavar="MINUTES"),
+        60.0,
+        "start a new record file after this long (and whenever the UTC hour turns)",
+        "records",
+        key="record.rotate_minutes",
+    ),
+    option(
+        "record_keep_mb",
+        number(above=True, metavar="MB"),
+        2048.0,
+        "closed record files kept in DIR at most, all processes' together; the oldest go first",
+        "records",
+        key="record.keep_mb",
+    ),
+    option(
+        "record_keep_hours",
+        number(above=True, metavar="HOURS"),
+        168.0,
+        "record files older than this are removed",
+        "records",
+        key="record.keep_hours",
+    ),
+    option(
+        "record_format",
+        choice("jsonl", "parquet"),
+        "jsonl",
+        "what a closed record file becomes: gzip-compressed JSON lines, or Parquet (pip install llmtap[parquet])",
+        "records",
+        key="record.format",
+    ),
+    option(
+        "record_logs",
+        boolean(),
+        False,
+        "also emit each record as an OTLP log record (event llmtap.request) to the OTLP logs endpoint",
+        "records",
+        key="record.logs",
+    ),
     _route(
         "prompt_version",
         version(),
@@ -708,6 +755,11 @@ _TABLE = (
 
 #: Every option by name, in the order of ``--help``.
 OPTIONS: Mapping[str, Option] = {o.name: o for o in _TABLE}
+#: Options an earlier version had, by flag and file key, and what to use now.
+REMOVED: Mapping[str, str] = {
+    "--record-files": "records are now kept by total size and age: --record-keep-mb, --record-keep-hours",
+    "record.files": "records are now kept by total size and age: record.keep_mb, record.keep_hours",
+}
 #: The options each route may set for itself, by their key in ``routes[]``.
 ROUTE_OPTIONS: Mapping[str, Option] = {o.route_key: o for o in _TABLE if o.route_key is not None}
 

@@ -217,6 +217,12 @@ class Telemetry:
     traces_protocol: str = "grpc"
     metrics_protocol: str = "grpc"
     traces_headers: Mapping[str, str] = field(default_factory=dict)
+    #: OTLP logs (the records' copy, ``--record-logs``): the same variables, ``OTEL_EXPORTER_OTLP_LOGS_*``.
+    logs_exporter: str = "none"
+    logs_endpoint: str | None = None
+    logs_endpoint_specific: bool = False
+    logs_protocol: str = "grpc"
+    logs_headers: Mapping[str, str] = field(default_factory=dict)
     #: Seconds one trace export may take (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`` or ``OTEL_EXPORTER_OTLP_TIMEOUT``,
     #: in seconds as the SDK's exporters read them); the forwarded server spans take the same.
     traces_timeout: float = 10.0
@@ -259,11 +265,24 @@ class Telemetry:
 
 @dataclass(frozen=True, slots=True)
 class Records:
-    """Request records (``--record PATH``): JSON lines, a new file past ``max_bytes``, ``files`` files at most."""
+    """Request records (``--record DIR``): a dataset of JSON-lines files (``proxy.telemetry.dataset``).
+
+    A new file past ``max_bytes`` or ``rotate_s`` seconds; closed files kept within ``keep_bytes`` and ``keep_s``;
+    ``logs``: each record also goes out as an OTLP log record (``proxy.telemetry.sinks``)."""
 
     path: str | None = None
     max_bytes: int = int(default("record_max_mb") * MIB)
-    files: int = default("record_files")
+    rotate_s: float = default("record_rotate_minutes") * 60.0
+    keep_bytes: int = int(default("record_keep_mb") * MIB)
+    keep_s: float = default("record_keep_hours") * 3600.0
+    #: ``jsonl``: closed files are gzip-compressed JSON lines; ``parquet``: Parquet files (``pyarrow``).
+    format: str = default("record_format")
+    logs: bool = default("record_logs")
+
+    @property
+    def on(self) -> bool:
+        """Whether records are made at all."""
+        return bool(self.path) or self.logs
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,6 +376,8 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
 
 
 def _unknown(where: str, key: Any, known: Iterable[str]) -> ConfigError:
+    if str(key) in options.REMOVED:
+        return ConfigError(f"{where}{str(key)!r} was removed: {options.REMOVED[str(key)]}")
     return ConfigError(f"{where}unknown key {str(key)!r}{did_you_mean(str(key), known)}")
 
 
@@ -711,7 +732,11 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         record=Records(
             path=values["record"],
             max_bytes=max(int(values["record_max_mb"] * MIB), 1024),
-            files=values["record_files"],
+            rotate_s=max(values["record_rotate_minutes"] * 60.0, 1.0),
+            keep_bytes=int(values["record_keep_mb"] * MIB),
+            keep_s=values["record_keep_hours"] * 3600.0,
+            format=values["record_format"],
+            logs=values["record_logs"],
         ),
         workers=values["workers"],
         telemetry_workers=values["telemetry_workers"],
@@ -793,7 +818,7 @@ def telemetry_from_env(
         sources = Sources({}, env, {"telemetry": dict(file_section or {})})
     disabled = _bool(env.get("OTEL_SDK_DISABLED", "false"), "OTEL_SDK_DISABLED")
     values: dict[str, Any] = {"sdk_disabled": disabled}
-    for signal in ("traces", "metrics"):
+    for signal in ("traces", "metrics", "logs"):
         endpoint = _otlp_endpoint(env, signal)
         exporter = env.get(f"OTEL_{signal.upper()}_EXPORTER", "").strip().lower()
         if not exporter:

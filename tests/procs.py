@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -75,7 +75,13 @@ class Llmtap:
     """``python -m proxy serve`` on free ports; its log goes to a file (a full pipe could block it)."""
 
     def __init__(
-        self, upstream: str, log: Path, *args: str, env: dict[str, str] | None = None, admin_host: str = "127.0.0.1"
+        self,
+        upstream: str,
+        log: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        admin_host: str = "127.0.0.1",
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         self.admin_host = admin_host
         self.port = free_port()
@@ -93,6 +99,7 @@ class Llmtap:
             env={**base, "OTEL_TRACES_EXPORTER": "none", **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=self._log,
+            preexec_fn=preexec_fn,
         )
         try:
             self.wait_ready()

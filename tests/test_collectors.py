@@ -31,6 +31,7 @@ from yamllint import linter  # type: ignore[import-untyped]
 from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
 
 from proxy.telemetry import semconv as sc
+from proxy.telemetry.records import ReadStats, read_records
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
 from tests.scripted_upstream import script
 
@@ -626,3 +627,113 @@ def check_metrics(got: Received) -> None:
     assert float(requests.fields["Value"]) == REQUESTS
     (active,) = got.latest(sc.METRIC_ACTIVE_STREAMS)
     assert float(active.fields["Value"]) == 0
+
+
+# --- records as OTLP log records, into rotel for real ------------------------------------------------------
+
+
+@dataclass
+class LogSeen:
+    """One log record as rotel's detailed debug log printed it."""
+
+    resource: dict[str, Any]
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+def parse_log_records(text: str) -> list[LogSeen]:
+    """Log records from rotel's ``--debug-log logs --debug-log-verbosity detailed`` output."""
+    logs: list[LogSeen] = []
+    resource: dict[str, Any] = {}
+    current: LogSeen | None = None
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        stripped = line.strip()
+        if line.startswith("ResourceLog #"):
+            resource, current = {}, None
+        elif line.startswith("LogRecord #"):
+            current = LogSeen(dict(resource))
+            logs.append(current)
+        elif stripped.startswith("-> ") and ": " in stripped and current is None:
+            key, _, value = stripped[3:].partition(": ")
+            resource[key] = _value(value)
+        elif ":" in stripped and current is not None:
+            key, _, value = stripped.partition(":")
+            current.fields.setdefault(key.strip(), value.strip())
+    return logs
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_records_reach_rotel_as_otlp_log_records(
+    protocol: str, rotel: Path, scripted_upstream: Scripted, tmp_path: Path
+) -> None:
+    grpc_port, http_port = free_port(), free_port()
+    sink = Proc(
+        [
+            str(rotel),
+            "start",
+            *("--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}", "--otlp-http-endpoint", f"127.0.0.1:{http_port}"),
+            *("--exporter", "blackhole", "--debug-log", "logs", "--debug-log-verbosity", "detailed"),
+            *("--pid-file", str(tmp_path / "sink.pid"), "--log-file", str(tmp_path / "sink.log")),
+        ],
+        tmp_path / "sink.out",
+    )
+    records = tmp_path / "records"
+    try:
+        sink.wait_until("rotel gRPC port", listening(grpc_port))
+        sink.wait_until("rotel HTTP port", listening(http_port))
+        port = grpc_port if protocol == "grpc" else http_port
+        env = {
+            "OTEL_SERVICE_NAME": "llmtap-logs",
+            "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": f"http://127.0.0.1:{port}" + ("/v1/logs" if protocol != "grpc" else ""),
+            "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL": protocol,
+            "OTEL_BLRP_SCHEDULE_DELAY": "100",
+        }
+        proxy = start_llmtap(
+            scripted_upstream.url, tmp_path / "llmtap.log", env, "--record", str(records), "--record-logs", "true"
+        )
+        try:
+            with httpx.Client(timeout=10) as client:
+                for _ in range(REQUESTS):
+                    assert stream_chat(client, proxy.url)[-1] == "[DONE]"
+            sink.wait_until(
+                f"{REQUESTS} log records", lambda: len(parse_log_records(sink.output())) >= REQUESTS, timeout=PATIENCE
+            )
+        finally:
+            proxy.proc.close()
+    finally:
+        sink.close()
+    logs = parse_log_records(sink.output())
+    on_disk = {r["trace_id"]: r for r in read_records(records, ReadStats())}
+    assert len(logs) == len(on_disk) == REQUESTS
+    for seen in logs:
+        f = seen.fields
+        assert f["EventName"] == "llmtap.request" and f["SeverityText"] == "INFO"
+        record = on_disk[f["Trace ID"]]  # the log record carries the request's trace and root span
+        assert f["Span ID"] == record["span_id"]
+        assert seen.resource["service.name"] == "llmtap-logs"
+        assert seen.resource["service.instance.id"] == record["instance_id"]
+        # The body is the record: the same fields and values as its line on disk.
+        body = f["Body"]
+        assert body.startswith("Map(llmtap_record:Int(2), time:Str(" + record["time"] + ")")
+        for key in ("trace_id", "span_id", "instance_id", "route", "outcome", "response_id"):
+            assert f"{key}:Str({record[key]})" in body, key
+        assert f"ttft:Double({record['ttft']})" in body and f"pid:Int({record['pid']})" in body
+
+
+def test_record_pipelines_land_logs_in_clickhouse_and_in_files() -> None:
+    clickhouse = load_config(COLLECTORS / "records-clickhouse.yaml")
+    assert clickhouse["service"]["pipelines"]["logs"]["exporters"] == ["clickhouse"]
+    exporter = clickhouse["exporters"]["clickhouse"]
+    assert exporter["endpoint"] == "${env:CLICKHOUSE_ENDPOINT}" and exporter["create_schema"] is True
+    assert (exporter["database"], exporter["logs_table_name"]) == ("llmtap", "llmtap_records")
+    files = load_config(COLLECTORS / "records-files.yaml")
+    assert files["service"]["pipelines"]["logs"]["exporters"] == ["file"]
+    assert (
+        files["exporters"]["file"]["path"] == "${env:RECORDS_FILE}" and files["exporters"]["file"]["format"] == "json"
+    )
+    for config in (clickhouse, files):
+        assert set(config["service"]["pipelines"]) == {"logs"}
+        assert config["receivers"]["otlp"]["protocols"].keys() == {"grpc", "http"}
+    readme = (COLLECTORS / "README.md").read_text(encoding="utf-8")
+    assert "records-clickhouse.yaml" in readme and "records-files.yaml" in readme

@@ -30,7 +30,7 @@ from proxy import cli
 from proxy.analysis.compare import MIN_GAIN_MS, Side, analyze
 from proxy.analysis.stats import Distribution, quantile, quantile_estimate
 from proxy.simulator.text import Vocabulary
-from proxy.telemetry.records import SCHEMA_KEY
+from proxy.telemetry.records import SCHEMA_KEY, ReadStats, read_records
 from tests.conftest import PATIENCE, free_port, require_real
 from tests.test_prometheus import histogram_quantile
 
@@ -332,7 +332,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
         config.write_text("routes:\n" + routes)
         port, admin = free_port(), free_port()
-        records = tmp / "records.jsonl"
+        records = tmp / "records"
         cmd = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--record", str(records)]
         cmd += ["--port", str(port), "--admin-port", str(admin), "--log-level", "warning"]
         log = (tmp / "proxy.log").open("wb")
@@ -344,7 +344,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         sent = asyncio.run(drive(f"http://127.0.0.1:{port}"))
         # The records of the last requests are written by the proxy's worker just after their streams end.
         deadline = time.monotonic() + PATIENCE
-        while not records.exists() or records.read_text().count("\n") < sent:
+        while len(list(read_records(records, ReadStats()))) < sent:
             assert time.monotonic() < deadline, "the proxy did not write every record"
             time.sleep(0.05)
         truth = {}

@@ -21,6 +21,7 @@ import pytest
 
 from proxy import demo
 from proxy.settings import SLO
+from proxy.telemetry.records import record_files
 
 pytestmark = pytest.mark.e2e
 
@@ -34,8 +35,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> demo.DemoRun:
     workloads = demo.default_workloads(requests=3, concurrency=3)
     workloads[1] = replace(workloads[1], requests=6)
     run = asyncio.run(demo.run(workloads, env={}, telemetry_dir=tmp_path_factory.mktemp("telemetry")))
-    for path in [*run.telemetry_files, run.records_file]:
+    for path in [*map(Path, run.telemetry_files), *record_files(run.records_file)]:
         assert Path(path).stat().st_size > 0, path
+    assert record_files(run.records_file), run.records_file
     return run
 
 

@@ -10,7 +10,6 @@ recorder's timer that writes a record whose wait ended without another request c
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
 import secrets
@@ -38,6 +37,7 @@ from proxy.settings import (
 from proxy.telemetry import peers, semconv as sc
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.recorder import Recorder
+from proxy.telemetry.records import ReadStats, read_records
 from proxy.telemetry.upstreams import UpstreamWatch
 from proxy.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry, free_port
@@ -189,7 +189,7 @@ def test_a_body_marked_as_a_peers_needs_the_replicas_token(
 def test_a_record_whose_wait_ends_is_written_at_once_without_another_request(
     make_admin: Callable[..., tuple[Recorder, str]], tmp_path: Path
 ) -> None:
-    path = tmp_path / "records.jsonl"
+    path = tmp_path / "records"
     recorder, _ = make_admin(record=str(path), server_spans_wait=0.3)
     recorder.upstreams = _Traces()
     recorder.record_timeline(traced("b7ad6b7169203331"))
@@ -216,9 +216,10 @@ class _Traces(UpstreamWatch):
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
+    """The records written so far in the record folder ``path``."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return list(read_records(path, ReadStats()))
 
 
 # --- two real replicas -------------------------------------------------------------------------------
@@ -296,7 +297,7 @@ class Replica:
     def __init__(self, name: str, upstream: str, backend: str, tmp: Path, *, wait: float, peers: bool) -> None:
         self.name = name
         self.port, self.admin_port = _port(), _port()
-        self.record = tmp / f"{name}.jsonl"
+        self.record = tmp / f"{name}-records"
         self.log_path = tmp / f"{name}.log"
         self.log: IO[str] = self.log_path.open("w", encoding="utf-8")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}

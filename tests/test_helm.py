@@ -68,7 +68,13 @@ def case(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
 
 def test_the_ci_matrix_covers_the_options() -> None:
     names = {p.name for p in CASES}
-    assert {"default-values.yaml", "scale-values.yaml", "sidecar-values.yaml", "multi-route-values.yaml"} <= names
+    assert {
+        "default-values.yaml",
+        "scale-values.yaml",
+        "sidecar-values.yaml",
+        "multi-route-values.yaml",
+        "records-values.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("kube", KUBERNETES)
@@ -150,6 +156,17 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
         telemetry["histogram_buckets"],
         telemetry["server_metrics"],
     )
+    record = {**defaults["record"], **case.get("config", {}).get("record", {})}
+    records = case.get("records", {})
+    assert loaded.record == llmtap_settings.Records(
+        path=records["mountPath"] if records.get("enabled") else None,
+        max_bytes=int(record["max_mb"] * (1 << 20)),
+        rotate_s=record["rotate_minutes"] * 60,
+        keep_bytes=int(record["keep_mb"] * (1 << 20)),
+        keep_s=record["keep_hours"] * 3600,
+        format=record["format"],
+        logs=record["logs"],
+    )
 
 
 def test_sidecar_collector_config_passes_the_collector_checks() -> None:
@@ -228,6 +245,30 @@ def test_the_scale_case_renders_its_options() -> None:
     assert "LLMTAP_PEER_ADDRESS" not in {e["name"] for e in default["spec"]["template"]["spec"]["containers"][0]["env"]}
     with pytest.raises(Exception, match=r"peers\.tokenSecret"):
         manifests({"peers": {"enabled": True}})
+
+
+def test_records_get_a_writable_volume_under_the_read_only_root() -> None:
+    values = values_of(CHART / "ci" / "records-values.yaml")
+    docs = by_kind(manifests(values))
+    pod = docs["Deployment"][0]["spec"]["template"]["spec"]
+    proxy = pod["containers"][0]
+    assert proxy["securityContext"]["readOnlyRootFilesystem"] is True
+    (mount,) = [m for m in proxy["volumeMounts"] if m["name"] == "records"]
+    assert mount["mountPath"] == "/var/lib/llmtap/records" and not mount.get("readOnly")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "records"]
+    assert volume == {"name": "records", "emptyDir": {"sizeLimit": "4Gi"}}
+    (config_map,) = [c for c in docs["ConfigMap"] if "llmtap.yaml" in c["data"]]
+    record = yaml.safe_load(config_map["data"]["llmtap.yaml"])["record"]
+    assert record == {"path": "/var/lib/llmtap/records", "format": "jsonl", **values["config"]["record"]}
+    # (llmtap reads it as the folder, with the rotation, retention and logs set: test_rendered_config_loads_in_llmtap.)
+    claimed = by_kind(manifests({**values, "records": {**values["records"], "existingClaim": "llmtap-records"}}))
+    (volume,) = [v for v in claimed["Deployment"][0]["spec"]["template"]["spec"]["volumes"] if v["name"] == "records"]
+    assert volume == {"name": "records", "persistentVolumeClaim": {"claimName": "llmtap-records"}}
+    # Off by default: no volume, no record path (so no records), the settings still accepted.
+    default = by_kind(manifests(values_of(CHART / "ci" / "default-values.yaml")))
+    assert "records" not in {v["name"] for v in default["Deployment"][0]["spec"]["template"]["spec"]["volumes"]}
+    (config_map,) = [c for c in default["ConfigMap"] if "llmtap.yaml" in c["data"]]
+    assert "path" not in yaml.safe_load(config_map["data"]["llmtap.yaml"])["record"]
 
 
 # --- values: commented, closed, and enforced ----------------------------------------------------

@@ -13,9 +13,9 @@ from __future__ import annotations
 import collections
 import errno
 import io
-import json
 import logging
 import random
+import resource
 import threading
 import time
 import tracemalloc
@@ -35,8 +35,10 @@ from proxy.analysis.timeline import COUNT_CHARS, Timeline
 from proxy.providers import provider_for
 from proxy.settings import Route, Settings
 from proxy.tape import END, SEGMENT
+from proxy.telemetry.dataset import DatasetWriter
+from proxy.telemetry.identity import current
 from proxy.telemetry.recorder import MAX_QUEUED_BYTES, Recorder
-from proxy.telemetry.records import SCHEMA_KEY, ReadStats, RecordWriter, read_records
+from proxy.telemetry.records import SCHEMA_KEY, ReadStats, read_records, record_files
 from proxy.telemetry.tap import MAX_INFLATED_BYTES, Tap
 from proxy.types import Usage
 from tests.conftest import PATIENCE
@@ -54,7 +56,7 @@ RSS_BOUND = 150 << 20
 @pytest.fixture(scope="module")
 def served(upstream: FaultUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Llmtap, Path]]:
     home = tmp_path_factory.mktemp("bounds")
-    records = home / "records.jsonl"
+    records = home / "records"
     proxy = Llmtap(upstream.url, home / "llmtap.log", "--log-level", "warning", "--record", str(records))
     yield proxy, records
     proxy.close()
@@ -88,13 +90,7 @@ class TelemetryPeak(threading.Thread):
 
 def models(path: Path) -> list[str]:
     """The request model of every record written so far."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.endswith("}"):
-            out.append(json.loads(line)["model"])
-    return out
+    return [r["model"] for r in read_records(path, ReadStats())]
 
 
 def probe(proxy: Llmtap, records: Path) -> float:
@@ -165,29 +161,55 @@ def test_a_gzip_bomb_is_inflated_only_to_its_bound(served: tuple[Llmtap, Path], 
     assert stopped == 1
 
 
-def test_a_full_disk_is_said_once_and_every_lost_record_counted(upstream: FaultUpstream, tmp_path: Path) -> None:
-    # /dev/full takes the open and refuses every write with ENOSPC, as a full disk does.
-    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--log-level", "info", "--record", "/dev/full")
+#: The file-size limit (RLIMIT_FSIZE) of the proxy in the full-disk test: a few records fit, then every write
+#: fails with EFBIG, as on a full disk (the kernel writes what fits, then refuses).
+FSIZE_LIMIT = 16 << 10
+
+
+def _limit_file_size() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, FSIZE_LIMIT))
+
+
+def test_a_full_disk_loses_whole_records_only_says_so_once_and_counts_every_one(
+    upstream: FaultUpstream, tmp_path: Path
+) -> None:
+    records = tmp_path / "records"
+    sent = 30
+    proxy = Llmtap(
+        upstream.url,
+        tmp_path / "llmtap.log",
+        "--log-level",
+        "info",
+        "--record",
+        str(records),
+        preexec_fn=_limit_file_size,
+    )
     try:
-        for _ in range(6):
+        for _ in range(sent):
             with httpx.stream("POST", proxy.url + "/v1/chat/completions", json={"model": "m", "stream": True}) as r:
                 r.read()
-            time.sleep(0.1)  # let the telemetry process go idle, so it tries to write each record on its own
+            time.sleep(0.05)  # let the telemetry process go idle, so it writes records in small batches
         deadline = time.monotonic() + PATIENCE
         while True:
             lost = metric_value(
                 proxy.metrics(), "llmtap_telemetry_records_dropped_total", llmtap_telemetry_reason="no_space"
             )
-            if lost >= 6 or time.monotonic() > deadline:
+            stats = ReadStats()
+            kept = len(list(read_records(records, stats)))
+            if lost + kept >= sent or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        assert lost == 6
+        # Some fit and some did not; every one is either on disk whole or counted, and no line is torn.
+        assert lost + kept == sent and 0 < kept < sent and lost > 0, (kept, lost)
+        assert stats.truncated == 0 and stats.foreign == 0, stats
+        (only,) = record_files(records)
+        assert only.read_bytes().endswith(b"\n") and only.stat().st_size <= FSIZE_LIMIT
     finally:
         proxy.close()
     logs = proxy.logs()
     assert "Traceback" not in logs, logs[-3000:]
-    said = [line for line in logs.splitlines() if "record file" in line]
-    assert len(said) == 1 and "No space left on device" in said[0], said
+    said = [line for line in logs.splitlines() if "record folder" in line]
+    assert len(said) == 1 and "File too large" in said[0], said
 
 
 class FillingDisk(io.FileIO):
@@ -205,9 +227,9 @@ class FillingDisk(io.FileIO):
 
 
 def test_a_record_file_that_fills_up_counts_its_losses_says_so_once_and_recovers(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = tmp_path / "r.jsonl"
+    path = tmp_path / "r"
     disks: list[FillingDisk] = []
 
     def opener(p: Path) -> io.FileIO:
@@ -215,10 +237,10 @@ def test_a_record_file_that_fills_up_counts_its_losses_says_so_once_and_recovers
         return disks[-1]
 
     lost: collections.Counter[str] = collections.Counter()
-    writer = RecordWriter(path, opener=opener, on_drop=lambda reason, n: lost.update({reason: n}))
+    writer = DatasetWriter(path, current(), opener=opener, on_drop=lambda reason, n: lost.update({reason: n}))
     caplog.set_level(logging.INFO, "llmtap.telemetry")
     for seq in range(10):
-        disks[-1].full = 1 <= seq <= 6
+        monkeypatch.setattr(FillingDisk, "full", 1 <= seq <= 6)  # files open lazily: the disk, not one file
         writer.write({SCHEMA_KEY: 1, "seq": seq})
         writer.flush()  # what the recorder does each time it goes idle
     writer.close()
@@ -227,10 +249,11 @@ def test_a_record_file_that_fills_up_counts_its_losses_says_so_once_and_recovers
     assert len(said) == 2, said
     assert "cannot be written (No space left on device)" in said[0]
     assert "written again; 6 records were lost" in said[1]
-    # What got out is readable: the line the full disk cut short is one bad line, ended before the next.
+    # What got out is readable, and whole: the line the full disk cut short was cut off again.
     stats = ReadStats()
     assert [r["seq"] for r in read_records(path, stats)] == [0, 7, 8, 9]
-    assert (stats.truncated, stats.foreign) == (1, 0)
+    assert (stats.truncated, stats.foreign) == (0, 0)
+    assert disks[0].cut  # the disk did cut a line short
 
 
 # --- in process: the bounds themselves ---------------------------------------------------------------------

@@ -23,6 +23,7 @@ from bench.procs import LoopbackHTTPServer
 from proxy.labels import LABEL_CAP, OTHER, LabelGuard, clean
 from proxy.settings import ConfigError, build
 from proxy.telemetry import semconv as sc
+from proxy.telemetry.records import record_files
 from tests.conftest import PATIENCE
 from tests.procs import Llmtap, metric_value
 from tests.test_live import sse
@@ -133,7 +134,7 @@ def exported(echo: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
         "OTEL_METRIC_EXPORT_INTERVAL": "200",
         "OTEL_BSP_SCHEDULE_DELAY": "50",
     }
-    records = folder / "records.jsonl"
+    records = folder / "records"
     proxy = Llmtap(echo, folder / "llmtap.log", "--record", str(records), env=env)
     yield proxy, receiver, records
     proxy.close()
@@ -187,7 +188,8 @@ def test_a_lone_surrogate_or_a_nul_becomes_a_replacement_character_everywhere(
         time.sleep(0.05)
 
     # The record file keeps every line, and every line is UTF-8.
-    lines = [json.loads(line) for line in records.read_bytes().decode("utf-8").splitlines()]
+    raw = b"".join(f.read_bytes() for f in record_files(records))
+    lines = [json.loads(line) for line in raw.decode("utf-8").splitlines()]
     assert [r["model"] for r in lines] == [SURROGATE_LABEL, CONTROL_MODEL, "plain"]
     assert lines[2]["error_type"] == "\ufffdbad"
 

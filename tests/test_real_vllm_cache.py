@@ -76,7 +76,7 @@ async def drive(url: str, salt: str, words: list[int]) -> None:
 
 @pytest.fixture(scope="module")
 def records(vllm_medium: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("vllm-cache") / "records.jsonl"
+    path = tmp_path_factory.mktemp("vllm-cache") / "records"
     route = Route(prefix="/", upstream=vllm_medium.url, name="vllm", provider="vllm", cache_min_tokens=BLOCK)
     settings = Settings(routes=(route,), timeouts=Timeouts(read=120), record=Records(path=str(path)))
     telemetry = Telemetry()

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from proxy.telemetry.records import record_files
 from tests.conftest import PATIENCE
 from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
@@ -51,7 +52,7 @@ def everything_exported(proxy: Llmtap, receiver: HTTPReceiver, records: Path) ->
         "metrics": proxy.metrics().encode(),
         "live": live + httpx.get(proxy.admin_url + "/", timeout=5).content,
         "log": proxy.log_path.read_bytes(),
-        "records": b"".join(p.read_bytes() for p in records.parent.glob(records.name + "*")),
+        "records": b"".join(p.read_bytes() for p in record_files(records)),
     }
 
 
@@ -79,7 +80,7 @@ def test_secrets_never_leave_in_any_exported_item(
         "x-goog-api-key": secrets["goog"],
     }
     query = f"key={secrets['query']}&api_key={secrets['querytoo']}"
-    records = tmp_path / "records.jsonl"
+    records = tmp_path / "records"
     env = {**TELEMETRY_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url}
     proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--log-level", "debug", "--record", str(records), env=env)
     try:
@@ -132,7 +133,7 @@ def test_content_capture_is_off_unless_asked_and_capped(
     env = {**TELEMETRY_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url}
     if capture:
         env["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "true"
-    records = tmp_path / "records.jsonl"
+    records = tmp_path / "records"
     proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--log-level", "debug", "--record", str(records), env=env)
     try:
         body = {

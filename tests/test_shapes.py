@@ -43,6 +43,7 @@ from proxy.telemetry.instruments import create
 from proxy.telemetry.live.window import SLOWEST, floor_ms
 from proxy.telemetry.metrics import _record_samples
 from proxy.telemetry.prometheus import PrometheusReader, wants_openmetrics
+from proxy.telemetry.records import ReadStats, read_records as read_record_lines
 from tests.conftest import PATIENCE, ServerThread, require_real
 
 # -- shapes and objectives from the configuration -------------------------------------------------
@@ -316,7 +317,7 @@ def running_course(tmp: Path) -> Iterator[Course]:
         )
         for name, w in ws.items()
     )
-    records = tmp / "records.jsonl"
+    records = tmp / "records"
     settings = Settings(routes=routes, log_level="warning", record=Records(path=str(records)))
     app = create_app(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
     threads: list[ServerThread] = []
@@ -348,7 +349,10 @@ def course(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Course]:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    stats = ReadStats()
+    out = list(read_record_lines(path, stats))
+    assert stats.skipped == 0, stats
+    return out
 
 
 @pytest.mark.e2e

@@ -8,7 +8,6 @@ than the test), so a span that arrives proves the flush ran after the stream end
 from __future__ import annotations
 
 import hashlib
-import json
 import socket
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.telemetry.records import ReadStats, read_records
 from tests.conftest import PATIENCE, free_port
 from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
@@ -83,7 +83,7 @@ def span_of(receiver: HTTPReceiver, chunks: int) -> dict[str, Any]:
 def test_sigterm_lets_streams_finish_then_flushes(
     upstream: FaultUpstream, receiver: HTTPReceiver, tmp_path: Path
 ) -> None:
-    records = tmp_path / "records.jsonl"
+    records = tmp_path / "records"
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
     env |= {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_BSP_SCHEDULE_DELAY": "60000", "OTEL_METRICS_EXPORTER": "none"}
     proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--drain-timeout", "10", "--record", str(records), env=env)
@@ -108,7 +108,7 @@ def test_sigterm_lets_streams_finish_then_flushes(
         # Telemetry went out after the stream ended, on the way out.
         attrs = span_of(receiver, 40)
         assert attrs["llmtap.outcome"] == "ok" and attrs["gen_ai.usage.output_tokens"] == 40
-        lines = [json.loads(line) for line in records.read_text().splitlines()]
+        lines = list(read_records(records, ReadStats()))
         assert [line["outcome"] for line in lines] == ["ok"]
     finally:
         proxy.close()

@@ -27,6 +27,7 @@ from proxy.providers import Gemini, Ollama, OpenAIResponses, provider_for
 from proxy.simulator import get_profile, run_in_thread
 from proxy.simulator.text import Vocabulary
 from proxy.sse import decoder_for
+from proxy.telemetry.records import ReadStats, read_records
 from proxy.types import Facts
 from tests.conftest import PATIENCE, free_port
 from tests.procs import ROOT, Llmtap
@@ -327,7 +328,7 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
                     break
             assert sim.poll() is None and time.monotonic() < deadline, (tmp / "sim.log").read_text()
             time.sleep(0.05)
-        records = tmp / "records.jsonl"
+        records = tmp / "records"
         proxy = Llmtap(sim_url, tmp / "llmtap.log", "--record", str(records))
         sent, took = 0, []
         with httpx.Client(base_url=proxy.url, timeout=30) as client:
@@ -341,14 +342,14 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
                     sent += 1
         deadline = time.monotonic() + PATIENCE
         while True:
-            lines = records.read_text().splitlines() if records.exists() else []
+            lines = list(read_records(records, ReadStats()))
             if len(lines) >= sent or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         assert len(lines) == sent, proxy.logs()[-3000:]
         truth = httpx.get(sim_url + "/debug/requests").json()["requests"]
         assert len(truth) == sent
-        recorded = [{**json.loads(line), "client_s": t} for line, t in zip(lines, took, strict=True)]
+        recorded = [{**line, "client_s": t} for line, t in zip(lines, took, strict=True)]
         rows = list(zip(recorded, truth, strict=True))
         yield Traffic({p.name: rows[i * 3 : i * 3 + 3] for i, p in enumerate(PROTOCOLS)})
     finally:

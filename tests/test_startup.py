@@ -28,7 +28,7 @@ def _messages(log: str, logger: str) -> list[str]:
 def test_startup_says_where_everything_is_and_the_access_log_has_each_request(
     scripted: Scripted, tmp_path: Path
 ) -> None:
-    access, records = tmp_path / "access.log", tmp_path / "records.jsonl"
+    access, records = tmp_path / "access.log", tmp_path / "records"
     proxy = Llmtap(scripted.url, tmp_path / "llmtap.log", "--access-log", str(access), "--record", str(records))
     try:
         with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
@@ -51,7 +51,7 @@ def test_startup_says_where_everything_is_and_the_access_log_has_each_request(
         f"admin on {admin}: /metrics, /healthz, /readyz; live view {admin}/",
         f"route / -> {scripted.url} (provider from the API it speaks)",
         f"telemetry: OTLP off: set OTEL_EXPORTER_OTLP_ENDPOINT; Prometheus can scrape {admin}/metrics",
-        f"records: {records} (a new file past 64 MiB, 5 kept); access log: {access}",
+        f"records: {records}/ (a new file past 64 MiB or 60 min, 2 GiB and 168 h kept); access log: {access}",
     ], log
     assert re.fullmatch(rf"llmtap \S+: proxy on {re.escape(proxy.url)} \(1 relay process\)", said[0]), said[0]
     # uvicorn's lines: each once, under its listener's name; its lifespan chatter not at all.
@@ -91,7 +91,7 @@ def test_startup_names_the_otlp_endpoint_and_protocol() -> None:
     assert startup_lines(off, 8080, 9464)[3].startswith("telemetry: OTLP off: OTEL_SDK_DISABLED is set")
     assert (
         startup_lines(off, 8080, 9464)[4]
-        == "records: off (--record PATH); access log: off (--access-log PATH, - for stderr)"
+        == "records: off (--record DIR); access log: off (--access-log PATH, - for stderr)"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import os
 import signal
 import socket
@@ -10,12 +11,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from proxy.simulator import get_profile, run_in_thread
 from proxy.telemetry.prometheus import merge_metrics
+from proxy.telemetry.records import ReadStats, read_records, record_files
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
 
 ROOT = Path(__file__).parent.parent
@@ -263,3 +267,80 @@ def test_two_telemetry_processes_share_the_upstreams_and_one_scrape_adds_them_up
             proc.wait(5)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def _requests_total(admin: str) -> float:
+    text = httpx.get(admin + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("llmtap_requests_total{"))
+
+
+@pytest.mark.e2e
+def test_two_telemetry_processes_write_every_record_into_their_own_files(short_tmp: Path) -> None:
+    """200 requests over two routes (one per telemetry process), records rotating every few kB: every request's
+    record on disk exactly once, none torn, each file written by one process only."""
+    tmp_path = short_tmp
+    sims = [run_in_thread(get_profile("fast")) for _ in range(2)]
+    records = tmp_path / "records"
+    port, admin_port = free_port(), free_port()
+    config = tmp_path / "llmtap.yaml"
+    config.write_text(
+        "routes:\n"
+        + "".join(
+            f"  - {{prefix: /{name}, upstream: '{url}', provider: llmtap-sim, strip_prefix: true}}\n"
+            for name, (url, _) in zip("ab", sims, strict=True)
+        )
+    )
+    argv = ["serve", "--config", str(config), "--port", str(port), "--admin-port", str(admin_port)]
+    argv += ["--record", str(records), "--record-max-mb", "0.02", "--telemetry-workers", "2"]
+    proc = _serve(argv, tmp_path)
+    admin = f"http://127.0.0.1:{admin_port}"
+    sent = 200
+    try:
+        _ready(proc, admin)
+        telemetry = {pid for pid in _children(proc.pid) if _comm(pid) == "llmtap-telemetr"}
+        assert len(telemetry) == 2
+        body = {"model": "llmtap-sim", "stream": True, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+
+        def one(i: int) -> int:
+            with httpx.Client(timeout=PATIENCE) as client:
+                return client.post(f"http://127.0.0.1:{port}/{'ab'[i % 2]}/v1/chat/completions", json=body).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, range(sent))) == [200] * sent
+        deadline = time.monotonic() + PATIENCE
+        while _requests_total(admin) < sent and time.monotonic() < deadline:
+            time.sleep(0.1)
+        counted = _requests_total(admin)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(PATIENCE) == 0
+        assert proc.stderr is not None
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        for _, stop in sims:
+            stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        if proc.stderr is not None:
+            proc.stderr.close()
+    stats = ReadStats()
+    got = list(read_records(records, stats))
+    assert counted == sent == len(got) == len({r["trace_id"] for r in got}), (counted, len(got))
+    assert stats.skipped == 0, stats
+    # Two writers, each its own pid and instance, each one route's (its upstream's) records.
+    by_instance: dict[str, set[tuple[int, str]]] = {}
+    for r in got:
+        by_instance.setdefault(r["instance_id"], set()).add((r["pid"], r["route"]))
+    assert {pid for pairs in by_instance.values() for pid, _ in pairs} == telemetry
+    assert sorted(len(pairs) for pairs in by_instance.values()) == [1, 1]
+    # Every file is one writer's, named for it, within the size bound, and compressed once closed.
+    files = record_files(records)
+    assert len(files) > 4 and all(f.name.endswith(".jsonl.gz") for f in files), files
+    for f in files:
+        file_stats = ReadStats()
+        writers = {r["instance_id"] for r in read_records(f, file_stats)}
+        assert len(writers) == 1 and file_stats.skipped == 0, f
+        assert f"-{writers.pop()}-" in f.name
+        assert len(gzip.decompress(f.read_bytes())) <= 0.02 * (1 << 20)
+    per = {i: sum(1 for r in got if r["instance_id"] == i) for i in by_instance}
+    print(f"\n{sent} requests: {len(got)} records in {len(files)} files, by process {sorted(per.values())}")

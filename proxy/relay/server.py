@@ -189,10 +189,13 @@ def startup_lines(settings: Settings, port: int, admin_port: int) -> list[str]:
         lines.append(f"telemetry: traces to {traces}; metrics to {metrics}")
     rec = settings.record
     records = (
-        f"records: {rec.path} (a new file past {binary(rec.max_bytes)}, {rec.files} kept)"
+        f"records: {rec.path}/ (a new file past {binary(rec.max_bytes)} or {rec.rotate_s / 60:g} min, "
+        f"{binary(rec.keep_bytes)} and {rec.keep_s / 3600:g} h kept)"
         if rec.path
-        else "records: off (--record PATH)"
+        else "records: off (--record DIR)"
     )
+    if rec.logs:
+        records += ", as OTLP log records too"
     where = "stderr" if settings.access_log == "-" else settings.access_log
     access = f"access log: {where}" if where else "access log: off (--access-log PATH, - for stderr)"
     lines.append(f"{records}; {access}")

@@ -205,7 +205,7 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         records_dropped=meter.create_counter(
             sc.METRIC_RECORDS_DROPPED,
             unit="{record}",
-            description="Request records (--record) that could not be written, by llmtap.telemetry.reason.",
+            description="Request records lost (--record files, --record-logs log records), by llmtap.telemetry.reason.",
         ),
         malformed=meter.create_counter(
             sc.METRIC_MALFORMED,

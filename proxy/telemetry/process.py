@@ -21,13 +21,13 @@ import signal
 import socket
 import subprocess
 import sys
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from proxy.relay.channel import frames
 from proxy.settings import ConfigError, Settings
 from proxy.tape import STATS
+from proxy.telemetry import identity
 
 if TYPE_CHECKING:
     from proxy.telemetry.recorder import Recorder
@@ -169,11 +169,15 @@ async def serve(launch: Launch) -> None:
 def main() -> None:
     """The telemetry process's entry point: read its ``Launch`` from stdin, serve until SIGTERM."""
     launch: Launch = pickle.load(sys.stdin.buffer)
-    if launch.settings.telemetry_workers > 1:
-        # One OTLP identity per process: cumulative series of two processes must not look like one.
-        extra = f"service.instance.id={uuid.uuid4()},llmtap.telemetry.worker={launch.index}"
-        attrs = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
-        os.environ["OTEL_RESOURCE_ATTRIBUTES"] = f"{attrs},{extra}" if attrs else extra
+    several = launch.settings.telemetry_workers > 1
+    if several or identity.configured_instance_id() is None:
+        # One OTLP identity per process: cumulative series of two processes must not look like one, and the
+        # records this process writes carry the same id (``proxy.telemetry.identity``).
+        extra = f"{identity.INSTANCE_KEY}={identity.own_instance_id()}"
+        if several:
+            extra += f",llmtap.telemetry.worker={launch.index}"
+        attrs = os.environ.get(identity.RESOURCE_ENV, "")
+        os.environ[identity.RESOURCE_ENV] = f"{attrs},{extra}" if attrs else extra
     set_name(NAME)
     die_with_parent()
     with contextlib.suppress(OSError):

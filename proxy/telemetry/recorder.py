@@ -30,14 +30,15 @@ from proxy.analysis.timeline import Timeline
 from proxy.providers.timing import PHASES
 from proxy.settings import Settings
 from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, SEGMENT, STATS
-from proxy.telemetry import forward, peers, semconv as sc
+from proxy.telemetry import forward, identity, peers, semconv as sc
 from proxy.telemetry.access_log import AccessLog
 from proxy.telemetry.attributes import cache_attributes
 from proxy.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
 from proxy.telemetry.metrics import MetricWriter
-from proxy.telemetry.records import RECORD_DROP_REASONS, RecordWriter, record_line
+from proxy.telemetry.records import record_line
 from proxy.telemetry.replay import Playback
 from proxy.telemetry.serverspans import OUTCOMES, REJECT_REASONS, Join, ServerSpan
+from proxy.telemetry.sinks import Sink, build_sinks, drop_reasons
 from proxy.telemetry.spans import SpanWriter
 from proxy.telemetry.upstreams import UpstreamWatch
 
@@ -78,6 +79,7 @@ class Recorder:
         *,
         tracer_provider: TracerProvider | None = None,
         meter_provider: MeterProvider | None = None,
+        logger_provider: Any = None,
     ) -> None:
         self.settings = settings
         #: The request's spans, and its metrics.
@@ -108,15 +110,14 @@ class Recorder:
         self._routes = {r.name: r for r in settings.routes}
         #: Fingerprints prompts and classifies their cache use; only the worker thread touches it.
         self.cache = CacheDiagnoser(settings.routes)
-        rec = settings.record
-        #: ``--record PATH``: one JSON line per request, written by the worker thread.
-        self.records: RecordWriter | None = None
-        if rec.path:
-            self.records = RecordWriter(
-                rec.path, max_bytes=rec.max_bytes, files=rec.files, on_drop=self._count_record_drop
-            )
-            for reason in RECORD_DROP_REASONS:
-                self._count_record_drop(reason, 0)
+        #: Who writes this process's records (``service.instance.id`` and the rest).
+        self.identity = identity.current()
+        #: Where records go (``--record DIR``, ``--record-logs``), written by the worker thread.
+        self.sinks: list[Sink] = build_sinks(
+            settings, self.identity, self._count_record_drop, logger_provider=logger_provider
+        )
+        for reason in drop_reasons(settings):
+            self._count_record_drop(reason, 0)
         #: ``--access-log PATH``: one line per request, written by the worker thread after the record.
         self.access_log: AccessLog | None = None
         if settings.access_log:
@@ -449,8 +450,11 @@ class Recorder:
         self._queue.put((source, (STATS, False, self._gauges.get(source, ({}, {}, 0))[2], (), (), (), ()), 0))
 
     def _flush_records(self) -> None:
-        if self.records is not None:
-            self.records.flush()  # a write that fails is counted and said there, once
+        for sink in self.sinks:
+            try:
+                sink.flush()  # a write that fails is counted and said there, once
+            except Exception:
+                log.exception("telemetry: a record sink could not flush")
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued record is written; True when the queue drained in time."""
@@ -473,8 +477,11 @@ class Recorder:
             if self.peers is not None:
                 self.peers.close(timeout)
         finally:
-            if self.records is not None:
-                self.records.close()
+            for sink in self.sinks:
+                try:
+                    sink.close(timeout)
+                except Exception:
+                    log.exception("telemetry: a record sink could not close")
             if self.access_log is not None:
                 self.access_log.close()
 
@@ -596,8 +603,13 @@ class Recorder:
             self.metrics.record(tl, s)
             if diag is not None:
                 ins.cache_requests.add(1, self.metrics.cache_attributes(tl, diag))
-        if self.records is not None:
-            self.records.write(record_line(tl, s, diag))  # never raises: a lost record is counted
+        if self.sinks:
+            line = record_line(tl, s, diag, self.identity)
+            for sink in self.sinks:
+                try:
+                    sink.write(line)  # a lost record is counted there
+                except Exception:
+                    log.exception("telemetry: a record sink failed")
         for listener in self.listeners:
             try:
                 listener(tl, s)

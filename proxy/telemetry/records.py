@@ -1,24 +1,21 @@
-"""Request records (``--record PATH``): one JSON line per finished request, for ``llmtap compare``.
+"""Request records (``--record DIR``): one JSON object per finished request, for ``llmtap compare`` and any engine.
 
-A line holds the request's timings and their sources, its tokens and their sources, its prompt
-fingerprint and version, its cache class and its SLO outcome; never prompt or completion text, headers
-or error messages (which can quote a prompt). Lines are written by the recorder's worker thread, so
-no file I/O runs on the event loop. The file rotates by size (``PATH`` -> ``PATH.1`` -> ``PATH.2`` ..)
-and at most ``files`` files stay on disk; the buffer is flushed when the worker goes idle, on
-``flush`` and on shutdown. A disk that fills up costs records, counted, never the worker.
+A record holds the request's timings and their sources, its tokens and their sources, its prompt fingerprint
+and version, its cache class and its SLO outcome, and who wrote it (instance id, host, pid, llmtap version) and
+which trace it is (trace and root span ids, the upstream's response id); never prompt or completion text,
+headers or error messages (which can quote a prompt). Its JSON Schema is published in
+``docs/record.schema.json``. Where records go is ``proxy.telemetry.sinks`` (the dataset of files is
+``proxy.telemetry.dataset``); reading them back, from a dataset folder or from the single file and its rotated
+siblings that versions before schema 2 wrote, is here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import io
+import gzip
 import json
-import logging
-import os
 import re
-import time
-from collections.abc import Callable, Iterator
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,21 +26,17 @@ from proxy.analysis.stats import sorted_quantile
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import Timeline
 from proxy.labels import clean_or_none
-from proxy.settings import SLO, ConfigError
+from proxy.settings import SLO
+from proxy.telemetry.dataset import CLOSED_SUFFIX, OPEN_SUFFIX, PARQUET_SUFFIX
+from proxy.telemetry.identity import Identity
 
 #: The key that marks a line as a request record; its value is the schema version.
 SCHEMA_KEY = "llmtap_record"
-SCHEMA_VERSION = 1
-#: Seconds between flushes while requests keep coming (the file is flushed at once when traffic pauses).
-FLUSH_INTERVAL = 1.0
-#: Bytes of lines buffered before they leave in one write, whatever the time.
-BUFFER_BYTES = 64 * 1024
-#: Why a record was lost: ``no_space`` (a full disk, quota or file-size limit), ``io_error`` (any other failed
-#: write), ``invalid`` (a value JSON cannot hold).
-RECORD_DROP_REASONS = ("no_space", "io_error", "invalid")
+#: Version 2 added who wrote the record and which trace it is (``instance_id`` .. ``response_id``).
+SCHEMA_VERSION = 2
+#: The schema versions a reader takes.
+READABLE_VERSIONS = (1, 2)
 _OWN_PREFIX = b'{"' + SCHEMA_KEY.encode() + b'":'
-
-log = logging.getLogger("llmtap.telemetry")
 
 
 def _round(value: float | None) -> float | None:
@@ -70,8 +63,8 @@ def objective_line(slo: SLO | None) -> dict[str, Any] | None:
     return {"shape": slo.shape, "percentile": slo.percentile, **slo.limits()}
 
 
-def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None) -> dict[str, Any]:
-    """The record of one finished request (schema version 1).
+def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identity) -> dict[str, Any]:
+    """The record of one finished request (schema version 2), written by ``writer``.
 
     The strings a client or an upstream chose are ``clean``: a lone surrogate cannot be written as UTF-8,
     and the whole line would be lost."""
@@ -80,6 +73,12 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None) -> dict[str, A
         SCHEMA_KEY: SCHEMA_VERSION,
         "time": datetime.fromtimestamp(tl.received_wall_ns / 1e9, UTC).isoformat(timespec="milliseconds"),
         "trace_id": tl.trace_id,
+        "span_id": tl.span_id,
+        "response_id": clean_or_none(tl.response_id),
+        "instance_id": writer.instance_id,
+        "host": writer.host,
+        "pid": writer.pid,
+        "llmtap_version": writer.version,
         "route": tl.route,
         "upstream": tl.upstream,
         "protocol": tl.protocol,
@@ -142,198 +141,31 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None) -> dict[str, A
     return out
 
 
-class _WriteFailed(Exception):
-    """A write that failed after ``whole`` of its lines got out."""
-
-    def __init__(self, error: OSError, whole: int) -> None:
-        super().__init__(error)
-        self.error = error
-        self.whole = whole
-
-
-def _open_append(path: Path) -> io.FileIO:
-    return path.open("ab", buffering=0)
-
-
-def drop_reason(exc: OSError) -> str:
-    """``no_space`` for a full disk, quota or file-size limit; ``io_error`` for any other failed write."""
-    return "no_space" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "io_error"
-
-
-class RecordWriter:
-    """Appends record lines to ``path``, rotating past ``max_bytes`` and keeping ``files`` files at most.
-
-    Lines wait in a small buffer (``BUFFER_BYTES``) and leave in one write. A write that fails (a full disk)
-    loses the lines it carried: each is counted through ``on_drop`` by reason (``RECORD_DROP_REASONS``),
-    the failure is logged once, and every later flush tries again; the first that succeeds says so, once.
-    A line a failed write cut short is ended before the next one, so it stays one bad line.
-    """
-
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        max_bytes: int = 64 << 20,
-        files: int = 5,
-        on_drop: Callable[[str, int], None] | None = None,
-        opener: Callable[[Path], io.FileIO] = _open_append,
-    ) -> None:
-        self.path = Path(path)
-        self.max_bytes = max_bytes
-        self.files = max(files, 1)
-        self._opener = opener
-        self._on_drop = on_drop
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file: io.FileIO | None = opener(self.path)
-        except OSError as exc:
-            raise ConfigError(f"record file {str(self.path)!r}: {exc.strerror or exc}") from None
-        self._size = self._file.tell()
-        # A line cut short by a killed process or a failed write is ended before the next one is written.
-        self._torn = bool(self._size) and not _ends_with_newline(self.path)
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
-        self._flushed = time.monotonic()
-        self._failing = False
-        self._lost_while_failing = 0
-        self._said_invalid = False
-        self.written = 0
-        #: Records lost, by reason.
-        self.dropped: dict[str, int] = dict.fromkeys(RECORD_DROP_REASONS, 0)
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Queue one record; the buffer leaves once a second at most, or when it is full."""
-        try:
-            line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
-        except ValueError as exc:
-            if not self._said_invalid:
-                self._said_invalid = True
-                log.warning(
-                    "record file %s: a record could not be written as JSON (%s); such records are counted",
-                    self.path,
-                    exc,
-                )
-            self._drop("invalid", 1)
-            return
-        data = line.encode("utf-8")
-        self._pending.append(data)
-        self._pending_bytes += len(data)
-        if self._pending_bytes >= BUFFER_BYTES or time.monotonic() - self._flushed >= FLUSH_INTERVAL:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write the buffered lines out; a failure drops them, counted, and is said once until a write succeeds."""
-        self._flushed = time.monotonic()
-        lines, self._pending, self._pending_bytes = self._pending, [], 0
-        done = 0
-        try:
-            while done < len(lines):
-                end = self._batch_end(lines, done)
-                self._write(lines[done:end])
-                done = end
-        except _WriteFailed as failed:
-            self._failed(failed.error, len(lines) - done - failed.whole)
-            return
-        except OSError as exc:  # opening or rotating
-            self._failed(exc, len(lines) - done)
-            return
-        if self._failing and lines:
-            self._failing = False
-            log.warning(
-                "record file %s is written again; %d records were lost while it could not be",
-                self.path,
-                self._lost_while_failing,
-            )
-            self._lost_while_failing = 0
-
-    def close(self) -> None:
-        """Flush and close; later writes are an error."""
-        self.flush()
-        if self._file is not None:
-            with contextlib.suppress(OSError):
-                self._file.close()
-            self._file = None
-
-    def _batch_end(self, lines: list[bytes], start: int) -> int:
-        """Open or rotate the file as needed; the end of the lines from ``start`` that fit in it."""
-        if self._file is None:
-            self._file = self._opener(self.path)
-            self._size = self._file.tell()
-        if self._size and self._size + len(lines[start]) > self.max_bytes:
-            self._rotate()
-        end, size = start + 1, self._size + len(lines[start])
-        while end < len(lines) and size + len(lines[end]) <= self.max_bytes:
-            size += len(lines[end])
-            end += 1
-        return end
-
-    def _write(self, lines: list[bytes]) -> None:
-        """One write of whole lines (after a newline that ends a torn one); a failure says how many got out whole."""
-        assert self._file is not None
-        lead = int(self._torn)
-        data = b"\n" * lead + b"".join(lines)
-        view, written = memoryview(data), 0
-        try:
-            while written < len(data):
-                written += self._file.write(view[written:])
-        except OSError as exc:
-            whole = max(data.count(b"\n", 0, written) - lead, 0)
-            raise _WriteFailed(exc, whole) from exc
-        finally:
-            self._size += written
-            if written:
-                self._torn = data[written - 1] != 0x0A
-        self.written += len(lines)
-
-    def _failed(self, exc: OSError, lost: int) -> None:
-        reason = drop_reason(exc)
-        if not self._failing:
-            self._failing = True
-            log.warning(
-                "record file %s cannot be written (%s); records are dropped and counted "
-                "(llmtap_telemetry_records_dropped_total) until it can",
-                self.path,
-                exc.strerror or exc,
-            )
-        self._lost_while_failing += lost
-        self._drop(reason, lost)
-
-    def _drop(self, reason: str, n: int) -> None:
-        if not n:
-            return
-        self.dropped[reason] += n
-        if self._on_drop is not None:
-            self._on_drop(reason, n)
-
-    def _rotate(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        # The oldest file falls off the end; the others move up one: PATH.(n-1) is the oldest kept.
-        oldest = self.files - 1
-        if oldest == 0:
-            self.path.unlink(missing_ok=True)
-        else:
-            Path(f"{self.path}.{oldest}").unlink(missing_ok=True)
-            for i in range(oldest - 1, 0, -1):
-                older = Path(f"{self.path}.{i}")
-                if older.exists():
-                    os.replace(older, f"{self.path}.{i + 1}")
-            os.replace(self.path, f"{self.path}.1")
-        self._file = self._opener(self.path)
-        self._size = 0
-        self._torn = False
-
-
-def _ends_with_newline(path: Path) -> bool:
-    with path.open("rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
-
-
 def record_files(path: str | Path) -> list[Path]:
-    """``path`` and its rotated siblings (``path.1``, ``path.2`` ..), oldest first."""
+    """The record files at ``path``, oldest first.
+
+    A folder (``--record DIR``): every ``*.jsonl`` and ``*.jsonl.gz`` under it, by partition and name (a file's
+    name starts with the time it was opened); of ``X.jsonl`` and ``X.jsonl.gz`` only the ``.gz`` (the plain one
+    is being removed after its compression). A file (versions before schema 2): ``path`` and its rotated
+    siblings (``path.1``, ``path.2`` ..).
+    """
     base = Path(path)
+    if base.is_dir():
+        found = sorted(
+            (
+                p
+                for p in base.rglob("*")
+                if p.name.endswith((OPEN_SUFFIX, CLOSED_SUFFIX, PARQUET_SUFFIX)) and p.is_file()
+            ),
+            key=lambda p: (p.parent.as_posix(), p.name),
+        )
+        names = {p.name for p in found}
+
+        def superseded(p: Path) -> bool:
+            stem = p.name[: -len(OPEN_SUFFIX)]
+            return p.name.endswith(OPEN_SUFFIX) and (stem + CLOSED_SUFFIX in names or stem + PARQUET_SUFFIX in names)
+
+        return [p for p in found if not superseded(p)]
     pattern = re.compile(re.escape(base.name) + r"\.(\d+)")
     rotated: list[tuple[int, Path]] = []
     if base.parent.is_dir():
@@ -373,22 +205,61 @@ def read_records(path: str | Path, stats: ReadStats) -> Iterator[dict[str, Any]]
     """
     for file in record_files(path):
         stats.files.append(str(file))
-        with file.open("rb") as f:
-            for raw in f:
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw)
-                except ValueError:
-                    if not raw.endswith(b"\n") or raw.startswith(_OWN_PREFIX):
-                        stats.truncated += 1
-                    else:
-                        stats.foreign += 1
-                    continue
-                if not isinstance(obj, dict) or SCHEMA_KEY not in obj:
-                    stats.foreign += 1
-                elif obj[SCHEMA_KEY] != SCHEMA_VERSION:
-                    stats.other_schema += 1
+        try:
+            yield from _read_file(file, stats)
+        except FileNotFoundError:
+            pass  # removed between the listing and the read (retention, or its compressed copy replaced it)
+        except (OSError, EOFError, zlib.error):
+            stats.truncated += 1  # a compressed file cut short, or unreadable
+
+
+def _read_file(file: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
+    if file.name.endswith(PARQUET_SUFFIX):
+        yield from _read_parquet(file, stats)
+        return
+    opened = gzip.open(file, "rb") if file.name.endswith(".gz") else file.open("rb")
+    with opened as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                if not raw.endswith(b"\n") or raw.startswith(_OWN_PREFIX):
+                    stats.truncated += 1
                 else:
-                    stats.records += 1
-                    yield obj
+                    stats.foreign += 1
+                continue
+            if not isinstance(obj, dict) or SCHEMA_KEY not in obj:
+                stats.foreign += 1
+            elif obj[SCHEMA_KEY] not in READABLE_VERSIONS:
+                stats.other_schema += 1
+            else:
+                stats.records += 1
+                yield obj
+
+
+def _read_parquet(file: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
+    """The records of a Parquet file (``--record-format parquet``); needs ``pyarrow``."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise OSError(f"{file}: reading Parquet needs pyarrow (pip install 'llmtap[parquet]')") from None
+    for obj in pq.read_table(file).to_pylist():
+        if obj.get(SCHEMA_KEY) in READABLE_VERSIONS:
+            stats.records += 1
+            yield _without_absent(obj)
+        else:
+            stats.other_schema += 1
+
+
+def _without_absent(obj: dict[str, Any]) -> dict[str, Any]:
+    """A Parquet row as its JSON line was: a struct field absent from some lines (``gaps.p50`` when ``n`` is 0)
+    reads back as null in every row; the line had no such key."""
+    gaps = obj.get("gaps")
+    if isinstance(gaps, dict) and not gaps.get("n"):
+        obj["gaps"] = {"n": gaps.get("n", 0)}
+    objective = obj.get("objective")
+    if isinstance(objective, dict):
+        obj["objective"] = {k: v for k, v in objective.items() if v is not None or k == "shape"}
+    return obj

@@ -54,6 +54,9 @@ stream ask a token of anything beyond the pod's loopback (the token file, when a
 {{- $_ := set $admin "token_file" (include "llmtap.adminTokenFile" .) }}
 {{- end }}
 {{- $listen := dict "listen" (dict "host" "0.0.0.0" "port" .Values.service.port) "admin" $admin }}
+{{- if .Values.records.enabled }}
+{{- $_ := set $listen "record" (dict "path" .Values.records.mountPath) }}
+{{- end }}
 {{- toYaml (merge $listen (deepCopy .Values.config)) }}
 {{- end }}
 
