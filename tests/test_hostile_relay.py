@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import socket
 import statistics
-import threading
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.procs import ROOT, FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 from tests.test_hostile_conn import CHAT, SLACK, counted, echo, exported, read_until_closed, request
 
 TIMEOUTS = "llmtap_client_timeouts_total"
@@ -61,9 +62,9 @@ def bomb_request(size: int) -> bytes:
     ).encode() + body
 
 
-def drain(proxy: Llmtap, size: int) -> tuple[int, bytes]:
+def drain(port: int, size: int) -> tuple[int, bytes]:
     """Send ``bomb_request(size)`` and read the response to its end: (bytes read, the last 4 KiB)."""
-    with socket.create_connection(("127.0.0.1", proxy.port), timeout=SLACK * 10) as sock:
+    with socket.create_connection(("127.0.0.1", port), timeout=SLACK * 10) as sock:
         sock.sendall(bomb_request(size))
         total, tail = 0, b""
         buf = bytearray(1 << 20)
@@ -73,6 +74,12 @@ def drain(proxy: Llmtap, size: int) -> tuple[int, bytes]:
                 return total, tail
             total += n
             tail = (tail + bytes(buf[:n]))[-4096:]
+
+
+def drain_elsewhere(port: int, size: int) -> subprocess.Popen[bytes]:
+    """``drain`` in a process of its own: a thread here would hold the GIL against the probes' every read."""
+    code = f"from tests.test_hostile_relay import drain; n, tail = drain({port}, {size}); print(n); print(tail.hex())"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE)
 
 
 def ttft(proxy: Llmtap) -> float:
@@ -90,38 +97,34 @@ def ttft(proxy: Llmtap) -> float:
 
 def test_a_gzip_bomb_the_relay_inflates_leaves_other_streams_ttft_alone(serve: Serve) -> None:
     # The whole gibibyte is inflated (the bound is above it): fairness must come from the steps, not the cut.
+    # The control is a second llmtap, idle, probed in turn with the one under the bomb: both see the same
+    # machine at the same moment, so a busy machine slows both and only the bomb's share tells them apart.
     size = 1 << 30
     proxy = serve("--max-inflate-bytes", str(2 << 30), "--log-level", "warning")
-    ttft(proxy)  # warm: the first request loads what later ones reuse
-    control = []
-    for _ in range(PROBES):
-        control.append(ttft(proxy))
-        time.sleep(0.05)
-    result: list[tuple[int, bytes]] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(drain(proxy, size))
-        except BaseException as exc:  # surfaced below
-            failed.append(exc)
-
-    bomb = threading.Thread(target=run)
+    control_proxy = serve("--log-level", "warning")
+    ttft(proxy), ttft(control_proxy)  # warm: the first request loads what later ones reuse
     started = time.monotonic()
-    bomb.start()
-    time.sleep(0.3)  # the relay is inflating by now
-    during = []
-    while bomb.is_alive() and len(during) < PROBES:
-        during.append(ttft(proxy))
-        time.sleep(0.05)
-    bomb.join(timeout=SLACK * 30)
+    bomb = drain_elsewhere(proxy.port, size)
+    control, during = [], []
+    try:
+        time.sleep(0.3)  # the relay is inflating by now
+        while bomb.poll() is None and len(during) < PROBES:
+            control.append(ttft(control_proxy))
+            during.append(ttft(proxy))
+            time.sleep(0.05)
+        out, _ = bomb.communicate(timeout=SLACK * 30)
+    finally:
+        if bomb.poll() is None:
+            bomb.kill()
+            bomb.wait()
     took = time.monotonic() - started
-    assert not failed, failed
-    total, tail = result[0]
+    assert bomb.returncode == 0
+    count, hexed = out.decode().split()
+    total, tail = int(count), bytes.fromhex(hexed)
     print(
-        f"\n1 GiB gzip bomb inflated in {took:.1f} s; probe TTFT control median {statistics.median(control) * 1e3:.1f} ms "
-        f"max {max(control) * 1e3:.1f} ms; during ({len(during)}) median {statistics.median(during) * 1e3:.1f} ms "
-        f"max {max(during) * 1e3:.1f} ms"
+        f"\n1 GiB gzip bomb inflated in {took:.1f} s; probe TTFT control median "
+        f"{statistics.median(control) * 1e3:.1f} ms max {max(control) * 1e3:.1f} ms; beside the bomb ({len(during)}) "
+        f"median {statistics.median(during) * 1e3:.1f} ms max {max(during) * 1e3:.1f} ms"
     )
     # The client got the whole inflated stream, ended cleanly, without the usage event it did not ask for.
     assert total > size and tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), (total, tail[-200:])
@@ -136,7 +139,7 @@ def test_a_gzip_bomb_the_relay_inflates_leaves_other_streams_ttft_alone(serve: S
 def test_a_response_inflated_past_its_bound_is_cut_and_counted(serve: Serve) -> None:
     proxy = serve("--max-inflate-bytes", str(4 << 20))
     assert exported(proxy, CUT, "llmtap_cut_reason", "inflate_limit")
-    total, tail = drain(proxy, 64 << 20)
+    total, tail = drain(proxy.port, 64 << 20)
     # At 4 MiB of inflated bytes (less the piece that crossed it) the client's response ends without its last
     # chunk: a truncation it can see.
     assert 3 << 20 < total < 5 << 20, total

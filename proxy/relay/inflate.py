@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Iterator
 
 #: The most one decompression step produces.
-PIECE = 64 << 10
+PIECE = 16 << 10
 _WBITS = {b"gzip": 47, b"x-gzip": 47, b"deflate": 15}
 
 
