@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import httpx
 
 from proxy.providers import provider_for
+from proxy.providers.splice import splice_usage
 from proxy.providers.usage_filter import UsageEventFilter
 from proxy.relay.admission import Admission, QueueFull
 from proxy.relay.channel import Channel, LocalChannel
@@ -30,10 +31,11 @@ from proxy.relay.frame import relay_frame
 from proxy.relay.guard import Refusal, check_request, check_route
 from proxy.relay.inflate import InflateLimit, Inflater, decodable
 from proxy.relay.protocol import LOG_EVERY, RECEIVED
+from proxy.relay.stepjson import STEPWISE_BYTES, loads_stepwise
 from proxy.relay.tracecontext import Sampler, begin
 from proxy.settings import Route, Settings
 from proxy.tape import RESPONSE_CUT_REASONS, STATS, Tape, now
-from proxy.types import Message, Receive, Scope, Send
+from proxy.types import UNCHANGED, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -299,7 +301,14 @@ class ProxyApp:
         tape.body_complete = more is None
         rewritten: bytes | None = None
         if provider is not None and more is None and settings.inject_usage:
-            prepared = provider.prepare(body, inject_usage=True, path=inner_path)
+            if len(body) > STEPWISE_BYTES and getattr(provider, "splices_usage", False):
+                # Parsed a step at a time: one body of megabytes must not hold every other stream's next chunk.
+                try:
+                    prepared = splice_usage(body, await loads_stepwise(body))
+                except (ValueError, RecursionError):
+                    prepared = UNCHANGED
+            else:
+                prepared = provider.prepare(body, inject_usage=True, path=inner_path)
             rewritten, tape.strip_usage = prepared.body, prepared.strip_usage
         self.inflight += 1
         self._idle.clear()
