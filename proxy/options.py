@@ -364,7 +364,7 @@ _TABLE = (
         None,
         "client connections one peer address may hold open at once per relay process; past it 503 (0: no bound)",
         "clients",
-        default_text="half of max_client_connections",
+        default_text="three quarters of max_client_connections",
     ),
     option(
         "max_inflate_bytes",

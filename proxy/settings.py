@@ -293,8 +293,8 @@ class Settings:
     #: Client connections open at once, per relay process, at most; past it a new one is answered 503 and
     #: closed. None: derived from the descriptor limit at start (``proxy.relay.protocol.connection_cap``).
     max_client_connections: int | None = None
-    #: Client connections one peer address may hold open at once, per relay process (0: no bound); None: half of
-    #: the connection cap (``proxy.relay.protocol.per_client_cap``).
+    #: Client connections one peer address may hold open at once, per relay process (0: no bound); None: three
+    #: quarters of the connection cap (``proxy.relay.protocol.per_client_cap``).
     max_connections_per_client: int | None = None
     #: The most bytes the relay decompresses of one response (``proxy.relay.inflate``); past it the stream is cut.
     max_inflate_bytes: int = default("max_inflate_bytes")

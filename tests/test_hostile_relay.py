@@ -196,8 +196,8 @@ def test_one_address_s_idle_sockets_leave_another_client_served(serve: Serve) ->
             sock.settimeout(SLACK)
             sock.connect(("127.0.0.1", proxy.port))
             idle.append(sock)
-        # The default share is half the cap: 2000 are kept open, the other 2000 refused at once.
-        assert counted(proxy, REFUSED, "llmtap_refusal_reason", "per_client", 2000) == 2000
+        # The default share is three quarters of the cap: 3000 are kept open, the other 1000 refused at once.
+        assert counted(proxy, REFUSED, "llmtap_refusal_reason", "per_client", 1000) == 1000
         other = socket.socket()
         other.bind(("127.0.0.3", 0))
         other.settimeout(SLACK)
@@ -208,7 +208,7 @@ def test_one_address_s_idle_sockets_leave_another_client_served(serve: Serve) ->
         got, _ = read_until_closed(refused, SLACK)
         assert got.startswith(b"HTTP/1.1 503 ") and got.endswith(b"too many connections from this address; retry\n")
         lines = [line for line in proxy.logs().splitlines() if "refused a client connection" in line]
-        assert lines and "max_connections_per_client is 2000" in lines[0], lines
+        assert lines and "max_connections_per_client is 3000" in lines[0], lines
         assert metric_value(proxy.metrics(), REFUSED, llmtap_refusal_reason="limit") == 0
     finally:
         for sock in idle:

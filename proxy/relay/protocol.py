@@ -94,10 +94,10 @@ def connection_cap(configured: int | None) -> int:
 
 
 def per_client_cap(configured: int | None, cap: int) -> int | None:
-    """``max_connections_per_client``: by default half the connection cap, so one address never holds them all;
-    0 turns the bound off."""
+    """``max_connections_per_client``: by default three quarters of the connection cap, so one address never
+    holds them all while a lone client (a sidecar's application) keeps most of them; 0 turns the bound off."""
     if configured is None:
-        return max(1, cap // 2)
+        return max(1, cap - cap // 4)
     return configured or None
 
 
@@ -232,6 +232,10 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Refuse a connection past the cap; else start its idle timer (uvicorn starts one only after a response)."""
         super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self.limits.refuse("limit", self.client, len(self.connections) - 1)
+            self._close_with(_RESPONSE_503)
+            return
         peer = self.client[0] if self.client else None
         if peer is not None and not self.limits.join(peer):
             # Refused at once, no linger: the descriptor is what this client must not be allowed to hold.
@@ -241,10 +245,6 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         self._peer = peer
-        if len(self.connections) > self.limits.max_connections:
-            self.limits.refuse("limit", self.client, len(self.connections) - 1)
-            self._close_with(_RESPONSE_503)
-            return
         self._idle_until(self.loop.time() + self.timeout_keep_alive)
 
     def connection_lost(self, exc: Exception | None) -> None:
