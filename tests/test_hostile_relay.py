@@ -150,13 +150,24 @@ def test_a_response_inflated_past_its_bound_is_cut_and_counted(serve: Serve) -> 
     assert httpx.post(proxy.url + "/v1/chat/completions", json=CHAT, timeout=SLACK).status_code == 200
 
 
+@pytest.mark.parametrize("padding", [0, 20_000], ids=["small body", "body past the inspect limit"])
 def test_a_client_that_reads_nothing_is_cut_at_the_send_timeout_and_frees_its_slot(
-    serve: Serve, upstream: FaultUpstream
+    serve: Serve, upstream: FaultUpstream, padding: int
 ) -> None:
-    proxy = serve("--client-send-timeout", "1", "--max-concurrency", "1", "--queue-timeout", "60")
+    # A body past the inspect limit (1 KiB here) streams upstream after admission: the relay watches the client
+    # only once it has gone, and must then notice the cut all the same.
+    proxy = serve(
+        "--client-send-timeout",
+        "1",
+        "--max-concurrency",
+        "1",
+        "--queue-timeout",
+        "60",
+        env={"LLMTAP_MAX_INSPECT_BYTES": "1024"},
+    )
     assert exported(proxy, TIMEOUTS, "llmtap_timeout_kind", "send")
     rid = uuid.uuid4().hex
-    body = json.dumps(CHAT).encode()
+    body = json.dumps({**CHAT, "padding": "x" * padding}).encode()
     reader = socket.socket()
     reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     reader.connect(("127.0.0.1", proxy.port))

@@ -460,6 +460,10 @@ class ProxyApp:
                 )
                 return
             tape.headers_at = now()
+            if watch is None and task is not None:
+                # A body streamed past the inspect limit has gone upstream by now: ``receive`` can be watched, so
+                # a client that leaves (or is cut for reading nothing) stops this stream too.
+                watch = _DisconnectWatch(receive, task)
             timeouts = self.settings.timeouts
             if timeouts.idle is not None:
                 # httpcore reads the read timeout when the body starts: from here on it bounds the silence
