@@ -59,14 +59,15 @@ def _ms(values: list[float]) -> dict[str, float]:
     }
 
 
-def bomb(start: Callable[..., Llmtap], mib: int) -> dict[str, Any]:
+def bomb(start: Callable[..., Llmtap], upstream: str, mib: int) -> dict[str, Any]:
     size = mib << 20
     # The upstream compresses a bomb once per size: do it before anything is timed.
     with httpx.stream(
         "POST",
-        start.upstream + "/v1/chat/completions",
+        upstream + "/v1/chat/completions",
         json=CHAT,
         headers={"x-fault": "gzip-bomb", "x-fault-arg": str(size)},
+        timeout=600,
     ) as r:
         next(r.iter_raw())
     proxy = start(*(["--max-inflate-bytes", str(2 * size)] if BOUNDED else []))
@@ -220,9 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         started.append(proxy)
         return proxy
 
-    start.upstream = upstream.url  # type: ignore[attr-defined]
     scenarios: dict[str, Callable[[], dict[str, Any]]] = {
-        "bomb": lambda: bomb(start, args.bomb_mib),
+        "bomb": lambda: bomb(start, upstream.url, args.bomb_mib),
         "non_reader": lambda: non_reader(start, args.cap),
         "idle_sockets": lambda: idle_sockets(start),
         "stalled_upload": lambda: stalled_upload(start, args.cap),

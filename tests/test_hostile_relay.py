@@ -105,7 +105,8 @@ def test_a_gzip_bomb_the_relay_inflates_leaves_other_streams_ttft_alone(serve: S
     ttft(proxy), ttft(control_proxy)  # warm: the first request loads what later ones reuse
     started = time.monotonic()
     bomb = drain_elsewhere(proxy.port, size)
-    control, during = [], []
+    control: list[float] = []
+    during: list[float] = []
     try:
         time.sleep(0.3)  # the relay is inflating by now
         while bomb.poll() is None and len(during) < PROBES:
