@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +40,26 @@ CHAT = {"model": "fault", "stream": True, "messages": [{"role": "user", "content
 BOUNDED = "client_send_timeout" in OPTIONS
 
 
-def _ttft(proxy: Llmtap, headers: dict[str, str] | None = None) -> float:
+def _ttft(proxy: Llmtap, headers: dict[str, str] | None = None) -> float | str:
+    """Seconds to the first content event, or what came instead (a status, an error)."""
     started = time.perf_counter()
-    with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, headers=headers, timeout=120) as r:
-        for chunk in r.iter_raw():
-            if b'"content"' in chunk:
-                return time.perf_counter() - started
-    raise AssertionError("no content")
+    try:
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, headers=headers, timeout=120) as r:
+            for chunk in r.iter_raw():
+                if b'"content"' in chunk:
+                    return time.perf_counter() - started
+            return f"{r.status_code} without content"
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
 
 
-def _ms(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
+def _ms(values: Sequence[float | str]) -> dict[str, Any]:
+    ordered = sorted(v for v in values if isinstance(v, float))
+    failed = [v for v in values if isinstance(v, str)]
+    if not ordered:
+        return {"failed": failed}
     return {
+        "failed": failed,
         "p50_ms": round(statistics.median(ordered) * 1e3, 1),
         "p95_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] * 1e3, 1),
         "max_ms": round(ordered[-1] * 1e3, 1),
@@ -75,25 +83,33 @@ def bomb(start: Callable[..., Llmtap], upstream: str, mib: int) -> dict[str, Any
     _ttft(proxy), _ttft(control)
     done = threading.Event()
     took: list[float] = []
+    outcome: list[str] = []
 
     def run() -> None:
         t = time.perf_counter()
         headers = {"x-fault": "gzip-bomb", "x-fault-arg": str(size)}
-        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, headers=headers, timeout=600) as r:
-            for _ in r.iter_raw(1 << 20):
-                pass
-        took.append(time.perf_counter() - t)
-        done.set()
+        got = 0
+        try:
+            with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, headers=headers, timeout=600) as r:
+                for piece in r.iter_raw(1 << 20):
+                    got += len(piece)
+            outcome.append(f"complete, {got >> 20} MiB")
+        except httpx.HTTPError as exc:
+            outcome.append(f"{type(exc).__name__} after {got >> 20} MiB")
+        finally:
+            took.append(time.perf_counter() - t)
+            done.set()
 
     # The bomb's reader is a thread here; the probes' reads compete with it for this process's GIL in both runs.
     threading.Thread(target=run, daemon=True).start()
-    beside, alone = [], []
+    beside: list[float | str] = []
+    alone: list[float | str] = []
     time.sleep(0.3)
     while not done.is_set():
         alone.append(_ttft(control))
         beside.append(_ttft(proxy))
         time.sleep(0.05)
-    return {"bomb_s": round(took[0], 1), "ttft_beside": _ms(beside), "ttft_alone": _ms(alone)}
+    return {"bomb_s": round(took[0], 1), "bomb": outcome[0], "ttft_beside": _ms(beside), "ttft_alone": _ms(alone)}
 
 
 def _served_after(proxy: Llmtap, cap: float) -> float | str:
