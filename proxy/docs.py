@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind
 from proxy.analysis.timeline import Timeline
 from proxy.providers import provider_for
 from proxy.settings import SLO, Route, Settings, Telemetry
-from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, STATS
+from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, RESPONSE_CUT_REASONS, STATS
 from proxy.telemetry import forward, semconv as sc
 from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
 from proxy.telemetry.metrics import CONVENTIONS, OWN, SHAPE
@@ -271,11 +271,19 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "string",
         "Which client timeout closed the connection: `header` (no whole request line and headers within "
         "`timeouts.client_header` of the first byte; 408), `body` (a request body silent for "
-        "`timeouts.client_body`; 408 when no response had started), `idle` (no request for `timeouts.keep_alive`).",
+        "`timeouts.client_body`; 408 when no response had started), `idle` (no request for `timeouts.keep_alive`), "
+        "`send` (the client took none of a response it held back for `timeouts.client_send`), `upload` (a request "
+        "body silent for `timeouts.client_upload` while its request held an admission slot; 408).",
     ),
     sc.REFUSAL_REASON: (
         "string",
-        "Why a client connection was refused with 503: `limit` (`max_client_connections` were open in its relay).",
+        "Why a client connection was refused with 503: `limit` (`max_client_connections` were open in its relay), "
+        "`per_client` (its address held `max_connections_per_client` open ones).",
+    ),
+    sc.CUT_REASON: (
+        "string",
+        "Why the relay cut a response short: `inflate_limit` (it decompressed past `max_inflate_bytes`, to remove "
+        "the usage event it asked for).",
     ),
 }
 
@@ -342,6 +350,8 @@ METRICS: dict[str, str] = {
     "phase (`queue`, `prefill`, `decode`) from the start.",
     sc.METRIC_CLIENT_TIMEOUTS: "Each client connection a relay closed for a timeout; each kind reads 0 from the start.",
     sc.METRIC_CONNECTIONS_REFUSED: "Each client connection a relay refused; every reason reads 0 from the start.",
+    sc.METRIC_RESPONSES_CUT: "Each response a relay cut short for a limit of its own; every reason reads 0 from the "
+    "start.",
     sc.METRIC_SERVER_SPANS: "Each span the upstream sent to `/v1/traces` with latency attributes, and each request "
     "that waited for one in vain; every outcome reads 0 from the start.",
     sc.METRIC_OTLP_REJECTED: "Each body `/v1/traces` refused; every reason reads 0 from the start.",
@@ -619,8 +629,16 @@ def exercise(*, latest: bool, chunk_mode: str, out: Observed) -> None:
             recorder.record(tl)
         # A relay reporting one stream active and one request in the admission line, then none, and a client
         # connection cut for each timeout and one refused.
-        none = (tuple((kind, 0) for kind in CLIENT_TIMEOUT_KINDS), tuple((r, 0) for r in CONNECTION_REFUSAL_REASONS))
-        some = (tuple((kind, 1) for kind in CLIENT_TIMEOUT_KINDS), tuple((r, 1) for r in CONNECTION_REFUSAL_REASONS))
+        none = (
+            tuple((kind, 0) for kind in CLIENT_TIMEOUT_KINDS),
+            tuple((r, 0) for r in CONNECTION_REFUSAL_REASONS),
+            tuple((r, 0) for r in RESPONSE_CUT_REASONS),
+        )
+        some = (
+            tuple((kind, 1) for kind in CLIENT_TIMEOUT_KINDS),
+            tuple((r, 1) for r in CONNECTION_REFUSAL_REASONS),
+            tuple((r, 1) for r in RESPONSE_CUT_REASONS),
+        )
         recorder.take(0, (STATS, True, 0, ((_ROUTE.name, 1),), ((_ROUTE.name, 1),), *none))
         recorder.take(0, (STATS, True, 0, ((_ROUTE.name, 0),), ((_ROUTE.name, 0),), *some))
         data = reader.get_metrics_data()

@@ -413,6 +413,41 @@ _TABLE = (
         "clients",
         default_text="from the descriptor limit, at most 4096",
     ),
+    # -- relay: what one client may hold (issue 28); one block, kept together --
+    option(
+        "client_send_timeout",
+        POSITIVE_SECONDS,
+        60.0,
+        "longest time a client may take none of a response it holds back; past it the connection, its "
+        "admission slot and the upstream request are dropped",
+        "clients",
+        key="timeouts.client_send",
+    ),
+    option(
+        "client_upload_timeout",
+        POSITIVE_SECONDS,
+        10.0,
+        "longest silence of a request body still arriving while it holds an admission slot; past it 408 and "
+        "the slot is freed",
+        "clients",
+        key="timeouts.client_upload",
+    ),
+    option(
+        "max_connections_per_client",
+        integer(0),
+        None,
+        "client connections one peer address may hold open at once per relay process; past it 503 (0: no bound)",
+        "clients",
+        default_text="three quarters of max_client_connections",
+    ),
+    option(
+        "max_inflate_bytes",
+        byte_size(),
+        256 << 20,
+        "most bytes the relay decompresses of one response (only to remove the usage event it asked for); "
+        "past it the stream is cut",
+        "limits",
+    ),
     # sizes and pools
     option("max_request_bytes", byte_size(), 64 << 20, "largest request body (413 past it)", "limits"),
     option("max_header_bytes", byte_size(), 64 << 10, "largest request line plus headers (431 past it)", "limits"),

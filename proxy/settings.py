@@ -180,7 +180,9 @@ class Timeouts:
     A client must send a whole request head within ``client_header`` of its first byte, may fall silent
     for at most ``client_body`` while its request body is still arriving, and may keep a connection open
     without a request for at most ``keep_alive`` (a new connection as one between requests; nginx's
-    ``client_header_timeout``, ``client_body_timeout`` and ``keepalive_timeout``).
+    ``client_header_timeout``, ``client_body_timeout`` and ``keepalive_timeout``). A client that takes none of
+    a response it holds back for ``client_send`` is cut (nginx's ``send_timeout``), and a body still arriving
+    while its request holds an admission slot may fall silent for at most ``client_upload``.
     """
 
     connect: float = default("connect_timeout")
@@ -192,6 +194,8 @@ class Timeouts:
     flush: float = default("flush_timeout")
     client_header: float = default("client_header_timeout")
     client_body: float = default("client_body_timeout")
+    client_send: float = default("client_send_timeout")
+    client_upload: float = default("client_upload_timeout")
     keep_alive: float = default(
         "keep_alive_timeout"
     )  # nginx's default: past what clients keep an idle connection (httpx: 5 s)
@@ -346,6 +350,11 @@ class Settings:
     #: Client connections open at once, per relay process, at most; past it a new one is answered 503 and
     #: closed. None: derived from the descriptor limit at start (``proxy.relay.protocol.connection_cap``).
     max_client_connections: int | None = None
+    #: Client connections one peer address may hold open at once, per relay process (0: no bound); None: three
+    #: quarters of the connection cap (``proxy.relay.protocol.per_client_cap``).
+    max_connections_per_client: int | None = None
+    #: The most bytes the relay decompresses of one response (``proxy.relay.inflate``); past it the stream is cut.
+    max_inflate_bytes: int = default("max_inflate_bytes")
     #: ``lean``: upstreams, HTTP and HTTPS, go through ``proxy.relay.upstream_http`` (less CPU per chunk); ``httpx``:
     #: through httpx's own transport (with the same TLS context).
     upstream_client: str = default("upstream_client")
@@ -712,6 +721,8 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
             flush=values["flush_timeout"],
             client_header=values["client_header_timeout"],
             client_body=values["client_body_timeout"],
+            client_send=values["client_send_timeout"],
+            client_upload=values["client_upload_timeout"],
             keep_alive=values["keep_alive_timeout"],
         ),
         telemetry=telemetry_from_env(env, sources=sources),
@@ -726,6 +737,8 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         stream_buffer_bytes=values["stream_buffer_bytes"],
         max_connections=values["max_connections"],
         max_client_connections=values["max_client_connections"],
+        max_connections_per_client=values["max_connections_per_client"],
+        max_inflate_bytes=values["max_inflate_bytes"],
         upstream_client=values["upstream_client"],
         log_level=values["log_level"],
         access_log=values["access_log"],

@@ -29,8 +29,11 @@ SEGMENT_BYTES = 32 * 1024
 START, SEGMENT, END, STATS = 0, 1, 2, 3
 #: What a STATS message counts beside the gauges, as absolute numbers: client connections cut by a timeout,
 #: by kind, and refused, by reason (``proxy.relay.protocol``).
-CLIENT_TIMEOUT_KINDS = ("header", "body", "idle")
-CONNECTION_REFUSAL_REASONS = ("limit",)
+CLIENT_TIMEOUT_KINDS = ("header", "body", "idle", "send", "upload")
+CONNECTION_REFUSAL_REASONS = ("limit", "per_client")
+#: Why the relay itself cut a response short (the last group of a STATS message): ``inflate_limit``, a
+#: response it decompressed past ``max_inflate_bytes`` (``proxy.relay.inflate``).
+RESPONSE_CUT_REASONS = ("inflate_limit",)
 
 _ids = random.Random(os.urandom(16))
 

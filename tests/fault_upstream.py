@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import hashlib
 import json
 import socket
@@ -51,6 +52,7 @@ FAULTS = (
     "flood",
     "one-letter",
     "gzip-bomb",
+    "gzip-members",
 )
 #: The response a ``cl-short`` upstream hides after its declared body; it must never reach a client.
 SMUGGLED = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 8\r\n\r\nSMUGGLED"
@@ -283,9 +285,9 @@ class Upstream:
         if fault == "flood":
             await _flood(ex, arg)
             return True
-        if fault == "gzip-bomb":
+        if fault in ("gzip-bomb", "gzip-members"):
             ex.head(headers=b"content-type: text/event-stream\r\ncontent-encoding: gzip\r\n")
-            await _gzip_bomb(ex, arg)
+            await (_gzip_bomb if fault == "gzip-bomb" else _gzip_members)(ex, arg)
             ex.end()
             await ex.drain()
             return True
@@ -445,6 +447,17 @@ async def _gzip_bomb(ex: Exchange, size: int) -> None:
     for piece in _bombs[size]:
         ex.event(piece)
         await ex.drain()
+
+
+async def _gzip_members(ex: Exchange, size: int) -> None:
+    """The same ``size`` bytes of letter events as ``gzip-bomb``, as one gzip member of 1 MiB repeated (RFC 1952
+    section 2.2 lets members follow one another): compressed in milliseconds whatever ``size`` is."""
+    member = gzip.compress(b"".join(_letter_events(1 << 20)), 9)
+    for _ in range(size >> 20):
+        ex.event(member)
+        await ex.drain()
+    ex.event(gzip.compress(chat_chunk({}, "stop") + usage_event(12, size // 8) + b"data: [DONE]\n\n"))
+    await ex.drain()
 
 
 async def _deep_json(ex: Exchange, depth: int) -> None:

@@ -57,7 +57,17 @@ RSS_BOUND = 150 << 20
 def served(upstream: FaultUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Llmtap, Path]]:
     home = tmp_path_factory.mktemp("bounds")
     records = home / "records"
-    proxy = Llmtap(upstream.url, home / "llmtap.log", "--log-level", "warning", "--record", str(records))
+    # The relay inflates a compressed stream whose usage event it removes; the bomb here must go through whole.
+    proxy = Llmtap(
+        upstream.url,
+        home / "llmtap.log",
+        "--log-level",
+        "warning",
+        "--record",
+        str(records),
+        "--max-inflate-bytes",
+        str(1 << 30),
+    )
     yield proxy, records
     proxy.close()
 

@@ -813,24 +813,38 @@ def test_relay_connection_counts_are_absolute_and_read_0_from_the_start(harness:
     h = harness()
     rec = h.recorder
 
-    def counts() -> tuple[dict[str, float], dict[str, float]]:
+    def counts() -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         m = h.metrics()
         timeouts = {p.attributes[sc.TIMEOUT_KIND]: p.value for p in points(m[sc.METRIC_CLIENT_TIMEOUTS])}
         refused = {p.attributes[sc.REFUSAL_REASON]: p.value for p in points(m[sc.METRIC_CONNECTIONS_REFUSED])}
-        return timeouts, refused
+        cut = {p.attributes[sc.CUT_REASON]: p.value for p in points(m[sc.METRIC_RESPONSES_CUT])}
+        return timeouts, refused, cut
 
-    assert counts() == ({"header": 0, "body": 0, "idle": 0}, {"limit": 0})
+    zero = {"header": 0, "body": 0, "idle": 0, "send": 0, "upload": 0}
+    assert counts() == (zero, {"limit": 0, "per_client": 0}, {"inflate_limit": 0})
     gauges = (STATS, True, 0, (("default", 0),), ())
-    rec.take(0, (*gauges, (("header", 2), ("body", 0), ("idle", 5)), (("limit", 1),)))
+    rec.take(0, (*gauges, (("header", 2), ("body", 0), ("idle", 5)), (("limit", 1),), (("inflate_limit", 1),)))
     # A report that never arrived changes nothing: the next one carries the total.
-    rec.take(0, (*gauges, (("header", 3), ("body", 1), ("idle", 9)), (("limit", 4),)))
+    rec.take(
+        0,
+        (*gauges, (("header", 3), ("body", 1), ("idle", 9), ("send", 2)), (("limit", 4), ("per_client", 7)), ()),
+    )
+    # A relay of an earlier version sends no cuts at all.
     rec.take(1, (*gauges, (("header", 1), ("body", 0), ("idle", 0)), (("limit", 0),)))
-    assert counts() == ({"header": 4, "body": 1, "idle": 9}, {"limit": 4})
+    assert counts() == (
+        {**zero, "header": 4, "body": 1, "idle": 9, "send": 2},
+        {"limit": 4, "per_client": 7},
+        {"inflate_limit": 1},
+    )
     # Relay 1 goes; a new process in its place counts from 0 again: its counts add, none are lost.
     rec.relay_gone(1)
-    rec.take(1, (*gauges, (("header", 0), ("body", 2), ("idle", 0)), (("limit", 0),)))
+    rec.take(1, (*gauges, (("header", 0), ("body", 2), ("upload", 1)), (("limit", 0),), (("inflate_limit", 2),)))
     assert rec.flush(5)
-    assert counts() == ({"header": 4, "body": 3, "idle": 9}, {"limit": 4})
+    assert counts() == (
+        {**zero, "header": 4, "body": 3, "idle": 9, "send": 2, "upload": 1},
+        {"limit": 4, "per_client": 7},
+        {"inflate_limit": 3},
+    )
 
 
 # --- secrets -------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from proxy.providers import UsageEventFilter
-from proxy.providers.usage_filter import MAX_HELD_BYTES
+from proxy.providers.usage_filter import _BOUNDARY, MAX_HELD_BYTES, _last_boundary_end
 
 TRANSCRIPTS = Path(__file__).parent / "transcripts"
 
@@ -125,3 +125,16 @@ def test_held_bytes_stay_bounded_until_the_limit() -> None:
     assert usage_filter.feed(b"data: " + b"y" * 90) == b""
     assert usage_filter.feed(b"y" * 20) == b"data: " + b"y" * 110
     assert usage_filter.gave_up
+
+
+def test_the_last_boundary_is_where_the_regex_finds_it() -> None:
+    # ``_last_boundary_end`` finds the last blank line with ``rfind`` and runs the regex only around it: on every
+    # mix of CR, LF and other bytes it must agree with the regex run over everything.
+    rng = random.Random(28)
+    for _ in range(20000):
+        buf = bytearray(rng.choice(b"\r\n\r\nx") for _ in range(rng.randrange(0, 24)))
+        start = rng.randrange(0, len(buf) + 1)
+        expected = -1
+        for match in _BOUNDARY.finditer(buf, start):
+            expected = match.end()
+        assert _last_boundary_end(buf, start) == expected, (bytes(buf), start)

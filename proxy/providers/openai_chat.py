@@ -67,6 +67,8 @@ class OpenAIChat:
     name: str = "openai_chat"
     family: str = "openai"
     framing: Framing = "sse"
+    #: ``prepare`` is ``splice.prepare_usage``: a relay may parse a large body its own way, then splice.
+    splices_usage: bool = True
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/chat/completions``."""

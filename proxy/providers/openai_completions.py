@@ -46,6 +46,8 @@ class OpenAICompletions:
     name: str = "openai_completions"
     family: str = "openai"
     framing: Framing = "sse"
+    #: ``prepare`` is ``splice.prepare_usage``: a relay may parse a large body its own way, then splice.
+    splices_usage: bool = True
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/completions`` that is not ``…/chat/completions``."""

@@ -52,6 +52,26 @@ def _is_usage_event(block: bytes) -> bool:
     return isinstance(obj, dict) and obj.get("choices") == [] and obj.get("usage") is not None
 
 
+def _last_boundary_end(buf: bytearray, start: int) -> int:
+    """Where the last ``_BOUNDARY`` match from ``start`` ends, as ``finditer`` finds it; -1 when there is none.
+
+    The regex costs about 14 ns a byte; ``rfind`` next to nothing. So the last place a terminator pair occurs
+    is found with ``rfind``, and the regex runs only over the run of CR and LF bytes around it: a match holds
+    nothing else, so how the matches fall inside a run depends only on where the run begins, and the run
+    holding the last pair holds the last match.
+    """
+    last = max(buf.rfind(b"\n\n", start), buf.rfind(b"\r\r", start), buf.rfind(b"\r\n\r\n", start))
+    if last < 0:
+        return -1
+    begin = max(start, len(buf[:last].rstrip(b"\r\n")))
+    tail = buf[last:]
+    end = last + len(tail) - len(tail.lstrip(b"\r\n"))
+    cut = -1
+    for match in _BOUNDARY.finditer(buf, begin, end):
+        cut = match.end()
+    return cut
+
+
 class UsageEventFilter:
     """Passes an SSE byte stream through, minus the usage event(s) the client did not ask for."""
 
@@ -74,9 +94,7 @@ class UsageEventFilter:
         held = self._held
         start = max(0, len(held) - _BOUNDARY_REACH)
         held += chunk
-        cut = -1
-        for match in _BOUNDARY.finditer(held, start):
-            cut = match.end()
+        cut = _last_boundary_end(held, start)
         if cut < 0:
             return self._give_up() if len(held) > self._max_held else b""
         complete = bytes(held[:cut])

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import httpx
 
 from proxy.providers import provider_for
+from proxy.providers.splice import splice_usage
 from proxy.providers.usage_filter import UsageEventFilter
 from proxy.relay.admission import Admission, QueueFull
 from proxy.relay.channel import Channel, LocalChannel
@@ -28,13 +29,14 @@ from proxy.relay.forward import (
 )
 from proxy.relay.frame import relay_frame
 from proxy.relay.guard import Refusal, check_request, check_route
-from proxy.relay.inflate import Inflater, decodable
-from proxy.relay.protocol import RECEIVED
+from proxy.relay.inflate import InflateLimit, Inflater, decodable
+from proxy.relay.protocol import LOG_EVERY, RECEIVED
+from proxy.relay.stepjson import STEPWISE_BYTES, loads_stepwise
 from proxy.relay.tracecontext import Sampler, begin
 from proxy.settings import Route, Settings
-from proxy.tape import STATS, Tape, now
+from proxy.tape import RESPONSE_CUT_REASONS, STATS, Tape, now
 from proxy.tracestate import entry, upstream_tracestate
-from proxy.types import Message, Receive, Scope, Send
+from proxy.types import UNCHANGED, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -58,6 +60,10 @@ class ClientGone(Exception):
 
 class RequestTooLarge(Exception):
     """The request body grew past ``max_request_bytes`` while it was being read."""
+
+
+class UploadStalled(Exception):
+    """A request body still arriving while its request holds an admission slot fell silent too long."""
 
 
 async def send_json(
@@ -133,6 +139,9 @@ class ProxyApp:
         self._waiting = {r.name: 0 for r in settings.routes}
         #: Tapes that did not reach the telemetry side, in whole or in part.
         self.tapes_dropped = 0
+        #: Responses the relay itself cut short, by reason (``RESPONSE_CUT_REASONS``), reported with the gauges.
+        self.cuts = dict.fromkeys(RESPONSE_CUT_REASONS, 0)
+        self._logged_at: dict[str, float] = {}
         #: The server's counts of client connections cut or refused (``proxy.relay.server`` sets it), reported
         #: beside the gauges; None when no such server runs this app.
         self.connections: ClientLimits | None = None
@@ -189,7 +198,10 @@ class ProxyApp:
             await asyncio.sleep(STATS_EVERY)
 
     def _send_stats(self) -> None:
-        counts = self.connections.counts() if self.connections is not None else ((), ())
+        counts = (
+            *(self.connections.counts() if self.connections is not None else ((), ())),
+            tuple(self.cuts.items()),
+        )
         if not self._stats_changed and counts == self._counts_sent:
             return
         message = (
@@ -287,8 +299,10 @@ class ProxyApp:
                 state = upstream_tracestate(state, self.owner_entry)
             if state is not None:
                 trace.append((b"tracestate", state.encode("latin-1")))
+        # A body still arriving once its request holds an admission slot may not keep the slot by falling silent.
+        silence = settings.timeouts.client_upload if route.name in self.admissions else None
         try:
-            body, more = await self._read_body(receive, settings.max_inspect_bytes if provider else 0)
+            body, more = await self._read_body(receive, settings.max_inspect_bytes if provider else 0, silence)
         except ClientGone:
             return
         except RequestTooLarge:
@@ -299,7 +313,14 @@ class ProxyApp:
         tape.body_complete = more is None
         rewritten: bytes | None = None
         if provider is not None and more is None and settings.inject_usage:
-            prepared = provider.prepare(body, inject_usage=True, path=inner_path)
+            if len(body) > STEPWISE_BYTES and getattr(provider, "splices_usage", False):
+                # Parsed a step at a time: one body of megabytes must not hold every other stream's next chunk.
+                try:
+                    prepared = splice_usage(body, await loads_stepwise(body))
+                except (ValueError, RecursionError):
+                    prepared = UNCHANGED
+            else:
+                prepared = provider.prepare(body, inject_usage=True, path=inner_path)
             rewritten, tape.strip_usage = prepared.body, prepared.strip_usage
         self.inflight += 1
         self._idle.clear()
@@ -353,11 +374,14 @@ class ProxyApp:
             (*message[:3], (times, delivered, sizes, b""), *message[4:]), reserve=True, shard=shard
         )
 
-    async def _read_body(self, receive: Receive, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
+    async def _read_body(
+        self, receive: Receive, limit: int, silence: float | None = None
+    ) -> tuple[bytes, AsyncIterator[bytes] | None]:
         """Read the body up to ``limit`` bytes; past it, return what was read and an iterator over the rest.
 
         A body past ``max_request_bytes`` (possible only without Content-Length) raises ``RequestTooLarge``,
-        here or from the iterator while the rest streams upstream.
+        here or from the iterator while the rest streams upstream. The iterator raises ``UploadStalled`` when
+        the client sends nothing for ``silence`` seconds (None: only the server's own body timeout applies).
         """
         parts: list[bytes] = []
         size = 0
@@ -375,7 +399,7 @@ class ProxyApp:
             if not message.get("more_body", False):
                 return b"".join(parts), None
             if size > limit:
-                return b"".join(parts), _rest_of_body(receive, most - size)
+                return b"".join(parts), _rest_of_body(receive, most - size, silence)
 
     async def _relay(
         self,
@@ -437,7 +461,21 @@ class ProxyApp:
                 tape.fail("request_too_large", f"request body exceeds {self.settings.max_request_bytes} bytes")
                 await _refuse_request(send, _too_large(self.settings.max_request_bytes))
                 return
+            except UploadStalled:
+                # The slot goes back (``finally``); the upstream's half-sent request is dropped with its connection.
+                quiet = self.settings.timeouts.client_upload
+                tape.fail("upload_timeout", f"request body stalled for {quiet:g} s while holding an admission slot")
+                if self.connections is not None:
+                    self.connections.timed_out("upload", scope.get("client"))
+                await _refuse_request(
+                    send, Refusal(408, "upload_timeout", f"request body stalled for {quiet:g} s; retry")
+                )
+                return
             tape.headers_at = now()
+            if watch is None and task is not None:
+                # A body streamed past the inspect limit has gone upstream by now: ``receive`` can be watched, so
+                # a client that leaves (or is cut for reading nothing) stops this stream too.
+                watch = _DisconnectWatch(receive, task)
             timeouts = self.settings.timeouts
             if timeouts.idle is not None:
                 # httpcore reads the read timeout when the body starts: from here on it bounds the silence
@@ -454,7 +492,7 @@ class ProxyApp:
                 if encoding is None:
                     strip = UsageEventFilter()
                 elif decodable(encoding):
-                    strip, inflater = UsageEventFilter(), Inflater(encoding)
+                    strip, inflater = UsageEventFilter(), Inflater(encoding, self.settings.max_inflate_bytes)
             await send(
                 {
                     "type": "http.response.start",
@@ -467,12 +505,25 @@ class ProxyApp:
             started = True
             async for chunk in response.aiter_raw():
                 full = tape.read(now(), chunk)
-                for piece in inflater.feed(chunk) if inflater is not None else (chunk,):
-                    out = piece
+                if inflater is None:
+                    out = chunk
                     if strip is not None:
-                        out, strip = _strip(strip, piece)
+                        out, strip = _strip(strip, chunk)
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
+                else:
+                    first = True
+                    for piece in inflater.feed(chunk):
+                        if not first:
+                            # One bounded piece per turn of the event loop: a read that inflates to gigabytes
+                            # costs every other stream at most one piece's work between two of theirs.
+                            await asyncio.sleep(0)
+                        first = False
+                        out = piece
+                        if strip is not None:
+                            out, strip = _strip(strip, piece)
+                        if out:
+                            await send({"type": "http.response.body", "body": out, "more_body": True})
                 tape.delivered(now())
                 if full:
                     self._segment(tape)
@@ -509,6 +560,16 @@ class ProxyApp:
             if isinstance(exc, OSError) and not started:
                 raise
             tape.fail("cancelled", cancelled=True)
+        except InflateLimit as exc:
+            tape.fail("inflate_limit", str(exc))
+            self.cuts["inflate_limit"] += 1
+            self._log_limit(
+                "inflate_limit",
+                "cut a response from %s: it decompressed past max_inflate_bytes (%d)",
+                route.upstream,
+                self.settings.max_inflate_bytes,
+            )
+            await _cut(send, tape, strip)
         except zlib.error as exc:
             tape.fail("upstream_error", f"the upstream's compressed body is corrupt: {exc}")
             log.warning("upstream %s sent a corrupt compressed body: %s", route.upstream, exc)
@@ -535,6 +596,14 @@ class ProxyApp:
                     tape.end = now()
             if admitted and admission is not None:
                 admission.release()
+
+    def _log_limit(self, key: str, message: str, *args: Any) -> None:
+        """Log a limit the relay applied, at most once per ``LOG_EVERY`` seconds per ``key``, with the count."""
+        clock = time.monotonic()
+        if clock - self._logged_at.get(key, -LOG_EVERY) < LOG_EVERY:
+            return
+        self._logged_at[key] = clock
+        log.warning(message + " (%d so far)", *args, self.cuts[key])
 
     async def _admit(self, admission: Admission, route: str) -> None:
         """Wait in the route's line; the waiting count is a gauge while anyone waits."""
@@ -667,10 +736,22 @@ class _DisconnectWatch:
         self._watcher.cancel()
 
 
-async def _rest_of_body(receive: Receive, room: int) -> AsyncIterator[bytes]:
-    """The rest of a large body as it arrives; ``RequestTooLarge`` once it outgrows ``room`` bytes."""
+async def _rest_of_body(receive: Receive, room: int, silence: float | None = None) -> AsyncIterator[bytes]:
+    """The rest of a large body as it arrives; ``RequestTooLarge`` once it outgrows ``room`` bytes,
+    ``UploadStalled`` when nothing arrives for ``silence`` seconds.
+
+    Only the time spent waiting on the client counts: while the upstream is slow to take the body, this
+    iterator is not being read and no timer runs.
+    """
     while True:
-        message = await receive()
+        if silence is None:
+            message = await receive()
+        else:
+            try:
+                async with asyncio.timeout(silence):
+                    message = await receive()
+            except TimeoutError:
+                raise UploadStalled from None
         if message["type"] == "http.disconnect":
             raise ClientGone
         chunk = message.get("body", b"")

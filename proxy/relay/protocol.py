@@ -18,7 +18,14 @@ new connection fails, and nothing says why). So, after ``ClientLimits``:
   the application sees ``http.disconnect``, so the request lets go of its admission slot and its upstream.
   Silence the proxy causes (it stopped reading, or has not yet asked for a ``100-continue`` body) is not
   the client's;
-* a connection past ``max_connections`` open ones is answered 503 and closed at once.
+* send: while the response is held back because the client does not read it (the transport's write buffer
+  is past its high-water mark), a silence past ``send_timeout`` in which the client took no byte cuts the
+  connection: the application sees ``http.disconnect``, so the request lets go of its admission slot and
+  its upstream (nginx's ``send_timeout``). The timer runs only while writing is paused;
+* a connection past ``max_connections`` open ones is answered 503 and closed at once;
+* a connection from an address that already holds ``per_client`` open ones is answered 503 and closed at
+  once, without lingering: one client's idle sockets cannot use up the connections every other client
+  needs (the address is the peer's IP; behind a load balancer that is the balancer's).
 
 Each is counted by kind in ``ClientLimits`` (the relay reports the counts to the telemetry process) and,
 except idle closes, which are routine, logged at most once per ``LOG_EVERY`` seconds. The timers are armed
@@ -71,6 +78,9 @@ _RESPONSE_431 = _answer(b"431 Request Header Fields Too Large", b"request line a
 _RESPONSE_408_HEAD = _answer(b"408 Request Timeout", b"request line and headers not received in time\n")
 _RESPONSE_408_BODY = _answer(b"408 Request Timeout", b"request body stalled\n")
 _RESPONSE_503 = _answer(b"503 Service Unavailable", b"too many client connections; retry\n", b"retry-after: 1\r\n")
+_RESPONSE_503_PER_CLIENT = _answer(
+    b"503 Service Unavailable", b"too many connections from this address; retry\n", b"retry-after: 1\r\n"
+)
 
 
 def connection_cap(configured: int | None) -> int:
@@ -83,13 +93,38 @@ def connection_cap(configured: int | None) -> int:
     return max(16, min(DEFAULT_CAP, (soft - _RESERVED_FDS) // 2))
 
 
+def per_client_cap(configured: int | None, cap: int) -> int | None:
+    """``max_connections_per_client``: by default three quarters of the connection cap, so one address never
+    holds them all while a lone client (a sidecar's application) keeps most of them; 0 turns the bound off."""
+    if configured is None:
+        return max(1, cap - cap // 4)
+    return configured or None
+
+
 class ClientLimits:
     """One relay process's bounds on its clients, and absolute counts of the connections they cut or refused."""
 
-    def __init__(self, *, header_timeout: float, body_timeout: float, max_connections: int) -> None:
+    def __init__(
+        self,
+        *,
+        header_timeout: float,
+        body_timeout: float,
+        max_connections: int,
+        send_timeout: float | None = None,
+        upload_timeout: float | None = None,
+        per_client: int | None = None,
+    ) -> None:
         self.header_timeout = header_timeout
         self.body_timeout = body_timeout
         self.max_connections = max_connections
+        self.send_timeout = send_timeout
+        #: The silence a body still arriving may keep while its request holds an admission slot (the relay
+        #: applies it, ``proxy.relay.app``; counted here as kind ``upload``).
+        self.upload_timeout = upload_timeout
+        #: Open connections one peer address may hold; None: no bound of its own.
+        self.per_client = per_client
+        #: Open (not refused) connections by peer address.
+        self.open_by_peer: dict[str, int] = {}
         self.timeouts = dict.fromkeys(CLIENT_TIMEOUT_KINDS, 0)
         self.refused = dict.fromkeys(CONNECTION_REFUSAL_REASONS, 0)
         self._logged: dict[str, float] = {}
@@ -97,11 +132,31 @@ class ClientLimits:
     @classmethod
     def from_settings(cls, settings: Settings) -> ClientLimits:
         """The limits ``settings`` give (the keep-alive timeout goes to uvicorn's own timer)."""
+        cap = connection_cap(settings.max_client_connections)
         return cls(
             header_timeout=settings.timeouts.client_header,
             body_timeout=settings.timeouts.client_body,
-            max_connections=connection_cap(settings.max_client_connections),
+            max_connections=cap,
+            send_timeout=settings.timeouts.client_send,
+            upload_timeout=settings.timeouts.client_upload,
+            per_client=per_client_cap(settings.max_connections_per_client, cap),
         )
+
+    def join(self, peer: str) -> bool:
+        """Count a new connection from ``peer``; False (not counted) when the address holds its share already."""
+        held = self.open_by_peer.get(peer, 0)
+        if self.per_client is not None and held >= self.per_client:
+            return False
+        self.open_by_peer[peer] = held + 1
+        return True
+
+    def leave(self, peer: str) -> None:
+        """A connection counted by ``join`` closed."""
+        held = self.open_by_peer.get(peer, 0) - 1
+        if held > 0:
+            self.open_by_peer[peer] = held
+        else:
+            self.open_by_peer.pop(peer, None)
 
     def counts(self) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
         """(timeouts by kind, refusals by reason), as the relay's STATS message carries them."""
@@ -114,19 +169,28 @@ class ClientLimits:
             why = f"no complete request line and headers within {self.header_timeout:g} s"
         elif kind == "body":
             why = f"its request body stalled for {self.body_timeout:g} s"
+        elif kind == "send":
+            why = f"it read nothing of the response for {self.send_timeout:g} s"
+        elif kind == "upload":
+            why = f"its request body stalled for {self.upload_timeout:g} s while it held an admission slot"
         else:
             return
         self._log(kind, "closed a client connection from %s: %s (%s timeout; %d so far)", _peer(client), why, kind)
 
     def refuse(self, reason: str, client: Any, open_now: int) -> None:
-        """Count and log a connection refused for ``reason``."""
+        """Count and log a connection refused for ``reason`` (``limit``: all clients', ``per_client``: its own)."""
         self.refused[reason] += 1
+        if reason == "per_client":
+            setting, most = "max_connections_per_client", self.per_client
+        else:
+            setting, most = "max_client_connections", self.max_connections
         self._log(
             reason,
-            "refused a client connection from %s with 503: %d open, max_client_connections is %d (%d refused so far)",
+            "refused a client connection from %s with 503: %d open, %s is %s (%d refused so far)",
             _peer(client),
             open_now,
-            self.max_connections,
+            setting,
+            most,
         )
 
     def _log(self, key: str, message: str, *args: Any) -> None:
@@ -157,6 +221,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _timer: asyncio.TimerHandle | None = None
     _timer_kind = ""  # "header" or "body" while ``_timer`` runs
     _linger: asyncio.TimerHandle | None = None
+    _peer: str | None = None  # the peer address this connection is counted under (``ClientLimits.join``)
+    _send_timer: asyncio.TimerHandle | None = None
+    _send_mark = 0  # the write buffer's size when the send timer was last armed
 
     def __init__(self, *args: Any, limits: ClientLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -169,9 +236,22 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.limits.refuse("limit", self.client, len(self.connections) - 1)
             self._close_with(_RESPONSE_503)
             return
+        peer = self.client[0] if self.client else None
+        if peer is not None and not self.limits.join(peer):
+            # Refused at once, no linger: the descriptor is what this client must not be allowed to hold.
+            self.limits.refuse("per_client", self.client, self.limits.open_by_peer.get(peer, 0))
+            self._detached = True
+            self.transport.write(_RESPONSE_503_PER_CLIENT)
+            self.transport.close()
+            return
+        self._peer = peer
         self._idle_until(self.loop.time() + self.timeout_keep_alive)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._peer is not None:
+            self.limits.leave(self._peer)
+            self._peer = None
+        self._disarm_send()
         self._disarm()
         self._unset_keepalive_if_required()
         if self._linger is not None:
@@ -216,6 +296,43 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         """
         if self.cycle is not None:
             self.cycle.keep_alive = False
+
+    def pause_writing(self) -> None:
+        """The client stopped taking the response (the write buffer passed its high-water mark): time it."""
+        super().pause_writing()
+        if self._send_timer is None and self.limits.send_timeout is not None and not self.transport.is_closing():
+            self._send_mark = self.transport.get_write_buffer_size()
+            self._send_timer = self.loop.call_later(self.limits.send_timeout, self._send_expired)
+
+    def resume_writing(self) -> None:
+        """The client read enough for writing to go on."""
+        self._disarm_send()
+        super().resume_writing()
+
+    def _disarm_send(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_expired(self) -> None:
+        """``send_timeout`` passed with writing paused: cut the client unless it took some bytes meanwhile."""
+        self._send_timer = None
+        timeout = self.limits.send_timeout
+        if self.transport.is_closing() or not self.flow.write_paused or timeout is None:
+            return
+        size = self.transport.get_write_buffer_size()
+        if size < self._send_mark:
+            # It read something (slowly): the silence starts again from here.
+            self._send_mark = size
+            self._send_timer = self.loop.call_later(timeout, self._send_expired)
+            return
+        self.limits.timed_out("send", self.client)
+        # Nothing of what is queued can reach a client that does not read: drop it with the connection.
+        # ``connection_lost`` then tells the application (``http.disconnect``) and wakes its blocked send.
+        self._detached = True
+        self._disarm()
+        self._unset_keepalive_if_required()
+        self.transport.abort()
 
     def timeout_keep_alive_handler(self) -> None:
         """An idle connection's time is up: count it, then let uvicorn close it."""

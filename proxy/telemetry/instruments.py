@@ -76,6 +76,7 @@ class Instruments:
     cache_requests: Counter
     client_timeouts: Counter
     connections_refused: Counter
+    responses_cut: Counter
     server_spans: Counter
     otlp_rejected: Counter
     otlp_forwarded: Counter
@@ -233,12 +234,18 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         client_timeouts=meter.create_counter(
             sc.METRIC_CLIENT_TIMEOUTS,
             unit="{connection}",
-            description="Client connections closed for a timeout, by llmtap.timeout.kind (header, body, idle).",
+            description="Client connections closed for a timeout, by llmtap.timeout.kind (header, body, idle, "
+            "send, upload).",
         ),
         connections_refused=meter.create_counter(
             sc.METRIC_CONNECTIONS_REFUSED,
             unit="{connection}",
-            description="Client connections refused with 503, by llmtap.refusal.reason (limit).",
+            description="Client connections refused with 503, by llmtap.refusal.reason (limit, per_client).",
+        ),
+        responses_cut=meter.create_counter(
+            sc.METRIC_RESPONSES_CUT,
+            unit="{response}",
+            description="Responses the relay cut short for a limit of its own, by llmtap.cut.reason (inflate_limit).",
         ),
         server_spans=meter.create_counter(
             sc.METRIC_SERVER_SPANS,

@@ -29,7 +29,7 @@ from proxy.analysis.summary import Summary, adopt_server_timing, reached_model, 
 from proxy.analysis.timeline import Timeline
 from proxy.providers.timing import PHASES
 from proxy.settings import Settings
-from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, SEGMENT, STATS
+from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, RESPONSE_CUT_REASONS, SEGMENT, STATS
 from proxy.telemetry import forward, identity, peers, semconv as sc
 from proxy.telemetry.access_log import AccessLog
 from proxy.telemetry.attributes import cache_attributes
@@ -155,6 +155,8 @@ class Recorder:
             self.instruments.client_timeouts.add(0, {sc.TIMEOUT_KIND: kind})
         for reason in CONNECTION_REFUSAL_REASONS:
             self.instruments.connections_refused.add(0, {sc.REFUSAL_REASON: reason})
+        for reason in RESPONSE_CUT_REASONS:
+            self.instruments.responses_cut.add(0, {sc.CUT_REASON: reason})
         for outcome in OUTCOMES:
             self._count_join(outcome, 0)
         for reason in REJECT_REASONS:
@@ -400,7 +402,8 @@ class Recorder:
     def _stats(self, source: int, message: tuple[Any, ...]) -> None:
         """A relay's gauges and counts, as absolute values: added to the instruments as the change since its last
         report."""
-        _, ready, dropped, active, waiting, timeouts, refused = message
+        _, ready, dropped, active, waiting, timeouts, refused, *rest = message
+        cuts = rest[0] if rest else ()  # responses the relay cut, by reason (absent from older relays)
         new_active, new_waiting = dict(active), dict(waiting)
         old_active, old_waiting, old_dropped = self._gauges.get(source, ({}, {}, 0))
         ins = self.instruments
@@ -427,6 +430,7 @@ class Recorder:
         for attribute, counter, counts in (
             (sc.TIMEOUT_KIND, ins.client_timeouts, timeouts),
             (sc.REFUSAL_REASON, ins.connections_refused, refused),
+            (sc.CUT_REASON, ins.responses_cut, cuts),
         ):
             for label, count in counts:
                 before = counted.get((attribute, label), 0)

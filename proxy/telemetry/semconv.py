@@ -128,6 +128,7 @@ TIMING_FIELD = "llmtap.server_timing.field"
 # Client connections the relay cut for a timeout, or refused.
 TIMEOUT_KIND = "llmtap.timeout.kind"
 REFUSAL_REASON = "llmtap.refusal.reason"
+CUT_REASON = "llmtap.cut.reason"  # why the relay itself cut a response short
 
 SPAN_ROLE = "llmtap.span.role"  # generation or hop (telemetry.span_role)
 # A hop span (span_role hop) names the request's GenAI facts here, so no backend counts it as a generation.
@@ -245,6 +246,7 @@ METRIC_QUEUE_REJECTED = "llmtap.queue.rejected"
 METRIC_TIMING_REJECTED = "llmtap.server_timing.rejected"
 METRIC_CLIENT_TIMEOUTS = "llmtap.client.timeouts"
 METRIC_CONNECTIONS_REFUSED = "llmtap.connections.refused"
+METRIC_RESPONSES_CUT = "llmtap.responses.cut"  # responses the relay cut short for a limit of its own, by reason
 METRIC_SERVER_SPANS = "llmtap.server_spans"  # the upstream's spans (and requests without one), by join outcome
 METRIC_OTLP_REJECTED = "llmtap.otlp.rejected"  # OTLP bodies the span receiver refused, by reason
 METRIC_OTLP_FORWARDED = "llmtap.otlp.forwarded"  # the receiver's spans passed on to the traces backend, by outcome
