@@ -165,6 +165,15 @@ def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     p.add_argument("records", nargs="?", help="a record file written by serve --record (rotated siblings included)")
     p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
+    p.add_argument(
+        "--clickhouse",
+        metavar="URL",
+        help="read the records from ClickHouse's HTTP interface instead (user and password: the URL's, or "
+        "LLMTAP_RECORD_CLICKHOUSE_USER / LLMTAP_RECORD_CLICKHOUSE_PASSWORD)",
+    )
+    p.add_argument(
+        "--clickhouse-table", dest="clickhouse_table", default="llmtap_records", help="its table (llmtap_records)"
+    )
     p.add_argument("--before", metavar="V1", help="prompt version before the change")
     p.add_argument("--after", metavar="V2", help="prompt version after the change")
     p.add_argument("--split-at", dest="split_at", metavar="TIME", help="split at this ISO 8601 time instead")
@@ -189,6 +198,15 @@ def _slo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     p.add_argument("records", nargs="?", help="a record file written by serve --record (rotated siblings included)")
     p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
+    p.add_argument(
+        "--clickhouse",
+        metavar="URL",
+        help="read the records from ClickHouse's HTTP interface instead (user and password: the URL's, or "
+        "LLMTAP_RECORD_CLICKHOUSE_USER / LLMTAP_RECORD_CLICKHOUSE_PASSWORD)",
+    )
+    p.add_argument(
+        "--clickhouse-table", dest="clickhouse_table", default="llmtap_records", help="its table (llmtap_records)"
+    )
     p.add_argument(
         "--config",
         metavar="FILE",

@@ -184,6 +184,11 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "refused it, was unreachable, or took longer than `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`, 10 s by default; no "
         "retry).",
     ),
+    sc.CLICKHOUSE_OUTCOME: (
+        "string",
+        "What became of one INSERT of request records into ClickHouse (`--record-clickhouse`): `ok`, or `failed` "
+        "(unreachable, or it answered an error; the batch is tried again, with a growing pause).",
+    ),
     sc.DECODE_DURATION: ("double", "Seconds from the first content chunk to the last."),
     sc.INPUT_TOKENS: (
         "int",
@@ -227,7 +232,10 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "Why telemetry was dropped: `queue_full` (the recorder's queue, or the span export queue), "
         "`export_failed` (the collector refused or could not be reached), `shutdown` (still queued at the flush "
         "deadline); for tapes also `channel_full`, `evicted`, `partial` and, read in part, `inflate_limit` and "
-        "`body_limit`; for records `no_space`, `io_error` and `invalid`.",
+        "`body_limit`; for records `no_space`, `io_error` and `invalid`, and for the ClickHouse sink "
+        "`clickhouse_queue_full` (its queue was at its bound), `clickhouse_rejected` (ClickHouse refused a batch "
+        "three times), "
+        "`clickhouse_unsent` (still queued at shutdown).",
     ),
     sc.TELEMETRY_ATTRIBUTE: (
         "string",
@@ -266,6 +274,7 @@ UNEXERCISED: dict[str, tuple[str, ...]] = {
     sc.METRIC_SERVER_SPANS: (sc.SERVER_SPAN_OUTCOME,),
     sc.METRIC_OTLP_REJECTED: (sc.OTLP_REJECT_REASON,),
     sc.METRIC_OTLP_FORWARDED: (sc.OTLP_FORWARD_OUTCOME,),
+    sc.METRIC_CLICKHOUSE_INSERTS: (sc.CLICKHOUSE_OUTCOME,),
 }
 
 _SERVER_SETTING = "`telemetry.server_metrics: true`"
@@ -323,6 +332,8 @@ METRICS: dict[str, str] = {
     sc.METRIC_OTLP_REJECTED: "Each body `/v1/traces` refused; every reason reads 0 from the start.",
     sc.METRIC_OTLP_FORWARDED: "Each span `/v1/traces` took, once forwarded to the traces backend or not "
     "(`telemetry.forward_server_spans`, only when traces go out over OTLP); every outcome reads 0 from the start.",
+    sc.METRIC_CLICKHOUSE_INSERTS: "Each INSERT of a batch of records into ClickHouse (`--record-clickhouse`); every "
+    "outcome reads 0 from the start.",
 }
 
 #: The timing definitions every figure rests on (DESIGN, "Timing definitions"); all from one monotonic clock.

@@ -253,12 +253,27 @@ class Telemetry:
 
 
 @dataclass(frozen=True, slots=True)
+class ClickHouseRecords:
+    """Where the records go in ClickHouse (``--record-clickhouse``), and the sink's bounds."""
+
+    url: str
+    table: str = default("record_clickhouse_table")
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ttl_days: int = default("record_clickhouse_ttl_days")
+    max_records: int = default("record_clickhouse_queue")
+    max_bytes: int = int(default("record_clickhouse_queue_mb") * MIB)
+
+
+@dataclass(frozen=True, slots=True)
 class Records:
     """Request records (``--record PATH``): JSON lines, a new file past ``max_bytes``, ``files`` files at most."""
 
     path: str | None = None
     max_bytes: int = int(default("record_max_mb") * MIB)
     files: int = default("record_files")
+    #: ``--record-clickhouse URL``: the records also go to this ClickHouse (``proxy.store.clickhouse``).
+    clickhouse: ClickHouseRecords | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -665,9 +680,35 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
             path=values["record"],
             max_bytes=max(int(values["record_max_mb"] * MIB), 1024),
             files=values["record_files"],
+            clickhouse=_clickhouse_records(values),
         ),
         workers=values["workers"],
         telemetry_workers=values["telemetry_workers"],
+    )
+
+
+def _clickhouse_records(values: Mapping[str, Any]) -> ClickHouseRecords | None:
+    """``--record-clickhouse`` and its settings; the password from its variable, else its file."""
+    if not values["record_clickhouse"]:
+        return None
+    password = values["record_clickhouse_password"]
+    password_file = values["record_clickhouse_password_file"]
+    if password is None and password_file:
+        try:
+            password = Path(password_file).read_text(encoding="utf-8").rstrip("\r\n")
+        except OSError as exc:
+            raise ConfigError(f"record_clickhouse_password_file {password_file!r}: {exc.strerror or exc}") from None
+    table = values["record_clickhouse_table"]
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?", table):
+        raise ConfigError(f"record_clickhouse_table {table!r}: expected a name like llmtap_records or db.records")
+    return ClickHouseRecords(
+        url=values["record_clickhouse"],
+        table=table,
+        user=values["record_clickhouse_user"],
+        password=password,
+        ttl_days=values["record_clickhouse_ttl_days"],
+        max_records=values["record_clickhouse_queue"],
+        max_bytes=max(int(values["record_clickhouse_queue_mb"] * MIB), 1024),
     )
 
 

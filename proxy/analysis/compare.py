@@ -19,7 +19,7 @@ import sys
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -377,9 +377,12 @@ def record_sides(
     model: str | None = None,
     shape: str | None = None,
     objectives: Objectives | None = None,
+    reader: Callable[[ReadStats], Iterable[dict[str, Any]]] | None = None,
 ) -> Sides:
-    """Read a record file and its rotated siblings and split their requests."""
+    """Read a record file and its rotated siblings (or what ``reader`` reads, ``path`` naming it) and split their
+    requests."""
     stats = ReadStats()
+    read = reader if reader is not None else (lambda st: read_records(path, st))
 
     def wanted(r: Row) -> bool:
         return (
@@ -388,7 +391,7 @@ def record_sides(
             and (shape is None or r.shape == shape)
         )
 
-    rows = [r for r in map(row, read_records(path, stats)) if wanted(r)]
+    rows = [r for r in map(row, read(stats)) if wanted(r)]
     if not stats.files:
         raise ConfigError(f"no record file at {str(path)!r}")
     if split.at is None and split.window is not None:
@@ -420,7 +423,7 @@ def record_sides(
         kept = [r for r in rows if _side_of(r, split) == name]
         span = max(r.time for r in kept) - min(r.time for r in kept) if len(kept) > 1 else None
         groups, _ = slo_report.record_groups(
-            (rec for rec in read_records(path, ReadStats()) if on_side(rec)),
+            (rec for rec in read(ReadStats()) if on_side(rec)),
             start=None,
             end=None,
             objectives=objectives,
@@ -429,11 +432,40 @@ def record_sides(
     return Sides(
         before,
         after,
-        source=f"{path} ({files} file{'s' if files > 1 else ''}, {stats.records} records)",
+        source=f"{path} ({stats.records} records)"
+        if reader is not None
+        else f"{path} ({files} file{'s' if files > 1 else ''}, {stats.records} records)",
         split=split.describe(),
         skipped={"truncated": stats.truncated, "foreign": stats.foreign, "other_schema": stats.other_schema},
         slo=verdicts,
     )
+
+
+def clickhouse_sides(url: str, table: str, split: Split, **where: Any) -> Sides:
+    """The two sides from the records in a ClickHouse table: the filters and the sort run there, in SQL."""
+    from proxy.store import clickhouse
+
+    server = clickhouse.server_from_env(url)
+    pushed: dict[str, Any] = {k: where[k] for k in ("route", "model", "shape") if where.get(k) is not None}
+    if split.at is not None and split.window is not None:
+        pushed |= {"start": split.at - split.window, "end": split.at + split.window}
+    elif split.at is None:
+        if split.before is not None and split.after is not None:
+            pushed["versions"] = (split.before, split.after)
+        if split.window is not None:
+            end = split.until if split.until is not None else time.time()
+            pushed |= {"start": end - split.window, "end": end}
+    records: list[dict[str, Any]] | None = None
+
+    def read(stats: ReadStats) -> list[dict[str, Any]]:
+        nonlocal records
+        if records is None:
+            records = [clickhouse.as_record(r) for r in clickhouse.query(server, table, **pushed)]
+        stats.files.append(url)
+        stats.records += len(records)
+        return records
+
+    return record_sides(f"ClickHouse {server.url} table {table}", split, reader=read, **where)
 
 
 # -- Prometheus ------------------------------------------------------------------------------------
@@ -657,8 +689,8 @@ def plot(c: Comparison, before: Distribution, after: Distribution, path: str | P
 
 def main(args: Any) -> int:
     """``llmtap compare``; bad input raises ``ConfigError`` (exit code 2 in the CLI)."""
-    if (args.records is None) == (args.prometheus is None):
-        raise ConfigError("compare needs a record file or --prometheus URL (one of them)")
+    if sum(x is not None for x in (args.records, args.prometheus, args.clickhouse)) != 1:
+        raise ConfigError("compare needs a record file, --prometheus URL or --clickhouse URL (one of them)")
     if args.split_at is not None and (args.before is not None or args.after is not None):
         raise ConfigError("split by version (--before/--after) or by time (--split-at), not both")
     if args.resamples is not None and args.resamples < 100:
@@ -678,6 +710,8 @@ def main(args: Any) -> int:
     where = {"route": args.route, "model": args.model, "shape": args.shape, "objectives": objectives}
     if args.records is not None:
         sides = record_sides(args.records, split, **where)
+    elif args.clickhouse is not None:
+        sides = clickhouse_sides(args.clickhouse, args.clickhouse_table, split, **where)
     else:
         sides = prometheus_sides(args.prometheus, split, **where)
     comparison = sides.compare(

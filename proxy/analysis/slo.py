@@ -267,23 +267,42 @@ def from_records(
     objectives: Objectives | None = None,
     resamples: int = RESAMPLES,
     seed: int = 0,
+    reader: Callable[[ReadStats, float | None, float | None], Iterable[dict[str, Any]]] | None = None,
 ) -> Report:
-    """The verdicts over a record file and its rotated siblings."""
+    """The verdicts over a record file and its rotated siblings (or what ``reader`` reads in the window from its
+    start to its end, ``path`` naming it)."""
     stats = ReadStats()
     end = until if until is not None else (time.time() if window is not None else None)
     start = end - window if window is not None and end is not None else None
-    groups, span = record_groups(
-        read_records(path, stats), start=start, end=end, route=route, shape=shape, objectives=objectives
-    )
+    records = read_records(path, stats) if reader is None else reader(stats, start, end)
+    groups, span = record_groups(records, start=start, end=end, route=route, shape=shape, objectives=objectives)
     if not stats.files:
         raise ConfigError(f"no record file at {str(path)!r}")
     files = len(stats.files)
     return Report(
-        source=f"{path} ({files} file{'s' if files > 1 else ''}, {stats.records} records)",
+        source=f"{path} ({stats.records} records)"
+        if reader is not None
+        else f"{path} ({files} file{'s' if files > 1 else ''}, {stats.records} records)",
         window=_describe(window, until),
         seconds=span,
         verdicts=verdicts(groups, span, resamples=resamples, seed=seed),
     )
+
+
+def from_clickhouse(url: str, table: str, **options: Any) -> Report:
+    """The verdicts over the records in a ClickHouse table: the window, route and shape filtered there, in SQL."""
+    from proxy.store import clickhouse
+
+    server = clickhouse.server_from_env(url)
+    pushed = {k: options[k] for k in ("route", "shape") if options.get(k) is not None}
+
+    def read(stats: ReadStats, start: float | None, end: float | None) -> list[dict[str, Any]]:
+        rows = clickhouse.query(server, table, start=start, end=end, **pushed)
+        stats.files.append(url)
+        stats.records += len(rows)
+        return [clickhouse.as_record(r) for r in rows]
+
+    return from_records(f"ClickHouse {server.url} table {table}", reader=read, **options)
 
 
 def _describe(window: float | None, until: float | None) -> str:
@@ -399,8 +418,8 @@ def render(report: Report) -> str:
 
 def main(args: Any) -> int:
     """``llmtap slo``; bad input raises ``ConfigError`` (exit code 2). With ``--check``, 1 when any missed."""
-    if (args.records is None) == (args.prometheus is None):
-        raise ConfigError("slo needs a record file or --prometheus URL (one of them)")
+    if sum(x is not None for x in (args.records, args.prometheus, args.clickhouse)) != 1:
+        raise ConfigError("slo needs a record file, --prometheus URL or --clickhouse URL (one of them)")
     if args.resamples is not None and args.resamples < 100:
         raise ConfigError("--resamples must be at least 100")
     objectives = config_objectives(build({"config": args.config}, env={})) if args.config else None
@@ -414,6 +433,8 @@ def main(args: Any) -> int:
     }
     if args.records is not None:
         report = from_records(args.records, objectives=objectives, **options)
+    elif args.clickhouse is not None:
+        report = from_clickhouse(args.clickhouse, args.clickhouse_table, objectives=objectives, **options)
     else:
         if objectives is None:
             raise ConfigError("with --prometheus, give the proxy's --config FILE: the objectives are in its routes")

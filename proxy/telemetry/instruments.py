@@ -79,6 +79,7 @@ class Instruments:
     server_spans: Counter
     otlp_rejected: Counter
     otlp_forwarded: Counter
+    clickhouse_inserts: Counter
 
 
 def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Sequence[float]) -> Histogram:
@@ -252,5 +253,11 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             unit="{span}",
             description="Spans the span receiver took, forwarded to the OTLP traces backend, by llmtap.otlp.outcome "
             "(sent, dropped, failed).",
+        ),
+        clickhouse_inserts=meter.create_counter(
+            sc.METRIC_CLICKHOUSE_INSERTS,
+            unit="{insert}",
+            description="Batches of request records sent to ClickHouse (--record-clickhouse), by "
+            "llmtap.clickhouse.outcome (ok, failed).",
         ),
     )

@@ -28,6 +28,7 @@ from proxy.analysis.summary import Summary, adopt_server_timing, reached_model, 
 from proxy.analysis.timeline import Timeline
 from proxy.providers.timing import PHASES
 from proxy.settings import Settings
+from proxy.store.clickhouse import ClickHouseSink, clickhouse_sink
 from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, SEGMENT, STATS
 from proxy.telemetry import forward, semconv as sc
 from proxy.telemetry.access_log import AccessLog
@@ -111,6 +112,10 @@ class Recorder:
             )
             for reason in RECORD_DROP_REASONS:
                 self._count_record_drop(reason, 0)
+        #: ``--record-clickhouse URL``: the same records, sent to ClickHouse in batches by a thread of its own.
+        self.clickhouse: ClickHouseSink | None = None
+        if rec.clickhouse is not None:
+            self.clickhouse = clickhouse_sink(rec.clickhouse, self._count_record_drop, self._count_clickhouse_insert)
         #: ``--access-log PATH``: one line per request, written by the worker thread after the record.
         self.access_log: AccessLog | None = None
         if settings.access_log:
@@ -322,6 +327,12 @@ class Recorder:
         except Exception:
             log.debug("telemetry: could not count a lost record", exc_info=True)
 
+    def _count_clickhouse_insert(self, outcome: str, n: int) -> None:
+        try:
+            self.instruments.clickhouse_inserts.add(n, {sc.CLICKHOUSE_OUTCOME: outcome})
+        except Exception:
+            log.debug("telemetry: could not count a ClickHouse insert", exc_info=True)
+
     def _count_drop(self, reason: str, n: int = 1) -> None:
         try:
             self.instruments.telemetry_dropped.add(n, {sc.TELEMETRY_REASON: reason})
@@ -374,6 +385,8 @@ class Recorder:
     def _flush_records(self) -> None:
         if self.records is not None:
             self.records.flush()  # a write that fails is counted and said there, once
+        if self.clickhouse is not None:
+            self.clickhouse.flush()  # asks its thread to send now; never waits
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued record is written; True when the queue drained in time."""
@@ -396,6 +409,8 @@ class Recorder:
         finally:
             if self.records is not None:
                 self.records.close()
+            if self.clickhouse is not None:
+                self.clickhouse.close(timeout)
             if self.access_log is not None:
                 self.access_log.close()
 
@@ -504,8 +519,12 @@ class Recorder:
             self.metrics.record(tl, s)
             if diag is not None:
                 ins.cache_requests.add(1, self.metrics.cache_attributes(tl, diag))
-        if self.records is not None:
-            self.records.write(record_line(tl, s, diag))  # never raises: a lost record is counted
+        if self.records is not None or self.clickhouse is not None:
+            line = record_line(tl, s, diag)
+            if self.records is not None:
+                self.records.write(line)  # never raises: a lost record is counted
+            if self.clickhouse is not None:
+                self.clickhouse.write(line)  # queues only; never raises: a lost record is counted
         for listener in self.listeners:
             try:
                 listener(tl, s)

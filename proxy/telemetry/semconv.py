@@ -111,6 +111,7 @@ TELEMETRY_REASON = "llmtap.telemetry.reason"
 SERVER_SPAN_OUTCOME = "llmtap.server_span.outcome"  # matched, late, unmatched, missing
 OTLP_REJECT_REASON = "llmtap.otlp.reason"  # why the span receiver refused a body
 OTLP_FORWARD_OUTCOME = "llmtap.otlp.outcome"  # sent, dropped, failed: a received span forwarded to the backend
+CLICKHOUSE_OUTCOME = "llmtap.clickhouse.outcome"  # ok, failed: an INSERT of records into ClickHouse
 TELEMETRY_ATTRIBUTE = "llmtap.telemetry.attribute"  # the metric attribute a label guard bounds
 DRIFT_DIRECTION = "llmtap.tokens.drift.direction"
 # Prompt fingerprints and cache diagnosis (one attribute per prompt region: tools, system, m0.., rest).
@@ -246,3 +247,4 @@ METRIC_CONNECTIONS_REFUSED = "llmtap.connections.refused"
 METRIC_SERVER_SPANS = "llmtap.server_spans"  # the upstream's spans (and requests without one), by join outcome
 METRIC_OTLP_REJECTED = "llmtap.otlp.rejected"  # OTLP bodies the span receiver refused, by reason
 METRIC_OTLP_FORWARDED = "llmtap.otlp.forwarded"  # the receiver's spans passed on to the traces backend, by outcome
+METRIC_CLICKHOUSE_INSERTS = "llmtap.telemetry.clickhouse.inserts"  # batches of records sent to ClickHouse, by outcome
