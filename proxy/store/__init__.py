@@ -68,13 +68,15 @@ FIGURES = ("ttft", "tpot", "e2e")
 
 @dataclass(frozen=True, slots=True)
 class Filter:
-    """Which records count: equal route / model / shape when given, time within [start, end] when given."""
+    """Which records count: equal route / model / shape when given, time within [start, end] when given
+    ([start, end) with ``open_end``)."""
 
     route: str | None = None
     model: str | None = None
     shape: str | None = None
     start: float | None = None
     end: float | None = None
+    open_end: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,11 @@ class Objective:
     ttft: float | None
     tpot: float | None
     e2e: float | None
+
+    def order(self) -> tuple[float, float, float, float, str]:
+        """How two objectives of records at the same moment are ranked (the greater wins)."""
+        limits = (-1.0 if v is None else v for v in (self.ttft, self.tpot, self.e2e))
+        return (self.percentile, *limits, self.shape or "")  # type: ignore[return-value]
 
 
 @dataclass(slots=True)
@@ -103,9 +110,11 @@ class Group:
     #: Sums over ok records whose input_tokens is not null (cache_read null counts as 0).
     input_tokens: int = 0
     cached_tokens: int = 0
-    #: The objective of the newest record (greatest time_s; ties: the greatest objective) whose objective is
-    #: valid: 0 < obj_percentile < 1 and at least one limit.
+    #: The objective of the newest record whose objective is valid (0 < obj_percentile < 1 and at least one
+    #: limit): greatest time_s, ties broken by the greatest (percentile, ttft, tpot, e2e, shape), a null
+    #: limit as -1 and a null shape as ''; and that record's time_s.
     objective: Objective | None = None
+    objective_time: float = 0.0
     classes: dict[str, int] = field(default_factory=dict)  # cache_class counts (null left out)
     #: prefill_source (null as 'unknown') of ok streams with a TTFT and a prefill.
     prefill_sources: set[str] = field(default_factory=set)
@@ -126,24 +135,23 @@ class Scan:
     records: int = 0  # records read (before the filter)
     files: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # lines not read as records, by reason
-    #: The least time_s of each prompt version among the filtered records (a version split without versions).
-    versions: dict[str, float] = field(default_factory=dict)
 
 
-#: How a scan keys a record's side: ``None``, by its prompt version; a float, 'before' when time_s is less
-#: than it, else 'after'.
-SplitAt = float | None
+#: How a scan keys a record's side: ``VERSION``, by its prompt_version; a float, 'before' when time_s is
+#: less than it, else 'after'; ``None``, no key (one side: every group's key is None).
+VERSION = "version"
+By = float | str | None
 
 
 class Source(Protocol):
     """Records read back: grouped facts of the records that pass a filter."""
 
-    def scan(self, where: Filter, split_at: SplitAt) -> Scan:
+    def scan(self, where: Filter, by: By) -> Scan:
         """The records that pass ``where``, grouped by side key, route and shape."""
         ...
 
     def count_met(
-        self, where: Filter, split_at: SplitAt, limits: dict[tuple[str, str], dict[str, float]]
+        self, where: Filter, by: By, limits: dict[tuple[str, str], dict[str, float]]
     ) -> dict[tuple[str | None, str, str], int]:
         """Per (key, route, shape) of ``limits``: ok records whose every limited figure is within its limit
         (a null tpot counts as 0, any other null as missed): how the proxy would judge them by other objectives."""
