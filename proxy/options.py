@@ -535,7 +535,7 @@ _TABLE = (
         "also send each record to this ClickHouse HTTP interface (http://host:8123), in batches from a thread of "
         "its own; the table is created if missing",
         "records",
-        key="record.clickhouse.url",
+        key="record.clickhouse",
         default_text="off",
     ),
     option(
@@ -544,7 +544,7 @@ _TABLE = (
         "llmtap_records",
         "ClickHouse table of the records (NAME or DATABASE.NAME)",
         "records",
-        key="record.clickhouse.table",
+        key="record.clickhouse_table",
     ),
     option(
         "record_clickhouse_user",
@@ -553,7 +553,7 @@ _TABLE = (
         "ClickHouse user (else the URL's, else ClickHouse's default)",
         "records",
         flag=None,
-        key="record.clickhouse.user",
+        key="record.clickhouse_user",
     ),
     option(
         "record_clickhouse_password",
@@ -570,7 +570,7 @@ _TABLE = (
         None,
         "read the ClickHouse password from FILE (a mounted Secret); its trailing newline is ignored",
         "records",
-        key="record.clickhouse.password_file",
+        key="record.clickhouse_password_file",
     ),
     option(
         "record_clickhouse_ttl_days",
@@ -579,7 +579,7 @@ _TABLE = (
         "days ClickHouse keeps a record (TTL; 0: until deleted); ClickHouse before 19.6 has no TTL, and the log "
         "says so",
         "records",
-        key="record.clickhouse.ttl_days",
+        key="record.clickhouse_ttl_days",
     ),
     option(
         "record_clickhouse_queue",
@@ -588,7 +588,7 @@ _TABLE = (
         "records waiting for ClickHouse at most; past it, or past record_clickhouse_queue_mb, a record is dropped "
         "and counted",
         "records",
-        key="record.clickhouse.queue",
+        key="record.clickhouse_queue",
     ),
     option(
         "record_clickhouse_queue_mb",
@@ -596,7 +596,7 @@ _TABLE = (
         64.0,
         "bytes of records waiting for ClickHouse at most",
         "records",
-        key="record.clickhouse.queue_mb",
+        key="record.clickhouse_queue_mb",
     ),
     _route(
         "prompt_version",

@@ -344,7 +344,7 @@ def test_compare_and_slo_read_the_same_verdicts_from_clickhouse_as_from_the_file
             "2026-09-21T14:16:00Z",
             "--window",
             "90s",
-        ],  # noqa: E501
+        ],
     ):
         code_file, from_file = _run([*command, str(path)])
         code_ch, from_ch = _run([*command, *source], env)
@@ -477,3 +477,48 @@ def _table_count(proc: ClickHouseProcess, table: str) -> int:
         return _count(proc, table)
     except OSError:  # the table is not there yet
         return -1
+
+
+def test_the_clickhouse_source_gives_the_reference_sources_facts(server: ClickHouseProcess, tmp_path: Path) -> None:
+    from proxy.store import VERSION, Filter
+    from proxy.store.python import PythonSource
+
+    records = make_records(300, seed=11)
+    # Nulls and odd values where the reference has rules for them: no route or shape, a wrong-typed figure,
+    # no objective, a tie of two objectives at one moment (the greater wins), no cache class or prefill source.
+    records[3]["route"] = None
+    records[4]["shape"] = None
+    records[5]["ttft"] = "fast"
+    records[6]["objective"] = None
+    records[-1]["objective"] = {"shape": "long", "percentile": 0.99, "ttft": 0.2}
+    records[-2]["time"] = records[-1]["time"]
+    records[-2]["objective"] = {"shape": "long", "percentile": 0.9, "ttft": 9.0}
+    records[-2]["route"], records[-2]["shape"] = records[-1]["route"], records[-1]["shape"]
+    records[7]["cache"] = None
+    records[8]["prefill_source"] = None
+    path = tmp_path / "records.jsonl"
+    writer = RecordWriter(path)
+    sink = ch.ClickHouseSink(ch.Server.parse(server.url), "source_check", ttl_days=0)
+    for rec in records:
+        writer.write(rec)
+        sink.write(rec)
+    writer.close()
+    sink.close(PATIENCE)
+    assert sink.written == 300, sink.dropped
+    reference = PythonSource([path])
+    source = ch.ClickHouseSource(ch.Server.parse(server.url), "source_check")
+
+    def keyed(groups: list[Any]) -> dict[tuple[str, str, str], Any]:
+        return {(str(g.key), str(g.route), str(g.shape)): g for g in groups}
+
+    middle = 1_790_000_000.0 + 150 * 0.75
+    limits = {("chat", "short"): {"ttft": 0.4, "tpot": 0.05}, ("code", "long"): {"e2e": 2.0}}
+    for where in (Filter(), Filter(route="chat"), Filter(start=1_790_000_030.0, end=middle, open_end=True)):
+        for by in (VERSION, middle, None):
+            want, got = reference.scan(where, by), source.scan(where, by)
+            assert len(want.groups) >= 2
+            assert keyed(got.groups) == keyed(want.groups), (where, by)
+            assert got.records == 300
+            assert source.count_met(where, by, limits) == reference.count_met(where, by, limits)
+    tied = [g for g in reference.scan(Filter(), None).groups if g.objective and g.objective.percentile == 0.99]
+    assert len(tied) == 1  # the tie is in the data, and both sources broke it the same way

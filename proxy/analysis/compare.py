@@ -690,7 +690,7 @@ def plot(c: Comparison, before: Distribution, after: Distribution, path: str | P
 def main(args: Any) -> int:
     """``llmtap compare``; bad input raises ``ConfigError`` (exit code 2 in the CLI)."""
     if sum(x is not None for x in (args.records, args.prometheus, args.clickhouse)) != 1:
-        raise ConfigError("compare needs a record file, --prometheus URL or --clickhouse URL (one of them)")
+        raise ConfigError("compare needs a record file or --prometheus URL or --clickhouse URL (one of them)")
     if args.split_at is not None and (args.before is not None or args.after is not None):
         raise ConfigError("split by version (--before/--after) or by time (--split-at), not both")
     if args.resamples is not None and args.resamples < 100:

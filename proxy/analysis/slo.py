@@ -419,7 +419,7 @@ def render(report: Report) -> str:
 def main(args: Any) -> int:
     """``llmtap slo``; bad input raises ``ConfigError`` (exit code 2). With ``--check``, 1 when any missed."""
     if sum(x is not None for x in (args.records, args.prometheus, args.clickhouse)) != 1:
-        raise ConfigError("slo needs a record file, --prometheus URL or --clickhouse URL (one of them)")
+        raise ConfigError("slo needs a record file or --prometheus URL or --clickhouse URL (one of them)")
     if args.resamples is not None and args.resamples < 100:
         raise ConfigError("--resamples must be at least 100")
     objectives = config_objectives(build({"config": args.config}, env={})) if args.config else None

@@ -19,6 +19,7 @@ import base64
 import collections
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -26,6 +27,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from array import array
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -287,7 +289,47 @@ def flat_row(record: Mapping[str, Any]) -> dict[str, Any] | None:
         row[name] = record.get(name)
     for name in ("prefill_source", "decode", "server_decode"):
         row[name] = record.get(name)
+    # A value of the wrong type reads as null (as every source reads it), so one odd record cannot make
+    # ClickHouse refuse its whole batch.
+    for name, kind in _column_kinds().items():
+        row[name] = _fit(row.get(name), kind)
     return row
+
+
+_INT_RANGES = {"UInt8": (0, 2**8), "UInt16": (0, 2**16), "UInt32": (0, 2**32), "Int64": (-(2**63), 2**63)}
+
+
+def _fit(value: Any, kind: str) -> Any:
+    nullable = kind.startswith("Nullable(")
+    base = kind[9:-1] if nullable else kind
+    if base.startswith("LowCardinality("):
+        base = base[15:-1]
+    fitted: Any = None
+    if base == "Float64":
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(float(value)):
+            fitted = float(value)
+    elif base in _INT_RANGES:
+        low, high = _INT_RANGES[base]
+        if isinstance(value, int) and not isinstance(value, bool) and low <= value < high:
+            fitted = value
+    elif base == "String":
+        fitted = value if isinstance(value, str) else None
+    else:  # DateTime: made here from the time, always an int
+        fitted = value
+    if fitted is None and not nullable:
+        return "" if base == "String" else 0
+    return fitted
+
+
+_KINDS: dict[str, str] = {}
+
+
+def _column_kinds() -> dict[str, str]:
+    """Each column of ``clickhouse.sql`` and its type."""
+    if not _KINDS:
+        for match in re.finditer(r"^\s{4}(\w+) ([\w()']+),?$", DDL_FILE.read_text(encoding="utf-8"), re.M):
+            _KINDS[match.group(1)] = match.group(2)
+    return _KINDS
 
 
 # -- the sink --------------------------------------------------------------------------------------
@@ -642,3 +684,168 @@ def as_record(row: Mapping[str, Any]) -> dict[str, Any]:
         "tokens": {"input": row["input_tokens"], "cache_read": row["cache_read_tokens"]},
         "cache": None if row["cache_class"] is None else {"class": row["cache_class"]},
     }
+
+
+# -- the source (proxy.store.Source) ---------------------------------------------------------------
+
+_OK = "outcome = 'ok'"
+_STREAM_TTFT = "stream = 1 AND ttft IS NOT NULL"
+_VALID_OBJECTIVE = (
+    "objective_percentile > 0 AND objective_percentile < 1 AND "
+    "(objective_ttft IS NOT NULL OR objective_tpot IS NOT NULL OR objective_e2e IS NOT NULL)"
+)
+#: A group's key with its nulls as a value, so IN matches them (NULL equals nothing in SQL).
+_NOT_NULL = "ifNull(k, '\\0'), ifNull(r, '\\0'), ifNull(s, '\\0')"
+#: The sorted values of a group: each figure's name in ``Group``, its column and the records it takes.
+_FIGURE_QUERIES = (
+    ("ttft_ok", "ttft", f"{_STREAM_TTFT} AND {_OK}"),
+    ("ttft_failed", "ttft", f"{_STREAM_TTFT} AND NOT ({_OK})"),
+    ("prefill", "prefill", f"{_STREAM_TTFT} AND {_OK} AND prefill IS NOT NULL"),
+    ("tpot", "tpot", f"{_OK} AND tpot IS NOT NULL"),
+    ("e2e", "e2e", "e2e IS NOT NULL"),
+)
+
+
+def _literal(value: float) -> str:
+    return repr(float(value))
+
+
+def _tsv(data: bytes) -> Iterator[list[str | None]]:
+    for line in data.decode("utf-8", "replace").split("\n"):
+        if line:
+            yield [None if f == "\\N" else _unescape(f) for f in line.split("\t")]
+
+
+class ClickHouseSource:
+    """Records in a ClickHouse table, read as ``proxy.store.Source``: ClickHouse filters, groups and sorts.
+
+    One query gives each group's counts, sums, time range and prefill sources; one more its cache classes,
+    one its newest objective, and one per figure its values, sorted (``ORDER BY``): llmtap's statistics then
+    draw the same bootstrap from them as from any other source.
+    """
+
+    def __init__(self, server: Server, table: str) -> None:
+        self.server = server
+        self.table = table_name(table)
+
+    def describe(self) -> str:
+        """How a report names the source."""
+        return f"ClickHouse {self.server.url} table {self.table}"
+
+    def _query(self, sql: str) -> bytes:
+        try:
+            return self.server.query(sql + " FORMAT TabSeparated")
+        except ClickHouseError as exc:
+            raise ConfigError(f"{self.describe()}: {exc}") from None
+
+    @staticmethod
+    def _key(by: Any) -> str:
+        if by == "version":
+            return "nullIf(prompt_version, '')"
+        if isinstance(by, float):
+            return f"if(time_s < {_literal(by)}, 'before', 'after')"
+        return "CAST(NULL AS Nullable(String))"
+
+    @staticmethod
+    def _where(where: Any) -> str:
+        parts: list[str] = ["1"]
+        if where.start is not None:
+            parts += [f"time >= toDateTime({int(where.start)}, 'UTC')", f"time_s >= {_literal(where.start)}"]
+        if where.end is not None:
+            parts += [
+                f"time <= toDateTime({int(where.end) + 1}, 'UTC')",
+                f"time_s {'<' if where.open_end else '<='} {_literal(where.end)}",
+            ]
+        for name in ("route", "model", "shape"):
+            value = getattr(where, name)
+            if value is not None:
+                parts.append(f"{name} = {_quote(value)}")
+        return " AND ".join(parts)
+
+    def scan(self, where: Any, by: Any) -> Any:
+        """The records that pass ``where``, grouped by side key, route and shape (``proxy.store.Source``)."""
+        from proxy.store import Group, Objective, Scan
+
+        key, cond = self._key(by), self._where(where)
+        group_by = f"{key} AS k, nullIf(route, '') AS r, shape AS s"
+        base = f"FROM {self.table} WHERE {cond} GROUP BY k, r, s"
+        groups: dict[tuple[str | None, str | None, str | None], Group] = {}
+        facts = self._query(
+            f"SELECT {group_by}, count(), countIf(NOT ({_OK})), countIf(slo = 'met'), min(time_s), max(time_s), "
+            f"sumIf(tokens_input, {_OK} AND tokens_input IS NOT NULL), "
+            f"sumIf(ifNull(tokens_cache_read, 0), {_OK} AND tokens_input IS NOT NULL), "
+            f"groupUniqArrayIf(ifNull(prefill_source, 'unknown'), {_STREAM_TTFT} AND {_OK} AND prefill IS NOT NULL) "
+            f"{base}"
+        )
+        for k, r, s, n, errors, met, first, last, inp, cached, sources in _tsv(facts):
+            g = Group(k, r, s, int(n or 0), int(errors or 0), int(met or 0), float(first or 0), float(last or 0))
+            g.input_tokens, g.cached_tokens = int(inp or 0), int(cached or 0)
+            g.prefill_sources = set(_array(sources or "[]"))
+            groups[(k, r, s)] = g
+        classes = self._query(
+            f"SELECT {group_by}, cache_class, count() FROM {self.table} WHERE {cond} AND cache_class IS NOT NULL "
+            "GROUP BY k, r, s, cache_class"
+        )
+        for k, r, s, cls, n in _tsv(classes):
+            if (k, r, s) in groups and cls is not None:
+                groups[(k, r, s)].classes[cls] = int(n or 0)
+        # The newest valid objective: the records at each group's latest such moment, ranked here as the
+        # reference ranks them (ties are rare, and only they come back more than once).
+        newest = self._query(
+            f"SELECT {group_by}, time_s, objective_shape, objective_percentile, objective_ttft, objective_tpot, "
+            f"objective_e2e FROM {self.table} WHERE {cond} AND {_VALID_OBJECTIVE} AND ({_NOT_NULL}, time_s) IN "
+            f"(SELECT {_NOT_NULL}, max(time_s) FROM (SELECT {group_by}, time_s FROM {self.table} "
+            f"WHERE {cond} AND {_VALID_OBJECTIVE}) GROUP BY k, r, s)"
+        )
+        for k, r, s, t, shape, pct, ttft, tpot, e2e in _tsv(newest):
+            held = groups.get((k, r, s))
+            if held is None or t is None or pct is None:
+                continue
+            obj = Objective(shape, _round(pct), *(None if v is None else _round(v) for v in (ttft, tpot, e2e)))
+            if held.objective is None or obj.order() > held.objective.order():
+                held.objective, held.objective_time = obj, _round(t)
+        for name, column, only in _FIGURE_QUERIES:
+            data = self._query(
+                f"SELECT {group_by}, {column} FROM {self.table} WHERE {cond} AND {only} ORDER BY k, r, s, {column}"
+            )
+            current: tuple[str | None, str | None, str | None] | None = None
+            values: list[float] = []
+            for k, r, s, v in _tsv(data):
+                if (k, r, s) != current:
+                    if current is not None and current in groups:
+                        setattr(groups[current], name, array("d", values))
+                    current, values = (k, r, s), []
+                values.append(_round(v or "0"))
+            if current is not None and current in groups:
+                setattr(groups[current], name, array("d", values))
+        total = int(self._query(f"SELECT count() FROM {self.table}").strip() or 0)
+        return Scan(list(groups.values()), self.describe(), total, 0, {})
+
+    def count_met(
+        self, where: Any, by: Any, limits: dict[tuple[str, str], dict[str, float]]
+    ) -> dict[tuple[str | None, str, str], int]:
+        """Ok records within every limit of their route and shape (a null tpot as 0, another null as missed)."""
+        if not limits:
+            return {}
+        cases: list[str] = []
+        for (route, shape), figures in limits.items():
+            checks = [f"route = {_quote(route)}", f"shape = {_quote(shape)}"]
+            for figure, limit in figures.items():
+                column = "ifNull(tpot, 0)" if figure == "tpot" else figure
+                checks.append(f"{column} <= {_literal(limit)}")
+            cases.append("(" + " AND ".join(checks) + ")")
+        data = self._query(
+            f"SELECT {self._key(by)} AS k, route, shape, count() FROM {self.table} "
+            f"WHERE {self._where(where)} AND {_OK} AND ({' OR '.join(cases)}) GROUP BY k, route, shape"
+        )
+        return {(k, r or "", s or ""): int(n or 0) for k, r, s, n in _tsv(data)}
+
+
+def _round(field: str) -> float:
+    return round(float(field), 6)  # as ``_value``: the value written, whatever the server's float parsing
+
+
+def _array(text: str) -> list[str]:
+    """A ClickHouse array of strings as TabSeparated prints it: ['a','b']."""
+    inner = text.strip()[1:-1]
+    return [_unescape(m) for m in re.findall(r"'((?:[^'\\]|\\.)*)'", inner)]
