@@ -48,7 +48,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* The llmtap config file: the values' settings plus the listen and admin addresses the chart owns. */}}
 {{- define "llmtap.config" -}}
 {{- $listen := dict "listen" (dict "host" "0.0.0.0" "port" .Values.service.port) "admin" (dict "host" "0.0.0.0" "port" .Values.service.adminPort) }}
-{{- toYaml (merge $listen (deepCopy .Values.config)) }}
+{{- $config := merge $listen (deepCopy .Values.config) }}
+{{- with .Values.clickhouse }}
+{{- if .url }}
+{{- $record := dict "clickhouse" .url "clickhouse_table" .table "clickhouse_ttl_days" .ttlDays "clickhouse_queue" .queue }}
+{{- if .user }}
+{{- $_ := set $record "clickhouse_user" .user }}
+{{- end }}
+{{- $_ := set $config "record" (merge (get $config "record" | default dict) $record) }}
+{{- end }}
+{{- end }}
+{{- toYaml $config }}
 {{- end }}
 
 {{/* The sidecar collector's config: localhost OTLP in, memory limit, batch, OTLP out. */}}
