@@ -14,6 +14,7 @@ from typing import NoReturn
 from proxy import __version__
 from proxy.options import GROUPS, OPTIONS, Option, by_group
 from proxy.settings import ConfigError, build
+from proxy.store import ENGINES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -163,7 +164,17 @@ def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         "compare",
         help="before against after a prompt change: TTFT percentiles with CIs, cached share, cache classes",
     )
-    p.add_argument("records", nargs="?", help="a record file written by serve --record (rotated siblings included)")
+    p.add_argument(
+        "records",
+        nargs="*",
+        help="record files written by serve --record: files (rotated siblings included), globs, directories",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=ENGINES[0],
+        help="what reads the records: the embedded engine (duckdb) or plain Python, for small files (duckdb)",
+    )
     p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
     p.add_argument(
         "--clickhouse",
@@ -196,7 +207,17 @@ def _slo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         "slo",
         help="each route and request shape against its objective: the percentile that counts, with its CI",
     )
-    p.add_argument("records", nargs="?", help="a record file written by serve --record (rotated siblings included)")
+    p.add_argument(
+        "records",
+        nargs="*",
+        help="record files written by serve --record: files (rotated siblings included), globs, directories",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=ENGINES[0],
+        help="what reads the records: the embedded engine (duckdb) or plain Python, for small files (duckdb)",
+    )
     p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
     p.add_argument(
         "--clickhouse",

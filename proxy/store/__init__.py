@@ -146,6 +146,10 @@ By = float | str | None
 class Source(Protocol):
     """Records read back: grouped facts of the records that pass a filter."""
 
+    def close(self) -> None:
+        """Release what the source holds (an engine, a connection)."""
+        ...
+
     def scan(self, where: Filter, by: By) -> Scan:
         """The records that pass ``where``, grouped by side key, route and shape."""
         ...
@@ -171,3 +175,20 @@ def merged(parts: list[array[float]]) -> array[float]:
         return array("d", sorted(v for p in parts for v in p))
     out = np.sort(np.concatenate([np.frombuffer(p, dtype=np.float64) for p in parts]), kind="stable")
     return array("d", out.tobytes())
+
+
+#: The sources ``open_source`` knows, by the name ``--engine`` gives them.
+ENGINES = ("duckdb", "python")
+
+
+def open_source(paths: list[str], engine: str = "duckdb") -> Source:
+    """The record files ``paths`` name, read by ``engine``; ``files.NoRecords`` when there is none."""
+    if engine == "python":
+        from proxy.store.python import PythonSource
+
+        return PythonSource(paths)
+    if engine == "duckdb":
+        from proxy.store.engine import EngineSource
+
+        return EngineSource(paths)
+    raise ValueError(f"engine {engine!r} is none of {', '.join(ENGINES)}")

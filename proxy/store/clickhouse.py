@@ -658,34 +658,6 @@ def query(server: Server, table: str, **where: Any) -> list[dict[str, Any]]:
         raise ConfigError(f"ClickHouse {server.url} table {table}: {exc}") from None
 
 
-def as_record(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A flat row in the shape of a record line, as ``compare`` and ``slo`` read record files."""
-    objective = None
-    if row["obj_percentile"] is not None:
-        limits = {k: row[f"obj_{k}"] for k in ("ttft", "tpot", "e2e") if row[f"obj_{k}"] is not None}
-        objective = {"shape": row["obj_shape"], "percentile": row["obj_percentile"], **limits}
-    return {
-        "time": datetime.fromtimestamp(row["time_s"], UTC).isoformat(timespec="microseconds"),
-        "trace_id": row["trace_id"],
-        "instance_id": row["instance_id"],
-        "route": row["route"],
-        "model": row["model"],
-        "shape": row["shape"],
-        "prompt_version": row["prompt_version"],
-        "outcome": row["outcome"],
-        "stream": row["stream"],
-        "slo": row["slo"],
-        "objective": objective,
-        "ttft": row["ttft"],
-        "tpot": row["tpot"],
-        "e2e": row["e2e"],
-        "prefill": row["prefill"],
-        "prefill_source": row["prefill_source"],
-        "tokens": {"input": row["input_tokens"], "cache_read": row["cache_read_tokens"]},
-        "cache": None if row["cache_class"] is None else {"class": row["cache_class"]},
-    }
-
-
 # -- the source (proxy.store.Source) ---------------------------------------------------------------
 
 _OK = "outcome = 'ok'"
@@ -731,6 +703,9 @@ class ClickHouseSource:
     def describe(self) -> str:
         """How a report names the source."""
         return f"ClickHouse {self.server.url} table {self.table}"
+
+    def close(self) -> None:
+        """Nothing to release: each query is one HTTP request."""
 
     def _query(self, sql: str) -> bytes:
         try:

@@ -92,6 +92,9 @@ class PythonSource:
             if f.name.endswith(".parquet"):
                 raise ValueError(f"{f}: Parquet record files need the engine (duckdb)")
 
+    def close(self) -> None:
+        """Nothing to release: each file is closed as soon as it is read."""
+
     def describe(self) -> str:
         """The paths as a report names them."""
         return ", ".join(self.paths)
