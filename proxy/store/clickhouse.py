@@ -435,8 +435,10 @@ class ClickHouseSink:
         return True
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (within ``timeout``), then stop; the rest is dropped and counted."""
-        self.drain(timeout)
+        """Send what is queued (within ``timeout``; not at all while ClickHouse is away, so a shutdown does not
+        wait on it), then stop; the rest is dropped and counted."""
+        if not self._said_down:
+            self.drain(timeout)
         with self._lock:
             self._stopping = True
             self._wake.notify_all()
@@ -780,19 +782,19 @@ class ClickHouseSource:
             if held.objective is None or obj.order() > held.objective.order():
                 held.objective, held.objective_time = obj, _round(t)
         for name, column, only in _FIGURE_QUERIES:
+            # One row per group, its values sorted there as one array: a tenth of the bytes of a row per value,
+            # and parsed by numpy, not line by line.
             data = self._query(
-                f"SELECT {group_by}, {column} FROM {self.table} WHERE {cond} AND {only} ORDER BY k, r, s, {column}"
+                f"SELECT {group_by}, arraySort(groupArray(assumeNotNull({column}))) FROM {self.table} "
+                f"WHERE {cond} AND {only} GROUP BY k, r, s"
             )
-            current: tuple[str | None, str | None, str | None] | None = None
-            values: list[float] = []
-            for k, r, s, v in _tsv(data):
-                if (k, r, s) != current:
-                    if current is not None and current in groups:
-                        setattr(groups[current], name, array("d", values))
-                    current, values = (k, r, s), []
-                values.append(_round(v or "0"))
-            if current is not None and current in groups:
-                setattr(groups[current], name, array("d", values))
+            for line in data.split(b"\n"):
+                if not line:
+                    continue
+                *names, values = line.split(b"\t")
+                k, r, s = (None if f == b"\\N" else _unescape(f.decode()) for f in names)
+                if (k, r, s) in groups:
+                    setattr(groups[(k, r, s)], name, _sorted_values(values))
         total = int(self._query(f"SELECT count() FROM {self.table}").strip() or 0)
         return Scan(list(groups.values()), self.describe(), total, 0, {})
 
@@ -814,6 +816,15 @@ class ClickHouseSource:
             f"WHERE {self._where(where)} AND {_OK} AND ({' OR '.join(cases)}) GROUP BY k, route, shape"
         )
         return {(k, r or "", s or ""): int(n or 0) for k, r, s, n in _tsv(data)}
+
+
+def _sorted_values(text: bytes) -> array[float]:
+    """A ClickHouse array of numbers as TabSeparated prints it (``[0.1,0.25]``), each rounded as ``_round``."""
+    import numpy as np
+
+    values = np.fromstring(text.strip()[1:-1], sep=",")
+    # rint(x * 1e6) / 1e6 is Python's round(x, 6) for every value a record holds (six decimals, below 2**53/1e6).
+    return array("d", (np.rint(values * 1e6) / 1e6).tobytes())
 
 
 def _round(field: str) -> float:
