@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1000000,10000000", help="record counts, comma-separated")
     p.add_argument("--dir", type=Path, help="where ClickHouse and the generated rows live (a temporary directory)")
     args = p.parse_args(argv)
+    # A run stopped from outside still stops its ClickHouse (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.path.insert(0, str(ROOT))
     from tests.clickhouse_server import ClickHouseProcess, installed
 
