@@ -526,3 +526,20 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(server: ClickHo
             assert source.count_met(where, by, limits) == reference.count_met(where, by, limits)
     tied = [g for g in reference.scan(Filter(), None).groups if g.objective and g.objective.percentile == 0.99]
     assert len(tied) == 1  # the tie is in the data, and both sources broke it the same way
+
+
+def test_the_scale_benchmark_runs_end_to_end_at_a_small_size(server: ClickHouseProcess, tmp_path: Path) -> None:
+    from bench import clickhouse_scale
+
+    pytest.importorskip("duckdb", reason="the generator is DuckDB SQL (bench.records_gen)")
+    remote = ch.Server.parse(server.url)
+    ch.create_table(remote, "bench_small", ttl_days=0)
+    rows = tmp_path / "rows.csv"
+    _, columns = clickhouse_scale.generate(rows, 6000)
+    clickhouse_scale.load(remote, "bench_small", columns, rows, chunk=256 << 10)  # several INSERTs
+    assert _count(server, "bench_small") == 6000
+    # Every column the table has came from the generator, by name.
+    assert sorted(columns) == sorted(ch._column_kinds())
+    source = ["--clickhouse", server.url, "--clickhouse-table", "bench_small", "--json"]
+    got = clickhouse_scale.timed(["compare", *source, "--before", "v1", "--after", "v2", "--resamples", "200"])
+    assert str(got["verdict"]).startswith("caching gain") and got["peak_rss_mb"] > 10
