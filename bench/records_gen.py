@@ -131,7 +131,11 @@ def generate(directory: Path, n: int, *, parquet: Path | None = None, pods: int 
     ``parquet`` when given), both partitioned by date and hour."""
     import duckdb
 
+    for d in (directory, parquet):
+        if d is not None:
+            d.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(config={"threads": threads, "preserve_insertion_order": False})
+    con.execute("SET enable_progress_bar = false")
     try:
         for pod in range(pods):
             sql = rows_sql(n, pod, pods)
