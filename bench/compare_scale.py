@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.records_gen import PODS, generate
+from bench.records_gen import PODS
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 BEGIN, END = "<!-- compare_scale begin -->", "<!-- compare_scale end -->"
@@ -83,20 +83,43 @@ def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def run(sizes: list[int], python_sizes: list[int], work: Path) -> tuple[list[Case], list[str]]:
-    """Every case at every size; the notes of the datasets (generation time, bytes)."""
+def replicate(base: Path, into: Path, copies: int) -> None:
+    """``copies`` copies of the dataset ``base`` under ``into`` (hard links: no disk), as more pods would add."""
+    for k in range(copies):
+        for src in base.rglob("*"):
+            if src.is_file():
+                dst = into / f"copy{k}" / src.relative_to(base)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                os.link(src, dst)
+
+
+def run(sizes: list[int], python_sizes: list[int], work: Path, *, save: bool = False) -> tuple[list[Case], list[str]]:
+    """Every case at every size; the notes of the datasets (generation time, bytes).
+
+    The smallest size is generated; a larger one that is a multiple of it is that many copies of it
+    (hard links), when generating it would take longer than the time the run has (it is said so)."""
     cases: list[Case] = []
     notes: list[str] = []
-    for n in sizes:
+    smallest = min(sizes)
+    base = work / f"n{smallest}"
+    for n in sorted(sizes):
         data = work / f"n{n}"
         lines, parquet = data / "jsonl", data / "parquet"
-        started = time.perf_counter()
-        generate(lines, n, parquet=parquet)
-        made = time.perf_counter() - started
+        if n == smallest or n % smallest:
+            started = time.perf_counter()
+            # In a child: a child's peak RSS starts from its parent's at the fork, so the parent stays small.
+            argv = [sys.executable, "-m", "bench.records_gen", str(lines), str(n), "--parquet", str(parquet)]
+            subprocess.run(argv, check=True)
+            made = time.perf_counter() - started
+            how = f"generated in {made:.0f} s (JSON lines and Parquet)"
+        else:
+            replicate(base / "jsonl", lines, n // smallest)
+            replicate(base / "parquet", parquet, n // smallest)
+            how = f"{n // smallest} copies of the {smallest:,} records (hard links)"
         files = sum(1 for _ in lines.rglob("*.jsonl.gz"))
         notes.append(
-            f"{n:,} records: generated in {made:.0f} s (JSON lines and Parquet); {files} JSON-lines files from"
-            f" {PODS} pods, {du(lines) / 1e9:.2f} GB gzip ({du(parquet) / 1e9:.2f} GB as Parquet, zstd)"
+            f"{n:,} records: {how}; {files} JSON-lines files from {PODS} pods, {du(lines) / 1e9:.2f} GB gzip"
+            f" ({du(parquet) / 1e9:.2f} GB as Parquet, zstd)"
         )
         print(notes[-1], flush=True)
         at_size: list[Case] = []
@@ -110,8 +133,18 @@ def run(sizes: list[int], python_sizes: list[int], work: Path) -> tuple[list[Cas
             if any(o != outputs[0] for o in outputs):
                 raise SystemExit(f"{command} at {n:,} records: the outputs differ between the cases")
         cases += at_size
-        shutil.rmtree(data)
+        if save:  # each size as it is done: a long run that stops still leaves what it measured
+            write(table(cases, notes, machine()))
+        if n != smallest:
+            shutil.rmtree(data)
+    shutil.rmtree(base, ignore_errors=True)
     return cases, notes
+
+
+def machine() -> str:
+    """The cores and how busy they were."""
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    return f"{os.cpu_count()} cores ({platform.machine()}), shared with other work; load average {load} (1, 5, 15 min)"
 
 
 def table(cases: list[Case], notes: list[str], cpus: str) -> str:
@@ -164,11 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="llmtap-scale-", dir=args.dir))
     try:
-        cases, notes = run(args.sizes, args.python_sizes, work)
+        cases, notes = run(args.sizes, args.python_sizes, work, save=args.write)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    cpus = f"{os.cpu_count()} cores ({platform.machine()}), shared; load average {os.getloadavg()[0]:.1f} at the end"
-    section = table(cases, notes, cpus)
+    section = table(cases, notes, machine())
     print(section)
     if args.write:
         write(section)

@@ -31,9 +31,9 @@ from proxy.store import FIGURES, VERSION, By, Filter, Group, Objective, Scan
 from proxy.store.files import record_files
 
 #: What the engine may hold in memory before it spills to its temporary directory.
-MEMORY_LIMIT = "1GB"
+MEMORY_LIMIT = "512MB"
 #: Lines longer than this are not records (the longest llmtap writes is a few KB).
-MAX_LINE = 16 * 1024 * 1024
+MAX_LINE = 1024 * 1024
 
 _SCHEMA_PREFIX = '{"llmtap_record":'
 #: The JSON paths extracted from a line, in order; their index in SQL is one more.
