@@ -131,7 +131,11 @@ def generate(directory: Path, n: int, *, parquet: Path | None = None, pods: int 
     ``parquet`` when given), both partitioned by date and hour."""
     import duckdb
 
+    for d in (directory, parquet):
+        if d is not None:
+            d.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(config={"threads": threads, "preserve_insertion_order": False})
+    con.execute("SET enable_progress_bar = false")
     try:
         for pod in range(pods):
             sql = rows_sql(n, pod, pods)
@@ -146,3 +150,20 @@ def generate(directory: Path, n: int, *, parquet: Path | None = None, pods: int 
                 )
     finally:
         con.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.records_gen DIR N [--parquet DIR]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.records_gen", description=__doc__.split("\n")[0])
+    p.add_argument("dir", type=Path, help="where the JSON lines go")
+    p.add_argument("n", type=int, help="how many records")
+    p.add_argument("--parquet", type=Path, help="where the same rows go as Parquet")
+    args = p.parse_args(argv)
+    generate(args.dir, args.n, parquet=args.parquet)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
