@@ -305,10 +305,10 @@ def record_sides(
     model: str | None = None,
     shape: str | None = None,
     objectives: Objectives | None = None,
-    engine: str = store.ENGINES[0],
-    source: store.Source | None = None,
+    engine: str | store.Source = store.ENGINES[0],
 ) -> Sides:
-    """Read record files (paths, globs, directories; rotated siblings included) and split their requests.
+    """Read record files (paths, globs, directories; rotated siblings included) and split their requests;
+    ``engine`` names what reads them, or is a source of its own (ClickHouse: ``path`` is then unused).
 
     One scan of the source: the records that pass the filter, grouped by side (prompt version, or before
     and after ``--split-at``), route and shape, each figure's values sorted by the source."""
@@ -325,9 +325,8 @@ def record_sides(
             # A version split over a window: the last ``window`` seconds before ``until`` (or now).
             end = split.until if split.until is not None else time.time()
             where = replace(where, start=end - split.window, end=end)
-    given = source
-    if source is None:
-        source = slo_report.open_source(paths, engine)
+    given = None if isinstance(engine, str) else engine
+    source = slo_report.open_source(paths, engine) if isinstance(engine, str) else engine
     try:
         scan = source.scan(where, by)
         split = by_versions(scan.groups, split)
@@ -604,7 +603,7 @@ def main(args: Any) -> int:
         from proxy.store.clickhouse import ClickHouseSource, server_from_env
 
         source = ClickHouseSource(server_from_env(args.clickhouse), args.clickhouse_table)
-        sides = record_sides([], split, source=source, **where)
+        sides = record_sides([], split, engine=source, **where)
     else:
         sides = prometheus_sides(args.prometheus, split, **where)
     comparison = sides.compare(

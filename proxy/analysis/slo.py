@@ -253,17 +253,16 @@ def from_records(
     objectives: Objectives | None = None,
     resamples: int = RESAMPLES,
     seed: int = 0,
-    engine: str = store.ENGINES[0],
-    source: store.Source | None = None,
+    engine: str | store.Source = store.ENGINES[0],
 ) -> Report:
-    """The verdicts over record files (paths, globs, directories; rotated siblings included)."""
+    """The verdicts over record files (paths, globs, directories; rotated siblings included); ``engine`` names
+    what reads them, or is a source of its own (ClickHouse: ``path`` is then unused)."""
     paths = [path] if isinstance(path, str | Path) else list(path)
     end = until if until is not None else (time.time() if window is not None else None)
     start = end - window if window is not None and end is not None else None
     where = store.Filter(route=route, shape=shape, start=start, end=end)
-    given = source
-    if source is None:
-        source = open_source(paths, engine)
+    given = None if isinstance(engine, str) else engine
+    source = open_source(paths, engine) if isinstance(engine, str) else engine
     try:
         scan = source.scan(where, None)
         met = source.count_met(where, None, limits_of(scan.groups, objectives)) if objectives else None
@@ -418,7 +417,7 @@ def main(args: Any) -> int:
         from proxy.store.clickhouse import ClickHouseSource, server_from_env
 
         source = ClickHouseSource(server_from_env(args.clickhouse), args.clickhouse_table)
-        report = from_records([], objectives=objectives, source=source, **options)
+        report = from_records([], objectives=objectives, engine=source, **options)
     else:
         if objectives is None:
             raise ConfigError("with --prometheus, give the proxy's --config FILE: the objectives are in its routes")
