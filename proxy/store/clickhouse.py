@@ -290,35 +290,49 @@ def flat_row(record: Mapping[str, Any]) -> dict[str, Any] | None:
     for name in ("prefill_source", "decode", "server_decode"):
         row[name] = record.get(name)
     # A value of the wrong type reads as null (as every source reads it), so one odd record cannot make
-    # ClickHouse refuse its whole batch.
-    for name, kind in _column_kinds().items():
-        row[name] = _fit(row.get(name), kind)
+    # ClickHouse refuse its whole batch. Plain type checks, no call per column: this runs for every record.
+    for name, code, nullable, low, high in _specs():
+        value: Any = row.get(name)
+        kind = type(value)
+        if code == _FLOAT:
+            if kind is float:
+                if not math.isfinite(value):
+                    value = None
+            elif kind is int:
+                value = float(value)
+            else:
+                value = None
+        elif code == _INT:
+            if kind is not int or not low <= value < high:
+                value = None
+        elif code == _STR:
+            if kind is not str:
+                value = None
+        if value is None and not nullable:
+            value = "" if code == _STR else 0
+        row[name] = value
     return row
 
 
+_FLOAT, _INT, _STR, _OTHER = range(4)
 _INT_RANGES = {"UInt8": (0, 2**8), "UInt16": (0, 2**16), "UInt32": (0, 2**32), "Int64": (-(2**63), 2**63)}
+_SPECS: list[tuple[str, int, bool, int, int]] = []
 
 
-def _fit(value: Any, kind: str) -> Any:
-    nullable = kind.startswith("Nullable(")
-    base = kind[9:-1] if nullable else kind
-    if base.startswith("LowCardinality("):
-        base = base[15:-1]
-    fitted: Any = None
-    if base == "Float64":
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(float(value)):
-            fitted = float(value)
-    elif base in _INT_RANGES:
-        low, high = _INT_RANGES[base]
-        if isinstance(value, int) and not isinstance(value, bool) and low <= value < high:
-            fitted = value
-    elif base == "String":
-        fitted = value if isinstance(value, str) else None
-    else:  # DateTime: made here from the time, always an int
-        fitted = value
-    if fitted is None and not nullable:
-        return "" if base == "String" else 0
-    return fitted
+def _specs() -> list[tuple[str, int, bool, int, int]]:
+    """Each column: its name, what it holds (``_FLOAT`` ..), whether it takes null, and an integer's range."""
+    if not _SPECS:
+        for name, kind in _column_kinds().items():
+            nullable = kind.startswith("Nullable(")
+            base = kind[9:-1] if nullable else kind
+            if base.startswith("LowCardinality("):
+                base = base[15:-1]
+            low, high = _INT_RANGES.get(base, (0, 0))
+            code = (
+                _FLOAT if base == "Float64" else _INT if base in _INT_RANGES else _STR if base == "String" else _OTHER
+            )
+            _SPECS.append((name, code, nullable, low, high))
+    return _SPECS
 
 
 _KINDS: dict[str, str] = {}
