@@ -5,7 +5,8 @@ them from their index), flattened to the table's columns (``proxy/store/clickhou
 CSV, loads them into a real ClickHouse (Debian's ``clickhouse-server``, started as a plain process on free
 ports, as the tests start it) with ``INSERT ... FORMAT CSV``, then runs ``llmtap compare
 --clickhouse`` and ``llmtap slo --clickhouse`` as child processes and reports each one's wall time and peak
-RSS (the child's ``ru_maxrss``), and the load's rows per second.
+RSS (its own ``VmHWM``), and the load's rows per second. First, ``--sink N`` generated records go through the
+record sink itself (``ClickHouseSink``, JSONEachRow): the caller's cost per ``write`` and records per second.
 """
 
 from __future__ import annotations
@@ -71,6 +72,41 @@ def generate(path: Path, n: int) -> tuple[float, list[str]]:
     return time.monotonic() - started, columns
 
 
+def sink_throughput(server: ch.Server, n: int) -> dict[str, Any]:
+    """``n`` generated records through the record sink (``--record-clickhouse``): the caller's cost per ``write``
+    (what the recorder's worker pays) and records per second until ClickHouse holds them all."""
+    import duckdb
+
+    con = duckdb.connect(config={"threads": 2})
+    try:
+        rel = con.sql(rows_sql(n, 0, pods=1))
+        names = rel.columns
+        records = [dict(zip(names, row, strict=True)) for row in rel.fetchall()]
+    finally:
+        con.close()
+    for rec in records:
+        rec.pop("date", None), rec.pop("hour", None)
+    sink = ch.ClickHouseSink(server, "sink_throughput", ttl_days=0, max_records=n + 1, max_bytes=1 << 31)
+    try:
+        sink.write(records[0])
+        assert sink.drain(600)  # the table made, the connection warm
+        started = time.perf_counter()
+        for rec in records[1:]:
+            sink.write(rec)
+        writing = time.perf_counter() - started
+        assert sink.drain(3600)
+        total = time.perf_counter() - started
+    finally:
+        sink.close()
+    assert sink.written == n and not any(sink.dropped.values()), (sink.written, sink.dropped)
+    return {
+        "records": n,
+        "write_us_per_record": round(writing / (n - 1) * 1e6, 1),
+        "records_per_s": round((n - 1) / total),
+        "inserts": sink.inserts["ok"],
+    }
+
+
 def load(server: ch.Server, table: str, columns: list[str], path: Path, chunk: int = 64 << 20) -> float:
     """The file's rows into ``table``, one INSERT per ``chunk`` bytes of whole lines; seconds."""
     started = time.monotonic()
@@ -128,6 +164,7 @@ sys.exit(main(sys.argv[1:]))
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1000000,10000000", help="record counts, comma-separated")
+    p.add_argument("--sink", type=int, default=100_000, help="records sent through the record sink first (0: none)")
     p.add_argument("--dir", type=Path, help="where ClickHouse and the generated rows live (a temporary directory)")
     args = p.parse_args(argv)
     # A run stopped from outside still stops its ClickHouse (the finally below).
@@ -145,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             server = ch.Server.parse(proc.url)
             release = server.version()
             results = []
+            if args.sink:
+                print(json.dumps({"sink": sink_throughput(server, args.sink)}), flush=True)
             for n in (int(s) for s in args.sizes.split(",")):
                 table = f"records_{n}"
                 ch.create_table(server, table, ttl_days=0)
