@@ -14,6 +14,7 @@ from typing import NoReturn
 from proxy import __version__, options
 from proxy.options import GROUPS, OPTIONS, Option, by_group
 from proxy.settings import ConfigError, build
+from proxy.store import ENGINES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -167,10 +168,25 @@ def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     p.add_argument(
         "records",
-        nargs="?",
-        help="a record folder written by serve --record (or an older record file, rotated siblings included)",
+        nargs="*",
+        help="record folders written by serve --record, record files (older rotated siblings included), globs",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=ENGINES[0],
+        help="what reads the records: the embedded engine (duckdb) or plain Python, for small files (duckdb)",
     )
     p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
+    p.add_argument(
+        "--clickhouse",
+        metavar="URL",
+        help="read the records from ClickHouse's HTTP interface instead (user and password: the URL's, or "
+        "LLMTAP_RECORD_CLICKHOUSE_USER / LLMTAP_RECORD_CLICKHOUSE_PASSWORD)",
+    )
+    p.add_argument(
+        "--clickhouse-table", dest="clickhouse_table", default="llmtap_records", help="its table (llmtap_records)"
+    )
     p.add_argument("--before", metavar="V1", help="prompt version before the change")
     p.add_argument("--after", metavar="V2", help="prompt version after the change")
     p.add_argument("--split-at", dest="split_at", metavar="TIME", help="split at this ISO 8601 time instead")
@@ -195,10 +211,25 @@ def _slo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     p.add_argument(
         "records",
-        nargs="?",
-        help="a record folder written by serve --record (or an older record file, rotated siblings included)",
+        nargs="*",
+        help="record folders written by serve --record, record files (older rotated siblings included), globs",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=ENGINES[0],
+        help="what reads the records: the embedded engine (duckdb) or plain Python, for small files (duckdb)",
     )
     p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
+    p.add_argument(
+        "--clickhouse",
+        metavar="URL",
+        help="read the records from ClickHouse's HTTP interface instead (user and password: the URL's, or "
+        "LLMTAP_RECORD_CLICKHOUSE_USER / LLMTAP_RECORD_CLICKHOUSE_PASSWORD)",
+    )
+    p.add_argument(
+        "--clickhouse-table", dest="clickhouse_table", default="llmtap_records", help="its table (llmtap_records)"
+    )
     p.add_argument(
         "--config",
         metavar="FILE",

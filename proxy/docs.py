@@ -203,6 +203,11 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "relayed its request (`telemetry.peer_address`, docs/fleet.md): `sent`, `dropped` (the same queue's bounds), "
         "`failed` (refused, unreachable, or over 2 s).",
     ),
+    sc.CLICKHOUSE_OUTCOME: (
+        "string",
+        "What became of one INSERT of request records into ClickHouse (`--record-clickhouse`): `ok`, or `failed` "
+        "(unreachable, or it answered an error; the batch is tried again, with a growing pause).",
+    ),
     sc.DECODE_DURATION: ("double", "Seconds from the first content chunk to the last."),
     sc.INPUT_TOKENS: (
         "int",
@@ -246,8 +251,10 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "Why telemetry was dropped: `queue_full` (the recorder's queue, or the span export queue), "
         "`export_failed` (the collector refused or could not be reached), `shutdown` (still queued at the flush "
         "deadline); for tapes also `channel_full`, `evicted`, `partial` and, read in part, `inflate_limit` and "
-        "`body_limit`; for records `no_space`, `io_error` and `invalid`, and as OTLP log records (`--record-logs`) "
-        "`otlp_queue_full` and `otlp_export_failed`.",
+        "`body_limit`; for records `no_space`, `io_error` and `invalid`, as OTLP log records (`--record-logs`) "
+        "`otlp_queue_full` and `otlp_export_failed`, and for the ClickHouse sink `clickhouse_queue_full` (its queue "
+        "was at its bound), `clickhouse_rejected` (ClickHouse refused a batch three times), `clickhouse_unsent` "
+        "(still queued at shutdown).",
     ),
     sc.TELEMETRY_ATTRIBUTE: (
         "string",
@@ -297,6 +304,7 @@ UNEXERCISED: dict[str, tuple[str, ...]] = {
     sc.METRIC_OTLP_ROUTED: (sc.OTLP_FORWARD_OUTCOME,),
     sc.METRIC_ADMIN_REFUSED: (sc.ADMIN_REASON,),
     sc.METRIC_TRACE_CONTEXT_IGNORED: (sc.TRACE_CONTEXT_REASON,),
+    sc.METRIC_CLICKHOUSE_INSERTS: (sc.CLICKHOUSE_OUTCOME,),
 }
 
 _SERVER_SETTING = "`telemetry.server_metrics: true`"
@@ -362,6 +370,8 @@ METRICS: dict[str, str] = {
     sc.METRIC_ADMIN_REFUSED: "Each admin connection or request refused or cut; every reason reads 0 from the start.",
     sc.METRIC_EVENT_STREAMS: "The live view's open `/events` streams, up and down as they open and end.",
     sc.METRIC_TRACE_CONTEXT_IGNORED: "Each client trace header too long to read; every reason reads 0 from the start.",
+    sc.METRIC_CLICKHOUSE_INSERTS: "Each INSERT of a batch of records into ClickHouse (`--record-clickhouse`); every "
+    "outcome reads 0 from the start.",
 }
 
 #: The timing definitions every figure rests on (DESIGN, "Timing definitions"); all from one monotonic clock.

@@ -268,6 +268,19 @@ class Telemetry:
 
 
 @dataclass(frozen=True, slots=True)
+class ClickHouseRecords:
+    """Where the records go in ClickHouse (``--record-clickhouse``), and the sink's bounds."""
+
+    url: str
+    table: str = default("record_clickhouse_table")
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ttl_days: int = default("record_clickhouse_ttl_days")
+    max_records: int = default("record_clickhouse_queue")
+    max_bytes: int = int(default("record_clickhouse_queue_mb") * MIB)
+
+
+@dataclass(frozen=True, slots=True)
 class Records:
     """Request records (``--record DIR``): a dataset of JSON-lines files (``proxy.telemetry.dataset``).
 
@@ -282,11 +295,13 @@ class Records:
     #: ``jsonl``: closed files are gzip-compressed JSON lines; ``parquet``: Parquet files (``pyarrow``).
     format: str = default("record_format")
     logs: bool = default("record_logs")
+    #: ``--record-clickhouse URL``: the records also go to this ClickHouse (``proxy.store.clickhouse``).
+    clickhouse: ClickHouseRecords | None = None
 
     @property
     def on(self) -> bool:
         """Whether records are made at all."""
-        return bool(self.path) or self.logs
+        return bool(self.path) or self.logs or self.clickhouse is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -750,9 +765,35 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
             keep_s=values["record_keep_hours"] * 3600.0,
             format=values["record_format"],
             logs=values["record_logs"],
+            clickhouse=_clickhouse_records(values),
         ),
         workers=values["workers"],
         telemetry_workers=values["telemetry_workers"],
+    )
+
+
+def _clickhouse_records(values: Mapping[str, Any]) -> ClickHouseRecords | None:
+    """``--record-clickhouse`` and its settings; the password from its variable, else its file."""
+    if not values["record_clickhouse"]:
+        return None
+    password = values["record_clickhouse_password"]
+    password_file = values["record_clickhouse_password_file"]
+    if password is None and password_file:
+        try:
+            password = Path(password_file).read_text(encoding="utf-8").rstrip("\r\n")
+        except OSError as exc:
+            raise ConfigError(f"record_clickhouse_password_file {password_file!r}: {exc.strerror or exc}") from None
+    table = values["record_clickhouse_table"]
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?", table):
+        raise ConfigError(f"record_clickhouse_table {table!r}: expected a name like llmtap_records or db.records")
+    return ClickHouseRecords(
+        url=values["record_clickhouse"],
+        table=table,
+        user=values["record_clickhouse_user"],
+        password=password,
+        ttl_days=values["record_clickhouse_ttl_days"],
+        max_records=values["record_clickhouse_queue"],
+        max_bytes=max(int(values["record_clickhouse_queue_mb"] * MIB), 1024),
     )
 
 

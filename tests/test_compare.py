@@ -183,7 +183,7 @@ def test_ways_to_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert out.strip().splitlines()[-1].startswith("regression")
     write(tmp_path / "three.jsonl", [*gain_records(), record("v3", 0.2)])
     for argv, message in [
-        (["compare", str(tmp_path / "three.jsonl")], "versions seen: v1, v2, v3"),
+        (["compare", str(tmp_path / "three.jsonl")], "versions seen: v1, v3, v2"),
         (["compare", str(path), "--before", "v1"], "--before and --after go together"),
         (["compare", str(path), "--before", "v1", "--after", "v2", "--split-at", "2026-05-01"], "not both"),
         (["compare", str(tmp_path / "missing.jsonl"), "--before", "a", "--after", "b"], "no record file"),

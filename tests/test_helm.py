@@ -209,7 +209,7 @@ def test_pieces_are_wired_to_each_other(case: dict[str, Any]) -> None:
     refs = {
         e["name"]: e["valueFrom"]["secretKeyRef"]
         for e in proxy["env"]
-        if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]
+        if "valueFrom" in e and "secretKeyRef" in e["valueFrom"] and e["name"] != "LLMTAP_RECORD_CLICKHOUSE_PASSWORD"
     }
     peers = case.get("peers", {})
     if peers.get("enabled"):  # the replicas' shared token, from its own Secret
@@ -269,6 +269,36 @@ def test_records_get_a_writable_volume_under_the_read_only_root() -> None:
     assert "records" not in {v["name"] for v in default["Deployment"][0]["spec"]["template"]["spec"]["volumes"]}
     (config_map,) = [c for c in default["ConfigMap"] if "llmtap.yaml" in c["data"]]
     assert "path" not in yaml.safe_load(config_map["data"]["llmtap.yaml"])["record"]
+
+
+def test_the_clickhouse_case_sends_records_with_the_password_from_its_secret(tmp_path: Path) -> None:
+    case = values_of(CHART / "ci" / "clickhouse-values.yaml")
+    docs = by_kind(manifests(case))
+    (config_map,) = [c for c in docs["ConfigMap"] if "llmtap.yaml" in c["data"]]
+    assert "secret" not in config_map["data"]["llmtap.yaml"].lower()
+    path = tmp_path / "llmtap.yaml"
+    path.write_text(config_map["data"]["llmtap.yaml"], encoding="utf-8")
+    env = {e["name"]: e for e in docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    ref = env["LLMTAP_RECORD_CLICKHOUSE_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "clickhouse-llmtap", "key": "password"}
+    # As the pod reads it: the file, and the variable Kubernetes fills from the Secret.
+    loaded = llmtap_settings.build({"config": str(path)}, env={"LLMTAP_RECORD_CLICKHOUSE_PASSWORD": "pw"})
+    got = loaded.record.clickhouse
+    assert got is not None
+    assert (got.url, got.table, got.user, got.password, got.ttl_days, got.max_records) == (
+        "http://clickhouse.db:8123",
+        "llm.requests",
+        "llmtap",
+        "pw",
+        90,
+        50000,
+    )
+    # Off by default: no ClickHouse in the config, no password variable.
+    default = by_kind(manifests({}))
+    (plain,) = [c for c in default["ConfigMap"] if "llmtap.yaml" in c["data"]]
+    assert "clickhouse" not in plain["data"]["llmtap.yaml"]
+    default_env = default["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "LLMTAP_RECORD_CLICKHOUSE_PASSWORD" not in {e["name"] for e in default_env}
 
 
 # --- values: commented, closed, and enforced ----------------------------------------------------
@@ -335,8 +365,9 @@ def test_schema_and_values_describe_the_same_keys() -> None:
         ("config:\n  routes:\n    - upstream: http://vllm:8000\n      prefx: /\n", "'prefx' not allowed"),
         ("service:\n  port: '8080'\n", "at '/service/port': got string, want integer"),
         ("hpa:\n  enabled: true\n  maxReplicas: many\n", "at '/hpa/maxReplicas'"),
+        ("clickhouse:\n  url: http://u:pw@clickhouse:8123\n", "at '/clickhouse/url'"),
     ],
-    ids=["unknown-key", "wrong-type", "unknown-route-key", "port-as-string", "nested-wrong-type"],
+    ids=["unknown-key", "wrong-type", "unknown-route-key", "port-as-string", "nested-wrong-type", "password-in-url"],
 )
 def test_bad_values_fail_lint_with_the_key_named(bad: str, named: str, tmp_path: Path) -> None:
     values_file = tmp_path / "bad-values.yaml"

@@ -1,6 +1,7 @@
 """``llmtap compare``: did a prompt change make caching work, and what did it buy in TTFT?
 
-Reads request records (``--record``) or a Prometheus server's HTTP API, splits the requests into
+Reads request records (``--record``: any number of files, globs and directories, read by the embedded
+engine, ``proxy.store``) or a Prometheus server's HTTP API, splits the requests into
 before and after (by prompt version, or at a moment in time) and prints, for each side, TTFT
 p50/p95/p99 with bootstrap 95% confidence intervals, prefill time, the cached-token share, the cache
 classes and the request counts, then a one-line verdict. The verdict rests on the confidence interval
@@ -20,18 +21,18 @@ import textwrap
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
+from proxy import store
 from proxy.analysis import slo as slo_report
 from proxy.analysis.promql import Prometheus, quote
 from proxy.analysis.slo import Objectives, Verdict
 from proxy.analysis.stats import Distribution, Estimate, change_estimates, quantile_estimate
 from proxy.analysis.units import parse_duration, parse_time, seconds
 from proxy.settings import ConfigError, build
-from proxy.telemetry.records import ReadStats, read_records
 
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
 MIN_REQUESTS = 3
@@ -103,83 +104,19 @@ class Comparison:
         return asdict(self)
 
 
-class Row(NamedTuple):
-    """The part of one request record a comparison reads (small: a record file can hold 200,000)."""
-
-    time: float
-    version: str | None
-    route: str | None
-    model: str | None
-    shape: str | None
-    ok: bool
-    stream: bool
-    ttft: float | None
-    prefill: float | None
-    prefill_source: str | None
-    input_tokens: int | None
-    cached_tokens: int | None
-    cache_class: str | None
-
-
-def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _str(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def row(rec: dict[str, Any]) -> Row:
-    """A record reduced to a row; wrong-typed fields read as absent."""
-    tokens, cache = rec.get("tokens"), rec.get("cache")
-    tokens = tokens if isinstance(tokens, dict) else {}
-    cache = cache if isinstance(cache, dict) else {}
-    try:
-        t = parse_time(str(rec.get("time")))
-    except ConfigError:
-        t = math.nan
-    return Row(
-        time=t,
-        version=_str(rec.get("prompt_version")),
-        route=_str(rec.get("route")),
-        model=_str(rec.get("model")),
-        shape=_str(rec.get("shape")),
-        ok=rec.get("outcome") == "ok",
-        stream=rec.get("stream") is True,
-        ttft=_num(rec.get("ttft")),
-        prefill=_num(rec.get("prefill")),
-        prefill_source=_str(rec.get("prefill_source")),
-        input_tokens=_int(tokens.get("input")),
-        cached_tokens=_int(tokens.get("cache_read")),
-        cache_class=_str(cache.get("class")),
-    )
-
-
-def side_from_rows(label: str, rows: Iterable[Row]) -> Side:
-    """A side from record rows: TTFT and prefill of successful streams, tokens of successful requests."""
+def side_from_groups(label: str, groups: Iterable[store.Group]) -> Side:
+    """A side from a source's groups: TTFT and prefill of successful streams, tokens of successful requests."""
+    groups = list(groups)
     side = Side(label)
-    ttft: list[float] = []
-    prefill: list[float] = []
-    for r in rows:
-        side.requests += 1
-        if r.cache_class:
-            side.classes[r.cache_class] += 1
-        if not r.ok:
-            side.errors += 1
-            continue
-        if r.stream and r.ttft is not None:
-            ttft.append(r.ttft)
-            if r.prefill is not None:
-                prefill.append(r.prefill)
-                side.prefill_sources.add(r.prefill_source or "unknown")
-        if r.input_tokens is not None:
-            side.input_tokens += r.input_tokens
-            side.cached_tokens += r.cached_tokens or 0
-    side.ttft, side.prefill = Distribution(ttft), Distribution(prefill)
+    for g in groups:
+        side.requests += g.requests
+        side.errors += g.errors
+        side.classes.update(g.classes)
+        side.prefill_sources |= g.prefill_sources
+        side.input_tokens += g.input_tokens
+        side.cached_tokens += g.cached_tokens
+    side.ttft = Distribution.of_sorted(store.merged([g.ttft_ok for g in groups]))
+    side.prefill = Distribution.of_sorted(store.merged([g.prefill for g in groups]))
     return side
 
 
@@ -196,7 +133,8 @@ def figures(side: Side, rng: random.Random, resamples: int) -> SideFigures:
         cached_share=side.cached_share,
         input_tokens=side.input_tokens,
         cached_tokens=side.cached_tokens,
-        classes=dict(side.classes.most_common()),
+        # Most first, ties by name: the same order whichever source read the records.
+        classes=dict(sorted(side.classes.items(), key=lambda kv: (-kv[1], kv[0]))),
     )
 
 
@@ -309,32 +247,21 @@ class Split:
         )
 
 
-def _side_of(r: Row, split: Split) -> str | None:
-    if split.at is not None:
-        if split.window is not None and not split.at - split.window <= r.time < split.at + split.window:
-            return None
-        return "before" if r.time < split.at else "after" if r.time >= split.at else None
-    if r.version is not None and r.version == split.before:
-        return "before"
-    if r.version is not None and r.version == split.after:
-        return "after"
-    return None
-
-
-def by_versions(rows: Sequence[Row], split: Split) -> Split:
-    """The split as given; with neither versions nor a time, the two versions the rows hold, in order of appearance."""
+def by_versions(groups: Sequence[store.Group], split: Split) -> Split:
+    """The split as given; with neither versions nor a time, the two versions the records hold, oldest first
+    (by each version's first request)."""
     if split.at is not None or (split.before is not None and split.after is not None):
         return split
     if split.before is not None or split.after is not None:
         raise ConfigError("--before and --after go together")
     seen: dict[str, float] = {}
-    for r in rows:
-        if r.version is not None and r.version not in seen:
-            seen[r.version] = r.time
+    for g in groups:
+        if g.key is not None:
+            seen[g.key] = min(seen.get(g.key, math.inf), g.first)
     if len(seen) != 2:
-        names = ", ".join(seen) or "none"
+        names = ", ".join(sorted(seen, key=lambda v: (seen[v], v))) or "none"
         raise ConfigError(f"say how to split: --before V1 --after V2, or --split-at TIME (versions seen: {names})")
-    first, second = sorted(seen, key=lambda v: seen[v])
+    first, second = sorted(seen, key=lambda v: (seen[v], v))
     return Split(first, second, window=split.window, until=split.until)
 
 
@@ -357,81 +284,74 @@ class Sides:
 
 
 def compare_records(
-    path: str | Path,
+    path: str | Path | Sequence[str | Path],
     split: Split,
     *,
     route: str | None = None,
     model: str | None = None,
     shape: str | None = None,
+    engine: str = store.ENGINES[0],
     **options: Any,
 ) -> Comparison:
-    """Compare over a record file and its rotated siblings (what the demo's verdict comes from)."""
-    return record_sides(path, split, route=route, model=model, shape=shape).compare(**options)
+    """Compare over record files (what the demo's verdict comes from)."""
+    return record_sides(path, split, route=route, model=model, shape=shape, engine=engine).compare(**options)
 
 
 def record_sides(
-    path: str | Path,
+    path: str | Path | Sequence[str | Path],
     split: Split,
     *,
     route: str | None = None,
     model: str | None = None,
     shape: str | None = None,
     objectives: Objectives | None = None,
+    engine: str | store.Source = store.ENGINES[0],
 ) -> Sides:
-    """Read a record file and its rotated siblings and split their requests."""
-    stats = ReadStats()
+    """Read record files (paths, globs, directories; rotated siblings included) and split their requests;
+    ``engine`` names what reads them, or is a source of its own (ClickHouse: ``path`` is then unused).
 
-    def wanted(r: Row) -> bool:
-        return (
-            (route is None or r.route == route)
-            and (model is None or r.model == model)
-            and (shape is None or r.shape == shape)
-        )
-
-    rows = [r for r in map(row, read_records(path, stats)) if wanted(r)]
-    if not stats.files:
-        raise ConfigError(f"no record file at {str(path)!r}")
-    if split.at is None and split.window is not None:
-        # A version split over a window: the last ``window`` seconds before ``until`` (or now).
-        end = split.until if split.until is not None else time.time()
-        rows = [r for r in rows if end - split.window <= r.time <= end]
-        window = (end - split.window, end)
+    One scan of the source: the records that pass the filter, grouped by side (prompt version, or before
+    and after ``--split-at``), route and shape, each figure's values sorted by the source."""
+    paths = [path] if isinstance(path, str | Path) else list(path)
+    where = store.Filter(route=route, model=model, shape=shape)
+    by: store.By
+    if split.at is not None:
+        by = split.at
+        if split.window is not None:
+            where = replace(where, start=split.at - split.window, end=split.at + split.window, open_end=True)
     else:
-        window = (-math.inf, math.inf)
-    split = by_versions(rows, split)
-    sides: dict[str, list[Row]] = {"before": [], "after": []}
-    for r in rows:
-        side = _side_of(r, split)
-        if side is not None:
-            sides[side].append(r)
-    files = len(stats.files)
-    before, after = (
-        side_from_rows(split.before or "before", sides["before"]),
-        side_from_rows(split.after or "after", sides["after"]),
-    )
-    # The SLO verdicts of each side: the file read once more, each record kept by the side its row falls on.
+        by = store.VERSION
+        if split.window is not None:
+            # A version split over a window: the last ``window`` seconds before ``until`` (or now).
+            end = split.until if split.until is not None else time.time()
+            where = replace(where, start=end - split.window, end=end)
+    given = None if isinstance(engine, str) else engine
+    source = slo_report.open_source(paths, engine) if isinstance(engine, str) else engine
+    try:
+        scan = source.scan(where, by)
+        split = by_versions(scan.groups, split)
+        keys = ("before", "after") if split.at is not None else (split.before, split.after)
+        sides = [[g for g in scan.groups if g.key == k] for k in keys]
+        met = None
+        if objectives is not None:
+            met = source.count_met(where, by, slo_report.limits_of(sides[0] + sides[1], objectives))
+    finally:
+        source.close()
+    before = side_from_groups(split.before or "before", sides[0])
+    after = side_from_groups(split.after or "after", sides[1])
     verdicts: dict[str, list[Verdict]] = {}
-    for name, label in (("before", before.label), ("after", after.label)):
-
-        def on_side(rec: dict[str, Any], name: str = name) -> bool:
-            r = row(rec)
-            return wanted(r) and window[0] <= r.time <= window[1] and _side_of(r, split) == name
-
-        kept = [r for r in rows if _side_of(r, split) == name]
-        span = max(r.time for r in kept) - min(r.time for r in kept) if len(kept) > 1 else None
-        groups, _ = slo_report.record_groups(
-            (rec for rec in read_records(path, ReadStats()) if on_side(rec)),
-            start=None,
-            end=None,
-            objectives=objectives,
-        )
-        verdicts[label] = slo_report.verdicts(groups, span)
+    for side, groups in ((before, sides[0]), (after, sides[1])):
+        span = None
+        if side.requests > 1:
+            span = max(g.last for g in groups) - min(g.first for g in groups)
+        judged = slo_report.store_groups(groups, objectives=objectives, met=met)
+        verdicts[side.label] = slo_report.verdicts(judged, span)
     return Sides(
         before,
         after,
-        source=f"{path} ({files} file{'s' if files > 1 else ''}, {stats.records} records)",
+        source=slo_report.source_name(paths, scan) if given is None else f"{scan.source} ({scan.records} records)",
         split=split.describe(),
-        skipped={"truncated": stats.truncated, "foreign": stats.foreign, "other_schema": stats.other_schema},
+        skipped=scan.skipped,
         slo=verdicts,
     )
 
@@ -657,8 +577,8 @@ def plot(c: Comparison, before: Distribution, after: Distribution, path: str | P
 
 def main(args: Any) -> int:
     """``llmtap compare``; bad input raises ``ConfigError`` (exit code 2 in the CLI)."""
-    if (args.records is None) == (args.prometheus is None):
-        raise ConfigError("compare needs a record file or --prometheus URL (one of them)")
+    if sum((bool(args.records), args.prometheus is not None, args.clickhouse is not None)) != 1:
+        raise ConfigError("compare needs a record file or --prometheus URL or --clickhouse URL (one of them)")
     if args.split_at is not None and (args.before is not None or args.after is not None):
         raise ConfigError("split by version (--before/--after) or by time (--split-at), not both")
     if args.resamples is not None and args.resamples < 100:
@@ -676,8 +596,14 @@ def main(args: Any) -> int:
     )
     objectives = slo_report.config_objectives(build({"config": args.config}, env={})) if args.config else None
     where = {"route": args.route, "model": args.model, "shape": args.shape, "objectives": objectives}
-    if args.records is not None:
-        sides = record_sides(args.records, split, **where)
+    if args.records:
+        sides = record_sides(args.records, split, engine=args.engine, **where)
+    elif args.clickhouse is not None:
+        # ClickHouse filters, groups and sorts; the statistics and the verdict stay llmtap's.
+        from proxy.store.clickhouse import ClickHouseSource, server_from_env
+
+        source = ClickHouseSource(server_from_env(args.clickhouse), args.clickhouse_table)
+        sides = record_sides([], split, engine=source, **where)
     else:
         sides = prometheus_sides(args.prometheus, split, **where)
     comparison = sides.compare(

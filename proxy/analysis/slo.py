@@ -2,7 +2,8 @@
 
 An objective (``routes[].slo``, or the global ``slo``) says which figure, which percentile and what limit:
 ``p95 TTFT <= 800 ms`` for the long-prompt support assistant, ``p99 TTFT <= 60 ms`` for code completion.
-Over a window of request records (``--record``) or a Prometheus server's copy of the proxy's metrics,
+Over a window of request records (``--record``: any number of files, globs and directories, read by
+the embedded engine, ``proxy.store``) or a Prometheus server's copy of the proxy's metrics,
 this groups the requests by route and shape, reads each objective's percentile with its bootstrap 95%
 interval (``proxy.analysis.stats``), and says for each:
 
@@ -23,19 +24,20 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from proxy import store
 from proxy.analysis import shapes as shape_classes
 from proxy.analysis.promql import Prometheus, quote
 from proxy.analysis.shapes import needed
 from proxy.analysis.stats import Distribution, Estimate, quantile_estimate
 from proxy.analysis.units import parse_duration, parse_time, seconds
 from proxy.settings import SLO, ConfigError, Settings, build
-from proxy.telemetry.records import ReadStats, read_records
+from proxy.store.files import NoRecords
 
 #: The figures an objective can bound, as records and reports name them.
 FIGURES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E"}
@@ -175,90 +177,74 @@ def verdicts(
 # -- record files ----------------------------------------------------------------------------------
 
 
-def _objective(raw: Any) -> SLO | None:
-    """The objective a record carries, or None (a record of a request no objective judged)."""
-    if not isinstance(raw, dict):
+def _slo(objective: store.Objective | None) -> SLO | None:
+    """The objective a record carries, as the proxy's settings hold it."""
+    if objective is None:
         return None
-    limits = {k: float(v) for k in FIGURES if isinstance(v := raw.get(k), int | float) and not isinstance(v, bool)}
-    share = raw.get("percentile")
-    if not limits or not isinstance(share, int | float) or not 0 < share < 1:
-        return None
-    shape = raw.get("shape")
-    return SLO(**limits, percentile=float(share), shape=shape if isinstance(shape, str) else None)
+    limits = {k: v for k in FIGURES if (v := getattr(objective, k)) is not None}
+    return SLO(**limits, percentile=objective.percentile, shape=objective.shape)
 
 
-def record_groups(
-    records: Iterable[dict[str, Any]],
+def store_groups(
+    facts: Iterable[store.Group],
     *,
-    start: float | None,
-    end: float | None,
-    route: str | None = None,
-    shape: str | None = None,
     objectives: Objectives | None = None,
-) -> tuple[list[Group], float | None]:
-    """Records grouped by route and shape, and the seconds they span (the window's, when given)."""
-    groups: dict[tuple[str, str], Group] = {}
-    values: dict[tuple[str, str], dict[str, list[float]]] = {}
-    first, last = math.inf, -math.inf
-    for rec in records:
-        try:
-            t = parse_time(str(rec.get("time")))
-        except ConfigError:
+    met: dict[tuple[str | None, str, str], int] | None = None,
+) -> list[Group]:
+    """A source's groups of one side as SLO groups by route and shape (records without either left out).
+
+    Each record says what it was judged by, and the newest objective is what the proxy judges by now;
+    with ``objectives`` (``--config``), each group is judged by those instead, its ``met`` counted by
+    the source (``met``) as the proxy would have judged each request."""
+    out: list[Group] = []
+    for f in facts:
+        if f.route is None or f.shape is None:
             continue
-        if (start is not None and t < start) or (end is not None and t > end):
-            continue
-        r, sh = rec.get("route"), rec.get("shape")
-        if not isinstance(r, str) or not isinstance(sh, str):
-            continue  # written before shapes existed
-        if (route is not None and r != route) or (shape is not None and sh != shape):
-            continue
-        first, last = min(first, t), max(last, t)
-        key = (r, sh)
-        g = groups.get(key)
-        if g is None:
-            g = groups[key] = Group(r, sh, objective=objectives(r, sh) if objectives else None)
-            values[key] = {k: [] for k in FIGURES}
-        g.requests += 1
-        ok = rec.get("outcome") == "ok"
-        g.errors += not ok
+        g = Group(f.route, f.shape, requests=f.requests, errors=f.errors)
         if objectives is None:
-            # Each record says what it was judged by; the newest objective is what the proxy judges by now.
-            g.objective = _objective(rec.get("objective")) or g.objective
-            g.met += rec.get("slo") == "met"
+            g.objective, g.met = _slo(f.objective), f.met
         else:
-            g.met += _meets(rec, g.objective)
-        for figure in FIGURES:
-            value = rec.get(figure)
-            if not isinstance(value, int | float) or isinstance(value, bool):
-                continue
-            # As the histograms record them: TTFT of streams, TPOT of successful ones, E2E of all.
-            if (figure == "ttft" and rec.get("stream") is not True) or (figure == "tpot" and not ok):
-                continue
-            values[key][figure].append(float(value))
-    for key, g in groups.items():
-        g.figures = {k: Distribution(v) for k, v in values[key].items()}
-    if start is not None and end is not None:
-        span: float | None = end - start
-    else:
-        span = last - first if last > first else None
-    return list(groups.values()), span
+            g.objective = objectives(f.route, f.shape)
+            g.met = (met or {}).get((f.key, f.route, f.shape), 0) if g.objective is not None else 0
+        # As the histograms record them: TTFT of streams, TPOT of successful ones, E2E of all.
+        g.figures = {
+            "ttft": Distribution.of_sorted(store.merged([f.ttft_ok, f.ttft_failed])),
+            "tpot": Distribution.of_sorted(f.tpot),
+            "e2e": Distribution.of_sorted(f.e2e),
+        }
+        out.append(g)
+    return out
 
 
-def _meets(rec: dict[str, Any], objective: SLO | None) -> bool:
-    """Whether a record meets another objective than its own (``--config``), as the proxy would judge it."""
-    if objective is None or rec.get("outcome") != "ok":
-        return False
-    for figure, limit in objective.limits().items():
-        value = rec.get(figure)
-        if figure == "tpot" and value is None:
-            value = 0.0  # one chunk: nothing to time, nothing missed (``summary.slo_outcome``)
-        if not isinstance(value, int | float) or value > limit:
-            return False
-    return True
+def limits_of(facts: Iterable[store.Group], objectives: Objectives | None) -> dict[tuple[str, str], dict[str, float]]:
+    """The limits ``--config`` sets for each route and shape of ``facts`` (what a source counts ``met`` by)."""
+    if objectives is None:
+        return {}
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for f in facts:
+        if f.route is not None and f.shape is not None and (o := objectives(f.route, f.shape)) is not None:
+            out[(f.route, f.shape)] = o.limits()
+    return out
+
+
+def open_source(paths: Sequence[str | Path], engine: str) -> store.Source:
+    """The record files ``paths`` name, read by ``engine``; ``ConfigError`` when there are none."""
+    try:
+        return store.open_source([str(p) for p in paths], engine)
+    except NoRecords as exc:
+        raise ConfigError(str(exc)) from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def source_name(paths: Sequence[str | Path], scan: store.Scan) -> str:
+    """What a report says it read: the paths, the files and the records."""
+    files = scan.files
+    return f"{', '.join(str(p) for p in paths)} ({files} file{'s' if files != 1 else ''}, {scan.records} records)"
 
 
 def from_records(
-    path: str | Path,
+    path: str | Path | Sequence[str | Path],
     *,
     window: float | None = None,
     until: float | None = None,
@@ -267,19 +253,31 @@ def from_records(
     objectives: Objectives | None = None,
     resamples: int = RESAMPLES,
     seed: int = 0,
+    engine: str | store.Source = store.ENGINES[0],
 ) -> Report:
-    """The verdicts over a record file and its rotated siblings."""
-    stats = ReadStats()
+    """The verdicts over record files (paths, globs, directories; rotated siblings included); ``engine`` names
+    what reads them, or is a source of its own (ClickHouse: ``path`` is then unused)."""
+    paths = [path] if isinstance(path, str | Path) else list(path)
     end = until if until is not None else (time.time() if window is not None else None)
     start = end - window if window is not None and end is not None else None
-    groups, span = record_groups(
-        read_records(path, stats), start=start, end=end, route=route, shape=shape, objectives=objectives
-    )
-    if not stats.files:
-        raise ConfigError(f"no record file at {str(path)!r}")
-    files = len(stats.files)
+    where = store.Filter(route=route, shape=shape, start=start, end=end)
+    given = None if isinstance(engine, str) else engine
+    source = open_source(paths, engine) if isinstance(engine, str) else engine
+    try:
+        scan = source.scan(where, None)
+        met = source.count_met(where, None, limits_of(scan.groups, objectives)) if objectives else None
+    finally:
+        source.close()
+    groups = store_groups(scan.groups, objectives=objectives, met=met)
+    judged = [f for f in scan.groups if f.route is not None and f.shape is not None]
+    if start is not None and end is not None:
+        span: float | None = end - start
+    else:
+        first = min((f.first for f in judged), default=math.inf)
+        last = max((f.last for f in judged), default=-math.inf)
+        span = last - first if last > first else None
     return Report(
-        source=f"{path} ({files} file{'s' if files > 1 else ''}, {stats.records} records)",
+        source=source_name(paths, scan) if given is None else f"{scan.source} ({scan.records} records)",
         window=_describe(window, until),
         seconds=span,
         verdicts=verdicts(groups, span, resamples=resamples, seed=seed),
@@ -399,8 +397,8 @@ def render(report: Report) -> str:
 
 def main(args: Any) -> int:
     """``llmtap slo``; bad input raises ``ConfigError`` (exit code 2). With ``--check``, 1 when any missed."""
-    if (args.records is None) == (args.prometheus is None):
-        raise ConfigError("slo needs a record file or --prometheus URL (one of them)")
+    if sum((bool(args.records), args.prometheus is not None, args.clickhouse is not None)) != 1:
+        raise ConfigError("slo needs a record file or --prometheus URL or --clickhouse URL (one of them)")
     if args.resamples is not None and args.resamples < 100:
         raise ConfigError("--resamples must be at least 100")
     objectives = config_objectives(build({"config": args.config}, env={})) if args.config else None
@@ -412,8 +410,14 @@ def main(args: Any) -> int:
         "resamples": RESAMPLES if args.resamples is None else args.resamples,
         "seed": args.seed,
     }
-    if args.records is not None:
-        report = from_records(args.records, objectives=objectives, **options)
+    if args.records:
+        report = from_records(args.records, objectives=objectives, engine=args.engine, **options)
+    elif args.clickhouse is not None:
+        # ClickHouse filters, groups and sorts; the statistics and the verdicts stay llmtap's.
+        from proxy.store.clickhouse import ClickHouseSource, server_from_env
+
+        source = ClickHouseSource(server_from_env(args.clickhouse), args.clickhouse_table)
+        report = from_records([], objectives=objectives, engine=source, **options)
     else:
         if objectives is None:
             raise ConfigError("with --prometheus, give the proxy's --config FILE: the objectives are in its routes")

@@ -83,13 +83,20 @@ class Distribution:
     """An empirical distribution: raw samples, or a histogram's cumulative buckets ``(le, count)``."""
 
     def __init__(self, values: Iterable[float] = (), *, buckets: Sequence[tuple[float, float]] | None = None) -> None:
-        self._values = sorted(values)
+        self._values: Sequence[float] = sorted(values)
         self._bounds: list[float] = []
         self._cumulative: list[float] = []
         if buckets:
             for le, count in sorted(buckets):
                 self._bounds.append(le)
                 self._cumulative.append(max(count, self._cumulative[-1] if self._cumulative else 0.0))
+
+    @classmethod
+    def of_sorted(cls, values: Sequence[float]) -> Distribution:
+        """Samples already in ascending order, kept as given (an ``array('d')`` of millions stays compact)."""
+        dist = cls()
+        dist._values = values
+        return dist
 
     @property
     def n(self) -> int:

@@ -196,6 +196,11 @@ def startup_lines(settings: Settings, port: int, admin_port: int) -> list[str]:
     )
     if rec.logs:
         records += ", as OTLP log records too"
+    if rec.clickhouse is not None:
+        # The URL as the sink uses it: any password it carried is left out.
+        from proxy.store.clickhouse import Server
+
+        records += f"; ClickHouse {Server.parse(rec.clickhouse.url).url} table {rec.clickhouse.table}"
     where = "stderr" if settings.access_log == "-" else settings.access_log
     access = f"access log: {where}" if where else "access log: off (--access-log PATH, - for stderr)"
     lines.append(f"{records}; {access}")

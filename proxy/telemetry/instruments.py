@@ -84,6 +84,7 @@ class Instruments:
     admin_refused: Counter
     trace_context_ignored: Counter
     event_streams: UpDownCounter
+    clickhouse_inserts: Counter
 
 
 def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Sequence[float]) -> Histogram:
@@ -285,5 +286,11 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         ),
         event_streams=meter.create_up_down_counter(
             sc.METRIC_EVENT_STREAMS, unit="{stream}", description="The live view's /events streams open now."
+        ),
+        clickhouse_inserts=meter.create_counter(
+            sc.METRIC_CLICKHOUSE_INSERTS,
+            unit="{insert}",
+            description="Batches of request records sent to ClickHouse (--record-clickhouse), by "
+            "llmtap.clickhouse.outcome (ok, failed).",
         ),
     )

@@ -114,7 +114,11 @@ class Recorder:
         self.identity = identity.current()
         #: Where records go (``--record DIR``, ``--record-logs``), written by the worker thread.
         self.sinks: list[Sink] = build_sinks(
-            settings, self.identity, self._count_record_drop, logger_provider=logger_provider
+            settings,
+            self.identity,
+            self._count_record_drop,
+            logger_provider=logger_provider,
+            on_insert=self._count_clickhouse_insert,
         )
         for reason in drop_reasons(settings):
             self._count_record_drop(reason, 0)
@@ -392,6 +396,12 @@ class Recorder:
             self.instruments.records_dropped.add(n, {sc.TELEMETRY_REASON: reason})
         except Exception:
             log.debug("telemetry: could not count a lost record", exc_info=True)
+
+    def _count_clickhouse_insert(self, outcome: str, n: int) -> None:
+        try:
+            self.instruments.clickhouse_inserts.add(n, {sc.CLICKHOUSE_OUTCOME: outcome})
+        except Exception:
+            log.debug("telemetry: could not count a ClickHouse insert", exc_info=True)
 
     def _count_drop(self, reason: str, n: int = 1) -> None:
         try:

@@ -113,6 +113,7 @@ OTLP_REJECT_REASON = "llmtap.otlp.reason"  # why the span receiver refused a bod
 OTLP_FORWARD_OUTCOME = "llmtap.otlp.outcome"  # sent, dropped, failed, unowned: a received span passed on
 TRACE_CONTEXT_REASON = "llmtap.trace_context.reason"  # why a client's trace header was ignored
 ADMIN_REASON = "llmtap.admin.reason"  # why the admin listener closed, refused or ignored something
+CLICKHOUSE_OUTCOME = "llmtap.clickhouse.outcome"  # ok, failed: an INSERT of records into ClickHouse
 TELEMETRY_ATTRIBUTE = "llmtap.telemetry.attribute"  # the metric attribute a label guard bounds
 DRIFT_DIRECTION = "llmtap.tokens.drift.direction"
 # Prompt fingerprints and cache diagnosis (one attribute per prompt region: tools, system, m0.., rest).
@@ -254,3 +255,4 @@ METRIC_OTLP_ROUTED = "llmtap.otlp.routed"  # the receiver's spans passed to the 
 METRIC_TRACE_CONTEXT_IGNORED = "llmtap.trace_context.ignored"  # client trace headers too long to read, by reason
 METRIC_ADMIN_REFUSED = "llmtap.admin.refused"  # admin connections and requests refused or cut, by reason
 METRIC_EVENT_STREAMS = "llmtap.admin.event_streams"  # the live view's /events streams open now
+METRIC_CLICKHOUSE_INSERTS = "llmtap.telemetry.clickhouse.inserts"  # batches of records sent to ClickHouse, by outcome

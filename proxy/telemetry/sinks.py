@@ -36,6 +36,10 @@ def drop_reasons(settings: Settings) -> tuple[str, ...]:
         from proxy.telemetry.recordlogs import LOG_DROP_REASONS
 
         reasons += LOG_DROP_REASONS
+    if settings.record.clickhouse is not None:
+        from proxy.store.clickhouse import DROP_REASONS
+
+        reasons += DROP_REASONS
     return reasons
 
 
@@ -45,10 +49,12 @@ def build_sinks(
     on_drop: Callable[[str, int], None],
     *,
     logger_provider: Any = None,
+    on_insert: Callable[[str, int], None] | None = None,
 ) -> list[Sink]:
     """The record sinks the settings ask for (none: records are not made at all).
 
-    ``logger_provider``: the SDK ``LoggerProvider`` log records go through (by default one of their own)."""
+    ``logger_provider``: the SDK ``LoggerProvider`` log records go through (by default one of their own);
+    ``on_insert``: counts each batch the ClickHouse sink sends, by outcome."""
     rec = settings.record
     sinks: list[Sink] = []
     if rec.path:
@@ -79,4 +85,8 @@ def build_sinks(
                 instance_id=identity.instance_id,
             )
         )
+    if rec.clickhouse is not None:
+        from proxy.store.clickhouse import clickhouse_sink
+
+        sinks.append(clickhouse_sink(rec.clickhouse, on_drop, on_insert))
     return sinks

@@ -57,7 +57,17 @@ stream ask a token of anything beyond the pod's loopback (the token file, when a
 {{- if .Values.records.enabled }}
 {{- $_ := set $listen "record" (dict "path" .Values.records.mountPath) }}
 {{- end }}
-{{- toYaml (merge $listen (deepCopy .Values.config)) }}
+{{- $config := merge $listen (deepCopy .Values.config) }}
+{{- with .Values.clickhouse }}
+{{- if .url }}
+{{- $record := dict "clickhouse" .url "clickhouse_table" .table "clickhouse_ttl_days" .ttlDays "clickhouse_queue" .queue }}
+{{- if .user }}
+{{- $_ := set $record "clickhouse_user" .user }}
+{{- end }}
+{{- $_ := set $config "record" (merge (get $config "record" | default dict) $record) }}
+{{- end }}
+{{- end }}
+{{- toYaml $config }}
 {{- end }}
 
 {{/* Where the admin token's Secret is mounted. */}}

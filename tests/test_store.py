@@ -1,0 +1,270 @@
+"""The record store: which files a path names, and the engine held to the plain-Python reference.
+
+The same records, read by DuckDB and by one pass of plain Python, must give EQUAL verdicts, figures and
+intervals (same seed): over missing and wrong-typed fields, errors, non-streams, several versions,
+routes and shapes, a time split and a version split, windows, the objectives records carry and those of
+a config, and lines that are not records.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy import store
+from proxy.analysis import compare, slo
+from proxy.settings import SLO
+from proxy.store.engine import EngineSource
+from proxy.store.files import NoRecords, record_files
+from proxy.store.python import PythonSource
+
+T0 = 1777636800.0  # 2026-05-01T12:00:00Z
+
+
+def iso(t: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+
+
+def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
+    """One record with a fair chance of every kind of oddity a file can hold."""
+    t = T0 + i * 7.3 + rng.random()
+    route = rng.choice(("support", "support", "completion", "chat"))
+    version: str | None = "v1" if t < T0 + 3600 else "v2"
+    if route == "chat" and rng.random() < 0.1:
+        version = "v3" if rng.random() < 0.5 else None  # a third version, and none, on one route only
+    ok = rng.random() > 0.08
+    stream = rng.random() < 0.85
+    ttft = rng.lognormvariate(-1.0 if version == "v1" else -1.8, 0.5)
+    rec: dict[str, Any] = {
+        "llmtap_record": rng.choice((1, 1, 1, 2)),
+        "time": iso(t),
+        "route": route,
+        "model": rng.choice(("m1", "m2")),
+        "shape": rng.choice(("long", "short", "short")),
+        "prompt_version": version,
+        "outcome": "ok" if ok else rng.choice(("error", "cancelled")),
+        "stream": stream,
+        "slo": rng.choice(("met", "missed", None)),
+        "ttft": round(ttft, 6) if stream else None,
+        "tpot": round(rng.uniform(0.01, 0.06), 6) if rng.random() < 0.9 else None,
+        "e2e": round(ttft + rng.uniform(0.5, 5), 6),
+        "prefill": round(ttft * 0.8, 6) if rng.random() < 0.7 else None,
+        "prefill_source": rng.choice(("estimated", "upstream_ttft", None)),
+        "tokens": {"input": rng.randint(100, 8000), "cache_read": rng.choice((0, 512, 4096, None))},
+        "cache": {"class": rng.choice(("hit", "miss_changed", "cold"))},
+        "objective": {"shape": "long", "percentile": 0.95, "ttft": rng.choice((0.5, 0.8)), "tpot": 0.05},
+    }
+    odd = rng.random()
+    if odd < 0.02:
+        rec["ttft"] = "0.5"  # a string is not a number
+    elif odd < 0.04:
+        rec["stream"] = "true"
+    elif odd < 0.06:
+        rec["tokens"] = [1, 2]
+    elif odd < 0.08:
+        rec["tokens"]["input"] = 12.5
+    elif odd < 0.10:
+        rec["objective"] = {"percentile": 1.5, "ttft": 0.5}
+    elif odd < 0.12:
+        rec["objective"] = {"percentile": 0.99, "e2e": True}
+    elif odd < 0.14:
+        del rec["route"]
+    elif odd < 0.16:
+        rec["shape"] = 7
+    elif odd < 0.18:
+        rec["time"] = "yesterday"
+    elif odd < 0.19:
+        rec["ttft"] = math.nan
+    elif odd < 0.20:
+        rec["e2e"] = True
+    elif odd < 0.21:
+        rec["time"] = iso(t).replace("+00:00", "Z")
+    elif odd < 0.22:
+        rec["outcome"] = 1
+    elif odd < 0.23:
+        rec["cache"] = None
+    return rec
+
+
+def odd_lines() -> str:
+    """Lines that are not records, each counted by its reason."""
+    return (
+        '{"msg": "a line of some other log"}\n'  # foreign
+        "[1, 2, 3]\n"  # foreign
+        "not json at all\n"  # foreign
+        '{"llmtap_record": 9, "time": "2026-05-01T12:00:00Z"}\n'  # other_schema
+        '{"llmtap_record": "1"}\n'  # other_schema
+        '{"llmtap_record": 1, "time": "2026-05-01T12:0\n'  # truncated: one of ours cut short
+        "\n   \n"  # blank: no line at all
+    )
+
+
+def write_records(path: Path, recs: list[dict[str, Any]], extra: str = "", *, gz: bool = False) -> Path:
+    text = "".join(json.dumps(r) + "\n" for r in recs) + extra
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three pods' files in the dataset layout, compressed and plain, one rotated legacy file, odd lines."""
+    root = tmp_path_factory.mktemp("records")
+    rng = random.Random(7)
+    recs = [hostile_record(rng, i) for i in range(1500)]
+    part = root / "date=2026-05-01" / "hour=12"
+    part.mkdir(parents=True)
+    write_records(part / "pod-a-1.jsonl.gz", recs[:500], odd_lines(), gz=True)
+    write_records(part / "pod-b-1.jsonl", recs[500:900], odd_lines())
+    # The same stem twice: only the .gz counts (the .jsonl is a leftover of the compression step).
+    write_records(part / "pod-c-1.jsonl.gz", recs[900:1200], gz=True)
+    write_records(part / "pod-c-1.jsonl", recs[900:1000])
+    legacy = root / "old"
+    legacy.mkdir()
+    write_records(legacy / "records.jsonl.1", recs[1200:1400])
+    # The last line cut short, as a killed proxy leaves it.
+    write_records(legacy / "records.jsonl", recs[1400:], '{"llmtap_record": 1, "time": "2026')
+    return root
+
+
+def test_paths_globs_directories_and_one_copy_per_stem(dataset: Path) -> None:
+    every = record_files([dataset])
+    names = sorted(p.name for p in every)
+    assert names == ["pod-a-1.jsonl.gz", "pod-b-1.jsonl", "pod-c-1.jsonl.gz", "records.jsonl", "records.jsonl.1"]
+    # A file path brings its rotated siblings; a glob crosses directories; the same file twice counts once.
+    assert [p.name for p in record_files([dataset / "old" / "records.jsonl"])] == ["records.jsonl.1", "records.jsonl"]
+    globbed = record_files([str(dataset / "**" / "pod-*.jsonl*"), dataset / "date=2026-05-01"])
+    assert sorted(p.name for p in globbed) == ["pod-a-1.jsonl.gz", "pod-b-1.jsonl", "pod-c-1.jsonl.gz"]
+    with pytest.raises(NoRecords, match="no record file at"):
+        record_files([dataset / "nowhere.jsonl", str(dataset / "*.parquet")])
+
+
+def facts(scan: store.Scan) -> list[tuple[Any, ...]]:
+    return sorted(
+        (
+            (g.key or "", g.route or "", g.shape or ""),
+            g.requests,
+            g.errors,
+            g.met,
+            g.first,
+            g.last,
+            g.input_tokens,
+            g.cached_tokens,
+            g.objective,
+            g.objective_time,
+            g.classes,
+            g.prefill_sources,
+            [list(getattr(g, a)) for a in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e")],
+        )
+        for g in scan.groups
+    )
+
+
+def test_the_engine_finds_the_same_facts_as_plain_python(dataset: Path) -> None:
+    with EngineSource([dataset]) as engine:
+        python = PythonSource([dataset])
+        for where, by in [
+            (store.Filter(), store.VERSION),
+            (store.Filter(), None),
+            (store.Filter(route="support", shape="long"), T0 + 3000.0),
+            (store.Filter(model="m2", start=T0 + 1000, end=T0 + 6000, open_end=True), T0 + 3600.0),
+        ]:
+            a, b = engine.scan(where, by), python.scan(where, by)
+            assert facts(a) == facts(b)
+            assert (a.records, a.files, a.skipped) == (b.records, b.files, b.skipped)
+        # 1500 records less the 100 duplicated by the leftover .jsonl; two files of odd lines, a cut last line.
+        assert a.records == 1500 and a.files == 5
+        assert a.skipped == {"truncated": 3, "foreign": 6, "other_schema": 4}
+        limits = {("support", "long"): {"ttft": 0.6, "tpot": 0.04}, ("chat", "short"): {"e2e": 2.0}}
+        assert engine.count_met(store.Filter(), store.VERSION, limits) == python.count_met(
+            store.Filter(), store.VERSION, limits
+        )
+        assert sum(engine.count_met(store.Filter(), None, limits).values()) > 0
+
+
+def lookup(route: str, shape: str) -> SLO | None:
+    return SLO(ttft=0.4, e2e=3.0, percentile=0.9) if route == "support" else None
+
+
+@pytest.mark.parametrize(
+    "split",
+    [
+        compare.Split(),
+        compare.Split(before="v2", after="v1"),
+        compare.Split(before="v1", after="v3"),
+        compare.Split(at=T0 + 3600.0),
+        compare.Split(at=T0 + 3600.0, window=1800.0),
+        compare.Split(before="v1", after="v2", window=7200.0, until=T0 + 5000.0),
+    ],
+)
+def test_compare_gives_equal_verdicts_figures_and_intervals_on_either_engine(dataset: Path, split: Any) -> None:
+    out = []
+    auto = split.at is None and split.before is None
+    wheres: list[dict[str, str]] = [{"route": "support"}, {"route": "completion", "shape": "short"}]
+    if not auto:  # two versions to find, where a third one is seen: say which
+        wheres += [{}, {"shape": "short", "model": "m1"}]
+    for engine in store.ENGINES:
+        for where in wheres:
+            sides = compare.record_sides([dataset], split, engine=engine, objectives=None, **where)
+            out.append(sides.compare(seed=3, resamples=300).to_json())
+        judged = compare.record_sides([dataset], split, engine=engine, objectives=lookup, route="support")
+        out.append(judged.compare(seed=5, resamples=300).to_json())
+    half = len(out) // 2
+    assert out[:half] == out[half:]
+    assert any(o["before"]["ttft_requests"] > 5 and o["after"]["ttft_requests"] > 5 for o in out)
+    assert any(v["checks"] for o in out for side in o["slo"].values() for v in side)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"window": 3000.0, "until": T0 + 6000.0}, {"route": "support"}, {"shape": "long"}, {"objectives": lookup}],
+)
+def test_slo_gives_equal_verdicts_on_either_engine(dataset: Path, options: dict[str, Any]) -> None:
+    a, b = (slo.from_records([dataset], resamples=300, seed=2, engine=e, **options) for e in store.ENGINES)
+    assert a.to_json() == b.to_json()
+    assert a.verdicts and any(c.estimate is not None for v in a.verdicts for c in v.checks)
+
+
+def test_parquet_reads_as_its_json_lines(tmp_path: Path) -> None:
+    """The same records as Parquet (the record's nested structure) give the same comparison."""
+    import duckdb
+
+    rng = random.Random(11)
+    recs = [hostile_record(rng, i) for i in range(600)]
+    # Parquet columns have one type each: keep the records whose fields have the usual types.
+    typed = [
+        r
+        for r in recs
+        if isinstance(r.get("ttft"), float | type(None))
+        and r.get("ttft") == r.get("ttft")
+        and isinstance(r.get("stream"), bool)
+        and isinstance(r.get("tokens"), dict)
+        and isinstance(r["tokens"].get("input"), int)
+        and isinstance(r.get("shape"), str)
+        and isinstance(r.get("outcome"), str)
+        and isinstance(r.get("e2e"), float)
+        and isinstance(r.get("cache"), dict)
+        and "route" in r
+        and set(r["objective"]) == {"shape", "percentile", "ttft", "tpot"}
+    ]
+    lines = write_records(tmp_path / "a.jsonl", typed)
+    con = duckdb.connect()
+    con.execute(f"COPY (SELECT * FROM read_json_auto('{lines}')) TO '{tmp_path / 'b.parquet'}' (FORMAT parquet)")
+    con.close()
+    split = compare.Split(at=T0 + 2000.0)
+    from_lines = compare.record_sides([lines], split, engine="python").compare(seed=1, resamples=300)
+    from_parquet = compare.record_sides([tmp_path / "b.parquet"], split).compare(seed=1, resamples=300)
+    assert from_lines.to_json() | {"source": ""} == from_parquet.to_json() | {"source": ""}
+    timed = [r for r in typed if r["time"] != "yesterday"]  # a record without a time is in no window
+    assert from_parquet.before.requests + from_parquet.after.requests == len(timed) > 300
