@@ -26,7 +26,7 @@ from proxy import cli
 from proxy.settings import ConfigError, build
 from proxy.simulator import get_profile, run_in_thread
 from proxy.store import clickhouse as ch
-from proxy.telemetry.records import SCHEMA_VERSION, RecordWriter
+from proxy.telemetry.records import SCHEMA_VERSION
 from tests.clickhouse_server import PASSWORD, USER, ClickHouseProcess, installed
 from tests.conftest import PATIENCE, free_port, require_real
 
@@ -319,12 +319,12 @@ def test_compare_and_slo_read_the_same_verdicts_from_clickhouse_as_from_the_file
 ) -> None:
     records = make_records(400)
     path = tmp_path / "records.jsonl"
-    writer = RecordWriter(path)
+    lines: list[str] = []
     sink = ch.ClickHouseSink(ch.Server.parse(server.url, user=USER, password=PASSWORD), "same_verdicts")
     for rec in records:
-        writer.write(rec)
+        lines.append(json.dumps(rec) + "\n")
         sink.write(rec)
-    writer.close()
+    path.write_text("".join(lines), encoding="utf-8")  # a record file as an earlier llmtap wrote it
     assert sink.drain(PATIENCE)
     sink.close()
     assert sink.written == 400 and _count(server, "same_verdicts") == 400
@@ -501,12 +501,12 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(server: ClickHo
     records[7]["cache"] = None
     records[8]["prefill_source"] = None
     path = tmp_path / "records.jsonl"
-    writer = RecordWriter(path)
+    lines: list[str] = []
     sink = ch.ClickHouseSink(ch.Server.parse(server.url), "source_check", ttl_days=0)
     for rec in records:
-        writer.write(rec)
+        lines.append(json.dumps(rec) + "\n")
         sink.write(rec)
-    writer.close()
+    path.write_text("".join(lines), encoding="utf-8")  # a record file as an earlier llmtap wrote it
     sink.close(PATIENCE)
     assert sink.written == 300, sink.dropped
     reference = PythonSource([path])
