@@ -1,7 +1,7 @@
 """Recipe: a week of traffic from six pods: did the prompt change pay? (docs/recipes.md)
 
-Six pods each write their own record files with the product's writer (``RecordWriter``, lines made by
-``record_line`` from a real timeline and summary), hour by hour in the dataset's layout, each closed hour
+Six pods each write their own record files (lines made by ``record_line`` from a real timeline and summary),
+hour by hour in the dataset's layout, each closed hour
 compressed to ``.jsonl.gz`` (one pod caught between writing the ``.gz`` and removing its ``.jsonl``).
 ``llmtap compare DIR`` then reads the whole directory through the command line and gives the verdict.
 """
@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from proxy.analysis.summary import summarize
-from proxy.telemetry.records import RecordWriter, record_line
+from proxy.telemetry import identity
+from proxy.telemetry.records import record_line
 from tests.conftest import PATIENCE
 from tests.test_recorder import timeline
 
@@ -32,7 +33,7 @@ def template() -> dict[str, Any]:
     """One real record line: what the telemetry process writes for a streamed chat request."""
     tl = timeline()
     tl.route, tl.prompt_version = "support", "v1"
-    return record_line(tl, summarize(tl), None)
+    return record_line(tl, summarize(tl), None, identity.current())
 
 
 def week_of_records(root: Path) -> int:
@@ -47,7 +48,7 @@ def week_of_records(root: Path) -> int:
             part = root / f"date={moment:%Y-%m-%d}" / f"hour={moment:%H}"
             for pod in range(PODS):
                 path = part / f"llmtap-{pod}-{int(start)}.jsonl"
-                writer = RecordWriter(path)
+                lines: list[str] = []
                 for _ in range(4):
                     t = start + rng.uniform(0, 3500)
                     v2 = t >= WEEK_START + 3.5 * 86400
@@ -59,9 +60,10 @@ def week_of_records(root: Path) -> int:
                     rec["tokens"]["input"] = 6200
                     rec["tokens"]["cache_read"] = 5248 if v2 else 0
                     rec["trace_id"] = f"{rng.getrandbits(128):032x}"
-                    writer.write(rec)
+                    lines.append(json.dumps(rec) + "\n")
                     written += 1
-                writer.close()
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("".join(lines), encoding="utf-8")
                 last_hour = day == 6 and hour == 21
                 if not last_hour:  # a closed hour is compressed, then its .jsonl removed
                     with path.open("rb") as src, gzip.open(path.with_name(path.name + ".gz"), "wb") as dst:
