@@ -109,11 +109,12 @@ class AdminApp:
         # OpenMetrics (with exemplars) when the scraper asks for it; the pages of several telemetry processes
         # are added up in the format asked, each bucket keeping the newest exemplar any of them has.
         openmetrics = wants_openmetrics(request.headers.get("accept", ""))
-        # Rendered on a thread: a large page takes long enough to stall the event loop.
+        # Rendered (and merged) on a thread: a large page takes long enough to stall the event loop.
         text = await asyncio.to_thread(self.prometheus.render, openmetrics=openmetrics)
         if self.peers:
             others = await asyncio.gather(*(_peer_metrics(path, openmetrics) for path in self.peers))
-            text = merge_metrics([text, *(t for t in others if t is not None)], openmetrics=openmetrics)
+            pages = [text, *(t for t in others if t is not None)]
+            text = await asyncio.to_thread(merge_metrics, pages, openmetrics=openmetrics)
         return Response(text, headers={"content-type": OPENMETRICS_CONTENT_TYPE if openmetrics else CONTENT_TYPE})
 
     async def _traces(self, request: Request) -> Response:

@@ -258,29 +258,19 @@ def _render(value: float) -> str:
     return repr(value)
 
 
+#: A sample line: series (name, labels with quoted values), value, an optional timestamp, an optional exemplar.
+_SAMPLE = re.compile(r'([^{\s]+(?:\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?) (\S+)(?: [^#\s]\S*)?( # \{.*)?')
+
+
 def _sample(line: str) -> tuple[str, float, str]:
     """A sample line's series (name and labels), value, and exemplar (`` # {...} value timestamp``, or "")."""
-    end = len(line)
-    brace = line.find("{")
-    space = line.find(" ")
-    if brace != -1 and (space == -1 or brace < space):
-        quoted = escaped = False
-        for end in range(brace + 1, len(line)):
-            c = line[end]
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = quoted
-            elif c == '"':
-                quoted = not quoted
-            elif c == "}" and not quoted:
-                end += 1
-                break
-    else:
-        end = space if space != -1 else len(line)
-    key, rest = line[:end], line[end:]
-    head, mark, exemplar = rest.partition(" # ")
-    return key, _value(head.split()[0]), mark + exemplar if mark else ""
+    if " # " not in line:  # the common case, and the fast one: the value is the last field
+        key, _, value = line.rpartition(" ")
+        return key, _value(value), ""
+    match = _SAMPLE.fullmatch(line)
+    if match is None:
+        raise ValueError(f"not a sample line: {line[:200]!r}")
+    return match[1], _value(match[2]), match[3] or ""
 
 
 def _exemplar_time(exemplar: str) -> float:
