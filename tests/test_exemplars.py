@@ -14,10 +14,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricsData
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
 from proxy.simulator import get_profile, run_in_thread
 from proxy.simulator.server import Background
-from proxy.telemetry.prometheus import merge_metrics
+from proxy.telemetry import semconv as sc
+from proxy.telemetry.instruments import create
+from proxy.telemetry.prometheus import PrometheusReader, merge_metrics
 from tests.conftest import PATIENCE, free_port, require_real
 from tests.test_workers import _ready, _serve
 
@@ -99,6 +104,37 @@ def sims() -> Iterator[list[Background]]:
     yield running
     for sim in running:
         sim.stop()
+
+
+# -- the reader ------------------------------------------------------------------------------------
+
+
+def test_the_reader_keeps_each_buckets_exemplar_and_forgets_a_series_that_went_away() -> None:
+    reader = PrometheusReader()
+    provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    try:
+        ins = create(provider.get_meter("llmtap-test"), latest=False)
+
+        def record(value: float, trace_id: int) -> None:
+            ctx = set_span_in_context(NonRecordingSpan(SpanContext(trace_id, 1, False, TraceFlags(1))))
+            ins.ttft.record(value, {sc.ROUTE: "r"}, context=ctx)
+
+        def marks() -> dict[str, str]:
+            lines = reader.render(openmetrics=True).splitlines()
+            return {m.split(" ", 1)[0]: m.split('trace_id="')[1][:32] for m in lines if " # {" in m}
+
+        record(0.12, 0xA)
+        record(0.9, 0xB)
+        first = marks()
+        assert sorted(first.values()) == [f"{0xA:032x}", f"{0xB:032x}"]
+        assert reader.render() and marks() == first  # a plain scrape in between takes nothing either
+        record(0.121, 0xC)  # the bucket of 0.12: replaced; 0.9's stays
+        assert sorted(marks().values()) == [f"{0xB:032x}", f"{0xC:032x}"]
+        # A collection without the series: its exemplars are forgotten (the kept ones never outgrow the page).
+        reader._keep(MetricsData(resource_metrics=[]))
+        assert reader._kept == {}
+    finally:
+        provider.shutdown()
 
 
 # -- merging OpenMetrics pages ----------------------------------------------------------------------
