@@ -107,13 +107,14 @@ class AdminApp:
         if self.prometheus is None:
             return PlainTextResponse("# prometheus endpoint disabled\n")
         # OpenMetrics (with exemplars) when the scraper asks for it; the pages of several telemetry processes
-        # are added up in the plain format, which has no exemplars.
-        openmetrics = not self.peers and wants_openmetrics(request.headers.get("accept", ""))
-        # Rendered on a thread: a large page takes long enough to stall the event loop.
+        # are added up in the format asked, each bucket keeping the newest exemplar any of them has.
+        openmetrics = wants_openmetrics(request.headers.get("accept", ""))
+        # Rendered (and merged) on a thread: a large page takes long enough to stall the event loop.
         text = await asyncio.to_thread(self.prometheus.render, openmetrics=openmetrics)
         if self.peers:
-            others = await asyncio.gather(*(_peer_metrics(path) for path in self.peers))
-            text = merge_metrics([text, *(t for t in others if t is not None)])
+            others = await asyncio.gather(*(_peer_metrics(path, openmetrics) for path in self.peers))
+            pages = [text, *(t for t in others if t is not None)]
+            text = await asyncio.to_thread(merge_metrics, pages, openmetrics=openmetrics)
         return Response(text, headers={"content-type": OPENMETRICS_CONTENT_TYPE if openmetrics else CONTENT_TYPE})
 
     async def _traces(self, request: Request) -> Response:
@@ -226,11 +227,13 @@ def _status(code: int, message: str) -> Response:
     return Response(body, status_code=code, media_type=_PROTOBUF, headers=headers)
 
 
-async def _peer_metrics(path: str) -> str | None:
-    """Another telemetry process's ``/metrics``, or None when it does not answer (it is being restarted)."""
+async def _peer_metrics(path: str, openmetrics: bool) -> str | None:
+    """Another telemetry process's ``/metrics`` (OpenMetrics when asked), or None when it does not answer (it is
+    being restarted)."""
+    headers = {"accept": OPENMETRICS_CONTENT_TYPE} if openmetrics else {}
     try:
         async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=path), timeout=10.0) as client:
-            answer = await client.get("http://telemetry/metrics")
+            answer = await client.get("http://telemetry/metrics", headers=headers)
     except httpx.HTTPError:
         return None
     return answer.text if answer.status_code == 200 else None

@@ -10,15 +10,18 @@ whatever ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` asks of th
 A scraper that asks for OpenMetrics (``Accept: application/openmetrics-text``, as Prometheus does) gets
 it, with exemplars: each histogram bucket carries the trace and span id of the last request the SDK's
 reservoir kept for it (``# {trace_id="...",span_id="..."} value timestamp``), so a dashboard can go from a
-p99 bucket to that request's trace. The plain text format has no exemplars.
+p99 bucket to that request's trace. Each collection empties the SDK's reservoirs, so the reader keeps each
+bucket's exemplar until a newer one replaces it or its series goes away: every scrape (an HA pair of
+Prometheus servers, a ``curl`` in between) sees it. The plain text format has no exemplars.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import threading
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.metrics import Counter, Histogram, ObservableCounter, UpDownCounter
@@ -53,6 +56,9 @@ class PrometheusReader(MetricReader):
             preferred_aggregation={Histogram: ExplicitBucketHistogramAggregation()},
         )
         self._latest: MetricsData | None = None
+        self._lock = threading.Lock()
+        #: Each histogram series' kept exemplars: (metric name, labels) -> bucket index -> (time, line tail).
+        self._kept: dict[tuple[str, str], dict[int, tuple[int, str]]] = {}
 
     def _receive_metrics(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> None:
         self._latest = metrics_data
@@ -62,9 +68,27 @@ class PrometheusReader(MetricReader):
 
     def render(self, *, openmetrics: bool = False) -> str:
         """Collect now and return the exposition text (OpenMetrics, with exemplars, when asked)."""
-        self._latest = None
-        self.collect()
-        return render(self._latest, openmetrics=openmetrics)
+        with self._lock:  # one collection at a time: the kept exemplars are updated from each
+            self._latest = None
+            self.collect()
+            data = self._latest
+            self._keep(data)
+            return render(data, openmetrics=openmetrics, exemplars=self._kept)
+
+    def _keep(self, data: MetricsData | None) -> None:
+        """Update the kept exemplars from a collection's fresh ones; forget the series it no longer has."""
+        kept: dict[tuple[str, str], dict[int, tuple[int, str]]] = {}
+        for metric in _metrics(data):
+            if not isinstance(metric.data, HistogramData):
+                continue
+            for p in metric.data.data_points:
+                key = (metric.name, _labels(p.attributes))
+                marks = self._kept.get(key, {})
+                for i, fresh in _bucket_exemplars(p.explicit_bounds, p.exemplars).items():
+                    if i not in marks or marks[i][0] <= fresh[0]:
+                        marks[i] = fresh
+                kept[key] = marks
+        self._kept = kept
 
 
 def wants_openmetrics(accept: str) -> bool:
@@ -130,8 +154,8 @@ def _exemplar(exemplar: Any) -> str:
     return f" # {{{labels}}} {_number(exemplar.value)} {when:.3f}"
 
 
-def _bucket_exemplars(bounds: Sequence[float], exemplars: Any) -> dict[int, str]:
-    """Each bucket's exemplar (the newest of the values that fell in it), by bucket index."""
+def _bucket_exemplars(bounds: Sequence[float], exemplars: Any) -> dict[int, tuple[int, str]]:
+    """Each bucket's exemplar (the newest of the values that fell in it), by bucket index, with its time."""
     out: dict[int, tuple[int, str]] = {}
     for e in exemplars or ():
         if not e.trace_id or not e.span_id:
@@ -139,7 +163,7 @@ def _bucket_exemplars(bounds: Sequence[float], exemplars: Any) -> dict[int, str]
         i = bisect_left(bounds, e.value)  # the SDK's rule: a value goes in the first bucket whose bound >= it
         if i not in out or out[i][0] < e.time_unix_nano:
             out[i] = (e.time_unix_nano, _exemplar(e))
-    return {i: text for i, (_, text) in out.items()}
+    return out
 
 
 def _buckets(
@@ -162,9 +186,21 @@ def _buckets(
     return out
 
 
-def render(data: MetricsData | None, *, openmetrics: bool = False) -> str:
+def _metrics(data: MetricsData | None) -> Iterator[Any]:
+    for rm in data.resource_metrics if data is not None else ():
+        for sm in rm.scope_metrics:
+            yield from sm.metrics
+
+
+def render(
+    data: MetricsData | None,
+    *,
+    openmetrics: bool = False,
+    exemplars: Mapping[tuple[str, str], Mapping[int, tuple[int, str]]] | None = None,
+) -> str:
     """Prometheus text for one collection; OpenMetrics (families named without ``_total``, bucket exemplars,
-    ``# EOF``) when asked."""
+    ``# EOF``) when asked. ``exemplars`` are the kept ones by (metric name, labels); without them, the
+    collection's own."""
     lines: list[str] = []
     end = "# EOF\n" if openmetrics else ""
     if data is None:
@@ -181,7 +217,14 @@ def render(data: MetricsData | None, *, openmetrics: bool = False) -> str:
                     lines.append(f"# HELP {name} {help_text}")
                     lines.append(f"# TYPE {name} histogram")
                     for p in points.data_points:
-                        marks = _bucket_exemplars(p.explicit_bounds, p.exemplars) if openmetrics else None
+                        marks = None
+                        if openmetrics:
+                            kept = (
+                                exemplars.get((metric.name, _labels(p.attributes)), {})
+                                if exemplars is not None
+                                else _bucket_exemplars(p.explicit_bounds, p.exemplars)
+                            )
+                            marks = {i: text for i, (_, text) in kept.items()}
                         lines.extend(_buckets(name, p.attributes, p.explicit_bounds, p.bucket_counts, p.count, marks))
                         lines.append(f"{name}_sum{_labels(p.attributes)} {_number(p.sum)}")
                         lines.append(f"{name}_count{_labels(p.attributes)} {p.count}")
@@ -215,32 +258,61 @@ def _render(value: float) -> str:
     return repr(value)
 
 
-def merge_metrics(texts: Sequence[str]) -> str:
+#: A sample line: series (name, labels with quoted values), value, an optional timestamp, an optional exemplar.
+_SAMPLE = re.compile(r'([^{\s]+(?:\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?) (\S+)(?: [^#\s]\S*)?( # \{.*)?')
+
+
+def _sample(line: str) -> tuple[str, float, str]:
+    """A sample line's series (name and labels), value, and exemplar (`` # {...} value timestamp``, or "")."""
+    if " # " not in line:  # the common case, and the fast one: the value is the last field
+        key, _, value = line.rpartition(" ")
+        return key, _value(value), ""
+    match = _SAMPLE.fullmatch(line)
+    if match is None:
+        raise ValueError(f"not a sample line: {line[:200]!r}")
+    return match[1], _value(match[2]), match[3] or ""
+
+
+def _exemplar_time(exemplar: str) -> float:
+    """An exemplar's timestamp (its last field after the labels), or -inf when it has none."""
+    fields = exemplar.rsplit("}", 1)[-1].split()
+    return float(fields[1]) if len(fields) > 1 else -math.inf
+
+
+def merge_metrics(texts: Sequence[str], *, openmetrics: bool = False) -> str:
     """One Prometheus exposition from several: the same series (name and labels) summed, families kept whole.
 
     Samples belong to the family of the ``# TYPE`` line above them; a series only some workers have is
-    added at the end of its family, so a histogram's buckets, sum and count stay together.
+    added at the end of its family, so a histogram's buckets, sum and count stay together. OpenMetrics pages
+    (``openmetrics``) merge the same way, each sample keeping the newest exemplar any page gave it, and end
+    with ``# EOF``.
     """
-    families: dict[str, tuple[list[str], dict[str, float]]] = {}
+    families: dict[str, tuple[list[str], dict[str, float], dict[str, str]]] = {}
     for text in texts:
-        samples: dict[str, float] | None = None
+        family: tuple[list[str], dict[str, float], dict[str, str]] | None = None
         for line in text.splitlines():
             if not line.strip():
                 continue
-            if line.startswith(("# HELP ", "# TYPE ")):
+            if line.startswith(("# HELP ", "# TYPE ", "# UNIT ")):
                 name = line.split(" ", 3)[2]
-                meta, samples = families.setdefault(name, ([], {}))
-                if not any(m.startswith(line[:7]) for m in meta):
-                    meta.append(line)
+                family = families.setdefault(name, ([], {}, {}))
+                if not any(m.startswith(line[:7]) for m in family[0]):
+                    family[0].append(line)
                 continue
             if line.startswith("#"):
                 continue
-            key, _, value = line.rpartition(" ")
-            if samples is None:
-                samples = families.setdefault(key.split("{", 1)[0], ([], {}))[1]
-            samples[key] = samples.get(key, 0.0) + _value(value)
+            key, value, exemplar = _sample(line)
+            if family is None:
+                family = families.setdefault(key.split("{", 1)[0], ([], {}, {}))
+            _, samples, exemplars = family
+            samples[key] = samples.get(key, 0.0) + value
+            if exemplar and (key not in exemplars or _exemplar_time(exemplars[key]) <= _exemplar_time(exemplar)):
+                exemplars[key] = exemplar
+    order = {"# HELP": 0, "# TYPE": 1, "# UNIT": 2}
     out: list[str] = []
-    for meta, samples in families.values():
-        out += sorted(meta, key=lambda m: m.startswith("# TYPE"))
-        out += [f"{key} {_render(value)}" for key, value in samples.items()]
+    for meta, samples, exemplars in families.values():
+        out += sorted(meta, key=lambda m: order.get(m[:6], 3))
+        out += [f"{key} {_render(value)}{exemplars.get(key, '')}" for key, value in samples.items()]
+    if openmetrics:
+        return "\n".join([*out, "# EOF"]) + "\n"
     return "\n".join(out) + "\n" if out else "# no metrics\n"
