@@ -267,7 +267,7 @@ def counter_total(metric: Metric | None) -> float:
     """The sum of a counter's data points (cumulative: the latest export's)."""
     if metric is None:
         return 0
-    return sum(p.as_int or p.as_double for p in metric.sum.data_points)
+    return float(sum(p.as_int or p.as_double for p in metric.sum.data_points))
 
 
 def wait(what: str, check: Callable[[], bool], proc: Proc, timeout: float = PATIENCE) -> None:
