@@ -309,25 +309,29 @@ UNEXERCISED: dict[str, tuple[str, ...]] = {
 
 _SERVER_SETTING = "`telemetry.server_metrics: true`"
 
+#: The gen_ai.client.* metrics leave a hop to its client's own instrumentation (``attributes.is_hop``).
+_NOT_HOP = " Not for a hop (a request its client traces): the client's own instrumentation records it."
+
+_CHUNK_GAPS = "One sample per chunk gap of a streamed request (past 8192, that many spread evenly)."
+
 #: Metric name: when it is recorded (its description, from the code, says what it measures).
 METRICS: dict[str, str] = {
-    sc.RELEASED.operation_duration: "Every LLM request, with `error.type` when it failed.",
-    sc.LATEST.operation_duration: "Every LLM request, with `error.type` when it failed.",
-    sc.RELEASED.time_to_first_chunk: "Streamed requests that got a first content chunk.",
-    sc.LATEST.time_to_first_chunk: "Streamed requests that got a first content chunk.",
-    sc.RELEASED.time_per_output_chunk: "One sample per chunk gap of a streamed request (past 8192, that many spread evenly).",  # noqa: E501
-    sc.LATEST.time_per_output_chunk: "One sample per chunk gap of a streamed request (past 8192, that many spread evenly).",  # noqa: E501
-    str(sc.RELEASED.token_usage): "Every LLM request with a token count, once per `gen_ai.token.type`.",
-    str(sc.LATEST.input_tokens_counter): "Every LLM request with an input token count.",
-    str(sc.LATEST.output_tokens_counter): "Every LLM request with an output token count.",
-    str(sc.LATEST.cache_read_counter): "Every LLM request whose usage reports cache reads.",
-    str(sc.LATEST.cache_write_counter): "Every LLM request whose usage reports cache writes.",
-    str(sc.LATEST.input_tokens_histogram): "Every LLM request with an input token count.",
-    str(sc.LATEST.output_tokens_histogram): "Every LLM request with an output token count.",
+    sc.RELEASED.operation_duration: "Every LLM request, with `error.type` when it failed." + _NOT_HOP,
+    sc.LATEST.operation_duration: "Every LLM request, with `error.type` when it failed." + _NOT_HOP,
+    sc.RELEASED.time_to_first_chunk: "Streamed requests that got a first content chunk." + _NOT_HOP,
+    sc.LATEST.time_to_first_chunk: "Streamed requests that got a first content chunk." + _NOT_HOP,
+    sc.RELEASED.time_per_output_chunk: _CHUNK_GAPS + _NOT_HOP,
+    sc.LATEST.time_per_output_chunk: _CHUNK_GAPS + _NOT_HOP,
+    str(sc.RELEASED.token_usage): "Every LLM request with a token count, once per `gen_ai.token.type`." + _NOT_HOP,
+    str(sc.LATEST.input_tokens_counter): "Every LLM request with an input token count." + _NOT_HOP,
+    str(sc.LATEST.output_tokens_counter): "Every LLM request with an output token count." + _NOT_HOP,
+    str(sc.LATEST.cache_read_counter): "Every LLM request whose usage reports cache reads." + _NOT_HOP,
+    str(sc.LATEST.cache_write_counter): "Every LLM request whose usage reports cache writes." + _NOT_HOP,
+    str(sc.LATEST.input_tokens_histogram): "Every LLM request with an input token count." + _NOT_HOP,
+    str(sc.LATEST.output_tokens_histogram): "Every LLM request with an output token count." + _NOT_HOP,
     sc.SERVER_TIME_TO_FIRST_TOKEN: f"Only with {_SERVER_SETTING}: successful streamed requests.",
     sc.SERVER_TIME_PER_OUTPUT_TOKEN: f"Only with {_SERVER_SETTING}: as `llmtap.time_per_output_token`.",
-    sc.SERVER_REQUEST_DURATION: f"Only with {_SERVER_SETTING}: every LLM request, as "
-    "`gen_ai.client.operation.duration`.",
+    sc.SERVER_REQUEST_DURATION: f"Only with {_SERVER_SETTING}: every LLM request, hops included.",
     sc.METRIC_TTFT: "Streamed requests that got a first content chunk, as "
     "`gen_ai.client.operation.time_to_first_chunk`.",
     sc.METRIC_TPOT: "Successful requests with a decode to time: two content chunks or more, two output tokens or more.",
@@ -853,7 +857,15 @@ def render(observed: Observed, released: list[Instrument], latest: list[Instrume
             f"| [`{ins.name}`](#{ins.name.replace('.', '')}) | `{prom}` | {ins.kind} | `{ins.unit}` "
             f"| {METRICS[ins.name]} | {_latest_cell(ins.name, released_names)} |"
         )
-    lines.append("")
+    lines += [
+        "",
+        "A request is a hop when its client traces it (`telemetry.span_role: auto`, the default, and a valid",
+        "`traceparent`; every request with `hop`): the client's own instrumentation reports the generation, in",
+        "its span and its `gen_ai.client.*` metrics, so llmtap records none of the `gen_ai.client.*` metrics for",
+        "it and a backend summing them counts each generation once. llmtap's own metrics (`llmtap.*`, `llmtap_*`",
+        "on `/metrics`) count every request through the proxy, hop or not.",
+        "",
+    ]
     lines += _histogram_section(released)
     lines += _attribute_sets(observed, [i.name for i in shown])
     for ins in shown:
@@ -869,7 +881,8 @@ def render(observed: Observed, released: list[Instrument], latest: list[Instrume
         "GenAI `CLIENT` span `{gen_ai.operation.name} {gen_ai.request.model}` with `gen_ai.usage.*`; `hop` makes it",
         "a `SERVER` span `{method} {path}` with no `gen_ai.*` attribute at all (its GenAI facts under `llmtap.*`),",
         "so that under a client's own generation span trace backends count one generation and its tokens once;",
-        "`auto` (the default) is `hop` when the request arrives with a `traceparent`, `generation` otherwise.",
+        "`auto` (the default) is `hop` when the request arrives with a valid `traceparent`, `generation` otherwise:",
+        "an invalid one is treated as none (a new trace, and the client's `tracestate` is not sent upstream).",
         "Child spans never carry `gen_ai.usage.*`.",
         "",
     ]

@@ -531,7 +531,7 @@ _TABLE = (
         choice(*SPAN_ROLES),
         "auto",
         "the proxy span: the GenAI generation, or the HTTP hop under a traced client's own (auto: the hop "
-        "when a traceparent arrives)",
+        "when a valid traceparent arrives)",
         "telemetry",
         key="telemetry.span_role",
     ),

@@ -6,7 +6,8 @@ carries three tokens. Deadlines are absolute from the request's arrival, so ther
 Run ``python tests/scripted_upstream.py``; it prints its port on stdout.
 
 Responses are deterministic (fixed ids and timestamps), so a direct call and a call through
-the proxy can be compared byte for byte.
+the proxy can be compared byte for byte. ``GET /last-headers`` returns the headers of the request before it
+as they arrived here (what a proxy sent upstream).
 
 With ``SCRIPT_OTLP_TRACES=URL`` it also traces as vLLM's ``--otlp-traces-endpoint`` does: the OpenTelemetry
 SDK takes the request's ``traceparent`` and ``tracestate``, and each streamed request ends one SERVER span
@@ -96,7 +97,8 @@ class Upstream:
                     body = await reader.readexactly(int(headers["content-length"]))
                 elif headers.get("transfer-encoding", "").lower() == "chunked":
                     body = await self._read_chunked(reader)
-                self.last_headers = headers
+                if not target.startswith("/last-headers"):
+                    self.last_headers = headers
                 await self.respond(writer, method, target, headers, body, arrived)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -128,9 +130,11 @@ class Upstream:
             writer.write(page)
             await writer.drain()
             return
-        if path in ("/echo-headers", "/active") or path.startswith("/echo-body/"):
-            if path == "/active":
-                info: dict[str, Any] = {
+        if path in ("/echo-headers", "/active", "/last-headers") or path.startswith("/echo-body/"):
+            if path == "/last-headers":
+                info: dict[str, Any] = {"headers": self.last_headers}
+            elif path == "/active":
+                info = {
                     "active": self.active,
                     "cancelled": self.cancelled,
                     "first_content_offset": self.first_content_offset,

@@ -14,9 +14,11 @@ import httpx
 import openai
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanKind
 
 from proxy.settings import build
 from proxy.telemetry import semconv as sc
+from proxy.tracestate import entry
 from tests.conftest import PATIENCE, Running, Scripted, Telemetry
 
 pytestmark = pytest.mark.e2e
@@ -178,6 +180,49 @@ def test_traceparent_both_ways(proxy: Running, telemetry: Telemetry) -> None:
     assert seen["traceparent"] == f"00-{trace_id}-{span.context.span_id:016x}-01"
     assert seen["authorization"] == "Bearer sk-x"
     assert seen["host"].startswith("127.0.0.1:")
+
+
+BAD_TRACEPARENT = "00-zzzz-bad-01"
+
+
+@pytest.mark.parametrize("peer", [False, True], ids=["one-replica", "with-owner-entry"])
+def test_an_invalid_traceparent_is_treated_as_none(
+    proxy_factory: Any, scripted: Scripted, telemetry: Telemetry, peer: bool
+) -> None:
+    """A ``traceparent`` that does not parse starts a new trace in which llmtap's span is the generation, and the
+    client's ``tracestate`` (state of a trace not continued) stays behind; a replica's own entry still goes.
+
+    The control, a valid ``traceparent`` through the same proxy: the hop role and the client's state upstream."""
+    extra = {"peer_address": "127.0.0.1:9464"} if peer else {}
+    env = {"LLMTAP_PEER_TOKEN": "replicas-share-this"} if peer else {}
+    running: Running = proxy_factory(build({"upstream": scripted.url, "read_timeout": 5, **extra}, env=env))
+    own = entry("127.0.0.1:9464", "replicas-share-this") if peer else None
+    body = {**CHAT, "stream": False}
+
+    def call(traceparent: str) -> tuple[ReadableSpan, dict[str, str]]:
+        telemetry.spans.clear()
+        headers = {"traceparent": traceparent, "tracestate": "vendor=abc"}
+        httpx.post(running.url + "/v1/chat/completions", json=body, headers=headers, timeout=10).raise_for_status()
+        sent = httpx.get(scripted.url + "/last-headers", timeout=10).json()["headers"]
+        running.flush()
+        return root(telemetry), sent
+
+    span, sent = call(BAD_TRACEPARENT)
+    assert sent.get("tracestate") == own, sent
+    assert (span.name, span.kind) == ("chat scripted", SpanKind.CLIENT)
+    attrs = span.attributes or {}
+    assert attrs[sc.OPERATION_NAME] == "chat" and attrs[sc.REQUEST_MODEL] == "scripted"
+    tokens = attrs[sc.USAGE_INPUT_TOKENS]
+    assert isinstance(tokens, int) and tokens > 0 and sc.HOP_REQUEST_MODEL not in attrs
+    assert span.parent is None  # a new trace, as the upstream is told
+    assert sent["traceparent"] == f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-01"
+
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    span, sent = call(f"00-{trace_id}-00f067aa0ba902b7-01")
+    assert (span.name, span.kind) == ("POST /v1/chat/completions", SpanKind.SERVER)
+    assert not [k for k in span.attributes or {} if k.startswith("gen_ai.")]
+    assert format(span.context.trace_id, "032x") == trace_id
+    assert sent["tracestate"] == (f"{own},vendor=abc" if own else "vendor=abc"), sent
 
 
 def test_upstream_error_relayed(proxy: Running, telemetry: Telemetry) -> None:

@@ -33,6 +33,7 @@ GEN_AI_SECONDS = (
     "gen_ai_client_operation_time_per_output_chunk_seconds",
 )
 TOKEN_USAGE = "gen_ai_client_token_usage"
+OVERHEAD = "llmtap_proxy_overhead_seconds"
 LLMTAP_SECONDS = (
     "llmtap_time_to_first_token_seconds",
     "llmtap_inter_token_latency_seconds",
@@ -81,8 +82,8 @@ def bounds(text: str, histogram: str) -> list[float]:
     return [float(le) for le in les[:-1]]
 
 
-def chat(proxy: Llmtap) -> None:
-    with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
+def chat(proxy: Llmtap, headers: dict[str, str] | None = None) -> None:
+    with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, headers=headers, timeout=10) as r:
         assert r.status_code == 200
         assert [line for line in r.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
 
@@ -183,6 +184,39 @@ def test_counters_read_zero_before_any_event(upstream: Scripted, tmp_path: Path)
                 expected = {frozenset({("llmtap_route", r), (key, v)}) for r in routes for v in values}
             assert set(seen) == expected, (name, seen)
             assert set(seen.values()) == {"0"}, (name, seen)
+    finally:
+        proxy.close()
+
+
+def total(text: str, name: str, **where: str) -> float:
+    """The sum of a metric's samples on ``/metrics`` (those whose labels include ``where``)."""
+    lines = [line for line in series(text, name) if where.items() <= labels(line).items()]
+    return sum(float(line.rpartition(" ")[2]) for line in lines)
+
+
+def test_a_hop_is_counted_in_llmtaps_metrics_only(upstream: Scripted, tmp_path: Path) -> None:
+    """A request whose client traces (a valid ``traceparent``) is a hop: its client's instrumentation reports the
+    generation, in the gen_ai.client.* metrics too, so llmtap records it in its own metrics alone. A request with
+    no ``traceparent`` and one with an invalid one (treated as none) are generations, counted in both."""
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log")
+    try:
+        chat(proxy, {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+        chat(proxy, {"traceparent": "00-zzzz-bad-01"})
+        chat(proxy)
+        # The overhead histogram is a request's last instrument: once it has all three, every instrument has.
+        wait_for("three requests on /metrics", lambda: total(proxy.metrics(), OVERHEAD + "_count") == 3, proxy)
+        text = proxy.metrics()
+        # llmtap's own metrics see every request through the proxy ...
+        assert total(text, "llmtap_requests_total") == 3
+        for name in LLMTAP_SECONDS[:3]:
+            assert total(text, name + "_count") >= 3, name
+        prompt = total(text, "llmtap_usage_input_tokens_total") / 3
+        assert prompt > 0 and prompt == int(prompt)
+        # ... the gen_ai.client.* ones the two generations only: the hop's is its client's to count.
+        for name in GEN_AI_SECONDS[:2]:
+            assert total(text, name + "_count") == 2, name
+        assert total(text, TOKEN_USAGE + "_count", gen_ai_token_type="input") == 2
+        assert total(text, TOKEN_USAGE + "_sum", gen_ai_token_type="input") == 2 * prompt
     finally:
         proxy.close()
 

@@ -318,12 +318,20 @@ def test_under_a_traced_client_the_root_is_the_hop_not_a_second_generation(harne
     assert a[sc.HOP_FINISH_REASONS] == ("stop",) and sc.HOP_TIME_TO_FIRST_CHUNK in a
 
 
-@pytest.mark.parametrize(("role", "traced"), [("generation", True), ("auto", False), ("hop", False)])
+VALID_TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.parametrize(
+    ("role", "traceparent"),
+    # An invalid traceparent is treated as none: the client's span is not the request's parent, so llmtap's is
+    # the generation.
+    [("generation", VALID_TRACEPARENT), ("auto", None), ("auto", "00-zzzz-bad-01"), ("hop", None)],
+)
 def test_the_root_is_the_generation_when_asked_or_when_the_client_does_not_trace(
-    harness: HarnessFactory, role: str, traced: bool
+    harness: HarnessFactory, role: str, traceparent: str | None
 ) -> None:
     h = harness(span_role=role)
-    incoming = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"} if traced else None
+    incoming = {"traceparent": traceparent} if traceparent else None
     h.run(timeline(3, usage=Usage(input_tokens=40, output_tokens=6)), incoming)
     root = h.root()
     if role == "hop":
@@ -334,6 +342,27 @@ def test_the_root_is_the_generation_when_asked_or_when_the_client_does_not_trace
     # Usage once per trace: on the generation, never again on its children.
     children_usage = [k for s in h.spans() if s is not root for k in attrs(s) if k.startswith("gen_ai.usage.")]
     assert children_usage == []
+
+
+@pytest.mark.parametrize("latest", [False, True], ids=["v1.41.1", "latest"])
+def test_a_hop_is_counted_in_llmtaps_own_metrics_only(harness: HarnessFactory, latest: bool) -> None:
+    """A hop's generation is its client's to report, in the gen_ai.client.* metrics too: llmtap's own count it."""
+    h = harness(semconv_latest=latest)
+
+    def totals() -> tuple[list[str], int, int]:
+        m = h.metrics()
+        requests = sum(p.value for p in points(m[sc.METRIC_REQUESTS]))
+        return sorted(n for n in m if n.startswith("gen_ai.")), requests, point(m, sc.METRIC_INPUT_TOKENS).value
+
+    h.run(timeline(3, usage=Usage(input_tokens=40, output_tokens=6)), {"traceparent": VALID_TRACEPARENT})
+    assert totals() == ([], 1, 40)
+    h.run(timeline(3, usage=Usage(input_tokens=40, output_tokens=6)))  # no traceparent: the generation
+    genai, requests, tokens = totals()
+    assert (requests, tokens) == (2, 80)
+    names = sc.LATEST if latest else sc.RELEASED
+    assert {names.operation_duration, names.time_to_first_chunk, names.time_per_output_chunk} <= set(genai)
+    usage = names.token_usage or names.input_tokens_counter
+    assert usage is not None and usage in genai
 
 
 def test_without_usage_tiktoken_counts_stay_llmtaps_own(harness: HarnessFactory) -> None:

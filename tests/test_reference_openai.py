@@ -72,6 +72,9 @@ METRIC_ATTRIBUTES = frozenset(
 )
 
 REFERENCE, INTENDED = "the reference's fault", "intended"
+#: llmtap's own metrics, which see every request through the proxy, in either span role.
+REQUESTS, OWN_INPUT, OWN_OUTPUT = "llmtap.requests", "llmtap.usage.input_tokens", "llmtap.usage.output_tokens"
+OWN_TTFT = "llmtap.time_to_first_token"
 
 
 @dataclass(frozen=True)
@@ -260,6 +263,13 @@ def total_count(metric: Metric | None) -> int:
     return sum(p.count for _, p in points(metric))
 
 
+def counter_total(metric: Metric | None) -> float:
+    """The sum of a counter's data points (cumulative: the latest export's)."""
+    if metric is None:
+        return 0
+    return float(sum(p.as_int or p.as_double for p in metric.sum.data_points))
+
+
 def wait(what: str, check: Callable[[], bool], proc: Proc, timeout: float = PATIENCE) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -301,23 +311,27 @@ def run_calls(role: str, receiver: HTTPReceiver, upstream_port: int, tmp: Path) 
             return app, under
 
         wait("span of each side for every call", lambda: all(len(side) == len(calls) for side in by_call()), proxy.proc)
+
+        def ours() -> dict[str, Metric]:
+            return metrics_of(receiver).get(f"llmtap-{role}", {})
+
+        # llmtap's own request count, in either role (a hop records no gen_ai.client.* metric).
+        every = len(calls)
+        wait("llmtap's request count for every call", lambda: counter_total(ours().get(REQUESTS)) == every, proxy.proc)
         if role == "generation":
             name = "gen_ai.client.operation.duration"
-            wait(
-                "llmtap's duration metric for every call",
-                lambda: total_count(metrics_of(receiver).get(f"llmtap-{role}", {}).get(name)) == len(calls),
-                proxy.proc,
-            )
-            # A request's instruments are recorded one after another, and an export can fall between two of them:
-            # the token usage of the last call may come an export later than its duration.
-            usage = "gen_ai.client.token.usage"
-            settled: list[int] = []
+            wait("llmtap's duration metric for every call", lambda: total_count(ours().get(name)) == every, proxy.proc)
+        # A request's instruments are recorded one after another, and an export can fall between two of them:
+        # the token counts of the last call may come an export later than its request count.
+        settled: list[tuple[float, ...]] = []
 
-            def tokens_settled() -> bool:
-                settled.append(total_count(metrics_of(receiver).get(f"llmtap-{role}", {}).get(usage)))
-                return len(settled) > 10 and len(set(settled[-10:])) == 1  # the same over 1 s, 4 exports
+        def tokens_settled() -> bool:
+            now = ours()
+            tokens = (total_count(now.get("gen_ai.client.token.usage")),)
+            settled.append(tokens + tuple(counter_total(now.get(n)) for n in (OWN_INPUT, OWN_OUTPUT)))
+            return len(settled) > 10 and len(set(settled[-10:])) == 1  # the same over 1 s, 4 exports
 
-            wait("llmtap's token usage to settle", tokens_settled, proxy.proc)
+        wait("llmtap's token counts to settle", tokens_settled, proxy.proc)
         truth = {r["id"]: r for r in httpx.get(f"{upstream}/debug/requests", timeout=5).json()["requests"]}
         app, under = by_call()
         children = Counter(
@@ -400,6 +414,33 @@ def test_hop_role_leaves_the_generation_to_the_application(runs: dict[str, Run])
         if call != "unknown_model":
             expected = Status.STATUS_CODE_ERROR if call in ERRORS else Status.STATUS_CODE_UNSET
             assert ours.span.status.code == expected, call
+
+
+@pytest.mark.real
+def test_hop_role_counts_each_generation_once_in_the_metrics(runs: dict[str, Run]) -> None:
+    """With a ``traceparent``, the application's instrumentation records the generation in the gen_ai.client.*
+    metrics; llmtap records it in its own (llmtap.*) alone. A backend summing gen_ai.client.token.usage over
+    everything it received counts what the application made, once; llmtap's own metrics count every call."""
+    run = runs["hop"]
+    app, ours = run.metrics["app-hop"], run.metrics["llmtap-hop"]
+    for index, kind in enumerate(("input", "output")):
+        made = sum(run.usage(c)[index] for c in USAGE_SEEN)
+        counted = {
+            service: sum(p.sum for attrs, p in points(metrics.get(TOKENS)) if attrs["gen_ai.token.type"] == kind)
+            for service, metrics in run.metrics.items()
+            if service.endswith("-hop")
+        }
+        # The instrumentation's own count is what the application made, and the backend's total is that count.
+        assert counted["app-hop"] == made > 0, (kind, counted)
+        assert sum(counted.values()) == made, (kind, counted)
+    assert not sorted(n for n in ours if n.startswith("gen_ai.")), sorted(ours)
+    # llmtap's own metrics: every call once, the tokens of every answer the model gave (the stream the client
+    # read without usage included), none for the two calls it never processed.
+    assert counter_total(ours[REQUESTS]) == len(ALL_CALLS)
+    assert counter_total(ours[OWN_INPUT]) == sum(run.usage(c)[0] for c in OK_CALLS)
+    assert counter_total(ours[OWN_OUTPUT]) == sum(run.usage(c)[1] for c in OK_CALLS)
+    assert total_count(ours[OWN_TTFT]) == len(STREAMED)
+    assert set(app) == {DURATION, TOKENS}, sorted(app)
 
 
 @pytest.mark.real

@@ -294,7 +294,8 @@ class ProxyApp:
             if traceparent is not None:
                 tape.parent = (traceparent, tracestate or "")
             trace = [(b"traceparent", ids.traceparent)]
-            state = tracestate if tape.parent is not None else None
+            # The client's state belongs to its trace: with an invalid traceparent there is none to continue.
+            state = tracestate if ids.child else None
             if self.owner_entry is not None:
                 state = upstream_tracestate(state, self.owner_entry)
             if state is not None:

@@ -86,6 +86,9 @@ class TraceIds:
     trace_id: int
     span_id: int
     sampled: bool
+    #: Whether the client's ``traceparent`` was valid, making this request a child of its trace: only then
+    #: does its ``tracestate`` go upstream (an invalid ``traceparent`` is treated as none).
+    child: bool = False
 
     @property
     def traceparent(self) -> bytes:
@@ -100,4 +103,4 @@ def begin(traceparent: str | None, sampler: Sampler) -> TraceIds:
         trace_id = new_trace_id()
         return TraceIds(trace_id, new_span_id(), sampler.sampled(trace_id, None))
     trace_id, _, flags = parent
-    return TraceIds(trace_id, new_span_id(), sampler.sampled(trace_id, flags))
+    return TraceIds(trace_id, new_span_id(), sampler.sampled(trace_id, flags), child=True)

@@ -14,6 +14,7 @@ from proxy.analysis.summary import USAGE, Summary
 from proxy.analysis.timeline import CANCELLED, KEEP_CHARS, OK, Timeline
 from proxy.labels import LABEL_CAP, clean, clean_list, clean_or_none
 from proxy.providers.openai_common import collect_text
+from proxy.relay.tracecontext import parse_traceparent
 from proxy.telemetry import semconv as sc
 from proxy.types import PromptRegion
 
@@ -148,6 +149,18 @@ def as_hop(attrs: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def is_hop(tl: Timeline, role: str) -> bool:
+    """True when the request is a hop, its client's own instrumentation reporting the generation
+    (``telemetry.span_role``): always with ``hop``; with ``auto``, when the request came with a valid
+    ``traceparent``. An invalid one is treated as none (the request starts a new trace, so no span of the
+    client's is its parent). A hop's root span and its ``gen_ai.client.*`` metrics are left to the client."""
+    if tl.protocol is None:
+        return False
+    if role == "hop":
+        return True
+    return role == "auto" and tl.parent is not None and parse_traceparent(tl.parent[0]) is not None
 
 
 def hop_name(tl: Timeline) -> str:

@@ -24,7 +24,7 @@ from proxy.analysis.timeline import OK, Timeline
 from proxy.labels import OTHER, LabelGuard
 from proxy.settings import Settings
 from proxy.telemetry import semconv as sc
-from proxy.telemetry.attributes import usage_value
+from proxy.telemetry.attributes import is_hop, usage_value
 from proxy.telemetry.instruments import Instruments, create
 
 #: What the conventions list for their metrics (gen-ai-metrics.md v1.41.1): every ``gen_ai.*`` metric carries
@@ -78,6 +78,7 @@ class MetricWriter:
             meter, latest=t.semconv_latest, fine=t.histogram_buckets == "fine", server=t.server_metrics
         )
         self._offline = t.offline_token_usage
+        self._role = t.span_role
         self._models = self._guard(
             sc.REQUEST_MODEL, 64, trial=8, candidates=256, pinned=settings.telemetry.metric_models
         )
@@ -135,6 +136,9 @@ class MetricWriter:
         """Record one finished request's latency, token and outcome metrics."""
         ins = self.instruments
         attrs, outcome, own = self.metric_attributes(tl, s)
+        # A hop's generation is its client's to report (``attributes.is_hop``): the client's instrumentation
+        # records it in the gen_ai.client.* metrics, so llmtap's own (llmtap.*) alone count this request.
+        client = not is_hop(tl, self._role)
         # Recorded in the request's span context: the SDK's exemplar reservoirs keep its trace id beside the
         # bucket the value fell in (the default trace-based filter: only for sampled traces).
         ctx = request_context(tl)
@@ -142,7 +146,8 @@ class MetricWriter:
         ok = tl.outcome == OK
         stream = bool(tl.request and tl.request.stream)
         if s.e2e is not None:
-            ins.operation_duration.record(s.e2e, outcome, context=ctx)
+            if client:
+                ins.operation_duration.record(s.e2e, outcome, context=ctx)
             if ins.server_duration is not None:
                 ins.server_duration.record(s.e2e, outcome, context=ctx)
         ins.requests.add(1, {**own, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo, sc.SHAPE: s.shape})
@@ -151,12 +156,14 @@ class MetricWriter:
         if s.ttfb is not None:
             ins.ttfb.record(s.ttfb, own, context=ctx)
         if stream and s.ttft is not None:
-            ins.time_to_first_chunk.record(s.ttft, attrs, context=ctx)
+            if client:
+                ins.time_to_first_chunk.record(s.ttft, attrs, context=ctx)
             ins.ttft.record(s.ttft, shaped, context=ctx)
             # Per chunk and per token, only the request's slowest sample carries its span context: an exemplar
             # costs about a third of a sample again (10 against 14 us a sample here), and a stream has thousands;
             # the bucket of its worst stall still leads to it.
-            _record_samples(ins.time_per_output_chunk, s.gap_samples, attrs, ctx)
+            if client:
+                _record_samples(ins.time_per_output_chunk, s.gap_samples, attrs, ctx)
             _record_samples(ins.itl, s.itl_per_token, shaped, ctx)
         if s.upstream_ttft is not None and stream:
             ins.upstream_ttft.record(s.upstream_ttft, own, context=ctx)
@@ -172,30 +179,21 @@ class MetricWriter:
             ins.prefill.record(s.prefill, {**own, sc.PREFILL_SOURCE: s.prefill_source}, context=ctx)
         if s.decode is not None and stream:
             ins.decode.record(s.decode, own, context=ctx)
-        self._token_metrics(s, attrs, outcome, own)
+        self._token_metrics(s, attrs, outcome, own, client=client)
         if tl.sent is not None:
             ins.overhead.record(proxy_added(tl), {sc.ROUTE: tl.route})
 
-    def _token_metrics(self, s: Summary, attrs: dict[str, Any], outcome: dict[str, Any], own: dict[str, Any]) -> None:
+    def _token_metrics(
+        self, s: Summary, attrs: dict[str, Any], outcome: dict[str, Any], own: dict[str, Any], *, client: bool
+    ) -> None:
+        """The token metrics: llmtap's own always, the gen_ai.client.* ones when ``client`` (not a hop)."""
         ins = self.instruments
         for kind, value, source, drift in (
             ("input", s.input_tokens, s.input_source, s.input_drift),
             ("output", s.output_tokens, s.output_source, s.output_drift),
         ):
-            counter = ins.input_tokens_counter if kind == "input" else ins.output_tokens_counter
-            usage = usage_value(value, source, self._offline)
-            if usage is None:
-                # gen-ai-token-metrics.md: a response without usage records 0, with modality unknown.
-                if counter is not None:
-                    counter.add(0, {**attrs, sc.TOKEN_MODALITY: "unknown"})
-            else:
-                if ins.token_usage is not None:
-                    ins.token_usage.record(usage, {**attrs, sc.TOKEN_TYPE: kind})
-                hist = ins.input_tokens_histogram if kind == "input" else ins.output_tokens_histogram
-                if hist is not None:
-                    hist.record(usage, outcome)
-                if counter is not None:
-                    counter.add(usage, {**attrs, sc.TOKEN_MODALITY: "text"})
+            if client:
+                self._client_tokens(kind, usage_value(value, source, self._offline), attrs, outcome)
             if value is None:
                 continue
             mine = ins.input_tokens if kind == "input" else ins.output_tokens
@@ -208,12 +206,29 @@ class MetricWriter:
                 )
         if s.cache_read_tokens is not None:
             ins.cache_read.add(s.cache_read_tokens, own)
-            if ins.cache_read_counter is not None:
+            if client and ins.cache_read_counter is not None:
                 ins.cache_read_counter.add(s.cache_read_tokens, {**attrs, sc.TOKEN_MODALITY: "text"})
         if s.cache_write_tokens is not None:
             ins.cache_write.add(s.cache_write_tokens, own)
-            if ins.cache_write_counter is not None:
+            if client and ins.cache_write_counter is not None:
                 ins.cache_write_counter.add(s.cache_write_tokens, {**attrs, sc.TOKEN_MODALITY: "text"})
+
+    def _client_tokens(self, kind: str, usage: int | None, attrs: dict[str, Any], outcome: dict[str, Any]) -> None:
+        """One token type's ``gen_ai.client.*`` token metrics (``usage``: as ``gen_ai.usage.*`` shows it)."""
+        ins = self.instruments
+        counter = ins.input_tokens_counter if kind == "input" else ins.output_tokens_counter
+        if usage is None:
+            # gen-ai-token-metrics.md: a response without usage records 0, with modality unknown.
+            if counter is not None:
+                counter.add(0, {**attrs, sc.TOKEN_MODALITY: "unknown"})
+            return
+        if ins.token_usage is not None:
+            ins.token_usage.record(usage, {**attrs, sc.TOKEN_TYPE: kind})
+        hist = ins.input_tokens_histogram if kind == "input" else ins.output_tokens_histogram
+        if hist is not None:
+            hist.record(usage, outcome)
+        if counter is not None:
+            counter.add(usage, {**attrs, sc.TOKEN_MODALITY: "text"})
 
     def cache_attributes(self, tl: Timeline, diag: Diagnosis) -> dict[str, Any]:
         """The attributes of ``llmtap.cache.requests``."""

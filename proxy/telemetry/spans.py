@@ -42,6 +42,7 @@ from proxy.telemetry.attributes import (
     as_hop,
     end_attributes,
     hop_name,
+    is_hop,
     queue_attributes,
     root_name,
     start_attributes,
@@ -214,10 +215,8 @@ class SpanWriter:
         return span
 
     def is_hop(self, tl: Timeline) -> bool:
-        """True when the root span is the hop, not the generation (``telemetry.span_role``): with ``auto``,
-        when the request came with a ``traceparent``, its client's own span being the generation."""
-        role = self.settings.telemetry.span_role
-        return tl.protocol is not None and (role == "hop" or (role == "auto" and tl.parent is not None))
+        """True when the root span is the hop, not the generation (``attributes.is_hop``)."""
+        return is_hop(tl, self.settings.telemetry.span_role)
 
     def write(self, tl: Timeline, s: Summary, root: Span) -> None:
         """End the root span with what the stream said, and write its phase and chunk spans."""
