@@ -12,9 +12,20 @@ steps sees both).
 from __future__ import annotations
 
 import glob
+import gzip
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, MutableMapping
 from pathlib import Path
+from typing import IO, Any
+
+#: The key that marks a line as a request record; its value is the schema version.
+SCHEMA_KEY = "llmtap_record"
+#: The record schema versions this reader understands (``docs/record.schema.json`` describes the newest).
+SCHEMA_VERSIONS = (1, 2)
+#: Why a line was not read as a record: cut short, not a record, or a schema version this reader does not know.
+SKIPPED = ("truncated", "foreign", "other_schema")
+_OWN_PREFIX = b'{"' + SCHEMA_KEY.encode() + b'":'
 
 _ROTATED = re.compile(r".+\.(\d+)")
 _GLOB = re.compile(r"[*?\[]")
@@ -87,3 +98,67 @@ def record_files(paths: Iterable[str | Path]) -> list[Path]:
         where = ", ".join(repr(t) for t in given) or "(no path)"
         raise NoRecords(f"no record file at {where}")
     return out
+
+
+def _open(path: Path) -> IO[bytes]:
+    if path.name.endswith(".gz"):
+        return gzip.GzipFile(path, "rb")  # type: ignore[return-value]  # a binary file object
+    return path.open("rb")
+
+
+def readable(obj: Any, skipped: MutableMapping[str, int]) -> bool:
+    """Whether a parsed line is a record of a known schema version; if not, counted in ``skipped``."""
+    if not isinstance(obj, dict) or SCHEMA_KEY not in obj:
+        skipped["foreign"] += 1
+        return False
+    version = obj[SCHEMA_KEY]
+    if isinstance(version, bool) or not isinstance(version, int) or version not in SCHEMA_VERSIONS:
+        skipped["other_schema"] += 1
+        return False
+    return True
+
+
+def read_file(file: Path, skipped: MutableMapping[str, int]) -> Iterator[dict[str, Any]]:
+    """The records of one file (JSON lines, plain or gzip; Parquet through ``pyarrow``); other lines counted in
+    ``skipped`` by reason (``SKIPPED``).
+
+    A line cut short (the proxy was killed, or is writing it now) is ``truncated``: the last line without its
+    newline, or one of ours that does not parse. None of them stops the reading.
+    """
+    if file.name.endswith(".parquet"):
+        yield from _read_parquet(file, skipped)
+        return
+    with _open(file) as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                own = not raw.endswith(b"\n") or raw.startswith(_OWN_PREFIX)
+                skipped["truncated" if own else "foreign"] += 1
+                continue
+            if readable(obj, skipped):
+                yield obj
+
+
+def _read_parquet(file: Path, skipped: MutableMapping[str, int]) -> Iterator[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise OSError(f"{file}: reading Parquet needs pyarrow (pip install 'llmtap[parquet]')") from None
+    for obj in pq.read_table(file).to_pylist():
+        if readable(obj, skipped):
+            yield _without_absent(obj)
+
+
+def _without_absent(obj: dict[str, Any]) -> dict[str, Any]:
+    """A Parquet row as its JSON line was: a struct field absent from some lines (``gaps.p50`` when ``n`` is 0)
+    reads back as null in every row; the line had no such key."""
+    gaps = obj.get("gaps")
+    if isinstance(gaps, dict) and not gaps.get("n"):
+        obj["gaps"] = {"n": gaps.get("n", 0)}
+    objective = obj.get("objective")
+    if isinstance(objective, dict):
+        obj["objective"] = {k: v for k, v in objective.items() if v is not None or k == "shape"}
+    return obj

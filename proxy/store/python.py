@@ -10,22 +10,16 @@ and ``other_schema``. Reads ``.jsonl``, ``.jsonl.gz`` and rotated files; Parquet
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 from array import array
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from proxy.store import VERSION, By, Filter, Group, Objective, Scan
-from proxy.store.files import record_files
+from proxy.store.files import read_file, record_files
 
-SCHEMA_KEY = "llmtap_record"
-#: The record schema versions this reads.
-SCHEMA_VERSIONS = (1, 2)
-_OWN_PREFIX = b'{"' + SCHEMA_KEY.encode() + b'":'
 _INT64 = 2**63
 
 
@@ -76,12 +70,6 @@ def objective(raw: Any) -> Objective | None:
     return Objective(_str(obj.get("shape")), share, *limits)
 
 
-def _open(path: Path) -> IO[bytes]:
-    if path.name.endswith(".gz"):
-        return gzip.GzipFile(path, "rb")  # type: ignore[return-value]  # a binary file object
-    return path.open("rb")
-
-
 class PythonSource:
     """Record files, read line by line."""
 
@@ -102,24 +90,7 @@ class PythonSource:
     def records(self, skipped: dict[str, int]) -> Iterator[dict[str, Any]]:
         """Every record of every file; other lines counted in ``skipped``."""
         for file in self.files:
-            with _open(file) as f:
-                for raw in f:
-                    if not raw.strip():
-                        continue
-                    try:
-                        obj = json.loads(raw)
-                    except ValueError:
-                        own = not raw.endswith(b"\n") or raw.startswith(_OWN_PREFIX)
-                        skipped["truncated" if own else "foreign"] += 1
-                        continue
-                    if not isinstance(obj, dict) or SCHEMA_KEY not in obj:
-                        skipped["foreign"] += 1
-                        continue
-                    version = obj[SCHEMA_KEY]
-                    if isinstance(version, bool) or version not in SCHEMA_VERSIONS or not isinstance(version, int):
-                        skipped["other_schema"] += 1
-                        continue
-                    yield obj
+            yield from read_file(file, skipped)
 
     def _rows(self, where: Filter, skipped: dict[str, int], counts: list[int]) -> Iterator[dict[str, Any]]:
         for rec in self.records(skipped):

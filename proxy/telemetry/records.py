@@ -11,9 +11,6 @@ siblings that versions before schema 2 wrote, is here.
 
 from __future__ import annotations
 
-import gzip
-import json
-import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,16 +24,13 @@ from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import Timeline
 from proxy.labels import clean_or_none
 from proxy.settings import SLO
-from proxy.telemetry.dataset import CLOSED_SUFFIX, OPEN_SUFFIX, PARQUET_SUFFIX
+from proxy.store import files
 from proxy.telemetry.identity import Identity
 
-#: The key that marks a line as a request record; its value is the schema version.
-SCHEMA_KEY = "llmtap_record"
+#: The key that marks a line as a request record (its value is the schema version), and the versions readers take.
+SCHEMA_KEY, READABLE_VERSIONS = files.SCHEMA_KEY, files.SCHEMA_VERSIONS
 #: Version 2 added who wrote the record and which trace it is (``instance_id`` .. ``response_id``).
 SCHEMA_VERSION = 2
-#: The schema versions a reader takes.
-READABLE_VERSIONS = (1, 2)
-_OWN_PREFIX = b'{"' + SCHEMA_KEY.encode() + b'":'
 
 
 def _round(value: float | None) -> float | None:
@@ -142,41 +136,12 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
 
 
 def record_files(path: str | Path) -> list[Path]:
-    """The record files at ``path``, oldest first.
-
-    A folder (``--record DIR``): every ``*.jsonl`` and ``*.jsonl.gz`` under it, by partition and name (a file's
-    name starts with the time it was opened); of ``X.jsonl`` and ``X.jsonl.gz`` only the ``.gz`` (the plain one
-    is being removed after its compression). A file (versions before schema 2): ``path`` and its rotated
-    siblings (``path.1``, ``path.2`` ..).
-    """
-    base = Path(path)
-    if base.is_dir():
-        found = sorted(
-            (
-                p
-                for p in base.rglob("*")
-                if p.name.endswith((OPEN_SUFFIX, CLOSED_SUFFIX, PARQUET_SUFFIX)) and p.is_file()
-            ),
-            key=lambda p: (p.parent.as_posix(), p.name),
-        )
-        names = {p.name for p in found}
-
-        def superseded(p: Path) -> bool:
-            stem = p.name[: -len(OPEN_SUFFIX)]
-            return p.name.endswith(OPEN_SUFFIX) and (stem + CLOSED_SUFFIX in names or stem + PARQUET_SUFFIX in names)
-
-        return [p for p in found if not superseded(p)]
-    pattern = re.compile(re.escape(base.name) + r"\.(\d+)")
-    rotated: list[tuple[int, Path]] = []
-    if base.parent.is_dir():
-        for sibling in base.parent.iterdir():
-            match = pattern.fullmatch(sibling.name)
-            if match and sibling.is_file():
-                rotated.append((int(match.group(1)), sibling))
-    out = [p for _, p in sorted(rotated, reverse=True)]
-    if base.is_file():
-        out.append(base)
-    return out
+    """The record files at ``path`` (a record folder, or a file of an earlier version and its rotated siblings),
+    oldest first; none: an empty list. The rules are ``proxy.store.files``'s, the analysis's."""
+    try:
+        return files.record_files([path])
+    except files.NoRecords:
+        return []
 
 
 @dataclass(slots=True)
@@ -196,70 +161,23 @@ class ReadStats:
 
 
 def read_records(path: str | Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
-    """Every record in ``path`` and its rotated siblings, oldest file first; bad lines are counted in ``stats``.
+    """Every record at ``path``, oldest file first (``proxy.store.files.read_file``); bad lines counted in ``stats``.
 
-    A line cut short (the proxy was killed, or is writing it now) is ``truncated``: the last line
-    without its newline, or one of ours that does not parse. A line that is not a JSON object with
-    ``llmtap_record`` is ``foreign``; one with another schema version is ``other_schema``. None of them
-    stops the reading.
+    A file removed between the listing and the read (retention, or its compressed copy replaced it) is passed
+    over; a compressed file cut short, or unreadable, counts as one ``truncated`` line.
     """
     for file in record_files(path):
         stats.files.append(str(file))
+        skipped = dict.fromkeys(files.SKIPPED, 0)
         try:
-            yield from _read_file(file, stats)
-        except FileNotFoundError:
-            pass  # removed between the listing and the read (retention, or its compressed copy replaced it)
-        except (OSError, EOFError, zlib.error):
-            stats.truncated += 1  # a compressed file cut short, or unreadable
-
-
-def _read_file(file: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
-    if file.name.endswith(PARQUET_SUFFIX):
-        yield from _read_parquet(file, stats)
-        return
-    opened = gzip.open(file, "rb") if file.name.endswith(".gz") else file.open("rb")
-    with opened as f:
-        for raw in f:
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except ValueError:
-                if not raw.endswith(b"\n") or raw.startswith(_OWN_PREFIX):
-                    stats.truncated += 1
-                else:
-                    stats.foreign += 1
-                continue
-            if not isinstance(obj, dict) or SCHEMA_KEY not in obj:
-                stats.foreign += 1
-            elif obj[SCHEMA_KEY] not in READABLE_VERSIONS:
-                stats.other_schema += 1
-            else:
+            for record in files.read_file(file, skipped):
                 stats.records += 1
-                yield obj
-
-
-def _read_parquet(file: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
-    """The records of a Parquet file (``--record-format parquet``); needs ``pyarrow``."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise OSError(f"{file}: reading Parquet needs pyarrow (pip install 'llmtap[parquet]')") from None
-    for obj in pq.read_table(file).to_pylist():
-        if obj.get(SCHEMA_KEY) in READABLE_VERSIONS:
-            stats.records += 1
-            yield _without_absent(obj)
-        else:
-            stats.other_schema += 1
-
-
-def _without_absent(obj: dict[str, Any]) -> dict[str, Any]:
-    """A Parquet row as its JSON line was: a struct field absent from some lines (``gaps.p50`` when ``n`` is 0)
-    reads back as null in every row; the line had no such key."""
-    gaps = obj.get("gaps")
-    if isinstance(gaps, dict) and not gaps.get("n"):
-        obj["gaps"] = {"n": gaps.get("n", 0)}
-    objective = obj.get("objective")
-    if isinstance(objective, dict):
-        obj["objective"] = {k: v for k, v in objective.items() if v is not None or k == "shape"}
-    return obj
+                yield record
+        except FileNotFoundError:
+            pass
+        except (OSError, EOFError, zlib.error):
+            stats.truncated += 1
+        finally:
+            stats.truncated += skipped["truncated"]
+            stats.foreign += skipped["foreign"]
+            stats.other_schema += skipped["other_schema"]
