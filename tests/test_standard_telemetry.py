@@ -224,7 +224,7 @@ def test_requests_that_never_reached_the_model_report_no_usage(
             pass  # the module's earlier streams
         holder = threading.Thread(target=post, args=(proxy.port, CHAT))
         holder.start()
-        assert upstream.streaming.acquire(timeout=30), "the first stream never reached the upstream"
+        assert upstream.streaming.acquire(timeout=PATIENCE), "the first stream never reached the upstream"
         refused = post(proxy.port, CHAT)
         holder.join()
         assert refused.startswith(b"HTTP/1.1 503"), refused[:200]
