@@ -38,6 +38,8 @@ SNAPSHOT_SOON = 0.25
 #: An event stream ends after this many seconds and the browser reconnects: a server that is told to
 #: stop waits for open responses, so no stream may hold it for long.
 STREAM_LIFETIME = 15.0
+#: Requests a new stream that names no request it holds (neither ``after`` nor ``Last-Event-ID``) is sent first.
+BACKLOG = 20
 #: Milliseconds the browser waits before reconnecting.
 RETRY_MS = 500
 #: A snapshot computed this recently (seconds) is what every stream asking for the same window gets: its
@@ -180,11 +182,15 @@ class LiveView:
         window = _window(request.query_params.get("window"))
         # The page asks for requests after the last one it holds; a reconnecting EventSource says the same
         # in Last-Event-ID.
-        after = request.query_params.get("after", "0")
-        last = int(after) if after.isdigit() else 0
+        after = request.query_params.get("after", "")
         resume = request.headers.get("last-event-id", "")
-        if resume.isdigit():
-            last = max(last, int(resume))
+        if after.isdigit() or resume.isdigit():
+            last = max(int(after) if after.isdigit() else 0, int(resume) if resume.isdigit() else 0)
+        else:
+            # A client that says nothing (not the page) starts from the newest few requests, not every kept
+            # waterfall: hundreds of such streams would each cost a copy of them all.
+            kept = self.window.since(0)
+            last = kept[-BACKLOG - 1]["id"] if len(kept) > BACKLOG else 0
         # Counted from here until the response ends, however it ends (Starlette ends the stream, cancelling
         # the generator, when the browser leaves; a generator that never started has no ``finally``).
         self.streams += 1
