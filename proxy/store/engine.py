@@ -6,8 +6,10 @@ as null, as in ``proxy.store.python``; a line that is not a record is counted as
 ``foreign`` or ``other_schema``, never fatal), Parquet files by their columns (the record's nested
 structure, or the flat columns themselves; only the columns analysis reads). The flat columns are
 kept in a table of a temporary database on disk (compressed, and spilled past ``MEMORY_LIMIT``), so
-the files are read once and the grouped facts and the sorted figures are each one query over it.
-Sorted values come back as numpy buffers and leave as ``array('d')``.
+the files are read once; the grouped facts are one query over it, and the five figures' values one
+more read of it, in parts of ``FETCH_ROWS`` rows as numpy buffers, kept per group, sorted by numpy
+and handed over as ``array('d')`` (measured at 1M records: 0.8 s for the five figures, against 1.5 s
+for five sorted queries).
 
 Why DuckDB rather than chDB (ClickHouse embedded): measured on the same 300,000 generated records
 (grouped counts and sorted TTFTs by version and route), the two took about the same time on gzip JSON
@@ -34,6 +36,8 @@ from proxy.store.files import record_files
 MEMORY_LIMIT = "512MB"
 #: Parquet files read by one statement at most.
 PARQUET_BATCH = 256
+#: Rows of a table fetched at once for the figures (about 40 bytes a row as numpy buffers).
+FETCH_ROWS = 1_000_000
 #: Lines longer than this are not records (the longest llmtap writes is a few KB).
 MAX_LINE = 1024 * 1024
 
@@ -166,6 +170,7 @@ class EngineSource:
             "SET TimeZone = 'UTC'",
             "SET enable_progress_bar = false",
             "SET preserve_insertion_order = false",
+            "SET parquet_metadata_cache = true",
         ]
         if threads is not None:
             settings.append(f"SET threads = {int(threads)}")
@@ -173,6 +178,7 @@ class EngineSource:
             self._con.execute(statement)
         self._con.execute(_MACROS)
         self._relation: str | None = None
+        self._parts: list[str] = []
         self._counts: dict[str, int] = {}
 
     def close(self) -> None:
@@ -262,31 +268,40 @@ FROM (
         return f"SELECT {kind} AS kind,\n  {columns}\nFROM {source}"
 
     def _flat(self) -> str:
-        """The relation of flat rows, read from the files once (its columns only, for Parquet)."""
+        """The table of flat rows, read from the files once (their columns only, for Parquet), and its kinds counted."""
         if self._relation is not None:
             return self._relation
+        import duckdb
+
         parquet = [f for f in self.files if f.name.endswith(".parquet")]
         lines = [f for f in self.files if not f.name.endswith(".parquet")]
-        if lines:
-            self._con.execute(f"CREATE TABLE lines AS {self._json_sql(lines)}")
-        if parquet:
-            # Read once too: a dataset of many small files costs their metadata at every query. In batches,
-            # each read as one schema (a reader that unions ten thousand files' schemas peaked at 1.9 GB of
-            # RSS at 10M records, batches of one schema at 0.6 GB); a batch whose files differ (written by
-            # two versions of llmtap) is read again by column name.
-            import duckdb
+        made = False
 
-            for i in range(0, len(parquet), PARQUET_BATCH):
-                into = "CREATE TABLE pq AS" if i == 0 else "INSERT INTO pq"
-                batch = parquet[i : i + PARQUET_BATCH]
-                try:
-                    self._con.execute(f"{into} {self._parquet_sql(batch, union=False)}")
-                except duckdb.Error:
-                    self._con.execute(f"{into} {self._parquet_sql(batch, union=True)}")
-        parts = [name for name, files in (("lines", lines), ("pq", parquet)) if files]
-        self._con.execute("CREATE VIEW flat AS " + " UNION ALL ".join(f"SELECT * FROM {p}" for p in parts))
+        def load(sql: str) -> None:
+            nonlocal made
+            self._con.execute(f"{'INSERT INTO flat' if made else 'CREATE TABLE flat AS'} {sql}")
+            made = True
+
+        if lines:
+            load(self._json_sql(lines))
+        # Read once too: a dataset of many small files costs their metadata at every query. In batches, each
+        # read as one schema (a reader that unions ten thousand files' schemas peaked at 1.9 GB of RSS at 10M
+        # records, batches of one schema at 0.6 GB); a batch whose files differ (written by two versions of
+        # llmtap) is read again by column name.
+        for i in range(0, len(parquet), PARQUET_BATCH):
+            batch = parquet[i : i + PARQUET_BATCH]
+            try:
+                load(self._parquet_sql(batch, union=False))
+            except duckdb.Error:
+                load(self._parquet_sql(batch, union=True))
         counts = self._con.execute("SELECT kind, count(*) FROM flat GROUP BY kind").fetchall()
         self._counts = {str(k): int(n) for k, n in counts}
+        # Row ids of a table only appended to run from 0; the highest bounds the parts even so.
+        total = int(self._con.execute("SELECT coalesce(max(rowid) + 1, 0) FROM flat").fetchone()[0])  # type: ignore[index]
+        self._parts = [
+            f"SELECT * FROM flat WHERE rowid >= {start} AND rowid < {start + FETCH_ROWS}"
+            for start in range(0, total, FETCH_ROWS)
+        ]
         self._relation = "flat"
         return self._relation
 
@@ -317,7 +332,7 @@ FROM (
     # -- the interface ---------------------------------------------------------------------------------
 
     def scan(self, where: Filter, by: By) -> Scan:
-        """The grouped facts: one grouping query, then one ordered query per figure."""
+        """The grouped facts: one grouping query, then one read of the figures' values."""
         flat = self._flat()
         cond, params = self._where(where)
         key, key_params = self._key(by)
@@ -353,33 +368,56 @@ FROM ({base}) GROUP BY ALL""",
             g.classes = {str(k): int(v) for k, v in (r[12] or {}).items()}
             g.prefill_sources = set(r[13] or ())
             groups[int(r[3])] = g
-        figures = {
-            "ttft_ok": ("ttft", ok_stream),
-            "ttft_failed": ("ttft", "outcome IS DISTINCT FROM 'ok' AND stream AND ttft IS NOT NULL"),
-            "prefill": ("prefill", f"{ok_stream} AND prefill IS NOT NULL"),
-            "tpot": ("tpot", "outcome = 'ok' AND tpot IS NOT NULL"),
-            "e2e": ("e2e", "e2e IS NOT NULL"),
-        }
-        for attr, (column, where_figure) in figures.items():
-            self._sorted_into(groups, attr, column, f"{base} AND {where_figure}", base_params)
+        self._figures_into(groups, key, key_params, cond, params)
         kept = self._counts
         skipped = {k: kept.get(k, 0) for k in ("truncated", "foreign", "other_schema")}
         return Scan(list(groups.values()), self.describe(), kept.get("record", 0), len(self.files), skipped)
 
-    def _sorted_into(self, groups: dict[int, Group], attr: str, column: str, base: str, params: list[Any]) -> None:
+    def _figures_into(
+        self, groups: dict[int, Group], key: str, key_params: list[Any], cond: str, params: list[Any]
+    ) -> None:
+        """Every figure's values, fetched part by part as numpy buffers (a null as NaN: no figure is NaN),
+        kept per group, then sorted: one read of the records for all five figures, in bounded memory."""
         import numpy as np
 
-        got = self._con.execute(
-            f"SELECT hash(key, route, shape) AS gh, {column} AS v FROM ({base}) ORDER BY gh, v", params
-        ).fetchnumpy()
-        gh, values = np.asarray(got["gh"], dtype=np.uint64), np.ascontiguousarray(got["v"], dtype=np.float64)
-        if not len(values):
-            return
-        cuts = np.flatnonzero(gh[1:] != gh[:-1]) + 1
-        starts = np.concatenate(([0], cuts))
-        ends = np.concatenate((cuts, [len(values)]))
-        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
-            setattr(groups[int(gh[s])], attr, array("d", values[s:e].tobytes()))
+        nan = "'nan'::DOUBLE"
+        kept: dict[tuple[int, str], list[Any]] = {}
+        for part in self._parts:
+            got = self._con.execute(
+                f"""
+SELECT hash({key}, route, shape) AS gh, coalesce(outcome = 'ok', false) AS ok, coalesce(stream, false) AS stream,
+  coalesce(ttft, {nan}) AS ttft, coalesce(tpot, {nan}) AS tpot, coalesce(e2e, {nan}) AS e2e,
+  coalesce(prefill, {nan}) AS prefill
+FROM ({part}) WHERE {cond}""",
+                key_params + params,
+            ).fetchnumpy()
+            gh = np.asarray(got["gh"], dtype=np.uint64)
+            if not len(gh):
+                continue
+            ok, stream = np.asarray(got["ok"], dtype=bool), np.asarray(got["stream"], dtype=bool)
+            ttft, tpot = np.asarray(got["ttft"], dtype=np.float64), np.asarray(got["tpot"], dtype=np.float64)
+            e2e, prefill = np.asarray(got["e2e"], dtype=np.float64), np.asarray(got["prefill"], dtype=np.float64)
+            streamed = stream & ~np.isnan(ttft)
+            ttft_ok = streamed & ok
+            masks = {
+                "ttft_ok": (ttft, ttft_ok),
+                "ttft_failed": (ttft, streamed & ~ok),
+                "prefill": (prefill, ttft_ok & ~np.isnan(prefill)),
+                "tpot": (tpot, ok & ~np.isnan(tpot)),
+                "e2e": (e2e, ~np.isnan(e2e)),
+            }
+            codes, inverse = np.unique(gh, return_inverse=True)
+            for c, code in enumerate(codes.tolist()):
+                mine = inverse == c
+                for attr, (values, mask) in masks.items():
+                    picked = values[mine & mask]
+                    if len(picked):
+                        kept.setdefault((int(code), attr), []).append(picked)
+            del got, gh, ok, stream, ttft, tpot, e2e, prefill, masks
+        for (code, attr), chunks in kept.items():
+            values = np.sort(np.concatenate(chunks)) if len(chunks) > 1 else np.sort(chunks[0])
+            chunks.clear()
+            setattr(groups[code], attr, array("d", values.tobytes()))
 
     def count_met(
         self, where: Filter, by: By, limits: dict[tuple[str, str], dict[str, float]]
