@@ -4,12 +4,13 @@ DuckDB reads the files once: JSON lines (``.jsonl``, ``.jsonl.gz``, rotated ``PA
 each validated and its fields extracted by path with an explicit type check (a wrong-typed value reads
 as null, as in ``proxy.store.python``; a line that is not a record is counted as ``truncated``,
 ``foreign`` or ``other_schema``, never fatal), Parquet files by their columns (the record's nested
-structure, or the flat columns themselves; only the columns analysis reads). The flat columns are
-kept in a table of a temporary database on disk (compressed, and spilled past ``MEMORY_LIMIT``), so
-the files are read once; the grouped facts are one query over it, and the five figures' values one
-more read of it, in parts of ``FETCH_ROWS`` rows as numpy buffers, kept per group, sorted by numpy
-and handed over as ``array('d')`` (measured at 1M records: 0.8 s for the five figures, against 1.5 s
-for five sorted queries).
+structure, or the flat columns themselves; only the columns analysis reads). One read of the files
+does it all: they are read in parts of ``PART_FILES`` files, each part's flat rows held in a temporary
+table (in memory, spilled past ``MEMORY_LIMIT``) while one query aggregates its groups (merged into
+the groups of the parts before) and its figures' values come back as numpy buffers, kept per group;
+at the end each figure is sorted by numpy and handed over as ``array('d')``. ``count_met`` reads the
+ok records' values the scan kept, not the files again. (A table of all the flat rows, written once
+and queried after, cost more to write than the files cost to read: 52 s of 60 s at 10M records.)
 
 Why DuckDB rather than chDB (ClickHouse embedded): measured on the same 300,000 generated records
 (grouped counts and sorted TTFTs by version and route), the two took about the same time on gzip JSON
@@ -29,15 +30,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from proxy.store import FIGURES, VERSION, By, Filter, Group, Objective, Scan
+from proxy.store import VERSION, By, Filter, Group, Objective, Scan
 from proxy.store.files import record_files
 
 #: What the engine may hold in memory before it spills to its temporary directory.
 MEMORY_LIMIT = "512MB"
-#: Parquet files read by one statement at most.
-PARQUET_BATCH = 256
-#: Rows of a table fetched at once for the figures (about 40 bytes a row as numpy buffers).
-FETCH_ROWS = 1_000_000
+#: Files read by one statement at most (a part: its rows are held at once, in memory or spilled).
+PART_FILES = 256
 #: Lines longer than this are not records (the longest llmtap writes is a few KB).
 MAX_LINE = 1024 * 1024
 
@@ -163,7 +162,7 @@ class EngineSource:
         self.paths = [str(p) for p in paths]
         self.files = record_files(self.paths)
         self._dir = tempfile.mkdtemp(prefix="llmtap-engine-")
-        self._con = duckdb.connect(str(Path(self._dir) / "flat.duckdb"))
+        self._con = duckdb.connect()
         settings = [
             f"SET memory_limit = {_q(MEMORY_LIMIT)}",
             f"SET temp_directory = {_q(str(Path(self._dir) / 'spill'))}",
@@ -177,8 +176,8 @@ class EngineSource:
         for statement in settings:
             self._con.execute(statement)
         self._con.execute(_MACROS)
-        self._relation: str | None = None
-        self._parts: list[str] = []
+        self._ok: dict[tuple[int, str], Any] = {}
+        self._ok_of: tuple[Filter, By, dict[int, tuple[str | None, str | None, str | None]]] | None = None
         self._counts: dict[str, int] = {}
 
     def close(self) -> None:
@@ -267,43 +266,25 @@ FROM (
         columns = ",\n  ".join(f"{column(name, COLUMNS[name])} AS {name}" for name in _JSON_COLUMNS)
         return f"SELECT {kind} AS kind,\n  {columns}\nFROM {source}"
 
-    def _flat(self) -> str:
-        """The table of flat rows, read from the files once (their columns only, for Parquet), and its kinds counted."""
-        if self._relation is not None:
-            return self._relation
+    def _parts(self) -> list[str]:
+        """The files as parts, each one statement's read of at most ``PART_FILES`` files (of one kind)."""
         import duckdb
 
         parquet = [f for f in self.files if f.name.endswith(".parquet")]
         lines = [f for f in self.files if not f.name.endswith(".parquet")]
-        made = False
-
-        def load(sql: str) -> None:
-            nonlocal made
-            self._con.execute(f"{'INSERT INTO flat' if made else 'CREATE TABLE flat AS'} {sql}")
-            made = True
-
-        if lines:
-            load(self._json_sql(lines))
-        # Read once too: a dataset of many small files costs their metadata at every query. In batches, each
-        # read as one schema (a reader that unions ten thousand files' schemas peaked at 1.9 GB of RSS at 10M
-        # records, batches of one schema at 0.6 GB); a batch whose files differ (written by two versions of
-        # llmtap) is read again by column name.
-        for i in range(0, len(parquet), PARQUET_BATCH):
-            batch = parquet[i : i + PARQUET_BATCH]
+        parts = [self._json_sql(lines[i : i + PART_FILES]) for i in range(0, len(lines), PART_FILES)]
+        # Each batch of Parquet files read as one schema (a reader that unions ten thousand files' schemas
+        # peaked at 1.9 GB of RSS at 10M records); a batch whose files differ (written by two versions of
+        # llmtap) is read by column name.
+        for i in range(0, len(parquet), PART_FILES):
+            batch = parquet[i : i + PART_FILES]
+            sql = self._parquet_sql(batch, union=False)
             try:
-                load(self._parquet_sql(batch, union=False))
+                self._con.execute(f"SELECT count(*) FROM ({sql})").fetchall()
             except duckdb.Error:
-                load(self._parquet_sql(batch, union=True))
-        counts = self._con.execute("SELECT kind, count(*) FROM flat GROUP BY kind").fetchall()
-        self._counts = {str(k): int(n) for k, n in counts}
-        # Row ids of a table only appended to run from 0; the highest bounds the parts even so.
-        total = int(self._con.execute("SELECT coalesce(max(rowid) + 1, 0) FROM flat").fetchone()[0])  # type: ignore[index]
-        self._parts = [
-            f"SELECT * FROM flat WHERE rowid >= {start} AND rowid < {start + FETCH_ROWS}"
-            for start in range(0, total, FETCH_ROWS)
-        ]
-        self._relation = "flat"
-        return self._relation
+                sql = self._parquet_sql(batch, union=True)
+            parts.append(sql)
+        return parts
 
     @staticmethod
     def _where(where: Filter) -> tuple[str, list[Any]]:
@@ -332,115 +313,148 @@ FROM (
     # -- the interface ---------------------------------------------------------------------------------
 
     def scan(self, where: Filter, by: By) -> Scan:
-        """The grouped facts: one grouping query, then one read of the figures' values."""
-        flat = self._flat()
+        """The grouped facts, in one read of the files: each part's rows held in a temporary table while
+        its groups are aggregated (merged into the groups so far) and its figures' values fetched."""
+        import numpy as np
+
         cond, params = self._where(where)
         key, key_params = self._key(by)
-        base = f"SELECT *, {key} AS key FROM {flat} WHERE {cond}"
-        base_params = key_params + params
         ok_stream = "outcome = 'ok' AND stream AND ttft IS NOT NULL"
         rank = (
             "(time_s, obj_percentile, coalesce(obj_ttft, -1), coalesce(obj_tpot, -1), coalesce(obj_e2e, -1),"
             " coalesce(obj_shape, ''))"
         )
-        rows = self._con.execute(
-            f"""
-SELECT key, route, shape, hash(key, route, shape) AS gh,
+        grouping = f"""
+SELECT key, route, shape, gh,
   count(*), count(*) FILTER (outcome IS DISTINCT FROM 'ok'), count(*) FILTER (slo = 'met'),
   min(time_s), max(time_s),
   coalesce(sum(input_tokens) FILTER (outcome = 'ok' AND input_tokens IS NOT NULL), 0),
   coalesce(sum(coalesce(cache_read_tokens, 0)) FILTER (outcome = 'ok' AND input_tokens IS NOT NULL), 0),
   arg_max({{'s': obj_shape, 'p': obj_percentile, 't': obj_ttft, 'o': obj_tpot, 'e': obj_e2e, 'at': time_s}},
           {rank}) FILTER ({_OBJ_VALID}),
+  max({rank}) FILTER ({_OBJ_VALID}),
   histogram(cache_class) FILTER (cache_class IS NOT NULL),
   list(DISTINCT coalesce(prefill_source, 'unknown')) FILTER ({ok_stream} AND prefill IS NOT NULL)
-FROM ({base}) GROUP BY ALL""",
-            base_params,
-        ).fetchall()
-        groups: dict[int, Group] = {}
-        for r in rows:
-            g = Group(r[0], r[1], r[2], int(r[4]), int(r[5]), int(r[6]), float(r[7]), float(r[8]))
-            g.input_tokens, g.cached_tokens = int(r[9]), int(r[10])
-            if r[11] is not None:
-                o = r[11]
-                g.objective = Objective(o["s"], float(o["p"]), o["t"], o["o"], o["e"])
-                g.objective_time = float(o["at"])
-            g.classes = {str(k): int(v) for k, v in (r[12] or {}).items()}
-            g.prefill_sources = set(r[13] or ())
-            groups[int(r[3])] = g
-        self._figures_into(groups, key, key_params, cond, params)
-        kept = self._counts
-        skipped = {k: kept.get(k, 0) for k in ("truncated", "foreign", "other_schema")}
-        return Scan(list(groups.values()), self.describe(), kept.get("record", 0), len(self.files), skipped)
-
-    def _figures_into(
-        self, groups: dict[int, Group], key: str, key_params: list[Any], cond: str, params: list[Any]
-    ) -> None:
-        """Every figure's values, fetched part by part as numpy buffers (a null as NaN: no figure is NaN),
-        kept per group, then sorted: one read of the records for all five figures, in bounded memory."""
-        import numpy as np
-
+FROM part_rows WHERE kind = 'record' GROUP BY ALL"""
         nan = "'nan'::DOUBLE"
-        kept: dict[tuple[int, str], list[Any]] = {}
-        for part in self._parts:
-            got = self._con.execute(
-                f"""
-SELECT hash({key}, route, shape) AS gh, coalesce(outcome = 'ok', false) AS ok, coalesce(stream, false) AS stream,
+        values = f"""
+SELECT gh, coalesce(outcome = 'ok', false) AS ok, coalesce(stream, false) AS stream,
   coalesce(ttft, {nan}) AS ttft, coalesce(tpot, {nan}) AS tpot, coalesce(e2e, {nan}) AS e2e,
   coalesce(prefill, {nan}) AS prefill
-FROM ({part}) WHERE {cond}""",
-                key_params + params,
-            ).fetchnumpy()
-            gh = np.asarray(got["gh"], dtype=np.uint64)
-            if not len(gh):
-                continue
-            ok, stream = np.asarray(got["ok"], dtype=bool), np.asarray(got["stream"], dtype=bool)
-            ttft, tpot = np.asarray(got["ttft"], dtype=np.float64), np.asarray(got["tpot"], dtype=np.float64)
-            e2e, prefill = np.asarray(got["e2e"], dtype=np.float64), np.asarray(got["prefill"], dtype=np.float64)
-            streamed = stream & ~np.isnan(ttft)
-            ttft_ok = streamed & ok
-            masks = {
-                "ttft_ok": (ttft, ttft_ok),
-                "ttft_failed": (ttft, streamed & ~ok),
-                "prefill": (prefill, ttft_ok & ~np.isnan(prefill)),
-                "tpot": (tpot, ok & ~np.isnan(tpot)),
-                "e2e": (e2e, ~np.isnan(e2e)),
-            }
-            codes, inverse = np.unique(gh, return_inverse=True)
-            for c, code in enumerate(codes.tolist()):
-                mine = inverse == c
-                for attr, (values, mask) in masks.items():
-                    picked = values[mine & mask]
-                    if len(picked):
-                        kept.setdefault((int(code), attr), []).append(picked)
-            del got, gh, ok, stream, ttft, tpot, e2e, prefill, masks
+FROM part_rows WHERE kind = 'record'"""
+        groups: dict[int, Group] = {}
+        ranks: dict[int, Any] = {}
+        counts: dict[str, int] = {}
+        kept: dict[tuple[int, str], list[Any]] = {}
+        self._ok, self._ok_of = {}, None
+        for part in self._parts():
+            # The part's rows that pass the filter, and its other lines as kinds (for the counts).
+            self._con.execute(
+                f"""CREATE OR REPLACE TEMP TABLE part_rows AS
+SELECT * EXCLUDE (kind), {key} AS key, hash({key}, route, shape) AS gh,
+  CASE WHEN kind <> 'record' THEN kind WHEN {cond} THEN 'record' ELSE 'out' END AS kind
+FROM ({part})""",
+                key_params + key_params + params,
+            )
+            for k, n in self._con.execute("SELECT kind, count(*) FROM part_rows GROUP BY kind").fetchall():
+                counts[str(k)] = counts.get(str(k), 0) + int(n)
+            for r in self._con.execute(grouping).fetchall():
+                gh = int(r[3])
+                g = groups.get(gh)
+                if g is None:
+                    g = groups[gh] = Group(r[0], r[1], r[2], 0, 0, 0, float(r[7]), float(r[8]))
+                g.requests += int(r[4])
+                g.errors += int(r[5])
+                g.met += int(r[6])
+                g.first, g.last = min(g.first, float(r[7])), max(g.last, float(r[8]))
+                g.input_tokens += int(r[9])
+                g.cached_tokens += int(r[10])
+                if r[11] is not None:
+                    got_rank = tuple(r[12].values()) if isinstance(r[12], dict) else tuple(r[12])
+                    if gh not in ranks or got_rank > ranks[gh]:
+                        ranks[gh] = got_rank
+                        o = r[11]
+                        g.objective = Objective(o["s"], float(o["p"]), o["t"], o["o"], o["e"])
+                        g.objective_time = float(o["at"])
+                for cls, n in (r[13] or {}).items():
+                    g.classes[str(cls)] = g.classes.get(str(cls), 0) + int(n)
+                g.prefill_sources.update(r[14] or ())
+            got = self._con.execute(values).fetchnumpy()
+            self._keep(got, kept)
+            del got
+        self._con.execute("DROP TABLE IF EXISTS part_rows")
+        self._counts = counts
         for (code, attr), chunks in kept.items():
-            values = np.sort(np.concatenate(chunks)) if len(chunks) > 1 else np.sort(chunks[0])
+            joined = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
             chunks.clear()
-            setattr(groups[code], attr, array("d", values.tobytes()))
+            if attr.startswith("ok_"):
+                self._ok[(code, attr)] = joined  # count_met's values: ok records' (ttft, tpot, e2e), unsorted
+            else:
+                setattr(groups[code], attr, array("d", np.sort(joined).tobytes()))
+        self._ok_of = (where, by, {gh: (g.key, g.route, g.shape) for gh, g in groups.items()})
+        skipped = {k: counts.get(k, 0) for k in ("truncated", "foreign", "other_schema")}
+        records = counts.get("record", 0) + counts.get("out", 0)
+        return Scan(list(groups.values()), self.describe(), records, len(self.files), skipped)
+
+    def _keep(self, got: dict[str, Any], kept: dict[tuple[int, str], list[Any]]) -> None:
+        """A part's values, as numpy buffers (a null as NaN: no figure is NaN), appended per group."""
+        import numpy as np
+
+        gh = np.asarray(got["gh"], dtype=np.uint64)
+        if not len(gh):
+            return
+        ok, stream = np.asarray(got["ok"], dtype=bool), np.asarray(got["stream"], dtype=bool)
+        ttft, tpot = np.asarray(got["ttft"], dtype=np.float64), np.asarray(got["tpot"], dtype=np.float64)
+        e2e, prefill = np.asarray(got["e2e"], dtype=np.float64), np.asarray(got["prefill"], dtype=np.float64)
+        streamed = stream & ~np.isnan(ttft)
+        ttft_ok = streamed & ok
+        masks = {
+            "ttft_ok": (ttft, ttft_ok),
+            "ttft_failed": (ttft, streamed & ~ok),
+            "prefill": (prefill, ttft_ok & ~np.isnan(prefill)),
+            "tpot": (tpot, ok & ~np.isnan(tpot)),
+            "e2e": (e2e, ~np.isnan(e2e)),
+            "ok_ttft": (ttft, ok),
+            "ok_tpot": (tpot, ok),
+            "ok_e2e": (e2e, ok),
+        }
+        codes, inverse = np.unique(gh, return_inverse=True)
+        for c, code in enumerate(codes.tolist()):
+            mine = inverse == c
+            for attr, (column, mask) in masks.items():
+                picked = column[mine & mask]
+                if len(picked):
+                    kept.setdefault((int(code), attr), []).append(picked)
 
     def count_met(
         self, where: Filter, by: By, limits: dict[tuple[str, str], dict[str, float]]
     ) -> dict[tuple[str | None, str, str], int]:
-        """Ok records within every limit of their route and shape (a null tpot as 0, another null as missed)."""
+        """Ok records within every limit of their route and shape (a null tpot as 0, another null as missed):
+        from the values the scan of the same filter and side kept (else after such a scan)."""
+        import numpy as np
+
         if not limits:
             return {}
-        flat = self._flat()
-        cond, params = self._where(where)
-        key, key_params = self._key(by)
-        values, value_params = [], []
-        for (route, shape), lim in limits.items():
-            values.append("(?, ?, ?::DOUBLE, ?::DOUBLE, ?::DOUBLE)")
-            value_params += [route, shape, *(lim.get(f) for f in FIGURES)]
-        rows = self._con.execute(
-            f"""
-SELECT key, f.route, f.shape, count(*) FROM (SELECT *, {key} AS key FROM {flat} WHERE {cond}) f
-JOIN (VALUES {", ".join(values)}) l(route, shape, l_ttft, l_tpot, l_e2e) ON f.route = l.route AND f.shape = l.shape
-WHERE f.outcome = 'ok'
-  AND (l_ttft IS NULL OR f.ttft <= l_ttft)
-  AND (l_tpot IS NULL OR coalesce(f.tpot, 0) <= l_tpot)
-  AND (l_e2e IS NULL OR f.e2e <= l_e2e)
-GROUP BY ALL""",
-            key_params + params + value_params,
-        ).fetchall()
-        return {(k, r, s): int(n) for k, r, s, n in rows}
+        if self._ok_of is None or self._ok_of[0] != where or self._ok_of[1] != by:
+            self.scan(where, by)
+        assert self._ok_of is not None
+        out: dict[tuple[str | None, str, str], int] = {}
+        for gh, (key, route, shape) in self._ok_of[2].items():
+            if route is None or shape is None or (route, shape) not in limits:
+                continue
+            lim = limits[(route, shape)]
+            ttft = self._ok.get((gh, "ok_ttft"))
+            if ttft is None:
+                continue
+            tpot, e2e = self._ok[(gh, "ok_tpot")], self._ok[(gh, "ok_e2e")]
+            met = np.ones(len(ttft), dtype=bool)
+            if lim.get("ttft") is not None:
+                met &= ttft <= lim["ttft"]
+            if lim.get("tpot") is not None:
+                met &= np.nan_to_num(tpot, nan=0.0) <= lim["tpot"]
+            if lim.get("e2e") is not None:
+                met &= e2e <= lim["e2e"]
+            n = int(np.count_nonzero(met))
+            if n:
+                out[(key, route, shape)] = n
+        return out
