@@ -26,7 +26,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -266,25 +267,18 @@ FROM (
         columns = ",\n  ".join(f"{column(name, COLUMNS[name])} AS {name}" for name in _JSON_COLUMNS)
         return f"SELECT {kind} AS kind,\n  {columns}\nFROM {source}"
 
-    def _parts(self) -> list[str]:
-        """The files as parts, each one statement's read of at most ``PART_FILES`` files (of one kind)."""
-        import duckdb
-
+    def _parts(self) -> Iterator[list[Callable[[], str]]]:
+        """The files in parts of at most ``PART_FILES`` files of one kind, each as the statements that may
+        read it, in order: Parquet read as one schema (a reader that unions ten thousand files' schemas
+        peaked at 1.9 GB of RSS at 10M records), or by column name when its files differ (written by two
+        versions of llmtap)."""
         parquet = [f for f in self.files if f.name.endswith(".parquet")]
         lines = [f for f in self.files if not f.name.endswith(".parquet")]
-        parts = [self._json_sql(lines[i : i + PART_FILES]) for i in range(0, len(lines), PART_FILES)]
-        # Each batch of Parquet files read as one schema (a reader that unions ten thousand files' schemas
-        # peaked at 1.9 GB of RSS at 10M records); a batch whose files differ (written by two versions of
-        # llmtap) is read by column name.
+        for i in range(0, len(lines), PART_FILES):
+            yield [partial(self._json_sql, lines[i : i + PART_FILES])]
         for i in range(0, len(parquet), PART_FILES):
             batch = parquet[i : i + PART_FILES]
-            sql = self._parquet_sql(batch, union=False)
-            try:
-                self._con.execute(f"SELECT count(*) FROM ({sql})").fetchall()
-            except duckdb.Error:
-                sql = self._parquet_sql(batch, union=True)
-            parts.append(sql)
-        return parts
+            yield [partial(self._parquet_sql, batch, union=False), partial(self._parquet_sql, batch, union=True)]
 
     @staticmethod
     def _where(where: Filter) -> tuple[str, list[Any]]:
@@ -315,6 +309,7 @@ FROM (
     def scan(self, where: Filter, by: By) -> Scan:
         """The grouped facts, in one read of the files: each part's rows held in a temporary table while
         its groups are aggregated (merged into the groups so far) and its figures' values fetched."""
+        import duckdb
         import numpy as np
 
         cond, params = self._where(where)
@@ -349,13 +344,19 @@ FROM part_rows WHERE kind = 'record'"""
         self._ok, self._ok_of = {}, None
         for part in self._parts():
             # The part's rows that pass the filter, and its other lines as kinds (for the counts).
-            self._con.execute(
-                f"""CREATE OR REPLACE TEMP TABLE part_rows AS
+            for i, read in enumerate(part):
+                try:
+                    self._con.execute(
+                        f"""CREATE OR REPLACE TEMP TABLE part_rows AS
 SELECT * EXCLUDE (kind), {key} AS key, hash({key}, route, shape) AS gh,
   CASE WHEN kind <> 'record' THEN kind WHEN {cond} THEN 'record' ELSE 'out' END AS kind
-FROM ({part})""",
-                key_params + key_params + params,
-            )
+FROM ({read()})""",
+                        key_params + key_params + params,
+                    )
+                    break
+                except duckdb.Error:
+                    if i == len(part) - 1:
+                        raise
             for k, n in self._con.execute("SELECT kind, count(*) FROM part_rows GROUP BY kind").fetchall():
                 counts[str(k)] = counts.get(str(k), 0) + int(n)
             for r in self._con.execute(grouping).fetchall():
