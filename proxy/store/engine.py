@@ -170,7 +170,6 @@ class EngineSource:
             "SET TimeZone = 'UTC'",
             "SET enable_progress_bar = false",
             "SET preserve_insertion_order = false",
-            "SET parquet_metadata_cache = true",
         ]
         if threads is not None:
             settings.append(f"SET threads = {int(threads)}")
@@ -327,7 +326,6 @@ SELECT key, route, shape, gh,
   coalesce(sum(coalesce(cache_read_tokens, 0)) FILTER (outcome = 'ok' AND input_tokens IS NOT NULL), 0),
   arg_max({{'s': obj_shape, 'p': obj_percentile, 't': obj_ttft, 'o': obj_tpot, 'e': obj_e2e, 'at': time_s}},
           {rank}) FILTER ({_OBJ_VALID}),
-  max({rank}) FILTER ({_OBJ_VALID}),
   histogram(cache_class) FILTER (cache_class IS NOT NULL),
   list(DISTINCT coalesce(prefill_source, 'unknown')) FILTER ({ok_stream} AND prefill IS NOT NULL)
 FROM part_rows WHERE kind = 'record' GROUP BY ALL"""
@@ -370,16 +368,17 @@ FROM ({read()})""",
                 g.first, g.last = min(g.first, float(r[7])), max(g.last, float(r[8]))
                 g.input_tokens += int(r[9])
                 g.cached_tokens += int(r[10])
-                if r[11] is not None:
-                    got_rank = tuple(r[12].values()) if isinstance(r[12], dict) else tuple(r[12])
-                    if gh not in ranks or got_rank > ranks[gh]:
-                        ranks[gh] = got_rank
-                        o = r[11]
+                o = r[11]
+                if o is not None:
+                    # The rank the part's arg_max chose by, again: the newest, then the objective's order.
+                    rank_of = (o["at"], o["p"], *(-1 if o[f] is None else o[f] for f in "toe"), o["s"] or "")
+                    if gh not in ranks or rank_of > ranks[gh]:
+                        ranks[gh] = rank_of
                         g.objective = Objective(o["s"], float(o["p"]), o["t"], o["o"], o["e"])
                         g.objective_time = float(o["at"])
-                for cls, n in (r[13] or {}).items():
+                for cls, n in (r[12] or {}).items():
                     g.classes[str(cls)] = g.classes.get(str(cls), 0) + int(n)
-                g.prefill_sources.update(r[14] or ())
+                g.prefill_sources.update(r[13] or ())
             got = self._con.execute(values).fetchnumpy()
             self._keep(got, kept)
             del got
