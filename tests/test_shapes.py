@@ -477,7 +477,8 @@ def events(admin: str, kinds: set[str]) -> dict[str, Any]:
     """The live view's first event of each kind, read from its event stream (as the page reads it)."""
     out: dict[str, Any] = {}
     kind = None
-    with httpx.stream("GET", f"{admin}/events", params={"window": "all"}, timeout=30) as r:
+    # after=0, as the page asks: from the first kept request (a stream that names none starts at the newest few).
+    with httpx.stream("GET", f"{admin}/events", params={"window": "all", "after": "0"}, timeout=30) as r:
         for line in r.iter_lines():
             if line.startswith("event: "):
                 kind = line[7:]
