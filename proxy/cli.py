@@ -161,11 +161,8 @@ def _demo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
 
 
-def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
-    p = sub.add_parser(
-        "compare",
-        help="before against after a prompt change: TTFT percentiles with CIs, cached share, cache classes",
-    )
+def _record_sources(p: argparse.ArgumentParser) -> None:
+    """Where ``compare`` and ``slo`` read requests from: record paths (by an engine), Prometheus or ClickHouse."""
     p.add_argument(
         "records",
         nargs="*",
@@ -187,6 +184,14 @@ def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument(
         "--clickhouse-table", dest="clickhouse_table", default="llmtap_records", help="its table (llmtap_records)"
     )
+
+
+def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="before against after a prompt change: TTFT percentiles with CIs, cached share, cache classes",
+    )
+    _record_sources(p)
     p.add_argument("--before", metavar="V1", help="prompt version before the change")
     p.add_argument("--after", metavar="V2", help="prompt version after the change")
     p.add_argument("--split-at", dest="split_at", metavar="TIME", help="split at this ISO 8601 time instead")
@@ -209,27 +214,7 @@ def _slo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         "slo",
         help="each route and request shape against its objective: the percentile that counts, with its CI",
     )
-    p.add_argument(
-        "records",
-        nargs="*",
-        help="record folders written by serve --record, record files (older rotated siblings included), globs",
-    )
-    p.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default=ENGINES[0],
-        help="what reads the records: the embedded engine (duckdb) or plain Python, for small files (duckdb)",
-    )
-    p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
-    p.add_argument(
-        "--clickhouse",
-        metavar="URL",
-        help="read the records from ClickHouse's HTTP interface instead (user and password: the URL's, or "
-        "LLMTAP_RECORD_CLICKHOUSE_USER / LLMTAP_RECORD_CLICKHOUSE_PASSWORD)",
-    )
-    p.add_argument(
-        "--clickhouse-table", dest="clickhouse_table", default="llmtap_records", help="its table (llmtap_records)"
-    )
+    _record_sources(p)
     p.add_argument(
         "--config",
         metavar="FILE",
