@@ -152,8 +152,13 @@ def test_a_backend_that_never_answers_delays_no_answer_and_drops_are_counted(
                 answer = client.post(admin, content=vllm_export("b7ad6b7169203331"), headers=PROTOBUF)
                 assert answer.status_code == 200
         # Every answer came while the first export still hung (60 s): no answer waited for the backend.
-        # Two bodies wait behind it; the other two found the queue full (two spans each).
+        # Two bodies wait behind it; the other two found the queue full (two spans each). The recorder's worker
+        # offers each body after its answer went out, so the count is awaited, not read at once.
+        deadline = time.monotonic() + PATIENCE
         outcomes = counter(telemetry, sc.METRIC_OTLP_FORWARDED, sc.OTLP_FORWARD_OUTCOME)
+        while outcomes.get("dropped", 0) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            outcomes = counter(telemetry, sc.METRIC_OTLP_FORWARDED, sc.OTLP_FORWARD_OUTCOME)
         assert outcomes == {"sent": 0, "dropped": 4, "failed": 0, "unowned": 0}
         assert forwarder.queued == 2
     finally:

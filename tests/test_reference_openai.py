@@ -368,6 +368,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
 MODELS = {"unknown_model": "no-such-model"}
 #: Wall-clock stamps of two processes, one converted from monotonic time: their agreement, generously.
 CLOCK_SLACK_NS = 5_000_000
+#: The SDK ends its span at the stream's ``[DONE]`` event; llmtap's hop ends when the upstream's body ends, which
+#: follows ``[DONE]`` by the upstream's last write and the relay's next turn: a few ms, more on a busy machine.
+END_SLACK_NS = 100_000_000
 #: What makes a span a generation (gen-ai-spans.md): the hop span carries none of it.
 GENERATION = frozenset({"gen_ai.operation.name", "gen_ai.request.model"})
 
@@ -393,7 +396,7 @@ def test_llmtap_span_is_the_child_of_the_applications_span(runs: dict[str, Run],
         assert (ours.trace, ours.parent) == (app.trace, app.id), call
         # The hop is part of the call: llmtap's span lies inside the application's.
         assert app.span.start_time_unix_nano - CLOCK_SLACK_NS <= ours.span.start_time_unix_nano, call
-        assert ours.span.end_time_unix_nano <= app.span.end_time_unix_nano + CLOCK_SLACK_NS, call
+        assert ours.span.end_time_unix_nano <= app.span.end_time_unix_nano + END_SLACK_NS, call
 
 
 @pytest.mark.real
