@@ -48,7 +48,9 @@ def help_text(option: Option) -> str:
     if option.key is not None:
         where.append(f"file {option.key}")
     where.append(f"default {option.shown_default()}")
-    return f"{option.help} ({'; '.join(where)})".replace("%", "%%")
+    # A flag that switches a setting off (``--no-prometheus``) says so: the table's words say what the setting does.
+    what = f"do not {option.help}" if option.switch is False else option.help
+    return f"{what} ({'; '.join(where)})".replace("%", "%%")
 
 
 SERVE_DESCRIPTION = """\

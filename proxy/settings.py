@@ -418,8 +418,10 @@ def load_file(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {name!r}: invalid YAML{where}") from None
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None)
+        reason = f": {problem}" if problem else ""
+        raise ConfigError(f"config file {name!r}: invalid YAML{where}{reason}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {name!r}: expected a mapping at the top level")
     for key, value in data.items():

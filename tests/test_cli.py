@@ -80,6 +80,33 @@ def test_invalid_yaml(tmp_path: Path) -> None:
     assert_config_error(run("serve", "--config", str(cfg)), "invalid YAML at line")
 
 
+def test_invalid_yaml_keeps_the_parsers_reason(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("upstream: http://127.0.0.1:9\nlisten:\n\tport: 8080\n", encoding="utf-8")
+    # A tab where YAML wants spaces: the line, the column and the parser's own words.
+    assert_config_error(run("serve", "--config", str(cfg)), "invalid YAML at line 3, column 1: found character '\\t'")
+
+
+def test_switch_off_flags_say_they_switch_off() -> None:
+    help_text = " ".join(run("serve", "--help").stdout.split())
+    for flag, says in [
+        ("--no-prometheus", "do not serve /metrics"),
+        ("--no-inject-usage", "do not add stream_options.include_usage"),
+        ("--no-forward-server-spans", "do not forward the upstream's own spans"),
+    ]:
+        assert f"{flag} {says}" in help_text, flag
+
+
+def test_simulate_says_what_it_serves() -> None:
+    from proxy.simulator import PROFILES
+    from proxy.simulator.server import announce
+
+    said = announce(PROFILES["support"], "127.0.0.1", 8000)
+    assert "profile 'support'" in said and "model llmtap-sim" in said
+    for endpoint in ("/v1/chat/completions", "/v1/messages", "/api/chat", ":streamGenerateContent", "/debug/requests"):
+        assert endpoint in said, endpoint
+
+
 def test_config_file_missing(tmp_path: Path) -> None:
     assert_config_error(run("serve", "--config", str(tmp_path / "nope.yaml")), "nope.yaml")
 

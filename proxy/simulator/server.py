@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import socket
 import threading
 import time
@@ -14,6 +15,8 @@ import uvicorn
 
 from proxy.simulator.app import create_app
 from proxy.simulator.profiles import Profile
+
+log = logging.getLogger(__name__)
 
 
 def _config(app: Any, **kwargs: Any) -> uvicorn.Config:
@@ -34,7 +37,23 @@ async def serve(host: str, port: int, profile: Profile) -> None:
     """Serve the simulator on ``host:port`` until the process is told to stop."""
     app = create_app(profile)
     _freeze_heap()
+    log.info("%s", announce(profile, host, port))
     await uvicorn.Server(_config(app, host=host, port=port, log_level="info")).serve()
+
+
+def announce(profile: Profile, host: str, port: int) -> str:
+    """What ``llmtap simulate`` serves: the profile, its models and timing, and the endpoints to point a client at."""
+    base = f"http://{host}:{port}"
+    return (
+        f"simulating profile {profile.name!r} ({profile.about or 'no description'}): "
+        f"model {', '.join(profile.served_models)}; prefill {profile.prefill_tokens_per_s:,.0f} tokens/s, "
+        f"decode {profile.decode_s_per_token * 1000:g} ms/token, {profile.max_num_seqs} slots\n"
+        f"  OpenAI     {base}/v1/chat/completions  {base}/v1/completions  {base}/v1/responses\n"
+        f"  Anthropic  {base}/v1/messages\n"
+        f"  Ollama     {base}/api/chat  {base}/api/generate\n"
+        f"  Gemini     {base}/v1beta/models/{profile.served_models[0]}:streamGenerateContent\n"
+        f"  truth      {base}/debug/requests   metrics {base}/metrics"
+    )
 
 
 class Background(NamedTuple):
