@@ -57,7 +57,45 @@ SERVE_DESCRIPTION = """\
 Run the tracing proxy in front of an LLM API: llmtap serve --upstream https://api.openai.com
 
 Every setting is a flag, an LLMTAP_* variable or a key in the --config file (routes: several upstreams);
-flags win over variables, variables over the file. docs/settings.md lists them all."""
+flags win over variables, variables over the file. This help shows the settings most runs need;
+--help-all shows every one (also in docs/settings.md)."""
+
+#: The settings ``llmtap serve --help`` shows; ``--help-all`` shows every one.
+SERVE_ESSENTIALS = frozenset(
+    {
+        "upstream",
+        "provider",
+        "config",
+        "host",
+        "port",
+        "admin_host",
+        "admin_port",
+        "admin_token_file",
+        "slo_ttft_ms",
+        "slo_tpot_ms",
+        "max_concurrency",
+        "record",
+        "prompt_version",
+        "access_log",
+        "log_level",
+        "workers",
+    }
+)
+
+
+class _HelpAllAction(argparse.Action):
+    """``serve --help-all``: the help with every setting, the ones ``--help`` leaves out put back."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        for action in parser._actions:
+            full = getattr(action, "full_help", None)
+            if full is not None:
+                action.help = full
+        parser.print_help()
+        parser.exit()
 
 
 def _serve_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
@@ -68,6 +106,7 @@ def _serve_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         description=SERVE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--help-all", action=_HelpAllAction, help="show every setting, then exit")
     for group, found in by_group(OPTIONS.values()).items():
         flagged = [o for o in found if o.flag is not None]
         if not flagged:
@@ -76,11 +115,14 @@ def _serve_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         for o in flagged:
             assert o.flag is not None
             if o.switch is not None:
-                g.add_argument(o.flag, dest=o.name, action="store_const", const=o.switch, help=help_text(o))
+                action = g.add_argument(o.flag, dest=o.name, action="store_const", const=o.switch)
             else:
                 # Taken as text: the value is checked with the variable's and the file's, and a bad one is
                 # named in one line (``--port abc: expected ...``) rather than by argparse's usage block.
-                g.add_argument(o.flag, dest=o.name, metavar=o.kind.metavar, help=help_text(o))
+                action = g.add_argument(o.flag, dest=o.name, metavar=o.kind.metavar)
+            # The short help leaves a setting out (a group with none left is left out whole); --help-all puts it back.
+            action.full_help = help_text(o)  # type: ignore[attr-defined]
+            action.help = action.full_help if o.name in SERVE_ESSENTIALS else argparse.SUPPRESS  # type: ignore[attr-defined]
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

@@ -87,8 +87,23 @@ def test_invalid_yaml_keeps_the_parsers_reason(tmp_path: Path) -> None:
     assert_config_error(run("serve", "--config", str(cfg)), "invalid YAML at line 3, column 1: found character '\\t'")
 
 
+def test_serve_help_is_short_and_every_setting_one_flag_away() -> None:
+    short, full = run("serve", "--help"), run("serve", "--help-all")
+    assert short.returncode == full.returncode == 0
+    assert len(short.stdout.splitlines()) < 100 < len(full.stdout.splitlines())
+    for flag in ("--upstream", "--config", "--port", "--slo-ttft-ms", "--record", "--help-all"):
+        assert flag in short.stdout and flag in full.stdout, flag
+    # Every flag of the table is in the long help, and the short help leaves out a less common one.
+    from proxy.options import OPTIONS
+
+    for o in OPTIONS.values():
+        if o.flag is not None:
+            assert o.flag in full.stdout, o.flag
+    assert "--chunk-span-cap" not in short.stdout
+
+
 def test_switch_off_flags_say_they_switch_off() -> None:
-    help_text = " ".join(run("serve", "--help").stdout.split())
+    help_text = " ".join(run("serve", "--help-all").stdout.split())
     for flag, says in [
         ("--no-prometheus", "do not serve /metrics"),
         ("--no-inject-usage", "do not add stream_options.include_usage"),
