@@ -1,4 +1,4 @@
-"""The ``llmtap`` command: ``serve``, ``simulate``, ``demo``, ``compare`` and ``slo``."""
+"""The ``llmtap`` command: ``serve``, ``simulate``, ``demo``, ``compare``, ``slo`` and ``docs``."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ Run the tracing proxy in front of an LLM API: llmtap serve --upstream https://ap
 
 Every setting is a flag, an LLMTAP_* variable or a key in the --config file (routes: several upstreams);
 flags win over variables, variables over the file. This help shows the settings most runs need;
---help-all shows every one (also in docs/settings.md)."""
+--help-all shows every one (also `llmtap docs settings`)."""
 
 #: The settings ``llmtap serve --help`` shows; ``--help-all`` shows every one.
 SERVE_ESSENTIALS = frozenset(
@@ -253,6 +253,11 @@ def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw the TTFT distributions and cached shares (matplotlib)")
 
 
+def _docs_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser("docs", help="list the documentation's pages, or print one (settings, reference, recipes, ...)")
+    p.add_argument("page", nargs="?", metavar="NAME", help="the page to print; without it, the list")
+
+
 def _slo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser(
         "slo",
@@ -284,6 +289,7 @@ def parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     _compare_parser(sub)
     _slo_parser(sub)
+    _docs_parser(sub)
     return p
 
 
@@ -326,6 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from proxy.analysis import slo
 
             return slo.main(args)
+        elif args.command == "docs":
+            from proxy import manual
+
+            sys.stdout.write(manual.read(args.page))
     except ConfigError as exc:
         print(f"llmtap: error: {exc}", file=sys.stderr)
         return 2
