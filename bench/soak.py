@@ -113,12 +113,13 @@ def serve_monitored(status: Path, serve_args: Sequence[str]) -> int:
 
     The telemetry process runs as under ``llmtap serve``; the monitor reads the relay's own process.
     """
-    from proxy.cli import _logging, parser
+    from proxy import logs
+    from proxy.cli import parser
     from proxy.relay.server import Telemetry, bind, run_loop, serve
     from proxy.settings import build
 
     settings = build(vars(parser().parse_args(["serve", *serve_args])))
-    _logging(settings.log_level)
+    logs.setup(settings.log_level)
 
     async def run(proxy_sock: socket.socket, channel_path: str, telemetry: Telemetry) -> None:
         monitor = asyncio.create_task(_monitor(status))

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import difflib
-import logging
 import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from proxy import __version__, options
+from proxy import __version__, logs, options
 from proxy.options import GROUPS, OPTIONS, Option, by_group
 from proxy.settings import ConfigError, build
 from proxy.store import ENGINES
@@ -293,26 +292,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx logs every upstream request's full URL at INFO (API keys in the query, Gemini's ?key=, included)
-    # and httpcore logs response headers at DEBUG: neither may reach llmtap's log, at any level.
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code (2 for a bad configuration)."""
     args = parser().parse_args(argv)
     try:
         if args.command == "serve":
             settings = build(vars(args))
-            _logging(settings.log_level)
+            logs.setup(settings.log_level)
             from proxy.relay.server import run
 
             run(settings)
         elif args.command == "simulate":
-            _logging("info")
+            logs.setup("info")
             from proxy import simulator
 
             profile = simulator.PROFILES.get(args.profile)
@@ -320,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"unknown profile {args.profile!r}; known: {', '.join(sorted(simulator.PROFILES))}")
             asyncio.run(simulator.serve(args.host, args.port, profile))
         elif args.command == "demo":
-            logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+            logs.setup("warning", stamp=False)
             from proxy import demo
 
             return demo.main(args)

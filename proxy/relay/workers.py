@@ -27,9 +27,10 @@ import subprocess
 import sys
 import time
 
+from proxy import logs
 from proxy.relay.server import Telemetry, bind, run_loop, serve, startup_lines
 from proxy.settings import ConfigError, Settings
-from proxy.telemetry.process import LOG_FORMAT, die_with_parent
+from proxy.telemetry.process import die_with_parent
 
 log = logging.getLogger("llmtap")
 
@@ -40,9 +41,7 @@ def worker_main() -> None:
     """A relay process: read (settings, channel path, started pipe) from stdin and relay until SIGTERM."""
     settings, channel_path, started_fd = pickle.load(sys.stdin.buffer)
     die_with_parent()
-    logging.basicConfig(level=settings.log_level.upper(), format=f"%(process)d {LOG_FORMAT}")
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    logs.setup(settings.log_level, pid=True)
     proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True)
     run_loop(serve(settings, proxy_sock, channel_path, on_started=lambda: _say_started(started_fd)))
 

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from proxy import logs
 from proxy.relay.channel import frames
 from proxy.settings import ConfigError, Settings
 from proxy.tape import STATS
@@ -38,7 +39,6 @@ log = logging.getLogger("llmtap.telemetry")
 NICE = 5
 #: The process name ``ps`` and ``/proc/PID/comm`` show (Linux keeps 15 bytes of it).
 NAME = "llmtap-telemetry"
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +182,7 @@ def main() -> None:
     die_with_parent()
     with contextlib.suppress(OSError):
         os.nice(NICE)
-    logging.basicConfig(level=launch.settings.log_level.upper(), format=LOG_FORMAT)
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    logs.setup(launch.settings.log_level)
     from proxy.relay.server import run_loop
 
     run_loop(serve(launch))
