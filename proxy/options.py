@@ -32,6 +32,7 @@ from proxy.kinds import (
     number,
     path,
     percentile,
+    share,
     structure,
     text,
     url,
@@ -482,6 +483,26 @@ _TABLE = (
         "chunk spans per request at most",
         "telemetry",
         key="telemetry.chunk_span_cap",
+    ),
+    # chunk detail decided in the proxy (issue 31; proxy.telemetry.chunkdetail)
+    option(
+        "chunk_detail_sample",
+        share(),
+        0.05,
+        "share of the requests nothing else marks (failed, cancelled, objective missed, slower than the route's "
+        "recent tail) that keep a span per chunk, chosen by trace id; the others get chunk statistics on their "
+        "decode span (1: every request keeps them)",
+        "telemetry",
+        key="telemetry.chunk_detail_sample",
+    ),
+    option(
+        "chunk_detail_tail",
+        percentile(),
+        0.99,
+        "a request whose time to first token or largest chunk gap is above this percentile of its route's recent "
+        "requests keeps a span per chunk",
+        "telemetry",
+        key="telemetry.chunk_detail_tail",
     ),
     option(
         "telemetry_queue",

@@ -236,6 +236,9 @@ class Telemetry:
     capture_content: bool = False
     chunk_spans: str = default("chunk_spans")
     chunk_span_cap: int = default("chunk_span_cap")
+    #: Which requests keep their chunk spans (``proxy.telemetry.chunkdetail``): a sampled share, and the tail.
+    chunk_detail_sample: float = default("chunk_detail_sample")
+    chunk_detail_tail: float = default("chunk_detail_tail")
     queue_size: int = default("telemetry_queue")
     prometheus: bool = default("prometheus")
     #: Model names that always keep their own label on metrics, however rarely used (``LLMTAP_METRIC_MODELS``).
@@ -923,6 +926,8 @@ def telemetry_from_env(
 _TELEMETRY_OPTIONS = {
     "chunk_spans": "chunk_spans",
     "chunk_span_cap": "chunk_span_cap",
+    "chunk_detail_sample": "chunk_detail_sample",
+    "chunk_detail_tail": "chunk_detail_tail",
     "queue_size": "telemetry_queue",
     "prometheus": "prometheus",
     "metric_models": "metric_models",
