@@ -154,6 +154,7 @@ def measure(requests: int, chunks: int) -> dict[str, Any]:
     """CPU per chunk by phase for ``requests`` tapes of ``chunks`` chunks, default telemetry settings."""
     from proxy.telemetry import recorder as recorder_module, replay, spans
     from proxy.telemetry.metrics import MetricWriter
+    from proxy.telemetry.records import record_line
 
     exporter = _Encoding()
     tracer_provider = TracerProvider(shutdown_on_exit=False)
@@ -179,7 +180,7 @@ def measure(requests: int, chunks: int) -> dict[str, Any]:
 
     def line(tl: Any, s: Any) -> None:
         start = time.thread_time_ns()
-        recorder_module.record_line(tl, s, None, ident)
+        record_line(tl, s, None, ident)
         phases.ns["records"] += time.thread_time_ns() - start
 
     recorder.listeners.append(line)

@@ -175,6 +175,8 @@ SECONDS = number(unit="seconds", metavar="SECONDS")
 POSITIVE_SECONDS = number(above=True, unit="seconds", metavar="SECONDS")
 MS = number(unit="milliseconds", metavar="MS")
 CHUNK_SPAN_MODES = ("spans", "events", "off")
+#: How the telemetry processes yield the CPU to the relays (``proxy.telemetry.process.yield_to_relays``).
+TELEMETRY_SCHEDULING = ("idle", "nice", "normal")
 #: What the proxy's span is in a trace (``auto``: the hop when a request arrives with a ``traceparent``).
 SPAN_ROLES = ("auto", "generation", "hop")
 #: The client for upstreams: llmtap's own HTTP/1.1 one (``proxy.relay.upstream_http``), or httpx's.
@@ -827,6 +829,14 @@ _TABLE = (
         integer(1),
         1,
         "telemetry processes, upstreams spread over them; /metrics merges them",
+        "process",
+    ),
+    option(
+        "telemetry_scheduling",
+        choice(*TELEMETRY_SCHEDULING),
+        "idle",
+        "how the telemetry processes yield the CPU to the relays: idle (SCHED_IDLE: they run only when no relay "
+        "wants the core; niced where not permitted), nice (niced by 5), or normal",
         "process",
     ),
     # the file's routes only

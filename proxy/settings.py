@@ -384,6 +384,8 @@ class Settings:
     workers: int = default("workers")
     #: Telemetry processes; each upstream's tapes go to one of them (so its estimator sees all its requests).
     telemetry_workers: int = default("telemetry_workers")
+    #: ``TELEMETRY_SCHEDULING``: how the telemetry processes yield the CPU to the relays.
+    telemetry_scheduling: str = default("telemetry_scheduling")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -772,6 +774,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         ),
         workers=values["workers"],
         telemetry_workers=values["telemetry_workers"],
+        telemetry_scheduling=values["telemetry_scheduling"],
     )
 
 

@@ -1,11 +1,11 @@
 """The telemetry process: tapes in from the relays, spans, metrics, records and the admin listener out.
 
-``llmtap serve`` starts it before the relays (``proxy.relay.server``), niced, so that under load the relays get
-the CPU first. It listens on a private Unix socket for the relays' channels (``proxy.relay.channel``), hands
-every message to the recorder's bounded queue (a full queue drops the message and counts its tape), and
-serves the admin listener (``/metrics``, ``/healthz``, ``/readyz``, the live view) on the public admin
-port, whose socket the parent bound and passed down. It runs no relay code at all: nothing it does, not
-even a 10 MB ``/metrics`` page or a slow collector, can delay a relayed byte.
+``llmtap serve`` starts it before the relays (``proxy.relay.server``), at SCHED_IDLE (``yield_to_relays``), so that
+on a shared core the relays get the CPU first. It listens on a private Unix socket for the relays' channels
+(``proxy.relay.channel``), hands every message to the recorder's bounded queue (a full queue drops the message and
+counts its tape), and serves the admin listener (``/metrics``, ``/healthz``, ``/readyz``, the live view) on the
+public admin port, whose socket the parent bound and passed down. It runs no relay code at all: nothing it does,
+not even a 10 MB ``/metrics`` page or a slow collector, can delay a relayed byte.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmtap.telemetry")
 
-#: How much lower the telemetry process's scheduling priority is than the relays' (``nice`` increment).
+#: How much lower the telemetry process's scheduling priority is than the relays' (``nice`` increment), where it
+#: is niced (``telemetry_scheduling: nice``, or ``idle`` where SCHED_IDLE is not permitted).
 NICE = 5
 #: The process name ``ps`` and ``/proc/PID/comm`` show (Linux keeps 15 bytes of it).
 NAME = "llmtap-telemetry"
@@ -180,14 +181,43 @@ def main() -> None:
         os.environ[identity.RESOURCE_ENV] = f"{attrs},{extra}" if attrs else extra
     set_name(NAME)
     die_with_parent()
-    with contextlib.suppress(OSError):
-        os.nice(NICE)
     logging.basicConfig(level=launch.settings.log_level.upper(), format=LOG_FORMAT)
+    # Before any thread starts: the recorder's worker and the exporters' threads inherit the class.
+    got = yield_to_relays(launch.settings.telemetry_scheduling)
+    if got != launch.settings.telemetry_scheduling:
+        log.info("telemetry: scheduling %s not permitted here; running %s", launch.settings.telemetry_scheduling, got)
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
     from proxy.relay.server import run_loop
 
     run_loop(serve(launch))
+
+
+def yield_to_relays(how: str) -> str:
+    """Put this process below the relays, as ``how`` says (``TELEMETRY_SCHEDULING``); the class it got.
+
+    ``idle``: SCHED_IDLE (Linux), the lowest class there is: on a core the relay shares with it, the relay
+    always runs first and telemetry takes only the time the relay leaves idle (issue 29). Its trade-off: a
+    core the relays keep busy leaves telemetry (and the admin listener it serves) almost nothing, so its
+    queue fills and tapes are dropped and counted (``llmtap_telemetry_tapes_dropped_total``), never a stream
+    delayed. Where the class is not permitted (another OS, a seccomp profile) it is niced by ``NICE`` instead.
+    """
+    if how == "idle":
+        policy = getattr(os, "SCHED_IDLE", None)
+        if policy is not None:
+            try:
+                os.sched_setscheduler(0, policy, os.sched_param(0))
+                return "idle"
+            except (OSError, AttributeError):
+                pass
+        how = "nice"
+    if how == "nice":
+        try:
+            os.nice(NICE)
+            return "nice"
+        except OSError:
+            return "normal"
+    return "normal"
 
 
 def _say(fd: int, line: str) -> None:
