@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from bisect import bisect_left
 from collections.abc import Sequence
 from time import time_ns
 from typing import Any
@@ -27,8 +28,9 @@ log = logging.getLogger("llmtap.telemetry")
 try:  # the SDK's internals this module reads; absent: the public path only
     from opentelemetry.attributes import _clean_attribute_value
     from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes
+    from opentelemetry.sdk.metrics._internal.aggregation import _ExplicitBucketHistogramAggregation
 except ImportError:  # pragma: no cover - another SDK version
-    _clean_attribute_value = _hash_attributes = None  # type: ignore[assignment]
+    _clean_attribute_value = _hash_attributes = _ExplicitBucketHistogramAggregation = None  # type: ignore[assignment,misc]
 
 
 class _Sample:
@@ -92,6 +94,19 @@ def record_many(hist: Histogram, values: Sequence[float], attributes: dict[str, 
 
 
 def _aggregate(aggregation: Any, sample: _Sample, values: Sequence[float]) -> None:
+    if type(aggregation) is _ExplicitBucketHistogramAggregation:
+        # What its ``aggregate`` does per sample, for all of them under one hold of its lock.
+        with aggregation._lock:
+            if aggregation._value is None:
+                aggregation._value = aggregation._get_empty_bucket_counts()
+            counts, bounds = aggregation._value, aggregation._boundaries
+            for value in values:
+                counts[bisect_left(bounds, value)] += 1
+            aggregation._sum += sum(values)
+            if aggregation._record_min_max:
+                aggregation._min = min(aggregation._min, *values)
+                aggregation._max = max(aggregation._max, *values)
+        return
     aggregate = aggregation.aggregate
     for value in values:
         sample.value = value
