@@ -1,8 +1,12 @@
-"""The telemetry process yields the CPU to the relays (issue 29): it runs at SCHED_IDLE, every thread of it."""
+"""The telemetry process yields the CPU to the relays (issue 29): it runs at SCHED_IDLE, every thread of it; and
+when it cannot keep up at all (stopped), what the relay's channel cannot hold is dropped and counted while streams
+go on undelayed."""
 
 from __future__ import annotations
 
 import os
+import signal
+import statistics
 import time
 from pathlib import Path
 
@@ -10,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import PATIENCE
-from tests.procs import FaultUpstream, upstream as upstream  # the fixture
+from tests.procs import FaultUpstream, metric_value, upstream as upstream  # the fixture
 from tests.test_otlp import Llmtap
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
@@ -72,3 +76,38 @@ def test_telemetry_runs_at_sched_idle_and_niced_when_asked(upstream: FaultUpstre
     finally:
         idle.close()
         nice.close()
+
+
+def test_a_stopped_telemetry_process_costs_tapes_never_a_streams_time(upstream: FaultUpstream, tmp_path: Path) -> None:
+    """Telemetry that keeps up with nothing (stopped): the relay drops what its channel cannot hold, and counts it."""
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", {"OTEL_TRACES_EXPORTER": "none"})
+    pid = 0
+    try:
+        proxy.wait_ready()
+        normal = {"x-chunks": "20", "x-gap-ms": "5"}
+        stream(proxy.client, **normal)
+        control = statistics.median(stream(proxy.client, **normal) for _ in range(5))
+        pid = telemetry_pid(proxy.proc.pid)
+        os.kill(pid, signal.SIGSTOP)
+        # 40 MiB of tapes, past the 16 MiB the relay's channel holds: the rest is dropped, never waited for.
+        for _ in range(10):
+            stream(proxy.client, **{"x-fault": "flood", "x-fault-arg": str(4 << 20)})
+        stopped = statistics.median(stream(proxy.client, **normal) for _ in range(5))
+        assert stopped < 2 * control + 0.05, (stopped, control)
+        os.kill(pid, signal.SIGCONT)
+        pid = 0
+        admin = f"http://127.0.0.1:{proxy.admin_port}/metrics"
+        deadline = time.monotonic() + PATIENCE
+        lost = 0.0
+        while time.monotonic() < deadline:
+            text = httpx.get(admin, timeout=5).text
+            # Whole tapes (channel_full) or their bytes (partial: the timing kept, the stream read no further).
+            lost = sum(metric_value(text, DROPPED, llmtap_telemetry_reason=r) for r in ("channel_full", "partial"))
+            if lost > 0:
+                break
+            time.sleep(0.2)
+        assert lost > 0, proxy.logs()
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+        proxy.close()
