@@ -96,16 +96,17 @@ def record_many(hist: Histogram, values: Sequence[float], attributes: dict[str, 
 def _aggregate(aggregation: Any, sample: _Sample, values: Sequence[float]) -> None:
     if type(aggregation) is _ExplicitBucketHistogramAggregation:
         # What its ``aggregate`` does per sample, for all of them under one hold of its lock.
-        with aggregation._lock:
-            if aggregation._value is None:
-                aggregation._value = aggregation._get_empty_bucket_counts()
-            counts, bounds = aggregation._value, aggregation._boundaries
+        agg: Any = aggregation
+        with agg._lock:
+            if agg._value is None:
+                agg._value = agg._get_empty_bucket_counts()
+            counts, bounds = agg._value, agg._boundaries
             for value in values:
                 counts[bisect_left(bounds, value)] += 1
-            aggregation._sum += sum(values)
-            if aggregation._record_min_max:
-                aggregation._min = min(aggregation._min, *values)
-                aggregation._max = max(aggregation._max, *values)
+            agg._sum += sum(values)
+            if agg._record_min_max:
+                agg._min = min(agg._min, *values)
+                agg._max = max(agg._max, *values)
         return
     aggregate = aggregation.aggregate
     for value in values:
