@@ -166,6 +166,11 @@ def test_a_request_slower_than_its_routes_recent_tail_keeps_detail() -> None:
     assert detail.decide(*_request(ttft=0.15, gap=0.015)) is None
     # Another route has its own tail (none yet).
     assert detail.decide(*_request("other", ttft=0.5)) is None
+    # A route whose answers are one chunk (no gap at all): the first one with a gap is above its tail.
+    for _ in range(MIN_HISTORY):
+        detail.decide(*_request("whole", ttft=0.1, gap=0.0))
+    assert detail.decide(*_request("whole", ttft=0.1, gap=0.0)) is None
+    assert detail.decide(*_request("whole", ttft=0.1, gap=0.3)) == "tail"
 
 
 def test_share_accepts_fractions_and_percentages_and_refuses_the_rest() -> None:

@@ -61,8 +61,9 @@ class _Tail:
             self.gaps[self.seen % WINDOW] = gap
         self.seen += 1
         if self.seen >= MIN_HISTORY and (self.seen == MIN_HISTORY or self.seen % REFRESH == 0):
-            self.ttft = sorted_quantile(sorted(self.ttfts), q) or float("inf")
-            self.gap = sorted_quantile(sorted(self.gaps), q) or float("inf")
+            # Never None here: the ring holds MIN_HISTORY values at least.
+            self.ttft = sorted_quantile(sorted(self.ttfts), q) or 0.0
+            self.gap = sorted_quantile(sorted(self.gaps), q) or 0.0
 
 
 class ChunkDetail:
