@@ -1,19 +1,33 @@
-"""What one telemetry core can take: ``python -m bench.telemetry``.
+"""What one telemetry core can take, and where it goes: ``python -m bench.telemetry [--before REV]``.
 
 Plays tapes of streamed chat requests (``chunks`` content chunks of a few tokens each, usage at the end,
-as the relay hands them over) through a recorder with the SDK's tracer and meter providers, a span per
-chunk, and spans exported by the batch processor to an exporter that encodes OTLP protobuf and drops it
-(the work a real export does short of the socket). Reports CPU seconds of this process per 1,000 chunks
-and the chunks per second one core sustains: the telemetry process's capacity, which ``--workers``
-relays share.
+as the relay hands them over, random trace ids) through a recorder with the SDK's tracer and meter
+providers and default telemetry settings, spans exported by the batch processor to an exporter that
+encodes OTLP protobuf and drops it (the work a real export does short of the socket). Reports the CPU
+of this process per chunk, in µs, by phase: ``decode`` (the tape played back: bytes decoded into events
+and facts, the timeline), ``summary`` (figures, tokens, cache diagnosis), ``spans`` (building them),
+``export`` (encoding them, on the exporter's thread), ``metrics`` (recording them), ``records`` (building
+the record line, which only ``--record`` writes: reported apart, not in the total), ``other`` (the rest
+of the process's CPU). Also the spans exported per request and the chunks per second one core sustains.
+
+``--before REV`` runs the same measurement, in the same run, against the ``proxy`` package of git
+revision ``REV`` (extracted to a temporary folder, run in a child process): before and after side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -32,10 +46,13 @@ class _Encoding(SpanExporter):
 
     def __init__(self) -> None:
         self.spans = 0
+        self.cpu_ns = 0  # the exporter thread's CPU in ``export``
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        start = time.thread_time_ns()
         encode_spans(spans).SerializeToString()
         self.spans += len(spans)
+        self.cpu_ns += time.thread_time_ns() - start
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
@@ -93,51 +110,148 @@ def chat_tape(
     return t, messages
 
 
-def tape(key: int, chunks: int) -> tuple[Any, ...]:
+def tape(key: int, chunks: int, rng: random.Random | None = None) -> tuple[Any, ...]:
     """The end message of one finished stream of ``chunks`` content chunks (one upstream read each), usage last."""
     usage = {"model": "m", "choices": [], "usage": {"prompt_tokens": 51, "completion_tokens": 2 * chunks}}
     reads = [_event(" word word")] * chunks + [b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n"]
     prompt = [{"role": "user", "content": "hello " * 50}]
     body = json.dumps({"model": "m", "stream": True, "messages": prompt}).encode()
-    return chat_tape(key, reads, body=body)[1][-1]
+    rng = rng or random.Random(key)
+    return chat_tape(key, reads, body=body, trace_id=rng.getrandbits(128), span_id=rng.getrandbits(64) or 1)[1][-1]
+
+
+#: Phases, in the order they are reported; ``records`` is not in the default telemetry's total.
+PHASES = ("decode", "summary", "spans", "export", "metrics", "other", "records")
+
+
+class _Phases:
+    """Thread CPU per phase, by wrapping the functions each phase runs (the same names before and after)."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = defaultdict(int)
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, owner: Any, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+        ns = self.ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time_ns()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                ns[phase] += time.thread_time_ns() - start
+
+        setattr(owner, name, timed)
+        self._undo.append(lambda: setattr(owner, name, inner))
+
+    def undo(self) -> None:
+        for step in reversed(self._undo):
+            step()
 
 
 def measure(requests: int, chunks: int) -> dict[str, Any]:
-    """CPU per 1,000 chunks for ``requests`` tapes, all telemetry on."""
+    """CPU per chunk by phase for ``requests`` tapes of ``chunks`` chunks, default telemetry settings."""
+    from proxy.telemetry import recorder as recorder_module, replay, spans
+    from proxy.telemetry.metrics import MetricWriter
+    from proxy.telemetry.records import record_line
+
     exporter = _Encoding()
     tracer_provider = TracerProvider(shutdown_on_exit=False)
     tracer_provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=1 << 16))
     meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)
     settings = Settings(routes=(Route(prefix="/", upstream="http://upstream:8000", name="default"),))
     recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
-    messages = [tape(i, chunks) for i in range(requests)]
-    recorder.take(0, tape(requests, chunks))  # warm-up: the tokenizer and the first spans
-    cpu, wall = time.process_time(), time.perf_counter()
+    rng = random.Random(29)
+    messages = [tape(i, chunks, rng) for i in range(requests)]
+    recorder.take(0, tape(requests, chunks, rng))  # warm-up: the tokenizer and the first spans
+    tracer_provider.force_flush()
+    exporter.spans = exporter.cpu_ns = 0
+    phases = _Phases()
+    phases.wrap(replay.Playback, "__init__", "decode")
+    phases.wrap(replay.Playback, "feed", "decode")
+    phases.wrap(replay.Playback, "finish", "decode")
+    phases.wrap(recorder_module, "summarize", "summary")
+    phases.wrap(recorder_module.Recorder, "_diagnose", "summary")
+    phases.wrap(spans.SpanWriter, "root", "spans")
+    phases.wrap(spans.SpanWriter, "write", "spans")
+    phases.wrap(MetricWriter, "record", "metrics")
+    ident = recorder.identity
+
+    def line(tl: Any, s: Any) -> None:
+        start = time.thread_time_ns()
+        record_line(tl, s, None, ident)
+        phases.ns["records"] += time.thread_time_ns() - start
+
+    recorder.listeners.append(line)
+    cpu, wall = time.process_time_ns(), time.perf_counter()
     for message in messages:
         recorder.take(0, message)
     tracer_provider.force_flush()
-    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    cpu, wall = time.process_time_ns() - cpu, time.perf_counter() - wall
+    phases.undo()
     recorder.close()
     tracer_provider.shutdown()
     meter_provider.shutdown()
     total = requests * chunks
+    ns = dict(phases.ns)
+    ns["export"] = exporter.cpu_ns
+    ns["other"] = max(cpu - ns["records"] - sum(ns[p] for p in PHASES[:5]), 0)
+    default_cpu = cpu - ns["records"]
     return {
         "requests": requests,
         "chunks_per_request": chunks,
-        "spans_exported": exporter.spans,
-        "cpu_s_per_1k_chunks": round(1000 * cpu / total, 4),
-        "chunks_per_s_per_core": round(total / cpu),
+        "spans_per_request": round(exporter.spans / requests, 2),
+        "us_per_chunk": {p: round(ns[p] / 1000 / total, 1) for p in PHASES},
+        "us_per_chunk_total": round(default_cpu / 1000 / total, 1),
+        "chunks_per_s_per_core": round(total / (default_cpu / 1e9)),
         "wall_s": round(wall, 2),
     }
 
 
+def _before(rev: str, requests: int, chunks: int) -> dict[str, Any]:
+    """``measure`` in a child process against revision ``rev``'s ``proxy`` package, this ``bench``."""
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", str(root), "archive", rev, "proxy"], check=True, capture_output=True)
+        archive_path = Path(tmp) / "proxy.tar"
+        archive_path.write_bytes(archive.stdout)
+        with tarfile.open(archive_path) as tar:
+            tar.extractall(tmp, filter="data")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, str(root)])}
+        argv = [sys.executable, "-m", "bench.telemetry", "--requests", str(requests), "--chunks", str(chunks)]
+        out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env, cwd=tmp)
+    result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
+    return result
+
+
+def table(runs: dict[str, dict[str, Any]]) -> str:
+    """The runs side by side as a Markdown table: µs of CPU per chunk by phase, spans per request."""
+    names = list(runs)
+    lines = ["| µs of CPU per chunk | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for phase in PHASES:
+        label = "records (with --record; not in the total)" if phase == "records" else phase
+        lines.append(f"| {label} | " + " | ".join(str(runs[n]["us_per_chunk"][phase]) for n in names) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{runs[n]['us_per_chunk_total']}**" for n in names) + " |")
+    lines.append("| chunks/s per core | " + " | ".join(str(runs[n]["chunks_per_s_per_core"]) for n in names) + " |")
+    lines.append("| spans per request | " + " | ".join(str(runs[n]["spans_per_request"]) for n in names) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Print the telemetry side's CPU per 1,000 chunks, a span per chunk and with chunk spans folded."""
+    """Print the telemetry side's CPU per chunk by phase (JSON; with ``--before``, a table of both)."""
     p = argparse.ArgumentParser(prog="python -m bench.telemetry", description=__doc__)
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--chunks", type=int, default=50)
+    p.add_argument("--before", metavar="REV", help="also measure git revision REV's proxy package, side by side")
     args = p.parse_args(argv)
-    print(json.dumps(measure(args.requests, args.chunks)))
+    if args.before is None:
+        print(json.dumps(measure(args.requests, args.chunks)))
+        return
+    runs = {f"before ({args.before})": _before(args.before, args.requests, args.chunks)}
+    runs["after (this tree)"] = measure(args.requests, args.chunks)
+    print(json.dumps(runs))
+    print(table(runs))
 
 
 if __name__ == "__main__":

@@ -238,6 +238,18 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.CHUNK_BYTES: ("int", "Bytes of the upstream read that carried the chunk."),
     sc.CHUNK_GAP: ("double", "Chunk gap in seconds (0 for the first): see Timing definitions."),
     sc.CHUNK_FOLDED: ("int", "How many chunks past the cap this one span or event stands for."),
+    sc.CHUNK_DETAIL: (
+        "string",
+        "Why the request kept a span per chunk (`error`, `cancelled`, `slo_missed`, `tail`, `sampled`), or `summary`: "
+        "its chunk statistics only (`--chunk-detail-sample`, `--chunk-detail-tail`).",
+    ),
+    sc.DECODE_GAP_P50: ("double", "Median chunk gap of the request, seconds."),
+    sc.DECODE_GAP_P99: ("double", "99th percentile chunk gap of the request, seconds."),
+    sc.DECODE_GAP_MAX: ("double", "The request's largest chunk gap, seconds."),
+    sc.DECODE_GAP_MAX_INDEX: ("int", "The chunk that ended the largest gap (its `llmtap.chunk.index`)."),
+    sc.DECODE_GAP_MAX_AT: ("double", "Seconds from the first content chunk to the chunk that ended the largest gap."),
+    sc.DECODE_ITL_P50: ("double", "Median inter-token latency of the request (each gap spread over its tokens)."),
+    sc.DECODE_ITL_P99: ("double", "99th percentile inter-token latency of the request, seconds."),
     sc.MALFORMED_EVENTS: ("int", "Stream events llmtap could not parse (relayed unchanged)."),
     sc.OVERSIZED_EVENTS: ("int", "Stream events larger than the decoder keeps (relayed unchanged)."),
     sc.STREAM_UNREAD: (
@@ -634,7 +646,12 @@ def exercise(*, latest: bool, chunk_mode: str, out: Observed) -> None:
     reader = InMemoryMetricReader()
     meter_provider = MeterProvider(metric_readers=[reader])
     telemetry = Telemetry(
-        semconv_latest=latest, capture_content=True, chunk_spans=chunk_mode, chunk_span_cap=4, server_metrics=True
+        semconv_latest=latest,
+        capture_content=True,
+        chunk_spans=chunk_mode,
+        chunk_span_cap=4,
+        chunk_detail_sample=1.0,  # every request shows its chunk spans and events, for the reference
+        server_metrics=True,
     )
     settings = Settings(routes=(_ROUTE,), slo=SLO(ttft=0.5, tpot=0.05), telemetry=telemetry)
     recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)

@@ -290,6 +290,27 @@ def percentile() -> Kind:
     return Kind(expected, parse, schema, "PERCENTILE", lambda v: f"p{v * 100:g}")
 
 
+def share() -> Kind:
+    """A share from 0 to 1 inclusive, as ``0.05`` or ``5%``."""
+    expected = "a share from 0 to 1, such as 0.05 or 5%"
+
+    def parse(value: Any) -> float:
+        value = _scalar(value)
+        text = str(value).strip()
+        try:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except (TypeError, ValueError, OverflowError):
+            raise Invalid(f"expected {expected}") from None
+        if not math.isfinite(number) or not 0 <= number <= 1:
+            raise Invalid(f"expected {expected}")
+        return number
+
+    schema = {"type": ["number", "string"], "pattern": "^[0-9.]+%?$"}
+    return Kind(expected, parse, schema, "SHARE", lambda v: f"{v:g}")
+
+
 def structure(expected: str, types: tuple[type, ...], schema: Mapping[str, Any]) -> Kind:
     """A YAML-only value (a mapping or a list) taken as it is, for ``proxy.settings`` to check in depth."""
 

@@ -32,6 +32,7 @@ from proxy.kinds import (
     number,
     path,
     percentile,
+    share,
     structure,
     text,
     url,
@@ -174,6 +175,8 @@ SECONDS = number(unit="seconds", metavar="SECONDS")
 POSITIVE_SECONDS = number(above=True, unit="seconds", metavar="SECONDS")
 MS = number(unit="milliseconds", metavar="MS")
 CHUNK_SPAN_MODES = ("spans", "events", "off")
+#: How the telemetry processes yield the CPU to the relays (``proxy.telemetry.sched``).
+TELEMETRY_SCHEDULING = ("idle", "nice", "normal")
 #: What the proxy's span is in a trace (``auto``: the hop when a request arrives with a ``traceparent``).
 SPAN_ROLES = ("auto", "generation", "hop")
 #: The client for upstreams: llmtap's own HTTP/1.1 one (``proxy.relay.upstream_http``), or httpx's.
@@ -482,6 +485,26 @@ _TABLE = (
         "chunk spans per request at most",
         "telemetry",
         key="telemetry.chunk_span_cap",
+    ),
+    # chunk detail decided in the proxy (issue 31; proxy.telemetry.chunkdetail)
+    option(
+        "chunk_detail_sample",
+        share(),
+        0.05,
+        "share of the requests nothing else marks (failed, cancelled, objective missed, slower than the route's "
+        "recent tail) that keep a span per chunk, chosen by trace id; the others get chunk statistics on their "
+        "decode span (1: every request keeps them)",
+        "telemetry",
+        key="telemetry.chunk_detail_sample",
+    ),
+    option(
+        "chunk_detail_tail",
+        percentile(),
+        0.99,
+        "a request whose time to first token or largest chunk gap is above this percentile of its route's recent "
+        "requests keeps a span per chunk",
+        "telemetry",
+        key="telemetry.chunk_detail_tail",
     ),
     option(
         "telemetry_queue",
@@ -806,6 +829,14 @@ _TABLE = (
         integer(1),
         1,
         "telemetry processes, upstreams spread over them; /metrics merges them",
+        "process",
+    ),
+    option(
+        "telemetry_scheduling",
+        choice(*TELEMETRY_SCHEDULING),
+        "idle",
+        "how the telemetry processes yield the CPU to the relays: idle (SCHED_IDLE: they run only when no relay "
+        "wants the core; niced where not permitted), nice (niced by 5), or normal",
         "process",
     ),
     # the file's routes only

@@ -236,6 +236,9 @@ class Telemetry:
     capture_content: bool = False
     chunk_spans: str = default("chunk_spans")
     chunk_span_cap: int = default("chunk_span_cap")
+    #: Which requests keep their chunk spans (``proxy.telemetry.chunkdetail``): a sampled share, and the tail.
+    chunk_detail_sample: float = default("chunk_detail_sample")
+    chunk_detail_tail: float = default("chunk_detail_tail")
     queue_size: int = default("telemetry_queue")
     prometheus: bool = default("prometheus")
     #: Model names that always keep their own label on metrics, however rarely used (``LLMTAP_METRIC_MODELS``).
@@ -381,6 +384,8 @@ class Settings:
     workers: int = default("workers")
     #: Telemetry processes; each upstream's tapes go to one of them (so its estimator sees all its requests).
     telemetry_workers: int = default("telemetry_workers")
+    #: ``TELEMETRY_SCHEDULING``: how the telemetry processes yield the CPU to the relays.
+    telemetry_scheduling: str = default("telemetry_scheduling")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -771,6 +776,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         ),
         workers=values["workers"],
         telemetry_workers=values["telemetry_workers"],
+        telemetry_scheduling=values["telemetry_scheduling"],
     )
 
 
@@ -925,6 +931,8 @@ def telemetry_from_env(
 _TELEMETRY_OPTIONS = {
     "chunk_spans": "chunk_spans",
     "chunk_span_cap": "chunk_span_cap",
+    "chunk_detail_sample": "chunk_detail_sample",
+    "chunk_detail_tail": "chunk_detail_tail",
     "queue_size": "telemetry_queue",
     "prometheus": "prometheus",
     "metric_models": "metric_models",

@@ -31,6 +31,7 @@ from yamllint import linter  # type: ignore[import-untyped]
 from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
 
 from proxy.telemetry import semconv as sc
+from proxy.telemetry.chunkdetail import REASONS
 from proxy.telemetry.records import ReadStats, read_records
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
 from tests.scripted_upstream import script
@@ -149,6 +150,9 @@ def start_llmtap(upstream: str | None, log: Path, env: Mapping[str, str], *args:
         "--port",
         str(port),
     ]
+    # Every request keeps its chunk spans here (the spans checked on the far side); test_chunk_detail.py checks
+    # the default decision.
+    env = {"LLMTAP_CHUNK_DETAIL_SAMPLE": "1", **env}
     proc = Proc([*argv, "--admin-port", str(admin_port), *args], log, clean_env(**env))
     proxy = Llmtap(proc, port, admin_port)
     proc.wait_until("llmtap /readyz", answers(f"{proxy.admin_url}/readyz"))
@@ -291,7 +295,7 @@ def test_every_pipeline_limits_memory_first_and_batches_last() -> None:
             assert processors[-1] == "batch", (path.name, name)
 
 
-def test_tail_sampling_keeps_errors_slow_ttft_and_slo_misses() -> None:
+def test_tail_sampling_keeps_errors_slow_ttft_slo_misses_and_chunk_detail() -> None:
     gateway = load_config(COLLECTORS / "gateway.yaml")
     sampling = gateway["processors"]["tail_sampling"]
     assert sampling == load_config(COLLECTORS / "standalone.yaml")["processors"]["tail_sampling"]
@@ -299,7 +303,10 @@ def test_tail_sampling_keeps_errors_slow_ttft_and_slo_misses() -> None:
     assert by_type["status_code"]["status_code"]["status_codes"] == ["ERROR"]
     (ttft_rule,) = by_type["ottl_condition"]["ottl_condition"]["span"]
     assert f'attributes["{sc.RESPONSE_TIME_TO_FIRST_CHUNK}"] >' in ttft_rule
-    assert by_type["string_attribute"]["string_attribute"] == {"key": sc.SLO_OUTCOME, "values": ["missed"]}
+    strings = [p["string_attribute"] for p in sampling["policies"] if p["type"] == "string_attribute"]
+    assert {"key": sc.SLO_OUTCOME, "values": ["missed"]} in strings
+    # The requests the proxy kept chunk detail for (every reason it gives) are kept whole.
+    assert {"key": sc.CHUNK_DETAIL, "values": list(REASONS)} in strings
     assert 0 < by_type["probabilistic"]["probabilistic"]["sampling_percentage"] < 100
     # Tail sampling only holds behind a trace-ID-aware hop: the agent tier routes traces by trace ID.
     agent = load_config(COLLECTORS / "agent.yaml")

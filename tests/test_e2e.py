@@ -42,7 +42,9 @@ def children(t: Telemetry, parent: ReadableSpan, name: str) -> list[ReadableSpan
 
 @pytest.fixture
 def proxy(proxy_factory: Any, scripted: Scripted) -> Running:
-    running: Running = proxy_factory(build({"upstream": scripted.url, "read_timeout": 5}, env={}), admin=True)
+    running: Running = proxy_factory(
+        build({"upstream": scripted.url, "read_timeout": 5, "chunk_detail_sample": 1.0}, env={}), admin=True
+    )
     # Warm the upstream connection pool so the measured request pays no connect (a short answer of the
     # script's does: a whole stream would cost a second per test).
     assert httpx.get(running.url + "/echo-headers", timeout=10).status_code == 200

@@ -56,6 +56,8 @@ OTEL_ENV = {
     "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=abc",
     "OTEL_METRIC_EXPORT_INTERVAL": "300",
     "OTEL_BSP_SCHEDULE_DELAY": "50",
+    # Every request keeps its chunk spans here; tests/test_chunk_detail.py checks the default decision.
+    "LLMTAP_CHUNK_DETAIL_SAMPLE": "1",
 }
 
 

@@ -543,7 +543,10 @@ def through_proxy(
     proxy_factory: Any, telemetry: Telemetry, replay: Replay, path: str, request: dict[str, Any]
 ) -> tuple[bytes, ReadableSpan, list[ReadableSpan]]:
     with ServerThread(replay, lifespan="off") as upstream:
-        running = proxy_factory(build({"upstream": upstream.url, "read_timeout": 5}, env={}))
+        # Every request keeps its chunk spans (read below).
+        running = proxy_factory(
+            build({"upstream": upstream.url, "read_timeout": 5, "chunk_detail_sample": 1.0}, env={})
+        )
         response = httpx.post(running.url + path, json=request, timeout=10)
         running.flush()
     roots = [s for s in telemetry.finished() if sc.ROUTE in (s.attributes or {})]

@@ -211,6 +211,8 @@ def harness() -> Iterator[HarnessFactory]:
     made: list[Harness] = []
 
     def make(*processors: SpanProcessor, slo: SLO | None = None, **telemetry: Any) -> Harness:
+        # These tests read chunk spans: every request keeps them unless a test says otherwise (``chunkdetail``).
+        telemetry.setdefault("chunk_detail_sample", 1.0)
         h = Harness(TelemetrySettings(**telemetry), slo or SLO(), processors)
         made.append(h)
         return h

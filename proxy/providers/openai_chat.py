@@ -24,6 +24,16 @@ from proxy.types import Facts, Prepared, PromptRegion, RequestInfo
 
 def _message_text(message: JSONObject) -> str:
     """The generated text of a ``delta`` or ``message``: reasoning, content, refusal, tool-call arguments."""
+    content = message.get("content")
+    if isinstance(content, str) and not (
+        message.get("reasoning_content")
+        or message.get("reasoning")
+        or message.get("refusal")
+        or message.get("tool_calls")
+        or message.get("function_call")
+    ):
+        # Nearly every streamed delta: text alone (empty values of the others add no text below either).
+        return content
     out: list[str] = []
     # vLLM names reasoning ``reasoning_content`` in older releases and ``reasoning`` in newer ones; a
     # server that sends both sends the same text twice, so take one.

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.settings import ClickHouseRecords, ConfigError
+from proxy.telemetry import sched
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -472,6 +473,7 @@ class ClickHouseSink:
     # -- the sink's thread --
 
     def _run(self) -> None:
+        sched.idle_here()
         pause = self.backoff[0]
         attempts = 0
         while True:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.settings import ConfigError
+from proxy.telemetry import sched
 from proxy.telemetry.identity import Identity
 
 #: Seconds between flushes while requests keep coming (the file is flushed at once when traffic pauses).
@@ -386,6 +387,7 @@ class _Closer:
         self._thread = None
 
     def _run(self) -> None:
+        sched.idle_here()
         while True:
             path = self._queue.get()
             if path is None:

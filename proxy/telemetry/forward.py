@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 import httpx
 
 from proxy.settings import Telemetry
+from proxy.telemetry import sched
 from proxy.telemetry.setup import http_endpoint
 
 log = logging.getLogger("llmtap.telemetry")
@@ -93,6 +94,7 @@ class Forwarder:
             return len(self._queue)
 
     def _run(self) -> None:
+        sched.idle_here()
         while True:
             with self._cond:
                 while not self._queue and not self._closed:

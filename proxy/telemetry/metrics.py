@@ -25,6 +25,7 @@ from proxy.labels import OTHER, LabelGuard
 from proxy.settings import Settings
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.attributes import is_hop, usage_value
+from proxy.telemetry.bulk import record_many
 from proxy.telemetry.instruments import Instruments, create
 
 #: What the conventions list for their metrics (gen-ai-metrics.md v1.41.1): every ``gen_ai.*`` metric carries
@@ -249,8 +250,9 @@ def _record_samples(hist: Histogram, samples: list[float], attrs: dict[str, Any]
     if not samples:
         return
     slowest = max(range(len(samples)), key=samples.__getitem__)
-    for i, value in enumerate(samples):
-        hist.record(value, attrs, context=ctx if i == slowest else _NO_SPAN)
+    hist.record(samples[slowest], attrs, context=ctx)
+    # The others at a bucket lookup each (``bulk``): a stream has one per chunk or token.
+    record_many(hist, samples[:slowest] + samples[slowest + 1 :], attrs, _NO_SPAN)
 
 
 def request_context(tl: Timeline) -> Context | None:

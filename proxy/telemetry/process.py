@@ -1,11 +1,12 @@
 """The telemetry process: tapes in from the relays, spans, metrics, records and the admin listener out.
 
-``llmtap serve`` starts it before the relays (``proxy.relay.server``), niced, so that under load the relays get
-the CPU first. It listens on a private Unix socket for the relays' channels (``proxy.relay.channel``), hands
-every message to the recorder's bounded queue (a full queue drops the message and counts its tape), and
-serves the admin listener (``/metrics``, ``/healthz``, ``/readyz``, the live view) on the public admin
-port, whose socket the parent bound and passed down. It runs no relay code at all: nothing it does, not
-even a 10 MB ``/metrics`` page or a slow collector, can delay a relayed byte.
+``llmtap serve`` starts it before the relays (``proxy.relay.server``), its workers at SCHED_IDLE and its main
+thread niced (``proxy.telemetry.sched``), so that on a shared core the relays get the CPU first. It listens on a
+private Unix socket for the relays' channels (``proxy.relay.channel``), hands every message to the recorder's
+bounded queue (a full queue drops the message and counts its tape), and serves the admin listener (``/metrics``,
+``/healthz``, ``/readyz``, the live view) on the public admin port, whose socket the parent bound and passed down.
+It runs no relay code at all: nothing it does, not even a 10 MB ``/metrics`` page or a slow collector, can delay
+a relayed byte.
 """
 
 from __future__ import annotations
@@ -28,15 +29,13 @@ from proxy import logs
 from proxy.relay.channel import frames
 from proxy.settings import ConfigError, Settings
 from proxy.tape import STATS
-from proxy.telemetry import identity
+from proxy.telemetry import identity, sched
 
 if TYPE_CHECKING:
     from proxy.telemetry.recorder import Recorder
 
 log = logging.getLogger("llmtap.telemetry")
 
-#: How much lower the telemetry process's scheduling priority is than the relays' (``nice`` increment).
-NICE = 5
 #: The process name ``ps`` and ``/proc/PID/comm`` show (Linux keeps 15 bytes of it).
 NAME = "llmtap-telemetry"
 
@@ -145,6 +144,7 @@ async def serve(launch: Launch) -> None:
         lambda: _Intake(recorder, next(sources), connected), sock=channel_sock, start_serving=True
     )
     _say(launch.started_fd, "ready")
+    sched.idle_others()  # the SDK's exporter threads and the executor's, all started by now
     state = TelemetryState(recorder, settings, launch.relays, connected)
     admin = AdminApp(state, providers.prometheus, peers=launch.peers)
     label_uvicorn("admin" if launch.index == 0 else f"admin.{launch.index}")
@@ -180,9 +180,11 @@ def main() -> None:
         os.environ[identity.RESOURCE_ENV] = f"{attrs},{extra}" if attrs else extra
     set_name(NAME)
     die_with_parent()
-    with contextlib.suppress(OSError):
-        os.nice(NICE)
     logs.setup(launch.settings.log_level)
+    # Before any thread starts: the threads started later inherit the main thread's nice value.
+    got = sched.apply(launch.settings.telemetry_scheduling)
+    if got != launch.settings.telemetry_scheduling:
+        log.info("telemetry: scheduling %s not permitted here; running %s", launch.settings.telemetry_scheduling, got)
     from proxy.relay.server import run_loop
 
     run_loop(serve(launch))

@@ -30,7 +30,7 @@ from proxy.analysis.timeline import Timeline
 from proxy.providers.timing import PHASES
 from proxy.settings import Settings
 from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, RESPONSE_CUT_REASONS, SEGMENT, STATS
-from proxy.telemetry import forward, identity, peers, semconv as sc
+from proxy.telemetry import forward, identity, peers, sched, semconv as sc
 from proxy.telemetry.access_log import AccessLog
 from proxy.telemetry.attributes import cache_attributes
 from proxy.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
@@ -300,6 +300,7 @@ class Recorder:
         self.owned.due(now)
 
     def _run(self) -> None:
+        sched.idle_here()
         while True:
             deadline = self._next_deadline()
             try:

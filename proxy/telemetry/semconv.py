@@ -103,6 +103,15 @@ CHUNK_TOKENS_SOURCE = "llmtap.chunk.tokens.source"
 CHUNK_BYTES = "llmtap.chunk.bytes"
 CHUNK_GAP = "llmtap.chunk.gap"
 CHUNK_FOLDED = "llmtap.chunk.folded"
+# The decode span's chunk statistics, on every request (issue 31): whether its chunk spans were kept, and why.
+CHUNK_DETAIL = "llmtap.chunk.detail"  # error, cancelled, slo_missed, tail, sampled; or summary
+DECODE_GAP_P50 = "llmtap.decode.gap.p50"  # chunk gaps (time per output chunk), seconds
+DECODE_GAP_P99 = "llmtap.decode.gap.p99"
+DECODE_GAP_MAX = "llmtap.decode.gap.max"
+DECODE_GAP_MAX_INDEX = "llmtap.decode.gap.max.index"  # the chunk that ended the largest gap
+DECODE_GAP_MAX_AT = "llmtap.decode.gap.max.at"  # seconds from the first content chunk to that chunk
+DECODE_ITL_P50 = "llmtap.decode.itl.p50"  # inter-token latency: each gap spread over its chunk's tokens
+DECODE_ITL_P99 = "llmtap.decode.itl.p99"
 MALFORMED_EVENTS = "llmtap.stream.malformed_events"
 OVERSIZED_EVENTS = "llmtap.stream.oversized_events"
 STREAM_UNREAD = "llmtap.stream.unread"  # why the tap stopped reading the response: inflate_limit, body_limit

@@ -1,4 +1,5 @@
-"""Spans of a finished request: the root with the relay's ids, the queue, prefill and decode phases, one per chunk.
+"""Spans of a finished request: the root with the relay's ids, the queue, prefill and decode phases, and one per
+chunk for the requests that keep chunk detail (``proxy.telemetry.chunkdetail`` decides which).
 
 Everything here runs on the recorder's worker thread, after the stream ended: spans are written with
 their real start and end times (epoch nanoseconds from the timeline's monotonic stamps).
@@ -47,6 +48,7 @@ from proxy.telemetry.attributes import (
     root_name,
     start_attributes,
 )
+from proxy.telemetry.chunkdetail import SUMMARY, ChunkDetail, chunk_stats, largest_gap
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 #: The longest ``traceparent`` and ``tracestate`` the SDK's propagator reads (W3C Trace Context, section 3.3.1.1:
@@ -160,6 +162,8 @@ class SpanWriter:
         )
         #: Chunk spans straight to the SDK's processors when the provider is the SDK's; None otherwise.
         self.chunk_writer = ChunkSpanWriter.of(tracer_provider, self._tracer)
+        #: Which requests keep their chunk spans; the others get their chunk statistics only.
+        self.chunk_detail = ChunkDetail(settings.telemetry)
         #: Called with ``traceparent_too_long`` or ``tracestate_too_long`` for each client header ignored.
         self.on_ignored: Callable[[str], None] | None = None
         self._ignored = 0
@@ -272,9 +276,13 @@ class SpanWriter:
             attrs[sc.OUTPUT_TOKENS] = s.output_tokens
         if s.tpot is not None:
             attrs[sc.TPOT] = s.tpot
+        # Every request: its chunk statistics; only the requests that matter: a span per chunk (``chunkdetail``).
+        attrs.update(chunk_stats(s, tl.chunk_times))
+        keep = self.chunk_detail.decide(tl, s, largest_gap(s))
+        attrs[sc.CHUNK_DETAIL] = keep or SUMMARY
         decode.set_attributes(attrs)
         mode = self.settings.telemetry.chunk_spans
-        if mode != "off":
+        if mode != "off" and keep is not None:
             self._chunks(tl, s, decode, mode)
         decode.end(end_time=tl.wall_ns(tl.last_content))
 

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from proxy.analysis.slots import SlotLearner, Slots, load
+from proxy.telemetry import sched
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -106,6 +107,7 @@ class UpstreamWatch:
             thread.join(TIMEOUT + 0.5)
 
     def _run(self) -> None:
+        sched.idle_here()
         client = self._client or httpx.Client(timeout=TIMEOUT, follow_redirects=False)
         try:
             while not self._stop.is_set():

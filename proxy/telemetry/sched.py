@@ -1,0 +1,82 @@
+"""Where the telemetry process's threads run beside the relays on a shared core (issue 29).
+
+``idle`` (the default): every worker thread (the recorder's, the record writers', the exporters') runs at
+SCHED_IDLE, the lowest class Linux has: on a core the relay shares with it, the relay always runs first and
+telemetry takes only what the relay leaves. When that is not enough, the relay's channel fills and tapes are
+dropped and counted (``llmtap_telemetry_tapes_dropped_total``), never a stream delayed. The main thread stays in
+the normal class, niced by ``NICE``: it serves the admin listener (health probes, scrapes, the live view) and
+takes the relays' tapes off the channel, little work that must answer in time even on a core the relays keep
+busy (a liveness probe that waits behind the relays restarts the pod). ``nice``: every thread niced by ``NICE``.
+``normal``: no change. Where SCHED_IDLE is not permitted (another OS, a seccomp profile), ``idle`` becomes ``nice``.
+
+A thread enters the class itself (``idle_here``) when it starts; threads the OpenTelemetry SDK starts are moved
+once they exist (``idle_others``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+__all__ = ["MODES", "NICE", "apply", "idle_here", "idle_others"]
+
+MODES = ("idle", "nice", "normal")
+#: How far the telemetry process's main thread (and every thread, in ``nice``) stands below the relays.
+NICE = 5
+
+_idle = False
+
+
+def _set_idle(tid: int = 0) -> bool:
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None:
+        return False
+    try:
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def _idle_permitted() -> bool:
+    """Whether a thread of this process may enter SCHED_IDLE (tried on a thread of its own, which then ends)."""
+    got: list[bool] = []
+    probe = threading.Thread(target=lambda: got.append(_set_idle()), name="llmtap-sched-probe")
+    probe.start()
+    probe.join()
+    return bool(got and got[0])
+
+
+def apply(how: str) -> str:
+    """Set this process's class as ``how`` says, from its main thread before other threads start; the mode got."""
+    global _idle
+    if how == "idle" and not _idle_permitted():
+        how = "nice"
+    if how in ("idle", "nice"):
+        try:
+            os.nice(NICE)
+        except OSError:
+            return "normal"
+    _idle = how == "idle"
+    return how
+
+
+def idle_here() -> None:
+    """The calling worker thread enters SCHED_IDLE when the process runs ``idle``."""
+    if _idle:
+        _set_idle()
+
+
+def idle_others() -> None:
+    """Every thread of this process but the main one enters SCHED_IDLE when the process runs ``idle`` (the SDK's
+    exporter threads, started where llmtap cannot reach)."""
+    if not _idle:
+        return
+    main = threading.main_thread().native_id
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc/self/task").iterdir():
+            tid = int(entry.name)
+            if tid != main:
+                _set_idle(tid)
