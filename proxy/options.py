@@ -835,8 +835,9 @@ _TABLE = (
         "telemetry_scheduling",
         choice(*TELEMETRY_SCHEDULING),
         "idle",
-        "how the telemetry processes yield the CPU to the relays: idle (SCHED_IDLE: they run only when no relay "
-        "wants the core; niced where not permitted), nice (niced by 5), or normal",
+        "how the telemetry processes yield the CPU to the relays: idle (their worker threads at SCHED_IDLE, run "
+        "only when no relay wants the core, the admin listener's thread niced by 5; all niced where SCHED_IDLE is "
+        "not permitted), nice (niced by 5), or normal",
         "process",
     ),
     # the file's routes only
