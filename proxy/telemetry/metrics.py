@@ -105,6 +105,10 @@ class MetricWriter:
         """The label metrics gave ``model`` (read, not counted as a use): itself, or ``_OTHER``."""
         return self._models.label(model)
 
+    def version_label(self, version: str) -> str:
+        """The label metrics gave a prompt version (read, not counted as a use): itself, or ``_OTHER``."""
+        return self._versions.label(version)
+
     def metric_attributes(self, tl: Timeline, s: Summary) -> Labels:
         """A request's attribute sets, bounded subsets of its span's; counts one use of each guarded value."""
         req = tl.request

@@ -185,6 +185,10 @@ class Recorder:
         """The label metrics give ``model``: itself, or ``_OTHER`` past the bound on distinct models."""
         return self.metrics.model_label(model)
 
+    def version_label(self, version: str) -> str:
+        """The label metrics give a prompt version: itself, or ``_OTHER`` past the bound on distinct versions."""
+        return self.metrics.version_label(version)
+
     def submit(self, message: tuple[Any, ...], source: int = 0) -> bool:
         """Queue one tape message from relay ``source`` for the worker; False when the queue is full.
 
