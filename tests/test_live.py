@@ -276,18 +276,23 @@ def test_past_the_budget_percentiles_come_from_buckets_marked_and_within_the_val
 
 def test_samples_forget_their_oldest_and_know_which_windows_they_still_cover() -> None:
     kept = Samples()
+
+    def ordered(samples: Samples, first: int | None) -> list[float] | None:
+        values = samples.since(first)
+        return None if values is None else sorted(values)
+
     for slot, values in ((1, [5.0, 4.0]), (1, [3.0]), (2, [2.0]), (4, [1.0, 0.5])):
         kept.add(slot, values)
-    assert kept.since(None) == [0.5, 1.0, 2.0, 3.0, 4.0, 5.0]
-    assert kept.since(2) == [0.5, 1.0, 2.0] and kept.since(3) == [0.5, 1.0] and kept.since(5) == []
+    assert ordered(kept, None) == [0.5, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert ordered(kept, 2) == [0.5, 1.0, 2.0] and ordered(kept, 3) == [0.5, 1.0] and ordered(kept, 5) == []
     assert kept.drop_oldest(2) == 2  # two of slot 1's three values
-    assert kept.since(None) is None and kept.since(1) is None
-    assert kept.since(2) == [0.5, 1.0, 2.0]
+    assert ordered(kept, None) is None and ordered(kept, 1) is None
+    assert ordered(kept, 2) == [0.5, 1.0, 2.0]
     assert kept.drop_oldest(2) == 2  # slot 1's last and slot 2's only value
-    assert kept.since(2) is None and kept.since(3) == [0.5, 1.0]
+    assert ordered(kept, 2) is None and ordered(kept, 3) == [0.5, 1.0]
     kept.add(4, [9.0])
-    assert kept.since(4) == [0.5, 1.0, 9.0]
-    assert kept.drop_oldest(10) == 3 and kept.since(5) == [] and kept.since(4) is None
+    assert ordered(kept, 4) == [0.5, 1.0, 9.0]
+    assert kept.drop_oldest(10) == 3 and ordered(kept, 5) == [] and ordered(kept, 4) is None
 
 
 def test_the_window_slides_and_forgets() -> None:

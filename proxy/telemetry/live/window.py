@@ -173,16 +173,17 @@ class Samples:
             self.starts = []
         return n
 
-    def since(self, first: int | None) -> list[float] | None:
-        """The values recorded from slot ``first`` on (None: since start), ascending; None if some were dropped."""
+    def since(self, first: int | None) -> array[float] | None:
+        """A copy of the values recorded from slot ``first`` on (None: since start), in the order they came;
+        None if some of them were dropped."""
         if self.dropped is not None and (first is None or self.dropped >= first):
             return None
         if first is None:
-            return sorted(self.values)
+            return self.values[:]
         i = bisect_left(self.starts, first, key=lambda run: run[0])
         if i == len(self.starts):
-            return []
-        return sorted(self.values[self.starts[i][1] - self.base :])
+            return array("d")
+        return self.values[self.starts[i][1] - self.base :]
 
 
 @dataclass(slots=True)
@@ -380,6 +381,29 @@ def _first_slot(now: float, window: float) -> int:
     return math.floor(now / SLOT) - math.ceil(window / SLOT) + 1
 
 
+def _slowest(row: dict[str, Any], mine: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
+    """For each latency and percentile of a row, the kept requests (``mine``: the row's, in its window) it rests
+    on, slowest first (their ids): those at the percentile or above, or, for a percentile read from buckets, in
+    its bucket or above (such a reading may lie past every request in its bucket)."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for figure in ("ttft", "tpot"):
+        timed = sorted((r for r in mine if r[figure] is not None), key=lambda r: r[figure], reverse=True)
+        out[figure] = {}
+        for q in QUANTILES:
+            name = f"p{round(q * 100)}"
+            value = row[figure][name]
+            if value is None:
+                continue
+            if row[figure]["exact"]:
+                # The waterfall's ms are rounded as this is: a request at the percentile stays at it.
+                at = round(value * 1000, 3)
+                behind = [r["id"] for r in timed if r[figure] >= at]
+            else:
+                behind = [r["id"] for r in timed if r[figure] > floor_ms(value)]
+            out[figure][name] = behind[:SLOWEST]
+    return out
+
+
 class LiveWindow:
     """The recorder listener behind the live view, and the figures it serves.
 
@@ -488,13 +512,17 @@ class LiveWindow:
         now = self._clock()
         seconds = self.window_seconds(window, now)
         first = _first_slot(now, window) if window is not None else 0
-        rows: list[dict[str, Any]] = []
+        # Under the lock only what must be read there: each series' tally and copies of its values (a copy is
+        # a memory copy; the sorting, which can take a while for many values, happens after the recorder's
+        # thread may go on).
+        taken: list[tuple[tuple[str, str, str, str], _Series, Tally, float, dict[str, array[float] | None]]] = []
         with self._lock:
-            for (route, model, shape, version), series in sorted(self._series.items()):
+            for key, series in sorted(self._series.items()):
+                # A tally of its own: the recorder's thread goes on adding to the series' tallies.
+                tally = Tally()
                 if window is None:
-                    tally = series.total
+                    tally.merge(series.total)
                 else:
-                    tally = Tally()
                     for k, part in series.slots.items():
                         if k >= first:
                             tally.merge(part)
@@ -505,49 +533,31 @@ class LiveWindow:
                         rate_seconds = series.busy.seconds(since)
                     else:
                         rate_seconds = seconds
-                    exact = {f: kept.since(None if window is None else first) for f, kept in series.samples.items()}
-                    figures = tally.figures(rate_seconds, slo=self.slo, exact=exact)
-                    row = {
-                        "route": route,
-                        "model": model,
-                        "shape": shape,
-                        "prompt_version": version or None,
-                        "rate_seconds": rate_seconds,
-                        **figures,
-                    }
-                    goal = series.objective
-                    row["objective"] = None if goal is None else {**goal.limits(), "percentile": goal.percentile}
-                    row["verdict"] = verdict(tally, series.objective, exact)
-                    row["slowest"] = self._slowest(row, (route, model, shape, version), first)
-                    rows.append(row)
+                    start = None if window is None else first
+                    values = {f: kept.since(start) for f, kept in series.samples.items()}
+                    taken.append((key, series, tally, rate_seconds, values))
+            requests = [(key, r) for slot, key, r in self._requests if slot >= first]
             last = self._seq
+        rows: list[dict[str, Any]] = []
+        for (route, model, shape, version), series, tally, rate_seconds, values in taken:
+            exact = {f: None if v is None else sorted(v) for f, v in values.items()}
+            figures = tally.figures(rate_seconds, slo=self.slo, exact=exact)
+            row = {
+                "route": route,
+                "model": model,
+                "shape": shape,
+                "prompt_version": version or None,
+                "rate_seconds": rate_seconds,
+                **figures,
+            }
+            goal = series.objective
+            row["objective"] = None if goal is None else {**goal.limits(), "percentile": goal.percentile}
+            row["verdict"] = verdict(tally, goal, exact)
+            mine = [r for key, r in requests if key == (route, model, shape, version)]
+            row["slowest"] = _slowest(row, mine)
+            rows.append(row)
         rates = "busy" if self.busy else "window"
         return {"window": window, "seconds": seconds, "last": last, "slo": self.slo, "rates": rates, "series": rows}
-
-    def _slowest(
-        self, row: dict[str, Any], key: tuple[str, str, str, str], first: int
-    ) -> dict[str, dict[str, list[int]]]:
-        """For each latency and percentile of a row, the kept requests it rests on, slowest first (their ids):
-        those at the percentile or above, or, for a percentile read from buckets, in its bucket or above (such a
-        reading may lie past every request in its bucket). Called with the lock held."""
-        mine = [r for slot, mine, r in self._requests if slot >= first and mine == key]
-        out: dict[str, dict[str, list[int]]] = {}
-        for figure in ("ttft", "tpot"):
-            timed = sorted((r for r in mine if r[figure] is not None), key=lambda r: r[figure], reverse=True)
-            out[figure] = {}
-            for q in QUANTILES:
-                name = f"p{round(q * 100)}"
-                value = row[figure][name]
-                if value is None:
-                    continue
-                if row[figure]["exact"]:
-                    # The waterfall's ms are rounded as this is: a request at the percentile stays at it.
-                    at = round(value * 1000, 3)
-                    behind = [r["id"] for r in timed if r[figure] >= at]
-                else:
-                    behind = [r["id"] for r in timed if r[figure] > floor_ms(value)]
-                out[figure][name] = behind[:SLOWEST]
-        return out
 
     def since(self, seq: int) -> list[dict[str, Any]]:
         """The kept requests recorded after ``seq``, oldest first."""
