@@ -405,11 +405,22 @@ def test_waterfall_places_each_phase_where_it_happened() -> None:
     s = summarize(tl)
     r = waterfall(7, tl, s, route="chat", model="m1", trace=False)
     phases = {(p["phase"], p["class"]): p for p in r["phases"]}
-    assert set(phases) == {("queue", "measured"), ("queue", "server"), ("prefill", "server"), ("decode", "measured")}
+    assert set(phases) == {
+        ("queue", "measured"),
+        ("queue", "server"),
+        ("unattributed", "unattributed"),
+        ("prefill", "server"),
+        ("decode", "measured"),
+    }
     own = phases[("queue", "measured")]
     assert (own["start"], own["length"]) == (pytest.approx(1.0), pytest.approx(10.0))
     upstream = phases[("queue", "server")]
     assert (upstream["start"], upstream["length"]) == (pytest.approx(3.0), pytest.approx(100.0))
+    # Sent at 3 ms, the first token at 300 ms: of the upstream's 297 ms, the server's queue and prefill account
+    # for 250; the other 47 ms are a part of their own between them, in neither.
+    gap = phases[("unattributed", "unattributed")]
+    assert (gap["start"], gap["length"], gap["source"]) == (pytest.approx(103.0), pytest.approx(47.0), "server")
+    assert r["upstream_unattributed"] == pytest.approx(47.0)
     prefill = phases[("prefill", "server")]
     assert (prefill["start"], prefill["length"]) == (pytest.approx(150.0), pytest.approx(150.0))
     decode = phases[("decode", "measured")]

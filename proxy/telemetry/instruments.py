@@ -58,6 +58,7 @@ class Instruments:
     queue: Histogram
     prefill: Histogram
     decode: Histogram
+    unattributed: Histogram
     cache_read: Counter
     cache_write: Counter
     input_tokens: Counter
@@ -164,6 +165,11 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         queue=_seconds(meter, sc.METRIC_QUEUE, "Time queued before the model starts reading, by llmtap.queue.source."),
         prefill=_seconds(meter, sc.METRIC_PREFILL, "Time reading the prompt, by llmtap.prefill.source."),
         decode=_seconds(meter, sc.METRIC_DECODE, "First content chunk to last content chunk."),
+        unattributed=_seconds(
+            meter,
+            sc.METRIC_UNATTRIBUTED,
+            "Upstream TTFT that the server's own queue and prefill (both reported) leave out.",
+        ),
         cache_read=meter.create_counter(
             sc.METRIC_CACHE_READ, unit="{token}", description="Input tokens read from the prompt cache."
         ),

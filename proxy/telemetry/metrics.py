@@ -183,6 +183,8 @@ class MetricWriter:
             ins.prefill.record(s.prefill, {**own, sc.PREFILL_SOURCE: s.prefill_source}, context=ctx)
         if s.decode is not None and stream:
             ins.decode.record(s.decode, own, context=ctx)
+        if s.upstream_unattributed is not None:
+            ins.unattributed.record(s.upstream_unattributed, own, context=ctx)
         self._token_metrics(s, attrs, outcome, own, client=client)
         if tl.sent is not None:
             ins.overhead.record(proxy_added(tl), {sc.ROUTE: tl.route})

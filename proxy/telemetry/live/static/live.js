@@ -439,6 +439,10 @@
       const p = phase(name);
       put(name, p ? dur(p.length / 1000) : null, p ? p.source : null);
     }
+    // The upstream time the server's own queue and prefill leave out: shown as itself, in neither.
+    if (r.upstream_unattributed !== null && r.upstream_unattributed !== undefined) {
+      put("unattributed", dur(r.upstream_unattributed / 1000), "upstream TTFT − server queue − server prefill");
+    }
     put("chunks", int(r.chunks), r.ticks.length < r.chunks ? `(${int(r.ticks.length)} drawn)` : null);
     put("input tokens", int(r.input_tokens), r.input_source);
     put("cache read", int(r.cache_read_tokens));
