@@ -51,9 +51,10 @@ QUANTILES = (0.5, 0.95, 0.99)
 Labels = Callable[[Timeline, Summary], tuple[str, str, str]]
 #: The latencies whose values are kept for exact percentiles.
 LATENCIES = ("ttft", "itl", "tpot", "e2e")
-#: Latency values kept over all series at most (8 bytes each): past it the series holding the most gives up
-#: its oldest quarter, and windows reaching back that far read their percentiles from buckets.
-SAMPLE_BUDGET = 1_000_000
+#: Latency values kept over all series at most (8 bytes each, 2 MB): past it the series holding the most gives
+#: up its oldest quarter, and windows reaching back that far read their percentiles from buckets. It also bounds
+#: a snapshot's sorting, which holds the GIL (the recorder's thread waits meanwhile).
+SAMPLE_BUDGET = 250_000
 #: The figures an objective can bound, and the request's own field for each in its waterfall (ms).
 OBJECTIVE_FIGURES = ("ttft", "tpot", "e2e")
 #: Requests behind a percentile the page links to, slowest first.
