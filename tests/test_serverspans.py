@@ -476,11 +476,15 @@ class _Forward(BaseHTTPRequestHandler):
     """Passes each OTLP export on to ``target`` (the proxy's receiver, known only once the proxy runs)."""
 
     target = ""
+    #: Spans passed on so far.
+    spans = 0
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("content-length", "0")))
         headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "content-encoding")}
         answer = httpx.post(type(self).target, content=body, headers=headers, timeout=10)
+        export = ExportTraceServiceRequest.FromString(inflate(body, self.headers.get("content-encoding", "")))
+        type(self).spans += sum(len(s.spans) for r in export.resource_spans for s in r.scope_spans)
         self.send_response(answer.status_code)
         self.send_header("content-type", answer.headers.get("content-type", "application/x-protobuf"))
         self.send_header("content-length", str(len(answer.content)))
@@ -529,6 +533,12 @@ def test_a_traced_upstream_with_a_gap_shows_it_on_records_spans_and_the_live_vie
             with httpx.stream("POST", running.url + "/v1/chat/completions", json=chat, timeout=30) as r:
                 assert r.status_code == 200
                 r.read()
+        # The upstream exports its spans in batches: all four passed on before the flush, which writes what still
+        # waits for its span at once.
+        deadline = time.monotonic() + PATIENCE
+        while Forward.spans < 4:
+            assert time.monotonic() < deadline, Forward.spans
+            time.sleep(0.02)
         running.flush()
         # The first request may finish before llmtap has read the upstream's /metrics (the sign that it traces):
         # then it is written without waiting for its span, estimated, and with no part left out.
