@@ -380,6 +380,7 @@ METRICS: dict[str, str] = {
     "`telemetry.peer_address`); `sent`, `dropped` and `failed` read 0 from the start.",
     sc.METRIC_ADMIN_REFUSED: "Each admin connection or request refused or cut; every reason reads 0 from the start.",
     sc.METRIC_EVENT_STREAMS: "The live view's open `/events` streams, up and down as they open and end.",
+    sc.METRIC_LIVE_SAMPLES_DROPPED: "Each latency value the live view let go past its bound; reads 0 from the start.",
     sc.METRIC_TRACE_CONTEXT_IGNORED: "Each client trace header too long to read; every reason reads 0 from the start.",
     sc.METRIC_CLICKHOUSE_INSERTS: "Each INSERT of a batch of records into ClickHouse (`--record-clickhouse`); every "
     "outcome reads 0 from the start.",

@@ -106,7 +106,12 @@ class Harness:
         settings = Settings(routes=ROUTES, slo=slo or SLO())
         self.recorder = Recorder(settings, tracer_provider=self.tracer_provider, meter_provider=self.meter_provider)
         self.window = LiveWindow(
-            recorder_labels(self.recorder), slo=settings.slo.configured, traces=traces, clock=clock, budget=budget
+            recorder_labels(self.recorder),
+            slo=settings.slo.configured,
+            traces=traces,
+            clock=clock,
+            budget=budget,
+            on_drop=self.recorder.live_samples_dropped,
         )
         self.seen: list[tuple[Timeline, Summary]] = []
         self.recorder.listeners.extend([self.window, lambda tl, s: self.seen.append((tl, s))])
@@ -257,6 +262,9 @@ def test_past_the_budget_percentiles_come_from_buckets_marked_and_within_the_val
             h.run(make_timeline(i, ttft=0.2 + 0.01 * i, chunks=3, gap=0.01 + 0.003 * i))
         kept = sum(len(x.values) for series in h.window._series.values() for x in series.samples.values())
         assert kept <= 70
+        # What went is counted on /metrics.
+        text = h.prometheus.render()
+        assert sum(v for _, v in samples(text, "llmtap_admin_live_samples_dropped_total")) == 84 - kept
         values = exact_values(h.seen, "chat", "m1")
         (whole,) = h.window.snapshot(None)["series"]
         # The ITL values, the most numerous, gave up their oldest: read from buckets, marked, within the values.

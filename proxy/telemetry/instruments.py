@@ -85,6 +85,7 @@ class Instruments:
     admin_refused: Counter
     trace_context_ignored: Counter
     event_streams: UpDownCounter
+    live_samples_dropped: Counter
     clickhouse_inserts: Counter
 
 
@@ -292,6 +293,12 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         ),
         event_streams=meter.create_up_down_counter(
             sc.METRIC_EVENT_STREAMS, unit="{stream}", description="The live view's /events streams open now."
+        ),
+        live_samples_dropped=meter.create_counter(
+            sc.METRIC_LIVE_SAMPLES_DROPPED,
+            unit="{sample}",
+            description="Latency values the live view stopped keeping past its bound (250,000): windows reaching "
+            "back past them read their percentiles from buckets, marked.",
         ),
         clickhouse_inserts=meter.create_counter(
             sc.METRIC_CLICKHOUSE_INSERTS,

@@ -260,4 +260,6 @@ METRIC_OTLP_ROUTED = "llmtap.otlp.routed"  # the receiver's spans passed to the 
 METRIC_TRACE_CONTEXT_IGNORED = "llmtap.trace_context.ignored"  # client trace headers too long to read, by reason
 METRIC_ADMIN_REFUSED = "llmtap.admin.refused"  # admin connections and requests refused or cut, by reason
 METRIC_EVENT_STREAMS = "llmtap.admin.event_streams"  # the live view's /events streams open now
+# Latency values the live view stopped keeping past its bound (its percentiles then read from buckets, marked)
+METRIC_LIVE_SAMPLES_DROPPED = "llmtap.admin.live_samples.dropped"
 METRIC_CLICKHOUSE_INSERTS = "llmtap.telemetry.clickhouse.inserts"  # batches of records sent to ClickHouse, by outcome

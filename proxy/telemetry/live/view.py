@@ -120,7 +120,14 @@ class LiveView:
         if traces is None:
             traces = settings.telemetry.traces_exporter != "none"
         slo = settings.slo.configured or any(r.slo for r in settings.routes)
-        self.window = LiveWindow(recorder_labels(recorder), slo=slo, traces=traces, busy=busy, skip=skip)
+        self.window = LiveWindow(
+            recorder_labels(recorder),
+            slo=slo,
+            traces=traces,
+            busy=busy,
+            skip=skip,
+            on_drop=recorder.live_samples_dropped,
+        )
         recorder.listeners.append(self.window)
         self.recorder = recorder
         self.gate = gate or Gate(settings.admin)

@@ -424,8 +424,10 @@ class LiveWindow:
         busy: bool = False,
         skip: Callable[[Timeline], bool] | None = None,
         budget: int = SAMPLE_BUDGET,
+        on_drop: Callable[[int], None] | None = None,
     ) -> None:
         self._labels = labels
+        self._on_drop = on_drop
         self.slo = slo
         self.traces = traces
         self.busy = busy
@@ -475,23 +477,29 @@ class LiveWindow:
             for figure in LATENCIES:
                 series.samples[figure].add(slot, values[figure])
                 self._kept += len(values[figure])
-            if self._kept > self._budget:
-                self._trim()
+            dropped = self._trim() if self._kept > self._budget else 0
             self._seq += 1
             record = waterfall(self._seq, tl, s, route=route, model=model, trace=self.traces)
             self._requests.append((slot, key, record))
             subscribers = list(self._subscribers)
+        if dropped and self._on_drop is not None:
+            self._on_drop(dropped)
         for sub in subscribers:
             sub.notify()
 
-    def _trim(self) -> None:
-        """Within the budget again: the latencies holding the most values give up their oldest quarter."""
+    def _trim(self) -> int:
+        """Within the budget again: the latencies holding the most values give up their oldest quarter. Returns
+        how many values went."""
+        dropped = 0
         while self._kept > self._budget:
             largest = max(
                 (kept for series in self._series.values() for kept in series.samples.values()),
                 key=lambda kept: len(kept.values),
             )
-            self._kept -= largest.drop_oldest(max(len(largest.values) // 4, self._kept - self._budget))
+            n = largest.drop_oldest(max(len(largest.values) // 4, self._kept - self._budget))
+            self._kept -= n
+            dropped += n
+        return dropped
 
     @staticmethod
     def _prune(series: _Series, slot: int) -> None:
