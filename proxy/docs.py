@@ -154,6 +154,12 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "Seconds the server itself decoded (first to last token), from its span; `llmtap.decode.duration` stays "
         "the proxy's measurement.",
     ),
+    sc.UPSTREAM_UNATTRIBUTED_DURATION: (
+        "double",
+        "Seconds of a stream's upstream TTFT that the server's own queue and prefill (both reported) leave out: "
+        "its request handling before its queue, handing out its first token, the network. Its own part (and "
+        "span), never folded into queue or prefill.",
+    ),
     sc.UPSTREAM_SLOTS: ("int", "The upstream's slot count the queue estimate replayed (vLLM `--max-num-seqs`)."),
     sc.UPSTREAM_SLOTS_SOURCE: (
         "string",
@@ -353,6 +359,7 @@ METRICS: dict[str, str] = {
     sc.METRIC_QUEUE: "Every LLM request whose queue time is known.",
     sc.METRIC_PREFILL: "Streamed requests whose prefill is known.",
     sc.METRIC_DECODE: "Streamed requests with a first and last content chunk.",
+    sc.METRIC_UNATTRIBUTED: "Streamed requests whose server reported both its queue and its prefill.",
     sc.METRIC_CACHE_READ: "Every LLM request whose usage reports cache reads.",
     sc.METRIC_CACHE_WRITE: "Every LLM request whose usage reports cache writes.",
     sc.METRIC_INPUT_TOKENS: "Every LLM request with an input token count.",
@@ -385,6 +392,7 @@ METRICS: dict[str, str] = {
     "`telemetry.peer_address`); `sent`, `dropped` and `failed` read 0 from the start.",
     sc.METRIC_ADMIN_REFUSED: "Each admin connection or request refused or cut; every reason reads 0 from the start.",
     sc.METRIC_EVENT_STREAMS: "The live view's open `/events` streams, up and down as they open and end.",
+    sc.METRIC_LIVE_SAMPLES_DROPPED: "Each latency value the live view let go past its bound; reads 0 from the start.",
     sc.METRIC_TRACE_CONTEXT_IGNORED: "Each client trace header too long to read; every reason reads 0 from the start.",
     sc.METRIC_CLICKHOUSE_INSERTS: "Each INSERT of a batch of records into ClickHouse (`--record-clickhouse`); every "
     "outcome reads 0 from the start.",
@@ -943,7 +951,7 @@ SPAN_TITLES = {
 
 
 def _span_order(name: str) -> int:
-    order = ["root", "hop", sc.SPAN_QUEUE, sc.SPAN_PREFILL, sc.SPAN_DECODE, sc.SPAN_CHUNK]
+    order = ["root", "hop", sc.SPAN_QUEUE, sc.SPAN_UNATTRIBUTED, sc.SPAN_PREFILL, sc.SPAN_DECODE, sc.SPAN_CHUNK]
     order += [f"event {sc.EVENT_CHUNK}", "relay"]
     return order.index(name) if name in order else len(order)
 

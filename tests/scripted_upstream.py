@@ -11,8 +11,9 @@ as they arrived here (what a proxy sent upstream).
 
 With ``SCRIPT_OTLP_TRACES=URL`` it also traces as vLLM's ``--otlp-traces-endpoint`` does: the OpenTelemetry
 SDK takes the request's ``traceparent`` and ``tracestate``, and each streamed request ends one SERVER span
-``llm_request`` under it, with the script's own queue (``SCRIPT_QUEUE``, 0.0625 s), prefill (TTFT less queue)
-and decode in vLLM's attributes, exported over OTLP/HTTP in batches (``OTEL_BSP_SCHEDULE_DELAY``); and
+``llm_request`` under it, with the script's own queue (``SCRIPT_QUEUE``, 0.0625 s), prefill (TTFT less queue,
+less ``SCRIPT_UNATTRIBUTED``, 0 s: time the server's phases leave out, as vLLM's front end does) and decode in
+vLLM's attributes, exported over OTLP/HTTP in batches (``OTEL_BSP_SCHEDULE_DELAY``); and
 ``/metrics`` shows vLLM's two gauges, so llmtap takes it for a server that can trace.
 """
 
@@ -72,6 +73,7 @@ class Upstream:
         self.plan = script(ttft, gap, chunks)
         self.tracer = _tracer(os.environ.get("SCRIPT_OTLP_TRACES"))
         self.queue_s = float(os.environ.get("SCRIPT_QUEUE", "0.0625"))
+        self.unattributed_s = float(os.environ.get("SCRIPT_UNATTRIBUTED", "0"))
         self.output_tokens = sum(len(t) for _, t in self.plan)
         self.last_headers: dict[str, str] = {}
         self.active = 0
@@ -371,7 +373,7 @@ class Upstream:
         span.set_attributes(
             {
                 "gen_ai.latency.time_in_queue": self.queue_s,
-                "gen_ai.latency.time_in_model_prefill": max(first - self.queue_s, 0.0),
+                "gen_ai.latency.time_in_model_prefill": max(first - self.queue_s - self.unattributed_s, 0.0),
                 "gen_ai.latency.time_in_model_decode": last - first,
                 "gen_ai.latency.time_to_first_token": first,
             }

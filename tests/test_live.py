@@ -1,4 +1,5 @@
-"""The live view: its window counts what ``/metrics`` counts, its waterfalls hold no content, ``/events`` streams."""
+"""The live view: its window counts what ``/metrics`` counts, its percentiles are the exact ones the tables give,
+its waterfalls hold no content, ``/events`` streams."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 
 from proxy import simulator
-from proxy.analysis.summary import summarize
+from proxy.analysis.stats import quantile
+from proxy.analysis.summary import Summary, summarize
 from proxy.analysis.timeline import CANCELLED, ERROR, OK, Timeline
 from proxy.demo import FIXED_FIRST, VARIABLE_FIRST, default_workloads
 from proxy.settings import SLO, Route, Settings
@@ -30,12 +32,12 @@ from proxy.telemetry.instruments import DURATION_BUCKETS
 from proxy.telemetry.live import LiveView
 from proxy.telemetry.live.view import embed, recorder_labels
 from proxy.telemetry.live.waterfall import TICK_CAP, waterfall
-from proxy.telemetry.live.window import HISTORY, HORIZON, SLOT, TICK, Busy, LiveWindow
+from proxy.telemetry.live.window import HISTORY, HORIZON, SLOT, TICK, Busy, LiveWindow, Samples
 from proxy.telemetry.prometheus import PrometheusReader
 from proxy.telemetry.recorder import Recorder
 from proxy.types import RequestInfo, ServerTiming, Usage
 from tests.conftest import PATIENCE, Running
-from tests.test_prometheus import histogram_quantile, samples
+from tests.test_prometheus import samples
 
 WALL = 1_700_000_000_000_000_000
 SECRET = "PROMPT-SECRET-7f3a"
@@ -95,16 +97,24 @@ def make_timeline(
 class Harness:
     """A recorder with a real SDK meter provider read by the Prometheus reader, and a live window on it."""
 
-    def __init__(self, *, slo: SLO | None = None, clock: Any = time.monotonic, traces: bool = False) -> None:
+    def __init__(
+        self, *, slo: SLO | None = None, clock: Any = time.monotonic, traces: bool = False, budget: int = 1_000_000
+    ) -> None:
         self.prometheus = PrometheusReader()
         self.meter_provider = MeterProvider(metric_readers=[self.prometheus], shutdown_on_exit=False)
         self.tracer_provider = TracerProvider(shutdown_on_exit=False)
         settings = Settings(routes=ROUTES, slo=slo or SLO())
         self.recorder = Recorder(settings, tracer_provider=self.tracer_provider, meter_provider=self.meter_provider)
         self.window = LiveWindow(
-            recorder_labels(self.recorder), slo=settings.slo.configured, traces=traces, clock=clock
+            recorder_labels(self.recorder),
+            slo=settings.slo.configured,
+            traces=traces,
+            clock=clock,
+            budget=budget,
+            on_drop=self.recorder.live_samples_dropped,
         )
-        self.recorder.listeners.append(self.window)
+        self.seen: list[tuple[Timeline, Summary]] = []
+        self.recorder.listeners.extend([self.window, lambda tl, s: self.seen.append((tl, s))])
 
     def run(self, tl: Timeline) -> None:
         self.recorder.record(tl)
@@ -162,7 +172,23 @@ HISTOGRAMS = {
 }
 
 
-def test_since_start_equals_metrics(harness: Harness) -> None:
+def exact_values(seen: list[tuple[Timeline, Summary]], route: str, model: str, version: str | None = None) -> Any:
+    """Each latency's values for one series, under the conditions of its ``llmtap.*`` histogram, from the
+    requests' own summaries: TTFT and ITL of streams, TPOT of successful requests."""
+    mine = [
+        (tl, s)
+        for tl, s in seen
+        if tl.route == route and tl.request is not None and tl.request.model == model and tl.prompt_version == version
+    ]
+    streams = [s for tl, s in mine if tl.request is not None and tl.request.stream and s.ttft is not None]
+    return {
+        "ttft": [s.ttft for s in streams],
+        "itl": [x for s in streams for x in s.itl_per_token],
+        "tpot": [s.tpot for tl, s in mine if tl.outcome == OK and s.tpot is not None],
+    }
+
+
+def test_since_start_counts_what_metrics_count_and_its_percentiles_are_exact(harness: Harness) -> None:
     varied(harness)
     text = harness.prometheus.render()
     snap = harness.window.snapshot(None)
@@ -182,26 +208,99 @@ def test_since_start_equals_metrics(harness: Harness) -> None:
         assert s["output_tokens"] == prom_sum(text, "llmtap_usage_output_tokens_total", *key)
         assert s["input_tokens"] == prom_sum(text, "llmtap_usage_input_tokens_total", *key)
         assert s["cache_read_tokens"] == prom_sum(text, "llmtap_usage_cache_read_input_tokens_total", *key)
+        values = exact_values(harness.seen, *key)
         for fig, name in HISTOGRAMS.items():
             series = prom_buckets(text, name, *key)
-            assert s[fig]["count"] == series[-1][1] == prom_sum(text, name + "_count", *key), (key, fig)
+            assert s[fig]["count"] == series[-1][1] == prom_sum(text, name + "_count", *key) == len(values[fig])
             assert s[fig]["sum"] == pytest.approx(prom_sum(text, name + "_sum", *key), rel=1e-12)
+            assert s[fig]["exact"] is True
             for q in (0.5, 0.95, 0.99):
-                # The same buckets read the same way: equal, not merely close.
-                assert s[fig][f"p{round(q * 100)}"] == pytest.approx(histogram_quantile(q, series), rel=1e-12)
+                # The requests' own values, read as the demo's tables and ``llmtap compare`` read them: equal.
+                assert s[fig][f"p{round(q * 100)}"] == quantile(values[fig], q), (key, fig, q)
         assert s["requests_per_s"] == s["requests"] / snap["seconds"]
 
 
-def test_percentiles_within_a_bucket_of_the_exact_values(harness: Harness) -> None:
-    ttfts = [0.005 * (1 + (i * 37) % 260) for i in range(200)]
+def test_percentiles_never_pass_the_largest_value(harness: Harness) -> None:
+    # A few fast requests and one slow one: a bucket reading of p99 would interpolate far into the slow one's
+    # bucket, past it; the exact p99 lies between the fast ones and it.
+    ttfts = [0.126, 0.127, 0.13, 0.14, 0.791, 0.797]
     for i, ttft in enumerate(ttfts):
         harness.run(make_timeline(i, ttft=ttft))
     (s,) = harness.window.snapshot(None)["series"]
-    ordered = sorted(ttfts)
+    measured = [x.ttft for _, x in harness.seen if x.ttft is not None]
+    assert measured == pytest.approx(ttfts)
     for q in (0.5, 0.95, 0.99):
-        exact = ordered[max(round(q * len(ordered)) - 1, 0)]
-        # Buckets grow by 2^(1/8): an interpolated quantile is within one bucket's width of the true one.
-        assert abs(s["ttft"][f"p{round(q * 100)}"] - exact) <= exact * (2 ** (1 / 8) - 1), q
+        assert s["ttft"][f"p{round(q * 100)}"] == quantile(measured, q)
+    assert quantile(measured, 0.5) == pytest.approx(0.135)
+    assert s["ttft"]["p99"] <= max(measured)
+
+
+def test_prompt_versions_are_series_of_their_own(harness: Harness) -> None:
+    for i in range(12):
+        tl = make_timeline(i, ttft=0.791 if i % 2 else 0.126)
+        tl.prompt_version = "variable-first" if i % 2 else "fixed-first"
+        harness.run(tl)
+    rows = {s["prompt_version"]: s for s in harness.window.snapshot(None)["series"]}
+    assert set(rows) == {"variable-first", "fixed-first"}
+    assert rows["variable-first"]["ttft"]["p50"] == pytest.approx(0.791)
+    assert rows["fixed-first"]["ttft"]["p50"] == pytest.approx(0.126)
+    assert rows["fixed-first"]["requests"] == rows["variable-first"]["requests"] == 6
+    # The requests behind a percentile come from the row's own version only.
+    kept = {r["id"]: r for r in harness.window.since(0)}
+    for version, row in rows.items():
+        ids = row["slowest"]["ttft"]["p95"]
+        assert ids and {kept[i]["prompt_version"] for i in ids} == {version}
+
+
+def test_past_the_budget_percentiles_come_from_buckets_marked_and_within_the_values() -> None:
+    now = [0.0]
+    # Room for 70 latency values; each request below has 1 TTFT, 4 ITL, 1 TPOT and 1 E2E value (84 in all).
+    h = Harness(clock=lambda: now[0], budget=70)
+    try:
+        for i in range(12):
+            now[0] = 10.0 * i
+            h.run(make_timeline(i, ttft=0.2 + 0.01 * i, chunks=3, gap=0.01 + 0.003 * i))
+        kept = sum(len(x.values) for series in h.window._series.values() for x in series.samples.values())
+        assert kept <= 70
+        # What went is counted on /metrics.
+        text = h.prometheus.render()
+        assert sum(v for _, v in samples(text, "llmtap_admin_live_samples_dropped_total")) == 84 - kept
+        values = exact_values(h.seen, "chat", "m1")
+        (whole,) = h.window.snapshot(None)["series"]
+        # The ITL values, the most numerous, gave up their oldest: read from buckets, marked, within the values.
+        assert whole["itl"]["exact"] is False and whole["itl"]["count"] == len(values["itl"]) == 48
+        for q in ("p50", "p95", "p99"):
+            assert min(values["itl"]) <= whole["itl"][q] <= max(values["itl"])
+        # TTFT kept every value: exact.
+        assert whole["ttft"]["exact"] is True and whole["ttft"]["p50"] == quantile(values["ttft"], 0.5)
+        # The last minute (requests 6 to 11) still has every ITL value it counts: exact there.
+        (recent,) = h.window.snapshot(60.0)["series"]
+        in_window = [x for tl, s in h.seen[6:] for x in s.itl_per_token]
+        assert recent["itl"]["count"] == len(in_window) == 24
+        assert recent["itl"]["exact"] is True and recent["itl"]["p95"] == quantile(in_window, 0.95)
+    finally:
+        h.close()
+
+
+def test_samples_forget_their_oldest_and_know_which_windows_they_still_cover() -> None:
+    kept = Samples()
+
+    def ordered(samples: Samples, first: int | None) -> list[float] | None:
+        values = samples.since(first)
+        return None if values is None else sorted(values)
+
+    for slot, values in ((1, [5.0, 4.0]), (1, [3.0]), (2, [2.0]), (4, [1.0, 0.5])):
+        kept.add(slot, values)
+    assert ordered(kept, None) == [0.5, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert ordered(kept, 2) == [0.5, 1.0, 2.0] and ordered(kept, 3) == [0.5, 1.0] and ordered(kept, 5) == []
+    assert kept.drop_oldest(2) == 2  # two of slot 1's three values
+    assert ordered(kept, None) is None and ordered(kept, 1) is None
+    assert ordered(kept, 2) == [0.5, 1.0, 2.0]
+    assert kept.drop_oldest(2) == 2  # slot 1's last and slot 2's only value
+    assert ordered(kept, 2) is None and ordered(kept, 3) == [0.5, 1.0]
+    kept.add(4, [9.0])
+    assert ordered(kept, 4) == [0.5, 1.0, 9.0]
+    assert kept.drop_oldest(10) == 3 and ordered(kept, 5) == [] and ordered(kept, 4) is None
 
 
 def test_the_window_slides_and_forgets() -> None:
@@ -255,7 +354,7 @@ def test_busy_rates_hold_while_idle_and_warmups_can_be_left_out() -> None:
 
     def window(busy: bool) -> LiveWindow:
         return LiveWindow(
-            lambda tl, s: (tl.route, "m1"),
+            lambda tl, s: (tl.route, "m1", ""),
             slo=False,
             traces=False,
             clock=lambda: now[0],
@@ -314,11 +413,22 @@ def test_waterfall_places_each_phase_where_it_happened() -> None:
     s = summarize(tl)
     r = waterfall(7, tl, s, route="chat", model="m1", trace=False)
     phases = {(p["phase"], p["class"]): p for p in r["phases"]}
-    assert set(phases) == {("queue", "measured"), ("queue", "server"), ("prefill", "server"), ("decode", "measured")}
+    assert set(phases) == {
+        ("queue", "measured"),
+        ("queue", "server"),
+        ("unattributed", "unattributed"),
+        ("prefill", "server"),
+        ("decode", "measured"),
+    }
     own = phases[("queue", "measured")]
     assert (own["start"], own["length"]) == (pytest.approx(1.0), pytest.approx(10.0))
     upstream = phases[("queue", "server")]
     assert (upstream["start"], upstream["length"]) == (pytest.approx(3.0), pytest.approx(100.0))
+    # Sent at 3 ms, the first token at 300 ms: of the upstream's 297 ms, the server's queue and prefill account
+    # for 250; the other 47 ms are a part of their own between them, in neither.
+    gap = phases[("unattributed", "unattributed")]
+    assert (gap["start"], gap["length"], gap["source"]) == (pytest.approx(103.0), pytest.approx(47.0), "server")
+    assert r["upstream_unattributed"] == pytest.approx(47.0)
     prefill = phases[("prefill", "server")]
     assert (prefill["start"], prefill["length"]) == (pytest.approx(150.0), pytest.approx(150.0))
     decode = phases[("decode", "measured")]
@@ -562,13 +672,16 @@ def test_demo_serve_keeps_the_view_up_until_ctrl_c() -> None:
         # The page agrees with the tables: the workload's objective, no warm-up, rates over busy time.
         first = initial(page)
         (code,) = [w for w in default_workloads(1) if w.route == "code"]
-        (series,) = first["snapshot"]["series"]
         assert first["hello"]["slo"] is True and first["snapshot"]["rates"] == "busy"
         objective = {"ttft": code.slo.ttft, "tpot": code.slo.tpot, "percentile": code.slo.percentile}
-        assert (series["route"], series["shape"], series["objective"]) == ("code", code.slo.shape, objective)
-        assert series["requests"] == 2  # one per prompt layout
+        # One series per prompt layout, as the tables split them.
+        rows = {s["prompt_version"]: s for s in first["snapshot"]["series"]}
+        assert set(rows) == {VARIABLE_FIRST, FIXED_FIRST}
+        for series in rows.values():
+            assert (series["route"], series["shape"], series["objective"]) == ("code", code.slo.shape, objective)
+            assert series["requests"] == 1
+            assert 0 < series["rate_seconds"] < first["snapshot"]["seconds"]
         assert {r["prompt_version"] for r in first["requests"]} == {VARIABLE_FIRST, FIXED_FIRST}
-        assert 0 < series["rate_seconds"] < first["snapshot"]["seconds"]
         assert "llmtap_requests_total{" in httpx.get(base + "/metrics").text
         with httpx.stream("GET", base + "/events?window=all", timeout=10) as r:
             kinds = [kind for kind, _, _ in itertools.islice(sse(r.iter_lines()), 3)]

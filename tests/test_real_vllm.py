@@ -537,3 +537,39 @@ def test_cold_burst_without_spans_learns_the_slots(cold_run: Run) -> None:
     print("slots learned (count, confidence) per request:", learned)
     assert max(int(n or 0) for n, _ in learned) == SLOTS, learned
     assert_sums_cover_vllms(cold_run, COLD_SUM_TOLERANCE, of_both=True)
+
+
+def test_time_vllm_does_not_attribute_is_a_part_of_its_own(spans_run: Run) -> None:
+    """vLLM's queue and prefill leave part of its TTFT out (its front end before its engine queues the request,
+    handing out the first token), and the hop adds to it. Per request, that rest of the upstream's TTFT is a part
+    of its own (``llmtap.upstream.unattributed``, its span, its attribute), and the queue and prefill spans last
+    what vLLM said: the prefill span is vLLM's prefill, not stretched to the first chunk over the rest."""
+    mine: dict[str, dict[str, ReadableSpan]] = {}
+    for span in spans_run.spans:
+        if span.context is not None:
+            mine.setdefault(format(span.context.trace_id, "032x"), {})[span.name] = span
+
+    def seconds(span: ReadableSpan) -> float:
+        assert span.start_time is not None and span.end_time is not None
+        return (span.end_time - span.start_time) / 1e9
+
+    left_out = []
+    for r in spans_run.rows:
+        label = r.answer.ask.label
+        spans = mine[r.answer.trace_id]
+        assert seconds(spans[sc.SPAN_PREFILL]) == pytest.approx(r.s("time_in_model_prefill"), abs=1e-6), label
+        rest = r.p(sc.UPSTREAM_TTFT) - r.s("time_in_queue") - r.s("time_in_model_prefill")
+        assert r.p(sc.UPSTREAM_UNATTRIBUTED_DURATION) == pytest.approx(max(rest, 0.0), abs=1e-9), label
+        queue, gap, prefill = spans[sc.SPAN_QUEUE], spans[sc.SPAN_UNATTRIBUTED], spans[sc.SPAN_PREFILL]
+        assert seconds(gap) == pytest.approx(r.p(sc.UPSTREAM_UNATTRIBUTED_DURATION), abs=1e-6), label
+        assert queue.end_time == gap.start_time and gap.end_time == prefill.start_time, label
+        left_out.append(r.p(sc.UPSTREAM_UNATTRIBUTED_DURATION))
+    ttft = math.fsum(r.p(sc.UPSTREAM_TTFT) for r in spans_run.rows)
+    queued = math.fsum(r.s("time_in_queue") for r in spans_run.rows)
+    read = math.fsum(r.s("time_in_model_prefill") for r in spans_run.rows)
+    print(
+        f"\nupstream TTFT {ttft:.3f} s over the burst: vLLM's queue {queued:.3f} s, prefill {read:.3f} s, left out"
+        f" {math.fsum(left_out):.3f} s (largest {max(left_out):.3f} s)"
+    )
+    # vLLM leaves time out (its front end and the hop at the least): never nothing, over a burst.
+    assert math.fsum(left_out) > 0

@@ -80,8 +80,13 @@ def test_a_record_holds_the_figures_and_never_content_or_secrets(
     validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
     for rec in (streamed, whole, failed):
         validator.validate(rec)
-        assert set(rec) == set(schema["required"]) == set(schema["properties"])
+        # Every field the schema names is written; the optional ones (added within version 2) may be absent.
+        assert set(schema["required"]) <= set(rec) == set(schema["properties"])
+    optional = set(schema["properties"]) - set(schema["required"])
+    assert "upstream_unattributed" in optional
+    validator.validate({k: v for k, v in streamed.items() if k not in optional})  # a record of an older version
     assert not validator.is_valid({**streamed, "pid": "12"})
+    assert not validator.is_valid({**streamed, "upstream_unattributed": -1.0})
     # Real records through Parquet and back: the same records.
     parquet = DatasetWriter(tmp_path / "pq", current(), parquet=True)
     for rec in (streamed, whole, failed):

@@ -427,3 +427,147 @@ def test_two_requests_in_flight_start_the_watch_of_their_upstream(telemetry: Tel
         assert calls.watched == [UPSTREAM]
     finally:
         rec.close()
+
+
+# --- time the server's own phases leave out ---------------------------------------------------------
+
+
+def seconds_of(span: Any) -> float:
+    return float(span.end_time - span.start_time) / 1e9
+
+
+def test_time_the_servers_phases_leave_out_is_a_part_of_its_own(recorder: Recorder, telemetry: Telemetry) -> None:
+    """Sent at +1/32, first content at +0.5: 0.46875 s upstream, of which the server's queue and prefill account
+    for 0.375 s. The other 0.09375 s is a span, an attribute and a metric of its own; the queue and prefill spans
+    last what the server said, neither stretched over it."""
+    tl = traced("b7ad6b7169203331")
+    recorder.record_timeline(tl)
+    assert recorder.submit_spans(parse(span_bytes("b7ad6b7169203331", queue=0.125, prefill=0.25)))
+    assert recorder.flush(5)
+    (attrs,) = root_attributes(telemetry)
+    assert attrs[sc.QUEUE_UPSTREAM_DURATION] == 0.125 and attrs[sc.PREFILL_DURATION] == 0.25
+    assert attrs[sc.UPSTREAM_UNATTRIBUTED_DURATION] == 0.09375
+    spans = {s.name: s for s in telemetry.finished()}
+    queue, gap, prefill = spans[sc.SPAN_QUEUE], spans[sc.SPAN_UNATTRIBUTED], spans[sc.SPAN_PREFILL]
+    assert (gap.attributes or {})[sc.UPSTREAM_UNATTRIBUTED_DURATION] == 0.09375
+    # One after the other, from the request going upstream to its first content chunk.
+    assert queue.end_time == gap.start_time and gap.end_time == prefill.start_time
+    assert prefill.end_time == tl.wall_ns(0.5 + tl.received)
+    assert seconds_of(queue) == pytest.approx(1 / 32 + 0.125, abs=1e-6)  # received, sent, the server's queue
+    assert seconds_of(gap) == pytest.approx(0.09375, abs=1e-6)
+    assert seconds_of(prefill) == pytest.approx(0.25, abs=1e-6)
+    (point,) = telemetry.metrics()[sc.METRIC_UNATTRIBUTED]
+    assert (point.count, point.sum) == (1, 0.09375)
+
+
+def test_a_server_that_reports_one_phase_leaves_nothing_unattributed(recorder: Recorder, telemetry: Telemetry) -> None:
+    # Only the queue reported: prefill is the rest of the upstream TTFT, as before; no part of its own.
+    recorder.record_timeline(traced("b7ad6b7169203331"))
+    assert recorder.submit_spans(parse(span_bytes("b7ad6b7169203331", queue=0.125, prefill=-1.0)))
+    assert recorder.flush(5)
+    (attrs,) = root_attributes(telemetry)
+    assert attrs[sc.PREFILL_DURATION] == pytest.approx(0.46875 - 0.125)
+    assert sc.UPSTREAM_UNATTRIBUTED_DURATION not in attrs
+    assert sc.SPAN_UNATTRIBUTED not in {s.name for s in telemetry.finished()}
+    assert sc.METRIC_UNATTRIBUTED not in telemetry.metrics()
+
+
+class _Forward(BaseHTTPRequestHandler):
+    """Passes each OTLP export on to ``target`` (the proxy's receiver, known only once the proxy runs)."""
+
+    target = ""
+    #: Spans passed on so far.
+    spans = 0
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length", "0")))
+        headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "content-encoding")}
+        answer = httpx.post(type(self).target, content=body, headers=headers, timeout=10)
+        export = ExportTraceServiceRequest.FromString(inflate(body, self.headers.get("content-encoding", "")))
+        type(self).spans += sum(len(s.spans) for r in export.resource_spans for s in r.scope_spans)
+        self.send_response(answer.status_code)
+        self.send_header("content-type", answer.headers.get("content-type", "application/x-protobuf"))
+        self.send_header("content-length", str(len(answer.content)))
+        self.end_headers()
+        self.wfile.write(answer.content)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_traced_upstream_with_a_gap_shows_it_on_records_spans_and_the_live_view(
+    proxy_factory: Any, telemetry: Telemetry, tmp_path: Any
+) -> None:
+    """The scripted upstream traces as vLLM does, its phases leaving 0.1 s of its TTFT out (as vLLM's front end
+    does): every record, root span and waterfall carries that part as its own, queue and prefill stay the span's."""
+    from proxy.settings import Records
+    from tests.conftest import Scripted
+    from tests.test_live import view_of
+    from tests.test_records import records as read_back
+
+    class Forward(_Forward):
+        target = ""
+
+    forwarder = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+    threading.Thread(target=forwarder.serve_forever, daemon=True).start()
+    up = Scripted(
+        SCRIPT_TTFT="0.3",
+        SCRIPT_GAP="0.01",
+        SCRIPT_CHUNKS="4",
+        SCRIPT_QUEUE="0.05",
+        SCRIPT_UNATTRIBUTED="0.1",
+        SCRIPT_OTLP_TRACES=f"http://127.0.0.1:{forwarder.server_address[1]}/v1/traces",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+    )
+    try:
+        records = tmp_path / "records"
+        settings = Settings(
+            routes=(Route(prefix="/", upstream=up.url, name="default", provider="vllm"),),
+            telemetry=TelemetrySettings(server_spans_wait=PATIENCE),
+            record=Records(path=str(records)),
+        )
+        running = proxy_factory(settings, admin=True)
+        Forward.target = running.admin.url + "/v1/traces"
+        chat = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Hi."}]}
+        for _ in range(4):
+            with httpx.stream("POST", running.url + "/v1/chat/completions", json=chat, timeout=30) as r:
+                assert r.status_code == 200
+                r.read()
+        # The upstream exports its spans in batches: all four passed on before the flush, which writes what still
+        # waits for its span at once.
+        deadline = time.monotonic() + PATIENCE
+        while Forward.spans < 4:
+            assert time.monotonic() < deadline, Forward.spans
+            time.sleep(0.02)
+        running.flush()
+        # The first request may finish before llmtap has read the upstream's /metrics (the sign that it traces):
+        # then it is written without waiting for its span, estimated, and with no part left out.
+        everything = root_attributes(telemetry)
+        roots = [a for a in everything if a.get(sc.QUEUE_UPSTREAM_SOURCE) == "server"]
+        assert len(everything) == 4 and len(roots) >= 3
+        for attrs in everything:
+            if attrs not in roots:
+                assert sc.UPSTREAM_UNATTRIBUTED_DURATION not in attrs
+        for attrs in roots:
+            assert attrs[sc.PREFILL_SOURCE] == "server" and attrs[sc.QUEUE_UPSTREAM_DURATION] == 0.05
+            left = attrs[sc.UPSTREAM_TTFT] - attrs[sc.QUEUE_UPSTREAM_DURATION] - attrs[sc.PREFILL_DURATION]
+            assert attrs[sc.UPSTREAM_UNATTRIBUTED_DURATION] == pytest.approx(left, abs=1e-9)
+            # The script's 0.1 s, and what the hop to it and back took.
+            assert 0.1 - 0.005 <= attrs[sc.UPSTREAM_UNATTRIBUTED_DURATION] < 0.1 + 0.25
+        # Each prefill span lasts the server's prefill, not the rest of the upstream's TTFT.
+        prefills = sorted(seconds_of(s) for s in telemetry.finished() if s.name == sc.SPAN_PREFILL)
+        assert prefills == pytest.approx(sorted(a[sc.PREFILL_DURATION] for a in everything), abs=1e-6)
+        lines = [r["upstream_unattributed"] for r in read_back(records) if r["upstream_unattributed"] is not None]
+        assert sorted(lines) == pytest.approx(sorted(a[sc.UPSTREAM_UNATTRIBUTED_DURATION] for a in roots), abs=1e-6)
+        window = view_of(running).window
+        shown = [r for r in window.since(0) if r["upstream_unattributed"] is not None]
+        assert len(window.since(0)) == 4 and len(shown) == len(roots)
+        for w in shown:
+            (gap,) = [p for p in w["phases"] if p["phase"] == "unattributed"]
+            assert gap["length"] == pytest.approx(w["upstream_unattributed"], abs=0.002)
+            (prefill,) = [p for p in w["phases"] if p["phase"] == "prefill"]
+            assert gap["start"] + gap["length"] == pytest.approx(prefill["start"], abs=0.002)
+    finally:
+        up.close()
+        forwarder.shutdown()
+        forwarder.server_close()

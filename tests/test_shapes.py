@@ -40,7 +40,7 @@ from proxy.simulator.text import Vocabulary
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.instruments import create
-from proxy.telemetry.live.window import SLOWEST, floor_ms
+from proxy.telemetry.live.window import SLOWEST
 from proxy.telemetry.metrics import _record_samples
 from proxy.telemetry.prometheus import PrometheusReader, wants_openmetrics
 from proxy.telemetry.records import ReadStats, read_records as read_record_lines
@@ -459,11 +459,13 @@ def test_the_live_view_splits_by_shape_and_links_percentiles_to_the_slowest(cour
         for q in ("p50", "p95", "p99"):
             ids = row["slowest"]["ttft"][q]
             assert ids and ids[0] == slowest["id"], (key, q)
-            # Slowest first, each in the percentile's bucket or above, from this series only.
+            # Slowest first, each at the (exact) percentile or above, from this series only.
+            assert row["ttft"]["exact"] is True
+            at = round(row["ttft"][q] * 1000, 3)
             ttfts = [kept[i]["ttft"] for i in ids]
-            assert ttfts == sorted(ttfts, reverse=True) and min(ttfts) > floor_ms(row["ttft"][q])
-            # ... and they are all the kept requests there are in that bucket and above, up to the cap.
-            assert len(ids) == min(SLOWEST, sum(r["ttft"] > floor_ms(row["ttft"][q]) for r in mine))
+            assert ttfts == sorted(ttfts, reverse=True) and min(ttfts) >= at
+            # ... and they are all the kept requests there are at it and above, up to the cap.
+            assert len(ids) == min(SLOWEST, sum(r["ttft"] >= at for r in mine))
             assert all((kept[i]["route"], kept[i]["shape"]) == key for i in ids)
     # Every waterfall carries its trace id, the one its spans have.
     traces = {format(s.context.trace_id, "032x") for s in course.spans.get_finished_spans() if s.context}

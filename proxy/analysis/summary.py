@@ -56,6 +56,10 @@ class Summary:
     prefill_source: str = UPSTREAM_TTFT
     #: The server's own decode time, when it reported one (``decode`` is always the proxy's measurement).
     server_decode: float | None = None
+    #: The upstream TTFT of a stream that the server's own queue and prefill, both reported, leave out: its
+    #: request handling before its queue, handing out its first token, the network. Its own part: never
+    #: folded into queue or prefill, which stay the server's figures.
+    upstream_unattributed: float | None = None
     #: The upstream's slot count the estimator replayed with (configured or learned), when it had one.
     slots: Slots | None = None
     gaps: list[float] = field(default_factory=list)
@@ -276,6 +280,7 @@ def _server_phases(tl: Timeline, s: Summary, split: Split | None) -> None:
         s.rejected_timings.extend(st.rejected)
     if st is not None:
         s.server_decode = st.decode
+    s.upstream_unattributed = None
     if st is not None and st.queue is not None:
         s.upstream_queue, s.upstream_queue_source = st.queue, SERVER
     if st is not None and st.prefill is not None:
@@ -289,6 +294,10 @@ def _server_phases(tl: Timeline, s: Summary, split: Split | None) -> None:
             s.prefill, s.prefill_source = split.prefill, ESTIMATED
         elif s.prefill is None:
             s.prefill, s.prefill_source = ttft, UPSTREAM_TTFT
+        stream = tl.request is not None and tl.request.stream
+        if stream and st is not None and st.queue is not None and st.prefill is not None:
+            # Reported to the server's own rounding: a sum past the upstream TTFT leaves nothing out.
+            s.upstream_unattributed = max(ttft - st.queue - st.prefill, 0.0)
     if s.upstream_queue is not None:
         s.queue = (s.proxy_queue or 0.0) + s.upstream_queue
         s.queue_source = s.upstream_queue_source or PROXY

@@ -205,6 +205,7 @@ def end_attributes(
     _put(attrs, sc.PREFILL_DURATION, s.prefill)
     _put(attrs, sc.DECODE_DURATION, s.decode)
     _put(attrs, sc.DECODE_SERVER_DURATION, s.server_decode)
+    _put(attrs, sc.UPSTREAM_UNATTRIBUTED_DURATION, s.upstream_unattributed)
     if s.prefill is not None:
         attrs[sc.PREFILL_SOURCE] = s.prefill_source
     if s.slots is not None:

@@ -58,6 +58,7 @@ class Instruments:
     queue: Histogram
     prefill: Histogram
     decode: Histogram
+    unattributed: Histogram
     cache_read: Counter
     cache_write: Counter
     input_tokens: Counter
@@ -84,6 +85,7 @@ class Instruments:
     admin_refused: Counter
     trace_context_ignored: Counter
     event_streams: UpDownCounter
+    live_samples_dropped: Counter
     clickhouse_inserts: Counter
 
 
@@ -164,6 +166,11 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         queue=_seconds(meter, sc.METRIC_QUEUE, "Time queued before the model starts reading, by llmtap.queue.source."),
         prefill=_seconds(meter, sc.METRIC_PREFILL, "Time reading the prompt, by llmtap.prefill.source."),
         decode=_seconds(meter, sc.METRIC_DECODE, "First content chunk to last content chunk."),
+        unattributed=_seconds(
+            meter,
+            sc.METRIC_UNATTRIBUTED,
+            "Upstream TTFT that the server's own queue and prefill (both reported) leave out.",
+        ),
         cache_read=meter.create_counter(
             sc.METRIC_CACHE_READ, unit="{token}", description="Input tokens read from the prompt cache."
         ),
@@ -286,6 +293,12 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         ),
         event_streams=meter.create_up_down_counter(
             sc.METRIC_EVENT_STREAMS, unit="{stream}", description="The live view's /events streams open now."
+        ),
+        live_samples_dropped=meter.create_counter(
+            sc.METRIC_LIVE_SAMPLES_DROPPED,
+            unit="{sample}",
+            description="Latency values the live view stopped keeping past its bound (250,000): windows reaching "
+            "back past them read their percentiles from buckets, marked.",
         ),
         clickhouse_inserts=meter.create_counter(
             sc.METRIC_CLICKHOUSE_INSERTS,

@@ -106,6 +106,10 @@ class MetricWriter:
         """The label metrics gave ``model`` (read, not counted as a use): itself, or ``_OTHER``."""
         return self._models.label(model)
 
+    def version_label(self, version: str) -> str:
+        """The label metrics gave a prompt version (read, not counted as a use): itself, or ``_OTHER``."""
+        return self._versions.label(version)
+
     def metric_attributes(self, tl: Timeline, s: Summary) -> Labels:
         """A request's attribute sets, bounded subsets of its span's; counts one use of each guarded value."""
         req = tl.request
@@ -180,6 +184,8 @@ class MetricWriter:
             ins.prefill.record(s.prefill, {**own, sc.PREFILL_SOURCE: s.prefill_source}, context=ctx)
         if s.decode is not None and stream:
             ins.decode.record(s.decode, own, context=ctx)
+        if s.upstream_unattributed is not None:
+            ins.unattributed.record(s.upstream_unattributed, own, context=ctx)
         self._token_metrics(s, attrs, outcome, own, client=client)
         if tl.sent is not None:
             ins.overhead.record(proxy_added(tl), {sc.ROUTE: tl.route})

@@ -168,6 +168,7 @@ class Recorder:
         for reason in ADMIN_REASONS:
             self.count_admin(reason, 0)
         self.instruments.event_streams.add(0)
+        self.instruments.live_samples_dropped.add(0)
         for reason in TRACE_CONTEXT_REASONS:
             self._count_trace_context(reason, 0)
         # And every route's admission refusals, ignored server timings (by phase) and unparsable events: their
@@ -184,6 +185,10 @@ class Recorder:
     def model_label(self, model: str) -> str:
         """The label metrics give ``model``: itself, or ``_OTHER`` past the bound on distinct models."""
         return self.metrics.model_label(model)
+
+    def version_label(self, version: str) -> str:
+        """The label metrics give a prompt version: itself, or ``_OTHER`` past the bound on distinct versions."""
+        return self.metrics.version_label(version)
 
     def submit(self, message: tuple[Any, ...], source: int = 0) -> bool:
         """Queue one tape message from relay ``source`` for the worker; False when the queue is full.
@@ -259,6 +264,13 @@ class Recorder:
             self.instruments.trace_context_ignored.add(n, {sc.TRACE_CONTEXT_REASON: reason})
         except Exception:
             log.debug("telemetry: could not count an ignored trace header", exc_info=True)
+
+    def live_samples_dropped(self, n: int) -> None:
+        """The live view let ``n`` of its oldest latency values go, past its bound."""
+        try:
+            self.instruments.live_samples_dropped.add(n)
+        except Exception:
+            log.debug("telemetry: could not count dropped live view values", exc_info=True)
 
     def event_streams(self, change: int) -> None:
         """The live view's open ``/events`` streams went up or down by ``change``."""

@@ -98,6 +98,7 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
         "prefill_source": s.prefill_source if s.prefill is not None else None,
         "decode": _round(s.decode),
         "server_decode": _round(s.server_decode),
+        "upstream_unattributed": _round(s.upstream_unattributed),
         "slots": None
         if s.slots is None
         else {"value": s.slots.slots, "source": s.slots.source, "confidence": s.slots.confidence},

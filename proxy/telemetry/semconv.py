@@ -87,6 +87,9 @@ PREFILL_DURATION = "llmtap.prefill.duration"
 PREFILL_SOURCE = "llmtap.prefill.source"
 DECODE_DURATION = "llmtap.decode.duration"
 DECODE_SERVER_DURATION = "llmtap.decode.server.duration"  # the server's own decode time, from its span
+# Upstream TTFT that the server's own queue and prefill (both reported) leave out: its own part, never folded
+# into either (issue 30).
+UPSTREAM_UNATTRIBUTED_DURATION = "llmtap.upstream.unattributed.duration"
 UPSTREAM_SLOTS = "llmtap.upstream.slots"  # the slot count the estimator replayed with
 UPSTREAM_SLOTS_SOURCE = "llmtap.upstream.slots.source"  # configured, or server_metrics (learned)
 UPSTREAM_SLOTS_CONFIDENCE = "llmtap.upstream.slots.confidence"
@@ -153,6 +156,7 @@ HOP_TIME_TO_FIRST_CHUNK = "llmtap.time_to_first_chunk"
 # Span names (DESIGN "Span model"); the root span is "{operation} {model}" (a hop: "{method} {path}").
 SPAN_QUEUE = "llmtap.queue"
 SPAN_PREFILL = "llmtap.prefill"
+SPAN_UNATTRIBUTED = "llmtap.upstream.unattributed"
 SPAN_DECODE = "llmtap.decode"
 SPAN_CHUNK = "llmtap.decode.chunk"
 EVENT_CHUNK = "llmtap.decode.chunk"
@@ -236,6 +240,7 @@ METRIC_ITL = "llmtap.inter_token_latency"
 METRIC_QUEUE = "llmtap.queue.duration"
 METRIC_PREFILL = "llmtap.prefill.duration"
 METRIC_DECODE = "llmtap.decode.duration"
+METRIC_UNATTRIBUTED = "llmtap.upstream.unattributed.duration"
 METRIC_CACHE_READ = "llmtap.usage.cache_read.input_tokens"
 METRIC_CACHE_WRITE = "llmtap.usage.cache_write.input_tokens"
 METRIC_INPUT_TOKENS = "llmtap.usage.input_tokens"
@@ -264,4 +269,6 @@ METRIC_OTLP_ROUTED = "llmtap.otlp.routed"  # the receiver's spans passed to the 
 METRIC_TRACE_CONTEXT_IGNORED = "llmtap.trace_context.ignored"  # client trace headers too long to read, by reason
 METRIC_ADMIN_REFUSED = "llmtap.admin.refused"  # admin connections and requests refused or cut, by reason
 METRIC_EVENT_STREAMS = "llmtap.admin.event_streams"  # the live view's /events streams open now
+# Latency values the live view stopped keeping past its bound (its percentiles then read from buckets, marked)
+METRIC_LIVE_SAMPLES_DROPPED = "llmtap.admin.live_samples.dropped"
 METRIC_CLICKHOUSE_INSERTS = "llmtap.telemetry.clickhouse.inserts"  # batches of records sent to ClickHouse, by outcome

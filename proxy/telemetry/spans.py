@@ -255,6 +255,8 @@ class SpanWriter:
             span = tracer.start_span(sc.SPAN_QUEUE, context=ctx, start_time=tl.wall_ns(tl.received))
             span.set_attributes(queue_attributes(s))
             span.end(end_time=tl.wall_ns(queue_end))
+        if start is not None and tl.first_content is not None and s.upstream_unattributed is not None:
+            start = self._unattributed_span(tl, s, ctx, start)
         if start is not None and tl.first_content is not None:
             span = tracer.start_span(sc.SPAN_PREFILL, context=ctx, start_time=tl.wall_ns(start))
             attrs: dict[str, Any] = {sc.PREFILL_SOURCE: s.prefill_source}
@@ -285,6 +287,17 @@ class SpanWriter:
         if mode != "off" and keep is not None:
             self._chunks(tl, s, decode, mode)
         decode.end(end_time=tl.wall_ns(tl.last_content))
+
+    def _unattributed_span(self, tl: Timeline, s: Summary, ctx: otel_context.Context, start: float) -> float:
+        """The upstream time the server's queue and prefill leave out, as its own span between the two (the
+        server does not say where it went); returns where prefill starts: the server's prefill before the first
+        content chunk, never stretched over this part."""
+        assert tl.first_content is not None and s.upstream_unattributed is not None
+        begin = max(tl.first_content - (s.prefill or 0.0), start)
+        span = self._tracer.start_span(sc.SPAN_UNATTRIBUTED, context=ctx, start_time=tl.wall_ns(start))
+        span.set_attribute(sc.UPSTREAM_UNATTRIBUTED_DURATION, s.upstream_unattributed)
+        span.end(end_time=tl.wall_ns(begin))
+        return begin
 
     def _chunks(self, tl: Timeline, s: Summary, decode: Span, mode: str) -> None:
         times, sizes = tl.chunk_times, tl.chunk_bytes

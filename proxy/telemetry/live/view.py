@@ -88,14 +88,16 @@ def embed(data: Any) -> bytes:
 
 
 def recorder_labels(recorder: Recorder) -> Labels:
-    """Route and model as the recorder's metrics label them: the page's series are ``/metrics``' series."""
+    """Route, model and prompt version as the recorder's metrics label them: the page's series are ``/metrics``'
+    series."""
 
-    def labels(tl: Timeline, s: Summary) -> tuple[str, str]:
+    def labels(tl: Timeline, s: Summary) -> tuple[str, str, str]:
         req = tl.request
         model = req.model if req is not None and req.model else tl.response_model
-        # The recorder's own bound on model names: a name it has seen maps to the same label again,
-        # so this reads the label without counting anything twice.
-        return tl.route, recorder.model_label(model) if model else ""
+        # The recorder's own bounds on model names and versions: a name it has seen maps to the same label
+        # again, so this reads the label without counting anything twice.
+        version = recorder.version_label(tl.prompt_version) if tl.prompt_version else ""
+        return tl.route, recorder.model_label(model) if model else "", version
 
     return labels
 
@@ -118,7 +120,14 @@ class LiveView:
         if traces is None:
             traces = settings.telemetry.traces_exporter != "none"
         slo = settings.slo.configured or any(r.slo for r in settings.routes)
-        self.window = LiveWindow(recorder_labels(recorder), slo=slo, traces=traces, busy=busy, skip=skip)
+        self.window = LiveWindow(
+            recorder_labels(recorder),
+            slo=slo,
+            traces=traces,
+            busy=busy,
+            skip=skip,
+            on_drop=recorder.live_samples_dropped,
+        )
         recorder.listeners.append(self.window)
         self.recorder = recorder
         self.gate = gate or Gate(settings.admin)

@@ -36,7 +36,9 @@ def _phases(tl: Timeline, s: Summary) -> list[dict[str, Any]]:
 
     The proxy's own queue runs from reading the body to admission; the server's queue (reported or
     estimated) starts when the request went upstream; prefill ends at the first content chunk and
-    decode runs from the first content chunk to the last.
+    decode runs from the first content chunk to the last. Where the server reported its queue and its
+    prefill, the upstream time they leave out is a bar of its own between them (``unattributed``), as
+    the spans place it.
     """
     r = tl.received
     sent = tl.sent if tl.sent is not None else tl.admitted
@@ -51,6 +53,9 @@ def _phases(tl: Timeline, s: Summary) -> list[dict[str, Any]]:
         begin = tl.first_content - s.prefill
         if upstream_end is not None:
             begin = max(begin, upstream_end)
+            if s.upstream_unattributed is not None:
+                out.append(_bar("unattributed", upstream_end - r, begin - upstream_end, SERVER))
+                out[-1]["class"] = "unattributed"
         out.append(_bar("prefill", begin - r, tl.first_content - begin, s.prefill_source))
     if s.decode is not None and tl.first_content is not None:
         out.append(_bar("decode", tl.first_content - r, s.decode, PROXY))
@@ -91,6 +96,7 @@ def waterfall(seq: int, tl: Timeline, s: Summary, *, route: str, model: str, tra
         "ttft": _ms(s.ttft),
         "tpot": _ms(s.tpot),
         "e2e": _ms(s.e2e),
+        "upstream_unattributed": _ms(s.upstream_unattributed),
         "phases": _phases(tl, s),
         "chunks": len(tl.chunk_times),
         "ticks": ticks,

@@ -160,17 +160,21 @@
     ["tpot", "TPOT", "per output token"],
   ];
 
-  function card(route, model, shape) {
+  function card(route, model, shape, version) {
     const c = el("article", "card");
     c.dataset.route = route;
     c.dataset.model = model;
     c.dataset.shape = shape;
+    if (version) c.dataset.version = version;
     const head = el("div", "card-head");
     const count = el("span", "count");
     const n = el("b", null, "0");
     n.dataset.fig = "requests";
     count.append(n, " requests");
-    head.append(el("span", "route", route), el("span", "shape", shape), el("span", "model", model || "(no model)"), count);
+    head.append(el("span", "route", route), el("span", "shape", shape));
+    // Each prompt version is a card of its own: the split a prompt change is judged by.
+    if (version) head.append(el("span", "version", version));
+    head.append(el("span", "model", model || "(no model)"), count);
     const tiles = el("div", "tiles");
     tiles.append(
       tile("requests_per_s", "requests/s"),
@@ -215,8 +219,14 @@
   function verdictText(v) {
     if (!v) return "";
     return v.checks
-      .map((k) => `p${+(k.percentile * 100).toFixed(2)} ${FIGURE_NAMES[k.figure]} ≤ ${dur(k.limit)}: ${dur(k.value)} ${k.verdict}`)
+      .map((k) => `p${+(k.percentile * 100).toFixed(2)} ${FIGURE_NAMES[k.figure]} ≤ ${dur(k.limit)}: ${approx(k.value, k.exact)} ${k.verdict}`)
       .join(" · ");
+  }
+
+  // A percentile over every value in the window is exact; past the values kept it is read from buckets,
+  // held within the smallest and largest value, and marked so.
+  function approx(value, exact) {
+    return exact || value === null || value === undefined ? dur(value) : `≈${dur(value)}`;
   }
 
   function showTail(c, key, q) {
@@ -250,10 +260,12 @@
     errors.classList.toggle("bad", s.errors > 0);
     for (const [key] of LATENCIES) {
       for (const q of ["p50", "p95", "p99"]) {
-        const node = setFig(c, `${key}.${q}`, dur(s[key][q]));
+        const node = setFig(c, `${key}.${q}`, approx(s[key][q], s[key].exact));
+        node.classList.toggle("approx", !s[key].exact);
         const ids = (s.slowest && s.slowest[key] && s.slowest[key][q]) || [];
         node.classList.toggle("link", ids.length > 0);
-        node.title = ids.length ? `the ${ids.length} slowest kept requests at or past ${q}: click for their waterfalls` : "";
+        const how = s[key].exact ? "exact over the window" : "read from buckets (older values not kept)";
+        node.title = ids.length ? `${how}; the ${ids.length} slowest kept requests at or past ${q}: click for their waterfalls` : how;
       }
       setFig(c, `${key}.count`, int(s[key].count));
     }
@@ -267,11 +279,11 @@
     const box = $("series");
     const seen = new Set();
     for (const s of snap.series) {
-      const key = JSON.stringify([s.route, s.model, s.shape]);
+      const key = JSON.stringify([s.route, s.model, s.shape, s.prompt_version]);
       seen.add(key);
       let c = [...box.children].find((x) => x.dataset.key === key);
       if (!c) {
-        c = card(s.route, s.model, s.shape);
+        c = card(s.route, s.model, s.shape, s.prompt_version);
         c.dataset.key = key;
         box.append(c);
       }
@@ -426,6 +438,10 @@
     for (const name of ["queue", "prefill", "decode"]) {
       const p = phase(name);
       put(name, p ? dur(p.length / 1000) : null, p ? p.source : null);
+    }
+    // The upstream time the server's own queue and prefill leave out: shown as itself, in neither.
+    if (r.upstream_unattributed !== null && r.upstream_unattributed !== undefined) {
+      put("unattributed", dur(r.upstream_unattributed / 1000), "upstream TTFT − server queue − server prefill");
     }
     put("chunks", int(r.chunks), r.ticks.length < r.chunks ? `(${int(r.ticks.length)} drawn)` : null);
     put("input tokens", int(r.input_tokens), r.input_source);
