@@ -61,6 +61,7 @@ def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
         "tokens": {"input": rng.randint(100, 8000), "cache_read": rng.choice((0, 512, 4096, None))},
         "cache": {"class": rng.choice(("hit", "miss_changed", "cold"))},
         "objective": {"shape": "long", "percentile": 0.95, "ttft": rng.choice((0.5, 0.8)), "tpot": 0.05},
+        "trace_id": f"{rng.getrandbits(128):032x}",
     }
     odd = rng.random()
     if odd < 0.02:
@@ -91,6 +92,10 @@ def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
         rec["outcome"] = 1
     elif odd < 0.23:
         rec["cache"] = None
+    elif odd < 0.24:
+        rec["trace_id"] = None if odd < 0.235 else 12  # no trace id (either reads as ''): named anyway
+    elif odd < 0.27:
+        rec["ttft"] = 2.5  # slowest of its group, tied with others: the trace id breaks the tie
     return rec
 
 
@@ -166,6 +171,7 @@ def facts(scan: store.Scan) -> list[tuple[Any, ...]]:
             g.classes,
             g.prefill_sources,
             [list(getattr(g, a)) for a in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e")],
+            g.slowest,
         )
         for g in scan.groups
     )
