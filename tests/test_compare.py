@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from proxy import cli
-from proxy.analysis.compare import MIN_GAIN_MS, Side, analyze
+from proxy.analysis.compare import Side, analyze
 from proxy.analysis.stats import Distribution, quantile, quantile_estimate
 from proxy.simulator.text import Vocabulary
 from proxy.telemetry.records import SCHEMA_KEY, ReadStats, read_records
@@ -90,7 +90,9 @@ def spread(center: float, n: int = 20, width: float = 0.02, seed: int = 0) -> li
     [
         (side("v1", spread(0.78)), side("v2", spread(0.12), cached=0.85), "gain", "caching gain: TTFT p50 7"),
         (side("v1", spread(0.78)), side("v2", spread(0.30)), "gain", "TTFT gain, not from caching"),
-        (side("v1", spread(0.025)), side("v2", spread(0.014), 0.56), "no_gain", "no significant gain: TTFT p50 25 ms"),
+        # Issue 30: a 25 ms route's real 11 ms gain is a gain (the least that counts is a tenth of the before p50).
+        (side("v1", spread(0.025)), side("v2", spread(0.014), 0.56), "gain", "caching gain: TTFT p50 25 ms to 14 ms"),
+        (side("v1", spread(0.78)), side("v2", spread(0.755), 0.56), "no_gain", "no significant gain: TTFT p50 78"),
         (side("v1", spread(0.5, width=0.5)), side("v2", spread(0.5, width=0.5, seed=1)), "", "no significant"),
         (side("v1", spread(0.12)), side("v2", spread(0.78)), "regression", "regression: TTFT p50 1"),
         (side("v1", spread(0.78, n=2)), side("v2", spread(0.12)), "insufficient", "no verdict: too few requests"),
@@ -105,9 +107,23 @@ def test_verdicts(before: Side, after: Side, kind: str, start: str) -> None:
         change = c.change["ttft_p50"]
         assert change is not None and change["relative"].high < 0 < -change["seconds"].value
     if kind == "no_gain":
-        # Real (the interval excludes zero) but small: the verdict names the threshold as its reason.
-        assert "): a real 11 ms gain, but below the" in c.verdict
-        assert f"below the {MIN_GAIN_MS:.0f} ms threshold (--min-gain-ms)" in c.verdict
+        # Real (the interval excludes zero) but small: the verdict names the threshold and what set it.
+        assert "): a real 2" in c.verdict and " ms gain, but below the 78 ms threshold" in c.verdict, c.verdict
+        assert "(10% of the before p50, --min-gain-share)" in c.verdict
+
+
+def test_the_least_gain_that_counts_is_relative_or_set_by_the_user() -> None:
+    before, after = side("v1", spread(0.031)), side("v2", spread(0.021), 0.5)
+    # Issue 30: "a real 10 ms gain, but below the 100 ms threshold" was the verdict of a 31 ms route.
+    assert analyze(before, after, source="t", split="t").kind == "gain"
+    c = analyze(before, after, source="t", split="t", min_gain_ms=100)
+    assert c.kind == "no_gain" and "a real 10 ms gain, but below the 100 ms threshold (--min-gain-ms)" in c.verdict
+    c = analyze(before, after, source="t", split="t", min_gain_share=0.5)
+    assert c.kind == "no_gain" and "below the 16 ms threshold (50% of the before p50, --min-gain-share)" in c.verdict
+    assert c.min_gain == pytest.approx(0.5 * c.before.ttft["p50"].value)  # type: ignore[union-attr]
+    # A rise is held to the same bar: a real 1 ms rise of a 31 ms route is no regression.
+    c = analyze(before, side("v2", spread(0.032, seed=5)), source="t", split="t")
+    assert c.kind == "no_change" and "a real 1" in c.verdict and "rise, but below the 3.1 ms threshold" in c.verdict
 
 
 # -- record files and the command ------------------------------------------------------------------
@@ -401,7 +417,7 @@ def test_support_assistant_shows_the_caching_gain(stack: Stack) -> None:
 
 
 @pytest.mark.e2e
-def test_code_completion_shows_no_significant_gain(stack: Stack) -> None:
+def test_code_completion_shows_a_small_real_gain(stack: Stack) -> None:
     data = compare_json(str(stack.records), "--route", "code")
     support = compare_json(str(stack.records), "--route", "support")
     print("code:", data["verdict"])
@@ -409,9 +425,22 @@ def test_code_completion_shows_no_significant_gain(stack: Stack) -> None:
     # same run (780 ms in the course); what a busy machine adds to both stays far below that gap.
     code_p50, support_p50 = data["before"]["ttft"]["p50"]["value"], support["before"]["ttft"]["p50"]["value"]
     assert 0.025 <= code_p50 < support_p50 / 10, (data["before"]["ttft"], support["before"]["ttft"])
-    assert -data["change"]["ttft_p50"]["seconds"]["value"] < MIN_GAIN_MS / 1000
     assert data["after"]["cached_share"] > 0.4  # the cache works, but there is little to save
-    assert data["kind"] in ("no_gain", "no_change") and data["verdict"].startswith("no significant"), data["verdict"]
+    # Issue 30: the least gain that counts is a tenth of the before p50 (3 ms here), not a fixed 100 ms, so a
+    # real gain of a few ms counts. Whether 8 requests a side make it real depends on the machine's load (the
+    # unit tests hold the rule on fixed figures): the verdict is what the rule says of these figures.
+    change = data["change"]["ttft_p50"]["seconds"]
+    assert data["min_gain"] == pytest.approx(0.1 * code_p50, rel=1e-6)
+    real, gain = change["high"] < 0, -change["value"]
+    assert gain < 0.1  # below the old fixed bar: every such gain was "no significant" before
+    if real and gain >= data["min_gain"]:
+        assert data["kind"] == "gain" and data["verdict"].startswith("caching gain: TTFT p50 "), data["verdict"]
+    else:
+        assert data["kind"] in ("no_gain", "no_change") and data["verdict"].startswith("no significant"), data
+    # A user who wants a gain a person notices says so: a real gain is then below the bar, and says why.
+    strict = compare_json(str(stack.records), "--route", "code", "--min-gain-ms", "100")
+    assert strict["kind"] in ("no_gain", "no_change") and strict["min_gain"] == 0.1
+    assert ("below the 100 ms threshold (--min-gain-ms)" in strict["verdict"]) == real, strict["verdict"]
 
 
 @pytest.mark.e2e

@@ -19,7 +19,7 @@ import pytest
 
 from proxy import store
 from proxy.analysis import compare, slo
-from proxy.settings import SLO
+from proxy.settings import SLO, ConfigError
 from proxy.store.engine import EngineSource
 from proxy.store.files import NoRecords, record_files
 from proxy.store.python import PythonSource
@@ -215,21 +215,35 @@ def lookup(route: str, shape: str) -> SLO | None:
     ],
 )
 def test_compare_gives_equal_verdicts_figures_and_intervals_on_either_engine(dataset: Path, split: Any) -> None:
-    out = []
+    out: list[dict[str, Any]] = []
     auto = split.at is None and split.before is None
     wheres: list[dict[str, str]] = [{"route": "support"}, {"route": "completion", "shape": "short"}]
     if not auto:  # two versions to find, where a third one is seen: say which
         wheres += [{}, {"shape": "short", "model": "m1"}]
     for engine in store.ENGINES:
         for where in wheres:
-            sides = compare.record_sides([dataset], split, engine=engine, objectives=None, **where)
+            try:
+                sides = compare.record_sides([dataset], split, engine=engine, objectives=None, **where)
+            except ConfigError as exc:  # v3 is on one route only: the others answer with the versions they hold
+                out.append({"error": str(exc)})
+                continue
             out.append(sides.compare(seed=3, resamples=300).to_json())
-        judged = compare.record_sides([dataset], split, engine=engine, objectives=lookup, route="support")
+        try:
+            judged = compare.record_sides([dataset], split, engine=engine, objectives=lookup, route="support")
+        except ConfigError as exc:
+            out.append({"error": str(exc)})
+            continue
         out.append(judged.compare(seed=5, resamples=300).to_json())
     half = len(out) // 2
     assert out[:half] == out[half:]
-    assert any(o["before"]["ttft_requests"] > 5 and o["after"]["ttft_requests"] > 5 for o in out)
-    assert any(v["checks"] for o in out for side in o["slo"].values() for v in side)
+    assert any(o.get("before", {}).get("ttft_requests", 0) > 5 and o["after"]["ttft_requests"] > 5 for o in out)
+    errors = [o["error"] for o in out if "error" in o]
+    if split.after == "v3":
+        assert errors and all("no requests of prompt version v3 with route" in e for e in errors), errors
+        assert "versions seen: v2 (" in errors[0] and "v1 (" in errors[0]
+    else:
+        assert not errors, errors
+    assert any(v["checks"] for o in out if "slo" in o for side in o["slo"].values() for v in side)
 
 
 @pytest.mark.parametrize(
@@ -258,6 +272,7 @@ def test_parquet_reads_as_its_json_lines(tmp_path: Path) -> None:
         and isinstance(r.get("tokens"), dict)
         and isinstance(r["tokens"].get("input"), int)
         and isinstance(r.get("shape"), str)
+        and isinstance(r.get("trace_id"), str | type(None))
         and isinstance(r.get("outcome"), str)
         and isinstance(r.get("e2e"), float)
         and isinstance(r.get("cache"), dict)
