@@ -218,6 +218,119 @@ def test_too_few_requests_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert out.strip().splitlines()[-1].startswith("no verdict: too few requests with a TTFT (1 before, 2 after")
 
 
+# -- issue 30: like with like, a relative least gain, unknown versions, the slowest requests by trace id ---
+
+
+def shaped(version: str, ttft: float, t: float, shape: str, trace: int) -> dict[str, Any]:
+    from datetime import UTC, datetime
+
+    at = datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+    return record(version, ttft, at=at) | {SCHEMA_KEY: 2, "shape": shape, "trace_id": f"{trace:032x}"}
+
+
+T0 = 1777636800.0  # 2026-05-01T12:00:00Z
+
+
+def mix_records(seed: int = 30) -> list[dict[str, Any]]:
+    """Issue 30's case: v1, 24 short prompts (about 14 ms); v2, half an hour later, 12 short and 24 long ones
+    (about 120 ms). Nothing got slower, yet a pooled p50 read 14 ms to 120 ms, a regression of +778%."""
+    rng = random.Random(seed)
+    recs = [shaped("v1", round(rng.uniform(0.012, 0.016), 6), T0 + i, "short", i + 1) for i in range(24)]
+    for i in range(36):
+        shape, ttft = ("short", rng.uniform(0.012, 0.016)) if i % 3 == 0 else ("long", rng.uniform(0.11, 0.13))
+        recs.append(shaped("v2", round(ttft, 6), T0 + 1800 + i, shape, 100 + i))
+    return recs
+
+
+@pytest.mark.parametrize("engine", ["python", "duckdb"])
+def test_a_moved_mix_gets_no_pooled_verdict_but_one_per_route_and_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], engine: str
+) -> None:
+    recs = mix_records()
+    path = write(tmp_path / "r.jsonl", recs)
+    argv = ["compare", str(path), "--split-at", "2026-05-01T12:15:00Z", "--engine", engine]
+    code, out, err = run([*argv, "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    # Today's code said "regression: TTFT p50 14 ms to 1xx ms": unlike with unlike.
+    assert data["kind"] == "mix_moved" and data["verdict"].startswith("no pooled verdict: the mix of routes and shapes")
+    assert "support long 0% to 67%, support short 100% to 33%" in data["verdict"]
+    mix = data["mix"]
+    assert mix["moved"] and mix["p_value"] < 0.001 and mix["shift"] == pytest.approx(2 / 3)
+    strata = {(s["route"], s["shape"]): s for s in data["strata"]}
+    assert (strata[("support", "long")]["before"], strata[("support", "long")]["after"]) == (0, 24)
+    assert strata[("support", "long")]["kind"] == "insufficient"
+    short = strata[("support", "short")]
+    assert (short["before"], short["after"]) == (24, 12) and short["kind"] == "no_change", short["verdict"]
+    # The slowest request of each side at or above its p99, by trace id.
+    after = [r for r in recs if r["prompt_version"] == "v2"]
+    slowest = max(after, key=lambda r: r["ttft"])
+    assert data["after"]["at_or_above_p99"] == 1
+    assert data["after"]["slowest"] == [
+        {"ttft": slowest["ttft"], "trace_id": slowest["trace_id"], "route": "support", "shape": "long"}
+    ]
+    code, text, _ = run(argv, capsys)
+    lines = text.strip().splitlines()
+    assert lines[-1] == data["verdict"]
+    assert "mix of routes and shapes (requests with a TTFT, before to after): support long 0% to 67%" in text
+    assert f"{round(slowest['ttft'] * 1000)} ms  {slowest['trace_id']}  support long" in text
+    assert "  after: 1 at or above p99 " in text
+
+
+def test_a_held_mix_keeps_the_pooled_verdict_and_adds_one_per_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = random.Random(4)
+    recs = []
+    for i in range(40):
+        shape = "long" if i % 4 else "short"
+        before, after = (0.78, 0.12) if shape == "long" else (0.05, 0.03)
+        recs.append(shaped("v1", round(before * rng.uniform(0.97, 1.03), 6), T0 + i, shape, i + 1))
+        recs.append(shaped("v2", round(after * rng.uniform(0.97, 1.03), 6), T0 + 900 + i, shape, 100 + i))
+        recs[-1]["tokens"]["cache_read"] = 5000
+    path = write(tmp_path / "r.jsonl", recs)
+    code, out, err = run(["compare", str(path), "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert not data["mix"]["moved"] and data["mix"]["p_value"] == pytest.approx(1.0) and data["mix"]["shift"] == 0
+    assert data["kind"] == "gain" and data["verdict"].startswith("caching gain")
+    # The short prompts' 20 ms gain counts: it is 40% of their 50 ms.
+    assert [(s["shape"], s["kind"]) for s in data["strata"]] == [("long", "gain"), ("short", "gain")]
+    code, text, _ = run(["compare", str(path)], capsys)
+    assert ": held (chi-square p = 1.000, 0% of requests shifted)" in text
+    assert "  support short  10/10  caching gain: TTFT p50 50 ms to 30 ms" in text
+
+
+def test_an_unknown_version_or_route_is_answered_with_the_known_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path / "r.jsonl", mix_records())
+    for engine in ("python", "duckdb"):
+        # Today's code said "too few requests (24 before, 0 after)".
+        code, out, err = run(["compare", str(path), "--before", "v1", "--after", "v3", "--engine", engine], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert "no requests of prompt version v3; versions seen: v2 (36 requests), v1 (24 requests)" in err
+        code, _, err = run(["compare", str(path), "--before", "v0", "--after", "v1", "--route", "support"], capsys)
+        assert "no requests of prompt version v0 with route support; versions seen: v2 (36" in err, err
+        code, _, err = run(["compare", str(path), "--route", "chat", "--engine", engine], capsys)
+        assert code == 2 and "no requests with route chat; routes seen: support (60 requests)" in err, err
+        assert "shapes seen: long (24 requests), short (36 requests)" in err
+        code, _, err = run(["slo", str(path), "--shape", "medium", "--engine", engine], capsys)
+        assert code == 2 and "no requests with shape medium; routes seen: support (60 requests)" in err, err
+
+
+def test_min_gain_share_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "r.jsonl", gain_records())
+    code, out, _ = run(["compare", str(path), "--min-gain-share", "90%", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["kind"] == "no_gain" and "(90% of the before p50, --min-gain-share)" in data["verdict"]
+    code, out, _ = run(["compare", str(path), "--min-gain-share", "0.5", "--json"], capsys)
+    assert json.loads(out)["kind"] == "gain"
+    for bad in ("150%", "-1", "a lot"):
+        code, _, err = run(["compare", str(path), "--min-gain-share", bad], capsys)
+        assert code == 2 and "expected a share such as 10% or 0.1" in err, err
+
+
 def test_plot_draws_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path / "r.jsonl", gain_records())
     png = tmp_path / "ttft.png"
