@@ -70,7 +70,17 @@ def test_code_completion_gains_almost_nothing(
     assert cold.ttft_p50 is not None and 0.025 * 0.9 <= cold.ttft_p50 < 0.1, cold.ttft_p50
     # The verdicts are llmtap compare's, over the demo's own request records.
     code = demo_run.comparisons["code completion"]
-    assert code.kind in ("no_gain", "no_change") and code.verdict.startswith("no significant"), code.verdict
+    # A few ms to gain: the least that counts is a tenth of the before p50 (issue 30), so it is a gain when real,
+    # and whether 16 requests a side make it real depends on the machine's load: the verdict follows its rule.
+    change = code.change["ttft_p50"]
+    assert change is not None and code.before.ttft["p50"] is not None
+    assert code.min_gain == pytest.approx(0.1 * code.before.ttft["p50"].value)
+    gain = -change["seconds"].value
+    if change["seconds"].high < 0 and gain >= code.min_gain:
+        assert code.kind == "gain" and code.verdict.startswith("caching gain"), code.verdict
+        assert gain < 0.05  # a few ms: the verdict's figures say how little
+    else:
+        assert code.kind in ("no_gain", "no_change") and code.verdict.startswith("no significant"), code.verdict
     support = demo_run.comparisons["support assistant"]
     assert support.kind == "gain" and support.verdict.startswith("caching gain"), support.verdict
 
