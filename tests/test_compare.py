@@ -321,6 +321,19 @@ def test_an_unknown_version_or_route_is_answered_with_the_known_ones(
         assert code == 2 and "no requests with shape medium; routes seen: support (60 requests)" in err, err
 
 
+def test_slo_names_the_slowest_requests_past_the_ttft_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recs = mix_records()
+    for r in recs:
+        r["objective"] = {"shape": r["shape"], "percentile": 0.9, "ttft": 0.1}
+    path = write(tmp_path / "r.jsonl", recs)
+    code, text, err = run(["slo", str(path)], capsys)
+    assert code == 0, err
+    past = sorted((r for r in recs if r["ttft"] > 0.1), key=lambda r: -r["ttft"])[:5]
+    assert "slowest requests past the TTFT limit (by trace id):" in text
+    rows = [" ".join(line.split()) for line in text.split("slowest requests past")[1].splitlines()[1:]]
+    assert rows == [f"support long {round(r['ttft'] * 1000)} ms {r['trace_id']}" for r in past]
+
+
 def test_min_gain_share_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path / "r.jsonl", gain_records())
     code, out, _ = run(["compare", str(path), "--min-gain-share", "90%", "--json"], capsys)
