@@ -589,15 +589,16 @@ def test_compare_over_prometheus(stack: Stack, tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(url + "/-/ready", proc, "Prometheus")
-        query = 'sum(llmtap_requests_total{llmtap_route="support",llmtap_prompt_version=~"v1|v2"})'
+        query = 'sum(llmtap_requests_total{llmtap_prompt_version=~"v1|v2"})'
         deadline = time.monotonic() + PATIENCE
         while True:
             result = httpx.get(url + "/api/v1/query", params={"query": query}).json()["data"]["result"]
-            if result and float(result[0]["value"][1]) >= 2 * PER_SIDE:
+            if result and float(result[0]["value"][1]) >= 2 * len(WORKLOADS) * PER_SIDE:
                 break
             assert time.monotonic() < deadline, "Prometheus did not scrape the proxy"
             time.sleep(0.2)
         data = compare_json("--prometheus", url, "--route", "support")
+        every = compare_json("--prometheus", url)
     finally:
         proc.terminate()
         proc.wait(10)
@@ -613,3 +614,13 @@ def test_compare_over_prometheus(stack: Stack, tmp_path: Path) -> None:
     assert data["change"]["ttft_p50"]["relative"]["high"] < 0
     assert after["cached_share"] > 0.8 and after["classes"] == {"hit": PER_SIDE}
     assert data["kind"] == "gain" and data["verdict"].startswith("caching gain")
+    # Both routes: like with like from the TTFT histogram by route and shape, as from the records.
+    exact_every = compare_json(str(stack.records))
+    for got in (every, exact_every):
+        strata = {(s["route"], s["shape"]): s for s in got["strata"]}
+        assert sorted(strata) == sorted((s["route"], s["shape"]) for s in exact_every["strata"])
+        assert {r for r, _ in strata} == set(WORKLOADS) and not got["mix"]["moved"], got["mix"]
+        assert all((s["before"], s["after"]) == (PER_SIDE, PER_SIDE) for s in strata.values())
+        support_long = next(s for (r, _), s in strata.items() if r == "support")
+        assert support_long["kind"] == "gain", support_long["verdict"]
+    assert next(s for s in every["strata"] if s["route"] == "support")["verdict"].startswith("TTFT gain: TTFT p50")

