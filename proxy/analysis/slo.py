@@ -248,12 +248,17 @@ def open_source(paths: Sequence[str | Path], engine: str) -> store.Source:
 
 
 def describe_filter(where: store.Filter) -> str:
-    """How an answer names the filter (`` with route support, from .. to ..``), or '' for none."""
-    parts = [f"{name} {value}" for name in ("route", "model", "shape") if (value := getattr(where, name)) is not None]
-    if where.start is not None or where.end is not None:
-        at = [datetime.fromtimestamp(v, UTC).isoformat(timespec="seconds") for v in (where.start, where.end) if v]
-        parts.append("between " + " and ".join(at) if len(at) == 2 else f"around {at[0]}")
-    return f" with {', '.join(parts)}" if parts else ""
+    """How an answer names the filter (`` with route support between .. and ..``), or '' for none."""
+    names = [f"{name} {value}" for name in ("route", "model", "shape") if (value := getattr(where, name)) is not None]
+    parts = [f"with {', '.join(names)}"] if names else []
+    moments = [datetime.fromtimestamp(v, UTC).isoformat(timespec="seconds") for v in (where.start, where.end) if v]
+    if where.start is not None and where.end is not None:
+        parts.append(f"between {moments[0]} and {moments[1]}")
+    elif where.start is not None:
+        parts.append(f"from {moments[0]}")
+    elif where.end is not None:
+        parts.append(f"until {moments[0]}")
+    return "".join(f" {p}" for p in parts)
 
 
 def no_such_names(source: store.Source, where: store.Filter, by: store.By) -> None:
