@@ -196,7 +196,10 @@ def _demo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         help="TPOT objective for goodput, ms (default 30 support, 15 code)",
     )
     p.add_argument(
-        "--min-gain-ms", dest="min_gain_ms", type=float, help="least TTFT p50 gain the verdict counts, ms (100)"
+        "--min-gain-ms",
+        dest="min_gain_ms",
+        type=float,
+        help="least TTFT p50 gain the verdict counts, ms, besides a tenth of the before p50 (0)",
     )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument(
@@ -244,7 +247,15 @@ def _compare_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--model", help="only requests for this model")
     p.add_argument("--shape", help="only requests of this shape (llmtap.request.shape)")
     p.add_argument("--config", metavar="FILE", help="judge each side's SLOs by this config's objectives")
-    p.add_argument("--min-gain-ms", dest="min_gain_ms", type=float, help="least TTFT p50 gain that counts (100)")
+    p.add_argument(
+        "--min-gain-share",
+        dest="min_gain_share",
+        metavar="SHARE",
+        help="least TTFT p50 change that counts, as a share of the before p50, e.g. 10%% or 0.1 (10%%)",
+    )
+    p.add_argument(
+        "--min-gain-ms", dest="min_gain_ms", type=float, help="least TTFT p50 change that counts besides, in ms (0)"
+    )
     p.add_argument("--min-requests", dest="min_requests", type=int, help="least requests with a TTFT a side (3)")
     p.add_argument("--resamples", type=int, help="bootstrap resamples (2000)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed, for repeatable intervals (0)")

@@ -364,6 +364,51 @@ def test_compare_and_slo_read_the_same_verdicts_from_clickhouse_as_from_the_file
     assert "caching gain" in text
 
 
+def _run_both(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_clickhouse_compares_like_with_like_as_the_file_does(server: ClickHouseProcess, tmp_path: Path) -> None:
+    """Issue 30's cases read from ClickHouse: a moved mix (no pooled verdict), the slowest requests by trace id,
+    an unknown version answered with the known ones, and slo's slowest past its limit: as from the file."""
+    from tests.test_compare import mix_records
+
+    records = mix_records()
+    for rec in records:
+        rec["objective"] = {"shape": None, "percentile": 0.9, "ttft": 0.1}
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    sink = ch.ClickHouseSink(ch.Server.parse(server.url), "like_with_like", ttl_days=0)
+    for rec in records:
+        sink.write(rec)
+    sink.close(PATIENCE)
+    assert sink.written == len(records), sink.dropped
+    source = ["--clickhouse", server.url, "--clickhouse-table", "like_with_like"]
+    for command in (
+        ["compare", "--json", "--resamples", "200", "--split-at", "2026-05-01T12:15:00Z"],
+        ["slo", "--json", "--resamples", "200"],
+    ):
+        code_file, from_file, _ = _run_both([*command, str(path)])
+        code_ch, from_ch, _ = _run_both([*command, *source])
+        assert code_file == code_ch == 0
+        a, b = json.loads(from_file), json.loads(from_ch)
+        a.pop("source"), b.pop("source"), a.pop("skipped", None), b.pop("skipped", None)
+        assert a == b, command
+        if command[0] == "compare":
+            assert a["kind"] == "mix_moved" and len(a["strata"]) == 2 and a["after"]["slowest"][0]["trace_id"]
+        else:
+            past = [s for v in a["verdicts"] for s in v["slowest"]]
+            assert len(past) == 5 and all(ttft > 0.1 and len(trace) == 32 for ttft, trace in past), past
+    unknown = ["compare", "--before", "v1", "--after", "v3"]
+    code_file, _, err_file = _run_both([*unknown, str(path)])
+    code_ch, _, err_ch = _run_both([*unknown, *source])
+    assert code_file == code_ch == 2 and err_file == err_ch
+    assert "no requests of prompt version v3; versions seen: v2 (36 requests), v1 (24 requests)" in err_ch
+
+
 # -- a real proxy ----------------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from proxy import cli
-from proxy.analysis.compare import MIN_GAIN_MS, Side, analyze
+from proxy.analysis.compare import Side, analyze
 from proxy.analysis.stats import Distribution, quantile, quantile_estimate
 from proxy.simulator.text import Vocabulary
 from proxy.telemetry.records import SCHEMA_KEY, ReadStats, read_records
@@ -90,7 +90,9 @@ def spread(center: float, n: int = 20, width: float = 0.02, seed: int = 0) -> li
     [
         (side("v1", spread(0.78)), side("v2", spread(0.12), cached=0.85), "gain", "caching gain: TTFT p50 7"),
         (side("v1", spread(0.78)), side("v2", spread(0.30)), "gain", "TTFT gain, not from caching"),
-        (side("v1", spread(0.025)), side("v2", spread(0.014), 0.56), "no_gain", "no significant gain: TTFT p50 25 ms"),
+        # Issue 30: a 25 ms route's real 11 ms gain is a gain (the least that counts is a tenth of the before p50).
+        (side("v1", spread(0.025)), side("v2", spread(0.014), 0.56), "gain", "caching gain: TTFT p50 25 ms to 14 ms"),
+        (side("v1", spread(0.78)), side("v2", spread(0.755), 0.56), "no_gain", "no significant gain: TTFT p50 78"),
         (side("v1", spread(0.5, width=0.5)), side("v2", spread(0.5, width=0.5, seed=1)), "", "no significant"),
         (side("v1", spread(0.12)), side("v2", spread(0.78)), "regression", "regression: TTFT p50 1"),
         (side("v1", spread(0.78, n=2)), side("v2", spread(0.12)), "insufficient", "no verdict: too few requests"),
@@ -105,9 +107,23 @@ def test_verdicts(before: Side, after: Side, kind: str, start: str) -> None:
         change = c.change["ttft_p50"]
         assert change is not None and change["relative"].high < 0 < -change["seconds"].value
     if kind == "no_gain":
-        # Real (the interval excludes zero) but small: the verdict names the threshold as its reason.
-        assert "): a real 11 ms gain, but below the" in c.verdict
-        assert f"below the {MIN_GAIN_MS:.0f} ms threshold (--min-gain-ms)" in c.verdict
+        # Real (the interval excludes zero) but small: the verdict names the threshold and what set it.
+        assert "): a real 2" in c.verdict and " ms gain, but below the 78 ms threshold" in c.verdict, c.verdict
+        assert "(10% of the before p50, --min-gain-share)" in c.verdict
+
+
+def test_the_least_gain_that_counts_is_relative_or_set_by_the_user() -> None:
+    before, after = side("v1", spread(0.031)), side("v2", spread(0.021), 0.5)
+    # Issue 30: "a real 10 ms gain, but below the 100 ms threshold" was the verdict of a 31 ms route.
+    assert analyze(before, after, source="t", split="t").kind == "gain"
+    c = analyze(before, after, source="t", split="t", min_gain_ms=100)
+    assert c.kind == "no_gain" and "a real 10 ms gain, but below the 100 ms threshold (--min-gain-ms)" in c.verdict
+    c = analyze(before, after, source="t", split="t", min_gain_share=0.5)
+    assert c.kind == "no_gain" and "below the 16 ms threshold (50% of the before p50, --min-gain-share)" in c.verdict
+    assert c.min_gain == pytest.approx(0.5 * c.before.ttft["p50"].value)  # type: ignore[union-attr]
+    # A rise is held to the same bar: a real 1 ms rise of a 31 ms route is no regression.
+    c = analyze(before, side("v2", spread(0.032, seed=5)), source="t", split="t")
+    assert c.kind == "no_change" and "a real 1" in c.verdict and "rise, but below the 3.1 ms threshold" in c.verdict
 
 
 # -- record files and the command ------------------------------------------------------------------
@@ -200,6 +216,134 @@ def test_too_few_requests_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[s
     code, out, _ = run(["compare", str(path), "--before", "v1", "--after", "v2"], capsys)
     assert code == 0
     assert out.strip().splitlines()[-1].startswith("no verdict: too few requests with a TTFT (1 before, 2 after")
+
+
+# -- issue 30: like with like, a relative least gain, unknown versions, the slowest requests by trace id ---
+
+
+def shaped(version: str, ttft: float, t: float, shape: str, trace: int) -> dict[str, Any]:
+    from datetime import UTC, datetime
+
+    at = datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+    # Six decimals, as the proxy writes them (ClickHouse keeps no more).
+    extra = {SCHEMA_KEY: 2, "shape": shape, "trace_id": f"{trace:032x}", "prefill": round(ttft - 0.001, 6)}
+    return record(version, ttft, at=at) | extra
+
+
+T0 = 1777636800.0  # 2026-05-01T12:00:00Z
+
+
+def mix_records(seed: int = 30) -> list[dict[str, Any]]:
+    """Issue 30's case: v1, 24 short prompts (about 14 ms); v2, half an hour later, 12 short and 24 long ones
+    (about 120 ms). Nothing got slower, yet a pooled p50 read 14 ms to 120 ms, a regression of +778%."""
+    rng = random.Random(seed)
+    recs = [shaped("v1", round(rng.uniform(0.012, 0.016), 6), T0 + i, "short", i + 1) for i in range(24)]
+    for i in range(36):
+        shape, ttft = ("short", rng.uniform(0.012, 0.016)) if i % 3 == 0 else ("long", rng.uniform(0.11, 0.13))
+        recs.append(shaped("v2", round(ttft, 6), T0 + 1800 + i, shape, 100 + i))
+    return recs
+
+
+@pytest.mark.parametrize("engine", ["python", "duckdb"])
+def test_a_moved_mix_gets_no_pooled_verdict_but_one_per_route_and_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], engine: str
+) -> None:
+    recs = mix_records()
+    path = write(tmp_path / "r.jsonl", recs)
+    argv = ["compare", str(path), "--split-at", "2026-05-01T12:15:00Z", "--engine", engine]
+    code, out, err = run([*argv, "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    # Today's code said "regression: TTFT p50 14 ms to 1xx ms": unlike with unlike.
+    assert data["kind"] == "mix_moved" and data["verdict"].startswith("no pooled verdict: the mix of routes and shapes")
+    assert "support long 0% to 67%, support short 100% to 33%" in data["verdict"]
+    mix = data["mix"]
+    assert mix["moved"] and mix["p_value"] < 0.001 and mix["shift"] == pytest.approx(2 / 3)
+    strata = {(s["route"], s["shape"]): s for s in data["strata"]}
+    assert (strata[("support", "long")]["before"], strata[("support", "long")]["after"]) == (0, 24)
+    assert strata[("support", "long")]["kind"] == "insufficient"
+    short = strata[("support", "short")]
+    assert (short["before"], short["after"]) == (24, 12) and short["kind"] == "no_change", short["verdict"]
+    # The slowest request of each side at or above its p99, by trace id.
+    after = [r for r in recs if r["prompt_version"] == "v2"]
+    slowest = max(after, key=lambda r: r["ttft"])
+    assert data["after"]["at_or_above_p99"] == 1
+    assert data["after"]["slowest"] == [
+        {"ttft": slowest["ttft"], "trace_id": slowest["trace_id"], "route": "support", "shape": "long"}
+    ]
+    code, text, _ = run(argv, capsys)
+    lines = text.strip().splitlines()
+    assert lines[-1] == data["verdict"]
+    assert "mix of routes and shapes (requests with a TTFT, before to after): support long 0% to 67%" in text
+    assert f"{round(slowest['ttft'] * 1000)} ms  {slowest['trace_id']}  support long" in text
+    assert "  after: 1 at or above p99 " in text
+
+
+def test_a_held_mix_keeps_the_pooled_verdict_and_adds_one_per_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = random.Random(4)
+    recs = []
+    for i in range(40):
+        shape = "long" if i % 4 else "short"
+        before, after = (0.78, 0.12) if shape == "long" else (0.05, 0.03)
+        recs.append(shaped("v1", round(before * rng.uniform(0.97, 1.03), 6), T0 + i, shape, i + 1))
+        recs.append(shaped("v2", round(after * rng.uniform(0.97, 1.03), 6), T0 + 900 + i, shape, 100 + i))
+        recs[-1]["tokens"]["cache_read"] = 5000
+    path = write(tmp_path / "r.jsonl", recs)
+    code, out, err = run(["compare", str(path), "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert not data["mix"]["moved"] and data["mix"]["p_value"] == pytest.approx(1.0) and data["mix"]["shift"] == 0
+    assert data["kind"] == "gain" and data["verdict"].startswith("caching gain")
+    # The short prompts' 20 ms gain counts: it is 40% of their 50 ms.
+    assert [(s["shape"], s["kind"]) for s in data["strata"]] == [("long", "gain"), ("short", "gain")]
+    code, text, _ = run(["compare", str(path)], capsys)
+    assert ": held (chi-square p = 1.000, 0% of requests shifted)" in text
+    assert "  support short  10/10  caching gain: TTFT p50 50 ms to 30 ms" in text
+
+
+def test_an_unknown_version_or_route_is_answered_with_the_known_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path / "r.jsonl", mix_records())
+    for engine in ("python", "duckdb"):
+        # Today's code said "too few requests (24 before, 0 after)".
+        code, out, err = run(["compare", str(path), "--before", "v1", "--after", "v3", "--engine", engine], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert "no requests of prompt version v3; versions seen: v2 (36 requests), v1 (24 requests)" in err
+        code, _, err = run(["compare", str(path), "--before", "v0", "--after", "v1", "--route", "support"], capsys)
+        assert "no requests of prompt version v0 with route support; versions seen: v2 (36" in err, err
+        code, _, err = run(["compare", str(path), "--route", "chat", "--engine", engine], capsys)
+        assert code == 2 and "no requests with route chat; routes seen: support (60 requests)" in err, err
+        assert "shapes seen: long (24 requests), short (36 requests)" in err
+        code, _, err = run(["slo", str(path), "--shape", "medium", "--engine", engine], capsys)
+        assert code == 2 and "no requests with shape medium; routes seen: support (60 requests)" in err, err
+
+
+def test_slo_names_the_slowest_requests_past_the_ttft_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recs = mix_records()
+    for r in recs:
+        r["objective"] = {"shape": r["shape"], "percentile": 0.9, "ttft": 0.1}
+    path = write(tmp_path / "r.jsonl", recs)
+    code, text, err = run(["slo", str(path)], capsys)
+    assert code == 0, err
+    past = sorted((r for r in recs if r["ttft"] > 0.1), key=lambda r: -r["ttft"])[:5]
+    assert "slowest requests past the TTFT limit (by trace id):" in text
+    rows = [" ".join(line.split()) for line in text.split("slowest requests past")[1].splitlines()[1:]]
+    assert rows == [f"support long {round(r['ttft'] * 1000)} ms {r['trace_id']}" for r in past]
+
+
+def test_min_gain_share_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "r.jsonl", gain_records())
+    code, out, _ = run(["compare", str(path), "--min-gain-share", "90%", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["kind"] == "no_gain" and "(90% of the before p50, --min-gain-share)" in data["verdict"]
+    code, out, _ = run(["compare", str(path), "--min-gain-share", "0.5", "--json"], capsys)
+    assert json.loads(out)["kind"] == "gain"
+    for bad in ("150%", "-1", "a lot"):
+        code, _, err = run(["compare", str(path), "--min-gain-share", bad], capsys)
+        assert code == 2 and "expected a share such as 10% or 0.1" in err, err
 
 
 def test_plot_draws_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -401,7 +545,7 @@ def test_support_assistant_shows_the_caching_gain(stack: Stack) -> None:
 
 
 @pytest.mark.e2e
-def test_code_completion_shows_no_significant_gain(stack: Stack) -> None:
+def test_code_completion_shows_a_small_real_gain(stack: Stack) -> None:
     data = compare_json(str(stack.records), "--route", "code")
     support = compare_json(str(stack.records), "--route", "support")
     print("code:", data["verdict"])
@@ -409,9 +553,22 @@ def test_code_completion_shows_no_significant_gain(stack: Stack) -> None:
     # same run (780 ms in the course); what a busy machine adds to both stays far below that gap.
     code_p50, support_p50 = data["before"]["ttft"]["p50"]["value"], support["before"]["ttft"]["p50"]["value"]
     assert 0.025 <= code_p50 < support_p50 / 10, (data["before"]["ttft"], support["before"]["ttft"])
-    assert -data["change"]["ttft_p50"]["seconds"]["value"] < MIN_GAIN_MS / 1000
     assert data["after"]["cached_share"] > 0.4  # the cache works, but there is little to save
-    assert data["kind"] in ("no_gain", "no_change") and data["verdict"].startswith("no significant"), data["verdict"]
+    # Issue 30: the least gain that counts is a tenth of the before p50 (3 ms here), not a fixed 100 ms, so a
+    # real gain of a few ms counts. Whether 8 requests a side make it real depends on the machine's load (the
+    # unit tests hold the rule on fixed figures): the verdict is what the rule says of these figures.
+    change = data["change"]["ttft_p50"]["seconds"]
+    assert data["min_gain"] == pytest.approx(0.1 * code_p50, rel=1e-6)
+    real, gain = change["high"] < 0, -change["value"]
+    assert gain < 0.1  # below the old fixed bar: every such gain was "no significant" before
+    if real and gain >= data["min_gain"]:
+        assert data["kind"] == "gain" and data["verdict"].startswith("caching gain: TTFT p50 "), data["verdict"]
+    else:
+        assert data["kind"] in ("no_gain", "no_change") and data["verdict"].startswith("no significant"), data
+    # A user who wants a gain a person notices says so: a real gain is then below the bar, and says why.
+    strict = compare_json(str(stack.records), "--route", "code", "--min-gain-ms", "100")
+    assert strict["kind"] in ("no_gain", "no_change") and strict["min_gain"] == 0.1
+    assert ("below the 100 ms threshold (--min-gain-ms)" in strict["verdict"]) == real, strict["verdict"]
 
 
 @pytest.mark.e2e
@@ -432,15 +589,16 @@ def test_compare_over_prometheus(stack: Stack, tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(url + "/-/ready", proc, "Prometheus")
-        query = 'sum(llmtap_requests_total{llmtap_route="support",llmtap_prompt_version=~"v1|v2"})'
+        query = 'sum(llmtap_requests_total{llmtap_prompt_version=~"v1|v2"})'
         deadline = time.monotonic() + PATIENCE
         while True:
             result = httpx.get(url + "/api/v1/query", params={"query": query}).json()["data"]["result"]
-            if result and float(result[0]["value"][1]) >= 2 * PER_SIDE:
+            if result and float(result[0]["value"][1]) >= 2 * len(WORKLOADS) * PER_SIDE:
                 break
             assert time.monotonic() < deadline, "Prometheus did not scrape the proxy"
             time.sleep(0.2)
         data = compare_json("--prometheus", url, "--route", "support")
+        every = compare_json("--prometheus", url)
     finally:
         proc.terminate()
         proc.wait(10)
@@ -456,3 +614,13 @@ def test_compare_over_prometheus(stack: Stack, tmp_path: Path) -> None:
     assert data["change"]["ttft_p50"]["relative"]["high"] < 0
     assert after["cached_share"] > 0.8 and after["classes"] == {"hit": PER_SIDE}
     assert data["kind"] == "gain" and data["verdict"].startswith("caching gain")
+    # Both routes: like with like from the TTFT histogram by route and shape, as from the records.
+    exact_every = compare_json(str(stack.records))
+    for got in (every, exact_every):
+        strata = {(s["route"], s["shape"]): s for s in got["strata"]}
+        assert sorted(strata) == sorted((s["route"], s["shape"]) for s in exact_every["strata"])
+        assert {r for r, _ in strata} == set(WORKLOADS) and not got["mix"]["moved"], got["mix"]
+        assert all((s["before"], s["after"]) == (PER_SIDE, PER_SIDE) for s in strata.values())
+        support_long = next(s for (r, _), s in strata.items() if r == "support")
+        assert support_long["kind"] == "gain", support_long["verdict"]
+    assert next(s for s in every["strata"] if s["route"] == "support")["verdict"].startswith("TTFT gain: TTFT p50")

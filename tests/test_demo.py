@@ -70,7 +70,20 @@ def test_code_completion_gains_almost_nothing(
     assert cold.ttft_p50 is not None and 0.025 * 0.9 <= cold.ttft_p50 < 0.1, cold.ttft_p50
     # The verdicts are llmtap compare's, over the demo's own request records.
     code = demo_run.comparisons["code completion"]
-    assert code.kind in ("no_gain", "no_change") and code.verdict.startswith("no significant"), code.verdict
+    # A few ms to gain: the least that counts is a tenth of the before p50 (issue 30), so it is a gain when real,
+    # and whether 16 requests a side make it real depends on the machine's load: the verdict follows its rule.
+    change = code.change["ttft_p50"]
+    assert change is not None and code.before.ttft["p50"] is not None
+    assert code.min_gain == pytest.approx(0.1 * code.before.ttft["p50"].value)
+    # (A busy machine can slow one side by more than the gain; the verdict then says what it measured.)
+    moved = change["seconds"]
+    real = moved.high < 0 or moved.low > 0
+    if real and abs(moved.value) >= code.min_gain:
+        kind, start = ("gain", "caching gain") if moved.value < 0 else ("regression", "regression")
+        assert code.kind == kind and code.verdict.startswith(start), code.verdict
+        assert abs(moved.value) < 0.1  # tens of ms at most: the verdict's figures say how little
+    else:
+        assert code.kind in ("no_gain", "no_change") and code.verdict.startswith("no significant"), code.verdict
     support = demo_run.comparisons["support assistant"]
     assert support.kind == "gain" and support.verdict.startswith("caching gain"), support.verdict
 

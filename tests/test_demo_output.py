@@ -81,7 +81,8 @@ def test_demo_help_states_the_defaults_it_runs_with() -> None:
     assert f"(default {support.slo.ttft * 1000:g} support, {code.slo.ttft * 1000:g} code)" in text
     assert support.slo.tpot is not None and code.slo.tpot is not None
     assert f"(default {support.slo.tpot * 1000:g} support, {code.slo.tpot * 1000:g} code)" in text
-    assert "--min-gain-ms MIN_GAIN_MS least TTFT p50 gain the verdict counts, ms (100)" in text
+    gain = "--min-gain-ms MIN_GAIN_MS least TTFT p50 gain the verdict counts, ms, besides a tenth of the before p50 (0)"
+    assert gain in text
 
 
 # ---------------------------------------------------------------- llmtap demo, piped

@@ -79,10 +79,10 @@ def test_hand_written_docs_are_linked_and_their_links_resolve() -> None:
 
 def test_the_verdicts_thresholds_in_the_docs_are_the_codes() -> None:
     text = (ROOT / "docs" / "reading-the-numbers.md").read_text(encoding="utf-8")
-    gain = re.search(r"at least (\d+) ms \(`--min-gain-ms`\)", text)
+    gain = re.search(r"at\s+least\s+(\d+)%\s+of\s+the\s+before\s+side's\s+TTFT\s+p50\s+\(`--min-gain-share`", text)
     rise = re.search(r"cached share to rise\s+\(by (\d+) points or more\)", text)
     fewer = re.search(r"fewer than (\d+) requests a side there is no verdict", text)
     assert gain and rise and fewer, "reading-the-numbers.md no longer states the verdict's thresholds"
-    assert float(gain.group(1)) == compare.MIN_GAIN_MS
+    assert int(gain.group(1)) / 100 == compare.MIN_GAIN_SHARE
     assert int(rise.group(1)) / 100 == compare.CACHED_SHARE_RISE
     assert int(fewer.group(1)) == compare.MIN_REQUESTS

@@ -114,6 +114,19 @@ def test_a_record_holds_the_figures_and_never_content_or_secrets(
     for key in ("ttft", "ttfb", "upstream_ttft", "tpot", "e2e", "queue", "prefill", "decode"):
         assert isinstance(streamed[key], float) and streamed[key] >= 0, key
     assert streamed["ttfb"] <= streamed["ttft"] <= streamed["e2e"]
+    # A non-streamed answer arrives whole: no TTFT (issue 30: it said its whole duration), in its record, on its
+    # span and in the time-to-first-chunk metrics; its E2E is its latency.
+    assert whole["ttft"] is None and whole["upstream_ttft"] is None and whole["e2e"] > 0
+    ttft_attr = "gen_ai.response.time_to_first_chunk"
+    roots = {
+        str(s.attributes.get("gen_ai.response.id")): s.attributes
+        for s in telemetry.finished()
+        if s.parent is None and s.attributes
+    }
+    assert ttft_attr in roots[streamed["response_id"]] and ttft_attr not in roots[whole["response_id"]]
+    points = telemetry.metrics()
+    for name in ("gen_ai.client.operation.time_to_first_chunk", "llmtap.time_to_first_token"):
+        assert sum(p.count for p in points[name]) == 1, name  # the streamed request alone
     assert streamed["queue_source"] and streamed["prefill_source"]
     assert streamed["gaps"]["n"] == 4 and streamed["gaps"]["p50"] <= streamed["gaps"]["max"]
     assert streamed["tokens"] == {

@@ -116,3 +116,20 @@ def test_the_benchmark_reads_the_same_quantile_in_ms() -> None:
     values = [0.004, 0.001, 0.003, 0.002]
     assert percentile_ms(values, 50) == pytest.approx(1000 * (quantile(values, 0.5) or 0.0)) == pytest.approx(2.5)
     assert math.isnan(percentile_ms([], 99))  # a missing figure in the benchmark's tables
+
+
+def test_chi_square_tail_and_homogeneity() -> None:
+    from proxy.analysis.stats import chi_square_p, homogeneity
+
+    # The tables' 5% and 1% critical values, and the closed forms for 2 and 4 degrees of freedom.
+    for statistic, dof, p in ((3.841459, 1, 0.05), (5.991465, 2, 0.05), (11.344867, 3, 0.01), (23.209251, 10, 0.01)):
+        assert chi_square_p(statistic, dof) == pytest.approx(p, rel=1e-5), (statistic, dof)
+    for x in (0.1, 1.0, 7.0, 40.0):
+        assert chi_square_p(x, 2) == pytest.approx(math.exp(-x / 2), rel=1e-9)
+        assert chi_square_p(x, 4) == pytest.approx(math.exp(-x / 2) * (1 + x / 2), rel=1e-9)
+    assert chi_square_p(0.0, 3) == 1.0
+    # Issue 30's mix: 24 short before; 12 short and 24 long after.
+    statistic, dof, p = homogeneity([24, 0], [12, 24])  # type: ignore[misc]
+    assert dof == 1 and statistic == pytest.approx(80 / 3) and p < 1e-6
+    assert homogeneity([10, 10], [10, 10]) == (0.0, 1, 1.0)
+    assert homogeneity([5, 0], [7, 0]) is None and homogeneity([0, 0], [3, 4]) is None

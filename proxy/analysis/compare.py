@@ -6,7 +6,14 @@ before and after (by prompt version, or at a moment in time) and prints, for eac
 p50/p95/p99 with bootstrap 95% confidence intervals, prefill time, the cached-token share, the cache
 classes and the request counts, then a one-line verdict. The verdict rests on the confidence interval
 of the change in TTFT p50: a gain must be real (the interval excludes zero) and large enough to
-matter (``--min-gain-ms``); with too few requests it says there is no verdict.
+matter (a share of the before side's p50, ``--min-gain-share``, and at least ``--min-gain-ms``); with
+too few requests it says there is no verdict.
+
+Like with like: each route and request shape gets a verdict of its own, and the mix of routes and shapes
+on each side is compared (``Mix``). When it moved (a chi-square test of homogeneity says the two sides'
+mixes differ beyond chance, p < ``MIX_P``, and at least ``MIX_SHIFT`` of the requests moved between
+classes), there is no pooled verdict: a p50 over 0 long prompts before and 24 after is not a comparison.
+The slowest requests of each side (at or above its p99 TTFT) are named by trace id.
 
 The intervals come from ``proxy.analysis.stats`` (an exact percentile bootstrap, numpy-free).
 """
@@ -30,21 +37,39 @@ from proxy import store
 from proxy.analysis import slo as slo_report
 from proxy.analysis.promql import Prometheus, quote
 from proxy.analysis.slo import Objectives, Verdict
-from proxy.analysis.stats import Distribution, Estimate, change_estimates, quantile_estimate
+from proxy.analysis.stats import Distribution, Estimate, change_estimates, homogeneity, quantile_estimate
 from proxy.analysis.units import parse_duration, parse_time, seconds
 from proxy.settings import ConfigError, build
 
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
 MIN_REQUESTS = 3
-#: The least TTFT p50 gain that counts: about what a person notices. A short prompt reads in tens of
-#: milliseconds, so caching it can be a real but unnoticeable gain, and the verdict says so.
-MIN_GAIN_MS = 100.0
+#: The least TTFT p50 change that counts, as a share of the before side's p50 (``--min-gain-share``): a tenth.
+#: Relative, so a 30 ms route can show a real 10 ms gain, and a 5 s route's 50 ms wobble is no gain.
+MIN_GAIN_SHARE = 0.10
+#: The least TTFT p50 change that counts in ms besides (``--min-gain-ms``): none unless asked.
+MIN_GAIN_MS = 0.0
+#: The mix of routes and shapes moved when a chi-square test of homogeneity rejects one mix for both sides
+#: at this level, and at least ``MIX_SHIFT`` of the requests moved between classes (the total variation
+#: distance of the two sides' shares: half the sum of each class's share change). The test says the change
+#: is beyond chance; the shift says it is large enough to move a pooled percentile.
+MIX_P = 0.05
+MIX_SHIFT = 0.05
 RESAMPLES = 2000
 #: A rise in cached share below this does not make a TTFT gain a caching gain.
 CACHED_SHARE_RISE = 0.05
 
 
 # -- the two sides ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Slow:
+    """One of the slowest requests of a side: its TTFT, trace id, route and shape."""
+
+    ttft: float
+    trace_id: str
+    route: str | None
+    shape: str | None
 
 
 @dataclass(slots=True)
@@ -60,6 +85,7 @@ class Side:
     input_tokens: int = 0
     cached_tokens: int = 0
     classes: Counter[str] = field(default_factory=Counter)
+    slowest: list[Slow] = field(default_factory=list)
 
     @property
     def cached_share(self) -> float | None:
@@ -82,6 +108,59 @@ class SideFigures:
     input_tokens: int
     cached_tokens: int
     classes: dict[str, int]
+    #: The requests at or above the side's TTFT p99, slowest first (at most ``store.SLOWEST``), and how many.
+    slowest: list[Slow] = field(default_factory=list)
+    at_or_above_p99: int = 0
+
+
+@dataclass(slots=True)
+class Share:
+    """One route and shape's requests with a TTFT on each side, and their shares of the side."""
+
+    route: str | None
+    shape: str | None
+    before: int
+    after: int
+    before_share: float | None
+    after_share: float | None
+
+
+@dataclass(slots=True)
+class Mix:
+    """The mix of routes and shapes on the two sides (of requests with a TTFT), and whether it moved."""
+
+    shares: list[Share]
+    #: The share of requests that moved between classes (total variation distance), None with a side empty.
+    shift: float | None
+    chi_square: float | None
+    p_value: float | None
+    moved: bool
+
+    def describe(self) -> str:
+        """``support long 0% to 50%, support short 100% to 50%: moved (chi-square p < 0.001, 50% shifted)``."""
+        parts = [
+            f"{_stratum(s.route, s.shape)} {_share(s.before_share)} to {_share(s.after_share)}" for s in self.shares
+        ]
+        if self.p_value is None:
+            return ", ".join(parts) + ": no test (one class, or a side without requests)"
+        p = "p < 0.001" if self.p_value < 0.001 else f"p = {self.p_value:.3f}"
+        held = "moved" if self.moved else "held"
+        return ", ".join(parts) + f": {held} (chi-square {p}, {_share(self.shift)} of requests shifted)"
+
+
+@dataclass(slots=True)
+class Stratum:
+    """One route and shape: its requests with a TTFT on each side, p50s, the change and its verdict."""
+
+    route: str | None
+    shape: str | None
+    before: int
+    after: int
+    before_p50: Estimate | None
+    after_p50: Estimate | None
+    change: dict[str, Estimate] | None
+    kind: str
+    verdict: str
 
 
 @dataclass(slots=True)
@@ -98,6 +177,12 @@ class Comparison:
     skipped: dict[str, int] = field(default_factory=dict)
     #: Each side's SLO verdicts by route and shape (``proxy.analysis.slo``), when objectives are known.
     slo: dict[str, list[Verdict]] = field(default_factory=dict)
+    #: The mix of routes and shapes on each side, and each one's own verdict (like with like).
+    mix: Mix | None = None
+    strata: list[Stratum] = field(default_factory=list)
+    #: The least TTFT p50 change that counted, in seconds, and why (the share of the before p50, or --min-gain-ms).
+    min_gain: float = 0.0
+    min_gain_reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The same figures for scripts."""
@@ -117,24 +202,51 @@ def side_from_groups(label: str, groups: Iterable[store.Group]) -> Side:
         side.cached_tokens += g.cached_tokens
     side.ttft = Distribution.of_sorted(store.merged([g.ttft_ok for g in groups]))
     side.prefill = Distribution.of_sorted(store.merged([g.prefill for g in groups]))
+    slow = [Slow(v, trace, g.route, g.shape) for g in groups for v, trace in g.slowest]
+    side.slowest = sorted(slow, key=lambda s: (-s.ttft, s.trace_id, s.route or "", s.shape or ""))[: store.SLOWEST]
     return side
 
 
-def figures(side: Side, rng: random.Random, resamples: int) -> SideFigures:
-    """Percentiles with intervals, shares and counts of one side."""
+def _stratum(route: str | None, shape: str | None) -> str:
+    return f"{route or '(no route)'} {shape or '(no shape)'}"
+
+
+def strata_from_groups(
+    label_before: str, before: Sequence[store.Group], label_after: str, after: Sequence[store.Group]
+) -> dict[tuple[str | None, str | None], tuple[Side, Side]]:
+    """Each route and shape's two sides, in order of route and shape."""
+    keys = sorted({(g.route, g.shape) for g in (*before, *after)}, key=lambda k: (k[0] or "", k[1] or ""))
+    return {
+        k: (
+            side_from_groups(label_before, [g for g in before if (g.route, g.shape) == k]),
+            side_from_groups(label_after, [g for g in after if (g.route, g.shape) == k]),
+        )
+        for k in keys
+    }
+
+
+def figures(
+    side: Side, rng: random.Random, resamples: int, quantiles: Sequence[tuple[str, float]] = QUANTILES
+) -> SideFigures:
+    """Percentiles with intervals, shares and counts of one side (a stratum's: its p50 alone)."""
+    whole = quantiles == QUANTILES
+    p99 = side.ttft.quantile(0.99) if whole else None
+    at_or_above = side.ttft.at_or_above(p99) if p99 is not None else 0
     return SideFigures(
         label=side.label,
         requests=side.requests,
         errors=side.errors,
         ttft_requests=side.ttft.n,
-        ttft={name: quantile_estimate(side.ttft, q, rng, resamples) for name, q in QUANTILES},
-        prefill_p50=quantile_estimate(side.prefill, 0.5, rng, resamples),
+        ttft={name: quantile_estimate(side.ttft, q, rng, resamples) for name, q in quantiles},
+        prefill_p50=quantile_estimate(side.prefill, 0.5, rng, resamples) if whole else None,
         prefill_source=",".join(sorted(side.prefill_sources)),
         cached_share=side.cached_share,
         input_tokens=side.input_tokens,
         cached_tokens=side.cached_tokens,
         # Most first, ties by name: the same order whichever source read the records.
         classes=dict(sorted(side.classes.items(), key=lambda kv: (-kv[1], kv[0]))),
+        slowest=[s for s in side.slowest if p99 is not None and s.ttft >= p99],
+        at_or_above_p99=at_or_above,
     )
 
 
@@ -158,6 +270,19 @@ def percents(*values: float) -> list[str]:
     return texts
 
 
+def _ms(v: float) -> str:
+    """Milliseconds as a verdict says them: whole ones, or one decimal below 10 ms."""
+    return f"{v * 1000:.1f} ms" if v < 0.00995 else f"{v * 1000:.0f} ms"
+
+
+def threshold(before_p50: float, min_gain: float, min_gain_share: float) -> tuple[float, str]:
+    """The least change that counts, in seconds, and what set it."""
+    relative = min_gain_share * before_p50
+    if min_gain > relative:
+        return min_gain, "--min-gain-ms"
+    return relative, f"{min_gain_share:.0%} of the before p50, --min-gain-share"
+
+
 def verdict(
     before: SideFigures,
     after: SideFigures,
@@ -165,8 +290,12 @@ def verdict(
     *,
     min_requests: int = MIN_REQUESTS,
     min_gain: float = MIN_GAIN_MS / 1000,
+    min_gain_share: float = MIN_GAIN_SHARE,
 ) -> tuple[str, str]:
-    """The kind (gain, no_gain, no_change, regression, insufficient) and the one-line verdict."""
+    """The kind (gain, no_gain, no_change, regression, insufficient) and the one-line verdict.
+
+    A change counts when its interval excludes zero and it is at least the larger of ``min_gain`` (seconds)
+    and ``min_gain_share`` of the before side's p50."""
     if p50 is None or min(before.ttft_requests, after.ttft_requests) < min_requests:
         return "insufficient", (
             f"no verdict: too few requests with a TTFT ({before.ttft_requests} before, {after.ttft_requests} after; "
@@ -182,17 +311,20 @@ def verdict(
     none = f"no significant {kind[3:]}"
     if diff.low <= 0 <= diff.high:
         return kind, f"{none}: {moved}, which includes no change), {shares}"
-    if abs(diff.value) < min_gain:
+    least, why = threshold(b.value, min_gain, min_gain_share)
+    if abs(diff.value) < least:
         # The interval excludes zero, so the change is real: what it lacks is size, and the verdict says so.
         what = "gain" if diff.value < 0 else "rise"
         return kind, (
-            f"{none}: {moved}): a real {abs(diff.value) * 1000:.0f} ms {what}, but below the "
-            f"{min_gain * 1000:.0f} ms threshold (--min-gain-ms); {shares}"
+            f"{none}: {moved}): a real {_ms(abs(diff.value))} {what}, but below the "
+            f"{_ms(least)} threshold ({why}); {shares}"
         )
     if diff.value > 0:
         return "regression", f"regression: {moved}), {shares}"
     rise = (after.cached_share or 0.0) - (before.cached_share or 0.0)
     label = "caching gain" if rise >= CACHED_SHARE_RISE else "TTFT gain, not from caching"
+    if before.cached_share is None and after.cached_share is None:
+        label = "TTFT gain"  # no input tokens known (a route and shape read from Prometheus): no cause named
     return "gain", f"{label}: {moved}), {shares}"
 
 
@@ -204,11 +336,14 @@ def analyze(
     split: str,
     min_requests: int = MIN_REQUESTS,
     min_gain_ms: float = MIN_GAIN_MS,
+    min_gain_share: float = MIN_GAIN_SHARE,
     resamples: int = RESAMPLES,
     seed: int | None = 0,
     skipped: dict[str, int] | None = None,
+    strata: dict[tuple[str | None, str | None], tuple[Side, Side]] | None = None,
 ) -> Comparison:
-    """Compare two sides: figures with intervals, the change of each percentile, the verdict."""
+    """Compare two sides: figures with intervals, the change of each percentile, the verdict; with ``strata``
+    (each route and shape's two sides), each one's verdict and the mix, and no pooled verdict when it moved."""
     rng = random.Random(seed)
     fb, fa = figures(before, rng, resamples), figures(after, rng, resamples)
     change: dict[str, dict[str, Estimate] | None] = {}
@@ -218,10 +353,73 @@ def analyze(
         change[f"ttft_{name}"] = None if est is None else {"seconds": est[0], "relative": est[1]}
         if name == "p50":
             p50 = est
-    kind, text = verdict(fb, fa, p50, min_requests=min_requests, min_gain=min_gain_ms / 1000)
-    return Comparison(
-        source=source, split=split, before=fb, after=fa, change=change, verdict=text, kind=kind, skipped=skipped or {}
+    rules: dict[str, Any] = {
+        "min_requests": min_requests,
+        "min_gain": min_gain_ms / 1000,
+        "min_gain_share": min_gain_share,
+    }
+    kind, text = verdict(fb, fa, p50, **rules)
+    b50 = fb.ttft["p50"]
+    least, why = threshold(b50.value, min_gain_ms / 1000, min_gain_share) if b50 is not None else (0.0, "")
+    c = Comparison(
+        source=source,
+        split=split,
+        before=fb,
+        after=fa,
+        change=change,
+        verdict=text,
+        kind=kind,
+        skipped=skipped or {},
+        min_gain=least,
+        min_gain_reason=why,
     )
+    if strata:
+        c.mix = mix_of(strata)
+        for (route, shape), (sb, sa) in strata.items():
+            xb, xa = figures(sb, rng, resamples, QUANTILES[:1]), figures(sa, rng, resamples, QUANTILES[:1])
+            est = change_estimates(sb.ttft, sa.ttft, 0.5, rng, resamples)
+            k, v = verdict(xb, xa, est, **rules)
+            c.strata.append(
+                Stratum(
+                    route,
+                    shape,
+                    xb.ttft_requests,
+                    xa.ttft_requests,
+                    xb.ttft["p50"],
+                    xa.ttft["p50"],
+                    None if est is None else {"seconds": est[0], "relative": est[1]},
+                    k,
+                    v,
+                )
+            )
+        if c.mix.moved:
+            moved = ", ".join(
+                f"{_stratum(s.route, s.shape)} {_share(s.before_share)} to {_share(s.after_share)}"
+                for s in c.mix.shares
+                if s.before_share != s.after_share
+            )
+            c.kind = "mix_moved"
+            c.verdict = (
+                f"no pooled verdict: the mix of routes and shapes moved ({moved} of requests with a TTFT): "
+                "the verdicts by route and shape compare like with like"
+            )
+    return c
+
+
+def mix_of(strata: dict[tuple[str | None, str | None], tuple[Side, Side]]) -> Mix:
+    """Each route and shape's share of each side's requests with a TTFT, and whether the mix moved (``MIX_P``,
+    ``MIX_SHIFT``)."""
+    counts = [(k, sb.ttft.n, sa.ttft.n) for k, (sb, sa) in strata.items()]
+    nb, na = sum(b for _, b, _ in counts), sum(a for _, _, a in counts)
+    shares = [
+        Share(route, shape, b, a, b / nb if nb else None, a / na if na else None) for (route, shape), b, a in counts
+    ]
+    shift = sum(abs(b / nb - a / na) for _, b, a in counts) / 2 if nb and na else None
+    test = homogeneity([b for _, b, _ in counts], [a for _, _, a in counts])
+    if test is None or shift is None:
+        return Mix(shares, shift, None, None, moved=False)
+    statistic, _, p = test
+    return Mix(shares, shift, statistic, p, moved=p < MIX_P and shift >= MIX_SHIFT)
 
 
 # -- record files ----------------------------------------------------------------------------------
@@ -276,9 +474,20 @@ class Sides:
     skipped: dict[str, int] = field(default_factory=dict)
     slo: dict[str, list[Verdict]] = field(default_factory=dict)
 
+    #: Each route and shape's two sides (like with like), when the source tells them apart.
+    strata: dict[tuple[str | None, str | None], tuple[Side, Side]] = field(default_factory=dict)
+
     def compare(self, **options: Any) -> Comparison:
         """``analyze`` the two sides."""
-        c = analyze(self.before, self.after, source=self.source, split=self.split, skipped=self.skipped, **options)
+        c = analyze(
+            self.before,
+            self.after,
+            source=self.source,
+            split=self.split,
+            skipped=self.skipped,
+            strata=self.strata,
+            **options,
+        )
         c.slo = self.slo
         return c
 
@@ -329,7 +538,11 @@ def record_sides(
     source = slo_report.open_source(paths, engine) if isinstance(engine, str) else engine
     try:
         scan = source.scan(where, by)
+        if not scan.groups:
+            slo_report.no_such_names(source, where, by)
         split = by_versions(scan.groups, split)
+        if split.at is None:
+            unknown_versions(scan.groups, split, where)
         keys = ("before", "after") if split.at is not None else (split.before, split.after)
         sides = [[g for g in scan.groups if g.key == k] for k in keys]
         met = None
@@ -353,6 +566,23 @@ def record_sides(
         split=split.describe(),
         skipped=scan.skipped,
         slo=verdicts,
+        strata=strata_from_groups(before.label, sides[0], after.label, sides[1]),
+    )
+
+
+def unknown_versions(groups: Sequence[store.Group], split: Split, where: store.Filter) -> None:
+    """``ConfigError`` naming the versions the records hold (and their requests) when a side's is not among them."""
+    seen: Counter[str] = Counter()
+    for g in groups:
+        if g.key is not None:
+            seen[g.key] += g.requests
+    missing = [v for v in (split.before, split.after) if v is not None and v not in seen]
+    if not missing:
+        return
+    known = ", ".join(f"{v} ({n} requests)" for v, n in sorted(seen.items(), key=lambda kv: (-kv[1], kv[0])))
+    what = " and ".join(missing)
+    raise ConfigError(
+        f"no requests of prompt version {what}{slo_report.describe_filter(where)}; versions seen: {known or 'none'}"
     )
 
 
@@ -402,6 +632,38 @@ def side_from_prometheus(
     return side
 
 
+def strata_from_prometheus(
+    prom: Prometheus, label: str, matchers: dict[str, str], start: float | None, end: float
+) -> dict[tuple[str | None, str | None], Side]:
+    """One side's routes and shapes from the TTFT histogram by route and shape (its only series with both):
+    TTFT alone, so a route and shape's verdict names no cause."""
+    sel = _selector(matchers)
+    by = f"le, {slo_report.ROUTE_LABEL}, {slo_report.SHAPE_LABEL}"
+    grown = prom.increase(f'sum by ({by}) ({{__name__="{PROM_TTFT}"{"," + sel if sel else ""}}})', start, end)
+    buckets: dict[tuple[str | None, str | None], list[tuple[float, float]]] = {}
+    for key, value in grown.items():
+        labels = dict(key)
+        if "le" in labels:
+            k = (labels.get(slo_report.ROUTE_LABEL) or None, labels.get(slo_report.SHAPE_LABEL) or None)
+            buckets.setdefault(k, []).append((float(labels["le"]), value))
+    out: dict[tuple[str | None, str | None], Side] = {}
+    for k, pairs in buckets.items():
+        if max(v for _, v in pairs) > 0:
+            side = Side(label, ttft=Distribution(buckets=pairs))
+            side.requests = side.ttft.n
+            out[k] = side
+    return out
+
+
+def _paired(
+    before: tuple[str, dict[tuple[str | None, str | None], Side]],
+    after: tuple[str, dict[tuple[str | None, str | None], Side]],
+) -> dict[tuple[str | None, str | None], tuple[Side, Side]]:
+    """Each route and shape's two sides (an empty side where one has none), in order of route and shape."""
+    keys = sorted({*before[1], *after[1]}, key=lambda k: (k[0] or "", k[1] or ""))
+    return {k: (before[1].get(k) or Side(before[0]), after[1].get(k) or Side(after[0])) for k in keys}
+
+
 def prometheus_sides(
     url: str,
     split: Split,
@@ -448,6 +710,14 @@ def prometheus_sides(
                 split.before: (start, end, {**base, "llmtap_prompt_version": split.before}),
                 split.after: (start, end, {**base, "llmtap_prompt_version": split.after}),
             }
+        # Like with like: each route and shape's TTFT on each side, from the same windows.
+        strata: dict[tuple[str | None, str | None], tuple[Side, Side]] = {}
+        if len(windows) == 2:
+            (lb, wb), (la, wa) = windows.items()
+            strata = _paired(
+                (before.label, strata_from_prometheus(prom, lb, wb[2], wb[0], wb[1])),
+                (after.label, strata_from_prometheus(prom, la, wa[2], wa[0], wa[1])),
+            )
     finally:
         prom.close()
     verdicts: dict[str, list[Verdict]] = {}
@@ -462,7 +732,7 @@ def prometheus_sides(
                 matchers=matchers,
             )
             verdicts[label] = report.verdicts
-    return Sides(before, after, source=f"Prometheus at {prom.url}", split=split.describe(), slo=verdicts)
+    return Sides(before, after, source=f"Prometheus at {prom.url}", split=split.describe(), slo=verdicts, strata=strata)
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -518,8 +788,25 @@ def render(c: Comparison) -> str:
     few = [name for name, q in QUANTILES[1:] if min(b.ttft_requests, a.ttft_requests) < 2 / (1 - q)]
     if few:
         lines.append(f"  ({' and '.join(few)} rest on few requests: read them as rough)")
-    lines.append("")
-    lines.append(c.verdict)
+    if c.mix is not None and (len(c.strata) > 1 or c.mix.moved):
+        lines += ["", f"mix of routes and shapes (requests with a TTFT, {b.label} to {a.label}): {c.mix.describe()}"]
+        lines.append("by route and shape (TTFT p50; requests with a TTFT before/after):")
+        names = [_stratum(s.route, s.shape) for s in c.strata]
+        counts = [f"{s.before}/{s.after}" for s in c.strata]
+        wide, wide_n = max(map(len, names)), max(map(len, counts))
+        for s, name, n in zip(c.strata, names, counts, strict=True):
+            lines.append(f"  {name.ljust(wide)}  {n.rjust(wide_n)}  {s.verdict}")
+    slow = [(f, f.slowest) for f in (b, a) if f.slowest]
+    if slow:
+        lines += ["", "slowest requests (TTFT at or above each side's p99, by trace id):"]
+        for f, listed in slow:
+            p99 = f.ttft["p99"]
+            more = f", the slowest {len(listed)} shown" if f.at_or_above_p99 > len(listed) else ""
+            head = f"  {f.label}: {f.at_or_above_p99} at or above p99 {seconds(p99.value) if p99 else '-'}{more}"
+            lines.append(head)
+            for x in listed:
+                lines.append(f"    {seconds(x.ttft):>8}  {x.trace_id or '(no trace id)'}  {_stratum(x.route, x.shape)}")
+    lines += ["", c.verdict]
     slo = [
         f"  {label}: {v.route} {v.shape}: {check.describe()}: {_estimate(check.estimate)} {check.verdict}"
         for label, verdicts in c.slo.items()
@@ -575,6 +862,18 @@ def plot(c: Comparison, before: Distribution, after: Distribution, path: str | P
         raise ConfigError(f"--plot {str(path)!r}: {exc.strerror or exc}") from None
 
 
+def parse_share(text: str) -> float:
+    """``10%`` or ``0.1``: a share of the before side's p50, from 0 up to 1 (100%)."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise ConfigError(f"--min-gain-share {text!r}: expected a share such as 10% or 0.1 (0 to 100%)")
+    return value
+
+
 def main(args: Any) -> int:
     """``llmtap compare``; bad input raises ``ConfigError`` (exit code 2 in the CLI)."""
     if sum((bool(args.records), args.prometheus is not None, args.clickhouse is not None)) != 1:
@@ -587,6 +886,7 @@ def main(args: Any) -> int:
         raise ConfigError("--min-requests must be at least 1")
     if args.min_gain_ms is not None and not args.min_gain_ms >= 0:
         raise ConfigError("--min-gain-ms must be a duration in ms >= 0")
+    share = MIN_GAIN_SHARE if args.min_gain_share is None else parse_share(args.min_gain_share)
     split = Split(
         before=args.before,
         after=args.after,
@@ -609,6 +909,7 @@ def main(args: Any) -> int:
     comparison = sides.compare(
         min_requests=MIN_REQUESTS if args.min_requests is None else args.min_requests,
         min_gain_ms=MIN_GAIN_MS if args.min_gain_ms is None else args.min_gain_ms,
+        min_gain_share=share,
         resamples=RESAMPLES if args.resamples is None else args.resamples,
         seed=args.seed,
     )

@@ -25,7 +25,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,8 @@ class Group:
     met: int = 0
     objective: SLO | None = None
     figures: dict[str, Distribution] = field(default_factory=dict)
+    #: The slowest successful streams by TTFT, as (ttft, trace id) (records only: ``store.Group.slowest``).
+    slowest: list[tuple[float, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -99,6 +101,8 @@ class Verdict:
     goodput_per_s: float | None
     checks: list[Check]
     verdict: str
+    #: The slowest successful streams past the TTFT limit, as (ttft, trace id), slowest first (records only).
+    slowest: list[tuple[float, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -144,6 +148,10 @@ def judge(
     return Check(figure, percentile, limit, n, estimate, verdict)
 
 
+def _past(slowest: list[tuple[float, str]], limit: float | None) -> list[tuple[float, str]]:
+    return [s for s in slowest if limit is not None and s[0] > limit]
+
+
 def verdicts(
     groups: Iterable[Group], window: float | None, *, resamples: int = RESAMPLES, seed: int = 0
 ) -> list[Verdict]:
@@ -169,6 +177,7 @@ def verdicts(
                 goodput_per_s=g.met / window if judged and window else None,
                 checks=checks,
                 verdict=verdict,
+                slowest=_past(g.slowest, g.objective.ttft if g.objective is not None else None),
             )
         )
     return out
@@ -212,6 +221,7 @@ def store_groups(
             "tpot": Distribution.of_sorted(f.tpot),
             "e2e": Distribution.of_sorted(f.e2e),
         }
+        g.slowest = list(f.slowest)
         out.append(g)
     return out
 
@@ -235,6 +245,39 @@ def open_source(paths: Sequence[str | Path], engine: str) -> store.Source:
         raise ConfigError(str(exc)) from None
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def describe_filter(where: store.Filter) -> str:
+    """How an answer names the filter (`` with route support between .. and ..``), or '' for none."""
+    names = [f"{name} {value}" for name in ("route", "model", "shape") if (value := getattr(where, name)) is not None]
+    parts = [f"with {', '.join(names)}"] if names else []
+    moments = [datetime.fromtimestamp(v, UTC).isoformat(timespec="seconds") for v in (where.start, where.end) if v]
+    if where.start is not None and where.end is not None:
+        parts.append(f"between {moments[0]} and {moments[1]}")
+    elif where.start is not None:
+        parts.append(f"from {moments[0]}")
+    elif where.end is not None:
+        parts.append(f"until {moments[0]}")
+    return "".join(f" {p}" for p in parts)
+
+
+def no_such_names(source: store.Source, where: store.Filter, by: store.By) -> None:
+    """When a route, model or shape filter matched nothing: ``ConfigError`` naming the ones the records hold
+    (and their requests), from one more scan without those filters. Without such a filter, nothing."""
+    asked = {name: v for name in ("route", "shape") if (v := getattr(where, name)) is not None}
+    if not asked and where.model is None:
+        return
+    wide = replace(where, route=None, model=None, shape=None)
+    seen: dict[str, dict[str, int]] = {"route": {}, "shape": {}}
+    for g in source.scan(wide, by).groups:
+        for name, value in (("route", g.route), ("shape", g.shape)):
+            if value is not None:
+                seen[name][value] = seen[name].get(value, 0) + g.requests
+    known = "; ".join(
+        f"{name}s seen: " + (", ".join(f"{v} ({n} requests)" for v, n in sorted(seen[name].items())) or "none")
+        for name in ("route", "shape")
+    )
+    raise ConfigError(f"no requests{describe_filter(where)}; {known}")
 
 
 def source_name(paths: Sequence[str | Path], scan: store.Scan) -> str:
@@ -265,6 +308,8 @@ def from_records(
     source = open_source(paths, engine) if isinstance(engine, str) else engine
     try:
         scan = source.scan(where, None)
+        if not scan.groups:
+            no_such_names(source, where, None)
         met = source.count_met(where, None, limits_of(scan.groups, objectives)) if objectives else None
     finally:
         source.close()
@@ -392,6 +437,11 @@ def render(report: Report) -> str:
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     if not report.verdicts:
         lines.append("(no requests with a shape in the window)")
+    past = [(v, s) for v in report.verdicts if v.verdict != MET for s in v.slowest]
+    if past:
+        lines += ["", "slowest requests past the TTFT limit (by trace id):"]
+        for v, (ttft, trace) in past:
+            lines.append(f"  {v.route} {v.shape}  {seconds(ttft):>8}  {trace or '(no trace id)'}")
     return "\n".join(lines)
 
 

@@ -105,6 +105,10 @@ class Distribution:
             return round(self._cumulative[-1])
         return len(self._values)
 
+    def at_or_above(self, value: float) -> int:
+        """How many samples are ``value`` or more (0 for buckets: they name no request)."""
+        return 0 if self._bounds else len(self._values) - bisect.bisect_left(self._values, value)
+
     def quantile(self, q: float) -> float | None:
         """The ``q`` quantile, or None when empty: ``quantile`` of samples, ``histogram_quantile`` of buckets."""
         if self._bounds:
@@ -185,3 +189,64 @@ def change_estimates(
         diffs.append(ra - rb)
         ratios.append(ra / rb - 1.0 if rb > 0 else 0.0)
     return Estimate(a - b, *_interval(diffs)), Estimate(a / b - 1.0 if b > 0 else 0.0, *_interval(ratios))
+
+
+# -- the mix of two sides ---------------------------------------------------------------------------
+
+
+def chi_square_p(statistic: float, dof: int) -> float:
+    """The chance of a chi-square statistic at least ``statistic`` with ``dof`` degrees of freedom (its upper
+    tail: the regularized upper incomplete gamma Q(dof/2, statistic/2), by its series below a + 1 and its
+    continued fraction above, to about 1e-14)."""
+    if dof < 1:
+        raise ValueError("dof must be at least 1")
+    a, x = dof / 2, statistic / 2
+    if x <= 0:
+        return 1.0
+    scale = math.exp(-x + a * math.log(x) - math.lgamma(a))
+    if x < a + 1:
+        term = total = 1.0 / a
+        n = a
+        for _ in range(10_000):
+            n += 1
+            term *= x / n
+            total += term
+            if abs(term) < abs(total) * 1e-15:
+                break
+        return min(1.0, max(0.0, 1.0 - total * scale))
+    tiny = 1e-300
+    b = x + 1 - a
+    c, d = 1 / tiny, 1 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        step = d * c
+        h *= step
+        if abs(step - 1) < 1e-15:
+            break
+    return min(1.0, max(0.0, scale * h))
+
+
+def homogeneity(before: Sequence[int], after: Sequence[int]) -> tuple[float, int, float] | None:
+    """Pearson's chi-square test that two sides share one mix of classes (counts per class, in the same order):
+    (statistic, degrees of freedom, p); None when there are fewer than two classes with requests, or a side
+    has none."""
+    pairs = [(b, a) for b, a in zip(before, after, strict=True) if b + a > 0]
+    nb, na = sum(b for b, _ in pairs), sum(a for _, a in pairs)
+    if len(pairs) < 2 or nb == 0 or na == 0:
+        return None
+    total = nb + na
+    statistic = 0.0
+    for b, a in pairs:
+        column = b + a
+        for observed, side in ((b, nb), (a, na)):
+            expected = side * column / total
+            statistic += (observed - expected) ** 2 / expected
+    dof = len(pairs) - 1
+    return statistic, dof, chi_square_p(statistic, dof)

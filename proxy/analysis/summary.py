@@ -168,7 +168,10 @@ def summarize(
     ``slots``: the upstream's slot count as learned, used when the route configures none.
     """
     s = Summary(rejected_timings=list(tl.rejected_timings))
-    if tl.first_content is not None:
+    # A non-streamed answer arrives whole: its "first chunk" is the whole body, so it has no TTFT (issue 30;
+    # the conventions' time_to_first_chunk "SHOULD NOT be reported" for it). Its E2E is its latency.
+    streamed = bool(tl.request is not None and tl.request.stream)
+    if tl.first_content is not None and streamed:
         # As the client sees it: until the first content was handed to its socket, when the relay knows.
         shown = tl.first_content_delivered if tl.first_content_delivered is not None else tl.first_content
         s.ttft = max(shown, tl.first_content) - tl.received
@@ -306,12 +309,16 @@ def _server_phases(tl: Timeline, s: Summary, split: Split | None) -> None:
 
 
 def slo_outcome(tl: Timeline, s: Summary, slo: SLO | None) -> str:
-    """``met`` when every configured SLO holds, ``missed`` otherwise (errors and cancellations miss)."""
+    """``met`` when every configured SLO holds, ``missed`` otherwise (errors and cancellations miss; a
+    non-streamed request's TTFT limit does not apply)."""
     if slo is None or not slo.configured:
         return "none"
     if tl.outcome != OK:
         return "missed"
-    checks = ((slo.ttft, s.ttft), (slo.tpot, s.tpot if s.tpot is not None else 0.0), (slo.e2e, s.e2e))
+    # A non-streamed request has no TTFT to judge (as a single chunk has no TPOT): its E2E limit judges it.
+    streamed = bool(tl.request is not None and tl.request.stream)
+    ttft = s.ttft if s.ttft is not None or streamed else 0.0
+    checks = ((slo.ttft, ttft), (slo.tpot, s.tpot if s.tpot is not None else 0.0), (slo.e2e, s.e2e))
     for limit, value in checks:
         if limit is not None and (value is None or value > limit):
             return "missed"

@@ -64,6 +64,8 @@ COLUMNS: dict[str, str] = {
 
 #: The figures of an objective.
 FIGURES = ("ttft", "tpot", "e2e")
+#: The slowest requests a group names by trace id (``Group.slowest``): what "which requests are the p99" reads.
+SLOWEST = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,9 @@ class Group:
     prefill: array[float] = field(default_factory=lambda: array("d"))  # prefill of ok streams with a ttft
     tpot: array[float] = field(default_factory=lambda: array("d"))  # ok records' tpot
     e2e: array[float] = field(default_factory=lambda: array("d"))  # every record's e2e
+    #: The ``SLOWEST`` ok streams of greatest ttft (those of ``ttft_ok``), as (ttft, trace_id): the slowest
+    #: first, ties by trace id (a null trace id as ''), so every source names the same requests.
+    slowest: list[tuple[float, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -158,8 +163,14 @@ class Source(Protocol):
         self, where: Filter, by: By, limits: dict[tuple[str, str], dict[str, float]]
     ) -> dict[tuple[str | None, str, str], int]:
         """Per (key, route, shape) of ``limits``: ok records whose every limited figure is within its limit
-        (a null tpot counts as 0, any other null as missed): how the proxy would judge them by other objectives."""
+        (a null tpot counts as 0, so does a null ttft of a record that is not a stream; any other null as
+        missed): how the proxy would judge them by other objectives."""
         ...
+
+
+def slowest(parts: list[list[tuple[float, str]]], n: int = SLOWEST) -> list[tuple[float, str]]:
+    """The ``n`` slowest of several groups' slowest, in ``Group.slowest``'s order."""
+    return sorted((x for p in parts for x in p), key=lambda x: (-x[0], x[1]))[:n]
 
 
 def merged(parts: list[array[float]]) -> array[float]:

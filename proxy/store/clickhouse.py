@@ -684,6 +684,8 @@ _VALID_OBJECTIVE = (
     "objective_percentile > 0 AND objective_percentile < 1 AND "
     "(objective_ttft IS NOT NULL OR objective_tpot IS NOT NULL OR objective_e2e IS NOT NULL)"
 )
+#: How count_met reads a figure: no TPOT (one chunk) or no TTFT (not streamed) is within any limit.
+_LIMITED = {"tpot": "ifNull(tpot, 0)", "ttft": "if(stream = 1, ttft, ifNull(ttft, 0))"}
 #: A group's key with its nulls as a value, so IN matches them (NULL equals nothing in SQL).
 _NOT_NULL = "ifNull(k, '\\0'), ifNull(r, '\\0'), ifNull(s, '\\0')"
 #: The sorted values of a group: each figure's name in ``Group``, its column and the records it takes.
@@ -811,6 +813,17 @@ class ClickHouseSource:
                 k, r, s = (None if f == b"\\N" else _unescape(f.decode()) for f in names)
                 if (k, r, s) in groups:
                     setattr(groups[(k, r, s)], name, _sorted_values(values))
+        # The slowest ok streams of each group with their trace ids, in the reference's order.
+        from proxy.store import SLOWEST
+
+        slow = self._query(
+            f"SELECT k, r, s, v, trace_id FROM (SELECT {group_by}, assumeNotNull(ttft) AS v, trace_id "
+            f"FROM {self.table} WHERE {cond} AND {_STREAM_TTFT} AND {_OK} ORDER BY k, r, s, v DESC, trace_id) "
+            f"LIMIT {SLOWEST} BY k, r, s"
+        )
+        for k, r, s, v, trace in _tsv(slow):
+            if (k, r, s) in groups and v is not None:
+                groups[(k, r, s)].slowest.append((_round(v), trace or ""))
         total = int(self._query(f"SELECT count() FROM {self.table}").strip() or 0)
         return Scan(list(groups.values()), self.describe(), total, 0, {})
 
@@ -824,7 +837,7 @@ class ClickHouseSource:
         for (route, shape), figures in limits.items():
             checks = [f"route = {_quote(route)}", f"shape = {_quote(shape)}"]
             for figure, limit in figures.items():
-                column = "ifNull(tpot, 0)" if figure == "tpot" else figure
+                column = _LIMITED.get(figure, figure)
                 checks.append(f"{column} <= {_literal(limit)}")
             cases.append("(" + " AND ".join(checks) + ")")
         data = self._query(

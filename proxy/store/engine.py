@@ -32,7 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from proxy.store import VERSION, By, Filter, Group, Objective, Scan
+from proxy.store import SLOWEST, VERSION, By, Filter, Group, Objective, Scan, slowest
 from proxy.store.files import record_files
 
 #: What the engine may hold in memory before it spills to its temporary directory.
@@ -67,6 +67,7 @@ _PATHS = (
     "$.objective.ttft",
     "$.objective.tpot",
     "$.objective.e2e",
+    "$.trace_id",  # the slowest requests' names (Group.slowest)
 )
 #: A value's JSON type read from its first character (the extracted text is minimal JSON): cheaper than
 #: parsing it again, and exactly Python's view (a string is never a number, a boolean never a number).
@@ -104,6 +105,7 @@ _JSON_COLUMNS = {
     "obj_ttft": "j_num(j[20])",
     "obj_tpot": "j_num(j[21])",
     "obj_e2e": "j_num(j[22])",
+    "trace_id": "j_str(j[23])",
 }
 _KINDS = {"float": "DOUBLE", "str": "VARCHAR", "int": "BIGINT", "bool": "BOOLEAN"}
 #: Where each flat column sits in a Parquet file of nested records (a flat one names them as COLUMNS).
@@ -336,6 +338,9 @@ SELECT gh, coalesce(outcome = 'ok', false) AS ok, coalesce(stream, false) AS str
   coalesce(ttft, {nan}) AS ttft, coalesce(tpot, {nan}) AS tpot, coalesce(e2e, {nan}) AS e2e,
   coalesce(prefill, {nan}) AS prefill
 FROM part_rows WHERE kind = 'record'"""
+        slow = f"""
+SELECT gh, ttft, coalesce(trace_id, '') AS trace FROM part_rows WHERE kind = 'record' AND {ok_stream}
+QUALIFY row_number() OVER (PARTITION BY gh ORDER BY ttft DESC, trace) <= {SLOWEST}"""
         groups: dict[int, Group] = {}
         ranks: dict[int, Any] = {}
         counts: dict[str, int] = {}
@@ -380,10 +385,18 @@ FROM ({read()})""",
                 for cls, n in (r[12] or {}).items():
                     g.classes[str(cls)] = g.classes.get(str(cls), 0) + int(n)
                 g.prefill_sources.update(r[13] or ())
+            # The part's slowest ok streams of each group, with their trace ids (merged with the parts before).
+            for gh, ttft, trace in self._con.execute(slow).fetchall():
+                top = groups[int(gh)].slowest
+                top.append((float(ttft), str(trace)))
+                if len(top) > 8 * SLOWEST:
+                    groups[int(gh)].slowest = slowest([top])
             got = self._con.execute(values).fetchnumpy()
             self._keep(got, kept)
             del got
         self._con.execute("DROP TABLE IF EXISTS part_rows")
+        for g in groups.values():
+            g.slowest = slowest([g.slowest])
         self._counts = counts
         for (code, attr), chunks in kept.items():
             joined = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
@@ -415,7 +428,8 @@ FROM ({read()})""",
             "prefill": (prefill, ttft_ok & ~np.isnan(prefill)),
             "tpot": (tpot, ok & ~np.isnan(tpot)),
             "e2e": (e2e, ~np.isnan(e2e)),
-            "ok_ttft": (ttft, ok),
+            # count_met's TTFT: a non-stream has none, and its TTFT limit does not apply (as the proxy judges it).
+            "ok_ttft": (np.where(~stream & np.isnan(ttft), 0.0, ttft), ok),
             "ok_tpot": (tpot, ok),
             "ok_e2e": (e2e, ok),
         }

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from proxy.store import VERSION, By, Filter, Group, Objective, Scan
+from proxy.store import SLOWEST, VERSION, By, Filter, Group, Objective, Scan, slowest
 from proxy.store.files import read_file, record_files
 
 _INT64 = 2**63
@@ -150,6 +150,10 @@ class PythonSource:
             ttft, prefill = _num(rec.get("ttft")), _num(rec.get("prefill"))
             if stream and ttft is not None:
                 (g.ttft_ok if ok else g.ttft_failed).append(ttft)
+                if ok:
+                    g.slowest.append((ttft, _str(rec.get("trace_id")) or ""))
+                    if len(g.slowest) > 8 * SLOWEST:  # kept short as it grows: only the slowest few count
+                        g.slowest = slowest([g.slowest])
                 if ok and prefill is not None:
                     g.prefill.append(prefill)
                     g.prefill_sources.add(_str(rec.get("prefill_source")) or "unknown")
@@ -165,6 +169,7 @@ class PythonSource:
         for g in groups.values():
             for name in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e"):
                 setattr(g, name, array("d", sorted(getattr(g, name))))
+            g.slowest = slowest([g.slowest])
         return Scan(list(groups.values()), self.describe(), counts[0], len(self.files), skipped)
 
     def count_met(
@@ -179,8 +184,8 @@ class PythonSource:
             met = True
             for figure, limit in limits[(route, shape)].items():
                 value = _num(rec.get(figure))
-                if figure == "tpot" and value is None:
-                    value = 0.0
+                if value is None and (figure == "tpot" or (figure == "ttft" and rec.get("stream") is not True)):
+                    value = 0.0  # no TPOT (one chunk), or no TTFT (not streamed): that limit does not apply
                 if value is None or value > limit:
                     met = False
             if met:
