@@ -10,8 +10,8 @@ The dimensions (issue 31):
 * ``property.<name>``: each ``x-llmtap-property-<name>`` header.
 
 Everything here is bounded whatever the caller sends: a value is cleaned (valid UTF-8, no control
-characters) and cut at ``VALUE_CAP`` characters, a property's name is folded to ``[a-z0-9_]`` and cut at
-``NAME_CAP``, and a request keeps ``MAX_PROPERTIES`` properties at most (the others are counted as
+characters, not even on a span) and cut at ``VALUE_CAP`` characters, a property's name is folded to
+``[a-z0-9_]`` and cut at ``NAME_CAP``, and a request keeps ``MAX_PROPERTIES`` properties at most (the others are counted as
 dropped). Spans and records carry every dimension; metrics only those the operator allows, each through a
 ``LabelGuard`` (``proxy.telemetry.metrics``).
 """
@@ -43,7 +43,7 @@ def property_name(raw: str) -> str:
 
 def _value(raw: bytes | str) -> str:
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-    return clean(text.strip(), VALUE_CAP)
+    return clean(text.strip(), VALUE_CAP, label=True)
 
 
 def dimensions(
