@@ -843,7 +843,7 @@ _TABLE = (
         "a price table (JSON or YAML, per million tokens) that wins over the shipped one model by model",
         "attribution",
         key="attribution.prices",
-        default_text="the shipped table (dated; docs/cost.md)",
+        default_text="the shipped table (dated; docs/attribution.md)",
     ),
     # processes and logging
     option("log_level", choice(*LOG_LEVELS), "info", "what llmtap logs", "process"),
