@@ -11,9 +11,9 @@ The dimensions (issue 31):
 
 Everything here is bounded whatever the caller sends: a value is cleaned (valid UTF-8, no control
 characters, not even on a span) and cut at ``VALUE_CAP`` characters, a property's name is folded to
-``[a-z0-9_]`` and cut at ``NAME_CAP``, and a request keeps ``MAX_PROPERTIES`` properties at most (the others are counted as
-dropped). Spans and records carry every dimension; metrics only those the operator allows, each through a
-``LabelGuard`` (``proxy.telemetry.metrics``).
+``[a-z0-9_]`` and cut at ``NAME_CAP``, and a request keeps ``MAX_PROPERTIES`` properties at most (the
+others are counted as dropped). Spans and records carry every dimension; metrics only those the operator
+allows, each through a ``LabelGuard`` (``proxy.telemetry.metrics``).
 """
 
 from __future__ import annotations
