@@ -91,6 +91,15 @@ def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
         rec["outcome"] = 1
     elif odd < 0.23:
         rec["cache"] = None
+    # A cost (issue 31) from the record's index, not the generator, so the other fields stay as they were:
+    # priced (amounts exact in binary, so any order of summing agrees), unknown, absent, or wrong-typed.
+    kind = i % 6
+    if kind < 3:
+        rec["cost"] = {"amount": (i % 97) / 2**20, "currency": "USD", "status": "priced", "prices": "file"}
+    elif kind == 3:
+        rec["cost"] = {"amount": None, "currency": "USD", "status": "unknown_model", "prices": None}
+    elif kind == 4 and i % 4 == 0:
+        rec["cost"] = {"amount": "0.5"}
     return rec
 
 
@@ -165,6 +174,8 @@ def facts(scan: store.Scan) -> list[tuple[Any, ...]]:
             g.objective_time,
             g.classes,
             g.prefill_sources,
+            g.priced,
+            g.cost,
             [list(getattr(g, a)) for a in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e")],
         )
         for g in scan.groups

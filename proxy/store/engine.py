@@ -67,6 +67,7 @@ _PATHS = (
     "$.objective.ttft",
     "$.objective.tpot",
     "$.objective.e2e",
+    "$.cost.amount",
 )
 #: A value's JSON type read from its first character (the extracted text is minimal JSON): cheaper than
 #: parsing it again, and exactly Python's view (a string is never a number, a boolean never a number).
@@ -104,6 +105,7 @@ _JSON_COLUMNS = {
     "obj_ttft": "j_num(j[20])",
     "obj_tpot": "j_num(j[21])",
     "obj_e2e": "j_num(j[22])",
+    "cost": "j_num(j[23])",
 }
 _KINDS = {"float": "DOUBLE", "str": "VARCHAR", "int": "BIGINT", "bool": "BOOLEAN"}
 #: Where each flat column sits in a Parquet file of nested records (a flat one names them as COLUMNS).
@@ -117,6 +119,7 @@ _NESTED = {
     "obj_ttft": ("objective", "ttft"),
     "obj_tpot": ("objective", "tpot"),
     "obj_e2e": ("objective", "e2e"),
+    "cost": ("cost", "amount"),
 }
 _NUMERIC = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT")
 _FLOATS = ("FLOAT", "DOUBLE", "DECIMAL")
@@ -328,7 +331,8 @@ SELECT key, route, shape, gh,
   arg_max({{'s': obj_shape, 'p': obj_percentile, 't': obj_ttft, 'o': obj_tpot, 'e': obj_e2e, 'at': time_s}},
           {rank}) FILTER ({_OBJ_VALID}),
   histogram(cache_class) FILTER (cache_class IS NOT NULL),
-  list(DISTINCT coalesce(prefill_source, 'unknown')) FILTER ({ok_stream} AND prefill IS NOT NULL)
+  list(DISTINCT coalesce(prefill_source, 'unknown')) FILTER ({ok_stream} AND prefill IS NOT NULL),
+  count(cost), coalesce(sum(cost), 0)
 FROM part_rows WHERE kind = 'record' GROUP BY ALL"""
         nan = "'nan'::DOUBLE"
         values = f"""
@@ -380,6 +384,8 @@ FROM ({read()})""",
                 for cls, n in (r[12] or {}).items():
                     g.classes[str(cls)] = g.classes.get(str(cls), 0) + int(n)
                 g.prefill_sources.update(r[13] or ())
+                g.priced += int(r[14])
+                g.cost += float(r[15])
             got = self._con.execute(values).fetchnumpy()
             self._keep(got, kept)
             del got
