@@ -221,3 +221,58 @@ def test_ollama_embed_is_recognised_with_its_tokens_and_queue() -> None:
                                 b'"total_duration": 14143917, "load_duration": 1019500}')  # fmt: skip
     assert facts.usage is not None and facts.usage.input_tokens == 6
     assert facts.server_timing is not None and facts.server_timing.queue == pytest.approx(0.0010195)
+
+
+# --- compare and slo: cost per request ----------------------------------------------------------
+
+
+def _records_with_costs() -> list[dict[str, object]]:
+    """v1: 10 requests at $0.002 each (2 unpriced); v2: 10 at $0.0015. Amounts are as records carry them."""
+    out: list[dict[str, object]] = []
+    for i in range(20):
+        version = "v1" if i < 10 else "v2"
+        cost: dict[str, object] | None
+        if version == "v1" and i < 2:
+            cost = {"amount": None, "currency": "USD", "status": "unknown_model", "prices": None}
+        else:
+            amount = 0.002 if version == "v1" else 0.0015
+            cost = {"amount": amount, "currency": "USD", "status": "priced", "prices": "file"}
+        out.append(
+            {
+                "llmtap_record": 2,
+                "time": f"2026-05-01T12:{i:02d}:00.000+00:00",
+                "route": "default",
+                "model": "m",
+                "shape": "short",
+                "prompt_version": version,
+                "outcome": "ok",
+                "stream": True,
+                "ttft": 0.2 + i / 1000,
+                "e2e": 1.0,
+                "tokens": {"input": 1000, "cache_read": 0},
+                "objective": {"shape": None, "percentile": 0.9, "ttft": 0.5, "tpot": None, "e2e": None},
+                "cost": cost,
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize("engine", ["python", "duckdb"])
+def test_compare_and_slo_report_cost_per_request(
+    engine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from proxy import cli
+
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _records_with_costs()), encoding="utf-8")
+    assert cli.main(["compare", str(path), "--before", "v1", "--after", "v2", "--engine", engine]) == 0
+    out = capsys.readouterr().out
+    assert "cost per request: before $0.002 (8 of 10 priced), after $0.0015 (10 of 10 priced): -25.0%" in out, out
+    assert cli.main(["compare", str(path), "--before", "v1", "--after", "v2", "--engine", engine, "--json"]) == 0
+    cost = json.loads(capsys.readouterr().out)["cost"]
+    assert cost["before"]["priced"] == 8 and cost["after"]["total"] == pytest.approx(0.015)
+    assert cost["relative"] == pytest.approx(-0.25)
+    assert cli.main(["slo", str(path), "--engine", engine]) == 0
+    out = capsys.readouterr().out
+    assert "cost per request by route and shape:" in out
+    assert "default short: $0.001722 (18 of 20 priced), $0.031 in all" in out, out
