@@ -155,7 +155,7 @@ def test_tenant_cost_and_embeddings_on_spans_records_and_metrics(simulator: Simu
             found = [attributes(s.attributes) for _, s in receiver.received.spans() if s.name == name]
             return found[0] if found else None
 
-        wait_for("root spans", lambda: root("chat llmtap-sim") and root("embeddings my-embedder"), proxy)
+        wait_for("root spans", lambda: bool(root("chat llmtap-sim") and root("embeddings my-embedder")), proxy)
         span = root("chat llmtap-sim")
         assert span is not None
         assert span["llmtap.tenant"] == "acme" and span["user.id"] == "u-1"

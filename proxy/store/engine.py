@@ -232,7 +232,9 @@ FROM (
 
         def column(name: str, kind: str) -> str:
             sql_type = _KINDS[kind]
-            path = (name,) if name in schema else _NESTED.get(name, (name,))
+            # A flat file names the column itself; a nested one may hold a struct of that name (``cost``).
+            flat = name in schema and not schema[name].startswith("STRUCT(")
+            path = (name,) if flat else _NESTED.get(name, (name,))
             top = schema.get(path[0])
             if top is None:
                 return f"NULL::{sql_type}"
