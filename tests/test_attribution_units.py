@@ -276,3 +276,22 @@ def test_compare_and_slo_report_cost_per_request(
     out = capsys.readouterr().out
     assert "cost per request by route and shape:" in out
     assert "default short: $0.001722 (18 of 20 priced), $0.031 in all" in out, out
+
+
+def test_settings_check_prices_key_and_dimensions_at_start(tmp_path: Path) -> None:
+    from proxy.settings import ConfigError, build
+
+    bad = tmp_path / "prices.yaml"
+    bad.write_text("models: {m: {input: 1}}", encoding="utf-8")
+    with pytest.raises(ConfigError, match="'output' is missing"):
+        build({"upstream": "http://127.0.0.1:1", "prices": str(bad)}, env={})
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        build({"upstream": "http://127.0.0.1:1"}, env={"LLMTAP_ATTRIBUTION_KEY": "short"})
+    key_file = tmp_path / "key"
+    key_file.write_text("k" * 32 + "\n", encoding="utf-8")
+    env = {"LLMTAP_METRIC_DIMENSIONS": "tenant,property.team", "LLMTAP_ATTRIBUTION_KEY_FILE": str(key_file)}
+    settings = build({"upstream": "http://127.0.0.1:1"}, env=env).attribution
+    assert settings.metric_dimensions == ("tenant", "property.team") and settings.key == b"k" * 32
+    assert "k" * 32 not in repr(settings)
+    with pytest.raises(ConfigError, match="LLMTAP_METRIC_DIMENSIONS=tenant,org: .org.: expected a list of tenant"):
+        build({"upstream": "http://127.0.0.1:1"}, env={"LLMTAP_METRIC_DIMENSIONS": "tenant,org"})

@@ -23,6 +23,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 if TYPE_CHECKING:
     from proxy.analysis.summary import Summary
     from proxy.analysis.timeline import Timeline
@@ -124,14 +126,8 @@ def load_file(path: str | Path) -> Any:
     except (OSError, UnicodeDecodeError) as exc:
         raise PriceError(f"prices file {name!r}: cannot read it: {exc}") from None
     try:
-        if name.endswith(".json"):
-            return json.loads(text)
-        import yaml
-
-        return yaml.safe_load(text)
-    except ValueError as exc:  # json.JSONDecodeError and yaml.YAMLError's parse errors
-        raise PriceError(f"prices file {name!r}: not valid: {exc}") from None
-    except Exception as exc:  # yaml.YAMLError is not a ValueError
+        return json.loads(text) if name.endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:  # json.JSONDecodeError is a ValueError
         raise PriceError(f"prices file {name!r}: not valid: {exc}") from None
 
 
