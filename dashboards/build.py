@@ -64,6 +64,8 @@ CACHE_READ = total(sc.METRIC_CACHE_READ)
 CACHE_REQUESTS = total(sc.METRIC_CACHE_REQUESTS)
 QUEUE_REJECTED = total(sc.METRIC_QUEUE_REJECTED)
 TIMING_REJECTED = total(sc.METRIC_TIMING_REJECTED)
+COST = total(sc.METRIC_COST)
+UNPRICED = total(sc.METRIC_COST_UNPRICED)
 ACTIVE = metric_name(sc.METRIC_ACTIVE_STREAMS, "{request}")
 WAITING = metric_name(sc.METRIC_QUEUE_WAITING, "{request}")
 
@@ -81,6 +83,8 @@ QUEUE_SOURCE = label(sc.QUEUE_SOURCE)
 PREFILL_SOURCE = label(sc.PREFILL_SOURCE)
 TOKEN_TYPE = label(sc.TOKEN_TYPE)
 TIMING_FIELD = label(sc.TIMING_FIELD)
+TENANT = label(sc.TENANT)
+COST_STATUS = label(sc.COST_STATUS)
 
 # Every query filters on the template variables; "All" is ".*", which also matches a missing label.
 ON_ROUTE = f'{ROUTE}=~"$route"'
@@ -383,6 +387,51 @@ def caching_panels() -> list[Builder[dm.Panel]]:
     ]
 
 
+def cost_panels() -> list[Builder[dm.Panel]]:
+    """What requests cost and who sent them (issue 31). Tenants appear when ``metric_dimensions`` allows them
+    (their most used values; the rest read _OTHER); cost is reported tokens at the price table's prices."""
+    by_model = f"sum by ({MODEL}) (rate({COST}{{{SELECTED}}}{RATE})) * 3600"
+    by_tenant = f"sum by ({TENANT}) (rate({COST}{{{SELECTED}}}{RATE})) * 3600"
+    per_request = f"sum(rate({COST}{{{SELECTED}}}{RATE})) / sum(rate({REQUESTS}{{{SELECTED}}}{RATE}))"
+    tenants = f"sum by ({TENANT}) (rate({REQUESTS}{{{SELECTED}}}{RATE}))"
+    unpriced = f"sum by ({COST_STATUS}) (rate({UNPRICED}{{{SELECTED}}}{RATE}))"
+    return [
+        graph(
+            "Cost per hour by model",
+            "USD an hour at the current rate: each request's reported tokens at the price table's prices (the "
+            "shipped, dated table, or --prices). Requests without a price are counted apart, never as 0.",
+            "currencyUSD",
+            [query(by_model, f"{{{{{MODEL}}}}}", "A")],
+        ),
+        graph(
+            "Cost per hour by tenant",
+            "USD an hour by x-llmtap-tenant; needs attribution.metric_dimensions to include tenant (the most used "
+            "tenants keep their own series, the rest read _OTHER).",
+            "currencyUSD",
+            [query(by_tenant, f"{{{{{TENANT}}}}}", "A")],
+        ),
+        graph(
+            "Requests per second by tenant",
+            "Finished requests by x-llmtap-tenant (with tenant in attribution.metric_dimensions).",
+            "reqps",
+            [query(tenants, f"{{{{{TENANT}}}}}", "A")],
+        ),
+        single(
+            "Mean cost per request",
+            "USD per finished request: priced requests' cost over all requests (unpriced ones count as requests).",
+            "currencyUSD",
+            per_request,
+        ),
+        graph(
+            "Requests without a price",
+            "Requests whose cost is unknown, by llmtap.cost.status: unknown_model (add the model to --prices) or "
+            "no_usage (the upstream reported no tokens).",
+            "reqps",
+            [query(unpriced, f"{{{{{COST_STATUS}}}}}", "A")],
+        ),
+    ]
+
+
 def rows(dash: db.Dashboard, sections: Sequence[tuple[str, list[Builder[dm.Panel]]]]) -> db.Dashboard:
     for title, panels in sections:
         dash = dash.with_row(db.Row(title))
@@ -405,6 +454,7 @@ def overview() -> db.Dashboard:
             ("Throughput and goodput", throughput_panels()),
             ("Where the time goes", phase_panels()),
             ("Errors, load and the proxy itself", health_panels()),
+            ("Cost and who sent it", cost_panels()),
         ],
     )
 

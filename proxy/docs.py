@@ -310,6 +310,35 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "Why the relay cut a response short: `inflate_limit` (it decompressed past `max_inflate_bytes`, to remove "
         "the usage event it asked for).",
     ),
+    # Attribution and cost (issue 31; docs/attribution.md)
+    sc.TENANT: ("string", "The caller's `x-llmtap-tenant` header (at most 256 characters, cleaned)."),
+    sc.USER_ID: (
+        "string",
+        "The end user: `x-llmtap-user`, else the body's OpenAI `safety_identifier` or `user`, Anthropic "
+        "`metadata.user_id` (at most 256 characters, cleaned).",
+    ),
+    sc.API_KEY_FINGERPRINT: (
+        "string",
+        "12 hex characters: a keyed BLAKE2b of the request's API key (`authorization`, `x-api-key`, `api-key`, "
+        "`x-goog-api-key`), never the key.",
+    ),
+    f"{sc.PROPERTY_PREFIX}{{name}}": (
+        "string",
+        "An `x-llmtap-property-<name>` header (name folded to `[a-z0-9_]`; at most 16 a request).",
+    ),
+    sc.COST_AMOUNT: ("double", "What the request cost: its reported tokens at the price table's prices."),
+    sc.COST_CURRENCY: ("string", "`USD`."),
+    sc.COST_SOURCE: ("string", "`local`: llmtap computed the cost from the reported tokens and its prices."),
+    sc.COST_STATUS: (
+        "string",
+        "`priced`, `unknown_model` (no price for the model: no amount, never 0) or `no_usage` (the upstream "
+        "reported no tokens).",
+    ),
+    sc.COST_PRICES: (
+        "string",
+        "Where the price came from: `default <date>` (the shipped table) or `file` (`--prices`).",
+    ),
+    sc.HOP_COST_AMOUNT: ("double", "On a hop span: what the request cost, USD."),
 }
 
 #: Attributes of metrics the reference run cannot provoke (they count failures of llmtap itself).
@@ -396,6 +425,9 @@ METRICS: dict[str, str] = {
     sc.METRIC_TRACE_CONTEXT_IGNORED: "Each client trace header too long to read; every reason reads 0 from the start.",
     sc.METRIC_CLICKHOUSE_INSERTS: "Each INSERT of a batch of records into ClickHouse (`--record-clickhouse`); every "
     "outcome reads 0 from the start.",
+    sc.METRIC_COST: "Each priced LLM request, by its cost; with the attribution dimensions `metric_dimensions` allows.",
+    sc.METRIC_COST_UNPRICED: "Each LLM request without a cost (no price for its model, or no reported usage).",
+    sc.METRIC_ATTRIBUTION_DROPPED: "Each request with more than 16 `x-llmtap-property-*` headers, by those dropped.",
 }
 
 #: The timing definitions every figure rests on (DESIGN, "Timing definitions"); all from one monotonic clock.
@@ -622,6 +654,8 @@ def _generic(name: str) -> str:
     for prefix in (sc.PROMPT_FINGERPRINT, sc.PROMPT_REGION_TOKENS):
         if name.startswith(prefix + "."):
             return prefix + ".{region}"
+    if name.startswith(sc.PROPERTY_PREFIX):
+        return sc.PROPERTY_PREFIX + "{name}"
     return name
 
 
@@ -720,7 +754,8 @@ def declared_attributes() -> set[str]:
             continue
         if key.startswith("SERVER_") and value.startswith("gen_ai.server."):
             continue  # server-side metric names
-        out.add(_generic(value + ".x") if key in ("PROMPT_FINGERPRINT", "PROMPT_REGION_TOKENS") else value)
+        generic = key in ("PROMPT_FINGERPRINT", "PROMPT_REGION_TOKENS", "PROPERTY_PREFIX")
+        out.add(_generic(value + ".x" if key != "PROPERTY_PREFIX" else value + "x") if generic else value)
     return out
 
 

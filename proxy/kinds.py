@@ -320,3 +320,33 @@ def structure(expected: str, types: tuple[type, ...], schema: Mapping[str, Any])
         return value
 
     return Kind(expected, parse, schema, "YAML", lambda v: "see the file")
+
+
+# -- attribution (issue 31) ------------------------------------------------------------------------
+
+#: Request dimensions a client names (``proxy.attribution``): the operator lists the ones metrics may carry.
+DIMENSIONS = ("tenant", "user", "api_key")
+#: A custom property by its header's name: ``property.<name>`` for ``x-llmtap-property-<name>``.
+PROPERTY_DIMENSION = re.compile(r"property\.[a-z0-9_]{1,64}")
+METRIC_DIMENSIONS_MAX = 8
+
+
+def dimension_names() -> Kind:
+    """Attribution dimensions: tenant, user, api_key, property.<name>; a list in the file, comma-separated
+    in a flag or variable."""
+    expected = "a list of tenant, user, api_key or property.<name> (lower case letters, digits, _)"
+
+    def parse(value: Any) -> tuple[str, ...]:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple):
+            raise Invalid(f"expected {expected}")
+        names = tuple(dict.fromkeys(str(item).strip().lower() for item in items if str(item).strip()))
+        for name in names:
+            if name not in DIMENSIONS and not PROPERTY_DIMENSION.fullmatch(name):
+                raise Invalid(f"{name[:40]!r}: expected {expected}")
+        if len(names) > METRIC_DIMENSIONS_MAX:
+            raise Invalid(f"at most {METRIC_DIMENSIONS_MAX} dimensions, got {len(names)}")
+        return names
+
+    schema = {"type": "array", "items": {"type": "string"}, "maxItems": METRIC_DIMENSIONS_MAX}
+    return Kind(expected, parse, schema, "D,E", lambda v: ",".join(v) or "none")

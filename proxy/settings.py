@@ -340,6 +340,53 @@ def _admin_token(values: Mapping[str, Any]) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
+class Attribution:
+    """Who sent a request and what it cost (issue 31): what metrics may carry, what goes upstream, the
+    fingerprints' secret and the user's price table."""
+
+    #: Dimensions llmtap's request, token and cost counters carry (``tenant``, ``user``, ``api_key``,
+    #: ``property.<name>``); spans and records carry every one.
+    metric_dimensions: tuple[str, ...] = ()
+    #: Values of each of them on metrics at most; the rest read ``_OTHER``.
+    metric_values: int = default("metric_dimension_values")
+    #: Send the caller's ``x-llmtap-*`` headers upstream too.
+    forward_headers: bool = default("forward_llmtap_headers")
+    #: The fingerprints' secret as given (``LLMTAP_ATTRIBUTION_KEY`` or its file); None: the install's own
+    #: (``proxy.relay.fingerprint``).
+    key: bytes | None = field(default=None, repr=False)
+    #: ``--prices FILE``: prices that win over the shipped table (``proxy.analysis.cost``).
+    prices: str | None = None
+
+
+def _attribution(values: Mapping[str, Any]) -> Attribution:
+    """The attribution settings; the key from its file, else its variable; the price file checked now."""
+    key: str | None = values["attribution_key"]
+    key_file = values["attribution_key_file"]
+    if key_file is not None:
+        try:
+            key = Path(key_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"attribution_key_file {key_file}: cannot read it: {exc}") from None
+    if key is not None and len(key.strip()) < 16:
+        raise ConfigError("the attribution key must be at least 16 characters")
+    prices = values["prices"]
+    if prices is not None:
+        from proxy.analysis.cost import PriceError, PriceTable
+
+        try:
+            PriceTable(prices)
+        except PriceError as exc:
+            raise ConfigError(str(exc)) from None
+    return Attribution(
+        metric_dimensions=values["metric_dimensions"],
+        metric_values=values["metric_dimension_values"],
+        forward_headers=values["forward_llmtap_headers"],
+        key=key.strip().encode() if key is not None else None,
+        prices=prices,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything the proxy needs to run; immutable, passed down by constructors."""
 
@@ -386,6 +433,8 @@ class Settings:
     telemetry_workers: int = default("telemetry_workers")
     #: ``TELEMETRY_SCHEDULING``: how the telemetry processes yield the CPU to the relays.
     telemetry_scheduling: str = default("telemetry_scheduling")
+    #: Attribution dimensions and prices (issue 31).
+    attribution: Attribution = field(default_factory=Attribution)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -777,6 +826,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         workers=values["workers"],
         telemetry_workers=values["telemetry_workers"],
         telemetry_scheduling=values["telemetry_scheduling"],
+        attribution=_attribution(values),
     )
 
 

@@ -66,6 +66,7 @@ class Tape:
         "_sizes",
         "_times",
         "admitted",
+        "attribution",
         "body",
         "body_complete",
         "body_read",
@@ -77,6 +78,7 @@ class Tape:
         "headers_at",
         "inner_path",
         "key",
+        "key_fingerprint",
         "lost",
         "method",
         "parent",
@@ -121,6 +123,9 @@ class Tape:
         self.received = received
         self.received_wall_ns = received_wall_ns
         self.prompt_version: bytes | None = None
+        #: The caller's other ``x-llmtap-*`` headers (lower-case name, value), and its API key's fingerprint.
+        self.attribution: list[tuple[bytes, bytes]] = []
+        self.key_fingerprint: str | None = None
         #: The client's ``traceparent`` and ``tracestate`` as sent (the telemetry side parses them).
         self.parent: tuple[str, str] | None = None
         self.trace_id = 0
@@ -203,6 +208,8 @@ class Tape:
             tuple(self.response_headers),
             self.upstream_seq,
             self.upstream_ahead,
+            tuple(self.attribution),
+            self.key_fingerprint,
         )
 
     def take_reads(self) -> tuple[bytes, bytes, bytes, bytes]:

@@ -109,3 +109,5 @@ class RequestInfo:
     prompt_text: str = ""
     # The prompt's parts in the order servers cache them (tools, system, messages): for fingerprints.
     regions: list[PromptRegion] = field(default_factory=list)
+    # The end user the body names (OpenAI ``safety_identifier`` or ``user``, Anthropic ``metadata.user_id``).
+    end_user: str | None = None

@@ -545,6 +545,11 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(server: ClickHo
     records[-2]["route"], records[-2]["shape"] = records[-1]["route"], records[-1]["shape"]
     records[7]["cache"] = None
     records[8]["prefill_source"] = None
+    # Costs (issue 31): priced (amounts exact in binary, so any order of summing agrees), unknown, wrong-typed.
+    for i, rec in enumerate(records):
+        amount = (i % 50) / 2**20 if i % 4 else None
+        rec["cost"] = {"amount": amount, "currency": "USD", "status": "priced" if amount is not None else "unknown"}
+    records[10]["cost"] = {"amount": "cheap"}
     path = tmp_path / "records.jsonl"
     lines: list[str] = []
     sink = ch.ClickHouseSink(ch.Server.parse(server.url), "source_check", ttl_days=0)
@@ -588,3 +593,27 @@ def test_the_scale_benchmark_runs_end_to_end_at_a_small_size(server: ClickHouseP
     source = ["--clickhouse", server.url, "--clickhouse-table", "bench_small", "--json"]
     got = clickhouse_scale.timed(["compare", *source, "--before", "v1", "--after", "v2", "--resamples", "200"])
     assert str(got["verdict"]).startswith("caching gain") and got["peak_rss_mb"] > 10
+
+
+def test_a_table_of_an_earlier_version_gets_the_columns_added_since(server: ClickHouseProcess) -> None:
+    """A table made before the cost columns (issue 31) gets them at start; its older rows read null there, and
+    a new record's cost lands in them."""
+    remote = ch.Server.parse(server.url)
+    table = "before_cost"
+    old = "\n".join(line for line in ch.ddl(table).splitlines() if not line.strip().startswith("cost_"))
+    old = old.replace("cache_min_tokens Nullable(Int64),", "cache_min_tokens Nullable(Int64)")
+    try:
+        remote.query(old)
+    except ch.ClickHouseError as exc:  # ClickHouse before 19 wants LowCardinality asked for (as create_table does)
+        assert "allow_experimental_low_cardinality_type" in str(exc)
+        remote.query(old, settings={"allow_experimental_low_cardinality_type": 1})
+    assert "cost_amount" not in remote.query(f"DESCRIBE TABLE {table}").decode()
+    assert ch.add_missing_columns(remote, table) == ["cost_amount", "cost_status"]
+    assert ch.add_missing_columns(remote, table) == []
+    record = make_records(1, seed=3)[0]
+    record["cost"] = {"amount": 0.25, "currency": "USD", "status": "priced", "prices": "file"}
+    sink = ch.ClickHouseSink(remote, table, ttl_days=0)
+    sink.write(record)
+    sink.close(PATIENCE)
+    assert sink.written == 1, sink.dropped
+    assert remote.query(f"SELECT cost_amount, cost_status FROM {table}").decode() == "0.25\tpriced\n"

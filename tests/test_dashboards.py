@@ -313,7 +313,7 @@ def body(i: int) -> tuple[str, dict[str, Any], dict[str, str]]:
         content = f"{FIXED} {variable}" if version == "v2" else f"{variable} {FIXED}"
     model = "no-such-model" if i % 11 == 5 else "llmtap-sim"
     chat = {"model": model, "stream": True, "max_tokens": 16, "messages": [{"role": "user", "content": content}]}
-    return "/v1/chat/completions", chat, {"x-llmtap-prompt-version": version}
+    return "/v1/chat/completions", chat, {"x-llmtap-prompt-version": version, "x-llmtap-tenant": f"team-{i % 3}"}
 
 
 def traffic(proxy: Llmtap, seconds: float, workers: int = 6) -> dict[str, int]:
@@ -373,7 +373,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         limits = ("--max-concurrency", "3", "--queue-limit", "2", "--queue-timeout", "5")
         slo = ("--slo-ttft-ms", "1000", "--slo-tpot-ms", "40")
         env = {"OTEL_TRACES_EXPORTER": "none"}
-        proxy = start_llmtap(None, tmp / "llmtap.log", env, "--config", str(routes), *limits, *slo)
+        # Tenants on the metrics, and a price for the simulator's model, so the cost panels have data.
+        prices = tmp / "prices.yaml"
+        prices.write_text("models:\n  llmtap-sim: {input: 2.0, cached_input: 0.5, output: 8.0}\n", encoding="utf-8")
+        attribution = ("--metric-dimensions", "tenant", "--prices", str(prices))
+        proxy = start_llmtap(None, tmp / "llmtap.log", env, "--config", str(routes), *limits, *slo, *attribution)
         started.append(proxy.proc)
         port = free_port()
         config = tmp / "prometheus.yml"

@@ -520,7 +520,10 @@ def test_anthropic_params_and_prompt_text() -> None:
         ("POST", "/v1/threads/th_1/messages", None),
         ("POST", "/v1/messages/count_tokens", None),
         ("GET", "/v1/chat/completions", None),
-        ("POST", "/v1/embeddings", None),
+        ("POST", "/v1/embeddings", "openai_embeddings"),
+        ("POST", "/api/embed", "ollama_embed"),
+        ("POST", "/api/embeddings", "ollama_embed"),
+        ("GET", "/v1/embeddings", None),
     ],
 )
 def test_provider_for(method: str, path: str, name: str | None) -> None:
@@ -538,4 +541,6 @@ def test_provider_identity() -> None:
         ("ollama_generate", "ollama", "ndjson"),
         ("gemini", "gcp.gemini", "json-array"),
         ("gemini", "gcp.vertex_ai", "json-array"),
+        ("ollama_embed", "ollama", "ndjson"),
+        ("openai_embeddings", "openai", "sse"),
     ]

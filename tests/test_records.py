@@ -80,7 +80,7 @@ def test_a_record_holds_the_figures_and_never_content_or_secrets(
     validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
     for rec in (streamed, whole, failed):
         validator.validate(rec)
-        # Every field the schema names is written; the optional ones (added within version 2) may be absent.
+        # Fields added within schema 2 are optional (readers take records without them); every one is written.
         assert set(schema["required"]) <= set(rec) == set(schema["properties"])
     optional = set(schema["properties"]) - set(schema["required"])
     assert "upstream_unattributed" in optional

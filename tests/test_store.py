@@ -96,6 +96,15 @@ def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
         rec["trace_id"] = None if odd < 0.235 else 12  # no trace id (either reads as ''): named anyway
     elif odd < 0.27:
         rec["ttft"] = 2.5  # slowest of its group, tied with others: the trace id breaks the tie
+    # A cost (issue 31) from the record's index, not the generator, so the other fields stay as they were:
+    # priced (amounts exact in binary, so any order of summing agrees), unknown, absent, or wrong-typed.
+    kind = i % 6
+    if kind < 3:
+        rec["cost"] = {"amount": (i % 97) / 2**20, "currency": "USD", "status": "priced", "prices": "file"}
+    elif kind == 3:
+        rec["cost"] = {"amount": None, "currency": "USD", "status": "unknown_model", "prices": None}
+    elif kind == 4 and i % 4 == 0:
+        rec["cost"] = {"amount": "0.5"}
     return rec
 
 
@@ -170,6 +179,8 @@ def facts(scan: store.Scan) -> list[tuple[Any, ...]]:
             g.objective_time,
             g.classes,
             g.prefill_sources,
+            g.priced,
+            g.cost,
             [list(getattr(g, a)) for a in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e")],
             g.slowest,
         )
@@ -278,6 +289,7 @@ def test_parquet_reads_as_its_json_lines(tmp_path: Path) -> None:
         and isinstance(r.get("cache"), dict)
         and "route" in r
         and set(r["objective"]) == {"shape", "percentile", "ttft", "tpot"}
+        and not isinstance((r.get("cost") or {}).get("amount"), str)
     ]
     lines = write_records(tmp_path / "a.jsonl", typed)
     con = duckdb.connect()

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy import store
-from proxy.analysis import slo as slo_report
+from proxy.analysis import costreport, slo as slo_report
 from proxy.analysis.promql import Prometheus, quote
 from proxy.analysis.slo import Objectives, Verdict
 from proxy.analysis.stats import Distribution, Estimate, change_estimates, homogeneity, quantile_estimate
@@ -86,6 +86,9 @@ class Side:
     cached_tokens: int = 0
     classes: Counter[str] = field(default_factory=Counter)
     slowest: list[Slow] = field(default_factory=list)
+    #: Records with a cost, and its sum (``proxy.analysis.costreport``).
+    priced: int = 0
+    cost: float = 0.0
 
     @property
     def cached_share(self) -> float | None:
@@ -183,6 +186,8 @@ class Comparison:
     #: The least TTFT p50 change that counted, in seconds, and why (the share of the before p50, or --min-gain-ms).
     min_gain: float = 0.0
     min_gain_reason: str = ""
+    #: Cost per request before and after (``proxy.analysis.costreport.change``); None: not from records.
+    cost: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The same figures for scripts."""
@@ -200,6 +205,8 @@ def side_from_groups(label: str, groups: Iterable[store.Group]) -> Side:
         side.prefill_sources |= g.prefill_sources
         side.input_tokens += g.input_tokens
         side.cached_tokens += g.cached_tokens
+        side.priced += g.priced
+        side.cost += g.cost
     side.ttft = Distribution.of_sorted(store.merged([g.ttft_ok for g in groups]))
     side.prefill = Distribution.of_sorted(store.merged([g.prefill for g in groups]))
     slow = [Slow(v, trace, g.route, g.shape) for g in groups for v, trace in g.slowest]
@@ -489,7 +496,18 @@ class Sides:
             **options,
         )
         c.slo = self.slo
+        c.cost = cost_change(self.before, self.after)
         return c
+
+
+def cost_change(before: Side, after: Side) -> dict[str, Any] | None:
+    """Cost per request before and after (issue 31), when records were read (Prometheus sides have none)."""
+    if not before.priced and not after.priced:
+        return None
+    of = costreport.CostFigures.of_counts
+    return costreport.change(
+        of(before.requests, before.priced, before.cost), of(after.requests, after.priced, after.cost)
+    )
 
 
 def compare_records(
@@ -919,6 +937,8 @@ def main(args: Any) -> int:
         print(json.dumps(comparison.to_json(), indent=2))
     else:
         print(render(comparison))
+        for line in costreport.compare_lines(comparison.cost):
+            print(line)
         if args.plot:
             print(f"\nplot: {args.plot}")
     sys.stdout.flush()

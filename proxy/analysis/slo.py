@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy import store
-from proxy.analysis import shapes as shape_classes
+from proxy.analysis import costreport, shapes as shape_classes
 from proxy.analysis.promql import Prometheus, quote
 from proxy.analysis.shapes import needed
 from proxy.analysis.stats import Distribution, Estimate, quantile_estimate
@@ -113,6 +113,8 @@ class Report:
     window: str
     seconds: float | None
     verdicts: list[Verdict]
+    #: Cost per request by route and shape (``proxy.analysis.costreport``), from records.
+    cost: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The same figures for scripts (an interval past every bound reads null)."""
@@ -326,6 +328,7 @@ def from_records(
         window=_describe(window, until),
         seconds=span,
         verdicts=verdicts(groups, span, resamples=resamples, seed=seed),
+        cost=costreport.by_route_and_shape(scan.groups),
     )
 
 
@@ -476,5 +479,7 @@ def main(args: Any) -> int:
         print(json.dumps(report.to_json(), indent=2))
     else:
         print(render(report))
+        for line in costreport.slo_lines(report.cost):
+            print(line)
     sys.stdout.flush()
     return 1 if args.check and any(v.verdict == MISSED for v in report.verdicts) else 0

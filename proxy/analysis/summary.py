@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from proxy.analysis import tokens
+from proxy.analysis.cost import Cost
 from proxy.analysis.estimator import ESTIMATED, Estimator, Split
 from proxy.analysis.shapes import classify, objective
 from proxy.analysis.slots import CONFIGURED, Slots
@@ -84,6 +85,8 @@ class Summary:
     rejected_timings: list[str] = field(default_factory=list)
     #: ``llmtap.cache.class`` of the prompt-cache diagnosis, when the recorder made one.
     cache_class: str | None = None
+    #: What the request cost (``proxy.analysis.cost``), when the recorder priced it.
+    cost: Cost | None = None
 
     @property
     def gap_samples(self) -> list[float]:

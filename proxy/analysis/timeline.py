@@ -99,6 +99,10 @@ class Timeline:
     received_wall_ns: int
     request: RequestInfo | None = None
     prompt_version: str | None = None
+    #: Who sent it (``proxy.analysis.attribution``): dimension name to value, bounded.
+    attribution: dict[str, str] = field(default_factory=dict)
+    #: Properties past the per-request bound, dropped.
+    attribution_dropped: int = 0
     body_read: float | None = None
     admitted: float | None = None
     sent: float | None = None

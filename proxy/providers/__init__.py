@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from proxy.providers.anthropic import AnthropicMessages
 from proxy.providers.base import Framing, Provider, StreamParser
+from proxy.providers.embeddings import OllamaEmbed, OpenAIEmbeddings
 from proxy.providers.gemini import Gemini
 from proxy.providers.ollama import Ollama
 from proxy.providers.openai_chat import OpenAIChat
@@ -22,8 +23,10 @@ __all__ = [
     "Framing",
     "Gemini",
     "Ollama",
+    "OllamaEmbed",
     "OpenAIChat",
     "OpenAICompletions",
+    "OpenAIEmbeddings",
     "OpenAIResponses",
     "Provider",
     "StreamParser",
@@ -41,6 +44,8 @@ PROVIDERS: tuple[Provider, ...] = (
     Ollama(generate=True),
     Gemini(vertex=False),
     Gemini(vertex=True),
+    OllamaEmbed(),
+    OpenAIEmbeddings(),
 )
 
 

@@ -131,6 +131,7 @@ class AnthropicMessages:
             params=request_params(obj, max_tokens_keys=("max_tokens",), stop_key="stop_sequences"),
             prompt_text=_prompt(obj),
             regions=prompt_regions(tools=obj.get("tools"), system=obj.get("system"), messages=obj.get("messages")),
+            end_user=as_str(as_dict(obj.get("metadata")).get("user_id")),
         )
 
     def stream_parser(self) -> StreamParser:

@@ -214,6 +214,11 @@ def prompt_regions(*, tools: object = None, system: object = None, messages: obj
     return regions
 
 
+def openai_end_user(obj: JSONObject) -> str | None:
+    """The end user an OpenAI request names: ``safety_identifier`` (its newer name), else ``user``."""
+    return as_str(obj.get("safety_identifier")) or as_str(obj.get("user"))
+
+
 def inspect_openai(
     body: bytes,
     *,
@@ -237,6 +242,7 @@ def inspect_openai(
         params=request_params(obj, max_tokens_keys=max_tokens_keys, stop_key="stop"),
         prompt_text=prompt(obj),
         regions=regions(obj),
+        end_user=openai_end_user(obj),
     )
     # Without include_usage a stream carries no usage at all (D.1); with it, one extra chunk with
     # ``choices: []`` arrives before [DONE], which UsageEventFilter removes again for this client.

@@ -17,6 +17,7 @@ from proxy.providers.openai_common import (
     error_facts,
     load_object,
     matches_suffix,
+    openai_end_user,
     prompt_regions,
     prompt_text,
     request_params,
@@ -135,6 +136,7 @@ class OpenAIResponses:
             params=request_params(obj, max_tokens_keys=("max_output_tokens",), stop_key="stop"),
             prompt_text=_prompt(obj),
             regions=prompt_regions(tools=obj.get("tools"), system=obj.get("instructions"), messages=obj.get("input")),
+            end_user=openai_end_user(obj),
         )
 
     def stream_parser(self) -> StreamParser:

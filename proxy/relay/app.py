@@ -19,7 +19,9 @@ from proxy.providers.splice import splice_usage
 from proxy.providers.usage_filter import UsageEventFilter
 from proxy.relay.admission import Admission, QueueFull
 from proxy.relay.channel import Channel, LocalChannel
+from proxy.relay.fingerprint import KEY_HEADERS, fingerprint, install_secret
 from proxy.relay.forward import (
+    PRIVATE_PREFIX,
     Router,
     Upstreams,
     close_if_surplus,
@@ -113,6 +115,10 @@ class ProxyApp:
         #: says which replica relayed it, wherever the server sends it. None: one replica, nothing to route.
         peer = settings.telemetry
         self.owner_entry = entry(peer.peer_address, peer.peer_token) if peer.peer_address and peer.peer_token else None
+        #: The API-key fingerprints' secret: the operator's, else the install's (made at the first key seen).
+        self._key_secret = settings.attribution.key
+        #: The caller's ``x-llmtap-*`` headers go upstream too.
+        self.forward_private = settings.attribution.forward_headers
         self.ready = False
         #: Set on SIGTERM: streams still running at the drain deadline are cut and recorded as ``shutdown``.
         self.draining = False
@@ -235,6 +241,11 @@ class ProxyApp:
             return True
         return self.recorder.flush(max(deadline - time.monotonic(), 0.1))
 
+    def _install_secret(self) -> bytes:
+        """The install's fingerprint secret, read (or made) once per process."""
+        self._key_secret = install_secret()
+        return self._key_secret
+
     async def aclose(self) -> None:
         """Close the upstream pools and the channel, and drain a local recorder."""
         await self.upstreams.aclose()
@@ -279,8 +290,14 @@ class ProxyApp:
         traceparent = tracestate = None
         for name, value in headers:
             lowered = name.lower()
-            if lowered == PROMPT_VERSION_HEADER:
-                tape.prompt_version = value
+            if lowered.startswith(PRIVATE_PREFIX):
+                if lowered == PROMPT_VERSION_HEADER:
+                    tape.prompt_version = value
+                else:
+                    # Attribution (tenant, user, properties): read and bounded in the telemetry process.
+                    tape.attribution.append((lowered, value))
+            elif lowered in KEY_HEADERS and tape.key_fingerprint is None:
+                tape.key_fingerprint = fingerprint(self._key_secret or self._install_secret(), value)
             elif lowered == b"traceparent":
                 traceparent = value.decode("latin-1")
             elif lowered == b"tracestate":
@@ -426,7 +443,13 @@ class ProxyApp:
         request = httpx.Request(
             scope["method"],
             upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b"")),
-            headers=request_headers(headers, trace=trace, body_changed=rewritten is not None, plain=tape.strip_usage),
+            headers=request_headers(
+                headers,
+                trace=trace,
+                body_changed=rewritten is not None,
+                plain=tape.strip_usage,
+                private=self.forward_private,
+            ),
             content=content,
             extensions={"timeout": client.timeout.as_dict()},
         )

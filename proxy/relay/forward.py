@@ -52,13 +52,15 @@ def request_headers(
     trace: list[tuple[bytes, bytes]] | None,
     body_changed: bool,
     plain: bool = False,
+    private: bool = False,
 ) -> list[tuple[bytes, bytes]]:
     """Client headers as they go upstream: hop-by-hop, Host and llmtap's own removed; our trace context added.
 
     Nothing else is added: Host (the upstream's) and the body's length come from the request itself.
     ``trace`` replaces the client's trace headers; None (tracing off) lets them pass as sent. ``plain``
     asks for an uncompressed response (``accept-encoding: identity``, which every client accepts): llmtap
-    must read the events of a stream whose usage event it removes.
+    must read the events of a stream whose usage event it removes. ``private``: the caller's ``x-llmtap-*``
+    headers go too (the operator's ``forward_llmtap_headers``).
     """
     drop = HOP_BY_HOP | _connection_listed(headers) | {b"host"}
     if trace is not None:
@@ -67,7 +69,10 @@ def request_headers(
         drop |= {b"content-length"}
     if plain:
         drop |= {b"accept-encoding"}
-    out = [(k, v) for k, v in headers if (kl := k.lower()) not in drop and not kl.startswith(PRIVATE_PREFIX)]
+    if private:
+        out = [(k, v) for k, v in headers if k.lower() not in drop]
+    else:
+        out = [(k, v) for k, v in headers if (kl := k.lower()) not in drop and not kl.startswith(PRIVATE_PREFIX)]
     if plain:
         out.append((b"accept-encoding", b"identity"))
     if trace:

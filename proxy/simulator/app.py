@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from proxy.simulator.cache import CacheHit, PrefixCache
+from proxy.simulator.embeddings import embeddings_endpoint
 from proxy.simulator.native import GeminiFormat, OllamaFormat
 from proxy.simulator.profiles import Profile
 from proxy.simulator.requests import Route as GenRoute, SimError, output_tokens, parse_json, parse_request
@@ -316,6 +317,8 @@ def create_app(profile: Profile, *, seed: int | None = None, clock: Callable[[],
             f"{_GEMINI}:generateContent", GenerateEndpoint(state, "gemini", GeminiFormat(sse=False)), methods=["POST"]
         ),
         Route(f"{_GEMINI}:streamGenerateContent", GeminiStreamEndpoint(state), methods=["POST"]),
+        Route("/v1/embeddings", embeddings_endpoint(profile, ollama=False), methods=["POST"]),
+        Route("/api/embed", embeddings_endpoint(profile, ollama=True), methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),

@@ -10,7 +10,7 @@ The facts are defined over the flat columns of a record (``COLUMNS``): ``time_s`
 ``model``, ``shape``, ``prompt_version``, ``outcome``, ``stream``, ``slo``, ``ttft``, ``tpot``,
 ``e2e``, ``prefill``, ``prefill_source``, ``input_tokens``, ``cache_read_tokens``, ``cache_class``,
 ``obj_shape``, ``obj_percentile``, ``obj_ttft``, ``obj_tpot``, ``obj_e2e``, ``trace_id``,
-``instance_id``. A record without a readable time belongs to no window and is left out.
+``instance_id``, ``cost``. A record without a readable time belongs to no window and is left out.
 
 Sources:
 
@@ -59,6 +59,7 @@ COLUMNS: dict[str, str] = {
     "obj_e2e": "float",
     "trace_id": "str",
     "instance_id": "str",
+    "cost": "float",  # cost.amount (issue 31): null when unpriced
 }
 #: A value of the wrong type (a string where a number belongs, a boolean for a number) reads as null.
 
@@ -118,6 +119,9 @@ class Group:
     objective: Objective | None = None
     objective_time: float = 0.0
     classes: dict[str, int] = field(default_factory=dict)  # cache_class counts (null left out)
+    #: Records with a cost (not null, whatever their outcome), and the sum of it (issue 31).
+    priced: int = 0
+    cost: float = 0.0
     #: prefill_source (null as 'unknown') of ok streams with a TTFT and a prefill.
     prefill_sources: set[str] = field(default_factory=set)
     # Sorted values:

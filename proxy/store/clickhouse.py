@@ -86,8 +86,9 @@ COLUMNS: dict[str, str] = {
     "obj_e2e": "objective_e2e",
     "trace_id": "trace_id",
     "instance_id": "instance_id",
+    "cost": "cost_amount",
 }
-_FLOATS = {"time_s", "ttft", "tpot", "e2e", "prefill", "obj_percentile", "obj_ttft", "obj_tpot", "obj_e2e"}
+_FLOATS = {"time_s", "ttft", "tpot", "e2e", "prefill", "obj_percentile", "obj_ttft", "obj_tpot", "obj_e2e", "cost"}
 _INTS = {"input_tokens", "cache_read_tokens"}
 
 
@@ -182,6 +183,19 @@ def server_from_env(url: str, env: Mapping[str, str] | None = None) -> Server:
     return Server.parse(url, user=env.get("LLMTAP_RECORD_CLICKHOUSE_USER"), password=password)
 
 
+def add_missing_columns(server: Server, table: str) -> list[str]:
+    """Add the columns of ``clickhouse.sql`` a table made by an earlier version lacks; their names."""
+    have = {
+        line.split("\t", 1)[0] for line in server.query(f"DESCRIBE TABLE {table_name(table)}").decode().splitlines()
+    }
+    missing = [(name, kind) for name, kind in _column_kinds().items() if name not in have]
+    for name, kind in missing:
+        server.query(f"ALTER TABLE {table_name(table)} ADD COLUMN {name} {kind}")
+    if missing:
+        log.info("ClickHouse table %s: added the columns %s", table, ", ".join(name for name, _ in missing))
+    return [name for name, _ in missing]
+
+
 def create_table(server: Server, table: str, ttl_days: int) -> str:
     """Create ``table`` if it is not there and apply the TTL where the server can; what was done, in words."""
     try:
@@ -191,6 +205,7 @@ def create_table(server: Server, table: str, ttl_days: int) -> str:
         if "allow_experimental_low_cardinality_type" not in str(exc):
             raise
         server.query(ddl(table), settings={"allow_experimental_low_cardinality_type": 1})
+    add_missing_columns(server, table)
     if ttl_days <= 0:
         return f"table {table} ready; rows are kept until deleted (no TTL asked)"
     release = server.version()
@@ -285,6 +300,8 @@ def flat_row(record: Mapping[str, Any]) -> dict[str, Any] | None:
         "cache_expected_prefix_tokens": cache.get("expected_prefix_tokens"),
         "cache_cached_tokens": cache.get("cached_tokens"),
         "cache_min_tokens": cache.get("min_tokens"),
+        "cost_amount": _part(record, "cost").get("amount"),
+        "cost_status": _part(record, "cost").get("status"),
     }
     for name in ("ttft", "ttfb", "upstream_ttft", "tpot", "e2e", "queue", "queue_source", "prefill"):
         row[name] = record.get(name)
@@ -769,12 +786,14 @@ class ClickHouseSource:
             f"SELECT {group_by}, count(), countIf(NOT ({_OK})), countIf(slo = 'met'), min(time_s), max(time_s), "
             f"sumIf(tokens_input, {_OK} AND tokens_input IS NOT NULL), "
             f"sumIf(ifNull(tokens_cache_read, 0), {_OK} AND tokens_input IS NOT NULL), "
-            f"groupUniqArrayIf(ifNull(prefill_source, 'unknown'), {_STREAM_TTFT} AND {_OK} AND prefill IS NOT NULL) "
+            f"groupUniqArrayIf(ifNull(prefill_source, 'unknown'), {_STREAM_TTFT} AND {_OK} AND prefill IS NOT NULL), "
+            f"countIf(cost_amount IS NOT NULL), sumIf(assumeNotNull(cost_amount), cost_amount IS NOT NULL) "
             f"{base}"
         )
-        for k, r, s, n, errors, met, first, last, inp, cached, sources in _tsv(facts):
+        for k, r, s, n, errors, met, first, last, inp, cached, sources, priced, cost in _tsv(facts):
             g = Group(k, r, s, int(n or 0), int(errors or 0), int(met or 0), float(first or 0), float(last or 0))
             g.input_tokens, g.cached_tokens = int(inp or 0), int(cached or 0)
+            g.priced, g.cost = int(priced or 0), float(cost or 0)
             g.prefill_sources = set(_array(sources or "[]"))
             groups[(k, r, s)] = g
         classes = self._query(

@@ -5,7 +5,8 @@
 -- Partitioned by day; ordered for the questions asked: a route, a prompt version, a time range.
 -- {table} is the table's name; llmtap runs this statement when it starts (CREATE ... IF NOT EXISTS),
 -- then applies the TTL (--record-clickhouse-ttl-days) with ALTER TABLE ... MODIFY TTL on ClickHouse 19.6
--- and later, and says in its log that it cannot on an older server.
+-- and later, and says in its log that it cannot on an older server. A table made by an earlier version gets
+-- the columns added since (ALTER TABLE ... ADD COLUMN), so its older rows read null there.
 CREATE TABLE IF NOT EXISTS {table}
 (
     schema UInt8,
@@ -66,7 +67,9 @@ CREATE TABLE IF NOT EXISTS {table}
     cache_changed_region Nullable(String),
     cache_expected_prefix_tokens Nullable(Int64),
     cache_cached_tokens Nullable(Int64),
-    cache_min_tokens Nullable(Int64)
+    cache_min_tokens Nullable(Int64),
+    cost_amount Nullable(Float64),
+    cost_status Nullable(String)
 )
 ENGINE = MergeTree
 PARTITION BY toDate(time)

@@ -68,6 +68,7 @@ _PATHS = (
     "$.objective.tpot",
     "$.objective.e2e",
     "$.trace_id",  # the slowest requests' names (Group.slowest)
+    "$.cost.amount",
 )
 #: A value's JSON type read from its first character (the extracted text is minimal JSON): cheaper than
 #: parsing it again, and exactly Python's view (a string is never a number, a boolean never a number).
@@ -106,6 +107,7 @@ _JSON_COLUMNS = {
     "obj_tpot": "j_num(j[21])",
     "obj_e2e": "j_num(j[22])",
     "trace_id": "j_str(j[23])",
+    "cost": "j_num(j[24])",
 }
 _KINDS = {"float": "DOUBLE", "str": "VARCHAR", "int": "BIGINT", "bool": "BOOLEAN"}
 #: Where each flat column sits in a Parquet file of nested records (a flat one names them as COLUMNS).
@@ -119,6 +121,7 @@ _NESTED = {
     "obj_ttft": ("objective", "ttft"),
     "obj_tpot": ("objective", "tpot"),
     "obj_e2e": ("objective", "e2e"),
+    "cost": ("cost", "amount"),
 }
 _NUMERIC = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT")
 _FLOATS = ("FLOAT", "DOUBLE", "DECIMAL")
@@ -231,7 +234,9 @@ FROM (
 
         def column(name: str, kind: str) -> str:
             sql_type = _KINDS[kind]
-            path = (name,) if name in schema else _NESTED.get(name, (name,))
+            # A flat file names the column itself; a nested one may hold a struct of that name (``cost``).
+            flat = name in schema and not schema[name].startswith("STRUCT(")
+            path = (name,) if flat else _NESTED.get(name, (name,))
             top = schema.get(path[0])
             if top is None:
                 return f"NULL::{sql_type}"
@@ -330,7 +335,8 @@ SELECT key, route, shape, gh,
   arg_max({{'s': obj_shape, 'p': obj_percentile, 't': obj_ttft, 'o': obj_tpot, 'e': obj_e2e, 'at': time_s}},
           {rank}) FILTER ({_OBJ_VALID}),
   histogram(cache_class) FILTER (cache_class IS NOT NULL),
-  list(DISTINCT coalesce(prefill_source, 'unknown')) FILTER ({ok_stream} AND prefill IS NOT NULL)
+  list(DISTINCT coalesce(prefill_source, 'unknown')) FILTER ({ok_stream} AND prefill IS NOT NULL),
+  count(cost), coalesce(sum(cost), 0)
 FROM part_rows WHERE kind = 'record' GROUP BY ALL"""
         nan = "'nan'::DOUBLE"
         values = f"""
@@ -385,6 +391,8 @@ FROM ({read()})""",
                 for cls, n in (r[12] or {}).items():
                     g.classes[str(cls)] = g.classes.get(str(cls), 0) + int(n)
                 g.prefill_sources.update(r[13] or ())
+                g.priced += int(r[14])
+                g.cost += float(r[15])
             # The part's slowest ok streams of each group, with their trace ids (merged with the parts before).
             for gh, ttft, trace in self._con.execute(slow).fetchall():
                 top = groups[int(gh)].slowest

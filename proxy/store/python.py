@@ -162,6 +162,10 @@ class PythonSource:
                 g.tpot.append(tpot)
             if e2e is not None:
                 g.e2e.append(e2e)
+            cost = _num(_dict(rec.get("cost")).get("amount"))
+            if cost is not None:
+                g.priced += 1
+                g.cost += cost
             inp = _int(tokens.get("input"))
             if ok and inp is not None:
                 g.input_tokens += inp

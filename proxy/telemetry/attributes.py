@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from proxy.analysis.cachediag import Diagnosis
+from proxy.analysis.cost import LOCAL, Cost
 from proxy.analysis.summary import USAGE, Summary
 from proxy.analysis.timeline import CANCELLED, KEEP_CHARS, OK, Timeline
 from proxy.labels import LABEL_CAP, clean, clean_list, clean_or_none
@@ -41,6 +42,8 @@ def start_attributes(tl: Timeline) -> dict[str, Any]:
         sc.URL_PATH: clean(tl.path),
         sc.ROUTE: tl.route,
     }
+    if tl.attribution:
+        attrs.update(attribution_attributes(tl))
     req = tl.request
     if tl.protocol is None or req is None:
         return attrs
@@ -131,6 +134,7 @@ _HOP_NAMES = {
     sc.RESPONSE_ID: sc.HOP_RESPONSE_ID,
     sc.RESPONSE_FINISH_REASONS: sc.HOP_FINISH_REASONS,
     sc.RESPONSE_TIME_TO_FIRST_CHUNK: sc.HOP_TIME_TO_FIRST_CHUNK,
+    sc.COST_AMOUNT: sc.HOP_COST_AMOUNT,
 }
 
 
@@ -231,3 +235,23 @@ def end_attributes(
     if tl.outcome == CANCELLED:
         attrs[sc.ERROR_TYPE] = "cancelled"
     return attrs
+
+
+# -- attribution and cost (issue 31) ----------------------------------------------------------------
+
+
+def attribution_attributes(tl: Timeline) -> dict[str, Any]:
+    """Who sent the request (``proxy.analysis.attribution``: values already bounded and clean), on the root span."""
+    return {sc.dimension_attribute(name): value for name, value in tl.attribution.items()}
+
+
+def cost_attributes(cost: Cost, *, hop: bool = False) -> dict[str, Any]:
+    """What the request cost, by the proposed ``gen_ai.usage.cost.*`` convention (on a hop, ``llmtap.cost.amount``
+    in USD: the client's span is the generation); its status either way."""
+    attrs: dict[str, Any] = {sc.COST_STATUS: cost.status}
+    if cost.amount is not None:
+        attrs[sc.COST_AMOUNT] = cost.amount
+        attrs[sc.COST_CURRENCY] = cost.currency
+        attrs[sc.COST_SOURCE] = LOCAL
+    _put(attrs, sc.COST_PRICES, cost.source)
+    return as_hop(attrs) if hop else attrs

@@ -87,6 +87,10 @@ class Instruments:
     event_streams: UpDownCounter
     live_samples_dropped: Counter
     clickhouse_inserts: Counter
+    # Attribution and cost (issue 31)
+    cost: Counter
+    cost_unpriced: Counter
+    attribution_dropped: Counter
 
 
 def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Sequence[float]) -> Histogram:
@@ -305,5 +309,22 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             unit="{insert}",
             description="Batches of request records sent to ClickHouse (--record-clickhouse), by "
             "llmtap.clickhouse.outcome (ok, failed).",
+        ),
+        cost=meter.create_counter(
+            sc.METRIC_COST,
+            unit="{USD}",
+            description="What priced requests cost (reported tokens at the price table's prices), by model, route "
+            "and the attribution dimensions the operator allows.",
+        ),
+        cost_unpriced=meter.create_counter(
+            sc.METRIC_COST_UNPRICED,
+            unit="{request}",
+            description="Requests without a cost, by llmtap.cost.status: unknown_model (no price for the model), "
+            "no_usage (the upstream reported no tokens).",
+        ),
+        attribution_dropped=meter.create_counter(
+            sc.METRIC_ATTRIBUTION_DROPPED,
+            unit="{header}",
+            description="x-llmtap-property-* headers dropped past the 16 a request keeps.",
         ),
     )

@@ -87,6 +87,12 @@ class MetricWriter:
         self._versions = self._guard(sc.PROMPT_VERSION, 8, trial=4, candidates=64)
         # llmtap's own error types are a few; an upstream's error.type or code may be anything.
         self._errors = self._guard(sc.ERROR_TYPE, 32, trial=16, candidates=64)
+        # Attribution dimensions the operator allows on metrics, each with a bounded number of values.
+        values = settings.attribution.metric_values
+        self._dimensions = {
+            name: self._guard(sc.dimension_attribute(name), values, trial=values, candidates=4 * values)
+            for name in settings.attribution.metric_dimensions
+        }
 
     def _guard(self, attribute: str, slots: int, *, trial: int, candidates: int, pinned: Any = ()) -> LabelGuard:
         evicted = self.instruments.labels_evicted
@@ -137,10 +143,23 @@ class MetricWriter:
             own[sc.PROMPT_VERSION] = self._versions(tl.prompt_version)
         return Labels(attrs, outcome, own)
 
+    def dimension_labels(self, tl: Timeline) -> dict[str, str]:
+        """The allowed attribution dimensions of a request as labels (counts one use of each value)."""
+        if not self._dimensions or not tl.attribution:
+            return {}
+        return {
+            sc.dimension_attribute(name): guard(tl.attribution[name])
+            for name, guard in self._dimensions.items()
+            if name in tl.attribution
+        }
+
     def record(self, tl: Timeline, s: Summary) -> None:
         """Record one finished request's latency, token and outcome metrics."""
         ins = self.instruments
         attrs, outcome, own = self.metric_attributes(tl, s)
+        # llmtap's counters (requests, tokens, cost) carry the allowed attribution dimensions; histograms do not.
+        counted = {**own, **self.dimension_labels(tl)}
+        self._cost_metrics(tl, s, counted)
         # A hop's generation is its client's to report (``attributes.is_hop``): the client's instrumentation
         # records it in the gen_ai.client.* metrics, so llmtap's own (llmtap.*) alone count this request.
         client = not is_hop(tl, self._role)
@@ -155,7 +174,7 @@ class MetricWriter:
                 ins.operation_duration.record(s.e2e, outcome, context=ctx)
             if ins.server_duration is not None:
                 ins.server_duration.record(s.e2e, outcome, context=ctx)
-        ins.requests.add(1, {**own, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo, sc.SHAPE: s.shape})
+        ins.requests.add(1, {**counted, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo, sc.SHAPE: s.shape})
         if tl.malformed_events:
             ins.malformed.add(tl.malformed_events, {sc.ROUTE: tl.route})
         if s.ttfb is not None:
@@ -186,9 +205,22 @@ class MetricWriter:
             ins.decode.record(s.decode, own, context=ctx)
         if s.upstream_unattributed is not None:
             ins.unattributed.record(s.upstream_unattributed, own, context=ctx)
-        self._token_metrics(s, attrs, outcome, own, client=client)
+        self._token_metrics(s, attrs, outcome, counted, client=client)
         if tl.sent is not None:
             ins.overhead.record(proxy_added(tl), {sc.ROUTE: tl.route})
+
+    def _cost_metrics(self, tl: Timeline, s: Summary, counted: dict[str, Any]) -> None:
+        """The request's cost on ``llmtap.cost``, or its status on ``llmtap.cost.unpriced``."""
+        ins = self.instruments
+        if tl.attribution_dropped:
+            ins.attribution_dropped.add(tl.attribution_dropped, {sc.ROUTE: tl.route})
+        cost = s.cost
+        if cost is None:
+            return
+        if cost.amount is not None:
+            ins.cost.add(cost.amount, counted)
+        else:
+            ins.cost_unpriced.add(1, {**counted, sc.COST_STATUS: cost.status})
 
     def _token_metrics(
         self, s: Summary, attrs: dict[str, Any], outcome: dict[str, Any], own: dict[str, Any], *, client: bool

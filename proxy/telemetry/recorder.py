@@ -24,6 +24,7 @@ from opentelemetry.trace import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy.analysis.cachediag import CacheDiagnoser, Diagnosis
+from proxy.analysis.cost import PriceTable, request_cost
 from proxy.analysis.estimator import Estimator
 from proxy.analysis.summary import Summary, adopt_server_timing, reached_model, summarize
 from proxy.analysis.timeline import Timeline
@@ -32,7 +33,7 @@ from proxy.settings import Settings
 from proxy.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, END, RESPONSE_CUT_REASONS, SEGMENT, STATS
 from proxy.telemetry import forward, identity, peers, sched, semconv as sc
 from proxy.telemetry.access_log import AccessLog
-from proxy.telemetry.attributes import cache_attributes
+from proxy.telemetry.attributes import cache_attributes, cost_attributes
 from proxy.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
 from proxy.telemetry.metrics import MetricWriter
 from proxy.telemetry.records import record_line
@@ -110,6 +111,8 @@ class Recorder:
         self._routes = {r.name: r for r in settings.routes}
         #: Fingerprints prompts and classifies their cache use; only the worker thread touches it.
         self.cache = CacheDiagnoser(settings.routes)
+        #: The shipped prices with the user's file over them (``--prices``), for each request's cost.
+        self.prices = PriceTable(settings.attribution.prices)
         #: Who writes this process's records (``service.instance.id`` and the rest).
         self.identity = identity.current()
         #: Where records go (``--record DIR``, ``--record-logs``), written by the worker thread.
@@ -540,6 +543,8 @@ class Recorder:
             shapes=self.settings.shapes,
             slots=slots,
         )
+        if tl.protocol is not None:
+            s.cost = request_cost(self.prices, tl, s)
         if self._joinable(tl):
             assert tl.span_id is not None
             now = time.monotonic()
@@ -623,6 +628,8 @@ class Recorder:
             root = self.spans.root(tl)
             if diag is not None:
                 root.set_attributes(cache_attributes(diag))
+            if s.cost is not None:
+                root.set_attributes(cost_attributes(s.cost, hop=self.spans.is_hop(tl)))
             self.spans.write(tl, s, root)
         except Exception:
             log.exception("telemetry: could not write the spans of %s %s", tl.method, tl.path)

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from proxy.analysis.attribution import record_part
 from proxy.analysis.cachediag import Diagnosis
 from proxy.analysis.stats import sorted_quantile
 from proxy.analysis.summary import Summary
@@ -113,6 +114,14 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
             "reasoning": s.reasoning_tokens,
         },
     }
+    # Attribution and cost (issue 31): who sent it (bounded values), and what it cost or why that is unknown.
+    out["attribution"] = record_part(tl.attribution)
+    cost = s.cost
+    out["cost"] = (
+        None
+        if cost is None
+        else {"amount": cost.amount, "currency": cost.currency, "status": cost.status, "prices": cost.source}
+    )
     fp = diag.fingerprint if diag is not None else None
     out["prompt"] = (
         None

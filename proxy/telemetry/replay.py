@@ -15,6 +15,7 @@ import math
 from array import array
 from typing import Any
 
+from proxy.analysis.attribution import dimensions
 from proxy.analysis.timeline import KEEP_CHARS, Timeline
 from proxy.providers import PROVIDERS
 from proxy.providers.base import Provider
@@ -71,6 +72,8 @@ class Playback:
             response_headers,
             upstream_seq,
             upstream_ahead,
+            attribution,
+            key_fingerprint,
         ) = head
         route = routes.get(route_name)
         provider = provider_named(protocol, method, inner_path)
@@ -110,6 +113,10 @@ class Playback:
                 info.parse_error = "body_not_inspected"
             info.strip_usage = strip_usage
             tl.request = info
+        if attribution or key_fingerprint or (info is not None and info.end_user):
+            tl.attribution, tl.attribution_dropped = dimensions(
+                attribution, body_user=info.end_user if info else None, key_fingerprint=key_fingerprint
+            )
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in response_headers}
         if "x-queue-time" in headers:
             # TGI reports its queue time in headers (non-streamed responses).

@@ -272,3 +272,34 @@ METRIC_EVENT_STREAMS = "llmtap.admin.event_streams"  # the live view's /events s
 # Latency values the live view stopped keeping past its bound (its percentiles then read from buckets, marked)
 METRIC_LIVE_SAMPLES_DROPPED = "llmtap.admin.live_samples.dropped"
 METRIC_CLICKHOUSE_INSERTS = "llmtap.telemetry.clickhouse.inserts"  # batches of records sent to ClickHouse, by outcome
+
+# Attribution and cost (issue 31)
+#: Who sent a request (``proxy.analysis.attribution``): on spans always, on metrics when the operator allows.
+TENANT = "llmtap.tenant"
+#: The end user: the general registry's ``user.id`` (https://opentelemetry.io/docs/specs/semconv/registry/attributes/user/).
+USER_ID = "user.id"
+API_KEY_FINGERPRINT = "llmtap.api_key.fingerprint"
+PROPERTY_PREFIX = "llmtap.property."
+#: A request's cost, by the proposed GenAI convention (open-telemetry/semantic-conventions-genai#443):
+#: the amount, its ISO 4217 currency, and ``local`` (computed by the proxy from reported tokens and its prices).
+COST_AMOUNT = "gen_ai.usage.cost.amount"
+COST_CURRENCY = "gen_ai.usage.cost.currency"
+COST_SOURCE = "gen_ai.usage.cost.source"
+#: ``priced``, ``unknown_model`` or ``no_usage`` (``proxy.analysis.cost``); where the price came from.
+COST_STATUS = "llmtap.cost.status"
+COST_PRICES = "llmtap.cost.prices"
+HOP_COST_AMOUNT = "llmtap.cost.amount"  # a hop span's cost (its client's span is the generation)
+METRIC_COST = "llmtap.cost.usd"  # the sum of priced requests' cost, USD, by model, route and the allowed dimensions
+METRIC_COST_UNPRICED = "llmtap.cost.unpriced"  # requests with no cost, by llmtap.cost.status
+METRIC_ATTRIBUTION_DROPPED = "llmtap.attribution.dropped"  # x-llmtap-property-* headers past the per-request bound
+
+
+def dimension_attribute(dimension: str) -> str:
+    """The span and metric attribute of an attribution dimension (``tenant``: ``llmtap.tenant``)."""
+    if dimension == "tenant":
+        return TENANT
+    if dimension == "user":
+        return USER_ID
+    if dimension == "api_key":
+        return API_KEY_FINGERPRINT
+    return PROPERTY_PREFIX + dimension.removeprefix("property.")

@@ -452,6 +452,10 @@
     put("shape", r.shape);
     put("cache class", r.cache_class);
     put("prompt version", r.prompt_version);
+    put("tenant", r.tenant);
+    put("user", r.user);
+    put("cost", r.cost === null || r.cost === undefined ? null : `$${Number(r.cost).toPrecision(4)}`,
+      r.cost === null || r.cost === undefined ? r.cost_status : null);
     put("response id", r.response_id, null, true);
     if (state.traces) put("trace id", r.trace_id, null, true);
     else put("trace id", "no tracing backend configured");
