@@ -475,7 +475,7 @@ def test_the_proxys_records_land_in_clickhouse(server: ClickHouseProcess, sim: s
     try:
         for version in ("v1", "v1", "v2"):
             assert serve.ask(version).is_success
-        _wait_for("3 rows in ClickHouse", lambda: _count(server, "from_proxy") == 3)
+        _wait_for("3 rows in ClickHouse", lambda: _table_count(server, "from_proxy") == 3)
         assert serve.metric(INSERTS, 'outcome="ok"') >= 1
         assert serve.metric(INSERTS, 'outcome="failed"') == 0
         assert serve.metric(DROPPED, 'reason="clickhouse_queue_full"') == 0
