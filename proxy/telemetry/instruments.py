@@ -45,6 +45,7 @@ class Instruments:
     output_tokens_counter: Counter | None
     cache_read_counter: Counter | None
     cache_write_counter: Counter | None
+    reasoning_counter: Counter | None
     input_tokens_histogram: Histogram | None
     output_tokens_histogram: Histogram | None
     server_ttft: Histogram | None  # gen_ai.server.*: only with telemetry.server_metrics
@@ -131,6 +132,7 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         output_tokens_counter=counter(names.output_tokens_counter, "Output tokens, reasoning included."),
         cache_read_counter=counter(names.cache_read_counter, "Input tokens read from the provider's prompt cache."),
         cache_write_counter=counter(names.cache_write_counter, "Input tokens written to the provider's prompt cache."),
+        reasoning_counter=counter(names.reasoning_counter, "Output tokens spent reasoning (a subset of the output)."),
         input_tokens_histogram=tokens(names.input_tokens_histogram, "Input tokens per request."),
         output_tokens_histogram=tokens(names.output_tokens_histogram, "Output tokens per request."),
         server_ttft=server_side(
