@@ -315,3 +315,38 @@ def test_schema_url_on_the_exported_scope(latest: bool, upstream: Scripted, tmp_
     finally:
         proxy.close()
         receiver.close()
+
+
+def test_latest_token_counters_over_otlp_reasoning_and_unknown_modality(upstream: Scripted, tmp_path: Path) -> None:
+    """Under ``gen_ai_latest_experimental`` every token counter of the migration guide arrives, the reasoning one
+    too; the scripted server's usage names no modality, so none reads ``text``: the conventions ask ``unknown``."""
+    receiver = HTTPReceiver()
+    env = otlp_env(receiver, OTEL_SEMCONV_STABILITY_OPT_IN="gen_ai_latest_experimental")
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env=env)
+    try:
+        chat(proxy)
+        names = (
+            str(sc.LATEST.input_tokens_counter),
+            str(sc.LATEST.output_tokens_counter),
+            "gen_ai.client.inference.usage.reasoning.output_tokens",
+        )
+        got = receiver.received
+        wait_for("token counters over OTLP", lambda: set(names) <= set(got.latest_metrics()), proxy)
+        metrics = got.latest_metrics()
+        for name in names:
+            _, metric = metrics[name]
+            assert metric.unit == "{token}" and metric.WhichOneof("data") == "sum", name
+            modalities = {
+                kv.value.string_value
+                for point in metric.sum.data_points
+                for kv in point.attributes
+                if kv.key == sc.TOKEN_MODALITY
+            }
+            assert modalities == {"unknown"}, (name, modalities)
+        _, output = metrics[str(sc.LATEST.output_tokens_counter)]
+        assert sum(p.as_int for p in output.sum.data_points) > 0
+        _, reasoning = metrics["gen_ai.client.inference.usage.reasoning.output_tokens"]
+        assert sum(p.as_int for p in reasoning.sum.data_points) == 0  # the scripted usage reports no reasoning
+    finally:
+        proxy.close()
+        receiver.close()
