@@ -337,7 +337,10 @@ def test_slow_ttft_rule_sees_every_root_span(tmp_path: Path) -> None:
             stream_chat(client, proxy.url)
             stream_chat(client, proxy.url, traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
             # A slow one, by the upstream's own delay: the rule keeps it.
-            stream_chat(client, proxy.url, **{"x-script-delay": f"{threshold + 0.1}"})
+            slow = {"x-script-delay": f"{threshold + 0.1}"}
+            with client.stream("POST", f"{proxy.url}/v1/chat/completions", json=CHAT, headers=slow) as r:
+                assert r.status_code == 200
+                assert [line for line in r.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
         deadline = time.monotonic() + PATIENCE
 
         def roots() -> list[dict[str, Any]]:

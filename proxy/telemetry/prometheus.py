@@ -5,7 +5,8 @@ demo) can live in one process, and nothing global is touched. Names follow the O
 Prometheus compatibility rules: dots become underscores, ``s`` adds ``_seconds``, counters get
 ``_total``, and units in braces (``{token}``) are annotations that add nothing. The text format has no
 native (exponential) histograms: this reader always takes explicit buckets, the instruments' advisory ones,
-whatever ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` asks of the OTLP exporter.
+whatever ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` asks of the OTLP exporter, and writes
+them sparse (below).
 
 A scraper that asks for OpenMetrics (``Accept: application/openmetrics-text``, as Prometheus does) gets
 it, with exemplars: each histogram bucket carries the trace and span id of the last request the SDK's
