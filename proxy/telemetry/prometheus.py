@@ -21,9 +21,10 @@ metric's series holds a value at or just above it: the bound of every non-empty 
 below it, the lower edge ``histogram_quantile`` interpolates from. A bound left out is one below which
 and above which nothing changes (its cumulative count equals the bound written below it), so every
 quantile reads exactly as from all the bounds. Every series of a metric carries the same bounds (the union
-over its series: ``sum by (le)`` across label sets adds bucket by bucket), and a bound once written stays,
-in every later scrape, so ``rate()`` of a bucket never starts from a history it did not see after the
-first scrape it appears in. ``full=True`` writes every bound (the pages peers send to be merged).
+over its series: ``sum by (le)`` across label sets adds bucket by bucket), and a bound once written stays
+in every later scrape. One cost: ``rate()`` or ``increase()`` over a window in which a bound first appears
+does not see the value that made it appear (it was in the bound's first sample), so within that window
+that value counts in the next bound up; windows after it read exactly. ``full=True`` writes every bound.
 """
 
 from __future__ import annotations
