@@ -16,15 +16,17 @@ bucket's exemplar until a newer one replaces it or its series goes away: every s
 Prometheus servers, a ``curl`` in between) sees it. The plain text format has no exemplars.
 
 Sparse buckets. A histogram's fine bounds (140 of them) would each be a line on every series, and most
-buckets of a series stay empty: its values span a few of them. A bound is written when a bucket of the
-metric's series holds a value at or just above it: the bound of every non-empty bucket and the bound
-below it, the lower edge ``histogram_quantile`` interpolates from. A bound left out is one below which
-and above which nothing changes (its cumulative count equals the bound written below it), so every
-quantile reads exactly as from all the bounds. Every series of a metric carries the same bounds (the union
+buckets of a series stay empty: its values span a few of them. The page writes the bounds of the range the
+metric's values span: from the bound below its lowest non-empty bucket (the lower edge
+``histogram_quantile`` interpolates from) to the bound of its highest. A bound left out counts what the
+bound written below it counts (nothing, or everything), so every quantile reads exactly as from all the
+bounds. Every series of a metric carries the same bounds (the union
 over its series: ``sum by (le)`` across label sets adds bucket by bucket), and a bound once written stays
 in every later scrape. One cost: ``rate()`` or ``increase()`` over a window in which a bound first appears
-does not see the value that made it appear (it was in the bound's first sample), so within that window
-that value counts in the next bound up; windows after it read exactly. ``full=True`` writes every bound.
+does not see the value that made it appear (it was in the bound's first sample). A value inside the range
+seen so far never makes one appear; one beyond it does, and within that window counts in the next bound
+up (above the highest: ``+Inf``, read as the highest bound written, its own); windows after it read exactly.
+``full=True`` writes every bound.
 """
 
 from __future__ import annotations
@@ -184,19 +186,24 @@ def _bucket_exemplars(bounds: Sequence[float], exemplars: Any) -> dict[int, tupl
 
 
 def shown_bounds(data: MetricsData | None) -> dict[str, set[int]]:
-    """Per histogram (metric name), the bounds (indices) a sparse page writes: over all its series, the
-    upper bound of each non-empty bucket and the one below it (the lower edge a quantile interpolates from)."""
+    """Per histogram (metric name), the bounds (indices) a sparse page writes: over all its series, every bound
+    from the one below the lowest non-empty bucket (the lower edge a quantile interpolates from) to the upper
+    bound of the highest. One run, no gaps: a value that later falls between two values seen before lands in a
+    bucket whose bound is already written, so ``rate()`` counts it where it belongs (``render``)."""
     out: dict[str, set[int]] = {}
     for metric in _metrics(data):
         if not isinstance(metric.data, HistogramData):
             continue
-        shown = out.setdefault(metric.name, set())
+        low, high = None, None
         for p in metric.data.data_points:
             last = len(p.explicit_bounds) - 1
-            for i, count in enumerate(p.bucket_counts):
-                if count:
-                    # Bucket i is (bound[i-1], bound[i]]; the overflow bucket (i = len) has only its lower bound.
-                    shown.update(j for j in (i - 1, i) if 0 <= j <= last)
+            filled = [i for i, count in enumerate(p.bucket_counts) if count]
+            if filled:
+                # Bucket i is (bound[i-1], bound[i]]; the overflow bucket (i = len) has only its lower bound.
+                first, top = max(filled[0] - 1, 0), min(filled[-1], last)
+                low = first if low is None else min(low, first)
+                high = top if high is None else max(high, top)
+        out[metric.name] = set(range(low, high + 1)) if low is not None and high is not None else set()
     return out
 
 
