@@ -12,7 +12,7 @@ the OpenTelemetry SDK, once per choice:
   ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram``.
 
 The explicit ones are rendered by the code behind llmtap's ``/metrics`` (``proxy.telemetry.prometheus``, sparse:
-the bounds around the values, so "one series holds" counts what a series of that shape costs),
+the bounds over the range of the values, so "one series holds" counts what a series of that shape costs),
 scraped by a real Prometheus and read back with its ``histogram_quantile``; the exponential one is read
 from the SDK's data points here (Prometheus' text format has no exponential histograms), interpolated
 geometrically inside the bucket that holds the rank and kept within the recorded min and max. Exact: the

@@ -514,7 +514,7 @@ _TABLE = (
         choice(*HISTOGRAM_BUCKETS),
         "fine",
         "gen_ai.* histogram buckets: llmtap's fine ones (percentiles within a few %; /metrics writes only the "
-        "bounds near values), or the conventions' advisory ones (standard: a p99 can read half again high)",
+        "bounds over the values' range), or the conventions' advisory ones (standard: a p99 can read half again high)",
         "telemetry",
         key="telemetry.histogram_buckets",
     ),

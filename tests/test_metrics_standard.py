@@ -106,7 +106,7 @@ def test_default_buckets_are_fine_and_attributes_the_conventions(upstream: Scrip
     try:
         chat(proxy)
         text = recorded(proxy)
-        # Every latency histogram takes the fine buckets, gen_ai.* too: /metrics writes those around the values.
+        # Every latency histogram takes the fine buckets, gen_ai.* too: /metrics writes those over the values' range.
         for name in (*GEN_AI_SECONDS, *LLMTAP_SECONDS):
             assert bounds(text, name) and set(bounds(text, name)) <= set(DURATION_BUCKETS), name
         assert set(bounds(text, TOKEN_USAGE)) <= set(TOKEN_BUCKETS)

@@ -9,8 +9,8 @@ exact value wherever the data is (``python -m bench.buckets``, ``python -m bench
 dashboards keyed on those ``le`` values. llmtap's own latency histograms keep the fine buckets whatever the
 setting: the dashboards, the live view and ``llmtap compare`` read them.
 
-So many bounds cost nothing on ``/metrics``: the reader writes a histogram sparse, only the bounds around
-the values its series hold (``prometheus``). Over OTLP each point carries every bound, or with
+So many bounds cost little on ``/metrics``: the reader writes a histogram sparse, only the bounds over the range
+of the values its series hold (``prometheus``). Over OTLP each point carries every bound, or with
 ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram`` every
 histogram is exponential (``setup``). A new latency histogram follows the scheme by being created with
 ``_seconds`` (or ``DURATION_BUCKETS`` as its advisory boundaries): its page then stays small and its
