@@ -28,7 +28,7 @@ from proxy.telemetry.instruments import DURATION_BUCKETS
 
 TTFT_ATTR = "gen_ai.response.time_to_first_chunk"
 TPOT_ATTR = "llmtap.time_per_output_token"
-TTFT_METRIC = "llmtap_time_to_first_token_seconds"  # fine buckets (the gen_ai.* one: the conventions')
+TTFT_METRIC = "llmtap_time_to_first_token_seconds"  # fine buckets, as the gen_ai.* one has by default
 QUANTILES = (50, 95, 99)
 
 

@@ -11,7 +11,8 @@ the OpenTelemetry SDK, once per choice:
 * ``base2``: the SDK's base-2 exponential aggregation, what the OTLP exporter sends with
   ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram``.
 
-The explicit ones are rendered by the code behind llmtap's ``/metrics`` (``proxy.telemetry.prometheus``),
+The explicit ones are rendered by the code behind llmtap's ``/metrics`` (``proxy.telemetry.prometheus``, sparse:
+the bounds over the range of the values, so "one series holds" counts what a series of that shape costs),
 scraped by a real Prometheus and read back with its ``histogram_quantile``; the exponential one is read
 from the SDK's data points here (Prometheus' text format has no exponential histograms), interpolated
 geometrically inside the bucket that holds the rank and kept within the recorded min and max. Exact: the
@@ -261,6 +262,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}" if seconds < 10 else f"{seconds * 1000:.0f}"
 
 
+def _span(sizes: Sequence[int]) -> str:
+    return f"{sizes[0]}" if sizes[0] == sizes[-1] else f"{sizes[0]} to {sizes[-1]}"
+
+
 def _pct(errors: Sequence[float]) -> str:
     return " / ".join(f"{e * 100:+.1f}" for e in errors)
 
@@ -282,7 +287,7 @@ def table(report: Report) -> str:
     sizes = {c: sorted({row.size[c] for row in report.rows}) for c in CHOICES}
     lines += [
         f"| largest error | | {worst['standard'] * 100:.1f} | {worst['fine'] * 100:.1f} | {worst['base2'] * 100:.1f} |",
-        f"| one series holds | | {sizes['standard'][0]} lines | {sizes['fine'][0]} lines "
+        f"| one series holds | | {_span(sizes['standard'])} lines | {_span(sizes['fine'])} lines "
         f"| up to {sizes['base2'][-1]} buckets |",
         "",
         "Prometheus' `histogram_quantile` and llmtap's own (`proxy.analysis.stats`) agreed "

@@ -48,7 +48,8 @@ def total(metric: str) -> str:
 
 # Metrics, by their Prometheus names. Percentiles come from llmtap's own histograms: they carry the route,
 # request shape and prompt version the panels group by, and fine buckets whatever telemetry.histogram_buckets
-# says (the gen_ai.* ones carry the conventions' attributes only, and by default their coarse buckets).
+# says (the gen_ai.* ones carry the conventions' attributes only; with histogram_buckets: standard, their
+# coarse buckets).
 TTFT = seconds(sc.METRIC_TTFT)
 ITL = seconds(sc.METRIC_ITL)
 TPOT = seconds(sc.METRIC_TPOT)

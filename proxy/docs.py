@@ -84,7 +84,12 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.USAGE_CACHE_WRITE: ("int", "Input tokens written to the prompt cache (latest experimental name)."),
     sc.USAGE_REASONING: ("int", "Output tokens spent on reasoning, when the upstream reports them."),
     sc.TOKEN_TYPE: ("string", "`input` or `output`."),
-    sc.TOKEN_MODALITY: ("string", "`text`; `unknown` on the 0 recorded for a response without usage."),
+    sc.TOKEN_MODALITY: (
+        "string",
+        "`unknown` for the counts a provider reports (none breaks them down by modality that llmtap reads) and "
+        "on the 0 recorded for a response without usage; `text` for llmtap's own tokenizer counts "
+        "(`telemetry.offline_token_usage`).",
+    ),
     sc.INPUT_MESSAGES: (
         "string",
         "The prompt (system part and messages, role and text) as JSON, at most 16 KiB of text, only when "
@@ -229,7 +234,11 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.HOP_RESPONSE_MODEL: ("string", "On a hop span: the model that answered."),
     sc.HOP_RESPONSE_ID: ("string", "On a hop span: the response id."),
     sc.HOP_FINISH_REASONS: ("string[]", "On a hop span: the finish reasons."),
-    sc.HOP_TIME_TO_FIRST_CHUNK: ("double", "On a hop span: TTFT in seconds (streams)."),
+    sc.HOP_TIME_TO_FIRST_CHUNK: (
+        "double",
+        "TTFT in seconds (streams), on every root span, generation or hop: what the collectors' slow-TTFT "
+        "sampling rule keys on.",
+    ),
     sc.INPUT_TOKENS_SOURCE: ("string", "`usage` (the upstream reported it) or the tiktoken encoding that counted it."),
     sc.OUTPUT_TOKENS_SOURCE: (
         "string",
@@ -374,6 +383,7 @@ METRICS: dict[str, str] = {
     str(sc.LATEST.output_tokens_counter): "Every LLM request with an output token count." + _NOT_HOP,
     str(sc.LATEST.cache_read_counter): "Every LLM request whose usage reports cache reads." + _NOT_HOP,
     str(sc.LATEST.cache_write_counter): "Every LLM request whose usage reports cache writes." + _NOT_HOP,
+    str(sc.LATEST.reasoning_counter): "Every LLM request: the reasoning tokens its usage reports, else 0." + _NOT_HOP,
     str(sc.LATEST.input_tokens_histogram): "Every LLM request with an input token count." + _NOT_HOP,
     str(sc.LATEST.output_tokens_histogram): "Every LLM request with an output token count." + _NOT_HOP,
     sc.SERVER_TIME_TO_FIRST_TOKEN: f"Only with {_SERVER_SETTING}: successful streamed requests.",
@@ -596,7 +606,14 @@ def _requests() -> Iterable[Timeline]:
     full.malformed_events, full.oversized_events, full.rejected_timings = 1, 1, ["decode"]
     yield full
     again = _timeline()
-    again.apply(Facts(usage=Usage(input_tokens=120, output_tokens=10), finish_reasons=["length"]))
+    # The server's own timing in full, its decode too (``llmtap.decode.server.duration``).
+    again.apply(
+        Facts(
+            usage=Usage(input_tokens=120, output_tokens=10),
+            finish_reasons=["length"],
+            server_timing=ServerTiming(queue=0.01, prefill=0.15, decode=0.08),
+        )
+    )
     yield again
     yield _timeline(chunks=3)  # no usage: tiktoken counts
     unary = _timeline(stream=False, chunks=1)
@@ -814,25 +831,31 @@ def _histogram_section(released: list[Instrument]) -> list[str]:
     return [
         "## Histograms: buckets and aggregation",
         "",
-        "Explicit buckets by default, on `/metrics` and over OTLP alike:",
+        "Explicit buckets by default, on `/metrics` and over OTLP alike, the same for every latency histogram:",
         "",
-        "- the `gen_ai.*` histograms use the conventions' advisory boundaries (`telemetry.histogram_buckets:",
-        "  standard`, the default), so dashboards and alerts written for the conventions find their `le`",
-        f"  values: {_lines(genai.buckets)} lines of `/metrics` per label set. `fine` (`--histogram-buckets fine`,",
-        "  `LLMTAP_HISTOGRAM_BUCKETS=fine`) gives them llmtap's fine buckets instead:",
-        f"  {_lines(genai.fine_buckets)} lines per label set.",
-        "- llmtap's own latency histograms always use the fine buckets (2^(1/8), about 9%, apart),",
-        f"  {_lines(own.buckets)} lines per label set. They carry the route, request shape and prompt version that",
-        "  the dashboards, the live view and `llmtap compare` group by, and theirs are the percentiles llmtap",
-        "  promises to the millisecond.",
+        "- fine buckets, 2^(1/8) (about 9%) apart from 1 ms to 131 s (tokens: 2^(1/4) apart), on llmtap's own",
+        "  histograms always and on the `gen_ai.*` ones by default (`telemetry.histogram_buckets: fine`). A",
+        "  percentile read from them with `histogram_quantile` lies within a few percent of the exact value.",
+        f"  Over OTLP each point carries all {len(own.buckets or ())} bounds.",
+        "- `/metrics` writes them sparse: of each histogram, the bounds of the range its values span, from the",
+        "  bound below the lowest bucket holding a value (where `histogram_quantile` interpolates from) to the",
+        "  bound of the highest, the same on every series, and a bound once written stays. A bound left out",
+        "  counts what the one below it counts, so every quantile reads exactly as from all the bounds, while a",
+        f"  series costs a line per bucket its values span, not {_lines(own.buckets)}. A value inside the range seen",
+        "  so far never makes a bound appear; in the `rate()` window in which one beyond it does, that value",
+        "  counts in the next bound up.",
+        "- `telemetry.histogram_buckets: standard` (`--histogram-buckets standard`) gives the `gen_ai.*`",
+        "  histograms the conventions' advisory boundaries instead, for dashboards keyed on those `le` values:",
+        f"  at most {_lines(genai.buckets)} lines per label set, and a percentile read from them can be half again",
+        "  high: they double at each step.",
         "- `OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram` makes",
         "  every histogram exponential over OTLP (at most 160 buckets over the range its values span, as narrow",
         "  as that range allows), whatever the setting says; any other value than that or",
         "  `explicit_bucket_histogram` stops the start. `/metrics` keeps explicit buckets: the Prometheus text",
         "  format has no native histograms.",
         "",
-        "How far a percentile read back from each lies from the exact value: `python -m bench.buckets`",
-        "(`bench/RESULTS.md`).",
+        "How far a percentile read back from each lies from the exact value: `python -m bench.buckets` and",
+        "`python -m bench.page` (`bench/RESULTS.md`); what each backend gets: docs/reading-the-numbers.md.",
         "",
     ]
 

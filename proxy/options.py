@@ -537,8 +537,9 @@ _TABLE = (
     option(
         "histogram_buckets",
         choice(*HISTOGRAM_BUCKETS),
-        "standard",
-        "gen_ai.* histogram buckets: the conventions' advisory ones, or llmtap's fine ones",
+        "fine",
+        "gen_ai.* histogram buckets: llmtap's fine ones (percentiles within a few %; /metrics writes only the "
+        "bounds over the values' range), or the conventions' advisory ones (standard: a p99 can read half again high)",
         "telemetry",
         key="telemetry.histogram_buckets",
     ),

@@ -243,7 +243,7 @@ class Telemetry:
     prometheus: bool = default("prometheus")
     #: Model names that always keep their own label on metrics, however rarely used (``LLMTAP_METRIC_MODELS``).
     metric_models: tuple[str, ...] = ()
-    #: ``standard``: the ``gen_ai.*`` histograms use the conventions' advisory buckets; ``fine``: llmtap's
+    #: ``standard``: the ``gen_ai.*`` histograms use the conventions' advisory buckets; ``fine`` (the default): llmtap's
     #: (2^(1/8) apart), as its own latency histograms always do.
     histogram_buckets: str = default("histogram_buckets")
     #: Also emit ``gen_ai.server.*``, the model server's own metric names, with values that include the hop.

@@ -6,8 +6,9 @@ carries three tokens. Deadlines are absolute from the request's arrival, so ther
 Run ``python tests/scripted_upstream.py``; it prints its port on stdout.
 
 Responses are deterministic (fixed ids and timestamps), so a direct call and a call through
-the proxy can be compared byte for byte. ``GET /last-headers`` returns the headers of the request before it
-as they arrived here (what a proxy sent upstream).
+the proxy can be compared byte for byte. A request header ``x-script-delay: SECONDS`` holds its whole
+stream back by that much (a TTFT of that request's own). ``GET /last-headers`` returns the headers of the
+request before it as they arrived here (what a proxy sent upstream).
 
 With ``SCRIPT_OTLP_TRACES=URL`` it also traces as vLLM's ``--otlp-traces-endpoint`` does: the OpenTelemetry
 SDK takes the request's ``traceparent`` and ``tracestate``, and each streamed request ends one SERVER span
@@ -217,7 +218,7 @@ class Upstream:
 
         self.active += 1
         try:
-            await self._stream(writer, request, anthropic, arrived, chunk)
+            await self._stream(writer, request, anthropic, arrived, chunk, float(headers.get("x-script-delay", 0)))
             self._trace(headers, arrived)
         except ConnectionError:
             self.cancelled += 1
@@ -226,7 +227,13 @@ class Upstream:
             self.active -= 1
 
     async def _stream(
-        self, writer: asyncio.StreamWriter, request: dict[str, Any], anthropic: bool, arrived: float, chunk: Any
+        self,
+        writer: asyncio.StreamWriter,
+        request: dict[str, Any],
+        anthropic: bool,
+        arrived: float,
+        chunk: Any,
+        shift: float = 0.0,
     ) -> None:
         include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
         if anthropic:
@@ -259,7 +266,7 @@ class Upstream:
             chunk(_chat_chunk({"role": "assistant", "content": ""}))
         await writer.drain()
         for i, (offset, toks) in enumerate(self.plan):
-            delay = arrived + offset - time.perf_counter()
+            delay = arrived + shift + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             # What the script really did: each content chunk's offset from the request's arrival.

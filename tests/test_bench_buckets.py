@@ -27,8 +27,9 @@ def test_percentile_error_of_each_choice() -> None:
     assert worst["fine"] < 0.05 and worst["base2"] < 0.05, worst
     assert worst["standard"] > 0.2, worst  # what the fine buckets and base2 are for
     assert report.prometheus_vs_llmtap < 1e-9
-    assert {row.size["standard"] for row in report.rows} == {17}
-    assert {row.size["fine"] for row in report.rows} == {140}
+    # /metrics writes the bounds over the range of a series' values: fewer lines than all (17 and 140) take.
+    assert all(3 <= row.size["standard"] <= 17 for row in report.rows)
+    assert all(3 <= row.size["fine"] < 140 for row in report.rows)
     assert all(0 < row.size["base2"] <= 160 and row.scale > 0 for row in report.rows)
     text = buckets.table(report)
     assert text.count("\n| ") == len(report.rows) + 4 and "largest error" in text  # header, rule, rows, two sums

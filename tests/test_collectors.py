@@ -302,7 +302,8 @@ def test_tail_sampling_keeps_errors_slow_ttft_slo_misses_and_chunk_detail() -> N
     by_type = {p["type"]: p for p in sampling["policies"]}
     assert by_type["status_code"]["status_code"]["status_codes"] == ["ERROR"]
     (ttft_rule,) = by_type["ottl_condition"]["ottl_condition"]["span"]
-    assert f'attributes["{sc.RESPONSE_TIME_TO_FIRST_CHUNK}"] >' in ttft_rule
+    # An attribute every llmtap root span carries, a hop's too (test_slow_ttft_rule_sees_every_root_span).
+    assert f'attributes["{sc.HOP_TIME_TO_FIRST_CHUNK}"] >' in ttft_rule
     strings = [p["string_attribute"] for p in sampling["policies"] if p["type"] == "string_attribute"]
     assert {"key": sc.SLO_OUTCOME, "values": ["missed"]} in strings
     # The requests the proxy kept chunk detail for (every reason it gives) are kept whole.
@@ -314,6 +315,58 @@ def test_tail_sampling_keeps_errors_slow_ttft_slo_misses_and_chunk_detail() -> N
     assert agent["exporters"]["load_balancing"]["routing_key"] == "traceID"
     for path in (COLLECTORS / "gateway.yaml", COLLECTORS / "agent.yaml", COLLECTORS / "standalone.yaml"):
         assert "tail_sampling" not in load_config(path)["service"]["pipelines"]["metrics"]["processors"]
+
+
+def test_slow_ttft_rule_sees_every_root_span(tmp_path: Path) -> None:
+    """The gateway keeps slow-TTFT traces by an attribute of the root span: a generation's, and a hop's under a
+    client that traces (``traceparent``), whose gen_ai.* attributes are its client's to report. Real llmtap,
+    spans read off a real OTLP/HTTP receiver; the attribute is the one the gateway's rule names."""
+    from tests.procs import Llmtap as Proxy
+    from tests.test_otlp import HTTPReceiver, attributes
+
+    sampling = load_config(COLLECTORS / "gateway.yaml")["processors"]["tail_sampling"]
+    (rule,) = next(p for p in sampling["policies"] if p["type"] == "ottl_condition")["ottl_condition"]["span"]
+    match = re.fullmatch(r'attributes\["([^"]+)"\] > ([0-9.]+)', rule)
+    assert match is not None, rule
+    key, threshold = match[1], float(match[2])
+    upstream = Scripted(SCRIPT_TTFT="0.02", SCRIPT_GAP="0.005", SCRIPT_CHUNKS="4")
+    receiver = HTTPReceiver()
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+    }
+    proxy = Proxy(upstream.url, tmp_path / "llmtap.log", env=env)
+    try:
+        with httpx.Client(timeout=10) as client:
+            stream_chat(client, proxy.url)
+            stream_chat(client, proxy.url, traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+            # A slow one, by the upstream's own delay: the rule keeps it.
+            slow = {"x-script-delay": f"{threshold + 0.1}"}
+            with client.stream("POST", f"{proxy.url}/v1/chat/completions", json=CHAT, headers=slow) as r:
+                assert r.status_code == 200
+                assert [line for line in r.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
+        deadline = time.monotonic() + PATIENCE
+
+        def roots() -> list[dict[str, Any]]:
+            spans = receiver.received.spans()
+            ids = {s.span_id for _, s in spans}
+            # A root here: a span whose parent is not among llmtap's (the hop's parent is the client's).
+            return [attributes(s.attributes) for _, s in spans if not s.parent_span_id or s.parent_span_id not in ids]
+
+        while len(roots()) < 3:
+            assert time.monotonic() < deadline, f"no three root spans:\n{proxy.logs()[-2000:]}"
+            time.sleep(0.05)
+        found = roots()
+        assert {a.get("llmtap.span.role", "generation") for a in found} == {"generation", "hop"}
+        assert all(isinstance(a.get(key), float) and a[key] > 0 for a in found), [a.get(key) for a in found]
+        assert sorted(a[key] > threshold for a in found) == [False, False, True]
+    finally:
+        proxy.close()
+        receiver.close()
+        upstream.close()
 
 
 def test_attribute_names_in_configs_are_llmtap_names() -> None:

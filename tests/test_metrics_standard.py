@@ -101,17 +101,15 @@ def recorded(proxy: Llmtap) -> str:
     return proxy.metrics()
 
 
-def test_default_buckets_and_attributes_are_the_conventions(upstream: Scripted, tmp_path: Path) -> None:
+def test_default_buckets_are_fine_and_attributes_the_conventions(upstream: Scripted, tmp_path: Path) -> None:
     proxy = Llmtap(upstream.url, tmp_path / "llmtap.log")
     try:
         chat(proxy)
         text = recorded(proxy)
-        for name in GEN_AI_SECONDS:
-            assert bounds(text, name) == list(sc.BUCKETS_DURATION), name
-        assert bounds(text, TOKEN_USAGE) == list(sc.BUCKETS_TOKENS)
-        # llmtap's own latency histograms keep the fine buckets: theirs are the percentiles it promises.
-        for name in LLMTAP_SECONDS:
-            assert bounds(text, name) == list(DURATION_BUCKETS), name
+        # Every latency histogram takes the fine buckets, gen_ai.* too: /metrics writes those over the values' range.
+        for name in (*GEN_AI_SECONDS, *LLMTAP_SECONDS):
+            assert bounds(text, name) and set(bounds(text, name)) <= set(DURATION_BUCKETS), name
+        assert set(bounds(text, TOKEN_USAGE)) <= set(TOKEN_BUCKETS)
         # The gen_ai.* series carry the conventions' attributes and no other; llmtap's carry the route.
         genai = [line for line in text.splitlines() if line.startswith("gen_ai_")]
         assert genai and {key for line in genai for key in labels(line)} <= CONVENTION_LABELS
@@ -122,29 +120,49 @@ def test_default_buckets_and_attributes_are_the_conventions(upstream: Scripted, 
         proxy.close()
 
 
+def test_standard_setting_gives_the_conventions_buckets(upstream: Scripted, tmp_path: Path) -> None:
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--histogram-buckets", "standard")
+    try:
+        chat(proxy)
+        text = recorded(proxy)
+        for name in GEN_AI_SECONDS:
+            assert bounds(text, name) and set(bounds(text, name)) <= set(sc.BUCKETS_DURATION), name
+        assert set(bounds(text, TOKEN_USAGE)) <= set(sc.BUCKETS_TOKENS)
+        # llmtap's own latency histograms keep the fine buckets whatever the setting.
+        for name in LLMTAP_SECONDS:
+            assert set(bounds(text, name)) <= set(DURATION_BUCKETS), name
+    finally:
+        proxy.close()
+
+
 def test_fine_setting_and_server_metrics(upstream: Scripted, tmp_path: Path) -> None:
     proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--histogram-buckets", "fine", "--server-metrics")
     try:
         chat(proxy)
         text = recorded(proxy)
         for name in GEN_AI_SECONDS:
-            assert bounds(text, name) == list(DURATION_BUCKETS), name
-        assert bounds(text, TOKEN_USAGE) == list(TOKEN_BUCKETS)
+            assert set(bounds(text, name)) <= set(DURATION_BUCKETS), name
+        assert set(bounds(text, TOKEN_USAGE)) <= set(TOKEN_BUCKETS)
         for name in ("gen_ai_server_time_to_first_token_seconds", "gen_ai_server_request_duration_seconds"):
-            assert bounds(text, name) == list(DURATION_BUCKETS), name
+            assert set(bounds(text, name)) <= set(DURATION_BUCKETS), name
             assert sum(float(line.rpartition(" ")[2]) for line in series(text, name + "_count")) == 1, name
     finally:
         proxy.close()
 
 
 def test_server_metrics_take_their_own_advice(upstream: Scripted, tmp_path: Path) -> None:
-    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env={"LLMTAP_SERVER_METRICS": "true"})
+    env = {"LLMTAP_SERVER_METRICS": "true", "LLMTAP_HISTOGRAM_BUCKETS": "standard"}
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env=env)
     try:
         chat(proxy)
         text = recorded(proxy)
-        assert bounds(text, "gen_ai_server_time_to_first_token_seconds") == list(sc.BUCKETS_SERVER_TTFT)
-        assert bounds(text, "gen_ai_server_time_per_output_token_seconds") == list(sc.BUCKETS_SERVER_TPOT)
-        assert bounds(text, "gen_ai_server_request_duration_seconds") == list(sc.BUCKETS_DURATION)
+        # With the standard buckets, each gen_ai.server.* histogram takes its own advice (written sparse).
+        for name, advised in (
+            ("gen_ai_server_time_to_first_token_seconds", sc.BUCKETS_SERVER_TTFT),
+            ("gen_ai_server_time_per_output_token_seconds", sc.BUCKETS_SERVER_TPOT),
+            ("gen_ai_server_request_duration_seconds", sc.BUCKETS_DURATION),
+        ):
+            assert bounds(text, name) and set(bounds(text, name)) <= set(advised), name
     finally:
         proxy.close()
 
@@ -253,7 +271,7 @@ def test_base2_variable_gives_exponential_histograms_over_otlp(upstream: Scripte
         text = recorded(proxy)
         ((line,),) = [series(text, "llmtap_time_to_first_token_seconds_sum")]
         assert float(line.rpartition(" ")[2]) == pytest.approx(ttft.exponential_histogram.data_points[0].sum)
-        assert bounds(text, DURATION) == list(sc.BUCKETS_DURATION)
+        assert set(bounds(text, DURATION)) <= set(DURATION_BUCKETS)
     finally:
         proxy.close()
         receiver.close()
@@ -294,6 +312,41 @@ def test_schema_url_on_the_exported_scope(latest: bool, upstream: Scripted, tmp_
         # One scope for every metric: the request's instruments and the exporters' own counters alike.
         assert metrics and {(sm.scope.name, sm.schema_url) for sm in metrics} == {("llmtap", want)}
         assert {sm.scope.version for sm in metrics} == {ss.scope.version for ss in spans} != {""}
+    finally:
+        proxy.close()
+        receiver.close()
+
+
+def test_latest_token_counters_over_otlp_reasoning_and_unknown_modality(upstream: Scripted, tmp_path: Path) -> None:
+    """Under ``gen_ai_latest_experimental`` every token counter of the migration guide arrives, the reasoning one
+    too; the scripted server's usage names no modality, so none reads ``text``: the conventions ask ``unknown``."""
+    receiver = HTTPReceiver()
+    env = otlp_env(receiver, OTEL_SEMCONV_STABILITY_OPT_IN="gen_ai_latest_experimental")
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env=env)
+    try:
+        chat(proxy)
+        names = (
+            str(sc.LATEST.input_tokens_counter),
+            str(sc.LATEST.output_tokens_counter),
+            "gen_ai.client.inference.usage.reasoning.output_tokens",
+        )
+        got = receiver.received
+        wait_for("token counters over OTLP", lambda: set(names) <= set(got.latest_metrics()), proxy)
+        metrics = got.latest_metrics()
+        for name in names:
+            _, metric = metrics[name]
+            assert metric.unit == "{token}" and metric.WhichOneof("data") == "sum", name
+            modalities = {
+                kv.value.string_value
+                for point in metric.sum.data_points
+                for kv in point.attributes
+                if kv.key == sc.TOKEN_MODALITY
+            }
+            assert modalities == {"unknown"}, (name, modalities)
+        _, output = metrics[str(sc.LATEST.output_tokens_counter)]
+        assert sum(p.as_int for p in output.sum.data_points) > 0
+        _, reasoning = metrics["gen_ai.client.inference.usage.reasoning.output_tokens"]
+        assert sum(p.as_int for p in reasoning.sum.data_points) == 0  # the scripted usage reports no reasoning
     finally:
         proxy.close()
         receiver.close()

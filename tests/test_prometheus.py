@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import re
@@ -14,7 +15,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from proxy.analysis.stats import quantile
 from proxy.telemetry import semconv as sc
 from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, Instruments, create
-from proxy.telemetry.prometheus import PrometheusReader, metric_name, render
+from proxy.telemetry.prometheus import PrometheusReader, merge_metrics, metric_name, render
 
 LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
 LABEL = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
@@ -178,9 +179,50 @@ def test_render_without_data() -> None:
 
 def test_llmtap_latency_histograms_use_fine_buckets(metrics: Metrics) -> None:
     metrics.instruments.itl.record(0.02, {sc.ROUTE: "default"})
-    text = metrics.reader.render()
-    series = buckets(text, "llmtap_inter_token_latency_seconds")
+    series = buckets(metrics.reader.render(full=True), "llmtap_inter_token_latency_seconds")
     assert [le for le, _ in series[:-1]] == list(DURATION_BUCKETS)
+    # The page a scraper gets writes the bound of the value's bucket and the one below it, and +Inf.
+    i = bisect.bisect_left(DURATION_BUCKETS, 0.02)
+    sparse = buckets(metrics.reader.render(), "llmtap_inter_token_latency_seconds")
+    assert sparse == [(DURATION_BUCKETS[i - 1], 0), (DURATION_BUCKETS[i], 1), (math.inf, 1)]
+
+
+def test_sparse_buckets_read_every_quantile_as_all_bounds_do(metrics: Metrics) -> None:
+    data = distributions()
+    for dist, values in data.items():
+        for v in values:
+            metrics.instruments.ttft.record(v, {"dist": dist})
+    full, sparse = metrics.reader.render(full=True), metrics.reader.render()
+    name = "llmtap_time_to_first_token_seconds"
+    assert len(sparse) < len(full) / 2
+    for dist in data:
+        for q in (0.01, 0.25, 0.5, 0.9, 0.95, 0.99, 0.999):
+            want = histogram_quantile(q, buckets(full, name, dist=dist))
+            assert histogram_quantile(q, buckets(sparse, name, dist=dist)) == pytest.approx(want, rel=1e-12)
+
+
+def test_a_bound_once_written_stays(metrics: Metrics) -> None:
+    """rate() over a bucket that came and went would read a history it never saw: bounds only ever join."""
+    name = "llmtap_inter_token_latency_seconds"
+    metrics.instruments.itl.record(0.02, {sc.ROUTE: "a"})
+    first = [le for le, _ in buckets(metrics.reader.render(), name)]
+    metrics.instruments.itl.record(3.0, {sc.ROUTE: "a"})
+    second = [le for le, _ in buckets(metrics.reader.render(), name)]
+    # One run of bounds, from below the lowest value's bucket to the highest's.
+    assert set(first) < set(second) and second == [*DURATION_BUCKETS[34:94], math.inf]
+    assert [le for le, _ in buckets(metrics.reader.render(), name)] == second
+
+
+def test_a_value_inside_the_range_seen_writes_no_new_bound(metrics: Metrics) -> None:
+    """A new bound's first sample already holds the value that made it appear, which rate() never sees as an
+    increase: inside the range seen so far, no value makes one appear."""
+    name = "llmtap_time_to_first_token_seconds"
+    for v in (0.1, 0.2, 0.5):
+        metrics.instruments.ttft.record(v, {sc.ROUTE: "a"})
+    before = [le for le, _ in buckets(metrics.reader.render(), name)]
+    for v in (0.11, 0.3, 0.45):
+        metrics.instruments.ttft.record(v, {sc.ROUTE: "b"})
+    assert [le for le, _ in buckets(metrics.reader.render(), name, llmtap_route="b")] == before
 
 
 def test_duration_buckets_grow_by_at_most_9_1_percent() -> None:
@@ -242,7 +284,34 @@ def test_every_series_of_a_histogram_carries_every_bound(metrics: Metrics) -> No
     """``sum by (le)`` across label sets adds bucket by bucket: no series may leave a bound out."""
     metrics.instruments.itl.record(0.02, {sc.ROUTE: "a"})
     metrics.instruments.itl.record(3.0, {sc.ROUTE: "b"})
-    text = metrics.reader.render()
     name = "llmtap_inter_token_latency_seconds"
-    a, b = buckets(text, name, llmtap_route="a"), buckets(text, name, llmtap_route="b")
-    assert [le for le, _ in a] == [le for le, _ in b] == [*DURATION_BUCKETS, math.inf]
+    for text in (metrics.reader.render(full=True), metrics.reader.render()):
+        a, b = buckets(text, name, llmtap_route="a"), buckets(text, name, llmtap_route="b")
+        assert [le for le, _ in a] == [le for le, _ in b]
+    assert [le for le, _ in a] == [*DURATION_BUCKETS[34:94], math.inf]
+    # Route b's bounds below 3 s, where it has no value, count what lies below them: nothing; a's above 0.02 s, 1.
+    assert {n for le, n in b[:-2]} == {0} and {n for le, n in a[1:]} == {1}
+
+
+def test_merged_sparse_pages_read_as_merged_full_ones() -> None:
+    """Two telemetry processes write different sparse bounds; their merged page adds up bucket by bucket."""
+    a, b = Metrics(), Metrics()
+    rng = random.Random(3)
+    for m, median in ((a, 0.05), (b, 0.8)):
+        for _ in range(300):
+            m.instruments.ttft.record(rng.lognormvariate(math.log(median), 0.3), {sc.ROUTE: "r"})
+    a.instruments.ttft.record(0.3, {sc.ROUTE: "only-a"})
+    name = "llmtap_time_to_first_token_seconds"
+    full = merge_metrics([a.reader.render(full=True), b.reader.render(full=True)])
+    sparse = merge_metrics([a.reader.render(), b.reader.render()])
+    for route in ("r", "only-a"):
+        f, s = buckets(full, name, llmtap_route=route), buckets(sparse, name, llmtap_route=route)
+        assert s and set(s) <= set(f) and s[-1] == f[-1]
+        for q in (0.1, 0.5, 0.9, 0.99):
+            assert histogram_quantile(q, s) == pytest.approx(histogram_quantile(q, f), rel=1e-12), (route, q)
+    # Both series of the merged page carry the same bounds.
+    assert [le for le, _ in buckets(sparse, name, llmtap_route="r")] == [
+        le for le, _ in buckets(sparse, name, llmtap_route="only-a")
+    ]
+    for m in (a, b):
+        m.provider.shutdown()

@@ -705,7 +705,7 @@ def test_metric_attributes_are_a_subset_of_span_attributes(
 
 def test_latest_semconv_names(harness: HarnessFactory) -> None:
     h = harness(semconv_latest=True)
-    usage = Usage(input_tokens=40, output_tokens=12, cache_read_tokens=16, cache_write_tokens=8)
+    usage = Usage(input_tokens=40, output_tokens=12, cache_read_tokens=16, cache_write_tokens=8, reasoning_tokens=5)
     h.run(timeline(6, usage=usage))
     m = h.metrics()
     for name in (
@@ -722,9 +722,12 @@ def test_latest_semconv_names(harness: HarnessFactory) -> None:
         ("gen_ai.client.inference.usage.output_tokens", 12),
         ("gen_ai.client.inference.usage.cache_read.input_tokens", 16),
         ("gen_ai.client.inference.usage.cache_write.input_tokens", 8),
+        ("gen_ai.client.inference.usage.reasoning.output_tokens", 5),
     ):
         assert m[name].unit == "{token}"
-        assert point(m, name, **{sc.TOKEN_MODALITY: "text"}).value == value
+        # The provider's usage names no modality: unknown, as gen-ai-token-metrics.md asks, never a guessed text.
+        assert [p.attributes[sc.TOKEN_MODALITY] for p in points(m[name])] == ["unknown"], name
+        assert point(m, name, **{sc.TOKEN_MODALITY: "unknown"}).value == value
     assert point(m, "gen_ai.client.inference.operation.output_tokens").sum == 12
     for old in (
         "gen_ai.client.operation.duration",

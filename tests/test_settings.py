@@ -96,16 +96,17 @@ def test_chunk_spans_flag_env_file(tmp_path: Path) -> None:
 
 def test_histogram_buckets_server_metrics_and_aggregation(tmp_path: Path) -> None:
     default = build({"upstream": UP}, env={}).telemetry
-    assert (default.histogram_buckets, default.server_metrics) == ("standard", False)
+    assert (default.histogram_buckets, default.server_metrics) == ("fine", False)
     assert default.histogram_aggregation == "explicit_bucket_histogram"
-    cfg = write(tmp_path, "upstream: http://u.example\ntelemetry: {histogram_buckets: fine, server_metrics: true}\n")
+    text = "upstream: http://u.example\ntelemetry: {histogram_buckets: standard, server_metrics: true}\n"
+    cfg = write(tmp_path, text)
     t = build({"config": cfg}, env={}).telemetry
-    assert (t.histogram_buckets, t.server_metrics) == ("fine", True)
-    env = {"LLMTAP_HISTOGRAM_BUCKETS": "standard", "LLMTAP_SERVER_METRICS": "false"}
+    assert (t.histogram_buckets, t.server_metrics) == ("standard", True)
+    env = {"LLMTAP_HISTOGRAM_BUCKETS": "fine", "LLMTAP_SERVER_METRICS": "false"}
     t = build({"config": cfg}, env=env).telemetry
-    assert (t.histogram_buckets, t.server_metrics) == ("standard", False)
-    t = build({"config": cfg, "histogram_buckets": "fine", "server_metrics": True}, env=env).telemetry
-    assert (t.histogram_buckets, t.server_metrics) == ("fine", True)
+    assert (t.histogram_buckets, t.server_metrics) == ("fine", False)
+    t = build({"config": cfg, "histogram_buckets": "standard", "server_metrics": True}, env=env).telemetry
+    assert (t.histogram_buckets, t.server_metrics) == ("standard", True)
     base2 = "base2_exponential_bucket_histogram"
     variable = {"OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION": base2}
     assert build({"upstream": UP}, env=variable).telemetry.histogram_aggregation == base2

@@ -201,6 +201,9 @@ def end_attributes(
         attrs[sc.OUTPUT_TOKENS_SOURCE] = s.output_source
     if tl.request is not None and tl.request.stream:
         _put(attrs, sc.RESPONSE_TIME_TO_FIRST_CHUNK, s.ttft)
+        # Under llmtap's name too, on every root span (a hop's keeps only this one): what a collector's
+        # sampling rule keys on, whatever the span's role.
+        _put(attrs, sc.HOP_TIME_TO_FIRST_CHUNK, s.ttft)
     _put(attrs, sc.TTFB, s.ttfb)
     _put(attrs, sc.UPSTREAM_TTFT, s.upstream_ttft)
     _put(attrs, sc.TPOT, s.tpot)

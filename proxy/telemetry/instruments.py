@@ -1,18 +1,20 @@
 """The metric instruments: names from ``semconv``, units, descriptions and bucket boundaries.
 
-Bucket choice. The ``gen_ai.*`` histograms take the conventions' advisory boundaries by default
-(``semconv.BUCKETS_*``): dashboards and alerts written for the conventions key on those ``le`` values, and
-a hosted backend bills each bucket as a series. Those bounds double at each step (0.64, 1.28, ...), so a
-percentile read back from them can be off by a third: ``telemetry.histogram_buckets: fine`` gives them
-llmtap's fine buckets instead, and over OTLP ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=
-base2_exponential_bucket_histogram`` makes every histogram exponential (``setup``), precise and compact.
+Bucket scheme (one for every latency histogram). Every histogram in seconds takes ``DURATION_BUCKETS``: bounds
+2^(1/8) (about 9%) apart from 1 ms to about 131 s, so ``histogram_quantile`` lands within a few percent of the
+exact value wherever the data is (``python -m bench.buckets``, ``python -m bench.page``); token counts take
+``TOKEN_BUCKETS``, 2^(1/4) apart. The ``gen_ai.*`` histograms take them too by default
+(``telemetry.histogram_buckets: fine``); ``standard`` gives those the conventions' advisory boundaries
+(``semconv.BUCKETS_*``, which double at each step: a p99 read from them can be half again high), for
+dashboards keyed on those ``le`` values. llmtap's own latency histograms keep the fine buckets whatever the
+setting: the dashboards, the live view and ``llmtap compare`` read them.
 
-llmtap's own latency histograms (TTFT, ITL and TPOT by route and request shape, TTFB, upstream TTFT,
-queue, prefill, decode, overhead) always use the fine buckets: they are what the dashboards, the live
-view and ``llmtap compare`` read percentiles from, and those percentiles are promised to the millisecond.
-Fine duration buckets grow by 2^(1/8) (about 9%) from 1 ms to about 131 s, so ``histogram_quantile``
-lands within a few percent of the exact value wherever the data is (``python -m bench.buckets``); fine
-token buckets grow by 2^(1/4).
+So many bounds cost little on ``/metrics``: the reader writes a histogram sparse, only the bounds over the range
+of the values its series hold (``prometheus``). Over OTLP each point carries every bound, or with
+``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram`` every
+histogram is exponential (``setup``). A new latency histogram follows the scheme by being created with
+``_seconds`` (or ``DURATION_BUCKETS`` as its advisory boundaries): its page then stays small and its
+percentiles close by the same rule.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Instruments:
     output_tokens_counter: Counter | None
     cache_read_counter: Counter | None
     cache_write_counter: Counter | None
+    reasoning_counter: Counter | None
     input_tokens_histogram: Histogram | None
     output_tokens_histogram: Histogram | None
     server_ttft: Histogram | None  # gen_ai.server.*: only with telemetry.server_metrics
@@ -137,6 +140,7 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         output_tokens_counter=counter(names.output_tokens_counter, "Output tokens, reasoning included."),
         cache_read_counter=counter(names.cache_read_counter, "Input tokens read from the provider's prompt cache."),
         cache_write_counter=counter(names.cache_write_counter, "Input tokens written to the provider's prompt cache."),
+        reasoning_counter=counter(names.reasoning_counter, "Output tokens spent reasoning (a subset of the output)."),
         input_tokens_histogram=tokens(names.input_tokens_histogram, "Input tokens per request."),
         output_tokens_histogram=tokens(names.output_tokens_histogram, "Output tokens per request."),
         server_ttft=server_side(

@@ -19,7 +19,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from proxy import __version__
 from proxy.analysis.cachediag import MISS_CHANGED, Diagnosis
-from proxy.analysis.summary import Summary
+from proxy.analysis.summary import USAGE, Summary
 from proxy.analysis.timeline import OK, Timeline
 from proxy.labels import OTHER, LabelGuard
 from proxy.settings import Settings
@@ -232,7 +232,7 @@ class MetricWriter:
             ("output", s.output_tokens, s.output_source, s.output_drift),
         ):
             if client:
-                self._client_tokens(kind, usage_value(value, source, self._offline), attrs, outcome)
+                self._client_tokens(kind, usage_value(value, source, self._offline), source, attrs, outcome)
             if value is None:
                 continue
             mine = ins.input_tokens if kind == "input" else ins.output_tokens
@@ -243,16 +243,24 @@ class MetricWriter:
                 ins.drift.record(
                     abs(drift), {sc.TOKEN_TYPE: kind, sc.ROUTE: own[sc.ROUTE], sc.DRIFT_DIRECTION: direction}
                 )
+        # Providers report no breakdown by modality that llmtap reads: reported counts are ``unknown``
+        # (gen-ai-token-metrics.md), as is the 0 of a response without usage.
+        unknown = {**attrs, sc.TOKEN_MODALITY: "unknown"}
         if s.cache_read_tokens is not None:
             ins.cache_read.add(s.cache_read_tokens, own)
             if client and ins.cache_read_counter is not None:
-                ins.cache_read_counter.add(s.cache_read_tokens, {**attrs, sc.TOKEN_MODALITY: "text"})
+                ins.cache_read_counter.add(s.cache_read_tokens, unknown)
         if s.cache_write_tokens is not None:
             ins.cache_write.add(s.cache_write_tokens, own)
             if client and ins.cache_write_counter is not None:
-                ins.cache_write_counter.add(s.cache_write_tokens, {**attrs, sc.TOKEN_MODALITY: "text"})
+                ins.cache_write_counter.add(s.cache_write_tokens, unknown)
+        if client and ins.reasoning_counter is not None:
+            # Recorded for every generation, 0 when the usage names no reasoning tokens.
+            ins.reasoning_counter.add(s.reasoning_tokens or 0, unknown)
 
-    def _client_tokens(self, kind: str, usage: int | None, attrs: dict[str, Any], outcome: dict[str, Any]) -> None:
+    def _client_tokens(
+        self, kind: str, usage: int | None, source: str, attrs: dict[str, Any], outcome: dict[str, Any]
+    ) -> None:
         """One token type's ``gen_ai.client.*`` token metrics (``usage``: as ``gen_ai.usage.*`` shows it)."""
         ins = self.instruments
         counter = ins.input_tokens_counter if kind == "input" else ins.output_tokens_counter
@@ -267,7 +275,9 @@ class MetricWriter:
         if hist is not None:
             hist.record(usage, outcome)
         if counter is not None:
-            counter.add(usage, {**attrs, sc.TOKEN_MODALITY: "text"})
+            # Counted by llmtap's tokenizer (offline usage): text it read; reported: no breakdown, ``unknown``.
+            modality = "unknown" if source == USAGE else "text"
+            counter.add(usage, {**attrs, sc.TOKEN_MODALITY: modality})
 
     def cache_attributes(self, tl: Timeline, diag: Diagnosis) -> dict[str, Any]:
         """The attributes of ``llmtap.cache.requests``."""

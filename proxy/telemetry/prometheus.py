@@ -5,7 +5,8 @@ demo) can live in one process, and nothing global is touched. Names follow the O
 Prometheus compatibility rules: dots become underscores, ``s`` adds ``_seconds``, counters get
 ``_total``, and units in braces (``{token}``) are annotations that add nothing. The text format has no
 native (exponential) histograms: this reader always takes explicit buckets, the instruments' advisory ones,
-whatever ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` asks of the OTLP exporter.
+whatever ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` asks of the OTLP exporter, and writes
+them sparse (below).
 
 A scraper that asks for OpenMetrics (``Accept: application/openmetrics-text``, as Prometheus does) gets
 it, with exemplars: each histogram bucket carries the trace and span id of the last request the SDK's
@@ -13,6 +14,19 @@ reservoir kept for it (``# {trace_id="...",span_id="..."} value timestamp``), so
 p99 bucket to that request's trace. Each collection empties the SDK's reservoirs, so the reader keeps each
 bucket's exemplar until a newer one replaces it or its series goes away: every scrape (an HA pair of
 Prometheus servers, a ``curl`` in between) sees it. The plain text format has no exemplars.
+
+Sparse buckets. A histogram's fine bounds (140 of them) would each be a line on every series, and most
+buckets of a series stay empty: its values span a few of them. The page writes the bounds of the range the
+metric's values span: from the bound below its lowest non-empty bucket (the lower edge
+``histogram_quantile`` interpolates from) to the bound of its highest. A bound left out counts what the
+bound written below it counts (nothing, or everything), so every quantile reads exactly as from all the
+bounds. Every series of a metric carries the same bounds (the union
+over its series: ``sum by (le)`` across label sets adds bucket by bucket), and a bound once written stays
+in every later scrape. One cost: ``rate()`` or ``increase()`` over a window in which a bound first appears
+does not see the value that made it appear (it was in the bound's first sample). A value inside the range
+seen so far never makes one appear; one beyond it does, and within that window counts in the next bound
+up (above the highest: ``+Inf``, read as the highest bound written, its own); windows after it read exactly.
+``full=True`` writes every bound.
 """
 
 from __future__ import annotations
@@ -59,6 +73,8 @@ class PrometheusReader(MetricReader):
         self._lock = threading.Lock()
         #: Each histogram series' kept exemplars: (metric name, labels) -> bucket index -> (time, line tail).
         self._kept: dict[tuple[str, str], dict[int, tuple[int, str]]] = {}
+        #: Each histogram's written bounds (indices), kept from scrape to scrape: a bound once written stays.
+        self._shown: dict[str, set[int]] = {}
 
     def _receive_metrics(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> None:
         self._latest = metrics_data
@@ -66,14 +82,17 @@ class PrometheusReader(MetricReader):
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         """Nothing to release."""
 
-    def render(self, *, openmetrics: bool = False) -> str:
-        """Collect now and return the exposition text (OpenMetrics, with exemplars, when asked)."""
-        with self._lock:  # one collection at a time: the kept exemplars are updated from each
+    def render(self, *, openmetrics: bool = False, full: bool = False) -> str:
+        """Collect now and return the exposition text (OpenMetrics, with exemplars, when asked; every bound
+        of every histogram when ``full``, else the sparse buckets)."""
+        with self._lock:  # one collection at a time: the kept exemplars and bounds are updated from each
             self._latest = None
             self.collect()
             data = self._latest
             self._keep(data)
-            return render(data, openmetrics=openmetrics, exemplars=self._kept)
+            for name, shown in shown_bounds(data).items():
+                self._shown.setdefault(name, set()).update(shown)
+            return render(data, openmetrics=openmetrics, exemplars=self._kept, shown=None if full else self._shown)
 
     def _keep(self, data: MetricsData | None) -> None:
         """Update the kept exemplars from a collection's fresh ones; forget the series it no longer has."""
@@ -166,13 +185,42 @@ def _bucket_exemplars(bounds: Sequence[float], exemplars: Any) -> dict[int, tupl
     return out
 
 
+def shown_bounds(data: MetricsData | None) -> dict[str, set[int]]:
+    """Per histogram (metric name), the bounds (indices) a sparse page writes: over all its series, every bound
+    from the one below the lowest non-empty bucket (the lower edge a quantile interpolates from) to the upper
+    bound of the highest. One run, no gaps: a value that later falls between two values seen before lands in a
+    bucket whose bound is already written, so ``rate()`` counts it where it belongs (``render``)."""
+    out: dict[str, set[int]] = {}
+    for metric in _metrics(data):
+        if not isinstance(metric.data, HistogramData):
+            continue
+        low, high = None, None
+        for p in metric.data.data_points:
+            last = len(p.explicit_bounds) - 1
+            filled = [i for i, count in enumerate(p.bucket_counts) if count]
+            if filled:
+                # Bucket i is (bound[i-1], bound[i]]; the overflow bucket (i = len) has only its lower bound.
+                first, top = max(filled[0] - 1, 0), min(filled[-1], last)
+                low = first if low is None else min(low, first)
+                high = top if high is None else max(high, top)
+        out[metric.name] = set(range(low, high + 1)) if low is not None and high is not None else set()
+    return out
+
+
 def _buckets(
-    name: str, attrs: Any, bounds: Any, counts: Any, total: int, exemplars: dict[int, str] | None = None
+    name: str,
+    attrs: Any,
+    bounds: Any,
+    counts: Any,
+    total: int,
+    exemplars: dict[int, str] | None = None,
+    shown: set[int] | None = None,
 ) -> list[str]:
-    """The ``_bucket`` lines of one histogram point, cumulative, every bound written.
+    """The ``_bucket`` lines of one histogram point, cumulative: every bound, or those in ``shown``.
 
     Every series of a histogram must carry the same bounds: ``sum by (le)`` across label sets, which
     every dashboard does, adds bucket by bucket, and a bound left out of one series would break it.
+    ``shown`` is the metric's, the same for all its series.
     """
     labels = _labels(attrs)
     prefix = f"{name}_bucket{{{labels[1:-1]},le=" if labels else f"{name}_bucket{{le="
@@ -181,7 +229,8 @@ def _buckets(
     running = 0
     for i, (bound, count) in enumerate(zip(bounds, counts, strict=False)):
         running += count
-        out.append(f'{prefix}"{_number(bound)}"}} {running}{marks.get(i, "")}')
+        if shown is None or i in shown:
+            out.append(f'{prefix}"{_number(bound)}"}} {running}{marks.get(i, "")}')
     out.append(f'{prefix}"+Inf"}} {total}{marks.get(len(bounds), "")}')
     return out
 
@@ -197,10 +246,12 @@ def render(
     *,
     openmetrics: bool = False,
     exemplars: Mapping[tuple[str, str], Mapping[int, tuple[int, str]]] | None = None,
+    shown: Mapping[str, set[int]] | None = None,
 ) -> str:
     """Prometheus text for one collection; OpenMetrics (families named without ``_total``, bucket exemplars,
     ``# EOF``) when asked. ``exemplars`` are the kept ones by (metric name, labels); without them, the
-    collection's own."""
+    collection's own. ``shown``: the bounds (indices) written per histogram, a superset of this collection's
+    ``shown_bounds``; None writes every bound."""
     lines: list[str] = []
     end = "# EOF\n" if openmetrics else ""
     if data is None:
@@ -225,7 +276,17 @@ def render(
                                 else _bucket_exemplars(p.explicit_bounds, p.exemplars)
                             )
                             marks = {i: text for i, (_, text) in kept.items()}
-                        lines.extend(_buckets(name, p.attributes, p.explicit_bounds, p.bucket_counts, p.count, marks))
+                        lines.extend(
+                            _buckets(
+                                name,
+                                p.attributes,
+                                p.explicit_bounds,
+                                p.bucket_counts,
+                                p.count,
+                                marks,
+                                None if shown is None else shown.get(metric.name, set()),
+                            )
+                        )
                         lines.append(f"{name}_sum{_labels(p.attributes)} {_number(p.sum)}")
                         lines.append(f"{name}_count{_labels(p.attributes)} {p.count}")
                 elif isinstance(points, Sum):
@@ -279,40 +340,110 @@ def _exemplar_time(exemplar: str) -> float:
     return float(fields[1]) if len(fields) > 1 else -math.inf
 
 
+def _bucket_key(key: str) -> tuple[str, float] | None:
+    """A ``_bucket`` sample's series (its key less the ``le`` label) and bound, or None for other samples."""
+    head, sep, tail = key.rpartition('le="')
+    if not sep or not head.split("{", 1)[0].endswith("_bucket"):
+        return None
+    return head, _value(tail.partition('"')[0])
+
+
+def _fill_buckets(samples: dict[str, float], les: dict[str, dict[float, str]]) -> None:
+    """Give a page's sparse histogram series every bound its family has on any page (``les``: family ->
+    bound -> the key suffix that writes it). A bound a page left out had no value at or below it that
+    the bound below it did not count: its cumulative count is that of the nearest bound written below."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for key, value in samples.items():
+        parsed = _bucket_key(key)
+        if parsed is not None:
+            series.setdefault(parsed[0], []).append((parsed[1], value))
+    for head, points in series.items():
+        known = les.get(head.split("{", 1)[0], {})
+        present = sorted(points)
+        have = {le for le, _ in present}
+        k, below = 0, 0.0
+        for le in sorted(known):
+            while k < len(present) and present[k][0] <= le:
+                below = present[k][1]
+                k += 1
+            if le not in have:
+                samples[head + known[le]] = below
+
+
 def merge_metrics(texts: Sequence[str], *, openmetrics: bool = False) -> str:
     """One Prometheus exposition from several: the same series (name and labels) summed, families kept whole.
 
     Samples belong to the family of the ``# TYPE`` line above them; a series only some workers have is
     added at the end of its family, so a histogram's buckets, sum and count stay together. OpenMetrics pages
     (``openmetrics``) merge the same way, each sample keeping the newest exemplar any page gave it, and end
-    with ``# EOF``.
+    with ``# EOF``. Sparse histograms (``render``) are filled out to the bounds any page writes first, so
+    the sums add bucket by bucket.
     """
     families: dict[str, tuple[list[str], dict[str, float], dict[str, str]]] = {}
+    pages: list[list[tuple[str, str, float, str]]] = []
+    les: dict[str, dict[float, str]] = {}
     for text in texts:
-        family: tuple[list[str], dict[str, float], dict[str, str]] | None = None
+        page: list[tuple[str, str, float, str]] = []
+        current: str | None = None
         for line in text.splitlines():
             if not line.strip():
                 continue
             if line.startswith(("# HELP ", "# TYPE ", "# UNIT ")):
-                name = line.split(" ", 3)[2]
-                family = families.setdefault(name, ([], {}, {}))
-                if not any(m.startswith(line[:7]) for m in family[0]):
-                    family[0].append(line)
+                current = line.split(" ", 3)[2]
+                meta = families.setdefault(current, ([], {}, {}))[0]
+                if not any(m.startswith(line[:7]) for m in meta):
+                    meta.append(line)
                 continue
             if line.startswith("#"):
                 continue
             key, value, exemplar = _sample(line)
-            if family is None:
-                family = families.setdefault(key.split("{", 1)[0], ([], {}, {}))
-            _, samples, exemplars = family
+            if current is None:
+                current = key.split("{", 1)[0]
+                families.setdefault(current, ([], {}, {}))
+            parsed = _bucket_key(key)
+            if parsed is not None:
+                les.setdefault(parsed[0].split("{", 1)[0], {})[parsed[1]] = key[len(parsed[0]) :]
+            page.append((current, key, value, exemplar))
+        pages.append(page)
+    for page in pages:
+        values = {key: value for _, key, value, _ in page}
+        if les:
+            _fill_buckets(values, les)
+        family_of = {key: fam for fam, key, _, _ in page}
+        for key, value in values.items():
+            fam = family_of.get(key)
+            if fam is None:  # a filled bound: its family is the histogram's, named by the series
+                fam = _family(key, families)
+            _, samples, _ = families[fam]
             samples[key] = samples.get(key, 0.0) + value
+        for fam, key, _, exemplar in page:
+            exemplars = families[fam][2]
             if exemplar and (key not in exemplars or _exemplar_time(exemplars[key]) <= _exemplar_time(exemplar)):
                 exemplars[key] = exemplar
     order = {"# HELP": 0, "# TYPE": 1, "# UNIT": 2}
     out: list[str] = []
     for meta, samples, exemplars in families.values():
         out += sorted(meta, key=lambda m: order.get(m[:6], 3))
-        out += [f"{key} {_render(value)}{exemplars.get(key, '')}" for key, value in samples.items()]
+        out += [f"{key} {_render(value)}{exemplars.get(key, '')}" for key, value in _in_order(samples)]
     if openmetrics:
         return "\n".join([*out, "# EOF"]) + "\n"
     return "\n".join(out) + "\n" if out else "# no metrics\n"
+
+
+def _family(key: str, families: Mapping[str, Any]) -> str:
+    """The family of a ``<family>_bucket{...}`` key."""
+    name = key.split("{", 1)[0].removesuffix("_bucket")
+    return name if name in families else next(f for f in families if name.startswith(f))
+
+
+def _in_order(samples: dict[str, float]) -> list[tuple[str, float]]:
+    """A family's samples in first-seen order, each series' buckets by bound (filled ones were added last)."""
+    rank: dict[str, int] = {}
+    out: list[tuple[int, float, int, str, float]] = []
+    for n, (key, value) in enumerate(samples.items()):
+        parsed = _bucket_key(key)
+        head = parsed[0] if parsed is not None else key
+        group = rank.setdefault(head, len(rank))
+        out.append((group, parsed[1] if parsed is not None else 0.0, n, key, value))
+    out.sort()
+    return [(key, value) for _, _, _, key, value in out]

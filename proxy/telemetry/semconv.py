@@ -176,6 +176,7 @@ class MetricNames:
     cache_write_counter: str | None
     input_tokens_histogram: str | None
     output_tokens_histogram: str | None
+    reasoning_counter: str | None = None  # latest: the reasoning subset of the output tokens
 
 
 # v1.41.1 model/gen-ai/metrics.yaml
@@ -203,6 +204,7 @@ LATEST = MetricNames(
     cache_write_counter="gen_ai.client.inference.usage.cache_write.input_tokens",
     input_tokens_histogram="gen_ai.client.inference.operation.input_tokens",
     output_tokens_histogram="gen_ai.client.inference.operation.output_tokens",
+    reasoning_counter="gen_ai.client.inference.usage.reasoning.output_tokens",
 )
 
 # The model server's own metrics (v1.41.1, kept unchanged in the latest conventions). A proxy's values would

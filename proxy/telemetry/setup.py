@@ -4,7 +4,9 @@ Nothing here is global: the providers are returned to the caller (the CLI), whic
 the app and shuts them down on exit. Histograms over OTLP follow
 ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` (read into ``Telemetry.histogram_aggregation``):
 ``base2_exponential_bucket_histogram`` sends every histogram as an exponential one: at most 160 buckets over
-the range its values span, as narrow as that range allows. ``/metrics`` keeps explicit buckets whatever it says.
+the range its values span, as narrow as that range allows. ``/metrics`` keeps explicit buckets whatever it
+says (written sparse: ``prometheus``); explicit ones over OTLP carry every bound of the instruments' advice
+(``instruments``: the fine buckets by default).
 """
 
 from __future__ import annotations
