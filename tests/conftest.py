@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Generator, Iterator
@@ -31,6 +32,9 @@ from proxy.telemetry.admin import AdminApp
 from proxy.telemetry.prometheus import PrometheusReader
 
 TESTS = Path(__file__).parent
+#: What an install remembers (the attribution key, proxy/relay/fingerprint.py) goes to a folder of this run's
+#: own, not the home directory of whoever runs the tests; every llmtap the tests start inherits it.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="llmtap-tests-state-")
 
 #: How long a test waits for something that must happen (a server listening, a span or record arriving, a
 #: count reaching /metrics) before it calls it broken. A deadline, never a bound: what works arrives in
