@@ -33,6 +33,7 @@ from proxy.relay.inflate import InflateLimit, Inflater, decodable
 from proxy.relay.pipe import ClientLeft, Pipe, strip_part as _strip
 from proxy.relay.protocol import CYCLE, LOG_EVERY, RECEIVED
 from proxy.relay.stepjson import STEPWISE_BYTES, loads_stepwise
+from proxy.relay.timing import HEADER as TIMING_HEADER, server_timing
 from proxy.relay.tracecontext import Sampler, begin
 from proxy.relay.upstream_http import PIPE
 from proxy.settings import Route, Settings
@@ -504,6 +505,8 @@ class ProxyApp:
             out_headers = response_headers(
                 raw_headers, body_changed=strip is not None, status=status, decoded=inflater is not None
             )
+            if self.settings.server_timing:
+                out_headers.append((TIMING_HEADER, server_timing(tape, queued=admission is not None)))
             await send({"type": "http.response.start", "status": status, "headers": out_headers})
             started = True
             pipeable = response.extensions.get(PIPE) if inflater is None and scope["method"] != "HEAD" else None

@@ -180,7 +180,13 @@ class MetricWriter:
         if s.decode is not None and stream:
             ins.decode.record(s.decode, own, context=ctx)
         self._token_metrics(s, attrs, outcome, own, client=client)
+        if tl.relay_delays:
+            route = {sc.ROUTE: tl.route}
+            record = ins.relay_chunk_delay.record
+            for delay in tl.relay_delays:
+                record(delay, route)
         if tl.sent is not None:
+            # The request's last instrument (tests wait for it).
             ins.overhead.record(proxy_added(tl), {sc.ROUTE: tl.route})
 
     def _token_metrics(
