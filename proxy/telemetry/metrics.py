@@ -10,6 +10,7 @@ stream flag and the prompt version, and on the figures users feel (TTFT, ITL, TP
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
@@ -19,7 +20,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from proxy import __version__
 from proxy.analysis.cachediag import MISS_CHANGED, Diagnosis
-from proxy.analysis.summary import Summary
+from proxy.analysis.summary import MAX_SAMPLES, Summary
 from proxy.analysis.timeline import OK, Timeline
 from proxy.labels import OTHER, LabelGuard
 from proxy.settings import Settings
@@ -183,7 +184,7 @@ class MetricWriter:
         if tl.relay_delays:
             route = {sc.ROUTE: tl.route}
             record = ins.relay_chunk_delay.record
-            for delay in tl.relay_delays:
+            for delay in spread(tl.relay_delays):
                 record(delay, route)
         if tl.sent is not None:
             # The request's last instrument (tests wait for it).
@@ -286,3 +287,12 @@ def proxy_added(tl: Timeline) -> float:
     if tl.first_content is not None and tl.first_content_delivered is not None:
         added += max(tl.first_content_delivered - tl.first_content, 0.0)
     return added
+
+
+def spread(samples: Sequence[float]) -> Sequence[float]:
+    """All of ``samples``, or ``MAX_SAMPLES`` of them spread evenly (a stream of a million reads would hold the
+    telemetry process for half a minute, at tens of microseconds a histogram sample)."""
+    if len(samples) <= MAX_SAMPLES:
+        return samples
+    step = len(samples) / MAX_SAMPLES
+    return [samples[int(k * step)] for k in range(MAX_SAMPLES)]

@@ -327,13 +327,14 @@ class SpanWriter:
 def relay_cost(tl: Timeline) -> dict[str, float]:
     """The proxy's own cost of a request, for its span: its overhead, and the p99 and largest delay it added
     to a chunk (seconds)."""
-    from proxy.telemetry.metrics import proxy_added
+    from proxy.telemetry.metrics import proxy_added, spread
 
     out: dict[str, float] = {}
     if tl.sent is not None:
         out[sc.PROXY_OVERHEAD] = proxy_added(tl)
     delays = tl.relay_delays
     if delays:
-        out[sc.RELAY_CHUNK_DELAY_P99] = quantile(delays, 0.99) or 0.0
+        # The p99 of the samples the histogram got (all, or an even spread of a very long stream's); the max of all.
+        out[sc.RELAY_CHUNK_DELAY_P99] = quantile(spread(delays), 0.99) or 0.0
         out[sc.RELAY_CHUNK_DELAY_MAX] = max(delays)
     return out
