@@ -24,7 +24,7 @@ import pytest
 import uvloop
 
 from proxy.relay.forward import Upstreams, close_if_surplus
-from proxy.relay.upstream_http import MAX_HEAD_BYTES, SURPLUS, LeanTransport
+from proxy.relay.upstream_http import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
 from proxy.settings import ConfigError, Route, Settings, build
 from tests.conftest import PATIENCE, TESTS, free_port, unanswered_port
 
@@ -837,5 +837,89 @@ def test_upstreams_use_the_lean_client_unless_told_otherwise(run: Any) -> None:
                 assert (await upstreams.client(routes[0]).get(up.url)).content == b"mock"
             finally:
                 await upstreams.aclose()
+
+    run(scenario())
+
+
+# --- the relay's body path in the read callback (proxy.relay.pipe) ---------------------------------------------
+
+
+def test_a_piped_body_reaches_its_sink_in_the_read_callback_and_is_held_on_demand(run: Any) -> None:
+    """``_Body.pipe``: parts go to the sink as they arrive, never merged, each with its read's time; the relay's
+    task wakes only at the end or on ``hold`` (nothing more is read until ``release``); the connection is reused."""
+    gates = [asyncio.Event(), asyncio.Event()]
+    counted = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+        await gates[0].wait()
+        writer.write(b"2\r\nbb\r\n3\r\nccc\r\n")  # two chunks in one write: two parts, one read's time
+        await gates[1].wait()
+        writer.write(b"4\r\ndddd\r\n0\r\n\r\n")
+        await read_request(reader)
+        writer.write(counted)
+        while await reader.read(65536):
+            pass
+
+    async def scenario() -> None:
+        async with Upstream(script) as up, client(LeanTransport()) as c:
+            request = c.build_request("GET", up.url)
+            response = await c.send(request, stream=True)
+            got: list[tuple[float, bytes]] = []
+            arrived = asyncio.Event()
+
+            def sink(t: float, part: bytes) -> None:
+                got.append((t, part))
+                arrived.set()
+
+            conn = response.extensions[PIPE].pipe(sink)
+            await asyncio.sleep(0.05)
+            assert [p for _, p in got] == [b"a"]  # before any wait: in the read callback itself
+            gates[0].set()
+            async with asyncio.timeout(PATIENCE):
+                while len(got) < 3:
+                    arrived.clear()
+                    await arrived.wait()
+            assert [p for _, p in got] == [b"a", b"bb", b"ccc"] and got[1][0] == got[2][0] > got[0][0]
+            conn.hold()
+            gates[1].set()
+            await conn.until_moved(1.0)  # held: returns at once, the rest unread
+            await asyncio.sleep(0.1)
+            assert len(got) == 3 and not conn.done
+            conn.release()
+            await conn.until_moved(1.0)
+            assert conn.done and [p for _, p in got][3:] == [b"dddd"]
+            await response.aclose()
+            again = await c.get(up.url)  # the same connection, back in the pool unpiped
+            assert again.content == b"ok" and up.connections == 1
+
+    run(scenario())
+
+
+def test_a_piped_body_that_falls_silent_times_out_from_its_last_read(run: Any) -> None:
+    """The idle timeout under a pipe counts from the last read (one timer per wait, not one per chunk), and not
+    while the relay holds the upstream for its client."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(4):
+            writer.write(b"1\r\nx\r\n")
+            await asyncio.sleep(0.1)  # each read inside the timeout: the wait goes on past its first timer
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Upstream(script) as up, client(LeanTransport()) as c:
+            response = await c.send(c.build_request("GET", up.url), stream=True)
+            got: list[bytes] = []
+            conn = response.extensions[PIPE].pipe(lambda t, part: got.append(part))
+            started = time.monotonic()
+            with pytest.raises(httpx.ReadTimeout):
+                await conn.until_moved(0.25)
+            waited = time.monotonic() - started
+            assert got == [b"x"] * 4
+            assert 0.3 + 0.25 <= waited < 0.3 + 0.25 + 1.0, waited
+            await response.aclose()
 
     run(scenario())
