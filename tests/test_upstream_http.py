@@ -16,6 +16,7 @@ import struct
 import threading
 import time
 import tomllib
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -24,8 +25,10 @@ import pytest
 import uvloop
 
 from proxy.relay.forward import Upstreams, close_if_surplus
+from proxy.relay.pipe import Pipe
 from proxy.relay.upstream_http import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
 from proxy.settings import ConfigError, Route, Settings, build
+from proxy.tape import Tape
 from tests.conftest import PATIENCE, TESTS, free_port, unanswered_port
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -920,6 +923,72 @@ def test_a_piped_body_that_falls_silent_times_out_from_its_last_read(run: Any) -
             waited = time.monotonic() - started
             assert got == [b"x"] * 4
             assert 0.3 + 0.25 <= waited < 0.3 + 0.25 + 1.0, waited
+            await response.aclose()
+
+    run(scenario())
+
+
+class _Flow:
+    """What the pipe reads of uvicorn's flow control: whether the client's buffer is full, and a drain."""
+
+    def __init__(self) -> None:
+        self.write_paused = True
+        self.writable = asyncio.Event()
+
+    async def drain(self) -> None:
+        await self.writable.wait()
+
+
+class _Client:
+    """The client side of a uvicorn response cycle as the pipe uses it: a transport that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.transport = self
+        self.flow = _Flow()
+        self.chunked_encoding = True
+        self.disconnected = False
+        self.expected_content_length = 0
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+def test_a_pipe_whose_client_is_full_from_the_first_part_holds_the_upstream_until_it_drains(run: Any) -> None:
+    """Parts queued before the pipe went on (the response's first bytes) reach the client in uvicorn's chunked
+    framing; a client already full holds the upstream from that first part, and the rest follows its drain."""
+    gate = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await gate.wait()
+        writer.write(b"4\r\nrest\r\n0\r\n\r\n")
+        while await reader.read(65536):
+            pass
+
+    async def scenario() -> None:
+        async with Upstream(script) as up, client(LeanTransport()) as c:
+            response = await c.send(c.build_request("GET", up.url), stream=True)
+            await asyncio.sleep(0.05)  # the first part is queued on the connection by now
+            tape = Tape(1, method="GET", path="/", inner_path="/", route="r", protocol=None, received=0.0,
+                        received_wall_ns=0)  # fmt: skip
+            cycle = _Client()
+            pipe = Pipe(tape, cycle, None, lambda _: None)
+            relayed = asyncio.create_task(pipe.run(response.extensions[PIPE], lambda: 5.0))
+            await asyncio.sleep(0.05)
+            assert cycle.written == [b"5\r\nfirst\r\n"] and response.extensions[PIPE].connection.held
+            gate.set()
+            await asyncio.sleep(0.1)
+            assert cycle.written == [b"5\r\nfirst\r\n"]  # held: not read, not written
+            cycle.flow.write_paused = False
+            cycle.flow.writable.set()
+            async with asyncio.timeout(PATIENCE):
+                await relayed
+            assert cycle.written == [b"5\r\nfirst\r\n", b"4\r\nrest\r\n"]
+            times, delivered, sizes, data = tape.take_reads()
+            # Two reads on the tape, each with its arrival and its delivery time (8-byte doubles).
+            assert data == b"firstrest" and len(times) == len(delivered) == 16 and sizes == array("l", [5, 4]).tobytes()
             await response.aclose()
 
     run(scenario())

@@ -98,7 +98,9 @@ class Pipe:
 
         Raises what the upstream's read raised (``httpx`` errors), ``ClientLeft``, or a failure of the sink.
         """
-        conn = self._conn = body.pipe(self)
+        # Known before the first part comes: parts queued already go to the sink inside ``pipe``.
+        self._conn = body.connection
+        conn = body.pipe(self)
         cycle = self._cycle
         while True:
             await conn.until_moved(read_timeout())

@@ -565,14 +565,26 @@ class _Body(httpx.AsyncByteStream):
     async def aclose(self) -> None:
         self._release()
 
+    @property
+    def connection(self) -> _Connection:
+        """The connection this body arrives on (a sink holds and releases it, the relay waits on it)."""
+        return self._conn
+
     def pipe(self, sink: Sink) -> _Connection:
         """From now on each body part goes to ``sink`` in the read callback (those queued already, at once);
         the relay then waits on the returned connection's ``until_moved`` and ``hold``/``release``."""
         conn = self._conn
         conn.heard = t = time.perf_counter()
-        while conn.parts:
-            sink(t, conn.take())
         conn.sink = sink
+        parts = conn.parts
+        while parts:
+            sink(t, parts.popleft())
+        conn._queued = 0
+        if conn._reading_paused:
+            # Paused for a full queue before the pipe: the queue is gone (a hold by the sink keeps its own pause).
+            conn._reading_paused = False
+            if not conn.held and conn._transport is not None and not conn.closed:
+                conn._transport.resume_reading()
         return conn
 
     def surplus(self) -> int:
