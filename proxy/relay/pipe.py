@@ -101,6 +101,15 @@ class Pipe:
         # Known before the first part comes: parts queued already go to the sink inside ``pipe``.
         self._conn = body.connection
         conn = body.pipe(self)
+        try:
+            return await self._relay(conn, read_timeout)
+        except BaseException:
+            # Failed, cut or cancelled: what the upstream still sends is no longer the client's (it queues on the
+            # connection, bounded, until the relay closes it).
+            conn.sink = None
+            raise
+
+    async def _relay(self, conn: Any, read_timeout: Callable[[], float | None]) -> UsageEventFilter | None:
         cycle = self._cycle
         while True:
             await conn.until_moved(read_timeout())
