@@ -151,6 +151,9 @@ def litellm(work: Path, cpu: str | None, upstream_port: int) -> Endpoint:
     return Endpoint("litellm", f"http://127.0.0.1:{port}/v1/chat/completions", svc, auth=key)
 
 
+#: The placement of llmtap's whole process tree on one core (``llmtap:one-core``).
+ONE_CORE = "one-core"
+
 #: llmtap-side switches of ``--ablation``: extra environment and extra ``llmtap serve`` arguments.
 ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
     # The OpenTelemetry SDK off: relay, tap and summaries only, no spans or metrics built.
@@ -159,6 +162,9 @@ ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
     "httpx": ({}, ["--upstream-client", "httpx"]),
     # No span per chunk (the phase spans and the metrics stay).
     "chunk-spans-off": ({"LLMTAP_CHUNK_SPANS": "off"}, []),
+    # Not a switch but a placement: the whole tree, telemetry too, on the relay's one core (a sidecar with a
+    # one-core limit, issue 29), where plain ``llmtap`` moves its telemetry process to the other core.
+    ONE_CORE: ({}, []),
 }
 
 

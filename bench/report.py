@@ -106,6 +106,41 @@ def _cpu_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _us(value: Any) -> str:
+    """CPU seconds per 1,000 chunks as microseconds per chunk."""
+    return "–" if value is None else f"{1000 * value:.0f}"
+
+
+def _less(mine: Any, floor: Any) -> Any:
+    return mine - floor if mine is not None and floor is not None else None
+
+
+def _one_core_table(results: dict[str, Any]) -> list[str]:
+    """llmtap's rows beside nginx's of the same scenario: added TTFT and gap over nginx's, merged chunks, relay
+    and telemetry CPU per chunk apart, tapes dropped. Empty when the run has no nginx row to compare with."""
+    rows = [{**r, "scenario": "staggered"} for r in results.get("phases", [])]
+    rows += [{**r, "scenario": "burst"} for r in results.get("bursts", [])]
+    nginx = {(r["upstream"], r["scenario"], r["streams"]): r for r in rows if r["path"] == "nginx"}
+    lines = [
+        "| path | upstream | scenario | added TTFT p50 / p99 over nginx (ms) | added gap p99 over nginx (ms) | merged "
+        "(nginx) | relay µs / chunk | telemetry µs / chunk | tapes dropped |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    mine = [r for r in rows if r["path"].startswith("llmtap") and (r["upstream"], r["scenario"], r["streams"]) in nginx]
+    for r in sorted(mine, key=lambda r: (r["upstream"], r["scenario"], r["streams"], r["path"])):
+        n = nginx[(r["upstream"], r["scenario"], r["streams"])]
+        scenario = f"burst {r['streams']}" if r["scenario"] == "burst" else f"{r['streams']} staggered"
+        lines.append(
+            f"| {r['path']} | {r['upstream']} | {scenario} | "
+            f"{_f(_less(r['added_ttft_ms_p50'], n['added_ttft_ms_p50']))} / "
+            f"{_f(_less(r['added_ttft_ms_p99'], n['added_ttft_ms_p99']))} | "
+            f"{_f(_less(r['added_gap_ms_p99'], n['added_gap_ms_p99']))} | {r['merged']} ({n['merged']}) | "
+            f"{_us(r.get('cpu_relay_s_per_1000_chunks'))} | {_us(r.get('cpu_telemetry_s_per_1000_chunks'))} | "
+            f"{_tapes(r.get('tapes_dropped'))} |"
+        )
+    return lines if len(lines) > 2 else []
+
+
 def _phases_table(phases: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| path | upstream | streams | requests (failed) | added TTFT p50 / p99 (ms) | added gap p50 / p99 (ms) | "
@@ -259,6 +294,19 @@ def markdown(results: dict[str, Any]) -> str:
             "over the phase, n/a when llmtap does not export it.",
             "",
             *_cpu_table(results),
+        ]
+    one_core = _one_core_table(results)
+    if one_core:
+        lines += [
+            "",
+            "### The one-core budget: llmtap against nginx, each on one core",
+            "",
+            "`llmtap:one-core`: llmtap's whole process tree (relay and telemetry) pinned to the one core nginx's "
+            "worker has; `llmtap`: its relay alone there, its telemetry process on the client's core. Targets "
+            "(issue 29): added TTFT p50 within nginx's + 3 ms and p99 within + 10 ms, gap p99 within + 2 ms, "
+            "0 merged; relay 25 µs and telemetry 30 µs of CPU per chunk.",
+            "",
+            *one_core,
         ]
     if results.get("ramp"):
         lines += ["", "### llmtap's ramp (50 chunks/s per stream)", "", *_ramp(results)]

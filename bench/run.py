@@ -2,7 +2,9 @@
 
 One run, one upstream, four paths: direct, nginx, LiteLLM and llmtap with full telemetry. The proxy under
 test is pinned to one core and everything else (client, upstream, OTLP sink, Prometheus, aiperf) to the
-other. As root, the run re-executes itself inside ``unshare -n`` (loopback only), so nothing can leave
+other; llmtap runs twice: with its relay alone on that core (its telemetry process moved to the other), and
+as ``llmtap:one-core``, its whole tree on the one core nginx has (the one-core budget, issue 29). As root,
+the run re-executes itself inside ``unshare -n`` (loopback only), so nothing can leave
 the machine. Results go to ``bench/out/<time>/results.json``; a full run with ``--write`` also rewrites
 the figures block of ``bench/RESULTS.md``.
 """
@@ -199,7 +201,8 @@ class Bench:
                 self.sink_port,
                 certs=certs,
                 ablation=ablation,
-                telemetry_cpu=self.client_cpu,
+                # One core: the telemetry process stays on the relay's core (the tree is pinned there).
+                telemetry_cpu=None if peers.ONE_CORE in peers.ablation_names(ablation) else self.client_cpu,
             )
             ep.name = spec
         assert ep.service is not None
@@ -619,6 +622,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-accuracy", dest="accuracy", action="store_false", help="skip the aiperf/Prometheus part")
     p.add_argument("--no-workers", dest="workers", action="store_false", help="skip the --workers 1 and 2 comparison")
+    p.add_argument(
+        "--no-one-core",
+        dest="one_core",
+        action="store_false",
+        help="skip llmtap:one-core (llmtap's whole tree on the proxy's core, beside llmtap with its telemetry "
+        "on the client's core)",
+    )
     p.add_argument("--no-netns", dest="netns", action="store_false", help="do not re-run inside unshare -n")
     p.add_argument("--out", help="results folder (default bench/out/<time>)")
     p.add_argument("--proxy-cpu", default="0", help="core of the proxy under test")
@@ -636,6 +646,10 @@ def parser() -> argparse.ArgumentParser:
 def path_specs(args: argparse.Namespace) -> list[str]:
     """The paths of a run, each checked; ``--ablation`` adds ``llmtap:NAME`` after llmtap."""
     specs = [p for p in args.paths.split(",") if p]
+    one_core = f"llmtap:{peers.ONE_CORE}"
+    if getattr(args, "one_core", False) and "llmtap" in specs and one_core not in specs:
+        # The one-core budget beside the dedicated-core one: every run measures both (issue 29).
+        specs.insert(specs.index("llmtap") + 1, one_core)
     for name in args.ablation:
         spec = f"llmtap:{name}"
         if spec not in specs:

@@ -146,6 +146,17 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.QUEUE_DURATION: ("double", "Seconds queued: the proxy's own queue plus the upstream's, when known."),
     sc.QUEUE_SOURCE: ("string", f"Source of the upstream part of the queue, else `proxy`: {_SOURCE}."),
     sc.QUEUE_PROXY_DURATION: ("double", "Seconds in the proxy's admission queue: body read to admitted."),
+    sc.PROXY_OVERHEAD: (
+        "double",
+        "Seconds of the proxy's own time in the request's TTFT, as `llmtap.proxy.overhead` records it (requests sent "
+        "upstream).",
+    ),
+    sc.RELAY_CHUNK_DELAY_P99: (
+        "double",
+        "Seconds: the p99 of the delay the relay added to each upstream read, its arrival to its write to the "
+        "client's socket.",
+    ),
+    sc.RELAY_CHUNK_DELAY_MAX: ("double", "Seconds: the largest delay the relay added to one upstream read."),
     sc.QUEUE_UPSTREAM_DURATION: ("double", "Seconds the upstream server queued the request, reported or estimated."),
     sc.QUEUE_UPSTREAM_SOURCE: ("string", f"Source of the upstream queue: {_SOURCE}."),
     sc.PREFILL_DURATION: (
@@ -406,6 +417,7 @@ METRICS: dict[str, str] = {
     sc.METRIC_REQUESTS: "Every finished LLM request, once.",
     sc.METRIC_ACTIVE_STREAMS: "+1 when a request arrives, -1 when its record is written or dropped.",
     sc.METRIC_OVERHEAD: "Every request that was sent upstream.",
+    sc.METRIC_RELAY_CHUNK_DELAY: "Every upstream read the relay handed to the client's socket, one sample each.",
     sc.METRIC_TOKEN_DRIFT: "Requests where both usage and a tiktoken count exist.",
     sc.METRIC_TELEMETRY_DROPPED: "Each request whose tape was dropped: the relay's channel or the recorder's queue was full.",  # noqa: E501
     sc.METRIC_LABELS_EVICTED: "Each label value that lost its slot to a more frequent one.",

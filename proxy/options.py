@@ -619,6 +619,15 @@ _TABLE = (
         flag="--no-inject-usage",
         switch=False,
     ),
+    option(
+        "server_timing",
+        boolean(),
+        False,
+        "add a Server-Timing header to each relayed response: the proxy's own time, its admission wait and "
+        "the upstream's time to headers, in ms (the body is unchanged)",
+        "telemetry",
+        switch=True,
+    ),
     # SLOs
     option("slo_ttft_ms", MS, None, "time-to-first-token objective", "slo", key="slo.ttft_ms"),
     option("slo_tpot_ms", MS, None, "time-per-output-token objective", "slo", key="slo.tpot_ms"),

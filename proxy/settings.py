@@ -402,6 +402,8 @@ class Settings:
     #: The request shapes (``shapes:``), matched in order; a request none takes is ``OTHER_SHAPE``.
     shapes: tuple[Shape, ...] = DEFAULT_SHAPES
     inject_usage: bool = default("inject_usage")
+    #: Add a ``Server-Timing`` header to relayed responses (``proxy.relay.timing``).
+    server_timing: bool = default("server_timing")
     max_inspect_bytes: int = default("max_inspect_bytes")
     #: A request body larger than this is refused with 413; its request line and headers together
     #: may hold at most ``max_header_bytes`` (431).
@@ -802,6 +804,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         ),
         shapes=shape_classes,
         inject_usage=values["inject_usage"],
+        server_timing=values["server_timing"],
         max_inspect_bytes=values["max_inspect_bytes"],
         max_request_bytes=values["max_request_bytes"],
         max_header_bytes=values["max_header_bytes"],

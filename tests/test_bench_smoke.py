@@ -22,11 +22,34 @@ import pytest
 
 from bench import peers, report
 from bench.procs import TELEMETRY_COMM, Service
-from bench.run import PATHS, SMOKE
+from bench.run import PATHS, SMOKE, parser, path_specs
 from bench.stats import analyse
 from tests.conftest import require_real
 
 ROOT = Path(__file__).parent.parent
+#: What a run measures by default: every path, and llmtap a second time with its whole tree on one core.
+RUN_PATHS = (*PATHS[: PATHS.index("llmtap") + 1], "llmtap:one-core", *PATHS[PATHS.index("llmtap") + 1 :])
+
+
+def test_the_one_core_budget_runs_beside_the_dedicated_cores_and_is_reported_against_nginx() -> None:
+    """``python -m bench`` runs llmtap twice (relay alone on its core; the whole tree on one core, issue 29) unless
+    told not to, and reports each against nginx's row of the same scenario, relay and telemetry CPU apart."""
+    assert path_specs(parser().parse_args([])) == list(RUN_PATHS)
+    assert path_specs(parser().parse_args(["--no-one-core"])) == list(PATHS)
+    assert path_specs(parser().parse_args(["--paths", "direct,nginx"])) == ["direct", "nginx"]
+    row = {"upstream": "http", "streams": 64, "merged": 0, "added_gap_ms_p99": 1.0, "added_ttft_ms_p99": 4.0}
+    results: dict[str, Any] = {
+        "phases": [
+            {**row, "path": "nginx", "added_ttft_ms_p50": 1.0},
+            {**row, "path": "llmtap:one-core", "added_ttft_ms_p50": 3.5, "added_gap_ms_p99": 2.5, "merged": 2,
+             "cpu_relay_s_per_1000_chunks": 0.024, "cpu_telemetry_s_per_1000_chunks": 0.031, "tapes_dropped": 0.0},
+        ],
+        "bursts": [],
+    }  # fmt: skip
+    (line,) = [x for x in report._one_core_table(results) if x.startswith("| llmtap")]
+    assert line == "| llmtap:one-core | http | 64 staggered | 2.50 / 0.00 | 1.50 | 2 (0) | 24 | 31 | 0 |"
+    # No nginx row to compare with: no table.
+    assert report._one_core_table({"phases": results["phases"][1:], "bursts": []}) == []
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +82,7 @@ def _phase(results: dict[str, Any], path: str, streams: int) -> dict[str, Any]:
 
 @pytest.mark.real
 def test_every_path_measured_at_every_concurrency(results: dict[str, Any]) -> None:
-    assert {(p["path"], p["streams"]) for p in results["phases"]} == {(p, s) for p in PATHS for s in SMOKE.streams}
+    assert {(p["path"], p["streams"]) for p in results["phases"]} == {(p, s) for p in RUN_PATHS for s in SMOKE.streams}
     for p in results["phases"]:
         expected = p["streams"] * SMOKE.requests[p["streams"]]
         assert p["requests"] == expected and p["failed"] == 0 and p["unmatched"] == 0, p
@@ -161,6 +184,8 @@ def test_run_was_described(results: dict[str, Any]) -> None:
 
 BURST_SIZES = (1, 8)
 BURST_PATHS = ("direct", "llmtap", *(("nginx",) if shutil.which("nginx") else ()))
+#: The rows a burst run gives: llmtap's second, one-core placement too.
+BURST_ROWS = (*BURST_PATHS, "llmtap:one-core")
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +203,7 @@ def bursts(burst_out: Path) -> dict[str, Any]:
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "### Burst arrivals" in done.stdout and "### CPU per 1,000 chunks by process" in done.stdout
+    assert ("### The one-core budget" in done.stdout) is ("nginx" in BURST_PATHS)
     data: dict[str, Any] = json.loads((burst_out / "results.json").read_text())
     return data
 
@@ -185,7 +211,7 @@ def bursts(burst_out: Path) -> dict[str, Any]:
 @pytest.mark.real
 def test_bursts_every_request_complete_over_plain_and_https(bursts: dict[str, Any]) -> None:
     rows = bursts["bursts"]
-    expected = {(p, u, n) for p in BURST_PATHS for u in ("http", "https") for n in BURST_SIZES}
+    expected = {(p, u, n) for p in BURST_ROWS for u in ("http", "https") for n in BURST_SIZES}
     assert {(r["path"], r["upstream"], r["size"]) for r in rows} == expected
     count = SMOKE.burst_count()
     for r in rows:

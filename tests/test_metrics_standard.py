@@ -9,6 +9,7 @@ instrumentation scope names the conventions' schema.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from proxy.telemetry import semconv as sc
-from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS
+from proxy.telemetry.instruments import DURATION_BUCKETS, OVERHEAD_BUCKETS, TOKEN_BUCKETS
 from tests.conftest import PATIENCE, Scripted
 from tests.procs import ROOT, Llmtap
 from tests.test_otlp import HTTPReceiver
@@ -34,6 +35,7 @@ GEN_AI_SECONDS = (
 )
 TOKEN_USAGE = "gen_ai_client_token_usage"
 OVERHEAD = "llmtap_proxy_overhead_seconds"
+CHUNK_DELAY = "llmtap_relay_chunk_delay_seconds"
 LLMTAP_SECONDS = (
     "llmtap_time_to_first_token_seconds",
     "llmtap_inter_token_latency_seconds",
@@ -237,6 +239,60 @@ def test_a_hop_is_counted_in_llmtaps_metrics_only(upstream: Scripted, tmp_path: 
         assert total(text, TOKEN_USAGE + "_sum", gen_ai_token_type="input") == 2 * prompt
     finally:
         proxy.close()
+
+
+def test_the_proxys_own_cost_resolves_microseconds(upstream: Scripted, tmp_path: Path) -> None:
+    """Issue 31: the overhead histogram and the relay's delay per chunk have buckets from 10 us (a healthy relay
+    adds well under a millisecond); each relayed read of a stream is one sample of the delay, by route alone."""
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log")
+    try:
+        chat(proxy)
+        wait_for("the request on /metrics", lambda: total(proxy.metrics(), OVERHEAD + "_count") == 1, proxy)
+        text = proxy.metrics()
+        for name in (OVERHEAD, CHUNK_DELAY):
+            found = bounds(text, name)
+            assert found == list(OVERHEAD_BUCKETS), name
+            assert found[0] == 1e-5 and sum(b < 0.001 for b in found) >= 20 and found[-1] == 0.1, name
+        # One sample per relayed read: at least one per content chunk (six), each a delay of its own.
+        assert total(text, CHUNK_DELAY + "_count") >= 6
+        assert total(text, CHUNK_DELAY + "_sum") > 0
+        assert {key for line in series(text, CHUNK_DELAY + "_count") for key in labels(line)} == {"llmtap_route"}
+    finally:
+        proxy.close()
+
+
+def test_server_timing_header_is_opt_in_and_leaves_the_body_alone(upstream: Scripted, tmp_path: Path) -> None:
+    """``--server-timing`` adds one ``Server-Timing`` field (W3C Server Timing) with the proxy's own time and the
+    upstream's time to headers; without it there is none. The body's events are the same either way."""
+    plain = Llmtap(upstream.url, tmp_path / "plain.log")
+    timed = Llmtap(upstream.url, tmp_path / "timed.log", "--server-timing")
+    try:
+        seen = []
+        for proxy in (plain, timed):
+            with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=CHAT, timeout=10) as r:
+                assert r.status_code == 200
+                body = r.read()
+            contents = [
+                json.loads(line[6:])["choices"][0]["delta"].get("content")
+                for line in body.decode().splitlines()
+                if line.startswith("data: {")
+            ]
+            seen.append((r.headers.get_list("server-timing"), contents, body.endswith(b"data: [DONE]\n\n")))
+        (none, plain_contents, plain_done), (fields, timed_contents, timed_done) = seen
+        assert none == []
+        assert timed_contents == plain_contents and plain_done and timed_done
+        (field,) = fields
+        metrics = {}
+        for entry in field.split(","):
+            name, *params = (part.strip() for part in entry.split(";"))
+            metrics[name] = dict(p.split("=", 1) for p in params)
+        assert set(metrics) == {"llmtap", "llmtap-upstream"}
+        proxy_ms, upstream_ms = float(metrics["llmtap"]["dur"]), float(metrics["llmtap-upstream"]["dur"])
+        assert 0 <= proxy_ms < 10_000 and 0 < upstream_ms < 10_000
+        assert metrics["llmtap"]["desc"] == '"proxy"'
+    finally:
+        plain.close()
+        timed.close()
 
 
 def otlp_env(receiver: HTTPReceiver, **extra: str) -> dict[str, str]:

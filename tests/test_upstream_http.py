@@ -16,6 +16,7 @@ import struct
 import threading
 import time
 import tomllib
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -24,8 +25,10 @@ import pytest
 import uvloop
 
 from proxy.relay.forward import Upstreams, close_if_surplus
-from proxy.relay.upstream_http import MAX_HEAD_BYTES, SURPLUS, LeanTransport
+from proxy.relay.pipe import Pipe
+from proxy.relay.upstream_http import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
 from proxy.settings import ConfigError, Route, Settings, build
+from proxy.tape import Tape
 from tests.conftest import PATIENCE, TESTS, free_port, unanswered_port
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -837,5 +840,157 @@ def test_upstreams_use_the_lean_client_unless_told_otherwise(run: Any) -> None:
                 assert (await upstreams.client(routes[0]).get(up.url)).content == b"mock"
             finally:
                 await upstreams.aclose()
+
+    run(scenario())
+
+
+# --- the relay's body path in the read callback (proxy.relay.pipe) ---------------------------------------------
+
+
+def test_a_piped_body_reaches_its_sink_in_the_read_callback_and_is_held_on_demand(run: Any) -> None:
+    """``_Body.pipe``: parts go to the sink as they arrive, never merged, each with its read's time; the relay's
+    task wakes only at the end or on ``hold`` (nothing more is read until ``release``); the connection is reused."""
+    gates = [asyncio.Event(), asyncio.Event()]
+    counted = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+        await gates[0].wait()
+        writer.write(b"2\r\nbb\r\n3\r\nccc\r\n")  # two chunks in one write: two parts, one read's time
+        await gates[1].wait()
+        writer.write(b"4\r\ndddd\r\n0\r\n\r\n")
+        await read_request(reader)
+        writer.write(counted)
+        while await reader.read(65536):
+            pass
+
+    async def scenario() -> None:
+        async with Upstream(script) as up, client(LeanTransport()) as c:
+            request = c.build_request("GET", up.url)
+            response = await c.send(request, stream=True)
+            got: list[tuple[float, bytes]] = []
+            arrived = asyncio.Event()
+
+            def sink(t: float, part: bytes) -> None:
+                got.append((t, part))
+                arrived.set()
+
+            conn = response.extensions[PIPE].pipe(sink)
+            await asyncio.sleep(0.05)
+            assert [p for _, p in got] == [b"a"]  # before any wait: in the read callback itself
+            gates[0].set()
+            async with asyncio.timeout(PATIENCE):
+                while len(got) < 3:
+                    arrived.clear()
+                    await arrived.wait()
+            assert [p for _, p in got] == [b"a", b"bb", b"ccc"] and got[1][0] == got[2][0] > got[0][0]
+            conn.hold()
+            gates[1].set()
+            await conn.until_moved(1.0)  # held: returns at once, the rest unread
+            await asyncio.sleep(0.1)
+            assert len(got) == 3 and not conn.done
+            conn.release()
+            await conn.until_moved(1.0)
+            assert conn.done and [p for _, p in got][3:] == [b"dddd"]
+            await response.aclose()
+            again = await c.get(up.url)  # the same connection, back in the pool unpiped
+            assert again.content == b"ok" and up.connections == 1
+
+    run(scenario())
+
+
+def test_a_piped_body_that_falls_silent_times_out_from_its_last_read(run: Any) -> None:
+    """The idle timeout under a pipe counts from the last read (one timer per wait, not one per chunk), and not
+    while the relay holds the upstream for its client."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(4):
+            writer.write(b"1\r\nx\r\n")
+            await asyncio.sleep(0.1)  # each read inside the timeout: the wait goes on past its first timer
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Upstream(script) as up, client(LeanTransport()) as c:
+            response = await c.send(c.build_request("GET", up.url), stream=True)
+            got: list[bytes] = []
+            conn = response.extensions[PIPE].pipe(lambda t, part: got.append(part))
+            started = time.monotonic()
+            with pytest.raises(httpx.ReadTimeout):
+                await conn.until_moved(0.25)
+            waited = time.monotonic() - started
+            assert got == [b"x"] * 4
+            # The last read came about 0.3 s after the first: the wait went on past its first timer (0.25 s),
+            # and ended one timeout after that read.
+            assert 0.2 + 0.25 <= waited < 0.3 + 0.25 + 1.0, waited
+            await response.aclose()
+
+    run(scenario())
+
+
+class _Flow:
+    """What the pipe reads of uvicorn's flow control: whether the client's buffer is full, and a drain."""
+
+    def __init__(self) -> None:
+        self.write_paused = True
+        self.writable = asyncio.Event()
+
+    async def drain(self) -> None:
+        await self.writable.wait()
+
+
+class _Client:
+    """The client side of a uvicorn response cycle as the pipe uses it: a transport that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.transport = self
+        self.flow = _Flow()
+        self.chunked_encoding = True
+        self.disconnected = False
+        self.expected_content_length = 0
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+def test_a_pipe_whose_client_is_full_from_the_first_part_holds_the_upstream_until_it_drains(run: Any) -> None:
+    """Parts queued before the pipe went on (the response's first bytes) reach the client in uvicorn's chunked
+    framing; a client already full holds the upstream from that first part, and the rest follows its drain."""
+    gate = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await gate.wait()
+        writer.write(b"4\r\nrest\r\n0\r\n\r\n")
+        while await reader.read(65536):
+            pass
+
+    async def scenario() -> None:
+        async with Upstream(script) as up, client(LeanTransport()) as c:
+            response = await c.send(c.build_request("GET", up.url), stream=True)
+            await asyncio.sleep(0.05)  # the first part is queued on the connection by now
+            tape = Tape(1, method="GET", path="/", inner_path="/", route="r", protocol=None, received=0.0,
+                        received_wall_ns=0)  # fmt: skip
+            cycle = _Client()
+            pipe = Pipe(tape, cycle, None, lambda _: None)
+            relayed = asyncio.create_task(pipe.run(response.extensions[PIPE], lambda: 5.0))
+            await asyncio.sleep(0.05)
+            assert cycle.written == [b"5\r\nfirst\r\n"] and response.extensions[PIPE].connection.held
+            gate.set()
+            await asyncio.sleep(0.1)
+            assert cycle.written == [b"5\r\nfirst\r\n"]  # held: not read, not written
+            cycle.flow.write_paused = False
+            cycle.flow.writable.set()
+            async with asyncio.timeout(PATIENCE):
+                await relayed
+            assert cycle.written == [b"5\r\nfirst\r\n", b"4\r\nrest\r\n"]
+            times, delivered, sizes, data = tape.take_reads()
+            # Two reads on the tape, each with its arrival and its delivery time (8-byte doubles).
+            assert data == b"firstrest" and len(times) == len(delivered) == 16 and sizes == array("l", [5, 4]).tobytes()
+            await response.aclose()
 
     run(scenario())

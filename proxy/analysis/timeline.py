@@ -154,6 +154,9 @@ class Timeline:
     parent: tuple[str, str] | None = None
     # When the first content chunk was handed to the client's socket: the end of TTFT as the client sees it.
     first_content_delivered: float | None = None
+    #: Per upstream read that reached the client: seconds from its arrival to its write to the client's socket
+    #: (the relay's own delay of each chunk, issue 31).
+    relay_delays: array[float] = field(default_factory=lambda: array("d"))
 
     def wall_ns(self, t: float) -> int:
         """Epoch nanoseconds of monotonic time ``t`` (span timestamps need wall-clock time)."""

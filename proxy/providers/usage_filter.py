@@ -28,6 +28,7 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 # The cheap test that picks candidates; only a block that passes it is parsed as JSON. Servers write the
 # empty array compactly (OpenAI, vLLM) or with spaces, and text content cannot match it unescaped.
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+_CR_LF = (b"\r", b"\n")
 # A boundary is at most four bytes long, so one that completes inside a new chunk starts at most three
 # bytes before the chunk in the held buffer.
 _BOUNDARY_REACH = 3
@@ -92,6 +93,10 @@ class UsageEventFilter:
         if self._passthrough:
             return chunk
         held = self._held
+        if not held and chunk[-3:-2] not in _CR_LF and chunk.endswith(b"\n\n") and not _EMPTY_CHOICES.search(chunk):
+            # The common case, whole events with nothing held and no usage event among them: the last boundary is
+            # the chunk's own end (a run of exactly two LFs), so all of it goes, as the general path would send it.
+            return chunk
         start = max(0, len(held) - _BOUNDARY_REACH)
         held += chunk
         cut = _last_boundary_end(held, start)

@@ -32,9 +32,12 @@ from proxy.relay.forward import (
 from proxy.relay.frame import relay_frame
 from proxy.relay.guard import Refusal, check_request, check_route
 from proxy.relay.inflate import InflateLimit, Inflater, decodable
-from proxy.relay.protocol import LOG_EVERY, RECEIVED
+from proxy.relay.pipe import ClientLeft, Pipe, strip_part as _strip
+from proxy.relay.protocol import CYCLE, LOG_EVERY, RECEIVED
 from proxy.relay.stepjson import STEPWISE_BYTES, loads_stepwise
+from proxy.relay.timing import HEADER as TIMING_HEADER, server_timing
 from proxy.relay.tracecontext import Sampler, begin
+from proxy.relay.upstream_http import PIPE
 from proxy.settings import Route, Settings
 from proxy.tape import RESPONSE_CUT_REASONS, STATS, Tape, now
 from proxy.tracestate import entry, upstream_tracestate
@@ -255,7 +258,10 @@ class ProxyApp:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Relay one HTTP request."""
-        received = scope.get("extensions", {}).get(RECEIVED) or now()
+        extensions = scope.get("extensions") or {}
+        received = extensions.get(RECEIVED) or now()
+        # Taken out of the scope at once: the cycle refers to the scope, which need not refer back.
+        cycle = extensions.pop(CYCLE, None)
         wall = time.time_ns() - round((now() - received) * 1e9)
         settings = self.settings
         refusal = check_request(
@@ -345,7 +351,7 @@ class ProxyApp:
         self._active[route.name] += 1
         self._stats_changed = True
         try:
-            await self._relay(scope, receive, send, route, tape, headers, body, more, rewritten, trace)
+            await self._relay(scope, receive, send, route, tape, headers, body, more, rewritten, trace, cycle)
         except _Truncated:
             # Returning without completing the response makes the server drop the connection, so
             # the client sees the same truncation the proxy saw.
@@ -431,6 +437,7 @@ class ProxyApp:
         more: AsyncIterator[bytes] | None,
         rewritten: bytes | None,
         trace: list[tuple[bytes, bytes]] | None,
+        cycle: Any = None,
     ) -> None:
         content: bytes | AsyncIterator[bytes]
         if more is not None:
@@ -459,6 +466,7 @@ class ProxyApp:
         response: httpx.Response | None = None
         strip: UsageEventFilter | None = None
         inflater: Inflater | None = None
+        pipe: Pipe | None = None
         started = False
         admission = self.admissions.get(route.name)
         admitted = sent = False
@@ -517,40 +525,43 @@ class ProxyApp:
                     strip = UsageEventFilter()
                 elif decodable(encoding):
                     strip, inflater = UsageEventFilter(), Inflater(encoding, self.settings.max_inflate_bytes)
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": status,
-                    "headers": response_headers(
-                        raw_headers, body_changed=strip is not None, status=status, decoded=inflater is not None
-                    ),
-                }
+            out_headers = response_headers(
+                raw_headers, body_changed=strip is not None, status=status, decoded=inflater is not None
             )
+            if self.settings.server_timing:
+                out_headers.append((TIMING_HEADER, server_timing(tape, queued=admission is not None)))
+            await send({"type": "http.response.start", "status": status, "headers": out_headers})
             started = True
-            async for chunk in response.aiter_raw():
-                full = tape.read(now(), chunk)
-                if inflater is None:
-                    out = chunk
-                    if strip is not None:
-                        out, strip = _strip(strip, chunk)
-                    if out:
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
-                else:
-                    first = True
-                    for piece in inflater.feed(chunk):
-                        if not first:
-                            # One bounded piece per turn of the event loop: a read that inflates to gigabytes
-                            # costs every other stream at most one piece's work between two of theirs.
-                            await asyncio.sleep(0)
-                        first = False
-                        out = piece
+            pipeable = response.extensions.get(PIPE) if inflater is None and scope["method"] != "HEAD" else None
+            if cycle is not None and pipeable is not None:
+                # The body path in the upstream's read callback (``proxy.relay.pipe``): no task step per chunk.
+                pipe = Pipe(tape, cycle, strip, self._segment)
+                strip = await pipe.run(pipeable, lambda: request.extensions["timeout"].get("read"))
+            else:
+                async for chunk in response.aiter_raw():
+                    full = tape.read(now(), chunk)
+                    if inflater is None:
+                        out = chunk
                         if strip is not None:
-                            out, strip = _strip(strip, piece)
+                            out, strip = _strip(strip, chunk)
                         if out:
                             await send({"type": "http.response.body", "body": out, "more_body": True})
-                tape.delivered(now())
-                if full:
-                    self._segment(tape)
+                    else:
+                        first = True
+                        for piece in inflater.feed(chunk):
+                            if not first:
+                                # One bounded piece per turn of the event loop: a read that inflates to gigabytes
+                                # costs every other stream at most one piece's work between two of theirs.
+                                await asyncio.sleep(0)
+                            first = False
+                            out = piece
+                            if strip is not None:
+                                out, strip = _strip(strip, piece)
+                            if out:
+                                await send({"type": "http.response.body", "body": out, "more_body": True})
+                    tape.delivered(now())
+                    if full:
+                        self._segment(tape)
             tail = b""
             if inflater is not None:
                 tail = inflater.flush()
@@ -578,9 +589,9 @@ class ProxyApp:
             tape.fail("shutdown", "cut at the drain deadline")
             task.uncancel()
             if started:
-                await _cut(send, tape, strip)
+                await _cut(send, tape, pipe.strip if pipe is not None else strip)
             await send_json(send, 503, "shutting_down", "llmtap is shutting down; retry")
-        except (ClientGone, OSError) as exc:
+        except (ClientGone, ClientLeft, OSError) as exc:
             if isinstance(exc, OSError) and not started:
                 raise
             tape.fail("cancelled", cancelled=True)
@@ -593,19 +604,19 @@ class ProxyApp:
                 route.upstream,
                 self.settings.max_inflate_bytes,
             )
-            await _cut(send, tape, strip)
+            await _cut(send, tape, pipe.strip if pipe is not None else strip)
         except zlib.error as exc:
             tape.fail("upstream_error", f"the upstream's compressed body is corrupt: {exc}")
             log.warning("upstream %s sent a corrupt compressed body: %s", route.upstream, exc)
-            await _cut(send, tape, strip)
+            await _cut(send, tape, pipe.strip if pipe is not None else strip)
         except httpx.TimeoutException:
             tape.fail("idle_timeout", "upstream stopped sending")
             if started:
-                await _cut(send, tape, strip)
+                await _cut(send, tape, pipe.strip if pipe is not None else strip)
         except httpx.HTTPError as exc:
             tape.fail("upstream_closed" if started else "upstream_error", f"{type(exc).__name__}: {exc}")
             if started:
-                await _cut(send, tape, strip)
+                await _cut(send, tape, pipe.strip if pipe is not None else strip)
             await send_json(send, 502, "upstream_error", f"upstream {route.upstream}: {type(exc).__name__}")
         finally:
             if watch is not None:
@@ -705,19 +716,6 @@ async def _cut(send: Send, tape: Tape, strip: UsageEventFilter | None) -> NoRetu
             await send({"type": "http.response.body", "body": held, "more_body": True})
     tape.end = now()
     raise _Truncated
-
-
-def _strip(strip: UsageEventFilter, chunk: bytes | None) -> tuple[bytes, UsageEventFilter | None]:
-    """The bytes to send for ``chunk`` (None: the end) with the injected usage event cut out.
-
-    A filter that fails is dropped for the rest of the stream, its held bytes sent as they are: the
-    client may then see the usage event it did not ask for, never lose a byte.
-    """
-    try:
-        return (strip.feed(chunk) if chunk is not None else strip.flush()), strip
-    except Exception:
-        log.exception("usage filter failed; relaying the rest unfiltered")
-        return strip.flush(), None
 
 
 def _content_encoding(headers: list[tuple[bytes, bytes]]) -> bytes | None:

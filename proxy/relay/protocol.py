@@ -35,7 +35,9 @@ response byte, cost nothing.
 
 It also stamps each request with the moment its first byte was read from the socket (``RECEIVED`` in
 the scope's extensions): TTFT as the client sees it starts there, not when the application is called,
-so time the proxy spends before its handler runs (a busy event loop) shows in its own numbers.
+so time the proxy spends before its handler runs (a busy event loop) shows in its own numbers. And it hands
+the relay the request's own response cycle (``CYCLE``): the relay then writes each relayed body part to the
+client's transport from the upstream's read callback (``proxy.relay.pipe``), in the framing uvicorn chose.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ DEFAULT_MAX_HEAD = 64 * 1024
 RECEIVED = "llmtap.received"
 #: Seconds between two log lines about the same kind of cut or refusal; the counters have every one.
 LOG_EVERY = 10.0
+#: The scope extension holding the request's uvicorn response cycle (its transport, flow control, framing).
+CYCLE = "llmtap.cycle"
 #: The most client connections a relay takes by default, and the descriptors kept back from the limit
 #: for everything else (listeners, the channel, log files); each client may need an upstream connection too.
 DEFAULT_CAP = 4096
@@ -273,6 +277,10 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._disarm()
         self._in_body = True
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:
+            # Not after an upgrade request (no cycle of its own): that one is answered through ``send`` alone.
+            self.scope["extensions"][CYCLE] = cycle  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         """The body is complete: nothing more to wait for from the client until its next request."""

@@ -15,6 +15,11 @@ relies on, and this module keeps:
 * RFC 9112 section 6.3: bytes past the end of a response never reach the parser, are counted
   (``response.extensions[SURPLUS]``) and close the connection.
 
+A relay may instead take the body in the read callback (``response.extensions[PIPE]``, ``_Body.pipe``): each
+part goes to its sink the moment the parser has it, stamped once per socket read, and the relay's task
+wakes only when the response ends, fails or is held (``hold``: its client stopped taking bytes, so the
+socket stops being read until ``release``). No queue, no task switch per chunk (issue 29).
+
 HTTPS is the event loop's own TLS transport (``create_connection(ssl=...)``, asyncio's or uvloop's) under
 the same protocol, with the context of ``proxy.relay.tls``: certificate and handshake failures are
 ``ConnectError``s that say what failed (``certificate verify failed: self-signed certificate``). asyncio
@@ -28,6 +33,7 @@ import asyncio
 import select
 import socket
 import ssl
+import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from typing import Any
@@ -39,6 +45,10 @@ from proxy.relay import tls
 
 #: Response extension: a callable returning how many bytes the upstream sent past the response's end.
 SURPLUS = "llmtap.surplus"
+#: Response extension: the body (``_Body``), whose ``pipe`` hands each part to a sink in the read callback.
+PIPE = "llmtap.pipe"
+#: A sink: called with the moment a socket read arrived and one body part it carried.
+Sink = Callable[[float, bytes], None]
 #: Body bytes queued and not yet taken by the relay past which the socket stops being read.
 QUEUE_BYTES = 64 * 1024
 #: The largest response head (interim responses included); a longer one is a protocol error.
@@ -88,6 +98,12 @@ class _Connection(asyncio.Protocol):
         self._writing_paused = False
         self._reading_paused = False
         self.active = False
+        #: Where body parts go as they arrive (``_Body.pipe``); None: they queue in ``parts``.
+        self.sink: Sink | None = None
+        #: Reading is paused because the sink's client takes no more (``hold``).
+        self.held = False
+        #: When the socket last brought anything, under a sink (its idle timeout counts from here).
+        self.heard = 0.0
         self._reset(head_only=False)
 
     def begin(self, *, head_only: bool) -> None:
@@ -156,6 +172,10 @@ class _Connection(asyncio.Protocol):
         if not self.active or self.done:
             self._past_end(len(data))
             return
+        sink = self.sink
+        if sink is not None:
+            self._sink_read(sink, data)
+            return
         size = len(data)
         start = 0
         while start < size and not self.done and self.error is None:
@@ -172,6 +192,59 @@ class _Connection(asyncio.Protocol):
         if start < size and self.done:
             self._past_end(size - start)
         _wake(self._reader)
+
+    def _sink_read(self, sink: Sink, data: bytes) -> None:
+        """``data_received`` under a sink: parse, hand each part over with the read's one timestamp, wake
+        the relay's task only when the response ended, failed or is held."""
+        self.heard = t = time.perf_counter()
+        size = len(data)
+        start = 0
+        while start < size and not self.done and self.error is None:
+            end = self._piece_end(data, start)
+            self._feed(data if start == 0 and end == size else memoryview(data)[start:end])
+            start = end
+        if self._pending:
+            self._flush()
+        parts = self.parts
+        while parts:
+            sink(t, parts.popleft())
+        self._queued = 0
+        if start < size and self.done:
+            self._past_end(size - start)
+        if self.done or self.error is not None or self.held:
+            _wake(self._reader)
+
+    def hold(self) -> None:
+        """Stop reading the socket until ``release`` (the sink's client stopped taking bytes); wakes the relay."""
+        if not self.held:
+            self.held = True
+            if self._transport is not None and not self.closed:
+                self._transport.pause_reading()
+        _wake(self._reader)
+
+    def release(self) -> None:
+        """Read the socket again after ``hold``; the silence the hold caused does not count as the upstream's."""
+        self.heard = time.perf_counter()
+        if self.held:
+            self.held = False
+            if self._transport is not None and not self.closed:
+                self._transport.resume_reading()
+
+    async def until_moved(self, seconds: float | None) -> None:
+        """Under a sink: until the response ends, fails or is held; ``httpx.ReadTimeout`` once the socket
+        brought nothing for ``seconds`` (one timer for the wait, checked against ``heard`` when it fires)."""
+        remaining = seconds
+        while not (self.done or self.error is not None or self.held):
+            self._reader = self._loop.create_future()
+            try:
+                moved = await self._until(self._reader, remaining)
+            finally:
+                self._reader = None
+            if not moved and seconds is not None:
+                silence = time.perf_counter() - self.heard
+                if silence >= seconds:
+                    raise httpx.ReadTimeout(f"upstream sent nothing for {seconds:g} s")
+                remaining = seconds - silence
 
     # -- parsing ---------------------------------------------------------------------------------
 
@@ -300,11 +373,12 @@ class _Connection(asyncio.Protocol):
     def park(self) -> None:
         """Between exchanges in the pool."""
         self.active = False
+        self.sink = None
         self.parts.clear()
         self._queued = 0
-        if self._reading_paused and self._transport is not None:
+        if (self._reading_paused or self.held) and self._transport is not None:
             self._transport.resume_reading()
-            self._reading_paused = False
+        self._reading_paused = self.held = False
 
     def abort(self) -> None:
         """Close at once (the server sees the client leave), dropping anything unsent."""
@@ -491,6 +565,28 @@ class _Body(httpx.AsyncByteStream):
     async def aclose(self) -> None:
         self._release()
 
+    @property
+    def connection(self) -> _Connection:
+        """The connection this body arrives on (a sink holds and releases it, the relay waits on it)."""
+        return self._conn
+
+    def pipe(self, sink: Sink) -> _Connection:
+        """From now on each body part goes to ``sink`` in the read callback (those queued already, at once);
+        the relay then waits on the returned connection's ``until_moved`` and ``hold``/``release``."""
+        conn = self._conn
+        conn.heard = t = time.perf_counter()
+        conn.sink = sink
+        parts = conn.parts
+        while parts:
+            sink(t, parts.popleft())
+        conn._queued = 0
+        if conn._reading_paused:
+            # Paused for a full queue before the pipe: the queue is gone (a hold by the sink keeps its own pause).
+            conn._reading_paused = False
+            if not conn.held and conn._transport is not None and not conn.closed:
+                conn._transport.resume_reading()
+        return conn
+
     def surplus(self) -> int:
         """Bytes the upstream sent past this response's end (its connection was closed for them)."""
         return self._surplus if self._released else self._conn.surplus
@@ -647,7 +743,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn.status,
             headers=conn.headers,
             stream=body,
-            extensions={"http_version": version, "reason_phrase": conn.reason, SURPLUS: surplus},
+            extensions={"http_version": version, "reason_phrase": conn.reason, SURPLUS: surplus, PIPE: body},
         )
 
     async def aclose(self) -> None:

@@ -15,6 +15,8 @@ of the values its series hold (``prometheus``). Over OTLP each point carries eve
 histogram is exponential (``setup``). A new latency histogram follows the scheme by being created with
 ``_seconds`` (or ``DURATION_BUCKETS`` as its advisory boundaries): its page then stays small and its
 percentiles close by the same rule.
+The proxy's own cost (overhead, the relay's delay per chunk) lives under a millisecond: its buckets
+(``OVERHEAD_BUCKETS``) start at 10 us.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from proxy.telemetry import semconv as sc
 
 #: Fine duration buckets: 1 ms to ~131 s in steps of 2^(1/8).
 DURATION_BUCKETS: tuple[float, ...] = tuple(round(0.001 * 2 ** (i / 8), 7) for i in range(137))
+#: The proxy's own cost (``llmtap.proxy.overhead``, ``llmtap.relay.chunk_delay``): 10 us to 100 ms in steps
+#: of 2^(1/3) (41 bounds), since a healthy relay adds well under a millisecond (issue 31).
+OVERHEAD_BUCKETS: tuple[float, ...] = (*(round(1e-5 * 2 ** (i / 3), 9) for i in range(40)), 0.1)
 #: Fine token buckets: 1 to ~2M tokens in steps of 2^(1/4), rounded to distinct integers.
 TOKEN_BUCKETS: tuple[float, ...] = tuple(sorted({float(round(2 ** (i / 4))) for i in range(85)}))
 #: Size of the relative drift between tiktoken and reported usage (its sign is an attribute).
@@ -69,6 +74,7 @@ class Instruments:
     requests: Counter
     active_streams: UpDownCounter
     overhead: Histogram
+    relay_chunk_delay: Histogram
     drift: Histogram
     telemetry_dropped: Counter
     labels_evicted: Counter
@@ -197,10 +203,19 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         active_streams=meter.create_up_down_counter(
             sc.METRIC_ACTIVE_STREAMS, unit="{request}", description="Requests in flight through the proxy."
         ),
-        overhead=_seconds(
+        overhead=_histogram(
             meter,
             sc.METRIC_OVERHEAD,
+            "s",
             "The proxy's own time in TTFT: request in to request sent, first content in to first content out.",
+            OVERHEAD_BUCKETS,
+        ),
+        relay_chunk_delay=_histogram(
+            meter,
+            sc.METRIC_RELAY_CHUNK_DELAY,
+            "s",
+            "Per relayed upstream read: its arrival to its write to the client's socket, by route.",
+            OVERHEAD_BUCKETS,
         ),
         drift=meter.create_histogram(
             sc.METRIC_TOKEN_DRIFT,

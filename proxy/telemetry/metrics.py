@@ -10,6 +10,7 @@ stream flag and the prompt version, and on the figures users feel (TTFT, ITL, TP
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
@@ -19,7 +20,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from proxy import __version__
 from proxy.analysis.cachediag import MISS_CHANGED, Diagnosis
-from proxy.analysis.summary import USAGE, Summary
+from proxy.analysis.summary import MAX_SAMPLES, USAGE, Summary
 from proxy.analysis.timeline import OK, Timeline
 from proxy.labels import OTHER, LabelGuard
 from proxy.settings import Settings
@@ -206,7 +207,11 @@ class MetricWriter:
         if s.upstream_unattributed is not None:
             ins.unattributed.record(s.upstream_unattributed, own, context=ctx)
         self._token_metrics(s, attrs, outcome, counted, client=client)
+        if tl.relay_delays:
+            # One per read: at a bucket lookup each (``bulk``), none an exemplar.
+            record_many(ins.relay_chunk_delay, list(spread(tl.relay_delays)), {sc.ROUTE: tl.route}, _NO_SPAN)
         if tl.sent is not None:
+            # The request's last instrument (tests wait for it).
             ins.overhead.record(proxy_added(tl), {sc.ROUTE: tl.route})
 
     def _cost_metrics(self, tl: Timeline, s: Summary, counted: dict[str, Any]) -> None:
@@ -330,3 +335,12 @@ def proxy_added(tl: Timeline) -> float:
     if tl.first_content is not None and tl.first_content_delivered is not None:
         added += max(tl.first_content_delivered - tl.first_content, 0.0)
     return added
+
+
+def spread(samples: Sequence[float]) -> Sequence[float]:
+    """All of ``samples``, or ``MAX_SAMPLES`` of them spread evenly (a stream of a million reads would hold the
+    telemetry process for half a minute, at tens of microseconds a histogram sample)."""
+    if len(samples) <= MAX_SAMPLES:
+        return samples
+    step = len(samples) / MAX_SAMPLES
+    return [samples[int(k * step)] for k in range(MAX_SAMPLES)]

@@ -42,6 +42,11 @@ def provider_named(name: str | None, method: str, path: str) -> Provider | None:
     return _BY_NAME.get(name)
 
 
+def relay_delays(times: array[float], delivered: array[float], out: array[float]) -> None:
+    """Append each read's delay in the relay, arrival to the client's socket (reads never delivered: none)."""
+    out.extend([d - t for t, d in zip(times, delivered, strict=True) if d == d])  # d != d: NaN, not delivered
+
+
 class Playback:
     """One stream being played back: created from its head, fed its reads, finished with its tail."""
 
@@ -164,6 +169,7 @@ class Playback:
                 # The read that brought the protocol's last event: did it reach the client's socket?
                 tl.completed_delivered = not math.isnan(delivered[i])
         self._last_delivered = not math.isnan(delivered[-1]) if len(delivered) else self._last_delivered
+        relay_delays(times, delivered, tl.relay_delays)
 
     def finish(self, tail: tuple[Any, ...]) -> Timeline:
         """The stream's end: the relay's own verdict applied after what the stream itself said."""

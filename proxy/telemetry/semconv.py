@@ -99,6 +99,11 @@ CACHE_READ_TOKENS = "llmtap.usage.cache_read.input_tokens"
 INPUT_TOKENS_SOURCE = "llmtap.usage.input_tokens.source"
 OUTPUT_TOKENS_SOURCE = "llmtap.usage.output_tokens.source"
 UNCACHED_INPUT_TOKENS = "llmtap.usage.uncached_input_tokens"
+#: The request's proxy overhead (as ``llmtap.proxy.overhead`` records it), and the p99 and largest delay the
+#: relay added to a chunk (upstream read to client write), in seconds, on the request's span (issue 31).
+PROXY_OVERHEAD = "llmtap.proxy.overhead"
+RELAY_CHUNK_DELAY_P99 = "llmtap.relay.chunk_delay.p99"
+RELAY_CHUNK_DELAY_MAX = "llmtap.relay.chunk_delay.max"
 CHUNK_COUNT = "llmtap.decode.chunks"
 CHUNK_INDEX = "llmtap.chunk.index"
 CHUNK_TOKENS = "llmtap.chunk.tokens"
@@ -250,6 +255,7 @@ METRIC_OUTPUT_TOKENS = "llmtap.usage.output_tokens"
 METRIC_REQUESTS = "llmtap.requests"
 METRIC_ACTIVE_STREAMS = "llmtap.streams.active"
 METRIC_OVERHEAD = "llmtap.proxy.overhead"
+METRIC_RELAY_CHUNK_DELAY = "llmtap.relay.chunk_delay"  # per relayed read: upstream read to client write
 METRIC_TOKEN_DRIFT = "llmtap.tokens.drift"
 METRIC_TELEMETRY_DROPPED = "llmtap.telemetry.tapes.dropped"  # tapes that never became telemetry, by reason
 METRIC_SPANS_DROPPED = "llmtap.telemetry.spans.dropped"  # never reached the collector, by reason

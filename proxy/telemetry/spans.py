@@ -34,6 +34,7 @@ from opentelemetry.trace import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy import __version__
+from proxy.analysis.stats import quantile
 from proxy.analysis.summary import Summary
 from proxy.analysis.timeline import OK, Timeline
 from proxy.labels import OTHER, clean
@@ -233,6 +234,7 @@ class SpanWriter:
             root.set_attributes(as_hop(attrs) if self.is_hop(tl) else attrs)
         if tl.status_code is not None:
             root.set_attribute(sc.HTTP_STATUS, tl.status_code)
+        root.set_attributes(relay_cost(tl))
         if tl.outcome != OK:
             # Both from the upstream as often as not (its error object): cleaned like every such string.
             root.set_attribute(sc.ERROR_TYPE, clean(tl.error_type) if tl.error_type else OTHER)
@@ -341,3 +343,19 @@ class SpanWriter:
             self._tracer.start_span(sc.SPAN_CHUNK, context=ctx, start_time=start, attributes=attrs).end(end_time=end)
 
         return through_tracer
+
+
+def relay_cost(tl: Timeline) -> dict[str, float]:
+    """The proxy's own cost of a request, for its span: its overhead, and the p99 and largest delay it added
+    to a chunk (seconds)."""
+    from proxy.telemetry.metrics import proxy_added, spread
+
+    out: dict[str, float] = {}
+    if tl.sent is not None:
+        out[sc.PROXY_OVERHEAD] = proxy_added(tl)
+    delays = tl.relay_delays
+    if delays:
+        # The p99 of the samples the histogram got (all, or an even spread of a very long stream's); the max of all.
+        out[sc.RELAY_CHUNK_DELAY_P99] = quantile(spread(delays), 0.99) or 0.0
+        out[sc.RELAY_CHUNK_DELAY_MAX] = max(delays)
+    return out
