@@ -327,8 +327,9 @@ def section(cases: list[Case], notes: list[str], cpus: str, args: argparse.Names
         "(`bench.records_gen`), and the same rows loaded into ClickHouse. Each case is a child process,",
         "`llmtap compare SOURCE --json` or `llmtap slo SOURCE --json` (2,000 resamples), run alone: wall",
         f"time (median of {args.repeats} runs for the engine over Parquet, of {args.clickhouse_repeats} for"
-        " ClickHouse, the range in brackets; one run of the others), CPU time (user + system, the child's own:",
-        "what the case cost apart from the load of the machine), peak RSS of the analysing process (its own",
+        " ClickHouse,",
+        "the range in brackets; one run of the others), CPU time (user + system, the child's own: what the",
+        "case cost apart from the load of the machine), peak RSS of the analysing process (its own",
         "`VmHWM`), and the ClickHouse server's peak RSS while the case ran (sampled every 50 ms; the server is",
         "not the analysing process). The outputs of every case at one size were equal, all of it but the line",
         "naming the source (and, for ClickHouse, the counts of file lines not read as records, which it has",
