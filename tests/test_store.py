@@ -91,6 +91,10 @@ def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
         rec["outcome"] = 1
     elif odd < 0.23:
         rec["cache"] = None
+    elif odd < 0.24:
+        rec["time"] = " " + iso(t)  # read after a trim, as Python reads it
+    elif odd < 0.25:
+        rec["time"] = iso(t + 7200).replace("+00:00", "+02:00")  # another zone: the same moment
     return rec
 
 
