@@ -126,9 +126,12 @@ FROM d
 """
 
 
-def generate(directory: Path, n: int, *, parquet: Path | None = None, pods: int = PODS, threads: int = 2) -> None:
-    """Write ``n`` records as six pods would, compressed JSON lines under ``directory`` (and Parquet under
-    ``parquet`` when given), both partitioned by date and hour."""
+def generate(
+    directory: Path | None, n: int, *, parquet: Path | None = None, pods: int = PODS, threads: int = 2
+) -> None:
+    """Write ``n`` records as six pods would, compressed JSON lines under ``directory`` when given (and
+    Parquet under ``parquet`` when given), both partitioned by date and hour: one file per pod and hour,
+    as each pod's writer rotates its file when the UTC hour turns."""
     import duckdb
 
     for d in (directory, parquet):
@@ -139,10 +142,11 @@ def generate(directory: Path, n: int, *, parquet: Path | None = None, pods: int 
     try:
         for pod in range(pods):
             sql = rows_sql(n, pod, pods)
-            con.execute(
-                f"COPY ({sql}) TO '{directory}' (FORMAT json, COMPRESSION gzip, PARTITION_BY (date, hour),"
-                f" FILE_EXTENSION 'jsonl.gz', FILENAME_PATTERN 'pod{pod}-{{i}}', OVERWRITE_OR_IGNORE)"
-            )
+            if directory is not None:
+                con.execute(
+                    f"COPY ({sql}) TO '{directory}' (FORMAT json, COMPRESSION gzip, PARTITION_BY (date, hour),"
+                    f" FILE_EXTENSION 'jsonl.gz', FILENAME_PATTERN 'pod{pod}-{{i}}', OVERWRITE_OR_IGNORE)"
+                )
             if parquet is not None:
                 con.execute(
                     f"COPY ({sql}) TO '{parquet}' (FORMAT parquet, COMPRESSION zstd, PARTITION_BY (date, hour),"
@@ -153,15 +157,15 @@ def generate(directory: Path, n: int, *, parquet: Path | None = None, pods: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.records_gen DIR N [--parquet DIR]``."""
+    """``python -m bench.records_gen DIR N [--parquet DIR]`` (``-`` as DIR: no JSON lines)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m bench.records_gen", description=__doc__.split("\n")[0])
-    p.add_argument("dir", type=Path, help="where the JSON lines go")
+    p.add_argument("dir", help="where the JSON lines go ('-': none)")
     p.add_argument("n", type=int, help="how many records")
     p.add_argument("--parquet", type=Path, help="where the same rows go as Parquet")
     args = p.parse_args(argv)
-    generate(args.dir, args.n, parquet=args.parquet)
+    generate(None if args.dir == "-" else Path(args.dir), args.n, parquet=args.parquet)
     return 0
 
 

@@ -93,8 +93,12 @@ def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
     elif odd < 0.23:
         rec["cache"] = None
     elif odd < 0.24:
-        rec["trace_id"] = None if odd < 0.235 else 12  # no trace id (either reads as ''): named anyway
-    elif odd < 0.27:
+        rec["time"] = " " + iso(t)  # read after a trim, as Python reads it
+    elif odd < 0.25:
+        rec["time"] = iso(t + 7200).replace("+00:00", "+02:00")  # another zone: the same moment
+    elif odd < 0.26:
+        rec["trace_id"] = None if odd < 0.255 else 12  # no trace id (either reads as ''): named anyway
+    elif odd < 0.29:
         rec["ttft"] = 2.5  # slowest of its group, tied with others: the trace id breaks the tie
     # A cost (issue 31) from the record's index, not the generator, so the other fields stay as they were:
     # priced (amounts exact in binary, so any order of summing agrees), unknown, absent, or wrong-typed.
