@@ -409,6 +409,8 @@ def test_collector_fault_drops_are_counted_and_memory_stays_flat(
             "OTEL_METRIC_EXPORT_INTERVAL": "200",
             "LLMTAP_TELEMETRY_QUEUE": "512",
             "OTEL_TRACES_EXPORTER": "otlp",
+            # Every request keeps its chunk spans (34 a request), so 400 of them overflow the queue.
+            "LLMTAP_CHUNK_DETAIL_SAMPLE": "1",
         }
         proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--log-level", "error", env=env)
         try:

@@ -249,10 +249,16 @@ def test_the_proxys_own_cost_resolves_microseconds(upstream: Scripted, tmp_path:
         chat(proxy)
         wait_for("the request on /metrics", lambda: total(proxy.metrics(), OVERHEAD + "_count") == 1, proxy)
         text = proxy.metrics()
+        # The buckets: 10 us to 100 ms, most of them below a millisecond.
+        assert OVERHEAD_BUCKETS[0] == 1e-5 and OVERHEAD_BUCKETS[-1] == 0.1
+        assert sum(b < 0.001 for b in OVERHEAD_BUCKETS) >= 20
         for name in (OVERHEAD, CHUNK_DELAY):
+            # /metrics writes a histogram sparse: an unbroken run of its bounds, over the range its values span.
             found = bounds(text, name)
-            assert found == list(OVERHEAD_BUCKETS), name
-            assert found[0] == 1e-5 and sum(b < 0.001 for b in found) >= 20 and found[-1] == 0.1, name
+            start = OVERHEAD_BUCKETS.index(found[0])
+            assert found == list(OVERHEAD_BUCKETS[start : start + len(found)]), name
+        # A relayed read goes to the client in the same callback: its delay lies well under a millisecond.
+        assert bounds(text, CHUNK_DELAY)[0] < 0.001
         # One sample per relayed read: at least one per content chunk (six), each a delay of its own.
         assert total(text, CHUNK_DELAY + "_count") >= 6
         assert total(text, CHUNK_DELAY + "_sum") > 0
