@@ -341,9 +341,11 @@ def start_prometheus(
     return svc, port
 
 
-def promql(port: int, query: str) -> float | None:
-    """The value of an instant PromQL query with one result, or None when it has none."""
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+def promql(port: int, query: str, at: float | None = None) -> float | None:
+    """The value of an instant PromQL query with one result (at the epoch time ``at``, else now), or None when it
+    has none."""
+    params = {"query": query} if at is None else {"query": query, "time": f"{at:.3f}"}
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode(params)
     with urllib.request.urlopen(url, timeout=10) as r:
         data = json.load(r)
     result = data["data"]["result"]

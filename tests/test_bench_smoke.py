@@ -321,7 +321,8 @@ def test_burst_command_line_and_ablations() -> None:
     args = parser().parse_args(["--bursts", "1,32,64", "--tls", "on", "--paths", "direct,nginx,llmtap",
                                 "--ablation", "otel-off", "--ablation", "httpx"])  # fmt: skip
     assert args.bursts == (1, 32, 64) and args.tls == "on"
-    assert path_specs(args) == ["direct", "nginx", "llmtap", "llmtap:otel-off", "llmtap:httpx"]
+    # llmtap:one-core (the whole tree on the proxy's one core) runs by default, beside the dedicated cores.
+    assert path_specs(args) == ["direct", "nginx", "llmtap", "llmtap:one-core", "llmtap:otel-off", "llmtap:httpx"]
     assert peers.ablation_names("otel-off+httpx") == ["otel-off", "httpx"]
     with pytest.raises(ValueError):
         peers.ablation_names("no-such-switch")

@@ -267,6 +267,8 @@ def _path(provider: Provider) -> str:
         "/api/generate",
         "/v1beta/models/m:streamGenerateContent",
         "/v1/projects/p/locations/l/publishers/google/models/m:streamGenerateContent",
+        "/v1/embeddings",
+        "/api/embed",
     ):
         if provider.matches("POST", path):
             return path
