@@ -209,3 +209,19 @@ def test_tgi_queue_header_is_used_or_rejected(
         assert attrs.get(sc.QUEUE_UPSTREAM_SOURCE) != "server"
         assert all(v >= 0 for k, v in attrs.items() if k.endswith(".duration"))  # type: ignore[operator]
         assert rejected >= 1, metrics
+
+
+@pytest.mark.e2e
+async def test_a_client_that_asks_again_at_once_finds_its_slot_free(proxy_factory: Any, scripted: Scripted) -> None:
+    """One slot, no line: each request sent the moment the previous answer ended is admitted. The slot is freed
+    when the upstream's answer is complete, before the relay's last send, not after it closes the connection."""
+    settings = build({"upstream": scripted.url, "max_concurrency": 1, "queue_limit": 0}, env={})
+    proxy: Running = proxy_factory(settings)
+    statuses = []
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=20) as client:
+        for i in range(40):
+            body = {**CHAT, "stream": bool(i % 2)}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                await r.aread()
+            statuses.append(r.status_code)
+    assert statuses == [200] * 40, statuses

@@ -571,6 +571,11 @@ class ProxyApp:
                 end, _ = _strip(strip, None)
                 tail += end
             tape.end = now()
+            if admitted and admission is not None:
+                # The upstream has answered in full: its slot is free before the last send, so a client that
+                # asks again the moment its answer ends is never refused for its own finished request.
+                admitted = False
+                admission.release()
             surplus = await close_if_surplus(response)
             tape.surplus = surplus
             if watch is not None:
