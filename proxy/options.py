@@ -900,10 +900,10 @@ _TABLE = (
     option(
         "telemetry_scheduling",
         choice(*TELEMETRY_SCHEDULING),
-        "idle",
-        "how the telemetry processes yield the CPU to the relays: idle (their worker threads at SCHED_IDLE, run "
-        "only when no relay wants the core, the admin listener's thread niced by 5; all niced where SCHED_IDLE is "
-        "not permitted), nice (niced by 5), or normal",
+        "nice",
+        "how the telemetry processes yield the CPU to the relays: nice (niced by 5: a share of a busy core), idle "
+        "(worker threads at SCHED_IDLE: they run only when no relay wants the core, so a core kept busy drops their "
+        "tapes, counted; the admin listener's thread niced), or normal",
         "process",
     ),
     # the file's routes only

@@ -106,11 +106,12 @@ def test_normal_requests_export_at_most_six_spans_and_a_failed_one_every_chunk_s
             assert not [s for s in tree if s.name == sc.SPAN_CHUNK]
             # The chunk statistics stand in for the chunk spans.
             assert decode_attrs[sc.CHUNK_COUNT] == CHUNKS
-            assert 0 < decode_attrs[sc.DECODE_GAP_P50] <= decode_attrs[sc.DECODE_GAP_P99]
+            # Gaps may be 0: on a busy machine several chunks arrive in one read and share its stamp.
+            assert 0 <= decode_attrs[sc.DECODE_GAP_P50] <= decode_attrs[sc.DECODE_GAP_P99]
             assert decode_attrs[sc.DECODE_GAP_P99] <= decode_attrs[sc.DECODE_GAP_MAX]
             assert 1 <= decode_attrs[sc.DECODE_GAP_MAX_INDEX] < CHUNKS
-            assert 0 < decode_attrs[sc.DECODE_GAP_MAX_AT] <= (decode.end_time_unix_nano - decode.start_time_unix_nano)
-            assert decode_attrs[sc.DECODE_ITL_P50] > 0
+            assert 0 <= decode_attrs[sc.DECODE_GAP_MAX_AT] <= (decode.end_time_unix_nano - decode.start_time_unix_nano)
+            assert decode_attrs[sc.DECODE_ITL_P50] >= 0
         assert sum(1 for t in normal_trees if len(t) <= 6) >= normal - 2, [len(t) for t in normal_trees]
     finally:
         proxy.close()

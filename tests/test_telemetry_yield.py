@@ -58,10 +58,10 @@ def stream(client: httpx.Client, **headers: str) -> float:
 
 
 def test_telemetry_runs_at_sched_idle_and_niced_when_asked(upstream: FaultUpstream, tmp_path: Path) -> None:
-    idle = Llmtap(upstream.url, tmp_path / "idle.log", {"OTEL_TRACES_EXPORTER": "none"})
-    nice = Llmtap(
-        upstream.url, tmp_path / "nice.log", {"OTEL_TRACES_EXPORTER": "none", "LLMTAP_TELEMETRY_SCHEDULING": "nice"}
+    idle = Llmtap(
+        upstream.url, tmp_path / "idle.log", {"OTEL_TRACES_EXPORTER": "none", "LLMTAP_TELEMETRY_SCHEDULING": "idle"}
     )
+    nice = Llmtap(upstream.url, tmp_path / "nice.log", {"OTEL_TRACES_EXPORTER": "none"})  # the default
     try:
         idle.wait_ready()
         nice.wait_ready()

@@ -1,13 +1,17 @@
 """Where the telemetry process's threads run beside the relays on a shared core (issue 29).
 
-``idle`` (the default): every worker thread (the recorder's, the record writers', the exporters') runs at
+``nice`` (the default): every thread niced by ``NICE``; on a core the relays keep busy telemetry still gets a
+share. ``idle``: every worker thread (the recorder's, the record writers', the exporters') runs at
 SCHED_IDLE, the lowest class Linux has: on a core the relay shares with it, the relay always runs first and
 telemetry takes only what the relay leaves. When that is not enough, the relay's channel fills and tapes are
 dropped and counted (``llmtap_telemetry_tapes_dropped_total``), never a stream delayed. The main thread stays in
 the normal class, niced by ``NICE``: it serves the admin listener (health probes, scrapes, the live view) and
 takes the relays' tapes off the channel, little work that must answer in time even on a core the relays keep
-busy (a liveness probe that waits behind the relays restarts the pod). ``nice``: every thread niced by ``NICE``.
-``normal``: no change. Where SCHED_IDLE is not permitted (another OS, a seccomp profile), ``idle`` becomes ``nice``.
+busy (a liveness probe that waits behind the relays restarts the pod). ``idle`` is not the default: under load
+that keeps every core busy its workers get next to no time (a 256 MiB stream that kept both cores busy lost its
+tape, counted; on a fully loaded test machine, checks that wait for telemetry failed at random with it as the
+default). ``normal``: no change. Where SCHED_IDLE is not permitted (another OS, a seccomp profile), ``idle``
+becomes ``nice``.
 
 A thread enters the class itself (``idle_here``) when it starts; threads the OpenTelemetry SDK starts are moved
 once they exist (``idle_others``).
