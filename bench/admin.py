@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     auth = {"authorization": f"Bearer {args.token}"} if args.token else {}
     if args.token:
         env["LLMTAP_ADMIN_TOKEN"] = args.token
-    argv_serve = [sys.executable, "-m", "proxy", "serve", "--upstream", "(the fault upstream)"]
+    argv_serve = [sys.executable, "-m", "llmtap", "serve", "--upstream", "(the fault upstream)"]
     argv_serve += ["--port", str(port), "--admin-port", str(admin_port), *args.serve_arg]
     admin = f"http://127.0.0.1:{admin_port}"
     with tempfile.TemporaryDirectory() as folder:

@@ -1,7 +1,7 @@
 """``llmtap compare`` and ``llmtap slo`` over ClickHouse at scale (``python -m bench.clickhouse_scale``).
 
 Generates a week of records with ``bench.records_gen`` (the same rows the file benchmark reads: DuckDB makes
-them from their index), flattened to the table's columns (``proxy/store/clickhouse.sql``) and written as
+them from their index), flattened to the table's columns (``proxy/llmtap/store/clickhouse.sql``) and written as
 CSV, loads them into a real ClickHouse (Debian's ``clickhouse-server``, started as a plain process on free
 ports, as the tests start it) with ``INSERT ... FORMAT CSV``, then runs ``llmtap compare
 --clickhouse`` and ``llmtap slo --clickhouse`` as child processes and reports each one's wall time and peak
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.records_gen import PODS, SWITCH, rows_sql
-from proxy.store import clickhouse as ch
+from llmtap.store import clickhouse as ch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,7 +134,7 @@ def _post(server: ch.Server, sql: str, body: bytes) -> None:
 
 
 def timed(argv: list[str]) -> dict[str, Any]:
-    """Run ``python -m proxy ARGV``: its wall time, peak RSS and the verdict line (or verdict kinds)."""
+    """Run ``python -m llmtap ARGV``: its wall time, peak RSS and the verdict line (or verdict kinds)."""
     started = time.monotonic()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # The peak RSS as the process's own memory map saw it (VmHWM, read as it exits): a child's ru_maxrss starts
@@ -157,7 +157,7 @@ def peak():
     with open("/proc/self/status") as f:
         sys.stderr.write("".join(line for line in f if line.startswith("VmHWM:")))
 atexit.register(peak)
-from proxy.cli import main
+from llmtap.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Any
 
-from proxy.types import ASGIApp, Message, Receive, Scope, Send
+from llmtap.types import ASGIApp, Message, Receive, Scope, Send
 
 
 def _endpoint(chunks: int) -> ASGIApp:
@@ -63,7 +63,7 @@ async def _per_request(app: ASGIApp, requests: int) -> float:
 
 def measure(requests: int, chunks: int, rounds: int) -> dict[str, Any]:
     """Median CPU µs per request for the bare endpoint and for it inside the relay's frame."""
-    from proxy.relay.frame import relay_frame
+    from llmtap.relay.frame import relay_frame
 
     bare = _endpoint(chunks)
     framed = relay_frame(bare)

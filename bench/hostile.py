@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from bench.procs import Service, by_role, free_port, rss_bytes, wait_http
-from proxy.telemetry.records import ReadStats, read_records
+from llmtap.telemetry.records import ReadStats, read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / "tests" / "fault_upstream.py"
@@ -73,7 +73,7 @@ class Bench:
         self.upstream_url = f"http://127.0.0.1:{self.upstream.read_line()}"
         self.records = home / "records"
         port, admin = free_port(), free_port()
-        argv = [sys.executable, "-m", "proxy", "serve", "--upstream", self.upstream_url, "--port", str(port)]
+        argv = [sys.executable, "-m", "llmtap", "serve", "--upstream", self.upstream_url, "--port", str(port)]
         argv += ["--admin-port", str(admin), "--record", str(self.records), "--log-level", "warning"]
         self.llmtap = Service("llmtap", argv, log=home / "llmtap.log", env={"OTEL_TRACES_EXPORTER": "none"}, cpu=None)
         self.url, self.admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"

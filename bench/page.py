@@ -5,7 +5,7 @@ spread log-uniformly between ``--ttft`` and ``--ttft-max`` (``bench.upstream``),
 model, route and shape. At each checkpoint (14 requests, then more) the page is fetched and measured: bytes,
 sample lines, and lines by (model, route, shape): those carrying all three, and all the traffic wrote. At the
 end, the p50/p95/p99 TTFT, ITL-per-chunk and E2E that ``histogram_quantile`` reads from the ``gen_ai.*`` and
-``llmtap.*`` histograms (summed by ``le``; llmtap's own ``proxy.analysis.stats.histogram_quantile``, which
+``llmtap.*`` histograms (summed by ``le``; llmtap's own ``llmtap.analysis.stats.histogram_quantile``, which
 agrees with Prometheus' to the last digit in ``bench.buckets``) are set against the exact values of the same
 requests, from their records.
 """
@@ -25,8 +25,8 @@ import httpx
 
 from bench import peers
 from bench.procs import Service, free_port, wait_http
-from proxy.analysis.stats import histogram_quantile, quantile
-from proxy.telemetry.records import ReadStats, read_records
+from llmtap.analysis.stats import histogram_quantile, quantile
+from llmtap.telemetry.records import ReadStats, read_records
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT = {"model": "bench-model", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
@@ -77,7 +77,7 @@ def run(
     up, up_port = peers.upstream(work, None, ttft=ttft, gap=0.02, chunks=20, ttft_max=ttft_max)
     port, admin = free_port(), free_port()
     record = work / "records"
-    argv = [sys.executable, "-m", "proxy", "serve", "--upstream", f"http://127.0.0.1:{up_port}"]
+    argv = [sys.executable, "-m", "llmtap", "serve", "--upstream", f"http://127.0.0.1:{up_port}"]
     argv += ["--port", str(port), "--admin-port", str(admin), "--record", str(record), *args]
     env = {"PYTHONPATH": str(repo), "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}
     proxy = Service("llmtap", argv, log=work / "llmtap.log", cpu=None, env=env)

@@ -180,7 +180,7 @@ def ablation_names(spec: str) -> list[str]:
 _UPSTREAM_CA_FLAG: bool | None = None
 
 
-def llmtap_has_upstream_ca(module: str = "proxy") -> bool:
+def llmtap_has_upstream_ca(module: str = "llmtap") -> bool:
     """Whether this llmtap has ``serve --upstream-ca`` (asked once, from its ``--help``)."""
     global _UPSTREAM_CA_FLAG
     if _UPSTREAM_CA_FLAG is None:
@@ -230,7 +230,7 @@ def llmtap(
     name: str = "llmtap",
     workers: int = 1,
     extra_env: dict[str, str] | None = None,
-    module: str = "proxy",
+    module: str = "llmtap",
     certs: Certs | None = None,
     ablation: str = "",
     telemetry_cpu: str | None = None,
@@ -356,14 +356,14 @@ def promql(port: int, query: str, at: float | None = None) -> float | None:
 
 
 def tiktoken_cache(work: Path) -> Path:
-    """A ``TIKTOKEN_CACHE_DIR`` holding the encodings shipped in ``proxy/data`` under tiktoken's cache names."""
+    """A ``TIKTOKEN_CACHE_DIR`` holding the encodings shipped in ``proxy/llmtap/data`` under tiktoken's cache names."""
     d = work / "tiktoken"
     d.mkdir(parents=True, exist_ok=True)
     for name in ("o200k_base", "cl100k_base"):
         url = f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken"
         target = d / hashlib.sha1(url.encode()).hexdigest()
         if not target.exists():
-            target.write_bytes((resources.files("proxy") / "data" / f"{name}.tiktoken").read_bytes())
+            target.write_bytes((resources.files("llmtap") / "data" / f"{name}.tiktoken").read_bytes())
     return d
 
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from proxy.providers import OpenAIChat
+from llmtap.providers import OpenAIChat
 
 CHAT = OpenAIChat()
 _WORDS = (

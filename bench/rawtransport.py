@@ -184,18 +184,18 @@ class RawTransport(httpx.AsyncBaseTransport):
 
 
 def main() -> None:
-    """``llmtap`` with this transport injected into every app ``proxy.relay.server`` builds."""
-    import proxy.relay.app
-    import proxy.relay.server
-    from proxy.cli import main as cli
+    """``llmtap`` with this transport injected into every app ``llmtap.relay.server`` builds."""
+    import llmtap.relay.app
+    import llmtap.relay.server
+    from llmtap.cli import main as cli
 
-    original = proxy.relay.app.create_app
+    original = llmtap.relay.app.create_app
 
-    def create_app(*args: Any, **kwargs: Any) -> proxy.relay.app.ProxyApp:
+    def create_app(*args: Any, **kwargs: Any) -> llmtap.relay.app.ProxyApp:
         kwargs.setdefault("transport", RawTransport())
         return original(*args, **kwargs)
 
-    setattr(proxy.relay.server, "create_app", create_app)  # noqa: B010 (the attribute is imported, not exported)
+    setattr(llmtap.relay.server, "create_app", create_app)  # noqa: B010 (the attribute is imported, not exported)
     sys.exit(cli(sys.argv[1:]))
 
 

@@ -24,10 +24,10 @@ from typing import Any
 
 from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 
-from proxy.telemetry.dataset import DatasetWriter
-from proxy.telemetry.identity import current
-from proxy.telemetry.recordlogs import LogSink
-from proxy.telemetry.records import ReadStats, read_records, record_files
+from llmtap.telemetry.dataset import DatasetWriter
+from llmtap.telemetry.identity import current
+from llmtap.telemetry.recordlogs import LogSink
+from llmtap.telemetry.records import ReadStats, read_records, record_files
 
 
 def sample_records(n: int, seed: int = 0) -> list[dict[str, Any]]:

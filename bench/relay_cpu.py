@@ -34,7 +34,7 @@ def run(argv: list[str], cpu: str) -> str:
 def measure(tree: Path, work: Path, args: argparse.Namespace, up_port: int, sink_port: int) -> dict[str, object]:
     """One tree, one run: relay CPU per chunk and per request."""
     here = Path.cwd()
-    # ``python -m proxy`` looks in its working directory first: the tree's own, so its package is what runs.
+    # ``python -m llmtap`` looks in its working directory first: the tree's own, so its package is what runs.
     os.chdir(tree)
     try:
         ep, _ = peers.llmtap(

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from proxy.options import OPTIONS
+from llmtap.config.options import OPTIONS
 from tests.procs import FaultUpstream, Llmtap
 
 CHAT = {"model": "fault", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}

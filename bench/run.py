@@ -32,7 +32,7 @@ from bench import accuracy, peers, report, tlsca
 from bench.peers import Endpoint
 from bench.procs import Sampler, Service, pinned, quiesce
 from bench.stats import PathFigures, analyse, crossing, median, open_streams
-from proxy.analysis.stats import quantile
+from llmtap.analysis.stats import quantile
 
 PATHS = ("direct", "nginx", "llmtap", "litellm")
 IN_NETNS = "BENCH_IN_NETNS"

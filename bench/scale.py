@@ -59,7 +59,7 @@ def peak():
     with open("/proc/self/status") as f:
         sys.stderr.write("".join(line for line in f if line.startswith("VmHWM:")))
 atexit.register(peak)
-from proxy.cli import main
+from llmtap.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -98,7 +98,7 @@ def _vm_rss_mb(pid: int) -> float:
 
 
 def run_child(argv: list[str], *, watch: int | None = None) -> tuple[float, float, float, float | None, str]:
-    """``python -m proxy ARGV``: wall time, CPU time, peak RSS (MB), the watched process's peak RSS while it ran
+    """``python -m llmtap ARGV``: wall time, CPU time, peak RSS (MB), the watched process's peak RSS while it ran
     (MB, or None), and its standard output. Exit 0 or 1 (a verdict) is a result; anything else fails the run."""
     peak_server = [0.0]
     done = threading.Event()
@@ -195,7 +195,7 @@ def comparable(case: Case) -> dict[str, Any]:
 def run(args: argparse.Namespace, work: Path) -> tuple[list[Case], list[str]]:
     """Every case at every size; notes on the datasets."""
     from bench import clickhouse_scale
-    from proxy.store import clickhouse as ch
+    from llmtap.store import clickhouse as ch
     from tests.clickhouse_server import ClickHouseProcess, installed
 
     cases: list[Case] = []

@@ -113,10 +113,10 @@ def serve_monitored(status: Path, serve_args: Sequence[str]) -> int:
 
     The telemetry process runs as under ``llmtap serve``; the monitor reads the relay's own process.
     """
-    from proxy import logs
-    from proxy.cli import parser
-    from proxy.relay.server import Telemetry, bind, run_loop, serve
-    from proxy.settings import build
+    from llmtap import logs
+    from llmtap.cli import parser
+    from llmtap.config.settings import build
+    from llmtap.relay.server import Telemetry, bind, run_loop, serve
 
     settings = build(vars(parser().parse_args(["serve", *serve_args])))
     logs.setup(settings.log_level)

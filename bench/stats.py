@@ -9,7 +9,7 @@ Client and upstream take their times on one clock (CLOCK_MONOTONIC), so for each
 * merged chunks = content events that came in the same socket read as the one before, plus content
   events the upstream wrote that never reached the client as events of their own.
 
-Percentiles are ``proxy.analysis.stats.quantile``'s: linear between the closest ranks (numpy's default, and aiperf's).
+Percentiles are ``llmtap.analysis.stats.quantile``'s: linear between the closest ranks (numpy's default, and aiperf's).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from proxy.analysis.stats import quantile
+from llmtap.analysis.stats import quantile
 
 
 def percentile_ms(seconds: Iterable[float], q: float) -> float:

@@ -36,9 +36,9 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from proxy.settings import Route, Settings
-from proxy.tape import Tape
-from proxy.telemetry.recorder import Recorder
+from llmtap.config.settings import Route, Settings
+from llmtap.telemetry.recorder import Recorder
+from llmtap.wire.tape import Tape
 
 
 class _Encoding(SpanExporter):
@@ -152,9 +152,9 @@ class _Phases:
 
 def measure(requests: int, chunks: int) -> dict[str, Any]:
     """CPU per chunk by phase for ``requests`` tapes of ``chunks`` chunks, default telemetry settings."""
-    from proxy.telemetry import recorder as recorder_module, replay, spans
-    from proxy.telemetry.metrics import MetricWriter
-    from proxy.telemetry.records import record_line
+    from llmtap.telemetry import recorder as recorder_module, replay, spans
+    from llmtap.telemetry.metrics import MetricWriter
+    from llmtap.telemetry.records import record_line
 
     exporter = _Encoding()
     tracer_provider = TracerProvider(shutdown_on_exit=False)
@@ -210,7 +210,9 @@ def measure(requests: int, chunks: int) -> dict[str, Any]:
 
 
 def _before(rev: str, requests: int, chunks: int) -> dict[str, Any]:
-    """``measure`` in a child process against revision ``rev``'s ``proxy`` package, this ``bench``."""
+    """``measure`` in a child process against revision ``rev``'s package (``proxy/llmtap``), this ``bench``.
+
+    Revisions from the rename to ``llmtap`` on: this bench imports ``llmtap``."""
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(root), "archive", rev, "proxy"], check=True, capture_output=True)
@@ -218,7 +220,7 @@ def _before(rev: str, requests: int, chunks: int) -> dict[str, Any]:
         archive_path.write_bytes(archive.stdout)
         with tarfile.open(archive_path) as tar:
             tar.extractall(tmp, filter="data")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, str(root)])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tmp) / "proxy"), str(root)])}
         argv = [sys.executable, "-m", "bench.telemetry", "--requests", str(requests), "--chunks", str(chunks)]
         out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env, cwd=tmp)
     result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])

@@ -26,13 +26,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench.procs import free_port as free_port  # one definition for the tests and the benchmark
-from proxy.relay.app import ProxyApp, create_app
-from proxy.settings import Settings
-from proxy.telemetry.admin import AdminApp
-from proxy.telemetry.prometheus import PrometheusReader
+from llmtap.config.settings import Settings
+from llmtap.relay.app import ProxyApp, create_app
+from llmtap.telemetry.admin import AdminApp
+from llmtap.telemetry.prometheus import PrometheusReader
 
 TESTS = Path(__file__).parent
-#: What an install remembers (the attribution key, proxy/relay/fingerprint.py) goes to a folder of this run's
+#: What an install remembers (the attribution key, proxy/llmtap/relay/fingerprint.py) goes to a folder of this run's
 #: own, not the home directory of whoever runs the tests; every llmtap the tests start inherits it.
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="llmtap-tests-state-")
 
@@ -135,7 +135,7 @@ class ServerThread:
     """Runs an ASGI app under uvicorn on a real socket, in a thread with its own event loop."""
 
     def __init__(self, app: Any, *, lifespan: Literal["auto", "on", "off"] = "on") -> None:
-        # IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections (see proxy.relay.server.bind).
+        # IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections (see llmtap.relay.server.bind).
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))

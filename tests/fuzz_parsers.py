@@ -14,8 +14,8 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from proxy.providers import PROVIDERS, UsageEventFilter
-    from proxy.sse import decoder_for
+    from llmtap.providers import PROVIDERS, UsageEventFilter
+    from llmtap.providers.sse import decoder_for
 
 FRAMINGS = ("sse", "ndjson", "json-array")
 INT64_MAX = 2**63 - 1

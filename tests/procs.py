@@ -1,6 +1,6 @@
 """Child processes for the fault, security and shutdown tests: ``llmtap serve`` and the fault upstream.
 
-The proxy runs as users run it (``python -m proxy serve``, uvicorn with its own protocol and signal
+The proxy runs as users run it (``python -m llmtap serve``, uvicorn with its own protocol and signal
 handling), so its resident memory, open files and exit can be read from ``/proc`` and the process table.
 """
 
@@ -72,7 +72,7 @@ class FaultUpstream:
 
 
 class Llmtap:
-    """``python -m proxy serve`` on free ports; its log goes to a file (a full pipe could block it)."""
+    """``python -m llmtap serve`` on free ports; its log goes to a file (a full pipe could block it)."""
 
     def __init__(
         self,
@@ -94,7 +94,7 @@ class Llmtap:
         argv = ["serve", "--upstream", upstream, "--port", str(self.port), "--admin-port", str(self.admin_port)]
         argv += ["--admin-host", admin_host]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", *argv, *args],
+            [sys.executable, "-m", "llmtap", *argv, *args],
             cwd=ROOT,
             env={**base, "OTEL_TRACES_EXPORTER": "none", **(env or {})},
             stdout=subprocess.DEVNULL,

@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.relay.admission import Admission, QueueFull
-from proxy.settings import build
-from proxy.telemetry import semconv as sc
+from llmtap.config.settings import build
+from llmtap.relay.admission import Admission, QueueFull
+from llmtap.telemetry import semconv as sc
 from tests.conftest import Running, Scripted, ServerThread, Telemetry
 from tests.procs import metric_value
 

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.analysis.cost import PriceTable
-from proxy.store.files import NoRecords, record_files
+from llmtap.analysis.cost import PriceTable
+from llmtap.store.files import NoRecords, record_files
 from tests.conftest import PATIENCE, Scripted, free_port
 from tests.procs import Llmtap
 from tests.test_metrics_standard import labels, otlp_env, series, total, wait_for
@@ -42,7 +42,7 @@ class Simulator:
     def __init__(self) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "simulate", "--port", str(self.port), "--profile", "fast"],
+            [sys.executable, "-m", "llmtap", "simulate", "--port", str(self.port), "--profile", "fast"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

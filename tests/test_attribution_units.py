@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from proxy.analysis.attribution import MAX_PROPERTIES, VALUE_CAP, dimensions, record_part
-from proxy.analysis.cost import NO_USAGE, PRICED, UNKNOWN_MODEL, PriceError, PriceTable, normalize
-from proxy.kinds import Invalid, dimension_names
-from proxy.providers import provider_for
-from proxy.providers.anthropic import AnthropicMessages
-from proxy.providers.embeddings import OllamaEmbed, OpenAIEmbeddings
-from proxy.providers.openai_chat import OpenAIChat
-from proxy.relay.fingerprint import FINGERPRINT_CHARS, fingerprint, install_secret
-from proxy.relay.forward import request_headers
-from proxy.telemetry import semconv as sc
+from llmtap.analysis.attribution import MAX_PROPERTIES, VALUE_CAP, dimensions, record_part
+from llmtap.analysis.cost import NO_USAGE, PRICED, UNKNOWN_MODEL, PriceError, PriceTable, normalize
+from llmtap.config.kinds import Invalid, dimension_names
+from llmtap.providers import provider_for
+from llmtap.providers.anthropic import AnthropicMessages
+from llmtap.providers.embeddings import OllamaEmbed, OpenAIEmbeddings
+from llmtap.providers.openai_chat import OpenAIChat
+from llmtap.relay.fingerprint import FINGERPRINT_CHARS, fingerprint, install_secret
+from llmtap.relay.forward import request_headers
+from llmtap.telemetry import semconv as sc
 
 # --- attribution ---------------------------------------------------------------------------------
 
@@ -261,7 +261,7 @@ def _records_with_costs() -> list[dict[str, object]]:
 def test_compare_and_slo_report_cost_per_request(
     engine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from proxy import cli
+    from llmtap import cli
 
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in _records_with_costs()), encoding="utf-8")
@@ -279,7 +279,7 @@ def test_compare_and_slo_report_cost_per_request(
 
 
 def test_settings_check_prices_key_and_dimensions_at_start(tmp_path: Path) -> None:
-    from proxy.settings import ConfigError, build
+    from llmtap.config.settings import ConfigError, build
 
     bad = tmp_path / "prices.yaml"
     bad.write_text("models: {m: {input: 1}}", encoding="utf-8")

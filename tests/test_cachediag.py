@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.analysis import tokens
-from proxy.analysis.cachediag import (
+from llmtap.analysis import tokens
+from llmtap.analysis.cachediag import (
     BLOCK_MIN_TOKENS,
     COLD,
     HIT,
@@ -21,11 +21,11 @@ from proxy.analysis.cachediag import (
     classify,
     min_cacheable_tokens,
 )
-from proxy.analysis.fingerprint import PrefixMatch
-from proxy.settings import Route, Settings
-from proxy.simulator import get_profile, run_in_thread
-from proxy.simulator.text import Vocabulary
-from proxy.telemetry import semconv as sc
+from llmtap.analysis.fingerprint import PrefixMatch
+from llmtap.config.settings import Route, Settings
+from llmtap.simulator import get_profile, run_in_thread
+from llmtap.simulator.text import Vocabulary
+from llmtap.telemetry import semconv as sc
 from tests.conftest import Telemetry
 
 KNOWN_NOTHING = PrefixMatch(shared_tokens=0, known=False, diverged=None)

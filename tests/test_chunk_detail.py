@@ -23,13 +23,13 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
 
-from proxy.analysis.summary import Summary
-from proxy.analysis.timeline import Timeline
-from proxy.kinds import Invalid, share
-from proxy.settings import Telemetry
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.bulk import record_many
-from proxy.telemetry.chunkdetail import MIN_HISTORY, ChunkDetail
+from llmtap.analysis.summary import Summary
+from llmtap.analysis.timeline import Timeline
+from llmtap.config.kinds import Invalid, share
+from llmtap.config.settings import Telemetry
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.bulk import record_many
+from llmtap.telemetry.chunkdetail import MIN_HISTORY, ChunkDetail
 from tests.procs import FaultUpstream, upstream as upstream  # the fixture
 from tests.test_otlp import OTEL_ENV, HTTPReceiver, Llmtap, Received, attributes, wait_for
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy import __version__
+from llmtap import __version__
 from tests.conftest import PATIENCE, Scripted, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,9 +31,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m proxy ARGS`` to completion."""
+    """``python -m llmtap ARGS`` to completion."""
     return subprocess.run(
-        [sys.executable, "-m", "proxy", *args],
+        [sys.executable, "-m", "llmtap", *args],
         cwd=ROOT,
         env=clean_env(),
         capture_output=True,
@@ -94,7 +94,7 @@ def test_serve_help_is_short_and_every_setting_one_flag_away() -> None:
     for flag in ("--upstream", "--config", "--port", "--slo-ttft-ms", "--record", "--help-all"):
         assert flag in short.stdout and flag in full.stdout, flag
     # Every flag of the table is in the long help, and the short help leaves out a less common one.
-    from proxy.options import OPTIONS
+    from llmtap.config.options import OPTIONS
 
     for o in OPTIONS.values():
         if o.flag is not None:
@@ -113,8 +113,8 @@ def test_switch_off_flags_say_they_switch_off() -> None:
 
 
 def test_simulate_says_what_it_serves() -> None:
-    from proxy.simulator import PROFILES
-    from proxy.simulator.server import announce
+    from llmtap.simulator import PROFILES
+    from llmtap.simulator.server import announce
 
     said = announce(PROFILES["support"], "127.0.0.1", 8000)
     assert "profile 'support'" in said and "model llmtap-sim" in said
@@ -166,7 +166,7 @@ def test_serve_stream_metrics_and_sigterm(upstream: Scripted) -> None:
     port, admin_port = free_port(), free_port()
     argv = ["serve", "--upstream", upstream.url, "--port", str(port), "--admin-port", str(admin_port)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", *argv, "--log-level", "warning"],
+        [sys.executable, "-m", "llmtap", *argv, "--log-level", "warning"],
         cwd=ROOT,
         env=clean_env(),
         stdout=subprocess.DEVNULL,

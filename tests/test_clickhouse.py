@@ -22,11 +22,11 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import cli
-from proxy.settings import ConfigError, build
-from proxy.simulator import get_profile, run_in_thread
-from proxy.store import clickhouse as ch
-from proxy.telemetry.records import SCHEMA_VERSION
+from llmtap import cli
+from llmtap.config.settings import ConfigError, build
+from llmtap.simulator import get_profile, run_in_thread
+from llmtap.store import clickhouse as ch
+from llmtap.telemetry.records import SCHEMA_VERSION
 from tests.clickhouse_server import PASSWORD, USER, ClickHouseProcess, installed
 from tests.conftest import PATIENCE, free_port, require_real
 
@@ -424,7 +424,7 @@ class Serve:
 
     def __init__(self, sim: str, *flags: str, env: dict[str, str] | None = None) -> None:
         self.port, self.admin = free_port(), free_port()
-        cmd = [sys.executable, "-m", "proxy", "serve", "--upstream", sim, "--provider", "llmtap-sim"]
+        cmd = [sys.executable, "-m", "llmtap", "serve", "--upstream", sim, "--provider", "llmtap-sim"]
         cmd += ["--port", str(self.port), "--admin-port", str(self.admin), *flags]
         base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
         full_env = {**base, "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", **(env or {})}
@@ -529,8 +529,8 @@ def _table_count(proc: ClickHouseProcess, table: str) -> int:
 
 
 def test_the_clickhouse_source_gives_the_reference_sources_facts(server: ClickHouseProcess, tmp_path: Path) -> None:
-    from proxy.store import VERSION, Filter
-    from proxy.store.python import PythonSource
+    from llmtap.store import VERSION, Filter
+    from llmtap.store.python import PythonSource
 
     records = make_records(300, seed=11)
     # Nulls and odd values where the reference has rules for them: no route or shape, a wrong-typed figure,

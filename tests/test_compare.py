@@ -26,11 +26,11 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import cli
-from proxy.analysis.compare import Side, analyze
-from proxy.analysis.stats import Distribution, quantile, quantile_estimate
-from proxy.simulator.text import Vocabulary
-from proxy.telemetry.records import SCHEMA_KEY, ReadStats, read_records
+from llmtap import cli
+from llmtap.analysis.compare import Side, analyze
+from llmtap.analysis.stats import Distribution, quantile, quantile_estimate
+from llmtap.simulator.text import Vocabulary
+from llmtap.telemetry.records import SCHEMA_KEY, ReadStats, read_records
 from tests.conftest import PATIENCE, free_port, require_real
 from tests.test_prometheus import histogram_quantile
 
@@ -359,7 +359,7 @@ def test_plot_draws_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_a_prometheus_that_is_down_is_one_line_and_exit_2() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     out = subprocess.run(
-        [sys.executable, "-m", "proxy", "compare", "--prometheus", url, "--before", "v1", "--after", "v2"],
+        [sys.executable, "-m", "llmtap", "compare", "--prometheus", url, "--before", "v1", "--after", "v2"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -467,7 +467,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         # All three start at once; the proxy does not need its upstreams until traffic comes.
         sims = {profile: free_port() for profile in WORKLOADS}
         for profile, port in sims.items():
-            cmd = [sys.executable, "-m", "proxy", "simulate", "--profile", profile, "--port", str(port)]
+            cmd = [sys.executable, "-m", "llmtap", "simulate", "--profile", profile, "--port", str(port)]
             procs.append(subprocess.Popen(cmd, stderr=subprocess.DEVNULL, cwd=ROOT))
         config = tmp / "llmtap.yaml"
         routes = "".join(
@@ -477,7 +477,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         config.write_text("routes:\n" + routes)
         port, admin = free_port(), free_port()
         records = tmp / "records"
-        cmd = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--record", str(records)]
+        cmd = [sys.executable, "-m", "llmtap", "serve", "--config", str(config), "--record", str(records)]
         cmd += ["--port", str(port), "--admin-port", str(admin), "--log-level", "warning"]
         log = (tmp / "proxy.log").open("wb")
         procs.append(subprocess.Popen(cmd, stderr=log, cwd=ROOT, env=env))
@@ -504,7 +504,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def compare_json(*args: str) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "proxy", "compare", *args, "--before", "v1", "--after", "v2", "--json"],
+        [sys.executable, "-m", "llmtap", "compare", *args, "--before", "v1", "--after", "v2", "--json"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -30,9 +30,9 @@ import pytest
 from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, UpDownCounter
 
 from bench.procs import LoopbackHTTPServer
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.instruments import create
-from proxy.telemetry.prometheus import metric_name
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.instruments import create
+from llmtap.telemetry.prometheus import metric_name
 from tests.conftest import TOOLS, free_port, require_real
 from tests.test_collectors import Llmtap, Proc, answers, listening, start_llmtap
 
@@ -356,7 +356,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     tmp = tmp_path_factory.mktemp("prometheus")
     sim_port = free_port()
     sim = Proc(
-        [sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port), "--profile", "code"], tmp / "sim.log"
+        [sys.executable, "-m", "llmtap", "simulate", "--port", str(sim_port), "--profile", "code"], tmp / "sim.log"
     )
     started: list[Proc] = [sim]
     misreporting = Misreporting()

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy import demo
-from proxy.settings import SLO
-from proxy.telemetry.records import record_files
+from llmtap.commands import demo
+from llmtap.config.settings import SLO
+from llmtap.telemetry.records import record_files
 
 pytestmark = pytest.mark.e2e
 
@@ -102,7 +102,7 @@ def test_render_and_json_cli(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "proxy",
+            "llmtap",
             "demo",
             "--workload",
             "code",

@@ -1,6 +1,6 @@
 """What a newcomer reads: ``llmtap simulate --help`` and ``llmtap demo``'s tables, verdicts and progress.
 
-Everything runs through the real command line (``python -m proxy ...`` in a child process), piped as in a
+Everything runs through the real command line (``python -m llmtap ...`` in a child process), piped as in a
 CI log, or with stderr on a pseudo-terminal as in a shell.
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli import parser
-from proxy.demo import FIXED_FIRST, VARIABLE_FIRST, default_workloads
-from proxy.simulator import PROFILES
+from llmtap.cli import parser
+from llmtap.commands.demo import FIXED_FIRST, VARIABLE_FIRST, default_workloads
+from llmtap.simulator import PROFILES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.e2e
 def llmtap(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
     return subprocess.run(
-        [sys.executable, "-m", "proxy", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+        [sys.executable, "-m", "llmtap", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
     )
 
 
@@ -158,7 +158,7 @@ def test_demo_progress_on_a_terminal_moves_from_the_first_request_on() -> None:
     tty.setraw(slave)  # no newline translation: the bytes as the demo wrote them
     args = ["--workload", "support", "--requests", "2", "--concurrency", "2", "--output-tokens", "40"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "demo", *args],
+        [sys.executable, "-m", "llmtap", "demo", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=slave,

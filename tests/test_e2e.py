@@ -16,9 +16,9 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind
 
-from proxy.settings import build
-from proxy.telemetry import semconv as sc
-from proxy.tracestate import entry
+from llmtap.config.settings import build
+from llmtap.telemetry import semconv as sc
+from llmtap.wire.tracestate import entry
 from tests.conftest import PATIENCE, Running, Scripted, Telemetry
 
 pytestmark = pytest.mark.e2e

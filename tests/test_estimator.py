@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.analysis import estimator as est
-from proxy.analysis.estimator import Envelope, Estimator, SlotLog
-from proxy.analysis.slots import FROM_METRICS, Slots
-from proxy.analysis.summary import summarize
-from proxy.analysis.timeline import Timeline
-from proxy.types import RequestInfo, Usage
+from llmtap.analysis import estimator as est
+from llmtap.analysis.estimator import Envelope, Estimator, SlotLog
+from llmtap.analysis.slots import FROM_METRICS, Slots
+from llmtap.analysis.summary import summarize
+from llmtap.analysis.timeline import Timeline
+from llmtap.types import RequestInfo, Usage
 
 
 def timeline(seq: int, sent: float, ahead: int, first: float, end: float, model: str = "m") -> Timeline:

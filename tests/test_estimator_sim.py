@@ -23,9 +23,9 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.settings import build
-from proxy.simulator import get_profile
-from proxy.telemetry import semconv as sc
+from llmtap.config.settings import build
+from llmtap.simulator import get_profile
+from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry, free_port
 
 pytestmark = pytest.mark.e2e
@@ -44,7 +44,7 @@ def prompt(rng: random.Random, shared: str, words: int) -> str:
 # In its own process: tokenizing a 4,000-token prompt under a GIL shared with the proxy and the client
 # would stall the simulator's clock and spoil the very truth the test compares with.
 SERVE = (
-    "import asyncio, sys; from proxy.simulator import get_profile; from proxy.simulator.server import serve; "
+    "import asyncio, sys; from llmtap.simulator import get_profile; from llmtap.simulator.server import serve; "
     "asyncio.run(serve('127.0.0.1', int(sys.argv[1]), get_profile('fast', max_num_seqs=2, prefill_base_s=0.005, "
     "prefill_tokens_per_s=8000.0, decode_s_per_token=0.004)))"
 )

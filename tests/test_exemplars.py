@@ -18,11 +18,11 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricsData
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
-from proxy.simulator import get_profile, run_in_thread
-from proxy.simulator.server import Background
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.instruments import create
-from proxy.telemetry.prometheus import PrometheusReader, merge_metrics
+from llmtap.simulator import get_profile, run_in_thread
+from llmtap.simulator.server import Background
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.instruments import create
+from llmtap.telemetry.prometheus import PrometheusReader, merge_metrics
 from tests.conftest import PATIENCE, free_port, require_real
 from tests.test_workers import _ready, _serve
 

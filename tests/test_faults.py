@@ -26,9 +26,9 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from proxy.settings import build
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.setup import ExportGate
+from llmtap.config.settings import build
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.setup import ExportGate
 from tests.conftest import PATIENCE, Running, Telemetry, free_port, unanswered_port
 from tests.fault_upstream import SMUGGLED
 from tests.procs import FaultUpstream, Llmtap, metric_value, tcp_queues, upstream as upstream  # the fixture
@@ -235,7 +235,7 @@ class Simulator:
     def __init__(self) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "simulate", "--port", str(self.port), "--profile", "support"],
+            [sys.executable, "-m", "llmtap", "simulate", "--port", str(self.port), "--profile", "support"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -9,14 +9,14 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.analysis import tokens
-from proxy.analysis.fingerprint import BLOCK_CHARS, PrefixIndex, TokenCounts, fingerprint
-from proxy.providers import AnthropicMessages, OpenAIChat, OpenAICompletions, OpenAIResponses
-from proxy.settings import Route, Settings
-from proxy.simulator import get_profile, run_in_thread
-from proxy.telemetry import semconv as sc
-from proxy.types import PromptRegion
-from proxy.versions import INVALID_VERSION, version_label
+from llmtap.analysis import tokens
+from llmtap.analysis.fingerprint import BLOCK_CHARS, PrefixIndex, TokenCounts, fingerprint
+from llmtap.config.settings import Route, Settings
+from llmtap.labels import INVALID_VERSION, version_label
+from llmtap.providers import AnthropicMessages, OpenAIChat, OpenAICompletions, OpenAIResponses
+from llmtap.simulator import get_profile, run_in_thread
+from llmtap.telemetry import semconv as sc
+from llmtap.types import PromptRegion
 from tests.conftest import Telemetry
 
 SYSTEM = "You are the support assistant of a bank. " * 40

@@ -26,7 +26,7 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from proxy.settings import (
+from llmtap.config.settings import (
     ConfigError,
     Records as RecordSettings,
     Route,
@@ -34,12 +34,12 @@ from proxy.settings import (
     Telemetry as TelemetrySettings,
     telemetry_from_env,
 )
-from proxy.telemetry import peers, semconv as sc
-from proxy.telemetry.admin import AdminApp
-from proxy.telemetry.recorder import Recorder
-from proxy.telemetry.records import ReadStats, read_records
-from proxy.telemetry.upstreams import UpstreamWatch
-from proxy.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
+from llmtap.telemetry import peers, semconv as sc
+from llmtap.telemetry.admin import AdminApp
+from llmtap.telemetry.recorder import Recorder
+from llmtap.telemetry.records import ReadStats, read_records
+from llmtap.telemetry.upstreams import UpstreamWatch
+from llmtap.wire.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry, free_port
 from tests.test_forward import PROTOBUF, _Source, vllm_export, wait_for
 from tests.test_otlp import HTTPReceiver
@@ -315,7 +315,7 @@ class Replica:
         argv = ["serve", "--upstream", upstream, "--provider", "vllm"]
         argv += ["--port", str(self.port), "--admin-port", str(self.admin_port)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log
+            [sys.executable, "-m", "llmtap", *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log
         )
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=PATIENCE)
 

@@ -14,10 +14,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
-from proxy.settings import ConfigError, Route, Settings, Telemetry as TelemetrySettings, telemetry_from_env
-from proxy.telemetry import forward, semconv as sc
-from proxy.telemetry.admin import AdminApp
-from proxy.telemetry.recorder import Recorder
+from llmtap.config.settings import ConfigError, Route, Settings, Telemetry as TelemetrySettings, telemetry_from_env
+from llmtap.telemetry import forward, semconv as sc
+from llmtap.telemetry.admin import AdminApp
+from llmtap.telemetry.recorder import Recorder
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry
 from tests.test_otlp import OTEL_ENV, GRPCReceiver, HTTPReceiver, Llmtap, Received, attributes
 from tests.test_serverspans import TRACE, UPSTREAM, counter, span_bytes, traced

@@ -23,7 +23,7 @@ from helm_python.chart import Chart, lint
 from yamllint import linter  # type: ignore[import-untyped]
 from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
 
-from proxy import settings as llmtap_settings
+from llmtap.config import settings as llmtap_settings
 from tests.test_collectors import config_problems, load_distribution
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,13 +28,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-from proxy.analysis.timeline import Timeline
-from proxy.providers import PROVIDERS, UsageEventFilter
-from proxy.providers.base import Provider
-from proxy.settings import build
-from proxy.sse import Event, decoder_for
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.tap import Tap
+from llmtap.analysis.timeline import Timeline
+from llmtap.config.settings import build
+from llmtap.providers import PROVIDERS, UsageEventFilter
+from llmtap.providers.base import Provider
+from llmtap.providers.sse import Event, decoder_for
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.tap import Tap
 from tests.conftest import Running, Telemetry, require_real
 from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes

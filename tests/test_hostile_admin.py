@@ -4,7 +4,7 @@ bomb, thousands of idle connections, hundreds of live-view subscribers, over-lon
 Telling loopback from the network needs a second address, and these tests listen on 127.0.0.1 only. So where a
 test needs a sender that counts as an outsider it runs the proxy with ``--admin-loopback-token``, which asks the
 token of loopback peers too: the gate then takes the same decision it takes for a peer beyond loopback
-(``proxy.telemetry.access.Gate``), and the peer-address rule itself is checked on its own below.
+(``llmtap.telemetry.access.Gate``), and the peer-address rule itself is checked on its own below.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from starlette.requests import Request
 
-from proxy.relay.tracecontext import MAX_TRACEPARENT, parse_traceparent
-from proxy.settings import Admin, ConfigError, build
-from proxy.telemetry.access import Gate, is_loopback
+from llmtap.config.settings import Admin, ConfigError, build
+from llmtap.relay.tracecontext import MAX_TRACEPARENT, parse_traceparent
+from llmtap.telemetry.access import Gate, is_loopback
 from tests.conftest import PATIENCE
 from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver

@@ -29,18 +29,18 @@ import httpx
 import pytest
 
 from bench.telemetry import chat_tape
-from proxy.analysis import tokens
-from proxy.analysis.summary import MAX_SAMPLES, summarize
-from proxy.analysis.timeline import COUNT_CHARS, Timeline
-from proxy.providers import provider_for
-from proxy.settings import Route, Settings
-from proxy.tape import END, SEGMENT
-from proxy.telemetry.dataset import DatasetWriter
-from proxy.telemetry.identity import current
-from proxy.telemetry.recorder import MAX_QUEUED_BYTES, Recorder
-from proxy.telemetry.records import SCHEMA_KEY, ReadStats, read_records, record_files
-from proxy.telemetry.tap import MAX_INFLATED_BYTES, Tap
-from proxy.types import Usage
+from llmtap.analysis import tokens
+from llmtap.analysis.summary import MAX_SAMPLES, summarize
+from llmtap.analysis.timeline import COUNT_CHARS, Timeline
+from llmtap.config.settings import Route, Settings
+from llmtap.providers import provider_for
+from llmtap.telemetry.dataset import DatasetWriter
+from llmtap.telemetry.identity import current
+from llmtap.telemetry.recorder import MAX_QUEUED_BYTES, Recorder
+from llmtap.telemetry.records import SCHEMA_KEY, ReadStats, read_records, record_files
+from llmtap.telemetry.tap import MAX_INFLATED_BYTES, Tap
+from llmtap.types import Usage
+from llmtap.wire.tape import END, SEGMENT
 from tests.conftest import PATIENCE
 from tests.fault_upstream import WORDS, chat_chunk, usage_event
 from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture

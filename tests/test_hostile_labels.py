@@ -20,10 +20,10 @@ import httpx
 import pytest
 
 from bench.procs import LoopbackHTTPServer
-from proxy.labels import LABEL_CAP, OTHER, LabelGuard, clean
-from proxy.settings import ConfigError, build
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.records import record_files
+from llmtap.config.settings import ConfigError, build
+from llmtap.labels import LABEL_CAP, OTHER, LabelGuard, clean
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.records import record_files
 from tests.conftest import PATIENCE
 from tests.procs import Llmtap, metric_value
 from tests.test_live import sse

@@ -1,4 +1,4 @@
-"""The relay's own decompression (``proxy.relay.inflate``): exact, in bounded pieces, and only to its limit."""
+"""The relay's own decompression (``llmtap.relay.inflate``): exact, in bounded pieces, and only to its limit."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from proxy.relay.inflate import PIECE, InflateLimit, Inflater
+from llmtap.relay.inflate import PIECE, InflateLimit, Inflater
 
 EVENTS = b"".join(b'data: {"choices":[{"index":0,"delta":{"content":"%d"}}]}\n\n' % i for i in range(3000))
 

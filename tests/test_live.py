@@ -21,21 +21,21 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 
-from proxy import simulator
-from proxy.analysis.stats import quantile
-from proxy.analysis.summary import Summary, summarize
-from proxy.analysis.timeline import CANCELLED, ERROR, OK, Timeline
-from proxy.demo import FIXED_FIRST, VARIABLE_FIRST, default_workloads
-from proxy.settings import SLO, Route, Settings
-from proxy.telemetry.admin import AdminApp
-from proxy.telemetry.instruments import DURATION_BUCKETS
-from proxy.telemetry.live import LiveView
-from proxy.telemetry.live.view import embed, recorder_labels
-from proxy.telemetry.live.waterfall import TICK_CAP, waterfall
-from proxy.telemetry.live.window import HISTORY, HORIZON, SLOT, TICK, Busy, LiveWindow, Samples
-from proxy.telemetry.prometheus import PrometheusReader
-from proxy.telemetry.recorder import Recorder
-from proxy.types import RequestInfo, ServerTiming, Usage
+from llmtap import simulator
+from llmtap.analysis.stats import quantile
+from llmtap.analysis.summary import Summary, summarize
+from llmtap.analysis.timeline import CANCELLED, ERROR, OK, Timeline
+from llmtap.commands.demo import FIXED_FIRST, VARIABLE_FIRST, default_workloads
+from llmtap.config.settings import SLO, Route, Settings
+from llmtap.telemetry.admin import AdminApp
+from llmtap.telemetry.instruments import DURATION_BUCKETS
+from llmtap.telemetry.live import LiveView
+from llmtap.telemetry.live.view import embed, recorder_labels
+from llmtap.telemetry.live.waterfall import TICK_CAP, waterfall
+from llmtap.telemetry.live.window import HISTORY, HORIZON, SLOT, TICK, Busy, LiveWindow, Samples
+from llmtap.telemetry.prometheus import PrometheusReader
+from llmtap.telemetry.recorder import Recorder
+from llmtap.types import RequestInfo, ServerTiming, Usage
 from tests.conftest import PATIENCE, Running
 from tests.test_prometheus import samples
 
@@ -467,7 +467,7 @@ def test_trace_ids_only_with_a_tracing_backend() -> None:
 
 def test_buckets_match_the_sdk() -> None:
     # A value on a boundary falls in that boundary's bucket (le), as the SDK and Prometheus count it.
-    from proxy.telemetry.live.window import Hist
+    from llmtap.telemetry.live.window import Hist
 
     h = Hist()
     for v in (DURATION_BUCKETS[0], DURATION_BUCKETS[10], DURATION_BUCKETS[10] * 1.0001, 1e6):
@@ -567,7 +567,7 @@ def test_embedded_data_cannot_close_its_block() -> None:
 
 
 def test_assets_name_no_other_host() -> None:
-    static = resources.files("proxy.telemetry.live").joinpath("static")
+    static = resources.files("llmtap.telemetry.live").joinpath("static")
     for name in ("index.html", "live.js", "live.css"):
         text = static.joinpath(name).read_text()
         # The SVG namespace is a name, not an address the browser fetches.
@@ -657,7 +657,7 @@ def test_listener_runs_on_the_recorder_thread(live: Running) -> None:
 
 def test_demo_serve_keeps_the_view_up_until_ctrl_c() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "demo", "--serve", "--workload", "code", "--requests", "1"],
+        [sys.executable, "-m", "llmtap", "demo", "--serve", "--workload", "code", "--requests", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -34,15 +34,16 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from proxy import demo, simulator
-from proxy.analysis.stats import quantile
-from proxy.analysis.summary import Summary
-from proxy.analysis.timeline import Timeline
-from proxy.relay.app import ProxyApp, create_app
-from proxy.settings import SLO, Route, Settings
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.admin import AdminApp
-from proxy.telemetry.prometheus import PrometheusReader
+from llmtap import simulator
+from llmtap.analysis.stats import quantile
+from llmtap.analysis.summary import Summary
+from llmtap.analysis.timeline import Timeline
+from llmtap.commands import demo
+from llmtap.config.settings import SLO, Route, Settings
+from llmtap.relay.app import ProxyApp, create_app
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.admin import AdminApp
+from llmtap.telemetry.prometheus import PrometheusReader
 from tests.conftest import PATIENCE, ServerThread, require_real
 from tests.test_live import HISTOGRAMS, initial, prom_buckets, prom_sum
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy import manual
-from proxy.settings import ConfigError
+from llmtap.commands import manual
+from llmtap.config.settings import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,9 +30,9 @@ def test_a_page_prints_whole_and_an_unknown_one_names_the_pages() -> None:
 
 
 def test_the_command_prints_a_page_and_exits_2_on_an_unknown_one() -> None:
-    ok = subprocess.run([sys.executable, "-m", "proxy", "docs", "recipes"], capture_output=True, text=True, timeout=60)
+    ok = subprocess.run([sys.executable, "-m", "llmtap", "docs", "recipes"], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and ok.stdout.startswith("# Recipes")
-    bad = subprocess.run([sys.executable, "-m", "proxy", "docs", "nope"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([sys.executable, "-m", "llmtap", "docs", "nope"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no page 'nope'" in bad.stderr
 
 
@@ -48,10 +48,15 @@ def test_the_wheel_carries_the_docs_and_the_command_finds_them(tmp_path: Path) -
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        assert "proxy/_docs/settings.md" in names and "proxy/_docs/record.schema.json" in names
+        assert "llmtap/_docs/settings.md" in names and "llmtap/_docs/record.schema.json" in names
+        assert not [n for n in names if n.startswith("llmtap/_docs/generate/")], "the generators stay out of the wheel"
+        assert not [n for n in names if n.startswith("proxy/")], "the import name is llmtap"
         z.extractall(site)
     # The extracted wheel alone on the path (not the checkout): the command reads the packaged copy.
-    code = "import sys; from proxy import manual; print(manual.folder()); sys.stdout.write(manual.read('settings'))"
+    code = (
+        "import sys; from llmtap.commands import manual; "
+        "print(manual.folder()); sys.stdout.write(manual.read('settings'))"
+    )
     shown = subprocess.run(
         [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {code}"],
         capture_output=True,
@@ -61,5 +66,5 @@ def test_the_wheel_carries_the_docs_and_the_command_finds_them(tmp_path: Path) -
     )
     assert shown.returncode == 0, shown.stderr[-2000:]
     where, _, text = shown.stdout.partition("\n")
-    assert Path(where) == site / "proxy" / "_docs"
+    assert Path(where) == site / "llmtap" / "_docs"
     assert text == (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")

@@ -28,10 +28,10 @@ from opentelemetry.sdk.metrics import MeterProvider
 
 from bench.peers import promql, start_prometheus
 from bench.procs import LoopbackHTTPServer, Service
-from proxy.analysis.stats import quantile
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.instruments import create
-from proxy.telemetry.prometheus import PrometheusReader
+from llmtap.analysis.stats import quantile
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.instruments import create
+from llmtap.telemetry.prometheus import PrometheusReader
 from tests.conftest import PATIENCE, Scripted, require_real
 from tests.procs import Llmtap
 

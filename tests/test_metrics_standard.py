@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.instruments import DURATION_BUCKETS, OVERHEAD_BUCKETS, TOKEN_BUCKETS
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.instruments import DURATION_BUCKETS, OVERHEAD_BUCKETS, TOKEN_BUCKETS
 from tests.conftest import PATIENCE, Scripted
 from tests.procs import ROOT, Llmtap
 from tests.test_otlp import HTTPReceiver
@@ -343,7 +343,7 @@ def test_an_unknown_aggregation_stops_the_start(upstream: Scripted) -> None:
     key = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
     result = subprocess.run(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url, "--port", "0", "--admin-port", "0"],
+        [sys.executable, "-m", "llmtap", "serve", "--upstream", upstream.url, "--port", "0", "--admin-port", "0"],
         cwd=ROOT,
         env={**clean, key: "base2"},
         capture_output=True,

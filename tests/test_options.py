@@ -1,4 +1,4 @@
-"""The option table (``proxy.options``) against what is made of it: ``llmtap serve --help``, the settings
+"""The option table (``llmtap.config.options``) against what is made of it: ``llmtap serve --help``, the settings
 ``build`` reads, the file's keys and schema, and ``docs/settings.md``; errors through the real command line."""
 
 from __future__ import annotations
@@ -12,20 +12,22 @@ import jsonschema
 import pytest
 import yaml
 
-from proxy import options, settings_doc
-from proxy.options import OPTIONS, ROUTE_OPTIONS, Option
-from proxy.settings import ConfigError, build
+from llmtap.config import options
+from llmtap.config.options import OPTIONS, ROUTE_OPTIONS, Option
+from llmtap.config.settings import ConfigError, build
+from tests.generators import load
 from tests.test_cli import ROOT, assert_config_error, clean_env
 
 UP = "http://127.0.0.1:9"
+settings_doc = load("settings")
 #: Kinds that take any text: no value is wrong for them.
 ANY_TEXT = {"a non-empty text", "a file name"}
 
 
 def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m proxy serve ARGS`` to completion, with ``env`` over a clean environment."""
+    """``python -m llmtap serve ARGS`` to completion, with ``env`` over a clean environment."""
     return subprocess.run(
-        [sys.executable, "-m", "proxy", "serve", *args],
+        [sys.executable, "-m", "llmtap", "serve", *args],
         cwd=ROOT,
         env=clean_env(**(env or {})),
         capture_output=True,
@@ -36,7 +38,7 @@ def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 
 def test_the_settings_page_and_schema_are_current() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "proxy.settings_doc", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "docs/generate/settings.py", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert run.returncode == 0, run.stdout + run.stderr
 

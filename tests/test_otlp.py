@@ -212,7 +212,7 @@ class GRPCReceiver:
 
 
 class Llmtap:
-    """``python -m proxy serve`` on free ports, with its log in a file (a pipe could fill and block it)."""
+    """``python -m llmtap serve`` on free ports, with its log in a file (a pipe could fill and block it)."""
 
     def __init__(self, upstream: str, log: Path, env: dict[str, str]) -> None:
         self.port = free_port()
@@ -224,7 +224,7 @@ class Llmtap:
         base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
         argv = ["serve", "--upstream", upstream, "--port", str(self.port), "--admin-port", str(self.admin_port)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", *argv],
+            [sys.executable, "-m", "llmtap", *argv],
             cwd=ROOT,
             env={**base, **env},
             stdout=subprocess.DEVNULL,

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.telemetry import semconv as sc
+from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, TOOLS, Scripted, free_port, require_real
 from tests.test_collectors import (
     CHUNKS,
@@ -190,7 +190,7 @@ def test_phoenix_counts_one_generation_under_an_instrumented_application(phoenix
     resource = f"openinference.project.name={project}"
     port = free_port()
     simulator = Proc(
-        [sys.executable, "-m", "proxy", "simulate", "--profile", "fast", "--port", str(port)], tmp_path / "sim.log"
+        [sys.executable, "-m", "llmtap", "simulate", "--profile", "fast", "--port", str(port)], tmp_path / "sim.log"
     )
     env = {
         "OTEL_SERVICE_NAME": "llmtap",

@@ -12,10 +12,10 @@ from itertools import pairwise
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 
-from proxy.analysis.stats import quantile
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, Instruments, create
-from proxy.telemetry.prometheus import PrometheusReader, merge_metrics, metric_name, render
+from llmtap.analysis.stats import quantile
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, Instruments, create
+from llmtap.telemetry.prometheus import PrometheusReader, merge_metrics, metric_name, render
 
 LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
 LABEL = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
@@ -81,7 +81,7 @@ def histogram_quantile(q: float, series: list[tuple[float, float]]) -> float:
 
 
 def exact_quantile(q: float, values: list[float]) -> float:
-    """The quantile of the raw samples, as llmtap reads them (``proxy.analysis.stats.quantile``)."""
+    """The quantile of the raw samples, as llmtap reads them (``llmtap.analysis.stats.quantile``)."""
     value = quantile(values, q)
     assert value is not None
     return value

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy.providers import (
+from llmtap.providers import (
     PROVIDERS,
     AnthropicMessages,
     OpenAIChat,
@@ -17,8 +17,8 @@ from proxy.providers import (
     Provider,
     provider_for,
 )
-from proxy.sse import Event, SSEDecoder
-from proxy.types import Facts, Prepared, Usage
+from llmtap.providers.sse import Event, SSEDecoder
+from llmtap.types import Facts, Prepared, Usage
 
 TRANSCRIPTS = Path(__file__).parent / "transcripts"
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = OpenAIChat(), OpenAICompletions(), OpenAIResponses(), AnthropicMessages()

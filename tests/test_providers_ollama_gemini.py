@@ -19,12 +19,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from opentelemetry.sdk.trace import ReadableSpan
 
-from proxy.providers import Gemini, Ollama, Provider, provider_for
-from proxy.providers.gemini import model_from_path
-from proxy.settings import build
-from proxy.sse import Decoder, Event, JSONArrayDecoder, NDJSONDecoder, SSEDecoder
-from proxy.telemetry import semconv as sc
-from proxy.types import Facts, ServerTiming, Usage
+from llmtap.config.settings import build
+from llmtap.providers import Gemini, Ollama, Provider, provider_for
+from llmtap.providers.gemini import model_from_path
+from llmtap.providers.sse import Decoder, Event, JSONArrayDecoder, NDJSONDecoder, SSEDecoder
+from llmtap.telemetry import semconv as sc
+from llmtap.types import Facts, ServerTiming, Usage
 from tests.conftest import ServerThread, Telemetry
 
 TRANSCRIPTS = Path(__file__).parent / "transcripts"

@@ -35,8 +35,8 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 
-from proxy.settings import build
-from proxy.telemetry import semconv as sc
+from llmtap.config.settings import build
+from llmtap.telemetry import semconv as sc
 from tests.conftest import Running, Telemetry, start_proxy
 from tests.vllm_server import (
     Scrape,

@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.settings import Records, Route, Settings, Timeouts
-from proxy.telemetry.records import ReadStats, read_records
+from llmtap.config.settings import Records, Route, Settings, Timeouts
+from llmtap.telemetry.records import ReadStats, read_records
 from tests.conftest import Telemetry, start_proxy
 from tests.vllm_server import VllmServer, vllm_medium
 
@@ -134,7 +134,7 @@ def test_compare_shows_the_gain_of_moving_it_back(records: Path) -> None:
     argv = [
         sys.executable,
         "-m",
-        "proxy",
+        "llmtap",
         "compare",
         str(records),
         "--before",

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.settings import build
-from proxy.telemetry import semconv as sc
+from llmtap.config.settings import build
+from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry, start_proxy
 from tests.vllm_server import (
     Scrape,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.telemetry import semconv as sc
+from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE
 from tests.test_fleet import WAIT, Fleet
 from tests.vllm_server import (

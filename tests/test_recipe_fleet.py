@@ -18,9 +18,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from proxy.analysis.summary import summarize
-from proxy.telemetry import identity
-from proxy.telemetry.records import record_line
+from llmtap.analysis.summary import summarize
+from llmtap.telemetry import identity
+from llmtap.telemetry.records import record_line
 from tests.conftest import PATIENCE
 from tests.test_recorder import timeline
 
@@ -75,7 +75,7 @@ def week_of_records(root: Path) -> int:
 
 def llmtap(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "proxy", *args], cwd=ROOT, capture_output=True, text=True, timeout=60 * PATIENCE
+        [sys.executable, "-m", "llmtap", *args], cwd=ROOT, capture_output=True, text=True, timeout=60 * PATIENCE
     )
 
 

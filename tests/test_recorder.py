@@ -18,13 +18,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from bench.telemetry import chat_tape
-from proxy.analysis.summary import Summary
-from proxy.analysis.timeline import Timeline
-from proxy.settings import SLO, Route, Settings, Telemetry as TelemetrySettings, build
-from proxy.tape import STATS
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.recorder import Recorder
-from proxy.types import Facts, RequestInfo, Usage
+from llmtap.analysis.summary import Summary
+from llmtap.analysis.timeline import Timeline
+from llmtap.config.settings import SLO, Route, Settings, Telemetry as TelemetrySettings, build
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.recorder import Recorder
+from llmtap.types import Facts, RequestInfo, Usage
+from llmtap.wire.tape import STATS
 from tests.conftest import PATIENCE, Running, Scripted, Telemetry
 
 WALL = 1_700_000_000_000_000_000

@@ -20,15 +20,15 @@ import jsonschema
 import pytest
 from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 
-from proxy import __version__ as proxy_version
-from proxy.analysis import tokens
-from proxy.settings import ConfigError, Records, Route, Settings, build
-from proxy.simulator import get_profile, run_in_thread
-from proxy.telemetry.dataset import DatasetWriter
-from proxy.telemetry.identity import Identity, current
-from proxy.telemetry.recorder import Recorder
-from proxy.telemetry.recordlogs import LogSink
-from proxy.telemetry.records import SCHEMA_KEY, ReadStats, read_records, record_files
+from llmtap import __version__ as proxy_version
+from llmtap.analysis import tokens
+from llmtap.config.settings import ConfigError, Records, Route, Settings, build
+from llmtap.simulator import get_profile, run_in_thread
+from llmtap.telemetry.dataset import DatasetWriter
+from llmtap.telemetry.identity import Identity, current
+from llmtap.telemetry.recorder import Recorder
+from llmtap.telemetry.recordlogs import LogSink
+from llmtap.telemetry.records import SCHEMA_KEY, ReadStats, read_records, record_files
 from tests.conftest import PATIENCE, Telemetry, free_port
 from tests.test_recorder import timeline
 
@@ -231,7 +231,7 @@ def test_an_old_record_file_setting_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"'record.files' was removed: .*record.keep_mb, record.keep_hours"):
         build({"config": str(config)}, env={})
     run = subprocess.run(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", "http://u:1", "--record-files", "2"],
+        [sys.executable, "-m", "llmtap", "serve", "--upstream", "http://u:1", "--record-files", "2"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -357,7 +357,7 @@ def test_record_settings(tmp_path: Path) -> None:
 def test_serve_writes_records_until_it_stops(sim: str, tmp_path: Path) -> None:
     path = tmp_path / "records"
     port, admin = free_port(), free_port()
-    cmd = [sys.executable, "-m", "proxy", "serve", "--upstream", sim, "--provider", "llmtap-sim"]
+    cmd = [sys.executable, "-m", "llmtap", "serve", "--upstream", sim, "--provider", "llmtap-sim"]
     cmd += ["--port", str(port), "--admin-port", str(admin), "--record", str(path), "--record-max-mb", "0.001"]
     env = {**os.environ, "OTEL_SDK_DISABLED": "true"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
@@ -391,7 +391,7 @@ def test_serve_writes_records_until_it_stops(sim: str, tmp_path: Path) -> None:
 def test_an_unwritable_record_path_stops_serve_with_exit_2(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    cmd = [sys.executable, "-m", "proxy", "serve", "--upstream", "http://127.0.0.1:9", "--port", "0"]
+    cmd = [sys.executable, "-m", "llmtap", "serve", "--upstream", "http://127.0.0.1:9", "--port", "0"]
     cmd += ["--admin-port", "0", "--record", str(blocker / "records")]
     out = subprocess.run(
         cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "OTEL_SDK_DISABLED": "true"}

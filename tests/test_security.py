@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.telemetry.records import record_files
+from llmtap.telemetry.records import record_files
 from tests.conftest import PATIENCE
 from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture

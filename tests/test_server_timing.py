@@ -14,8 +14,9 @@ import httpx
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from proxy.providers import OpenAIChat, OpenAICompletions
-from proxy.providers.timing import (
+from llmtap.providers import OpenAIChat, OpenAICompletions
+from llmtap.providers.sse import Event
+from llmtap.providers.timing import (
     MS,
     NS,
     TGI_HEADERS,
@@ -27,8 +28,7 @@ from proxy.providers.timing import (
     seconds,
     validate,
 )
-from proxy.sse import Event
-from proxy.types import ServerTiming
+from llmtap.types import ServerTiming
 
 CHAT = OpenAIChat()
 fuzz = settings(max_examples=300, deadline=None)

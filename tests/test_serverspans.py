@@ -15,14 +15,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
-from proxy.analysis.slots import FROM_METRICS, SlotLearner, Slots, load
-from proxy.analysis.timeline import Timeline
-from proxy.settings import Route, Settings, Telemetry as TelemetrySettings
-from proxy.tape import STATS
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.admin import AdminApp
-from proxy.telemetry.recorder import Recorder
-from proxy.telemetry.serverspans import (
+from llmtap.analysis.slots import FROM_METRICS, SlotLearner, Slots, load
+from llmtap.analysis.timeline import Timeline
+from llmtap.config.settings import Route, Settings, Telemetry as TelemetrySettings
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.admin import AdminApp
+from llmtap.telemetry.recorder import Recorder
+from llmtap.telemetry.serverspans import (
     MAX_BODY_BYTES,
     PROBE,
     RATIO_FLOOR,
@@ -32,8 +31,9 @@ from proxy.telemetry.serverspans import (
     inflate,
     parse,
 )
-from proxy.telemetry.upstreams import UpstreamWatch
-from proxy.types import ServerTiming
+from llmtap.telemetry.upstreams import UpstreamWatch
+from llmtap.types import ServerTiming
+from llmtap.wire.tape import STATS
 from tests.conftest import PATIENCE, ServerThread, Telemetry
 from tests.test_recorder import timeline
 
@@ -170,7 +170,7 @@ def test_join_stops_waiting_for_an_upstream_that_sends_no_spans() -> None:
 
 def test_join_is_bounded_and_release_empties_it() -> None:
     join: Join[int] = Join(60.0, Counts())
-    from proxy.telemetry import serverspans
+    from llmtap.telemetry import serverspans
 
     for i in range(serverspans.MAX_HELD + 3):
         out = join.hold(f"{i:016x}", UPSTREAM, i, 0.0)
@@ -500,7 +500,7 @@ def test_a_traced_upstream_with_a_gap_shows_it_on_records_spans_and_the_live_vie
 ) -> None:
     """The scripted upstream traces as vLLM does, its phases leaving 0.1 s of its TTFT out (as vLLM's front end
     does): every record, root span and waterfall carries that part as its own, queue and prefill stay the span's."""
-    from proxy.settings import Records
+    from llmtap.config.settings import Records
     from tests.conftest import Scripted
     from tests.test_live import view_of
     from tests.test_records import records as read_back

@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.relay.forward import Router, request_headers, response_headers, upstream_url
-from proxy.settings import ConfigError, Route, build, telemetry_from_env
+from llmtap.config.settings import ConfigError, Route, build, telemetry_from_env
+from llmtap.relay.forward import Router, request_headers, response_headers, upstream_url
 
 UP = "http://127.0.0.1:9"
 

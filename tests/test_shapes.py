@@ -1,6 +1,6 @@
 """Request shapes, objectives per route and shape, ``llmtap slo``, and exemplars from a bucket to its trace.
 
-The end-to-end checks drive the demo's two workloads (``proxy.demo.default_workloads``: the course's support
+The end-to-end checks drive the demo's two workloads (``llmtap.commands.demo.default_workloads``: the course's support
 assistant, 6,200-token prompts and 300-token answers, and its code completion, 200-token prompts) through
 the proxy in front of the simulator, and read what came out: spans, metrics, records, the live view, and
 on the real tier a real Prometheus with exemplar storage.
@@ -29,21 +29,21 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
-from proxy import cli, simulator
-from proxy.analysis import shapes
-from proxy.analysis.slo import INSUFFICIENT, MET, MISSED, UNCERTAIN, judge
-from proxy.analysis.stats import Distribution
-from proxy.demo import FIXED_FIRST, Workload, _messages, default_workloads
-from proxy.relay.app import create_app
-from proxy.settings import DEFAULT_SHAPES, SLO, ConfigError, Records, Route, Settings, Shape, build
-from proxy.simulator.text import Vocabulary
-from proxy.telemetry import semconv as sc
-from proxy.telemetry.admin import AdminApp
-from proxy.telemetry.instruments import create
-from proxy.telemetry.live.window import SLOWEST
-from proxy.telemetry.metrics import _record_samples
-from proxy.telemetry.prometheus import PrometheusReader, wants_openmetrics
-from proxy.telemetry.records import ReadStats, read_records as read_record_lines
+from llmtap import cli, simulator
+from llmtap.analysis import shapes
+from llmtap.analysis.slo import INSUFFICIENT, MET, MISSED, UNCERTAIN, judge
+from llmtap.analysis.stats import Distribution
+from llmtap.commands.demo import FIXED_FIRST, Workload, _messages, default_workloads
+from llmtap.config.settings import DEFAULT_SHAPES, SLO, ConfigError, Records, Route, Settings, Shape, build
+from llmtap.relay.app import create_app
+from llmtap.simulator.text import Vocabulary
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.admin import AdminApp
+from llmtap.telemetry.instruments import create
+from llmtap.telemetry.live.window import SLOWEST
+from llmtap.telemetry.metrics import _record_samples
+from llmtap.telemetry.prometheus import PrometheusReader, wants_openmetrics
+from llmtap.telemetry.records import ReadStats, read_records as read_record_lines
 from tests.conftest import PATIENCE, ServerThread, require_real
 
 # -- shapes and objectives from the configuration -------------------------------------------------

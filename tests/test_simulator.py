@@ -25,10 +25,10 @@ from typing import Any, cast
 import httpx
 import pytest
 
-from proxy.analysis import tokens
-from proxy.simulator import PROFILES, Profile, get_profile, run_in_thread
-from proxy.simulator.cache import PrefixCache
-from proxy.simulator.text import Vocabulary, block_hashes
+from llmtap.analysis import tokens
+from llmtap.simulator import PROFILES, Profile, get_profile, run_in_thread
+from llmtap.simulator.cache import PrefixCache
+from llmtap.simulator.text import Vocabulary, block_hashes
 from tests.conftest import PATIENCE
 
 # Recorded from vLLM 0.32 (/work/shared/data/transcripts/vllm-0.32-cpu/README.md); the copy beside the
@@ -629,7 +629,7 @@ def test_serve_runs_in_its_own_process() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     code = (
-        "import asyncio; from proxy.simulator import get_profile, serve; "
+        "import asyncio; from llmtap.simulator import get_profile, serve; "
         f"asyncio.run(serve('127.0.0.1', {port}, get_profile('fast', served_models=['own-process'])))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

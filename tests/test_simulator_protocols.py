@@ -23,12 +23,12 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.providers import Gemini, Ollama, OpenAIResponses, provider_for
-from proxy.simulator import get_profile, run_in_thread
-from proxy.simulator.text import Vocabulary
-from proxy.sse import decoder_for
-from proxy.telemetry.records import ReadStats, read_records
-from proxy.types import Facts
+from llmtap.providers import Gemini, Ollama, OpenAIResponses, provider_for
+from llmtap.providers.sse import decoder_for
+from llmtap.simulator import get_profile, run_in_thread
+from llmtap.simulator.text import Vocabulary
+from llmtap.telemetry.records import ReadStats, read_records
+from llmtap.types import Facts
 from tests.conftest import PATIENCE, free_port
 from tests.procs import ROOT, Llmtap
 
@@ -316,7 +316,7 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
     port = free_port()
     sim_log = (tmp / "sim.log").open("w")
     # The command users run, with the course's support profile (so prefill takes visible time).
-    cmd = [sys.executable, "-m", "proxy", "simulate", "--profile", "support", "--port", str(port)]
+    cmd = [sys.executable, "-m", "llmtap", "simulate", "--profile", "support", "--port", str(port)]
     sim = subprocess.Popen(cmd, cwd=ROOT, stdout=sim_log, stderr=subprocess.STDOUT)
     sim_url = f"http://127.0.0.1:{port}"
     proxy: Llmtap | None = None

@@ -1,4 +1,4 @@
-"""The relay's request step: ``include_usage`` spliced into the client's bytes (proxy/providers/splice.py)."""
+"""The relay's request step: ``include_usage`` spliced into the client's bytes (proxy/llmtap/providers/splice.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from proxy.providers import PROVIDERS, OpenAIChat, OpenAICompletions, Provider
-from proxy.providers.splice import prepare_usage
-from proxy.types import UNCHANGED, Prepared
+from llmtap.providers import PROVIDERS, OpenAIChat, OpenAICompletions, Provider
+from llmtap.providers.splice import prepare_usage
+from llmtap.types import UNCHANGED, Prepared
 
 CHAT, COMPLETIONS = OpenAIChat(), OpenAICompletions()
 OPENAI = [p for p in PROVIDERS if p.name in ("openai_chat", "openai_completions")]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from proxy.sse import Decoder, Event, JSONArrayDecoder, NDJSONDecoder, SSEDecoder, decoder_for
+from llmtap.providers.sse import Decoder, Event, JSONArrayDecoder, NDJSONDecoder, SSEDecoder, decoder_for
 
 TRANSCRIPTS = Path(__file__).parent / "transcripts"
 # Recorded from vLLM 0.32 (see /work/shared/data/transcripts/vllm-0.32-cpu/README.md), copied unchanged.

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from proxy.telemetry import semconv as sc
+from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE
 from tests.procs import Llmtap
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.relay.server import startup_lines
-from proxy.settings import build
+from llmtap.config.settings import build
+from llmtap.relay.server import startup_lines
 from tests.conftest import PATIENCE, Scripted
 from tests.procs import Llmtap
 
@@ -121,8 +121,8 @@ def test_a_bad_access_log_path_stops_the_start(tmp_path: Path) -> None:
 
 
 def test_an_access_line_stays_one_line_and_says_what_it_does_not_know() -> None:
-    from proxy.analysis.summary import Summary
-    from proxy.telemetry.access_log import PATH_CAP, access_line
+    from llmtap.analysis.summary import Summary
+    from llmtap.telemetry.access_log import PATH_CAP, access_line
     from tests.test_summary import make
 
     hostile = make(path="/v1/chat\r\nGET /forged HTTP/1.1 x", status_code=None, error_type="client_gone")

@@ -1,4 +1,4 @@
-"""The one quantile implementation: ``proxy.analysis.stats.quantile`` (samples) and ``histogram_quantile`` (buckets)."""
+"""The one quantile implementation (``llmtap.analysis.stats``): ``quantile`` and ``histogram_quantile``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from proxy.analysis.stats import histogram_quantile, quantile, sorted_quantile
+from llmtap.analysis.stats import histogram_quantile, quantile, sorted_quantile
 from tests.test_prometheus import histogram_quantile as promql_reference
 
 
@@ -119,7 +119,7 @@ def test_the_benchmark_reads_the_same_quantile_in_ms() -> None:
 
 
 def test_chi_square_tail_and_homogeneity() -> None:
-    from proxy.analysis.stats import chi_square_p, homogeneity
+    from llmtap.analysis.stats import chi_square_p, homogeneity
 
     # The tables' 5% and 1% critical values, and the closed forms for 2 and 4 degrees of freedom.
     for statistic, dof, p in ((3.841459, 1, 0.05), (5.991465, 2, 0.05), (11.344867, 3, 0.01), (23.209251, 10, 0.01)):

@@ -1,4 +1,4 @@
-"""``proxy.relay.stepjson``: a large body parsed in steps reads exactly as ``json.loads`` reads it."""
+"""``llmtap.relay.stepjson``: a large body parsed in steps reads exactly as ``json.loads`` reads it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from proxy.relay import stepjson
-from proxy.relay.stepjson import loads_stepwise
+from llmtap.relay import stepjson
+from llmtap.relay.stepjson import loads_stepwise
 
 VALID = [
     b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}',

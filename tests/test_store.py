@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from proxy import store
-from proxy.analysis import compare, slo
-from proxy.settings import SLO, ConfigError
-from proxy.store.engine import EngineSource
-from proxy.store.files import NoRecords, record_files
-from proxy.store.python import PythonSource
+from llmtap import store
+from llmtap.analysis import compare, slo
+from llmtap.config.settings import SLO, ConfigError
+from llmtap.store.engine import EngineSource
+from llmtap.store.files import NoRecords, record_files
+from llmtap.store.python import PythonSource
 
 T0 = 1777636800.0  # 2026-05-01T12:00:00Z
 

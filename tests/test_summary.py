@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from proxy.analysis import tokens
-from proxy.analysis.summary import PROXY, SERVER, UPSTREAM_TTFT, USAGE, apportion, input_size_class, summarize
-from proxy.analysis.timeline import Timeline
-from proxy.settings import SLO
-from proxy.types import RequestInfo, ServerTiming, Usage
+from llmtap.analysis import tokens
+from llmtap.analysis.summary import PROXY, SERVER, UPSTREAM_TTFT, USAGE, apportion, input_size_class, summarize
+from llmtap.analysis.timeline import Timeline
+from llmtap.config.settings import SLO
+from llmtap.types import RequestInfo, ServerTiming, Usage
 
 T0 = 1000.0  # every offset below is a multiple of 1/1024 s, so differences are exact in binary
 WORDS = [" alpha", " beta gamma", " delta river sigma"]  # 1, 2 and 3 tokens in o200k_base and cl100k_base

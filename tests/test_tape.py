@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from bench.telemetry import chat_tape
-from proxy.analysis import tokens
-from proxy.relay.channel import LocalChannel, SocketChannel, frames
-from proxy.relay.tracecontext import Sampler, begin, parse_traceparent
-from proxy.settings import Route, Settings, Telemetry
-from proxy.tape import END, SEGMENT, SEGMENT_BYTES, STATS, Tape
-from proxy.telemetry.replay import Playback
+from llmtap.analysis import tokens
+from llmtap.config.settings import Route, Settings, Telemetry
+from llmtap.relay.channel import LocalChannel, SocketChannel, frames
+from llmtap.relay.tracecontext import Sampler, begin, parse_traceparent
+from llmtap.telemetry.replay import Playback
+from llmtap.wire.tape import END, SEGMENT, SEGMENT_BYTES, STATS, Tape
 
 ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default")
 # Content capture on: the timeline keeps the output's text, so a test can read it back.

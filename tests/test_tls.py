@@ -26,11 +26,11 @@ import pytest
 import trustme
 import uvloop
 
-from proxy import cli
-from proxy.relay.forward import Upstreams
-from proxy.relay.upstream_http import SURPLUS, LeanTransport
-from proxy.settings import ConfigError, Route, Settings, build
-from proxy.telemetry import semconv as sc
+from llmtap import cli
+from llmtap.config.settings import ConfigError, Route, Settings, build
+from llmtap.relay.forward import Upstreams
+from llmtap.relay.upstream_http import SURPLUS, LeanTransport
+from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry
 
 CLIENTS = ("lean", "httpx")

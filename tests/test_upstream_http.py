@@ -1,4 +1,4 @@
-"""The lean upstream client (``proxy.relay.upstream_http``) against scripted HTTP/1.1 servers on real sockets.
+"""The lean upstream client (``llmtap.relay.upstream_http``) against scripted HTTP/1.1 servers on real sockets.
 
 Every scenario runs on asyncio's own loop and on uvloop (what ``llmtap serve`` runs on). The servers are
 raw asyncio streams on free ports of 127.0.0.1, so each byte on the wire is the test's choice; a few that
@@ -24,11 +24,11 @@ import httpx
 import pytest
 import uvloop
 
-from proxy.relay.forward import Upstreams, close_if_surplus
-from proxy.relay.pipe import Pipe
-from proxy.relay.upstream_http import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
-from proxy.settings import ConfigError, Route, Settings, build
-from proxy.tape import Tape
+from llmtap.config.settings import ConfigError, Route, Settings, build
+from llmtap.relay.forward import Upstreams, close_if_surplus
+from llmtap.relay.pipe import Pipe
+from llmtap.relay.upstream_http import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
+from llmtap.wire.tape import Tape
 from tests.conftest import PATIENCE, TESTS, free_port, unanswered_port
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -844,7 +844,7 @@ def test_upstreams_use_the_lean_client_unless_told_otherwise(run: Any) -> None:
     run(scenario())
 
 
-# --- the relay's body path in the read callback (proxy.relay.pipe) ---------------------------------------------
+# --- the relay's body path in the read callback (llmtap.relay.pipe) ---------------------------------------------
 
 
 def test_a_piped_body_reaches_its_sink_in_the_read_callback_and_is_held_on_demand(run: Any) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.providers import UsageEventFilter
-from proxy.providers.usage_filter import _BOUNDARY, MAX_HELD_BYTES, _last_boundary_end
+from llmtap.providers import UsageEventFilter
+from llmtap.providers.usage_filter import _BOUNDARY, MAX_HELD_BYTES, _last_boundary_end
 
 TRANSCRIPTS = Path(__file__).parent / "transcripts"
 

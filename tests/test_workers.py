@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.simulator import get_profile, run_in_thread
-from proxy.telemetry.prometheus import merge_metrics
-from proxy.telemetry.records import ReadStats, read_records, record_files
+from llmtap.simulator import get_profile, run_in_thread
+from llmtap.telemetry.prometheus import merge_metrics
+from llmtap.telemetry.records import ReadStats, read_records, record_files
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
 
 ROOT = Path(__file__).parent.parent
@@ -107,10 +107,10 @@ def _children(pid: int) -> list[int]:
 
 
 def _serve(argv: list[str], tmp_path: Path) -> subprocess.Popen[str]:
-    """``python -m proxy`` with ``argv``, no OTEL_ or LLMTAP_ variable of ours, its temporary files in ``tmp_path``."""
+    """``python -m llmtap`` with ``argv``, no OTEL_ or LLMTAP_ variable of ours, its temporary files in ``tmp_path``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
     return subprocess.Popen(
-        [sys.executable, "-m", "proxy", *argv, "--log-level", "warning"],
+        [sys.executable, "-m", "llmtap", *argv, "--log-level", "warning"],
         cwd=ROOT,
         env={**env, "TMPDIR": str(tmp_path)},
         stdout=subprocess.DEVNULL,
@@ -198,7 +198,7 @@ def test_workers_on_a_taken_port_fail_once_with_exit_2(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         argv = ["serve", "--upstream", "http://127.0.0.1:9", "--port", str(port), "--admin-port", str(free_port())]
         result = subprocess.run(
-            [sys.executable, "-m", "proxy", *argv, "--workers", "2"],
+            [sys.executable, "-m", "llmtap", *argv, "--workers", "2"],
             cwd=ROOT,
             env={**os.environ, "TMPDIR": str(tmp_path)},
             capture_output=True,

@@ -1,0 +1,126 @@
+"""Cache diagnosis: why a request was or was not served from the upstream's prompt cache.
+
+The expected cacheable prefix (what the request shares with recent requests to the same upstream and
+model, ``llmtap.analysis.fingerprint``) is set next to the cached tokens the server reported, and the request
+gets one class:
+
+* ``hit``: the server reported cached tokens;
+* ``cold``: no earlier request to this upstream and model is remembered;
+* ``miss_changed``: earlier requests exist but the prompt differs from all of them early; the region
+  where it first differs is named (``tools``, ``system``, ``m0``.., ``rest``);
+* ``miss_evicted``: the prompt starts with a prefix an earlier request had sent, long enough to be
+  cached, yet nothing was read from the cache: evicted, or its TTL lapsed;
+* ``too_short``: the prompt is shorter than the least the server caches;
+* ``unknown``: the server reported no cached-token count, or the prompt could not be read.
+
+Runs on the recorder's worker thread (it counts tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from llmtap.analysis import tokens
+from llmtap.analysis.fingerprint import Fingerprint, PrefixIndex, PrefixMatch, TokenCounts, fingerprint
+from llmtap.analysis.summary import Summary
+from llmtap.analysis.timeline import Timeline
+from llmtap.config.settings import Route
+
+HIT, COLD, MISS_CHANGED, MISS_EVICTED, TOO_SHORT, UNKNOWN = (
+    "hit",
+    "cold",
+    "miss_changed",
+    "miss_evicted",
+    "too_short",
+    "unknown",
+)
+CLASSES = (HIT, COLD, MISS_CHANGED, MISS_EVICTED, TOO_SHORT, UNKNOWN)
+
+#: Servers whose prefix cache works in blocks of tokens: one full block (vLLM's default ``--block-size``
+#: on GPUs is 16) is the least they cache.
+SELF_HOSTED = frozenset({"vllm", "sglang", "tgi", "llama.cpp", "ollama", "lmdeploy", "trtllm", "llmtap-sim"})
+BLOCK_MIN_TOKENS = 16
+#: OpenAI and Anthropic cache prompts of 1,024 tokens and more (Anthropic's smaller models need more:
+#: set ``cache_min_tokens`` on their route).
+HOSTED_MIN_TOKENS = 1024
+
+
+def min_cacheable_tokens(route: Route | None) -> int:
+    """The shortest prompt the route's upstream caches: configured, else by the kind of server."""
+    if route is None:
+        return HOSTED_MIN_TOKENS
+    if route.cache_min_tokens is not None:
+        return route.cache_min_tokens
+    return BLOCK_MIN_TOKENS if (route.provider or "").lower() in SELF_HOSTED else HOSTED_MIN_TOKENS
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    """The cache class of one request and the figures it rests on."""
+
+    cache_class: str
+    cached_tokens: int | None
+    expected_prefix_tokens: int
+    shared_prefix_tokens: int
+    changed_region: str | None
+    min_tokens: int
+    fingerprint: Fingerprint | None = None
+
+
+def classify(
+    *, input_tokens: int | None, cached_tokens: int | None, match: PrefixMatch | None, min_tokens: int
+) -> tuple[str, int]:
+    """The class and the expected cacheable prefix (tokens) of one request; pure, for the recorder and tests."""
+    shared = match.shared_tokens if match is not None else 0
+    expected = shared if shared >= min_tokens else 0
+    if input_tokens is not None:
+        # The last prompt token is always computed: its forward pass yields the first output token.
+        expected = min(expected, max(input_tokens - 1, 0))
+    if cached_tokens is not None and cached_tokens > 0:
+        return HIT, expected
+    if input_tokens is not None and input_tokens < min_tokens:
+        return TOO_SHORT, expected
+    if cached_tokens is None or match is None:
+        return UNKNOWN, expected
+    if expected > 0:
+        return MISS_EVICTED, expected
+    return (MISS_CHANGED if match.known else COLD), expected
+
+
+class CacheDiagnoser:
+    """Fingerprints each finished request, matches it against recent ones and classifies it; one per recorder."""
+
+    def __init__(self, routes: Iterable[Route], *, capacity: int = 65536) -> None:
+        self._routes = {r.name: r for r in routes}
+        self._index = PrefixIndex(capacity)
+        self._counts = TokenCounts()
+
+    def diagnose(self, tl: Timeline, s: Summary) -> Diagnosis | None:
+        """The diagnosis of one LLM request (None for plain relays); updates the index of recent prompts."""
+        req = tl.request
+        if tl.protocol is None or req is None:
+            return None
+        min_tokens = min_cacheable_tokens(self._routes.get(tl.route))
+        fp: Fingerprint | None = None
+        match: PrefixMatch | None = None
+        if req.regions:
+            scope = f"{tl.upstream}\x00{req.model or tl.response_model or ''}"
+            encoding = tokens.encoding_for_model(tl.response_model or req.model)
+            fp = fingerprint(req.regions, scope=scope, encoding=encoding, counts=self._counts)
+            match = self._index.match(fp, tl.sent if tl.sent is not None else tl.received)
+            if tl.first_content is not None:
+                # The prefill is over once the first token is out: from then on the server holds the prefix.
+                self._index.add(fp, tl.first_content)
+        cache_class, expected = classify(
+            input_tokens=s.input_tokens, cached_tokens=s.cache_read_tokens, match=match, min_tokens=min_tokens
+        )
+        return Diagnosis(
+            cache_class=cache_class,
+            cached_tokens=s.cache_read_tokens,
+            expected_prefix_tokens=expected,
+            shared_prefix_tokens=match.shared_tokens if match is not None else 0,
+            changed_region=match.diverged if match is not None and match.known else None,
+            min_tokens=min_tokens,
+            fingerprint=fp,
+        )

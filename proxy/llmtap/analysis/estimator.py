@@ -1,0 +1,272 @@
+"""Queue against prefill inside the upstream, estimated from outside (DESIGN, "Estimating queue against prefill").
+
+A server that reports neither leaves the proxy one figure: the upstream TTFT, from sending the request
+to its first content chunk, which is the server's queueing plus its prefill (plus the hop). Two
+estimates split it, and every value they give is marked ``estimated``:
+
+- **Slots.** When the route says how many sequences the server runs at once (vLLM's
+  ``--max-num-seqs``, TGI's ``--max-concurrent-requests``), a first-come-first-served server admits a
+  request once fewer than that many of the requests sent before it are unfinished. The proxy sees
+  every request it sends and when each one ends, so it can replay the server's admissions: a request
+  sent with ``ahead`` requests in flight and ``slots`` slots waits for the ``ahead - slots + 1``-th of
+  them to end. Prefill is then the rest of the upstream TTFT.
+- **Envelope.** Otherwise, the unloaded TTFT of each upstream and model is learned as a line in
+  uncached input tokens, ``base + tokens / rate``, from the lower envelope of what requests sent to an
+  idle upstream saw (or with the rate from config). A request's prefill is that line at its uncached
+  tokens; whatever its upstream TTFT has beyond it is queueing.
+
+All state is bounded: a fixed number of token bins per upstream and model, a capped number of models,
+and a bounded log of recent completions per upstream. Runs on the recorder's worker thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from llmtap.analysis.timeline import Timeline
+
+ESTIMATED = "estimated"
+
+#: Token bins are half-octaves: 0, 1, 2-3, ... up to 2^24 tokens; enough resolution for a line.
+_BINS = 50
+#: Samples kept per bin; the lower envelope is the minimum over them.
+_PER_BIN = 16
+#: Upstream-and-model pairs whose envelope is kept; the least recently used is forgotten first.
+MAX_MODELS = 64
+#: Completions remembered per upstream, for the slot replay.
+MAX_COMPLETIONS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """The upstream TTFT split into queueing inside the server and prefill; both estimated."""
+
+    queue: float
+    prefill: float
+    method: str  # "slots" or "envelope"
+
+
+def _bin(tokens: int) -> int:
+    return min(int(2 * math.log2(tokens + 1)), _BINS - 1)
+
+
+class Envelope:
+    """The unloaded TTFT of one upstream and model as ``base + tokens / rate``, from its lower envelope."""
+
+    def __init__(self, rate: float | None = None) -> None:
+        self.fixed_rate = rate
+        self._bins: list[deque[tuple[int, float]]] = [deque(maxlen=_PER_BIN) for _ in range(_BINS)]
+        self._line: tuple[float, float] | None = None  # (base seconds, seconds per token)
+        self._dirty = False
+
+    def add(self, tokens: int, ttft: float) -> None:
+        """One request that found the upstream idle: its uncached input tokens and upstream TTFT."""
+        self._bins[_bin(tokens)].append((tokens, ttft))
+        self._dirty = True
+
+    @property
+    def samples(self) -> int:
+        """How many samples the envelope holds now."""
+        return sum(len(b) for b in self._bins)
+
+    def line(self) -> tuple[float, float] | None:
+        """``(base, seconds_per_token)``, or None while the samples cannot support a line."""
+        if self._dirty:
+            self._line = self._fit()
+            self._dirty = False
+        return self._line
+
+    def _fit(self) -> tuple[float, float] | None:
+        points = sorted(p for b in self._bins for p in b)
+        if not points:
+            return None
+        if self.fixed_rate is not None:
+            per_token = 1.0 / self.fixed_rate
+            return max(min(t - n * per_token for n, t in points), 0.0), per_token
+        hull = _lower_hull(points)
+        if len(hull) < 2:
+            return None
+        # Queueing and interference only ever add time, so the line lies under every point. Of those
+        # lines, the one closest to the points overall (least summed distance) is the lower hull's
+        # edge over the mean token count.
+        mean = sum(p[0] for p in points) / len(points)
+        edge = next((i for i in range(1, len(hull)) if hull[i][0] >= mean), len(hull) - 1)
+        (x0, t0), (x1, t1) = hull[edge - 1], hull[edge]
+        slope = max((t1 - t0) / (x1 - x0), 0.0)
+        return max(min(t - x * slope for x, t in points), 0.0), slope
+
+    def prefill(self, tokens: int) -> float | None:
+        """The unloaded prefill of ``tokens`` uncached input tokens, or None while unknown."""
+        line = self.line()
+        if line is None:
+            return None
+        return line[0] + tokens * line[1]
+
+
+def _lower_hull(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The lower convex hull of points sorted by x, one point per distinct x."""
+    hull: list[tuple[int, float]] = []
+    for p in points:
+        if hull and hull[-1][0] == p[0]:
+            continue  # sorted: the first point at each x is its lowest
+        while len(hull) >= 2:
+            (ax, at), (bx, bt) = hull[-2], hull[-1]
+            # Drop b when it lies on or above the segment from a to p.
+            if (bt - at) * (p[0] - ax) >= (p[1] - at) * (bx - ax):
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    return hull
+
+
+class SlotLog:
+    """When recent requests to one upstream ended, to replay a slot-limited server's admissions."""
+
+    def __init__(self, maxlen: int = MAX_COMPLETIONS) -> None:
+        # (sequence number, end time); appended in the order requests end.
+        self._ends: deque[tuple[int, float]] = deque(maxlen=maxlen)
+        # (first content, end) of the same requests: when each was decoding, so held in the server's batch.
+        self._decoding: deque[tuple[float, float]] = deque(maxlen=maxlen)
+        #: The most requests seen decoding at one moment: never more than the server's slots.
+        self.decoding_peak = 0
+
+    def decoding(self, first: float, end: float) -> None:
+        """A request that streamed from ``first`` to ``end``: the peak rises to how many (itself too) were
+        decoding as it began.
+
+        A request between its first content chunk and its end holds one of the server's slots, so this is a
+        floor under the slot count that llmtap's own clock gives, as soon as two requests overlap; the
+        server's gauges (``llmtap.analysis.slots``) may be sampled too seldom to catch that. The log is in the
+        order requests ended, so the walk back stops at the first that ended before this one began (one out of
+        order is missed at worst, which only keeps the floor lower).
+        """
+        together = 1
+        for f, e in reversed(self._decoding):
+            if e < first:
+                break
+            if f <= first:
+                together += 1
+        self._decoding.append((first, end))
+        self.decoding_peak = max(self.decoding_peak, together)
+
+    def add(self, seq: int, end: float) -> None:
+        """A request to this upstream ended (its slot is free again)."""
+        self._ends.append((seq, end))
+
+    def admitted(self, seq: int, sent: float, ahead: int, slots: int, first: float) -> float | None:
+        """When the server admitted request ``seq``, or None when the log cannot tell.
+
+        ``ahead`` requests were in flight when it was sent; it is admitted once at most ``slots - 1``
+        of them are unfinished, so at the end of the ``ahead - slots + 1``-th of them. An answer
+        after the request's own first content chunk means the server has more slots than configured
+        or admits out of order: the log cannot tell then.
+        """
+        if ahead < slots:
+            return sent
+        needed = ahead - slots + 1
+        ends: list[float] = []
+        for other, end in reversed(self._ends):
+            if end <= sent:
+                break
+            if other < seq:
+                ends.append(end)
+        if len(ends) < needed:
+            return None
+        ends.sort()
+        at = ends[needed - 1]
+        return at if at <= first else None
+
+
+@dataclass(slots=True)
+class _Upstream:
+    log: SlotLog
+    envelopes: OrderedDict[str, Envelope]
+
+
+class Estimator:
+    """Bounded per-upstream state for splitting upstream TTFT; one per recorder, used on its thread."""
+
+    def __init__(self) -> None:
+        self._upstreams: dict[str, _Upstream] = {}
+        self._models = 0
+
+    def _upstream(self, key: str) -> _Upstream:
+        up = self._upstreams.get(key)
+        if up is None:
+            up = self._upstreams[key] = _Upstream(SlotLog(), OrderedDict())
+        return up
+
+    def decoding_peak(self, tl: Timeline) -> int:
+        """Record ``tl``'s decode (first content to end) and return the most requests to its upstream seen
+        decoding at once (``SlotLog.decoding``); 0 when nothing was timed yet."""
+        up = self._upstream(tl.upstream)
+        if tl.first_content is not None and tl.end is not None:
+            up.log.decoding(tl.first_content, tl.end)
+        return up.log.decoding_peak
+
+    def envelope(self, upstream: str, model: str, rate: float | None = None) -> Envelope:
+        """The envelope of one upstream and model, created on first use; least recently used forgotten."""
+        up = self._upstream(upstream)
+        env = up.envelopes.get(model)
+        if env is not None:
+            up.envelopes.move_to_end(model)
+            return env
+        if self._models >= MAX_MODELS:
+            self._forget_one()
+        env = up.envelopes[model] = Envelope(rate)
+        self._models += 1
+        return env
+
+    def _forget_one(self) -> None:
+        # The upstream with the most models gives up its least recently used one.
+        up = max(self._upstreams.values(), key=lambda u: len(u.envelopes))
+        up.envelopes.popitem(last=False)
+        self._models -= 1
+
+    @property
+    def models(self) -> int:
+        """Envelopes held, across upstreams (never more than ``MAX_MODELS``)."""
+        return self._models
+
+    def observe(
+        self,
+        tl: Timeline,
+        uncached_tokens: int | None,
+        *,
+        slots: int | None,
+        rate: float | None,
+    ) -> Split | None:
+        """Learn from one finished request and split its upstream TTFT; None when it cannot be split.
+
+        Must be called for every request that reached the upstream, in the order they ended, so the
+        slot replay sees every slot that freed.
+        """
+        if tl.sent is None or tl.upstream_seq is None:
+            return None
+        up = self._upstream(tl.upstream)
+        if tl.end is not None:
+            up.log.add(tl.upstream_seq, tl.end)
+        first = tl.first_content
+        if first is None or uncached_tokens is None:
+            return None
+        ttft = first - tl.sent
+        model = tl.response_model or (tl.request.model if tl.request and tl.request.model else "_unknown")
+        env = self.envelope(tl.upstream, model, rate)
+        idle = tl.upstream_ahead == 0
+        split: Split | None = None
+        if slots is not None:
+            admitted = up.log.admitted(tl.upstream_seq, tl.sent, tl.upstream_ahead, slots, first)
+            if admitted is not None:
+                queue = min(max(admitted - tl.sent, 0.0), ttft)
+                split = Split(queue, ttft - queue, "slots")
+        if split is None:
+            predicted = env.prefill(uncached_tokens)
+            if predicted is not None:
+                prefill = min(predicted, ttft)
+                split = Split(ttft - prefill, prefill, "envelope")
+        if idle:
+            env.add(uncached_tokens, ttft)
+        return split

@@ -1,0 +1,502 @@
+"""``llmtap demo``: the offline main job. A simulated server, the proxy in front, two workloads, four numbers.
+
+It starts the simulator (one per workload profile) and the proxy in this process on free ports,
+drives each workload through the proxy twice (prompt laid out variable part first, then the
+unchanging part first, the course's "fix the support assistant" step) and prints, from the proxy's
+own measurements, TTFT, ITL, TPOT, throughput, goodput, the queue/prefill/decode split and the
+cached-token share, then the caching verdict of ``llmtap compare`` over the request records it wrote
+(``--record``), split by prompt layout. Telemetry goes wherever ``OTEL_*`` points; with no endpoint
+set, to local JSON-lines files whose paths are printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import httpx
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+from llmtap import simulator
+from llmtap.analysis.compare import MIN_GAIN_MS, Comparison, Split, compare_records
+from llmtap.analysis.stats import quantile
+from llmtap.analysis.summary import Summary, slo_outcome
+from llmtap.analysis.timeline import OK, Timeline
+from llmtap.commands.demo_report import ProgressLine, render as render  # render is part of the demo's API
+from llmtap.config.settings import SLO, Records, Route, Settings, Telemetry, telemetry_from_env
+from llmtap.simulator.text import Vocabulary
+from llmtap.telemetry import setup
+from llmtap.telemetry.prometheus import PrometheusReader
+
+if TYPE_CHECKING:
+    from uvicorn import Server
+
+VARIABLE_FIRST, FIXED_FIRST = "variable-first", "fixed-first"
+WARMUP = "warmup"
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """One request shape, agreed before measuring: prompt parts, output length, load and SLOs."""
+
+    name: str
+    route: str
+    profile: str
+    fixed_tokens: int
+    variable_tokens: int
+    output_tokens: int
+    requests: int
+    concurrency: int
+    slo: SLO
+
+
+def default_workloads(requests: int | None = None, concurrency: int | None = None) -> list[Workload]:
+    """The course's two workloads (support assistant, code completion), with optional load overrides."""
+    return [
+        Workload(
+            name="support assistant",
+            route="support",
+            profile="support",
+            fixed_tokens=5250,
+            variable_tokens=950,
+            output_tokens=300,
+            requests=requests or 8,
+            concurrency=concurrency or 4,
+            # The course's objectives: the percentile that counts, for the shape it holds for.
+            slo=SLO(ttft=0.5, tpot=0.030, e2e=None, percentile=0.95, shape="long_prompt"),
+        ),
+        Workload(
+            name="code completion",
+            route="code",
+            profile="code",
+            fixed_tokens=120,
+            variable_tokens=80,
+            output_tokens=64,
+            requests=requests or 16,
+            concurrency=concurrency or 4,
+            slo=SLO(ttft=0.1, tpot=0.015, e2e=None, percentile=0.99, shape="short_prompt"),
+        ),
+    ]
+
+
+@dataclass(slots=True)
+class PhaseResult:
+    """The figures of one workload in one prompt layout, all from the proxy's own measurements."""
+
+    workload: str
+    layout: str
+    requests: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    ttft_p50: float | None = None
+    ttft_p95: float | None = None
+    itl_p50: float | None = None
+    itl_p95: float | None = None
+    tpot_p50: float | None = None
+    #: One stream's decode rate, output tokens per second after the first token (1 / TPOT): p50 over requests.
+    stream_tokens_per_s_p50: float | None = None
+    #: Output tokens of all streams together over the phase's wall time (at the workload's concurrency).
+    output_tokens_per_s: float = 0.0
+    requests_per_s: float = 0.0
+    goodput_per_s: float = 0.0
+    slo_met_share: float = 0.0
+    queue_p50: float | None = None
+    queue_source: str = ""
+    prefill_p50: float | None = None
+    prefill_source: str = ""
+    decode_p50: float | None = None
+    cached_share: float = 0.0
+    input_tokens_p50: float | None = None
+    output_tokens_p50: float | None = None
+
+
+def phase_result(w: Workload, layout: str, rows: list[tuple[Timeline, Summary]], seconds: float) -> PhaseResult:
+    """Aggregate the summaries of one phase; goodput against the workload's own SLOs."""
+    r = PhaseResult(workload=w.name, layout=layout, requests=len(rows), seconds=seconds)
+    ok = [s for tl, s in rows if tl.outcome == OK]
+    r.errors = len(rows) - len(ok)
+    r.ttft_p50 = quantile([s.ttft for s in ok if s.ttft is not None], 0.5)
+    r.ttft_p95 = quantile([s.ttft for s in ok if s.ttft is not None], 0.95)
+    itl = [x for s in ok for x in s.itl_per_token]
+    r.itl_p50, r.itl_p95 = quantile(itl, 0.5), quantile(itl, 0.95)
+    r.tpot_p50 = quantile([s.tpot for s in ok if s.tpot is not None], 0.5)
+    r.stream_tokens_per_s_p50 = quantile([1 / s.tpot for s in ok if s.tpot], 0.5)
+    out = sum(s.output_tokens or 0 for s in ok)
+    good = sum(1 for tl, s in rows if slo_outcome(tl, s, w.slo) == "met")
+    if seconds > 0:
+        r.output_tokens_per_s = out / seconds
+        r.requests_per_s = len(ok) / seconds
+        r.goodput_per_s = good / seconds
+    r.slo_met_share = good / len(rows) if rows else 0.0
+    r.queue_p50 = quantile([s.queue for s in ok if s.queue is not None], 0.5)
+    r.queue_source = ",".join(sorted({s.queue_source for s in ok if s.queue is not None}))
+    r.prefill_p50 = quantile([s.prefill for s in ok if s.prefill is not None], 0.5)
+    r.prefill_source = ",".join(sorted({s.prefill_source for s in ok if s.prefill is not None}))
+    r.decode_p50 = quantile([s.decode for s in ok if s.decode is not None], 0.5)
+    inputs = sum(s.input_tokens or 0 for s in ok)
+    r.cached_share = sum(s.cache_read_tokens or 0 for s in ok) / inputs if inputs else 0.0
+    r.input_tokens_p50 = quantile([float(s.input_tokens) for s in ok if s.input_tokens is not None], 0.5)
+    r.output_tokens_p50 = quantile([float(s.output_tokens) for s in ok if s.output_tokens is not None], 0.5)
+    return r
+
+
+class _Collector:
+    """Receives each finished request from the recorder's worker thread."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[Timeline, Summary]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, tl: Timeline, s: Summary) -> None:
+        with self.lock:
+            self.rows.append((tl, s))
+
+    def take(self, route: str, layout: str) -> list[tuple[Timeline, Summary]]:
+        with self.lock:
+            return [(tl, s) for tl, s in self.rows if tl.route == route and tl.prompt_version == layout]
+
+
+def _messages(w: Workload, layout: str, index: int, vocab: Vocabulary) -> list[dict[str, str]]:
+    fixed = "".join(vocab.generate(f"{w.route}:fixed", w.fixed_tokens))
+    variable = "".join(vocab.generate(f"{w.route}:request:{index}", w.variable_tokens))
+    first, second = (fixed, variable) if layout == FIXED_FIRST else (variable, fixed)
+    return [{"role": "system", "content": first}, {"role": "user", "content": second}]
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where one phase stands: its requests started and finished, seconds since it began."""
+
+    workload: str
+    layout: str
+    requests: int
+    concurrency: int
+    started: int
+    done: int
+    seconds: float
+    #: True once, when the phase is over.
+    finished: bool = False
+
+
+async def _drive(
+    client: httpx.AsyncClient,
+    base: str,
+    w: Workload,
+    layout: str,
+    vocab: Vocabulary,
+    progress: Callable[[Progress], None],
+    offset: int,
+) -> float:
+    """Send one phase's requests at the workload's concurrency; returns the phase's wall time."""
+    url = f"{base}/{w.route}/v1/chat/completions"
+    began = time.perf_counter()
+    started = done = 0
+
+    def report(finished: bool = False) -> None:
+        seconds = time.perf_counter() - began
+        progress(Progress(w.name, layout, w.requests, w.concurrency, started, done, seconds, finished))
+
+    async def one(index: int, version: str, max_tokens: int) -> None:
+        body = {
+            "model": "llmtap-sim",
+            "messages": _messages(w, layout, index, vocab),
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+        async with client.stream("POST", url, json=body, headers={"x-llmtap-prompt-version": version}) as r:
+            async for _ in r.aiter_raw():
+                pass
+
+    async def tick() -> None:
+        # A long answer takes seconds: the line moves every second, not only when a request ends.
+        while True:
+            await asyncio.sleep(1.0)
+            report()
+
+    report()
+    ticker = asyncio.create_task(tick())
+    try:
+        # One short request first, so the phase measures a warm cache as steady traffic would see it.
+        await one(offset + 10_000, WARMUP, 1)
+        sem = asyncio.Semaphore(w.concurrency)
+
+        async def limited(i: int) -> None:
+            nonlocal started, done
+            async with sem:
+                started += 1
+                report()
+                await one(offset + i, layout, w.output_tokens)
+            done += 1
+            report()
+
+        start = time.perf_counter()
+        await asyncio.gather(*(limited(i) for i in range(w.requests)))
+        seconds = time.perf_counter() - start
+    finally:
+        ticker.cancel()
+    report(finished=True)
+    return seconds
+
+
+@dataclass(slots=True)
+class DemoRun:
+    """Everything one run produced."""
+
+    results: list[PhaseResult] = field(default_factory=list)
+    telemetry_files: list[str] = field(default_factory=list)
+    #: ``llmtap compare`` of the two layouts, per workload, over the request records.
+    comparisons: dict[str, Comparison] = field(default_factory=dict)
+    records_file: str = ""
+
+
+def _file_providers(
+    directory: Path, readers: Sequence[MetricReader] = ()
+) -> tuple[TracerProvider, MeterProvider, list[IO[str]]]:
+    directory.mkdir(parents=True, exist_ok=True)
+    traces = (directory / "traces.jsonl").open("w", encoding="utf-8")
+    metrics = (directory / "metrics.jsonl").open("w", encoding="utf-8")
+    tp = TracerProvider(resource=setup.resource())
+    tp.add_span_processor(
+        BatchSpanProcessor(ConsoleSpanExporter(out=traces, formatter=lambda s: s.to_json(indent=None) + "\n"))
+    )
+    reader = PeriodicExportingMetricReader(
+        ConsoleMetricExporter(out=metrics, formatter=lambda m: m.to_json(indent=None) + "\n"),
+        export_interval_millis=60_000,
+    )
+    return tp, MeterProvider(resource=setup.resource(), metric_readers=[reader, *readers]), [traces, metrics]
+
+
+async def run(
+    workloads: list[Workload],
+    *,
+    progress: Callable[[Progress], None] = lambda _: None,
+    env: dict[str, str] | None = None,
+    telemetry_dir: Path | None = None,
+    serve: Callable[[DemoRun, str, str], Awaitable[None]] | None = None,
+    min_gain_ms: float = MIN_GAIN_MS,
+) -> DemoRun:
+    """Run the demo and return its figures.
+
+    With ``serve``, the proxy, the simulators and an admin listener with the live view stay up after the
+    tables: ``serve(figures, view_url, proxy_url)`` is awaited, and everything stops when it returns or is
+    cancelled (Ctrl-C).
+    """
+    import uvicorn
+
+    from llmtap.relay.app import create_app
+    from llmtap.relay.server import bind, uvicorn_config
+    from llmtap.telemetry.admin import AdminApp
+
+    env = dict(os.environ if env is None else env)
+    out = DemoRun()
+    sims = {w.profile: simulator.run_in_thread(simulator.get_profile(w.profile)) for w in workloads}
+    tel: Telemetry = telemetry_from_env(env)
+    files: list[IO[str]] = []
+    directory = telemetry_dir or Path(tempfile.gettempdir()) / f"llmtap-demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    records = directory / "records"
+    if records.is_dir():
+        shutil.rmtree(records)  # a folder of an earlier run under the same name: this run's records only
+    out.records_file = str(records)
+    prometheus = PrometheusReader() if serve is not None else None
+    if tel.traces_exporter == "none" and tel.metrics_exporter == "none" and not tel.sdk_disabled:
+        tracer_provider, meter_provider, files = _file_providers(directory, [prometheus] if prometheus else [])
+        out.telemetry_files = [str(directory / "traces.jsonl"), str(directory / "metrics.jsonl")]
+
+        def shutdown() -> None:
+            tracer_provider.shutdown()
+            meter_provider.shutdown()
+    else:
+        providers = setup.build(tel, env)
+        tracer_provider, meter_provider = providers.tracer_provider, providers.meter_provider  # type: ignore[assignment]
+        shutdown = providers.shutdown
+        prometheus = providers.prometheus if serve is not None else None
+    routes = tuple(
+        Route(
+            prefix=f"/{w.route}",
+            upstream=sims[w.profile].url,
+            name=w.route,
+            provider="llmtap-sim",
+            strip_prefix=True,
+            # The simulator's batch size, as a user would pass vLLM's --max-num-seqs: queueing is inferred.
+            server_slots=simulator.get_profile(w.profile).max_num_seqs,
+            # Each request is judged by its workload's objective (the records carry it, for ``llmtap slo``).
+            slo=(w.slo,),
+        )
+        for w in workloads
+    )
+    settings = Settings(routes=routes, telemetry=tel, log_level="warning", record=Records(path=str(records)))
+    app = create_app(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    collector = _Collector()
+    assert app.recorder is not None  # telemetry runs in this process: no channel was given
+    app.recorder.listeners.append(collector)
+    sock = bind("127.0.0.1", 0, "demo proxy")
+    server = uvicorn.Server(uvicorn_config(app, settings))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    # The live view must see the tables' traffic too, so its listener is subscribed before any request.
+    admin: AdminApp | None = None
+    admin_server: uvicorn.Server | None = None
+    admin_task: asyncio.Task[None] | None = None
+    if serve is not None:
+        # The page agrees with the tables: the same objectives (the routes'), no warm-ups, and rates over the
+        # time requests were in flight, as the tables' rates are over each phase's time.
+        admin = AdminApp(app, prometheus, traces=True, busy=True, skip=lambda tl: tl.prompt_version == WARMUP)
+        admin_sock = bind("127.0.0.1", 0, "demo admin listener")
+        admin_server = uvicorn.Server(uvicorn_config(admin, settings))
+        admin_task = asyncio.create_task(admin_server.serve(sockets=[admin_sock]))
+    try:
+        while not server.started or (admin_server is not None and not admin_server.started):
+            for t in (task, admin_task):
+                if t is not None and t.done():
+                    t.result()
+            await asyncio.sleep(0.01)
+        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        vocab = Vocabulary("o200k_base")
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            for n, w in enumerate(workloads):
+                for layout in (VARIABLE_FIRST, FIXED_FIRST):
+                    seconds = await _drive(
+                        client, base, w, layout, vocab, progress, offset=n * 100_000 + (layout == FIXED_FIRST) * 50_000
+                    )
+                    await asyncio.to_thread(app.flush)
+                    out.results.append(phase_result(w, layout, collector.take(w.route, layout), seconds))
+        if serve is not None and admin_server is not None:
+            _compare(out, workloads, records, min_gain_ms)
+            view = f"http://127.0.0.1:{admin_sock.getsockname()[1]}/?window=all"
+            await _until_stopped(serve(out, view, base), [server, admin_server])
+    finally:
+        if admin is not None and admin_server is not None and admin_task is not None:
+            # Open event streams would hold the admin listener's shutdown: end them first.
+            admin.live.close()
+            admin_server.should_exit = True
+            await admin_task
+        server.should_exit = True
+        await task
+        for sim in sims.values():
+            sim.stop()
+        await asyncio.to_thread(shutdown)
+        for f in files:
+            f.close()
+    if serve is None:
+        _compare(out, workloads, records, min_gain_ms)
+    return out
+
+
+async def _until_stopped(keep: Awaitable[None], servers: list[Server]) -> None:
+    """Await ``keep`` until it returns or a server is told to stop (uvicorn catches Ctrl-C itself)."""
+    waiting = asyncio.ensure_future(keep)
+    try:
+        while not waiting.done() and not any(server.should_exit for server in servers):
+            await asyncio.wait([waiting], timeout=0.1)
+    finally:
+        waiting.cancel()
+    if waiting.done() and not waiting.cancelled():
+        waiting.result()
+
+
+def _compare(out: DemoRun, workloads: list[Workload], records: Path, min_gain_ms: float) -> None:
+    split = Split(VARIABLE_FIRST, FIXED_FIRST)
+    for w in workloads:
+        # The same statistics as ``llmtap compare records --before variable-first --after fixed-first``.
+        out.comparisons[w.name] = compare_records(records, split, route=w.route, min_gain_ms=min_gain_ms)
+
+
+def main(args: Any) -> int:
+    """``llmtap demo``."""
+    workloads = default_workloads(args.requests, args.concurrency)
+    if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+        workloads = [
+            replace(
+                w,
+                slo=replace(
+                    w.slo,
+                    ttft=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else w.slo.ttft,
+                    tpot=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else w.slo.tpot,
+                ),
+            )
+            for w in workloads
+        ]
+    if args.output_tokens is not None:
+        # ``replace``, not ``asdict``: asdict would turn the nested SLO into a plain dict.
+        workloads = [replace(w, output_tokens=args.output_tokens) for w in workloads]
+    if args.workload:
+        workloads = [w for w in workloads if w.route == args.workload]
+    progress = None if args.json else ProgressLine(sys.stderr, interactive=sys.stderr.isatty())
+
+    if not args.json:
+        names = " and ".join(w.name for w in workloads)
+        print(f"llmtap demo: a simulated LLM server, the proxy in front of it, {names} (offline).", file=sys.stderr)
+    serving = False
+
+    async def keep_serving(result: DemoRun, view: str, proxy_url: str) -> None:
+        nonlocal serving
+        serving = True
+        if progress is not None:
+            progress.close()
+        _report(result, workloads, as_json=args.json)
+        route = workloads[0].route if workloads else "support"
+        print(
+            f"\nLive view: {view}\n  (the proxy and the simulated server keep running; Ctrl-C stops them)\n"
+            f"  send your own: curl -N {proxy_url}/{route}/v1/chat/completions -H 'content-type: application/json' "
+            '-d \'{"model": "llmtap-sim", "stream": true, "max_tokens": 60, '
+            '"messages": [{"role": "user", "content": "hello"}]}\'',
+            flush=True,
+        )
+        await asyncio.Event().wait()
+
+    try:
+        result = asyncio.run(
+            run(
+                workloads,
+                progress=progress or (lambda _: None),
+                serve=keep_serving if args.serve else None,
+                min_gain_ms=MIN_GAIN_MS if args.min_gain_ms is None else args.min_gain_ms,
+            )
+        )
+    except KeyboardInterrupt:
+        print("\nllmtap demo: stopped.", file=sys.stderr)
+        return 0 if serving else 130
+    if not args.serve:
+        if progress is not None:
+            progress.close()
+        _report(result, workloads, as_json=args.json)
+    return 0
+
+
+def _report(result: DemoRun, workloads: list[Workload], *, as_json: bool) -> None:
+    """Print the tables and verdicts (or the JSON report), and where the records and telemetry went."""
+    if as_json:
+        report = {
+            "results": [asdict(r) for r in result.results],
+            "verdicts": {name: c.to_json() for name, c in result.comparisons.items()},
+            "records_file": result.records_file,
+            "telemetry_files": result.telemetry_files,
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        route = workloads[0].route if workloads else "support"
+        print(render(result.results, workloads, {name: c.verdict for name, c in result.comparisons.items()}))
+        print(
+            f"\nRequest records: {result.records_file}\n  compare them yourself: llmtap compare "
+            f"{result.records_file} --route {route} --before {VARIABLE_FIRST} --after {FIXED_FIRST} --plot ttft.png"
+        )
+        if result.telemetry_files:
+            print(
+                "\nTelemetry (no OTEL_EXPORTER_OTLP_ENDPOINT set) was written to:\n  "
+                + "\n  ".join(result.telemetry_files)
+            )
+        else:
+            print("\nTelemetry went to the OTLP endpoint named by OTEL_EXPORTER_OTLP_ENDPOINT.")

@@ -1,0 +1,151 @@
+"""Embeddings: OpenAI's ``POST …/embeddings`` and Ollama's ``POST …/api/embed`` (operation ``embeddings``).
+
+Neither streams: the whole answer is one JSON body. OpenAI's carries ``usage.prompt_tokens`` (the input's
+tokens; there is no output) and the model; Ollama's ``/api/embed`` carries ``prompt_eval_count`` and its
+durations in nanoseconds (``load_duration`` is the wait for a loaded runner, as for generation). Ollama's
+older ``/api/embeddings`` answers with a vector and nothing else: it is recognised, its tokens are
+counted offline. The input's text stands for the prompt (what tiktoken counts when usage is missing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llmtap.providers.base import Framing, StreamParser
+from llmtap.providers.ollama import OLLAMA_TIMING
+from llmtap.providers.openai_common import (
+    JSONObject,
+    as_count,
+    as_dict,
+    as_str,
+    error_facts,
+    load_object,
+    matches_suffix,
+    openai_end_user,
+)
+from llmtap.providers.sse import Event
+from llmtap.providers.timing import from_body
+from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
+
+#: ``gen_ai.operation.name`` of an embeddings request (gen-ai-spans.md, "Embeddings").
+OPERATION = "embeddings"
+
+
+def _input_text(value: object) -> str:
+    # A string or a list of strings; token-id arrays carry no text to count and are skipped.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "\n".join(v for v in value if isinstance(v, str))
+    return ""
+
+
+class _Whole:
+    """Embeddings answers are whole bodies; a server that framed one as events gets each read as one."""
+
+    def __init__(self, facts: Callable[[JSONObject], Facts]) -> None:
+        self.malformed = 0
+        self._facts = facts
+
+    def feed(self, event: Event) -> Facts | None:
+        obj, _ = load_object(event.data)
+        if obj is None:
+            self.malformed += 1
+            return None
+        return self._facts(obj)
+
+
+def _openai_facts(obj: JSONObject) -> Facts:
+    if obj.get("error") is not None:
+        return error_facts(obj["error"])
+    usage = as_dict(obj.get("usage"))
+    tokens = as_count(usage.get("prompt_tokens"))
+    if tokens is None:
+        tokens = as_count(usage.get("total_tokens"))
+    return Facts(
+        usage=None if tokens is None else Usage(input_tokens=tokens),
+        response_model=as_str(obj.get("model")),
+        done=True,
+    )
+
+
+def _ollama_facts(obj: JSONObject) -> Facts:
+    if obj.get("error") is not None:
+        return error_facts(obj["error"])
+    tokens = as_count(obj.get("prompt_eval_count"))
+    return Facts(
+        usage=None if tokens is None else Usage(input_tokens=tokens),
+        response_model=as_str(obj.get("model")),
+        server_timing=from_body(obj, {"queue": OLLAMA_TIMING["queue"]}),
+        done=True,
+    )
+
+
+class OpenAIEmbeddings:
+    """OpenAI's Embeddings API (and every server that copies it: vLLM, llama.cpp, TEI's OpenAI route)."""
+
+    name: str = "openai_embeddings"
+    family: str = "openai"
+    framing: Framing = "sse"
+
+    def matches(self, method: str, path: str) -> bool:
+        """True for ``POST …/embeddings``, except Ollama's ``…/api/embeddings``."""
+        return matches_suffix(method, path, "/embeddings") and not matches_suffix(method, path, "/api/embeddings")
+
+    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
+        """Never changed: the answer always carries its usage."""
+        return UNCHANGED
+
+    def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
+        """Model, the input's text and the end user; never a stream."""
+        obj, error = load_object(body)
+        if obj is None:
+            return RequestInfo(operation=OPERATION, parse_error=error)
+        return RequestInfo(
+            operation=OPERATION,
+            model=as_str(obj.get("model")),
+            prompt_text=_input_text(obj.get("input")),
+            end_user=openai_end_user(obj),
+        )
+
+    def stream_parser(self) -> StreamParser:
+        """Embeddings do not stream: an answer framed as events is read event by event all the same."""
+        return _Whole(_openai_facts)
+
+    def parse_body(self, body: bytes) -> Facts:
+        """Facts of an ``embedding`` list (its usage and model) or of an error body."""
+        obj, _ = load_object(body)
+        return Facts() if obj is None else _openai_facts(obj)
+
+
+class OllamaEmbed:
+    """Ollama's ``/api/embed`` (and its older ``/api/embeddings``)."""
+
+    name: str = "ollama_embed"
+    family: str = "ollama"
+    framing: Framing = "ndjson"
+
+    def matches(self, method: str, path: str) -> bool:
+        """True for ``POST …/api/embed`` or ``…/api/embeddings``."""
+        return matches_suffix(method, path, "/api/embed") or matches_suffix(method, path, "/api/embeddings")
+
+    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
+        """Never changed."""
+        return UNCHANGED
+
+    def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
+        """Model and the input's text (``input``, or the older endpoint's ``prompt``); never a stream."""
+        obj, error = load_object(body)
+        if obj is None:
+            return RequestInfo(operation=OPERATION, parse_error=error)
+        text = _input_text(obj.get("input")) or _input_text(obj.get("prompt"))
+        return RequestInfo(operation=OPERATION, model=as_str(obj.get("model")), prompt_text=text)
+
+    def stream_parser(self) -> StreamParser:
+        """Embeddings do not stream: an answer framed as lines is read line by line all the same."""
+        return _Whole(_ollama_facts)
+
+    def parse_body(self, body: bytes) -> Facts:
+        """Facts of an ``/api/embed`` answer (``prompt_eval_count``, durations) or of ``{"error": ...}``."""
+        obj, _ = load_object(body)
+        return Facts() if obj is None else _ollama_facts(obj)

@@ -1,0 +1,812 @@
+"""The ASGI applications: the relay (pure ASGI on the response path) and the admin listener."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import httpx
+
+from llmtap.config.settings import Route, Settings
+from llmtap.providers import provider_for
+from llmtap.providers.splice import splice_usage
+from llmtap.providers.usage_filter import UsageEventFilter
+from llmtap.relay.admission import Admission, QueueFull
+from llmtap.relay.channel import Channel, LocalChannel
+from llmtap.relay.fingerprint import KEY_HEADERS, fingerprint, install_secret
+from llmtap.relay.forward import (
+    PRIVATE_PREFIX,
+    Router,
+    Upstreams,
+    close_if_surplus,
+    request_headers,
+    response_headers,
+    upstream_url,
+)
+from llmtap.relay.frame import relay_frame
+from llmtap.relay.guard import Refusal, check_request, check_route
+from llmtap.relay.inflate import InflateLimit, Inflater, decodable
+from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
+from llmtap.relay.protocol import CYCLE, LOG_EVERY, RECEIVED
+from llmtap.relay.stepjson import STEPWISE_BYTES, loads_stepwise
+from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
+from llmtap.relay.tracecontext import Sampler, begin
+from llmtap.relay.upstream_http import PIPE
+from llmtap.types import UNCHANGED, Message, Receive, Scope, Send
+from llmtap.wire.tape import RESPONSE_CUT_REASONS, STATS, Tape, now
+from llmtap.wire.tracestate import entry, upstream_tracestate
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import MeterProvider
+    from opentelemetry.trace import TracerProvider
+
+    from llmtap.relay.protocol import ClientLimits
+    from llmtap.telemetry.recorder import Recorder
+
+log = logging.getLogger("llmtap.proxy")
+
+PROMPT_VERSION_HEADER = b"x-llmtap-prompt-version"
+#: At shutdown, how long requests cancelled at the drain deadline get to hand over their tapes.
+_SETTLE_SECONDS = 2.0
+#: Seconds between two reports of the relay's gauges (active streams, admission line) when they changed.
+STATS_EVERY = 0.5
+
+
+class ClientGone(Exception):
+    """The client disconnected; the upstream request is cancelled."""
+
+
+class RequestTooLarge(Exception):
+    """The request body grew past ``max_request_bytes`` while it was being read."""
+
+
+class UploadStalled(Exception):
+    """A request body still arriving while its request holds an admission slot fell silent too long."""
+
+
+async def send_json(
+    send: Send, status: int, error_type: str, message: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """An error of the proxy's own, in the OpenAI error shape most SDKs display."""
+    body = json.dumps({"error": {"type": error_type, "message": message, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ProxyApp:
+    """The relay: forwards any request to its route's upstream, and records what it saw on a tape.
+
+    Nothing here parses a response, counts a token or calls OpenTelemetry: each finished request's tape
+    goes through ``channel`` to the telemetry side, which does all of that (``llmtap.telemetry``). Without
+    a channel, the telemetry side runs in this process on the recorder's thread, built from the given
+    providers (tests, the demo, embedding).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        channel: Channel | None = None,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+    ) -> None:
+        self.settings = settings
+        self.router = Router(settings.routes)
+        self.upstreams = Upstreams(settings, transport)
+        #: The telemetry side when it runs in this process; None when tapes go to a telemetry process.
+        self.recorder: Recorder | None = None
+        if channel is None:
+            # Imported here: a relay with a telemetry process never loads OpenTelemetry or the tokenizer.
+            from llmtap.telemetry.recorder import Recorder
+
+            self.recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+            channel = LocalChannel(self.recorder)
+        self.channel = channel
+        #: Trace ids are made here; a disabled SDK means no spans, so the client's trace headers pass as sent.
+        self.tracing = not settings.telemetry.sdk_disabled
+        self.sampler = Sampler.from_env()
+        #: This replica's ``tracestate`` entry (``llmtap.wire.tracestate``): the model server's span of a request then
+        #: says which replica relayed it, wherever the server sends it. None: one replica, nothing to route.
+        peer = settings.telemetry
+        self.owner_entry = entry(peer.peer_address, peer.peer_token) if peer.peer_address and peer.peer_token else None
+        #: The API-key fingerprints' secret: the operator's, else the install's (made at the first key seen).
+        self._key_secret = settings.attribution.key
+        #: The caller's ``x-llmtap-*`` headers go upstream too.
+        self.forward_private = settings.attribution.forward_headers
+        self.ready = False
+        #: Set on SIGTERM: streams still running at the drain deadline are cut and recorded as ``shutdown``.
+        self.draining = False
+        #: Requests between arrival and the hand-over of their tape.
+        self.inflight = 0
+        self._idle = asyncio.Event()  # set while ``inflight`` is 0
+        self._idle.set()
+        #: The admission queue of each route that limits its concurrency.
+        self.admissions = {
+            r.name: Admission(r.max_concurrency, r.queue_limit, r.queue_timeout)
+            for r in settings.routes
+            if r.max_concurrency is not None
+        }
+        # Requests in flight to each upstream, and a sequence number: what the estimator replays.
+        self._upstream_inflight: dict[str, int] = {}
+        self._upstream_seq = 0
+        self._keys = itertools.count(1)
+        # With several telemetry processes, each upstream's tapes go to one of them, always the same: its
+        # estimator and cache diagnosis must see every request to that upstream.
+        upstreams = list(dict.fromkeys(r.upstream for r in settings.routes))
+        self._shards = {r.name: upstreams.index(r.upstream) for r in settings.routes}
+        # What the telemetry side's gauges show, sent as absolute values (a dropped message loses nothing).
+        self._active = {r.name: 0 for r in settings.routes}
+        self._waiting = {r.name: 0 for r in settings.routes}
+        #: Tapes that did not reach the telemetry side, in whole or in part.
+        self.tapes_dropped = 0
+        #: Responses the relay itself cut short, by reason (``RESPONSE_CUT_REASONS``), reported with the gauges.
+        self.cuts = dict.fromkeys(RESPONSE_CUT_REASONS, 0)
+        self._logged_at: dict[str, float] = {}
+        #: The server's counts of client connections cut or refused (``llmtap.relay.server`` sets it), reported
+        #: beside the gauges; None when no such server runs this app.
+        self.connections: ClientLimits | None = None
+        self._counts_sent: tuple[Any, ...] = ()
+        self._stats_changed = True
+        self._stats_task: asyncio.Task[None] | None = None
+
+        #: The Starlette application around the relay: what a server serves (``__call__`` is its call).
+        self.frame = relay_frame(self._endpoint, startup=self.startup, shutdown=self.shutdown)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.frame(scope, receive, send)
+
+    async def _endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The catch-all route: every HTTP request, raw ASGI."""
+        if scope["type"] == "http":
+            await self.handle(scope, receive, send)
+        elif scope["type"] == "websocket":
+            # A WebSocket upgrade (uvicorn hands those over as their own scope) is not relayed.
+            await send({"type": "websocket.close", "code": 1008, "reason": "llmtap relays HTTP only"})
+
+    async def startup(self) -> None:
+        """Ready to relay; the gauges' values go to the telemetry side from now on."""
+        if self.recorder is not None:
+            from llmtap.analysis import tokens
+
+            # Load the default encoding now, not on the first request's playback.
+            await asyncio.to_thread(tokens.get_encoding)
+        self.ready = True
+        self._stats_changed = True
+        self._stats_task = asyncio.create_task(self._report_stats())
+
+    async def shutdown(self) -> None:
+        """Let the last tapes go, close the upstream pools and the channel, drain a local recorder."""
+        self.ready = False
+        await self._settle()
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stats_task
+        self._stats_changed = True
+        self._send_stats()
+        await self.aclose()
+
+    async def _settle(self) -> None:
+        """Let requests the server just cancelled (drain deadline) hand over their tapes first."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_SETTLE_SECONDS):
+                await self._idle.wait()
+
+    async def _report_stats(self) -> None:
+        while True:
+            self._send_stats()
+            await asyncio.sleep(STATS_EVERY)
+
+    def _send_stats(self) -> None:
+        counts = (
+            *(self.connections.counts() if self.connections is not None else ((), ())),
+            tuple(self.cuts.items()),
+        )
+        if not self._stats_changed and counts == self._counts_sent:
+            return
+        message = (
+            STATS,
+            self.ready and not self.draining,
+            self.tapes_dropped,
+            tuple(self._active.items()),
+            tuple(self._waiting.items()),
+            *counts,
+        )
+        if self.channel.send(message):
+            self._stats_changed = False
+            self._counts_sent = counts
+
+    def begin_drain(self) -> None:
+        """SIGTERM: report not ready; streams in flight may finish until the server's drain deadline."""
+        self.ready = False
+        self.draining = True
+        self._stats_changed = True
+        # Now, not at the next report (up to STATS_EVERY later): /readyz must say so from the drain's start.
+        self._send_stats()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait (from another thread) until every request so far is recorded; True when done in time."""
+        deadline = time.monotonic() + timeout
+        while self.inflight:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        if self.recorder is None:
+            return True
+        return self.recorder.flush(max(deadline - time.monotonic(), 0.1))
+
+    def _install_secret(self) -> bytes:
+        """The install's fingerprint secret, read (or made) once per process."""
+        self._key_secret = install_secret()
+        return self._key_secret
+
+    async def aclose(self) -> None:
+        """Close the upstream pools and the channel, and drain a local recorder."""
+        await self.upstreams.aclose()
+        await self.channel.aclose()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Relay one HTTP request."""
+        extensions = scope.get("extensions") or {}
+        received = extensions.get(RECEIVED) or now()
+        # Taken out of the scope at once: the cycle refers to the scope, which need not refer back.
+        cycle = extensions.pop(CYCLE, None)
+        wall = time.time_ns() - round((now() - received) * 1e9)
+        settings = self.settings
+        refusal = check_request(
+            scope, max_header_bytes=settings.max_header_bytes, max_request_bytes=settings.max_request_bytes
+        )
+        if refusal is not None:
+            await _refuse_request(send, refusal)
+            return
+        path: str = scope["path"]
+        route = self.router.match(path)
+        if route is None:
+            await send_json(send, 404, "no_route", f"no route for {path}")
+            return
+        refusal = check_route(scope.get("raw_path") or path.encode(), route)
+        if refusal is not None:
+            await _refuse_request(send, refusal)
+            return
+        method: str = scope["method"]
+        inner_path = path[len(route.prefix) :] if route.strip_prefix and route.prefix != "/" else path
+        provider = provider_for(method, inner_path)
+        tape = Tape(
+            next(self._keys),
+            method=method,
+            path=path,
+            inner_path=inner_path,
+            route=route.name,
+            protocol=provider.name if provider else None,
+            received=received,
+            received_wall_ns=wall,
+        )
+        headers: list[tuple[bytes, bytes]] = list(scope["headers"])
+        traceparent = tracestate = None
+        for name, value in headers:
+            lowered = name.lower()
+            if lowered.startswith(PRIVATE_PREFIX):
+                if lowered == PROMPT_VERSION_HEADER:
+                    tape.prompt_version = value
+                else:
+                    # Attribution (tenant, user, properties): read and bounded in the telemetry process.
+                    tape.attribution.append((lowered, value))
+            elif lowered in KEY_HEADERS and tape.key_fingerprint is None:
+                tape.key_fingerprint = fingerprint(self._key_secret or self._install_secret(), value)
+            elif lowered == b"traceparent":
+                traceparent = value.decode("latin-1")
+            elif lowered == b"tracestate":
+                # Several fields are one list (RFC 9110 section 5.3; W3C Trace Context section 3.3.1.1).
+                part = value.decode("latin-1")
+                tracestate = part if tracestate is None else f"{tracestate},{part}"
+        trace: list[tuple[bytes, bytes]] | None = None
+        if self.tracing:
+            ids = begin(traceparent, self.sampler)
+            tape.trace_id, tape.span_id, tape.sampled = ids.trace_id, ids.span_id, ids.sampled
+            if traceparent is not None:
+                tape.parent = (traceparent, tracestate or "")
+            trace = [(b"traceparent", ids.traceparent)]
+            # The client's state belongs to its trace: with an invalid traceparent there is none to continue.
+            state = tracestate if ids.child else None
+            if self.owner_entry is not None:
+                state = upstream_tracestate(state, self.owner_entry)
+            if state is not None:
+                trace.append((b"tracestate", state.encode("latin-1")))
+        # A body still arriving once its request holds an admission slot may not keep the slot by falling silent.
+        silence = settings.timeouts.client_upload if route.name in self.admissions else None
+        try:
+            body, more = await self._read_body(receive, settings.max_inspect_bytes if provider else 0, silence)
+        except ClientGone:
+            return
+        except RequestTooLarge:
+            await _refuse_request(send, _too_large(settings.max_request_bytes))
+            return
+        tape.body_read = now()
+        tape.body = body
+        tape.body_complete = more is None
+        rewritten: bytes | None = None
+        if provider is not None and more is None and settings.inject_usage:
+            if len(body) > STEPWISE_BYTES and getattr(provider, "splices_usage", False):
+                # Parsed a step at a time: one body of megabytes must not hold every other stream's next chunk.
+                try:
+                    prepared = splice_usage(body, await loads_stepwise(body))
+                except (ValueError, RecursionError):
+                    prepared = UNCHANGED
+            else:
+                prepared = provider.prepare(body, inject_usage=True, path=inner_path)
+            rewritten, tape.strip_usage = prepared.body, prepared.strip_usage
+        self.inflight += 1
+        self._idle.clear()
+        self._active[route.name] += 1
+        self._stats_changed = True
+        try:
+            await self._relay(scope, receive, send, route, tape, headers, body, more, rewritten, trace, cycle)
+        except _Truncated:
+            # Returning without completing the response makes the server drop the connection, so
+            # the client sees the same truncation the proxy saw.
+            pass
+        finally:
+            if tape.end is None:
+                tape.end = now()
+            self._active[route.name] -= 1
+            self._hand_over(tape)
+            self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
+
+    def _segment(self, tape: Tape) -> None:
+        """The tape is full mid-stream: its reads leave now, so a long stream holds little here."""
+        if tape.lost:
+            tape.take_reads()
+        elif not self._send(tape.segment_message(), shard=self._shards[tape.route]):
+            tape.lost = True
+
+    def _hand_over(self, tape: Tape) -> None:
+        """The request is over: its tape goes to the telemetry side, or is counted as dropped.
+
+        The end may use the channel's reserve: it holds a stream's last reads, where usage is reported.
+        """
+        if tape.lost or not self._send(tape.end_message(), reserve=True, shard=self._shards[tape.route]):
+            self.tapes_dropped += 1
+            log.debug("telemetry behind: dropped the tape of %s %s", tape.method, tape.path)
+        self._stats_changed = True
+        self._send_stats()
+
+    def _send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0) -> bool:
+        """Send a tape message; when the channel is full, send it again without the response bytes.
+
+        The reads' times and sizes are a few bytes each: the telemetry side keeps the stream's timing
+        exact and its record, and decodes only what it got (the stream counts as partial).
+        """
+        if self.channel.send(message, reserve=reserve, shard=shard):
+            return True
+        times, delivered, sizes, data = message[3]
+        if not data:
+            return False
+        return self.channel.send(
+            (*message[:3], (times, delivered, sizes, b""), *message[4:]), reserve=True, shard=shard
+        )
+
+    async def _read_body(
+        self, receive: Receive, limit: int, silence: float | None = None
+    ) -> tuple[bytes, AsyncIterator[bytes] | None]:
+        """Read the body up to ``limit`` bytes; past it, return what was read and an iterator over the rest.
+
+        A body past ``max_request_bytes`` (possible only without Content-Length) raises ``RequestTooLarge``,
+        here or from the iterator while the rest streams upstream. The iterator raises ``UploadStalled`` when
+        the client sends nothing for ``silence`` seconds (None: only the server's own body timeout applies).
+        """
+        parts: list[bytes] = []
+        size = 0
+        most = self.settings.max_request_bytes
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            if chunk:
+                parts.append(chunk)
+                size += len(chunk)
+                if size > most:
+                    raise RequestTooLarge
+            if not message.get("more_body", False):
+                return b"".join(parts), None
+            if size > limit:
+                return b"".join(parts), _rest_of_body(receive, most - size, silence)
+
+    async def _relay(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: Route,
+        tape: Tape,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        more: AsyncIterator[bytes] | None,
+        rewritten: bytes | None,
+        trace: list[tuple[bytes, bytes]] | None,
+        cycle: Any = None,
+    ) -> None:
+        content: bytes | AsyncIterator[bytes]
+        if more is not None:
+            content = _prepend(body, more)
+        else:
+            content = rewritten if rewritten is not None else body
+        client = self.upstreams.client(route)
+        # Built directly, not by the client: its default headers (Accept, Accept-Encoding, User-Agent) would go
+        # upstream although the client never sent them.
+        request = httpx.Request(
+            scope["method"],
+            upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b"")),
+            headers=request_headers(
+                headers,
+                trace=trace,
+                body_changed=rewritten is not None,
+                plain=tape.strip_usage,
+                private=self.forward_private,
+            ),
+            content=content,
+            extensions={"timeout": client.timeout.as_dict()},
+        )
+        # Only once the body is read can disconnects be watched: both need ``receive``.
+        task = asyncio.current_task()
+        watch = _DisconnectWatch(receive, task) if more is None and task is not None else None
+        response: httpx.Response | None = None
+        strip: UsageEventFilter | None = None
+        inflater: Inflater | None = None
+        pipe: Pipe | None = None
+        started = False
+        admission = self.admissions.get(route.name)
+        admitted = sent = False
+        try:
+            if admission is not None:
+                try:
+                    await self._admit(admission, route.name)
+                except QueueFull as exc:
+                    await self._refuse(send, route, tape, exc.reason)
+                    return
+                admitted = True
+            tape.admitted = now()
+            tape.upstream_seq = self._upstream_seq = self._upstream_seq + 1
+            tape.upstream_ahead = self._upstream_inflight.get(route.upstream, 0)
+            self._upstream_inflight[route.upstream] = tape.upstream_ahead + 1
+            sent = True
+            tape.sent = now()
+            try:
+                response = await client.send(request, stream=True)
+            except httpx.TransportError as exc:
+                await _upstream_failed(send, route, tape, exc)
+                return
+            except RequestTooLarge:
+                tape.fail("request_too_large", f"request body exceeds {self.settings.max_request_bytes} bytes")
+                await _refuse_request(send, _too_large(self.settings.max_request_bytes))
+                return
+            except UploadStalled:
+                # The slot goes back (``finally``); the upstream's half-sent request is dropped with its connection.
+                quiet = self.settings.timeouts.client_upload
+                tape.fail("upload_timeout", f"request body stalled for {quiet:g} s while holding an admission slot")
+                if self.connections is not None:
+                    self.connections.timed_out("upload", scope.get("client"))
+                await _refuse_request(
+                    send, Refusal(408, "upload_timeout", f"request body stalled for {quiet:g} s; retry")
+                )
+                return
+            tape.headers_at = now()
+            if watch is None and task is not None:
+                # A body streamed past the inspect limit has gone upstream by now: ``receive`` can be watched, so
+                # a client that leaves (or is cut for reading nothing) stops this stream too.
+                watch = _DisconnectWatch(receive, task)
+            timeouts = self.settings.timeouts
+            if timeouts.idle is not None:
+                # httpcore reads the read timeout when the body starts: from here on it bounds the silence
+                # between two chunks, not the wait for the headers.
+                request.extensions["timeout"]["read"] = timeouts.idle
+            status = response.status_code
+            tape.status_code = status
+            raw_headers = response.headers.raw
+            tape.response_headers = raw_headers
+            if tape.strip_usage and status < 300:
+                # The filter reads SSE framing. The upstream was asked for an uncompressed body; one that
+                # compresses anyway is decompressed here, and one the relay cannot read keeps its usage event.
+                encoding = _content_encoding(raw_headers)
+                if encoding is None:
+                    strip = UsageEventFilter()
+                elif decodable(encoding):
+                    strip, inflater = UsageEventFilter(), Inflater(encoding, self.settings.max_inflate_bytes)
+            out_headers = response_headers(
+                raw_headers, body_changed=strip is not None, status=status, decoded=inflater is not None
+            )
+            if self.settings.server_timing:
+                out_headers.append((TIMING_HEADER, server_timing(tape, queued=admission is not None)))
+            await send({"type": "http.response.start", "status": status, "headers": out_headers})
+            started = True
+            pipeable = response.extensions.get(PIPE) if inflater is None and scope["method"] != "HEAD" else None
+            if cycle is not None and pipeable is not None:
+                # The body path in the upstream's read callback (``llmtap.relay.pipe``): no task step per chunk.
+                pipe = Pipe(tape, cycle, strip, self._segment)
+                strip = await pipe.run(pipeable, lambda: request.extensions["timeout"].get("read"))
+            else:
+                async for chunk in response.aiter_raw():
+                    full = tape.read(now(), chunk)
+                    if inflater is None:
+                        out = chunk
+                        if strip is not None:
+                            out, strip = _strip(strip, chunk)
+                        if out:
+                            await send({"type": "http.response.body", "body": out, "more_body": True})
+                    else:
+                        first = True
+                        for piece in inflater.feed(chunk):
+                            if not first:
+                                # One bounded piece per turn of the event loop: a read that inflates to gigabytes
+                                # costs every other stream at most one piece's work between two of theirs.
+                                await asyncio.sleep(0)
+                            first = False
+                            out = piece
+                            if strip is not None:
+                                out, strip = _strip(strip, piece)
+                            if out:
+                                await send({"type": "http.response.body", "body": out, "more_body": True})
+                    tape.delivered(now())
+                    if full:
+                        self._segment(tape)
+            tail = b""
+            if inflater is not None:
+                tail = inflater.flush()
+                if strip is not None:
+                    tail, strip = _strip(strip, tail)
+            if strip is not None:
+                end, _ = _strip(strip, None)
+                tail += end
+            tape.end = now()
+            if admitted and admission is not None:
+                # The upstream has answered in full: its slot is free before the last send, so a client that
+                # asks again the moment its answer ends is never refused for its own finished request.
+                admitted = False
+                admission.release()
+            surplus = await close_if_surplus(response)
+            tape.surplus = surplus
+            if watch is not None:
+                watch.stop()
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        except asyncio.CancelledError:
+            if watch is not None and watch.fired and task is not None:
+                # Our own cancellation, caused by the client leaving: nothing to propagate.
+                tape.fail("cancelled", cancelled=True)
+                task.uncancel()
+                return
+            if not self.draining or task is None:
+                tape.fail("cancelled", cancelled=True)
+                raise
+            # The server cancels what still runs at the drain deadline: the client sees the stream cut.
+            tape.fail("shutdown", "cut at the drain deadline")
+            task.uncancel()
+            if started:
+                await _cut(send, tape, pipe.strip if pipe is not None else strip)
+            await send_json(send, 503, "shutting_down", "llmtap is shutting down; retry")
+        except (ClientGone, ClientLeft, OSError) as exc:
+            if isinstance(exc, OSError) and not started:
+                raise
+            tape.fail("cancelled", cancelled=True)
+        except InflateLimit as exc:
+            tape.fail("inflate_limit", str(exc))
+            self.cuts["inflate_limit"] += 1
+            self._log_limit(
+                "inflate_limit",
+                "cut a response from %s: it decompressed past max_inflate_bytes (%d)",
+                route.upstream,
+                self.settings.max_inflate_bytes,
+            )
+            await _cut(send, tape, pipe.strip if pipe is not None else strip)
+        except zlib.error as exc:
+            tape.fail("upstream_error", f"the upstream's compressed body is corrupt: {exc}")
+            log.warning("upstream %s sent a corrupt compressed body: %s", route.upstream, exc)
+            await _cut(send, tape, pipe.strip if pipe is not None else strip)
+        except httpx.TimeoutException:
+            tape.fail("idle_timeout", "upstream stopped sending")
+            if started:
+                await _cut(send, tape, pipe.strip if pipe is not None else strip)
+        except httpx.HTTPError as exc:
+            tape.fail("upstream_closed" if started else "upstream_error", f"{type(exc).__name__}: {exc}")
+            if started:
+                await _cut(send, tape, pipe.strip if pipe is not None else strip)
+            await send_json(send, 502, "upstream_error", f"upstream {route.upstream}: {type(exc).__name__}")
+        finally:
+            if watch is not None:
+                watch.stop()
+            if response is not None:
+                # Closing the response closes the upstream connection mid-stream: the server sees the
+                # client leave and stops generating. Shielded so a cancellation cannot skip it.
+                await asyncio.shield(response.aclose())
+            if sent:
+                self._upstream_inflight[route.upstream] -= 1
+                if tape.end is None:
+                    tape.end = now()
+            if admitted and admission is not None:
+                admission.release()
+
+    def _log_limit(self, key: str, message: str, *args: Any) -> None:
+        """Log a limit the relay applied, at most once per ``LOG_EVERY`` seconds per ``key``, with the count."""
+        clock = time.monotonic()
+        if clock - self._logged_at.get(key, -LOG_EVERY) < LOG_EVERY:
+            return
+        self._logged_at[key] = clock
+        log.warning(message + " (%d so far)", *args, self.cuts[key])
+
+    async def _admit(self, admission: Admission, route: str) -> None:
+        """Wait in the route's line; the waiting count is a gauge while anyone waits."""
+        if admission.free:
+            await admission.acquire()
+            return
+        self._waiting[route] += 1
+        self._stats_changed = True
+        try:
+            await admission.acquire()
+        finally:
+            self._waiting[route] -= 1
+            self._stats_changed = True
+
+    async def _refuse(self, send: Send, route: Route, tape: Tape, reason: str) -> None:
+        """The line is full (or the wait too long): refuse with Retry-After; nothing went upstream."""
+        tape.admitted = tape.end = now()
+        status = route.queue_full_status
+        tape.status_code = status
+        why = "is full" if reason == "queue_full" else "wait passed its limit"
+        tape.fail(reason, f"admission queue of route {route.name} {why}")
+        await send_json(
+            send,
+            status,
+            reason,
+            f"llmtap: the admission queue for {route.upstream} {why}; retry later",
+            [(b"retry-after", str(route.retry_after).encode())],
+        )
+
+
+def _too_large(limit: int) -> Refusal:
+    return Refusal(413, "request_too_large", f"request body exceeds {limit} bytes")
+
+
+async def _refuse_request(send: Send, refusal: Refusal) -> None:
+    """A request llmtap will not relay; nothing went upstream. The connection is closed after the answer."""
+    await send_json(send, refusal.status, refusal.error_type, refusal.message, [(b"connection", b"close")])
+
+
+async def _upstream_failed(send: Send, route: Route, tl: Tape, exc: httpx.TransportError) -> None:
+    """No response headers came: 502 when the upstream could not be reached or hung up, 504 when it was too slow.
+
+    The body and the log say what failed (``certificate verify failed: self-signed certificate``), not
+    only the exception's class.
+    """
+    what = type(exc).__name__
+    detail = str(exc) or what
+    if isinstance(exc, httpx.TimeoutException):
+        kind = "connect_timeout" if isinstance(exc, httpx.ConnectTimeout) else "timeout"
+        reason = f"{what}: {exc}" if str(exc) else what
+        message = f"upstream {route.upstream} timed out ({reason})"
+        tl.fail(kind, f"upstream timed out: {what}")
+        log.warning("%s", message)
+        await send_json(send, 504, "upstream_timeout", message)
+    elif isinstance(exc, httpx.ConnectError):
+        message = f"upstream {route.upstream} unreachable: {detail}"
+        tl.fail("upstream_unreachable", detail)
+        log.warning("%s", message)
+        await send_json(send, 502, "upstream_unreachable", message)
+    else:
+        # Connected, but the connection broke (reset, closed) before any response.
+        message = f"upstream {route.upstream} closed the connection: {detail}"
+        tl.fail("upstream_closed", detail)
+        log.warning("%s", message)
+        await send_json(send, 502, "upstream_closed", message)
+
+
+async def _cut(send: Send, tape: Tape, strip: UsageEventFilter | None) -> NoReturn:
+    """The stream broke after the headers went out: relay what the usage filter still holds, then end the
+    client's response the same way, without a clean end. Not one byte the upstream sent is held back.
+    """
+    if strip is not None:
+        held, _ = _strip(strip, None)
+        if held:
+            await send({"type": "http.response.body", "body": held, "more_body": True})
+    tape.end = now()
+    raise _Truncated
+
+
+def _content_encoding(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The response body's Content-Encoding; None when it is not compressed (none given, or identity)."""
+    for name, value in headers:
+        if name.lower() == b"content-encoding":
+            return None if value.strip().lower() in (b"", b"identity") else value
+    return None
+
+
+class _Truncated(Exception):
+    """Raised past the relay so the server drops the connection and the client sees the truncation."""
+
+
+class _DisconnectWatch:
+    """Cancels the relay the moment the client disconnects, so the upstream request stops at once.
+
+    uvicorn drops writes to a closed connection silently, so a failing ``send`` cannot be relied on.
+    """
+
+    def __init__(self, receive: Receive, task: asyncio.Task[object]) -> None:
+        self.fired = False
+        self._stopped = False
+        self._task = task
+        self._watcher = asyncio.create_task(self._run(receive))
+
+    async def _run(self, receive: Receive) -> None:
+        while True:
+            message: Message = await receive()
+            if message["type"] == "http.disconnect":
+                # After the last byte went out, the server also reports a disconnect: not a cancellation.
+                if not self._stopped:
+                    self.fired = True
+                    self._task.cancel()
+                return
+
+    def stop(self) -> None:
+        """The response is complete (or failed); stop watching."""
+        self._stopped = True
+        self._watcher.cancel()
+
+
+async def _rest_of_body(receive: Receive, room: int, silence: float | None = None) -> AsyncIterator[bytes]:
+    """The rest of a large body as it arrives; ``RequestTooLarge`` once it outgrows ``room`` bytes,
+    ``UploadStalled`` when nothing arrives for ``silence`` seconds.
+
+    Only the time spent waiting on the client counts: while the upstream is slow to take the body, this
+    iterator is not being read and no timer runs.
+    """
+    while True:
+        if silence is None:
+            message = await receive()
+        else:
+            try:
+                async with asyncio.timeout(silence):
+                    message = await receive()
+            except TimeoutError:
+                raise UploadStalled from None
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            room -= len(chunk)
+            if room < 0:
+                raise RequestTooLarge
+            yield chunk
+        if not message.get("more_body", False):
+            return
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def create_app(
+    settings: Settings,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    channel: Channel | None = None,
+    tracer_provider: TracerProvider | None = None,
+    meter_provider: MeterProvider | None = None,
+) -> ProxyApp:
+    """The proxy application; the channel (or the providers), and the upstream transport are injected, never global."""
+    return ProxyApp(
+        settings, transport=transport, channel=channel, tracer_provider=tracer_provider, meter_provider=meter_provider
+    )

@@ -1,0 +1,130 @@
+"""The TLS side of HTTPS upstreams: one ``ssl.SSLContext`` per route's TLS settings, built at start.
+
+Defaults are what Python users expect of ``ssl.create_default_context()``: OpenSSL's default paths, which
+``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` override; certifi's bundle only when those paths hold nothing. A
+route's ``tls_ca`` / ``tls_ca_dir`` replace them; ``tls_cert`` (+ ``tls_key``) is the client certificate of
+mutual TLS. TLS 1.2 at least, ALPN ``http/1.1``. A file that is missing or does not load is a
+``ConfigError`` naming the setting and the file, raised when the settings are built, never at a request.
+
+Connection errors get names here too (``describe``): a certificate the upstream's chain does not prove
+becomes ``certificate verify failed: <OpenSSL's reason>``, anything else in the handshake
+``TLS handshake failed: <reason>``.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmtap.config.settings import ConfigError, Route
+
+
+@dataclass(frozen=True, slots=True)
+class TLSOptions:
+    """A route's TLS settings, the key of its context (routes with equal ones share one)."""
+
+    ca: str | None = None
+    ca_dir: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+    verify: bool = True
+
+    @classmethod
+    def of(cls, route: Route) -> TLSOptions:
+        return cls(
+            ca=route.tls_ca,
+            ca_dir=route.tls_ca_dir,
+            cert=route.tls_cert,
+            key=route.tls_key,
+            server_name=route.tls_server_name,
+            verify=route.tls_verify,
+        )
+
+
+_CONTEXTS: dict[tuple[TLSOptions, str | None, str | None], ssl.SSLContext] = {}
+
+
+def context(options: TLSOptions, label: Callable[[str], str] = str) -> ssl.SSLContext:
+    """The context for these settings; built once per process (and per ``SSL_CERT_FILE``/``SSL_CERT_DIR``)."""
+    key = (options, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    found = _CONTEXTS.get(key)
+    if found is None:
+        found = _CONTEXTS[key] = _build(options, label)
+    return found
+
+
+def route_context(route: Route) -> ssl.SSLContext:
+    """The context of a route's upstream."""
+    return context(TLSOptions.of(route), lambda setting: f"route {route.name!r} {setting}")
+
+
+def _reason(exc: OSError) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return str(exc.reason or exc).lower().replace("_", " ")
+    return exc.strerror or str(exc)
+
+
+def _no_password() -> bytes:
+    return b""  # an encrypted key fails to load (named below) rather than prompting on the terminal
+
+
+def _build(options: TLSOptions, label: Callable[[str], str]) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the host name
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols(["http/1.1"])
+    if not options.verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if options.ca is not None:
+        try:
+            ctx.load_verify_locations(cafile=options.ca)
+        except OSError as exc:
+            raise ConfigError(f"{label('tls_ca')}: cannot load {options.ca!r}: {_reason(exc)}") from None
+    if options.ca_dir is not None:
+        if not os.path.isdir(options.ca_dir):
+            raise ConfigError(f"{label('tls_ca_dir')}: {options.ca_dir!r} is not a directory")
+        try:
+            ctx.load_verify_locations(capath=options.ca_dir)
+        except OSError as exc:
+            raise ConfigError(f"{label('tls_ca_dir')}: cannot load {options.ca_dir!r}: {_reason(exc)}") from None
+    if options.ca is None and options.ca_dir is None and options.verify:
+        _default_roots(ctx)
+    if options.cert is not None:
+        for setting, path in (("tls_cert", options.cert), ("tls_key", options.key)):
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{label(setting)}: cannot load {path!r}: no such file")
+        try:
+            ctx.load_cert_chain(options.cert, options.key, password=_no_password)
+        except OSError as exc:
+            files = repr(options.cert) if options.key is None else f"{options.cert!r} with {options.key!r}"
+            what = label("tls_cert") if options.key is None else f"{label('tls_cert')}, {label('tls_key')}"
+            raise ConfigError(f"{what}: cannot load {files}: {_reason(exc)}") from None
+    elif options.key is not None:
+        raise ConfigError(f"{label('tls_key')}: given without tls_cert")
+    return ctx
+
+
+def _default_roots(ctx: ssl.SSLContext) -> None:
+    """OpenSSL's default paths (``SSL_CERT_FILE``, ``SSL_CERT_DIR`` honoured); certifi's when they hold nothing."""
+    ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    if ctx.cert_store_stats()["x509_ca"]:
+        return
+    paths = ssl.get_default_verify_paths()
+    # A directory's certificates are read when needed, so they are not counted above: look into it.
+    if paths.capath and os.path.isdir(paths.capath) and os.listdir(paths.capath):
+        return
+    import certifi
+
+    ctx.load_verify_locations(cafile=certifi.where())
+
+
+def describe(exc: OSError) -> str:
+    """A TLS failure in words: what failed, and OpenSSL's reason."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"certificate verify failed: {exc.verify_message or _reason(exc)}"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed: {_reason(exc)}"
+    return str(exc)

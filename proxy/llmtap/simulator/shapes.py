@@ -1,0 +1,430 @@
+"""Wire shapes, byte for byte as vLLM 0.32 writes them (``/work/shared/data/transcripts/vllm-0.32-cpu``).
+
+Key order, null fields and framing follow the recordings: ``data: {...}\\n\\n`` with compact JSON and raw
+UTF-8; the chat stream opens with a role-only delta whose content is ""; ``finish_reason`` rides on the
+last content chunk; the usage chunk (``"choices": []``) comes before ``data: [DONE]`` only with
+``stream_options.include_usage``. One addition on /v1/messages: a ``ping`` after ``content_block_start``,
+as Anthropic's own API sends (standards D.4), so clients' ping handling is exercised. The Responses
+stream names its events (``event: response.created`` ...) and numbers them (``sequence_number``); its
+only usage rides on the terminal ``response.completed``. Ollama's and Gemini's own shapes are in
+``llmtap.simulator.native``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from llmtap.simulator.requests import SimError
+from llmtap.simulator.truth import RequestRecord
+
+# We never see an EOS token (ignore_eos in effect), so every answer stops on its length limit.
+_FINISH = "length"
+_ANTHROPIC_FINISH = "max_tokens"
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error"}
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON with raw UTF-8, as pydantic's ``model_dump_json`` writes it."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sse(obj: Any, event: str | None = None) -> bytes:
+    """One SSE event; ``event:`` only where the protocol names its events (Anthropic)."""
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + dumps(obj) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+SSE_TYPE = b"text/event-stream; charset=utf-8"
+
+
+@dataclass(slots=True)
+class Reply:
+    """The facts one response is written from; cache fields are filled in at admission."""
+
+    id: str
+    created: int
+    model: str
+    fingerprint: str
+    prompt_tokens: int
+    output_tokens: int
+    #: The server's own record of the request, for protocols that report their phases (Ollama).
+    truth: RequestRecord
+    include_usage: bool = False
+    continuous_usage: bool = False
+    cached_tokens: int = 0
+    created_cache_tokens: int = 0
+    #: Events written so far: the Responses API numbers them, a Gemini array puts commas between them.
+    events: int = 0
+
+
+class Format(Protocol):
+    """How one protocol writes a stream (prelude, chunks, tail), a whole body, and an error body."""
+
+    id_prefix: str
+    #: Content type of a streamed response.
+    stream_type: bytes
+
+    def prelude(self, r: Reply) -> list[bytes]:
+        """Events before the first token (role chunk, message_start, ...)."""
+        ...
+
+    def chunk(self, r: Reply, text: str, done: int) -> list[bytes]:
+        """Events for one chunk of text; ``done`` counts the tokens written so far, this chunk included."""
+        ...
+
+    def tail(self, r: Reply, text: str) -> list[bytes]:
+        """Events after the last token (usage, [DONE], message_stop, ...); ``text`` is the whole answer."""
+        ...
+
+    def body(self, r: Reply, text: str) -> bytes:
+        """The non-streamed response body."""
+        ...
+
+    def error(self, err: SimError) -> bytes:
+        """The error body in this protocol's shape."""
+        ...
+
+
+def openai_error(err: SimError) -> bytes:
+    """vLLM's error body: ``{"error": {message, type, param, code}}``."""
+    return dumps({"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.status}})
+
+
+def _head(r: Reply, obj: str) -> dict[str, Any]:
+    return {"id": r.id, "object": obj, "created": r.created, "model": r.model}
+
+
+def _running_usage(r: Reply, done: int) -> dict[str, Any]:
+    return {"prompt_tokens": r.prompt_tokens, "total_tokens": r.prompt_tokens + done, "completion_tokens": done}
+
+
+class ChatFormat:
+    """OpenAI Chat Completions as vLLM serves it."""
+
+    id_prefix = "chatcmpl-"
+    stream_type = SSE_TYPE
+    error = staticmethod(openai_error)
+
+    def _usage(self, r: Reply) -> dict[str, Any]:
+        return _running_usage(r, r.output_tokens) | {
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens, "created_cache_tokens": r.created_cache_tokens}
+        }
+
+    def prelude(self, r: Reply) -> list[bytes]:
+        """The role-only first chunk."""
+        obj = _head(r, "chat.completion.chunk")
+        obj["choices"] = [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ]
+        if r.continuous_usage:
+            obj["usage"] = _running_usage(r, 0) | {"completion_tokens_details": None}
+        obj |= {"prompt_token_ids": None, "prompt_text": None}
+        return [sse(obj)]
+
+    def chunk(self, r: Reply, text: str, done: int) -> list[bytes]:
+        """A content delta; the last one carries ``finish_reason``."""
+        last = done == r.output_tokens
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None}
+        choice |= {"finish_reason": _FINISH, "stop_reason": None} if last else {"finish_reason": None}
+        choice["token_ids"] = None
+        obj = _head(r, "chat.completion.chunk") | {"choices": [choice]}
+        if r.continuous_usage:
+            obj["usage"] = _running_usage(r, done) | {"completion_tokens_details": None}
+        if last and not r.include_usage:
+            obj["system_fingerprint"] = r.fingerprint
+        return [sse(obj)]
+
+    def tail(self, r: Reply, text: str) -> list[bytes]:
+        """The usage chunk when asked for, then ``[DONE]``."""
+        out = []
+        if r.include_usage:
+            obj = _head(r, "chat.completion.chunk") | {"choices": [], "usage": self._usage(r)}
+            out.append(sse(obj | {"system_fingerprint": r.fingerprint}))
+        return [*out, DONE]
+
+    def body(self, r: Reply, text: str) -> bytes:
+        """A ``chat.completion`` object."""
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
+        }
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": _FINISH,
+            "stop_reason": None,
+            "token_ids": None,
+            "routed_experts": None,
+        }
+        usage = self._usage(r)
+        usage["prompt_tokens_details"]["multimodal_tokens"] = None
+        usage["completion_tokens_details"] = None
+        obj = _head(r, "chat.completion") | {
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": r.fingerprint,
+            "usage": usage,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+        return dumps(obj)
+
+
+class CompletionsFormat:
+    """OpenAI legacy Completions as vLLM serves it (no role chunk)."""
+
+    id_prefix = "cmpl-"
+    stream_type = SSE_TYPE
+    error = staticmethod(openai_error)
+
+    def _usage(self, r: Reply) -> dict[str, Any]:
+        return _running_usage(r, r.output_tokens) | {"prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+
+    def _choice(self, text: str, last: bool) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": _FINISH if last else None,
+            "stop_reason": None,
+        }
+
+    def prelude(self, r: Reply) -> list[bytes]:
+        """Nothing: the first event already carries text."""
+        return []
+
+    def chunk(self, r: Reply, text: str, done: int) -> list[bytes]:
+        """A ``text_completion`` chunk; the last one carries ``finish_reason``."""
+        choice = self._choice(text, done == r.output_tokens) | {"prompt_token_ids": None, "token_ids": None}
+        obj = _head(r, "text_completion") | {"choices": [choice]}
+        if r.continuous_usage:
+            obj["usage"] = _running_usage(r, done)
+        return [sse(obj)]
+
+    def tail(self, r: Reply, text: str) -> list[bytes]:
+        """The usage chunk when asked for, then ``[DONE]``."""
+        out = []
+        if r.include_usage:
+            obj = _head(r, "text_completion") | {"choices": [], "usage": self._usage(r)}
+            out.append(sse(obj | {"system_fingerprint": r.fingerprint}))
+        return [*out, DONE]
+
+    def body(self, r: Reply, text: str) -> bytes:
+        """A ``text_completion`` object (vLLM ``CompletionResponse``)."""
+        choice = self._choice(text, True) | {"prompt_logprobs": None, "prompt_token_ids": None, "token_ids": None}
+        obj = _head(r, "text_completion") | {
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": r.fingerprint,
+            "usage": self._usage(r),
+            "kv_transfer_params": None,
+        }
+        return dumps(obj)
+
+
+class ResponsesFormat:
+    """OpenAI Responses as vLLM serves it: named, numbered events; usage only on ``response.completed``.
+
+    An answer that stops on its length is ``status: incomplete`` with ``incomplete_details.reason``
+    ``max_output_tokens``, yet vLLM still ends the stream with ``response.completed`` (as recorded).
+    """
+
+    id_prefix = "resp_"
+    stream_type = SSE_TYPE
+    error = staticmethod(openai_error)
+
+    def _item_id(self, r: Reply) -> str:
+        # The message item's id shares the response's hex digits: unique per response, no second draw.
+        return "msg_" + r.id.removeprefix(self.id_prefix)
+
+    def _event(self, r: Reply, kind: str, fields: dict[str, Any]) -> bytes:
+        obj = fields | {"sequence_number": r.events, "type": kind}
+        r.events += 1
+        return sse(dict(sorted(obj.items())), kind)
+
+    def _usage(self, r: Reply) -> dict[str, Any]:
+        return {
+            "input_tokens": r.prompt_tokens,
+            "input_tokens_details": {
+                "cached_tokens": r.cached_tokens,
+                # No cache writes are billed by automatic prefix caching (0 in the recording too).
+                "cache_write_tokens": 0,
+                "input_tokens_per_turn": [],
+                "cached_tokens_per_turn": [],
+            },
+            "output_tokens": r.output_tokens,
+            "output_tokens_details": {
+                "reasoning_tokens": 0,
+                "tool_output_tokens": 0,
+                "output_tokens_per_turn": [],
+                "tool_output_tokens_per_turn": [],
+            },
+            "total_tokens": r.prompt_tokens + r.output_tokens,
+        }
+
+    def _part(self, text: str, logprobs: list[Any] | None) -> dict[str, Any]:
+        return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
+
+    def _item(self, r: Reply, text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [self._part(text, None)]
+        status = "in_progress" if text is None else "completed"
+        return {
+            "id": self._item_id(r),
+            "content": content,
+            "role": "assistant",
+            "status": status,
+            "type": "message",
+            "phase": None,
+        }
+
+    def _response(self, r: Reply, text: str | None) -> dict[str, Any]:
+        """The ``response`` object: in progress (no output, no usage) or done (``text`` given)."""
+        done = text is not None
+        return {
+            "id": r.id,
+            "created_at": r.created,
+            "incomplete_details": {"reason": "max_output_tokens"} if done else None,
+            "instructions": None,
+            "metadata": None,
+            "model": r.model,
+            "object": "response",
+            "output": [self._item(r, text)] if done else [],
+            "parallel_tool_calls": True,
+            "temperature": 1.0,
+            "tool_choice": "none",
+            "tools": [],
+            "top_p": 1.0,
+            "background": False,
+            "max_output_tokens": r.output_tokens,
+            "max_tool_calls": None,
+            "previous_response_id": None,
+            "prompt": None,
+            "reasoning": None,
+            "service_tier": "auto",
+            "status": "incomplete" if done else "in_progress",
+            "text": None,
+            "top_logprobs": None,
+            "truncation": "disabled",
+            "usage": self._usage(r) if done else None,
+            "user": None,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "input_messages": None,
+            "output_messages": None,
+        }
+
+    def prelude(self, r: Reply) -> list[bytes]:
+        """response.created and .in_progress, then the message item and its text part, both empty."""
+        where = {"item_id": self._item_id(r), "output_index": 0}
+        return [
+            self._event(r, "response.created", {"response": self._response(r, None)}),
+            self._event(r, "response.in_progress", {"response": self._response(r, None)}),
+            self._event(r, "response.output_item.added", {"item": self._item(r, None), "output_index": 0}),
+            self._event(r, "response.content_part.added", where | {"content_index": 0, "part": self._part("", [])}),
+        ]
+
+    def chunk(self, r: Reply, text: str, done: int) -> list[bytes]:
+        """One ``response.output_text.delta``."""
+        where = {"content_index": 0, "item_id": self._item_id(r), "output_index": 0}
+        return [self._event(r, "response.output_text.delta", where | {"delta": text, "logprobs": []})]
+
+    def tail(self, r: Reply, text: str) -> list[bytes]:
+        """The text, part and item marked done, then ``response.completed`` with the usage."""
+        where = {"content_index": 0, "item_id": self._item_id(r), "output_index": 0}
+        return [
+            self._event(r, "response.output_text.done", where | {"logprobs": [], "text": text}),
+            self._event(r, "response.content_part.done", where | {"part": self._part(text, None)}),
+            self._event(r, "response.output_item.done", {"item": self._item(r, text), "output_index": 0}),
+            self._event(r, "response.completed", {"response": self._response(r, text)}),
+        ]
+
+    def body(self, r: Reply, text: str) -> bytes:
+        """A ``response`` object."""
+        return dumps(self._response(r, text))
+
+
+def anthropic_error(err: SimError) -> bytes:
+    """Anthropic's error body: ``{"type": "error", "error": {type, message}}``."""
+    kind = _ANTHROPIC_ERRORS.get(err.status, "api_error")
+    return dumps({"type": "error", "error": {"type": kind, "message": err.message}})
+
+
+class MessagesFormat:
+    """Anthropic Messages as vLLM serves it, plus Anthropic's ``ping``."""
+
+    id_prefix = "chatcmpl-"  # vLLM reuses its chat ids on /v1/messages
+    stream_type = SSE_TYPE
+    error = staticmethod(anthropic_error)
+
+    def _usage(self, r: Reply) -> dict[str, Any]:
+        # Anthropic counts cache reads outside input_tokens: total = input + cache_read + cache_creation.
+        # Automatic prefix caching writes no billed cache entries, so cache_creation stays 0.
+        return {
+            "input_tokens": r.prompt_tokens - r.cached_tokens,
+            "output_tokens": r.output_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": r.cached_tokens,
+        }
+
+    def prelude(self, r: Reply) -> list[bytes]:
+        """message_start, content_block_start and a ping."""
+        message: dict[str, Any] = {
+            "id": r.id,
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": r.model,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": r.prompt_tokens - r.cached_tokens, "output_tokens": 0},
+        }
+        return [
+            sse({"type": "message_start", "message": message}, "message_start"),
+            sse(
+                {"type": "content_block_start", "content_block": {"type": "text", "text": ""}, "index": 0},
+                "content_block_start",
+            ),
+            sse({"type": "ping"}, "ping"),
+        ]
+
+    def chunk(self, r: Reply, text: str, done: int) -> list[bytes]:
+        """A text_delta."""
+        delta = {"type": "content_block_delta", "delta": {"type": "text_delta", "text": text}, "index": 0}
+        return [sse(delta, "content_block_delta")]
+
+    def tail(self, r: Reply, text: str) -> list[bytes]:
+        """content_block_stop, message_delta with the usage, message_stop."""
+        delta = {"stop_reason": _ANTHROPIC_FINISH, "stop_sequence": None}
+        return [
+            sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+            sse({"type": "message_delta", "delta": delta, "usage": self._usage(r)}, "message_delta"),
+            sse({"type": "message_stop"}, "message_stop"),
+        ]
+
+    def body(self, r: Reply, text: str) -> bytes:
+        """A ``message`` object."""
+        obj = {
+            "id": r.id,
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "text", "text": text}],
+            "model": r.model,
+            "stop_reason": _ANTHROPIC_FINISH,
+            "usage": self._usage(r),
+        }
+        return dumps(obj)

@@ -1,0 +1,209 @@
+"""Where records are read back at scale: one small interface, several sources.
+
+``llmtap compare`` and ``llmtap slo`` never read a record themselves. They ask a ``Source`` for the
+facts of the records that pass a ``Filter``, grouped by side (a prompt version, or before/after a
+moment), route and shape: counts, token sums, the newest objective, and each figure's values
+SORTED, as ``array('d')``. llmtap's statistics (``llmtap.analysis.stats``) then draw their exact
+bootstrap from the sorted values, so every source gives the same figures, intervals and verdicts.
+
+The facts are defined over the flat columns of a record (``COLUMNS``): ``time_s``, ``route``,
+``model``, ``shape``, ``prompt_version``, ``outcome``, ``stream``, ``slo``, ``ttft``, ``tpot``,
+``e2e``, ``prefill``, ``prefill_source``, ``input_tokens``, ``cache_read_tokens``, ``cache_class``,
+``obj_shape``, ``obj_percentile``, ``obj_ttft``, ``obj_tpot``, ``obj_e2e``, ``trace_id``,
+``instance_id``, ``cost``. A record without a readable time belongs to no window and is left out.
+
+Sources:
+
+* ``llmtap.store.engine.EngineSource``: record files (any number of paths, globs, directories;
+  ``.jsonl``, ``.jsonl.gz``, ``.parquet``, the rotated ``PATH.N``) read by the embedded engine,
+  DuckDB, which filters, groups and sorts; the default.
+* ``llmtap.store.python.PythonSource``: the same files read in one pass in plain Python (no engine);
+  the reference the engine is tested against, and enough for small inputs.
+
+A new source (ClickHouse, say) plugs in by implementing ``Source``: a class with ``scan`` (and
+``count_met`` for ``--config``) that computes the same ``Group`` facts from its own store, typically one
+``GROUP BY side, route, shape`` query producing the flat columns' aggregates, plus one ordered query per
+figure for the sorted values; then ``llmtap.store.open_source`` (or the command) picks it. The
+definitions each aggregate must follow are on ``Group``'s fields; ``tests/test_store.py`` holds a
+source to the reference.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Protocol
+
+#: The flat columns of a record, as every source names them, with their types.
+COLUMNS: dict[str, str] = {
+    "time_s": "float",  # epoch seconds of the record's ``time``
+    "route": "str",
+    "model": "str",
+    "shape": "str",
+    "prompt_version": "str",
+    "outcome": "str",
+    "stream": "bool",  # True only for a JSON true
+    "slo": "str",  # 'met' / 'missed' / null
+    "ttft": "float",
+    "tpot": "float",
+    "e2e": "float",
+    "prefill": "float",
+    "prefill_source": "str",
+    "input_tokens": "int",  # tokens.input
+    "cache_read_tokens": "int",  # tokens.cache_read
+    "cache_class": "str",  # cache.class
+    "obj_shape": "str",  # objective.shape
+    "obj_percentile": "float",  # objective.percentile
+    "obj_ttft": "float",  # objective.ttft
+    "obj_tpot": "float",
+    "obj_e2e": "float",
+    "trace_id": "str",
+    "instance_id": "str",
+    "cost": "float",  # cost.amount (issue 31): null when unpriced
+}
+#: A value of the wrong type (a string where a number belongs, a boolean for a number) reads as null.
+
+#: The figures of an objective.
+FIGURES = ("ttft", "tpot", "e2e")
+#: The slowest requests a group names by trace id (``Group.slowest``): what "which requests are the p99" reads.
+SLOWEST = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """Which records count: equal route / model / shape when given, time within [start, end] when given
+    ([start, end) with ``open_end``)."""
+
+    route: str | None = None
+    model: str | None = None
+    shape: str | None = None
+    start: float | None = None
+    end: float | None = None
+    open_end: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """The objective a record carries (its ``objective`` object), flattened."""
+
+    shape: str | None
+    percentile: float
+    ttft: float | None
+    tpot: float | None
+    e2e: float | None
+
+    def order(self) -> tuple[float, float, float, float, str]:
+        """How two objectives of records at the same moment are ranked (the greater wins)."""
+        limits = (-1.0 if v is None else v for v in (self.ttft, self.tpot, self.e2e))
+        return (self.percentile, *limits, self.shape or "")  # type: ignore[return-value]
+
+
+@dataclass(slots=True)
+class Group:
+    """The facts of the records that share a side key, a route and a shape (route/shape may be null)."""
+
+    key: str | None  # the prompt version, or 'before'/'after' a split moment
+    route: str | None
+    shape: str | None
+    requests: int = 0
+    errors: int = 0  # outcome != 'ok'
+    met: int = 0  # slo == 'met'
+    first: float = 0.0  # least time_s
+    last: float = 0.0  # greatest time_s
+    #: Sums over ok records whose input_tokens is not null (cache_read null counts as 0).
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    #: The objective of the newest record whose objective is valid (0 < obj_percentile < 1 and at least one
+    #: limit): greatest time_s, ties broken by the greatest (percentile, ttft, tpot, e2e, shape), a null
+    #: limit as -1 and a null shape as ''; and that record's time_s.
+    objective: Objective | None = None
+    objective_time: float = 0.0
+    classes: dict[str, int] = field(default_factory=dict)  # cache_class counts (null left out)
+    #: Records with a cost (not null, whatever their outcome), and the sum of it (issue 31).
+    priced: int = 0
+    cost: float = 0.0
+    #: prefill_source (null as 'unknown') of ok streams with a TTFT and a prefill.
+    prefill_sources: set[str] = field(default_factory=set)
+    # Sorted values:
+    ttft_ok: array[float] = field(default_factory=lambda: array("d"))  # ok streams' ttft
+    ttft_failed: array[float] = field(default_factory=lambda: array("d"))  # not-ok streams' ttft
+    prefill: array[float] = field(default_factory=lambda: array("d"))  # prefill of ok streams with a ttft
+    tpot: array[float] = field(default_factory=lambda: array("d"))  # ok records' tpot
+    e2e: array[float] = field(default_factory=lambda: array("d"))  # every record's e2e
+    #: The ``SLOWEST`` ok streams of greatest ttft (those of ``ttft_ok``), as (ttft, trace_id): the slowest
+    #: first, ties by trace id (a null trace id as ''), so every source names the same requests.
+    slowest: list[tuple[float, str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Scan:
+    """What a scan found: the groups, and what was read to find them."""
+
+    groups: list[Group]
+    source: str  # how the report names what was read
+    records: int = 0  # records read (before the filter)
+    files: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # lines not read as records, by reason
+
+
+#: How a scan keys a record's side: ``VERSION``, by its prompt_version; a float, 'before' when time_s is
+#: less than it, else 'after'; ``None``, no key (one side: every group's key is None).
+VERSION = "version"
+By = float | str | None
+
+
+class Source(Protocol):
+    """Records read back: grouped facts of the records that pass a filter."""
+
+    def close(self) -> None:
+        """Release what the source holds (an engine, a connection)."""
+        ...
+
+    def scan(self, where: Filter, by: By) -> Scan:
+        """The records that pass ``where``, grouped by side key, route and shape."""
+        ...
+
+    def count_met(
+        self, where: Filter, by: By, limits: dict[tuple[str, str], dict[str, float]]
+    ) -> dict[tuple[str | None, str, str], int]:
+        """Per (key, route, shape) of ``limits``: ok records whose every limited figure is within its limit
+        (a null tpot counts as 0, so does a null ttft of a record that is not a stream; any other null as
+        missed): how the proxy would judge them by other objectives."""
+        ...
+
+
+def slowest(parts: list[list[tuple[float, str]]], n: int = SLOWEST) -> list[tuple[float, str]]:
+    """The ``n`` slowest of several groups' slowest, in ``Group.slowest``'s order."""
+    return sorted((x for p in parts for x in p), key=lambda x: (-x[0], x[1]))[:n]
+
+
+def merged(parts: list[array[float]]) -> array[float]:
+    """Sorted arrays merged into one sorted array."""
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return array("d")
+    if len(parts) == 1:
+        return parts[0]
+    try:
+        import numpy as np
+    except ImportError:  # the pure path on its own
+        return array("d", sorted(v for p in parts for v in p))
+    out = np.sort(np.concatenate([np.frombuffer(p, dtype=np.float64) for p in parts]), kind="stable")
+    return array("d", out.tobytes())
+
+
+#: The sources ``open_source`` knows, by the name ``--engine`` gives them.
+ENGINES = ("duckdb", "python")
+
+
+def open_source(paths: list[str], engine: str = "duckdb") -> Source:
+    """The record files ``paths`` name, read by ``engine``; ``files.NoRecords`` when there is none."""
+    if engine == "python":
+        from llmtap.store.python import PythonSource
+
+        return PythonSource(paths)
+    if engine == "duckdb":
+        from llmtap.store.engine import EngineSource
+
+        return EngineSource(paths)
+    raise ValueError(f"engine {engine!r} is none of {', '.join(ENGINES)}")

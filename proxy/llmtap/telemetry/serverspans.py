@@ -1,0 +1,335 @@
+"""The upstream's own spans: read from OTLP, joined to llmtap's requests, their phases taken as the truth.
+
+A tracing model server (vLLM with ``--otlp-traces-endpoint``) exports one span per request, parented on
+the ``traceparent`` llmtap sent upstream, with the server's own queue, prefill and decode times
+(``gen_ai.latency.time_in_queue``, ``time_in_model_prefill``, ``time_in_model_decode``, seconds). The
+admin listener receives them (``POST /v1/traces``, OTLP/HTTP protobuf) and the recorder's worker joins
+each to the request whose root span is its parent: an exact join, since llmtap made that span id.
+
+The server exports a request's span after the request ends, in batches (vLLM's SDK: every 5 s by
+default), so a finished request may wait for it in the ``Join``, at most ``wait`` seconds. Waiting,
+rather than recording at once and correcting later, keeps every output right: a histogram sample or an
+ended span cannot be taken back, so a late correction would count the request twice or leave the first,
+estimated, figure standing. The wait is on the telemetry side only; no relayed byte waits for it.
+
+What waits is bounded (``MAX_HELD`` requests, ``MAX_EARLY`` spans that came before their request), and
+an upstream is waited for only while waiting pays: once one of its spans came (``traced``), or, before
+any came, for its first ``PROBE`` requests when its ``/metrics`` shows a server that can trace
+(``compatible``). ``PROBE`` requests in a row without a span stop the waiting until a span comes again.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from llmtap.providers.timing import seconds
+from llmtap.types import ServerTiming
+
+#: The latency attributes of a server's request span (vLLM's ``SpanAttributes``), in seconds, by phase.
+LATENCY_ATTRIBUTES = {
+    "queue": "gen_ai.latency.time_in_queue",
+    "prefill": "gen_ai.latency.time_in_model_prefill",
+    "decode": "gen_ai.latency.time_in_model_decode",
+}
+#: Largest OTLP body taken, as sent and once inflated (vLLM sends at most 512 spans of ~1 KB per batch).
+MAX_BODY_BYTES = 4 << 20
+MAX_INFLATED_BYTES = 16 << 20
+#: A gzip body may always inflate to this many bytes, whatever its ratio (a small batch compresses well).
+RATIO_FLOOR = 1 << 20
+#: Finished requests waiting for their server span at most; past it the oldest is recorded without.
+MAX_HELD = 4096
+#: Spans kept that came before their request finished (the telemetry queue was behind); the oldest go.
+MAX_EARLY = 8192
+#: Requests recorded recently, remembered so that a span coming after its request counts as late.
+MAX_RECENT = 8192
+#: Requests in a row without a span after which an upstream is no longer waited for.
+PROBE = 4
+#: How each span (or each request, for ``missing``) ended up: joined in time; came after its request
+#: was recorded; joined nothing llmtap sent; a request whose span never came within the wait.
+OUTCOMES = ("matched", "late", "unmatched", "missing")
+#: Why the receiver refused a body: unreadable (400), too large as sent or once inflated (413), not
+#: protobuf or gzip (415), no or a wrong token, or marked as
+#: passed on by another replica without the replicas' token (401), from beyond loopback with no token configured (403).
+REJECT_REASONS = ("bad_body", "too_large", "inflated_too_large", "unsupported_type", "unauthorized", "forbidden")
+
+
+class BadBody(ValueError):
+    """An OTLP body that cannot be read; ``reason`` is one of ``REJECT_REASONS``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpan:
+    """One server span with latency attributes: its ids (lowercase hex) and the phases it reports."""
+
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    name: str
+    timing: ServerTiming
+
+
+def inflate(
+    body: bytes,
+    encoding: str | None,
+    *,
+    max_body: int = MAX_BODY_BYTES,
+    max_inflated: int = MAX_INFLATED_BYTES,
+    max_ratio: int | None = None,
+) -> bytes:
+    """The body as sent (``gzip`` or none), inflated within ``max_inflated`` bytes and, with ``max_ratio``,
+    within ``max_ratio`` times its size as sent (or ``RATIO_FLOOR`` bytes, whichever is more).
+
+    The inflater stops one byte past the bound, so a gzip bomb costs at most the bound in memory.
+    """
+    if len(body) > max_body:
+        raise BadBody("too_large", f"body of {len(body)} bytes is over {max_body}")
+    coding = (encoding or "identity").strip().lower()
+    if coding == "identity":
+        return body
+    if coding != "gzip":
+        raise BadBody("unsupported_type", f"content-encoding {coding!r} is not gzip")
+    limit = max_inflated if max_ratio is None else min(max_inflated, max(RATIO_FLOOR, max_ratio * len(body)))
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise BadBody("bad_body", f"gzip: {exc}") from None
+    if len(out) > limit:
+        why = f"{max_ratio} times its {len(body)} bytes" if limit < max_inflated else f"{max_inflated} bytes"
+        raise BadBody("inflated_too_large", f"inflated body over {why}")
+    if not inflater.eof:
+        raise BadBody("bad_body", "gzip: truncated")
+    return out
+
+
+def _number(value: AnyValue) -> object:
+    kind = value.WhichOneof("value")
+    if kind == "double_value":
+        return value.double_value
+    if kind == "int_value":
+        return value.int_value
+    return None
+
+
+def parse(body: bytes) -> list[ServerSpan]:
+    """Every span of an OTLP ``ExportTraceServiceRequest`` that reports a server phase (``server_spans``).
+
+    Raises ``BadBody`` when the bytes are no such message.
+    """
+    return server_spans(decode(body))
+
+
+def decode(body: bytes) -> ExportTraceServiceRequest:
+    """The OTLP ``ExportTraceServiceRequest`` of ``body``; ``BadBody`` when the bytes are no such message."""
+    request = ExportTraceServiceRequest()
+    try:
+        request.ParseFromString(body)
+    except (DecodeError, RuntimeWarning, ValueError) as exc:
+        raise BadBody("bad_body", f"not an OTLP trace export: {exc}") from None
+    return request
+
+
+def span_count(request: ExportTraceServiceRequest) -> int:
+    """How many spans ``request`` holds, of any kind."""
+    return sum(len(scope.spans) for resource in request.resource_spans for scope in resource.scope_spans)
+
+
+def server_spans(request: ExportTraceServiceRequest) -> list[ServerSpan]:
+    """Every span of ``request`` that reports a server phase.
+
+    A phase that is not a finite non-negative number of seconds is named in the timing's ``rejected`` and
+    left out.
+    """
+    spans: list[ServerSpan] = []
+    for resource_spans in request.resource_spans:
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                timing = _timing(span.attributes)
+                if timing is None or len(span.trace_id) != 16 or len(span.parent_span_id) != 8:
+                    continue
+                spans.append(
+                    ServerSpan(span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(), span.name, timing)
+                )
+    return spans
+
+
+def _timing(attributes: object) -> ServerTiming | None:
+    found: dict[str, float] = {}
+    rejected: list[str] = []
+    names = {name: phase for phase, name in LATENCY_ATTRIBUTES.items()}
+    for attribute in attributes:  # type: ignore[attr-defined]
+        phase = names.get(attribute.key)
+        if phase is None:
+            continue
+        value = seconds(_number(attribute.value), 1.0)
+        if value is None:
+            rejected.append(phase)
+        else:
+            found[phase] = value
+    if not found and not rejected:
+        return None
+    return ServerTiming(found.get("queue"), found.get("prefill"), found.get("decode"), rejected)
+
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Upstream:
+    traced: bool = False
+    misses: int = 0
+
+
+@dataclass(slots=True)
+class _Held(Generic[T]):
+    item: T
+    upstream: str
+    deadline: float
+
+
+@dataclass(slots=True)
+class Join(Generic[T]):
+    """Finished requests waiting for their server span, keyed by llmtap's root span id; bounded.
+
+    Used by one thread (the recorder's worker); time is passed in. ``count(outcome, n)`` counts spans and
+    requests by ``OUTCOMES``. The items are the recorder's (a timeline and its summary).
+    """
+
+    wait: float
+    count: Callable[[str, int], None]
+    _held: OrderedDict[str, _Held[T]] = field(default_factory=OrderedDict)
+    _early: OrderedDict[str, tuple[ServerSpan, float]] = field(default_factory=OrderedDict)
+    _recent: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    _upstreams: dict[str, _Upstream] = field(default_factory=dict)
+
+    def traced(self, upstream: str) -> bool:
+        """Whether a span of ``upstream`` came and none of its last ``PROBE`` requests went without one."""
+        state = self._upstreams.get(upstream)
+        return state is not None and state.traced
+
+    def wants(self, upstream: str, *, compatible: bool) -> bool:
+        """Whether a finished request to ``upstream`` should wait for its span."""
+        if self.wait <= 0:
+            return False
+        state = self._upstreams.get(upstream)
+        if state is not None and state.traced:
+            return True
+        return compatible and (state is None or state.misses < PROBE)
+
+    def early(self, span_id: str, now: float) -> ServerSpan | None:
+        """The span of request ``span_id`` when it came before the request finished (taken out)."""
+        found = self._early.pop(span_id, None)
+        if found is None or now - found[1] > self.wait:
+            return None
+        return found[0]
+
+    def hold(self, span_id: str, upstream: str, item: T, now: float) -> list[T]:
+        """Let a finished request wait; returns the requests pushed out past ``MAX_HELD`` (record them now)."""
+        self._held[span_id] = _Held(item, upstream, now + self.wait)
+        out: list[T] = []
+        while len(self._held) > MAX_HELD:
+            key, held = self._held.popitem(last=False)
+            out.append(self._missed(key, held))
+        return out
+
+    def recorded(self, span_id: str | None, upstream: str) -> None:
+        """A request was recorded without waiting: a span of it that comes later is late."""
+        if span_id is None:
+            return
+        self._recent[span_id] = upstream
+        while len(self._recent) > MAX_RECENT:
+            self._recent.popitem(last=False)
+
+    def spans(self, spans: list[ServerSpan], now: float) -> list[tuple[T, ServerSpan]]:
+        """Join spans that came: the waiting requests they complete, with their span, to record now."""
+        matched: list[tuple[T, ServerSpan]] = []
+        unmatched = late = 0
+        for span in spans:
+            held = self._held.pop(span.parent_span_id, None)
+            if held is not None:
+                self._hit(held.upstream)
+                matched.append((held.item, span))
+                continue
+            upstream = self._recent.pop(span.parent_span_id, None)
+            if upstream is not None:
+                late += 1
+                self._hit(upstream)  # it traces: wait for its next requests
+                continue
+            # Its request may not have finished yet (the telemetry queue is behind): kept for a while.
+            self._early[span.parent_span_id] = (span, now)
+            while len(self._early) > MAX_EARLY:
+                self._early.popitem(last=False)
+                unmatched += 1
+        if matched:
+            self.count("matched", len(matched))
+        if late:
+            self.count("late", late)
+        if unmatched:
+            self.count("unmatched", unmatched)
+        return matched
+
+    def _hit(self, upstream: str) -> None:
+        state = self._upstreams.setdefault(upstream, _Upstream())
+        state.traced, state.misses = True, 0
+
+    def _missed(self, key: str, held: _Held[T]) -> T:
+        state = self._upstreams.setdefault(held.upstream, _Upstream())
+        state.misses += 1
+        if state.misses >= PROBE:
+            state.traced = False
+        self._recent[key] = held.upstream
+        self.count("missing", 1)
+        return held.item
+
+    def due(self, now: float) -> list[T]:
+        """Requests whose wait is over, recorded without a span; early spans past the wait are dropped."""
+        out: list[T] = []
+        while self._held:
+            key, held = next(iter(self._held.items()))
+            if held.deadline > now:
+                break
+            del self._held[key]
+            out.append(self._missed(key, held))
+        stale = 0
+        while self._early:
+            key, (_, at) = next(iter(self._early.items()))
+            if now - at <= self.wait:
+                break
+            del self._early[key]
+            stale += 1
+        if stale:
+            self.count("unmatched", stale)
+        return out
+
+    def release(self) -> list[T]:
+        """Every waiting request, now (flush, shutdown); none of them counts against its upstream."""
+        out = [held.item for held in self._held.values()]
+        for key, held in self._held.items():
+            self._recent[key] = held.upstream
+        self._held.clear()
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When the first waiting request's wait ends (they wait in the order they came), or None."""
+        if self._held:
+            return next(iter(self._held.values())).deadline
+        if self._early:
+            return next(iter(self._early.values()))[1] + self.wait
+        return None
+
+    @property
+    def held(self) -> int:
+        """Requests waiting now."""
+        return len(self._held)

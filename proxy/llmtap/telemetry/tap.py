@@ -1,0 +1,193 @@
+"""The observed stream: a tap that reads a response's bytes, read by read, into a timeline.
+
+The telemetry side plays each upstream read of the relay's tape into ``Tap.feed`` at the time it
+arrived. The tap decodes events (SSE, NDJSON or a JSON array, gzip and deflate too), lets the provider
+turn them into facts, and appends one content chunk per upstream read that carried generated content.
+Any error inside the tap switches it off for the rest of the stream and is logged.
+
+Compressed bodies are inflated in steps of at most ``INFLATE_STEP`` bytes, each decoded before the next, so
+no step holds or takes much. A response that inflates past ``MAX_INFLATED_BYTES``, or past
+``MAX_INFLATE_RATIO`` times its compressed bytes (beyond a first ``INFLATE_ALLOWANCE``), is a bomb or as
+good as one: the tap stops reading it and says why (``Timeline.unread``). The relay relayed it byte for byte
+anyway; only its telemetry ends there, and the rest of the process never waits long for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+
+from llmtap.analysis.timeline import Timeline
+from llmtap.providers.base import Provider, StreamParser
+from llmtap.providers.sse import Decoder, decoder_for
+
+log = logging.getLogger("llmtap.stream")
+
+#: A non-streamed body larger than this is relayed but not parsed.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Inflated bytes one decompression step yields at most.
+INFLATE_STEP = 256 * 1024
+#: Inflated bytes the tap reads of one response at most.
+MAX_INFLATED_BYTES = 64 * 1024 * 1024
+#: Inflated bytes per compressed byte past the allowance: gzip'd SSE runs 13x to 37x, identical events
+#: repeated without a flush about 250x; a bomb is near deflate's limit of about 1000x.
+MAX_INFLATE_RATIO = 256
+INFLATE_ALLOWANCE = 1024 * 1024
+
+
+def _framing(content_type: str, provider: Provider, stream_requested: bool) -> str | None:
+    """How the response body is framed, or None for a whole body parsed at the end."""
+    ct = content_type.split(";", 1)[0].strip().lower()
+    if ct == "text/event-stream":
+        return "sse"
+    if ct in ("application/x-ndjson", "application/jsonl"):
+        return "ndjson"
+    if ct == "application/json" and stream_requested and provider.framing == "json-array":
+        return "json-array"
+    return None
+
+
+class Tap:
+    """Feeds one response's bytes to the provider's parser and records the timeline."""
+
+    def __init__(
+        self,
+        tl: Timeline,
+        provider: Provider | None,
+        *,
+        content_type: str,
+        content_encoding: str,
+        stream_requested: bool,
+    ) -> None:
+        self.tl = tl
+        self.provider = provider
+        self.active = provider is not None
+        encoding = content_encoding.strip().lower()
+        self._decoder: Decoder | None = None
+        self._parser: StreamParser | None = None
+        self._body: bytearray | None = None
+        self._inflate: zlib._Decompress | None = None
+        self._inflated = 0  # bytes inflated so far, and the compressed bytes they came from
+        self._deflated = 0
+        self._framing: str | None = None
+        self._content = False  # whether the read being observed carried content
+        self._oversized = 0  # counted by decoders that a gap in the bytes replaced
+        if encoding in ("gzip", "deflate"):
+            # Compressed bodies are relayed compressed; the tap reads a decompressed copy.
+            self._inflate = zlib.decompressobj(wbits=47 if encoding == "gzip" else 15)
+        elif encoding not in ("", "identity"):
+            self.active = False
+        if provider is None or not self.active:
+            return
+        framing = self._framing = _framing(content_type, provider, stream_requested)
+        if framing is not None:
+            self._decoder = decoder_for(framing)
+            self._parser = provider.stream_parser()
+        else:
+            self._body = bytearray()
+
+    def feed(self, chunk: bytes, t: float) -> None:
+        """Observe one upstream chunk that arrived at ``t``."""
+        tl = self.tl
+        tl.response_bytes += len(chunk)
+        if tl.first_byte is None:
+            tl.first_byte = t
+        if self.active:
+            try:
+                self._observe(chunk, t)
+            except Exception:
+                self.active = False
+                log.exception("stream tap failed; the rest of %s %s is not observed", tl.method, tl.path)
+
+    def skip(self, size: int, t: float) -> None:
+        """A read of ``size`` bytes at ``t`` whose bytes never arrived here: counted, and decoding starts over.
+
+        The next bytes begin mid-event: a fresh decoder drops that partial event (counted as malformed at
+        worst) and reads every later one; a whole body with a hole in it is not parsed at all.
+        """
+        tl = self.tl
+        tl.response_bytes += size
+        if tl.first_byte is None:
+            tl.first_byte = t
+        if self._body is not None or self._inflate is not None:
+            # A hole in a whole body, or in a compressed stream, leaves nothing that can be read after it.
+            self._body = None
+            self.active = False
+        elif self._decoder is not None and self._framing is not None:
+            self._oversized += self._decoder.oversized
+            self._decoder = decoder_for(self._framing)
+
+    def _observe(self, chunk: bytes, t: float) -> None:
+        if self._inflate is None:
+            self._take(chunk)
+        else:
+            self._take_compressed(chunk)
+        if self._content:
+            self._content = False
+            self.tl.add_chunk(t, len(chunk), "")
+
+    def _take_compressed(self, chunk: bytes) -> None:
+        """Inflate one read step by step, each step decoded before the next; stop at the bounds."""
+        inflate = self._inflate
+        assert inflate is not None
+        data = chunk
+        while self.active and not inflate.eof:
+            step = inflate.decompress(data, INFLATE_STEP)
+            self._deflated += len(data) - len(inflate.unconsumed_tail)
+            data = inflate.unconsumed_tail
+            self._inflated += len(step)
+            if self._inflated > MAX_INFLATED_BYTES or (
+                self._inflated > INFLATE_ALLOWANCE + MAX_INFLATE_RATIO * self._deflated
+            ):
+                self._stop("inflate_limit")
+                return
+            if step:
+                self._take(step)
+            if not data and len(step) < INFLATE_STEP:
+                return  # all of the read consumed, and a step that was not full: nothing left inside zlib
+
+    def _take(self, data: bytes) -> None:
+        if self._body is not None:
+            if len(self._body) + len(data) > MAX_BODY_BYTES:
+                self._stop("body_limit")
+                return
+            self._body += data
+            return
+        assert self._decoder is not None and self._parser is not None
+        tl = self.tl
+        parser = self._parser
+        for event in self._decoder.feed(data):
+            facts = parser.feed(event)
+            if facts is None:
+                continue
+            tl.apply(facts)
+            if facts.has_content:
+                self._content = True
+                tl.add_text(facts.content)
+
+    def _stop(self, reason: str) -> None:
+        """Stop reading the response (it is still relayed whole): ``reason`` goes on its span and counters."""
+        self._body = None
+        self.active = False
+        self.tl.unread = reason
+
+    def finish(self, t: float) -> None:
+        """The stream ended at ``t``: parse a buffered body, flush decoders."""
+        tl = self.tl
+        if self.active and self.provider is not None:
+            try:
+                if self._body is not None:
+                    body = self.provider.parse_body(bytes(self._body))
+                    body.done = True  # a whole body: what arrived is all there is
+                    tl.apply(body)
+                    if body.has_content:
+                        tl.add_chunk(t, len(self._body), body.content)
+                elif self._decoder is not None and self._parser is not None:
+                    for event in self._decoder.flush():
+                        facts = self._parser.feed(event)
+                        if facts is not None:
+                            tl.apply(facts)
+                    tl.malformed_events = self._parser.malformed
+                    tl.oversized_events = self._oversized + self._decoder.oversized
+            except Exception:
+                log.exception("stream tap failed at the end of %s %s", tl.method, tl.path)

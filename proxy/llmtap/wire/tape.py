@@ -1,0 +1,247 @@
+"""The tape: what the relay saw of one request, in the compact form it hands to the telemetry side.
+
+The relay does only what must happen while bytes flow; everything it learns is appended here and read
+once, elsewhere (``llmtap.telemetry.replay``): the request's head and its body up to the inspect limit,
+the times of admission and send, the response's status and headers, and each upstream read as it came,
+with the moment it arrived and the moment it was handed to the client's socket. No parsing, no
+OpenTelemetry, no tokenizer: appending a read costs three array appends and a ``bytearray`` extend.
+
+A tape's memory is bounded whatever the response's length: once the reads it holds pass ``SEGMENT_BYTES``
+they leave as a segment through the channel and the tape starts again empty, so an open stream holds at
+most about that many bytes of response in the relay (issue 14: 64 KiB resident per stream).
+
+Wire form (``head``, ``segment``, ``tail``) is plain tuples of ``bytes``, ``str``, numbers and ``None``, so
+``marshal`` carries it between processes at C speed and the in-process channel passes it as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from array import array
+from typing import Any
+
+#: Reads held before they leave as a segment (the relay's per-stream response memory).
+SEGMENT_BYTES = 32 * 1024
+
+# Message kinds on the channel.
+START, SEGMENT, END, STATS = 0, 1, 2, 3
+#: What a STATS message counts beside the gauges, as absolute numbers: client connections cut by a timeout,
+#: by kind, and refused, by reason (``llmtap.relay.protocol``).
+CLIENT_TIMEOUT_KINDS = ("header", "body", "idle", "send", "upload")
+CONNECTION_REFUSAL_REASONS = ("limit", "per_client")
+#: Why the relay itself cut a response short (the last group of a STATS message): ``inflate_limit``, a
+#: response it decompressed past ``max_inflate_bytes`` (``llmtap.relay.inflate``).
+RESPONSE_CUT_REASONS = ("inflate_limit",)
+
+_ids = random.Random(os.urandom(16))
+
+#: The one monotonic clock every timestamp of llmtap comes from, in both processes.
+now = time.perf_counter
+
+
+def new_trace_id() -> int:
+    """A random, valid (non-zero) 128-bit trace id, made without the SDK (W3C Trace Context section 3.2.2.3)."""
+    while True:
+        value = _ids.getrandbits(128)
+        if value:
+            return value
+
+
+def new_span_id() -> int:
+    """A random, valid (non-zero) 64-bit span id."""
+    while True:
+        value = _ids.getrandbits(64)
+        if value:
+            return value
+
+
+class Tape:
+    """One request as the relay saw it; times are ``time.perf_counter()`` seconds, like the rest of llmtap."""
+
+    __slots__ = (
+        "_data",
+        "_delivered",
+        "_sizes",
+        "_times",
+        "admitted",
+        "attribution",
+        "body",
+        "body_complete",
+        "body_read",
+        "cancelled",
+        "end",
+        "error_message",
+        "error_type",
+        "head_sent",
+        "headers_at",
+        "inner_path",
+        "key",
+        "key_fingerprint",
+        "lost",
+        "method",
+        "parent",
+        "path",
+        "prompt_version",
+        "protocol",
+        "received",
+        "received_wall_ns",
+        "response_bytes",
+        "response_headers",
+        "route",
+        "sampled",
+        "segments",
+        "sent",
+        "span_id",
+        "status_code",
+        "strip_usage",
+        "surplus",
+        "trace_id",
+        "upstream_ahead",
+        "upstream_seq",
+    )
+
+    def __init__(
+        self,
+        key: int,
+        *,
+        method: str,
+        path: str,
+        inner_path: str,
+        route: str,
+        protocol: str | None,
+        received: float,
+        received_wall_ns: int,
+    ) -> None:
+        self.key = key
+        self.method = method
+        self.path = path
+        self.inner_path = inner_path
+        self.route = route
+        self.protocol = protocol
+        self.received = received
+        self.received_wall_ns = received_wall_ns
+        self.prompt_version: bytes | None = None
+        #: The caller's other ``x-llmtap-*`` headers (lower-case name, value), and its API key's fingerprint.
+        self.attribution: list[tuple[bytes, bytes]] = []
+        self.key_fingerprint: str | None = None
+        #: The client's ``traceparent`` and ``tracestate`` as sent (the telemetry side parses them).
+        self.parent: tuple[str, str] | None = None
+        self.trace_id = 0
+        self.span_id = 0
+        self.sampled = True
+        self.body = b""
+        self.body_complete = True
+        self.strip_usage = False
+        self.body_read: float | None = None
+        self.admitted: float | None = None
+        self.sent: float | None = None
+        self.headers_at: float | None = None
+        self.status_code: int | None = None
+        self.response_headers: list[tuple[bytes, bytes]] = []
+        self.upstream_seq: int | None = None
+        self.upstream_ahead = 0
+        self.end: float | None = None
+        self.error_type: str | None = None
+        self.error_message: str | None = None
+        self.cancelled = False
+        self.surplus = 0
+        self.response_bytes = 0
+        self._data = bytearray()
+        self._times = array("d")
+        self._delivered = array("d")
+        self._sizes = array("l")
+        #: Segments handed over so far, and whether the head went with the first one.
+        self.segments = 0
+        self.head_sent = False
+        #: A message of this tape was dropped: the rest of it is not sent, and it counts as dropped.
+        self.lost = False
+
+    # -- the hot path -------------------------------------------------------------------------
+
+    def read(self, t: float, data: bytes) -> bool:
+        """One upstream read arrived at ``t``; True when the tape is full and a segment should leave."""
+        self._times.append(t)
+        self._sizes.append(len(data))
+        self._data += data
+        self.response_bytes += len(data)
+        return len(self._data) >= SEGMENT_BYTES
+
+    def delivered(self, t: float) -> None:
+        """The last read was handed to the client's socket at ``t``."""
+        self._delivered.append(t)
+
+    def fail(self, error_type: str, message: str | None = None, *, cancelled: bool = False) -> None:
+        """What went wrong in the relay (first failure wins; a client leaving always counts as cancelled)."""
+        if cancelled:
+            self.cancelled = True
+        if self.error_type is None:
+            self.error_type = error_type
+            self.error_message = message
+
+    # -- the wire form ------------------------------------------------------------------------
+
+    def head(self) -> tuple[Any, ...]:
+        """Everything known once the response's headers are in: the request and the response's start."""
+        return (
+            self.method,
+            self.path,
+            self.inner_path,
+            self.route,
+            self.protocol,
+            self.received,
+            self.received_wall_ns,
+            self.prompt_version,
+            self.parent,
+            self.trace_id.to_bytes(16, "big"),
+            self.span_id.to_bytes(8, "big"),
+            self.sampled,
+            self.body,
+            self.body_complete,
+            self.strip_usage,
+            self.body_read,
+            self.admitted,
+            self.sent,
+            self.headers_at,
+            self.status_code,
+            tuple(self.response_headers),
+            self.upstream_seq,
+            self.upstream_ahead,
+            tuple(self.attribution),
+            self.key_fingerprint,
+        )
+
+    def take_reads(self) -> tuple[bytes, bytes, bytes, bytes]:
+        """The reads held now (times, delivery times, sizes, bytes), leaving the tape empty."""
+        # A read not yet handed to the client (the relay failed sending it) has no delivery time.
+        while len(self._delivered) < len(self._times):
+            self._delivered.append(float("nan"))
+        out = (self._times.tobytes(), self._delivered.tobytes(), self._sizes.tobytes(), bytes(self._data))
+        self._times = array("d")
+        self._delivered = array("d")
+        self._sizes = array("l")
+        self._data = bytearray()
+        return out
+
+    def tail(self) -> tuple[Any, ...]:
+        """What the end adds: when, how, and what the relay itself counted."""
+        return (self.end, self.error_type, self.error_message, self.cancelled, self.surplus, self.response_bytes)
+
+    def segment_message(self) -> tuple[Any, ...]:
+        """A segment of reads, with the head when it is the stream's first message."""
+        head = None if self.head_sent else self.head()
+        self.head_sent = True
+        self.segments += 1
+        return (SEGMENT, self.key, head, self.take_reads())
+
+    def end_message(self) -> tuple[Any, ...]:
+        """The last message of a stream: the head unless a segment carried it, the last reads, the tail."""
+        head = None if self.head_sent else self.head()
+        self.head_sent = True
+        return (END, self.key, head, self.take_reads(), self.tail())
+
+
+def start_message(key: int, route: str) -> tuple[Any, ...]:
+    """A request arrived on ``route``: what the active-stream count needs."""
+    return (START, key, route)
