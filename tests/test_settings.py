@@ -8,7 +8,9 @@ from typing import Any
 import httpx
 import pytest
 
-from llmtap.config.settings import ConfigError, Route, build, telemetry_from_env
+from llmtap.config.load import build
+from llmtap.config.otel import telemetry_from_env
+from llmtap.config.types import ConfigError, Route
 from llmtap.relay.forward import Router, request_headers, response_headers, upstream_url
 
 UP = "http://127.0.0.1:9"

@@ -19,7 +19,7 @@ from llmtap.analysis.estimator import ESTIMATED, Estimator, Split
 from llmtap.analysis.shapes import classify, objective
 from llmtap.analysis.slots import CONFIGURED, Slots
 from llmtap.analysis.timeline import OK, Timeline
-from llmtap.config.settings import DEFAULT_SHAPES, OTHER_SHAPE, SLO, Route, Shape
+from llmtap.config.types import DEFAULT_SHAPES, OTHER_SHAPE, SLO, Route, Shape
 from llmtap.providers.timing import validate
 from llmtap.types import ServerTiming
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from llmtap.config.settings import Admin
+from llmtap.config.types import Admin
 
 
 @dataclass(frozen=True, slots=True)

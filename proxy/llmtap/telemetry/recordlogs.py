@@ -29,7 +29,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from llmtap import __version__
-from llmtap.config.settings import ConfigError, Telemetry
+from llmtap.config.types import ConfigError, TelemetrySettings
 from llmtap.telemetry.identity import INSTANCE_KEY
 from llmtap.telemetry.setup import http_endpoint, resource
 
@@ -41,7 +41,7 @@ LOG_DROP_REASONS = ("otlp_queue_full", "otlp_export_failed")
 log = logging.getLogger("llmtap.telemetry")
 
 
-def log_exporter(t: Telemetry) -> LogRecordExporter:
+def log_exporter(t: TelemetrySettings) -> LogRecordExporter:
     """The OTLP log exporter the environment configures; a clear error when it configures none."""
     if t.logs_exporter != "otlp" or t.logs_endpoint is None:
         raise ConfigError(

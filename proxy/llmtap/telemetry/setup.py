@@ -2,7 +2,7 @@
 
 Nothing here is global: the providers are returned to the caller (the CLI), which injects them into
 the app and shuts them down on exit. Histograms over OTLP follow
-``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` (read into ``Telemetry.histogram_aggregation``):
+``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` (read into ``TelemetrySettings.histogram_aggregation``):
 ``base2_exponential_bucket_histogram`` sends every histogram as an exponential one: at most 160 buckets over
 the range its values span, as narrow as that range allows. ``/metrics`` keeps explicit buckets whatever it
 says (written sparse: ``prometheus``); explicit ones over OTLP carry every bound of the instruments' advice
@@ -39,7 +39,7 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerPro
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 
 from llmtap import __version__
-from llmtap.config.settings import EXPONENTIAL, Telemetry
+from llmtap.config.types import EXPONENTIAL, TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.prometheus import PrometheusReader
 
@@ -229,7 +229,7 @@ def resource(env: Mapping[str, str] | None = None) -> Resource:
     return Resource.create(attrs)
 
 
-def _span_exporter(t: Telemetry) -> SpanExporter | None:
+def _span_exporter(t: TelemetrySettings) -> SpanExporter | None:
     if t.traces_exporter == "console":
         return ConsoleSpanExporter()
     if t.traces_exporter != "otlp" or t.traces_endpoint is None:
@@ -248,7 +248,7 @@ def _span_exporter(t: Telemetry) -> SpanExporter | None:
     )
 
 
-def _metric_exporter(t: Telemetry) -> MetricExporter | None:
+def _metric_exporter(t: TelemetrySettings) -> MetricExporter | None:
     if t.metrics_exporter == "console":
         return ConsoleMetricExporter()
     if t.metrics_exporter != "otlp" or t.metrics_endpoint is None:
@@ -285,7 +285,7 @@ def http_endpoint(endpoint: str, signal: str, *, specific: bool) -> str:
     return endpoint.rstrip("/") + f"/v1/{signal}"
 
 
-def build(t: Telemetry, env: Mapping[str, str] | None = None) -> Providers:
+def build(t: TelemetrySettings, env: Mapping[str, str] | None = None) -> Providers:
     """Providers for the given telemetry settings."""
     if t.sdk_disabled:
         return Providers(None, None, None, None)
