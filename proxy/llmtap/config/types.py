@@ -357,7 +357,7 @@ class Settings:
     #: Client connections one peer address may hold open at once, per relay process (0: no bound); None: three
     #: quarters of the connection cap (``llmtap.relay.protocol.per_client_cap``).
     max_connections_per_client: int | None = None
-    #: The most bytes the relay decompresses of one response (``llmtap.relay.inflate``); past it the stream is cut.
+    #: The most bytes the relay decompresses of one response (``llmtap.compression``); past it the stream is cut.
     max_inflate_bytes: int = default("max_inflate_bytes")
     #: ``lean``: upstreams, HTTP and HTTPS, go through ``llmtap.relay.upstream_http`` (less CPU per chunk); ``httpx``:
     #: through httpx's own transport (with the same TLS context).
