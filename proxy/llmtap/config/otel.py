@@ -1,4 +1,17 @@
-"""Telemetry settings: the standard ``OTEL_*`` variables, and llmtap's own telemetry options."""
+"""Telemetry settings: the standard ``OTEL_*`` variables, and llmtap's own telemetry options.
+
+The SDK's OTLP exporters read the ``OTEL_EXPORTER_OTLP_*`` variables themselves; llmtap reads of them only
+what it must know at start, and checks the rest so that a typo stops the start (the SDK would warn and go on):
+
+* the endpoints: whether a signal is exported at all (not until a backend is named), the start-up line, and
+  the server-span forwarder (``llmtap.telemetry.forward``); given to the exporters so that the endpoint printed
+  is the one used;
+* the protocols: they pick the exporter (the SDK has one per protocol);
+* the traces' headers and timeout: the forwarder sends with them. Every signal's headers are checked here,
+  but the exporters read theirs themselves, by the same rule (the signal's own variable, else the general one);
+* ``OTEL_METRIC_EXPORT_INTERVAL``: llmtap's default (10 s) is not the SDK's (60 s);
+* ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION``: checked, and given to the exporters.
+"""
 
 from __future__ import annotations
 
@@ -85,14 +98,16 @@ def telemetry_from_env(
         if exporter == "otlp" and endpoint is None:
             # Asked for OTLP by name without an endpoint: the spec's default (a local collector or sidecar).
             endpoint = "http://localhost:4317" if protocol == "grpc" else "http://localhost:4318"
-        headers = _headers(env.get("OTEL_EXPORTER_OTLP_HEADERS"))
+        general = _headers(env.get("OTEL_EXPORTER_OTLP_HEADERS"))
         headers_key = f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS"
-        headers.update(_headers(env.get(headers_key), headers_key))
+        specific = _headers(env.get(headers_key), headers_key)
+        if signal == "traces":
+            # The SDK's rule: the signal's own variable, when set, replaces the general one whole.
+            values["traces_headers"] = specific if env.get(headers_key) else general
         values[f"{signal}_exporter"] = "none" if disabled else exporter
         values[f"{signal}_endpoint"] = endpoint
         values[f"{signal}_endpoint_specific"] = bool(env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
         values[f"{signal}_protocol"] = protocol
-        values[f"{signal}_headers"] = headers
     values["traces_timeout"] = _export_timeout(env)
     values["metric_export_interval_ms"] = _interval(env.get("OTEL_METRIC_EXPORT_INTERVAL", 10_000))
     opt_in = {v.strip() for v in env.get("OTEL_SEMCONV_STABILITY_OPT_IN", "").split(",")}

@@ -202,17 +202,16 @@ class TelemetrySettings:
     metrics_endpoint_specific: bool = False
     traces_protocol: str = "grpc"
     metrics_protocol: str = "grpc"
+    #: The traces' OTLP headers, for the server-span forwarder; the SDK's exporters read every signal's themselves.
     traces_headers: Mapping[str, str] = field(default_factory=dict)
     #: OTLP logs (the records' copy, ``--record-logs``): the same variables, ``OTEL_EXPORTER_OTLP_LOGS_*``.
     logs_exporter: str = "none"
     logs_endpoint: str | None = None
     logs_endpoint_specific: bool = False
     logs_protocol: str = "grpc"
-    logs_headers: Mapping[str, str] = field(default_factory=dict)
     #: Seconds one trace export may take (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`` or ``OTEL_EXPORTER_OTLP_TIMEOUT``,
     #: in seconds as the SDK's exporters read them); the forwarded server spans take the same.
     traces_timeout: float = 10.0
-    metrics_headers: Mapping[str, str] = field(default_factory=dict)
     metric_export_interval_ms: int = 10_000
     semconv_latest: bool = False
     capture_content: bool = False

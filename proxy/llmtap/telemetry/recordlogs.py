@@ -48,16 +48,14 @@ def log_exporter(t: TelemetrySettings) -> LogRecordExporter:
             "--record-logs needs an OTLP logs endpoint: set OTEL_EXPORTER_OTLP_ENDPOINT "
             "(or OTEL_EXPORTER_OTLP_LOGS_ENDPOINT), and leave OTEL_LOGS_EXPORTER unset or otlp"
         )
-    headers = dict(t.logs_headers)
+    # Headers: the exporter reads OTEL_EXPORTER_OTLP_[LOGS_]HEADERS itself (checked at start, ``llmtap.config.otel``).
     if t.logs_protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as HTTPLogExporter
 
-        return HTTPLogExporter(
-            endpoint=http_endpoint(t.logs_endpoint, "logs", specific=t.logs_endpoint_specific), headers=headers
-        )
+        return HTTPLogExporter(endpoint=http_endpoint(t.logs_endpoint, "logs", specific=t.logs_endpoint_specific))
     from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GRPCLogExporter
 
-    return GRPCLogExporter(endpoint=t.logs_endpoint, headers=headers, insecure=t.logs_endpoint.startswith("http://"))
+    return GRPCLogExporter(endpoint=t.logs_endpoint, insecure=t.logs_endpoint.startswith("http://"))
 
 
 class _Counting(LogRecordExporter):

@@ -234,18 +234,17 @@ def _span_exporter(t: TelemetrySettings) -> SpanExporter | None:
         return ConsoleSpanExporter()
     if t.traces_exporter != "otlp" or t.traces_endpoint is None:
         return None
-    headers = dict(t.traces_headers)
+    # Headers and timeout: the exporters read OTEL_EXPORTER_OTLP_[<SIGNAL>_]HEADERS and _TIMEOUT themselves
+    # (checked at start, ``llmtap.config.otel``); the endpoint is the one the start-up line names.
     if t.traces_protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
 
         return HTTPSpanExporter(
-            endpoint=http_endpoint(t.traces_endpoint, "traces", specific=t.traces_endpoint_specific), headers=headers
+            endpoint=http_endpoint(t.traces_endpoint, "traces", specific=t.traces_endpoint_specific)
         )
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GRPCSpanExporter
 
-    return GRPCSpanExporter(
-        endpoint=t.traces_endpoint, headers=headers, insecure=t.traces_endpoint.startswith("http://")
-    )
+    return GRPCSpanExporter(endpoint=t.traces_endpoint, insecure=t.traces_endpoint.startswith("http://"))
 
 
 def _metric_exporter(t: TelemetrySettings) -> MetricExporter | None:
@@ -253,7 +252,6 @@ def _metric_exporter(t: TelemetrySettings) -> MetricExporter | None:
         return ConsoleMetricExporter()
     if t.metrics_exporter != "otlp" or t.metrics_endpoint is None:
         return None
-    headers = dict(t.metrics_headers)
     # From the settings, not left to the exporter's own reading of the variable (the same one, checked there).
     aggregation: dict[type, Aggregation] = {
         Histogram: ExponentialBucketHistogramAggregation()
@@ -265,14 +263,12 @@ def _metric_exporter(t: TelemetrySettings) -> MetricExporter | None:
 
         return HTTPMetricExporter(
             endpoint=http_endpoint(t.metrics_endpoint, "metrics", specific=t.metrics_endpoint_specific),
-            headers=headers,
             preferred_aggregation=aggregation,
         )
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GRPCMetricExporter
 
     return GRPCMetricExporter(
         endpoint=t.metrics_endpoint,
-        headers=headers,
         insecure=t.metrics_endpoint.startswith("http://"),
         preferred_aggregation=aggregation,
     )
