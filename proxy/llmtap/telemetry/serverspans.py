@@ -190,7 +190,7 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True)
-class _Upstream:
+class _Tracing:
     traced: bool = False
     misses: int = 0
 
@@ -215,7 +215,7 @@ class Join(Generic[T]):
     _held: OrderedDict[str, _Held[T]] = field(default_factory=OrderedDict)
     _early: OrderedDict[str, tuple[ServerSpan, float]] = field(default_factory=OrderedDict)
     _recent: OrderedDict[str, str] = field(default_factory=OrderedDict)
-    _upstreams: dict[str, _Upstream] = field(default_factory=dict)
+    _upstreams: dict[str, _Tracing] = field(default_factory=dict)
 
     def traced(self, upstream: str) -> bool:
         """Whether a span of ``upstream`` came and none of its last ``PROBE`` requests went without one."""
@@ -284,11 +284,11 @@ class Join(Generic[T]):
         return matched
 
     def _hit(self, upstream: str) -> None:
-        state = self._upstreams.setdefault(upstream, _Upstream())
+        state = self._upstreams.setdefault(upstream, _Tracing())
         state.traced, state.misses = True, 0
 
     def _missed(self, key: str, held: _Held[T]) -> T:
-        state = self._upstreams.setdefault(held.upstream, _Upstream())
+        state = self._upstreams.setdefault(held.upstream, _Tracing())
         state.misses += 1
         if state.misses >= PROBE:
             state.traced = False
