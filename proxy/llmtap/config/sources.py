@@ -32,6 +32,7 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
 
 
 def unknown(where: str, key: Any, known: Iterable[str]) -> ConfigError:
+    """The error for a key the table does not know: removed (and why), or unknown (and the closest known)."""
     if str(key) in options.REMOVED:
         return ConfigError(f"{where}{str(key)!r} was removed: {options.REMOVED[str(key)]}")
     return ConfigError(f"{where}unknown key {str(key)!r}{did_you_mean(str(key), known)}")
@@ -129,6 +130,7 @@ def parse(option: Option, raw: Any, label: str, in_file: bool) -> Any:
 
 
 def checked(kind: options.Kind, value: Any, what: str) -> Any:
+    """``value`` parsed as ``kind``, else ``ConfigError`` naming ``what`` and the value."""
     try:
         return kind.parse(value)
     except Invalid as exc:
@@ -136,6 +138,7 @@ def checked(kind: options.Kind, value: Any, what: str) -> Any:
 
 
 def boolean(value: Any, what: str) -> bool:
+    """``value`` as true or false, else ``ConfigError`` naming ``what``."""
     try:
         return bool(options.boolean().parse(value))
     except Invalid:
