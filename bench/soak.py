@@ -115,7 +115,7 @@ def serve_monitored(status: Path, serve_args: Sequence[str]) -> int:
     """
     from llmtap import logs
     from llmtap.cli import parser
-    from llmtap.config.settings import build
+    from llmtap.config.load import build
     from llmtap.relay.server import Telemetry, bind, run_loop, serve
 
     settings = build(vars(parser().parse_args(["serve", *serve_args])))

@@ -36,7 +36,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from llmtap.config.settings import Route, Settings
+from llmtap.config.types import Route, Settings
 from llmtap.telemetry.recorder import Recorder
 from llmtap.wire.tape import Tape
 

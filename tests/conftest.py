@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench.procs import free_port as free_port  # one definition for the tests and the benchmark
-from llmtap.config.settings import Settings
+from llmtap.config.types import Settings
 from llmtap.relay.app import ProxyApp, create_app
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.prometheus import PrometheusReader

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from llmtap.config.settings import build
+from llmtap.config.load import build
 from llmtap.relay.admission import Admission, QueueFull
 from llmtap.telemetry import semconv as sc
 from tests.conftest import Running, Scripted, ServerThread, Telemetry

@@ -279,7 +279,8 @@ def test_compare_and_slo_report_cost_per_request(
 
 
 def test_settings_check_prices_key_and_dimensions_at_start(tmp_path: Path) -> None:
-    from llmtap.config.settings import ConfigError, build
+    from llmtap.config.load import build
+    from llmtap.config.types import ConfigError
 
     bad = tmp_path / "prices.yaml"
     bad.write_text("models: {m: {input: 1}}", encoding="utf-8")

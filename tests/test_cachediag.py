@@ -22,7 +22,7 @@ from llmtap.analysis.cachediag import (
     min_cacheable_tokens,
 )
 from llmtap.analysis.fingerprint import PrefixMatch
-from llmtap.config.settings import Route, Settings
+from llmtap.config.types import Route, Settings
 from llmtap.simulator import get_profile, run_in_thread
 from llmtap.simulator.text import Vocabulary
 from llmtap.telemetry import semconv as sc

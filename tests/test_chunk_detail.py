@@ -26,7 +26,7 @@ from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.kinds import Invalid, share
-from llmtap.config.settings import Telemetry
+from llmtap.config.types import TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.bulk import record_many
 from llmtap.telemetry.chunkdetail import MIN_HISTORY, ChunkDetail
@@ -133,30 +133,30 @@ def _request(route: str = "r", *, ttft: float = 0.1, gap: float = 0.02, trace: i
 
 
 def test_failed_cancelled_and_missed_requests_keep_detail_others_do_not_unless_sampled() -> None:
-    detail = ChunkDetail(Telemetry(chunk_detail_sample=0.0))
+    detail = ChunkDetail(TelemetrySettings(chunk_detail_sample=0.0))
     assert detail.decide(*_request(outcome="error")) == "error"
     assert detail.decide(*_request(outcome="cancelled")) == "cancelled"
     tl, s, gap = _request()
     s.slo = "missed"
     assert detail.decide(tl, s, gap) == "slo_missed"
     assert detail.decide(*_request()) is None
-    every = ChunkDetail(Telemetry(chunk_detail_sample=1.0))
+    every = ChunkDetail(TelemetrySettings(chunk_detail_sample=1.0))
     assert every.decide(*_request(trace=(1 << 128) - 1)) == "sampled"
 
 
 def test_the_sampled_share_follows_the_trace_id() -> None:
-    detail = ChunkDetail(Telemetry(chunk_detail_sample=0.1, chunk_detail_tail=0.999))
+    detail = ChunkDetail(TelemetrySettings(chunk_detail_sample=0.1, chunk_detail_tail=0.999))
     rng = random.Random(31)
     traces = [rng.getrandbits(128) for _ in range(4000)]
     kept = [t for t in traces if detail.decide(*_request(trace=t)) == "sampled"]
     assert 300 < len(kept) < 500
     # The same trace is chosen again, whatever decides it (another process, a restart).
-    again = ChunkDetail(Telemetry(chunk_detail_sample=0.1, chunk_detail_tail=0.999))
+    again = ChunkDetail(TelemetrySettings(chunk_detail_sample=0.1, chunk_detail_tail=0.999))
     assert all(again.decide(*_request(trace=t)) == "sampled" for t in kept[:50])
 
 
 def test_a_request_slower_than_its_routes_recent_tail_keeps_detail() -> None:
-    detail = ChunkDetail(Telemetry(chunk_detail_sample=0.0, chunk_detail_tail=0.99))
+    detail = ChunkDetail(TelemetrySettings(chunk_detail_sample=0.0, chunk_detail_tail=0.99))
     rng = random.Random(7)
     # Before MIN_HISTORY requests the route has no tail: a slow one is not kept for it.
     assert detail.decide(*_request(ttft=9.0)) is None

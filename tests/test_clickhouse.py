@@ -23,7 +23,8 @@ import httpx
 import pytest
 
 from llmtap import cli
-from llmtap.config.settings import ConfigError, build
+from llmtap.config.load import build
+from llmtap.config.types import ConfigError
 from llmtap.simulator import get_profile, run_in_thread
 from llmtap.store import clickhouse as ch
 from llmtap.telemetry.records import SCHEMA_VERSION

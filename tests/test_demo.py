@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from llmtap.commands import demo
-from llmtap.config.settings import SLO
+from llmtap.config.types import SLO
 from llmtap.telemetry.records import record_files
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind
 
-from llmtap.config.settings import build
+from llmtap.config.load import build
 from llmtap.telemetry import semconv as sc
 from llmtap.wire.tracestate import entry
 from tests.conftest import PATIENCE, Running, Scripted, Telemetry

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from llmtap.config.settings import build
+from llmtap.config.load import build
 from llmtap.simulator import get_profile
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry, free_port

@@ -26,7 +26,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from llmtap.config.settings import build
+from llmtap.config.load import build
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.setup import ExportGate
 from tests.conftest import PATIENCE, Running, Telemetry, free_port, unanswered_port

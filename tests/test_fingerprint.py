@@ -11,7 +11,7 @@ import pytest
 
 from llmtap.analysis import tokens
 from llmtap.analysis.fingerprint import BLOCK_CHARS, PrefixIndex, TokenCounts, fingerprint
-from llmtap.config.settings import Route, Settings
+from llmtap.config.types import Route, Settings
 from llmtap.labels import INVALID_VERSION, version_label
 from llmtap.providers import AnthropicMessages, OpenAIChat, OpenAICompletions, OpenAIResponses
 from llmtap.simulator import get_profile, run_in_thread

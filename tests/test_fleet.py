@@ -26,14 +26,8 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from llmtap.config.settings import (
-    ConfigError,
-    Records as RecordSettings,
-    Route,
-    Settings,
-    Telemetry as TelemetrySettings,
-    telemetry_from_env,
-)
+from llmtap.config.otel import telemetry_from_env
+from llmtap.config.types import ConfigError, Records as RecordSettings, Route, Settings, TelemetrySettings
 from llmtap.telemetry import peers, semconv as sc
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.recorder import Recorder

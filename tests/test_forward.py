@@ -14,7 +14,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
-from llmtap.config.settings import ConfigError, Route, Settings, Telemetry as TelemetrySettings, telemetry_from_env
+from llmtap.config.otel import telemetry_from_env
+from llmtap.config.types import ConfigError, Route, Settings, TelemetrySettings
 from llmtap.telemetry import forward, semconv as sc
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.recorder import Recorder

@@ -23,7 +23,9 @@ from helm_python.chart import Chart, lint
 from yamllint import linter  # type: ignore[import-untyped]
 from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
 
-from llmtap.config import settings as llmtap_settings
+from llmtap.config.load import build
+from llmtap.config.otel import telemetry_from_env
+from llmtap.config.types import Records
 from tests.test_collectors import config_problems, load_distribution
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,7 +134,7 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
         assert "token_file" not in config["admin"] and "admin-token" not in mounts
     path = tmp_path / "llmtap.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
-    loaded = llmtap_settings.build({"config": str(path)}, env={})
+    loaded = build({"config": str(path)}, env={})
     assert (loaded.admin.token is not None) is bool(admin["tokenSecret"])
     assert (loaded.admin.loopback_token, loaded.admin.max_connections, loaded.admin.max_event_streams) == (
         admin["loopbackToken"],
@@ -161,7 +163,7 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
     records = case.get("records", {})
     # The ClickHouse part of the records has a case of its own (below).
     assert bool(loaded.record.clickhouse) is bool(case.get("clickhouse", {}).get("url"))
-    assert dataclasses.replace(loaded.record, clickhouse=None) == llmtap_settings.Records(
+    assert dataclasses.replace(loaded.record, clickhouse=None) == Records(
         path=records["mountPath"] if records.get("enabled") else None,
         max_bytes=int(record["max_mb"] * (1 << 20)),
         rotate_s=record["rotate_minutes"] * 60,
@@ -239,7 +241,7 @@ def test_the_scale_case_renders_its_options() -> None:
     names = [e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]]
     assert names.index("POD_IP") < names.index("LLMTAP_PEER_ADDRESS")  # $(POD_IP) expands only from earlier ones
     # The address and token the pods get are what llmtap takes.
-    loaded = llmtap_settings.telemetry_from_env(
+    loaded = telemetry_from_env(
         {"LLMTAP_PEER_ADDRESS": env["LLMTAP_PEER_ADDRESS"].replace("$(POD_IP)", "10.0.3.7"), "LLMTAP_PEER_TOKEN": "t"}
     )
     assert loaded.peer_address == "10.0.3.7:9464"
@@ -285,7 +287,7 @@ def test_the_clickhouse_case_sends_records_with_the_password_from_its_secret(tmp
     ref = env["LLMTAP_RECORD_CLICKHOUSE_PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "clickhouse-llmtap", "key": "password"}
     # As the pod reads it: the file, and the variable Kubernetes fills from the Secret.
-    loaded = llmtap_settings.build({"config": str(path)}, env={"LLMTAP_RECORD_CLICKHOUSE_PASSWORD": "pw"})
+    loaded = build({"config": str(path)}, env={"LLMTAP_RECORD_CLICKHOUSE_PASSWORD": "pw"})
     got = loaded.record.clickhouse
     assert got is not None
     assert (got.url, got.table, got.user, got.password, got.ttl_days, got.max_records) == (

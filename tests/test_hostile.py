@@ -29,7 +29,7 @@ from hypothesis import given, settings, strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.settings import build
+from llmtap.config.load import build
 from llmtap.providers import PROVIDERS, UsageEventFilter
 from llmtap.providers.base import Provider
 from llmtap.providers.sse import Event, decoder_for

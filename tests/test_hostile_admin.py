@@ -25,7 +25,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from starlette.requests import Request
 
-from llmtap.config.settings import Admin, ConfigError, build
+from llmtap.config.load import build
+from llmtap.config.types import Admin, ConfigError
 from llmtap.relay.tracecontext import MAX_TRACEPARENT, parse_traceparent
 from llmtap.telemetry.access import Gate, is_loopback
 from tests.conftest import PATIENCE

@@ -32,7 +32,7 @@ from bench.telemetry import chat_tape
 from llmtap.analysis import tokens
 from llmtap.analysis.summary import MAX_SAMPLES, summarize
 from llmtap.analysis.timeline import COUNT_CHARS, Timeline
-from llmtap.config.settings import Route, Settings
+from llmtap.config.types import Route, Settings
 from llmtap.providers import provider_for
 from llmtap.telemetry.dataset import DatasetWriter
 from llmtap.telemetry.identity import current

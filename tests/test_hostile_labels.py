@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from bench.procs import LoopbackHTTPServer
-from llmtap.config.settings import ConfigError, build
+from llmtap.config.load import build
+from llmtap.config.types import ConfigError
 from llmtap.labels import LABEL_CAP, OTHER, LabelGuard, clean
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.records import record_files

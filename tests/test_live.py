@@ -26,7 +26,7 @@ from llmtap.analysis.stats import quantile
 from llmtap.analysis.summary import Summary, summarize
 from llmtap.analysis.timeline import CANCELLED, ERROR, OK, Timeline
 from llmtap.commands.demo import FIXED_FIRST, VARIABLE_FIRST, default_workloads
-from llmtap.config.settings import SLO, Route, Settings
+from llmtap.config.types import SLO, Route, Settings
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.instruments import DURATION_BUCKETS
 from llmtap.telemetry.live import LiveView

@@ -39,7 +39,7 @@ from llmtap.analysis.stats import quantile
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.commands import demo
-from llmtap.config.settings import SLO, Route, Settings
+from llmtap.config.types import SLO, Route, Settings
 from llmtap.relay.app import ProxyApp, create_app
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.admin import AdminApp

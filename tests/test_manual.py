@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmtap.commands import manual
-from llmtap.config.settings import ConfigError
+from llmtap.config.types import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 

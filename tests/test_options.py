@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from llmtap.config import options
+from llmtap.config.load import build
 from llmtap.config.options import OPTIONS, ROUTE_OPTIONS, Option
-from llmtap.config.settings import ConfigError, build
+from llmtap.config.types import ConfigError
 from tests.generators import load
 from tests.test_cli import ROOT, assert_config_error, clean_env
 

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from opentelemetry.sdk.trace import ReadableSpan
 
-from llmtap.config.settings import build
+from llmtap.config.load import build
 from llmtap.providers import Gemini, Ollama, Provider, provider_for
 from llmtap.providers.gemini import model_from_path
 from llmtap.providers.sse import Decoder, Event, JSONArrayDecoder, NDJSONDecoder, SSEDecoder

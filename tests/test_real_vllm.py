@@ -35,7 +35,7 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 
-from llmtap.config.settings import build
+from llmtap.config.load import build
 from llmtap.telemetry import semconv as sc
 from tests.conftest import Running, Telemetry, start_proxy
 from tests.vllm_server import (

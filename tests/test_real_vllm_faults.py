@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from llmtap.config.settings import build
+from llmtap.config.load import build
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry, start_proxy
 from tests.vllm_server import (

@@ -20,7 +20,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from bench.telemetry import chat_tape
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.settings import SLO, Route, Settings, Telemetry as TelemetrySettings, build
+from llmtap.config.load import build
+from llmtap.config.types import SLO, Route, Settings, TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import Facts, RequestInfo, Usage

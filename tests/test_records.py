@@ -22,7 +22,8 @@ from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportRes
 
 from llmtap import __version__ as proxy_version
 from llmtap.analysis import tokens
-from llmtap.config.settings import ConfigError, Records, Route, Settings, build
+from llmtap.config.load import build
+from llmtap.config.types import ConfigError, Records, Route, Settings
 from llmtap.simulator import get_profile, run_in_thread
 from llmtap.telemetry.dataset import DatasetWriter
 from llmtap.telemetry.identity import Identity, current

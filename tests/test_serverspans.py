@@ -17,7 +17,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 
 from llmtap.analysis.slots import FROM_METRICS, SlotLearner, Slots, load
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.settings import Route, Settings, Telemetry as TelemetrySettings
+from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.recorder import Recorder
@@ -500,7 +500,7 @@ def test_a_traced_upstream_with_a_gap_shows_it_on_records_spans_and_the_live_vie
 ) -> None:
     """The scripted upstream traces as vLLM does, its phases leaving 0.1 s of its TTFT out (as vLLM's front end
     does): every record, root span and waterfall carries that part as its own, queue and prefill stay the span's."""
-    from llmtap.config.settings import Records
+    from llmtap.config.types import Records
     from tests.conftest import Scripted
     from tests.test_live import view_of
     from tests.test_records import records as read_back

@@ -8,7 +8,9 @@ from typing import Any
 import httpx
 import pytest
 
-from llmtap.config.settings import ConfigError, Route, build, telemetry_from_env
+from llmtap.config.load import build
+from llmtap.config.otel import telemetry_from_env
+from llmtap.config.types import ConfigError, Route
 from llmtap.relay.forward import Router, request_headers, response_headers, upstream_url
 
 UP = "http://127.0.0.1:9"
@@ -311,8 +313,10 @@ def test_headers_parsing() -> None:
             "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "x-tenant=traces-only",
         }
     )
-    assert dict(t.metrics_headers) == {"x-tenant": "abc", "authorization": "Bearer tok==", "k": "a=b"}
-    assert dict(t.traces_headers) == {"x-tenant": "traces-only", "authorization": "Bearer tok==", "k": "a=b"}
+    # The traces' own variable replaces the general one whole, as the SDK's exporters read them.
+    assert dict(t.traces_headers) == {"x-tenant": "traces-only"}
+    t = telemetry_from_env({"OTEL_EXPORTER_OTLP_HEADERS": " X-Tenant=abc , Authorization=Bearer%20tok%3D%3D,,k=a=b"})
+    assert dict(t.traces_headers) == {"x-tenant": "abc", "authorization": "Bearer tok==", "k": "a=b"}
 
 
 def test_sdk_disabled_turns_exporters_off() -> None:

@@ -34,7 +34,8 @@ from llmtap.analysis import shapes
 from llmtap.analysis.slo import INSUFFICIENT, MET, MISSED, UNCERTAIN, judge
 from llmtap.analysis.stats import Distribution
 from llmtap.commands.demo import FIXED_FIRST, Workload, _messages, default_workloads
-from llmtap.config.settings import DEFAULT_SHAPES, SLO, ConfigError, Records, Route, Settings, Shape, build
+from llmtap.config.load import build
+from llmtap.config.types import DEFAULT_SHAPES, SLO, ConfigError, Records, Route, Settings, Shape
 from llmtap.relay.app import create_app
 from llmtap.simulator.text import Vocabulary
 from llmtap.telemetry import semconv as sc

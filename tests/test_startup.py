@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmtap.config.settings import build
+from llmtap.config.load import build
 from llmtap.relay.server import startup_lines
 from tests.conftest import PATIENCE, Scripted
 from tests.procs import Llmtap

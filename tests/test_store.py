@@ -19,7 +19,7 @@ import pytest
 
 from llmtap import store
 from llmtap.analysis import compare, slo
-from llmtap.config.settings import SLO, ConfigError
+from llmtap.config.types import SLO, ConfigError
 from llmtap.store.engine import EngineSource
 from llmtap.store.files import NoRecords, record_files
 from llmtap.store.python import PythonSource

@@ -10,7 +10,7 @@ import pytest
 from llmtap.analysis import tokens
 from llmtap.analysis.summary import PROXY, SERVER, UPSTREAM_TTFT, USAGE, apportion, input_size_class, summarize
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.settings import SLO
+from llmtap.config.types import SLO
 from llmtap.types import RequestInfo, ServerTiming, Usage
 
 T0 = 1000.0  # every offset below is a multiple of 1/1024 s, so differences are exact in binary

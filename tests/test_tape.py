@@ -15,7 +15,7 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 from bench.telemetry import chat_tape
 from llmtap.analysis import tokens
-from llmtap.config.settings import Route, Settings, Telemetry
+from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.relay.channel import LocalChannel, SocketChannel, frames
 from llmtap.relay.tracecontext import Sampler, begin, parse_traceparent
 from llmtap.telemetry.replay import Playback
@@ -23,7 +23,7 @@ from llmtap.wire.tape import END, SEGMENT, SEGMENT_BYTES, STATS, Tape
 
 ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default")
 # Content capture on: the timeline keeps the output's text, so a test can read it back.
-SETTINGS = Settings(routes=(ROUTE,), telemetry=Telemetry(capture_content=True))
+SETTINGS = Settings(routes=(ROUTE,), telemetry=TelemetrySettings(capture_content=True))
 ROUTES = {ROUTE.name: ROUTE}
 BODY = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
 

@@ -27,7 +27,9 @@ import trustme
 import uvloop
 
 from llmtap import cli
-from llmtap.config.settings import ConfigError, Route, Settings, build
+from llmtap.config.load import build
+from llmtap.config.types import ConfigError, Route, Settings
+from llmtap.relay import tls
 from llmtap.relay.forward import Upstreams
 from llmtap.relay.upstream_http import SURPLUS, LeanTransport
 from llmtap.telemetry import semconv as sc
@@ -475,14 +477,19 @@ def test_tls_files_that_do_not_load_stop_the_start(pki: Files, tmp_path: Path) -
     ]
     for flags, message in cases:
         with pytest.raises(ConfigError, match=message) as caught:
-            build({"upstream": "https://u", **flags}, env={})
+            # The settings keep the files' names; the relay reads them when it makes the upstream's client.
+            tls.check(build({"upstream": "https://u", **flags}, env={}).routes)
         assert "\n" not in str(caught.value)
     with pytest.raises(ConfigError, match=r"need an https:// upstream"):
         build({"upstream": "http://u", "upstream_ca": pki.ca}, env={})
     config = tmp_path / "llmtap.yaml"
     config.write_text(f"routes:\n  - {{prefix: /a, upstream: 'https://a', tls_ca: '{missing}'}}\n")
+    settings = build({"config": str(config)}, env={})  # the settings build no context: nothing is read yet
+    assert settings.routes[0].tls_ca == missing
     with pytest.raises(ConfigError, match=rf"^{config}: routes\[0\]\.tls_ca: cannot load '{missing}'"):
-        build({"config": str(config)}, env={})
+        tls.check(settings.routes)
+    with pytest.raises(ConfigError, match=rf"^{config}: routes\[0\]\.tls_ca: cannot load '{missing}'"):
+        Upstreams(settings)  # where the connections are made, the same message
 
 
 def test_a_bad_ca_path_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,7 +24,8 @@ import httpx
 import pytest
 import uvloop
 
-from llmtap.config.settings import ConfigError, Route, Settings, build
+from llmtap.config.load import build
+from llmtap.config.types import ConfigError, Route, Settings
 from llmtap.relay.forward import Upstreams, close_if_surplus
 from llmtap.relay.pipe import Pipe
 from llmtap.relay.upstream_http import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport

@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.settings import SLO, Route, Settings, Telemetry
+from llmtap.config.types import SLO, Route, Settings, TelemetrySettings
 from llmtap.providers import provider_for
 from llmtap.telemetry import forward, semconv as sc
 from llmtap.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
@@ -716,7 +716,7 @@ def exercise(*, latest: bool, chunk_mode: str, out: Observed) -> None:
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     reader = InMemoryMetricReader()
     meter_provider = MeterProvider(metric_readers=[reader])
-    telemetry = Telemetry(
+    telemetry = TelemetrySettings(
         semconv_latest=latest,
         capture_content=True,
         chunk_spans=chunk_mode,

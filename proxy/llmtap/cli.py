@@ -12,8 +12,9 @@ from typing import NoReturn
 
 from llmtap import __version__, logs
 from llmtap.config import options
+from llmtap.config.load import build
 from llmtap.config.options import GROUPS, OPTIONS, Option, by_group
-from llmtap.config.settings import ConfigError, build
+from llmtap.config.types import ConfigError
 from llmtap.store import ENGINES
 
 
@@ -311,7 +312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             settings = build(vars(args))
             logs.setup(settings.log_level)
+            from llmtap.relay import tls
             from llmtap.relay.server import run
+
+            tls.check(settings.routes)  # a CA or certificate file that does not load: exit 2 now, not at a request
 
             run(settings)
         elif args.command == "simulate":

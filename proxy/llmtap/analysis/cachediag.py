@@ -25,7 +25,7 @@ from llmtap.analysis import tokens
 from llmtap.analysis.fingerprint import Fingerprint, PrefixIndex, PrefixMatch, TokenCounts, fingerprint
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.settings import Route
+from llmtap.config.types import Route
 
 HIT, COLD, MISS_CHANGED, MISS_EVICTED, TOO_SHORT, UNKNOWN = (
     "hit",

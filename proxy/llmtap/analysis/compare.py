@@ -39,7 +39,8 @@ from llmtap.analysis.promql import Prometheus, quote
 from llmtap.analysis.slo import Objectives, Verdict
 from llmtap.analysis.stats import Distribution, Estimate, change_estimates, homogeneity, quantile_estimate
 from llmtap.analysis.units import parse_duration, parse_time, seconds
-from llmtap.config.settings import ConfigError, build
+from llmtap.config.load import build
+from llmtap.config.types import ConfigError
 
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
 MIN_REQUESTS = 3

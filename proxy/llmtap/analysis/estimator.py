@@ -40,7 +40,7 @@ MAX_COMPLETIONS = 4096
 
 
 @dataclass(frozen=True, slots=True)
-class Split:
+class QueuePrefill:
     """The upstream TTFT split into queueing inside the server and prefill; both estimated."""
 
     queue: float
@@ -238,7 +238,7 @@ class Estimator:
         *,
         slots: int | None,
         rate: float | None,
-    ) -> Split | None:
+    ) -> QueuePrefill | None:
         """Learn from one finished request and split its upstream TTFT; None when it cannot be split.
 
         Must be called for every request that reached the upstream, in the order they ended, so the
@@ -256,17 +256,17 @@ class Estimator:
         model = tl.response_model or (tl.request.model if tl.request and tl.request.model else "_unknown")
         env = self.envelope(tl.upstream, model, rate)
         idle = tl.upstream_ahead == 0
-        split: Split | None = None
+        split: QueuePrefill | None = None
         if slots is not None:
             admitted = up.log.admitted(tl.upstream_seq, tl.sent, tl.upstream_ahead, slots, first)
             if admitted is not None:
                 queue = min(max(admitted - tl.sent, 0.0), ttft)
-                split = Split(queue, ttft - queue, "slots")
+                split = QueuePrefill(queue, ttft - queue, "slots")
         if split is None:
             predicted = env.prefill(uncached_tokens)
             if predicted is not None:
                 prefill = min(predicted, ttft)
-                split = Split(ttft - prefill, prefill, "envelope")
+                split = QueuePrefill(ttft - prefill, prefill, "envelope")
         if idle:
             env.add(uncached_tokens, ttft)
         return split

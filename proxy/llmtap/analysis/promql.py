@@ -6,7 +6,7 @@ import re
 
 import httpx
 
-from llmtap.config.settings import ConfigError
+from llmtap.config.types import ConfigError
 
 #: A counter's growth per label set, keyed by the sorted labels.
 Grown = dict[tuple[tuple[str, str], ...], float]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from llmtap.config.settings import OTHER_SHAPE, SLO, Route, Shape
+from llmtap.config.types import OTHER_SHAPE, SLO, Route, Shape
 
 
 def _within(value: int, low: int | None, high: int | None) -> bool:

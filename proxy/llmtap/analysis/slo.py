@@ -36,7 +36,8 @@ from llmtap.analysis.promql import Prometheus, quote
 from llmtap.analysis.shapes import needed
 from llmtap.analysis.stats import Distribution, Estimate, quantile_estimate
 from llmtap.analysis.units import parse_duration, parse_time, seconds
-from llmtap.config.settings import SLO, ConfigError, Settings, build
+from llmtap.config.load import build
+from llmtap.config.types import SLO, ConfigError, Settings
 from llmtap.store.files import NoRecords
 
 #: The figures an objective can bound, as records and reports name them.

@@ -15,11 +15,11 @@ from itertools import accumulate
 
 from llmtap.analysis import tokens
 from llmtap.analysis.cost import Cost
-from llmtap.analysis.estimator import ESTIMATED, Estimator, Split
+from llmtap.analysis.estimator import ESTIMATED, Estimator, QueuePrefill
 from llmtap.analysis.shapes import classify, objective
 from llmtap.analysis.slots import CONFIGURED, Slots
 from llmtap.analysis.timeline import OK, Timeline
-from llmtap.config.settings import DEFAULT_SHAPES, OTHER_SHAPE, SLO, Route, Shape
+from llmtap.config.types import DEFAULT_SHAPES, OTHER_SHAPE, SLO, Route, Shape
 from llmtap.providers.timing import validate
 from llmtap.types import ServerTiming
 
@@ -269,14 +269,14 @@ def adopt_server_timing(tl: Timeline, s: Summary, timing: ServerTiming) -> None:
     # What the estimate said stands in for any phase the check refuses.
     estimate = None
     if s.prefill_source == ESTIMATED and s.prefill is not None and s.upstream_queue is not None:
-        estimate = Split(s.upstream_queue, s.prefill, "estimate")
+        estimate = QueuePrefill(s.upstream_queue, s.prefill, "estimate")
     tl.server_timing = timing
     s.upstream_queue = s.upstream_queue_source = None
     s.prefill, s.prefill_source = None, UPSTREAM_TTFT
     _server_phases(tl, s, estimate)
 
 
-def _server_phases(tl: Timeline, s: Summary, split: Split | None) -> None:
+def _server_phases(tl: Timeline, s: Summary, split: QueuePrefill | None) -> None:
     st = tl.server_timing
     if st is not None:
         # Wrong types, negative or absurd values (a queue longer than the request) are dropped and

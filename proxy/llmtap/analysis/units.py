@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime
 
-from llmtap.config.settings import ConfigError
+from llmtap.config.types import ConfigError
 
 
 def seconds(v: float | None) -> str:

@@ -36,7 +36,8 @@ from llmtap.analysis.stats import quantile
 from llmtap.analysis.summary import Summary, slo_outcome
 from llmtap.analysis.timeline import OK, Timeline
 from llmtap.commands.demo_report import ProgressLine, render as render  # render is part of the demo's API
-from llmtap.config.settings import SLO, Records, Route, Settings, Telemetry, telemetry_from_env
+from llmtap.config.otel import telemetry_from_env
+from llmtap.config.types import SLO, Records, Route, Settings, TelemetrySettings
 from llmtap.simulator.text import Vocabulary
 from llmtap.telemetry import setup
 from llmtap.telemetry.prometheus import PrometheusReader
@@ -303,7 +304,7 @@ async def run(
     env = dict(os.environ if env is None else env)
     out = DemoRun()
     sims = {w.profile: simulator.run_in_thread(simulator.get_profile(w.profile)) for w in workloads}
-    tel: Telemetry = telemetry_from_env(env)
+    tel: TelemetrySettings = telemetry_from_env(env)
     files: list[IO[str]] = []
     directory = telemetry_dir or Path(tempfile.gettempdir()) / f"llmtap-demo-{time.strftime('%Y%m%d-%H%M%S')}"
     records = directory / "records"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmtap.config.settings import ConfigError
+from llmtap.config.types import ConfigError
 
 __all__ = ["folder", "pages", "read"]
 

@@ -2,7 +2,7 @@
 ``choice("lean", "httpx")``, ``url()``...), used by the option table (``llmtap.config.options``).
 
 A value that does not fit raises ``Invalid`` with what was expected (``expected an integer from 0 to
-65535``); ``llmtap.config.settings`` adds where the value came from.
+65535``); ``llmtap.config.sources`` adds where the value came from.
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ def share() -> Kind:
 
 
 def structure(expected: str, types: tuple[type, ...], schema: Mapping[str, Any]) -> Kind:
-    """A YAML-only value (a mapping or a list) taken as it is, for ``llmtap.config.settings`` to check in depth."""
+    """A YAML-only value (a mapping or a list) taken as it is, for ``llmtap.config.routes`` to check in depth."""
 
     def parse(value: Any) -> Any:
         if not isinstance(value, types):

@@ -1,12 +1,12 @@
 """Every setting of ``llmtap serve`` once: its flag, ``LLMTAP_*`` variable, key in the YAML file, default,
 validation and help (``OPTIONS``).
 
-The command line (``llmtap.cli``), the settings' resolution (``llmtap.config.settings.build``), the file's schema
+The command line (``llmtap.cli``), the settings' resolution (``llmtap.config.load.build``), the file's schema
 and the settings page (``docs/settings.md``, ``python -m llmtap.config.options``) are all made from this table. A
 new setting is one more ``option(...)`` line here, and its use where ``build`` makes ``Settings``.
 
 This module knows nothing of ``Settings``: a value that does not parse raises ``Invalid`` (``llmtap.config.kinds``)
-with what was expected; ``llmtap.config.settings`` turns that into a ``ConfigError`` naming where it came from.
+with what was expected; ``llmtap.config.sources`` turns that into a ``ConfigError`` naming where it came from.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ AUTO = "auto"
 class Option:
     """One setting: where it can be given, what it accepts, and what it is when not given."""
 
-    #: The setting's name: the flag's ``dest`` and the key ``llmtap.config.settings.build`` looks it up by.
+    #: The setting's name: the flag's ``dest`` and the key ``llmtap.config.load.build`` looks it up by.
     name: str
     kind: Kind
     default: Any
@@ -187,7 +187,7 @@ UPSTREAM_CLIENTS = ("lean", "httpx")
 HISTOGRAM_BUCKETS = ("standard", "fine")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-#: The file's ``shapes:`` and a route's ``slo`` (checked in depth by ``llmtap.config.settings``).
+#: The file's ``shapes:`` and a route's ``slo`` (checked in depth by ``llmtap.config.routes``).
 SHAPES_SCHEMA: Mapping[str, Any] = {
     "type": "object",
     "maxProperties": 16,

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import httpx
 
-from llmtap.config.settings import Route, Settings
+from llmtap.compression import InflateLimit, Inflater, decodable
+from llmtap.config.types import Route, Settings
 from llmtap.providers import provider_for
 from llmtap.providers.splice import splice_usage
 from llmtap.providers.usage_filter import UsageEventFilter
@@ -32,7 +33,6 @@ from llmtap.relay.forward import (
 )
 from llmtap.relay.frame import relay_frame
 from llmtap.relay.guard import Refusal, check_request, check_route
-from llmtap.relay.inflate import InflateLimit, Inflater, decodable
 from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
 from llmtap.relay.protocol import CYCLE, LOG_EVERY, RECEIVED
 from llmtap.relay.stepjson import STEPWISE_BYTES, loads_stepwise

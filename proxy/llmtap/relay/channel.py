@@ -32,7 +32,7 @@ CLOSE_WAIT = 5.0
 _LENGTH = struct.Struct("!I")
 
 
-class Sink(Protocol):
+class Receiver(Protocol):
     """Where a local channel puts messages: the recorder's ``submit`` (False: its queue is full)."""
 
     def submit(self, message: tuple[Any, ...], source: int = 0) -> bool: ...
@@ -63,7 +63,7 @@ class Channel(Protocol):
 class LocalChannel:
     """The telemetry side in this process."""
 
-    def __init__(self, sink: Sink) -> None:
+    def __init__(self, sink: Receiver) -> None:
         self.sink = sink
         self.dropped = 0
 

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import h11
 import httpx
 
-from llmtap.config.settings import Route, Settings
+from llmtap.config.types import Route, Settings
 from llmtap.relay import tls
 from llmtap.relay.tls import TLSOptions
 from llmtap.relay.upstream_http import SURPLUS, LeanTransport
@@ -216,7 +216,7 @@ class Upstreams:
             if key in self._clients:
                 continue
             tls_options = key[1]
-            # Built (and its files checked) when the settings were: here it comes from the cache.
+            # Built here, once per TLS settings (cached): ``llmtap.relay.tls.check`` may have built it at start.
             context = None if tls_options is None else tls.route_context(route)
             if tls_options is not None and not tls_options.verify:
                 log.warning(

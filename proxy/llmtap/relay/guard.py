@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from llmtap.config.settings import Route
+from llmtap.config.types import Route
 from llmtap.types import Scope
 
 #: Methods that would turn a reverse proxy into a tunnel (CONNECT) or echo credentials back (TRACE).

@@ -50,7 +50,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from llmtap.config.settings import Settings
+from llmtap.config.types import Settings
 from llmtap.wire.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS
 
 log = logging.getLogger("llmtap.proxy")

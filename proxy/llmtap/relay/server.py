@@ -28,7 +28,7 @@ import uvicorn
 
 from llmtap import __version__
 from llmtap.config.options import binary
-from llmtap.config.settings import ConfigError, Settings, Telemetry as TelemetrySettings
+from llmtap.config.types import ConfigError, Settings, TelemetrySettings
 from llmtap.relay.app import create_app
 from llmtap.relay.channel import ShardedChannel, SocketChannel
 from llmtap.relay.protocol import BoundedHeadProtocol, ClientLimits

@@ -3,8 +3,10 @@
 Defaults are what Python users expect of ``ssl.create_default_context()``: OpenSSL's default paths, which
 ``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` override; certifi's bundle only when those paths hold nothing. A
 route's ``tls_ca`` / ``tls_ca_dir`` replace them; ``tls_cert`` (+ ``tls_key``) is the client certificate of
-mutual TLS. TLS 1.2 at least, ALPN ``http/1.1``. A file that is missing or does not load is a
-``ConfigError`` naming the setting and the file, raised when the settings are built, never at a request.
+mutual TLS. TLS 1.2 at least, ALPN ``http/1.1``. The settings hold only the route's TLS settings; the
+contexts are built here when the upstreams' clients are made (``llmtap.relay.forward.Upstreams``), once per
+route at start and cached, and ``check`` builds them before the processes start. A file that is missing or
+does not load is a ``ConfigError`` naming the setting as the user gave it and the file, never at a request.
 
 Connection errors get names here too (``describe``): a certificate the upstream's chain does not prove
 becomes ``certificate verify failed: <OpenSSL's reason>``, anything else in the handshake
@@ -15,10 +17,10 @@ from __future__ import annotations
 
 import os
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from llmtap.config.settings import ConfigError, Route
+from llmtap.config.types import ConfigError, Route
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +59,17 @@ def context(options: TLSOptions, label: Callable[[str], str] = str) -> ssl.SSLCo
 
 
 def route_context(route: Route) -> ssl.SSLContext:
-    """The context of a route's upstream."""
-    return context(TLSOptions.of(route), lambda setting: f"route {route.name!r} {setting}")
+    """The context of a route's upstream; a file that does not load is named as the route's settings name it."""
+    labels = dict(route.tls_labels)
+    return context(TLSOptions.of(route), lambda setting: labels.get(setting) or f"route {route.name!r} {setting}")
+
+
+def check(routes: Iterable[Route]) -> None:
+    """Build the context of every https:// route now, so that a file that does not load stops the start (with
+    ``ConfigError``) rather than a request; the relays then find them built (forked) or build them the same."""
+    for route in routes:
+        if route.upstream.startswith("https://"):
+            route_context(route)
 
 
 def _reason(exc: OSError) -> str:

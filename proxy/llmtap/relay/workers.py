@@ -28,7 +28,7 @@ import sys
 import time
 
 from llmtap import logs
-from llmtap.config.settings import ConfigError, Settings
+from llmtap.config.types import ConfigError, Settings
 from llmtap.relay.server import Telemetry, bind, run_loop, serve, startup_lines
 from llmtap.telemetry.process import die_with_parent
 

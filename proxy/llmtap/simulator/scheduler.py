@@ -35,7 +35,7 @@ class Job:
     output_tokens: int
 
 
-class Sink(Protocol):
+class JobOutput(Protocol):
     """Where a running job's output goes (a protocol writer bound to one response)."""
 
     async def admitted(self, hit: CacheHit) -> None:
@@ -96,7 +96,7 @@ class Engine:
                 return
         self.running -= 1
 
-    async def run(self, job: Job, record: RequestRecord, sink: Sink) -> None:
+    async def run(self, job: Job, record: RequestRecord, sink: JobOutput) -> None:
         """Wait for a slot, prefill, decode; note every step in ``record``. Cancellation frees the slot."""
         waited = self.running >= self.profile.max_num_seqs or bool(self._waiting)
         record.joined = time.monotonic()

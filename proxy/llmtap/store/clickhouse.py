@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from llmtap.config.settings import ClickHouseRecords, ConfigError
+from llmtap.config.types import ClickHouseRecords, ConfigError
 from llmtap.telemetry import sched
 
 log = logging.getLogger("llmtap.telemetry")

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from llmtap.config.settings import Admin
+from llmtap.config.types import Admin
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
+class AdminRefusal:
     """Why a request is refused: its HTTP status, a reason (a metric label) and a message for the sender."""
 
     status: int
@@ -48,14 +48,14 @@ class Gate:
         self._token = admin.token.encode() if admin.token else None
         self._loopback_free = not admin.loopback_token
 
-    def refusal(self, request: Request, what: str) -> Refusal | None:
+    def refusal(self, request: Request, what: str) -> AdminRefusal | None:
         """None when ``request`` may go on; else why not (``what`` names the endpoint in the message)."""
         client = request.client
         # No peer address: a Unix socket (another telemetry process's private admin socket, owner-only).
         if self._loopback_free and (client is None or is_loopback(client.host)):
             return None
         if self._token is None:
-            return Refusal(
+            return AdminRefusal(
                 403,
                 "forbidden",
                 f"{what} takes requests from loopback only: configure admin_token_file (or LLMTAP_ADMIN_TOKEN) "
@@ -64,5 +64,5 @@ class Gate:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         # compare_digest: the time taken says nothing of how much of the token matched.
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
-            return Refusal(401, "unauthorized", f"{what} needs Authorization: Bearer <the admin token>")
+            return AdminRefusal(401, "unauthorized", f"{what} needs Authorization: Bearer <the admin token>")
         return None

@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.settings import ConfigError
+from llmtap.config.types import ConfigError
 
 log = logging.getLogger("llmtap.telemetry")
 

@@ -26,7 +26,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.settings import Admin, Settings
+from llmtap.config.types import Admin, Settings
 from llmtap.telemetry.access import Gate
 from llmtap.telemetry.live import LiveView
 from llmtap.telemetry.peers import PEER_HEADER, split

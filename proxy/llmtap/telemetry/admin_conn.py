@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from llmtap.config.settings import Settings
+from llmtap.config.types import Settings
 from llmtap.relay.protocol import LOG_EVERY, BoundedHeadProtocol, ClientLimits, connection_cap
 
 log = logging.getLogger("llmtap.telemetry")

@@ -24,7 +24,7 @@ from typing import Any
 from llmtap.analysis.stats import sorted_quantile
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import CANCELLED, OK, Timeline
-from llmtap.config.settings import Telemetry
+from llmtap.config.types import TelemetrySettings
 from llmtap.telemetry import semconv as sc
 
 #: Why a request kept its chunk spans (``llmtap.chunk.detail``); ``SUMMARY``: it did not.
@@ -69,7 +69,7 @@ class _Tail:
 class ChunkDetail:
     """Decides, at each request's end, whether it keeps its chunk spans; the tails it reads are per route."""
 
-    def __init__(self, telemetry: Telemetry) -> None:
+    def __init__(self, telemetry: TelemetrySettings) -> None:
         self.sample = telemetry.chunk_detail_sample
         self.quantile = telemetry.chunk_detail_tail
         # Below this, a trace id's low 64 bits choose the request for the sampled share.

@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from llmtap.config.settings import ConfigError
+from llmtap.config.types import ConfigError
 from llmtap.telemetry import sched
 from llmtap.telemetry.identity import Identity
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 
 import httpx
 
-from llmtap.config.settings import Telemetry
+from llmtap.config.types import TelemetrySettings
 from llmtap.telemetry import sched
 from llmtap.telemetry.setup import http_endpoint
 
@@ -172,7 +172,7 @@ def grpc_sender(endpoint: str, headers: Mapping[str, str], timeout: float) -> tu
     return send, channel.close
 
 
-def from_settings(t: Telemetry, count: Callable[[str, int], None]) -> Forwarder | None:
+def from_settings(t: TelemetrySettings, count: Callable[[str, int], None]) -> Forwarder | None:
     """The forwarder to llmtap's OTLP traces endpoint, or None when it exports no traces over OTLP or is told not to."""
     if not t.forward_server_spans or t.sdk_disabled or t.traces_exporter != "otlp" or t.traces_endpoint is None:
         return None

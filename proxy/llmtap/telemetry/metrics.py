@@ -22,7 +22,7 @@ from llmtap import __version__
 from llmtap.analysis.cachediag import MISS_CHANGED, Diagnosis
 from llmtap.analysis.summary import MAX_SAMPLES, USAGE, Summary
 from llmtap.analysis.timeline import OK, Timeline
-from llmtap.config.settings import Settings
+from llmtap.config.types import Settings
 from llmtap.labels import OTHER, LabelGuard
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.attributes import is_hop, usage_value

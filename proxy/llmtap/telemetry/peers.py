@@ -25,7 +25,7 @@ import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
-from llmtap.config.settings import Telemetry
+from llmtap.config.types import TelemetrySettings
 from llmtap.telemetry.forward import Forwarder
 from llmtap.wire.tracestate import KEY, owner
 
@@ -164,7 +164,7 @@ def _trace(span: Span) -> bytes:
     return bytes(span.trace_id)
 
 
-def peer_forwarder(t: Telemetry, count: Callable[[str, int], None]) -> Forwarder | None:
+def peer_forwarder(t: TelemetrySettings, count: Callable[[str, int], None]) -> Forwarder | None:
     """The sender of spans to the replicas that own them, or None when this replica has no peers."""
     if t.peer_address is None or t.peer_token is None:
         return None

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmtap import logs
-from llmtap.config.settings import ConfigError, Settings
+from llmtap.config.types import ConfigError, Settings
 from llmtap.relay.channel import frames
 from llmtap.telemetry import identity, sched
 from llmtap.wire.tape import STATS

@@ -28,7 +28,7 @@ from llmtap.analysis.cost import PriceTable, request_cost
 from llmtap.analysis.estimator import Estimator
 from llmtap.analysis.summary import Summary, adopt_server_timing, reached_model, summarize
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.settings import Settings
+from llmtap.config.types import Settings
 from llmtap.providers.timing import PHASES
 from llmtap.telemetry import forward, identity, peers, sched, semconv as sc
 from llmtap.telemetry.access_log import AccessLog

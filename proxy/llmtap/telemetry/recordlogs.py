@@ -29,7 +29,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from llmtap import __version__
-from llmtap.config.settings import ConfigError, Telemetry
+from llmtap.config.types import ConfigError, TelemetrySettings
 from llmtap.telemetry.identity import INSTANCE_KEY
 from llmtap.telemetry.setup import http_endpoint, resource
 
@@ -41,23 +41,21 @@ LOG_DROP_REASONS = ("otlp_queue_full", "otlp_export_failed")
 log = logging.getLogger("llmtap.telemetry")
 
 
-def log_exporter(t: Telemetry) -> LogRecordExporter:
+def log_exporter(t: TelemetrySettings) -> LogRecordExporter:
     """The OTLP log exporter the environment configures; a clear error when it configures none."""
     if t.logs_exporter != "otlp" or t.logs_endpoint is None:
         raise ConfigError(
             "--record-logs needs an OTLP logs endpoint: set OTEL_EXPORTER_OTLP_ENDPOINT "
             "(or OTEL_EXPORTER_OTLP_LOGS_ENDPOINT), and leave OTEL_LOGS_EXPORTER unset or otlp"
         )
-    headers = dict(t.logs_headers)
+    # Headers: the exporter reads OTEL_EXPORTER_OTLP_[LOGS_]HEADERS itself (checked at start, ``llmtap.config.otel``).
     if t.logs_protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as HTTPLogExporter
 
-        return HTTPLogExporter(
-            endpoint=http_endpoint(t.logs_endpoint, "logs", specific=t.logs_endpoint_specific), headers=headers
-        )
+        return HTTPLogExporter(endpoint=http_endpoint(t.logs_endpoint, "logs", specific=t.logs_endpoint_specific))
     from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GRPCLogExporter
 
-    return GRPCLogExporter(endpoint=t.logs_endpoint, headers=headers, insecure=t.logs_endpoint.startswith("http://"))
+    return GRPCLogExporter(endpoint=t.logs_endpoint, insecure=t.logs_endpoint.startswith("http://"))
 
 
 class _Counting(LogRecordExporter):

@@ -23,7 +23,7 @@ from llmtap.analysis.cachediag import Diagnosis
 from llmtap.analysis.stats import sorted_quantile
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.settings import SLO
+from llmtap.config.types import SLO
 from llmtap.labels import clean_or_none
 from llmtap.store import files
 from llmtap.telemetry.identity import Identity

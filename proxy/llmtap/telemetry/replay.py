@@ -17,7 +17,7 @@ from typing import Any
 
 from llmtap.analysis.attribution import dimensions
 from llmtap.analysis.timeline import KEEP_CHARS, Timeline
-from llmtap.config.settings import Route, Settings
+from llmtap.config.types import Route, Settings
 from llmtap.labels import version_label
 from llmtap.providers import PROVIDERS
 from llmtap.providers.base import Provider

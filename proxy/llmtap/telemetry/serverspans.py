@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
+from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.providers.timing import seconds
 from llmtap.types import ServerTiming
 
@@ -88,8 +89,9 @@ def inflate(
     max_inflated: int = MAX_INFLATED_BYTES,
     max_ratio: int | None = None,
 ) -> bytes:
-    """The body as sent (``gzip`` or none), inflated within ``max_inflated`` bytes and, with ``max_ratio``,
-    within ``max_ratio`` times its size as sent (or ``RATIO_FLOOR`` bytes, whichever is more).
+    """The body as sent (gzip or deflate as ``llmtap.compression`` reads them, or as is), inflated within
+    ``max_inflated`` bytes and, with ``max_ratio``, within ``max_ratio`` times its size as sent (or
+    ``RATIO_FLOOR`` bytes, whichever is more).
 
     The inflater stops one byte past the bound, so a gzip bomb costs at most the bound in memory.
     """
@@ -98,19 +100,20 @@ def inflate(
     coding = (encoding or "identity").strip().lower()
     if coding == "identity":
         return body
-    if coding != "gzip":
-        raise BadBody("unsupported_type", f"content-encoding {coding!r} is not gzip")
+    if not decodable(coding):
+        raise BadBody("unsupported_type", f"content-encoding {coding!r} is not gzip or deflate")
     limit = max_inflated if max_ratio is None else min(max_inflated, max(RATIO_FLOOR, max_ratio * len(body)))
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    # One piece of at most the bound plus a byte: a gzip bomb costs at most the bound in memory.
+    inflater = Inflater(coding, limit, piece=limit + 1)
     try:
-        out = inflater.decompress(body, limit + 1)
+        out = b"".join(inflater.feed(body)) + inflater.flush()
     except zlib.error as exc:
-        raise BadBody("bad_body", f"gzip: {exc}") from None
-    if len(out) > limit:
+        raise BadBody("bad_body", f"{coding}: {exc}") from None
+    except InflateLimit:
         why = f"{max_ratio} times its {len(body)} bytes" if limit < max_inflated else f"{max_inflated} bytes"
-        raise BadBody("inflated_too_large", f"inflated body over {why}")
-    if not inflater.eof:
-        raise BadBody("bad_body", "gzip: truncated")
+        raise BadBody("inflated_too_large", f"inflated body over {why}") from None
+    if not inflater.complete:
+        raise BadBody("bad_body", f"{coding}: truncated")
     return out
 
 
@@ -187,7 +190,7 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True)
-class _Upstream:
+class _Tracing:
     traced: bool = False
     misses: int = 0
 
@@ -212,7 +215,7 @@ class Join(Generic[T]):
     _held: OrderedDict[str, _Held[T]] = field(default_factory=OrderedDict)
     _early: OrderedDict[str, tuple[ServerSpan, float]] = field(default_factory=OrderedDict)
     _recent: OrderedDict[str, str] = field(default_factory=OrderedDict)
-    _upstreams: dict[str, _Upstream] = field(default_factory=dict)
+    _upstreams: dict[str, _Tracing] = field(default_factory=dict)
 
     def traced(self, upstream: str) -> bool:
         """Whether a span of ``upstream`` came and none of its last ``PROBE`` requests went without one."""
@@ -281,11 +284,11 @@ class Join(Generic[T]):
         return matched
 
     def _hit(self, upstream: str) -> None:
-        state = self._upstreams.setdefault(upstream, _Upstream())
+        state = self._upstreams.setdefault(upstream, _Tracing())
         state.traced, state.misses = True, 0
 
     def _missed(self, key: str, held: _Held[T]) -> T:
-        state = self._upstreams.setdefault(held.upstream, _Upstream())
+        state = self._upstreams.setdefault(held.upstream, _Tracing())
         state.misses += 1
         if state.misses >= PROBE:
             state.traced = False

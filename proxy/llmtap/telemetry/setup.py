@@ -2,7 +2,7 @@
 
 Nothing here is global: the providers are returned to the caller (the CLI), which injects them into
 the app and shuts them down on exit. Histograms over OTLP follow
-``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` (read into ``Telemetry.histogram_aggregation``):
+``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` (read into ``TelemetrySettings.histogram_aggregation``):
 ``base2_exponential_bucket_histogram`` sends every histogram as an exponential one: at most 160 buckets over
 the range its values span, as narrow as that range allows. ``/metrics`` keeps explicit buckets whatever it
 says (written sparse: ``prometheus``); explicit ones over OTLP carry every bound of the instruments' advice
@@ -39,7 +39,7 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerPro
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 
 from llmtap import __version__
-from llmtap.config.settings import EXPONENTIAL, Telemetry
+from llmtap.config.types import EXPONENTIAL, TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.prometheus import PrometheusReader
 
@@ -229,31 +229,29 @@ def resource(env: Mapping[str, str] | None = None) -> Resource:
     return Resource.create(attrs)
 
 
-def _span_exporter(t: Telemetry) -> SpanExporter | None:
+def _span_exporter(t: TelemetrySettings) -> SpanExporter | None:
     if t.traces_exporter == "console":
         return ConsoleSpanExporter()
     if t.traces_exporter != "otlp" or t.traces_endpoint is None:
         return None
-    headers = dict(t.traces_headers)
+    # Headers and timeout: the exporters read OTEL_EXPORTER_OTLP_[<SIGNAL>_]HEADERS and _TIMEOUT themselves
+    # (checked at start, ``llmtap.config.otel``); the endpoint is the one the start-up line names.
     if t.traces_protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
 
         return HTTPSpanExporter(
-            endpoint=http_endpoint(t.traces_endpoint, "traces", specific=t.traces_endpoint_specific), headers=headers
+            endpoint=http_endpoint(t.traces_endpoint, "traces", specific=t.traces_endpoint_specific)
         )
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GRPCSpanExporter
 
-    return GRPCSpanExporter(
-        endpoint=t.traces_endpoint, headers=headers, insecure=t.traces_endpoint.startswith("http://")
-    )
+    return GRPCSpanExporter(endpoint=t.traces_endpoint, insecure=t.traces_endpoint.startswith("http://"))
 
 
-def _metric_exporter(t: Telemetry) -> MetricExporter | None:
+def _metric_exporter(t: TelemetrySettings) -> MetricExporter | None:
     if t.metrics_exporter == "console":
         return ConsoleMetricExporter()
     if t.metrics_exporter != "otlp" or t.metrics_endpoint is None:
         return None
-    headers = dict(t.metrics_headers)
     # From the settings, not left to the exporter's own reading of the variable (the same one, checked there).
     aggregation: dict[type, Aggregation] = {
         Histogram: ExponentialBucketHistogramAggregation()
@@ -265,14 +263,12 @@ def _metric_exporter(t: Telemetry) -> MetricExporter | None:
 
         return HTTPMetricExporter(
             endpoint=http_endpoint(t.metrics_endpoint, "metrics", specific=t.metrics_endpoint_specific),
-            headers=headers,
             preferred_aggregation=aggregation,
         )
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GRPCMetricExporter
 
     return GRPCMetricExporter(
         endpoint=t.metrics_endpoint,
-        headers=headers,
         insecure=t.metrics_endpoint.startswith("http://"),
         preferred_aggregation=aggregation,
     )
@@ -285,7 +281,7 @@ def http_endpoint(endpoint: str, signal: str, *, specific: bool) -> str:
     return endpoint.rstrip("/") + f"/v1/{signal}"
 
 
-def build(t: Telemetry, env: Mapping[str, str] | None = None) -> Providers:
+def build(t: TelemetrySettings, env: Mapping[str, str] | None = None) -> Providers:
     """Providers for the given telemetry settings."""
     if t.sdk_disabled:
         return Providers(None, None, None, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from llmtap.config.settings import Settings
+from llmtap.config.types import Settings
 from llmtap.telemetry.identity import Identity
 
 

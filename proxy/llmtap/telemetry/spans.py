@@ -37,7 +37,7 @@ from llmtap import __version__
 from llmtap.analysis.stats import quantile
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import OK, Timeline
-from llmtap.config.settings import Settings
+from llmtap.config.types import Settings
 from llmtap.labels import OTHER, clean
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.attributes import (

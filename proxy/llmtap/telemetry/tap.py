@@ -1,7 +1,8 @@
 """The observed stream: a tap that reads a response's bytes, read by read, into a timeline.
 
 The telemetry side plays each upstream read of the relay's tape into ``Tap.feed`` at the time it
-arrived. The tap decodes events (SSE, NDJSON or a JSON array, gzip and deflate too), lets the provider
+arrived. The tap decodes events (SSE, NDJSON or a JSON array; compressed as ``llmtap.compression`` reads:
+gzip with its members, x-gzip, deflate), lets the provider
 turn them into facts, and appends one content chunk per upstream read that carried generated content.
 Any error inside the tap switches it off for the rest of the stream and is logged.
 
@@ -15,9 +16,9 @@ anyway; only its telemetry ends there, and the rest of the process never waits l
 from __future__ import annotations
 
 import logging
-import zlib
 
 from llmtap.analysis.timeline import Timeline
+from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.providers.base import Provider, StreamParser
 from llmtap.providers.sse import Decoder, decoder_for
 
@@ -66,15 +67,19 @@ class Tap:
         self._decoder: Decoder | None = None
         self._parser: StreamParser | None = None
         self._body: bytearray | None = None
-        self._inflate: zlib._Decompress | None = None
-        self._inflated = 0  # bytes inflated so far, and the compressed bytes they came from
-        self._deflated = 0
+        self._inflate: Inflater | None = None
         self._framing: str | None = None
         self._content = False  # whether the read being observed carried content
         self._oversized = 0  # counted by decoders that a gap in the bytes replaced
-        if encoding in ("gzip", "deflate"):
+        if decodable(encoding):
             # Compressed bodies are relayed compressed; the tap reads a decompressed copy.
-            self._inflate = zlib.decompressobj(wbits=47 if encoding == "gzip" else 15)
+            self._inflate = Inflater(
+                encoding,
+                MAX_INFLATED_BYTES,
+                piece=INFLATE_STEP,
+                ratio=MAX_INFLATE_RATIO,
+                allowance=INFLATE_ALLOWANCE,
+            )
         elif encoding not in ("", "identity"):
             self.active = False
         if provider is None or not self.active:
@@ -128,23 +133,27 @@ class Tap:
 
     def _take_compressed(self, chunk: bytes) -> None:
         """Inflate one read step by step, each step decoded before the next; stop at the bounds."""
-        inflate = self._inflate
-        assert inflate is not None
-        data = chunk
-        while self.active and not inflate.eof:
-            step = inflate.decompress(data, INFLATE_STEP)
-            self._deflated += len(data) - len(inflate.unconsumed_tail)
-            data = inflate.unconsumed_tail
-            self._inflated += len(step)
-            if self._inflated > MAX_INFLATED_BYTES or (
-                self._inflated > INFLATE_ALLOWANCE + MAX_INFLATE_RATIO * self._deflated
-            ):
-                self._stop("inflate_limit")
-                return
-            if step:
+        assert self._inflate is not None
+        try:
+            for step in self._inflate.feed(chunk):
                 self._take(step)
-            if not data and len(step) < INFLATE_STEP:
-                return  # all of the read consumed, and a step that was not full: nothing left inside zlib
+                if not self.active:
+                    return
+        except InflateLimit:
+            self._stop("inflate_limit")
+
+    def _flush_inflater(self) -> None:
+        """Read what the decompressor still holds at the end of the body."""
+        assert self._inflate is not None
+        try:
+            tail = self._inflate.flush()
+            if tail:
+                self._take(tail)
+        except InflateLimit:
+            self._stop("inflate_limit")
+        except Exception:
+            self.active = False
+            log.exception("stream tap failed at the end of %s %s", self.tl.method, self.tl.path)
 
     def _take(self, data: bytes) -> None:
         if self._body is not None:
@@ -174,6 +183,8 @@ class Tap:
     def finish(self, t: float) -> None:
         """The stream ended at ``t``: parse a buffered body, flush decoders."""
         tl = self.tl
+        if self.active and self._inflate is not None:
+            self._flush_inflater()
         if self.active and self.provider is not None:
             try:
                 if self._body is not None:

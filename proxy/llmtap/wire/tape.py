@@ -32,7 +32,7 @@ START, SEGMENT, END, STATS = 0, 1, 2, 3
 CLIENT_TIMEOUT_KINDS = ("header", "body", "idle", "send", "upload")
 CONNECTION_REFUSAL_REASONS = ("limit", "per_client")
 #: Why the relay itself cut a response short (the last group of a STATS message): ``inflate_limit``, a
-#: response it decompressed past ``max_inflate_bytes`` (``llmtap.relay.inflate``).
+#: response it decompressed past ``max_inflate_bytes`` (``llmtap.compression``).
 RESPONSE_CUT_REASONS = ("inflate_limit",)
 
 _ids = random.Random(os.urandom(16))

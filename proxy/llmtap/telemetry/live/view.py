@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.settings import Settings
+from llmtap.config.types import Settings
 from llmtap.telemetry.access import Gate
 from llmtap.telemetry.live.window import HISTORY, SLOT, WINDOWS, Labels, LiveWindow
 from llmtap.telemetry.recorder import Recorder

@@ -33,7 +33,7 @@ from llmtap.analysis.shapes import needed
 from llmtap.analysis.stats import histogram_quantile, sorted_quantile
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import CANCELLED, ERROR, OK, Timeline
-from llmtap.config.settings import SLO
+from llmtap.config.types import SLO
 from llmtap.telemetry.instruments import DURATION_BUCKETS
 from llmtap.telemetry.live.waterfall import waterfall
 
