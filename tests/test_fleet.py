@@ -34,10 +34,10 @@ from llmtap.config.settings import (
     Telemetry as TelemetrySettings,
     telemetry_from_env,
 )
+from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry import peers, semconv as sc
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.recorder import Recorder
-from llmtap.telemetry.records import ReadStats, read_records
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry, free_port
