@@ -58,7 +58,7 @@ MIX_SHIFT = 0.05
 RESAMPLES = 2000
 #: A rise in cached share below this does not make a TTFT gain a caching gain.
 CACHED_SHARE_RISE = 0.05
-#: The slowest requests a side names by trace id (at most ``llmtap.SLOWEST``: what each group keeps).
+#: The slowest requests a side names by trace id (at most ``llmtap.store.SLOWEST``: what each group keeps).
 SLOWEST = 5
 
 
@@ -219,6 +219,7 @@ def side_from_groups(label: str, groups: Iterable[store.Group]) -> Side:
 
 
 def stratum_name(route: str | None, shape: str | None) -> str:
+    """How a route and shape read: ``support long``, or ``(no route) (no shape)``."""
     return f"{route or '(no route)'} {shape or '(no shape)'}"
 
 
@@ -265,6 +266,7 @@ def figures(
 
 
 def share_text(v: float | None) -> str:
+    """A share as a whole percent, or ``-`` when there is none."""
     return "-" if v is None else f"{v:.0%}"
 
 
