@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from bench.procs import Service, by_role, free_port, rss_bytes, wait_http
-from llmtap.telemetry.records import ReadStats, read_records
+from llmtap.store.files import ReadStats, read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / "tests" / "fault_upstream.py"

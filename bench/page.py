@@ -26,7 +26,7 @@ import httpx
 from bench import peers
 from bench.procs import Service, free_port, wait_http
 from llmtap.analysis.stats import histogram_quantile, quantile
-from llmtap.telemetry.records import ReadStats, read_records
+from llmtap.store.files import ReadStats, read_records
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT = {"model": "bench-model", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}

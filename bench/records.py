@@ -24,10 +24,10 @@ from typing import Any
 
 from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 
+from llmtap.store.files import ReadStats, read_records, record_files_at
 from llmtap.telemetry.dataset import DatasetWriter
 from llmtap.telemetry.identity import current
 from llmtap.telemetry.recordlogs import LogSink
-from llmtap.telemetry.records import ReadStats, read_records, record_files
 
 
 def sample_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -141,7 +141,7 @@ def run(n: int, folder: Path) -> list[dict[str, Any]]:
         writer = DatasetWriter(root, current(), max_bytes=8 << 20, parquet=parquet)
         spent = _timed(writer.write, writer.flush, recs)
         writer.close(600)
-        size = sum(f.stat().st_size for f in record_files(root))
+        size = sum(f.stat().st_size for f in record_files_at(root))
         started = time.perf_counter()
         stats = ReadStats()
         read = sum(1 for _ in read_records(root, stats))
@@ -152,7 +152,7 @@ def run(n: int, folder: Path) -> list[dict[str, Any]]:
                 "worker_us_per_record": round(spent / n * 1e6, 1),
                 "json_bytes_per_record": round(raw),
                 "disk_bytes_per_record": round(size / n, 1),
-                "files": len(record_files(root)),
+                "files": len(record_files_at(root)),
                 "read_s": round(time.perf_counter() - started, 2),
             }
         )

@@ -30,9 +30,9 @@ import yaml
 from yamllint import linter  # type: ignore[import-untyped]
 from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
 
+from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.chunkdetail import REASONS
-from llmtap.telemetry.records import ReadStats, read_records
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
 from tests.scripted_upstream import script
 

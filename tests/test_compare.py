@@ -30,7 +30,8 @@ from llmtap import cli
 from llmtap.analysis.compare import Side, analyze
 from llmtap.analysis.stats import Distribution, quantile, quantile_estimate
 from llmtap.simulator.text import Vocabulary
-from llmtap.telemetry.records import SCHEMA_KEY, ReadStats, read_records
+from llmtap.store.files import ReadStats, read_records
+from llmtap.telemetry.records import SCHEMA_KEY
 from tests.conftest import PATIENCE, free_port, require_real
 from tests.test_prometheus import histogram_quantile
 

@@ -21,7 +21,7 @@ import pytest
 
 from llmtap.commands import demo
 from llmtap.config.types import SLO
-from llmtap.telemetry.records import record_files
+from llmtap.store.files import record_files_at
 
 pytestmark = pytest.mark.e2e
 
@@ -35,9 +35,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> demo.DemoRun:
     workloads = demo.default_workloads(requests=3, concurrency=3)
     workloads[1] = replace(workloads[1], requests=6)
     run = asyncio.run(demo.run(workloads, env={}, telemetry_dir=tmp_path_factory.mktemp("telemetry")))
-    for path in [*map(Path, run.telemetry_files), *record_files(run.records_file)]:
+    for path in [*map(Path, run.telemetry_files), *record_files_at(run.records_file)]:
         assert Path(path).stat().st_size > 0, path
-    assert record_files(run.records_file), run.records_file
+    assert record_files_at(run.records_file), run.records_file
     return run
 
 

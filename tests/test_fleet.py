@@ -28,10 +28,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from llmtap.config.otel import telemetry_from_env
 from llmtap.config.types import ConfigError, Records as RecordSettings, Route, Settings, TelemetrySettings
+from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry import peers, semconv as sc
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.recorder import Recorder
-from llmtap.telemetry.records import ReadStats, read_records
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry, free_port

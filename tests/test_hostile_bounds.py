@@ -34,10 +34,11 @@ from llmtap.analysis.summary import MAX_SAMPLES, summarize
 from llmtap.analysis.timeline import COUNT_CHARS, Timeline
 from llmtap.config.types import Route, Settings
 from llmtap.providers import provider_for
+from llmtap.store.files import ReadStats, read_records, record_files_at
 from llmtap.telemetry.dataset import DatasetWriter
 from llmtap.telemetry.identity import current
 from llmtap.telemetry.recorder import MAX_QUEUED_BYTES, Recorder
-from llmtap.telemetry.records import SCHEMA_KEY, ReadStats, read_records, record_files
+from llmtap.telemetry.records import SCHEMA_KEY
 from llmtap.telemetry.tap import MAX_INFLATED_BYTES, Tap
 from llmtap.types import Usage
 from llmtap.wire.tape import END, SEGMENT
@@ -221,7 +222,7 @@ def test_a_full_disk_loses_whole_records_only_says_so_once_and_counts_every_one(
         # Some fit and some did not; every one is either on disk whole or counted, and no line is torn.
         assert lost + kept == sent and 0 < kept < sent and lost > 0, (kept, lost)
         assert stats.truncated == 0 and stats.foreign == 0, stats
-        (only,) = record_files(records)
+        (only,) = record_files_at(records)
         assert only.read_bytes().endswith(b"\n") and only.stat().st_size <= FSIZE_LIMIT
     finally:
         proxy.close()

@@ -23,8 +23,8 @@ from bench.procs import LoopbackHTTPServer
 from llmtap.config.load import build
 from llmtap.config.types import ConfigError
 from llmtap.labels import LABEL_CAP, OTHER, LabelGuard, clean
+from llmtap.store.files import record_files_at
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.records import record_files
 from tests.conftest import PATIENCE
 from tests.procs import Llmtap, metric_value
 from tests.test_live import sse
@@ -189,7 +189,7 @@ def test_a_lone_surrogate_or_a_nul_becomes_a_replacement_character_everywhere(
         time.sleep(0.05)
 
     # The record file keeps every line, and every line is UTF-8.
-    raw = b"".join(f.read_bytes() for f in record_files(records))
+    raw = b"".join(f.read_bytes() for f in record_files_at(records))
     lines = [json.loads(line) for line in raw.decode("utf-8").splitlines()]
     assert [r["model"] for r in lines] == [SURROGATE_LABEL, CONTROL_MODEL, "plain"]
     assert lines[2]["error_type"] == "\ufffdbad"

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from llmtap.config.types import Records, Route, Settings, Timeouts
-from llmtap.telemetry.records import ReadStats, read_records
+from llmtap.store.files import ReadStats, read_records
 from tests.conftest import Telemetry, start_proxy
 from tests.vllm_server import VllmServer, vllm_medium
 

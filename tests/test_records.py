@@ -25,11 +25,12 @@ from llmtap.analysis import tokens
 from llmtap.config.load import build
 from llmtap.config.types import ConfigError, Records, Route, Settings
 from llmtap.simulator import get_profile, run_in_thread
+from llmtap.store.files import ReadStats, read_records, record_files_at
 from llmtap.telemetry.dataset import DatasetWriter
 from llmtap.telemetry.identity import Identity, current
 from llmtap.telemetry.recorder import Recorder
 from llmtap.telemetry.recordlogs import LogSink
-from llmtap.telemetry.records import SCHEMA_KEY, ReadStats, read_records, record_files
+from llmtap.telemetry.records import SCHEMA_KEY
 from tests.conftest import PATIENCE, Telemetry, free_port
 from tests.test_recorder import timeline
 
@@ -72,7 +73,7 @@ def test_a_record_holds_the_figures_and_never_content_or_secrets(
     assert bad.status_code == 404 and CANARY_PROMPT in bad.text  # the server quoted it back
     proxy.flush()
 
-    raw = b"".join(f.read_bytes() for f in record_files(path))
+    raw = b"".join(f.read_bytes() for f in record_files_at(path))
     assert CANARY_PROMPT.encode() not in raw.replace(b"no-" + CANARY_PROMPT.encode(), b"")
     assert CANARY_KEY.encode() not in raw and b"Bearer" not in raw
     streamed, whole, failed = records(path)
@@ -93,7 +94,7 @@ def test_a_record_holds_the_figures_and_never_content_or_secrets(
     for rec in (streamed, whole, failed):
         parquet.write(rec)
     parquet.close()
-    assert [f.suffix for f in record_files(tmp_path / "pq")] == [".parquet"]
+    assert [f.suffix for f in record_files_at(tmp_path / "pq")] == [".parquet"]
     assert records(tmp_path / "pq") == [streamed, whole, failed]
     assert streamed[SCHEMA_KEY] == 2
     me = current()
@@ -158,7 +159,7 @@ def test_files_rotate_by_size_and_time_into_hour_partitions_and_are_compressed(t
         writer.flush()
         clock[0] += 30  # 30 minutes in all: many rotation intervals, and the hour turns
     writer.close()
-    files = record_files(tmp_path / "ds")
+    files = record_files_at(tmp_path / "ds")
     names = [f.relative_to(tmp_path / "ds").as_posix() for f in files]
     assert all(n.endswith(".jsonl.gz") and "-host-1-abc-" in n for n in names), names
     assert {n.split("/")[1] for n in names} == {"hour=22", "hour=23"}
@@ -180,7 +181,7 @@ def test_files_rotate_by_size_and_time_into_hour_partitions_and_are_compressed(t
     clock[0] += 60
     idle.flush()
     idle._closer.stop(PATIENCE)  # the compression done
-    assert [f.name.endswith(".jsonl.gz") for f in record_files(tmp_path / "idle")] == [True]
+    assert [f.name.endswith(".jsonl.gz") for f in record_files_at(tmp_path / "idle")] == [True]
     idle.close()
 
 
@@ -191,7 +192,7 @@ def test_retention_keeps_the_newest_closed_files_within_the_bounds(tmp_path: Pat
         writer.write({SCHEMA_KEY: 2, "seq": i, "pad": os.urandom(200).hex()})  # hex of random bytes: compresses ~2x
         writer.flush()
     writer.close()
-    files = record_files(root)
+    files = record_files_at(root)
     assert 0 < sum(f.stat().st_size for f in files) <= 3000 + 1200
     seqs = [r["seq"] for r in records(root)]
     assert seqs == list(range(200 - len(seqs), 200)) and 5 <= len(seqs) < 100, seqs  # the newest, in order
@@ -254,7 +255,7 @@ def test_lines_are_buffered_until_flush_or_close(tmp_path: Path) -> None:
     assert len(recorder.sinks) == 1
     recorder.record(timeline())
     recorder.record(timeline())
-    assert record_files(path) == []  # still in the buffer: one write per second at most under load
+    assert record_files_at(path) == []  # still in the buffer: one write per second at most under load
     recorder.close()  # no worker thread ever ran, and close still flushes and closes the file
     assert len(records(path)) == 2
 
@@ -384,7 +385,7 @@ def test_serve_writes_records_until_it_stops(sim: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, err
     assert [r["prompt_version"] for r in records(path)] == ["v1", "v1", "v2"]
     # A new file past 1 kB: one request each; every one closed and compressed by the time serve stopped.
-    files = record_files(path)
+    files = record_files_at(path)
     assert len(files) == 3 and all(f.name.endswith(".jsonl.gz") for f in files), files
     assert all(gzip.decompress(f.read_bytes()).endswith(b"\n") for f in files)
 
@@ -463,7 +464,7 @@ def test_closed_files_can_become_parquet_and_read_back_as_the_lines_were(tmp_pat
         writer.write(line)
         writer.flush()
     writer.close()
-    files = record_files(tmp_path / "pq")
+    files = record_files_at(tmp_path / "pq")
     assert len(files) > 1 and all(f.name.endswith(".parquet") for f in files), files
     assert not list((tmp_path / "pq").rglob("*.jsonl"))
     assert records(tmp_path / "pq") == lines  # strings stay strings (an ISO time, a span id of digits)

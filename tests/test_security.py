@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmtap.telemetry.records import record_files
+from llmtap.store.files import record_files_at
 from tests.conftest import PATIENCE
 from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
@@ -52,7 +52,7 @@ def everything_exported(proxy: Llmtap, receiver: HTTPReceiver, records: Path) ->
         "metrics": proxy.metrics().encode(),
         "live": live + httpx.get(proxy.admin_url + "/", timeout=5).content,
         "log": proxy.log_path.read_bytes(),
-        "records": b"".join(p.read_bytes() for p in record_files(records)),
+        "records": b"".join(p.read_bytes() for p in record_files_at(records)),
     }
 
 

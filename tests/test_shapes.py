@@ -38,13 +38,13 @@ from llmtap.config.load import build
 from llmtap.config.types import DEFAULT_SHAPES, SLO, ConfigError, Records, Route, Settings, Shape
 from llmtap.relay.app import create_app
 from llmtap.simulator.text import Vocabulary
+from llmtap.store.files import ReadStats, read_records as read_record_lines
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.instruments import create
 from llmtap.telemetry.live.window import SLOWEST
 from llmtap.telemetry.metrics import _record_samples
 from llmtap.telemetry.prometheus import PrometheusReader, wants_openmetrics
-from llmtap.telemetry.records import ReadStats, read_records as read_record_lines
 from tests.conftest import PATIENCE, ServerThread, require_real
 
 # -- shapes and objectives from the configuration -------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from llmtap.telemetry.records import ReadStats, read_records
+from llmtap.store.files import ReadStats, read_records
 from tests.conftest import PATIENCE, free_port
 from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture

@@ -27,7 +27,7 @@ from llmtap.providers import Gemini, Ollama, OpenAIResponses, provider_for
 from llmtap.providers.sse import decoder_for
 from llmtap.simulator import get_profile, run_in_thread
 from llmtap.simulator.text import Vocabulary
-from llmtap.telemetry.records import ReadStats, read_records
+from llmtap.store.files import ReadStats, read_records
 from llmtap.types import Facts
 from tests.conftest import PATIENCE, free_port
 from tests.procs import ROOT, Llmtap

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from llmtap import store
-from llmtap.analysis import compare, slo
+from llmtap.analysis.compare import Split
+from llmtap.commands import compare, slo
 from llmtap.config.types import SLO, ConfigError
 from llmtap.store.engine import EngineSource
 from llmtap.store.files import NoRecords, record_files
@@ -221,12 +222,12 @@ def lookup(route: str, shape: str) -> SLO | None:
 @pytest.mark.parametrize(
     "split",
     [
-        compare.Split(),
-        compare.Split(before="v2", after="v1"),
-        compare.Split(before="v1", after="v3"),
-        compare.Split(at=T0 + 3600.0),
-        compare.Split(at=T0 + 3600.0, window=1800.0),
-        compare.Split(before="v1", after="v2", window=7200.0, until=T0 + 5000.0),
+        Split(),
+        Split(before="v2", after="v1"),
+        Split(before="v1", after="v3"),
+        Split(at=T0 + 3600.0),
+        Split(at=T0 + 3600.0, window=1800.0),
+        Split(before="v1", after="v2", window=7200.0, until=T0 + 5000.0),
     ],
 )
 def test_compare_gives_equal_verdicts_figures_and_intervals_on_either_engine(dataset: Path, split: Any) -> None:
@@ -299,7 +300,7 @@ def test_parquet_reads_as_its_json_lines(tmp_path: Path) -> None:
     con = duckdb.connect()
     con.execute(f"COPY (SELECT * FROM read_json_auto('{lines}')) TO '{tmp_path / 'b.parquet'}' (FORMAT parquet)")
     con.close()
-    split = compare.Split(at=T0 + 2000.0)
+    split = Split(at=T0 + 2000.0)
     from_lines = compare.record_sides([lines], split, engine="python").compare(seed=1, resamples=300)
     from_parquet = compare.record_sides([tmp_path / "b.parquet"], split).compare(seed=1, resamples=300)
     assert from_lines.to_json() | {"source": ""} == from_parquet.to_json() | {"source": ""}

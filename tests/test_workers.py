@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from llmtap.simulator import get_profile, run_in_thread
+from llmtap.store.files import ReadStats, read_records, record_files_at
 from llmtap.telemetry.prometheus import merge_metrics
-from llmtap.telemetry.records import ReadStats, read_records, record_files
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
 
 ROOT = Path(__file__).parent.parent
@@ -334,7 +334,7 @@ def test_two_telemetry_processes_write_every_record_into_their_own_files(short_t
     assert {pid for pairs in by_instance.values() for pid, _ in pairs} == telemetry
     assert sorted(len(pairs) for pairs in by_instance.values()) == [1, 1]
     # Every file is one writer's, named for it, within the size bound, and compressed once closed.
-    files = record_files(records)
+    files = record_files_at(records)
     assert len(files) > 4 and all(f.name.endswith(".jsonl.gz") for f in files), files
     for f in files:
         file_stats = ReadStats()

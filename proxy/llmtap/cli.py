@@ -332,11 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return demo.main(args)
         elif args.command == "compare":
-            from llmtap.analysis import compare
+            from llmtap.commands import compare
 
             return compare.main(args)
         elif args.command == "slo":
-            from llmtap.analysis import slo
+            from llmtap.commands import slo
 
             return slo.main(args)
         elif args.command == "docs":

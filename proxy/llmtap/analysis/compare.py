@@ -16,31 +16,31 @@ classes), there is no pooled verdict: a p50 over 0 long prompts before and 24 af
 The slowest requests of each side (at or above its p99 TTFT) are named by trace id.
 
 The intervals come from ``llmtap.analysis.stats`` (an exact percentile bootstrap, numpy-free).
+
+Pure: the sides come from a source's facts (``side_from_groups``) or from the answers to PromQL queries this
+module writes (``side_queries``, ``strata_query``); reading them, and printing and drawing the comparison, is
+``llmtap.commands.compare``'s.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import sys
-import textwrap
-import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llmtap import store
 from llmtap.analysis import costreport, slo as slo_report
-from llmtap.analysis.promql import Prometheus, quote
-from llmtap.analysis.slo import Objectives, Verdict
-from llmtap.analysis.stats import Distribution, Estimate, change_estimates, homogeneity, quantile_estimate
-from llmtap.analysis.units import parse_duration, parse_time, seconds
-from llmtap.config.load import build
+from llmtap.analysis.promql import Grown, selector
+from llmtap.analysis.slo import Verdict
+from llmtap.analysis.stats import Distribution, Estimate, change_estimates, homogeneity, merged, quantile_estimate
+from llmtap.analysis.units import seconds
 from llmtap.config.types import ConfigError
+
+if TYPE_CHECKING:  # the facts a source gives (analysis reads them; it never opens a source)
+    from llmtap import store
 
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
 MIN_REQUESTS = 3
@@ -58,6 +58,8 @@ MIX_SHIFT = 0.05
 RESAMPLES = 2000
 #: A rise in cached share below this does not make a TTFT gain a caching gain.
 CACHED_SHARE_RISE = 0.05
+#: The slowest requests a side names by trace id (at most ``llmtap.store.SLOWEST``: what each group keeps).
+SLOWEST = 5
 
 
 # -- the two sides ---------------------------------------------------------------------------------
@@ -112,7 +114,7 @@ class SideFigures:
     input_tokens: int
     cached_tokens: int
     classes: dict[str, int]
-    #: The requests at or above the side's TTFT p99, slowest first (at most ``store.SLOWEST``), and how many.
+    #: The requests at or above the side's TTFT p99, slowest first (at most ``SLOWEST``), and how many.
     slowest: list[Slow] = field(default_factory=list)
     at_or_above_p99: int = 0
 
@@ -143,13 +145,14 @@ class Mix:
     def describe(self) -> str:
         """``support long 0% to 50%, support short 100% to 50%: moved (chi-square p < 0.001, 50% shifted)``."""
         parts = [
-            f"{_stratum(s.route, s.shape)} {_share(s.before_share)} to {_share(s.after_share)}" for s in self.shares
+            f"{stratum_name(s.route, s.shape)} {share_text(s.before_share)} to {share_text(s.after_share)}"
+            for s in self.shares
         ]
         if self.p_value is None:
             return ", ".join(parts) + ": no test (one class, or a side without requests)"
         p = "p < 0.001" if self.p_value < 0.001 else f"p = {self.p_value:.3f}"
         held = "moved" if self.moved else "held"
-        return ", ".join(parts) + f": {held} (chi-square {p}, {_share(self.shift)} of requests shifted)"
+        return ", ".join(parts) + f": {held} (chi-square {p}, {share_text(self.shift)} of requests shifted)"
 
 
 @dataclass(slots=True)
@@ -208,14 +211,15 @@ def side_from_groups(label: str, groups: Iterable[store.Group]) -> Side:
         side.cached_tokens += g.cached_tokens
         side.priced += g.priced
         side.cost += g.cost
-    side.ttft = Distribution.of_sorted(store.merged([g.ttft_ok for g in groups]))
-    side.prefill = Distribution.of_sorted(store.merged([g.prefill for g in groups]))
+    side.ttft = Distribution.of_sorted(merged([g.ttft_ok for g in groups]))
+    side.prefill = Distribution.of_sorted(merged([g.prefill for g in groups]))
     slow = [Slow(v, trace, g.route, g.shape) for g in groups for v, trace in g.slowest]
-    side.slowest = sorted(slow, key=lambda s: (-s.ttft, s.trace_id, s.route or "", s.shape or ""))[: store.SLOWEST]
+    side.slowest = sorted(slow, key=lambda s: (-s.ttft, s.trace_id, s.route or "", s.shape or ""))[:SLOWEST]
     return side
 
 
-def _stratum(route: str | None, shape: str | None) -> str:
+def stratum_name(route: str | None, shape: str | None) -> str:
+    """How a route and shape read: ``support long``, or ``(no route) (no shape)``."""
     return f"{route or '(no route)'} {shape or '(no shape)'}"
 
 
@@ -261,7 +265,8 @@ def figures(
 # -- the verdict -----------------------------------------------------------------------------------
 
 
-def _share(v: float | None) -> str:
+def share_text(v: float | None) -> str:
+    """A share as a whole percent, or ``-`` when there is none."""
     return "-" if v is None else f"{v:.0%}"
 
 
@@ -312,7 +317,7 @@ def verdict(
     diff, rel = p50
     b, a = before.ttft["p50"], after.ttft["p50"]
     assert b is not None and a is not None
-    shares = f"cached share {_share(before.cached_share)} to {_share(after.cached_share)}"
+    shares = f"cached share {share_text(before.cached_share)} to {share_text(after.cached_share)}"
     value, low, high = percents(rel.value, rel.low, rel.high)
     moved = f"TTFT p50 {seconds(b.value)} to {seconds(a.value)} ({value}, CI {low} to {high}"
     kind = "no_gain" if diff.value < 0 else "no_change"
@@ -402,7 +407,7 @@ def analyze(
             )
         if c.mix.moved:
             moved = ", ".join(
-                f"{_stratum(s.route, s.shape)} {_share(s.before_share)} to {_share(s.after_share)}"
+                f"{stratum_name(s.route, s.shape)} {share_text(s.before_share)} to {share_text(s.after_share)}"
                 for s in c.mix.shares
                 if s.before_share != s.after_share
             )
@@ -430,7 +435,7 @@ def mix_of(strata: dict[tuple[str | None, str | None], tuple[Side, Side]]) -> Mi
     return Mix(shares, shift, statistic, p, moved=p < MIX_P and shift >= MIX_SHIFT)
 
 
-# -- record files ----------------------------------------------------------------------------------
+# -- the split -------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -511,100 +516,6 @@ def cost_change(before: Side, after: Side) -> dict[str, Any] | None:
     )
 
 
-def compare_records(
-    path: str | Path | Sequence[str | Path],
-    split: Split,
-    *,
-    route: str | None = None,
-    model: str | None = None,
-    shape: str | None = None,
-    engine: str = store.ENGINES[0],
-    **options: Any,
-) -> Comparison:
-    """Compare over record files (what the demo's verdict comes from)."""
-    return record_sides(path, split, route=route, model=model, shape=shape, engine=engine).compare(**options)
-
-
-def record_sides(
-    path: str | Path | Sequence[str | Path],
-    split: Split,
-    *,
-    route: str | None = None,
-    model: str | None = None,
-    shape: str | None = None,
-    objectives: Objectives | None = None,
-    engine: str | store.Source = store.ENGINES[0],
-) -> Sides:
-    """Read record files (paths, globs, directories; rotated siblings included) and split their requests;
-    ``engine`` names what reads them, or is a source of its own (ClickHouse: ``path`` is then unused).
-
-    One scan of the source: the records that pass the filter, grouped by side (prompt version, or before
-    and after ``--split-at``), route and shape, each figure's values sorted by the source."""
-    paths = [path] if isinstance(path, str | Path) else list(path)
-    where = store.Filter(route=route, model=model, shape=shape)
-    by: store.By
-    if split.at is not None:
-        by = split.at
-        if split.window is not None:
-            where = replace(where, start=split.at - split.window, end=split.at + split.window, open_end=True)
-    else:
-        by = store.VERSION
-        if split.window is not None:
-            # A version split over a window: the last ``window`` seconds before ``until`` (or now).
-            end = split.until if split.until is not None else time.time()
-            where = replace(where, start=end - split.window, end=end)
-    given = None if isinstance(engine, str) else engine
-    source = slo_report.open_source(paths, engine) if isinstance(engine, str) else engine
-    try:
-        scan = source.scan(where, by)
-        if not scan.groups:
-            slo_report.no_such_names(source, where, by)
-        split = by_versions(scan.groups, split)
-        if split.at is None:
-            unknown_versions(scan.groups, split, where)
-        keys = ("before", "after") if split.at is not None else (split.before, split.after)
-        sides = [[g for g in scan.groups if g.key == k] for k in keys]
-        met = None
-        if objectives is not None:
-            met = source.count_met(where, by, slo_report.limits_of(sides[0] + sides[1], objectives))
-    finally:
-        source.close()
-    before = side_from_groups(split.before or "before", sides[0])
-    after = side_from_groups(split.after or "after", sides[1])
-    verdicts: dict[str, list[Verdict]] = {}
-    for side, groups in ((before, sides[0]), (after, sides[1])):
-        span = None
-        if side.requests > 1:
-            span = max(g.last for g in groups) - min(g.first for g in groups)
-        judged = slo_report.store_groups(groups, objectives=objectives, met=met)
-        verdicts[side.label] = slo_report.verdicts(judged, span)
-    return Sides(
-        before,
-        after,
-        source=slo_report.source_name(paths, scan) if given is None else f"{scan.source} ({scan.records} records)",
-        split=split.describe(),
-        skipped=scan.skipped,
-        slo=verdicts,
-        strata=strata_from_groups(before.label, sides[0], after.label, sides[1]),
-    )
-
-
-def unknown_versions(groups: Sequence[store.Group], split: Split, where: store.Filter) -> None:
-    """``ConfigError`` naming the versions the records hold (and their requests) when a side's is not among them."""
-    seen: Counter[str] = Counter()
-    for g in groups:
-        if g.key is not None:
-            seen[g.key] += g.requests
-    missing = [v for v in (split.before, split.after) if v is not None and v not in seen]
-    if not missing:
-        return
-    known = ", ".join(f"{v} ({n} requests)" for v, n in sorted(seen.items(), key=lambda kv: (-kv[1], kv[0])))
-    what = " and ".join(missing)
-    raise ConfigError(
-        f"no requests of prompt version {what}{slo_report.describe_filter(where)}; versions seen: {known or 'none'}"
-    )
-
-
 # -- Prometheus ------------------------------------------------------------------------------------
 
 #: The proxy's metric names as Prometheus stores them: llmtap's own, which carry the route and prompt version
@@ -617,48 +528,63 @@ PROM_CLASSES = "llmtap_cache_requests_total"
 PROM_REQUESTS = "llmtap_requests_total"
 
 
-def _selector(matchers: dict[str, str]) -> str:
-    return ",".join(f"{k}={quote(v)}" for k, v in sorted(matchers.items()))
+def side_queries(matchers: Mapping[str, str]) -> dict[str, str]:
+    """The queries a side's figures are read from (``side_from_counters``), by what each answers."""
+    sel = selector(matchers)
+
+    def buckets(name_matcher: str) -> str:
+        return f"sum by (le) ({{{name_matcher}{',' + sel if sel else ''}}})"
+
+    def total(metric: str, by: str | None = None) -> str:
+        grouping = f" by ({by})" if by else ""
+        return f"sum{grouping} ({metric}{{{sel}}})"
+
+    return {
+        "ttft": buckets(f'__name__="{PROM_TTFT}"'),
+        "prefill": buckets(f'__name__="{PROM_PREFILL}"'),
+        "prefill_sources": total("llmtap_prefill_duration_seconds_count", "llmtap_prefill_source"),
+        "input": total(PROM_INPUT),
+        "cached": total(PROM_CACHED),
+        "classes": total(PROM_CLASSES, "llmtap_cache_class"),
+        "outcomes": total(PROM_REQUESTS, "llmtap_outcome"),
+    }
 
 
-def side_from_prometheus(
-    prom: Prometheus, label: str, matchers: dict[str, str], start: float | None, end: float
-) -> Side:
-    """A side from the proxy's metrics in Prometheus: TTFT and prefill histograms, token and request counters."""
-    sel = _selector(matchers)
-    side = Side(label)
+def side_from_counters(label: str, grown: Mapping[str, Grown]) -> Side:
+    """A side from what each of ``side_queries`` grew by in its window: TTFT and prefill histograms, token
+    and request counters."""
 
-    def buckets(name_matcher: str) -> Distribution:
-        grown = prom.increase(f"sum by (le) ({{{name_matcher}{',' + sel if sel else ''}}})", start, end)
-        pairs = [(float(dict(k)["le"]), v) for k, v in grown.items() if "le" in dict(k)]
+    def buckets(found: Grown) -> Distribution:
+        pairs = [(float(dict(k)["le"]), v) for k, v in found.items() if "le" in dict(k)]
         return Distribution(buckets=pairs) if pairs and max(v for _, v in pairs) > 0 else Distribution()
 
-    def total(metric: str, by: str | None = None) -> dict[str, float]:
-        grouping = f" by ({by})" if by else ""
-        grown = prom.increase(f"sum{grouping} ({metric}{{{sel}}})", start, end)
-        return {dict(k).get(by, "") if by else "": v for k, v in grown.items()}
+    def total(found: Grown, by: str | None = None) -> dict[str, float]:
+        return {dict(k).get(by, "") if by else "": v for k, v in found.items()}
 
-    side.ttft = buckets(f'__name__="{PROM_TTFT}"')
-    side.prefill = buckets(f'__name__="{PROM_PREFILL}"')
-    sources = total("llmtap_prefill_duration_seconds_count", "llmtap_prefill_source")
+    side = Side(label)
+    side.ttft = buckets(grown["ttft"])
+    side.prefill = buckets(grown["prefill"])
+    sources = total(grown["prefill_sources"], "llmtap_prefill_source")
     side.prefill_sources = {k for k, v in sources.items() if v > 0 and k}
-    side.input_tokens = round(sum(total(PROM_INPUT).values()))
-    side.cached_tokens = round(sum(total(PROM_CACHED).values()))
-    side.classes = Counter({k: round(v) for k, v in total(PROM_CLASSES, "llmtap_cache_class").items() if v >= 0.5})
-    outcomes = total(PROM_REQUESTS, "llmtap_outcome")
+    side.input_tokens = round(sum(total(grown["input"]).values()))
+    side.cached_tokens = round(sum(total(grown["cached"]).values()))
+    side.classes = Counter({k: round(v) for k, v in total(grown["classes"], "llmtap_cache_class").items() if v >= 0.5})
+    outcomes = total(grown["outcomes"], "llmtap_outcome")
     side.requests = round(sum(outcomes.values()))
     side.errors = side.requests - round(outcomes.get("ok", 0.0))
     return side
 
 
-def strata_from_prometheus(
-    prom: Prometheus, label: str, matchers: dict[str, str], start: float | None, end: float
-) -> dict[tuple[str | None, str | None], Side]:
-    """One side's routes and shapes from the TTFT histogram by route and shape (its only series with both):
-    TTFT alone, so a route and shape's verdict names no cause."""
-    sel = _selector(matchers)
+def strata_query(matchers: Mapping[str, str]) -> str:
+    """The TTFT histogram by route and shape (the only series with both) of one side."""
+    sel = selector(matchers)
     by = f"le, {slo_report.ROUTE_LABEL}, {slo_report.SHAPE_LABEL}"
-    grown = prom.increase(f'sum by ({by}) ({{__name__="{PROM_TTFT}"{"," + sel if sel else ""}}})', start, end)
+    return f'sum by ({by}) ({{__name__="{PROM_TTFT}"{"," + sel if sel else ""}}})'
+
+
+def strata_from_counters(label: str, grown: Grown) -> dict[tuple[str | None, str | None], Side]:
+    """One side's routes and shapes from what ``strata_query`` grew by: TTFT alone, so a route and shape's
+    verdict names no cause."""
     buckets: dict[tuple[str | None, str | None], list[tuple[float, float]]] = {}
     for key, value in grown.items():
         labels = dict(key)
@@ -674,273 +600,10 @@ def strata_from_prometheus(
     return out
 
 
-def _paired(
+def paired(
     before: tuple[str, dict[tuple[str | None, str | None], Side]],
     after: tuple[str, dict[tuple[str | None, str | None], Side]],
 ) -> dict[tuple[str | None, str | None], tuple[Side, Side]]:
     """Each route and shape's two sides (an empty side where one has none), in order of route and shape."""
     keys = sorted({*before[1], *after[1]}, key=lambda k: (k[0] or "", k[1] or ""))
     return {k: (before[1].get(k) or Side(before[0]), after[1].get(k) or Side(after[0])) for k in keys}
-
-
-def prometheus_sides(
-    url: str,
-    split: Split,
-    *,
-    route: str | None = None,
-    model: str | None = None,
-    shape: str | None = None,
-    objectives: Objectives | None = None,
-) -> Sides:
-    """The two sides from the proxy's metrics in Prometheus: by version label, or at a time, over a window.
-
-    A version split without ``--window`` reads what the counters hold at the end (since the proxy last
-    started); a time split compares equal windows on either side of the moment, up to ``--until`` or now.
-    """
-    base: dict[str, str] = {}
-    if route is not None:
-        base["llmtap_route"] = route
-    if model is not None:
-        base["gen_ai_request_model"] = model
-    if shape is not None:
-        base[slo_report.SHAPE_LABEL] = shape
-    end = split.until if split.until is not None else time.time()
-    prom = Prometheus(url)
-    # The same windows and matchers per side, for the SLO verdicts (when the objectives are known).
-    windows: dict[str, tuple[float | None, float, dict[str, str]]] = {}
-    try:
-        if split.at is not None:
-            window = split.window if split.window is not None else max(end - split.at, 1.0)
-            before = side_from_prometheus(prom, "before", base, split.at - window, split.at)
-            after = side_from_prometheus(prom, "after", base, split.at, min(split.at + window, end))
-            windows = {
-                "before": (split.at - window, split.at, base),
-                "after": (split.at, min(split.at + window, end), base),
-            }
-        else:
-            if split.before is None or split.after is None:
-                raise ConfigError("with --prometheus, say how to split: --before V1 --after V2, or --split-at TIME")
-            start = end - split.window if split.window is not None else None
-            before = side_from_prometheus(
-                prom, split.before, {**base, "llmtap_prompt_version": split.before}, start, end
-            )
-            after = side_from_prometheus(prom, split.after, {**base, "llmtap_prompt_version": split.after}, start, end)
-            windows = {
-                split.before: (start, end, {**base, "llmtap_prompt_version": split.before}),
-                split.after: (start, end, {**base, "llmtap_prompt_version": split.after}),
-            }
-        # Like with like: each route and shape's TTFT on each side, from the same windows.
-        strata: dict[tuple[str | None, str | None], tuple[Side, Side]] = {}
-        if len(windows) == 2:
-            (lb, wb), (la, wa) = windows.items()
-            strata = _paired(
-                (before.label, strata_from_prometheus(prom, lb, wb[2], wb[0], wb[1])),
-                (after.label, strata_from_prometheus(prom, la, wa[2], wa[0], wa[1])),
-            )
-    finally:
-        prom.close()
-    verdicts: dict[str, list[Verdict]] = {}
-    if objectives is not None:
-        for label, (first, last, matchers) in windows.items():
-            report = slo_report.from_prometheus(
-                url,
-                objectives,
-                until=last,
-                start=first,
-                window=None if first is None else last - first,
-                matchers=matchers,
-            )
-            verdicts[label] = report.verdicts
-    return Sides(before, after, source=f"Prometheus at {prom.url}", split=split.describe(), slo=verdicts, strata=strata)
-
-
-# -- output ----------------------------------------------------------------------------------------
-
-
-def _estimate(e: Estimate | None) -> str:
-    if e is None:
-        return "-"
-    return f"{seconds(e.value)} [{seconds(e.low)}, {seconds(e.high)}]"
-
-
-def _relative(change: dict[str, Estimate] | None) -> str:
-    if change is None:
-        return ""
-    value, low, high = percents(change["relative"].value, change["relative"].low, change["relative"].high)
-    return f"{value} [{low}, {high}]"
-
-
-def _classes(classes: dict[str, int]) -> str:
-    return ", ".join(f"{name} {n}" for name, n in classes.items()) or "-"
-
-
-def render(c: Comparison) -> str:
-    """The report: what was read, a table of both sides and the change, and the verdict."""
-    b, a = c.before, c.after
-    rows: list[tuple[str, str, str, str]] = [
-        ("", f"before ({b.label})", f"after ({a.label})", "change"),
-        ("requests", f"{b.requests} ({b.errors} errors)", f"{a.requests} ({a.errors} errors)", ""),
-    ]
-    for name, _ in QUANTILES:
-        rows.append(
-            (f"TTFT {name}", _estimate(b.ttft[name]), _estimate(a.ttft[name]), _relative(c.change[f"ttft_{name}"]))
-        )
-    rows.append(
-        (
-            "prefill p50",
-            _estimate(b.prefill_p50) + (f" ({b.prefill_source})" if b.prefill_source else ""),
-            _estimate(a.prefill_p50) + (f" ({a.prefill_source})" if a.prefill_source else ""),
-            "",
-        )
-    )
-    rows.append(("cached share", _share(b.cached_share), _share(a.cached_share), ""))
-    rows.append(("cache classes", _classes(b.classes), _classes(a.classes), ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [f"llmtap compare: {c.source}", f"split: {c.split}"]
-    skipped = {k: v for k, v in c.skipped.items() if v}
-    if skipped:
-        lines.append("skipped lines: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in skipped.items()))
-    lines.append("")
-    for r in rows:
-        lines.append("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip())
-    lines.append("  (95% bootstrap confidence intervals in brackets; TTFT of successful streams)")
-    few = [name for name, q in QUANTILES[1:] if min(b.ttft_requests, a.ttft_requests) < 2 / (1 - q)]
-    if few:
-        lines.append(f"  ({' and '.join(few)} rest on few requests: read them as rough)")
-    if c.mix is not None and (len(c.strata) > 1 or c.mix.moved):
-        lines += ["", f"mix of routes and shapes (requests with a TTFT, {b.label} to {a.label}): {c.mix.describe()}"]
-        lines.append("by route and shape (TTFT p50; requests with a TTFT before/after):")
-        names = [_stratum(s.route, s.shape) for s in c.strata]
-        counts = [f"{s.before}/{s.after}" for s in c.strata]
-        wide, wide_n = max(map(len, names)), max(map(len, counts))
-        for s, name, n in zip(c.strata, names, counts, strict=True):
-            lines.append(f"  {name.ljust(wide)}  {n.rjust(wide_n)}  {s.verdict}")
-    slow = [(f, f.slowest) for f in (b, a) if f.slowest]
-    if slow:
-        lines += ["", "slowest requests (TTFT at or above each side's p99, by trace id):"]
-        for f, listed in slow:
-            p99 = f.ttft["p99"]
-            more = f", the slowest {len(listed)} shown" if f.at_or_above_p99 > len(listed) else ""
-            head = f"  {f.label}: {f.at_or_above_p99} at or above p99 {seconds(p99.value) if p99 else '-'}{more}"
-            lines.append(head)
-            for x in listed:
-                lines.append(f"    {seconds(x.ttft):>8}  {x.trace_id or '(no trace id)'}  {_stratum(x.route, x.shape)}")
-    lines += ["", c.verdict]
-    slo = [
-        f"  {label}: {v.route} {v.shape}: {check.describe()}: {_estimate(check.estimate)} {check.verdict}"
-        for label, verdicts in c.slo.items()
-        for v in verdicts
-        for check in v.checks
-    ]
-    if slo:  # a header only over rows: a route judged by no objective has none
-        lines += ["", "SLO by route and shape (the percentile that counts, 95% CI):", *slo]
-    return "\n".join(lines)
-
-
-def plot(c: Comparison, before: Distribution, after: Distribution, path: str | Path) -> None:
-    """Draw the two TTFT distributions (cumulative) and the cached share of each side into a PNG."""
-    try:
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter, LogLocator
-    except ImportError:
-        hint = "pip install matplotlib (in a checkout of llmtap: pip install -e '.[plot]')"
-        raise ConfigError(f"--plot needs matplotlib: {hint}") from None
-    fig = Figure(figsize=(10, 4.2), layout="constrained")
-    left, right = fig.subplots(1, 2, width_ratios=[3, 1])
-    for dist, side, color in ((before, c.before, "tab:red"), (after, c.after, "tab:blue")):
-        xs, ys = dist.cdf()
-        if not xs:
-            continue
-        # From 0 at the smallest value, so the first step is drawn too.
-        left.step([xs[0], *xs], [0.0, *ys], where="post", color=color, label=f"{side.label} (n={side.ttft_requests})")
-        p50 = side.ttft["p50"]
-        if p50 is not None:
-            left.axvline(p50.value, color=color, linestyle=":", linewidth=1)
-    values = [v for dist in (before, after) for v in dist.cdf()[0] if v > 0]
-    wide = bool(values) and max(values) > 10 * min(values)
-    if wide:
-        # A caching gain spans a decade or more: a log scale shows both sides' spread.
-        left.set_xscale("log")
-        left.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        left.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
-    left.xaxis.set_major_formatter(FuncFormatter(lambda v, _: seconds(v)))
-    left.set_xlabel(f"TTFT{' (log scale)' if wide else ''}; dotted: p50")
-    left.set_ylabel("share of requests")
-    left.set_ylim(0, 1.02)
-    left.grid(True, which="both", alpha=0.3)
-    left.legend(loc="lower right")
-    shares = [(c.before.cached_share or 0.0) * 100, (c.after.cached_share or 0.0) * 100]
-    bars = right.bar([c.before.label, c.after.label], shares, color=["tab:red", "tab:blue"])
-    right.bar_label(bars, labels=[f"{v:.0f}%" for v in shares])
-    right.set_ylim(0, 105)
-    right.set_ylabel("cached share of input tokens (%)")
-    fig.suptitle("\n".join(textwrap.wrap(c.verdict, 110)), fontsize=9)
-    try:
-        fig.savefig(str(path), dpi=100)
-    except OSError as exc:
-        raise ConfigError(f"--plot {str(path)!r}: {exc.strerror or exc}") from None
-
-
-def parse_share(text: str) -> float:
-    """``10%`` or ``0.1``: a share of the before side's p50, from 0 up to 1 (100%)."""
-    raw = text.strip()
-    try:
-        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value <= 1:
-        raise ConfigError(f"--min-gain-share {text!r}: expected a share such as 10% or 0.1 (0 to 100%)")
-    return value
-
-
-def main(args: Any) -> int:
-    """``llmtap compare``; bad input raises ``ConfigError`` (exit code 2 in the CLI)."""
-    if sum((bool(args.records), args.prometheus is not None, args.clickhouse is not None)) != 1:
-        raise ConfigError("compare needs a record file or --prometheus URL or --clickhouse URL (one of them)")
-    if args.split_at is not None and (args.before is not None or args.after is not None):
-        raise ConfigError("split by version (--before/--after) or by time (--split-at), not both")
-    if args.resamples is not None and args.resamples < 100:
-        raise ConfigError("--resamples must be at least 100")
-    if args.min_requests is not None and args.min_requests < 1:
-        raise ConfigError("--min-requests must be at least 1")
-    if args.min_gain_ms is not None and not args.min_gain_ms >= 0:
-        raise ConfigError("--min-gain-ms must be a duration in ms >= 0")
-    share = MIN_GAIN_SHARE if args.min_gain_share is None else parse_share(args.min_gain_share)
-    split = Split(
-        before=args.before,
-        after=args.after,
-        at=parse_time(args.split_at) if args.split_at else None,
-        window=parse_duration(args.window) if args.window else None,
-        until=parse_time(args.until) if args.until else None,
-    )
-    objectives = slo_report.config_objectives(build({"config": args.config}, env={})) if args.config else None
-    where = {"route": args.route, "model": args.model, "shape": args.shape, "objectives": objectives}
-    if args.records:
-        sides = record_sides(args.records, split, engine=args.engine, **where)
-    elif args.clickhouse is not None:
-        # ClickHouse filters, groups and sorts; the statistics and the verdict stay llmtap's.
-        from llmtap.store.clickhouse import ClickHouseSource, server_from_env
-
-        source = ClickHouseSource(server_from_env(args.clickhouse), args.clickhouse_table)
-        sides = record_sides([], split, engine=source, **where)
-    else:
-        sides = prometheus_sides(args.prometheus, split, **where)
-    comparison = sides.compare(
-        min_requests=MIN_REQUESTS if args.min_requests is None else args.min_requests,
-        min_gain_ms=MIN_GAIN_MS if args.min_gain_ms is None else args.min_gain_ms,
-        min_gain_share=share,
-        resamples=RESAMPLES if args.resamples is None else args.resamples,
-        seed=args.seed,
-    )
-    if args.plot:
-        plot(comparison, sides.before.ttft, sides.after.ttft, args.plot)
-    if args.json:
-        print(json.dumps(comparison.to_json(), indent=2))
-    else:
-        print(render(comparison))
-        for line in costreport.compare_lines(comparison.cost):
-            print(line)
-        if args.plot:
-            print(f"\nplot: {args.plot}")
-    sys.stdout.flush()
-    return 0

@@ -5,15 +5,18 @@ A record's cost is its reported tokens at the price table's prices (``llmtap.ana
 without one (an unknown model, no usage, a record written before costs) is left out of the mean and
 counted, so "820 of 1,000 priced" says how much of the traffic the figure speaks for. For a prompt change
 that improves caching, the cost per request before and after says by how much the bill moved.
+
+Pure figures; the lines the commands print are ``llmtap.commands.cost``'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llmtap import store
+if TYPE_CHECKING:  # the facts a source gives (analysis reads them; it never opens a source)
+    from llmtap import store
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +64,6 @@ def change(before: CostFigures, after: CostFigures) -> dict[str, Any]:
     return {"before": asdict(before), "after": asdict(after), "relative": relative}
 
 
-def compare_lines(cost: dict[str, Any] | None) -> list[str]:
-    """The lines ``llmtap compare`` adds after its verdict."""
-    if not cost:
-        return []
-    before, after = CostFigures(**cost["before"]), CostFigures(**cost["after"])
-    moved = "" if cost["relative"] is None else f": {cost['relative']:+.1%}"
-    return ["", f"cost per request: before {before.describe()}, after {after.describe()}{moved}"]
-
-
 def by_route_and_shape(groups: Iterable[store.Group]) -> list[dict[str, Any]]:
     """The cost of each route and shape (``llmtap slo``), in the order of their names."""
     keyed: dict[tuple[str, str], list[store.Group]] = {}
@@ -80,14 +74,3 @@ def by_route_and_shape(groups: Iterable[store.Group]) -> list[dict[str, Any]]:
         {"route": route, "shape": shape, **asdict(CostFigures.of(found))}
         for (route, shape), found in sorted(keyed.items())
     ]
-
-
-def slo_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The lines ``llmtap slo`` adds after its table: cost per request by route and shape, when any was priced."""
-    if not any(r["priced"] for r in rows):
-        return []
-    out = ["", "cost per request by route and shape:"]
-    for r in rows:
-        figures = CostFigures(r["requests"], r["priced"], r["total"], r["per_request"])
-        out.append(f"  {r['route']} {r['shape']}: {figures.describe()}, {usd(figures.total)} in all")
-    return out

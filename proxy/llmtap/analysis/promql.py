@@ -1,12 +1,11 @@
-"""A small client of the Prometheus HTTP API: instant queries, and counter growth between two moments."""
+"""PromQL text and what its answers mean: string literals, selectors, counter growth between two moments.
+
+Pure: the queries are sent by ``llmtap.commands.prometheus`` (the HTTP client of Prometheus's API).
+"""
 
 from __future__ import annotations
 
-import re
-
-import httpx
-
-from llmtap.config.types import ConfigError
+from collections.abc import Iterable, Mapping
 
 #: A counter's growth per label set, keyed by the sorted labels.
 Grown = dict[tuple[tuple[str, str], ...], float]
@@ -17,55 +16,23 @@ def quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-class Prometheus:
-    """Instant queries against a Prometheus server's HTTP API (``/api/v1/query``)."""
+def selector(matchers: Mapping[str, str]) -> str:
+    """``a="x",b="y"``: equality matchers in the order of their names."""
+    return ",".join(f"{k}={quote(v)}" for k, v in sorted(matchers.items()))
 
-    def __init__(self, url: str, *, timeout: float = 10.0) -> None:
-        if not re.match(r"https?://[^/]+", url):
-            raise ConfigError(f"--prometheus: {url!r} is not an http(s) URL")
-        self.url = url.rstrip("/")
-        self._client = httpx.Client(timeout=timeout)
 
-    def close(self) -> None:
-        """Close the connection pool."""
-        self._client.close()
+def keyed(points: Iterable[tuple[dict[str, str], float]]) -> Grown:
+    """An instant vector's (labels, value) pairs keyed by their sorted labels."""
+    return {tuple(sorted(labels.items())): value for labels, value in points}
 
-    def query(self, expr: str, at: float) -> list[tuple[dict[str, str], float]]:
-        """The instant vector of ``expr`` at ``at`` (epoch seconds), as (labels, value) pairs."""
-        try:
-            response = self._client.get(f"{self.url}/api/v1/query", params={"query": expr, "time": f"{at:.3f}"})
-        except httpx.HTTPError as exc:
-            raise ConfigError(f"Prometheus at {self.url} is not reachable ({type(exc).__name__}: {exc})") from None
-        try:
-            body = response.json()
-        except ValueError:
-            raise ConfigError(f"Prometheus at {self.url} answered HTTP {response.status_code}, not its API") from None
-        if not isinstance(body, dict) or body.get("status") != "success":
-            error = body.get("error") if isinstance(body, dict) else None
-            raise ConfigError(f"Prometheus at {self.url} refused the query: {error or response.status_code}")
-        data = body.get("data")
-        result = data.get("result") if isinstance(data, dict) else None
-        out = []
-        for item in result if isinstance(result, list) else ():
-            try:
-                out.append((dict(item["metric"]), float(item["value"][1])))
-            except (KeyError, IndexError, TypeError, ValueError):
-                continue
-        return out
 
-    def increase(self, expr: str, start: float | None, end: float) -> Grown:
-        """What the counters in ``expr`` grew by from ``start`` to ``end`` (from their beginning when None).
+def growth(first: Grown | None, last: Grown) -> Grown:
+    """What counters grew by between two instant vectors (``first`` None: from their beginning).
 
-        Differences of two instant queries rather than ``increase()``: a series born inside the window
-        counts from zero, and PromQL's extrapolation is left out.
-        """
-
-        def keyed(points: list[tuple[dict[str, str], float]]) -> Grown:
-            return {tuple(sorted(labels.items())): value for labels, value in points}
-
-        last = keyed(self.query(expr, end))
-        if start is None:
-            return last
-        first = keyed(self.query(expr, start))
-        # A counter that went down was reset (the proxy restarted): count from the reset.
-        return {k: v - first.get(k, 0.0) if v >= first.get(k, 0.0) else v for k, v in last.items()}
+    Differences of two instant queries rather than ``increase()``: a series born inside the window
+    counts from zero, and PromQL's extrapolation is left out. A counter that went down was reset (the proxy
+    restarted): it counts from the reset.
+    """
+    if first is None:
+        return last
+    return {k: v - first.get(k, 0.0) if v >= first.get(k, 0.0) else v for k, v in last.items()}

@@ -15,30 +15,28 @@ A percentile reads the requests that have the figure, as the latency histograms 
 that got a first token; TPOT: successful streams of two tokens or more). Goodput counts every request, and
 errors and cancellations count as missed. Records carry the objective each request was judged by, so a
 record file needs no configuration; ``--config`` judges them by another.
+
+Pure: the groups come from a source's facts (``store_groups``) or from the answers to PromQL queries this
+module writes (``prometheus_groups``); reading them, and printing the verdicts, is ``llmtap.commands.slo``'s.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import sys
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from llmtap import store
-from llmtap.analysis import costreport, shapes as shape_classes
-from llmtap.analysis.promql import Prometheus, quote
+from llmtap.analysis import shapes as shape_classes
+from llmtap.analysis.promql import Grown, selector
 from llmtap.analysis.shapes import needed
-from llmtap.analysis.stats import Distribution, Estimate, quantile_estimate
-from llmtap.analysis.units import parse_duration, parse_time, seconds
-from llmtap.config.load import build
-from llmtap.config.types import SLO, ConfigError, Settings
-from llmtap.store.files import NoRecords
+from llmtap.analysis.stats import Distribution, Estimate, merged, quantile_estimate
+from llmtap.analysis.units import seconds
+from llmtap.config.types import SLO, Settings
+
+if TYPE_CHECKING:  # the facts a source gives (analysis reads them; it never opens a source)
+    from llmtap import store
 
 #: The figures an objective can bound, as records and reports name them.
 FIGURES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E"}
@@ -220,7 +218,7 @@ def store_groups(
             g.met = (met or {}).get((f.key, f.route, f.shape), 0) if g.objective is not None else 0
         # As the histograms record them: TTFT of streams, TPOT of successful ones, E2E of all.
         g.figures = {
-            "ttft": Distribution.of_sorted(store.merged([f.ttft_ok, f.ttft_failed])),
+            "ttft": Distribution.of_sorted(merged([f.ttft_ok, f.ttft_failed])),
             "tpot": Distribution.of_sorted(f.tpot),
             "e2e": Distribution.of_sorted(f.e2e),
         }
@@ -240,165 +238,58 @@ def limits_of(facts: Iterable[store.Group], objectives: Objectives | None) -> di
     return out
 
 
-def open_source(paths: Sequence[str | Path], engine: str) -> store.Source:
-    """The record files ``paths`` name, read by ``engine``; ``ConfigError`` when there are none."""
-    try:
-        return store.open_source([str(p) for p in paths], engine)
-    except NoRecords as exc:
-        raise ConfigError(str(exc)) from None
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def describe_filter(where: store.Filter) -> str:
-    """How an answer names the filter (`` with route support between .. and ..``), or '' for none."""
-    names = [f"{name} {value}" for name in ("route", "model", "shape") if (value := getattr(where, name)) is not None]
-    parts = [f"with {', '.join(names)}"] if names else []
-    moments = [datetime.fromtimestamp(v, UTC).isoformat(timespec="seconds") for v in (where.start, where.end) if v]
-    if where.start is not None and where.end is not None:
-        parts.append(f"between {moments[0]} and {moments[1]}")
-    elif where.start is not None:
-        parts.append(f"from {moments[0]}")
-    elif where.end is not None:
-        parts.append(f"until {moments[0]}")
-    return "".join(f" {p}" for p in parts)
-
-
-def no_such_names(source: store.Source, where: store.Filter, by: store.By) -> None:
-    """When a route, model or shape filter matched nothing: ``ConfigError`` naming the ones the records hold
-    (and their requests), from one more scan without those filters. Without such a filter, nothing."""
-    asked = {name: v for name in ("route", "shape") if (v := getattr(where, name)) is not None}
-    if not asked and where.model is None:
-        return
-    wide = replace(where, route=None, model=None, shape=None)
-    seen: dict[str, dict[str, int]] = {"route": {}, "shape": {}}
-    for g in source.scan(wide, by).groups:
-        for name, value in (("route", g.route), ("shape", g.shape)):
-            if value is not None:
-                seen[name][value] = seen[name].get(value, 0) + g.requests
-    known = "; ".join(
-        f"{name}s seen: " + (", ".join(f"{v} ({n} requests)" for v, n in sorted(seen[name].items())) or "none")
-        for name in ("route", "shape")
-    )
-    raise ConfigError(f"no requests{describe_filter(where)}; {known}")
-
-
-def source_name(paths: Sequence[str | Path], scan: store.Scan) -> str:
-    """What a report says it read: the paths, the files and the records."""
-    files = scan.files
-    return f"{', '.join(str(p) for p in paths)} ({files} file{'s' if files != 1 else ''}, {scan.records} records)"
-
-
-def from_records(
-    path: str | Path | Sequence[str | Path],
-    *,
-    window: float | None = None,
-    until: float | None = None,
-    route: str | None = None,
-    shape: str | None = None,
-    objectives: Objectives | None = None,
-    resamples: int = RESAMPLES,
-    seed: int = 0,
-    engine: str | store.Source = store.ENGINES[0],
-) -> Report:
-    """The verdicts over record files (paths, globs, directories; rotated siblings included); ``engine`` names
-    what reads them, or is a source of its own (ClickHouse: ``path`` is then unused)."""
-    paths = [path] if isinstance(path, str | Path) else list(path)
-    end = until if until is not None else (time.time() if window is not None else None)
-    start = end - window if window is not None and end is not None else None
-    where = store.Filter(route=route, shape=shape, start=start, end=end)
-    given = None if isinstance(engine, str) else engine
-    source = open_source(paths, engine) if isinstance(engine, str) else engine
-    try:
-        scan = source.scan(where, None)
-        if not scan.groups:
-            no_such_names(source, where, None)
-        met = source.count_met(where, None, limits_of(scan.groups, objectives)) if objectives else None
-    finally:
-        source.close()
-    groups = store_groups(scan.groups, objectives=objectives, met=met)
-    judged = [f for f in scan.groups if f.route is not None and f.shape is not None]
-    if start is not None and end is not None:
-        span: float | None = end - start
-    else:
-        first = min((f.first for f in judged), default=math.inf)
-        last = max((f.last for f in judged), default=-math.inf)
-        span = last - first if last > first else None
-    return Report(
-        source=source_name(paths, scan) if given is None else f"{scan.source} ({scan.records} records)",
-        window=_describe(window, until),
-        seconds=span,
-        verdicts=verdicts(groups, span, resamples=resamples, seed=seed),
-        cost=costreport.by_route_and_shape(scan.groups),
-    )
-
-
-def _describe(window: float | None, until: float | None) -> str:
-    end = "now" if until is None else datetime.fromtimestamp(until, UTC).isoformat(timespec="seconds")
-    return f"the {window:g} s up to {end}" if window is not None else "every request"
-
-
 # -- Prometheus ------------------------------------------------------------------------------------
 
 
-def from_prometheus(
-    url: str,
-    objectives: Objectives,
-    *,
-    window: float | None = None,
-    until: float | None = None,
-    route: str | None = None,
-    shape: str | None = None,
-    resamples: int = RESAMPLES,
-    seed: int = 0,
-    start: float | None = None,
-    matchers: dict[str, str] | None = None,
-) -> Report:
-    """The verdicts from the proxy's metrics in Prometheus: the request counters by route, shape and SLO
-    outcome, and the fine-bucket TTFT and TPOT histograms by route and shape (E2E has no histogram by
-    route; an E2E objective reads as insufficient here)."""
+def prometheus_selector(
+    route: str | None = None, shape: str | None = None, matchers: Mapping[str, str] | None = None
+) -> str:
+    """The label matchers of the queries: ``matchers`` with the route and shape asked for."""
     given = {k: v for k, v in ((ROUTE_LABEL, route), (SHAPE_LABEL, shape)) if v is not None}
-    sel = ",".join(f"{k}={quote(v)}" for k, v in sorted({**(matchers or {}), **given}.items()))
-    end = until if until is not None else time.time()
-    if start is None and window is not None:
-        start = end - window
-    prom = Prometheus(url)
+    return selector({**(matchers or {}), **given})
+
+
+def requests_query(sel: str) -> str:
+    """The request counters by route, shape, SLO outcome and outcome."""
+    return f"sum by ({ROUTE_LABEL}, {SHAPE_LABEL}, llmtap_slo, llmtap_outcome) ({PROM_REQUESTS}{{{sel}}})"
+
+
+def bucket_queries(sel: str) -> dict[str, str]:
+    """Each figure's fine-bucket histogram by route and shape (TTFT and TPOT: E2E has none by route)."""
+    return {
+        figure: f"sum by (le, {ROUTE_LABEL}, {SHAPE_LABEL}) ({metric}{{{sel}}})"
+        for figure, metric in PROM_BUCKETS.items()
+    }
+
+
+def prometheus_groups(counts: Grown, buckets: Mapping[str, Grown], objectives: Objectives) -> list[Group]:
+    """The groups by route and shape from what the request counters (``requests_query``) and each figure's
+    buckets (``bucket_queries``) grew by in the window; a series without a route or a shape is left out."""
     groups: dict[tuple[str, str], Group] = {}
-    try:
-        by = f"{ROUTE_LABEL}, {SHAPE_LABEL}"
-        counts = prom.increase(f"sum by ({by}, llmtap_slo, llmtap_outcome) ({PROM_REQUESTS}{{{sel}}})", start, end)
-        for key, value in counts.items():
+    for key, value in counts.items():
+        labels = dict(key)
+        r, sh = labels.get(ROUTE_LABEL, ""), labels.get(SHAPE_LABEL, "")
+        if not r or not sh:
+            continue
+        g = groups.get((r, sh))
+        if g is None:
+            g = groups[(r, sh)] = Group(r, sh, objective=objectives(r, sh))
+        n = round(value)
+        g.requests += n
+        g.errors += n if labels.get("llmtap_outcome") != "ok" else 0
+        g.met += n if labels.get("llmtap_slo") == "met" else 0
+    for figure, grown in buckets.items():
+        found: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for key, value in grown.items():
             labels = dict(key)
-            r, sh = labels.get(ROUTE_LABEL, ""), labels.get(SHAPE_LABEL, "")
-            if not r or not sh:
-                continue
-            g = groups.get((r, sh))
-            if g is None:
-                g = groups[(r, sh)] = Group(r, sh, objective=objectives(r, sh))
-            n = round(value)
-            g.requests += n
-            g.errors += n if labels.get("llmtap_outcome") != "ok" else 0
-            g.met += n if labels.get("llmtap_slo") == "met" else 0
-        for figure, metric in PROM_BUCKETS.items():
-            grown = prom.increase(f"sum by (le, {by}) ({metric}{{{sel}}})", start, end)
-            buckets: dict[tuple[str, str], list[tuple[float, float]]] = {}
-            for key, value in grown.items():
-                labels = dict(key)
-                if "le" in labels:
-                    buckets.setdefault((labels.get(ROUTE_LABEL, ""), labels.get(SHAPE_LABEL, "")), []).append(
-                        (float(labels["le"]), value)
-                    )
-            for k, pairs in buckets.items():
-                if k in groups and max(v for _, v in pairs) > 0:
-                    groups[k].figures[figure] = Distribution(buckets=pairs)
-    finally:
-        prom.close()
-    return Report(
-        source=f"Prometheus at {prom.url}",
-        window=_describe(window, until),
-        seconds=window,
-        verdicts=verdicts(groups.values(), window, resamples=resamples, seed=seed),
-    )
+            if "le" in labels:
+                found.setdefault((labels.get(ROUTE_LABEL, ""), labels.get(SHAPE_LABEL, "")), []).append(
+                    (float(labels["le"]), value)
+                )
+        for k, pairs in found.items():
+            if k in groups and max(v for _, v in pairs) > 0:
+                groups[k].figures[figure] = Distribution(buckets=pairs)
+    return list(groups.values())
 
 
 def config_objectives(settings: Settings) -> Objectives:
@@ -409,78 +300,3 @@ def config_objectives(settings: Settings) -> Objectives:
         return shape_classes.objective(routes.get(route), shape, settings.slo)
 
     return lookup
-
-
-# -- output ----------------------------------------------------------------------------------------
-
-
-def _estimate(e: Estimate | None) -> str:
-    if e is None:
-        return "-"
-    return f"{seconds(e.value)} [{seconds(e.low)}, {seconds(e.high)}]"
-
-
-def render(report: Report) -> str:
-    """The report as a table, one line per check."""
-    lines = [f"SLO verdicts: {report.source}, {report.window}", ""]
-    head = ("route", "shape", "requests", "errors", "met", "goodput/s", "objective", "value [95% CI]", "verdict")
-    rows: list[tuple[str, ...]] = [head]
-    for v in report.verdicts:
-        share = "-" if v.met_share is None else f"{v.met_share:.0%}"
-        goodput = "-" if v.goodput_per_s is None else f"{v.goodput_per_s:.2f}"
-        counts = (v.route, v.shape, str(v.requests), str(v.errors), share, goodput)
-        if not v.checks:
-            rows.append((*counts, "none configured", "-", NONE))
-        for i, c in enumerate(v.checks):
-            lead = counts if i == 0 else ("",) * len(counts)
-            value = _estimate(c.estimate)
-            if c.verdict == INSUFFICIENT:
-                value += f" ({c.requests} of {needed(c.percentile)} requests)"
-            rows.append((*lead, c.describe(), value, c.verdict))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    if not report.verdicts:
-        lines.append("(no requests with a shape in the window)")
-    past = [(v, s) for v in report.verdicts if v.verdict != MET for s in v.slowest]
-    if past:
-        lines += ["", "slowest requests past the TTFT limit (by trace id):"]
-        for v, (ttft, trace) in past:
-            lines.append(f"  {v.route} {v.shape}  {seconds(ttft):>8}  {trace or '(no trace id)'}")
-    return "\n".join(lines)
-
-
-def main(args: Any) -> int:
-    """``llmtap slo``; bad input raises ``ConfigError`` (exit code 2). With ``--check``, 1 when any missed."""
-    if sum((bool(args.records), args.prometheus is not None, args.clickhouse is not None)) != 1:
-        raise ConfigError("slo needs a record file or --prometheus URL or --clickhouse URL (one of them)")
-    if args.resamples is not None and args.resamples < 100:
-        raise ConfigError("--resamples must be at least 100")
-    objectives = config_objectives(build({"config": args.config}, env={})) if args.config else None
-    options: dict[str, Any] = {
-        "window": parse_duration(args.window) if args.window else None,
-        "until": parse_time(args.until) if args.until else None,
-        "route": args.route,
-        "shape": args.shape,
-        "resamples": RESAMPLES if args.resamples is None else args.resamples,
-        "seed": args.seed,
-    }
-    if args.records:
-        report = from_records(args.records, objectives=objectives, engine=args.engine, **options)
-    elif args.clickhouse is not None:
-        # ClickHouse filters, groups and sorts; the statistics and the verdicts stay llmtap's.
-        from llmtap.store.clickhouse import ClickHouseSource, server_from_env
-
-        source = ClickHouseSource(server_from_env(args.clickhouse), args.clickhouse_table)
-        report = from_records([], objectives=objectives, engine=source, **options)
-    else:
-        if objectives is None:
-            raise ConfigError("with --prometheus, give the proxy's --config FILE: the objectives are in its routes")
-        report = from_prometheus(args.prometheus, objectives, **options)
-    if args.json:
-        print(json.dumps(report.to_json(), indent=2))
-    else:
-        print(render(report))
-        for line in costreport.slo_lines(report.cost):
-            print(line)
-    sys.stdout.flush()
-    return 1 if args.check and any(v.verdict == MISSED for v in report.verdicts) else 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,24 @@ def sorted_quantile(ordered: Sequence[float], q: float) -> float | None:
     pos = q * (len(ordered) - 1)
     lo = math.floor(pos)
     return _between(ordered[lo], ordered[min(lo + 1, len(ordered) - 1)], pos - lo)
+
+
+def merged(parts: Sequence[array[float]]) -> array[float]:
+    """Sorted arrays (the sorted values of ``llmtap.store.Group``) merged into one sorted array.
+
+    With numpy when it is installed (it comes with the embedded engine): one stable sort of the parts
+    laid end to end, far faster than Python's on millions of values; without it, Python's sort."""
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return array("d")
+    if len(parts) == 1:
+        return parts[0]
+    try:
+        import numpy as np
+    except ImportError:  # the pure path on its own
+        return array("d", sorted(v for p in parts for v in p))
+    out = np.sort(np.concatenate([np.frombuffer(p, dtype=np.float64) for p in parts]), kind="stable")
+    return array("d", out.tobytes())
 
 
 def quantile(values: Iterable[float], q: float) -> float | None:

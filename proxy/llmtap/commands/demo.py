@@ -31,10 +31,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 from llmtap import simulator
-from llmtap.analysis.compare import MIN_GAIN_MS, Comparison, Split, compare_records
+from llmtap.analysis.compare import MIN_GAIN_MS, Comparison, Split
 from llmtap.analysis.stats import quantile
 from llmtap.analysis.summary import Summary, slo_outcome
 from llmtap.analysis.timeline import OK, Timeline
+from llmtap.commands.compare import compare_records
 from llmtap.commands.demo_report import ProgressLine, render as render  # render is part of the demo's API
 from llmtap.config.otel import telemetry_from_env
 from llmtap.config.types import SLO, Records, Route, Settings, TelemetrySettings

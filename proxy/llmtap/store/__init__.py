@@ -177,21 +177,6 @@ def slowest(parts: list[list[tuple[float, str]]], n: int = SLOWEST) -> list[tupl
     return sorted((x for p in parts for x in p), key=lambda x: (-x[0], x[1]))[:n]
 
 
-def merged(parts: list[array[float]]) -> array[float]:
-    """Sorted arrays merged into one sorted array."""
-    parts = [p for p in parts if len(p)]
-    if not parts:
-        return array("d")
-    if len(parts) == 1:
-        return parts[0]
-    try:
-        import numpy as np
-    except ImportError:  # the pure path on its own
-        return array("d", sorted(v for p in parts for v in p))
-    out = np.sort(np.concatenate([np.frombuffer(p, dtype=np.float64) for p in parts]), kind="stable")
-    return array("d", out.tobytes())
-
-
 #: The sources ``open_source`` knows, by the name ``--engine`` gives them.
 ENGINES = ("duckdb", "python")
 

@@ -15,7 +15,9 @@ import glob
 import gzip
 import json
 import re
+import zlib
 from collections.abc import Iterable, Iterator, MutableMapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -100,6 +102,15 @@ def record_files(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
+def record_files_at(path: str | Path) -> list[Path]:
+    """The record files at one ``path`` (a record folder, or a file of an earlier version and its rotated
+    siblings), oldest first; none: an empty list (``record_files`` raises ``NoRecords`` instead)."""
+    try:
+        return record_files([path])
+    except NoRecords:
+        return []
+
+
 def _open(path: Path) -> IO[bytes]:
     if path.name.endswith(".gz"):
         return gzip.GzipFile(path, "rb")  # type: ignore[return-value]  # a binary file object
@@ -162,3 +173,42 @@ def _without_absent(obj: dict[str, Any]) -> dict[str, Any]:
     if isinstance(objective, dict):
         obj["objective"] = {k: v for k, v in objective.items() if v is not None or k == "shape"}
     return obj
+
+
+@dataclass(slots=True)
+class ReadStats:
+    """What reading record files found: records read and lines skipped, by reason."""
+
+    files: list[str] = field(default_factory=list)
+    records: int = 0
+    truncated: int = 0
+    foreign: int = 0
+    other_schema: int = 0
+
+    @property
+    def skipped(self) -> int:
+        """Lines that were not read as records."""
+        return self.truncated + self.foreign + self.other_schema
+
+
+def read_records(path: str | Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
+    """Every record at ``path``, oldest file first (``read_file``); bad lines counted in ``stats``.
+
+    A file removed between the listing and the read (retention, or its compressed copy replaced it) is passed
+    over; a compressed file cut short, or unreadable, counts as one ``truncated`` line.
+    """
+    for file in record_files_at(path):
+        stats.files.append(str(file))
+        skipped = dict.fromkeys(SKIPPED, 0)
+        try:
+            for record in read_file(file, skipped):
+                stats.records += 1
+                yield record
+        except FileNotFoundError:
+            pass
+        except (OSError, EOFError, zlib.error):
+            stats.truncated += 1
+        finally:
+            stats.truncated += skipped["truncated"]
+            stats.foreign += skipped["foreign"]
+            stats.other_schema += skipped["other_schema"]

@@ -3,7 +3,7 @@
 Each line is parsed with ``json``, checked for the record key and a schema version llmtap writes (1 or 2),
 flattened to the columns analysis reads (``llmtap.store.COLUMNS``: a wrong-typed value reads as null) and
 folded into its group at once; only the figures' values are kept, as ``array('d')``, and sorted at the
-end. Lines that are not records are counted as ``llmtap.telemetry.records.read_records`` counts them:
+end. Lines that are not records are counted as ``llmtap.store.files.read_records`` counts them:
 ``truncated`` (the last line without its newline, or one of ours that does not parse), ``foreign``
 and ``other_schema``. Reads ``.jsonl``, ``.jsonl.gz`` and rotated files; Parquet needs the engine.
 """

@@ -1,6 +1,6 @@
 """The record dataset (``--record DIR``): each process appends its own JSON-lines files, partitioned by hour.
 
-Layout, read as one dataset by ``llmtap.telemetry.records.read_records`` (and any engine that reads hive-style
+Layout, read as one dataset by ``llmtap.store.files.read_records`` (and any engine that reads hive-style
 partitions): ``DIR/date=YYYY-MM-DD/hour=HH/<stem>.jsonl`` while a file is open, where the stem holds the time it
 was opened and the writing process's instance id, so no two processes ever write one file. A file is closed
 past ``max_bytes``, past ``rotate_s`` seconds or when the UTC hour turns; a closed file is compressed off the

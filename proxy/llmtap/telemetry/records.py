@@ -4,18 +4,15 @@ A record holds the request's timings and their sources, its tokens and their sou
 and version, its cache class and its SLO outcome, and who wrote it (instance id, host, pid, llmtap version) and
 which trace it is (trace and root span ids, the upstream's response id); never prompt or completion text,
 headers or error messages (which can quote a prompt). Its JSON Schema is published in
-``docs/record.schema.json``. Where records go is ``llmtap.telemetry.sinks`` (the dataset of files is
-``llmtap.telemetry.dataset``); reading them back, from a dataset folder or from the single file and its rotated
-siblings that versions before schema 2 wrote, is here.
+``docs/record.schema.json``. This module builds a record from a finished request; where records go is
+``llmtap.telemetry.sinks`` (the dataset of files is ``llmtap.telemetry.dataset``, which writes them), and
+reading them back, from a dataset folder or from the single file and its rotated siblings that versions
+before schema 2 wrote, is ``llmtap.store.files`` (``read_records``).
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from llmtap.analysis.attribution import record_part
@@ -28,8 +25,8 @@ from llmtap.labels import clean_or_none
 from llmtap.store import files
 from llmtap.telemetry.identity import Identity
 
-#: The key that marks a line as a request record (its value is the schema version), and the versions readers take.
-SCHEMA_KEY, READABLE_VERSIONS = files.SCHEMA_KEY, files.SCHEMA_VERSIONS
+#: The key that marks a line as a request record (its value is the schema version), as the reader knows it.
+SCHEMA_KEY = files.SCHEMA_KEY
 #: Version 2 added who wrote the record and which trace it is (``instance_id`` .. ``response_id``).
 SCHEMA_VERSION = 2
 
@@ -143,51 +140,3 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
         }
     )
     return out
-
-
-def record_files(path: str | Path) -> list[Path]:
-    """The record files at ``path`` (a record folder, or a file of an earlier version and its rotated siblings),
-    oldest first; none: an empty list. The rules are ``llmtap.store.files``'s, the analysis's."""
-    try:
-        return files.record_files([path])
-    except files.NoRecords:
-        return []
-
-
-@dataclass(slots=True)
-class ReadStats:
-    """What reading record files found: records read and lines skipped, by reason."""
-
-    files: list[str] = field(default_factory=list)
-    records: int = 0
-    truncated: int = 0
-    foreign: int = 0
-    other_schema: int = 0
-
-    @property
-    def skipped(self) -> int:
-        """Lines that were not read as records."""
-        return self.truncated + self.foreign + self.other_schema
-
-
-def read_records(path: str | Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
-    """Every record at ``path``, oldest file first (``llmtap.store.files.read_file``); bad lines counted in ``stats``.
-
-    A file removed between the listing and the read (retention, or its compressed copy replaced it) is passed
-    over; a compressed file cut short, or unreadable, counts as one ``truncated`` line.
-    """
-    for file in record_files(path):
-        stats.files.append(str(file))
-        skipped = dict.fromkeys(files.SKIPPED, 0)
-        try:
-            for record in files.read_file(file, skipped):
-                stats.records += 1
-                yield record
-        except FileNotFoundError:
-            pass
-        except (OSError, EOFError, zlib.error):
-            stats.truncated += 1
-        finally:
-            stats.truncated += skipped["truncated"]
-            stats.foreign += skipped["foreign"]
-            stats.other_schema += skipped["other_schema"]
