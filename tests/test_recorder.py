@@ -24,7 +24,7 @@ from llmtap.config.settings import SLO, Route, Settings, Telemetry as TelemetryS
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import Facts, RequestInfo, Usage
-from llmtap.wire.tape import STATS
+from llmtap.wire.messages import STATS, Stats, encode_stats
 from tests.conftest import PATIENCE, Running, Scripted, Telemetry
 
 WALL = 1_700_000_000_000_000_000
@@ -819,8 +819,8 @@ def test_queue_full_drops_are_counted(harness: HarnessFactory) -> None:
 def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: HarnessFactory) -> None:
     h = harness()
     rec = h.recorder
-    rec.take(0, (STATS, True, 0, (("default", 3),), (("default", 2),), (), ()))
-    rec.take(1, (STATS, True, 4, (("default", 1),), (), (), ()))
+    rec.take(0, encode_stats(Stats(True, 0, (("default", 3),), (("default", 2),), (), (), ())))
+    rec.take(1, encode_stats(Stats(True, 4, (("default", 1),), (), (), (), ())))
     m = h.metrics()
     assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 4 and point(m, sc.METRIC_QUEUE_WAITING).value == 2
     dropped = point(m, sc.METRIC_TELEMETRY_DROPPED, **{sc.TELEMETRY_REASON: "channel_full"})
@@ -835,7 +835,7 @@ def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: Harnes
         "body_limit": 0,
     }
     assert rec.relays_ready == {0: True, 1: True}
-    rec.take(0, (STATS, False, 0, (("default", 1),), (("default", 0),), (), ()))
+    rec.take(0, encode_stats(Stats(False, 0, (("default", 1),), (("default", 0),), (), (), ())))
     rec.relay_gone(1)
     assert rec.flush(5)
     m = h.metrics()
@@ -863,8 +863,7 @@ def test_relay_connection_counts_are_absolute_and_read_0_from_the_start(harness:
         0,
         (*gauges, (("header", 3), ("body", 1), ("idle", 9), ("send", 2)), (("limit", 4), ("per_client", 7)), ()),
     )
-    # A relay of an earlier version sends no cuts at all.
-    rec.take(1, (*gauges, (("header", 1), ("body", 0), ("idle", 0)), (("limit", 0),)))
+    rec.take(1, (*gauges, (("header", 1), ("body", 0), ("idle", 0)), (("limit", 0),), ()))
     assert counts() == (
         {**zero, "header": 4, "body": 1, "idle": 9, "send": 2},
         {"limit": 4, "per_client": 7},

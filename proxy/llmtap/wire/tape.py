@@ -10,8 +10,7 @@ A tape's memory is bounded whatever the response's length: once the reads it hol
 they leave as a segment through the channel and the tape starts again empty, so an open stream holds at
 most about that many bytes of response in the relay (issue 14: 64 KiB resident per stream).
 
-Wire form (``head``, ``segment``, ``tail``) is plain tuples of ``bytes``, ``str``, numbers and ``None``, so
-``marshal`` carries it between processes at C speed and the in-process channel passes it as it is.
+What leaves is a ``Segment`` or an ``End`` message (``llmtap.wire.messages``), encoded there.
 """
 
 from __future__ import annotations
@@ -20,20 +19,11 @@ import os
 import random
 import time
 from array import array
-from typing import Any
+
+from llmtap.wire.messages import End, Head, Raw, Reads, Segment, Tail, encode_end, encode_segment
 
 #: Reads held before they leave as a segment (the relay's per-stream response memory).
 SEGMENT_BYTES = 32 * 1024
-
-# Message kinds on the channel.
-START, SEGMENT, END, STATS = 0, 1, 2, 3
-#: What a STATS message counts beside the gauges, as absolute numbers: client connections cut by a timeout,
-#: by kind, and refused, by reason (``llmtap.relay.protocol``).
-CLIENT_TIMEOUT_KINDS = ("header", "body", "idle", "send", "upload")
-CONNECTION_REFUSAL_REASONS = ("limit", "per_client")
-#: Why the relay itself cut a response short (the last group of a STATS message): ``inflate_limit``, a
-#: response it decompressed past ``max_inflate_bytes`` (``llmtap.relay.inflate``).
-RESPONSE_CUT_REASONS = ("inflate_limit",)
 
 _ids = random.Random(os.urandom(16))
 
@@ -182,9 +172,9 @@ class Tape:
 
     # -- the wire form ------------------------------------------------------------------------
 
-    def head(self) -> tuple[Any, ...]:
+    def head(self) -> Head:
         """Everything known once the response's headers are in: the request and the response's start."""
-        return (
+        return Head(
             self.method,
             self.path,
             self.inner_path,
@@ -212,36 +202,31 @@ class Tape:
             self.key_fingerprint,
         )
 
-    def take_reads(self) -> tuple[bytes, bytes, bytes, bytes]:
-        """The reads held now (times, delivery times, sizes, bytes), leaving the tape empty."""
+    def take_reads(self) -> Reads:
+        """The reads held now, leaving the tape empty."""
         # A read not yet handed to the client (the relay failed sending it) has no delivery time.
         while len(self._delivered) < len(self._times):
             self._delivered.append(float("nan"))
-        out = (self._times.tobytes(), self._delivered.tobytes(), self._sizes.tobytes(), bytes(self._data))
+        out = Reads(self._times.tobytes(), self._delivered.tobytes(), self._sizes.tobytes(), bytes(self._data))
         self._times = array("d")
         self._delivered = array("d")
         self._sizes = array("l")
         self._data = bytearray()
         return out
 
-    def tail(self) -> tuple[Any, ...]:
+    def tail(self) -> Tail:
         """What the end adds: when, how, and what the relay itself counted."""
-        return (self.end, self.error_type, self.error_message, self.cancelled, self.surplus, self.response_bytes)
+        return Tail(self.end, self.error_type, self.error_message, self.cancelled, self.surplus, self.response_bytes)
 
-    def segment_message(self) -> tuple[Any, ...]:
-        """A segment of reads, with the head when it is the stream's first message."""
+    def segment_message(self) -> Raw:
+        """A segment of reads, with the head when it is the stream's first message, encoded."""
         head = None if self.head_sent else self.head()
         self.head_sent = True
         self.segments += 1
-        return (SEGMENT, self.key, head, self.take_reads())
+        return encode_segment(Segment(self.key, head, self.take_reads()))
 
-    def end_message(self) -> tuple[Any, ...]:
-        """The last message of a stream: the head unless a segment carried it, the last reads, the tail."""
+    def end_message(self) -> Raw:
+        """The last message of a stream: the head unless a segment carried it, the last reads, the tail; encoded."""
         head = None if self.head_sent else self.head()
         self.head_sent = True
-        return (END, self.key, head, self.take_reads(), self.tail())
-
-
-def start_message(key: int, route: str) -> tuple[Any, ...]:
-    """A request arrived on ``route``: what the active-stream count needs."""
-    return (START, key, route)
+        return encode_end(End(self.key, head, self.take_reads(), self.tail()))
