@@ -7,6 +7,7 @@ import asyncio
 import logging
 import marshal
 import struct
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from llmtap.wire.messages import (
     ready_of,
     without_bytes,
 )
+from llmtap.wire.tape import Tape
 
 ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default")
 
@@ -144,6 +146,66 @@ def test_a_relay_tape_decodes_to_what_the_tape_held() -> None:
     assert m.tail.end == tape.end and m.tail.response_bytes == len(m.reads.data) and not m.tail.cancelled
 
 
+def test_the_tape_builds_each_field_where_its_name_says() -> None:
+    """The relay builds the encoded form itself (``Tape.head``, ``tail``): every decoded field is the tape's own
+    attribute of that name, so no two fields can trade places unnoticed."""
+    tape = Tape(
+        9,
+        method="PUT",
+        path="/p",
+        inner_path="/ip",
+        route="r",
+        protocol="openai_chat",
+        received=1.5,
+        received_wall_ns=15,
+    )
+    distinct: dict[str, Any] = {
+        "prompt_version": b"v2",
+        "parent": ("00-tp", "ts"),
+        "trace_id": 0x1234,
+        "span_id": 0x56,
+        "sampled": False,
+        "body": b"{}",
+        "body_complete": False,
+        "strip_usage": True,
+        "body_read": 1.6,
+        "admitted": 1.7,
+        "sent": 1.8,
+        "headers_at": 1.9,
+        "status_code": 203,
+        "response_headers": [(b"h", b"v")],
+        "upstream_seq": 4,
+        "upstream_ahead": 3,
+        "attribution": [(b"x-llmtap-team", b"a")],
+        "key_fingerprint": "kf",
+        "end": 2.5,
+        "error_type": "idle_timeout",
+        "error_message": "m",
+        "cancelled": True,
+        "surplus": 7,
+    }
+    for name, value in distinct.items():
+        setattr(tape, name, value)
+    tape.read(2.0, b"abc")
+    tape.delivered(2.1)
+    m = decode(tape.end_message())
+    assert isinstance(m, End) and m.key == 9 and m.head is not None
+    for name in Head._fields:
+        expected = getattr(tape, name)
+        if name == "trace_id":
+            expected = expected.to_bytes(16, "big")
+        elif name == "span_id":
+            expected = expected.to_bytes(8, "big")
+        elif isinstance(expected, list):
+            expected = tuple(expected)
+        assert getattr(m.head, name) == expected, name
+    for name in Tail._fields:
+        assert getattr(m.tail, name) == getattr(tape, name), name
+    assert m.tail.response_bytes == 3 and m.reads.data == b"abc"
+    assert array("d", m.reads.times).tolist() == [2.0] and array("d", m.reads.delivered).tolist() == [2.1]
+    assert array("l", m.reads.sizes).tolist() == [3]
+
+
 def test_the_bytes_are_left_out_once_and_the_timing_kept() -> None:
     _, raws = chat_tape(1, [b"data: {}\n\n"])
     timing = without_bytes(raws[0])
@@ -173,7 +235,7 @@ def test_a_message_of_another_build_fails_loudly_naming_the_mismatch() -> None:
     with pytest.raises(WireError, match="unknown kind 0"):
         decode((0, 1, "default"))  # the start message of older builds is gone
     with pytest.raises(WireError, match="not a non-empty tuple"):
-        decode(())  # type: ignore[arg-type]
+        decode(())
 
 
 @given(raw=st.recursive(st.none() | st.integers() | st.binary(max_size=8), lambda c: st.tuples(c, c) | st.tuples(c)))
@@ -202,7 +264,7 @@ def test_garbled_frames_stop_the_reader_and_keep_what_came_before() -> None:
     reader = FrameReader()
     # A body marshal cannot read, after a good frame in the same read.
     out = reader.feed(good + struct.pack("!I", 3) + b"\xff\xfe\xfd" + good)
-    assert [decode(r).dropped for r in out] == [1]  # type: ignore[union-attr]
+    assert [decode(r) for r in out] == [Stats(True, 1, (), (), (), (), ())]
     assert reader.broken is not None and "cannot be read" in str(reader.broken)
     assert reader.feed(good) == [] and reader.pending == 0  # nothing after it is trusted
     # A length no relay sends: said at once, never buffered up to it.

@@ -185,47 +185,56 @@ def ready_of(raw: Raw) -> bool | None:
 
 # -- decoding (the telemetry side) ----------------------------------------------------------------
 
+# ``tuple.__new__`` with the class: a named tuple made from a plain one with no Python-level ``__new__`` (decoding
+# runs once per message on the telemetry side; this keeps it near the positional unpacking it replaced).
+_new = tuple.__new__
 
-def _fields(raw: Any, expected: int, what: str) -> None:
+
+def _mismatch(raw: Any, expected: int, what: str) -> WireError:
     if type(raw) is not tuple:
-        raise WireError(f"a {what} that is not a tuple ({type(raw).__name__})")
-    if len(raw) != expected:
-        raise WireError(
-            f"a {what} of {len(raw)} fields where this build has {expected}: "
-            "the relay and the telemetry process are from different builds of llmtap"
-        )
+        return WireError(f"a {what} that is not a tuple ({type(raw).__name__})")
+    return WireError(
+        f"a {what} of {len(raw)} fields where this build has {expected}: "
+        "the relay and the telemetry process are from different builds of llmtap"
+    )
 
 
 def _head(raw: Any) -> Head | None:
     if raw is None:
         return None
-    _fields(raw, _HEAD, "message head")
-    return Head._make(raw)
+    if type(raw) is not tuple or len(raw) != _HEAD:
+        raise _mismatch(raw, _HEAD, "message head")
+    return _new(Head, raw)
 
 
 def _reads(raw: Any) -> Reads:
-    _fields(raw, _READS, "run of reads")
-    return Reads._make(raw)
+    if type(raw) is not tuple or len(raw) != _READS:
+        raise _mismatch(raw, _READS, "run of reads")
+    return _new(Reads, raw)
 
 
 def decode_segment(raw: Raw) -> Segment:
     """A segment from its encoded form."""
-    _fields(raw, _SEGMENT, "segment message")
-    return Segment(raw[1], _head(raw[2]), _reads(raw[3]))
+    if type(raw) is not tuple or len(raw) != _SEGMENT:
+        raise _mismatch(raw, _SEGMENT, "segment message")
+    return _new(Segment, (raw[1], _head(raw[2]), _reads(raw[3])))
 
 
 def decode_end(raw: Raw) -> End:
     """An end from its encoded form."""
-    _fields(raw, _END, "end message")
+    if type(raw) is not tuple or len(raw) != _END:
+        raise _mismatch(raw, _END, "end message")
     tail = raw[4]
-    _fields(tail, _TAIL, "message tail")
-    return End(raw[1], _head(raw[2]), _reads(raw[3]), Tail._make(tail))
+    if type(tail) is not tuple or len(tail) != _TAIL:
+        raise _mismatch(tail, _TAIL, "message tail")
+    return _new(End, (raw[1], _head(raw[2]), _reads(raw[3]), _new(Tail, tail)))
 
 
 def decode_stats(raw: Raw) -> Stats:
     """A relay's report from its encoded form."""
-    _fields(raw, _STATS, "stats message")
-    return Stats._make(raw[1:])
+    if type(raw) is not tuple or len(raw) != _STATS:
+        raise _mismatch(raw, _STATS, "stats message")
+    return _new(Stats, raw[1:])
 
 
 def decode(raw: Raw) -> Message:
