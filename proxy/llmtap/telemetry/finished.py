@@ -4,15 +4,14 @@ The recorder's worker makes a ``Finished`` when a request's summary is final (it
 up on, its cache use diagnosed) and hands that one object to every emitter in turn: the spans
 (``llmtap.telemetry.spans.SpanWriter``), the metrics (``llmtap.telemetry.metrics.MetricWriter``), the record
 line (``RecordEmitter``) and the listeners (``Listeners``: the live view's window, the demo's tables, the access
-log). No emitter changes what it is given; one that fails is logged and the others still run.
+log). No emitter changes the summary; one that fails is logged and the others still run.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from llmtap.analysis.cachediag import Diagnosis
 from llmtap.analysis.summary import Summary
@@ -27,9 +26,12 @@ log = logging.getLogger("llmtap.telemetry")
 Listener = Callable[[Timeline, Summary], None]
 
 
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """One request, done: its timeline, its final summary, and its cache diagnosis (None: none was made)."""
+class Finished(NamedTuple):
+    """One request, done: its timeline, its final summary, and its cache diagnosis (None: none was made).
+
+    Immutable itself (a named tuple: the cheapest to make, once per request), its summary final. The one thing
+    an emitter adds: the ids the root span gives a timeline that came without any (one not from a relay: tools,
+    tests), which the metrics' exemplars and the record line then carry; so the spans go first."""
 
     tl: Timeline
     summary: Summary
