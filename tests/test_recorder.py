@@ -22,6 +22,7 @@ from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.settings import SLO, Route, Settings, Telemetry as TelemetrySettings, build
 from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.finished import Finished
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import Facts, RequestInfo, Usage
 from llmtap.wire.messages import STATS, Stats, encode_stats
@@ -814,6 +815,36 @@ def test_queue_full_drops_are_counted(harness: HarnessFactory) -> None:
     assert rec.flush(5)
     assert rec.recorded == 2 and rec.failed == 0
     assert point(h.metrics(), sc.METRIC_REQUESTS).value == 2
+
+
+class _Seen:
+    """An emitter that notes what it was given, and the summary's cache class at that moment."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.got: list[tuple[Finished, str | None]] = []
+
+    def emit(self, request: Finished) -> None:
+        self.got.append((request, request.summary.cache_class))
+        if self.fail:
+            raise RuntimeError("emitter down")
+
+
+def test_each_emitter_gets_one_finished_request_its_summary_final(harness: HarnessFactory) -> None:
+    h = harness()
+    rec = h.recorder
+    first, broken, last = _Seen(), _Seen(fail=True), _Seen()
+    rec.emitters = (first, *rec.emitters[:2], broken, *rec.emitters[2:], last)
+    s = h.run(timeline(3, prompt="You are a careful assistant. " * 40))
+    assert len(first.got) == len(broken.got) == len(last.got) == 1
+    request, cache_class = first.got[0]
+    # The same object for everyone, the diagnosis made and the summary completed before the first emitter.
+    assert broken.got[0][0] is request and last.got[0][0] is request and request.summary is s
+    assert request.diagnosis is not None and cache_class == request.diagnosis.cache_class == s.cache_class
+    # What the span and metric emitters wrote says the same class; a failing emitter costs only its own output.
+    assert attrs(h.root())[sc.CACHE_CLASS] == cache_class
+    cached = point(h.metrics(), sc.METRIC_CACHE_REQUESTS, **{sc.CACHE_CLASS: cache_class})
+    assert cached.value == 1 and rec.failed == 1
 
 
 def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: HarnessFactory) -> None:
