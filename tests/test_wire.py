@@ -277,7 +277,7 @@ def test_garbled_frames_stop_the_reader_and_keep_what_came_before() -> None:
     assert value.feed(struct.pack("!I", len(body)) + body) == [] and value.broken is not None
 
 
-def test_a_message_too_large_or_unencodable_is_refused_at_the_relay() -> None:
+def test_a_message_marshal_cannot_encode_is_refused_at_the_relay() -> None:
     with pytest.raises(WireError, match="cannot be encoded"):
         encode_frame((STATS, object()))
 
@@ -291,6 +291,7 @@ def test_the_recorder_drops_a_message_it_cannot_read_and_goes_on(caplog: pytest.
         with caplog.at_level(logging.ERROR, logger="llmtap.telemetry"):
             rec.take(0, (STATS, True, 0, (("default", 2),), (), (), ()))  # a relay of another build
         assert "different builds" in caplog.text
+        assert rec.unreadable == 1
         assert rec.relays_ready == {}  # nothing of it was read as something else
         rec.take(0, encode_stats(Stats(True, 0, (("default", 1),), (), (), (), ())))
         assert rec.relays_ready == {0: True}

@@ -80,6 +80,8 @@ class Recorder:
         self.recorded = 0
         #: Requests some of whose telemetry could not be made (logged where it failed).
         self.failed = 0
+        #: Messages dropped because they could not be decoded (``llmtap.wire.messages.WireError``).
+        self.unreadable = 0
         # Response bytes queued (by the producer) and taken (by the worker): each written by one thread only.
         self._queued_in = 0
         self._queued_out = 0
@@ -390,7 +392,14 @@ class Recorder:
         try:
             m = decode(message)
         except WireError as exc:
-            log.error("telemetry: dropped a message of relay %d that cannot be read: %s", source, exc)
+            self.unreadable += 1
+            if self.unreadable & (self.unreadable - 1) == 0:  # the 1st, 2nd, 4th, ...: said, never a flood
+                log.error(
+                    "telemetry: dropped a message of relay %d that cannot be read (%d so far): %s",
+                    source,
+                    self.unreadable,
+                    exc,
+                )
             return
         if isinstance(m, Stats):
             self.relays.report(source, m)
