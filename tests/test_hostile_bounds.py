@@ -41,7 +41,7 @@ from llmtap.telemetry.recorder import MAX_QUEUED_BYTES, Recorder
 from llmtap.telemetry.records import SCHEMA_KEY
 from llmtap.telemetry.tap import MAX_INFLATED_BYTES, Tap
 from llmtap.types import Usage
-from llmtap.wire.tape import END, SEGMENT
+from llmtap.wire.messages import END, SEGMENT
 from tests.conftest import PATIENCE
 from tests.fault_upstream import WORDS, chat_chunk, usage_event
 from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture

@@ -23,9 +23,10 @@ from llmtap.analysis.timeline import Timeline
 from llmtap.config.load import build
 from llmtap.config.types import SLO, Route, Settings, TelemetrySettings
 from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.finished import Finished
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import Facts, RequestInfo, Usage
-from llmtap.wire.tape import STATS
+from llmtap.wire.messages import STATS, Stats, encode_stats
 from tests.conftest import PATIENCE, Running, Scripted, Telemetry
 
 WALL = 1_700_000_000_000_000_000
@@ -817,11 +818,41 @@ def test_queue_full_drops_are_counted(harness: HarnessFactory) -> None:
     assert point(h.metrics(), sc.METRIC_REQUESTS).value == 2
 
 
+class _Seen:
+    """An emitter that notes what it was given, and the summary's cache class at that moment."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.got: list[tuple[Finished, str | None]] = []
+
+    def emit(self, request: Finished) -> None:
+        self.got.append((request, request.summary.cache_class))
+        if self.fail:
+            raise RuntimeError("emitter down")
+
+
+def test_each_emitter_gets_one_finished_request_its_summary_final(harness: HarnessFactory) -> None:
+    h = harness()
+    rec = h.recorder
+    first, broken, last = _Seen(), _Seen(fail=True), _Seen()
+    rec.emitters = (first, *rec.emitters[:2], broken, *rec.emitters[2:], last)
+    s = h.run(timeline(3, prompt="You are a careful assistant. " * 40))
+    assert len(first.got) == len(broken.got) == len(last.got) == 1
+    request, cache_class = first.got[0]
+    # The same object for everyone, the diagnosis made and the summary completed before the first emitter.
+    assert broken.got[0][0] is request and last.got[0][0] is request and request.summary is s
+    assert request.diagnosis is not None and cache_class == request.diagnosis.cache_class == s.cache_class
+    # What the span and metric emitters wrote says the same class; a failing emitter costs only its own output.
+    assert attrs(h.root())[sc.CACHE_CLASS] == cache_class
+    cached = point(h.metrics(), sc.METRIC_CACHE_REQUESTS, **{sc.CACHE_CLASS: cache_class})
+    assert cached.value == 1 and rec.failed == 1
+
+
 def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: HarnessFactory) -> None:
     h = harness()
     rec = h.recorder
-    rec.take(0, (STATS, True, 0, (("default", 3),), (("default", 2),), (), ()))
-    rec.take(1, (STATS, True, 4, (("default", 1),), (), (), ()))
+    rec.take(0, encode_stats(Stats(True, 0, (("default", 3),), (("default", 2),), (), (), ())))
+    rec.take(1, encode_stats(Stats(True, 4, (("default", 1),), (), (), (), ())))
     m = h.metrics()
     assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 4 and point(m, sc.METRIC_QUEUE_WAITING).value == 2
     dropped = point(m, sc.METRIC_TELEMETRY_DROPPED, **{sc.TELEMETRY_REASON: "channel_full"})
@@ -836,7 +867,7 @@ def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: Harnes
         "body_limit": 0,
     }
     assert rec.relays_ready == {0: True, 1: True}
-    rec.take(0, (STATS, False, 0, (("default", 1),), (("default", 0),), (), ()))
+    rec.take(0, encode_stats(Stats(False, 0, (("default", 1),), (("default", 0),), (), (), ())))
     rec.relay_gone(1)
     assert rec.flush(5)
     m = h.metrics()
@@ -864,8 +895,7 @@ def test_relay_connection_counts_are_absolute_and_read_0_from_the_start(harness:
         0,
         (*gauges, (("header", 3), ("body", 1), ("idle", 9), ("send", 2)), (("limit", 4), ("per_client", 7)), ()),
     )
-    # A relay of an earlier version sends no cuts at all.
-    rec.take(1, (*gauges, (("header", 1), ("body", 0), ("idle", 0)), (("limit", 0),)))
+    rec.take(1, (*gauges, (("header", 1), ("body", 0), ("idle", 0)), (("limit", 0),), ()))
     assert counts() == (
         {**zero, "header": 4, "body": 1, "idle": 9, "send": 2},
         {"limit": 4, "per_client": 7},

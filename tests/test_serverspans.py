@@ -33,7 +33,7 @@ from llmtap.telemetry.serverspans import (
 )
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.types import ServerTiming
-from llmtap.wire.tape import STATS
+from llmtap.wire.messages import Stats, encode_stats
 from tests.conftest import PATIENCE, ServerThread, Telemetry
 from tests.test_recorder import timeline
 
@@ -421,9 +421,9 @@ def test_two_requests_in_flight_start_the_watch_of_their_upstream(telemetry: Tel
     rec = Recorder(settings, tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
     calls = rec.upstreams = _Calls()
     try:
-        rec.take(0, (STATS, True, 0, (("default", 1),), (), (), ()))
+        rec.take(0, encode_stats(Stats(True, 0, (("default", 1),), (), (), (), ())))
         assert calls.watched == []  # one at a time: slots do not matter
-        rec.take(0, (STATS, True, 0, (("default", 2),), (), (), ()))
+        rec.take(0, encode_stats(Stats(True, 0, (("default", 2),), (), (), (), ())))
         assert calls.watched == [UPSTREAM]
     finally:
         rec.close()

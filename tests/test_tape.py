@@ -16,10 +16,12 @@ from hypothesis import given, settings as hsettings, strategies as st
 from bench.telemetry import chat_tape
 from llmtap.analysis import tokens
 from llmtap.config.types import Route, Settings, TelemetrySettings
-from llmtap.relay.channel import LocalChannel, SocketChannel, frames
+from llmtap.relay.channel import LocalChannel, SocketChannel
 from llmtap.relay.tracecontext import Sampler, begin, parse_traceparent
 from llmtap.telemetry.replay import Playback
-from llmtap.wire.tape import END, SEGMENT, SEGMENT_BYTES, STATS, Tape
+from llmtap.wire.framing import frames
+from llmtap.wire.messages import END, SEGMENT, STATS, End, Stats, decode
+from llmtap.wire.tape import SEGMENT_BYTES, Tape
 
 ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default")
 # Content capture on: the timeline keeps the output's text, so a test can read it back.
@@ -55,15 +57,16 @@ def play(messages: list[tuple[Any, ...]]) -> Any:
     playback: Playback | None = None
     for message in messages:
         # What crosses between processes is marshal's form: exactly what the socket channel sends.
-        kind, _, head, reads, *rest = marshal.loads(marshal.dumps(message))
+        m = decode(marshal.loads(marshal.dumps(message)))
+        assert not isinstance(m, Stats)
         if playback is None:
-            assert head is not None
-            playback = Playback(head, SETTINGS, ROUTES)
+            assert m.head is not None
+            playback = Playback(m.head, SETTINGS, ROUTES)
         else:
-            assert head is None  # the head travels once, with the first message
-        playback.feed(reads)
-        if kind == END:
-            return playback.finish(rest[0])
+            assert m.head is None  # the head travels once, with the first message
+        playback.feed(m.reads)
+        if isinstance(m, End):
+            return playback.finish(m.tail)
     raise AssertionError("no end message")
 
 

@@ -36,7 +36,13 @@ from llmtap.telemetry.metrics import CONVENTIONS, OWN, SHAPE
 from llmtap.telemetry.prometheus import metric_name
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import Facts, ServerTiming, Usage
-from llmtap.wire.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS, RESPONSE_CUT_REASONS, STATS
+from llmtap.wire.messages import (
+    CLIENT_TIMEOUT_KINDS,
+    CONNECTION_REFUSAL_REASONS,
+    RESPONSE_CUT_REASONS,
+    Stats,
+    encode_stats,
+)
 
 OUT = Path(__file__).resolve().parent.parent / "reference.md"
 
@@ -741,8 +747,8 @@ def exercise(*, latest: bool, chunk_mode: str, out: Observed) -> None:
             tuple((r, 1) for r in CONNECTION_REFUSAL_REASONS),
             tuple((r, 1) for r in RESPONSE_CUT_REASONS),
         )
-        recorder.take(0, (STATS, True, 0, ((_ROUTE.name, 1),), ((_ROUTE.name, 1),), *none))
-        recorder.take(0, (STATS, True, 0, ((_ROUTE.name, 0),), ((_ROUTE.name, 0),), *some))
+        recorder.take(0, encode_stats(Stats(True, 0, ((_ROUTE.name, 1),), ((_ROUTE.name, 1),), *none)))
+        recorder.take(0, encode_stats(Stats(True, 0, ((_ROUTE.name, 0),), ((_ROUTE.name, 0),), *some)))
         data = reader.get_metrics_data()
         for rm in data.resource_metrics if data is not None else ():
             for sm in rm.scope_metrics:

@@ -26,7 +26,7 @@ class StreamParser(Protocol):
 class Provider(Protocol):
     """One wire protocol (OpenAI Chat Completions, Anthropic Messages, ...).
 
-    Providers return values and never touch OpenTelemetry; ``telemetry/recorder.py`` does that.
+    Providers return values and never touch OpenTelemetry; the telemetry process's emitters do that.
     """
 
     #: Module id, e.g. ``openai_chat``; used as ``llmtap.protocol``.

@@ -40,7 +40,8 @@ from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.tracecontext import Sampler, begin
 from llmtap.relay.upstream_http import PIPE
 from llmtap.types import UNCHANGED, Message, Receive, Scope, Send
-from llmtap.wire.tape import RESPONSE_CUT_REASONS, STATS, Tape, now
+from llmtap.wire.messages import RESPONSE_CUT_REASONS, Raw, Stats, encode_stats, without_bytes
+from llmtap.wire.tape import Tape, now
 from llmtap.wire.tracestate import entry, upstream_tracestate
 
 if TYPE_CHECKING:
@@ -213,13 +214,14 @@ class ProxyApp:
         )
         if not self._stats_changed and counts == self._counts_sent:
             return
-        message = (
-            STATS,
-            self.ready and not self.draining,
-            self.tapes_dropped,
-            tuple(self._active.items()),
-            tuple(self._waiting.items()),
-            *counts,
+        message = encode_stats(
+            Stats(
+                self.ready and not self.draining,
+                self.tapes_dropped,
+                tuple(self._active.items()),
+                tuple(self._waiting.items()),
+                *counts,
+            )
         )
         if self.channel.send(message):
             self._stats_changed = False
@@ -383,7 +385,7 @@ class ProxyApp:
         self._stats_changed = True
         self._send_stats()
 
-    def _send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0) -> bool:
+    def _send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
         """Send a tape message; when the channel is full, send it again without the response bytes.
 
         The reads' times and sizes are a few bytes each: the telemetry side keeps the stream's timing
@@ -391,12 +393,8 @@ class ProxyApp:
         """
         if self.channel.send(message, reserve=reserve, shard=shard):
             return True
-        times, delivered, sizes, data = message[3]
-        if not data:
-            return False
-        return self.channel.send(
-            (*message[:3], (times, delivered, sizes, b""), *message[4:]), reserve=True, shard=shard
-        )
+        timing = without_bytes(message)
+        return timing is not None and self.channel.send(timing, reserve=True, shard=shard)
 
     async def _read_body(
         self, receive: Receive, limit: int, silence: float | None = None

@@ -1,12 +1,12 @@
 """The channel from the relay to the telemetry side: bounded, and it never makes a stream wait.
 
-``send`` takes one tape message (``llmtap.wire.tape``) and returns at once. When the other side falls behind,
+``send`` takes one encoded message (``llmtap.wire.messages``) and returns at once. When the other side falls behind,
 the message is dropped and counted: a stream is never held up for its telemetry. Two kinds:
 
 * ``LocalChannel``: the telemetry side in this process (tests, the demo, embedding ``create_app``): the
   message goes straight into the recorder's bounded queue, played back on its thread.
-* ``SocketChannel``: the telemetry process, over a Unix socket. Messages are ``marshal``-encoded and
-  length-prefixed; those sent in one turn of the event loop leave in one write. Bounded by the bytes
+* ``SocketChannel``: the telemetry process, over a Unix socket, in frames (``llmtap.wire.framing``); those
+  sent in one turn of the event loop leave in one write. Bounded by the bytes
   waiting in the socket's write buffer; while the telemetry process is away, messages are dropped
   (counted) and the channel connects again.
 """
@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import marshal
-import struct
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
+
+from llmtap.wire.framing import encode_frame
+from llmtap.wire.messages import Raw, WireError
 
 log = logging.getLogger("llmtap.relay")
 
@@ -29,13 +30,12 @@ RECONNECT_EVERY = 0.5
 #: How long the relay waits for the telemetry process at start, and for its last writes at the end.
 CONNECT_WAIT = 10.0
 CLOSE_WAIT = 5.0
-_LENGTH = struct.Struct("!I")
 
 
 class Receiver(Protocol):
     """Where a local channel puts messages: the recorder's ``submit`` (False: its queue is full)."""
 
-    def submit(self, message: tuple[Any, ...], source: int = 0) -> bool: ...
+    def submit(self, message: Raw, source: int = 0) -> bool: ...
 
 
 class Channel(Protocol):
@@ -46,7 +46,7 @@ class Channel(Protocol):
         """Messages dropped so far because the telemetry side was full or away."""
         ...
 
-    def send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0) -> bool:
+    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
         """Hand over one message; False when it was dropped. Never blocks, never raises.
 
         ``reserve``: a message that may use room kept back for it (a stream's end, its timing without bytes).
@@ -67,7 +67,7 @@ class LocalChannel:
         self.sink = sink
         self.dropped = 0
 
-    def send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0) -> bool:
+    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
         """Into the recorder's queue, or dropped when it is full."""
         if self.sink.submit(message):
             return True
@@ -139,7 +139,7 @@ class SocketChannel(asyncio.Protocol):
 
     # -- the relay's side ---------------------------------------------------------------------
 
-    def send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0) -> bool:
+    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
         """Queue one message for this turn's write, or drop it when the buffer is full or nobody listens.
 
         A ``reserve`` message may use another quarter of the bound: so a stream whose bytes no longer fit
@@ -147,8 +147,8 @@ class SocketChannel(asyncio.Protocol):
         """
         transport = self._transport
         try:
-            data = marshal.dumps(message)
-        except ValueError:
+            prefix, data = encode_frame(message)
+        except WireError:
             log.exception("telemetry: a tape could not be encoded")
             self.dropped += 1
             return False
@@ -156,7 +156,7 @@ class SocketChannel(asyncio.Protocol):
         if transport is None or transport.get_write_buffer_size() + self._pending_bytes + len(data) > limit:
             self.dropped += 1
             return False
-        self._pending.append(_LENGTH.pack(len(data)))
+        self._pending.append(prefix)
         self._pending.append(data)
         self._pending_bytes += len(data) + 4
         if not self._flush_scheduled:
@@ -209,7 +209,7 @@ class ShardedChannel:
         for channel in self.channels:
             await channel.start()
 
-    def send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0) -> bool:
+    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
         """Into the channel of telemetry process ``shard`` (modulo their number)."""
         return self.channels[shard % len(self.channels)].send(message, reserve=reserve)
 
@@ -217,18 +217,3 @@ class ShardedChannel:
         """Close every channel."""
         for channel in self.channels:
             await channel.aclose()
-
-
-def frames(buffer: bytearray) -> list[tuple[Any, ...]]:
-    """Take every complete message out of ``buffer`` (the telemetry process's read side)."""
-    out: list[tuple[Any, ...]] = []
-    at = 0
-    size = len(buffer)
-    while size - at >= 4:
-        (length,) = _LENGTH.unpack_from(buffer, at)
-        if size - at - 4 < length:
-            break
-        out.append(marshal.loads(bytes(buffer[at + 4 : at + 4 + length])))
-        at += 4 + length
-    del buffer[:at]
-    return out

@@ -51,7 +51,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from llmtap.config.types import Settings
-from llmtap.wire.tape import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS
+from llmtap.wire.messages import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS
 
 log = logging.getLogger("llmtap.proxy")
 
@@ -163,7 +163,7 @@ class ClientLimits:
             self.open_by_peer.pop(peer, None)
 
     def counts(self) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
-        """(timeouts by kind, refusals by reason), as the relay's STATS message carries them."""
+        """(timeouts by kind, refusals by reason), as the relay's ``Stats`` message carries them (``llmtap.wire``)."""
         return tuple(self.timeouts.items()), tuple(self.refused.items())
 
     def timed_out(self, kind: str, client: Any) -> None:

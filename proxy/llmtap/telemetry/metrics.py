@@ -10,8 +10,9 @@ stream flag and the prompt version, and on the figures users feel (TTFT, ITL, TP
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -24,10 +25,18 @@ from llmtap.analysis.summary import MAX_SAMPLES, USAGE, Summary
 from llmtap.analysis.timeline import OK, Timeline
 from llmtap.config.types import Settings
 from llmtap.labels import OTHER, LabelGuard
+from llmtap.providers.timing import PHASES
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.attributes import is_hop, usage_value
 from llmtap.telemetry.bulk import record_many
 from llmtap.telemetry.instruments import Instruments, create
+
+if TYPE_CHECKING:
+    from llmtap.telemetry.finished import Finished
+
+log = logging.getLogger("llmtap.telemetry")
+#: How the admission queue refuses a request (``error.type``).
+QUEUE_REFUSALS = ("queue_full", "queue_timeout")
 
 #: What the conventions list for their metrics (gen-ai-metrics.md v1.41.1): every ``gen_ai.*`` metric carries
 #: these and no other (``error.type`` only on the durations, when the request failed; token metrics add their
@@ -94,6 +103,15 @@ class MetricWriter:
             name: self._guard(sc.dimension_attribute(name), values, trial=values, candidates=4 * values)
             for name in settings.attribution.metric_dimensions
         }
+        # Every route's admission refusals, ignored server timings (by phase) and unparsable events: their panels
+        # show a line at 0, not "No data", until the first one.
+        ins = self.instruments
+        for route in settings.routes:
+            ins.malformed.add(0, {sc.ROUTE: route.name})
+            for error in QUEUE_REFUSALS:
+                ins.queue_rejected.add(0, {sc.ROUTE: route.name, sc.ERROR_TYPE: error})
+            for phase in PHASES:
+                ins.timing_rejected.add(0, {sc.ROUTE: route.name, sc.TIMING_FIELD: phase})
 
     def _guard(self, attribute: str, slots: int, *, trial: int, candidates: int, pinned: Any = ()) -> LabelGuard:
         evicted = self.instruments.labels_evicted
@@ -153,6 +171,21 @@ class MetricWriter:
             for name, guard in self._dimensions.items()
             if name in tl.attribution
         }
+
+    def emit(self, request: Finished) -> None:
+        """Every metric of a finished request: admission refusals, ignored server timings, the request's own
+        metrics (a request of a known protocol) and its cache class."""
+        tl, s, diag = request.tl, request.summary, request.diagnosis
+        ins = self.instruments
+        if tl.error_type in QUEUE_REFUSALS:
+            ins.queue_rejected.add(1, {sc.ROUTE: tl.route, sc.ERROR_TYPE: tl.error_type})
+        for name in s.rejected_timings:
+            log.debug("ignored server timing %s of %s %s", name, tl.method, tl.path)
+            ins.timing_rejected.add(1, {sc.ROUTE: tl.route, sc.TIMING_FIELD: name})
+        if tl.protocol is not None:
+            self.record(tl, s)
+            if diag is not None:
+                ins.cache_requests.add(1, self.cache_attributes(tl, diag))
 
     def record(self, tl: Timeline, s: Summary) -> None:
         """Record one finished request's latency, token and outcome metrics."""

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 
 from llmtap import logs
 from llmtap.config.types import ConfigError, Settings
-from llmtap.relay.channel import frames
 from llmtap.telemetry import identity, sched
-from llmtap.wire.tape import STATS
+from llmtap.wire.framing import FrameReader
+from llmtap.wire.messages import ready_of
 
 if TYPE_CHECKING:
     from llmtap.telemetry.recorder import Recorder
@@ -62,28 +62,30 @@ class _Intake(asyncio.Protocol):
         self.recorder = recorder
         self.source = source
         self.connected = connected
-        self._buffer = bytearray()
+        self._frames = FrameReader()
+        self._transport: asyncio.BaseTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """A relay connected."""
+        self._transport = transport
         self.connected.add(self.source)
 
     def data_received(self, data: bytes) -> None:
         """Take every complete message; the recorder counts what its full queue cannot take."""
-        self._buffer += data
-        try:
-            messages = frames(self._buffer)
-        except (ValueError, EOFError, TypeError):
-            # Only relays of this server can connect (the socket is private): a bad frame is a bug, said once.
-            log.exception("telemetry: a relay sent a message that cannot be read; its connection is reset")
-            self._buffer.clear()
-            return
+        messages = self._frames.feed(data)
         submit = self.recorder.submit
         for message in messages:
-            if message[0] == STATS:
+            ready = ready_of(message)
+            if ready is not None:
                 # Readiness is read here, not after the queue: /readyz follows a drain's start at once.
-                self.recorder.relay_ready(self.source, bool(message[1]))
+                self.recorder.relay_ready(self.source, ready)
             submit(message, self.source)
+        if self._frames.broken is not None and self._transport is not None:
+            # Only relays of this server can connect (the socket is private): a bad frame is a bug. Nothing after
+            # it can be read, so the connection goes (said once); the relay connects again.
+            log.error("telemetry: relay %d sent %s; its connection is reset", self.source, self._frames.broken)
+            self._transport.close()
+            self._transport = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The relay went away: its gauges drop to zero."""

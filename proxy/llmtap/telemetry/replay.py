@@ -1,7 +1,7 @@
 """From tape to timeline: the telemetry side plays back what the relay recorded, read by read.
 
 The relay hands over the request's head, its body up to the inspect limit, and every upstream read with
-the moment it arrived and the moment it reached the client's socket (``llmtap.wire.tape``). Here the body is
+the moment it arrived and the moment it reached the client's socket (``llmtap.wire.messages``). Here the body is
 inspected by its provider, the reads are decoded (SSE, NDJSON, JSON array, gzip) and turned into facts
 exactly as if they were arriving now, at the times they really arrived: the same ``Tap`` the relay ran
 before the split, now in the telemetry process. A stream is played back as its segments come, so a
@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 from array import array
-from typing import Any
 
 from llmtap.analysis.attribution import dimensions
 from llmtap.analysis.timeline import KEEP_CHARS, Timeline
@@ -24,6 +23,7 @@ from llmtap.providers.base import Provider
 from llmtap.providers.timing import from_headers
 from llmtap.telemetry.tap import Tap
 from llmtap.types import RequestInfo
+from llmtap.wire.messages import Head, Reads, Tail
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -52,39 +52,13 @@ class Playback:
 
     __slots__ = ("_delivered_first", "_last_delivered", "_tap", "partial", "tl")
 
-    def __init__(self, head: tuple[Any, ...], settings: Settings, routes: dict[str, Route]) -> None:
-        (
-            method,
-            path,
-            inner_path,
-            route_name,
-            protocol,
-            received,
-            received_wall_ns,
-            prompt_version,
-            parent,
-            trace_id,
-            span_id,
-            sampled,
-            body,
-            body_complete,
-            strip_usage,
-            body_read,
-            admitted,
-            sent,
-            headers_at,
-            status_code,
-            response_headers,
-            upstream_seq,
-            upstream_ahead,
-            attribution,
-            key_fingerprint,
-        ) = head
+    def __init__(self, head: Head, settings: Settings, routes: dict[str, Route]) -> None:
+        route_name, inner_path, received = head.route, head.inner_path, head.received
         route = routes.get(route_name)
-        provider = provider_named(protocol, method, inner_path)
+        provider = provider_named(head.protocol, head.method, inner_path)
         tl = Timeline(
-            method=method,
-            path=path,
+            method=head.method,
+            path=head.path,
             route=route_name,
             upstream=route.upstream if route else "",
             server_address=route.host if route else "",
@@ -93,36 +67,37 @@ class Playback:
             provider_name=(route.provider if route and route.provider else None)
             or (provider.family if provider else "_OTHER"),
             received=received,
-            received_wall_ns=received_wall_ns,
+            received_wall_ns=head.received_wall_ns,
             # The output's text is kept only where a span may show it.
             keep_chars=KEEP_CHARS if settings.telemetry.capture_content else 0,
         )
         self.tl = tl
-        if prompt_version is not None:
-            tl.prompt_version = version_label(prompt_version)
+        if head.prompt_version is not None:
+            tl.prompt_version = version_label(head.prompt_version)
         elif route is not None:
             tl.prompt_version = route.prompt_version
-        tl.trace_id = format(int.from_bytes(trace_id, "big"), "032x")
-        tl.span_id = format(int.from_bytes(span_id, "big"), "016x")
-        tl.sampled = sampled
-        tl.parent = parent
-        tl.body_read, tl.admitted, tl.sent, tl.headers = body_read, admitted, sent, headers_at
-        tl.status_code = status_code
-        tl.upstream_seq, tl.upstream_ahead = upstream_seq, upstream_ahead
+        tl.trace_id = format(int.from_bytes(head.trace_id, "big"), "032x")
+        tl.span_id = format(int.from_bytes(head.span_id, "big"), "016x")
+        tl.sampled = head.sampled
+        tl.parent = head.parent
+        tl.body_read, tl.admitted, tl.sent, tl.headers = head.body_read, head.admitted, head.sent, head.headers_at
+        tl.status_code = status_code = head.status_code
+        tl.upstream_seq, tl.upstream_ahead = head.upstream_seq, head.upstream_ahead
         info: RequestInfo | None = None
         if provider is not None:
-            if body_complete:
-                info = provider.inspect(body, inject_usage=False, path=inner_path)
+            if head.body_complete:
+                info = provider.inspect(head.body, inject_usage=False, path=inner_path)
             else:
                 info = provider.inspect(b"{}", inject_usage=False, path=inner_path)
                 info.parse_error = "body_not_inspected"
-            info.strip_usage = strip_usage
+            info.strip_usage = head.strip_usage
             tl.request = info
+        attribution, key_fingerprint = head.attribution, head.key_fingerprint
         if attribution or key_fingerprint or (info is not None and info.end_user):
             tl.attribution, tl.attribution_dropped = dimensions(
                 attribution, body_user=info.end_user if info else None, key_fingerprint=key_fingerprint
             )
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in response_headers}
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in head.response_headers}
         if "x-queue-time" in headers:
             # TGI reports its queue time in headers (non-streamed responses).
             tl.server_timing, bad = from_headers(headers)
@@ -141,15 +116,15 @@ class Playback:
         #: Some reads came without their bytes (the relay's channel was full): timing only.
         self.partial = False
 
-    def feed(self, reads: tuple[bytes, bytes, bytes, bytes]) -> None:
+    def feed(self, reads: Reads) -> None:
         """Play back a run of reads: times of arrival, of delivery, sizes, and the bytes themselves."""
         tap = self._tap
         if tap is None:
             return
-        times, delivered, sizes, data = array("d"), array("d"), array("l"), reads[3]
-        times.frombytes(reads[0])
-        delivered.frombytes(reads[1])
-        sizes.frombytes(reads[2])
+        times, delivered, sizes, data = array("d"), array("d"), array("l"), reads.data
+        times.frombytes(reads.times)
+        delivered.frombytes(reads.delivered)
+        sizes.frombytes(reads.sizes)
         tl = self.tl
         gap = not data and any(sizes)
         self.partial = self.partial or gap
@@ -171,9 +146,9 @@ class Playback:
         self._last_delivered = not math.isnan(delivered[-1]) if len(delivered) else self._last_delivered
         relay_delays(times, delivered, tl.relay_delays)
 
-    def finish(self, tail: tuple[Any, ...]) -> Timeline:
+    def finish(self, tail: Tail) -> Timeline:
         """The stream's end: the relay's own verdict applied after what the stream itself said."""
-        end, error_type, error_message, cancelled, surplus, response_bytes = tail
+        end, error_type, cancelled, surplus = tail.end, tail.error_type, tail.cancelled, tail.surplus
         tl = self.tl
         if self._tap is not None:
             self._tap.finish(end if end is not None else tl.received)
@@ -181,10 +156,10 @@ class Playback:
             # Completed at the end (a whole body parsed, a last event flushed): its bytes were the last read.
             tl.completed_delivered = True
         tl.end = end
-        tl.response_bytes = response_bytes
+        tl.response_bytes = tail.response_bytes
         # The first failure wins: what the stream said, then what the relay saw, then the status code.
         if error_type is not None and not cancelled:
-            tl.fail(error_type, error_message)
+            tl.fail(error_type, tail.error_message)
         if tl.status_code is not None and tl.status_code >= 400:
             tl.fail(tl.error_type or str(tl.status_code))
         if surplus:

@@ -30,8 +30,12 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
+from llmtap.analysis.summary import Summary, adopt_server_timing, reached_model
+from llmtap.analysis.timeline import Timeline
 from llmtap.compression import InflateLimit, Inflater, decodable
+from llmtap.config.types import Settings
 from llmtap.providers.timing import seconds
+from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.types import ServerTiming
 
 #: The latency attributes of a server's request span (vLLM's ``SpanAttributes``), in seconds, by phase.
@@ -60,6 +64,12 @@ OUTCOMES = ("matched", "late", "unmatched", "missing")
 #: protobuf or gzip (415), no or a wrong token, or marked as
 #: passed on by another replica without the replicas' token (401), from beyond loopback with no token configured (403).
 REJECT_REASONS = ("bad_body", "too_large", "inflated_too_large", "unsupported_type", "unauthorized", "forbidden")
+#: Seconds a request recorded before its upstream's ``/metrics`` was first read waits for that read (once per
+#: upstream), on a route that declares a tracing model server (``provider``): whether the upstream traces
+#: decides whether the request waits for the server's span, and a fresh proxy's first request can end before
+#: two are ever in flight (which starts the reads otherwise). Other upstreams are not read on a first request.
+FIRST_READ = 2.0
+TRACING_PROVIDERS = frozenset({"vllm", "sglang"})
 
 
 class BadBody(ValueError):
@@ -336,3 +346,76 @@ class Join(Generic[T]):
     def held(self) -> int:
         """Requests waiting now."""
         return len(self._held)
+
+
+#: What waits for its server span: a finished request's timeline and its summary.
+Finishing = tuple[Timeline, Summary]
+
+
+class ServerSpanWait:
+    """Whether a finished request waits for its upstream's own span, and the requests the wait lets go.
+
+    Used by the recorder's worker thread only; time is passed in. What it returns is final (the server's
+    timing adopted where its span came): the caller emits it as it is.
+    """
+
+    def __init__(self, settings: Settings, upstreams: UpstreamWatch, count: Callable[[str, int], None]) -> None:
+        self.join: Join[Finishing] = Join(settings.telemetry.server_spans_wait, count)
+        #: The upstreams' ``/metrics``: whether each can trace (read on their own thread).
+        self.upstreams = upstreams
+        self._count = count
+        self._routes = {r.name: r for r in settings.routes}
+
+    def offer(self, tl: Timeline, s: Summary, now: float) -> list[Finishing]:
+        """``tl`` finished: what to emit now (itself, unless it waits, and any request its wait pushed out)."""
+        if not self._joinable(tl):
+            return [(tl, s)]
+        assert tl.span_id is not None
+        span = self.join.early(tl.span_id, now)
+        if span is not None:
+            self._count("matched", 1)
+            adopt_server_timing(tl, s, span.timing)
+        elif self.join.wants(tl.upstream, compatible=self._compatible(tl)):
+            return self.join.hold(tl.span_id, tl.upstream, (tl, s), now)
+        else:
+            self.join.recorded(tl.span_id, tl.upstream)
+        return [(tl, s)]
+
+    def spans(self, spans: list[ServerSpan], now: float) -> list[Finishing]:
+        """Spans came: the waiting requests they complete, with the server's timing adopted."""
+        out: list[Finishing] = []
+        for (tl, s), span in self.join.spans(spans, now):
+            adopt_server_timing(tl, s, span.timing)
+            out.append((tl, s))
+        return out
+
+    def due(self, now: float) -> list[Finishing]:
+        """Requests whose wait is over, without a span."""
+        return self.join.due(now)
+
+    def release(self) -> list[Finishing]:
+        """Every waiting request, now (flush, shutdown)."""
+        return self.join.release()
+
+    def next_deadline(self) -> float | None:
+        """When the first wait ends, or None."""
+        return self.join.next_deadline()
+
+    def _compatible(self, tl: Timeline) -> bool:
+        """Whether ``tl``'s upstream showed a tracing-capable server; on a route declared ``vllm`` or ``sglang``, an
+        upstream never read is read now and the answer waited for (``FIRST_READ``)."""
+        route = self._routes.get(tl.route)
+        declared = route is not None and (route.provider or "").lower() in TRACING_PROVIDERS
+        return self.upstreams.compatible(tl.upstream, wait=FIRST_READ if declared else 0.0)
+
+    def _joinable(self, tl: Timeline) -> bool:
+        """Whether a server span of ``tl`` can come: it reached the model, in a sampled trace, with no phase
+        reported in the stream itself."""
+        st = tl.server_timing
+        return (
+            tl.span_id is not None
+            and tl.sampled
+            and tl.protocol is not None
+            and reached_model(tl)
+            and (st is None or (st.queue is None and st.prefill is None))
+        )

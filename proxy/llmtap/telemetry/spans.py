@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context, trace
 from opentelemetry.sdk.resources import Resource
@@ -42,6 +42,8 @@ from llmtap.labels import OTHER, clean
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.attributes import (
     as_hop,
+    cache_attributes,
+    cost_attributes,
     end_attributes,
     hop_name,
     is_hop,
@@ -50,6 +52,9 @@ from llmtap.telemetry.attributes import (
     start_attributes,
 )
 from llmtap.telemetry.chunkdetail import SUMMARY, ChunkDetail, chunk_stats, largest_gap
+
+if TYPE_CHECKING:
+    from llmtap.telemetry.finished import Finished
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 #: The longest ``traceparent`` and ``tracestate`` the SDK's propagator reads (W3C Trace Context, section 3.3.1.1:
@@ -186,6 +191,21 @@ class SpanWriter:
                 MAX_TRACE_CONTEXT,
                 self._ignored,
             )
+
+    def emit(self, request: Finished) -> None:
+        """The spans of a finished request: its root (with its cache diagnosis and cost), phases and chunks.
+
+        A failure is logged, never raised: a broken trace pipeline costs the spans, nothing else."""
+        tl, s, diag = request.tl, request.summary, request.diagnosis
+        try:
+            root = self.root(tl)
+            if diag is not None:
+                root.set_attributes(cache_attributes(diag))
+            if s.cost is not None:
+                root.set_attributes(cost_attributes(s.cost, hop=self.is_hop(tl)))
+            self.write(tl, s, root)
+        except Exception:
+            log.exception("telemetry: could not write the spans of %s %s", tl.method, tl.path)
 
     def root(self, tl: Timeline) -> Span:
         """The request's root span, with the ids the relay made (a child of the client's ``traceparent``)."""

@@ -10,8 +10,11 @@ A tape's memory is bounded whatever the response's length: once the reads it hol
 they leave as a segment through the channel and the tape starts again empty, so an open stream holds at
 most about that many bytes of response in the relay (issue 14: 64 KiB resident per stream).
 
-Wire form (``head``, ``segment``, ``tail``) is plain tuples of ``bytes``, ``str``, numbers and ``None``, so
-``marshal`` carries it between processes at C speed and the in-process channel passes it as it is.
+What leaves is a ``Segment`` or an ``End`` message (``llmtap.wire.messages``), in its encoded form. The tape
+builds that form itself, field by field in the order its named form declares (``Head``, ``Reads``, ``Tail``),
+rather than building the named form and encoding it: this runs on the relay for every stream, and a
+``NamedTuple`` made and then copied to a plain tuple costs about three times as much. ``tests/test_wire.py``
+decodes a tape's messages and compares every named field with the tape's own attribute of that name.
 """
 
 from __future__ import annotations
@@ -20,20 +23,11 @@ import os
 import random
 import time
 from array import array
-from typing import Any
+
+from llmtap.wire.messages import END, SEGMENT, Raw
 
 #: Reads held before they leave as a segment (the relay's per-stream response memory).
 SEGMENT_BYTES = 32 * 1024
-
-# Message kinds on the channel.
-START, SEGMENT, END, STATS = 0, 1, 2, 3
-#: What a STATS message counts beside the gauges, as absolute numbers: client connections cut by a timeout,
-#: by kind, and refused, by reason (``llmtap.relay.protocol``).
-CLIENT_TIMEOUT_KINDS = ("header", "body", "idle", "send", "upload")
-CONNECTION_REFUSAL_REASONS = ("limit", "per_client")
-#: Why the relay itself cut a response short (the last group of a STATS message): ``inflate_limit``, a
-#: response it decompressed past ``max_inflate_bytes`` (``llmtap.compression``).
-RESPONSE_CUT_REASONS = ("inflate_limit",)
 
 _ids = random.Random(os.urandom(16))
 
@@ -182,8 +176,9 @@ class Tape:
 
     # -- the wire form ------------------------------------------------------------------------
 
-    def head(self) -> tuple[Any, ...]:
-        """Everything known once the response's headers are in: the request and the response's start."""
+    def head(self) -> Raw:
+        """Everything known once the response's headers are in: the request and the response's start (a ``Head``,
+        encoded)."""
         return (
             self.method,
             self.path,
@@ -213,7 +208,7 @@ class Tape:
         )
 
     def take_reads(self) -> tuple[bytes, bytes, bytes, bytes]:
-        """The reads held now (times, delivery times, sizes, bytes), leaving the tape empty."""
+        """The reads held now (``Reads``, encoded), leaving the tape empty."""
         # A read not yet handed to the client (the relay failed sending it) has no delivery time.
         while len(self._delivered) < len(self._times):
             self._delivered.append(float("nan"))
@@ -224,24 +219,20 @@ class Tape:
         self._data = bytearray()
         return out
 
-    def tail(self) -> tuple[Any, ...]:
-        """What the end adds: when, how, and what the relay itself counted."""
+    def tail(self) -> Raw:
+        """What the end adds: when, how, and what the relay itself counted (a ``Tail``, encoded)."""
         return (self.end, self.error_type, self.error_message, self.cancelled, self.surplus, self.response_bytes)
 
-    def segment_message(self) -> tuple[Any, ...]:
-        """A segment of reads, with the head when it is the stream's first message."""
+    def segment_message(self) -> Raw:
+        """A segment of reads, with the head when it is the stream's first message (a ``Segment``, encoded)."""
         head = None if self.head_sent else self.head()
         self.head_sent = True
         self.segments += 1
         return (SEGMENT, self.key, head, self.take_reads())
 
-    def end_message(self) -> tuple[Any, ...]:
-        """The last message of a stream: the head unless a segment carried it, the last reads, the tail."""
+    def end_message(self) -> Raw:
+        """The last message of a stream: the head unless a segment carried it, the last reads, the tail (an ``End``,
+        encoded)."""
         head = None if self.head_sent else self.head()
         self.head_sent = True
         return (END, self.key, head, self.take_reads(), self.tail())
-
-
-def start_message(key: int, route: str) -> tuple[Any, ...]:
-    """A request arrived on ``route``: what the active-stream count needs."""
-    return (START, key, route)
