@@ -26,8 +26,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from starlette.requests import Request
 
 from llmtap.config.settings import Admin, ConfigError, build
-from llmtap.relay.tracecontext import MAX_TRACEPARENT, parse_traceparent
 from llmtap.telemetry.access import Gate, is_loopback
+from llmtap.wire.tracecontext import MAX_TRACEPARENT, parse_traceparent
 from tests.conftest import PATIENCE
 from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver

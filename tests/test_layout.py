@@ -1,20 +1,25 @@
-"""The layout holds what it promises: the relay process loads no OpenTelemetry and no tokenizer."""
+"""The layout holds what it promises: the relay process loads no OpenTelemetry and no tokenizer, and the
+layer contracts in pyproject.toml (``lint-imports``) are kept, and would catch an import that breaks one."""
 
 from __future__ import annotations
 
-import ast
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-RELAY = ROOT / "proxy" / "llmtap" / "relay"
 
 
 def test_the_relay_process_imports_no_opentelemetry_and_no_tokenizer() -> None:
+    # What a relay process of ``llmtap serve`` imports (``llmtap.serve.relay``, and the supervisor's modules
+    # that run in the same process), and the relay application itself.
     code = (
         "import sys\n"
-        "import llmtap.relay.server, llmtap.relay.workers\n"
+        "import llmtap.serve.run, llmtap.serve.relay, llmtap.serve.workers\n"
         "from llmtap.relay.app import create_app\n"
         "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('opentelemetry', 'tiktoken'))}))\n"
     )
@@ -23,13 +28,39 @@ def test_the_relay_process_imports_no_opentelemetry_and_no_tokenizer() -> None:
     assert done.stdout.strip() == "[]"
 
 
-def test_relay_modules_import_telemetry_only_where_it_is_started_or_embedded() -> None:
-    """At module level, the relay reaches the telemetry side only to start its process (``telemetry.process``)."""
-    found: dict[str, list[str]] = {}
-    for path in sorted(RELAY.glob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node in tree.body:  # module level only: imports inside functions run where they are called
-            if isinstance(node, ast.ImportFrom) and node.module:
-                if node.module.startswith(("llmtap.telemetry", "llmtap.analysis", "opentelemetry", "tiktoken")):
-                    found.setdefault(path.name, []).append(node.module)
-    assert found == {"server.py": ["llmtap.telemetry"], "workers.py": ["llmtap.telemetry.process"]}, found
+def _lint_imports(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("lint-imports")
+    if exe is None:
+        pytest.fail("lint-imports is not installed: pip install -e '.[test]'")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "proxy"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([exe, "--no-cache", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_layer_contracts_are_kept() -> None:
+    done = _lint_imports()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 broken" in done.stdout and "broken" in done.stdout
+
+
+def test_a_relay_module_that_imports_the_telemetry_side_breaks_a_contract(tmp_path: Path) -> None:
+    """The contracts can fail: a copy of the package whose relay imports the recorder is refused."""
+    copy = tmp_path / "proxy"
+    shutil.copytree(ROOT / "proxy" / "llmtap", copy / "llmtap", ignore=shutil.ignore_patterns("__pycache__", "data"))
+    guard = copy / "llmtap" / "relay" / "guard.py"
+    guard.write_text(guard.read_text(encoding="utf-8") + "\nfrom llmtap.telemetry import recorder as _recorder\n")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    env_path = f"{copy}"
+    exe = shutil.which("lint-imports")
+    if exe is None:
+        pytest.fail("lint-imports is not installed: pip install -e '.[test]'")
+    done = subprocess.run(
+        [exe, "--no-cache"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": env_path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0, done.stdout
+    assert "llmtap.relay.guard -> llmtap.telemetry.recorder" in done.stdout
+    assert "BROKEN" in done.stdout

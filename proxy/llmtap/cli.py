@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             settings = build(vars(args))
             logs.setup(settings.log_level)
-            from llmtap.relay.server import run
+            from llmtap.serve.run import run
 
             run(settings)
         elif args.command == "simulate":

@@ -28,7 +28,7 @@ SEGMENT_BYTES = 32 * 1024
 # Message kinds on the channel.
 START, SEGMENT, END, STATS = 0, 1, 2, 3
 #: What a STATS message counts beside the gauges, as absolute numbers: client connections cut by a timeout,
-#: by kind, and refused, by reason (``llmtap.relay.protocol``).
+#: by kind, and refused, by reason (``llmtap.listener``).
 CLIENT_TIMEOUT_KINDS = ("header", "body", "idle", "send", "upload")
 CONNECTION_REFUSAL_REASONS = ("limit", "per_client")
 #: Why the relay itself cut a response short (the last group of a STATS message): ``inflate_limit``, a
