@@ -28,39 +28,30 @@ def test_the_relay_process_imports_no_opentelemetry_and_no_tokenizer() -> None:
     assert done.stdout.strip() == "[]"
 
 
-def _lint_imports(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+def _lint_imports(cwd: Path, package_parent: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` with the contracts of ``cwd/pyproject.toml``, over the package found in ``package_parent``."""
     exe = shutil.which("lint-imports")
     if exe is None:
         pytest.fail("lint-imports is not installed: pip install -e '.[test]'")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "proxy"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([exe, "--no-cache", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(package_parent)}
+    return subprocess.run([exe, "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_the_layer_contracts_are_kept() -> None:
-    done = _lint_imports()
+    done = _lint_imports(ROOT, ROOT / "proxy")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "0 broken" in done.stdout and "broken" in done.stdout
+    assert "0 broken" in done.stdout
 
 
-def test_a_relay_module_that_imports_the_telemetry_side_breaks_a_contract(tmp_path: Path) -> None:
-    """The contracts can fail: a copy of the package whose relay imports the recorder is refused."""
+def test_a_relay_module_that_imports_the_telemetry_side_breaks_the_contracts(tmp_path: Path) -> None:
+    """The contracts can fail: the same contracts over a copy of the package whose relay imports the recorder."""
     copy = tmp_path / "proxy"
     shutil.copytree(ROOT / "proxy" / "llmtap", copy / "llmtap", ignore=shutil.ignore_patterns("__pycache__", "data"))
     guard = copy / "llmtap" / "relay" / "guard.py"
     guard.write_text(guard.read_text(encoding="utf-8") + "\nfrom llmtap.telemetry import recorder as _recorder\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    env_path = f"{copy}"
-    exe = shutil.which("lint-imports")
-    if exe is None:
-        pytest.fail("lint-imports is not installed: pip install -e '.[test]'")
-    done = subprocess.run(
-        [exe, "--no-cache"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": env_path},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _lint_imports(tmp_path, copy)
     assert done.returncode != 0, done.stdout
+    # Each contract that guards the relay names the import; the untouched tree keeps them all (above).
     assert "llmtap.relay.guard -> llmtap.telemetry.recorder" in done.stdout
-    assert "BROKEN" in done.stdout
+    assert "Contracts: 1 kept, 4 broken." in done.stdout, done.stdout
