@@ -3,6 +3,7 @@ layer contracts in pyproject.toml (``lint-imports``) are kept, and would catch a
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -14,18 +15,24 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_relay_process_imports_no_opentelemetry_and_no_tokenizer() -> None:
-    # What a relay process of ``llmtap serve`` imports (``llmtap.serve.relay``, and the supervisor's modules
-    # that run in the same process), and the relay application itself.
-    code = (
-        "import sys\n"
-        "import llmtap.serve.run, llmtap.serve.relay, llmtap.serve.workers\n"
-        "from llmtap.relay.app import create_app\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('opentelemetry', 'tiktoken'))}))\n"
-    )
+def _loaded(imports: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The modules of ``prefixes`` a fresh interpreter has loaded after ``imports``."""
+    code = f"import sys\n{imports}\nprint(sorted(m for m in sys.modules if m.startswith({prefixes!r})))\n"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    return list(ast.literal_eval(done.stdout.strip()))
+
+
+def test_the_relay_process_imports_no_opentelemetry_and_no_tokenizer() -> None:
+    # ``llmtap serve`` with one relay: the parent runs the relay and starts the telemetry processes.
+    parent = "import llmtap.cli, llmtap.serve.run, llmtap.serve.workers\nfrom llmtap.relay.app import create_app"
+    assert _loaded(parent, ("opentelemetry", "tiktoken")) == []
+    # A relay process of ``--workers`` loads nothing of the telemetry side or analysis at all.
+    worker = "import llmtap.serve.relay"
+    assert _loaded(worker, ("opentelemetry", "tiktoken", "llmtap.telemetry", "llmtap.analysis")) == []
+    # The check sees what it looks for: the in-process assembly loads both.
+    local = _loaded("import llmtap.serve.local", ("opentelemetry.sdk", "tiktoken", "llmtap.telemetry.recorder"))
+    assert "llmtap.telemetry.recorder" in local and "tiktoken" in local
 
 
 def _lint_imports(cwd: Path, package_parent: Path) -> subprocess.CompletedProcess[str]:

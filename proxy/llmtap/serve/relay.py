@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llmtap import logs
 from llmtap.config.settings import Settings
@@ -26,7 +27,9 @@ from llmtap.relay.channel import ShardedChannel, SocketChannel
 from llmtap.serve.lines import startup_lines
 from llmtap.serve.server import Server, die_with_parent, label_uvicorn, run_loop, set_name, uvicorn_config
 from llmtap.serve.sockets import bind, channel_paths
-from llmtap.serve.telemetry import TelemetryProcess
+
+if TYPE_CHECKING:
+    from llmtap.serve.telemetry import TelemetryProcess
 
 log = logging.getLogger("llmtap")
 
