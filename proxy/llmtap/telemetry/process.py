@@ -1,13 +1,12 @@
 """The telemetry process: tapes in from the relays, spans, metrics, records and the admin listener out.
 
-``llmtap serve`` starts it before the relays (``llmtap.serve.telemetry``, which also serves its admin listener
+``llmtap serve`` starts it before the relays (``llmtap.serve.telemetry``, which also runs its admin listener
 under uvicorn), its workers at SCHED_IDLE and its main thread niced (``llmtap.telemetry.sched``), so that on a
-shared core the relays get the CPU first. It listens on a
-private Unix socket for the relays' channels (``llmtap.relay.channel``), hands every message to the recorder's
-bounded queue (a full queue drops the message and counts its tape), and serves the admin listener (``/metrics``,
-``/healthz``, ``/readyz``, the live view) on the public admin port, whose socket the parent bound and passed down.
-It runs no relay code at all: nothing it does, not even a 10 MB ``/metrics`` page or a slow collector, can delay
-a relayed byte.
+shared core the relays get the CPU first. It listens on a private Unix socket for the relays' channels
+(``llmtap.relay.channel``), hands every message to the recorder's bounded queue (a full queue drops the
+message and counts its tape), and serves the admin application (``/metrics``, ``/healthz``, ``/readyz``, the
+live view) on the public admin port, whose socket the parent bound and passed down. It runs no relay code at
+all: nothing it does, not even a 10 MB ``/metrics`` page or a slow collector, can delay a relayed byte.
 """
 
 from __future__ import annotations
