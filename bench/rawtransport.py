@@ -184,9 +184,9 @@ class RawTransport(httpx.AsyncBaseTransport):
 
 
 def main() -> None:
-    """``llmtap`` with this transport injected into every app ``llmtap.relay.server`` builds."""
+    """``llmtap`` with this transport injected into every app ``llmtap.serve.relay`` builds."""
     import llmtap.relay.app
-    import llmtap.relay.server
+    import llmtap.serve.relay
     from llmtap.cli import main as cli
 
     original = llmtap.relay.app.create_app
@@ -195,7 +195,7 @@ def main() -> None:
         kwargs.setdefault("transport", RawTransport())
         return original(*args, **kwargs)
 
-    setattr(llmtap.relay.server, "create_app", create_app)  # noqa: B010 (the attribute is imported, not exported)
+    setattr(llmtap.serve.relay, "create_app", create_app)  # noqa: B010 (the attribute is imported, not exported)
     sys.exit(cli(sys.argv[1:]))
 
 

@@ -116,12 +116,15 @@ def serve_monitored(status: Path, serve_args: Sequence[str]) -> int:
     from llmtap import logs
     from llmtap.cli import parser
     from llmtap.config.load import build
-    from llmtap.relay.server import Telemetry, bind, run_loop, serve
+    from llmtap.serve.relay import serve
+    from llmtap.serve.server import run_loop
+    from llmtap.serve.sockets import bind
+    from llmtap.serve.telemetry import TelemetryProcess
 
     settings = build(vars(parser().parse_args(["serve", *serve_args])))
     logs.setup(settings.log_level)
 
-    async def run(proxy_sock: socket.socket, channel_path: str, telemetry: Telemetry) -> None:
+    async def run(proxy_sock: socket.socket, channel_path: str, telemetry: TelemetryProcess) -> None:
         monitor = asyncio.create_task(_monitor(status))
         try:
             await serve(settings, proxy_sock, channel_path, telemetry=telemetry)
@@ -131,7 +134,7 @@ def serve_monitored(status: Path, serve_args: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="llmtap-soak-") as folder:
         channel_path = os.path.join(folder, "telemetry.sock")
         proxy_sock = bind(settings.host, settings.port, "proxy listener")
-        with Telemetry(settings, channel_path, relays=1) as telemetry:
+        with TelemetryProcess(settings, channel_path, relays=1) as telemetry:
             run_loop(run(proxy_sock, channel_path, telemetry))
     return 0
 

@@ -27,9 +27,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from bench.procs import free_port as free_port  # one definition for the tests and the benchmark
 from llmtap.config.types import Settings
-from llmtap.relay.app import ProxyApp, create_app
+from llmtap.relay.app import ProxyApp
+from llmtap.serve.local import in_process
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.prometheus import PrometheusReader
+from llmtap.telemetry.recorder import Recorder
 
 TESTS = Path(__file__).parent
 #: What an install remembers (the attribution key, proxy/llmtap/relay/fingerprint.py) goes to a folder of this run's
@@ -135,7 +137,7 @@ class ServerThread:
     """Runs an ASGI app under uvicorn on a real socket, in a thread with its own event loop."""
 
     def __init__(self, app: Any, *, lifespan: Literal["auto", "on", "off"] = "on") -> None:
-        # IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections (see llmtap.relay.server.bind).
+        # IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections (see llmtap.serve.sockets.bind).
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -175,6 +177,7 @@ class Running:
     """A proxy app served on a real socket."""
 
     app: ProxyApp
+    recorder: Recorder
     server: ServerThread
     admin: ServerThread | None
 
@@ -189,14 +192,14 @@ class Running:
 
 def start_proxy(settings: Settings, telemetry: Telemetry, *, admin: bool = False) -> tuple[Running, list[ServerThread]]:
     """Build the app with injected providers and serve it (and optionally the admin listener)."""
-    app = create_app(settings, tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
-    server = ServerThread(app).__enter__()
+    local = in_process(settings, tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+    server = ServerThread(local.app).__enter__()
     threads = [server]
     admin_server = None
     if admin:
-        admin_server = ServerThread(AdminApp(app, telemetry.prometheus)).__enter__()
+        admin_server = ServerThread(AdminApp(local, telemetry.prometheus)).__enter__()
         threads.append(admin_server)
-    return Running(app, server, admin_server), threads
+    return Running(local.app, local.recorder, server, admin_server), threads
 
 
 @pytest.fixture

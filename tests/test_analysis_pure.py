@@ -37,9 +37,9 @@ FORBIDDEN = (
     "llmtap.simulator",
 )
 
-#: The files analysis reads, each the package's own data or a table the user names, read once at start-up:
-#: the price tables (``PriceTable``, built by the settings and the telemetry process) and the tokenizer's.
-READS_FILES = {("cost.py", "load_file"), ("cost.py", "default_data"), ("tokens.py", "get_encoding")}
+#: The files analysis reads: the tokenizer's tables, the package's own data, read once (the price tables are
+#: read by ``llmtap.config.prices``).
+READS_FILES = {("tokens.py", "get_encoding")}
 
 
 def _modules() -> list[str]:

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from llmtap.analysis.attribution import MAX_PROPERTIES, VALUE_CAP, dimensions, record_part
-from llmtap.analysis.cost import NO_USAGE, PRICED, UNKNOWN_MODEL, PriceError, PriceTable, normalize
+from llmtap.analysis.cost import NO_USAGE, PRICED, UNKNOWN_MODEL, PriceTable, normalize
 from llmtap.config.kinds import Invalid, dimension_names
+from llmtap.config.prices import PriceError
 from llmtap.providers import provider_for
 from llmtap.providers.anthropic import AnthropicMessages
 from llmtap.providers.embeddings import OllamaEmbed, OpenAIEmbeddings

@@ -27,8 +27,8 @@ from starlette.requests import Request
 
 from llmtap.config.load import build
 from llmtap.config.types import Admin, ConfigError
-from llmtap.relay.tracecontext import MAX_TRACEPARENT, parse_traceparent
 from llmtap.telemetry.access import Gate, is_loopback
+from llmtap.wire.tracecontext import MAX_TRACEPARENT, parse_traceparent
 from tests.conftest import PATIENCE
 from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver

@@ -1,35 +1,64 @@
-"""The layout holds what it promises: the relay process loads no OpenTelemetry and no tokenizer."""
+"""The layout holds what it promises: the relay process loads no OpenTelemetry and no tokenizer, and the
+layer contracts in pyproject.toml (``lint-imports``) are kept, and would catch an import that breaks one."""
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-RELAY = ROOT / "proxy" / "llmtap" / "relay"
+
+
+def _loaded(imports: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The modules of ``prefixes`` a fresh interpreter has loaded after ``imports``."""
+    code = f"import sys\n{imports}\nprint(sorted(m for m in sys.modules if m.startswith({prefixes!r})))\n"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return list(ast.literal_eval(done.stdout.strip()))
 
 
 def test_the_relay_process_imports_no_opentelemetry_and_no_tokenizer() -> None:
-    code = (
-        "import sys\n"
-        "import llmtap.relay.server, llmtap.relay.workers\n"
-        "from llmtap.relay.app import create_app\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('opentelemetry', 'tiktoken'))}))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    # ``llmtap serve`` with one relay: the parent runs the relay and starts the telemetry processes.
+    parent = "import llmtap.cli, llmtap.serve.run, llmtap.serve.workers\nfrom llmtap.relay.app import create_app"
+    assert _loaded(parent, ("opentelemetry", "tiktoken")) == []
+    # A relay process of ``--workers`` loads nothing of the telemetry side or analysis at all.
+    worker = "import llmtap.serve.relay"
+    assert _loaded(worker, ("opentelemetry", "tiktoken", "llmtap.telemetry", "llmtap.analysis")) == []
+    # The check sees what it looks for: the in-process assembly loads both.
+    local = _loaded("import llmtap.serve.local", ("opentelemetry.sdk", "tiktoken", "llmtap.telemetry.recorder"))
+    assert "llmtap.telemetry.recorder" in local and "tiktoken" in local
 
 
-def test_relay_modules_import_telemetry_only_where_it_is_started_or_embedded() -> None:
-    """At module level, the relay reaches the telemetry side only to start its process (``telemetry.process``)."""
-    found: dict[str, list[str]] = {}
-    for path in sorted(RELAY.glob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node in tree.body:  # module level only: imports inside functions run where they are called
-            if isinstance(node, ast.ImportFrom) and node.module:
-                if node.module.startswith(("llmtap.telemetry", "llmtap.analysis", "opentelemetry", "tiktoken")):
-                    found.setdefault(path.name, []).append(node.module)
-    assert found == {"server.py": ["llmtap.telemetry"], "workers.py": ["llmtap.telemetry.process"]}, found
+def _lint_imports(cwd: Path, package_parent: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` with the contracts of ``cwd/pyproject.toml``, over the package found in ``package_parent``."""
+    exe = shutil.which("lint-imports")
+    if exe is None:
+        pytest.fail("lint-imports is not installed: pip install -e '.[test]'")
+    env = {**os.environ, "PYTHONPATH": str(package_parent)}
+    return subprocess.run([exe, "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_layer_contracts_are_kept() -> None:
+    done = _lint_imports(ROOT, ROOT / "proxy")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 broken" in done.stdout
+
+
+def test_a_relay_module_that_imports_the_telemetry_side_breaks_the_contracts(tmp_path: Path) -> None:
+    """The contracts can fail: the same contracts over a copy of the package whose relay imports the recorder."""
+    copy = tmp_path / "proxy"
+    shutil.copytree(ROOT / "proxy" / "llmtap", copy / "llmtap", ignore=shutil.ignore_patterns("__pycache__", "data"))
+    guard = copy / "llmtap" / "relay" / "guard.py"
+    guard.write_text(guard.read_text(encoding="utf-8") + "\nfrom llmtap.telemetry import recorder as _recorder\n")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    done = _lint_imports(tmp_path, copy)
+    assert done.returncode != 0, done.stdout
+    # Each contract that guards the relay names the import; the untouched tree keeps them all (above).
+    assert "llmtap.relay.guard -> llmtap.telemetry.recorder" in done.stdout
+    assert "Contracts: 2 kept, 4 broken." in done.stdout, done.stdout  # analysis-pure and acyclic untouched

@@ -646,8 +646,7 @@ def test_listener_runs_on_the_recorder_thread(live: Running) -> None:
     def spy(tl: Timeline, s: Any) -> None:
         threads.append(threading.current_thread().name)
 
-    assert live.app.recorder is not None
-    listeners = live.app.recorder.listeners
+    listeners = live.recorder.listeners
     listeners.insert(listeners.index(window), spy)
     chat(live.url)
     live.flush()

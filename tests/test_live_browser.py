@@ -40,7 +40,8 @@ from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.commands import demo
 from llmtap.config.types import SLO, Route, Settings
-from llmtap.relay.app import ProxyApp, create_app
+from llmtap.relay.app import ProxyApp
+from llmtap.serve.local import in_process
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.prometheus import PrometheusReader
@@ -146,12 +147,12 @@ def stack() -> Iterator[Stack]:
     prometheus = PrometheusReader()
     meter_provider = MeterProvider(metric_readers=[prometheus])
     settings = Settings(routes=routes, slo=SLO(ttft=0.04, tpot=0.0065), log_level="warning")
-    app = create_app(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
-    admin = AdminApp(app, prometheus, traces=True)  # spans go to a backend (in memory): show trace ids
+    local = in_process(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    app = local.app
+    admin = AdminApp(local, prometheus, traces=True)  # spans go to a backend (in memory): show trace ids
     gate = Gate()
     out = Stack(app, "", "", spans, gate)
-    assert app.recorder is not None
-    app.recorder.listeners.extend([lambda tl, s: out.summaries.append((tl, s)), gate])
+    local.recorder.listeners.extend([lambda tl, s: out.summaries.append((tl, s)), gate])
     with ServerThread(app) as proxy_server, ServerThread(admin) as admin_server:
         out.proxy_url, out.admin_url = proxy_server.url, admin_server.url
         yield out

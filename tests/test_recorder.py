@@ -929,7 +929,7 @@ def test_no_secret_from_request_headers_in_telemetry(
 ) -> None:
     running: Running = proxy_factory(build({"upstream": scripted.url, "read_timeout": 5}, env={}))
     seen: list[Timeline] = []
-    recorder = running.app.recorder
+    recorder = running.recorder
     assert recorder is not None
     record = recorder.record
 

@@ -268,7 +268,7 @@ def test_records_are_written_on_the_recorder_thread(
     proxy = proxy_factory(
         Settings(routes=(Route(prefix="/", upstream=sim, name="sim"),), record=Records(path=str(path)))
     )
-    (writer,) = proxy.app.recorder.sinks
+    (writer,) = proxy.recorder.sinks
     threads: list[str] = []
     original = writer.write
 

@@ -36,7 +36,7 @@ from llmtap.analysis.stats import Distribution
 from llmtap.commands.demo import FIXED_FIRST, Workload, _messages, default_workloads
 from llmtap.config.load import build
 from llmtap.config.types import DEFAULT_SHAPES, SLO, ConfigError, Records, Route, Settings, Shape
-from llmtap.relay.app import create_app
+from llmtap.serve.local import in_process
 from llmtap.simulator.text import Vocabulary
 from llmtap.store.files import ReadStats, read_records as read_record_lines
 from llmtap.telemetry import semconv as sc
@@ -320,13 +320,14 @@ def running_course(tmp: Path) -> Iterator[Course]:
     )
     records = tmp / "records"
     settings = Settings(routes=routes, log_level="warning", record=Records(path=str(records)))
-    app = create_app(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    local = in_process(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    app = local.app
     threads: list[ServerThread] = []
     try:
         proxy = ServerThread(app).__enter__()
         threads.append(proxy)
         # Trace ids lead somewhere here (the in-memory exporter): the waterfalls carry them.
-        admin_app = AdminApp(app, prometheus, traces=True)
+        admin_app = AdminApp(local, prometheus, traces=True)
         admin = ServerThread(admin_app).__enter__()
         threads.append(admin)
         vocab = Vocabulary("o200k_base")

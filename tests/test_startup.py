@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from llmtap.config.load import build
-from llmtap.relay.server import startup_lines
+from llmtap.serve.lines import startup_lines
 from tests.conftest import PATIENCE, Scripted
 from tests.procs import Llmtap
 

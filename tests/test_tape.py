@@ -17,11 +17,11 @@ from bench.telemetry import chat_tape
 from llmtap.analysis import tokens
 from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.relay.channel import LocalChannel, SocketChannel
-from llmtap.relay.tracecontext import Sampler, begin, parse_traceparent
 from llmtap.telemetry.replay import Playback
 from llmtap.wire.framing import frames
 from llmtap.wire.messages import END, SEGMENT, STATS, End, Stats, decode
 from llmtap.wire.tape import SEGMENT_BYTES, Tape
+from llmtap.wire.tracecontext import Sampler, begin, parse_traceparent
 
 ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default")
 # Content capture on: the timeline keeps the output's text, so a test can read it back.
@@ -151,6 +151,12 @@ class _Sink:
             return False
         self.got.append(message)
         return True
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        pass
 
 
 def test_local_channel_counts_what_the_full_recorder_turns_away() -> None:

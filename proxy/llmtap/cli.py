@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = build(vars(args))
             logs.setup(settings.log_level)
             from llmtap.relay import tls
-            from llmtap.relay.server import run
+            from llmtap.serve.run import run
 
             tls.check(settings.routes)  # a CA or certificate file that does not load: exit 2 now, not at a request
 

@@ -1,9 +1,8 @@
 """What a request cost: a price table per model and the arithmetic over a request's reported tokens.
 
-The table shipped in the package (``proxy/llmtap/data/prices.json``) holds the published prices of well-known
-hosted models on the date it names; it is read offline, never fetched. A user's file (``--prices FILE``,
-the same shape, JSON or YAML) wins model by model and can price anything else (a self-hosted model at 0).
-A model neither names is priced as unknown, never as zero.
+The tables (``llmtap.config.prices``): the one shipped in the package, read offline, and a user's file
+(``--prices FILE``) that wins model by model and can price anything else (a self-hosted model at 0). A model
+neither names is priced as unknown, never as zero.
 
 Prices are per million tokens: ``input`` (uncached input), ``cached_input`` (read from the provider's
 prompt cache), ``cache_write`` (written to it), ``output`` (reasoning included); a price left out is the
@@ -15,15 +14,12 @@ Only tokens the upstream reported are priced: a request whose usage llmtap could
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import yaml
+from llmtap.config import prices
+from llmtap.config.prices import Price
 
 if TYPE_CHECKING:
     from llmtap.analysis.summary import Summary
@@ -41,24 +37,7 @@ LOCAL = "local"
 # A release suffix that names the same model at the same price: a date (2024-08-06, 20250514), -latest,
 # or a three-digit revision (-001).
 _RELEASE = re.compile(r"-(\d{4}-\d{2}-\d{2}|\d{8}|latest|\d{3})$")
-_FIELDS = ("input", "cached_input", "cache_write", "output")
 _PER = 1_000_000.0
-
-
-class PriceError(ValueError):
-    """A price file that cannot be read or does not fit the shape; the message says what is wrong."""
-
-
-@dataclass(frozen=True, slots=True)
-class Price:
-    """One model's prices, per million tokens."""
-
-    input: float
-    output: float
-    cached_input: float
-    cache_write: float
-    #: Where the price came from: ``default <date>`` (the shipped table) or ``file``.
-    source: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,63 +56,6 @@ def normalize(model: str) -> str:
     """The name a price is looked up by: lower case, no vendor prefix (``openai/``, ``models/``), no release suffix."""
     name = model.strip().lower().rsplit("/", 1)[-1]
     return _RELEASE.sub("", name)
-
-
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value < 0:
-        raise PriceError(f"{where}: expected a number >= 0, got {value!r}")
-    if value == float("inf"):
-        raise PriceError(f"{where}: expected a finite number")
-    return float(value)
-
-
-def parse_table(data: Any, source: str, where: str) -> dict[str, Price]:
-    """The prices of a table (``{"models": {name: {"input": .., "output": ..}}}``), by lower-case model name."""
-    if not isinstance(data, Mapping) or not isinstance(data.get("models"), Mapping):
-        raise PriceError(f"{where}: expected a mapping with a 'models' mapping of model name to prices")
-    currency = data.get("currency", "USD")
-    if currency != "USD":
-        raise PriceError(f"{where}: currency {currency!r}: only USD is supported")
-    out: dict[str, Price] = {}
-    for name, entry in data["models"].items():
-        at = f"{where}: models.{name}"
-        if not isinstance(name, str) or not name.strip():
-            raise PriceError(f"{at}: a model name must be a non-empty string")
-        if not isinstance(entry, Mapping):
-            raise PriceError(f"{at}: expected a mapping of prices")
-        unknown = set(entry) - set(_FIELDS)
-        if unknown:
-            raise PriceError(f"{at}: unknown key {sorted(unknown)[0]!r}; known: {', '.join(_FIELDS)}")
-        for required in ("input", "output"):
-            if required not in entry:
-                raise PriceError(f"{at}: '{required}' is missing")
-        values = {k: _number(entry[k], f"{at}.{k}") for k in _FIELDS if k in entry}
-        out[name.strip().lower()] = Price(
-            input=values["input"],
-            output=values["output"],
-            cached_input=values.get("cached_input", values["input"]),
-            cache_write=values.get("cache_write", values["input"]),
-            source=source,
-        )
-    return out
-
-
-def load_file(path: str | Path) -> Any:
-    """A price file's content (JSON, or YAML for any other suffix)."""
-    name = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PriceError(f"prices file {name!r}: cannot read it: {exc}") from None
-    try:
-        return json.loads(text) if name.endswith(".json") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:  # json.JSONDecodeError is a ValueError
-        raise PriceError(f"prices file {name!r}: not valid: {exc}") from None
-
-
-def default_data() -> Any:
-    """The table shipped in the package."""
-    return json.loads((resources.files("llmtap") / "data" / "prices.json").read_text(encoding="utf-8"))
 
 
 def request_cost(table: PriceTable, tl: Timeline, s: Summary) -> Cost:
@@ -157,12 +79,8 @@ class PriceTable:
     """The shipped prices with a user's file over them; looks a model up and prices a request's tokens."""
 
     def __init__(self, user_file: str | None = None) -> None:
-        data = default_data()
         #: The shipped table's date (its prices are as published then).
-        self.date: str = str(data.get("date", "unknown"))
-        self._prices = parse_table(data, f"default {self.date}", "the shipped price table")
-        if user_file:
-            self._prices.update(parse_table(load_file(user_file), "file", f"prices file {user_file!r}"))
+        self.date, self._prices = prices.load(user_file)
         self._normalized: dict[str, str] = {}
         for name in self._prices:
             self._normalized.setdefault(normalize(name), name)

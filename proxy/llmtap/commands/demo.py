@@ -298,8 +298,9 @@ async def run(
     """
     import uvicorn
 
-    from llmtap.relay.app import create_app
-    from llmtap.relay.server import bind, uvicorn_config
+    from llmtap.serve.local import in_process
+    from llmtap.serve.server import uvicorn_config
+    from llmtap.serve.sockets import bind
     from llmtap.telemetry.admin import AdminApp
 
     env = dict(os.environ if env is None else env)
@@ -340,10 +341,10 @@ async def run(
         for w in workloads
     )
     settings = Settings(routes=routes, telemetry=tel, log_level="warning", record=Records(path=str(records)))
-    app = create_app(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    local = in_process(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    app, recorder = local
     collector = _Collector()
-    assert app.recorder is not None  # telemetry runs in this process: no channel was given
-    app.recorder.listeners.append(collector)
+    recorder.listeners.append(collector)
     sock = bind("127.0.0.1", 0, "demo proxy")
     server = uvicorn.Server(uvicorn_config(app, settings))
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -354,7 +355,7 @@ async def run(
     if serve is not None:
         # The page agrees with the tables: the same objectives (the routes'), no warm-ups, and rates over the
         # time requests were in flight, as the tables' rates are over each phase's time.
-        admin = AdminApp(app, prometheus, traces=True, busy=True, skip=lambda tl: tl.prompt_version == WARMUP)
+        admin = AdminApp(local, prometheus, traces=True, busy=True, skip=lambda tl: tl.prompt_version == WARMUP)
         admin_sock = bind("127.0.0.1", 0, "demo admin listener")
         admin_server = uvicorn.Server(uvicorn_config(admin, settings))
         admin_task = asyncio.create_task(admin_server.serve(sockets=[admin_sock]))

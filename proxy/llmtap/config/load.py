@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from llmtap.config import prices as price_tables
 from llmtap.config.options import OPTIONS
 from llmtap.config.otel import telemetry_from_env
 from llmtap.config.routes import check_objective_shapes, routes, shapes
@@ -61,11 +62,9 @@ def _attribution(values: Mapping[str, Any]) -> Attribution:
         raise ConfigError("the attribution key must be at least 16 characters")
     prices = values["prices"]
     if prices is not None:
-        from llmtap.analysis.cost import PriceError, PriceTable
-
         try:
-            PriceTable(prices)
-        except PriceError as exc:
+            price_tables.load(prices)
+        except price_tables.PriceError as exc:
             raise ConfigError(str(exc)) from None
     return Attribution(
         metric_dimensions=values["metric_dimensions"],

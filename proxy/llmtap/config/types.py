@@ -351,10 +351,10 @@ class Settings:
     #: Connections to each upstream at most (the pool).
     max_connections: int = default("max_connections")
     #: Client connections open at once, per relay process, at most; past it a new one is answered 503 and
-    #: closed. None: derived from the descriptor limit at start (``llmtap.relay.protocol.connection_cap``).
+    #: closed. None: derived from the descriptor limit at start (``llmtap.listener.connection_cap``).
     max_client_connections: int | None = None
     #: Client connections one peer address may hold open at once, per relay process (0: no bound); None: three
-    #: quarters of the connection cap (``llmtap.relay.protocol.per_client_cap``).
+    #: quarters of the connection cap (``llmtap.listener.per_client_cap``).
     max_connections_per_client: int | None = None
     #: The most bytes the relay decompresses of one response (``llmtap.compression``); past it the stream is cut.
     max_inflate_bytes: int = default("max_inflate_bytes")

@@ -16,6 +16,7 @@ import httpx
 
 from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.config.types import Route, Settings
+from llmtap.listener import CYCLE, LOG_EVERY, RECEIVED
 from llmtap.providers import provider_for
 from llmtap.providers.splice import splice_usage
 from llmtap.providers.usage_filter import UsageEventFilter
@@ -34,22 +35,17 @@ from llmtap.relay.forward import (
 from llmtap.relay.frame import relay_frame
 from llmtap.relay.guard import Refusal, check_request, check_route
 from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
-from llmtap.relay.protocol import CYCLE, LOG_EVERY, RECEIVED
 from llmtap.relay.stepjson import STEPWISE_BYTES, loads_stepwise
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
-from llmtap.relay.tracecontext import Sampler, begin
 from llmtap.relay.upstream_http import PIPE
 from llmtap.types import UNCHANGED, Message, Receive, Scope, Send
 from llmtap.wire.messages import RESPONSE_CUT_REASONS, Raw, Stats, encode_stats, without_bytes
 from llmtap.wire.tape import Tape, now
+from llmtap.wire.tracecontext import Sampler, begin
 from llmtap.wire.tracestate import entry, upstream_tracestate
 
 if TYPE_CHECKING:
-    from opentelemetry.metrics import MeterProvider
-    from opentelemetry.trace import TracerProvider
-
-    from llmtap.relay.protocol import ClientLimits
-    from llmtap.telemetry.recorder import Recorder
+    from llmtap.listener import ClientLimits
 
 log = logging.getLogger("llmtap.proxy")
 
@@ -86,31 +82,17 @@ class ProxyApp:
     """The relay: forwards any request to its route's upstream, and records what it saw on a tape.
 
     Nothing here parses a response, counts a token or calls OpenTelemetry: each finished request's tape
-    goes through ``channel`` to the telemetry side, which does all of that (``llmtap.telemetry``). Without
-    a channel, the telemetry side runs in this process on the recorder's thread, built from the given
-    providers (tests, the demo, embedding).
+    goes through ``channel`` to the telemetry side, which does all of that (``llmtap.telemetry``): a
+    telemetry process, or a recorder in this process that whoever built the app made
+    (``llmtap.serve.local``). The relay never builds telemetry.
     """
 
     def __init__(
-        self,
-        settings: Settings,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
-        channel: Channel | None = None,
-        tracer_provider: TracerProvider | None = None,
-        meter_provider: MeterProvider | None = None,
+        self, settings: Settings, *, channel: Channel, transport: httpx.AsyncBaseTransport | None = None
     ) -> None:
         self.settings = settings
         self.router = Router(settings.routes)
         self.upstreams = Upstreams(settings, transport)
-        #: The telemetry side when it runs in this process; None when tapes go to a telemetry process.
-        self.recorder: Recorder | None = None
-        if channel is None:
-            # Imported here: a relay with a telemetry process never loads OpenTelemetry or the tokenizer.
-            from llmtap.telemetry.recorder import Recorder
-
-            self.recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
-            channel = LocalChannel(self.recorder)
         self.channel = channel
         #: Trace ids are made here; a disabled SDK means no spans, so the client's trace headers pass as sent.
         self.tracing = not settings.telemetry.sdk_disabled
@@ -152,7 +134,7 @@ class ProxyApp:
         #: Responses the relay itself cut short, by reason (``RESPONSE_CUT_REASONS``), reported with the gauges.
         self.cuts = dict.fromkeys(RESPONSE_CUT_REASONS, 0)
         self._logged_at: dict[str, float] = {}
-        #: The server's counts of client connections cut or refused (``llmtap.relay.server`` sets it), reported
+        #: The server's counts of client connections cut or refused (``llmtap.serve.relay`` sets it), reported
         #: beside the gauges; None when no such server runs this app.
         self.connections: ClientLimits | None = None
         self._counts_sent: tuple[Any, ...] = ()
@@ -175,17 +157,12 @@ class ProxyApp:
 
     async def startup(self) -> None:
         """Ready to relay; the gauges' values go to the telemetry side from now on."""
-        if self.recorder is not None:
-            from llmtap.analysis import tokens
-
-            # Load the default encoding now, not on the first request's playback.
-            await asyncio.to_thread(tokens.get_encoding)
         self.ready = True
         self._stats_changed = True
         self._stats_task = asyncio.create_task(self._report_stats())
 
     async def shutdown(self) -> None:
-        """Let the last tapes go, close the upstream pools and the channel, drain a local recorder."""
+        """Let the last tapes go, close the upstream pools and the channel (which drains a local recorder)."""
         self.ready = False
         await self._settle()
         if self._stats_task is not None:
@@ -242,9 +219,9 @@ class ProxyApp:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
-        if self.recorder is None:
+        if not isinstance(self.channel, LocalChannel):
             return True
-        return self.recorder.flush(max(deadline - time.monotonic(), 0.1))
+        return self.channel.flush(max(deadline - time.monotonic(), 0.1))
 
     def _install_secret(self) -> bytes:
         """The install's fingerprint secret, read (or made) once per process."""
@@ -252,11 +229,9 @@ class ProxyApp:
         return self._key_secret
 
     async def aclose(self) -> None:
-        """Close the upstream pools and the channel, and drain a local recorder."""
+        """Close the upstream pools and the channel (which drains a local recorder)."""
         await self.upstreams.aclose()
         await self.channel.aclose()
-        if self.recorder is not None:
-            await asyncio.to_thread(self.recorder.close)
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Relay one HTTP request."""
@@ -796,15 +771,6 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
         yield chunk
 
 
-def create_app(
-    settings: Settings,
-    *,
-    transport: httpx.AsyncBaseTransport | None = None,
-    channel: Channel | None = None,
-    tracer_provider: TracerProvider | None = None,
-    meter_provider: MeterProvider | None = None,
-) -> ProxyApp:
-    """The proxy application; the channel (or the providers), and the upstream transport are injected, never global."""
-    return ProxyApp(
-        settings, transport=transport, channel=channel, tracer_provider=tracer_provider, meter_provider=meter_provider
-    )
+def create_app(settings: Settings, *, channel: Channel, transport: httpx.AsyncBaseTransport | None = None) -> ProxyApp:
+    """The proxy application; its channel to the telemetry side and its upstream transport are injected."""
+    return ProxyApp(settings, channel=channel, transport=transport)

@@ -3,8 +3,9 @@
 ``send`` takes one encoded message (``llmtap.wire.messages``) and returns at once. When the other side falls behind,
 the message is dropped and counted: a stream is never held up for its telemetry. Two kinds:
 
-* ``LocalChannel``: the telemetry side in this process (tests, the demo, embedding ``create_app``): the
-  message goes straight into the recorder's bounded queue, played back on its thread.
+* ``LocalChannel``: the telemetry side in this process (tests, the demo, benchmarks: ``llmtap.serve.local``):
+  the message goes straight into the recorder's bounded queue, played back on its thread; closing the channel
+  closes the recorder.
 * ``SocketChannel``: the telemetry process, over a Unix socket, in frames (``llmtap.wire.framing``); those
   sent in one turn of the event loop leave in one write. Bounded by the bytes
   waiting in the socket's write buffer; while the telemetry process is away, messages are dropped
@@ -36,6 +37,14 @@ class Receiver(Protocol):
     """Where a local channel puts messages: the recorder's ``submit`` (False: its queue is full)."""
 
     def submit(self, message: Raw, source: int = 0) -> bool: ...
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every message so far is recorded; True when done in time."""
+        ...
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Record what waits (bounded by ``timeout``) and stop."""
+        ...
 
 
 class Channel(Protocol):
@@ -74,8 +83,13 @@ class LocalChannel:
         self.dropped += 1
         return False
 
+    def flush(self, timeout: float) -> bool:
+        """Wait (from another thread) until the recorder has recorded every message so far."""
+        return self.sink.flush(timeout)
+
     async def aclose(self) -> None:
-        """Nothing to close: the recorder is closed by its owner."""
+        """Drain and close the recorder (on a thread: it waits for its queue)."""
+        await asyncio.to_thread(self.sink.close)
 
 
 class SocketChannel(asyncio.Protocol):

@@ -11,7 +11,7 @@ the write. The relay's task sleeps until the response ends, fails, or the client
 Backpressure both ways: when the client's write buffer passes its high-water mark (uvicorn's flow control
 says ``write_paused``), the upstream socket stops being read (``hold``) and the relay's task waits for the
 client to drain before reading it again (``release``); so the kernel's buffers, not the relay, hold what
-the client has not taken, and the client send timeout (``llmtap.relay.protocol``) runs as before. Starlette
+the client has not taken, and the client send timeout (``llmtap.listener``) runs as before. Starlette
 still routes the request and uvicorn still writes the head and the response's end.
 """
 

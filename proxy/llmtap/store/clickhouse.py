@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from llmtap.config.types import ClickHouseRecords, ConfigError
-from llmtap.telemetry import sched
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -387,6 +386,7 @@ class ClickHouseSink:
         on_insert: Callable[[str, int], None] | None = None,
         backoff: tuple[float, float] = BACKOFF,
         flush_interval: float = FLUSH_INTERVAL,
+        on_thread: Callable[[], None] | None = None,
     ) -> None:
         self.server = server
         self.table = table_name(table)
@@ -397,6 +397,8 @@ class ClickHouseSink:
         self.flush_interval = flush_interval
         self._on_drop = on_drop
         self._on_insert = on_insert
+        #: Called first on the sink's own thread (the telemetry process lowers its scheduling there).
+        self._on_thread = on_thread
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: collections.deque[bytes] = collections.deque()
@@ -490,7 +492,8 @@ class ClickHouseSink:
     # -- the sink's thread --
 
     def _run(self) -> None:
-        sched.idle_here()
+        if self._on_thread is not None:
+            self._on_thread()
         pause = self.backoff[0]
         attempts = 0
         while True:
@@ -594,8 +597,12 @@ def clickhouse_sink(
     settings: ClickHouseRecords,
     on_drop: Callable[[str, int], None] | None = None,
     on_insert: Callable[[str, int], None] | None = None,
+    on_thread: Callable[[], None] | None = None,
 ) -> ClickHouseSink:
-    """The sink ``--record-clickhouse`` asks for; every drop reason and insert outcome counted 0 from the start."""
+    """The sink ``--record-clickhouse`` asks for; every drop reason and insert outcome counted 0 from the start.
+
+    ``on_thread`` runs first on the sink's thread (``llmtap.telemetry.sched.idle_here`` in the telemetry process).
+    """
     server = Server.parse(settings.url, user=settings.user, password=settings.password)
     for reason in DROP_REASONS:
         if on_drop is not None:
@@ -611,6 +618,7 @@ def clickhouse_sink(
         max_bytes=settings.max_bytes,
         on_drop=on_drop,
         on_insert=on_insert,
+        on_thread=on_thread,
     )
 
 

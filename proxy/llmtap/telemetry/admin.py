@@ -51,7 +51,8 @@ from llmtap.types import Receive, Scope, Send
 class AdminSource(Protocol):
     """What the admin listener reads: the recorder, the settings, and whether the relay is ready."""
 
-    settings: Settings
+    @property
+    def settings(self) -> Settings: ...
 
     @property
     def ready(self) -> bool: ...

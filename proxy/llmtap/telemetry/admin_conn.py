@@ -1,6 +1,6 @@
 """The admin listener's connections: at most ``admin_max_connections``, and a new one always gets a place.
 
-The relay refuses a connection past its cap with 503 (``llmtap.relay.protocol``). On the admin listener that
+The relay refuses a connection past its cap with 503 (``llmtap.listener``). On the admin listener that
 would let anyone who opens enough idle connections starve ``/healthz`` and ``/readyz``, and a liveness
 probe that fails restarts the pod. So here a connection past the cap closes the one that has waited longest
 without a request in progress (idle between requests, or a request head still arriving), as nginx reuses
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llmtap.config.types import Settings
-from llmtap.relay.protocol import LOG_EVERY, BoundedHeadProtocol, ClientLimits, connection_cap
+from llmtap.listener import LOG_EVERY, BoundedHeadProtocol, ClientLimits, connection_cap
 
 log = logging.getLogger("llmtap.telemetry")
 

@@ -15,9 +15,9 @@ from llmtap.analysis.summary import USAGE, Summary
 from llmtap.analysis.timeline import CANCELLED, KEEP_CHARS, OK, Timeline
 from llmtap.labels import LABEL_CAP, clean, clean_list, clean_or_none
 from llmtap.providers.openai_common import collect_text
-from llmtap.relay.tracecontext import parse_traceparent
 from llmtap.telemetry import semconv as sc
 from llmtap.types import PromptRegion
+from llmtap.wire.tracecontext import parse_traceparent
 
 #: Captured content (opt-in) is cut at this many characters: as much as a timeline keeps of the output.
 CONTENT_CAP = KEEP_CHARS

@@ -1,12 +1,12 @@
 """The telemetry process: tapes in from the relays, spans, metrics, records and the admin listener out.
 
-``llmtap serve`` starts it before the relays (``llmtap.relay.server``), its workers at SCHED_IDLE and its main
-thread niced (``llmtap.telemetry.sched``), so that on a shared core the relays get the CPU first. It listens on a
-private Unix socket for the relays' channels (``llmtap.relay.channel``), hands every message to the recorder's
-bounded queue (a full queue drops the message and counts its tape), and serves the admin listener (``/metrics``,
-``/healthz``, ``/readyz``, the live view) on the public admin port, whose socket the parent bound and passed down.
-It runs no relay code at all: nothing it does, not even a 10 MB ``/metrics`` page or a slow collector, can delay
-a relayed byte.
+``llmtap serve`` starts it before the relays (``llmtap.serve.telemetry``, which also runs its admin listener
+under uvicorn), its workers at SCHED_IDLE and its main thread niced (``llmtap.telemetry.sched``), so that on a
+shared core the relays get the CPU first. It listens on a private Unix socket for the relays' channels
+(``llmtap.relay.channel``), hands every message to the recorder's bounded queue (a full queue drops the
+message and counts its tape), and serves the admin application (``/metrics``, ``/healthz``, ``/readyz``, the
+live view) on the public admin port, whose socket the parent bound and passed down. It runs no relay code at
+all: nothing it does, not even a 10 MB ``/metrics`` page or a slow collector, can delay a relayed byte.
 """
 
 from __future__ import annotations
@@ -16,28 +16,22 @@ import contextlib
 import itertools
 import logging
 import os
-import pickle
-import select
-import signal
 import socket
-import subprocess
-import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmtap import logs
 from llmtap.config.types import ConfigError, Settings
 from llmtap.telemetry import identity, sched
 from llmtap.wire.framing import FrameReader
 from llmtap.wire.messages import ready_of
 
 if TYPE_CHECKING:
+    from llmtap.telemetry.admin import AdminApp
+    from llmtap.telemetry.admin_conn import AdminLimits
     from llmtap.telemetry.recorder import Recorder
 
 log = logging.getLogger("llmtap.telemetry")
-
-#: The process name ``ps`` and ``/proc/PID/comm`` show (Linux keeps 15 bytes of it).
-NAME = "llmtap-telemetry"
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,14 +110,45 @@ class TelemetryState:
         return f"{ready}/{self._relays} relays"
 
 
-async def serve(launch: Launch) -> None:
-    """Take the relays' tapes and serve the admin listener until SIGTERM; then drain and flush."""
-    # Only this process loads OpenTelemetry and the tokenizer; the relays import this module to start it.
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A telemetry process taking tapes: the admin application to serve on ``admin_sock``, within ``limits``."""
+
+    admin: AdminApp
+    limits: AdminLimits
+    admin_sock: socket.socket
+
+
+def prepare(launch: Launch) -> None:
+    """Before the loop and any thread start: this process's OTLP identity, and its scheduling.
+
+    Threads started later inherit the main thread's nice value, so the scheduling is applied first.
+    """
+    several = launch.settings.telemetry_workers > 1
+    if several or identity.configured_instance_id() is None:
+        # One OTLP identity per process: cumulative series of two processes must not look like one, and the
+        # records this process writes carry the same id (``llmtap.telemetry.identity``).
+        extra = f"{identity.INSTANCE_KEY}={identity.own_instance_id()}"
+        if several:
+            extra += f",llmtap.telemetry.worker={launch.index}"
+        attrs = os.environ.get(identity.RESOURCE_ENV, "")
+        os.environ[identity.RESOURCE_ENV] = f"{attrs},{extra}" if attrs else extra
+    got = sched.apply(launch.settings.telemetry_scheduling)
+    if got != launch.settings.telemetry_scheduling:
+        log.info("telemetry: scheduling %s not permitted here; running %s", launch.settings.telemetry_scheduling, got)
+
+
+@contextlib.asynccontextmanager
+async def running(launch: Launch) -> AsyncIterator[Running]:
+    """Take the relays' tapes while the body serves the admin application; then drain and flush.
+
+    A setting only this process can check (the record file) is said to the parent, and exits with code 2.
+    """
+    # Only this process loads OpenTelemetry and the tokenizer.
     from llmtap.analysis import tokens
-    from llmtap.relay.server import _Server, label_uvicorn, uvicorn_config
     from llmtap.telemetry import setup
     from llmtap.telemetry.admin import AdminApp
-    from llmtap.telemetry.admin_conn import AdminLimits, AdminProtocol
+    from llmtap.telemetry.admin_conn import AdminLimits
     from llmtap.telemetry.recorder import Recorder
 
     settings = launch.settings
@@ -149,18 +174,8 @@ async def serve(launch: Launch) -> None:
     sched.idle_others()  # the SDK's exporter threads and the executor's, all started by now
     state = TelemetryState(recorder, settings, launch.relays, connected)
     admin = AdminApp(state, providers.prometheus, peers=launch.peers)
-    label_uvicorn("admin" if launch.index == 0 else f"admin.{launch.index}")
-    limits = AdminLimits(settings, recorder.count_admin)
-    server = _Server(uvicorn_config(admin, settings, limits=limits, protocol=AdminProtocol))
-
-    def stop() -> None:
-        admin.live.close()  # an open browser tab's event stream must not hold shutdown
-        server.should_exit = True
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop)
     try:
-        await server.serve(sockets=[admin_sock])
+        yield Running(admin, AdminLimits(settings, recorder.count_admin), admin_sock)
     finally:
         intake.close()
         # What the relays sent before they closed is in the queue: record it, then flush within the bound.
@@ -168,92 +183,8 @@ async def serve(launch: Launch) -> None:
         await asyncio.to_thread(providers.shutdown, settings.timeouts.flush)
 
 
-def main() -> None:
-    """The telemetry process's entry point: read its ``Launch`` from stdin, serve until SIGTERM."""
-    launch: Launch = pickle.load(sys.stdin.buffer)
-    several = launch.settings.telemetry_workers > 1
-    if several or identity.configured_instance_id() is None:
-        # One OTLP identity per process: cumulative series of two processes must not look like one, and the
-        # records this process writes carry the same id (``llmtap.telemetry.identity``).
-        extra = f"{identity.INSTANCE_KEY}={identity.own_instance_id()}"
-        if several:
-            extra += f",llmtap.telemetry.worker={launch.index}"
-        attrs = os.environ.get(identity.RESOURCE_ENV, "")
-        os.environ[identity.RESOURCE_ENV] = f"{attrs},{extra}" if attrs else extra
-    set_name(NAME)
-    die_with_parent()
-    logs.setup(launch.settings.log_level)
-    # Before any thread starts: the threads started later inherit the main thread's nice value.
-    got = sched.apply(launch.settings.telemetry_scheduling)
-    if got != launch.settings.telemetry_scheduling:
-        log.info("telemetry: scheduling %s not permitted here; running %s", launch.settings.telemetry_scheduling, got)
-    from llmtap.relay.server import run_loop
-
-    run_loop(serve(launch))
-
-
 def _say(fd: int, line: str) -> None:
     """Tell the parent how the start went, once."""
     with contextlib.suppress(OSError):
         os.write(fd, line.encode() + b"\n")
         os.close(fd)
-
-
-def start(
-    settings: Settings,
-    channel: socket.socket,
-    admin: socket.socket,
-    relays: int,
-    *,
-    wait: float | None = None,
-    index: int = 0,
-    peers: tuple[str, ...] = (),
-) -> subprocess.Popen[bytes]:
-    """Start the telemetry process with the two listening sockets (which stay open here too, for a restart).
-
-    With ``wait``, block until it says it started: a setting only it can check (the record file) fails
-    here as a ``ConfigError``, before any relay takes a request.
-    """
-    argv = [sys.executable, "-c", "from llmtap.telemetry.process import main; main()"]
-    read_end, write_end = os.pipe()
-    fds = (channel.fileno(), admin.fileno(), write_end)
-    try:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=fds)
-    finally:
-        os.close(write_end)
-    assert proc.stdin is not None
-    pickle.dump(Launch(settings, fds[0], fds[1], relays, write_end, index, peers), proc.stdin)
-    proc.stdin.close()
-    with os.fdopen(read_end, "rb") as said:
-        if wait is None:
-            return proc
-        ready, _, _ = select.select([said], [], [], wait)
-        line = said.readline().decode(errors="replace").strip() if ready else ""
-    if line == "ready":
-        return proc
-    with contextlib.suppress(OSError):
-        proc.kill()
-    proc.wait()
-    if line.startswith("error: "):
-        raise ConfigError(line.removeprefix("error: "))
-    raise ConfigError(f"the telemetry process did not start (exit code {proc.returncode})")
-
-
-def set_name(name: str) -> None:
-    """Name this process for ``ps`` and ``/proc/PID/comm`` (Linux ``PR_SET_NAME``); elsewhere nothing."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)
-
-
-def die_with_parent() -> None:
-    """Ask Linux to send SIGTERM when the parent dies, however it dies (``PR_SET_PDEATHSIG``)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)

@@ -87,6 +87,7 @@ def build_sinks(
         )
     if rec.clickhouse is not None:
         from llmtap.store.clickhouse import clickhouse_sink
+        from llmtap.telemetry import sched
 
-        sinks.append(clickhouse_sink(rec.clickhouse, on_drop, on_insert))
+        sinks.append(clickhouse_sink(rec.clickhouse, on_drop, on_insert, on_thread=sched.idle_here))
     return sinks

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, TypeAlias
 SEGMENT, END, STATS = 1, 2, 3
 
 #: What a ``Stats`` message counts beside the gauges, as absolute numbers: client connections cut by a timeout,
-#: by kind, and refused, by reason (``llmtap.relay.protocol``).
+#: by kind, and refused, by reason (``llmtap.listener``).
 CLIENT_TIMEOUT_KINDS = ("header", "body", "idle", "send", "upload")
 CONNECTION_REFUSAL_REASONS = ("limit", "per_client")
 #: Why the relay itself cut a response short: ``inflate_limit``, a response it decompressed past

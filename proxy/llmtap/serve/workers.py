@@ -4,9 +4,9 @@ Python runs one event loop per core at best, so past one core the relay scales o
 
 * the supervisor (this module, in the ``llmtap`` process) reserves the proxy port with SO_REUSEPORT
   (bound, never listening: it takes no connections, but the port stays ours while relays restart),
-  starts the telemetry process (``llmtap.relay.server.Telemetry``: the admin listener, OTLP export) and the
-  relays, and restarts any that dies;
-* each relay is ``llmtap.relay.server.serve``: it binds the same port with SO_REUSEPORT, so the kernel spreads
+  starts the telemetry process (``llmtap.serve.telemetry.TelemetryProcess``: the admin listener, OTLP export)
+  and the relays, and restarts any that dies;
+* each relay is ``llmtap.serve.relay.serve``: it binds the same port with SO_REUSEPORT, so the kernel spreads
   new connections over the relays, and sends its tapes to the telemetry process over its own channel.
   All requests are recorded in one place, so ``/metrics`` and the live view see the whole server.
 
@@ -27,29 +27,13 @@ import subprocess
 import sys
 import time
 
-from llmtap import logs
 from llmtap.config.types import ConfigError, Settings
-from llmtap.relay.server import Telemetry, bind, run_loop, serve, startup_lines
-from llmtap.telemetry.process import die_with_parent
+from llmtap.serve.lines import startup_lines
+from llmtap.serve.server import run_loop
+from llmtap.serve.sockets import bind
+from llmtap.serve.telemetry import TelemetryProcess
 
 log = logging.getLogger("llmtap")
-
-# -- worker processes ---------------------------------------------------------------------------
-
-
-def worker_main() -> None:
-    """A relay process: read (settings, channel path, started pipe) from stdin and relay until SIGTERM."""
-    settings, channel_path, started_fd = pickle.load(sys.stdin.buffer)
-    die_with_parent()
-    logs.setup(settings.log_level, pid=True)
-    proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True)
-    run_loop(serve(settings, proxy_sock, channel_path, on_started=lambda: _say_started(started_fd)))
-
-
-def _say_started(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.write(fd, b"ready\n")
-        os.close(fd)
 
 
 class _Proc:
@@ -58,7 +42,7 @@ class _Proc:
     def __init__(self, settings: Settings, index: int, channel_path: str) -> None:
         self.index = index
         self.ready = False
-        argv = [sys.executable, "-c", "from llmtap.relay.workers import worker_main; worker_main()"]
+        argv = [sys.executable, "-c", "from llmtap.serve.relay import main; main()"]
         self._said, write_end = os.pipe()
         try:
             self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(write_end,))
@@ -90,7 +74,7 @@ class Supervisor:
         self.failure: str | None = None
         self.stopped = asyncio.Event()
 
-    async def watch(self, telemetry: Telemetry) -> None:
+    async def watch(self, telemetry: TelemetryProcess) -> None:
         """Twice a second: restart the dead, give up on a relay that cannot start."""
         while not self.stopping:
             await asyncio.sleep(0.5)
@@ -134,7 +118,7 @@ def supervise(settings: Settings, channel_path: str) -> None:
     port = reservation.getsockname()[1]
     shared = dataclasses.replace(settings, port=port)
     try:
-        with Telemetry(shared, channel_path, relays=settings.workers) as telemetry:
+        with TelemetryProcess(shared, channel_path, relays=settings.workers) as telemetry:
             supervisor = Supervisor(shared, channel_path)
             try:
                 run_loop(_supervise(shared, supervisor, telemetry, port))
@@ -147,7 +131,7 @@ def supervise(settings: Settings, channel_path: str) -> None:
         raise ConfigError(supervisor.failure)
 
 
-async def _supervise(settings: Settings, supervisor: Supervisor, telemetry: Telemetry, port: int) -> None:
+async def _supervise(settings: Settings, supervisor: Supervisor, telemetry: TelemetryProcess, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, supervisor.stop)

@@ -3,7 +3,7 @@
 httptools (llhttp) has no limit of its own on a request line or header block: uvicorn would buffer a
 gigabyte of header bytes from one client. This protocol counts what arrives while a head is incomplete
 and answers 431 (RFC 6585 section 5) once it passes ``h11_max_incomplete_event_size``, the limit uvicorn's
-h11 protocol applies to the same thing, which ``llmtap.relay.server`` sets to ``max_header_bytes``. Only bytes
+h11 protocol applies to the same thing, which ``llmtap.serve.server`` sets to ``max_header_bytes``. Only bytes
 of a request head are counted: request bodies and responses pay nothing.
 
 uvicorn has no timeout on a request's head or body either, and only arms its keep-alive timer after a

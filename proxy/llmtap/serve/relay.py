@@ -1,0 +1,110 @@
+"""The relay process: its channel to the telemetry processes, its app, and uvicorn serving the proxy port.
+
+In ``llmtap serve`` the relay runs in the parent process (one relay), or in each of ``--workers`` child
+processes (``main``, started by ``llmtap.serve.workers``). On SIGTERM it drains its streams and hands over
+its last tapes before it exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from llmtap import logs
+from llmtap.config.types import Settings
+from llmtap.listener import ClientLimits
+from llmtap.relay.app import create_app
+from llmtap.relay.channel import ShardedChannel, SocketChannel
+from llmtap.serve.lines import startup_lines
+from llmtap.serve.server import Server, die_with_parent, label_uvicorn, run_loop, set_name, uvicorn_config
+from llmtap.serve.sockets import bind, channel_paths
+
+if TYPE_CHECKING:
+    from llmtap.serve.telemetry import TelemetryProcess
+
+log = logging.getLogger("llmtap")
+
+#: The relay's process name for ``ps`` and ``/proc/PID/comm``.
+RELAY_NAME = "llmtap-relay"
+
+
+class _QuietTruncation(logging.Filter):
+    """The relay drops a client connection on purpose when the upstream broke mid-stream; it logs that itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "without completing response" not in record.getMessage()
+
+
+def main() -> None:
+    """A relay process of ``--workers``: read (settings, channel path, started pipe) from stdin, relay until SIGTERM."""
+    settings, channel_path, started_fd = pickle.load(sys.stdin.buffer)
+    die_with_parent()
+    logs.setup(settings.log_level, pid=True)
+    proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True)
+    run_loop(serve(settings, proxy_sock, channel_path, on_started=lambda: _say_started(started_fd)))
+
+
+def _say_started(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, b"ready\n")
+        os.close(fd)
+
+
+async def serve(
+    settings: Settings,
+    proxy_sock: socket.socket,
+    channel_path: str,
+    *,
+    telemetry: TelemetryProcess | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> None:
+    """Relay on ``proxy_sock`` until SIGINT or SIGTERM, sending tapes to the telemetry process at ``channel_path``.
+
+    ``telemetry``: the telemetry process this relay watches (one relay); None when a supervisor does.
+    ``on_started``: called once the relay listens.
+    """
+    set_name(RELAY_NAME)
+    paths = channel_paths(channel_path, settings.telemetry_workers)
+    channel: SocketChannel | ShardedChannel = (
+        SocketChannel(paths[0]) if len(paths) == 1 else ShardedChannel([SocketChannel(p) for p in paths])
+    )
+    await channel.start()
+    app = create_app(settings, channel=channel)
+    limits = ClientLimits.from_settings(settings)
+    app.connections = limits
+    logging.getLogger("uvicorn.error").addFilter(_QuietTruncation())
+    label_uvicorn("relay")  # with --workers, each relay's lines begin with its process id
+    # Objects made at start-up live for the whole run: freeze them so the cyclic collector never
+    # scans them again, keeping its pauses (and so added chunk gaps) short.
+    gc.collect()
+    gc.freeze()
+    server = Server(uvicorn_config(app, settings, limits=limits))
+    server.on_started = on_started
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        app.begin_drain()
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    watcher = asyncio.create_task(telemetry.watch()) if telemetry is not None else None
+    if telemetry is not None:
+        for line in startup_lines(settings, proxy_sock.getsockname()[1], telemetry.admin_port):
+            log.info("%s", line)
+    try:
+        await server.serve(sockets=[proxy_sock])
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
