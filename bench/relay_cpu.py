@@ -38,7 +38,12 @@ def measure(tree: Path, work: Path, args: argparse.Namespace, up_port: int, sink
     os.chdir(tree)
     try:
         ep, _ = peers.llmtap(
-            work, args.proxy_cpu, up_port, sink_port, extra_env={"PYTHONPATH": str(tree)}, telemetry_cpu=args.client_cpu
+            work,
+            args.proxy_cpu,
+            up_port,
+            sink_port,
+            extra_env={"PYTHONPATH": f"{tree / 'proxy'}:{tree}"},
+            telemetry_cpu=args.client_cpu,
         )
     finally:
         os.chdir(here)

@@ -458,6 +458,78 @@ def test_request_bodies_bytes_chunked_and_counted(run: Any) -> None:
     run(scenario())
 
 
+def test_a_direct_request_is_byte_for_byte_what_httpx_request_sends(run: Any) -> None:
+    """``LeanTransport.send`` (the relay's path, no ``httpx.Request``) and an ``httpx.Request`` of the same
+    method, URL, headers and body through the same transport put the same bytes on the wire, and read the
+    same answer."""
+    seen: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head, body = await read_request(reader)
+            seen.append(head + body)
+            if head.startswith(b"HEAD "):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 201 Made\r\nx-a: 1\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
+
+    async def parts() -> AsyncIterator[bytes]:
+        for part in (b"ab", b"", b"cde"):
+            yield part
+
+    body = b'{"a": 1}'
+    cases: list[tuple[str, str, list[tuple[bytes, bytes]], bytes | None]] = [
+        ("GET", "/v1/a%2Fb?q=%20x", [(b"x-Thing", b"1"), (b"x-thing", b"2")], b""),
+        ("GET", '/a b/\u00fc/./c/../d?x="1"', [], b""),
+        ("POST", "/p", [(b"content-type", b"application/json")], body),
+        ("POST", "/p", [(b"Content-Length", b"8")], body),
+        ("POST", "/p", [], b""),
+        ("PATCH", "/p", [(b"content-length", b"0")], b""),
+        ("DELETE", "/p", [], b""),
+        ("POST", "/s", [], None),  # a streamed body: chunked
+        ("POST", "/s", [(b"content-length", b"5")], None),  # a streamed body of a counted length: as it is
+        ("HEAD", "/h", [(b"accept", b"*/*")], b""),
+    ]
+
+    async def scenario() -> None:
+        async with Upstream(script) as up:
+            transport = LeanTransport()
+            timeouts = httpx.Timeout(5.0).as_dict()
+            try:
+                for method, path, headers, content in cases:
+                    url = up.url + path
+                    via_httpx = httpx.Request(
+                        method, url, headers=headers, content=parts() if content is None else content,
+                        extensions={"timeout": timeouts},
+                    )  # fmt: skip
+                    response = await transport.handle_async_request(via_httpx)
+                    expected_body = b"".join([part async for part in response.aiter_raw()])
+                    await response.aclose()
+                    origin = transport.origin(up.url)
+                    target = httpx.URL(url).raw_path
+                    answer = await transport.send(
+                        origin, method, target, headers, parts() if content is None else content, timeouts
+                    )
+                    got_body = b"".join([part async for part in answer.aiter_raw()])
+                    await answer.aclose()
+                    assert (answer.status_code, answer.headers, got_body) == (
+                        response.status_code,
+                        response.headers.raw,
+                        expected_body,
+                    )
+                    assert seen[-1] == seen[-2], (method, path, headers)
+                assert len(seen) == 2 * len(cases)
+                # One kept-alive connection, but a HEAD's is closed after it (``head_only``): the second HEAD opens one.
+                assert up.connections == 2
+            finally:
+                await transport.aclose()
+        assert seen[2].startswith(b"GET /a%20b/%C3%BC/d?x=%221%22 HTTP/1.1\r\nHost: 127.0.0.1:")
+        assert seen[8].startswith(b"POST /p HTTP/1.1\r\nHost: 127.0.0.1:") and b"\r\nContent-Length: 0\r\n" in seen[8]
+        assert b"Transfer-Encoding: chunked\r\n" in seen[14] and seen[14].endswith(b"0\r\n\r\n")
+
+    run(scenario())
+
+
 class Boom(Exception):
     """Raised by a request body's own iterator."""
 
@@ -832,12 +904,15 @@ def test_upstreams_use_the_lean_client_unless_told_otherwise(run: Any) -> None:
                     assert response.content == b"ok"
                     assert (SURPLUS in response.extensions) is lean
                     assert isinstance(upstreams.client(routes[1])._transport, LeanTransport) is lean
+                    # The relay calls the lean client directly, for HTTP and HTTPS routes alike.
+                    assert all((upstreams.lean(r) is not None) is lean for r in routes)
                 finally:
                     await upstreams.aclose()
             injected = httpx.MockTransport(lambda request: httpx.Response(200, content=b"mock"))
             upstreams = Upstreams(Settings(routes=routes), injected)
             try:
                 assert (await upstreams.client(routes[0]).get(up.url)).content == b"mock"
+                assert upstreams.lean(routes[0]) is None  # an injected transport is called through httpx
             finally:
                 await upstreams.aclose()
 

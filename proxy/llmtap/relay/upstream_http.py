@@ -591,6 +591,10 @@ class _Body(httpx.AsyncByteStream):
         """Bytes the upstream sent past this response's end (its connection was closed for them)."""
         return self._surplus if self._released else self._conn.surplus
 
+    def close(self) -> None:
+        """Release the connection (``aclose`` without the wait): exactly once, whoever asks."""
+        self._release()
+
     def _release(self) -> None:
         if self._released:
             return  # a second close must not touch a connection that may serve another response by now
@@ -620,6 +624,76 @@ _PORTS = {"http": 80, "https": 443}
 #: A pool's key: scheme, host, port and, under TLS, the name sent as SNI and verified.
 _Key = tuple[str, str, int, str | None]
 
+#: The methods whose empty body httpx announces with ``Content-Length: 0`` (and so ``request_head`` does).
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+class Origin:
+    """Where a relay's requests go: the pool's key and the ``Host`` header (``LeanTransport.origin``)."""
+
+    __slots__ = ("host", "key")
+
+    def __init__(self, key: _Key, host: bytes) -> None:
+        self.key = key
+        self.host = host
+
+
+class Answer:
+    """A response as the relay takes it from ``LeanTransport.send``: status, head and body, nothing else."""
+
+    __slots__ = ("body", "headers", "status_code")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: _Body) -> None:
+        self.status_code = status
+        self.headers = headers
+        #: The body, to read (``aiter_raw``) or to take in the read callback (``_Body.pipe``).
+        self.body = body
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body parts as they arrive (what ``httpx.Response.aiter_raw`` yields over this client)."""
+        return self.body.__aiter__()
+
+    async def surplus(self) -> int:
+        """Bytes the upstream sent past the response's end (its connection is closed for them)."""
+        return self.body.surplus()
+
+    async def aclose(self) -> None:
+        """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits."""
+        self.body.close()
+
+
+def request_head(
+    method: str, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]], content: bytes | AsyncIterable[bytes]
+) -> tuple[bytes, bool]:
+    """The request line and headers, and whether the body goes chunked, as ``httpx.Request`` builds them from
+    the same method, target, headers and content (and ``_head`` writes them): ``Host`` first, then
+    ``Content-Length: 0`` for an empty POST, PUT or PATCH that names no length, then ``headers``, then the
+    body's ``Content-Length`` (bytes) or ``Transfer-Encoding: chunked`` (a stream) unless a length is named.
+    """
+    method = method.upper()
+    names = {name.lower() for name, _ in headers}
+    extra: list[tuple[bytes, bytes]] = []
+    if isinstance(content, bytes):
+        if content and b"content-length" not in names:
+            extra.append((b"Content-Length", b"%d" % len(content)))
+            names.add(b"content-length")
+    elif b"content-length" not in names and b"transfer-encoding" not in names:
+        extra.append((b"Transfer-Encoding", b"chunked"))
+        names.add(b"transfer-encoding")
+    auto: list[tuple[bytes, bytes]] = []
+    if b"host" not in names:
+        auto.append((b"Host", host))
+    if b"content-length" not in names and b"transfer-encoding" not in names and method in _BODY_METHODS:
+        auto.append((b"Content-Length", b"0"))
+    lines = [b"%s %s HTTP/1.1" % (method.encode("ascii"), target)]
+    lines.extend(name + b": " + value for name, value in (*auto, *headers, *extra))
+    head = b"\r\n".join(lines) + b"\r\n\r\n"
+    # One CR and one LF per line and no more: a header cannot smuggle a line of its own.
+    if head.count(b"\n") != len(lines) + 1 or head.count(b"\r") != len(lines) + 1:
+        raise httpx.LocalProtocolError("CR or LF inside a request header")
+    codings = b", ".join(value for name, value in (*headers, *extra) if name.lower() == b"transfer-encoding")
+    return head, codings.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
+
 
 class LeanTransport(httpx.AsyncBaseTransport):
     """HTTP/1.1 over asyncio protocols, plain or TLS, with a keep-alive pool per scheme, host and port.
@@ -643,6 +717,32 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._server_hostname = server_hostname
         self._pools: dict[_Key, _Pool] = {}
 
+    def origin(self, url: str) -> Origin:
+        """Where requests to ``url`` go (its scheme, host and port), parsed once: what ``send`` takes."""
+        parsed = httpx.URL(url)
+        if parsed.scheme not in _PORTS:
+            raise httpx.UnsupportedProtocol(f"{parsed.scheme!r} upstreams are not HTTP")
+        name = (self._server_hostname or parsed.host) if parsed.scheme == "https" else None
+        return Origin((parsed.scheme, parsed.host, parsed.port or _PORTS[parsed.scheme], name), parsed.netloc)
+
+    async def send(
+        self,
+        origin: Origin,
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        content: bytes | AsyncIterable[bytes],
+        timeouts: _Timeouts,
+    ) -> Answer:
+        """One request, straight from the relay: no ``httpx.Request`` or ``Response`` is built (issue 29).
+
+        The bytes on the wire are those ``handle_async_request`` sends for the ``httpx.Request`` made of the
+        same parts (``request_head``); ``target`` is the request target as httpx encodes it (``raw_path``).
+        """
+        head, chunked = request_head(method, target, origin.host, headers, content)
+        conn = await self._exchange(origin.key, head, content, chunked, method == "HEAD", timeouts)
+        return Answer(conn.status, conn.headers, _Body(conn, timeouts))
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         if url.scheme not in _PORTS:
@@ -652,6 +752,35 @@ class LeanTransport(httpx.AsyncBaseTransport):
         if url.scheme == "https":
             name = request.extensions.get("sni_hostname") or self._server_hostname or url.host
         key: _Key = (url.scheme, url.host, url.port or _PORTS[url.scheme], name)
+        head = _head(request)
+        stream = request.stream
+        content: bytes | AsyncIterable[bytes]
+        if isinstance(stream, httpx.ByteStream):
+            content = await request.aread()
+        else:
+            assert isinstance(stream, AsyncIterable)
+            content = stream
+        conn = await self._exchange(key, head, content, _chunked(request), request.method == "HEAD", timeouts)
+        body = _Body(conn, timeouts)
+        surplus: Callable[[], int] = body.surplus
+        version = b"HTTP/" + conn.version()
+        return httpx.Response(
+            conn.status,
+            headers=conn.headers,
+            stream=body,
+            extensions={"http_version": version, "reason_phrase": conn.reason, SURPLUS: surplus, PIPE: body},
+        )
+
+    async def _exchange(
+        self,
+        key: _Key,
+        head: bytes,
+        content: bytes | AsyncIterable[bytes],
+        chunked: bool,
+        head_only: bool,
+        timeouts: _Timeouts,
+    ) -> _Connection:
+        """A connection of ``key``'s pool with the request sent on it and the response's head read."""
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = _Pool(self._limit)
@@ -664,11 +793,22 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 raise
             pool.added(conn)
         try:
-            return await self._exchange(conn, request, timeouts)
+            conn.begin(head_only=head_only)
+            if isinstance(content, bytes):
+                conn.write(head + content)  # one write: the head and a body already in memory
+                conn.sent_all = True
+            else:
+                conn.write(head)
+                await conn.send_stream(content, chunked=chunked, timeouts=timeouts)
+            while not conn.head_done:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait_readable(timeouts.get("read"))
         except BaseException:
             # Failed or cancelled mid-exchange (a body iterator's own error included, which goes on as is).
             pool.release(conn)
             raise
+        return conn
 
     async def _connect(self, pool: _Pool, key: _Key, seconds: float | None) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -720,31 +860,6 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 raise httpx.ConnectError(f"TLS handshake failed: {exc.strerror or exc}") from exc
             return conn
         raise error
-
-    async def _exchange(self, conn: _Connection, request: httpx.Request, timeouts: _Timeouts) -> httpx.Response:
-        conn.begin(head_only=request.method == "HEAD")
-        head = _head(request)
-        stream = request.stream
-        if isinstance(stream, httpx.ByteStream):
-            conn.write(head + await request.aread())  # one write: the head and a body already in memory
-            conn.sent_all = True
-        else:
-            assert isinstance(stream, AsyncIterable)
-            conn.write(head)
-            await conn.send_stream(stream, chunked=_chunked(request), timeouts=timeouts)
-        while not conn.head_done:
-            if conn.error is not None:
-                raise conn.error
-            await conn.wait_readable(timeouts.get("read"))
-        body = _Body(conn, timeouts)
-        surplus: Callable[[], int] = body.surplus
-        version = b"HTTP/" + conn.version()
-        return httpx.Response(
-            conn.status,
-            headers=conn.headers,
-            stream=body,
-            extensions={"http_version": version, "reason_phrase": conn.reason, SURPLUS: surplus, PIPE: body},
-        )
 
     async def aclose(self) -> None:
         for pool in self._pools.values():
