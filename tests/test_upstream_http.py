@@ -25,6 +25,7 @@ import pytest
 import uvloop
 
 from llmtap.config.settings import ConfigError, Route, Settings, build
+from llmtap.relay import upstream_http
 from llmtap.relay.forward import Upstreams, close_if_surplus
 from llmtap.relay.pipe import Pipe
 from llmtap.relay.upstream_http import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
@@ -920,6 +921,103 @@ def test_upstreams_use_the_lean_client_unless_told_otherwise(run: Any) -> None:
 
 
 # --- the relay's body path in the read callback (llmtap.relay.pipe) ---------------------------------------------
+
+
+class _Socket:
+    """What a connection asks of its transport while reads are handed to it directly."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.aborted = False
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _piped(reads: list[bytes], *, whole: bool) -> tuple[list[tuple[int, bytes]], tuple[Any, ...]]:
+    """Feed ``reads`` (a head, then a chunked body) to a connection under a sink: the parts each read gave, and
+    the exchange's end state. ``whole=False`` turns the parser-free path for whole chunks off (the reference)."""
+    loop = asyncio.new_event_loop()
+    try:
+        conn = upstream_http._Connection(upstream_http._Pool(1), loop)
+        conn.connection_made(_Socket())  # type: ignore[arg-type]
+        conn.begin(head_only=False)
+        parts: list[tuple[int, bytes]] = []
+        read = [0]  # which read the parts come from
+        conn.sink = lambda t, part: parts.append((read[0], part))
+        if not whole:
+            conn._whole = lambda sink, t, data: 0  # type: ignore[method-assign]
+        for read[0], data in enumerate(reads):
+            if conn.closed or conn._transport.is_closing():  # type: ignore[union-attr]
+                break
+            conn.data_received(data)
+        error = None if conn.error is None else (type(conn.error), str(conn.error))
+        return parts, (conn.done, conn.keep_alive, error, conn.surplus, conn.status)
+    finally:
+        loop.close()
+
+
+_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+_EVENTS = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', b"data: x\r\n\r\n", b"\r\n", b"data: [DONE]\n\n"]
+_BODIES = {
+    "plain": b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in _EVENTS) + b"0\r\n\r\n",
+    "upper hex, leading zeros": b"00%X\r\n%b\r\n" % (len(_EVENTS[0]), _EVENTS[0]) + b"0\r\n\r\n",
+    "extension, trailer": b"%x;a=b\r\n%b\r\n" % (len(_EVENTS[1]), _EVENTS[1]) + b"3\r\nabc\r\n0\r\nx-t: 1\r\n\r\n",
+    "past the end": b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1 200 OK\r\n",
+    "bad size": b"3\r\nabc\r\nzz\r\nabc\r\n0\r\n\r\n",
+    "no CRLF after the data": b"3\r\nabc\r\n3\r\nabcd\r\n0\r\n\r\n",
+    "signed size": b"3\r\nabc\r\n+3\r\nabc\r\n0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("body", list(_BODIES))
+def test_whole_chunks_skip_the_parser_and_give_what_it_gives(body: str) -> None:
+    """The read callback hands a whole chunk over without the parser (``_Connection._whole``): split into reads
+    at every one and every pair of places, the parts of each read, the end, the error and the bytes past the
+    end are exactly what the parser alone gives."""
+    data = _BODIES[body]
+    splits: list[list[bytes]] = [[data]]
+    splits += [[data[:i], data[i:]] for i in range(1, len(data))]
+    splits += [[data[:i], data[i:j], data[j:]] for i in range(1, len(data), 3) for j in range(i + 1, len(data), 2)]
+    # The whole chunks as one read each, as a stream's upstream writes them.
+    splits.append(
+        [
+            data[: data.index(b"\r\n", data.index(b"\r\n") + 2) + 2],
+            data[data.index(b"\r\n", data.index(b"\r\n") + 2) + 2 :],
+        ]
+    )
+    for reads in splits:
+        reads = [_HEAD, *(r for r in reads if r)]
+        assert _piped(reads, whole=True) == _piped(reads, whole=False), reads
+    parts, end = _piped([_HEAD, data], whole=True)
+    if body == "plain":
+        assert [p for _, p in parts] == _EVENTS and end[:3] == (True, True, None)
+    elif body == "past the end":
+        assert end[3] == len(b"HTTP/1.1 200 OK\r\n")
+    elif body != "upper hex, leading zeros" and body != "extension, trailer":
+        assert end[2] is not None and end[2][0] is httpx.RemoteProtocolError
+
+
+def test_a_chunk_after_the_parser_read_part_of_its_size_line_goes_to_the_parser() -> None:
+    """A read that ends inside a size line leaves the parser holding its digits: the next read is not taken for
+    whole chunks even where it looks like some (here ``2\\r\\nab\\r\\n``, the end of the size line ``12``)."""
+    rest = b"ab\r\n" + b"x" * 14
+    reads = [_HEAD + b"3\r\nabc\r\n1", b"2\r\n" + rest + b"\r\n", b"2\r\nyz\r\n0\r\n\r\n"]
+    parts, end = _piped(reads, whole=True)
+    assert parts == [(0, b"abc"), (1, rest), (2, b"yz")]
+    assert end[:3] == (True, True, None)
 
 
 def test_a_piped_body_reaches_its_sink_in_the_read_callback_and_is_held_on_demand(run: Any) -> None:

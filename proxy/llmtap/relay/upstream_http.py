@@ -53,6 +53,8 @@ Sink = Callable[[float, bytes], None]
 QUEUE_BYTES = 64 * 1024
 #: The largest response head (interim responses included); a longer one is a protocol error.
 MAX_HEAD_BYTES = 256 * 1024
+#: The digits of a chunk's size (RFC 9112 section 7.1).
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 # A response head, a chunked body (last chunk and trailers) and so every message whose length is not
 # counted in advance ends with this; the parser only ever sees input up to such a point or a counted end.
 _END = b"\r\n\r\n"
@@ -131,6 +133,8 @@ class _Connection(asyncio.Protocol):
         self._remaining: int | None = None
         self._head_bytes = 0
         self._tail = b""
+        #: A chunked body's parser stands between two chunks: the next bytes are a chunk's size line.
+        self._boundary = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -199,6 +203,14 @@ class _Connection(asyncio.Protocol):
         self.heard = t = time.perf_counter()
         size = len(data)
         start = 0
+        if self._boundary and self.error is None:
+            # Whole chunks of a chunked body, the usual read of a stream, go without the parser (see ``_whole``).
+            start = self._whole(sink, t, data)
+            if start == size:
+                self._tail = data[-3:]
+                if self.held:
+                    _wake(self._reader)
+                return
         while start < size and not self.done and self.error is None:
             end = self._piece_end(data, start)
             self._feed(data if start == 0 and end == size else memoryview(data)[start:end])
@@ -213,6 +225,32 @@ class _Connection(asyncio.Protocol):
             self._past_end(size - start)
         if self.done or self.error is not None or self.held:
             _wake(self._reader)
+
+    def _whole(self, sink: Sink, t: float, data: bytes) -> int:
+        """Hand each whole chunk at the start of ``data`` to ``sink``, the parser standing between two chunks;
+        returns where the rest begins (the parser's to read: a chunk split across reads, the last chunk, a
+        size line with an extension, anything malformed).
+
+        Only what the parser would read the same way is taken (RFC 9112 section 7.1: hex digits, CRLF, that
+        many bytes, CRLF), and the parser is left where it would stand after it: between two chunks. So the
+        parts are those the parser would give, with no callback per chunk (issue 29).
+        """
+        at = 0
+        size = len(data)
+        while at < size:
+            line = data.find(b"\r\n", at, at + 18)
+            if line <= at:
+                break
+            digits = data[at:line]
+            if digits.lstrip(_HEX_DIGITS):
+                break
+            count = int(digits, 16)
+            end = line + 2 + count
+            if count == 0 or end + 2 > size or data[end : end + 2] != b"\r\n":
+                break
+            sink(t, data[line + 2 : end])
+            at = end + 2
+        return at
 
     def hold(self) -> None:
         """Stop reading the socket until ``release`` (the sink's client stopped taking bytes); wakes the relay."""
@@ -277,6 +315,8 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"malformed response from upstream: {exc}"))
         self._tail = bytes(piece[-3:]) if len(piece) >= 3 else (self._tail + bytes(piece))[-3:]
+        if self._boundary and not self._tail.endswith(b"\r\n"):
+            self._boundary = False  # the next chunk's size line began: the parser holds part of it
 
     def on_status(self, reason: bytes) -> None:
         self.reason += reason
@@ -301,6 +341,7 @@ class _Connection(asyncio.Protocol):
                 self._remaining = int(value)  # the parser refuses malformed or conflicting lengths
         if self._chunked:
             self._remaining = None
+            self._boundary = not self.head_only
         if status in (204, 304):
             self._remaining = 0  # never a body, whatever Content-Length says (RFC 9112 section 6.3)
         if self.head_only:
@@ -313,7 +354,12 @@ class _Connection(asyncio.Protocol):
         if self._remaining is not None:
             self._remaining -= len(body)
 
+    def on_chunk_header(self) -> None:
+        self._boundary = False
+
     def on_chunk_complete(self) -> None:
+        # After the CRLF that ends the chunk's data: the parser stands between two chunks unless more follows.
+        self._boundary = True
         if self._pending:
             self._flush()
 
