@@ -2,13 +2,14 @@
 
 httpcore's pool, anyio and h11 cost about a third of the relay's CPU per chunk (bench/RESULTS.md, "Where
 the time goes"); here one protocol object per connection parses the response as it arrives and queues its
-body parts, and the relay reads them through the ``httpx.Response`` it already knows. What the relay
-relies on, and this module keeps:
+body parts. The relay calls it directly (``LeanTransport.send``: an ``Answer``, no httpx ``Request`` or
+``Response``, which cost the relay about 150 µs of CPU a request, issue 29); as an httpx transport it
+serves httpx's client the same way (tests, tools). What the relay relies on, and this module keeps:
 
 * the errors it maps: ``ConnectError``, ``ConnectTimeout``, ``PoolTimeout``, ``ReadTimeout``,
   ``WriteTimeout``, ``ReadError`` (reset), ``RemoteProtocolError`` (closed early, malformed);
-* timeouts read from ``request.extensions["timeout"]`` at every wait, so its switch to the idle timeout
-  after the headers applies;
+* timeouts read from the request's timeout mapping (``request.extensions["timeout"]`` through httpx) at
+  every wait, so its switch to the idle timeout after the headers applies;
 * body parts as they arrive, never merged or held back: one per socket read, and within a read one per
   HTTP chunk of a chunked body (as httpcore yields them: the relay's tap counts each as an upstream chunk);
 * backpressure: past ``QUEUE_BYTES`` unread, the socket stops being read, and ``SO_RCVBUF`` bounds the rest;
@@ -18,7 +19,8 @@ relies on, and this module keeps:
 A relay may instead take the body in the read callback (``response.extensions[PIPE]``, ``_Body.pipe``): each
 part goes to its sink the moment the parser has it, stamped once per socket read, and the relay's task
 wakes only when the response ends, fails or is held (``hold``: its client stopped taking bytes, so the
-socket stops being read until ``release``). No queue, no task switch per chunk (issue 29).
+socket stops being read until ``release``). No queue, no task switch per chunk (issue 29). Whole chunks of a
+chunked body, a stream's usual read, reach the sink without the parser (``_Connection._whole``).
 
 HTTPS is the event loop's own TLS transport (``create_connection(ssl=...)``, asyncio's or uvloop's) under
 the same protocol, with the context of ``llmtap.relay.tls``: certificate and handshake failures are
