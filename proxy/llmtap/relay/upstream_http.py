@@ -697,9 +697,12 @@ class Answer:
         #: The body, to read (``aiter_raw``) or to take in the read callback (``_Body.pipe``).
         self.body = body
 
-    def aiter_raw(self) -> AsyncIterator[bytes]:
-        """The body parts as they arrive (what ``httpx.Response.aiter_raw`` yields over this client)."""
-        return self.body.__aiter__()
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body parts as they arrive, the connection released at the body's end (as ``httpx.Response.aiter_raw``
+        yields them over this client, and closes the response)."""
+        async for part in self.body:
+            yield part
+        self.body.close()
 
     async def surplus(self) -> int:
         """Bytes the upstream sent past the response's end (its connection is closed for them)."""
