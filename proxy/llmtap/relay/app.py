@@ -536,11 +536,11 @@ class ProxyApp:
                 # A body streamed past the inspect limit has gone upstream by now: ``receive`` can be watched, so
                 # a client that leaves (or is cut for reading nothing) stops this stream too.
                 watch = _DisconnectWatch(receive, task)
-            timeouts_set = self.settings.timeouts
-            if timeouts_set.idle is not None:
-                # httpcore reads the read timeout when the body starts: from here on it bounds the silence
-                # between two chunks, not the wait for the headers.
-                timeouts["read"] = timeouts_set.idle
+            idle = self.settings.timeouts.idle
+            if idle is not None:
+                # The client reads the read timeout at every wait: from here on it bounds the silence between
+                # two chunks, not the wait for the headers.
+                timeouts["read"] = idle
             status = response.status_code
             tape.status_code = status
             raw_headers = response.headers
