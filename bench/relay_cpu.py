@@ -1,12 +1,20 @@
-"""The relay's CPU per chunk alone (issue 29): ``python -m bench.relay_cpu [--tree DIR ...]``.
+"""The relay's CPU per chunk alone (issue 29): ``python -m bench.relay_cpu [--tree DIR ...] [--floor]``.
 
 For each llmtap source tree given (default: this one), starts the benchmark's scripted upstream and the OTLP
 sink on the client's core, ``llmtap serve`` with its relay alone on the proxy's core (its telemetry process
 moved to the client's core), and ``--streams`` staggered keep-alive streams of ``--chunks`` chunks each; it
 reads the relay process's CPU (user and system, from ``/proc``) before and after and prints one JSON line:
 CPU microseconds per content chunk, and per request. Trees run in turn, ``--rounds`` times, so an A/B on a
-shared machine is interleaved; compare the lowest figures. Long streams (``--chunks 400``) show the cost per
-chunk; the benchmark's own (50 chunks) adds each request's share.
+shared machine is interleaved; ``--summary`` ends with each tree's median and range. Long streams (``--chunks
+400``) show the cost per chunk; the benchmark's own (50 chunks) adds each request's share.
+
+Beside the CPU: ``wakes_per_chunk``, the relay's event-loop sleeps (voluntary context switches of its main
+thread) per chunk, which says how many reads each wake-up served: a busy core batches reads, so a loaded
+machine shows fewer wakes and less CPU per chunk, and figures are comparable only at similar wakes;
+``rss_per_stream_kib``, the relay's resident memory at its peak while the streams were open, less before
+them, per stream; and the machine's load average when the run started. ``--floor`` runs the thinnest relay
+Python can be (``bench.thin_relay``) in turn with the trees: what a chunk costs any relay on this machine at
+this moment (the wake-up, the read, the write, the loopback), so llmtap's own share is the difference.
 """
 
 from __future__ import annotations
@@ -14,14 +22,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench import peers
-from bench.procs import Service, cpu_seconds, cpu_split, pinned
+from bench.procs import Sampler, Service, cpu_seconds, cpu_split, pinned, rss_bytes
+
+
+def wakes(pids: list[int]) -> int:
+    """Voluntary context switches of the processes' main threads: each is one sleep of an event loop."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
 
 
 def run(argv: list[str], cpu: str) -> str:
@@ -31,36 +54,62 @@ def run(argv: list[str], cpu: str) -> str:
     return done.stdout
 
 
-def measure(tree: Path, work: Path, args: argparse.Namespace, up_port: int, sink_port: int) -> dict[str, object]:
-    """One tree, one run: relay CPU per chunk and per request."""
+#: ``--floor``'s entry among the trees: the thinnest relay (``bench.thin_relay``) in place of llmtap.
+FLOOR = "floor"
+
+
+def start(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int) -> tuple[str, Service]:
+    """llmtap serve of ``tree`` (or the floor relay), its relay on the proxy's core: its URL and its service."""
+    if tree == FLOOR:
+        argv = [sys.executable, "-m", "bench.thin_relay", "--upstream-port", str(up_port)]
+        svc = Service(
+            "thin-relay", argv, log=work / "thin-relay.log", cpu=args.proxy_cpu, env={"PYTHONPATH": str(peers.REPO)}
+        )
+        port = svc.ready(lambda: int(svc.read_line()))
+        return f"http://127.0.0.1:{port}/v1/chat/completions", svc
     here = Path.cwd()
     # ``python -m llmtap`` looks in its working directory first: the tree's own, so its package is what runs.
     os.chdir(tree)
     try:
         ep, _ = peers.llmtap(
-            work, args.proxy_cpu, up_port, sink_port, extra_env={"PYTHONPATH": str(tree)}, telemetry_cpu=args.client_cpu
+            work,
+            args.proxy_cpu,
+            up_port,
+            sink_port,
+            extra_env={"PYTHONPATH": f"{Path(tree) / 'proxy'}:{tree}"},
+            telemetry_cpu=args.client_cpu,
         )
     finally:
         os.chdir(here)
     assert ep.service is not None
-    svc: Service = ep.service
+    return ep.url, ep.service
+
+
+def measure(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int) -> dict[str, object]:
+    """One tree, one run: relay CPU per chunk and per request."""
+    url, svc = start(tree, work, args, up_port, sink_port)
     try:
         relay = svc.roles()["relay"]
         period = args.ttft + args.chunks * args.gap
         argv = [
-            sys.executable, "-m", "bench.client", "--url", ep.url, "--streams", "4", "--requests", "1",
+            sys.executable, "-m", "bench.client", "--url", url, "--streams", "4", "--requests", "1",
             "--stagger", "0.1", "--max-tokens", str(args.chunks),
         ]  # fmt: skip
         run(argv, args.client_cpu)  # warm: lazy imports, the upstream pool
         time.sleep(1.0)
-        before, system_before = cpu_seconds(relay), cpu_split(relay)[1]
+        load = os.getloadavg()[0]
+        before, system_before, wakes_before = cpu_seconds(relay), cpu_split(relay)[1], wakes(relay)
+        rss_before = rss_bytes(relay)
         argv = [
-            sys.executable, "-m", "bench.client", "--url", ep.url, "--streams", str(args.streams),
+            sys.executable, "-m", "bench.client", "--url", url, "--streams", str(args.streams),
             "--requests", str(args.requests), "--stagger", str(period), "--max-tokens", str(args.chunks),
         ]  # fmt: skip
-        records = json.loads(run(argv, args.client_cpu))["records"]
+        with Sampler(svc) as sampler:
+            records = json.loads(run(argv, args.client_cpu))["records"]
         spent = cpu_seconds(relay) - before
         system = cpu_split(relay)[1] - system_before
+        slept = wakes(relay) - wakes_before
+        rss_peak = max((rss for _, rss in sampler.samples), default=rss_before)
     finally:
         svc.stop()
     requests = len(records)
@@ -75,6 +124,9 @@ def measure(tree: Path, work: Path, args: argparse.Namespace, up_port: int, sink
         "relay_kernel_share": round(system / spent, 2) if spent > 0 else None,
         "relay_us_per_chunk": round(1e6 * spent / chunks, 1) if chunks else None,
         "relay_us_per_request": round(1e6 * spent / requests, 1) if requests else None,
+        "wakes_per_chunk": round(slept / chunks, 2) if chunks else None,
+        "rss_per_stream_kib": round((rss_peak - rss_before) / 1024 / args.streams, 1),
+        "load": round(load, 2),
     }
 
 
@@ -89,20 +141,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--proxy-cpu", default="0")
     p.add_argument("--client-cpu", default="1")
+    p.add_argument(
+        "--floor", action="store_true", help="measure the thinnest relay too (bench.thin_relay), in turn with the trees"
+    )
+    p.add_argument("--summary", action="store_true", help="end with each tree's median and range per figure")
     args = p.parse_args(argv)
-    trees = args.tree or [peers.REPO]
+    trees: list[Path | str] = [*(args.tree or [peers.REPO]), *([FLOOR] if args.floor else [])]
     with tempfile.TemporaryDirectory(prefix="relay-cpu-") as folder:
         work = Path(folder)
         up, up_port = peers.upstream(work, args.client_cpu, ttft=args.ttft, gap=args.gap, chunks=args.chunks)
         sink, sink_port, _ = peers.sink(work, args.client_cpu)
+        results: dict[str, list[dict[str, Any]]] = {str(t): [] for t in trees}
         try:
             for _ in range(args.rounds):
                 for tree in trees:
-                    print(json.dumps(measure(tree, work, args, up_port, sink_port)), flush=True)
+                    result = measure(tree, work, args, up_port, sink_port)
+                    results[str(tree)].append(result)
+                    print(json.dumps(result), flush=True)
         finally:
             sink.stop()
             up.stop()
+        if args.summary:
+            for tree, runs in results.items():
+                print(json.dumps({"tree": tree, "runs": len(runs), **summary(runs)}), flush=True)
     return 0
+
+
+SUMMARIZED = ("relay_us_per_chunk", "relay_us_per_request", "wakes_per_chunk", "rss_per_stream_kib", "load")
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, object]:
+    """Each figure's median over the runs and its range (lowest, highest)."""
+    out: dict[str, object] = {}
+    for key in SUMMARIZED:
+        values = sorted(float(r[key]) for r in runs if r.get(key) is not None)
+        if values:
+            out[key] = {"median": round(statistics.median(values), 2), "range": [values[0], values[-1]]}
+    return out
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import uvloop
 
 from llmtap.config.load import build
 from llmtap.config.types import ConfigError, Route, Settings
+from llmtap.relay import upstream_http
 from llmtap.relay.forward import Upstreams, close_if_surplus
 from llmtap.relay.pipe import Pipe
 from llmtap.relay.upstream_http import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
@@ -459,6 +460,79 @@ def test_request_bodies_bytes_chunked_and_counted(run: Any) -> None:
     run(scenario())
 
 
+def test_a_direct_request_is_byte_for_byte_what_httpx_request_sends(run: Any) -> None:
+    """``LeanTransport.send`` (the relay's path, no ``httpx.Request``) and an ``httpx.Request`` of the same
+    method, URL, headers and body through the same transport put the same bytes on the wire, and read the
+    same answer."""
+    seen: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head, body = await read_request(reader)
+            seen.append(head + body)
+            if head.startswith(b"HEAD "):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 201 Made\r\nx-a: 1\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
+
+    async def parts() -> AsyncIterator[bytes]:
+        for part in (b"ab", b"", b"cde"):
+            yield part
+
+    body = b'{"a": 1}'
+    cases: list[tuple[str, str, list[tuple[bytes, bytes]], bytes | None]] = [
+        ("GET", "/v1/a%2Fb?q=%20x", [(b"x-Thing", b"1"), (b"x-thing", b"2")], b""),
+        ("GET", '/a b/\u00fc/./c/../d?x="1"', [], b""),
+        ("POST", "/p", [(b"content-type", b"application/json")], body),
+        ("POST", "/p", [(b"Content-Length", b"8")], body),
+        ("POST", "/p", [], b""),
+        ("PATCH", "/p", [(b"content-length", b"0")], b""),
+        ("DELETE", "/p", [], b""),
+        ("POST", "/s", [], None),  # a streamed body: chunked
+        ("POST", "/s", [(b"content-length", b"5")], None),  # a streamed body of a counted length: as it is
+        ("HEAD", "/h", [(b"accept", b"*/*")], b""),
+    ]
+
+    async def scenario() -> None:
+        async with Upstream(script) as up:
+            transport = LeanTransport()
+            timeouts = httpx.Timeout(5.0).as_dict()
+            try:
+                for method, path, headers, content in cases:
+                    url = up.url + path
+                    via_httpx = httpx.Request(
+                        method, url, headers=headers, content=parts() if content is None else content,
+                        extensions={"timeout": timeouts},
+                    )  # fmt: skip
+                    response = await transport.handle_async_request(via_httpx)
+                    expected_body = b"".join([part async for part in response.aiter_raw()])
+                    await response.aclose()
+                    origin = transport.origin(up.url)
+                    target = httpx.URL(url).raw_path
+                    answer = await transport.send(
+                        origin, method, target, headers, parts() if content is None else content, timeouts
+                    )
+                    got_body = b"".join([part async for part in answer.aiter_raw()])
+                    assert answer.body._released  # back to the pool at the body's end, as httpx's close does
+                    await answer.aclose()
+                    assert (answer.status_code, answer.headers, got_body) == (
+                        response.status_code,
+                        response.headers.raw,
+                        expected_body,
+                    )
+                    assert seen[-1] == seen[-2], (method, path, headers)
+                assert len(seen) == 2 * len(cases)
+                # One kept-alive connection, but a HEAD's is closed after it (``head_only``): the second HEAD opens one.
+                assert up.connections == 2
+            finally:
+                await transport.aclose()
+        assert seen[2].startswith(b"GET /a%20b/%C3%BC/d?x=%221%22 HTTP/1.1\r\nHost: 127.0.0.1:")
+        assert seen[8].startswith(b"POST /p HTTP/1.1\r\nHost: 127.0.0.1:") and b"\r\nContent-Length: 0\r\n" in seen[8]
+        assert b"Transfer-Encoding: chunked\r\n" in seen[14] and seen[14].endswith(b"0\r\n\r\n")
+
+    run(scenario())
+
+
 class Boom(Exception):
     """Raised by a request body's own iterator."""
 
@@ -833,12 +907,15 @@ def test_upstreams_use_the_lean_client_unless_told_otherwise(run: Any) -> None:
                     assert response.content == b"ok"
                     assert (SURPLUS in response.extensions) is lean
                     assert isinstance(upstreams.client(routes[1])._transport, LeanTransport) is lean
+                    # The relay calls the lean client directly, for HTTP and HTTPS routes alike.
+                    assert all((upstreams.lean(r) is not None) is lean for r in routes)
                 finally:
                     await upstreams.aclose()
             injected = httpx.MockTransport(lambda request: httpx.Response(200, content=b"mock"))
             upstreams = Upstreams(Settings(routes=routes), injected)
             try:
                 assert (await upstreams.client(routes[0]).get(up.url)).content == b"mock"
+                assert upstreams.lean(routes[0]) is None  # an injected transport is called through httpx
             finally:
                 await upstreams.aclose()
 
@@ -846,6 +923,103 @@ def test_upstreams_use_the_lean_client_unless_told_otherwise(run: Any) -> None:
 
 
 # --- the relay's body path in the read callback (llmtap.relay.pipe) ---------------------------------------------
+
+
+class _Socket:
+    """What a connection asks of its transport while reads are handed to it directly."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.aborted = False
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _piped(reads: list[bytes], *, whole: bool) -> tuple[list[tuple[int, bytes]], tuple[Any, ...]]:
+    """Feed ``reads`` (a head, then a chunked body) to a connection under a sink: the parts each read gave, and
+    the exchange's end state. ``whole=False`` turns the parser-free path for whole chunks off (the reference)."""
+    loop = asyncio.new_event_loop()
+    try:
+        conn = upstream_http._Connection(upstream_http._Pool(1), loop)
+        conn.connection_made(_Socket())  # type: ignore[arg-type]
+        conn.begin(head_only=False)
+        parts: list[tuple[int, bytes]] = []
+        read = [0]  # which read the parts come from
+        conn.sink = lambda t, part: parts.append((read[0], part))
+        if not whole:
+            conn._whole = lambda sink, t, data: 0  # type: ignore[method-assign]
+        for read[0], data in enumerate(reads):
+            if conn.closed or conn._transport.is_closing():  # type: ignore[union-attr]
+                break
+            conn.data_received(data)
+        error = None if conn.error is None else (type(conn.error), str(conn.error))
+        return parts, (conn.done, conn.keep_alive, error, conn.surplus, conn.status)
+    finally:
+        loop.close()
+
+
+_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+_EVENTS = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', b"data: x\r\n\r\n", b"\r\n", b"data: [DONE]\n\n"]
+_BODIES = {
+    "plain": b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in _EVENTS) + b"0\r\n\r\n",
+    "upper hex, leading zeros": b"00%X\r\n%b\r\n" % (len(_EVENTS[0]), _EVENTS[0]) + b"0\r\n\r\n",
+    "extension, trailer": b"%x;a=b\r\n%b\r\n" % (len(_EVENTS[1]), _EVENTS[1]) + b"3\r\nabc\r\n0\r\nx-t: 1\r\n\r\n",
+    "past the end": b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1 200 OK\r\n",
+    "bad size": b"3\r\nabc\r\nzz\r\nabc\r\n0\r\n\r\n",
+    "no CRLF after the data": b"3\r\nabc\r\n3\r\nabcd\r\n0\r\n\r\n",
+    "signed size": b"3\r\nabc\r\n+3\r\nabc\r\n0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("body", list(_BODIES))
+def test_whole_chunks_skip_the_parser_and_give_what_it_gives(body: str) -> None:
+    """The read callback hands a whole chunk over without the parser (``_Connection._whole``): split into reads
+    at every one and every pair of places, the parts of each read, the end, the error and the bytes past the
+    end are exactly what the parser alone gives."""
+    data = _BODIES[body]
+    splits: list[list[bytes]] = [[data]]
+    splits += [[data[:i], data[i:]] for i in range(1, len(data))]
+    splits += [[data[:i], data[i:j], data[j:]] for i in range(1, len(data), 3) for j in range(i + 1, len(data), 2)]
+    # The whole chunks as one read each, as a stream's upstream writes them.
+    splits.append(
+        [
+            data[: data.index(b"\r\n", data.index(b"\r\n") + 2) + 2],
+            data[data.index(b"\r\n", data.index(b"\r\n") + 2) + 2 :],
+        ]
+    )
+    for reads in splits:
+        reads = [_HEAD, *(r for r in reads if r)]
+        assert _piped(reads, whole=True) == _piped(reads, whole=False), reads
+    parts, end = _piped([_HEAD, data], whole=True)
+    if body == "plain":
+        assert [p for _, p in parts] == _EVENTS and end[:3] == (True, True, None)
+    elif body == "past the end":
+        assert end[3] == len(b"HTTP/1.1 200 OK\r\n")
+    elif body != "upper hex, leading zeros" and body != "extension, trailer":
+        assert end[2] is not None and end[2][0] is httpx.RemoteProtocolError
+
+
+def test_a_chunk_after_the_parser_read_part_of_its_size_line_goes_to_the_parser() -> None:
+    """A read that ends inside a size line leaves the parser holding its digits: the next read is not taken for
+    whole chunks even where it looks like some (here ``2\\r\\nab\\r\\n``, the end of the size line ``12``)."""
+    rest = b"ab\r\n" + b"x" * 14
+    reads = [_HEAD + b"3\r\nabc\r\n1", b"2\r\n" + rest + b"\r\n", b"2\r\nyz\r\n0\r\n\r\n"]
+    parts, end = _piped(reads, whole=True)
+    assert parts == [(0, b"abc"), (1, rest), (2, b"yz")]
+    assert end[:3] == (True, True, None)
 
 
 def test_a_piped_body_reaches_its_sink_in_the_read_callback_and_is_held_on_demand(run: Any) -> None:

@@ -37,7 +37,7 @@ from llmtap.relay.guard import Refusal, check_request, check_route
 from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
 from llmtap.relay.stepjson import STEPWISE_BYTES, loads_stepwise
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
-from llmtap.relay.upstream_http import PIPE
+from llmtap.relay.upstream_http import PIPE, Answer, LeanTransport, Origin
 from llmtap.types import UNCHANGED, Message, Receive, Scope, Send
 from llmtap.wire.messages import RESPONSE_CUT_REASONS, Raw, Stats, encode_stats, without_bytes
 from llmtap.wire.tape import Tape, now
@@ -140,6 +140,10 @@ class ProxyApp:
         self._counts_sent: tuple[Any, ...] = ()
         self._stats_changed = True
         self._stats_task: asyncio.Task[None] | None = None
+        #: Per route: llmtap's own client and the upstream's origin when the relay calls it directly, else None.
+        self._direct: dict[str, tuple[LeanTransport, Origin] | None] = {}
+        #: Upstream URL -> its request target as httpx encodes it (``_target``).
+        self._targets: dict[str, bytes] = {}
 
         #: The Starlette application around the relay: what a server serves (``__call__`` is its call).
         self.frame = relay_frame(self._endpoint, startup=self.startup, shutdown=self.shutdown)
@@ -342,6 +346,16 @@ class ProxyApp:
             if not self.inflight:
                 self._idle.set()
 
+    def _target(self, url: str) -> bytes:
+        """The request target of ``url`` exactly as httpx would send it (its path and query, percent-encoded and
+        normalized), remembered: a relay sees the same few paths again and again."""
+        target = self._targets.get(url)
+        if target is None:
+            if len(self._targets) >= _TARGETS:
+                self._targets.clear()
+            target = self._targets[url] = httpx.URL(url).raw_path
+        return target
+
     def _segment(self, tape: Tape) -> None:
         """The tape is full mid-stream: its reads leave now, so a long stream holds little here."""
         if tape.lost:
@@ -418,25 +432,34 @@ class ProxyApp:
         else:
             content = rewritten if rewritten is not None else body
         client = self.upstreams.client(route)
-        # Built directly, not by the client: its default headers (Accept, Accept-Encoding, User-Agent) would go
-        # upstream although the client never sent them.
-        request = httpx.Request(
-            scope["method"],
-            upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b"")),
-            headers=request_headers(
-                headers,
-                trace=trace,
-                body_changed=rewritten is not None,
-                plain=tape.strip_usage,
-                private=self.forward_private,
-            ),
-            content=content,
-            extensions={"timeout": client.timeout.as_dict()},
+        timeouts = client.timeout.as_dict()
+        out_request_headers = request_headers(
+            headers,
+            trace=trace,
+            body_changed=rewritten is not None,
+            plain=tape.strip_usage,
+            private=self.forward_private,
         )
+        url = upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b""))
+        direct = self._direct.get(route.name, _UNKNOWN)
+        if direct is _UNKNOWN:
+            lean = self.upstreams.lean(route)
+            direct = self._direct[route.name] = None if lean is None else (lean, lean.origin(route.upstream))
+        request: httpx.Request | None = None
+        target = b""
+        if direct is not None:
+            # llmtap's own client, called directly: no httpx ``Request`` or ``Response`` per request (issue 29).
+            target = self._target(url)
+        else:
+            # Built directly, not by the client: its default headers (Accept, Accept-Encoding, User-Agent) would go
+            # upstream although the client never sent them.
+            request = httpx.Request(
+                scope["method"], url, headers=out_request_headers, content=content, extensions={"timeout": timeouts}
+            )
         # Only once the body is read can disconnects be watched: both need ``receive``.
         task = asyncio.current_task()
         watch = _DisconnectWatch(receive, task) if more is None and task is not None else None
-        response: httpx.Response | None = None
+        response: Answer | _HttpxAnswer | None = None
         strip: UsageEventFilter | None = None
         inflater: Inflater | None = None
         pipe: Pipe | None = None
@@ -458,7 +481,12 @@ class ProxyApp:
             sent = True
             tape.sent = now()
             try:
-                response = await client.send(request, stream=True)
+                if direct is not None:
+                    lean, origin = direct
+                    response = await lean.send(origin, scope["method"], target, out_request_headers, content, timeouts)
+                else:
+                    assert request is not None
+                    response = _HttpxAnswer(await client.send(request, stream=True))
             except httpx.TransportError as exc:
                 await _upstream_failed(send, route, tape, exc)
                 return
@@ -481,14 +509,14 @@ class ProxyApp:
                 # A body streamed past the inspect limit has gone upstream by now: ``receive`` can be watched, so
                 # a client that leaves (or is cut for reading nothing) stops this stream too.
                 watch = _DisconnectWatch(receive, task)
-            timeouts = self.settings.timeouts
-            if timeouts.idle is not None:
-                # httpcore reads the read timeout when the body starts: from here on it bounds the silence
-                # between two chunks, not the wait for the headers.
-                request.extensions["timeout"]["read"] = timeouts.idle
+            idle = self.settings.timeouts.idle
+            if idle is not None:
+                # The client reads the read timeout at every wait: from here on it bounds the silence between
+                # two chunks, not the wait for the headers.
+                timeouts["read"] = idle
             status = response.status_code
             tape.status_code = status
-            raw_headers = response.headers.raw
+            raw_headers = response.headers
             tape.response_headers = raw_headers
             if tape.strip_usage and status < 300:
                 # The filter reads SSE framing. The upstream was asked for an uncompressed body; one that
@@ -505,11 +533,11 @@ class ProxyApp:
                 out_headers.append((TIMING_HEADER, server_timing(tape, queued=admission is not None)))
             await send({"type": "http.response.start", "status": status, "headers": out_headers})
             started = True
-            pipeable = response.extensions.get(PIPE) if inflater is None and scope["method"] != "HEAD" else None
+            pipeable = response.body if inflater is None and scope["method"] != "HEAD" else None
             if cycle is not None and pipeable is not None:
                 # The body path in the upstream's read callback (``llmtap.relay.pipe``): no task step per chunk.
                 pipe = Pipe(tape, cycle, strip, self._segment)
-                strip = await pipe.run(pipeable, lambda: request.extensions["timeout"].get("read"))
+                strip = await pipe.run(pipeable, lambda: timeouts.get("read"))
             else:
                 async for chunk in response.aiter_raw():
                     full = tape.read(now(), chunk)
@@ -549,7 +577,7 @@ class ProxyApp:
                 # asks again the moment its answer ends is never refused for its own finished request.
                 admitted = False
                 admission.release()
-            surplus = await close_if_surplus(response)
+            surplus = await response.surplus()
             tape.surplus = surplus
             if watch is not None:
                 watch.stop()
@@ -601,8 +629,8 @@ class ProxyApp:
                 watch.stop()
             if response is not None:
                 # Closing the response closes the upstream connection mid-stream: the server sees the
-                # client leave and stops generating. Shielded so a cancellation cannot skip it.
-                await asyncio.shield(response.aclose())
+                # client leave and stops generating. A cancellation cannot skip it (``aclose``).
+                await response.aclose()
             if sent:
                 self._upstream_inflight[route.upstream] -= 1
                 if tape.end is None:
@@ -769,6 +797,35 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
         yield first
     async for chunk in rest:
         yield chunk
+
+
+class _HttpxAnswer:
+    """An ``httpx.Response`` (httpx's client, or a transport a test injected) as the relay reads an ``Answer``."""
+
+    __slots__ = ("_response", "body", "headers", "status_code")
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status_code = response.status_code
+        self.headers = response.headers.raw
+        #: The lean client's body when it is what answered (its read callback can take the parts), else None.
+        self.body = response.extensions.get(PIPE)
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self._response.aiter_raw()
+
+    async def surplus(self) -> int:
+        return await close_if_surplus(self._response)
+
+    async def aclose(self) -> None:
+        # Shielded: httpx's close may wait (httpcore's pool), and a cancellation must not skip it.
+        await asyncio.shield(self._response.aclose())
+
+
+#: ``ProxyApp._direct``'s mark for a route not looked at yet.
+_UNKNOWN: Any = object()
+#: Request targets ``ProxyApp._target`` remembers, past which it starts again.
+_TARGETS = 1024
 
 
 def create_app(settings: Settings, *, channel: Channel, transport: httpx.AsyncBaseTransport | None = None) -> ProxyApp:

@@ -201,6 +201,8 @@ class Upstreams:
     def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> None:
         t = settings.timeouts
         self._clients: dict[tuple[str, TLSOptions | None], httpx.AsyncClient] = {}
+        #: The pools the relay calls directly, without httpx's request machinery (llmtap's own client).
+        self._lean: dict[tuple[str, TLSOptions | None], LeanTransport] = {}
         limits = httpx.Limits(
             max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
         )
@@ -238,6 +240,7 @@ class Upstreams:
                     ssl_context=context,
                     server_hostname=route.tls_server_name,
                 )
+                self._lean[key] = pool
             else:
                 pool = httpx.AsyncHTTPTransport(
                     verify=context if context is not None else True,
@@ -254,6 +257,10 @@ class Upstreams:
     def client(self, route: Route) -> httpx.AsyncClient:
         """The pool for a route's upstream."""
         return self._clients[_pool_key(route)]
+
+    def lean(self, route: Route) -> LeanTransport | None:
+        """A route's pool when it is llmtap's own client, which the relay then calls directly; else None."""
+        return self._lean.get(_pool_key(route))
 
     async def aclose(self) -> None:
         """Close every pool."""

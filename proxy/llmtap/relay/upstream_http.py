@@ -2,13 +2,14 @@
 
 httpcore's pool, anyio and h11 cost about a third of the relay's CPU per chunk (bench/RESULTS.md, "Where
 the time goes"); here one protocol object per connection parses the response as it arrives and queues its
-body parts, and the relay reads them through the ``httpx.Response`` it already knows. What the relay
-relies on, and this module keeps:
+body parts. The relay calls it directly (``LeanTransport.send``: an ``Answer``, no httpx ``Request`` or
+``Response``, which cost the relay about 150 µs of CPU a request, issue 29); as an httpx transport it
+serves httpx's client the same way (tests, tools). What the relay relies on, and this module keeps:
 
 * the errors it maps: ``ConnectError``, ``ConnectTimeout``, ``PoolTimeout``, ``ReadTimeout``,
   ``WriteTimeout``, ``ReadError`` (reset), ``RemoteProtocolError`` (closed early, malformed);
-* timeouts read from ``request.extensions["timeout"]`` at every wait, so its switch to the idle timeout
-  after the headers applies;
+* timeouts read from the request's timeout mapping (``request.extensions["timeout"]`` through httpx) at
+  every wait, so its switch to the idle timeout after the headers applies;
 * body parts as they arrive, never merged or held back: one per socket read, and within a read one per
   HTTP chunk of a chunked body (as httpcore yields them: the relay's tap counts each as an upstream chunk);
 * backpressure: past ``QUEUE_BYTES`` unread, the socket stops being read, and ``SO_RCVBUF`` bounds the rest;
@@ -18,7 +19,8 @@ relies on, and this module keeps:
 A relay may instead take the body in the read callback (``response.extensions[PIPE]``, ``_Body.pipe``): each
 part goes to its sink the moment the parser has it, stamped once per socket read, and the relay's task
 wakes only when the response ends, fails or is held (``hold``: its client stopped taking bytes, so the
-socket stops being read until ``release``). No queue, no task switch per chunk (issue 29).
+socket stops being read until ``release``). No queue, no task switch per chunk (issue 29). Whole chunks of a
+chunked body, a stream's usual read, reach the sink without the parser (``_Connection._whole``).
 
 HTTPS is the event loop's own TLS transport (``create_connection(ssl=...)``, asyncio's or uvloop's) under
 the same protocol, with the context of ``llmtap.relay.tls``: certificate and handshake failures are
@@ -53,6 +55,8 @@ Sink = Callable[[float, bytes], None]
 QUEUE_BYTES = 64 * 1024
 #: The largest response head (interim responses included); a longer one is a protocol error.
 MAX_HEAD_BYTES = 256 * 1024
+#: The digits of a chunk's size (RFC 9112 section 7.1).
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 # A response head, a chunked body (last chunk and trailers) and so every message whose length is not
 # counted in advance ends with this; the parser only ever sees input up to such a point or a counted end.
 _END = b"\r\n\r\n"
@@ -131,6 +135,8 @@ class _Connection(asyncio.Protocol):
         self._remaining: int | None = None
         self._head_bytes = 0
         self._tail = b""
+        #: A chunked body's parser stands between two chunks: the next bytes are a chunk's size line.
+        self._boundary = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -199,6 +205,14 @@ class _Connection(asyncio.Protocol):
         self.heard = t = time.perf_counter()
         size = len(data)
         start = 0
+        if self._boundary and self.error is None:
+            # Whole chunks of a chunked body, the usual read of a stream, go without the parser (see ``_whole``).
+            start = self._whole(sink, t, data)
+            if start == size:
+                self._tail = data[-3:]
+                if self.held:
+                    _wake(self._reader)
+                return
         while start < size and not self.done and self.error is None:
             end = self._piece_end(data, start)
             self._feed(data if start == 0 and end == size else memoryview(data)[start:end])
@@ -213,6 +227,32 @@ class _Connection(asyncio.Protocol):
             self._past_end(size - start)
         if self.done or self.error is not None or self.held:
             _wake(self._reader)
+
+    def _whole(self, sink: Sink, t: float, data: bytes) -> int:
+        """Hand each whole chunk at the start of ``data`` to ``sink``, the parser standing between two chunks;
+        returns where the rest begins (the parser's to read: a chunk split across reads, the last chunk, a
+        size line with an extension, anything malformed).
+
+        Only what the parser would read the same way is taken (RFC 9112 section 7.1: hex digits, CRLF, that
+        many bytes, CRLF), and the parser is left where it would stand after it: between two chunks. So the
+        parts are those the parser would give, with no callback per chunk (issue 29).
+        """
+        at = 0
+        size = len(data)
+        while at < size:
+            line = data.find(b"\r\n", at, at + 18)
+            if line <= at:
+                break
+            digits = data[at:line]
+            if digits.lstrip(_HEX_DIGITS):
+                break
+            count = int(digits, 16)
+            end = line + 2 + count
+            if count == 0 or end + 2 > size or data[end : end + 2] != b"\r\n":
+                break
+            sink(t, data[line + 2 : end])
+            at = end + 2
+        return at
 
     def hold(self) -> None:
         """Stop reading the socket until ``release`` (the sink's client stopped taking bytes); wakes the relay."""
@@ -277,6 +317,8 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"malformed response from upstream: {exc}"))
         self._tail = bytes(piece[-3:]) if len(piece) >= 3 else (self._tail + bytes(piece))[-3:]
+        if self._boundary and not self._tail.endswith(b"\r\n"):
+            self._boundary = False  # the next chunk's size line began: the parser holds part of it
 
     def on_status(self, reason: bytes) -> None:
         self.reason += reason
@@ -301,6 +343,7 @@ class _Connection(asyncio.Protocol):
                 self._remaining = int(value)  # the parser refuses malformed or conflicting lengths
         if self._chunked:
             self._remaining = None
+            self._boundary = not self.head_only
         if status in (204, 304):
             self._remaining = 0  # never a body, whatever Content-Length says (RFC 9112 section 6.3)
         if self.head_only:
@@ -313,7 +356,12 @@ class _Connection(asyncio.Protocol):
         if self._remaining is not None:
             self._remaining -= len(body)
 
+    def on_chunk_header(self) -> None:
+        self._boundary = False
+
     def on_chunk_complete(self) -> None:
+        # After the CRLF that ends the chunk's data: the parser stands between two chunks unless more follows.
+        self._boundary = True
         if self._pending:
             self._flush()
 
@@ -591,6 +639,10 @@ class _Body(httpx.AsyncByteStream):
         """Bytes the upstream sent past this response's end (its connection was closed for them)."""
         return self._surplus if self._released else self._conn.surplus
 
+    def close(self) -> None:
+        """Release the connection (``aclose`` without the wait): exactly once, whoever asks."""
+        self._release()
+
     def _release(self) -> None:
         if self._released:
             return  # a second close must not touch a connection that may serve another response by now
@@ -620,6 +672,79 @@ _PORTS = {"http": 80, "https": 443}
 #: A pool's key: scheme, host, port and, under TLS, the name sent as SNI and verified.
 _Key = tuple[str, str, int, str | None]
 
+#: The methods whose empty body httpx announces with ``Content-Length: 0`` (and so ``request_head`` does).
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+class Origin:
+    """Where a relay's requests go: the pool's key and the ``Host`` header (``LeanTransport.origin``)."""
+
+    __slots__ = ("host", "key")
+
+    def __init__(self, key: _Key, host: bytes) -> None:
+        self.key = key
+        self.host = host
+
+
+class Answer:
+    """A response as the relay takes it from ``LeanTransport.send``: status, head and body, nothing else."""
+
+    __slots__ = ("body", "headers", "status_code")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: _Body) -> None:
+        self.status_code = status
+        self.headers = headers
+        #: The body, to read (``aiter_raw``) or to take in the read callback (``_Body.pipe``).
+        self.body = body
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body parts as they arrive, the connection released at the body's end (as ``httpx.Response.aiter_raw``
+        yields them over this client, and closes the response)."""
+        async for part in self.body:
+            yield part
+        self.body.close()
+
+    async def surplus(self) -> int:
+        """Bytes the upstream sent past the response's end (its connection is closed for them)."""
+        return self.body.surplus()
+
+    async def aclose(self) -> None:
+        """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits."""
+        self.body.close()
+
+
+def request_head(
+    method: str, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]], content: bytes | AsyncIterable[bytes]
+) -> tuple[bytes, bool]:
+    """The request line and headers, and whether the body goes chunked, as ``httpx.Request`` builds them from
+    the same method, target, headers and content (and ``_head`` writes them): ``Host`` first, then
+    ``Content-Length: 0`` for an empty POST, PUT or PATCH that names no length, then ``headers``, then the
+    body's ``Content-Length`` (bytes) or ``Transfer-Encoding: chunked`` (a stream) unless a length is named.
+    """
+    method = method.upper()
+    names = {name.lower() for name, _ in headers}
+    extra: list[tuple[bytes, bytes]] = []
+    if isinstance(content, bytes):
+        if content and b"content-length" not in names:
+            extra.append((b"Content-Length", b"%d" % len(content)))
+            names.add(b"content-length")
+    elif b"content-length" not in names and b"transfer-encoding" not in names:
+        extra.append((b"Transfer-Encoding", b"chunked"))
+        names.add(b"transfer-encoding")
+    auto: list[tuple[bytes, bytes]] = []
+    if b"host" not in names:
+        auto.append((b"Host", host))
+    if b"content-length" not in names and b"transfer-encoding" not in names and method in _BODY_METHODS:
+        auto.append((b"Content-Length", b"0"))
+    lines = [b"%s %s HTTP/1.1" % (method.encode("ascii"), target)]
+    lines.extend(name + b": " + value for name, value in (*auto, *headers, *extra))
+    head = b"\r\n".join(lines) + b"\r\n\r\n"
+    # One CR and one LF per line and no more: a header cannot smuggle a line of its own.
+    if head.count(b"\n") != len(lines) + 1 or head.count(b"\r") != len(lines) + 1:
+        raise httpx.LocalProtocolError("CR or LF inside a request header")
+    codings = b", ".join(value for name, value in (*headers, *extra) if name.lower() == b"transfer-encoding")
+    return head, codings.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
+
 
 class LeanTransport(httpx.AsyncBaseTransport):
     """HTTP/1.1 over asyncio protocols, plain or TLS, with a keep-alive pool per scheme, host and port.
@@ -643,6 +768,32 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._server_hostname = server_hostname
         self._pools: dict[_Key, _Pool] = {}
 
+    def origin(self, url: str) -> Origin:
+        """Where requests to ``url`` go (its scheme, host and port), parsed once: what ``send`` takes."""
+        parsed = httpx.URL(url)
+        if parsed.scheme not in _PORTS:
+            raise httpx.UnsupportedProtocol(f"{parsed.scheme!r} upstreams are not HTTP")
+        name = (self._server_hostname or parsed.host) if parsed.scheme == "https" else None
+        return Origin((parsed.scheme, parsed.host, parsed.port or _PORTS[parsed.scheme], name), parsed.netloc)
+
+    async def send(
+        self,
+        origin: Origin,
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        content: bytes | AsyncIterable[bytes],
+        timeouts: _Timeouts,
+    ) -> Answer:
+        """One request, straight from the relay: no ``httpx.Request`` or ``Response`` is built (issue 29).
+
+        The bytes on the wire are those ``handle_async_request`` sends for the ``httpx.Request`` made of the
+        same parts (``request_head``); ``target`` is the request target as httpx encodes it (``raw_path``).
+        """
+        head, chunked = request_head(method, target, origin.host, headers, content)
+        conn = await self._exchange(origin.key, head, content, chunked, method == "HEAD", timeouts)
+        return Answer(conn.status, conn.headers, _Body(conn, timeouts))
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         if url.scheme not in _PORTS:
@@ -652,6 +803,35 @@ class LeanTransport(httpx.AsyncBaseTransport):
         if url.scheme == "https":
             name = request.extensions.get("sni_hostname") or self._server_hostname or url.host
         key: _Key = (url.scheme, url.host, url.port or _PORTS[url.scheme], name)
+        head = _head(request)
+        stream = request.stream
+        content: bytes | AsyncIterable[bytes]
+        if isinstance(stream, httpx.ByteStream):
+            content = await request.aread()
+        else:
+            assert isinstance(stream, AsyncIterable)
+            content = stream
+        conn = await self._exchange(key, head, content, _chunked(request), request.method == "HEAD", timeouts)
+        body = _Body(conn, timeouts)
+        surplus: Callable[[], int] = body.surplus
+        version = b"HTTP/" + conn.version()
+        return httpx.Response(
+            conn.status,
+            headers=conn.headers,
+            stream=body,
+            extensions={"http_version": version, "reason_phrase": conn.reason, SURPLUS: surplus, PIPE: body},
+        )
+
+    async def _exchange(
+        self,
+        key: _Key,
+        head: bytes,
+        content: bytes | AsyncIterable[bytes],
+        chunked: bool,
+        head_only: bool,
+        timeouts: _Timeouts,
+    ) -> _Connection:
+        """A connection of ``key``'s pool with the request sent on it and the response's head read."""
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = _Pool(self._limit)
@@ -664,11 +844,22 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 raise
             pool.added(conn)
         try:
-            return await self._exchange(conn, request, timeouts)
+            conn.begin(head_only=head_only)
+            if isinstance(content, bytes):
+                conn.write(head + content)  # one write: the head and a body already in memory
+                conn.sent_all = True
+            else:
+                conn.write(head)
+                await conn.send_stream(content, chunked=chunked, timeouts=timeouts)
+            while not conn.head_done:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait_readable(timeouts.get("read"))
         except BaseException:
             # Failed or cancelled mid-exchange (a body iterator's own error included, which goes on as is).
             pool.release(conn)
             raise
+        return conn
 
     async def _connect(self, pool: _Pool, key: _Key, seconds: float | None) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -720,31 +911,6 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 raise httpx.ConnectError(f"TLS handshake failed: {exc.strerror or exc}") from exc
             return conn
         raise error
-
-    async def _exchange(self, conn: _Connection, request: httpx.Request, timeouts: _Timeouts) -> httpx.Response:
-        conn.begin(head_only=request.method == "HEAD")
-        head = _head(request)
-        stream = request.stream
-        if isinstance(stream, httpx.ByteStream):
-            conn.write(head + await request.aread())  # one write: the head and a body already in memory
-            conn.sent_all = True
-        else:
-            assert isinstance(stream, AsyncIterable)
-            conn.write(head)
-            await conn.send_stream(stream, chunked=_chunked(request), timeouts=timeouts)
-        while not conn.head_done:
-            if conn.error is not None:
-                raise conn.error
-            await conn.wait_readable(timeouts.get("read"))
-        body = _Body(conn, timeouts)
-        surplus: Callable[[], int] = body.surplus
-        version = b"HTTP/" + conn.version()
-        return httpx.Response(
-            conn.status,
-            headers=conn.headers,
-            stream=body,
-            extensions={"http_version": version, "reason_phrase": conn.reason, SURPLUS: surplus, PIPE: body},
-        )
 
     async def aclose(self) -> None:
         for pool in self._pools.values():
