@@ -41,6 +41,7 @@ from llmtap.telemetry.records import ReadStats, read_records
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry, free_port
+from tests.procs import stop
 from tests.test_forward import PROTOBUF, _Source, vllm_export, wait_for
 from tests.test_otlp import HTTPReceiver
 from tests.test_serverspans import TRACE, UPSTREAM, counter, traced
@@ -349,13 +350,7 @@ class Replica:
 
     def close(self) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop(self.proc, grace=20)
         self.log.close()
 
 
