@@ -24,7 +24,7 @@ from llmtap.telemetry.instruments import create
 from llmtap.telemetry.prometheus import PrometheusReader, merge_metrics
 from tests.conftest import PATIENCE, free_port, require_real
 from tests.procs import stop, stop_clean, wait_ready
-from tests.test_workers import _serve
+from tests.test_workers import _serve, two_routes
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75"
 TTFT = "llmtap_time_to_first_token_seconds"
@@ -217,14 +217,7 @@ def test_two_telemetry_processes_give_one_openmetrics_page_with_both_exemplars(
 
 def two_processes(sims: list[Background], tmp_path: Path) -> None:
     port = free_port()
-    config = tmp_path / "llmtap.yaml"
-    config.write_text(
-        "routes:\n"
-        + "".join(
-            f"  - {{prefix: /{name}, upstream: '{url}', provider: llmtap-sim, strip_prefix: true}}\n"
-            for name, (url, _) in zip("ab", sims, strict=True)
-        )
-    )
+    config = two_routes(tmp_path, sims)
     argv = ["serve", "--config", str(config), "--port", str(port), "--telemetry-workers", "2"]
     with serving(argv, tmp_path) as admin:
         sent = {route: {send(f"http://127.0.0.1:{port}/{route}") for _ in range(3)} for route in "ab"}

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from llmtap.simulator import get_profile, run_in_thread
+from llmtap.simulator.server import Background
 from llmtap.telemetry.prometheus import merge_metrics
 from llmtap.telemetry.records import ReadStats, read_records, record_files
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
@@ -118,6 +119,19 @@ def _serve(argv: list[str], tmp_path: Path) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def two_routes(tmp_path: Path, sims: list[Background]) -> Path:
+    """A config file of two routes, ``/a`` and ``/b``, one to each simulator."""
+    config = tmp_path / "llmtap.yaml"
+    config.write_text(
+        "routes:\n"
+        + "".join(
+            f"  - {{prefix: /{name}, upstream: '{url}', provider: llmtap-sim, strip_prefix: true}}\n"
+            for name, (url, _) in zip("ab", sims, strict=True)
+        )
+    )
+    return config
 
 
 def _comm(pid: int) -> str:
@@ -254,14 +268,7 @@ def test_two_telemetry_processes_write_every_record_into_their_own_files(short_t
     sims = [run_in_thread(get_profile("fast")) for _ in range(2)]
     records = tmp_path / "records"
     port, admin_port = free_port(), free_port()
-    config = tmp_path / "llmtap.yaml"
-    config.write_text(
-        "routes:\n"
-        + "".join(
-            f"  - {{prefix: /{name}, upstream: '{url}', provider: llmtap-sim, strip_prefix: true}}\n"
-            for name, (url, _) in zip("ab", sims, strict=True)
-        )
-    )
+    config = two_routes(tmp_path, sims)
     argv = ["serve", "--config", str(config), "--port", str(port), "--admin-port", str(admin_port)]
     argv += ["--record", str(records), "--record-max-mb", "0.02", "--telemetry-workers", "2"]
     proc = _serve(argv, tmp_path)
