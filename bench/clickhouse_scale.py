@@ -1,22 +1,19 @@
-"""``llmtap compare`` and ``llmtap slo`` over ClickHouse at scale (``python -m bench.clickhouse_scale``).
+"""The record sink into ClickHouse (``python -m bench.clickhouse_scale --sink N``), and the bulk load
+``bench.scale`` fills its tables with.
 
-Generates a week of records with ``bench.records_gen`` (the same rows the file benchmark reads: DuckDB makes
-them from their index), flattened to the table's columns (``proxy/llmtap/store/clickhouse.sql``) and written as
-CSV, loads them into a real ClickHouse (Debian's ``clickhouse-server``, started as a plain process on free
-ports, as the tests start it) with ``INSERT ... FORMAT CSV``, then runs ``llmtap compare
---clickhouse`` and ``llmtap slo --clickhouse`` as child processes and reports each one's wall time and peak
-RSS (its own ``VmHWM``), and the load's rows per second. First, ``--sink N`` generated records go through the
-record sink itself (``ClickHouseSink``, JSONEachRow): the caller's cost per ``write`` and records per second.
+``--sink N`` generated records (``bench.records_gen``) go through the record sink itself (``ClickHouseSink``,
+JSONEachRow) into a real ClickHouse (Debian's ``clickhouse-server``, started as a plain process on free ports,
+as the tests start it): the caller's cost per ``write`` and records per second. ``generate`` and ``load`` put a
+week of generated records, flattened to the table's columns (``proxy/llmtap/store/clickhouse.sql``), into a
+table with ``INSERT ... FORMAT CSV``; ``llmtap compare`` and ``llmtap slo`` over such tables are timed by
+``python -m bench.scale`` beside the other sources.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.records_gen import PODS, SWITCH, rows_sql
+from bench.records_gen import PODS, rows_sql
 from llmtap.store import clickhouse as ch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,41 +130,13 @@ def _post(server: ch.Server, sql: str, body: bytes) -> None:
         r.read()
 
 
-def timed(argv: list[str]) -> dict[str, Any]:
-    """Run ``python -m llmtap ARGV``: its wall time, peak RSS and the verdict line (or verdict kinds)."""
-    started = time.monotonic()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    # The peak RSS as the process's own memory map saw it (VmHWM, read as it exits): a child's ru_maxrss starts
-    # from its parent's at fork, and this parent holds the generator's engine.
-    proc = subprocess.run(
-        [sys.executable, "-c", _PEAK, *argv], capture_output=True, env=env, cwd=ROOT, check=False, timeout=7200
-    )
-    wall = time.monotonic() - started
-    if proc.returncode not in (0, 1):
-        raise RuntimeError(f"{argv}: exit {proc.returncode}: {proc.stderr.decode(errors='replace')[-2000:]}")
-    peak = [line for line in proc.stderr.decode().splitlines() if line.startswith("VmHWM:")]
-    data = json.loads(proc.stdout)
-    said = data.get("verdict") or sorted({v["verdict"] for v in data.get("verdicts", [])})
-    return {"wall_s": round(wall, 2), "peak_rss_mb": round(int(peak[-1].split()[1]) / 1024, 1), "verdict": said}
-
-
-_PEAK = """
-import atexit, sys
-def peak():
-    with open("/proc/self/status") as f:
-        sys.stderr.write("".join(line for line in f if line.startswith("VmHWM:")))
-atexit.register(peak)
-from llmtap.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="1000000,10000000", help="record counts, comma-separated")
-    p.add_argument("--sink", type=int, default=100_000, help="records sent through the record sink first (0: none)")
+    p.add_argument("--sink", type=int, default=100_000, help="records sent through the record sink")
     p.add_argument("--dir", type=Path, help="where ClickHouse and the generated rows live (a temporary directory)")
     args = p.parse_args(argv)
+    if args.sink < 2:
+        p.error("--sink takes 2 records at least (the first warms the table and the connection)")
     # A run stopped from outside still stops its ClickHouse (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.path.insert(0, str(ROOT))
@@ -182,36 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             server = ch.Server.parse(proc.url)
             release = server.version()
-            results = []
-            if args.sink:
-                print(json.dumps({"sink": sink_throughput(server, args.sink)}), flush=True)
-            for n in (int(s) for s in args.sizes.split(",")):
-                table = f"records_{n}"
-                ch.create_table(server, table, ttl_days=0)
-                rows = Path(tmp) / f"{n}.csv"
-                gen_s, columns = generate(rows, n)
-                size = rows.stat().st_size
-                load_s = load(server, table, columns, rows)
-                rows.unlink()
-                count = int(proc.query(f"SELECT count() FROM {table}").strip())
-                assert count == n, (count, n)
-                source = ["--clickhouse", proc.url, "--clickhouse-table", table, "--json"]
-                split = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(SWITCH))
-                result = {
-                    "records": n,
-                    "clickhouse": f"{release[0]}.{release[1]}",
-                    "generate_s": round(gen_s, 1),
-                    "csv_mb": round(size / 2**20),
-                    "load_s": round(load_s, 1),
-                    "load_rows_per_s": round(n / load_s),
-                    "compare_versions": timed(["compare", *source, "--before", "v1", "--after", "v2"]),
-                    "compare_split_at": timed(["compare", *source, "--split-at", split, "--window", "6h"]),
-                    "slo": timed(["slo", *source]),
-                }
-                print(json.dumps(result), flush=True)
-                results.append(result)
-                with contextlib.suppress(OSError):  # frees the disk early; the directory goes at the end anyway
-                    proc.query(f"DROP TABLE {table}")
+            result = sink_throughput(server, args.sink)
+            print(json.dumps({"clickhouse": f"{release[0]}.{release[1]}", "sink": result}), flush=True)
         finally:
             proc.stop()
     return 0

@@ -11,6 +11,9 @@ started on free ports as the tests start it). Then each case runs as a child pro
   at ``--python-sizes``, once;
 * ``--clickhouse`` over the table, at every size, ``--repeats`` times.
 
+The commands: ``compare`` (before and after the prompt version changed), ``compare --split-at`` (before and
+after a moment, six hours each side) and ``slo``.
+
 Each case's wall time (the median of its repeats, and the range), its CPU time (user + system, the
 child's own), its peak RSS (the child's own ``VmHWM``, read as it exits) and, for ClickHouse, the
 server's peak RSS while the case ran (sampled every 50 ms) are kept. The outputs of every case at one
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.records_gen import PODS
+from bench.records_gen import PODS, SWITCH
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -52,6 +55,15 @@ TARGET_S, TARGET_MB = 30.0, 1536.0
 SOURCE_KEYS = ("source",)
 #: Lines of a file not read as records: ClickHouse holds no lines, so it says null where files say 0.
 FILE_ONLY_KEYS = ("skipped",)
+#: The commands, each by its name in the table and the arguments it takes after the source.
+COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("compare", ()),
+    (
+        "compare --split-at",
+        ("--split-at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(SWITCH)), "--window", "6h"),
+    ),
+    ("slo", ()),
+)
 
 _PEAK = """
 import atexit, sys
@@ -158,7 +170,7 @@ def measure(case: Case, argv: list[str], repeats: int, *, watch: int | None = No
             case.server_mb = max(case.server_mb or 0.0, server)
     server_text = f", ClickHouse server {case.server_mb:,.0f} MB" if case.server_mb is not None else ""
     print(
-        f"  {case.command:8} {case.records:>11,} {case.source:18} {case.wall:7.1f} s"
+        f"  {case.command:18} {case.records:>11,} {case.source:18} {case.wall:7.1f} s"
         f" ({', '.join(f'{w:.1f}' for w in case.walls)}) cpu {case.cpu:6.1f} s {case.rss_mb:7.0f} MB{server_text}",
         flush=True,
     )
@@ -246,8 +258,8 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Case], list[str]]:
             notes.append(note)
             print(note, flush=True)
             at_size: list[Case] = []
-            for command in ("compare", "slo"):
-                base = [command, "--json"]
+            for command, extra in COMMANDS:
+                base = [command.split()[0], "--json", *extra]
                 at_size.append(
                     measure(
                         Case(command, n, "engine, parquet"),
@@ -275,7 +287,7 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Case], list[str]]:
                     argv = [*base, "--clickhouse", server.url, "--clickhouse-table", table]
                     case = Case(command, n, "clickhouse")
                     at_size.append(measure(case, argv, args.clickhouse_repeats, watch=server.proc.pid))
-            for command in ("compare", "slo"):
+            for command, _ in COMMANDS:
                 mine = [c for c in at_size if c.command == command]
                 for other in mine[1:]:
                     a, b = comparable(mine[0]), comparable(other)
@@ -307,7 +319,7 @@ def machine() -> str:
 def verdict_line(case: Case) -> str:
     """What the outputs said, in a few words."""
     out = case.output or {}
-    if case.command == "compare":
+    if case.command.startswith("compare"):
         said = out.get("verdict") or out.get("versions") or ""
         return json.dumps(said)[:200]
     kinds = sorted({str(v.get("verdict")) for v in out.get("verdicts", []) if isinstance(v, dict)})
@@ -325,7 +337,8 @@ def section(cases: list[Case], notes: list[str], cpus: str, args: argparse.Names
         "Records: a week of traffic from six pods in llmtap's record format (schema 2, three routes, prompt",
         "version v1 then v2), one file per pod and UTC hour as each pod's writer rotates them",
         "(`bench.records_gen`), and the same rows loaded into ClickHouse. Each case is a child process,",
-        "`llmtap compare SOURCE --json` or `llmtap slo SOURCE --json` (2,000 resamples), run alone: wall",
+        "`llmtap compare SOURCE --json` (by prompt version, and `--split-at` the change with six hours each",
+        "side) or `llmtap slo SOURCE --json` (2,000 resamples), run alone: wall",
         f"time (median of {args.repeats} runs for the engine over Parquet, of {args.clickhouse_repeats} for"
         " ClickHouse,",
         "the range in brackets; one run of the others), CPU time (user + system, the child's own: what the",
@@ -350,7 +363,7 @@ def section(cases: list[Case], notes: list[str], cpus: str, args: argparse.Names
     lines += ["", "Ratios in this run (wall time; CPU time in brackets):", ""]
     by = {(c.command, c.records, c.source): c for c in cases}
     small, large = sizes[0], sizes[-1]
-    for command in ("compare", "slo"):
+    for command, _ in COMMANDS:
         engine_small = by.get((command, small, "engine, parquet"))
         engine_large = by.get((command, large, "engine, parquet"))
         parts: list[str] = []
@@ -375,7 +388,7 @@ def section(cases: list[Case], notes: list[str], cpus: str, args: argparse.Names
             )
         lines.append(f"- {command}: " + "; ".join(parts))
     lines.append("")
-    for command in ("compare", "slo"):
+    for command, _ in COMMANDS:
         for n in sizes:
             engine = by.get((command, n, "engine, parquet"))
             if engine is not None:

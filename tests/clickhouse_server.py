@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import signal
 import subprocess
 import time
 import urllib.parse
@@ -17,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.procs import free_port
+from tests.procs import stop
 
 USER = "llmtap"
 PASSWORD = "s3cret-for-tests"
@@ -120,12 +120,7 @@ class ClickHouseProcess:
         """Stop the server (SIGTERM, then SIGKILL after 20 s) and wait for it."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop(self.proc, grace=20)
 
     def query(self, sql: str, *, user: str | None = None, password: str | None = None) -> str:
         """Run ``sql`` over HTTP as ``default`` (or ``user``); the answer as text."""

@@ -234,10 +234,9 @@ class Scripted:
         return f"http://127.0.0.1:{self.port}"
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        from tests.procs import stop  # tests.procs imports this module
+
+        stop(self.proc)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Child processes for the fault, security and shutdown tests: ``llmtap serve`` and the fault upstream.
+"""Child processes for the end-to-end tests: ``llmtap serve``, the simulator, the fault upstream, and how they stop.
 
 The proxy runs as users run it (``python -m llmtap serve``, uvicorn with its own protocol and signal
 handling), so its resident memory, open files and exit can be read from ``/proc`` and the process table.
@@ -6,6 +6,7 @@ handling), so its resident memory, open files and exit can be read from ``/proc`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from typing import IO, Any
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import PATIENCE, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -65,10 +66,84 @@ class FaultUpstream:
 
     def close(self) -> None:
         self._client.close()
-        self.proc.terminate()
-        self.proc.wait(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        stop(self.proc)
+
+
+def stop(proc: subprocess.Popen[Any], grace: float = 10.0) -> int | None:
+    """End ``proc`` whatever state it is in: SIGTERM and ``grace`` seconds to exit, then SIGKILL (at once when
+    ``grace`` is 0); its pipes closed. Its exit code (None if even SIGKILL left it running)."""
+    if proc.poll() is None:
+        if grace > 0:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(grace)
+        if proc.poll() is None:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+    return proc.returncode
+
+
+def stop_clean(proc: subprocess.Popen[str], timeout: float = PATIENCE) -> str:
+    """SIGTERM, as an orchestrator stops a pod: ``proc`` exits 0 within ``timeout`` and its stderr (a pipe) holds
+    no traceback; returns that stderr. The caller's ``finally`` still calls :func:`stop` for a failed path."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout) == 0
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    assert "Traceback" not in err, err[-3000:]
+    return err
+
+
+def wait_ready(proc: subprocess.Popen[Any], admin_url: str, logs: Callable[[], str] = str) -> str:
+    """Poll the admin listener's ``/readyz`` until it answers 200 (within PATIENCE); its text. Fails at once if
+    ``proc`` exits, with the end of ``logs()``."""
+    # A deadline, not a bound on start-up: two busy loops on two cores made a start take over 20 s.
+    deadline = time.monotonic() + PATIENCE
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "llmtap exited before it was ready\n" + logs()[-3000:]
+        try:
+            ready = httpx.get(admin_url + "/readyz", timeout=2)
+            if ready.status_code == 200:
+                return ready.text
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("llmtap never became ready\n" + logs()[-3000:])
+
+
+class Simulator:
+    """``llmtap simulate --profile PROFILE`` in a child process: its own count of running requests."""
+
+    def __init__(self, profile: str = "fast") -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmtap", "simulate", "--port", str(self.port), "--profile", profile],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        # One kept-alive client: polling must cost far less than the 100 ms a test may measure with it.
+        self.client = httpx.Client(base_url=self.url, timeout=2)
+        deadline = time.monotonic() + PATIENCE
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if self.client.get("/health").status_code == 200:
+                    break
+            assert time.monotonic() < deadline and self.proc.poll() is None, "simulator did not start"
+            time.sleep(0.05)
+
+    def state(self) -> dict[str, Any]:
+        """The simulator's ``/debug/requests`` with the last request: ``running`` and ``requests``."""
+        info: dict[str, Any] = self.client.get("/debug/requests?limit=1").json()
+        return info
+
+    def close(self) -> None:
+        self.client.close()
+        stop(self.proc)
 
 
 class Llmtap:
@@ -90,6 +165,7 @@ class Llmtap:
             self.admin_port = free_port()
         self.log_path = log
         self._log: IO[str] = log.open("w", encoding="utf-8")
+        self.client = httpx.Client(base_url=self.url, timeout=10)
         base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
         argv = ["serve", "--upstream", upstream, "--port", str(self.port), "--admin-port", str(self.admin_port)]
         argv += ["--admin-host", admin_host]
@@ -118,18 +194,8 @@ class Llmtap:
     def logs(self) -> str:
         return self.log_path.read_text(encoding="utf-8")
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        # A deadline, not a bound on start-up: two busy loops on two cores made a start take over 20 s.
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.logs()[-3000:]
-            try:
-                if httpx.get(self.admin_url + "/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError("llmtap never became ready:\n" + self.logs()[-3000:])
+    def wait_ready(self) -> None:
+        wait_ready(self.proc, self.admin_url, self.logs)
 
     def metrics(self) -> str:
         """The admin listener's ``/metrics`` text."""
@@ -160,9 +226,8 @@ class Llmtap:
         self.proc.send_signal(signal.SIGTERM)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+        self.client.close()
+        stop(self.proc, grace=0)
         self._log.close()
 
 

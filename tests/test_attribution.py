@@ -11,10 +11,7 @@ upstream), its spans at a real OTLP/HTTP receiver, its records on disk, its ``/m
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,38 +23,14 @@ import pytest
 
 from llmtap.analysis.cost import PriceTable
 from llmtap.store.files import NoRecords, record_files
-from tests.conftest import PATIENCE, Scripted, free_port
-from tests.procs import Llmtap
+from tests.conftest import PATIENCE, Scripted
+from tests.procs import Llmtap, Simulator
 from tests.test_metrics_standard import labels, otlp_env, series, total, wait_for
 from tests.test_otlp import HTTPReceiver, attributes
 
 #: What the user's price file says the simulator's model costs, per million tokens.
 SIM_PRICES = {"input": 2.0, "cached_input": 0.5, "output": 8.0}
 KEY = "sk-test-0123456789abcdefghijklmnop"
-
-
-class Simulator:
-    """``llmtap simulate --profile fast`` in a child process."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llmtap", "simulate", "--port", str(self.port), "--profile", "fast"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + PATIENCE
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline and self.proc.poll() is None, "simulator did not start"
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,8 @@ from llmtap.config.types import TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.bulk import record_many
 from llmtap.telemetry.chunkdetail import MIN_HISTORY, ChunkDetail
-from tests.procs import FaultUpstream, upstream as upstream  # the fixture
-from tests.test_otlp import OTEL_ENV, HTTPReceiver, Llmtap, Received, attributes, wait_for
+from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
+from tests.test_otlp import OTEL_ENV, HTTPReceiver, Received, attributes, wait_for
 
 CHAT: dict[str, Any] = {
     "model": "fault",
@@ -71,9 +71,8 @@ def test_normal_requests_export_at_most_six_spans_and_a_failed_one_every_chunk_s
     receiver = HTTPReceiver()
     defaults = {k: v for k, v in OTEL_ENV.items() if not k.startswith("LLMTAP_")}  # llmtap's own settings: defaults
     env = {**defaults, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
-    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env)
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env=env)
     try:
-        proxy.wait_ready()
         normal = 8
         for i in range(normal):
             _stream(proxy, f"normal-{i}")

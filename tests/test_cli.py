@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 
 from llmtap import __version__
 from tests.conftest import PATIENCE, Scripted, free_port
+from tests.procs import stop, stop_clean, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
@@ -148,20 +148,6 @@ def test_version() -> None:
     assert result.stdout.strip() == f"llmtap {__version__}"
 
 
-def wait_ready(proc: subprocess.Popen[str], admin: str) -> None:
-    """Poll ``/readyz`` until 200, failing early if the process exits."""
-    deadline = time.monotonic() + PATIENCE
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "llmtap exited before it was ready"
-        try:
-            if httpx.get(admin + "/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("llmtap never became ready")
-
-
 def test_serve_stream_metrics_and_sigterm(upstream: Scripted) -> None:
     port, admin_port = free_port(), free_port()
     argv = ["serve", "--upstream", upstream.url, "--port", str(port), "--admin-port", str(admin_port)]
@@ -197,13 +183,6 @@ def test_serve_stream_metrics_and_sigterm(upstream: Scripted) -> None:
             time.sleep(0.05)
         assert count == 1
 
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(PATIENCE) == 0
-        assert proc.stderr is not None
-        assert "Traceback" not in proc.stderr.read()
+        stop_clean(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-        if proc.stderr is not None:
-            proc.stderr.close()
+        stop(proc, grace=0)

@@ -580,7 +580,7 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(server: ClickHo
 
 
 def test_the_scale_benchmark_runs_end_to_end_at_a_small_size(server: ClickHouseProcess, tmp_path: Path) -> None:
-    from bench import clickhouse_scale
+    from bench import clickhouse_scale, scale
 
     pytest.importorskip("duckdb", reason="the generator is DuckDB SQL (bench.records_gen)")
     remote = ch.Server.parse(server.url)
@@ -592,8 +592,9 @@ def test_the_scale_benchmark_runs_end_to_end_at_a_small_size(server: ClickHouseP
     # Every column the table has came from the generator, by name.
     assert sorted(columns) == sorted(ch._column_kinds())
     source = ["--clickhouse", server.url, "--clickhouse-table", "bench_small", "--json"]
-    got = clickhouse_scale.timed(["compare", *source, "--before", "v1", "--after", "v2", "--resamples", "200"])
-    assert str(got["verdict"]).startswith("caching gain") and got["peak_rss_mb"] > 10
+    argv = ["compare", *source, "--before", "v1", "--after", "v2", "--resamples", "200"]
+    _, _, peak_rss_mb, _, out = scale.run_child(argv)
+    assert str(json.loads(out)["verdict"]).startswith("caching gain") and peak_rss_mb > 10
 
 
 def test_a_table_of_an_earlier_version_gets_the_columns_added_since(server: ClickHouseProcess) -> None:

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.chunkdetail import REASONS
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
+from tests.procs import stop
 from tests.scripted_upstream import script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,13 +86,7 @@ class Proc:
             time.sleep(0.1)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop(self.proc)
         self.log.close()
 
 

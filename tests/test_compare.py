@@ -33,6 +33,7 @@ from llmtap.simulator.text import Vocabulary
 from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry.records import SCHEMA_KEY
 from tests.conftest import PATIENCE, free_port, require_real
+from tests.procs import stop
 from tests.test_prometheus import histogram_quantile
 
 ROOT = Path(__file__).parent.parent
@@ -601,8 +602,7 @@ def test_compare_over_prometheus(stack: Stack, tmp_path: Path) -> None:
         data = compare_json("--prometheus", url, "--route", "support")
         every = compare_json("--prometheus", url)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop(proc)
     print("support, from Prometheus:", data["verdict"])
     before, after = data["before"], data["after"]
     assert before["requests"] == after["requests"] == PER_SIDE

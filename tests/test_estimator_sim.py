@@ -27,6 +27,7 @@ from llmtap.config.load import build
 from llmtap.simulator import get_profile
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry, free_port
+from tests.procs import stop
 
 pytestmark = pytest.mark.e2e
 
@@ -67,8 +68,7 @@ def simulator() -> Iterator[str]:
             time.sleep(0.05)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop(proc)
 
 
 async def chat(client: httpx.AsyncClient, text: str, max_tokens: int) -> str:

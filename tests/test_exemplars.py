@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,7 +23,8 @@ from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.instruments import create
 from llmtap.telemetry.prometheus import PrometheusReader, merge_metrics
 from tests.conftest import PATIENCE, free_port, require_real
-from tests.test_workers import _ready, _serve
+from tests.procs import stop, stop_clean, wait_ready
+from tests.test_workers import _serve, two_routes
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75"
 TTFT = "llmtap_time_to_first_token_seconds"
@@ -83,18 +83,11 @@ def serving(argv: list[str], tmp_path: Path) -> Iterator[str]:
     proc = _serve([*argv, "--admin-port", str(admin_port)], tmp_path)
     admin = f"http://127.0.0.1:{admin_port}"
     try:
-        _ready(proc, admin)
+        wait_ready(proc, admin)
         yield admin
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(PATIENCE) == 0
-        assert proc.stderr is not None
-        assert "Traceback" not in proc.stderr.read()
+        stop_clean(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-        if proc.stderr is not None:
-            proc.stderr.close()
+        stop(proc, grace=0)
 
 
 @pytest.fixture
@@ -224,14 +217,7 @@ def test_two_telemetry_processes_give_one_openmetrics_page_with_both_exemplars(
 
 def two_processes(sims: list[Background], tmp_path: Path) -> None:
     port = free_port()
-    config = tmp_path / "llmtap.yaml"
-    config.write_text(
-        "routes:\n"
-        + "".join(
-            f"  - {{prefix: /{name}, upstream: '{url}', provider: llmtap-sim, strip_prefix: true}}\n"
-            for name, (url, _) in zip("ab", sims, strict=True)
-        )
-    )
+    config = two_routes(tmp_path, sims)
     argv = ["serve", "--config", str(config), "--port", str(port), "--telemetry-workers", "2"]
     with serving(argv, tmp_path) as admin:
         sent = {route: {send(f"http://127.0.0.1:{port}/{route}") for _ in range(3)} for route in "ab"}

@@ -11,8 +11,6 @@ import contextlib
 import hashlib
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -29,9 +27,9 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from llmtap.config.load import build
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.setup import ExportGate
-from tests.conftest import PATIENCE, Running, Telemetry, free_port, unanswered_port
+from tests.conftest import Running, Telemetry, free_port, unanswered_port
 from tests.fault_upstream import SMUGGLED
-from tests.procs import FaultUpstream, Llmtap, metric_value, tcp_queues, upstream as upstream  # the fixture
+from tests.procs import FaultUpstream, Llmtap, Simulator, metric_value, tcp_queues, upstream as upstream  # the fixture
 
 pytestmark = pytest.mark.e2e
 
@@ -229,40 +227,9 @@ def test_client_disconnect_cancels_upstream_within_100ms(
     assert cancelled and sum(p.value for p in cancelled) >= 1
 
 
-class Simulator:
-    """``llmtap simulate --profile support`` in a child process: its own count of running requests."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llmtap", "simulate", "--port", str(self.port), "--profile", "support"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        # One kept-alive client: polling must cost far less than the 100 ms it measures.
-        self.client = httpx.Client(base_url=self.url, timeout=2)
-        deadline = time.monotonic() + PATIENCE
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if self.client.get("/debug/requests?limit=1").status_code == 200:
-                    break
-            assert time.monotonic() < deadline and self.proc.poll() is None, "simulator did not start"
-            time.sleep(0.05)
-
-    def state(self) -> dict[str, Any]:
-        info: dict[str, Any] = self.client.get("/debug/requests?limit=1").json()
-        return info
-
-    def close(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def simulator() -> Iterator[Simulator]:
-    sim = Simulator()
+    sim = Simulator("support")
     yield sim
     sim.close()
 

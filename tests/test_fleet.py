@@ -35,6 +35,7 @@ from llmtap.telemetry.recorder import Recorder
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry, free_port
+from tests.procs import stop, wait_ready
 from tests.test_forward import PROTOBUF, _Source, vllm_export, wait_for
 from tests.test_otlp import HTTPReceiver
 from tests.test_serverspans import TRACE, UPSTREAM, counter, traced
@@ -321,16 +322,7 @@ class Replica:
         return self.log_path.read_text(encoding="utf-8")[-4000:]
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + PATIENCE
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.logs()
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.admin_port}/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"{self.name} never became ready:\n{self.logs()}")
+        wait_ready(self.proc, f"http://127.0.0.1:{self.admin_port}", self.logs)
 
     def counts(self, metric: str, label: str) -> dict[str, float]:
         """A counter's values on this replica's ``/metrics``, by ``label``."""
@@ -343,13 +335,7 @@ class Replica:
 
     def close(self) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop(self.proc, grace=20)
         self.log.close()
 
 

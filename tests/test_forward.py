@@ -20,7 +20,8 @@ from llmtap.telemetry import forward, semconv as sc
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.recorder import Recorder
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry
-from tests.test_otlp import OTEL_ENV, GRPCReceiver, HTTPReceiver, Llmtap, Received, attributes
+from tests.procs import Llmtap
+from tests.test_otlp import OTEL_ENV, GRPCReceiver, HTTPReceiver, Received, attributes
 from tests.test_serverspans import TRACE, UPSTREAM, counter, span_bytes, traced
 
 PROTOBUF = {"content-type": "application/x-protobuf"}
@@ -209,16 +210,15 @@ def test_llmtap_serve_shows_the_servers_span_under_its_own_at_the_backend(tmp_pa
     upstream = Scripted(SCRIPT_TTFT="0.02", SCRIPT_GAP="0.005", SCRIPT_CHUNKS="4")
     backend = HTTPReceiver()
     env = {**OTEL_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": backend.url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
-    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env)
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env=env)
     try:
-        proxy.wait_ready()
         chat = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Hi."}]}
         with proxy.client.stream("POST", "/v1/chat/completions", json=chat) as answer:
             assert answer.status_code == 200
             answer.read()
         deadline = time.monotonic() + PATIENCE
         while not [s for _, s in backend.received.spans() if s.name == "chat scripted"]:
-            assert time.monotonic() < deadline, proxy.logs()
+            assert time.monotonic() < deadline, proxy.logs()[-4000:]
             time.sleep(0.05)
         (root,) = [s for _, s in backend.received.spans() if s.name == "chat scripted"]
         # The model server's export of that request, sent where vLLM's --otlp-traces-endpoint would send it.
@@ -226,7 +226,7 @@ def test_llmtap_serve_shows_the_servers_span_under_its_own_at_the_backend(tmp_pa
         admin = f"http://127.0.0.1:{proxy.admin_port}/v1/traces"
         assert httpx.post(admin, content=export, headers=PROTOBUF, timeout=10).status_code == 200
         while not [s for _, s in backend.received.spans() if s.name == "llm_request"]:
-            assert time.monotonic() < deadline + 20, proxy.logs()
+            assert time.monotonic() < deadline + 20, proxy.logs()[-4000:]
             time.sleep(0.05)
         ((resource, server),) = [(r, s) for r, s in backend.received.spans() if s.name == "llm_request"]
         assert resource["service.name"] == "vllm"

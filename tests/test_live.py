@@ -37,6 +37,7 @@ from llmtap.telemetry.prometheus import PrometheusReader
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import RequestInfo, ServerTiming, Usage
 from tests.conftest import PATIENCE, Running
+from tests.procs import stop
 from tests.test_prometheus import samples
 
 WALL = 1_700_000_000_000_000_000
@@ -691,8 +692,4 @@ def test_demo_serve_keeps_the_view_up_until_ctrl_c() -> None:
             assert proc.wait(PATIENCE) == 0
         assert time.monotonic() - stopped < 5
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        stop(proc, grace=0)

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -21,7 +17,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import grpc  # type: ignore[import-untyped]
 import httpx
@@ -42,6 +38,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from bench.procs import LoopbackHTTPServer
 from tests.conftest import PATIENCE, Scripted, free_port
+from tests.procs import Llmtap
 from tests.scripted_upstream import script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +48,7 @@ TEXT = "".join(t for _, toks in PLAN for t in toks)
 TOKENS = sum(len(toks) for _, toks in PLAN)
 CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
 OTEL_ENV = {
+    "OTEL_TRACES_EXPORTER": "otlp",
     "OTEL_SERVICE_NAME": "llmtap-test",
     "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=ci",
     "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=abc",
@@ -211,61 +209,18 @@ class GRPCReceiver:
 # --- llmtap as a child process ------------------------------------------------------------------
 
 
-class Llmtap:
-    """``python -m llmtap serve`` on free ports, with its log in a file (a pipe could fill and block it)."""
-
-    def __init__(self, upstream: str, log: Path, env: dict[str, str]) -> None:
-        self.port = free_port()
-        self.admin_port = free_port()
-        while self.admin_port == self.port:
-            self.admin_port = free_port()
-        self.log_path = log
-        self.log: IO[str] = log.open("w", encoding="utf-8")
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
-        argv = ["serve", "--upstream", upstream, "--port", str(self.port), "--admin-port", str(self.admin_port)]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llmtap", *argv],
-            cwd=ROOT,
-            env={**base, **env},
-            stdout=subprocess.DEVNULL,
-            stderr=self.log,
-        )
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10)
-
-    def logs(self) -> str:
-        return self.log_path.read_text(encoding="utf-8")[-4000:]
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + PATIENCE
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.logs()
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.admin_port}/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError("llmtap never became ready:\n" + self.logs())
-
-    def chat(self) -> float:
-        """One streamed chat request; checks the answer is complete and returns its wall time."""
-        start = time.perf_counter()
-        with self.client.stream("POST", "/v1/chat/completions", json=CHAT) as r:
-            assert r.status_code == 200
-            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-        elapsed = time.perf_counter() - start
-        assert events[-1] == "[DONE]"
-        chunks = [json.loads(e) for e in events[:-1]]
-        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == TEXT
-        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-        return elapsed
-
-    def close(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(5)
-        self.log.close()
+def chat(proxy: Llmtap) -> float:
+    """One streamed chat request; checks the answer is complete and returns its wall time."""
+    start = time.perf_counter()
+    with proxy.client.stream("POST", "/v1/chat/completions", json=CHAT) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    elapsed = time.perf_counter() - start
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == TEXT
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    return elapsed
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +234,7 @@ def wait_for(what: str, check: Callable[[], bool], proxy: Llmtap, timeout: float
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout}s:\n" + proxy.logs())
+            raise AssertionError(f"no {what} within {timeout}s:\n" + proxy.logs()[-4000:])
         time.sleep(0.05)
 
 
@@ -294,10 +249,9 @@ def test_otlp_export(protocol: str, latest: bool, upstream: Scripted, tmp_path: 
     env = {**OTEL_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
     if latest:
         env["OTEL_SEMCONV_STABILITY_OPT_IN"] = "gen_ai_latest_experimental"
-    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env)
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", env=env)
     try:
-        proxy.wait_ready()
-        proxy.chat()
+        chat(proxy)
         received = receiver.received
         flavour = "inference" if latest else "operation"
         duration, ttfc = f"gen_ai.client.{flavour}.duration", f"gen_ai.client.{flavour}.time_to_first_chunk"
@@ -361,23 +315,25 @@ def test_collector_down_does_not_slow_requests(upstream: Scripted, tmp_path: Pat
         "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": slow.url + "/v1/metrics",
         "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
     }
-    exporting = Llmtap(upstream.url, tmp_path / "exporting.log", telemetry_env)
-    quiet = Llmtap(upstream.url, tmp_path / "quiet.log", {"OTEL_TRACES_EXPORTER": "none"})
+    exporting = Llmtap(upstream.url, tmp_path / "exporting.log", env=telemetry_env)
     try:
-        exporting.wait_ready()
-        quiet.wait_ready()
-        exporting.chat()  # warm both connection pools
-        quiet.chat()
+        quiet = Llmtap(upstream.url, tmp_path / "quiet.log", env={"OTEL_TRACES_EXPORTER": "none"})
+    except BaseException:
+        exporting.close()
+        raise
+    try:
+        chat(exporting)  # warm both connection pools
+        chat(quiet)
         with_export: list[float] = []
         without: list[float] = []
         for _ in range(20):  # interleaved, so both see the same machine
-            with_export.append(exporting.chat())
-            without.append(quiet.chat())
+            with_export.append(chat(exporting))
+            without.append(chat(quiet))
         median_with, median_without = statistics.median(with_export), statistics.median(without)
         assert abs(median_with - median_without) < 0.050, (median_with, median_without)
         # The slow collector was really being called while the requests ran.
         assert slow.received.arrived >= 1
-        assert exporting.proc.poll() is None, exporting.logs()
+        assert exporting.proc.poll() is None, exporting.logs()[-4000:]
         assert httpx.get(f"http://127.0.0.1:{exporting.admin_port}/healthz", timeout=2).status_code == 200
     finally:
         exporting.close()

@@ -30,7 +30,7 @@ from llmtap.simulator.text import Vocabulary
 from llmtap.store.files import ReadStats, read_records
 from llmtap.types import Facts
 from tests.conftest import PATIENCE, free_port
-from tests.procs import ROOT, Llmtap
+from tests.procs import ROOT, Llmtap, stop
 
 TRANSCRIPTS = Path(__file__).parent / "transcripts"
 FIXED_CLOCK = 1795985942.0
@@ -91,10 +91,10 @@ class Sim:
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[Sim]:
-    url, stop = run_in_thread(get_profile("fast"), seed=7, clock=lambda: FIXED_CLOCK)
+    url, stop_sim = run_in_thread(get_profile("fast"), seed=7, clock=lambda: FIXED_CLOCK)
     with httpx.Client(base_url=url, timeout=10) as client:
         yield Sim(url, client)
-    stop()
+    stop_sim()
 
 
 def long_prompt(name: str, tokens: int = 200) -> str:
@@ -355,8 +355,7 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
     finally:
         if proxy is not None:
             proxy.close()
-        sim.terminate()
-        sim.wait(10)
+        stop(sim)
         sim_log.close()
 
 

@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import PATIENCE
-from tests.procs import FaultUpstream, metric_value, upstream as upstream  # the fixture
-from tests.test_otlp import Llmtap
+from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 
@@ -58,13 +57,13 @@ def stream(client: httpx.Client, **headers: str) -> float:
 
 
 def test_telemetry_runs_at_sched_idle_and_niced_when_asked(upstream: FaultUpstream, tmp_path: Path) -> None:
-    idle = Llmtap(
-        upstream.url, tmp_path / "idle.log", {"OTEL_TRACES_EXPORTER": "none", "LLMTAP_TELEMETRY_SCHEDULING": "idle"}
-    )
-    nice = Llmtap(upstream.url, tmp_path / "nice.log", {"OTEL_TRACES_EXPORTER": "none"})  # the default
+    idle = Llmtap(upstream.url, tmp_path / "idle.log", env={"LLMTAP_TELEMETRY_SCHEDULING": "idle"})
     try:
-        idle.wait_ready()
-        nice.wait_ready()
+        nice = Llmtap(upstream.url, tmp_path / "nice.log")  # the default
+    except BaseException:
+        idle.close()
+        raise
+    try:
         stream(idle.client, **{"x-chunks": "5"})  # the recorder's worker and the exporters' threads are running
         pid = telemetry_pid(idle.proc.pid)
         threads = policies(pid)
@@ -85,10 +84,9 @@ def test_telemetry_runs_at_sched_idle_and_niced_when_asked(upstream: FaultUpstre
 
 def test_a_stopped_telemetry_process_costs_tapes_never_a_streams_time(upstream: FaultUpstream, tmp_path: Path) -> None:
     """Telemetry that keeps up with nothing (stopped): the relay drops what its channel cannot hold, and counts it."""
-    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", {"OTEL_TRACES_EXPORTER": "none"})
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log")
     pid = 0
     try:
-        proxy.wait_ready()
         normal = {"x-chunks": "20", "x-gap-ms": "5"}
         stream(proxy.client, **normal)
         control = statistics.median(stream(proxy.client, **normal) for _ in range(5))

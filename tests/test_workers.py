@@ -18,9 +18,11 @@ import httpx
 import pytest
 
 from llmtap.simulator import get_profile, run_in_thread
+from llmtap.simulator.server import Background
 from llmtap.store.files import ReadStats, read_records, record_files_at
 from llmtap.telemetry.prometheus import merge_metrics
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
+from tests.procs import stop, stop_clean, wait_ready
 
 ROOT = Path(__file__).parent.parent
 COUNT = "llmtap_time_to_first_token_seconds_count"  # by route (the gen_ai.* one carries no route)
@@ -119,19 +121,17 @@ def _serve(argv: list[str], tmp_path: Path) -> subprocess.Popen[str]:
     )
 
 
-def _ready(proc: subprocess.Popen[str], admin: str) -> str:
-    """Wait (PATIENCE at most) until the admin listener's ``/readyz`` answers 200; return its text."""
-    deadline = time.monotonic() + PATIENCE
-    while True:
-        assert proc.poll() is None, "llmtap exited before it was ready"
-        try:
-            ready = httpx.get(admin + "/readyz", timeout=2)
-            if ready.status_code == 200:
-                return ready.text
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "llmtap never became ready"
-        time.sleep(0.1)
+def two_routes(tmp_path: Path, sims: list[Background]) -> Path:
+    """A config file of two routes, ``/a`` and ``/b``, one to each simulator."""
+    config = tmp_path / "llmtap.yaml"
+    config.write_text(
+        "routes:\n"
+        + "".join(
+            f"  - {{prefix: /{name}, upstream: '{url}', provider: llmtap-sim, strip_prefix: true}}\n"
+            for name, (url, _) in zip("ab", sims, strict=True)
+        )
+    )
+    return config
 
 
 def _comm(pid: int) -> str:
@@ -151,7 +151,7 @@ def test_two_relays_share_the_port_and_one_telemetry_process_counts_all(upstream
     proc = _serve(argv, tmp_path)
     admin = f"http://127.0.0.1:{admin_port}"
     try:
-        assert "2/2 relays" in _ready(proc, admin)
+        assert "2/2 relays" in wait_ready(proc, admin)
         children = _children(proc.pid)
         assert sorted(_comm(pid) for pid in children) == ["llmtap-relay", "llmtap-relay", "llmtap-telemetr"]
 
@@ -179,16 +179,9 @@ def test_two_relays_share_the_port_and_one_telemetry_process_counts_all(upstream
             assert time.monotonic() < deadline, "the killed worker was not replaced"
             time.sleep(0.2)
 
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(PATIENCE) == 0
-        assert proc.stderr is not None
-        assert "Traceback" not in proc.stderr.read()
+        stop_clean(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-        if proc.stderr is not None:
-            proc.stderr.close()
+        stop(proc, grace=0)
 
 
 def test_workers_on_a_taken_port_fail_once_with_exit_2(tmp_path: Path) -> None:
@@ -235,7 +228,7 @@ def test_two_telemetry_processes_share_the_upstreams_and_one_scrape_adds_them_up
     proc = _serve([*argv, "--telemetry-workers", "2"], tmp_path)
     admin = f"http://127.0.0.1:{admin_port}"
     try:
-        _ready(proc, admin)
+        wait_ready(proc, admin)
         assert sorted(_comm(pid) for pid in _children(proc.pid)) == ["llmtap-telemetr", "llmtap-telemetr"]
         body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         with httpx.Client(timeout=10) as client:
@@ -256,17 +249,10 @@ def test_two_telemetry_processes_share_the_upstreams_and_one_scrape_adds_them_up
             if line.startswith(COUNT + "{")
         }
         assert len(routes) == 1, routes
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(PATIENCE) == 0
-        assert proc.stderr is not None
-        assert "Traceback" not in proc.stderr.read()
+        stop_clean(proc)
     finally:
         other.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-        if proc.stderr is not None:
-            proc.stderr.close()
+        stop(proc, grace=0)
 
 
 def _requests_total(admin: str) -> float:
@@ -282,21 +268,14 @@ def test_two_telemetry_processes_write_every_record_into_their_own_files(short_t
     sims = [run_in_thread(get_profile("fast")) for _ in range(2)]
     records = tmp_path / "records"
     port, admin_port = free_port(), free_port()
-    config = tmp_path / "llmtap.yaml"
-    config.write_text(
-        "routes:\n"
-        + "".join(
-            f"  - {{prefix: /{name}, upstream: '{url}', provider: llmtap-sim, strip_prefix: true}}\n"
-            for name, (url, _) in zip("ab", sims, strict=True)
-        )
-    )
+    config = two_routes(tmp_path, sims)
     argv = ["serve", "--config", str(config), "--port", str(port), "--admin-port", str(admin_port)]
     argv += ["--record", str(records), "--record-max-mb", "0.02", "--telemetry-workers", "2"]
     proc = _serve(argv, tmp_path)
     admin = f"http://127.0.0.1:{admin_port}"
     sent = 200
     try:
-        _ready(proc, admin)
+        wait_ready(proc, admin)
         telemetry = {pid for pid in _children(proc.pid) if _comm(pid) == "llmtap-telemetr"}
         assert len(telemetry) == 2
         body = {"model": "llmtap-sim", "stream": True, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -311,18 +290,11 @@ def test_two_telemetry_processes_write_every_record_into_their_own_files(short_t
         while _requests_total(admin) < sent and time.monotonic() < deadline:
             time.sleep(0.1)
         counted = _requests_total(admin)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(PATIENCE) == 0
-        assert proc.stderr is not None
-        assert "Traceback" not in proc.stderr.read()
+        stop_clean(proc)
     finally:
-        for _, stop in sims:
-            stop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-        if proc.stderr is not None:
-            proc.stderr.close()
+        for _, stop_sim in sims:
+            stop_sim()
+        stop(proc, grace=0)
     stats = ReadStats()
     got = list(read_records(records, stats))
     assert counted == sent == len(got) == len({r["trace_id"] for r in got}), (counted, len(got))

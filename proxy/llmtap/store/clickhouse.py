@@ -16,13 +16,11 @@ Only the standard library is used: ClickHouse's HTTP interface is plain HTTP.
 from __future__ import annotations
 
 import base64
-import collections
 import json
 import logging
 import math
 import os
 import re
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -35,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtap.config.types import ClickHouseRecords, ConfigError
+from llmtap.worker import QueueWorker
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -366,7 +365,7 @@ def _column_kinds() -> dict[str, str]:
 # -- the sink --------------------------------------------------------------------------------------
 
 
-class ClickHouseSink:
+class ClickHouseSink(QueueWorker[bytes]):
     """Sends records to a ClickHouse table in batches, from its own thread; ``write`` never blocks or raises.
 
     The queue holds ``max_records`` records and ``max_bytes`` bytes of JSON at most. ``flush`` waits (up to
@@ -392,20 +391,11 @@ class ClickHouseSink:
         self.table = table_name(table)
         self.ttl_days = ttl_days
         self.max_records = max_records
-        self.max_bytes = max_bytes
         self.backoff = backoff
         self.flush_interval = flush_interval
         self._on_drop = on_drop
         self._on_insert = on_insert
-        #: Called first on the sink's own thread (the telemetry process lowers its scheduling there).
-        self._on_thread = on_thread
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._queue: collections.deque[bytes] = collections.deque()
-        self._queued_bytes = 0
         self._taken = 0  # records the thread took off the queue (sent or dropped), for flush
-        self._put = 0  # records ever queued
-        self._stopping = False
         self._flush_wanted = False
         self._last_sent = time.monotonic()
         self._ready = False
@@ -416,8 +406,9 @@ class ClickHouseSink:
         self.dropped: dict[str, int] = dict.fromkeys((*DROP_REASONS, "invalid"), 0)
         self.inserts: dict[str, int] = dict.fromkeys(INSERT_OUTCOMES, 0)
         self._insert_sql = f"INSERT INTO {self.table} FORMAT JSONEachRow"
-        self._thread = threading.Thread(target=self._run, name="llmtap-clickhouse", daemon=True)
-        self._thread.start()
+        super().__init__(
+            "llmtap-clickhouse", max_items=max_records, max_bytes=max_bytes, start=True, on_thread=on_thread
+        )
 
     # -- the recorder's side (any thread) --
 
@@ -434,38 +425,36 @@ class ClickHouseSink:
         if row is None:
             self._drop("invalid", 1)
             return
-        with self._lock:
-            if len(self._queue) >= self.max_records or self._queued_bytes + len(line) > self.max_bytes:
-                full = True
-            else:
-                full = False
-                self._queue.append(line)
-                self._queued_bytes += len(line)
-                self._put += 1
-                if len(self._queue) == 1 or self._queued_bytes >= BATCH_BYTES or len(self._queue) >= BATCH_RECORDS:
-                    self._wake.notify()
-        if full:
-            self._drop("clickhouse_queue_full", 1)
+        self._put(line, len(line))
+
+    def _wake_now(self) -> bool:
+        return len(self._queue) == 1 or self._bytes >= BATCH_BYTES or len(self._queue) >= BATCH_RECORDS
+
+    def _dropped(self, items: list[bytes], why: str) -> None:
+        if why == "unsent":
+            with self._cond:
+                self._taken += len(items)
+        self._drop("clickhouse_queue_full" if why == "full" else "clickhouse_unsent", len(items))
 
     def flush(self) -> None:
         """Ask the thread to send what is queued now; returns at once (the recorder calls it when idle)."""
-        with self._lock:
+        with self._cond:
             if self._queue:
                 self._flush_wanted = True
-                self._wake.notify()
+                self._cond.notify()
 
     def drain(self, timeout: float = 5.0) -> bool:
         """Wait until every record queued so far was sent or dropped; True when that happened in time."""
         deadline = time.monotonic() + timeout
-        with self._lock:
-            target = self._put
+        with self._cond:
+            target = self._put_count
             self._flush_wanted = True
-            self._wake.notify()
+            self._cond.notify()
             while self._taken < target:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
+                if left <= 0 or not self._alive():
                     return False
-                self._wake.wait(min(left, 0.05))
+                self._cond.wait(min(left, 0.05))
         return True
 
     def close(self, timeout: float = 5.0) -> None:
@@ -473,35 +462,19 @@ class ClickHouseSink:
         wait on it), then stop; the rest is dropped and counted."""
         if not self._said_down:
             self.drain(timeout)
-        with self._lock:
-            self._stopping = True
-            self._wake.notify_all()
-        self._thread.join(timeout)
-        with self._lock:
-            left = len(self._queue)
-            self._queue.clear()
-            self._queued_bytes = 0
-            self._taken += left
-        self._drop("clickhouse_unsent", left)
-
-    @property
-    def queued(self) -> int:
-        """Records waiting to be sent."""
-        return len(self._queue)
+        self._stop(timeout)
 
     # -- the sink's thread --
 
-    def _run(self) -> None:
-        if self._on_thread is not None:
-            self._on_thread()
+    def _serve(self) -> None:
         pause = self.backoff[0]
         attempts = 0
         while True:
-            with self._lock:
-                while not self._stopping and not self._due():
+            with self._cond:
+                while not self._closed and not self._due():
                     idle = time.monotonic() - self._last_sent
-                    self._wake.wait(max(self.flush_interval - idle, 0.01) if self._queue else None)
-                if self._stopping:
+                    self._cond.wait(max(self.flush_interval - idle, 0.01) if self._queue else None)
+                if self._closed:
                     return
                 self._flush_wanted = False
                 batch = self._batch()
@@ -534,8 +507,8 @@ class ClickHouseSink:
                         exc,
                         self.max_records,
                     )
-                with self._lock:
-                    self._wake.wait_for(lambda: self._stopping, pause)
+                with self._cond:
+                    self._cond.wait_for(lambda: self._closed, pause)
                 pause = min(pause * 2, self.backoff[1])
                 continue
             except Exception:  # never let the thread die: a bug here must not stop the records
@@ -556,7 +529,7 @@ class ClickHouseSink:
         """A batch should leave: records wait, and a flush was asked, a batch is full or the interval passed."""
         return bool(self._queue) and (
             self._flush_wanted
-            or self._queued_bytes >= BATCH_BYTES
+            or self._bytes >= BATCH_BYTES
             or len(self._queue) >= BATCH_RECORDS
             or time.monotonic() - self._last_sent >= self.flush_interval
         )
@@ -565,7 +538,7 @@ class ClickHouseSink:
         """The oldest records, up to a batch; they stay queued (counted) until ``_done``."""
         out: list[bytes] = []
         size = 0
-        for line in self._queue:
+        for line, _ in self._queue:
             if out and (len(out) >= BATCH_RECORDS or size + len(line) > BATCH_BYTES):
                 break
             out.append(line)
@@ -573,12 +546,11 @@ class ClickHouseSink:
         return out
 
     def _done(self, batch: list[bytes]) -> None:
-        with self._lock:
-            for _ in batch:
-                self._queued_bytes -= len(self._queue.popleft())
+        with self._cond:
+            self._pop(len(batch))
             self._taken += len(batch)
             self._last_sent = time.monotonic()
-            self._wake.notify_all()
+            self._cond.notify_all()
 
     def _drop(self, reason: str, n: int) -> None:
         if not n:

@@ -21,10 +21,8 @@ import io
 import json
 import logging
 import os
-import queue
 import re
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -34,6 +32,7 @@ from typing import Any
 from llmtap.config.types import ConfigError
 from llmtap.telemetry import sched
 from llmtap.telemetry.identity import Identity
+from llmtap.worker import QueueWorker
 
 #: Seconds between flushes while requests keep coming (the file is flushed at once when traffic pauses).
 FLUSH_INTERVAL = 1.0
@@ -357,15 +356,15 @@ def _identity_of(file: io.FileIO) -> tuple[int, int]:
     return st.st_ino, st.st_dev
 
 
-class _Closer:
+class _Closer(QueueWorker[Path]):
     """The writer's small thread: compresses closed files, then keeps the dataset within its bounds."""
 
     def __init__(self, writer: DatasetWriter, compress: bool, parquet: bool) -> None:
+        # No bound: one closed file at a time is offered, a few per rotation at most.
+        super().__init__("llmtap-records", restart=True, on_thread=sched.idle_here)
         self.writer = writer
         self.compress = compress
         self.parquet = parquet
-        self._queue: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self._said = False
         #: Closed files compressed, and files removed by retention.
         self.compressed = 0
@@ -373,25 +372,14 @@ class _Closer:
 
     def offer(self, path: Path) -> None:
         """Compress ``path`` (closed) off the caller's thread."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="llmtap-records", daemon=True)
-            self._thread.start()
-        self._queue.put(path)
+        self._put(path)
 
     def stop(self, timeout: float) -> None:
         """Finish what was offered within ``timeout``; a file left then stays ``.jsonl`` (still read)."""
-        if self._thread is None:
-            return
-        self._queue.put(None)
-        self._thread.join(timeout)
-        self._thread = None
+        self._stop(timeout)
 
-    def _run(self) -> None:
-        sched.idle_here()
-        while True:
-            path = self._queue.get()
-            if path is None:
-                return
+    def _serve(self) -> None:
+        for path in self._items():
             try:
                 if self.parquet:
                     self._to_parquet(path)

@@ -18,8 +18,6 @@ timeout per body, with the queue bounding the rest.
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from collections.abc import Callable, Mapping
 
 import httpx
@@ -27,6 +25,7 @@ import httpx
 from llmtap.config.types import TelemetrySettings
 from llmtap.telemetry import sched
 from llmtap.telemetry.setup import http_endpoint
+from llmtap.worker import QueueWorker
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -44,7 +43,7 @@ Send = Callable[[bytes], None]
 SendTo = Callable[[bytes, str], None]
 
 
-class Forwarder:
+class Forwarder(QueueWorker[tuple[bytes, int, str | None]]):
     """A bounded queue of OTLP trace bodies and the thread that sends them; ``count(outcome, spans)``."""
 
     def __init__(
@@ -57,52 +56,24 @@ class Forwarder:
         close: Callable[[], None] | None = None,
         send_to: SendTo | None = None,
     ) -> None:
+        super().__init__(
+            "llmtap-span-forward",
+            max_items=MAX_QUEUED if max_queued is None else max_queued,
+            max_bytes=MAX_QUEUED_BYTES if max_bytes is None else max_bytes,
+            on_thread=sched.idle_here,
+        )
         self._send = send
         self._send_to = send_to
         self._count = count
         self._close = close
-        self.max_queued = MAX_QUEUED if max_queued is None else max_queued
-        self.max_bytes = MAX_QUEUED_BYTES if max_bytes is None else max_bytes
-        self._queue: deque[tuple[bytes, int, str | None]] = deque()
-        self._bytes = 0
-        self._closed = False
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
 
     def offer(self, body: bytes, spans: int, to: str | None = None) -> bool:
         """Queue one body of ``spans`` spans for the backend (or destination ``to``); False (counted dropped)
         when it cannot wait."""
-        with self._cond:
-            if self._closed or len(self._queue) >= self.max_queued or self._bytes + len(body) > self.max_bytes:
-                full = True
-            else:
-                full = False
-                self._queue.append((body, spans, to))
-                self._bytes += len(body)
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="llmtap-span-forward", daemon=True)
-                    self._thread.start()
-                self._cond.notify()
-        if full:
-            self._count("dropped", spans)
-        return not full
+        return self._put((body, spans, to), len(body))
 
-    @property
-    def queued(self) -> int:
-        """Bodies waiting now."""
-        with self._cond:
-            return len(self._queue)
-
-    def _run(self) -> None:
-        sched.idle_here()
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                body, spans, to = self._queue.popleft()
-                self._bytes -= len(body)
+    def _serve(self) -> None:
+        for body, spans, to in self._items():
             try:
                 if to is None:
                     assert self._send is not None
@@ -116,21 +87,12 @@ class Forwarder:
             else:
                 self._count("sent", spans)
 
+    def _dropped(self, items: list[tuple[bytes, int, str | None]], why: str) -> None:
+        self._count("dropped", sum(spans for _, spans, _ in items))
+
     def close(self, timeout: float = 5.0) -> None:
         """Send what waits within ``timeout`` seconds; what is still waiting then is counted dropped."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-        with self._cond:
-            lost = sum(spans for _, spans, _ in self._queue)
-            self._queue.clear()
-            self._bytes = 0
-        if lost:
-            self._count("dropped", lost)
-        if self._close is not None and (thread is None or not thread.is_alive()):
+        if self._stop(timeout) and self._close is not None:
             self._close()
 
 
