@@ -17,6 +17,8 @@ from llmtap.config.options import GROUPS, OPTIONS, Option, by_group
 from llmtap.config.types import ConfigError
 from llmtap.store import ENGINES
 
+__all__ = ["main", "parser"]
+
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, exit code 2, with a "did you mean" for an unknown flag."""

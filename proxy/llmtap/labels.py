@@ -18,6 +18,18 @@ import re
 import time
 from collections.abc import Callable, Iterable
 
+__all__ = [
+    "INVALID_VERSION",
+    "LABEL_CAP",
+    "OTHER",
+    "VERSION_MAX_BYTES",
+    "LabelGuard",
+    "clean",
+    "clean_list",
+    "clean_or_none",
+    "version_label",
+]
+
 log = logging.getLogger("llmtap.telemetry")
 
 #: Characters a metric label value keeps: real model names are well under 100 (``org/model-name-v1``).

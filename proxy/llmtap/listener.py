@@ -53,6 +53,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from llmtap.config.types import Settings
 from llmtap.wire.messages import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS
 
+__all__ = ["CYCLE", "LOG_EVERY", "RECEIVED", "BoundedHeadProtocol", "ClientLimits", "connection_cap"]
+
 log = logging.getLogger("llmtap.proxy")
 
 DEFAULT_MAX_HEAD = 64 * 1024

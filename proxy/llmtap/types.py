@@ -6,6 +6,21 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+__all__ = [
+    "UNCHANGED",
+    "ASGIApp",
+    "Facts",
+    "Message",
+    "Prepared",
+    "PromptRegion",
+    "Receive",
+    "RequestInfo",
+    "Scope",
+    "Send",
+    "ServerTiming",
+    "Usage",
+]
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]

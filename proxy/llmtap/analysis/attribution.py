@@ -22,6 +22,8 @@ import re
 
 from llmtap.labels import clean
 
+__all__ = ["MAX_PROPERTIES", "VALUE_CAP", "dimensions", "record_part"]
+
 TENANT, USER, API_KEY = "tenant", "user", "api_key"
 PROPERTY = "property."
 #: Characters of a dimension's value at most (on spans and records; a metric label is shorter still).

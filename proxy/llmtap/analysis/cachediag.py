@@ -27,6 +27,21 @@ from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Route
 
+__all__ = [
+    "BLOCK_MIN_TOKENS",
+    "COLD",
+    "HIT",
+    "HOSTED_MIN_TOKENS",
+    "MISS_CHANGED",
+    "MISS_EVICTED",
+    "TOO_SHORT",
+    "UNKNOWN",
+    "CacheDiagnoser",
+    "Diagnosis",
+    "classify",
+    "min_cacheable_tokens",
+]
+
 HIT, COLD, MISS_CHANGED, MISS_EVICTED, TOO_SHORT, UNKNOWN = (
     "hit",
     "cold",

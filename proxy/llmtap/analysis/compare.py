@@ -42,6 +42,32 @@ from llmtap.config.types import ConfigError
 if TYPE_CHECKING:  # the facts a source gives (analysis reads them; it never opens a source)
     from llmtap import store
 
+__all__ = [
+    "CACHED_SHARE_RISE",
+    "MIN_GAIN_MS",
+    "MIN_GAIN_SHARE",
+    "MIN_REQUESTS",
+    "QUANTILES",
+    "RESAMPLES",
+    "SLOWEST",
+    "Comparison",
+    "Side",
+    "Sides",
+    "Split",
+    "analyze",
+    "by_versions",
+    "paired",
+    "percents",
+    "share_text",
+    "side_from_counters",
+    "side_from_groups",
+    "side_queries",
+    "strata_from_counters",
+    "strata_from_groups",
+    "strata_query",
+    "stratum_name",
+]
+
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
 MIN_REQUESTS = 3
 #: The least TTFT p50 change that counts, as a share of the before side's p50 (``--min-gain-share``): a tenth.

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from llmtap.analysis.summary import Summary
     from llmtap.analysis.timeline import Timeline
 
+__all__ = ["LOCAL", "NO_USAGE", "PRICED", "UNKNOWN_MODEL", "Cost", "PriceTable", "normalize", "request_cost"]
+
 #: ``Summary.input_source`` of a count the upstream reported (``llmtap.analysis.summary.USAGE``).
 USAGE = "usage"
 

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the facts a source gives (analysis reads them; it never opens a source)
     from llmtap import store
 
+__all__ = ["CostFigures", "by_route_and_shape", "change", "usd"]
+
 
 @dataclass(frozen=True, slots=True)
 class CostFigures:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 from llmtap.analysis.timeline import Timeline
 
+__all__ = ["ESTIMATED", "MAX_MODELS", "Envelope", "Estimator", "QueuePrefill", "SlotLog"]
+
 ESTIMATED = "estimated"
 
 #: Token bins are half-octaves: 0, 1, 2-3, ... up to 2^24 tokens; enough resolution for a line.

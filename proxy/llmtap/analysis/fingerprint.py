@@ -23,6 +23,8 @@ from llmtap.analysis import tokens
 from llmtap.providers.openai_common import collect_text
 from llmtap.types import PromptRegion
 
+__all__ = ["BLOCK_CHARS", "Fingerprint", "PrefixIndex", "PrefixMatch", "TokenCounts", "fingerprint"]
+
 #: Messages after the system prompt that get a region of their own; the others share ``rest``.
 FIRST_MESSAGES = 4
 #: Characters per chained block: about 250 tokens of English, fine enough to place a changed sentence.

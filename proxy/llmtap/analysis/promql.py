@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+__all__ = ["Grown", "growth", "keyed", "quote", "selector"]
+
 #: A counter's growth per label set, keyed by the sorted labels.
 Grown = dict[tuple[tuple[str, str], ...], float]
 

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from llmtap.config.types import OTHER_SHAPE, SLO, Route, Shape
 
+__all__ = ["classify", "names", "needed", "objective"]
+
 
 def _within(value: int, low: int | None, high: int | None) -> bool:
     return (low is None or value >= low) and (high is None or value <= high)

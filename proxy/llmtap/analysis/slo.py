@@ -38,6 +38,29 @@ from llmtap.config.types import SLO, Settings
 if TYPE_CHECKING:  # the facts a source gives (analysis reads them; it never opens a source)
     from llmtap import store
 
+__all__ = [
+    "INSUFFICIENT",
+    "MET",
+    "MISSED",
+    "NONE",
+    "RESAMPLES",
+    "ROUTE_LABEL",
+    "SHAPE_LABEL",
+    "UNCERTAIN",
+    "Objectives",
+    "Report",
+    "Verdict",
+    "bucket_queries",
+    "config_objectives",
+    "judge",
+    "limits_of",
+    "prometheus_groups",
+    "prometheus_selector",
+    "requests_query",
+    "store_groups",
+    "verdicts",
+]
+
 #: The figures an objective can bound, as records and reports name them.
 FIGURES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E"}
 MET, MISSED, UNCERTAIN, INSUFFICIENT, NONE = "met", "missed", "uncertain", "insufficient", "none"

@@ -20,6 +20,8 @@ import math
 import re
 from dataclasses import dataclass
 
+__all__ = ["CONFIGURED", "FROM_METRICS", "SlotLearner", "Slots", "load"]
+
 #: Gauge names of the running and the waiting requests, by server family.
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")

@@ -31,6 +31,19 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+__all__ = [
+    "Distribution",
+    "Estimate",
+    "change_estimates",
+    "chi_square_p",
+    "histogram_quantile",
+    "homogeneity",
+    "merged",
+    "quantile",
+    "quantile_estimate",
+    "sorted_quantile",
+]
+
 
 def _check(q: float) -> None:
     if not 0.0 <= q <= 1.0:

@@ -23,6 +23,21 @@ from llmtap.config.types import DEFAULT_SHAPES, OTHER_SHAPE, SLO, Route, Shape
 from llmtap.providers.timing import validate
 from llmtap.types import ServerTiming
 
+__all__ = [
+    "MAX_SAMPLES",
+    "PROXY",
+    "SERVER",
+    "UPSTREAM_TTFT",
+    "USAGE",
+    "Summary",
+    "adopt_server_timing",
+    "apportion",
+    "input_size_class",
+    "reached_model",
+    "slo_outcome",
+    "summarize",
+]
+
 USAGE = "usage"
 PROXY = "proxy"
 SERVER = "server"

@@ -17,6 +17,8 @@ from llmtap.analysis import tokens
 from llmtap.types import Facts, RequestInfo, ServerTiming, Usage
 from llmtap.wire.tape import now as tape_now
 
+__all__ = ["CANCELLED", "COUNT_CHARS", "ERROR", "KEEP_CHARS", "OK", "Timeline"]
+
 #: Outcomes of a request, as ``llmtap.outcome``.
 OK, ERROR, CANCELLED = "ok", "error", "cancelled"
 #: Characters of a response's text given to tiktoken (a quarter of a million tokens or so, past the longest

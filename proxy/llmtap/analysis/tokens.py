@@ -21,6 +21,8 @@ from typing import Any
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+__all__ = ["ENCODINGS", "PIECE_CHARS", "Counter", "count", "encode", "encoding_for_model", "get_encoding", "source"]
+
 # sha256 of each shipped rank file; equal to tiktoken's own expected hashes for OpenAI's public files.
 _SHA256 = {
     "cl100k_base": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",

@@ -7,6 +7,8 @@ from datetime import UTC, datetime
 
 from llmtap.config.types import ConfigError
 
+__all__ = ["parse_duration", "parse_time", "seconds"]
+
 
 def seconds(v: float | None) -> str:
     """A duration as people read it: ``781 ms`` under a second, ``1.23 s`` from there."""

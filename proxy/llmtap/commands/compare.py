@@ -52,6 +52,8 @@ from llmtap.commands.prometheus import Prometheus
 from llmtap.config.load import build
 from llmtap.config.types import ConfigError
 
+__all__ = ["compare_records", "main", "record_sides"]
+
 # -- record files ----------------------------------------------------------------------------------
 
 

@@ -7,6 +7,8 @@ from typing import Any
 
 from llmtap.analysis.costreport import CostFigures, usd
 
+__all__ = ["compare_lines", "slo_lines"]
+
 
 def compare_lines(cost: dict[str, Any] | None) -> list[str]:
     """The lines ``llmtap compare`` adds after its verdict."""

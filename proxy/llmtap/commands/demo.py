@@ -46,6 +46,19 @@ from llmtap.telemetry.prometheus import PrometheusReader
 if TYPE_CHECKING:
     from uvicorn import Server
 
+__all__ = [
+    "FIXED_FIRST",
+    "VARIABLE_FIRST",
+    "DemoRun",
+    "PhaseResult",
+    "Progress",
+    "Workload",
+    "default_workloads",
+    "main",
+    "render",
+    "run",
+]
+
 VARIABLE_FIRST, FIXED_FIRST = "variable-first", "fixed-first"
 WARMUP = "warmup"
 

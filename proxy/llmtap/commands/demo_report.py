@@ -13,6 +13,8 @@ from typing import IO, TYPE_CHECKING
 if TYPE_CHECKING:
     from llmtap.commands.demo import PhaseResult, Progress, Workload
 
+__all__ = ["ProgressLine", "render"]
+
 
 def _ms(v: float | None) -> str:
     if v is None:

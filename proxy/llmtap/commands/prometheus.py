@@ -12,6 +12,8 @@ import httpx
 from llmtap.analysis.promql import Grown, growth, keyed
 from llmtap.config.types import ConfigError
 
+__all__ = ["Prometheus"]
+
 
 class Prometheus:
     """Instant queries against a Prometheus server's HTTP API (``/api/v1/query``)."""

@@ -45,6 +45,8 @@ from llmtap.config.load import build
 from llmtap.config.types import ConfigError
 from llmtap.store.files import NoRecords
 
+__all__ = ["describe_filter", "from_prometheus", "from_records", "main", "no_such_names", "open_source", "source_name"]
+
 # -- record files ----------------------------------------------------------------------------------
 
 

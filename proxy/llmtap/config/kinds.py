@@ -17,6 +17,31 @@ from urllib.parse import urlsplit
 
 from llmtap.labels import INVALID_VERSION, LABEL_CAP, VERSION_MAX_BYTES, clean, version_label
 
+__all__ = [
+    "METRIC_MODELS_MAX",
+    "Invalid",
+    "Kind",
+    "address",
+    "binary",
+    "boolean",
+    "buffer_size",
+    "byte_size",
+    "check_url",
+    "choice",
+    "dimension_names",
+    "host_name",
+    "integer",
+    "model_names",
+    "number",
+    "path",
+    "percentile",
+    "share",
+    "structure",
+    "text",
+    "url",
+    "version",
+]
+
 
 class Invalid(ValueError):
     """A value that does not fit its option; the message says what was expected (``expected ...``)."""

@@ -41,11 +41,17 @@ from llmtap.config.kinds import (
 )
 
 __all__ = [
+    "CHUNK_SPAN_MODES",
     "GROUPS",
+    "HISTOGRAM_BUCKETS",
     "METRIC_MODELS_MAX",
     "OPTIONS",
+    "POSITIVE_SECONDS",
+    "REMOVED",
     "ROUTE_OPTIONS",
+    "SPAN_ROLES",
     "STANDARD_VARIABLES",
+    "UPSTREAM_CLIENTS",
     "Invalid",
     "Kind",
     "Option",

@@ -23,6 +23,8 @@ from llmtap.config.options import Invalid
 from llmtap.config.sources import Sources, boolean, check_url, quote
 from llmtap.config.types import EXPLICIT, EXPONENTIAL, SEMCONV_LATEST, ConfigError, TelemetrySettings
 
+__all__ = ["telemetry_from_env"]
+
 
 def _interval(value: Any) -> int:
     try:

@@ -16,6 +16,8 @@ from llmtap.config.options import OPTIONS, ROUTE_OPTIONS, default
 from llmtap.config.sources import Sources, checked, parse, unknown
 from llmtap.config.types import DEFAULT_SHAPES, OTHER_SHAPE, SHAPES_MAX, SLO, ConfigError, Route, Shape
 
+__all__ = ["check_objective_shapes", "routes", "shapes"]
+
 _SHAPE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
 
 

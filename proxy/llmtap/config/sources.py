@@ -18,6 +18,8 @@ from llmtap.config import options
 from llmtap.config.options import OPTIONS, Invalid, Option
 from llmtap.config.types import ConfigError
 
+__all__ = ["Sources", "boolean", "check_url", "checked", "load_file", "parse", "quote", "unknown"]
+
 _FILE_KEYS = options.file_keys()
 _FILE_PATHS = options.file_paths()
 

@@ -24,6 +24,8 @@ from llmtap.providers.openai_common import (
 from llmtap.providers.sse import Event
 from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
 
+__all__ = ["AnthropicMessages"]
+
 # The delta field that carries generated text, per content_block_delta type. signature_delta and
 # citations_delta carry no generated tokens and are not content.
 _DELTA_TEXT = {"text_delta": "text", "input_json_delta": "partial_json", "thinking_delta": "thinking"}

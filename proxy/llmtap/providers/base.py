@@ -7,6 +7,8 @@ from typing import Literal, Protocol
 from llmtap.providers.sse import Event
 from llmtap.types import Facts, Prepared, RequestInfo
 
+__all__ = ["Framing", "Provider", "StreamParser"]
+
 Framing = Literal["sse", "ndjson", "json-array"]
 
 

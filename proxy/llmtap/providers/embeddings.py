@@ -27,6 +27,8 @@ from llmtap.providers.sse import Event
 from llmtap.providers.timing import from_body
 from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
 
+__all__ = ["OllamaEmbed", "OpenAIEmbeddings"]
+
 #: ``gen_ai.operation.name`` of an embeddings request (gen-ai-spans.md, "Embeddings").
 OPERATION = "embeddings"
 

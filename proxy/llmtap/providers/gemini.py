@@ -38,6 +38,8 @@ from llmtap.providers.openai_common import (
 from llmtap.providers.sse import Event
 from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
 
+__all__ = ["Gemini", "model_from_path"]
+
 _STREAM, _WHOLE = ":streamGenerateContent", ":generateContent"
 _USAGE_KEYS = (
     "promptTokenCount",

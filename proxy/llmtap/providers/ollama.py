@@ -38,6 +38,8 @@ from llmtap.providers.sse import Event
 from llmtap.providers.timing import NS, FieldMap, from_body
 from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
 
+__all__ = ["OLLAMA_TIMING", "Ollama"]
+
 OLLAMA_TIMING: FieldMap = {
     "queue": ("load_duration", NS),
     "prefill": ("prompt_eval_duration", NS),

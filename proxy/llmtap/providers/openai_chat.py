@@ -21,6 +21,8 @@ from llmtap.providers.openai_common import (
 from llmtap.providers.splice import prepare_usage
 from llmtap.types import Facts, Prepared, PromptRegion, RequestInfo
 
+__all__ = ["OpenAIChat"]
+
 
 def _message_text(message: JSONObject) -> str:
     """The generated text of a ``delta`` or ``message``: reasoning, content, refusal, tool-call arguments."""

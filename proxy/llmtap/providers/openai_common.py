@@ -16,6 +16,25 @@ from llmtap.providers.sse import Event
 from llmtap.providers.timing import MS, FieldMap, from_body
 from llmtap.types import Facts, PromptRegion, RequestInfo, ServerTiming, Usage
 
+__all__ = [
+    "ChoicesStreamParser",
+    "JSONObject",
+    "as_count",
+    "as_dict",
+    "as_str",
+    "collect_text",
+    "error_facts",
+    "inspect_openai",
+    "load_object",
+    "matches_suffix",
+    "openai_end_user",
+    "parse_choices_body",
+    "prompt_regions",
+    "prompt_text",
+    "request_params",
+    "usage_from_openai",
+]
+
 JSONObject = dict[str, Any]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

@@ -20,6 +20,8 @@ from llmtap.providers.openai_common import (
 from llmtap.providers.splice import prepare_usage
 from llmtap.types import Facts, Prepared, PromptRegion, RequestInfo
 
+__all__ = ["OpenAICompletions"]
+
 
 def completion_choice_text(choice: JSONObject) -> str:
     """The generated text of one ``text_completion`` choice."""

@@ -26,6 +26,8 @@ from llmtap.providers.openai_common import (
 from llmtap.providers.sse import Event
 from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo
 
+__all__ = ["OpenAIResponses"]
+
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _OPENING = frozenset({"response.created", "response.in_progress", "response.queued"})
 # Statuses after which a response is over; ``in_progress``/``queued`` bodies (background mode) have none.

@@ -31,6 +31,8 @@ from typing import Any
 
 from llmtap.types import UNCHANGED, Prepared
 
+__all__ = ["prepare_usage", "splice_usage"]
+
 _BOM = b"\xef\xbb\xbf"
 _JSON_WS = b" \t\n\r"
 _WS = re.compile(r"[ \t\n\r]*")

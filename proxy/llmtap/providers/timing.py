@@ -21,6 +21,8 @@ __all__ = [
     "NS",
     "PHASES",
     "TGI_HEADERS",
+    "TOLERANCE_FRACTION",
+    "TOLERANCE_S",
     "FieldMap",
     "from_body",
     "from_headers",

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import re
 
+__all__ = ["MAX_HELD_BYTES", "UsageEventFilter"]
+
 #: A held partial event larger than this makes the filter give up and pass everything through.
 MAX_HELD_BYTES = 1 << 20
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+__all__ = ["Admission", "QueueFull"]
+
 
 class QueueFull(Exception):
     """The line is at its bound, or the wait passed its limit; the request is refused, not relayed."""

@@ -47,6 +47,8 @@ from llmtap.wire.tracestate import entry, upstream_tracestate
 if TYPE_CHECKING:
     from llmtap.listener import ClientLimits
 
+__all__ = ["ProxyApp", "create_app"]
+
 log = logging.getLogger("llmtap.proxy")
 
 PROMPT_VERSION_HEADER = b"x-llmtap-prompt-version"

@@ -22,6 +22,8 @@ from typing import Protocol, cast
 from llmtap.wire.framing import encode_frame
 from llmtap.wire.messages import Raw, WireError
 
+__all__ = ["Channel", "LocalChannel", "ShardedChannel", "SocketChannel"]
+
 log = logging.getLogger("llmtap.relay")
 
 #: Bytes that may wait for the telemetry process before messages are dropped.

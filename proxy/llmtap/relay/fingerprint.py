@@ -20,6 +20,8 @@ import secrets
 import time
 from pathlib import Path
 
+__all__ = ["FINGERPRINT_CHARS", "KEY_HEADERS", "fingerprint", "install_secret"]
+
 log = logging.getLogger("llmtap.relay")
 
 #: Headers that carry a caller's credential: OpenAI-compatible and Azure, Anthropic, Gemini.

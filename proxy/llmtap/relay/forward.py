@@ -16,6 +16,16 @@ from llmtap.relay import tls
 from llmtap.relay.tls import TLSOptions
 from llmtap.relay.upstream_http import SURPLUS, LeanTransport
 
+__all__ = [
+    "PRIVATE_PREFIX",
+    "Router",
+    "Upstreams",
+    "close_if_surplus",
+    "request_headers",
+    "response_headers",
+    "upstream_url",
+]
+
 log = logging.getLogger("llmtap.upstream")
 
 # RFC 9110 section 7.6.1: connection-specific fields never travel past one hop. Host is the

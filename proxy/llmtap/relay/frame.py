@@ -16,6 +16,8 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+__all__ = ["relay_frame"]
+
 Hook = Callable[[], Awaitable[None]]
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from llmtap.config.types import Route
 from llmtap.types import Scope
 
+__all__ = ["Refusal", "check_request", "check_route"]
+
 #: Methods that would turn a reverse proxy into a tunnel (CONNECT) or echo credentials back (TRACE).
 REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
 # RFC 9110 section 5.5: CR, LF and NUL are never valid in a field; the HTTP parser refuses them first,

@@ -25,6 +25,8 @@ from typing import Any
 from llmtap.providers.usage_filter import UsageEventFilter
 from llmtap.wire.tape import Tape, now
 
+__all__ = ["ClientLeft", "Pipe", "strip_part"]
+
 log = logging.getLogger("llmtap.proxy")
 
 #: How long the relay waits for the disconnect watch's cancellation once it saw the client gone itself.

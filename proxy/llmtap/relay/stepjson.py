@@ -19,6 +19,8 @@ import json
 import re
 from typing import Any
 
+__all__ = ["STEPWISE_BYTES", "loads_stepwise"]
+
 #: Bodies larger than this are parsed here rather than by one ``json.loads`` (a few milliseconds' worth).
 STEPWISE_BYTES = 1 << 20
 #: Characters parsed between two turns of the event loop.

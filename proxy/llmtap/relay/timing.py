@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from llmtap.wire.tape import Tape
 
+__all__ = ["HEADER", "server_timing"]
+
 HEADER = b"server-timing"
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from llmtap.config.types import ConfigError, Route
 
+__all__ = ["TLSOptions", "check", "context", "describe", "route_context"]
+
 
 @dataclass(frozen=True, slots=True)
 class TLSOptions:

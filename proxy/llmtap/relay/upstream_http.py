@@ -45,6 +45,8 @@ import httpx
 
 from llmtap.relay import tls
 
+__all__ = ["MAX_HEAD_BYTES", "PIPE", "SURPLUS", "Answer", "LeanTransport", "Origin"]
+
 #: Response extension: a callable returning how many bytes the upstream sent past the response's end.
 SURPLUS = "llmtap.surplus"
 #: Response extension: the body (``_Body``), whose ``pipe`` hands each part to a sink in the read callback.

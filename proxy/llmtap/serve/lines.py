@@ -8,6 +8,8 @@ from llmtap import __version__
 from llmtap.config.options import binary
 from llmtap.config.types import Settings, TelemetrySettings
 
+__all__ = ["startup_lines"]
+
 
 def _is_loopback(host: str) -> bool:
     try:

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
     from opentelemetry.trace import TracerProvider
 
+__all__ = ["in_process"]
+
 
 class InProcess(NamedTuple):
     """The relay application and the recorder its tapes go to; also what an in-process admin listener reads."""

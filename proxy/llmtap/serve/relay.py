@@ -31,6 +31,8 @@ from llmtap.serve.sockets import bind, channel_paths
 if TYPE_CHECKING:
     from llmtap.serve.telemetry import TelemetryProcess
 
+__all__ = ["serve"]
+
 log = logging.getLogger("llmtap")
 
 #: The relay's process name for ``ps`` and ``/proc/PID/comm``.

@@ -18,6 +18,8 @@ from llmtap.serve.server import run_loop
 from llmtap.serve.sockets import bind
 from llmtap.serve.telemetry import TelemetryProcess
 
+__all__ = ["run"]
+
 
 def run(settings: Settings) -> None:
     """``llmtap serve``: the telemetry process, and one relay here or a supervisor of ``workers`` relays."""

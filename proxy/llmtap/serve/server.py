@@ -25,6 +25,8 @@ import uvicorn
 from llmtap.config.types import Settings
 from llmtap.listener import BoundedHeadProtocol, ClientLimits
 
+__all__ = ["Server", "die_with_parent", "label_uvicorn", "run_loop", "set_name", "uvicorn_config"]
+
 
 class Server(uvicorn.Server):
     """A uvicorn server whose signals are handled by the caller, so two servers share one shutdown.

@@ -8,6 +8,8 @@ import socket
 
 from llmtap.config.types import ConfigError
 
+__all__ = ["bind", "bind_unix", "channel_paths"]
+
 
 def bind(host: str, port: int, what: str, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
     """A listening socket, or ``ConfigError`` naming the address when it is taken.

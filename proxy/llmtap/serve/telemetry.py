@@ -26,6 +26,8 @@ from llmtap.serve.sockets import bind, bind_unix, channel_paths
 from llmtap.telemetry import process
 from llmtap.telemetry.process import Launch
 
+__all__ = ["TelemetryProcess"]
+
 log = logging.getLogger("llmtap")
 
 #: How long ``llmtap serve`` waits for the telemetry process to start (it loads the tokenizer first).

@@ -33,6 +33,8 @@ from llmtap.serve.server import run_loop
 from llmtap.serve.sockets import bind
 from llmtap.serve.telemetry import TelemetryProcess
 
+__all__ = ["supervise"]
+
 log = logging.getLogger("llmtap")
 
 

@@ -32,6 +32,8 @@ from llmtap.simulator.text import Vocabulary, block_hashes_async, tokenize
 from llmtap.simulator.truth import RequestRecord, TruthLog, render_metrics
 from llmtap.types import Receive, Scope, Send
 
+__all__ = ["create_app"]
+
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 # Gemini API paths; the model is a path segment, the method follows a colon.
 _GEMINI = "/v1beta/models/{model}"

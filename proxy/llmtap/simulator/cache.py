@@ -6,6 +6,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+__all__ = ["CacheHit", "PrefixCache"]
+
 
 @dataclass(frozen=True, slots=True)
 class CacheHit:

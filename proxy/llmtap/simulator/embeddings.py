@@ -19,6 +19,8 @@ from starlette.responses import JSONResponse, Response
 from llmtap.simulator.profiles import Profile
 from llmtap.simulator.text import tokenize
 
+__all__ = ["embeddings_endpoint"]
+
 #: Floats in each simulated vector.
 DIMENSIONS = 8
 #: Inputs in one request at most (OpenAI's own bound is 2048).

@@ -25,6 +25,8 @@ from typing import Any
 from llmtap.simulator.requests import SimError
 from llmtap.simulator.shapes import Reply, dumps
 
+__all__ = ["GeminiFormat", "OllamaFormat"]
+
 _NDJSON_TYPE = b"application/x-ndjson"
 _GEMINI_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "INVALID_ARGUMENT"}
 

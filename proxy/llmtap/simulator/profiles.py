@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+__all__ = ["PROFILES", "Profile", "get_profile", "profile_table"]
+
 
 @dataclass(frozen=True, slots=True)
 class Profile:

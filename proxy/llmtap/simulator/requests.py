@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 from llmtap.simulator.profiles import Profile
 
+__all__ = ["Route", "SimError", "output_tokens", "parse_json", "parse_request"]
+
 Route = Literal[
     "chat", "completions", "messages", "responses", "ollama_chat", "ollama_generate", "gemini", "gemini_stream"
 ]

@@ -25,6 +25,8 @@ from llmtap.simulator.cache import CacheHit, PrefixCache
 from llmtap.simulator.profiles import Profile
 from llmtap.simulator.truth import RequestRecord
 
+__all__ = ["Engine", "Job"]
+
 
 @dataclass(frozen=True, slots=True)
 class Job:

@@ -16,6 +16,8 @@ import uvicorn
 from llmtap.simulator.app import create_app
 from llmtap.simulator.profiles import Profile
 
+__all__ = ["Background", "announce", "run_in_thread", "serve"]
+
 log = logging.getLogger(__name__)
 
 

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 from llmtap.simulator.requests import SimError
 from llmtap.simulator.truth import RequestRecord
 
+__all__ = ["ChatFormat", "CompletionsFormat", "Format", "MessagesFormat", "Reply", "ResponsesFormat", "dumps"]
+
 # We never see an EOS token (ignore_eos in effect), so every answer stops on its length limit.
 _FINISH = "length"
 _ANTHROPIC_FINISH = "max_tokens"

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 from llmtap.analysis import tokens
 
+__all__ = ["Vocabulary", "block_hashes", "block_hashes_async", "tokenize"]
+
 # Prompts longer than this many characters are tokenized on a worker thread: tiktoken releases the
 # GIL, and a 25 kB prompt takes about a millisecond, which would delay every other stream's chunks.
 THREAD_THRESHOLD_CHARS = 4096

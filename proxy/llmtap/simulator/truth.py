@@ -22,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+__all__ = ["RequestRecord", "TruthLog", "render_metrics"]
+
 Outcome = Literal["ok", "cancelled", "error"]
 
 

@@ -34,6 +34,21 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
 
+__all__ = [
+    "COLUMNS",
+    "ENGINES",
+    "SLOWEST",
+    "VERSION",
+    "By",
+    "Filter",
+    "Group",
+    "Objective",
+    "Scan",
+    "Source",
+    "open_source",
+    "slowest",
+]
+
 #: The flat columns of a record, as every source names them, with their types.
 COLUMNS: dict[str, str] = {
     "time_s": "float",  # epoch seconds of the record's ``time``

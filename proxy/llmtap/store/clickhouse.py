@@ -35,6 +35,26 @@ from typing import Any
 from llmtap.config.types import ClickHouseRecords, ConfigError
 from llmtap.worker import QueueWorker
 
+__all__ = [
+    "DDL_FILE",
+    "DROP_REASONS",
+    "TTL_SINCE",
+    "ClickHouseError",
+    "ClickHouseSink",
+    "ClickHouseSource",
+    "Server",
+    "add_missing_columns",
+    "clickhouse_sink",
+    "create_table",
+    "ddl",
+    "flat_row",
+    "parse_rows",
+    "query",
+    "select",
+    "server_from_env",
+    "table_name",
+]
+
 log = logging.getLogger("llmtap.telemetry")
 
 DDL_FILE = Path(__file__).with_name("clickhouse.sql")

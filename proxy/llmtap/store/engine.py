@@ -37,6 +37,8 @@ from typing import Any
 from llmtap.store import SLOWEST, VERSION, By, Filter, Group, Objective, Scan, slowest
 from llmtap.store.files import record_files
 
+__all__ = ["EngineSource"]
+
 #: What the engine may hold in memory before it spills to its temporary directory.
 MEMORY_LIMIT = "512MB"
 #: Files read by one statement at most (a part: its rows are held at once, in memory or spilled).

@@ -21,6 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+__all__ = [
+    "SCHEMA_KEY",
+    "SCHEMA_VERSIONS",
+    "SKIPPED",
+    "NoRecords",
+    "ReadStats",
+    "read_file",
+    "read_records",
+    "record_files",
+    "record_files_at",
+]
+
 #: The key that marks a line as a request record; its value is the schema version.
 SCHEMA_KEY = "llmtap_record"
 #: The record schema versions this reader understands (``docs/record.schema.json`` describes the newest).

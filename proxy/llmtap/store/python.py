@@ -20,6 +20,8 @@ from typing import Any
 from llmtap.store import SLOWEST, VERSION, By, Filter, Group, Objective, Scan, slowest
 from llmtap.store.files import read_file, record_files
 
+__all__ = ["PythonSource"]
+
 _INT64 = 2**63
 
 

@@ -19,6 +19,8 @@ from starlette.requests import Request
 
 from llmtap.config.types import Admin
 
+__all__ = ["Gate", "is_loopback"]
+
 
 @dataclass(frozen=True, slots=True)
 class AdminRefusal:

@@ -25,6 +25,8 @@ from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import ConfigError
 
+__all__ = ["PATH_CAP", "AccessLog", "access_line"]
+
 log = logging.getLogger("llmtap.telemetry")
 
 #: Characters of a path kept in a line; a longer one is cut and ends in ``...``.

@@ -47,6 +47,8 @@ from llmtap.telemetry.serverspans import (
 )
 from llmtap.types import Receive, Scope, Send
 
+__all__ = ["AdminApp"]
+
 
 class AdminSource(Protocol):
     """What the admin listener reads: the recorder, the settings, and whether the relay is ready."""

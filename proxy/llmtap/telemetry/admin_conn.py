@@ -20,6 +20,8 @@ from typing import Any
 from llmtap.config.types import Settings
 from llmtap.listener import LOG_EVERY, BoundedHeadProtocol, ClientLimits, connection_cap
 
+__all__ = ["AdminLimits", "AdminProtocol"]
+
 log = logging.getLogger("llmtap.telemetry")
 
 

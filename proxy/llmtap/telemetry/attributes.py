@@ -19,6 +19,19 @@ from llmtap.telemetry import semconv as sc
 from llmtap.types import PromptRegion
 from llmtap.wire.tracecontext import parse_traceparent
 
+__all__ = [
+    "as_hop",
+    "cache_attributes",
+    "cost_attributes",
+    "end_attributes",
+    "hop_name",
+    "is_hop",
+    "queue_attributes",
+    "root_name",
+    "start_attributes",
+    "usage_value",
+]
+
 #: Captured content (opt-in) is cut at this many characters: as much as a timeline keeps of the output.
 CONTENT_CAP = KEEP_CHARS
 #: ``openai.api.type`` (openai.md) of the protocols it names; legacy Completions has no value there.

@@ -23,6 +23,8 @@ from typing import Any
 from opentelemetry.context import Context
 from opentelemetry.metrics import Histogram
 
+__all__ = ["record_many"]
+
 log = logging.getLogger("llmtap.telemetry")
 
 try:  # the SDK's internals this module reads; absent: the public path only

@@ -27,6 +27,8 @@ from llmtap.analysis.timeline import CANCELLED, OK, Timeline
 from llmtap.config.types import TelemetrySettings
 from llmtap.telemetry import semconv as sc
 
+__all__ = ["MIN_HISTORY", "REASONS", "SUMMARY", "ChunkDetail", "chunk_stats", "largest_gap"]
+
 #: Why a request kept its chunk spans (``llmtap.chunk.detail``); ``SUMMARY``: it did not.
 REASONS = ("error", "cancelled", "slo_missed", "tail", "sampled")
 SUMMARY = "summary"

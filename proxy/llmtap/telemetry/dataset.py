@@ -34,6 +34,8 @@ from llmtap.telemetry import sched
 from llmtap.telemetry.identity import Identity
 from llmtap.worker import QueueWorker
 
+__all__ = ["RECORD_DROP_REASONS", "DatasetWriter"]
+
 #: Seconds between flushes while requests keep coming (the file is flushed at once when traffic pauses).
 FLUSH_INTERVAL = 1.0
 #: Bytes of lines buffered before they leave in one write, whatever the time.

@@ -20,6 +20,8 @@ from llmtap.telemetry.identity import Identity
 from llmtap.telemetry.records import record_line
 from llmtap.telemetry.sinks import Sink
 
+__all__ = ["Emitter", "Finished", "Listener", "Listeners", "RecordEmitter"]
+
 log = logging.getLogger("llmtap.telemetry")
 
 #: A listener: called with each finished request's timeline and summary.

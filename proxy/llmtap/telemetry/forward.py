@@ -27,6 +27,8 @@ from llmtap.telemetry import sched
 from llmtap.telemetry.setup import http_endpoint
 from llmtap.worker import QueueWorker
 
+__all__ = ["MAX_QUEUED", "MAX_QUEUED_BYTES", "OUTCOMES", "Forwarder", "from_settings"]
+
 log = logging.getLogger("llmtap.telemetry")
 
 #: How a forwarded span ended up (``llmtap.otlp.outcome``); ``unowned``: not forwarded, since no request this

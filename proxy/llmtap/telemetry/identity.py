@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from llmtap import __version__
 
+__all__ = ["INSTANCE_KEY", "RESOURCE_ENV", "Identity", "configured_instance_id", "current", "own_instance_id"]
+
 RESOURCE_ENV = "OTEL_RESOURCE_ATTRIBUTES"
 INSTANCE_KEY = "service.instance.id"
 

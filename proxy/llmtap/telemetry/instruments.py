@@ -28,6 +28,8 @@ from opentelemetry.metrics import Counter, Histogram, Meter, UpDownCounter
 
 from llmtap.telemetry import semconv as sc
 
+__all__ = ["DURATION_BUCKETS", "OVERHEAD_BUCKETS", "TOKEN_BUCKETS", "Instruments", "create"]
+
 #: Fine duration buckets: 1 ms to ~131 s in steps of 2^(1/8).
 DURATION_BUCKETS: tuple[float, ...] = tuple(round(0.001 * 2 ** (i / 8), 7) for i in range(137))
 #: The proxy's own cost (``llmtap.proxy.overhead``, ``llmtap.relay.chunk_delay``): 10 us to 100 ms in steps

@@ -34,6 +34,8 @@ from llmtap.telemetry.instruments import Instruments, create
 if TYPE_CHECKING:
     from llmtap.telemetry.finished import Finished
 
+__all__ = ["CONVENTIONS", "OWN", "SHAPE", "MetricWriter", "proxy_added", "spread"]
+
 log = logging.getLogger("llmtap.telemetry")
 #: How the admission queue refuses a request (``error.type``).
 QUEUE_REFUSALS = ("queue_full", "queue_timeout")

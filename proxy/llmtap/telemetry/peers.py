@@ -29,6 +29,8 @@ from llmtap.config.types import TelemetrySettings
 from llmtap.telemetry.forward import Forwarder
 from llmtap.wire.tracestate import KEY, owner
 
+__all__ = ["PEER_HEADER", "Ownership", "peer_forwarder", "split"]
+
 #: The header that marks a body one replica passed to another (its spans are never passed on again), and
 #: the credential that goes with it (``authorization: Bearer <peer token>``).
 PEER_HEADER = "x-llmtap-peer"

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from llmtap.telemetry.admin_conn import AdminLimits
     from llmtap.telemetry.recorder import Recorder
 
+__all__ = ["Launch", "prepare", "running"]
+
 log = logging.getLogger("llmtap.telemetry")
 
 

@@ -49,6 +49,16 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation
 
+__all__ = [
+    "CONTENT_TYPE",
+    "OPENMETRICS_CONTENT_TYPE",
+    "PrometheusReader",
+    "merge_metrics",
+    "metric_name",
+    "render",
+    "wants_openmetrics",
+]
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 _INVALID = re.compile(r"[^a-zA-Z0-9_:]")

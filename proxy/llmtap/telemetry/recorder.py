@@ -42,6 +42,8 @@ from llmtap.telemetry.spans import SpanWriter
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.messages import END, SEGMENT, End, Raw, Stats, WireError, data_size, decode, without_bytes
 
+__all__ = ["MAX_QUEUED_BYTES", "Recorder"]
+
 log = logging.getLogger("llmtap.telemetry")
 
 _STOP = object()

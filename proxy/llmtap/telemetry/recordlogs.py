@@ -33,6 +33,8 @@ from llmtap.config.types import ConfigError, TelemetrySettings
 from llmtap.telemetry.identity import INSTANCE_KEY
 from llmtap.telemetry.setup import http_endpoint, resource
 
+__all__ = ["LOG_DROP_REASONS", "LogSink", "log_exporter"]
+
 #: The log record's event name.
 EVENT_NAME = "llmtap.request"
 #: Why a record's log record was lost.

@@ -25,6 +25,8 @@ from llmtap.labels import clean_or_none
 from llmtap.store import files
 from llmtap.telemetry.identity import Identity
 
+__all__ = ["SCHEMA_KEY", "SCHEMA_VERSION", "record_line"]
+
 #: The key that marks a line as a request record (its value is the schema version), as the reader knows it.
 SCHEMA_KEY = files.SCHEMA_KEY
 #: Version 2 added who wrote the record and which trace it is (``instance_id`` .. ``response_id``).

@@ -22,6 +22,8 @@ from llmtap.wire.messages import (
     encode_stats,
 )
 
+__all__ = ["Drops", "RelayGauges"]
+
 log = logging.getLogger("llmtap.telemetry")
 
 #: Why a tape did not become telemetry, in whole (``channel_full``: the relay's channel; ``queue_full``: the

@@ -25,6 +25,8 @@ from llmtap.telemetry.tap import Tap
 from llmtap.types import RequestInfo
 from llmtap.wire.messages import Head, Reads, Tail
 
+__all__ = ["Playback"]
+
 log = logging.getLogger("llmtap.telemetry")
 
 _BY_NAME: dict[str, Provider] = {}

@@ -38,6 +38,25 @@ from llmtap.providers.timing import seconds
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.types import ServerTiming
 
+__all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_HELD",
+    "OUTCOMES",
+    "PROBE",
+    "RATIO_FLOOR",
+    "REJECT_REASONS",
+    "BadBody",
+    "Finishing",
+    "Join",
+    "ServerSpan",
+    "ServerSpanWait",
+    "decode",
+    "inflate",
+    "parse",
+    "server_spans",
+    "span_count",
+]
+
 #: The latency attributes of a server's request span (vLLM's ``SpanAttributes``), in seconds, by phase.
 LATENCY_ATTRIBUTES = {
     "queue": "gen_ai.latency.time_in_queue",

@@ -43,6 +43,8 @@ from llmtap.config.types import EXPONENTIAL, TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.prometheus import PrometheusReader
 
+__all__ = ["ExportGate", "build", "http_endpoint", "resource"]
+
 log = logging.getLogger("llmtap.telemetry")
 
 #: Why a span never reached the collector (``llmtap.telemetry.reason``).

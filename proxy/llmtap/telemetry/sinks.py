@@ -13,6 +13,8 @@ from typing import Any, Protocol
 from llmtap.config.types import Settings
 from llmtap.telemetry.identity import Identity
 
+__all__ = ["Sink", "build_sinks", "drop_reasons"]
+
 
 class Sink(Protocol):
     """A place records go."""

@@ -56,6 +56,8 @@ from llmtap.telemetry.chunkdetail import SUMMARY, ChunkDetail, chunk_stats, larg
 if TYPE_CHECKING:
     from llmtap.telemetry.finished import Finished
 
+__all__ = ["SpanWriter"]
+
 _PROPAGATOR = TraceContextTextMapPropagator()
 #: The longest ``traceparent`` and ``tracestate`` the SDK's propagator reads (W3C Trace Context, section 3.3.1.1:
 #: 512 characters for tracestate); past it the SDK logs a warning per request, so llmtap ignores them first.

@@ -22,6 +22,8 @@ from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.providers.base import Provider, StreamParser
 from llmtap.providers.sse import Decoder, decoder_for
 
+__all__ = ["MAX_INFLATED_BYTES", "Tap"]
+
 log = logging.getLogger("llmtap.stream")
 
 #: A non-streamed body larger than this is relayed but not parsed.

@@ -24,6 +24,8 @@ import httpx
 from llmtap.analysis.slots import SlotLearner, Slots, load
 from llmtap.telemetry import sched
 
+__all__ = ["UpstreamWatch"]
+
 log = logging.getLogger("llmtap.telemetry")
 
 BUSY = 0.25

@@ -14,6 +14,8 @@ import struct
 
 from llmtap.wire.messages import Raw, WireError
 
+__all__ = ["MAX_FRAME", "FrameReader", "encode_frame", "frames"]
+
 _LENGTH = struct.Struct("!I")
 #: The largest frame a reader accepts. Far above any a relay sends (its channel drops a message past its
 #: write bound, 20 MiB by default) and low enough that a garbled length never makes a reader buffer without end.

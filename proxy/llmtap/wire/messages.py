@@ -14,6 +14,35 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, TypeAlias
 
+__all__ = [
+    "CLIENT_TIMEOUT_KINDS",
+    "CONNECTION_REFUSAL_REASONS",
+    "END",
+    "RESPONSE_CUT_REASONS",
+    "SEGMENT",
+    "STATS",
+    "End",
+    "Head",
+    "Message",
+    "Raw",
+    "Reads",
+    "Segment",
+    "Stats",
+    "Tail",
+    "WireError",
+    "data_size",
+    "decode",
+    "decode_end",
+    "decode_segment",
+    "decode_stats",
+    "encode",
+    "encode_end",
+    "encode_segment",
+    "encode_stats",
+    "ready_of",
+    "without_bytes",
+]
+
 # Message kinds: the first field of every encoded message.
 SEGMENT, END, STATS = 1, 2, 3
 

@@ -26,6 +26,8 @@ from array import array
 
 from llmtap.wire.messages import END, SEGMENT, Raw
 
+__all__ = ["END", "SEGMENT", "SEGMENT_BYTES", "Tape", "new_span_id", "new_trace_id", "now"]
+
 #: Reads held before they leave as a segment (the relay's per-stream response memory).
 SEGMENT_BYTES = 32 * 1024
 

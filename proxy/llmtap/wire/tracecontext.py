@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from llmtap.wire.tape import new_span_id, new_trace_id
 
+__all__ = ["MAX_TRACEPARENT", "Sampler", "begin", "parse_traceparent"]
+
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
 #: The longest ``traceparent`` taken (the OpenTelemetry SDK's propagator ignores a longer one).
 MAX_TRACEPARENT = 512

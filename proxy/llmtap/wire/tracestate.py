@@ -19,6 +19,8 @@ import hashlib
 import hmac
 import re
 
+__all__ = ["KEY", "MAX_LENGTH", "MAX_MEMBERS", "entry", "owner", "upstream_tracestate"]
+
 KEY = "llmtap"
 #: W3C Trace Context, section 3.3.1.1: at most 32 list members; 512 characters is what every vendor
 #: should pass on, and entries over 128 characters are the first to go past it.

@@ -32,6 +32,8 @@ from llmtap.telemetry.access import Gate
 from llmtap.telemetry.live.window import HISTORY, SLOT, WINDOWS, Labels, LiveWindow
 from llmtap.telemetry.recorder import Recorder
 
+__all__ = ["LiveView", "embed", "recorder_labels"]
+
 #: Seconds between snapshots while nothing happens, and the shortest gap after new requests.
 SNAPSHOT_EVERY = 1.0
 SNAPSHOT_SOON = 0.25

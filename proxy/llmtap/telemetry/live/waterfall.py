@@ -14,6 +14,8 @@ from llmtap.analysis.summary import PROXY, SERVER, Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.labels import clean, clean_or_none
 
+__all__ = ["TICK_CAP", "waterfall"]
+
 #: Chunk ticks kept per request; past it the rest are counted, not drawn.
 TICK_CAP = 1000
 

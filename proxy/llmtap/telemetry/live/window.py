@@ -37,6 +37,20 @@ from llmtap.config.types import SLO
 from llmtap.telemetry.instruments import DURATION_BUCKETS
 from llmtap.telemetry.live.waterfall import waterfall
 
+__all__ = [
+    "HISTORY",
+    "HORIZON",
+    "SLOT",
+    "SLOWEST",
+    "TICK",
+    "WINDOWS",
+    "Busy",
+    "Hist",
+    "Labels",
+    "LiveWindow",
+    "Samples",
+]
+
 #: Seconds per tally; a window's start is rounded down to a slot boundary.
 SLOT = 5.0
 #: The longest window kept, in seconds.
