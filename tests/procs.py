@@ -146,6 +146,10 @@ class Simulator:
         stop(self.proc)
 
 
+#: Starts of ``Llmtap`` tried when the ports it drew were taken before it bound them.
+ADDRESS_TRIES = 3
+
+
 class Llmtap:
     """``python -m llmtap serve`` on free ports; its log goes to a file (a full pipe could block it)."""
 
@@ -159,29 +163,35 @@ class Llmtap:
         preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         self.admin_host = admin_host
-        self.port = free_port()
-        self.admin_port = free_port()
-        while self.admin_port == self.port:
-            self.admin_port = free_port()
         self.log_path = log
-        self._log: IO[str] = log.open("w", encoding="utf-8")
-        self.client = httpx.Client(base_url=self.url, timeout=10)
         base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
-        argv = ["serve", "--upstream", upstream, "--port", str(self.port), "--admin-port", str(self.admin_port)]
-        argv += ["--admin-host", admin_host]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llmtap", *argv, *args],
-            cwd=ROOT,
-            env={**base, "OTEL_TRACES_EXPORTER": "none", **(env or {})},
-            stdout=subprocess.DEVNULL,
-            stderr=self._log,
-            preexec_fn=preexec_fn,
-        )
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.close()  # a start that failed its deadline must not outlive the test
-            raise
+        # A free port can be taken before llmtap binds it (another test's listener, or any connection's own
+        # port, drawn from the same range): a start refused for that alone is tried again on new ports.
+        for attempt in range(ADDRESS_TRIES):
+            self.port = free_port()
+            self.admin_port = free_port()
+            while self.admin_port == self.port:
+                self.admin_port = free_port()
+            self._log: IO[str] = log.open("w", encoding="utf-8")
+            self.client = httpx.Client(base_url=self.url, timeout=10)
+            argv = ["serve", "--upstream", upstream, "--port", str(self.port), "--admin-port", str(self.admin_port)]
+            argv += ["--admin-host", admin_host]
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "llmtap", *argv, *args],
+                cwd=ROOT,
+                env={**base, "OTEL_TRACES_EXPORTER": "none", **(env or {})},
+                stdout=subprocess.DEVNULL,
+                stderr=self._log,
+                preexec_fn=preexec_fn,
+            )
+            try:
+                self.wait_ready()
+                return
+            except BaseException:
+                self.close()  # a start that failed its deadline must not outlive the test
+                if attempt + 1 < ADDRESS_TRIES and "Address already in use" in self.logs():
+                    continue
+                raise
 
     @property
     def url(self) -> str:

@@ -62,3 +62,66 @@ def test_a_relay_module_that_imports_the_telemetry_side_breaks_the_contracts(tmp
     # Each contract that guards the relay names the import; the untouched tree keeps them all (above).
     assert "llmtap.relay.guard -> llmtap.telemetry.recorder" in done.stdout
     assert "Contracts: 2 kept, 4 broken." in done.stdout, done.stdout  # analysis-pure and acyclic untouched
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT / "proxy").with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _taken(files: list[Path], modules: set[str]) -> dict[str, set[str]]:
+    """The public names each of ``modules`` gives to the others: ``from m import name``, and ``m.name`` where a
+    file imported the module ``m`` under a name of its own."""
+    taken: dict[str, set[str]] = {m: set() for m in modules}
+    for path in files:
+        me = _module_name(path) if path.is_relative_to(ROOT / "proxy") else None
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in modules and node.level == 0:
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in modules:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                    elif node.module != me and not a.name.startswith("_"):
+                        taken[node.module].add(a.name)
+            elif isinstance(node, ast.Import):
+                aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                module = aliases[node.value.id]
+                if module != me and not node.attr.startswith("_"):
+                    taken[module].add(node.attr)
+    return taken
+
+
+def _declared(path: Path) -> set[str] | None:
+    """A module's ``__all__`` (None: it has none)."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def test_every_name_another_module_takes_is_in_its_modules_all() -> None:
+    """A module others import from says what it offers (``__all__``), and says every name they take from it."""
+    package = ROOT / "proxy" / "llmtap"
+    paths = {_module_name(p): p for p in package.rglob("*.py") if "__pycache__" not in p.parts}
+    files = [
+        p
+        for d in ("proxy", "tests", "bench", "docs", "dashboards")
+        for p in (ROOT / d).rglob("*.py")
+        if "__pycache__" not in p.parts
+    ]
+    taken = _taken(files, set(paths))
+    assert len([m for m, names in taken.items() if names]) > 50  # the walk sees the package's imports
+    missing = {}
+    for module, names in taken.items():
+        path = paths[module]
+        if path.name == "__init__.py":  # a package's submodules are reached through it, not offered by it
+            names = {n for n in names if f"{module}.{n}" not in paths}
+        if not names:
+            continue
+        declared = _declared(path)
+        if declared is None or not names <= declared:
+            missing[module] = sorted(names - (declared or set()))
+    assert missing == {}, missing
