@@ -96,7 +96,7 @@ class Check:
 
 
 @dataclass(slots=True)
-class Group:
+class RouteShape:
     """The requests of one route and shape in the window."""
 
     route: str
@@ -177,7 +177,7 @@ def _past(slowest: list[tuple[float, str]], limit: float | None) -> list[tuple[f
 
 
 def verdicts(
-    groups: Iterable[Group], window: float | None, *, resamples: int = RESAMPLES, seed: int = 0
+    groups: Iterable[RouteShape], window: float | None, *, resamples: int = RESAMPLES, seed: int = 0
 ) -> list[Verdict]:
     """Each group's checks and verdict, by route and shape."""
     rng = random.Random(seed)
@@ -223,17 +223,17 @@ def store_groups(
     *,
     objectives: Objectives | None = None,
     met: dict[tuple[str | None, str, str], int] | None = None,
-) -> list[Group]:
+) -> list[RouteShape]:
     """A source's groups of one side as SLO groups by route and shape (records without either left out).
 
     Each record says what it was judged by, and the newest objective is what the proxy judges by now;
     with ``objectives`` (``--config``), each group is judged by those instead, its ``met`` counted by
     the source (``met``) as the proxy would have judged each request."""
-    out: list[Group] = []
+    out: list[RouteShape] = []
     for f in facts:
         if f.route is None or f.shape is None:
             continue
-        g = Group(f.route, f.shape, requests=f.requests, errors=f.errors)
+        g = RouteShape(f.route, f.shape, requests=f.requests, errors=f.errors)
         if objectives is None:
             g.objective, g.met = _slo(f.objective), f.met
         else:
@@ -285,10 +285,10 @@ def bucket_queries(sel: str) -> dict[str, str]:
     }
 
 
-def prometheus_groups(counts: Grown, buckets: Mapping[str, Grown], objectives: Objectives) -> list[Group]:
+def prometheus_groups(counts: Grown, buckets: Mapping[str, Grown], objectives: Objectives) -> list[RouteShape]:
     """The groups by route and shape from what the request counters (``requests_query``) and each figure's
     buckets (``bucket_queries``) grew by in the window; a series without a route or a shape is left out."""
-    groups: dict[tuple[str, str], Group] = {}
+    groups: dict[tuple[str, str], RouteShape] = {}
     for key, value in counts.items():
         labels = dict(key)
         r, sh = labels.get(ROUTE_LABEL, ""), labels.get(SHAPE_LABEL, "")
@@ -296,7 +296,7 @@ def prometheus_groups(counts: Grown, buckets: Mapping[str, Grown], objectives: O
             continue
         g = groups.get((r, sh))
         if g is None:
-            g = groups[(r, sh)] = Group(r, sh, objective=objectives(r, sh))
+            g = groups[(r, sh)] = RouteShape(r, sh, objective=objectives(r, sh))
         n = round(value)
         g.requests += n
         g.errors += n if labels.get("llmtap_outcome") != "ok" else 0
