@@ -10,9 +10,12 @@ if command -v clickhouse-server >/dev/null 2>&1; then
 fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq >/dev/null
-if ! apt-cache policy clickhouse-server | grep -q 'Candidate: [0-9]'; then
+# Read whole before it is searched: `grep -q` stops at its match, and under pipefail the writer's SIGPIPE
+# would fail the test that just succeeded.
+policy=$(apt-cache policy clickhouse-server)
+if ! grep -q 'Candidate: [0-9]' <<<"$policy"; then
     echo "35-clickhouse: no clickhouse-server package in this system's apt sources" >&2
-    apt-cache policy clickhouse-server >&2
+    echo "$policy" >&2
     exit 1
 fi
 apt-get install -y -qq --no-install-recommends clickhouse-server clickhouse-client >/dev/null
