@@ -53,7 +53,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from llmtap.config.types import Settings
 from llmtap.wire.messages import CLIENT_TIMEOUT_KINDS, CONNECTION_REFUSAL_REASONS
 
-__all__ = ["CYCLE", "LOG_EVERY", "RECEIVED", "BoundedHeadProtocol", "ClientLimits", "connection_cap"]
+__all__ = ["CYCLE", "LOG_EVERY", "LOST_HOOK", "RECEIVED", "BoundedHeadProtocol", "ClientLimits", "connection_cap"]
 
 log = logging.getLogger("llmtap.proxy")
 
@@ -64,6 +64,9 @@ RECEIVED = "llmtap.received"
 LOG_EVERY = 10.0
 #: The scope extension holding the request's uvicorn response cycle (its transport, flow control, framing).
 CYCLE = "llmtap.cycle"
+#: The attribute of a request's cycle that ``connection_lost`` calls, when the relay set one, while the response
+#: is not complete: the relay cancels its stream at once (``llmtap.relay.app``), with no task of its own.
+LOST_HOOK = "llmtap_on_lost"
 #: The most client connections a relay takes by default, and the descriptors kept back from the limit
 #: for everything else (listeners, the channel, log files); each client may need an upstream connection too.
 DEFAULT_CAP = 4096
@@ -262,7 +265,12 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         if self._linger is not None:
             self._linger.cancel()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            hook = getattr(cycle, LOST_HOOK, None)
+            if hook is not None:
+                hook()
 
     def on_message_begin(self) -> None:
         """A request starts: its head is being received, and its first byte came with the current read."""

@@ -16,7 +16,7 @@ import httpx
 
 from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.config.types import Route, Settings
-from llmtap.listener import CYCLE, LOG_EVERY, RECEIVED
+from llmtap.listener import CYCLE, LOG_EVERY, LOST_HOOK, RECEIVED
 from llmtap.providers import provider_for
 from llmtap.providers.splice import splice_usage
 from llmtap.providers.usage_filter import UsageEventFilter
@@ -56,6 +56,9 @@ PROMPT_VERSION_HEADER = b"x-llmtap-prompt-version"
 _SETTLE_SECONDS = 2.0
 #: Seconds between two reports of the relay's gauges (active streams, admission line) when they changed.
 STATS_EVERY = 0.5
+#: At a request's end the gauges are reported at once, unless a report left less than this long ago: then once,
+#: this long after it (a burst of ends costs one report, not one each; the gauges still settle within it).
+STATS_SOON = 0.02
 
 
 class ClientGone(Exception):
@@ -142,6 +145,9 @@ class ProxyApp:
         self._counts_sent: tuple[Any, ...] = ()
         self._stats_changed = True
         self._stats_task: asyncio.Task[None] | None = None
+        #: When the gauges were last reported (the loop's clock), and the report due soon, if one is.
+        self._stats_at = -STATS_SOON
+        self._stats_due: asyncio.TimerHandle | None = None
         #: Per route: llmtap's own client and the upstream's origin when the relay calls it directly, else None.
         self._direct: dict[str, tuple[LeanTransport, Origin] | None] = {}
         #: Upstream URL -> its request target as httpx encodes it (``_target``).
@@ -175,6 +181,9 @@ class ProxyApp:
             self._stats_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._stats_task
+        if self._stats_due is not None:
+            self._stats_due.cancel()
+            self._stats_due = None
         self._stats_changed = True
         self._send_stats()
         await self.aclose()
@@ -209,6 +218,8 @@ class ProxyApp:
         if self.channel.send(message):
             self._stats_changed = False
             self._counts_sent = counts
+            with contextlib.suppress(RuntimeError):  # no running loop: a report at shutdown, from a thread
+                self._stats_at = asyncio.get_running_loop().time()
 
     def begin_drain(self) -> None:
         """SIGTERM: report not ready; streams in flight may finish until the server's drain deadline."""
@@ -374,6 +385,17 @@ class ProxyApp:
             self.tapes_dropped += 1
             log.debug("telemetry behind: dropped the tape of %s %s", tape.method, tape.path)
         self._stats_changed = True
+        if self._stats_due is not None:
+            return  # a report is due in a moment: it carries this end too
+        loop = asyncio.get_running_loop()
+        wait = self._stats_at + STATS_SOON - loop.time()
+        if wait > 0:
+            self._stats_due = loop.call_later(wait, self._send_stats_due)
+        else:
+            self._send_stats()
+
+    def _send_stats_due(self) -> None:
+        self._stats_due = None
         self._send_stats()
 
     def _send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
@@ -460,7 +482,7 @@ class ProxyApp:
             )
         # Only once the body is read can disconnects be watched: both need ``receive``.
         task = asyncio.current_task()
-        watch = _DisconnectWatch(receive, task) if more is None and task is not None else None
+        watch = _DisconnectWatch(receive, task, cycle) if more is None and task is not None else None
         response: Answer | _HttpxAnswer | None = None
         strip: UsageEventFilter | None = None
         inflater: Inflater | None = None
@@ -510,7 +532,7 @@ class ProxyApp:
             if watch is None and task is not None:
                 # A body streamed past the inspect limit has gone upstream by now: ``receive`` can be watched, so
                 # a client that leaves (or is cut for reading nothing) stops this stream too.
-                watch = _DisconnectWatch(receive, task)
+                watch = _DisconnectWatch(receive, task, cycle)
             idle = self.settings.timeouts.idle
             if idle is not None:
                 # The client reads the read timeout at every wait: from here on it bounds the silence between
@@ -741,29 +763,44 @@ class _Truncated(Exception):
 class _DisconnectWatch:
     """Cancels the relay the moment the client disconnects, so the upstream request stops at once.
 
-    uvicorn drops writes to a closed connection silently, so a failing ``send`` cannot be relied on.
+    uvicorn drops writes to a closed connection silently, so a failing ``send`` cannot be relied on. Under
+    llmtap's listener the request's cycle carries a hook its ``connection_lost`` calls (``LOST_HOOK``): no task
+    per request. Under another server a task waits on ``receive`` for the disconnect.
     """
 
-    def __init__(self, receive: Receive, task: asyncio.Task[object]) -> None:
+    def __init__(self, receive: Receive, task: asyncio.Task[object], cycle: Any = None) -> None:
         self.fired = False
         self._stopped = False
         self._task = task
-        self._watcher = asyncio.create_task(self._run(receive))
+        self._cycle = cycle
+        self._watcher: asyncio.Task[None] | None = None
+        if cycle is not None:
+            setattr(cycle, LOST_HOOK, self._lost)
+            if cycle.disconnected:
+                self._lost()
+        else:
+            self._watcher = asyncio.create_task(self._run(receive))
+
+    def _lost(self) -> None:
+        # After the last byte went out, the server also reports a disconnect: not a cancellation.
+        if not self._stopped and not self.fired:
+            self.fired = True
+            self._task.cancel()
 
     async def _run(self, receive: Receive) -> None:
         while True:
             message: Message = await receive()
             if message["type"] == "http.disconnect":
-                # After the last byte went out, the server also reports a disconnect: not a cancellation.
-                if not self._stopped:
-                    self.fired = True
-                    self._task.cancel()
+                self._lost()
                 return
 
     def stop(self) -> None:
         """The response is complete (or failed); stop watching."""
         self._stopped = True
-        self._watcher.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._cycle is not None:
+            setattr(self._cycle, LOST_HOOK, None)
 
 
 async def _rest_of_body(receive: Receive, room: int, silence: float | None = None) -> AsyncIterator[bytes]:
