@@ -41,6 +41,16 @@ from llmtap.telemetry.recorder import Recorder
 from llmtap.wire.tape import Tape
 
 
+def _encode(spans: Sequence[ReadableSpan]) -> bytes:
+    """A batch as OTLP protobuf, by the encoder the tree's exporters use (the SDK's, before llmtap had one)."""
+    try:
+        from llmtap.telemetry.otlp_spans import encode_request
+    except ImportError:
+        data: bytes = encode_spans(spans).SerializeToString()
+        return data
+    return encode_request(spans)
+
+
 class _Encoding(SpanExporter):
     """Encodes every batch as OTLP protobuf, as the OTLP exporters do before sending, and keeps nothing."""
 
@@ -50,7 +60,7 @@ class _Encoding(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         start = time.thread_time_ns()
-        encode_spans(spans).SerializeToString()
+        _encode(spans)
         self.spans += len(spans)
         self.cpu_ns += time.thread_time_ns() - start
         return SpanExportResult.SUCCESS

@@ -310,6 +310,33 @@ def test_tiktoken_never_sees_a_long_string_and_counts_stay_exact(monkeypatch: py
     assert longest[0] <= tokens.PIECE_CHARS
 
 
+def test_short_texts_are_counted_once_remembered_within_a_bound_and_stay_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    encoding = tokens.get_encoding("cl100k_base")
+    real = encoding.encode_ordinary
+    calls: list[str] = []
+
+    def encode(piece: str) -> list[int]:
+        calls.append(piece)
+        result: list[int] = real(piece)
+        return result
+
+    monkeypatch.setattr(encoding, "encode_ordinary", encode)
+    monkeypatch.setattr(tokens, "SHORT_KEPT", 50)
+    monkeypatch.setitem(tokens._short, "cl100k_base", {})
+    words = sorted({w for w in (README + MIXED).split(" ") if 0 < len(w) <= tokens.SHORT_CHARS})
+    assert len(words) > 200
+    rng = random.Random(3)
+    common = [rng.choice(words[:40]) for _ in range(2000)]  # 40 texts that repeat, as a stream's tokens do
+    longer = ["x" * (tokens.SHORT_CHARS + 1)] * 3
+    assert [tokens.count(t, "cl100k_base") for t in common + longer] == [len(real(t)) for t in common + longer]
+    assert len(calls) == len(set(common)) + 3  # each short text counted once; a longer one every time
+    # Many distinct texts: counts stay exact and the memory stays within its bound.
+    assert [tokens.count(t, "cl100k_base") for t in words] == [len(real(t)) for t in words]
+    assert len(tokens._short["cl100k_base"]) <= 50
+
+
 def streamed(texts: list[str], usage: Usage | None) -> Timeline:
     tl = Timeline("POST", "/v1/chat/completions", "r", "http://u", "u", 80, "openai_chat", "openai", 0.0, 0)
     tl.sent, tl.first_byte = 0.01, 0.1

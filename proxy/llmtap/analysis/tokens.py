@@ -21,7 +21,18 @@ from typing import Any
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-__all__ = ["ENCODINGS", "PIECE_CHARS", "Counter", "count", "encode", "encoding_for_model", "get_encoding", "source"]
+__all__ = [
+    "ENCODINGS",
+    "PIECE_CHARS",
+    "SHORT_CHARS",
+    "SHORT_KEPT",
+    "Counter",
+    "count",
+    "encode",
+    "encoding_for_model",
+    "get_encoding",
+    "source",
+]
 
 # sha256 of each shipped rank file; equal to tiktoken's own expected hashes for OpenAI's public files.
 _SHA256 = {
@@ -129,10 +140,28 @@ def encode(text: str, encoding: str = DEFAULT_ENCODING) -> list[int]:
     return [token for piece in pieces(text) for token in ordinary(piece)]
 
 
+#: Texts up to this long are counted once per encoding and remembered: a streamed chunk is most often the text
+#: of one or a few tokens, and those repeat (a tiktoken call costs microseconds, a dictionary lookup a tenth).
+SHORT_CHARS = 32
+#: Short texts remembered per encoding at most; past it the memory starts again (bounded whatever the traffic).
+SHORT_KEPT = 1 << 16
+_short: dict[str, dict[str, int]] = {name: {} for name in ENCODINGS}
+
+
 def count(text: str, encoding: str = DEFAULT_ENCODING) -> int:
     """Tokens in ``text``; special-token strings count as ordinary text, as they would in a prompt."""
     if not text:
         return 0
+    if len(text) <= SHORT_CHARS:
+        known = _short.get(encoding)
+        if known is not None:
+            n = known.get(text)
+            if n is None:
+                n = len(get_encoding(encoding).encode_ordinary(text))
+                if len(known) >= SHORT_KEPT:
+                    known.clear()
+                known[text] = n
+            return n
     encode = get_encoding(encoding).encode_ordinary
     if len(text) <= PIECE_CHARS:
         return len(encode(text))

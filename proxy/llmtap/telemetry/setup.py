@@ -40,7 +40,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 from llmtap import __version__
 from llmtap.config.types import EXPONENTIAL, TelemetrySettings
-from llmtap.telemetry import semconv as sc
+from llmtap.telemetry import otlp_spans, semconv as sc
 from llmtap.telemetry.prometheus import PrometheusReader
 
 __all__ = ["ExportGate", "build", "http_endpoint", "resource"]
@@ -241,12 +241,14 @@ def _span_exporter(t: TelemetrySettings) -> SpanExporter | None:
     if t.traces_protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
 
-        return HTTPSpanExporter(
-            endpoint=http_endpoint(t.traces_endpoint, "traces", specific=t.traces_endpoint_specific)
+        return otlp_spans.exporter(
+            HTTPSpanExporter(endpoint=http_endpoint(t.traces_endpoint, "traces", specific=t.traces_endpoint_specific))
         )
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GRPCSpanExporter
 
-    return GRPCSpanExporter(endpoint=t.traces_endpoint, insecure=t.traces_endpoint.startswith("http://"))
+    return otlp_spans.exporter(
+        GRPCSpanExporter(endpoint=t.traces_endpoint, insecure=t.traces_endpoint.startswith("http://"))
+    )
 
 
 def _metric_exporter(t: TelemetrySettings) -> MetricExporter | None:
