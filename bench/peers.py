@@ -162,6 +162,9 @@ ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
     "httpx": ({}, ["--upstream-client", "httpx"]),
     # No span per chunk (the phase spans and the metrics stay).
     "chunk-spans-off": ({"LLMTAP_CHUNK_SPANS": "off"}, []),
+    # The telemetry process's workers at SCHED_IDLE (``--telemetry-scheduling idle``) or niced by 5 (``nice``).
+    "telemetry-idle": ({"LLMTAP_TELEMETRY_SCHEDULING": "idle"}, []),
+    "telemetry-nice": ({"LLMTAP_TELEMETRY_SCHEDULING": "nice"}, []),
     # Not a switch but a placement: the whole tree, telemetry too, on the relay's one core (a sidecar with a
     # one-core limit, issue 29), where plain ``llmtap`` moves its telemetry process to the other core.
     ONE_CORE: ({}, []),

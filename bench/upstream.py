@@ -26,7 +26,7 @@ from typing import Any, cast
 
 WORDS = (" alpha", " beta", " gamma", " delta", " river", " sigma", " omega", " theta")  # one o200k token each
 #: The client puts ``bench-id:<id>`` in its prompt; proxies relay the prompt, so the id survives any path.
-BENCH_ID = re.compile(rb"bench-id:([A-Za-z0-9_.-]+)")
+BENCH_ID = re.compile(rb"bench-id:([A-Za-z0-9_.+-]+)")
 
 
 class Script:
