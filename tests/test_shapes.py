@@ -41,6 +41,7 @@ from llmtap.simulator.text import Vocabulary
 from llmtap.store.files import ReadStats, read_records as read_record_lines
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.admin import AdminApp
+from llmtap.telemetry.bulk import Batch
 from llmtap.telemetry.instruments import create
 from llmtap.telemetry.live.window import SLOWEST
 from llmtap.telemetry.metrics import _record_samples
@@ -194,7 +195,7 @@ def test_per_token_samples_link_only_the_slowest_to_the_request() -> None:
     try:
         ins = create(provider.get_meter("llmtap-test"), latest=False)
         ctx = set_span_in_context(NonRecordingSpan(SpanContext(0xF00D, 0x1, False, TraceFlags(1))))
-        _record_samples(ins.itl, [0.01, 0.5, 0.02, 0.011], {sc.ROUTE: "r"}, ctx)
+        _record_samples(Batch(), ins.itl, [0.01, 0.5, 0.02, 0.011], {sc.ROUTE: "r"}, ctx)
         data = reader.get_metrics_data()
     finally:
         provider.shutdown()

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from time import time_ns
 from typing import Any
 
-from opentelemetry.context import Context
+from opentelemetry.context import Context, get_current
 from opentelemetry.metrics import Histogram
 
-__all__ = ["record_many"]
+__all__ = ["Batch", "record_many"]
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -114,3 +114,96 @@ def _aggregate(aggregation: Any, sample: _Sample, values: Sequence[float]) -> No
     for value in values:
         sample.value = value
         aggregate(sample, False)
+
+
+_PLAIN = frozenset((str, bool, int, float))
+
+
+def _flat(attributes: dict[str, Any]) -> bool:
+    """Whether every key is non-empty text and every value a plain str, bool, int or finite float (what cleaning
+    leaves as it is)."""
+    for k, v in attributes.items():
+        if type(k) is not str or not k or type(v) not in _PLAIN or (type(v) is float and not math.isfinite(v)):
+            return False
+    return True
+
+
+def _flat_key(attributes: dict[str, Any]) -> Any:
+    """The SDK's ``_hash_attributes`` of a flat set (``_flat``), built directly: the same tuple, a third the work."""
+    return ("mapping", tuple([(k, (type(v).__name__, v)) for k, v in sorted(attributes.items())]))
+
+
+class Batch:
+    """One finished request's measurements, each attribute set cleaned and hashed once for all its instruments.
+
+    A request records about twenty values (latencies, tokens, counts) over five attribute sets of about ten
+    attributes each. ``Histogram.record`` and ``Counter.add`` clean the set, copy it and hash it again in every
+    view of every reader, per call: 30 µs a call with two readers, two thirds of it that. Here a set is
+    cleaned once and hashed once per view for the whole request; each value then takes the path the SDK's
+    ``_ViewInstrumentMatch.consume_measurement`` takes from its hash on: the aggregation found or made, under
+    its lock where the reader resets on collect, and given the measurement with the exemplar filter's verdict,
+    so exemplars are kept as the public API keeps them. A value the SDK would refuse or warn of (negative, not
+    finite), a disabled instrument, or SDK internals out of reach: the public API, as before. Use one batch per
+    request, on one thread; it holds the request's attribute sets until it is dropped.
+    """
+
+    __slots__ = ("_sets",)
+
+    def __init__(self) -> None:
+        # id of an attribute set -> (the set, kept alive so its id is not reused; cleaned; per kept keys: key, attrs)
+        self._sets: dict[int, tuple[Any, Any, dict[int, tuple[Any, dict[str, Any]]]]] = {}
+
+    def record(self, hist: Any, value: float, attributes: dict[str, Any], context: Context | None = None) -> None:
+        """``hist.record(value, attributes, context=context)``."""
+        if not self._direct(hist, value, attributes, context):
+            hist.record(value, attributes, context=context)
+
+    def add(self, counter: Any, value: float, attributes: dict[str, Any], context: Context | None = None) -> None:
+        """``counter.add(value, attributes, context=context)``."""
+        if not self._direct(counter, value, attributes, context):
+            counter.add(value, attributes, context=context)
+
+    def _direct(self, instrument: Any, value: float, attributes: dict[str, Any], context: Context | None) -> bool:
+        if value < 0 or not math.isfinite(value):
+            return False
+        enabled = getattr(instrument, "_is_enabled", None)
+        consumer = getattr(instrument, "_measurement_consumer", None)
+        exemplars = getattr(getattr(consumer, "_sdk_config", None), "exemplar_filter", None)
+        if enabled is None or exemplars is None or not enabled():
+            return False
+        matches = _matches(instrument)
+        if matches is None:
+            return False
+        held = self._sets.get(id(attributes))
+        if held is None or held[0] is not attributes:
+            if _flat(attributes):
+                cleaned = dict(attributes)  # what cleaning gives such a set: a copy
+            else:
+                cleaned = _clean_attribute_value(attributes, None)
+                if not isinstance(cleaned, dict):
+                    return False
+            held = self._sets[id(attributes)] = (attributes, cleaned, {})
+        _, cleaned, views = held
+        sample = _Sample(instrument, context if context is not None else get_current(), cleaned)
+        sample.value = value
+        keep = exemplars.should_sample(value, sample.time_unix_nano, cleaned, sample.context)
+        for match in matches:
+            # Every view that keeps all attributes hashes the set alike (key 0); one that keeps some, by its keys.
+            view_keys = match._view._attribute_keys
+            view = views.get(0 if view_keys is None else id(view_keys))
+            if view is None:
+                own = dict(cleaned) if view_keys is None else {k: v for k, v in cleaned.items() if k in view_keys}
+                key = _flat_key(own) if _flat(own) else _hash_attributes(own)
+                view = views[0 if view_keys is None else id(view_keys)] = (key, own)
+            key, own = view
+            if match._reset_on_collect:
+                # A collection swaps the aggregations out: hold the lock until the value is in this one.
+                with match._lock:
+                    match._get_or_create_aggregation(key, dict(own)).aggregate(sample, keep)
+                continue
+            aggregation = match._attributes_aggregation.get(key)
+            if aggregation is None:
+                with match._lock:
+                    aggregation = match._get_or_create_aggregation(key, dict(own))
+            aggregation.aggregate(sample, keep)
+        return True

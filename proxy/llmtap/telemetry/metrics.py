@@ -28,7 +28,7 @@ from llmtap.labels import OTHER, LabelGuard
 from llmtap.providers.timing import PHASES
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.attributes import is_hop, usage_value
-from llmtap.telemetry.bulk import record_many
+from llmtap.telemetry.bulk import Batch, record_many
 from llmtap.telemetry.instruments import Instruments, create
 
 if TYPE_CHECKING:
@@ -192,10 +192,11 @@ class MetricWriter:
     def record(self, tl: Timeline, s: Summary) -> None:
         """Record one finished request's latency, token and outcome metrics."""
         ins = self.instruments
+        batch = Batch()  # the request's attribute sets cleaned and hashed once
         attrs, outcome, own = self.metric_attributes(tl, s)
         # llmtap's counters (requests, tokens, cost) carry the allowed attribution dimensions; histograms do not.
         counted = {**own, **self.dimension_labels(tl)}
-        self._cost_metrics(tl, s, counted)
+        self._cost_metrics(batch, tl, s, counted)
         # A hop's generation is its client's to report (``attributes.is_hop``): the client's instrumentation
         # records it in the gen_ai.client.* metrics, so llmtap's own (llmtap.*) alone count this request.
         client = not is_hop(tl, self._role)
@@ -207,63 +208,70 @@ class MetricWriter:
         stream = bool(tl.request and tl.request.stream)
         if s.e2e is not None:
             if client:
-                ins.operation_duration.record(s.e2e, outcome, context=ctx)
+                batch.record(ins.operation_duration, s.e2e, outcome, ctx)
             if ins.server_duration is not None:
-                ins.server_duration.record(s.e2e, outcome, context=ctx)
-        ins.requests.add(1, {**counted, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo, sc.SHAPE: s.shape})
+                batch.record(ins.server_duration, s.e2e, outcome, ctx)
+        batch.add(ins.requests, 1, {**counted, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo, sc.SHAPE: s.shape})
         if tl.malformed_events:
-            ins.malformed.add(tl.malformed_events, {sc.ROUTE: tl.route})
+            batch.add(ins.malformed, tl.malformed_events, {sc.ROUTE: tl.route})
         if s.ttfb is not None:
-            ins.ttfb.record(s.ttfb, own, context=ctx)
+            batch.record(ins.ttfb, s.ttfb, own, ctx)
         if stream and s.ttft is not None:
             if client:
-                ins.time_to_first_chunk.record(s.ttft, attrs, context=ctx)
-            ins.ttft.record(s.ttft, shaped, context=ctx)
+                batch.record(ins.time_to_first_chunk, s.ttft, attrs, ctx)
+            batch.record(ins.ttft, s.ttft, shaped, ctx)
             # Per chunk and per token, only the request's slowest sample carries its span context: an exemplar
             # costs about a third of a sample again (10 against 14 us a sample here), and a stream has thousands;
             # the bucket of its worst stall still leads to it.
             if client:
-                _record_samples(ins.time_per_output_chunk, s.gap_samples, attrs, ctx)
-            _record_samples(ins.itl, s.itl_per_token, shaped, ctx)
+                _record_samples(batch, ins.time_per_output_chunk, s.gap_samples, attrs, ctx)
+            _record_samples(batch, ins.itl, s.itl_per_token, shaped, ctx)
         if s.upstream_ttft is not None and stream:
-            ins.upstream_ttft.record(s.upstream_ttft, own, context=ctx)
+            batch.record(ins.upstream_ttft, s.upstream_ttft, own, ctx)
         if ok and s.ttft is not None and stream and ins.server_ttft is not None:
-            ins.server_ttft.record(s.ttft, attrs, context=ctx)
+            batch.record(ins.server_ttft, s.ttft, attrs, ctx)
         if ok and s.tpot is not None:
-            ins.tpot.record(s.tpot, shaped, context=ctx)
+            batch.record(ins.tpot, s.tpot, shaped, ctx)
             if ins.server_tpot is not None:
-                ins.server_tpot.record(s.tpot, attrs, context=ctx)
+                batch.record(ins.server_tpot, s.tpot, attrs, ctx)
         if s.queue is not None:
-            ins.queue.record(s.queue, {**own, sc.QUEUE_SOURCE: s.queue_source}, context=ctx)
+            batch.record(ins.queue, s.queue, {**own, sc.QUEUE_SOURCE: s.queue_source}, ctx)
         if s.prefill is not None and stream:
-            ins.prefill.record(s.prefill, {**own, sc.PREFILL_SOURCE: s.prefill_source}, context=ctx)
+            batch.record(ins.prefill, s.prefill, {**own, sc.PREFILL_SOURCE: s.prefill_source}, ctx)
         if s.decode is not None and stream:
-            ins.decode.record(s.decode, own, context=ctx)
+            batch.record(ins.decode, s.decode, own, ctx)
         if s.upstream_unattributed is not None:
-            ins.unattributed.record(s.upstream_unattributed, own, context=ctx)
-        self._token_metrics(s, attrs, outcome, counted, client=client)
+            batch.record(ins.unattributed, s.upstream_unattributed, own, ctx)
+        self._token_metrics(batch, s, attrs, outcome, counted, client=client)
         if tl.relay_delays:
             # One per read: at a bucket lookup each (``bulk``), none an exemplar.
             record_many(ins.relay_chunk_delay, list(spread(tl.relay_delays)), {sc.ROUTE: tl.route}, _NO_SPAN)
         if tl.sent is not None:
             # The request's last instrument (tests wait for it).
-            ins.overhead.record(proxy_added(tl), {sc.ROUTE: tl.route})
+            batch.record(ins.overhead, proxy_added(tl), {sc.ROUTE: tl.route})
 
-    def _cost_metrics(self, tl: Timeline, s: Summary, counted: dict[str, Any]) -> None:
+    def _cost_metrics(self, batch: Batch, tl: Timeline, s: Summary, counted: dict[str, Any]) -> None:
         """The request's cost on ``llmtap.cost``, or its status on ``llmtap.cost.unpriced``."""
         ins = self.instruments
         if tl.attribution_dropped:
-            ins.attribution_dropped.add(tl.attribution_dropped, {sc.ROUTE: tl.route})
+            batch.add(ins.attribution_dropped, tl.attribution_dropped, {sc.ROUTE: tl.route})
         cost = s.cost
         if cost is None:
             return
         if cost.amount is not None:
-            ins.cost.add(cost.amount, counted)
+            batch.add(ins.cost, cost.amount, counted)
         else:
-            ins.cost_unpriced.add(1, {**counted, sc.COST_STATUS: cost.status})
+            batch.add(ins.cost_unpriced, 1, {**counted, sc.COST_STATUS: cost.status})
 
     def _token_metrics(
-        self, s: Summary, attrs: dict[str, Any], outcome: dict[str, Any], own: dict[str, Any], *, client: bool
+        self,
+        batch: Batch,
+        s: Summary,
+        attrs: dict[str, Any],
+        outcome: dict[str, Any],
+        own: dict[str, Any],
+        *,
+        client: bool,
     ) -> None:
         """The token metrics: llmtap's own always, the gen_ai.client.* ones when ``client`` (not a hop)."""
         ins = self.instruments
@@ -272,34 +280,36 @@ class MetricWriter:
             ("output", s.output_tokens, s.output_source, s.output_drift),
         ):
             if client:
-                self._client_tokens(kind, usage_value(value, source, self._offline), source, attrs, outcome)
+                self._client_tokens(batch, kind, usage_value(value, source, self._offline), source, attrs, outcome)
             if value is None:
                 continue
             mine = ins.input_tokens if kind == "input" else ins.output_tokens
-            mine.add(value, {**own, sc.INPUT_TOKENS_SOURCE if kind == "input" else sc.OUTPUT_TOKENS_SOURCE: source})
+            batch.add(
+                mine, value, {**own, sc.INPUT_TOKENS_SOURCE if kind == "input" else sc.OUTPUT_TOKENS_SOURCE: source}
+            )
             if drift is not None:
                 # OTel histograms take no negative values: the size goes in the value, the sign in an attribute.
                 direction = "over" if drift > 0 else "under" if drift < 0 else "exact"
-                ins.drift.record(
-                    abs(drift), {sc.TOKEN_TYPE: kind, sc.ROUTE: own[sc.ROUTE], sc.DRIFT_DIRECTION: direction}
+                batch.record(
+                    ins.drift, abs(drift), {sc.TOKEN_TYPE: kind, sc.ROUTE: own[sc.ROUTE], sc.DRIFT_DIRECTION: direction}
                 )
         # Providers report no breakdown by modality that llmtap reads: reported counts are ``unknown``
         # (gen-ai-token-metrics.md), as is the 0 of a response without usage.
         unknown = {**attrs, sc.TOKEN_MODALITY: "unknown"}
         if s.cache_read_tokens is not None:
-            ins.cache_read.add(s.cache_read_tokens, own)
+            batch.add(ins.cache_read, s.cache_read_tokens, own)
             if client and ins.cache_read_counter is not None:
-                ins.cache_read_counter.add(s.cache_read_tokens, unknown)
+                batch.add(ins.cache_read_counter, s.cache_read_tokens, unknown)
         if s.cache_write_tokens is not None:
-            ins.cache_write.add(s.cache_write_tokens, own)
+            batch.add(ins.cache_write, s.cache_write_tokens, own)
             if client and ins.cache_write_counter is not None:
-                ins.cache_write_counter.add(s.cache_write_tokens, unknown)
+                batch.add(ins.cache_write_counter, s.cache_write_tokens, unknown)
         if client and ins.reasoning_counter is not None:
             # Recorded for every generation, 0 when the usage names no reasoning tokens.
-            ins.reasoning_counter.add(s.reasoning_tokens or 0, unknown)
+            batch.add(ins.reasoning_counter, s.reasoning_tokens or 0, unknown)
 
     def _client_tokens(
-        self, kind: str, usage: int | None, source: str, attrs: dict[str, Any], outcome: dict[str, Any]
+        self, batch: Batch, kind: str, usage: int | None, source: str, attrs: dict[str, Any], outcome: dict[str, Any]
     ) -> None:
         """One token type's ``gen_ai.client.*`` token metrics (``usage``: as ``gen_ai.usage.*`` shows it)."""
         ins = self.instruments
@@ -307,17 +317,17 @@ class MetricWriter:
         if usage is None:
             # gen-ai-token-metrics.md: a response without usage records 0, with modality unknown.
             if counter is not None:
-                counter.add(0, {**attrs, sc.TOKEN_MODALITY: "unknown"})
+                batch.add(counter, 0, {**attrs, sc.TOKEN_MODALITY: "unknown"})
             return
         if ins.token_usage is not None:
-            ins.token_usage.record(usage, {**attrs, sc.TOKEN_TYPE: kind})
+            batch.record(ins.token_usage, usage, {**attrs, sc.TOKEN_TYPE: kind})
         hist = ins.input_tokens_histogram if kind == "input" else ins.output_tokens_histogram
         if hist is not None:
-            hist.record(usage, outcome)
+            batch.record(hist, usage, outcome)
         if counter is not None:
             # Counted by llmtap's tokenizer (offline usage): text it read; reported: no breakdown, ``unknown``.
             modality = "unknown" if source == USAGE else "text"
-            counter.add(usage, {**attrs, sc.TOKEN_MODALITY: modality})
+            batch.add(counter, usage, {**attrs, sc.TOKEN_MODALITY: modality})
 
     def cache_attributes(self, tl: Timeline, diag: Diagnosis) -> dict[str, Any]:
         """The attributes of ``llmtap.cache.requests``."""
@@ -333,12 +343,14 @@ class MetricWriter:
         return attrs
 
 
-def _record_samples(hist: Histogram, samples: list[float], attrs: dict[str, Any], ctx: Context | None) -> None:
+def _record_samples(
+    batch: Batch, hist: Histogram, samples: list[float], attrs: dict[str, Any], ctx: Context | None
+) -> None:
     """Record every sample; the largest one in ``ctx`` (its exemplar), the others with no span context."""
     if not samples:
         return
     slowest = max(range(len(samples)), key=samples.__getitem__)
-    hist.record(samples[slowest], attrs, context=ctx)
+    batch.record(hist, samples[slowest], attrs, ctx)
     # The others at a bucket lookup each (``bulk``): a stream has one per chunk or token.
     record_many(hist, samples[:slowest] + samples[slowest + 1 :], attrs, _NO_SPAN)
 
