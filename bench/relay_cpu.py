@@ -4,7 +4,8 @@ For each llmtap source tree given (default: this one), starts the benchmark's sc
 sink on the client's core, ``llmtap serve`` with its relay alone on the proxy's core (its telemetry process
 moved to the client's core), and ``--streams`` staggered keep-alive streams of ``--chunks`` chunks each; it
 reads the relay process's CPU (user and system, from ``/proc``) before and after and prints one JSON line:
-CPU microseconds per content chunk, and per request. Trees run in turn, ``--rounds`` times, so an A/B on a
+CPU microseconds per content chunk, and per request, and the telemetry process's per chunk apart (read once it
+has finished the run's tapes). Trees run in turn, ``--rounds`` times, so an A/B on a
 shared machine is interleaved; ``--summary`` ends with each tree's median and range. Long streams (``--chunks
 400``) show the cost per chunk; the benchmark's own (50 chunks) adds each request's share.
 
@@ -85,11 +86,26 @@ def start(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, 
     return ep.url, ep.service
 
 
+def settled(pids: list[int], quiet: float = 0.004, step: float = 0.5, limit: float = 20.0) -> float:
+    """The processes' CPU seconds once they stopped working (under ``quiet`` s of CPU in ``step`` s): the
+    telemetry side finishes the tapes after the streams ended."""
+    last = cpu_seconds(pids)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        time.sleep(step)
+        now = cpu_seconds(pids)
+        if now - last < quiet:
+            return now
+        last = now
+    return last
+
+
 def measure(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int) -> dict[str, object]:
     """One tree, one run: relay CPU per chunk and per request."""
     url, svc = start(tree, work, args, up_port, sink_port)
     try:
-        relay = svc.roles()["relay"]
+        roles = svc.roles()
+        relay, telemetry = roles["relay"], roles.get("telemetry", [])
         period = args.ttft + args.chunks * args.gap
         argv = [
             sys.executable, "-m", "bench.client", "--url", url, "--streams", "4", "--requests", "1",
@@ -99,6 +115,7 @@ def measure(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int
         time.sleep(1.0)
         load = os.getloadavg()[0]
         before, system_before, wakes_before = cpu_seconds(relay), cpu_split(relay)[1], wakes(relay)
+        telemetry_before = cpu_seconds(telemetry) if telemetry else 0.0
         rss_before = rss_bytes(relay)
         argv = [
             sys.executable, "-m", "bench.client", "--url", url, "--streams", str(args.streams),
@@ -107,6 +124,7 @@ def measure(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int
         with Sampler(svc) as sampler:
             records = json.loads(run(argv, args.client_cpu))["records"]
         spent = cpu_seconds(relay) - before
+        telemetry_spent = settled(telemetry) - telemetry_before if telemetry else None
         system = cpu_split(relay)[1] - system_before
         slept = wakes(relay) - wakes_before
         rss_peak = max((rss for _, rss in sampler.samples), default=rss_before)
@@ -124,6 +142,7 @@ def measure(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int
         "relay_kernel_share": round(system / spent, 2) if spent > 0 else None,
         "relay_us_per_chunk": round(1e6 * spent / chunks, 1) if chunks else None,
         "relay_us_per_request": round(1e6 * spent / requests, 1) if requests else None,
+        "telemetry_us_per_chunk": round(1e6 * telemetry_spent / chunks, 1) if chunks and telemetry_spent else None,
         "wakes_per_chunk": round(slept / chunks, 2) if chunks else None,
         "rss_per_stream_kib": round((rss_peak - rss_before) / 1024 / args.streams, 1),
         "load": round(load, 2),
@@ -167,7 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-SUMMARIZED = ("relay_us_per_chunk", "relay_us_per_request", "wakes_per_chunk", "rss_per_stream_kib", "load")
+SUMMARIZED = (
+    "relay_us_per_chunk",
+    "telemetry_us_per_chunk",
+    "relay_us_per_request",
+    "wakes_per_chunk",
+    "rss_per_stream_kib",
+    "load",
+)
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, object]:

@@ -462,6 +462,37 @@ def test_chunk_spans_written_directly_equal_those_through_the_tracer(harness: Ha
     assert len(set(ids)) == len(ids)
 
 
+def test_phase_spans_born_finished_equal_those_through_the_tracer(harness: HarnessFactory) -> None:
+    """With the SDK provider and a sampled root, queue, prefill and decode spans skip ``start_span`` too."""
+
+    def phase_view(h: Harness) -> list[tuple[Any, ...]]:
+        roots = [sp for sp in h.exporter.get_finished_spans() if sp.parent is None]
+        assert len(roots) == 1
+        root = roots[0]
+        out = []
+        for name in (sc.SPAN_QUEUE, sc.SPAN_PREFILL, sc.SPAN_DECODE):
+            (span,) = h.spans(name)
+            assert span.parent is not None and span.parent.span_id == root.context.span_id
+            assert span.context.trace_id == root.context.trace_id and span.context.trace_flags.sampled
+            assert span.context.span_id != root.context.span_id and not span.context.is_remote
+            scope = span.instrumentation_scope
+            out.append(
+                (span.name, span.kind, span.start_time, span.end_time, attrs(span), span.resource, scope and scope.name)
+            )
+        # Chunk spans are children of the decode span, whichever way it was written.
+        (decode,) = h.spans(sc.SPAN_DECODE)
+        assert all(c.parent is not None and c.parent.span_id == decode.context.span_id for c in h.spans(sc.SPAN_CHUNK))
+        return out
+
+    direct = harness(chunk_detail_sample=1.0)
+    direct.run(timeline(6))
+    tracer = harness(chunk_detail_sample=1.0)
+    tracer.recorder.spans.chunk_writer = None
+    tracer.run(timeline(6))
+    assert len(direct.spans(sc.SPAN_CHUNK)) == 6
+    assert phase_view(direct) == phase_view(tracer)
+
+
 def test_events_mode(harness: HarnessFactory) -> None:
     h = harness(chunk_spans="events")
     h.run(timeline(5))

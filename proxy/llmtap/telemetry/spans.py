@@ -141,12 +141,25 @@ class ChunkSpanWriter:
             return None
         return cls(processor, provider.resource, scope, provider.id_generator)
 
-    def write(self, parent: SpanContext, start: int, end: int, attributes: dict[str, Any]) -> None:
-        """One finished chunk span, child of ``parent``, from ``start`` to ``end`` (epoch ns)."""
-        context = SpanContext(parent.trace_id, self._span_id(), False, parent.trace_flags, parent.trace_state)
+    def child(self, parent: SpanContext) -> SpanContext:
+        """A new span's context under ``parent`` (its trace, flags and state, as the default sampler keeps them)."""
+        return SpanContext(parent.trace_id, self._span_id(), False, parent.trace_flags, parent.trace_state)
+
+    def write(
+        self,
+        parent: SpanContext,
+        start: int,
+        end: int,
+        attributes: dict[str, Any],
+        *,
+        name: str = sc.SPAN_CHUNK,
+        context: SpanContext | None = None,
+    ) -> None:
+        """One finished span (a chunk's unless ``name`` says otherwise), child of ``parent``, from ``start`` to
+        ``end`` (epoch ns); ``context``: its own, made beforehand with ``child`` (when children name it)."""
         span = ReadableSpan(
-            sc.SPAN_CHUNK,
-            context=context,
+            name,
+            context=context if context is not None else self.child(parent),
             parent=parent,
             resource=self._resource,
             attributes=attributes,
@@ -263,12 +276,27 @@ class SpanWriter:
             message = tl.error_message or tl.error_type
             root.set_status(Status(StatusCode.ERROR, clean(message) if message else None))
         if tl.protocol is not None:
-            ctx = trace.set_span_in_context(root, otel_context.Context())
-            self._phase_spans(tl, s, ctx)
+            self._phase_spans(tl, s, self._phases(root))
         root.end(end_time=tl.wall_ns(end))
 
-    def _phase_spans(self, tl: Timeline, s: Summary, ctx: otel_context.Context) -> None:
+    def _phases(self, root: Span) -> Callable[[str, int], Any]:
+        """How the root's phase spans start: born finished and handed to the span processors when the provider
+        is the SDK's and the root is sampled (as chunk spans are: a tenth of ``start_span``'s cost), else through
+        the tracer. Span events (``chunk_spans: events``) need the SDK's span: the tracer then."""
+        writer = self.chunk_writer
+        parent = root.get_span_context()
+        if (
+            writer is not None
+            and root.is_recording()
+            and parent.trace_flags.sampled
+            and self.settings.telemetry.chunk_spans != "events"
+        ):
+            return lambda name, start: _Born(writer, name, parent, start)
+        ctx = trace.set_span_in_context(root, otel_context.Context())
         tracer = self._tracer
+        return lambda name, start: tracer.start_span(name, context=ctx, start_time=start)
+
+    def _phase_spans(self, tl: Timeline, s: Summary, start_span: Callable[[str, int], Any]) -> None:
         queue_end = tl.admitted if tl.admitted is not None else tl.body_read
         start = tl.sent if tl.sent is not None else queue_end
         if start is not None and s.upstream_queue is not None:
@@ -276,13 +304,13 @@ class SpanWriter:
             queue_end = start + s.upstream_queue
             start = queue_end
         if queue_end is not None:
-            span = tracer.start_span(sc.SPAN_QUEUE, context=ctx, start_time=tl.wall_ns(tl.received))
+            span = start_span(sc.SPAN_QUEUE, tl.wall_ns(tl.received))
             span.set_attributes(queue_attributes(s))
             span.end(end_time=tl.wall_ns(queue_end))
         if start is not None and tl.first_content is not None and s.upstream_unattributed is not None:
-            start = self._unattributed_span(tl, s, ctx, start)
+            start = self._unattributed_span(tl, s, start_span, start)
         if start is not None and tl.first_content is not None:
-            span = tracer.start_span(sc.SPAN_PREFILL, context=ctx, start_time=tl.wall_ns(start))
+            span = start_span(sc.SPAN_PREFILL, tl.wall_ns(start))
             attrs: dict[str, Any] = {sc.PREFILL_SOURCE: s.prefill_source}
             if s.prefill is not None:
                 attrs[sc.PREFILL_DURATION] = s.prefill
@@ -296,7 +324,7 @@ class SpanWriter:
             span.end(end_time=tl.wall_ns(tl.first_content))
         if tl.first_content is None or tl.last_content is None:
             return
-        decode = tracer.start_span(sc.SPAN_DECODE, context=ctx, start_time=tl.wall_ns(tl.first_content))
+        decode = start_span(sc.SPAN_DECODE, tl.wall_ns(tl.first_content))
         attrs = {sc.CHUNK_COUNT: len(tl.chunk_times) + tl.folded_chunks, sc.DECODE_DURATION: s.decode or 0.0}
         if s.output_tokens is not None:
             attrs[sc.OUTPUT_TOKENS] = s.output_tokens
@@ -312,18 +340,20 @@ class SpanWriter:
             self._chunks(tl, s, decode, mode)
         decode.end(end_time=tl.wall_ns(tl.last_content))
 
-    def _unattributed_span(self, tl: Timeline, s: Summary, ctx: otel_context.Context, start: float) -> float:
+    def _unattributed_span(
+        self, tl: Timeline, s: Summary, start_span: Callable[[str, int], Any], start: float
+    ) -> float:
         """The upstream time the server's queue and prefill leave out, as its own span between the two (the
         server does not say where it went); returns where prefill starts: the server's prefill before the first
         content chunk, never stretched over this part."""
         assert tl.first_content is not None and s.upstream_unattributed is not None
         begin = max(tl.first_content - (s.prefill or 0.0), start)
-        span = self._tracer.start_span(sc.SPAN_UNATTRIBUTED, context=ctx, start_time=tl.wall_ns(start))
+        span = start_span(sc.SPAN_UNATTRIBUTED, tl.wall_ns(start))
         span.set_attribute(sc.UPSTREAM_UNATTRIBUTED_DURATION, s.upstream_unattributed)
         span.end(end_time=tl.wall_ns(begin))
         return begin
 
-    def _chunks(self, tl: Timeline, s: Summary, decode: Span, mode: str) -> None:
+    def _chunks(self, tl: Timeline, s: Summary, decode: Any, mode: str) -> None:
         times, sizes = tl.chunk_times, tl.chunk_bytes
         n = len(times)
         cap = self.settings.telemetry.chunk_span_cap
@@ -354,7 +384,7 @@ class SpanWriter:
             else:
                 emit(tl.wall_ns(times[shown - 1] if shown else times[0]), tl.wall_ns(times[-1]), attrs)
 
-    def _chunk_emitter(self, decode: Span, ctx: otel_context.Context) -> Callable[[int, int, dict[str, Any]], None]:
+    def _chunk_emitter(self, decode: Any, ctx: otel_context.Context) -> Callable[[int, int, dict[str, Any]], None]:
         """How this request's chunk spans are written: straight to the processors, or through the tracer."""
         writer = self.chunk_writer
         parent = decode.get_span_context()
@@ -365,6 +395,34 @@ class SpanWriter:
             self._tracer.start_span(sc.SPAN_CHUNK, context=ctx, start_time=start, attributes=attrs).end(end_time=end)
 
         return through_tracer
+
+
+class _Born:
+    """A phase span written when it ends, born finished (``ChunkSpanWriter``): what ``_phase_spans`` uses of a span."""
+
+    __slots__ = ("_attributes", "_context", "_name", "_parent", "_start", "_writer")
+
+    def __init__(self, writer: ChunkSpanWriter, name: str, parent: SpanContext, start: int) -> None:
+        self._writer, self._name, self._parent, self._start = writer, name, parent, start
+        self._context = writer.child(parent)
+        self._attributes: dict[str, Any] = {}
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        self._attributes.update(attributes)
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self._attributes[key] = value
+
+    def get_span_context(self) -> SpanContext:
+        return self._context
+
+    def is_recording(self) -> bool:
+        return True
+
+    def end(self, end_time: int) -> None:
+        self._writer.write(
+            self._parent, self._start, end_time, self._attributes, name=self._name, context=self._context
+        )
 
 
 def relay_cost(tl: Timeline) -> dict[str, float]:
