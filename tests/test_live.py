@@ -32,7 +32,7 @@ from llmtap.telemetry.instruments import DURATION_BUCKETS
 from llmtap.telemetry.live import LiveView
 from llmtap.telemetry.live.view import embed, recorder_labels
 from llmtap.telemetry.live.waterfall import TICK_CAP, waterfall
-from llmtap.telemetry.live.window import HISTORY, HORIZON, SLOT, TICK, Busy, LiveWindow, Samples
+from llmtap.telemetry.live.window import HISTORY, HORIZON, SLOT, TICK, Busy, Hist, LiveWindow, Samples
 from llmtap.telemetry.prometheus import PrometheusReader
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import RequestInfo, ServerTiming, Usage
@@ -693,3 +693,23 @@ def test_demo_serve_keeps_the_view_up_until_ctrl_c() -> None:
         assert time.monotonic() - stopped < 5
     finally:
         stop(proc, grace=0)
+
+
+def test_a_histogram_takes_many_values_as_it_takes_each() -> None:
+    import random
+
+    rng = random.Random(4)
+    values = [rng.lognormvariate(-3, 1.5) for _ in range(500)] + [0.0, 1e-9, 100.0]
+    one, many = Hist(), Hist()
+    for value in values:
+        one.add(value)
+    many.add_many(values[:250])
+    many.add_many([])
+    many.add_many(values[250:])
+    assert (many.counts, many.count, many.total, many.low, many.high) == (
+        one.counts,
+        one.count,
+        one.total,
+        one.low,
+        one.high,
+    )
