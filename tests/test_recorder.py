@@ -407,6 +407,26 @@ def test_gen_ai_attributes_present_at_span_start(harness: HarnessFactory) -> Non
     assert attrs(h.root())[sc.USAGE_OUTPUT_TOKENS] == 6
 
 
+def test_input_drift_is_measured_once_a_second_per_route(harness: HarnessFactory) -> None:
+    """Usage reports the input: the prompt is counted for the drift only on a request a second per route."""
+    h = harness()
+    prompt = "Summarize the refund policy for order 12345, in three short sentences."
+    seen: list[tuple[str, bool]] = []
+    # Requests end in the order they arrived; each is received this long before T0 (the script's times stay positive).
+    for route, before in (("default", 3.0), ("default", 2.5), ("other", 2.4), ("default", 1.75), ("other", 1.5)):
+        tl = timeline(3, prompt=prompt, usage=Usage(input_tokens=15, output_tokens=6))
+        tl.route, tl.received = route, T0 - before
+        s = h.run(tl)
+        assert s.input_tokens == 15 and s.input_source == "usage"  # the token figures never depend on it
+        seen.append((route, s.input_drift is not None))
+    assert seen == [("default", True), ("default", False), ("other", True), ("default", True), ("other", False)]
+    drift = point(h.metrics(), sc.METRIC_TOKEN_DRIFT, **{sc.TOKEN_TYPE: "input", sc.ROUTE: "default"})
+    assert drift.count == 2
+    # Without usage the prompt is counted for the figure itself, whatever the drift's schedule.
+    s = h.run(timeline(3, prompt=prompt, reported=False))
+    assert s.input_source == "tiktoken:o200k_base" and s.input_tokens and s.input_drift is None
+
+
 def test_chunk_cap_folds_the_tail(harness: HarnessFactory) -> None:
     h = harness(chunk_span_cap=200)
     tl = timeline(500, usage=Usage(input_tokens=40, output_tokens=1100))

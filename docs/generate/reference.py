@@ -424,7 +424,10 @@ METRICS: dict[str, str] = {
     sc.METRIC_ACTIVE_STREAMS: "+1 when a request arrives, -1 when its record is written or dropped.",
     sc.METRIC_OVERHEAD: "Every request that was sent upstream.",
     sc.METRIC_RELAY_CHUNK_DELAY: "Every upstream read the relay handed to the client's socket, one sample each.",
-    sc.METRIC_TOKEN_DRIFT: "Requests where both usage and a tiktoken count exist.",
+    sc.METRIC_TOKEN_DRIFT: (
+        "Requests where both usage and a tiktoken count exist; the input's on at most one request a second per"
+        " route (a whole prompt's count)."
+    ),
     sc.METRIC_TELEMETRY_DROPPED: "Each request whose tape was dropped: the relay's channel or the recorder's queue was full.",  # noqa: E501
     sc.METRIC_LABELS_EVICTED: "Each label value that lost its slot to a more frequent one.",
     sc.METRIC_RECORDS_DROPPED: "Each request record that a failed write (`--record`) or a full queue or failed "

@@ -42,7 +42,7 @@ from llmtap.telemetry.spans import SpanWriter
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.messages import END, SEGMENT, End, Raw, Stats, WireError, data_size, decode, without_bytes
 
-__all__ = ["MAX_QUEUED_BYTES", "Recorder"]
+__all__ = ["INPUT_DRIFT_EVERY", "MAX_QUEUED_BYTES", "Recorder"]
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -57,6 +57,10 @@ MAX_OPEN_STREAMS = 4096
 #: tape is ``partial``), as at the relay's channel: what waits here, and so how long any record waits behind
 #: it, stays bounded however fast one upstream streams.
 MAX_QUEUED_BYTES = 16 * 1024 * 1024
+#: Where usage reports the input, tiktoken's drift from it is measured on at most one request per route in this many
+#: seconds (the requests' own clock): it takes a whole prompt's count (about 1 ms for 6,000 tokens), a cost per
+#: request the token figures themselves do not need, and one sample a second per route describes the drift.
+INPUT_DRIFT_EVERY = 1.0
 
 
 class Recorder:
@@ -96,6 +100,7 @@ class Recorder:
         #: Whether a finished request waits for its upstream's own span; only the worker thread touches it.
         self.wait = ServerSpanWait(settings, UpstreamWatch(), self._count_join)
         self._routes = {r.name: r for r in settings.routes}
+        self._drift_at: dict[str, float] = {}  # route: when its last input drift was measured
         #: Fingerprints prompts and classifies their cache use; only the worker thread touches it.
         self.cache = CacheDiagnoser(settings.routes)
         #: The shipped prices with the user's file over them (``--prices``), for each request's cost.
@@ -505,11 +510,23 @@ class Recorder:
             route=self._routes.get(tl.route),
             shapes=self.settings.shapes,
             slots=self.upstreams.slots(tl.upstream),
+            input_drift=self._input_drift_due(tl),
         )
         if tl.protocol is not None:
             s.cost = request_cost(self.prices, tl, s)
         self._emit_all(self.wait.offer(tl, s, time.monotonic()))
         return s
+
+    def _input_drift_due(self, tl: Timeline) -> bool:
+        if tl.usage is None or tl.usage.input_tokens is None:
+            return False
+        last = self._drift_at.get(tl.route)
+        if last is not None and 0.0 <= tl.received - last < INPUT_DRIFT_EVERY:
+            return False
+        if len(self._drift_at) >= len(self._routes) + 64:  # routes are configured; bounded all the same
+            self._drift_at.clear()
+        self._drift_at[tl.route] = tl.received
+        return True
 
     def _emit_all(self, items: list[Finishing]) -> None:
         for tl, s in items:
