@@ -1,9 +1,10 @@
 """What one telemetry core can take, and where it goes: ``python -m bench.telemetry [--before REV]``.
 
 Plays tapes of streamed chat requests (``chunks`` content chunks of a few tokens each, usage at the end,
-as the relay hands them over, random trace ids) through a recorder with the SDK's tracer and meter
-providers and default telemetry settings, spans exported by the batch processor to an exporter that
-encodes OTLP protobuf and drops it (the work a real export does short of the socket). Reports the CPU
+as the relay hands them over, random trace ids, 64 streams open at once) through a recorder with the
+SDK's tracer and meter providers and default telemetry settings, spans exported by the batch processor to
+an exporter that encodes OTLP protobuf and drops it (the work a real export does short of the socket).
+Reports the CPU
 of this process per chunk, in µs, by phase: ``decode`` (the tape played back: bytes decoded into events
 and facts, the timeline), ``summary`` (figures, tokens, cache diagnosis), ``spans`` (building them),
 ``export`` (encoding them, on the exporter's thread), ``metrics`` (recording them), ``records`` (building
@@ -120,14 +121,23 @@ def chat_tape(
     return t, messages
 
 
-def tape(key: int, chunks: int, rng: random.Random | None = None) -> tuple[Any, ...]:
-    """The end message of one finished stream of ``chunks`` content chunks (one upstream read each), usage last."""
+#: Streams open at once in the played-back traffic: each tape starts this share of a stream's length after the one
+#: before, so the estimator's replay of admissions sees the overlap of 64 staggered streams, as in a real run.
+STREAMS = 64
+
+
+def tape(key: int, chunks: int, rng: random.Random | None = None, *, received: float | None = None) -> tuple[Any, ...]:
+    """The end message of one finished stream of ``chunks`` content chunks (one upstream read each), usage last;
+    received ``key`` starts after the first, ``STREAMS`` streams open at once (or at ``received``)."""
     usage = {"model": "m", "choices": [], "usage": {"prompt_tokens": 51, "completion_tokens": 2 * chunks}}
     reads = [_event(" word word")] * chunks + [b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n"]
     prompt = [{"role": "user", "content": "hello " * 50}]
     body = json.dumps({"model": "m", "stream": True, "messages": prompt}).encode()
     rng = rng or random.Random(key)
-    return chat_tape(key, reads, body=body, trace_id=rng.getrandbits(128), span_id=rng.getrandbits(64) or 1)[1][-1]
+    if received is None:
+        received = 1000.0 + key * (0.1 + 0.02 * chunks) / STREAMS  # chat_tape's first read and gap
+    trace_id, span_id = rng.getrandbits(128), rng.getrandbits(64) or 1
+    return chat_tape(key, reads, received=received, body=body, trace_id=trace_id, span_id=span_id)[1][-1]
 
 
 #: Phases, in the order they are reported; ``records`` is not in the default telemetry's total.
@@ -174,7 +184,7 @@ def measure(requests: int, chunks: int) -> dict[str, Any]:
     recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
     rng = random.Random(29)
     messages = [tape(i, chunks, rng) for i in range(requests)]
-    recorder.take(0, tape(requests, chunks, rng))  # warm-up: the tokenizer and the first spans
+    recorder.take(0, tape(requests, chunks, rng, received=900.0))  # warm-up: the tokenizer and the first spans
     tracer_provider.force_flush()
     exporter.spans = exporter.cpu_ns = 0
     phases = _Phases()
