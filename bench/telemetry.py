@@ -1,15 +1,15 @@
 """What one telemetry core can take, and where it goes: ``python -m bench.telemetry [--before REV]``.
 
 Plays tapes of streamed chat requests (``chunks`` content chunks of a few tokens each, usage at the end,
-as the relay hands them over, random trace ids, 64 streams open at once) through a recorder with the
-SDK's tracer and meter providers and default telemetry settings, spans exported by the batch processor to
-an exporter that encodes OTLP protobuf and drops it (the work a real export does short of the socket).
-Reports the CPU
-of this process per chunk, in µs, by phase: ``decode`` (the tape played back: bytes decoded into events
-and facts, the timeline), ``summary`` (figures, tokens, cache diagnosis), ``spans`` (building them),
-``export`` (encoding them, on the exporter's thread), ``metrics`` (recording them), ``records`` (building
-the record line, which only ``--record`` writes: reported apart, not in the total), ``other`` (the rest
-of the process's CPU). Also the spans exported per request and the chunks per second one core sustains.
+as the relay hands them over, random trace ids, 64 streams open at once) through a recorder with the SDK's
+tracer and meter providers and default telemetry settings, spans exported by the batch processor to an
+exporter that encodes OTLP protobuf and drops it (the work a real export does short of the socket).
+Reports the CPU of this process per chunk, in µs, by phase: ``decode`` (the tape played back: bytes
+decoded into events and facts, the timeline), ``summary`` (figures, tokens, cache diagnosis), ``spans``
+(building them), ``export`` (encoding them, on the exporter's thread), ``metrics`` (recording them),
+``records`` (building the record line, which only ``--record`` writes: reported apart, not in the total),
+``other`` (the rest of the process's CPU). Also the spans exported per request and the chunks per second
+one core sustains.
 
 ``--before REV`` runs the same measurement, in the same run, against the ``proxy`` package of git
 revision ``REV`` (extracted to a temporary folder, run in a child process): before and after side by side.

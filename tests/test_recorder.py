@@ -413,13 +413,28 @@ def test_input_drift_is_measured_once_a_second_per_route(harness: HarnessFactory
     prompt = "Summarize the refund policy for order 12345, in three short sentences."
     seen: list[tuple[str, bool]] = []
     # Requests end in the order they arrived; each is received this long before T0 (the script's times stay positive).
-    for route, before in (("default", 3.0), ("default", 2.5), ("other", 2.4), ("default", 1.75), ("other", 1.5)):
-        tl = timeline(3, prompt=prompt, usage=Usage(input_tokens=15, output_tokens=6))
+    # The first has no prompt to count: it takes no turn from the request after it.
+    for route, before, text in (
+        ("default", 3.2, ""),
+        ("default", 3.0, prompt),
+        ("default", 2.5, prompt),
+        ("other", 2.4, prompt),
+        ("default", 1.75, prompt),
+        ("other", 1.5, prompt),
+    ):
+        tl = timeline(3, prompt=text, usage=Usage(input_tokens=15, output_tokens=6))
         tl.route, tl.received = route, T0 - before
         s = h.run(tl)
         assert s.input_tokens == 15 and s.input_source == "usage"  # the token figures never depend on it
         seen.append((route, s.input_drift is not None))
-    assert seen == [("default", True), ("default", False), ("other", True), ("default", True), ("other", False)]
+    assert seen == [
+        ("default", False),
+        ("default", True),
+        ("default", False),
+        ("other", True),
+        ("default", True),
+        ("other", False),
+    ]
     drift = point(h.metrics(), sc.METRIC_TOKEN_DRIFT, **{sc.TOKEN_TYPE: "input", sc.ROUTE: "default"})
     assert drift.count == 2
     # Without usage the prompt is counted for the figure itself, whatever the drift's schedule.

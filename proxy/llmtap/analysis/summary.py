@@ -32,6 +32,7 @@ __all__ = [
     "Summary",
     "adopt_server_timing",
     "apportion",
+    "input_drift_possible",
     "input_size_class",
     "reached_model",
     "slo_outcome",
@@ -171,6 +172,12 @@ def _drift(counted: int, reported: int | None) -> float | None:
     return (counted - reported) / reported
 
 
+def input_drift_possible(tl: Timeline) -> bool:
+    """Whether ``summarize`` can measure tiktoken's drift on ``tl``'s input: usage reports it and there is a prompt."""
+    usage, req = tl.usage, tl.request
+    return bool(usage is not None and usage.input_tokens is not None and req is not None and req.prompt_text)
+
+
 def summarize(
     tl: Timeline,
     slo: SLO | None = None,
@@ -232,7 +239,7 @@ def summarize(
     prompt = req.prompt_text if req else ""
     if usage is not None and usage.input_tokens is not None:
         s.input_tokens, s.input_source = usage.input_tokens, USAGE
-        if prompt and input_drift:
+        if input_drift and input_drift_possible(tl):
             s.input_drift = _drift(tokens.count(prompt, enc), usage.input_tokens)
     elif prompt and reached_model(tl):
         s.input_tokens, s.input_source = tokens.count(prompt, enc), src

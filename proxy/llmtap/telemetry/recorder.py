@@ -26,7 +26,7 @@ from opentelemetry.trace import TracerProvider
 from llmtap.analysis.cachediag import CacheDiagnoser, Diagnosis
 from llmtap.analysis.cost import PriceTable, request_cost
 from llmtap.analysis.estimator import Estimator
-from llmtap.analysis.summary import Summary, summarize
+from llmtap.analysis.summary import Summary, input_drift_possible, summarize
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Settings
 from llmtap.telemetry import forward, identity, peers, sched, semconv as sc
@@ -518,7 +518,7 @@ class Recorder:
         return s
 
     def _input_drift_due(self, tl: Timeline) -> bool:
-        if tl.usage is None or tl.usage.input_tokens is None:
+        if not input_drift_possible(tl):
             return False
         last = self._drift_at.get(tl.route)
         if last is not None and 0.0 <= tl.received - last < INPUT_DRIFT_EVERY:
