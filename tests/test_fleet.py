@@ -33,6 +33,7 @@ from llmtap.telemetry import peers, semconv as sc
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.recorder import Recorder
 from llmtap.telemetry.upstreams import UpstreamWatch
+from llmtap.wire.tape import shard_of
 from llmtap.wire.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry, free_port
 from tests.procs import stop, wait_ready
@@ -289,7 +290,9 @@ def _port() -> int:
 class Replica:
     """``llmtap serve`` on free ports, recording to a file, exporting to ``backend``; ``peers``: routing on."""
 
-    def __init__(self, name: str, upstream: str, backend: str, tmp: Path, *, wait: float, peers: bool) -> None:
+    def __init__(
+        self, name: str, upstream: str, backend: str, tmp: Path, *, wait: float, peers: bool, workers: int = 1
+    ) -> None:
         self.name = name
         self.port, self.admin_port = _port(), _port()
         self.record = tmp / f"{name}-records"
@@ -308,7 +311,7 @@ class Replica:
         if peers:
             env |= {"LLMTAP_PEER_ADDRESS": f"127.0.0.1:{self.admin_port}", "LLMTAP_PEER_TOKEN": TOKEN}
         argv = ["serve", "--upstream", upstream, "--provider", "vllm"]
-        argv += ["--port", str(self.port), "--admin-port", str(self.admin_port)]
+        argv += ["--port", str(self.port), "--admin-port", str(self.admin_port), "--telemetry-workers", str(workers)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmtap", *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log
         )
@@ -346,13 +349,16 @@ def _prom(name: str) -> str:
 class Fleet:
     """Two replicas, the shared span address in front of them, the OTLP backend, and what each request did."""
 
-    def __init__(self, upstream: Callable[[str], str], tmp: Path, *, wait: float, peers: bool) -> None:
+    def __init__(
+        self, upstream: Callable[[str], str], tmp: Path, *, wait: float, peers: bool, workers: int = 1
+    ) -> None:
         self.wait = wait
         self.backend = HTTPReceiver()
         self.service = Service()
         self.upstream_url = upstream(self.service.url)
         self.replicas = [
-            Replica(name, self.upstream_url, self.backend.url, tmp, wait=wait, peers=peers) for name in ("a", "b")
+            Replica(name, self.upstream_url, self.backend.url, tmp, wait=wait, peers=peers, workers=workers)
+            for name in ("a", "b")
         ]
         a, b = (r.traces_url for r in self.replicas)
         self.service.targets = [a, a, b]
@@ -362,9 +368,12 @@ class Fleet:
         self.owner: dict[str, int] = {}  # trace id -> the replica that relayed it
         self.seen: dict[str, float] = {}  # trace id -> when its record line was first seen on disk
 
-    def chat(self, i: int, body: dict[str, Any]) -> None:
-        """Request ``i`` through replica ``i % 2``, in a trace of the client's (with its own tracestate)."""
+    def chat(self, i: int, body: dict[str, Any], *, process: int | None = None) -> None:
+        """Request ``i`` through replica ``i % 2``, in a trace of the client's (with its own tracestate); with
+        ``process``, a trace id that telemetry process (of two) records (``shard_of``)."""
         trace = secrets.token_hex(16)
+        while process is not None and shard_of(int(trace, 16), 0, 2) != process:
+            trace = secrets.token_hex(16)
         headers = {"traceparent": f"00-{trace}-{secrets.token_hex(8)}-01", "tracestate": "vendor=abc"}
         with self.replicas[i % 2].client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
             assert r.status_code == 200
@@ -423,7 +432,8 @@ def fleet(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Fleet]:
         made.append(up)
         return up.url
 
-    f = Fleet(upstream, tmp_path, wait=WAIT, peers=request.param)
+    peers, workers = request.param if isinstance(request.param, tuple) else (request.param, 1)
+    f = Fleet(upstream, tmp_path, wait=WAIT, peers=peers, workers=workers)
     try:
         yield f
     finally:
@@ -475,6 +485,34 @@ def test_two_replicas_each_get_the_server_truth_of_their_own_requests(fleet: Fle
             state[0].split("=")[1].split("~")[0]
             == f"127.0.0.1:{fleet.replicas[fleet.owner[s.trace_id.hex()]].admin_port}"
         )
+
+
+@pytest.mark.parametrize("fleet", [(True, 2)], indirect=True)
+def test_two_telemetry_processes_per_replica_each_get_the_server_truth_of_their_own_requests(fleet: Fleet) -> None:
+    """The same fleet with two telemetry processes in each replica: a span reaches the replica that relayed its
+    request (process 0's admin listener), which passes it to the process that recorded the request; every
+    request's queue and prefill are the server's, each span passed once per hop, none lost."""
+    n = 8
+    for i in range(n):
+        fleet.chat(i, CHAT, process=(i // 2) % 2)  # each replica: requests its two processes record
+    lines = fleet.watch_records(WAIT + PATIENCE)
+    assert set(lines) == set(fleet.ended), fleet.logs()
+    joined = fleet.sum_counts(sc.METRIC_SERVER_SPANS, sc.SERVER_SPAN_OUTCOME)
+    routed = fleet.sum_counts(sc.METRIC_OTLP_ROUTED, sc.OTLP_FORWARD_OUTCOME)
+    for trace, line in lines.items():
+        assert (line["queue_source"], line["prefill_source"]) == ("server", "server"), (trace, line, joined, routed)
+    assert len({line["instance_id"] for line in lines.values()}) == 4  # two replicas, two processes each
+    landed_elsewhere = sum(
+        1
+        for target, traces, status in fleet.service.sent
+        for trace in traces
+        if status == 200 and target != fleet.replicas[fleet.owner[trace]].traces_url
+    )
+    # Passed between replicas, then (those of process 1) from process 0 to process 1 of the same replica.
+    to_process_1 = sum(1 for trace in fleet.ended if shard_of(int(trace, 16), 0, 2) == 1)
+    assert to_process_1 == n // 2
+    assert routed == {"sent": landed_elsewhere + to_process_1, "dropped": 0, "failed": 0}
+    assert joined == {"matched": n, "late": 0, "unmatched": 0, "missing": 0}
 
 
 @pytest.mark.parametrize("fleet", [False], indirect=True)

@@ -211,48 +211,55 @@ def short_tmp() -> Iterator[Path]:
 
 
 @pytest.mark.e2e
-def test_two_telemetry_processes_share_the_upstreams_and_one_scrape_adds_them_up(
-    upstream: Scripted, short_tmp: Path
-) -> None:
-    """Each upstream's tapes go to one telemetry process, always the same; /metrics on the admin port is all."""
+def test_two_telemetry_processes_share_one_upstream_and_see_every_prompt(short_tmp: Path) -> None:
+    """One upstream, two telemetry processes: its requests spread over both (by trace id), each process's cache
+    diagnosis knows the prompts the other recorded (one cold request, then every one a hit with the whole system
+    prompt expected), and one scrape of the admin port adds both up."""
     tmp_path = short_tmp
-    other = Scripted()
+    url, stop_sim = run_in_thread(get_profile("fast"))
+    records = tmp_path / "records"
     port, admin_port = free_port(), free_port()
     config = tmp_path / "llmtap.yaml"
-    config.write_text(
-        "routes:\n"
-        f"  - {{prefix: /b, upstream: '{other.url}', strip_prefix: true}}\n"
-        f"  - {{prefix: /, upstream: '{upstream.url}'}}\n"
-    )
+    config.write_text(f"routes:\n  - {{prefix: /, upstream: '{url}', provider: llmtap-sim}}\n")
     argv = ["serve", "--config", str(config), "--port", str(port), "--admin-port", str(admin_port)]
-    proc = _serve([*argv, "--telemetry-workers", "2"], tmp_path)
+    proc = _serve([*argv, "--record", str(records), "--telemetry-workers", "2"], tmp_path)
     admin = f"http://127.0.0.1:{admin_port}"
+    system = "You answer questions about the product's invoices, politely and briefly. " * 40
+    sent = 24
     try:
         wait_ready(proc, admin)
         assert sorted(_comm(pid) for pid in _children(proc.pid)) == ["llmtap-telemetr", "llmtap-telemetr"]
-        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-        with httpx.Client(timeout=10) as client:
-            for prefix in ("", "/b", "", "/b", ""):
-                r = client.post(f"http://127.0.0.1:{port}{prefix}/v1/chat/completions", json=body)
+        with httpx.Client(timeout=PATIENCE) as client:
+            for i in range(sent):
+                body = {
+                    "model": "llmtap-sim",
+                    "stream": True,
+                    "max_tokens": 2,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}],
+                }
+                r = client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
                 assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
-        deadline = time.monotonic() + PATIENCE
-        while _merged_count(admin) < 5 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _merged_count(admin) == 5
-        # Each process recorded its own upstream's requests: the private socket of process 1 shows one route.
-        (peer,) = sorted(tmp_path.glob("llmtap-*/telemetry.sock.admin.1"))
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(peer))) as client:
-            text = client.get("http://telemetry/metrics").text
-        routes = {
-            line.split('llmtap_route="', 1)[1].split('"', 1)[0]
-            for line in text.splitlines()
-            if line.startswith(COUNT + "{")
-        }
-        assert len(routes) == 1, routes
+                # The next request goes once this one is recorded: what it taught has left for the other process.
+                deadline = time.monotonic() + PATIENCE
+                while _merged_count(admin) < i + 1 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+        assert _merged_count(admin) == sent
+        metrics = httpx.get(admin + "/metrics", timeout=5).text
         stop_clean(proc)
     finally:
-        other.close()
+        stop_sim()
         stop(proc, grace=0)
+    got = sorted(read_records(records, ReadStats()), key=lambda r: r["time"])
+    assert len(got) == sent
+    writers = {r["instance_id"] for r in got}
+    assert len(writers) == 2, writers  # 24 random trace ids, all on one process: a chance of 2 in 2**24
+    classes = [r["cache"]["class"] for r in got]
+    assert classes == ["cold"] + ["hit"] * (sent - 1), classes
+    expected = {r["cache"]["expected_prefix_tokens"] for r in got[1:]}
+    assert len(expected) == 1 and expected.pop() > 400, got[1]["cache"]
+    # Nothing the processes told each other was lost.
+    dropped = [line for line in metrics.splitlines() if line.startswith("llmtap_telemetry_facts_dropped_total{")]
+    assert dropped and all(line.endswith(" 0") for line in dropped), dropped
 
 
 def _requests_total(admin: str) -> float:
@@ -262,8 +269,8 @@ def _requests_total(admin: str) -> float:
 
 @pytest.mark.e2e
 def test_two_telemetry_processes_write_every_record_into_their_own_files(short_tmp: Path) -> None:
-    """200 requests over two routes (one per telemetry process), records rotating every few kB: every request's
-    record on disk exactly once, none torn, each file written by one process only."""
+    """200 requests over two routes, spread over two telemetry processes, records rotating every few kB: every
+    request's record on disk exactly once, none torn, each file written by one process only."""
     tmp_path = short_tmp
     sims = [run_in_thread(get_profile("fast")) for _ in range(2)]
     records = tmp_path / "records"
@@ -299,12 +306,12 @@ def test_two_telemetry_processes_write_every_record_into_their_own_files(short_t
     got = list(read_records(records, stats))
     assert counted == sent == len(got) == len({r["trace_id"] for r in got}), (counted, len(got))
     assert stats.skipped == 0, stats
-    # Two writers, each its own pid and instance, each one route's (its upstream's) records.
+    # Two writers, each its own pid and instance, each with requests of both routes (by trace id, not by upstream).
     by_instance: dict[str, set[tuple[int, str]]] = {}
     for r in got:
         by_instance.setdefault(r["instance_id"], set()).add((r["pid"], r["route"]))
     assert {pid for pairs in by_instance.values() for pid, _ in pairs} == telemetry
-    assert sorted(len(pairs) for pairs in by_instance.values()) == [1, 1]
+    assert [sorted(route for _, route in pairs) for pairs in by_instance.values()] == [["a", "b"], ["a", "b"]]
     # Every file is one writer's, named for it, within the size bound, and compressed once closed.
     files = record_files_at(records)
     assert len(files) > 4 and all(f.name.endswith(".jsonl.gz") for f in files), files

@@ -370,6 +370,7 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
 #: Attributes of metrics the reference run cannot provoke (they count failures of llmtap itself).
 UNEXERCISED: dict[str, tuple[str, ...]] = {
     sc.METRIC_TELEMETRY_DROPPED: (sc.TELEMETRY_REASON,),
+    sc.METRIC_FACTS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_RECORDS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_SERVER_SPANS: (sc.SERVER_SPAN_OUTCOME,),
     sc.METRIC_OTLP_REJECTED: (sc.OTLP_REJECT_REASON,),
@@ -429,6 +430,9 @@ METRICS: dict[str, str] = {
         " route (a whole prompt's count)."
     ),
     sc.METRIC_TELEMETRY_DROPPED: "Each request whose tape was dropped: the relay's channel or the recorder's queue was full.",  # noqa: E501
+    sc.METRIC_FACTS_DROPPED: "With `--telemetry-workers` above 1: each lesson of the state kept whole per upstream "
+    "(a request's end, an idle request's TTFT, a prompt's block chain, a slot count) that one telemetry process "
+    "could not pass to another (`channel_full`) or could not queue (`queue_full`); both read 0 from the start.",
     sc.METRIC_LABELS_EVICTED: "Each label value that lost its slot to a more frequent one.",
     sc.METRIC_RECORDS_DROPPED: "Each request record that a failed write (`--record`) or a full queue or failed "
     "export of its log record (`--record-logs`) lost; 0 per reason from the start.",
@@ -449,7 +453,8 @@ METRICS: dict[str, str] = {
     sc.METRIC_OTLP_FORWARDED: "Each span `/v1/traces` took, once forwarded to the traces backend or not "
     "(`telemetry.forward_server_spans`, only when traces go out over OTLP); every outcome reads 0 from the start.",
     sc.METRIC_OTLP_ROUTED: "Each span `/v1/traces` passed to the replica named in its `tracestate` (with "
-    "`telemetry.peer_address`); `sent`, `dropped` and `failed` read 0 from the start.",
+    "`telemetry.peer_address`), or to the telemetry process of this replica that recorded its request (with "
+    "`--telemetry-workers` above 1); `sent`, `dropped` and `failed` read 0 from the start.",
     sc.METRIC_ADMIN_REFUSED: "Each admin connection or request refused or cut; every reason reads 0 from the start.",
     sc.METRIC_EVENT_STREAMS: "The live view's open `/events` streams, up and down as they open and end.",
     sc.METRIC_LIVE_SAMPLES_DROPPED: "Each latency value the live view let go past its bound; reads 0 from the start.",

@@ -24,10 +24,11 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Any
 
 from llmtap.analysis.timeline import Timeline
 
-__all__ = ["ESTIMATED", "MAX_MODELS", "Envelope", "Estimator", "QueuePrefill", "SlotLog"]
+__all__ = ["ESTIMATED", "MAX_MODELS", "Envelope", "Estimator", "Lesson", "QueuePrefill", "SlotLog"]
 
 ESTIMATED = "estimated"
 
@@ -151,12 +152,13 @@ class SlotLog:
                 break
             if f <= first:
                 together += 1
-        self._decoding.append((first, end))
+        _insert(self._decoding, (first, end), end)
         self.decoding_peak = max(self.decoding_peak, together)
 
     def add(self, seq: int, end: float) -> None:
-        """A request to this upstream ended (its slot is free again)."""
-        self._ends.append((seq, end))
+        """A request to this upstream ended (its slot is free again); kept in the order of the ends, however
+        late it is told (a sibling telemetry process's request, ``Estimator.learn``)."""
+        _insert(self._ends, (seq, end), end)
 
     def admitted(self, seq: int, sent: float, ahead: int, slots: int, first: float) -> float | None:
         """When the server admitted request ``seq``, or None when the log cannot tell.
@@ -182,18 +184,49 @@ class SlotLog:
         return at if at <= first else None
 
 
+def _insert(log: deque[tuple[Any, float]], item: tuple[Any, float], end: float) -> None:
+    """Put ``item`` into ``log`` (in order of its last field) from the back: at the end, or a few places before it
+    when it came late; a full log lets its oldest go first."""
+    at = len(log)
+    while at and log[at - 1][1] > end:
+        at -= 1
+    if at == len(log):
+        log.append(item)
+        return
+    if len(log) == log.maxlen:
+        if at == 0:
+            return  # older than everything kept
+        log.popleft()
+        at -= 1
+    log.insert(at, item)
+
+
 @dataclass(slots=True)
 class _Upstream:
     log: SlotLog
     envelopes: OrderedDict[str, Envelope]
 
 
+#: What a request taught the estimator, as ``Estimator.learned`` holds it for the other telemetry processes:
+#: ``(DECODING, upstream, first, end)``, ``(ENDED, upstream, seq, end)``, ``(IDLE, upstream, model, tokens, ttft,
+#: rate)``. Plain tuples: they travel as they are (``llmtap.wire.messages.Facts``).
+DECODING, ENDED, IDLE = "decoding", "ended", "idle"
+Lesson = tuple[Any, ...]
+
+
 class Estimator:
-    """Bounded per-upstream state for splitting upstream TTFT; one per recorder, used on its thread."""
+    """Bounded per-upstream state for splitting upstream TTFT; one per recorder, used on its thread.
+
+    Where several telemetry processes share an upstream's requests (``llmtap.telemetry.siblings``), ``learned``
+    is a list: each lesson a request taught goes there too, and the other processes ``learn`` it, so every
+    process's slot log and envelopes hold all the upstream's requests.
+    """
 
     def __init__(self) -> None:
         self._upstreams: dict[str, _Upstream] = {}
         self._models = 0
+        #: Lessons for the other processes, when there are any (None: nobody to tell).
+        self.learned: list[Lesson] | None = None
 
     def _upstream(self, key: str) -> _Upstream:
         up = self._upstreams.get(key)
@@ -207,7 +240,30 @@ class Estimator:
         up = self._upstream(tl.upstream)
         if tl.first_content is not None and tl.end is not None:
             up.log.decoding(tl.first_content, tl.end)
+            if self.learned is not None:
+                self.learned.append((DECODING, tl.upstream, tl.first_content, tl.end))
         return up.log.decoding_peak
+
+    def learn(self, lesson: Lesson) -> None:
+        """What a request another telemetry process recorded taught its estimator (``learned``).
+
+        Raises ``ValueError`` for a lesson this build cannot read.
+        """
+        kind, upstream = lesson[0], lesson[1]
+        if not isinstance(upstream, str):
+            raise ValueError(f"a lesson's upstream is {type(upstream).__name__}")
+        if kind == DECODING and len(lesson) == 4:
+            first, end = float(lesson[2]), float(lesson[3])
+            self._upstream(upstream).log.decoding(first, end)
+        elif kind == ENDED and len(lesson) == 4:
+            self._upstream(upstream).log.add(int(lesson[2]), float(lesson[3]))
+        elif kind == IDLE and len(lesson) == 6:
+            model, tokens, ttft, rate = lesson[2], int(lesson[3]), float(lesson[4]), lesson[5]
+            if not isinstance(model, str) or not (rate is None or isinstance(rate, (int, float))):
+                raise ValueError("an idle lesson's model or rate is of the wrong type")
+            self.envelope(upstream, model, None if rate is None else float(rate)).add(tokens, ttft)
+        else:
+            raise ValueError(f"a lesson {kind!r} of {len(lesson)} fields")
 
     def envelope(self, upstream: str, model: str, rate: float | None = None) -> Envelope:
         """The envelope of one upstream and model, created on first use; least recently used forgotten."""
@@ -251,6 +307,8 @@ class Estimator:
         up = self._upstream(tl.upstream)
         if tl.end is not None:
             up.log.add(tl.upstream_seq, tl.end)
+            if self.learned is not None:
+                self.learned.append((ENDED, tl.upstream, tl.upstream_seq, tl.end))
         first = tl.first_content
         if first is None or uncached_tokens is None:
             return None
@@ -271,4 +329,6 @@ class Estimator:
                 split = QueuePrefill(ttft - prefill, prefill, "envelope")
         if idle:
             env.add(uncached_tokens, ttft)
+            if self.learned is not None:
+                self.learned.append((IDLE, tl.upstream, model, uncached_tokens, ttft, rate))
         return split

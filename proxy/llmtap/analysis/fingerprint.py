@@ -23,7 +23,16 @@ from llmtap.analysis import tokens
 from llmtap.providers.openai_common import collect_text
 from llmtap.types import PromptRegion
 
-__all__ = ["BLOCK_CHARS", "Fingerprint", "PrefixIndex", "PrefixMatch", "TokenCounts", "fingerprint"]
+__all__ = [
+    "BLOCK_CHARS",
+    "SHARED_LINKS",
+    "Fingerprint",
+    "PrefixIndex",
+    "PrefixMatch",
+    "TokenCounts",
+    "chain_digests",
+    "fingerprint",
+]
 
 #: Messages after the system prompt that get a region of their own; the others share ``rest``.
 FIRST_MESSAGES = 4
@@ -163,6 +172,17 @@ def fingerprint(
     return Fingerprint(regions=regions, root=root, chain=tuple(chain))
 
 
+#: Blocks of a prompt's chain another telemetry process is told at most (its head: 4 MB of prompt, 64 KB of hashes).
+SHARED_LINKS = 4096
+
+
+def chain_digests(fp: Fingerprint, limit: int | None = None) -> list[bytes]:
+    """``fp``'s block hashes as ``PrefixIndex.add_chain`` takes them: tail first, so a prompt's head is the most
+    recent and is evicted last, as servers do; ``limit``: the head's blocks only."""
+    links = fp.chain if limit is None else fp.chain[:limit]
+    return [*(link.digest for link in reversed(links)), fp.root]
+
+
 class PrefixIndex:
     """The block chains of recent prompts, LRU-bounded, each with the time its prefix became cacheable.
 
@@ -195,8 +215,12 @@ class PrefixIndex:
 
     def add(self, fp: Fingerprint, ready: float) -> None:
         """Remember ``fp`` as cacheable from ``ready`` (its prefill's end) on; evicts the least recent."""
-        # Tail first, so a prompt's head is the most recent and is evicted last, as servers do.
-        for digest in [*(link.digest for link in reversed(fp.chain)), fp.root]:
+        self.add_chain(chain_digests(fp), ready)
+
+    def add_chain(self, digests: Sequence[bytes], ready: float) -> None:
+        """Remember a prompt's block chain (``chain_digests``: its tail first, its root last) as cacheable from
+        ``ready`` on; how another telemetry process's prompt joins this index."""
+        for digest in digests:
             known = self._ready.get(digest)
             self._ready[digest] = ready if known is None else min(known, ready)
             self._ready.move_to_end(digest)

@@ -900,7 +900,7 @@ _TABLE = (
         "telemetry_workers",
         integer(1),
         1,
-        "telemetry processes, upstreams spread over them; /metrics merges them",
+        "telemetry processes, requests spread over them (one upstream's too); /metrics merges them",
         "process",
     ),
     option(

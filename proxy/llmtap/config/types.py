@@ -367,7 +367,8 @@ class Settings:
     record: Records = field(default_factory=Records)
     #: Relay processes sharing the proxy port (SO_REUSEPORT).
     workers: int = default("workers")
-    #: Telemetry processes; each upstream's tapes go to one of them (so its estimator sees all its requests).
+    #: Telemetry processes; each request's tape goes to one of them by its trace id, and they tell each other what
+    #: must stay whole per upstream (``llmtap.telemetry.siblings``).
     telemetry_workers: int = default("telemetry_workers")
     #: ``TELEMETRY_SCHEDULING``: how the telemetry processes yield the CPU to the relays.
     telemetry_scheduling: str = default("telemetry_scheduling")

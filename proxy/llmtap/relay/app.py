@@ -40,7 +40,7 @@ from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.upstream_http import PIPE, Answer, LeanTransport, Origin
 from llmtap.types import UNCHANGED, Message, Receive, Scope, Send
 from llmtap.wire.messages import RESPONSE_CUT_REASONS, Raw, Stats, encode_stats, without_bytes
-from llmtap.wire.tape import Tape, now
+from llmtap.wire.tape import Tape, now, shard_of
 from llmtap.wire.tracecontext import Sampler, begin
 from llmtap.wire.tracestate import entry, upstream_tracestate
 
@@ -127,10 +127,9 @@ class ProxyApp:
         self._upstream_inflight: dict[str, int] = {}
         self._upstream_seq = 0
         self._keys = itertools.count(1)
-        # With several telemetry processes, each upstream's tapes go to one of them, always the same: its
-        # estimator and cache diagnosis must see every request to that upstream.
-        upstreams = list(dict.fromkeys(r.upstream for r in settings.routes))
-        self._shards = {r.name: upstreams.index(r.upstream) for r in settings.routes}
+        # With several telemetry processes, each request's tape goes to one of them, by its trace id
+        # (``shard_of``); they tell each other what must be whole per upstream (``llmtap.telemetry.siblings``).
+        self._shards = channel.shards
         # What the telemetry side's gauges show, sent as absolute values (a dropped message loses nothing).
         self._active = {r.name: 0 for r in settings.routes}
         self._waiting = {r.name: 0 for r in settings.routes}
@@ -373,7 +372,7 @@ class ProxyApp:
         """The tape is full mid-stream: its reads leave now, so a long stream holds little here."""
         if tape.lost:
             tape.take_reads()
-        elif not self._send(tape.segment_message(), shard=self._shards[tape.route]):
+        elif not self._send(tape.segment_message(), shard=shard_of(tape.trace_id, tape.key, self._shards)):
             tape.lost = True
 
     def _hand_over(self, tape: Tape) -> None:
@@ -381,7 +380,8 @@ class ProxyApp:
 
         The end may use the channel's reserve: it holds a stream's last reads, where usage is reported.
         """
-        if tape.lost or not self._send(tape.end_message(), reserve=True, shard=self._shards[tape.route]):
+        shard = shard_of(tape.trace_id, tape.key, self._shards)
+        if tape.lost or not self._send(tape.end_message(), reserve=True, shard=shard):
             self.tapes_dropped += 1
             log.debug("telemetry behind: dropped the tape of %s %s", tape.method, tape.path)
         self._stats_changed = True

@@ -6,33 +6,24 @@ the message is dropped and counted: a stream is never held up for its telemetry.
 * ``LocalChannel``: the telemetry side in this process (tests, the demo, benchmarks: ``llmtap.serve.local``):
   the message goes straight into the recorder's bounded queue, played back on its thread; closing the channel
   closes the recorder.
-* ``SocketChannel``: the telemetry process, over a Unix socket, in frames (``llmtap.wire.framing``); those
-  sent in one turn of the event loop leave in one write. Bounded by the bytes
-  waiting in the socket's write buffer; while the telemetry process is away, messages are dropped
-  (counted) and the channel connects again.
+* ``SocketChannel`` (``llmtap.wire.socketchannel``): the telemetry process, over a Unix socket, in frames; those
+  sent in one turn of the event loop leave in one write. Bounded by the bytes waiting in the socket's write
+  buffer; while the telemetry process is away, messages are dropped (counted) and the channel connects again.
+  ``ShardedChannel``: one of those to each of several telemetry processes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from typing import Protocol, cast
+from typing import Protocol
 
-from llmtap.wire.framing import encode_frame
-from llmtap.wire.messages import Raw, WireError
+from llmtap.wire.messages import Raw
+from llmtap.wire.socketchannel import SocketChannel
 
 __all__ = ["Channel", "LocalChannel", "ShardedChannel", "SocketChannel"]
 
 log = logging.getLogger("llmtap.relay")
-
-#: Bytes that may wait for the telemetry process before messages are dropped.
-SOCKET_BUFFER_LIMIT = 16 * 1024 * 1024
-#: Seconds between two attempts to reach the telemetry process.
-RECONNECT_EVERY = 0.5
-#: How long the relay waits for the telemetry process at start, and for its last writes at the end.
-CONNECT_WAIT = 10.0
-CLOSE_WAIT = 5.0
 
 
 class Receiver(Protocol):
@@ -57,6 +48,11 @@ class Channel(Protocol):
         """Messages dropped so far because the telemetry side was full or away."""
         ...
 
+    @property
+    def shards(self) -> int:
+        """How many telemetry processes take the messages (``send``'s ``shard`` is taken modulo this)."""
+        ...
+
     def send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
         """Hand over one message; False when it was dropped. Never blocks, never raises.
 
@@ -73,6 +69,9 @@ class Channel(Protocol):
 
 class LocalChannel:
     """The telemetry side in this process."""
+
+    #: One recorder, in this process.
+    shards = 1
 
     def __init__(self, sink: Receiver) -> None:
         self.sink = sink
@@ -94,121 +93,6 @@ class LocalChannel:
         await asyncio.to_thread(self.sink.close)
 
 
-class SocketChannel(asyncio.Protocol):
-    """The telemetry process at ``path``; connects on ``start`` and again whenever the connection is lost."""
-
-    def __init__(self, path: str, *, limit: int = SOCKET_BUFFER_LIMIT) -> None:
-        self.path = path
-        self.limit = limit
-        self.dropped = 0
-        self._transport: asyncio.WriteTransport | None = None
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
-        self._flush_scheduled = False
-        self._closing = False
-        self._connector: asyncio.Task[None] | None = None
-        self._connected = asyncio.Event()
-        self._lost = asyncio.Event()
-
-    async def start(self) -> None:
-        """Connect (retrying for up to ``CONNECT_WAIT`` seconds) and keep the connection up from then on."""
-        self._connector = asyncio.create_task(self._keep_connected())
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(CONNECT_WAIT):
-                await self._connected.wait()
-        if self._transport is None:
-            log.warning("telemetry process at %s not reachable yet; telemetry is dropped until it is", self.path)
-
-    async def _keep_connected(self) -> None:
-        loop = asyncio.get_running_loop()
-        warned = False
-        while not self._closing:
-            if self._transport is None:
-                try:
-                    await loop.create_unix_connection(lambda: self, self.path)
-                except OSError as exc:
-                    if not warned and self._connected.is_set():
-                        log.warning("telemetry process unreachable (%s); telemetry is dropped meanwhile", exc)
-                        warned = True
-                else:
-                    warned = False
-            await asyncio.sleep(RECONNECT_EVERY)
-
-    # -- asyncio.Protocol ---------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """Connected: messages flow from now on."""
-        # uvloop's transports implement WriteTransport without subclassing it.
-        self._transport = cast(asyncio.WriteTransport, transport)
-        self._lost.clear()
-        self._connected.set()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        """The telemetry process went away: drop until it is back."""
-        self._transport = None
-        self._lost.set()
-        if not self._closing:
-            log.warning("lost the connection to the telemetry process; reconnecting")
-
-    def data_received(self, data: bytes) -> None:
-        """The telemetry process sends nothing back."""
-
-    # -- the relay's side ---------------------------------------------------------------------
-
-    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
-        """Queue one message for this turn's write, or drop it when the buffer is full or nobody listens.
-
-        A ``reserve`` message may use another quarter of the bound: so a stream whose bytes no longer fit
-        can still send its timing.
-        """
-        transport = self._transport
-        try:
-            prefix, data = encode_frame(message)
-        except WireError:
-            log.exception("telemetry: a tape could not be encoded")
-            self.dropped += 1
-            return False
-        limit = self.limit + (self.limit >> 2 if reserve else 0)
-        if transport is None or transport.get_write_buffer_size() + self._pending_bytes + len(data) > limit:
-            self.dropped += 1
-            return False
-        self._pending.append(prefix)
-        self._pending.append(data)
-        self._pending_bytes += len(data) + 4
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-        return True
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
-        transport = self._transport
-        if transport is None or not pending:
-            self.dropped += len(pending) // 2
-            return
-        transport.write(b"".join(pending))
-
-    async def aclose(self) -> None:
-        """Write what waits (for up to ``CLOSE_WAIT`` seconds) and close."""
-        self._flush()
-        self._closing = True
-        if self._connector is not None:
-            self._connector.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._connector
-        transport = self._transport
-        if transport is None:
-            return
-        # Closing a transport writes out what it buffered first; the connection is lost once it did.
-        transport.close()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(CLOSE_WAIT):
-                await self._lost.wait()
-        if not self._lost.is_set():
-            transport.abort()
-
-
 class ShardedChannel:
     """One socket channel to each of several telemetry processes; ``shard`` picks the one a message goes to."""
 
@@ -219,6 +103,11 @@ class ShardedChannel:
     def dropped(self) -> int:
         """Messages dropped by any of the channels."""
         return sum(c.dropped for c in self.channels)
+
+    @property
+    def shards(self) -> int:
+        """One per telemetry process."""
+        return len(self.channels)
 
     async def start(self) -> None:
         """Connect every channel."""

@@ -8,7 +8,7 @@ import socket
 
 from llmtap.config.types import ConfigError
 
-__all__ = ["bind", "bind_unix", "channel_paths"]
+__all__ = ["bind", "bind_unix", "channel_paths", "facts_paths"]
 
 
 def bind(host: str, port: int, what: str, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
@@ -49,3 +49,8 @@ def bind_unix(path: str) -> socket.socket:
 def channel_paths(base: str, count: int) -> list[str]:
     """The channel sockets of ``count`` telemetry processes: ``base`` itself for one."""
     return [base] if count == 1 else [f"{base}.{i}" for i in range(count)]
+
+
+def facts_paths(base: str, count: int) -> tuple[str, ...]:
+    """The sockets on which each of ``count`` telemetry processes takes the others' lessons (none for one)."""
+    return tuple(f"{base}.facts.{i}" for i in range(count)) if count > 1 else ()

@@ -22,7 +22,7 @@ import sys
 from llmtap import logs
 from llmtap.config.types import ConfigError, Settings
 from llmtap.serve.server import Server, die_with_parent, label_uvicorn, run_loop, set_name, uvicorn_config
-from llmtap.serve.sockets import bind, bind_unix, channel_paths
+from llmtap.serve.sockets import bind, bind_unix, channel_paths, facts_paths
 from llmtap.telemetry import process
 from llmtap.telemetry.process import Launch
 
@@ -49,6 +49,10 @@ class TelemetryProcess:
         count = settings.telemetry_workers
         self.admin_sock = bind(settings.admin_host, settings.admin_port, "admin listener")
         self.channel_socks = [bind_unix(path) for path in channel_paths(channel_path, count)]
+        # With several processes, each request goes to one of them, and each takes the others' lessons on a
+        # socket of its own (``llmtap.telemetry.siblings``).
+        self.facts_paths = facts_paths(channel_path, count)
+        self.facts_socks = [bind_unix(path) for path in self.facts_paths]
         self.peer_paths = tuple(f"{channel_path}.admin.{i}" for i in range(1, count))
         self.admin_socks = [self.admin_sock, *(bind_unix(path) for path in self.peer_paths)]
         self.procs = [self._start(i, wait=START_WAIT) for i in range(count)]
@@ -63,6 +67,8 @@ class TelemetryProcess:
             wait=wait,
             index=index,
             peers=self.peer_paths if index == 0 else (),
+            facts=self.facts_socks[index] if self.facts_socks else None,
+            siblings=self.facts_paths,
         )
 
     @property
@@ -100,7 +106,7 @@ class TelemetryProcess:
                 log.warning("a telemetry process did not exit in time; killed")
                 proc.kill()
                 proc.wait()
-        for sock in (*self.channel_socks, *self.admin_socks):
+        for sock in (*self.channel_socks, *self.admin_socks, *self.facts_socks):
             sock.close()
 
 
@@ -113,6 +119,8 @@ def start(
     wait: float | None = None,
     index: int = 0,
     peers: tuple[str, ...] = (),
+    facts: socket.socket | None = None,
+    siblings: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """Start a telemetry process with the two listening sockets (which stay open here too, for a restart).
 
@@ -121,13 +129,15 @@ def start(
     """
     argv = [sys.executable, "-c", "from llmtap.serve.telemetry import main; main()"]
     read_end, write_end = os.pipe()
-    fds = (channel.fileno(), admin.fileno(), write_end)
+    facts_fd = facts.fileno() if facts is not None else -1
+    fds = (channel.fileno(), admin.fileno(), write_end, *((facts_fd,) if facts is not None else ()))
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=fds)
     finally:
         os.close(write_end)
     assert proc.stdin is not None
-    pickle.dump(Launch(settings, fds[0], fds[1], relays, write_end, index, peers), proc.stdin)
+    launch = Launch(settings, fds[0], fds[1], relays, write_end, index, peers, facts_fd, siblings)
+    pickle.dump(launch, proc.stdin)
     proc.stdin.close()
     with os.fdopen(read_end, "rb") as said:
         if wait is None:

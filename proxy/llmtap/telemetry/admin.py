@@ -45,6 +45,7 @@ from llmtap.telemetry.serverspans import (
     server_spans,
     span_count,
 )
+from llmtap.telemetry.siblings import by_process
 from llmtap.types import Receive, Scope, Send
 
 __all__ = ["AdminApp"]
@@ -141,7 +142,9 @@ class AdminApp:
             # A body another replica passed here is this replica's to keep: never passed on again.
             owner = None if passed else self._owner()
             encoding = request.headers.get("content-encoding")
-            raw, mine, theirs = await asyncio.to_thread(_read_export, body, encoding, owner, limits)
+            siblings = self.recorder.siblings
+            processes = (siblings.index, siblings.count) if siblings is not None else None
+            raw, mine, theirs, others = await asyncio.to_thread(_read_export, body, encoding, owner, limits, processes)
         except BadBody as exc:
             self.recorder.count_rejected(exc.reason)
             return _status(_REFUSAL_STATUS[exc.reason], str(exc))
@@ -151,6 +154,8 @@ class AdminApp:
             return _status(503, "telemetry queue full")  # the sender retries: forwarded then, not now
         for address, (export, count) in theirs.items():
             self.recorder.route(address, export, count)
+        for index, (data, count) in others.items():
+            self.recorder.pass_spans(index, data, count)
         return Response(ExportTraceServiceResponse().SerializeToString(), media_type=_PROTOBUF)
 
     def _passed_by_peer(self, request: Request) -> bool:
@@ -180,10 +185,20 @@ class AdminApp:
 
 
 def _read_export(
-    body: bytes, encoding: str | None, owner: tuple[str, str] | None, limits: Admin
-) -> tuple[bytes, ExportTraceServiceRequest | None, dict[str, tuple[ExportTraceServiceRequest, int]]]:
-    """The body inflated (within ``limits``), the spans this replica keeps (None: none), and those other
-    replicas own, by address."""
+    body: bytes,
+    encoding: str | None,
+    owner: tuple[str, str] | None,
+    limits: Admin,
+    processes: tuple[int, int] | None = None,
+) -> tuple[
+    bytes,
+    ExportTraceServiceRequest | None,
+    dict[str, tuple[ExportTraceServiceRequest, int]],
+    dict[int, tuple[bytes, int]],
+]:
+    """The body inflated (within ``limits``), the spans this process keeps (None: none), those other replicas
+    own, by address, and, with ``processes`` (this one's index, their count), those another telemetry process of
+    this replica recorded, by index (``siblings.by_process``)."""
     raw = inflate(
         body,
         encoding,
@@ -192,10 +207,15 @@ def _read_export(
         max_ratio=limits.max_inflate_ratio,
     )
     request = decode(raw)
+    theirs: dict[str, tuple[ExportTraceServiceRequest, int]] = {}
     if owner is None:
-        return raw, (request if span_count(request) else None), {}
-    mine, theirs = split(request, *owner)
-    return raw, mine, theirs
+        mine = request if span_count(request) else None
+    else:
+        mine, theirs = split(request, *owner)
+    others: dict[int, tuple[bytes, int]] = {}
+    if processes is not None and mine is not None:
+        mine, others = by_process(mine, *processes)
+    return raw, mine, theirs, others
 
 
 async def _read_bounded(request: Request, limit: int) -> bytes:

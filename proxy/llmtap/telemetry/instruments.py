@@ -79,6 +79,7 @@ class Instruments:
     relay_chunk_delay: Histogram
     drift: Histogram
     telemetry_dropped: Counter
+    facts_dropped: Counter
     labels_evicted: Counter
     records_dropped: Counter
     malformed: Counter
@@ -229,6 +230,12 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             sc.METRIC_TELEMETRY_DROPPED,
             unit="{item}",
             description="Tapes that did not become telemetry, in whole or in part, by llmtap.telemetry.reason.",
+        ),
+        facts_dropped=meter.create_counter(
+            sc.METRIC_FACTS_DROPPED,
+            unit="{item}",
+            description="What one telemetry process learned of a request that the others could not be told "
+            "(queue/prefill estimator, cache diagnosis; --telemetry-workers above 1), by llmtap.telemetry.reason.",
         ),
         labels_evicted=meter.create_counter(
             sc.METRIC_LABELS_EVICTED,

@@ -30,10 +30,14 @@ if TYPE_CHECKING:
     from llmtap.telemetry.admin import AdminApp
     from llmtap.telemetry.admin_conn import AdminLimits
     from llmtap.telemetry.recorder import Recorder
+    from llmtap.telemetry.siblings import Siblings
 
 __all__ = ["Launch", "prepare", "running"]
 
 log = logging.getLogger("llmtap.telemetry")
+
+#: The source the recorder sees the sibling processes' lessons come from (relays are 0 and up).
+LESSONS = -2
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,10 @@ class Launch:
     #: Which telemetry process this is, and (process 0 only) the admin sockets of the others.
     index: int = 0
     peers: tuple[str, ...] = ()
+    #: With several processes: the socket this one takes the others' lessons on, and every process's, by index
+    #: (``llmtap.telemetry.siblings``); -1 and none for one process.
+    facts_fd: int = -1
+    siblings: tuple[str, ...] = ()
 
 
 class _Intake(asyncio.Protocol):
@@ -87,6 +95,28 @@ class _Intake(asyncio.Protocol):
         """The relay went away: its gauges drop to zero."""
         self.connected.discard(self.source)
         self.recorder.relay_gone(self.source)
+
+
+class _Lessons(asyncio.Protocol):
+    """Another telemetry process's lessons (``llmtap.telemetry.siblings``) into the recorder's queue."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self._frames = FrameReader()
+        self._transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """A sibling connected."""
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        """Every complete message to the queue (a full queue drops and counts its lessons)."""
+        for message in self._frames.feed(data):
+            self.recorder.submit(message, LESSONS)
+        if self._frames.broken is not None and self._transport is not None:
+            log.error("telemetry: a sibling process sent %s; its connection is reset", self._frames.broken)
+            self._transport.close()
+            self._transport = None
 
 
 class TelemetryState:
@@ -152,6 +182,7 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
     from llmtap.telemetry.admin import AdminApp
     from llmtap.telemetry.admin_conn import AdminLimits
     from llmtap.telemetry.recorder import Recorder
+    from llmtap.telemetry.siblings import Siblings
 
     settings = launch.settings
     channel_sock = socket.socket(fileno=launch.channel_fd)
@@ -172,6 +203,15 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
     intake = await loop.create_unix_server(
         lambda: _Intake(recorder, next(sources), connected), sock=channel_sock, start_serving=True
     )
+    siblings: Siblings | None = None
+    lessons: asyncio.Server | None = None
+    if launch.facts_fd >= 0:
+        siblings = Siblings(launch.siblings, launch.index, loop, recorder.count_facts_dropped)
+        recorder.share_with(siblings)
+        lessons = await loop.create_unix_server(
+            lambda: _Lessons(recorder), sock=socket.socket(fileno=launch.facts_fd), start_serving=True
+        )
+        await siblings.start()
     _say(launch.started_fd, "ready")
     sched.idle_others()  # the SDK's exporter threads and the executor's, all started by now
     state = TelemetryState(recorder, settings, launch.relays, connected)
@@ -182,6 +222,10 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
         intake.close()
         # What the relays sent before they closed is in the queue: record it, then flush within the bound.
         await asyncio.to_thread(recorder.close, settings.timeouts.flush)
+        if lessons is not None:
+            lessons.close()
+        if siblings is not None:
+            await siblings.aclose()
         await asyncio.to_thread(providers.shutdown, settings.timeouts.flush)
 
 

@@ -19,13 +19,15 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.trace import TracerProvider
 
-from llmtap.analysis.cachediag import CacheDiagnoser, Diagnosis
+from llmtap.analysis.cachediag import PREFIX, CacheDiagnoser, Diagnosis
 from llmtap.analysis.cost import PriceTable, request_cost
 from llmtap.analysis.estimator import Estimator
+from llmtap.analysis.slots import Slots
 from llmtap.analysis.summary import Summary, input_drift_possible, summarize
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Settings
@@ -36,11 +38,32 @@ from llmtap.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
 from llmtap.telemetry.metrics import MetricWriter
 from llmtap.telemetry.relays import Drops, RelayGauges
 from llmtap.telemetry.replay import Playback
-from llmtap.telemetry.serverspans import OUTCOMES, REJECT_REASONS, Finishing, Join, ServerSpan, ServerSpanWait
+from llmtap.telemetry.serverspans import (
+    OUTCOMES,
+    REJECT_REASONS,
+    Finishing,
+    Join,
+    ServerSpan,
+    ServerSpanWait,
+    server_spans,
+)
+from llmtap.telemetry.siblings import FACT_DROP_REASONS, SLOTS, SPANS, Siblings
 from llmtap.telemetry.sinks import Sink, build_sinks, drop_reasons
 from llmtap.telemetry.spans import SpanWriter
 from llmtap.telemetry.upstreams import UpstreamWatch
-from llmtap.wire.messages import END, SEGMENT, End, Raw, Stats, WireError, data_size, decode, without_bytes
+from llmtap.wire.messages import (
+    END,
+    FACTS,
+    SEGMENT,
+    End,
+    Facts,
+    Raw,
+    Stats,
+    WireError,
+    data_size,
+    decode,
+    without_bytes,
+)
 
 __all__ = ["INPUT_DRIFT_EVERY", "MAX_QUEUED_BYTES", "Recorder"]
 
@@ -155,6 +178,12 @@ class Recorder:
             self.count_admin(reason, 0)
         self.instruments.event_streams.add(0)
         self.instruments.live_samples_dropped.add(0)
+        #: The other telemetry processes, told what must stay whole per upstream (None: this is the only one).
+        self.siblings: Siblings | None = None
+        # Slot counts the siblings learned from upstreams' gauges this process does not read (only the worker).
+        self._sibling_slots: dict[str, Slots] = {}
+        for reason in FACT_DROP_REASONS:
+            self.count_facts_dropped(reason, 0)
         for reason in TRACE_CONTEXT_REASONS:
             self._count_trace_context(reason, 0)
 
@@ -216,6 +245,8 @@ class Recorder:
                 self.drops.end()
             elif message[0] == SEGMENT:
                 self._lost.add((source, message[1]))
+            elif message[0] == FACTS:
+                self.count_facts_dropped("queue_full", len(message[1]))
             return False
         except Exception:
             log.exception("telemetry: could not queue a tape message")
@@ -241,6 +272,12 @@ class Recorder:
         if self.peers is not None:
             self.peers.offer(export.SerializeToString(), spans, to=address)
 
+    def pass_spans(self, index: int, export: bytes, spans: int) -> None:
+        """Pass spans whose requests telemetry process ``index`` recorded to it (the event loop's thread; never
+        waits: sent, or counted dropped)."""
+        sent = self.siblings is not None and self.siblings.pass_spans(index, export)
+        self._count_routed("sent" if sent else "dropped", spans)
+
     def relay_ready(self, source: int, ready: bool) -> None:
         """Relay ``source`` reported its readiness: taken now, so ``/readyz`` follows a drain's start at once."""
         self.relays.arrived(source, ready)
@@ -249,6 +286,15 @@ class Recorder:
         """Relay ``source`` disconnected: its gauges go back to zero and its open streams are dropped."""
         self._ensure_worker()
         self._queue.put((source, self.relays.gone(source), 0))
+
+    def share_with(self, siblings: Siblings) -> None:
+        """Tell ``siblings`` what each request teaches the state kept whole per upstream, and learn what they tell
+        (``llmtap.telemetry.siblings``); before the first message."""
+        self.siblings = siblings
+        self.estimator.learned = []
+        self.cache.learned = []
+        for outcome in FORWARD_OUTCOMES[:3]:
+            self._count_routed(outcome, 0)
 
     def record_timeline(self, tl: Timeline) -> None:
         """Queue a finished timeline as it is (tests and tools that build timelines themselves)."""
@@ -284,6 +330,13 @@ class Recorder:
             self.instruments.event_streams.add(change)
         except Exception:
             log.debug("telemetry: could not count an event stream", exc_info=True)
+
+    def count_facts_dropped(self, reason: str, n: int = 1) -> None:
+        """Lessons for or from the other telemetry processes that were lost (``FACT_DROP_REASONS``)."""
+        try:
+            self.instruments.facts_dropped.add(n, {sc.TELEMETRY_REASON: reason})
+        except Exception:
+            log.debug("telemetry: could not count a lost lesson", exc_info=True)
 
     def _count_unowned(self, n: int) -> None:
         self._count_forward("unowned", n)
@@ -388,8 +441,11 @@ class Recorder:
             if deadline is not None and deadline <= time.monotonic():
                 self._due()
             if self._queue.empty():
-                # Idle: push record lines out now, so ``llmtap compare`` can read a live file.
+                # Idle: push record lines out now, so ``llmtap compare`` can read a live file, and lessons to the
+                # sibling processes.
                 self.records.flush()
+                if self.siblings is not None:
+                    self.siblings.flush()
 
     def take(self, source: int, message: Raw) -> None:
         """One encoded message of relay ``source``: a stream's segment or end, or the relay's report.
@@ -410,6 +466,9 @@ class Recorder:
             return
         if isinstance(m, Stats):
             self.relays.report(source, m)
+            return
+        if isinstance(m, Facts):
+            self._learn(m)
             return
         key = (source, m.key)
         playback = self._open.pop(key, None)
@@ -503,19 +562,54 @@ class Recorder:
         at most ``telemetry.server_spans_wait`` seconds; the summary returned is then the estimate.
         """
         self._relayed(tl.trace_id)
+        slots = self.upstreams.slots(tl.upstream)
         s = summarize(
             tl,
             self.settings.slo,
             estimator=self.estimator,
             route=self._routes.get(tl.route),
             shapes=self.settings.shapes,
-            slots=self.upstreams.slots(tl.upstream),
+            slots=slots or self._sibling_slots.get(tl.upstream),
             input_drift=self._input_drift_due(tl),
         )
+        if self.siblings is not None:
+            self._share(self.estimator.learned, tl.upstream, slots)
         if tl.protocol is not None:
             s.cost = request_cost(self.prices, tl, s)
         self._emit_all(self.wait.offer(tl, s, time.monotonic()))
         return s
+
+    def _share(self, learned: list[Any] | None, upstream: str | None = None, slots: Slots | None = None) -> None:
+        """Pass what the last request taught (and the upstream's slot count, now and then) to the siblings."""
+        assert self.siblings is not None
+        lessons = list(learned) if learned else []
+        if learned:
+            learned.clear()
+        if upstream is not None and slots is not None and self.siblings.slots_due(upstream, time.monotonic()):
+            lessons.append((SLOTS, upstream, slots.slots, slots.source, slots.confidence))
+        self.siblings.offer(lessons)
+
+    def _learn(self, facts: Facts) -> None:
+        """What another telemetry process's requests taught it, into this one's estimator, cache index, slots."""
+        for lesson in facts.lessons:
+            try:
+                kind = lesson[0]
+                if kind == PREFIX:
+                    self.cache.learn(lesson)
+                elif kind == SPANS:
+                    export = ExportTraceServiceRequest.FromString(lesson[1])
+                    self._join_spans(_Spans(server_spans(export), export))
+                elif kind == SLOTS:
+                    _, upstream, count, source, confidence = lesson
+                    if len(self._sibling_slots) >= 4096:
+                        self._sibling_slots.clear()
+                    self._sibling_slots[str(upstream)] = Slots(int(count), str(source), float(confidence))
+                else:
+                    self.estimator.learn(lesson)
+            except (ValueError, TypeError, DecodeError) as exc:
+                self.unreadable += 1
+                if self.unreadable & (self.unreadable - 1) == 0:
+                    log.error("telemetry: dropped a lesson of another telemetry process that cannot be read: %s", exc)
 
     def _input_drift_due(self, tl: Timeline) -> bool:
         if not input_drift_possible(tl):
@@ -535,6 +629,8 @@ class Recorder:
     def _emit(self, tl: Timeline, s: Summary) -> None:
         """The request's summary made final (its cache use diagnosed), then to every emitter, once each."""
         request = Finished.of(tl, s, self._diagnose(tl, s))
+        if self.siblings is not None:
+            self._share(self.cache.learned)
         failed = False
         for emitter in self.emitters:
             try:

@@ -80,6 +80,7 @@ __all__ = [
     "METRIC_DECODE",
     "METRIC_EVENT_STREAMS",
     "METRIC_EXPORTS_FAILED",
+    "METRIC_FACTS_DROPPED",
     "METRIC_INPUT_TOKENS",
     "METRIC_ITL",
     "METRIC_LABELS_EVICTED",
@@ -450,6 +451,7 @@ METRIC_OVERHEAD = "llmtap.proxy.overhead"
 METRIC_RELAY_CHUNK_DELAY = "llmtap.relay.chunk_delay"  # per relayed read: upstream read to client write
 METRIC_TOKEN_DRIFT = "llmtap.tokens.drift"
 METRIC_TELEMETRY_DROPPED = "llmtap.telemetry.tapes.dropped"  # tapes that never became telemetry, by reason
+METRIC_FACTS_DROPPED = "llmtap.telemetry.facts.dropped"  # lessons one telemetry process could not pass to another
 METRIC_SPANS_DROPPED = "llmtap.telemetry.spans.dropped"  # never reached the collector, by reason
 METRIC_RECORDS_DROPPED = "llmtap.telemetry.records.dropped"  # request records never written (--record), by reason
 METRIC_EXPORTS_FAILED = "llmtap.telemetry.exports.failed"  # metric exports the collector did not take

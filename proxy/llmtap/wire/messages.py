@@ -2,12 +2,13 @@
 
 A stream travels as zero or more ``Segment`` messages and one ``End``; the first of them carries the ``Head``
 (what is known once the response's headers are in), each carries the ``Reads`` the tape held, the end adds the
-``Tail``. Every relay also reports its gauges and counts in a ``Stats`` message. Encoded, a message is a plain
-tuple of ``bytes``, ``str``, numbers, ``None`` and tuples, its kind first: ``marshal`` carries that between
-processes at C speed (``llmtap.wire.framing``) and the in-process channel passes it as it is. Decoding gives
-the named form back, and checks each part's field count: a relay and a telemetry process of different builds
-fail loudly (``WireError``) instead of reading one field as another. The relay never decodes; the telemetry side
-decodes on its worker thread, once per message.
+``Tail``. Every relay also reports its gauges and counts in a ``Stats`` message, and where several telemetry
+processes share the requests, each tells the others what must stay whole per upstream in ``Facts``. Encoded,
+a message is a plain tuple of ``bytes``, ``str``, numbers, ``None`` and tuples, its kind first: ``marshal``
+carries that between processes at C speed (``llmtap.wire.framing``) and the in-process channel passes it as it
+is. Decoding gives the named form back, and checks each part's field count: a relay and a telemetry process of
+different builds fail loudly (``WireError``) instead of reading one field as another. The relay never decodes;
+the telemetry side decodes on its worker thread, once per message.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ __all__ = [
     "CLIENT_TIMEOUT_KINDS",
     "CONNECTION_REFUSAL_REASONS",
     "END",
+    "FACTS",
     "RESPONSE_CUT_REASONS",
     "SEGMENT",
     "STATS",
     "End",
+    "Facts",
     "Head",
     "Message",
     "Raw",
@@ -33,10 +36,12 @@ __all__ = [
     "data_size",
     "decode",
     "decode_end",
+    "decode_facts",
     "decode_segment",
     "decode_stats",
     "encode",
     "encode_end",
+    "encode_facts",
     "encode_segment",
     "encode_stats",
     "ready_of",
@@ -44,7 +49,7 @@ __all__ = [
 ]
 
 # Message kinds: the first field of every encoded message.
-SEGMENT, END, STATS = 1, 2, 3
+SEGMENT, END, STATS, FACTS = 1, 2, 3, 4
 
 #: What a ``Stats`` message counts beside the gauges, as absolute numbers: client connections cut by a timeout,
 #: by kind, and refused, by reason (``llmtap.listener``).
@@ -155,11 +160,18 @@ class Stats(NamedTuple):
     cuts: Counts
 
 
-Message: TypeAlias = Segment | End | Stats
+class Facts(NamedTuple):
+    """What requests one telemetry process recorded taught it that the others must learn too (the state kept whole
+    per upstream, ``llmtap.telemetry.siblings``): each lesson a plain tuple, its kind first."""
+
+    lessons: tuple[tuple[Any, ...], ...]
+
+
+Message: TypeAlias = Segment | End | Stats | Facts
 
 _HEAD, _READS, _TAIL = len(Head._fields), len(Reads._fields), len(Tail._fields)
 _SEGMENT, _END, _STATS = 1 + len(Segment._fields), 1 + len(End._fields), 1 + len(Stats._fields)
-_NAMES = {SEGMENT: "segment", END: "end", STATS: "stats"}
+_NAMES = {SEGMENT: "segment", END: "end", STATS: "stats", FACTS: "facts"}
 
 
 # -- encoding (the relay) -------------------------------------------------------------------------
@@ -180,12 +192,19 @@ def encode_stats(m: Stats) -> Raw:
     return (STATS, *m)
 
 
+def encode_facts(m: Facts) -> Raw:
+    """A telemetry process's lessons as they cross."""
+    return (FACTS, tuple(m.lessons))
+
+
 def encode(m: Message) -> Raw:
     """Any message as it crosses."""
     if isinstance(m, Segment):
         return encode_segment(m)
     if isinstance(m, End):
         return encode_end(m)
+    if isinstance(m, Facts):
+        return encode_facts(m)
     return encode_stats(m)
 
 
@@ -266,6 +285,16 @@ def decode_stats(raw: Raw) -> Stats:
     return _new(Stats, raw[1:])
 
 
+def decode_facts(raw: Raw) -> Facts:
+    """A telemetry process's lessons from their encoded form (each one is checked where it is learned)."""
+    if type(raw) is not tuple or len(raw) != 2:
+        raise _mismatch(raw, 2, "facts message")
+    lessons = raw[1]
+    if type(lessons) is not tuple or not all(type(x) is tuple and x for x in lessons):
+        raise WireError("a facts message whose lessons are not non-empty tuples")
+    return Facts(lessons)
+
+
 def decode(raw: Raw) -> Message:
     """Any message from its encoded form; ``WireError`` names what is wrong with one that cannot be read."""
     if type(raw) is not tuple or not raw:
@@ -277,4 +306,6 @@ def decode(raw: Raw) -> Message:
         return decode_segment(raw)
     if kind == STATS:
         return decode_stats(raw)
+    if kind == FACTS:
+        return decode_facts(raw)
     raise WireError(f"a message of unknown kind {kind!r} (this build knows {sorted(_NAMES)})")

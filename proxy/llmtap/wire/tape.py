@@ -26,7 +26,7 @@ from array import array
 
 from llmtap.wire.messages import END, SEGMENT, Raw
 
-__all__ = ["END", "SEGMENT", "SEGMENT_BYTES", "Tape", "new_span_id", "new_trace_id", "now"]
+__all__ = ["END", "SEGMENT", "SEGMENT_BYTES", "Tape", "new_span_id", "new_trace_id", "now", "shard_of"]
 
 #: Reads held before they leave as a segment (the relay's per-stream response memory).
 SEGMENT_BYTES = 32 * 1024
@@ -51,6 +51,15 @@ def new_span_id() -> int:
         value = _ids.getrandbits(64)
         if value:
             return value
+
+
+def shard_of(trace_id: int, key: int, shards: int) -> int:
+    """Which of ``shards`` telemetry processes records a request: its trace id's high half modulo their number
+    (the trace's spans, wherever they arrive, can be passed to the same one), its tape key where it has no trace.
+
+    The high half, since a ratio sampler decides on the low one: every process gets its share of sampled traces.
+    """
+    return ((trace_id >> 64) if trace_id else key) % shards
 
 
 class Tape:

@@ -1,0 +1,148 @@
+"""Several telemetry processes, one upstream: what each learns that the others must know, passed between them.
+
+With ``--telemetry-workers`` above one, each request's tape goes to one telemetry process by its trace id
+(``llmtap.wire.tape.shard_of``), so one busy upstream's requests spread over all of them. Some state must
+still see every request to an upstream: the queue/prefill estimator's slot replay (when each request ended,
+and when it decoded), its unloaded-TTFT envelope (each request sent to an idle upstream), the cache
+diagnosis's index of recent prompts (each prompt's block chain, once its prefill is done) and the slot count
+learned from the upstream's gauges. Each process keeps all of it for every upstream, from its own requests and
+from the lessons the others send it (``Facts``, on a Unix socket of each process's own,
+``llmtap.serve.sockets.facts_paths``); a
+request's own figures are computed once, where it is recorded, and the lessons are a few dozen bytes each (a
+prompt's chain: 16 bytes per 1,024 characters).
+
+A lesson leaves at most ``BATCH_WAIT`` seconds after its request was recorded (sooner when ``BATCH`` of them
+wait, or the recorder has nothing else to do). What that bounds: a request recorded in one process before a
+lesson it needed arrived from another is estimated as if that request had not been seen. For the slot replay
+that means no answer, so its split falls back to the envelope (``method: envelope``, still ``estimated``);
+for the cache diagnosis, a prompt whose prefix another process's request sent within those milliseconds
+reads as not sent before, as two requests sent together do on one process. Lessons that cannot be passed (a
+sibling's buffer full, or the sibling restarting) are dropped and counted
+(``llmtap.telemetry.facts.dropped``), never waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from llmtap.telemetry.peers import partition
+from llmtap.wire.messages import FACTS
+from llmtap.wire.socketchannel import SocketChannel
+from llmtap.wire.tape import shard_of
+
+__all__ = ["BATCH", "BATCH_WAIT", "FACT_DROP_REASONS", "SLOTS", "SPANS", "Siblings", "by_process"]
+
+log = logging.getLogger("llmtap.telemetry")
+
+#: Lessons sent together at most, and the longest one waits for company (seconds).
+BATCH = 64
+BATCH_WAIT = 0.005
+#: The lesson kind of a slot count learned from the upstream's gauges: ``(SLOTS, upstream, slots, source,
+#: confidence)``, sent at most once every ``SLOTS_EVERY`` seconds per upstream.
+SLOTS = "slots"
+SLOTS_EVERY = 1.0
+#: The lesson kind that carries an upstream's spans to the process that recorded their requests: ``(SPANS,
+#: export)``, an OTLP ``ExportTraceServiceRequest``'s bytes (the receiver is process 0's admin listener).
+SPANS = "spans"
+#: Why lessons were lost: a sibling's buffer full or the sibling away (the sender), the receiver's queue full.
+FACT_DROP_REASONS = ("channel_full", "queue_full")
+#: Bytes of lessons that may wait for one sibling: a second of a busy process's lessons.
+BUFFER_LIMIT = 4 << 20
+
+
+def by_process(
+    request: ExportTraceServiceRequest, index: int, count: int
+) -> tuple[ExportTraceServiceRequest | None, dict[int, tuple[bytes, int]]]:
+    """The spans of ``request`` whose requests process ``index`` recorded (None: none), and the others' as
+    bytes with their span count, by process (``shard_of`` their trace id, as the relay chose)."""
+    groups = partition(request, lambda span: shard_of(int.from_bytes(span.trace_id, "big"), 0, count))
+    mine = groups.pop(index, None)
+    return (mine[0] if mine is not None else None), {
+        k: (export.SerializeToString(), n) for k, (export, n) in groups.items()
+    }
+
+
+class Siblings:
+    """The other telemetry processes: lessons offered on the recorder's thread, sent in batches from the loop's.
+
+    ``dropped(reason, n)`` counts lessons that could not be sent (``channel_full``: a sibling's buffer full or
+    the sibling away).
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        index: int,
+        loop: asyncio.AbstractEventLoop,
+        dropped: Callable[[str, int], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        #: This process's index among ``count`` (``paths``: every process's lesson socket, this one's too).
+        self.index = index
+        self.count = len(paths)
+        self.channels = {i: SocketChannel(path, limit=BUFFER_LIMIT) for i, path in enumerate(paths) if i != index}
+        self._loop = loop
+        self._dropped = dropped
+        self._clock = clock
+        self._pending: list[tuple[Any, ...]] = []
+        self._since = 0.0
+        # Per upstream, when its slot count was last told (the recorder's thread only).
+        self._slots_at: dict[str, float] = {}
+
+    async def start(self) -> None:
+        """Connect to every sibling (their sockets were bound before any process started)."""
+        for channel in self.channels.values():
+            await channel.start()
+
+    def offer(self, lessons: list[tuple[Any, ...]]) -> None:
+        """Lessons of one request (the recorder's thread): sent with the batch they join."""
+        if not lessons:
+            return
+        if not self._pending:
+            self._since = self._clock()
+        self._pending += lessons
+        if len(self._pending) >= BATCH or self._clock() - self._since >= BATCH_WAIT:
+            self.flush()
+
+    def slots_due(self, upstream: str, now: float) -> bool:
+        """Whether the slot count of ``upstream`` is to be told again (at most every ``SLOTS_EVERY`` seconds)."""
+        last = self._slots_at.get(upstream)
+        if last is not None and 0.0 <= now - last < SLOTS_EVERY:
+            return False
+        if len(self._slots_at) >= 4096:
+            self._slots_at.clear()
+        self._slots_at[upstream] = now
+        return True
+
+    def flush(self) -> None:
+        """Send what waits now (the recorder's thread: it has nothing else to do, or the batch is full)."""
+        if not self._pending:
+            return
+        batch, self._pending = tuple(self._pending), []
+        try:
+            self._loop.call_soon_threadsafe(self._send, (FACTS, batch))
+        except RuntimeError:  # the loop closed: shutting down
+            self._dropped("channel_full", len(batch))
+
+    def _send(self, raw: tuple[Any, ...]) -> None:
+        for channel in self.channels.values():
+            if not channel.send(raw):
+                self._dropped("channel_full", len(raw[1]))
+
+    def pass_spans(self, index: int, export: bytes) -> bool:
+        """Spans of traces process ``index`` recorded (``shard_of``), for its join; the loop's thread. False when
+        they could not be passed (counted by the caller)."""
+        channel = self.channels.get(index)
+        return channel is not None and channel.send((FACTS, ((SPANS, export),)), reserve=True)
+
+    async def aclose(self) -> None:
+        """Send what waits and close the connections."""
+        for channel in self.channels.values():
+            await channel.aclose()
