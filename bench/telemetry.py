@@ -85,12 +85,14 @@ def chat_tape(
     trace_id: int | None = None,
     span_id: int | None = None,
     fail: tuple[str, str | None, bool] | None = None,
+    upstream: tuple[int, int] | None = None,
 ) -> tuple[Tape, list[tuple[Any, ...]]]:
     """A relay's tape of one streamed chat request whose upstream sent ``reads``, ``gap`` seconds apart from
     ``received + 0.1``, and the messages the relay would hand over for it (segments, then the end).
 
-    ``fail`` is the relay's own failure, if any: ``(error_type, message, cancelled)``. Also what the tests
-    build their tapes with.
+    ``fail`` is the relay's own failure, if any: ``(error_type, message, cancelled)``; ``upstream``: the relay's
+    number for the request among those to its upstream, and how many were in flight ahead of it. Also what the
+    tests build their tapes with.
     """
     t = Tape(
         key,
@@ -107,6 +109,8 @@ def chat_tape(
     t.body, t.body_read, t.admitted, t.sent = body, received + 0.001, received + 0.002, received + 0.003
     t.headers_at, t.status_code = received + 0.05, 200
     t.response_headers = [(b"content-type", b"text/event-stream")]
+    if upstream is not None:
+        t.upstream_seq, t.upstream_ahead = upstream
     messages: list[tuple[Any, ...]] = []
     for i, data in enumerate(reads):
         at = received + 0.1 + i * gap

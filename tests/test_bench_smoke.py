@@ -9,6 +9,8 @@ nginx when installed; bursts of 1 and 8 over plain and HTTPS upstreams; about 80
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -330,3 +332,17 @@ def test_burst_command_line_and_ablations() -> None:
         path_specs(parser().parse_args(["--paths", "nginx:otel-off"]))
     # Bounded: at least two bursts per size, never more than the plan's count or its time budget allows.
     assert 2 <= SMOKE.burst_count() <= SMOKE.bursts_per_size
+
+
+@pytest.mark.e2e
+def test_telemetry_scale_spreads_one_upstream_over_two_processes_and_loses_no_lesson() -> None:
+    """``bench.telemetry_scale`` at a small load: every tape recorded, both processes recording, no lesson lost."""
+    from bench import telemetry_scale
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert telemetry_scale.main(["--workers", "2", "--rounds", "1", "--seconds", "1", "--rate", "200"]) == 0
+    (line,) = [json.loads(x) for x in out.getvalue().splitlines() if x.startswith("{")]
+    assert line["telemetry_processes"] == 2 and line["recorded"] == line["sent"] == 200, line
+    assert sum(line["recorded_by_process"]) == 200 and min(line["recorded_by_process"]) > 50, line
+    assert line["dropped"] == 0 and line["facts_dropped"] == 0, line

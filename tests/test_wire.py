@@ -21,9 +21,11 @@ from llmtap.telemetry.recorder import Recorder
 from llmtap.wire.framing import MAX_FRAME, FrameReader, encode_frame, frames
 from llmtap.wire.messages import (
     END,
+    FACTS,
     SEGMENT,
     STATS,
     End,
+    Facts,
     Head,
     Message,
     Reads,
@@ -34,10 +36,12 @@ from llmtap.wire.messages import (
     data_size,
     decode,
     decode_end,
+    decode_facts,
     decode_segment,
     decode_stats,
     encode,
     encode_end,
+    encode_facts,
     encode_segment,
     encode_stats,
     ready_of,
@@ -91,7 +95,10 @@ keys = st.integers(0, 2**62)
 segments = st.builds(Segment, keys, st.none() | heads, reads)
 ends = st.builds(End, keys, st.none() | heads, reads, tails)
 stats = st.builds(Stats, st.booleans(), st.integers(0, 2**40), counts, counts, counts, counts, counts)
-messages: st.SearchStrategy[Message] = segments | ends | stats
+# A lesson as the telemetry processes pass them: its kind, then plain values (bytes, text, numbers, tuples).
+lessons = st.tuples(text, text, ints | maybe_time, maybe_time | st.tuples(st.binary(max_size=16)))
+facts = st.builds(Facts, st.lists(lessons, max_size=4).map(tuple))
+messages: st.SearchStrategy[Message] = segments | ends | stats | facts
 
 
 def crossed(batch: list[Message], cut: int) -> list[Message]:
@@ -113,7 +120,7 @@ def test_every_message_kind_comes_back_equal_with_its_names(batch: list[Message]
     # Equal as named values, not only as tuples: the same kind, and the head, reads and tail named too.
     assert [type(m) for m in out] == [type(m) for m in batch]
     for m in out:
-        if not isinstance(m, Stats):
+        if isinstance(m, (Segment, End)):
             assert isinstance(m.reads, Reads) and (m.head is None or isinstance(m.head, Head))
         if isinstance(m, End):
             assert isinstance(m.tail, Tail)
@@ -129,6 +136,8 @@ def test_each_pair_inverts_and_the_encoded_form_is_plain(m: Message) -> None:
         assert raw[0] == SEGMENT and encode_segment(m) == raw and decode_segment(raw) == m
     elif isinstance(m, End):
         assert raw[0] == END and encode_end(m) == raw and decode_end(raw) == m
+    elif isinstance(m, Facts):
+        assert raw[0] == FACTS and encode_facts(m) == raw and decode_facts(raw) == m and ready_of(raw) is None
     else:
         assert raw[0] == STATS and encode_stats(m) == raw and decode_stats(raw) == m
         assert ready_of(raw) is m.ready

@@ -87,7 +87,7 @@ class Siblings:
         #: This process's index among ``count`` (``paths``: every process's lesson socket, this one's too).
         self.index = index
         self.count = len(paths)
-        self.channels = {i: SocketChannel(path, limit=BUFFER_LIMIT) for i, path in enumerate(paths) if i != index}
+        self.channels = {i: SocketChannel(path, limit=BUFFER_LIMIT, quiet=True) for i, path in enumerate(paths) if i != index}
         self._loop = loop
         self._dropped = dropped
         self._clock = clock

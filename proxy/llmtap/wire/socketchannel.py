@@ -35,9 +35,12 @@ class SocketChannel(asyncio.Protocol):
     #: One telemetry process at the other end.
     shards = 1
 
-    def __init__(self, path: str, *, limit: int = SOCKET_BUFFER_LIMIT) -> None:
+    def __init__(self, path: str, *, limit: int = SOCKET_BUFFER_LIMIT, quiet: bool = False) -> None:
         self.path = path
         self.limit = limit
+        # ``quiet``: the other end going away is said at debug level only (a sibling telemetry process: the parent
+        # says when one dies, and at shutdown they all go).
+        self._warn = log.debug if quiet else log.warning
         self.dropped = 0
         self._transport: asyncio.WriteTransport | None = None
         self._pending: list[bytes] = []
@@ -55,7 +58,7 @@ class SocketChannel(asyncio.Protocol):
             async with asyncio.timeout(CONNECT_WAIT):
                 await self._connected.wait()
         if self._transport is None:
-            log.warning("telemetry process at %s not reachable yet; telemetry is dropped until it is", self.path)
+            self._warn("telemetry process at %s not reachable yet; telemetry is dropped until it is", self.path)
 
     async def _keep_connected(self) -> None:
         loop = asyncio.get_running_loop()
@@ -66,7 +69,7 @@ class SocketChannel(asyncio.Protocol):
                     await loop.create_unix_connection(lambda: self, self.path)
                 except OSError as exc:
                     if not warned and self._connected.is_set():
-                        log.warning("telemetry process unreachable (%s); telemetry is dropped meanwhile", exc)
+                        self._warn("telemetry process unreachable (%s); telemetry is dropped meanwhile", exc)
                         warned = True
                 else:
                     warned = False
@@ -86,7 +89,7 @@ class SocketChannel(asyncio.Protocol):
         self._transport = None
         self._lost.set()
         if not self._closing:
-            log.warning("lost the connection to the telemetry process; reconnecting")
+            self._warn("lost the connection to the telemetry process at %s; reconnecting", self.path)
 
     def data_received(self, data: bytes) -> None:
         """The telemetry process sends nothing back."""
