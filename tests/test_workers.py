@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -214,7 +217,7 @@ def short_tmp() -> Iterator[Path]:
 def test_two_telemetry_processes_share_one_upstream_and_see_every_prompt(short_tmp: Path) -> None:
     """One upstream, two telemetry processes: its requests spread over both (by trace id), each process's cache
     diagnosis knows the prompts the other recorded (one cold request, then every one a hit with the whole system
-    prompt expected), and one scrape of the admin port adds both up."""
+    prompt expected), one scrape of the admin port adds both up, and its live view shows every request."""
     tmp_path = short_tmp
     url, stop_sim = run_in_thread(get_profile("fast"))
     records = tmp_path / "records"
@@ -245,6 +248,14 @@ def test_two_telemetry_processes_share_one_upstream_and_see_every_prompt(short_t
                     time.sleep(0.02)
         assert _merged_count(admin) == sent
         metrics = httpx.get(admin + "/metrics", timeout=5).text
+        # The live view on the admin port: process 1's requests arrive as lessons a few ms after they are recorded.
+        deadline = time.monotonic() + PATIENCE
+        while len(live := _live(admin)["requests"]) < sent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(live) == sent and len({r["response_id"] for r in live}) == sent, len(live)
+        assert [r["id"] for r in live] == list(range(1, sent + 1))
+        (series,) = _live(admin)["snapshot"]["series"]
+        assert series["requests"] == sent
         stop_clean(proc)
     finally:
         stop_sim()
@@ -260,6 +271,15 @@ def test_two_telemetry_processes_share_one_upstream_and_see_every_prompt(short_t
     # Nothing the processes told each other was lost.
     dropped = [line for line in metrics.splitlines() if line.startswith("llmtap_telemetry_facts_dropped_total{")]
     assert dropped and all(line.endswith(" 0") for line in dropped), dropped
+
+
+def _live(admin: str) -> dict[str, Any]:
+    """The first data the live view's page carries (``?window=all``): its kept requests and a snapshot."""
+    page = httpx.get(admin + "/?window=all", timeout=5).text
+    match = re.search(r'<script id="initial" type="application/json">(.*?)</script>', page, re.DOTALL)
+    assert match is not None
+    data: dict[str, Any] = json.loads(match.group(1))
+    return data
 
 
 def _requests_total(admin: str) -> float:

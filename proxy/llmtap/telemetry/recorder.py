@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -47,7 +48,7 @@ from llmtap.telemetry.serverspans import (
     ServerSpanWait,
     server_spans,
 )
-from llmtap.telemetry.siblings import FACT_DROP_REASONS, SLOTS, SPANS, Siblings
+from llmtap.telemetry.siblings import FACT_DROP_REASONS, LIVE, SLOTS, SPANS, Siblings
 from llmtap.telemetry.sinks import Sink, build_sinks, drop_reasons
 from llmtap.telemetry.spans import SpanWriter
 from llmtap.telemetry.upstreams import UpstreamWatch
@@ -180,6 +181,8 @@ class Recorder:
         self.instruments.live_samples_dropped.add(0)
         #: The other telemetry processes, told what must stay whole per upstream (None: this is the only one).
         self.siblings: Siblings | None = None
+        #: Where the other processes' finished requests go in process 0 (its live view's window), if anywhere.
+        self.live_entries: Callable[[Any], None] | None = None
         # Slot counts the siblings learned from upstreams' gauges this process does not read (only the worker).
         self._sibling_slots: dict[str, Slots] = {}
         for reason in FACT_DROP_REASONS:
@@ -596,6 +599,9 @@ class Recorder:
                 kind = lesson[0]
                 if kind == PREFIX:
                     self.cache.learn(lesson)
+                elif kind == LIVE:
+                    if self.live_entries is not None:
+                        self.live_entries(lesson[1])
                 elif kind == SPANS:
                     export = ExportTraceServiceRequest.FromString(lesson[1])
                     self._join_spans(_Spans(server_spans(export), export))
@@ -606,7 +612,7 @@ class Recorder:
                     self._sibling_slots[str(upstream)] = Slots(int(count), str(source), float(confidence))
                 else:
                     self.estimator.learn(lesson)
-            except (ValueError, TypeError, DecodeError) as exc:
+            except (ValueError, TypeError, KeyError, IndexError, DecodeError) as exc:
                 self.unreadable += 1
                 if self.unreadable & (self.unreadable - 1) == 0:
                     log.error("telemetry: dropped a lesson of another telemetry process that cannot be read: %s", exc)

@@ -7,18 +7,20 @@ and when it decoded), its unloaded-TTFT envelope (each request sent to an idle u
 diagnosis's index of recent prompts (each prompt's block chain, once its prefill is done) and the slot count
 learned from the upstream's gauges. Each process keeps all of it for every upstream, from its own requests and
 from the lessons the others send it (``Facts``, on a Unix socket of each process's own,
-``llmtap.serve.sockets.facts_paths``); a
-request's own figures are computed once, where it is recorded, and the lessons are a few dozen bytes each (a
-prompt's chain: 16 bytes per 1,024 characters).
+``llmtap.serve.sockets.facts_paths``). A request's own figures are computed once, where it is recorded; its
+lessons are a few dozen bytes (a prompt's chain: 16 bytes per 1,024 characters). Two more kinds go to one
+process only: each finished request to process 0's live view (``LIVE``), and the upstream's spans from
+process 0's span receiver to the process that recorded their request (``SPANS``).
 
-A lesson leaves at most ``BATCH_WAIT`` seconds after its request was recorded (sooner when ``BATCH`` of them
-wait, or the recorder has nothing else to do). What that bounds: a request recorded in one process before a
-lesson it needed arrived from another is estimated as if that request had not been seen. For the slot replay
-that means no answer, so its split falls back to the envelope (``method: envelope``, still ``estimated``);
-for the cache diagnosis, a prompt whose prefix another process's request sent within those milliseconds
-reads as not sent before, as two requests sent together do on one process. Lessons that cannot be passed (a
-sibling's buffer full, or the sibling restarting) are dropped and counted
-(``llmtap.telemetry.facts.dropped``), never waited for.
+Lessons leave in batches: once ``BATCH`` wait, when one is offered after the oldest waited ``BATCH_WAIT``
+seconds, and whenever the recorder's queue is empty; a busy process sends within a few milliseconds. What that
+bounds: a request recorded in one process before a lesson it needed arrived from another is estimated as if the
+request that lesson describes had not been seen. For the slot replay that means no answer, so its split falls
+back to the envelope (``method: envelope``, still ``estimated``); for the cache diagnosis, a prompt whose
+prefix another process's request sent within those milliseconds reads as not sent before, as two requests
+sent together do in one process. Late lessons are put in order (``SlotLog``). Lessons that cannot be passed (a
+sibling's buffer full, or the sibling restarting) are dropped and counted (``llmtap.telemetry.facts.dropped``),
+never waited for.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from llmtap.wire.messages import FACTS
 from llmtap.wire.socketchannel import SocketChannel
 from llmtap.wire.tape import shard_of
 
-__all__ = ["BATCH", "BATCH_WAIT", "FACT_DROP_REASONS", "SLOTS", "SPANS", "Siblings", "by_process"]
+__all__ = ["BATCH", "BATCH_WAIT", "FACT_DROP_REASONS", "LIVE", "SLOTS", "SPANS", "Siblings", "by_process"]
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -47,6 +49,9 @@ BATCH_WAIT = 0.005
 #: confidence)``, sent at most once every ``SLOTS_EVERY`` seconds per upstream.
 SLOTS = "slots"
 SLOTS_EVERY = 1.0
+#: The lesson kind that carries a finished request to the first process's live view: ``(LIVE, entry)``
+#: (``llmtap.telemetry.live.window.Entry``), sent to process 0 only.
+LIVE = "live"
 #: The lesson kind that carries an upstream's spans to the process that recorded their requests: ``(SPANS,
 #: export)``, an OTLP ``ExportTraceServiceRequest``'s bytes (the receiver is process 0's admin listener).
 SPANS = "spans"
@@ -87,11 +92,14 @@ class Siblings:
         #: This process's index among ``count`` (``paths``: every process's lesson socket, this one's too).
         self.index = index
         self.count = len(paths)
-        self.channels = {i: SocketChannel(path, limit=BUFFER_LIMIT, quiet=True) for i, path in enumerate(paths) if i != index}
+        self.channels = {
+            i: SocketChannel(path, limit=BUFFER_LIMIT, quiet=True) for i, path in enumerate(paths) if i != index
+        }
         self._loop = loop
         self._dropped = dropped
         self._clock = clock
         self._pending: list[tuple[Any, ...]] = []
+        self._first: list[tuple[Any, ...]] = []  # for process 0 only (the live view's)
         self._since = 0.0
         # Per upstream, when its slot count was last told (the recorder's thread only).
         self._slots_at: dict[str, float] = {}
@@ -101,14 +109,19 @@ class Siblings:
         for channel in self.channels.values():
             await channel.start()
 
-    def offer(self, lessons: list[tuple[Any, ...]]) -> None:
-        """Lessons of one request (the recorder's thread): sent with the batch they join."""
+    def offer(self, lessons: list[tuple[Any, ...]], *, first_only: bool = False) -> None:
+        """Lessons of one request (the recorder's thread): sent with the batch they join, to every other process
+        or (``first_only``) to process 0."""
         if not lessons:
             return
-        if not self._pending:
+        if not self._pending and not self._first:
             self._since = self._clock()
-        self._pending += lessons
-        if len(self._pending) >= BATCH or self._clock() - self._since >= BATCH_WAIT:
+        if first_only:
+            self._first += lessons
+        else:
+            self._pending += lessons
+        waiting = len(self._pending) + len(self._first)
+        if waiting >= BATCH or self._clock() - self._since >= BATCH_WAIT:
             self.flush()
 
     def slots_due(self, upstream: str, now: float) -> bool:
@@ -123,18 +136,20 @@ class Siblings:
 
     def flush(self) -> None:
         """Send what waits now (the recorder's thread: it has nothing else to do, or the batch is full)."""
-        if not self._pending:
+        if not self._pending and not self._first:
             return
         batch, self._pending = tuple(self._pending), []
+        first, self._first = tuple(self._first), []
         try:
-            self._loop.call_soon_threadsafe(self._send, (FACTS, batch))
+            self._loop.call_soon_threadsafe(self._send, batch, first)
         except RuntimeError:  # the loop closed: shutting down
-            self._dropped("channel_full", len(batch))
+            self._dropped("channel_full", len(batch) + len(first))
 
-    def _send(self, raw: tuple[Any, ...]) -> None:
-        for channel in self.channels.values():
-            if not channel.send(raw):
-                self._dropped("channel_full", len(raw[1]))
+    def _send(self, batch: tuple[tuple[Any, ...], ...], first: tuple[tuple[Any, ...], ...]) -> None:
+        for index, channel in self.channels.items():
+            lessons = batch + first if index == 0 else batch
+            if lessons and not channel.send((FACTS, lessons)):
+                self._dropped("channel_full", len(lessons))
 
     def pass_spans(self, index: int, export: bytes) -> bool:
         """Spans of traces process ``index`` recorded (``shard_of``), for its join; the loop's thread. False when

@@ -31,6 +31,7 @@ from llmtap.config.types import Settings
 from llmtap.telemetry.access import Gate
 from llmtap.telemetry.live.window import HISTORY, SLOT, WINDOWS, Labels, LiveWindow
 from llmtap.telemetry.recorder import Recorder
+from llmtap.telemetry.siblings import LIVE
 
 __all__ = ["LiveView", "embed", "recorder_labels"]
 
@@ -130,7 +131,13 @@ class LiveView:
             skip=skip,
             on_drop=recorder.live_samples_dropped,
         )
-        recorder.listeners.append(self.window)
+        siblings = recorder.siblings
+        if siblings is not None and siblings.index != 0:
+            # Another telemetry process: its requests go to the first one's window, the one the admin port serves.
+            recorder.listeners.append(self._pass_on)
+        else:
+            recorder.listeners.append(self.window)
+            recorder.live_entries = self.window.take
         self.recorder = recorder
         self.gate = gate or Gate(settings.admin)
         #: ``/events`` streams open now, and at most.
@@ -144,6 +151,13 @@ class LiveView:
             path: (resources.files("llmtap.telemetry.live").joinpath("static", name).read_bytes(), kind)
             for path, (name, kind) in _ASSETS.items()
         }
+
+    def _pass_on(self, tl: Timeline, s: Summary) -> None:
+        """A request this process recorded, to the live view of process 0 (the listener, on the recorder's thread)."""
+        siblings = self.recorder.siblings
+        entry = self.window.entry(tl, s)
+        if siblings is not None and entry is not None:
+            siblings.offer([(LIVE, entry)], first_only=True)
 
     def close(self) -> None:
         """End the open event streams, so the admin listener can stop at once."""

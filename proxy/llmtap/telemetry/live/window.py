@@ -45,6 +45,8 @@ __all__ = [
     "TICK",
     "WINDOWS",
     "Busy",
+    "Counts",
+    "Entry",
     "Hist",
     "Labels",
     "LiveWindow",
@@ -161,6 +163,30 @@ def samples(tl: Timeline, s: Summary) -> dict[str, list[float]]:
     return out
 
 
+#: A request's outcome, SLO verdict, and input, output and cache-read tokens (0 where unknown), as ``Tally`` counts
+#: them.
+Counts = tuple[str, str | None, int, int, int]
+
+
+def counts(tl: Timeline, s: Summary) -> Counts:
+    """What a request adds to a tally beside its latencies."""
+    return (tl.outcome, s.slo, s.input_tokens or 0, s.output_tokens or 0, s.cache_read_tokens or 0)
+
+
+#: One finished request as the window takes it, in plain values (``LiveWindow.entry``): it may come from another
+#: telemetry process. Its series (route, model, shape, prompt version), its objective's fields, its ``counts``, its
+#: ``samples``, when it was received and ended, and its waterfall.
+Entry = tuple[
+    tuple[str, str, str, str],
+    tuple[Any, ...] | None,
+    Counts,
+    dict[str, list[float]],
+    float,
+    float,
+    dict[str, Any],
+]
+
+
 @dataclass(slots=True)
 class Samples:
     """One latency's values of one series in the order they came, each slot's run marked, the oldest droppable.
@@ -232,18 +258,20 @@ class Tally:
     #: Every request's E2E (no ``llmtap.*`` histogram of its own: for E2E objectives only).
     e2e: Hist = field(default_factory=Hist)
 
-    def add_request(self, tl: Timeline, s: Summary, values: dict[str, list[float]]) -> None:
-        """Count one request exactly as ``MetricWriter.record`` records it; ``values``: its ``samples``."""
+    def add_request(self, counts: Counts, values: dict[str, list[float]]) -> None:
+        """Count one request exactly as ``MetricWriter.record`` records it; ``counts``: its ``counts``, ``values``:
+        its ``samples``."""
+        outcome, slo, input_tokens, output_tokens, cache_read_tokens = counts
         self.requests += 1  # llmtap.requests
-        self.errors += tl.outcome == ERROR
-        self.cancelled += tl.outcome == CANCELLED
-        self.slo_met += s.slo == "met"
+        self.errors += outcome == ERROR
+        self.cancelled += outcome == CANCELLED
+        self.slo_met += slo == "met"
         for figure in LATENCIES:
             hist: Hist = getattr(self, figure)
             hist.add_many(values[figure])
-        self.input_tokens += s.input_tokens or 0  # llmtap.usage.input_tokens
-        self.output_tokens += s.output_tokens or 0  # llmtap.usage.output_tokens
-        self.cache_read_tokens += s.cache_read_tokens or 0  # llmtap.usage.cache_read.input_tokens
+        self.input_tokens += input_tokens  # llmtap.usage.input_tokens
+        self.output_tokens += output_tokens  # llmtap.usage.output_tokens
+        self.cache_read_tokens += cache_read_tokens  # llmtap.usage.cache_read.input_tokens
 
     def merge(self, other: Tally) -> None:
         """Add another tally."""
@@ -480,33 +508,48 @@ class LiveWindow:
 
     def __call__(self, tl: Timeline, s: Summary) -> None:
         """Count one finished request and keep its waterfall (the listener; the recorder's thread)."""
+        entry = self.entry(tl, s)
+        if entry is not None:
+            self.take(entry)
+
+    def entry(self, tl: Timeline, s: Summary) -> Entry | None:
+        """What one finished request adds to the window (None: nothing), in values that can travel between
+        processes: another telemetry process's requests reach the first one's window so (``take``)."""
         if tl.protocol is None:
-            return  # a plain relay: no LLM figures, and no metrics either
+            return None  # a plain relay: no LLM figures, and no metrics either
         if self._skip is not None and self._skip(tl):
-            return
+            return None
         route, model, version = self._labels(tl, s)
+        end = tl.end if tl.end is not None else tl.received
+        objective = None
+        if s.objective is not None:
+            o = s.objective
+            objective = (o.ttft, o.tpot, o.e2e, o.percentile, o.shape)
+        record = waterfall(0, tl, s, route=route, model=model, trace=self.traces)
+        return ((route, model, s.shape, version), objective, counts(tl, s), samples(tl, s), tl.received, end, record)
+
+    def take(self, entry: Entry) -> None:
+        """Count one request's ``entry`` and keep its waterfall (the recorder's thread)."""
+        key, objective, tally_counts, values, received, end, record = entry
         now = self._clock()
         slot = math.floor(now / SLOT)
-        end = tl.end if tl.end is not None else tl.received
-        values = samples(tl, s)
         with self._lock:
             self._lag = min(self._lag, now - end)
-            key = (route, model, s.shape, version)
             series = self._series.setdefault(key, _Series())
-            series.objective = s.objective
-            series.total.add_request(tl, s, values)
-            series.busy.add(tl.received, end)
+            series.objective = SLO(*objective) if objective is not None else None
+            series.total.add_request(tally_counts, values)
+            series.busy.add(received, end)
             tally = series.slots.get(slot)
             if tally is None:
                 tally = series.slots[slot] = Tally()
                 self._prune(series, slot)
-            tally.add_request(tl, s, values)
+            tally.add_request(tally_counts, values)
             for figure in LATENCIES:
                 series.samples[figure].add(slot, values[figure])
                 self._kept += len(values[figure])
             dropped = self._trim() if self._kept > self._budget else 0
             self._seq += 1
-            record = waterfall(self._seq, tl, s, route=route, model=model, trace=self.traces)
+            record["id"] = self._seq
             self._requests.append((slot, key, record))
             subscribers = list(self._subscribers)
         if dropped and self._on_drop is not None:
