@@ -11,7 +11,11 @@ takes, a full queue drops tapes (counted): what each configuration records a sec
 
 Prints one JSON line per configuration and round: requests recorded and dropped, recorded per second, each
 telemetry process's CPU per recorded request, and the lessons they could not pass to each other. ``--summary``
-ends with each configuration's medians.
+ends with each configuration's medians. ``--records`` writes each request's record and sets what several
+processes gave each request (its queue/prefill split against the route's ``server_slots``, and its cache class:
+each prompt starts with one of eight system prompts, and the server reads nothing from its cache, so the class
+says whether the process knew the prompt was sent before) against what one process gave the same request in
+the same round: ``same_as_one_process`` of ``compared``. Offer a rate one process keeps up with for that.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -37,11 +42,14 @@ from bench.procs import cpu_seconds
 from bench.telemetry import _event, chat_tape
 from llmtap.config.load import build
 from llmtap.serve.telemetry import TelemetryProcess
+from llmtap.store.files import ReadStats, read_records
 from llmtap.wire.framing import encode_frame
 from llmtap.wire.tape import shard_of
 
-#: The prompt's system part, the same in every request (its prefix is what the cache index keeps whole).
-SYSTEM = "You answer questions about the product's invoices, politely and briefly. " * 20
+#: The prompts' system parts: each request takes one of these (their prefixes are what the cache index keeps whole).
+SYSTEMS = [f"You answer questions about the product's invoices (v{v}), briefly. " * 20 for v in range(8)]
+#: The slots the route says the upstream runs (the slot replay's count).
+SLOTS = 32
 
 
 class _Sink(BaseHTTPRequestHandler):
@@ -68,8 +76,11 @@ def tapes(count: int, chunks: int, rate: float, seed: int) -> list[tuple[int, by
     """``count`` end messages, framed, with the trace id each is sent by: requests ``1 / rate`` s apart, each
     ``ttft + chunks * gap`` long, numbered in order with the requests in flight ahead of each."""
     rng = random.Random(seed)
-    usage = {"model": "m", "choices": [], "usage": {"prompt_tokens": 300, "completion_tokens": 2 * chunks}}
-    reads = [_event(" word word")] * chunks + [b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n"]
+    # The server reads nothing from its cache: each request's class says whether its prompt was sent before.
+    details = {"cached_tokens": 0}
+    usage = {"prompt_tokens": 300, "completion_tokens": 2 * chunks, "prompt_tokens_details": details}
+    last = {"model": "m", "choices": [], "usage": usage}
+    reads = [_event(" word word")] * chunks + [b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n"]
     gap, length = 0.02, 0.1 + 0.02 * chunks
     ends: list[float] = []
     out: list[tuple[int, bytes]] = []
@@ -77,7 +88,8 @@ def tapes(count: int, chunks: int, rate: float, seed: int) -> list[tuple[int, by
         received = 1000.0 + key / rate
         ahead = sum(1 for e in ends[-4096:] if e > received)
         ends.append(received + length)
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"question {key}"}]
+        system = rng.choice(SYSTEMS)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"question {key}"}]
         body = json.dumps({"model": "m", "stream": True, "messages": messages}).encode()
         trace_id = rng.getrandbits(128)
         _, sent = chat_tape(
@@ -161,18 +173,23 @@ def measure(workers: int, args: argparse.Namespace, sink_port: int, seed: int) -
 
 
 def _measure(workers: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    flags = {
-        "upstream": "http://127.0.0.1:9",
-        "telemetry_workers": workers,
-        "admin_port": 0,
-        "chunk_spans": "spans",
-        "prometheus": True,
-    }
-    settings = build(flags)
     count = int(args.rate * args.seconds)
     frames = tapes(count + 64, args.chunks, args.rate, seed)
     warm, frames = frames[:64], frames[64:]
     with tempfile.TemporaryDirectory(prefix="lt-scale-", dir="/tmp") as folder:
+        config = Path(folder) / "llmtap.yaml"
+        config.write_text(f"routes:\n  - {{prefix: /, upstream: 'http://127.0.0.1:9', server_slots: {SLOTS}}}\n")
+        records = Path(folder) / "records"
+        flags: dict[str, Any] = {
+            "config": str(config),
+            "telemetry_workers": workers,
+            "admin_port": 0,
+            "chunk_spans": "spans",
+            "prometheus": True,
+        }
+        if args.records:
+            flags["record"] = str(records)
+        settings = build(flags)
         channel = os.path.join(folder, "telemetry.sock")
         with TelemetryProcess(settings, channel, relays=1) as telemetry:
             pids = [p.pid for p in telemetry.procs]
@@ -228,7 +245,17 @@ def _measure(workers: int, args: argparse.Namespace, seed: int) -> dict[str, Any
             by_process = [int(o - w) for o, w in zip(own, warmed, strict=True)]
             for s in socks:
                 s.close()
+        # Each request's estimate and cache class, to set against another configuration's (``--records``).
+        estimates = (
+            {
+                r["trace_id"]: (r["queue"], r["prefill"], r["queue_source"], r["cache"]["class"])
+                for r in read_records(records, ReadStats())
+            }
+            if args.records
+            else {}
+        )
     return {
+        "estimates": estimates,
         "telemetry_processes": workers,
         "chunks_per_request": args.chunks,
         "offered_per_s": args.rate,
@@ -253,13 +280,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=6.0, help="how long they are offered")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--summary", action="store_true", help="end with each configuration's medians")
+    parser.add_argument(
+        "--records",
+        action="store_true",
+        help="write records and report how many requests got the queue/prefill split and cache class one process gave",
+    )
     args = parser.parse_args(argv)
     server, port = sink()
     runs: list[dict[str, Any]] = []
     try:
         for r in range(args.rounds):
+            alone: dict[str, Any] | None = None
             for workers in args.workers:
                 result = measure(workers, args, port, seed=r)
+                estimates = result.pop("estimates")
+                if workers == 1:
+                    alone = estimates
+                elif alone is not None and args.records:
+                    both = set(alone) & set(estimates)
+                    result["compared"] = len(both)
+                    result["same_as_one_process"] = sum(1 for t in both if alone[t] == estimates[t])
+                    result["cache_classes"] = dict(Counter(e[3] for e in estimates.values()))
                 runs.append(result)
                 print(json.dumps(result), flush=True)
     finally:
