@@ -178,7 +178,8 @@ def _measure(workers: int, args: argparse.Namespace, seed: int) -> dict[str, Any
     warm, frames = frames[:64], frames[64:]
     with tempfile.TemporaryDirectory(prefix="lt-scale-", dir="/tmp") as folder:
         config = Path(folder) / "llmtap.yaml"
-        config.write_text(f"routes:\n  - {{prefix: /, upstream: 'http://127.0.0.1:9', server_slots: {SLOTS}}}\n")
+        route = f"{{prefix: /, upstream: 'http://127.0.0.1:9', server_slots: {SLOTS}, cache_min_tokens: 16}}"
+        config.write_text(f"routes:\n  - {route}\n")
         records = Path(folder) / "records"
         flags: dict[str, Any] = {
             "config": str(config),
@@ -193,7 +194,9 @@ def _measure(workers: int, args: argparse.Namespace, seed: int) -> dict[str, Any
         channel = os.path.join(folder, "telemetry.sock")
         with TelemetryProcess(settings, channel, relays=1) as telemetry:
             pids = [p.pid for p in telemetry.procs]
-            cores = [1] if workers == 1 else list(range(workers))
+            # Each process a core of its own (process 0 beside this one's feeding); ``--one-core``: all on core 1,
+            # where what the processes tell each other costs what it costs without a second core's help.
+            cores = [1] * workers if workers == 1 or args.one_core else list(range(workers))
             for pid, core in zip(pids, cores, strict=True):
                 pin_all(pid, core)
             paths = [channel] if workers == 1 else [f"{channel}.{i}" for i in range(workers)]
@@ -245,15 +248,13 @@ def _measure(workers: int, args: argparse.Namespace, seed: int) -> dict[str, Any
             by_process = [int(o - w) for o, w in zip(own, warmed, strict=True)]
             for s in socks:
                 s.close()
-        # Each request's estimate and cache class, to set against another configuration's (``--records``).
-        estimates = (
-            {
-                r["trace_id"]: (r["queue"], r["prefill"], r["queue_source"], r["cache"]["class"])
-                for r in read_records(records, ReadStats())
-            }
-            if args.records
-            else {}
-        )
+        # Each measured request's estimate and cache class, to set against another configuration's (``--records``).
+        measured = {format(trace_id, "032x") for trace_id, _ in frames}
+        estimates = {
+            r["trace_id"]: (r["queue"], r["prefill"], r["queue_source"], r["cache"]["class"])
+            for r in (read_records(records, ReadStats()) if args.records else ())
+            if r["trace_id"] in measured
+        }
     return {
         "estimates": estimates,
         "telemetry_processes": workers,
@@ -279,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=3000.0, help="requests offered a second")
     parser.add_argument("--seconds", type=float, default=6.0, help="how long they are offered")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--one-core", action="store_true", help="every telemetry process on core 1")
     parser.add_argument("--summary", action="store_true", help="end with each configuration's medians")
     parser.add_argument(
         "--records",
@@ -300,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                     both = set(alone) & set(estimates)
                     result["compared"] = len(both)
                     result["same_as_one_process"] = sum(1 for t in both if alone[t] == estimates[t])
+                    result["differ"] = [(alone[t], estimates[t]) for t in sorted(both) if alone[t] != estimates[t]][:3]
                     result["cache_classes"] = dict(Counter(e[3] for e in estimates.values()))
                 runs.append(result)
                 print(json.dumps(result), flush=True)

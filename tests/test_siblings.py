@@ -83,7 +83,10 @@ def test_two_estimators_told_each_others_lessons_split_every_request_as_one_that
         for lesson in owner.learned:
             other.learn(lesson)
         owner.learned.clear()
-    assert got == expected
+    assert [split for _, split in got] == [split for _, split in expected]
+    # The decoding peak (a floor under the slots) is taken where each process's own requests began: no higher.
+    assert all(peak <= whole_peak for (peak, _), (whole_peak, _) in zip(got, expected, strict=True))
+    assert max(peak for peak, _ in got) >= 2
     assert not shards[0].learned and not shards[1].learned  # what is learned is not told again
 
 
@@ -110,7 +113,7 @@ def test_lessons_that_come_late_land_in_the_order_the_requests_ended() -> None:
         up, ref = e._upstreams["http://up"], whole._upstreams["http://up"]
         assert list(up.log._ends) == list(ref.log._ends)
         assert list(up.log._decoding) == list(ref.log._decoding)
-        assert up.log.decoding_peak <= ref.log.decoding_peak  # a late one can only miss an overlap
+        assert up.log.decoding_peak <= ref.log.decoding_peak  # taken at this process's own requests only
         assert {m: env.line() for m, env in up.envelopes.items()} == {m: env.line() for m, env in ref.envelopes.items()}
 
 

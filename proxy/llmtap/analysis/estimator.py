@@ -22,6 +22,7 @@ and a bounded log of recent completions per upstream. Runs on the recorder's wor
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right, insort_right
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
@@ -126,39 +127,41 @@ def _lower_hull(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
 
 
 class SlotLog:
-    """When recent requests to one upstream ended, to replay a slot-limited server's admissions."""
+    """When recent requests to one upstream ended, to replay a slot-limited server's admissions.
+
+    Both logs are kept in the order of the requests' ends, however late one is told (a sibling telemetry
+    process's request, ``Estimator.learn``, may come after hundreds that ended later): each is found by bisection,
+    and a full log lets its oldest go.
+    """
 
     def __init__(self, maxlen: int = MAX_COMPLETIONS) -> None:
-        # (sequence number, end time); appended in the order requests end.
-        self._ends: deque[tuple[int, float]] = deque(maxlen=maxlen)
-        # (first content, end) of the same requests: when each was decoding, so held in the server's batch.
-        self._decoding: deque[tuple[float, float]] = deque(maxlen=maxlen)
+        self.maxlen = maxlen
+        # (sequence number, end time), by end time.
+        self._ends: list[tuple[int, float]] = []
+        # (first content, end) of the same requests, by end: when each was decoding, so held in the server's batch.
+        self._decoding: list[tuple[float, float]] = []
         #: The most requests seen decoding at one moment: never more than the server's slots.
         self.decoding_peak = 0
 
-    def decoding(self, first: float, end: float) -> None:
+    def decoding(self, first: float, end: float, *, count: bool = True) -> None:
         """A request that streamed from ``first`` to ``end``: the peak rises to how many (itself too) were
-        decoding as it began.
+        decoding as it began (``count``; a request another telemetry process recorded is only logged, so the
+        peak is taken where this one's requests began: a floor all the same, and a walk per request saved).
 
         A request between its first content chunk and its end holds one of the server's slots, so this is a
         floor under the slot count that llmtap's own clock gives, as soon as two requests overlap; the
-        server's gauges (``llmtap.analysis.slots``) may be sampled too seldom to catch that. The log is in the
-        order requests ended, so the walk back stops at the first that ended before this one began (one out of
-        order is missed at worst, which only keeps the floor lower).
+        server's gauges (``llmtap.analysis.slots``) may be sampled too seldom to catch that. Only requests
+        already logged count (one told later misses this overlap, which only keeps the floor lower).
         """
-        together = 1
-        for f, e in reversed(self._decoding):
-            if e < first:
-                break
-            if f <= first:
-                together += 1
-        _insert(self._decoding, (first, end), end)
-        self.decoding_peak = max(self.decoding_peak, together)
+        log = self._decoding
+        if count:
+            together = 1 + sum(1 for f, _ in log[bisect_left(log, first, key=_end) :] if f <= first)
+            self.decoding_peak = max(self.decoding_peak, together)
+        _insert(log, (first, end), self.maxlen)
 
     def add(self, seq: int, end: float) -> None:
-        """A request to this upstream ended (its slot is free again); kept in the order of the ends, however
-        late it is told (a sibling telemetry process's request, ``Estimator.learn``)."""
-        _insert(self._ends, (seq, end), end)
+        """A request to this upstream ended (its slot is free again)."""
+        _insert(self._ends, (seq, end), self.maxlen)
 
     def admitted(self, seq: int, sent: float, ahead: int, slots: int, first: float) -> float | None:
         """When the server admitted request ``seq``, or None when the log cannot tell.
@@ -171,34 +174,30 @@ class SlotLog:
         if ahead < slots:
             return sent
         needed = ahead - slots + 1
-        ends: list[float] = []
-        for other, end in reversed(self._ends):
-            if end <= sent:
-                break
-            if other < seq:
-                ends.append(end)
+        log = self._ends
+        # The ends after it was sent, in order, of the requests sent before it.
+        ends = [end for other, end in log[bisect_right(log, sent, key=_end) :] if other < seq]
         if len(ends) < needed:
             return None
-        ends.sort()
         at = ends[needed - 1]
         return at if at <= first else None
 
 
-def _insert(log: deque[tuple[Any, float]], item: tuple[Any, float], end: float) -> None:
-    """Put ``item`` into ``log`` (in order of its last field) from the back: at the end, or a few places before it
-    when it came late; a full log lets its oldest go first."""
-    at = len(log)
-    while at and log[at - 1][1] > end:
-        at -= 1
-    if at == len(log):
+def _end(item: tuple[Any, float]) -> float:
+    return item[1]
+
+
+def _insert(log: list[tuple[Any, float]], item: tuple[Any, float], maxlen: int) -> None:
+    """Put ``item`` into ``log`` in the order of its end (after equal ones); a full log lets its oldest go first,
+    and takes nothing older than all it keeps."""
+    if len(log) >= maxlen:
+        if item[1] < log[0][1]:
+            return
+        del log[0]
+    if not log or log[-1][1] <= item[1]:
         log.append(item)
-        return
-    if len(log) == log.maxlen:
-        if at == 0:
-            return  # older than everything kept
-        log.popleft()
-        at -= 1
-    log.insert(at, item)
+    else:
+        insort_right(log, item, key=_end)
 
 
 @dataclass(slots=True)
@@ -254,7 +253,7 @@ class Estimator:
             raise ValueError(f"a lesson's upstream is {type(upstream).__name__}")
         if kind == DECODING and len(lesson) == 4:
             first, end = float(lesson[2]), float(lesson[3])
-            self._upstream(upstream).log.decoding(first, end)
+            self._upstream(upstream).log.decoding(first, end, count=False)
         elif kind == ENDED and len(lesson) == 4:
             self._upstream(upstream).log.add(int(lesson[2]), float(lesson[3]))
         elif kind == IDLE and len(lesson) == 6:

@@ -104,7 +104,10 @@ class Recorder:
         self.metrics = MetricWriter(settings, meter_provider)
         self.instruments = self.metrics.instruments
         self.spans.on_ignored = self._count_trace_context
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.telemetry.queue_size)
+        # Tapes fill it up to ``queue_size``; the other telemetry processes' lessons and the upstream's spans may use
+        # a quarter more, so a backlog of tapes delays them but does not lose them (the state kept whole, the join).
+        self._tape_room = settings.telemetry.queue_size
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=self._tape_room + max(self._tape_room // 4, 64))
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.recorded = 0
@@ -240,6 +243,8 @@ class Recorder:
             if size and self._queued_in + size - self._queued_out > MAX_QUEUED_BYTES:
                 message = without_bytes(message) or message
                 size = 0
+            if message[0] != FACTS and self._queue.qsize() >= self._tape_room:
+                raise queue.Full
             self._queue.put_nowait((source, message, size))
             self._queued_in += size
             return True
@@ -398,13 +403,18 @@ class Recorder:
                 self._thread = thread
 
     def _next_deadline(self) -> float | None:
-        deadlines = [d for d in (self.wait.next_deadline(), self.owned.next_deadline()) if d is not None]
+        lessons = self.siblings.deadline() if self.siblings is not None else None
+        deadlines = [d for d in (self.wait.next_deadline(), self.owned.next_deadline(), lessons) if d is not None]
         return min(deadlines) if deadlines else None
 
     def _due(self) -> None:
         now = time.monotonic()
         self._emit_all(self.wait.due(now))
         self.owned.due(now)
+        if self.siblings is not None:
+            lessons = self.siblings.deadline()
+            if lessons is not None and lessons <= now:
+                self.siblings.flush()
 
     def _run(self) -> None:
         sched.idle_here()
@@ -444,11 +454,8 @@ class Recorder:
             if deadline is not None and deadline <= time.monotonic():
                 self._due()
             if self._queue.empty():
-                # Idle: push record lines out now, so ``llmtap compare`` can read a live file, and lessons to the
-                # sibling processes.
+                # Idle: push record lines out now, so ``llmtap compare`` can read a live file.
                 self.records.flush()
-                if self.siblings is not None:
-                    self.siblings.flush()
 
     def take(self, source: int, message: Raw) -> None:
         """One encoded message of relay ``source``: a stream's segment or end, or the relay's report.

@@ -12,8 +12,8 @@ lessons are a few dozen bytes (a prompt's chain: 16 bytes per 1,024 characters).
 process only: each finished request to process 0's live view (``LIVE``), and the upstream's spans from
 process 0's span receiver to the process that recorded their request (``SPANS``).
 
-Lessons leave in batches: once ``BATCH`` wait, when one is offered after the oldest waited ``BATCH_WAIT``
-seconds, and whenever the recorder's queue is empty; a busy process sends within a few milliseconds. What that
+Lessons leave in batches: once ``BATCH`` wait, or ``BATCH_WAIT`` seconds after the oldest was offered (the
+recorder wakes for it), so a process sends a few times a second when idle and a few hundred when busy. What that
 bounds: a request recorded in one process before a lesson it needed arrived from another is estimated as if the
 request that lesson describes had not been seen. For the slot replay that means no answer, so its split falls
 back to the envelope (``method: envelope``, still ``estimated``); for the cache diagnosis, a prompt whose
@@ -124,6 +124,10 @@ class Siblings:
         if waiting >= BATCH or self._clock() - self._since >= BATCH_WAIT:
             self.flush()
 
+    def deadline(self) -> float | None:
+        """When the waiting lessons must leave (the recorder wakes for it), or None when none wait."""
+        return self._since + BATCH_WAIT if self._pending or self._first else None
+
     def slots_due(self, upstream: str, now: float) -> bool:
         """Whether the slot count of ``upstream`` is to be told again (at most every ``SLOTS_EVERY`` seconds)."""
         last = self._slots_at.get(upstream)
@@ -135,7 +139,7 @@ class Siblings:
         return True
 
     def flush(self) -> None:
-        """Send what waits now (the recorder's thread: it has nothing else to do, or the batch is full)."""
+        """Send what waits now (the recorder's thread: the batch is full, or its deadline came)."""
         if not self._pending and not self._first:
             return
         batch, self._pending = tuple(self._pending), []
