@@ -53,7 +53,10 @@ SLOTS = 32
 
 
 class _Sink(BaseHTTPRequestHandler):
-    """Takes an OTLP/HTTP export and answers 200 with an empty response (what a collector says)."""
+    """Takes an OTLP/HTTP export and answers 200 with an empty response (what a collector says), keeping the
+    connection."""
+
+    protocol_version = "HTTP/1.1"
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length") or 0))
@@ -117,7 +120,8 @@ def pin_all(pid: int, core: int) -> None:
 
 
 #: What is read from ``/metrics``: requests recorded, tapes dropped, lessons lost, each summed over its labels.
-COUNTED = ("llmtap_requests_total", "llmtap_telemetry_tapes_dropped_total", "llmtap_telemetry_facts_dropped_total")
+DROPPED = "llmtap_telemetry_tapes_dropped_total"
+COUNTED = ("llmtap_requests_total", DROPPED, "llmtap_telemetry_facts_dropped_total")
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -132,17 +136,18 @@ def scrape_own(path: str) -> dict[str, float]:
 
 
 def _sums(text: str) -> dict[str, float]:
+    """``COUNTED`` summed over their labels; tapes dropped also by reason (``..._total:partial`` and so on)."""
     sums: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in (
-            "llmtap_requests_total",
-            "llmtap_telemetry_tapes_dropped_total",
-            "llmtap_telemetry_facts_dropped_total",
-        ):
-            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if name in COUNTED:
+            value = float(line.rsplit(" ", 1)[1])
+            sums[name] = sums.get(name, 0.0) + value
+            if name == DROPPED and 'llmtap_telemetry_reason="' in line:
+                reason = line.split('llmtap_telemetry_reason="', 1)[1].split('"', 1)[0]
+                sums[f"{name}:{reason}"] = sums.get(f"{name}:{reason}", 0.0) + value
     return sums
 
 
@@ -214,6 +219,7 @@ def _measure(workers: int, args: argparse.Namespace, seed: int) -> dict[str, Any
             for pid, core in zip(pids, cores, strict=True):  # threads started since (the exporters') move too
                 pin_all(pid, core)
             before = [cpu_seconds([pid]) for pid in pids]
+            feeder_before = cpu_seconds([os.getpid()])
             done_before = scrape(telemetry.admin_port)
             tick = 0.01
             per_tick = max(1, int(args.rate * tick))
@@ -229,18 +235,28 @@ def _measure(workers: int, args: argparse.Namespace, seed: int) -> dict[str, Any
                 if wait > 0:
                     time.sleep(wait)
             fed = time.monotonic() - started
+            # Done when the processes' CPU goes quiet (read from /proc: scraping /metrics meanwhile would cost the
+            # first process a merge of every page each time); then every tape is counted once, below.
+            step, last, busy_until = 0.1, cpu_seconds(pids), time.monotonic()
             deadline = time.monotonic() + 120
-            while True:
-                now = scrape(telemetry.admin_port)
-                taken = now.get("llmtap_requests_total", 0) - done_before.get("llmtap_requests_total", 0)
-                dropped = now.get("llmtap_telemetry_tapes_dropped_total", 0) - done_before.get(
-                    "llmtap_telemetry_tapes_dropped_total", 0
-                )
-                if taken + dropped >= len(frames) or time.monotonic() > deadline:
+            while time.monotonic() < deadline:
+                time.sleep(step)
+                cpu = cpu_seconds(pids)
+                if cpu - last > 0.1 * step * workers:
+                    busy_until = time.monotonic()
+                elif time.monotonic() - busy_until > 1.0:
                     break
-                time.sleep(0.05)
-            elapsed = time.monotonic() - started
+                last = cpu
+            elapsed = busy_until - started
+            now = scrape(telemetry.admin_port)
+            taken = now.get("llmtap_requests_total", 0) - done_before.get("llmtap_requests_total", 0)
+            # Whole tapes lost (the queue full); a tape whose bytes the queue's byte bound left out is recorded, from
+            # its timing, and counted apart (``partial``).
+            lost = [f"{DROPPED}:{r}" for r in ("queue_full", "channel_full", "evicted")]
+            dropped = sum(now.get(k, 0) - done_before.get(k, 0) for k in lost)
+            partial = now.get(f"{DROPPED}:partial", 0) - done_before.get(f"{DROPPED}:partial", 0)
             spent = [cpu_seconds([pid]) - b for pid, b in zip(pids, before, strict=True)]
+            feeder = cpu_seconds([os.getpid()]) - feeder_before
             # Requests each process recorded: process 0's is the whole less the others'.
             others = [scrape_own(path).get("llmtap_requests_total", 0.0) for path in telemetry.peer_paths]
             own = [now.get("llmtap_requests_total", 0.0) - sum(others), *others]
@@ -264,10 +280,12 @@ def _measure(workers: int, args: argparse.Namespace, seed: int) -> dict[str, Any
         "fed_s": round(fed, 2),
         "recorded": int(taken),
         "dropped": int(dropped),
+        "partial": int(partial),
         "recorded_per_s": round(taken / elapsed, 1),
         "recorded_by_process": by_process,
         "us_per_request_by_process": [round(1e6 * c / max(n, 1), 1) for c, n in zip(spent, by_process, strict=True)],
         "cpu_s_by_process": [round(c, 2) for c in spent],
+        "feeder_and_sink_cpu_s": round(feeder, 2),
         "facts_dropped": int(now.get("llmtap_telemetry_facts_dropped_total", 0)),
         "load": round(os.getloadavg()[0], 2),
     }
@@ -288,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         help="write records and report how many requests got the queue/prefill split and cache class one process gave",
     )
     args = parser.parse_args(argv)
+    # This process (the relays' part and the sink) on core 0, its threads too: beside telemetry process 0 when
+    # there are two, alone when there is one.
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {0})
     server, port = sink()
     runs: list[dict[str, Any]] = []
     try:
