@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,6 +26,7 @@ from llmtap.simulator import get_profile, run_in_thread
 from llmtap.simulator.server import Background
 from llmtap.store.files import ReadStats, read_records, record_files_at
 from llmtap.telemetry.prometheus import merge_metrics
+from llmtap.wire.tape import shard_of
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
 from tests.procs import stop, stop_clean, wait_ready
 
@@ -271,6 +274,86 @@ def test_two_telemetry_processes_share_one_upstream_and_see_every_prompt(short_t
     # Nothing the processes told each other was lost.
     dropped = [line for line in metrics.splitlines() if line.startswith("llmtap_telemetry_facts_dropped_total{")]
     assert dropped and all(line.endswith(" 0") for line in dropped), dropped
+
+
+@pytest.mark.e2e
+def test_a_telemetry_process_started_again_learns_from_the_other_and_tells_it(short_tmp: Path) -> None:
+    """Telemetry process 1 killed outright: the server keeps serving, process 1 is started again, and the lessons
+    flow both ways once more (its first request knows the prompt process 0 recorded since, and process 0's live
+    view shows that request). The trace ids are the client's, chosen for the process that records each."""
+    tmp_path = short_tmp
+    url, stop_sim = run_in_thread(get_profile("fast"))
+    records = tmp_path / "records"
+    port, admin_port = free_port(), free_port()
+    config = tmp_path / "llmtap.yaml"
+    config.write_text(f"routes:\n  - {{prefix: /, upstream: '{url}', provider: llmtap-sim}}\n")
+    argv = ["serve", "--config", str(config), "--port", str(port), "--admin-port", str(admin_port)]
+    proc = _serve([*argv, "--record", str(records), "--telemetry-workers", "2"], tmp_path)
+    admin = f"http://127.0.0.1:{admin_port}"
+    shipping = "You answer questions about the product's shipping, politely and briefly. " * 40
+    returns = "You answer questions about the product's returns, politely and briefly. " * 40
+
+    def chat(client: httpx.Client, process: int, system: str) -> dict[str, Any]:
+        """One request in a trace process ``process`` records; its record, once written."""
+        trace = secrets.token_hex(16)
+        while shard_of(int(trace, 16), 0, 2) != process:
+            trace = secrets.token_hex(16)
+        body = {
+            "model": "llmtap-sim",
+            "stream": True,
+            "max_tokens": 2,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": trace}],
+        }
+        headers = {"traceparent": f"00-{trace}-{secrets.token_hex(8)}-01"}
+        r = client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        deadline = time.monotonic() + PATIENCE
+        while time.monotonic() < deadline:
+            found = [x for x in read_records(records, ReadStats()) if x["trace_id"] == trace]
+            if found:
+                return found[0]
+            time.sleep(0.05)
+        raise AssertionError(f"no record of {trace}")
+
+    try:
+        wait_ready(proc, admin)
+        with httpx.Client(timeout=PATIENCE) as client:
+            first, second = chat(client, 0, shipping), chat(client, 1, shipping)
+            assert (first["cache"]["class"], second["cache"]["class"]) == ("cold", "hit")
+            victim = second["pid"]
+            assert victim != first["pid"]
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + PATIENCE
+            while victim in _children(proc.pid) or len(_children(proc.pid)) < 2:
+                assert time.monotonic() < deadline, "the killed telemetry process was not started again"
+                time.sleep(0.1)
+            (peer,) = sorted(tmp_path.glob("llmtap-*/telemetry.sock.admin.1"))
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    with httpx.Client(transport=httpx.HTTPTransport(uds=str(peer)), timeout=5) as private:
+                        if private.get("http://telemetry/healthz").status_code == 200:
+                            break
+                assert time.monotonic() < deadline, "the telemetry process started again is not ready"
+                time.sleep(0.1)
+            # A prompt process 0 records now, then one of the process started again: it starts with nothing of its
+            # own, so it knows the prompt only from process 0's lesson.
+            known = chat(client, 0, returns)
+            learned = chat(client, 1, returns)
+        assert known["pid"] == first["pid"] and learned["pid"] not in (victim, first["pid"])
+        # The system prompt changed (process 0 knew the old one); the server read the new one from its cache, and the
+        # process started again expected it: it shares the prefix only process 0 had recorded.
+        assert (known["cache"]["class"], learned["cache"]["class"]) == ("miss_changed", "hit"), (known, learned)
+        assert learned["prompt"]["shared_prefix_tokens"] > 400 and learned["cache"]["expected_prefix_tokens"] > 400
+        assert second["prompt"]["shared_prefix_tokens"] > 400  # before the kill too, from process 0's lesson
+        # And process 0's live view has the new process's request: its lessons reach process 0 again.
+        deadline = time.monotonic() + PATIENCE
+        while learned["response_id"] not in {r["response_id"] for r in _live(admin)["requests"]}:
+            assert time.monotonic() < deadline, "the live view never got the request of the process started again"
+            time.sleep(0.05)
+        stop_clean(proc)
+    finally:
+        stop_sim()
+        stop(proc, grace=0)
 
 
 def _live(admin: str) -> dict[str, Any]:
