@@ -20,7 +20,8 @@ back to the envelope (``method: envelope``, still ``estimated``); for the cache 
 prefix another process's request sent within those milliseconds reads as not sent before, as two requests
 sent together do in one process. Late lessons are put in order (``SlotLog``). Lessons that cannot be passed (a
 sibling's buffer full, or the sibling restarting) are dropped and counted (``llmtap.telemetry.facts.dropped``),
-never waited for.
+never waited for. A process started again (``llmtap.serve.telemetry``) begins with that state empty, as a lone
+process does, and learns it again from the requests that follow, its own and the others'.
 """
 
 from __future__ import annotations
