@@ -145,6 +145,8 @@ def measure(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int
         "telemetry_us_per_chunk": round(1e6 * telemetry_spent / chunks, 1) if chunks and telemetry_spent else None,
         "wakes_per_chunk": round(slept / chunks, 2) if chunks else None,
         "rss_per_stream_kib": round((rss_peak - rss_before) / 1024 / args.streams, 1),
+        "rss_before_mib": round(rss_before / (1 << 20), 1),
+        "rss_peak_mib": round(rss_peak / (1 << 20), 1),
         "load": round(load, 2),
     }
 
