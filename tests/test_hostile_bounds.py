@@ -73,6 +73,11 @@ def served(upstream: FaultUpstream, tmp_path_factory: pytest.TempPathFactory) ->
         # tape is dropped and counted (queue_full), as designed; niced, they keep their share and its record comes.
         "--telemetry-scheduling",
         "nice",
+        # A 256 MiB stream is 8,192 segments; a busy machine can leave the recorder that many behind, and past the
+        # default queue (4,096) one of them is dropped and the whole tape with it (queue_full, as designed), so the
+        # tap's memory and time would go unmeasured. Room for all of them (past 16 MiB they carry no bytes).
+        "--telemetry-queue",
+        "16384",
     )
     yield proxy, records
     proxy.close()
