@@ -27,7 +27,6 @@ process does, and learns it again from the requests that follow, its own and the
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,8 +39,6 @@ from llmtap.wire.socketchannel import SocketChannel
 from llmtap.wire.tape import shard_of
 
 __all__ = ["BATCH", "BATCH_WAIT", "FACT_DROP_REASONS", "LIVE", "SLOTS", "SPANS", "Siblings", "by_process"]
-
-log = logging.getLogger("llmtap.telemetry")
 
 #: Lessons sent together at most, and the longest one waits for company (seconds).
 BATCH = 64
@@ -163,6 +160,7 @@ class Siblings:
         return channel is not None and channel.send((FACTS, ((SPANS, export),)), reserve=True)
 
     async def aclose(self) -> None:
-        """Send what waits and close the connections."""
+        """Close the connections, each writing out what it holds first (lessons still waiting for their batch are
+        not sent: the others are stopping too)."""
         for channel in self.channels.values():
             await channel.aclose()
