@@ -36,7 +36,7 @@ from llmtap.providers.sse import Event, decoder_for
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.tap import Tap
 from tests.conftest import Running, Telemetry, require_real
-from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
+from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes
 
 CHAT = {
@@ -149,18 +149,33 @@ def test_100mb_line_is_relayed_and_dropped_by_the_parser_with_bounded_memory(
     assert attrs[sc.OUTCOME] == "ok" and attrs[sc.USAGE_OUTPUT_TOKENS] == 1
 
 
+#: Tapes that reached the telemetry process without some of their bytes count here (reason ``partial``).
+PARTIAL = "llmtap_telemetry_tapes_dropped_total"
+
+
 def test_a_million_tiny_events(traced: tuple[Llmtap, HTTPReceiver], upstream: FaultUpstream) -> None:
     proxy, receiver = traced
-    seen = len([s for _, s in receiver.received.spans() if s.name == "chat fault"])
     before = proxy.rss()
-    with Peak(proxy) as peak:
-        _, took, size = relay(proxy, upstream, "tiny-events", 1_000_000)
-    print(
-        f"\n1,000,000 events: {size >> 20} MiB relayed in {took:.2f} s ({1e6 / took:,.0f} events/s);"
-        f" RSS peak +{(peak.peak - before) >> 20} MiB"
-    )
-    attrs = root_span(receiver, seen + 1)
-    assert attrs[sc.OUTCOME] == "ok"
+    # 54 MiB in a quarter of a second: on a busy machine the telemetry process can fall more than its 16 MiB
+    # byte bound behind, and the stream's last bytes (its usage) then come as timing only, counted partial, as
+    # designed. Such a try is said by the counter and the stream goes again, up to three times.
+    for attempt in range(3):
+        partial = metric_value(
+            proxy.metrics(), "llmtap_telemetry_tapes_dropped_total", llmtap_telemetry_reason="partial"
+        )
+        seen = len([s for _, s in receiver.received.spans() if s.name == "chat fault"])
+        with Peak(proxy) as peak:
+            _, took, size = relay(proxy, upstream, "tiny-events", 1_000_000)
+        print(
+            f"\n1,000,000 events: {size >> 20} MiB relayed in {took:.2f} s ({1e6 / took:,.0f} events/s);"
+            f" RSS peak +{(peak.peak - before) >> 20} MiB"
+        )
+        attrs = root_span(receiver, seen + 1)
+        assert attrs[sc.OUTCOME] == "ok"
+        if sc.USAGE_OUTPUT_TOKENS in attrs or attempt == 2:
+            break
+        now = metric_value(proxy.metrics(), PARTIAL, llmtap_telemetry_reason="partial")
+        assert now == partial + 1, (partial, now)
     assert attrs[sc.USAGE_OUTPUT_TOKENS] == 1_000_000 and attrs[sc.OUTPUT_TOKENS_SOURCE] == "usage"
     assert sc.MALFORMED_EVENTS not in attrs
     assert peak.peak - before < 64 << 20
