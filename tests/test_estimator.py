@@ -55,14 +55,26 @@ def test_envelope_is_bounded() -> None:
 
 def test_slot_replay_admits_at_the_right_completion() -> None:
     log = SlotLog()
-    # Two slots. Requests 1 and 2 run; 3 and 4 are sent while both run.
-    log.add(1, 5.0)
-    log.add(2, 6.0)
-    assert log.admitted(3, sent=1.0, ahead=2, slots=2, first=5.5) == 5.0  # the first end frees a slot
-    assert log.admitted(4, sent=1.0, ahead=3, slots=2, first=6.5) == 6.0  # the second end frees the next
-    assert log.admitted(5, sent=1.0, ahead=1, slots=2, first=1.2) == 1.0  # a free slot: no wait
+    # Two slots. Requests sent at 0.0 and 0.1 run; others are sent at 1.0 while both run.
+    log.add(0.0, 5.0)
+    log.add(0.1, 6.0)
+    assert log.admitted(sent=1.0, ahead=2, slots=2, first=5.5) == 5.0  # the first end frees a slot
+    assert log.admitted(sent=1.0, ahead=3, slots=2, first=6.5) == 6.0  # the second end frees the next
+    assert log.admitted(sent=1.0, ahead=1, slots=2, first=1.2) == 1.0  # a free slot: no wait
     # Not enough ends seen before the first chunk: the server has more slots than configured.
-    assert log.admitted(6, sent=1.0, ahead=4, slots=2, first=5.5) is None
+    assert log.admitted(sent=1.0, ahead=4, slots=2, first=5.5) is None
+
+
+def test_slot_replay_counts_only_requests_sent_before() -> None:
+    """Ends are ordered by send time, not by any relay's numbering: a request sent later that ended first (a
+    server that is not first come, first served) frees no slot for one sent before it."""
+    log = SlotLog()
+    log.add(0.0, 5.0)
+    log.add(2.0, 4.0)  # sent after the request below, ended before the first of those ahead of it
+    log.add(0.5, 6.0)
+    assert log.admitted(sent=1.0, ahead=2, slots=2, first=7.0) == 5.0
+    assert log.admitted(sent=1.0, ahead=3, slots=2, first=7.0) == 6.0
+    assert log.admitted(sent=2.5, ahead=3, slots=2, first=7.0) == 5.0  # sent after all three: each counts
 
 
 def test_requests_decoding_together_are_a_floor_under_the_slots() -> None:

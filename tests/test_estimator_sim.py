@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,9 +26,10 @@ import pytest
 
 from llmtap.config.load import build
 from llmtap.simulator import get_profile
+from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry, free_port
-from tests.procs import stop
+from tests.procs import Llmtap, stop
 
 pytestmark = pytest.mark.e2e
 
@@ -124,15 +126,59 @@ async def run_burst(url: str, seed: int) -> tuple[list[str], list[str]]:
         return alone, list(await asyncio.gather(*burst))
 
 
-def machine_noise(attrs: Any, t: dict[str, Any]) -> float:
+def from_spans(telemetry: Telemetry) -> list[dict[str, Any]]:
+    """What the proxy said of each request, from its request spans: the truth's key and the figures ``compare``
+    reads (the upstream TTFT, the upstream's time from the request's send to its end, queue and prefill)."""
+    seen = []
+    for span in telemetry.finished():
+        attrs: Any = span.attributes or {}
+        if sc.RESPONSE_ID not in attrs or sc.PREFILL_DURATION not in attrs:
+            continue
+        seen.append(
+            {
+                "id": attrs[sc.RESPONSE_ID],
+                "upstream_ttft": float(attrs[sc.UPSTREAM_TTFT]),
+                "upstream_end": float(attrs[sc.E2E]) - float(attrs[sc.QUEUE_PROXY_DURATION]),
+                "queue": attrs.get(sc.QUEUE_UPSTREAM_DURATION),
+                "prefill": attrs[sc.PREFILL_DURATION],
+                "source": (attrs.get(sc.QUEUE_UPSTREAM_SOURCE), attrs[sc.PREFILL_SOURCE]),
+            }
+        )
+    return seen
+
+
+def from_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same from records (``llmtap serve --record``): their queue is the proxy's and the upstream's, and the
+    proxy's is none here (no admission line). Their TTFT counts from the request's arrival at the proxy to its first
+    content chunk's write to the client, so the time to the end from the send is short of the truth by the relay's
+    delay of that chunk: read as at least none (``early``)."""
+    return [
+        {
+            "id": r["response_id"],
+            "upstream_ttft": r["upstream_ttft"],
+            "upstream_end": r["e2e"] - (r["ttft"] - r["upstream_ttft"]),
+            "early": True,
+            "queue": r["queue"],
+            "prefill": r["prefill"],
+            "source": (r["queue_source"], r["prefill_source"]),
+        }
+        for r in records
+        if r["response_id"] is not None
+    ]
+
+
+def machine_noise(seen: dict[str, Any], t: dict[str, Any]) -> float:
     """What the machine added to one request, from both sides' own records: the simulator's latest chunk
     against its deadline, plus the larger of the proxy's two views beyond the simulator's: its upstream TTFT
     beyond the simulator's arrival to first token, and its upstream time to the end beyond the simulator's
     arrival to last token (the ends the replay frees slots at; a stalled proxy sees them late)."""
     late = max(o - d for o, d in zip(t["chunk_offsets_s"], t["chunk_due_offsets_s"], strict=True))
-    first = float(attrs[sc.UPSTREAM_TTFT]) - t["chunk_offsets_s"][0]
-    end = float(attrs[sc.E2E]) - float(attrs[sc.QUEUE_PROXY_DURATION]) - t["chunk_offsets_s"][-1]
-    assert late >= 0 and first >= 0 and end >= 0, (late, first, end)  # neither side is ever early
+    first = seen["upstream_ttft"] - t["chunk_offsets_s"][0]
+    end = seen["upstream_end"] - t["chunk_offsets_s"][-1]
+    if seen.get("early"):
+        end = max(end, 0.0)
+    # Neither side is ever early (records round to the microsecond: a microsecond either way is the rounding).
+    assert late >= 0 and first >= -2e-6 and end >= -2e-6, (late, first, end)
     return float(late + max(first, end))
 
 
@@ -146,29 +192,27 @@ def admission_lateness(records: list[dict[str, Any]]) -> float:
 
 
 def compare(
-    proxy: Running, telemetry: Telemetry, truth_url: str, ids: tuple[list[str], list[str]]
+    seen: list[dict[str, Any]], truth_url: str, ids: tuple[list[str], list[str]]
 ) -> tuple[list[dict[str, Any]], tuple[float, float]]:
     """One row per burst request (estimate, truth), and the most the machine added to any request of the run:
     the most either side was late on one request (``machine_noise``), and the simulator's latest admission."""
-    proxy.flush()
     truth = {r["id"]: r for r in httpx.get(truth_url + "/debug/requests").json()["requests"]}
     alone, burst = ids
     rows, noise = [], []
-    for span in telemetry.finished():
-        attrs = span.attributes or {}
-        if attrs.get(sc.RESPONSE_ID) not in alone + burst:
+    for s in seen:
+        if s["id"] not in alone + burst:
             continue
-        t = truth[attrs[sc.RESPONSE_ID]]
-        noise.append(machine_noise(attrs, t))
+        t = truth[s["id"]]
+        noise.append(machine_noise(s, t))
         if t["id"] not in burst:
             continue
         rows.append(
             {
                 "prompt": t["prompt_tokens"],
                 "cached": t["cached_tokens"],
-                "queue": (attrs.get(sc.QUEUE_UPSTREAM_DURATION), t["queue_s"]),
-                "prefill": (attrs[sc.PREFILL_DURATION], t["prefill_s"]),
-                "source": (attrs.get(sc.QUEUE_UPSTREAM_SOURCE), attrs[sc.PREFILL_SOURCE]),
+                "queue": (s["queue"], t["queue_s"]),
+                "prefill": (s["prefill"], t["prefill_s"]),
+                "source": s["source"],
                 "arrival": t["arrival"],
                 "joined": t["joined"],
                 "admitted": t["admitted"],
@@ -187,7 +231,8 @@ def compare(
 def test_slot_replay_matches_the_truth(simulator: str, proxy_factory: Any, telemetry: Telemetry) -> None:
     proxy: Running = proxy_factory(build({"upstream": simulator, "server_slots": 2}, env={}))
     ids = asyncio.run(run_burst(proxy.url, seed=11))
-    rows, noise = compare(proxy, telemetry, simulator, ids)
+    proxy.flush()
+    rows, noise = compare(from_spans(telemetry), simulator, ids)
     assert sum(r["queue"][1] > 0.05 for r in rows) >= 4  # the burst really queued
     assert sum(r["cached"] > 0 for r in rows) >= 2  # and the repeated prefix really hit the cache
     check(rows, noise)
@@ -196,6 +241,27 @@ def test_slot_replay_matches_the_truth(simulator: str, proxy_factory: Any, telem
 def test_learned_envelope_matches_the_truth(simulator: str, proxy_factory: Any, telemetry: Telemetry) -> None:
     proxy: Running = proxy_factory(build({"upstream": simulator}, env={}))
     ids = asyncio.run(run_burst(proxy.url, seed=12))
-    rows, noise = compare(proxy, telemetry, simulator, ids)
+    proxy.flush()
+    rows, noise = compare(from_spans(telemetry), simulator, ids)
+    assert sum(r["queue"][1] > 0.05 for r in rows) >= 4
+    check(rows, noise)
+
+
+def test_slot_replay_matches_the_truth_over_two_relays(simulator: str, tmp_path: Path) -> None:
+    """``llmtap serve --workers 2``: the burst's connections spread over two relay processes, each of which sends
+    requests on its own, yet the replay must count every request in flight to the upstream, whichever relay sent
+    it, and order them by when they were sent."""
+    records = tmp_path / "records"
+    args = ["--workers", "2", "--server-slots", "2", "--record", str(records)]
+    proxy = Llmtap(simulator, tmp_path / "llmtap.log", *args)
+    try:
+        ids = asyncio.run(run_burst(proxy.url, seed=13))
+        deadline = time.monotonic() + PATIENCE
+        while len(got := list(read_records(records, ReadStats()))) < sum(map(len, ids)):
+            assert time.monotonic() < deadline, f"{len(got)} records"
+            time.sleep(0.05)
+    finally:
+        proxy.close()
+    rows, noise = compare(from_records(got), simulator, ids)
     assert sum(r["queue"][1] > 0.05 for r in rows) >= 4
     check(rows, noise)

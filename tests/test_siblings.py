@@ -121,12 +121,12 @@ def test_a_full_slot_log_takes_a_late_end_in_place_and_drops_one_older_than_all_
     from llmtap.analysis.estimator import SlotLog
 
     log = SlotLog(maxlen=4)
-    for seq, end in ((1, 1.0), (2, 2.0), (4, 4.0), (5, 5.0)):
-        log.add(seq, end)
-    log.add(3, 3.0)  # late: the oldest goes, the late one takes its place in order
-    assert list(log._ends) == [(2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]
-    log.add(0, 0.5)  # older than everything kept: nothing to gain from it
-    assert list(log._ends) == [(2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]
+    for sent, end in ((0.1, 1.0), (0.2, 2.0), (0.4, 4.0), (0.5, 5.0)):
+        log.add(sent, end)
+    log.add(0.3, 3.0)  # late: the oldest goes, the late one takes its place in order
+    assert list(log._ends) == [(0.2, 2.0), (0.3, 3.0), (0.4, 4.0), (0.5, 5.0)]
+    log.add(0.0, 0.5)  # older than everything kept: nothing to gain from it
+    assert list(log._ends) == [(0.2, 2.0), (0.3, 3.0), (0.4, 4.0), (0.5, 5.0)]
 
 
 def chat(system: str, user: str, sent: float, first: float, cached: int) -> tuple[Timeline, Summary]:

@@ -9,7 +9,9 @@ estimates split it, and every value they give is marked ``estimated``:
   request once fewer than that many of the requests sent before it are unfinished. The proxy sees
   every request it sends and when each one ends, so it can replay the server's admissions: a request
   sent with ``ahead`` requests in flight and ``slots`` slots waits for the ``ahead - slots + 1``-th of
-  them to end. Prefill is then the rest of the upstream TTFT.
+  them to end. Prefill is then the rest of the upstream TTFT. Requests are ordered by when they were
+  sent, on the one monotonic clock every process of the machine reads, and ``ahead`` counts every relay's
+  requests (``llmtap.relay.inflight``): with ``--workers N`` each relay sends some of an upstream's.
 - **Envelope.** Otherwise, the unloaded TTFT of each upstream and model is learned as a line in
   uncached input tokens, ``base + tokens / rate``, from the lower envelope of what requests sent to an
   idle upstream saw (or with the rate from config). A request's prefill is that line at its uncached
@@ -136,8 +138,8 @@ class SlotLog:
 
     def __init__(self, maxlen: int = MAX_COMPLETIONS) -> None:
         self.maxlen = maxlen
-        # (sequence number, end time), by end time.
-        self._ends: list[tuple[int, float]] = []
+        # (sent, end) of each request, by end time.
+        self._ends: list[tuple[float, float]] = []
         # (first content, end) of the same requests, by end: when each was decoding, so held in the server's batch.
         self._decoding: list[tuple[float, float]] = []
         #: The most requests seen decoding at one moment: never more than the server's slots.
@@ -159,12 +161,12 @@ class SlotLog:
             self.decoding_peak = max(self.decoding_peak, together)
         _insert(log, (first, end), self.maxlen)
 
-    def add(self, seq: int, end: float) -> None:
-        """A request to this upstream ended (its slot is free again)."""
-        _insert(self._ends, (seq, end), self.maxlen)
+    def add(self, sent: float, end: float) -> None:
+        """A request to this upstream, sent at ``sent``, ended (its slot is free again)."""
+        _insert(self._ends, (sent, end), self.maxlen)
 
-    def admitted(self, seq: int, sent: float, ahead: int, slots: int, first: float) -> float | None:
-        """When the server admitted request ``seq``, or None when the log cannot tell.
+    def admitted(self, sent: float, ahead: int, slots: int, first: float) -> float | None:
+        """When the server admitted the request sent at ``sent``, or None when the log cannot tell.
 
         ``ahead`` requests were in flight when it was sent; it is admitted once at most ``slots - 1``
         of them are unfinished, so at the end of the ``ahead - slots + 1``-th of them. An answer
@@ -176,7 +178,7 @@ class SlotLog:
         needed = ahead - slots + 1
         log = self._ends
         # The ends after it was sent, in order, of the requests sent before it.
-        ends = [end for other, end in log[bisect_right(log, sent, key=_end) :] if other < seq]
+        ends = [end for other, end in log[bisect_right(log, sent, key=_end) :] if other < sent]
         if len(ends) < needed:
             return None
         at = ends[needed - 1]
@@ -207,7 +209,7 @@ class _Upstream:
 
 
 #: What a request taught the estimator, as ``Estimator.learned`` holds it for the other telemetry processes:
-#: ``(DECODING, upstream, first, end)``, ``(ENDED, upstream, seq, end)``, ``(IDLE, upstream, model, tokens, ttft,
+#: ``(DECODING, upstream, first, end)``, ``(ENDED, upstream, sent, end)``, ``(IDLE, upstream, model, tokens, ttft,
 #: rate)``. Plain tuples: they travel as they are (``llmtap.wire.messages.Facts``).
 DECODING, ENDED, IDLE = "decoding", "ended", "idle"
 Lesson = tuple[Any, ...]
@@ -255,7 +257,7 @@ class Estimator:
             first, end = float(lesson[2]), float(lesson[3])
             self._upstream(upstream).log.decoding(first, end, count=False)
         elif kind == ENDED and len(lesson) == 4:
-            self._upstream(upstream).log.add(int(lesson[2]), float(lesson[3]))
+            self._upstream(upstream).log.add(float(lesson[2]), float(lesson[3]))
         elif kind == IDLE and len(lesson) == 6:
             model, tokens, ttft, rate = lesson[2], int(lesson[3]), float(lesson[4]), lesson[5]
             if not isinstance(model, str) or not (rate is None or isinstance(rate, (int, float))):
@@ -305,9 +307,9 @@ class Estimator:
             return None
         up = self._upstream(tl.upstream)
         if tl.end is not None:
-            up.log.add(tl.upstream_seq, tl.end)
+            up.log.add(tl.sent, tl.end)
             if self.learned is not None:
-                self.learned.append((ENDED, tl.upstream, tl.upstream_seq, tl.end))
+                self.learned.append((ENDED, tl.upstream, tl.sent, tl.end))
         first = tl.first_content
         if first is None or uncached_tokens is None:
             return None
@@ -317,7 +319,7 @@ class Estimator:
         idle = tl.upstream_ahead == 0
         split: QueuePrefill | None = None
         if slots is not None:
-            admitted = up.log.admitted(tl.upstream_seq, tl.sent, tl.upstream_ahead, slots, first)
+            admitted = up.log.admitted(tl.sent, tl.upstream_ahead, slots, first)
             if admitted is not None:
                 queue = min(max(admitted - tl.sent, 0.0), ttft)
                 split = QueuePrefill(queue, ttft - queue, "slots")

@@ -34,6 +34,7 @@ from llmtap.relay.forward import (
 )
 from llmtap.relay.frame import relay_frame
 from llmtap.relay.guard import Refusal, check_request, check_route
+from llmtap.relay.inflight import InFlight
 from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
 from llmtap.relay.stepjson import STEPWISE_BYTES, loads_stepwise
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
@@ -93,7 +94,12 @@ class ProxyApp:
     """
 
     def __init__(
-        self, settings: Settings, *, channel: Channel, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        settings: Settings,
+        *,
+        channel: Channel,
+        transport: httpx.AsyncBaseTransport | None = None,
+        inflight: InFlight | None = None,
     ) -> None:
         self.settings = settings
         self.router = Router(settings.routes)
@@ -123,8 +129,9 @@ class ProxyApp:
             for r in settings.routes
             if r.max_concurrency is not None
         }
-        # Requests in flight to each upstream, and a sequence number: what the estimator replays.
-        self._upstream_inflight: dict[str, int] = {}
+        # Requests in flight to each upstream (every relay's, with ``--workers``), and a sequence number: what the
+        # estimator replays.
+        self.upstream_inflight = inflight if inflight is not None else InFlight(r.upstream for r in settings.routes)
         self._upstream_seq = 0
         self._keys = itertools.count(1)
         # With several telemetry processes, each request's tape goes to one of them, by its trace id
@@ -500,8 +507,7 @@ class ProxyApp:
                 admitted = True
             tape.admitted = now()
             tape.upstream_seq = self._upstream_seq = self._upstream_seq + 1
-            tape.upstream_ahead = self._upstream_inflight.get(route.upstream, 0)
-            self._upstream_inflight[route.upstream] = tape.upstream_ahead + 1
+            tape.upstream_ahead = self.upstream_inflight.begin(route.upstream)
             sent = True
             tape.sent = now()
             try:
@@ -656,7 +662,7 @@ class ProxyApp:
                 # client leave and stops generating. A cancellation cannot skip it (``aclose``).
                 await response.aclose()
             if sent:
-                self._upstream_inflight[route.upstream] -= 1
+                self.upstream_inflight.end(route.upstream)
                 if tape.end is None:
                     tape.end = now()
             if admitted and admission is not None:
@@ -867,6 +873,13 @@ _UNKNOWN: Any = object()
 _TARGETS = 1024
 
 
-def create_app(settings: Settings, *, channel: Channel, transport: httpx.AsyncBaseTransport | None = None) -> ProxyApp:
-    """The proxy application; its channel to the telemetry side and its upstream transport are injected."""
-    return ProxyApp(settings, channel=channel, transport=transport)
+def create_app(
+    settings: Settings,
+    *,
+    channel: Channel,
+    transport: httpx.AsyncBaseTransport | None = None,
+    inflight: InFlight | None = None,
+) -> ProxyApp:
+    """The proxy application; its channel to the telemetry side, its upstream transport and the relays' shared count of
+    requests in flight (``--workers``) are injected."""
+    return ProxyApp(settings, channel=channel, transport=transport, inflight=inflight)

@@ -24,6 +24,7 @@ from llmtap.config.types import Settings
 from llmtap.listener import ClientLimits
 from llmtap.relay.app import create_app
 from llmtap.relay.channel import ShardedChannel, SocketChannel
+from llmtap.relay.inflight import InFlight
 from llmtap.serve.lines import startup_lines
 from llmtap.serve.server import Server, die_with_parent, label_uvicorn, run_loop, set_name, uvicorn_config
 from llmtap.serve.sockets import bind, channel_paths
@@ -47,12 +48,15 @@ class _QuietTruncation(logging.Filter):
 
 
 def main() -> None:
-    """A relay process of ``--workers``: read (settings, channel path, started pipe) from stdin, relay until SIGTERM."""
-    settings, channel_path, started_fd = pickle.load(sys.stdin.buffer)
+    """A relay process of ``--workers``: read (settings, channel path, started pipe, the relays' table of requests in
+    flight and this relay's row in it) from stdin, relay until SIGTERM."""
+    settings, channel_path, started_fd, inflight_fd, index = pickle.load(sys.stdin.buffer)
     die_with_parent()
     logs.setup(settings.log_level, pid=True)
+    inflight = InFlight.attach((r.upstream for r in settings.routes), inflight_fd, index)
+    os.close(inflight_fd)  # the mapping stays
     proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True)
-    run_loop(serve(settings, proxy_sock, channel_path, on_started=lambda: _say_started(started_fd)))
+    run_loop(serve(settings, proxy_sock, channel_path, inflight=inflight, on_started=lambda: _say_started(started_fd)))
 
 
 def _say_started(fd: int) -> None:
@@ -67,11 +71,13 @@ async def serve(
     channel_path: str,
     *,
     telemetry: TelemetryProcess | None = None,
+    inflight: InFlight | None = None,
     on_started: Callable[[], None] | None = None,
 ) -> None:
     """Relay on ``proxy_sock`` until SIGINT or SIGTERM, sending tapes to the telemetry process at ``channel_path``.
 
     ``telemetry``: the telemetry process this relay watches (one relay); None when a supervisor does.
+    ``inflight``: this relay's row of the relays' shared count of requests in flight (``--workers``); None: its own.
     ``on_started``: called once the relay listens.
     """
     set_name(RELAY_NAME)
@@ -80,7 +86,7 @@ async def serve(
         SocketChannel(paths[0]) if len(paths) == 1 else ShardedChannel([SocketChannel(p) for p in paths])
     )
     await channel.start()
-    app = create_app(settings, channel=channel)
+    app = create_app(settings, channel=channel, inflight=inflight)
     limits = ClientLimits.from_settings(settings)
     app.connections = limits
     logging.getLogger("uvicorn.error").addFilter(_QuietTruncation())

@@ -28,6 +28,7 @@ import sys
 import time
 
 from llmtap.config.types import ConfigError, Settings
+from llmtap.relay.inflight import InFlight
 from llmtap.serve.lines import startup_lines
 from llmtap.serve.server import run_loop
 from llmtap.serve.sockets import bind
@@ -41,17 +42,17 @@ log = logging.getLogger("llmtap")
 class _Proc:
     """One relay process and when it started."""
 
-    def __init__(self, settings: Settings, index: int, channel_path: str) -> None:
+    def __init__(self, settings: Settings, index: int, channel_path: str, inflight_fd: int) -> None:
         self.index = index
         self.ready = False
         argv = [sys.executable, "-c", "from llmtap.serve.relay import main; main()"]
         self._said, write_end = os.pipe()
         try:
-            self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(write_end,))
+            self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(write_end, inflight_fd))
         finally:
             os.close(write_end)
         assert self.popen.stdin is not None
-        pickle.dump((settings, channel_path, write_end), self.popen.stdin)
+        pickle.dump((settings, channel_path, write_end, inflight_fd, index), self.popen.stdin)
         self.popen.stdin.close()
 
     def check_started(self) -> bool:
@@ -71,7 +72,10 @@ class Supervisor:
     def __init__(self, settings: Settings, channel_path: str) -> None:
         self.settings = settings
         self.channel_path = channel_path
-        self.procs = [_Proc(settings, i, channel_path) for i in range(settings.workers)]
+        # The relays' shared count of requests in flight to each upstream, a row each (``llmtap.relay.inflight``):
+        # the estimator's slot replay counts every relay's requests ahead of each one.
+        self.inflight_fd = InFlight.create((r.upstream for r in settings.routes), settings.workers)
+        self.procs = [self._start(i) for i in range(settings.workers)]
         self.stopping = False
         self.failure: str | None = None
         self.stopped = asyncio.Event()
@@ -92,7 +96,10 @@ class Supervisor:
                     self.stop()
                     return
                 log.warning("relay %d exited with code %s; starting it again", i, code)
-                self.procs[i] = _Proc(self.settings, i, self.channel_path)
+                self.procs[i] = self._start(i)
+
+    def _start(self, index: int) -> _Proc:
+        return _Proc(self.settings, index, self.channel_path, self.inflight_fd)
 
     def stop(self) -> None:
         """SIGTERM every relay (each drains its streams and hands over its tapes)."""
@@ -111,6 +118,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait()
+        os.close(self.inflight_fd)
 
 
 def supervise(settings: Settings, channel_path: str) -> None:
