@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -14,7 +16,7 @@ from llmtap.config.load import build
 from llmtap.relay.admission import Admission, QueueFull
 from llmtap.telemetry import semconv as sc
 from tests.conftest import Running, Scripted, ServerThread, Telemetry
-from tests.procs import metric_value
+from tests.procs import Llmtap, Simulator, metric_value
 
 
 async def test_slots_then_first_come_first_served() -> None:
@@ -225,3 +227,39 @@ async def test_a_client_that_asks_again_at_once_finds_its_slot_free(proxy_factor
                 await r.aread()
             statuses.append(r.status_code)
     assert statuses == [200] * 40, statuses
+
+
+@pytest.mark.e2e
+def test_the_limit_holds_for_the_server_over_two_relays(tmp_path: Any) -> None:
+    """``llmtap serve --workers 2 --max-concurrency 2``: ten requests at once, each on a new connection, spread over
+    both relays by the kernel; the upstream never runs more than two at once (each relay admitting two would let
+    four in: the simulator runs four), every request is answered, and the ones that waited say so."""
+    sim = Simulator("fast")
+    args = ["--workers", "2", "--max-concurrency", "2", "--server-timing"]
+    proxy = Llmtap(sim.url, tmp_path / "llmtap.log", *args)
+    body = {"model": "llmtap-sim", "stream": True, "max_tokens": 30, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+
+        def one(_: int) -> tuple[int, float]:
+            """The status and the wait in line the relay reported (``Server-Timing``, ``llmtap-queue``)."""
+            with httpx.Client(timeout=30) as client:
+                r = client.post(proxy.url + "/v1/chat/completions", json=body)
+            timing = re.search(r"llmtap-queue;dur=([0-9.]+)", r.headers.get("server-timing", ""))
+            return r.status_code, float(timing.group(1)) / 1000 if timing else -1.0
+
+        with ThreadPoolExecutor(10) as pool:
+            answers = list(pool.map(one, range(10)))
+        done = sim.client.get("/debug/requests").json()["requests"]
+    finally:
+        proxy.close()
+        sim.close()
+    assert [status for status, _ in answers] == [200] * 10 and len(done) == 10
+    edges = sorted([(r["arrival"], 1) for r in done] + [(r["last_token"], -1) for r in done])
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    assert peak == 2, peak
+    # Two slots for ten requests of about 0.1 s: most waited in one relay's line or the other's, and said so.
+    waits = sorted(wait for _, wait in answers)
+    assert min(waits) >= 0 and sum(wait > 0.02 for wait in waits) >= 6, waits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
 import json
 import os
@@ -216,53 +217,69 @@ def short_tmp() -> Iterator[Path]:
         yield Path(folder)
 
 
-@pytest.mark.e2e
-def test_two_telemetry_processes_share_one_upstream_and_see_every_prompt(short_tmp: Path) -> None:
-    """One upstream, two telemetry processes: its requests spread over both (by trace id), each process's cache
-    diagnosis knows the prompts the other recorded (one cold request, then every one a hit with the whole system
-    prompt expected), one scrape of the admin port adds both up, and its live view shows every request."""
-    tmp_path = short_tmp
-    url, stop_sim = run_in_thread(get_profile("fast"))
-    records = tmp_path / "records"
+@dataclasses.dataclass
+class TwoTelemetry:
+    """``llmtap serve --telemetry-workers 2 --record`` in front of one simulator; its temporary files in ``tmp``."""
+
+    proc: subprocess.Popen[str]
+    tmp: Path
+    records: Path
+    url: str
+    admin: str
+
+
+@pytest.fixture
+def two_telemetry(short_tmp: Path) -> Iterator[TwoTelemetry]:
+    """One upstream, one relay, two telemetry processes, recording, ready; stopped after, with the simulator."""
+    upstream, stop_sim = run_in_thread(get_profile("fast"))
     port, admin_port = free_port(), free_port()
-    config = tmp_path / "llmtap.yaml"
-    config.write_text(f"routes:\n  - {{prefix: /, upstream: '{url}', provider: llmtap-sim}}\n")
+    config = short_tmp / "llmtap.yaml"
+    config.write_text(f"routes:\n  - {{prefix: /, upstream: '{upstream}', provider: llmtap-sim}}\n")
+    records = short_tmp / "records"
     argv = ["serve", "--config", str(config), "--port", str(port), "--admin-port", str(admin_port)]
-    proc = _serve([*argv, "--record", str(records), "--telemetry-workers", "2"], tmp_path)
-    admin = f"http://127.0.0.1:{admin_port}"
-    system = "You answer questions about the product's invoices, politely and briefly. " * 40
-    sent = 24
+    proc = _serve([*argv, "--record", str(records), "--telemetry-workers", "2"], short_tmp)
     try:
-        wait_ready(proc, admin)
-        assert sorted(_comm(pid) for pid in _children(proc.pid)) == ["llmtap-telemetr", "llmtap-telemetr"]
-        with httpx.Client(timeout=PATIENCE) as client:
-            for i in range(sent):
-                body = {
-                    "model": "llmtap-sim",
-                    "stream": True,
-                    "max_tokens": 2,
-                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}],
-                }
-                r = client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
-                assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
-                # The next request goes once this one is recorded: what it taught has left for the other process.
-                deadline = time.monotonic() + PATIENCE
-                while _merged_count(admin) < i + 1 and time.monotonic() < deadline:
-                    time.sleep(0.02)
-        assert _merged_count(admin) == sent
-        metrics = httpx.get(admin + "/metrics", timeout=5).text
-        # The live view on the admin port: process 1's requests arrive as lessons a few ms after they are recorded.
-        deadline = time.monotonic() + PATIENCE
-        while len(live := _live(admin)["requests"]) < sent and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(live) == sent and len({r["response_id"] for r in live}) == sent, len(live)
-        assert [r["id"] for r in live] == list(range(1, sent + 1))
-        (series,) = _live(admin)["snapshot"]["series"]
-        assert series["requests"] == sent
-        stop_clean(proc)
+        wait_ready(proc, f"http://127.0.0.1:{admin_port}")
+        yield TwoTelemetry(proc, short_tmp, records, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")
     finally:
         stop_sim()
         stop(proc, grace=0)
+
+
+@pytest.mark.e2e
+def test_two_telemetry_processes_share_one_upstream_and_see_every_prompt(two_telemetry: TwoTelemetry) -> None:
+    """One upstream, two telemetry processes: its requests spread over both (by trace id), each process's cache
+    diagnosis knows the prompts the other recorded (one cold request, then every one a hit with the whole system
+    prompt expected), one scrape of the admin port adds both up, and its live view shows every request."""
+    proc, records, admin = two_telemetry.proc, two_telemetry.records, two_telemetry.admin
+    system = "You answer questions about the product's invoices, politely and briefly. " * 40
+    sent = 24
+    assert sorted(_comm(pid) for pid in _children(proc.pid)) == ["llmtap-telemetr", "llmtap-telemetr"]
+    with httpx.Client(timeout=PATIENCE) as client:
+        for i in range(sent):
+            body = {
+                "model": "llmtap-sim",
+                "stream": True,
+                "max_tokens": 2,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}],
+            }
+            r = client.post(two_telemetry.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+            # The next request goes once this one is recorded: what it taught has left for the other process.
+            deadline = time.monotonic() + PATIENCE
+            while _merged_count(admin) < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+    assert _merged_count(admin) == sent
+    metrics = httpx.get(admin + "/metrics", timeout=5).text
+    # The live view on the admin port: process 1's requests arrive as lessons a few ms after they are recorded.
+    deadline = time.monotonic() + PATIENCE
+    while len(live := _live(admin)["requests"]) < sent and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(live) == sent and len({r["response_id"] for r in live}) == sent, len(live)
+    assert [r["id"] for r in live] == list(range(1, sent + 1))
+    (series,) = _live(admin)["snapshot"]["series"]
+    assert series["requests"] == sent
+    stop_clean(proc)
     got = sorted(read_records(records, ReadStats()), key=lambda r: r["time"])
     assert len(got) == sent
     writers = {r["instance_id"] for r in got}
@@ -277,19 +294,11 @@ def test_two_telemetry_processes_share_one_upstream_and_see_every_prompt(short_t
 
 
 @pytest.mark.e2e
-def test_a_telemetry_process_started_again_learns_from_the_other_and_tells_it(short_tmp: Path) -> None:
+def test_a_telemetry_process_started_again_learns_from_the_other_and_tells_it(two_telemetry: TwoTelemetry) -> None:
     """Telemetry process 1 killed outright: the server keeps serving, process 1 is started again, and the lessons
     flow both ways once more (its first request knows the prompt process 0 recorded since, and process 0's live
     view shows that request). The trace ids are the client's, chosen for the process that records each."""
-    tmp_path = short_tmp
-    url, stop_sim = run_in_thread(get_profile("fast"))
-    records = tmp_path / "records"
-    port, admin_port = free_port(), free_port()
-    config = tmp_path / "llmtap.yaml"
-    config.write_text(f"routes:\n  - {{prefix: /, upstream: '{url}', provider: llmtap-sim}}\n")
-    argv = ["serve", "--config", str(config), "--port", str(port), "--admin-port", str(admin_port)]
-    proc = _serve([*argv, "--record", str(records), "--telemetry-workers", "2"], tmp_path)
-    admin = f"http://127.0.0.1:{admin_port}"
+    proc, records, admin = two_telemetry.proc, two_telemetry.records, two_telemetry.admin
     shipping = "You answer questions about the product's shipping, politely and briefly. " * 40
     returns = "You answer questions about the product's returns, politely and briefly. " * 40
 
@@ -305,7 +314,7 @@ def test_a_telemetry_process_started_again_learns_from_the_other_and_tells_it(sh
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": trace}],
         }
         headers = {"traceparent": f"00-{trace}-{secrets.token_hex(8)}-01"}
-        r = client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=headers)
+        r = client.post(two_telemetry.url + "/v1/chat/completions", json=body, headers=headers)
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
         deadline = time.monotonic() + PATIENCE
         while time.monotonic() < deadline:
@@ -315,45 +324,40 @@ def test_a_telemetry_process_started_again_learns_from_the_other_and_tells_it(sh
             time.sleep(0.05)
         raise AssertionError(f"no record of {trace}")
 
-    try:
-        wait_ready(proc, admin)
-        with httpx.Client(timeout=PATIENCE) as client:
-            first, second = chat(client, 0, shipping), chat(client, 1, shipping)
-            assert (first["cache"]["class"], second["cache"]["class"]) == ("cold", "hit")
-            victim = second["pid"]
-            assert victim != first["pid"]
-            os.kill(victim, signal.SIGKILL)
-            deadline = time.monotonic() + PATIENCE
-            while victim in _children(proc.pid) or len(_children(proc.pid)) < 2:
-                assert time.monotonic() < deadline, "the killed telemetry process was not started again"
-                time.sleep(0.1)
-            (peer,) = sorted(tmp_path.glob("llmtap-*/telemetry.sock.admin.1"))
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    with httpx.Client(transport=httpx.HTTPTransport(uds=str(peer)), timeout=5) as private:
-                        if private.get("http://telemetry/healthz").status_code == 200:
-                            break
-                assert time.monotonic() < deadline, "the telemetry process started again is not ready"
-                time.sleep(0.1)
-            # A prompt process 0 records now, then one of the process started again: it starts with nothing of its
-            # own, so it knows the prompt only from process 0's lesson.
-            known = chat(client, 0, returns)
-            learned = chat(client, 1, returns)
-        assert known["pid"] == first["pid"] and learned["pid"] not in (victim, first["pid"])
-        # The system prompt changed (process 0 knew the old one); the server read the new one from its cache, and the
-        # process started again expected it: it shares the prefix only process 0 had recorded.
-        assert (known["cache"]["class"], learned["cache"]["class"]) == ("miss_changed", "hit"), (known, learned)
-        assert learned["prompt"]["shared_prefix_tokens"] > 400 and learned["cache"]["expected_prefix_tokens"] > 400
-        assert second["prompt"]["shared_prefix_tokens"] > 400  # before the kill too, from process 0's lesson
-        # And process 0's live view has the new process's request: its lessons reach process 0 again.
+    with httpx.Client(timeout=PATIENCE) as client:
+        first, second = chat(client, 0, shipping), chat(client, 1, shipping)
+        assert (first["cache"]["class"], second["cache"]["class"]) == ("cold", "hit")
+        victim = second["pid"]
+        assert victim != first["pid"]
+        os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + PATIENCE
-        while learned["response_id"] not in {r["response_id"] for r in _live(admin)["requests"]}:
-            assert time.monotonic() < deadline, "the live view never got the request of the process started again"
-            time.sleep(0.05)
-        stop_clean(proc)
-    finally:
-        stop_sim()
-        stop(proc, grace=0)
+        while victim in _children(proc.pid) or len(_children(proc.pid)) < 2:
+            assert time.monotonic() < deadline, "the killed telemetry process was not started again"
+            time.sleep(0.1)
+        (peer,) = sorted(two_telemetry.tmp.glob("llmtap-*/telemetry.sock.admin.1"))
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                with httpx.Client(transport=httpx.HTTPTransport(uds=str(peer)), timeout=5) as private:
+                    if private.get("http://telemetry/healthz").status_code == 200:
+                        break
+            assert time.monotonic() < deadline, "the telemetry process started again is not ready"
+            time.sleep(0.1)
+        # A prompt process 0 records now, then one of the process started again: it starts with nothing of its
+        # own, so it knows the prompt only from process 0's lesson.
+        known = chat(client, 0, returns)
+        learned = chat(client, 1, returns)
+    assert known["pid"] == first["pid"] and learned["pid"] not in (victim, first["pid"])
+    # The system prompt changed (process 0 knew the old one); the server read the new one from its cache, and the
+    # process started again expected it: it shares the prefix only process 0 had recorded.
+    assert (known["cache"]["class"], learned["cache"]["class"]) == ("miss_changed", "hit"), (known, learned)
+    assert learned["prompt"]["shared_prefix_tokens"] > 400 and learned["cache"]["expected_prefix_tokens"] > 400
+    assert second["prompt"]["shared_prefix_tokens"] > 400  # before the kill too, from process 0's lesson
+    # And process 0's live view has the new process's request: its lessons reach process 0 again.
+    deadline = time.monotonic() + PATIENCE
+    while learned["response_id"] not in {r["response_id"] for r in _live(admin)["requests"]}:
+        assert time.monotonic() < deadline, "the live view never got the request of the process started again"
+        time.sleep(0.05)
+    stop_clean(proc)
 
 
 def _live(admin: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ estimates split it, and every value they give is marked ``estimated``:
   sent with ``ahead`` requests in flight and ``slots`` slots waits for the ``ahead - slots + 1``-th of
   them to end. Prefill is then the rest of the upstream TTFT. Requests are ordered by when they were
   sent, on the one monotonic clock every process of the machine reads, and ``ahead`` counts every relay's
-  requests (``llmtap.relay.inflight``): with ``--workers N`` each relay sends some of an upstream's.
+  requests (``llmtap.relay.shared``): with ``--workers N`` each relay sends some of an upstream's.
 - **Envelope.** Otherwise, the unloaded TTFT of each upstream and model is learned as a line in
   uncached input tokens, ``base + tokens / rate``, from the lower envelope of what requests sent to an
   idle upstream saw (or with the rate from config). A request's prefill is that line at its uncached

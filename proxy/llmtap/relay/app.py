@@ -34,8 +34,8 @@ from llmtap.relay.forward import (
 )
 from llmtap.relay.frame import relay_frame
 from llmtap.relay.guard import Refusal, check_request, check_route
-from llmtap.relay.inflight import InFlight
 from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
+from llmtap.relay.shared import InFlight, Table, table_columns
 from llmtap.relay.stepjson import STEPWISE_BYTES, loads_stepwise
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.upstream_http import PIPE, Answer, LeanTransport, Origin
@@ -99,7 +99,7 @@ class ProxyApp:
         *,
         channel: Channel,
         transport: httpx.AsyncBaseTransport | None = None,
-        inflight: InFlight | None = None,
+        shared: Table | None = None,
     ) -> None:
         self.settings = settings
         self.router = Router(settings.routes)
@@ -123,15 +123,16 @@ class ProxyApp:
         self.inflight = 0
         self._idle = asyncio.Event()  # set while ``inflight`` is 0
         self._idle.set()
-        #: The admission queue of each route that limits its concurrency.
+        # What the relays of the server count together (``--workers``; else this relay's own table).
+        shared = shared if shared is not None else Table(table_columns(settings))
+        #: The admission queue of each route that limits its concurrency (the server's, over every relay).
         self.admissions = {
-            r.name: Admission(r.max_concurrency, r.queue_limit, r.queue_timeout)
+            r.name: Admission(r.max_concurrency, r.queue_limit, r.queue_timeout, table=shared, route=r.name)
             for r in settings.routes
             if r.max_concurrency is not None
         }
-        # Requests in flight to each upstream (every relay's, with ``--workers``), and a sequence number: what the
-        # estimator replays.
-        self.upstream_inflight = inflight if inflight is not None else InFlight(r.upstream for r in settings.routes)
+        # Requests in flight to each upstream (every relay's), and a sequence number: what the estimator replays.
+        self.upstream_inflight = InFlight(shared)
         self._upstream_seq = 0
         self._keys = itertools.count(1)
         # With several telemetry processes, each request's tape goes to one of them, by its trace id
@@ -878,8 +879,8 @@ def create_app(
     *,
     channel: Channel,
     transport: httpx.AsyncBaseTransport | None = None,
-    inflight: InFlight | None = None,
+    shared: Table | None = None,
 ) -> ProxyApp:
-    """The proxy application; its channel to the telemetry side, its upstream transport and the relays' shared count of
-    requests in flight (``--workers``) are injected."""
-    return ProxyApp(settings, channel=channel, transport=transport, inflight=inflight)
+    """The proxy application; its channel to the telemetry side, its upstream transport and the table the relays of
+    the server share (``--workers``) are injected."""
+    return ProxyApp(settings, channel=channel, transport=transport, shared=shared)

@@ -24,7 +24,7 @@ from llmtap.config.types import Settings
 from llmtap.listener import ClientLimits
 from llmtap.relay.app import create_app
 from llmtap.relay.channel import ShardedChannel, SocketChannel
-from llmtap.relay.inflight import InFlight
+from llmtap.relay.shared import Table, table_columns
 from llmtap.serve.lines import startup_lines
 from llmtap.serve.server import Server, die_with_parent, label_uvicorn, run_loop, set_name, uvicorn_config
 from llmtap.serve.sockets import bind, channel_paths
@@ -48,15 +48,14 @@ class _QuietTruncation(logging.Filter):
 
 
 def main() -> None:
-    """A relay process of ``--workers``: read (settings, channel path, started pipe, the relays' table of requests in
-    flight and this relay's row in it) from stdin, relay until SIGTERM."""
-    settings, channel_path, started_fd, inflight_fd, index = pickle.load(sys.stdin.buffer)
+    """A relay process of ``--workers``: read (settings, channel path, started pipe, the relays' shared table and this
+    relay's row in it) from stdin, relay until SIGTERM."""
+    settings, channel_path, started_fd, table_fd, index = pickle.load(sys.stdin.buffer)
     die_with_parent()
     logs.setup(settings.log_level, pid=True)
-    inflight = InFlight.attach((r.upstream for r in settings.routes), inflight_fd, index)
-    os.close(inflight_fd)  # the mapping stays
+    shared = Table.attach(table_columns(settings), table_fd, index)
     proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True)
-    run_loop(serve(settings, proxy_sock, channel_path, inflight=inflight, on_started=lambda: _say_started(started_fd)))
+    run_loop(serve(settings, proxy_sock, channel_path, shared=shared, on_started=lambda: _say_started(started_fd)))
 
 
 def _say_started(fd: int) -> None:
@@ -71,13 +70,13 @@ async def serve(
     channel_path: str,
     *,
     telemetry: TelemetryProcess | None = None,
-    inflight: InFlight | None = None,
+    shared: Table | None = None,
     on_started: Callable[[], None] | None = None,
 ) -> None:
     """Relay on ``proxy_sock`` until SIGINT or SIGTERM, sending tapes to the telemetry process at ``channel_path``.
 
     ``telemetry``: the telemetry process this relay watches (one relay); None when a supervisor does.
-    ``inflight``: this relay's row of the relays' shared count of requests in flight (``--workers``); None: its own.
+    ``shared``: this relay's row of the table the relays share (``--workers``; ``llmtap.relay.shared``); None: its own.
     ``on_started``: called once the relay listens.
     """
     set_name(RELAY_NAME)
@@ -86,7 +85,7 @@ async def serve(
         SocketChannel(paths[0]) if len(paths) == 1 else ShardedChannel([SocketChannel(p) for p in paths])
     )
     await channel.start()
-    app = create_app(settings, channel=channel, inflight=inflight)
+    app = create_app(settings, channel=channel, shared=shared)
     limits = ClientLimits.from_settings(settings)
     app.connections = limits
     logging.getLogger("uvicorn.error").addFilter(_QuietTruncation())

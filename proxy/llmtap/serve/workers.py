@@ -28,7 +28,7 @@ import sys
 import time
 
 from llmtap.config.types import ConfigError, Settings
-from llmtap.relay.inflight import InFlight
+from llmtap.relay.shared import Table, table_columns
 from llmtap.serve.lines import startup_lines
 from llmtap.serve.server import run_loop
 from llmtap.serve.sockets import bind
@@ -42,17 +42,17 @@ log = logging.getLogger("llmtap")
 class _Proc:
     """One relay process and when it started."""
 
-    def __init__(self, settings: Settings, index: int, channel_path: str, inflight_fd: int) -> None:
+    def __init__(self, settings: Settings, index: int, channel_path: str, table_fd: int) -> None:
         self.index = index
         self.ready = False
         argv = [sys.executable, "-c", "from llmtap.serve.relay import main; main()"]
         self._said, write_end = os.pipe()
         try:
-            self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(write_end, inflight_fd))
+            self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(write_end, table_fd))
         finally:
             os.close(write_end)
         assert self.popen.stdin is not None
-        pickle.dump((settings, channel_path, write_end, inflight_fd, index), self.popen.stdin)
+        pickle.dump((settings, channel_path, write_end, table_fd, index), self.popen.stdin)
         self.popen.stdin.close()
 
     def check_started(self) -> bool:
@@ -72,9 +72,9 @@ class Supervisor:
     def __init__(self, settings: Settings, channel_path: str) -> None:
         self.settings = settings
         self.channel_path = channel_path
-        # The relays' shared count of requests in flight to each upstream, a row each (``llmtap.relay.inflight``):
-        # the estimator's slot replay counts every relay's requests ahead of each one.
-        self.inflight_fd = InFlight.create((r.upstream for r in settings.routes), settings.workers)
+        # The table the relays share, a row each (``llmtap.relay.shared``): requests in flight to each upstream (the
+        # estimator's slot replay counts every relay's), each admission line's counts (its limit is the server's).
+        self.table_fd = Table.create(table_columns(settings), settings.workers)
         self.procs = [self._start(i) for i in range(settings.workers)]
         self.stopping = False
         self.failure: str | None = None
@@ -99,7 +99,10 @@ class Supervisor:
                 self.procs[i] = self._start(i)
 
     def _start(self, index: int) -> _Proc:
-        return _Proc(self.settings, index, self.channel_path, self.inflight_fd)
+        # A relay that died leaves its counts in its row: cleared now, not once its successor has started, so the
+        # other relays do not wait that long for slots the dead one held (the successor clears it again).
+        Table.attach(table_columns(self.settings), self.table_fd, index)
+        return _Proc(self.settings, index, self.channel_path, self.table_fd)
 
     def stop(self) -> None:
         """SIGTERM every relay (each drains its streams and hands over its tapes)."""
@@ -118,7 +121,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait()
-        os.close(self.inflight_fd)
+        os.close(self.table_fd)
 
 
 def supervise(settings: Settings, channel_path: str) -> None:
