@@ -476,7 +476,13 @@ _TABLE = (
         "receive buffer per upstream connection: what a slow client can make a stream hold (0: the kernel's)",
         "limits",
     ),
-    option("max_connections", integer(1), 1000, "connections to each upstream at most (the pool)", "limits"),
+    option(
+        "max_connections",
+        integer(1),
+        1000,
+        "connections to each upstream at most (the pool), per relay process",
+        "limits",
+    ),
     # telemetry
     option(
         "chunk_spans",
