@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,7 +19,7 @@ import pytest
 from llmtap.config.load import build
 from llmtap.relay.admission import Admission, QueueFull
 from llmtap.telemetry import semconv as sc
-from tests.conftest import Running, Scripted, ServerThread, Telemetry
+from tests.conftest import PATIENCE, Running, Scripted, ServerThread, Telemetry
 from tests.procs import Llmtap, Simulator, metric_value
 
 
@@ -230,7 +234,7 @@ async def test_a_client_that_asks_again_at_once_finds_its_slot_free(proxy_factor
 
 
 @pytest.mark.e2e
-def test_the_limit_holds_for_the_server_over_two_relays(tmp_path: Any) -> None:
+def test_the_limit_holds_for_the_server_over_two_relays(tmp_path: Path) -> None:
     """``llmtap serve --workers 2 --max-concurrency 2``: ten requests at once, each on a new connection, spread over
     both relays by the kernel; the upstream never runs more than two at once (each relay admitting two would let
     four in: the simulator runs four), every request is answered, and the ones that waited say so."""
@@ -263,3 +267,65 @@ def test_the_limit_holds_for_the_server_over_two_relays(tmp_path: Any) -> None:
     # Two slots for ten requests of about 0.1 s: most waited in one relay's line or the other's, and said so.
     waits = sorted(wait for _, wait in answers)
     assert min(waits) >= 0 and sum(wait > 0.02 for wait in waits) >= 6, waits
+
+
+def _relays(pid: int) -> list[int]:
+    """The relay processes among ``pid``'s children."""
+    children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    relays = []
+    for child in children:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{child}/comm").read_text().strip() == "llmtap-relay":
+                relays.append(child)
+    return relays
+
+
+@pytest.mark.e2e
+def test_a_relay_killed_while_it_holds_slots_leaves_none_held(tmp_path: Path) -> None:
+    """Four long requests through ``--workers 2 --max-concurrency 2``, then one relay SIGKILLed: the slots and places
+    in line it held die with it (the supervisor clears its row), so the other relay's waiters are let in, and once
+    the relay is started again the server admits two at a time, as before."""
+    sim = Simulator("fast")
+    proxy = Llmtap(sim.url, tmp_path / "llmtap.log", "--workers", "2", "--max-concurrency", "2")
+    long = {"model": "llmtap-sim", "stream": True, "max_tokens": 300, "messages": [{"role": "user", "content": "hi"}]}
+    short = {**long, "max_tokens": 30}
+
+    def one(body: dict[str, Any]) -> int:
+        try:
+            with httpx.Client(timeout=30) as client:
+                return client.post(proxy.url + "/v1/chat/completions", json=body).status_code
+        except httpx.TransportError:
+            return 0  # its relay was killed under it
+
+    try:
+        relays = _relays(proxy.proc.pid)
+        assert len(relays) == 2
+        with ThreadPoolExecutor(4) as pool:
+            first = [pool.submit(one, long) for _ in range(4)]
+            deadline = time.monotonic() + PATIENCE
+            while sim.state()["running"] < 2:  # two admitted, the others waiting in a line
+                assert time.monotonic() < deadline, "nothing reached the upstream"
+                time.sleep(0.01)
+            os.kill(relays[0], signal.SIGKILL)
+            statuses = [f.result() for f in first]
+        # The killed relay's requests failed; every other one was answered, none stuck behind the dead one's slots.
+        assert all(s in (0, 200) for s in statuses) and 200 in statuses, statuses
+        deadline = time.monotonic() + PATIENCE
+        while len(relays := _relays(proxy.proc.pid)) < 2 or relays[0] in relays[1:]:
+            assert time.monotonic() < deadline, "the relay was not started again"
+            time.sleep(0.1)
+        proxy.wait_ready()
+        since = max(r["seq"] for r in sim.client.get("/debug/requests").json()["requests"])
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, [short] * 8)) == [200] * 8
+        done = sim.client.get(f"/debug/requests?since={since}").json()["requests"]
+    finally:
+        proxy.close()
+        sim.close()
+    assert len(done) == 8
+    edges = sorted([(r["arrival"], 1) for r in done] + [(r["last_token"], -1) for r in done])
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    assert peak == 2, peak
