@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,10 +85,16 @@ class Gate:
             self.holding.set()
             self.release.wait(20)
 
-    def close(self) -> None:
+    def close(self, flowing: Callable[[], bool]) -> None:
+        """Shut the gate and wait until it holds a request, while ``flowing`` says requests still come; else open it
+        again and fail (the page cannot be compared while traffic flows if none does)."""
         self.release.clear()
         self.shut.set()
-        assert self.holding.wait(PATIENCE), "no request was recorded while the gate was shut"
+        deadline = time.monotonic() + PATIENCE
+        while not self.holding.wait(0.05):
+            if not flowing() or time.monotonic() > deadline:
+                self.open()
+                raise AssertionError("no request was recorded while the gate was shut")
 
     def open(self) -> None:
         self.shut.clear()
@@ -107,10 +113,15 @@ class Stack:
     gate: Gate
     summaries: list[tuple[Timeline, Summary]] = field(default_factory=list)
 
-    def traffic(self, n: int, concurrency: int = 4) -> threading.Thread:
-        """Start ``n`` requests in the background: streams, unary calls, errors and cancellations."""
+    def traffic(
+        self, n: int, concurrency: int = 4, *, ahead: int = 0, go: threading.Event | None = None
+    ) -> threading.Thread:
+        """Start ``n`` requests in the background: streams, unary calls, errors and cancellations. With ``go``, the
+        first ``ahead`` go at once and the rest once ``go`` is set."""
 
         def one(i: int) -> None:
+            if go is not None and i >= ahead:
+                assert go.wait(PATIENCE), "the traffic was never let go"
             route, tokens = ("code", 24) if i % 2 else ("fast", 12)
             body: dict[str, Any] = {
                 "model": "missing-model" if i % 9 == 4 else "llmtap-sim",
@@ -332,14 +343,16 @@ def artifacts(tmp_path: Path) -> Path:
 def test_figures_equal_metrics_while_traffic_flows(stack: Stack, browser: Browser) -> None:
     page = browser.page
     page.goto(stack.admin_url + "/?window=all")
-    traffic = stack.traffic(TRAFFIC, concurrency=3)
+    # A few requests first, the rest once the page shows them: a slow page load cannot outlast the traffic.
+    go = threading.Event()
+    traffic = stack.traffic(TRAFFIC, concurrency=3, ahead=6, go=go)
     page.wait_for_selector(".card", timeout=10_000)
+    go.set()
     compared = []
     for _ in range(2):
         time.sleep(0.5)
-        stack.gate.close()
+        stack.gate.close(traffic.is_alive)
         try:
-            assert traffic.is_alive(), "traffic ended before the page could be compared while it flows"
             view = wait_for_snapshot(page, recorded(stack))
             compared.append(compare(stack, view))
         finally:
