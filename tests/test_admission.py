@@ -233,6 +233,16 @@ async def test_a_client_that_asks_again_at_once_finds_its_slot_free(proxy_factor
     assert statuses == [200] * 40, statuses
 
 
+def _most_at_once(done: list[dict[str, Any]]) -> int:
+    """The most of the simulator's requests ``done`` that ran at once, from arrival to last token."""
+    edges = sorted([(r["arrival"], 1) for r in done] + [(r["last_token"], -1) for r in done])
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
 @pytest.mark.e2e
 def test_the_limit_holds_for_the_server_over_two_relays(tmp_path: Path) -> None:
     """``llmtap serve --workers 2 --max-concurrency 2``: ten requests at once, each on a new connection, spread over
@@ -258,12 +268,7 @@ def test_the_limit_holds_for_the_server_over_two_relays(tmp_path: Path) -> None:
         proxy.close()
         sim.close()
     assert [status for status, _ in answers] == [200] * 10 and len(done) == 10
-    edges = sorted([(r["arrival"], 1) for r in done] + [(r["last_token"], -1) for r in done])
-    running = peak = 0
-    for _, step in edges:
-        running += step
-        peak = max(peak, running)
-    assert peak == 2, peak
+    assert _most_at_once(done) == 2, done
     # Two slots for ten requests of about 0.1 s: most waited in one relay's line or the other's, and said so.
     waits = sorted(wait for _, wait in answers)
     assert min(waits) >= 0 and sum(wait > 0.02 for wait in waits) >= 6, waits
@@ -323,9 +328,4 @@ def test_a_relay_killed_while_it_holds_slots_leaves_none_held(tmp_path: Path) ->
         proxy.close()
         sim.close()
     assert len(done) == 8
-    edges = sorted([(r["arrival"], 1) for r in done] + [(r["last_token"], -1) for r in done])
-    running = peak = 0
-    for _, step in edges:
-        running += step
-        peak = max(peak, running)
-    assert peak == 2, peak
+    assert _most_at_once(done) == 2, done
