@@ -26,6 +26,7 @@ import math
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class Row:
     answer: Answer
     proxy: dict[str, Any]
     proxy_start: float  # the proxy's request span, seconds since the epoch (the clock vLLM's spans use)
+    proxy_read: float  # when the relay read the first text from vLLM: its decode span's start, same clock
     server: ServerSpan
 
     def p(self, key: str) -> float:
@@ -182,6 +184,11 @@ def roots(telemetry: Telemetry) -> dict[str, ReadableSpan]:
     return {format(s.context.trace_id, "032x"): s for s in telemetry.finished() if sc.ROUTE in (s.attributes or {})}
 
 
+def decodes(telemetry: Telemetry) -> dict[str, ReadableSpan]:
+    """The proxy's decode spans by trace id."""
+    return {format(s.context.trace_id, "032x"): s for s in telemetry.finished() if s.name == sc.SPAN_DECODE}
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
     """One workload through the proxy: the burst's rows and vLLM's histograms over exactly the burst."""
@@ -222,8 +229,16 @@ def _run_workload(vllm: VllmServer, proxy: Running, telemetry: Telemetry, salt: 
     mine = roots(telemetry)
     missing = [a.ask.label for a in answers if a.trace_id not in mine]
     assert not missing, f"no proxy span (in the client's trace) for {missing}"
+    decoding = decodes(telemetry)
     rows = [
-        Row(a, dict(mine[a.trace_id].attributes or {}), start_of(mine[a.trace_id]), server[a.trace_id]) for a in answers
+        Row(
+            a,
+            dict(mine[a.trace_id].attributes or {}),
+            start_of(mine[a.trace_id]),
+            start_of(decoding[a.trace_id]),
+            server[a.trace_id],
+        )
+        for a in answers
     ]
     print_table(
         rows,
@@ -401,12 +416,19 @@ def test_queue_and_prefill_sums_agree_with_vllm(slots_run: Run) -> None:
 def test_ttft_lies_between_vllms_and_the_clients(slots_run: Run) -> None:
     """The proxy's TTFT against vLLM's and the client's, per request, on the machine's one wall clock.
 
-    The proxy took each request after the client sent it and before vLLM's clock started; its first chunk
-    came after vLLM's first token and before the client read the text. A proxy that timed the wrong event
-    lands outside: a role-only chunk comes before vLLM's first token, the end of the stream after the
-    client's first text. That holds on any machine, however busy; how far apart the three are depends on
-    the machine (vLLM's engine and front end, the proxy and the client share two cores), so the hop is
-    printed here and measured in the benchmark (``python -m bench``: TTFT through llmtap against direct).
+    The proxy took each request after the client sent it and before vLLM's clock started; it read the first
+    text after vLLM's first token and before the client read it. A proxy that timed the wrong event lands
+    outside: a role-only chunk comes before vLLM's first token, the end of the stream after the client's
+    first text. That holds on any machine, however busy; how far apart the three are depends on the machine
+    (vLLM's engine and front end, the proxy and the client share two cores), so the hop is printed here and
+    measured in the benchmark (``python -m bench``: TTFT through llmtap against direct).
+
+    The proxy's TTFT ends later, when the relay had handed the text to the client's socket, a moment it
+    can only stamp once the write has returned. The client, in this process (the relay runs in a thread of
+    it), may read the text first: once the write is done, the thread that runs next holds the interpreter
+    for up to its switch interval (5 ms; CI saw the client read 2.7 ms before the stamp). So the order to
+    the client is taken from the read; the TTFT is bounded, over the whole burst, by the client's and
+    that interval.
     """
     rows = slots_run.rows
     proxy = [r.p(sc.RESPONSE_TIME_TO_FIRST_CHUNK) for r in rows]
@@ -415,19 +437,29 @@ def test_ttft_lies_between_vllms_and_the_clients(slots_run: Run) -> None:
     hops = [p - s for p, s in zip(proxy, server, strict=True)]
     inbound = [r.server.start - r.proxy_start for r in rows]
     outbound = [h - i for h, i in zip(hops, inbound, strict=True)]
-    delivered = [r.answer.first_text - (r.proxy_start + p) for r, p in zip(rows, proxy, strict=True)]
+    delivered = [r.answer.first_text - r.proxy_read for r in rows]
+    stamped = [r.proxy_start + p - r.proxy_read for r, p in zip(rows, proxy, strict=True)]
     taken = [r.proxy_start - r.answer.sent for r in rows]
     quantiles = {q: (nearest_rank(proxy, q), nearest_rank(server, q)) for q in (0.5, 0.9, 1.0)}
     print("TTFT p50/p90/max, proxy vs vLLM (ms):", {q: (ms(p), ms(s)) for q, (p, s) in quantiles.items()})
     print(f"hop median {ms(statistics.median(hops))} ms, max {ms(max(hops))} ms")
     print("hop in (ms): ", " ".join(ms(x) for x in inbound))
     print("hop out (ms):", " ".join(ms(x) for x in outbound))
-    print("proxy to client (ms):", " ".join(ms(x) for x in delivered))
-    for name, gaps in (("client to proxy", taken), ("in", inbound), ("out", outbound), ("to client", delivered)):
+    print("proxy read to client (ms):", " ".join(ms(x) for x in delivered))
+    print("proxy read to its TTFT stamp (ms):", " ".join(ms(x) for x in stamped))
+    for name, gaps in (
+        ("client to proxy", taken),
+        ("in", inbound),
+        ("out", outbound),
+        ("to client", delivered),
+        ("read to stamp", stamped),
+    ):
         assert min(gaps) >= -CLOCK, (name, gaps)
     # The same order over the whole burst, with vLLM's own histogram for its side.
     mean = slots_run.delta("vllm:time_to_first_token_seconds_sum") / len(rows)
-    assert mean - 2 * CLOCK <= statistics.fmean(proxy) <= statistics.fmean(client) + CLOCK, (mean, proxy, client)
+    # The stamp may follow the client's read by the interpreter's switch interval (above).
+    late = CLOCK + sys.getswitchinterval()
+    assert mean - 2 * CLOCK <= statistics.fmean(proxy) <= statistics.fmean(client) + late, (mean, proxy, client)
 
 
 def test_cached_tokens_equal_what_vllm_reported(slots_run: Run) -> None:
