@@ -1,12 +1,15 @@
-"""The telemetry process's scheduling class on a shared core, measured: ``python -m bench.yield_cpu``.
+"""The telemetry process's scheduling on a shared core, measured: ``python -m bench.yield_cpu``.
 
 llmtap's whole process tree is pinned to one core (a sidecar with a one-core limit), the upstream, the OTLP
-sink and the client to another. For each ``--telemetry-scheduling`` (``nice``: niced by 5, the old
-default; ``idle``: SCHED_IDLE, the new one) the same bursts of streams are sent, each request on a new
-connection (``bench.client``'s burst mode): added TTFT as the client sees it (its TTFT less the upstream's
-own), merged chunks (two content events in one client read), tapes dropped (every reason, from
-``/metrics``), and how long the telemetry process took to record the last request after the bursts ended
-(the price of yielding: telemetry waits for the relay's idle time). Prints JSON and a Markdown table.
+sink and the client to another. For each entry of ``--classes`` (``CLASS`` or ``CLASS/US``: the
+``--telemetry-scheduling``, ``nice`` or ``idle``, and the ``--telemetry-yield`` in microseconds, 0 for none)
+the same load is sent: bursts of streams, each request on a new connection (``bench.client``'s burst mode), or
+with ``--staggered`` keep-alive streams started evenly over one request's length, one request after another.
+Reported: added TTFT as the client sees it (its TTFT less the upstream's own), merged chunks (two content
+events in one client read), the relay's wait for the core (``/proc/PID/schedstat``: time runnable but not
+running, per time it got the core), tapes dropped (every reason, from ``/metrics``), and how long the
+telemetry process took to record the last request after the load ended (the price of yielding: telemetry
+waits for the relay's idle time). Entries run in turn, ``--rounds`` times. Prints JSON and a Markdown table.
 """
 
 from __future__ import annotations
@@ -45,16 +48,49 @@ def burst(url: str, cpu: str, streams: int, bursts: int, period: float, chunks: 
     return records
 
 
-def measure(how: str, args: argparse.Namespace, work: Path, up_port: int, sink_port: int) -> dict[str, Any]:
-    """One scheduling class: the bursts, and what they cost."""
+def staggered(url: str, cpu: str, streams: int, requests: int, period: float, chunks: int) -> list[dict[str, Any]]:
+    """``streams`` keep-alive streams started evenly over ``period`` s, ``requests`` each; the client's records."""
+    argv = [sys.executable, "-m", "bench.client", "--url", url, "--streams", str(streams), "--requests", str(requests)]
+    argv += ["--stagger", str(period), "--max-tokens", str(chunks), "--timeout", "60"]
+    done = subprocess.run(pinned(argv, cpu), capture_output=True, text=True, timeout=600, check=True)
+    records: list[dict[str, Any]] = json.loads(done.stdout)["records"]
+    return records
+
+
+def waits(pids: list[int]) -> tuple[int, int]:
+    """Nanoseconds the processes were runnable but not running, and how many times they got the core."""
+    waited = slices = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/schedstat").read_text().split()
+        except OSError:
+            continue
+        waited += int(fields[1])
+        slices += int(fields[2])
+    return waited, slices
+
+
+def measure(spec: str, args: argparse.Namespace, work: Path, up_port: int, sink_port: int) -> dict[str, Any]:
+    """One scheduling entry (``CLASS`` or ``CLASS/US``): the load, and what it cost."""
+    how, _, every = spec.partition("/")
     extra = {"LLMTAP_TELEMETRY_SCHEDULING": how}
-    ep, admin = peers.llmtap(work, args.proxy_cpu, up_port, sink_port, name=f"llmtap-{how}", extra_env=extra)
+    if every:
+        extra["LLMTAP_TELEMETRY_YIELD"] = every
+    name = f"llmtap-{how}-{every or 'default'}"
+    ep, admin = peers.llmtap(work, args.proxy_cpu, up_port, sink_port, name=name, extra_env=extra)
     assert ep.service is not None
     try:
         recorded_before = peers.scrape_sum(admin, RECORDED) or 0.0
         peers.records(up_port)  # forget the upstream's records so far
-        records = burst(ep.url, args.client_cpu, args.streams, args.bursts, args.period, args.chunks)
+        relays = ep.service.roles()["relay"]
+        waited, slices = waits(relays)
+        if args.staggered:
+            period = 0.05 + args.chunks * 0.02
+            records = staggered(ep.url, args.client_cpu, args.streams, args.requests, period, args.chunks)
+        else:
+            records = burst(ep.url, args.client_cpu, args.streams, args.bursts, args.period, args.chunks)
         ended = time.perf_counter()
+        waited_after, slices_after = waits(relays)
         upstream: dict[Any, Any] = {r["id"]: r for r in peers.records(up_port)}
         want = recorded_before + len(records)
         deadline = ended + 120
@@ -74,15 +110,18 @@ def measure(how: str, args: argparse.Namespace, work: Path, up_port: int, sink_p
             if sent is None:
                 continue
             first_upstream = sent["sent"][0] - sent["arrived"]
-            added.append(r["times"][0] - r["start"] - first_upstream)
+            # A burst request's clock starts before its connect; a keep-alive one's when it was sent.
+            added.append(r["times"][0] - r.get("start", r.get("sent")) - first_upstream)
             merged += len(r["reads"]) - len(set(r["reads"]))
+        got = slices_after - slices
         return {
-            "scheduling": how,
+            "scheduling": spec,
             "requests": len(records),
             "errors": sum(1 for r in records if r["error"]),
             "added_ttft_ms_p50": round(1000 * statistics.median(added), 2) if added else None,
             "added_ttft_ms_p99": round(1000 * _percentile(added, 0.99), 2) if added else None,
             "merged_chunks": merged,
+            "relay_wait_ms_per_run": round((waited_after - waited) / 1e6 / got, 3) if got else None,
             "tapes_dropped": peers.scrape_sum(admin, peers.TAPES_DROPPED),
             "recorded": int(recorded - recorded_before),
             "telemetry_drained_s": round(drained, 2),
@@ -100,14 +139,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunks", type=int, default=50)
     p.add_argument("--proxy-cpu", dest="proxy_cpu", default="0", help="the core llmtap's whole tree shares")
     p.add_argument("--client-cpu", dest="client_cpu", default="1", help="core of the client, upstream and sink")
-    p.add_argument("--classes", default="nice,idle", help="scheduling classes to compare, in order")
+    p.add_argument(
+        "--classes", default="nice/0,nice,idle/0,idle", help="CLASS or CLASS/YIELD_US entries to compare, in order"
+    )
+    p.add_argument("--staggered", action="store_true", help="keep-alive streams one request after another, not bursts")
+    p.add_argument("--requests", type=int, default=8, help="requests per stream (--staggered)")
+    p.add_argument("--rounds", type=int, default=1, help="times each entry runs, in turn")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         up, up_port = peers.upstream(work, args.client_cpu, ttft=0.05, gap=0.02, chunks=args.chunks)
         sink, sink_port, _ = peers.sink(work, args.client_cpu)
         try:
-            runs = [measure(how, args, work, up_port, sink_port) for how in args.classes.split(",")]
+            specs = args.classes.split(",")
+            runs = [measure(spec, args, work, up_port, sink_port) for _ in range(args.rounds) for spec in specs]
         finally:
             up.stop()
             sink.stop()

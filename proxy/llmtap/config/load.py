@@ -154,6 +154,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         workers=values["workers"],
         telemetry_workers=values["telemetry_workers"],
         telemetry_scheduling=values["telemetry_scheduling"],
+        telemetry_yield=values["telemetry_yield"],
         attribution=_attribution(values),
     )
 

@@ -918,6 +918,14 @@ _TABLE = (
         "tapes, counted; the admin listener's thread niced), or normal",
         "process",
     ),
+    option(
+        "telemetry_yield",
+        integer(0),
+        100,
+        "microseconds of work after which a telemetry process hands the core to a relay waiting for it (with "
+        "telemetry_scheduling idle or nice; 0: only when it waits): the kernel would take it back at its next tick",
+        "process",
+    ),
     # the file's routes only
     option(
         "prefix",

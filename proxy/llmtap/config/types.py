@@ -372,5 +372,7 @@ class Settings:
     telemetry_workers: int = default("telemetry_workers")
     #: ``TELEMETRY_SCHEDULING``: how the telemetry processes yield the CPU to the relays.
     telemetry_scheduling: str = default("telemetry_scheduling")
+    #: Microseconds of telemetry work between two yields of the core (``llmtap.telemetry.sched``).
+    telemetry_yield: int = default("telemetry_yield")
     #: Attribution dimensions and prices (issue 31).
     attribution: Attribution = field(default_factory=Attribution)

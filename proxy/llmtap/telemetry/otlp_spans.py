@@ -22,6 +22,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanContext
 
+from llmtap.telemetry.sched import checkpoint
+
 __all__ = ["encode_request", "exporter"]
 
 log = logging.getLogger(__name__)
@@ -194,6 +196,7 @@ def encode_request(spans: Sequence[ReadableSpan]) -> bytes:
     """An ``ExportTraceServiceRequest`` of ``spans``, grouped by resource and then scope as the SDK groups them."""
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
     for span in spans:
+        checkpoint()
         resource = span.resource
         group = groups.get(id(resource))
         if group is None:

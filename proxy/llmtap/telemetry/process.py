@@ -79,6 +79,7 @@ class _Intake(asyncio.Protocol):
         messages = self._frames.feed(data)
         submit = self.recorder.submit
         for message in messages:
+            sched.checkpoint()
             ready = ready_of(message)
             if ready is not None:
                 # Readiness is read here, not after the queue: /readyz follows a drain's start at once.
@@ -165,7 +166,7 @@ def prepare(launch: Launch) -> None:
             extra += f",llmtap.telemetry.worker={launch.index}"
         attrs = os.environ.get(identity.RESOURCE_ENV, "")
         os.environ[identity.RESOURCE_ENV] = f"{attrs},{extra}" if attrs else extra
-    got = sched.apply(launch.settings.telemetry_scheduling)
+    got = sched.apply(launch.settings.telemetry_scheduling, launch.settings.telemetry_yield)
     if got != launch.settings.telemetry_scheduling:
         log.info("telemetry: scheduling %s not permitted here; running %s", launch.settings.telemetry_scheduling, got)
 

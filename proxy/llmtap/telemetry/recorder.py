@@ -453,6 +453,7 @@ class Recorder:
                 log.exception("telemetry: could not take a tape message")
             if deadline is not None and deadline <= time.monotonic():
                 self._due()
+            sched.checkpoint()
             if self._queue.empty():
                 # Idle: push record lines out now, so ``llmtap compare`` can read a live file.
                 self.records.flush()
@@ -646,6 +647,7 @@ class Recorder:
             self._share(self.cache.learned)
         failed = False
         for emitter in self.emitters:
+            sched.checkpoint()
             try:
                 emitter.emit(request)
             except Exception:

@@ -21,6 +21,7 @@ from llmtap.labels import version_label
 from llmtap.providers import PROVIDERS
 from llmtap.providers.base import Provider
 from llmtap.providers.timing import from_headers
+from llmtap.telemetry.sched import checkpoint
 from llmtap.telemetry.tap import Tap
 from llmtap.types import RequestInfo
 from llmtap.wire.messages import Head, Reads, Tail
@@ -132,6 +133,7 @@ class Playback:
         self.partial = self.partial or gap
         at = 0
         for i, t in enumerate(times):
+            checkpoint()
             size = sizes[i]
             if gap:
                 tap.skip(size, t)

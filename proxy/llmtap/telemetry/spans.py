@@ -52,6 +52,7 @@ from llmtap.telemetry.attributes import (
     start_attributes,
 )
 from llmtap.telemetry.chunkdetail import SUMMARY, ChunkDetail, chunk_stats, largest_gap
+from llmtap.telemetry.sched import checkpoint
 
 if TYPE_CHECKING:
     from llmtap.telemetry.finished import Finished
@@ -361,6 +362,7 @@ class SpanWriter:
         ctx = trace.set_span_in_context(decode, otel_context.Context())
         emit = self._chunk_emitter(decode, ctx)
         for i in range(shown):
+            checkpoint()
             gap = times[i] - times[i - 1] if i else 0.0
             attrs: dict[str, Any] = {sc.CHUNK_INDEX: i, sc.CHUNK_BYTES: sizes[i], sc.CHUNK_GAP: gap}
             if i < len(s.chunk_tokens):
