@@ -7,7 +7,8 @@ the same load is sent: bursts of streams, each request on a new connection (``be
 with ``--staggered`` keep-alive streams started evenly over one request's length, one request after another.
 Reported: added TTFT as the client sees it (its TTFT less the upstream's own), merged chunks (two content
 events in one client read), the relay's wait for the core (``/proc/PID/schedstat``: time runnable but not
-running, per time it got the core), tapes dropped (every reason, from ``/metrics``), and how long the
+running, per time it got the core), relay and telemetry CPU per chunk (telemetry's read once it recorded the
+last request), tapes dropped (every reason, from ``/metrics``), and how long the
 telemetry process took to record the last request after the load ended (the price of yielding: telemetry
 waits for the relay's idle time). Entries run in turn, ``--rounds`` times. Prints JSON and a Markdown table.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import peers
-from bench.procs import pinned
+from bench.procs import cpu_seconds, pinned
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDED = "llmtap_requests_total"
@@ -82,8 +83,10 @@ def measure(spec: str, args: argparse.Namespace, work: Path, up_port: int, sink_
     try:
         recorded_before = peers.scrape_sum(admin, RECORDED) or 0.0
         peers.records(up_port)  # forget the upstream's records so far
-        relays = ep.service.roles()["relay"]
+        roles = ep.service.roles()
+        relays, telemetry = roles["relay"], roles.get("telemetry", [])
         waited, slices = waits(relays)
+        relay_cpu, telemetry_cpu = cpu_seconds(relays), cpu_seconds(telemetry)
         if args.staggered:
             period = 0.05 + args.chunks * 0.02
             records = staggered(ep.url, args.client_cpu, args.streams, args.requests, period, args.chunks)
@@ -101,6 +104,9 @@ def measure(spec: str, args: argparse.Namespace, work: Path, up_port: int, sink_
                 break
             time.sleep(0.05)
         drained = time.perf_counter() - ended
+        relay_cpu = cpu_seconds(relays) - relay_cpu
+        telemetry_cpu = cpu_seconds(telemetry) - telemetry_cpu
+        chunks = args.chunks * len(records)
         added: list[float] = []
         merged = 0
         for r in records:
@@ -122,6 +128,8 @@ def measure(spec: str, args: argparse.Namespace, work: Path, up_port: int, sink_
             "added_ttft_ms_p99": round(1000 * _percentile(added, 0.99), 2) if added else None,
             "merged_chunks": merged,
             "relay_wait_ms_per_run": round((waited_after - waited) / 1e6 / got, 3) if got else None,
+            "relay_us_per_chunk": round(1e6 * relay_cpu / chunks, 1) if chunks else None,
+            "telemetry_us_per_chunk": round(1e6 * telemetry_cpu / chunks, 1) if chunks else None,
             "tapes_dropped": peers.scrape_sum(admin, peers.TAPES_DROPPED),
             "recorded": int(recorded - recorded_before),
             "telemetry_drained_s": round(drained, 2),
