@@ -136,9 +136,12 @@ class TLSServer:
         handler: Handler | None = None,
         *,
         client_ca: str | None = None,
+        version: ssl.TLSVersion | None = None,
     ) -> None:
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.load_cert_chain(cert)
+        if version is not None:
+            self.context.minimum_version = self.context.maximum_version = version
         self.context.set_alpn_protocols(["http/1.1"])
         if client_ca is not None:
             self.context.verify_mode = ssl.CERT_REQUIRED
@@ -150,6 +153,8 @@ class TLSServer:
         self.failures: list[str] = []
         self.alpn: list[str | None] = []
         self.peers: list[str | None] = []
+        #: Per connection: whether its handshake resumed an earlier session.
+        self.resumed: list[bool] = []
         self.heads: list[bytes] = []
         self._threads: list[threading.Thread] = []
         self._open: list[socket.socket] = []
@@ -199,6 +204,7 @@ class TLSServer:
             with sock:
                 self._open.append(sock)
                 self.connections += 1
+                self.resumed.append(sock.session_reused)
                 self.alpn.append(sock.selected_alpn_protocol())
                 peer = sock.getpeercert()
                 self.peers.append(None if not peer else str(peer.get("subjectAltName", ((None, None),))[0][1]))
@@ -298,6 +304,60 @@ def test_idle_tls_connection_closed_unseen_by_the_loop_is_not_used(run: Any, pki
 
         run(scenario())
         assert up.connections == 2
+
+
+def answer_once(server_side: ssl.SSLSocket, server: TLSServer) -> None:
+    """One request answered, then the connection closed (so every request needs a new one)."""
+    if read_request(server_side, bytearray()) is not None:
+        server_side.sendall(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok")
+
+
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_3, ssl.TLSVersion.TLSv1_2])
+def test_a_new_connection_resumes_the_tls_session_of_the_last(run: Any, pki: Files, version: ssl.TLSVersion) -> None:
+    """Three requests on three connections: the first handshake is full, the next two resume its session (a
+    TLS 1.3 ticket; a TLS 1.2 ticket or id), as nginx's proxy_ssl_session_reuse does."""
+    with TLSServer(pki.server_cert, answer_once, version=version) as up:
+        r = route(up.url(), tls_ca=pki.ca)
+        context = tls.route_context(r)
+        assert isinstance(context, tls.ResumingContext)
+        context.sessions.clear()  # the context is the process's: other tests' servers left sessions in it
+
+        async def scenario() -> None:
+            upstreams = Upstreams(Settings(routes=(r,)))
+            try:
+                for _ in range(3):
+                    assert (await upstreams.client(r).get(up.url() + "/v1/x")).content == b"ok"
+            finally:
+                await upstreams.aclose()
+
+        run(scenario())
+        assert up.connections == 3
+        assert up.resumed == [False, True, True]
+        assert up.failures == []
+
+
+def test_a_server_that_cannot_resume_the_session_gets_a_full_handshake(run: Any, pki: Files) -> None:
+    """The session of one server offered to another under the same name (its ticket key differs, as after a
+    restart): it declines, the handshake is a full one, the request goes through, and its session is kept."""
+    with TLSServer(pki.server_cert, answer_once) as first, TLSServer(pki.server_cert, answer_once) as second:
+        routes = route(first.url(), tls_ca=pki.ca), route(second.url(), tls_ca=pki.ca)
+        context = tls.route_context(routes[0])
+        assert context is tls.route_context(routes[1])  # one context for both: the name's session is offered
+        assert isinstance(context, tls.ResumingContext)
+        context.sessions.clear()
+
+        async def scenario() -> None:
+            for r in (*routes, routes[1]):
+                upstreams = Upstreams(Settings(routes=(r,)))
+                try:
+                    assert (await upstreams.client(r).get(r.upstream + "/v1/x")).content == b"ok"
+                finally:
+                    await upstreams.aclose()
+
+        run(scenario())
+        assert first.resumed == [False]
+        assert second.resumed == [False, True]  # declined the first server's session; resumed its own
+        assert first.failures == second.failures == []
 
 
 def test_ssl_cert_file_is_honoured_when_no_tls_ca_is_given(

@@ -8,6 +8,12 @@ contexts are built here when the upstreams' clients are made (``llmtap.relay.for
 route at start and cached, and ``check`` builds them before the processes start. A file that is missing or
 does not load is a ``ConfigError`` naming the setting as the user gave it and the file, never at a request.
 
+A context resumes TLS sessions (``ResumingContext``): a new connection to a server name offers the session the last
+connection to that name left (a TLS 1.3 ticket, or a TLS 1.2 ticket or session id), so its handshake skips the
+certificate chain and the server's signature; a server that declines it makes a full handshake, as without. The
+lean client hands each connection's session back once its first exchange ends (``keep``). Keyed by server name,
+as Go's client session cache is, and on by default as nginx's ``proxy_ssl_session_reuse``.
+
 Connection errors get names here too (``describe``): a certificate the upstream's chain does not prove
 becomes ``certificate verify failed: <OpenSSL's reason>``, anything else in the handshake
 ``TLS handshake failed: <reason>``.
@@ -22,7 +28,10 @@ from dataclasses import dataclass
 
 from llmtap.config.types import ConfigError, Route
 
-__all__ = ["TLSOptions", "check", "context", "describe", "route_context"]
+__all__ = ["ResumingContext", "TLSOptions", "check", "context", "describe", "route_context"]
+
+#: Server names whose last session a context keeps; past it, the oldest is forgotten.
+SESSIONS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +55,36 @@ class TLSOptions:
             server_name=route.tls_server_name,
             verify=route.tls_verify,
         )
+
+
+class ResumingContext(ssl.SSLContext):
+    """A client context whose connections offer the last session of their server name (see the module's words)."""
+
+    def __init__(self, protocol: ssl._SSLMethod = ssl.PROTOCOL_TLS_CLIENT) -> None:
+        self.sessions: dict[str, ssl.SSLSession] = {}
+
+    def wrap_bio(
+        self,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        server_side: bool = False,
+        server_hostname: str | bytes | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLObject:
+        if session is None and not server_side and isinstance(server_hostname, str):
+            session = self.sessions.get(server_hostname)
+        return super().wrap_bio(
+            incoming, outgoing, server_side=server_side, server_hostname=server_hostname, session=session
+        )
+
+    def keep(self, connection: ssl.SSLObject) -> None:
+        """Keep ``connection``'s session for the next connection to its server name, if it can be resumed."""
+        name, session = connection.server_hostname, connection.session
+        if name is None or session is None or not (session.has_ticket or session.id):
+            return
+        if name not in self.sessions and len(self.sessions) >= SESSIONS:
+            del self.sessions[next(iter(self.sessions))]
+        self.sessions[name] = session
 
 
 _CONTEXTS: dict[tuple[TLSOptions, str | None, str | None], ssl.SSLContext] = {}
@@ -85,7 +124,7 @@ def _no_password() -> bytes:
 
 
 def _build(options: TLSOptions, label: Callable[[str], str]) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the host name
+    ctx = ResumingContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the host name
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["http/1.1"])
     if not options.verify:
