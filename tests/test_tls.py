@@ -204,7 +204,7 @@ class TLSServer:
             with sock:
                 self._open.append(sock)
                 self.connections += 1
-                self.resumed.append(sock.session_reused)
+                self.resumed.append(bool(sock.session_reused))
                 self.alpn.append(sock.selected_alpn_protocol())
                 peer = sock.getpeercert()
                 self.peers.append(None if not peer else str(peer.get("subjectAltName", ((None, None),))[0][1]))
