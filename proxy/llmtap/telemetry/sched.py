@@ -20,10 +20,11 @@ The class alone does not keep the relay's waits short. Once a telemetry thread h
 back to a runnable relay at its next scheduler tick (4 ms at HZ=250) or another wake-up: a relay that just ran
 is not yet eligible when the kernel picks, and nothing makes it pick again sooner, SCHED_IDLE or niced alike.
 So in ``idle`` and ``nice`` the telemetry threads also hand the core back themselves (``checkpoint``, at every
-tape message, read played back, emitter and chunk span): a ``sched_yield`` once the process has worked
-``telemetry_yield`` microseconds (100 by default) since its last, about 1 µs each. A yield with nobody waiting
-returns at once. Measured on one shared core, 64 staggered streams (``python -m bench.yield_cpu``): the relay's
-wait for the core per wake-up fell from about 1.1 ms to about 0.2.
+tape message, read played back, emitter, chunk span and span encoded): a ``sched_yield`` once the process has
+worked ``telemetry_yield`` microseconds (100 by default) since its last, about 1 µs each. A yield with nobody
+waiting returns at once. Measured with the whole tree on one core and 64 staggered keep-alive streams: the
+relay's average wait each time it woke, 1.1 to 1.3 ms before and 0.13 to 0.21 ms after (``perf sched``), and
+llmtap's added median TTFT about halved (``python -m bench.yield_cpu --staggered``, ``bench/RESULTS.md``).
 """
 
 from __future__ import annotations
