@@ -1,10 +1,12 @@
 """The telemetry process hands the core back on its own (``llmtap.telemetry.sched.checkpoint``): a yield once it has
-worked ``telemetry_yield`` microseconds since the last, in the ``idle`` and ``nice`` schedulings, none in ``normal``.
+worked ``telemetry_yield`` microseconds since the last, in the ``idle`` and ``nice`` schedulings where it may run on one
+CPU only, none in ``normal`` or on several CPUs.
 What it buys a relay sharing the core is measured by ``python -m bench.yield_cpu``, not here."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -72,11 +74,19 @@ def test_playing_back_a_long_stream_pauses_at_every_read(monkeypatch: pytest.Mon
     assert clock.yields >= 300
 
 
-@pytest.mark.parametrize(("how", "every"), [("nice", 100e-6), ("normal", 0.0)])
-def test_the_scheduling_decides_whether_telemetry_yields(how: str, every: float) -> None:
-    """``apply`` in a process of its own (its nice value cannot be undone): the interval as set, or none."""
+@pytest.mark.parametrize(
+    ("how", "cpus", "every"),
+    [("nice", 1, 100e-6), ("idle", 1, 100e-6), ("normal", 1, 0.0), ("nice", 2, 0.0)],
+)
+def test_telemetry_yields_on_one_cpu_in_the_classes_that_yield(how: str, cpus: int, every: float) -> None:
+    """``apply`` in a process of its own (its nice value cannot be undone), its affinity ``cpus`` CPUs: the interval as
+    set on one CPU, none in ``normal`` or where it may run on several (a yield would hand its core to every other
+    process there)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < cpus:
+        pytest.skip(f"this machine lets the test run on {len(allowed)} CPU(s)")
     code = (
-        "import json; from llmtap.telemetry import sched;"
+        f"import json, os; os.sched_setaffinity(0, {allowed[:cpus]!r}); from llmtap.telemetry import sched;"
         f"got = sched.apply({how!r}, 100); print(json.dumps([got, sched._every]))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

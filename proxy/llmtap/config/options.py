@@ -922,8 +922,9 @@ _TABLE = (
         "telemetry_yield",
         integer(0),
         100,
-        "microseconds of work after which a telemetry process hands the core to a relay waiting for it (with "
-        "telemetry_scheduling idle or nice; 0: only when it waits): the kernel would take it back at its next tick",
+        "microseconds of work after which a telemetry process hands the core to a relay waiting for it, where it "
+        "may run on one CPU only (its affinity) and telemetry_scheduling is idle or nice; 0: only when it waits. "
+        "The kernel would take the core back at its next tick",
         "process",
     ),
     # the file's routes only
