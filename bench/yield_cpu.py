@@ -2,7 +2,8 @@
 
 llmtap's whole process tree is pinned to one core (a sidecar with a one-core limit), the upstream, the OTLP
 sink and the client to another. For each entry of ``--classes`` (``CLASS`` or ``CLASS/US``: the
-``--telemetry-scheduling``, ``nice`` or ``idle``, and the ``--telemetry-yield`` in microseconds, 0 for none)
+``--telemetry-scheduling``, ``nice`` or ``idle``, and the ``--telemetry-yield`` in microseconds, 0 for none; the
+default, off, when not given)
 the same load is sent: bursts of streams, each request on a new connection (``bench.client``'s burst mode), or
 with ``--staggered`` keep-alive streams started evenly over one request's length, one request after another.
 Reported: added TTFT as the client sees it (its TTFT less the upstream's own), merged chunks (two content
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--proxy-cpu", dest="proxy_cpu", default="0", help="the core llmtap's whole tree shares")
     p.add_argument("--client-cpu", dest="client_cpu", default="1", help="core of the client, upstream and sink")
     p.add_argument(
-        "--classes", default="nice/0,nice,idle/0,idle", help="CLASS or CLASS/YIELD_US entries to compare, in order"
+        "--classes", default="nice,nice/100,idle,idle/100", help="CLASS or CLASS/YIELD_US entries to compare, in order"
     )
     p.add_argument("--staggered", action="store_true", help="keep-alive streams one request after another, not bursts")
     p.add_argument("--requests", type=int, default=8, help="requests per stream (--staggered)")

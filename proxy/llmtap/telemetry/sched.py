@@ -19,16 +19,20 @@ once they exist (``idle_others``).
 The class alone does not keep the relay's waits short. Once a telemetry thread has the core, Linux gives it
 back to a runnable relay at its next scheduler tick (4 ms at HZ=250) or another wake-up: a relay that just ran
 is not yet eligible when the kernel picks, and nothing makes it pick again sooner, SCHED_IDLE or niced alike.
-So in ``idle`` and ``nice``, where the process may run on one CPU only (its affinity: ``taskset``, a container
-given one CPU of its own), the telemetry threads also hand the core back themselves (``checkpoint``, at every
-tape message, read played back, emitter, chunk span and span encoded): a ``sched_yield`` once the process has
-worked ``telemetry_yield`` microseconds (100 by default) since its last, about 1 µs each. A yield with nobody
-waiting returns at once. Not where it may run on several CPUs: there the relays mostly run on another, and a
-yield hands the core to whatever else waits for it, all of it, each time. On a test machine busy with other
-processes, telemetry that yielded every 100 µs recorded 2,000 small requests in two minutes, where it takes a
-few seconds. Measured with the whole tree on one core and 64 staggered keep-alive streams: the
-relay's average wait each time it woke, 1.1 to 1.3 ms before and 0.13 to 0.21 ms after (``perf sched``), and
-llmtap's added median TTFT about halved (``python -m bench.yield_cpu --staggered``, ``bench/RESULTS.md``).
+So with ``telemetry_yield`` set (100 µs for a one-core sidecar whose core is its own), in ``idle`` and ``nice``,
+where the process may run on one CPU only (its affinity: ``taskset``, a container given one CPU of its own),
+the telemetry threads hand the core back themselves (``checkpoint``, at every tape message, read played back,
+emitter, chunk span and span encoded): a ``sched_yield`` once the process has worked that long since its last,
+about 1 µs each. A yield with nobody waiting returns at once. Measured with the whole tree on one core and 64
+staggered keep-alive streams: the relay's average wait each time it woke, 1.1 to 1.3 ms without and 0.13 to
+0.21 ms with (``perf sched``), and llmtap's added median TTFT about halved (``python -m bench.yield_cpu
+--staggered``, ``bench/RESULTS.md``).
+
+Off by default, and never where the process may run on several CPUs: a yield hands the core to whatever else
+waits for it, every other process there too, each time. On a test machine busy with other processes, telemetry
+pinned to one CPU and yielding every 100 µs recorded 1,972 of 2,004 small requests in two minutes, where it takes
+a few seconds, and a soak run's telemetry fell behind (its spans dropped, its memory up 24%). Yielding only while
+a relay waits would need the relays' run states (``/proc/PID/stat``), read every interval: not built.
 """
 
 from __future__ import annotations
