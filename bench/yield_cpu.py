@@ -2,10 +2,10 @@
 
 llmtap's whole process tree is pinned to one core (a sidecar with a one-core limit), the upstream, the OTLP
 sink and the client to another. For each entry of ``--classes`` (``CLASS`` or ``CLASS/US``: the
-``--telemetry-scheduling``, ``nice`` or ``idle``, and the ``--telemetry-yield`` in microseconds, 0 for none; the
-default, off, when not given)
-the same load is sent: bursts of streams, each request on a new connection (``bench.client``'s burst mode), or
-with ``--staggered`` keep-alive streams started evenly over one request's length, one request after another.
+``--telemetry-scheduling``, ``nice`` or ``idle``, and the ``--telemetry-yield`` in microseconds, 0 for none, the
+default, off, when not given) the same load is sent: bursts of streams, each request on a new connection
+(``bench.client``'s burst mode), or with ``--staggered`` keep-alive streams started evenly over one request's
+length, one request after another.
 Reported: added TTFT as the client sees it (its TTFT less the upstream's own), merged chunks (two content
 events in one client read), the relay's wait for the core (``/proc/PID/schedstat``: time runnable but not
 running, per time it got the core), relay and telemetry CPU per chunk (telemetry's read once it recorded the
@@ -31,6 +31,9 @@ from bench.procs import cpu_seconds, pinned
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDED = "llmtap_requests_total"
+#: The upstream's script: its first chunk this long after the request, the next ones this far apart.
+TTFT = 0.05
+GAP = 0.02
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -89,7 +92,7 @@ def measure(spec: str, args: argparse.Namespace, work: Path, up_port: int, sink_
         waited, slices = waits(relays)
         relay_cpu, telemetry_cpu = cpu_seconds(relays), cpu_seconds(telemetry)
         if args.staggered:
-            period = 0.05 + args.chunks * 0.02
+            period = TTFT + args.chunks * GAP  # one request's length
             records = staggered(ep.url, args.client_cpu, args.streams, args.requests, period, args.chunks)
         else:
             records = burst(ep.url, args.client_cpu, args.streams, args.bursts, args.period, args.chunks)
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        up, up_port = peers.upstream(work, args.client_cpu, ttft=0.05, gap=0.02, chunks=args.chunks)
+        up, up_port = peers.upstream(work, args.client_cpu, ttft=TTFT, gap=GAP, chunks=args.chunks)
         sink, sink_port, _ = peers.sink(work, args.client_cpu)
         try:
             specs = args.classes.split(",")
