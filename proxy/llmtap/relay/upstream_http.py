@@ -110,8 +110,8 @@ class _Connection(asyncio.Protocol):
         self.held = False
         #: When the socket last brought anything, under a sink (its idle timeout counts from here).
         self.heard = 0.0
-        #: A TLS connection whose session is still to be handed to its context (``tls.ResumingContext``).
-        self.session_due = False
+        #: A TLS connection's TLS object, until its session is handed to its context (``tls.ResumingContext``).
+        self.unkept: ssl.SSLObject | None = None
         self._reset(head_only=False)
 
     def begin(self, *, head_only: bool) -> None:
@@ -148,7 +148,7 @@ class _Connection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
-        self.session_due = transport.get_extra_info("ssl_object") is not None
+        self.unkept = transport.get_extra_info("ssl_object")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -426,8 +426,7 @@ class _Connection(asyncio.Protocol):
     def keep_session(self) -> None:
         """Hand the TLS session to the context, for the next connection's handshake: once, after the first
         exchange (by then a TLS 1.3 server's tickets have been read)."""
-        self.session_due = False
-        connection = self._transport.get_extra_info("ssl_object") if self._transport is not None else None
+        connection, self.unkept = self.unkept, None
         keep = getattr(getattr(connection, "context", None), "keep", None)
         if keep is not None:
             keep(connection)
@@ -571,7 +570,7 @@ class _Pool:
 
     def release(self, conn: _Connection) -> None:
         """An exchange is over: its connection goes back idle when clean, else it is closed."""
-        if conn.session_due:
+        if conn.unkept is not None:
             conn.keep_session()
         if conn.reusable():
             conn.park()
