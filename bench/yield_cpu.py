@@ -2,8 +2,8 @@
 
 llmtap's whole process tree is pinned to one core (a sidecar with a one-core limit), the upstream, the OTLP
 sink and the client to another. For each entry of ``--classes`` (``CLASS`` or ``CLASS/US``: the
-``--telemetry-scheduling``, ``nice`` or ``idle``, and the ``--telemetry-yield`` in microseconds, 0 for none, the
-default, off, when not given) the same load is sent: bursts of streams, each request on a new connection
+``--telemetry-scheduling``, ``nice`` or ``idle``, and the ``--telemetry-yield`` in microseconds, 0 for none, its
+default when not given) the same load is sent: bursts of streams, each request on a new connection
 (``bench.client``'s burst mode), or with ``--staggered`` keep-alive streams started evenly over one request's
 length, one request after another.
 Reported: added TTFT as the client sees it (its TTFT less the upstream's own), merged chunks (two content
@@ -11,7 +11,9 @@ events in one client read), the relay's wait for the core (``/proc/PID/schedstat
 running, per time it got the core), relay and telemetry CPU per chunk (telemetry's read once it recorded the
 last request), tapes dropped (every reason, from ``/metrics``), and how long the
 telemetry process took to record the last request after the load ended (the price of yielding: telemetry
-waits for the relay's idle time). Entries run in turn, ``--rounds`` times. Prints JSON and a Markdown table.
+waits for the relay's idle time). ``--hog N`` keeps N busy processes on llmtap's core meanwhile (a core not its
+own: telemetry must still keep up, yielding to the relays only). Entries run in turn, ``--rounds`` times. Prints
+JSON and a Markdown table.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from bench.procs import cpu_seconds, pinned
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDED = "llmtap_requests_total"
+#: ``--hog``: a process that keeps its core busy (another tenant of the sidecar's core, a busy test machine).
+HOG = "while True: pass"
 #: The upstream's script: its first chunk this long after the request, the next ones this far apart.
 TTFT = 0.05
 GAP = 0.02
@@ -91,6 +95,7 @@ def measure(spec: str, args: argparse.Namespace, work: Path, up_port: int, sink_
         relays, telemetry = roles["relay"], roles.get("telemetry", [])
         waited, slices = waits(relays)
         relay_cpu, telemetry_cpu = cpu_seconds(relays), cpu_seconds(telemetry)
+        hogs = [subprocess.Popen(pinned([sys.executable, "-c", HOG], args.proxy_cpu)) for _ in range(args.hog)]
         if args.staggered:
             period = TTFT + args.chunks * GAP  # one request's length
             records = staggered(ep.url, args.client_cpu, args.streams, args.requests, period, args.chunks)
@@ -108,6 +113,9 @@ def measure(spec: str, args: argparse.Namespace, work: Path, up_port: int, sink_
                 break
             time.sleep(0.05)
         drained = time.perf_counter() - ended
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
         relay_cpu = cpu_seconds(relays) - relay_cpu
         telemetry_cpu = cpu_seconds(telemetry) - telemetry_cpu
         chunks = args.chunks * len(records)
@@ -157,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--staggered", action="store_true", help="keep-alive streams one request after another, not bursts")
     p.add_argument("--requests", type=int, default=8, help="requests per stream (--staggered)")
     p.add_argument("--rounds", type=int, default=1, help="times each entry runs, in turn")
+    p.add_argument(
+        "--hog", type=int, default=0, help="busy processes on llmtap's core while each entry runs (a core not its own)"
+    )
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

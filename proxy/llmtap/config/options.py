@@ -921,11 +921,10 @@ _TABLE = (
     option(
         "telemetry_yield",
         integer(0),
-        0,
-        "microseconds of work after which a telemetry process hands the core to whatever waits for it (its relays, "
-        "and any other process there), where it may run on one CPU only (its affinity) and telemetry_scheduling is "
-        "idle or nice; 0: only when it waits. For a one-core sidecar whose core is its own, 100; the kernel would "
-        "take the core back for a relay only at its next tick",
+        100,
+        "microseconds of work after which a telemetry process looks whether a relay waits for the core it runs on, "
+        "and hands the core to it if so (telemetry_scheduling idle or nice); 0: never, and the kernel gives a "
+        "waiting relay the core back only at its next tick",
         "process",
     ),
     # the file's routes only

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import socket
+import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,6 +37,8 @@ __all__ = ["Launch", "prepare", "running"]
 
 log = logging.getLogger("llmtap.telemetry")
 
+#: ``struct ucred``: pid, uid, gid.
+_UCRED = struct.Struct("3i")
 #: The source the recorder sees the sibling processes' lessons come from (relays are 0 and up).
 LESSONS = -2
 
@@ -68,11 +71,15 @@ class _Intake(asyncio.Protocol):
         self.connected = connected
         self._frames = FrameReader()
         self._transport: asyncio.BaseTransport | None = None
+        self._pid = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """A relay connected."""
+        """A relay connected: its process is watched, so that telemetry yields the core when it waits."""
         self._transport = transport
         self.connected.add(self.source)
+        self._pid = peer_pid(transport)
+        if self._pid:
+            sched.watch(self._pid)
 
     def data_received(self, data: bytes) -> None:
         """Take every complete message; the recorder counts what its full queue cannot take."""
@@ -96,6 +103,19 @@ class _Intake(asyncio.Protocol):
         """The relay went away: its gauges drop to zero."""
         self.connected.discard(self.source)
         self.recorder.relay_gone(self.source)
+        if self._pid:
+            sched.forget(self._pid)
+
+
+def peer_pid(transport: asyncio.BaseTransport) -> int:
+    """The process on the other end of a Unix socket (``SO_PEERCRED``), 0 when unknown (another PID namespace)."""
+    sock = transport.get_extra_info("socket")
+    try:
+        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except (AttributeError, OSError):
+        return 0
+    pid: int = _UCRED.unpack(cred)[0]
+    return pid
 
 
 class _Lessons(asyncio.Protocol):

@@ -19,40 +19,64 @@ once they exist (``idle_others``).
 The class alone does not keep the relay's waits short. Once a telemetry thread has the core, Linux gives it
 back to a runnable relay at its next scheduler tick (4 ms at HZ=250) or another wake-up: a relay that just ran
 is not yet eligible when the kernel picks, and nothing makes it pick again sooner, SCHED_IDLE or niced alike.
-So with ``telemetry_yield`` set (100 µs for a one-core sidecar whose core is its own), in ``idle`` and ``nice``,
-where the process may run on one CPU only (its affinity: ``taskset``, a container given one CPU of its own),
-the telemetry threads hand the core back themselves (``checkpoint``, at every tape message, read played back,
-emitter, chunk span and span encoded): a ``sched_yield`` once the process has worked that long since its last,
-about 1 µs each. A yield with nobody waiting returns at once. Measured with the whole tree on one core and 64
-staggered keep-alive streams: the relay's average wait each time it woke, 1.1 to 1.3 ms without and 0.13 to
-0.21 ms with (``perf sched``), and llmtap's added median TTFT about halved (``python -m bench.yield_cpu
---staggered``, ``bench/RESULTS.md``).
+So, in ``idle`` and ``nice``, the telemetry threads hand the core back themselves when a relay waits for it
+(``checkpoint``, at every tape message, read played back, emitter, chunk span and span encoded): once the
+process has worked ``telemetry_yield`` microseconds (100 by default; 0: never) since the last look, it reads the
+run state of each relay's event-loop thread (``/proc/PID/task/PID/stat``, kept open: one ``pread``, about 3 µs)
+and calls ``sched_yield`` when one is runnable on the CPU this thread is running on, so waiting behind it. A
+relay running on another CPU, or asleep, costs nothing but the look. Measured with the whole tree on one core
+and 64 staggered keep-alive streams: the relay's average wait each time it woke, 1.1 to 1.3 ms without and
+0.13 to 0.21 ms with yields (``perf sched``), and llmtap's added median TTFT about halved (``python -m
+bench.yield_cpu --staggered``, ``bench/RESULTS.md``).
 
-Off by default, and never where the process may run on several CPUs: a yield hands the core to whatever else
-waits for it, every other process there too, each time. On a test machine busy with other processes, telemetry
-pinned to one CPU and yielding every 100 µs recorded 1,972 of 2,004 small requests in two minutes, where it takes
-a few seconds, and a soak run's telemetry fell behind (its spans dropped, its memory up 24%). Yielding only while
-a relay waits would need the relays' run states (``/proc/PID/stat``), read every interval: not built.
+Only a waiting relay is yielded to. ``sched_yield`` hands the core to whatever else waits for it: an
+earlier version yielded whenever the process might run on one CPU only, and on a test machine busy with other
+processes, telemetry pinned to one CPU yielding every 100 µs to all of them recorded 1,972 of 2,004 small requests
+in two minutes, where it takes a few seconds. Yielding to the relays only, telemetry gives up no more than the
+relays' own work, which they would take from it at the next tick anyway.
+
+The relays are the processes on the other end of the telemetry channel (``SO_PEERCRED``, ``watch``); a relay
+in another PID namespace (its PID unknown here) is not watched, and the yields then never happen.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["MODES", "NICE", "apply", "checkpoint", "idle_here", "idle_others"]
+__all__ = ["MODES", "NICE", "apply", "checkpoint", "forget", "idle_here", "idle_others", "watch"]
 
 MODES = ("idle", "nice", "normal")
 #: How far the telemetry process's main thread (and every thread, in ``nice``) stands below the relays.
 NICE = 5
 
 _idle = False
-#: Seconds of work between two yields of the core (0: none), and when the next is due (``checkpoint``).
+#: Seconds of work between two looks at the relays (0: never), and when the next is due (``checkpoint``).
 _every = 0.0
 _next = 0.0
+#: Each watched relay's PID and the open descriptor of its event-loop thread's ``stat``; replaced, never changed
+#: in place, so that a thread reading it meanwhile sees a whole tuple.
+_relays: tuple[tuple[int, int], ...] = ()
+_relays_lock = threading.Lock()
+
+
+def _cpu_reader() -> Callable[[], int] | None:
+    """The C library's ``sched_getcpu`` (a few hundred ns), or None where there is none."""
+    try:
+        getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+    except (OSError, AttributeError):
+        return None
+    getcpu.restype = ctypes.c_int
+    getcpu.argtypes = []
+    return getcpu
+
+
+_getcpu = _cpu_reader()
 
 
 def _set_idle(tid: int = 0) -> bool:
@@ -90,30 +114,69 @@ def apply(how: str, yield_us: int = 0) -> str:
         except OSError:
             return "normal"
     _idle = how == "idle"
-    _every = yield_us / 1e6 if how in ("idle", "nice") and _one_cpu() else 0.0
+    _every = yield_us / 1e6 if how in ("idle", "nice") and _getcpu is not None else 0.0
     return how
 
 
-def _one_cpu() -> bool:
-    """Whether this process may run on one CPU only (its affinity), which it then shares with the relays."""
-    try:
-        return len(os.sched_getaffinity(0)) == 1
-    except (AttributeError, OSError):
+def watch(pid: int) -> bool:
+    """Watch relay ``pid``'s event-loop thread from now on (``checkpoint`` yields when it waits); False when its
+    state cannot be read (gone, or in another PID namespace)."""
+    global _relays
+    if pid <= 0:
         return False
+    try:
+        fd = os.open(f"/proc/{pid}/task/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    with _relays_lock:
+        old = [fd_ for p, fd_ in _relays if p == pid]
+        _relays = (*((p, f) for p, f in _relays if p != pid), (pid, fd))
+    for stale in old:
+        os.close(stale)
+    return True
+
+
+def forget(pid: int) -> None:
+    """Stop watching relay ``pid`` (its channel closed)."""
+    global _relays
+    with _relays_lock:
+        old = [fd for p, fd in _relays if p == pid]
+        _relays = tuple((p, fd) for p, fd in _relays if p != pid)
+    for fd in old:
+        # A reader holding the old tuple may read this descriptor once more, or what reuses it: ``_waits`` takes
+        # any error or unexpected content as "not waiting".
+        os.close(fd)
+
+
+def _waits(relays: tuple[tuple[int, int], ...], cpu: int) -> bool:
+    """Whether one of ``relays`` is runnable on ``cpu``: on the CPU this thread holds, so queued behind it."""
+    for _, fd in relays:
+        try:
+            stat = os.pread(fd, 1024, 0)
+            # After the command's closing parenthesis: state (field 3), ... processor (field 39).
+            fields = stat[stat.rindex(b")") + 2 :].split(None, 37)
+            if fields[0] == b"R" and int(fields[36]) == cpu:
+                return True
+        except (OSError, ValueError, IndexError):
+            continue
+    return False
 
 
 def checkpoint() -> None:
-    """Where telemetry work may pause: yields the core when the process has worked long enough since it last did.
+    """Where telemetry work may pause: once the process has worked ``telemetry_yield`` since the last look, yields
+    the core if a relay waits for it.
 
-    Shared by the process's threads: the interpreter runs one at a time, so the time since the last yield is the
+    Shared by the process's threads: the interpreter runs one at a time, so the time since the last look is the
     process's own uninterrupted stretch, near enough.
     """
     global _next
     if _every:
         now = time.perf_counter()
         if now >= _next:
-            os.sched_yield()
             _next = now + _every
+            relays = _relays
+            if relays and _getcpu is not None and _waits(relays, _getcpu()):
+                os.sched_yield()
 
 
 def idle_here() -> None:
