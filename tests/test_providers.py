@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from llmtap.providers import (
     PROVIDERS,
@@ -17,6 +18,7 @@ from llmtap.providers import (
     Provider,
     provider_for,
 )
+from llmtap.providers.openai_common import load_object
 from llmtap.providers.sse import Event, SSEDecoder
 from llmtap.types import Facts, Prepared, Usage
 
@@ -544,3 +546,44 @@ def test_provider_identity() -> None:
         ("ollama_embed", "ollama", "ndjson"),
         ("openai_embeddings", "openai", "sse"),
     ]
+
+
+# --- parsing a chunk's JSON ---------------------------------------------------------------------------------------
+
+
+def _reference_load(raw: str) -> tuple[Any, str | None]:
+    """What ``load_object`` gives, by ``json.loads`` alone (the scanner it calls first must agree)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        return None, "too_deep"
+    except ValueError:
+        return None, "invalid_json"
+    return (value, None) if isinstance(value, dict) else (None, "not_an_object")
+
+
+JSON_PIECES = ["{", "}", '"a"', ":", ",", "1", "[", "]", "null", "NaN", '"\\u00e9"', '"\\ud800"', " ", "\n", "\ufeff"]
+JSON_PIECES += ['"', "\\", "1e999", "-0", "tru", "true", "9" * 5000]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(
+        st.lists(st.sampled_from(JSON_PIECES), max_size=40).map("".join),
+        st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5) | st.none(), max_size=5).map(
+            json.dumps
+        ),
+        st.tuples(
+            st.dictionaries(st.text(max_size=3), st.integers(), max_size=3), st.sampled_from(["", " ", "x", "}"])
+        ).map(lambda t: json.dumps(t[0]) + t[1]),
+    )
+)
+def test_a_chunks_json_parses_as_json_loads_says(raw: str) -> None:
+    """The scanner called directly for a text starting with ``{`` gives what ``json.loads`` gives, reason included:
+    trailing text, whitespace, deep nesting, huge integers, lone surrogates, a byte-order mark."""
+    assert load_object(raw) == _reference_load(raw)
+
+
+def test_deep_nesting_is_too_deep_not_a_crash() -> None:
+    raw = '{"a":' * 100_000 + "1" + "}" * 100_000
+    assert load_object(raw) == (None, "too_deep")

@@ -315,6 +315,49 @@ def test_sse_fuzz_oversize_is_split_invariant(case: tuple[bytes, list[int]], lim
     assert all(len(e.data) <= limit for e in whole[0])
 
 
+# Reads of whole events, as streaming servers write them: the decoder's fast path (a read of whole one-line ``data:``
+# events, between events) must give what the general path and the spec give, whatever precedes and follows it.
+SSE_PAYLOADS = [b"", b"x", b"{}", b'{"a": "b: c"}', "é€".encode(), b"\xff", b"[DONE]", b"data: x", b" y"]
+SSE_EVENTS = [b"data: " + p + b"\n\n" for p in SSE_PAYLOADS]
+SSE_EVENTS += [b"data:x\n\n", b"event: e\ndata: x\n\n", b"id: 7\ndata: x\n\n", b"data: a\ndata: b\n\n", b": c\n\n"]
+SSE_EVENTS += [b"data: x\r\n\r\n", b"data: x\r\r", b"data: x\n", b"\n", b"data: x", b"\xef\xbb\xbfdata: x\n\n"]
+SSE_EVENTS += [b"id:\0\n"]
+
+
+@st.composite
+def event_reads(draw: st.DrawFn) -> list[bytes]:
+    """Reads of one or more events each (some events malformed, cut, or with other fields)."""
+    events = draw(st.lists(st.sampled_from(SSE_EVENTS), max_size=30))
+    sizes = draw(st.lists(st.integers(1, 4), min_size=len(events), max_size=len(events)))
+    reads, at = [], 0
+    for size in sizes:
+        if at >= len(events):
+            break
+        reads.append(b"".join(events[at : at + size]))
+        at += size
+    return reads
+
+
+@fuzz
+@given(event_reads(), st.integers(0, 40))
+def test_sse_reads_of_whole_events_match_the_spec(reads: list[bytes], limit: int) -> None:
+    body = b"".join(reads)
+    assert run(SSEDecoder, reads) == (spec_sse(body), 0)
+    assert run(lambda: SSEDecoder(limit), reads) == run(lambda: SSEDecoder(limit), [body])
+
+
+def test_sse_a_read_of_whole_events_takes_the_fast_path_with_the_last_id() -> None:
+    """Between events, a read of whole one-line data events is decoded at once; the last event id persists."""
+    decoder = SSEDecoder()
+    assert decoder.feed(b"id: 4\ndata: a\n\n") == [Event("", "a", "4")]
+    assert decoder._between
+    assert decoder.feed(b'data: b\n\ndata: {"c": 1}\n\n') == [Event("", "b", "4"), Event("", '{"c": 1}', "4")]
+    assert decoder._between
+    assert decoder.feed(b"data: d\n") == []  # a line not yet ended: no longer between events
+    assert not decoder._between
+    assert decoder.feed(b"\ndata: e\n\n") == [Event("", "d", "4"), Event("", "e", "4")]
+
+
 # --- NDJSON ---------------------------------------------------------------------------------------
 
 
