@@ -407,13 +407,14 @@ def test_gen_ai_attributes_present_at_span_start(harness: HarnessFactory) -> Non
     assert attrs(h.root())[sc.USAGE_OUTPUT_TOKENS] == 6
 
 
-def test_input_drift_is_measured_once_a_second_per_route(harness: HarnessFactory) -> None:
-    """Usage reports the input: the prompt is counted for the drift only on a request a second per route."""
+def test_drift_is_measured_once_a_second_per_route(harness: HarnessFactory) -> None:
+    """Usage reports the input and the output: the prompt and the whole output are counted for the drift only on a
+    request a second per route; the token figures never depend on it."""
     h = harness()
     prompt = "Summarize the refund policy for order 12345, in three short sentences."
-    seen: list[tuple[str, bool]] = []
+    seen: list[tuple[str, bool, bool]] = []
     # Requests end in the order they arrived; each is received this long before T0 (the script's times stay positive).
-    # The first has no prompt to count: it takes no turn from the request after it.
+    # The first has no prompt to count, but an output: it takes its route's turn.
     for route, before, text in (
         ("default", 3.2, ""),
         ("default", 3.0, prompt),
@@ -425,21 +426,24 @@ def test_input_drift_is_measured_once_a_second_per_route(harness: HarnessFactory
         tl = timeline(3, prompt=text, usage=Usage(input_tokens=15, output_tokens=6))
         tl.route, tl.received = route, T0 - before
         s = h.run(tl)
-        assert s.input_tokens == 15 and s.input_source == "usage"  # the token figures never depend on it
-        seen.append((route, s.input_drift is not None))
+        assert s.input_tokens == 15 and s.input_source == "usage"
+        assert s.output_tokens == 6 and s.output_source == "usage"
+        seen.append((route, s.input_drift is not None, s.output_drift is not None))
     assert seen == [
-        ("default", False),
-        ("default", True),
-        ("default", False),
-        ("other", True),
-        ("default", True),
-        ("other", False),
+        ("default", False, True),
+        ("default", False, False),
+        ("default", False, False),
+        ("other", True, True),
+        ("default", True, True),
+        ("other", False, False),
     ]
-    drift = point(h.metrics(), sc.METRIC_TOKEN_DRIFT, **{sc.TOKEN_TYPE: "input", sc.ROUTE: "default"})
-    assert drift.count == 2
-    # Without usage the prompt is counted for the figure itself, whatever the drift's schedule.
+    metrics = h.metrics()
+    assert point(metrics, sc.METRIC_TOKEN_DRIFT, **{sc.TOKEN_TYPE: "input", sc.ROUTE: "default"}).count == 1
+    assert point(metrics, sc.METRIC_TOKEN_DRIFT, **{sc.TOKEN_TYPE: "output", sc.ROUTE: "default"}).count == 2
+    # Without usage the prompt and the output are counted for the figures themselves, whatever the drift's schedule.
     s = h.run(timeline(3, prompt=prompt, reported=False))
     assert s.input_source == "tiktoken:o200k_base" and s.input_tokens and s.input_drift is None
+    assert s.output_source == "tiktoken:o200k_base" and s.output_tokens and s.output_drift is None
 
 
 def test_chunk_cap_folds_the_tail(harness: HarnessFactory) -> None:

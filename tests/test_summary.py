@@ -186,6 +186,36 @@ def test_drift_sign_and_size() -> None:
     assert s.input_source == "tiktoken:o200k_base"
 
 
+def test_without_the_drift_the_whole_output_is_counted_only_where_usage_does_not_report_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``drift=False`` (the recorder's choice on all but a request a second per route): with usage the whole output is
+    never counted (the figures are usage's, per-chunk counts apportion it); without usage it is, as before."""
+    from llmtap.analysis.timeline import Output
+
+    counted: list[int] = []
+    whole = Output.tokens
+
+    def tokens_counted(self: Output) -> int:
+        counted.append(1)
+        return whole(self)
+
+    monkeypatch.setattr(Output, "tokens", tokens_counted)
+    prompt = "The quick brown fox jumps over the lazy dog."
+    reported = Usage(input_tokens=8, output_tokens=8)
+    with_drift = summarize(streamed(WORDS, prompt=prompt, usage=reported))
+    assert counted == [1]
+    s = summarize(streamed(WORDS, prompt=prompt, usage=reported), drift=False)
+    assert counted == [1]
+    assert (s.output_tokens, s.output_source, s.input_tokens, s.input_source) == (8, USAGE, 8, USAGE)
+    assert s.output_drift is None and s.input_drift is None
+    assert (s.chunk_tokens, s.chunk_tokens_source) == (with_drift.chunk_tokens, with_drift.chunk_tokens_source)
+    alone = summarize(streamed(WORDS, prompt=prompt), drift=False)
+    assert counted == [1, 1]
+    assert (alone.output_tokens, alone.output_source) == (6, "tiktoken:o200k_base")
+    assert (alone.input_tokens, alone.input_source) == (10, "tiktoken:o200k_base")
+
+
 @pytest.mark.parametrize(
     ("n", "label"),
     [

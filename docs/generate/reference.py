@@ -426,8 +426,8 @@ METRICS: dict[str, str] = {
     sc.METRIC_OVERHEAD: "Every request that was sent upstream.",
     sc.METRIC_RELAY_CHUNK_DELAY: "Every upstream read the relay handed to the client's socket, one sample each.",
     sc.METRIC_TOKEN_DRIFT: (
-        "Requests where both usage and a tiktoken count exist; the input's on at most one request a second per"
-        " route (a whole prompt's count)."
+        "Where usage reports the input or the output, tiktoken's count of the whole prompt and of the whole output"
+        " against it, on at most one request a second per route (the token figures are usage's and need neither)."
     ),
     sc.METRIC_TELEMETRY_DROPPED: "Each request whose tape was dropped: the relay's channel or the recorder's queue was full.",  # noqa: E501
     sc.METRIC_FACTS_DROPPED: "With `--telemetry-workers` above 1: each lesson of the state kept whole per upstream "

@@ -29,7 +29,7 @@ from llmtap.analysis.cachediag import PREFIX, CacheDiagnoser, Diagnosis
 from llmtap.analysis.cost import PriceTable, request_cost
 from llmtap.analysis.estimator import Estimator
 from llmtap.analysis.slots import Slots
-from llmtap.analysis.summary import Summary, input_drift_possible, summarize
+from llmtap.analysis.summary import Summary, drift_possible, summarize
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Settings
 from llmtap.telemetry import forward, identity, peers, sched, semconv as sc
@@ -66,7 +66,7 @@ from llmtap.wire.messages import (
     without_bytes,
 )
 
-__all__ = ["INPUT_DRIFT_EVERY", "MAX_QUEUED_BYTES", "Recorder"]
+__all__ = ["DRIFT_EVERY", "MAX_QUEUED_BYTES", "Recorder"]
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -81,10 +81,11 @@ MAX_OPEN_STREAMS = 4096
 #: tape is ``partial``), as at the relay's channel: what waits here, and so how long any record waits behind
 #: it, stays bounded however fast one upstream streams.
 MAX_QUEUED_BYTES = 16 * 1024 * 1024
-#: Where usage reports the input, tiktoken's drift from it is measured on at most one request per route in this many
-#: seconds (the requests' own clock): it takes a whole prompt's count (about 1 ms for 6,000 tokens), a cost per
-#: request the token figures themselves do not need, and one sample a second per route describes the drift.
-INPUT_DRIFT_EVERY = 1.0
+#: Where usage reports the input or the output, tiktoken's drift from it is measured on at most one request per route
+#: in this many seconds (the requests' own clock): it takes a whole prompt's count (about 1 ms for 6,000 tokens) and
+#: the whole output's (about 0.1 ms for 100 tokens, a tenth of a 50-chunk request's telemetry), costs per request the
+#: token figures themselves do not need, and one sample a second per route describes the drift.
+DRIFT_EVERY = 1.0
 
 
 class Recorder:
@@ -127,7 +128,7 @@ class Recorder:
         #: Whether a finished request waits for its upstream's own span; only the worker thread touches it.
         self.wait = ServerSpanWait(settings, UpstreamWatch(), self._count_join)
         self._routes = {r.name: r for r in settings.routes}
-        self._drift_at: dict[str, float] = {}  # route: when its last input drift was measured
+        self._drift_at: dict[str, float] = {}  # route: when its last drift was measured
         #: Fingerprints prompts and classifies their cache use; only the worker thread touches it.
         self.cache = CacheDiagnoser(settings.routes)
         #: The shipped prices with the user's file over them (``--prices``), for each request's cost.
@@ -581,7 +582,7 @@ class Recorder:
             route=self._routes.get(tl.route),
             shapes=self.settings.shapes,
             slots=slots or self._sibling_slots.get(tl.upstream),
-            input_drift=self._input_drift_due(tl),
+            drift=self._drift_due(tl),
         )
         if self.siblings is not None:
             self._share(self.estimator.learned, tl.upstream, slots)
@@ -625,11 +626,11 @@ class Recorder:
                 if self.unreadable & (self.unreadable - 1) == 0:
                     log.error("telemetry: dropped a lesson of another telemetry process that cannot be read: %s", exc)
 
-    def _input_drift_due(self, tl: Timeline) -> bool:
-        if not input_drift_possible(tl):
+    def _drift_due(self, tl: Timeline) -> bool:
+        if not drift_possible(tl):
             return False
         last = self._drift_at.get(tl.route)
-        if last is not None and 0.0 <= tl.received - last < INPUT_DRIFT_EVERY:
+        if last is not None and 0.0 <= tl.received - last < DRIFT_EVERY:
             return False
         if len(self._drift_at) >= len(self._routes) + 64:  # routes are configured; bounded all the same
             self._drift_at.clear()
