@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from llmtap.telemetry.recorder import Recorder
     from llmtap.telemetry.siblings import Siblings
 
-__all__ = ["Launch", "prepare", "running"]
+__all__ = ["Launch", "peer_pid", "prepare", "running"]
 
 log = logging.getLogger("llmtap.telemetry")
 
