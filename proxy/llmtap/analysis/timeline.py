@@ -17,7 +17,7 @@ from llmtap.analysis import tokens
 from llmtap.types import Facts, RequestInfo, ServerTiming, Usage
 from llmtap.wire.tape import now as tape_now
 
-__all__ = ["CANCELLED", "COUNT_CHARS", "ERROR", "KEEP_CHARS", "OK", "Timeline"]
+__all__ = ["CANCELLED", "COUNT_CHARS", "ERROR", "KEEP_CHARS", "OK", "Output", "Timeline"]
 
 #: Outcomes of a request, as ``llmtap.outcome``.
 OK, ERROR, CANCELLED = "ok", "error", "cancelled"
