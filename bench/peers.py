@@ -165,7 +165,7 @@ ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
     # The telemetry process's workers at SCHED_IDLE (``--telemetry-scheduling idle``) or niced by 5 (``nice``).
     "telemetry-idle": ({"LLMTAP_TELEMETRY_SCHEDULING": "idle"}, []),
     "telemetry-nice": ({"LLMTAP_TELEMETRY_SCHEDULING": "nice"}, []),
-    # The telemetry threads never hand the core to a waiting relay (``--telemetry-yield 0``; they look every 100 µs).
+    # The telemetry threads never hand the core to a waiting relay (``--telemetry-yield 0``; they look every 500 µs).
     "telemetry-yield-off": ({"LLMTAP_TELEMETRY_YIELD": "0"}, []),
     # Not a switch but a placement: the whole tree, telemetry too, on the relay's one core (a sidecar with a
     # one-core limit, issue 29), where plain ``llmtap`` moves its telemetry process to the other core.

@@ -921,7 +921,7 @@ _TABLE = (
     option(
         "telemetry_yield",
         integer(0),
-        100,
+        500,
         "microseconds of work after which a telemetry process looks whether a relay waits for the core it runs on, "
         "and hands the core to it if so (telemetry_scheduling idle or nice); 0: never, and the kernel gives a "
         "waiting relay the core back only at its next tick",
