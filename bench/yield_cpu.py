@@ -88,6 +88,7 @@ def measure(spec: str, args: argparse.Namespace, work: Path, up_port: int, sink_
     name = f"llmtap-{how}-{every or 'default'}"
     ep, admin = peers.llmtap(work, args.proxy_cpu, up_port, sink_port, name=name, extra_env=extra)
     assert ep.service is not None
+    hogs: list[subprocess.Popen[bytes]] = []
     try:
         recorded_before = peers.scrape_sum(admin, RECORDED) or 0.0
         peers.records(up_port)  # forget the upstream's records so far
@@ -95,7 +96,7 @@ def measure(spec: str, args: argparse.Namespace, work: Path, up_port: int, sink_
         relays, telemetry = roles["relay"], roles.get("telemetry", [])
         waited, slices = waits(relays)
         relay_cpu, telemetry_cpu = cpu_seconds(relays), cpu_seconds(telemetry)
-        hogs = [subprocess.Popen(pinned([sys.executable, "-c", HOG], args.proxy_cpu)) for _ in range(args.hog)]
+        hogs += [subprocess.Popen(pinned([sys.executable, "-c", HOG], args.proxy_cpu)) for _ in range(args.hog)]
         if args.staggered:
             period = TTFT + args.chunks * GAP  # one request's length
             records = staggered(ep.url, args.client_cpu, args.streams, args.requests, period, args.chunks)
@@ -113,9 +114,7 @@ def measure(spec: str, args: argparse.Namespace, work: Path, up_port: int, sink_
                 break
             time.sleep(0.05)
         drained = time.perf_counter() - ended
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
+        _stop(hogs)
         relay_cpu = cpu_seconds(relays) - relay_cpu
         telemetry_cpu = cpu_seconds(telemetry) - telemetry_cpu
         chunks = args.chunks * len(records)
@@ -147,7 +146,16 @@ def measure(spec: str, args: argparse.Namespace, work: Path, up_port: int, sink_
             "telemetry_drained_s": round(drained, 2),
         }
     finally:
+        _stop(hogs)
         ep.service.stop()
+
+
+def _stop(hogs: list[subprocess.Popen[bytes]]) -> None:
+    """The busy processes gone (at the load's end, or on the way out of a failed entry)."""
+    while hogs:
+        hog = hogs.pop()
+        hog.kill()
+        hog.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
