@@ -259,20 +259,43 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def tcp_queues(ports: set[int]) -> int:
-    """Bytes sitting in kernel socket queues (send and receive) of loopback TCP sockets touching ``ports``."""
-    total = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+def _tcp_rows(net: str = "/proc/net") -> Iterator[list[str]]:
+    """The fields of every TCP socket's row in ``net``'s ``tcp`` and ``tcp6`` tables (a table that cannot be read
+    gives none)."""
+    for table in ("tcp", "tcp6"):
         try:
-            lines = Path(table).read_text().splitlines()[1:]
+            lines = Path(f"{net}/{table}").read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
-            fields = line.split()
-            local, remote, state, queues = fields[1], fields[2], fields[3], fields[4]
-            if state == "0A":
-                continue  # LISTEN: its "queues" are the accept backlog, not bytes
-            if int(local.rsplit(":", 1)[1], 16) in ports or int(remote.rsplit(":", 1)[1], 16) in ports:
-                tx, rx = queues.split(":")
-                total += int(tx, 16) + int(rx, 16)
+            yield line.split()
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1], 16)
+
+
+def tcp_queues(ports: set[int]) -> int:
+    """Bytes sitting in kernel socket queues (send and receive) of loopback TCP sockets touching ``ports``."""
+    total = 0
+    for fields in _tcp_rows():
+        local, remote, state, queues = fields[1], fields[2], fields[3], fields[4]
+        if state == "0A":
+            continue  # LISTEN: its "queues" are the accept backlog, not bytes
+        if _port(local) in ports or _port(remote) in ports:
+            tx, rx = queues.split(":")
+            total += int(tx, 16) + int(rx, 16)
     return total
+
+
+def clients_of(pid: int, port: int) -> int:
+    """Client connections process ``pid`` holds on its listening ``port`` (established TCP sockets, from ``/proc``)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    # 01: ESTABLISHED; field 9 is the socket's inode.
+    return sum(1 for f in _tcp_rows(f"/proc/{pid}/net") if _port(f[1]) == port and f[3] == "01" and f[9] in inodes)

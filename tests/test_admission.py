@@ -20,7 +20,7 @@ from llmtap.config.load import build
 from llmtap.relay.admission import Admission, QueueFull
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Scripted, ServerThread, Telemetry
-from tests.procs import Llmtap, Simulator, metric_value
+from tests.procs import Llmtap, Simulator, clients_of, metric_value
 
 
 async def test_slots_then_first_come_first_served() -> None:
@@ -285,26 +285,6 @@ def _relays(pid: int) -> list[int]:
     return relays
 
 
-def _clients_of(pid: int, port: int) -> int:
-    """Client connections process ``pid`` holds on its listening ``port`` (established TCP sockets, from ``/proc``)."""
-    inodes = set()
-    with contextlib.suppress(OSError):
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            with contextlib.suppress(OSError):
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-    held = 0
-    for table in ("tcp", "tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-                fields = line.split()
-                local_port = int(fields[1].rsplit(":", 1)[1], 16)
-                if local_port == port and fields[3] == "01" and fields[9] in inodes:  # 01: ESTABLISHED
-                    held += 1
-    return held
-
-
 @pytest.mark.e2e
 def test_a_relay_killed_while_it_holds_slots_leaves_none_held(tmp_path: Path) -> None:
     """Four long requests (more while one relay has none) through ``--workers 2 --max-concurrency 2``, then one relay
@@ -331,7 +311,7 @@ def test_a_relay_killed_while_it_holds_slots_leaves_none_held(tmp_path: Path) ->
             # Two admitted, the others waiting in a line, and each relay holding some: the kernel spreads new
             # connections over the relays (SO_REUSEPORT) by their addresses, so one more is sent, 12 in all at most,
             # until both relays have one (the killed relay's slots must have another relay's waiters to let in).
-            while sim.state()["running"] < 2 or not all(_clients_of(r, proxy.port) for r in relays):
+            while sim.state()["running"] < 2 or not all(clients_of(r, proxy.port) for r in relays):
                 assert time.monotonic() < deadline, "nothing reached the upstream, or one relay got every request"
                 if len(first) < 12 and sim.state()["running"] >= 2:
                     first.append(pool.submit(one, long))

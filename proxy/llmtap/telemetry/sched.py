@@ -122,31 +122,32 @@ def apply(how: str, yield_us: int = 0) -> str:
 def watch(pid: int) -> bool:
     """Watch relay ``pid``'s event-loop thread from now on (``checkpoint`` yields when it waits); False when its
     state cannot be read (gone, or in another PID namespace)."""
-    global _relays
     if pid <= 0:
         return False
     try:
         fd = os.open(f"/proc/{pid}/task/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return False
-    with _relays_lock:
-        old = [fd_ for p, fd_ in _relays if p == pid]
-        _relays = (*((p, f) for p, f in _relays if p != pid), (pid, fd))
-    for stale in old:
-        os.close(stale)
+    _replace(pid, fd)
     return True
 
 
 def forget(pid: int) -> None:
     """Stop watching relay ``pid`` (its channel closed)."""
+    _replace(pid, None)
+
+
+def _replace(pid: int, fd: int | None) -> None:
+    """``pid``'s descriptor in the watched relays now ``fd`` (None: not watched); the one it had is closed."""
     global _relays
     with _relays_lock:
-        old = [fd for p, fd in _relays if p == pid]
-        _relays = tuple((p, fd) for p, fd in _relays if p != pid)
-    for fd in old:
+        old = [held for p, held in _relays if p == pid]
+        kept = tuple((p, held) for p, held in _relays if p != pid)
+        _relays = kept if fd is None else (*kept, (pid, fd))
+    for stale in old:
         # A reader holding the old tuple may read this descriptor once more, or what reuses it: ``_waits`` takes
         # any error or unexpected content as "not waiting".
-        os.close(fd)
+        os.close(stale)
 
 
 def _waits(relays: tuple[tuple[int, int], ...], cpu: int) -> bool:
