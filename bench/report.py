@@ -20,6 +20,14 @@ def _f(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def merged(row: Any) -> str:
+    """The merged chunks of a figure (a ``PathFigures`` or its row), and those the upstream wrote together
+    (late, its core busy: no path keeps those apart) after them where there were any."""
+    get = row.get if isinstance(row, dict) else lambda key, default=None: getattr(row, key, default)
+    by_upstream = get("merged_by_upstream", 0) or 0
+    return f"{get('merged')}" + (f" +{by_upstream} by the upstream" if by_upstream else "")
+
+
 def _pct(share: float | None) -> str:
     return "–" if share is None else f"{100 * share:.0f}%"
 
@@ -29,7 +37,7 @@ def phase_line(fig: PathFigures) -> str:
     return (
         f"{fig.path:>8} {fig.upstream:<5} x{fig.streams:<4} req {fig.requests:>4} fail {fig.failed} "
         f"ttft+ p50 {_f(fig.added_ttft_ms_p50)} p99 {_f(fig.added_ttft_ms_p99)} ms  "
-        f"gap+ p50 {_f(fig.added_gap_ms_p50)} p99 {_f(fig.added_gap_ms_p99)} ms  merged {fig.merged}  "
+        f"gap+ p50 {_f(fig.added_gap_ms_p50)} p99 {_f(fig.added_gap_ms_p99)} ms  merged {merged(fig)}  "
         f"{fig.chunks_per_s:.0f} chunks/s  cpu/1k {_f(fig.cpu_s_per_1000_chunks, 3)} s "
         f"(kernel {_pct(fig.cpu_system_share)})  "
         f"rss/stream {_f(fig.rss_kib_per_stream, 1)} KiB  "
@@ -44,7 +52,7 @@ def burst_line(row: dict[str, Any]) -> str:
         f"{row['path']:>8} {row['upstream']:<5} burst {row['size']:<4} x{row['bursts']} req {row['requests']:>4} "
         f"complete {row['complete']} errors {row['errors']}  "
         f"ttft+ p50 {_f(row['added_ttft_ms_p50'])} p99 {_f(row['added_ttft_ms_p99'])} ms  "
-        f"gap+ p99 {_f(row['added_gap_ms_p99'])} ms  merged {row['merged']}  "
+        f"gap+ p99 {_f(row['added_gap_ms_p99'])} ms  merged {merged(row)}  "
         f"relay/telemetry cpu/1k {_f(row['cpu_relay_s_per_1000_chunks'], 3)}/"
         f"{_f(row['cpu_telemetry_s_per_1000_chunks'], 3)} s"
     )
@@ -69,7 +77,7 @@ def _bursts_table(rows: list[dict[str, Any]]) -> list[str]:
             f"{_f(r['added_ttft_ms_p50'])} / {_f(r['added_ttft_ms_p99'])} | "
             f"{_f(r.get('over_direct_ttft_ms_p50'))} / {_f(r.get('over_direct_ttft_ms_p99'))} | "
             f"{_f(r.get('connect_ms_p50'))} / {_f(r.get('connect_ms_p99'))} | "
-            f"{_f(r['added_gap_ms_p99'])} | {r['merged']} | {r['errors']} |"
+            f"{_f(r['added_gap_ms_p99'])} | {merged(r)} | {r['errors']} |"
         )
     return lines
 
@@ -134,7 +142,7 @@ def _one_core_table(results: dict[str, Any]) -> list[str]:
             f"| {r['path']} | {r['upstream']} | {scenario} | "
             f"{_f(_less(r['added_ttft_ms_p50'], n['added_ttft_ms_p50']))} / "
             f"{_f(_less(r['added_ttft_ms_p99'], n['added_ttft_ms_p99']))} | "
-            f"{_f(_less(r['added_gap_ms_p99'], n['added_gap_ms_p99']))} | {r['merged']} ({n['merged']}) | "
+            f"{_f(_less(r['added_gap_ms_p99'], n['added_gap_ms_p99']))} | {merged(r)} ({merged(n)}) | "
             f"{_us(r.get('cpu_relay_s_per_1000_chunks'))} | {_us(r.get('cpu_telemetry_s_per_1000_chunks'))} | "
             f"{_tapes(r.get('tapes_dropped'))} |"
         )
@@ -153,7 +161,7 @@ def _phases_table(phases: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {p['path']} | {p.get('upstream', 'http')} | {p['streams']} | {p['requests']} ({p['failed']}) | "
             f"{_f(p['added_ttft_ms_p50'])} / {_f(p['added_ttft_ms_p99'])} | "
-            f"{_f(p['added_gap_ms_p50'])} / {_f(p['added_gap_ms_p99'])} | {p['merged']} | "
+            f"{_f(p['added_gap_ms_p50'])} / {_f(p['added_gap_ms_p99'])} | {merged(p)} | "
             f"{_f(p['chunks_per_s'], 0)} | {_f(p['cpu_s_per_1000_chunks'], 3)} ({_pct(p.get('cpu_system_share'))}) | "
             f"{_f(p.get('idle_cpu_ms_per_s'), 1)} | {_f(p['rss_kib_per_stream'], 1)} | "
             f"{_f(p['upstream_late_ms_p99'])} |"
@@ -182,7 +190,7 @@ def _ramp(results: dict[str, Any]) -> list[str]:
         share = p["cpu_s"] / p["seconds"] if p.get("cpu_s") is not None and p["seconds"] else None
         lines.append(
             f"| {p['streams']} | {_f(p['chunks_per_s'], 0)} | {_f(share)} | {_f(p['added_gap_ms_p99'])} | "
-            f"{_f(p['added_ttft_ms_p99'])} | {p['merged']} | {_f(p['upstream_late_ms_p99'])} |"
+            f"{_f(p['added_ttft_ms_p99'])} | {merged(p)} | {_f(p['upstream_late_ms_p99'])} |"
         )
     cross = results.get("ramp_crossing_chunks_per_s")
     lines.append("")
@@ -229,7 +237,7 @@ def _workers(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         lines.append(
             f"| {r['workers']} | {r['streams']} | {_f(r['added_ttft_ms_p50'])} / {_f(r['added_ttft_ms_p99'])} | "
-            f"{_f(r['added_gap_ms_p99'])} | {r['merged']} | {_f(r['cpu_s_per_1000_chunks'], 3)} | "
+            f"{_f(r['added_gap_ms_p99'])} | {merged(r)} | {_f(r['cpu_s_per_1000_chunks'], 3)} | "
             f"{_f(r['rss_idle_mib'], 1)} | {_f(r['scrape_ms_p50'], 1)} |"
         )
     return lines
@@ -304,7 +312,9 @@ def markdown(results: dict[str, Any]) -> str:
             "`llmtap:one-core`: llmtap's whole process tree (relay and telemetry) pinned to the one core nginx's "
             "worker has; `llmtap`: its relay alone there, its telemetry process on the client's core. Targets "
             "(issue 29): added TTFT p50 within nginx's + 3 ms and p99 within + 10 ms, gap p99 within + 2 ms, "
-            "0 merged; relay 25 µs and telemetry 30 µs of CPU per chunk.",
+            "0 merged; relay 25 µs and telemetry 30 µs of CPU per chunk. Merged: by the path, then (+N by the "
+            "upstream) pairs the upstream itself wrote less than half a gap apart, late on its busy core (with "
+            "`llmtap`, the telemetry process shares that core): no path keeps those apart.",
             "",
             *one_core,
         ]

@@ -7,7 +7,9 @@ Client and upstream take their times on one clock (CLOCK_MONOTONIC), so for each
   burst's request on a new connection (``start`` in the record);
 * added gap of chunk i = (client's gap i) − (upstream's gap i), for every chunk after the first;
 * merged chunks = content events that came in the same socket read as the one before, plus content
-  events the upstream wrote that never reached the client as events of their own.
+  events the upstream wrote that never reached the client as events of their own. A pair the upstream
+  itself wrote less than half a gap apart (late, catching up: its core was busy) is counted apart, as
+  merged by the upstream: no path keeps apart two events that leave the upstream together.
 
 Percentiles are ``llmtap.analysis.stats.quantile``'s: linear between the closest ranks (numpy's default, and aiperf's).
 """
@@ -54,6 +56,8 @@ class PathFigures:
     added_gap_ms_p99: float = math.nan
     added_gap_ms_max: float = math.nan
     merged: int = 0
+    #: Pairs merged as above that the upstream wrote less than half a gap apart (not in ``merged``).
+    merged_by_upstream: int = 0
     upstream_late_ms_p99: float = math.nan
     cpu_s: float | None = None
     cpu_system_share: float | None = None
@@ -122,7 +126,10 @@ def analyse(
         n = min(len(times), len(sent))
         added_gap.extend((times[i] - times[i - 1]) - (sent[i] - sent[i - 1]) for i in range(1, n))
         reads: list[int] = rec["reads"]
-        fig.merged += sum(1 for i in range(1, len(reads)) if reads[i] == reads[i - 1])
+        together = [i for i in range(1, min(len(reads), len(sent))) if reads[i] == reads[i - 1]]
+        by_upstream = sum(1 for i in together if sent[i] - sent[i - 1] < gap / 2)
+        fig.merged_by_upstream += by_upstream
+        fig.merged += sum(1 for i in range(1, len(reads)) if reads[i] == reads[i - 1]) - by_upstream
         fig.merged += max(0, len(sent) - len(times))
         base = up["arrived"] + up["ttft"]
         late.extend(s - (base + i * gap) for i, s in enumerate(sent))
