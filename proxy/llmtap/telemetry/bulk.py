@@ -65,37 +65,17 @@ def _matches(hist: Histogram) -> list[Any] | None:
 
 def record_many(hist: Histogram, values: Sequence[float], attributes: dict[str, Any], context: Context) -> None:
     """Record each of ``values`` (none of them an exemplar) with ``attributes``, as ``hist.record`` would."""
-    if not values:
-        return
-    enabled = getattr(hist, "_is_enabled", None)
-    matches = _matches(hist) if enabled is not None and enabled() else None
-    if matches is None or any(not math.isfinite(v) or v < 0 for v in values):
-        for value in values:
-            hist.record(value, attributes, context=context)
-        return
-    cleaned = _clean_attribute_value(attributes, None)
-    if not isinstance(cleaned, dict):
-        for value in values:
-            hist.record(value, attributes, context=context)
-        return
-    sample = _Sample(hist, context, cleaned)
-    for match in matches:
-        view_keys = match._view._attribute_keys
-        own = dict(cleaned) if view_keys is None else {k: v for k, v in cleaned.items() if k in view_keys}
-        key = _hash_attributes(own)
-        if match._reset_on_collect:
-            # A collection swaps the aggregations out: hold the lock until every sample is in this one.
-            with match._lock:
-                _aggregate(match._get_or_create_aggregation(key, own), sample, values)
-            continue
-        aggregation = match._attributes_aggregation.get(key)
-        if aggregation is None:
-            with match._lock:
-                aggregation = match._get_or_create_aggregation(key, own)
-        _aggregate(aggregation, sample, values)
+    Batch().many(hist, values, attributes, context)
 
 
-def _aggregate(aggregation: Any, sample: _Sample, values: Sequence[float]) -> None:
+def _total(values: Sequence[float]) -> float | None:
+    """The sum of ``values``, or None when one is negative or not finite (a NaN or an infinity makes the sum
+    one of those: what the SDK would refuse or warn of, left to ``Histogram.record``)."""
+    total = sum(values)
+    return total if math.isfinite(total) and min(values) >= 0 else None
+
+
+def _aggregate(aggregation: Any, sample: _Sample, values: Sequence[float], total: float) -> None:
     if type(aggregation) is _ExplicitBucketHistogramAggregation:
         # What its ``aggregate`` does per sample, for all of them under one hold of its lock.
         agg: Any = aggregation
@@ -105,7 +85,7 @@ def _aggregate(aggregation: Any, sample: _Sample, values: Sequence[float]) -> No
             counts, bounds = agg._value, agg._boundaries
             for value in values:
                 counts[bisect_left(bounds, value)] += 1
-            agg._sum += sum(values)
+            agg._sum += total
             if agg._record_min_max:
                 agg._min = min(agg._min, *values)
                 agg._max = max(agg._max, *values)
@@ -163,6 +143,58 @@ class Batch:
         if not self._direct(counter, value, attributes, context):
             counter.add(value, attributes, context=context)
 
+    def many(self, hist: Histogram, values: Sequence[float], attributes: dict[str, Any], context: Context) -> None:
+        """``record_many(hist, values, attributes, context)``, the attribute set cleaned and hashed once with the
+        request's others."""
+        if not values:
+            return
+        enabled = getattr(hist, "_is_enabled", None)
+        matches = _matches(hist) if enabled is not None and enabled() else None
+        total = _total(values)
+        held = self._held(attributes) if matches is not None and total is not None else None
+        if matches is None or total is None or held is None:
+            for value in values:
+                hist.record(value, attributes, context=context)
+            return
+        sample = _Sample(hist, context, held[1])
+        for match in matches:
+            key, own = self._view(held, match)
+            if match._reset_on_collect:
+                with match._lock:
+                    _aggregate(match._get_or_create_aggregation(key, dict(own)), sample, values, total)
+                continue
+            aggregation = match._attributes_aggregation.get(key)
+            if aggregation is None:
+                with match._lock:
+                    aggregation = match._get_or_create_aggregation(key, dict(own))
+            _aggregate(aggregation, sample, values, total)
+
+    def _held(self, attributes: dict[str, Any]) -> tuple[Any, Any, dict[int, tuple[Any, dict[str, Any]]]] | None:
+        """The set, cleaned, and its per-view keys (made on first use); None when the SDK would not take it."""
+        held = self._sets.get(id(attributes))
+        if held is None or held[0] is not attributes:
+            if _flat(attributes):
+                cleaned = dict(attributes)  # what cleaning gives such a set: a copy
+            else:
+                cleaned = _clean_attribute_value(attributes, None)
+                if not isinstance(cleaned, dict):
+                    return None
+            held = self._sets[id(attributes)] = (attributes, cleaned, {})
+        return held
+
+    @staticmethod
+    def _view(held: tuple[Any, Any, dict[int, tuple[Any, dict[str, Any]]]], match: Any) -> tuple[Any, dict[str, Any]]:
+        """The aggregation key and attributes of a held set in one view (``match``)."""
+        _, cleaned, views = held
+        # Every view that keeps all attributes hashes the set alike (key 0); one that keeps some, by its keys.
+        view_keys = match._view._attribute_keys
+        view = views.get(0 if view_keys is None else id(view_keys))
+        if view is None:
+            own = dict(cleaned) if view_keys is None else {k: v for k, v in cleaned.items() if k in view_keys}
+            key = _flat_key(own) if _flat(own) else _hash_attributes(own)
+            view = views[0 if view_keys is None else id(view_keys)] = (key, own)
+        return view
+
     def _direct(self, instrument: Any, value: float, attributes: dict[str, Any], context: Context | None) -> bool:
         if value < 0 or not math.isfinite(value):
             return False
@@ -174,28 +206,15 @@ class Batch:
         matches = _matches(instrument)
         if matches is None:
             return False
-        held = self._sets.get(id(attributes))
-        if held is None or held[0] is not attributes:
-            if _flat(attributes):
-                cleaned = dict(attributes)  # what cleaning gives such a set: a copy
-            else:
-                cleaned = _clean_attribute_value(attributes, None)
-                if not isinstance(cleaned, dict):
-                    return False
-            held = self._sets[id(attributes)] = (attributes, cleaned, {})
-        _, cleaned, views = held
+        held = self._held(attributes)
+        if held is None:
+            return False
+        cleaned = held[1]
         sample = _Sample(instrument, context if context is not None else get_current(), cleaned)
         sample.value = value
         keep = exemplars.should_sample(value, sample.time_unix_nano, cleaned, sample.context)
         for match in matches:
-            # Every view that keeps all attributes hashes the set alike (key 0); one that keeps some, by its keys.
-            view_keys = match._view._attribute_keys
-            view = views.get(0 if view_keys is None else id(view_keys))
-            if view is None:
-                own = dict(cleaned) if view_keys is None else {k: v for k, v in cleaned.items() if k in view_keys}
-                key = _flat_key(own) if _flat(own) else _hash_attributes(own)
-                view = views[0 if view_keys is None else id(view_keys)] = (key, own)
-            key, own = view
+            key, own = self._view(held, match)
             if match._reset_on_collect:
                 # A collection swaps the aggregations out: hold the lock until the value is in this one.
                 with match._lock:

@@ -28,7 +28,7 @@ from llmtap.labels import OTHER, LabelGuard
 from llmtap.providers.timing import PHASES
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.attributes import is_hop, usage_value
-from llmtap.telemetry.bulk import Batch, record_many
+from llmtap.telemetry.bulk import Batch
 from llmtap.telemetry.instruments import Instruments, create
 
 if TYPE_CHECKING:
@@ -245,7 +245,7 @@ class MetricWriter:
         self._token_metrics(batch, s, attrs, outcome, counted, client=client)
         if tl.relay_delays:
             # One per read: at a bucket lookup each (``bulk``), none an exemplar.
-            record_many(ins.relay_chunk_delay, list(spread(tl.relay_delays)), {sc.ROUTE: tl.route}, _NO_SPAN)
+            batch.many(ins.relay_chunk_delay, list(spread(tl.relay_delays)), {sc.ROUTE: tl.route}, _NO_SPAN)
         if tl.sent is not None:
             # The request's last instrument (tests wait for it).
             batch.record(ins.overhead, proxy_added(tl), {sc.ROUTE: tl.route})
@@ -352,7 +352,7 @@ def _record_samples(
     slowest = max(range(len(samples)), key=samples.__getitem__)
     batch.record(hist, samples[slowest], attrs, ctx)
     # The others at a bucket lookup each (``bulk``): a stream has one per chunk or token.
-    record_many(hist, samples[:slowest] + samples[slowest + 1 :], attrs, _NO_SPAN)
+    batch.many(hist, samples[:slowest] + samples[slowest + 1 :], attrs, _NO_SPAN)
 
 
 def request_context(tl: Timeline) -> Context | None:
