@@ -3,7 +3,9 @@
 Plays tapes of streamed chat requests (``chunks`` content chunks of a few tokens each, usage at the end,
 as the relay hands them over, random trace ids, 64 streams open at once) through a recorder with the SDK's
 tracer and meter providers and default telemetry settings, spans exported by the batch processor to an
-exporter that encodes OTLP protobuf and drops it (the work a real export does short of the socket).
+exporter that encodes OTLP protobuf and drops it (the work a real export does short of the socket), metrics
+into the meter provider ``llmtap serve`` builds for ``/metrics`` and an OTLP export (its readers as the
+measured tree wires them; no export falls within the run).
 Reports the CPU of this process per chunk, in µs, by phase: ``decode`` (the tape played back: bytes
 decoded into events and facts, the timeline), ``summary`` (figures, tokens, cache diagnosis), ``spans``
 (building them), ``export`` (encoding them, on the exporter's thread), ``metrics`` (recording them),
@@ -174,6 +176,27 @@ class _Phases:
             step()
 
 
+def _meters() -> tuple[MeterProvider, Callable[[], None]]:
+    """The meter provider the tree's ``llmtap serve`` builds with ``/metrics`` on and metrics exported over OTLP
+    (its readers as it wires them), and how to stop it; an in-memory reader for a tree without that wiring.
+
+    The OTLP endpoint is a closed port an hour's interval away: nothing is sent during the run, and at the end
+    the provider is left to the process's exit rather than shut down (its last export would wait on that port).
+    """
+    try:
+        from llmtap.config.types import TelemetrySettings
+        from llmtap.telemetry.setup import build
+    except ImportError:
+        provider = MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)
+        return provider, provider.shutdown
+    t = TelemetrySettings(
+        metrics_exporter="otlp", metrics_endpoint="http://127.0.0.1:9", metric_export_interval_ms=3_600_000
+    )
+    providers = build(t)
+    assert providers.meter_provider is not None
+    return providers.meter_provider, lambda: None
+
+
 def measure(requests: int, chunks: int) -> dict[str, Any]:
     """CPU per chunk by phase for ``requests`` tapes of ``chunks`` chunks, default telemetry settings."""
     from llmtap.telemetry import recorder as recorder_module, replay, spans
@@ -183,7 +206,7 @@ def measure(requests: int, chunks: int) -> dict[str, Any]:
     exporter = _Encoding()
     tracer_provider = TracerProvider(shutdown_on_exit=False)
     tracer_provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=1 << 16))
-    meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)
+    meter_provider, stop_meters = _meters()
     settings = Settings(routes=(Route(prefix="/", upstream="http://upstream:8000", name="default"),))
     recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
     rng = random.Random(29)
@@ -216,7 +239,7 @@ def measure(requests: int, chunks: int) -> dict[str, Any]:
     phases.undo()
     recorder.close()
     tracer_provider.shutdown()
-    meter_provider.shutdown()
+    stop_meters()
     total = requests * chunks
     ns = dict(phases.ns)
     ns["export"] = exporter.cpu_ns

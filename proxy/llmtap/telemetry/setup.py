@@ -304,11 +304,15 @@ def build(t: TelemetrySettings, env: Mapping[str, str] | None = None) -> Provide
         readers.append(prometheus)
     inner_metrics = _metric_exporter(t)
     metric_exporter = CountingMetricExporter(inner_metrics) if inner_metrics is not None else None
-    if metric_exporter is not None:
+    # An exporter that asks for what /metrics collects is fed from the same reader: one aggregation per series.
+    shared = metric_exporter is not None and prometheus is not None and prometheus.shares(metric_exporter)
+    if metric_exporter is not None and not shared:
         readers.append(
             PeriodicExportingMetricReader(metric_exporter, export_interval_millis=t.metric_export_interval_ms)
         )
     meter_provider = MeterProvider(resource=res, metric_readers=readers, shutdown_on_exit=False)
+    if shared and prometheus is not None and metric_exporter is not None:
+        prometheus.feed(metric_exporter, t.metric_export_interval_ms)
     meter = meter_provider.get_meter("llmtap", __version__, schema_url=sc.schema_url(t.semconv_latest))
     if gate is not None:
         meter.create_observable_counter(
