@@ -160,6 +160,7 @@ class Batch:
         for match in matches:
             key, own = self._view(held, match)
             if match._reset_on_collect:
+                # A collection swaps the aggregations out: hold the lock until every sample is in this one.
                 with match._lock:
                     _aggregate(match._get_or_create_aggregation(key, dict(own)), sample, values, total)
                 continue
