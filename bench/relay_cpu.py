@@ -78,7 +78,7 @@ def start(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, 
             up_port,
             sink_port,
             extra_env={"PYTHONPATH": f"{Path(tree) / 'proxy'}:{tree}"},
-            telemetry_cpu=args.client_cpu,
+            telemetry_cpu=args.telemetry_cpu or args.client_cpu,
         )
     finally:
         os.chdir(here)
@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--proxy-cpu", default="0")
     p.add_argument("--client-cpu", default="1")
+    p.add_argument(
+        "--telemetry-cpu", help="core(s) of llmtap's telemetry process (default: the client's, beside the upstream)"
+    )
     p.add_argument(
         "--floor", action="store_true", help="measure the thinnest relay too (bench.thin_relay), in turn with the trees"
     )

@@ -13,6 +13,10 @@ decoded into events and facts, the timeline), ``summary`` (figures, tokens, cach
 ``other`` (the rest of the process's CPU). Also the spans exported per request and the chunks per second
 one core sustains.
 
+``--pace S`` hands the tapes over as they come in place, one every ``S`` seconds, the process asleep in between
+(``--batch N``: N at a time, every ``N * S`` seconds): the same work then costs more CPU, as a core that idles
+between small pieces of work runs them cold.
+
 ``--before REV`` runs the same measurement, in the same run, against the ``proxy`` package of git
 revision ``REV`` (extracted to a temporary folder, run in a child process): before and after side by side.
 """
@@ -197,8 +201,9 @@ def _meters() -> tuple[MeterProvider, Callable[[], None]]:
     return providers.meter_provider, lambda: None
 
 
-def measure(requests: int, chunks: int) -> dict[str, Any]:
-    """CPU per chunk by phase for ``requests`` tapes of ``chunks`` chunks, default telemetry settings."""
+def measure(requests: int, chunks: int, *, pace: float = 0.0, batch: int = 1) -> dict[str, Any]:
+    """CPU per chunk by phase for ``requests`` tapes of ``chunks`` chunks, default telemetry settings; with
+    ``pace``, the tapes come ``batch`` at a time, ``pace`` seconds per tape apart (the process sleeps between)."""
     from llmtap.telemetry import recorder as recorder_module, replay, spans
     from llmtap.telemetry.metrics import MetricWriter
     from llmtap.telemetry.records import record_line
@@ -232,8 +237,10 @@ def measure(requests: int, chunks: int) -> dict[str, Any]:
 
     recorder.listeners.append(line)
     cpu, wall = time.process_time_ns(), time.perf_counter()
-    for message in messages:
+    for i, message in enumerate(messages, 1):
         recorder.take(0, message)
+        if pace and i % batch == 0:
+            time.sleep(pace * batch)
     tracer_provider.force_flush()
     cpu, wall = time.process_time_ns() - cpu, time.perf_counter() - wall
     phases.undo()
@@ -293,9 +300,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--chunks", type=int, default=50)
     p.add_argument("--before", metavar="REV", help="also measure git revision REV's proxy package, side by side")
+    p.add_argument(
+        "--pace",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="tapes S seconds apart, as they come in place (64 streams of 50 chunks 20 ms apart: 0.0156), the "
+        "process asleep between; 0: back to back",
+    )
+    p.add_argument("--batch", type=int, default=1, help="with --pace: tapes taken per wake-up, back to back")
     args = p.parse_args(argv)
     if args.before is None:
-        print(json.dumps(measure(args.requests, args.chunks)))
+        print(json.dumps(measure(args.requests, args.chunks, pace=args.pace, batch=args.batch)))
         return
     runs = {f"before ({args.before})": _before(args.before, args.requests, args.chunks)}
     runs["after (this tree)"] = measure(args.requests, args.chunks)
