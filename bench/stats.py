@@ -126,10 +126,10 @@ def analyse(
         n = min(len(times), len(sent))
         added_gap.extend((times[i] - times[i - 1]) - (sent[i] - sent[i - 1]) for i in range(1, n))
         reads: list[int] = rec["reads"]
-        together = [i for i in range(1, min(len(reads), len(sent))) if reads[i] == reads[i - 1]]
-        by_upstream = sum(1 for i in together if sent[i] - sent[i - 1] < gap / 2)
+        together = [i for i in range(1, len(reads)) if reads[i] == reads[i - 1]]
+        by_upstream = sum(1 for i in together if i < len(sent) and sent[i] - sent[i - 1] < gap / 2)
         fig.merged_by_upstream += by_upstream
-        fig.merged += sum(1 for i in range(1, len(reads)) if reads[i] == reads[i - 1]) - by_upstream
+        fig.merged += len(together) - by_upstream
         fig.merged += max(0, len(sent) - len(times))
         base = up["arrived"] + up["ttft"]
         late.extend(s - (base + i * gap) for i, s in enumerate(sent))
