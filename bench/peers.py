@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
-from bench.procs import Service, free_port, wait_http
+from bench.procs import Service, free_port, pin_threads, wait_http
 from bench.tlsca import SERVER_NAME, Certs
 
 HERE = Path(__file__).parent
@@ -292,7 +292,7 @@ def llmtap(
     if telemetry_cpu is not None:
         cores = {int(c) for c in telemetry_cpu.split(",")}
         for pid in svc.roles()["telemetry"]:
-            os.sched_setaffinity(pid, cores)
+            pin_threads(pid, cores)
     return Endpoint(name, f"http://127.0.0.1:{port}/v1/chat/completions", svc, admin=admin), admin
 
 

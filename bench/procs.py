@@ -64,6 +64,16 @@ def pinned(argv: Sequence[str], cpu: str | None) -> list[str]:
     return ["taskset", "-c", cpu, *argv]
 
 
+def pin_threads(pid: int, cores: set[int]) -> None:
+    """Every thread of ``pid`` to ``cores``: ``sched_setaffinity`` on a PID moves its main thread only, and the
+    threads it started already (a recorder, an exporter) would stay where they were."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except OSError:  # the thread ended meanwhile
+            continue
+
+
 def descendants(pid: int) -> list[int]:
     """``pid`` and every process below it."""
     children: dict[int, list[int]] = {}

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from bench.procs import cpu_seconds
+from bench.procs import cpu_seconds, pin_threads
 from bench.telemetry import _event, chat_tape
 from llmtap.config.load import build
 from llmtap.serve.telemetry import TelemetryProcess
@@ -108,15 +108,6 @@ def tapes(count: int, chunks: int, rate: float, seed: int) -> list[tuple[int, by
         prefix, data = encode_frame(sent[-1])
         out.append((trace_id, prefix + data))
     return out
-
-
-def pin_all(pid: int, core: int) -> None:
-    """Every thread of ``pid`` to ``core``."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), {core})
-        except OSError:
-            continue
 
 
 #: What is read from ``/metrics``: requests recorded, tapes dropped, lessons lost, each summed over its labels.
@@ -203,7 +194,7 @@ def _measure(workers: int, args: argparse.Namespace, seed: int) -> dict[str, Any
             # where what the processes tell each other costs what it costs without a second core's help.
             cores = [1] * workers if workers == 1 or args.one_core else list(range(workers))
             for pid, core in zip(pids, cores, strict=True):
-                pin_all(pid, core)
+                pin_threads(pid, {core})
             paths = [channel] if workers == 1 else [f"{channel}.{i}" for i in range(workers)]
             socks = []
             for path in paths:
@@ -217,7 +208,7 @@ def _measure(workers: int, args: argparse.Namespace, seed: int) -> dict[str, Any
                 assert time.monotonic() < deadline, "the telemetry processes did not take the warm-up tapes"
                 time.sleep(0.1)
             for pid, core in zip(pids, cores, strict=True):  # threads started since (the exporters') move too
-                pin_all(pid, core)
+                pin_threads(pid, {core})
             before = [cpu_seconds([pid]) for pid in pids]
             feeder_before = cpu_seconds([os.getpid()])
             done_before = scrape(telemetry.admin_port)

@@ -193,6 +193,43 @@ async def test_socket_channel_delivers_batched_and_drops_while_nobody_listens() 
     assert frames(received) == messages and channel.dropped == 0
 
 
+async def test_socket_channel_gathers_and_sends_at_once_what_may_not_wait(tmp_path: Path) -> None:
+    path = str(tmp_path / "t.sock")
+    received = bytearray()
+    arrived = asyncio.Event()
+    ended = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            received.extend(data)
+            arrived.set()
+        ended.set()
+        writer.close()
+
+    server = await asyncio.start_unix_server(handle, path)
+    # A gather far longer than the test: whatever arrives before the end was sent at once, or by aclose.
+    channel = SocketChannel(path, gather=600.0)
+    await channel.start()
+    tapes = [(END, i, None, (b"", b"", b"", b"x" * i), None) for i in range(5)]
+    assert all(channel.send(m) for m in tapes)
+    await asyncio.sleep(0.1)
+    assert not received  # gathered: nothing written yet
+    stats = (STATS, 7)
+    assert channel.send(stats, at_once=True)
+    async with asyncio.timeout(10):
+        await arrived.wait()
+    # Whatever waited left with it, in the order sent (``frames`` takes what it reads out of the buffer).
+    assert frames(received) == [*tapes, stats]
+    later = (END, 9, None, (b"", b"", b"", b"z"), None)
+    assert channel.send(later)
+    await channel.aclose()  # what waits for a gather is written at the close
+    async with asyncio.timeout(10):
+        await ended.wait()
+    server.close()
+    await server.wait_closed()
+    assert frames(received) == [later] and channel.dropped == 0
+
+
 async def test_socket_channel_drops_past_its_buffer_bound(tmp_path: Path) -> None:
     path = str(tmp_path / "t.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -155,6 +155,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         telemetry_workers=values["telemetry_workers"],
         telemetry_scheduling=values["telemetry_scheduling"],
         telemetry_yield=values["telemetry_yield"],
+        telemetry_gather=values["telemetry_gather"],
         attribution=_attribution(values),
     )
 

@@ -374,5 +374,7 @@ class Settings:
     telemetry_scheduling: str = default("telemetry_scheduling")
     #: Microseconds of telemetry work between two yields of the core (``llmtap.telemetry.sched``).
     telemetry_yield: int = default("telemetry_yield")
+    #: Milliseconds a relay gathers its tapes before writing them to the telemetry process (``SocketChannel``).
+    telemetry_gather: int = default("telemetry_gather")
     #: Attribution dimensions and prices (issue 31).
     attribution: Attribution = field(default_factory=Attribution)

@@ -150,6 +150,7 @@ class ProxyApp:
         #: beside the gauges; None when no such server runs this app.
         self.connections: ClientLimits | None = None
         self._counts_sent: tuple[Any, ...] = ()
+        self._ready_sent: bool | None = None
         self._stats_changed = True
         self._stats_task: asyncio.Task[None] | None = None
         #: When the gauges were last reported (the loop's clock), and the report due soon, if one is.
@@ -213,16 +214,19 @@ class ProxyApp:
         )
         if not self._stats_changed and counts == self._counts_sent:
             return
+        ready = self.ready and not self.draining
         message = encode_stats(
             Stats(
-                self.ready and not self.draining,
+                ready,
                 self.tapes_dropped,
                 tuple(self._active.items()),
                 tuple(self._waiting.items()),
                 *counts,
             )
         )
-        if self.channel.send(message):
+        # A change of readiness leaves at once (``/readyz`` follows it); the gauges may wait for the tapes' gather.
+        if self.channel.send(message, at_once=ready != self._ready_sent):
+            self._ready_sent = ready
             self._stats_changed = False
             self._counts_sent = counts
             with contextlib.suppress(RuntimeError):  # no running loop: a report at shutdown, from a thread

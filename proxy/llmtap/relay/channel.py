@@ -53,12 +53,12 @@ class Channel(Protocol):
         """How many telemetry processes take the messages (``send``'s ``shard`` is taken modulo this)."""
         ...
 
-    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
+    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0, at_once: bool = False) -> bool:
         """Hand over one message; False when it was dropped. Never blocks, never raises.
 
         ``reserve``: a message that may use room kept back for it (a stream's end, its timing without bytes).
         ``shard``: which telemetry process takes it, where there are several (all of a stream's messages
-        name the same one).
+        name the same one). ``at_once``: it may not wait for a gather (``telemetry_gather``): readiness.
         """
         ...
 
@@ -77,7 +77,7 @@ class LocalChannel:
         self.sink = sink
         self.dropped = 0
 
-    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
+    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0, at_once: bool = False) -> bool:
         """Into the recorder's queue, or dropped when it is full."""
         if self.sink.submit(message):
             return True
@@ -114,9 +114,9 @@ class ShardedChannel:
         for channel in self.channels:
             await channel.start()
 
-    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
+    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0, at_once: bool = False) -> bool:
         """Into the channel of telemetry process ``shard`` (modulo their number)."""
-        return self.channels[shard % len(self.channels)].send(message, reserve=reserve)
+        return self.channels[shard % len(self.channels)].send(message, reserve=reserve, at_once=at_once)
 
     async def aclose(self) -> None:
         """Close every channel."""

@@ -81,9 +81,9 @@ async def serve(
     """
     set_name(RELAY_NAME)
     paths = channel_paths(channel_path, settings.telemetry_workers)
-    channel: SocketChannel | ShardedChannel = (
-        SocketChannel(paths[0]) if len(paths) == 1 else ShardedChannel([SocketChannel(p) for p in paths])
-    )
+    gather = settings.telemetry_gather / 1000
+    channels = [SocketChannel(path, gather=gather) for path in paths]
+    channel: SocketChannel | ShardedChannel = channels[0] if len(channels) == 1 else ShardedChannel(channels)
     await channel.start()
     app = create_app(settings, channel=channel, shared=shared)
     limits = ClientLimits.from_settings(settings)

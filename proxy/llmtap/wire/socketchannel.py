@@ -2,8 +2,16 @@
 
 The relays send their tapes through one (``llmtap.relay.channel``), the telemetry processes their lessons to one
 another (``llmtap.telemetry.siblings``). Messages go in frames (``llmtap.wire.framing``); those sent in one turn of
-the event loop leave in one write. Bounded by the bytes waiting in the socket's write buffer; while the other
-process is away, messages are dropped (counted) and the channel connects again.
+the event loop leave in one write, or, with ``gather``, those sent within that many seconds of the first. Bounded by
+the bytes waiting in the socket's write buffer and here; while the other process is away, messages are dropped
+(counted) and the channel connects again.
+
+Why gather: the telemetry process wakes for each write it reads. Woken for each finished stream's tape (one every
+16 ms at 64 streams of one second each), a process that idles in between runs its work cold, at nearly twice the
+CPU a chunk it spends on the same tapes taken together (``bench.telemetry --pace``); a relay that gathers for 50 ms
+cut the telemetry process's CPU a chunk by a sixth (``bench.relay_cpu``, ``bench/RESULTS.md``). Gathering costs
+the records and metrics that delay; what must not wait (a relay's change of readiness) is sent ``at_once``, and
+everything gathered before it leaves with it, in order.
 """
 
 from __future__ import annotations
@@ -35,9 +43,12 @@ class SocketChannel(asyncio.Protocol):
     #: One telemetry process at the other end.
     shards = 1
 
-    def __init__(self, path: str, *, limit: int = SOCKET_BUFFER_LIMIT, quiet: bool = False) -> None:
+    def __init__(
+        self, path: str, *, limit: int = SOCKET_BUFFER_LIMIT, gather: float = 0.0, quiet: bool = False
+    ) -> None:
         self.path = path
         self.limit = limit
+        self.gather = gather
         # ``quiet``: the other end going away is said at debug level only (a sibling telemetry process: the parent
         # says when one dies, and at shutdown they all go).
         self._warn = log.debug if quiet else log.warning
@@ -45,7 +56,9 @@ class SocketChannel(asyncio.Protocol):
         self._transport: asyncio.WriteTransport | None = None
         self._pending: list[bytes] = []
         self._pending_bytes = 0
-        self._flush_scheduled = False
+        #: The write to come (a handle of the event loop), and whether it is a gather's (later than this turn).
+        self._flush_due: asyncio.Handle | None = None
+        self._gathering = False
         self._closing = False
         self._connector: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
@@ -96,11 +109,11 @@ class SocketChannel(asyncio.Protocol):
 
     # -- the relay's side ---------------------------------------------------------------------
 
-    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0) -> bool:
-        """Queue one message for this turn's write, or drop it when the buffer is full or nobody listens.
+    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0, at_once: bool = False) -> bool:
+        """Queue one message for the next write, or drop it when the buffer is full or nobody listens.
 
         A ``reserve`` message may use another quarter of the bound: so a stream whose bytes no longer fit
-        can still send its timing.
+        can still send its timing. An ``at_once`` message leaves at this turn's end, with all that waits.
         """
         transport = self._transport
         try:
@@ -116,13 +129,24 @@ class SocketChannel(asyncio.Protocol):
         self._pending.append(prefix)
         self._pending.append(data)
         self._pending_bytes += len(data) + 4
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        if self._flush_due is None:
+            loop = asyncio.get_running_loop()
+            if at_once or not self.gather:
+                self._flush_due = loop.call_soon(self._flush)
+            else:
+                self._flush_due = loop.call_later(self.gather, self._flush)
+                self._gathering = True
+        elif at_once and self._gathering:
+            self._flush_due.cancel()
+            self._flush_due = asyncio.get_running_loop().call_soon(self._flush)
+            self._gathering = False
         return True
 
     def _flush(self) -> None:
-        self._flush_scheduled = False
+        if self._flush_due is not None:
+            self._flush_due.cancel()  # when called before it was due (``aclose``)
+            self._flush_due = None
+            self._gathering = False
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         transport = self._transport
         if transport is None or not pending:
