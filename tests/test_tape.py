@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import marshal
 import os
 import socket
@@ -17,6 +18,7 @@ from bench.telemetry import chat_tape
 from llmtap.analysis import tokens
 from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.relay.channel import LocalChannel, SocketChannel
+from llmtap.serve.relay import tape_gather
 from llmtap.telemetry.replay import Playback
 from llmtap.wire.framing import frames
 from llmtap.wire.messages import END, SEGMENT, STATS, End, Segment, decode
@@ -228,6 +230,14 @@ async def test_socket_channel_gathers_and_sends_at_once_what_may_not_wait(tmp_pa
     server.close()
     await server.wait_closed()
     assert frames(received) == [later] and channel.dropped == 0
+
+
+def test_a_relay_gathers_its_tapes_only_when_it_is_the_only_one() -> None:
+    assert tape_gather(SETTINGS) == 0.05  # the default: 50 ms
+    assert tape_gather(dataclasses.replace(SETTINGS, telemetry_gather=200)) == 0.2
+    assert tape_gather(dataclasses.replace(SETTINGS, telemetry_gather=0)) == 0.0
+    # Several relays: every relay's tapes at once, in the order their streams ended.
+    assert tape_gather(dataclasses.replace(SETTINGS, workers=2)) == 0.0
 
 
 async def test_socket_channel_drops_past_its_buffer_bound(tmp_path: Path) -> None:

@@ -934,7 +934,8 @@ _TABLE = (
         "milliseconds a relay gathers the tapes of finished streams before it writes them to the telemetry process, "
         "all in one write: the telemetry process then takes them in one turn, which costs it less CPU a chunk than "
         "waking for each; records and metrics appear that much later, a change of readiness goes at once; "
-        "0: each event-loop turn's tapes leave at its end",
+        "0: each event-loop turn's tapes leave at its end, as they do with --workers above 1 (the queue/prefill "
+        "estimate needs every relay's requests in the order they ended)",
         "process",
     ),
     # the file's routes only

@@ -64,6 +64,15 @@ def _say_started(fd: int) -> None:
         os.close(fd)
 
 
+def tape_gather(settings: Settings) -> float:
+    """Seconds a relay gathers its tapes before writing them (``telemetry_gather``); 0 with several relays.
+
+    The slot replay (``llmtap.analysis.estimator``) needs the ends of every relay's requests before a request's own
+    tape: two relays' gathers would put up to a gather between them.
+    """
+    return settings.telemetry_gather / 1000 if settings.workers == 1 else 0.0
+
+
 async def serve(
     settings: Settings,
     proxy_sock: socket.socket,
@@ -81,8 +90,7 @@ async def serve(
     """
     set_name(RELAY_NAME)
     paths = channel_paths(channel_path, settings.telemetry_workers)
-    gather = settings.telemetry_gather / 1000
-    channels = [SocketChannel(path, gather=gather) for path in paths]
+    channels = [SocketChannel(path, gather=tape_gather(settings)) for path in paths]
     channel: SocketChannel | ShardedChannel = channels[0] if len(channels) == 1 else ShardedChannel(channels)
     await channel.start()
     app = create_app(settings, channel=channel, shared=shared)

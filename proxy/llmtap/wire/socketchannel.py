@@ -11,7 +11,8 @@ Why gather: the telemetry process wakes for each write it reads. Woken for each 
 CPU a chunk it spends on the same tapes taken together (``bench.telemetry --pace``); a relay that gathers for 50 ms
 cut the telemetry process's CPU a chunk by a sixth (``bench.relay_cpu``, ``bench/RESULTS.md``). Gathering costs
 the records and metrics that delay; what must not wait (a relay's change of readiness) is sent ``at_once``, and
-everything gathered before it leaves with it, in order.
+everything gathered before it leaves with it, in order. With several relays the relay process gathers nothing
+(``llmtap.serve.relay``): two relays' gathers would reorder their tapes by up to the gather.
 """
 
 from __future__ import annotations
