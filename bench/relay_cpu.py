@@ -16,6 +16,8 @@ machine shows fewer wakes and less CPU per chunk, and figures are comparable onl
 them, per stream; and the machine's load average when the run started. ``--floor`` runs the thinnest relay
 Python can be (``bench.thin_relay``) in turn with the trees: what a chunk costs any relay on this machine at
 this moment (the wake-up, the read, the write, the loopback), so llmtap's own share is the difference.
+``--gather MS`` (repeatable) runs each tree once per value of ``telemetry_gather``, in turn: the relay gathering its
+tapes for that long against not at all (0), side by side.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def run(argv: list[str], cpu: str) -> str:
 FLOOR = "floor"
 
 
-def start(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int) -> tuple[str, Service]:
+def start(
+    tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int, gather: int | None = None
+) -> tuple[str, Service]:
     """llmtap serve of ``tree`` (or the floor relay), its relay on the proxy's core: its URL and its service."""
     if tree == FLOOR:
         argv = [sys.executable, "-m", "bench.thin_relay", "--upstream-port", str(up_port)]
@@ -77,7 +81,10 @@ def start(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, 
             args.proxy_cpu,
             up_port,
             sink_port,
-            extra_env={"PYTHONPATH": f"{Path(tree) / 'proxy'}:{tree}"},
+            extra_env={
+                "PYTHONPATH": f"{Path(tree) / 'proxy'}:{tree}",
+                **({"LLMTAP_TELEMETRY_GATHER": str(gather)} if gather is not None else {}),
+            },
             telemetry_cpu=args.telemetry_cpu or args.client_cpu,
         )
     finally:
@@ -100,9 +107,11 @@ def settled(pids: list[int], quiet: float = 0.004, step: float = 0.5, limit: flo
     return last
 
 
-def measure(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int) -> dict[str, object]:
-    """One tree, one run: relay CPU per chunk and per request."""
-    url, svc = start(tree, work, args, up_port, sink_port)
+def measure(
+    tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int, gather: int | None = None
+) -> dict[str, object]:
+    """One tree, one run: relay CPU per chunk and per request (``gather``: its ``telemetry_gather``, if given)."""
+    url, svc = start(tree, work, args, up_port, sink_port, gather)
     try:
         roles = svc.roles()
         relay, telemetry = roles["relay"], roles.get("telemetry", [])
@@ -134,6 +143,7 @@ def measure(tree: Path | str, work: Path, args: argparse.Namespace, up_port: int
     chunks = requests * args.chunks
     return {
         "tree": str(tree),
+        **({"gather_ms": gather} if gather is not None else {}),
         "streams": args.streams,
         "chunks_per_request": args.chunks,
         "requests": requests,
@@ -168,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--floor", action="store_true", help="measure the thinnest relay too (bench.thin_relay), in turn with the trees"
     )
+    p.add_argument(
+        "--gather",
+        action="append",
+        type=int,
+        metavar="MS",
+        help="run each tree with this telemetry_gather (repeatable: one run of each, in turn)",
+    )
     p.add_argument("--summary", action="store_true", help="end with each tree's median and range per figure")
     args = p.parse_args(argv)
     trees: list[Path | str] = [*(args.tree or [peers.REPO]), *([FLOOR] if args.floor else [])]
@@ -175,12 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(folder)
         up, up_port = peers.upstream(work, args.client_cpu, ttft=args.ttft, gap=args.gap, chunks=args.chunks)
         sink, sink_port, _ = peers.sink(work, args.client_cpu)
-        results: dict[str, list[dict[str, Any]]] = {str(t): [] for t in trees}
+        gathers: list[int | None] = list(args.gather or [None])
+        entries = [(t, g) for t in trees for g in (gathers if t != FLOOR else [None])]
+        results: dict[str, list[dict[str, Any]]] = {_name(t, g): [] for t, g in entries}
         try:
             for _ in range(args.rounds):
-                for tree in trees:
-                    result = measure(tree, work, args, up_port, sink_port)
-                    results[str(tree)].append(result)
+                for tree, gather in entries:
+                    result = measure(tree, work, args, up_port, sink_port, gather)
+                    results[_name(tree, gather)].append(result)
                     print(json.dumps(result), flush=True)
         finally:
             sink.stop()
@@ -189,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             for tree, runs in results.items():
                 print(json.dumps({"tree": tree, "runs": len(runs), **summary(runs)}), flush=True)
     return 0
+
+
+def _name(tree: Path | str, gather: int | None) -> str:
+    return str(tree) if gather is None else f"{tree} gather={gather}ms"
 
 
 SUMMARIZED = (

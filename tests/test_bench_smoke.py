@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from bench import peers, report
-from bench.procs import TELEMETRY_COMM, Service
+from bench.procs import TELEMETRY_COMM, Service, pin_threads
 from bench.run import PATHS, SMOKE, parser, path_specs
 from bench.stats import analyse
 from tests.conftest import require_real
@@ -300,6 +300,28 @@ def test_process_roles_by_comm(tmp_path: Path) -> None:
         cpu = svc.cpu_roles()
         assert cpu["telemetry"] >= 0.2, cpu
         assert svc.rss_relay() > 0
+    finally:
+        svc.stop()
+
+
+def test_pinning_a_process_moves_every_thread_it_runs(tmp_path: Path) -> None:
+    """The benchmark moves llmtap's telemetry process to a core of its own once it runs: its threads started
+    already (the recorder, the exporters) go with it, not only its main thread."""
+    script = (
+        "import threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "print(threading.active_count(), flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    svc = Service("threads", [sys.executable, "-c", script], log=tmp_path / "threads.log", cpu=None)
+    try:
+        assert int(svc.read_line()) == 4
+        pid = svc.proc.pid
+        core = {min(os.sched_getaffinity(0))}
+        pin_threads(pid, core)
+        tasks = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        assert len(tasks) >= 4
+        assert all(os.sched_getaffinity(tid) == core for tid in tasks), [os.sched_getaffinity(t) for t in tasks]
     finally:
         svc.stop()
 
