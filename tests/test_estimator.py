@@ -60,9 +60,23 @@ def test_slot_replay_admits_at_the_right_completion() -> None:
     log.add(0.1, 6.0)
     assert log.admitted(sent=1.0, ahead=2, slots=2, first=5.5) == 5.0  # the first end frees a slot
     assert log.admitted(sent=1.0, ahead=3, slots=2, first=6.5) == 6.0  # the second end frees the next
-    assert log.admitted(sent=1.0, ahead=1, slots=2, first=1.2) == 1.0  # a free slot: no wait
+    assert log.admitted(sent=5.5, ahead=1, slots=2, first=5.7) == 5.5  # a free slot: no wait
     # Not enough ends seen before the first chunk: the server has more slots than configured.
     assert log.admitted(sent=1.0, ahead=4, slots=2, first=5.5) is None
+
+
+def test_slot_replay_counts_at_least_the_logged_requests_in_flight() -> None:
+    """Two relays sending within microseconds may each read the shared in-flight count before the other's
+    request is in it: the log, which holds every request that ended, raises such a count to what it knows."""
+    log = SlotLog()
+    # Two slots: requests sent at 0.0 and 0.1 run; one sent at 0.2 waits for the first end.
+    log.add(0.0, 5.0)
+    log.add(0.1, 6.0)
+    log.add(0.2, 7.0)
+    # Sent at 0.3 with three ahead, yet counted with two: admitted at the second end, not the first.
+    assert log.admitted(sent=0.3, ahead=2, slots=2, first=6.5) == 6.0
+    # A count above what the log knows stands (requests still running are not in the log).
+    assert log.admitted(sent=0.3, ahead=4, slots=2, first=7.5) == 7.0
 
 
 def test_slot_replay_counts_only_requests_sent_before() -> None:

@@ -22,6 +22,7 @@ from llmtap.serve.relay import tape_gather
 from llmtap.telemetry.replay import Playback
 from llmtap.wire.framing import frames
 from llmtap.wire.messages import END, SEGMENT, STATS, End, Segment, decode
+from llmtap.wire.socketchannel import GATHER_BYTES
 from llmtap.wire.tape import SEGMENT_BYTES, Tape
 from llmtap.wire.tracecontext import Sampler, begin, parse_traceparent
 
@@ -230,6 +231,39 @@ async def test_socket_channel_gathers_and_sends_at_once_what_may_not_wait(tmp_pa
     server.close()
     await server.wait_closed()
     assert frames(received) == [later] and channel.dropped == 0
+
+
+async def test_socket_channel_gathers_no_more_than_its_bytes(tmp_path: Path) -> None:
+    """A gather is for many small tapes: past ``GATHER_BYTES`` what it holds leaves at once (a fast long stream's
+    segments would otherwise wait in the relay's memory by the megabyte)."""
+    path = str(tmp_path / "t.sock")
+    received = bytearray()
+    arrived = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 20):
+            received.extend(data)
+            if len(received) > GATHER_BYTES:
+                arrived.set()
+        writer.close()
+
+    server = await asyncio.start_unix_server(handle, path)
+    channel = SocketChannel(path, gather=600.0)
+    await channel.start()
+    try:
+        small = (END, 1, None, (b"", b"", b"", b"s" * 100), None)
+        assert channel.send(small)
+        await asyncio.sleep(0.1)
+        assert not received  # one small tape: gathered
+        segments = [(SEGMENT, 2, None, (b"", b"", b"", b"x" * SEGMENT_BYTES)) for _ in range(9)]
+        assert all(channel.send(m) for m in segments)  # 288 KiB: past the bound
+        async with asyncio.timeout(10):
+            await arrived.wait()
+        assert frames(received)[0] == small
+    finally:
+        await channel.aclose()
+        server.close()
+        await server.wait_closed()
 
 
 def test_a_relay_gathers_its_tapes_only_when_it_is_the_only_one() -> None:

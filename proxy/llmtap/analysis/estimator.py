@@ -172,13 +172,18 @@ class SlotLog:
         of them are unfinished, so at the end of the ``ahead - slots + 1``-th of them. An answer
         after the request's own first content chunk means the server has more slots than configured
         or admits out of order: the log cannot tell then.
+
+        ``ahead`` is at least the logged requests sent before it and ended after: two relays that send within
+        microseconds of each other may each count before the other's request is counted (a CI run's burst over
+        two relays put a request at 6 ahead where the log held 7, and its queue 64 ms short).
         """
-        if ahead < slots:
-            return sent
-        needed = ahead - slots + 1
         log = self._ends
         # The ends after it was sent, in order, of the requests sent before it.
         ends = [end for other, end in log[bisect_right(log, sent, key=_end) :] if other < sent]
+        ahead = max(ahead, len(ends))
+        if ahead < slots:
+            return sent
+        needed = ahead - slots + 1
         if len(ends) < needed:
             return None
         at = ends[needed - 1]

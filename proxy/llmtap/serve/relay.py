@@ -32,7 +32,7 @@ from llmtap.serve.sockets import bind, channel_paths
 if TYPE_CHECKING:
     from llmtap.serve.telemetry import TelemetryProcess
 
-__all__ = ["serve"]
+__all__ = ["serve", "tape_gather"]
 
 log = logging.getLogger("llmtap")
 

@@ -25,12 +25,15 @@ from typing import cast
 from llmtap.wire.framing import encode_frame
 from llmtap.wire.messages import Raw, WireError
 
-__all__ = ["CLOSE_WAIT", "CONNECT_WAIT", "RECONNECT_EVERY", "SOCKET_BUFFER_LIMIT", "SocketChannel"]
+__all__ = ["CLOSE_WAIT", "CONNECT_WAIT", "GATHER_BYTES", "RECONNECT_EVERY", "SOCKET_BUFFER_LIMIT", "SocketChannel"]
 
 log = logging.getLogger("llmtap.relay")
 
 #: Bytes that may wait for the telemetry process before messages are dropped.
 SOCKET_BUFFER_LIMIT = 16 * 1024 * 1024
+#: Bytes past which what a gather holds leaves at this turn's end: a gather is for many small tapes, and a fast
+#: long stream's segments (32 KiB each) would otherwise wait in the relay's memory by the megabyte.
+GATHER_BYTES = 256 * 1024
 #: Seconds between two attempts to reach the telemetry process.
 RECONNECT_EVERY = 0.5
 #: How long the relay waits for the telemetry process at start, and for its last writes at the end.
@@ -130,17 +133,15 @@ class SocketChannel(asyncio.Protocol):
         self._pending.append(prefix)
         self._pending.append(data)
         self._pending_bytes += len(data) + 4
-        if self._flush_due is None:
-            loop = asyncio.get_running_loop()
-            if at_once or not self.gather:
-                self._flush_due = loop.call_soon(self._flush)
-            else:
-                self._flush_due = loop.call_later(self.gather, self._flush)
-                self._gathering = True
-        elif at_once and self._gathering:
-            self._flush_due.cancel()
-            self._flush_due = asyncio.get_running_loop().call_soon(self._flush)
-            self._gathering = False
+        due = self._flush_due
+        if due is None or self._gathering:
+            soon = at_once or not self.gather or self._pending_bytes >= GATHER_BYTES
+            if due is None or soon:
+                if due is not None:
+                    due.cancel()
+                loop = asyncio.get_running_loop()
+                self._flush_due = loop.call_soon(self._flush) if soon else loop.call_later(self.gather, self._flush)
+                self._gathering = not soon
         return True
 
     def _flush(self) -> None:
