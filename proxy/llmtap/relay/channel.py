@@ -78,7 +78,8 @@ class LocalChannel:
         self.dropped = 0
 
     def send(self, message: Raw, *, reserve: bool = False, shard: int = 0, at_once: bool = False) -> bool:
-        """Into the recorder's queue, or dropped when it is full."""
+        """Into the recorder's queue, or dropped when it is full (at once: nothing here gathers, so ``at_once``
+        changes nothing)."""
         if self.sink.submit(message):
             return True
         self.dropped += 1
