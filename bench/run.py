@@ -293,9 +293,10 @@ class Bench:
         sys1 = svc.cpu_system()
         cpu1 = sum(roles1.values())
         tapes1 = peers.scrape_sum(ep.admin) if ep.admin else None
-        # The scrape's own CPU (a render of /metrics, a few ms) is no part's: the next part starts after it.
-        after = svc.cpu_roles() if tapes1 is not None else roles1
-        sys_after = svc.cpu_system() if tapes1 is not None else sys1
+        # The scrape's own CPU (a render of /metrics, a few ms, or part of one that failed) is no part's: the next
+        # part starts after it.
+        after = svc.cpu_roles()
+        sys_after = svc.cpu_system()
         self._quiet = (svc, sum(after.values()), after, sys_after, tapes1)
         # A process that left the tree took its CPU with it: a role's figure never goes below zero.
         roles = {r: max(0.0, roles1.get(r, 0.0) - roles0.get(r, 0.0)) for r in set(roles0) | set(roles1)}

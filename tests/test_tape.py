@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import marshal
-import os
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -169,101 +167,94 @@ def test_local_channel_counts_what_the_full_recorder_turns_away() -> None:
     assert channel.dropped == 2 and len(sink.got) == 2
 
 
-async def test_socket_channel_delivers_batched_and_drops_while_nobody_listens() -> None:
-    folder = tempfile.mkdtemp(prefix="llmtap-test-")
-    path = os.path.join(folder, "t.sock")
-    alone = SocketChannel(path)
-    assert not alone.send((STATS, 1)) and alone.dropped == 1  # not connected: dropped, never waits
-    received = bytearray()
-    ended = asyncio.Event()
+class _Listener:
+    """A Unix-socket server that keeps every byte it reads: ``arrived`` is set once more than ``past`` bytes
+    are in, ``ended`` once the sender closed its end."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(65536):
-            received.extend(data)
-        ended.set()
+    def __init__(self, path: str, past: int = 0) -> None:
+        self.path = path
+        self.past = past
+        self.received = bytearray()
+        self.arrived = asyncio.Event()
+        self.ended = asyncio.Event()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 20):
+            self.received.extend(data)
+            if len(self.received) > self.past:
+                self.arrived.set()
+        self.ended.set()
         writer.close()
 
-    server = await asyncio.start_unix_server(handle, path)
-    channel = SocketChannel(path)
-    await channel.start()
-    messages = [(END, i, None, (b"", b"", b"", b"x" * i), None) for i in range(100)]
-    assert all(channel.send(m) for m in messages)
-    await channel.aclose()
-    async with asyncio.timeout(10):
-        await ended.wait()  # the relay closed its end: everything it sent has arrived
-    server.close()
-    await server.wait_closed()
-    assert frames(received) == messages and channel.dropped == 0
+    async def __aenter__(self) -> _Listener:
+        self._server = await asyncio.start_unix_server(self._handle, self.path)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def wait(self, event: asyncio.Event) -> None:
+        async with asyncio.timeout(10):
+            await event.wait()
+
+
+async def test_socket_channel_delivers_batched_and_drops_while_nobody_listens(tmp_path: Path) -> None:
+    path = str(tmp_path / "t.sock")
+    alone = SocketChannel(path)
+    assert not alone.send((STATS, 1)) and alone.dropped == 1  # not connected: dropped, never waits
+    async with _Listener(path) as listener:
+        channel = SocketChannel(path)
+        await channel.start()
+        messages = [(END, i, None, (b"", b"", b"", b"x" * i), None) for i in range(100)]
+        assert all(channel.send(m) for m in messages)
+        await channel.aclose()
+        await listener.wait(listener.ended)  # the relay closed its end: everything it sent has arrived
+    assert frames(listener.received) == messages and channel.dropped == 0
 
 
 async def test_socket_channel_gathers_and_sends_at_once_what_may_not_wait(tmp_path: Path) -> None:
     path = str(tmp_path / "t.sock")
-    received = bytearray()
-    arrived = asyncio.Event()
-    ended = asyncio.Event()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(65536):
-            received.extend(data)
-            arrived.set()
-        ended.set()
-        writer.close()
-
-    server = await asyncio.start_unix_server(handle, path)
-    # A gather far longer than the test: whatever arrives before the end was sent at once, or by aclose.
-    channel = SocketChannel(path, gather=600.0)
-    await channel.start()
-    tapes = [(END, i, None, (b"", b"", b"", b"x" * i), None) for i in range(5)]
-    assert all(channel.send(m) for m in tapes)
-    await asyncio.sleep(0.1)
-    assert not received  # gathered: nothing written yet
-    stats = (STATS, 7)
-    assert channel.send(stats, at_once=True)
-    async with asyncio.timeout(10):
-        await arrived.wait()
-    # Whatever waited left with it, in the order sent (``frames`` takes what it reads out of the buffer).
-    assert frames(received) == [*tapes, stats]
-    later = (END, 9, None, (b"", b"", b"", b"z"), None)
-    assert channel.send(later)
-    await channel.aclose()  # what waits for a gather is written at the close
-    async with asyncio.timeout(10):
-        await ended.wait()
-    server.close()
-    await server.wait_closed()
-    assert frames(received) == [later] and channel.dropped == 0
+    async with _Listener(path) as listener:
+        # A gather far longer than the test: whatever arrives before the end was sent at once, or by aclose.
+        channel = SocketChannel(path, gather=600.0)
+        await channel.start()
+        tapes = [(END, i, None, (b"", b"", b"", b"x" * i), None) for i in range(5)]
+        assert all(channel.send(m) for m in tapes)
+        await asyncio.sleep(0.1)
+        assert not listener.received  # gathered: nothing written yet
+        stats = (STATS, 7)
+        assert channel.send(stats, at_once=True)
+        await listener.wait(listener.arrived)
+        # Whatever waited left with it, in the order sent (``frames`` takes what it reads out of the buffer).
+        assert frames(listener.received) == [*tapes, stats]
+        later = (END, 9, None, (b"", b"", b"", b"z"), None)
+        assert channel.send(later)
+        await channel.aclose()  # what waits for a gather is written at the close
+        await listener.wait(listener.ended)
+    assert frames(listener.received) == [later] and channel.dropped == 0
 
 
 async def test_socket_channel_gathers_no_more_than_its_bytes(tmp_path: Path) -> None:
     """A gather is for many small tapes: past ``GATHER_BYTES`` what it holds leaves at once (a fast long stream's
     segments would otherwise wait in the relay's memory by the megabyte)."""
     path = str(tmp_path / "t.sock")
-    received = bytearray()
-    arrived = asyncio.Event()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(1 << 20):
-            received.extend(data)
-            if len(received) > GATHER_BYTES:
-                arrived.set()
-        writer.close()
-
-    server = await asyncio.start_unix_server(handle, path)
-    channel = SocketChannel(path, gather=600.0)
-    await channel.start()
-    try:
-        small = (END, 1, None, (b"", b"", b"", b"s" * 100), None)
-        assert channel.send(small)
-        await asyncio.sleep(0.1)
-        assert not received  # one small tape: gathered
-        segments = [(SEGMENT, 2, None, (b"", b"", b"", b"x" * SEGMENT_BYTES)) for _ in range(9)]
-        assert all(channel.send(m) for m in segments)  # 288 KiB: past the bound
-        async with asyncio.timeout(10):
-            await arrived.wait()
-        assert frames(received)[0] == small
-    finally:
-        await channel.aclose()
-        server.close()
-        await server.wait_closed()
+    async with _Listener(path, past=GATHER_BYTES) as listener:
+        channel = SocketChannel(path, gather=600.0)
+        await channel.start()
+        try:
+            small = (END, 1, None, (b"", b"", b"", b"s" * 100), None)
+            assert channel.send(small)
+            await asyncio.sleep(0.1)
+            assert not listener.received  # one small tape: gathered
+            segments = [(SEGMENT, 2, None, (b"", b"", b"", b"x" * SEGMENT_BYTES)) for _ in range(9)]
+            assert all(channel.send(m) for m in segments)  # 288 KiB: past the bound
+            await listener.wait(listener.arrived)
+            assert frames(listener.received)[0] == small
+        finally:
+            await channel.aclose()
 
 
 def test_a_relay_gathers_its_tapes_only_when_it_is_the_only_one() -> None:

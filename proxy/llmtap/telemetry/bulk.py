@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from time import time_ns
 from typing import Any
 
@@ -157,18 +157,7 @@ class Batch:
                 hist.record(value, attributes, context=context)
             return
         sample = _Sample(hist, context, held[1])
-        for match in matches:
-            key, own = self._view(held, match)
-            if match._reset_on_collect:
-                # A collection swaps the aggregations out: hold the lock until every sample is in this one.
-                with match._lock:
-                    _aggregate(match._get_or_create_aggregation(key, dict(own)), sample, values, total)
-                continue
-            aggregation = match._attributes_aggregation.get(key)
-            if aggregation is None:
-                with match._lock:
-                    aggregation = match._get_or_create_aggregation(key, dict(own))
-            _aggregate(aggregation, sample, values, total)
+        self._feed(held, matches, lambda aggregation: _aggregate(aggregation, sample, values, total))
 
     def _held(self, attributes: dict[str, Any]) -> tuple[Any, Any, dict[int, tuple[Any, dict[str, Any]]]] | None:
         """The set, cleaned, and its per-view keys (made on first use); None when the SDK would not take it."""
@@ -214,16 +203,23 @@ class Batch:
         sample = _Sample(instrument, context if context is not None else get_current(), cleaned)
         sample.value = value
         keep = exemplars.should_sample(value, sample.time_unix_nano, cleaned, sample.context)
+        self._feed(held, matches, lambda aggregation: aggregation.aggregate(sample, keep))
+        return True
+
+    @classmethod
+    def _feed(
+        cls, held: tuple[Any, Any, dict[int, tuple[Any, dict[str, Any]]]], matches: Any, feed: Callable[[Any], None]
+    ) -> None:
+        """Hands each view's aggregation of a held set to ``feed``, made where it is new."""
         for match in matches:
-            key, own = self._view(held, match)
+            key, own = cls._view(held, match)
             if match._reset_on_collect:
-                # A collection swaps the aggregations out: hold the lock until the value is in this one.
+                # A collection swaps the aggregations out: hold the lock until what is fed is in this one.
                 with match._lock:
-                    match._get_or_create_aggregation(key, dict(own)).aggregate(sample, keep)
+                    feed(match._get_or_create_aggregation(key, dict(own)))
                 continue
             aggregation = match._attributes_aggregation.get(key)
             if aggregation is None:
                 with match._lock:
                     aggregation = match._get_or_create_aggregation(key, dict(own))
-            aggregation.aggregate(sample, keep)
-        return True
+            feed(aggregation)
