@@ -18,6 +18,10 @@ Python can be (``bench.thin_relay``) in turn with the trees: what a chunk costs 
 this moment (the wake-up, the read, the write, the loopback), so llmtap's own share is the difference.
 ``--gather MS`` (repeatable) runs each tree once per value of ``telemetry_gather``, in turn: the relay gathering its
 tapes for that long against not at all (0), side by side.
+
+``--capture FILE`` (one tree, one round) keeps every byte the telemetry process reads from the relay in FILE, as it
+reads it (``CAPTURE_SHIM``), for ``python -m bench.telemetry --tapes FILE`` to play the same tapes again: what the
+work costs warm and paced, beside what this run measured of it in place.
 """
 
 from __future__ import annotations
@@ -57,6 +61,51 @@ def run(argv: list[str], cpu: str) -> str:
     return done.stdout
 
 
+#: Put first on ``llmtap serve``'s PYTHONPATH as ``sitecustomize`` by ``--capture``: once the telemetry process
+#: imports its intake (``llmtap.telemetry.process``, which the relay never imports), every read of the relays'
+#: channel is appended to ``BENCH_CAPTURE`` before the intake takes it.
+CAPTURE_SHIM = """\
+# Written by the benchmark (bench/relay_cpu.py --capture): keep what the telemetry process reads from its relays.
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+_path = os.environ.get("BENCH_CAPTURE")
+
+
+class _Capture(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "llmtap.telemetry.process":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            intake = module._Intake
+            take = intake.data_received
+            out = open(_path, "ab")
+
+            def data_received(self, data):
+                out.write(data)
+                out.flush()
+                take(self, data)
+
+            intake.data_received = data_received
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _path:
+    sys.meta_path.insert(0, _Capture())
+"""
+
+
 #: ``--floor``'s entry among the trees: the thinnest relay (``bench.thin_relay``) in place of llmtap.
 FLOOR = "floor"
 
@@ -72,6 +121,11 @@ def start(
         )
         port = svc.ready(lambda: int(svc.read_line()))
         return f"http://127.0.0.1:{port}/v1/chat/completions", svc
+    shim: list[str] = []
+    if args.capture:
+        (work / "capture-shim").mkdir(exist_ok=True)
+        (work / "capture-shim" / "sitecustomize.py").write_text(CAPTURE_SHIM)
+        shim.append(str(work / "capture-shim"))
     here = Path.cwd()
     # ``python -m llmtap`` looks in its working directory first: the tree's own, so its package is what runs.
     os.chdir(tree)
@@ -82,8 +136,9 @@ def start(
             up_port,
             sink_port,
             extra_env={
-                "PYTHONPATH": f"{Path(tree) / 'proxy'}:{tree}",
+                "PYTHONPATH": ":".join([*shim, f"{Path(tree) / 'proxy'}", str(tree)]),
                 **({"LLMTAP_TELEMETRY_GATHER": str(gather)} if gather is not None else {}),
+                **({"BENCH_CAPTURE": str(args.capture.resolve())} if args.capture else {}),
             },
             telemetry_cpu=args.telemetry_cpu or args.client_cpu,
         )
@@ -186,8 +241,19 @@ def main(argv: list[str] | None = None) -> int:
         help="run each tree with this telemetry_gather (repeatable: one run of each, in turn)",
     )
     p.add_argument("--summary", action="store_true", help="end with each tree's median and range per figure")
+    p.add_argument(
+        "--capture",
+        type=Path,
+        metavar="FILE",
+        help="keep what the telemetry process reads from the relay in FILE (one tree, one round; for "
+        "bench.telemetry --tapes)",
+    )
     args = p.parse_args(argv)
     trees: list[Path | str] = [*(args.tree or [peers.REPO]), *([FLOOR] if args.floor else [])]
+    if args.capture and (len(trees) != 1 or args.rounds != 1 or len(args.gather or [None]) != 1):
+        p.error("--capture takes one tree, one round and at most one --gather")
+    if args.capture:
+        args.capture.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="relay-cpu-") as folder:
         work = Path(folder)
         up, up_port = peers.upstream(work, args.client_cpu, ttft=args.ttft, gap=args.gap, chunks=args.chunks)

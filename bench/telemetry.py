@@ -17,6 +17,13 @@ one core sustains.
 (``--batch N``: N at a time, every ``N * S`` seconds): the same work then costs more CPU, as a core that idles
 between small pieces of work runs them cold.
 
+``--tapes FILE`` plays the messages a relay really sent in place of the made-up tapes: FILE holds the bytes a
+telemetry process read from its relays, as ``python -m bench.relay_cpu --capture FILE`` records them. They go
+through the recorder's queue and worker thread as in ``llmtap serve`` (``--pace`` and ``--batch`` as above, so a
+burst's tapes can be handed over together), with the settings the benchmark gives ``llmtap serve`` (provider
+vllm, a span per chunk where a request keeps them); per chunk is per content chunk the timelines counted. The
+same tapes then cost what the work costs warm, against what the relay's run measured of the telemetry process.
+
 ``--before REV`` runs the same measurement, in the same run, against the ``proxy`` package of git
 revision ``REV`` (extracted to a temporary folder, run in a child process): before and after side by side.
 """
@@ -263,7 +270,93 @@ def measure(requests: int, chunks: int, *, pace: float = 0.0, batch: int = 1) ->
     }
 
 
-def _before(rev: str, requests: int, chunks: int) -> dict[str, Any]:
+def captured(path: Path) -> list[Any]:
+    """The messages in a capture (the bytes a telemetry process read from its relays, frame after frame)."""
+    from llmtap.wire.framing import FrameReader
+
+    reader = FrameReader()
+    messages = reader.feed(path.read_bytes())
+    if reader.pending:
+        raise SystemExit(f"{path}: ends inside a message ({reader.pending} bytes of it)")
+    return messages
+
+
+def measure_tapes(path: Path, *, pace: float = 0.0, batch: int = 1) -> dict[str, Any]:
+    """CPU per content chunk by phase for the messages captured in ``path``, through the recorder's queue and
+    worker; with ``pace``, ``batch`` messages at a time, ``pace`` seconds per message apart."""
+    from llmtap.analysis import tokens
+    from llmtap.config.load import build
+    from llmtap.telemetry import recorder as recorder_module, replay, spans
+    from llmtap.telemetry.metrics import MetricWriter
+    from llmtap.wire.messages import END
+
+    messages = captured(path)
+    ends = [i for i, m in enumerate(messages) if m[0] == END]
+    if len(ends) < 2:
+        raise SystemExit(f"{path}: {len(ends)} finished streams; at least 2 are needed")
+    # The settings ``bench.peers.llmtap`` gives ``llmtap serve``; spans and metrics as ``measure`` makes them.
+    settings = build(
+        {"upstream": "http://127.0.0.1:9", "provider": "vllm"},
+        {"LLMTAP_CHUNK_SPANS": "spans", "OTEL_SERVICE_NAME": "llmtap"},
+    )
+    exporter = _Encoding()
+    tracer_provider = TracerProvider(shutdown_on_exit=False)
+    tracer_provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=1 << 16))
+    meter_provider, stop_meters = _meters()
+    recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    tokens.get_encoding()
+    chunks = [0]
+    recorder.listeners.append(lambda tl, s: chunks.__setitem__(0, chunks[0] + len(tl.chunk_times)))
+    # Warm-up: the first stream, played and flushed before the measurement (the tokenizer, the first spans).
+    for message in messages[: ends[0] + 1]:
+        recorder.submit(message)
+    recorder.flush(60)
+    tracer_provider.force_flush()
+    exporter.spans = exporter.cpu_ns = 0
+    chunks[0] = 0
+    rest = messages[ends[0] + 1 :]
+    requests = len(ends) - 1
+    phases = _Phases()
+    phases.wrap(replay.Playback, "__init__", "decode")
+    phases.wrap(replay.Playback, "feed", "decode")
+    phases.wrap(replay.Playback, "finish", "decode")
+    phases.wrap(recorder_module, "summarize", "summary")
+    phases.wrap(recorder_module.Recorder, "_diagnose", "summary")
+    phases.wrap(spans.SpanWriter, "root", "spans")
+    phases.wrap(spans.SpanWriter, "write", "spans")
+    phases.wrap(MetricWriter, "record", "metrics")
+    step = batch if pace else len(rest)
+    cpu, wall = time.process_time_ns(), time.perf_counter()
+    for start in range(0, len(rest), step):
+        for message in rest[start : start + step]:
+            recorder.submit(message)
+        recorder.flush(60)
+        if pace:
+            time.sleep(pace * step)
+    tracer_provider.force_flush()
+    cpu, wall = time.process_time_ns() - cpu, time.perf_counter() - wall
+    phases.undo()
+    recorder.close()
+    tracer_provider.shutdown()
+    stop_meters()
+    total = max(chunks[0], 1)
+    ns = dict(phases.ns)
+    ns["export"] = exporter.cpu_ns
+    ns["records"] = 0
+    ns["other"] = max(cpu - sum(ns[p] for p in PHASES[:5]), 0)
+    return {
+        "tapes": str(path),
+        "requests": requests,
+        "chunks_per_request": round(total / requests, 1),
+        "spans_per_request": round(exporter.spans / requests, 2),
+        "us_per_chunk": {p: round(ns[p] / 1000 / total, 1) for p in PHASES},
+        "us_per_chunk_total": round(cpu / 1000 / total, 1),
+        "chunks_per_s_per_core": round(total / (cpu / 1e9)),
+        "wall_s": round(wall, 2),
+    }
+
+
+def _before(rev: str, requests: int, chunks: int, extra: Sequence[str] = ()) -> dict[str, Any]:
     """``measure`` in a child process against revision ``rev``'s package (``proxy/llmtap``), this ``bench``.
 
     Revisions from the rename to ``llmtap`` on: this bench imports ``llmtap``."""
@@ -275,7 +368,7 @@ def _before(rev: str, requests: int, chunks: int) -> dict[str, Any]:
         with tarfile.open(archive_path) as tar:
             tar.extractall(tmp, filter="data")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tmp) / "proxy"), str(root)])}
-        argv = [sys.executable, "-m", "bench.telemetry", "--requests", str(requests), "--chunks", str(chunks)]
+        argv = [sys.executable, "-m", "bench.telemetry", "--requests", str(requests), "--chunks", str(chunks), *extra]
         out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env, cwd=tmp)
     result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
     return result
@@ -309,12 +402,24 @@ def main(argv: list[str] | None = None) -> None:
         "process asleep between; 0: back to back",
     )
     p.add_argument("--batch", type=int, default=1, help="with --pace: tapes taken per wake-up, back to back")
+    p.add_argument(
+        "--tapes", type=Path, metavar="FILE", help="play the messages captured in FILE (bench.relay_cpu --capture)"
+    )
     args = p.parse_args(argv)
+
+    def one() -> dict[str, Any]:
+        if args.tapes is not None:
+            return measure_tapes(args.tapes, pace=args.pace, batch=args.batch)
+        return measure(args.requests, args.chunks, pace=args.pace, batch=args.batch)
+
     if args.before is None:
-        print(json.dumps(measure(args.requests, args.chunks, pace=args.pace, batch=args.batch)))
+        print(json.dumps(one()))
         return
-    runs = {f"before ({args.before})": _before(args.before, args.requests, args.chunks)}
-    runs["after (this tree)"] = measure(args.requests, args.chunks)
+    extra = ["--pace", str(args.pace), "--batch", str(args.batch)]
+    if args.tapes is not None:
+        extra += ["--tapes", str(args.tapes.resolve())]
+    runs = {f"before ({args.before})": _before(args.before, args.requests, args.chunks, extra)}
+    runs["after (this tree)"] = one()
     print(json.dumps(runs))
     print(table(runs))
 

@@ -374,3 +374,68 @@ def test_telemetry_scale_spreads_one_upstream_over_two_processes_and_loses_no_le
     assert line["telemetry_processes"] == 2 and line["recorded"] == line["sent"] == 200, line
     assert sum(line["recorded_by_process"]) == 200 and min(line["recorded_by_process"]) > 50, line
     assert line["dropped"] == 0 and line["facts_dropped"] == 0, line
+
+
+def test_captured_tapes_play_again_through_the_recorders_worker(tmp_path: Path) -> None:
+    """``bench.telemetry --tapes``: the frames of a capture played through the queue and the worker, per chunk the
+    content chunks the timelines counted (the first stream a warm-up, not counted)."""
+    from bench.telemetry import chat_tape, measure_tapes, tape
+    from llmtap.wire.framing import encode_frame
+
+    capture = tmp_path / "tapes.bin"
+    frames = [b"".join(encode_frame(tape(key, 12))) for key in range(5)]
+    # A stream in segments too: a 40 KiB read fills the tape, which leaves as a segment before the end.
+    _, long = chat_tape(9, [b"data: " + b'{"choices":[{"index":0,"delta":{"content":"x"}}]}' + b" " * 40_000 + b"\n\n"])
+    assert len(long) == 2
+    frames += [b"".join(encode_frame(m)) for m in long]
+    capture.write_bytes(b"".join(frames))
+    got = measure_tapes(capture)
+    assert got["requests"] == 5 and got["chunks_per_request"] == round((4 * 12 + 1) / 5, 1), got
+    assert got["spans_per_request"] > 0 and got["us_per_chunk_total"] > 0, got
+    capture.write_bytes(b"".join(frames)[:-1])
+    with pytest.raises(SystemExit, match="ends inside a message"):
+        measure_tapes(capture)
+
+
+def test_the_capture_shim_keeps_what_the_telemetry_intake_reads(tmp_path: Path) -> None:
+    """``bench.relay_cpu --capture``: the shim appends every read of the intake to the file, before the intake takes
+    it, and the process that never imports the intake (the relay) is left alone."""
+    from bench.relay_cpu import CAPTURE_SHIM
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(CAPTURE_SHIM)
+    out = tmp_path / "capture.bin"
+    script = """
+import sys
+from llmtap.telemetry import process
+
+taken = []
+
+class Recorder:
+    def submit(self, message, source):
+        taken.append(message)
+
+    def relay_ready(self, source, ready):
+        pass
+
+intake = process._Intake(Recorder(), 0, set())
+from llmtap.wire.framing import encode_frame
+data = b"".join(encode_frame((3, 1))) + b"".join(encode_frame((3, 2)))
+intake.data_received(data[:5])
+intake.data_received(data[5:])
+assert taken == [(3, 1), (3, 2)], taken
+"""
+    env = {
+        **os.environ,
+        "BENCH_CAPTURE": str(out),
+        "PYTHONPATH": os.pathsep.join([str(shim), str(ROOT / "proxy"), str(ROOT)]),
+    }
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
+    from llmtap.wire.framing import frames
+
+    assert frames(bytearray(out.read_bytes())) == [(3, 1), (3, 2)]
+    # The relay's process never imports the intake: nothing is written for it.
+    out.unlink()
+    subprocess.run([sys.executable, "-c", "import llmtap.relay.app"], check=True, env=env, timeout=120)
+    assert not out.exists()

@@ -930,7 +930,7 @@ _TABLE = (
     option(
         "telemetry_gather",
         integer(0, 1000),
-        50,
+        250,
         "milliseconds a relay gathers the tapes of finished streams before it writes them to the telemetry process, "
         "all in one write: the telemetry process then takes them in one turn, which costs it less CPU a chunk than "
         "waking for each; records and metrics appear that much later, a change of readiness goes at once; "
