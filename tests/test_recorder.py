@@ -849,6 +849,47 @@ def test_captured_content_is_capped_at_16_kib(harness: HarnessFactory) -> None:
 # --- failure isolation ---------------------------------------------------------------------------
 
 
+class RootEnds(SpanProcessor):
+    """Notes each root span's end (its trace id) in a shared log."""
+
+    def __init__(self, log: list[tuple[str, int]]) -> None:
+        self.log = log
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.parent is None:
+            self.log.append(("span", span.context.trace_id))
+
+
+def test_what_one_wake_up_brings_goes_emitter_by_emitter_each_in_order() -> None:
+    """Tapes that waited together in the queue: every request's spans, then every request's listeners, each
+    emitter seeing the requests in the order they came; a request alone is emitted at once."""
+    log: list[tuple[str, int]] = []
+    provider = TracerProvider()
+    provider.add_span_processor(RootEnds(log))
+    recorder = Recorder(Settings(routes=ROUTES), tracer_provider=provider)
+    entered, gate = threading.Event(), threading.Event()
+
+    def listener(tl: Timeline, s: Summary) -> None:
+        trace_id = int(tl.trace_id or "0", 16)
+        log.append(("listener", trace_id))
+        if trace_id == 1:  # the first request holds the worker until the others wait in the queue
+            entered.set()
+            assert gate.wait(PATIENCE)
+
+    recorder.listeners.append(listener)
+    try:
+        assert recorder.submit(tape_end(0))
+        assert entered.wait(PATIENCE)
+        assert all(recorder.submit(tape_end(key)) for key in range(1, 6))
+        gate.set()
+        assert recorder.flush(PATIENCE)
+    finally:
+        gate.set()
+        recorder.close()
+    assert log[:2] == [("span", 1), ("listener", 1)]  # alone: at once
+    assert log[2:] == [("span", k) for k in range(2, 7)] + [("listener", k) for k in range(2, 7)]
+
+
 def test_span_processor_failing_at_end_never_reaches_the_caller(harness: HarnessFactory) -> None:
     h = harness(Raising(on_end=True))
     h.recorder.record_timeline(timeline(3))
