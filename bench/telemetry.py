@@ -401,7 +401,12 @@ def main(argv: list[str] | None = None) -> None:
         help="tapes S seconds apart, as they come in place (64 streams of 50 chunks 20 ms apart: 0.0156), the "
         "process asleep between; 0: back to back",
     )
-    p.add_argument("--batch", type=int, default=1, help="with --pace: tapes taken per wake-up, back to back")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="with --pace: messages taken per wake-up, back to back (tapes; with --tapes, the relay's reports too)",
+    )
     p.add_argument(
         "--tapes", type=Path, metavar="FILE", help="play the messages captured in FILE (bench.relay_cpu --capture)"
     )
