@@ -182,6 +182,23 @@ class _Phases:
         setattr(owner, name, timed)
         self._undo.append(lambda: setattr(owner, name, inner))
 
+    @classmethod
+    def timing(cls) -> _Phases:
+        """The phases of the tree's telemetry, each timed by the functions it runs (undo when done)."""
+        from llmtap.telemetry import recorder as recorder_module, replay, spans
+        from llmtap.telemetry.metrics import MetricWriter
+
+        phases = cls()
+        phases.wrap(replay.Playback, "__init__", "decode")
+        phases.wrap(replay.Playback, "feed", "decode")
+        phases.wrap(replay.Playback, "finish", "decode")
+        phases.wrap(recorder_module, "summarize", "summary")
+        phases.wrap(recorder_module.Recorder, "_diagnose", "summary")
+        phases.wrap(spans.SpanWriter, "root", "spans")
+        phases.wrap(spans.SpanWriter, "write", "spans")
+        phases.wrap(MetricWriter, "record", "metrics")
+        return phases
+
     def undo(self) -> None:
         for step in reversed(self._undo):
             step()
@@ -211,8 +228,6 @@ def _meters() -> tuple[MeterProvider, Callable[[], None]]:
 def measure(requests: int, chunks: int, *, pace: float = 0.0, batch: int = 1) -> dict[str, Any]:
     """CPU per chunk by phase for ``requests`` tapes of ``chunks`` chunks, default telemetry settings; with
     ``pace``, the tapes come ``batch`` at a time, ``pace`` seconds per tape apart (the process sleeps between)."""
-    from llmtap.telemetry import recorder as recorder_module, replay, spans
-    from llmtap.telemetry.metrics import MetricWriter
     from llmtap.telemetry.records import record_line
 
     exporter = _Encoding()
@@ -226,15 +241,7 @@ def measure(requests: int, chunks: int, *, pace: float = 0.0, batch: int = 1) ->
     recorder.take(0, tape(requests, chunks, rng, received=900.0))  # warm-up: the tokenizer and the first spans
     tracer_provider.force_flush()
     exporter.spans = exporter.cpu_ns = 0
-    phases = _Phases()
-    phases.wrap(replay.Playback, "__init__", "decode")
-    phases.wrap(replay.Playback, "feed", "decode")
-    phases.wrap(replay.Playback, "finish", "decode")
-    phases.wrap(recorder_module, "summarize", "summary")
-    phases.wrap(recorder_module.Recorder, "_diagnose", "summary")
-    phases.wrap(spans.SpanWriter, "root", "spans")
-    phases.wrap(spans.SpanWriter, "write", "spans")
-    phases.wrap(MetricWriter, "record", "metrics")
+    phases = _Phases.timing()
     ident = recorder.identity
 
     def line(tl: Any, s: Any) -> None:
@@ -286,8 +293,6 @@ def measure_tapes(path: Path, *, pace: float = 0.0, batch: int = 1) -> dict[str,
     worker; with ``pace``, ``batch`` messages at a time, ``pace`` seconds per message apart."""
     from llmtap.analysis import tokens
     from llmtap.config.load import build
-    from llmtap.telemetry import recorder as recorder_module, replay, spans
-    from llmtap.telemetry.metrics import MetricWriter
     from llmtap.wire.messages import END
 
     messages = captured(path)
@@ -316,15 +321,7 @@ def measure_tapes(path: Path, *, pace: float = 0.0, batch: int = 1) -> dict[str,
     chunks[0] = 0
     rest = messages[ends[0] + 1 :]
     requests = len(ends) - 1
-    phases = _Phases()
-    phases.wrap(replay.Playback, "__init__", "decode")
-    phases.wrap(replay.Playback, "feed", "decode")
-    phases.wrap(replay.Playback, "finish", "decode")
-    phases.wrap(recorder_module, "summarize", "summary")
-    phases.wrap(recorder_module.Recorder, "_diagnose", "summary")
-    phases.wrap(spans.SpanWriter, "root", "spans")
-    phases.wrap(spans.SpanWriter, "write", "spans")
-    phases.wrap(MetricWriter, "record", "metrics")
+    phases = _Phases.timing()
     step = batch if pace else len(rest)
     cpu, wall = time.process_time_ns(), time.perf_counter()
     for start in range(0, len(rest), step):
