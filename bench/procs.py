@@ -153,7 +153,8 @@ class Service:
     ) -> None:
         self.name = name
         self.log_path = log
-        self._log: IO[bytes] = log.open("wb")
+        # Appended: a path started again (its bursts, after its phases) keeps what it logged before.
+        self._log: IO[bytes] = log.open("ab")
         self.proc = subprocess.Popen(
             pinned(argv, cpu),
             stdout=subprocess.PIPE,

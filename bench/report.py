@@ -280,12 +280,19 @@ def markdown(results: dict[str, Any]) -> str:
             lines += ["", "### Added TTFT, llmtap against LiteLLM", "", *ratios]
     if results.get("bursts"):
         plan = results.get("plan", {})
+        if plan.get("bursts_in_turn"):
+            spread = (
+                "taken in turn across the paths (the first burst of each path, then the second of each, and so on; "
+                "each burst alone on the proxy's core, once the path before it has drained its telemetry)"
+            )
+        else:
+            spread = f"{plan.get('burst_period_s', 0):.2f} s apart"
         lines += [
             "",
             "### Burst arrivals (new connections, released at once)",
             "",
-            f"Medians over {plan.get('bursts_per_size', '?')} bursts per size, {plan.get('burst_period_s', 0):.2f} s "
-            "apart, of each burst's own percentiles; merged and errors summed over the bursts. Added TTFT starts "
+            f"Medians over {plan.get('bursts_per_size', '?')} bursts per size, {spread}, "
+            "of each burst's own percentiles; merged and errors summed over the bursts. Added TTFT starts "
             "before the client's connect, so it holds the connect (and, direct over https, a TLS handshake per "
             "request, where a proxy reuses its pooled upstream connections): the connect column is that part.",
             "",

@@ -3,7 +3,9 @@
 One run, one upstream, four paths: direct, nginx, LiteLLM and llmtap with full telemetry. The proxy under
 test is pinned to one core and everything else (client, upstream, OTLP sink, Prometheus, aiperf) to the
 other; llmtap runs twice: with its relay alone on that core (its telemetry process moved to the other), and
-as ``llmtap:one-core``, its whole tree on the one core nginx has (the one-core budget, issue 29). As root,
+as ``llmtap:one-core``, its whole tree on the one core nginx has (the one-core budget, issue 29). Each path's
+staggered phases run with it alone; the bursts run with every path up, taken in turn burst by burst
+(``Bench.run_bursts``), so paths compared on one core are measured over the same minutes. As root,
 the run re-executes itself inside ``unshare -n`` (loopback only), so nothing can leave
 the machine. Results go to ``bench/out/<time>/results.json``; a full run with ``--write`` also rewrites
 the figures block of ``bench/RESULTS.md``.
@@ -122,6 +124,40 @@ class Measure:
     procs: dict[str, int]
     tapes_dropped: float | None
 
+    @classmethod
+    def joined(cls, parts: list[Measure | None]) -> Measure | None:
+        """Several parts of one tree as one: CPU and tapes summed, the highest peak, every sample."""
+        mine = [m for m in parts if m is not None]
+        if not mine:
+            return None
+        roles: dict[str, float] = {}
+        procs: dict[str, int] = {}
+        for m in mine:
+            for role, cpu in m.cpu_roles.items():
+                roles[role] = roles.get(role, 0.0) + cpu
+            for role, n in m.procs.items():
+                procs[role] = max(procs.get(role, 0), n)
+        tapes = [m.tapes_dropped for m in mine]
+        return cls(
+            cpu_s=sum(m.cpu_s for m in mine),
+            cpu_system_s=sum(m.cpu_system_s for m in mine),
+            cpu_roles=roles,
+            peak=max(m.peak for m in mine),
+            samples=[s for m in mine for s in m.samples],
+            procs=procs,
+            tapes_dropped=None if None in tapes else sum(t for t in tapes if t is not None),
+        )
+
+
+@dataclass
+class _Burst:
+    """One burst of one path: the client's and the upstream's records, the client's CPU, the tree's measure."""
+
+    records: list[dict[str, Any]]
+    upstream: list[dict[str, Any]]
+    client_cpu: float
+    measure: Measure | None
+
 
 def scheme(tls: bool) -> str:
     """``https`` or ``http``."""
@@ -158,8 +194,9 @@ class Bench:
         self.idle_relay_rss: dict[str, float] = {}
         self.certs: tlsca.Certs | None = None
         self.tls_port: int | None = None
-        #: The last measured tree when its CPU had stopped moving: (service, CPU, CPU by role, system, tapes).
-        self._quiet: tuple[Service, float, dict[str, float], float, float | None] | None = None
+        #: Trees that have been quiet since their last measured part ended (its telemetry drained): each
+        #: service -> its dropped-tape count then. Such a tree's next part starts from a reading at once.
+        self._settled: dict[Service, float | None] = {}
 
     def start_shared(self) -> None:
         """The upstream (plain, and TLS when a part of the run needs it) and the OTLP sink, on the client's core."""
@@ -278,14 +315,15 @@ class Bench:
             records, client_cpu = run()
             return records, client_cpu, None
         svc = ep.service
-        if self._quiet is not None and self._quiet[0] is svc:
-            # Quiet since the end of the part before (only clients and the upstream ran in between).
-            _, cpu0, roles0, sys0, tapes0 = self._quiet
+        if svc in self._settled:
+            # Quiet since the end of its part before: read now. What it spent idle while other paths' parts ran
+            # (bursts go path by path in turn) is no part's.
+            tapes0 = self._settled.pop(svc)
         else:
             tapes0 = peers.scrape_sum(ep.admin) if ep.admin else None
             quiesce(svc, settle=self.plan.settle)
-            roles0, sys0 = svc.cpu_roles(), svc.cpu_system()
-            cpu0 = sum(roles0.values())  # the whole from the same reading as its parts
+        roles0, sys0 = svc.cpu_roles(), svc.cpu_system()
+        cpu0 = sum(roles0.values())  # the whole from the same reading as its parts
         with Sampler(svc) as sampler:
             records, client_cpu = run()
         quiesce(svc, settle=self.plan.settle)
@@ -294,10 +332,8 @@ class Bench:
         cpu1 = sum(roles1.values())
         tapes1 = peers.scrape_sum(ep.admin) if ep.admin else None
         # The scrape's own CPU (a render of /metrics, a few ms, or part of one that failed) is no part's: the next
-        # part starts after it.
-        after = svc.cpu_roles()
-        sys_after = svc.cpu_system()
-        self._quiet = (svc, sum(after.values()), after, sys_after, tapes1)
+        # part reads the tree afresh.
+        self._settled[svc] = tapes1
         # A process that left the tree took its CPU with it: a role's figure never goes below zero.
         roles = {r: max(0.0, roles1.get(r, 0.0) - roles0.get(r, 0.0)) for r in set(roles0) | set(roles1)}
         m = Measure(
@@ -358,36 +394,80 @@ class Bench:
         print(report.phase_line(fig), flush=True)
         return fig
 
-    def bursts(self, ep: Endpoint, size: int, idle_rss: float, tls: bool) -> dict[str, Any]:
-        """Bursts of ``size`` requests on new connections: figures per burst, their medians, the tree's CPU."""
-        count = self.plan.burst_count()
-        tag = f"burst-{ep.name.replace(':', '_')}-{scheme(tls)}-{size}"
-        records, client_cpu, m = self.measured(ep, lambda: self.clients(ep, size, 0, tag, bursts=count))
-        upstream = peers.records(self.up_port)
+    def run_bursts(self, specs: list[str], tls: bool) -> None:
+        """Every path's bursts over one upstream, taken in turn: the first burst of each path, then the second of
+        each, and so on, size by size.
+
+        The paths share the proxy's core, and a machine that others share drifts over minutes: taken one path
+        after another, a few seconds of other work can land on all the bursts of one path's size and none of the
+        path it is compared with. Taken in turn, each path's bursts of a size spread over the same minute and the
+        per-burst medians compare like with like. Each burst waits until the path before it has drained its
+        telemetry, so no path's work runs in another's burst.
+        """
+        eps: list[Endpoint] = []
+        try:
+            for spec in specs:
+                eps.append(self.endpoint(spec, tls))
+            idle = [self.warm(ep, tls) for ep in eps]
+            for size in self.plan.bursts:
+                taken: list[list[_Burst]] = [[] for _ in eps]
+                for k in range(self.plan.burst_count()):
+                    for ep, parts in zip(eps, taken, strict=True):
+                        parts.append(self.one_burst(ep, size, k, tls))
+                for ep, parts, idle_rss in zip(eps, taken, idle, strict=True):
+                    row = self.burst_row(ep, size, tls, parts, idle_rss)
+                    row["command"] = self.command(ep.name, tls, burst=size)
+                    self.results["bursts"].append(row)
+        finally:
+            for ep in eps:
+                if ep.service is not None:
+                    ep.service.stop()
+                    self.services.remove(ep.service)
+                    self._settled.pop(ep.service, None)
+
+    def one_burst(self, ep: Endpoint, size: int, k: int, tls: bool) -> _Burst:
+        """The ``k``-th burst of ``size`` requests to one path, each on a new connection, measured alone."""
+        tag = f"{self.burst_tag(ep, tls, size)}-{k}"
+        records, client_cpu, m = self.measured(ep, lambda: self.clients(ep, size, 0, tag, bursts=1))
+        for r in records:
+            r["burst"] = k
+        return _Burst(records, peers.records(self.up_port), client_cpu, m)
+
+    @staticmethod
+    def burst_tag(ep: Endpoint, tls: bool, size: int) -> str:
+        return f"burst-{ep.name.replace(':', '_')}-{scheme(tls)}-{size}"
+
+    def burst_row(self, ep: Endpoint, size: int, tls: bool, parts: list[_Burst], idle_rss: float) -> dict[str, Any]:
+        """One path's bursts of one size: figures per burst, their medians, the tree's CPU over its bursts."""
+        records = [r for part in parts for r in part.records]
+        upstream = [u for part in parts for u in part.upstream]
+        tag = self.burst_tag(ep, tls, size)
         (self.work / f"records-{tag}.json").write_text(json.dumps({"client": records, "upstream": upstream}))
         pooled = analyse(ep.name, size, records, upstream, gap=self.plan.gap)
         pooled.upstream, pooled.scenario = scheme(tls), "burst"
-        pooled.client_cpu_s = client_cpu
-        self.charge(pooled, ep, tls, m, idle_rss, records)
-        ran = sorted({int(r["burst"]) for r in records})
+        pooled.client_cpu_s = sum(part.client_cpu for part in parts)
+        self.charge(pooled, ep, tls, Measure.joined([part.measure for part in parts]), idle_rss, records)
         per = []
-        for k in ran:
-            mine = [r for r in records if r.get("burst") == k]
+        for part in parts:
+            mine = part.records
+            if not mine:
+                continue  # the time bound of the bursts: a path that fell behind sent none
             f = analyse(ep.name, size, mine, upstream, gap=self.plan.gap)
             releases = [r["start"] - r["release"] for r in mine if "start" in r]
             connects = [1000 * (r["sent"] - r["start"]) for r in mine if "start" in r and not r.get("error")]
             per.append({
-                "burst": k, "requests": f.requests, "complete": f.complete, "errors": f.failed + f.unmatched,
-                "merged": f.merged, "added_ttft_ms_p50": _num(f.added_ttft_ms_p50),
-                "added_ttft_ms_p99": _num(f.added_ttft_ms_p99), "added_gap_ms_p99": _num(f.added_gap_ms_p99),
+                "burst": mine[0]["burst"], "requests": f.requests, "complete": f.complete,
+                "errors": f.failed + f.unmatched, "merged": f.merged,
+                "added_ttft_ms_p50": _num(f.added_ttft_ms_p50), "added_ttft_ms_p99": _num(f.added_ttft_ms_p99),
+                "added_gap_ms_p99": _num(f.added_gap_ms_p99),
                 "late_start_ms_max": 1000 * max(releases) if releases else None,
                 "connect_ms_p50": quantile(connects, 0.5), "connect_ms_p99": quantile(connects, 0.99),
             })  # fmt: skip
         row = {
             **pooled.as_dict(),
             "size": size,
-            "bursts": len(ran),
-            "bursts_planned": count,
+            "bursts": len(per),
+            "bursts_planned": len(parts),
             # Connections the upstream saw for these requests (a proxy's pool reused, or one per request).
             "upstream_connections": len({u.get("conn") for u in upstream}),
             "errors": pooled.failed + pooled.unmatched,
@@ -406,7 +486,7 @@ class Bench:
         return row
 
     def run_path(self, spec: str, *, tls: bool = False, ramp: bool = False, phases: bool = True) -> None:
-        """All concurrencies and burst sizes of one path over one upstream (and llmtap's ramp), then stop it."""
+        """The staggered phases of one path over one upstream (and llmtap's ramp), then stop it."""
         ep = self.endpoint(spec, tls)
         try:
             idle = self.warm(ep, tls)
@@ -415,16 +495,13 @@ class Bench:
                 fig = self.phase(ep, streams, self.plan.requests_for(streams), idle, tag, tls)
                 fig.command = self.command(spec, tls, streams=streams)
                 self.results["phases"].append(fig.as_dict())
-            for size in self.plan.bursts:
-                row = self.bursts(ep, size, idle, tls)
-                row["command"] = self.command(spec, tls, burst=size)
-                self.results["bursts"].append(row)
             if ramp:
                 self.ramp(ep, idle)
         finally:
             if ep.service is not None:
                 ep.service.stop()
                 self.services.remove(ep.service)
+                self._settled.pop(ep.service, None)
 
     def client_check(self) -> None:
         """Whether the load client kept up: the direct path's staggered requests, pooled, within
@@ -720,8 +797,8 @@ def main(argv: list[str] | None = None) -> int:
         load_before=load(),
         plan={"streams": plan.streams if staggered else (), "requests": plan.requests, "ramp": plan.ramp,
               "chunks": plan.chunks, "gap_ms": plan.gap * 1000, "ttft_ms": plan.ttft * 1000,
-              "bursts": plan.bursts, "bursts_per_size": plan.burst_count(),
-              "burst_period_s": plan.period + plan.burst_slack, "tls": [scheme(t) for t in modes],
+              "bursts": plan.bursts, "bursts_per_size": plan.burst_count(), "bursts_in_turn": True,
+              "tls": [scheme(t) for t in modes],
               "paths": paths},
         upstream_ca=None,
     )  # fmt: skip
@@ -738,9 +815,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"skipped: {spec} over https: {why}", flush=True)
                     continue
                 ramp = args.ramp and spec == "llmtap" and not tls
-                if not (staggered or plan.bursts or ramp):
-                    continue
-                bench.run_path(spec, tls=tls, ramp=ramp, phases=staggered)
+                if staggered or ramp:
+                    bench.run_path(spec, tls=tls, ramp=ramp, phases=staggered)
+            if plan.bursts:
+                bench.run_bursts([s for s in paths if not (tls and base_path(s) == "litellm")], tls)
         bench.over_direct()
         bench.client_check()
         if args.workers and plan.workers_streams and "llmtap" in paths:

@@ -4,13 +4,15 @@ Not a performance test: nothing here asserts llmtap's targets. It asserts that t
 it says (every path, every concurrency, every request matched to the upstream's own record), that the
 load client was not the bottleneck on the direct path, and that the accuracy part read aiperf, llmtap's
 spans and a real Prometheus (all peers: about a minute and a half). The burst part (direct, llmtap and
-nginx when installed; bursts of 1 and 8 over plain and HTTPS upstreams; about 80 s) needs no other peer.
+nginx when installed; bursts of 1 and 8 over plain and HTTPS upstreams, the paths in turn; about 2 minutes) needs
+no other peer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import math
 import os
@@ -244,6 +246,30 @@ def test_bursts_reached_the_upstream_over_the_scheme_asked(bursts: dict[str, Any
             # One new client connection per request: every request's clock started before its own connect.
             assert all(c["start"] <= c["sent"] for c in raw["client"])
     assert bursts["upstream_ca"] in ("--upstream-ca", "SSL_CERT_FILE+certifi")
+
+
+@pytest.mark.real
+def test_the_paths_take_their_bursts_in_turn(bursts: dict[str, Any], burst_out: Path) -> None:
+    """Each path's k-th burst of a size before any path's next one, and each burst alone: the paths compared on
+    one core are measured over the same minutes, never one path's bursts all before another's."""
+    assert bursts["plan"]["bursts_in_turn"] is True
+    count = SMOKE.burst_count()
+    for scheme in ("http", "https"):
+        for size in BURST_SIZES:
+            taken = []  # (release, end of the burst's last request, path, burst)
+            for path in BURST_ROWS:
+                name = f"records-burst-{path.replace(':', '_')}-{scheme}-{size}.json"
+                raw = json.loads((burst_out / name).read_text())
+                for k in range(count):
+                    mine = [c for c in raw["client"] if c["burst"] == k]
+                    assert len(mine) == size, (path, scheme, size, k)
+                    taken.append((min(c["release"] for c in mine), max(c["end"] for c in mine), path, k))
+            taken.sort()
+            assert [k for *_, k in taken] == sorted(k for *_, k in taken), taken
+            assert [path for *_, path, k in taken if k == 0] == [path for *_, path, k in taken if k == 1], taken
+            # No burst is released before the one before it (another path's) has ended.
+            for before, after in itertools.pairwise(taken):
+                assert after[0] > before[1], (before, after)
 
 
 @pytest.mark.real
