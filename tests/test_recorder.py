@@ -846,9 +846,6 @@ def test_captured_content_is_capped_at_16_kib(harness: HarnessFactory) -> None:
     assert content == "".join(texts)[: 16 * 1024]
 
 
-# --- failure isolation ---------------------------------------------------------------------------
-
-
 class RootEnds(SpanProcessor):
     """Notes each root span's end (its trace id) in a shared log."""
 
@@ -888,6 +885,9 @@ def test_what_one_wake_up_brings_goes_emitter_by_emitter_each_in_order() -> None
         recorder.close()
     assert log[:2] == [("span", 1), ("listener", 1)]  # alone: at once
     assert log[2:] == [("span", k) for k in range(2, 7)] + [("listener", k) for k in range(2, 7)]
+
+
+# --- failure isolation ---------------------------------------------------------------------------
 
 
 def test_span_processor_failing_at_end_never_reaches_the_caller(harness: HarnessFactory) -> None:
