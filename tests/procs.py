@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -98,16 +99,59 @@ def stop_clean(proc: subprocess.Popen[str], timeout: float = PATIENCE) -> str:
     return err
 
 
+def _listening(port: int) -> set[str]:
+    """The socket inodes listening on TCP ``port`` at any address of this network namespace."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table, encoding="ascii") as f:
+            next(f)  # the heading
+            for line in f:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    return inodes
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process below it, as of now."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += map(int, Path(f"/proc/{p}/task/{task}/children").read_text().split())
+    return found
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether ``pid`` or a process below it holds a socket listening on ``port``."""
+    inodes = _listening(port)
+    for p in _tree(pid):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{p}/fd/{fd}") in inodes:
+                        return True
+    return False
+
+
 def wait_ready(proc: subprocess.Popen[Any], admin_url: str, logs: Callable[[], str] = str) -> str:
-    """Poll the admin listener's ``/readyz`` until it answers 200 (within PATIENCE); its text. Fails at once if
-    ``proc`` exits, with the end of ``logs()``."""
+    """Poll the admin listener's ``/readyz`` until ``proc``'s own answers 200 (within PATIENCE); its text. Fails
+    at once if ``proc`` exits, with the end of ``logs()``.
+
+    A 200 counts only while ``proc``'s tree holds the listening socket: a free port can be taken before llmtap
+    binds it, and another test's llmtap on that port answers ``/readyz`` too (a CI run saw a start that lost
+    its admin port reported ready, and the test's requests then refused)."""
+    port = urllib.parse.urlsplit(admin_url).port
+    assert port is not None, admin_url
     # A deadline, not a bound on start-up: two busy loops on two cores made a start take over 20 s.
     deadline = time.monotonic() + PATIENCE
     while time.monotonic() < deadline:
         assert proc.poll() is None, "llmtap exited before it was ready\n" + logs()[-3000:]
         try:
             ready = httpx.get(admin_url + "/readyz", timeout=2)
-            if ready.status_code == 200:
+            if ready.status_code == 200 and listens(proc.pid, port):
                 return ready.text
         except httpx.TransportError:
             pass

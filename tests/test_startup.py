@@ -3,7 +3,12 @@ once each under their listener's name, and the access log (``--access-log``) wri
 
 from __future__ import annotations
 
+import http.server
+import os
 import re
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,7 +18,7 @@ import pytest
 from llmtap.config.load import build
 from llmtap.serve.lines import startup_lines
 from tests.conftest import PATIENCE, Scripted
-from tests.procs import Llmtap
+from tests.procs import ROOT, Llmtap, stop, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -144,3 +149,37 @@ def test_an_access_line_stays_one_line_and_says_what_it_does_not_know() -> None:
     long = access_line(make(path="/" + "a" * 1000, status_code=200), Summary(ttft=0.0213, e2e=1.5, input_tokens=3))
     assert long.split(" ")[2] == "/" + "a" * (PATH_CAP - 1) + "..."
     assert long.split(" ")[3:8] == ["200", "ttft=21.3ms", "in=3", "out=-", "duration=1500.0ms"]
+
+
+class _Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_start_that_lost_its_admin_port_is_not_taken_for_ready(tmp_path: Path) -> None:
+    """Another server on the admin port answers ``/readyz`` 200 while the new llmtap fails to bind it and exits: the
+    test harness's readiness must see that the answer is not the started process's (a CI run took such a start for
+    ready, and its requests were refused)."""
+    stray = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ready)
+    threading.Thread(target=stray.serve_forever, daemon=True).start()
+    port = stray.server_address[1]
+    log = (tmp_path / "llmtap.log").open("w+", encoding="utf-8")
+    argv = ["serve", "--upstream", "http://127.0.0.1:9", "--port", "0", "--admin-port", str(port)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LLMTAP_"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmtap", *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log
+    )
+    try:
+        with pytest.raises(AssertionError, match="exited before it was ready"):
+            wait_ready(proc, f"http://127.0.0.1:{port}", (tmp_path / "llmtap.log").read_text)
+        assert "Address already in use" in (tmp_path / "llmtap.log").read_text()
+    finally:
+        stop(proc)
+        log.close()
+        stray.shutdown()
+        stray.server_close()
