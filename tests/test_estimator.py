@@ -132,6 +132,26 @@ def test_estimator_slot_split_and_fallback_to_envelope() -> None:
     assert split.queue == pytest.approx(0.3, abs=1e-6) and split.prefill == pytest.approx(0.085, abs=1e-6)
 
 
+def test_the_replay_orders_requests_as_they_were_written_not_begun() -> None:
+    """Two slots. A request begun at 1.0 opens a connection and is written at 1.6; one begun at 1.1 on a connection
+    already open is written at 1.2 and reaches the server first, taking the free slot; the first waits for a slot
+    to end. Each counts the requests in flight as it is written."""
+    e = Estimator()
+    running = timeline(1, 0.0, 0, 0.5, 5.0)
+    late = timeline(2, 1.0, 2, 5.3, 6.0)
+    late.written = 1.6
+    early = timeline(3, 1.1, 1, 1.4, 8.0)
+    early.written = 1.2
+    for tl in (running, late, early):  # in the order they ended
+        split = e.observe(tl, 100, slots=2, rate=None)
+        assert split is not None and split.method == "slots"
+        if tl is late:
+            # It queued from its write to the running request's end; its connect stays in prefill.
+            assert split.queue == pytest.approx(5.0 - 1.6) and split.prefill == pytest.approx(5.3 - 1.0 - 3.4)
+        if tl is early:
+            assert split.queue == 0.0 and split.prefill == pytest.approx(0.3)
+
+
 def test_estimator_split_never_negative_nor_longer_than_ttft() -> None:
     e = Estimator()
     e.observe(timeline(1, 0.0, 0, 1.0, 2.0), 100, slots=None, rate=None)

@@ -180,6 +180,7 @@ def test_the_tape_builds_each_field_where_its_name_says() -> None:
         "body_read": 1.6,
         "admitted": 1.7,
         "sent": 1.8,
+        "written": 1.85,
         "headers_at": 1.9,
         "status_code": 203,
         "response_headers": [(b"h", b"v")],
@@ -235,7 +236,7 @@ def test_a_message_of_another_build_fails_loudly_naming_the_mismatch() -> None:
         decode(good[:-1])
     _, raws = chat_tape(1, [b"x"])
     end = raws[0]
-    with pytest.raises(WireError, match="message head of 26 fields where this build has 25"):
+    with pytest.raises(WireError, match="message head of 27 fields where this build has 26"):
         decode((*end[:2], (*end[2], "new field"), *end[3:]))
     with pytest.raises(WireError, match="message tail of 5 fields"):
         decode((*end[:4], end[4][:5]))

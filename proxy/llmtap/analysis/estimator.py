@@ -9,9 +9,13 @@ estimates split it, and every value they give is marked ``estimated``:
   request once fewer than that many of the requests sent before it are unfinished. The proxy sees
   every request it sends and when each one ends, so it can replay the server's admissions: a request
   sent with ``ahead`` requests in flight and ``slots`` slots waits for the ``ahead - slots + 1``-th of
-  them to end. Prefill is then the rest of the upstream TTFT. Requests are ordered by when they were
-  sent, on the one monotonic clock every process of the machine reads, and ``ahead`` counts every relay's
-  requests (``llmtap.relay.shared``): with ``--workers N`` each relay sends some of an upstream's.
+  them to end. Prefill is then the rest of the upstream TTFT. Requests are ordered by when each was
+  written onto its upstream connection, on the one monotonic clock every process of the machine reads, and
+  ``ahead`` counts every relay's requests in flight at that moment (``llmtap.relay.shared``): with
+  ``--workers N`` each relay sends some of an upstream's. Written, not begun: a request that had to open
+  a connection first reaches the server after one begun a few milliseconds later on a connection already
+  open (a CI run's burst over two relays had one begin 1 ms before another and arrive 4.5 ms after it,
+  and the replay gave the later one's slot to it).
 - **Envelope.** Otherwise, the unloaded TTFT of each upstream and model is learned as a line in
   uncached input tokens, ``base + tokens / rate``, from the lower envelope of what requests sent to an
   idle upstream saw (or with the rate from config). A request's prefill is that line at its uncached
@@ -214,7 +218,7 @@ class _Upstream:
 
 
 #: What a request taught the estimator, as ``Estimator.learned`` holds it for the other telemetry processes:
-#: ``(DECODING, upstream, first, end)``, ``(ENDED, upstream, sent, end)``, ``(IDLE, upstream, model, tokens, ttft,
+#: ``(DECODING, upstream, first, end)``, ``(ENDED, upstream, written, end)``, ``(IDLE, upstream, model, tokens, ttft,
 #: rate)``. Plain tuples: they travel as they are (``llmtap.wire.messages.Facts``).
 DECODING, ENDED, IDLE = "decoding", "ended", "idle"
 Lesson = tuple[Any, ...]
@@ -311,10 +315,12 @@ class Estimator:
         if tl.sent is None or tl.upstream_seq is None:
             return None
         up = self._upstream(tl.upstream)
+        # Where the replay puts the request: as it went onto the wire, its connect behind it.
+        written = tl.written if tl.written is not None else tl.sent
         if tl.end is not None:
-            up.log.add(tl.sent, tl.end)
+            up.log.add(written, tl.end)
             if self.learned is not None:
-                self.learned.append((ENDED, tl.upstream, tl.sent, tl.end))
+                self.learned.append((ENDED, tl.upstream, written, tl.end))
         first = tl.first_content
         if first is None or uncached_tokens is None:
             return None
@@ -324,9 +330,10 @@ class Estimator:
         idle = tl.upstream_ahead == 0
         split: QueuePrefill | None = None
         if slots is not None:
-            admitted = up.log.admitted(tl.sent, tl.upstream_ahead, slots, first)
+            admitted = up.log.admitted(written, tl.upstream_ahead, slots, first)
             if admitted is not None:
-                queue = min(max(admitted - tl.sent, 0.0), ttft)
+                # The connect is the hop's, not the server's line: it stays with prefill, as when nothing queued.
+                queue = min(max(admitted - written, 0.0), ttft)
                 split = QueuePrefill(queue, ttft - queue, "slots")
         if split is None:
             predicted = env.prefill(uncached_tokens)

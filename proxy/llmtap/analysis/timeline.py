@@ -108,6 +108,9 @@ class Timeline:
     body_read: float | None = None
     admitted: float | None = None
     sent: float | None = None
+    #: When the request's head went onto the upstream connection: ``sent`` plus any connect and TLS handshake
+    #: (None: not known, read as ``sent``). Requests reach the upstream in this order.
+    written: float | None = None
     headers: float | None = None
     first_byte: float | None = None
     first_content: float | None = None
@@ -145,7 +148,7 @@ class Timeline:
     oversized_events: int = 0
     trace_id: str | None = None
     # The upstream's sequence number of this request and how many requests to the same upstream were
-    # in flight when it was sent: what the estimator needs to replay a slot-limited server.
+    # in flight when it was written: what the estimator needs to replay a slot-limited server.
     upstream_seq: int | None = None
     upstream_ahead: int = 0
     # Names of timing headers the relay found malformed or inconsistent, and so ignored.

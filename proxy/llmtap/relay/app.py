@@ -501,7 +501,16 @@ class ProxyApp:
         pipe: Pipe | None = None
         started = False
         admission = self.admissions.get(route.name)
-        admitted = sent = False
+        admitted = sent = counted = False
+
+        def leaving() -> None:
+            # The request's head goes onto the upstream connection now, after any connect: the upstream sees the
+            # requests in this order, and those already in flight, whichever relay wrote them, are ahead of it.
+            nonlocal counted
+            tape.written = now()
+            tape.upstream_ahead = self.upstream_inflight.begin(route.upstream)
+            counted = True
+
         try:
             if admission is not None:
                 try:
@@ -512,15 +521,17 @@ class ProxyApp:
                 admitted = True
             tape.admitted = now()
             tape.upstream_seq = self._upstream_seq = self._upstream_seq + 1
-            tape.upstream_ahead = self.upstream_inflight.begin(route.upstream)
             sent = True
             tape.sent = now()
             try:
                 if direct is not None:
                     lean, origin = direct
-                    response = await lean.send(origin, scope["method"], target, out_request_headers, content, timeouts)
+                    response = await lean.send(
+                        origin, scope["method"], target, out_request_headers, content, timeouts, leaving
+                    )
                 else:
                     assert request is not None
+                    leaving()  # httpx's pool says nothing of its connect: as it is handed the request
                     response = _HttpxAnswer(await client.send(request, stream=True))
             except httpx.TransportError as exc:
                 await _upstream_failed(send, route, tape, exc)
@@ -666,8 +677,9 @@ class ProxyApp:
                 # Closing the response closes the upstream connection mid-stream: the server sees the
                 # client leave and stops generating. A cancellation cannot skip it (``aclose``).
                 await response.aclose()
-            if sent:
+            if counted:
                 self.upstream_inflight.end(route.upstream)
+            if sent:
                 if tape.end is None:
                     tape.end = now()
             if admitted and admission is not None:

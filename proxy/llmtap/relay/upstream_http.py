@@ -799,14 +799,16 @@ class LeanTransport(httpx.AsyncBaseTransport):
         headers: list[tuple[bytes, bytes]],
         content: bytes | AsyncIterable[bytes],
         timeouts: _Timeouts,
+        leaving: Callable[[], None] | None = None,
     ) -> Answer:
         """One request, straight from the relay: no ``httpx.Request`` or ``Response`` is built (issue 29).
 
         The bytes on the wire are those ``handle_async_request`` sends for the ``httpx.Request`` made of the
         same parts (``request_head``); ``target`` is the request target as httpx encodes it (``raw_path``).
+        ``leaving`` is called once a connection is ready, just before the request's first byte is written to it.
         """
         head, chunked = request_head(method, target, origin.host, headers, content)
-        conn = await self._exchange(origin.key, head, content, chunked, method == "HEAD", timeouts)
+        conn = await self._exchange(origin.key, head, content, chunked, method == "HEAD", timeouts, leaving)
         return Answer(conn.status, conn.headers, _Body(conn, timeouts))
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -845,8 +847,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
         chunked: bool,
         head_only: bool,
         timeouts: _Timeouts,
+        leaving: Callable[[], None] | None = None,
     ) -> _Connection:
-        """A connection of ``key``'s pool with the request sent on it and the response's head read."""
+        """A connection of ``key``'s pool with the request sent on it and the response's head read (``leaving``:
+        called as the request's first byte is about to be written)."""
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = _Pool(self._limit)
@@ -860,6 +864,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
             pool.added(conn)
         try:
             conn.begin(head_only=head_only)
+            if leaving is not None:
+                leaving()
             if isinstance(content, bytes):
                 conn.write(head + content)  # one write: the head and a body already in memory
                 conn.sent_all = True

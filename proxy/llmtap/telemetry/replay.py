@@ -84,6 +84,7 @@ class Playback:
         tl.sampled = head.sampled
         tl.parent = head.parent
         tl.body_read, tl.admitted, tl.sent, tl.headers = head.body_read, head.admitted, head.sent, head.headers_at
+        tl.written = head.written
         tl.status_code = status_code = head.status_code
         tl.upstream_seq, tl.upstream_ahead = head.upstream_seq, head.upstream_ahead
         info: RequestInfo | None = None

@@ -96,6 +96,9 @@ class Head(NamedTuple):
     body_read: float | None
     admitted: float | None
     sent: float | None
+    #: The request's head went onto the upstream connection (``sent`` is before any connect): the order the
+    #: upstream sees requests in.
+    written: float | None
     headers_at: float | None
     status_code: int | None
     response_headers: tuple[tuple[bytes, bytes], ...]

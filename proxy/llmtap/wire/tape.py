@@ -105,6 +105,7 @@ class Tape:
         "trace_id",
         "upstream_ahead",
         "upstream_seq",
+        "written",
     )
 
     def __init__(
@@ -142,6 +143,8 @@ class Tape:
         self.body_read: float | None = None
         self.admitted: float | None = None
         self.sent: float | None = None
+        #: When the request's head went onto the upstream connection, after any connect and TLS handshake.
+        self.written: float | None = None
         self.headers_at: float | None = None
         self.status_code: int | None = None
         self.response_headers: list[tuple[bytes, bytes]] = []
@@ -209,6 +212,7 @@ class Tape:
             self.body_read,
             self.admitted,
             self.sent,
+            self.written,
             self.headers_at,
             self.status_code,
             tuple(self.response_headers),
