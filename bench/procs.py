@@ -30,8 +30,60 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 T = TypeVar("T")
 
 
+#: The lowest port handed out: the ports from here to the kernel's ephemeral range are shared out among the
+#: processes that call ``free_port`` (each pytest-xdist worker its own part).
+_FIRST_PORT = 16384
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel picks for outgoing connections and ``bind(0)`` (32768 unless set otherwise)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _own_ports() -> list[int]:
+    """The ports this process hands out, in the order it tries them: its pytest-xdist worker's share of those below
+    the ephemeral range, begun at an offset of its own (the worker's children, a benchmark run by a test, call
+    ``free_port`` too). Empty when the ephemeral range leaves too few below it."""
+    low = _ephemeral_low()
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = (low - _FIRST_PORT) // max(workers, 1)
+    if size < 256 or not 0 <= worker < workers:
+        return []
+    base = _FIRST_PORT + worker * size
+    offset = os.getpid() * 101 % size
+    return [base + (offset + i) % size for i in range(size)]
+
+
+_ports: list[int] | None = None
+_next = 0
+_ports_lock = threading.Lock()
+
+
 def free_port() -> int:
-    """A port nobody listens on right now."""
+    """A port nobody listens on right now, and that no other test or benchmark process is handed meanwhile.
+
+    A port the kernel picked (``bind(0)``) and let go may be picked again for another process before the one it was
+    for binds it, or taken by an outgoing connection: a CI run's llmtap lost its admin port so. So the ports come
+    from below the kernel's ephemeral range, which neither touches, each pytest-xdist worker its own part, each
+    process in turn through it; one still bound or lingering (a bind without ``SO_REUSEADDR`` fails) is passed over.
+    """
+    global _ports, _next
+    with _ports_lock:
+        if _ports is None:
+            _ports = _own_ports()
+        for _ in range(len(_ports)):
+            port = _ports[_next]
+            _next = (_next + 1) % len(_ports)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

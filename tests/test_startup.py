@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -183,3 +184,29 @@ def test_a_start_that_lost_its_admin_port_is_not_taken_for_ready(tmp_path: Path)
         log.close()
         stray.shutdown()
         stray.server_close()
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_a_part_for_each_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``free_port``: each pytest-xdist worker hands out its own ports, none the kernel hands out for ``bind(0)`` or an
+    outgoing connection, each once in turn, passing over one that is bound."""
+    from bench import procs
+
+    parts = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        parts.append(set(procs._own_ports()))
+    low = procs._ephemeral_low()
+    assert parts[0] and parts[1] and not parts[0] & parts[1]
+    assert all(procs._FIRST_PORT <= port < low for port in parts[0] | parts[1])
+    ports = sorted(parts[1])[:64]
+    monkeypatch.setattr(procs, "_ports", ports)
+    monkeypatch.setattr(procs, "_next", 0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[1]))
+        taken.listen()
+        given = [procs.free_port() for _ in range(10)]
+    free = [port for port in ports if port != ports[1]]
+    # Anything else bound meanwhile on this machine is passed over too: the ports given are the free ones, in turn.
+    assert ports[1] not in given and len(set(given)) == 10 and given == sorted(given)
+    assert set(given) <= set(free)
