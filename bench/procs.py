@@ -60,6 +60,7 @@ def _own_ports() -> list[int]:
 
 _ports: list[int] | None = None
 _next = 0
+_ports_pid = 0  # the process ``_ports`` was made for: a forked child makes its own
 _ports_lock = threading.Lock()
 
 
@@ -71,10 +72,10 @@ def free_port() -> int:
     from below the kernel's ephemeral range, which neither touches, each pytest-xdist worker its own part, each
     process in turn through it; one still bound or lingering (a bind without ``SO_REUSEADDR`` fails) is passed over.
     """
-    global _ports, _next
+    global _ports, _next, _ports_pid
     with _ports_lock:
-        if _ports is None:
-            _ports = _own_ports()
+        if _ports is None or _ports_pid != os.getpid():
+            _ports, _next, _ports_pid = _own_ports(), 0, os.getpid()
         for _ in range(len(_ports)):
             port = _ports[_next]
             _next = (_next + 1) % len(_ports)

@@ -202,6 +202,7 @@ def test_free_ports_come_from_below_the_ephemeral_range_a_part_for_each_worker(m
     ports = sorted(parts[1])[:64]
     monkeypatch.setattr(procs, "_ports", ports)
     monkeypatch.setattr(procs, "_next", 0)
+    monkeypatch.setattr(procs, "_ports_pid", os.getpid())
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", ports[1]))
         taken.listen()
