@@ -182,8 +182,6 @@ async def _stream(args: argparse.Namespace, slot: int, records: list[dict[str, A
     start = args.start_at + (0.0 if bursts else slot * args.stagger / args.total_streams)
     for n in range(args.bursts if bursts else args.requests):
         release = start + n * args.burst_period if bursts else start
-        if bursts and args.deadline and max(release, time.perf_counter()) > args.deadline:
-            break  # the time bound of the bursts: no burst starts after it
         if bursts:
             # A burst: released together, each request on its own new connection.
             await asyncio.sleep(max(0.0, release - time.perf_counter()))
@@ -260,9 +258,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--bursts", type=int, default=0, help="burst mode: this many bursts, a new connection each")
     p.add_argument("--burst-period", dest="burst_period", type=float, default=1.5, help="seconds between bursts")
-    p.add_argument(
-        "--deadline", type=float, default=0.0, help="burst mode: perf_counter() time after which no burst starts"
-    )
     p.add_argument("--ca", help="CA certificate (PEM) to trust for https:// URLs")
     return p
 

@@ -21,6 +21,7 @@ from typing import IO, Any
 import httpx
 import pytest
 
+from bench.procs import descendants
 from tests.conftest import PATIENCE, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,22 +113,10 @@ def _listening(port: int) -> set[str]:
     return inodes
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every process below it, as of now."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{p}/task"):
-                todo += map(int, Path(f"/proc/{p}/task/{task}/children").read_text().split())
-    return found
-
-
 def listens(pid: int, port: int) -> bool:
     """Whether ``pid`` or a process below it holds a socket listening on ``port``."""
     inodes = _listening(port)
-    for p in _tree(pid):
+    for p in descendants(pid):
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{p}/fd"):
                 with contextlib.suppress(OSError):

@@ -9,13 +9,13 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.procs import LoopbackHTTPServer
 from llmtap.config.load import build
 from llmtap.serve.lines import startup_lines
 from tests.conftest import PATIENCE, Scripted
@@ -166,8 +166,7 @@ def test_a_start_that_lost_its_admin_port_is_not_taken_for_ready(tmp_path: Path)
     """Another server on the admin port answers ``/readyz`` 200 while the new llmtap fails to bind it and exits: the
     test harness's readiness must see that the answer is not the started process's (a CI run took such a start for
     ready, and its requests were refused)."""
-    stray = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ready)
-    threading.Thread(target=stray.serve_forever, daemon=True).start()
+    stray = LoopbackHTTPServer(_Ready)
     port = stray.server_address[1]
     log = (tmp_path / "llmtap.log").open("w+", encoding="utf-8")
     argv = ["serve", "--upstream", "http://127.0.0.1:9", "--port", "0", "--admin-port", str(port)]
@@ -182,8 +181,7 @@ def test_a_start_that_lost_its_admin_port_is_not_taken_for_ready(tmp_path: Path)
     finally:
         stop(proc)
         log.close()
-        stray.shutdown()
-        stray.server_close()
+        stray.close()
 
 
 def test_free_ports_come_from_below_the_ephemeral_range_a_part_for_each_worker(monkeypatch: pytest.MonkeyPatch) -> None:
