@@ -63,23 +63,31 @@ runtime = "runc"
 EOF
 export CONTAINERS_CONF="$conf"
 
-if podman image exists "$base"; then
+# The base's recipe: the image is made again when it changes (its digest is a label of the base).
+recipe=(--variant=minbase --include=python3,python3-venv,ca-certificates
+    # merged /usr as Debian's own images have it, without usrmerge (which brings 47 MB of perl)
+    --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr
+    # no documentation, man pages or locales, and no apt lists: as the official slim images
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*'
+    --dpkgopt='path-exclude=/usr/share/info/*'
+    --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/* "$1"/var/log/*.log'
+    bookworm
+)
+sources=("deb $mirror bookworm main" "deb $mirror bookworm-updates main"
+    "deb ${mirror%/debian}/debian-security bookworm-security main")
+digest="$(printf '%s\n' "${recipe[@]}" "${sources[@]}" | sha256sum | cut -c1-16)"
+if [ "$(podman image inspect --format '{{index .Labels "llmtap.base.recipe"}}' "$base" 2>/dev/null)" = "$digest" ]; then
     step "base $base present"
 else
     step "making base $base with mmdebstrap"
     rootfs="$(mktemp -d)"
     trap 'rm -rf "$rootfs"' EXIT
     # minbase and Python with its venv module: what the official python:slim image holds, from Debian's archive.
-    # Documentation, man pages and locales are left out, and apt's lists removed, as the slim images do.
-    mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,ca-certificates \
-        --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-        --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
-        --dpkgopt='path-exclude=/usr/share/info/*' \
-        --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
-        bookworm "$rootfs/base.tar" \
-        "deb $mirror bookworm main" "deb $mirror bookworm-updates main" \
-        "deb ${mirror%/debian}/debian-security bookworm-security main" </dev/null
-    podman import --quiet --change 'CMD ["/bin/bash"]' "$rootfs/base.tar" "$base" >/dev/null
+    mmdebstrap --quiet "${recipe[@]}" "$rootfs/base.tar" "${sources[@]}" </dev/null >"$rootfs/log" 2>&1 ||
+        { tail -n 40 "$rootfs/log" >&2; exit 1; }
+    podman import --quiet --change 'CMD ["/bin/bash"]' --change "LABEL llmtap.base.recipe=$digest" \
+        "$rootfs/base.tar" "$base" >/dev/null
     rm -rf "$rootfs"
     trap - EXIT
 fi
