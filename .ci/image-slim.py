@@ -39,8 +39,10 @@ def slim(site: Path) -> None:
             shutil.rmtree(folder)
     strip = shutil.which("strip")
     if strip is not None:
-        for lib in site.rglob("*.so*"):
-            if lib.is_file() and not lib.is_symlink():
+        # Not the libraries auditwheel bundled (``*.libs``): patchelf rewrote them, and strip leaves them unloadable
+        # ("ELF load command address/offset not page-aligned", numpy's OpenBLAS).
+        for lib in site.rglob("*.so"):
+            if lib.is_file() and not any(part.endswith(".libs") for part in lib.parts):
                 subprocess.run([strip, "--strip-unneeded", str(lib)], check=True)
     # Unchecked hashes: bytecode that a copy's timestamps cannot invalidate (nothing edits the image's sources).
     mode = py_compile.PycInvalidationMode.UNCHECKED_HASH
@@ -49,12 +51,12 @@ def slim(site: Path) -> None:
 
 
 def check_imports(site: Path) -> None:
-    """Import every compiled module (the bundled libraries of ``*.libs`` load with them): a strip that broke one
-    fails the build, not the first request."""
+    """Import every compiled module (the libraries beside them load with them): a strip that broke one fails the
+    build, not the first request."""
     for lib in sorted(site.rglob("*.so")):
         parts = lib.relative_to(site).parts
-        if any(p.endswith(".libs") for p in parts):
-            continue
+        if not (".cpython-" in lib.name or ".abi3." in lib.name):
+            continue  # a library the modules load (pyarrow's libarrow_python.so), not a module
         importlib.import_module(".".join([*parts[:-1], parts[-1].split(".", 1)[0]]))
     importlib.import_module("llmtap.cli")
 

@@ -5,6 +5,8 @@
 #   bash .ci/image.sh              build localhost/llmtap:<version> and :latest (the version is pyproject.toml's)
 #   bash .ci/image.sh --print-tag  print the version's tag and exit
 #   bash .ci/image.sh --print-conf print the containers.conf the build and the tests run podman with, and exit
+#   bash .ci/image.sh --sizes      after building: what each layer and each installed distribution weighs
+#   LLMTAP_IMAGE_EXTRAS=analysis bash .ci/image.sh    the same with extras (tag <version>-analysis)
 #
 # Idempotent: installs podman, runc, mmdebstrap and uidmap through apt when missing; makes the base image
 # (localhost/llmtap-base:bookworm) once; podman's layer cache makes an unchanged rebuild a few seconds.
@@ -28,13 +30,17 @@ urls = project.get("urls", {})
 print(project["version"], next((urls[k] for k in ("Source", "Repository", "Homepage") if k in urls), ""))
 EOF
 )
-tag="localhost/llmtap:$version"
+extras="${LLMTAP_IMAGE_EXTRAS:-}"
+tag="localhost/llmtap:$version${extras:+-${extras//,/-}}"
+latest="localhost/llmtap:latest${extras:+-${extras//,/-}}"
 
+sizes=0
 case "${1:-}" in
     --print-tag) echo "$tag"; exit 0 ;;
     --print-conf) echo "$conf"; exit 0 ;;
+    --sizes) sizes=1 ;;
     "") ;;
-    *) echo "usage: $0 [--print-tag | --print-conf]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--print-tag | --print-conf | --sizes]" >&2; exit 2 ;;
 esac
 
 step() { echo "== image: $* ($((SECONDS - started)) s)"; }
@@ -97,10 +103,15 @@ secret=()
 ca="${PIP_CERT:-${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}}"
 [ -s "$ca" ] && secret=(--secret "id=ca,src=$ca")
 podman build --quiet --network host --file Containerfile \
-    --build-arg "BASE=$base" --build-arg "VERSION=$version" --build-arg "SOURCE=$source" "${secret[@]}" \
-    --tag "$tag" --tag localhost/llmtap:latest . >/dev/null
+    --build-arg "BASE=$base" --build-arg "VERSION=$version" --build-arg "SOURCE=$source" \
+    --build-arg "EXTRAS=$extras" "${secret[@]}" --tag "$tag" --tag "$latest" . >/dev/null
 
-step "built"
-podman image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' "$tag"
-podman history --format '{{.Size}}	{{.CreatedBy}}' "$tag" | cut -c1-140
+step "built $tag: $(podman image inspect --format '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1 / 1e6}')"
+if [ "$sizes" = 1 ]; then
+    echo "-- layers (podman history):"
+    podman history --format '{{.Size}}	{{.CreatedBy}}' "$tag" | grep -v '^0 B' | cut -c1-100
+    echo "-- installed distributions:"
+    podman run --rm -i --network none --entrypoint python "$tag" - --sizes < .ci/image-slim.py
+fi
+echo "run it: podman run --rm --read-only --tmpfs /tmp -e LLMTAP_UPSTREAM=https://api.openai.com -p 127.0.0.1:8080:8080 $tag"
 echo "$tag"
