@@ -3,7 +3,7 @@
 # a Debian bookworm root filesystem made here with mmdebstrap stands in for the official Python slim base.
 #
 #   bash .ci/image.sh              build localhost/llmtap:<version> and :latest (the version is pyproject.toml's)
-#   bash .ci/image.sh --print-tag  print the version's tag and exit
+#   bash .ci/image.sh --print-tag  print the version's tag and exit (--print-version: the version alone)
 #   bash .ci/image.sh --print-conf print the containers.conf the build and the tests run podman with, and exit
 #   bash .ci/image.sh --sizes      after building: what each layer and each installed distribution weighs
 #   LLMTAP_IMAGE_EXTRAS=analysis bash .ci/image.sh    the same with extras (tag <version>-analysis)
@@ -37,10 +37,11 @@ latest="localhost/llmtap:latest${extras:+-${extras//,/-}}"
 sizes=0
 case "${1:-}" in
     --print-tag) echo "$tag"; exit 0 ;;
+    --print-version) echo "$version"; exit 0 ;;
     --print-conf) echo "$conf"; exit 0 ;;
     --sizes) sizes=1 ;;
     "") ;;
-    *) echo "usage: $0 [--print-tag | --print-conf | --sizes]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--print-tag | --print-version | --print-conf | --sizes]" >&2; exit 2 ;;
 esac
 
 step() { echo "== image: $* ($((SECONDS - started)) s)"; }
