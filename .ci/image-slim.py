@@ -3,10 +3,10 @@
     python image-slim.py VENV VERSION   check the version, strip, compile, check every module still imports
     python image-slim.py --sizes        what each installed distribution costs, largest first (MB on disk)
 
-What goes: the test suites inside packages (their `tests` folders), and the debug symbols of compiled modules (`strip --strip-unneeded`, when
-binutils is there: uvloop's 13.6 MB are 1.6 MB without them). What stays: bytecode, compiled once here, so that
-no process of a read-only container compiles its imports at each start. pip and setuptools are removed by the
-Containerfile after this runs.
+What goes: the test suites inside packages (their `tests` folders), and the debug symbols of compiled modules
+(`strip --strip-unneeded`, when binutils is there: uvloop's 13.6 MB are 1.6 MB without them). What stays:
+bytecode, compiled once here, so that no process of a read-only container compiles its imports at each start.
+pip and setuptools are removed by the Containerfile before this runs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+
 
 def sizes() -> list[tuple[int, str]]:
     """Bytes on disk of each installed distribution (its RECORD's files, bytecode included)."""

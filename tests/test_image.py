@@ -31,6 +31,9 @@ LOCKED = (
     *("--cap-drop", "ALL", "--security-opt", "no-new-privileges"),
 )
 
+#: A duration as the demo prints it: ms below a second, else seconds (a busy machine's TTFT can pass a second).
+DURATION = r"(?:\d+ ms|\d+\.\d\d s)"
+
 pytestmark = pytest.mark.real
 
 
@@ -59,8 +62,11 @@ def test_llmtap_demo_runs_with_a_read_only_root_and_no_network(image: str) -> No
         assert groups[:3] == ["TTFT", "ITL", "TPOT"] and stats[:3] == ["layout", "p50", "p95"]
         assert set(rows) == {"variable-first", "fixed-first"}
         for row in rows.values():
-            assert len(row) == len(stats) and re.fullmatch(r"\d+ ms", row[1]), row
-        assert re.search(rf"^{workload}: caching gain: TTFT p50 \d+ ms to \d+ ms", run.stdout, re.M), run.stdout
+            assert len(row) == len(stats) and re.fullmatch(DURATION, row[1]), row
+        # Each workload's verdict; the support assistant's gain (-84% in the course) is beyond a busy machine's noise.
+        verdict = rf"^{workload}: (caching gain: TTFT p50 {DURATION} to {DURATION}|no significant gain|no verdict)"
+        found = re.search(verdict, run.stdout, re.M)
+        assert found and (workload != "support assistant" or "caching gain" in found.group(1)), run.stdout
     assert re.search(r"^Request records: /tmp/llmtap-demo-\S+/records$", run.stdout, re.M), run.stdout
 
 
