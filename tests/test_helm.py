@@ -89,7 +89,9 @@ def secret_env(container: Mapping[str, Any], secrets: Mapping[str, Mapping[str, 
         if ref is None or e["name"] not in {variable for variable, *_ in SHARED}:
             continue
         made = secrets.get(ref["name"])
-        value = base64.b64decode(made["data"][ref["key"]]).decode() if made else f"{ref['name']}-{ref['key']}-0123456789"
+        value = (
+            base64.b64decode(made["data"][ref["key"]]).decode() if made else f"{ref['name']}-{ref['key']}-0123456789"
+        )
         out[e["name"]] = value
     return out
 
