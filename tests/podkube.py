@@ -40,6 +40,18 @@ runtime = "runc"
 PLAYED = {"Deployment", "Pod", "ConfigMap"}
 
 
+class _Dumper(yaml.SafeDumper):
+    """YAML kube play's parser reads: a text of several lines as a literal block, not a folded quoted scalar."""
+
+
+def _text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _text)
+
+
 class Pods:
     """podman in a network namespace of this run's own; what it made, removed by ``close``."""
 
@@ -96,7 +108,7 @@ class Pods:
     def play(self, docs: Iterable[Mapping[str, Any]]) -> list[str]:
         """kube play the documents; the pods it started (kept for ``close``)."""
         path = self.workdir / f"play-{len(self.pods)}.yaml"
-        path.write_text(yaml.safe_dump_all(list(docs)), encoding="utf-8")
+        path.write_text(yaml.dump_all(list(docs), Dumper=_Dumper), encoding="utf-8")
         done = self.podman("kube", "play", str(path), timeout=300)
         started = [line.split()[-1] for line in done.stdout.splitlines() if line.startswith("Pod:")]
         names = self.podman("pod", "ps", "--format", "{{.Name}}", "--filter", f"name={self.run_id}").stdout.split()

@@ -29,8 +29,7 @@ def chat(base: str, key: str, max_tokens: int) -> dict[str, object]:
     started = time.monotonic()
     body = json.dumps(
         {
-            "model": "sim",
-            "stream": True,
+            "stream": True,  # no model: the simulator, as vLLM, serves its only one
             "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": "Say something about pods."}],
         }

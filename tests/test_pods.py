@@ -142,7 +142,7 @@ def _stand_in_collector(docs: list[dict[str, Any]], tag: str) -> None:
             continue
         for container in doc["spec"]["template"]["spec"]["containers"]:
             if container["name"] == "collector":
-                container.update(image=tag, command=["python", "-c", STAND_IN], args=[])
+                container.update(image=tag, command=["python", "-c", STAND_IN.strip()], args=[])
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +200,8 @@ def test_probes_answer_and_the_admin_token_is_the_secrets(fleet: Fleet) -> None:
         assert fleet.pods.client("get", f"{url}/healthz")["status"] == 200
         assert fleet.pods.client("get", f"{url}/readyz")["status"] == 200
         # Beyond the pod's loopback, the span receiver asks the token the chart keeps in its Secret.
-        assert fleet.pods.client("post", f"{url}/v1/traces")["status"] == 403
+        assert fleet.pods.client("post", f"{url}/v1/traces")["status"] == 401
+        assert fleet.pods.client("post", f"{url}/v1/traces", "not-the-token-0123456789")["status"] in (401, 403)
         token = fleet.values["admin"]["token"]
         assert fleet.pods.client("post", f"{url}/v1/traces", token)["status"] not in (401, 403)
 
