@@ -144,7 +144,9 @@ class Pods:
             self.podman("pod", "rm", "-f", "-t", "0", pod, check=False, timeout=120)
         for secret in self.secrets:
             self.podman("secret", "rm", secret, check=False)
-        for volume in self.volumes:
+        # The volumes made here, and those kube play made for the ConfigMaps (named after them: this run's names).
+        made = self.podman("volume", "ls", "--format", "{{.Name}}", "--filter", f"name={self.run_id}", check=False)
+        for volume in {*self.volumes, *made.stdout.split()}:
             self.podman("volume", "rm", "-f", volume, check=False)
         subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, timeout=30)
 

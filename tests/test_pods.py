@@ -82,7 +82,7 @@ def read_records(folder: Path) -> list[dict[str, Any]]:
     for path in sorted(folder.rglob("*.jsonl*")):
         opener = gzip.open if path.suffix == ".gz" else open
         try:
-            with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+            with opener(path, "rt", encoding="utf-8") as f:
                 lines = f.read().splitlines()
         except (OSError, EOFError):
             continue  # a file being compressed this moment: read at the next look
