@@ -188,7 +188,7 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
         telemetry["server_metrics"],
     )
     record = {**defaults["record"], **case.get("config", {}).get("record", {})}
-    records = case.get("records", {})
+    records = {**values_of(CHART / "values.yaml")["records"], **case.get("records", {})}
     # The ClickHouse part of the records has a case of its own (below).
     assert bool(loaded.record.clickhouse) is bool(case.get("clickhouse", {}).get("url"))
     assert dataclasses.replace(loaded.record, clickhouse=None) == Records(
