@@ -3,18 +3,27 @@ that is down at start, an upstream that dies in the middle of a stream. Each ans
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
+import re
 import subprocess
 import sys
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from llmtap.listener import LOG_EVERY
+from llmtap.relay.breaks import StreamBreaks
 from llmtap.serve.sockets import ADMIN_LISTENER, PROXY_LISTENER, bind_failure
-from tests.conftest import free_port
-from tests.procs import Llmtap
+from llmtap.wire.tape import Tape, now
+from tests.conftest import PATIENCE, free_port
+from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,3 +107,106 @@ def test_each_bind_failure_names_the_setting_that_fixes_it(
     # A failure no setting fixes is said as the system says it.
     other = OSError(errno.ENOBUFS, os.strerror(errno.ENOBUFS))
     assert bind_failure("x", "h", 1, other, options) == f"x h:1: {os.strerror(errno.ENOBUFS)}"
+
+
+# --- an upstream that dies mid-stream ---------------------------------------------------------------
+
+
+def chat(url: str, fault: str, **headers: str) -> tuple[int, bytes]:
+    """One streamed chat request through the proxy with the fault upstream's ``fault``: status and bytes received."""
+    body = {"model": "fault", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
+    received = b""
+    sent = {"x-fault": fault, "x-fault-arg": "3", "x-request-id": uuid.uuid4().hex, **headers}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=sent, timeout=10) as r:
+        with contextlib.suppress(httpx.RemoteProtocolError):  # the cut the proxy passes on
+            for part in r.iter_raw():
+                received += part
+    return r.status_code, received
+
+
+def broken_lines(proxy: Llmtap) -> list[str]:
+    return [line for line in proxy.logs().splitlines() if "broke off a stream" in line]
+
+
+def wait_for_lines(proxy: Llmtap, count: int) -> list[str]:
+    deadline = time.monotonic() + PATIENCE
+    while len(lines := broken_lines(proxy)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return lines
+
+
+@pytest.mark.parametrize(
+    ("fault", "why"),
+    [("close-mid-stream", "RemoteProtocolError"), ("reset-mid-stream", "ReadError"), ("stall-body", "sent nothing")],
+)
+def test_an_upstream_dying_mid_stream_leaves_one_line_in_the_log(
+    upstream: FaultUpstream, tmp_path: Path, fault: str, why: str
+) -> None:
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--idle-timeout", "0.5")
+    try:
+        started = time.monotonic()
+        status, received = chat(proxy.url, fault, **{"x-keep": "1"})
+        took = time.monotonic() - started
+        assert status == 200 and received
+        (line,) = wait_for_lines(proxy, 1)
+        found = re.search(
+            r"upstream (\S+) broke off a stream of route (\S+) after (\d+) bytes relayed, ([\d.]+) s into the "
+            r"request: (.*)$",
+            line,
+        )
+        assert found, line
+        assert found[1] == upstream.url and found[2] == "default"
+        # What the upstream wrote is what was relayed (the client asked for no usage, so the proxy asked for it and
+        # took its event out: the upstream's bytes are at least the client's).
+        assert int(found[3]) >= len(received) > 0
+        assert 0 < float(found[4]) <= took
+        assert why in found[5], line
+        assert "WARNING" in line
+    finally:
+        proxy.close()
+
+
+def test_a_flood_of_broken_streams_is_one_line_per_route_per_interval(upstream: FaultUpstream, tmp_path: Path) -> None:
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log")
+    try:
+        started = time.monotonic()
+        for _ in range(30):
+            assert chat(proxy.url, "close-mid-stream")[0] == 200
+        took = time.monotonic() - started
+        lines = wait_for_lines(proxy, 1)
+        time.sleep(0.5)  # a line that was still to come would be here by now
+        lines = broken_lines(proxy)
+        # One line opens each interval of LOG_EVERY seconds in which streams broke; the later ones count the rest.
+        assert 1 <= len(lines) <= 1 + int(took // LOG_EVERY), lines
+        # Every break is said once: by a line of its own, or in the count of the next line.
+        said = len(lines) + sum(int(m[1]) for line in lines if (m := re.search(r"\((\d+) more on this route", line)))
+        assert said <= 30, lines
+    finally:
+        proxy.close()
+
+
+def test_stream_breaks_log_each_route_once_per_interval_and_count_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    clock = [100.0]
+    breaks = StreamBreaks(every=10.0, clock=lambda: clock[0])
+    tape = Tape(
+        1, method="POST", path="/v1/x", inner_path="/v1/x", route="a", protocol=None, received=now(), received_wall_ns=0
+    )
+    tape.read(now(), b"x" * 42)
+    with caplog.at_level(logging.WARNING, logger="llmtap.proxy"):
+        for _ in range(5):
+            breaks.broke("a", "http://up-a", tape, "ReadError: reset")
+        breaks.broke("b", "http://up-b", tape, "ReadError: reset")
+        clock[0] += 9.9
+        breaks.broke("a", "http://up-a", tape, "ReadError: reset")
+        clock[0] += 0.2
+        breaks.broke("a", "http://up-a", tape, "ReadTimeout: upstream sent nothing for 1 s")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("upstream http://up-a broke off a stream of route a after 42 bytes relayed, ")
+    assert lines[0].endswith(" s into the request: ReadError: reset")
+    assert lines[1].startswith("upstream http://up-b broke off a stream of route b")
+    # The first line of the next interval counts the breaks the interval before it did not say.
+    assert lines[2].endswith(
+        "ReadTimeout: upstream sent nothing for 1 s (5 more on this route since its last such line)"
+    )
+    assert breaks.count == {"a": 7, "b": 1}
