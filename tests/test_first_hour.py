@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -18,11 +19,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from llmtap.config.types import Route
 from llmtap.listener import LOG_EVERY
 from llmtap.relay.breaks import StreamBreaks
 from llmtap.serve.sockets import ADMIN_LISTENER, PROXY_LISTENER, bind_failure
+from llmtap.telemetry.reach import TIMEOUT, Reach, Reachability, verbose
 from llmtap.wire.tape import Tape, now
-from tests.conftest import PATIENCE, free_port
+from tests.conftest import PATIENCE, free_port, unanswered_port
 from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -210,3 +213,106 @@ def test_stream_breaks_log_each_route_once_per_interval_and_count_the_rest(caplo
         "ReadTimeout: upstream sent nothing for 1 s (5 more on this route since its last such line)"
     )
     assert breaks.count == {"a": 7, "b": 1}
+
+
+# --- an upstream that is down: readiness, the start-up warning, /readyz?verbose ---------------------
+
+
+def unreachable_lines(proxy: Llmtap) -> list[str]:
+    return [line for line in proxy.logs().splitlines() if "cannot be reached" in line]
+
+
+def test_a_dead_upstream_is_warned_at_start_and_shown_on_verbose_readyz_but_leaves_llmtap_ready(
+    tmp_path: Path,
+) -> None:
+    port = free_port()  # nothing listens here yet
+    dead = f"http://127.0.0.1:{port}"
+    proxy = Llmtap(dead, tmp_path / "llmtap.log")
+    try:
+        deadline = time.monotonic() + PATIENCE
+        while not unreachable_lines(proxy) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (line,) = unreachable_lines(proxy)
+        assert "WARNING" in line and f"upstream {dead} (route default) cannot be reached" in line, line
+        assert "Connection refused" in line and "/readyz?verbose" in line, line
+        # Readiness is llmtap's own: the replica stays in the Service and answers 502 naming the upstream.
+        plain = httpx.get(proxy.admin_url + "/readyz", timeout=10)
+        assert plain.status_code == 200 and plain.text.startswith("ready"), plain.text
+        relayed = httpx.post(proxy.url + "/v1/chat/completions", json={"model": "m"}, timeout=10)
+        assert relayed.status_code == 502 and dead in relayed.text
+        shown = httpx.get(proxy.admin_url + "/readyz?verbose", timeout=10)
+        assert shown.status_code == 200, shown.text
+        lines = shown.text.splitlines()
+        assert lines[0] == "[+]relays ok (1/1 relays)" and lines[-1] == "readyz check passed", lines
+        assert f"[-]upstream {dead} (route default) unreachable: 127.0.0.1:{port}: Connection refused" in lines
+        # The upstream comes up: within the reuse of an answer (FRESH seconds), verbose readiness says so.
+        with socket.create_server(("127.0.0.1", port)):
+            deadline = time.monotonic() + PATIENCE
+            while "[+]upstream" not in (text := httpx.get(proxy.admin_url + "/readyz?verbose", timeout=10).text):
+                assert time.monotonic() < deadline, text
+                time.sleep(0.2)
+        assert re.search(rf"^\[\+\]upstream {re.escape(dead)} \(route default\) reachable \([\d.]+ ms\)$", text, re.M)
+        assert "unreachable" not in text
+    finally:
+        proxy.close()
+
+
+def test_an_upstream_that_never_answers_does_not_delay_the_start(tmp_path: Path) -> None:
+    with unanswered_port() as port:
+        started = time.monotonic()
+        proxy = Llmtap(f"http://127.0.0.1:{port}", tmp_path / "llmtap.log")
+        ready_after = time.monotonic() - started
+        try:
+            assert not unreachable_lines(proxy) or ready_after >= TIMEOUT, "the check ran before the start ended"
+            deadline = time.monotonic() + PATIENCE
+            while not unreachable_lines(proxy) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (line,) = unreachable_lines(proxy)
+            assert f"no connection to 127.0.0.1:{port} within {TIMEOUT:g} s" in line, line
+            # The relay's start-up lines came before it: the check waited for nothing and nothing waited for it.
+            log = proxy.logs()
+            assert log.index("proxy on http://127.0.0.1:") < log.index(line)
+            quick = time.monotonic()
+            assert httpx.get(proxy.admin_url + "/readyz", timeout=10).status_code == 200
+            assert time.monotonic() - quick < TIMEOUT
+        finally:
+            proxy.close()
+
+
+def routes(*pairs: tuple[str, str]) -> list[Route]:
+    return [Route(prefix=f"/{name}", upstream=url, name=name) for name, url in pairs]
+
+
+async def test_reach_checks_each_address_once_for_all_its_routes_and_reuses_a_fresh_answer() -> None:
+    clock = [0.0]
+    with socket.create_server(("127.0.0.1", 0)) as alive:
+        up = f"http://127.0.0.1:{alive.getsockname()[1]}"
+        down = f"http://127.0.0.1:{free_port()}"
+        reach = Reach(routes(("a", up), ("b", up + "/v1"), ("c", down)), fresh=2.0, clock=lambda: clock[0])
+        found = await reach.check()
+        assert [(r.upstream, r.routes, r.error is None) for r in found] == [
+            (up, ("a", "b"), True),
+            (down, ("c",), False),
+        ]
+        assert found[1].error is not None and "Connection refused" in found[1].error
+        accepted = alive.accept()[0]  # the check's one connection, closed at once without a byte
+        assert accepted.recv(1) == b""
+        accepted.close()
+        # Within ``fresh`` seconds the same answer, whatever changed; past it, a new check.
+        clock[0] = 1.9
+        assert await reach.check() is found
+    clock[0] = 2.1
+    again = await reach.check()
+    assert again is not found and again[0].error is not None
+
+
+def test_verbose_readiness_is_decided_by_the_relays_alone() -> None:
+    up = Reachability("http://up", ("a",), None, 0.0012)
+    down = Reachability("http://down", ("b", "c"), "down:80: Connection refused", 0.0004)
+    assert verbose(True, "1/1 relays", [up]) == (
+        "[+]relays ok (1/1 relays)\n[+]upstream http://up (route a) reachable (1.2 ms)\nreadyz check passed\n"
+    )
+    text = verbose(False, "0/2 relays", [up, down]).splitlines()
+    assert text[0] == "[-]relays not ready (0/2 relays)" and text[-1] == "readyz check failed"
+    assert "[-]upstream http://down (route b, c) unreachable: down:80: Connection refused" in text
+    assert verbose(True, "", [down]).splitlines()[-1] == "readyz check passed"

@@ -180,4 +180,10 @@ async def serve(launch: Launch) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop)
-        await server.serve(sockets=[running.admin_sock])
+        # Said once, beside the start and never delaying it: an upstream that takes no connection now.
+        checked = asyncio.create_task(running.admin.reach.warn()) if launch.index == 0 else None
+        try:
+            await server.serve(sockets=[running.admin_sock])
+        finally:
+            if checked is not None:
+                checked.cancel()
