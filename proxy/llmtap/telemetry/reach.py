@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from llmtap.config.types import Route
 
-__all__ = ["Reach", "Reachability", "verbose"]
+__all__ = ["FRESH", "TIMEOUT", "Reach", "Reachability", "verbose"]
 
 log = logging.getLogger("llmtap.telemetry")
 
