@@ -57,7 +57,7 @@ def _attribution(values: Mapping[str, Any]) -> Attribution:
         try:
             key = Path(key_file).read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"attribution_key_file {key_file}: cannot read it: {exc}") from None
+            raise ConfigError(f"--attribution-key-file {key_file}: cannot read it: {exc}") from None
     if key is not None and len(key.strip()) < 16:
         raise ConfigError("the attribution key must be at least 16 characters")
     prices = values["prices"]

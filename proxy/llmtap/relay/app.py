@@ -21,6 +21,7 @@ from llmtap.providers import provider_for
 from llmtap.providers.splice import splice_usage
 from llmtap.providers.usage_filter import UsageEventFilter
 from llmtap.relay.admission import Admission, QueueFull
+from llmtap.relay.breaks import StreamBreaks
 from llmtap.relay.channel import Channel, LocalChannel
 from llmtap.relay.fingerprint import KEY_HEADERS, fingerprint, install_secret
 from llmtap.relay.forward import (
@@ -145,6 +146,8 @@ class ProxyApp:
         self.tapes_dropped = 0
         #: Responses the relay itself cut short, by reason (``RESPONSE_CUT_REASONS``), reported with the gauges.
         self.cuts = dict.fromkeys(RESPONSE_CUT_REASONS, 0)
+        #: Streams the upstream broke off after their headers, logged within a bound (``llmtap.relay.breaks``).
+        self.breaks = StreamBreaks()
         self._logged_at: dict[str, float] = {}
         #: The server's counts of client connections cut or refused (``llmtap.serve.relay`` sets it), reported
         #: beside the gauges; None when no such server runs this app.
@@ -661,13 +664,15 @@ class ProxyApp:
             tape.fail("upstream_error", f"the upstream's compressed body is corrupt: {exc}")
             log.warning("upstream %s sent a corrupt compressed body: %s", route.upstream, exc)
             await _cut(send, tape, pipe.strip if pipe is not None else strip)
-        except httpx.TimeoutException:
+        except httpx.TimeoutException as exc:
             tape.fail("idle_timeout", "upstream stopped sending")
             if started:
+                self.breaks.broke(route.name, route.upstream, tape, str(exc) or "upstream stopped sending")
                 await _cut(send, tape, pipe.strip if pipe is not None else strip)
         except httpx.HTTPError as exc:
             tape.fail("upstream_closed" if started else "upstream_error", f"{type(exc).__name__}: {exc}")
             if started:
+                self.breaks.broke(route.name, route.upstream, tape, f"{type(exc).__name__}: {exc}")
                 await _cut(send, tape, pipe.strip if pipe is not None else strip)
             await send_json(send, 502, "upstream_error", f"upstream {route.upstream}: {type(exc).__name__}")
         finally:

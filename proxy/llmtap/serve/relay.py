@@ -27,7 +27,7 @@ from llmtap.relay.channel import ShardedChannel, SocketChannel
 from llmtap.relay.shared import Table, table_columns
 from llmtap.serve.lines import startup_lines
 from llmtap.serve.server import Server, die_with_parent, label_uvicorn, run_loop, set_name, uvicorn_config
-from llmtap.serve.sockets import bind, channel_paths
+from llmtap.serve.sockets import PROXY_LISTENER, bind, channel_paths
 
 if TYPE_CHECKING:
     from llmtap.serve.telemetry import TelemetryProcess
@@ -54,7 +54,7 @@ def main() -> None:
     die_with_parent()
     logs.setup(settings.log_level, pid=True)
     shared = Table.attach(table_columns(settings), table_fd, index)
-    proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True)
+    proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True, options=PROXY_LISTENER)
     run_loop(serve(settings, proxy_sock, channel_path, shared=shared, on_started=lambda: _say_started(started_fd)))
 
 
