@@ -98,6 +98,10 @@ def test_the_labels_and_the_version_are_the_packages(image: str) -> None:
     }
     run = pm.podman("run", "--rm", *LOCKED, image, "--version")
     assert run.stdout.strip() == f"llmtap {PROJECT['version']}", run
+    # The licence's text travels with the installed package, as in the wheel.
+    probe = "import importlib.metadata as m; print(m.distribution('llmtap').read_text('licenses/LICENSE'))"
+    run = pm.podman("run", "--rm", *LOCKED, "--entrypoint", "python", image, "-c", probe)
+    assert run.stdout.strip() == (ROOT / "LICENSE").read_text(encoding="utf-8").strip(), run.stderr
 
 
 def test_the_serve_image_is_under_the_target_and_has_no_analysis_extra(image: str) -> None:
