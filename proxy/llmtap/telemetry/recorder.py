@@ -156,8 +156,6 @@ class Recorder:
         )
         for reason in drop_reasons(settings):
             self._count_record_drop(reason, 0)
-        #: The record journal: each tape kept until every sink has its record (None: not kept).
-        self.spool = None if journal is None else self._open_spool(journal)
         #: ``--access-log PATH``: one line per request, written by the worker thread after the record.
         self.access_log: AccessLog | None = None
         if settings.access_log:
@@ -190,6 +188,8 @@ class Recorder:
         #: Tapes lost, and the relays' gauges and readiness.
         self.drops = Drops(self.instruments)
         self.relays = RelayGauges(self.instruments, self.drops, self._busy)
+        #: The record journal: each tape kept until every sink has its record (None: not kept).
+        self.spool = None if journal is None else self._open_spool(journal)
         for outcome in OUTCOMES:
             self._count_join(outcome, 0)
         for reason in REJECT_REASONS:
@@ -221,6 +221,7 @@ class Recorder:
             max_bytes=rec.journal_bytes,
             on_lost=self._count_record_drop,
             on_recovered=self._count_recovered,
+            on_tapes_lost=self.drops.count,
         )
         self.records.spool = spool
         if spool is None:
