@@ -19,8 +19,10 @@ from llmtap.telemetry.journal import (
     segment_name,
     take_slot,
 )
+from llmtap.telemetry.sequences import Sequences
 from llmtap.telemetry.spool import Spool, open_spool
 from llmtap.wire.framing import encode_frame
+from llmtap.wire.ledger import Ledger
 from llmtap.wire.messages import END, SEGMENT
 from llmtap.worker import Progress
 
@@ -294,3 +296,52 @@ def test_a_folder_that_cannot_be_used_is_said_and_records_go_on_unjournaled(tmp_
     assert "cannot be used" in caplog.text
     assert open_spool(None, [FakeSink("files")], index=0, max_bytes=1 << 30) is None
     assert open_spool(str(tmp_path / "j"), [], index=0, max_bytes=1 << 30) is None
+
+
+# -- what never reached the journal ------------------------------------------------------------------------
+
+
+def sequences(tmp_path: Path, index: int = 0) -> tuple[Sequences, dict[str, int]]:
+    lost: dict[str, int] = {}
+    slot = tmp_path / "journal" / f"slot-{index}"
+    slot.mkdir(parents=True, exist_ok=True)
+    seqs = Sequences(slot / "sequences.json", index, lambda r, n: lost.__setitem__(r, lost.get(r, 0) + n))
+    return seqs, lost
+
+
+def test_a_gap_in_a_relays_numbers_is_counted_in_transit(tmp_path: Path) -> None:
+    seqs, lost = sequences(tmp_path)
+    for seq in (1, 2, 5, 6, 6, 4):  # 3 and 4 lost on the way (a late 4 is no gap)
+        seqs.seen(7, seq)
+    assert lost == {"in_transit": 2}
+    assert seqs.resolve() == (0, 0)
+    seqs.save()
+    # The next run: relay 7 goes on from 9 (7 and 8 lost with the process), relay 8 is new.
+    again, lost = sequences(tmp_path)
+    again.seen(7, 9)
+    again.seen(8, 1)
+    assert lost == {}  # not before the last run's numbers are all known
+    again.seen_old(7, 6)
+    assert again.resolve() == (2, 0)
+    again.seen(9, 3)  # a relay the last run never heard of, after the resolve: no gap to count
+    assert lost == {"in_transit": 2}
+
+
+def test_a_dead_relays_ledger_says_what_never_reached_the_journal(tmp_path: Path) -> None:
+    folder = tmp_path / "journal"
+    dead_relay = Ledger(folder, 11, shards=2)
+    dead_relay.handed(0, 20)
+    dead_relay.handed(1, 4)
+    dead_relay.in_flight(3)
+    dead_relay.close()  # its lock goes with it, as with a kill
+    live = Ledger(folder, 12, shards=1)
+    live.handed(0, 50)
+    seqs, lost = sequences(tmp_path)
+    seqs.seen_old(11, 17)
+    assert seqs.resolve() == (3, 3)
+    assert lost == {"in_transit": 3, "in_flight": 3}
+    # The other telemetry process counts its own shard, then the file goes; the live relay's stays.
+    other, lost = sequences(tmp_path, index=1)
+    assert other.resolve() == (4, 0)
+    assert sorted(p.name for p in (folder / "relays").iterdir()) == [f"relay-{12:016x}.ledger"]
+    live.close()

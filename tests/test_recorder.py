@@ -976,6 +976,7 @@ def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: Harnes
         "partial": 0,
         "inflate_limit": 0,
         "body_limit": 0,
+        "split": 0,
         "in_transit": 0,
         "in_flight": 0,
     }

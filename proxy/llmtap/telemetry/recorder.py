@@ -185,6 +185,8 @@ class Recorder:
         self._open: OrderedDict[tuple[int, int], Playback] = OrderedDict()
         # Streams a message of which was dropped here: their end is counted as a dropped tape.
         self._lost: set[tuple[int, int]] = set()
+        # Streams evicted (counted): their end, when it comes, is not counted again.
+        self._evicted: OrderedDict[tuple[int, int], None] = OrderedDict()
         #: Tapes lost, and the relays' gauges and readiness.
         self.drops = Drops(self.instruments)
         self.relays = RelayGauges(self.instruments, self.drops, self._busy)
@@ -590,13 +592,22 @@ class Recorder:
             if playback is not None:
                 self._open[key] = playback
                 if len(self._open) > MAX_OPEN_STREAMS:
-                    _, oldest = self._open.popitem(last=False)
+                    evicted, oldest = self._open.popitem(last=False)
                     self.drops.tape("evicted", oldest.tl.route)
+                    self._evicted[evicted] = None  # its end is counted already
+                    if len(self._evicted) > MAX_OPEN_STREAMS:
+                        self._evicted.popitem(last=False)
             return
         ref = self.spool.ended(source, m.key) if self.spool is not None else None
         if playback is None or key in self._lost:
-            self._lost.discard(key)
-            self.drops.tape("queue_full", playback.tl.route if playback is not None else None)
+            if key in self._lost:
+                self._lost.discard(key)
+                self.drops.tape("queue_full", playback.tl.route if playback is not None else None)
+            elif key in self._evicted:
+                del self._evicted[key]  # counted when it was evicted
+            else:
+                # Its start went to a telemetry process that is gone (a restart): neither can make its record.
+                self.drops.tape("split", None)
             if ref is not None:
                 self.spool.settle(ref)  # type: ignore[union-attr]
             return
