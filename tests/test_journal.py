@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from bench.telemetry import chat_tape
+from llmtap.config.types import Records, Route, Settings
+from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry.journal import (
     CHUNK,
     EMITTED,
@@ -19,6 +27,7 @@ from llmtap.telemetry.journal import (
     segment_name,
     take_slot,
 )
+from llmtap.telemetry.recorder import Recorder
 from llmtap.telemetry.sequences import Sequences
 from llmtap.telemetry.spool import Spool, open_spool
 from llmtap.wire.framing import encode_frame
@@ -342,6 +351,71 @@ def test_a_dead_relays_ledger_says_what_never_reached_the_journal(tmp_path: Path
     assert lost == {"in_transit": 3, "in_flight": 3}
     # The other telemetry process counts its own shard, then the file goes; the live relay's stays.
     other, lost = sequences(tmp_path, index=1)
-    assert other.resolve() == (4, 0)
+    other.seen_old(11, 1)
+    assert other.resolve() == (3, 0)
     assert sorted(p.name for p in (folder / "relays").iterdir()) == [f"relay-{12:016x}.ledger"]
     live.close()
+    # A dead relay no journal here heard of (another replica's, on a shared folder) is not counted here.
+    stranger = Ledger(folder, 13, shards=1)
+    stranger.handed(0, 9)
+    stranger.close()
+    seqs, lost = sequences(tmp_path)
+    assert seqs.resolve() == (0, 0) and lost == {}
+    assert (folder / "relays" / f"relay-{13:016x}.ledger").exists()
+
+
+# -- the recorder with its journal ----------------------------------------------------------------------
+
+
+def recorder_on(folder: Path, exporter: InMemorySpanExporter) -> Recorder:
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    route = Route(prefix="/", upstream="http://upstream:8000", name="default")
+    records = Records(path=str(folder / "records"), journal=str(folder / "records" / ".journal"))
+    return Recorder(Settings(routes=(route,), record=records), tracer_provider=provider, journal=0)
+
+
+def intake(rec: Recorder, source: int, messages: list[tuple[Any, ...]], *, queue: bool = True) -> None:
+    """What the telemetry process's intake does with one read: journal it, then queue it for the worker."""
+    assert rec.spool is not None
+    rec.spool.append(source, framed(messages), messages)
+    if queue:
+        for message in messages:
+            rec.submit(message, source)
+
+
+def test_a_killed_recorders_requests_are_recorded_by_the_next_and_its_spans_made_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first_spans = InMemorySpanExporter()
+    first = recorder_on(tmp_path, first_spans)
+    (files,) = first.sinks
+    # The file sink never gets its lines out (a kill before its next flush); its spans and metrics are made.
+    monkeypatch.setattr(files, "flush", lambda: None)
+    monkeypatch.setattr(files, "close", lambda timeout=5.0: None)
+    intake(first, 0, request(1) + request(2))
+    intake(first, 0, request(3), queue=False)  # read off the socket, still in the queue at the kill
+    assert first.flush(10)
+    assert first.spool is not None
+    first.spool.poll()  # what the worker does every POLL_EVERY: the emitted ones acknowledged as such
+    assert len({s.context.trace_id for s in first_spans.get_finished_spans()}) == 2
+    first.spool.slot.release()  # the kill: the slot's lock goes with the process
+    monkeypatch.undo()
+
+    again_spans = InMemorySpanExporter()
+    again = recorder_on(tmp_path, again_spans)
+    try:
+        assert again.spool is not None and again.spool.replay is not None
+        wait = time.monotonic() + 30
+        while not again.spool.replay.done:
+            assert time.monotonic() < wait
+            time.sleep(0.02)
+        assert again.flush(10)
+    finally:
+        again.close()
+    # The request the first run had not emitted gets its spans now; the two it had get none again.
+    assert len({s.context.trace_id for s in again_spans.get_finished_spans()}) == 1
+    got = list(read_records(tmp_path / "records", ReadStats()))
+    assert sorted(r["span_id"] for r in got) == sorted(f"{k + 1:016x}" for k in (1, 2, 3))
+    assert again.spool.recovered == 3
+    assert segments(tmp_path / "records" / ".journal") == []  # every request done: the segments are gone

@@ -19,10 +19,11 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from llmtap.wire.ledger import dead, mark_read
+from llmtap.wire.ledger import LedgerState, dead, mark_read
 
 __all__ = ["Sequences"]
 
@@ -30,6 +31,8 @@ log = logging.getLogger("llmtap.telemetry")
 
 #: Relays whose last number is remembered at most (the oldest forgotten first).
 MAX_RELAYS = 4096
+#: Seconds after which a dead relay's ledger that no journal here knew is removed.
+STALE = 3600.0
 
 
 def _load(path: Path) -> dict[int, int]:
@@ -86,17 +89,28 @@ class Sequences:
                 self._gap(first - self.old[relay] - 1)
         for state, fd in dead(self.path.parent.parent):
             try:
-                if self.index < len(state.handed) and not state.read[self.index]:
-                    handed = state.handed[self.index]
-                    journaled = max(self.old.get(state.relay_id, 0), self.last.get(state.relay_id, 0))
-                    self._gap(handed - journaled)
-                    if self.index == 0 and state.in_flight:
-                        self.in_flight += state.in_flight
-                        self._lost("in_flight", state.in_flight)
-                    mark_read(state, fd, self.index)
+                self._dead(state, fd)
             finally:
                 os.close(fd)
         return self.in_transit - before, self.in_flight
+
+    def _dead(self, state: LedgerState, fd: int) -> None:
+        """A dead relay's ledger: counted by the telemetry process whose journal knew the relay (on a folder several
+        replicas share, another replica's relay is not this journal's to count); one nobody knew is let go after
+        ``STALE`` seconds."""
+        relay = state.relay_id
+        if relay not in self.old and relay not in self.last:
+            with contextlib.suppress(OSError):
+                if time.time() - state.path.stat().st_mtime > STALE:
+                    state.path.unlink()
+            return
+        if self.index < len(state.handed) and not state.read[self.index]:
+            journaled = max(self.old.pop(relay, 0), self.last.get(relay, 0))
+            self._gap(state.handed[self.index] - journaled)
+            if self.index == 0 and state.in_flight:
+                self.in_flight += state.in_flight
+                self._lost("in_flight", state.in_flight)
+            mark_read(state, fd, self.index)
 
     def _gap(self, n: int) -> None:
         if n <= 0:
