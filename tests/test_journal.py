@@ -14,7 +14,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench.telemetry import chat_tape
+from llmtap.config.load import build
 from llmtap.config.types import Records, Route, Settings
+from llmtap.serve.lines import startup_lines
 from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry.journal import (
     CHUNK,
@@ -34,6 +36,7 @@ from llmtap.wire.framing import encode_frame
 from llmtap.wire.ledger import Ledger
 from llmtap.wire.messages import END, SEGMENT
 from llmtap.worker import Progress
+from tests.conftest import PATIENCE
 
 EVENT = b'data: {"model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
 
@@ -395,7 +398,7 @@ def test_a_killed_recorders_requests_are_recorded_by_the_next_and_its_spans_made
     monkeypatch.setattr(files, "close", lambda timeout=5.0: None)
     intake(first, 0, request(1) + request(2))
     intake(first, 0, request(3), queue=False)  # read off the socket, still in the queue at the kill
-    assert first.flush(10)
+    assert first.flush(PATIENCE)
     assert first.spool is not None
     first.spool.poll()  # what the worker does every POLL_EVERY: the emitted ones acknowledged as such
     assert len({s.context.trace_id for s in first_spans.get_finished_spans()}) == 2
@@ -406,11 +409,11 @@ def test_a_killed_recorders_requests_are_recorded_by_the_next_and_its_spans_made
     again = recorder_on(tmp_path, again_spans)
     try:
         assert again.spool is not None and again.spool.replay is not None
-        wait = time.monotonic() + 30
+        wait = time.monotonic() + PATIENCE
         while not again.spool.replay.done:
             assert time.monotonic() < wait
             time.sleep(0.02)
-        assert again.flush(10)
+        assert again.flush(PATIENCE)
     finally:
         again.close()
     # The request the first run had not emitted gets its spans now; the two it had get none again.
@@ -419,3 +422,15 @@ def test_a_killed_recorders_requests_are_recorded_by_the_next_and_its_spans_made
     assert sorted(r["span_id"] for r in got) == sorted(f"{k + 1:016x}" for k in (1, 2, 3))
     assert again.spool.recovered == 3
     assert segments(tmp_path / "records" / ".journal") == []  # every request done: the segments are gone
+
+
+def test_the_start_says_where_the_journal_is_or_that_there_is_none(tmp_path: Path) -> None:
+    base = {"upstream": "http://u"}
+    line = startup_lines(build({**base, "record": str(tmp_path)}, env={}), 8080, 9464)[4]
+    assert f"; journal {tmp_path}/.journal/ (256 MiB per telemetry process);" in line
+    clickhouse = build({**base, "record_clickhouse": "http://ch:8123"}, env={})
+    assert (
+        "; not journaled: a restart loses what waits for a sink (--record-journal DIR)"
+        in (startup_lines(clickhouse, 8080, 9464)[4])
+    )
+    assert "journal" not in startup_lines(build(base, env={}), 8080, 9464)[4]
