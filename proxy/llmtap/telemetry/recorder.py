@@ -545,6 +545,12 @@ class Recorder:
                 log.exception("telemetry: could not take a tape message of the last run")
             sched.checkpoint()
         self._emit_held()
+        # What is due goes on during a long replay: the journal's acknowledgements above all (a kill before the
+        # replay ends must not find this run's records unacknowledged and make them all again).
+        deadline = self._next_deadline()
+        if deadline is not None and deadline <= time.monotonic():
+            self._due()
+            self.records.flush()
 
     def take(self, source: int, message: Raw) -> None:
         """One encoded message of relay ``source``: a stream's segment or end, or the relay's report.

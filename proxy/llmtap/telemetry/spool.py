@@ -140,7 +140,7 @@ class Spool:
         self._failing: str | None = None
         self._closed = False
         #: The relays' numbers of the stream ends the journal saw, and what never reached it (counted as tapes lost).
-        self.sequences = Sequences(self.slot.path / "sequences.json", index, on_tapes_lost)
+        self.sequences = Sequences(self.slot.path / "sequences.json", index, self.run, on_tapes_lost)
         self.replay = Replay(self)
         #: Counts since start: requests journaled, done, let go by the bound; and of the last run: recovered.
         self.journaled = 0
