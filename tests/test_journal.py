@@ -180,6 +180,8 @@ def test_a_request_every_sink_settled_is_done_and_its_segment_goes(tmp_path: Pat
     assert len(left) == 1, left  # the one being written
     spool.close()
     assert spool.lost_counts == {}  # type: ignore[attr-defined]
+    assert segments(tmp_path) == []  # all done at shutdown: nothing for the next start
+    assert (tmp_path / "slot-0" / "acks").stat().st_size == 0
 
 
 def test_what_the_sinks_did_not_take_is_replayed_to_those_sinks_only(tmp_path: Path, caplog: Any) -> None:

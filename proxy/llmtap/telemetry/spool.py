@@ -451,12 +451,13 @@ class Spool:
         if current is not None and current.file is not None:
             current.file.close()
             current.file = None
-            if current.size == 0:
-                with contextlib.suppress(OSError):
-                    os.unlink(current.path)
+            current.closed = True  # deleted below when every request in it is done
+        self._delete_done()
+        if not self._segs:
+            with contextlib.suppress(OSError):
+                self._acks.compact({})  # nothing left to acknowledge
         self._acks.close()
         self.sequences.save()
-        self._delete_done()
         if kept:
             log.warning("record journal: %d records kept in the journal for the next start", kept)
         if lost:
