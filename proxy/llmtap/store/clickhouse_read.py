@@ -63,7 +63,10 @@ _READ = (
 #: A row of a record schema version this llmtap reads.
 _KNOWN = "schema IN (1, 2)"
 #: A row with both ids, neither empty nor all zeros (W3C's invalid id): what is counted once.
-_IDS = "trace_id != '' AND NOT match(trace_id, '^0+$') AND isNotNull(span_id) AND NOT match(assumeNotNull(span_id), '^0*$')"
+_IDS = (
+    "trace_id != '' AND NOT match(trace_id, '^0+$') "
+    "AND isNotNull(span_id) AND NOT match(assumeNotNull(span_id), '^0*$')"
+)
 
 _ESCAPES = {"\\": "\\", "t": "\t", "n": "\n", "r": "\r", "0": "\0", "b": "\b", "f": "\f", "'": "'", "a": "\a"}
 _ESCAPED = re.compile(r"\\(.)", re.S)
