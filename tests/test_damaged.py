@@ -299,6 +299,10 @@ def test_a_damaged_file_is_named_counted_and_the_rest_compared(
         hits = [line for line in err.splitlines() if said in line]
         assert len(hits) == 1 and case.named in hits[0] and hits[0].startswith("llmtap: "), err
         assert len(err.splitlines()) <= 2, err  # the cause, and a line cut short where the damage cut one
+    slo = ["slo", "--json", "--resamples", "200", "--engine", engine]
+    code, out, slo_err = run([*slo, str(folder)])
+    assert code == 0 and slo_err == err
+    assert _comparable(out) == _comparable(run([*slo[:-1], "python", str(reference)])[1])
 
 
 @pytest.mark.parametrize("engine", store.ENGINES)
