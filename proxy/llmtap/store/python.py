@@ -50,6 +50,35 @@ def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+#: The fields a record is read by (as ``llmtap.store.COLUMNS``), each with what reads it; time apart.
+_FIELDS: tuple[tuple[tuple[str, ...], Any], ...] = (
+    *(((name,), _str) for name in ("route", "model", "shape", "prompt_version", "outcome", "slo", "prefill_source")),
+    *(((name,), _num) for name in ("ttft", "tpot", "e2e", "prefill")),
+    (("tokens", "input"), _int),
+    (("tokens", "cache_read"), _int),
+    (("cache", "class"), _str),
+    (("objective", "shape"), _str),
+    *((("objective", name), _num) for name in ("percentile", "ttft", "tpot", "e2e")),
+    (("trace_id",), _str),
+    (("span_id",), _str),
+    (("cost", "amount"), _num),
+)
+
+
+def wrong_typed(rec: dict[str, Any]) -> bool:
+    """Whether a field the record is read by holds a value of the wrong type (which reads as null)."""
+    stream = rec.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        return True
+    for path, read in _FIELDS:
+        value: Any = rec
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None and read(value) is None:
+            return True
+    return False
+
+
 def time_s(value: Any) -> float | None:
     """Epoch seconds of a record's ``time`` (ISO 8601; without a zone, UTC), or None."""
     if not isinstance(value, str):
@@ -112,6 +141,8 @@ class PythonSource:
                         skips.add("duplicate", str(file))
                         continue
                     seen.add(key)
+                if wrong_typed(rec):
+                    skips.add("wrong_type", None)
                 rec["time_s"] = t
                 yield rec
 

@@ -17,7 +17,8 @@ __all__ = ["CAUSES", "FILE_CAUSES", "MAX_LINE", "Skips"]
 MAX_LINE = 1024 * 1024
 
 #: Every cause: what it counts, and what the summary says of them. Lines, records without a time and files are
-#: skipped; a duplicate is a record counted once.
+#: skipped; a record with a field of the wrong type is read, that field as null (which can leave it out of a
+#: figure, so it is said); a duplicate is a record counted once.
 CAUSES: dict[str, tuple[str, str, str]] = {
     "truncated": ("line", "skipped {n} line cut short", "skipped {n} lines cut short"),
     "foreign": ("line", "skipped {n} line that is not a record", "skipped {n} lines that are not records"),
@@ -36,6 +37,11 @@ CAUSES: dict[str, tuple[str, str, str]] = {
         "record",
         "skipped {n} record without a readable time (in no window)",
         "skipped {n} records without a readable time (in no window)",
+    ),
+    "wrong_type": (
+        "record",
+        "read {n} record with a field of the wrong type (that field as null)",
+        "read {n} records with a field of the wrong type (each such field as null)",
     ),
     "duplicate": (
         "record",
