@@ -102,6 +102,25 @@ def objective(raw: Any) -> Objective | None:
     return Objective(_str(obj.get("shape")), share, *limits)
 
 
+def _figures(g: Group, rec: dict[str, Any], ok: bool, stream: bool) -> None:
+    """A record's figures into its group's values (sorted at the end of the scan)."""
+    ttft, prefill = _num(rec.get("ttft")), _num(rec.get("prefill"))
+    if stream and ttft is not None:
+        (g.ttft_ok if ok else g.ttft_failed).append(ttft)
+        if ok:
+            g.slowest.append((ttft, _str(rec.get("trace_id")) or ""))
+            if len(g.slowest) > 8 * SLOWEST:  # kept short as it grows: only the slowest few count
+                g.slowest = slowest([g.slowest])
+        if ok and prefill is not None:
+            g.prefill.append(prefill)
+            g.prefill_sources.add(_str(rec.get("prefill_source")) or "unknown")
+    tpot, e2e = _num(rec.get("tpot")), _num(rec.get("e2e"))
+    if ok and tpot is not None:
+        g.tpot.append(tpot)
+    if e2e is not None:
+        g.e2e.append(e2e)
+
+
 class PythonSource:
     """Record files, read line by line."""
 
@@ -198,21 +217,7 @@ class PythonSource:
                 if gk not in ranks or rank > ranks[gk]:
                     ranks[gk] = rank
                     g.objective, g.objective_time = obj, t
-            ttft, prefill = _num(rec.get("ttft")), _num(rec.get("prefill"))
-            if stream and ttft is not None:
-                (g.ttft_ok if ok else g.ttft_failed).append(ttft)
-                if ok:
-                    g.slowest.append((ttft, _str(rec.get("trace_id")) or ""))
-                    if len(g.slowest) > 8 * SLOWEST:  # kept short as it grows: only the slowest few count
-                        g.slowest = slowest([g.slowest])
-                if ok and prefill is not None:
-                    g.prefill.append(prefill)
-                    g.prefill_sources.add(_str(rec.get("prefill_source")) or "unknown")
-            tpot, e2e = _num(rec.get("tpot")), _num(rec.get("e2e"))
-            if ok and tpot is not None:
-                g.tpot.append(tpot)
-            if e2e is not None:
-                g.e2e.append(e2e)
+            _figures(g, rec, ok, stream)
             cost = _num(_dict(rec.get("cost")).get("amount"))
             if cost is not None:
                 g.priced += 1
