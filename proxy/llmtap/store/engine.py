@@ -346,6 +346,9 @@ class EngineSource:
         every.sort()
         dups = np.unique(every[1:][every[1:] == every[:-1]])
         del every
+        # The ids a record holds when no span was made (tracing off): no identity, and the same in every record.
+        none = self._con.execute("SELECT hash(?, ?)", ["0" * 32, "0" * 16]).fetchone()
+        dups = dups[dups != np.uint64(none[0] if none else 0)]
         if not len(dups):
             return
         self._con.execute(
