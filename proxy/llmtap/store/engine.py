@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtap.store import VERSION, By, Filter, Group, Objective, Scan, Skips, slowest
-from llmtap.store.engine_sql import LISTS, MACROS, grouping, json_read, locate, parquet_read, q
+from llmtap.store.engine_sql import LISTS, MACROS, grouping, json_ids, json_read, locate, parquet_read, q
 from llmtap.store.files import file_lines, find, inspect, settle
 
 __all__ = ["EngineSource"]
@@ -362,8 +362,10 @@ class EngineSource:
                 if not np.isin(f.ids, dups).any():
                     continue
                 read = self._reads(f.part, positions=True)[f.part.chosen or 0]
+                # Where the copies are: a JSON-lines part read for its ids alone (Parquet reads only the columns asked).
+                ids = read() if f.part.parquet else json_ids(f.part.files)
                 drop = []
-                for pos, trace, span in self._con.execute(locate(read())).fetchall():
+                for pos, trace, span in self._con.execute(locate(ids)).fetchall():
                     if (trace, span) in seen:
                         drop.append(pos)
                     seen.add((trace, span))

@@ -20,7 +20,7 @@ from llmtap.store import COLUMNS, SLOWEST
 from llmtap.store.files import SCHEMA_KEY
 from llmtap.store.skips import MAX_LINE
 
-__all__ = ["MACROS", "grouping", "json_read", "locate", "parquet_read", "q"]
+__all__ = ["LISTS", "MACROS", "grouping", "json_ids", "json_read", "locate", "parquet_read", "q"]
 
 _SCHEMA_PREFIX = '{"' + SCHEMA_KEY + '":'
 #: The JSON paths extracted from a line, in order; their index in SQL is one more.
@@ -142,13 +142,39 @@ def _wrong_json() -> str:
     return "coalesce(" + " OR ".join(checks) + ", false)"
 
 
+def _lines(files: list[Path], positions: bool) -> str:
+    """The non-blank lines of JSON-lines files, with their file (``fi``) and, when asked, position (``pos``)."""
+    pos = ", row_number() OVER () AS pos" if positions else ""
+    return f"""
+    SELECT line, fi{", pos" if positions else ""}
+    FROM (
+      SELECT line, file_index AS fi{pos}
+      FROM read_csv({_listed(files)}, columns = {{'line': 'VARCHAR'}}, delim = '\x01', quote = '', escape = '',
+                    header = false, auto_detect = false, ignore_errors = true, store_rejects = true,
+                    max_line_size = {MAX_LINE}, filename = false)
+    )
+    -- a blank line is no line (a long one is never blank: trim only the short)
+    WHERE line IS NOT NULL AND CASE WHEN length(line) < 64 THEN trim(line, ' \t\r') <> '' ELSE true END"""
+
+
+def json_ids(files: list[Path]) -> str:
+    """The rows of JSON-lines files as ``locate`` reads them: kind, position, time and ids only (a fifth of the
+    paths to extract), the positions those of ``json_read``'s."""
+    return f"""
+SELECT CASE WHEN j[1]::VARCHAR IN ('1', '2') THEN 'record' ELSE 'other' END AS kind, pos,
+  t_epoch(j_str(j[2])) AS time_s, j_str(j[3]) AS trace_id, j_str(j[4]) AS span_id
+FROM (
+  SELECT try(json_extract(line, ['$.llmtap_record', '$.time', '$.trace_id', '$.span_id'])) AS j, pos
+  FROM ({_lines(files, True)})
+)"""
+
+
 def json_read(files: list[Path], *, positions: bool = False) -> str:
     """The rows of JSON-lines files: each line's kind, file (``fi``), [position,] flat columns, and whether a field
     had the wrong type (``wrong``)."""
     paths = "[" + ", ".join(q(p) for p in _PATHS) + "]"
     columns = ",\n  ".join(f"{expr} AS {name}" for name, expr in _JSON_COLUMNS.items())
     columns += f",\n  {_wrong_json()} AS wrong"
-    pos = ", row_number() OVER () AS pos" if positions else ""
     return f"""
 SELECT kind, fi{", pos" if positions else ""},
   {columns}
@@ -161,14 +187,7 @@ FROM (
   FROM (
     -- try(): a line that is not JSON reads as NULL (cheaper than validating every line first)
     SELECT line, try(json_extract(line, {paths})) AS j, fi{", pos" if positions else ""}
-    FROM (
-      SELECT line, file_index AS fi{pos}
-      FROM read_csv({_listed(files)}, columns = {{'line': 'VARCHAR'}}, delim = '\x01', quote = '', escape = '',
-                    header = false, auto_detect = false, ignore_errors = true, store_rejects = true,
-                    max_line_size = {MAX_LINE}, filename = false)
-    )
-    -- a blank line is no line (a long one is never blank: trim only the short)
-    WHERE line IS NOT NULL AND CASE WHEN length(line) < 64 THEN trim(line, ' \t\r') <> '' ELSE true END
+    FROM ({_lines(files, positions)})
   )
 )"""
 
