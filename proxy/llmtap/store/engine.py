@@ -70,6 +70,13 @@ def _cell(got: dict[str, Any], name: str, row: int) -> Any:
     return np.ma.getdata(column)[row]
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 def _text(value: Any) -> str | None:
     return None if value is None else str(value)
 
@@ -199,8 +206,10 @@ class EngineSource:
                 skips.add(bad[0], str(f), why=bad[1])
             elif f.name.endswith(".parquet"):
                 parquet.append(f)
-            elif f.stat().st_size:  # an empty file (one just opened) has no line
+            elif _size(f):  # an empty file (one just opened) has no line
                 lines.append(f)
+            elif not f.exists():
+                skips.add("unreadable", str(f), why="removed before it was read")
         flush()
         for i in range(0, len(parquet), PART_FILES):
             batch = parquet[i : i + PART_FILES]
