@@ -328,6 +328,9 @@ def test_a_file_that_cannot_be_opened_is_named_and_the_rest_compared(
     folder = _folder(tmp_path / "records", good)
     (folder / "locked.jsonl.gz").write_bytes(gzip.compress(lines(make(50, seed=3))))
     (folder / "locked.jsonl.gz").chmod(0)
+    (folder / "sub").mkdir()
+    (folder / "sub" / "hidden.jsonl").write_bytes(lines(make(5, seed=4)))
+    (folder / "sub").chmod(0)  # a folder that cannot be listed: its files would be missed in silence
     prefix: list[str] = []
     if os.geteuid() == 0:
         capsh = shutil.which("capsh")
@@ -338,13 +341,15 @@ def test_a_file_that_cannot_be_opened_is_named_and_the_rest_compared(
         cmd = [*prefix, sys.executable, "-m", "llmtap", *COMPARE, "--engine", engine, str(folder)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ)
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-        assert (
-            done.stderr
-            == f"llmtap: skipped 1 unreadable file: {folder.resolve()}/locked.jsonl.gz (permission denied)\n"
+        where = folder.resolve()
+        assert done.stderr == (
+            f"llmtap: skipped 2 unreadable files: {where}/locked.jsonl.gz (permission denied), "
+            f"{where}/sub (a folder that cannot be listed: Permission denied)\n"
         )
         outputs.append(_comparable(done.stdout))
     _, want, _ = run([*COMPARE, "--engine", "python", str(_folder(tmp_path / "clean", good))])
     assert outputs[0] == outputs[1] == _comparable(want)
+    (folder / "sub").chmod(0o755)  # for the clean-up
 
 
 def _scan(engine: str, folder: Path) -> store.Scan:

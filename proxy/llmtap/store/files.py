@@ -114,15 +114,27 @@ def _odd(path: Path) -> str:
 
 
 def _walk(root: Path, odd: dict[str, str]) -> list[Path]:
+    """The record files under ``root`` (links to folders not followed); what is named like one but is no file,
+    and a folder that cannot be listed (whose files would be missed in silence), into ``odd``."""
     out = []
-    for p in sorted(root.rglob("*")):
-        if not _is_record_file(p):
-            continue
-        if p.is_file():
-            out.append(p)
-        else:
-            odd[str(p)] = _odd(p)
-    return out
+
+    def failed(exc: OSError) -> None:
+        odd[str(exc.filename or root)] = f"a folder that cannot be listed: {exc.strerror or exc}"
+
+    for folder, dirs, names in os.walk(root, onerror=failed):
+        base = Path(folder)
+        for name in dirs:
+            if _is_record_file(base / name):
+                odd[str(base / name)] = _odd(base / name)
+        for name in names:
+            path = base / name
+            if not _is_record_file(path):
+                continue
+            if path.is_file():
+                out.append(path)
+            else:
+                odd[str(path)] = _odd(path)
+    return sorted(out)
 
 
 def find(paths: Iterable[str | Path]) -> Listing:
