@@ -106,6 +106,7 @@ def record_sides(
         given = source = engine
     try:
         scan = source.scan(where, by)
+        slo_command.readable(scan, scan.source)
         if not scan.groups:
             slo_command.no_such_names(source, where, by)
         split = by_versions(scan.groups, split)
@@ -288,7 +289,7 @@ def render(c: Comparison) -> str:
     lines = [f"llmtap compare: {c.source}", f"split: {c.split}"]
     skipped = {k: v for k, v in c.skipped.items() if v}
     if skipped:
-        lines.append("skipped lines: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in skipped.items()))
+        lines.append("skipped: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in skipped.items()))
     lines.append("")
     for r in rows:
         lines.append("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip())
@@ -411,7 +412,8 @@ def main(args: Any) -> int:
         sides = record_sides(args.records, split, engine=args.engine, **where)
     elif args.clickhouse is not None:
         # ClickHouse filters, groups and sorts; the statistics and the verdict stay llmtap's.
-        from llmtap.store.clickhouse import ClickHouseSource, server_from_env
+        from llmtap.store.clickhouse import server_from_env
+        from llmtap.store.clickhouse_read import ClickHouseSource
 
         source = ClickHouseSource(server_from_env(args.clickhouse), args.clickhouse_table)
         sides = record_sides([], split, engine=source, **where)

@@ -53,6 +53,7 @@ __all__ = [
     "main",
     "no_such_names",
     "open_source",
+    "readable",
     "source_name",
 ]
 
@@ -113,6 +114,16 @@ def no_such_names(source: store.Source, where: store.Filter, by: store.By) -> No
     raise ConfigError(f"no requests{describe_filter(where)}; {known}")
 
 
+def readable(scan: store.Scan, what: str) -> None:
+    """Say on standard error what the scan passed over, one line per cause (files named, counts); when it read no
+    record and passed something over, ``ConfigError`` saying so instead (nothing is left to answer from)."""
+    said = scan.skips.lines()
+    if scan.records == 0 and said:
+        raise ConfigError(f"no record could be read from {what}: " + "; ".join(said))
+    for line in said:
+        print(f"llmtap: {line}", file=sys.stderr)
+
+
 def source_name(paths: Sequence[str | Path], scan: store.Scan) -> str:
     """What a report says it read: the paths, the files and the records."""
     files = scan.files
@@ -144,6 +155,7 @@ def from_records(
         given = source = engine
     try:
         scan = source.scan(where, None)
+        readable(scan, scan.source)
         if not scan.groups:
             no_such_names(source, where, None)
         met = source.count_met(where, None, limits_of(scan.groups, objectives)) if objectives else None
@@ -266,7 +278,8 @@ def main(args: Any) -> int:
         report = from_records(args.records, objectives=objectives, engine=args.engine, **options)
     elif args.clickhouse is not None:
         # ClickHouse filters, groups and sorts; the statistics and the verdicts stay llmtap's.
-        from llmtap.store.clickhouse import ClickHouseSource, server_from_env
+        from llmtap.store.clickhouse import server_from_env
+        from llmtap.store.clickhouse_read import ClickHouseSource
 
         source = ClickHouseSource(server_from_env(args.clickhouse), args.clickhouse_table)
         report = from_records([], objectives=objectives, engine=source, **options)
