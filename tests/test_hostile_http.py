@@ -319,3 +319,35 @@ def test_http11_without_host_is_a_400(proxy: Llmtap, raw_upstream: RawUpstream) 
     twice = exchange(proxy.port, b"GET /status/200 HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n")
     assert twice.startswith(b"HTTP/1.1 400"), twice
     no_traceback(proxy)
+
+
+@pytest.mark.parametrize("expect", [b"something-else", b"100-continue, x-more", b"100-continue; x=1"])
+def test_an_expectation_other_than_100_continue_gets_417(
+    proxy: Llmtap, raw_upstream: RawUpstream, expect: bytes
+) -> None:
+    """RFC 9110 section 10.1.1: an expectation nobody on the path meets is refused, never forwarded (issue 44)."""
+    before = len(raw_upstream.heads)
+    got = exchange(proxy.port, request(b"/v1/chat/completions", CHAT, extra=b"expect: %s\r\n" % expect))
+    [(status, fields, body)] = parse(got)
+    assert status == 417 and json.loads(body)["error"]["type"] == "expectation_failed", got[:300]
+    assert fields[b"connection"] == b"close"
+    assert len(raw_upstream.heads) == before  # nothing went upstream
+    no_traceback(proxy)
+
+
+def test_100_continue_is_met_before_the_body_is_sent(proxy: Llmtap, raw_upstream: RawUpstream) -> None:
+    head = request(b"/v1/chat/completions", extra=b"Expect: 100-Continue\r\ncontent-length: %d\r\n" % len(CHAT))
+    head = head.replace(b"content-length: 0\r\n", b"")
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(head)
+        interim = sock.recv(65536)
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n"), interim
+        sock.sendall(CHAT)
+        got = b""
+        while not got.endswith(b"0\r\n\r\n"):
+            part = sock.recv(65536)
+            assert part, got
+            got += part
+    [(status, _, body)] = parse(got)
+    assert status == 200 and body == sse_body(include_usage=False)
+    no_traceback(proxy)
