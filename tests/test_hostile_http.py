@@ -8,15 +8,20 @@ leaves a traceback in the log.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import socket
 import threading
+import time
+import uuid
 import zlib
 from collections.abc import Iterator
 
 import pytest
 
+from llmtap.store.files import ReadStats, read_records
+from tests.conftest import PATIENCE
 from tests.procs import Llmtap
 
 pytestmark = pytest.mark.e2e
@@ -39,6 +44,30 @@ USAGE_EVENT = (
 )
 
 
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data)
+
+
+#: Response heads llmtap cannot relay faithfully (``llmtap.relay.heads``), by name: each answered 502.
+_GZ = gzip.compress(USAGE_EVENT)
+BAD_HEADS = {
+    "status-999": b"HTTP/1.1 999 Odd\r\ncontent-length: 2\r\n\r\n{}",
+    "status-600": b"HTTP/1.1 600 Odd\r\ncontent-length: 2\r\n\r\n{}",
+    "status-099": b"HTTP/1.1 099 Odd\r\ncontent-length: 2\r\n\r\n{}",
+    "status-0": b"HTTP/1.1 0 Odd\r\ncontent-length: 2\r\n\r\n{}",
+    "status-text": b"HTTP/1.1 abc Odd\r\ncontent-length: 2\r\n\r\n{}",
+    "switch-101": b"HTTP/1.1 101 Switching Protocols\r\nupgrade: foo\r\nconnection: upgrade\r\n\r\nxx",
+    "gzip-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n" + _chunked(_GZ),
+    "gzip-then-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n\r\n"
+    + _chunked(_GZ),
+    "chunked-gzip": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, gzip\r\n\r\n" + _GZ,
+    "identity": b"HTTP/1.1 200 OK\r\ntransfer-encoding: identity\r\n\r\n" + USAGE_EVENT,
+    "te-and-length": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 9\r\n\r\n" + _chunked(b"{}"),
+    "no-colon": b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nnot a header\r\n\r\n{}",
+    "control-in-value": b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-odd: a\x01b\r\n\r\n{}",
+}
+
+
 def sse_body(include_usage: bool) -> bytes:
     """An OpenAI chat stream of three words; the usage event only when the request asked for it."""
     events = [_chunk({"role": "assistant", "content": ""})]
@@ -55,7 +84,7 @@ class RawUpstream:
     ``/v1/chat/completions`` streams chat chunks, gzip-compressed when the request allows gzip (or always,
     with ``x-force-gzip``); ``/status/N`` answers status N with a Content-Length of 42, and 42 bytes
     unless N is 204 or 304;
-    ``/early-hints`` sends a 103 before its 200.
+    ``/early-hints`` sends a 103 before its 200; a request with ``x-raw: NAME`` gets ``BAD_HEADS[NAME]`` as it is.
     """
 
     def __init__(self) -> None:
@@ -78,31 +107,36 @@ class RawUpstream:
             threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
 
     def _connection(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # the relay closes (resets) a connection it refused an answer of
+            self._exchanges(conn)
+
+    def _exchanges(self, conn: socket.socket) -> None:
         buffered = b""
-        with conn:
-            while True:
-                while b"\r\n\r\n" not in buffered:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buffered += data
-                head, _, buffered = buffered.partition(b"\r\n\r\n")
-                self.heads.append(head)
-                fields = _fields(head)
-                length = int(fields.get(b"content-length", b"0"))
-                while len(buffered) < length:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buffered += data
-                body, buffered = buffered[:length], buffered[length:]
-                conn.sendall(self._answer(head.split(b" ")[1], fields, body))
+        while True:
+            while b"\r\n\r\n" not in buffered:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buffered += data
+            head, _, buffered = buffered.partition(b"\r\n\r\n")
+            self.heads.append(head)
+            fields = _fields(head)
+            length = int(fields.get(b"content-length", b"0"))
+            while len(buffered) < length:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buffered += data
+            body, buffered = buffered[:length], buffered[length:]
+            conn.sendall(self._answer(head.split(b" ")[1], fields, body))
 
     def _answer(self, target: bytes, fields: dict[bytes, bytes], body: bytes) -> bytes:
         if target.startswith(b"/status/"):
             status = int(target[len(b"/status/") :])
             body = b"" if status in (204, 304) else b"x" * 42
             return b'HTTP/1.1 %d Whatever\r\ncontent-length: 42\r\netag: "v1"\r\n\r\n%s' % (status, body)
+        if b"x-raw" in fields:
+            return BAD_HEADS[fields[b"x-raw"].decode()]
         if target == b"/early-hints":
             return (
                 b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n"
@@ -146,8 +180,18 @@ def raw_upstream() -> Iterator[RawUpstream]:
 def proxy(
     request: pytest.FixtureRequest, raw_upstream: RawUpstream, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Llmtap]:
-    log = tmp_path_factory.mktemp("hostile-http") / "llmtap.log"
-    p = Llmtap(raw_upstream.url, log, "--upstream-client", request.param, "--log-level", "info")
+    home = tmp_path_factory.mktemp("hostile-http")
+    p = Llmtap(
+        raw_upstream.url,
+        home / "llmtap.log",
+        "--upstream-client",
+        request.param,
+        "--log-level",
+        "info",
+        "--record",
+        str(home / "records"),
+    )
+    p.records = home / "records"  # type: ignore[attr-defined]
     yield p
     p.close()
 
@@ -351,3 +395,40 @@ def test_100_continue_is_met_before_the_body_is_sent(proxy: Llmtap, raw_upstream
     [(status, _, body)] = parse(got)
     assert status == 200 and body == sse_body(include_usage=False)
     no_traceback(proxy)
+
+
+# --- response heads llmtap cannot relay faithfully (issue 44) ----------------------------------------------
+
+
+def record_of(proxy: Llmtap, model: str) -> dict[str, object]:
+    """The record of the one request that named ``model``, once it is written."""
+    deadline = time.monotonic() + PATIENCE
+    while True:
+        found = [r for r in read_records(proxy.records, ReadStats()) if r.get("model") == model]  # type: ignore[attr-defined]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no record of {model}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_HEADS))
+def test_a_response_head_that_cannot_be_relayed_faithfully_is_a_502_and_recorded(proxy: Llmtap, name: str) -> None:
+    """A status outside 100-599 or a final 1xx, a transfer coding other than chunked, ambiguous framing, a malformed
+    or unwritable header: the client gets a 502 that says why (never a dropped connection, nor bytes it cannot
+    read), the log says it (no traceback), and the record carries ``upstream_protocol_error``."""
+    model = f"bad-{name}-{uuid.uuid4().hex[:8]}"
+    body = json.dumps({"model": model, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    got = exchange(proxy.port, request(b"/v1/chat/completions", body, extra=b"x-raw: %s\r\n" % name.encode()))
+    [(status, _, answer)] = parse(got)
+    error = json.loads(answer)["error"]
+    assert (status, error["type"]) == (502, "upstream_protocol_error"), got[:400]
+    assert "cannot relay faithfully" in error["message"]
+    record = record_of(proxy, model)
+    assert (record["error_type"], record["outcome"]) == ("upstream_protocol_error", "error"), record
+    assert "a response head llmtap cannot relay" in proxy.logs()
+    no_traceback(proxy)
+
+
+def test_a_final_answer_after_interim_ones_is_still_relayed(proxy: Llmtap) -> None:
+    got = exchange(proxy.port, request(b"/early-hints", method=b"GET"))
+    assert statuses(got) == [200], got

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 import zlib
@@ -16,11 +15,12 @@ import httpx
 
 from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.config.types import Route, Settings
-from llmtap.listener import CYCLE, LOG_EVERY, LOST_HOOK, RECEIVED
+from llmtap.listener import CYCLE, LOST_HOOK, RECEIVED
 from llmtap.providers import provider_for
 from llmtap.providers.splice import splice_usage
 from llmtap.providers.usage_filter import UsageEventFilter
 from llmtap.relay.admission import Admission, QueueFull
+from llmtap.relay.answers import LogLimit, bad_head, refuse_request, send_json, too_large, upstream_failed
 from llmtap.relay.channel import Channel, LocalChannel
 from llmtap.relay.fingerprint import KEY_HEADERS, fingerprint, install_secret
 from llmtap.relay.forward import (
@@ -34,6 +34,7 @@ from llmtap.relay.forward import (
 )
 from llmtap.relay.frame import relay_frame
 from llmtap.relay.guard import Refusal, check_request, check_route
+from llmtap.relay.heads import unrelayable
 from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
 from llmtap.relay.shared import InFlight, Table, table_columns
 from llmtap.relay.stepjson import STEPWISE_BYTES, loads_stepwise
@@ -72,16 +73,6 @@ class RequestTooLarge(Exception):
 
 class UploadStalled(Exception):
     """A request body still arriving while its request holds an admission slot fell silent too long."""
-
-
-async def send_json(
-    send: Send, status: int, error_type: str, message: str, extra: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    """An error of the proxy's own, in the OpenAI error shape most SDKs display."""
-    body = json.dumps({"error": {"type": error_type, "message": message, "code": status}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class ProxyApp:
@@ -145,7 +136,9 @@ class ProxyApp:
         self.tapes_dropped = 0
         #: Responses the relay itself cut short, by reason (``RESPONSE_CUT_REASONS``), reported with the gauges.
         self.cuts = dict.fromkeys(RESPONSE_CUT_REASONS, 0)
-        self._logged_at: dict[str, float] = {}
+        #: Responses answered 502 for a head that cannot be relayed faithfully (``llmtap.relay.heads``).
+        self.bad_heads = 0
+        self._said = LogLimit()
         #: The server's counts of client connections cut or refused (``llmtap.serve.relay`` sets it), reported
         #: beside the gauges; None when no such server runs this app.
         self.connections: ClientLimits | None = None
@@ -273,7 +266,7 @@ class ProxyApp:
             scope, max_header_bytes=settings.max_header_bytes, max_request_bytes=settings.max_request_bytes
         )
         if refusal is not None:
-            await _refuse_request(send, refusal)
+            await refuse_request(send, refusal)
             return
         path: str = scope["path"]
         route = self.router.match(path)
@@ -282,7 +275,7 @@ class ProxyApp:
             return
         refusal = check_route(scope.get("raw_path") or path.encode(), route)
         if refusal is not None:
-            await _refuse_request(send, refusal)
+            await refuse_request(send, refusal)
             return
         method: str = scope["method"]
         inner_path = path[len(route.prefix) :] if route.strip_prefix and route.prefix != "/" else path
@@ -335,7 +328,7 @@ class ProxyApp:
         except ClientGone:
             return
         except RequestTooLarge:
-            await _refuse_request(send, _too_large(settings.max_request_bytes))
+            await refuse_request(send, too_large(settings.max_request_bytes))
             return
         tape.body_read = now()
         tape.body = body
@@ -534,11 +527,12 @@ class ProxyApp:
                     leaving()  # httpx's pool says nothing of its connect: as it is handed the request
                     response = _HttpxAnswer(await client.send(request, stream=True))
             except httpx.TransportError as exc:
-                await _upstream_failed(send, route, tape, exc)
+                if await upstream_failed(send, route, tape, exc):
+                    self._bad_head_said(route, tape.error_message)
                 return
             except RequestTooLarge:
                 tape.fail("request_too_large", f"request body exceeds {self.settings.max_request_bytes} bytes")
-                await _refuse_request(send, _too_large(self.settings.max_request_bytes))
+                await refuse_request(send, too_large(self.settings.max_request_bytes))
                 return
             except UploadStalled:
                 # The slot goes back (``finally``); the upstream's half-sent request is dropped with its connection.
@@ -546,7 +540,7 @@ class ProxyApp:
                 tape.fail("upload_timeout", f"request body stalled for {quiet:g} s while holding an admission slot")
                 if self.connections is not None:
                     self.connections.timed_out("upload", scope.get("client"))
-                await _refuse_request(
+                await refuse_request(
                     send, Refusal(408, "upload_timeout", f"request body stalled for {quiet:g} s; retry")
                 )
                 return
@@ -561,6 +555,13 @@ class ProxyApp:
                 # two chunks, not the wait for the headers.
                 timeouts["read"] = idle
             status = response.status_code
+            why = unrelayable(status, response.headers)
+            if why is not None:
+                # Nothing of it goes on, and its connection is not trusted with another request.
+                response.abandon()
+                await bad_head(send, route, tape, why)
+                self._bad_head_said(route, why)
+                return
             tape.status_code = status
             raw_headers = response.headers
             tape.response_headers = raw_headers
@@ -650,8 +651,9 @@ class ProxyApp:
         except InflateLimit as exc:
             tape.fail("inflate_limit", str(exc))
             self.cuts["inflate_limit"] += 1
-            self._log_limit(
+            self._said.warn(
                 "inflate_limit",
+                self.cuts["inflate_limit"],
                 "cut a response from %s: it decompressed past max_inflate_bytes (%d)",
                 route.upstream,
                 self.settings.max_inflate_bytes,
@@ -685,13 +687,12 @@ class ProxyApp:
             if admitted and admission is not None:
                 admission.release()
 
-    def _log_limit(self, key: str, message: str, *args: Any) -> None:
-        """Log a limit the relay applied, at most once per ``LOG_EVERY`` seconds per ``key``, with the count."""
-        clock = time.monotonic()
-        if clock - self._logged_at.get(key, -LOG_EVERY) < LOG_EVERY:
-            return
-        self._logged_at[key] = clock
-        log.warning(message + " (%d so far)", *args, self.cuts[key])
+    def _bad_head_said(self, route: Route, why: str | None) -> None:
+        """An upstream's response head was answered 502 (``llmtap.relay.heads``): logged, at most every 10 s."""
+        self.bad_heads += 1
+        self._said.warn(
+            "bad_head", self.bad_heads, "upstream %s: a response head llmtap cannot relay (%s)", route.upstream, why
+        )
 
     async def _admit(self, admission: Admission, route: str) -> None:
         """Wait in the route's line; the waiting count is a gauge while anyone waits."""
@@ -720,43 +721,6 @@ class ProxyApp:
             f"llmtap: the admission queue for {route.upstream} {why}; retry later",
             [(b"retry-after", str(route.retry_after).encode())],
         )
-
-
-def _too_large(limit: int) -> Refusal:
-    return Refusal(413, "request_too_large", f"request body exceeds {limit} bytes")
-
-
-async def _refuse_request(send: Send, refusal: Refusal) -> None:
-    """A request llmtap will not relay; nothing went upstream. The connection is closed after the answer."""
-    await send_json(send, refusal.status, refusal.error_type, refusal.message, [(b"connection", b"close")])
-
-
-async def _upstream_failed(send: Send, route: Route, tl: Tape, exc: httpx.TransportError) -> None:
-    """No response headers came: 502 when the upstream could not be reached or hung up, 504 when it was too slow.
-
-    The body and the log say what failed (``certificate verify failed: self-signed certificate``), not
-    only the exception's class.
-    """
-    what = type(exc).__name__
-    detail = str(exc) or what
-    if isinstance(exc, httpx.TimeoutException):
-        kind = "connect_timeout" if isinstance(exc, httpx.ConnectTimeout) else "timeout"
-        reason = f"{what}: {exc}" if str(exc) else what
-        message = f"upstream {route.upstream} timed out ({reason})"
-        tl.fail(kind, f"upstream timed out: {what}")
-        log.warning("%s", message)
-        await send_json(send, 504, "upstream_timeout", message)
-    elif isinstance(exc, httpx.ConnectError):
-        message = f"upstream {route.upstream} unreachable: {detail}"
-        tl.fail("upstream_unreachable", detail)
-        log.warning("%s", message)
-        await send_json(send, 502, "upstream_unreachable", message)
-    else:
-        # Connected, but the connection broke (reset, closed) before any response.
-        message = f"upstream {route.upstream} closed the connection: {detail}"
-        tl.fail("upstream_closed", detail)
-        log.warning("%s", message)
-        await send_json(send, 502, "upstream_closed", message)
 
 
 async def _cut(send: Send, tape: Tape, strip: UsageEventFilter | None) -> NoReturn:
@@ -878,6 +842,9 @@ class _HttpxAnswer:
 
     async def surplus(self) -> int:
         return await close_if_surplus(self._response)
+
+    def abandon(self) -> None:
+        """httpx's pool decides what becomes of the connection (``aclose`` releases it)."""
 
     async def aclose(self) -> None:
         # Shielded: httpx's close may wait (httpcore's pool), and a cancellation must not skip it.

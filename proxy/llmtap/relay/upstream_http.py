@@ -44,6 +44,7 @@ import httptools
 import httpx
 
 from llmtap.relay import tls
+from llmtap.relay.heads import BadHead
 
 __all__ = ["MAX_HEAD_BYTES", "PIPE", "SURPLUS", "Answer", "LeanTransport", "Origin"]
 
@@ -313,14 +314,16 @@ class _Connection(asyncio.Protocol):
         if not self.head_done:
             self._head_bytes += len(piece)
             if self._head_bytes > MAX_HEAD_BYTES:
-                self._fail(httpx.RemoteProtocolError(f"response head longer than {MAX_HEAD_BYTES} bytes"))
+                self._fail(BadHead(f"response head longer than {MAX_HEAD_BYTES} bytes"))
                 return
         try:
             self._parser.feed_data(piece)
         except httptools.HttpParserUpgrade:
-            self._fail(httpx.RemoteProtocolError("upstream switched protocols unasked"))
+            self._fail(BadHead("upstream switched protocols unasked"))
         except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"malformed response from upstream: {exc}"))
+            # In the head, what the relay cannot pass on (``llmtap.relay.heads``); in the body, a stream broken.
+            error = BadHead if not self.head_done else httpx.RemoteProtocolError
+            self._fail(error(f"malformed response from upstream: {exc}"))
         self._tail = bytes(piece[-3:]) if len(piece) >= 3 else (self._tail + bytes(piece))[-3:]
         if self._boundary and not self._tail.endswith(b"\r\n"):
             self._boundary = False  # the next chunk's size line began: the parser holds part of it
@@ -725,6 +728,11 @@ class Answer:
 
     async def aclose(self) -> None:
         """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits."""
+        self.body.close()
+
+    def abandon(self) -> None:
+        """Release the connection closed, however cleanly the exchange ended: the relay refused this response."""
+        self.body.connection.keep_alive = False
         self.body.close()
 
 
