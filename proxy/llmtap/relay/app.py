@@ -374,11 +374,18 @@ class ProxyApp:
         return target
 
     def _segment(self, tape: Tape) -> None:
-        """The tape is full mid-stream: its reads leave now, so a long stream holds little here."""
-        if tape.lost:
-            tape.take_reads()
-        elif not self._send(tape.segment_message(), shard=shard_of(tape.trace_id, tape.key, self._shards)):
-            tape.lost = True
+        """The tape is full mid-stream: its reads leave now, so a long stream holds little here. What the channel
+        cannot take, even without its bytes, becomes a hole in the stream (``Tape.punch``), sent ahead of what
+        follows it once there is room: the stream keeps its record, partial."""
+        shard = shard_of(tape.trace_id, tape.key, self._shards)
+        if tape.hole_size:
+            if not self.channel.send(tape.hole_message(), reserve=True, shard=shard):
+                tape.punch(tape.segment_message())
+                return
+            tape.hole_sent()
+        message = tape.segment_message()
+        if not self._send(message, shard=shard):
+            tape.punch(message)
 
     def _hand_over(self, tape: Tape) -> None:
         """The request is over: its tape goes to the telemetry side, or is counted as dropped.
@@ -386,7 +393,9 @@ class ProxyApp:
         The end may use the channel's reserve: it holds a stream's last reads, where usage is reported.
         """
         shard = shard_of(tape.trace_id, tape.key, self._shards)
-        if tape.lost or not self._send(tape.end_message(), reserve=True, shard=shard):
+        if tape.hole_size and self.channel.send(tape.hole_message(), reserve=True, shard=shard):
+            tape.hole_sent()
+        if not self._send(tape.end_message(), reserve=True, shard=shard):
             self.tapes_dropped += 1
             log.debug("telemetry behind: dropped the tape of %s %s", tape.method, tape.path)
         self._stats_changed = True
