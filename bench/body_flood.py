@@ -1,12 +1,14 @@
 """Other clients' latency while one client floods the relay with large chat bodies (issue 44).
 
-``python -m bench.body_flood`` starts ``tests/fault_upstream.py`` and one ``llmtap serve`` of whatever code
+``python -m bench.body_flood`` starts two ``tests/fault_upstream.py`` and one ``llmtap serve`` of whatever code
 ``PYTHONPATH`` selects, then alternates two phases ``--rounds`` times: probes alone, and probes while
 ``--clients`` flooding clients (one process of their own, raw sockets, one keep-alive connection each) send
 chat bodies of ``--mib`` MiB back to back (``"stream": true``, so the relay asks for usage and splices the
-body; the upstream answers them unread, ``x-ignore-body``, so its own parse takes no core). A probe is a small
-chat stream of ``--chunks`` chunks ``--gap-ms`` apart: its first byte and its whole time, as its client saw
-them. It prints the p50 and max of both per phase, and how many bodies the flood got through a second.
+body). The flood goes to a route of its own (``/flood``) with an upstream of its own, which answers unread
+(``x-ignore-body``): what the probes share with the flood is the relay (and the machine), not the upstream's
+event loop. A probe is a small chat stream of ``--chunks`` chunks ``--gap-ms`` apart: its first byte and its
+whole time, as its client saw them. It prints the p50 and max of both per phase, and how many bodies the flood
+got through a second.
 
 The body's shape (``--shape``): ``one`` message holding the whole text (one long JSON string, what a long
 document pasted into a prompt is), ``many`` messages of 8 KiB each, or ``code`` (one message of source text,
@@ -61,7 +63,7 @@ def chat_body(size: int, shape: str) -> bytes:
 
 def _request(port: int, body: bytes) -> bytes:
     head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+        f"POST /flood/v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
         f"x-ignore-body: 1\r\nx-chunks: 2\r\ncontent-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
@@ -122,9 +124,11 @@ def _summary(samples: list[tuple[float, float]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the upstream and llmtap, alternate the phases, and summarize each."""
-    upstream = FaultUpstream()
+    upstream, flooded = FaultUpstream(), FaultUpstream()
     home = Path(tempfile.mkdtemp(prefix="llmtap-flood-"))
-    proxy = Llmtap(upstream.url, home / "llmtap.log", "--log-level", "warning")
+    config = home / "llmtap.yaml"
+    config.write_text(f"routes:\n  - prefix: /flood\n    strip_prefix: true\n    upstream: {flooded.url}\n")
+    proxy = Llmtap(upstream.url, home / "llmtap.log", "--log-level", "warning", "--config", str(config))
     alone: list[tuple[float, float]] = []
     beside: list[tuple[float, float]] = []
     sent = 0
@@ -145,6 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         proxy.close()
         upstream.close()
+        flooded.close()
     size = len(chat_body(int(args.mib * (1 << 20)), args.shape))
     return {
         "body_bytes": size,

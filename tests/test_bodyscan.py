@@ -19,7 +19,35 @@ from llmtap.providers.bodyscan import MAX_DEPTH, MAX_TOKEN, BodyScan
 from llmtap.providers.splice import prepare_usage
 from llmtap.types import UNCHANGED, Prepared
 from tests.test_splice import request_body
-from tests.test_stepjson import INVALID, VALID
+
+# What json.loads reads and refuses (kept from the stepwise parser this reader replaced).
+VALID = [
+    b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}',
+    b' \n{ "a" : [ 1 , 2.5e3 , -0 , true , false , null , "x\\u00e9" , { } , [ ] ] , "a" : {"b":[[[[1]]]]} } \t',
+    '\ufeff{"bom": "utf-8-sig"}'.encode(),
+    '{"é":"ü","n":[{"deep":[{"deeper":[1,{"x":[]}]}]}]}'.encode(),
+    "[1,2,3]".encode("utf-16"),
+    b'"just a string"',
+    b"12",
+    b"[]",
+    b"{}",
+]
+INVALID = [
+    b"",
+    b"   ",
+    b"{",
+    b'{"a":1,}',
+    b"[1,2,]",
+    b'{"a" 1}',
+    b"{1:2}",
+    b'{"a":1} x',
+    b"[1 2]",
+    b'{"a":[1,{"b":}]}',
+    b'{"a":nul}',
+    b"\xff\xfe\x00",
+    b'{"a":"\xff"}',
+    b"NaN-",
+]
 
 
 def scanned(body: bytes, cuts: list[int]) -> Prepared:

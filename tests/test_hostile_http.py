@@ -89,6 +89,7 @@ class RawUpstream:
 
     def __init__(self) -> None:
         self.heads: list[bytes] = []
+        self.bodies: list[bytes] = []
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self._stop = False
@@ -128,6 +129,7 @@ class RawUpstream:
                     return
                 buffered += data
             body, buffered = buffered[:length], buffered[length:]
+            self.bodies.append(body)
             conn.sendall(self._answer(head.split(b" ")[1], fields, body))
 
     def _answer(self, target: bytes, fields: dict[bytes, bytes], body: bytes) -> bytes:
@@ -432,3 +434,25 @@ def test_a_response_head_that_cannot_be_relayed_faithfully_is_a_502_and_recorded
 def test_a_final_answer_after_interim_ones_is_still_relayed(proxy: Llmtap) -> None:
     got = exchange(proxy.port, request(b"/early-hints", method=b"GET"))
     assert statuses(got) == [200], got
+
+
+@pytest.mark.parametrize("options", [b"", b',"stream_options":{"continuous_usage_stats":true}'])
+def test_a_body_of_megabytes_is_read_as_it_arrives_and_spliced_as_a_small_one_is(
+    proxy: Llmtap, raw_upstream: RawUpstream, options: bytes
+) -> None:
+    """Past ``SCAN_FROM`` the relay reads the body piece by piece (``llmtap.providers.bodyscan``, issue 44): the
+    upstream gets exactly what ``prepare_usage`` makes of it, and the client no usage event it did not ask for."""
+    from llmtap.providers.splice import prepare_usage
+    from llmtap.relay.bodyread import SCAN_FROM
+
+    content = json.dumps('say "hi"\n\t' + "word " * (SCAN_FROM // 2))
+    body = b'{"model":"raw","messages":[{"role":"user","content":%s}],"stream":true%s}' % (content.encode(), options)
+    assert len(body) > 2 * SCAN_FROM
+    want = prepare_usage(body, inject_usage=True).body
+    assert want is not None
+    before = len(raw_upstream.bodies)
+    got = exchange(proxy.port, request(b"/v1/chat/completions", body))
+    [(status, _, answer)] = parse(got)
+    assert status == 200 and answer == sse_body(include_usage=False), got[:300]
+    assert raw_upstream.bodies[before] == want
+    no_traceback(proxy)

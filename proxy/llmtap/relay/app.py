@@ -17,10 +17,11 @@ from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.config.types import Route, Settings
 from llmtap.listener import CYCLE, LOST_HOOK, RECEIVED
 from llmtap.providers import provider_for
-from llmtap.providers.splice import splice_usage
+from llmtap.providers.bodyscan import BodyScan
 from llmtap.providers.usage_filter import UsageEventFilter
 from llmtap.relay.admission import Admission, QueueFull
 from llmtap.relay.answers import LogLimit, bad_head, refuse_request, send_json, too_large, upstream_failed
+from llmtap.relay.bodyread import ClientGone, RequestTooLarge, UploadStalled, prepend, read_body
 from llmtap.relay.channel import Channel, LocalChannel
 from llmtap.relay.fingerprint import KEY_HEADERS, fingerprint, install_secret
 from llmtap.relay.forward import (
@@ -37,10 +38,9 @@ from llmtap.relay.guard import Refusal, check_request, check_route
 from llmtap.relay.heads import unrelayable
 from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
 from llmtap.relay.shared import InFlight, Table, table_columns
-from llmtap.relay.stepjson import STEPWISE_BYTES, loads_stepwise
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.upstream_http import PIPE, Answer, LeanTransport, Origin
-from llmtap.types import UNCHANGED, Message, Receive, Scope, Send
+from llmtap.types import Message, Receive, Scope, Send
 from llmtap.wire.messages import RESPONSE_CUT_REASONS, Raw, Stats, encode_stats, without_bytes
 from llmtap.wire.tape import Tape, now, shard_of
 from llmtap.wire.tracecontext import Sampler, begin
@@ -61,18 +61,6 @@ STATS_EVERY = 0.5
 #: At a request's end the gauges are reported at once, unless a report left less than this long ago: then once,
 #: this long after it (a burst of ends costs one report, not one each; the gauges still settle within it).
 STATS_SOON = 0.02
-
-
-class ClientGone(Exception):
-    """The client disconnected; the upstream request is cancelled."""
-
-
-class RequestTooLarge(Exception):
-    """The request body grew past ``max_request_bytes`` while it was being read."""
-
-
-class UploadStalled(Exception):
-    """A request body still arriving while its request holds an admission slot fell silent too long."""
 
 
 class ProxyApp:
@@ -323,8 +311,11 @@ class ProxyApp:
                 trace.append((b"tracestate", state.encode("latin-1")))
         # A body still arriving once its request holds an admission slot may not keep the slot by falling silent.
         silence = settings.timeouts.client_upload if route.name in self.admissions else None
+        splices = provider is not None and settings.inject_usage and getattr(provider, "splices_usage", False)
+        scan = BodyScan() if splices else None
+        limit = settings.max_inspect_bytes if provider else 0
         try:
-            body, more = await self._read_body(receive, settings.max_inspect_bytes if provider else 0, silence)
+            body, more = await read_body(receive, limit, settings.max_request_bytes, silence, scan)
         except ClientGone:
             return
         except RequestTooLarge:
@@ -335,12 +326,9 @@ class ProxyApp:
         tape.body_complete = more is None
         rewritten: bytes | None = None
         if provider is not None and more is None and settings.inject_usage:
-            if len(body) > STEPWISE_BYTES and getattr(provider, "splices_usage", False):
-                # Parsed a step at a time: one body of megabytes must not hold every other stream's next chunk.
-                try:
-                    prepared = splice_usage(body, await loads_stepwise(body))
-                except (ValueError, RecursionError):
-                    prepared = UNCHANGED
+            if scan is not None and scan.fed:
+                # Read as it arrived (``llmtap.relay.bodyread``): one body of megabytes holds no other stream up.
+                prepared = scan.prepared(body)
             else:
                 prepared = provider.prepare(body, inject_usage=True, path=inner_path)
             rewritten, tape.strip_usage = prepared.body, prepared.strip_usage
@@ -423,33 +411,6 @@ class ProxyApp:
         timing = without_bytes(message)
         return timing is not None and self.channel.send(timing, reserve=True, shard=shard)
 
-    async def _read_body(
-        self, receive: Receive, limit: int, silence: float | None = None
-    ) -> tuple[bytes, AsyncIterator[bytes] | None]:
-        """Read the body up to ``limit`` bytes; past it, return what was read and an iterator over the rest.
-
-        A body past ``max_request_bytes`` (possible only without Content-Length) raises ``RequestTooLarge``,
-        here or from the iterator while the rest streams upstream. The iterator raises ``UploadStalled`` when
-        the client sends nothing for ``silence`` seconds (None: only the server's own body timeout applies).
-        """
-        parts: list[bytes] = []
-        size = 0
-        most = self.settings.max_request_bytes
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = message.get("body", b"")
-            if chunk:
-                parts.append(chunk)
-                size += len(chunk)
-                if size > most:
-                    raise RequestTooLarge
-            if not message.get("more_body", False):
-                return b"".join(parts), None
-            if size > limit:
-                return b"".join(parts), _rest_of_body(receive, most - size, silence)
-
     async def _relay(
         self,
         scope: Scope,
@@ -466,7 +427,7 @@ class ProxyApp:
     ) -> None:
         content: bytes | AsyncIterator[bytes]
         if more is not None:
-            content = _prepend(body, more)
+            content = prepend(body, more)
         else:
             content = rewritten if rewritten is not None else body
         client = self.upstreams.client(route)
@@ -797,41 +758,6 @@ class _DisconnectWatch:
             self._watcher.cancel()
         if self._cycle is not None:
             setattr(self._cycle, LOST_HOOK, None)
-
-
-async def _rest_of_body(receive: Receive, room: int, silence: float | None = None) -> AsyncIterator[bytes]:
-    """The rest of a large body as it arrives; ``RequestTooLarge`` once it outgrows ``room`` bytes,
-    ``UploadStalled`` when nothing arrives for ``silence`` seconds.
-
-    Only the time spent waiting on the client counts: while the upstream is slow to take the body, this
-    iterator is not being read and no timer runs.
-    """
-    while True:
-        if silence is None:
-            message = await receive()
-        else:
-            try:
-                async with asyncio.timeout(silence):
-                    message = await receive()
-            except TimeoutError:
-                raise UploadStalled from None
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        if chunk:
-            room -= len(chunk)
-            if room < 0:
-                raise RequestTooLarge
-            yield chunk
-        if not message.get("more_body", False):
-            return
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    if first:
-        yield first
-    async for chunk in rest:
-        yield chunk
 
 
 class _HttpxAnswer:

@@ -58,6 +58,8 @@ Sink = Callable[[float, bytes], None]
 QUEUE_BYTES = 64 * 1024
 #: The largest response head (interim responses included); a longer one is a protocol error.
 MAX_HEAD_BYTES = 256 * 1024
+#: A request body past this is written beside its head rather than joined to it.
+_JOINED_BYTES = 64 * 1024
 #: The digits of a chunk's size (RFC 9112 section 7.1).
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
 # A response head, a chunked body (last chunk and trailers) and so every message whose length is not
@@ -449,10 +451,15 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None and not self.closed:
             self._transport.abort()
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, more: bytes = b"") -> None:
+        """``data`` and then ``more`` onto the connection; a large ``more`` is written without copying it into one
+        buffer with ``data`` first (a request body of megabytes: a copy of milliseconds on the relay's loop)."""
         if self.closed or self._transport is None or self._transport.is_closing():
             raise httpx.RemoteProtocolError("upstream closed the connection before the request was sent")
-        self._transport.write(data)
+        if len(more) > _JOINED_BYTES:
+            self._transport.writelines((data, more))
+        else:
+            self._transport.write(data + more)
 
     async def send_stream(self, stream: AsyncIterable[bytes], *, chunked: bool, timeouts: _Timeouts) -> None:
         """A streamed body, in chunked framing when the head says so, at the pace the upstream takes it."""
@@ -875,7 +882,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             if leaving is not None:
                 leaving()
             if isinstance(content, bytes):
-                conn.write(head + content)  # one write: the head and a body already in memory
+                conn.write(head, content)  # one write: the head and a body already in memory
                 conn.sent_all = True
             else:
                 conn.write(head)

@@ -60,6 +60,8 @@ class SocketChannel(asyncio.Protocol):
         self._transport: asyncio.WriteTransport | None = None
         self._pending: list[bytes] = []
         self._pending_bytes = 0
+        #: A frame past ``GATHER_BYTES`` waits: the next write leaves the frames as they are, not joined.
+        self._large = False
         #: The write to come (a handle of the event loop), and whether it is a gather's (later than this turn).
         self._flush_due: asyncio.Handle | None = None
         self._gathering = False
@@ -133,6 +135,8 @@ class SocketChannel(asyncio.Protocol):
         self._pending.append(prefix)
         self._pending.append(data)
         self._pending_bytes += len(data) + 4
+        if len(data) > GATHER_BYTES:
+            self._large = True
         due = self._flush_due
         if due is None or self._gathering:
             soon = at_once or not self.gather or self._pending_bytes >= GATHER_BYTES
@@ -150,11 +154,16 @@ class SocketChannel(asyncio.Protocol):
             self._flush_due = None
             self._gathering = False
         pending, self._pending, self._pending_bytes = self._pending, [], 0
+        large, self._large = self._large, False
         transport = self._transport
         if transport is None or not pending:
             self.dropped += len(pending) // 2
             return
-        transport.write(b"".join(pending))
+        if large:
+            # A frame of megabytes (a request body the tape carries) is not copied into one buffer with the rest.
+            transport.writelines(pending)
+        else:
+            transport.write(b"".join(pending))
 
     async def aclose(self) -> None:
         """Write what waits (for up to ``CLOSE_WAIT`` seconds) and close."""
