@@ -100,6 +100,7 @@ class BodyScan:
 
     def __init__(self) -> None:
         self.failed = False
+        self._finished = False
         self.steps = 0
         #: Bytes fed so far.
         self.fed = 0
@@ -174,6 +175,17 @@ class BodyScan:
     def prepared(self, body: bytes) -> Prepared:
         """After the last piece: the body with ``include_usage: true`` spliced in, as ``prepare_usage`` would
         splice it, or ``UNCHANGED``."""
+        found = self.insertion()
+        if found is None:
+            return UNCHANGED
+        at, added = found
+        return Prepared(b"".join((memoryview(body)[:at], added, memoryview(body)[at:])), True)
+
+    def _finish(self) -> None:
+        """The body ended: what was held back for more (the first bytes, an unfinished token) is read now."""
+        if self._finished:
+            return
+        self._finished = True
         if not self._started and not self.failed:
             self.feed(self._first())
         if not self.failed:
@@ -185,14 +197,19 @@ class BodyScan:
             carry, self._carry = self._carry, ""
             self._base, self._ascii = self._at - len(carry), True
             self._read(carry, final=True)
+
+    def insertion(self) -> tuple[int, bytes] | None:
+        """After the last piece: where in the body ``include_usage: true`` goes and the bytes that say it, or None
+        when the body goes unchanged (``prepared``'s answer, without building the new body)."""
+        self._finish()
         if self.failed or self._state != _DONE or not self.stream:
-            return UNCHANGED
+            return None
         if not self.has_options:
-            return _insert(body, self.top_close, b',"stream_options":{"include_usage":true}')
+            return self.top_close, b',"stream_options":{"include_usage":true}'
         if not self.options_object or self.include:
-            return UNCHANGED
+            return None
         members = b'"include_usage":true' + (b',"continuous_usage_stats":false' if self.continuous else b"")
-        return _insert(body, self.options_close, members if self.options_empty else b"," + members)
+        return self.options_close, members if self.options_empty else b"," + members
 
     def _fail(self) -> None:
         self.failed = True
@@ -423,7 +440,3 @@ def _unfinished_escape(buf: str, start: int, n: int) -> int:
         return 0  # the last backslash is escaped itself
     tail = buf[j:n]
     return len(tail) if tail == "\\" or (tail[1] == "u" and len(tail) < 6) else 0
-
-
-def _insert(body: bytes, at: int, inserted: bytes) -> Prepared:
-    return Prepared(b"".join((memoryview(body)[:at], inserted, memoryview(body)[at:])), True)

@@ -21,7 +21,7 @@ from llmtap.providers.bodyscan import BodyScan
 from llmtap.providers.usage_filter import UsageEventFilter
 from llmtap.relay.admission import Admission, QueueFull
 from llmtap.relay.answers import LogLimit, bad_head, refuse_request, send_json, too_large, upstream_failed
-from llmtap.relay.bodyread import ClientGone, RequestTooLarge, UploadStalled, prepend, read_body
+from llmtap.relay.bodyread import Body, ClientGone, RequestTooLarge, UploadStalled, prepend, read_body, spliced
 from llmtap.relay.channel import Channel, LocalChannel
 from llmtap.relay.fingerprint import KEY_HEADERS, fingerprint, install_secret
 from llmtap.relay.forward import (
@@ -39,7 +39,7 @@ from llmtap.relay.heads import unrelayable
 from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
 from llmtap.relay.shared import InFlight, Table, table_columns
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
-from llmtap.relay.upstream_http import PIPE, Answer, LeanTransport, Origin
+from llmtap.relay.upstream_http import PIPE, Answer, LeanTransport, Origin, Pieces
 from llmtap.types import Message, Receive, Scope, Send
 from llmtap.wire.messages import RESPONSE_CUT_REASONS, Raw, Stats, encode_stats, without_bytes
 from llmtap.wire.tape import Tape, now, shard_of
@@ -324,14 +324,17 @@ class ProxyApp:
         tape.body_read = now()
         tape.body = body
         tape.body_complete = more is None
-        rewritten: bytes | None = None
+        rewritten: bytes | Pieces | None = None
         if provider is not None and more is None and settings.inject_usage:
             if scan is not None and scan.fed:
-                # Read as it arrived (``llmtap.relay.bodyread``): one body of megabytes holds no other stream up.
-                prepared = scan.prepared(body)
-            else:
+                # Read as it arrived (``llmtap.relay.bodyread``): one body of megabytes holds no other stream up, and
+                # goes upstream in pieces, the splice between them, never copied whole.
+                found = scan.insertion()
+                if found is not None:
+                    rewritten, tape.strip_usage = spliced(body, *found), True
+            elif isinstance(body, bytes):
                 prepared = provider.prepare(body, inject_usage=True, path=inner_path)
-            rewritten, tape.strip_usage = prepared.body, prepared.strip_usage
+                rewritten, tape.strip_usage = prepared.body, prepared.strip_usage
         self.inflight += 1
         self._idle.clear()
         self._active[route.name] += 1
@@ -419,13 +422,13 @@ class ProxyApp:
         route: Route,
         tape: Tape,
         headers: list[tuple[bytes, bytes]],
-        body: bytes,
+        body: Body,
         more: AsyncIterator[bytes] | None,
-        rewritten: bytes | None,
+        rewritten: bytes | Pieces | None,
         trace: list[tuple[bytes, bytes]] | None,
         cycle: Any = None,
     ) -> None:
-        content: bytes | AsyncIterator[bytes]
+        content: bytes | Pieces | AsyncIterator[bytes]
         if more is not None:
             content = prepend(body, more)
         else:
@@ -452,8 +455,9 @@ class ProxyApp:
         else:
             # Built directly, not by the client: its default headers (Accept, Accept-Encoding, User-Agent) would go
             # upstream although the client never sent them.
+            whole = b"".join(content) if isinstance(content, tuple) else content  # httpx takes bytes or a stream
             request = httpx.Request(
-                scope["method"], url, headers=out_request_headers, content=content, extensions={"timeout": timeouts}
+                scope["method"], url, headers=out_request_headers, content=whole, extensions={"timeout": timeouts}
             )
         # Only once the body is read can disconnects be watched: both need ``receive``.
         task = asyncio.current_task()

@@ -5,6 +5,11 @@ A body the usage splice may change is read by ``llmtap.providers.bodyscan`` as i
 event loop for the milliseconds ``json.loads`` takes on it (issue 44). A piece that takes the reader long gives the
 loop a turn every ``SCAN_SLICE`` bytes. A smaller body is parsed at the end, by one ``json.loads``
 (``Provider.prepare``), which is quicker for it.
+
+Nor is a large body ever joined into one buffer on the relay (a copy of milliseconds, most of it the kernel
+mapping fresh pages): it stays the pieces it came in (``Body``), goes upstream as them (``spliced``: with the
+usage splice between two of them) and to the telemetry process as them, in a frame of its own
+(``llmtap.wire.framing``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from collections.abc import AsyncIterator
 from llmtap.providers.bodyscan import BodyScan
 from llmtap.types import Receive
 
-__all__ = ["SCAN_FROM", "ClientGone", "RequestTooLarge", "UploadStalled", "prepend", "read_body"]
+__all__ = ["SCAN_FROM", "Body", "ClientGone", "RequestTooLarge", "UploadStalled", "prepend", "read_body", "spliced"]
+
+#: A request body as read: its bytes, or past ``SCAN_FROM`` the pieces it came in, in order.
+Body = bytes | tuple[bytes, ...]
 
 #: A body past this many bytes is read by ``BodyScan`` as it arrives (below it, ``json.loads`` takes a millisecond
 #: or less).
@@ -40,7 +48,7 @@ class UploadStalled(Exception):
 
 async def read_body(
     receive: Receive, limit: int, most: int, silence: float | None = None, scan: BodyScan | None = None
-) -> tuple[bytes, AsyncIterator[bytes] | None]:
+) -> tuple[Body, AsyncIterator[bytes] | None]:
     """Read the body up to ``limit`` bytes; past it, return what was read and an iterator over the rest.
 
     A body past ``most`` bytes (``max_request_bytes``; possible only without Content-Length) raises
@@ -65,9 +73,30 @@ async def read_body(
                     await _scan(scan, part)
                 fed = len(parts)
         if not message.get("more_body", False):
-            return b"".join(parts), None
+            return _body(parts, size), None
         if size > limit:
-            return b"".join(parts), _rest_of_body(receive, most - size, silence)
+            return _body(parts, size), _rest_of_body(receive, most - size, silence)
+
+
+def _body(parts: list[bytes], size: int) -> Body:
+    return tuple(parts) if size > SCAN_FROM else parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def spliced(body: Body, at: int, added: bytes) -> tuple[bytes | memoryview, ...]:
+    """``body``'s pieces with ``added`` between its bytes before ``at`` and those from it: nothing copied."""
+    parts = (body,) if isinstance(body, bytes) else body
+    out: list[bytes | memoryview] = []
+    start = 0
+    for i, part in enumerate(parts):
+        end = start + len(part)
+        if start <= at <= end:
+            view = memoryview(part)
+            out += [view[: at - start], added, view[at - start :]]
+            out += parts[i + 1 :]
+            return tuple(p for p in out if len(p))
+        out.append(part)
+        start = end
+    raise ValueError(f"splice at {at} past the body's {start} bytes")
 
 
 async def _scan(scan: BodyScan, piece: bytes) -> None:
@@ -112,9 +141,10 @@ async def _rest_of_body(receive: Receive, room: int, silence: float | None = Non
             return
 
 
-async def prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """``first``, then what ``rest`` yields."""
-    if first:
-        yield first
+async def prepend(first: Body, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``first`` (its pieces), then what ``rest`` yields."""
+    for part in (first,) if isinstance(first, bytes) else first:
+        if part:
+            yield part
     async for chunk in rest:
         yield chunk

@@ -141,7 +141,8 @@ class Tape:
         self.trace_id = 0
         self.span_id = 0
         self.sampled = True
-        self.body = b""
+        #: The request body up to the inspect limit: its bytes, or (a large one) the pieces it came in.
+        self.body: bytes | tuple[bytes, ...] = b""
         self.body_complete = True
         self.strip_usage = False
         self.body_read: float | None = None
