@@ -8,7 +8,8 @@ body). The flood goes to a route of its own (``/flood``) with an upstream of its
 (``x-ignore-body``): what the probes share with the flood is the relay (and the machine), not the upstream's
 event loop. A probe is a small chat stream of ``--chunks`` chunks ``--gap-ms`` apart: its first byte and its
 whole time, as its client saw them. It prints the p50 and max of both per phase, and how many bodies the flood
-got through a second.
+got through a second, and the relay's and the telemetry process's CPU per flooding body (beside the flood less
+alone, over as long): what the flood took of the loop every other client shares, and of the machine.
 
 The body's shape (``--shape``): ``one`` message holding the whole text (one long JSON string, what a long
 document pasted into a prompt is), ``many`` messages of 8 KiB each, or ``code`` (one message of source text,
@@ -32,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from bench.procs import by_role, cpu_seconds, descendants
 from tests.procs import FaultUpstream, Llmtap
 
 #: Words the bodies are made of (fixed seed: every run sends the same bytes).
@@ -122,8 +124,38 @@ def _summary(samples: list[tuple[float, float]]) -> dict[str, Any]:
     }
 
 
+def _cpu(proxy: Llmtap) -> tuple[float, float]:
+    """CPU seconds the relay process and the telemetry process have used so far (their threads together)."""
+    roles = by_role(descendants(proxy.proc.pid))
+    return cpu_seconds(roles["relay"]), cpu_seconds(roles["telemetry"])
+
+
+def _phase(
+    proxy: Llmtap, args: argparse.Namespace, *, flood: bool
+) -> tuple[list[tuple[float, float]], tuple[float, float], int]:
+    """One phase: the probes' samples, the relay's and the telemetry's CPU seconds over it, and the bodies the flood
+    sent."""
+    child = None
+    before = _cpu(proxy)
+    if flood:
+        argv = [sys.executable, "-m", "bench.body_flood", "--flood", str(proxy.port), "--mib", str(args.mib)]
+        argv += ["--shape", args.shape, "--clients", str(args.clients), "--seconds", str(args.seconds + 1)]
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # the flood under way (and as long a pause alone)
+    samples = []
+    deadline = time.monotonic() + args.seconds
+    while time.monotonic() < deadline:
+        samples.append(probe(proxy.url, args.chunks, args.gap_ms))
+    sent = 0
+    if child is not None:
+        out, _ = child.communicate(timeout=args.seconds + 120)
+        sent = int(out.strip() or 0)
+    after = _cpu(proxy)
+    return samples, (after[0] - before[0], after[1] - before[1]), sent
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Start the upstream and llmtap, alternate the phases, and summarize each."""
+    """Start the upstreams and llmtap, alternate the phases, and summarize each."""
     upstream, flooded = FaultUpstream(), FaultUpstream()
     home = Path(tempfile.mkdtemp(prefix="llmtap-flood-"))
     config = home / "llmtap.yaml"
@@ -131,31 +163,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     proxy = Llmtap(upstream.url, home / "llmtap.log", "--log-level", "warning", "--config", str(config))
     alone: list[tuple[float, float]] = []
     beside: list[tuple[float, float]] = []
+    cpu = [0.0, 0.0]  # the relay's and the telemetry's, beside the flood less alone
     sent = 0
     try:
         for _ in range(args.rounds):
-            deadline = time.monotonic() + args.seconds
-            while time.monotonic() < deadline:
-                alone.append(probe(proxy.url, args.chunks, args.gap_ms))
-            argv = [sys.executable, "-m", "bench.body_flood", "--flood", str(proxy.port), "--mib", str(args.mib)]
-            argv += ["--shape", args.shape, "--clients", str(args.clients), "--seconds", str(args.seconds + 1)]
-            child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-            time.sleep(1.0)  # the flood under way
-            deadline = time.monotonic() + args.seconds
-            while time.monotonic() < deadline:
-                beside.append(probe(proxy.url, args.chunks, args.gap_ms))
-            out, _ = child.communicate(timeout=args.seconds + 120)
-            sent += int(out.strip() or 0)
+            samples, quiet, _ = _phase(proxy, args, flood=False)
+            alone += samples
+            samples, busy, bodies = _phase(proxy, args, flood=True)
+            beside += samples
+            cpu = [cpu[0] + busy[0] - quiet[0], cpu[1] + busy[1] - quiet[1]]
+            sent += bodies
     finally:
         proxy.close()
         upstream.close()
         flooded.close()
-    size = len(chat_body(int(args.mib * (1 << 20)), args.shape))
     return {
-        "body_bytes": size,
+        "body_bytes": len(chat_body(int(args.mib * (1 << 20)), args.shape)),
         "shape": args.shape,
         "clients": args.clients,
         "bodies_per_s": round(sent / (args.rounds * (args.seconds + 1)), 1),
+        # The relay's CPU per flooding body: what the flood took of the loop every other client shares.
+        "relay_cpu_ms_per_body": round(cpu[0] * 1000 / max(sent, 1), 1),
+        "telemetry_cpu_ms_per_body": round(cpu[1] * 1000 / max(sent, 1), 1),
         "alone": _summary(alone),
         "beside_the_flood": _summary(beside),
     }
