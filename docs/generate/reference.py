@@ -197,7 +197,8 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "string",
         "`matched` (joined its request in time), `late` (came after its request was written; counted only), "
         "`unmatched` (no request of llmtap is its parent), `missing` (a request whose span did not come within "
-        "`telemetry.server_spans_wait`).",
+        "`telemetry.server_spans_wait`), `duplicate` (a further span for a request that already has one; never "
+        "joined).",
     ),
     sc.OTLP_REJECT_REASON: (
         "string",

@@ -298,8 +298,8 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         server_spans=meter.create_counter(
             sc.METRIC_SERVER_SPANS,
             unit="{span}",
-            description="The upstream's request spans by llmtap.server_span.outcome (matched, late, unmatched); "
-            "missing: requests whose span did not come in time.",
+            description="The upstream's request spans by llmtap.server_span.outcome (matched, late, unmatched, "
+            "duplicate); missing: requests whose span did not come in time.",
         ),
         otlp_rejected=meter.create_counter(
             sc.METRIC_OTLP_REJECTED,

@@ -36,6 +36,7 @@ from llmtap.telemetry import forward, identity, peers, sched, semconv as sc
 from llmtap.telemetry.access_log import AccessLog
 from llmtap.telemetry.finished import Emitter, Finished, Listener, Listeners, RecordEmitter
 from llmtap.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
+from llmtap.telemetry.holes import Hole, Holed, Holes
 from llmtap.telemetry.metrics import MetricWriter
 from llmtap.telemetry.relays import Drops, RelayGauges
 from llmtap.telemetry.replay import Playback
@@ -187,6 +188,8 @@ class Recorder:
         self._lost: set[tuple[int, int]] = set()
         # Streams evicted (counted): their end, when it comes, is not counted again.
         self._evicted: OrderedDict[tuple[int, int], None] = OrderedDict()
+        #: Streams with segments the full queue turned away, played as a gap (the submitting thread's).
+        self.holes = Holes()
         #: Tapes lost, and the relays' gauges and readiness.
         self.drops = Drops(self.instruments)
         self.relays = RelayGauges(self.instruments, self.drops, self._busy)
@@ -290,13 +293,26 @@ class Recorder:
             if size and self._queued_in + size - self._queued_out > MAX_QUEUED_BYTES:
                 message = without_bytes(message) or message
                 size = 0
-            if message[0] != FACTS and self._queue.qsize() >= self._tape_room:
+            kind = message[0]
+            item: Raw | Holed = message
+            if kind == SEGMENT or kind == END:
+                key = (source, message[1])
+                if self._queue.qsize() >= self._tape_room and not (kind == END and self.holes.holed(key)):
+                    # The end of a stream with a hole may use the reserve; a later segment becomes a hole.
+                    if kind == SEGMENT and self.holes.punch(key, message):
+                        return True
+                    raise queue.Full
+                item = self.holes.carry(key, message)
+                if kind == END:
+                    self.holes.ended(key)
+            elif kind != FACTS and self._queue.qsize() >= self._tape_room:
                 raise queue.Full
-            self._queue.put_nowait((source, message, size))
+            self._queue.put_nowait((source, item, size))
             self._queued_in += size
             return True
         except queue.Full:
             if message[0] == END:
+                self.holes.ended((source, message[1]))
                 self.drops.end()
                 if self.spool is not None:
                     self.spool.dropped(source, message)
@@ -342,6 +358,7 @@ class Recorder:
     def relay_gone(self, source: int) -> None:
         """Relay ``source`` disconnected: its gauges go back to zero and its open streams are dropped."""
         self._ensure_worker()
+        self.holes.forget(source)
         self._queue.put((source, self.relays.gone(source), 0))
 
     def share_with(self, siblings: Siblings) -> None:
@@ -525,6 +542,8 @@ class Recorder:
                     self._record_counted(message)
                 elif isinstance(message, _Spans):
                     self._join_spans(message)
+                elif isinstance(message, Holed):
+                    self.take(source, message.message, message.hole)
                 else:
                     self.take(source, message)
             except Exception:
@@ -554,8 +573,9 @@ class Recorder:
             self._due()
             self.records.flush()
 
-    def take(self, source: int, message: Raw) -> None:
-        """One encoded message of relay ``source``: a stream's segment or end, or the relay's report.
+    def take(self, source: int, message: Raw, hole: Hole | None = None) -> None:
+        """One encoded message of relay ``source``: a stream's segment or end (after ``hole``, reads of its stream
+        that were turned away before it), or the relay's report.
 
         Runs on the worker thread; call it directly only where no worker runs (tools, tests). A message that
         cannot be decoded (garbled, or from another build) is logged and dropped, never raised."""
@@ -579,6 +599,8 @@ class Recorder:
             return
         key = (source, m.key)
         playback = self._open.pop(key, None)
+        if playback is not None and hole is not None:
+            playback.skip(hole.size, hole.at)
         if playback is None and m.head is not None and key not in self._lost:
             playback = Playback(m.head, self.settings, self._routes)
             self._relayed(playback.tl.trace_id)
