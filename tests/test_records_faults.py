@@ -1,0 +1,333 @@
+"""The faults a production proxy meets, end to end: no record is lost silently (DESIGN.md; issue 44).
+
+``llmtap serve --record DIR`` (with ClickHouse or an OTLP backend where the fault needs one) runs in front of the
+offline simulator; a bounded client load goes through it while the fault happens; then the ledger
+(``tests.fault_ledger``) checks that every request sent has its record, or that the difference is counted on
+``/metrics`` and said in the log with its cause. Each test publishes its ledger (``LEDGER {...}`` in its output,
+and the file ``LLMTAP_FAULT_TABLE`` names) for the table of the issue's closing note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.clickhouse_server import ClickHouseProcess, installed
+from tests.conftest import PATIENCE, require_real
+from tests.fault_ledger import Counters, check, ledger, loss_lines, read_folder
+from tests.fault_load import Load, Outcome, wait_for
+from tests.procs import TELEMETRY_COMM, Llmtap, Simulator
+
+pytestmark = pytest.mark.e2e
+
+#: Requests of a fault's load: enough that a fault lands in the middle of traffic, few enough for CI.
+SENT = 400
+#: Telemetry processes killed during one load.
+KILLS = 6
+#: How long the counts of records and losses must stand still before a fault's books are closed.
+QUIET = 3.0
+
+
+@pytest.fixture(scope="module")
+def simulator() -> Iterator[Simulator]:
+    sim = Simulator("fast")
+    yield sim
+    sim.close()
+
+
+CLICKHOUSE_HOW = "apt-get install clickhouse-server clickhouse-client (.ci/install.d/35-clickhouse.sh)"
+
+
+def serve(
+    sim: Simulator,
+    tmp_path: Path,
+    name: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    setsid: bool = False,
+    preexec_fn: Callable[[], None] | None = None,
+) -> Llmtap:
+    """``llmtap serve`` in front of the simulator, its log in ``tmp_path/NAME.log``; its state (what an install
+    remembers) in ``tmp_path``, so a start again on the same folder finds what the last one left. ``setsid``: in a
+    process group of its own, which ``os.killpg`` kills whole."""
+
+    def prepare() -> None:
+        if setsid:
+            os.setsid()
+        if preexec_fn is not None:
+            preexec_fn()
+
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    return Llmtap(
+        sim.url,
+        tmp_path / f"{name}.log",
+        *args,
+        env={"XDG_STATE_HOME": str(state), **(env or {})},
+        preexec_fn=prepare if setsid or preexec_fn else None,
+    )
+
+
+def stop_gracefully(proxy: Llmtap) -> None:
+    """SIGTERM, as an orchestrator stops a pod: it exits 0 within PATIENCE."""
+    proxy.terminate()
+    assert proxy.proc.wait(PATIENCE) == 0, proxy.logs()[-3000:]
+    proxy.close()
+
+
+def settle(progress: object, target: int, quiet: float = QUIET) -> int:
+    """Wait until ``progress()`` (records plus counted losses) reaches ``target`` or stands still for ``quiet``
+    seconds (within PATIENCE); its last value."""
+    assert callable(progress)
+    deadline = time.monotonic() + PATIENCE
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = int(progress())
+        if now >= target:
+            return now
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return now
+        time.sleep(0.2)
+    return last
+
+
+def telemetry_pid(proxy: Llmtap) -> int | None:
+    """The telemetry process now, or None while it is being started again."""
+    path = Path(f"/proc/{proxy.proc.pid}/task/{proxy.proc.pid}/children")
+    for pid in path.read_text().split():
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == TELEMETRY_COMM:
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def ready_telemetry(proxy: Llmtap, other_than: int | None) -> int:
+    """Wait until a telemetry process other than ``other_than`` runs and serves ``/metrics``; its pid.
+
+    Not ``/readyz``: a telemetry process started again hears of the relay's readiness only with its next report,
+    which an idle relay does not send."""
+
+    def ready() -> int | None:
+        pid = telemetry_pid(proxy)
+        if pid is None or pid == other_than:
+            return None
+        try:
+            return pid if httpx.get(proxy.admin_url + "/metrics", timeout=2).status_code == 200 else None
+        except httpx.HTTPError:
+            return None
+
+    found: int = wait_for("a telemetry process started again", ready, PATIENCE, step=0.05)
+    return found
+
+
+# --- the faults ------------------------------------------------------------------------------------------------
+
+
+def test_telemetry_process_killed_six_times_under_load(simulator: Simulator, tmp_path: Path) -> None:
+    """SIGKILL to the telemetry process six times during 400 requests; ``llmtap serve`` starts it again each time."""
+    records = tmp_path / "records"
+    proxy = serve(simulator, tmp_path, "llmtap", "--record", str(records))
+    try:
+        with Counters(lambda: [proxy.admin_url]) as counters:
+            load = Load(proxy.url, SENT, concurrency=8, rate=25.0).start()
+            pid = ready_telemetry(proxy, None)
+            at: list[int] = []
+            for k in range(1, KILLS + 1):
+                wait_for(f"kill {k}'s turn", lambda k=k: load.issued >= k * SENT // (KILLS + 1), PATIENCE)
+                os.kill(pid, signal.SIGKILL)
+                at.append(load.issued)
+                pid = ready_telemetry(proxy, pid)
+            outcomes = load.join(PATIENCE)
+            assert all(n < SENT for n in at), f"a kill came after the load ended: {at}"
+
+            def progress() -> int:
+                kept = read_folder(records).traces
+                return sum(1 for o in outcomes if o.trace_id in kept) + sum(counters.losses("files").values())
+
+            settle(progress, len(outcomes))
+            counters.scrape()
+        stop_gracefully(proxy)
+    finally:
+        proxy.close()
+    book = ledger("telemetry SIGKILL x6", "files", outcomes, read_folder(records).traces, counters, proxy.logs())
+    book.notes = {"kills_at_request": at, "resets": counters.resets}
+    check(book)
+
+
+class Restarts:
+    """An llmtap started, killed and started again on the same folder: the one running now, for the counters."""
+
+    def __init__(self) -> None:
+        self.now: Llmtap | None = None
+
+    def urls(self) -> list[str]:
+        return [self.now.admin_url] if self.now is not None and self.now.proc.poll() is None else []
+
+    def url(self) -> str:
+        assert self.now is not None
+        return self.now.url
+
+
+def test_whole_tree_killed_and_started_again_on_the_same_folder(simulator: Simulator, tmp_path: Path) -> None:
+    """SIGKILL to every llmtap process at once (an OOM kill, a node lost) in the middle of 400 requests; then
+    ``llmtap serve`` again on the same record folder and state, as a pod restarted on its volume is."""
+    records = tmp_path / "records"
+    tree = Restarts()
+    outcomes: list[Outcome] = []
+    try:
+        tree.now = serve(simulator, tmp_path, "first", "--record", str(records), setsid=True)
+        first = tree.now
+        with Counters(tree.urls) as counters:
+            load = Load(tree.url, SENT, concurrency=8).start()
+            wait_for("half the load", lambda: load.issued >= SENT // 2, PATIENCE)
+            os.killpg(first.proc.pid, signal.SIGKILL)
+            killed_at = load.issued
+            first.proc.wait(PATIENCE)
+            load.stop()
+            outcomes += load.join(PATIENCE)
+            first.close()
+            tree.now = serve(simulator, tmp_path, "again", "--record", str(records))
+            outcomes += Load(tree.url, SENT // 10, concurrency=4).start().join(PATIENCE)
+
+            def progress() -> int:
+                kept = read_folder(records).traces
+                return sum(1 for o in outcomes if o.trace_id in kept) + sum(counters.losses("files").values())
+
+            settle(progress, sum(o.kind != "refused" for o in outcomes))
+            counters.scrape()
+        stop_gracefully(tree.now)
+    finally:
+        if tree.now is not None:
+            tree.now.close()
+    log = first.logs() + tree.now.logs()
+    book = ledger("whole tree SIGKILL, restart", "files", outcomes, read_folder(records).traces, counters, log)
+    book.notes = {"killed_at_request": killed_at, "start_again_said": loss_lines(tree.now.logs())}
+    check(book)
+
+
+def test_clickhouse_down_across_a_restart(simulator: Simulator, tmp_path: Path) -> None:
+    """ClickHouse stops; requests go on; llmtap is stopped (SIGTERM, a rolling restart) and started again; ClickHouse
+    comes back: every row arrives, or each missing one is counted."""
+    require_real(installed(), "ClickHouse (clickhouse-server)", CLICKHOUSE_HOW)
+    ch = ClickHouseProcess(tmp_path / "clickhouse")
+    ch.start(PATIENCE)
+    table = f"faults_{secrets.token_hex(4)}"
+    args = ("--record", str(tmp_path / "records"), "--record-clickhouse", ch.url, "--record-clickhouse-table", table)
+    tree = Restarts()
+    outcomes: list[Outcome] = []
+    try:
+        tree.now = serve(simulator, tmp_path, "first", *args)
+        with Counters(tree.urls) as counters:
+            outcomes += Load(tree.url, 10, concurrency=2).start().join(PATIENCE)
+            wait_for("the first rows", lambda: len(rows(ch, table)) >= 10, PATIENCE)
+            ch.stop()
+            outcomes += Load(tree.url, SENT // 10, concurrency=4).start().join(PATIENCE)
+            time.sleep(1.0)  # the sink has tried ClickHouse and found it down
+            counters.scrape()
+            stop_gracefully(tree.now)
+            first = tree.now
+            ch.start(PATIENCE)
+            tree.now = serve(simulator, tmp_path, "again", *args)
+            sent = sum(o.kind != "refused" for o in outcomes)
+            settle(lambda: rows_of(ch, table, outcomes) + sum(counters.losses("clickhouse").values()), sent)
+            counters.scrape()
+        stop_gracefully(tree.now)
+        kept = rows(ch, table)
+    finally:
+        if tree.now is not None:
+            tree.now.close()
+        ch.stop()
+    book = ledger(
+        "ClickHouse down across a restart", "clickhouse", outcomes, kept, counters, first.logs() + tree.now.logs()
+    )
+    check(book)
+
+
+def rows(ch: ClickHouseProcess, table: str) -> dict[str, set[str]]:
+    """The rows of ``table``: distinct span ids by trace id (none while ClickHouse is down or the table missing)."""
+    try:
+        text = ch.query(f"SELECT DISTINCT trace_id, ifNull(span_id, '') FROM {table} FORMAT TabSeparated")
+    except OSError:
+        return {}
+    out: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        trace, _, span = line.partition("\t")
+        out.setdefault(trace, set()).add(span)
+    return out
+
+
+def rows_of(ch: ClickHouseProcess, table: str, outcomes: list[Outcome]) -> int:
+    kept = rows(ch, table)
+    return sum(1 for o in outcomes if o.trace_id in kept)
+
+
+#: The small disk of the full-disk fault: some of the load's records fit, most do not.
+DISK_BYTES = 256 << 10
+
+
+@contextlib.contextmanager
+def small_disk(where: Path) -> Iterator[Callable[[], None] | None]:
+    """A tmpfs of ``DISK_BYTES`` mounted at ``where`` (root only); when it cannot be mounted, the same bound as a
+    file-size limit of llmtap's processes instead (``RLIMIT_FSIZE``: the kernel writes what fits, then refuses),
+    given as the ``preexec_fn`` to start them with."""
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "llmtap-faults", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        print(f"\nno tmpfs ({done.stderr.strip()}): the disk is a {DISK_BYTES}-byte file-size limit instead")
+
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (DISK_BYTES, DISK_BYTES))
+
+        yield limit
+        return
+    try:
+        yield None
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_disk_full(simulator: Simulator, tmp_path: Path) -> None:
+    """The record folder's disk fills up during 420 requests: each record is on disk whole, or counted."""
+    sent_here = 420
+    with small_disk(tmp_path / "disk") as limit:
+        records = tmp_path / "disk" / "records"
+        proxy = serve(simulator, tmp_path, "llmtap", "--record", str(records), preexec_fn=limit)
+        try:
+            with Counters(lambda: [proxy.admin_url]) as counters:
+                outcomes = Load(proxy.url, sent_here, concurrency=8).start().join(PATIENCE)
+
+                def progress() -> int:
+                    kept = read_folder(records).traces
+                    return sum(1 for o in outcomes if o.trace_id in kept) + sum(counters.losses("files").values())
+
+                settle(progress, sent_here)
+                counters.scrape()
+            stop_gracefully(proxy)
+        finally:
+            proxy.close()
+        found = read_folder(records)
+    book = ledger("disk full", "files", outcomes, found.traces, counters, proxy.logs())
+    book.notes = {"torn_lines": found.stats.truncated, "tmpfs": limit is None}
+    assert 0 < book.recorded < book.sent, "the disk was never full, or full from the start"
+    check(book)
+    said = [line for line in proxy.logs().splitlines() if "record folder" in line]
+    assert said, "the log never says the record folder could not be written"
