@@ -234,6 +234,14 @@ class OTLPBackend:
         with self._lock:
             return sum(1 for trace, _ in self.logs if trace in traces)
 
+    def log_records(self) -> dict[str, set[str]]:
+        """The log records received: distinct span ids by trace id."""
+        out: dict[str, set[str]] = {}
+        with self._lock:
+            for trace, span in self.logs:
+                out.setdefault(trace, set()).add(span)
+        return out
+
     def up(self) -> None:
         """Listen (again) on the same port."""
         self._server = _Server(self.port, self)

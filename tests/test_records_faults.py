@@ -10,22 +10,26 @@ and the file ``LLMTAP_FAULT_TABLE`` names) for the table of the issue's closing 
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
 import os
 import resource
 import secrets
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.clickhouse_server import ClickHouseProcess, installed
 from tests.conftest import PATIENCE, require_real
-from tests.fault_ledger import Counters, check, ledger, loss_lines, read_folder
-from tests.fault_load import Load, Outcome, wait_for
+from tests.fault_ledger import REASON, Counters, Ledger, check, ledger, loss_lines, read_folder
+from tests.fault_load import Load, OTLPBackend, Outcome, wait_for
 from tests.procs import TELEMETRY_COMM, Llmtap, Simulator
 
 pytestmark = pytest.mark.e2e
@@ -147,7 +151,8 @@ def test_telemetry_process_killed_six_times_under_load(simulator: Simulator, tmp
             pid = ready_telemetry(proxy, None)
             at: list[int] = []
             for k in range(1, KILLS + 1):
-                wait_for(f"kill {k}'s turn", lambda k=k: load.issued >= k * SENT // (KILLS + 1), PATIENCE)
+                turn = k * SENT // (KILLS + 1)
+                wait_for(f"kill {k}'s turn", lambda: load.issued >= turn, PATIENCE)  # noqa: B023 (waited for here)
                 os.kill(pid, signal.SIGKILL)
                 at.append(load.issued)
                 pid = ready_telemetry(proxy, pid)
@@ -331,3 +336,193 @@ def test_disk_full(simulator: Simulator, tmp_path: Path) -> None:
     check(book)
     said = [line for line in proxy.logs().splitlines() if "record folder" in line]
     assert said, "the log never says the record folder could not be written"
+
+
+#: Spans and log records leave at once, and an export to a backend that is down fails within a second.
+OTLP_ENV = {
+    "OTEL_TRACES_EXPORTER": "otlp",
+    "OTEL_METRICS_EXPORTER": "none",
+    "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+    "OTEL_EXPORTER_OTLP_TIMEOUT": "1",
+    "OTEL_BSP_SCHEDULE_DELAY": "100",
+    "OTEL_BLRP_SCHEDULE_DELAY": "100",
+    # One span per phase and none per chunk: every request makes the same number of spans.
+    "LLMTAP_CHUNK_SPANS": "off",
+    # A queue the outage fills: what it cannot hold is dropped and counted.
+    "LLMTAP_TELEMETRY_QUEUE": "256",
+}
+
+
+def spans_per_request(backend: OTLPBackend, outcomes: list[Outcome]) -> int:
+    """The spans each of these requests made, once all of them reached the backend (the same for each)."""
+    traces = {o.trace_id for o in outcomes}
+
+    def counts() -> set[int] | None:
+        seen = {len(backend.spans.get(t, ())) for t in traces}
+        return seen if 0 not in seen else None
+
+    wait_for("the spans of the first requests", counts, PATIENCE)
+    time.sleep(1.0)  # a request's spans may come in two exports
+    per = counts()
+    assert per is not None and len(per) == 1, f"requests made different numbers of spans: {per}"
+    return per.pop()
+
+
+def test_otlp_backend_down_for_a_while(simulator: Simulator, tmp_path: Path) -> None:
+    """The OTLP backend (traces, and records as log records) refuses connections during 300 of 400 requests, then
+    comes back: every span and log record reaches it or is counted lost; the record files lose nothing."""
+    backend = OTLPBackend()
+    records = tmp_path / "records"
+    env = {**OTLP_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": backend.url}
+    proxy = serve(simulator, tmp_path, "llmtap", "--record", str(records), "--record-logs", "true", env=env)
+    try:
+        with Counters(lambda: [proxy.admin_url]) as counters:
+            outcomes = Load(proxy.url, SENT // 20, concurrency=4).start().join(PATIENCE)
+            per = spans_per_request(backend, outcomes)
+            backend.down()
+            outcomes += Load(proxy.url, SENT * 3 // 4, concurrency=8, rate=60.0).start().join(PATIENCE)
+            time.sleep(2.0)  # down a while longer: the exporters' retries give up
+            backend.up()
+            outcomes += Load(proxy.url, SENT - len(outcomes), concurrency=8).start().join(PATIENCE)
+            sent = sum(o.kind != "refused" for o in outcomes)
+            traces = {o.trace_id for o in outcomes}
+
+            def progress() -> int:
+                spans = backend.span_count(traces) + counters.value(SPANS_DROPPED)
+                return min(int(spans) // per, backend.log_traces(traces) + sum(counters.losses("logs").values()))
+
+            settle(progress, sent)
+            counters.scrape()
+        stop_gracefully(proxy)
+    finally:
+        proxy.close()
+        backend.close()
+    log = proxy.logs()
+    files = ledger("OTLP down: record files", "files", outcomes, read_folder(records).traces, counters, log)
+    logs = ledger("OTLP down: records as log records", "logs", outcomes, backend.log_records(), counters, log)
+    spans = span_ledger("OTLP down: spans", outcomes, per, backend, counters, log)
+    for book in (files, logs, spans):
+        book.publish()
+    for book in (files, logs, spans):
+        check(book)
+    assert files.recorded == files.sent, "the record files lost records to an OTLP outage"
+
+
+SPANS_DROPPED = "llmtap_telemetry_spans_dropped_total"
+
+
+def span_ledger(
+    fault: str, outcomes: list[Outcome], per: int, backend: OTLPBackend, counters: Counters, log: str
+) -> Ledger:
+    """The spans' ledger: ``per`` spans for each request sent, against the distinct spans the backend received;
+    lost: the spans-dropped counter, and ``per`` for each tape lost whole (its spans were never made)."""
+    sent = [o for o in outcomes if o.kind != "refused"]
+    traces = {o.trace_id for o in sent}
+    tapes = sum(v for k, v in counters.losses("spans").items() if k.startswith("tape:"))
+    counted = {f"span:{r}": int(v) for r, v in counters.by_label(SPANS_DROPPED, REASON).items() if v}
+    if tapes:
+        counted["tape (spans)"] = per * tapes
+    received = backend.span_count(traces)
+    said = [line for line in log.splitlines() if "span" in line and any(c.isdigit() for c in line)]
+    book = Ledger(fault, "spans", per * len(sent), 0, 0, received, 0, 0, counted, said)
+    book.notes = {"spans_per_request": per}
+    return book
+
+
+def _split(files: list[Path], count: int) -> list[Path]:
+    """``count`` of ``files`` spread over the list (neither all old nor all new)."""
+    step = max(1, len(files) // count)
+    return files[::step][:count]
+
+
+#: The name a damaged folder's garbage Parquet file gets (a file the duckdb engine reads; plain Python reads none).
+JUNK_PARQUET = "junk.parquet"
+
+
+def damage(records: Path) -> tuple[dict[str, set[str]], str]:
+    """Damage the closed files of a record folder as disks and people do: a compressed file cut short, an empty one,
+    one of garbage, and one whose last line is torn. The trace ids each damaged file held (the torn one: its last
+    line's), by file name; and the torn file's name."""
+    closed = sorted(p for p in records.rglob("*.jsonl.gz"))
+    assert len(closed) >= 5, f"only {len(closed)} closed files to damage"
+    held = {p.name: set(read_folder(p).traces) for p in closed}
+    cut, empty, garbage, torn = _split(closed, 4)
+    data = cut.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    empty.write_bytes(b"")
+    garbage.write_bytes(secrets.token_bytes(2048))
+    lines = gzip.decompress(torn.read_bytes()).splitlines(keepends=True)
+    torn.unlink()
+    plain = torn.with_name(torn.name.removesuffix(".gz"))
+    plain.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+    damaged = {f.name: held[f.name] for f in (cut, empty, garbage)}
+    return damaged | {plain.name: {json.loads(lines[-1])["trace_id"]}}, plain.name
+
+
+def analyse(command: str, engine: str, records: Path) -> tuple[dict[str, Any] | None, str]:
+    """``llmtap compare`` or ``llmtap slo`` on the folder with ``--json``: its figures (None when it failed), and
+    all it printed."""
+    argv = [sys.executable, "-m", "llmtap", command, str(records), "--engine", engine, "--json"]
+    if command == "compare":
+        argv += ["--before", "v1", "--after", "v2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=PATIENCE, check=False)
+    said = done.stdout + done.stderr
+    if done.returncode != 0 or "Traceback" in said:
+        return None, f"exit {done.returncode}: {said[-3000:]}"
+    figures: dict[str, Any] = json.loads(done.stdout)
+    return figures, said
+
+
+def requests_read(figures: dict[str, Any]) -> int:
+    """The requests ``compare`` (both sides) or ``slo`` (every verdict) answered from."""
+    if "before" in figures:
+        return int(figures["before"]["requests"]) + int(figures["after"]["requests"])
+    return sum(int(v["requests"]) for v in figures["verdicts"])
+
+
+def test_damaged_files_in_the_record_folder(simulator: Simulator, tmp_path: Path) -> None:
+    """Files of a record folder damaged after the fact: ``compare`` and ``slo``, both engines, skip every one, name
+    each file they could not read (a torn last line: counted), and answer from the rest."""
+    records = tmp_path / "records"
+    proxy = serve(simulator, tmp_path, "llmtap", "--record", str(records), "--record-max-mb", "0.02")
+    try:
+        outcomes: list[Outcome] = []
+        for version in ("v1", "v2"):
+            load = Load(proxy.url, SENT // 4, concurrency=4, headers={"x-llmtap-prompt-version": version})
+            outcomes += load.start().join(PATIENCE)
+        settle(lambda: sum(1 for o in outcomes if o.trace_id in read_folder(records).traces), len(outcomes))
+        stop_gracefully(proxy)
+    finally:
+        proxy.close()
+    whole = read_folder(records)
+    held, torn = damage(records)
+    lost = set().union(*held.values())
+    readable = {t: s for t, s in whole.traces.items() if t not in lost}
+    named: dict[str, set[str]] = {}
+    failed: dict[str, str] = {}
+    read: dict[str, int] = {}
+    for engine in ("python", "duckdb"):
+        if engine == "duckdb":  # Parquet is the engine's alone to read
+            (records / JUNK_PARQUET).write_bytes(b"PAR1" + secrets.token_bytes(512) + b"PAR1")
+            held[JUNK_PARQUET] = set()
+        for command in ("compare", "slo"):
+            who = f"{command} {engine}"
+            figures, said = analyse(command, engine, records)
+            if figures is None:
+                failed[who] = said
+                continue
+            named[who] = {n for n in held if n in said or (n == torn and "truncated" in said)}
+            read[who] = requests_read(figures)
+    everywhere = set.intersection(*named.values()) if named and not failed else set()
+    counted = set().union(*(held[n] for n in everywhere))
+    book = ledger("damaged record files", "files", outcomes, readable, Counters(list), "")
+    book.counted = {"in files compare and slo named": len(counted & lost)}
+    book.said = sorted(everywhere)
+    book.notes = {"damaged": sorted(held), "named": {k: sorted(v) for k, v in named.items()}, "failed": sorted(failed)}
+    book.publish()
+    assert not failed, "\n".join(f"{who} failed: {said}" for who, said in failed.items())
+    for who, names in named.items():
+        wanted = set(held) - ({JUNK_PARQUET} if who.endswith("python") else set())
+        assert names == wanted, f"{who} did not name {sorted(wanted - names)}"
+        assert read[who] == len(readable), f"{who} answered from {read[who]} records, not {len(readable)}"
+    check(book)
