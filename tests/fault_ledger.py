@@ -181,6 +181,7 @@ class Ledger:
     counted: dict[str, int]
     said: list[str]
     notes: dict[str, Any] = field(default_factory=dict)
+    published: bool = field(default=False, repr=False, compare=False)
 
     @property
     def sent(self) -> int:
@@ -201,11 +202,15 @@ class Ledger:
 
     def row(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["published"]
         out |= {"sent": self.sent, "lost": self.lost, "counted_lost": self.counted_lost, "uncounted": self.uncounted}
         return out
 
     def publish(self) -> None:
-        """Print the ledger, and append it to the table file when the run names one."""
+        """Print the ledger, and append it to the table file when the run names one (once)."""
+        if self.published:
+            return
+        self.published = True
         line = json.dumps(self.row(), sort_keys=True)
         print(f"\nLEDGER {line}")
         path = os.environ.get(TABLE_ENV)
