@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError
-from opentelemetry.metrics import MeterProvider
+from opentelemetry.metrics import MeterProvider, Observation
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.trace import TracerProvider
 
@@ -51,6 +51,7 @@ from llmtap.telemetry.serverspans import (
 from llmtap.telemetry.siblings import FACT_DROP_REASONS, LIVE, SLOTS, SPANS, Siblings
 from llmtap.telemetry.sinks import Sink, build_sinks, drop_reasons
 from llmtap.telemetry.spans import SpanWriter
+from llmtap.telemetry.spool import EMITTED, JOURNAL_DROP_REASONS, Spool, open_spool
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.messages import (
     END,
@@ -77,6 +78,8 @@ TRACE_CONTEXT_REASONS = ("traceparent_too_long", "tracestate_too_long")
 ADMIN_REASONS = ("connection_evicted", "connection_limit", "event_streams", "unauthorized", "forbidden")
 #: Streams being played back at once (their segments came, their end not yet); past it the oldest goes.
 MAX_OPEN_STREAMS = 4096
+#: Messages of the relays the worker takes between two slices of the last run's replay, when both wait.
+REPLAY_EVERY = 64
 #: Finished requests the worker holds at most before it emits them (``_emit_staged``): tens of milliseconds of work.
 STAGED = 64
 #: Response bytes waiting in the queue at most. Past it a message keeps its timing and loses its bytes (its
@@ -100,7 +103,9 @@ class Recorder:
         tracer_provider: TracerProvider | None = None,
         meter_provider: MeterProvider | None = None,
         logger_provider: Any = None,
+        journal: int | None = None,
     ) -> None:
+        """``journal``: this telemetry process's index, when it keeps a record journal (``--record-journal``)."""
         self.settings = settings
         #: The request's spans, and its metrics: two of the emitters.
         self.spans = SpanWriter(settings, tracer_provider)
@@ -145,11 +150,14 @@ class Recorder:
                 self._count_record_drop,
                 logger_provider=logger_provider,
                 on_insert=self._count_clickhouse_insert,
+                keep_unsent=journal is not None and settings.record.journal is not None,
             ),
             self.identity,
         )
         for reason in drop_reasons(settings):
             self._count_record_drop(reason, 0)
+        #: The record journal: each tape kept until every sink has its record (None: not kept).
+        self.spool = None if journal is None else self._open_spool(journal)
         #: ``--access-log PATH``: one line per request, written by the worker thread after the record.
         self.access_log: AccessLog | None = None
         if settings.access_log:
@@ -200,6 +208,46 @@ class Recorder:
             self.count_facts_dropped(reason, 0)
         for reason in TRACE_CONTEXT_REASONS:
             self._count_trace_context(reason, 0)
+        if self.spool is not None and self.spool.replay is not None:
+            self._ensure_worker()  # the last run's records are made again now, whether tapes come or not
+
+    def _open_spool(self, index: int) -> Spool | None:
+        """The record journal of telemetry process ``index``, its counts and gauges (None: not asked, or no sink)."""
+        rec = self.settings.record
+        spool = open_spool(
+            rec.journal,
+            self.records.sinks,
+            index=index,
+            max_bytes=rec.journal_bytes,
+            on_lost=self._count_record_drop,
+            on_recovered=self._count_recovered,
+        )
+        self.records.spool = spool
+        if spool is None:
+            return None
+        for reason in JOURNAL_DROP_REASONS:
+            self._count_record_drop(reason, 0)
+        self._count_recovered(0)
+        meter = self.metrics.meter
+        meter.create_observable_gauge(
+            sc.METRIC_JOURNAL_SIZE,
+            callbacks=[lambda options: [Observation(spool.size)]],
+            unit="By",
+            description="Bytes of tapes the record journal holds on disk now (--record-journal).",
+        )
+        meter.create_observable_gauge(
+            sc.METRIC_JOURNAL_RECORDS,
+            callbacks=[lambda options: [Observation(spool.outstanding)]],
+            unit="{record}",
+            description="Requests the record journal keeps until every record sink has their record.",
+        )
+        return spool
+
+    def _count_recovered(self, n: int) -> None:
+        try:
+            self.instruments.records_recovered.add(n)
+        except Exception:
+            log.debug("telemetry: could not count recovered records", exc_info=True)
 
     @property
     def upstreams(self) -> UpstreamWatch:
@@ -259,6 +307,8 @@ class Recorder:
         except queue.Full:
             if message[0] == END:
                 self.drops.end()
+                if self.spool is not None:
+                    self.spool.dropped(source, message)
             elif message[0] == SEGMENT:
                 self._lost.add((source, message[1]))
             elif message[0] == FACTS:
@@ -412,11 +462,18 @@ class Recorder:
 
     def _next_deadline(self) -> float | None:
         lessons = self.siblings.deadline() if self.siblings is not None else None
-        deadlines = [d for d in (self.wait.next_deadline(), self.owned.next_deadline(), lessons) if d is not None]
+        journal = self.spool.due() if self.spool is not None else None
+        deadlines = [
+            d for d in (self.wait.next_deadline(), self.owned.next_deadline(), lessons, journal) if d is not None
+        ]
         return min(deadlines) if deadlines else None
 
     def _due(self) -> None:
         now = time.monotonic()
+        if self.spool is not None:
+            due = self.spool.due()
+            if due is not None and due <= now:
+                self.spool.poll()
         self._emit_all(self.wait.due(now))
         self.owned.due(now)
         if self.siblings is not None:
@@ -435,10 +492,18 @@ class Recorder:
             self._held = None
 
     def _work(self) -> None:
+        taken = 0
         while True:
             held = self._held
             if held and (len(held) >= STAGED or self._queue.empty()):
                 self._emit_held()
+            replay = self.spool.replay if self.spool is not None else None
+            if replay is not None and not replay.done and (self._queue.empty() or taken >= REPLAY_EVERY):
+                # The last run's tapes, a slice at a time: between the relays' messages, never before them all.
+                taken = 0
+                self._replay_slice(replay)
+                continue
+            taken += 1
             deadline = self._next_deadline()
             try:
                 if deadline is None:
@@ -481,6 +546,15 @@ class Recorder:
                 self._emit_held()
                 self.records.flush()
 
+    def _replay_slice(self, replay: Any) -> None:
+        for source, message in replay.next_slice():
+            try:
+                self.take(source, message)
+            except Exception:
+                log.exception("telemetry: could not take a tape message of the last run")
+            sched.checkpoint()
+        self._emit_held()
+
     def take(self, source: int, message: Raw) -> None:
         """One encoded message of relay ``source``: a stream's segment or end, or the relay's report.
 
@@ -518,13 +592,17 @@ class Recorder:
                     _, oldest = self._open.popitem(last=False)
                     self.drops.tape("evicted", oldest.tl.route)
             return
+        ref = self.spool.ended(source, m.key) if self.spool is not None else None
         if playback is None or key in self._lost:
             self._lost.discard(key)
             self.drops.tape("queue_full", playback.tl.route if playback is not None else None)
+            if ref is not None:
+                self.spool.settle(ref)  # type: ignore[union-attr]
             return
         if playback.partial:
             self.drops.count("partial")
         tl = playback.finish(m.tail)
+        tl.ref = ref
         if tl.unread is not None:
             self.drops.count(tl.unread)
         self._record_counted(tl)
@@ -536,6 +614,8 @@ class Recorder:
         except Exception:
             self.failed += 1
             log.exception("telemetry: could not record %s %s", tl.method, tl.path)
+            if self.spool is not None:
+                self.spool.settle(tl.ref)
 
     def _join_spans(self, spans: _Spans) -> None:
         self._emit_all(self.wait.spans(spans, time.monotonic()))
@@ -574,6 +654,8 @@ class Recorder:
                 self.peers.close(timeout)
         finally:
             self.records.close(timeout)
+            if self.spool is not None:
+                self.spool.close()  # after the sinks: what they did not take stays for the next start
             if self.access_log is not None:
                 self.access_log.close()
 
@@ -610,7 +692,10 @@ class Recorder:
             self._share(self.estimator.learned, tl.upstream, slots)
         if tl.protocol is not None:
             s.cost = request_cost(self.prices, tl, s)
-        self._emit_all(self.wait.offer(tl, s, time.monotonic()))
+        if self.spool is not None and self.spool.replayed(tl.ref):
+            self._emit_all([(tl, s)])  # of the last run: its upstream's span is long gone
+        else:
+            self._emit_all(self.wait.offer(tl, s, time.monotonic()))
         return s
 
     def _share(self, learned: list[Any] | None, upstream: str | None = None, slots: Slots | None = None) -> None:
@@ -688,9 +773,14 @@ class Recorder:
             if self.siblings is not None:
                 self._share(self.cache.learned)
         failed: set[int] = set()
+        spool = self.spool
+        # Requests of the last run whose spans, metrics and listeners it made already: their records only.
+        made = set() if spool is None else {i for i, r in enumerate(requests) if spool.mask_of(r.tl.ref) & EMITTED}
         for emitter in self.emitters:
             for i, request in enumerate(requests):
                 sched.checkpoint()
+                if made and i in made and emitter is not self.records:
+                    continue
                 try:
                     emitter.emit(request)
                 except Exception:
@@ -698,6 +788,9 @@ class Recorder:
                     tl = request.tl
                     log.exception("telemetry: %s failed on %s %s", type(emitter).__name__, tl.method, tl.path)
         self.failed += len(failed)
+        if spool is not None:
+            for request in requests:
+                spool.emitted(request.tl.ref)
 
     def _diagnose(self, tl: Timeline, s: Summary) -> Diagnosis | None:
         try:

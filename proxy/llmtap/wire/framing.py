@@ -43,7 +43,7 @@ def frames(buffer: bytearray) -> list[Raw]:
     return out
 
 
-def _take(buffer: bytearray, out: list[Raw]) -> None:
+def _take(buffer: bytearray, out: list[Raw], keep: list[bytes] | None = None) -> None:
     at = 0
     size = len(buffer)
     try:
@@ -64,18 +64,24 @@ def _take(buffer: bytearray, out: list[Raw]) -> None:
                 out.append(message)
                 at += 4 + length
     finally:
+        if keep is not None and at:
+            keep.append(bytes(buffer[:at]))
         del buffer[:at]
 
 
 class FrameReader:
     """One connection's read side: bytes in as they come, whole messages out; stops at the first bad frame."""
 
-    __slots__ = ("_buffer", "broken")
+    __slots__ = ("_buffer", "_keep", "broken", "taken")
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep: bool = False) -> None:
         self._buffer = bytearray()
         #: Why the framing was lost (None: it was not); nothing more is read once it is set.
         self.broken: WireError | None = None
+        #: With ``keep``: the bytes of the complete frames the last ``feed`` gave, as they came (the record journal
+        #: keeps them so, ``llmtap.telemetry.spool``).
+        self.taken = b""
+        self._keep: list[bytes] | None = [] if keep else None
 
     def feed(self, data: bytes) -> list[Raw]:
         """The complete messages ``data`` ends (those before a bad frame too)."""
@@ -83,11 +89,14 @@ class FrameReader:
             return []
         self._buffer += data
         out: list[Raw] = []
+        keep = self._keep
         try:
-            _take(self._buffer, out)
+            _take(self._buffer, out, keep)
         except WireError as exc:
             self.broken = exc
             self._buffer = bytearray()
+        if keep is not None:
+            self.taken = keep.pop() if keep else b""
         return out
 
     @property
