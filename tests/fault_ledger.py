@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +44,8 @@ SINK_REASONS = {
     "clickhouse": ("clickhouse_queue_full", "clickhouse_rejected", "clickhouse_unsent"),
 }
 REASON = "llmtap_telemetry_reason"
+#: When the telemetry process serving ``/metrics`` started (Unix seconds), where llmtap says it.
+START_TIME = "llmtap_telemetry_start_time"
 #: Where a run appends its ledgers (JSON lines), for the table.
 TABLE_ENV = "LLMTAP_FAULT_TABLE"
 
@@ -76,8 +79,12 @@ class Counters:
         self.every = every
         self.resets = 0
         self.scrapes = 0
-        self._last: dict[tuple[str, str], dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        #: Each scrape's loss counters as read (seconds since the first, then the nonzero samples): how a sum came.
+        self.history: list[tuple[float, dict[str, float]]] = []
+        self._last: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        self._started: dict[str, float | None] = {}
         self._total: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._t0 = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -104,9 +111,24 @@ class Counters:
             self._add(url, samples(text))
 
     def _add(self, url: str, page: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> None:
+        now = time.monotonic()
+        losses = {
+            f"{n.removeprefix('llmtap_telemetry_')}:{dict(ls).get(REASON, '')}": v
+            for (n, ls), v in page.items()
+            if n in (TAPES, RECORDS) and v
+        }
+        started = next((v for (n, _), v in page.items() if n.startswith(START_TIME)), None)
         with self._lock:
+            self._t0 = self._t0 or now
+            self.history.append((round(now - self._t0, 2), losses))
             self.scrapes += 1
-            last = self._last.setdefault((url, ""), {})
+            last = self._last.setdefault(url, {})
+            # A telemetry process that says when it started: a new start is a reset of every counter, even one that
+            # climbed past its last value between two scrapes.
+            if started is not None and self._started.get(url, started) != started:
+                self.resets += 1
+                last.clear()
+            self._started[url] = started
             for key, value in page.items():
                 if not key[0].endswith("_total"):
                     continue
@@ -220,10 +242,17 @@ class Ledger:
 
 
 def ledger(
-    fault: str, sink: str, outcomes: list[Outcome], kept: dict[str, set[str]], counters: Counters, log: str
+    fault: str,
+    sink: str,
+    outcomes: list[Outcome],
+    kept: dict[str, set[str]],
+    counters: Counters,
+    log: str,
+    copies: int = 0,
 ) -> Ledger:
     """The ledger of ``outcomes`` (every request the client began) against the records ``kept`` (span ids by trace
-    id) and the losses ``counters`` summed for ``sink``; ``log``: llmtap's log, for the lines that say a loss.
+    id) and the losses ``counters`` summed for ``sink``; ``log``: llmtap's log, for the lines that say a loss;
+    ``copies``: records the sink holds twice (an at-least-once replay), each counted once.
 
     A refused request that has a record did reach llmtap after all: it counts as sent (cut)."""
     by_trace = {o.trace_id: o for o in outcomes}
@@ -232,7 +261,6 @@ def ledger(
         kind = "cut" if o.kind == "refused" and o.trace_id in kept else o.kind
         kinds[kind] += 1
     recorded = sum(1 for t in by_trace if kept.get(t))
-    copies = sum(len(spans) - 1 for t, spans in kept.items() if t in by_trace and len(spans) > 1)
     foreign = sum(1 for t in kept if t not in by_trace)
     return Ledger(
         fault, sink, kinds["answered"], kinds["cut"], kinds["refused"], recorded, copies, foreign,
@@ -249,6 +277,17 @@ _LOSS = re.compile(r"\b(?:lost|dropped|not recovered|could not|unsent|never|miss
 def loss_lines(log: str) -> list[str]:
     """The lines of ``log`` that say a count of records (spans, tapes, rows) lost."""
     return [line.strip() for line in log.splitlines() if _COUNT.search(line) and _LOSS.search(line)]
+
+
+def changes(history: list[tuple[float, dict[str, float]]]) -> list[tuple[float, dict[str, float]]]:
+    """The scrapes whose loss counters differ from the scrape before (for a ledger's notes)."""
+    out: list[tuple[float, dict[str, float]]] = []
+    last: dict[str, float] | None = None
+    for at, losses in history:
+        if losses != last:
+            out.append((at, losses))
+            last = losses
+    return out
 
 
 def check(book: Ledger, *, exact: bool = True) -> None:

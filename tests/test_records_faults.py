@@ -28,7 +28,7 @@ import pytest
 
 from tests.clickhouse_server import ClickHouseProcess, installed
 from tests.conftest import PATIENCE, require_real
-from tests.fault_ledger import REASON, Counters, Ledger, check, ledger, loss_lines, read_folder
+from tests.fault_ledger import REASON, Counters, Ledger, changes, check, ledger, loss_lines, read_folder
 from tests.fault_load import Load, OTLPBackend, Outcome, wait_for
 from tests.procs import TELEMETRY_COMM, Llmtap, Simulator
 
@@ -168,8 +168,9 @@ def test_telemetry_process_killed_six_times_under_load(simulator: Simulator, tmp
         stop_gracefully(proxy)
     finally:
         proxy.close()
-    book = ledger("telemetry SIGKILL x6", "files", outcomes, read_folder(records).traces, counters, proxy.logs())
-    book.notes = {"kills_at_request": at, "resets": counters.resets}
+    found = read_folder(records)
+    book = ledger("telemetry SIGKILL x6", "files", outcomes, found.traces, counters, proxy.logs(), found.copies)
+    book.notes = {"kills_at_request": at, "resets": counters.resets, "losses": changes(counters.history)}
     check(book)
 
 
@@ -219,7 +220,8 @@ def test_whole_tree_killed_and_started_again_on_the_same_folder(simulator: Simul
         if tree.now is not None:
             tree.now.close()
     log = first.logs() + tree.now.logs()
-    book = ledger("whole tree SIGKILL, restart", "files", outcomes, read_folder(records).traces, counters, log)
+    found = read_folder(records)
+    book = ledger("whole tree SIGKILL, restart", "files", outcomes, found.traces, counters, log, found.copies)
     book.notes = {"killed_at_request": killed_at, "start_again_said": loss_lines(tree.now.logs())}
     check(book)
 
@@ -252,13 +254,14 @@ def test_clickhouse_down_across_a_restart(simulator: Simulator, tmp_path: Path) 
             counters.scrape()
         stop_gracefully(tree.now)
         kept = rows(ch, table)
+        # Rows written twice (an at-least-once replay), before ClickHouse merges them away if it does.
+        copies = int(ch.query(f"SELECT count() FROM {table}")) - sum(len(spans) for spans in kept.values())
     finally:
         if tree.now is not None:
             tree.now.close()
         ch.stop()
-    book = ledger(
-        "ClickHouse down across a restart", "clickhouse", outcomes, kept, counters, first.logs() + tree.now.logs()
-    )
+    log = first.logs() + tree.now.logs()
+    book = ledger("ClickHouse down across a restart", "clickhouse", outcomes, kept, counters, log, copies)
     check(book)
 
 
@@ -330,7 +333,7 @@ def test_disk_full(simulator: Simulator, tmp_path: Path) -> None:
         finally:
             proxy.close()
         found = read_folder(records)
-    book = ledger("disk full", "files", outcomes, found.traces, counters, proxy.logs())
+    book = ledger("disk full", "files", outcomes, found.traces, counters, proxy.logs(), found.copies)
     book.notes = {"torn_lines": found.stats.truncated, "tmpfs": limit is None}
     assert 0 < book.recorded < book.sent, "the disk was never full, or full from the start"
     check(book)
@@ -398,7 +401,8 @@ def test_otlp_backend_down_for_a_while(simulator: Simulator, tmp_path: Path) -> 
         proxy.close()
         backend.close()
     log = proxy.logs()
-    files = ledger("OTLP down: record files", "files", outcomes, read_folder(records).traces, counters, log)
+    found = read_folder(records)
+    files = ledger("OTLP down: record files", "files", outcomes, found.traces, counters, log, found.copies)
     logs = ledger("OTLP down: records as log records", "logs", outcomes, backend.log_records(), counters, log)
     spans = span_ledger("OTLP down: spans", outcomes, per, backend, counters, log)
     for book in (files, logs, spans):
