@@ -103,6 +103,7 @@ def record_sides(
     source = slo_command.open_source(paths, engine) if isinstance(engine, str) else engine
     try:
         scan = source.scan(where, by)
+        slo_command.readable(scan, scan.source)
         if not scan.groups:
             slo_command.no_such_names(source, where, by)
         split = by_versions(scan.groups, split)
@@ -285,7 +286,7 @@ def render(c: Comparison) -> str:
     lines = [f"llmtap compare: {c.source}", f"split: {c.split}"]
     skipped = {k: v for k, v in c.skipped.items() if v}
     if skipped:
-        lines.append("skipped lines: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in skipped.items()))
+        lines.append("skipped: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in skipped.items()))
     lines.append("")
     for r in rows:
         lines.append("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip())

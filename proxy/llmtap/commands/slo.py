@@ -45,7 +45,16 @@ from llmtap.config.load import build
 from llmtap.config.types import ConfigError
 from llmtap.store.files import NoRecords
 
-__all__ = ["describe_filter", "from_prometheus", "from_records", "main", "no_such_names", "open_source", "source_name"]
+__all__ = [
+    "describe_filter",
+    "from_prometheus",
+    "from_records",
+    "main",
+    "no_such_names",
+    "open_source",
+    "readable",
+    "source_name",
+]
 
 # -- record files ----------------------------------------------------------------------------------
 
@@ -93,6 +102,16 @@ def no_such_names(source: store.Source, where: store.Filter, by: store.By) -> No
     raise ConfigError(f"no requests{describe_filter(where)}; {known}")
 
 
+def readable(scan: store.Scan, what: str) -> None:
+    """Say on standard error what the scan passed over, one line per cause (files named, counts); when it read no
+    record and passed something over, ``ConfigError`` saying so instead (nothing is left to answer from)."""
+    said = scan.skips.lines()
+    if scan.records == 0 and said:
+        raise ConfigError(f"no record could be read from {what}: " + "; ".join(said))
+    for line in said:
+        print(f"llmtap: {line}", file=sys.stderr)
+
+
 def source_name(paths: Sequence[str | Path], scan: store.Scan) -> str:
     """What a report says it read: the paths, the files and the records."""
     files = scan.files
@@ -121,6 +140,7 @@ def from_records(
     source = open_source(paths, engine) if isinstance(engine, str) else engine
     try:
         scan = source.scan(where, None)
+        readable(scan, scan.source)
         if not scan.groups:
             no_such_names(source, where, None)
         met = source.count_met(where, None, limits_of(scan.groups, objectives)) if objectives else None

@@ -9,8 +9,13 @@ bootstrap from the sorted values, so every source gives the same figures, interv
 The facts are defined over the flat columns of a record (``COLUMNS``): ``time_s``, ``route``,
 ``model``, ``shape``, ``prompt_version``, ``outcome``, ``stream``, ``slo``, ``ttft``, ``tpot``,
 ``e2e``, ``prefill``, ``prefill_source``, ``input_tokens``, ``cache_read_tokens``, ``cache_class``,
-``obj_shape``, ``obj_percentile``, ``obj_ttft``, ``obj_tpot``, ``obj_e2e``, ``trace_id``,
-``instance_id``, ``cost``. A record without a readable time belongs to no window and is left out.
+``obj_shape``, ``obj_percentile``, ``obj_ttft``, ``obj_tpot``, ``obj_e2e``, ``trace_id``, ``span_id``,
+``instance_id``, ``cost``. A record without a readable time belongs to no window and is left out (counted).
+
+Every source skips, names and counts what it cannot read (a damaged file, a line that is not a record: the
+causes are ``llmtap.store.skips.CAUSES``) and answers from the rest; and each source counts a record once by
+its identity, its ``trace_id`` and ``span_id`` (a journal replays records at least once: the first copy read
+counts, a record without both ids counts as it is).
 
 Sources:
 
@@ -34,6 +39,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from llmtap.store.skips import CAUSES, Skips
+
 __all__ = [
     "COLUMNS",
     "ENGINES",
@@ -44,6 +51,7 @@ __all__ = [
     "Group",
     "Objective",
     "Scan",
+    "Skips",
     "Source",
     "open_source",
     "slowest",
@@ -73,6 +81,7 @@ COLUMNS: dict[str, str] = {
     "obj_tpot": "float",
     "obj_e2e": "float",
     "trace_id": "str",
+    "span_id": "str",  # with trace_id, what identifies a record (counted once)
     "instance_id": "str",
     "cost": "float",  # cost.amount (issue 31): null when unpriced
 }
@@ -156,9 +165,15 @@ class Scan:
 
     groups: list[Group]
     source: str  # how the report names what was read
-    records: int = 0  # records read (before the filter)
+    records: int = 0  # records read (before the filter), each identity once, those without a time left out
     files: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)  # lines not read as records, by reason
+    #: What was passed over (lines, records, files) by cause, and where (``llmtap.store.skips``).
+    skips: Skips = field(default_factory=Skips)
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """How many were passed over, by cause (the causes that happened)."""
+        return {cause: n for cause in CAUSES if (n := self.skips.counts.get(cause, 0))}
 
 
 #: How a scan keys a record's side: ``VERSION``, by its prompt_version; a float, 'before' when time_s is

@@ -1,19 +1,26 @@
 """The embedded engine: record files read, filtered, grouped and sorted by DuckDB.
 
-DuckDB reads the files once: JSON lines (``.jsonl``, ``.jsonl.gz``, rotated ``PATH.N``) as raw lines,
-each validated and its fields extracted by path with an explicit type check (a wrong-typed value reads
-as null, as in ``llmtap.store.python``; a line that is not a record is counted as ``truncated``,
-``foreign`` or ``other_schema``, never fatal), Parquet files by their columns (the record's nested
-structure, or the flat columns themselves; only the columns analysis reads). One read of the files
-does it all: they are read in parts of ``PART_FILES`` files, one statement per part, which groups the
-part's records (and its other lines by kind, for the counts) and gathers each group's figures as lists
-that come back as numpy buffers (masked by numpy into the figures), merged with the parts before; at
-the end each figure is sorted once and handed over as ``array('d')``. ``count_met`` reads the values
-the scan kept, not the files again. (A table of each part's rows, written first and queried twice
-after, cost twice the time of the one statement: measured at 1M records from Parquet, 4.8 s of CPU
-against 2.8 s; a table of all the rows, 52 s to write at 10M against 17 s to read the same columns.)
-A record's ``time`` in the form llmtap writes it (``...+00:00``) is cast at once; another form is
-trimmed and its ``Z`` read as UTC first (that took a third of the read).
+DuckDB reads the files once (the SQL is ``llmtap.store.engine_sql``): JSON lines (``.jsonl``, ``.jsonl.gz``,
+rotated ``PATH.N``) as raw lines, each validated and its fields extracted with an explicit type check, Parquet
+files by their columns. They are read in parts of ``PART_FILES`` files, one statement per part, which groups the
+part's records (and its other lines by kind and file, for the counts) and gathers each group's figures as lists
+that come back as numpy buffers (masked by numpy into the figures); the parts' facts are merged at the end, where
+each figure is sorted once and handed over as ``array('d')``. ``count_met`` reads the values the scan kept, not
+the files again. (A table of each part's rows, written first and queried twice after, cost twice the time of the
+one statement: measured at 1M records from Parquet, 4.8 s of CPU against 2.8 s; a table of all the rows, 52 s to
+write at 10M against 17 s to read the same columns.)
+
+A damaged input never stops the scan (issue 44). A file that cannot be opened or is not what its name says is
+counted before the read (``llmtap.store.files.inspect``). A part whose statement fails is read again in halves
+down to the file that fails: a Parquet file that DuckDB cannot read is counted as damaged; a JSON-lines file is
+read by Python instead (``llmtap.store.files.file_lines``: up to the damage of a compressed file, and with the
+lines DuckDB's CSV reader cannot take, a stray carriage return or delimiter, settled as the reference settles
+them) into a plain copy that DuckDB then reads. What ``read_csv`` refuses is counted from its rejects table.
+
+Each record counts once (a journal replays at least once): the statement also lists the hash of each record's
+(trace_id, span_id); when a hash is seen twice over the whole scan, the parts that hold it are read once more
+for those records' positions and ids, every copy after the first is marked, and those parts grouped again
+without them. Without a duplicate that costs one hash per record.
 
 Why DuckDB rather than chDB (ClickHouse embedded): measured on the same 300,000 generated records
 (grouped counts and sorted TTFTs by version and route), the two took about the same time on gzip JSON
@@ -26,16 +33,19 @@ tuple that the facts need. ClickHouse itself, for the fleet, is a ``Source`` of 
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from llmtap.store import SLOWEST, VERSION, By, Filter, Group, Objective, Scan, slowest
-from llmtap.store.files import record_files
+from llmtap.store import VERSION, By, Filter, Group, Objective, Scan, Skips, slowest
+from llmtap.store.engine_sql import LISTS, MACROS, grouping, json_read, locate, parquet_read, q
+from llmtap.store.files import file_lines, find, inspect, settle
 
 __all__ = ["EngineSource"]
 
@@ -43,96 +53,8 @@ __all__ = ["EngineSource"]
 MEMORY_LIMIT = "512MB"
 #: Files read by one statement at most (a part: its rows are held at once, in memory or spilled).
 PART_FILES = 256
-#: Lines longer than this are not records (the longest llmtap writes is a few KB).
-MAX_LINE = 1024 * 1024
-
-_SCHEMA_PREFIX = '{"llmtap_record":'
-#: The JSON paths extracted from a line, in order; their index in SQL is one more.
-_PATHS = (
-    "$.llmtap_record",
-    "$.time",
-    "$.route",
-    "$.model",
-    "$.shape",
-    "$.prompt_version",
-    "$.outcome",
-    "$.stream",
-    "$.slo",
-    "$.ttft",
-    "$.tpot",
-    "$.e2e",
-    "$.prefill",
-    "$.prefill_source",
-    "$.tokens.input",
-    "$.tokens.cache_read",
-    "$.cache.class",
-    "$.objective.shape",
-    "$.objective.percentile",
-    "$.objective.ttft",
-    "$.objective.tpot",
-    "$.objective.e2e",
-    "$.trace_id",  # the slowest requests' names (Group.slowest)
-    "$.cost.amount",
-)
-#: A value's JSON type read from its first character (the extracted text is minimal JSON): cheaper than
-#: parsing it again, and exactly Python's view (a string is never a number, a boolean never a number).
-_MACROS = """
-CREATE OR REPLACE TEMP MACRO j_num(x) AS
-  CASE WHEN regexp_full_match(x::VARCHAR, '-?[0-9][0-9.eE+-]*') AND isfinite(TRY_CAST(x::VARCHAR AS DOUBLE))
-       THEN TRY_CAST(x::VARCHAR AS DOUBLE) END;
-CREATE OR REPLACE TEMP MACRO j_int(x) AS
-  CASE WHEN regexp_full_match(x::VARCHAR, '-?[0-9]+') THEN TRY_CAST(x::VARCHAR AS BIGINT) END;
-CREATE OR REPLACE TEMP MACRO j_str(x) AS CASE WHEN starts_with(x::VARCHAR, '"') THEN x ->> '$' END;
-CREATE OR REPLACE TEMP MACRO j_true(x) AS coalesce(x::VARCHAR = 'true', false);
-CREATE OR REPLACE TEMP MACRO t_epoch(s) AS
-  epoch_us(CASE WHEN ends_with(s, '+00:00') AND NOT contains(s, 'Z') AND s[1] BETWEEN '0' AND '9'
-                THEN TRY_CAST(s AS TIMESTAMPTZ)
-                ELSE TRY_CAST(replace(trim(s, ' \t\n\r'), 'Z', '+00:00') AS TIMESTAMPTZ) END) / 1e6;
-"""
-#: The flat columns analysis reads, with a line's extracted values ``j`` (1-based, as ``_PATHS``).
-_JSON_COLUMNS = {
-    "time_s": "t_epoch(j_str(j[2]))",
-    "route": "j_str(j[3])",
-    "model": "j_str(j[4])",
-    "shape": "j_str(j[5])",
-    "prompt_version": "j_str(j[6])",
-    "outcome": "j_str(j[7])",
-    "stream": "j_true(j[8])",
-    "slo": "j_str(j[9])",
-    "ttft": "j_num(j[10])",
-    "tpot": "j_num(j[11])",
-    "e2e": "j_num(j[12])",
-    "prefill": "j_num(j[13])",
-    "prefill_source": "j_str(j[14])",
-    "input_tokens": "j_int(j[15])",
-    "cache_read_tokens": "j_int(j[16])",
-    "cache_class": "j_str(j[17])",
-    "obj_shape": "j_str(j[18])",
-    "obj_percentile": "j_num(j[19])",
-    "obj_ttft": "j_num(j[20])",
-    "obj_tpot": "j_num(j[21])",
-    "obj_e2e": "j_num(j[22])",
-    "trace_id": "j_str(j[23])",
-    "cost": "j_num(j[24])",
-}
-_KINDS = {"float": "DOUBLE", "str": "VARCHAR", "int": "BIGINT", "bool": "BOOLEAN"}
-#: Where each flat column sits in a Parquet file of nested records (a flat one names them as COLUMNS).
-_NESTED = {
-    "time_s": ("time",),
-    "input_tokens": ("tokens", "input"),
-    "cache_read_tokens": ("tokens", "cache_read"),
-    "cache_class": ("cache", "class"),
-    "obj_shape": ("objective", "shape"),
-    "obj_percentile": ("objective", "percentile"),
-    "obj_ttft": ("objective", "ttft"),
-    "obj_tpot": ("objective", "tpot"),
-    "obj_e2e": ("objective", "e2e"),
-    "cost": ("cost", "amount"),
-}
-_NUMERIC = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT")
-_FLOATS = ("FLOAT", "DOUBLE", "DECIMAL")
-_OBJ_VALID = "obj_percentile > 0 AND obj_percentile < 1 AND coalesce(obj_ttft, obj_tpot, obj_e2e) IS NOT NULL"
-
+#: What ``read_csv``'s rejects count as, by error type; another (a stray delimiter) is a line that is not JSON.
+_REJECTS = {"INVALID ENCODING": "not_utf8", "LINE SIZE OVER MAXIMUM": "too_long"}
 
 #: A group's side key, route and shape.
 _GroupKey = tuple[str | None, str | None, str | None]
@@ -152,36 +74,40 @@ def _text(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-def _q(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
+@dataclass(eq=False)
+class _Part:
+    """Files read by one statement: what the engine reads, how each is named, and which statement read it."""
+
+    files: list[Path]
+    names: list[str]
+    parquet: bool
+    chosen: int | None = None
+
+    def halves(self) -> list[_Part]:
+        mid = len(self.files) // 2
+        return [
+            _Part(self.files[:mid], self.names[:mid], self.parquet),
+            _Part(self.files[mid:], self.names[mid:], self.parquet),
+        ]
 
 
-def _ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
+@dataclass(eq=False)
+class _Facts:
+    """One part's share of a scan, merged with the others' at the end."""
+
+    part: _Part
+    rejected: Skips
+    skips: Skips = field(default_factory=Skips)
+    counts: dict[str, int] = field(default_factory=dict)
+    groups: dict[_GroupKey, Group] = field(default_factory=dict)
+    ranks: dict[_GroupKey, Any] = field(default_factory=dict)
+    kept: dict[tuple[_GroupKey, str], list[Any]] = field(default_factory=dict)
+    ok: dict[_GroupKey, list[tuple[Any, Any, Any, Any]]] = field(default_factory=dict)
+    ids: Any = None  # the hashes of its records' identities (numpy uint64)
 
 
-def _struct_fields(type_text: str) -> dict[str, str]:
-    """The fields of a ``STRUCT(a BIGINT, b VARCHAR)`` type as DuckDB prints it (one level)."""
-    inner = type_text[len("STRUCT(") : -1]
-    out: dict[str, str] = {}
-    depth, start = 0, 0
-    for i, ch in enumerate(inner + ","):
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            part = inner[start:i].strip()
-            start = i + 1
-            if not part:
-                continue
-            if part.startswith('"'):
-                end = part.index('"', 1)
-                name, kind = part[1:end], part[end + 1 :].strip()
-            else:
-                name, _, kind = part.partition(" ")
-            out[name] = kind.strip()
-    return out
+class _Unread(Exception):
+    """No statement could read a part."""
 
 
 class EngineSource:
@@ -191,12 +117,13 @@ class EngineSource:
         import duckdb
 
         self.paths = [str(p) for p in paths]
-        self.files = record_files(self.paths)
+        listing = find(self.paths)
+        self.files, self.odd = listing.files, listing.odd
         self._dir = tempfile.mkdtemp(prefix="llmtap-engine-")
         self._con = duckdb.connect()
         settings = [
-            f"SET memory_limit = {_q(MEMORY_LIMIT)}",
-            f"SET temp_directory = {_q(str(Path(self._dir) / 'spill'))}",
+            f"SET memory_limit = {q(MEMORY_LIMIT)}",
+            f"SET temp_directory = {q(str(Path(self._dir) / 'spill'))}",
             "SET TimeZone = 'UTC'",
             "SET enable_progress_bar = false",
             "SET preserve_insertion_order = false",
@@ -205,14 +132,16 @@ class EngineSource:
             settings.append(f"SET threads = {int(threads)}")
         for statement in settings:
             self._con.execute(statement)
-        self._con.execute(_MACROS)
+        self._con.execute(MACROS)
         #: Per group, each part's (ok, ttft, tpot, e2e) as fetched: what count_met reads (unsorted).
         self._ok: dict[_GroupKey, list[tuple[Any, Any, Any, Any]]] = {}
         self._ok_of: tuple[Filter, By, dict[_GroupKey, _GroupKey]] | None = None
-        self._counts: dict[str, int] = {}
+        #: Files DuckDB could not read: a plain copy of what Python read of them (None: nothing), and what that
+        #: read counted; kept for the next scan.
+        self._settled: dict[Path, tuple[Path | None, Skips]] = {}
 
     def close(self) -> None:
-        """Close the engine and remove its temporary database."""
+        """Close the engine and remove its temporary database (and the copies it read)."""
         self._con.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -228,93 +157,224 @@ class EngineSource:
 
     # -- reading ---------------------------------------------------------------------------------------
 
-    def _json_sql(self, files: list[Path]) -> str:
-        listed = "[" + ", ".join(_q(str(f)) for f in files) + "]"
-        paths = "[" + ", ".join(_q(p) for p in _PATHS) + "]"
-        columns = ",\n  ".join(f"{expr} AS {name}" for name, expr in _JSON_COLUMNS.items())
-        return f"""
-SELECT kind,
-  {columns}
-FROM (
-  SELECT j, CASE
-      WHEN j IS NULL THEN CASE WHEN starts_with(line, {_q(_SCHEMA_PREFIX)}) THEN 'truncated' ELSE 'foreign' END
-      WHEN j[1] IS NULL THEN 'foreign'
-      WHEN j[1]::VARCHAR IN ('1', '2') THEN 'record'
-      ELSE 'other_schema' END AS kind
-  FROM (
-    -- try(): a line that is not JSON reads as NULL (cheaper than validating every line first)
-    SELECT line, try(json_extract(line, {paths})) AS j
-    FROM read_csv({listed}, columns = {{'line': 'VARCHAR'}}, delim = '\x01', quote = '', escape = '',
-                  header = false, auto_detect = false, ignore_errors = true, max_line_size = {MAX_LINE},
-                  filename = false)
-    -- a blank line is no line (a long one is never blank: trim only the short)
-    WHERE line IS NOT NULL AND CASE WHEN length(line) < 64 THEN trim(line, ' \t\r') <> '' ELSE true END
-  )
-)"""
+    def _columns(self, source: str) -> dict[str, str]:
+        return {row[0]: str(row[1]) for row in self._con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
 
-    def _parquet_sql(self, files: list[Path], *, union: bool) -> str:
-        listed = "[" + ", ".join(_q(str(f)) for f in files) + "]"
-        source = f"read_parquet({listed}, union_by_name = {str(union).lower()})"
-        schema = {row[0]: str(row[1]) for row in self._con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
+    def _reads(self, part: _Part, *, positions: bool = False) -> list[Callable[[], str]]:
+        """The statements that may read a part, in order: Parquet read as one schema (a reader that unions ten
+        thousand files' schemas peaked at 1.9 GB of RSS at 10M records), or by column name when its files
+        differ (written by two versions of llmtap)."""
+        if not part.parquet:
+            return [partial(json_read, part.files, positions=positions)]
+        return [
+            partial(parquet_read, part.files, self._columns, union=union, positions=positions)
+            for union in (False, True)
+        ]
 
-        def column(name: str, kind: str) -> str:
-            sql_type = _KINDS[kind]
-            # A flat file names the column itself; a nested one may hold a struct of that name (``cost``).
-            flat = name in schema and not schema[name].startswith("STRUCT(")
-            path = (name,) if flat else _NESTED.get(name, (name,))
-            top = schema.get(path[0])
-            if top is None:
-                return f"NULL::{sql_type}"
-            have, expr = top, _ident(path[0])
-            for part in path[1:]:
-                if not have.startswith("STRUCT("):
-                    return f"NULL::{sql_type}"
-                fields = _struct_fields(have)
-                if part not in fields:
-                    return f"NULL::{sql_type}"
-                have, expr = fields[part], f"{expr}.{_ident(part)}"
-            base = have.split("(")[0]
-            if name == "time_s":
-                if base == "VARCHAR":
-                    return f"t_epoch({expr})"
-                if base.startswith("TIMESTAMP"):
-                    return f"epoch_us({expr}) / 1e6"
-                return f"TRY_CAST({expr} AS DOUBLE)" if base in _NUMERIC + _FLOATS else "NULL::DOUBLE"
-            if kind == "str":
-                return expr if base == "VARCHAR" else "NULL::VARCHAR"
-            if kind == "bool":
-                return f"coalesce({expr}, false)" if base == "BOOLEAN" else "false"
-            if kind == "int":
-                return f"TRY_CAST({expr} AS BIGINT)" if base in _NUMERIC else "NULL::BIGINT"
-            if base in _NUMERIC + _FLOATS:
-                return f"CASE WHEN isfinite({expr}::DOUBLE) THEN {expr}::DOUBLE END"
-            return "NULL::DOUBLE"
+    def _parts(self, skips: Skips) -> list[_Part]:
+        """The readable files in parts of at most ``PART_FILES`` files of one kind, in order; a file read before
+        by Python (``_settled``) as its copy, in a part of its own."""
+        for name, what in self.odd.items():
+            skips.add("unreadable", name, why=what)
+        parts: list[_Part] = []
+        lines: list[Path] = []
 
-        from llmtap.store import COLUMNS
+        def flush() -> None:
+            for i in range(0, len(lines), PART_FILES):
+                batch = lines[i : i + PART_FILES]
+                parts.append(_Part(batch, [str(f) for f in batch], False))
+            lines.clear()
 
-        if "llmtap_record" in schema:
-            kind = "CASE WHEN llmtap_record IN (1, 2) THEN 'record' ELSE 'other_schema' END"
-        else:
-            kind = "'record'"
-        columns = ",\n  ".join(f"{column(name, COLUMNS[name])} AS {name}" for name in _JSON_COLUMNS)
-        return f"SELECT {kind} AS kind,\n  {columns}\nFROM {source}"
-
-    def _parts(self) -> Iterator[list[Callable[[], str]]]:
-        """The files in parts of at most ``PART_FILES`` files of one kind, each as the statements that may
-        read it, in order: Parquet read as one schema (a reader that unions ten thousand files' schemas
-        peaked at 1.9 GB of RSS at 10M records), or by column name when its files differ (written by two
-        versions of llmtap)."""
-        parquet = [f for f in self.files if f.name.endswith(".parquet")]
-        lines = [f for f in self.files if not f.name.endswith(".parquet")]
-        for i in range(0, len(lines), PART_FILES):
-            yield [partial(self._json_sql, lines[i : i + PART_FILES])]
+        parquet: list[Path] = []
+        for f in self.files:
+            if f in self._settled:
+                copy, counted = self._settled[f]
+                skips.merge(counted)
+                if copy is not None:
+                    flush()
+                    parts.append(_Part([copy], [str(f)], False))
+                continue
+            bad = inspect(f)
+            if bad is not None:
+                skips.add(bad[0], str(f), why=bad[1])
+            elif f.name.endswith(".parquet"):
+                parquet.append(f)
+            elif f.stat().st_size:  # an empty file (one just opened) has no line
+                lines.append(f)
+        flush()
         for i in range(0, len(parquet), PART_FILES):
             batch = parquet[i : i + PART_FILES]
-            yield [partial(self._parquet_sql, batch, union=False), partial(self._parquet_sql, batch, union=True)]
+            parts.append(_Part(batch, [str(f) for f in batch], True))
+        return parts
+
+    def _rejects(self, part: _Part) -> Skips:
+        """What ``read_csv`` refused of the part's lines, by cause and file."""
+        import duckdb
+
+        out = Skips()
+        if part.parquet:
+            return out
+        names = {str(f): n for f, n in zip(part.files, part.names, strict=True)}
+        try:
+            rows = self._con.execute(
+                "SELECT s.file_path, e.error_type::VARCHAR, own_line(e.csv_line), count(*) FROM reject_errors e "
+                "JOIN reject_scans s ON e.scan_id = s.scan_id AND e.file_id = s.file_id GROUP BY ALL"
+            ).fetchall()
+        except duckdb.CatalogException:  # nothing refused: no table
+            rows = []
+        for path, error, own, n in rows:
+            cause = _REJECTS.get(error) or ("truncated" if own else "foreign")
+            out.add(cause, names.get(path, path), int(n))
+        return out
+
+    def _run(self, part: _Part, sql: str, params: list[Any]) -> tuple[dict[str, Any], Skips]:
+        """The part grouped by ``sql`` (``__READ__`` its read), and what its read refused; ``_Unread`` when no
+        statement can read it."""
+        import duckdb
+
+        error: Exception | None = None
+        for i, read in enumerate(self._reads(part)):
+            if part.chosen is not None and i != part.chosen:
+                continue
+            self._con.execute("DROP TABLE IF EXISTS reject_errors; DROP TABLE IF EXISTS reject_scans")
+            try:
+                got = self._con.execute(sql.replace("__READ__", read()), params).fetchnumpy()
+            except duckdb.Error as exc:
+                error = exc
+                continue
+            part.chosen = i
+            return got, self._rejects(part)
+        raise _Unread(str(error).strip().splitlines()[0] if error else "no statement")
+
+    def _read(self, part: _Part, sql: str, params: list[Any], skips: Skips) -> list[_Facts]:
+        """A part's facts; a part that fails read in halves, down to the file that fails (``_unread``)."""
+        try:
+            got, rejected = self._run(part, sql, params)
+        except _Unread as exc:
+            if len(part.files) > 1:
+                return [f for half in part.halves() for f in self._read(half, sql, params, skips)]
+            return self._unread(part, str(exc), sql, params, skips)
+        return [self._fold(part, got, rejected)]
+
+    def _unread(self, part: _Part, error: str, sql: str, params: list[Any], skips: Skips) -> list[_Facts]:
+        """A file DuckDB cannot read: a Parquet file is damaged; a JSON-lines file is read by Python into a plain
+        copy that DuckDB can read (its damage, and the lines the copy leaves out, counted as Python counts them)."""
+        file, name = part.files[0], part.names[0]
+        counted = Skips()
+        copy: Path | None = None
+        if part.parquet:
+            counted.add("damaged", name, why=f"Parquet unreadable: {error[:200]}")
+        elif file in self._settled or file.parent == Path(self._dir):
+            counted.add("unreadable", name, why=error[:200])
+        else:
+            copy = Path(self._dir) / f"copy-{len(self._settled)}.jsonl"
+            with copy.open("wb") as out:
+                for line in file_lines(file, counted):
+                    if b"\r" in line or b"\x01" in line:  # what read_csv cannot take: settled as Python reads it
+                        obj = settle(line, counted, name)
+                        if obj is None:
+                            continue
+                        line = json.dumps(obj).encode()
+                    out.write(line + b"\n")
+        self._settled[file] = (copy, counted)
+        skips.merge(counted)
+        if copy is None:
+            return []
+        return self._read(_Part([copy], [name], False), sql, params, skips)
+
+    def _fold(self, part: _Part, got: dict[str, Any], rejected: Skips) -> _Facts:
+        """A part's statement's rows as its facts: the groups' counts and lists, the other rows' kinds by file."""
+        import numpy as np
+
+        facts = _Facts(part, rejected)
+        facts.skips.merge(rejected)
+        ids: list[Any] = []
+        for r in range(len(got["kind"])):
+            kind, n = str(_cell(got, "kind", r)), int(_cell(got, "n", r))
+            found = _cell(got, "ids", r)
+            if found is not None and len(found):
+                ids.append(np.asarray(found, dtype=np.uint64))
+            if kind in ("record", "out"):
+                facts.counts[kind] = facts.counts.get(kind, 0) + n
+            else:
+                fi = _cell(got, "fi", r)
+                name = part.names[int(fi)] if fi is not None else None
+                if kind == "wrong_schema":
+                    facts.skips.add(kind, name, why="none of a record's columns")
+                else:
+                    facts.skips.add(kind, name, n)
+            if kind == "record":
+                self._group(facts, got, r)
+        facts.ids = np.concatenate(ids) if ids else np.empty(0, dtype=np.uint64)
+        return facts
+
+    def _group(self, facts: _Facts, got: dict[str, Any], r: int) -> None:
+        """One group's row of a part's statement, into the part's facts."""
+        gk = (_text(_cell(got, "key", r)), _text(_cell(got, "route", r)), _text(_cell(got, "shape", r)))
+        first, last = float(_cell(got, "first", r)), float(_cell(got, "last", r))
+        g = facts.groups[gk] = Group(*gk, int(_cell(got, "n", r)), int(_cell(got, "errors", r)), 0, first, last)
+        g.met = int(_cell(got, "met", r))
+        g.input_tokens = int(_cell(got, "input_tokens", r))
+        g.cached_tokens = int(_cell(got, "cached", r))
+        o = _cell(got, "objective", r)
+        if o is not None:
+            # The rank the part's arg_max chose by, again: the newest, then the objective's order.
+            facts.ranks[gk] = (o["at"], o["p"], *(-1 if o[f] is None else o[f] for f in "toe"), o["s"] or "")
+            g.objective = Objective(o["s"], float(o["p"]), o["t"], o["o"], o["e"])
+            g.objective_time = float(o["at"])
+        for cls, n in (_cell(got, "classes", r) or {}).items():
+            g.classes[str(cls)] = g.classes.get(str(cls), 0) + int(n)
+        sources = _cell(got, "sources", r)
+        if sources is not None:
+            g.prefill_sources.update(str(v) for v in sources)
+        g.priced = int(_cell(got, "priced", r))
+        g.cost = float(_cell(got, "cost_sum", r))
+        # The part's slowest ok streams of the group, with their trace ids (merged with the parts' after).
+        top = _cell(got, "slowest", r)
+        if top is not None:
+            g.slowest.extend((float(v["t"]), str(v["id"])) for v in top)
+        self._keep(gk, {name: _cell(got, name, r) for name in LISTS}, facts.kept, facts.ok)
+
+    def _dedupe(self, facts: list[_Facts], sql: str, params: list[Any]) -> None:
+        """Each identity once: when a hash of (trace_id, span_id) was read more than once, the parts that hold it
+        are located (positions and ids of those records, in the order read), every copy after the first marked,
+        and those parts grouped again without them (``sql``, the grouping with ``llmtap_drop``)."""
+        import numpy as np
+
+        every = np.concatenate([f.ids for f in facts]) if facts else np.empty(0, dtype=np.uint64)
+        every.sort()
+        dups = np.unique(every[1:][every[1:] == every[:-1]])
+        del every
+        if not len(dups):
+            return
+        self._con.execute(
+            "CREATE OR REPLACE TEMP TABLE llmtap_dups AS SELECT unnest(?::UBIGINT[]) AS h", [dups.tolist()]
+        )
+        seen: set[tuple[str, str]] = set()
+        # Positions follow the order of the files' lines only while the engine keeps the order it read.
+        self._con.execute("SET preserve_insertion_order = true")
+        try:
+            for i, f in enumerate(facts):
+                if not np.isin(f.ids, dups).any():
+                    continue
+                read = self._reads(f.part, positions=True)[f.part.chosen or 0]
+                drop = []
+                for pos, trace, span in self._con.execute(locate(read())).fetchall():
+                    if (trace, span) in seen:
+                        drop.append(pos)
+                    seen.add((trace, span))
+                if drop:
+                    self._con.execute(
+                        "CREATE OR REPLACE TEMP TABLE llmtap_drop AS SELECT unnest(?::BIGINT[]) AS pos", [drop]
+                    )
+                    got = self._con.execute(sql.replace("__READ__", read()), params).fetchnumpy()
+                    facts[i] = self._fold(f.part, got, f.rejected)
+        finally:
+            self._con.execute("SET preserve_insertion_order = false")
 
     @staticmethod
     def _where(where: Filter) -> tuple[str, list[Any]]:
-        clauses, params = ["kind = 'record'", "time_s IS NOT NULL"], []
+        clauses, params = ["true"], []
         for name in ("route", "model", "shape"):
             value = getattr(where, name)
             if value is not None:
@@ -340,111 +400,67 @@ FROM (
 
     def scan(self, where: Filter, by: By) -> Scan:
         """The grouped facts, in one read of the files: one statement per part groups its rows (the lines
-        that are not records by their kind) and gathers each group's figures as lists, which come back as
-        numpy buffers; the groups of the parts are merged, and each figure sorted once at the end."""
-        import duckdb
-        import numpy as np
-
+        that are not records by their kind and file) and gathers each group's figures as lists, which come back
+        as numpy buffers; a record read twice is counted once (``_dedupe``); the parts' groups are merged, and
+        each figure sorted once at the end."""
         cond, params = self._where(where)
         key, key_params = self._key(by)
-        ok_stream = "outcome = 'ok' AND stream AND ttft IS NOT NULL"
-        rank = (
-            "(time_s, obj_percentile, coalesce(obj_ttft, -1), coalesce(obj_tpot, -1), coalesce(obj_e2e, -1),"
-            " coalesce(obj_shape, ''))"
-        )
-        nan = "'nan'::DOUBLE"
-        #: Each group's records as lists (a null figure as NaN: no figure is NaN), split by numpy after.
-        lists = {
-            "flags": "list(coalesce(outcome = 'ok', false)::UTINYINT * 2 + coalesce(stream, false)::UTINYINT)",
-            **{name: f"list(coalesce({name}, {nan}))" for name in ("ttft", "tpot", "e2e", "prefill")},
-        }
-        on_record = ", ".join(f"CASE WHEN kind = 'record' THEN {c} END AS {c}" for c in ("key", "route", "shape"))
-        grouping = f"""
-SELECT kind, key, route, shape,
-  count(*) AS n, count(*) FILTER (outcome IS DISTINCT FROM 'ok') AS errors, count(*) FILTER (slo = 'met') AS met,
-  min(time_s) AS first, max(time_s) AS last,
-  coalesce(sum(input_tokens) FILTER (outcome = 'ok' AND input_tokens IS NOT NULL), 0) AS input_tokens,
-  coalesce(sum(coalesce(cache_read_tokens, 0)) FILTER (outcome = 'ok' AND input_tokens IS NOT NULL), 0) AS cached,
-  arg_max({{'s': obj_shape, 'p': obj_percentile, 't': obj_ttft, 'o': obj_tpot, 'e': obj_e2e, 'at': time_s}},
-          {rank}) FILTER ({_OBJ_VALID}) AS objective,
-  histogram(cache_class) FILTER (cache_class IS NOT NULL) AS classes,
-  list(DISTINCT coalesce(prefill_source, 'unknown')) FILTER ({ok_stream} AND prefill IS NOT NULL) AS sources,
-  count(cost) AS priced, coalesce(sum(cost), 0) AS cost_sum,
-  min_by({{'t': ttft, 'id': coalesce(trace_id, '')}}, {{'a': -ttft, 'b': coalesce(trace_id, '')}}, {SLOWEST})
-    FILTER (kind = 'record' AND {ok_stream}) AS slowest,
-  {", ".join(f"{expr} FILTER (kind = 'record') AS {name}" for name, expr in lists.items())}
-FROM (
-  SELECT * EXCLUDE (kind, key, route, shape), {on_record}, kind
-  FROM (
-    SELECT * EXCLUDE (kind), {key} AS key,
-      CASE WHEN kind <> 'record' THEN kind WHEN {cond} THEN 'record' ELSE 'out' END AS kind
-    FROM (__READ__)
-  )
-)
-GROUP BY ALL"""
+        skips = Skips()
+        facts: list[_Facts] = []
+        for part in self._parts(skips):
+            facts += self._read(part, grouping(key, cond), key_params + params, skips)
+        self._dedupe(facts, grouping(key, cond, dedupe=True), key_params + params)
+        groups, counts = self._merge(facts, skips)
+        self._ok_of = (where, by, {gk: gk for gk in groups})
+        records = counts.get("record", 0) + counts.get("out", 0)
+        return Scan(list(groups.values()), self.describe(), records, len(self.files), skips)
+
+    def _merge(self, facts: list[_Facts], skips: Skips) -> tuple[dict[_GroupKey, Group], dict[str, int]]:
+        """The parts' facts as one: groups summed (the newest objective kept), figures joined and sorted."""
+        import numpy as np
+
         groups: dict[_GroupKey, Group] = {}
         ranks: dict[_GroupKey, Any] = {}
         counts: dict[str, int] = {}
         kept: dict[tuple[_GroupKey, str], list[Any]] = {}
-        self._ok, self._ok_of = {}, None
-        for part in self._parts():
-            for i, read in enumerate(part):
-                try:
-                    got = self._con.execute(grouping.replace("__READ__", read()), key_params + params).fetchnumpy()
-                    break
-                except duckdb.Error:
-                    if i == len(part) - 1:
-                        raise
-            for r in range(len(got["kind"])):
-                kind = str(_cell(got, "kind", r))
-                counts[kind] = counts.get(kind, 0) + int(_cell(got, "n", r))
-                if kind != "record":
-                    continue
-                gk = (_text(_cell(got, "key", r)), _text(_cell(got, "route", r)), _text(_cell(got, "shape", r)))
-                first, last = float(_cell(got, "first", r)), float(_cell(got, "last", r))
+        self._ok = {}
+        for f in facts:
+            skips.merge(f.skips)
+            for kind, n in f.counts.items():
+                counts[kind] = counts.get(kind, 0) + n
+            for gk, part in f.groups.items():
                 g = groups.get(gk)
                 if g is None:
-                    g = groups[gk] = Group(*gk, 0, 0, 0, first, last)
-                g.requests += int(_cell(got, "n", r))
-                g.errors += int(_cell(got, "errors", r))
-                g.met += int(_cell(got, "met", r))
-                g.first, g.last = min(g.first, first), max(g.last, last)
-                g.input_tokens += int(_cell(got, "input_tokens", r))
-                g.cached_tokens += int(_cell(got, "cached", r))
-                o = _cell(got, "objective", r)
-                if o is not None:
-                    # The rank the part's arg_max chose by, again: the newest, then the objective's order.
-                    rank_of = (o["at"], o["p"], *(-1 if o[f] is None else o[f] for f in "toe"), o["s"] or "")
-                    if gk not in ranks or rank_of > ranks[gk]:
-                        ranks[gk] = rank_of
-                        g.objective = Objective(o["s"], float(o["p"]), o["t"], o["o"], o["e"])
-                        g.objective_time = float(o["at"])
-                for cls, n in (_cell(got, "classes", r) or {}).items():
-                    g.classes[str(cls)] = g.classes.get(str(cls), 0) + int(n)
-                sources = _cell(got, "sources", r)
-                if sources is not None:
-                    g.prefill_sources.update(str(v) for v in sources)
-                g.priced += int(_cell(got, "priced", r))
-                g.cost += float(_cell(got, "cost_sum", r))
-                # The part's slowest ok streams of the group, with their trace ids (merged with the parts before).
-                top = _cell(got, "slowest", r)
-                if top is not None:
-                    g.slowest.extend((float(v["t"]), str(v["id"])) for v in top)
-                self._keep(gk, {name: _cell(got, name, r) for name in lists}, kept, self._ok)
-            del got
+                    g = groups[gk] = Group(*gk, 0, 0, 0, part.first, part.last)
+                g.requests += part.requests
+                g.errors += part.errors
+                g.met += part.met
+                g.first, g.last = min(g.first, part.first), max(g.last, part.last)
+                g.input_tokens += part.input_tokens
+                g.cached_tokens += part.cached_tokens
+                if gk in f.ranks and (gk not in ranks or f.ranks[gk] > ranks[gk]):
+                    ranks[gk] = f.ranks[gk]
+                    g.objective, g.objective_time = part.objective, part.objective_time
+                for cls, n in part.classes.items():
+                    g.classes[cls] = g.classes.get(cls, 0) + n
+                g.prefill_sources |= part.prefill_sources
+                g.priced += part.priced
+                g.cost += part.cost
+                g.slowest.extend(part.slowest)
+            for k, chunks in f.kept.items():
+                kept.setdefault(k, []).extend(chunks)
+            for gk, values in f.ok.items():
+                self._ok.setdefault(gk, []).extend(values)
+        facts.clear()
         for g in groups.values():
             g.slowest = slowest([g.slowest])
-        self._counts = counts
         for (gk, attr), chunks in kept.items():
             joined = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
             chunks.clear()
             joined.sort()
             setattr(groups[gk], attr, array("d", joined.tobytes()))
             del joined
-        self._ok_of = (where, by, {gk: gk for gk in groups})
-        skipped = {k: counts.get(k, 0) for k in ("truncated", "foreign", "other_schema")}
-        records = counts.get("record", 0) + counts.get("out", 0)
-        return Scan(list(groups.values()), self.describe(), records, len(self.files), skipped)
+        return groups, counts
 
     @staticmethod
     def _keep(

@@ -7,6 +7,12 @@ being written. A path that does not exist and holds ``*``, ``?`` or ``[`` is a g
 directories). Of one file stem, one copy is read: ``X.parquet`` over ``X.jsonl.gz`` over ``X.jsonl``
 (a closed file is compressed to ``.gz`` and the ``.jsonl`` removed after; a reader between the two
 steps sees both).
+
+Reading never stops at a damaged file (issue 44): a file that cannot be opened, an empty or foreign one, compressed
+data cut short or corrupt, a line that is not UTF-8, longer than ``MAX_LINE`` or not a record are passed over and
+counted by cause with the file they were in (``llmtap.store.skips``), the rows before a damage read. What names a
+record is its ``trace_id`` and ``span_id`` (``identity``): a journal replays records at least once, so a reader
+counts each identity once, the first copy read.
 """
 
 from __future__ import annotations
@@ -14,31 +20,38 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import os
 import re
+import stat
 import zlib
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from llmtap.store.skips import MAX_LINE, Skips
+
 __all__ = [
     "SCHEMA_KEY",
     "SCHEMA_VERSIONS",
-    "SKIPPED",
+    "Listing",
     "NoRecords",
     "ReadStats",
+    "file_lines",
+    "find",
+    "identity",
+    "inspect",
     "read_file",
     "read_records",
     "record_files",
     "record_files_at",
+    "settle",
 ]
 
 #: The key that marks a line as a request record; its value is the schema version.
 SCHEMA_KEY = "llmtap_record"
 #: The record schema versions this reader understands (``docs/record.schema.json`` describes the newest).
 SCHEMA_VERSIONS = (1, 2)
-#: Why a line was not read as a record: cut short, not a record, or a schema version this reader does not know.
-SKIPPED = ("truncated", "foreign", "other_schema")
 _OWN_PREFIX = b'{"' + SCHEMA_KEY.encode() + b'":'
 
 _ROTATED = re.compile(r".+\.(\d+)")
@@ -82,23 +95,59 @@ def _stem(path: Path) -> tuple[Path, int] | None:
     return None
 
 
-def record_files(paths: Iterable[str | Path]) -> list[Path]:
-    """Every record file the paths name, each once; ``NoRecords`` when there is none."""
+@dataclass(slots=True)
+class Listing:
+    """The record files some paths name, and what is named like one but is no regular file (a directory, a pipe,
+    a broken link), with what it is."""
+
+    files: list[Path]
+    odd: dict[str, str] = field(default_factory=dict)
+
+
+def _odd(path: Path) -> str:
+    """What a path named like a record file is, when it is not a regular file."""
+    if path.is_dir():
+        return "a directory"
+    if path.is_symlink() and not path.exists():
+        return "a broken link"
+    return "not a regular file"
+
+
+def _walk(root: Path, odd: dict[str, str]) -> list[Path]:
+    out = []
+    for p in sorted(root.rglob("*")):
+        if not _is_record_file(p):
+            continue
+        if p.is_file():
+            out.append(p)
+        else:
+            odd[str(p)] = _odd(p)
+    return out
+
+
+def find(paths: Iterable[str | Path]) -> Listing:
+    """Every record file the paths name, each once, and the odd entries named like one; ``NoRecords`` when
+    there is neither."""
     found: list[Path] = []
+    odd: dict[str, str] = {}
     given = [str(p) for p in paths]
     for text in given:
         path = Path(text)
         if path.is_dir():
-            found += sorted(p for p in path.rglob("*") if p.is_file() and _is_record_file(p))
-        elif path.exists():
+            found += _walk(path, odd)
+        elif path.exists() or path.is_symlink():
             found += _rotated(path)
+            if not path.is_file():
+                odd[str(path)] = _odd(path)
         elif _GLOB.search(text):
             for hit in sorted(glob.glob(text, recursive=True)):
                 p = Path(hit)
                 if p.is_dir():
-                    found += sorted(q for q in p.rglob("*") if q.is_file() and _is_record_file(q))
+                    found += _walk(p, odd)
                 elif p.is_file():
                     found.append(p)
+                else:
+                    odd[str(p)] = _odd(p)
         else:
             found += _rotated(path)  # rotated siblings of a file being rotated right now
     unique = list(dict.fromkeys(p.resolve() for p in found))
@@ -108,10 +157,20 @@ def record_files(paths: Iterable[str | Path]) -> list[Path]:
         if stem is not None and (stem[0] not in best or stem[1] < best[stem[0]][0]):
             best[stem[0]] = (stem[1], p)
     out = [p for p in unique if (stem := _stem(p)) is None or best[stem[0]][1] == p]
-    if not out:
+    if not out and not odd:
         where = ", ".join(repr(t) for t in given) or "(no path)"
         raise NoRecords(f"no record file at {where}")
-    return out
+    return Listing(out, odd)
+
+
+def record_files(paths: Iterable[str | Path]) -> list[Path]:
+    """Every record file the paths name, each once; ``NoRecords`` when there is none."""
+    given = [str(p) for p in paths]
+    files = find(given).files
+    if not files:
+        where = ", ".join(repr(t) for t in given) or "(no path)"
+        raise NoRecords(f"no record file at {where}")
+    return files
 
 
 def record_files_at(path: str | Path) -> list[Path]:
@@ -123,55 +182,240 @@ def record_files_at(path: str | Path) -> list[Path]:
         return []
 
 
-def _open(path: Path) -> IO[bytes]:
-    if path.name.endswith(".gz"):
-        return gzip.GzipFile(path, "rb")  # type: ignore[return-value]  # a binary file object
-    return path.open("rb")
+#: Bytes read (and, compressed, decompressed) at a time.
+CHUNK = 256 * 1024
+_GZIP_MAGIC = b"\x1f\x8b"
+_PARQUET_MAGIC = b"PAR1"
 
 
-def readable(obj: Any, skipped: MutableMapping[str, int]) -> bool:
-    """Whether a parsed line is a record of a known schema version; if not, counted in ``skipped``."""
+def inspect(file: Path) -> tuple[str, str] | None:
+    """Why ``file`` cannot be read at all, before reading it, as (cause, what): ``unreadable`` (it cannot be
+    opened, or is no regular file) or ``damaged`` (empty, or not the format its name says; a Parquet file cut
+    short); None when it may be read. Cheap: a stat, an open, and the first and last bytes."""
+    try:
+        with file.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return "unreadable", "not a regular file"
+            head = f.read(4)
+            tail = b""
+            if file.name.endswith(".parquet") and size >= 8:
+                f.seek(size - 4)
+                tail = f.read(4)
+    except FileNotFoundError:
+        return "unreadable", "removed before it was read"
+    except PermissionError:
+        return "unreadable", "permission denied"
+    except IsADirectoryError:
+        return "unreadable", "a directory"
+    except OSError as exc:
+        return "unreadable", exc.strerror or str(exc)
+    if size == 0 and file.name.endswith((".gz", ".parquet")):
+        return "damaged", "empty"
+    if file.name.endswith(".gz") and head[:2] != _GZIP_MAGIC:
+        return "damaged", "not gzip"
+    if file.name.endswith(".parquet"):
+        if head != _PARQUET_MAGIC:
+            return "damaged", "not Parquet"
+        if size < 12 or tail != _PARQUET_MAGIC:
+            return "damaged", "Parquet cut short"
+    return None
+
+
+def _header_end(buf: bytes) -> int | None:
+    """Where the header of the gzip member at the start of ``buf`` ends; None while ``buf`` holds only part of it;
+    ``zlib.error`` when it is no gzip header (RFC 1952, 2.3)."""
+    if buf[:2] != _GZIP_MAGIC[: len(buf[:2])] or (len(buf) > 2 and buf[2] != 8):
+        raise zlib.error("data after the end of the compressed stream" if buf else "not gzip")
+    if len(buf) < 10:
+        return None
+    flags, pos = buf[3], 10
+    if flags & 4:  # FEXTRA
+        if len(buf) < pos + 2:
+            return None
+        pos += 2 + int.from_bytes(buf[pos : pos + 2], "little")
+    for bit in (8, 16):  # FNAME, FCOMMENT: zero-terminated
+        if flags & bit:
+            end = buf.find(b"\0", pos)
+            if end < 0:
+                return None
+            pos = end + 1
+    if flags & 2:  # FHCRC
+        pos += 2
+    return pos if pos <= len(buf) else None
+
+
+class _Buffer:
+    """Compressed bytes read ahead of the decompressor."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.data, self.eof = f, b"", False
+
+    def more(self) -> None:
+        piece = self.f.read(CHUNK)
+        self.eof = not piece
+        self.data += piece
+
+
+def _gunzip(f: IO[bytes]) -> Iterator[bytes]:
+    """The decompressed bytes of a gzip stream (one member or several), in pieces of at most ``CHUNK``;
+    ``EOFError`` (cut short) or ``zlib.error`` (corrupt) after the last piece that could be decompressed.
+
+    The members' checksums are not checked, as the engine does not check them: a damaged byte shows as a line that
+    is not a record, the same whichever source reads the file."""
+    buf = _Buffer(f)
+    buf.more()
+    while buf.data:
+        while (start := _header_end(buf.data)) is None:
+            if buf.eof:
+                raise EOFError("compressed data cut short")
+            buf.more()
+        d = zlib.decompressobj(-zlib.MAX_WBITS)
+        buf.data = buf.data[start:]
+        while not d.eof:
+            if not buf.data and not d.unconsumed_tail:
+                buf.more()
+                if buf.eof:
+                    raise EOFError("compressed data cut short")
+            data, buf.data = (d.unconsumed_tail, buf.data) if d.unconsumed_tail else (buf.data, b"")
+            out = d.decompress(data, CHUNK)
+            if out:
+                yield out
+        buf.data = d.unused_data + buf.data
+        while len(buf.data) < 8 and not buf.eof:  # the member's CRC-32 and size
+            buf.more()
+        if len(buf.data) < 8:
+            raise EOFError("compressed data cut short")
+        buf.data = buf.data[8:]
+        if not buf.data:
+            buf.more()
+
+
+def _pieces(file: Path) -> Iterator[bytes]:
+    with file.open("rb") as f:
+        if file.name.endswith(".gz"):
+            yield from _gunzip(f)
+            return
+        while piece := f.read(CHUNK):
+            yield piece
+
+
+def _damage(exc: BaseException) -> str:
+    """What an error while reading a file says of it."""
+    if isinstance(exc, EOFError):
+        return "compressed data cut short"
+    if isinstance(exc, zlib.error):
+        return f"compressed data corrupt: {exc}"
+    if isinstance(exc, PermissionError):
+        return "permission denied"
+    return getattr(exc, "strerror", None) or str(exc)
+
+
+def _blank(line: bytes) -> bool:
+    # As the engine reads a line: a short one of spaces, tabs and carriage returns is no line at all.
+    return len(line) < 64 and not line.strip(b" \t\r")
+
+
+def file_lines(file: Path, skips: Skips) -> Iterator[bytes]:
+    """The lines of a JSON-lines file (plain or gzip), each without its newline; blank lines left out; a line of
+    ``MAX_LINE`` bytes or more counted (``too_long``) and passed over without being held. A file that cannot be
+    read to its end is counted (``damaged`` for compressed data cut short or corrupt, else ``unreadable``) after
+    the lines before the damage, the last of them as far as it got."""
+    name = str(file)
+    tail = b""  # the line being gathered
+    dropping = False  # the line being gathered passed MAX_LINE: counted, and dropped up to its newline
+    try:
+        for piece in _pieces(file):
+            parts = piece.split(b"\n")
+            last = parts.pop()
+            if parts:
+                if dropping:
+                    dropping = False
+                    del parts[0]
+                else:
+                    parts[0] = tail + parts[0]
+                for line in parts:
+                    if len(line) >= MAX_LINE:
+                        skips.add("too_long", name)
+                    elif not _blank(line):
+                        yield line
+                tail = b""
+            if not dropping:
+                tail += last
+                if len(tail) >= MAX_LINE:
+                    skips.add("too_long", name)
+                    dropping, tail = True, b""
+    except FileNotFoundError:
+        skips.add("unreadable", name, why="removed while it was read")
+    except (OSError, EOFError, zlib.error) as exc:
+        cause = "damaged" if isinstance(exc, EOFError | zlib.error | gzip.BadGzipFile) else "unreadable"
+        skips.add(cause, name, why=_damage(exc))
+    if tail and not _blank(tail):
+        yield tail
+
+
+def _is_own(raw: bytes) -> bool:
+    """A line llmtap began to write: it starts with the record key, or is cut short within it."""
+    return raw.startswith(_OWN_PREFIX) or _OWN_PREFIX.startswith(raw.rstrip(b"\r"))
+
+
+def readable(obj: Any, skips: Skips, file: str | None = None) -> bool:
+    """Whether a parsed line is a record of a known schema version; if not, counted in ``skips``."""
     if not isinstance(obj, dict) or SCHEMA_KEY not in obj:
-        skipped["foreign"] += 1
+        skips.add("foreign", file)
         return False
     version = obj[SCHEMA_KEY]
     if isinstance(version, bool) or not isinstance(version, int) or version not in SCHEMA_VERSIONS:
-        skipped["other_schema"] += 1
+        skips.add("other_schema", file)
         return False
     return True
 
 
-def read_file(file: Path, skipped: MutableMapping[str, int]) -> Iterator[dict[str, Any]]:
-    """The records of one file (JSON lines, plain or gzip; Parquet through ``pyarrow``); other lines counted in
-    ``skipped`` by reason (``SKIPPED``).
+def read_file(file: Path, skips: Skips) -> Iterator[dict[str, Any]]:
+    """The records of one file (JSON lines, plain or gzip; Parquet through ``pyarrow``); whatever is not a record
+    counted in ``skips`` by cause (``llmtap.store.skips.CAUSES``), and never a reason to stop.
 
-    A line cut short (the proxy was killed, or is writing it now) is ``truncated``: the last line without its
-    newline, or one of ours that does not parse. None of them stops the reading.
+    A line that does not parse is ``truncated`` when it is one of ours (it starts with the record key, or is
+    cut short within it: the proxy was killed, or is writing it now), else ``foreign``.
     """
     if file.name.endswith(".parquet"):
-        yield from _read_parquet(file, skipped)
+        yield from _read_parquet(file, skips)
         return
-    with _open(file) as f:
-        for raw in f:
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except ValueError:
-                own = not raw.endswith(b"\n") or raw.startswith(_OWN_PREFIX)
-                skipped["truncated" if own else "foreign"] += 1
-                continue
-            if readable(obj, skipped):
-                yield obj
+    name = str(file)
+    for raw in file_lines(file, skips):
+        obj = settle(raw, skips, name)
+        if obj is not None:
+            yield obj
 
 
-def _read_parquet(file: Path, skipped: MutableMapping[str, int]) -> Iterator[dict[str, Any]]:
+def settle(raw: bytes, skips: Skips, file: str | None = None) -> dict[str, Any] | None:
+    """One line as a record, or None with the reason counted in ``skips``: not UTF-8, not JSON (``truncated``
+    when it is one of ours, else ``foreign``), not a record, or a record of another schema version."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        skips.add("not_utf8", file)
+        return None
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        skips.add("truncated" if _is_own(raw) else "foreign", file)
+        return None
+    return obj if readable(obj, skips, file) else None
+
+
+def _read_parquet(file: Path, skips: Skips) -> Iterator[dict[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise OSError(f"{file}: reading Parquet needs pyarrow (pip install 'llmtap[parquet]')") from None
-    for obj in pq.read_table(file).to_pylist():
-        if readable(obj, skipped):
+    try:
+        rows = pq.read_table(file).to_pylist()
+    except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
+        skips.add("damaged", str(file), why=f"Parquet unreadable: {str(exc).splitlines()[0][:200]}")
+        return
+    for obj in rows:
+        if readable(obj, skips, str(file)):
             yield _without_absent(obj)
 
 
@@ -189,38 +433,65 @@ def _without_absent(obj: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class ReadStats:
-    """What reading record files found: records read and lines skipped, by reason."""
+    """What reading record files found: the files, the records read, and what was skipped by cause."""
 
     files: list[str] = field(default_factory=list)
     records: int = 0
-    truncated: int = 0
-    foreign: int = 0
-    other_schema: int = 0
+    skips: Skips = field(default_factory=Skips)
+
+    @property
+    def truncated(self) -> int:
+        """Lines cut short."""
+        return self.skips.counts.get("truncated", 0)
+
+    @property
+    def foreign(self) -> int:
+        """Lines that are not records."""
+        return self.skips.counts.get("foreign", 0)
+
+    @property
+    def other_schema(self) -> int:
+        """Records of a schema version this reader does not know."""
+        return self.skips.counts.get("other_schema", 0)
 
     @property
     def skipped(self) -> int:
-        """Lines that were not read as records."""
-        return self.truncated + self.foreign + self.other_schema
+        """Lines, records and files passed over (a record read twice included)."""
+        return self.skips.skipped()
+
+
+def identity(record: dict[str, Any]) -> str | None:
+    """What identifies a record (its ``trace_id`` and ``span_id``), as one key; None when it has not both: each
+    a string neither empty nor all zeros (W3C's invalid id: what a record holds when no span was made)."""
+    trace, span = record.get("trace_id"), record.get("span_id")
+    if isinstance(trace, str) and isinstance(span, str) and trace.strip("0") and span.strip("0"):
+        return f"{len(trace)}:{trace}{span}"
+    return None
 
 
 def read_records(path: str | Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
-    """Every record at ``path``, oldest file first (``read_file``); bad lines counted in ``stats``.
-
-    A file removed between the listing and the read (retention, or its compressed copy replaced it) is passed
-    over; a compressed file cut short, or unreadable, counts as one ``truncated`` line.
-    """
-    for file in record_files_at(path):
+    """Every record at ``path``, oldest file first (``read_file``), each identity once (the first read: a journal
+    replays at least once); what was skipped counted in ``stats``. A file removed between the listing and the
+    read (retention, or its compressed copy replaced it) is named and counted, as is one that cannot be read."""
+    seen: set[str] = set()
+    try:
+        listing = find([path])
+    except NoRecords:
+        return
+    for name, what in listing.odd.items():
+        stats.skips.add("unreadable", name, why=what)
+    for file in listing.files:
         stats.files.append(str(file))
-        skipped = dict.fromkeys(SKIPPED, 0)
-        try:
-            for record in read_file(file, skipped):
-                stats.records += 1
-                yield record
-        except FileNotFoundError:
-            pass
-        except (OSError, EOFError, zlib.error):
-            stats.truncated += 1
-        finally:
-            stats.truncated += skipped["truncated"]
-            stats.foreign += skipped["foreign"]
-            stats.other_schema += skipped["other_schema"]
+        bad = inspect(file)
+        if bad is not None:
+            stats.skips.add(bad[0], str(file), why=bad[1])
+            continue
+        for record in read_file(file, stats.skips):
+            key = identity(record)
+            if key is not None:
+                if key in seen:
+                    stats.skips.add("duplicate", str(file))
+                    continue
+                seen.add(key)
+            stats.records += 1
+            yield record

@@ -3,9 +3,10 @@
 Each line is parsed with ``json``, checked for the record key and a schema version llmtap writes (1 or 2),
 flattened to the columns analysis reads (``llmtap.store.COLUMNS``: a wrong-typed value reads as null) and
 folded into its group at once; only the figures' values are kept, as ``array('d')``, and sorted at the
-end. Lines that are not records are counted as ``llmtap.store.files.read_records`` counts them:
-``truncated`` (the last line without its newline, or one of ours that does not parse), ``foreign``
-and ``other_schema``. Reads ``.jsonl``, ``.jsonl.gz`` and rotated files; Parquet needs the engine.
+end. What is not read is counted as ``llmtap.store.files`` counts it (``llmtap.store.skips.CAUSES``: damaged
+and unreadable files, lines that are not records, records without a time), and a record read again (the same
+``trace_id`` and ``span_id``) counts once. Reads ``.jsonl``, ``.jsonl.gz`` and rotated files; a Parquet file is
+named and passed over (the engine reads it).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from llmtap.store import SLOWEST, VERSION, By, Filter, Group, Objective, Scan, slowest
-from llmtap.store.files import read_file, record_files
+from llmtap.store import SLOWEST, VERSION, By, Filter, Group, Objective, Scan, Skips, slowest
+from llmtap.store.files import find, identity, inspect, read_file
 
 __all__ = ["PythonSource"]
 
@@ -77,10 +78,8 @@ class PythonSource:
 
     def __init__(self, paths: Iterable[str | Path]) -> None:
         self.paths = [str(p) for p in paths]
-        self.files = record_files(self.paths)
-        for f in self.files:
-            if f.name.endswith(".parquet"):
-                raise ValueError(f"{f}: Parquet record files need the engine (duckdb)")
+        listing = find(self.paths)
+        self.files, self.odd = listing.files, listing.odd
 
     def close(self) -> None:
         """Nothing to release: each file is closed as soon as it is read."""
@@ -89,17 +88,37 @@ class PythonSource:
         """The paths as a report names them."""
         return ", ".join(self.paths)
 
-    def records(self, skipped: dict[str, int]) -> Iterator[dict[str, Any]]:
-        """Every record of every file; other lines counted in ``skipped``."""
+    def records(self, skips: Skips) -> Iterator[dict[str, Any]]:
+        """Every record with a time (as ``time_s``) of every file, each identity once (the first read); what was
+        passed over counted in ``skips``."""
+        for name, what in self.odd.items():
+            skips.add("unreadable", name, why=what)
+        seen: set[str] = set()
         for file in self.files:
-            yield from read_file(file, skipped)
-
-    def _rows(self, where: Filter, skipped: dict[str, int], counts: list[int]) -> Iterator[dict[str, Any]]:
-        for rec in self.records(skipped):
-            counts[0] += 1
-            t = time_s(rec.get("time"))
-            if t is None:
+            bad = inspect(file)
+            if bad is None and file.name.endswith(".parquet"):
+                bad = ("unreadable", "Parquet: read by the engine (--engine duckdb)")
+            if bad is not None:
+                skips.add(bad[0], str(file), why=bad[1])
                 continue
+            for rec in read_file(file, skips):
+                t = time_s(rec.get("time"))
+                if t is None:
+                    skips.add("no_time", str(file))
+                    continue
+                key = identity(rec)
+                if key is not None:
+                    if key in seen:
+                        skips.add("duplicate", str(file))
+                        continue
+                    seen.add(key)
+                rec["time_s"] = t
+                yield rec
+
+    def _rows(self, where: Filter, skips: Skips, counts: list[int]) -> Iterator[dict[str, Any]]:
+        for rec in self.records(skips):
+            counts[0] += 1
+            t: float = rec["time_s"]
             if (where.start is not None and t < where.start) or (
                 where.end is not None and (t >= where.end if where.open_end else t > where.end)
             ):
@@ -111,17 +130,16 @@ class PythonSource:
                 or (where.shape is not None and shape != where.shape)
             ):
                 continue
-            rec["time_s"] = t
             yield rec
 
     def scan(self, where: Filter, by: By) -> Scan:
         """One pass: each record folded into its group, the figures sorted at the end."""
-        skipped = {"truncated": 0, "foreign": 0, "other_schema": 0}
+        skips = Skips()
         counts = [0]
         groups: dict[tuple[str | None, str | None, str | None], Group] = {}
         ranks: dict[tuple[str | None, str | None, str | None], tuple[float, tuple[float, float, float, float, str]]]
         ranks = {}
-        for rec in self._rows(where, skipped, counts):
+        for rec in self._rows(where, skips, counts):
             t: float = rec["time_s"]
             if by == VERSION:
                 key = _str(rec.get("prompt_version"))
@@ -176,14 +194,14 @@ class PythonSource:
             for name in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e"):
                 setattr(g, name, array("d", sorted(getattr(g, name))))
             g.slowest = slowest([g.slowest])
-        return Scan(list(groups.values()), self.describe(), counts[0], len(self.files), skipped)
+        return Scan(list(groups.values()), self.describe(), counts[0], len(self.files), skips)
 
     def count_met(
         self, where: Filter, by: By, limits: dict[tuple[str, str], dict[str, float]]
     ) -> dict[tuple[str | None, str, str], int]:
         """Ok records within every limit of their route and shape (a null tpot as 0, another null as missed)."""
         out: dict[tuple[str | None, str, str], int] = {}
-        for rec in self._rows(where, {"truncated": 0, "foreign": 0, "other_schema": 0}, [0]):
+        for rec in self._rows(where, Skips(), [0]):
             route, shape = _str(rec.get("route")), _str(rec.get("shape"))
             if route is None or shape is None or (route, shape) not in limits or rec.get("outcome") != "ok":
                 continue

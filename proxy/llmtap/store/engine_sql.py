@@ -1,0 +1,293 @@
+"""The embedded engine's SQL: how DuckDB reads record files into the flat columns, and groups them.
+
+A JSON-lines file is read as raw lines (``read_csv`` with a delimiter no line holds), each validated and its
+fields extracted by path with an explicit type check (a wrong-typed value reads as null, as in
+``llmtap.store.python``); a line that is not a record keeps its kind (``truncated``, ``foreign``,
+``other_schema``) for the counts, and what ``read_csv`` refuses (not UTF-8, too long, a stray delimiter) is kept
+in its rejects table (``store_rejects``). A Parquet file is read by its columns: the record's nested structure,
+or the flat columns themselves; only the columns analysis reads. A record's ``time`` in the form llmtap writes it
+(``...+00:00``) is cast at once; another form is trimmed and its ``Z`` read as UTC first (that took a third of the
+read). Every read also gives each row its file (``fi``, its index in the part) and, when asked, its position in
+the part (``pos``: where the engine counts a record read twice once, the first copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from llmtap.store import COLUMNS, SLOWEST
+from llmtap.store.files import SCHEMA_KEY
+from llmtap.store.skips import MAX_LINE
+
+__all__ = ["MACROS", "grouping", "json_read", "locate", "parquet_read", "q"]
+
+_SCHEMA_PREFIX = '{"' + SCHEMA_KEY + '":'
+#: The JSON paths extracted from a line, in order; their index in SQL is one more.
+_PATHS = (
+    "$.llmtap_record",
+    "$.time",
+    "$.route",
+    "$.model",
+    "$.shape",
+    "$.prompt_version",
+    "$.outcome",
+    "$.stream",
+    "$.slo",
+    "$.ttft",
+    "$.tpot",
+    "$.e2e",
+    "$.prefill",
+    "$.prefill_source",
+    "$.tokens.input",
+    "$.tokens.cache_read",
+    "$.cache.class",
+    "$.objective.shape",
+    "$.objective.percentile",
+    "$.objective.ttft",
+    "$.objective.tpot",
+    "$.objective.e2e",
+    "$.trace_id",  # the slowest requests' names (Group.slowest), and with span_id a record's identity
+    "$.cost.amount",
+    "$.span_id",
+)
+#: A value's JSON type read from its first character (the extracted text is minimal JSON): cheaper than
+#: parsing it again, and exactly Python's view (a string is never a number, a boolean never a number).
+MACROS = """
+CREATE OR REPLACE TEMP MACRO j_num(x) AS
+  CASE WHEN regexp_full_match(x::VARCHAR, '-?[0-9][0-9.eE+-]*') AND isfinite(TRY_CAST(x::VARCHAR AS DOUBLE))
+       THEN TRY_CAST(x::VARCHAR AS DOUBLE) END;
+CREATE OR REPLACE TEMP MACRO j_int(x) AS
+  CASE WHEN regexp_full_match(x::VARCHAR, '-?[0-9]+') THEN TRY_CAST(x::VARCHAR AS BIGINT) END;
+CREATE OR REPLACE TEMP MACRO j_str(x) AS CASE WHEN starts_with(x::VARCHAR, '"') THEN x ->> '$' END;
+CREATE OR REPLACE TEMP MACRO j_true(x) AS coalesce(x::VARCHAR = 'true', false);
+CREATE OR REPLACE TEMP MACRO t_epoch(s) AS
+  epoch_us(CASE WHEN ends_with(s, '+00:00') AND NOT contains(s, 'Z') AND s[1] BETWEEN '0' AND '9'
+                THEN TRY_CAST(s AS TIMESTAMPTZ)
+                ELSE TRY_CAST(replace(trim(s, ' \t\n\r'), 'Z', '+00:00') AS TIMESTAMPTZ) END) / 1e6;
+CREATE OR REPLACE TEMP MACRO own_line(s) AS starts_with(s, __OWN__) OR starts_with(__OWN__, rtrim(s, chr(13)));
+""".replace("__OWN__", "'" + _SCHEMA_PREFIX + "'")
+#: The flat columns analysis reads, with a line's extracted values ``j`` (1-based, as ``_PATHS``).
+_JSON_COLUMNS = {
+    "time_s": "t_epoch(j_str(j[2]))",
+    "route": "j_str(j[3])",
+    "model": "j_str(j[4])",
+    "shape": "j_str(j[5])",
+    "prompt_version": "j_str(j[6])",
+    "outcome": "j_str(j[7])",
+    "stream": "j_true(j[8])",
+    "slo": "j_str(j[9])",
+    "ttft": "j_num(j[10])",
+    "tpot": "j_num(j[11])",
+    "e2e": "j_num(j[12])",
+    "prefill": "j_num(j[13])",
+    "prefill_source": "j_str(j[14])",
+    "input_tokens": "j_int(j[15])",
+    "cache_read_tokens": "j_int(j[16])",
+    "cache_class": "j_str(j[17])",
+    "obj_shape": "j_str(j[18])",
+    "obj_percentile": "j_num(j[19])",
+    "obj_ttft": "j_num(j[20])",
+    "obj_tpot": "j_num(j[21])",
+    "obj_e2e": "j_num(j[22])",
+    "trace_id": "j_str(j[23])",
+    "cost": "j_num(j[24])",
+    "span_id": "j_str(j[25])",
+}
+_KINDS = {"float": "DOUBLE", "str": "VARCHAR", "int": "BIGINT", "bool": "BOOLEAN"}
+#: Where each flat column sits in a Parquet file of nested records (a flat one names them as COLUMNS).
+_NESTED = {
+    "time_s": ("time",),
+    "input_tokens": ("tokens", "input"),
+    "cache_read_tokens": ("tokens", "cache_read"),
+    "cache_class": ("cache", "class"),
+    "obj_shape": ("objective", "shape"),
+    "obj_percentile": ("objective", "percentile"),
+    "obj_ttft": ("objective", "ttft"),
+    "obj_tpot": ("objective", "tpot"),
+    "obj_e2e": ("objective", "e2e"),
+    "cost": ("cost", "amount"),
+}
+_NUMERIC = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT")
+_FLOATS = ("FLOAT", "DOUBLE", "DECIMAL")
+_OBJ_VALID = "obj_percentile > 0 AND obj_percentile < 1 AND coalesce(obj_ttft, obj_tpot, obj_e2e) IS NOT NULL"
+#: A record with both ids (neither empty nor all zeros, W3C's invalid id): what can be read twice, counted once.
+_HAS_IDS = "trim(coalesce(trace_id, ''), '0') <> '' AND trim(coalesce(span_id, ''), '0') <> ''"
+
+
+def q(text: str) -> str:
+    """A SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _listed(files: list[Path]) -> str:
+    return "[" + ", ".join(q(str(f)) for f in files) + "]"
+
+
+def json_read(files: list[Path], *, positions: bool = False) -> str:
+    """The rows of JSON-lines files: each line's kind, file (``fi``), [position,] and flat columns."""
+    paths = "[" + ", ".join(q(p) for p in _PATHS) + "]"
+    columns = ",\n  ".join(f"{expr} AS {name}" for name, expr in _JSON_COLUMNS.items())
+    pos = ", row_number() OVER () AS pos" if positions else ""
+    return f"""
+SELECT kind, fi{", pos" if positions else ""},
+  {columns}
+FROM (
+  SELECT j, fi{", pos" if positions else ""}, CASE
+      WHEN j IS NULL THEN CASE WHEN own_line(line) THEN 'truncated' ELSE 'foreign' END
+      WHEN j[1] IS NULL THEN 'foreign'
+      WHEN j[1]::VARCHAR IN ('1', '2') THEN 'record'
+      ELSE 'other_schema' END AS kind
+  FROM (
+    -- try(): a line that is not JSON reads as NULL (cheaper than validating every line first)
+    SELECT line, try(json_extract(line, {paths})) AS j, fi{", pos" if positions else ""}
+    FROM (
+      SELECT line, file_index AS fi{pos}
+      FROM read_csv({_listed(files)}, columns = {{'line': 'VARCHAR'}}, delim = '\x01', quote = '', escape = '',
+                    header = false, auto_detect = false, ignore_errors = true, store_rejects = true,
+                    max_line_size = {MAX_LINE}, filename = false)
+    )
+    -- a blank line is no line (a long one is never blank: trim only the short)
+    WHERE line IS NOT NULL AND CASE WHEN length(line) < 64 THEN trim(line, ' \t\r') <> '' ELSE true END
+  )
+)"""
+
+
+def _column(schema: dict[str, str], name: str, kind: str) -> str:
+    """How a flat column reads from a Parquet file of ``schema`` (a missing or wrong-typed column as null)."""
+    sql_type = _KINDS[kind]
+    # A flat file names the column itself; a nested one may hold a struct of that name (``cost``).
+    flat = name in schema and not schema[name].startswith("STRUCT(")
+    path = (name,) if flat else _NESTED.get(name, (name,))
+    top = schema.get(path[0])
+    if top is None:
+        return f"NULL::{sql_type}"
+    have, expr = top, _ident(path[0])
+    for part in path[1:]:
+        if not have.startswith("STRUCT("):
+            return f"NULL::{sql_type}"
+        fields = _struct_fields(have)
+        if part not in fields:
+            return f"NULL::{sql_type}"
+        have, expr = fields[part], f"{expr}.{_ident(part)}"
+    base = have.split("(")[0]
+    if name == "time_s":
+        if base == "VARCHAR":
+            return f"t_epoch({expr})"
+        if base.startswith("TIMESTAMP"):
+            return f"epoch_us({expr}) / 1e6"
+        return f"TRY_CAST({expr} AS DOUBLE)" if base in _NUMERIC + _FLOATS else "NULL::DOUBLE"
+    if kind == "str":
+        return expr if base == "VARCHAR" else "NULL::VARCHAR"
+    if kind == "bool":
+        return f"coalesce({expr}, false)" if base == "BOOLEAN" else "false"
+    if kind == "int":
+        return f"TRY_CAST({expr} AS BIGINT)" if base in _NUMERIC else "NULL::BIGINT"
+    if base in _NUMERIC + _FLOATS:
+        return f"CASE WHEN isfinite({expr}::DOUBLE) THEN {expr}::DOUBLE END"
+    return "NULL::DOUBLE"
+
+
+def parquet_read(
+    files: list[Path], describe: Callable[[str], dict[str, str]], *, union: bool, positions: bool = False
+) -> str:
+    """The rows of Parquet files (``describe`` gives the columns of a ``FROM`` clause): kind, file, [position,]
+    flat columns. Files without a record's time (``time`` or ``time_s``) and record key hold no records: their
+    rows are of kind ``wrong_schema``."""
+    source = f"read_parquet({_listed(files)}, union_by_name = {str(union).lower()}, file_row_number = true)"
+    schema = describe(source)
+    if SCHEMA_KEY in schema:
+        kind = f"CASE WHEN {SCHEMA_KEY} IN (1, 2) THEN 'record' ELSE 'other_schema' END"
+    elif "time" in schema or "time_s" in schema:
+        kind = "'record'"
+    else:
+        kind = "'wrong_schema'"
+    columns = ",\n  ".join(f"{_column(schema, name, COLUMNS[name])} AS {name}" for name in _JSON_COLUMNS)
+    # A position that orders the part's rows as the files hold them, without a window.
+    pos = ", (file_index::BIGINT << 40) + file_row_number AS pos" if positions else ""
+    return f"SELECT {kind} AS kind, file_index AS fi{pos},\n  {columns}\nFROM {source}"
+
+
+def _struct_fields(type_text: str) -> dict[str, str]:
+    """The fields of a ``STRUCT(a BIGINT, b VARCHAR)`` type as DuckDB prints it (one level)."""
+    inner = type_text[len("STRUCT(") : -1]
+    out: dict[str, str] = {}
+    depth, start = 0, 0
+    for i, ch in enumerate(inner + ","):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            part = inner[start:i].strip()
+            start = i + 1
+            if not part:
+                continue
+            if part.startswith('"'):
+                end = part.index('"', 1)
+                name, kind = part[1:end], part[end + 1 :].strip()
+            else:
+                name, _, kind = part.partition(" ")
+            out[name] = kind.strip()
+    return out
+
+
+#: Each group's records as lists (a null figure as NaN: no figure is NaN), split by numpy after.
+LISTS = {
+    "flags": "list(coalesce(outcome = 'ok', false)::UTINYINT * 2 + coalesce(stream, false)::UTINYINT)",
+    **{name: f"list(coalesce({name}, 'nan'::DOUBLE))" for name in ("ttft", "tpot", "e2e", "prefill")},
+}
+
+
+def grouping(key: str, cond: str, *, dedupe: bool = False) -> str:
+    """The statement that groups one part's rows (``__READ__`` is its read): the records that pass ``cond`` by
+    side ``key``, route and shape, with their figures as lists and the hashes of their identities (``ids``, the
+    records outside ``cond`` too); every other row by its kind and file. With ``dedupe``, the rows whose position
+    is in the temporary table ``llmtap_drop`` are of kind ``duplicate``."""
+    ok_stream = "outcome = 'ok' AND stream AND ttft IS NOT NULL"
+    rank = (
+        "(time_s, obj_percentile, coalesce(obj_ttft, -1), coalesce(obj_tpot, -1), coalesce(obj_e2e, -1),"
+        " coalesce(obj_shape, ''))"
+    )
+    on_record = ", ".join(f"CASE WHEN kind = 'record' THEN {c} END AS {c}" for c in ("key", "route", "shape"))
+    dropped = "WHEN pos IN (SELECT pos FROM llmtap_drop) THEN 'duplicate'" if dedupe else ""
+    return f"""
+SELECT kind, key, route, shape, fi,
+  count(*) AS n, count(*) FILTER (outcome IS DISTINCT FROM 'ok') AS errors, count(*) FILTER (slo = 'met') AS met,
+  min(time_s) AS first, max(time_s) AS last,
+  coalesce(sum(input_tokens) FILTER (outcome = 'ok' AND input_tokens IS NOT NULL), 0) AS input_tokens,
+  coalesce(sum(coalesce(cache_read_tokens, 0)) FILTER (outcome = 'ok' AND input_tokens IS NOT NULL), 0) AS cached,
+  arg_max({{'s': obj_shape, 'p': obj_percentile, 't': obj_ttft, 'o': obj_tpot, 'e': obj_e2e, 'at': time_s}},
+          {rank}) FILTER ({_OBJ_VALID}) AS objective,
+  histogram(cache_class) FILTER (cache_class IS NOT NULL) AS classes,
+  list(DISTINCT coalesce(prefill_source, 'unknown')) FILTER ({ok_stream} AND prefill IS NOT NULL) AS sources,
+  count(cost) AS priced, coalesce(sum(cost), 0) AS cost_sum,
+  min_by({{'t': ttft, 'id': coalesce(trace_id, '')}}, {{'a': -ttft, 'b': coalesce(trace_id, '')}}, {SLOWEST})
+    FILTER (kind = 'record' AND {ok_stream}) AS slowest,
+  list(hash(trace_id, span_id)) FILTER (kind IN ('record', 'out') AND {_HAS_IDS}) AS ids,
+  {", ".join(f"{expr} FILTER (kind = 'record') AS {name}" for name, expr in LISTS.items())}
+FROM (
+  SELECT * EXCLUDE (kind, key, route, shape, fi), {on_record}, kind,
+    CASE WHEN kind NOT IN ('record', 'out') THEN fi END AS fi
+  FROM (
+    SELECT * EXCLUDE (kind), {key} AS key,
+      CASE WHEN kind <> 'record' THEN kind WHEN time_s IS NULL THEN 'no_time' {dropped}
+           WHEN {cond} THEN 'record' ELSE 'out' END AS kind
+    FROM (__READ__)
+  )
+)
+GROUP BY ALL"""
+
+
+def locate(read: str) -> str:
+    """The records of a read (with positions) whose identity's hash is in the temporary table ``llmtap_dups``:
+    their position and ids, in the order read."""
+    return f"""
+SELECT pos, trace_id, span_id FROM ({read})
+WHERE kind = 'record' AND time_s IS NOT NULL AND {_HAS_IDS}
+  AND hash(trace_id, span_id) IN (SELECT h FROM llmtap_dups)
+ORDER BY pos"""
