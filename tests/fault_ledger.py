@@ -181,10 +181,12 @@ class Records:
 
 
 def read_folder(folder: Path) -> Records:
-    """The records in a record folder, through llmtap's reader."""
+    """The records in a record folder, through llmtap's reader (which counts a record read twice once, as a skipped
+    ``duplicate``: a copy all the same)."""
     out = Records()
     for record in read_records(folder, out.stats):
         out.add(record.get("trace_id"), record.get("span_id"))
+    out.copies += out.stats.skips.counts.get("duplicate", 0)
     return out
 
 
