@@ -90,6 +90,9 @@ class Load:
         self._issued = 0
         self._started = 0.0
         self._stopped = threading.Event()
+        self._going = threading.Event()
+        self._going.set()
+        self._paused_at: float | None = None
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(concurrency)]
 
@@ -100,7 +103,10 @@ class Load:
         return self
 
     def _take(self) -> bool:
-        """Whether another request may go now (waits for its turn under ``rate``)."""
+        """Whether another request may go now (waits while paused, and for its turn under ``rate``)."""
+        while not self._going.wait(0.05):
+            if self._stopped.is_set():
+                return False
         with self._lock:
             if self._stopped.is_set() or self._issued >= self.total:
                 return False
@@ -131,9 +137,24 @@ class Load:
     def running(self) -> bool:
         return any(t.is_alive() for t in self._threads)
 
+    def pause(self) -> None:
+        """Begin no more requests until ``resume`` (those in flight end as they end)."""
+        with self._lock:
+            self._paused_at = time.monotonic()
+            self._going.clear()
+
+    def resume(self) -> None:
+        """Go on where ``pause`` stopped; a ``rate`` counts from now, as if the pause had not been."""
+        with self._lock:
+            if self._paused_at is not None:
+                self._started += time.monotonic() - self._paused_at
+                self._paused_at = None
+            self._going.set()
+
     def stop(self) -> None:
         """Begin no more requests (those in flight end as they end)."""
         self._stopped.set()
+        self._going.set()
 
     def join(self, timeout: float) -> list[Outcome]:
         """Wait (up to ``timeout`` s) until every thread ended; every outcome."""
