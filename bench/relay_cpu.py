@@ -18,8 +18,11 @@ Python can be (``bench.thin_relay``) in turn with the trees: what a chunk costs 
 this moment (the wake-up, the read, the write, the loopback), so llmtap's own share is the difference.
 ``--gather MS`` (repeatable) runs each tree once per value of ``telemetry_gather``, in turn: the relay gathering its
 tapes for that long against not at all (0), side by side. ``--env LABEL:KEY=VALUE[,KEY=VALUE...]`` (repeatable)
-does the same for any of llmtap's settings (its ``LLMTAP_*`` variables): e.g. the records' journal on against off.
-``--record`` has llmtap write its request records (a fresh folder each run), which a journal sits in front of.
+does the same for any of llmtap's settings (its ``LLMTAP_*`` variables): e.g. the record journal on against off
+(``--env on:LLMTAP_RECORD_JOURNAL_MB=256 --env off:LLMTAP_RECORD_JOURNAL=off --record``).
+
+``--record`` has each tree write request records (``--record`` into a folder of its own, emptied before each run):
+a tree with the record journal (issue 44) then journals every tape it reads, so its cost shows beside a tree without.
 
 ``--capture FILE`` (one tree, one round) keeps every byte the telemetry process reads from the relay in FILE, as it
 reads it (``CAPTURE_SHIM``), for ``python -m bench.telemetry --tapes FILE`` to play the same tapes again: what the
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -113,6 +117,13 @@ if _path:
 FLOOR = "floor"
 
 
+def _records(work: Path) -> Path:
+    """The records' folder of a run, empty (the last run's journal would be replayed into this one's figures)."""
+    folder = work / "records"
+    shutil.rmtree(folder, ignore_errors=True)
+    return folder
+
+
 @dataclass(frozen=True)
 class Variant:
     """Settings a tree runs with besides the benchmark's own: a label, llmtap's environment, and the
@@ -151,7 +162,6 @@ def start(
         (work / "capture-shim").mkdir(exist_ok=True)
         (work / "capture-shim" / "sitecustomize.py").write_text(CAPTURE_SHIM)
         shim.append(str(work / "capture-shim"))
-    records = {"LLMTAP_RECORD": tempfile.mkdtemp(prefix="records-", dir=work)} if args.record else {}
     here = Path.cwd()
     # ``python -m llmtap`` looks in its working directory first: the tree's own, so its package is what runs.
     os.chdir(tree)
@@ -163,7 +173,7 @@ def start(
             sink_port,
             extra_env={
                 "PYTHONPATH": ":".join([*shim, f"{Path(tree) / 'proxy'}", str(tree)]),
-                **records,
+                **({"LLMTAP_RECORD": str(_records(work))} if args.record else {}),
                 **dict(variant.env),
                 **({"BENCH_CAPTURE": str(args.capture.resolve())} if args.capture else {}),
             },
@@ -274,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
         help="run each tree with these llmtap variables too (repeatable: one run of each, in turn)",
     )
-    p.add_argument("--record", action="store_true", help="llmtap writes request records (a fresh folder each run)")
     p.add_argument("--summary", action="store_true", help="end with each tree's median and range per figure")
+    p.add_argument(
+        "--record", action="store_true", help="each tree writes request records (its journal, if it has one)"
+    )
     p.add_argument(
         "--capture",
         type=Path,

@@ -4,13 +4,34 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from bench.telemetry import chat_tape
-from llmtap.telemetry.journal import CHUNK, AckLog, SegmentFile, read_chunks, segment_name, take_slot
-from llmtap.telemetry.spool import EMITTED, SETTLED, SINK_BITS, Spool, open_spool
+from llmtap.config.types import Records, Route, Settings
+from llmtap.store.files import ReadStats, read_records
+from llmtap.telemetry.journal import (
+    CHUNK,
+    EMITTED,
+    SETTLED,
+    SINK_BITS,
+    AckLog,
+    SegmentFile,
+    read_chunks,
+    segment_name,
+    take_slot,
+)
+from llmtap.telemetry.recorder import Recorder
+from llmtap.telemetry.sequences import Sequences
+from llmtap.telemetry.spool import Spool, open_spool
 from llmtap.wire.framing import encode_frame
+from llmtap.wire.ledger import Ledger
 from llmtap.wire.messages import END, SEGMENT
 from llmtap.worker import Progress
 
@@ -166,8 +187,8 @@ def test_what_the_sinks_did_not_take_is_replayed_to_those_sinks_only(tmp_path: P
     for key in (1, 2):
         record(spool, sinks, 0, key)
     sinks[0].progress.release(2)  # the files have 1 and 2; ClickHouse has neither; 3 was never recorded
-    with caplog.at_level(logging.WARNING, "llmtap.telemetry"):
-        spool.close()
+    caplog.set_level(logging.INFO, "llmtap.telemetry")
+    spool.close()
     assert "3 records kept in the journal for the next start" in caplog.text
 
     again = [FakeSink("files"), FakeSink("clickhouse")]
@@ -233,14 +254,15 @@ def test_a_stream_across_segments_and_one_without_its_end(tmp_path: Path, caplog
     spool = spool_of(tmp_path, [FakeSink("files")])
     assert spool.replay is not None
     got = []
-    with caplog.at_level(logging.WARNING, "llmtap.telemetry"):
-        while not spool.replay.done:
-            got += spool.replay.next_slice()
+    caplog.set_level(logging.INFO, "llmtap.telemetry")
+    while not spool.replay.done:
+        got += spool.replay.next_slice()
     sources = {s for s, m in got if m[1] == 1}
     assert len(sources) == 1
     ends = [m for _, m in got if m[0] == END]
     assert [m[1] for m in ends] == [1]
-    assert "1 records of the last run recovered, 1 could not be (1 streams whose end never reached" in caplog.text
+    assert "1 records of the last run recovered, 0 could not be" in caplog.text
+    assert "1 streams whose end came after the restart" in caplog.text
     spool.close()
 
 
@@ -283,3 +305,117 @@ def test_a_folder_that_cannot_be_used_is_said_and_records_go_on_unjournaled(tmp_
     assert "cannot be used" in caplog.text
     assert open_spool(None, [FakeSink("files")], index=0, max_bytes=1 << 30) is None
     assert open_spool(str(tmp_path / "j"), [], index=0, max_bytes=1 << 30) is None
+
+
+# -- what never reached the journal ------------------------------------------------------------------------
+
+
+def sequences(tmp_path: Path, index: int = 0) -> tuple[Sequences, dict[str, int]]:
+    lost: dict[str, int] = {}
+    slot = tmp_path / "journal" / f"slot-{index}"
+    slot.mkdir(parents=True, exist_ok=True)
+    seqs = Sequences(slot / "sequences.json", index, lambda r, n: lost.__setitem__(r, lost.get(r, 0) + n))
+    return seqs, lost
+
+
+def test_a_gap_in_a_relays_numbers_is_counted_in_transit(tmp_path: Path) -> None:
+    seqs, lost = sequences(tmp_path)
+    for seq in (1, 2, 5, 6, 6, 4):  # 3 and 4 lost on the way (a late 4 is no gap)
+        seqs.seen(7, seq)
+    assert lost == {"in_transit": 2}
+    assert seqs.resolve() == (0, 0)
+    seqs.save()
+    # The next run: relay 7 goes on from 9 (7 and 8 lost with the process), relay 8 is new.
+    again, lost = sequences(tmp_path)
+    again.seen(7, 9)
+    again.seen(8, 1)
+    assert lost == {}  # not before the last run's numbers are all known
+    again.seen_old(7, 6)
+    assert again.resolve() == (2, 0)
+    again.seen(9, 3)  # a relay the last run never heard of, after the resolve: no gap to count
+    assert lost == {"in_transit": 2}
+
+
+def test_a_dead_relays_ledger_says_what_never_reached_the_journal(tmp_path: Path) -> None:
+    folder = tmp_path / "journal"
+    dead_relay = Ledger(folder, 11, shards=2)
+    dead_relay.handed(0, 20)
+    dead_relay.handed(1, 4)
+    dead_relay.in_flight(3)
+    dead_relay.close()  # its lock goes with it, as with a kill
+    live = Ledger(folder, 12, shards=1)
+    live.handed(0, 50)
+    seqs, lost = sequences(tmp_path)
+    seqs.seen_old(11, 17)
+    assert seqs.resolve() == (3, 3)
+    assert lost == {"in_transit": 3, "in_flight": 3}
+    # The other telemetry process counts its own shard, then the file goes; the live relay's stays.
+    other, lost = sequences(tmp_path, index=1)
+    other.seen_old(11, 1)
+    assert other.resolve() == (3, 0)
+    assert sorted(p.name for p in (folder / "relays").iterdir()) == [f"relay-{12:016x}.ledger"]
+    live.close()
+    # A dead relay no journal here heard of (another replica's, on a shared folder) is not counted here.
+    stranger = Ledger(folder, 13, shards=1)
+    stranger.handed(0, 9)
+    stranger.close()
+    seqs, lost = sequences(tmp_path)
+    assert seqs.resolve() == (0, 0) and lost == {}
+    assert (folder / "relays" / f"relay-{13:016x}.ledger").exists()
+
+
+# -- the recorder with its journal ----------------------------------------------------------------------
+
+
+def recorder_on(folder: Path, exporter: InMemorySpanExporter) -> Recorder:
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    route = Route(prefix="/", upstream="http://upstream:8000", name="default")
+    records = Records(path=str(folder / "records"), journal=str(folder / "records" / ".journal"))
+    return Recorder(Settings(routes=(route,), record=records), tracer_provider=provider, journal=0)
+
+
+def intake(rec: Recorder, source: int, messages: list[tuple[Any, ...]], *, queue: bool = True) -> None:
+    """What the telemetry process's intake does with one read: journal it, then queue it for the worker."""
+    assert rec.spool is not None
+    rec.spool.append(source, framed(messages), messages)
+    if queue:
+        for message in messages:
+            rec.submit(message, source)
+
+
+def test_a_killed_recorders_requests_are_recorded_by_the_next_and_its_spans_made_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first_spans = InMemorySpanExporter()
+    first = recorder_on(tmp_path, first_spans)
+    (files,) = first.sinks
+    # The file sink never gets its lines out (a kill before its next flush); its spans and metrics are made.
+    monkeypatch.setattr(files, "flush", lambda: None)
+    monkeypatch.setattr(files, "close", lambda timeout=5.0: None)
+    intake(first, 0, request(1) + request(2))
+    intake(first, 0, request(3), queue=False)  # read off the socket, still in the queue at the kill
+    assert first.flush(10)
+    assert first.spool is not None
+    first.spool.poll()  # what the worker does every POLL_EVERY: the emitted ones acknowledged as such
+    assert len({s.context.trace_id for s in first_spans.get_finished_spans()}) == 2
+    first.spool.slot.release()  # the kill: the slot's lock goes with the process
+    monkeypatch.undo()
+
+    again_spans = InMemorySpanExporter()
+    again = recorder_on(tmp_path, again_spans)
+    try:
+        assert again.spool is not None and again.spool.replay is not None
+        wait = time.monotonic() + 30
+        while not again.spool.replay.done:
+            assert time.monotonic() < wait
+            time.sleep(0.02)
+        assert again.flush(10)
+    finally:
+        again.close()
+    # The request the first run had not emitted gets its spans now; the two it had get none again.
+    assert len({s.context.trace_id for s in again_spans.get_finished_spans()}) == 1
+    got = list(read_records(tmp_path / "records", ReadStats()))
+    assert sorted(r["span_id"] for r in got) == sorted(f"{k + 1:016x}" for k in (1, 2, 3))
+    assert again.spool.recovered == 3
+    assert segments(tmp_path / "records" / ".journal") == []  # every request done: the segments are gone

@@ -208,7 +208,7 @@ async def test_socket_channel_delivers_batched_and_drops_while_nobody_listens(tm
     async with _Listener(path) as listener:
         channel = SocketChannel(path)
         await channel.start()
-        messages = [(END, i, None, (b"", b"", b"", b"x" * i), None) for i in range(100)]
+        messages = [(END, i, None, (b"", b"", b"", b"x" * i), None, 0, 0) for i in range(100)]
         assert all(channel.send(m) for m in messages)
         await channel.aclose()
         await listener.wait(listener.ended)  # the relay closed its end: everything it sent has arrived
@@ -221,7 +221,7 @@ async def test_socket_channel_gathers_and_sends_at_once_what_may_not_wait(tmp_pa
         # A gather far longer than the test: whatever arrives before the end was sent at once, or by aclose.
         channel = SocketChannel(path, gather=600.0)
         await channel.start()
-        tapes = [(END, i, None, (b"", b"", b"", b"x" * i), None) for i in range(5)]
+        tapes = [(END, i, None, (b"", b"", b"", b"x" * i), None, 0, 0) for i in range(5)]
         assert all(channel.send(m) for m in tapes)
         await asyncio.sleep(0.1)
         assert not listener.received  # gathered: nothing written yet
@@ -230,7 +230,7 @@ async def test_socket_channel_gathers_and_sends_at_once_what_may_not_wait(tmp_pa
         await listener.wait(listener.arrived)
         # Whatever waited left with it, in the order sent (``frames`` takes what it reads out of the buffer).
         assert frames(listener.received) == [*tapes, stats]
-        later = (END, 9, None, (b"", b"", b"", b"z"), None)
+        later = (END, 9, None, (b"", b"", b"", b"z"), None, 0, 0)
         assert channel.send(later)
         await channel.aclose()  # what waits for a gather is written at the close
         await listener.wait(listener.ended)
@@ -245,7 +245,7 @@ async def test_socket_channel_gathers_no_more_than_its_bytes(tmp_path: Path) -> 
         channel = SocketChannel(path, gather=600.0)
         await channel.start()
         try:
-            small = (END, 1, None, (b"", b"", b"", b"s" * 100), None)
+            small = (END, 1, None, (b"", b"", b"", b"s" * 100), None, 0, 0)
             assert channel.send(small)
             await asyncio.sleep(0.1)
             assert not listener.received  # one small tape: gathered
@@ -274,7 +274,7 @@ async def test_socket_channel_drops_past_its_buffer_bound(tmp_path: Path) -> Non
     await channel.start()
     peer, _ = listener.accept()  # connected, and never reads
     try:
-        big = (END, 1, None, (b"", b"", b"", b"y" * 16 * 1024), None)
+        big = (END, 1, None, (b"", b"", b"", b"y" * 16 * 1024), None, 0, 0)
         results = []
         for _ in range(200):
             results.append(channel.send(big))

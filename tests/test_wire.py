@@ -239,9 +239,9 @@ def test_a_message_of_another_build_fails_loudly_naming_the_mismatch() -> None:
     with pytest.raises(WireError, match="message head of 27 fields where this build has 26"):
         decode((*end[:2], (*end[2], "new field"), *end[3:]))
     with pytest.raises(WireError, match="message tail of 5 fields"):
-        decode((*end[:4], end[4][:5]))
+        decode((*end[:4], end[4][:5], *end[5:]))
     with pytest.raises(WireError, match="run of reads of 3 fields"):
-        decode((*end[:3], end[3][:3], end[4]))
+        decode((*end[:3], end[3][:3], *end[4:]))
     with pytest.raises(WireError, match="unknown kind 0"):
         decode((0, 1, "default"))  # the start message of older builds is gone
     with pytest.raises(WireError, match="not a non-empty tuple"):

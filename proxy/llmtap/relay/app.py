@@ -40,6 +40,7 @@ from llmtap.relay.stepjson import STEPWISE_BYTES, loads_stepwise
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.upstream_http import PIPE, Answer, LeanTransport, Origin
 from llmtap.types import UNCHANGED, Message, Receive, Scope, Send
+from llmtap.wire.ledger import Ledger, new_relay_id
 from llmtap.wire.messages import RESPONSE_CUT_REASONS, Raw, Stats, encode_stats, without_bytes
 from llmtap.wire.tape import Tape, now, shard_of
 from llmtap.wire.tracecontext import Sampler, begin
@@ -143,6 +144,13 @@ class ProxyApp:
         self._waiting = {r.name: 0 for r in settings.routes}
         #: Tapes that did not reach the telemetry side, in whole or in part.
         self.tapes_dropped = 0
+        #: This relay, to the telemetry side's record journal: its id, and per telemetry process the number of the
+        #: last stream end handed to the channel (``End.seq``: a gap there is an end lost on its way).
+        self.relay_id = new_relay_id()
+        self._handed = [0] * self._shards
+        #: The ledger of those numbers in the journal's folder, for the next start after a kill of the whole tree
+        #: (``llmtap.wire.ledger``; ``llmtap.serve.relay`` opens it); None: none kept.
+        self.ledger: Ledger | None = None
         #: Responses the relay itself cut short, by reason (``RESPONSE_CUT_REASONS``), reported with the gauges.
         self.cuts = dict.fromkeys(RESPONSE_CUT_REASONS, 0)
         self._logged_at: dict[str, float] = {}
@@ -352,6 +360,8 @@ class ProxyApp:
                 prepared = provider.prepare(body, inject_usage=True, path=inner_path)
             rewritten, tape.strip_usage = prepared.body, prepared.strip_usage
         self.inflight += 1
+        if self.ledger is not None:
+            self.ledger.in_flight(self.inflight)
         self._idle.clear()
         self._active[route.name] += 1
         self._stats_changed = True
@@ -367,6 +377,8 @@ class ProxyApp:
             self._active[route.name] -= 1
             self._hand_over(tape)
             self.inflight -= 1
+            if self.ledger is not None:
+                self.ledger.in_flight(self.inflight)
             if not self.inflight:
                 self._idle.set()
 
@@ -393,9 +405,14 @@ class ProxyApp:
         The end may use the channel's reserve: it holds a stream's last reads, where usage is reported.
         """
         shard = shard_of(tape.trace_id, tape.key, self._shards)
-        if tape.lost or not self._send(tape.end_message(), reserve=True, shard=shard):
+        seq = self._handed[shard] + 1
+        if tape.lost or not self._send(tape.end_message(self.relay_id, seq), reserve=True, shard=shard):
             self.tapes_dropped += 1
             log.debug("telemetry behind: dropped the tape of %s %s", tape.method, tape.path)
+        else:
+            self._handed[shard] = seq
+            if self.ledger is not None:
+                self.ledger.handed(shard, seq)
         self._stats_changed = True
         if self._stats_due is not None:
             return  # a report is due in a moment: it carries this end too

@@ -40,15 +40,26 @@ __all__ = [
     "ACK",
     "ACK_SOURCE",
     "CHUNK",
+    "EMITTED",
+    "SETTLED",
+    "SINK_BITS",
     "AckLog",
     "Chunks",
+    "Req",
+    "Seg",
     "SegmentFile",
     "Slot",
+    "free_slots",
     "read_chunks",
     "segment_name",
     "take_slot",
 ]
 
+#: Bits of an acknowledgement: which sink has the record; ``EMITTED``: its spans, metrics and listeners were made;
+#: ``SETTLED``: nothing more is to be done with it.
+SINK_BITS = {"files": 1, "clickhouse": 2, "logs": 4}
+EMITTED = 64
+SETTLED = 128
 #: A chunk's head: payload length, CRC-32 (of the rest of the head and the payload), source, first reference.
 CHUNK = struct.Struct("!IIiQ")
 #: An acknowledgement: a request's reference and what has its record (bits, ``llmtap.telemetry.spool``).
@@ -236,6 +247,34 @@ class Slot:
         """Let the slot go (the process is ending; the kernel would let it go anyway)."""
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
+
+
+class Req:
+    """One request journaled: its reference, the segments holding its messages, what has it by now."""
+
+    __slots__ = ("ended", "mask", "ref", "segs", "source")
+
+    def __init__(self, ref: int, source: int, mask: int = 0) -> None:
+        self.ref = ref
+        self.source = source
+        self.mask = mask
+        self.segs: list[tuple[int, int]] = []
+        self.ended = False
+
+
+class Seg:
+    """A segment: its file, its size, the requests in it not done, whether it is still written."""
+
+    __slots__ = ("closed", "file", "first_ref", "ident", "outstanding", "path", "size")
+
+    def __init__(self, ident: tuple[int, int], path: Path, size: int, first_ref: int, file: SegmentFile | None) -> None:
+        self.ident = ident
+        self.path = path
+        self.size = size
+        self.first_ref = first_ref
+        self.file = file
+        self.outstanding = 0
+        self.closed = file is None
 
 
 def _try_lock(path: Path) -> int | None:

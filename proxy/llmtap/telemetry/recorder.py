@@ -156,8 +156,6 @@ class Recorder:
         )
         for reason in drop_reasons(settings):
             self._count_record_drop(reason, 0)
-        #: The record journal: each tape kept until every sink has its record (None: not kept).
-        self.spool = None if journal is None else self._open_spool(journal)
         #: ``--access-log PATH``: one line per request, written by the worker thread after the record.
         self.access_log: AccessLog | None = None
         if settings.access_log:
@@ -187,9 +185,13 @@ class Recorder:
         self._open: OrderedDict[tuple[int, int], Playback] = OrderedDict()
         # Streams a message of which was dropped here: their end is counted as a dropped tape.
         self._lost: set[tuple[int, int]] = set()
+        # Streams evicted (counted): their end, when it comes, is not counted again.
+        self._evicted: OrderedDict[tuple[int, int], None] = OrderedDict()
         #: Tapes lost, and the relays' gauges and readiness.
         self.drops = Drops(self.instruments)
         self.relays = RelayGauges(self.instruments, self.drops, self._busy)
+        #: The record journal: each tape kept until every sink has its record (None: not kept).
+        self.spool = None if journal is None else self._open_spool(journal)
         for outcome in OUTCOMES:
             self._count_join(outcome, 0)
         for reason in REJECT_REASONS:
@@ -221,6 +223,7 @@ class Recorder:
             max_bytes=rec.journal_bytes,
             on_lost=self._count_record_drop,
             on_recovered=self._count_recovered,
+            on_tapes_lost=self.drops.count,
         )
         self.records.spool = spool
         if spool is None:
@@ -589,13 +592,22 @@ class Recorder:
             if playback is not None:
                 self._open[key] = playback
                 if len(self._open) > MAX_OPEN_STREAMS:
-                    _, oldest = self._open.popitem(last=False)
+                    evicted, oldest = self._open.popitem(last=False)
                     self.drops.tape("evicted", oldest.tl.route)
+                    self._evicted[evicted] = None  # its end is counted already
+                    if len(self._evicted) > MAX_OPEN_STREAMS:
+                        self._evicted.popitem(last=False)
             return
         ref = self.spool.ended(source, m.key) if self.spool is not None else None
         if playback is None or key in self._lost:
-            self._lost.discard(key)
-            self.drops.tape("queue_full", playback.tl.route if playback is not None else None)
+            if key in self._lost:
+                self._lost.discard(key)
+                self.drops.tape("queue_full", playback.tl.route if playback is not None else None)
+            elif key in self._evicted:
+                del self._evicted[key]  # counted when it was evicted
+            else:
+                # Its start went to a telemetry process that is gone (a restart): neither can make its record.
+                self.drops.tape("split", None)
             if ref is not None:
                 self.spool.settle(ref)  # type: ignore[union-attr]
             return

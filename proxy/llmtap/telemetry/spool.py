@@ -11,7 +11,7 @@ before. What a kill of the telemetry process can take is then only what was stil
 gather (``llmtap.wire.socketchannel``): a few tens of milliseconds, counted by the relays' sequence numbers.
 
 What is kept until when. A request is journaled from its first message (the one with its head: it is given a
-reference, ``ref``, the next of the slot) and done once (``_Req``): the recorder made it final and every sink
+reference, ``ref``, the next of the slot) and done once (``Req``): the recorder made it final and every sink
 settled its record (``llmtap.worker.Progress``: the file sink wrote it to the kernel, ClickHouse took it, the OTLP
 log export returned; or the sink dropped it and counted it), or the recorder dropped the tape (counted). What is
 done is written to the slot's acknowledgement log (``llmtap.telemetry.journal``), with the bits of each sink that
@@ -41,33 +41,36 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from llmtap.telemetry.journal import AckLog, SegmentFile, Slot, read_chunks, segment_name, take_slot
-from llmtap.wire.framing import frames
-from llmtap.wire.messages import END, SEGMENT, Raw, WireError
+from llmtap.telemetry.journal import (
+    EMITTED,
+    SETTLED,
+    SINK_BITS,
+    AckLog,
+    Req,
+    Seg,
+    SegmentFile,
+    Slot,
+    segment_name,
+    take_slot,
+)
+from llmtap.telemetry.journal_replay import Replay
+from llmtap.telemetry.sequences import Sequences
+from llmtap.wire.messages import END, SEGMENT, Raw
 from llmtap.worker import Progress
 
 __all__ = ["EMITTED", "JOURNAL_DROP_REASONS", "SEGMENT_BYTES", "SINK_BITS", "Spool", "open_spool"]
 
 log = logging.getLogger("llmtap.telemetry")
 
-#: Bits of an acknowledgement: which sink has the record; ``EMITTED``: its spans, metrics and listeners were made;
-#: ``SETTLED``: nothing more is to be done with it.
-SINK_BITS = {"files": 1, "clickhouse": 2, "logs": 4}
-EMITTED = 64
-SETTLED = 128
 #: A segment is closed (synced, and a new one begun) past this many bytes.
 SEGMENT_BYTES = 4 * 1024 * 1024
 #: Seconds between syncs of what was written (what a crash of the node can lose).
 SYNC_EVERY = 2.0
 #: Seconds between two looks at the sinks' progress while records wait for them.
 POLL_EVERY = 0.25
-#: Messages of the last run handed to the recorder per slice of the replay.
-REPLAY_SLICE = 64
 #: Why the journal lost a record (``llmtap_telemetry_records_dropped_total``): ``journal_full``, a record that its
 #: bound made it let go of and that a sink had still not taken when the process stopped.
 JOURNAL_DROP_REASONS = ("journal_full",)
-#: The first source number of the last run's relays, as the recorder sees their replayed messages (counting down).
-_REPLAY_SOURCES = -1000
 _REF_RUN = 1 << 40
 
 
@@ -76,34 +79,6 @@ class SinkLike(Protocol):
 
     kind: str
     progress: Progress
-
-
-class _Req:
-    """One request journaled: its reference, the segments holding its messages, what has it by now."""
-
-    __slots__ = ("ended", "mask", "ref", "segs", "source")
-
-    def __init__(self, ref: int, source: int, mask: int = 0) -> None:
-        self.ref = ref
-        self.source = source
-        self.mask = mask
-        self.segs: list[tuple[int, int]] = []
-        self.ended = False
-
-
-class _Seg:
-    """A segment: its file, its size, the requests in it not done, whether it is still written."""
-
-    __slots__ = ("closed", "file", "first_ref", "ident", "outstanding", "path", "size")
-
-    def __init__(self, ident: tuple[int, int], path: Path, size: int, first_ref: int, file: SegmentFile | None) -> None:
-        self.ident = ident
-        self.path = path
-        self.size = size
-        self.first_ref = first_ref
-        self.file = file
-        self.outstanding = 0
-        self.closed = file is None
 
 
 class Spool:
@@ -123,6 +98,7 @@ class Spool:
         segment_bytes: int = SEGMENT_BYTES,
         on_lost: Callable[[str, int], None] | None = None,
         on_recovered: Callable[[int], None] | None = None,
+        on_tapes_lost: Callable[[str, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.root = Path(root)
@@ -140,26 +116,28 @@ class Spool:
         self._old = self.slot.segments()
         self.run = max((run for run, _, _ in self._old), default=0) + 1
         self._next_ref = self.run * _REF_RUN
-        self._segs: dict[tuple[int, int], _Seg] = {}
+        self._segs: dict[tuple[int, int], Seg] = {}
         for run, number, path in self._old:
             with contextlib.suppress(OSError):
-                self._segs[(run, number)] = _Seg((run, number), path, path.stat().st_size, run * _REF_RUN, None)
+                self._segs[(run, number)] = Seg((run, number), path, path.stat().st_size, run * _REF_RUN, None)
         self._number = 0
-        self._current: _Seg | None = None
-        self._to_close: list[_Seg] = []
-        self._reqs: dict[int, _Req] = {}
-        self._by_key: dict[tuple[int, int], _Req] = {}
-        self._waiting: list[deque[tuple[int, _Req]]] = [deque() for _ in self.sinks]
-        self._dirty: set[_Req] = set()
+        self._current: Seg | None = None
+        self._to_close: list[Seg] = []
+        self._reqs: dict[int, Req] = {}
+        self._by_key: dict[tuple[int, int], Req] = {}
+        self._waiting: list[deque[tuple[int, Req]]] = [deque() for _ in self.sinks]
+        self._dirty: set[Req] = set()
         # Acknowledgements made on the event loop's thread (a dropped end), written with the worker's next ones.
         self._pending_acks: list[tuple[int, int]] = []
         self._acks = AckLog(self.slot.acks)
         self._synced = self._polled = clock()
         self._unsynced = False
         #: Requests the bound let go of (no longer kept for a restart), not done yet.
-        self._unkept: set[_Req] = set()
+        self._unkept: set[Req] = set()
         self._failing: str | None = None
-        self.replay = _Replay(self) if self._old else None
+        #: The relays' numbers of the stream ends the journal saw, and what never reached it (counted as tapes lost).
+        self.sequences = Sequences(self.slot.path / "sequences.json", index, on_tapes_lost)
+        self.replay = Replay(self)
         #: Counts since start: requests journaled, done, let go by the bound; and of the last run: recovered.
         self.journaled = 0
         self.done = 0
@@ -178,7 +156,7 @@ class Spool:
             written = seg is not None and self._write(seg, source, first, raw)
             self._register(source, messages, seg if written else None)
 
-    def _segment(self) -> _Seg | None:
+    def _segment(self) -> Seg | None:
         seg = self._current
         if seg is not None and seg.size < self.segment_bytes:
             return seg
@@ -194,10 +172,10 @@ class Spool:
             self._failed(exc)
             return None
         ident = (self.run, self._number)
-        seg = self._current = self._segs[ident] = _Seg(ident, path, file.size, self._next_ref, file)
+        seg = self._current = self._segs[ident] = Seg(ident, path, file.size, self._next_ref, file)
         return seg
 
-    def _write(self, seg: _Seg, source: int, first: int, raw: bytes) -> bool:
+    def _write(self, seg: Seg, source: int, first: int, raw: bytes) -> bool:
         assert seg.file is not None
         try:
             seg.file.append(source, first, raw)
@@ -221,7 +199,7 @@ class Spool:
             )
         self._failing = exc.strerror or str(exc)
 
-    def _register(self, source: int, messages: Sequence[Raw], seg: _Seg | None) -> None:
+    def _register(self, source: int, messages: Sequence[Raw], seg: Seg | None) -> None:
         """Each tape message's request: a new one for a head (the next reference, as ``_Replay`` counts them)."""
         key_of = self._by_key
         for message in messages:
@@ -230,7 +208,7 @@ class Spool:
                 continue
             key = (source, message[1])
             if message[2] is not None:
-                req = _Req(self._next_ref, source)
+                req = Req(self._next_ref, source)
                 self._next_ref += 1
                 self.journaled += 1
                 self._reqs[req.ref] = req
@@ -246,9 +224,11 @@ class Spool:
                 self._touch(req, seg)
             if kind == END:
                 req.ended = True
+                if len(message) > 6 and message[5]:
+                    self.sequences.seen(message[5], message[6])
 
     @staticmethod
-    def _touch(req: _Req, seg: _Seg) -> None:
+    def _touch(req: Req, seg: Seg) -> None:
         if seg.ident not in req.segs:
             req.segs.append(seg.ident)
             seg.outstanding += 1
@@ -347,7 +327,7 @@ class Spool:
         self._sync()
         self._delete_done()
 
-    def _finish(self, req: _Req, acks: list[tuple[int, int]] | None = None) -> None:
+    def _finish(self, req: Req, acks: list[tuple[int, int]] | None = None) -> None:
         """``req`` is done: no longer kept; acknowledged when a segment of it stays (the lock is held)."""
         self._reqs.pop(req.ref, None)
         self._unkept.discard(req)
@@ -392,6 +372,8 @@ class Spool:
         """Delete each closed segment none of whose requests waits; compact the acknowledgements once they grew."""
         with self._lock:
             done = [k for k, s in self._segs.items() if s.closed and s.outstanding <= 0 and self._replayed(k)]
+            if done:
+                self.sequences.save()  # the numbers these segments hold, kept for the next start
             for ident in done:
                 seg = self._segs.pop(ident)
                 with contextlib.suppress(OSError):
@@ -431,7 +413,7 @@ class Spool:
                     let_go,
                 )
 
-    def _let_go(self, ident: tuple[int, int], seg: _Seg) -> int:
+    def _let_go(self, ident: tuple[int, int], seg: Seg) -> int:
         del self._segs[ident]
         if seg.file is not None:
             seg.file.close()
@@ -439,7 +421,7 @@ class Spool:
         with contextlib.suppress(OSError):
             os.unlink(seg.path)
         if self.replay is not None and not self.replay.past(ident):
-            return self.replay.skip(ident, seg.path)
+            return self.replay.skip(ident)
         count = 0
         for req in self._reqs.values():
             if ident in req.segs:
@@ -466,6 +448,7 @@ class Spool:
                 with contextlib.suppress(OSError):
                     os.unlink(current.path)
         self._acks.close()
+        self.sequences.save()
         self._delete_done()
         if kept:
             log.warning("record journal: %d records kept in the journal for the next start", kept)
@@ -493,136 +476,6 @@ class Spool:
         return len(self._reqs)
 
 
-class _Replay:
-    """The last run's segments, played back into the recorder a slice at a time (``next_slice``)."""
-
-    def __init__(self, spool: Spool) -> None:
-        self.spool = spool
-        self._queue = [(run, number) for run, number, _ in spool._old]
-        self._bits, self.torn = AckLog.read(spool.slot.acks)
-        self._sources: dict[tuple[int, int], int] = {}
-        self._items: deque[tuple[int, Raw]] = deque()
-        self._skip: set[tuple[int, int, int]] = set()
-        self._open: dict[tuple[int, int, int], _Req] = {}
-        self.done = False
-        self.started = False
-        #: Counts for the closing line: requests of the last run taken up again, found done, not whole.
-        self.taken = 0
-        self.found_done = 0
-        self.unread = 0
-        self.torn_segments = 0
-
-    def past(self, ident: tuple[int, int]) -> bool:
-        """Whether segment ``ident`` was read through, every request in it known (or it is not the last run's)."""
-        return ident not in self._queue
-
-    def skip(self, ident: tuple[int, int], path: Path) -> int:
-        """Segment ``ident`` went for the bound before it was read: its requests are lost (how many is not known
-        without reading it: said in the closing line as a segment let go unread)."""
-        with contextlib.suppress(ValueError):
-            self._queue.remove(ident)
-        self.unread += 1
-        return 0
-
-    def next_slice(self) -> list[tuple[int, Raw]]:
-        """Up to ``REPLAY_SLICE`` messages of the last run, each with the source the recorder is to see it from."""
-        self.started = True
-        while len(self._items) < REPLAY_SLICE and self._queue:
-            self._read(self._queue[0])
-            self._queue.pop(0)  # read through: its requests are all known now
-        out = [self._items.popleft() for _ in range(min(REPLAY_SLICE, len(self._items)))]
-        if not out and not self._items:
-            self._finish()
-        return out
-
-    def _read(self, ident: tuple[int, int]) -> None:
-        spool = self.spool
-        seg = spool._segs.get(ident)
-        if seg is None:
-            return
-        chunks = read_chunks(seg.path)
-        if chunks.torn:
-            self.torn_segments += 1
-            log.warning(
-                "record journal: %d bytes at the end of %s could not be read (cut short by a kill or a crash); skipped",
-                chunks.torn,
-                seg.path.name,
-            )
-        run = ident[0]
-        for source, first, payload in chunks.items:
-            try:
-                messages = frames(bytearray(payload))
-            except WireError:
-                continue
-            self._take_chunk(ident, run, source, first, messages)
-
-    def _take_chunk(self, ident: tuple[int, int], run: int, source: int, first: int, messages: list[Raw]) -> None:
-        spool = self.spool
-        ref = first
-        with spool._lock:
-            seg = spool._segs.get(ident)
-            for message in messages:
-                kind = message[0]
-                if kind != SEGMENT and kind != END:
-                    continue
-                key = (run, source, message[1])
-                if message[2] is not None:
-                    mask = self._bits.get(ref, 0)
-                    ref += 1
-                    if mask & SETTLED or mask & spool.need == spool.need:
-                        self.found_done += 1
-                        self._skip.add(key)
-                        continue
-                    req = _Req(ref - 1, self._source(run, source), mask)
-                    spool._reqs[req.ref] = req
-                    self._open[key] = req
-                    spool._by_key[(req.source, message[1])] = req
-                elif key in self._skip or key not in self._open:
-                    continue
-                req = self._open[key]
-                if seg is not None and ident not in req.segs:
-                    req.segs.append(ident)
-                    seg.outstanding += 1
-                if kind == END:
-                    req.ended = True
-                    del self._open[key]
-                    self.taken += 1
-                self._items.append((req.source, message))
-
-    def _source(self, run: int, source: int) -> int:
-        found = self._sources.get((run, source))
-        if found is None:
-            found = self._sources[(run, source)] = _REPLAY_SOURCES - len(self._sources)
-        return found
-
-    def _finish(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        spool = self.spool
-        with spool._lock:
-            # Streams whose end never reached the journal: the relay or this process died before it; nothing here
-            # can make their record (their loss is counted where the relays' sequence numbers show it).
-            incomplete = len(self._open)
-            for key, req in list(self._open.items()):
-                spool._by_key.pop((req.source, key[2]), None)
-                spool._finish(req)
-            self._open.clear()
-        spool.recovered = self.taken
-        if spool._on_recovered is not None:
-            spool._on_recovered(self.taken)
-        log.warning(
-            "record journal: %d records of the last run recovered, %d could not be (%d streams whose end never "
-            "reached the journal, %d segments cut short, %d segments let go unread at the bound); %d were done",
-            self.taken,
-            incomplete + self.unread,
-            incomplete,
-            self.torn_segments,
-            self.unread,
-            self.found_done,
-        )
-
-
 def open_spool(
     directory: str | None,
     sinks: Sequence[SinkLike],
@@ -631,13 +484,22 @@ def open_spool(
     max_bytes: int,
     on_lost: Callable[[str, int], None] | None = None,
     on_recovered: Callable[[int], None] | None = None,
+    on_tapes_lost: Callable[[str, int], None] | None = None,
 ) -> Spool | None:
     """The journal of telemetry process ``index`` in ``directory`` (None: no folder, or no sink to keep records
     for); a folder that cannot be used is said, and the records go to the sinks unjournaled."""
     if not directory or not sinks:
         return None
     try:
-        spool = Spool(directory, sinks, index=index, max_bytes=max_bytes, on_lost=on_lost, on_recovered=on_recovered)
+        spool = Spool(
+            directory,
+            sinks,
+            index=index,
+            max_bytes=max_bytes,
+            on_lost=on_lost,
+            on_recovered=on_recovered,
+            on_tapes_lost=on_tapes_lost,
+        )
     except OSError as exc:
         log.error(
             "record journal %s cannot be used (%s): records are not kept across a restart",

@@ -140,12 +140,16 @@ class Segment(NamedTuple):
 
 
 class End(NamedTuple):
-    """A stream's last message: the head unless a segment carried it, the last reads, the tail."""
+    """A stream's last message: the head unless a segment carried it, the last reads, the tail; and which relay
+    handed it over (a random id, ``llmtap.wire.ledger.new_relay_id``) as its ``seq``-th end to this telemetry
+    process: the record journal counts the ends that never reached it by the gaps (``llmtap.telemetry.spool``)."""
 
     key: int
     head: Head | None
     reads: Reads
     tail: Tail
+    relay: int = 0
+    seq: int = 0
 
 
 class Stats(NamedTuple):
@@ -187,7 +191,7 @@ def encode_segment(m: Segment) -> Raw:
 
 def encode_end(m: End) -> Raw:
     """An end as it crosses."""
-    return (END, m.key, None if m.head is None else tuple(m.head), tuple(m.reads), tuple(m.tail))
+    return (END, m.key, None if m.head is None else tuple(m.head), tuple(m.reads), tuple(m.tail), m.relay, m.seq)
 
 
 def encode_stats(m: Stats) -> Raw:
@@ -278,7 +282,7 @@ def decode_end(raw: Raw) -> End:
     tail = raw[4]
     if type(tail) is not tuple or len(tail) != _TAIL:
         raise _mismatch(tail, _TAIL, "message tail")
-    return _new(End, (raw[1], _head(raw[2]), _reads(raw[3]), _new(Tail, tail)))
+    return _new(End, (raw[1], _head(raw[2]), _reads(raw[3]), _new(Tail, tail), raw[5], raw[6]))
 
 
 def decode_stats(raw: Raw) -> Stats:

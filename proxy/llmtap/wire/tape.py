@@ -245,9 +245,9 @@ class Tape:
         self.segments += 1
         return (SEGMENT, self.key, head, self.take_reads())
 
-    def end_message(self) -> Raw:
+    def end_message(self, relay: int = 0, seq: int = 0) -> Raw:
         """The last message of a stream: the head unless a segment carried it, the last reads, the tail (an ``End``,
-        encoded)."""
+        encoded), as relay ``relay``'s ``seq``-th end to its telemetry process."""
         head = None if self.head_sent else self.head()
         self.head_sent = True
-        return (END, self.key, head, self.take_reads(), self.tail())
+        return (END, self.key, head, self.take_reads(), self.tail(), relay, seq)
