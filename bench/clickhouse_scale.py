@@ -48,7 +48,8 @@ FLAT = """
   cache.class AS cache_class, cache.changed_region AS cache_changed_region,
   cache.expected_prefix_tokens AS cache_expected_prefix_tokens, cache.cached_tokens AS cache_cached_tokens,
   cache.min_tokens AS cache_min_tokens,
-  NULL::DOUBLE AS cost_amount, NULL::VARCHAR AS cost_status
+  NULL::DOUBLE AS cost_amount, NULL::VARCHAR AS cost_status,
+  trace_id || '-' || span_id AS record_id
 """
 
 

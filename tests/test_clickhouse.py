@@ -23,10 +23,12 @@ import httpx
 import pytest
 
 from llmtap import cli
+from llmtap.analysis.compare import Split
+from llmtap.commands import compare
 from llmtap.config.load import build
 from llmtap.config.types import ConfigError
 from llmtap.simulator import get_profile, run_in_thread
-from llmtap.store import clickhouse as ch
+from llmtap.store import clickhouse as ch, clickhouse_read as chread
 from llmtap.telemetry.records import SCHEMA_VERSION
 from tests.clickhouse_server import PASSWORD, USER, ClickHouseProcess, installed
 from tests.conftest import PATIENCE, free_port, require_real
@@ -163,9 +165,13 @@ def test_names_and_values_reach_sql_quoted_or_refused() -> None:
     for bad in ("x; DROP TABLE t", "1abc", "a.b.c", ""):
         with pytest.raises(ConfigError, match="ClickHouse table"):
             ch.table_name(bad)
-    sql = ch.select("db.t", route="it's\\x", versions=("v1", "v'2"), start=10.5, end=20.0)
+    sql = chread.select("db.t", route="it's\\x", versions=("v1", "v'2"), start=10.5, end=20.0)
     assert "route = 'it\\'s\\\\x'" in sql and "IN ('v1', 'v\\'2')" in sql
-    assert "time_s >= 10.5" in sql and "time_s <= 20.0" in sql and sql.endswith("ORDER BY time_s FORMAT TabSeparated")
+    assert (
+        "time_s >= 10.5" in sql
+        and "time_s <= 20.0" in sql
+        and sql.endswith("ORDER BY time_s, trace_id FORMAT TabSeparated")
+    )
 
 
 def test_clickhouse_settings(tmp_path: Path) -> None:
@@ -236,7 +242,7 @@ def test_the_table_runs_on_debians_clickhouse_and_says_it_has_no_ttl(
         said = ch.create_table(remote, "ddl_check", ttl_days=7)
         assert ch.create_table(remote, "ddl_check", ttl_days=7) == said  # IF NOT EXISTS: a second start is fine
     shown = server.query("SHOW CREATE TABLE ddl_check")
-    assert "PARTITION BY toDate(time)" in shown and "ORDER BY (route, prompt_version, time)" in shown
+    assert "PARTITION BY toDate(time)" in shown and "ORDER BY (route, prompt_version, time, record_id)" in shown
     if release < ch.TTL_SINCE:
         assert "no TTL" in said and "TTL" not in shown
         assert "has no TTL (since 19.6)" in caplog.text and "the 7-day TTL is not applied" in caplog.text
@@ -250,6 +256,7 @@ class Chdb:
     def __init__(self, path: Path) -> None:
         from chdb import session
 
+        self.url = f"chdb:{path}"
         self.session = session.Session(str(path))  # type: ignore[no-untyped-call]
 
     def query(self, sql: str, body: bytes = b"", settings: dict[str, Any] | None = None) -> bytes:
@@ -267,13 +274,14 @@ class Chdb:
         return int(major), int(minor)
 
 
-@pytest.fixture
-def chdb_server(tmp_path: Path) -> Chdb:
+@pytest.fixture(scope="module")
+def chdb_server(tmp_path_factory: pytest.TempPathFactory) -> Chdb:
+    """One for the module: chDB runs one embedded server per process, at one path."""
     try:
         import chdb  # noqa: F401
     except ImportError:
         require_real(False, "chDB (a current ClickHouse, embedded)", "pip install chdb (the test extra)")
-    return Chdb(tmp_path / "chdb")
+    return Chdb(tmp_path_factory.mktemp("chdb"))
 
 
 def test_the_table_and_the_query_run_on_a_current_clickhouse(chdb_server: Chdb, server: ClickHouseProcess) -> None:
@@ -282,7 +290,7 @@ def test_the_table_and_the_query_run_on_a_current_clickhouse(chdb_server: Chdb, 
     said = ch.create_table(chdb_server, "records", ttl_days=30)  # type: ignore[arg-type]
     assert said == "table records ready; rows kept 30 days"
     shown = chdb_server.query("SHOW CREATE TABLE records FORMAT TSVRaw").decode()
-    assert "TTL time + toIntervalDay(30)" in shown and "ORDER BY (route, prompt_version, time)" in shown
+    assert "TTL time + toIntervalDay(30)" in shown and "ORDER BY (route, prompt_version, time, record_id)" in shown
     records = make_records(40)
     body = b"".join(json.dumps(ch.flat_row(r)).encode() + b"\n" for r in records)
     # A table whose TTL has passed for these records drops them as they come: the comparison needs none.
@@ -294,8 +302,8 @@ def test_the_table_and_the_query_run_on_a_current_clickhouse(chdb_server: Chdb, 
     remote.query("INSERT INTO dialects FORMAT JSONEachRow", body)
     where: dict[str, Any] = {"route": "chat", "versions": ("v1", "v2")}
     where |= {"start": 1_790_000_003.0, "end": 1_790_000_020.0}
-    current = list(ch.parse_rows(chdb_server.query(ch.select("dialects", **where))))
-    old = ch.query(remote, "dialects", **where)
+    current = list(chread.parse_rows(chdb_server.query(chread.select("dialects", **where))))
+    old = chread.query(remote, "dialects", **where)
     expected = [
         r
         for r in records
@@ -561,7 +569,7 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(server: ClickHo
     sink.close(PATIENCE)
     assert sink.written == 300, sink.dropped
     reference = PythonSource([path])
-    source = ch.ClickHouseSource(ch.Server.parse(server.url), "source_check")
+    source = chread.ClickHouseSource(ch.Server.parse(server.url), "source_check")
 
     def keyed(groups: list[Any]) -> dict[tuple[str, str, str], Any]:
         return {(str(g.key), str(g.route), str(g.shape)): g for g in groups}
@@ -579,6 +587,61 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(server: ClickHo
     assert len(tied) == 1  # the tie is in the data, and both sources broke it the same way
 
 
+@pytest.mark.parametrize("made", ["now", "earlier"])
+def test_a_record_inserted_twice_counts_once_on_either_clickhouse(
+    made: str, server: ClickHouseProcess, chdb_server: Chdb, tmp_path: Path
+) -> None:
+    """A journal's replay sends records again (issue 44): every record twice and some three times, into a table
+    made now (one row per record once merged) and into one of an earlier version (a MergeTree without the newest
+    columns, read as it is), on Debian's 18.16 and on a current ClickHouse: the same facts as the file read once."""
+    from llmtap.store import VERSION, Filter
+    from llmtap.store.python import PythonSource
+
+    records = make_records(240, seed=5)
+    records[0]["trace_id"], records[0]["span_id"] = "f" * 32, "f" * 16  # make_records' first ids are zeros
+    records[7]["trace_id"] = records[7]["span_id"] = None  # no ids: counted as it is, each time it comes
+    records[8]["trace_id"], records[8]["span_id"] = "0" * 32, "0" * 16  # W3C's invalid ids: the same
+    once = tmp_path / "once.jsonl"  # each record once, those without ids three times
+    once.write_text("".join(json.dumps(r) + "\n" for r in records + records[7:9] * 2), encoding="utf-8")
+    sent = records + records + records[100:150] + records[7:9]
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("".join(json.dumps(r) + "\n" for r in sent), encoding="utf-8")
+    reference = PythonSource([twice])
+    want = reference.scan(Filter(), VERSION)
+    assert want.skipped == {"duplicate": 288} and want.records == 244
+    for remote in (ch.Server.parse(server.url), chdb_server):
+        table = f"twice_{made}"
+        if made == "now":
+            ch.create_table(remote, table, ttl_days=0)  # type: ignore[arg-type]
+        else:
+            earlier_table(remote, table)  # type: ignore[arg-type]
+        rows = [ch.flat_row(r) for r in sent]
+        body = b"".join(json.dumps(row).encode() + b"\n" for row in rows)
+        remote.query(f"INSERT INTO {table} FORMAT JSONEachRow", body, settings={"input_format_skip_unknown_fields": 1})
+        source = chread.ClickHouseSource(remote, table)  # type: ignore[arg-type]
+        for where, by in ((Filter(), VERSION), (Filter(route="chat"), None)):
+            got, expected = source.scan(where, by), reference.scan(where, by)
+            assert {(g.key, g.route, g.shape): g for g in got.groups} == {
+                (g.key, g.route, g.shape): g for g in expected.groups
+            }
+            assert got.records == 244
+            # A table made now may have merged some copies (a current ClickHouse does within one INSERT) by then.
+            skipped = got.skipped
+            copies = skipped.pop("duplicate", 0)
+            assert skipped == {} and (copies == 288 if made == "earlier" else 0 <= copies <= 288)
+        limits = {("chat", "short"): {"ttft": 0.4}, ("code", "long"): {"e2e": 2.0}}
+        assert source.count_met(Filter(), VERSION, limits) == reference.count_met(Filter(), VERSION, limits)
+        if made == "now":  # once merged, one row per record (those without ids as they came)
+            remote.query(f"OPTIMIZE TABLE {table} FINAL")
+            assert int(remote.query(f"SELECT count() FROM {table}").decode()) == 244
+            assert chread.ClickHouseSource(remote, table).scan(Filter(), VERSION).skipped == {}  # type: ignore[arg-type]
+    split = Split(before="v1", after="v2")
+    a = compare.record_sides([once], split, engine="python").compare(seed=1, resamples=200).to_json()
+    b = compare.record_sides([twice], split, engine="duckdb").compare(seed=1, resamples=200).to_json()
+    assert a.pop("source") != b.pop("source") and b.pop("skipped") == {"duplicate": 288} and a.pop("skipped") == {}
+    assert a["before"]["requests"] + a["after"]["requests"] == 244 and a == b
+
+
 def test_the_scale_benchmark_runs_end_to_end_at_a_small_size(server: ClickHouseProcess, tmp_path: Path) -> None:
     from bench import clickhouse_scale, scale
 
@@ -590,27 +653,34 @@ def test_the_scale_benchmark_runs_end_to_end_at_a_small_size(server: ClickHouseP
     clickhouse_scale.load(remote, "bench_small", columns, rows, chunk=256 << 10)  # several INSERTs
     assert _count(server, "bench_small") == 6000
     # Every column the table has came from the generator, by name.
-    assert sorted(columns) == sorted(ch._column_kinds())
+    assert sorted(columns) == sorted(ch.column_kinds())
     source = ["--clickhouse", server.url, "--clickhouse-table", "bench_small", "--json"]
     argv = ["compare", *source, "--before", "v1", "--after", "v2", "--resamples", "200"]
     _, _, peak_rss_mb, _, out = scale.run_child(argv)
     assert str(json.loads(out)["verdict"]).startswith("caching gain") and peak_rss_mb > 10
 
 
-def test_a_table_of_an_earlier_version_gets_the_columns_added_since(server: ClickHouseProcess) -> None:
-    """A table made before the cost columns (issue 31) gets them at start; its older rows read null there, and
-    a new record's cost lands in them."""
-    remote = ch.Server.parse(server.url)
-    table = "before_cost"
-    old = "\n".join(line for line in ch.ddl(table).splitlines() if not line.strip().startswith("cost_"))
+def earlier_table(remote: ch.Server, table: str) -> None:
+    """The table as llmtap made it before the cost columns (issue 31) and before one row per record (issue 44):
+    a MergeTree without cost_* and record_id."""
+    old = "\n".join(line for line in ch.ddl(table).splitlines() if not line.strip().startswith(("cost_", "record_id")))
     old = old.replace("cache_min_tokens Nullable(Int64),", "cache_min_tokens Nullable(Int64)")
+    old = old.replace("ReplacingMergeTree", "MergeTree").replace(", record_id)", ")")
     try:
         remote.query(old)
     except ch.ClickHouseError as exc:  # ClickHouse before 19 wants LowCardinality asked for (as create_table does)
         assert "allow_experimental_low_cardinality_type" in str(exc)
         remote.query(old, settings={"allow_experimental_low_cardinality_type": 1})
+
+
+def test_a_table_of_an_earlier_version_gets_the_columns_added_since(server: ClickHouseProcess) -> None:
+    """A table made before the cost columns (issue 31) and the record id (issue 44) gets them at start; its older
+    rows read null there, and a new record's cost lands in them."""
+    remote = ch.Server.parse(server.url)
+    table = "before_cost"
+    earlier_table(remote, table)
     assert "cost_amount" not in remote.query(f"DESCRIBE TABLE {table}").decode()
-    assert ch.add_missing_columns(remote, table) == ["cost_amount", "cost_status"]
+    assert ch.add_missing_columns(remote, table) == ["cost_amount", "cost_status", "record_id"]
     assert ch.add_missing_columns(remote, table) == []
     record = make_records(1, seed=3)[0]
     record["cost"] = {"amount": 0.25, "currency": "USD", "status": "priced", "prices": "file"}

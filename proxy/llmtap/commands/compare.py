@@ -408,7 +408,8 @@ def main(args: Any) -> int:
         sides = record_sides(args.records, split, engine=args.engine, **where)
     elif args.clickhouse is not None:
         # ClickHouse filters, groups and sorts; the statistics and the verdict stay llmtap's.
-        from llmtap.store.clickhouse import ClickHouseSource, server_from_env
+        from llmtap.store.clickhouse import server_from_env
+        from llmtap.store.clickhouse_read import ClickHouseSource
 
         source = ClickHouseSource(server_from_env(args.clickhouse), args.clickhouse_table)
         sides = record_sides([], split, engine=source, **where)

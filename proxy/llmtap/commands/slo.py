@@ -262,7 +262,8 @@ def main(args: Any) -> int:
         report = from_records(args.records, objectives=objectives, engine=args.engine, **options)
     elif args.clickhouse is not None:
         # ClickHouse filters, groups and sorts; the statistics and the verdicts stay llmtap's.
-        from llmtap.store.clickhouse import ClickHouseSource, server_from_env
+        from llmtap.store.clickhouse import server_from_env
+        from llmtap.store.clickhouse_read import ClickHouseSource
 
         source = ClickHouseSource(server_from_env(args.clickhouse), args.clickhouse_table)
         report = from_records([], objectives=objectives, engine=source, **options)

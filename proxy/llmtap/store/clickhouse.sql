@@ -7,6 +7,11 @@
 -- then applies the TTL (--record-clickhouse-ttl-days) with ALTER TABLE ... MODIFY TTL on ClickHouse 19.6
 -- and later, and says in its log that it cannot on an older server. A table made by an earlier version gets
 -- the columns added since (ALTER TABLE ... ADD COLUMN), so its older rows read null there.
+-- One row per record (issue 44): a journal replays records at least once, so the same record can be inserted
+-- twice. The table replaces rows of one sorting key, which ends with record_id (the record's trace and span ids;
+-- a record without both has a random one): copies merge into one row in the background. Until they have, and in
+-- a table of an earlier version (a MergeTree, which keeps every row: an engine cannot be changed in place), the
+-- readers count each record once (llmtap.store.clickhouse_read: LIMIT 1 BY trace_id, span_id).
 CREATE TABLE IF NOT EXISTS {table}
 (
     schema UInt8,
@@ -69,8 +74,9 @@ CREATE TABLE IF NOT EXISTS {table}
     cache_cached_tokens Nullable(Int64),
     cache_min_tokens Nullable(Int64),
     cost_amount Nullable(Float64),
-    cost_status Nullable(String)
+    cost_status Nullable(String),
+    record_id String
 )
-ENGINE = MergeTree
+ENGINE = ReplacingMergeTree
 PARTITION BY toDate(time)
-ORDER BY (route, prompt_version, time)
+ORDER BY (route, prompt_version, time, record_id)
