@@ -31,10 +31,11 @@ import httpx
 from llmtap.store.files import ReadStats, read_records
 from tests.fault_load import Outcome
 
-#: Tapes that never became a request at all, so no sink has its record (``llmtap.telemetry.relays``); the other
-#: reasons of that counter (a partial tape) still make a record.
+#: Tapes that never became a request, so no sink has its record (``llmtap.telemetry.relays``): every reason of this
+#: counter but those of a tape that lost a part and still made its record (so a reason llmtap adds, such as a
+#: journal's ``in_transit``, counts as a whole tape lost).
 TAPES = "llmtap_telemetry_tapes_dropped_total"
-WHOLE_TAPE_REASONS = ("channel_full", "queue_full", "evicted")
+PARTIAL_TAPE_REASONS = ("partial", "inflate_limit", "body_limit")
 #: Records a sink could not keep, by reason.
 RECORDS = "llmtap_telemetry_records_dropped_total"
 #: Each sink's own reasons: a record one sink lost another may hold.
@@ -160,7 +161,7 @@ class Counters:
         """Records of ``sink`` counted as lost, by counter and reason: whole tapes, and the records-dropped reasons
         that are not another sink's own (so a reason llmtap adds, such as a journal's, counts for every sink)."""
         others = {r for s, rs in SINK_REASONS.items() if s != sink for r in rs}
-        out = {f"tape:{r}": int(v) for r, v in self.by_label(TAPES, REASON).items() if r in WHOLE_TAPE_REASONS}
+        out = {f"tape:{r}": int(v) for r, v in self.by_label(TAPES, REASON).items() if r not in PARTIAL_TAPE_REASONS}
         out |= {f"record:{r}": int(v) for r, v in self.by_label(RECORDS, REASON).items() if r not in others}
         return {k: v for k, v in out.items() if v}
 

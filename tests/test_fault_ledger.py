@@ -14,6 +14,7 @@ PAGE = """# HELP llmtap_telemetry_tapes_dropped_total Tapes.
 # TYPE llmtap_telemetry_tapes_dropped_total counter
 llmtap_telemetry_tapes_dropped_total{llmtap_telemetry_reason="channel_full"} 3.0
 llmtap_telemetry_tapes_dropped_total{llmtap_telemetry_reason="partial"} 9.0
+llmtap_telemetry_tapes_dropped_total{llmtap_telemetry_reason="in_transit"} 1.0
 llmtap_telemetry_records_dropped_total{llmtap_telemetry_reason="no_space"} 2.0
 llmtap_telemetry_records_dropped_total{llmtap_telemetry_reason="clickhouse_unsent"} 5.0
 llmtap_requests_total{llmtap_route="a\\"b"} 4.0 # {trace_id="ab"} 1.0 1700000000.0
@@ -37,8 +38,9 @@ def test_samples_keep_labels_and_leave_out_comments_and_exemplars() -> None:
 
 def test_losses_count_whole_tapes_and_the_sinks_own_reasons() -> None:
     counters = _counters(PAGE)
-    assert counters.losses("files") == {"tape:channel_full": 3, "record:no_space": 2}
-    assert counters.losses("clickhouse") == {"tape:channel_full": 3, "record:clickhouse_unsent": 5}
+    whole = {"tape:channel_full": 3, "tape:in_transit": 1}
+    assert counters.losses("files") == whole | {"record:no_space": 2}
+    assert counters.losses("clickhouse") == whole | {"record:clickhouse_unsent": 5}
 
 
 def test_a_counter_that_falls_was_reset_and_counts_again_from_zero() -> None:
