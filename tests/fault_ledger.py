@@ -15,6 +15,7 @@ sides of that sum:
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -266,10 +267,18 @@ def ledger(
         kinds[kind] += 1
     recorded = sum(1 for t in by_trace if kept.get(t))
     foreign = sum(1 for t in kept if t not in by_trace)
-    return Ledger(
+    book = Ledger(
         fault, sink, kinds["answered"], kinds["cut"], kinds["refused"], recorded, copies, foreign,
         counters.losses(sink), loss_lines(log),
     )  # fmt: skip
+    # How the requests without a record ended, for whoever reads a failed verdict: "answered 200" or the error.
+    missing = collections.Counter(
+        f"{o.kind} {o.status or ''} {(o.error or '').split('(')[0]}".strip()
+        for o in outcomes
+        if o.kind != "refused" and not kept.get(o.trace_id)
+    )
+    book.notes = {"without_record": dict(missing)} if missing else {}
+    return book
 
 
 #: A log line that says how many records (spans, tapes, rows) were lost: a count next to what was counted, and a

@@ -178,7 +178,7 @@ def test_telemetry_process_killed_six_times_under_load(simulator: Simulator, tmp
         proxy.close()
     found = read_folder(records)
     book = ledger("telemetry SIGKILL x6", "files", outcomes, found.traces, counters, proxy.logs(), found.copies)
-    book.notes = {"kills_at_request": at, "resets": counters.resets, "losses": changes(counters.history)}
+    book.notes |= {"kills_at_request": at, "resets": counters.resets, "losses": changes(counters.history)}
     check(book)
 
 
@@ -230,7 +230,7 @@ def test_whole_tree_killed_and_started_again_on_the_same_folder(simulator: Simul
     log = first.logs() + tree.now.logs()
     found = read_folder(records)
     book = ledger("whole tree SIGKILL, restart", "files", outcomes, found.traces, counters, log, found.copies)
-    book.notes = {"killed_at_request": killed_at, "start_again_said": loss_lines(tree.now.logs())}
+    book.notes |= {"killed_at_request": killed_at, "start_again_said": loss_lines(tree.now.logs())}
     check(book)
 
 
@@ -342,7 +342,7 @@ def test_disk_full(simulator: Simulator, tmp_path: Path) -> None:
             proxy.close()
         found = read_folder(records)
     book = ledger("disk full", "files", outcomes, found.traces, counters, proxy.logs(), found.copies)
-    book.notes = {"torn_lines": found.stats.truncated, "tmpfs": limit is None}
+    book.notes |= {"torn_lines": found.stats.truncated, "tmpfs": limit is None}
     assert 0 < book.recorded < book.sent, "the disk was never full, or full from the start"
     check(book)
     said = [line for line in proxy.logs().splitlines() if "record folder" in line]
@@ -533,7 +533,7 @@ def test_damaged_files_in_the_record_folder(simulator: Simulator, tmp_path: Path
     book = ledger("damaged record files", "files", outcomes, readable, Counters(list), "")
     book.counted = {"in files compare and slo named": len(counted & lost)}
     book.said = sorted(everywhere)
-    book.notes = {"damaged": sorted(held), "named": {k: sorted(v) for k, v in named.items()}, "failed": sorted(failed)}
+    book.notes |= {"damaged": sorted(held), "named": {k: sorted(v) for k, v in named.items()}, "failed": sorted(failed)}
     book.publish()
     assert not failed, "\n".join(f"{who} failed: {said}" for who, said in failed.items())
     for who, names in named.items():
