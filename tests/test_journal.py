@@ -14,7 +14,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench.telemetry import chat_tape
+from llmtap.config.load import build
 from llmtap.config.types import Records, Route, Settings
+from llmtap.serve.lines import startup_lines
 from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry.journal import (
     CHUNK,
@@ -34,6 +36,7 @@ from llmtap.wire.framing import encode_frame
 from llmtap.wire.ledger import Ledger
 from llmtap.wire.messages import END, SEGMENT
 from llmtap.worker import Progress
+from tests.conftest import PATIENCE
 
 EVENT = b'data: {"model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
 
@@ -310,11 +313,11 @@ def test_a_folder_that_cannot_be_used_is_said_and_records_go_on_unjournaled(tmp_
 # -- what never reached the journal ------------------------------------------------------------------------
 
 
-def sequences(tmp_path: Path, index: int = 0) -> tuple[Sequences, dict[str, int]]:
+def sequences(tmp_path: Path, index: int = 0, run: int = 1) -> tuple[Sequences, dict[str, int]]:
     lost: dict[str, int] = {}
     slot = tmp_path / "journal" / f"slot-{index}"
     slot.mkdir(parents=True, exist_ok=True)
-    seqs = Sequences(slot / "sequences.json", index, lambda r, n: lost.__setitem__(r, lost.get(r, 0) + n))
+    seqs = Sequences(slot / "sequences.json", index, run, lambda r, n: lost.__setitem__(r, lost.get(r, 0) + n))
     return seqs, lost
 
 
@@ -326,14 +329,40 @@ def test_a_gap_in_a_relays_numbers_is_counted_in_transit(tmp_path: Path) -> None
     assert seqs.resolve() == (0, 0)
     seqs.save()
     # The next run: relay 7 goes on from 9 (7 and 8 lost with the process), relay 8 is new.
-    again, lost = sequences(tmp_path)
+    again, lost = sequences(tmp_path, run=2)
     again.seen(7, 9)
     again.seen(8, 1)
     assert lost == {}  # not before the last run's numbers are all known
-    again.seen_old(7, 6)
     assert again.resolve() == (2, 0)
-    again.seen(9, 3)  # a relay the last run never heard of, after the resolve: no gap to count
+    again.seen(9, 3)  # a relay no run here heard of: nothing to count it against
     assert lost == {"in_transit": 2}
+
+
+def test_runs_killed_before_they_counted_are_counted_once_by_the_next(tmp_path: Path) -> None:
+    """A crash loop: run 2 and run 3 each die before their replay ended; run 4 counts every gap, once."""
+    first, lost = sequences(tmp_path, run=1)
+    for seq in (1, 2, 3):
+        first.seen(5, seq)
+    assert first.resolve() == (0, 0)
+    first.save()  # then killed with 4 and 5 on their way
+    second, lost = sequences(tmp_path, run=2)
+    for seq in (6, 7):
+        second.seen(5, seq)
+    second.save()  # a segment of its own deleted before its replay ended; then killed with 8 on its way
+    third, lost = sequences(tmp_path, run=3)
+    third.seen(5, 9)
+    third.seen(5, 12)  # 10 and 11 lost within the run (a connection made again)
+    assert lost == {"in_transit": 2}
+    # Its segments stay (killed before anything was done); the next replay reads them.
+    fourth, lost = sequences(tmp_path, run=4)
+    fourth.seen_old(3, 5, 9)
+    fourth.seen_old(3, 5, 12)
+    fourth.seen(5, 14)
+    assert fourth.resolve() == (2 + 1 + 1, 0)  # 4, 5; then 8; then 13
+    fourth.save()
+    fifth, lost = sequences(tmp_path, run=5)
+    fifth.seen(5, 15)
+    assert fifth.resolve() == (0, 0)
 
 
 def test_a_dead_relays_ledger_says_what_never_reached_the_journal(tmp_path: Path) -> None:
@@ -345,13 +374,14 @@ def test_a_dead_relays_ledger_says_what_never_reached_the_journal(tmp_path: Path
     dead_relay.close()  # its lock goes with it, as with a kill
     live = Ledger(folder, 12, shards=1)
     live.handed(0, 50)
-    seqs, lost = sequences(tmp_path)
-    seqs.seen_old(11, 17)
+    seqs, lost = sequences(tmp_path, run=2)
+    seqs.seen_old(1, 11, 1)
+    seqs.seen_old(1, 11, 17)
     assert seqs.resolve() == (3, 3)
     assert lost == {"in_transit": 3, "in_flight": 3}
     # The other telemetry process counts its own shard, then the file goes; the live relay's stays.
-    other, lost = sequences(tmp_path, index=1)
-    other.seen_old(11, 1)
+    other, lost = sequences(tmp_path, index=1, run=2)
+    other.seen_old(1, 11, 1)
     assert other.resolve() == (3, 0)
     assert sorted(p.name for p in (folder / "relays").iterdir()) == [f"relay-{12:016x}.ledger"]
     live.close()
@@ -359,7 +389,7 @@ def test_a_dead_relays_ledger_says_what_never_reached_the_journal(tmp_path: Path
     stranger = Ledger(folder, 13, shards=1)
     stranger.handed(0, 9)
     stranger.close()
-    seqs, lost = sequences(tmp_path)
+    seqs, lost = sequences(tmp_path, run=3)
     assert seqs.resolve() == (0, 0) and lost == {}
     assert (folder / "relays" / f"relay-{13:016x}.ledger").exists()
 
@@ -395,7 +425,7 @@ def test_a_killed_recorders_requests_are_recorded_by_the_next_and_its_spans_made
     monkeypatch.setattr(files, "close", lambda timeout=5.0: None)
     intake(first, 0, request(1) + request(2))
     intake(first, 0, request(3), queue=False)  # read off the socket, still in the queue at the kill
-    assert first.flush(10)
+    assert first.flush(PATIENCE)
     assert first.spool is not None
     first.spool.poll()  # what the worker does every POLL_EVERY: the emitted ones acknowledged as such
     assert len({s.context.trace_id for s in first_spans.get_finished_spans()}) == 2
@@ -406,11 +436,11 @@ def test_a_killed_recorders_requests_are_recorded_by_the_next_and_its_spans_made
     again = recorder_on(tmp_path, again_spans)
     try:
         assert again.spool is not None and again.spool.replay is not None
-        wait = time.monotonic() + 30
+        wait = time.monotonic() + PATIENCE
         while not again.spool.replay.done:
             assert time.monotonic() < wait
             time.sleep(0.02)
-        assert again.flush(10)
+        assert again.flush(PATIENCE)
     finally:
         again.close()
     # The request the first run had not emitted gets its spans now; the two it had get none again.
@@ -419,3 +449,15 @@ def test_a_killed_recorders_requests_are_recorded_by_the_next_and_its_spans_made
     assert sorted(r["span_id"] for r in got) == sorted(f"{k + 1:016x}" for k in (1, 2, 3))
     assert again.spool.recovered == 3
     assert segments(tmp_path / "records" / ".journal") == []  # every request done: the segments are gone
+
+
+def test_the_start_says_where_the_journal_is_or_that_there_is_none(tmp_path: Path) -> None:
+    base = {"upstream": "http://u"}
+    line = startup_lines(build({**base, "record": str(tmp_path)}, env={}), 8080, 9464)[4]
+    assert f"; journal {tmp_path}/.journal/ (256 MiB per telemetry process);" in line
+    clickhouse = build({**base, "record_clickhouse": "http://ch:8123"}, env={})
+    assert (
+        "; not journaled: a restart loses what waits for a sink (--record-journal DIR)"
+        in (startup_lines(clickhouse, 8080, 9464)[4])
+    )
+    assert "journal" not in startup_lines(build(base, env={}), 8080, 9464)[4]

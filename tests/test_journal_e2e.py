@@ -7,8 +7,8 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import httpx
@@ -41,12 +41,14 @@ def ask(url: str) -> int | str:
         return type(exc).__name__
 
 
-def load(url: str, n: int, during: float, act: object) -> list[int | str]:
-    """``n`` requests, 16 at a time; ``act()`` runs ``during`` seconds in."""
+def load(url: str, n: int, act: Callable[[], object], *, after: int) -> list[int | str]:
+    """``n`` requests, 16 at a time; ``act()`` runs once ``after`` of them were answered (a loaded machine may take
+    seconds for the first: a time would find none)."""
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(ask, url) for _ in range(n)]
-        time.sleep(during)
-        act()  # type: ignore[operator]
+        for done, _ in enumerate(as_completed(futures), 1):
+            if done == after:
+                act()
         return [f.result() for f in futures]
 
 
@@ -78,7 +80,7 @@ def test_telemetry_killed_under_load_every_request_is_a_record_or_counted(sim: S
         wait_for("the first /metrics", lambda: "llmtap_telemetry_start_time_seconds" in proxy.metrics())
         started = metric_value(proxy.metrics(), "llmtap_telemetry_start_time_seconds")
         killed: list[int] = []
-        answers = load(proxy.url, 300, 1.0, lambda: killed.append(_kill(proxy.telemetry_pid())))
+        answers = load(proxy.url, 300, lambda: killed.append(_kill(proxy.telemetry_pid())), after=60)
         assert answers.count(200) == 300, answers
         wait_for("the restarted telemetry's replay", lambda: recovered_line(proxy) is not None)
         # Every tape is in, or counted: the relays report their drops at least once a second.
@@ -119,7 +121,7 @@ def test_the_whole_tree_killed_the_next_start_says_what_it_recovered(sim: Simula
     args = ("--record", str(records), "--log-level", "info")
     first = Llmtap(sim.url, tmp_path / "first.log", *args, preexec_fn=os.setsid)
     try:
-        answers = load(first.url, 400, 1.0, lambda: os.killpg(first.proc.pid, signal.SIGKILL))
+        answers = load(first.url, 400, lambda: os.killpg(first.proc.pid, signal.SIGKILL), after=100)
     finally:
         first.close()
     answered = answers.count(200)

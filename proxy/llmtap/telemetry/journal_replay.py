@@ -107,7 +107,7 @@ class Replay:
                     continue
                 key = (run, source, message[1])
                 if kind == END and len(message) > 6 and message[5]:
-                    spool.sequences.seen_old(message[5], message[6])
+                    spool.sequences.seen_old(run, message[5], message[6])
                 if message[2] is not None:
                     mask = self._bits.get(ref, 0)
                     ref += 1

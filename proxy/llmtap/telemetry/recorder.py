@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError
-from opentelemetry.metrics import MeterProvider, Observation
+from opentelemetry.metrics import MeterProvider
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.trace import TracerProvider
 
@@ -231,19 +231,7 @@ class Recorder:
         for reason in JOURNAL_DROP_REASONS:
             self._count_record_drop(reason, 0)
         self._count_recovered(0)
-        meter = self.metrics.meter
-        meter.create_observable_gauge(
-            sc.METRIC_JOURNAL_SIZE,
-            callbacks=[lambda options: [Observation(spool.size)]],
-            unit="By",
-            description="Bytes of tapes the record journal holds on disk now (--record-journal).",
-        )
-        meter.create_observable_gauge(
-            sc.METRIC_JOURNAL_RECORDS,
-            callbacks=[lambda options: [Observation(spool.outstanding)]],
-            unit="{record}",
-            description="Requests the record journal keeps until every record sink has their record.",
-        )
+        spool.observe(self.metrics.meter)
         return spool
 
     def _count_recovered(self, n: int) -> None:
@@ -557,6 +545,12 @@ class Recorder:
                 log.exception("telemetry: could not take a tape message of the last run")
             sched.checkpoint()
         self._emit_held()
+        # What is due goes on during a long replay: the journal's acknowledgements above all (a kill before the
+        # replay ends must not find this run's records unacknowledged and make them all again).
+        deadline = self._next_deadline()
+        if deadline is not None and deadline <= time.monotonic():
+            self._due()
+            self.records.flush()
 
     def take(self, source: int, message: Raw) -> None:
         """One encoded message of relay ``source``: a stream's segment or end, or the relay's report.
@@ -600,16 +594,7 @@ class Recorder:
             return
         ref = self.spool.ended(source, m.key) if self.spool is not None else None
         if playback is None or key in self._lost:
-            if key in self._lost:
-                self._lost.discard(key)
-                self.drops.tape("queue_full", playback.tl.route if playback is not None else None)
-            elif key in self._evicted:
-                del self._evicted[key]  # counted when it was evicted
-            else:
-                # Its start went to a telemetry process that is gone (a restart): neither can make its record.
-                self.drops.tape("split", None)
-            if ref is not None:
-                self.spool.settle(ref)  # type: ignore[union-attr]
+            self._end_lost(key, playback, ref)
             return
         if playback.partial:
             self.drops.count("partial")
@@ -618,6 +603,19 @@ class Recorder:
         if tl.unread is not None:
             self.drops.count(tl.unread)
         self._record_counted(tl)
+
+    def _end_lost(self, key: tuple[int, int], playback: Playback | None, ref: int | None) -> None:
+        """A stream's end whose tape cannot become a record: counted once, by why."""
+        if key in self._lost:
+            self._lost.discard(key)
+            self.drops.tape("queue_full", playback.tl.route if playback is not None else None)
+        elif key in self._evicted:
+            del self._evicted[key]  # counted when it was evicted
+        else:
+            # Its start went to a telemetry process that is gone (a restart): neither can make its record.
+            self.drops.tape("split", None)
+        if self.spool is not None:
+            self.spool.settle(ref)
 
     def _record_counted(self, tl: Timeline) -> None:
         try:

@@ -2,15 +2,16 @@
 
 Issue 44. Each relay numbers the stream ends it hands to each telemetry process, 1, 2, 3, ... (``End.seq``, only
 once the channel took the end: one it refused is counted dropped by the relay itself). The journal
-(``llmtap.telemetry.spool``) notes the last number it saw of each relay; so a gap is an end that the relay handed
-over and the journal never got: in the socket, or in the relay's gather, when the telemetry process was killed
-(or its connection lost). Counted as tapes dropped, ``in_transit``.
+(``llmtap.telemetry.spool``) notes, per run of the telemetry process, the first and the last number it saw of each
+relay; a gap is an end the relay handed over that the journal never got: in the socket, or in the relay's
+gather, when the telemetry process was killed (or its connection lost). Counted as tapes dropped, ``in_transit``.
 
-Across a restart of the telemetry process: the last run's numbers are in its segments (read by the replay) and,
-for those already deleted, in the slot's ``relays`` file (``save``, before any segment is deleted); a relay's first
-end in this run is compared with them once they are known (``resolve``). Across a kill of the whole tree: the
-dead relays' ledgers (``llmtap.wire.ledger``) say what each handed over last and how many requests it was still
-relaying (``in_flight``: their tapes never left it).
+Across restarts: the runs the replay reads (their segments) and those the slot's ``sequences.json`` remembers
+(``save``, before any segment is deleted) are put in order with what was already reconciled, once all of them are
+known (``resolve``): a gap between one run's last number and the next run's first is counted then, once, however
+many runs were killed before they could count it (a crash loop). Across a kill of the whole tree: the dead relays'
+ledgers (``llmtap.wire.ledger``) say what each handed over last and how many requests it was still relaying
+(``in_flight``: their tapes never left it).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from llmtap.wire.ledger import LedgerState, dead, mark_read
 
@@ -29,33 +31,44 @@ __all__ = ["Sequences"]
 
 log = logging.getLogger("llmtap.telemetry")
 
-#: Relays whose last number is remembered at most (the oldest forgotten first).
+#: Relays whose numbers are remembered at most (the oldest forgotten first).
 MAX_RELAYS = 4096
 #: Seconds after which a dead relay's ledger that no journal here knew is removed.
 STALE = 3600.0
 
+#: A relay's numbers in one run: the first and the last end the journal saw.
+Span = list[int]
 
-def _load(path: Path) -> dict[int, int]:
+
+def _load(path: Path) -> tuple[dict[int, tuple[int, int]], dict[int, dict[int, Span]]]:
+    """What an earlier run left: per relay the (run, number) reconciled up to, and the runs not reconciled yet."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return {int(k): int(v) for k, v in data.items()}
-    except (OSError, ValueError, AttributeError, TypeError):
-        return {}
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+        reconciled = {int(k): (int(v[0]), int(v[1])) for k, v in data.get("reconciled", {}).items()}
+        runs = {
+            int(run): {int(k): [int(v[0]), int(v[1])] for k, v in spans.items()}
+            for run, spans in data.get("runs", {}).items()
+        }
+        return reconciled, runs
+    except (OSError, ValueError, AttributeError, TypeError, IndexError, KeyError):
+        return {}, {}
 
 
 class Sequences:
-    """Per relay, the last stream end the journal saw, of the last run and of this one; the gaps, counted.
+    """Per relay, the stream ends the journal saw, run by run; the gaps, counted once.
 
     ``seen`` runs under the journal's lock (the event loop's thread); the rest on the recorder's worker."""
 
-    def __init__(self, path: Path, index: int, on_lost: Callable[[str, int], None] | None = None) -> None:
+    def __init__(self, path: Path, index: int, run: int, on_lost: Callable[[str, int], None] | None = None) -> None:
         self.path = path
         self.index = index
+        self.run = run
         self._on_lost = on_lost
-        #: The last run's (complete once ``resolve`` ran), and this run's, last number per relay.
-        self.old = _load(path)
+        #: Per relay, the run and number every gap up to which is counted; the earlier runs not yet reconciled.
+        self.reconciled, self.runs = _load(path)
+        #: This run's first and last number per relay.
+        self.first: dict[int, int] = {}
         self.last: dict[int, int] = {}
-        self._first: dict[int, int] = {}
         self._resolved = False
         #: Ends the journal never got, and requests dead relays were relaying, counted so far.
         self.in_transit = 0
@@ -66,27 +79,31 @@ class Sequences:
         """Relay ``relay``'s ``seq``-th end reached the journal."""
         last = self.last.get(relay)
         if last is None:
-            self._first[relay] = seq
+            self.first[relay] = seq
             if self._resolved:
-                self._gap(seq - self.old.get(relay, seq - 1) - 1)
+                self._reconcile(relay)
         elif seq > last + 1:
             self._gap(seq - last - 1)  # a connection lost and made again: what was on its way went with it
         if last is None or seq > last:
             self.last[relay] = seq
 
-    def seen_old(self, relay: int, seq: int) -> None:
-        """The replay read relay ``relay``'s ``seq``-th end in the last run's segments."""
-        if seq > self.old.get(relay, 0):
-            self.old[relay] = seq
+    def seen_old(self, run: int, relay: int, seq: int) -> None:
+        """The replay read relay ``relay``'s ``seq``-th end in a segment of run ``run``."""
+        span = self.runs.setdefault(run, {}).get(relay)
+        if span is None:
+            self.runs[run][relay] = [seq, seq]
+        else:
+            span[0], span[1] = min(span[0], seq), max(span[1], seq)
 
     def resolve(self) -> tuple[int, int]:
-        """The last run's numbers are all known: the gaps to this run's first ends, and what the dead relays'
-        ledgers say never reached the journal. Returns (``in_transit``, ``in_flight``) found now."""
+        """Every earlier run's numbers are known (the replay is done): the gaps between runs, and to this run's
+        first ends, counted; then what the dead relays' ledgers say never reached the journal. Returns
+        (``in_transit``, ``in_flight``) found now."""
         before = self.in_transit
         self._resolved = True
-        for relay, first in self._first.items():
-            if relay in self.old:
-                self._gap(first - self.old[relay] - 1)
+        for relay in {r for spans in self.runs.values() for r in spans} | set(self.first):
+            self._reconcile(relay)
+        self.runs = {}
         for state, fd in dead(self.path.parent.parent):
             try:
                 self._dead(state, fd)
@@ -94,18 +111,35 @@ class Sequences:
                 os.close(fd)
         return self.in_transit - before, self.in_flight
 
+    def _reconcile(self, relay: int) -> None:
+        """The gaps of ``relay`` from what was reconciled through the earlier runs, in order, to this run's first."""
+        at_run, prev = self.reconciled.get(relay, (0, 0))
+        known = relay in self.reconciled
+        for run in sorted(self.runs):
+            span = self.runs[run].get(relay)
+            if run <= at_run or span is None:
+                continue
+            if known:
+                self._gap(span[0] - prev - 1)
+            at_run, prev, known = run, max(prev, span[1]), True
+        first = self.first.get(relay)
+        if first is not None and known:
+            self._gap(first - prev - 1)
+        if known:
+            self.reconciled[relay] = (at_run, prev)
+
     def _dead(self, state: LedgerState, fd: int) -> None:
         """A dead relay's ledger: counted by the telemetry process whose journal knew the relay (on a folder several
         replicas share, another replica's relay is not this journal's to count); one nobody knew is let go after
         ``STALE`` seconds."""
         relay = state.relay_id
-        if relay not in self.old and relay not in self.last:
+        if relay not in self.reconciled and relay not in self.last:
             with contextlib.suppress(OSError):
                 if time.time() - state.path.stat().st_mtime > STALE:
                     state.path.unlink()
             return
         if self.index < len(state.handed) and not state.read[self.index]:
-            journaled = max(self.old.pop(relay, 0), self.last.get(relay, 0))
+            journaled = max(self.reconciled.pop(relay, (0, 0))[1], self.last.get(relay, 0))
             self._gap(state.handed[self.index] - journaled)
             if self.index == 0 and state.in_flight:
                 self.in_flight += state.in_flight
@@ -130,11 +164,22 @@ class Sequences:
             self._on_lost(reason, n)
 
     def save(self) -> None:
-        """The last numbers, this run's over the last run's, kept for the next start (before segments go)."""
-        merged = {**self.old, **self.last}
-        if len(merged) > MAX_RELAYS:
-            merged = dict(list(merged.items())[-MAX_RELAYS:])
+        """What the next start needs, kept (before segments go): once resolved, this run's last numbers as the
+        reconciled ones; before, this run beside the earlier runs still to reconcile."""
+        reconciled = dict(self.reconciled)
+        runs = {run: dict(spans) for run, spans in self.runs.items()}
+        mine = {relay: [first, self.last[relay]] for relay, first in self.first.items()}
+        if self._resolved:
+            reconciled.update({relay: (self.run, span[1]) for relay, span in mine.items()})
+        elif mine:
+            runs[self.run] = mine
+        if len(reconciled) > MAX_RELAYS:
+            reconciled = dict(list(reconciled.items())[-MAX_RELAYS:])
+        data = {
+            "reconciled": {str(k): list(v) for k, v in reconciled.items()},
+            "runs": {str(run): {str(k): v for k, v in spans.items()} for run, spans in runs.items()},
+        }
         aside = self.path.with_name(self.path.name + ".new")
         with contextlib.suppress(OSError):
-            aside.write_text(json.dumps({str(k): v for k, v in merged.items()}), encoding="utf-8")
+            aside.write_text(json.dumps(data), encoding="utf-8")
             os.replace(aside, self.path)

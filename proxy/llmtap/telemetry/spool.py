@@ -41,6 +41,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from opentelemetry.metrics import Meter, Observation
+
+from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.journal import (
     EMITTED,
     SETTLED,
@@ -135,8 +138,9 @@ class Spool:
         #: Requests the bound let go of (no longer kept for a restart), not done yet.
         self._unkept: set[Req] = set()
         self._failing: str | None = None
+        self._closed = False
         #: The relays' numbers of the stream ends the journal saw, and what never reached it (counted as tapes lost).
-        self.sequences = Sequences(self.slot.path / "sequences.json", index, on_tapes_lost)
+        self.sequences = Sequences(self.slot.path / "sequences.json", index, self.run, on_tapes_lost)
         self.replay = Replay(self)
         #: Counts since start: requests journaled, done, let go by the bound; and of the last run: recovered.
         self.journaled = 0
@@ -148,7 +152,7 @@ class Spool:
 
     def append(self, source: int, raw: bytes, messages: Sequence[Raw]) -> None:
         """What one read of relay ``source``'s channel gave: ``raw``, the complete frames of ``messages``."""
-        if not raw:
+        if not raw or self._closed:
             return
         with self._lock:
             seg = self._segment()
@@ -308,15 +312,16 @@ class Spool:
                 req.mask |= bit
                 self._dirty.add(req)
         acks: list[tuple[int, int]] = []
+        # Taken whole: at a shutdown whose worker overran the flush timeout, it may still be adding to it.
+        dirty, self._dirty = self._dirty, set()
         with self._lock:
-            for req in self._dirty:
+            for req in dirty:
                 if req.ref not in self._reqs:
                     continue
                 if req.mask & self.need == self.need:
                     self._finish(req, acks)
                 else:
                     acks.append((req.ref, req.mask))
-            self._dirty.clear()
             closing, self._to_close = self._to_close, []
             self._keep_bound()
         self._write_acks(acks)
@@ -438,6 +443,7 @@ class Spool:
         (said with its count), or, let go by the bound, is counted lost."""
         self.poll()
         with self._lock:
+            self._closed = True
             lost = len(self._unkept)
             kept = len(self._reqs) - lost
             current, self._current = self._current, None
@@ -464,6 +470,21 @@ class Spool:
     def _lost(self, reason: str, n: int) -> None:
         if self._on_lost is not None and n:
             self._on_lost(reason, n)
+
+    def observe(self, meter: Meter) -> None:
+        """Its gauges on ``meter``: bytes on disk, requests kept."""
+        meter.create_observable_gauge(
+            sc.METRIC_JOURNAL_SIZE,
+            callbacks=[lambda options: [Observation(self.size)]],
+            unit="By",
+            description="Bytes of tapes the record journal holds on disk now (--record-journal).",
+        )
+        meter.create_observable_gauge(
+            sc.METRIC_JOURNAL_RECORDS,
+            callbacks=[lambda options: [Observation(self.outstanding)]],
+            unit="{record}",
+            description="Requests the record journal keeps until every record sink has their record.",
+        )
 
     @property
     def size(self) -> int:
