@@ -296,6 +296,7 @@ class EngineSource:
                 ids.append(np.asarray(found, dtype=np.uint64))
             if kind in ("record", "out"):
                 facts.counts[kind] = facts.counts.get(kind, 0) + n
+                facts.skips.add("wrong_type", None, int(_cell(got, "wrong", r)))
             else:
                 fi = _cell(got, "fi", r)
                 name = part.names[int(fi)] if fi is not None else None

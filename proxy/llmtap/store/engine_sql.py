@@ -128,10 +128,26 @@ def _listed(files: list[Path]) -> str:
     return "[" + ", ".join(q(str(f)) for f in files) + "]"
 
 
+def _wrong_json() -> str:
+    """A line's field of the wrong type (present, not null, and read as null): whether it has one."""
+    checks = []
+    for name, expr in _JSON_COLUMNS.items():
+        j = expr[expr.index("j[") : expr.index("]") + 1]
+        if name == "time_s":
+            continue  # a record without a readable time is counted apart (no_time)
+        if name == "stream":
+            checks.append(f"{j}::VARCHAR NOT IN ('true', 'false', 'null')")
+        else:
+            checks.append(f"({j}::VARCHAR <> 'null' AND {name} IS NULL)")
+    return "coalesce(" + " OR ".join(checks) + ", false)"
+
+
 def json_read(files: list[Path], *, positions: bool = False) -> str:
-    """The rows of JSON-lines files: each line's kind, file (``fi``), [position,] and flat columns."""
+    """The rows of JSON-lines files: each line's kind, file (``fi``), [position,] flat columns, and whether a field
+    had the wrong type (``wrong``)."""
     paths = "[" + ", ".join(q(p) for p in _PATHS) + "]"
     columns = ",\n  ".join(f"{expr} AS {name}" for name, expr in _JSON_COLUMNS.items())
+    columns += f",\n  {_wrong_json()} AS wrong"
     pos = ", row_number() OVER () AS pos" if positions else ""
     return f"""
 SELECT kind, fi{", pos" if positions else ""},
@@ -155,6 +171,20 @@ FROM (
     WHERE line IS NOT NULL AND CASE WHEN length(line) < 64 THEN trim(line, ' \t\r') <> '' ELSE true END
   )
 )"""
+
+
+def _source(schema: dict[str, str], name: str) -> str | None:
+    """Where a flat column sits in a Parquet file of ``schema`` (its expression), or None when it is not there."""
+    flat = name in schema and not schema[name].startswith("STRUCT(")
+    path = (name,) if flat else _NESTED.get(name, (name,))
+    have = schema.get(path[0])
+    expr = _ident(path[0])
+    for part in path[1:]:
+        if have is None or not have.startswith("STRUCT("):
+            return None
+        have = _struct_fields(have).get(part)
+        expr = f"{expr}.{_ident(part)}"
+    return expr if have is not None else None
 
 
 def _column(schema: dict[str, str], name: str, kind: str) -> str:
@@ -206,7 +236,16 @@ def parquet_read(
         kind = "'record'"
     else:
         kind = "'wrong_schema'"
-    columns = ",\n  ".join(f"{_column(schema, name, COLUMNS[name])} AS {name}" for name in _JSON_COLUMNS)
+    read = {name: _column(schema, name, COLUMNS[name]) for name in _JSON_COLUMNS}
+    columns = ",\n  ".join(f"{expr} AS {name}" for name, expr in read.items())
+    # A column of the wrong type reads as null: the rows that hold a value there had a field of the wrong type.
+    wrong = [
+        _source(schema, name)
+        for name, expr in read.items()
+        if name != "time_s" and expr.startswith(("NULL::", "false"))
+    ]
+    present = [w for w in wrong if w is not None]
+    columns += f",\n  {' OR '.join(f'{w} IS NOT NULL' for w in present) or 'false'} AS wrong"
     # A position that orders the part's rows as the files hold them, without a window.
     pos = ", (file_index::BIGINT << 40) + file_row_number AS pos" if positions else ""
     return f"SELECT {kind} AS kind, file_index AS fi{pos},\n  {columns}\nFROM {source}"
@@ -266,6 +305,7 @@ SELECT kind, key, route, shape, fi,
   histogram(cache_class) FILTER (cache_class IS NOT NULL) AS classes,
   list(DISTINCT coalesce(prefill_source, 'unknown')) FILTER ({ok_stream} AND prefill IS NOT NULL) AS sources,
   count(cost) AS priced, coalesce(sum(cost), 0) AS cost_sum,
+  count(*) FILTER (kind IN ('record', 'out') AND wrong) AS wrong,
   min_by({{'t': ttft, 'id': coalesce(trace_id, '')}}, {{'a': -ttft, 'b': coalesce(trace_id, '')}}, {SLOWEST})
     FILTER (kind = 'record' AND {ok_stream}) AS slowest,
   list(hash(trace_id, span_id)) FILTER (kind IN ('record', 'out') AND {_HAS_IDS}) AS ids,

@@ -50,6 +50,35 @@ def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+#: The fields a record is read by (as ``llmtap.store.COLUMNS``), each with what reads it; time apart.
+_FIELDS: tuple[tuple[tuple[str, ...], Any], ...] = (
+    *(((name,), _str) for name in ("route", "model", "shape", "prompt_version", "outcome", "slo", "prefill_source")),
+    *(((name,), _num) for name in ("ttft", "tpot", "e2e", "prefill")),
+    (("tokens", "input"), _int),
+    (("tokens", "cache_read"), _int),
+    (("cache", "class"), _str),
+    (("objective", "shape"), _str),
+    *((("objective", name), _num) for name in ("percentile", "ttft", "tpot", "e2e")),
+    (("trace_id",), _str),
+    (("span_id",), _str),
+    (("cost", "amount"), _num),
+)
+
+
+def wrong_typed(rec: dict[str, Any]) -> bool:
+    """Whether a field the record is read by holds a value of the wrong type (which reads as null)."""
+    stream = rec.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        return True
+    for path, read in _FIELDS:
+        value: Any = rec
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None and read(value) is None:
+            return True
+    return False
+
+
 def time_s(value: Any) -> float | None:
     """Epoch seconds of a record's ``time`` (ISO 8601; without a zone, UTC), or None."""
     if not isinstance(value, str):
@@ -71,6 +100,25 @@ def objective(raw: Any) -> Objective | None:
     if share is None or not 0 < share < 1 or all(v is None for v in limits):
         return None
     return Objective(_str(obj.get("shape")), share, *limits)
+
+
+def _figures(g: Group, rec: dict[str, Any], ok: bool, stream: bool) -> None:
+    """A record's figures into its group's values (sorted at the end of the scan)."""
+    ttft, prefill = _num(rec.get("ttft")), _num(rec.get("prefill"))
+    if stream and ttft is not None:
+        (g.ttft_ok if ok else g.ttft_failed).append(ttft)
+        if ok:
+            g.slowest.append((ttft, _str(rec.get("trace_id")) or ""))
+            if len(g.slowest) > 8 * SLOWEST:  # kept short as it grows: only the slowest few count
+                g.slowest = slowest([g.slowest])
+        if ok and prefill is not None:
+            g.prefill.append(prefill)
+            g.prefill_sources.add(_str(rec.get("prefill_source")) or "unknown")
+    tpot, e2e = _num(rec.get("tpot")), _num(rec.get("e2e"))
+    if ok and tpot is not None:
+        g.tpot.append(tpot)
+    if e2e is not None:
+        g.e2e.append(e2e)
 
 
 class PythonSource:
@@ -112,6 +160,8 @@ class PythonSource:
                         skips.add("duplicate", str(file))
                         continue
                     seen.add(key)
+                if wrong_typed(rec):
+                    skips.add("wrong_type", None)
                 rec["time_s"] = t
                 yield rec
 
@@ -167,21 +217,7 @@ class PythonSource:
                 if gk not in ranks or rank > ranks[gk]:
                     ranks[gk] = rank
                     g.objective, g.objective_time = obj, t
-            ttft, prefill = _num(rec.get("ttft")), _num(rec.get("prefill"))
-            if stream and ttft is not None:
-                (g.ttft_ok if ok else g.ttft_failed).append(ttft)
-                if ok:
-                    g.slowest.append((ttft, _str(rec.get("trace_id")) or ""))
-                    if len(g.slowest) > 8 * SLOWEST:  # kept short as it grows: only the slowest few count
-                        g.slowest = slowest([g.slowest])
-                if ok and prefill is not None:
-                    g.prefill.append(prefill)
-                    g.prefill_sources.add(_str(rec.get("prefill_source")) or "unknown")
-            tpot, e2e = _num(rec.get("tpot")), _num(rec.get("e2e"))
-            if ok and tpot is not None:
-                g.tpot.append(tpot)
-            if e2e is not None:
-                g.e2e.append(e2e)
+            _figures(g, rec, ok, stream)
             cost = _num(_dict(rec.get("cost")).get("amount"))
             if cost is not None:
                 g.priced += 1

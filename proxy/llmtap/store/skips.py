@@ -17,21 +17,43 @@ __all__ = ["CAUSES", "FILE_CAUSES", "MAX_LINE", "Skips"]
 MAX_LINE = 1024 * 1024
 
 #: Every cause: what it counts, and what the summary says of them. Lines, records without a time and files are
-#: skipped; a duplicate is a record counted once.
-CAUSES: dict[str, tuple[str, str]] = {
-    "truncated": ("line", "skipped {n} {unit} cut short (a writer stopped mid-line)"),
-    "foreign": ("line", "skipped {n} {unit} that are not records (another log's lines, JSON that is not an object)"),
-    "other_schema": ("line", "skipped {n} {unit} of a record schema version this llmtap does not read"),
-    "not_utf8": ("line", "skipped {n} {unit} that are not UTF-8"),
-    "too_long": ("line", f"skipped {{n}} {{unit}} longer than {MAX_LINE} bytes"),
-    "no_time": ("record", "skipped {n} {unit} without a readable time (in no window)"),
-    "duplicate": ("record", "counted once {n} {unit} read more than once (the same trace_id and span_id)"),
-    "damaged": ("file", "read {n} damaged {unit} up to the damage"),
-    "wrong_schema": ("file", "skipped {n} {unit} that hold no records (none of their columns)"),
-    "unreadable": ("file", "skipped {n} unreadable {unit}"),
+#: skipped; a record with a field of the wrong type is read, that field as null (which can leave it out of a
+#: figure, so it is said); a duplicate is a record counted once.
+CAUSES: dict[str, tuple[str, str, str]] = {
+    "truncated": ("line", "skipped {n} line cut short", "skipped {n} lines cut short"),
+    "foreign": ("line", "skipped {n} line that is not a record", "skipped {n} lines that are not records"),
+    "other_schema": (
+        "line",
+        "skipped {n} line of a record schema version this llmtap does not read",
+        "skipped {n} lines of a record schema version this llmtap does not read",
+    ),
+    "not_utf8": ("line", "skipped {n} line that is not UTF-8", "skipped {n} lines that are not UTF-8"),
+    "too_long": (
+        "line",
+        f"skipped {{n}} line longer than {MAX_LINE} bytes",
+        f"skipped {{n}} lines longer than {MAX_LINE} bytes",
+    ),
+    "no_time": (
+        "record",
+        "skipped {n} record without a readable time (in no window)",
+        "skipped {n} records without a readable time (in no window)",
+    ),
+    "wrong_type": (
+        "record",
+        "read {n} record with a field of the wrong type (that field as null)",
+        "read {n} records with a field of the wrong type (each such field as null)",
+    ),
+    "duplicate": (
+        "record",
+        "counted once {n} record read more than once (the same trace_id and span_id)",
+        "counted once {n} records read more than once (the same trace_id and span_id)",
+    ),
+    "damaged": ("file", "read {n} damaged file up to the damage", "read {n} damaged files up to the damage"),
+    "wrong_schema": ("file", "skipped {n} file holding no records", "skipped {n} files holding no records"),
+    "unreadable": ("file", "skipped {n} unreadable file", "skipped {n} unreadable files"),
 }
 #: The causes that pass over a whole file (or its rest): each file is named with what was wrong with it.
-FILE_CAUSES = tuple(cause for cause, (unit, _) in CAUSES.items() if unit == "file")
+FILE_CAUSES = tuple(cause for cause, (unit, _, _) in CAUSES.items() if unit == "file")
 #: Files named on a summary line at most (the rest are counted).
 NAMED = 5
 
@@ -77,11 +99,11 @@ class Skips:
     def lines(self) -> list[str]:
         """One line per cause, in ``CAUSES``' order: how many, what, and in which files."""
         out = []
-        for cause, (unit, said) in CAUSES.items():
+        for cause, (unit, one, many) in CAUSES.items():
             n = self.counts.get(cause, 0)
             if not n:
                 continue
-            head = said.format(n=n, unit=unit if n == 1 else unit + "s")
+            head = (one if n == 1 else many).format(n=n)
             per = self.files.get(cause, {})
             if per:
                 named = [self._name(cause, f, k) for f, k in sorted(per.items())[:NAMED]]
