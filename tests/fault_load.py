@@ -9,6 +9,7 @@ nothing was sent). Requests sent are the answered and the cut ones.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import http.server
 import secrets
@@ -47,10 +48,19 @@ class Outcome:
     kind: str  # answered, cut or refused
     status: int | None
     error: str | None
+    began: float = 0.0  # monotonic
+
+
+def begun_after(outcomes: list[Outcome], instant: float) -> list[Outcome]:
+    """``outcomes`` with every request begun after ``instant`` (a kill of the whole tree) that got no answer taken as
+    refused: it reached no llmtap. On a kept-alive connection such a request fails as cut (the kernel takes its
+    bytes for a socket whose process is gone), not refused."""
+    return [dataclasses.replace(o, kind="refused") if o.kind == "cut" and o.began > instant else o for o in outcomes]
 
 
 def _one(client: httpx.Client, url: str, body: dict[str, Any], extra: dict[str, str]) -> Outcome:
     trace_id = secrets.token_hex(16)
+    began = time.monotonic()
     headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01", **extra}
     status: int | None = None
     try:
@@ -58,11 +68,11 @@ def _one(client: httpx.Client, url: str, body: dict[str, Any], extra: dict[str, 
             status = r.status_code
             data = r.read()
     except httpx.ConnectError as exc:  # no connection: nothing reached llmtap
-        return Outcome(trace_id, "refused", None, repr(exc))
+        return Outcome(trace_id, "refused", None, repr(exc), began)
     except httpx.HTTPError as exc:  # it reached llmtap; the answer did not come whole
-        return Outcome(trace_id, "cut", status, repr(exc))
+        return Outcome(trace_id, "cut", status, repr(exc), began)
     whole = status != 200 or not body.get("stream") or data.rstrip().endswith(b"data: [DONE]")
-    return Outcome(trace_id, "answered" if whole else "cut", status, None if whole else "no [DONE]")
+    return Outcome(trace_id, "answered" if whole else "cut", status, None if whole else "no [DONE]", began)
 
 
 class Load:

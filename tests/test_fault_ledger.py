@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.fault_ledger import RECORDS, TAPES, Counters, Ledger, check, ledger, loss_lines, read_folder, samples
-from tests.fault_load import Outcome
+from tests.fault_load import Outcome, begun_after
 
 PAGE = """# HELP llmtap_telemetry_tapes_dropped_total Tapes.
 # TYPE llmtap_telemetry_tapes_dropped_total counter
@@ -112,3 +112,11 @@ def test_records_are_read_with_llmtaps_reader_and_each_copy_counted(tmp_path: Pa
     found = read_folder(tmp_path)
     assert found.traces == {"t1": {"s1"}, "t2": {"s2"}}
     assert (found.copies, found.stats.truncated) == (1, 1)
+
+
+def test_a_request_begun_after_the_kill_reached_no_llmtap() -> None:
+    cut_before = Outcome("a" * 32, "cut", None, "reset", began=1.0)
+    cut_after = Outcome("b" * 32, "cut", None, "reset", began=3.0)
+    answered = Outcome("c" * 32, "answered", 200, None, began=3.0)
+    got = begun_after([cut_before, cut_after, answered], 2.0)
+    assert [o.kind for o in got] == ["cut", "refused", "answered"]

@@ -29,7 +29,7 @@ import pytest
 from tests.clickhouse_server import ClickHouseProcess, installed
 from tests.conftest import PATIENCE, require_real
 from tests.fault_ledger import REASON, Counters, Ledger, changes, check, ledger, loss_lines, read_folder
-from tests.fault_load import Load, OTLPBackend, Outcome, wait_for
+from tests.fault_load import Load, OTLPBackend, Outcome, begun_after, wait_for
 from tests.procs import TELEMETRY_COMM, Llmtap, Simulator
 
 pytestmark = pytest.mark.e2e
@@ -208,11 +208,12 @@ def test_whole_tree_killed_and_started_again_on_the_same_folder(simulator: Simul
         with Counters(tree.urls) as counters:
             load = Load(tree.url, SENT, concurrency=8).start()
             wait_for("half the load", lambda: load.issued >= SENT // 2, PATIENCE)
+            killed = time.monotonic()
             os.killpg(first.proc.pid, signal.SIGKILL)
             killed_at = load.issued
             first.proc.wait(PATIENCE)
             load.stop()
-            outcomes += load.join(PATIENCE)
+            outcomes += begun_after(load.join(PATIENCE), killed)
             first.close()
             tree.now = serve(simulator, tmp_path, "again", "--record", str(records))
             outcomes += Load(tree.url, SENT // 10, concurrency=4).start().join(PATIENCE)
