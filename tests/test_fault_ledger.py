@@ -93,6 +93,14 @@ def test_the_verdict(recorded: int, counted: int, said: list[str], fails: str | 
             check(book)
 
 
+def test_a_request_cut_before_any_answer_may_be_counted_or_not() -> None:
+    book = Ledger("f", "files", 8, 2, 0, 8, 0, 0, {"tape:in_flight": 1}, ["1 request lost"], unsure=2)
+    check(book)  # 2 missing, 1 counted: the other may never have reached llmtap
+    book.counted = {"tape:in_flight": 3}
+    with pytest.raises(AssertionError, match="-1 lost without a count"):
+        check(book)
+
+
 def test_a_ledger_counts_each_request_once_and_a_refused_one_with_a_record_as_sent(tmp_path: Path) -> None:
     outcomes = [
         Outcome("a" * 32, "answered", 200, None),
@@ -103,7 +111,7 @@ def test_a_ledger_counts_each_request_once_and_a_refused_one_with_a_record_as_se
     kept = {"a" * 32: {"1"}, "c" * 32: {"3"}, "e" * 32: {"4"}}
     book = ledger("f", "files", outcomes, kept, Counters(list), "", copies=1)
     assert (book.sent, book.recorded, book.copies, book.foreign, book.refused) == (3, 2, 1, 1, 1)
-    assert book.uncounted == 1  # b: cut, with no record and no count
+    assert (book.uncounted, book.unsure) == (1, 1)  # b: cut before any answer, with no record and no count
 
 
 def test_records_are_read_with_llmtaps_reader_and_each_copy_counted(tmp_path: Path) -> None:
