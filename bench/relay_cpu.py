@@ -254,7 +254,8 @@ def measure(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line."""
     p = argparse.ArgumentParser(prog="python -m bench.relay_cpu", description=__doc__.splitlines()[0])
     p.add_argument("--tree", action="append", type=Path, help="an llmtap source tree (repeatable; default: this one)")
     p.add_argument("--streams", type=int, default=64)
@@ -295,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         help="keep what the telemetry process reads from the relay in FILE (one tree, one round; for "
         "bench.telemetry --tapes)",
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     trees: list[Path | str] = [*(args.tree or [peers.REPO]), *([FLOOR] if args.floor else [])]
     chosen = variants(args)
