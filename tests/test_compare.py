@@ -175,7 +175,12 @@ def test_bad_lines_are_counted_and_the_report_still_made(tmp_path: Path, capsys:
         f.write('{"llmtap_record":1,"time":"2026-05-01T13:')  # the last line, cut short
     code, out, err = run(["compare", str(path), "--before", "v1", "--after", "v2"], capsys)
     assert code == 0, err
-    assert "skipped lines: 1 truncated, 2 foreign, 1 other schema" in out
+    assert "skipped: 1 truncated, 2 foreign, 1 other schema" in out
+    assert err.splitlines() == [  # one line per cause on stderr, with the file
+        f"llmtap: skipped 1 line cut short in 1 file: {path} (1)",
+        f"llmtap: skipped 2 lines that are not records in 1 file: {path} (2)",
+        f"llmtap: skipped 1 line of a record schema version this llmtap does not read in 1 file: {path} (1)",
+    ]
     assert out.strip().splitlines()[-1].startswith("caching gain: TTFT p50 7")
     assert "cache classes  miss_changed 12" in out and "hit 12" in out
     code, out, _ = run(["compare", str(path), "--before", "v1", "--after", "v2", "--json"], capsys)
