@@ -152,7 +152,7 @@ def test_a_slot_is_held_while_its_process_lives(tmp_path: Path) -> None:
 def spool_of(root: Path, sinks: list[FakeSink], **kw: Any) -> Spool:
     lost: dict[str, int] = {}
     spool = Spool(root, sinks, on_lost=lambda reason, n: lost.__setitem__(reason, lost.get(reason, 0) + n), **kw)
-    spool.lost = lost  # type: ignore[attr-defined]
+    spool.lost_counts = lost  # type: ignore[attr-defined]
     return spool
 
 
@@ -179,7 +179,9 @@ def test_a_request_every_sink_settled_is_done_and_its_segment_goes(tmp_path: Pat
     left = segments(tmp_path)
     assert len(left) == 1, left  # the one being written
     spool.close()
-    assert spool.lost == {}  # type: ignore[attr-defined]
+    assert spool.lost_counts == {}  # type: ignore[attr-defined]
+    assert segments(tmp_path) == []  # all done at shutdown: nothing for the next start
+    assert (tmp_path / "slot-0" / "acks").stat().st_size == 0
 
 
 def test_what_the_sinks_did_not_take_is_replayed_to_those_sinks_only(tmp_path: Path, caplog: Any) -> None:
@@ -284,7 +286,7 @@ def test_the_bound_lets_the_oldest_go_and_counts_what_is_then_lost(tmp_path: Pat
     unkept = spool.unkept
     assert 0 < unkept < 59
     spool.close()
-    assert spool.lost == {"journal_full": unkept}  # type: ignore[attr-defined]
+    assert spool.lost_counts == {"journal_full": unkept}  # type: ignore[attr-defined]
     assert "records kept in the journal for the next start" in caplog.text
 
 
@@ -461,3 +463,27 @@ def test_the_start_says_where_the_journal_is_or_that_there_is_none(tmp_path: Pat
         in (startup_lines(clickhouse, 8080, 9464)[4])
     )
     assert "journal" not in startup_lines(build(base, env={}), 8080, 9464)[4]
+
+
+def test_a_tape_of_the_last_run_that_cannot_be_read_is_counted_and_let_go(tmp_path: Path, caplog: Any) -> None:
+    sinks = [FakeSink("files")]
+    spool = spool_of(tmp_path / "records" / ".journal", sinks)
+    good = request(1)
+    older = [(*m[:5],) if m[0] == END else m for m in request(2)]  # an end of a build before the numbers
+    feed(spool, 0, good + older)
+    spool.close()
+    caplog.set_level(logging.INFO, "llmtap.telemetry")
+    again = recorder_on(tmp_path, InMemorySpanExporter())
+    try:
+        assert again.spool is not None and again.spool.replay is not None
+        wait = time.monotonic() + PATIENCE
+        while not again.spool.replay.done:
+            assert time.monotonic() < wait
+            time.sleep(0.02)
+        assert again.flush(PATIENCE)
+    finally:
+        again.close()
+    assert [r["span_id"] for r in read_records(tmp_path / "records", ReadStats())] == [f"{2:016x}"]
+    assert "1 records of the last run recovered, 1 could not be" in caplog.text
+    assert "1 that could not be read" in caplog.text
+    assert segments(tmp_path / "records" / ".journal") == []

@@ -51,6 +51,7 @@ class Replay:
         self.found_done = 0
         self.unread = 0
         self.torn_segments = 0
+        self.unreadable = 0
 
     def past(self, ident: tuple[int, int]) -> bool:
         """Whether segment ``ident`` was read through, every request in it known (or it is not the last run's)."""
@@ -74,6 +75,16 @@ class Replay:
         if not out and not self._items:
             self._finish()
         return out
+
+    def taken_end(self, source: int, key: int) -> None:
+        """The recorder took the end of stream ``key`` of ``source``; one it could not read (another build's, or a
+        failure) left its request waiting: it is let go, and said in the closing line."""
+        ref = self.spool.ended(source, key)
+        if ref is not None:
+            self.spool.settle(ref)
+            self.taken -= 1
+            self.unreadable += 1
+            self.spool.lost("journal_unreadable", 1)
 
     def _read(self, ident: tuple[int, int]) -> None:
         spool = self.spool
@@ -154,7 +165,7 @@ class Replay:
         spool.recovered = self.taken
         if spool._on_recovered is not None:
             spool._on_recovered(self.taken)
-        lost = in_transit + in_flight
+        lost = in_transit + in_flight + self.unreadable
         if not self._began and not lost:
             return
         (log.warning if lost or self.unread or self.torn_segments else log.info)(
@@ -166,7 +177,8 @@ class Replay:
             lost,
             in_transit,
             in_flight,
-            f"; and {self.unread} segments let go unread at the bound" if self.unread else "",
+            (f"; and {self.unread} segments let go unread at the bound" if self.unread else "")
+            + (f"; {self.unreadable} that could not be read" if self.unreadable else ""),
             f"; {self.torn_segments} segments cut short" if self.torn_segments else "",
             incomplete,
             self.found_done,

@@ -543,6 +543,8 @@ class Recorder:
                 self.take(source, message)
             except Exception:
                 log.exception("telemetry: could not take a tape message of the last run")
+            if message[0] == END:
+                replay.taken_end(source, message[1])
             sched.checkpoint()
         self._emit_held()
         # What is due goes on during a long replay: the journal's acknowledgements above all (a kill before the

@@ -72,8 +72,9 @@ SYNC_EVERY = 2.0
 #: Seconds between two looks at the sinks' progress while records wait for them.
 POLL_EVERY = 0.25
 #: Why the journal lost a record (``llmtap_telemetry_records_dropped_total``): ``journal_full``, a record that its
-#: bound made it let go of and that a sink had still not taken when the process stopped.
-JOURNAL_DROP_REASONS = ("journal_full",)
+#: bound made it let go of and that a sink had still not taken when the process stopped; ``journal_unreadable``, a
+#: request of the last run whose tape the recorder could not read back (another build's, or a failure: logged).
+JOURNAL_DROP_REASONS = ("journal_full", "journal_unreadable")
 _REF_RUN = 1 << 40
 
 
@@ -450,12 +451,13 @@ class Spool:
         if current is not None and current.file is not None:
             current.file.close()
             current.file = None
-            if current.size == 0:
-                with contextlib.suppress(OSError):
-                    os.unlink(current.path)
+            current.closed = True  # deleted below when every request in it is done
+        self._delete_done()
+        if not self._segs:
+            with contextlib.suppress(OSError):
+                self._acks.compact({})  # nothing left to acknowledge
         self._acks.close()
         self.sequences.save()
-        self._delete_done()
         if kept:
             log.warning("record journal: %d records kept in the journal for the next start", kept)
         if lost:
@@ -464,10 +466,11 @@ class Spool:
                 "not taken by every sink in time)",
                 lost,
             )
-            self._lost("journal_full", lost)
+            self.lost("journal_full", lost)
         self.slot.release()
 
-    def _lost(self, reason: str, n: int) -> None:
+    def lost(self, reason: str, n: int) -> None:
+        """Count ``n`` records lost for ``reason`` (``JOURNAL_DROP_REASONS``)."""
         if self._on_lost is not None and n:
             self._on_lost(reason, n)
 
