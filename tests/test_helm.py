@@ -171,6 +171,8 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
         keep_s=record["keep_hours"] * 3600,
         format=record["format"],
         logs=record["logs"],
+        journal=records["mountPath"] + "/.journal" if records.get("enabled") else None,
+        journal_bytes=int(record["journal_mb"] * (1 << 20)),
     )
 
 
@@ -264,7 +266,12 @@ def test_records_get_a_writable_volume_under_the_read_only_root() -> None:
     assert volume == {"name": "records", "emptyDir": {"sizeLimit": "4Gi"}}
     (config_map,) = [c for c in docs["ConfigMap"] if "llmtap.yaml" in c["data"]]
     record = yaml.safe_load(config_map["data"]["llmtap.yaml"])["record"]
-    assert record == {"path": "/var/lib/llmtap/records", "format": "jsonl", **values["config"]["record"]}
+    assert record == {
+        "path": "/var/lib/llmtap/records",
+        "format": "jsonl",
+        "journal_mb": 128,
+        **values["config"]["record"],
+    }
     # (llmtap reads it as the folder, with the rotation, retention and logs set: test_rendered_config_loads_in_llmtap.)
     claimed = by_kind(manifests({**values, "records": {**values["records"], "existingClaim": "llmtap-records"}}))
     (volume,) = [v for v in claimed["Deployment"][0]["spec"]["template"]["spec"]["volumes"] if v["name"] == "records"]

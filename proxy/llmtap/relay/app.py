@@ -21,7 +21,7 @@ from llmtap.providers import provider_for
 from llmtap.providers.splice import splice_usage
 from llmtap.providers.usage_filter import UsageEventFilter
 from llmtap.relay.admission import Admission, QueueFull
-from llmtap.relay.channel import Channel, LocalChannel
+from llmtap.relay.channel import Channel, LocalChannel, ShardedChannel, SocketChannel
 from llmtap.relay.fingerprint import KEY_HEADERS, fingerprint, install_secret
 from llmtap.relay.forward import (
     PRIVATE_PREFIX,
@@ -151,6 +151,10 @@ class ProxyApp:
         #: The ledger of those numbers in the journal's folder, for the next start after a kill of the whole tree
         #: (``llmtap.wire.ledger``; ``llmtap.serve.relay`` opens it); None: none kept.
         self.ledger: Ledger | None = None
+        # The reports go to telemetry process 0: one started again hears the counts at once, not at the next change.
+        first = channel.channels[0] if isinstance(channel, ShardedChannel) else channel
+        if isinstance(first, SocketChannel):
+            first.on_connected = self._report_again
         #: Responses the relay itself cut short, by reason (``RESPONSE_CUT_REASONS``), reported with the gauges.
         self.cuts = dict.fromkeys(RESPONSE_CUT_REASONS, 0)
         self._logged_at: dict[str, float] = {}
@@ -239,6 +243,11 @@ class ProxyApp:
             self._counts_sent = counts
             with contextlib.suppress(RuntimeError):  # no running loop: a report at shutdown, from a thread
                 self._stats_at = asyncio.get_running_loop().time()
+
+    def _report_again(self) -> None:
+        """The channel to telemetry process 0 was made (again): the gauges and counts go with the next report."""
+        self._stats_changed = True
+        self._counts_sent = ()
 
     def begin_drain(self) -> None:
         """SIGTERM: report not ready; streams in flight may finish until the server's drain deadline."""

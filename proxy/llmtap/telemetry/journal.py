@@ -32,7 +32,6 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +48,6 @@ __all__ = [
     "Seg",
     "SegmentFile",
     "Slot",
-    "free_slots",
     "read_chunks",
     "segment_name",
     "take_slot",
@@ -304,16 +302,3 @@ def take_slot(root: Path, first: int) -> Slot:
         if fd is not None:
             return Slot(path, fd)
     raise OSError(errno.EBUSY, f"all {MAX_SLOTS} journal slots from slot-{first} on are held by live processes")
-
-
-def free_slots(root: Path, skip: set[Path]) -> Iterator[Slot]:
-    """Slots under ``root`` that no live process holds and that hold segments (a process gone for good, with
-    fewer telemetry processes now or another replica's on a shared volume), each taken as it is given."""
-    with contextlib.suppress(OSError):
-        for entry in sorted(os.scandir(root), key=lambda e: e.name):
-            path = Path(entry.path)
-            if not entry.name.startswith("slot-") or path in skip or not any(path.glob("*.seg")):
-                continue
-            fd = _try_lock(path)
-            if fd is not None:
-                yield Slot(path, fd)

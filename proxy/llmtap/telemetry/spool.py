@@ -26,7 +26,26 @@ emitted them (``EMITTED``): at least once, the same trace and span ids, which th
 kill cut short is skipped and said. When the replay ends, the log says "N records of the last run recovered".
 
 At shutdown (SIGTERM), the sinks have the flush timeout to take what waits; what they have not taken stays in the
-journal for the next start, and the log says how many ("N records kept in the journal for the next start").
+journal for the next start, and the log says how many ("N records kept in the journal for the next start"). The
+chart's grace (preStop 5 s, then the relays' drain of up to 30 s, then this flush) bounds it; a SIGKILL at the end
+of the grace loses nothing the journal holds.
+
+What never reaches the journal is counted (``llmtap.telemetry.sequences``): the relays number the stream ends they
+hand over, and a gap is an end lost on its way (``in_transit``); after a kill of the whole tree the relays' ledgers
+(``llmtap.wire.ledger``) say what each had handed over and was still relaying (``in_flight``).
+
+Durability, and its price. No ``fsync`` per write: a process kill (SIGKILL, the OOM killer) loses nothing written,
+since the kernel holds it; a crash of the node loses what was written since the last sync (every ``SYNC_EVERY``
+seconds and at each segment's close), and the chunks' CRC finds what it cut short. Measured (``python -m
+bench.journal``, 50-chunk streams, 8 a read; 2026-12-07 on this 2-core machine under a load of 10+): 0.13 µs a chunk
+on the event loop (the write of what was read) and 0.12 µs on the worker (references, acknowledgements), about 12 µs
+a request together, against the 20 to 50 µs a chunk the telemetry process spends; the relay's part is a sequence
+number in each end and three stores into its ledger per request, 0.2 to 0.3 µs a request.
+
+Counters. A telemetry process started again counts from 0 (``llmtap_telemetry_start_time_seconds`` says when it
+started, so ``increase()`` reads the reset as one); the relays report their counts as totals, so the restarted
+process's ``channel_full`` carries what the relay dropped before too, and they send them again at once when their
+channel is made again.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import cast
 
 from llmtap.wire.framing import encode_frame
@@ -67,6 +68,9 @@ class SocketChannel(asyncio.Protocol):
         self._connector: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self._lost = asyncio.Event()
+        #: Called each time the connection is made (again): a telemetry process started anew knows nothing of what
+        #: the relay reported to the one before (its counts are absolute: the relay sends them again).
+        self.on_connected: Callable[[], None] | None = None
 
     async def start(self) -> None:
         """Connect (retrying for up to ``CONNECT_WAIT`` seconds) and keep the connection up from then on."""
@@ -100,6 +104,8 @@ class SocketChannel(asyncio.Protocol):
         self._transport = cast(asyncio.WriteTransport, transport)
         self._lost.clear()
         self._connected.set()
+        if self.on_connected is not None:
+            self.on_connected()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The telemetry process went away: drop until it is back."""
