@@ -8,7 +8,8 @@ sides of that sum:
 - records, read with llmtap's own reader (``llmtap.store.files``) and counted once per (trace id, span id):
   an at-least-once replay may write a record twice;
 - losses, read from ``/metrics`` as Prometheus' ``increase()`` reads a counter: scraped every fraction of a
-  second, each series' rises summed, a fall taken as a reset (a telemetry process started again) from zero.
+  second, each series' rises summed, a fall taken as a reset from zero (llmtap's loss counters go on across a
+  telemetry restart, so a restart alone is no reset).
 
 ``python -m tests.fault_ledger FILE`` prints the table of the ledgers a run wrote to FILE (``LLMTAP_FAULT_TABLE``).
 """
@@ -80,6 +81,7 @@ class Counters:
         self._urls = urls
         self.every = every
         self.resets = 0
+        self.restarts = 0
         self.scrapes = 0
         #: Each scrape's loss counters as read (seconds since the first, then the nonzero samples): how a sum came.
         self.history: list[tuple[float, dict[str, float]]] = []
@@ -125,11 +127,10 @@ class Counters:
             self.history.append((round(now - self._t0, 2), losses))
             self.scrapes += 1
             last = self._last.setdefault(url, {})
-            # A telemetry process that says when it started: a new start is a reset of every counter, even one that
-            # climbed past its last value between two scrapes.
+            # A telemetry process that says when it started: a new start, noted. Its loss counters go on from the last
+            # run's totals (``llmtap.telemetry.losses``), so, as for Prometheus' ``increase()``, only a fall is a reset.
             if started is not None and self._started.get(url, started) != started:
-                self.resets += 1
-                last.clear()
+                self.restarts += 1
             self._started[url] = started
             for key, value in page.items():
                 if not key[0].endswith("_total"):

@@ -51,11 +51,15 @@ def test_a_counter_that_falls_was_reset_and_counts_again_from_zero() -> None:
     assert counters.resets >= 1
 
 
-def test_a_new_start_time_resets_every_counter_even_one_that_climbed_past() -> None:
+def test_a_new_start_time_is_a_restart_whose_counters_go_on() -> None:
+    """llmtap's loss counters go on across a telemetry restart (``llmtap.telemetry.losses``): only the rise counts,
+    as Prometheus' ``increase()`` reads it; the restart is noted."""
     restarted = PAGE.replace("} 3.0", "} 4.0").replace("_seconds 100.0", "_seconds 200.0")
     counters = _counters(PAGE, restarted)
-    assert counters.value(TAPES, llmtap_telemetry_reason="channel_full") == 3 + 4
-    assert counters.value(RECORDS) == (2 + 5) * 2
+    assert counters.value(TAPES, llmtap_telemetry_reason="channel_full") == 4
+    assert counters.value(RECORDS) == 2 + 5
+    assert counters.restarts == 1
+    assert counters.resets == 0
 
 
 def test_loss_lines_need_a_count_and_a_word_of_loss() -> None:

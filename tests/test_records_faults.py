@@ -178,7 +178,12 @@ def test_telemetry_process_killed_six_times_under_load(simulator: Simulator, tmp
         proxy.close()
     found = read_folder(records)
     book = ledger("telemetry SIGKILL x6", "files", outcomes, found.traces, counters, proxy.logs(), found.copies)
-    book.notes |= {"kills_at_request": at, "resets": counters.resets, "losses": changes(counters.history)}
+    book.notes |= {
+        "kills_at_request": at,
+        "resets": counters.resets,
+        "restarts": counters.restarts,
+        "losses": changes(counters.history),
+    }
     check(book)
 
 

@@ -234,6 +234,7 @@ class ProxyApp:
                 tuple(self._active.items()),
                 tuple(self._waiting.items()),
                 *counts,
+                relay=self.relay_id,
             )
         )
         # A change of readiness leaves at once (``/readyz`` follows it); the gauges may wait for the tapes' gather.

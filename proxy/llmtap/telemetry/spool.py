@@ -42,10 +42,9 @@ on the event loop (the write of what was read) and 0.12 µs on the worker (refer
 a request together, against the 20 to 50 µs a chunk the telemetry process spends; the relay's part is a sequence
 number in each end and three stores into its ledger per request, 0.2 to 0.3 µs a request.
 
-Counters. A telemetry process started again counts from 0 (``llmtap_telemetry_start_time_seconds`` says when it
-started, so ``increase()`` reads the reset as one); the relays report their counts as totals, so the restarted
-process's ``channel_full`` carries what the relay dropped before too, and they send them again at once when their
-channel is made again.
+Counters. The loss counters go on across a telemetry restart: their totals, and each relay's last reported total
+of ``channel_full`` drops (by relay id), are kept in the slot's ``counters.json`` (``llmtap.telemetry.losses``), so a
+relay that sends its totals again at once when its channel is made again adds only their rise.
 """
 
 from __future__ import annotations
