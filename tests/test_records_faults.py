@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
+from llmtap.relay.app import STATS_EVERY
 from tests.clickhouse_server import ClickHouseProcess, installed
 from tests.conftest import PATIENCE, require_real
 from tests.fault_ledger import REASON, Counters, Ledger, changes, check, ledger, loss_lines, read_folder
@@ -185,6 +186,33 @@ def test_telemetry_process_killed_six_times_under_load(simulator: Simulator, tmp
         "losses": changes(counters.history),
     }
     check(book)
+
+
+#: Seconds a restarted telemetry process may take to hear the relay is ready: a few of its report intervals
+#: (``llmtap.relay.app.STATS_EVERY``), on a busy machine.
+READY_AGAIN = 10 * STATS_EVERY
+
+
+def test_readyz_answers_again_after_an_idle_telemetry_restart(simulator: Simulator, tmp_path: Path) -> None:
+    """A telemetry process killed and started again while no request comes: ``/readyz`` says ready again within a
+    few report intervals (the relay reports its readiness as soon as its channel is made again), not at the next
+    request."""
+    proxy = serve(simulator, tmp_path, "llmtap", "--record", str(tmp_path / "records"))
+    try:
+        pid = ready_telemetry(proxy, None)
+        wait_for("ready", lambda: httpx.get(proxy.admin_url + "/readyz", timeout=2).status_code == 200, PATIENCE)
+        os.kill(pid, signal.SIGKILL)
+        ready_telemetry(proxy, pid)
+
+        def ready() -> str | None:
+            answer = httpx.get(proxy.admin_url + "/readyz", timeout=2)
+            return answer.text if answer.status_code == 200 else None
+
+        said = wait_for("/readyz after the restart, no request sent", ready, READY_AGAIN, step=0.1)
+        assert "1/1 relays" in said
+        stop_gracefully(proxy)
+    finally:
+        proxy.close()
 
 
 class Restarts:

@@ -249,6 +249,7 @@ class ProxyApp:
         """The channel to telemetry process 0 was made (again): the gauges and counts go with the next report."""
         self._stats_changed = True
         self._counts_sent = ()
+        self._ready_sent = None  # its readiness too, at once: /readyz of a restarted telemetry process follows it
 
     def begin_drain(self) -> None:
         """SIGTERM: report not ready; streams in flight may finish until the server's drain deadline."""
