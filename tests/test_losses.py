@@ -126,3 +126,19 @@ def test_losses_are_said_with_their_count_at_most_every_say_every_and_at_shutdow
     assert "telemetry: 3 records lost (no_space) in the last 10.0 s; 7 since start" in lines
     assert "telemetry: 2 spans lost (export_failed) at shutdown, since the last line; 12 since start" in lines
     assert len(lines) == 4
+
+
+def test_what_a_killed_run_counted_and_never_said_is_said_by_the_next(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / STATE_FILE
+    first, _ = _process(state)
+    first.add("tapes", "in_transit", 32, sync=True)  # then killed before its next line
+    with caplog.at_level(logging.WARNING, logger="llmtap.telemetry"):
+        second, _ = _process(state)
+    assert "the last run counted and was stopped before it said: 32 tapes lost (in_transit)" in caplog.text
+    second.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmtap.telemetry"):
+        _process(state)
+    assert "stopped before it said" not in caplog.text

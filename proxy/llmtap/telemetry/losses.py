@@ -135,11 +135,21 @@ class Losses:
                         self._seed(str(kind), str(reason), int(n))
                 for relay, total in data.get("relays", {}).items():
                     self._relays[int(relay)] = int(total)
+                unsaid = [
+                    f"{int(n)} {NOUNS.get(str(kind), str(kind))} lost ({reason})"
+                    for kind, reasons in data.get("unsaid", {}).items()
+                    for reason, n in reasons.items()
+                    if int(n) > 0 and kind != "recovered"
+                ]
             except (AttributeError, TypeError, ValueError) as exc:
                 log.warning("telemetry: loss counters of the last run partly unreadable (%s)", exc)
+                unsaid = []
             self._save_locked()
         if data:
             log.info("telemetry: loss counters go on from the last run's (%s)", path)
+        if unsaid:
+            # Counted by a run killed before its next line: said now, so that no counted loss goes unsaid.
+            log.warning("telemetry: the last run counted and was stopped before it said: %s", "; ".join(unsaid))
 
     def _seed(self, kind: str, reason: str, n: int) -> None:
         counter = self._counters.get(kind)
@@ -163,7 +173,11 @@ class Losses:
         for (kind, reason), n in self.totals.items():
             if n:
                 counts.setdefault(kind, {})[reason] = n
-        data = {"counts": counts, "relays": {str(k): v for k, v in self._relays.items()}}
+        unsaid: dict[str, dict[str, int]] = {}
+        for (kind, reason), n in self._unsaid.items():
+            if n and kind in self._counters:
+                unsaid.setdefault(kind, {})[reason] = n
+        data = {"counts": counts, "relays": {str(k): v for k, v in self._relays.items()}, "unsaid": unsaid}
         aside = self._path.with_name(self._path.name + ".new")
         try:
             aside.write_text(json.dumps(data), encoding="utf-8")
@@ -225,6 +239,7 @@ class Losses:
             lines.append(_line(kind, reason, n, window, self.since_start.get(key, n), final))
             self._unsaid[key] = 0
             self._said_at[key] = now
+            self._dirty = True  # said: the next start need not say it again
         return lines
 
     def close(self) -> None:
