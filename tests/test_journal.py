@@ -561,3 +561,19 @@ def test_on_a_full_disk_the_journal_gives_way_to_the_records_and_comes_back(
         assert len(segments(tmp_path)) == 1
         assert "written again (5 requests went unjournaled" in caplog.text  # 2 to 6
     spool.close()
+
+
+def test_an_end_whose_start_this_journal_never_had_is_no_gap(tmp_path: Path) -> None:
+    """A stream whose start went to a telemetry process since killed: its end, numbered by the relay, reached this
+    journal all the same, so the next end after it is no gap (it was counted in_transit, and recorded too)."""
+    sinks = [FakeSink("files")]
+    spool = spool_of(tmp_path, sinks)
+    for key, seq in ((1, 1), (2, 2), (3, 3)):
+        end = list(request(key)[-1])
+        end[5], end[6] = 7, seq
+        if key == 2:
+            end[2] = None  # its head went to the process before
+        feed(spool, 0, [tuple(end)])
+    assert spool.sequences.resolve() == (0, 0)
+    assert spool.sequences.in_transit == 0
+    spool.close()

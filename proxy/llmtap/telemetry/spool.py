@@ -293,6 +293,10 @@ class Spool:
             if kind != SEGMENT and kind != END:
                 continue
             key = (source, message[1])
+            if kind == END and len(message) > 6 and message[5]:
+                # Every end the relay numbered reached the journal, whether its request is known here or not (a
+                # stream whose start went to a telemetry process since killed): no gap, so not counted in_transit.
+                self.sequences.seen(message[5], message[6])
             if message[2] is not None:
                 req = Req(self._next_ref, source)
                 self._next_ref += 1
@@ -311,8 +315,6 @@ class Spool:
                 self._touch(req, seg)
             if kind == END:
                 req.ended = True
-                if len(message) > 6 and message[5]:
-                    self.sequences.seen(message[5], message[6])
 
     @staticmethod
     def _touch(req: Req, seg: Seg) -> None:
