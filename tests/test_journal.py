@@ -577,3 +577,18 @@ def test_an_end_whose_start_this_journal_never_had_is_no_gap(tmp_path: Path) -> 
     assert spool.sequences.resolve() == (0, 0)
     assert spool.sequences.in_transit == 0
     spool.close()
+
+
+def test_a_run_number_is_never_used_again_in_a_slot(tmp_path: Path) -> None:
+    """Every segment of runs 1 and 2 done and deleted: the next start is run 3, not 1 again (its numbers would be
+    reconciled against run 2's as if older, and the ends between counted in_transit)."""
+    sinks = [FakeSink("files")]
+    for run in (1, 2):
+        spool = spool_of(tmp_path, sinks)
+        assert spool.run == run
+        feed(spool, 0, request(run))
+        record(spool, sinks, 0, run)
+        sinks[0].progress.release(1)
+        spool.close()
+        assert segments(tmp_path) == []
+    assert spool_of(tmp_path, sinks).run == 3

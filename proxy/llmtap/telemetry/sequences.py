@@ -28,7 +28,10 @@ from typing import Any
 
 from llmtap.wire.ledger import LedgerState, dead, mark_read
 
-__all__ = ["Sequences"]
+__all__ = ["SEQUENCES_FILE", "Sequences", "last_run"]
+
+#: The file in a journal slot that keeps the relays' numbers for the next start.
+SEQUENCES_FILE = "sequences.json"
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -53,6 +56,16 @@ def _load(path: Path) -> tuple[dict[int, tuple[int, int]], dict[int, dict[int, S
         return reconciled, runs
     except (OSError, ValueError, AttributeError, TypeError, IndexError, KeyError):
         return {}, {}
+
+
+def last_run(path: Path) -> int:
+    """The latest run the file at ``path`` knows of (0: none)."""
+    reconciled, runs = _load(path)
+    try:
+        saved = int(json.loads(path.read_text(encoding="utf-8")).get("run", 0))
+    except (OSError, ValueError, AttributeError, TypeError):
+        saved = 0
+    return max([saved] + [run for run, _ in reconciled.values()] + list(runs))
 
 
 class Sequences:
@@ -188,6 +201,7 @@ class Sequences:
         if len(reconciled) > MAX_RELAYS:
             reconciled = dict(list(reconciled.items())[-MAX_RELAYS:])
         data = {
+            "run": self.run,
             "reconciled": {str(k): list(v) for k, v in reconciled.items()},
             "runs": {str(run): {str(k): v for k, v in spans.items()} for run, spans in runs.items()},
         }

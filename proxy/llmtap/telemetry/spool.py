@@ -85,7 +85,7 @@ from llmtap.telemetry.journal import (
     take_slot,
 )
 from llmtap.telemetry.journal_replay import Replay
-from llmtap.telemetry.sequences import Sequences
+from llmtap.telemetry.sequences import SEQUENCES_FILE, Sequences, last_run
 from llmtap.wire.messages import END, SEGMENT, Raw
 from llmtap.worker import Progress
 
@@ -150,7 +150,10 @@ class Spool:
         self._lock = threading.Lock()
         self.slot: Slot = take_slot(self.root, index)
         self._old = self.slot.segments()
-        self.run = max((run for run, _, _ in self._old), default=0) + 1
+        # One past every run this slot remembers, not only those whose segments are left: a run number used again
+        # would have the relays' numbers it saw reconciled against another run's (``llmtap.telemetry.sequences``).
+        latest = max((run for run, _, _ in self._old), default=0)
+        self.run = max(latest, last_run(self.slot.path / SEQUENCES_FILE)) + 1
         self._next_ref = self.run * _REF_RUN
         self._segs: dict[tuple[int, int], Seg] = {}
         for run, number, path in self._old:
@@ -177,7 +180,7 @@ class Spool:
         self._room_at = 0.0
         self._closed = False
         #: The relays' numbers of the stream ends the journal saw, and what never reached it (counted as tapes lost).
-        self.sequences = Sequences(self.slot.path / "sequences.json", index, self.run, on_tapes_lost)
+        self.sequences = Sequences(self.slot.path / SEQUENCES_FILE, index, self.run, on_tapes_lost)
         self.replay = Replay(self)
         #: Counts since start: requests journaled, done, let go by the bound; and of the last run: recovered.
         self.journaled = 0
