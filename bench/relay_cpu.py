@@ -17,7 +17,9 @@ them, per stream; and the machine's load average when the run started. ``--floor
 Python can be (``bench.thin_relay``) in turn with the trees: what a chunk costs any relay on this machine at
 this moment (the wake-up, the read, the write, the loopback), so llmtap's own share is the difference.
 ``--gather MS`` (repeatable) runs each tree once per value of ``telemetry_gather``, in turn: the relay gathering its
-tapes for that long against not at all (0), side by side.
+tapes for that long against not at all (0), side by side. ``--env LABEL:KEY=VALUE[,KEY=VALUE...]`` (repeatable)
+does the same for any of llmtap's settings (its ``LLMTAP_*`` variables): e.g. the record journal on against off
+(``--env on:LLMTAP_RECORD_JOURNAL_MB=256 --env off:LLMTAP_RECORD_JOURNAL=off --record``).
 
 ``--record`` has each tree write request records (``--record`` into a folder of its own, emptied before each run):
 a tree with the record journal (issue 44) then journals every tape it reads, so its cost shows beside a tree without.
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +124,30 @@ def _records(work: Path) -> Path:
     return folder
 
 
+@dataclass(frozen=True)
+class Variant:
+    """Settings a tree runs with besides the benchmark's own: a label, llmtap's environment, and the
+    ``telemetry_gather`` they set (``--gather``), if any."""
+
+    label: str = ""
+    env: tuple[tuple[str, str], ...] = ()
+    gather: int | None = None
+
+
+def variants(args: argparse.Namespace) -> list[Variant]:
+    """The variants ``--gather`` and ``--env`` ask for (none asked: the one of the defaults)."""
+    out = [Variant(f"gather={ms}ms", (("LLMTAP_TELEMETRY_GATHER", str(ms)),), ms) for ms in args.gather or ()]
+    for given in args.env or ():
+        label, _, pairs = given.partition(":")
+        env = tuple((k.strip(), v.strip()) for k, _, v in (pair.partition("=") for pair in pairs.split(",") if pair))
+        if not label or not env or any(not k for k, _ in env):
+            raise SystemExit(f"--env {given!r}: LABEL:KEY=VALUE[,KEY=VALUE...] expected")
+        out.append(Variant(label, env))
+    return out or [Variant()]
+
+
 def start(
-    tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int, gather: int | None = None
+    tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int, variant: Variant = Variant()
 ) -> tuple[str, Service]:
     """llmtap serve of ``tree`` (or the floor relay), its relay on the proxy's core: its URL and its service."""
     if tree == FLOOR:
@@ -148,8 +173,8 @@ def start(
             sink_port,
             extra_env={
                 "PYTHONPATH": ":".join([*shim, f"{Path(tree) / 'proxy'}", str(tree)]),
-                **({"LLMTAP_TELEMETRY_GATHER": str(gather)} if gather is not None else {}),
                 **({"LLMTAP_RECORD": str(_records(work))} if args.record else {}),
+                **dict(variant.env),
                 **({"BENCH_CAPTURE": str(args.capture.resolve())} if args.capture else {}),
             },
             telemetry_cpu=args.telemetry_cpu or args.client_cpu,
@@ -175,10 +200,10 @@ def settled(pids: list[int], quiet: float = 0.004, step: float = 0.5, limit: flo
 
 
 def measure(
-    tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int, gather: int | None = None
+    tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int, variant: Variant = Variant()
 ) -> dict[str, object]:
-    """One tree, one run: relay CPU per chunk and per request (``gather``: its ``telemetry_gather``, if given)."""
-    url, svc = start(tree, work, args, up_port, sink_port, gather)
+    """One tree, one run with ``variant``'s settings: relay CPU per chunk and per request."""
+    url, svc = start(tree, work, args, up_port, sink_port, variant)
     try:
         roles = svc.roles()
         relay, telemetry = roles["relay"], roles.get("telemetry", [])
@@ -210,7 +235,8 @@ def measure(
     chunks = requests * args.chunks
     return {
         "tree": str(tree),
-        **({"gather_ms": gather} if gather is not None else {}),
+        **({"gather_ms": variant.gather} if variant.gather is not None else {}),
+        **({"variant": variant.label} if variant.label else {}),
         "streams": args.streams,
         "chunks_per_request": args.chunks,
         "requests": requests,
@@ -228,7 +254,8 @@ def measure(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line."""
     p = argparse.ArgumentParser(prog="python -m bench.relay_cpu", description=__doc__.splitlines()[0])
     p.add_argument("--tree", action="append", type=Path, help="an llmtap source tree (repeatable; default: this one)")
     p.add_argument("--streams", type=int, default=64)
@@ -252,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="MS",
         help="run each tree with this telemetry_gather (repeatable: one run of each, in turn)",
     )
+    p.add_argument(
+        "--env",
+        action="append",
+        metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+        help="run each tree with these llmtap variables too (repeatable: one run of each, in turn)",
+    )
     p.add_argument("--summary", action="store_true", help="end with each tree's median and range per figure")
     p.add_argument(
         "--record", action="store_true", help="each tree writes request records (its journal, if it has one)"
@@ -263,24 +296,29 @@ def main(argv: list[str] | None = None) -> int:
         help="keep what the telemetry process reads from the relay in FILE (one tree, one round; for "
         "bench.telemetry --tapes)",
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     trees: list[Path | str] = [*(args.tree or [peers.REPO]), *([FLOOR] if args.floor else [])]
-    if args.capture and (len(trees) != 1 or args.rounds != 1 or len(args.gather or [None]) != 1):
-        p.error("--capture takes one tree, one round and at most one --gather")
+    chosen = variants(args)
+    if args.capture and (len(trees) != 1 or args.rounds != 1 or len(chosen) != 1):
+        p.error("--capture takes one tree, one round and at most one --gather or --env")
     if args.capture:
         args.capture.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="relay-cpu-") as folder:
         work = Path(folder)
         up, up_port = peers.upstream(work, args.client_cpu, ttft=args.ttft, gap=args.gap, chunks=args.chunks)
         sink, sink_port, _ = peers.sink(work, args.client_cpu)
-        gathers: list[int | None] = list(args.gather or [None])
-        entries = [(t, g) for t in trees for g in (gathers if t != FLOOR else [None])]
-        results: dict[str, list[dict[str, Any]]] = {_name(t, g): [] for t, g in entries}
+        entries = [(t, v) for t in trees for v in (chosen if t != FLOOR else [Variant()])]
+        results: dict[str, list[dict[str, Any]]] = {_name(t, v): [] for t, v in entries}
         try:
             for _ in range(args.rounds):
-                for tree, gather in entries:
-                    result = measure(tree, work, args, up_port, sink_port, gather)
-                    results[_name(tree, gather)].append(result)
+                for tree, variant in entries:
+                    result = measure(tree, work, args, up_port, sink_port, variant)
+                    results[_name(tree, variant)].append(result)
                     print(json.dumps(result), flush=True)
         finally:
             sink.stop()
@@ -291,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _name(tree: Path | str, gather: int | None) -> str:
-    return str(tree) if gather is None else f"{tree} gather={gather}ms"
+def _name(tree: Path | str, variant: Variant) -> str:
+    return f"{tree} {variant.label}" if variant.label else str(tree)
 
 
 SUMMARIZED = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -18,6 +19,7 @@ from llmtap.config.load import build
 from llmtap.config.types import Records, Route, Settings
 from llmtap.serve.lines import startup_lines
 from llmtap.store.files import ReadStats, read_records
+from llmtap.telemetry import spool as spool_module
 from llmtap.telemetry.journal import (
     CHUNK,
     EMITTED,
@@ -367,6 +369,27 @@ def test_runs_killed_before_they_counted_are_counted_once_by_the_next(tmp_path: 
     assert fifth.resolve() == (0, 0)
 
 
+def test_ends_a_run_journaled_after_it_last_saved_its_numbers_are_no_gap(tmp_path: Path) -> None:
+    """Run 1 saves its numbers (a segment went) at 3, journals 4 to 20 and is killed with 21 on its way: the next run
+    replays 4 to 20 and counts 21 alone, and what it counted is kept at once (a kill next does not count it again)."""
+    first, lost = sequences(tmp_path, run=1)
+    for seq in (1, 2, 3):
+        first.seen(5, seq)
+    first.resolve()
+    first.save()
+    for seq in range(4, 21):
+        first.seen(5, seq)
+    second, lost = sequences(tmp_path, run=2)
+    second.seen_old(1, 5, 4)
+    second.seen_old(1, 5, 20)
+    second.seen(5, 22)
+    assert second.resolve() == (1, 0)
+    assert lost == {"in_transit": 1}
+    third, _ = sequences(tmp_path, run=3)  # run 2 killed right after it counted
+    third.seen(5, 23)
+    assert third.resolve() == (0, 0)
+
+
 def test_a_dead_relays_ledger_says_what_never_reached_the_journal(tmp_path: Path) -> None:
     folder = tmp_path / "journal"
     dead_relay = Ledger(folder, 11, shards=2)
@@ -487,3 +510,85 @@ def test_a_tape_of_the_last_run_that_cannot_be_read_is_counted_and_let_go(tmp_pa
     assert "1 records of the last run recovered, 1 could not be" in caplog.text
     assert "1 that could not be read" in caplog.text
     assert segments(tmp_path / "records" / ".journal") == []
+
+
+def test_on_a_full_disk_the_journal_gives_way_to_the_records_and_comes_back(
+    tmp_path: Path, caplog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal write that fails for lack of room: no more tapes journaled, the segment being written goes once its
+    requests are done, the requests begun meanwhile still reach the sinks; room again: journaled again, and said."""
+    sinks = [FakeSink("files")]
+    clock = [0.0]
+    spool = spool_of(tmp_path, sinks, segment_bytes=4096, clock=lambda: clock[0])
+    feed(spool, 0, request(1))
+    full = [True]
+    real_append = SegmentFile.append
+
+    def append(self: SegmentFile, source: int, ref: int, payload: bytes) -> None:
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_append(self, source, ref, payload)
+
+    free = [0]
+
+    class Fs:
+        f_frsize = 1
+
+        @property
+        def f_bavail(self) -> int:
+            return free[0]
+
+    monkeypatch.setattr(SegmentFile, "append", append)
+    monkeypatch.setattr(os, "statvfs", lambda path: Fs())
+    with caplog.at_level(logging.WARNING, "llmtap.telemetry"):
+        for key in range(2, 6):
+            feed(spool, 0, request(key))
+        assert caplog.text.count("gives way to the records") == 1
+        for key in range(1, 6):
+            record(spool, sinks, 0, key)
+        sinks[0].progress.release(5)
+        spool.poll()
+        assert spool.outstanding == 0
+        assert segments(tmp_path) == [], "the segment written when the disk filled stays"
+        assert spool.unjournaled == 4
+        # Room again, but looked for only every ROOM_EVERY seconds.
+        full[0] = False
+        free[0] = 1 << 30
+        feed(spool, 0, request(6))
+        assert segments(tmp_path) == []
+        clock[0] += spool_module.ROOM_EVERY
+        feed(spool, 0, request(7))
+        assert len(segments(tmp_path)) == 1
+        assert "written again (5 requests went unjournaled" in caplog.text  # 2 to 6
+    spool.close()
+
+
+def test_an_end_whose_start_this_journal_never_had_is_no_gap(tmp_path: Path) -> None:
+    """A stream whose start went to a telemetry process since killed: its end, numbered by the relay, reached this
+    journal all the same, so the next end after it is no gap (it was counted in_transit, and recorded too)."""
+    sinks = [FakeSink("files")]
+    spool = spool_of(tmp_path, sinks)
+    for key, seq in ((1, 1), (2, 2), (3, 3)):
+        end = list(request(key)[-1])
+        end[5], end[6] = 7, seq
+        if key == 2:
+            end[2] = None  # its head went to the process before
+        feed(spool, 0, [tuple(end)])
+    assert spool.sequences.resolve() == (0, 0)
+    assert spool.sequences.in_transit == 0
+    spool.close()
+
+
+def test_a_run_number_is_never_used_again_in_a_slot(tmp_path: Path) -> None:
+    """Every segment of runs 1 and 2 done and deleted: the next start is run 3, not 1 again (its numbers would be
+    reconciled against run 2's as if older, and the ends between counted in_transit)."""
+    sinks = [FakeSink("files")]
+    for run in (1, 2):
+        spool = spool_of(tmp_path, sinks)
+        assert spool.run == run
+        feed(spool, 0, request(run))
+        record(spool, sinks, 0, run)
+        sinks[0].progress.release(1)
+        spool.close()
+        assert segments(tmp_path) == []
+    assert spool_of(tmp_path, sinks).run == 3

@@ -1003,13 +1003,13 @@ def test_relay_connection_counts_are_absolute_and_read_0_from_the_start(harness:
     zero = {"header": 0, "body": 0, "idle": 0, "send": 0, "upload": 0}
     assert counts() == (zero, {"limit": 0, "per_client": 0}, {"inflate_limit": 0})
     gauges = (STATS, True, 0, (("default", 0),), ())
-    rec.take(0, (*gauges, (("header", 2), ("body", 0), ("idle", 5)), (("limit", 1),), (("inflate_limit", 1),)))
+    rec.take(0, (*gauges, (("header", 2), ("body", 0), ("idle", 5)), (("limit", 1),), (("inflate_limit", 1),), 0))
     # A report that never arrived changes nothing: the next one carries the total.
     rec.take(
         0,
-        (*gauges, (("header", 3), ("body", 1), ("idle", 9), ("send", 2)), (("limit", 4), ("per_client", 7)), ()),
+        (*gauges, (("header", 3), ("body", 1), ("idle", 9), ("send", 2)), (("limit", 4), ("per_client", 7)), (), 0),
     )
-    rec.take(1, (*gauges, (("header", 1), ("body", 0), ("idle", 0)), (("limit", 0),), ()))
+    rec.take(1, (*gauges, (("header", 1), ("body", 0), ("idle", 0)), (("limit", 0),), (), 0))
     assert counts() == (
         {**zero, "header": 4, "body": 1, "idle": 9, "send": 2},
         {"limit": 4, "per_client": 7},
@@ -1017,7 +1017,7 @@ def test_relay_connection_counts_are_absolute_and_read_0_from_the_start(harness:
     )
     # Relay 1 goes; a new process in its place counts from 0 again: its counts add, none are lost.
     rec.relay_gone(1)
-    rec.take(1, (*gauges, (("header", 0), ("body", 2), ("upload", 1)), (("limit", 0),), (("inflate_limit", 2),)))
+    rec.take(1, (*gauges, (("header", 0), ("body", 2), ("upload", 1)), (("limit", 0),), (("inflate_limit", 2),), 0))
     assert rec.flush(5)
     assert counts() == (
         {**zero, "header": 4, "body": 3, "idle": 9, "send": 2, "upload": 1},

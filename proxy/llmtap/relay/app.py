@@ -218,6 +218,7 @@ class ProxyApp:
                 tuple(self._active.items()),
                 tuple(self._waiting.items()),
                 *counts,
+                relay=self.relay_id,
             )
         )
         # A change of readiness leaves at once (``/readyz`` follows it); the gauges may wait for the tapes' gather.
@@ -232,6 +233,7 @@ class ProxyApp:
         """The channel to telemetry process 0 was made (again): the gauges and counts go with the next report."""
         self._stats_changed = True
         self._counts_sent = ()
+        self._ready_sent = None  # its readiness too, at once: /readyz of a restarted telemetry process follows it
 
     def begin_drain(self) -> None:
         """SIGTERM: report not ready; streams in flight may finish until the server's drain deadline."""

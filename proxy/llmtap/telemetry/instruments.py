@@ -230,7 +230,8 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         telemetry_dropped=meter.create_counter(
             sc.METRIC_TELEMETRY_DROPPED,
             unit="{item}",
-            description="Tapes that did not become telemetry, in whole or in part, by llmtap.telemetry.reason.",
+            description="Tapes that did not become telemetry, in whole or in part, by llmtap.telemetry.reason; "
+            "with a record journal it goes on across telemetry restarts (kept in the journal's counters.json).",
         ),
         facts_dropped=meter.create_counter(
             sc.METRIC_FACTS_DROPPED,
@@ -248,13 +249,15 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             sc.METRIC_RECORDS_DROPPED,
             unit="{record}",
             description="Request records lost (--record files, ClickHouse, --record-logs log records, the record "
-            "journal), by llmtap.telemetry.reason.",
+            "journal), by llmtap.telemetry.reason; with a record journal it goes on across telemetry restarts (kept "
+            "in the journal's counters.json).",
         ),
         records_recovered=meter.create_counter(
             sc.METRIC_RECORDS_RECOVERED,
             unit="{record}",
             description="Records of requests the last run of this telemetry process began and did not get into "
-            "every sink, made again from the record journal at start (--record-journal).",
+            "every sink, made again from the record journal at start (--record-journal); it goes on across "
+            "telemetry restarts (kept in the journal's counters.json).",
         ),
         malformed=meter.create_counter(
             sc.METRIC_MALFORMED,

@@ -226,6 +226,9 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
     except ConfigError as exc:
         _say(launch.started_fd, f"error: {exc}")
         raise SystemExit(2) from None
+    gate = providers.span_gate
+    if gate is not None:
+        recorder.losses.watch("spans", lambda: dict(gate.dropped))
     # Load the default encoding before the first tape needs it.
     await asyncio.to_thread(tokens.get_encoding)
     connected: set[int] = set()
@@ -258,6 +261,7 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
         if siblings is not None:
             await siblings.aclose()
         await asyncio.to_thread(providers.shutdown, settings.timeouts.flush)
+        recorder.losses.tick(final=True)  # the spans the flush could not send, said with their count
 
 
 def _say(fd: int, line: str) -> None:

@@ -37,6 +37,7 @@ from llmtap.telemetry.access_log import AccessLog
 from llmtap.telemetry.finished import Emitter, Finished, Listener, Listeners, RecordEmitter
 from llmtap.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
 from llmtap.telemetry.holes import Hole, Holed, Holes
+from llmtap.telemetry.losses import STATE_FILE, Losses
 from llmtap.telemetry.metrics import MetricWriter
 from llmtap.telemetry.relays import Drops, RelayGauges
 from llmtap.telemetry.replay import Playback
@@ -112,6 +113,15 @@ class Recorder:
         self.spans = SpanWriter(settings, tracer_provider)
         self.metrics = MetricWriter(settings, meter_provider)
         self.instruments = self.metrics.instruments
+        #: Every loss counted: its totals kept across restarts (with a journal), and said in the log with its count.
+        self.losses = Losses(
+            {
+                "tapes": self.instruments.telemetry_dropped,
+                "records": self.instruments.records_dropped,
+                "recovered": self.instruments.records_recovered,
+            },
+            sc.TELEMETRY_REASON,
+        )
         self.spans.on_ignored = self._count_trace_context
         # Tapes fill it up to ``queue_size``; the other telemetry processes' lessons and the upstream's spans may use
         # a quarter more, so a backlog of tapes delays them but does not lose them (the state kept whole, the join).
@@ -191,7 +201,7 @@ class Recorder:
         #: Streams with segments the full queue turned away, played as a gap (the submitting thread's).
         self.holes = Holes()
         #: Tapes lost, and the relays' gauges and readiness.
-        self.drops = Drops(self.instruments)
+        self.drops = Drops(self.instruments, self.losses)
         self.relays = RelayGauges(self.instruments, self.drops, self._busy)
         #: The record journal: each tape kept until every sink has its record (None: not kept).
         self.spool = None if journal is None else self._open_spool(journal)
@@ -213,6 +223,7 @@ class Recorder:
             self.count_facts_dropped(reason, 0)
         for reason in TRACE_CONTEXT_REASONS:
             self._count_trace_context(reason, 0)
+        self.losses.start()
         if self.spool is not None and self.spool.replay is not None:
             self._ensure_worker()  # the last run's records are made again now, whether tapes come or not
 
@@ -224,13 +235,15 @@ class Recorder:
             self.records.sinks,
             index=index,
             max_bytes=rec.journal_bytes,
-            on_lost=self._count_record_drop,
+            on_lost=self._count_journal_drop,
             on_recovered=self._count_recovered,
-            on_tapes_lost=self.drops.count,
+            on_tapes_lost=self.drops.journal,
         )
         self.records.spool = spool
         if spool is None:
             return None
+        # Before the last run's replay counts anything: the counters go on from the last run's totals.
+        self.losses.keep(spool.slot.path / STATE_FILE)
         for reason in JOURNAL_DROP_REASONS:
             self._count_record_drop(reason, 0)
         self._count_recovered(0)
@@ -238,10 +251,10 @@ class Recorder:
         return spool
 
     def _count_recovered(self, n: int) -> None:
-        try:
-            self.instruments.records_recovered.add(n)
-        except Exception:
-            log.debug("telemetry: could not count recovered records", exc_info=True)
+        self.losses.add("recovered", "", n, sync=True)
+
+    def _count_journal_drop(self, reason: str, n: int) -> None:
+        self.losses.add("records", reason, n, sync=True)
 
     @property
     def upstreams(self) -> UpstreamWatch:
@@ -434,10 +447,7 @@ class Recorder:
             log.debug("telemetry: could not count a forwarded span", exc_info=True)
 
     def _count_record_drop(self, reason: str, n: int) -> None:
-        try:
-            self.instruments.records_dropped.add(n, {sc.TELEMETRY_REASON: reason})
-        except Exception:
-            log.debug("telemetry: could not count a lost record", exc_info=True)
+        self.losses.add("records", reason, n)
 
     def _count_clickhouse_insert(self, outcome: str, n: int) -> None:
         try:
@@ -690,6 +700,7 @@ class Recorder:
             self.records.close(timeout)
             if self.spool is not None:
                 self.spool.close()  # after the sinks: what they did not take stays for the next start
+            self.losses.close()
             if self.access_log is not None:
                 self.access_log.close()
 

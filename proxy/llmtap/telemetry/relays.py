@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.instruments import Instruments
+from llmtap.telemetry.losses import Losses
 from llmtap.wire.messages import (
     CLIENT_TIMEOUT_KINDS,
     CONNECTION_REFUSAL_REASONS,
@@ -42,8 +43,8 @@ TAPE_DROP_REASONS = (
 class Drops:
     """Tapes lost, by reason; every reason reads 0 from the start ("none dropped" is a value, not an absence)."""
 
-    def __init__(self, instruments: Instruments) -> None:
-        self._counter = instruments.telemetry_dropped
+    def __init__(self, instruments: Instruments, losses: Losses) -> None:
+        self._losses = losses
         #: Whole tapes lost on the worker thread (and reported by the relays), and ends the full queue turned away
         #: (the producer's count): each written by one thread only.
         self.whole = 0
@@ -58,10 +59,15 @@ class Drops:
 
     def count(self, reason: str, n: int = 1) -> None:
         """Count ``n`` tapes lost (in whole or in part) for ``reason``; never raises."""
-        try:
-            self._counter.add(n, {sc.TELEMETRY_REASON: reason})
-        except Exception:
-            log.debug("telemetry: could not count a drop", exc_info=True)
+        self._losses.add("tapes", reason, n)
+
+    def journal(self, reason: str, n: int) -> None:
+        """Count ``n`` tapes the record journal found lost (it acknowledges them next: kept on disk first)."""
+        self._losses.add("tapes", reason, n, sync=True)
+
+    def relay(self, relay: int, total: int) -> None:
+        """Relay ``relay`` dropped ``total`` tapes since it started (its channel full): count the rise."""
+        self.whole += self._losses.relay(relay, total)
 
     def tape(self, reason: str, route: str | None) -> None:
         """A whole tape lost on the worker thread."""
@@ -89,6 +95,8 @@ class RelayGauges:
         self._gauges: dict[int, tuple[dict[str, int], dict[str, int], int]] = {}
         # Client connections cut or refused, and responses cut, by source, as each last reported them.
         self._counts: dict[int, dict[tuple[str, str], int]] = {}
+        # Each source's relay id, as its reports say it (the loss counters keep its totals by id).
+        self._relay_ids: dict[int, int] = {}
         #: Whether each relay said it is ready (``/readyz`` of the telemetry process).
         self.ready: dict[int, bool] = {}
         # Readiness is taken as each report arrives (``arrived``), not when the worker reaches it in the queue.
@@ -119,7 +127,10 @@ class RelayGauges:
             if change or route not in old_waiting:
                 ins.queue_waiting.add(change, {sc.ROUTE: route})
         dropped = stats.dropped
-        if dropped > old_dropped:
+        if stats.relay:
+            self._relay_ids[source] = stats.relay
+            self._drops.relay(stats.relay, dropped)
+        elif dropped > old_dropped:  # a relay that sends no id: its totals since this process heard it first
             self._drops.count("channel_full", dropped - old_dropped)
             self._drops.whole += dropped - old_dropped
         self._gauges[source] = (new_active, new_waiting, dropped)
@@ -151,4 +162,4 @@ class RelayGauges:
         if self._ready_on_arrival:
             self.ready[source] = False
         dropped = self._gauges.get(source, ({}, {}, 0))[2]
-        return encode_stats(Stats(False, dropped, (), (), (), (), ()))
+        return encode_stats(Stats(False, dropped, (), (), (), (), (), self._relay_ids.get(source, 0)))

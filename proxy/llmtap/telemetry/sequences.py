@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,10 @@ from typing import Any
 
 from llmtap.wire.ledger import LedgerState, dead, mark_read
 
-__all__ = ["Sequences"]
+__all__ = ["SEQUENCES_FILE", "Sequences", "last_run"]
+
+#: The file in a journal slot that keeps the relays' numbers for the next start.
+SEQUENCES_FILE = "sequences.json"
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -52,6 +56,16 @@ def _load(path: Path) -> tuple[dict[int, tuple[int, int]], dict[int, dict[int, S
         return reconciled, runs
     except (OSError, ValueError, AttributeError, TypeError, IndexError, KeyError):
         return {}, {}
+
+
+def last_run(path: Path) -> int:
+    """The latest run the file at ``path`` knows of (0: none)."""
+    reconciled, runs = _load(path)
+    try:
+        saved = int(json.loads(path.read_text(encoding="utf-8")).get("run", 0))
+    except (OSError, ValueError, AttributeError, TypeError):
+        saved = 0
+    return max([saved] + [run for run, _ in reconciled.values()] + list(runs))
 
 
 class Sequences:
@@ -81,9 +95,12 @@ class Sequences:
         if last is None:
             self.first[relay] = seq
             if self._resolved:
-                self._reconcile(relay)
+                self.last[relay] = seq
+                if self._reconcile(relay):
+                    self.save()
         elif seq > last + 1:
             self._gap(seq - last - 1)  # a connection lost and made again: what was on its way went with it
+            self.save()
         if last is None or seq > last:
             self.last[relay] = seq
 
@@ -109,17 +126,24 @@ class Sequences:
                 self._dead(state, fd)
             finally:
                 os.close(fd)
+        # What was counted is kept at once: a kill before the next save would have the next run count it again.
+        self.save()
         return self.in_transit - before, self.in_flight
 
-    def _reconcile(self, relay: int) -> None:
-        """The gaps of ``relay`` from what was reconciled through the earlier runs, in order, to this run's first."""
+    def _reconcile(self, relay: int) -> int:
+        """The gaps of ``relay`` from what was reconciled through the earlier runs, in order, to this run's first;
+        returns how many ends they count.
+
+        The run reconciled last may have gone on journaling ends after it saved its numbers (a save comes only when a
+        segment goes): those its segments still hold extend it, and are no gap."""
         at_run, prev = self.reconciled.get(relay, (0, 0))
         known = relay in self.reconciled
+        before = self.in_transit
         for run in sorted(self.runs):
             span = self.runs[run].get(relay)
-            if run <= at_run or span is None:
+            if run < at_run or span is None:
                 continue
-            if known:
+            if known and run > at_run:
                 self._gap(span[0] - prev - 1)
             at_run, prev, known = run, max(prev, span[1]), True
         first = self.first.get(relay)
@@ -127,6 +151,7 @@ class Sequences:
             self._gap(first - prev - 1)
         if known:
             self.reconciled[relay] = (at_run, prev)
+        return self.in_transit - before
 
     def _dead(self, state: LedgerState, fd: int) -> None:
         """A dead relay's ledger: counted by the telemetry process whose journal knew the relay (on a folder several
@@ -176,10 +201,12 @@ class Sequences:
         if len(reconciled) > MAX_RELAYS:
             reconciled = dict(list(reconciled.items())[-MAX_RELAYS:])
         data = {
+            "run": self.run,
             "reconciled": {str(k): list(v) for k, v in reconciled.items()},
             "runs": {str(run): {str(k): v for k, v in spans.items()} for run, spans in runs.items()},
         }
-        aside = self.path.with_name(self.path.name + ".new")
+        # One aside file per thread: the event loop's (a gap seen) and the worker's may save at once.
+        aside = self.path.with_name(f"{self.path.name}.new-{threading.get_ident()}")
         with contextlib.suppress(OSError):
             aside.write_text(json.dumps(data), encoding="utf-8")
             os.replace(aside, self.path)

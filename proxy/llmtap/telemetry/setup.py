@@ -321,7 +321,8 @@ def build(t: TelemetrySettings, env: Mapping[str, str] | None = None) -> Provide
         callbacks=[lambda options: [Observation(started)]],
         unit="s",
         description="When this telemetry process started (Unix time): its counters count from 0 since then, so a "
-        "restart shows here and Prometheus's increase() and rate() read the reset as one.",
+        "restart shows here and Prometheus's increase() and rate() read the reset as one; the loss counters (tapes "
+        "and records dropped, records recovered) go on from the last run's totals when a record journal keeps them.",
     )
     if gate is not None:
         meter.create_observable_counter(

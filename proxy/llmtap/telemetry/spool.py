@@ -19,6 +19,15 @@ has it. A segment whose requests are all done is deleted. The journal is bounded
 oldest segment goes, and the requests in it are no longer kept for a restart (said once; if one is still not in
 every sink when the process stops, it is counted lost as ``journal_full``).
 
+A full disk. The journal shares its disk with the record files, and a tape is larger than its record: a journal that
+went on writing would fill the disk first and the records would be lost for the journal's sake. So when a write
+fails for lack of room (``NO_SPACE``) the journal gives way (``_give_way``, said once): it journals nothing more, the
+segment being written is closed so that it is deleted, as every segment is, once its requests' records are with the
+sinks, and the requests begun meanwhile go to the sinks as before but are not kept for a restart (``unjournaled``;
+one of them still not in every sink when the process stops is counted lost as ``journal_full``). Every
+``ROOM_EVERY`` seconds it looks for room again, and journals again once two segments' worth are free (said, with the
+count of requests that went unjournaled).
+
 At start, the segments the last run left are replayed on the recorder's worker, a slice at a time between the
 relays' messages (``replay``): every request not done is played back into a record again, to the sinks that lack
 it only; its spans, metrics and listeners (the live view, the access log) again only when the last run had not
@@ -42,15 +51,15 @@ on the event loop (the write of what was read) and 0.12 µs on the worker (refer
 a request together, against the 20 to 50 µs a chunk the telemetry process spends; the relay's part is a sequence
 number in each end and three stores into its ledger per request, 0.2 to 0.3 µs a request.
 
-Counters. A telemetry process started again counts from 0 (``llmtap_telemetry_start_time_seconds`` says when it
-started, so ``increase()`` reads the reset as one); the relays report their counts as totals, so the restarted
-process's ``channel_full`` carries what the relay dropped before too, and they send them again at once when their
-channel is made again.
+Counters. The loss counters go on across a telemetry restart: their totals, and each relay's last reported total
+of ``channel_full`` drops (by relay id), are kept in the slot's ``counters.json`` (``llmtap.telemetry.losses``), so a
+relay that sends its totals again at once when its channel is made again adds only their rise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -76,7 +85,7 @@ from llmtap.telemetry.journal import (
     take_slot,
 )
 from llmtap.telemetry.journal_replay import Replay
-from llmtap.telemetry.sequences import Sequences
+from llmtap.telemetry.sequences import SEQUENCES_FILE, Sequences, last_run
 from llmtap.wire.messages import END, SEGMENT, Raw
 from llmtap.worker import Progress
 
@@ -95,6 +104,10 @@ POLL_EVERY = 0.25
 #: request of the last run whose tape the recorder could not read back (another build's, or a failure: logged).
 JOURNAL_DROP_REASONS = ("journal_full", "journal_unreadable")
 _REF_RUN = 1 << 40
+#: What a write that failed for lack of room says: the journal then gives way to the records (``Spool._give_way``).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+#: Seconds between two looks for room again on a full disk.
+ROOM_EVERY = 5.0
 
 
 class SinkLike(Protocol):
@@ -137,7 +150,10 @@ class Spool:
         self._lock = threading.Lock()
         self.slot: Slot = take_slot(self.root, index)
         self._old = self.slot.segments()
-        self.run = max((run for run, _, _ in self._old), default=0) + 1
+        # One past every run this slot remembers, not only those whose segments are left: a run number used again
+        # would have the relays' numbers it saw reconciled against another run's (``llmtap.telemetry.sequences``).
+        latest = max((run for run, _, _ in self._old), default=0)
+        self.run = max(latest, last_run(self.slot.path / SEQUENCES_FILE)) + 1
         self._next_ref = self.run * _REF_RUN
         self._segs: dict[tuple[int, int], Seg] = {}
         for run, number, path in self._old:
@@ -158,15 +174,21 @@ class Spool:
         #: Requests the bound let go of (no longer kept for a restart), not done yet.
         self._unkept: set[Req] = set()
         self._failing: str | None = None
+        # Since when the journal gives way to the records on a full disk (None: it does not), and when it last
+        # looked for room again.
+        self._full_since: float | None = None
+        self._room_at = 0.0
         self._closed = False
         #: The relays' numbers of the stream ends the journal saw, and what never reached it (counted as tapes lost).
-        self.sequences = Sequences(self.slot.path / "sequences.json", index, self.run, on_tapes_lost)
+        self.sequences = Sequences(self.slot.path / SEQUENCES_FILE, index, self.run, on_tapes_lost)
         self.replay = Replay(self)
         #: Counts since start: requests journaled, done, let go by the bound; and of the last run: recovered.
         self.journaled = 0
         self.done = 0
         self.recovered = 0
         self.unkept = 0
+        #: Requests begun while the journal could not be written (its disk full): never kept for a restart.
+        self.unjournaled = 0
 
     # -- the event loop's side ------------------------------------------------------------------------------
 
@@ -181,6 +203,8 @@ class Spool:
             self._register(source, messages, seg if written else None)
 
     def _segment(self) -> Seg | None:
+        if self._full_since is not None and not self._room_again():
+            return None
         seg = self._current
         if seg is not None and seg.size < self.segment_bytes:
             return seg
@@ -194,6 +218,7 @@ class Spool:
             file = SegmentFile(path, self.run, self._number, self._next_ref)
         except OSError as exc:
             self._failed(exc)
+            self._give_way(exc)
             return None
         ident = (self.run, self._number)
         seg = self._current = self._segs[ident] = Seg(ident, path, file.size, self._next_ref, file)
@@ -205,12 +230,52 @@ class Spool:
             seg.file.append(source, first, raw)
         except OSError as exc:
             self._failed(exc)
+            self._give_way(exc)
             return False
         seg.size = seg.file.size
         self._unsynced = True
         if self._failing is not None:
-            log.warning("record journal %s is written again", self.slot.path)
+            log.warning(
+                "record journal %s is written again (%d requests went unjournaled while it could not be: not kept "
+                "for a restart)",
+                self.slot.path,
+                self.unjournaled,
+            )
             self._failing = None
+        return True
+
+    def _give_way(self, exc: OSError) -> None:
+        """The journal's disk is full: it gives way to the records (the lock is held). No tape is journaled until
+        ``segment_bytes`` are free again (looked at every ``ROOM_EVERY`` seconds); the segment being written is
+        closed, so that it goes, as every segment does, once its requests' records are with the sinks; the requests
+        begun meanwhile are not kept for a restart (``unjournaled``), and go to the sinks as before."""
+        if exc.errno not in NO_SPACE or self._full_since is not None:
+            return
+        self._full_since = self._room_at = self._clock()
+        seg, self._current = self._current, None
+        if seg is not None:
+            seg.closed = True
+            self._to_close.append(seg)
+        log.warning(
+            "record journal %s: its disk is full; it gives way to the records until %d MiB are free there again: "
+            "no tape is journaled (not kept for a restart) and its segments go as their records reach the sinks",
+            self.slot.path,
+            self.segment_bytes >> 20,
+        )
+
+    def _room_again(self) -> bool:
+        """Whether the full disk has room for a segment again (looked at every ``ROOM_EVERY`` seconds)."""
+        now = self._clock()
+        if now - self._room_at < ROOM_EVERY:
+            return False
+        self._room_at = now
+        try:
+            fs = os.statvfs(self.slot.path)
+        except OSError:
+            return False
+        if fs.f_bavail * fs.f_frsize < 2 * self.segment_bytes:
+            return False
+        self._full_since = None
         return True
 
     def _failed(self, exc: OSError) -> None:
@@ -231,6 +296,10 @@ class Spool:
             if kind != SEGMENT and kind != END:
                 continue
             key = (source, message[1])
+            if kind == END and len(message) > 6 and message[5]:
+                # Every end the relay numbered reached the journal, whether its request is known here or not (a
+                # stream whose start went to a telemetry process since killed): no gap, so not counted in_transit.
+                self.sequences.seen(message[5], message[6])
             if message[2] is not None:
                 req = Req(self._next_ref, source)
                 self._next_ref += 1
@@ -239,6 +308,7 @@ class Spool:
                 key_of[key] = req
                 if seg is None:
                     self._unkept.add(req)
+                    self.unjournaled += 1
             else:
                 found = key_of.get(key)
                 if found is None:
@@ -248,8 +318,6 @@ class Spool:
                 self._touch(req, seg)
             if kind == END:
                 req.ended = True
-                if len(message) > 6 and message[5]:
-                    self.sequences.seen(message[5], message[6])
 
     @staticmethod
     def _touch(req: Req, seg: Seg) -> None:

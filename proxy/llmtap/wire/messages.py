@@ -170,6 +170,9 @@ class Stats(NamedTuple):
     timeouts: Counts
     refused: Counts
     cuts: Counts
+    #: Which relay (its random id, ``llmtap.wire.ledger.new_relay_id``): its totals are kept by id across telemetry
+    #: restarts (``llmtap.telemetry.losses``); 0: not said.
+    relay: int = 0
 
 
 class Facts(NamedTuple):
