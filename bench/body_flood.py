@@ -3,11 +3,11 @@
 ``python -m bench.body_flood`` starts two ``tests/fault_upstream.py`` and one ``llmtap serve`` of whatever code
 ``PYTHONPATH`` selects, then alternates two phases ``--rounds`` times: probes alone, and probes while
 ``--clients`` flooding clients (one process of their own, raw sockets, one keep-alive connection each) send
-chat bodies of ``--mib`` MiB back to back (``"stream": true``, so the relay asks for usage and splices the
-body). The flood goes to a route of its own (``/flood``) with an upstream of its own, which answers unread
-(``x-ignore-body``): what the probes share with the flood is the relay (and the machine), not the upstream's
-event loop. A probe is a small chat stream of ``--chunks`` chunks ``--gap-ms`` apart: its first byte and its
-whole time, as its client saw them. It prints the p50 and max of both per phase, and how many bodies the flood
+chat bodies of ``--mib`` MiB back to back, or ``--rate`` a second each (``"stream": true``, so the relay asks for
+usage and splices the body). The flood goes to a route of its own (``/flood``) with an upstream of its own, which
+answers unread (``x-ignore-body``): what the probes share with the flood is the relay (and the machine), not the
+upstream's event loop. A probe is a small chat stream of ``--chunks`` chunks ``--gap-ms`` apart: its first byte
+and its whole time, as its client saw them. It prints the p50 and max of both per phase, how many bodies the flood
 got through a second, and the relay's and the telemetry process's CPU per flooding body (beside the flood less
 alone, over as long): what the flood took of the loop every other client shares, and of the machine.
 
@@ -71,11 +71,16 @@ def _request(port: int, body: bytes) -> bytes:
     return head.encode() + body
 
 
-def _flood_one(port: int, request: bytes, until: float, counts: list[int]) -> None:
-    """Send ``request`` again and again on one keep-alive connection, reading each chunked answer to its end."""
+def _flood_one(port: int, request: bytes, until: float, counts: list[int], rate: float) -> None:
+    """Send ``request`` again and again on one keep-alive connection, reading each chunked answer to its end;
+    ``rate`` bodies a second at most (0: as fast as the relay takes them)."""
     sock = socket.create_connection(("127.0.0.1", port))
+    due = time.monotonic()
     try:
         while time.monotonic() < until:
+            if rate:
+                time.sleep(max(due - time.monotonic(), 0.0))
+                due += 1 / rate
             sock.sendall(request)
             got = b""
             while not got.endswith(b"0\r\n\r\n"):
@@ -88,12 +93,13 @@ def _flood_one(port: int, request: bytes, until: float, counts: list[int]) -> No
         sock.close()
 
 
-def flood(port: int, mib: float, shape: str, clients: int, seconds: float) -> int:
+def flood(port: int, mib: float, shape: str, clients: int, seconds: float, rate: float = 0.0) -> int:
     """Flood for ``seconds`` (the ``--flood`` child's work); returns the bodies sent."""
     request = _request(port, chat_body(int(mib * (1 << 20)), shape))
     until = time.monotonic() + seconds
     counts: list[int] = []
-    threads = [threading.Thread(target=_flood_one, args=(port, request, until, counts)) for _ in range(clients)]
+    job = (port, request, until, counts, rate)
+    threads = [threading.Thread(target=_flood_one, args=job) for _ in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
@@ -140,6 +146,7 @@ def _phase(
     if flood:
         argv = [sys.executable, "-m", "bench.body_flood", "--flood", str(proxy.port), "--mib", str(args.mib)]
         argv += ["--shape", args.shape, "--clients", str(args.clients), "--seconds", str(args.seconds + 1)]
+        argv += ["--rate", str(args.rate)]
         child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     time.sleep(1.0)  # the flood under way (and as long a pause alone)
     samples = []
@@ -196,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mib", type=float, default=8.0, help="size of each flooding body, MiB (8)")
     p.add_argument("--shape", choices=("one", "many", "code"), default="one", help="the bodies' shape (one)")
     p.add_argument("--clients", type=int, default=1, help="flooding clients, one connection each (1)")
+    p.add_argument("--rate", type=float, default=0.0, help="bodies a second per client at most (0: no limit)")
     p.add_argument("--rounds", type=int, default=3, help="alone / beside phases, alternated (3)")
     p.add_argument("--seconds", type=float, default=8.0, help="probing time per phase (8)")
     p.add_argument("--chunks", type=int, default=5, help="chunks of a probe's stream (5)")
@@ -203,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--flood", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.flood is not None:
-        print(flood(args.flood, args.mib, args.shape, args.clients, args.seconds), flush=True)
+        print(flood(args.flood, args.mib, args.shape, args.clients, args.seconds, args.rate), flush=True)
         return
     print(json.dumps(run(args), indent=2))
 
