@@ -19,6 +19,9 @@ this moment (the wake-up, the read, the write, the loopback), so llmtap's own sh
 ``--gather MS`` (repeatable) runs each tree once per value of ``telemetry_gather``, in turn: the relay gathering its
 tapes for that long against not at all (0), side by side.
 
+``--record`` has each tree write request records (``--record`` into a folder of its own, emptied before each run):
+a tree with the record journal (issue 44) then journals every tape it reads, so its cost shows beside a tree without.
+
 ``--capture FILE`` (one tree, one round) keeps every byte the telemetry process reads from the relay in FILE, as it
 reads it (``CAPTURE_SHIM``), for ``python -m bench.telemetry --tapes FILE`` to play the same tapes again: what the
 work costs warm and paced, beside what this run measured of it in place.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -110,6 +114,13 @@ if _path:
 FLOOR = "floor"
 
 
+def _records(work: Path) -> Path:
+    """The records' folder of a run, empty (the last run's journal would be replayed into this one's figures)."""
+    folder = work / "records"
+    shutil.rmtree(folder, ignore_errors=True)
+    return folder
+
+
 def start(
     tree: Path | str, work: Path, args: argparse.Namespace, up_port: int, sink_port: int, gather: int | None = None
 ) -> tuple[str, Service]:
@@ -138,6 +149,7 @@ def start(
             extra_env={
                 "PYTHONPATH": ":".join([*shim, f"{Path(tree) / 'proxy'}", str(tree)]),
                 **({"LLMTAP_TELEMETRY_GATHER": str(gather)} if gather is not None else {}),
+                **({"LLMTAP_RECORD": str(_records(work))} if args.record else {}),
                 **({"BENCH_CAPTURE": str(args.capture.resolve())} if args.capture else {}),
             },
             telemetry_cpu=args.telemetry_cpu or args.client_cpu,
@@ -241,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         help="run each tree with this telemetry_gather (repeatable: one run of each, in turn)",
     )
     p.add_argument("--summary", action="store_true", help="end with each tree's median and range per figure")
+    p.add_argument(
+        "--record", action="store_true", help="each tree writes request records (its journal, if it has one)"
+    )
     p.add_argument(
         "--capture",
         type=Path,

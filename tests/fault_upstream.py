@@ -3,7 +3,8 @@
 ``python tests/fault_upstream.py`` prints its port on stdout. ``POST .../chat/completions`` answers with
 an OpenAI chat stream (``"stream": true``) or body in vLLM's shape; the request header ``x-fault`` picks a
 fault (``FAULTS``) and ``x-fault-arg`` its size. ``x-chunks`` and ``x-gap-ms`` shape a normal stream;
-``x-say`` makes the answer that text, one character per chunk. ``GET /echo`` returns the target and headers
+``x-say`` makes the answer that text, one character per chunk; ``x-ignore-body`` answers a stream without
+parsing the request. ``GET /echo`` returns the target and headers
 as they arrived here.
 Each request named by ``x-request-id`` leaves a record at ``GET /sent/<id>``: the sha256 of the body bytes
 it wrote (and of the same bytes without the usage event, which the proxy removes when it asked for usage
@@ -245,7 +246,9 @@ class Upstream:
             await writer.drain()
             return True
         try:
-            request = json.loads(body or b"{}")
+            # ``x-ignore-body``: a stream is answered unread (``bench.body_flood``: the upstream's own parse of a
+            # flood's bodies would take the cores the relay is measured on).
+            request = {"stream": True} if "x-ignore-body" in headers else json.loads(body or b"{}")
         except ValueError:
             request = {}
         fault = headers.get("x-fault", "")

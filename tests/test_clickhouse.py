@@ -537,9 +537,18 @@ def _table_count(proc: ClickHouseProcess, table: str) -> int:
         return -1
 
 
-def test_the_clickhouse_source_gives_the_reference_sources_facts(server: ClickHouseProcess, tmp_path: Path) -> None:
+@pytest.mark.parametrize("numpy", ["installed", "absent"])
+def test_the_clickhouse_source_gives_the_reference_sources_facts(
+    server: ClickHouseProcess, tmp_path: Path, numpy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With numpy and without it (the analysis extra is not installed): the source parses the sorted values
+    ClickHouse sends either way, to the same floats."""
     from llmtap.store import VERSION, Filter
     from llmtap.store.python import PythonSource
+
+    if numpy == "absent":
+        monkeypatch.setitem(sys.modules, "numpy", None)  # `import numpy` raises ImportError
+    table = f"source_check_{numpy}"
 
     records = make_records(300, seed=11)
     # Nulls and odd values where the reference has rules for them: no route or shape, a wrong-typed figure,
@@ -561,7 +570,7 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(server: ClickHo
     records[10]["cost"] = {"amount": "cheap"}
     path = tmp_path / "records.jsonl"
     lines: list[str] = []
-    sink = ch.ClickHouseSink(ch.Server.parse(server.url), "source_check", ttl_days=0)
+    sink = ch.ClickHouseSink(ch.Server.parse(server.url), table, ttl_days=0)
     for rec in records:
         lines.append(json.dumps(rec) + "\n")
         sink.write(rec)
@@ -569,7 +578,7 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(server: ClickHo
     sink.close(PATIENCE)
     assert sink.written == 300, sink.dropped
     reference = PythonSource([path])
-    source = chread.ClickHouseSource(ch.Server.parse(server.url), "source_check")
+    source = chread.ClickHouseSource(ch.Server.parse(server.url), table)
 
     def keyed(groups: list[Any]) -> dict[tuple[str, str, str], Any]:
         return {(str(g.key), str(g.route), str(g.shape)): g for g in groups}

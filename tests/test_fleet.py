@@ -469,7 +469,7 @@ def test_two_replicas_each_get_the_server_truth_of_their_own_requests(fleet: Fle
     )
     assert landed_elsewhere >= 1, fleet.service.sent
     assert routed == {"sent": landed_elsewhere, "dropped": 0, "failed": 0}
-    assert joined == {"matched": n, "late": 0, "unmatched": 0, "missing": 0}
+    assert joined == {"matched": n, "late": 0, "unmatched": 0, "missing": 0, "duplicate": 0}
     # At the backend: each request's server span once, under llmtap's span, carrying the client's tracestate.
     deadline = time.monotonic() + PATIENCE
     while len([s for _, s in fleet.backend.received.spans() if s.name == "llm_request"]) < n:
@@ -512,7 +512,7 @@ def test_two_telemetry_processes_per_replica_each_get_the_server_truth_of_their_
     to_process_1 = sum(1 for trace in fleet.ended if shard_of(int(trace, 16), 0, 2) == 1)
     assert to_process_1 == n // 2
     assert routed == {"sent": landed_elsewhere + to_process_1, "dropped": 0, "failed": 0}
-    assert joined == {"matched": n, "late": 0, "unmatched": 0, "missing": 0}
+    assert joined == {"matched": n, "late": 0, "unmatched": 0, "missing": 0, "duplicate": 0}
 
 
 @pytest.mark.parametrize("fleet", [False], indirect=True)

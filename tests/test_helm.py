@@ -9,6 +9,7 @@ must pass the same structural check as ``collectors/``; and the pieces must be w
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import re
@@ -32,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "llmtap"
 CASES = sorted((CHART / "ci").glob("*-values.yaml"))
 KUBERNETES = ("1.30.0", "1.37.0")
+#: prometheus-operator's kinds: kubernetes-validate has no schema for them.
+CRDS = {"ServiceMonitor", "PrometheusRule"}
 # Rendered manifests: yamllint's defaults, except what Helm's own toYaml output does not follow.
 RENDERED_LINT = YamlLintConfig(
     "{extends: default, rules: {line-length: disable, document-start: disable,"
@@ -69,6 +72,30 @@ def case(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     yield values_of(request.param)
 
 
+#: The values every replica must share: (variable, values section, its value's field, key in the chart's Secret).
+SHARED = (
+    ("LLMTAP_ATTRIBUTION_KEY", "attribution", "key", "attribution-key"),
+    ("LLMTAP_ADMIN_TOKEN", "admin", "token", "admin-token"),
+    ("LLMTAP_PEER_TOKEN", "peers", "token", "peer-token"),
+)
+
+
+def secret_env(container: Mapping[str, Any], secrets: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """The shared values' variables as the pod gets them from their Secrets: a rendered Secret's value, else a
+    stand-in for an existing Secret's (made beforehand, outside the chart)."""
+    out = {}
+    for e in container.get("env", []):
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        if ref is None or e["name"] not in {variable for variable, *_ in SHARED}:
+            continue
+        made = secrets.get(ref["name"])
+        value = (
+            base64.b64decode(made["data"][ref["key"]]).decode() if made else f"{ref['name']}-{ref['key']}-0123456789"
+        )
+        out[e["name"]] = value
+    return out
+
+
 def test_the_ci_matrix_covers_the_options() -> None:
     names = {p.name for p in CASES}
     assert {
@@ -77,6 +104,9 @@ def test_the_ci_matrix_covers_the_options() -> None:
         "sidecar-values.yaml",
         "multi-route-values.yaml",
         "records-values.yaml",
+        "secrets-values.yaml",
+        "model-server-values.yaml",
+        "alerts-values.yaml",
     } <= names
 
 
@@ -91,13 +121,13 @@ def test_rendered_manifests_validate_for_two_kubernetes_versions(case: dict[str,
     docs = manifests(case)
     checked = 0
     for doc in docs:
-        if doc["kind"] == "ServiceMonitor":
+        if doc["kind"] in CRDS:
             continue  # a CRD: no schema in kubernetes-validate; its wiring is checked below
         for kube in KUBERNETES:
             kubernetes_validate.validate(doc, kube, strict=True)
             checked += 1
     assert {"Deployment", "Service", "ConfigMap"} <= {d["kind"] for d in docs}
-    assert checked == len(KUBERNETES) * len([d for d in docs if d["kind"] != "ServiceMonitor"])
+    assert checked == len(KUBERNETES) * len([d for d in docs if d["kind"] not in CRDS])
 
 
 def test_a_bad_manifest_fails_validation() -> None:
@@ -121,21 +151,16 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
     config = yaml.safe_load(config_map["data"]["llmtap.yaml"])
     admin = {**values_of(CHART / "values.yaml")["admin"], **case.get("admin", {})}
     pod = docs["Deployment"][0]["spec"]["template"]["spec"]
-    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
-    if admin["tokenSecret"]:
-        # The token file is the Secret's key, mounted where the config names it.
-        assert config["admin"]["token_file"] == f"{mounts['admin-token']}/{admin['tokenSecretKey']}"
-        (volume,) = [v for v in pod["volumes"] if v["name"] == "admin-token"]
-        assert volume["secret"]["secretName"] == admin["tokenSecret"]
-        token = tmp_path / "token"
-        token.write_text("a-token-of-the-secret-0123456789\n", encoding="utf-8")
-        config["admin"]["token_file"] = str(token)
-    else:
-        assert "token_file" not in config["admin"] and "admin-token" not in mounts
+    # The shared secrets reach the pod as variables from their Secrets (secretKeyRef), never in the ConfigMap.
+    env = secret_env(pod["containers"][0], {s["metadata"]["name"]: s for s in docs.get("Secret", [])})
+    assert "token_file" not in config["admin"] and "key_file" not in config.get("attribution", {})
+    assert ("LLMTAP_ADMIN_TOKEN" in env) is bool(admin["token"] or admin["existingSecret"])
     path = tmp_path / "llmtap.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
-    loaded = build({"config": str(path)}, env={})
-    assert (loaded.admin.token is not None) is bool(admin["tokenSecret"])
+    loaded = build({"config": str(path)}, env=env)
+    assert (loaded.admin.token is not None) is bool(admin["token"] or admin["existingSecret"])
+    attribution = {**values_of(CHART / "values.yaml")["attribution"], **case.get("attribution", {})}
+    assert (loaded.attribution.key is not None) is bool(attribution["key"] or attribution["existingSecret"])
     assert (loaded.admin.loopback_token, loaded.admin.max_connections, loaded.admin.max_event_streams) == (
         admin["loopbackToken"],
         admin["maxConnections"],
@@ -145,6 +170,9 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
     assert {"http": loaded.port, "admin": loaded.admin_port} == {p["name"]: p["port"] for p in service}
     assert loaded.host == loaded.admin_host == "0.0.0.0"
     expected = case.get("config", {}).get("routes") or values_of(CHART / "values.yaml")["config"]["routes"]
+    model_server = case.get("modelServer", {})
+    if model_server.get("enabled"):  # one route, to the model server in the pod
+        expected = [{"upstream": f"http://127.0.0.1:{model_server['port']}"}]
     assert sorted(r.upstream for r in loaded.routes) == sorted(r["upstream"] for r in expected)
     defaults = values_of(CHART / "values.yaml")["config"]
     timeouts = {**defaults["timeouts"], **case.get("config", {}).get("timeouts", {})}
@@ -160,7 +188,7 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
         telemetry["server_metrics"],
     )
     record = {**defaults["record"], **case.get("config", {}).get("record", {})}
-    records = case.get("records", {})
+    records = {**values_of(CHART / "values.yaml")["records"], **case.get("records", {})}
     # The ClickHouse part of the records has a case of its own (below).
     assert bool(loaded.record.clickhouse) is bool(case.get("clickhouse", {}).get("url"))
     assert dataclasses.replace(loaded.record, clickhouse=None) == Records(
@@ -171,6 +199,8 @@ def test_rendered_config_loads_in_llmtap(case: dict[str, Any], tmp_path: Path) -
         keep_s=record["keep_hours"] * 3600,
         format=record["format"],
         logs=record["logs"],
+        journal=records["mountPath"] + "/.journal" if records.get("enabled") else None,
+        journal_bytes=int(record["journal_mb"] * (1 << 20)),
     )
 
 
@@ -216,9 +246,18 @@ def test_pieces_are_wired_to_each_other(case: dict[str, Any]) -> None:
         for e in proxy["env"]
         if "valueFrom" in e and "secretKeyRef" in e["valueFrom"] and e["name"] != "LLMTAP_RECORD_CLICKHOUSE_PASSWORD"
     }
-    peers = case.get("peers", {})
-    if peers.get("enabled"):  # the replicas' shared token, from its own Secret
-        assert refs.pop("LLMTAP_PEER_TOKEN") == {"name": peers["tokenSecret"], "key": peers.get("tokenKey", "token")}
+    # The values every replica shares: each from its existing Secret, or from the chart's own.
+    own = docs["Deployment"][0]["metadata"]["name"]
+    for variable, section, field, own_key in SHARED:
+        given = case.get(section, {})
+        if section == "peers" and not given.get("enabled"):
+            assert variable not in refs
+        elif given.get("existingSecret"):
+            assert refs.pop(variable) == {"name": given["existingSecret"], "key": given.get("existingSecretKey", field)}
+        elif given.get(field):
+            assert refs.pop(variable) == {"name": own, "key": own_key}
+        else:
+            assert variable not in refs
     assert {k: v["key"] for k, v in refs.items()} == secrets
     assert all(v["name"] == case.get("secretName") for v in refs.values())
 
@@ -238,6 +277,7 @@ def test_the_scale_case_renders_its_options() -> None:
     assert variables["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["LLMTAP_PEER_ADDRESS"] == "$(POD_IP):9464"
     assert variables["LLMTAP_PEER_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "llmtap-peers", "key": "token"}
+    assert "Secret" not in docs  # an existing Secret is read, not made
     names = [e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]]
     assert names.index("POD_IP") < names.index("LLMTAP_PEER_ADDRESS")  # $(POD_IP) expands only from earlier ones
     # The address and token the pods get are what llmtap takes.
@@ -248,7 +288,7 @@ def test_the_scale_case_renders_its_options() -> None:
     # Off by default; on without a Secret, the chart refuses with the key named.
     default = by_kind(manifests({}))["Deployment"][0]
     assert "LLMTAP_PEER_ADDRESS" not in {e["name"] for e in default["spec"]["template"]["spec"]["containers"][0]["env"]}
-    with pytest.raises(Exception, match=r"peers\.tokenSecret"):
+    with pytest.raises(Exception, match=r"peers\.enabled needs peers\.token or peers\.existingSecret"):
         manifests({"peers": {"enabled": True}})
 
 
@@ -264,7 +304,12 @@ def test_records_get_a_writable_volume_under_the_read_only_root() -> None:
     assert volume == {"name": "records", "emptyDir": {"sizeLimit": "4Gi"}}
     (config_map,) = [c for c in docs["ConfigMap"] if "llmtap.yaml" in c["data"]]
     record = yaml.safe_load(config_map["data"]["llmtap.yaml"])["record"]
-    assert record == {"path": "/var/lib/llmtap/records", "format": "jsonl", **values["config"]["record"]}
+    assert record == {
+        "path": "/var/lib/llmtap/records",
+        "format": "jsonl",
+        "journal_mb": 128,
+        **values["config"]["record"],
+    }
     # (llmtap reads it as the folder, with the rotation, retention and logs set: test_rendered_config_loads_in_llmtap.)
     claimed = by_kind(manifests({**values, "records": {**values["records"], "existingClaim": "llmtap-records"}}))
     (volume,) = [v for v in claimed["Deployment"][0]["spec"]["template"]["spec"]["volumes"] if v["name"] == "records"]

@@ -32,7 +32,7 @@ from bench.telemetry import chat_tape
 from llmtap.analysis import tokens
 from llmtap.analysis.summary import MAX_SAMPLES, summarize
 from llmtap.analysis.timeline import COUNT_CHARS, Timeline
-from llmtap.config.types import Route, Settings
+from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.providers import provider_for
 from llmtap.store.files import ReadStats, read_records, record_files_at
 from llmtap.telemetry.dataset import DatasetWriter
@@ -74,8 +74,8 @@ def served(upstream: FaultUpstream, tmp_path_factory: pytest.TempPathFactory) ->
         "--telemetry-scheduling",
         "nice",
         # A 256 MiB stream is 8,192 segments; a busy machine can leave the recorder that many behind, and past the
-        # default queue (4,096) one of them is dropped and the whole tape with it (queue_full, as designed), so the
-        # tap's memory and time would go unmeasured. Room for all of them (past 16 MiB they carry no bytes).
+        # default queue (4,096) those that do not fit become holes in the stream (partial), so the tap's memory
+        # and time would go partly unmeasured. Room for all of them (past 16 MiB they carry no bytes).
         "--telemetry-queue",
         "16384",
     )
@@ -189,6 +189,82 @@ def test_a_gzip_bomb_is_inflated_only_to_its_bound(served: tuple[Llmtap, Path], 
 #: The file-size limit (RLIMIT_FSIZE) of the proxy in the full-disk test: a few records fit, then every write
 #: fails with EFBIG, as on a full disk (the kernel writes what fits, then refuses).
 FSIZE_LIMIT = 16 << 10
+
+
+def test_a_stream_longer_than_the_telemetry_queue_keeps_its_record_partial() -> None:
+    """Issue 44: a 1 GiB stream is 32,768 segments, past any queue; one that did not fit lost the whole stream
+    (counted ``queue_full`` though nothing else waited). Now each one turned away is a hole in its stream, played
+    as reads without bytes, and the stream is recorded, partial. Here: a queue of 8, and 200 segments while the
+    worker is held, so the queue is full from the ninth on."""
+    routes = (Route(prefix="/", upstream="http://u:1", name="default"),)
+    recorder = Recorder(Settings(routes=routes, telemetry=TelemetrySettings(queue_size=8)))
+    hold, held = threading.Event(), threading.Event()
+    seen: list[Timeline] = []
+
+    def wait(tl: Timeline, *_: Any) -> None:
+        seen.append(tl)
+        held.set()
+        hold.wait(30)
+
+    recorder.listeners.append(wait)
+    try:
+        recorder.record_timeline(streamed([" alpha"], None))  # the worker waits in the listener from here
+        assert held.wait(PATIENCE)
+        events = [chat_chunk({"content": WORDS[i % len(WORDS)] * 7000}) for i in range(200)]
+        tape, messages = chat_tape(1, [*events, chat_chunk({}, "stop") + usage_event(12, 1200) + b"data: [DONE]\n\n"])
+        assert len(messages) > 200 and messages[-1][0] == END
+        assert all(recorder.submit(message) for message in messages)  # turned into holes, never refused
+        assert recorder._queue.qsize() <= 8 + 1  # the end of a stream with a hole may use the reserve
+    finally:
+        hold.set()
+        assert recorder.flush(30)
+        recorder.close()
+    assert recorder.recorded == 2 and recorder.dropped == 0
+    tl = seen[-1]
+    assert tl.response_bytes == tape.response_bytes and tl.outcome == "ok" and tl.usage is not None
+    assert tl.usage.output_tokens == 1200  # the end and its usage came through
+    assert 0 < len(tl.chunk_times) < 200  # the content around the holes was read
+
+
+#: The generated stream of ``test_a_stream_of_any_size_gets_its_record``, and the queue it goes through.
+BIG_STREAM, SMALL_QUEUE = 128 << 20, 64
+
+
+def test_a_stream_of_any_size_gets_its_record(upstream: FaultUpstream, tmp_path: Path) -> None:
+    """Issue 44: a 1 GiB stream got no record at all (counted ``queue_full``); 256 and 64 MiB ones got theirs.
+
+    What a stream's length runs into: the relay's segments (32 KiB: a 1 GiB stream is 32,768), the channel to the
+    telemetry process (16 MiB), the recorder's queue in response bytes (16 MiB) and in messages
+    (``--telemetry-queue``, 4,096 by default). 1 GiB takes about 20 s on a busy CI machine, so here the queue is
+    64 messages and the stream 128 MiB: 4,096 segments, 64 times the queue and 8 times either byte bound, the
+    same crossings as 1 GiB through the default queue. The record comes, with the usage the stream ended with,
+    and nothing is counted as a lost tape (``partial`` may be, when the telemetry process fell behind).
+    """
+    records = tmp_path / "records"
+    proxy = Llmtap(
+        upstream.url,
+        tmp_path / "llmtap.log",
+        "--log-level",
+        "warning",
+        "--record",
+        str(records),
+        "--telemetry-queue",
+        str(SMALL_QUEUE),
+    )
+    try:
+        relay(proxy, upstream, "one-letter", BIG_STREAM)
+        deadline = time.monotonic() + PATIENCE
+        while not (found := [r for r in read_records(records, ReadStats()) if r["model"] == "fault"]):
+            assert time.monotonic() < deadline, "no record of the stream"
+            time.sleep(0.1)
+        [record] = found
+        assert record["outcome"] == "ok" and record["tokens"]["output"] == BIG_STREAM // 8, record
+        text = proxy.metrics()
+        for reason in ("queue_full", "channel_full", "evicted"):
+            lost = metric_value(text, "llmtap_telemetry_tapes_dropped_total", llmtap_telemetry_reason=reason)
+            assert lost == 0, (reason, lost)
+    finally:
+        proxy.close()
 
 
 def _limit_file_size() -> None:

@@ -8,15 +8,20 @@ leaves a traceback in the log.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import socket
 import threading
+import time
+import uuid
 import zlib
 from collections.abc import Iterator
 
 import pytest
 
+from llmtap.store.files import ReadStats, read_records
+from tests.conftest import PATIENCE
 from tests.procs import Llmtap
 
 pytestmark = pytest.mark.e2e
@@ -39,6 +44,30 @@ USAGE_EVENT = (
 )
 
 
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data)
+
+
+#: Response heads llmtap cannot relay faithfully (``llmtap.relay.heads``), by name: each answered 502.
+_GZ = gzip.compress(USAGE_EVENT)
+BAD_HEADS = {
+    "status-999": b"HTTP/1.1 999 Odd\r\ncontent-length: 2\r\n\r\n{}",
+    "status-600": b"HTTP/1.1 600 Odd\r\ncontent-length: 2\r\n\r\n{}",
+    "status-099": b"HTTP/1.1 099 Odd\r\ncontent-length: 2\r\n\r\n{}",
+    "status-0": b"HTTP/1.1 0 Odd\r\ncontent-length: 2\r\n\r\n{}",
+    "status-text": b"HTTP/1.1 abc Odd\r\ncontent-length: 2\r\n\r\n{}",
+    "switch-101": b"HTTP/1.1 101 Switching Protocols\r\nupgrade: foo\r\nconnection: upgrade\r\n\r\nxx",
+    "gzip-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n" + _chunked(_GZ),
+    "gzip-then-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n\r\n"
+    + _chunked(_GZ),
+    "chunked-gzip": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, gzip\r\n\r\n" + _GZ,
+    "identity": b"HTTP/1.1 200 OK\r\ntransfer-encoding: identity\r\n\r\n" + USAGE_EVENT,
+    "te-and-length": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 9\r\n\r\n" + _chunked(b"{}"),
+    "no-colon": b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nnot a header\r\n\r\n{}",
+    "control-in-value": b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-odd: a\x01b\r\n\r\n{}",
+}
+
+
 def sse_body(include_usage: bool) -> bytes:
     """An OpenAI chat stream of three words; the usage event only when the request asked for it."""
     events = [_chunk({"role": "assistant", "content": ""})]
@@ -55,11 +84,12 @@ class RawUpstream:
     ``/v1/chat/completions`` streams chat chunks, gzip-compressed when the request allows gzip (or always,
     with ``x-force-gzip``); ``/status/N`` answers status N with a Content-Length of 42, and 42 bytes
     unless N is 204 or 304;
-    ``/early-hints`` sends a 103 before its 200.
+    ``/early-hints`` sends a 103 before its 200; a request with ``x-raw: NAME`` gets ``BAD_HEADS[NAME]`` as it is.
     """
 
     def __init__(self) -> None:
         self.heads: list[bytes] = []
+        self.bodies: list[bytes] = []
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self._stop = False
@@ -78,31 +108,37 @@ class RawUpstream:
             threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
 
     def _connection(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # the relay closes (resets) a connection it refused an answer of
+            self._exchanges(conn)
+
+    def _exchanges(self, conn: socket.socket) -> None:
         buffered = b""
-        with conn:
-            while True:
-                while b"\r\n\r\n" not in buffered:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buffered += data
-                head, _, buffered = buffered.partition(b"\r\n\r\n")
-                self.heads.append(head)
-                fields = _fields(head)
-                length = int(fields.get(b"content-length", b"0"))
-                while len(buffered) < length:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buffered += data
-                body, buffered = buffered[:length], buffered[length:]
-                conn.sendall(self._answer(head.split(b" ")[1], fields, body))
+        while True:
+            while b"\r\n\r\n" not in buffered:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buffered += data
+            head, _, buffered = buffered.partition(b"\r\n\r\n")
+            self.heads.append(head)
+            fields = _fields(head)
+            length = int(fields.get(b"content-length", b"0"))
+            while len(buffered) < length:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buffered += data
+            body, buffered = buffered[:length], buffered[length:]
+            self.bodies.append(body)
+            conn.sendall(self._answer(head.split(b" ")[1], fields, body))
 
     def _answer(self, target: bytes, fields: dict[bytes, bytes], body: bytes) -> bytes:
         if target.startswith(b"/status/"):
             status = int(target[len(b"/status/") :])
             body = b"" if status in (204, 304) else b"x" * 42
             return b'HTTP/1.1 %d Whatever\r\ncontent-length: 42\r\netag: "v1"\r\n\r\n%s' % (status, body)
+        if b"x-raw" in fields:
+            return BAD_HEADS[fields[b"x-raw"].decode()]
         if target == b"/early-hints":
             return (
                 b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n"
@@ -146,8 +182,18 @@ def raw_upstream() -> Iterator[RawUpstream]:
 def proxy(
     request: pytest.FixtureRequest, raw_upstream: RawUpstream, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Llmtap]:
-    log = tmp_path_factory.mktemp("hostile-http") / "llmtap.log"
-    p = Llmtap(raw_upstream.url, log, "--upstream-client", request.param, "--log-level", "info")
+    home = tmp_path_factory.mktemp("hostile-http")
+    p = Llmtap(
+        raw_upstream.url,
+        home / "llmtap.log",
+        "--upstream-client",
+        request.param,
+        "--log-level",
+        "info",
+        "--record",
+        str(home / "records"),
+    )
+    p.records = home / "records"  # type: ignore[attr-defined]
     yield p
     p.close()
 
@@ -318,4 +364,95 @@ def test_http11_without_host_is_a_400(proxy: Llmtap, raw_upstream: RawUpstream) 
     assert exchange(proxy.port, b"GET /status/200 HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 200")
     twice = exchange(proxy.port, b"GET /status/200 HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n")
     assert twice.startswith(b"HTTP/1.1 400"), twice
+    no_traceback(proxy)
+
+
+@pytest.mark.parametrize("expect", [b"something-else", b"100-continue, x-more", b"100-continue; x=1"])
+def test_an_expectation_other_than_100_continue_gets_417(
+    proxy: Llmtap, raw_upstream: RawUpstream, expect: bytes
+) -> None:
+    """RFC 9110 section 10.1.1: an expectation nobody on the path meets is refused, never forwarded (issue 44)."""
+    before = len(raw_upstream.heads)
+    got = exchange(proxy.port, request(b"/v1/chat/completions", CHAT, extra=b"expect: %s\r\n" % expect))
+    [(status, fields, body)] = parse(got)
+    assert status == 417 and json.loads(body)["error"]["type"] == "expectation_failed", got[:300]
+    assert fields[b"connection"] == b"close"
+    assert len(raw_upstream.heads) == before  # nothing went upstream
+    no_traceback(proxy)
+
+
+def test_100_continue_is_met_before_the_body_is_sent(proxy: Llmtap, raw_upstream: RawUpstream) -> None:
+    head = request(b"/v1/chat/completions", extra=b"Expect: 100-Continue\r\ncontent-length: %d\r\n" % len(CHAT))
+    head = head.replace(b"content-length: 0\r\n", b"")
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(head)
+        interim = sock.recv(65536)
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n"), interim
+        sock.sendall(CHAT)
+        got = b""
+        while not got.endswith(b"0\r\n\r\n"):
+            part = sock.recv(65536)
+            assert part, got
+            got += part
+    [(status, _, body)] = parse(got)
+    assert status == 200 and body == sse_body(include_usage=False)
+    no_traceback(proxy)
+
+
+# --- response heads llmtap cannot relay faithfully (issue 44) ----------------------------------------------
+
+
+def record_of(proxy: Llmtap, model: str) -> dict[str, object]:
+    """The record of the one request that named ``model``, once it is written."""
+    deadline = time.monotonic() + PATIENCE
+    while True:
+        found = [r for r in read_records(proxy.records, ReadStats()) if r.get("model") == model]  # type: ignore[attr-defined]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no record of {model}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_HEADS))
+def test_a_response_head_that_cannot_be_relayed_faithfully_is_a_502_and_recorded(proxy: Llmtap, name: str) -> None:
+    """A status outside 100-599 or a final 1xx, a transfer coding other than chunked, ambiguous framing, a malformed
+    or unwritable header: the client gets a 502 that says why (never a dropped connection, nor bytes it cannot
+    read), the log says it (no traceback), and the record carries ``upstream_protocol_error``."""
+    model = f"bad-{name}-{uuid.uuid4().hex[:8]}"
+    body = json.dumps({"model": model, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    got = exchange(proxy.port, request(b"/v1/chat/completions", body, extra=b"x-raw: %s\r\n" % name.encode()))
+    [(status, _, answer)] = parse(got)
+    error = json.loads(answer)["error"]
+    assert (status, error["type"]) == (502, "upstream_protocol_error"), got[:400]
+    assert "cannot relay faithfully" in error["message"]
+    record = record_of(proxy, model)
+    assert (record["error_type"], record["outcome"]) == ("upstream_protocol_error", "error"), record
+    assert "a response head llmtap cannot relay" in proxy.logs()
+    no_traceback(proxy)
+
+
+def test_a_final_answer_after_interim_ones_is_still_relayed(proxy: Llmtap) -> None:
+    got = exchange(proxy.port, request(b"/early-hints", method=b"GET"))
+    assert statuses(got) == [200], got
+
+
+@pytest.mark.parametrize("options", [b"", b',"stream_options":{"continuous_usage_stats":true}'])
+def test_a_body_of_megabytes_is_read_as_it_arrives_and_spliced_as_a_small_one_is(
+    proxy: Llmtap, raw_upstream: RawUpstream, options: bytes
+) -> None:
+    """Past ``SCAN_FROM`` the relay reads the body piece by piece (``llmtap.providers.bodyscan``, issue 44): the
+    upstream gets exactly what ``prepare_usage`` makes of it, and the client no usage event it did not ask for."""
+    from llmtap.providers.splice import prepare_usage
+    from llmtap.relay.bodyread import SCAN_FROM
+
+    content = json.dumps('say "hi"\n\t' + "word " * (SCAN_FROM // 2))
+    body = b'{"model":"raw","messages":[{"role":"user","content":%s}],"stream":true%s}' % (content.encode(), options)
+    assert len(body) > 2 * SCAN_FROM
+    want = prepare_usage(body, inject_usage=True).body
+    assert want is not None
+    before = len(raw_upstream.bodies)
+    got = exchange(proxy.port, request(b"/v1/chat/completions", body))
+    [(status, _, answer)] = parse(got)
+    assert status == 200 and answer == sse_body(include_usage=False), got[:300]
+    assert raw_upstream.bodies[before] == want
     no_traceback(proxy)

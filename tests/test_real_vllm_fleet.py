@@ -85,7 +85,7 @@ def test_two_replicas_in_front_of_one_real_vllm_each_get_the_server_truth(
         if status == 200 and trace in fleet.owner and target != fleet.replicas[fleet.owner[trace]].traces_url
     )
     assert landed_elsewhere >= 1 and routed == {"sent": landed_elsewhere, "dropped": 0, "failed": 0}, why
-    assert joined == {"matched": n, "late": 0, "unmatched": 0, "missing": 0}, why
+    assert joined == {"matched": n, "late": 0, "unmatched": 0, "missing": 0, "duplicate": 0}, why
     # vLLM's spans, as each owner forwarded them to the backend, carry the entry naming that owner.
     deadline = time.monotonic() + PATIENCE
     while len([s for _, s in fleet.backend.received.spans() if s.name == "llm_request"]) < n:

@@ -976,6 +976,9 @@ def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: Harnes
         "partial": 0,
         "inflate_limit": 0,
         "body_limit": 0,
+        "split": 0,
+        "in_transit": 0,
+        "in_flight": 0,
     }
     assert rec.relays_ready == {0: True, 1: True}
     rec.take(0, encode_stats(Stats(False, 0, (("default", 1),), (("default", 0),), (), (), ())))

@@ -327,7 +327,13 @@ def test_record_settings(tmp_path: Path) -> None:
         "LLMTAP_RECORD_LOGS": "true",
     }
     assert build(base, env=env).record == Records(
-        path=str(tmp_path / "a"), max_bytes=1 << 19, rotate_s=300, keep_bytes=10 << 20, keep_s=7200, logs=True
+        path=str(tmp_path / "a"),
+        max_bytes=1 << 19,
+        rotate_s=300,
+        keep_bytes=10 << 20,
+        keep_s=7200,
+        logs=True,
+        journal=str(tmp_path / "a" / ".journal"),
     )
     config = tmp_path / "llmtap.yaml"
     config.write_text(
@@ -338,7 +344,13 @@ def test_record_settings(tmp_path: Path) -> None:
         "  - {prefix: /b, upstream: 'http://b:1'}\n"
     )
     settings = build({"config": str(config), "record_keep_hours": 4}, env={})
-    assert settings.record == Records(path="/var/log/llmtap", max_bytes=8 << 20, keep_bytes=100 << 20, keep_s=4 * 3600)
+    assert settings.record == Records(
+        path="/var/log/llmtap",
+        max_bytes=8 << 20,
+        keep_bytes=100 << 20,
+        keep_s=4 * 3600,
+        journal="/var/log/llmtap/.journal",
+    )
     by_prefix = {r.prefix: r for r in settings.routes}
     assert (by_prefix["/a"].prompt_version, by_prefix["/a"].cache_min_tokens) == ("v2", 2048)
     assert (by_prefix["/b"].prompt_version, by_prefix["/b"].cache_min_tokens) == ("everywhere", None)
@@ -480,3 +492,14 @@ def test_the_records_benchmark_runs_and_its_figures_hang_together(tmp_path: Path
     for row in (gzip_row, parquet_row):
         assert 0 < row["disk_bytes_per_record"] < row["json_bytes_per_record"] and row["files"] >= 1
     assert all(r["worker_us_per_record"] > 0 for r in rows.values())
+
+
+def test_the_record_journal_sits_in_the_record_folder_unless_told_otherwise(tmp_path: Path) -> None:
+    base = {"upstream": "http://upstream:8000"}
+    assert build({**base, "record": str(tmp_path)}, env={}).record.journal == str(tmp_path / ".journal")
+    assert build({**base, "record": str(tmp_path), "record_journal": "off"}, env={}).record.journal is None
+    env = {"LLMTAP_RECORD_JOURNAL": str(tmp_path / "j"), "LLMTAP_RECORD_JOURNAL_MB": "64"}
+    record = build({**base, "record_clickhouse": "http://ch:8123"}, env=env).record
+    assert (record.journal, record.journal_bytes) == (str(tmp_path / "j"), 64 << 20)
+    # Without --record and without a folder: no journal (nowhere that is known to survive a restart).
+    assert build({**base, "record_clickhouse": "http://ch:8123"}, env={}).record.journal is None

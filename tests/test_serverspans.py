@@ -158,6 +158,30 @@ def test_join_counts_late_and_unmatched_spans_and_keeps_early_ones() -> None:
     assert counts.seen == {"late": 1, "unmatched": 1}
 
 
+def test_a_further_span_for_a_request_that_has_one_counts_as_a_duplicate() -> None:
+    """Issue 44: a second (forged, or re-exported) span of one request was counted in no outcome."""
+    counts = Counts()
+    join: Join[str] = Join(5.0, counts)
+    # Two in one batch for a waiting request: the first joins it, the second is a duplicate.
+    join.hold("aaaaaaaaaaaaaaaa", UPSTREAM, "request a", 0.0)
+    matched = join.spans([server_span("aaaaaaaaaaaaaaaa"), server_span("aaaaaaaaaaaaaaaa", queue=9.0)], 1.0)
+    assert [(item, span.timing.queue) for item, span in matched] == [("request a", 1.25)]
+    # One more in a later batch, after the join.
+    assert join.spans([server_span("aaaaaaaaaaaaaaaa")], 2.0) == []
+    # Two that came before their request finished: the first stands and joins it.
+    assert join.spans([server_span("bbbbbbbbbbbbbbbb"), server_span("bbbbbbbbbbbbbbbb", queue=9.0)], 2.0) == []
+    found = join.early("bbbbbbbbbbbbbbbb", 3.0)
+    assert found is not None and found.timing.queue == 1.25
+    assert join.spans([server_span("bbbbbbbbbbbbbbbb")], 3.0) == []
+    # Late, then again.
+    join.recorded("cccccccccccccccc", UPSTREAM)
+    assert join.spans([server_span("cccccccccccccccc"), server_span("cccccccccccccccc")], 3.0) == []
+    # An early span its request finds only past the wait joined nothing: counted, not lost.
+    join.spans([server_span("dddddddddddddddd")], 3.0)
+    assert join.early("dddddddddddddddd", 9.0) is None
+    assert counts.seen == {"matched": 1, "late": 1, "duplicate": 5, "unmatched": 1}
+
+
 def test_join_stops_waiting_for_an_upstream_that_sends_no_spans() -> None:
     join: Join[int] = Join(1.0, Counts())
     for i in range(PROBE):
@@ -343,7 +367,7 @@ def test_recorder_waits_for_the_server_span_and_takes_its_phases(recorder: Recor
     prefill = [p for p in telemetry.metrics()[sc.METRIC_PREFILL] if p.attributes[sc.PREFILL_SOURCE] == "server"]
     assert len(prefill) == 1 and prefill[0].sum == 0.25
     outcomes = counter(telemetry, sc.METRIC_SERVER_SPANS, sc.SERVER_SPAN_OUTCOME)
-    assert outcomes == {"matched": 1, "late": 0, "unmatched": 0, "missing": 0}
+    assert outcomes == {"matched": 1, "late": 0, "unmatched": 0, "missing": 0, "duplicate": 0}
 
 
 def test_a_request_whose_span_never_comes_is_written_estimated_at_flush(

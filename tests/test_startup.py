@@ -57,7 +57,8 @@ def test_startup_says_where_everything_is_and_the_access_log_has_each_request(
         f"admin on {admin}: /metrics, /healthz, /readyz; live view {admin}/",
         f"route / -> {scripted.url} (provider from the API it speaks)",
         f"telemetry: OTLP off: set OTEL_EXPORTER_OTLP_ENDPOINT; Prometheus can scrape {admin}/metrics",
-        f"records: {records}/ (a new file past 64 MiB or 60 min, 2 GiB and 168 h kept); access log: {access}",
+        f"records: {records}/ (a new file past 64 MiB or 60 min, 2 GiB and 168 h kept); journal {records}/.journal/ "
+        f"(256 MiB per telemetry process); access log: {access}",
     ], log
     assert re.fullmatch(rf"llmtap \S+: proxy on {re.escape(proxy.url)} \(1 relay process\)", said[0]), said[0]
     # uvicorn's lines: each once, under its listener's name; its lifespan chatter not at all.

@@ -12,6 +12,7 @@ import gzip
 import json
 import math
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -309,3 +310,30 @@ def test_parquet_reads_as_its_json_lines(tmp_path: Path) -> None:
     assert from_lines.to_json() | {"source": ""} == from_parquet.to_json() | {"source": ""}
     timed = [r for r in typed if r["time"] != "yesterday"]  # a record without a time is in no window
     assert from_parquet.before.requests + from_parquet.after.requests == len(timed) > 300
+
+
+def test_without_the_analysis_extra_plain_python_reads_and_naming_duckdb_says_what_to_install(
+    dataset: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DuckDB and numpy are the analysis extra (the serve image leaves them out): without them the default
+    engine is plain Python, with the same verdicts and a note on stderr; ``--engine duckdb`` is one clear line."""
+    from llmtap import cli
+
+    assert store.default_engine() == "duckdb"  # installed here: the default, and no note
+    assert cli.main(["slo", str(dataset), "--resamples", "300"]) in (0, 1)
+    assert "plain Python" not in capsys.readouterr().err
+    with_duckdb = slo.from_records([dataset], resamples=300, seed=2).to_json()
+
+    monkeypatch.setitem(sys.modules, "duckdb", None)  # `import duckdb` raises ImportError, find_spec finds none
+    assert store.default_engine() == "python"
+    assert not store.engine_installed("duckdb") and store.engine_installed("python")
+    assert slo.from_records([dataset], resamples=300, seed=2).to_json() == with_duckdb
+    with pytest.raises(ConfigError, match=r"duckdb engine needs duckdb and numpy.*pip install 'llmtap\[analysis\]'"):
+        slo.open_source([dataset], "duckdb")
+    assert cli.main(["compare", str(dataset), "--route", "support", "--resamples", "300"]) == 0
+    out = capsys.readouterr()
+    assert "caching gain" in out.out or "no significant gain" in out.out, out.out
+    assert "the records are read in plain Python (the embedded engine is not installed: pip install" in out.err
+    assert cli.main(["slo", str(dataset), "--engine", "duckdb"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'llmtap[analysis]'" in err and "Traceback" not in err, err

@@ -208,7 +208,7 @@ async def test_socket_channel_delivers_batched_and_drops_while_nobody_listens(tm
     async with _Listener(path) as listener:
         channel = SocketChannel(path)
         await channel.start()
-        messages = [(END, i, None, (b"", b"", b"", b"x" * i), None) for i in range(100)]
+        messages = [(END, i, None, (b"", b"", b"", b"x" * i), None, 0, 0) for i in range(100)]
         assert all(channel.send(m) for m in messages)
         await channel.aclose()
         await listener.wait(listener.ended)  # the relay closed its end: everything it sent has arrived
@@ -221,7 +221,7 @@ async def test_socket_channel_gathers_and_sends_at_once_what_may_not_wait(tmp_pa
         # A gather far longer than the test: whatever arrives before the end was sent at once, or by aclose.
         channel = SocketChannel(path, gather=600.0)
         await channel.start()
-        tapes = [(END, i, None, (b"", b"", b"", b"x" * i), None) for i in range(5)]
+        tapes = [(END, i, None, (b"", b"", b"", b"x" * i), None, 0, 0) for i in range(5)]
         assert all(channel.send(m) for m in tapes)
         await asyncio.sleep(0.1)
         assert not listener.received  # gathered: nothing written yet
@@ -230,7 +230,7 @@ async def test_socket_channel_gathers_and_sends_at_once_what_may_not_wait(tmp_pa
         await listener.wait(listener.arrived)
         # Whatever waited left with it, in the order sent (``frames`` takes what it reads out of the buffer).
         assert frames(listener.received) == [*tapes, stats]
-        later = (END, 9, None, (b"", b"", b"", b"z"), None)
+        later = (END, 9, None, (b"", b"", b"", b"z"), None, 0, 0)
         assert channel.send(later)
         await channel.aclose()  # what waits for a gather is written at the close
         await listener.wait(listener.ended)
@@ -245,7 +245,7 @@ async def test_socket_channel_gathers_no_more_than_its_bytes(tmp_path: Path) -> 
         channel = SocketChannel(path, gather=600.0)
         await channel.start()
         try:
-            small = (END, 1, None, (b"", b"", b"", b"s" * 100), None)
+            small = (END, 1, None, (b"", b"", b"", b"s" * 100), None, 0, 0)
             assert channel.send(small)
             await asyncio.sleep(0.1)
             assert not listener.received  # one small tape: gathered
@@ -274,7 +274,7 @@ async def test_socket_channel_drops_past_its_buffer_bound(tmp_path: Path) -> Non
     await channel.start()
     peer, _ = listener.accept()  # connected, and never reads
     try:
-        big = (END, 1, None, (b"", b"", b"", b"y" * 16 * 1024), None)
+        big = (END, 1, None, (b"", b"", b"", b"y" * 16 * 1024), None, 0, 0)
         results = []
         for _ in range(200):
             results.append(channel.send(big))
@@ -326,3 +326,60 @@ def test_the_relays_sampling_matches_the_sdks() -> None:
     assert not Sampler.from_env({"OTEL_TRACES_SAMPLER": "always_off"}).sampled(ids[0], 1)
     assert Sampler.from_env({"OTEL_TRACES_SAMPLER": "parentbased_always_off"}).sampled(ids[0], 1)
     assert Sampler.from_env({}).sampled(ids[0], None)
+
+
+class _Refusing:
+    """A channel that refuses the stream's messages it is offered while their number is in ``refuse`` (a retry
+    without bytes counts as another offer), and keeps what it takes."""
+
+    shards = 1
+    dropped = 0
+
+    def __init__(self, refuse: range) -> None:
+        self.refuse = refuse
+        self.offered = 0
+        self.got: list[tuple[Any, ...]] = []
+
+    def send(self, message: tuple[Any, ...], *, reserve: bool = False, shard: int = 0, at_once: bool = False) -> bool:
+        if message[0] in (SEGMENT, END):
+            self.offered += 1
+            if self.offered in self.refuse:
+                return False
+            self.got.append(message)
+        return True
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("refuse", [range(3, 20), range(1, 12)], ids=["mid-stream", "from-the-head"])
+def test_segments_the_channel_cannot_take_become_a_hole_and_the_stream_keeps_its_record(refuse: range) -> None:
+    """Issue 44: a segment the relay's channel could not take even without its bytes lost the rest of the stream
+    (the relay counted the whole tape dropped). Now its reads are a hole, sent ahead of what follows once there
+    is room (the head with it, when the head was in what was refused); the stream is recorded, partial."""
+    from llmtap.relay.app import create_app
+
+    channel = _Refusing(refuse)
+    app = create_app(SETTINGS, channel=channel)
+    reads = [event("x" * 20_000) for _ in range(60)] + [USAGE + b"data: [DONE]\n\n"]
+    tape, _ = tape_of(reads)  # a tape with the request's head; the reads are played here, as the relay does
+    tape.take_reads()
+    tape.head_sent = False
+    tape.response_bytes = 0
+
+    async def stream() -> None:
+        for i, read in enumerate(reads):
+            t = 10.1 + 0.02 * i
+            full = tape.read(t, read)
+            tape.delivered(t + 0.0001)
+            if full:
+                app._segment(tape)
+        tape.end = 10.1 + 0.02 * len(reads)
+        app._hand_over(tape)
+
+    asyncio.run(stream())
+    assert app.tapes_dropped == 0
+    tl = play(channel.got)
+    assert tl.outcome == "ok" and tl.response_bytes == sum(len(r) for r in reads)
+    assert tl.usage is not None and tl.usage.output_tokens == 3  # the end came, with its usage
+    assert 0 < len(tl.chunk_times) < 60  # the content on either side of the hole was read

@@ -28,6 +28,7 @@ from llmtap.config.load import build
 from llmtap.config.types import ConfigError, Route, Settings
 from llmtap.relay import upstream_http
 from llmtap.relay.forward import Upstreams, close_if_surplus
+from llmtap.relay.heads import BadHead
 from llmtap.relay.pipe import Pipe
 from llmtap.relay.upstream_http import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
 from llmtap.wire.tape import Tape
@@ -813,7 +814,8 @@ FAILURES: dict[str, tuple[bytes, bool, type[httpx.TransportError]]] = {
     "close-mid-head": (b"HTTP/1.1 200 OK\r\ncontent-le", False, httpx.RemoteProtocolError),
     "close-mid-body": (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", False, httpx.RemoteProtocolError),
     "reset-mid-body": (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n", True, httpx.ReadError),
-    "malformed-status": (b"HTTP/1.1 2x0 OK\r\n\r\n", False, httpx.RemoteProtocolError),
+    # A head that cannot be read is its own error (a RemoteProtocolError): the relay answers it 502, saying so.
+    "malformed-status": (b"HTTP/1.1 2x0 OK\r\n\r\n", False, BadHead),
     "malformed-chunk": (
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
         False,
@@ -822,9 +824,9 @@ FAILURES: dict[str, tuple[bytes, bool, type[httpx.TransportError]]] = {
     "switch-protocols": (
         b"HTTP/1.1 101 Switching\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n",
         False,
-        httpx.RemoteProtocolError,
+        BadHead,
     ),
-    "endless-head": (b"HTTP/1.1 200 OK\r\n" + b"x-a: b\r\n" * (MAX_HEAD_BYTES // 8), False, httpx.RemoteProtocolError),
+    "endless-head": (b"HTTP/1.1 200 OK\r\n" + b"x-a: b\r\n" * (MAX_HEAD_BYTES // 8), False, BadHead),
 }
 
 

@@ -18,7 +18,8 @@ from bench.telemetry import chat_tape
 from llmtap.config.types import Route, Settings
 from llmtap.telemetry.process import _Intake
 from llmtap.telemetry.recorder import Recorder
-from llmtap.wire.framing import MAX_FRAME, FrameReader, encode_frame, frames
+from llmtap.wire import framing
+from llmtap.wire.framing import MAX_FRAME, FrameReader, encode_frame, encode_frames, frames
 from llmtap.wire.messages import (
     END,
     FACTS,
@@ -103,7 +104,7 @@ messages: st.SearchStrategy[Message] = segments | ends | stats | facts
 
 def crossed(batch: list[Message], cut: int) -> list[Message]:
     """``batch`` encoded, framed, written as one byte stream, read back ``cut`` bytes at a time, decoded."""
-    wire = b"".join(b"".join(encode_frame(encode(m))) for m in batch)
+    wire = b"".join(b"".join(encode_frames(encode(m))) for m in batch)
     reader = FrameReader()
     out: list[Message] = []
     for i in range(0, len(wire), cut):
@@ -239,9 +240,9 @@ def test_a_message_of_another_build_fails_loudly_naming_the_mismatch() -> None:
     with pytest.raises(WireError, match="message head of 27 fields where this build has 26"):
         decode((*end[:2], (*end[2], "new field"), *end[3:]))
     with pytest.raises(WireError, match="message tail of 5 fields"):
-        decode((*end[:4], end[4][:5]))
+        decode((*end[:4], end[4][:5], *end[5:]))
     with pytest.raises(WireError, match="run of reads of 3 fields"):
-        decode((*end[:3], end[3][:3], end[4]))
+        decode((*end[:3], end[3][:3], *end[4:]))
     with pytest.raises(WireError, match="unknown kind 0"):
         decode((0, 1, "default"))  # the start message of older builds is gone
     with pytest.raises(WireError, match="not a non-empty tuple"):
@@ -255,6 +256,30 @@ def test_any_garbled_message_is_a_wire_error_or_a_message(raw: Any) -> None:
         decode(raw)
     except WireError:
         pass
+
+
+@given(batch=st.lists(messages, max_size=6), cut=st.integers(1, 300))
+@hsettings(max_examples=100, deadline=None)
+def test_a_body_travels_beside_its_message_and_comes_back_whole(batch: list[Message], cut: int) -> None:
+    """Issue 44: a request body past ``BESIDE_BYTES`` goes in a raw frame of its own, never copied into its message's
+    frame on the relay; read back at any cut, every message is whole again. Here the bound is 4 bytes."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(framing, "BESIDE_BYTES", 4)
+        assert crossed(batch, cut) == batch
+
+
+def test_a_body_out_of_turn_stops_the_reader() -> None:
+    head = b"".join(encode_frame(encode_stats(Stats(True, 1, (), (), (), (), ()))))
+    raw = struct.pack("!I", 5 | 1 << 31) + b"body!"
+    reader = FrameReader()
+    assert reader.feed(head + raw) and reader.broken is not None  # raw bytes where a message was due
+    _, raws = chat_tape(7, [b"data: {}\n\n"])
+    tape = raws[-1]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(framing, "BESIDE_BYTES", 4)
+        message, data, _, _ = encode_frames(tape)
+    reader = FrameReader()
+    assert reader.feed(message + data + head) == [] and reader.broken is not None  # its body never came
 
 
 def test_a_frame_cut_short_waits_for_the_rest_at_every_byte() -> None:

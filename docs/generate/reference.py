@@ -197,7 +197,8 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "string",
         "`matched` (joined its request in time), `late` (came after its request was written; counted only), "
         "`unmatched` (no request of llmtap is its parent), `missing` (a request whose span did not come within "
-        "`telemetry.server_spans_wait`).",
+        "`telemetry.server_spans_wait`), `duplicate` (a further span for a request that already has one; never "
+        "joined).",
     ),
     sc.OTLP_REJECT_REASON: (
         "string",
@@ -434,8 +435,16 @@ METRICS: dict[str, str] = {
     "(a request's end, an idle request's TTFT, a prompt's block chain, a slot count) that one telemetry process "
     "could not pass to another (`channel_full`) or could not queue (`queue_full`); both read 0 from the start.",
     sc.METRIC_LABELS_EVICTED: "Each label value that lost its slot to a more frequent one.",
-    sc.METRIC_RECORDS_DROPPED: "Each request record that a failed write (`--record`) or a full queue or failed "
-    "export of its log record (`--record-logs`) lost; 0 per reason from the start.",
+    sc.METRIC_RECORDS_DROPPED: "Each request record that a failed write (`--record`), a full queue or failed "
+    "export of its log record (`--record-logs`), ClickHouse, or the record journal's bound (`journal_full`) lost; "
+    "0 per reason from the start.",
+    sc.METRIC_RECORDS_RECOVERED: "Once the record journal's replay at start is done (`--record-journal`): the "
+    "records of the last run it made again; reads 0 from the start with a journal.",
+    sc.METRIC_JOURNAL_SIZE: "Each scrape or export, with a record journal: the bytes of tapes it holds now.",
+    sc.METRIC_JOURNAL_RECORDS: "Each scrape or export, with a record journal: the requests it keeps until every "
+    "record sink has their record.",
+    sc.METRIC_START_TIME: "Each scrape or export: when the telemetry process started (a restart shows as a new value; "
+    "its counters start from 0 then).",
     sc.METRIC_MALFORMED: "Streams with events llmtap could not parse; every route reads 0 from the start.",
     sc.METRIC_CACHE_REQUESTS: "Every LLM request, once, by its cache class.",
     sc.METRIC_QUEUE_WAITING: "+1 when a request joins a route's admission queue, -1 when it leaves.",

@@ -221,8 +221,9 @@ def _record_sources(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine",
         choices=ENGINES,
-        default=ENGINES[0],
-        help="what reads the records: the embedded engine (duckdb) or plain Python, for small files (duckdb)",
+        default=None,
+        help="what reads the records: the embedded engine (duckdb, pip install 'llmtap[analysis]') or plain Python, "
+        "for small files (duckdb when installed, else python)",
     )
     p.add_argument("--prometheus", metavar="URL", help="read the proxy's metrics from this Prometheus server instead")
     p.add_argument(

@@ -19,9 +19,60 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-__all__ = ["QueueWorker"]
+__all__ = ["Progress", "QueueWorker"]
 
 T = TypeVar("T")
+
+
+class Progress:
+    """How far a record sink got with what it was given: the records it holds, oldest first, until each is settled
+    (sent, or dropped and counted); ``settled`` counts the first records given that are all settled.
+
+    The record journal (``llmtap.telemetry.spool``) reads it to know which records every sink has. One thread gives
+    (``hold``, ``settle_now``, ``withdraw``: the recorder's worker, which also reads ``settled``); any thread may
+    ``release`` the oldest held in the order they were given (a sink's own thread, as it sends them).
+    """
+
+    __slots__ = ("_held", "given")
+
+    def __init__(self) -> None:
+        #: Records given so far.
+        self.given = 0
+        self._held: deque[int] = deque()
+
+    def hold(self) -> None:
+        """One more record given, held until it is released."""
+        self._held.append(self.given)  # before ``given`` moves: ``settled`` must never pass it
+        self.given += 1
+
+    def settle_now(self) -> None:
+        """One more record given, settled at once (dropped and counted, or written in the same call)."""
+        self.given += 1
+
+    def withdraw(self) -> None:
+        """The record just held was refused after all (dropped and counted): settled."""
+        self._held.pop()
+
+    def release(self, n: int) -> None:
+        """The ``n`` oldest held records are settled."""
+        for _ in range(n):
+            try:
+                self._held.popleft()
+            except IndexError:
+                return
+
+    @property
+    def settled(self) -> int:
+        """How many of the first records given are settled, all of them."""
+        try:
+            return self._held[0]
+        except IndexError:
+            return self.given
+
+    @property
+    def held(self) -> int:
+        """Records given and not settled yet."""
+        return len(self._held)
 
 
 class QueueWorker(Generic[T]):

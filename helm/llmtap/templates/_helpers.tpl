@@ -47,17 +47,20 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* The llmtap config file: the values' settings plus the listen and admin sections the chart owns. The admin
 listener binds every address of the pod so the probes and Prometheus reach it; its span receiver and event
-stream ask a token of anything beyond the pod's loopback (the token file, when admin.tokenSecret is set). */}}
+stream ask a token of anything beyond the pod's loopback (LLMTAP_ADMIN_TOKEN, from its Secret, when one is given). With a
+model server in the pod (modelServer.enabled), its one route goes to it over the pod's loopback. */}}
 {{- define "llmtap.config" -}}
 {{- $admin := dict "host" "0.0.0.0" "port" .Values.service.adminPort "loopback_token" .Values.admin.loopbackToken "max_connections" .Values.admin.maxConnections "max_event_streams" .Values.admin.maxEventStreams }}
-{{- if .Values.admin.tokenSecret }}
-{{- $_ := set $admin "token_file" (include "llmtap.adminTokenFile" .) }}
-{{- end }}
 {{- $listen := dict "listen" (dict "host" "0.0.0.0" "port" .Values.service.port) "admin" $admin }}
 {{- if .Values.records.enabled }}
 {{- $_ := set $listen "record" (dict "path" .Values.records.mountPath) }}
 {{- end }}
 {{- $config := merge $listen (deepCopy .Values.config) }}
+{{- with .Values.modelServer }}
+{{- if .enabled }}
+{{- $_ := set $config "routes" (list (dict "prefix" "/" "upstream" (printf "http://127.0.0.1:%v" .port) "provider" .provider)) }}
+{{- end }}
+{{- end }}
 {{- with .Values.clickhouse }}
 {{- if .url }}
 {{- $record := dict "clickhouse" .url "clickhouse_table" .table "clickhouse_ttl_days" .ttlDays "clickhouse_queue" .queue }}
@@ -70,16 +73,74 @@ stream ask a token of anything beyond the pod's loopback (the token file, when a
 {{- toYaml $config }}
 {{- end }}
 
-{{/* Where the admin token's Secret is mounted. */}}
-{{- define "llmtap.adminTokenFile" -}}
-/etc/llmtap-admin/{{ .Values.admin.tokenSecretKey }}
+{{/* A secret every replica must share, as {name, key} of the Secret the pods read: the existing Secret named in
+values, else the chart's own Secret when the value itself is given, else nothing. The pods read each as an
+environment variable (secretKeyRef), so every replica and every restart has the same one. Called with a list: the root
+context, the values' section, the section's name (for messages), the value's field and the key in the chart's
+Secret. */}}
+{{- define "llmtap.secretRef" -}}
+{{- $root := index . 0 }}
+{{- $section := index . 1 }}
+{{- $name := index . 2 }}
+{{- $value := get $section (index . 3) }}
+{{- if and $value $section.existingSecret }}
+{{- fail (printf "%s: give %s.%s or %s.existingSecret, not both" $name $name (index . 3) $name) }}
+{{- end }}
+{{- if $section.existingSecret }}
+name: {{ $section.existingSecret }}
+key: {{ $section.existingSecretKey }}
+{{- else if $value }}
+{{- if lt (len $value) 16 }}
+{{- fail (printf "%s.%s: at least 16 characters" $name (index . 3)) }}
+{{- end }}
+name: {{ include "llmtap.fullname" $root }}
+key: {{ index . 4 }}
+{{- end }}
+{{- end }}
+
+{{/* The admin token's Secret ({name, key}), empty when none is given. */}}
+{{- define "llmtap.adminSecret" -}}
+{{- include "llmtap.secretRef" (list . .Values.admin "admin" "token" "admin-token") }}
+{{- end }}
+
+{{/* The peers' shared token's Secret ({name, key}), empty when none is given. */}}
+{{- define "llmtap.peerSecret" -}}
+{{- include "llmtap.secretRef" (list . .Values.peers "peers" "token" "peer-token") }}
+{{- end }}
+
+{{/* The API-key fingerprints' secret's Secret ({name, key}), empty when none is given. */}}
+{{- define "llmtap.attributionSecret" -}}
+{{- include "llmtap.secretRef" (list . .Values.attribution "attribution" "key" "attribution-key") }}
+{{- end }}
+
+{{/* The shutdown budget, seconds: the pre-stop wait, llmtap's drain of open streams, its telemetry flush (recording
+what the relays handed over, then the exporters, each bounded by timeouts.flush: so twice that when the collector
+does not answer) and 5 s of margin for the processes' own exit. terminationGracePeriodSeconds is this when null,
+and may not be less when given. */}}
+{{- define "llmtap.shutdownBudget" -}}
+{{- $timeouts := .Values.config.timeouts }}
+{{- add .Values.preStopSleepSeconds (ceil $timeouts.drain) (mul 2 (ceil $timeouts.flush)) 5 }}
+{{- end }}
+
+{{/* terminationGracePeriodSeconds: the value given (checked against the budget) or the budget. */}}
+{{- define "llmtap.gracePeriod" -}}
+{{- $budget := include "llmtap.shutdownBudget" . | int }}
+{{- $given := .Values.terminationGracePeriodSeconds }}
+{{- if kindIs "invalid" $given }}
+{{- $budget }}
+{{- else if lt (int $given) $budget }}
+{{- fail (printf "terminationGracePeriodSeconds %v is less than the shutdown budget %v s: preStopSleepSeconds %v + config.timeouts.drain %v + 2 x config.timeouts.flush %v + 5 s of margin (null: the budget)" $given $budget .Values.preStopSleepSeconds .Values.config.timeouts.drain .Values.config.timeouts.flush) }}
+{{- else }}
+{{- $given }}
+{{- end }}
 {{- end }}
 
 {{/* The sidecar collector's config: localhost OTLP in, memory limit, batch, OTLP out. */}}
 {{- define "llmtap.collectorConfig" -}}
 extensions:
   health_check:
-    endpoint: 127.0.0.1:13133
+    # Every address of the pod: the kubelet probes the pod IP, not its loopback.
+    endpoint: 0.0.0.0:13133
 receivers:
   otlp:
     protocols:

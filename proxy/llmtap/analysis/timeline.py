@@ -162,6 +162,9 @@ class Timeline:
     #: Per upstream read that reached the client: seconds from its arrival to its write to the client's socket
     #: (the relay's own delay of each chunk, issue 31).
     relay_delays: array[float] = field(default_factory=lambda: array("d"))
+    #: What the telemetry side keeps the request's tape under until every record sink has it (its record journal's
+    #: reference; None: not kept). Opaque here.
+    ref: int | None = None
 
     def wall_ns(self, t: float) -> int:
         """Epoch nanoseconds of monotonic time ``t`` (span timestamps need wall-clock time)."""

@@ -64,7 +64,7 @@ def compare_records(
     route: str | None = None,
     model: str | None = None,
     shape: str | None = None,
-    engine: str = store.ENGINES[0],
+    engine: str | None = None,
     **options: Any,
 ) -> Comparison:
     """Compare over record files (what the demo's verdict comes from)."""
@@ -79,7 +79,7 @@ def record_sides(
     model: str | None = None,
     shape: str | None = None,
     objectives: Objectives | None = None,
-    engine: str | store.Source = store.ENGINES[0],
+    engine: str | store.Source | None = None,
 ) -> Sides:
     """Read record files (paths, globs, directories; rotated siblings included) and split their requests;
     ``engine`` names what reads them, or is a source of its own (ClickHouse: ``path`` is then unused).
@@ -99,8 +99,11 @@ def record_sides(
             # A version split over a window: the last ``window`` seconds before ``until`` (or now).
             end = split.until if split.until is not None else time.time()
             where = replace(where, start=end - split.window, end=end)
-    given = None if isinstance(engine, str) else engine
-    source = slo_command.open_source(paths, engine) if isinstance(engine, str) else engine
+    given: store.Source | None = None
+    if engine is None or isinstance(engine, str):
+        source = slo_command.open_source(paths, engine)
+    else:
+        given = source = engine
     try:
         scan = source.scan(where, by)
         slo_command.readable(scan, scan.source)
@@ -405,6 +408,7 @@ def main(args: Any) -> int:
     objectives = slo_report.config_objectives(build({"config": args.config}, env={})) if args.config else None
     where = {"route": args.route, "model": args.model, "shape": args.shape, "objectives": objectives}
     if args.records:
+        slo_command.engine_note(args.engine)
         sides = record_sides(args.records, split, engine=args.engine, **where)
     elif args.clickhouse is not None:
         # ClickHouse filters, groups and sorts; the statistics and the verdict stay llmtap's.

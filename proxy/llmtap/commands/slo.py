@@ -47,6 +47,7 @@ from llmtap.store.files import NoRecords
 
 __all__ = [
     "describe_filter",
+    "engine_note",
     "from_prometheus",
     "from_records",
     "main",
@@ -59,14 +60,25 @@ __all__ = [
 # -- record files ----------------------------------------------------------------------------------
 
 
-def open_source(paths: Sequence[str | Path], engine: str) -> store.Source:
-    """The record files ``paths`` name, read by ``engine``; ``ConfigError`` when there are none."""
+def open_source(paths: Sequence[str | Path], engine: str | None) -> store.Source:
+    """The record files ``paths`` name, read by ``engine`` (None: the default); ``ConfigError`` when there are
+    none, or when the engine named is not installed."""
     try:
         return store.open_source([str(p) for p in paths], engine)
     except NoRecords as exc:
         raise ConfigError(str(exc)) from None
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def engine_note(engine: str | None) -> None:
+    """Say on stderr that plain Python reads the records when no engine was named and DuckDB is not installed."""
+    if engine is None and store.default_engine() != store.ENGINES[0]:
+        print(
+            f"llmtap: the records are read in plain Python (the embedded engine is not installed: "
+            f"{store.ANALYSIS_EXTRA} for large record sets)",
+            file=sys.stderr,
+        )
 
 
 def describe_filter(where: store.Filter) -> str:
@@ -128,7 +140,7 @@ def from_records(
     objectives: Objectives | None = None,
     resamples: int = RESAMPLES,
     seed: int = 0,
-    engine: str | store.Source = store.ENGINES[0],
+    engine: str | store.Source | None = None,
 ) -> Report:
     """The verdicts over record files (paths, globs, directories; rotated siblings included); ``engine`` names
     what reads them, or is a source of its own (ClickHouse: ``path`` is then unused)."""
@@ -136,8 +148,11 @@ def from_records(
     end = until if until is not None else (time.time() if window is not None else None)
     start = end - window if window is not None and end is not None else None
     where = store.Filter(route=route, shape=shape, start=start, end=end)
-    given = None if isinstance(engine, str) else engine
-    source = open_source(paths, engine) if isinstance(engine, str) else engine
+    given: store.Source | None = None
+    if engine is None or isinstance(engine, str):
+        source = open_source(paths, engine)
+    else:
+        given = source = engine
     try:
         scan = source.scan(where, None)
         readable(scan, scan.source)
@@ -259,6 +274,7 @@ def main(args: Any) -> int:
         "seed": args.seed,
     }
     if args.records:
+        engine_note(args.engine)
         report = from_records(args.records, objectives=objectives, engine=args.engine, **options)
     elif args.clickhouse is not None:
         # ClickHouse filters, groups and sorts; the statistics and the verdicts stay llmtap's.

@@ -57,7 +57,7 @@ def _attribution(values: Mapping[str, Any]) -> Attribution:
         try:
             key = Path(key_file).read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"attribution_key_file {key_file}: cannot read it: {exc}") from None
+            raise ConfigError(f"--attribution-key-file {key_file}: cannot read it: {exc}") from None
     if key is not None and len(key.strip()) < 16:
         raise ConfigError("the attribution key must be at least 16 characters")
     prices = values["prices"]
@@ -150,6 +150,8 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
             format=values["record_format"],
             logs=values["record_logs"],
             clickhouse=_clickhouse_records(values),
+            journal=_journal(values),
+            journal_bytes=max(int(values["record_journal_mb"] * MIB), 1 << 20),
         ),
         workers=values["workers"],
         telemetry_workers=values["telemetry_workers"],
@@ -158,6 +160,16 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         telemetry_gather=values["telemetry_gather"],
         attribution=_attribution(values),
     )
+
+
+def _journal(values: Mapping[str, Any]) -> str | None:
+    """The record journal's folder: ``--record-journal``, else inside ``--record``'s folder; ``off``: none."""
+    journal = values["record_journal"]
+    if journal == "off":
+        return None
+    if journal is None and values["record"]:
+        return str(Path(values["record"]) / ".journal")
+    return str(journal) if journal is not None else None
 
 
 def _clickhouse_records(values: Mapping[str, Any]) -> ClickHouseRecords | None:

@@ -704,6 +704,27 @@ _TABLE = (
         key="record.path",
     ),
     option(
+        "record_journal",
+        path("DIR"),
+        None,
+        "keep every request's tape in a bounded journal in DIR until every record sink (files, ClickHouse, OTLP "
+        "logs) has its record, and replay what it holds at the next start (after a crash, a kill or a shutdown "
+        "whose sinks were down); 'off': no journal. Without --record, set it (on a volume) to keep ClickHouse and "
+        "OTLP-log records across restarts",
+        "records",
+        key="record.journal",
+        default_text="DIR/.journal with --record, else off",
+    ),
+    option(
+        "record_journal_mb",
+        number(above=True, metavar="MB"),
+        256.0,
+        "bytes the record journal holds at most, per telemetry process; past it the oldest tapes are no longer kept "
+        "for a restart (said in the log; lost, counted as journal_full, if a sink still lacks them at shutdown)",
+        "records",
+        key="record.journal_mb",
+    ),
+    option(
         "record_max_mb",
         number(above=True, metavar="MB"),
         64.0,

@@ -281,6 +281,10 @@ class Records:
     logs: bool = default("record_logs")
     #: ``--record-clickhouse URL``: the records also go to this ClickHouse (``llmtap.store.clickhouse``).
     clickhouse: ClickHouseRecords | None = None
+    #: ``--record-journal DIR``: the folder of the record journal (``llmtap.telemetry.spool``), None: no journal;
+    #: ``journal_bytes``: its bound per telemetry process.
+    journal: str | None = None
+    journal_bytes: int = int(default("record_journal_mb") * MIB)
 
     @property
     def on(self) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 import zlib
@@ -16,12 +15,15 @@ import httpx
 
 from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.config.types import Route, Settings
-from llmtap.listener import CYCLE, LOG_EVERY, LOST_HOOK, RECEIVED
+from llmtap.listener import CYCLE, LOST_HOOK, RECEIVED
 from llmtap.providers import provider_for
-from llmtap.providers.splice import splice_usage
+from llmtap.providers.bodyscan import BodyScan
 from llmtap.providers.usage_filter import UsageEventFilter
 from llmtap.relay.admission import Admission, QueueFull
-from llmtap.relay.channel import Channel, LocalChannel
+from llmtap.relay.answers import LogLimit, bad_head, refuse_request, send_json, too_large, upstream_failed
+from llmtap.relay.bodyread import Body, ClientGone, RequestTooLarge, UploadStalled, prepend, read_body, spliced
+from llmtap.relay.breaks import StreamBreaks
+from llmtap.relay.channel import Channel, LocalChannel, ShardedChannel, SocketChannel
 from llmtap.relay.fingerprint import KEY_HEADERS, fingerprint, install_secret
 from llmtap.relay.forward import (
     PRIVATE_PREFIX,
@@ -34,12 +36,13 @@ from llmtap.relay.forward import (
 )
 from llmtap.relay.frame import relay_frame
 from llmtap.relay.guard import Refusal, check_request, check_route
+from llmtap.relay.heads import unrelayable
 from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
 from llmtap.relay.shared import InFlight, Table, table_columns
-from llmtap.relay.stepjson import STEPWISE_BYTES, loads_stepwise
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
-from llmtap.relay.upstream_http import PIPE, Answer, LeanTransport, Origin
-from llmtap.types import UNCHANGED, Message, Receive, Scope, Send
+from llmtap.relay.upstream_http import PIPE, Answer, LeanTransport, Origin, Pieces
+from llmtap.types import Message, Receive, Scope, Send
+from llmtap.wire.ledger import Ledger, new_relay_id
 from llmtap.wire.messages import RESPONSE_CUT_REASONS, Raw, Stats, encode_stats, without_bytes
 from llmtap.wire.tape import Tape, now, shard_of
 from llmtap.wire.tracecontext import Sampler, begin
@@ -60,28 +63,6 @@ STATS_EVERY = 0.5
 #: At a request's end the gauges are reported at once, unless a report left less than this long ago: then once,
 #: this long after it (a burst of ends costs one report, not one each; the gauges still settle within it).
 STATS_SOON = 0.02
-
-
-class ClientGone(Exception):
-    """The client disconnected; the upstream request is cancelled."""
-
-
-class RequestTooLarge(Exception):
-    """The request body grew past ``max_request_bytes`` while it was being read."""
-
-
-class UploadStalled(Exception):
-    """A request body still arriving while its request holds an admission slot fell silent too long."""
-
-
-async def send_json(
-    send: Send, status: int, error_type: str, message: str, extra: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    """An error of the proxy's own, in the OpenAI error shape most SDKs display."""
-    body = json.dumps({"error": {"type": error_type, "message": message, "code": status}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class ProxyApp:
@@ -143,9 +124,24 @@ class ProxyApp:
         self._waiting = {r.name: 0 for r in settings.routes}
         #: Tapes that did not reach the telemetry side, in whole or in part.
         self.tapes_dropped = 0
+        #: This relay, to the telemetry side's record journal: its id, and per telemetry process the number of the
+        #: last stream end handed to the channel (``End.seq``: a gap there is an end lost on its way).
+        self.relay_id = new_relay_id()
+        self._handed = [0] * self._shards
+        #: The ledger of those numbers in the journal's folder, for the next start after a kill of the whole tree
+        #: (``llmtap.wire.ledger``; ``llmtap.serve.relay`` opens it); None: none kept.
+        self.ledger: Ledger | None = None
+        # The reports go to telemetry process 0: one started again hears the counts at once, not at the next change.
+        first = channel.channels[0] if isinstance(channel, ShardedChannel) else channel
+        if isinstance(first, SocketChannel):
+            first.on_connected = self._report_again
         #: Responses the relay itself cut short, by reason (``RESPONSE_CUT_REASONS``), reported with the gauges.
         self.cuts = dict.fromkeys(RESPONSE_CUT_REASONS, 0)
-        self._logged_at: dict[str, float] = {}
+        #: Streams the upstream broke off after their headers, logged within a bound (``llmtap.relay.breaks``).
+        self.breaks = StreamBreaks()
+        #: Responses answered 502 for a head that cannot be relayed faithfully (``llmtap.relay.heads``).
+        self.bad_heads = 0
+        self._said = LogLimit()
         #: The server's counts of client connections cut or refused (``llmtap.serve.relay`` sets it), reported
         #: beside the gauges; None when no such server runs this app.
         self.connections: ClientLimits | None = None
@@ -232,6 +228,11 @@ class ProxyApp:
             with contextlib.suppress(RuntimeError):  # no running loop: a report at shutdown, from a thread
                 self._stats_at = asyncio.get_running_loop().time()
 
+    def _report_again(self) -> None:
+        """The channel to telemetry process 0 was made (again): the gauges and counts go with the next report."""
+        self._stats_changed = True
+        self._counts_sent = ()
+
     def begin_drain(self) -> None:
         """SIGTERM: report not ready; streams in flight may finish until the server's drain deadline."""
         self.ready = False
@@ -273,7 +274,7 @@ class ProxyApp:
             scope, max_header_bytes=settings.max_header_bytes, max_request_bytes=settings.max_request_bytes
         )
         if refusal is not None:
-            await _refuse_request(send, refusal)
+            await refuse_request(send, refusal)
             return
         path: str = scope["path"]
         route = self.router.match(path)
@@ -282,7 +283,7 @@ class ProxyApp:
             return
         refusal = check_route(scope.get("raw_path") or path.encode(), route)
         if refusal is not None:
-            await _refuse_request(send, refusal)
+            await refuse_request(send, refusal)
             return
         method: str = scope["method"]
         inner_path = path[len(route.prefix) :] if route.strip_prefix and route.prefix != "/" else path
@@ -330,28 +331,33 @@ class ProxyApp:
                 trace.append((b"tracestate", state.encode("latin-1")))
         # A body still arriving once its request holds an admission slot may not keep the slot by falling silent.
         silence = settings.timeouts.client_upload if route.name in self.admissions else None
+        splices = provider is not None and settings.inject_usage and getattr(provider, "splices_usage", False)
+        scan = BodyScan() if splices else None
+        limit = settings.max_inspect_bytes if provider else 0
         try:
-            body, more = await self._read_body(receive, settings.max_inspect_bytes if provider else 0, silence)
+            body, more = await read_body(receive, limit, settings.max_request_bytes, silence, scan)
         except ClientGone:
             return
         except RequestTooLarge:
-            await _refuse_request(send, _too_large(settings.max_request_bytes))
+            await refuse_request(send, too_large(settings.max_request_bytes))
             return
         tape.body_read = now()
         tape.body = body
         tape.body_complete = more is None
-        rewritten: bytes | None = None
+        rewritten: bytes | Pieces | None = None
         if provider is not None and more is None and settings.inject_usage:
-            if len(body) > STEPWISE_BYTES and getattr(provider, "splices_usage", False):
-                # Parsed a step at a time: one body of megabytes must not hold every other stream's next chunk.
-                try:
-                    prepared = splice_usage(body, await loads_stepwise(body))
-                except (ValueError, RecursionError):
-                    prepared = UNCHANGED
-            else:
+            if scan is not None and scan.fed:
+                # Read as it arrived (``llmtap.relay.bodyread``): one body of megabytes holds no other stream up, and
+                # goes upstream in pieces, the splice between them, never copied whole.
+                found = scan.insertion()
+                if found is not None:
+                    rewritten, tape.strip_usage = spliced(body, *found), True
+            elif isinstance(body, bytes):
                 prepared = provider.prepare(body, inject_usage=True, path=inner_path)
-            rewritten, tape.strip_usage = prepared.body, prepared.strip_usage
+                rewritten, tape.strip_usage = prepared.body, prepared.strip_usage
         self.inflight += 1
+        if self.ledger is not None:
+            self.ledger.in_flight(self.inflight)
         self._idle.clear()
         self._active[route.name] += 1
         self._stats_changed = True
@@ -367,6 +373,8 @@ class ProxyApp:
             self._active[route.name] -= 1
             self._hand_over(tape)
             self.inflight -= 1
+            if self.ledger is not None:
+                self.ledger.in_flight(self.inflight)
             if not self.inflight:
                 self._idle.set()
 
@@ -381,11 +389,18 @@ class ProxyApp:
         return target
 
     def _segment(self, tape: Tape) -> None:
-        """The tape is full mid-stream: its reads leave now, so a long stream holds little here."""
-        if tape.lost:
-            tape.take_reads()
-        elif not self._send(tape.segment_message(), shard=shard_of(tape.trace_id, tape.key, self._shards)):
-            tape.lost = True
+        """The tape is full mid-stream: its reads leave now, so a long stream holds little here. What the channel
+        cannot take, even without its bytes, becomes a hole in the stream (``Tape.punch``), sent ahead of what
+        follows it once there is room: the stream keeps its record, partial."""
+        shard = shard_of(tape.trace_id, tape.key, self._shards)
+        if tape.hole_size:
+            if not self.channel.send(tape.hole_message(), reserve=True, shard=shard):
+                tape.punch(tape.segment_message())
+                return
+            tape.hole_sent()
+        message = tape.segment_message()
+        if not self._send(message, shard=shard):
+            tape.punch(message)
 
     def _hand_over(self, tape: Tape) -> None:
         """The request is over: its tape goes to the telemetry side, or is counted as dropped.
@@ -393,9 +408,16 @@ class ProxyApp:
         The end may use the channel's reserve: it holds a stream's last reads, where usage is reported.
         """
         shard = shard_of(tape.trace_id, tape.key, self._shards)
-        if tape.lost or not self._send(tape.end_message(), reserve=True, shard=shard):
+        if tape.hole_size and self.channel.send(tape.hole_message(), reserve=True, shard=shard):
+            tape.hole_sent()
+        seq = self._handed[shard] + 1
+        if not self._send(tape.end_message(self.relay_id, seq), reserve=True, shard=shard):
             self.tapes_dropped += 1
             log.debug("telemetry behind: dropped the tape of %s %s", tape.method, tape.path)
+        else:
+            self._handed[shard] = seq
+            if self.ledger is not None:
+                self.ledger.handed(shard, seq)
         self._stats_changed = True
         if self._stats_due is not None:
             return  # a report is due in a moment: it carries this end too
@@ -421,33 +443,6 @@ class ProxyApp:
         timing = without_bytes(message)
         return timing is not None and self.channel.send(timing, reserve=True, shard=shard)
 
-    async def _read_body(
-        self, receive: Receive, limit: int, silence: float | None = None
-    ) -> tuple[bytes, AsyncIterator[bytes] | None]:
-        """Read the body up to ``limit`` bytes; past it, return what was read and an iterator over the rest.
-
-        A body past ``max_request_bytes`` (possible only without Content-Length) raises ``RequestTooLarge``,
-        here or from the iterator while the rest streams upstream. The iterator raises ``UploadStalled`` when
-        the client sends nothing for ``silence`` seconds (None: only the server's own body timeout applies).
-        """
-        parts: list[bytes] = []
-        size = 0
-        most = self.settings.max_request_bytes
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = message.get("body", b"")
-            if chunk:
-                parts.append(chunk)
-                size += len(chunk)
-                if size > most:
-                    raise RequestTooLarge
-            if not message.get("more_body", False):
-                return b"".join(parts), None
-            if size > limit:
-                return b"".join(parts), _rest_of_body(receive, most - size, silence)
-
     async def _relay(
         self,
         scope: Scope,
@@ -456,15 +451,15 @@ class ProxyApp:
         route: Route,
         tape: Tape,
         headers: list[tuple[bytes, bytes]],
-        body: bytes,
+        body: Body,
         more: AsyncIterator[bytes] | None,
-        rewritten: bytes | None,
+        rewritten: bytes | Pieces | None,
         trace: list[tuple[bytes, bytes]] | None,
         cycle: Any = None,
     ) -> None:
-        content: bytes | AsyncIterator[bytes]
+        content: bytes | Pieces | AsyncIterator[bytes]
         if more is not None:
-            content = _prepend(body, more)
+            content = prepend(body, more)
         else:
             content = rewritten if rewritten is not None else body
         client = self.upstreams.client(route)
@@ -489,8 +484,9 @@ class ProxyApp:
         else:
             # Built directly, not by the client: its default headers (Accept, Accept-Encoding, User-Agent) would go
             # upstream although the client never sent them.
+            whole = b"".join(content) if isinstance(content, tuple) else content  # httpx takes bytes or a stream
             request = httpx.Request(
-                scope["method"], url, headers=out_request_headers, content=content, extensions={"timeout": timeouts}
+                scope["method"], url, headers=out_request_headers, content=whole, extensions={"timeout": timeouts}
             )
         # Only once the body is read can disconnects be watched: both need ``receive``.
         task = asyncio.current_task()
@@ -534,11 +530,12 @@ class ProxyApp:
                     leaving()  # httpx's pool says nothing of its connect: as it is handed the request
                     response = _HttpxAnswer(await client.send(request, stream=True))
             except httpx.TransportError as exc:
-                await _upstream_failed(send, route, tape, exc)
+                if await upstream_failed(send, route, tape, exc):
+                    self._bad_head_said(route, tape.error_message)
                 return
             except RequestTooLarge:
                 tape.fail("request_too_large", f"request body exceeds {self.settings.max_request_bytes} bytes")
-                await _refuse_request(send, _too_large(self.settings.max_request_bytes))
+                await refuse_request(send, too_large(self.settings.max_request_bytes))
                 return
             except UploadStalled:
                 # The slot goes back (``finally``); the upstream's half-sent request is dropped with its connection.
@@ -546,7 +543,7 @@ class ProxyApp:
                 tape.fail("upload_timeout", f"request body stalled for {quiet:g} s while holding an admission slot")
                 if self.connections is not None:
                     self.connections.timed_out("upload", scope.get("client"))
-                await _refuse_request(
+                await refuse_request(
                     send, Refusal(408, "upload_timeout", f"request body stalled for {quiet:g} s; retry")
                 )
                 return
@@ -561,6 +558,13 @@ class ProxyApp:
                 # two chunks, not the wait for the headers.
                 timeouts["read"] = idle
             status = response.status_code
+            why = unrelayable(status, response.headers)
+            if why is not None:
+                # Nothing of it goes on, and its connection is not trusted with another request.
+                response.abandon()
+                await bad_head(send, route, tape, why)
+                self._bad_head_said(route, why)
+                return
             tape.status_code = status
             raw_headers = response.headers
             tape.response_headers = raw_headers
@@ -650,8 +654,9 @@ class ProxyApp:
         except InflateLimit as exc:
             tape.fail("inflate_limit", str(exc))
             self.cuts["inflate_limit"] += 1
-            self._log_limit(
+            self._said.warn(
                 "inflate_limit",
+                self.cuts["inflate_limit"],
                 "cut a response from %s: it decompressed past max_inflate_bytes (%d)",
                 route.upstream,
                 self.settings.max_inflate_bytes,
@@ -661,13 +666,15 @@ class ProxyApp:
             tape.fail("upstream_error", f"the upstream's compressed body is corrupt: {exc}")
             log.warning("upstream %s sent a corrupt compressed body: %s", route.upstream, exc)
             await _cut(send, tape, pipe.strip if pipe is not None else strip)
-        except httpx.TimeoutException:
+        except httpx.TimeoutException as exc:
             tape.fail("idle_timeout", "upstream stopped sending")
             if started:
+                self.breaks.broke(route.name, route.upstream, tape, str(exc) or "upstream stopped sending")
                 await _cut(send, tape, pipe.strip if pipe is not None else strip)
         except httpx.HTTPError as exc:
             tape.fail("upstream_closed" if started else "upstream_error", f"{type(exc).__name__}: {exc}")
             if started:
+                self.breaks.broke(route.name, route.upstream, tape, f"{type(exc).__name__}: {exc}")
                 await _cut(send, tape, pipe.strip if pipe is not None else strip)
             await send_json(send, 502, "upstream_error", f"upstream {route.upstream}: {type(exc).__name__}")
         finally:
@@ -685,13 +692,12 @@ class ProxyApp:
             if admitted and admission is not None:
                 admission.release()
 
-    def _log_limit(self, key: str, message: str, *args: Any) -> None:
-        """Log a limit the relay applied, at most once per ``LOG_EVERY`` seconds per ``key``, with the count."""
-        clock = time.monotonic()
-        if clock - self._logged_at.get(key, -LOG_EVERY) < LOG_EVERY:
-            return
-        self._logged_at[key] = clock
-        log.warning(message + " (%d so far)", *args, self.cuts[key])
+    def _bad_head_said(self, route: Route, why: str | None) -> None:
+        """An upstream's response head was answered 502 (``llmtap.relay.heads``): logged, at most every 10 s."""
+        self.bad_heads += 1
+        self._said.warn(
+            "bad_head", self.bad_heads, "upstream %s: a response head llmtap cannot relay (%s)", route.upstream, why
+        )
 
     async def _admit(self, admission: Admission, route: str) -> None:
         """Wait in the route's line; the waiting count is a gauge while anyone waits."""
@@ -720,43 +726,6 @@ class ProxyApp:
             f"llmtap: the admission queue for {route.upstream} {why}; retry later",
             [(b"retry-after", str(route.retry_after).encode())],
         )
-
-
-def _too_large(limit: int) -> Refusal:
-    return Refusal(413, "request_too_large", f"request body exceeds {limit} bytes")
-
-
-async def _refuse_request(send: Send, refusal: Refusal) -> None:
-    """A request llmtap will not relay; nothing went upstream. The connection is closed after the answer."""
-    await send_json(send, refusal.status, refusal.error_type, refusal.message, [(b"connection", b"close")])
-
-
-async def _upstream_failed(send: Send, route: Route, tl: Tape, exc: httpx.TransportError) -> None:
-    """No response headers came: 502 when the upstream could not be reached or hung up, 504 when it was too slow.
-
-    The body and the log say what failed (``certificate verify failed: self-signed certificate``), not
-    only the exception's class.
-    """
-    what = type(exc).__name__
-    detail = str(exc) or what
-    if isinstance(exc, httpx.TimeoutException):
-        kind = "connect_timeout" if isinstance(exc, httpx.ConnectTimeout) else "timeout"
-        reason = f"{what}: {exc}" if str(exc) else what
-        message = f"upstream {route.upstream} timed out ({reason})"
-        tl.fail(kind, f"upstream timed out: {what}")
-        log.warning("%s", message)
-        await send_json(send, 504, "upstream_timeout", message)
-    elif isinstance(exc, httpx.ConnectError):
-        message = f"upstream {route.upstream} unreachable: {detail}"
-        tl.fail("upstream_unreachable", detail)
-        log.warning("%s", message)
-        await send_json(send, 502, "upstream_unreachable", message)
-    else:
-        # Connected, but the connection broke (reset, closed) before any response.
-        message = f"upstream {route.upstream} closed the connection: {detail}"
-        tl.fail("upstream_closed", detail)
-        log.warning("%s", message)
-        await send_json(send, 502, "upstream_closed", message)
 
 
 async def _cut(send: Send, tape: Tape, strip: UsageEventFilter | None) -> NoReturn:
@@ -826,41 +795,6 @@ class _DisconnectWatch:
             setattr(self._cycle, LOST_HOOK, None)
 
 
-async def _rest_of_body(receive: Receive, room: int, silence: float | None = None) -> AsyncIterator[bytes]:
-    """The rest of a large body as it arrives; ``RequestTooLarge`` once it outgrows ``room`` bytes,
-    ``UploadStalled`` when nothing arrives for ``silence`` seconds.
-
-    Only the time spent waiting on the client counts: while the upstream is slow to take the body, this
-    iterator is not being read and no timer runs.
-    """
-    while True:
-        if silence is None:
-            message = await receive()
-        else:
-            try:
-                async with asyncio.timeout(silence):
-                    message = await receive()
-            except TimeoutError:
-                raise UploadStalled from None
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        if chunk:
-            room -= len(chunk)
-            if room < 0:
-                raise RequestTooLarge
-            yield chunk
-        if not message.get("more_body", False):
-            return
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    if first:
-        yield first
-    async for chunk in rest:
-        yield chunk
-
-
 class _HttpxAnswer:
     """An ``httpx.Response`` (httpx's client, or a transport a test injected) as the relay reads an ``Answer``."""
 
@@ -878,6 +812,9 @@ class _HttpxAnswer:
 
     async def surplus(self) -> int:
         return await close_if_surplus(self._response)
+
+    def abandon(self) -> None:
+        """httpx's pool decides what becomes of the connection (``aclose`` releases it)."""
 
     async def aclose(self) -> None:
         # Shielded: httpx's close may wait (httpcore's pool), and a cancellation must not skip it.

@@ -5,10 +5,11 @@ request (a keyed BLAKE2b of some 50 bytes, about a microsecond), means the key i
 channel to the telemetry process, nor sits in a tape. A keyed hash, not a plain one: without the secret, a
 fingerprint cannot be checked against a list of leaked keys.
 
-The secret is the operator's (``LLMTAP_ATTRIBUTION_KEY`` or ``attribution_key_file``), else the install's:
-made at first start and kept in ``$XDG_STATE_HOME/llmtap/attribution.key`` (``~/.local/state`` by default),
-so fingerprints stay the same across restarts and between the relay processes of one install. Where that
-file cannot be written, a secret is made for the process, and the log says fingerprints change at restart.
+The secret is the operator's (``LLMTAP_ATTRIBUTION_KEY``, or the file ``--attribution-key-file`` names), else the
+install's: made at first start and kept in ``$XDG_STATE_HOME/llmtap/attribution.key`` (``~/.local/state`` by
+default), so fingerprints stay the same across restarts and between the relay processes of one install. Where that
+file cannot be written (a read-only root), a secret is made for the process, and the log says fingerprints change
+at restart; replicas share fingerprints only when given one secret (the chart's attribution values).
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def install_secret(directory: Path | None = None) -> bytes:
     except OSError as exc:
         log.warning(
             "API-key fingerprints: cannot keep a secret in %s (%s); this process made its own, so fingerprints "
-            "change at restart (set LLMTAP_ATTRIBUTION_KEY or attribution_key_file to keep them)",
+            "change at restart and differ between replicas (to keep them, give every replica the same secret: "
+            "LLMTAP_ATTRIBUTION_KEY, or a file named by --attribution-key-file, LLMTAP_ATTRIBUTION_KEY_FILE or "
+            "attribution.key_file in the config file; the Helm chart's attribution.key or attribution.existingSecret)",
             path,
             exc,
         )

@@ -3,7 +3,8 @@
 The upstream's address comes only from configuration (``forward.upstream_url``), so no request can name
 another host. These checks keep a request on the path its route allows (no dot segments, no percent-encoded
 route prefix), refuse what a reverse proxy for LLM APIs has no use for (``CONNECT``, ``TRACE``, a WebSocket or
-other protocol upgrade), hold HTTP/1.1 to its one Host field (RFC 9112 section 3.2), and bound what one request
+other protocol upgrade), hold HTTP/1.1 to its one Host field (RFC 9112 section 3.2), answer an expectation other
+than ``100-continue`` with 417 (RFC 9110 section 10.1.1), and bound what one request
 may make the proxy hold (RFC 9110 section 15.5.14, RFC 6585 section 5). They run once per request, before
 anything goes upstream, and cost a few microseconds.
 """
@@ -32,6 +33,9 @@ _HOST = re.compile(rb"(?:\[[0-9A-Za-z:.]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]*)(?::[0
 #: Upgrades an HTTP/1.1 server may ignore and answer in HTTP/1.1 (RFC 9110 section 7.8): an HTTP/2 offer over
 #: cleartext (RFC 7540 section 3.2), which curl --http2 sends with every plain-HTTP request.
 IGNORABLE_UPGRADES = frozenset({b"h2c"})
+#: The one expectation HTTP defines (RFC 9110 section 10.1.1), which the listener meets: it says ``100 Continue``
+#: once the relay reads the body.
+CONTINUE = b"100-continue"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,7 @@ def check_request(scope: Scope, *, max_header_bytes: int, max_request_bytes: int
     upgrade: bytes | None = None
     connection = b""
     chunked = False
+    expect: list[bytes] = []
     for name, value in scope["headers"]:
         size += len(name) + len(value) + 4  # ": " and CRLF
         if _BAD_FIELD_BYTES.search(value) or _BAD_FIELD_BYTES.search(name):
@@ -73,12 +78,18 @@ def check_request(scope: Scope, *, max_header_bytes: int, max_request_bytes: int
             connection += b"," + value
         elif name == b"transfer-encoding":
             chunked = True
+        elif name == b"expect":
+            expect.append(value)
     if size > max_header_bytes:
         return Refusal(431, "headers_too_large", f"request line and headers exceed {max_header_bytes} bytes")
     if len(hosts) > 1 or (hosts and not _HOST.fullmatch(hosts[0].strip())):
         return Refusal(400, "bad_host", "the request has more than one Host header, or an invalid one")
     if not hosts and scope.get("http_version") == "1.1":
         return Refusal(400, "missing_host", "an HTTP/1.1 request must have a Host header (RFC 9112 section 3.2)")
+    if expect:
+        refusal = _expectation(expect)
+        if refusal is not None:
+            return refusal
     if upgrade is not None and b"upgrade" in {t.strip().lower() for t in connection.split(b",")}:
         offered = {t.strip().split(b"/")[0].lower() for t in upgrade.split(b",") if t.strip()}
         what = upgrade.decode("latin-1")[:64]
@@ -94,6 +105,17 @@ def check_request(scope: Scope, *, max_header_bytes: int, max_request_bytes: int
     if length.isdigit() and int(length) > max_request_bytes:
         return Refusal(413, "request_too_large", f"request body exceeds {max_request_bytes} bytes")
     return None
+
+
+def _expectation(fields: list[bytes]) -> Refusal | None:
+    """417 for an ``Expect`` naming anything but ``100-continue`` (case-insensitive, a list like any field):
+    forwarded, an expectation nobody here meets would leave the upstream's answer to it undefined."""
+    members = [m.strip() for value in fields for m in value.split(b",") if m.strip()]
+    unmet = [m for m in members if m.lower() != CONTINUE]
+    if not unmet:
+        return None
+    what = b", ".join(unmet).decode("latin-1")[:64]
+    return Refusal(417, "expectation_failed", f"llmtap meets no expectation but 100-continue, not {what!r}")
 
 
 def check_route(raw_path: bytes, route: Route) -> Refusal | None:

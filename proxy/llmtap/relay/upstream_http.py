@@ -44,8 +44,9 @@ import httptools
 import httpx
 
 from llmtap.relay import tls
+from llmtap.relay.heads import BadHead
 
-__all__ = ["MAX_HEAD_BYTES", "PIPE", "SURPLUS", "Answer", "LeanTransport", "Origin"]
+__all__ = ["MAX_HEAD_BYTES", "PIPE", "SURPLUS", "Answer", "LeanTransport", "Origin", "Pieces"]
 
 #: Response extension: a callable returning how many bytes the upstream sent past the response's end.
 SURPLUS = "llmtap.surplus"
@@ -57,6 +58,12 @@ Sink = Callable[[float, bytes], None]
 QUEUE_BYTES = 64 * 1024
 #: The largest response head (interim responses included); a longer one is a protocol error.
 MAX_HEAD_BYTES = 256 * 1024
+#: A request body past this is written beside its head rather than joined to it.
+_JOINED_BYTES = 64 * 1024
+#: A request body in memory, in pieces (the relay's spliced body of megabytes: its parts and the bytes it adds),
+#: sent with a Content-Length a slice of ``WRITE_SLICE`` bytes at a time, the loop getting a turn between slices.
+Pieces = tuple[bytes | memoryview, ...]
+WRITE_SLICE = 256 * 1024
 #: The digits of a chunk's size (RFC 9112 section 7.1).
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
 # A response head, a chunked body (last chunk and trailers) and so every message whose length is not
@@ -313,14 +320,16 @@ class _Connection(asyncio.Protocol):
         if not self.head_done:
             self._head_bytes += len(piece)
             if self._head_bytes > MAX_HEAD_BYTES:
-                self._fail(httpx.RemoteProtocolError(f"response head longer than {MAX_HEAD_BYTES} bytes"))
+                self._fail(BadHead(f"response head longer than {MAX_HEAD_BYTES} bytes"))
                 return
         try:
             self._parser.feed_data(piece)
         except httptools.HttpParserUpgrade:
-            self._fail(httpx.RemoteProtocolError("upstream switched protocols unasked"))
+            self._fail(BadHead("upstream switched protocols unasked"))
         except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"malformed response from upstream: {exc}"))
+            # In the head, what the relay cannot pass on (``llmtap.relay.heads``); in the body, a stream broken.
+            error = BadHead if not self.head_done else httpx.RemoteProtocolError
+            self._fail(error(f"malformed response from upstream: {exc}"))
         self._tail = bytes(piece[-3:]) if len(piece) >= 3 else (self._tail + bytes(piece))[-3:]
         if self._boundary and not self._tail.endswith(b"\r\n"):
             self._boundary = False  # the next chunk's size line began: the parser holds part of it
@@ -446,10 +455,32 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None and not self.closed:
             self._transport.abort()
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, more: bytes = b"") -> None:
+        """``data`` and then ``more`` onto the connection; a large ``more`` is written without copying it into one
+        buffer with ``data`` first (a request body of megabytes: a copy of milliseconds on the relay's loop)."""
         if self.closed or self._transport is None or self._transport.is_closing():
             raise httpx.RemoteProtocolError("upstream closed the connection before the request was sent")
-        self._transport.write(data)
+        if len(more) > _JOINED_BYTES:
+            self._transport.writelines((data, more))
+        else:
+            self._transport.write(data + more)
+
+    async def send_pieces(self, pieces: Pieces, timeouts: _Timeouts) -> None:
+        """A body in memory, a slice at a time: the kernel's copy of a body of megabytes never holds the loop."""
+        assert self._transport is not None
+        transport = self._transport
+        for piece in pieces:
+            view = memoryview(piece)
+            for at in range(0, len(view), WRITE_SLICE):
+                if self.closed or self.head_done:
+                    return  # the upstream answered (or left) before the body's end: read what it said
+                transport.write(view[at : at + WRITE_SLICE])
+                if self._writing_paused:
+                    await self._drain(timeouts.get("write"))
+                else:
+                    await asyncio.sleep(0)
+        if not self.closed and not self.head_done:
+            self.sent_all = True
 
     async def send_stream(self, stream: AsyncIterable[bytes], *, chunked: bool, timeouts: _Timeouts) -> None:
         """A streamed body, in chunked framing when the head says so, at the pace the upstream takes it."""
@@ -727,21 +758,32 @@ class Answer:
         """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits."""
         self.body.close()
 
+    def abandon(self) -> None:
+        """Release the connection closed, however cleanly the exchange ended: the relay refused this response."""
+        self.body.connection.keep_alive = False
+        self.body.close()
+
 
 def request_head(
-    method: str, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]], content: bytes | AsyncIterable[bytes]
+    method: str,
+    target: bytes,
+    host: bytes,
+    headers: list[tuple[bytes, bytes]],
+    content: bytes | Pieces | AsyncIterable[bytes],
 ) -> tuple[bytes, bool]:
     """The request line and headers, and whether the body goes chunked, as ``httpx.Request`` builds them from
     the same method, target, headers and content (and ``_head`` writes them): ``Host`` first, then
     ``Content-Length: 0`` for an empty POST, PUT or PATCH that names no length, then ``headers``, then the
-    body's ``Content-Length`` (bytes) or ``Transfer-Encoding: chunked`` (a stream) unless a length is named.
+    body's ``Content-Length`` (bytes, or ``Pieces``: their total) or ``Transfer-Encoding: chunked`` (a stream)
+    unless a length is named.
     """
     method = method.upper()
     names = {name.lower() for name, _ in headers}
     extra: list[tuple[bytes, bytes]] = []
-    if isinstance(content, bytes):
-        if content and b"content-length" not in names:
-            extra.append((b"Content-Length", b"%d" % len(content)))
+    if isinstance(content, (bytes, tuple)):
+        length = len(content) if isinstance(content, bytes) else sum(map(len, content))
+        if length and b"content-length" not in names:
+            extra.append((b"Content-Length", b"%d" % length))
             names.add(b"content-length")
     elif b"content-length" not in names and b"transfer-encoding" not in names:
         extra.append((b"Transfer-Encoding", b"chunked"))
@@ -797,7 +839,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         method: str,
         target: bytes,
         headers: list[tuple[bytes, bytes]],
-        content: bytes | AsyncIterable[bytes],
+        content: bytes | Pieces | AsyncIterable[bytes],
         timeouts: _Timeouts,
         leaving: Callable[[], None] | None = None,
     ) -> Answer:
@@ -843,7 +885,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self,
         key: _Key,
         head: bytes,
-        content: bytes | AsyncIterable[bytes],
+        content: bytes | Pieces | AsyncIterable[bytes],
         chunked: bool,
         head_only: bool,
         timeouts: _Timeouts,
@@ -867,8 +909,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
             if leaving is not None:
                 leaving()
             if isinstance(content, bytes):
-                conn.write(head + content)  # one write: the head and a body already in memory
+                conn.write(head, content)  # one write: the head and a body already in memory
                 conn.sent_all = True
+            elif isinstance(content, tuple):
+                conn.write(head)
+                await conn.send_pieces(content, timeouts)
             else:
                 conn.write(head)
                 await conn.send_stream(content, chunked=chunked, timeouts=timeouts)

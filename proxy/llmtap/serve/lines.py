@@ -77,6 +77,13 @@ def startup_lines(settings: Settings, port: int, admin_port: int) -> list[str]:
         from llmtap.store.clickhouse import Server
 
         records += f"; ClickHouse {Server.parse(rec.clickhouse.url).url} table {rec.clickhouse.table}"
+    if rec.on:
+        # What a kill or a restart with a sink down does to them (issue 44).
+        records += (
+            f"; journal {rec.journal}/ ({binary(rec.journal_bytes)} per telemetry process)"
+            if rec.journal
+            else "; not journaled: a restart loses what waits for a sink (--record-journal DIR)"
+        )
     where = "stderr" if settings.access_log == "-" else settings.access_log
     access = f"access log: {where}" if where else "access log: off (--access-log PATH, - for stderr)"
     lines.append(f"{records}; {access}")

@@ -27,7 +27,8 @@ from llmtap.relay.channel import ShardedChannel, SocketChannel
 from llmtap.relay.shared import Table, table_columns
 from llmtap.serve.lines import startup_lines
 from llmtap.serve.server import Server, die_with_parent, label_uvicorn, run_loop, set_name, uvicorn_config
-from llmtap.serve.sockets import bind, channel_paths
+from llmtap.serve.sockets import PROXY_LISTENER, bind, channel_paths
+from llmtap.wire.ledger import Ledger
 
 if TYPE_CHECKING:
     from llmtap.serve.telemetry import TelemetryProcess
@@ -54,7 +55,7 @@ def main() -> None:
     die_with_parent()
     logs.setup(settings.log_level, pid=True)
     shared = Table.attach(table_columns(settings), table_fd, index)
-    proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True)
+    proxy_sock = bind(settings.host, settings.port, "proxy listener", reuse_port=True, options=PROXY_LISTENER)
     run_loop(serve(settings, proxy_sock, channel_path, shared=shared, on_started=lambda: _say_started(started_fd)))
 
 
@@ -62,6 +63,21 @@ def _say_started(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.write(fd, b"ready\n")
         os.close(fd)
+
+
+def open_ledger(settings: Settings, relay_id: int, shards: int) -> Ledger | None:
+    """This relay's ledger in the record journal's folder (``llmtap.wire.ledger``), when records are journaled."""
+    if not settings.record.journal or not settings.record.on:
+        return None
+    try:
+        return Ledger(settings.record.journal, relay_id, shards)
+    except OSError as exc:
+        log.warning(
+            "relay: no ledger in %s (%s): a kill of the whole tree will not say what it took",
+            settings.record.journal,
+            exc.strerror or exc,
+        )
+        return None
 
 
 def tape_gather(settings: Settings) -> float:
@@ -94,6 +110,7 @@ async def serve(
     channel: SocketChannel | ShardedChannel = channels[0] if len(channels) == 1 else ShardedChannel(channels)
     await channel.start()
     app = create_app(settings, channel=channel, shared=shared)
+    app.ledger = open_ledger(settings, app.relay_id, channel.shards)
     limits = ClientLimits.from_settings(settings)
     app.connections = limits
     logging.getLogger("uvicorn.error").addFilter(_QuietTruncation())
@@ -123,3 +140,5 @@ async def serve(
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        if app.ledger is not None:
+            app.ledger.close()

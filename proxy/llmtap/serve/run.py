@@ -15,7 +15,7 @@ import tempfile
 from llmtap.config.types import Settings
 from llmtap.serve.relay import serve
 from llmtap.serve.server import run_loop
-from llmtap.serve.sockets import bind
+from llmtap.serve.sockets import PROXY_LISTENER, bind
 from llmtap.serve.telemetry import TelemetryProcess
 
 __all__ = ["run"]
@@ -33,6 +33,6 @@ def run(settings: Settings) -> None:
 
             supervise(settings, channel_path)
             return
-        proxy_sock = bind(settings.host, settings.port, "proxy listener")
+        proxy_sock = bind(settings.host, settings.port, "proxy listener", options=PROXY_LISTENER)
         with TelemetryProcess(settings, channel_path, relays=1) as telemetry:
             run_loop(serve(settings, proxy_sock, channel_path, telemetry=telemetry))

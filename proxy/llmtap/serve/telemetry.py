@@ -22,7 +22,7 @@ import sys
 from llmtap import logs
 from llmtap.config.types import ConfigError, Settings
 from llmtap.serve.server import Server, die_with_parent, label_uvicorn, run_loop, set_name, uvicorn_config
-from llmtap.serve.sockets import bind, bind_unix, channel_paths, facts_paths
+from llmtap.serve.sockets import ADMIN_LISTENER, bind, bind_unix, channel_paths, facts_paths
 from llmtap.telemetry import process
 from llmtap.telemetry.process import Launch
 
@@ -47,7 +47,7 @@ class TelemetryProcess:
         self.settings = settings
         self.relays = relays
         count = settings.telemetry_workers
-        self.admin_sock = bind(settings.admin_host, settings.admin_port, "admin listener")
+        self.admin_sock = bind(settings.admin_host, settings.admin_port, "admin listener", options=ADMIN_LISTENER)
         self.channel_socks = [bind_unix(path) for path in channel_paths(channel_path, count)]
         # With several processes, each request goes to one of them, and each takes the others' lessons on a
         # socket of its own (``llmtap.telemetry.siblings``).
@@ -180,4 +180,10 @@ async def serve(launch: Launch) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop)
-        await server.serve(sockets=[running.admin_sock])
+        # Said once, beside the start and never delaying it: an upstream that takes no connection now.
+        checked = asyncio.create_task(running.admin.reach.warn()) if launch.index == 0 else None
+        try:
+            await server.serve(sockets=[running.admin_sock])
+        finally:
+            if checked is not None:
+                checked.cancel()

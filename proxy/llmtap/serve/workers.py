@@ -31,7 +31,7 @@ from llmtap.config.types import ConfigError, Settings
 from llmtap.relay.shared import Table, table_columns
 from llmtap.serve.lines import startup_lines
 from llmtap.serve.server import run_loop
-from llmtap.serve.sockets import bind
+from llmtap.serve.sockets import PROXY_LISTENER, bind
 from llmtap.serve.telemetry import TelemetryProcess
 
 __all__ = ["supervise"]
@@ -127,7 +127,15 @@ class Supervisor:
 def supervise(settings: Settings, channel_path: str) -> None:
     """Run the telemetry process and ``settings.workers`` relays until SIGINT or SIGTERM."""
     # Reserve the port (and resolve port 0) before any relay binds it; a taken port fails here, once.
-    reservation = bind(settings.host, settings.port, "proxy listener", reuse_port=True, listen=False)
+    reservation = bind(
+        settings.host,
+        settings.port,
+        "proxy listener",
+        reuse_port=True,
+        listen=False,
+        options=PROXY_LISTENER,
+        alone=True,
+    )
     port = reservation.getsockname()[1]
     shared = dataclasses.replace(settings, port=port)
     try:

@@ -21,9 +21,10 @@ Sources:
 
 * ``llmtap.store.engine.EngineSource``: record files (any number of paths, globs, directories;
   ``.jsonl``, ``.jsonl.gz``, ``.parquet``, the rotated ``PATH.N``) read by the embedded engine,
-  DuckDB, which filters, groups and sorts; the default.
+  DuckDB, which filters, groups and sorts; the default when it is installed (``pip install
+  'llmtap[analysis]'``: DuckDB and numpy, some 130 MB that a proxy's image leaves out).
 * ``llmtap.store.python.PythonSource``: the same files read in one pass in plain Python (no engine);
-  the reference the engine is tested against, and enough for small inputs.
+  the reference the engine is tested against, enough for small inputs, and the default without DuckDB.
 
 A new source (ClickHouse, say) plugs in by implementing ``Source``: a class with ``scan`` (and
 ``count_met`` for ``--config``) that computes the same ``Group`` facts from its own store, typically one
@@ -35,6 +36,7 @@ source to the reference.
 
 from __future__ import annotations
 
+import importlib.util
 from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -42,6 +44,7 @@ from typing import Protocol
 from llmtap.store.skips import CAUSES, Skips
 
 __all__ = [
+    "ANALYSIS_EXTRA",
     "COLUMNS",
     "ENGINES",
     "SLOWEST",
@@ -53,6 +56,8 @@ __all__ = [
     "Scan",
     "Skips",
     "Source",
+    "default_engine",
+    "engine_installed",
     "open_source",
     "slowest",
 ]
@@ -209,16 +214,37 @@ def slowest(parts: list[list[tuple[float, str]]], n: int = SLOWEST) -> list[tupl
 
 #: The sources ``open_source`` knows, by the name ``--engine`` gives them.
 ENGINES = ("duckdb", "python")
+#: The modules each engine needs beyond llmtap's own dependencies.
+_NEEDS = {"duckdb": ("duckdb", "numpy"), "python": ()}
+#: How to install what the embedded engine needs (an extra: the serve image leaves it out).
+ANALYSIS_EXTRA = "pip install 'llmtap[analysis]'"
 
 
-def open_source(paths: list[str], engine: str = "duckdb") -> Source:
-    """The record files ``paths`` name, read by ``engine``; ``files.NoRecords`` when there is none."""
+def engine_installed(engine: str) -> bool:
+    """Whether the modules ``engine`` needs are installed (without importing them)."""
+    return all(importlib.util.find_spec(module) is not None for module in _NEEDS[engine])
+
+
+def default_engine() -> str:
+    """The engine that reads records when none is named: the embedded one when installed, else plain Python."""
+    return next(engine for engine in ENGINES if engine_installed(engine))
+
+
+def open_source(paths: list[str], engine: str | None = None) -> Source:
+    """The record files ``paths`` name, read by ``engine`` (``default_engine()`` for None); ``files.NoRecords``
+    when there is none, ``ValueError`` for an engine unknown or not installed."""
+    engine = default_engine() if engine is None else engine
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is none of {', '.join(ENGINES)}")
+    if not engine_installed(engine):
+        raise ValueError(
+            f"the {engine} engine needs {' and '.join(_NEEDS[engine])}, not installed here: {ANALYSIS_EXTRA} "
+            "(or --engine python, which reads small record sets as well)"
+        )
     if engine == "python":
         from llmtap.store.python import PythonSource
 
         return PythonSource(paths)
-    if engine == "duckdb":
-        from llmtap.store.engine import EngineSource
+    from llmtap.store.engine import EngineSource
 
-        return EngineSource(paths)
-    raise ValueError(f"engine {engine!r} is none of {', '.join(ENGINES)}")
+    return EngineSource(paths)

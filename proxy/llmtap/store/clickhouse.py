@@ -33,7 +33,7 @@ from typing import Any
 
 from llmtap.config.types import ClickHouseRecords, ConfigError
 from llmtap.store.clickhouse_rows import DDL_FILE, column_kinds, flat_row, record_id
-from llmtap.worker import QueueWorker
+from llmtap.worker import Progress, QueueWorker
 
 __all__ = [
     "DDL_FILE",
@@ -232,8 +232,13 @@ class ClickHouseSink(QueueWorker[bytes]):
 
     The queue holds ``max_records`` records and ``max_bytes`` bytes of JSON at most. ``flush`` waits (up to
     ``timeout``) until what was queued before it has been sent or dropped; ``close`` does the same, then stops
-    the thread: what could not be sent in time is dropped and counted (``clickhouse_unsent``).
+    the thread: what could not be sent in time is dropped and counted (``clickhouse_unsent``), or, with
+    ``keep_unsent`` (the record journal holds every record, ``llmtap.telemetry.spool``), left to the journal for the
+    next start. A record is settled (``progress``) once ClickHouse took it, or it was dropped and counted.
     """
+
+    #: Which sink this is, to the record journal.
+    kind = "clickhouse"
 
     def __init__(
         self,
@@ -248,8 +253,12 @@ class ClickHouseSink(QueueWorker[bytes]):
         backoff: tuple[float, float] = BACKOFF,
         flush_interval: float = FLUSH_INTERVAL,
         on_thread: Callable[[], None] | None = None,
+        keep_unsent: bool = False,
     ) -> None:
         self.server = server
+        self.keep_unsent = keep_unsent
+        #: The records given and not yet sent or dropped (``llmtap.worker.Progress``).
+        self.progress = Progress()
         self.table = table_name(table)
         self.ttl_days = ttl_days
         self.max_records = max_records
@@ -285,9 +294,12 @@ class ClickHouseSink(QueueWorker[bytes]):
                 self._said_invalid = True
                 log.warning("ClickHouse records: a record could not be written as JSON (%s); such are counted", exc)
         if row is None:
+            self.progress.settle_now()
             self._drop("invalid", 1)
             return
-        self._put(line, len(line))
+        self.progress.hold()
+        if not self._put(line, len(line)):
+            self.progress.withdraw()
 
     def _wake_now(self) -> bool:
         return len(self._queue) == 1 or self._bytes >= BATCH_BYTES or len(self._queue) >= BATCH_RECORDS
@@ -296,6 +308,9 @@ class ClickHouseSink(QueueWorker[bytes]):
         if why == "unsent":
             with self._cond:
                 self._taken += len(items)
+            if self.keep_unsent:
+                return  # still held: the journal keeps them for the next start
+            self.progress.release(len(items))
         self._drop("clickhouse_queue_full" if why == "full" else "clickhouse_unsent", len(items))
 
     def flush(self) -> None:
@@ -408,6 +423,7 @@ class ClickHouseSink(QueueWorker[bytes]):
         return out
 
     def _done(self, batch: list[bytes]) -> None:
+        self.progress.release(len(batch))
         with self._cond:
             self._pop(len(batch))
             self._taken += len(batch)
@@ -432,6 +448,7 @@ def clickhouse_sink(
     on_drop: Callable[[str, int], None] | None = None,
     on_insert: Callable[[str, int], None] | None = None,
     on_thread: Callable[[], None] | None = None,
+    keep_unsent: bool = False,
 ) -> ClickHouseSink:
     """The sink ``--record-clickhouse`` asks for; every drop reason and insert outcome counted 0 from the start.
 
@@ -453,4 +470,5 @@ def clickhouse_sink(
         on_drop=on_drop,
         on_insert=on_insert,
         on_thread=on_thread,
+        keep_unsent=keep_unsent,
     )

@@ -1,10 +1,11 @@
 """The admin listener: a Starlette application of routes over the recorder.
 
 ``/metrics`` (the Prometheus exposition, rendered on a thread), ``/healthz``, ``/readyz`` (the relays are
-connected and ready), the live view (``llmtap.telemetry.live``) and the one route that takes data in:
-``POST /v1/traces``, an OTLP/HTTP (protobuf) trace receiver for the upstream's own spans
-(``llmtap.telemetry.serverspans``). It runs where the recorder runs: the telemetry process, or the proxy's
-own process when telemetry runs in it (tests, the demo, embedding).
+connected and ready; ``?verbose`` adds whether each upstream takes a connection, ``llmtap.telemetry.reach``), the
+live view (``llmtap.telemetry.live``) and the one route that takes data in: ``POST /v1/traces``, an OTLP/HTTP
+(protobuf) trace receiver for the upstream's own spans (``llmtap.telemetry.serverspans``). It runs where the
+recorder runs: the telemetry process, or the proxy's own process when telemetry runs in it (tests, the demo,
+embedding).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from llmtap.telemetry.prometheus import (
     merge_metrics,
     wants_openmetrics,
 )
+from llmtap.telemetry.reach import Reach, verbose
 from llmtap.telemetry.recorder import Recorder
 from llmtap.telemetry.serverspans import (
     BadBody,
@@ -95,6 +97,8 @@ class AdminApp:
         self.live = LiveView(recorder, source.settings, traces=traces, busy=busy, skip=skip, gate=self.gate)
         #: The admin sockets of the other telemetry processes, whose ``/metrics`` this one adds to its own.
         self.peers = tuple(peers)
+        #: The routes' upstreams, checked for ``/readyz?verbose`` and once after start-up.
+        self.reach = Reach(source.settings.routes)
         routes = [
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/healthz", self._healthz, methods=["GET"]),
@@ -178,8 +182,12 @@ class AdminApp:
         return PlainTextResponse("ok\n")
 
     async def _readyz(self, request: Request) -> Response:
+        # ``?verbose``: the upstreams' state too (``llmtap.telemetry.reach``), which does not decide readiness.
+        found = await self.reach.check() if "verbose" in request.query_params else None
         ready = self.proxy.ready
         detail = getattr(self.proxy, "ready_detail", "")
+        if found is not None:
+            return PlainTextResponse(verbose(ready, detail, found), status_code=200 if ready else 503)
         text = ("ready" if ready else "not ready") + (f" ({detail})" if detail else "")
         return PlainTextResponse(text + "\n", status_code=200 if ready else 503)
 

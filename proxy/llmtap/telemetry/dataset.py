@@ -32,7 +32,7 @@ from typing import Any
 from llmtap.config.types import ConfigError
 from llmtap.telemetry import sched
 from llmtap.telemetry.identity import Identity
-from llmtap.worker import QueueWorker
+from llmtap.worker import Progress, QueueWorker
 
 __all__ = ["RECORD_DROP_REASONS", "DatasetWriter"]
 
@@ -108,8 +108,12 @@ class DatasetWriter:
 
     Lines wait in a small buffer (``BUFFER_BYTES``) and leave in one write. A write that fails (a full disk)
     loses the lines it carried: each is counted through ``on_drop`` by reason (``RECORD_DROP_REASONS``), the
-    failure is logged once, and every later flush tries again; the first that succeeds says so, once.
+    failure is logged once, and every later flush tries again; the first that succeeds says so, once. A record is
+    settled (``progress``, for the record journal) once its line was handed to the kernel, or dropped and counted.
     """
+
+    #: Which sink this is, to the record journal (``llmtap.telemetry.spool``).
+    kind = "files"
 
     def __init__(
         self,
@@ -157,6 +161,8 @@ class DatasetWriter:
         self._lost_while_failing = 0
         self._said_invalid = False
         self.written = 0
+        #: The records given and not yet written out (``llmtap.worker.Progress``).
+        self.progress = Progress()
         #: Records lost, by reason.
         self.dropped: dict[str, int] = dict.fromkeys(RECORD_DROP_REASONS, 0)
         #: Closed files go to the compressor thread, which also applies retention.
@@ -179,9 +185,11 @@ class DatasetWriter:
                     self.root,
                     exc,
                 )
+            self.progress.settle_now()
             self._drop("invalid", 1)
             return
         data = line.encode("utf-8")
+        self.progress.hold()
         self._pending.append(data)
         self._pending_bytes += len(data)
         if self._pending_bytes >= BUFFER_BYTES or time.monotonic() - self._flushed >= FLUSH_INTERVAL:
@@ -197,6 +205,13 @@ class DatasetWriter:
             if self._file is not None and self._due(self._clock()):
                 self._close_file()
             return
+        try:
+            self._flush_lines(lines)
+        finally:
+            # Written out or dropped and counted, every one.
+            self.progress.release(len(lines))
+
+    def _flush_lines(self, lines: list[bytes]) -> None:
         done = 0
         try:
             self._check_moved()

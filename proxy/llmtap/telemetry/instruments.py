@@ -82,6 +82,7 @@ class Instruments:
     facts_dropped: Counter
     labels_evicted: Counter
     records_dropped: Counter
+    records_recovered: Counter
     malformed: Counter
     queue_waiting: UpDownCounter
     queue_rejected: Counter
@@ -246,7 +247,14 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         records_dropped=meter.create_counter(
             sc.METRIC_RECORDS_DROPPED,
             unit="{record}",
-            description="Request records lost (--record files, --record-logs log records), by llmtap.telemetry.reason.",
+            description="Request records lost (--record files, ClickHouse, --record-logs log records, the record "
+            "journal), by llmtap.telemetry.reason.",
+        ),
+        records_recovered=meter.create_counter(
+            sc.METRIC_RECORDS_RECOVERED,
+            unit="{record}",
+            description="Records of requests the last run of this telemetry process began and did not get into "
+            "every sink, made again from the record journal at start (--record-journal).",
         ),
         malformed=meter.create_counter(
             sc.METRIC_MALFORMED,
@@ -290,8 +298,8 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
         server_spans=meter.create_counter(
             sc.METRIC_SERVER_SPANS,
             unit="{span}",
-            description="The upstream's request spans by llmtap.server_span.outcome (matched, late, unmatched); "
-            "missing: requests whose span did not come in time.",
+            description="The upstream's request spans by llmtap.server_span.outcome (matched, late, unmatched, "
+            "duplicate); missing: requests whose span did not come in time.",
         ),
         otlp_rejected=meter.create_counter(
             sc.METRIC_OTLP_REJECTED,

@@ -87,6 +87,8 @@ class MetricWriter:
         meter = (meter_provider or NoOpMeterProvider()).get_meter(
             "llmtap", __version__, schema_url=sc.schema_url(t.semconv_latest)
         )
+        #: The meter, for what others observe on it (the record journal's gauges).
+        self.meter = meter
         self.instruments: Instruments = create(
             meter, latest=t.semconv_latest, fine=t.histogram_buckets == "fine", server=t.server_metrics
         )

@@ -69,7 +69,10 @@ class _Intake(asyncio.Protocol):
         self.recorder = recorder
         self.source = source
         self.connected = connected
-        self._frames = FrameReader()
+        # The record journal keeps what each read gave, before the recorder's queue: a kill of this process
+        # loses none of it (``llmtap.telemetry.spool``).
+        self._spool = recorder.spool
+        self._frames = FrameReader(keep=self._spool is not None)
         self._transport: asyncio.BaseTransport | None = None
         self._pid = 0
 
@@ -84,6 +87,8 @@ class _Intake(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         """Take every complete message; the recorder counts what its full queue cannot take."""
         messages = self._frames.feed(data)
+        if self._spool is not None and messages:
+            self._spool.append(self.source, self._frames.taken, messages)
         submit = self.recorder.submit
         for message in messages:
             sched.checkpoint()
@@ -103,6 +108,8 @@ class _Intake(asyncio.Protocol):
         """The relay went away: its gauges drop to zero."""
         self.connected.discard(self.source)
         self.recorder.relay_gone(self.source)
+        if self._spool is not None:
+            self._spool.source_gone(self.source)
         if self._pid:
             sched.forget(self._pid)
 
@@ -211,7 +218,10 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
     providers = setup.build(settings.telemetry)
     try:
         recorder = Recorder(
-            settings, tracer_provider=providers.tracer_provider, meter_provider=providers.meter_provider
+            settings,
+            tracer_provider=providers.tracer_provider,
+            meter_provider=providers.meter_provider,
+            journal=launch.index,
         )
     except ConfigError as exc:
         _say(launch.started_fd, f"error: {exc}")

@@ -36,6 +36,7 @@ from llmtap.telemetry import forward, identity, peers, sched, semconv as sc
 from llmtap.telemetry.access_log import AccessLog
 from llmtap.telemetry.finished import Emitter, Finished, Listener, Listeners, RecordEmitter
 from llmtap.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
+from llmtap.telemetry.holes import Hole, Holed, Holes
 from llmtap.telemetry.metrics import MetricWriter
 from llmtap.telemetry.relays import Drops, RelayGauges
 from llmtap.telemetry.replay import Playback
@@ -51,6 +52,7 @@ from llmtap.telemetry.serverspans import (
 from llmtap.telemetry.siblings import FACT_DROP_REASONS, LIVE, SLOTS, SPANS, Siblings
 from llmtap.telemetry.sinks import Sink, build_sinks, drop_reasons
 from llmtap.telemetry.spans import SpanWriter
+from llmtap.telemetry.spool import EMITTED, JOURNAL_DROP_REASONS, Spool, open_spool
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.messages import (
     END,
@@ -77,6 +79,8 @@ TRACE_CONTEXT_REASONS = ("traceparent_too_long", "tracestate_too_long")
 ADMIN_REASONS = ("connection_evicted", "connection_limit", "event_streams", "unauthorized", "forbidden")
 #: Streams being played back at once (their segments came, their end not yet); past it the oldest goes.
 MAX_OPEN_STREAMS = 4096
+#: Messages of the relays the worker takes between two slices of the last run's replay, when both wait.
+REPLAY_EVERY = 64
 #: Finished requests the worker holds at most before it emits them (``_emit_staged``): tens of milliseconds of work.
 STAGED = 64
 #: Response bytes waiting in the queue at most. Past it a message keeps its timing and loses its bytes (its
@@ -100,7 +104,9 @@ class Recorder:
         tracer_provider: TracerProvider | None = None,
         meter_provider: MeterProvider | None = None,
         logger_provider: Any = None,
+        journal: int | None = None,
     ) -> None:
+        """``journal``: this telemetry process's index, when it keeps a record journal (``--record-journal``)."""
         self.settings = settings
         #: The request's spans, and its metrics: two of the emitters.
         self.spans = SpanWriter(settings, tracer_provider)
@@ -145,6 +151,7 @@ class Recorder:
                 self._count_record_drop,
                 logger_provider=logger_provider,
                 on_insert=self._count_clickhouse_insert,
+                keep_unsent=journal is not None and settings.record.journal is not None,
             ),
             self.identity,
         )
@@ -179,9 +186,15 @@ class Recorder:
         self._open: OrderedDict[tuple[int, int], Playback] = OrderedDict()
         # Streams a message of which was dropped here: their end is counted as a dropped tape.
         self._lost: set[tuple[int, int]] = set()
+        # Streams evicted (counted): their end, when it comes, is not counted again.
+        self._evicted: OrderedDict[tuple[int, int], None] = OrderedDict()
+        #: Streams with segments the full queue turned away, played as a gap (the submitting thread's).
+        self.holes = Holes()
         #: Tapes lost, and the relays' gauges and readiness.
         self.drops = Drops(self.instruments)
         self.relays = RelayGauges(self.instruments, self.drops, self._busy)
+        #: The record journal: each tape kept until every sink has its record (None: not kept).
+        self.spool = None if journal is None else self._open_spool(journal)
         for outcome in OUTCOMES:
             self._count_join(outcome, 0)
         for reason in REJECT_REASONS:
@@ -200,6 +213,35 @@ class Recorder:
             self.count_facts_dropped(reason, 0)
         for reason in TRACE_CONTEXT_REASONS:
             self._count_trace_context(reason, 0)
+        if self.spool is not None and self.spool.replay is not None:
+            self._ensure_worker()  # the last run's records are made again now, whether tapes come or not
+
+    def _open_spool(self, index: int) -> Spool | None:
+        """The record journal of telemetry process ``index``, its counts and gauges (None: not asked, or no sink)."""
+        rec = self.settings.record
+        spool = open_spool(
+            rec.journal,
+            self.records.sinks,
+            index=index,
+            max_bytes=rec.journal_bytes,
+            on_lost=self._count_record_drop,
+            on_recovered=self._count_recovered,
+            on_tapes_lost=self.drops.count,
+        )
+        self.records.spool = spool
+        if spool is None:
+            return None
+        for reason in JOURNAL_DROP_REASONS:
+            self._count_record_drop(reason, 0)
+        self._count_recovered(0)
+        spool.observe(self.metrics.meter)
+        return spool
+
+    def _count_recovered(self, n: int) -> None:
+        try:
+            self.instruments.records_recovered.add(n)
+        except Exception:
+            log.debug("telemetry: could not count recovered records", exc_info=True)
 
     @property
     def upstreams(self) -> UpstreamWatch:
@@ -251,14 +293,29 @@ class Recorder:
             if size and self._queued_in + size - self._queued_out > MAX_QUEUED_BYTES:
                 message = without_bytes(message) or message
                 size = 0
-            if message[0] != FACTS and self._queue.qsize() >= self._tape_room:
+            kind = message[0]
+            item: Raw | Holed = message
+            if kind == SEGMENT or kind == END:
+                key = (source, message[1])
+                if self._queue.qsize() >= self._tape_room and not (kind == END and self.holes.holed(key)):
+                    # The end of a stream with a hole may use the reserve; a later segment becomes a hole.
+                    if kind == SEGMENT and self.holes.punch(key, message):
+                        return True
+                    raise queue.Full
+                item = self.holes.carry(key, message)
+                if kind == END:
+                    self.holes.ended(key)
+            elif kind != FACTS and self._queue.qsize() >= self._tape_room:
                 raise queue.Full
-            self._queue.put_nowait((source, message, size))
+            self._queue.put_nowait((source, item, size))
             self._queued_in += size
             return True
         except queue.Full:
             if message[0] == END:
+                self.holes.ended((source, message[1]))
                 self.drops.end()
+                if self.spool is not None:
+                    self.spool.dropped(source, message)
             elif message[0] == SEGMENT:
                 self._lost.add((source, message[1]))
             elif message[0] == FACTS:
@@ -301,6 +358,7 @@ class Recorder:
     def relay_gone(self, source: int) -> None:
         """Relay ``source`` disconnected: its gauges go back to zero and its open streams are dropped."""
         self._ensure_worker()
+        self.holes.forget(source)
         self._queue.put((source, self.relays.gone(source), 0))
 
     def share_with(self, siblings: Siblings) -> None:
@@ -412,11 +470,18 @@ class Recorder:
 
     def _next_deadline(self) -> float | None:
         lessons = self.siblings.deadline() if self.siblings is not None else None
-        deadlines = [d for d in (self.wait.next_deadline(), self.owned.next_deadline(), lessons) if d is not None]
+        journal = self.spool.due() if self.spool is not None else None
+        deadlines = [
+            d for d in (self.wait.next_deadline(), self.owned.next_deadline(), lessons, journal) if d is not None
+        ]
         return min(deadlines) if deadlines else None
 
     def _due(self) -> None:
         now = time.monotonic()
+        if self.spool is not None:
+            due = self.spool.due()
+            if due is not None and due <= now:
+                self.spool.poll()
         self._emit_all(self.wait.due(now))
         self.owned.due(now)
         if self.siblings is not None:
@@ -435,10 +500,18 @@ class Recorder:
             self._held = None
 
     def _work(self) -> None:
+        taken = 0
         while True:
             held = self._held
             if held and (len(held) >= STAGED or self._queue.empty()):
                 self._emit_held()
+            replay = self.spool.replay if self.spool is not None else None
+            if replay is not None and not replay.done and (self._queue.empty() or taken >= REPLAY_EVERY):
+                # The last run's tapes, a slice at a time: between the relays' messages, never before them all.
+                taken = 0
+                self._replay_slice(replay)
+                continue
+            taken += 1
             deadline = self._next_deadline()
             try:
                 if deadline is None:
@@ -469,6 +542,8 @@ class Recorder:
                     self._record_counted(message)
                 elif isinstance(message, _Spans):
                     self._join_spans(message)
+                elif isinstance(message, Holed):
+                    self.take(source, message.message, message.hole)
                 else:
                     self.take(source, message)
             except Exception:
@@ -481,8 +556,26 @@ class Recorder:
                 self._emit_held()
                 self.records.flush()
 
-    def take(self, source: int, message: Raw) -> None:
-        """One encoded message of relay ``source``: a stream's segment or end, or the relay's report.
+    def _replay_slice(self, replay: Any) -> None:
+        for source, message in replay.next_slice():
+            try:
+                self.take(source, message)
+            except Exception:
+                log.exception("telemetry: could not take a tape message of the last run")
+            if message[0] == END:
+                replay.taken_end(source, message[1])
+            sched.checkpoint()
+        self._emit_held()
+        # What is due goes on during a long replay: the journal's acknowledgements above all (a kill before the
+        # replay ends must not find this run's records unacknowledged and make them all again).
+        deadline = self._next_deadline()
+        if deadline is not None and deadline <= time.monotonic():
+            self._due()
+            self.records.flush()
+
+    def take(self, source: int, message: Raw, hole: Hole | None = None) -> None:
+        """One encoded message of relay ``source``: a stream's segment or end (after ``hole``, reads of its stream
+        that were turned away before it), or the relay's report.
 
         Runs on the worker thread; call it directly only where no worker runs (tools, tests). A message that
         cannot be decoded (garbled, or from another build) is logged and dropped, never raised."""
@@ -506,6 +599,8 @@ class Recorder:
             return
         key = (source, m.key)
         playback = self._open.pop(key, None)
+        if playback is not None and hole is not None:
+            playback.skip(hole.size, hole.at)
         if playback is None and m.head is not None and key not in self._lost:
             playback = Playback(m.head, self.settings, self._routes)
             self._relayed(playback.tl.trace_id)
@@ -515,19 +610,36 @@ class Recorder:
             if playback is not None:
                 self._open[key] = playback
                 if len(self._open) > MAX_OPEN_STREAMS:
-                    _, oldest = self._open.popitem(last=False)
+                    evicted, oldest = self._open.popitem(last=False)
                     self.drops.tape("evicted", oldest.tl.route)
+                    self._evicted[evicted] = None  # its end is counted already
+                    if len(self._evicted) > MAX_OPEN_STREAMS:
+                        self._evicted.popitem(last=False)
             return
+        ref = self.spool.ended(source, m.key) if self.spool is not None else None
         if playback is None or key in self._lost:
-            self._lost.discard(key)
-            self.drops.tape("queue_full", playback.tl.route if playback is not None else None)
+            self._end_lost(key, playback, ref)
             return
         if playback.partial:
             self.drops.count("partial")
         tl = playback.finish(m.tail)
+        tl.ref = ref
         if tl.unread is not None:
             self.drops.count(tl.unread)
         self._record_counted(tl)
+
+    def _end_lost(self, key: tuple[int, int], playback: Playback | None, ref: int | None) -> None:
+        """A stream's end whose tape cannot become a record: counted once, by why."""
+        if key in self._lost:
+            self._lost.discard(key)
+            self.drops.tape("queue_full", playback.tl.route if playback is not None else None)
+        elif key in self._evicted:
+            del self._evicted[key]  # counted when it was evicted
+        else:
+            # Its start went to a telemetry process that is gone (a restart): neither can make its record.
+            self.drops.tape("split", None)
+        if self.spool is not None:
+            self.spool.settle(ref)
 
     def _record_counted(self, tl: Timeline) -> None:
         try:
@@ -536,6 +648,8 @@ class Recorder:
         except Exception:
             self.failed += 1
             log.exception("telemetry: could not record %s %s", tl.method, tl.path)
+            if self.spool is not None:
+                self.spool.settle(tl.ref)
 
     def _join_spans(self, spans: _Spans) -> None:
         self._emit_all(self.wait.spans(spans, time.monotonic()))
@@ -574,6 +688,8 @@ class Recorder:
                 self.peers.close(timeout)
         finally:
             self.records.close(timeout)
+            if self.spool is not None:
+                self.spool.close()  # after the sinks: what they did not take stays for the next start
             if self.access_log is not None:
                 self.access_log.close()
 
@@ -610,7 +726,10 @@ class Recorder:
             self._share(self.estimator.learned, tl.upstream, slots)
         if tl.protocol is not None:
             s.cost = request_cost(self.prices, tl, s)
-        self._emit_all(self.wait.offer(tl, s, time.monotonic()))
+        if self.spool is not None and self.spool.replayed(tl.ref):
+            self._emit_all([(tl, s)])  # of the last run: its upstream's span is long gone
+        else:
+            self._emit_all(self.wait.offer(tl, s, time.monotonic()))
         return s
 
     def _share(self, learned: list[Any] | None, upstream: str | None = None, slots: Slots | None = None) -> None:
@@ -688,9 +807,14 @@ class Recorder:
             if self.siblings is not None:
                 self._share(self.cache.learned)
         failed: set[int] = set()
+        spool = self.spool
+        # Requests of the last run whose spans, metrics and listeners it made already: their records only.
+        made = set() if spool is None else {i for i, r in enumerate(requests) if spool.mask_of(r.tl.ref) & EMITTED}
         for emitter in self.emitters:
             for i, request in enumerate(requests):
                 sched.checkpoint()
+                if made and i in made and emitter is not self.records:
+                    continue
                 try:
                     emitter.emit(request)
                 except Exception:
@@ -698,6 +822,9 @@ class Recorder:
                     tl = request.tl
                     log.exception("telemetry: %s failed on %s %s", type(emitter).__name__, tl.method, tl.path)
         self.failed += len(failed)
+        if spool is not None:
+            for request in requests:
+                spool.emitted(request.tl.ref)
 
     def _diagnose(self, tl: Timeline, s: Summary) -> Diagnosis | None:
         try:

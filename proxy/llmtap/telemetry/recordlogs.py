@@ -32,6 +32,7 @@ from llmtap import __version__
 from llmtap.config.types import ConfigError, TelemetrySettings
 from llmtap.telemetry.identity import INSTANCE_KEY
 from llmtap.telemetry.setup import http_endpoint, resource
+from llmtap.worker import Progress
 
 __all__ = ["LOG_DROP_REASONS", "LogSink", "log_exporter"]
 
@@ -96,7 +97,13 @@ def _hex_id(value: Any, digits: int) -> int | None:
 
 
 class LogSink:
-    """A record sink: each record as one OTLP log record, queued for the SDK's batch processor."""
+    """A record sink: each record as one OTLP log record, queued for the SDK's batch processor.
+
+    A record is settled (``progress``, for the record journal) once its export returned, whatever it answered (a
+    failed one is counted), or it was dropped; the batch processor exports in the order records came."""
+
+    #: Which sink this is, to the record journal (``llmtap.telemetry.spool``).
+    kind = "logs"
 
     def __init__(
         self,
@@ -112,6 +119,8 @@ class LogSink:
         self._lock = threading.Lock()
         self._pending = 0
         self.exported = 0
+        #: The records given and not yet exported (``llmtap.worker.Progress``).
+        self.progress = Progress()
         # The records' writer is the resource's instance (the SDK would otherwise make up an id of its own).
         own = resource().merge(Resource({INSTANCE_KEY: instance_id})) if instance_id else resource()
         self.provider = provider or LoggerProvider(resource=own, shutdown_on_exit=False)
@@ -133,8 +142,10 @@ class LogSink:
                 full = False
                 self._pending += 1
         if full:
+            self.progress.settle_now()
             self._drop("otlp_queue_full", 1)
             return
+        self.progress.hold()
         try:
             self._logger.emit(
                 LogRecord(
@@ -148,6 +159,7 @@ class LogSink:
                 )
             )
         except Exception:
+            self.progress.withdraw()
             with self._lock:
                 self._pending -= 1
             if not self._said:
@@ -170,6 +182,7 @@ class LogSink:
             self.provider.shutdown()
 
     def _done(self, n: int, ok: bool) -> None:
+        self.progress.release(n)
         with self._lock:
             self._pending -= n
         if ok:

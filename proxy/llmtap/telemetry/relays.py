@@ -29,8 +29,14 @@ log = logging.getLogger("llmtap.telemetry")
 #: Why a tape did not become telemetry, in whole (``channel_full``: the relay's channel; ``queue_full``: the
 #: recorder's queue; ``evicted``: too many streams open at once) or in part (``partial``: timing without some
 #: bytes; ``inflate_limit``, ``body_limit``: the tap stopped reading a response past its bounds,
-#: ``llmtap.telemetry.tap``).
-TAPE_DROP_REASONS = ("channel_full", "queue_full", "evicted", "partial", "inflate_limit", "body_limit")
+#: ``llmtap.telemetry.tap``); ``split``: a stream whose start went to a telemetry process that was killed, and whose
+#: end came to the one started in its place. With a record journal (``llmtap.telemetry.sequences``): ``in_transit``,
+#: a stream's end a relay handed over that never reached the telemetry process (in the socket when it was killed);
+#: ``in_flight``, a request a relay was relaying when it was killed with the whole tree (its tape never left it).
+TAPE_DROP_REASONS = (
+    "channel_full", "queue_full", "evicted", "partial", "inflate_limit", "body_limit", "split", "in_transit",
+    "in_flight",
+)  # fmt: skip
 
 
 class Drops:

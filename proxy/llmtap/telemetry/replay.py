@@ -151,6 +151,13 @@ class Playback:
         self._last_delivered = not math.isnan(delivered[-1]) if len(delivered) else self._last_delivered
         relay_delays(times, delivered, tl.relay_delays)
 
+    def skip(self, size: int, at: float) -> None:
+        """Reads of ``size`` bytes in all, the last arriving at ``at``, that never came here (a hole): counted, the
+        stream's decoding starts over after them, and the stream is partial."""
+        self.partial = True
+        if self._tap is not None:
+            self._tap.skip(size, at)
+
     def finish(self, tail: Tail) -> Timeline:
         """The stream's end: the relay's own verdict applied after what the stream itself said."""
         end, error_type, cancelled, surplus = tail.end, tail.error_type, tail.cancelled, tail.surplus

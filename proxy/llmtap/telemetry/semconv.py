@@ -83,6 +83,8 @@ __all__ = [
     "METRIC_FACTS_DROPPED",
     "METRIC_INPUT_TOKENS",
     "METRIC_ITL",
+    "METRIC_JOURNAL_RECORDS",
+    "METRIC_JOURNAL_SIZE",
     "METRIC_LABELS_EVICTED",
     "METRIC_LIVE_SAMPLES_DROPPED",
     "METRIC_MALFORMED",
@@ -96,11 +98,13 @@ __all__ = [
     "METRIC_QUEUE_REJECTED",
     "METRIC_QUEUE_WAITING",
     "METRIC_RECORDS_DROPPED",
+    "METRIC_RECORDS_RECOVERED",
     "METRIC_RELAY_CHUNK_DELAY",
     "METRIC_REQUESTS",
     "METRIC_RESPONSES_CUT",
     "METRIC_SERVER_SPANS",
     "METRIC_SPANS_DROPPED",
+    "METRIC_START_TIME",
     "METRIC_TELEMETRY_DROPPED",
     "METRIC_TIMING_REJECTED",
     "METRIC_TOKEN_DRIFT",
@@ -318,7 +322,7 @@ OVERSIZED_EVENTS = "llmtap.stream.oversized_events"
 STREAM_UNREAD = "llmtap.stream.unread"  # why the tap stopped reading the response: inflate_limit, body_limit
 RESPONSE_BYTES = "llmtap.response.bytes"
 TELEMETRY_REASON = "llmtap.telemetry.reason"
-SERVER_SPAN_OUTCOME = "llmtap.server_span.outcome"  # matched, late, unmatched, missing
+SERVER_SPAN_OUTCOME = "llmtap.server_span.outcome"  # matched, late, unmatched, missing, duplicate
 OTLP_REJECT_REASON = "llmtap.otlp.reason"  # why the span receiver refused a body
 OTLP_FORWARD_OUTCOME = "llmtap.otlp.outcome"  # sent, dropped, failed, unowned: a received span passed on
 TRACE_CONTEXT_REASON = "llmtap.trace_context.reason"  # why a client's trace header was ignored
@@ -454,6 +458,12 @@ METRIC_TELEMETRY_DROPPED = "llmtap.telemetry.tapes.dropped"  # tapes that never 
 METRIC_FACTS_DROPPED = "llmtap.telemetry.facts.dropped"  # lessons one telemetry process could not pass to another
 METRIC_SPANS_DROPPED = "llmtap.telemetry.spans.dropped"  # never reached the collector, by reason
 METRIC_RECORDS_DROPPED = "llmtap.telemetry.records.dropped"  # request records never written (--record), by reason
+# The record journal (issue 44): records of the last run made again at start, and what the journal holds now.
+METRIC_RECORDS_RECOVERED = "llmtap.telemetry.records.recovered"
+METRIC_JOURNAL_SIZE = "llmtap.telemetry.journal.size"  # bytes of tapes on disk
+METRIC_JOURNAL_RECORDS = "llmtap.telemetry.journal.records"  # requests kept until every sink has their record
+#: When this telemetry process started (Unix seconds): its counters start from 0 then (a restart is visible).
+METRIC_START_TIME = "llmtap.telemetry.start_time"
 METRIC_EXPORTS_FAILED = "llmtap.telemetry.exports.failed"  # metric exports the collector did not take
 METRIC_LABELS_EVICTED = "llmtap.telemetry.labels.evicted"  # label values that lost their slot, by attribute
 METRIC_MALFORMED = "llmtap.stream.malformed_events"

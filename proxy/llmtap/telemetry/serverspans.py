@@ -77,8 +77,9 @@ MAX_RECENT = 8192
 #: Requests in a row without a span after which an upstream is no longer waited for.
 PROBE = 4
 #: How each span (or each request, for ``missing``) ended up: joined in time; came after its request
-#: was recorded; joined nothing llmtap sent; a request whose span never came within the wait.
-OUTCOMES = ("matched", "late", "unmatched", "missing")
+#: was recorded; joined nothing llmtap sent; a request whose span never came within the wait; a further span
+#: for a request that already has one (a retry of the server's export, or a forgery), which is never joined.
+OUTCOMES = ("matched", "late", "unmatched", "missing", "duplicate")
 #: Why the receiver refused a body: unreadable (400), too large as sent or once inflated (413), not
 #: protobuf or gzip (415), no or a wrong token, or marked as
 #: passed on by another replica without the replicas' token (401), from beyond loopback with no token configured (403).
@@ -244,6 +245,8 @@ class Join(Generic[T]):
     _held: OrderedDict[str, _Held[T]] = field(default_factory=OrderedDict)
     _early: OrderedDict[str, tuple[ServerSpan, float]] = field(default_factory=OrderedDict)
     _recent: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    #: Requests a span already joined (matched, or late): a further span of one is a duplicate.
+    _joined: OrderedDict[str, None] = field(default_factory=OrderedDict)
     _upstreams: dict[str, _Tracing] = field(default_factory=dict)
 
     def traced(self, upstream: str) -> bool:
@@ -261,11 +264,21 @@ class Join(Generic[T]):
         return compatible and (state is None or state.misses < PROBE)
 
     def early(self, span_id: str, now: float) -> ServerSpan | None:
-        """The span of request ``span_id`` when it came before the request finished (taken out)."""
+        """The span of request ``span_id`` when it came before the request finished (taken out, and the request
+        counted as joined); one kept past the wait joined nothing (``unmatched``)."""
         found = self._early.pop(span_id, None)
-        if found is None or now - found[1] > self.wait:
+        if found is None:
             return None
+        if now - found[1] > self.wait:
+            self.count("unmatched", 1)
+            return None
+        self._join(span_id)
         return found[0]
+
+    def _join(self, span_id: str) -> None:
+        self._joined[span_id] = None
+        while len(self._joined) > MAX_RECENT:
+            self._joined.popitem(last=False)
 
     def hold(self, span_id: str, upstream: str, item: T, now: float) -> list[T]:
         """Let a finished request wait; returns the requests pushed out past ``MAX_HELD`` (record them now)."""
@@ -287,20 +300,27 @@ class Join(Generic[T]):
     def spans(self, spans: list[ServerSpan], now: float) -> list[tuple[T, ServerSpan]]:
         """Join spans that came: the waiting requests they complete, with their span, to record now."""
         matched: list[tuple[T, ServerSpan]] = []
-        unmatched = late = 0
+        unmatched = late = duplicate = 0
         for span in spans:
-            held = self._held.pop(span.parent_span_id, None)
+            parent = span.parent_span_id
+            held = self._held.pop(parent, None)
             if held is not None:
                 self._hit(held.upstream)
+                self._join(parent)
                 matched.append((held.item, span))
                 continue
-            upstream = self._recent.pop(span.parent_span_id, None)
+            upstream = self._recent.pop(parent, None)
             if upstream is not None:
                 late += 1
                 self._hit(upstream)  # it traces: wait for its next requests
+                self._join(parent)
+                continue
+            if parent in self._joined or parent in self._early:
+                # A request has one server span: the first one stands, and this one is counted, never joined.
+                duplicate += 1
                 continue
             # Its request may not have finished yet (the telemetry queue is behind): kept for a while.
-            self._early[span.parent_span_id] = (span, now)
+            self._early[parent] = (span, now)
             while len(self._early) > MAX_EARLY:
                 self._early.popitem(last=False)
                 unmatched += 1
@@ -310,6 +330,8 @@ class Join(Generic[T]):
             self.count("late", late)
         if unmatched:
             self.count("unmatched", unmatched)
+        if duplicate:
+            self.count("duplicate", duplicate)
         return matched
 
     def _hit(self, upstream: str) -> None:

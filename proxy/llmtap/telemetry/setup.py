@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -314,6 +315,14 @@ def build(t: TelemetrySettings, env: Mapping[str, str] | None = None) -> Provide
     if shared and prometheus is not None and metric_exporter is not None:
         prometheus.feed(metric_exporter, t.metric_export_interval_ms)
     meter = meter_provider.get_meter("llmtap", __version__, schema_url=sc.schema_url(t.semconv_latest))
+    started = time.time()
+    meter.create_observable_gauge(
+        sc.METRIC_START_TIME,
+        callbacks=[lambda options: [Observation(started)]],
+        unit="s",
+        description="When this telemetry process started (Unix time): its counters count from 0 since then, so a "
+        "restart shows here and Prometheus's increase() and rate() read the reset as one.",
+    )
     if gate is not None:
         meter.create_observable_counter(
             sc.METRIC_SPANS_DROPPED,

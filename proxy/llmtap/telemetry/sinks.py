@@ -12,12 +12,17 @@ from typing import Any, Protocol
 
 from llmtap.config.types import Settings
 from llmtap.telemetry.identity import Identity
+from llmtap.worker import Progress
 
 __all__ = ["Sink", "build_sinks", "drop_reasons"]
 
 
 class Sink(Protocol):
-    """A place records go."""
+    """A place records go: ``kind`` names it to the record journal (``llmtap.telemetry.spool``), and ``progress``
+    says which of the records given are settled (sent, or dropped and counted)."""
+
+    kind: str
+    progress: Progress
 
     def write(self, record: dict[str, Any]) -> None:
         """Take one record; never raises."""
@@ -52,11 +57,13 @@ def build_sinks(
     *,
     logger_provider: Any = None,
     on_insert: Callable[[str, int], None] | None = None,
+    keep_unsent: bool = False,
 ) -> list[Sink]:
     """The record sinks the settings ask for (none: records are not made at all).
 
     ``logger_provider``: the SDK ``LoggerProvider`` log records go through (by default one of their own);
-    ``on_insert``: counts each batch the ClickHouse sink sends, by outcome."""
+    ``on_insert``: counts each batch the ClickHouse sink sends, by outcome; ``keep_unsent``: the record journal
+    keeps what a sink could not send by shutdown (not counted lost there)."""
     rec = settings.record
     sinks: list[Sink] = []
     if rec.path:
@@ -91,5 +98,7 @@ def build_sinks(
         from llmtap.store.clickhouse import clickhouse_sink
         from llmtap.telemetry import sched
 
-        sinks.append(clickhouse_sink(rec.clickhouse, on_drop, on_insert, on_thread=sched.idle_here))
+        sinks.append(
+            clickhouse_sink(rec.clickhouse, on_drop, on_insert, on_thread=sched.idle_here, keep_unsent=keep_unsent)
+        )
     return sinks

@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple, TypeAlias
 
 __all__ = [
+    "BESIDE",
+    "BODY_AT",
     "CLIENT_TIMEOUT_KINDS",
     "CONNECTION_REFUSAL_REASONS",
     "END",
@@ -33,6 +35,7 @@ __all__ = [
     "Stats",
     "Tail",
     "WireError",
+    "body_beside",
     "data_size",
     "decode",
     "decode_end",
@@ -44,6 +47,8 @@ __all__ = [
     "encode_facts",
     "encode_segment",
     "encode_stats",
+    "lift_body",
+    "place_body",
     "ready_of",
     "without_bytes",
 ]
@@ -140,12 +145,16 @@ class Segment(NamedTuple):
 
 
 class End(NamedTuple):
-    """A stream's last message: the head unless a segment carried it, the last reads, the tail."""
+    """A stream's last message: the head unless a segment carried it, the last reads, the tail; and which relay
+    handed it over (a random id, ``llmtap.wire.ledger.new_relay_id``) as its ``seq``-th end to this telemetry
+    process: the record journal counts the ends that never reached it by the gaps (``llmtap.telemetry.spool``)."""
 
     key: int
     head: Head | None
     reads: Reads
     tail: Tail
+    relay: int = 0
+    seq: int = 0
 
 
 class Stats(NamedTuple):
@@ -187,7 +196,7 @@ def encode_segment(m: Segment) -> Raw:
 
 def encode_end(m: End) -> Raw:
     """An end as it crosses."""
-    return (END, m.key, None if m.head is None else tuple(m.head), tuple(m.reads), tuple(m.tail))
+    return (END, m.key, None if m.head is None else tuple(m.head), tuple(m.reads), tuple(m.tail), m.relay, m.seq)
 
 
 def encode_stats(m: Stats) -> Raw:
@@ -223,6 +232,39 @@ def without_bytes(raw: Raw) -> Raw | None:
     return (*raw[:3], (times, delivered, sizes, b""), *raw[4:])
 
 
+#: Where the request body sits in an encoded ``Head``; ``BESIDE`` there says it travels beside its message, in a
+#: frame of its own (``llmtap.wire.framing``): a body of megabytes is then never copied into the message's frame.
+BODY_AT = Head._fields.index("body")
+BESIDE = ...
+
+
+def lift_body(raw: Raw, least: int) -> tuple[Raw, bytes | tuple[bytes, ...] | None]:
+    """An encoded segment or end whose head carries a body past ``least`` bytes, or in pieces (the relay keeps a
+    large body as the pieces it came in): the message with ``BESIDE`` in the body's place, and the body; any other
+    message as it is, and None."""
+    kind = raw[0]
+    head = raw[2] if kind == SEGMENT or kind == END else None
+    if head is None:
+        return raw, None
+    body = head[BODY_AT]
+    if type(body) is not tuple and len(body) <= least:
+        return raw, None
+    return (*raw[:2], (*head[:BODY_AT], BESIDE, *head[BODY_AT + 1 :]), *raw[3:]), body
+
+
+def body_beside(raw: Raw) -> bool:
+    """Whether an encoded message's body travels beside it (``lift_body``)."""
+    kind = raw[0]
+    head = raw[2] if (kind == SEGMENT or kind == END) and len(raw) > 2 else None
+    return type(head) is tuple and len(head) > BODY_AT and head[BODY_AT] is BESIDE
+
+
+def place_body(raw: Raw, body: bytes) -> Raw:
+    """The message ``lift_body`` took ``body`` from, whole again."""
+    head = raw[2]
+    return (*raw[:2], (*head[:BODY_AT], body, *head[BODY_AT + 1 :]), *raw[3:])
+
+
 def data_size(raw: Raw) -> int:
     """The response bytes an encoded message carries (0 for a report)."""
     kind = raw[0]
@@ -255,6 +297,8 @@ def _head(raw: Any) -> Head | None:
         return None
     if type(raw) is not tuple or len(raw) != _HEAD:
         raise _mismatch(raw, _HEAD, "message head")
+    if type(raw[BODY_AT]) is tuple:  # a body in pieces, handed over in this process: joined here, off the relay
+        raw = (*raw[:BODY_AT], b"".join(raw[BODY_AT]), *raw[BODY_AT + 1 :])
     return _new(Head, raw)
 
 
@@ -278,7 +322,7 @@ def decode_end(raw: Raw) -> End:
     tail = raw[4]
     if type(tail) is not tuple or len(tail) != _TAIL:
         raise _mismatch(tail, _TAIL, "message tail")
-    return _new(End, (raw[1], _head(raw[2]), _reads(raw[3]), _new(Tail, tail)))
+    return _new(End, (raw[1], _head(raw[2]), _reads(raw[3]), _new(Tail, tail), raw[5], raw[6]))
 
 
 def decode_stats(raw: Raw) -> Stats:

@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import cast
 
-from llmtap.wire.framing import encode_frame
+from llmtap.wire.framing import encode_frames
 from llmtap.wire.messages import Raw, WireError
 
 __all__ = ["CLOSE_WAIT", "CONNECT_WAIT", "GATHER_BYTES", "RECONNECT_EVERY", "SOCKET_BUFFER_LIMIT", "SocketChannel"]
@@ -60,6 +61,9 @@ class SocketChannel(asyncio.Protocol):
         self._transport: asyncio.WriteTransport | None = None
         self._pending: list[bytes] = []
         self._pending_bytes = 0
+        self._pending_messages = 0
+        #: A frame past ``GATHER_BYTES`` waits: the next write leaves the frames as they are, not joined.
+        self._large = False
         #: The write to come (a handle of the event loop), and whether it is a gather's (later than this turn).
         self._flush_due: asyncio.Handle | None = None
         self._gathering = False
@@ -67,6 +71,9 @@ class SocketChannel(asyncio.Protocol):
         self._connector: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self._lost = asyncio.Event()
+        #: Called each time the connection is made (again): a telemetry process started anew knows nothing of what
+        #: the relay reported to the one before (its counts are absolute: the relay sends them again).
+        self.on_connected: Callable[[], None] | None = None
 
     async def start(self) -> None:
         """Connect (retrying for up to ``CONNECT_WAIT`` seconds) and keep the connection up from then on."""
@@ -100,6 +107,8 @@ class SocketChannel(asyncio.Protocol):
         self._transport = cast(asyncio.WriteTransport, transport)
         self._lost.clear()
         self._connected.set()
+        if self.on_connected is not None:
+            self.on_connected()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The telemetry process went away: drop until it is back."""
@@ -121,18 +130,21 @@ class SocketChannel(asyncio.Protocol):
         """
         transport = self._transport
         try:
-            prefix, data = encode_frame(message)
+            parts = encode_frames(message)
         except WireError:
             log.exception("telemetry: a tape could not be encoded")
             self.dropped += 1
             return False
+        size = sum(map(len, parts))
         limit = self.limit + (self.limit >> 2 if reserve else 0)
-        if transport is None or transport.get_write_buffer_size() + self._pending_bytes + len(data) > limit:
+        if transport is None or transport.get_write_buffer_size() + self._pending_bytes + size > limit:
             self.dropped += 1
             return False
-        self._pending.append(prefix)
-        self._pending.append(data)
-        self._pending_bytes += len(data) + 4
+        self._pending.extend(parts)
+        self._pending_bytes += size
+        self._pending_messages += 1
+        if size > GATHER_BYTES:
+            self._large = True
         due = self._flush_due
         if due is None or self._gathering:
             soon = at_once or not self.gather or self._pending_bytes >= GATHER_BYTES
@@ -150,11 +162,17 @@ class SocketChannel(asyncio.Protocol):
             self._flush_due = None
             self._gathering = False
         pending, self._pending, self._pending_bytes = self._pending, [], 0
+        large, self._large = self._large, False
+        messages, self._pending_messages = self._pending_messages, 0
         transport = self._transport
         if transport is None or not pending:
-            self.dropped += len(pending) // 2
+            self.dropped += messages
             return
-        transport.write(b"".join(pending))
+        if large:
+            # A frame of megabytes (a request body the tape carries) is not copied into one buffer with the rest.
+            transport.writelines(pending)
+        else:
+            transport.write(b"".join(pending))
 
     async def aclose(self) -> None:
         """Write what waits (for up to ``CLOSE_WAIT`` seconds) and close."""

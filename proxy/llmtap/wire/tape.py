@@ -8,7 +8,10 @@ OpenTelemetry, no tokenizer: appending a read costs three array appends and a ``
 
 A tape's memory is bounded whatever the response's length: once the reads it holds pass ``SEGMENT_BYTES``
 they leave as a segment through the channel and the tape starts again empty, so an open stream holds at
-most about that many bytes of response in the relay (issue 14: 64 KiB resident per stream).
+most about that many bytes of response in the relay (issue 14: 64 KiB resident per stream). A segment the
+channel cannot take, even without its bytes, becomes a hole (``punch``): its reads' bytes and the last one's
+arrival, sent as a read without bytes ahead of the stream's next message (``hole_message``), or in front of its
+last reads at the end; the telemetry side plays it as a gap, and the stream's record survives, partial (issue 44).
 
 What leaves is a ``Segment`` or an ``End`` message (``llmtap.wire.messages``), in its encoded form. The tape
 builds that form itself, field by field in the order its named form declares (``Head``, ``Reads``, ``Tail``),
@@ -81,10 +84,11 @@ class Tape:
         "error_type",
         "head_sent",
         "headers_at",
+        "hole_at",
+        "hole_size",
         "inner_path",
         "key",
         "key_fingerprint",
-        "lost",
         "method",
         "parent",
         "path",
@@ -137,7 +141,8 @@ class Tape:
         self.trace_id = 0
         self.span_id = 0
         self.sampled = True
-        self.body = b""
+        #: The request body up to the inspect limit: its bytes, or (a large one) the pieces it came in.
+        self.body: bytes | tuple[bytes, ...] = b""
         self.body_complete = True
         self.strip_usage = False
         self.body_read: float | None = None
@@ -163,8 +168,9 @@ class Tape:
         #: Segments handed over so far, and whether the head went with the first one.
         self.segments = 0
         self.head_sent = False
-        #: A message of this tape was dropped: the rest of it is not sent, and it counts as dropped.
-        self.lost = False
+        #: Response bytes of segments the channel could not take (``punch``), and when the last of their reads came.
+        self.hole_size = 0
+        self.hole_at = 0.0
 
     # -- the hot path -------------------------------------------------------------------------
 
@@ -245,9 +251,47 @@ class Tape:
         self.segments += 1
         return (SEGMENT, self.key, head, self.take_reads())
 
-    def end_message(self) -> Raw:
+    def end_message(self, relay: int = 0, seq: int = 0) -> Raw:
         """The last message of a stream: the head unless a segment carried it, the last reads, the tail (an ``End``,
-        encoded)."""
+        encoded), as relay ``relay``'s ``seq``-th end to its telemetry process. A hole still here leads the last reads,
+        which then go without their bytes."""
         head = None if self.head_sent else self.head()
         self.head_sent = True
-        return (END, self.key, head, self.take_reads(), self.tail())
+        reads = self.take_reads()
+        if self.hole_size:
+            hole = self._hole_reads()
+            reads = (hole[0] + reads[0], hole[1] + reads[1], hole[2] + reads[2], b"")
+        return (END, self.key, head, reads, self.tail(), relay, seq)
+
+    # -- what the channel could not take ------------------------------------------------------
+
+    def punch(self, message: Raw) -> None:
+        """The channel could not take this segment of the tape: its reads join the hole, and the head it carried
+        goes with the next message instead."""
+        self.segments -= 1
+        if message[2] is not None:
+            self.head_sent = False
+        times, sizes = array("d"), array("l")
+        times.frombytes(message[3][0])
+        sizes.frombytes(message[3][2])
+        self.hole_size += sum(sizes)
+        if times:
+            self.hole_at = times[-1]
+
+    def hole_message(self) -> Raw:
+        """The hole as a segment of one read without its bytes (with the head, if none went yet); the tape changes
+        only once it was sent (``hole_sent``)."""
+        return (SEGMENT, self.key, None if self.head_sent else self.head(), (*self._hole_reads(), b""))
+
+    def hole_sent(self) -> None:
+        """The hole went (``hole_message``): the tape goes on without it."""
+        self.head_sent = True
+        self.segments += 1
+        self.hole_size = 0
+
+    def _hole_reads(self) -> tuple[bytes, bytes, bytes]:
+        return (
+            array("d", (self.hole_at,)).tobytes(),
+            array("d", (float("nan"),)).tobytes(),
+            array("l", (self.hole_size,)).tobytes(),
+        )
