@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from array import array
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from llmtap.config.types import ConfigError
@@ -60,6 +61,8 @@ _READ = (
     "tokens_cache_read cache_class objective_shape objective_percentile objective_ttft objective_tpot objective_e2e "
     "cost_amount trace_id span_id instance_id"
 ).split()
+#: Seconds one query of the source may take.
+READ_TIMEOUT = 600.0
 #: A row of a record schema version this llmtap reads.
 _KNOWN = "schema IN (1, 2)"
 #: A row with both ids, neither empty nor all zeros (W3C's invalid id): what is counted once.
@@ -199,7 +202,10 @@ class ClickHouseSource:
     """
 
     def __init__(self, server: Server, table: str) -> None:
-        self.server = server
+        # An answer over a week of a fleet's records takes longer than an insert may (the sink's timeout).
+        self.server = (
+            replace(server, timeout=max(server.timeout, READ_TIMEOUT)) if isinstance(server, Server) else server
+        )
         self.table = table_name(table)
         #: The table's census, taken once: its records, copies and rows of other schema versions.
         self._census: tuple[int, int, int] | None = None

@@ -279,7 +279,7 @@ class EngineSource:
             copy = Path(self._dir) / f"copy-{len(self._settled)}.jsonl"
             with copy.open("wb") as out:
                 for line in file_lines(file, counted):
-                    if b"\r" in line or b"\x01" in line:  # what read_csv cannot take: settled as Python reads it
+                    if b"\r" in line or b"\x01" in line:  # what read_csv may split: settled as Python reads it
                         obj = settle(line, counted, name)
                         if obj is None:
                             continue

@@ -1,7 +1,7 @@
 """The embedded engine's SQL: how DuckDB reads record files into the flat columns, and groups them.
 
-A JSON-lines file is read as raw lines (``read_csv`` with a delimiter no line holds), each validated and its
-fields extracted by path with an explicit type check (a wrong-typed value reads as null, as in
+A JSON-lines file is read as raw lines (``read_csv`` with a delimiter no line holds, ``DELIMITER``), each
+validated and its fields extracted by path with an explicit type check (a wrong-typed value reads as null, as in
 ``llmtap.store.python``); a line that is not a record keeps its kind (``truncated``, ``foreign``,
 ``other_schema``) for the counts, and what ``read_csv`` refuses (not UTF-8, too long, a stray delimiter) is kept
 in its rejects table (``store_rejects``). A Parquet file is read by its columns: the record's nested structure,
@@ -20,9 +20,14 @@ from llmtap.store import COLUMNS, SLOWEST
 from llmtap.store.files import SCHEMA_KEY
 from llmtap.store.skips import MAX_LINE
 
-__all__ = ["LISTS", "MACROS", "grouping", "json_ids", "json_read", "locate", "parquet_read", "q"]
+__all__ = ["DELIMITER", "LISTS", "MACROS", "grouping", "json_ids", "json_read", "locate", "parquet_read", "q"]
 
 _SCHEMA_PREFIX = '{"' + SCHEMA_KEY + '":'
+#: What ``read_csv`` splits a line's fields at: four control characters, which a record never holds (JSON
+#: escapes them) and damage all but never makes. Not one: ``read_csv`` drops a delimiter that ends a line, and a
+#: line of a stray byte and nothing else would read differently than Python reads it. The one difference left:
+#: ``read_csv`` ends a line at a carriage return that follows the first of these bytes (Python reads on).
+DELIMITER = "\x01\x02\x03\x04"
 #: The JSON paths extracted from a line, in order; their index in SQL is one more.
 _PATHS = (
     "$.llmtap_record",
@@ -149,7 +154,7 @@ def _lines(files: list[Path], positions: bool) -> str:
     SELECT line, fi{", pos" if positions else ""}
     FROM (
       SELECT line, file_index AS fi{pos}
-      FROM read_csv({_listed(files)}, columns = {{'line': 'VARCHAR'}}, delim = '\x01', quote = '', escape = '',
+      FROM read_csv({_listed(files)}, columns = {{'line': 'VARCHAR'}}, delim = {q(DELIMITER)}, quote = '', escape = '',
                     header = false, auto_detect = false, ignore_errors = true, store_rejects = true,
                     max_line_size = {MAX_LINE}, filename = false)
     )
