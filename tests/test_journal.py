@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -31,6 +32,7 @@ from llmtap.telemetry.journal import (
     segment_name,
     take_slot,
 )
+from llmtap.telemetry.losses import STATE_FILE, Losses
 from llmtap.telemetry.recorder import Recorder
 from llmtap.telemetry.sequences import Sequences
 from llmtap.telemetry.spool import Spool, open_spool
@@ -340,6 +342,68 @@ def test_a_gap_in_a_relays_numbers_is_counted_in_transit(tmp_path: Path) -> None
     assert again.resolve() == (2, 0)
     again.seen(9, 3)  # a relay no run here heard of: nothing to count it against
     assert lost == {"in_transit": 2}
+
+
+class Killed(BaseException):
+    """The telemetry process SIGKILLed: nothing after this runs."""
+
+
+class NoCounter:
+    def add(self, n: int, attributes: Any = None) -> None:
+        pass
+
+
+def _start(slot: Path, run: int) -> tuple[Sequences, Losses]:
+    """A telemetry process starting on ``slot``, as the recorder does: the counters go on from the last run's, and
+    what the last run counted in ``sequences.json`` and was killed before the counters had is added to them."""
+    losses = Losses({"tapes": NoCounter()}, "reason")  # type: ignore[dict-item]
+    seqs = Sequences(slot / "sequences.json", 0, run, lambda r, n: losses.add("tapes", r, n, sync=True, mark=r))
+    losses.keep(slot / STATE_FILE)
+    for reason, n in seqs.unmarked(losses.marks).items():
+        losses.add("tapes", reason, n, sync=True, mark=reason)
+    return seqs, losses
+
+
+@pytest.mark.parametrize("kill_after", [0, 1, 2, 3, None])
+def test_a_gap_is_counted_once_whichever_write_a_kill_comes_between(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill_after: int | None
+) -> None:
+    # The sequences state and the loss counters are two files: a kill after one is written and before the other must
+    # neither have the next start count the gap again nor have it forget the count.
+    slot = tmp_path / "journal" / "slot-0"
+    slot.mkdir(parents=True)
+    seqs, losses = _start(slot, 1)
+    for seq in (1, 2, 3):
+        seqs.seen(7, seq)
+    seqs.resolve()
+    seqs.save()
+    # Run 2: relay 7 goes on from 10 (4 to 9 lost with run 1), and run 2 is killed while it counts them.
+    seqs, losses = _start(slot, 2)
+    seqs.seen(7, 10)
+    replaced = [0]
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        if replaced[0] == kill_after:
+            raise Killed
+        replaced[0] += 1
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with contextlib.suppress(Killed):
+        seqs.resolve()
+    monkeypatch.setattr(os, "replace", real_replace)
+    # Run 3: the replay reads run 2's end from its segment; relay 7 goes on from 11.
+    seqs, losses = _start(slot, 3)
+    seqs.seen_old(2, 7, 10)
+    seqs.seen(7, 11)
+    seqs.resolve()
+    assert losses.totals.get(("tapes", "in_transit"), 0) == 6
+    # And a fourth start counts nothing more.
+    seqs, losses = _start(slot, 4)
+    seqs.seen(7, 12)
+    seqs.resolve()
+    assert losses.totals.get(("tapes", "in_transit"), 0) == 6
 
 
 def test_runs_killed_before_they_counted_are_counted_once_by_the_next(tmp_path: Path) -> None:

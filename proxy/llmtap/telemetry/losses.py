@@ -71,6 +71,9 @@ class Losses:
         self._unsaid: dict[Key, int] = {}
         self._said_at: dict[Key, float] = {}
         self._relays: dict[int, int] = {}
+        #: Per mark, how much of the totals came through ``add`` with that mark, since the first start: what another
+        #: file's own count of the same losses is compared with at start (``llmtap.telemetry.sequences``).
+        self.marks: dict[str, int] = {}
         #: Counts read from elsewhere (the span exporter's gate): by kind, a function giving totals by reason.
         self._watched: dict[str, Callable[[], dict[str, int]]] = {}
         self._seen: dict[Key, int] = {}
@@ -83,11 +86,14 @@ class Losses:
 
     # -- counting ---------------------------------------------------------------------------------------------------
 
-    def add(self, kind: str, reason: str, n: int, *, sync: bool = False) -> None:
+    def add(self, kind: str, reason: str, n: int, *, sync: bool = False, mark: str | None = None) -> None:
         """Count ``n`` of ``kind`` lost (or recovered) for ``reason``; ``sync``: the file is written before this
-        returns (what the caller acknowledges next must not be counted again, or forgotten, after a kill)."""
+        returns (what the caller acknowledges next must not be counted again, or forgotten, after a kill); ``mark``:
+        ``n`` is added to that mark too, in the same write of the file."""
         with self._lock:
             self._count(kind, reason, n)
+            if mark is not None and n:
+                self.marks[mark] = self.marks.get(mark, 0) + n
             if sync and n:
                 self._save_locked()
 
@@ -135,6 +141,8 @@ class Losses:
                         self._seed(str(kind), str(reason), int(n))
                 for relay, total in data.get("relays", {}).items():
                     self._relays[int(relay)] = int(total)
+                for mark, n in data.get("marks", {}).items():
+                    self.marks[str(mark)] = int(n)
                 unsaid = [
                     f"{int(n)} {NOUNS.get(str(kind), str(kind))} lost ({reason})"
                     for kind, reasons in data.get("unsaid", {}).items()
@@ -177,7 +185,12 @@ class Losses:
         for (kind, reason), n in self._unsaid.items():
             if n and kind in self._counters:
                 unsaid.setdefault(kind, {})[reason] = n
-        data = {"counts": counts, "relays": {str(k): v for k, v in self._relays.items()}, "unsaid": unsaid}
+        data = {
+            "counts": counts,
+            "relays": {str(k): v for k, v in self._relays.items()},
+            "unsaid": unsaid,
+            "marks": dict(self.marks),
+        }
         aside = self._path.with_name(self._path.name + ".new")
         try:
             aside.write_text(json.dumps(data), encoding="utf-8")

@@ -244,6 +244,10 @@ class Recorder:
             return None
         # Before the last run's replay counts anything: the counters go on from the last run's totals.
         self.losses.keep(spool.slot.path / STATE_FILE)
+        # Ends the last run counted in sequences.json and was killed before the counters had them: counted now.
+        for reason, n in sorted(spool.sequences.unmarked(self.losses.marks).items()):
+            log.warning("record journal: %d tapes lost (%s) counted by the last run, added to the counters", n, reason)
+            self.drops.journal(reason, n)
         for reason in JOURNAL_DROP_REASONS:
             self._count_record_drop(reason, 0)
         self._count_recovered(0)

@@ -62,8 +62,10 @@ class Drops:
         self._losses.add("tapes", reason, n)
 
     def journal(self, reason: str, n: int) -> None:
-        """Count ``n`` tapes the record journal found lost (it acknowledges them next: kept on disk first)."""
-        self._losses.add("tapes", reason, n, sync=True)
+        """Count ``n`` tapes the record journal found lost (it acknowledges them next: kept on disk first), marked by
+        ``reason``: the journal's ``sequences.json`` counted them first, and the next start adds what a kill between
+        the two writes left out of the counters (``llmtap.telemetry.sequences.Sequences.unmarked``)."""
+        self._losses.add("tapes", reason, n, sync=True, mark=reason)
 
     def relay(self, relay: int, total: int) -> None:
         """Relay ``relay`` dropped ``total`` tapes since it started (its channel full): count the rise."""
