@@ -16,7 +16,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +50,7 @@ from llmtap.telemetry.serverspans import (
 from llmtap.telemetry.siblings import FACT_DROP_REASONS, LIVE, SLOTS, SPANS, Siblings
 from llmtap.telemetry.sinks import Sink, build_sinks, drop_reasons
 from llmtap.telemetry.spans import SpanWriter
+from llmtap.telemetry.streams import Streams
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.messages import (
     END,
@@ -58,6 +58,7 @@ from llmtap.wire.messages import (
     SEGMENT,
     End,
     Facts,
+    Head,
     Raw,
     Stats,
     WireError,
@@ -75,8 +76,6 @@ _STOP = object()
 TRACE_CONTEXT_REASONS = ("traceparent_too_long", "tracestate_too_long")
 #: Why the admin listener refused or cut something (``llmtap.admin.refused``; the instrument says each).
 ADMIN_REASONS = ("connection_evicted", "connection_limit", "event_streams", "unauthorized", "forbidden")
-#: Streams being played back at once (their segments came, their end not yet); past it the oldest goes.
-MAX_OPEN_STREAMS = 4096
 #: Finished requests the worker holds at most before it emits them (``_emit_staged``): tens of milliseconds of work.
 STAGED = 64
 #: Response bytes waiting in the queue at most. Past it a message keeps its timing and loses its bytes (its
@@ -175,12 +174,10 @@ class Recorder:
         if self.peers is not None:
             for outcome in FORWARD_OUTCOMES[:3]:
                 self._count_routed(outcome, 0)
-        #: Streams whose segments came and whose end has not, by (source, key); only the worker touches it.
-        self._open: OrderedDict[tuple[int, int], Playback] = OrderedDict()
-        # Streams a message of which was dropped here: their end is counted as a dropped tape.
-        self._lost: set[tuple[int, int]] = set()
         #: Tapes lost, and the relays' gauges and readiness.
         self.drops = Drops(self.instruments)
+        #: Streams being played back, and those a message of which the full queue turned away; bounded.
+        self.streams = Streams(self.drops, self._playback)
         self.relays = RelayGauges(self.instruments, self.drops, self._busy)
         for outcome in OUTCOMES:
             self._count_join(outcome, 0)
@@ -259,8 +256,9 @@ class Recorder:
         except queue.Full:
             if message[0] == END:
                 self.drops.end()
+                self.streams.dropped((source, message[1]), end=True)
             elif message[0] == SEGMENT:
-                self._lost.add((source, message[1]))
+                self.streams.dropped((source, message[1]), end=False)
             elif message[0] == FACTS:
                 self.count_facts_dropped("queue_full", len(message[1]))
             return False
@@ -504,23 +502,8 @@ class Recorder:
         if isinstance(m, Facts):
             self._learn(m)
             return
-        key = (source, m.key)
-        playback = self._open.pop(key, None)
-        if playback is None and m.head is not None and key not in self._lost:
-            playback = Playback(m.head, self.settings, self._routes)
-            self._relayed(playback.tl.trace_id)
-        if playback is not None:
-            playback.feed(m.reads)
-        if not isinstance(m, End):  # a segment: the stream goes on
-            if playback is not None:
-                self._open[key] = playback
-                if len(self._open) > MAX_OPEN_STREAMS:
-                    _, oldest = self._open.popitem(last=False)
-                    self.drops.tape("evicted", oldest.tl.route)
-            return
-        if playback is None or key in self._lost:
-            self._lost.discard(key)
-            self.drops.tape("queue_full", playback.tl.route if playback is not None else None)
+        playback = self.streams.take((source, m.key), m)
+        if playback is None or not isinstance(m, End):  # a segment, or a stream that cannot be recorded
             return
         if playback.partial:
             self.drops.count("partial")
@@ -528,6 +511,12 @@ class Recorder:
         if tl.unread is not None:
             self.drops.count(tl.unread)
         self._record_counted(tl)
+
+    def _playback(self, head: Head) -> Playback:
+        """A stream's playback, from its first message's head."""
+        playback = Playback(head, self.settings, self._routes)
+        self._relayed(playback.tl.trace_id)
+        return playback
 
     def _record_counted(self, tl: Timeline) -> None:
         try:
