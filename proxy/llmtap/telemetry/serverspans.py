@@ -278,8 +278,11 @@ class Join(Generic[T]):
 
     def recorded(self, span_id: str | None, upstream: str) -> None:
         """A request was recorded without waiting: a span of it that comes later is late."""
-        if span_id is None:
-            return
+        if span_id is not None:
+            self._remember(span_id, upstream)
+
+    def _remember(self, span_id: str, upstream: str) -> None:
+        """Remember a recorded request, so that its span counts as late; the oldest go past ``MAX_RECENT``."""
         self._recent[span_id] = upstream
         while len(self._recent) > MAX_RECENT:
             self._recent.popitem(last=False)
@@ -321,7 +324,7 @@ class Join(Generic[T]):
         state.misses += 1
         if state.misses >= PROBE:
             state.traced = False
-        self._recent[key] = held.upstream
+        self._remember(key, held.upstream)
         self.count("missing", 1)
         return held.item
 
@@ -349,7 +352,7 @@ class Join(Generic[T]):
         """Every waiting request, now (flush, shutdown); none of them counts against its upstream."""
         out = [held.item for held in self._held.values()]
         for key, held in self._held.items():
-            self._recent[key] = held.upstream
+            self._remember(key, held.upstream)
         self._held.clear()
         return out
 
