@@ -131,7 +131,8 @@ def test_an_end_whose_stream_is_unknown_is_counted() -> None:
 
 def test_the_recorder_under_overload_keeps_no_stream_it_cannot_record() -> None:
     """The queue full: a stream's segment and its end turned away. Its loss is counted once, its playback let go
-    as soon as the worker goes on, and the requests around it are recorded."""
+    as soon as the worker goes on, and the requests around it are recorded. A stream of one message turned away
+    is counted, and leaves no entry."""
     recorder = Recorder(Settings(routes=ROUTES, telemetry=TelemetrySettings(queue_size=1)))
     entered, gate = threading.Event(), threading.Event()
 
@@ -147,6 +148,7 @@ def test_the_recorder_under_overload_keeps_no_stream_it_cannot_record() -> None:
         first, second, end = messages(1)
         assert recorder.submit(first)  # the queue's one place
         assert not recorder.submit(second) and not recorder.submit(end)
+        assert not recorder.submit(chat_tape(102, [SMALL])[1][-1])  # a stream of one message: nothing else waits
         gate.set()
         assert recorder.flush(PATIENCE)
         assert recorder.submit(chat_tape(101, [SMALL])[1][-1])
@@ -154,5 +156,5 @@ def test_the_recorder_under_overload_keeps_no_stream_it_cannot_record() -> None:
     finally:
         gate.set()
         recorder.close()
-    assert recorder.recorded == 2 and recorder.dropped == 1
+    assert recorder.recorded == 2 and recorder.dropped == 2
     assert recorder.streams.open == 0 and recorder.streams.gone == 1

@@ -256,7 +256,8 @@ class Recorder:
         except queue.Full:
             if message[0] == END:
                 self.drops.end()
-                self.streams.dropped((source, message[1]), end=True)
+                if message[2] is None:  # a segment carried its head: some of it may wait in the queue
+                    self.streams.dropped((source, message[1]), end=True)
             elif message[0] == SEGMENT:
                 self.streams.dropped((source, message[1]), end=False)
             elif message[0] == FACTS:

@@ -1,0 +1,181 @@
+"""The memory soak's probe: inside each llmtap process, how full every bounded structure is, once in a while.
+
+``python -m bench.soak --memory`` starts ``llmtap serve`` with ``bench/soak_site`` first on ``PYTHONPATH``: its
+``sitecustomize`` calls ``start`` in every Python process of the tree when ``SOAK_PROBE_DIR`` is set. A daemon
+thread waits until the process holds llmtap's recorder (the telemetry process) or relay app (the relay), found
+once through the garbage collector, then every ``SOAK_PROBE_EVERY`` seconds appends one JSON line of sizes to
+``probe-<pid>.jsonl``: entries of each cache, table and queue named in ``docs/memory.md``, and every
+``GC_EVERY`` seconds the objects the collector tracks. It reads private fields of llmtap and of the
+OpenTelemetry SDK (a measurement, not an interface): a size it cannot read is ``null``, and llmtap runs as it
+would without it (the thread only reads lengths, each one atomic under the GIL).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["start"]
+
+#: Seconds between full object counts (a walk of the heap: tens of milliseconds).
+GC_EVERY = 60.0
+
+
+def start() -> None:
+    """Start the probe thread, if ``SOAK_PROBE_DIR`` names a folder."""
+    folder = os.environ.get("SOAK_PROBE_DIR")
+    if folder:
+        every = float(os.environ.get("SOAK_PROBE_EVERY", "10"))
+        threading.Thread(target=_run, args=(folder, every), name="soak-probe", daemon=True).start()
+
+
+def _run(folder: str, every: float) -> None:
+    found: tuple[str, Callable[[], dict[str, Any]]] | None = None
+    while found is None:
+        time.sleep(1.0)
+        try:
+            found = _find()
+        except Exception:  # a module still being imported: look again
+            found = None
+    role, sizes = found
+    path = os.path.join(folder, f"probe-{os.getpid()}.jsonl")
+    counted = 0.0
+    with open(path, "a", encoding="utf-8") as out:
+        while True:
+            line: dict[str, Any] = {"t": time.monotonic(), "pid": os.getpid(), "role": role}
+            try:
+                line |= sizes()
+            except Exception as exc:  # a measurement that failed says so, and the next one tries again
+                line["error"] = repr(exc)
+            if time.monotonic() - counted >= GC_EVERY:
+                counted = time.monotonic()
+                line["gc_objects"] = len(gc.get_objects())
+            out.write(json.dumps(line) + "\n")
+            out.flush()
+            time.sleep(every)
+
+
+def _find() -> tuple[str, Callable[[], dict[str, Any]]] | None:
+    recorder_module = sys.modules.get("llmtap.telemetry.recorder")
+    if recorder_module is not None:
+        recorders = _instances(recorder_module.Recorder)
+        if recorders:
+            return "telemetry", _telemetry(recorders[0])
+    app_module = sys.modules.get("llmtap.relay.app")
+    if app_module is not None:
+        apps = _instances(app_module.ProxyApp)
+        if apps:
+            return "relay", _relay(apps[0])
+    return None
+
+
+def _instances(kind: type) -> list[Any]:
+    return [o for o in gc.get_objects() if isinstance(o, kind)]
+
+
+def _size(read: Callable[[], int]) -> int | None:
+    try:
+        return int(read())
+    except Exception:
+        return None
+
+
+def _sizes(table: dict[str, tuple[Callable[[], int], Callable[[], int] | None]]) -> dict[str, int | None]:
+    """Each name's size now, and its bound (``<name>_bound``) where it has one."""
+    out: dict[str, int | None] = {}
+    for name, (size, bound) in table.items():
+        out[name] = _size(size)
+        if bound is not None:
+            out[f"{name}_bound"] = _size(bound)
+    return out
+
+
+def _telemetry(rec: Any) -> Callable[[], dict[str, Any]]:
+    from llmtap.analysis import cost, estimator, tokens
+    from llmtap.telemetry import otlp_spans, peers, serverspans
+    from llmtap.telemetry.live.window import LiveWindow
+
+    # Both found again once in a while: the live view's window and the SDK's aggregations come after the recorder.
+    windows, matches = [_instances(LiveWindow)], [_sdk_matches()]
+    checked = [time.monotonic()]
+    join, est, streams, cache = rec.wait.join, rec.estimator, rec.streams, rec.cache
+    table: dict[str, tuple[Callable[[], int], Callable[[], int] | None]] = {
+        "queue": (rec._queue.qsize, lambda: rec._queue.maxsize),
+        "open_streams": (lambda: streams.open, lambda: streams._limit),
+        "gone_streams": (lambda: streams.gone, lambda: streams._gone_limit),
+        "prefix_index": (lambda: len(cache._index), lambda: cache._index._capacity),
+        "token_counts": (lambda: len(cache._counts._counts), lambda: cache._counts._capacity),
+        "short_token_counts": (
+            lambda: sum(len(v) for v in tokens._short.values()),
+            lambda: tokens.SHORT_KEPT * len(tokens._short),
+        ),
+        "join_held": (lambda: len(join._held), lambda: serverspans.MAX_HELD),
+        "join_early": (lambda: len(join._early), lambda: serverspans.MAX_EARLY),
+        "join_recent": (lambda: len(join._recent), lambda: serverspans.MAX_RECENT),
+        "trace_ids_known": (lambda: len(rec.owned._known), lambda: peers.MAX_KNOWN),
+        "spans_waiting": (lambda: rec.owned.waiting, lambda: peers.MAX_WAITING),
+        "estimator_envelopes": (lambda: est.models, lambda: estimator.MAX_MODELS),
+        "estimator_completions": (
+            lambda: sum(len(u.log._ends) + len(u.log._decoding) for u in est._upstreams.values()),
+            lambda: sum(2 * u.log.maxlen for u in est._upstreams.values()),
+        ),
+        "price_memo": (lambda: len(rec.prices._memo), lambda: cost.MEMO),
+        "otlp_keys": (lambda: len(otlp_spans._KEYS), lambda: otlp_spans._KEYS_KEPT),
+        "live_samples": (lambda: sum(w._kept for w in windows[0]), lambda: sum(w._budget for w in windows[0])),
+        "live_requests": (
+            lambda: sum(len(w._requests) for w in windows[0]),
+            lambda: sum(w._requests.maxlen or 0 for w in windows[0]),
+        ),
+        "live_series": (lambda: sum(len(w._series) for w in windows[0]), None),
+        "sdk_attribute_sets": (
+            lambda: sum(len(x._attributes_aggregation) for x in matches[0]),
+            lambda: sum(x._cardinality_limit + 1 for x in matches[0]),  # + the overflow series
+        ),
+    }
+    m = rec.metrics
+    guards = {"model": m._models, "version": m._versions, "error": m._errors}
+    guards |= {f"dimension_{name}": guard for name, guard in m._dimensions.items()}
+    for name, guard in guards.items():
+        table |= _guard(f"labels_{name}", guard)
+
+    def sizes() -> dict[str, Any]:
+        if time.monotonic() - checked[0] >= GC_EVERY:
+            windows[0], matches[0], checked[0] = _instances(LiveWindow), _sdk_matches(), time.monotonic()
+        return _sizes(table)
+
+    return sizes
+
+
+def _guard(name: str, g: Any) -> dict[str, tuple[Callable[[], int], Callable[[], int] | None]]:
+    """A label guard's members, candidates and values ever labelled (bounded by time, not by count)."""
+    return {
+        name: (lambda: len(g._members), lambda: g._slots),
+        f"{name}_candidates": (lambda: len(g._waiting), lambda: g._candidates),
+        f"{name}_ever": (lambda: len(g._ever), None),
+    }
+
+
+def _sdk_matches() -> list[Any]:
+    """The OpenTelemetry SDK's per-instrument aggregations: each holds one entry per attribute set."""
+    try:
+        from opentelemetry.sdk.metrics._internal._view_instrument_match import _ViewInstrumentMatch
+    except ImportError:
+        return []
+    return _instances(_ViewInstrumentMatch)
+
+
+def _relay(app: Any) -> Callable[[], dict[str, Any]]:
+    from llmtap.relay import app as relay_app
+
+    table: dict[str, tuple[Callable[[], int], Callable[[], int] | None]] = {
+        "inflight": (lambda: app.inflight, None),
+        "targets": (lambda: len(app._targets), lambda: relay_app._TARGETS),
+        "tapes_dropped": (lambda: app.tapes_dropped, None),
+    }
+    return lambda: _sizes(table)
