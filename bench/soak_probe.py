@@ -3,11 +3,12 @@
 ``python -m bench.soak --memory`` starts ``llmtap serve`` with ``bench/soak_site`` first on ``PYTHONPATH``: its
 ``sitecustomize`` calls ``start`` in every Python process of the tree when ``SOAK_PROBE_DIR`` is set. A daemon
 thread waits until the process holds llmtap's recorder (the telemetry process) or relay app (the relay), found
-once through the garbage collector, then every ``SOAK_PROBE_EVERY`` seconds appends one JSON line of sizes to
+once from the running tasks, then every ``SOAK_PROBE_EVERY`` seconds appends one JSON line of sizes to
 ``probe-<pid>.jsonl``: entries of each cache, table and queue named in ``docs/memory.md``, and every
-``GC_EVERY`` seconds the objects the collector tracks. It reads private fields of llmtap and of the
-OpenTelemetry SDK (a measurement, not an interface): a size it cannot read is ``null``, and llmtap runs as it
-would without it (the thread only reads lengths, each one atomic under the GIL).
+``GC_EVERY`` seconds the objects the collector tracks (those made after start-up: llmtap freezes the rest). It
+reads private fields of llmtap and of the OpenTelemetry SDK (a measurement, not an interface): a size it cannot
+read is ``null``, and llmtap runs as it would without it (the thread only reads lengths, each atomic under the
+GIL).
 """
 
 from __future__ import annotations
@@ -64,19 +65,56 @@ def _run(folder: str, every: float) -> None:
 def _find() -> tuple[str, Callable[[], dict[str, Any]]] | None:
     recorder_module = sys.modules.get("llmtap.telemetry.recorder")
     if recorder_module is not None:
-        recorders = _instances(recorder_module.Recorder)
-        if recorders:
-            return "telemetry", _telemetry(recorders[0])
+        recorder = _held(recorder_module.Recorder)
+        if recorder is not None:
+            return "telemetry", _telemetry(recorder)
     app_module = sys.modules.get("llmtap.relay.app")
     if app_module is not None:
-        apps = _instances(app_module.ProxyApp)
-        if apps:
-            return "relay", _relay(apps[0])
+        app = _held(app_module.ProxyApp)
+        if app is not None:
+            return "relay", _relay(app)
     return None
 
 
-def _instances(kind: type) -> list[Any]:
-    return [o for o in gc.get_objects() if isinstance(o, kind)]
+def _held(kind: type) -> Any:
+    """An instance of ``kind`` the process's running tasks hold (their locals, and what those hold, three deep).
+
+    Not through ``gc.get_objects()``: llmtap freezes what it made at start-up (``gc.freeze``), and frozen objects
+    are not listed."""
+    import asyncio.tasks
+
+    tasks = list(asyncio.tasks._all_tasks)  # type: ignore[attr-defined]
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = []
+    for task in tasks:
+        coro = task.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+            if frame is not None:
+                todo += [(value, 0) for value in frame.f_locals.values()]
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    while todo:  # breadth first: what is seen is seen at its least depth
+        obj, depth = todo.pop(0)
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, kind):
+            return obj
+        if depth < 3 and not isinstance(obj, type):
+            todo += [(value, depth + 1) for value in _parts(obj)]
+    return None
+
+
+def _parts(obj: Any) -> list[Any]:
+    """What ``obj`` holds: its attributes (``__dict__`` or slots), or a short sequence's items."""
+    if isinstance(obj, (tuple, list)):
+        return list(obj[:64])
+    out = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+    for cls in type(obj).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if hasattr(obj, name):
+                out.append(getattr(obj, name))
+    return out
 
 
 def _size(read: Callable[[], int]) -> int | None:
@@ -102,7 +140,7 @@ def _telemetry(rec: Any) -> Callable[[], dict[str, Any]]:
     from llmtap.telemetry.live.window import LiveWindow
 
     # Both found again once in a while: the live view's window and the SDK's aggregations come after the recorder.
-    windows, matches = [_instances(LiveWindow)], [_sdk_matches()]
+    windows, matches = [_windows(rec, LiveWindow)], [_sdk_matches(rec)]
     checked = [time.monotonic()]
     join, est, streams, cache = rec.wait.join, rec.estimator, rec.streams, rec.cache
     table: dict[str, tuple[Callable[[], int], Callable[[], int] | None]] = {
@@ -146,7 +184,7 @@ def _telemetry(rec: Any) -> Callable[[], dict[str, Any]]:
 
     def sizes() -> dict[str, Any]:
         if time.monotonic() - checked[0] >= GC_EVERY:
-            windows[0], matches[0], checked[0] = _instances(LiveWindow), _sdk_matches(), time.monotonic()
+            windows[0], matches[0], checked[0] = _windows(rec, LiveWindow), _sdk_matches(rec), time.monotonic()
         return _sizes(table)
 
     return sizes
@@ -161,13 +199,25 @@ def _guard(name: str, g: Any) -> dict[str, tuple[Callable[[], int], Callable[[],
     }
 
 
-def _sdk_matches() -> list[Any]:
-    """The OpenTelemetry SDK's per-instrument aggregations: each holds one entry per attribute set."""
-    try:
-        from opentelemetry.sdk.metrics._internal._view_instrument_match import _ViewInstrumentMatch
-    except ImportError:
+def _windows(rec: Any, kind: type) -> list[Any]:
+    """The live view's windows: recorder listeners."""
+    return [listener for listener in rec.listeners if isinstance(listener, kind)]
+
+
+def _sdk_matches(rec: Any) -> list[Any]:
+    """The OpenTelemetry SDK's aggregations behind the recorder's instruments: each holds one entry per attribute
+    set (the SDK keeps every set it was given, up to its cardinality limit per instrument)."""
+    consumer = next(
+        (v._measurement_consumer for v in _parts(rec.instruments) if hasattr(v, "_measurement_consumer")), None
+    )
+    if consumer is None:
         return []
-    return _instances(_ViewInstrumentMatch)
+    return [
+        match
+        for storage in consumer._reader_storages.values()
+        for matches in list(storage._instrument_view_instrument_matches.values())
+        for match in matches
+    ]
 
 
 def _relay(app: Any) -> Callable[[], dict[str, Any]]:
