@@ -112,6 +112,15 @@ def test_open_streams_are_bounded_and_an_evicted_one_is_counted_once() -> None:
     assert s.open == 2 and s.gone == 0 and sum(dropped.values()) == 1
 
 
+def test_the_open_streams_of_a_relay_gone_are_dropped_and_counted() -> None:
+    s, dropped, _ = streams()
+    s.take((5, 1), parts(1)[0])
+    s.take((6, 1), parts(1)[0])
+    s.dropped((5, 2), end=False)
+    s.forget(5)
+    assert s.open == 1 and s.gone == 0 and dropped["evicted"] == 1
+
+
 def test_a_stream_with_a_segment_turned_away_is_counted_when_its_end_comes() -> None:
     s, dropped, _ = streams()
     first, _, end = parts(1)

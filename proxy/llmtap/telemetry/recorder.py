@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf.message import DecodeError
 from opentelemetry.metrics import MeterProvider
@@ -298,9 +298,10 @@ class Recorder:
         self.relays.arrived(source, ready)
 
     def relay_gone(self, source: int) -> None:
-        """Relay ``source`` disconnected: its gauges go back to zero and its open streams are dropped."""
+        """Relay ``source`` disconnected: its gauges go back to zero and its open streams are dropped (the worker does
+        both once it reaches this in the queue, after every message the relay sent)."""
         self._ensure_worker()
-        self._queue.put((source, self.relays.gone(source), 0))
+        self._queue.put((source, _Gone(self.relays.gone(source)), 0))
 
     def share_with(self, siblings: Siblings) -> None:
         """Tell ``siblings`` what each request teaches the state kept whole per upstream, and learn what they tell
@@ -468,6 +469,10 @@ class Recorder:
                     self._record_counted(message)
                 elif isinstance(message, _Spans):
                     self._join_spans(message)
+                elif isinstance(message, _Gone):
+                    self.take(source, message.report)
+                    self.relays.forget(source)
+                    self.streams.forget(source)
                 else:
                     self.take(source, message)
             except Exception:
@@ -704,6 +709,12 @@ class _Spans(list[ServerSpan]):
     def __init__(self, spans: list[ServerSpan], export: ExportTraceServiceRequest | None) -> None:
         super().__init__(spans)
         self.export = export
+
+
+class _Gone(NamedTuple):
+    """A relay disconnected: its last report (its gauges at zero), then what is kept of it goes."""
+
+    report: Raw
 
 
 class _Marker:

@@ -108,6 +108,15 @@ class Streams:
                 self._forget(oldest, _Gone(True, evicted.tl.route, self._clock()))
         return None
 
+    def forget(self, source: int) -> None:
+        """Relay ``source`` went away, every message it sent taken: its open streams never end (counted ``evicted``),
+        and nothing more of it comes."""
+        self._settle()
+        for key in [k for k in self._open if k[0] == source]:
+            self._drops.tape("evicted", self._open.pop(key).tl.route)
+        for key in [k for k in self._gone if k[0] == source]:
+            del self._gone[key]
+
     def _settle(self) -> None:
         """Take the reader's notes: each stream they name is gone; gone streams past their time are forgotten."""
         now = self._clock()
