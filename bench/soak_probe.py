@@ -154,10 +154,12 @@ def _telemetry(rec: Any) -> Callable[[], dict[str, Any]]:
             lambda: tokens.SHORT_KEPT * len(tokens._short),
         ),
         "join_held": (lambda: len(join._held), lambda: serverspans.MAX_HELD),
+        "join_held_chars": (lambda: join.held_size, lambda: serverspans.MAX_HELD_CHARS),
         "join_early": (lambda: len(join._early), lambda: serverspans.MAX_EARLY),
         "join_recent": (lambda: len(join._recent), lambda: serverspans.MAX_RECENT),
         "trace_ids_known": (lambda: len(rec.owned._known), lambda: peers.MAX_KNOWN),
         "spans_waiting": (lambda: rec.owned.waiting, lambda: peers.MAX_WAITING),
+        "spans_waiting_bytes": (lambda: rec.owned.waiting_bytes, lambda: peers.MAX_WAITING_BYTES),
         "estimator_envelopes": (lambda: est.models, lambda: estimator.MAX_MODELS),
         "estimator_completions": (
             lambda: sum(len(u.log._ends) + len(u.log._decoding) for u in est._upstreams.values()),
