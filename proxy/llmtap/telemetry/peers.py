@@ -118,10 +118,9 @@ class Ownership:
     def relayed(self, trace_id: str) -> tuple[ExportTraceServiceRequest, int] | None:
         """This process relayed ``trace_id`` (hex): spans of it that waited, to pass on now (and their count)."""
         key = bytes.fromhex(trace_id)
-        self._known.pop(key, None)
-        self._known[key] = None
-        if len(self._known) > MAX_KNOWN:
+        if self._known.pop(key, 0) is not None and len(self._known) >= MAX_KNOWN:  # new, and no room: the oldest goes
             del self._known[next(iter(self._known))]
+        self._known[key] = None
         found = self._waiting.pop(key, None)
         if found is None:
             return None
