@@ -11,16 +11,18 @@ are dropped in whole and in part (ends and segments turned away), the overload t
 
 Every ``--sample`` seconds each process's resident memory (RSS, and PSS and USS from ``/proc/PID/smaps_rollup``);
 inside each process the probe (``bench.soak_probe``) writes the fill of every bounded structure. The report:
-per process the plateau (median and largest RSS over the last half of the run), the growth over the last half
-(a least-squares slope, MB a minute; the target is under ``TARGET_MB_PER_MIN``), each cache's fill against its
-bound, and the tapes dropped by reason. ``--out DIR`` keeps every sample (``samples.jsonl``), the probes' lines,
-the logs and ``result.json``.
+per process the plateau (median and largest RSS over the last half of the run: whole periods from the first one
+starting at or after the middle, so the overload's saw-tooth weighs the same at both ends), the growth over it (a
+least-squares slope, MB a minute; the target is under ``TARGET_MB_PER_MIN``), each cache's fill against its bound
+and its growth, what the allocators hold (Python's live blocks, C's in use and free), and the tapes dropped.
+``--out DIR`` keeps every sample (``samples.jsonl``), the probes' lines, the logs and ``result.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -58,8 +60,8 @@ def smaps(pid: int) -> dict[str, int] | None:
     }
 
 
-def slope_mb_per_min(points: Sequence[tuple[float, float]]) -> float | None:
-    """The least-squares slope of (seconds, bytes) in MB a minute; None for fewer than three points."""
+def slope_per_min(points: Sequence[tuple[float, float]]) -> float | None:
+    """The least-squares slope of (seconds, value) in value a minute; None for fewer than three points."""
     if len(points) < 3:
         return None
     mean_t = statistics.fmean(t for t, _ in points)
@@ -68,7 +70,25 @@ def slope_mb_per_min(points: Sequence[tuple[float, float]]) -> float | None:
     if var == 0:
         return None
     cov = sum((t - mean_t) * (v - mean_v) for t, v in points)
-    return cov / var * 60 / MB
+    return cov / var * 60
+
+
+def slope_mb_per_min(points: Sequence[tuple[float, float]]) -> float | None:
+    """The least-squares slope of (seconds, bytes) in MB a minute; None for fewer than three points."""
+    slope = slope_per_min(points)
+    return None if slope is None else slope / MB
+
+
+def last_half(duration: float, period: float, burst: float) -> tuple[float, float]:
+    """The seconds the growth is measured over: the second half of the run, as whole periods where there are
+    overload phases (from the first period's start at or after the middle to the last one's end), so that their
+    saw-tooth weighs the same at both ends."""
+    if burst > 0 and period > 0:
+        first = math.ceil(duration / 2 / period) * period
+        last = math.floor(duration / period) * period
+        if last - first >= period:
+            return first, last
+    return duration / 2, duration
 
 
 def scrape(admin: int) -> str:
@@ -98,6 +118,8 @@ class Soak:
         self.services: list[Service] = []
         self.samples = (workdir / "samples.jsonl").open("a", encoding="utf-8")
         self.stalls = 0
+        #: When the load started, on the monotonic clock (the samples' and the probes' times count from it).
+        self.started = 0.0
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Service:
         svc = Service(name, argv, log=self.dir / f"{name}.log", env=env, cpu=None)
@@ -150,7 +172,7 @@ class Soak:
         a = self.args
         try:
             llmtap, port, admin = self.launch()
-            start = time.monotonic() + 2.0
+            start = self.started = time.monotonic() + 2.0
             load = self.start("load", [sys.executable, "-m", "bench.soak_load", "--url",
                 f"http://127.0.0.1:{port}/v1/chat/completions", "--duration", str(a.duration),
                 "--rate", str(a.rate), "--overload-rate", str(a.overload_rate), "--period", str(a.period),
@@ -207,11 +229,12 @@ class Soak:
         a = self.args
         lines = [json.loads(x) for x in (self.dir / "samples.jsonl").read_text().splitlines() if x.strip()]
         processes: dict[str, Any] = {}
+        first, last = last_half(a.duration, a.period, a.burst)
         for role in ("relay", "telemetry"):
             mine = [x for x in lines if x["role"] == role and x["t"] >= 0]
             if not mine:
                 continue
-            half = [x for x in mine if x["t"] >= a.duration / 2]
+            half = [x for x in mine if first <= x["t"] < last]
             processes[role] = {
                 "pids": sorted({x["pid"] for x in mine}),
                 **{f"{k}_first_mb": round(mine[0][k] / MB, 1) for k in ("rss", "pss", "uss")},
@@ -221,7 +244,7 @@ class Soak:
                 "rss_growth_last_half_mb_per_min": _round(slope_mb_per_min([(x["t"], x["rss"]) for x in half])),
                 "uss_growth_last_half_mb_per_min": _round(slope_mb_per_min([(x["t"], x["uss"]) for x in half])),
             }
-        fills = self.fills()
+        fills = self.fills(first, last)
         flat = all(
             p["rss_growth_last_half_mb_per_min"] is not None
             and p["rss_growth_last_half_mb_per_min"] < TARGET_MB_PER_MIN
@@ -229,6 +252,7 @@ class Soak:
         )
         return {
             "duration_s": a.duration,
+            "last_half_s": [first, last],
             "rate": a.rate,
             "overload": {
                 "rate": a.overload_rate,
@@ -246,8 +270,9 @@ class Soak:
             "flat": flat,
         }
 
-    def fills(self) -> dict[str, Any]:
-        """Each probed size: its last value, its largest, and its bound where it has one."""
+    def fills(self, first: float, last: float) -> dict[str, Any]:
+        """Each probed size: its last value, its largest, its bound where it has one, and its growth a minute over
+        the last half (``first`` to ``last`` seconds into the load)."""
         out: dict[str, Any] = {}
         for path in sorted(self.dir.glob("probe-*.jsonl")):
             lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
@@ -259,7 +284,14 @@ class Soak:
                 values = [line[key] for line in lines if isinstance(line.get(key), int)]
                 if values:
                     bound = lines[-1].get(f"{key}_bound")
-                    out.setdefault(role, {})[key] = {"last": values[-1], "max": max(values), "bound": bound}
+                    half = [
+                        (line["t"] - self.started, line[key])
+                        for line in lines
+                        if isinstance(line.get(key), int) and first <= line["t"] - self.started < last
+                    ]
+                    growth = _round(slope_per_min(half))
+                    entry = {"last": values[-1], "max": max(values), "bound": bound, "growth_per_min": growth}
+                    out.setdefault(role, {})[key] = entry
         return out
 
 
@@ -281,9 +313,10 @@ def table(r: dict[str, Any]) -> str:
             f"(USS {p['uss_growth_last_half_mb_per_min']})"
         )
     for role, fills in r["fills"].items():
-        rows.append(f"{role} fills (last / max / bound):")
-        rows += [f"  {k}: {v['last']} / {v['max']} / {v['bound']}" for k, v in fills.items()]
-    rows.append(f"flat (every process under {TARGET_MB_PER_MIN} MB/min over the last half): {r['flat']}")
+        rows.append(f"{role} fills (last / max / bound; growth a minute over the last half):")
+        rows += [f"  {k}: {v['last']} / {v['max']} / {v['bound']}; {v['growth_per_min']}" for k, v in fills.items()]
+    first, last = r["last_half_s"]
+    rows.append(f"flat (every process under {TARGET_MB_PER_MIN} MB/min from {first:.0f} to {last:.0f} s): {r['flat']}")
     return "\n".join(rows)
 
 

@@ -13,6 +13,7 @@ GIL).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -54,12 +55,35 @@ def _run(folder: str, every: float) -> None:
                 line |= sizes()
             except Exception as exc:  # a measurement that failed says so, and the next one tries again
                 line["error"] = repr(exc)
+            line |= _allocator()
             if time.monotonic() - counted >= GC_EVERY:
                 counted = time.monotonic()
                 line["gc_objects"] = len(gc.get_objects())
             out.write(json.dumps(line) + "\n")
             out.flush()
             time.sleep(every)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ]
+
+
+def _allocator() -> dict[str, int]:
+    """What the allocators hold: Python's live blocks (``sys.getallocatedblocks``), and C's (glibc ``mallinfo2``,
+    every arena): in use, free inside its arenas, and mapped in all. Live blocks flat while the process grows is
+    fragmentation, not a structure growing."""
+    out = {"python_blocks": sys.getallocatedblocks()}
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):  # not glibc
+        return out
+    mallinfo2.restype = _MallInfo2
+    m = mallinfo2()
+    out |= {"malloc_in_use": m.uordblks + m.hblkhd, "malloc_free": m.fordblks, "malloc_mapped": m.arena + m.hblkhd}
+    return out
 
 
 def _find() -> tuple[str, Callable[[], dict[str, Any]]] | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak_memory import MB, metric_sum, slope_mb_per_min, smaps
+from bench.soak_memory import MB, last_half, metric_sum, slope_mb_per_min, smaps
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What the probe must find in the telemetry process, each with its bound.
@@ -44,6 +44,13 @@ def test_growth_is_a_least_squares_slope_in_mb_a_minute() -> None:
     assert slope is not None and slope == pytest.approx(1.0, abs=0.02)
     assert slope_mb_per_min([(t, 100 * MB) for t in range(0, 600, 5)]) == 0.0
     assert slope_mb_per_min([(0, MB), (5, MB)]) is None
+
+
+def test_the_last_half_is_whole_periods_where_there_are_overload_phases() -> None:
+    assert last_half(2700, 300, 45) == (1500, 2700)  # four periods, each ending in its overload phase
+    assert last_half(2400, 300, 30) == (1200, 2400)
+    assert last_half(100, 300, 30) == (50, 100)  # not one whole period in it: the plain second half
+    assert last_half(600, 300, 0) == (300, 600)
 
 
 def test_smaps_reads_this_process_and_none_for_one_gone() -> None:
