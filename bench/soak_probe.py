@@ -164,7 +164,9 @@ def _telemetry(rec: Any) -> Callable[[], dict[str, Any]]:
     from llmtap.telemetry.live.window import LiveWindow
 
     # Both found again once in a while: the live view's window and the SDK's aggregations come after the recorder.
-    windows, matches = [_windows(rec, LiveWindow)], [_sdk_matches(rec)]
+    from llmtap.telemetry.prometheus import PrometheusReader
+
+    windows, matches, readers = [_windows(rec, LiveWindow)], [_sdk_matches(rec)], [_readers(PrometheusReader)]
     checked = [time.monotonic()]
     join, est, streams, cache = rec.wait.join, rec.estimator, rec.streams, rec.cache
     table: dict[str, tuple[Callable[[], int], Callable[[], int] | None]] = {
@@ -201,6 +203,10 @@ def _telemetry(rec: Any) -> Callable[[], dict[str, Any]]:
             lambda: sum(len(x._attributes_aggregation) for x in matches[0]),
             lambda: sum(x._cardinality_limit + 1 for x in matches[0]),  # + the overflow series
         ),
+        # Exemplars: the SDK's, one per histogram bucket (and a few per counter) of each set, and those
+        # llmtap's /metrics keeps per bucket of each histogram series.
+        "sdk_exemplar_buckets": (lambda: _exemplar_buckets(matches[0]), None),
+        "exemplars_kept": (lambda: sum(len(v) for r in readers[0] for v in list(r._kept.values())), None),
     }
     m = rec.metrics
     guards = {"model": m._models, "version": m._versions, "error": m._errors}
@@ -211,6 +217,7 @@ def _telemetry(rec: Any) -> Callable[[], dict[str, Any]]:
     def sizes() -> dict[str, Any]:
         if time.monotonic() - checked[0] >= GC_EVERY:
             windows[0], matches[0], checked[0] = _windows(rec, LiveWindow), _sdk_matches(rec), time.monotonic()
+            readers[0] = _readers(PrometheusReader)
         return _sizes(table)
 
     return sizes
@@ -223,6 +230,20 @@ def _guard(name: str, g: Any) -> dict[str, tuple[Callable[[], int], Callable[[],
         f"{name}_candidates": (lambda: len(g._waiting), lambda: g._candidates),
         f"{name}_ever": (lambda: len(g._ever), None),
     }
+
+
+def _readers(kind: type) -> list[Any]:
+    found = _held(kind)
+    return [] if found is None else [found]
+
+
+def _exemplar_buckets(matches: list[Any]) -> int:
+    total = 0
+    for match in matches:
+        for aggregation in list(match._attributes_aggregation.values()):
+            reservoir = getattr(aggregation, "_reservoir", None)
+            total += len(getattr(reservoir, "_reservoir_storage", ()))
+    return total
 
 
 def _windows(rec: Any, kind: type) -> list[Any]:
