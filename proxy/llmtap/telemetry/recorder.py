@@ -51,6 +51,7 @@ from llmtap.telemetry.siblings import FACT_DROP_REASONS, LIVE, SLOTS, SPANS, Sib
 from llmtap.telemetry.sinks import Sink, build_sinks, drop_reasons
 from llmtap.telemetry.spans import SpanWriter
 from llmtap.telemetry.streams import Streams
+from llmtap.telemetry.trim import Trimmer
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.messages import (
     END,
@@ -178,6 +179,8 @@ class Recorder:
         self.drops = Drops(self.instruments)
         #: Streams being played back, and those a message of which the full queue turned away; bounded.
         self.streams = Streams(self.drops, self._playback)
+        #: Gives the C allocator's free memory back to the system while the worker is idle (only the worker).
+        self.trimmer = Trimmer()
         self.relays = RelayGauges(self.instruments, self.drops, self._busy)
         for outcome in OUTCOMES:
             self._count_join(outcome, 0)
@@ -481,9 +484,11 @@ class Recorder:
                 self._due()
             sched.checkpoint()
             if self._queue.empty():
-                # Idle: push record lines out now, so ``llmtap compare`` can read a live file.
+                # Idle: push record lines out now, so ``llmtap compare`` can read a live file; and now and then
+                # give what a backlog left free back to the system.
                 self._emit_held()
                 self.records.flush()
+                self.trimmer.idle()
 
     def take(self, source: int, message: Raw) -> None:
         """One encoded message of relay ``source``: a stream's segment or end, or the relay's report.
