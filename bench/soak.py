@@ -16,6 +16,10 @@ with 400, which it does not: those spans are lost and must be counted). It repor
 * resident memory flat: the median of the last tenth of the run within 10% of the first tenth's.
 
 The result is one JSON object (``--json``) or a short table, and the exit code is 0 only when all hold.
+
+``python -m bench.soak --memory`` is the memory soak (``bench.soak_memory``): fast, ever-new traffic with overload
+phases until every cache of llmtap is full, each process's memory sampled, its growth over the last half of the run
+held under 0.05 MB a minute (``docs/memory.md``).
 """
 
 from __future__ import annotations
@@ -466,6 +470,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--serve"]:
         return serve_monitored(Path(argv[1]), argv[3:] if argv[2:3] == ["--"] else argv[2:])
+    if argv[:1] == ["--memory"]:
+        from bench.soak_memory import main as memory
+
+        return memory(argv[1:])
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=600.0, help="seconds of measured load (600)")
     p.add_argument("--concurrency", type=int, default=64, help="concurrent streams (64)")

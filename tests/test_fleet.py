@@ -115,6 +115,26 @@ def test_ownership_passes_spans_of_relayed_traces_holds_unknown_ones_and_drops_t
     assert dropped == [2] and owned.waiting == 0 and owned.next_deadline() is None
 
 
+def test_spans_of_unknown_traces_wait_within_a_bound_of_bytes_too() -> None:
+    """Few spans of many bytes each (a body of megabytes is allowed in) cannot hold more than ``MAX_WAITING_BYTES``
+    while they wait for their trace: the oldest trace's spans go first, counted (issue 44)."""
+    dropped: list[int] = []
+    owned = peers.Ownership(3.0, dropped.append)
+    big = ExportTraceServiceRequest.FromString(vllm_export("aaaaaaaaaaaaaaaa"))
+    big.resource_spans[0].scope_spans[0].spans[0].attributes.add(key="blob").value.string_value = "x" * (1 << 20)
+    traces = 3 * peers.MAX_WAITING_BYTES // big.ByteSize()
+    for i in range(traces):
+        export = ExportTraceServiceRequest()
+        export.CopyFrom(big)
+        for span in export.resource_spans[0].scope_spans[0].spans:
+            span.trace_id = i.to_bytes(16, "big")
+        assert owned.take(export, 1.0) is None
+        assert owned.waiting_bytes <= peers.MAX_WAITING_BYTES
+    assert owned.waiting < 2 * traces // 3 and sum(dropped) + owned.waiting == 2 * traces
+    found = owned.relayed((traces - 1).to_bytes(16, "big").hex())  # the newest trace's spans are still there
+    assert found is not None and found[1] == 2
+
+
 # --- the receiver and the recorder -------------------------------------------------------------------
 
 

@@ -989,6 +989,26 @@ def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: Harnes
     assert rec.relays_ready == {0: False, 1: False}
 
 
+def test_relays_that_come_and_go_leave_a_bounded_trace(harness: HarnessFactory) -> None:
+    """Each relay connection is a source of its own: one that restarts again and again leaves no gauges behind, and
+    the readiness (not ready) of the last ``GONE_KEPT`` only (issue 44). Its streams still open are dropped, counted."""
+    from llmtap.telemetry.relays import GONE_KEPT
+
+    h = harness()
+    rec = h.recorder
+    for source in range(3 * GONE_KEPT):
+        rec.take(source, encode_stats(Stats(True, 1, (("default", 1),), (), (("idle", 2),), (), ())))
+        rec.take(source, chat_tape(7, [b"data: " + b"x" * 40_000 + b"\n\n", b"data: [DONE]\n\n"])[1][0])
+        rec.relay_gone(source)
+    assert rec.flush(5)
+    assert len(rec.relays.ready) == GONE_KEPT and not any(rec.relays.ready.values())
+    assert rec.relays._gauges == {} and rec.relays._counts == {} and rec.streams.open == 0
+    m = h.metrics()
+    assert point(m, sc.METRIC_ACTIVE_STREAMS).value == 0
+    assert point(m, sc.METRIC_TELEMETRY_DROPPED, **{sc.TELEMETRY_REASON: "evicted"}).value == 3 * GONE_KEPT
+    assert point(m, sc.METRIC_TELEMETRY_DROPPED, **{sc.TELEMETRY_REASON: "channel_full"}).value == 3 * GONE_KEPT
+
+
 def test_relay_connection_counts_are_absolute_and_read_0_from_the_start(harness: HarnessFactory) -> None:
     h = harness()
     rec = h.recorder

@@ -192,6 +192,44 @@ def test_join_stops_waiting_for_an_upstream_that_sends_no_spans() -> None:
     assert not Join(0.0, Counts()).wants(UPSTREAM, compatible=True)  # a wait of 0: never
 
 
+def test_requests_remembered_after_their_wait_are_bounded_when_an_upstream_traces_some() -> None:
+    """An upstream that sends the span of every other request (its own sampling, or spans lost on the way) is still
+    waited for, and each request whose span never came is remembered so that the span counts as late if it does:
+    those memories stay within ``MAX_RECENT`` however long it goes on (issue 44)."""
+    from llmtap.telemetry import serverspans
+
+    counts = Counts()
+    join: Join[int] = Join(1.0, counts)
+    for i in range(2 * serverspans.MAX_RECENT + 10):
+        join.hold(f"{i:016x}", UPSTREAM, i, float(i))
+        if i % 2:
+            assert [n for n, _ in join.spans([server_span(f"{i:016x}")], float(i))] == [i]
+            assert join.wants(UPSTREAM, compatible=False)  # it traces: its requests wait
+        else:
+            assert join.due(float(i) + 1.0) == [i]
+    for i in range(3):
+        join.hold(f"{10**6 + i:016x}", UPSTREAM, i, 10**6)
+    join.release()
+    assert len(join._recent) == serverspans.MAX_RECENT
+    assert counts.seen["missing"] == serverspans.MAX_RECENT + 5
+
+
+def test_requests_waiting_for_their_span_are_bounded_by_their_prompts_size_too() -> None:
+    """A waiting request keeps its prompt (the cache diagnosis needs it): long prompts at a high rate would fill
+    ``MAX_HELD`` with gigabytes, so the prompts' characters are bounded too; the oldest is recorded at once."""
+    from llmtap.telemetry import serverspans
+
+    counts = Counts()
+    join: Join[int] = Join(60.0, counts)
+    prompt = serverspans.MAX_HELD_CHARS // 10 + 1
+    out = [n for i in range(40) for n in join.hold(f"{i:016x}", UPSTREAM, i, float(i), prompt)]
+    assert join.held == 9 and join.held_size == 9 * prompt <= serverspans.MAX_HELD_CHARS
+    assert out == list(range(31)) and counts.seen == {"missing": 31}
+    assert [n for n, _ in join.spans([server_span(f"{39:016x}")], 40.0)] == [39] and join.held_size == 8 * prompt
+    assert join.hold("ffffffffffffffff", UPSTREAM, 99, 41.0, 10 * serverspans.MAX_HELD_CHARS)[-1] == 38
+    assert join.held == 1 and join.release() == [99] and join.held_size == 0  # one alone waits, however large
+
+
 def test_join_is_bounded_and_release_empties_it() -> None:
     join: Join[int] = Join(60.0, Counts())
     from llmtap.telemetry import serverspans

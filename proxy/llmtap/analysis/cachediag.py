@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from llmtap.analysis import tokens
 from llmtap.analysis.fingerprint import (
+    PREFIX_BLOCKS,
     SHARED_LINKS,
     Fingerprint,
     PrefixIndex,
@@ -117,7 +118,7 @@ def classify(
 class CacheDiagnoser:
     """Fingerprints each finished request, matches it against recent ones and classifies it; one per recorder."""
 
-    def __init__(self, routes: Iterable[Route], *, capacity: int = 65536) -> None:
+    def __init__(self, routes: Iterable[Route], *, capacity: int = PREFIX_BLOCKS) -> None:
         self._routes = {r.name: r for r in routes}
         self._index = PrefixIndex(capacity)
         self._counts = TokenCounts()

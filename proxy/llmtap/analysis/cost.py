@@ -25,7 +25,17 @@ if TYPE_CHECKING:
     from llmtap.analysis.summary import Summary
     from llmtap.analysis.timeline import Timeline
 
-__all__ = ["LOCAL", "NO_USAGE", "PRICED", "UNKNOWN_MODEL", "Cost", "PriceTable", "normalize", "request_cost"]
+__all__ = [
+    "LOCAL",
+    "MEMO",
+    "NO_USAGE",
+    "PRICED",
+    "UNKNOWN_MODEL",
+    "Cost",
+    "PriceTable",
+    "normalize",
+    "request_cost",
+]
 
 #: ``Summary.input_source`` of a count the upstream reported (``llmtap.analysis.summary.USAGE``).
 USAGE = "usage"
@@ -35,6 +45,8 @@ PRICED, UNKNOWN_MODEL, NO_USAGE = "priced", "unknown_model", "no_usage"
 COST_STATUSES = (PRICED, UNKNOWN_MODEL, NO_USAGE)
 #: The proposed GenAI convention's ``gen_ai.usage.cost.source`` for a cost the proxy computed itself.
 LOCAL = "local"
+#: Model names whose price entry is remembered at most (names come from clients).
+MEMO = 4096
 
 # A release suffix that names the same model at the same price: a date (2024-08-06, 20250514), -latest,
 # or a three-digit revision (-001).
@@ -94,7 +106,7 @@ class PriceTable:
         if found == "":
             lowered = model.strip().lower()
             found = lowered if lowered in self._prices else self._normalized.get(normalize(model))
-            if len(self._memo) < 4096:  # model names come from clients: the memo stays bounded
+            if len(self._memo) < MEMO:  # model names come from clients: the memo stays bounded
                 self._memo[model] = found
         return None if found is None else (found, self._prices[found])
 

@@ -25,6 +25,8 @@ from llmtap.types import PromptRegion
 
 __all__ = [
     "BLOCK_CHARS",
+    "PART_COUNTS",
+    "PREFIX_BLOCKS",
     "SHARED_LINKS",
     "Fingerprint",
     "PrefixIndex",
@@ -112,10 +114,17 @@ def _text(part: PromptRegion, serialized: str) -> str:
     return "\n".join(out)
 
 
+#: Prompt parts whose token count is remembered (by content hash) at most; the least recently used goes first.
+PART_COUNTS = 4096
+#: Prefix blocks the index of recent prompts holds at most (a 16-byte hash and a time each, about 150 bytes with
+#: the table's share); the least recently used goes first.
+PREFIX_BLOCKS = 65536
+
+
 class TokenCounts:
     """Token counts of prompt parts by content hash, so a long system prompt sent again is not recounted."""
 
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = PART_COUNTS) -> None:
         self._capacity = capacity
         self._counts: OrderedDict[bytes, int] = OrderedDict()
 
@@ -191,7 +200,7 @@ class PrefixIndex:
     identical requests sent together are both cold, as they are on the server. Used by one thread.
     """
 
-    def __init__(self, capacity: int = 65536) -> None:
+    def __init__(self, capacity: int = PREFIX_BLOCKS) -> None:
         self._capacity = capacity
         self._ready: OrderedDict[bytes, float] = OrderedDict()
 

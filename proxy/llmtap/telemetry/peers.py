@@ -38,8 +38,10 @@ PEER_HEADER = "x-llmtap-peer"
 PEER_TIMEOUT = 2.0
 #: Traces relayed here that are remembered (their spans may go to the backend), the newest; about 1.5 MB.
 MAX_KNOWN = 16384
-#: Spans of traces not known yet that wait for their request at most; past it the oldest go, ``unowned``.
+#: Spans of traces not known yet that wait for their request at most, and their bytes (as sent: a vLLM span is
+#: about 1 KB, so the spans' count binds first); past either the oldest trace's go, ``unowned``.
 MAX_WAITING = 8192
+MAX_WAITING_BYTES = 16 << 20
 #: A span of an unknown trace waits at least this long, however short the join's wait.
 MIN_HOLD = 2.0
 
@@ -104,8 +106,9 @@ class Ownership:
     wait: float
     count: Callable[[int], None]
     _known: dict[bytes, None] = field(default_factory=dict)
-    _waiting: dict[bytes, tuple[float, ExportTraceServiceRequest, int]] = field(default_factory=dict)
+    _waiting: dict[bytes, tuple[float, ExportTraceServiceRequest, int, int]] = field(default_factory=dict)
     _waiting_spans: int = 0
+    _waiting_bytes: int = 0
 
     @property
     def hold(self) -> float:
@@ -115,32 +118,34 @@ class Ownership:
     def relayed(self, trace_id: str) -> tuple[ExportTraceServiceRequest, int] | None:
         """This process relayed ``trace_id`` (hex): spans of it that waited, to pass on now (and their count)."""
         key = bytes.fromhex(trace_id)
-        self._known.pop(key, None)
-        self._known[key] = None
-        if len(self._known) > MAX_KNOWN:
+        if self._known.pop(key, 0) is not None and len(self._known) >= MAX_KNOWN:  # new, and no room: the oldest goes
             del self._known[next(iter(self._known))]
+        self._known[key] = None
         found = self._waiting.pop(key, None)
         if found is None:
             return None
         self._waiting_spans -= found[2]
+        self._waiting_bytes -= found[3]
         return found[1], found[2]
 
     def take(self, request: ExportTraceServiceRequest, now: float) -> tuple[ExportTraceServiceRequest, int] | None:
         """The spans of ``request`` whose trace this process relayed (and their count); the others wait."""
         groups = partition(request, lambda span: bytes(span.trace_id) in self._known)
         for trace, (export, n) in partition(groups.pop(False, (ExportTraceServiceRequest(), 0))[0], _trace).items():
-            at, waiting, before = self._waiting.pop(trace, (now, ExportTraceServiceRequest(), 0))
+            at, waiting, before, size = self._waiting.pop(trace, (now, ExportTraceServiceRequest(), 0, 0))
             waiting.MergeFrom(export)
-            self._waiting[trace] = (at, waiting, before + n)
+            added = export.ByteSize()
+            self._waiting[trace] = (at, waiting, before + n, size + added)
             self._waiting_spans += n
-        while self._waiting_spans > MAX_WAITING:
+            self._waiting_bytes += added
+        while self._waiting_spans > MAX_WAITING or self._waiting_bytes > MAX_WAITING_BYTES:
             self._drop(next(iter(self._waiting)))
         return groups.get(True)
 
     def due(self, now: float) -> None:
         """Spans whose trace stayed unknown past the wait: dropped, counted."""
         while self._waiting:
-            trace, (at, _, _) = next(iter(self._waiting.items()))
+            trace, (at, _, _, _) = next(iter(self._waiting.items()))
             if now - at < self.hold:
                 break
             self._drop(trace)
@@ -152,14 +157,20 @@ class Ownership:
         return next(iter(self._waiting.values()))[0] + self.hold
 
     def _drop(self, trace: bytes) -> None:
-        _, _, n = self._waiting.pop(trace)
+        _, _, n, size = self._waiting.pop(trace)
         self._waiting_spans -= n
+        self._waiting_bytes -= size
         self.count(n)
 
     @property
     def waiting(self) -> int:
         """Spans waiting now."""
         return self._waiting_spans
+
+    @property
+    def waiting_bytes(self) -> int:
+        """The bytes of the spans waiting now, as they came."""
+        return self._waiting_bytes
 
 
 def _trace(span: Span) -> bytes:

@@ -16,9 +16,8 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf.message import DecodeError
 from opentelemetry.metrics import MeterProvider
@@ -54,6 +53,8 @@ from llmtap.telemetry.siblings import FACT_DROP_REASONS, LIVE, SLOTS, SPANS, Sib
 from llmtap.telemetry.sinks import Sink, build_sinks, drop_reasons
 from llmtap.telemetry.spans import SpanWriter
 from llmtap.telemetry.spool import EMITTED, JOURNAL_DROP_REASONS, Spool, open_spool
+from llmtap.telemetry.streams import MAX_OPEN_STREAMS, Streams
+from llmtap.telemetry.trim import Trimmer
 from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.messages import (
     END,
@@ -61,6 +62,7 @@ from llmtap.wire.messages import (
     SEGMENT,
     End,
     Facts,
+    Head,
     Raw,
     Stats,
     WireError,
@@ -78,8 +80,6 @@ _STOP = object()
 TRACE_CONTEXT_REASONS = ("traceparent_too_long", "tracestate_too_long")
 #: Why the admin listener refused or cut something (``llmtap.admin.refused``; the instrument says each).
 ADMIN_REASONS = ("connection_evicted", "connection_limit", "event_streams", "unauthorized", "forbidden")
-#: Streams being played back at once (their segments came, their end not yet); past it the oldest goes.
-MAX_OPEN_STREAMS = 4096
 #: Messages of the relays the worker takes between two slices of the last run's replay, when both wait.
 REPLAY_EVERY = 64
 #: Finished requests the worker holds at most before it emits them (``_emit_staged``): tens of milliseconds of work.
@@ -192,19 +192,18 @@ class Recorder:
         if self.peers is not None:
             for outcome in FORWARD_OUTCOMES[:3]:
                 self._count_routed(outcome, 0)
-        #: Streams whose segments came and whose end has not, by (source, key); only the worker touches it.
-        self._open: OrderedDict[tuple[int, int], Playback] = OrderedDict()
-        # Streams a message of which was dropped here: their end is counted as a dropped tape.
-        self._lost: set[tuple[int, int]] = set()
-        # Streams evicted (counted): their end, when it comes, is not counted again.
-        self._evicted: OrderedDict[tuple[int, int], None] = OrderedDict()
         #: Streams with segments the full queue turned away, played as a gap (the submitting thread's).
         self.holes = Holes()
         #: Tapes lost, and the relays' gauges and readiness.
         self.drops = Drops(self.instruments, self.losses)
+        #: Streams being played back, and those a message of which the full queue turned away; bounded.
+        self.streams = Streams(self.drops, self._playback, limit=MAX_OPEN_STREAMS)
+        #: Gives the C allocator's free memory back to the system while the worker is idle (only the worker).
+        self.trimmer = Trimmer()
         self.relays = RelayGauges(self.instruments, self.drops, self._busy)
         #: The record journal: each tape kept until every sink has its record (None: not kept).
         self.spool = None if journal is None else self._open_spool(journal)
+        self.streams.spool = self.spool
         for outcome in OUTCOMES:
             self._count_join(outcome, 0)
         for reason in REJECT_REASONS:
@@ -333,8 +332,10 @@ class Recorder:
                 self.drops.end()
                 if self.spool is not None:
                     self.spool.dropped(source, message)
+                if message[2] is None:  # a segment carried its head: some of it may wait in the queue
+                    self.streams.dropped((source, message[1]), end=True)
             elif message[0] == SEGMENT:
-                self._lost.add((source, message[1]))
+                self.streams.dropped((source, message[1]), end=False)
             elif message[0] == FACTS:
                 self.count_facts_dropped("queue_full", len(message[1]))
             return False
@@ -373,10 +374,11 @@ class Recorder:
         self.relays.arrived(source, ready)
 
     def relay_gone(self, source: int) -> None:
-        """Relay ``source`` disconnected: its gauges go back to zero and its open streams are dropped."""
+        """Relay ``source`` disconnected: its gauges go back to zero and its open streams are dropped (the worker does
+        both once it reaches this in the queue, after every message the relay sent)."""
         self._ensure_worker()
         self.holes.forget(source)
-        self._queue.put((source, self.relays.gone(source), 0))
+        self._queue.put((source, _Gone(self.relays.gone(source)), 0))
 
     def share_with(self, siblings: Siblings) -> None:
         """Tell ``siblings`` what each request teaches the state kept whole per upstream, and learn what they tell
@@ -558,6 +560,10 @@ class Recorder:
                     self._join_spans(message)
                 elif isinstance(message, Holed):
                     self.take(source, message.message, message.hole)
+                elif isinstance(message, _Gone):
+                    self.take(source, message.report)
+                    self.relays.forget(source)
+                    self.streams.forget(source)
                 else:
                     self.take(source, message)
             except Exception:
@@ -566,9 +572,11 @@ class Recorder:
                 self._due()
             sched.checkpoint()
             if self._queue.empty():
-                # Idle: push record lines out now, so ``llmtap compare`` can read a live file.
+                # Idle: push record lines out now, so ``llmtap compare`` can read a live file; and now and then
+                # give what a backlog left free back to the system.
                 self._emit_held()
                 self.records.flush()
+                self.trimmer.idle()
 
     def _replay_slice(self, replay: Any) -> None:
         for source, message in replay.next_slice():
@@ -611,49 +619,21 @@ class Recorder:
         if isinstance(m, Facts):
             self._learn(m)
             return
-        key = (source, m.key)
-        playback = self._open.pop(key, None)
-        if playback is not None and hole is not None:
-            playback.skip(hole.size, hole.at)
-        if playback is None and m.head is not None and key not in self._lost:
-            playback = Playback(m.head, self.settings, self._routes)
-            self._relayed(playback.tl.trace_id)
-        if playback is not None:
-            playback.feed(m.reads)
-        if not isinstance(m, End):  # a segment: the stream goes on
-            if playback is not None:
-                self._open[key] = playback
-                if len(self._open) > MAX_OPEN_STREAMS:
-                    evicted, oldest = self._open.popitem(last=False)
-                    self.drops.tape("evicted", oldest.tl.route)
-                    self._evicted[evicted] = None  # its end is counted already
-                    if len(self._evicted) > MAX_OPEN_STREAMS:
-                        self._evicted.popitem(last=False)
-            return
-        ref = self.spool.ended(source, m.key) if self.spool is not None else None
-        if playback is None or key in self._lost:
-            self._end_lost(key, playback, ref)
+        playback = self.streams.take((source, m.key), m, hole)
+        if playback is None or not isinstance(m, End):  # a segment, or a stream that cannot be recorded
             return
         if playback.partial:
             self.drops.count("partial")
-        tl = playback.finish(m.tail)
-        tl.ref = ref
+        tl = playback.finish(m.tail)  # its ref, the journal's, set by ``streams``
         if tl.unread is not None:
             self.drops.count(tl.unread)
         self._record_counted(tl)
 
-    def _end_lost(self, key: tuple[int, int], playback: Playback | None, ref: int | None) -> None:
-        """A stream's end whose tape cannot become a record: counted once, by why."""
-        if key in self._lost:
-            self._lost.discard(key)
-            self.drops.tape("queue_full", playback.tl.route if playback is not None else None)
-        elif key in self._evicted:
-            del self._evicted[key]  # counted when it was evicted
-        else:
-            # Its start went to a telemetry process that is gone (a restart): neither can make its record.
-            self.drops.tape("split", None)
-        if self.spool is not None:
-            self.spool.settle(ref)
+    def _playback(self, head: Head) -> Playback:
+        """A stream's playback, from its first message's head."""
+        playback = Playback(head, self.settings, self._routes)
+        self._relayed(playback.tl.trace_id)
+        return playback
 
     def _record_counted(self, tl: Timeline) -> None:
         try:
@@ -856,6 +836,12 @@ class _Spans(list[ServerSpan]):
     def __init__(self, spans: list[ServerSpan], export: ExportTraceServiceRequest | None) -> None:
         super().__init__(spans)
         self.export = export
+
+
+class _Gone(NamedTuple):
+    """A relay disconnected: its last report (its gauges at zero), then what is kept of it goes."""
+
+    report: Raw
 
 
 class _Marker:

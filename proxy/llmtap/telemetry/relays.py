@@ -9,6 +9,7 @@ recorder's worker thread, except where a method says otherwise.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 
 from llmtap.telemetry import semconv as sc
@@ -28,16 +29,20 @@ __all__ = ["Drops", "RelayGauges"]
 log = logging.getLogger("llmtap.telemetry")
 
 #: Why a tape did not become telemetry, in whole (``channel_full``: the relay's channel; ``queue_full``: the
-#: recorder's queue; ``evicted``: too many streams open at once) or in part (``partial``: timing without some
-#: bytes; ``inflate_limit``, ``body_limit``: the tap stopped reading a response past its bounds,
-#: ``llmtap.telemetry.tap``); ``split``: a stream whose start went to a telemetry process that was killed, and whose
-#: end came to the one started in its place. With a record journal (``llmtap.telemetry.sequences``): ``in_transit``,
-#: a stream's end a relay handed over that never reached the telemetry process (in the socket when it was killed);
-#: ``in_flight``, a request a relay was relaying when it was killed with the whole tree (its tape never left it).
+#: recorder's queue; ``evicted``: too many streams open at once, or their relay went away mid-stream) or in part
+#: (``partial``: timing without some bytes; ``inflate_limit``, ``body_limit``: the tap stopped reading a response
+#: past its bounds, ``llmtap.telemetry.tap``); ``split``: a stream whose start went to a telemetry process that was
+#: killed, and whose end came to the one started in its place. With a record journal (``llmtap.telemetry.sequences``):
+#: ``in_transit``, a stream's end a relay handed over that never reached the telemetry process (in the socket when it
+#: was killed); ``in_flight``, a request a relay was relaying when it was killed with the whole tree (its tape never
+#: left it).
 TAPE_DROP_REASONS = (
     "channel_full", "queue_full", "evicted", "partial", "inflate_limit", "body_limit", "split", "in_transit",
     "in_flight",
 )  # fmt: skip
+#: Relays gone whose readiness (``False``) is still told; each relay connection is a source of its own, so a relay
+#: that restarts again and again must not add one each time for as long as the process runs.
+GONE_KEPT = 64
 
 
 class Drops:
@@ -103,6 +108,7 @@ class RelayGauges:
         self.ready: dict[int, bool] = {}
         # Readiness is taken as each report arrives (``arrived``), not when the worker reaches it in the queue.
         self._ready_on_arrival = False
+        self._gone: deque[int] = deque()
         # Every way a client connection can be cut or refused, and a response cut, reads 0 from the start.
         for kind in CLIENT_TIMEOUT_KINDS:
             instruments.client_timeouts.add(0, {sc.TIMEOUT_KIND: kind})
@@ -165,3 +171,13 @@ class RelayGauges:
             self.ready[source] = False
         dropped = self._gauges.get(source, ({}, {}, 0))[2]
         return encode_stats(Stats(False, dropped, (), (), (), (), (), self._relay_ids.get(source, 0)))
+
+    def forget(self, source: int) -> None:
+        """Relay ``source`` is gone and its last report taken (the worker): its gauges, counts and relay id are let go,
+        and its readiness once ``GONE_KEPT`` relays went after it."""
+        self._gauges.pop(source, None)
+        self._counts.pop(source, None)
+        self._relay_ids.pop(source, None)
+        self._gone.append(source)
+        while len(self._gone) > GONE_KEPT:
+            self.ready.pop(self._gone.popleft(), None)

@@ -68,8 +68,11 @@ MAX_BODY_BYTES = 4 << 20
 MAX_INFLATED_BYTES = 16 << 20
 #: A gzip body may always inflate to this many bytes, whatever its ratio (a small batch compresses well).
 RATIO_FLOOR = 1 << 20
-#: Finished requests waiting for their server span at most; past it the oldest is recorded without.
+#: Finished requests waiting for their server span at most, and the characters of their prompts (a held request
+#: keeps its prompt for the cache diagnosis, in a few copies: about 4 bytes a character); past either the oldest is
+#: recorded without.
 MAX_HELD = 4096
+MAX_HELD_CHARS = 8 << 20
 #: Spans kept that came before their request finished (the telemetry queue was behind); the oldest go.
 MAX_EARLY = 8192
 #: Requests recorded recently, remembered so that a span coming after its request counts as late.
@@ -230,6 +233,7 @@ class _Held(Generic[T]):
     item: T
     upstream: str
     deadline: float
+    size: int = 0
 
 
 @dataclass(slots=True)
@@ -248,6 +252,7 @@ class Join(Generic[T]):
     #: Requests a span already joined (matched, or late): a further span of one is a duplicate.
     _joined: OrderedDict[str, None] = field(default_factory=OrderedDict)
     _upstreams: dict[str, _Tracing] = field(default_factory=dict)
+    _held_size: int = 0
 
     def traced(self, upstream: str) -> bool:
         """Whether a span of ``upstream`` came and none of its last ``PROBE`` requests went without one."""
@@ -280,19 +285,32 @@ class Join(Generic[T]):
         while len(self._joined) > MAX_RECENT:
             self._joined.popitem(last=False)
 
-    def hold(self, span_id: str, upstream: str, item: T, now: float) -> list[T]:
-        """Let a finished request wait; returns the requests pushed out past ``MAX_HELD`` (record them now)."""
-        self._held[span_id] = _Held(item, upstream, now + self.wait)
+    def hold(self, span_id: str, upstream: str, item: T, now: float, size: int = 0) -> list[T]:
+        """Let a finished request wait (``size``: its prompt's characters); returns the requests pushed out past
+        ``MAX_HELD`` or ``MAX_HELD_CHARS`` (record them now)."""
+        self._take(span_id)
+        self._held[span_id] = _Held(item, upstream, now + self.wait, size)
+        self._held_size += size
         out: list[T] = []
-        while len(self._held) > MAX_HELD:
+        while len(self._held) > MAX_HELD or (self._held_size > MAX_HELD_CHARS and len(self._held) > 1):
             key, held = self._held.popitem(last=False)
+            self._held_size -= held.size
             out.append(self._missed(key, held))
         return out
 
+    def _take(self, span_id: str) -> _Held[T] | None:
+        held = self._held.pop(span_id, None)
+        if held is not None:
+            self._held_size -= held.size
+        return held
+
     def recorded(self, span_id: str | None, upstream: str) -> None:
         """A request was recorded without waiting: a span of it that comes later is late."""
-        if span_id is None:
-            return
+        if span_id is not None:
+            self._remember(span_id, upstream)
+
+    def _remember(self, span_id: str, upstream: str) -> None:
+        """Remember a recorded request, so that its span counts as late; the oldest go past ``MAX_RECENT``."""
         self._recent[span_id] = upstream
         while len(self._recent) > MAX_RECENT:
             self._recent.popitem(last=False)
@@ -303,7 +321,7 @@ class Join(Generic[T]):
         unmatched = late = duplicate = 0
         for span in spans:
             parent = span.parent_span_id
-            held = self._held.pop(parent, None)
+            held = self._take(parent)
             if held is not None:
                 self._hit(held.upstream)
                 self._join(parent)
@@ -343,7 +361,7 @@ class Join(Generic[T]):
         state.misses += 1
         if state.misses >= PROBE:
             state.traced = False
-        self._recent[key] = held.upstream
+        self._remember(key, held.upstream)
         self.count("missing", 1)
         return held.item
 
@@ -354,7 +372,7 @@ class Join(Generic[T]):
             key, held = next(iter(self._held.items()))
             if held.deadline > now:
                 break
-            del self._held[key]
+            self._take(key)
             out.append(self._missed(key, held))
         stale = 0
         while self._early:
@@ -371,8 +389,9 @@ class Join(Generic[T]):
         """Every waiting request, now (flush, shutdown); none of them counts against its upstream."""
         out = [held.item for held in self._held.values()]
         for key, held in self._held.items():
-            self._recent[key] = held.upstream
+            self._remember(key, held.upstream)
         self._held.clear()
+        self._held_size = 0
         return out
 
     def next_deadline(self) -> float | None:
@@ -387,6 +406,11 @@ class Join(Generic[T]):
     def held(self) -> int:
         """Requests waiting now."""
         return len(self._held)
+
+    @property
+    def held_size(self) -> int:
+        """The characters of the prompts of the requests waiting now."""
+        return self._held_size
 
 
 #: What waits for its server span: a finished request's timeline and its summary.
@@ -417,7 +441,8 @@ class ServerSpanWait:
             self._count("matched", 1)
             adopt_server_timing(tl, s, span.timing)
         elif self.join.wants(tl.upstream, compatible=self._compatible(tl)):
-            return self.join.hold(tl.span_id, tl.upstream, (tl, s), now)
+            size = len(tl.request.prompt_text) if tl.request is not None else 0
+            return self.join.hold(tl.span_id, tl.upstream, (tl, s), now, size)
         else:
             self.join.recorded(tl.span_id, tl.upstream)
         return [(tl, s)]
