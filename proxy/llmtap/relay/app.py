@@ -51,7 +51,11 @@ from llmtap.wire.tracestate import entry, upstream_tracestate
 if TYPE_CHECKING:
     from llmtap.listener import ClientLimits
 
-__all__ = ["ProxyApp", "create_app"]
+__all__ = [
+    "STATS_EVERY",
+    "ProxyApp",
+    "create_app",
+]
 
 log = logging.getLogger("llmtap.proxy")
 

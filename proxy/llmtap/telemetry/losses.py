@@ -33,7 +33,12 @@ from typing import Any
 
 from opentelemetry.metrics import Counter
 
-__all__ = ["STATE_FILE", "Losses"]
+__all__ = [
+    "SAVE_EVERY",
+    "SAY_EVERY",
+    "STATE_FILE",
+    "Losses",
+]
 
 log = logging.getLogger("llmtap.telemetry")
 

@@ -24,7 +24,11 @@ from llmtap.wire.messages import (
     encode_stats,
 )
 
-__all__ = ["Drops", "RelayGauges"]
+__all__ = [
+    "GONE_KEPT",
+    "Drops",
+    "RelayGauges",
+]
 
 log = logging.getLogger("llmtap.telemetry")
 

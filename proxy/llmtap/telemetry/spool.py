@@ -89,7 +89,15 @@ from llmtap.telemetry.sequences import SEQUENCES_FILE, Sequences, last_run
 from llmtap.wire.messages import END, SEGMENT, Raw
 from llmtap.worker import Progress
 
-__all__ = ["EMITTED", "JOURNAL_DROP_REASONS", "SEGMENT_BYTES", "SINK_BITS", "Spool", "open_spool"]
+__all__ = [
+    "EMITTED",
+    "JOURNAL_DROP_REASONS",
+    "ROOM_EVERY",
+    "SEGMENT_BYTES",
+    "SINK_BITS",
+    "Spool",
+    "open_spool",
+]
 
 log = logging.getLogger("llmtap.telemetry")
 
