@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from llmtap import cli, store
-from llmtap.store import engine as engine_module
+from llmtap.store import engine as engine_module, engine_sql
 from llmtap.store.engine import EngineSource
 from llmtap.store.python import PythonSource
 from tests.conftest import require_real
@@ -413,7 +413,8 @@ def test_a_parquet_file_cut_or_spoiled_anywhere_never_stops_the_engine(tmp_path:
 
 def test_a_record_read_twice_counts_once_wherever_the_copy_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A journal's replay: copies in a later file, in the same file, in a damaged gzip (read up to the damage),
-    in a Parquet file (the engine only), across the engine's parts: the same comparison as the records once."""
+    in a Parquet file (the engine only), across the engine's parts and the buckets of files it reads again: the
+    same comparison as the records once."""
     recs = make(500, seed=9)
     once = tmp_path / "once"
     once.mkdir()
@@ -426,7 +427,9 @@ def test_a_record_read_twice_counts_once_wherever_the_copy_is(tmp_path: Path, mo
     (twice / "c.jsonl.gz").write_bytes(cut[: len(cut) // 2])  # copies in a damaged file
     for i in range(12):  # many small files: the engine's parts, a copy in each
         (twice / f"d{i:02d}.jsonl").write_bytes(lines([recs[i * 40]]))
-    monkeypatch.setattr(engine_module, "PART_FILES", 4)
+    monkeypatch.setattr(engine_module, "PART_FILES", 8)  # parts, and buckets of a part's files read again alone
+    monkeypatch.setattr(engine_module, "BUCKET", 3)
+    monkeypatch.setattr(engine_sql, "BUCKET", 3)
     _, want, _ = run([*COMPARE, "--engine", "python", str(once)])
     for engine in store.ENGINES:
         code, out, err = run([*COMPARE, "--engine", engine, str(twice)])

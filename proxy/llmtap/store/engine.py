@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtap.store import VERSION, By, Filter, Group, Objective, Scan, Skips, slowest
-from llmtap.store.engine_sql import LISTS, MACROS, grouping, json_ids, json_read, locate, parquet_read, q
+from llmtap.store.engine_sql import BUCKET, LISTS, MACROS, grouping, json_ids, json_read, locate, parquet_read, q
 from llmtap.store.files import file_lines, find, inspect, settle
 
 __all__ = ["EngineSource"]
@@ -263,7 +263,7 @@ class EngineSource:
             if len(part.files) > 1:
                 return [f for half in part.halves() for f in self._read(half, sql, params, skips)]
             return self._unread(part, str(exc), sql, params, skips)
-        return [self._fold(part, got, rejected)]
+        return self._fold(part, got, rejected)
 
     def _unread(self, part: _Part, error: str, sql: str, params: list[Any], skips: Skips) -> list[_Facts]:
         """A file DuckDB cannot read: a Parquet file is damaged; a JSON-lines file is read by Python into a plain
@@ -291,18 +291,23 @@ class EngineSource:
             return []
         return self._read(_Part([copy], [name], False), sql, params, skips)
 
-    def _fold(self, part: _Part, got: dict[str, Any], rejected: Skips) -> _Facts:
-        """A part's statement's rows as its facts: the groups' counts and lists, the other rows' kinds by file."""
+    def _fold(self, part: _Part, got: dict[str, Any], rejected: Skips) -> list[_Facts]:
+        """A part's statement's rows as facts, one per ``BUCKET`` of its files (what a record's copies read again):
+        the groups' counts and lists, the other rows' kinds by file; what the read refused with the first."""
         import numpy as np
 
-        facts = _Facts(part, rejected)
-        facts.skips.merge(rejected)
-        ids: list[Any] = []
+        buckets: dict[int, _Facts] = {}
+        ids: dict[int, list[Any]] = {}
         for r in range(len(got["kind"])):
+            b = int(_cell(got, "bucket", r))
+            facts = buckets.get(b)
+            if facts is None:
+                files, names = part.files[b * BUCKET : (b + 1) * BUCKET], part.names[b * BUCKET : (b + 1) * BUCKET]
+                facts = buckets[b] = _Facts(_Part(files, names, part.parquet, part.chosen), Skips())
             kind, n = str(_cell(got, "kind", r)), int(_cell(got, "n", r))
             found = _cell(got, "ids", r)
             if found is not None and len(found):
-                ids.append(np.asarray(found, dtype=np.uint64))
+                ids.setdefault(b, []).append(np.asarray(found, dtype=np.uint64))
             if kind in ("record", "out"):
                 facts.counts[kind] = facts.counts.get(kind, 0) + n
                 facts.skips.add("wrong_type", None, int(_cell(got, "wrong", r)))
@@ -315,8 +320,14 @@ class EngineSource:
                     facts.skips.add(kind, name, n)
             if kind == "record":
                 self._group(facts, got, r)
-        facts.ids = np.concatenate(ids) if ids else np.empty(0, dtype=np.uint64)
-        return facts
+        out = [buckets[b] for b in sorted(buckets)] or [_Facts(part, Skips())]
+        out[0].rejected = rejected
+        out[0].skips.merge(rejected)
+        for b, facts in buckets.items():
+            facts.ids = np.concatenate(ids[b]) if b in ids else np.empty(0, dtype=np.uint64)
+        if not buckets:
+            out[0].ids = np.empty(0, dtype=np.uint64)
+        return out
 
     def _group(self, facts: _Facts, got: dict[str, Any], r: int) -> None:
         """One group's row of a part's statement, into the part's facts."""
@@ -346,9 +357,9 @@ class EngineSource:
         self._keep(gk, {name: _cell(got, name, r) for name in LISTS}, facts.kept, facts.ok)
 
     def _dedupe(self, facts: list[_Facts], sql: str, params: list[Any]) -> None:
-        """Each identity once: when a hash of (trace_id, span_id) was read more than once, the parts that hold it
-        are located (positions and ids of those records, in the order read), every copy after the first marked,
-        and those parts grouped again without them (``sql``, the grouping with ``llmtap_drop``)."""
+        """Each identity once: when a hash of (trace_id, span_id) was read more than once, the buckets of files that
+        hold it are located (positions and ids of those records, in the order read), every copy after the first
+        marked, and those buckets grouped again without them (``sql``, the grouping with ``llmtap_drop``)."""
         import numpy as np
 
         every = np.concatenate([f.ids for f in facts]) if facts else np.empty(0, dtype=np.uint64)
@@ -364,6 +375,7 @@ class EngineSource:
             "CREATE OR REPLACE TEMP TABLE llmtap_dups AS SELECT unnest(?::UBIGINT[]) AS h", [dups.tolist()]
         )
         seen: set[tuple[str, str]] = set()
+        again: dict[int, list[_Facts]] = {}  # the facts read again, by the index of those they replace
         # Positions follow the order of the files' lines only while the engine keeps the order it read.
         self._con.execute("SET preserve_insertion_order = true")
         try:
@@ -383,9 +395,10 @@ class EngineSource:
                         "CREATE OR REPLACE TEMP TABLE llmtap_drop AS SELECT unnest(?::BIGINT[]) AS pos", [drop]
                     )
                     got = self._con.execute(sql.replace("__READ__", read()), params).fetchnumpy()
-                    facts[i] = self._fold(f.part, got, f.rejected)
+                    again[i] = self._fold(f.part, got, f.rejected)
         finally:
             self._con.execute("SET preserve_insertion_order = false")
+        facts[:] = [g for i, f in enumerate(facts) for g in again.get(i, [f])]
 
     @staticmethod
     def _where(where: Filter) -> tuple[str, list[Any]]:

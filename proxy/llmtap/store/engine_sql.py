@@ -20,7 +20,7 @@ from llmtap.store import COLUMNS, SLOWEST
 from llmtap.store.files import SCHEMA_KEY
 from llmtap.store.skips import MAX_LINE
 
-__all__ = ["DELIMITER", "LISTS", "MACROS", "grouping", "json_ids", "json_read", "locate", "parquet_read", "q"]
+__all__ = ["BUCKET", "DELIMITER", "LISTS", "MACROS", "grouping", "json_ids", "json_read", "locate", "parquet_read", "q"]
 
 _SCHEMA_PREFIX = '{"' + SCHEMA_KEY + '":'
 #: What ``read_csv`` splits a line's fields at: four control characters, which a record never holds (JSON
@@ -299,6 +299,9 @@ def _struct_fields(type_text: str) -> dict[str, str]:
     return out
 
 
+#: Files of a part whose facts are kept apart (``grouping``'s ``bucket``): what a part read again for a record's
+#: copies reads (eight times fewer files than the part).
+BUCKET = 32
 #: Each group's records as lists (a null figure as NaN: no figure is NaN), split by numpy after.
 LISTS = {
     "flags": "list(coalesce(outcome = 'ok', false)::UTINYINT * 2 + coalesce(stream, false)::UTINYINT)",
@@ -307,11 +310,12 @@ LISTS = {
 
 
 def grouping(key: str, cond: str, *, dedupe: bool = False) -> str:
-    """The statement that groups one part's rows (``__READ__`` is its read): the records that pass ``cond`` by
-    side ``key``, route and shape, with their figures as lists and the hashes of their ids (``ids``, the records
-    outside ``cond`` too; ids that identify nothing, empty or all zeros, are told apart only when their hash
-    comes twice: a check on every row cost a fifth of the read); every other row by its kind and file. With
-    ``dedupe``, the rows whose position is in the temporary table ``llmtap_drop`` are of kind ``duplicate``."""
+    """The statement that groups one part's rows (``__READ__`` is its read), each ``BUCKET`` of its files apart:
+    the records that pass ``cond`` by side ``key``, route and shape, with their figures as lists and the hashes of
+    their ids (``ids``, the records outside ``cond`` too; ids that identify nothing, empty or all zeros, are told
+    apart only when their hash comes twice: a check on every row cost a fifth of the read); every other row by its
+    kind and file. With ``dedupe``, the rows whose position is in the temporary table ``llmtap_drop`` are of kind
+    ``duplicate``."""
     ok_stream = "outcome = 'ok' AND stream AND ttft IS NOT NULL"
     rank = (
         "(time_s, obj_percentile, coalesce(obj_ttft, -1), coalesce(obj_tpot, -1), coalesce(obj_e2e, -1),"
@@ -320,7 +324,7 @@ def grouping(key: str, cond: str, *, dedupe: bool = False) -> str:
     on_record = ", ".join(f"CASE WHEN kind = 'record' THEN {c} END AS {c}" for c in ("key", "route", "shape"))
     dropped = "WHEN pos IN (SELECT pos FROM llmtap_drop) THEN 'duplicate'" if dedupe else ""
     return f"""
-SELECT kind, key, route, shape, fi,
+SELECT kind, key, route, shape, fi, bucket,
   count(*) AS n, count(*) FILTER (outcome IS DISTINCT FROM 'ok') AS errors, count(*) FILTER (slo = 'met') AS met,
   min(time_s) AS first, max(time_s) AS last,
   coalesce(sum(input_tokens) FILTER (outcome = 'ok' AND input_tokens IS NOT NULL), 0) AS input_tokens,
@@ -338,7 +342,7 @@ SELECT kind, key, route, shape, fi,
   {", ".join(f"{expr} FILTER (kind = 'record') AS {name}" for name, expr in LISTS.items())}
 FROM (
   SELECT * EXCLUDE (kind, key, route, shape, fi), {on_record}, kind,
-    CASE WHEN kind NOT IN ('record', 'out') THEN fi END AS fi
+    CASE WHEN kind NOT IN ('record', 'out') THEN fi END AS fi, fi // {BUCKET} AS bucket
   FROM (
     SELECT * EXCLUDE (kind), {key} AS key,
       CASE WHEN kind <> 'record' THEN kind WHEN time_s IS NULL THEN 'no_time' {dropped}
