@@ -29,7 +29,16 @@ from llmtap.config.types import TelemetrySettings
 from llmtap.telemetry.forward import Forwarder
 from llmtap.wire.tracestate import KEY, owner
 
-__all__ = ["PEER_HEADER", "Ownership", "partition", "peer_forwarder", "split"]
+__all__ = [
+    "MAX_KNOWN",
+    "MAX_WAITING",
+    "MAX_WAITING_BYTES",
+    "PEER_HEADER",
+    "Ownership",
+    "partition",
+    "peer_forwarder",
+    "split",
+]
 
 #: The header that marks a body one replica passed to another (its spans are never passed on again), and
 #: the credential that goes with it (``authorization: Bearer <peer token>``).

@@ -40,7 +40,10 @@ from llmtap.types import ServerTiming
 
 __all__ = [
     "MAX_BODY_BYTES",
+    "MAX_EARLY",
     "MAX_HELD",
+    "MAX_HELD_CHARS",
+    "MAX_RECENT",
     "OUTCOMES",
     "PROBE",
     "RATIO_FLOOR",

@@ -40,6 +40,7 @@ from llmtap.telemetry.live.waterfall import waterfall
 __all__ = [
     "HISTORY",
     "HORIZON",
+    "SAMPLE_BUDGET",
     "SLOT",
     "SLOWEST",
     "TICK",
