@@ -35,16 +35,7 @@ from typing import Any
 
 from llmtap.analysis.timeline import Timeline
 
-__all__ = [
-    "ESTIMATED",
-    "MAX_COMPLETIONS",
-    "MAX_MODELS",
-    "Envelope",
-    "Estimator",
-    "Lesson",
-    "QueuePrefill",
-    "SlotLog",
-]
+__all__ = ["ESTIMATED", "MAX_COMPLETIONS", "MAX_MODELS", "Envelope", "Estimator", "Lesson", "QueuePrefill", "SlotLog"]
 
 ESTIMATED = "estimated"
 

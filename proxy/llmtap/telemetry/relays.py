@@ -24,11 +24,7 @@ from llmtap.wire.messages import (
     encode_stats,
 )
 
-__all__ = [
-    "GONE_KEPT",
-    "Drops",
-    "RelayGauges",
-]
+__all__ = ["GONE_KEPT", "TAPE_DROP_REASONS", "Drops", "RelayGauges"]
 
 log = logging.getLogger("llmtap.telemetry")
 
