@@ -114,7 +114,24 @@ def read_chunks(path: Path) -> Chunks:
     return out
 
 
-class SegmentFile:
+class _Appended:
+    """A journal file open for appending on ``fd``: synced and closed the same way, whatever it holds."""
+
+    fd: int
+
+    def sync(self) -> None:
+        """What was written, onto the disk (a crash of the node no longer loses it)."""
+        with contextlib.suppress(OSError):
+            os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        """Synced and closed."""
+        self.sync()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class SegmentFile(_Appended):
     """One segment, open for appending: each ``append`` is one ``write()`` of a whole chunk."""
 
     def __init__(self, path: Path, run: int, number: int, first_ref: int) -> None:
@@ -144,19 +161,8 @@ class SegmentFile:
         with contextlib.suppress(OSError):
             os.ftruncate(self.fd, self.size)
 
-    def sync(self) -> None:
-        """What was written, onto the disk (a crash of the node no longer loses it)."""
-        with contextlib.suppress(OSError):
-            os.fdatasync(self.fd)
 
-    def close(self) -> None:
-        """Synced and closed."""
-        self.sync()
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-
-
-class AckLog:
+class AckLog(_Appended):
     """The slot's acknowledgements: appended in chunks, read back into the last bits known per reference."""
 
     def __init__(self, path: Path) -> None:
@@ -205,17 +211,6 @@ class AckLog:
             os.close(self.fd)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         self.size = self.compacted = os.fstat(self.fd).st_size
-
-    def sync(self) -> None:
-        """Onto the disk."""
-        with contextlib.suppress(OSError):
-            os.fdatasync(self.fd)
-
-    def close(self) -> None:
-        """Synced and closed."""
-        self.sync()
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
 
 
 class Slot:
