@@ -439,6 +439,8 @@ from llmtap.telemetry import process
 taken = []
 
 class Recorder:
+    spool = None
+
     def submit(self, message, source):
         taken.append(message)
 

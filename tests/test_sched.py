@@ -189,6 +189,7 @@ class _Receiver:
 
     def __init__(self) -> None:
         self.gone: list[int] = []
+        self.spool = None  # no record journal: the intake takes reads straight to the queue
 
     def submit(self, message: Any, source: int = 0) -> bool:
         return True
