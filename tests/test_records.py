@@ -138,6 +138,7 @@ def test_a_record_holds_the_figures_and_never_content_or_secrets(
         "output_source": "usage",
         "cache_read": 0,
         "cache_write": None,
+        "cache_write_1h": None,
         "reasoning": None,
     }
     assert [r["name"] for r in streamed["prompt"]["regions"]] == ["m0"]

@@ -15,6 +15,7 @@ import math
 from array import array
 
 from llmtap.analysis.attribution import dimensions
+from llmtap.analysis.cost import header_cost
 from llmtap.analysis.timeline import KEEP_CHARS, Timeline
 from llmtap.config.types import Route, Settings
 from llmtap.labels import version_label
@@ -102,6 +103,7 @@ class Playback:
                 attribution, body_user=info.end_user if info else None, key_fingerprint=key_fingerprint
             )
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in head.response_headers}
+        tl.header_cost = header_cost(headers)
         if "x-queue-time" in headers:
             # TGI reports its queue time in headers (non-streamed responses).
             tl.server_timing, bad = from_headers(headers)

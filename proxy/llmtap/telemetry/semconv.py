@@ -492,8 +492,9 @@ TENANT = "llmtap.tenant"
 USER_ID = "user.id"
 API_KEY_FINGERPRINT = "llmtap.api_key.fingerprint"
 PROPERTY_PREFIX = "llmtap.property."
-#: A request's cost, by the proposed GenAI convention (open-telemetry/semantic-conventions-genai#443):
-#: the amount, its ISO 4217 currency, and ``local`` (computed by the proxy from reported tokens and its prices).
+#: A request's cost, by the GenAI convention of open-telemetry/semantic-conventions-genai#443 (in its
+#: ``model/gen-ai/registry.yaml``, status development; that repository has no release yet): the amount, its
+#: ISO 4217 currency, and ``provider`` (the response stated it) or ``local`` (the proxy's price table).
 COST_AMOUNT = "gen_ai.usage.cost.amount"
 COST_CURRENCY = "gen_ai.usage.cost.currency"
 COST_SOURCE = "gen_ai.usage.cost.source"
