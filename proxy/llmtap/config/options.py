@@ -855,7 +855,8 @@ _TABLE = (
         None,
         "shortest prompt the upstream caches",
         "records",
-        default_text="16 for self-hosted servers, 1024 for hosted APIs",
+        default_text="16 for a self-hosted server (its provider, else a loopback, private or in-cluster address), "
+        "1024 for a hosted API",
     ),
     # attribution and cost (issue 31)
     option(
