@@ -97,14 +97,24 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "(`telemetry.offline_token_usage`).",
     ),
     sc.INPUT_MESSAGES: (
-        "string",
+        "string or any",
         "The prompt (system part and messages, role and text) as JSON, at most 16 KiB of text, only when "
-        "`OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` is true.",
+        "`OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` is true. On the content event (`--content-event "
+        "input=keep` or `hash`): the messages in structured form, or `sha256:<hex>` of them.",
+    ),
+    sc.SYSTEM_INSTRUCTIONS: (
+        "any",
+        "Content event only (`--content-event system=keep` or `hash`): instructions sent apart from the chat history "
+        "(Anthropic's `system`, the Responses API's `instructions`) as parts, or `sha256:<hex>` of them.",
+    ),
+    sc.CONTENT_TRUNCATED: (
+        "string[]",
+        "Content event only: the fields (`system`, `input`, `output`) cut to `--content-event-max-bytes`.",
     ),
     sc.OUTPUT_MESSAGES: (
-        "string",
+        "string or any",
         "The completion as JSON, at most 16 KiB, only when `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` "
-        "is true.",
+        "is true. On the content event (`--content-event output=keep` or `hash`): structured, or its `sha256:<hex>`.",
     ),
     sc.ERROR_TYPE: (
         "string",
@@ -267,7 +277,6 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.CHUNK_COUNT: ("int", "Content chunks in the stream."),
     sc.CHUNK_INDEX: ("int", "The chunk's position, from 0."),
     sc.CHUNK_TOKENS: ("int", "Tokens the chunk carried: usage apportioned by tiktoken counts, at least 1 each."),
-    sc.CHUNK_TOKENS_SOURCE: ("string", "Declared: how chunk tokens were counted."),
     sc.CHUNK_BYTES: ("int", "Bytes of the upstream read that carried the chunk."),
     sc.CHUNK_GAP: ("double", "Chunk gap in seconds (0 for the first): see Timing definitions."),
     sc.CHUNK_FOLDED: ("int", "How many chunks past the cap this one span or event stands for."),
@@ -317,7 +326,6 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     f"{sc.PROMPT_FINGERPRINT}.{{region}}": ("string", "A short sha256 of one prompt region, never its text."),
     f"{sc.PROMPT_REGION_TOKENS}.{{region}}": ("int", "Tokens in one prompt region."),
     sc.PROMPT_SHARED_PREFIX: ("int", "Tokens this prompt shares with the most similar recent one."),
-    sc.QUEUE_OUTCOME: ("string", "Declared: how a request left the admission queue."),
     sc.TIMING_FIELD: ("string", "Which server-reported timing field was ignored as malformed or absurd."),
     sc.TIMEOUT_KIND: (
         "string",
@@ -353,9 +361,18 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "string",
         "An `x-llmtap-property-<name>` header (name folded to `[a-z0-9_]`; at most 16 a request).",
     ),
-    sc.COST_AMOUNT: ("double", "What the request cost: its reported tokens at the price table's prices."),
+    sc.COST_AMOUNT: (
+        "double",
+        "What the request cost: the cost the response stated (a `usage.cost` field, a gateway's "
+        "`x-litellm-response-cost` header), else its reported tokens at the price table's prices; absent when "
+        "unknown, never 0 (semantic-conventions-genai #443, development, no release yet).",
+    ),
     sc.COST_CURRENCY: ("string", "`USD`."),
-    sc.COST_SOURCE: ("string", "`local`: llmtap computed the cost from the reported tokens and its prices."),
+    sc.COST_SOURCE: (
+        "string",
+        "`provider` (the response stated the cost) or `local` (llmtap computed it from the reported tokens and its "
+        "price table, named in `llmtap.cost.prices`).",
+    ),
     sc.COST_STATUS: (
         "string",
         "`priced`, `unknown_model` (no price for the model: no amount, never 0) or `no_usage` (the upstream "
@@ -565,7 +582,9 @@ def instruments(*, latest: bool) -> list[Instrument]:
 
 _T0 = 100.0
 _WALL = 1_700_000_000_000_000_000
-_ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default", provider="vllm")
+_ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default", provider="vllm", server_slots=4)
+#: Who sent the first request: every attribution dimension (``llmtap.analysis.attribution``).
+_ATTRIBUTION = {"tenant": "acme", "user": "user-7", "api_key": "0123456789ab", "property.team": "search"}
 _BODY: dict[str, Any] = {
     "model": "example-model",
     "messages": [
@@ -630,7 +649,7 @@ def _requests() -> Iterable[Timeline]:
     full.apply(
         Facts(
             usage=Usage(input_tokens=120, output_tokens=11, cache_read_tokens=96, cache_write_tokens=8,
-                        reasoning_tokens=2),
+                        reasoning_tokens=2, cost=0.00042),
             finish_reasons=["stop", "stop"],
             response_id="chatcmpl-1",
             response_model="example-model-2025",
@@ -639,12 +658,15 @@ def _requests() -> Iterable[Timeline]:
         )
     )  # fmt: skip
     full.malformed_events, full.oversized_events, full.rejected_timings = 1, 1, ["decode"]
+    full.attribution = dict(_ATTRIBUTION)
+    full.relay_delays.extend([0.00002, 0.00003, 0.00005])
     yield full
     again = _timeline()
     # The server's own timing in full, its decode too (``llmtap.decode.server.duration``).
     again.apply(
         Facts(
             usage=Usage(input_tokens=120, output_tokens=10),
+            response_model="gpt-4o",  # priced by the shipped table: a local cost
             finish_reasons=["length"],
             server_timing=ServerTiming(queue=0.01, prefill=0.15, decode=0.08),
         )
@@ -679,7 +701,7 @@ def _requests() -> Iterable[Timeline]:
             usage=Usage(input_tokens=120, output_tokens=10),
             finish_reasons=["stop"],
             response_id="chatcmpl-2",
-            response_model="example-model-2025",
+            response_model="gpt-4o",
         )
     )
     yield hop
@@ -719,7 +741,8 @@ def _type(value: Any) -> str:
     if isinstance(value, float):
         return "double"
     if isinstance(value, list | tuple):
-        return "string[]"
+        # Structured content (the content event's messages: maps in a list) is OTLP's AnyValue.
+        return "any" if any(isinstance(v, dict) for v in value) else "string[]"
     return "string"
 
 
@@ -789,6 +812,37 @@ def exercise(*, latest: bool, chunk_mode: str, out: Observed) -> None:
         recorder.close()
         tracer_provider.shutdown()
         meter_provider.shutdown()
+    content_events(out)
+
+
+def content_events(out: Observed) -> None:
+    """The content event of a chat request and of an Anthropic one (instructions sent apart), every field kept,
+    with a bound the chat's input exceeds: what the event carries at most."""
+    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
+
+    from llmtap.analysis.summary import Summary
+    from llmtap.config.types import ContentEvent
+    from llmtap.telemetry.content import ContentEmitter
+    from llmtap.telemetry.finished import Finished
+
+    exporter = InMemoryLogRecordExporter()  # type: ignore[no-untyped-call]
+    rules = ContentEvent(rules=(("system", "keep"), ("input", "keep"), ("output", "keep")), max_bytes=256)
+    emitter = ContentEmitter(rules, exporter)
+    chat = _timeline()
+    chat.apply(Facts(finish_reasons=["stop"], response_id="chatcmpl-3", response_model="example-model-2025"))
+    messages = provider_for("POST", "/v1/messages")
+    assert messages is not None
+    anthropic = _timeline()
+    anthropic.protocol = messages.name
+    body = {"model": "example-model", "system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]}
+    anthropic.request = messages.inspect(json.dumps(body).encode(), inject_usage=False)
+    for tl in (chat, anthropic):
+        tl.trace_id, tl.span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        emitter.emit(Finished(tl, Summary(), None))
+    emitter.close()
+    for data in exporter.get_finished_logs():
+        out.span_kinds[CONTENT_EVENT] = "log record"
+        out.span_attrs.setdefault(CONTENT_EVENT, set()).update(_note(out, data.log_record.attributes))
 
 
 # --- writing the reference -----------------------------------------------------------------------
@@ -941,7 +995,7 @@ def render(observed: Observed, released: list[Instrument], latest: list[Instrume
         )
     for name, seen in observed.types.items():
         declared = ATTRIBUTES[name][0]
-        if seen != {declared}:
+        if seen != set(declared.split(" or ")):
             raise SystemExit(
                 f"docs/generate/reference.py: {name} is declared {declared} but emitted as {', '.join(sorted(seen))}"
             )
@@ -1040,7 +1094,11 @@ def _latest_cell(name: str, released: set[str]) -> str:
     return "same"
 
 
+#: The content event, as the reference lists it (a log record, not a span: ``llmtap.telemetry.content``).
+CONTENT_EVENT = f"log {sc.EVENT_OPERATION_DETAILS}"
+
 SPAN_TITLES = {
+    CONTENT_EVENT: f"`{sc.EVENT_OPERATION_DETAILS}`, opt-in (`--content-event`), severity DEBUG",
     "root": "root: `{gen_ai.operation.name} {gen_ai.request.model}`",
     "relay": "root of a plain relay (no LLM protocol): `{http.request.method}`",
     "hop": "root under a traced client (`telemetry.span_role` hop, or auto with a `traceparent`): "
@@ -1050,7 +1108,7 @@ SPAN_TITLES = {
 
 def _span_order(name: str) -> int:
     order = ["root", "hop", sc.SPAN_QUEUE, sc.SPAN_UNATTRIBUTED, sc.SPAN_PREFILL, sc.SPAN_DECODE, sc.SPAN_CHUNK]
-    order += [f"event {sc.EVENT_CHUNK}", "relay"]
+    order += [f"event {sc.EVENT_CHUNK}", "relay", CONTENT_EVENT]
     return order.index(name) if name in order else len(order)
 
 

@@ -26,6 +26,7 @@ from llmtap.config.kinds import (
     byte_size,
     check_url,
     choice,
+    content_rules,
     dimension_names,
     host_name,
     integer,
@@ -771,6 +772,26 @@ _TABLE = (
         "also emit each record as an OTLP log record (event llmtap.request) to the OTLP logs endpoint",
         "records",
         key="record.logs",
+    ),
+    option(
+        "content_event",
+        content_rules(),
+        None,
+        "emit the content event gen_ai.client.inference.operation.details (an OTLP log record: system instructions, "
+        "input and output messages) with a rule per field, keep, hash or drop, e.g. input=keep,output=hash; a field "
+        "not named is dropped; no event unless named here",
+        "records",
+        key="content.event",
+        default_text="off",
+    ),
+    option(
+        "content_event_max_bytes",
+        byte_size(256),
+        16 << 10,
+        "the most of each field the content event carries (its JSON, UTF-8); a longer field is cut and the event "
+        "names it in llmtap.content.truncated",
+        "records",
+        key="content.max_bytes",
     ),
     option(
         "record_clickhouse",

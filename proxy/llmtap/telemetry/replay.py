@@ -73,7 +73,7 @@ class Playback:
             received=received,
             received_wall_ns=head.received_wall_ns,
             # The output's text is kept only where a span may show it.
-            keep_chars=KEEP_CHARS if settings.telemetry.capture_content else 0,
+            keep_chars=KEEP_CHARS if settings.telemetry.capture_content or settings.content.on else 0,
         )
         self.tl = tl
         if head.prompt_version is not None:
