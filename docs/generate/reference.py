@@ -17,9 +17,10 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from opentelemetry.metrics import Counter, Histogram, NoOpMeter, UpDownCounter
+from opentelemetry.metrics import Counter, Histogram, NoOpMeter, ObservableCounter, ObservableGauge, UpDownCounter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -35,6 +36,7 @@ from llmtap.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
 from llmtap.telemetry.metrics import CONVENTIONS, OWN, SHAPE
 from llmtap.telemetry.prometheus import metric_name
 from llmtap.telemetry.recorder import Recorder
+from llmtap.telemetry.setup import process_metrics
 from llmtap.types import Facts, ServerTiming, Usage
 from llmtap.wire.messages import (
     CLIENT_TIMEOUT_KINDS,
@@ -388,6 +390,7 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
 #: Attributes of metrics the reference run cannot provoke (they count failures of llmtap itself).
 UNEXERCISED: dict[str, tuple[str, ...]] = {
     sc.METRIC_TELEMETRY_DROPPED: (sc.TELEMETRY_REASON,),
+    sc.METRIC_SPANS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_FACTS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_RECORDS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_SERVER_SPANS: (sc.SERVER_SPAN_OUTCOME,),
@@ -460,6 +463,10 @@ METRICS: dict[str, str] = {
     sc.METRIC_JOURNAL_SIZE: "Each scrape or export, with a record journal: the bytes of tapes it holds now.",
     sc.METRIC_JOURNAL_RECORDS: "Each scrape or export, with a record journal: the requests it keeps until every "
     "record sink has their record.",
+    sc.METRIC_SPANS_DROPPED: "Each scrape or export, with an OTLP trace exporter: the spans dropped so far, by "
+    "`llmtap.telemetry.reason`.",
+    sc.METRIC_EXPORTS_FAILED: "Each scrape or export, with an OTLP metric exporter: metric exports the collector did "
+    "not take so far.",
     sc.METRIC_START_TIME: "Each scrape or export: when the telemetry process started (a restart shows as a new value; "
     "its counters start from 0 then).",
     sc.METRIC_MALFORMED: "Streams with events llmtap could not parse; every route reads 0 from the start.",
@@ -566,15 +573,29 @@ class _CatalogMeter(NoOpMeter):
             name, unit, description, explicit_bucket_boundaries_advisory=explicit_bucket_boundaries_advisory
         )
 
+    def create_observable_gauge(
+        self, name: str, callbacks: Any = None, unit: str = "", description: str = ""
+    ) -> ObservableGauge:
+        self.created.append(Instrument(name, "gauge", unit, description))
+        return super().create_observable_gauge(name, callbacks, unit, description)
+
+    def create_observable_counter(
+        self, name: str, callbacks: Any = None, unit: str = "", description: str = ""
+    ) -> ObservableCounter:
+        self.created.append(Instrument(name, "counter", unit, description))
+        return super().create_observable_counter(name, callbacks, unit, description)
+
 
 def instruments(*, latest: bool) -> list[Instrument]:
     """Every instrument of one naming flavour (the opt-in ``gen_ai.server.*`` ones too), with the buckets of
-    either ``telemetry.histogram_buckets`` setting."""
+    either ``telemetry.histogram_buckets`` setting; then the telemetry process's own (``setup.process_metrics``)."""
     standard, fine = _CatalogMeter(), _CatalogMeter()
     create(standard, latest=latest, server=True)
     create(fine, latest=latest, fine=True, server=True)
     for ins, other in zip(standard.created, fine.created, strict=True):
         ins.fine_buckets = other.buckets
+    exporters: Any = SimpleNamespace(observe=None)  # present: their instruments are made
+    process_metrics(standard, 0.0, exporters, exporters)
     return standard.created
 
 
@@ -638,6 +659,7 @@ def _timeline(
         tl.request = provider.inspect(content, inject_usage=True)
     for i in range(chunks):
         tl.add_chunk(at + 0.2 + i * 0.02, 40, f" word{i}")
+        tl.relay_delays.append(0.00002 * (i + 1))  # what the relay added to each read
     tl.end = at + 0.2 + chunks * 0.02
     tl.response_bytes = 40 * chunks + 100
     return tl
@@ -659,7 +681,6 @@ def _requests() -> Iterable[Timeline]:
     )  # fmt: skip
     full.malformed_events, full.oversized_events, full.rejected_timings = 1, 1, ["decode"]
     full.attribution = dict(_ATTRIBUTION)
-    full.relay_delays.extend([0.00002, 0.00003, 0.00005])
     yield full
     again = _timeline()
     # The server's own timing in full, its decode too (``llmtap.decode.server.duration``).
@@ -702,8 +723,11 @@ def _requests() -> Iterable[Timeline]:
             finish_reasons=["stop"],
             response_id="chatcmpl-2",
             response_model="gpt-4o",
+            system_fingerprint="fp_example",
+            server_timing=ServerTiming(queue=0.02),
         )
     )
+    hop.attribution = dict(_ATTRIBUTION)
     yield hop
     # No prompt version and another system prompt (the cache diagnosis names the changed region), and a
     # body that is not JSON at all: no model, relayed unchanged.
