@@ -63,7 +63,7 @@ class ContentEmitter:
         provider: LoggerProvider | None = None,
     ) -> None:
         self.rules = rules
-        self.provider = provider or LoggerProvider(resource=resource())
+        self.provider = provider or LoggerProvider(resource=resource(), shutdown_on_exit=False)  # closed by close()
         self.provider.add_log_record_processor(BatchLogRecordProcessor(exporter, max_queue_size=max(capacity, 1)))
         self._logger = self.provider.get_logger("llmtap.content", __version__)
         self._said = False
