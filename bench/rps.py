@@ -95,41 +95,53 @@ class Rig:
         self.services: list[Service] = []
         self.urls: dict[str, str] = {}
         self.trees: dict[str, Service] = {}
+        #: Each llmtap tree's admin port (``/metrics``: the tapes its telemetry dropped).
+        self.admins: dict[str, int] = {}
         (work / "rps.lua").write_text(WRK_SCRIPT % BODY)
 
     def start(self) -> None:
         """The upstream on the client's core, then each path of the plan."""
-        argv = [sys.executable, "-m", "bench.fixed_upstream", "--bytes", str(self.plan.answer_bytes)]
-        up = Service("rps-upstream", argv, log=self.work / "rps-upstream.log", cpu=self.client_cpu, env=_env())
-        self.services.append(up)
-        port = up.ready(lambda: int(up.read_line()))
+        port = self.upstream()
         for path in self.plan.paths:
             if path == "direct":
                 self.urls[path] = f"http://127.0.0.1:{port}{PATH}"
             elif path == "nginx":
                 ep = peers.nginx(self.work, self.proxy_cpu, port)
                 assert ep.service is not None
-                self._keep(path, ep.service, ep.url.replace("/v1/chat/completions", PATH))
+                self.keep(path, ep.service, ep.url.replace("/v1/chat/completions", PATH))
             elif path == "llmtap":
-                self._keep(path, *self._llmtap(port))
+                self.keep(path, *self.llmtap(port))
             else:
                 raise ValueError(f"unknown path {path!r} (paths: {', '.join(RPS_PATHS)})")
 
-    def _keep(self, path: str, svc: Service, url: str) -> None:
+    def upstream(self) -> int:
+        """Start the fixed upstream on the client's core; its port."""
+        argv = [sys.executable, "-m", "bench.fixed_upstream", "--bytes", str(self.plan.answer_bytes)]
+        up = Service("rps-upstream", argv, log=self.work / "rps-upstream.log", cpu=self.client_cpu, env=_env())
+        self.services.append(up)
+        self.upstream_port: int = up.ready(lambda: int(up.read_line()))
+        return self.upstream_port
+
+    def keep(self, path: str, svc: Service, url: str) -> None:
+        """Measure ``svc``'s tree as ``path``, reached at ``url``."""
+        if svc.name in self.admins:
+            self.admins[path] = self.admins.pop(svc.name)
         self.services.append(svc)
         self.trees[path] = svc
         self.urls[path] = url
 
-    def _llmtap(self, upstream_port: int) -> tuple[Service, str]:
-        """``llmtap serve`` with default settings (no OTLP endpoint, no records), its whole tree on the proxy's
-        core."""
+    def llmtap(self, upstream_port: int, tree: Path | None = None, name: str = "llmtap-rps") -> tuple[Service, str]:
+        """``llmtap serve`` (from ``tree``'s ``proxy/``, else this checkout's) with default settings (no OTLP
+        endpoint, no records), its whole tree on the proxy's core."""
         port, admin = free_port(), free_port()
         argv = [
             sys.executable, "-m", "llmtap", "serve", "--upstream", f"http://127.0.0.1:{upstream_port}",
             "--provider", "vllm", "--port", str(port), "--admin-port", str(admin), "--log-level", "warning",
         ]  # fmt: skip
-        svc = Service("llmtap-rps", argv, log=self.work / "llmtap-rps.log", cpu=self.proxy_cpu, env=_env())
+        env = _env() if tree is None else {"PYTHONPATH": f"{tree / 'proxy'}{os.pathsep}{peers.REPO}"}
+        svc = Service(name, argv, log=self.work / f"{name}.log", cpu=self.proxy_cpu, env=env)
         svc.ready(lambda: wait_http(f"http://127.0.0.1:{admin}/readyz", 60, alive=lambda: svc.proc.poll() is None))
+        self.admins[name] = admin
         return svc, f"http://127.0.0.1:{port}{PATH}"
 
     def stop(self) -> None:
@@ -176,11 +188,17 @@ class Rig:
         svc = self.trees.get(path)
         if svc is None:
             return dict(run())
+        admin = self.admins.get(path)
         quiesce(svc, settle=self.plan.settle)
+        tapes0 = peers.scrape_sum(admin) if admin else None
         roles0 = svc.cpu_roles()
         got = dict(run())
         quiesce(svc, settle=self.plan.settle)
         roles1 = svc.cpu_roles()
+        if admin:
+            # Tapes the telemetry turned away (its queue full): requests relayed whole but not measured.
+            tapes1 = peers.scrape_sum(admin)
+            got["tapes_dropped"] = None if tapes1 is None else tapes1 - (tapes0 or 0.0)
         roles = {r: max(0.0, roles1.get(r, 0.0) - roles0.get(r, 0.0)) for r in set(roles0) | set(roles1)}
         done = got.get("requests", got.get("completed", 0)) or 0
         got["cpu_s"] = sum(roles.values())
@@ -273,8 +291,9 @@ def open_line(row: dict[str, Any]) -> str:
 def markdown(result: dict[str, Any]) -> str:
     """The part's tables."""
     lines = [
-        "| path | connections | requests/s | p50 / p99 ms | tree CPU per request µs (relay / telemetry) | errors |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| path | connections | requests/s | p50 / p99 ms | tree CPU per request µs (relay / telemetry) | errors "
+        "| tapes dropped |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["closed"]:
         cpu = (
@@ -285,19 +304,20 @@ def markdown(result: dict[str, Any]) -> str:
         )
         lines.append(
             f"| {r['path']} | {r['connections']} | {r['requests_per_s']:,.0f} | {r['p50_ms']:.3f} / {r['p99_ms']:.3f}"
-            f" | {cpu} | {r['errors']} |"
+            f" | {cpu} | {r['errors']} | {_f(r.get('tapes_dropped'), 0)} |"
         )
     lines += [
         "",
-        "| path | rate/s | answered/s | p50 / p99 ms | added p50 / p99 ms over direct | sends late p99 ms | lost |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| path | rate/s | answered/s | p50 / p99 ms | added p50 / p99 ms over direct | sends late p99 ms | lost "
+        "| tapes dropped |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["open"]:
         lat = r["latency_ms"]
         lines.append(
             f"| {r['path']} | {r['rate']:,} | {r['achieved_rate']:,.0f} | {lat['p50']:.3f} / {lat['p99']:.3f} | "
             f"{_f(r.get('added_p50_ms'), 3)} / {_f(r.get('added_p99_ms'), 3)} | {r['late_ms']['p99']:.3f} | "
-            f"{r['lost'] + r['errors']} |"
+            f"{r['lost'] + r['errors']} | {_f(r.get('tapes_dropped'), 0)} |"
         )
     lines.append("")
     lines.append(f"Generator kept every rate against direct: {result.get('generator_ok')}.")

@@ -66,6 +66,9 @@ def test_closed_loop_measures_every_path_at_every_connection_count(rps: tuple[di
         ), r
         if r["path"] == "nginx":
             assert r["cpu_telemetry_us_per_request"] == 0, r
+        else:
+            # Read off llmtap's /metrics around the measurement: a count, never below zero.
+            assert r["tapes_dropped"] is not None and r["tapes_dropped"] >= 0, r
 
 
 @pytest.mark.real
