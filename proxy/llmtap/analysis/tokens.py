@@ -126,7 +126,7 @@ def _encoding_for(model: str) -> str:
     return name if name in _SHA256 else DEFAULT_ENCODING
 
 
-#: tiktoken's lookup tries every prefix it knows and raises for a model it does not (any open model): a few
+#: tiktoken's lookup tries every prefix it knows and raises for a model it does not (any open model): 1 to 2
 #: microseconds a call, and a request asks up to three times. A deployment serves a handful of models; the bound
 #: holds whatever names clients send.
 _remembered = functools.lru_cache(maxsize=256)(_encoding_for)
