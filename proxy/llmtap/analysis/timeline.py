@@ -159,6 +159,8 @@ class Timeline:
     # Names of timing headers the relay found malformed or inconsistent, and so ignored.
     rejected_timings: list[str] = field(default_factory=list)
     span_id: str | None = None
+    # What identifies the request's record (32 hex), traced or not: the relay makes it with the tape.
+    record_id: str | None = None
     # Whether the relay marked the trace sampled, and the client's traceparent and tracestate (or None).
     sampled: bool = True
     parent: tuple[str, str] | None = None

@@ -68,6 +68,7 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
         "time": datetime.fromtimestamp(tl.received_wall_ns / 1e9, UTC).isoformat(timespec="milliseconds"),
         "trace_id": tl.trace_id,
         "span_id": tl.span_id,
+        "record_id": tl.record_id,
         "response_id": clean_or_none(tl.response_id),
         "instance_id": writer.instance_id,
         "host": writer.host,

@@ -82,6 +82,7 @@ class Playback:
             tl.prompt_version = route.prompt_version
         tl.trace_id = format(int.from_bytes(head.trace_id, "big"), "032x")
         tl.span_id = format(int.from_bytes(head.span_id, "big"), "016x")
+        tl.record_id = format(int.from_bytes(head.record_id, "big"), "032x")
         tl.sampled = head.sampled
         tl.parent = head.parent
         tl.body_read, tl.admitted, tl.sent, tl.headers = head.body_read, head.admitted, head.sent, head.headers_at
