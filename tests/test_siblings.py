@@ -167,7 +167,7 @@ def test_a_prompt_another_process_indexed_is_known_here() -> None:
     ]
     assert got[1] is not None and got[1].shared_prefix_tokens > 700  # process 1 knew process 0's prompt
     with pytest.raises(ValueError):
-        shards[0].learn(("prefix", ("not bytes",), 1.0))
+        shards[0].learn(("prefix", ("not bytes",), 1.0))  # type: ignore[arg-type]
 
 
 def test_lessons_cross_as_facts_and_a_recorder_refuses_bad_ones_without_harm() -> None:

@@ -19,12 +19,11 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from google.protobuf.message import DecodeError
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.trace import TracerProvider
 
-from llmtap.analysis.cachediag import PREFIX, CacheDiagnoser, Diagnosis
+from llmtap.analysis.cachediag import CacheDiagnoser, Diagnosis
 from llmtap.analysis.cost import PriceTable, request_cost
 from llmtap.analysis.estimator import Estimator
 from llmtap.analysis.slots import Slots
@@ -49,13 +48,14 @@ from llmtap.telemetry.serverspans import (
     ServerSpanWait,
     server_spans,
 )
-from llmtap.telemetry.siblings import FACT_DROP_REASONS, LIVE, SLOTS, SPANS, Siblings
+from llmtap.telemetry.siblings import FACT_DROP_REASONS, Lessons, Siblings
 from llmtap.telemetry.sinks import Sink, build_sinks, drop_reasons
 from llmtap.telemetry.spans import SpanWriter
 from llmtap.telemetry.spool import EMITTED, JOURNAL_DROP_REASONS, Spool, open_spool
 from llmtap.telemetry.streams import MAX_OPEN_STREAMS, Streams
 from llmtap.telemetry.trim import Trimmer
 from llmtap.telemetry.upstreams import UpstreamWatch
+from llmtap.wire.lessons import Decoding, Ended, Idle, Lesson, LiveEntry, PassedSpans, Prefix, SlotCount
 from llmtap.wire.messages import (
     END,
     FACTS,
@@ -218,6 +218,19 @@ class Recorder:
         self.live_entries: Callable[[Any], None] | None = None
         # Slot counts the siblings learned from upstreams' gauges this process does not read (only the worker).
         self._sibling_slots: dict[str, Slots] = {}
+        #: What the siblings tell, each kind to the one that learns it.
+        self.lessons = Lessons(
+            {
+                Decoding: self.estimator.learn,
+                Ended: self.estimator.learn,
+                Idle: self.estimator.learn,
+                Prefix: self.cache.learn,
+                SlotCount: self._learn_slots,
+                LiveEntry: self._learn_live,
+                PassedSpans: self._learn_spans,
+            },
+            self._unreadable_lesson,
+        )
         for reason in FACT_DROP_REASONS:
             self.count_facts_dropped(reason, 0)
         for reason in TRACE_CONTEXT_REASONS:
@@ -617,7 +630,7 @@ class Recorder:
             self.relays.report(source, m)
             return
         if isinstance(m, Facts):
-            self._learn(m)
+            self.lessons.take(m)
             return
         playback = self.streams.take((source, m.key), m, hole)
         if playback is None or not isinstance(m, End):  # a segment, or a stream that cannot be recorded
@@ -730,37 +743,30 @@ class Recorder:
     def _share(self, learned: list[Any] | None, upstream: str | None = None, slots: Slots | None = None) -> None:
         """Pass what the last request taught (and the upstream's slot count, now and then) to the siblings."""
         assert self.siblings is not None
-        lessons = list(learned) if learned else []
+        lessons: list[Lesson] = list(learned) if learned else []
         if learned:
             learned.clear()
         if upstream is not None and slots is not None and self.siblings.slots_due(upstream, time.monotonic()):
-            lessons.append((SLOTS, upstream, slots.slots, slots.source, slots.confidence))
+            lessons.append(SlotCount(upstream, slots.slots, slots.source, slots.confidence))
         self.siblings.offer(lessons)
 
-    def _learn(self, facts: Facts) -> None:
-        """What another telemetry process's requests taught it, into this one's estimator, cache index, slots."""
-        for lesson in facts.lessons:
-            try:
-                kind = lesson[0]
-                if kind == PREFIX:
-                    self.cache.learn(lesson)
-                elif kind == LIVE:
-                    if self.live_entries is not None:
-                        self.live_entries(lesson[1])
-                elif kind == SPANS:
-                    export = ExportTraceServiceRequest.FromString(lesson[1])
-                    self._join_spans(_Spans(server_spans(export), export))
-                elif kind == SLOTS:
-                    _, upstream, count, source, confidence = lesson
-                    if len(self._sibling_slots) >= 4096:
-                        self._sibling_slots.clear()
-                    self._sibling_slots[str(upstream)] = Slots(int(count), str(source), float(confidence))
-                else:
-                    self.estimator.learn(lesson)
-            except (ValueError, TypeError, KeyError, IndexError, DecodeError) as exc:
-                self.unreadable += 1
-                if self.unreadable & (self.unreadable - 1) == 0:
-                    log.error("telemetry: dropped a lesson of another telemetry process that cannot be read: %s", exc)
+    def _learn_slots(self, lesson: SlotCount) -> None:
+        if len(self._sibling_slots) >= 4096:
+            self._sibling_slots.clear()
+        self._sibling_slots[lesson.upstream] = Slots(lesson.slots, lesson.source, float(lesson.confidence))
+
+    def _learn_live(self, lesson: LiveEntry) -> None:
+        if self.live_entries is not None:
+            self.live_entries(lesson.entry)
+
+    def _learn_spans(self, lesson: PassedSpans) -> None:
+        export = ExportTraceServiceRequest.FromString(lesson.export)
+        self._join_spans(_Spans(server_spans(export), export))
+
+    def _unreadable_lesson(self, exc: Exception) -> None:
+        self.unreadable += 1
+        if self.unreadable & (self.unreadable - 1) == 0:
+            log.error("telemetry: dropped a lesson of another telemetry process that cannot be read: %s", exc)
 
     def _drift_due(self, tl: Timeline) -> bool:
         if not drift_possible(tl):

@@ -6,11 +6,11 @@ still see every request to an upstream: the queue/prefill estimator's slot repla
 and when it decoded), its unloaded-TTFT envelope (each request sent to an idle upstream), the cache
 diagnosis's index of recent prompts (each prompt's block chain, once its prefill is done) and the slot count
 learned from the upstream's gauges. Each process keeps all of it for every upstream, from its own requests and
-from the lessons the others send it (``Facts``, on a Unix socket of each process's own,
-``llmtap.serve.sockets.facts_paths``). A request's own figures are computed once, where it is recorded; its
-lessons are a few dozen bytes (a prompt's chain: 16 bytes per 1,024 characters). Two more kinds go to one
-process only: each finished request to process 0's live view (``LIVE``), and the upstream's spans from
-process 0's span receiver to the process that recorded their request (``SPANS``).
+from the lessons the others send it (named lessons, ``llmtap.wire.lessons``, in ``Facts`` messages, on a Unix
+socket of each process's own, ``llmtap.serve.sockets.facts_paths``). A request's own figures are computed once,
+where it is recorded; its lessons are a few dozen bytes (a prompt's chain: 16 bytes per 1,024 characters). Two
+more kinds go to one process only: each finished request to process 0's live view (``LiveEntry``), and the
+upstream's spans from process 0's span receiver to the process that recorded their request (``PassedSpans``).
 
 Lessons leave in batches: once ``BATCH`` wait, or ``BATCH_WAIT`` seconds after the oldest was offered (the
 recorder wakes for it), so a process sends a few times a second when idle and a few hundred when busy. What that
@@ -31,28 +31,23 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from llmtap.telemetry.peers import partition
-from llmtap.wire.messages import FACTS
+from llmtap.wire.lessons import Lesson, PassedSpans, decode_lesson, encode_lesson
+from llmtap.wire.messages import FACTS, Facts
 from llmtap.wire.socketchannel import SocketChannel
 from llmtap.wire.tape import shard_of
 
-__all__ = ["BATCH", "BATCH_WAIT", "FACT_DROP_REASONS", "LIVE", "SLOTS", "SPANS", "Siblings", "by_process"]
+__all__ = ["BATCH", "BATCH_WAIT", "FACT_DROP_REASONS", "SLOTS_EVERY", "Lessons", "Siblings", "by_process"]
 
 #: Lessons sent together at most, and the longest one waits for company (seconds).
 BATCH = 64
 BATCH_WAIT = 0.005
-#: The lesson kind of a slot count learned from the upstream's gauges: ``(SLOTS, upstream, slots, source,
-#: confidence)``, sent at most once every ``SLOTS_EVERY`` seconds per upstream.
-SLOTS = "slots"
+#: A slot count learned from the upstream's gauges (``SlotCount``) is told at most once every this many seconds
+#: per upstream.
 SLOTS_EVERY = 1.0
-#: The lesson kind that carries a finished request to the first process's live view: ``(LIVE, entry)``
-#: (``llmtap.telemetry.live.window.Entry``), sent to process 0 only.
-LIVE = "live"
-#: The lesson kind that carries an upstream's spans to the process that recorded their requests: ``(SPANS,
-#: export)``, an OTLP ``ExportTraceServiceRequest``'s bytes (the receiver is process 0's admin listener).
-SPANS = "spans"
 #: Why lessons were lost: a sibling's buffer full or the sibling away (the sender), the receiver's queue full.
 FACT_DROP_REASONS = ("channel_full", "queue_full")
 #: Bytes of lessons that may wait for one sibling: a second of a busy process's lessons.
@@ -96,8 +91,8 @@ class Siblings:
         self._loop = loop
         self._dropped = dropped
         self._clock = clock
-        self._pending: list[tuple[Any, ...]] = []
-        self._first: list[tuple[Any, ...]] = []  # for process 0 only (the live view's)
+        self._pending: list[Lesson] = []
+        self._first: list[Lesson] = []  # for process 0 only (the live view's)
         self._since = 0.0
         # Per upstream, when its slot count was last told (the recorder's thread only).
         self._slots_at: dict[str, float] = {}
@@ -107,7 +102,7 @@ class Siblings:
         for channel in self.channels.values():
             await channel.start()
 
-    def offer(self, lessons: list[tuple[Any, ...]], *, first_only: bool = False) -> None:
+    def offer(self, lessons: list[Lesson], *, first_only: bool = False) -> None:
         """Lessons of one request (the recorder's thread): sent with the batch they join, to every other process
         or (``first_only``) to process 0."""
         if not lessons:
@@ -147,20 +142,48 @@ class Siblings:
         except RuntimeError:  # the loop closed: shutting down
             self._dropped("channel_full", len(batch) + len(first))
 
-    def _send(self, batch: tuple[tuple[Any, ...], ...], first: tuple[tuple[Any, ...], ...]) -> None:
+    def _send(self, lessons: tuple[Lesson, ...], to_first: tuple[Lesson, ...]) -> None:
+        batch = tuple(encode_lesson(lesson) for lesson in lessons)
+        first = tuple(encode_lesson(lesson) for lesson in to_first)
         for index, channel in self.channels.items():
-            lessons = batch + first if index == 0 else batch
-            if lessons and not channel.send((FACTS, lessons)):
-                self._dropped("channel_full", len(lessons))
+            encoded = batch + first if index == 0 else batch
+            if encoded and not channel.send((FACTS, encoded)):
+                self._dropped("channel_full", len(encoded))
 
     def pass_spans(self, index: int, export: bytes) -> bool:
         """Spans of traces process ``index`` recorded (``shard_of``), for its join; the loop's thread. False when
         they could not be passed (counted by the caller)."""
         channel = self.channels.get(index)
-        return channel is not None and channel.send((FACTS, ((SPANS, export),)), reserve=True)
+        return channel is not None and channel.send((FACTS, (encode_lesson(PassedSpans(export)),)), reserve=True)
 
     async def aclose(self) -> None:
         """Close the connections, each writing out what it holds first (lessons still waiting for their batch are
         not sent: the others are stopping too)."""
         for channel in self.channels.values():
             await channel.aclose()
+
+
+class Lessons:
+    """What the other telemetry processes tell this one: each lesson of their ``Facts`` decoded on its own and handed
+    to the one that learns its kind (the estimator, the cache index, the slot counts, the live view, the join).
+
+    A lesson that cannot be read, or that its learner refuses (``ValueError``, a garbled span export), goes to
+    ``unreadable`` and costs only itself."""
+
+    def __init__(
+        self, learners: dict[type[Any], Callable[[Any], None]], unreadable: Callable[[Exception], None]
+    ) -> None:
+        self.learners = learners
+        self._unreadable = unreadable
+
+    def take(self, facts: Facts) -> None:
+        """Learn each lesson of ``facts`` (the recorder's thread)."""
+        learners = self.learners
+        for raw in facts.lessons:
+            try:
+                lesson = decode_lesson(raw)
+                learner = learners.get(type(lesson))
+                if learner is not None:
+                    learner(lesson)
+            except (ValueError, TypeError, KeyError, IndexError, DecodeError) as exc:
+                self._unreadable(exc)

@@ -31,7 +31,7 @@ from llmtap.config.types import Settings
 from llmtap.telemetry.access import Gate
 from llmtap.telemetry.live.window import HISTORY, SLOT, WINDOWS, Labels, LiveWindow
 from llmtap.telemetry.recorder import Recorder
-from llmtap.telemetry.siblings import LIVE
+from llmtap.wire.lessons import LiveEntry
 
 __all__ = ["LiveView", "embed", "recorder_labels"]
 
@@ -157,7 +157,7 @@ class LiveView:
         siblings = self.recorder.siblings
         entry = self.window.entry(tl, s)
         if siblings is not None and entry is not None:
-            siblings.offer([(LIVE, entry)], first_only=True)
+            siblings.offer([LiveEntry(entry)], first_only=True)
 
     def close(self) -> None:
         """End the open event streams, so the admin listener can stop at once."""
