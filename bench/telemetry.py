@@ -58,7 +58,7 @@ from llmtap.wire.tape import Tape
 def _encode(spans: Sequence[ReadableSpan]) -> bytes:
     """A batch as OTLP protobuf, by the encoder the tree's exporters use (the SDK's, before llmtap had one)."""
     try:
-        from llmtap.telemetry.otlp_spans import encode_request
+        from llmtap.telemetry.emit.otlp_spans import encode_request
     except ImportError:
         data: bytes = encode_spans(spans).SerializeToString()
         return data
@@ -185,8 +185,10 @@ class _Phases:
     @classmethod
     def timing(cls) -> _Phases:
         """The phases of the tree's telemetry, each timed by the functions it runs (undo when done)."""
-        from llmtap.telemetry import recorder as recorder_module, replay, spans
-        from llmtap.telemetry.metrics import MetricWriter
+        from llmtap.telemetry import recorder as recorder_module
+        from llmtap.telemetry.emit import spans
+        from llmtap.telemetry.emit.metrics import MetricWriter
+        from llmtap.telemetry.intake import replay
 
         phases = cls()
         phases.wrap(replay.Playback, "__init__", "decode")
@@ -213,7 +215,7 @@ def _meters() -> tuple[MeterProvider, Callable[[], None]]:
     """
     try:
         from llmtap.config.types import TelemetrySettings
-        from llmtap.telemetry.setup import build
+        from llmtap.telemetry.emit.setup import build
     except ImportError:
         provider = MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)
         return provider, provider.shutdown
@@ -228,7 +230,7 @@ def _meters() -> tuple[MeterProvider, Callable[[], None]]:
 def measure(requests: int, chunks: int, *, pace: float = 0.0, batch: int = 1) -> dict[str, Any]:
     """CPU per chunk by phase for ``requests`` tapes of ``chunks`` chunks, default telemetry settings; with
     ``pace``, the tapes come ``batch`` at a time, ``pace`` seconds per tape apart (the process sleeps between)."""
-    from llmtap.telemetry.records import record_line
+    from llmtap.telemetry.records.record import record_line
 
     exporter = _Encoding()
     tracer_provider = TracerProvider(shutdown_on_exit=False)

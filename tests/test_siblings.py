@@ -21,8 +21,8 @@ from llmtap.analysis.estimator import Estimator, QueuePrefill
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Route, Settings
+from llmtap.telemetry.fleet.siblings import by_process
 from llmtap.telemetry.recorder import Recorder
-from llmtap.telemetry.siblings import by_process
 from llmtap.types import PromptRegion
 from llmtap.wire.messages import FACTS, Facts, WireError, decode, encode
 from llmtap.wire.tape import shard_of

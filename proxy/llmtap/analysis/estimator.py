@@ -226,7 +226,7 @@ Lesson: TypeAlias = Decoding | Ended | Idle
 class Estimator:
     """Bounded per-upstream state for splitting upstream TTFT; one per recorder, used on its thread.
 
-    Where several telemetry processes share an upstream's requests (``llmtap.telemetry.siblings``), ``learned``
+    Where several telemetry processes share an upstream's requests (``llmtap.telemetry.fleet.siblings``), ``learned``
     is a list: each lesson a request taught goes there too, and the other processes ``learn`` it, so every
     process's slot log and envelopes hold all the upstream's requests.
     """

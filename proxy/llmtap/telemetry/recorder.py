@@ -30,16 +30,13 @@ from llmtap.analysis.slots import Slots
 from llmtap.analysis.summary import Summary, drift_possible, summarize
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Settings
-from llmtap.telemetry import forward, identity, peers, sched, semconv as sc
-from llmtap.telemetry.access_log import AccessLog
-from llmtap.telemetry.finished import Emitter, Finished, Listener, Listeners, RecordEmitter
-from llmtap.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
-from llmtap.telemetry.holes import Hole, Holed, Holes
-from llmtap.telemetry.losses import STATE_FILE, Losses
-from llmtap.telemetry.metrics import MetricWriter
-from llmtap.telemetry.relays import Drops, RelayGauges
-from llmtap.telemetry.replay import Playback
-from llmtap.telemetry.serverspans import (
+from llmtap.telemetry import identity, sched, semconv as sc
+from llmtap.telemetry.emit.finished import Emitter, Finished, Listener, Listeners
+from llmtap.telemetry.emit.metrics import MetricWriter
+from llmtap.telemetry.emit.spans import SpanWriter
+from llmtap.telemetry.fleet import forward, peers
+from llmtap.telemetry.fleet.forward import OUTCOMES as FORWARD_OUTCOMES
+from llmtap.telemetry.fleet.serverspans import (
     OUTCOMES,
     REJECT_REASONS,
     Finishing,
@@ -48,13 +45,18 @@ from llmtap.telemetry.serverspans import (
     ServerSpanWait,
     server_spans,
 )
-from llmtap.telemetry.siblings import FACT_DROP_REASONS, Lessons, Siblings
-from llmtap.telemetry.sinks import Sink, build_sinks, drop_reasons
-from llmtap.telemetry.spans import SpanWriter
-from llmtap.telemetry.spool import EMITTED, JOURNAL_DROP_REASONS, Spool, open_spool
-from llmtap.telemetry.streams import MAX_OPEN_STREAMS, Streams
+from llmtap.telemetry.fleet.siblings import FACT_DROP_REASONS, Lessons, Siblings
+from llmtap.telemetry.fleet.upstreams import UpstreamWatch
+from llmtap.telemetry.intake.holes import Hole, Holed, Holes
+from llmtap.telemetry.intake.relays import Drops, RelayGauges
+from llmtap.telemetry.intake.replay import Playback
+from llmtap.telemetry.intake.streams import MAX_OPEN_STREAMS, Streams
+from llmtap.telemetry.journal.losses import STATE_FILE, Losses
+from llmtap.telemetry.journal.spool import EMITTED, JOURNAL_DROP_REASONS, Spool, open_spool
+from llmtap.telemetry.records.access_log import AccessLog
+from llmtap.telemetry.records.emitter import RecordEmitter
+from llmtap.telemetry.records.sinks import Sink, build_sinks, drop_reasons
 from llmtap.telemetry.trim import Trimmer
-from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.lessons import Decoding, Ended, Idle, Lesson, LiveEntry, PassedSpans, Prefix, SlotCount
 from llmtap.wire.messages import (
     END,
@@ -395,7 +397,7 @@ class Recorder:
 
     def share_with(self, siblings: Siblings) -> None:
         """Tell ``siblings`` what each request teaches the state kept whole per upstream, and learn what they tell
-        (``llmtap.telemetry.siblings``); before the first message."""
+        (``llmtap.telemetry.fleet.siblings``); before the first message."""
         self.siblings = siblings
         self.estimator.learned = []
         self.cache.learned = []
