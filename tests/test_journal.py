@@ -34,7 +34,8 @@ from llmtap.telemetry.journal.files import (
 )
 from llmtap.telemetry.journal.losses import STATE_FILE, Losses
 from llmtap.telemetry.journal.sequences import Sequences
-from llmtap.telemetry.journal.spool import Spool, open_spool
+from llmtap.telemetry.journal.spool import Spool
+from llmtap.telemetry.journal.start import open_spool
 from llmtap.telemetry.recorder import Recorder
 from llmtap.wire.framing import encode_frame
 from llmtap.wire.ledger import Ledger

@@ -18,12 +18,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from bench.telemetry import chat_tape
+from llmtap.analysis.finish import Finished
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.load import build
 from llmtap.config.types import SLO, Route, Settings, TelemetrySettings
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.emit.finished import Finished
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import Facts, RequestInfo, Usage
 from llmtap.wire.messages import STATS, Stats, encode_stats

@@ -209,7 +209,6 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
     from llmtap.telemetry.admin.connections import AdminLimits
     from llmtap.telemetry.admin.server import AdminApp
     from llmtap.telemetry.emit import setup
-    from llmtap.telemetry.fleet.siblings import Siblings
     from llmtap.telemetry.recorder import Recorder
 
     settings = launch.settings
@@ -237,15 +236,7 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
     intake = await loop.create_unix_server(
         lambda: _Intake(recorder, next(sources), connected), sock=channel_sock, start_serving=True
     )
-    siblings: Siblings | None = None
-    lessons: asyncio.Server | None = None
-    if launch.facts_fd >= 0:
-        siblings = Siblings(launch.siblings, launch.index, loop, recorder.count_facts_dropped)
-        recorder.share_with(siblings)
-        lessons = await loop.create_unix_server(
-            lambda: _Lessons(recorder), sock=socket.socket(fileno=launch.facts_fd), start_serving=True
-        )
-        await siblings.start()
+    siblings, lessons = await _siblings(launch, recorder, loop)
     _say(launch.started_fd, "ready")
     sched.idle_others()  # the SDK's exporter threads and the executor's, all started by now
     state = TelemetryState(recorder, settings, launch.relays, connected)
@@ -262,6 +253,23 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
             await siblings.aclose()
         await asyncio.to_thread(providers.shutdown, settings.timeouts.flush)
         recorder.losses.tick(final=True)  # the spans the flush could not send, said with their count
+
+
+async def _siblings(
+    launch: Launch, recorder: Recorder, loop: asyncio.AbstractEventLoop
+) -> tuple[Siblings | None, asyncio.Server | None]:
+    """With several telemetry processes: the others, told what this one learns, and the server of what they tell."""
+    from llmtap.telemetry.fleet.siblings import Siblings
+
+    if launch.facts_fd < 0:
+        return None, None
+    siblings = Siblings(launch.siblings, launch.index, loop, recorder.count_facts_dropped)
+    recorder.share_with(siblings)
+    lessons = await loop.create_unix_server(
+        lambda: _Lessons(recorder), sock=socket.socket(fileno=launch.facts_fd), start_serving=True
+    )
+    await siblings.start()
+    return siblings, lessons
 
 
 def _say(fd: int, line: str) -> None:

@@ -188,7 +188,9 @@ def hop_name(tl: Timeline) -> str:
 def end_attributes(
     tl: Timeline, s: Summary, *, capture: bool, latest: bool = False, offline: bool = False
 ) -> dict[str, Any]:
-    """Attributes known when the stream ends."""
+    """Attributes known when the stream ends.
+
+    Long on purpose: one attribute per line, in the order the conventions list them."""
     attrs: dict[str, Any] = {}
     _put(attrs, sc.RESPONSE_ID, clean_or_none(tl.response_id))
     _put(attrs, sc.RESPONSE_MODEL, clean_or_none(tl.response_model))

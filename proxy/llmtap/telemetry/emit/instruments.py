@@ -120,6 +120,9 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
 
     ``fine``: the ``gen_ai.*`` histograms get llmtap's fine buckets instead of the conventions' advisory
     ones; ``server``: the ``gen_ai.server.*`` histograms exist too.
+
+    Long on purpose: a declarative table, one ``create_*`` call per instrument with its name, unit and
+    description, read top to bottom (and by ``docs/generate/reference.py``); split, it would only be scattered.
     """
     names = sc.LATEST if latest else sc.RELEASED
 

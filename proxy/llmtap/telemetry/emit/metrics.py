@@ -11,7 +11,6 @@ stream flag and the prompt version, and on the figures users feel (TTFT, ITL, TP
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from opentelemetry import trace
@@ -21,7 +20,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from llmtap import __version__
 from llmtap.analysis.cachediag import MISS_CHANGED, Diagnosis
-from llmtap.analysis.summary import MAX_SAMPLES, USAGE, Summary
+from llmtap.analysis.summary import USAGE, Summary, spread
 from llmtap.analysis.timeline import OK, Timeline
 from llmtap.config.types import Settings
 from llmtap.labels import OTHER, LabelGuard
@@ -32,9 +31,9 @@ from llmtap.telemetry.emit.bulk import Batch
 from llmtap.telemetry.emit.instruments import Instruments, create
 
 if TYPE_CHECKING:
-    from llmtap.telemetry.emit.finished import Finished
+    from llmtap.analysis.finish import Finished
 
-__all__ = ["CONVENTIONS", "OWN", "SHAPE", "MetricWriter", "proxy_added", "spread"]
+__all__ = ["CONVENTIONS", "OWN", "SHAPE", "MetricWriter"]
 
 log = logging.getLogger("llmtap.telemetry")
 #: How the admission queue refuses a request (``error.type``).
@@ -248,9 +247,9 @@ class MetricWriter:
         if tl.relay_delays:
             # One per read: at a bucket lookup each (``bulk``), none an exemplar.
             batch.many(ins.relay_chunk_delay, list(spread(tl.relay_delays)), {sc.ROUTE: tl.route}, _NO_SPAN)
-        if tl.sent is not None:
+        if s.proxy_added is not None:
             # The request's last instrument (tests wait for it).
-            batch.record(ins.overhead, proxy_added(tl), {sc.ROUTE: tl.route})
+            batch.record(ins.overhead, s.proxy_added, {sc.ROUTE: tl.route})
 
     def _cost_metrics(self, batch: Batch, tl: Timeline, s: Summary, counted: dict[str, Any]) -> None:
         """The request's cost on ``llmtap.cost``, or its status on ``llmtap.cost.unpriced``."""
@@ -371,25 +370,3 @@ def request_context(tl: Timeline) -> Context | None:
     except ValueError:
         return None
     return trace.set_span_in_context(NonRecordingSpan(span)) if span.is_valid else None
-
-
-def proxy_added(tl: Timeline) -> float:
-    """The proxy's own time in the user's TTFT: from the request's first byte to its send upstream (less the
-    admission line, a measured queue of its own), plus from the first content's arrival to its hand-over
-    to the client. A saturated proxy shows here, in its own numbers."""
-    start = tl.admitted if tl.admitted is not None else tl.received
-    added = max((tl.sent or start) - start, 0.0)
-    if tl.admitted is not None and tl.body_read is not None:
-        added += max(tl.body_read - tl.received, 0.0)
-    if tl.first_content is not None and tl.first_content_delivered is not None:
-        added += max(tl.first_content_delivered - tl.first_content, 0.0)
-    return added
-
-
-def spread(samples: Sequence[float]) -> Sequence[float]:
-    """All of ``samples``, or ``MAX_SAMPLES`` of them spread evenly (a stream of a million reads would hold the
-    telemetry process for half a minute, at tens of microseconds a histogram sample)."""
-    if len(samples) <= MAX_SAMPLES:
-        return samples
-    step = len(samples) / MAX_SAMPLES
-    return [samples[int(k * step)] for k in range(MAX_SAMPLES)]

@@ -35,7 +35,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from llmtap import __version__
 from llmtap.analysis.stats import quantile
-from llmtap.analysis.summary import Summary
+from llmtap.analysis.summary import Summary, spread
 from llmtap.analysis.timeline import OK, Timeline
 from llmtap.config.types import Settings
 from llmtap.labels import OTHER, clean
@@ -55,7 +55,7 @@ from llmtap.telemetry.emit.chunkdetail import SUMMARY, ChunkDetail, chunk_stats,
 from llmtap.telemetry.sched import checkpoint
 
 if TYPE_CHECKING:
-    from llmtap.telemetry.emit.finished import Finished
+    from llmtap.analysis.finish import Finished
 
 __all__ = ["SpanWriter"]
 
@@ -270,7 +270,7 @@ class SpanWriter:
             root.set_attributes(as_hop(attrs) if self.is_hop(tl) else attrs)
         if tl.status_code is not None:
             root.set_attribute(sc.HTTP_STATUS, tl.status_code)
-        root.set_attributes(relay_cost(tl))
+        root.set_attributes(relay_cost(tl, s))
         if tl.outcome != OK:
             # Both from the upstream as often as not (its error object): cleaned like every such string.
             root.set_attribute(sc.ERROR_TYPE, clean(tl.error_type) if tl.error_type else OTHER)
@@ -427,14 +427,12 @@ class _Born:
         )
 
 
-def relay_cost(tl: Timeline) -> dict[str, float]:
+def relay_cost(tl: Timeline, s: Summary) -> dict[str, float]:
     """The proxy's own cost of a request, for its span: its overhead, and the p99 and largest delay it added
     to a chunk (seconds)."""
-    from llmtap.telemetry.emit.metrics import proxy_added, spread
-
     out: dict[str, float] = {}
-    if tl.sent is not None:
-        out[sc.PROXY_OVERHEAD] = proxy_added(tl)
+    if s.proxy_added is not None:
+        out[sc.PROXY_OVERHEAD] = s.proxy_added
     delays = tl.relay_delays
     if delays:
         # The p99 of the samples the histogram got (all, or an even spread of a very long stream's); the max of all.

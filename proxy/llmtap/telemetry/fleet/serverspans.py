@@ -30,7 +30,8 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from llmtap.analysis.summary import Summary, adopt_server_timing, reached_model
+from llmtap.analysis.finish import Finished
+from llmtap.analysis.summary import adopt_server_timing, reached_model
 from llmtap.analysis.timeline import Timeline
 from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.config.types import Settings
@@ -416,8 +417,8 @@ class Join(Generic[T]):
         return self._held_size
 
 
-#: What waits for its server span: a finished request's timeline and its summary.
-Finishing = tuple[Timeline, Summary]
+#: What waits for its server span: a finished request, analysed whole (``llmtap.analysis.finish``).
+Finishing = Finished
 
 
 class ServerSpanWait:
@@ -434,10 +435,11 @@ class ServerSpanWait:
         self._count = count
         self._routes = {r.name: r for r in settings.routes}
 
-    def offer(self, tl: Timeline, s: Summary, now: float) -> list[Finishing]:
-        """``tl`` finished: what to emit now (itself, unless it waits, and any request its wait pushed out)."""
+    def offer(self, request: Finishing, now: float) -> list[Finishing]:
+        """``request`` finished: what to emit now (itself, unless it waits, and any request its wait pushed out)."""
+        tl, s = request.tl, request.summary
         if not self._joinable(tl):
-            return [(tl, s)]
+            return [request]
         assert tl.span_id is not None
         span = self.join.early(tl.span_id, now)
         if span is not None:
@@ -445,17 +447,17 @@ class ServerSpanWait:
             adopt_server_timing(tl, s, span.timing)
         elif self.join.wants(tl.upstream, compatible=self._compatible(tl)):
             size = len(tl.request.prompt_text) if tl.request is not None else 0
-            return self.join.hold(tl.span_id, tl.upstream, (tl, s), now, size)
+            return self.join.hold(tl.span_id, tl.upstream, request, now, size)
         else:
             self.join.recorded(tl.span_id, tl.upstream)
-        return [(tl, s)]
+        return [request]
 
     def spans(self, spans: list[ServerSpan], now: float) -> list[Finishing]:
         """Spans came: the waiting requests they complete, with the server's timing adopted."""
         out: list[Finishing] = []
-        for (tl, s), span in self.join.spans(spans, now):
-            adopt_server_timing(tl, s, span.timing)
-            out.append((tl, s))
+        for request, span in self.join.spans(spans, now):
+            adopt_server_timing(request.tl, request.summary, span.timing)
+            out.append(request)
         return out
 
     def due(self, now: float) -> list[Finishing]:

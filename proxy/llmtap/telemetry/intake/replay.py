@@ -56,6 +56,8 @@ class Playback:
     __slots__ = ("_delivered_first", "_last_delivered", "_tap", "partial", "tl")
 
     def __init__(self, head: Head, settings: Settings, routes: dict[str, Route]) -> None:
+        """The timeline of ``head``'s request, every field the head gives set once. Long on purpose: the head's
+        fields, one assignment each, in its order (``llmtap.wire.messages.Head``)."""
         route_name, inner_path, received = head.route, head.inner_path, head.received
         route = routes.get(route_name)
         provider = provider_named(head.protocol, head.method, inner_path)

@@ -95,8 +95,8 @@ __all__ = [
     "ROOM_EVERY",
     "SEGMENT_BYTES",
     "SINK_BITS",
+    "SinkLike",
     "Spool",
-    "open_spool",
 ]
 
 log = logging.getLogger("llmtap.telemetry")
@@ -145,6 +145,8 @@ class Spool:
         on_tapes_lost: Callable[[str, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """The journal's state, declared once with what each part holds; long on purpose (one assignment per
+        part, then the last run's segments found for the replay)."""
         self.root = Path(root)
         self.sinks = list(sinks)
         self.max_bytes = max(max_bytes, 2 * segment_bytes)
@@ -594,43 +596,3 @@ class Spool:
     def outstanding(self) -> int:
         """Requests kept and not done."""
         return len(self._reqs)
-
-
-def open_spool(
-    directory: str | None,
-    sinks: Sequence[SinkLike],
-    *,
-    index: int,
-    max_bytes: int,
-    on_lost: Callable[[str, int], None] | None = None,
-    on_recovered: Callable[[int], None] | None = None,
-    on_tapes_lost: Callable[[str, int], None] | None = None,
-) -> Spool | None:
-    """The journal of telemetry process ``index`` in ``directory`` (None: no folder, or no sink to keep records
-    for); a folder that cannot be used is said, and the records go to the sinks unjournaled."""
-    if not directory or not sinks:
-        return None
-    try:
-        spool = Spool(
-            directory,
-            sinks,
-            index=index,
-            max_bytes=max_bytes,
-            on_lost=on_lost,
-            on_recovered=on_recovered,
-            on_tapes_lost=on_tapes_lost,
-        )
-    except OSError as exc:
-        log.error(
-            "record journal %s cannot be used (%s): records are not kept across a restart",
-            directory,
-            exc.strerror or exc,
-        )
-        return None
-    log.info(
-        "record journal %s (at most %d MiB)%s",
-        spool.slot.path,
-        spool.max_bytes >> 20,
-        f"; {len(spool._old)} segments of the last run to replay" if spool._old else "",
-    )
-    return spool

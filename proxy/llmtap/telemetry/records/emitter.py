@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from llmtap.telemetry.emit.finished import Finished
+from llmtap.analysis.finish import Finished
 from llmtap.telemetry.identity import Identity
 from llmtap.telemetry.journal.spool import SINK_BITS, Spool
 from llmtap.telemetry.records.record import record_line

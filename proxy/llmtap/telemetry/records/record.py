@@ -61,7 +61,8 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
     """The record of one finished request (schema version 2), written by ``writer``.
 
     The strings a client or an upstream chose are ``clean``: a lone surrogate cannot be written as UTF-8,
-    and the whole line would be lost."""
+    and the whole line would be lost. Long on purpose: the record's fields in the order of its schema, one line
+    each, so the line and ``docs/records.md`` read side by side."""
     req = tl.request
     out: dict[str, Any] = {
         SCHEMA_KEY: SCHEMA_VERSION,
