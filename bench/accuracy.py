@@ -24,7 +24,7 @@ from typing import Any
 from bench import peers
 from bench.procs import Service, pinned
 from bench.stats import percentile_ms
-from llmtap.telemetry.instruments import DURATION_BUCKETS
+from llmtap.telemetry.emit.instruments import DURATION_BUCKETS
 
 TTFT_ATTR = "gen_ai.response.time_to_first_chunk"
 TPOT_ATTR = "llmtap.time_per_output_token"

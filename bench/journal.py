@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.telemetry import chat_tape
-from llmtap.telemetry.spool import Spool
+from llmtap.telemetry.journal.spool import Spool
 from llmtap.wire.framing import encode_frame
 from llmtap.wire.ledger import Ledger
 from llmtap.worker import Progress

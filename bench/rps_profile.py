@@ -55,21 +55,35 @@ RELAY_STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (LOOP, ("asyncio/runners.py", "uvloop/")),
 )  # fmt: skip
 YIELDED = "yielded to the relay (sched_yield)"
+# Each stage by the files of its code: the telemetry side's rooms (``telemetry/emit/``, ...) and, for a checkout from
+# before them, the files' former places.
 TELEMETRY_STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (YIELDED, ("checkpoint (llmtap/telemetry/sched.py)",)),
-    ("metrics (emitter and SDK)", ("telemetry/metrics.py", "telemetry/instruments.py", "telemetry/bulk.py",
+    ("metrics (emitter and SDK)", ("telemetry/emit/metrics.py", "telemetry/emit/instruments.py",
+                                   "telemetry/emit/bulk.py",
+                                   "telemetry/metrics.py", "telemetry/instruments.py", "telemetry/bulk.py",
                                    "metrics/_internal", "opentelemetry/metrics", "exemplar")),
-    ("spans (emitter and SDK)", ("telemetry/spans.py", "telemetry/otlp_spans.py", "telemetry/chunkdetail.py",
+    ("spans (emitter and SDK)", ("telemetry/emit/spans.py", "telemetry/emit/otlp_spans.py",
+                                 "telemetry/emit/chunkdetail.py",
+                                 "telemetry/spans.py", "telemetry/otlp_spans.py", "telemetry/chunkdetail.py",
                                  "sdk/trace", "trace/__init__.py", "trace/span.py", "attributes/__init__.py")),
-    ("records, access log, live view", ("telemetry/finished.py", "telemetry/records.py", "telemetry/access",
+    ("records, access log, live view", ("telemetry/emit/finished.py", "telemetry/records/", "telemetry/admin/access",
+                                        "telemetry/admin/live/",
+                                        "telemetry/finished.py", "telemetry/records.py", "telemetry/access",
                                         "telemetry/live/", "telemetry/dataset.py", "telemetry/recordlogs.py")),
-    ("summary (analysis)", ("llmtap/analysis/summary.py", "analysis/estimator.py", "analysis/cachediag.py",
-                            "analysis/fingerprint.py", "analysis/tokens.py", "analysis/attribution.py", "tiktoken")),
-    ("replay (tape to timeline)", ("telemetry/replay.py", "telemetry/streams.py", "telemetry/tap.py",
+    ("summary (analysis)", ("llmtap/analysis/summary.py", "analysis/finish.py", "analysis/estimator.py",
+                            "analysis/cachediag.py", "analysis/fingerprint.py", "analysis/tokens.py",
+                            "analysis/attribution.py", "tiktoken")),
+    ("replay (tape to timeline)", ("telemetry/intake/replay.py", "telemetry/intake/streams.py",
+                                   "telemetry/intake/tap.py",
+                                   "telemetry/replay.py", "telemetry/streams.py", "telemetry/tap.py",
                                    "providers/", "analysis/timeline.py")),
-    ("losses and relay counts", ("telemetry/losses.py", "telemetry/relays.py")),
+    ("losses and relay counts", ("telemetry/journal/losses.py", "telemetry/intake/relays.py",
+                                 "telemetry/losses.py", "telemetry/relays.py")),
     ("intake (frames from the relay)", ("telemetry/process.py", "wire/framing.py", "wire/messages.py")),
-    ("recorder dispatch", ("telemetry/recorder.py", "llmtap/worker.py")),
+    # The recorder's inbox, worker thread, emission batch and counters were the recorder's own before the rooms.
+    ("recorder dispatch", ("telemetry/recorder.py", "telemetry/intake/inbox.py", "telemetry/loop.py",
+                           "telemetry/emit/batch.py", "telemetry/counts.py", "llmtap/worker.py")),
     (LOOP, ("asyncio/runners.py", "uvloop/")),
 )  # fmt: skip
 OTHER = "other"

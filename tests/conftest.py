@@ -29,8 +29,8 @@ from bench.procs import free_port as free_port  # one definition for the tests a
 from llmtap.config.types import Settings
 from llmtap.relay.app import ProxyApp
 from llmtap.serve.local import in_process
-from llmtap.telemetry.admin import AdminApp
-from llmtap.telemetry.prometheus import PrometheusReader
+from llmtap.telemetry.admin.server import AdminApp
+from llmtap.telemetry.exposition.prometheus import PrometheusReader
 from llmtap.telemetry.recorder import Recorder
 
 TESTS = Path(__file__).parent

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from bench import accuracy, buckets
-from llmtap.telemetry.instruments import DURATION_BUCKETS
+from llmtap.telemetry.emit.instruments import DURATION_BUCKETS
 from tests.conftest import require_real
 from tests.test_prometheus import histogram_quantile as promql_reference
 

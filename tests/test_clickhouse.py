@@ -29,7 +29,8 @@ from llmtap.config.load import build
 from llmtap.config.types import ConfigError
 from llmtap.simulator import get_profile, run_in_thread
 from llmtap.store import clickhouse as ch, clickhouse_read as chread
-from llmtap.telemetry.records import SCHEMA_VERSION
+from llmtap.telemetry.records.clickhouse import ClickHouseSink
+from llmtap.telemetry.records.record import SCHEMA_VERSION
 from tests.clickhouse_server import PASSWORD, USER, ClickHouseProcess, installed
 from tests.conftest import PATIENCE, free_port, require_real
 
@@ -208,7 +209,7 @@ def test_clickhouse_settings(tmp_path: Path) -> None:
 def test_the_sink_never_blocks_and_counts_what_it_drops_when_clickhouse_is_away() -> None:
     drops: dict[str, int] = {}
     inserts: dict[str, int] = {}
-    sink = ch.ClickHouseSink(
+    sink = ClickHouseSink(
         ch.Server.parse(f"http://127.0.0.1:{free_port()}/"),
         "t",
         max_records=5,
@@ -329,7 +330,7 @@ def test_compare_and_slo_read_the_same_verdicts_from_clickhouse_as_from_the_file
     records = make_records(400)
     path = tmp_path / "records.jsonl"
     lines: list[str] = []
-    sink = ch.ClickHouseSink(ch.Server.parse(server.url, user=USER, password=PASSWORD), "same_verdicts")
+    sink = ClickHouseSink(ch.Server.parse(server.url, user=USER, password=PASSWORD), "same_verdicts")
     for rec in records:
         lines.append(json.dumps(rec) + "\n")
         sink.write(rec)
@@ -390,7 +391,7 @@ def test_clickhouse_compares_like_with_like_as_the_file_does(server: ClickHouseP
         rec["objective"] = {"shape": None, "percentile": 0.9, "ttft": 0.1}
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    sink = ch.ClickHouseSink(ch.Server.parse(server.url), "like_with_like", ttl_days=0)
+    sink = ClickHouseSink(ch.Server.parse(server.url), "like_with_like", ttl_days=0)
     for rec in records:
         sink.write(rec)
     sink.close(PATIENCE)
@@ -570,7 +571,7 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(
     records[10]["cost"] = {"amount": "cheap"}
     path = tmp_path / "records.jsonl"
     lines: list[str] = []
-    sink = ch.ClickHouseSink(ch.Server.parse(server.url), table, ttl_days=0)
+    sink = ClickHouseSink(ch.Server.parse(server.url), table, ttl_days=0)
     for rec in records:
         lines.append(json.dumps(rec) + "\n")
         sink.write(rec)
@@ -743,7 +744,7 @@ def test_a_table_of_an_earlier_version_gets_the_columns_added_since(server: Clic
     assert ch.add_missing_columns(remote, table) == []
     record = make_records(1, seed=3)[0]
     record["cost"] = {"amount": 0.25, "currency": "USD", "status": "priced", "prices": "file"}
-    sink = ch.ClickHouseSink(remote, table, ttl_days=0)
+    sink = ClickHouseSink(remote, table, ttl_days=0)
     sink.write(record)
     sink.close(PATIENCE)
     assert sink.written == 1, sink.dropped

@@ -31,8 +31,8 @@ from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, UpDownC
 
 from bench.procs import LoopbackHTTPServer
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.instruments import create
-from llmtap.telemetry.prometheus import metric_name
+from llmtap.telemetry.emit.instruments import create
+from llmtap.telemetry.exposition.prometheus import metric_name
 from tests.conftest import TOOLS, free_port, require_real
 from tests.test_collectors import Llmtap, Proc, answers, listening, start_llmtap
 

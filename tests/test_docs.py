@@ -11,7 +11,7 @@ import pytest
 
 from llmtap.analysis import compare
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.prometheus import metric_name
+from llmtap.telemetry.exposition.prometheus import metric_name
 from tests.generators import load
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from llmtap.config.load import build
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.setup import ExportGate
+from llmtap.telemetry.emit.setup import ExportGate
 from tests.conftest import Running, Telemetry, free_port, unanswered_port
 from tests.fault_upstream import SMUGGLED
 from tests.procs import FaultUpstream, Llmtap, Simulator, metric_value, tcp_queues, upstream as upstream  # the fixture

@@ -35,11 +35,11 @@ from llmtap.analysis.timeline import COUNT_CHARS, Timeline
 from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.providers import provider_for
 from llmtap.store.files import ReadStats, read_records, record_files_at
-from llmtap.telemetry.dataset import DatasetWriter
 from llmtap.telemetry.identity import current
+from llmtap.telemetry.intake.tap import MAX_INFLATED_BYTES, Tap
 from llmtap.telemetry.recorder import MAX_QUEUED_BYTES, Recorder
-from llmtap.telemetry.records import SCHEMA_KEY
-from llmtap.telemetry.tap import MAX_INFLATED_BYTES, Tap
+from llmtap.telemetry.records.dataset import DatasetWriter
+from llmtap.telemetry.records.record import SCHEMA_KEY
 from llmtap.types import Usage
 from llmtap.wire.messages import END, SEGMENT
 from tests.conftest import PATIENCE

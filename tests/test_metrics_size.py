@@ -30,8 +30,8 @@ from bench.peers import promql, start_prometheus
 from bench.procs import LoopbackHTTPServer, Service
 from llmtap.analysis.stats import quantile
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.instruments import create
-from llmtap.telemetry.prometheus import PrometheusReader
+from llmtap.telemetry.emit.instruments import create
+from llmtap.telemetry.exposition.prometheus import PrometheusReader
 from tests.conftest import PATIENCE, Scripted, require_real
 from tests.procs import Llmtap
 

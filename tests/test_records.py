@@ -26,11 +26,11 @@ from llmtap.config.load import build
 from llmtap.config.types import ConfigError, Records, Route, Settings
 from llmtap.simulator import get_profile, run_in_thread
 from llmtap.store.files import ReadStats, read_records, record_files_at
-from llmtap.telemetry.dataset import DatasetWriter
 from llmtap.telemetry.identity import Identity, current
 from llmtap.telemetry.recorder import Recorder
-from llmtap.telemetry.recordlogs import LogSink
-from llmtap.telemetry.records import SCHEMA_KEY
+from llmtap.telemetry.records.dataset import DatasetWriter
+from llmtap.telemetry.records.logs import LogSink
+from llmtap.telemetry.records.record import SCHEMA_KEY
 from tests.conftest import PATIENCE, Telemetry, free_port
 from tests.test_recorder import timeline
 

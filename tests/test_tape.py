@@ -17,7 +17,7 @@ from llmtap.analysis import tokens
 from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.relay.channel import LocalChannel, SocketChannel
 from llmtap.serve.relay import tape_gather
-from llmtap.telemetry.replay import Playback
+from llmtap.telemetry.intake.replay import Playback
 from llmtap.wire.framing import frames
 from llmtap.wire.messages import END, SEGMENT, STATS, End, Segment, decode
 from llmtap.wire.socketchannel import GATHER_BYTES

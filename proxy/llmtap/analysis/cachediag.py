@@ -36,6 +36,7 @@ from llmtap.analysis.fingerprint import (
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Route
+from llmtap.wire.lessons import Prefix
 
 __all__ = [
     "BLOCK_MIN_TOKENS",
@@ -44,7 +45,6 @@ __all__ = [
     "HOSTED_MIN_TOKENS",
     "MISS_CHANGED",
     "MISS_EVICTED",
-    "PREFIX",
     "TOO_SHORT",
     "UNKNOWN",
     "CacheDiagnoser",
@@ -64,8 +64,6 @@ HIT, COLD, MISS_CHANGED, MISS_EVICTED, TOO_SHORT, UNKNOWN = (
     "unknown",
 )
 CLASSES = (HIT, COLD, MISS_CHANGED, MISS_EVICTED, TOO_SHORT, UNKNOWN)
-#: The kind of the lesson a prompt's index entry is for the other telemetry processes (``CacheDiagnoser.learned``).
-PREFIX = "prefix"
 
 #: Servers whose prefix cache works in blocks of tokens: one full block (vLLM's default ``--block-size``
 #: on GPUs is 16) is the least they cache.
@@ -158,17 +156,15 @@ class CacheDiagnoser:
         self._index = PrefixIndex(capacity)
         self._counts = TokenCounts()
         #: Where several telemetry processes share an upstream's requests: each prompt this one indexes, as
-        #: ``(PREFIX, digests, ready)`` for the others to ``learn`` (None: nobody to tell).
-        self.learned: list[tuple[str, tuple[bytes, ...], float]] | None = None
+        #: a ``Prefix`` lesson for the others to ``learn`` (None: nobody to tell).
+        self.learned: list[Prefix] | None = None
 
-    def learn(self, lesson: tuple[object, ...]) -> None:
-        """A prompt another telemetry process indexed (``learned``); ``ValueError`` for one this build cannot read."""
-        if len(lesson) != 3 or lesson[0] != PREFIX or not isinstance(lesson[1], tuple):
-            raise ValueError("not a prefix lesson")
-        digests, ready = lesson[1], lesson[2]
-        if not all(isinstance(d, bytes) for d in digests) or not isinstance(ready, (int, float)):
-            raise ValueError("a prefix lesson's hashes or time are of the wrong type")
-        self._index.add_chain(digests, float(ready))
+    def learn(self, lesson: Prefix) -> None:
+        """A prompt another telemetry process indexed (``learned``, checked as it was decoded,
+        ``llmtap.wire.lessons``); ``ValueError`` for anything else."""
+        if type(lesson) is not Prefix:
+            raise ValueError(f"not a prefix lesson: {type(lesson).__name__}")
+        self._index.add_chain(lesson.digests, float(lesson.ready))
 
     def diagnose(self, tl: Timeline, s: Summary) -> Diagnosis | None:
         """The diagnosis of one LLM request (None for plain relays); updates the index of recent prompts."""
@@ -187,7 +183,7 @@ class CacheDiagnoser:
                 # The prefill is over once the first token is out: from then on the server holds the prefix.
                 self._index.add(fp, tl.first_content)
                 if self.learned is not None:
-                    self.learned.append((PREFIX, tuple(chain_digests(fp, SHARED_LINKS)), tl.first_content))
+                    self.learned.append(Prefix(tuple(chain_digests(fp, SHARED_LINKS)), tl.first_content))
         cache_class, expected = classify(
             input_tokens=s.input_tokens, cached_tokens=s.cache_read_tokens, match=match, min_tokens=min_tokens
         )

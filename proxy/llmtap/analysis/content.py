@@ -4,7 +4,7 @@ the operator's rule (keep, hash or drop) and a bound in bytes.
 The shapes are the GenAI conventions' (``gen_ai.system_instructions``, ``gen_ai.input.messages``,
 ``gen_ai.output.messages``: a list of parts, each ``{"type": "text", "content": ..}``; messages with a ``role``).
 They are made from the prompt's regions the provider already parsed (``RequestInfo.regions``) and the output text
-the stream kept, so nothing is parsed again. Pure: the emitter (``llmtap.telemetry.content``) sends the result.
+the stream kept, so nothing is parsed again. Pure: the emitter (``llmtap.telemetry.records.content``) sends the result.
 
 A kept field longer than the bound is cut: its text parts are shortened, and the parts and messages past the bound
 left out, so what leaves is valid JSON within the bound; ``cut`` names the fields that were, and the event says so.

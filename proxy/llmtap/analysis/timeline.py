@@ -1,6 +1,6 @@
 """The per-request record: monotonic timestamps, content chunks and what the stream said.
 
-Built on the telemetry side from the relay's tape (``llmtap.telemetry.replay``) and read once, after the
+Built on the telemetry side from the relay's tape (``llmtap.telemetry.intake.replay``) and read once, after the
 stream ends, by the recorder. It holds no OpenTelemetry objects and does no I/O.
 
 Its memory is bounded whatever the response's length: the generated text is counted as it arrives

@@ -501,7 +501,7 @@ _TABLE = (
         "telemetry",
         key="telemetry.chunk_span_cap",
     ),
-    # chunk detail decided in the proxy (issue 31; llmtap.telemetry.chunkdetail)
+    # chunk detail decided in the proxy (issue 31; llmtap.telemetry.emit.chunkdetail)
     option(
         "chunk_detail_sample",
         share(),

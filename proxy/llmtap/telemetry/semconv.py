@@ -249,7 +249,8 @@ TOKEN_MODALITY = "gen_ai.token.modality"
 INPUT_MESSAGES = "gen_ai.input.messages"
 OUTPUT_MESSAGES = "gen_ai.output.messages"
 SYSTEM_INSTRUCTIONS = "gen_ai.system_instructions"
-#: The content event (semantic-conventions-genai ``model/gen-ai/events.yaml``), opt-in: ``llmtap.telemetry.content``.
+#: The content event (semantic-conventions-genai ``model/gen-ai/events.yaml``), opt-in:
+#: ``llmtap.telemetry.records.content``.
 EVENT_OPERATION_DETAILS = "gen_ai.client.inference.operation.details"
 #: The content event's fields cut to its bound (``system``, ``input``, ``output``).
 CONTENT_TRUNCATED = "llmtap.content.truncated"

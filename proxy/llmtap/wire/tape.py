@@ -1,7 +1,7 @@
 """The tape: what the relay saw of one request, in the compact form it hands to the telemetry side.
 
 The relay does only what must happen while bytes flow; everything it learns is appended here and read
-once, elsewhere (``llmtap.telemetry.replay``): the request's head and its body up to the inspect limit,
+once, elsewhere (``llmtap.telemetry.intake.replay``): the request's head and its body up to the inspect limit,
 the times of admission and send, the response's status and headers, and each upstream read as it came,
 with the moment it arrived and the moment it was handed to the client's socket. No parsing, no
 OpenTelemetry, no tokenizer: appending a read costs three array appends and a ``bytearray`` extend.
