@@ -337,7 +337,7 @@ class ProxyApp:
                 trace.append((b"tracestate", state.encode("latin-1")))
         # A body still arriving once its request holds an admission slot may not keep the slot by falling silent.
         silence = settings.timeouts.client_upload if route.name in self.admissions else None
-        splices = provider is not None and settings.inject_usage and getattr(provider, "splices_usage", False)
+        splices = provider is not None and settings.inject_usage and provider.splices_usage
         scan = BodyScan() if splices else None
         limit = settings.max_inspect_bytes if provider else 0
         try:
