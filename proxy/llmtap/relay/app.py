@@ -15,13 +15,14 @@ import httpx
 
 from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.config.types import Route, Settings
+from llmtap.errors import ClientGone, LlmtapError
 from llmtap.listener import CYCLE, LOST_HOOK, RECEIVED
 from llmtap.providers import provider_for
 from llmtap.providers.bodyscan import BodyScan
 from llmtap.providers.usage_filter import UsageEventFilter
 from llmtap.relay.admission import Admission, QueueFull
 from llmtap.relay.answers import LogLimit, bad_head, refuse_request, send_json, too_large, upstream_failed
-from llmtap.relay.bodyread import Body, ClientGone, RequestTooLarge, UploadStalled, prepend, read_body, spliced
+from llmtap.relay.bodyread import Body, RequestTooLarge, UploadStalled, prepend, read_body, spliced
 from llmtap.relay.breaks import StreamBreaks
 from llmtap.relay.channel import Channel, LocalChannel, ShardedChannel, SocketChannel
 from llmtap.relay.fingerprint import KEY_HEADERS, fingerprint, install_secret
@@ -37,7 +38,7 @@ from llmtap.relay.forward import (
 from llmtap.relay.frame import relay_frame
 from llmtap.relay.guard import Refusal, check_request, check_route
 from llmtap.relay.heads import unrelayable
-from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
+from llmtap.relay.pipe import Pipe, strip_part as _strip
 from llmtap.relay.shared import InFlight, Table, table_columns
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.upstream_http import PIPE, Answer, LeanTransport, Origin, Pieces
@@ -653,7 +654,7 @@ class ProxyApp:
             if started:
                 await _cut(send, tape, pipe.strip if pipe is not None else strip)
             await send_json(send, 503, "shutting_down", "llmtap is shutting down; retry")
-        except (ClientGone, ClientLeft, OSError) as exc:
+        except (ClientGone, OSError) as exc:
             if isinstance(exc, OSError) and not started:
                 raise
             tape.fail("cancelled", cancelled=True)
@@ -754,7 +755,7 @@ def _content_encoding(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-class _Truncated(Exception):
+class _Truncated(LlmtapError):
     """Raised past the relay so the server drops the connection and the client sees the truncation."""
 
 

@@ -22,19 +22,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from llmtap.errors import ClientGone
 from llmtap.providers.usage_filter import UsageEventFilter
 from llmtap.wire.tape import Tape, now
 
-__all__ = ["ClientLeft", "Pipe", "strip_part"]
+__all__ = ["Pipe", "strip_part"]
 
 log = logging.getLogger("llmtap.proxy")
 
 #: How long the relay waits for the disconnect watch's cancellation once it saw the client gone itself.
 GONE_WAIT = 1.0
-
-
-class ClientLeft(Exception):
-    """The client's connection closed while the pipe relayed (the disconnect watch cancels the relay too)."""
 
 
 def strip_part(strip: UsageEventFilter, chunk: bytes | None) -> tuple[bytes, UsageEventFilter | None]:
@@ -98,7 +95,7 @@ class Pipe:
     async def run(self, body: Any, read_timeout: Callable[[], float | None]) -> UsageEventFilter | None:
         """Relay the whole body; returns the usage filter as it stands at the end (None once it failed).
 
-        Raises what the upstream's read raised (``httpx`` errors), ``ClientLeft``, or a failure of the sink.
+        Raises what the upstream's read raised (``httpx`` errors), ``ClientGone``, or a failure of the sink.
         """
         # Known before the first part comes: parts queued already go to the sink inside ``pipe``.
         self._conn = body.connection
@@ -127,5 +124,5 @@ class Pipe:
             if cycle.disconnected:
                 # The disconnect watch cancels this task in a moment; in case it does not, say so ourselves.
                 await asyncio.sleep(GONE_WAIT)
-                raise ClientLeft
+                raise ClientGone
             conn.release()
