@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 import h11
@@ -14,11 +16,12 @@ import httpx
 from llmtap.config.types import Route, Settings
 from llmtap.relay import tls
 from llmtap.relay.tls import TLSOptions
-from llmtap.relay.upstream_http import SURPLUS, LeanTransport
+from llmtap.relay.upstream_http import PIPE, SURPLUS, Answer, LeanTransport, Origin, Pieces
 
 __all__ = [
     "PRIVATE_PREFIX",
-    "Router",
+    "TARGETS",
+    "UpstreamAnswer",
     "Upstreams",
     "close_if_surplus",
     "request_headers",
@@ -112,22 +115,6 @@ def response_headers(
     return [(k, v) for k, v in headers if k.lower() not in drop]
 
 
-class Router:
-    """Picks the route of a request path; the upstream host comes only from configuration."""
-
-    def __init__(self, routes: tuple[Route, ...]) -> None:
-        # Settings sorts routes longest prefix first.
-        self.routes = routes
-
-    def match(self, path: str) -> Route | None:
-        """The route whose prefix is the longest one that ``path`` starts with, on a segment boundary."""
-        for route in self.routes:
-            prefix = route.prefix
-            if prefix == "/" or path == prefix or path.startswith(prefix + "/"):
-                return route
-        return None
-
-
 def upstream_url(route: Route, raw_path: bytes, query: bytes) -> str:
     """The upstream URL: the route's base URL joined with the request's path, never another host.
 
@@ -213,6 +200,10 @@ class Upstreams:
         self._clients: dict[tuple[str, TLSOptions | None], httpx.AsyncClient] = {}
         #: The pools the relay calls directly, without httpx's request machinery (llmtap's own client).
         self._lean: dict[tuple[str, TLSOptions | None], LeanTransport] = {}
+        #: Per route: llmtap's own client and the upstream's origin when the relay calls it directly, else None.
+        self._direct: dict[str, tuple[LeanTransport, Origin] | None] = {}
+        #: Upstream URL -> its request target as httpx encodes it (``_target``).
+        self._targets: dict[str, bytes] = {}
         limits = httpx.Limits(
             max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
         )
@@ -264,6 +255,44 @@ class Upstreams:
                 transport=pool, timeout=timeout, trust_env=False, follow_redirects=False
             )
 
+    async def send(
+        self,
+        route: Route,
+        method: str,
+        url: str,
+        headers: list[tuple[bytes, bytes]],
+        content: bytes | Pieces | AsyncIterator[bytes],
+        timeouts: dict[str, float | None],
+        leaving: Callable[[], None],
+    ) -> UpstreamAnswer:
+        """One request to the route's upstream, its response's head read; ``leaving`` is called as the request's
+        first byte is about to be written. ``timeouts`` is read at every wait (the relay changes its read timeout
+        once the head is in)."""
+        direct: tuple[LeanTransport, Origin] | None = self._direct.get(route.name, _UNKNOWN)
+        if direct is _UNKNOWN:
+            lean = self.lean(route)
+            direct = self._direct[route.name] = None if lean is None else (lean, lean.origin(route.upstream))
+        if direct is not None:
+            # llmtap's own client, called directly: no httpx ``Request`` or ``Response`` per request.
+            lean, origin = direct
+            return await lean.send(origin, method, self._target(url), headers, content, timeouts, leaving)
+        # Built directly, not by the client: its default headers (Accept, Accept-Encoding, User-Agent) would go
+        # upstream although the client never sent them.
+        whole = b"".join(content) if isinstance(content, tuple) else content  # httpx takes bytes or a stream
+        request = httpx.Request(method, url, headers=headers, content=whole, extensions={"timeout": timeouts})
+        leaving()  # httpx's pool says nothing of its connect: as it is handed the request
+        return HttpxAnswer(await self.client(route).send(request, stream=True))
+
+    def _target(self, url: str) -> bytes:
+        """The request target of ``url`` exactly as httpx would send it (its path and query, percent-encoded and
+        normalized), remembered: a relay sees the same few paths again and again."""
+        target = self._targets.get(url)
+        if target is None:
+            if len(self._targets) >= TARGETS:
+                self._targets.clear()
+            target = self._targets[url] = httpx.URL(url).raw_path
+        return target
+
     def client(self, route: Route) -> httpx.AsyncClient:
         """The pool for a route's upstream."""
         return self._clients[_pool_key(route)]
@@ -276,3 +305,37 @@ class Upstreams:
         """Close every pool."""
         for client in self._clients.values():
             await client.aclose()
+
+
+class HttpxAnswer:
+    """An ``httpx.Response`` (httpx's client, or a transport a test injected) as the relay reads an ``Answer``."""
+
+    __slots__ = ("_response", "body", "headers", "status_code")
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status_code = response.status_code
+        self.headers = response.headers.raw
+        #: The lean client's body when it is what answered (its read callback can take the parts), else None.
+        self.body = response.extensions.get(PIPE)
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self._response.aiter_raw()
+
+    async def surplus(self) -> int:
+        return await close_if_surplus(self._response)
+
+    def abandon(self) -> None:
+        """httpx's pool decides what becomes of the connection (``aclose`` releases it)."""
+
+    async def aclose(self) -> None:
+        # Shielded: httpx's close may wait (httpcore's pool), and a cancellation must not skip it.
+        await asyncio.shield(self._response.aclose())
+
+
+#: What ``Upstreams.send`` answers: the response's status, head and body, however the upstream was called.
+UpstreamAnswer = Answer | HttpxAnswer
+#: ``Upstreams._direct``'s mark for a route not looked at yet.
+_UNKNOWN: Any = object()
+#: Request targets ``Upstreams._target`` remembers, past which it starts again.
+TARGETS = 1024
