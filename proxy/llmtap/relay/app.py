@@ -11,8 +11,6 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-import httpx
-
 from llmtap.config.types import Route, Settings
 from llmtap.providers import provider_for
 from llmtap.relay.admission import Admission
@@ -73,12 +71,11 @@ class ProxyApp:
         settings: Settings,
         *,
         channel: Channel,
-        transport: httpx.AsyncBaseTransport | None = None,
         shared: Table | None = None,
     ) -> None:
         self.settings = settings
         self.router = Router(settings.routes)
-        self.upstreams = Upstreams(settings, transport)
+        self.upstreams = Upstreams(settings)
         #: Trace ids are made here; a disabled SDK means no spans, so the client's trace headers pass as sent.
         self.tracing = not settings.telemetry.sdk_disabled
         self.sampler = Sampler.from_env()
@@ -88,8 +85,6 @@ class ProxyApp:
         self.owner_entry = entry(peer.peer_address, peer.peer_token) if peer.peer_address and peer.peer_token else None
         #: The API keys' fingerprints, with the operator's secret, else the install's (read at the first key seen).
         self.keys_seen = Fingerprints(settings.attribution.key)
-        #: The caller's ``x-llmtap-*`` headers go upstream too.
-        self.forward_private = settings.attribution.forward_headers
         # What the relays of the server count together (``--workers``; else this relay's own table).
         shared = shared if shared is not None else Table(table_columns(settings))
         #: The admission queue of each route that limits its concurrency (the server's, over every relay).
@@ -200,9 +195,8 @@ def create_app(
     settings: Settings,
     *,
     channel: Channel,
-    transport: httpx.AsyncBaseTransport | None = None,
     shared: Table | None = None,
 ) -> ProxyApp:
-    """The proxy application; its channel to the telemetry side, its upstream transport and the table the relays of
-    the server share (``--workers``) are injected."""
-    return ProxyApp(settings, channel=channel, transport=transport, shared=shared)
+    """The proxy application; its channel to the telemetry side and the table the relays of the server share
+    (``--workers``) are injected."""
+    return ProxyApp(settings, channel=channel, shared=shared)

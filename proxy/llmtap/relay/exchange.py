@@ -30,12 +30,12 @@ from llmtap.relay.admission import Admission, QueueFull
 from llmtap.relay.answers import bad_head, refuse_request, send_json, too_large, upstream_failed
 from llmtap.relay.bodyread import Body, RequestTooLarge, UploadStalled, prepend, read_body, spliced
 from llmtap.relay.fingerprint import KEY_HEADERS
-from llmtap.relay.forward import PRIVATE_PREFIX, UpstreamAnswer, request_headers, response_headers, upstream_url
+from llmtap.relay.forward import PRIVATE_PREFIX, response_headers
 from llmtap.relay.guard import Refusal
 from llmtap.relay.heads import unrelayable
 from llmtap.relay.pipe import Pipe, strip_part
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
-from llmtap.relay.upstream_http import Pieces
+from llmtap.relay.upstream_http import Answer, Pieces
 from llmtap.relay.watch import DisconnectWatch
 from llmtap.types import Receive, Scope, Send
 from llmtap.wire.tape import Tape, now
@@ -100,7 +100,7 @@ class Exchange:
         self.admitted = self.sent = self.counted = self.started = False
         self.task: asyncio.Task[Any] | None = None
         self.watch: DisconnectWatch | None = None
-        self.answer: UpstreamAnswer | None = None
+        self.answer: Answer | None = None
         self.strip: UsageEventFilter | None = None
         self.inflater: Inflater | None = None
         self.pipe: Pipe | None = None
@@ -271,7 +271,7 @@ class Exchange:
 
     async def _call_upstream(self) -> bool:
         """Send the request upstream and wait for the response's head; False when it ended without one."""
-        app, route, tape, scope = self.app, self.route, self.tape, self.scope
+        app, route, tape = self.app, self.route, self.tape
         settings = app.settings
         t = settings.timeouts
         self.timeouts = {"connect": t.connect, "read": t.read, "write": t.write, "pool": t.pool}
@@ -280,17 +280,17 @@ class Exchange:
             content = prepend(self.body, self.more)
         else:
             content = self.rewritten if self.rewritten is not None else self.body
-        headers = request_headers(
-            self.headers,
-            trace=self.trace,
-            body_changed=self.rewritten is not None,
-            plain=tape.strip_usage,
-            private=app.forward_private,
-        )
-        url = upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b""))
         try:
             self.answer = await app.upstreams.send(
-                route, scope["method"], url, headers, content, self.timeouts, self._leaving
+                route,
+                self.scope,
+                self.headers,
+                content,
+                self.timeouts,
+                self._leaving,
+                trace=self.trace,
+                body_changed=self.rewritten is not None,
+                plain=tape.strip_usage,
             )
         except httpx.TransportError as exc:
             if await upstream_failed(self.send, route, tape, exc):
