@@ -31,7 +31,7 @@ from llmtap.config.load import build
 from llmtap.config.types import ConfigError, Route, Settings
 from llmtap.relay import tls
 from llmtap.relay.forward import Upstreams
-from llmtap.relay.upstream_http import SURPLUS, LeanTransport
+from llmtap.relay.upstream import SURPLUS, LeanTransport
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry
 

@@ -1,4 +1,4 @@
-"""The lean upstream client (``llmtap.relay.upstream_http``) against scripted HTTP/1.1 servers on real sockets.
+"""The lean upstream client (``llmtap.relay.upstream``) against scripted HTTP/1.1 servers on real sockets.
 
 Every scenario runs on asyncio's own loop and on uvloop (what ``llmtap serve`` runs on). The servers are
 raw asyncio streams on free ports of 127.0.0.1, so each byte on the wire is the test's choice; a few that
@@ -25,11 +25,12 @@ import pytest
 import uvloop
 
 from llmtap.config.types import Route, Settings
-from llmtap.relay import upstream_http
 from llmtap.relay.forward import Upstreams
 from llmtap.relay.heads import BadHead
 from llmtap.relay.pipe import Pipe
-from llmtap.relay.upstream_http import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
+from llmtap.relay.upstream import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
+from llmtap.relay.upstream.connection import Connection
+from llmtap.relay.upstream.pool import Pool
 from llmtap.wire.tape import Tape
 from tests.conftest import PATIENCE, TESTS, free_port, unanswered_port
 
@@ -934,7 +935,7 @@ def _piped(reads: list[bytes], *, whole: bool) -> tuple[list[tuple[int, bytes]],
     the exchange's end state. ``whole=False`` turns the parser-free path for whole chunks off (the reference)."""
     loop = asyncio.new_event_loop()
     try:
-        conn = upstream_http._Connection(upstream_http._Pool(1), loop)
+        conn = Connection(Pool(1), loop)
         conn.connection_made(_Socket())  # type: ignore[arg-type]
         conn.begin(head_only=False)
         parts: list[tuple[int, bytes]] = []

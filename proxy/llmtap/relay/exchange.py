@@ -35,7 +35,7 @@ from llmtap.relay.guard import Refusal
 from llmtap.relay.heads import unrelayable
 from llmtap.relay.pipe import Pipe, strip_part
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
-from llmtap.relay.upstream_http import Answer, Pieces
+from llmtap.relay.upstream import Answer, Pieces
 from llmtap.relay.watch import DisconnectWatch
 from llmtap.types import Receive, Scope, Send
 from llmtap.wire.tape import Tape, now

@@ -11,7 +11,7 @@ import httpx
 from llmtap.config.types import Route, Settings
 from llmtap.relay import tls
 from llmtap.relay.tls import TLSOptions
-from llmtap.relay.upstream_http import Answer, LeanTransport, Origin, Pieces
+from llmtap.relay.upstream import Answer, LeanTransport, Origin, Pieces
 from llmtap.types import Scope
 
 __all__ = [
@@ -134,7 +134,7 @@ def _pool_key(route: Route) -> tuple[str, TLSOptions | None]:
 
 
 class Upstreams:
-    """One pool of llmtap's own HTTP/1.1 client (``llmtap.relay.upstream_http``) per upstream base URL and TLS
+    """One pool of llmtap's own HTTP/1.1 client (``llmtap.relay.upstream``) per upstream base URL and TLS
     settings, and the requests the relay sends through them."""
 
     def __init__(self, settings: Settings) -> None:
