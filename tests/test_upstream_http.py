@@ -1134,7 +1134,7 @@ def test_a_pipe_whose_client_is_full_from_the_first_part_holds_the_upstream_unti
                         received_wall_ns=0)  # fmt: skip
             cycle = _Client()
             pipe = Pipe(tape, cycle, None, lambda _: None)
-            relayed = asyncio.create_task(pipe.run(response.extensions[PIPE], lambda: 5.0))
+            relayed = asyncio.create_task(pipe.run(response.extensions[PIPE].connection, {"read": 5.0}))
             await asyncio.sleep(0.05)
             assert cycle.written == [b"5\r\nfirst\r\n"] and response.extensions[PIPE].connection.held
             gate.set()

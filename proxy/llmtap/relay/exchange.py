@@ -33,7 +33,8 @@ from llmtap.relay.fingerprint import KEY_HEADERS
 from llmtap.relay.forward import PRIVATE_PREFIX, response_headers
 from llmtap.relay.guard import Refusal
 from llmtap.relay.heads import unrelayable
-from llmtap.relay.pipe import Pipe, strip_part
+from llmtap.relay.pipe import Pipe
+from llmtap.relay.strip import strip_part
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.upstream import Answer, Pieces
 from llmtap.relay.watch import DisconnectWatch
@@ -366,11 +367,11 @@ class Exchange:
         when the server is llmtap's listener and the body goes as it came, else part by part."""
         answer = self.answer
         assert answer is not None
-        pipeable = answer.body if self.inflater is None and self.scope["method"] != "HEAD" else None
+        pipeable = answer.connection if self.inflater is None and self.scope["method"] != "HEAD" else None
         if self.cycle is not None and pipeable is not None:
             # The body path in the upstream's read callback (``llmtap.relay.pipe``): no task step per chunk.
             self.pipe = Pipe(self.tape, self.cycle, self.strip, self.app.handover.segment)
-            self.strip = await self.pipe.run(pipeable, lambda: self.timeouts.get("read"))
+            self.strip = await self.pipe.run(pipeable, self.timeouts)
             return
         async for chunk in answer.aiter_raw():
             full = self.tape.read(now(), chunk)
@@ -418,7 +419,9 @@ class Exchange:
         assert self.answer is not None
         self.tape.surplus = await self.answer.surplus()
         if self.watch is not None:
+            # Before the last byte goes: the disconnect the server reports after it is not a cancellation.
             self.watch.stop()
+            self.watch = None
         await self.send({"type": "http.response.body", "body": tail, "more_body": False})
 
     # The ways out.

@@ -68,13 +68,15 @@ class Body(httpx.AsyncByteStream):
 class Answer:
     """A response as the relay takes it from ``LeanTransport.send``: status, head and body, nothing else."""
 
-    __slots__ = ("body", "headers", "status_code")
+    __slots__ = ("body", "connection", "headers", "status_code")
 
     def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: Body) -> None:
         self.status_code = status
         self.headers = headers
-        #: The body, to read (``aiter_raw``) or to take in the read callback (``Body.pipe``).
+        #: The body, to read (``aiter_raw``), or its connection, whose parts a sink takes in the read callback
+        #: (``Connection.attach``).
         self.body = body
+        self.connection = body.connection
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body parts as they arrive, the connection released at the body's end (as ``httpx.Response.aiter_raw``
