@@ -12,6 +12,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from llmtap.config.types import Route, Settings
+from llmtap.listener import CYCLE
 from llmtap.providers import provider_for
 from llmtap.relay.admission import Admission
 from llmtap.relay.answers import refuse_request, send_json
@@ -119,6 +120,8 @@ class ProxyApp:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Relay one HTTP request: refused, unrouted, or handed to its ``Exchange``."""
+        # Taken out of the scope at once: the cycle refers to the scope, which need not refer back.
+        cycle = (scope.get("extensions") or {}).pop(CYCLE, None)
         settings = self.settings
         refusal = check_request(
             scope, max_header_bytes=settings.max_header_bytes, max_request_bytes=settings.max_request_bytes
@@ -136,7 +139,7 @@ class ProxyApp:
             await refuse_request(send, refusal)
             return
         inner = path[len(route.prefix) :] if route.strip_prefix and route.prefix != "/" else path
-        await Exchange(self, scope, receive, send, route, provider_for(scope["method"], inner)).run()
+        await Exchange(self, scope, receive, send, route, provider_for(scope["method"], inner), cycle).run()
 
     # What start-up (``llmtap.serve``), tests and tools read and set of the relay.
 

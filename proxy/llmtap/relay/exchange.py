@@ -22,7 +22,7 @@ import httpx
 from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.config.types import Route
 from llmtap.errors import ClientGone, LlmtapError
-from llmtap.listener import CYCLE, RECEIVED
+from llmtap.listener import RECEIVED
 from llmtap.providers import Provider
 from llmtap.providers.bodyscan import BodyScan
 from llmtap.providers.usage_filter import UsageEventFilter
@@ -63,8 +63,43 @@ class Truncated(LlmtapError):
 class Exchange:
     """One request from its arrival to the hand-over of its tape; ``run`` is the whole of it."""
 
+    __slots__ = (
+        "admission",
+        "admitted",
+        "answer",
+        "app",
+        "body",
+        "counted",
+        "cycle",
+        "headers",
+        "inflater",
+        "more",
+        "pipe",
+        "provider",
+        "receive",
+        "rewritten",
+        "route",
+        "scope",
+        "send",
+        "sent",
+        "started",
+        "strip",
+        "tape",
+        "task",
+        "timeouts",
+        "trace",
+        "watch",
+    )
+
     def __init__(
-        self, app: ProxyApp, scope: Scope, receive: Receive, send: Send, route: Route, provider: Provider | None
+        self,
+        app: ProxyApp,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: Route,
+        provider: Provider | None,
+        cycle: Any = None,
     ) -> None:
         self.app = app
         self.scope = scope
@@ -74,9 +109,9 @@ class Exchange:
         self.provider = provider
         extensions = scope.get("extensions") or {}
         received = extensions.get(RECEIVED) or now()
-        #: The server's request cycle (llmtap's listener), taken out of the scope at once: the cycle refers to the
-        #: scope, which need not refer back. None under another server.
-        self.cycle: Any = extensions.pop(CYCLE, None)
+        #: The server's request cycle (llmtap's listener; ``ProxyApp.handle`` took it out of the scope); None under
+        #: another server.
+        self.cycle = cycle
         path: str = scope["path"]
         inner = path[len(route.prefix) :] if route.strip_prefix and route.prefix != "/" else path
         self.tape = Tape(
