@@ -161,8 +161,6 @@ RECORD = "record"
 ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
     # The OpenTelemetry SDK off: relay, tap and summaries only, no spans or metrics built.
     "otel-off": ({"OTEL_SDK_DISABLED": "true"}, []),
-    # httpx's transport for plain-HTTP upstreams instead of llmtap's own client (HTTPS ones use httpx anyway).
-    "httpx": ({}, ["--upstream-client", "httpx"]),
     # No span per chunk (the phase spans and the metrics stay).
     "chunk-spans-off": ({"LLMTAP_CHUNK_SPANS": "off"}, []),
     # The telemetry process's workers at SCHED_IDLE (``--telemetry-scheduling idle``) or niced by 5 (``nice``).
@@ -179,7 +177,7 @@ ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
 
 
 def ablation_names(spec: str) -> list[str]:
-    """The switches of an ablation spec (``otel-off+httpx``), each checked against ``ABLATIONS``."""
+    """The switches of an ablation spec (``otel-off+chunk-spans-off``), each checked against ``ABLATIONS``."""
     names = [n for n in spec.split("+") if n]
     unknown = [n for n in names if n not in ABLATIONS]
     if unknown:
@@ -248,7 +246,7 @@ def llmtap(
     """``llmtap serve`` with full telemetry: chunk spans on, traces and metrics exported over OTLP/gRPC to the sink.
 
     With ``certs`` the upstream is ``https://`` (its TLS port) and llmtap trusts the run's CA; ``ablation``
-    (``otel-off``, ``otel-off+httpx``, ...) applies switches of ``ABLATIONS``. Returns the endpoint and the
+    (``otel-off``, ``otel-off+chunk-spans-off``, ...) applies switches of ``ABLATIONS``. Returns the endpoint and the
     admin port (``/metrics``). ``telemetry_cpu``: the core(s) the telemetry process moves to once it runs
     (the relay stays alone on ``cpu``, as the issue's targets ask); None leaves it where it started.
     """

@@ -38,18 +38,19 @@ from bench.rps import Rig, RpsPlan
 LOOP = "event loop (uvloop, C: reads, callbacks)"
 #: (stage, substrings of a frame): a sample's stage is the first rule matched by its innermost matching frame.
 RELAY_STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("hand-over (tape to the telemetry channel)", ("_hand_over", "relay/channel.py", "wire/socketchannel.py",
-                                                   "wire/framing.py", "wire/messages.py", "ProxyApp._send ")),
+    ("hand-over (tape to the telemetry channel)", ("relay/handover.py", "relay/gauges.py", "relay/channel.py",
+                                                   "wire/socketchannel.py", "wire/framing.py", "wire/messages.py")),
     ("tape", ("wire/tape.py",)),
     ("answer out to the client (uvicorn send)", ("RequestResponseCycle.send",)),
-    ("answer body relay (pipe)", ("relay/pipe.py",)),
+    ("answer body relay (pipe)", ("relay/pipe.py", "relay/strip.py")),
     ("answer head", ("response_headers", "relay/heads.py", "relay/answers.py", "relay/breaks.py")),
-    ("upstream exchange", ("relay/upstream_http.py", "relay/tls.py")),
-    ("admission and in-flight counts", ("relay/admission.py", "relay/shared.py", "ProxyApp._admit")),
+    ("upstream exchange", ("relay/upstream/", "relay/tls.py")),
+    ("admission and in-flight counts", ("relay/admission.py", "relay/shared.py", "Exchange._admit")),
     ("request inspection (guard, body, provider, upstream request)", (
         "providers/", "relay/guard.py", "relay/bodyread.py", "relay/fingerprint.py", "wire/tracecontext.py",
         "wire/tracestate.py", "relay/forward.py", "relay/timing.py")),
-    ("request handler (relay/app.py's own)", ("relay/app.py",)),
+    ("request handler (relay/app.py's and the exchange's own)", (
+        "relay/app.py", "relay/exchange.py", "relay/lifecycle.py", "relay/watch.py")),
     ("Starlette routing and middleware", ("starlette/", "uvicorn/middleware", "relay/frame.py")),
     ("listener parse (uvicorn, httptools)", ("httptools_impl.py", "llmtap/listener.py", "uvicorn/")),
     (LOOP, ("asyncio/runners.py", "uvloop/")),

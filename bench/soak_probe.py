@@ -269,11 +269,11 @@ def _sdk_matches(rec: Any) -> list[Any]:
 
 
 def _relay(app: Any) -> Callable[[], dict[str, Any]]:
-    from llmtap.relay import app as relay_app
+    from llmtap.relay import forward
 
     table: dict[str, tuple[Callable[[], int], Callable[[], int] | None]] = {
         "inflight": (lambda: app.inflight, None),
-        "targets": (lambda: len(app._targets), lambda: relay_app._TARGETS),
+        "targets": (lambda: len(app.upstreams._targets), lambda: forward.TARGETS),
         "tapes_dropped": (lambda: app.tapes_dropped, None),
     }
     return lambda: _sizes(table)

@@ -369,11 +369,18 @@ def test_burst_command_line_and_ablations() -> None:
     from bench.run import parser, path_specs
 
     args = parser().parse_args(["--bursts", "1,32,64", "--tls", "on", "--paths", "direct,nginx,llmtap",
-                                "--ablation", "otel-off", "--ablation", "httpx"])  # fmt: skip
+                                "--ablation", "otel-off", "--ablation", "chunk-spans-off"])  # fmt: skip
     assert args.bursts == (1, 32, 64) and args.tls == "on"
     # llmtap:one-core (the whole tree on the proxy's one core) runs by default, beside the dedicated cores.
-    assert path_specs(args) == ["direct", "nginx", "llmtap", "llmtap:one-core", "llmtap:otel-off", "llmtap:httpx"]
-    assert peers.ablation_names("otel-off+httpx") == ["otel-off", "httpx"]
+    assert path_specs(args) == [
+        "direct",
+        "nginx",
+        "llmtap",
+        "llmtap:one-core",
+        "llmtap:otel-off",
+        "llmtap:chunk-spans-off",
+    ]
+    assert peers.ablation_names("otel-off+chunk-spans-off") == ["otel-off", "chunk-spans-off"]
     with pytest.raises(ValueError):
         peers.ablation_names("no-such-switch")
     with pytest.raises(SystemExit):

@@ -139,7 +139,6 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         max_client_connections=values["max_client_connections"],
         max_connections_per_client=values["max_connections_per_client"],
         max_inflate_bytes=values["max_inflate_bytes"],
-        upstream_client=values["upstream_client"],
         log_level=values["log_level"],
         access_log=values["access_log"],
         record=Records(

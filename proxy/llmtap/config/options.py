@@ -52,7 +52,6 @@ __all__ = [
     "ROUTE_OPTIONS",
     "SPAN_ROLES",
     "STANDARD_VARIABLES",
-    "UPSTREAM_CLIENTS",
     "Invalid",
     "Kind",
     "Option",
@@ -188,8 +187,6 @@ CHUNK_SPAN_MODES = ("spans", "events", "off")
 TELEMETRY_SCHEDULING = ("idle", "nice", "normal")
 #: What the proxy's span is in a trace (``auto``: the hop when a request arrives with a ``traceparent``).
 SPAN_ROLES = ("auto", "generation", "hop")
-#: The client for upstreams: llmtap's own HTTP/1.1 one (``llmtap.relay.upstream_http``), or httpx's.
-UPSTREAM_CLIENTS = ("lean", "httpx")
 #: Buckets of the ``gen_ai.*`` histograms: the conventions' advisory ones, or llmtap's fine ones.
 HISTOGRAM_BUCKETS = ("standard", "fine")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -324,13 +321,6 @@ _TABLE = (
         default_text="from the API the request speaks",
     ),
     option("config", path(), None, "YAML file with routes and settings", "upstream", key=None),
-    option(
-        "upstream_client",
-        choice(*UPSTREAM_CLIENTS),
-        "lean",
-        "client for upstreams: llmtap's own HTTP/1.1 one, or httpx's",
-        "upstream",
-    ),
     # HTTPS upstreams
     _tls("upstream_ca", "tls_ca", path(), "CA bundle to verify the upstream with instead of the default roots"),
     _tls("upstream_ca_dir", "tls_ca_dir", path("DIR"), "directory of hashed CA certificates"),

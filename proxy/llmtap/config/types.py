@@ -378,9 +378,6 @@ class Settings:
     max_connections_per_client: int | None = None
     #: The most bytes the relay decompresses of one response (``llmtap.compression``); past it the stream is cut.
     max_inflate_bytes: int = default("max_inflate_bytes")
-    #: ``lean``: upstreams, HTTP and HTTPS, go through ``llmtap.relay.upstream_http`` (less CPU per chunk); ``httpx``:
-    #: through httpx's own transport (with the same TLS context).
-    upstream_client: str = default("upstream_client")
     log_level: str = default("log_level")
     #: ``--access-log PATH``: one line per finished request, by the telemetry process (``-``: its stderr).
     access_log: str | None = default("access_log")

@@ -117,6 +117,8 @@ class AnthropicMessages:
     name: str = "anthropic"
     family: str = "anthropic"
     framing: Framing = "sse"
+    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
+    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/messages``, except OpenAI Assistants' ``…/threads/{id}/messages``."""
