@@ -202,6 +202,7 @@ class GenerateEndpoint:
             include_usage=req.include_usage,
             continuous_usage=req.continuous_usage,
             truth=record,
+            openai_chunks=profile.openai_chunks,
         )
         record.id = reply.id
         pieces = st.vocab.generate(req.prompt_text, n)

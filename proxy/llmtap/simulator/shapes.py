@@ -60,6 +60,8 @@ class Reply:
     created_cache_tokens: int = 0
     #: Events written so far: the Responses API numbers them, a Gemini array puts commas between them.
     events: int = 0
+    #: Chat chunks in OpenAI's own shape (``Profile.openai_chunks``).
+    openai_chunks: bool = False
 
 
 class Format(Protocol):
@@ -118,9 +120,10 @@ class ChatFormat:
     def prelude(self, r: Reply) -> list[bytes]:
         """The role-only first chunk."""
         obj = _head(r, "chat.completion.chunk")
-        obj["choices"] = [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        ]
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        if r.openai_chunks:
+            return [sse(self._openai_chunk(r, role))]
+        obj["choices"] = [role]
         if r.continuous_usage:
             obj["usage"] = _running_usage(r, 0) | {"completion_tokens_details": None}
         obj |= {"prompt_token_ids": None, "prompt_text": None}
@@ -132,6 +135,8 @@ class ChatFormat:
         choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None}
         choice |= {"finish_reason": _FINISH, "stop_reason": None} if last else {"finish_reason": None}
         choice["token_ids"] = None
+        if r.openai_chunks:
+            return [sse(self._openai_chunk(r, choice))]
         obj = _head(r, "chat.completion.chunk") | {"choices": [choice]}
         if r.continuous_usage:
             obj["usage"] = _running_usage(r, done) | {"completion_tokens_details": None}
@@ -139,10 +144,17 @@ class ChatFormat:
             obj["system_fingerprint"] = r.fingerprint
         return [sse(obj)]
 
+    def _openai_chunk(self, r: Reply, choice: dict[str, Any]) -> dict[str, Any]:
+        """A chunk as OpenAI writes it: the fingerprint on each, ``"usage": null`` on each once usage is asked."""
+        obj = _head(r, "chat.completion.chunk") | {"system_fingerprint": r.fingerprint, "choices": [choice]}
+        return obj | {"usage": None} if r.include_usage else obj
+
     def tail(self, r: Reply, text: str) -> list[bytes]:
         """The usage chunk when asked for, then ``[DONE]``."""
         out = []
-        if r.include_usage:
+        if r.include_usage and r.openai_chunks:
+            out.append(sse(self._openai_chunk(r, {}) | {"choices": [], "usage": self._usage(r)}))
+        elif r.include_usage:
             obj = _head(r, "chat.completion.chunk") | {"choices": [], "usage": self._usage(r)}
             out.append(sse(obj | {"system_fingerprint": r.fingerprint}))
         return [*out, DONE]
