@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from llmtap.simulator.profiles import Profile
 
-__all__ = ["Route", "SimError", "output_tokens", "parse_json", "parse_request"]
+__all__ = ["GenRequest", "Route", "SimError", "output_tokens", "parse_json", "parse_request"]
 
 Route = Literal[
     "chat", "completions", "messages", "responses", "ollama_chat", "ollama_generate", "gemini", "gemini_stream"

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import uvicorn
 
 from llmtap.simulator.app import create_app
+from llmtap.simulator.faults import FaultPlan
 from llmtap.simulator.profiles import Profile
 
 __all__ = ["Background", "announce", "run_in_thread", "serve"]
@@ -35,9 +36,9 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-async def serve(host: str, port: int, profile: Profile) -> None:
+async def serve(host: str, port: int, profile: Profile, *, faults: FaultPlan | None = None) -> None:
     """Serve the simulator on ``host:port`` until the process is told to stop."""
-    app = create_app(profile)
+    app = create_app(profile, faults=faults)
     _freeze_heap()
     log.info("%s", announce(profile, host, port))
     await uvicorn.Server(_config(app, host=host, port=port, log_level="info")).serve()
@@ -72,6 +73,7 @@ def run_in_thread(
     seed: int | None = None,
     clock: Callable[[], float] = time.time,
     timeout: float = 10.0,
+    faults: FaultPlan | None = None,
 ) -> Background:
     """Start the simulator on a free port in a daemon thread; returns once it accepts connections."""
     # Binding the socket here, not in uvicorn, gives the port before the thread starts and no race.
@@ -81,7 +83,7 @@ def run_in_thread(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(_config(create_app(profile, seed=seed, clock=clock), log_level="warning"))
+    server = uvicorn.Server(_config(create_app(profile, seed=seed, clock=clock, faults=faults), log_level="warning"))
     _freeze_heap()
     thread = threading.Thread(
         target=lambda: asyncio.run(server.serve(sockets=[sock])), name=f"llmtap-sim-{port}", daemon=True
