@@ -182,6 +182,12 @@ def _simulate_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         "terms joined by ';' (a request asks for its own with the x-sim-fault header)",
     )
     p.add_argument("--fault-rate", type=float, default=0.0, metavar="P", help="share of requests --fault is played on")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="export each request's span as vLLM does (llm_request, gen_ai.latency.*) over OTLP/HTTP protobuf to URL "
+        "(/v1/traces added when it names no path), e.g. llmtap's admin listener",
+    )
 
 
 def _fault_plan(args: argparse.Namespace) -> FaultPlan:
@@ -352,7 +358,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile = simulator.PROFILES.get(args.profile)
             if profile is None:
                 raise ConfigError(f"unknown profile {args.profile!r}; known: {', '.join(sorted(simulator.PROFILES))}")
-            asyncio.run(simulator.serve(args.host, args.port, profile, faults=_fault_plan(args)))
+            if args.otlp_traces_endpoint:
+                from llmtap.simulator.spans import traces_url
+
+                try:
+                    traces_url(args.otlp_traces_endpoint)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+            plan = _fault_plan(args)
+            asyncio.run(
+                simulator.serve(
+                    args.host, args.port, profile, faults=plan, otlp_traces_endpoint=args.otlp_traces_endpoint
+                )
+            )
         elif args.command == "demo":
             logs.setup("warning", stamp=False)
             from llmtap.commands import demo

@@ -36,6 +36,7 @@ from llmtap.simulator.requests import (
 )
 from llmtap.simulator.scheduler import Engine, Job
 from llmtap.simulator.shapes import ChatFormat, CompletionsFormat, Format, MessagesFormat, Reply, ResponsesFormat
+from llmtap.simulator.spans import SpanExporter
 from llmtap.simulator.text import Vocabulary, block_hashes_async, tokenize
 from llmtap.simulator.truth import RequestRecord, TruthLog, render_metrics
 from llmtap.types import Receive, Scope, Send
@@ -71,6 +72,8 @@ class SimState:
     ids: IdSource
     wall_clock: Callable[[], float]
     faults: FaultPlan
+    #: Where finished requests' spans go, as vLLM's ``--otlp-traces-endpoint``; None: nowhere.
+    spans: SpanExporter | None = None
 
 
 class _ClientGone(Exception):
@@ -205,6 +208,8 @@ class GenerateEndpoint:
             raise
         finally:
             self.state.log.finish(record)
+            if self.state.spans is not None:
+                self.state.spans.finished(record, _header(scope, b"traceparent"))
 
     async def _serve(self, record: RequestRecord, scope: Scope, receive: Receive, send: Send) -> None:
         st, profile, fmt = self.state, self.state.profile, self.format_for(scope)
@@ -376,9 +381,11 @@ def create_app(
     seed: int | None = None,
     clock: Callable[[], float] = time.time,
     faults: FaultPlan | None = None,
+    spans: SpanExporter | None = None,
 ) -> Starlette:
     """The simulated server for ``profile``; ``seed`` fixes the id sequence, ``clock`` the ``created`` times,
-    ``faults`` what goes wrong on requests that do not ask (``llmtap.simulator.faults``)."""
+    ``faults`` what goes wrong on requests that do not ask (``llmtap.simulator.faults``), ``spans`` where each
+    request's span goes (``llmtap.simulator.spans``)."""
     cache = PrefixCache(profile.block_size, profile.cache_blocks)
     state = SimState(
         profile=profile,
@@ -389,6 +396,7 @@ def create_app(
         ids=IdSource(seed),
         wall_clock=clock,
         faults=faults or FaultPlan(seed=seed),
+        spans=spans,
     )
     ollama_chat = OllamaFormat(generate=False, clock=clock)
     ollama_generate = OllamaFormat(generate=True, clock=clock)
