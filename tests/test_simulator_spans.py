@@ -1,7 +1,7 @@
 """The simulator's server spans: vLLM's ``llm_request`` over OTLP/HTTP, joined by llmtap to the request it relayed.
 
 Unit: a span carries vLLM's attribute names, parented on the ``traceparent`` received and back-dated to arrival.
-End to end: ``run_in_thread(..., otlp_traces_endpoint=)`` exports to llmtap's admin listener, and llmtap's root
+End to end: ``run_in_thread(..., spans=SpanExporter(url))`` exports to llmtap's admin listener, and llmtap's root
 spans then take queue and prefill from the server (``source = server``), equal to the simulator's own truth.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.simulator import get_profile, run_in_thread
-from llmtap.simulator.spans import parse_traceparent, request_span, traces_url
+from llmtap.simulator.spans import SpanExporter, parse_traceparent, request_span, traces_url
 from llmtap.simulator.truth import RequestRecord
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Telemetry
@@ -77,7 +77,7 @@ def test_llmtap_joins_the_simulators_spans_and_takes_its_queue_and_prefill(
     threading.Thread(target=forwarder.serve_forever, daemon=True).start()
     sim = run_in_thread(
         get_profile("fast", max_num_seqs=2),
-        otlp_traces_endpoint=f"http://127.0.0.1:{forwarder.server_address[1]}",
+        spans=SpanExporter(f"http://127.0.0.1:{forwarder.server_address[1]}", interval=0.2),
     )
     try:
         route = Route(prefix="/", upstream=sim.url, name="default", provider="llmtap-sim")

@@ -83,9 +83,10 @@ def run_in_thread(
     clock: Callable[[], float] = time.time,
     timeout: float = 10.0,
     faults: FaultPlan | None = None,
-    otlp_traces_endpoint: str | None = None,
+    spans: SpanExporter | None = None,
 ) -> Background:
-    """Start the simulator on a free port in a daemon thread; returns once it accepts connections."""
+    """Start the simulator on a free port in a daemon thread; returns once it accepts connections. ``spans``
+    exports each request's span (and is closed by ``stop``)."""
     # Binding the socket here, not in uvicorn, gives the port before the thread starts and no race.
     # proto must say TCP: asyncio sets TCP_NODELAY on accepted sockets only then, and without it
     # Nagle holds each small SSE write until the client's delayed ACK, 40 ms later.
@@ -93,7 +94,6 @@ def run_in_thread(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    spans = SpanExporter(otlp_traces_endpoint, interval=0.2) if otlp_traces_endpoint else None
     server = uvicorn.Server(
         _config(create_app(profile, seed=seed, clock=clock, faults=faults, spans=spans), log_level="warning")
     )

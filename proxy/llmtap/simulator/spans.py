@@ -127,10 +127,12 @@ class SpanExporter:
         self._resource = [_attribute("service.name", service)]
         self._pending: deque[_Pending] = deque()
         self._lock = threading.Lock()
+        self._sent_all = threading.Condition(self._lock)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
+        self._unsent = 0
         #: Spans posted, and spans dropped (a full queue or a failed post).
         self.sent = 0
         self.dropped = 0
@@ -143,10 +145,23 @@ class SpanExporter:
             if len(self._pending) >= MAX_PENDING:
                 self._pending.popleft()
                 self.dropped += 1
+                self._unsent -= 1
             self._pending.append(_Pending(record, parse_traceparent(traceparent), time.monotonic()))
+            self._unsent += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="llmtap-sim-spans", daemon=True)
                 self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Spans queued or being posted: 0 once every finished request's span was sent (or dropped)."""
+        with self._lock:
+            return self._unsent
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued span was posted (or dropped), at most ``timeout`` seconds; True when none is left."""
+        with self._lock:
+            return self._sent_all.wait_for(lambda: self._unsent == 0, timeout)
 
     def close(self) -> None:
         """Post what is pending and stop the thread."""
@@ -168,6 +183,14 @@ class SpanExporter:
             self._pending.clear()
         if not batch:
             return
+        try:
+            self._send(batch)
+        finally:
+            with self._lock:
+                self._unsent -= len(batch)
+                self._sent_all.notify_all()
+
+    def _send(self, batch: list[_Pending]) -> None:
         spans = [request_span(p.record, p.parent, p.ended, os.urandom(8)) for p in batch]
         scope = ScopeSpans(spans=spans)
         scope.scope.name = "llmtap.simulator"
