@@ -25,6 +25,7 @@ from llmtap.simulator.cache import CacheHit, PrefixCache
 from llmtap.simulator.embeddings import embeddings_endpoint
 from llmtap.simulator.faults import FAULT_HEADER, Fault, FaultPlan
 from llmtap.simulator.native import GeminiFormat, OllamaFormat
+from llmtap.simulator.parts import reasoning_split
 from llmtap.simulator.profiles import Profile
 from llmtap.simulator.requests import (
     GenRequest,
@@ -112,13 +113,16 @@ class _StreamWriter:
     async def tokens(self, start: int, end: int) -> None:
         """One chunk of text; the tail follows the last chunk at once. A ``cut-after`` fault ends here."""
         events = [] if self.early or start else self.fmt.prelude(self.reply)
-        events += self.fmt.chunk(self.reply, "".join(self.pieces[start:end]), end)
+        split = self.reply.reasoning_tokens
+        # A chunk that holds the last reasoning tokens and the first answer tokens is written as two events.
+        for a, b in ((start, split), (split, end)) if start < split < end else ((start, end),):
+            events += self.fmt.chunk(self.reply, "".join(self.pieces[a:b]), b)
         self.chunks += 1
         if self.chunks == self.cut_after:
             await _send_all(self.send, events)
             raise _Cut
         if end == self.reply.output_tokens:
-            events += self.fmt.tail(self.reply, "".join(self.pieces[:end]))
+            events += self.fmt.tail(self.reply, "".join(self.pieces[split:end]))
         await _send_all(self.send, events)
 
 
@@ -237,9 +241,13 @@ class GenerateEndpoint:
             continuous_usage=req.continuous_usage,
             truth=record,
             openai_chunks=profile.openai_chunks,
+            choices=req.parts.choices,
+            reasoning_tokens=reasoning_split(n, req.parts.reasoning),
+            tool=req.parts.tool,
         )
         record.id = reply.id
         pieces = st.vocab.generate(req.prompt_text, n)
+        reply.reasoning_text = "".join(pieces[: reply.reasoning_tokens])
         job = Job(prompt_tokens=len(ids), block_hashes=hashes, output_tokens=n)
         if req.stream:
             await self._stream(_Work(record, reply, pieces, job, fmt), fault, receive, send)
@@ -247,7 +255,7 @@ class GenerateEndpoint:
             if not await _until_disconnect(receive, st.engine.run(job, record, _BodyWriter(reply))):
                 record.outcome = "cancelled"
                 return
-            await _send_json(send, 200, fmt.body(reply, "".join(pieces)))
+            await _send_json(send, 200, fmt.body(reply, "".join(pieces[reply.reasoning_tokens :])))
 
     async def _read(
         self, record: RequestRecord, scope: Scope, body: bytes
