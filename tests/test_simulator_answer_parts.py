@@ -16,8 +16,11 @@ import anthropic
 import openai
 import pytest
 
+from llmtap.config.types import Route, Settings
 from llmtap.simulator import get_profile, run_in_thread
 from llmtap.simulator.parts import ARGUMENT_KEY
+from llmtap.telemetry import semconv as sc
+from tests.conftest import Telemetry
 
 MODEL = "llmtap-sim"
 USER: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -130,3 +133,45 @@ def test_messages_text_answer_is_unchanged_without_tools_or_thinking(claude: ant
     with claude.messages.stream(model=MODEL, max_tokens=5, messages=USER) as stream:
         final = stream.get_final_message()
     assert [b.type for b in final.content] == ["text"] and final.stop_reason == "max_tokens"
+
+
+def test_responses_reasoning_summary_then_function_call_streamed_equals_whole(chat: openai.OpenAI) -> None:
+    tools: Any = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    reasoning: Any = {"effort": "low", "summary": "auto"}
+    ask: Any = {"model": MODEL, "input": "Weather in Paris?", "max_output_tokens": 8, "tools": tools}
+    whole = chat.responses.create(**ask, reasoning=reasoning)
+    assert [item.type for item in whole.output] == ["reasoning", "function_call"]
+    with chat.responses.stream(**ask, reasoning=reasoning) as stream:
+        kinds = [e.type for e in stream if e.type.endswith(".delta")]
+        final = stream.get_final_response()
+    assert kinds == ["response.reasoning_summary_text.delta"] * 4 + ["response.function_call_arguments.delta"] * 4
+    think, call = final.output
+    assert think.type == "reasoning" and whole.output[0].type == "reasoning"
+    assert [s.text for s in think.summary] == [s.text for s in whole.output[0].summary] != [""]
+    assert call.type == "function_call" and whole.output[1].type == "function_call"
+    assert call.name == "get_weather" and json.loads(call.arguments) == json.loads(whole.output[1].arguments)
+    assert final.usage is not None and final.usage.output_tokens_details.reasoning_tokens == 4
+    plain = chat.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
+    assert [item.type for item in plain.output] == ["message"]
+
+
+@pytest.mark.e2e
+def test_llmtap_reads_every_shape_as_a_whole_stream(sim: str, proxy_factory: Any, telemetry: Telemetry) -> None:
+    proxy = proxy_factory(Settings(routes=(Route(prefix="/", upstream=sim, name="r", provider="llmtap-sim"),)))
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+    list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, tools=[WEATHER], stream=True))
+    list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, n=2, stream=True))
+    list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, reasoning_effort="low", stream=True))
+    thinking: Any = {"type": "enabled", "budget_tokens": 1024}
+    tools: Any = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key="k", max_retries=0)
+    with claude.messages.stream(model=MODEL, max_tokens=6, messages=USER, tools=tools, thinking=thinking) as stream:
+        stream.get_final_message()
+    proxy.flush()
+    roots: list[dict[str, Any]] = [
+        dict(s.attributes or {}) for s in telemetry.finished() if sc.ROUTE in (s.attributes or {})
+    ]
+    assert len(roots) == 4 and not [a for a in roots if sc.ERROR_TYPE in a]
+    # Usage is the server's (n = 2 doubles it); the first token is the first content of any kind.
+    assert sorted(a[sc.USAGE_OUTPUT_TOKENS] for a in roots) == [6, 6, 6, 12]
+    assert all(a[sc.UPSTREAM_TTFT] > 0 for a in roots)

@@ -35,8 +35,9 @@ from llmtap.simulator.requests import (
     parse_json,
     parse_request,
 )
+from llmtap.simulator.responses import ResponsesFormat
 from llmtap.simulator.scheduler import Engine, Job
-from llmtap.simulator.shapes import ChatFormat, CompletionsFormat, Format, MessagesFormat, Reply, ResponsesFormat
+from llmtap.simulator.shapes import ChatFormat, CompletionsFormat, Format, MessagesFormat, Reply
 from llmtap.simulator.spans import SpanExporter
 from llmtap.simulator.text import Vocabulary, block_hashes_async, tokenize
 from llmtap.simulator.truth import RequestRecord, TruthLog, render_metrics

@@ -6,8 +6,8 @@ last content chunk; the usage chunk (``"choices": []``) comes before ``data: [DO
 ``stream_options.include_usage``. One addition on /v1/messages: a ``ping`` after ``content_block_start``,
 as Anthropic's own API sends (standards D.4), so clients' ping handling is exercised. The Responses
 stream names its events (``event: response.created`` ...) and numbers them (``sequence_number``); its
-only usage rides on the terminal ``response.completed``. Ollama's and Gemini's own shapes are in
-``llmtap.simulator.native``.
+only usage rides on the terminal ``response.completed`` (``llmtap.simulator.responses``). Ollama's and Gemini's
+own shapes are in ``llmtap.simulator.native``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,17 @@ from llmtap.simulator.parts import ARGUMENT_KEY, arguments_piece, signature, too
 from llmtap.simulator.requests import SimError
 from llmtap.simulator.truth import RequestRecord
 
-__all__ = ["ChatFormat", "CompletionsFormat", "Format", "MessagesFormat", "Reply", "ResponsesFormat", "dumps"]
+__all__ = [
+    "SSE_TYPE",
+    "ChatFormat",
+    "CompletionsFormat",
+    "Format",
+    "MessagesFormat",
+    "Reply",
+    "dumps",
+    "openai_error",
+    "sse",
+]
 
 # We never see an EOS token (ignore_eos in effect), so every answer stops on its length limit.
 _FINISH = "length"
@@ -304,129 +314,6 @@ class CompletionsFormat:
             "kv_transfer_params": None,
         }
         return dumps(obj)
-
-
-class ResponsesFormat:
-    """OpenAI Responses as vLLM serves it: named, numbered events; usage only on ``response.completed``.
-
-    An answer that stops on its length is ``status: incomplete`` with ``incomplete_details.reason``
-    ``max_output_tokens``, yet vLLM still ends the stream with ``response.completed`` (as recorded).
-    """
-
-    id_prefix = "resp_"
-    stream_type = SSE_TYPE
-    error = staticmethod(openai_error)
-
-    def _item_id(self, r: Reply) -> str:
-        # The message item's id shares the response's hex digits: unique per response, no second draw.
-        return "msg_" + r.id.removeprefix(self.id_prefix)
-
-    def _event(self, r: Reply, kind: str, fields: dict[str, Any]) -> bytes:
-        obj = fields | {"sequence_number": r.events, "type": kind}
-        r.events += 1
-        return sse(dict(sorted(obj.items())), kind)
-
-    def _usage(self, r: Reply) -> dict[str, Any]:
-        return {
-            "input_tokens": r.prompt_tokens,
-            "input_tokens_details": {
-                "cached_tokens": r.cached_tokens,
-                # No cache writes are billed by automatic prefix caching (0 in the recording too).
-                "cache_write_tokens": 0,
-                "input_tokens_per_turn": [],
-                "cached_tokens_per_turn": [],
-            },
-            "output_tokens": r.output_tokens,
-            "output_tokens_details": {
-                "reasoning_tokens": 0,
-                "tool_output_tokens": 0,
-                "output_tokens_per_turn": [],
-                "tool_output_tokens_per_turn": [],
-            },
-            "total_tokens": r.prompt_tokens + r.output_tokens,
-        }
-
-    def _part(self, text: str, logprobs: list[Any] | None) -> dict[str, Any]:
-        return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
-
-    def _item(self, r: Reply, text: str | None) -> dict[str, Any]:
-        content = [] if text is None else [self._part(text, None)]
-        status = "in_progress" if text is None else "completed"
-        return {
-            "id": self._item_id(r),
-            "content": content,
-            "role": "assistant",
-            "status": status,
-            "type": "message",
-            "phase": None,
-        }
-
-    def _response(self, r: Reply, text: str | None) -> dict[str, Any]:
-        """The ``response`` object: in progress (no output, no usage) or done (``text`` given)."""
-        done = text is not None
-        return {
-            "id": r.id,
-            "created_at": r.created,
-            "incomplete_details": {"reason": "max_output_tokens"} if done else None,
-            "instructions": None,
-            "metadata": None,
-            "model": r.model,
-            "object": "response",
-            "output": [self._item(r, text)] if done else [],
-            "parallel_tool_calls": True,
-            "temperature": 1.0,
-            "tool_choice": "none",
-            "tools": [],
-            "top_p": 1.0,
-            "background": False,
-            "max_output_tokens": r.output_tokens,
-            "max_tool_calls": None,
-            "previous_response_id": None,
-            "prompt": None,
-            "reasoning": None,
-            "service_tier": "auto",
-            "status": "incomplete" if done else "in_progress",
-            "text": None,
-            "top_logprobs": None,
-            "truncation": "disabled",
-            "usage": self._usage(r) if done else None,
-            "user": None,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "input_messages": None,
-            "output_messages": None,
-        }
-
-    def prelude(self, r: Reply) -> list[bytes]:
-        """response.created and .in_progress, then the message item and its text part, both empty."""
-        where = {"item_id": self._item_id(r), "output_index": 0}
-        return [
-            self._event(r, "response.created", {"response": self._response(r, None)}),
-            self._event(r, "response.in_progress", {"response": self._response(r, None)}),
-            self._event(r, "response.output_item.added", {"item": self._item(r, None), "output_index": 0}),
-            self._event(r, "response.content_part.added", where | {"content_index": 0, "part": self._part("", [])}),
-        ]
-
-    def chunk(self, r: Reply, text: str, done: int) -> list[bytes]:
-        """One ``response.output_text.delta``."""
-        where = {"content_index": 0, "item_id": self._item_id(r), "output_index": 0}
-        return [self._event(r, "response.output_text.delta", where | {"delta": text, "logprobs": []})]
-
-    def tail(self, r: Reply, text: str) -> list[bytes]:
-        """The text, part and item marked done, then ``response.completed`` with the usage."""
-        where = {"content_index": 0, "item_id": self._item_id(r), "output_index": 0}
-        return [
-            self._event(r, "response.output_text.done", where | {"logprobs": [], "text": text}),
-            self._event(r, "response.content_part.done", where | {"part": self._part(text, None)}),
-            self._event(r, "response.output_item.done", {"item": self._item(r, text), "output_index": 0}),
-            self._event(r, "response.completed", {"response": self._response(r, text)}),
-        ]
-
-    def body(self, r: Reply, text: str) -> bytes:
-        """A ``response`` object."""
-        return dumps(self._response(r, text))
 
 
 def anthropic_error(err: SimError) -> bytes:
