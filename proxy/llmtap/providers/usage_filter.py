@@ -48,7 +48,10 @@ _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 # Any block the filter may act on: a usage chunk, a chunk with a null usage, a terminal chunk. Inside a JSON
 # string every quote is escaped, so none of these can match text content.
 _CANDIDATE = re.compile(rb'"choices"\s*:\s*\[\s*\]|"usage"\s*:\s*null|"finish_reason"\s*:\s*"')
-_NULL_USAGE = re.compile(rb'(,\s*)?"usage"\s*:\s*null(\s*,)?')
+_USAGE_KEY = b'"usage"'
+_NULL_MEMBER = re.compile(rb'"usage"[ \t\r\n]*:[ \t\r\n]*null')
+# What may follow a top-level null usage up to the end of its one-line event: OpenAI's obfuscation, the object's end.
+_LAST_MEMBER = re.compile(rb'[ \t]*(?:,[ \t]*"obfuscation"[ \t]*:[ \t]*"[^"\\\r\n]*"[ \t]*)?\}[ \t]*(?:\r\n|\r|\n)+')
 _FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
 _FINGERPRINT = b'"system_fingerprint"'
 _CHAT_CHUNK = "chat.completion.chunk"
@@ -84,26 +87,23 @@ def _is_usage_event(block: bytes) -> bool:
 
 
 def strip_null_usage(block: bytes) -> bytes:
-    """``block`` without its chunk's top-level ``"usage": null`` member (and one comma beside it), else unchanged.
+    """``block`` without its chunk's top-level ``"usage": null`` member and the comma before it, else unchanged.
 
-    Only a lone match is cut: a second ``"usage"`` key somewhere in the chunk would leave which one is the
-    top-level member unknown, so the block is kept whole. A key cannot hide inside a string (its quotes would
-    be escaped), so the match is a key; the parsed chunk (one with choices: OpenAI's content chunks) says it is
-    the top-level one.
+    Cut only where it is certain, without parsing (this runs on every OpenAI chunk): the block is one ``data:``
+    line with choices, ``"usage"`` occurs in it once (a key cannot hide inside a string: its quotes would be
+    escaped), a comma comes before it, and after ``null`` only the object's end follows (OpenAI's ``obfuscation``
+    member at most), so it is the top-level object's member.
     """
-    matches = list(_NULL_USAGE.finditer(block))
-    if len(matches) != 1:
+    at = block.find(_USAGE_KEY)
+    if at < 0 or block.find(_USAGE_KEY, at + len(_USAGE_KEY)) >= 0 or not block.startswith(b"data:"):
         return block
-    obj = _event_json(block)
-    if obj is None or not obj.get("choices") or not isinstance(obj["choices"], list) or obj.get("usage", 0) is not None:
+    member = _NULL_MEMBER.match(block, at)
+    if member is None or _LAST_MEMBER.fullmatch(block, member.end()) is None or _EMPTY_CHOICES.search(block):
+        return block  # not the null usage member, or a chunk without choices (not one OpenAI writes)
+    comma = len(block[:at].rstrip(b" \t\r\n")) - 1
+    if comma < 0 or block[comma : comma + 1] != b",":
         return block
-    match = matches[0]
-    start, end = match.span()
-    if match.group(1) is not None:
-        end = match.start(2) if match.group(2) is not None else end  # keep the comma that follows
-    elif match.group(2) is None:
-        return block  # the only member: nothing to join, so leave it
-    return block[:start] + block[end:]
+    return block[:comma] + block[member.end() :]
 
 
 def is_unstamped_terminal(block: bytes) -> bool:
@@ -171,16 +171,16 @@ class UsageEventFilter:
         if self._passthrough:
             return chunk
         held = self._held
-        if (
-            not held
-            and not self._terminal
-            and chunk[-3:-2] not in _CR_LF
-            and chunk.endswith(b"\n\n")
-            and not _CANDIDATE.search(chunk)
-        ):
-            # The common case, whole events with nothing held and nothing to act on among them: the last boundary is
-            # the chunk's own end (a run of exactly two LFs), so all of it goes, as the general path would send it.
-            return chunk
+        if not held and not self._terminal and chunk[-3:-2] not in _CR_LF and chunk.endswith(b"\n\n"):
+            # The common case, whole events with nothing held: the last boundary is the chunk's own end (a run of
+            # exactly two LFs), so all of it goes, as the general path would send it; with nothing to act on, as is.
+            found = _CANDIDATE.search(chunk)
+            if found is None:
+                return chunk
+            if found[0].startswith(_USAGE_KEY) and chunk.find(b"\n\n") == len(chunk) - 2:
+                # One OpenAI chunk with its "usage": null, and nothing else to act on (a null usage comes after the
+                # choices, so a usage chunk or a finish_reason would have matched first).
+                return strip_null_usage(chunk)
         start = max(0, len(held) - _BOUNDARY_REACH)
         held += chunk
         cut = _last_boundary_end(held, start)
