@@ -153,6 +153,9 @@ def litellm(work: Path, cpu: str | None, upstream_port: int) -> Endpoint:
 
 #: The placement of llmtap's whole process tree on one core (``llmtap:one-core``).
 ONE_CORE = "one-core"
+#: Records written (``llmtap:record``): ``serve --record DIR`` into a folder of the run's, hence the record journal
+#: that comes with it (its cost against plain ``llmtap``, which writes none).
+RECORD = "record"
 
 #: llmtap-side switches of ``--ablation``: extra environment and extra ``llmtap serve`` arguments.
 ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
@@ -170,6 +173,8 @@ ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
     # Not a switch but a placement: the whole tree, telemetry too, on the relay's one core (a sidecar with a
     # one-core limit, issue 29), where plain ``llmtap`` moves its telemetry process to the other core.
     ONE_CORE: ({}, []),
+    # ``--record`` with a folder of the run's (``llmtap`` adds it: the folder is made per start).
+    RECORD: ({}, []),
 }
 
 
@@ -255,6 +260,10 @@ def llmtap(
         more_env, more_argv = ABLATIONS[switch]
         switches_env.update(more_env)
         switches_argv += more_argv
+    if RECORD in ablation_names(ablation):
+        records = work / f"records-{name}-{ablation}-{scheme}"
+        shutil.rmtree(records, ignore_errors=True)
+        switches_argv += ["--record", str(records)]
     ca_env, ca_argv = _ca_env(work, certs, module) if certs is not None else ({}, [])
     env = {
         "PYTHONPATH": str(REPO),

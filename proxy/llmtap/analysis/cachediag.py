@@ -18,6 +18,7 @@ Runs on the recorder's worker thread (it counts tokens).
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -50,6 +51,8 @@ __all__ = [
     "Diagnosis",
     "classify",
     "min_cacheable_tokens",
+    "self_hosted",
+    "site_address",
 ]
 
 HIT, COLD, MISS_CHANGED, MISS_EVICTED, TOO_SHORT, UNKNOWN = (
@@ -71,15 +74,47 @@ BLOCK_MIN_TOKENS = 16
 #: OpenAI and Anthropic cache prompts of 1,024 tokens and more (Anthropic's smaller models need more:
 #: set ``cache_min_tokens`` on their route).
 HOSTED_MIN_TOKENS = 1024
+#: Host names that only resolve inside a site: a Kubernetes service (``vllm.ml.svc.cluster.local``), mDNS.
+_SITE_SUFFIXES = (".svc", ".svc.cluster.local", ".cluster.local", ".local", ".internal", ".localhost")
 
 
 def min_cacheable_tokens(route: Route | None) -> int:
-    """The shortest prompt the route's upstream caches: configured, else by the kind of server."""
+    """The shortest prompt the route's upstream caches: configured, else by the kind of server (``self_hosted``)."""
     if route is None:
         return HOSTED_MIN_TOKENS
     if route.cache_min_tokens is not None:
         return route.cache_min_tokens
-    return BLOCK_MIN_TOKENS if (route.provider or "").lower() in SELF_HOSTED else HOSTED_MIN_TOKENS
+    return BLOCK_MIN_TOKENS if self_hosted(route) else HOSTED_MIN_TOKENS
+
+
+def self_hosted(route: Route) -> bool:
+    """Whether the route's upstream is a server run on the user's own machines (a block-sized cache minimum).
+
+    The route's ``provider`` decides when it is set: a self-hosted server's name (``SELF_HOSTED``) or not.
+    Without one, the upstream's address does: a loopback, private (RFC 1918, RFC 4193), link-local or
+    shared-address-space IP, or a name that resolves only inside a site (``localhost``, a name without dots,
+    a Kubernetes service, ``.local``, ``.internal``). A hosted API is reached by a public name. A gateway
+    on a private address in front of a hosted API is the case this cannot tell: name its provider, or set
+    ``cache_min_tokens``."""
+    if route.provider:
+        return route.provider.lower() in SELF_HOSTED
+    return site_address(route.host)
+
+
+def site_address(host: str) -> bool:
+    """Whether ``host`` (an IP or a name) can only be reached inside the user's own network."""
+    name = host.strip("[]").rstrip(".").lower()
+    if not name:
+        return False
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return name == "localhost" or "." not in name or name.endswith(_SITE_SUFFIXES)
+    return ip.is_loopback or ip.is_private or ip.is_link_local or ip in _SHARED_SPACE
+
+
+#: RFC 6598's shared address space (carrier-grade NAT, some clusters' pod networks): not public either.
+_SHARED_SPACE = ipaddress.ip_network("100.64.0.0/10")
 
 
 @dataclass(frozen=True, slots=True)

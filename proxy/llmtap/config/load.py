@@ -24,6 +24,7 @@ from llmtap.config.types import (
     Attribution,
     ClickHouseRecords,
     ConfigError,
+    ContentEvent,
     Records,
     Settings,
     Timeouts,
@@ -159,6 +160,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         telemetry_yield=values["telemetry_yield"],
         telemetry_gather=values["telemetry_gather"],
         attribution=_attribution(values),
+        content=ContentEvent(rules=values["content_event"] or (), max_bytes=values["content_event_max_bytes"]),
     )
 
 

@@ -26,6 +26,7 @@ from llmtap.config.kinds import (
     byte_size,
     check_url,
     choice,
+    content_rules,
     dimension_names,
     host_name,
     integer,
@@ -773,6 +774,26 @@ _TABLE = (
         key="record.logs",
     ),
     option(
+        "content_event",
+        content_rules(),
+        None,
+        "emit the content event gen_ai.client.inference.operation.details (an OTLP log record: system instructions, "
+        "input and output messages) with a rule per field, keep, hash or drop, e.g. input=keep,output=hash; a field "
+        "not named is dropped; no event unless named here",
+        "records",
+        key="content.event",
+        default_text="off",
+    ),
+    option(
+        "content_event_max_bytes",
+        byte_size(256),
+        16 << 10,
+        "the most of each field the content event carries (its JSON, UTF-8); a longer field is cut and the event "
+        "names it in llmtap.content.truncated",
+        "records",
+        key="content.max_bytes",
+    ),
+    option(
         "record_clickhouse",
         url(),
         None,
@@ -855,7 +876,8 @@ _TABLE = (
         None,
         "shortest prompt the upstream caches",
         "records",
-        default_text="16 for self-hosted servers, 1024 for hosted APIs",
+        default_text="16 for a self-hosted server (its provider, else a loopback, private or in-cluster address), "
+        "1024 for a hosted API",
     ),
     # attribution and cost (issue 31)
     option(

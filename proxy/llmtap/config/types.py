@@ -24,6 +24,7 @@ __all__ = [
     "Attribution",
     "ClickHouseRecords",
     "ConfigError",
+    "ContentEvent",
     "Records",
     "Route",
     "Settings",
@@ -327,6 +328,21 @@ class Attribution:
 
 
 @dataclass(frozen=True, slots=True)
+class ContentEvent:
+    """The opt-in content event (``gen_ai.client.inference.operation.details``): each field's rule and its bound.
+
+    ``rules`` empty (the default) means no event; a field it does not name is dropped."""
+
+    rules: tuple[tuple[str, str], ...] = ()
+    max_bytes: int = default("content_event_max_bytes")
+
+    @property
+    def on(self) -> bool:
+        """Whether the event is emitted at all: only when a field was named."""
+        return bool(self.rules)
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything the proxy needs to run; immutable, passed down by constructors."""
 
@@ -382,3 +398,5 @@ class Settings:
     telemetry_gather: int = default("telemetry_gather")
     #: Attribution dimensions and prices (issue 31).
     attribution: Attribution = field(default_factory=Attribution)
+    #: The opt-in content event (off unless ``--content-event`` names a field).
+    content: ContentEvent = field(default_factory=ContentEvent)

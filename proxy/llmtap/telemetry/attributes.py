@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from llmtap.analysis.cachediag import Diagnosis
-from llmtap.analysis.cost import LOCAL, Cost
+from llmtap.analysis.cost import Cost
 from llmtap.analysis.summary import USAGE, Summary
 from llmtap.analysis.timeline import CANCELLED, KEEP_CHARS, OK, Timeline
 from llmtap.labels import LABEL_CAP, clean, clean_list, clean_or_none
@@ -263,11 +263,12 @@ def attribution_attributes(tl: Timeline) -> dict[str, Any]:
 
 def cost_attributes(cost: Cost, *, hop: bool = False) -> dict[str, Any]:
     """What the request cost, by the proposed ``gen_ai.usage.cost.*`` convention (on a hop, ``llmtap.cost.amount``
-    in USD: the client's span is the generation); its status either way."""
+    in USD: the client's span is the generation) with its source (``provider`` or ``local``); its status and the
+    price table's name either way. An unknown cost has no amount, never 0."""
     attrs: dict[str, Any] = {sc.COST_STATUS: cost.status}
     if cost.amount is not None:
         attrs[sc.COST_AMOUNT] = cost.amount
         attrs[sc.COST_CURRENCY] = cost.currency
-        attrs[sc.COST_SOURCE] = LOCAL
-    _put(attrs, sc.COST_PRICES, cost.source)
+        _put(attrs, sc.COST_SOURCE, cost.source)
+    _put(attrs, sc.COST_PRICES, cost.prices)
     return as_hop(attrs) if hop else attrs

@@ -354,9 +354,9 @@ class DatasetWriter:
 #: Top-level string fields typed as strings, whatever they look like: an ISO time would be read as a timestamp,
 #: a span id of digits only as a number.
 _STRING_FIELDS = (
-    "time", "trace_id", "span_id", "response_id", "instance_id", "host", "llmtap_version", "route", "upstream",
-    "protocol", "operation", "model", "response_model", "outcome", "error_type", "slo", "shape", "prompt_version",
-    "queue_source", "prefill_source",
+    "time", "trace_id", "span_id", "record_id", "response_id", "instance_id", "host", "llmtap_version", "route",
+    "upstream", "protocol", "operation", "model", "response_model", "outcome", "error_type", "slo", "shape",
+    "prompt_version", "queue_source", "prefill_source",
 )  # fmt: skip
 
 

@@ -33,6 +33,7 @@ from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Settings
 from llmtap.telemetry import forward, identity, peers, sched, semconv as sc
 from llmtap.telemetry.access_log import AccessLog
+from llmtap.telemetry.content import content_emitter
 from llmtap.telemetry.finished import Emitter, Finished, Listener, Listeners, RecordEmitter
 from llmtap.telemetry.forward import OUTCOMES as FORWARD_OUTCOMES
 from llmtap.telemetry.holes import Hole, Holed, Holes
@@ -175,6 +176,10 @@ class Recorder:
         #: Each finished request goes to these, in this order (the metrics' exemplars read the ids the root span
         #: may have given a timeline without any).
         self.emitters: tuple[Emitter, ...] = (self.spans, self.metrics, self.records, self._listeners)
+        #: The opt-in content event (``--content-event``), after the others: None unless a field is named.
+        self.content = content_emitter(settings)
+        if self.content is not None:
+            self.emitters += (self.content,)
         #: On the worker: requests made final while more messages wait in the queue, emitted together once it is
         #: empty or ``STAGED`` are held (``_emit_staged``); a call on another thread (a direct ``record``) emits
         #: at once.
@@ -682,6 +687,8 @@ class Recorder:
                 self.peers.close(timeout)
         finally:
             self.records.close(timeout)
+            if self.content is not None:
+                self.content.close()
             if self.spool is not None:
                 self.spool.close()  # after the sinks: what they did not take stays for the next start
             self.losses.close()

@@ -68,6 +68,7 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
         "time": datetime.fromtimestamp(tl.received_wall_ns / 1e9, UTC).isoformat(timespec="milliseconds"),
         "trace_id": tl.trace_id,
         "span_id": tl.span_id,
+        "record_id": tl.record_id,
         "response_id": clean_or_none(tl.response_id),
         "instance_id": writer.instance_id,
         "host": writer.host,
@@ -110,6 +111,7 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
             "output_source": s.output_source or None,
             "cache_read": s.cache_read_tokens,
             "cache_write": s.cache_write_tokens,
+            "cache_write_1h": tl.usage.cache_write_1h_tokens if tl.usage is not None else None,
             "reasoning": s.reasoning_tokens,
         },
     }
@@ -119,7 +121,13 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
     out["cost"] = (
         None
         if cost is None
-        else {"amount": cost.amount, "currency": cost.currency, "status": cost.status, "prices": cost.source}
+        else {
+            "amount": cost.amount,
+            "currency": cost.currency,
+            "status": cost.status,
+            "prices": cost.prices,
+            "source": cost.source,
+        }
     )
     fp = diag.fingerprint if diag is not None else None
     out["prompt"] = (

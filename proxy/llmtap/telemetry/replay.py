@@ -15,6 +15,7 @@ import math
 from array import array
 
 from llmtap.analysis.attribution import dimensions
+from llmtap.analysis.cost import header_cost
 from llmtap.analysis.timeline import KEEP_CHARS, Timeline
 from llmtap.config.types import Route, Settings
 from llmtap.labels import version_label
@@ -72,7 +73,7 @@ class Playback:
             received=received,
             received_wall_ns=head.received_wall_ns,
             # The output's text is kept only where a span may show it.
-            keep_chars=KEEP_CHARS if settings.telemetry.capture_content else 0,
+            keep_chars=KEEP_CHARS if settings.telemetry.capture_content or settings.content.on else 0,
         )
         self.tl = tl
         if head.prompt_version is not None:
@@ -81,6 +82,7 @@ class Playback:
             tl.prompt_version = route.prompt_version
         tl.trace_id = format(int.from_bytes(head.trace_id, "big"), "032x")
         tl.span_id = format(int.from_bytes(head.span_id, "big"), "016x")
+        tl.record_id = format(int.from_bytes(head.record_id, "big"), "032x")
         tl.sampled = head.sampled
         tl.parent = head.parent
         tl.body_read, tl.admitted, tl.sent, tl.headers = head.body_read, head.admitted, head.sent, head.headers_at
@@ -102,6 +104,7 @@ class Playback:
                 attribution, body_user=info.end_user if info else None, key_fingerprint=key_fingerprint
             )
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in head.response_headers}
+        tl.header_cost = header_cost(headers)
         if "x-queue-time" in headers:
             # TGI reports its queue time in headers (non-streamed responses).
             tl.server_timing, bad = from_headers(headers)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.context import Context
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import Histogram, MeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
@@ -44,7 +44,7 @@ from llmtap.config.types import EXPONENTIAL, TelemetrySettings
 from llmtap.telemetry import otlp_spans, semconv as sc
 from llmtap.telemetry.prometheus import PrometheusReader
 
-__all__ = ["ExportGate", "build", "http_endpoint", "resource"]
+__all__ = ["ExportGate", "build", "http_endpoint", "process_metrics", "resource"]
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -315,7 +315,15 @@ def build(t: TelemetrySettings, env: Mapping[str, str] | None = None) -> Provide
     if shared and prometheus is not None and metric_exporter is not None:
         prometheus.feed(metric_exporter, t.metric_export_interval_ms)
     meter = meter_provider.get_meter("llmtap", __version__, schema_url=sc.schema_url(t.semconv_latest))
-    started = time.time()
+    process_metrics(meter, time.time(), gate, metric_exporter)
+    return Providers(tracer_provider, meter_provider, prometheus, gate, metric_exporter)
+
+
+def process_metrics(
+    meter: Meter, started: float, gate: ExportGate | None, exporter: CountingMetricExporter | None
+) -> None:
+    """The telemetry process's own instruments: when it started, and (with their exporters) the spans that never
+    reached the collector and the metric exports it did not take."""
     meter.create_observable_gauge(
         sc.METRIC_START_TIME,
         callbacks=[lambda options: [Observation(started)]],
@@ -332,11 +340,10 @@ def build(t: TelemetrySettings, env: Mapping[str, str] | None = None) -> Provide
             description="Spans that never reached the collector, by llmtap.telemetry.reason "
             "(queue_full, export_failed, shutdown).",
         )
-    if metric_exporter is not None:
+    if exporter is not None:
         meter.create_observable_counter(
             sc.METRIC_EXPORTS_FAILED,
-            callbacks=[metric_exporter.observe],
+            callbacks=[exporter.observe],
             unit="{export}",
             description="Metric exports the collector did not take (cumulative sums: the next export catches up).",
         )
-    return Providers(tracer_provider, meter_provider, prometheus, gate, metric_exporter)

@@ -112,6 +112,8 @@ class Head(NamedTuple):
     #: The caller's other ``x-llmtap-*`` headers (lower-case name, value), and its API key's fingerprint.
     attribution: tuple[tuple[bytes, bytes], ...]
     key_fingerprint: str | None
+    #: What identifies the request's record, traced or not (16 bytes, big-endian; ``llmtap.wire.tape.new_record_id``).
+    record_id: bytes
 
 
 class Reads(NamedTuple):
