@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from llmtap.analysis.objectives import RequestObjective
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import SLO, Route, Settings, TelemetrySettings
 from llmtap.providers import provider_for
@@ -338,6 +339,29 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "the usage event it asked for).",
     ),
     # Attribution and cost (issue 31; docs/attribution.md)
+    sc.OBJECTIVE_TTFT_LIMIT: (
+        "double",
+        "The TTFT the caller asked for this request, in seconds: its `x-slo-ttft-ms` header (the Gateway API "
+        "Inference Extension's name) when valid.",
+    ),
+    sc.OBJECTIVE_TPOT_LIMIT: ("double", "The TPOT the caller asked for, in seconds: its `x-slo-tpot-ms` header."),
+    sc.OBJECTIVE_TTFT_OUTCOME: (
+        "string",
+        "`met` or `violated`: the request's TTFT against `llmtap.objective.ttft_limit` (a failed or cancelled "
+        "request violated it; a non-streamed answer is not judged).",
+    ),
+    sc.OBJECTIVE_TPOT_OUTCOME: (
+        "string",
+        "`met` or `violated`: the request's TPOT against `llmtap.objective.tpot_limit` (a failed or cancelled "
+        "request violated it; an answer of one chunk met it).",
+    ),
+    sc.OBJECTIVE_IGNORED: (
+        "string[]",
+        "The figures (`ttft`, `tpot`) whose `x-slo-*` header was ignored: not a plain number of milliseconds "
+        "above 0 and at most an hour.",
+    ),
+    sc.OBJECTIVE_FIGURE: ("string", "The figure a per-request objective bounds: `ttft` or `tpot`."),
+    sc.OBJECTIVE_OUTCOME: ("string", "Whether the request met its own objective for the figure: `met`, `violated`."),
     sc.TENANT: ("string", "The caller's `x-llmtap-tenant` header (at most 256 characters, cleaned)."),
     sc.USER_ID: (
         "string",
@@ -472,6 +496,9 @@ METRICS: dict[str, str] = {
     "outcome reads 0 from the start.",
     sc.METRIC_COST: "Each priced LLM request, by its cost; with the attribution dimensions `metric_dimensions` allows.",
     sc.METRIC_COST_UNPRICED: "Each LLM request without a cost (no price for its model, or no reported usage).",
+    sc.METRIC_OBJECTIVE_REQUESTS: "Each request with a valid `x-slo-ttft-ms` or `x-slo-tpot-ms` header, once per "
+    "figure judged.",
+    sc.METRIC_OBJECTIVE_IGNORED: "Each `x-slo-*` header ignored as invalid.",
     sc.METRIC_ATTRIBUTION_DROPPED: "Each request with more than 16 `x-llmtap-property-*` headers, by those dropped.",
 }
 
@@ -639,6 +666,7 @@ def _requests() -> Iterable[Timeline]:
         )
     )  # fmt: skip
     full.malformed_events, full.oversized_events, full.rejected_timings = 1, 1, ["decode"]
+    full.request_objective = RequestObjective(ttft=0.5, tpot=0.05)
     yield full
     again = _timeline()
     # The server's own timing in full, its decode too (``llmtap.decode.server.duration``).
@@ -649,6 +677,7 @@ def _requests() -> Iterable[Timeline]:
             server_timing=ServerTiming(queue=0.01, prefill=0.15, decode=0.08),
         )
     )
+    again.request_objective = RequestObjective(tpot=0.001, invalid=["ttft"])
     yield again
     yield _timeline(chunks=3)  # no usage: tiktoken counts
     unary = _timeline(stream=False, chunks=1)

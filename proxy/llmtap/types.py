@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "OBJECTIVE_HEADERS",
     "UNCHANGED",
     "ASGIApp",
     "Facts",
@@ -26,6 +27,10 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: A request's own latency objectives, by the Gateway API Inference Extension's header names (lower case): the
+#: relay passes them to the telemetry side and keeps them from the upstream; ``llmtap.analysis.objectives`` reads them.
+OBJECTIVE_HEADERS = {b"x-slo-ttft-ms": "ttft", b"x-slo-tpot-ms": "tpot"}
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from itertools import accumulate
 from llmtap.analysis import tokens
 from llmtap.analysis.cost import Cost
 from llmtap.analysis.estimator import ESTIMATED, Estimator, QueuePrefill
+from llmtap.analysis.objectives import judge_request
 from llmtap.analysis.shapes import classify, objective
 from llmtap.analysis.slots import CONFIGURED, Slots
 from llmtap.analysis.timeline import OK, Timeline
@@ -97,6 +98,8 @@ class Summary:
     slo: str = "none"
     #: The objective ``slo`` judged the request by (its route's for its shape, else the global one).
     objective: SLO | None = None
+    #: The request's own objectives judged (``llmtap.analysis.objectives``): figure to ``met`` or ``violated``.
+    request_outcomes: dict[str, str] = field(default_factory=dict)
     #: Server timing fields ignored as malformed or absurd: the relay's (headers), the provider's and validation's.
     rejected_timings: list[str] = field(default_factory=list)
     #: ``llmtap.cache.class`` of the prompt-cache diagnosis, when the recorder made one.
@@ -263,6 +266,9 @@ def summarize(
     s.shape = classify(shapes, s.input_tokens, s.output_tokens)
     s.objective = objective(route, s.shape, slo)
     s.slo = slo_outcome(tl, s, s.objective)
+    s.request_outcomes = judge_request(
+        tl.request_objective, ok=tl.outcome == OK, streamed=streamed, ttft=s.ttft, tpot=s.tpot
+    )
     return s
 
 

@@ -14,6 +14,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from llmtap.analysis import tokens
+from llmtap.analysis.objectives import RequestObjective
 from llmtap.types import Facts, RequestInfo, ServerTiming, Usage
 from llmtap.wire.tape import now as tape_now
 
@@ -105,6 +106,8 @@ class Timeline:
     attribution: dict[str, str] = field(default_factory=dict)
     #: Properties past the per-request bound, dropped.
     attribution_dropped: int = 0
+    #: The latency the caller asked for this request (``x-slo-*`` headers; ``llmtap.analysis.objectives``).
+    request_objective: RequestObjective | None = None
     body_read: float | None = None
     admitted: float | None = None
     sent: float | None = None

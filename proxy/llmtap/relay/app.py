@@ -41,7 +41,7 @@ from llmtap.relay.pipe import ClientLeft, Pipe, strip_part as _strip
 from llmtap.relay.shared import InFlight, Table, table_columns
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.upstream_http import PIPE, Answer, LeanTransport, Origin, Pieces
-from llmtap.types import Message, Receive, Scope, Send
+from llmtap.types import OBJECTIVE_HEADERS, Message, Receive, Scope, Send
 from llmtap.wire.ledger import Ledger, new_relay_id
 from llmtap.wire.messages import RESPONSE_CUT_REASONS, Raw, Stats, encode_stats, without_bytes
 from llmtap.wire.tape import Tape, now, shard_of
@@ -101,6 +101,8 @@ class ProxyApp:
         self._key_secret = settings.attribution.key
         #: The caller's ``x-llmtap-*`` headers go upstream too.
         self.forward_private = settings.attribution.forward_headers
+        #: The caller's ``x-slo-*`` objectives go upstream too (read either way).
+        self.forward_objectives = settings.forward_slo_headers
         self.ready = False
         #: Set on SIGTERM: streams still running at the drain deadline are cut and recorded as ``shutdown``.
         self.draining = False
@@ -314,6 +316,9 @@ class ProxyApp:
                 else:
                     # Attribution (tenant, user, properties): read and bounded in the telemetry process.
                     tape.attribution.append((lowered, value))
+            elif lowered in OBJECTIVE_HEADERS:
+                # Per-request objectives ride with the attribution headers: read in the telemetry process.
+                tape.attribution.append((lowered, value))
             elif lowered in KEY_HEADERS and tape.key_fingerprint is None:
                 tape.key_fingerprint = fingerprint(self._key_secret or self._install_secret(), value)
             elif lowered == b"traceparent":
@@ -476,6 +481,7 @@ class ProxyApp:
             body_changed=rewritten is not None,
             plain=tape.strip_usage,
             private=self.forward_private,
+            objectives=self.forward_objectives,
         )
         url = upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b""))
         direct = self._direct.get(route.name, _UNKNOWN)

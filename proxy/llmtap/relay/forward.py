@@ -15,6 +15,7 @@ from llmtap.config.types import Route, Settings
 from llmtap.relay import tls
 from llmtap.relay.tls import TLSOptions
 from llmtap.relay.upstream_http import SURPLUS, LeanTransport
+from llmtap.types import OBJECTIVE_HEADERS
 
 __all__ = [
     "PRIVATE_PREFIX",
@@ -63,6 +64,7 @@ def request_headers(
     body_changed: bool,
     plain: bool = False,
     private: bool = False,
+    objectives: bool = False,
 ) -> list[tuple[bytes, bytes]]:
     """Client headers as they go upstream: hop-by-hop, Host and llmtap's own removed; our trace context added.
 
@@ -70,9 +72,12 @@ def request_headers(
     ``trace`` replaces the client's trace headers; None (tracing off) lets them pass as sent. ``plain``
     asks for an uncompressed response (``accept-encoding: identity``, which every client accepts): llmtap
     must read the events of a stream whose usage event it removes. ``private``: the caller's ``x-llmtap-*``
-    headers go too (the operator's ``forward_llmtap_headers``).
+    headers go too (the operator's ``forward_llmtap_headers``). ``objectives``: the caller's per-request objectives
+    (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) go too (``forward_slo_headers``: an upstream that routes by them).
     """
     drop = HOP_BY_HOP | _connection_listed(headers) | {b"host"}
+    if not objectives:
+        drop |= OBJECTIVE_HEADERS.keys()
     if trace is not None:
         drop |= TRACE_HEADERS
     if body_changed:

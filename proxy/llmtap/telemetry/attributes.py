@@ -234,6 +234,8 @@ def end_attributes(
         attrs[sc.UPSTREAM_SLOTS_CONFIDENCE] = s.slots.confidence
     attrs[sc.OUTCOME] = tl.outcome
     attrs[sc.SLO_OUTCOME] = s.slo
+    if tl.request_objective is not None:
+        attrs.update(objective_attributes(tl, s))
     attrs[sc.INPUT_SIZE] = s.input_size
     attrs[sc.SHAPE] = s.shape
     attrs[sc.RESPONSE_BYTES] = tl.response_bytes
@@ -271,3 +273,24 @@ def cost_attributes(cost: Cost, *, hop: bool = False) -> dict[str, Any]:
         attrs[sc.COST_SOURCE] = LOCAL
     _put(attrs, sc.COST_PRICES, cost.source)
     return as_hop(attrs) if hop else attrs
+
+
+# -- per-request objectives --------------------------------------------------------------------------
+
+
+def objective_attributes(tl: Timeline, s: Summary) -> dict[str, Any]:
+    """The request's own objectives (``x-slo-*`` headers, in seconds), each one's outcome, the headers ignored."""
+    objective = tl.request_objective
+    attrs: dict[str, Any] = {}
+    if objective is None:
+        return attrs
+    limits = ((objective.ttft, sc.OBJECTIVE_TTFT_LIMIT, "ttft", sc.OBJECTIVE_TTFT_OUTCOME),
+              (objective.tpot, sc.OBJECTIVE_TPOT_LIMIT, "tpot", sc.OBJECTIVE_TPOT_OUTCOME))  # fmt: skip
+    for limit, limit_name, figure, outcome_name in limits:
+        if limit is not None:
+            attrs[limit_name] = limit
+        if figure in s.request_outcomes:
+            attrs[outcome_name] = s.request_outcomes[figure]
+    if objective.invalid:
+        attrs[sc.OBJECTIVE_IGNORED] = list(objective.invalid)
+    return attrs

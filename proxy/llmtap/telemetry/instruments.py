@@ -104,6 +104,9 @@ class Instruments:
     cost: Counter
     cost_unpriced: Counter
     attribution_dropped: Counter
+    # Per-request objectives (x-slo-* headers)
+    objective_requests: Counter
+    objective_ignored: Counter
 
 
 def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Sequence[float]) -> Histogram:
@@ -365,5 +368,17 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             sc.METRIC_ATTRIBUTION_DROPPED,
             unit="{header}",
             description="x-llmtap-property-* headers dropped past the 16 a request keeps.",
+        ),
+        objective_requests=meter.create_counter(
+            sc.METRIC_OBJECTIVE_REQUESTS,
+            unit="{request}",
+            description="Requests that carried their own objective (x-slo-ttft-ms, x-slo-tpot-ms), by route, shape, "
+            "llmtap.objective.figure and llmtap.objective.outcome (met or violated).",
+        ),
+        objective_ignored=meter.create_counter(
+            sc.METRIC_OBJECTIVE_IGNORED,
+            unit="{header}",
+            description="x-slo-ttft-ms and x-slo-tpot-ms headers ignored as invalid (not a number, not above 0, "
+            "past an hour), by route and llmtap.objective.figure; the request went on without them.",
         ),
     )

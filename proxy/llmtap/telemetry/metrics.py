@@ -245,12 +245,24 @@ class MetricWriter:
         if s.upstream_unattributed is not None:
             batch.record(ins.unattributed, s.upstream_unattributed, own, ctx)
         self._token_metrics(batch, s, attrs, outcome, counted, client=client)
+        if tl.request_objective is not None:
+            self._objective_metrics(batch, tl, s)
         if tl.relay_delays:
             # One per read: at a bucket lookup each (``bulk``), none an exemplar.
             batch.many(ins.relay_chunk_delay, list(spread(tl.relay_delays)), {sc.ROUTE: tl.route}, _NO_SPAN)
         if tl.sent is not None:
             # The request's last instrument (tests wait for it).
             batch.record(ins.overhead, proxy_added(tl), {sc.ROUTE: tl.route})
+
+    def _objective_metrics(self, batch: Batch, tl: Timeline, s: Summary) -> None:
+        """The request's own objectives, judged (by route and shape: both bounded by the configuration), and the
+        headers ignored as invalid."""
+        ins = self.instruments
+        for figure, verdict in s.request_outcomes.items():
+            labels = {sc.ROUTE: tl.route, sc.SHAPE: s.shape, sc.OBJECTIVE_FIGURE: figure, sc.OBJECTIVE_OUTCOME: verdict}
+            batch.add(ins.objective_requests, 1, labels)
+        for figure in tl.request_objective.invalid if tl.request_objective is not None else ():
+            batch.add(ins.objective_ignored, 1, {sc.ROUTE: tl.route, sc.OBJECTIVE_FIGURE: figure})
 
     def _cost_metrics(self, batch: Batch, tl: Timeline, s: Summary, counted: dict[str, Any]) -> None:
         """The request's cost on ``llmtap.cost``, or its status on ``llmtap.cost.unpriced``."""

@@ -88,6 +88,8 @@ __all__ = [
     "METRIC_LABELS_EVICTED",
     "METRIC_LIVE_SAMPLES_DROPPED",
     "METRIC_MALFORMED",
+    "METRIC_OBJECTIVE_IGNORED",
+    "METRIC_OBJECTIVE_REQUESTS",
     "METRIC_OTLP_FORWARDED",
     "METRIC_OTLP_REJECTED",
     "METRIC_OTLP_ROUTED",
@@ -114,6 +116,13 @@ __all__ = [
     "METRIC_TTFT",
     "METRIC_UNATTRIBUTED",
     "METRIC_UPSTREAM_TTFT",
+    "OBJECTIVE_FIGURE",
+    "OBJECTIVE_IGNORED",
+    "OBJECTIVE_OUTCOME",
+    "OBJECTIVE_TPOT_LIMIT",
+    "OBJECTIVE_TPOT_OUTCOME",
+    "OBJECTIVE_TTFT_LIMIT",
+    "OBJECTIVE_TTFT_OUTCOME",
     "OPENAI_API_TYPE",
     "OPENAI_SYSTEM_FINGERPRINT",
     "OPERATION_NAME",
@@ -504,6 +513,18 @@ HOP_COST_AMOUNT = "llmtap.cost.amount"  # a hop span's cost (its client's span i
 METRIC_COST = "llmtap.cost.usd"  # the sum of priced requests' cost, USD, by model, route and the allowed dimensions
 METRIC_COST_UNPRICED = "llmtap.cost.unpriced"  # requests with no cost, by llmtap.cost.status
 METRIC_ATTRIBUTION_DROPPED = "llmtap.attribution.dropped"  # x-llmtap-property-* headers past the per-request bound
+
+# Per-request objectives: the latency a caller asked for one request in its x-slo-ttft-ms and x-slo-tpot-ms headers
+# (the Gateway API Inference Extension's names; ``llmtap.analysis.objectives``), and whether the request met it.
+OBJECTIVE_TTFT_LIMIT = "llmtap.objective.ttft_limit"  # seconds
+OBJECTIVE_TPOT_LIMIT = "llmtap.objective.tpot_limit"  # seconds
+OBJECTIVE_TTFT_OUTCOME = "llmtap.objective.ttft_outcome"  # met or violated
+OBJECTIVE_TPOT_OUTCOME = "llmtap.objective.tpot_outcome"
+OBJECTIVE_IGNORED = "llmtap.objective.ignored"  # the figures whose header was ignored as invalid
+OBJECTIVE_FIGURE = "llmtap.objective.figure"  # ttft or tpot (metric attribute)
+OBJECTIVE_OUTCOME = "llmtap.objective.outcome"  # met or violated (metric attribute)
+METRIC_OBJECTIVE_REQUESTS = "llmtap.objective.requests"  # requests judged by their own objective, by figure, outcome
+METRIC_OBJECTIVE_IGNORED = "llmtap.objective.headers_ignored"  # x-slo-* headers ignored as invalid, by figure
 
 
 def dimension_attribute(dimension: str) -> str:
