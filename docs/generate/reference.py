@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opentelemetry.metrics import Counter, Histogram, NoOpMeter, UpDownCounter
+from opentelemetry.metrics import CallbackT, Counter, Histogram, NoOpMeter, ObservableGauge, UpDownCounter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -32,7 +32,7 @@ from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import SLO, Route, Settings, TelemetrySettings
 from llmtap.providers import provider_for
 from llmtap.telemetry import forward, semconv as sc
-from llmtap.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
+from llmtap.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create, objective_gauge
 from llmtap.telemetry.metrics import CONVENTIONS, OWN, SHAPE
 from llmtap.telemetry.prometheus import metric_name
 from llmtap.telemetry.recorder import Recorder
@@ -496,6 +496,8 @@ METRICS: dict[str, str] = {
     "outcome reads 0 from the start.",
     sc.METRIC_COST: "Each priced LLM request, by its cost; with the attribution dimensions `metric_dimensions` allows.",
     sc.METRIC_COST_UNPRICED: "Each LLM request without a cost (no price for its model, or no reported usage).",
+    sc.METRIC_SLO_OBJECTIVE: "Each scrape or export: one series per route and shape with an objective (the "
+    "burn-rate rules of `llmtap slo --rules` read their budget from it).",
     sc.METRIC_OBJECTIVE_REQUESTS: "Each request with a valid `x-slo-ttft-ms` or `x-slo-tpot-ms` header, once per "
     "figure judged.",
     sc.METRIC_OBJECTIVE_IGNORED: "Each `x-slo-*` header ignored as invalid.",
@@ -559,6 +561,16 @@ class _CatalogMeter(NoOpMeter):
         self.created.append(Instrument(name, "counter", unit, description))
         return super().create_counter(name, unit, description)
 
+    def create_observable_gauge(
+        self,
+        name: str,
+        callbacks: Sequence[CallbackT] | None = None,
+        unit: str = "",
+        description: str = "",
+    ) -> ObservableGauge:
+        self.created.append(Instrument(name, "gauge", unit, description))
+        return super().create_observable_gauge(name, callbacks, unit, description)
+
     def create_up_down_counter(self, name: str, unit: str = "", description: str = "") -> UpDownCounter:
         self.created.append(Instrument(name, "up-down counter", unit, description))
         return super().create_up_down_counter(name, unit, description)
@@ -583,6 +595,8 @@ def instruments(*, latest: bool) -> list[Instrument]:
     standard, fine = _CatalogMeter(), _CatalogMeter()
     create(standard, latest=latest, server=True)
     create(fine, latest=latest, fine=True, server=True)
+    for meter in (standard, fine):
+        objective_gauge(meter, lambda: ())
     for ins, other in zip(standard.created, fine.created, strict=True):
         ins.fine_buckets = other.buckets
     return standard.created

@@ -21,14 +21,22 @@ The proxy's own cost (overhead, the relay's delay per chunk) lives under a milli
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from opentelemetry.metrics import Counter, Histogram, Meter, UpDownCounter
+from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation, UpDownCounter
 
 from llmtap.telemetry import semconv as sc
 
-__all__ = ["DURATION_BUCKETS", "OVERHEAD_BUCKETS", "TOKEN_BUCKETS", "Instruments", "create"]
+__all__ = [
+    "DURATION_BUCKETS",
+    "OVERHEAD_BUCKETS",
+    "TOKEN_BUCKETS",
+    "Instruments",
+    "Objectives",
+    "create",
+    "objective_gauge",
+]
 
 #: Fine duration buckets: 1 ms to ~131 s in steps of 2^(1/8).
 DURATION_BUCKETS: tuple[float, ...] = tuple(round(0.001 * 2 ** (i / 8), 7) for i in range(137))
@@ -116,6 +124,27 @@ def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Se
 def _seconds(meter: Meter, name: str, description: str) -> Histogram:
     """One of llmtap's own latency histograms: fine buckets, whatever the setting."""
     return _histogram(meter, name, "s", description, DURATION_BUCKETS)
+
+
+#: Each route and shape's objective as the gauge shows it: (percentile, attributes).
+Objectives = Callable[[], Iterable[tuple[float, dict[str, str]]]]
+
+
+def objective_gauge(meter: Meter, objectives: Objectives) -> None:
+    """The objectives' percentiles by route and shape, for burn-rate rules to read their budget from
+    (``llmtap.analysis.burnrate``): observed at each scrape or export, so they never go stale."""
+
+    def observe(_: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(value, attrs) for value, attrs in objectives()]
+
+    meter.create_observable_gauge(
+        sc.METRIC_SLO_OBJECTIVE,
+        callbacks=[observe],
+        unit="1",
+        description="The share of requests each route and shape's objective asks to meet (its percentile: 0.99 for "
+        "p99; routes[].slo, else the global slo), by llmtap.route and llmtap.request.shape; the error budget is the "
+        "rest.",
+    )
 
 
 def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = False) -> Instruments:

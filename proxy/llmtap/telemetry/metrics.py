@@ -21,6 +21,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from llmtap import __version__
 from llmtap.analysis.cachediag import MISS_CHANGED, Diagnosis
+from llmtap.analysis.shapes import names as shape_names, objective as shape_objective
 from llmtap.analysis.summary import MAX_SAMPLES, USAGE, Summary
 from llmtap.analysis.timeline import OK, Timeline
 from llmtap.config.types import Settings
@@ -29,12 +30,12 @@ from llmtap.providers.timing import PHASES
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.attributes import is_hop, usage_value
 from llmtap.telemetry.bulk import Batch
-from llmtap.telemetry.instruments import Instruments, create
+from llmtap.telemetry.instruments import Instruments, create, objective_gauge
 
 if TYPE_CHECKING:
     from llmtap.telemetry.finished import Finished
 
-__all__ = ["CONVENTIONS", "OWN", "SHAPE", "MetricWriter", "proxy_added", "spread"]
+__all__ = ["CONVENTIONS", "OWN", "SHAPE", "MetricWriter", "objective_series", "proxy_added", "spread"]
 
 log = logging.getLogger("llmtap.telemetry")
 #: How the admission queue refuses a request (``error.type``).
@@ -74,6 +75,17 @@ class Labels(NamedTuple):
     own: dict[str, Any]
 
 
+def objective_series(settings: Settings) -> list[tuple[float, dict[str, str]]]:
+    """Each route and shape's objective percentile (the objective its requests are judged by), with its labels."""
+    out: list[tuple[float, dict[str, str]]] = []
+    for route in settings.routes:
+        for shape in shape_names(settings.shapes):
+            goal = shape_objective(route, shape, settings.slo)
+            if goal is not None:
+                out.append((goal.percentile, {sc.ROUTE: route.name, sc.SHAPE: shape}))
+    return out
+
+
 class MetricWriter:
     """Records each finished request on the instruments; the values clients and upstreams choose bounded.
 
@@ -107,6 +119,8 @@ class MetricWriter:
             name: self._guard(sc.dimension_attribute(name), values, trial=values, candidates=4 * values)
             for name in settings.attribution.metric_dimensions
         }
+        observed = objective_series(settings)
+        objective_gauge(meter, lambda: observed)
         # Every route's admission refusals, ignored server timings (by phase) and unparsable events: their panels
         # show a line at 0, not "No data", until the first one.
         ins = self.instruments

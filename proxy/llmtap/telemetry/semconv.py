@@ -105,6 +105,7 @@ __all__ = [
     "METRIC_REQUESTS",
     "METRIC_RESPONSES_CUT",
     "METRIC_SERVER_SPANS",
+    "METRIC_SLO_OBJECTIVE",
     "METRIC_SPANS_DROPPED",
     "METRIC_START_TIME",
     "METRIC_TELEMETRY_DROPPED",
@@ -523,6 +524,7 @@ OBJECTIVE_TPOT_OUTCOME = "llmtap.objective.tpot_outcome"
 OBJECTIVE_IGNORED = "llmtap.objective.ignored"  # the figures whose header was ignored as invalid
 OBJECTIVE_FIGURE = "llmtap.objective.figure"  # ttft or tpot (metric attribute)
 OBJECTIVE_OUTCOME = "llmtap.objective.outcome"  # met or violated (metric attribute)
+METRIC_SLO_OBJECTIVE = "llmtap.slo.objective"  # each route and shape's objective percentile (burn-rate budgets)
 METRIC_OBJECTIVE_REQUESTS = "llmtap.objective.requests"  # requests judged by their own objective, by figure, outcome
 METRIC_OBJECTIVE_IGNORED = "llmtap.objective.headers_ignored"  # x-slo-* headers ignored as invalid, by figure
 
