@@ -52,6 +52,8 @@ __all__ = [
     "Labels",
     "LiveWindow",
     "Samples",
+    "Tally",
+    "verdict",
 ]
 
 #: Seconds per tally; a window's start is rounded down to a slot boundary.
@@ -318,7 +320,8 @@ def verdict(tally: Tally, objective: SLO | None, exact: dict[str, list[float] | 
     from the buckets as ``Hist.figures`` reads it) against its limit.
 
     ``met`` or ``missed`` by the percentile itself (the page has no intervals; ``llmtap slo`` gives them),
-    ``insufficient`` below the requests the percentile needs (``llmtap.analysis.shapes.needed``)."""
+    ``insufficient`` below the requests the percentile needs (``llmtap.analysis.shapes.needed``), each check
+    saying how many it has and needs."""
     if objective is None:
         return None
     checks = []
@@ -341,6 +344,8 @@ def verdict(tally: Tally, objective: SLO | None, exact: dict[str, list[float] | 
                 "limit": limit,
                 "value": value,
                 "count": hist.count,
+                # The requests the percentile needs to have a tail (p99: 100): the page says "8 of 100 requests".
+                "needed": needed(objective.percentile),
                 "exact": values is not None,
                 "verdict": result,
             }

@@ -219,8 +219,13 @@
   function verdictText(v) {
     if (!v) return "";
     return v.checks
-      .map((k) => `p${+(k.percentile * 100).toFixed(2)} ${FIGURE_NAMES[k.figure]} ≤ ${dur(k.limit)}: ${approx(k.value, k.exact)} ${k.verdict}`)
+      .map((k) => `p${+(k.percentile * 100).toFixed(2)} ${FIGURE_NAMES[k.figure]} ≤ ${dur(k.limit)}: ${approx(k.value, k.exact)} ${k.verdict}${shortOf(k)}`)
       .join(" · ");
+  }
+
+  // Why a verdict waits, as `llmtap slo` says it: the requests with the figure against those the percentile needs.
+  function shortOf(k) {
+    return k.verdict === "insufficient" && k.needed ? ` (${k.count} of ${k.needed} requests)` : "";
   }
 
   // A percentile over every value in the window is exact; past the values kept it is read from buckets,
