@@ -147,6 +147,16 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     ),
     sc.REQUEST_PARSE_ERROR: ("string", "Why the request body could not be read (it was relayed unchanged)."),
     sc.TTFB: ("double", "TTFB in seconds: request received to the first response body byte."),
+    sc.TTFOT: (
+        "double",
+        "Time to the first output token, seconds: request received to the first chunk of the answer itself, after "
+        "any reasoning (OpenAI-style `reasoning_content`/`reasoning`, Anthropic `thinking`, Responses reasoning "
+        "events); equal to TTFT when the first content is answer content (streams only).",
+    ),
+    sc.TTST: (
+        "double",
+        "Time to the second token, seconds: the first content chunk to the second (AIPerf's TTST; streams only).",
+    ),
     sc.UPSTREAM_TTFT: ("double", "Seconds from sending the request upstream to the first content chunk."),
     sc.TPOT: ("double", "TPOT in seconds: see Timing definitions."),
     sc.E2E: ("double", "Seconds from request received to the end of the stream."),
@@ -436,6 +446,8 @@ METRICS: dict[str, str] = {
     "`gen_ai.client.operation.time_to_first_chunk`.",
     sc.METRIC_TPOT: "Successful requests with a decode to time: two content chunks or more, two output tokens or more.",
     sc.METRIC_TTFB: "Every LLM request that got a response body byte.",
+    sc.METRIC_TTFOT: "Streamed requests that got answer content.",
+    sc.METRIC_TTST: "Streamed requests of two content chunks or more.",
     sc.METRIC_UPSTREAM_TTFT: "Streamed requests that got a first content chunk.",
     sc.METRIC_ITL: "Streamed requests: one sample per output token after the first chunk (past 8192, that many spread evenly).",  # noqa: E501
     sc.METRIC_QUEUE: "Every LLM request whose queue time is known.",
@@ -509,6 +521,9 @@ TIMINGS: tuple[tuple[str, str], ...] = (
     ("TTFT", "Request received by the proxy to the first chunk that carries generated content: text, tool-call "
      "arguments or reasoning. Role-only deltas, `response.created`, `message_start` and `ping` do not count."),
     ("TTFB", "Request received to the first response body byte; reported beside TTFT, never instead of it."),
+    ("TTFOT", "Time to the first output token: request received to the first chunk of the answer itself, after a "
+     "reasoning model's thinking (reasoning deltas, Anthropic `thinking` blocks); TTFT when there is no reasoning."),
+    ("TTST", "Time to the second token: the first content chunk to the second (AIPerf's definition)."),
     ("upstream TTFT", "Request sent upstream to the first content chunk."),
     ("content chunk", "All generated content that arrived in one read from the upstream connection."),
     ("chunk gap", "End of the previous content chunk to the end of this one."),

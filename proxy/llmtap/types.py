@@ -74,6 +74,9 @@ class Facts:
 
     has_content: bool = False
     content: str = ""
+    #: The content is reasoning alone (OpenAI-style ``reasoning_content``, Anthropic ``thinking``): it ends TTFT,
+    #: not the time to the first output token (the answer's first token, after the thinking).
+    reasoning: bool = False
     usage: Usage | None = None
     finish_reasons: list[str] = field(default_factory=list)
     response_id: str | None = None

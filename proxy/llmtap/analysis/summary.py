@@ -34,6 +34,7 @@ __all__ = [
     "adopt_server_timing",
     "apportion",
     "drift_possible",
+    "first_output_and_second_token",
     "input_size_class",
     "reached_model",
     "slo_outcome",
@@ -60,6 +61,11 @@ class Summary:
     """Every figure the telemetry reports about one request, in seconds and tokens."""
 
     ttft: float | None = None
+    #: Time to the first output token: to the first chunk of the answer itself, after any reasoning (a reasoning
+    #: model's thinking arrives first and ends TTFT; AIPerf's and guidellm's TTFOT). Equals TTFT without reasoning.
+    ttfot: float | None = None
+    #: Time to the second token: the first content chunk to the second (AIPerf's TTST): the first decode step.
+    ttst: float | None = None
     ttfb: float | None = None
     upstream_ttft: float | None = None
     e2e: float | None = None
@@ -214,6 +220,7 @@ def summarize(
         s.ttft = max(shown, tl.first_content) - tl.received
         if tl.sent is not None:
             s.upstream_ttft = tl.first_content - tl.sent
+    first_output_and_second_token(tl, s, streamed)
     if tl.first_byte is not None:
         s.ttfb = tl.first_byte - tl.received
     if tl.end is not None:
@@ -270,6 +277,21 @@ def summarize(
         tl.request_objective, ok=tl.outcome == OK, streamed=streamed, ttft=s.ttft, tpot=s.tpot
     )
     return s
+
+
+def first_output_and_second_token(tl: Timeline, s: Summary, streamed: bool) -> None:
+    """TTFOT and TTST of a stream (a whole body has neither, as it has no TTFT). TTFOT is TTFT when the first
+    content was answer content; after reasoning it is the answer's first chunk's arrival. TTST is the gap between
+    the first two content chunks, reasoning or not, as AIPerf reads it: a first chunk of several tokens brought the
+    second token with it, and TTST then times the chunk after it, as the client sees it."""
+    if not streamed or s.ttft is None:
+        return
+    first, output = tl.first_content, tl.first_output
+    if output is not None:
+        s.ttfot = s.ttft if output == first else output - tl.received
+    times = tl.chunk_times
+    if len(times) > 1:
+        s.ttst = times[1] - times[0]
 
 
 def reached_model(tl: Timeline) -> bool:

@@ -218,6 +218,8 @@ def end_attributes(
         # sampling rule keys on, whatever the span's role.
         _put(attrs, sc.HOP_TIME_TO_FIRST_CHUNK, s.ttft)
     _put(attrs, sc.TTFB, s.ttfb)
+    _put(attrs, sc.TTFOT, s.ttfot)
+    _put(attrs, sc.TTST, s.ttst)
     _put(attrs, sc.UPSTREAM_TTFT, s.upstream_ttft)
     _put(attrs, sc.TPOT, s.tpot)
     _put(attrs, sc.E2E, s.e2e)

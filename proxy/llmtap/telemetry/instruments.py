@@ -71,6 +71,8 @@ class Instruments:
     ttft: Histogram
     tpot: Histogram
     ttfb: Histogram
+    ttfot: Histogram
+    ttst: Histogram
     upstream_ttft: Histogram
     itl: Histogram
     queue: Histogram
@@ -209,6 +211,15 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             "(last content chunk - first content chunk) / (output tokens - 1), by route and request shape.",
         ),
         ttfb=_seconds(meter, sc.METRIC_TTFB, "Request received to the first response body byte."),
+        ttfot=_seconds(
+            meter,
+            sc.METRIC_TTFOT,
+            "Request received to the first chunk of the answer itself, after any reasoning (streaming); TTFT "
+            "without reasoning.",
+        ),
+        ttst=_seconds(
+            meter, sc.METRIC_TTST, "The first content chunk to the second: the first decode step (streaming)."
+        ),
         upstream_ttft=_seconds(meter, sc.METRIC_UPSTREAM_TTFT, "Request sent upstream to the first content chunk."),
         itl=_seconds(
             meter, sc.METRIC_ITL, "A chunk gap divided over the tokens its chunk carried; one sample per token."

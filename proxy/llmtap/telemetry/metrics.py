@@ -236,6 +236,7 @@ class MetricWriter:
             if client:
                 batch.record(ins.time_to_first_chunk, s.ttft, attrs, ctx)
             batch.record(ins.ttft, s.ttft, shaped, ctx)
+            self._first_tokens(batch, s, shaped, ctx)
             # Per chunk and per token, only the request's slowest sample carries its span context: an exemplar
             # costs about a third of a sample again (10 against 14 us a sample here), and a stream has thousands;
             # the bucket of its worst stall still leads to it.
@@ -267,6 +268,13 @@ class MetricWriter:
         if tl.sent is not None:
             # The request's last instrument (tests wait for it).
             batch.record(ins.overhead, proxy_added(tl), {sc.ROUTE: tl.route})
+
+    def _first_tokens(self, batch: Batch, s: Summary, shaped: dict[str, Any], ctx: Context | None) -> None:
+        """A stream's time to its first output token and to its second token, beside its TTFT."""
+        if s.ttfot is not None:
+            batch.record(self.instruments.ttfot, s.ttfot, shaped, ctx)
+        if s.ttst is not None:
+            batch.record(self.instruments.ttst, s.ttst, shaped, ctx)
 
     def _objective_metrics(self, batch: Batch, tl: Timeline, s: Summary) -> None:
         """The request's own objectives, judged (by route and shape: both bounded by the configuration), and the

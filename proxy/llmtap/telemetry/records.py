@@ -102,6 +102,8 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
         "objective": objective_line(s.objective),
         "prompt_version": tl.prompt_version,
         "ttft": _round(s.ttft),
+        "ttfot": _round(s.ttfot),
+        "ttst": _round(s.ttst),
         "ttfb": _round(s.ttfb),
         "upstream_ttft": _round(s.upstream_ttft),
         "tpot": _round(s.tpot),

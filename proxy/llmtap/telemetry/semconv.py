@@ -114,7 +114,9 @@ __all__ = [
     "METRIC_TPOT",
     "METRIC_TRACE_CONTEXT_IGNORED",
     "METRIC_TTFB",
+    "METRIC_TTFOT",
     "METRIC_TTFT",
+    "METRIC_TTST",
     "METRIC_UNATTRIBUTED",
     "METRIC_UPSTREAM_TTFT",
     "OBJECTIVE_FIGURE",
@@ -199,6 +201,8 @@ __all__ = [
     "TPOT",
     "TRACE_CONTEXT_REASON",
     "TTFB",
+    "TTFOT",
+    "TTST",
     "UNCACHED_INPUT_TOKENS",
     "UPSTREAM_SLOTS",
     "UPSTREAM_SLOTS_CONFIDENCE",
@@ -282,6 +286,10 @@ SHAPE = "llmtap.request.shape"
 PROMPT_VERSION = "llmtap.prompt.version"
 REQUEST_PARSE_ERROR = "llmtap.request.parse_error"
 TTFB = "llmtap.time_to_first_byte"
+#: After a reasoning model's thinking: the answer's first chunk (AIPerf's time to first output token), and the gap
+#: from the first content chunk to the second (AIPerf's time to second token), seconds.
+TTFOT = "llmtap.time_to_first_output_token"
+TTST = "llmtap.time_to_second_token"
 UPSTREAM_TTFT = "llmtap.upstream.time_to_first_chunk"
 TPOT = "llmtap.time_per_output_token"
 E2E = "llmtap.duration"
@@ -449,6 +457,8 @@ BUCKETS_SERVER_TPOT: tuple[float, ...] = (
 METRIC_TTFT = "llmtap.time_to_first_token"  # TTFT by route, request shape and prompt version, fine buckets
 METRIC_TPOT = "llmtap.time_per_output_token"
 METRIC_TTFB = "llmtap.time_to_first_byte"
+METRIC_TTFOT = "llmtap.time_to_first_output_token"  # by route and request shape, fine buckets
+METRIC_TTST = "llmtap.time_to_second_token"
 METRIC_UPSTREAM_TTFT = "llmtap.upstream.time_to_first_chunk"
 METRIC_ITL = "llmtap.inter_token_latency"
 METRIC_QUEUE = "llmtap.queue.duration"
