@@ -20,10 +20,13 @@ import pytest
 import yaml
 
 from llmtap.analysis.burnrate import BUDGET, OBJECTIVE_METRIC, WINDOWS, error_ratio, rule_groups
+from llmtap.analysis.slo import config_objectives
+from llmtap.commands.slo import from_prometheus, render
+from llmtap.config.load import build
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
 from tests.procs import ROOT, Llmtap, stop
 from tests.test_compare import wait_until_up
-from tests.test_metrics_standard import labels, series
+from tests.test_metrics_standard import labels, series, total, wait_for
 
 
 def _tool(name: str) -> str:
@@ -202,8 +205,10 @@ def test_a_live_prometheus_scraping_serve_fires_for_the_burning_route_alone(tmp_
         deadline = time.monotonic() + PATIENCE
         while not firing():
             assert time.monotonic() < deadline, f"no alert fired within {PATIENCE} s"
-            for prefix in ("/burn", "/calm"):
-                with httpx.stream("POST", proxy.url + prefix + "/v1/chat/completions", json=chat, timeout=30) as r:
+            for prefix, asked in (("/burn", "1"), ("/calm", "600000")):
+                # Each request asks for its own TTFT too: llmtap slo reports them beside the verdicts.
+                path = proxy.url + prefix + "/v1/chat/completions"
+                with httpx.stream("POST", path, json=chat, headers={"x-slo-ttft-ms": asked}, timeout=30) as r:
                     assert r.status_code == 200
                     r.read()
             time.sleep(0.2)
@@ -215,6 +220,23 @@ def test_a_live_prometheus_scraping_serve_fires_for_the_burning_route_alone(tmp_
         ratio = httpx.get(url + "/api/v1/query", params={"query": error_ratio("5m")}, timeout=10).json()
         by_route = {r["metric"]["llmtap_route"]: float(r["value"][1]) for r in ratio["data"]["result"]}
         assert by_route["burn"] == 1.0 and by_route["calm"] == 0.0
+
+        # llmtap slo over the same Prometheus: each route's per-request objectives beside its verdict, as counted.
+        def scraped() -> dict[str, float]:
+            query = "sum by (llmtap_route) (llmtap_objective_requests_total)"
+            result = httpx.get(url + "/api/v1/query", params={"query": query}, timeout=10).json()["data"]["result"]
+            return {r["metric"]["llmtap_route"]: float(r["value"][1]) for r in result}
+
+        sent = total(proxy.metrics(), "llmtap_requests_total", llmtap_route="burn")
+        wait_for("the objectives scraped", lambda: scraped().get("burn") == sent, proxy)
+        settings = build({"config": str(config)}, env={})
+        report = from_prometheus(url, config_objectives(settings), resamples=100)
+        per_request = {(v.route, v.shape): v.request_objectives for v in report.verdicts if v.request_objectives}
+        assert per_request[("burn", "short_prompt")] == {"ttft": {"violated": int(sent)}}
+        calm = per_request[("calm", "short_prompt")]["ttft"]
+        assert set(calm) == {"met"} and calm["met"] >= 1
+        text = render(report)
+        assert f"burn short_prompt  TTFT: 0 of {int(sent)} met (0%)" in text, text
     finally:
         stop(prom)
         proxy.close()

@@ -31,11 +31,13 @@ from llmtap.analysis.slo import (
     RESAMPLES,
     Objectives,
     Report,
+    attach_request_objectives,
     bucket_queries,
     config_objectives,
     limits_of,
     prometheus_groups,
     prometheus_selector,
+    request_objectives_query,
     requests_query,
     store_groups,
     verdicts,
@@ -214,14 +216,12 @@ def from_prometheus(
     try:
         counts = prom.increase(requests_query(sel), start, end)
         buckets = {figure: prom.increase(expr, start, end) for figure, expr in bucket_queries(sel).items()}
+        asked = prom.increase(request_objectives_query(sel), start, end)
     finally:
         prom.close()
-    return Report(
-        source=f"Prometheus at {prom.url}",
-        window=_describe(window, until),
-        seconds=window,
-        verdicts=verdicts(prometheus_groups(counts, buckets, objectives), window, resamples=resamples, seed=seed),
-    )
+    judged = verdicts(prometheus_groups(counts, buckets, objectives), window, resamples=resamples, seed=seed)
+    attach_request_objectives(judged, asked)
+    return Report(source=f"Prometheus at {prom.url}", window=_describe(window, until), seconds=window, verdicts=judged)
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -254,6 +254,7 @@ def render(report: Report) -> str:
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     if not report.verdicts:
         lines.append("(no requests with a shape in the window)")
+    lines += _request_objective_lines(report)
     past = [(v, s) for v in report.verdicts if v.verdict != MET for s in v.slowest]
     if past:
         lines += ["", "slowest requests past the TTFT limit (by trace id):"]
@@ -295,6 +296,17 @@ _Blocks.add_representer(str, _block)
 
 def _pname(percentile: float) -> str:
     return f"p{percentile * 100:g}"
+
+
+def _request_objective_lines(report: Report) -> list[str]:
+    """The per-request objectives (``x-slo-*`` headers) each route and shape's requests asked for, and how many got
+    what they asked."""
+    rows = []
+    for v in report.verdicts:
+        for figure, counts in sorted(v.request_objectives.items(), key=lambda kv: kv[0] != "ttft"):
+            met, asked = counts.get(MET, 0), sum(counts.values())
+            rows.append(f"  {v.route} {v.shape}  {figure.upper()}: {met} of {asked} met ({met / asked:.0%})")
+    return ["", "per-request objectives (x-slo-ttft-ms, x-slo-tpot-ms):", *rows] if rows else []
 
 
 def main(args: Any) -> int:
