@@ -59,6 +59,7 @@ __all__ = [
     "no_such_names",
     "open_source",
     "readable",
+    "render",
     "rules_text",
     "source_name",
 ]
