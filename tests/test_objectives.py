@@ -8,6 +8,7 @@ upstream only when ``--forward-slo-headers`` asks for it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,19 @@ def _upstream_saw(upstream: Scripted) -> dict[str, str]:
     return {k.lower(): v for k, v in last.items()}
 
 
+def _snapshot(proxy: Llmtap) -> dict[str, Any]:
+    """The live view's first snapshot of every request so far (its ``/events`` stream)."""
+    with httpx.stream("GET", proxy.admin_url + "/events?window=all", timeout=30) as r:
+        kind = ""
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[len("event: ") :]
+            elif line.startswith("data: ") and kind == "snapshot":
+                out: dict[str, Any] = json.loads(line[len("data: ") :])
+                return out
+    raise AssertionError("no snapshot on /events")
+
+
 def test_objectives_through_serve_with_the_openai_sdk(tmp_path: Path) -> None:
     # TTFT 0.3 s, then a chunk every 30 ms: a 1 ms TPOT and a 10 ms TTFT cannot be met however idle the machine,
     # a 10-minute TTFT and a 10 s TPOT cannot be missed however busy.
@@ -143,6 +157,10 @@ def test_objectives_through_serve_with_the_openai_sdk(tmp_path: Path) -> None:
                 assert total(text, name, llmtap_route="default", llmtap_request_shape="short_prompt", **where) == 1
         assert total(text, "llmtap_objective_headers_ignored_total", llmtap_objective_figure="ttft") == 1
         assert total(text, "llmtap_objective_headers_ignored_total", llmtap_objective_figure="tpot") == 1
+
+        # The live view's card says how many got what they asked.
+        (card,) = [s for s in _snapshot(proxy)["series"] if s["requests"] == 4]
+        assert card["request_objectives"] == {"ttft": {"met": 1, "violated": 1}, "tpot": {"met": 1, "violated": 1}}
 
         # Forwarding, when asked: the upstream gets the headers as sent.
         forward = openai.OpenAI(base_url=forwarding.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0)

@@ -223,6 +223,17 @@
       .join(" · ");
   }
 
+  // The requests' own objectives (x-slo-ttft-ms, x-slo-tpot-ms headers): how many got what they asked.
+  function askedText(asked) {
+    if (!asked) return "";
+    return Object.entries(asked)
+      .map(([figure, n]) => {
+        const all = (n.met || 0) + (n.violated || 0);
+        return `own ${FIGURE_NAMES[figure]} objective met by ${n.met || 0} of ${all} requests`;
+      })
+      .join(" · ");
+  }
+
   // Why a verdict waits, as `llmtap slo` says it: the requests with the figure against those the percentile needs.
   function shortOf(k) {
     return k.verdict === "insufficient" && k.needed ? ` (${k.count} of ${k.needed} requests)` : "";
@@ -276,7 +287,7 @@
     }
     c.slowest = s.slowest;
     const goal = c.querySelector('[data-fig="verdict"]');
-    goal.textContent = verdictText(s.verdict);
+    goal.textContent = [verdictText(s.verdict), askedText(s.request_objectives)].filter((t) => t).join(" · ");
     goal.dataset.verdict = s.verdict ? s.verdict.verdict : "none";
   }
 
