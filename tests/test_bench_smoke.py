@@ -66,7 +66,7 @@ def results(out: Path) -> dict[str, Any]:
     absent = peers.missing()
     require_real(not absent, ", ".join(sorted(absent)) or "-", "; ".join(sorted(set(absent.values()))) or "-")
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--tls", "off", "--no-bursts", "--out", str(out)],
+        [sys.executable, "-m", "bench", "--smoke", "--tls", "off", "--no-bursts", "--no-rps", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -202,7 +202,7 @@ def bursts(burst_out: Path) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "bench", "--smoke", "--paths", ",".join(BURST_PATHS), "--tls", "both",
         "--bursts", ",".join(map(str, BURST_SIZES)), "--no-staggered", "--no-ramp", "--no-accuracy",
-        "--no-workers", "--out", str(burst_out),
+        "--no-workers", "--no-rps", "--out", str(burst_out),
     ]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
