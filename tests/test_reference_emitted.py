@@ -71,6 +71,7 @@ METRICS_STAGED_ELSEWHERE: dict[str, str] = {
     sc.METRIC_RECORDS_DROPPED: "a record sink (--record, --record-logs, ClickHouse)",
     sc.METRIC_RECORDS_RECOVERED: "a record journal (--record-journal) that replays a run",
     sc.METRIC_UNATTRIBUTED: "a server exporting its spans, with upstream time they do not cover",
+    sc.METRIC_SLO_OBJECTIVE: "objectives in the settings (slo:), whose percentiles the burn-rate rules read",
 }
 
 
@@ -142,12 +143,15 @@ def metric_names(received: Received) -> set[str]:
 
 
 def _traffic(proxy: Llmtap) -> None:
-    """Streamed and unary chat, an Anthropic message, a traced client's request (a hop), a plain relay; attributed."""
+    """Streamed and unary chat, an Anthropic message, a traced client's request (a hop), a plain relay; attributed,
+    with per-request objectives."""
     headers = {
         "authorization": f"Bearer {KEY}",
         "x-llmtap-tenant": "acme",
         "x-llmtap-property-team": "search",
         "x-llmtap-prompt-version": "v1",
+        "x-slo-ttft-ms": "500",
+        "x-slo-tpot-ms": "50",
     }
     chat = {
         "model": "llmtap-sim",
@@ -165,8 +169,14 @@ def _traffic(proxy: Llmtap) -> None:
         "system": "Answer in one word.",
         "messages": [{"role": "user", "content": "Colour of the sky?"}],
     }
-    assert proxy.client.post("/v1/messages", json=message).status_code == 200
-    traced = {**headers, "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    # An objective that cannot be read, on a root span (``llmtap.objective.ignored``).
+    assert proxy.client.post("/v1/messages", json=message, headers={"x-slo-ttft-ms": "-3"}).status_code == 200
+    # A traced client's request whose objective cannot be read (``llmtap.objective.ignored``).
+    traced = {
+        **headers,
+        "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "x-slo-tpot-ms": "soon",
+    }
     assert proxy.client.post("/v1/chat/completions", json={**chat, "stream": True}, headers=traced).status_code == 200
     proxy.client.get("/v1/models")  # no LLM protocol: a plain relay
 

@@ -789,6 +789,7 @@ def _requests() -> Iterable[Timeline]:
         )
     )
     hop.attribution = dict(_ATTRIBUTION)
+    hop.request_objective = RequestObjective(ttft=0.5, invalid=["tpot"])
     yield hop
     # No prompt version and another system prompt (the cache diagnosis names the changed region), and a
     # body that is not JSON at all: no model, relayed unchanged.
