@@ -13,7 +13,7 @@ older checkout runs the same phases) exporting traces over OTLP/HTTP, with a bea
 * idle: ``--idle`` connections opened to the admin port and left silent, then ``/healthz`` asked five times on
   fresh connections; the statuses;
 * drain (only with ``--only drain``): SIGTERM with a stream in flight; how long ``/readyz`` still said 200;
-* events: with short streams relayed one after another (``tests/fault_upstream.py``), ``/metrics`` fetched ten
+* events: with short streams relayed one after another (``tests/support/fault_upstream.py``), ``/metrics`` fetched ten
   times (the control), then ``--subscribers`` live-view ``/events`` streams held open (and read) and ``/metrics``
   fetched ten times again; its time (median, max) and the telemetry process's CPU over each, and the streams
   refused.
@@ -46,10 +46,11 @@ import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from bench.procs import LoopbackHTTPServer, Service, cpu_seconds, free_port, rss_bytes, wait_http
+from tests.support.net import LoopbackHTTPServer, free_port, wait_http
+from tests.support.proctree import Service, cpu_seconds, rss_bytes
 
 OPERATOR_TOKEN = "operator-secret-token"
-UPSTREAM = Path(__file__).resolve().parent.parent / "tests" / "fault_upstream.py"
+UPSTREAM = Path(__file__).resolve().parent.parent / "tests" / "support" / "fault_upstream.py"
 
 
 class Backend:

@@ -1,6 +1,6 @@
 """Other clients' latency while one client floods the relay with large chat bodies (issue 44).
 
-``python -m bench.body_flood`` starts two ``tests/fault_upstream.py`` and one ``llmtap serve`` of whatever code
+``python -m bench.body_flood`` starts two ``tests/support/fault_upstream.py`` and one ``llmtap serve`` of whatever code
 ``PYTHONPATH`` selects, then alternates two phases ``--rounds`` times: probes alone, and probes while
 ``--clients`` flooding clients (one process of their own, raw sockets, one keep-alive connection each) send
 chat bodies of ``--mib`` MiB back to back, or ``--rate`` a second each (``"stream": true``, so the relay asks for
@@ -33,8 +33,8 @@ from typing import Any
 
 import httpx
 
-from bench.procs import by_role, cpu_seconds, descendants
-from tests.procs import FaultUpstream, Llmtap
+from tests.support.procs import FaultUpstream, Llmtap
+from tests.support.proctree import by_role, cpu_seconds, descendants
 
 #: Words the bodies are made of (fixed seed: every run sends the same bytes).
 _WORDS = tuple("".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=2 + i % 8)) for i in range(4096))

@@ -39,12 +39,13 @@ from opentelemetry.sdk.metrics import Histogram, MeterProvider
 from opentelemetry.sdk.metrics.export import ExponentialHistogramDataPoint, InMemoryMetricReader
 from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
 
-from bench.peers import promql, start_prometheus
-from bench.procs import LoopbackHTTPServer, Service
 from llmtap.analysis.stats import histogram_quantile, quantile
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.instruments import create
 from llmtap.telemetry.prometheus import PrometheusReader, metric_name
+from tests.support.net import LoopbackHTTPServer
+from tests.support.proctree import Service
+from tests.support.prometheus import promql, start_prometheus
 
 CHOICES = ("standard", "fine", "base2")
 EXPLICIT = ("standard", "fine")

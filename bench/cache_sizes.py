@@ -24,8 +24,8 @@ from typing import Any
 
 from bench.soak_load import SYSTEM, WORDS
 from bench.soak_memory import smaps
-from bench.telemetry import chat_tape
 from llmtap.wire.messages import End, Segment
+from tests.support.tapes import chat_tape
 
 #: Entries of whole requests built before scaling to the bound.
 SAMPLE = 512

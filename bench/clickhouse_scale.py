@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     # A run stopped from outside still stops its ClickHouse (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.path.insert(0, str(ROOT))
-    from tests.clickhouse_server import ClickHouseProcess, installed
+    from tests.support.clickhouse_server import ClickHouseProcess, installed
 
     if not installed():
         print("clickhouse-server is not installed (.ci/install.d/35-clickhouse.sh)", file=sys.stderr)

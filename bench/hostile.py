@@ -2,7 +2,7 @@
 
 ``python -m bench.hostile`` relays, one after the other, a gzip bomb (an SSE body of ``--bomb-mib`` MiB of
 one-letter content events, gzip'd to about a thousandth of that) and a plain stream of ``--stream-mib`` MiB
-of content of one letter, from ``tests/fault_upstream.py`` (``gzip-bomb`` and ``one-letter``). While each
+of content of one letter, from ``tests/support/fault_upstream.py`` (``gzip-bomb`` and ``one-letter``). While each
 plays, normal streams (20 chunks 10 ms apart) run back to back beside it, and once more after it. For each
 phase it reports the hostile stream's time, the telemetry process's resident memory before and at its
 peak, the relay's peak, the normal streams' first byte and duration (p50 and max), and how long their request
@@ -25,11 +25,12 @@ from typing import Any
 
 import httpx
 
-from bench.procs import Service, by_role, free_port, rss_bytes, wait_http
 from llmtap.store.files import ReadStats, read_records
+from tests.support.net import free_port, wait_http
+from tests.support.proctree import Service, by_role, rss_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-UPSTREAM = ROOT / "tests" / "fault_upstream.py"
+UPSTREAM = ROOT / "tests" / "support" / "fault_upstream.py"
 HOSTILE = {"model": "fault", "stream": True, "messages": [{"role": "user", "content": "Go."}]}
 COLUMNS = (
     "hostile_s",

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.telemetry import chat_tape
 from llmtap.telemetry.spool import Spool
 from llmtap.wire.framing import encode_frame
 from llmtap.wire.ledger import Ledger
 from llmtap.worker import Progress
+from tests.support.tapes import chat_tape
 
 EVENT = b'data: {"id":"c","model":"m","choices":[{"index":0,"delta":{"content":" word"}}]}\n\n'
 

@@ -24,9 +24,10 @@ from pathlib import Path
 import httpx
 
 from bench import peers
-from bench.procs import Service, free_port, wait_http
 from llmtap.analysis.stats import histogram_quantile, quantile
 from llmtap.store.files import ReadStats, read_records
+from tests.support.net import free_port, wait_http
+from tests.support.proctree import Service
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT = {"model": "bench-model", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import peers
-from bench.procs import Sampler, Service, cpu_seconds, cpu_split, pinned, rss_bytes
+from bench.procs import Sampler
+from tests.support.proctree import Service, cpu_seconds, cpu_split, pinned, rss_bytes
 
 
 def wakes(pids: list[int]) -> int:

@@ -1,6 +1,6 @@
 """What one client can do to everyone else through the relay (issue 28), before and after its bounds.
 
-``python -m bench.relay_limits`` starts ``tests/fault_upstream.py`` and, per scenario, a fresh ``llmtap serve``
+``python -m bench.relay_limits`` starts ``tests/support/fault_upstream.py`` and, per scenario, a fresh ``llmtap serve``
 of whatever code ``PYTHONPATH`` selects (the bounds' flags are passed only when that code has them), and prints
 one JSON line per scenario:
 
@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from llmtap.config.options import OPTIONS
-from tests.procs import FaultUpstream, Llmtap
+from tests.support.procs import FaultUpstream, Llmtap
 
 CHAT = {"model": "fault", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
 BOUNDED = "client_send_timeout" in OPTIONS

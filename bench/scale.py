@@ -208,7 +208,7 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Case], list[str]]:
     """Every case at every size; notes on the datasets."""
     from bench import clickhouse_scale
     from llmtap.store import clickhouse as ch
-    from tests.clickhouse_server import ClickHouseProcess, installed
+    from tests.support.clickhouse_server import ClickHouseProcess, installed
 
     cases: list[Case] = []
     notes: list[str] = []

@@ -1,7 +1,7 @@
 """The soak: mixed traffic with faults through llmtap, every response checked, leaks and memory watched.
 
 ``python -m bench.soak`` runs ten minutes at 64 concurrent streams; ``--duration 60`` is the CI smoke
-(``tests/test_soak_smoke.py``). The upstream is ``tests/fault_upstream.py``: normal streams and bodies,
+(``tests/test_soak_smoke.py``). The upstream is ``tests/support/fault_upstream.py``: normal streams and bodies,
 upstream faults (resets, hang-ups, stalls cut by the idle timeout, bodies shorter or longer than their
 Content-Length, 500s, repeated usage), clients that leave mid-stream and clients that read slowly, and an
 OTLP collector that refuses a third of the exports (half of those with 503, which the exporter retries, half
@@ -49,10 +49,11 @@ from typing import Any
 
 import httpx
 
-from bench.procs import LoopbackHTTPServer, cpu_seconds, free_port, wait_http
+from tests.support.net import LoopbackHTTPServer, free_port, wait_http
+from tests.support.proctree import cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
-UPSTREAM = ROOT / "tests" / "fault_upstream.py"
+UPSTREAM = ROOT / "tests" / "support" / "fault_upstream.py"
 CHAT = {"model": "fault", "stream": True, "messages": [{"role": "user", "content": "Soak."}]}
 IDLE_TIMEOUT = 1.0
 #: How long the proxy's counts get to come back to their idle level after the load.

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.procs import Service, by_role, descendants, free_port, wait_http
+from tests.support.net import free_port, wait_http
+from tests.support.proctree import Service, by_role, descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = Path(__file__).resolve().parent / "soak_site"

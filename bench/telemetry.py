@@ -52,7 +52,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from llmtap.config.types import Route, Settings
 from llmtap.telemetry.recorder import Recorder
-from llmtap.wire.tape import Tape
+from tests.support.tapes import chat_tape, content_event
 
 
 def _encode(spans: Sequence[ReadableSpan]) -> bytes:
@@ -83,61 +83,6 @@ class _Encoding(SpanExporter):
         """Nothing to release."""
 
 
-def _event(text: str) -> bytes:
-    chunk = {"id": "c", "model": "m", "choices": [{"index": 0, "delta": {"content": text}}]}
-    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
-
-
-def chat_tape(
-    key: int,
-    reads: Sequence[bytes],
-    *,
-    received: float = 1000.0,
-    body: bytes = b'{"model": "m", "stream": true, "messages": []}',
-    gap: float = 0.02,
-    trace_id: int | None = None,
-    span_id: int | None = None,
-    fail: tuple[str, str | None, bool] | None = None,
-    upstream: tuple[int, int] | None = None,
-) -> tuple[Tape, list[tuple[Any, ...]]]:
-    """A relay's tape of one streamed chat request whose upstream sent ``reads``, ``gap`` seconds apart from
-    ``received + 0.1``, and the messages the relay would hand over for it (segments, then the end).
-
-    ``fail`` is the relay's own failure, if any: ``(error_type, message, cancelled)``; ``upstream``: the relay's
-    number for the request among those to its upstream, and how many were in flight ahead of it. Also what the
-    tests build their tapes with.
-    """
-    t = Tape(
-        key,
-        method="POST",
-        path="/v1/chat/completions",
-        inner_path="/v1/chat/completions",
-        route="default",
-        protocol="openai_chat",
-        received=received,
-        received_wall_ns=1_700_000_000_000_000_000,
-    )
-    t.trace_id = trace_id if trace_id is not None else key + 1
-    t.span_id = span_id if span_id is not None else key + 1
-    t.body, t.body_read, t.admitted, t.sent = body, received + 0.001, received + 0.002, received + 0.003
-    t.headers_at, t.status_code = received + 0.05, 200
-    t.response_headers = [(b"content-type", b"text/event-stream")]
-    if upstream is not None:
-        t.upstream_seq, t.upstream_ahead = upstream
-    messages: list[tuple[Any, ...]] = []
-    for i, data in enumerate(reads):
-        at = received + 0.1 + i * gap
-        full = t.read(at, data)
-        t.delivered(at + 0.0001)
-        if full:
-            messages.append(t.segment_message())
-    t.end = received + 0.1 + len(reads) * gap
-    if fail is not None:
-        t.fail(fail[0], fail[1], cancelled=fail[2])
-    messages.append(t.end_message())
-    return t, messages
-
-
 #: Streams open at once in the played-back traffic: each tape starts this share of a stream's length after the one
 #: before, so the estimator's replay of admissions sees the overlap of 64 staggered streams, as in a real run.
 STREAMS = 64
@@ -147,7 +92,7 @@ def tape(key: int, chunks: int, rng: random.Random | None = None, *, received: f
     """The end message of one finished stream of ``chunks`` content chunks (one upstream read each), usage last;
     received ``key`` starts after the first, ``STREAMS`` streams open at once (or at ``received``)."""
     usage = {"model": "m", "choices": [], "usage": {"prompt_tokens": 51, "completion_tokens": 2 * chunks}}
-    reads = [_event(" word word")] * chunks + [b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n"]
+    reads = [content_event(" word word")] * chunks + [b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n"]
     prompt = [{"role": "user", "content": "hello " * 50}]
     body = json.dumps({"model": "m", "stream": True, "messages": prompt}).encode()
     rng = rng or random.Random(key)

@@ -38,13 +38,13 @@ from typing import Any
 
 import httpx
 
-from bench.procs import cpu_seconds, pin_threads
-from bench.telemetry import _event, chat_tape
 from llmtap.config.load import build
 from llmtap.serve.telemetry import TelemetryProcess
 from llmtap.store.files import ReadStats, read_records
 from llmtap.wire.framing import encode_frame
 from llmtap.wire.tape import shard_of
+from tests.support.proctree import cpu_seconds, pin_threads
+from tests.support.tapes import chat_tape, content_event
 
 #: The prompts' system parts: each request takes one of these (their prefixes are what the cache index keeps whole).
 SYSTEMS = [f"You answer questions about the product's invoices (v{v}), briefly. " * 20 for v in range(8)]
@@ -83,7 +83,7 @@ def tapes(count: int, chunks: int, rate: float, seed: int) -> list[tuple[int, by
     details = {"cached_tokens": 0}
     usage = {"prompt_tokens": 300, "completion_tokens": 2 * chunks, "prompt_tokens_details": details}
     last = {"model": "m", "choices": [], "usage": usage}
-    reads = [_event(" word word")] * chunks + [b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n"]
+    reads = [content_event(" word word")] * chunks + [b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n"]
     gap, length = 0.02, 0.1 + 0.02 * chunks
     ends: list[float] = []
     out: list[tuple[int, bytes]] = []

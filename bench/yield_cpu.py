@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import peers
-from bench.procs import cpu_seconds, pinned
+from tests.support.proctree import cpu_seconds, pinned
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDED = "llmtap_requests_total"

@@ -20,7 +20,7 @@ from llmtap.config.load import build
 from llmtap.relay.admission import Admission, QueueFull
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Scripted, ServerThread, Telemetry
-from tests.procs import Llmtap, Simulator, clients_of, metric_value
+from tests.support.procs import Llmtap, Simulator, clients_of, metric_value
 
 
 async def test_slots_then_first_come_first_served() -> None:

@@ -24,7 +24,7 @@ import pytest
 from llmtap.analysis.cost import PriceTable
 from llmtap.store.files import NoRecords, record_files
 from tests.conftest import PATIENCE, Scripted
-from tests.procs import Llmtap, Simulator
+from tests.support.procs import Llmtap, Simulator
 from tests.test_metrics_standard import labels, otlp_env, series, total, wait_for
 from tests.test_otlp import HTTPReceiver, attributes
 

@@ -30,7 +30,7 @@ from llmtap.config.types import TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.bulk import record_many
 from llmtap.telemetry.chunkdetail import MIN_HISTORY, ChunkDetail
-from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
+from tests.support.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import OTEL_ENV, HTTPReceiver, Received, attributes, wait_for
 
 CHAT: dict[str, Any] = {

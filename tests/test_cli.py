@@ -16,7 +16,7 @@ import pytest
 
 from llmtap import __version__
 from tests.conftest import PATIENCE, Scripted, free_port
-from tests.procs import stop, stop_clean, wait_ready
+from tests.support.procs import stop, stop_clean, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}

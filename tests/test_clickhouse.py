@@ -30,8 +30,8 @@ from llmtap.config.types import ConfigError
 from llmtap.simulator import get_profile, run_in_thread
 from llmtap.store import clickhouse as ch, clickhouse_read as chread
 from llmtap.telemetry.records import SCHEMA_VERSION
-from tests.clickhouse_server import PASSWORD, USER, ClickHouseProcess, installed
 from tests.conftest import PATIENCE, free_port, require_real
+from tests.support.clickhouse_server import PASSWORD, USER, ClickHouseProcess, installed
 
 HOW = "apt-get install clickhouse-server clickhouse-client (.ci/install.d/35-clickhouse.sh)"
 
@@ -649,24 +649,6 @@ def test_a_record_inserted_twice_counts_once_on_either_clickhouse(
     b = compare.record_sides([twice], split, engine="duckdb").compare(seed=1, resamples=200).to_json()
     assert a.pop("source") != b.pop("source") and b.pop("skipped") == {"duplicate": 288} and a.pop("skipped") == {}
     assert a["before"]["requests"] + a["after"]["requests"] == 244 and a == b
-
-
-def test_the_scale_benchmark_runs_end_to_end_at_a_small_size(server: ClickHouseProcess, tmp_path: Path) -> None:
-    from bench import clickhouse_scale, scale
-
-    pytest.importorskip("duckdb", reason="the generator is DuckDB SQL (bench.records_gen)")
-    remote = ch.Server.parse(server.url)
-    ch.create_table(remote, "bench_small", ttl_days=0)
-    rows = tmp_path / "rows.csv"
-    _, columns = clickhouse_scale.generate(rows, 6000)
-    clickhouse_scale.load(remote, "bench_small", columns, rows, chunk=256 << 10)  # several INSERTs
-    assert _count(server, "bench_small") == 6000
-    # Every column the table has came from the generator, by name.
-    assert sorted(columns) == sorted(ch.column_kinds())
-    source = ["--clickhouse", server.url, "--clickhouse-table", "bench_small", "--json"]
-    argv = ["compare", *source, "--before", "v1", "--after", "v2", "--resamples", "200"]
-    _, _, peak_rss_mb, _, out = scale.run_child(argv)
-    assert str(json.loads(out)["verdict"]).startswith("caching gain") and peak_rss_mb > 10
 
 
 def earlier_table(remote: ch.Server, table: str) -> None:

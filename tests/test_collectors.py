@@ -33,8 +33,8 @@ from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.chunkdetail import REASONS
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
-from tests.procs import stop
-from tests.scripted_upstream import script
+from tests.support.procs import stop
+from tests.support.scripted_upstream import script
 
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTORS = ROOT / "collectors"
@@ -315,7 +315,7 @@ def test_slow_ttft_rule_sees_every_root_span(tmp_path: Path) -> None:
     """The gateway keeps slow-TTFT traces by an attribute of the root span: a generation's, and a hop's under a
     client that traces (``traceparent``), whose gen_ai.* attributes are its client's to report. Real llmtap,
     spans read off a real OTLP/HTTP receiver; the attribute is the one the gateway's rule names."""
-    from tests.procs import Llmtap as Proxy
+    from tests.support.procs import Llmtap as Proxy
     from tests.test_otlp import HTTPReceiver, attributes
 
     sampling = load_config(COLLECTORS / "gateway.yaml")["processors"]["tail_sampling"]

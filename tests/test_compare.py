@@ -33,7 +33,7 @@ from llmtap.simulator.text import Vocabulary
 from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry.records import SCHEMA_KEY
 from tests.conftest import PATIENCE, free_port, require_real
-from tests.procs import stop
+from tests.support.procs import stop
 from tests.test_prometheus import histogram_quantile
 
 ROOT = Path(__file__).parent.parent

@@ -29,11 +29,11 @@ import jsonschema
 import pytest
 from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, UpDownCounter
 
-from bench.procs import LoopbackHTTPServer
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.instruments import create
 from llmtap.telemetry.prometheus import metric_name
 from tests.conftest import TOOLS, free_port, require_real
+from tests.support.net import LoopbackHTTPServer
 from tests.test_collectors import Llmtap, Proc, answers, listening, start_llmtap
 
 ROOT = Path(__file__).resolve().parent.parent

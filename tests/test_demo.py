@@ -4,7 +4,7 @@ Figures of a few hundred milliseconds and more (the cold TTFT, the decode time) 
 simulator keeps absolute deadlines, so one late wake-up does not move it) within 10% of the course. The
 short TTFTs, 120 ms cached and the code workload's 25 ms, carry on top of their plan the one-process demo's
 wait for the GIL (both simulators, the proxy, its recorder and the client share it): a few ms on a quiet
-2-core machine, 19 ms with both cores kept busy (``python -m tests.stress``). So they are held to what no
+2-core machine, 19 ms with both cores kept busy (``python -m tests.support.stress``). So they are held to what no
 load can undercut, no less than 10% under the plan, and to their workload's TTFT SLO.
 """
 

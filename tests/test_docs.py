@@ -12,7 +12,7 @@ import pytest
 from llmtap.analysis import compare
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.prometheus import metric_name
-from tests.generators import load
+from tests.support.generators import load
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference.md"

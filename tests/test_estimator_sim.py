@@ -29,7 +29,7 @@ from llmtap.simulator import get_profile
 from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry, free_port
-from tests.procs import Llmtap, stop
+from tests.support.procs import Llmtap, stop
 
 pytestmark = pytest.mark.e2e
 

@@ -23,7 +23,7 @@ from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.instruments import create
 from llmtap.telemetry.prometheus import PrometheusReader, merge_metrics
 from tests.conftest import PATIENCE, free_port, require_real
-from tests.procs import stop, stop_clean, wait_ready
+from tests.support.procs import stop, stop_clean, wait_ready
 from tests.test_workers import _serve, two_routes
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75"
@@ -232,7 +232,7 @@ def two_processes(sims: list[Background], tmp_path: Path) -> None:
 
         # A real Prometheus scrapes it (OpenMetrics) and stores the exemplars.
         require_real(shutil.which("prometheus") is not None, "Prometheus", "bash .ci/install.d/20-prometheus.sh")
-        from bench.peers import start_prometheus
+        from tests.support.prometheus import start_prometheus
 
         target = admin[len("http://") :]
         jobs = f"  - {{job_name: llmtap, static_configs: [{{targets: ['{target}']}}]}}\n"

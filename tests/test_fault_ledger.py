@@ -1,5 +1,5 @@
-"""The fault suite's own arithmetic (``tests.fault_ledger``): what it reads of ``/metrics`` and of the log, and the
-sum each fault is judged by."""
+"""The fault suite's own arithmetic (``tests.support.fault_ledger``): what it reads of ``/metrics`` and of the log,
+and the sum each fault is judged by."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_ledger import RECORDS, TAPES, Counters, Ledger, check, ledger, loss_lines, read_folder, samples
-from tests.fault_load import Outcome, begun_after
+from tests.support.fault_ledger import RECORDS, TAPES, Counters, Ledger, check, ledger, loss_lines, read_folder, samples
+from tests.support.fault_load import Outcome, begun_after
 
 PAGE = """# HELP llmtap_telemetry_tapes_dropped_total Tapes.
 # TYPE llmtap_telemetry_tapes_dropped_total counter

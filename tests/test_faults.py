@@ -28,8 +28,15 @@ from llmtap.config.load import build
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.setup import ExportGate
 from tests.conftest import Running, Telemetry, free_port, unanswered_port
-from tests.fault_upstream import SMUGGLED
-from tests.procs import FaultUpstream, Llmtap, Simulator, metric_value, tcp_queues, upstream as upstream  # the fixture
+from tests.support.fault_upstream import SMUGGLED
+from tests.support.procs import (  # the fixture
+    FaultUpstream,
+    Llmtap,
+    Simulator,
+    metric_value,
+    tcp_queues,
+    upstream as upstream,
+)
 
 pytestmark = pytest.mark.e2e
 

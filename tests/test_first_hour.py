@@ -26,7 +26,7 @@ from llmtap.serve.sockets import ADMIN_LISTENER, PROXY_LISTENER, bind_failure
 from llmtap.telemetry.reach import TIMEOUT, Reach, Reachability, verbose
 from llmtap.wire.tape import Tape, now
 from tests.conftest import PATIENCE, free_port, unanswered_port
-from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
+from tests.support.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -36,7 +36,7 @@ from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.tape import shard_of
 from llmtap.wire.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry, free_port
-from tests.procs import stop, wait_ready
+from tests.support.procs import stop, wait_ready
 from tests.test_forward import PROTOBUF, _Source, vllm_export, wait_for
 from tests.test_otlp import HTTPReceiver
 from tests.test_serverspans import TRACE, UPSTREAM, counter, traced

@@ -20,7 +20,7 @@ from llmtap.telemetry import forward, semconv as sc
 from llmtap.telemetry.admin import AdminApp
 from llmtap.telemetry.recorder import Recorder
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry
-from tests.procs import Llmtap
+from tests.support.procs import Llmtap
 from tests.test_otlp import OTEL_ENV, GRPCReceiver, HTTPReceiver, Received, attributes
 from tests.test_serverspans import TRACE, UPSTREAM, counter, span_bytes, traced
 

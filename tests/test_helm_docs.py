@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.generators import load
+from tests.support.generators import load
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "llmtap"

@@ -36,7 +36,7 @@ from llmtap.providers.sse import Event, decoder_for
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.tap import Tap
 from tests.conftest import Running, Telemetry, require_real
-from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.support.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes
 
 CHAT = {
@@ -394,11 +394,12 @@ def test_decoder_memory_stays_bounded_on_an_endless_line() -> None:
 
 
 def test_atheris_fuzz_of_decoders_and_parsers() -> None:
-    """Coverage-guided: 20,000 inputs through decoders, the usage filter and every provider (tests/fuzz_parsers.py)."""
+    """Coverage-guided: 20,000 inputs through decoders, the usage filter and every provider
+    (tests/support/fuzz_parsers.py)."""
     found = importlib.util.find_spec("atheris") is not None
     require_real(found, "atheris", "pyproject's test extra installs it on Linux x86_64 with Python below 3.14")
     done = subprocess.run(
-        [sys.executable, "-m", "tests.fuzz_parsers", "-runs=20000", "-max_len=4096", "-seed=1"],
+        [sys.executable, "-m", "tests.support.fuzz_parsers", "-runs=20000", "-max_len=4096", "-seed=1"],
         cwd=Path(__file__).resolve().parent.parent,
         capture_output=True,
         text=True,

@@ -30,7 +30,7 @@ from llmtap.config.types import Admin, ConfigError
 from llmtap.telemetry.access import Gate, is_loopback
 from llmtap.wire.tracecontext import MAX_TRACEPARENT, parse_traceparent
 from tests.conftest import PATIENCE
-from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.support.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver
 
 TOKEN = "admin-token-0123456789abcdef"

@@ -28,7 +28,6 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.telemetry import chat_tape
 from llmtap.analysis import tokens
 from llmtap.analysis.summary import MAX_SAMPLES, summarize
 from llmtap.analysis.timeline import COUNT_CHARS, Timeline
@@ -43,8 +42,9 @@ from llmtap.telemetry.tap import MAX_INFLATED_BYTES, Tap
 from llmtap.types import Usage
 from llmtap.wire.messages import END, SEGMENT
 from tests.conftest import PATIENCE
-from tests.fault_upstream import WORDS, chat_chunk, usage_event
-from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.support.fault_upstream import WORDS, chat_chunk, usage_event
+from tests.support.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.support.tapes import chat_tape
 from tests.test_hostile import relay
 
 #: A normal request's record must appear within this many seconds of its response's end (a busy machine

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.support.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 
 TIMEOUTS = "llmtap_client_timeouts_total"
 REFUSED = "llmtap_connections_refused_total"

@@ -22,7 +22,7 @@ import pytest
 
 from llmtap.store.files import ReadStats, read_records
 from tests.conftest import PATIENCE
-from tests.procs import Llmtap
+from tests.support.procs import Llmtap
 
 pytestmark = pytest.mark.e2e
 

@@ -19,14 +19,14 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.procs import LoopbackHTTPServer
 from llmtap.config.load import build
 from llmtap.config.types import ConfigError
 from llmtap.labels import LABEL_CAP, OTHER, LabelGuard, clean
 from llmtap.store.files import record_files_at
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE
-from tests.procs import Llmtap, metric_value
+from tests.support.net import LoopbackHTTPServer
+from tests.support.procs import Llmtap, metric_value
 from tests.test_live import sse
 from tests.test_otlp import HTTPReceiver, attributes
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import ROOT, FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.support.procs import ROOT, FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 from tests.test_hostile_conn import CHAT, SLACK, counted, echo, exported, read_until_closed, request
 
 TIMEOUTS = "llmtap_client_timeouts_total"

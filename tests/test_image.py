@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import podman as pm
 from tests.conftest import PATIENCE, require_real
+from tests.support import podman as pm
 from tests.test_demo_output import table
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ from llmtap.providers import provider_for
 from llmtap.telemetry import tap as tap_module
 from llmtap.telemetry.serverspans import BadBody, inflate
 from llmtap.telemetry.tap import Tap
-from tests.fault_upstream import WORDS, chat_chunk, usage_event
+from tests.support.fault_upstream import WORDS, chat_chunk, usage_event
 
 EVENTS = b"".join(b'data: {"choices":[{"index":0,"delta":{"content":"%d"}}]}\n\n' % i for i in range(3000))
 SMALL = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'

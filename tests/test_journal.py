@@ -15,7 +15,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bench.telemetry import chat_tape
 from llmtap.config.load import build
 from llmtap.config.types import Records, Route, Settings
 from llmtap.serve.lines import startup_lines
@@ -41,6 +40,7 @@ from llmtap.wire.ledger import Ledger
 from llmtap.wire.messages import END, SEGMENT
 from llmtap.worker import Progress
 from tests.conftest import PATIENCE
+from tests.support.tapes import chat_tape
 
 EVENT = b'data: {"model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from llmtap.store.files import ReadStats, read_records
-from tests.clickhouse_server import PASSWORD, USER, ClickHouseProcess, installed
 from tests.conftest import PATIENCE, require_real
-from tests.procs import Llmtap, Simulator, metric_value
+from tests.support.clickhouse_server import PASSWORD, USER, ClickHouseProcess, installed
+from tests.support.procs import Llmtap, Simulator, metric_value
 
 BODY = {"model": "llmtap-sim", "stream": True, "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
 TAPES_DROPPED = "llmtap_telemetry_tapes_dropped_total"

@@ -37,7 +37,7 @@ from llmtap.telemetry.prometheus import PrometheusReader
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import RequestInfo, ServerTiming, Usage
 from tests.conftest import PATIENCE, Running
-from tests.procs import stop
+from tests.support.procs import stop
 from tests.test_prometheus import samples
 
 WALL = 1_700_000_000_000_000_000

@@ -26,14 +26,15 @@ import httpx
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 
-from bench.peers import promql, start_prometheus
-from bench.procs import LoopbackHTTPServer, Service
 from llmtap.analysis.stats import quantile
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.instruments import create
 from llmtap.telemetry.prometheus import PrometheusReader
 from tests.conftest import PATIENCE, Scripted, require_real
-from tests.procs import Llmtap
+from tests.support.net import LoopbackHTTPServer
+from tests.support.procs import Llmtap
+from tests.support.proctree import Service
+from tests.support.prometheus import promql, start_prometheus
 
 CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
 GEN_AI_TTFT = "gen_ai_client_operation_time_to_first_chunk_seconds"

@@ -23,7 +23,7 @@ import pytest
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.instruments import DURATION_BUCKETS, OVERHEAD_BUCKETS, TOKEN_BUCKETS
 from tests.conftest import PATIENCE, Scripted
-from tests.procs import ROOT, Llmtap
+from tests.support.procs import ROOT, Llmtap
 from tests.test_otlp import HTTPReceiver
 
 CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}

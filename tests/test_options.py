@@ -16,7 +16,7 @@ from llmtap.config import options
 from llmtap.config.load import build
 from llmtap.config.options import OPTIONS, ROUTE_OPTIONS, Option
 from llmtap.config.types import ConfigError
-from tests.generators import load
+from tests.support.generators import load
 from tests.test_cli import ROOT, assert_config_error, clean_env
 
 UP = "http://127.0.0.1:9"

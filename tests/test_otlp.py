@@ -36,10 +36,10 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from bench.procs import LoopbackHTTPServer
 from tests.conftest import PATIENCE, Scripted, free_port
-from tests.procs import Llmtap
-from tests.scripted_upstream import script
+from tests.support.net import LoopbackHTTPServer
+from tests.support.procs import Llmtap
+from tests.support.scripted_upstream import script
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 8

@@ -9,7 +9,7 @@ the pod's loopback, the collector's health check reachable on the pod's address,
 that finishes all 20 with the flush (to a collector that never answers) inside the grace period, and llmtap as
 the sidecar of a model server in its pod (``modelServer``).
 
-What kube play (podman 4.3) cannot express, and so is not tested here (tests/podkube.py says how the rest is
+What kube play (podman 4.3) cannot express, and so is not tested here (tests/support/podkube.py says how the rest is
 adapted): a Service's load balancing (the test spreads the requests over the pods' addresses itself), readiness
 gating, the preStop hook (the test stops the container with the grace period as ``podman stop``'s timeout, as the
 kubelet's SIGTERM then SIGKILL would), the HPA and PDB, ``$(POD_IP)`` in variables (so the peers' span routing,
@@ -35,7 +35,7 @@ import pytest
 import yaml
 
 from tests.conftest import require_real
-from tests.podkube import Pods, b64, missing_tools, playable, secrets_of
+from tests.support.podkube import Pods, b64, missing_tools, playable, secrets_of
 from tests.test_helm import CHART, ROOT, by_kind, manifests, values_of
 
 NAMESPACE = "llm"

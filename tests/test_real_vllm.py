@@ -39,7 +39,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from llmtap.config.load import build
 from llmtap.telemetry import semconv as sc
 from tests.conftest import Running, Telemetry, start_proxy
-from tests.vllm_server import (
+from tests.support.vllm_server import (
     Scrape,
     ServerSpan,
     VllmServer,

@@ -31,7 +31,7 @@ import pytest
 from llmtap.config.types import Records, Route, Settings, Timeouts
 from llmtap.store.files import ReadStats, read_records
 from tests.conftest import Telemetry, start_proxy
-from tests.vllm_server import VllmServer, vllm_medium
+from tests.support.vllm_server import VllmServer, vllm_medium
 
 pytestmark = [pytest.mark.real, pytest.mark.e2e]
 __all__ = ["vllm_medium"]  # the fixture, imported so pytest finds it here

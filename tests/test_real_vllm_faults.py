@@ -28,7 +28,7 @@ import pytest
 from llmtap.config.load import build
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry, start_proxy
-from tests.vllm_server import (
+from tests.support.vllm_server import (
     Scrape,
     VllmServer,
     vllm_medium as vllm_medium,  # the fixture: one server, shared with the other real-vLLM modules

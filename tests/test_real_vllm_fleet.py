@@ -18,11 +18,11 @@ import pytest
 
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE
-from tests.test_fleet import WAIT, Fleet
-from tests.vllm_server import (
+from tests.support.vllm_server import (
     VllmServer,
     vllm_medium as vllm_medium,  # the fixture: one server, shared with the other real-vLLM modules
 )
+from tests.test_fleet import WAIT, Fleet
 
 
 @pytest.fixture

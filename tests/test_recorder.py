@@ -17,7 +17,6 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from bench.telemetry import chat_tape
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.load import build
@@ -28,6 +27,7 @@ from llmtap.telemetry.recorder import Recorder
 from llmtap.types import Facts, RequestInfo, Usage
 from llmtap.wire.messages import STATS, Stats, encode_stats
 from tests.conftest import PATIENCE, Running, Scripted, Telemetry
+from tests.support.tapes import chat_tape
 
 WALL = 1_700_000_000_000_000_000
 T0 = 5000.0  # offsets are multiples of 1/128 s: exact in binary and in whole nanoseconds

@@ -483,17 +483,6 @@ def test_closed_files_can_become_parquet_and_read_back_as_the_lines_were(tmp_pat
     assert Records(format="parquet") == build({"upstream": "http://u:1", "record_format": "parquet"}, env={}).record
 
 
-def test_the_records_benchmark_runs_and_its_figures_hang_together(tmp_path: Path) -> None:
-    from bench import records as bench_records
-
-    rows = {r["sink"]: r for r in bench_records.run(300, tmp_path)}
-    gzip_row, parquet_row, logs_row = rows["files, gzip"], rows["files, parquet"], rows["OTLP log records"]
-    assert logs_row["exported"] == 300
-    for row in (gzip_row, parquet_row):
-        assert 0 < row["disk_bytes_per_record"] < row["json_bytes_per_record"] and row["files"] >= 1
-    assert all(r["worker_us_per_record"] > 0 for r in rows.values())
-
-
 def test_the_record_journal_sits_in_the_record_folder_unless_told_otherwise(tmp_path: Path) -> None:
     base = {"upstream": "http://upstream:8000"}
     assert build({**base, "record": str(tmp_path)}, env={}).record.journal == str(tmp_path / ".journal")

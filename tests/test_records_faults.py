@@ -2,7 +2,7 @@
 
 ``llmtap serve --record DIR`` (with ClickHouse or an OTLP backend where the fault needs one) runs in front of the
 offline simulator; a bounded client load goes through it while the fault happens; then the ledger
-(``tests.fault_ledger``) checks that every request sent has its record, or that the difference is counted on
+(``tests.support.fault_ledger``) checks that every request sent has its record, or that the difference is counted on
 ``/metrics`` and said in the log with its cause. Each test publishes its ledger (``LEDGER {...}`` in its output,
 and the file ``LLMTAP_FAULT_TABLE`` names) for the table of the issue's closing note.
 """
@@ -27,11 +27,12 @@ import httpx
 import pytest
 
 from llmtap.relay.app import STATS_EVERY
-from tests.clickhouse_server import ClickHouseProcess, installed
 from tests.conftest import PATIENCE, require_real
-from tests.fault_ledger import REASON, Counters, Ledger, changes, check, ledger, loss_lines, read_folder
-from tests.fault_load import Load, OTLPBackend, Outcome, begun_after, wait_for
-from tests.procs import TELEMETRY_COMM, Llmtap, Simulator
+from tests.support.clickhouse_server import ClickHouseProcess, installed
+from tests.support.fault_ledger import REASON, Counters, Ledger, changes, check, ledger, loss_lines, read_folder
+from tests.support.fault_load import Load, OTLPBackend, Outcome, begun_after, wait_for
+from tests.support.procs import Llmtap, Simulator
+from tests.support.proctree import TELEMETRY_COMM
 
 pytestmark = pytest.mark.e2e
 

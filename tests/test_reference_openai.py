@@ -1,6 +1,6 @@
 """The independent reference: the official OpenTelemetry instrumentation of the ``openai`` SDK, through llmtap.
 
-An application (``tests/reference_client.py``: the ``openai`` SDK under
+An application (``tests/support/reference_client.py``: the ``openai`` SDK under
 ``opentelemetry-instrumentation-openai-v2``, in its own virtual environment) calls ``llmtap serve`` in
 front of ``llmtap simulate``; both export over OTLP/HTTP to one receiver that decodes what arrives. The
 calls: a whole answer, a stream without and with ``include_usage``, an unknown model (the upstream's 404),
@@ -40,11 +40,11 @@ from tests.test_otlp import HTTPReceiver, attributes
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = TOOLS / "openai-reference" / "bin" / "python"
-CLIENT = ROOT / "tests" / "reference_client.py"
+CLIENT = ROOT / "tests" / "support" / "reference_client.py"
 MODEL = "llmtap-sim"
 ROLES = ("hop", "generation")
 
-# The calls tests/reference_client.py makes, by its names for them.
+# The calls tests/support/reference_client.py makes, by its names for them.
 OK_CALLS = frozenset({"chat", "stream", "stream_usage", "held"})
 STREAMED = frozenset({"stream", "stream_usage", "held"})
 ERRORS = frozenset({"unknown_model", "refused"})

@@ -21,7 +21,7 @@ import pytest
 
 from llmtap.store.files import record_files_at
 from tests.conftest import PATIENCE
-from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
+from tests.support.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
 
 pytestmark = pytest.mark.e2e

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import PATIENCE, Scripted
-from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.support.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 
 pytestmark = pytest.mark.e2e
 

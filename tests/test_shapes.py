@@ -498,7 +498,7 @@ def events(admin: str, kinds: set[str]) -> dict[str, Any]:
 @pytest.mark.real
 def test_an_exemplar_of_the_slowest_bucket_is_a_trace_the_waterfall_shows(tmp_path: Path) -> None:
     require_real(shutil.which("prometheus") is not None, "Prometheus", "bash .ci/install.d/20-prometheus.sh")
-    from bench.peers import start_prometheus
+    from tests.support.prometheus import start_prometheus
 
     with running_course(tmp_path) as c:
         target = c.admin[len("http://") :]

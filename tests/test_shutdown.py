@@ -20,7 +20,7 @@ import pytest
 
 from llmtap.store.files import ReadStats, read_records
 from tests.conftest import PATIENCE, free_port
-from tests.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
+from tests.support.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
 
 pytestmark = pytest.mark.e2e

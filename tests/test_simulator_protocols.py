@@ -30,7 +30,7 @@ from llmtap.simulator.text import Vocabulary
 from llmtap.store.files import ReadStats, read_records
 from llmtap.types import Facts
 from tests.conftest import PATIENCE, free_port
-from tests.procs import ROOT, Llmtap, stop
+from tests.support.procs import ROOT, Llmtap, stop
 
 TRANSCRIPTS = Path(__file__).parent / "transcripts"
 FIXED_CLOCK = 1795985942.0

@@ -20,7 +20,7 @@ import pytest
 
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE
-from tests.procs import Llmtap
+from tests.support.procs import Llmtap
 from tests.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
 
 pytestmark = pytest.mark.e2e

@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.procs import LoopbackHTTPServer
 from llmtap.config.load import build
 from llmtap.serve.lines import startup_lines
 from tests.conftest import PATIENCE, Scripted
-from tests.procs import ROOT, Llmtap, stop, wait_ready
+from tests.support.net import LoopbackHTTPServer
+from tests.support.procs import ROOT, Llmtap, stop, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -188,24 +188,24 @@ def test_a_start_that_lost_its_admin_port_is_not_taken_for_ready(tmp_path: Path)
 def test_free_ports_come_from_below_the_ephemeral_range_a_part_for_each_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """``free_port``: each pytest-xdist worker hands out its own ports, none the kernel hands out for ``bind(0)`` or an
     outgoing connection, each once in turn, passing over one that is bound."""
-    from bench import procs
+    from tests.support import net
 
     parts = []
     for worker in ("gw0", "gw1"):
         monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
         monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
-        parts.append(set(procs._own_ports()))
-    low = procs._ephemeral_low()
+        parts.append(set(net._own_ports()))
+    low = net._ephemeral_low()
     assert parts[0] and parts[1] and not parts[0] & parts[1]
-    assert all(procs._FIRST_PORT <= port < low for port in parts[0] | parts[1])
+    assert all(net._FIRST_PORT <= port < low for port in parts[0] | parts[1])
     ports = sorted(parts[1])[:64]
-    monkeypatch.setattr(procs, "_ports", ports)
-    monkeypatch.setattr(procs, "_next", 0)
-    monkeypatch.setattr(procs, "_ports_pid", os.getpid())
+    monkeypatch.setattr(net, "_ports", ports)
+    monkeypatch.setattr(net, "_next", 0)
+    monkeypatch.setattr(net, "_ports_pid", os.getpid())
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", ports[1]))
         taken.listen()
-        given = [procs.free_port() for _ in range(10)]
+        given = [net.free_port() for _ in range(10)]
     free = [port for port in ports if port != ports[1]]
     # Anything else bound meanwhile on this machine is passed over too: the ports given are the free ones, in turn.
     assert ports[1] not in given and len(set(given)) == 10 and given == sorted(given)

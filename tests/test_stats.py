@@ -110,14 +110,6 @@ def test_empty_buckets_have_no_quantile() -> None:
     assert histogram_quantile([0.1, math.inf], [0.0, 0.0], 0.5) is None
 
 
-def test_the_benchmark_reads_the_same_quantile_in_ms() -> None:
-    from bench.stats import percentile_ms
-
-    values = [0.004, 0.001, 0.003, 0.002]
-    assert percentile_ms(values, 50) == pytest.approx(1000 * (quantile(values, 0.5) or 0.0)) == pytest.approx(2.5)
-    assert math.isnan(percentile_ms([], 99))  # a missing figure in the benchmark's tables
-
-
 def test_chi_square_tail_and_homogeneity() -> None:
     from llmtap.analysis.stats import chi_square_p, homogeneity
 

@@ -6,7 +6,6 @@ import threading
 from collections import Counter
 from typing import Any
 
-from bench.telemetry import chat_tape
 from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.losses import Losses
@@ -16,6 +15,7 @@ from llmtap.telemetry.replay import Playback
 from llmtap.telemetry.streams import Streams
 from llmtap.wire.messages import END, SEGMENT, End, Head, Segment, decode
 from tests.conftest import PATIENCE
+from tests.support.tapes import chat_tape
 
 ROUTES = (Route(prefix="/", upstream="http://upstream:8000", name="default"),)
 SETTINGS = Settings(routes=ROUTES)

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from bench.telemetry import chat_tape
 from llmtap.analysis import tokens
 from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.relay.channel import LocalChannel, SocketChannel
@@ -23,6 +22,7 @@ from llmtap.wire.messages import END, SEGMENT, STATS, End, Segment, decode
 from llmtap.wire.socketchannel import GATHER_BYTES
 from llmtap.wire.tape import SEGMENT_BYTES, Tape
 from llmtap.wire.tracecontext import Sampler, begin, parse_traceparent
+from tests.support.tapes import chat_tape
 
 ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default")
 # Content capture on: the timeline keeps the output's text, so a test can read it back.

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import PATIENCE
-from tests.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.support.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from bench.telemetry import chat_tape
 from llmtap.config.types import Route, Settings
 from llmtap.telemetry.process import _Intake
 from llmtap.telemetry.recorder import Recorder
@@ -49,6 +48,7 @@ from llmtap.wire.messages import (
     without_bytes,
 )
 from llmtap.wire.tape import Tape
+from tests.support.tapes import chat_tape
 
 ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default")
 

@@ -29,7 +29,7 @@ from llmtap.store.files import ReadStats, read_records, record_files_at
 from llmtap.telemetry.prometheus import merge_metrics
 from llmtap.wire.tape import shard_of
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
-from tests.procs import stop, stop_clean, wait_ready
+from tests.support.procs import stop, stop_clean, wait_ready
 
 ROOT = Path(__file__).parent.parent
 COUNT = "llmtap_time_to_first_token_seconds_count"  # by route (the gen_ai.* one carries no route)

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path[:0] = [str(new / "proxy"), str(new)]
     from bench import clickhouse_scale
     from llmtap.store import clickhouse as ch
-    from tests.clickhouse_server import ClickHouseProcess
+    from tests.support.clickhouse_server import ClickHouseProcess
 
     folders = data(new, args.work, args.records, args.lines)
     shutil.rmtree(args.work / "clickhouse", ignore_errors=True)

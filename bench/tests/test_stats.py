@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import pytest
+
 from bench.report import merged
-from bench.stats import analyse
+from bench.stats import analyse, percentile_ms
+from llmtap.analysis.stats import quantile
 
 GAP = 0.02
 
@@ -44,3 +48,9 @@ def test_an_event_that_never_reached_the_client_on_its_own_is_the_paths() -> Non
     client[0]["reads"] = client[0]["reads"][:2]
     fig = analyse("p", 1, client, upstream, gap=GAP)
     assert (fig.merged, fig.merged_by_upstream) == (1, 0)
+
+
+def test_the_benchmark_reads_the_same_quantile_in_ms() -> None:
+    values = [0.004, 0.001, 0.003, 0.002]
+    assert percentile_ms(values, 50) == pytest.approx(1000 * (quantile(values, 0.5) or 0.0)) == pytest.approx(2.5)
+    assert math.isnan(percentile_ms([], 99))  # a missing figure in the benchmark's tables

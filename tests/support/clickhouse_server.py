@@ -15,8 +15,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from bench.procs import free_port
-from tests.procs import stop
+from tests.support.net import free_port
+from tests.support.procs import stop
 
 USER = "llmtap"
 PASSWORD = "s3cret-for-tests"

@@ -4,14 +4,15 @@ DESIGN.md, "Records are never lost silently": each fault must end with a record 
 difference counted on a ``/metrics`` counter and said in the log with its cause. The ledger holds the three
 sides of that sum:
 
-- requests sent, counted by the client (``tests.fault_load``: answered or cut, never a refused one);
+- requests sent, counted by the client (``tests.support.fault_load``: answered or cut, never a refused one);
 - records, read with llmtap's own reader (``llmtap.store.files``) and counted once per (trace id, span id):
   an at-least-once replay may write a record twice;
 - losses, read from ``/metrics`` as Prometheus' ``increase()`` reads a counter: scraped every fraction of a
   second, each series' rises summed, a fall taken as a reset from zero (llmtap's loss counters go on across a
   telemetry restart, so a restart alone is no reset).
 
-``python -m tests.fault_ledger FILE`` prints the table of the ledgers a run wrote to FILE (``LLMTAP_FAULT_TABLE``).
+``python -m tests.support.fault_ledger FILE`` prints the table of the ledgers a run wrote to FILE
+(``LLMTAP_FAULT_TABLE``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import httpx
 
 from llmtap.store.files import ReadStats, read_records
-from tests.fault_load import Outcome
+from tests.support.fault_load import Outcome
 
 #: Tapes that never became a request, so no sink has its record (``llmtap.telemetry.relays``): every reason of this
 #: counter but those of a tape that lost a part and still made its record (so a reason llmtap adds, such as a

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-FOLDER = Path(__file__).resolve().parent.parent / "docs" / "generate"
+FOLDER = Path(__file__).resolve().parents[2] / "docs" / "generate"
 
 
 def load(name: str) -> ModuleType:

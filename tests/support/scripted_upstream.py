@@ -3,7 +3,7 @@
 The script: the role-only chunk (not content) goes out at once, the first content chunk ``ttft``
 seconds after the request arrived, then one content chunk every ``gap`` seconds; every 4th chunk
 carries three tokens. Deadlines are absolute from the request's arrival, so there is no drift.
-Run ``python tests/scripted_upstream.py``; it prints its port on stdout.
+Run ``python tests/support/scripted_upstream.py``; it prints its port on stdout.
 
 Responses are deterministic (fixed ids and timestamps), so a direct call and a call through
 the proxy can be compared byte for byte. A request header ``x-script-delay: SECONDS`` holds its whole

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 
 from bench import peers, report
-from bench.procs import TELEMETRY_COMM, Service, pin_threads
 from bench.run import PATHS, SMOKE, parser, path_specs
 from bench.stats import analyse
 from tests.conftest import require_real
+from tests.support.proctree import TELEMETRY_COMM, Service, pin_threads
 
 ROOT = Path(__file__).parent.parent
 #: What a run measures by default: every path, and llmtap a second time with its whole tree on one core.
@@ -405,8 +405,9 @@ def test_telemetry_scale_spreads_one_upstream_over_two_processes_and_loses_no_le
 def test_captured_tapes_play_again_through_the_recorders_worker(tmp_path: Path) -> None:
     """``bench.telemetry --tapes``: the frames of a capture played through the queue and the worker, per chunk the
     content chunks the timelines counted (the first stream a warm-up, not counted)."""
-    from bench.telemetry import chat_tape, measure_tapes, tape
+    from bench.telemetry import measure_tapes, tape
     from llmtap.wire.framing import encode_frame
+    from tests.support.tapes import chat_tape
 
     capture = tmp_path / "tapes.bin"
     frames = [b"".join(encode_frame(tape(key, 12))) for key in range(5)]

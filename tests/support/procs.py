@@ -21,13 +21,11 @@ from typing import IO, Any
 import httpx
 import pytest
 
-from bench.procs import descendants
-from tests.conftest import PATIENCE, free_port
+from tests.conftest import PATIENCE
+from tests.support.net import free_port
+from tests.support.proctree import TELEMETRY_COMM, descendants, rss_bytes
 
-ROOT = Path(__file__).resolve().parent.parent
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-#: ``/proc/PID/comm`` of the telemetry process (``llmtap-telemetry``, cut to Linux's 15 bytes).
-TELEMETRY_COMM = "llmtap-telemetr"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +37,11 @@ def upstream() -> Iterator[FaultUpstream]:
 
 
 class FaultUpstream:
-    """``tests/fault_upstream.py`` in a child process."""
+    """``tests/support/fault_upstream.py`` in a child process."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "fault_upstream.py")], stdout=subprocess.PIPE, text=True
+            [sys.executable, str(ROOT / "tests" / "support" / "fault_upstream.py")], stdout=subprocess.PIPE, text=True
         )
         assert self.proc.stdout is not None
         self.port = int(self.proc.stdout.readline())
@@ -246,7 +244,7 @@ class Llmtap:
 
     def rss(self) -> int:
         """Resident bytes now."""
-        return _rss(self.proc.pid)
+        return rss_bytes([self.proc.pid])
 
     def telemetry_pid(self) -> int:
         """The telemetry process ``llmtap serve`` started: its child named ``llmtap-telemetry``."""
@@ -258,7 +256,7 @@ class Llmtap:
 
     def telemetry_rss(self) -> int:
         """Resident bytes of the telemetry process now."""
-        return _rss(self.telemetry_pid())
+        return rss_bytes([self.telemetry_pid()])
 
     def fds(self) -> int:
         """Open file descriptors now."""
@@ -272,10 +270,6 @@ class Llmtap:
         self.client.close()
         stop(self.proc, grace=0)
         self._log.close()
-
-
-def _rss(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -2,7 +2,7 @@
 
 It runs in its own virtual environment (``.ci/install.d/27-openai-reference.sh``), whose versions are the
 instrumentation's own (an ``openai`` on httpx), so it imports nothing from llmtap or the tests.
-``python tests/reference_client.py BASE_URL OTLP_URL`` sends a fixed set of calls through ``BASE_URL``
+``python tests/support/reference_client.py BASE_URL OTLP_URL`` sends a fixed set of calls through ``BASE_URL``
 (llmtap), exports its spans and metrics over OTLP/HTTP to ``OTLP_URL`` under ``OTEL_SERVICE_NAME``, and
 prints one JSON line per call: the ids of the instrumentation's span and what the SDK returned.
 

@@ -35,7 +35,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from tests.conftest import PATIENCE, TOOLS, free_port, require_real
+from tests.conftest import PATIENCE, TOOLS, require_real
+from tests.support.net import free_port
 
 VENV = TOOLS / "vllm"
 MODELS = TOOLS / "models"

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: podman as this host runs it: runc (crun refuses its cgroups) and rlimits within the host's.
 CONTAINERS_CONF = """[containers]
 default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
@@ -77,8 +77,8 @@ class Pods:
         return done
 
     def client(self, *args: str, timeout: float = 300) -> dict[str, Any]:
-        """tests/pods_client.py inside the namespace: its JSON answer."""
-        argv = ["nsenter", f"--net=/run/netns/{self.netns}", sys.executable, "-m", "tests.pods_client", *args]
+        """tests/support/pods_client.py inside the namespace: its JSON answer."""
+        argv = ["nsenter", f"--net=/run/netns/{self.netns}", sys.executable, "-m", "tests.support.pods_client", *args]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         assert done.returncode == 0, done.stderr
         result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -86,7 +86,7 @@ class Pods:
 
     def client_in_background(self, *args: str) -> subprocess.Popen[str]:
         """The same, started now and read later (``communicate``)."""
-        argv = ["nsenter", f"--net=/run/netns/{self.netns}", sys.executable, "-m", "tests.pods_client", *args]
+        argv = ["nsenter", f"--net=/run/netns/{self.netns}", sys.executable, "-m", "tests.support.pods_client", *args]
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
     def secret(self, name: str, data: Mapping[str, str]) -> None:

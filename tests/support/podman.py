@@ -15,7 +15,7 @@ from pathlib import Path
 
 __all__ = ["IMAGE_SCRIPT", "available", "env", "image_tag", "podman"]
 
-IMAGE_SCRIPT = Path(__file__).resolve().parent.parent / ".ci" / "image.sh"
+IMAGE_SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "image.sh"
 
 
 def _script(flag: str) -> str:

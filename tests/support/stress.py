@@ -1,12 +1,12 @@
-"""Run the test suite while other processes keep every core busy: ``python -m tests.stress``.
+"""Run the test suite while other processes keep every core busy: ``python -m tests.support.stress``.
 
 The tests' timing bounds claim to hold on a busy machine; this is how that claim is checked. One busy
 loop per core (``os.cpu_count()``, at normal priority, so they compete with the tests on equal terms) spins
 for as long as the runs take, and the command runs ``--runs`` times in a row. Every run's exit status and
 time are printed; the exit status is 0 only when every run passed.
 
-    python -m tests.stress --runs 5                      # the README's pytest command, five times
-    python -m tests.stress --runs 3 -- tests/test_e2e.py  # arguments after -- go to pytest instead
+    python -m tests.support.stress --runs 5                      # the README's pytest command, five times
+    python -m tests.support.stress --runs 3 -- tests/test_e2e.py  # arguments after -- go to pytest instead
 
 The busy loops stop when the runs end; should this process be killed (even with SIGKILL) they notice that
 their parent is gone and stop within a fraction of a second, and in any case after ``--max-hours``. A
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def spin(deadline: float, parent: int) -> None:
@@ -61,7 +61,7 @@ def run_pytest(pytest_args: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Start the busy loops, run pytest ``--runs`` times, stop the loops; 0 when every run passed."""
-    parser = argparse.ArgumentParser(prog="python -m tests.stress", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.support.stress", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="how many runs in a row (default 5)")
     parser.add_argument("--busy", type=int, default=os.cpu_count() or 2, help="busy loops (default: one per core)")
     parser.add_argument("--max-hours", type=float, default=3.0, help="the busy loops' own deadline (default 3)")

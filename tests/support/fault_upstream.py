@@ -1,6 +1,6 @@
 """A fault-injecting LLM upstream on raw asyncio streams: every way an upstream can break, chosen per request.
 
-``python tests/fault_upstream.py`` prints its port on stdout. ``POST .../chat/completions`` answers with
+``python tests/support/fault_upstream.py`` prints its port on stdout. ``POST .../chat/completions`` answers with
 an OpenAI chat stream (``"stream": true``) or body in vLLM's shape; the request header ``x-fault`` picks a
 fault (``FAULTS``) and ``x-fault-arg`` its size. ``x-chunks`` and ``x-gap-ms`` shape a normal stream;
 ``x-say`` makes the answer that text, one character per chunk; ``x-ignore-body`` answers a stream without

@@ -29,7 +29,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from tests.conftest import free_port
+from tests.support.net import free_port
 
 #: The simulator's model, short answers: a request takes tens of milliseconds (profile ``fast``).
 CHAT: dict[str, Any] = {
