@@ -125,3 +125,31 @@ def test_every_name_another_module_takes_is_in_its_modules_all() -> None:
         if declared is None or not names <= declared:
             missing[module] = sorted(names - (declared or set()))
     assert missing == {}, missing
+
+
+def _bench_imports(source: str) -> list[str]:
+    """The imports of ``bench`` or a module under it in ``source``, as written (at any depth: a function's too)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [f"{n} (line {node.lineno})" for n in names if n == "bench" or n.startswith("bench.")]
+    return found
+
+
+def test_the_tests_import_nothing_from_the_benchmark() -> None:
+    """The benchmark builds on the tests' support package (``tests.support``), never the other way: a test that
+    needed the benchmark's code would tie the suite to whatever the benchmark measures next."""
+    assert _bench_imports("import os\nfrom bench.procs import Sampler\ndef f():\n    import bench.run\n") == [
+        "bench.procs (line 2)",
+        "bench.run (line 4)",
+    ]
+    assert _bench_imports("from benchmarks import x\nfrom tests.support.net import free_port\n") == []
+    files = [p for p in (ROOT / "tests").rglob("*.py") if "__pycache__" not in p.parts]
+    assert len(files) > 80 and ROOT / "tests" / "support" / "net.py" in files
+    found = {str(p.relative_to(ROOT)): _bench_imports(p.read_text(encoding="utf-8")) for p in files}
+    assert {path: names for path, names in found.items() if names} == {}
