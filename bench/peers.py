@@ -98,7 +98,7 @@ def upstreams(
 
 def records(port: int) -> list[dict[str, object]]:
     """The upstream's records of finished requests since the last call."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/bench/records", timeout=30) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/bench/probes/records", timeout=30) as r:
         data: list[dict[str, object]] = json.load(r)
     return data
 

@@ -7,7 +7,7 @@ up), then the finish, usage and ``[DONE]`` events. Each content chunk is its own
 clock every process on the machine shares), so the harness can subtract what the upstream really did
 from what a client saw, request by request, chunk by chunk.
 
-``GET /bench/records`` returns (and forgets) every finished request's record. Run
+``GET /bench/probes/records`` returns (and forgets) every finished request's record. Run
 ``python -m bench.upstream --port 0``: it prints its port on stdout. With ``--tls-cert`` and ``--tls-key``
 the same process also listens with TLS (``--tls-port``, 0 for any) and prints that port on a second line;
 both listeners share the script and the records, so one upstream serves plain and HTTPS paths of a run.
@@ -140,7 +140,7 @@ class _Conn(asyncio.Protocol):
             return
         body, self.buf = self.buf[head_end + 4 : end], self.buf[end:]
         method, target = head.split(" ", 2)[:2]
-        if method == "GET" and target.startswith("/bench/records"):
+        if method == "GET" and target.startswith("/bench/probes/records"):
             records, self.up.records = self.up.records, []
             self._respond(200, "application/json", json.dumps(records).encode())
         elif method == "POST" and target.endswith("/chat/completions"):

@@ -1,7 +1,7 @@
 """The telemetry process hands the core back on its own (``llmtap.telemetry.sched.checkpoint``): once it has worked
 ``telemetry_yield`` microseconds since the last look, a yield if a relay waits for the CPU it runs on, in the ``idle``
 and ``nice`` schedulings; none in ``normal``, none while no relay waits there.
-What it buys a relay sharing the core is measured by ``python -m bench.yield_cpu``, not here."""
+What it buys a relay sharing the core is measured by ``python -m bench.probes.yield_cpu``, not here."""
 
 from __future__ import annotations
 

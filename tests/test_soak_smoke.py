@@ -1,6 +1,6 @@
-"""The soak's 60-second smoke: ``python -m bench.soak --duration 60`` at 64 concurrent streams, with faults.
+"""The soak's 60-second smoke: ``python -m bench.probes.soak --duration 60`` at 64 concurrent streams, with faults.
 
-The full soak (ten minutes) is ``python -m bench.soak``; this runs the same command for a minute and holds
+The full soak (ten minutes) is ``python -m bench.probes.soak``; this runs the same command for a minute and holds
 it to the same verdict: every response's bytes equal to the upstream's, nothing leaked, memory flat.
 """
 
@@ -23,7 +23,7 @@ def test_soak_smoke_60s(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "bench.soak",
+            "bench.probes.soak",
             "--duration",
             "60",
             "--concurrency",

@@ -1,4 +1,4 @@
-"""``python -m bench.buckets`` on a small sample: each histogram choice read back through a real Prometheus.
+"""``python -m bench.probes.buckets`` on a small sample: each histogram choice read back through a real Prometheus.
 
 What the README and the reference say of the choices must hold: llmtap's fine buckets and the exponential
 aggregation read p50/p95/p99 back within a few percent, the conventions' doubling buckets do not, and
@@ -13,7 +13,8 @@ import shutil
 
 import pytest
 
-from bench import accuracy, buckets
+from bench import accuracy
+from bench.probes import buckets
 from llmtap.telemetry.instruments import DURATION_BUCKETS
 from tests.conftest import require_real
 from tests.test_prometheus import histogram_quantile as promql_reference

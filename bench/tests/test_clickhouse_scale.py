@@ -1,4 +1,4 @@
-"""The ClickHouse scale benchmark (``bench.clickhouse_scale``, ``bench.scale``) at a small size, against
+"""The ClickHouse scale benchmark (``bench.probes.clickhouse_scale``, ``bench.probes.scale``) at a small size, against
 Debian's ClickHouse."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import clickhouse_scale, scale
+from bench.probes import clickhouse_scale, scale
 from llmtap.store import clickhouse as ch
 from tests.conftest import PATIENCE, require_real
 from tests.support.clickhouse_server import ClickHouseProcess, installed
@@ -31,7 +31,7 @@ def _count(proc: ClickHouseProcess, table: str) -> int:
 
 
 def test_the_scale_benchmark_runs_end_to_end_at_a_small_size(server: ClickHouseProcess, tmp_path: Path) -> None:
-    pytest.importorskip("duckdb", reason="the generator is DuckDB SQL (bench.records_gen)")
+    pytest.importorskip("duckdb", reason="the generator is DuckDB SQL (bench.probes.records_gen)")
     remote = ch.Server.parse(server.url)
     ch.create_table(remote, "bench_small", ttl_days=0)
     rows = tmp_path / "rows.csv"

@@ -1,10 +1,10 @@
-"""The records benchmark (``bench.records``): each sink's figures at a small size."""
+"""The records benchmark (``bench.probes.records``): each sink's figures at a small size."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench import records as bench_records
+from bench.probes import records as bench_records
 
 
 def test_the_records_benchmark_runs_and_its_figures_hang_together(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""``bench.relay_cpu``'s variants: ``--gather`` and ``--env`` become the settings each tree runs with, in turn."""
+"""``bench.probes.relay_cpu``'s variants: ``--gather`` and ``--env`` become the settings each tree runs with, in
+turn."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from argparse import Namespace
 
 import pytest
 
-from bench.relay_cpu import Variant, main, variants
+from bench.probes.relay_cpu import Variant, main, variants
 
 
 def test_no_variant_asked_is_the_defaults_alone() -> None:

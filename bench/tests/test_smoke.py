@@ -30,7 +30,7 @@ from bench.stats import analyse
 from tests.conftest import require_real
 from tests.support.proctree import TELEMETRY_COMM, Service, pin_threads
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: What a run measures by default: every path, and llmtap a second time with its whole tree on one core.
 RUN_PATHS = (*PATHS[: PATHS.index("llmtap") + 1], "llmtap:one-core", *PATHS[PATHS.index("llmtap") + 1 :])
 
@@ -384,8 +384,9 @@ def test_burst_command_line_and_ablations() -> None:
 
 @pytest.mark.e2e
 def test_telemetry_scale_spreads_one_upstream_over_two_processes_and_loses_no_lesson() -> None:
-    """``bench.telemetry_scale`` at a small load: every tape recorded, both processes recording, no lesson lost."""
-    from bench import telemetry_scale
+    """``bench.probes.telemetry_scale`` at a small load: every tape recorded, both processes recording, no lesson
+    lost."""
+    from bench.probes import telemetry_scale
 
     out = io.StringIO()
     # It pins its own process to core 0, as the command it is: this test worker's, for this test only (every
@@ -403,9 +404,10 @@ def test_telemetry_scale_spreads_one_upstream_over_two_processes_and_loses_no_le
 
 
 def test_captured_tapes_play_again_through_the_recorders_worker(tmp_path: Path) -> None:
-    """``bench.telemetry --tapes``: the frames of a capture played through the queue and the worker, per chunk the
+    """``bench.probes.telemetry --tapes``: the frames of a capture played through the queue and the worker, per chunk
+    the
     content chunks the timelines counted (the first stream a warm-up, not counted)."""
-    from bench.telemetry import measure_tapes, tape
+    from bench.probes.telemetry import measure_tapes, tape
     from llmtap.wire.framing import encode_frame
     from tests.support.tapes import chat_tape
 
@@ -425,9 +427,10 @@ def test_captured_tapes_play_again_through_the_recorders_worker(tmp_path: Path) 
 
 
 def test_the_capture_shim_keeps_what_the_telemetry_intake_reads(tmp_path: Path) -> None:
-    """``bench.relay_cpu --capture``: the shim appends every read of the intake to the file, before the intake takes
+    """``bench.probes.relay_cpu --capture``: the shim appends every read of the intake to the file, before the intake
+    takes
     it, and the process that never imports the intake (the relay) is left alone."""
-    from bench.relay_cpu import CAPTURE_SHIM
+    from bench.probes.relay_cpu import CAPTURE_SHIM
 
     shim = tmp_path / "shim"
     shim.mkdir()

@@ -1,4 +1,4 @@
-"""The memory soak (``python -m bench.soak --memory``): its arithmetic, and a short run of the whole thing.
+"""The memory soak (``python -m bench.probes.soak --memory``): its arithmetic, and a short run of the whole thing.
 
 The full run (40 minutes, ``bench/RESULTS.md``) is too long for the suite; the short one checks that every process
 is sampled, that the probe finds each bounded structure inside llmtap with its bound, and that none of them
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak_memory import MB, last_half, metric_sum, slope_mb_per_min, smaps
+from bench.probes.soak_memory import MB, last_half, metric_sum, slope_mb_per_min, smaps
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: What the probe must find in the telemetry process, each with its bound.
 BOUNDED = (
     "open_streams",
@@ -76,7 +76,7 @@ def test_a_short_memory_soak_samples_both_processes_and_finds_every_bound(tmp_pa
     argv = ["--memory", "--duration", "45", "--rate", "40", "--overload-rate", "80", "--period", "25",
             "--burst", "10", "--stall", "4", "--sample", "2", "--json", "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "bench.soak", *argv], cwd=ROOT, capture_output=True, text=True, timeout=400
+        [sys.executable, "-m", "bench.probes.soak", *argv], cwd=ROOT, capture_output=True, text=True, timeout=400
     )
     assert done.stdout, done.stderr[-3000:]
     result = json.loads(done.stdout)

@@ -1,4 +1,4 @@
-"""``python -m bench.tls_memory`` end to end at small counts: real server and client processes, real TLS."""
+"""``python -m bench.probes.tls_memory`` end to end at small counts: real server and client processes, real TLS."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import tls_memory
+from bench.probes import tls_memory
 
 
 def test_every_kind_is_measured_and_a_tls_connection_holds_more_than_a_plain_one(

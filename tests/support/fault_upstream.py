@@ -246,7 +246,7 @@ class Upstream:
             await writer.drain()
             return True
         try:
-            # ``x-ignore-body``: a stream is answered unread (``bench.body_flood``: the upstream's own parse of a
+            # ``x-ignore-body``: a stream is answered unread (``bench.probes.body_flood``: the upstream's own parse of a
             # flood's bodies would take the cores the relay is measured on).
             request = {"stream": True} if "x-ignore-body" in headers else json.loads(body or b"{}")
         except ValueError:

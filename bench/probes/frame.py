@@ -1,4 +1,4 @@
-"""What the application frame costs: ``python -m bench.frame``.
+"""What the application frame costs: ``python -m bench.probes.frame``.
 
 The relay's endpoint is a raw ASGI callable; the frame around it (Starlette's router and its error
 middleware) is paid on every request, and its ``send`` wrappers on every relayed chunk. This measures
@@ -84,7 +84,7 @@ def measure(requests: int, chunks: int, rounds: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Print the frame's cost per request with no chunks and with 50 chunks (its per-send share)."""
-    p = argparse.ArgumentParser(prog="python -m bench.frame", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.frame", description=__doc__)
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)

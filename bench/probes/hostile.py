@@ -1,6 +1,6 @@
 """Hostile responses through ``llmtap serve``: the telemetry process's memory and a normal stream's latency.
 
-``python -m bench.hostile`` relays, one after the other, a gzip bomb (an SSE body of ``--bomb-mib`` MiB of
+``python -m bench.probes.hostile`` relays, one after the other, a gzip bomb (an SSE body of ``--bomb-mib`` MiB of
 one-letter content events, gzip'd to about a thousandth of that) and a plain stream of ``--stream-mib`` MiB
 of content of one letter, from ``tests/support/fault_upstream.py`` (``gzip-bomb`` and ``one-letter``). While each
 plays, normal streams (20 chunks 10 ms apart) run back to back beside it, and once more after it. For each
@@ -29,7 +29,7 @@ from llmtap.store.files import ReadStats, read_records
 from tests.support.net import free_port, wait_http
 from tests.support.proctree import Service, by_role, rss_bytes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UPSTREAM = ROOT / "tests" / "support" / "fault_upstream.py"
 HOSTILE = {"model": "fault", "stream": True, "messages": [{"role": "user", "content": "Go."}]}
 COLUMNS = (
@@ -162,7 +162,7 @@ def summary(normals: list[dict[str, float]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the phases and print a table (or ``--json``)."""
-    p = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.hostile", description=__doc__)
     p.add_argument("--bomb-mib", type=int, default=256, help="what the gzip bomb inflates to (256)")
     p.add_argument("--stream-mib", type=int, default=1024, help="content of the long stream (1024)")
     p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a record at most (120)")

@@ -10,7 +10,7 @@ a model name or a version seen once (values llmtap's label guards must keep off 
 asks for a long answer (a stream the relay hands over in several segments): the overload the soak pairs with a
 stalled telemetry process.
 
-Run ``python -m bench.soak_load --url URL --duration S``; it prints one JSON line of counts at the end.
+Run ``python -m bench.probes.soak_load --url URL --duration S``; it prints one JSON line of counts at the end.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class Load:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.soak_load", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.soak_load", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="the proxy's chat completions URL")
     p.add_argument("--duration", type=float, required=True, help="seconds of load")
     p.add_argument("--rate", type=float, default=200.0, help="requests per second (200)")
@@ -147,7 +147,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m bench.soak_load``."""
+    """Entry point of ``python -m bench.probes.soak_load``."""
     args = parser().parse_args(argv)
     try:
         import uvloop

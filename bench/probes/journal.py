@@ -1,4 +1,4 @@
-"""What the record journal costs (issue 44): ``python -m bench.journal [--requests N] [--chunks N] [--dir DIR]``.
+"""What the record journal costs (issue 44): ``python -m bench.probes.journal [--requests N] [--chunks N] [--dir DIR]``.
 
 The telemetry side's part, measured in place of the whole process (whose figures on a shared machine drown a few
 microseconds): the tapes of ``--requests`` streamed chat requests of ``--chunks`` chunks each, their frames as a
@@ -93,7 +93,7 @@ def measure(folder: Path, requests: int, chunks: int, batch: int) -> dict[str, A
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.journal", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.journal", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=5000)
     p.add_argument("--chunks", type=int, default=50)
     p.add_argument("--batch", type=int, default=8, help="requests whose frames one read of the socket gives")

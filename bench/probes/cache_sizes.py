@@ -1,6 +1,7 @@
 """What each bounded structure of llmtap's processes weighs when full: built to its bound here, and weighed.
 
-``python -m bench.cache_sizes`` fills each structure the memory soak probes (``bench.soak_probe``) to its bound
+``python -m bench.probes.cache_sizes`` fills each structure the memory soak probes (``bench.probes.soak_probe``) to
+its bound
 with entries like the soak's (a chat of a 2 KB system prompt and a 2 KB user message, 50 content chunks; 16-byte
 prefix hashes; 16-hex-digit span ids), each in a process of its own, and prints per structure its bound, the
 entries built, and the memory they hold: the Python heap's growth (``tracemalloc``) and the process's unique
@@ -22,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.soak_load import SYSTEM, WORDS
-from bench.soak_memory import smaps
+from bench.probes.soak_load import SYSTEM, WORDS
+from bench.probes.soak_memory import smaps
 from llmtap.wire.messages import End, Segment
 from tests.support.tapes import chat_tape
 
@@ -232,19 +233,19 @@ def measure(name: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m bench.cache_sizes``."""
-    p = argparse.ArgumentParser(prog="python -m bench.cache_sizes", description=__doc__.split("\n\n")[0])
+    """Entry point of ``python -m bench.probes.cache_sizes``."""
+    p = argparse.ArgumentParser(prog="python -m bench.probes.cache_sizes", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=sorted(_SIZES), help="one structure, in this process")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args(argv)
     if args.only:
         print(json.dumps(measure(args.only)))
         return 0
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     rows = []
     for name in _SIZES:
         done = subprocess.run(
-            [sys.executable, "-m", "bench.cache_sizes", "--only", name],
+            [sys.executable, "-m", "bench.probes.cache_sizes", "--only", name],
             cwd=root,
             capture_output=True,
             text=True,

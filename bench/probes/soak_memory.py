@@ -1,8 +1,9 @@
 """The memory soak: ``llmtap serve`` under fast, ever-new traffic until every cache is full, its memory sampled.
 
-``python -m bench.soak --memory`` (or ``python -m bench.soak_memory``). llmtap serves as users run it (one relay,
+``python -m bench.probes.soak --memory`` (or ``python -m bench.probes.soak_memory``). llmtap serves as users run it
+(one relay,
 one telemetry process, records into a folder, spans and metrics over OTLP/gRPC to ``bench.sink``, tenants as a
-metric dimension) in front of ``llmtap simulate --profile fast``, and ``bench.soak_load`` sends short streamed
+metric dimension) in front of ``llmtap simulate --profile fast``, and ``bench.probes.soak_load`` sends short streamed
 chats at ``--rate``, each with a prompt never seen before and one of thousands of tenants. llmtap's caches fill by
 count, not by time, so a fast rate reaches their bounds within minutes. In the last ``--burst`` seconds of every
 ``--period`` the rate rises and some answers are long, and the telemetry process is stopped (SIGSTOP) for
@@ -10,7 +11,7 @@ count, not by time, so a fast rate reaches their bounds within minutes. In the l
 are dropped in whole and in part (ends and segments turned away), the overload the bounds must hold under.
 
 Every ``--sample`` seconds each process's resident memory (RSS, and PSS and USS from ``/proc/PID/smaps_rollup``);
-inside each process the probe (``bench.soak_probe``) writes the fill of every bounded structure. The report:
+inside each process the probe (``bench.probes.soak_probe``) writes the fill of every bounded structure. The report:
 per process the plateau (median and largest RSS over the last half of the run: whole periods from the first one
 starting at or after the middle, so the overload's saw-tooth weighs the same at both ends), the growth over it (a
 least-squares slope, MB a minute; the target is under ``TARGET_MB_PER_MIN``), each cache's fill against its bound
@@ -37,7 +38,7 @@ from typing import Any
 from tests.support.net import free_port, wait_http
 from tests.support.proctree import Service, by_role, descendants
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SITE = Path(__file__).resolve().parent / "soak_site"
 #: Growth over the last half of a run that counts as flat (issue 44).
 TARGET_MB_PER_MIN = 0.05
@@ -174,7 +175,7 @@ class Soak:
         try:
             llmtap, port, admin = self.launch()
             start = self.started = time.monotonic() + 2.0
-            load = self.start("load", [sys.executable, "-m", "bench.soak_load", "--url",
+            load = self.start("load", [sys.executable, "-m", "bench.probes.soak_load", "--url",
                 f"http://127.0.0.1:{port}/v1/chat/completions", "--duration", str(a.duration),
                 "--rate", str(a.rate), "--overload-rate", str(a.overload_rate), "--period", str(a.period),
                 "--burst", str(a.burst), "--tenants", str(a.tenants), "--start-at", str(start)])  # fmt: skip
@@ -322,7 +323,7 @@ def table(r: dict[str, Any]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.soak --memory", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.soak --memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=2400.0, help="seconds of load (2400)")
     p.add_argument("--rate", type=float, default=200.0, help="requests per second (200)")
     p.add_argument("--overload-rate", type=float, default=400.0, help="requests per second in overload (400)")
@@ -338,7 +339,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m bench.soak --memory``."""
+    """Entry point of ``python -m bench.probes.soak --memory``."""
     args = parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="llmtap-memsoak-") as tmp:
         workdir = args.out or Path(tmp)

@@ -1,6 +1,6 @@
 """The floor: the thinnest relay Python can be, to measure llmtap's relay against in the same run (issue 29).
 
-``python -m bench.thin_relay --upstream-port N`` prints its port, then relays each client connection to a
+``python -m bench.probes.thin_relay --upstream-port N`` prints its port, then relays each client connection to a
 keep-alive connection of its own to the upstream: the client's bytes go up as they are, and each upstream
 read goes to the client's transport in the read callback with one timestamp and one list append, nothing
 else (no HTTP parsing, no routing, no telemetry, no flow control). A response ends at the chunked body's last
@@ -87,7 +87,7 @@ async def serve(upstream_port: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.thin_relay", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.thin_relay", description=__doc__.splitlines()[0])
     p.add_argument("--upstream-port", type=int, required=True)
     uvloop.run(serve(p.parse_args().upstream_port))
 

@@ -1,4 +1,4 @@
-"""What ``/metrics`` costs and how close its percentiles read, by default: ``python -m bench.page``.
+"""What ``/metrics`` costs and how close its percentiles read, by default: ``python -m bench.probes.page``.
 
 A fresh ``llmtap serve`` (default settings, ``--record``) in front of the benchmark's upstream, whose TTFT is
 spread log-uniformly between ``--ttft`` and ``--ttft-max`` (``bench.upstream``), takes streamed requests of one
@@ -6,7 +6,7 @@ model, route and shape. At each checkpoint (14 requests, then more) the page is 
 sample lines, and lines by (model, route, shape): those carrying all three, and all the traffic wrote. At the
 end, the p50/p95/p99 TTFT, ITL-per-chunk and E2E that ``histogram_quantile`` reads from the ``gen_ai.*`` and
 ``llmtap.*`` histograms (summed by ``le``; llmtap's own ``llmtap.analysis.stats.histogram_quantile``, which
-agrees with Prometheus' to the last digit in ``bench.buckets``) are set against the exact values of the same
+agrees with Prometheus' to the last digit in ``bench.probes.buckets``) are set against the exact values of the same
 requests, from their records.
 """
 
@@ -29,7 +29,7 @@ from llmtap.store.files import ReadStats, read_records
 from tests.support.net import free_port, wait_http
 from tests.support.proctree import Service
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CHAT = {"model": "bench-model", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
 QUANTILES = (0.5, 0.95, 0.99)
 #: (histogram on /metrics, the record field holding the exact value of the same figure)
@@ -153,8 +153,8 @@ def table(report: dict[str, object]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m bench.page [--requests N] [--concurrency C] [--json PATH]``."""
-    p = argparse.ArgumentParser(prog="python -m bench.page", description=__doc__.splitlines()[0])
+    """``python -m bench.probes.page [--requests N] [--concurrency C] [--json PATH]``."""
+    p = argparse.ArgumentParser(prog="python -m bench.probes.page", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=500, help="requests in all (a first page after 14)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--ttft", type=float, default=0.1)

@@ -1,4 +1,4 @@
-"""One upstream's telemetry in one process and spread over two: ``python -m bench.telemetry_scale``.
+"""One upstream's telemetry in one process and spread over two: ``python -m bench.probes.telemetry_scale``.
 
 Starts the telemetry processes exactly as ``llmtap serve --telemetry-workers M`` does (``TelemetryProcess``),
 each pinned to a core of its own (every thread), default telemetry with a span per chunk, spans and metrics
@@ -283,7 +283,7 @@ def _measure(workers: int, args: argparse.Namespace, seed: int) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.telemetry_scale", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.telemetry_scale", description=__doc__)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="telemetry processes to compare")
     parser.add_argument("--chunks", type=int, default=1, help="content chunks per request")
     parser.add_argument("--rate", type=float, default=3000.0, help="requests offered a second")

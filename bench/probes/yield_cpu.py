@@ -1,4 +1,4 @@
-"""The telemetry process's scheduling on a shared core, measured: ``python -m bench.yield_cpu``.
+"""The telemetry process's scheduling on a shared core, measured: ``python -m bench.probes.yield_cpu``.
 
 llmtap's whole process tree is pinned to one core (a sidecar with a one-core limit), the upstream, the OTLP
 sink and the client to another. For each entry of ``--classes`` (``CLASS`` or ``CLASS/US``: the
@@ -31,7 +31,7 @@ from typing import Any
 from bench import peers
 from tests.support.proctree import cpu_seconds, pinned
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RECORDED = "llmtap_requests_total"
 #: ``--hog``: a process that keeps its core busy (another tenant of the sidecar's core, a busy test machine).
 HOG = "while True: pass"
@@ -160,7 +160,7 @@ def _stop(hogs: list[subprocess.Popen[bytes]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run both classes, side by side."""
-    p = argparse.ArgumentParser(prog="python -m bench.yield_cpu", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.yield_cpu", description=__doc__.splitlines()[0])
     p.add_argument("--streams", type=int, default=64, help="requests per burst")
     p.add_argument("--bursts", type=int, default=3)
     p.add_argument("--period", type=float, default=2.0, help="seconds between bursts")

@@ -1,4 +1,5 @@
-"""How far percentiles read back from each histogram choice lie from the exact values: ``python -m bench.buckets``.
+"""How far percentiles read back from each histogram choice lie from the exact values: ``python -m
+bench.probes.buckets``.
 
 Known latency distributions (the course's shapes with lognormal spreads: TTFT of a support prompt around
 0.78 s, of the same prompt served from cache 0.12 s, of a code completion 25 ms; ITL around 22 ms; a
@@ -183,7 +184,7 @@ def _prometheus(work: Path, target: str) -> tuple[Service, int]:
 def measure(samples: int = 10_000, seed: int = 20) -> Report:
     """Record every shape under every choice and read its percentiles back."""
     if shutil.which("prometheus") is None:
-        raise SystemExit("bench.buckets needs Prometheus: bash .ci/install.d/20-prometheus.sh")
+        raise SystemExit("bench.probes.buckets needs Prometheus: bash .ci/install.d/20-prometheus.sh")
     data = draw(samples, seed)
     rows = [Row(s.name, s.what, [float(quantile(data[s.name], q) or 0.0) for q in QUANTILES]) for s in SHAPES]
     providers: list[MeterProvider] = []
@@ -298,8 +299,8 @@ def table(report: Report) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m bench.buckets [--samples N] [--seed S] [--json PATH]``."""
-    p = argparse.ArgumentParser(prog="python -m bench.buckets", description=__doc__.splitlines()[0])
+    """``python -m bench.probes.buckets [--samples N] [--seed S] [--json PATH]``."""
+    p = argparse.ArgumentParser(prog="python -m bench.probes.buckets", description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=10_000, help="values per distribution (10,000)")
     p.add_argument("--seed", type=int, default=20)
     p.add_argument("--json", type=Path, help="also write the figures here")

@@ -1,6 +1,7 @@
 """Other clients' latency while one client floods the relay with large chat bodies (issue 44).
 
-``python -m bench.body_flood`` starts two ``tests/support/fault_upstream.py`` and one ``llmtap serve`` of whatever code
+``python -m bench.probes.body_flood`` starts two ``tests/support/fault_upstream.py`` and one ``llmtap serve`` of
+whatever code
 ``PYTHONPATH`` selects, then alternates two phases ``--rounds`` times: probes alone, and probes while
 ``--clients`` flooding clients (one process of their own, raw sockets, one keep-alive connection each) send
 chat bodies of ``--mib`` MiB back to back, or ``--rate`` a second each (``"stream": true``, so the relay asks for
@@ -144,7 +145,7 @@ def _phase(
     child = None
     before = _cpu(proxy)
     if flood:
-        argv = [sys.executable, "-m", "bench.body_flood", "--flood", str(proxy.port), "--mib", str(args.mib)]
+        argv = [sys.executable, "-m", "bench.probes.body_flood", "--flood", str(proxy.port), "--mib", str(args.mib)]
         argv += ["--shape", args.shape, "--clients", str(args.clients), "--seconds", str(args.seconds + 1)]
         argv += ["--rate", str(args.rate)]
         child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the bench (or, with ``--flood PORT``, be its flooding child) and print one JSON object."""
-    p = argparse.ArgumentParser(prog="python -m bench.body_flood", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.body_flood", description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=float, default=8.0, help="size of each flooding body, MiB (8)")
     p.add_argument("--shape", choices=("one", "many", "code"), default="one", help="the bodies' shape (one)")
     p.add_argument("--clients", type=int, default=1, help="flooding clients, one connection each (1)")

@@ -1,7 +1,7 @@
 """The admin listener under hostile clients, through ``llmtap serve``: forged spans, a gzip bomb, idle connections
 and many live-view subscribers.
 
-``python -m bench.admin`` starts ``llmtap serve`` (whatever ``proxy`` package ``PYTHONPATH`` names, so an
+``python -m bench.probes.admin`` starts ``llmtap serve`` (whatever ``proxy`` package ``PYTHONPATH`` names, so an
 older checkout runs the same phases) exporting traces over OTLP/HTTP, with a bearer token in
 ``OTEL_EXPORTER_OTLP_HEADERS``, to a backend here that counts what it receives. Then, one after the other:
 
@@ -50,7 +50,7 @@ from tests.support.net import LoopbackHTTPServer, free_port, wait_http
 from tests.support.proctree import Service, cpu_seconds, rss_bytes
 
 OPERATOR_TOKEN = "operator-secret-token"
-UPSTREAM = Path(__file__).resolve().parent.parent / "tests" / "support" / "fault_upstream.py"
+UPSTREAM = Path(__file__).resolve().parents[2] / "tests" / "support" / "fault_upstream.py"
 
 
 class Backend:
@@ -257,7 +257,7 @@ def drain(admin: str, url: str, service: Service) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the four phases once and print what each measured."""
-    p = argparse.ArgumentParser(prog="python -m bench.admin", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.admin", description=__doc__)
     p.add_argument("--bombs", type=int, default=20, help="gzip bomb posts (20)")
     p.add_argument("--idle", type=int, default=5000, help="idle admin connections (5000)")
     p.add_argument("--subscribers", type=int, default=300, help="live-view event streams (300)")

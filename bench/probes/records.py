@@ -1,6 +1,6 @@
 """What writing request records costs the telemetry worker, and what they take on disk.
 
-``python -m bench.records`` writes ``--records`` records shaped like real ones (every field of schema 2, the
+``python -m bench.probes.records`` writes ``--records`` records shaped like real ones (every field of schema 2, the
 timings, tokens, hashes and ids varying from one to the next) through the record sinks as the recorder's
 worker calls them: the dataset writer with gzip-compressed files (the default), with Parquet, and the OTLP log
 sink with an exporter that takes every batch at once (the SDK's batching, not a network, is what the worker
@@ -176,7 +176,7 @@ def run(n: int, folder: Path) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run and print a table (or JSON)."""
-    p = argparse.ArgumentParser(prog="python -m bench.records", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.records", description=__doc__.split("\n\n")[0])
     p.add_argument("--records", type=int, default=50_000, help="records written through each sink (50000)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args(argv)

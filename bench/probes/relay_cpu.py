@@ -1,4 +1,4 @@
-"""The relay's CPU per chunk alone (issue 29): ``python -m bench.relay_cpu [--tree DIR ...] [--floor]``.
+"""The relay's CPU per chunk alone (issue 29): ``python -m bench.probes.relay_cpu [--tree DIR ...] [--floor]``.
 
 For each llmtap source tree given (default: this one), starts the benchmark's scripted upstream and the OTLP
 sink on the client's core, ``llmtap serve`` with its relay alone on the proxy's core (its telemetry process
@@ -14,7 +14,7 @@ thread) per chunk, which says how many reads each wake-up served: a busy core ba
 machine shows fewer wakes and less CPU per chunk, and figures are comparable only at similar wakes;
 ``rss_per_stream_kib``, the relay's resident memory at its peak while the streams were open, less before
 them, per stream; and the machine's load average when the run started. ``--floor`` runs the thinnest relay
-Python can be (``bench.thin_relay``) in turn with the trees: what a chunk costs any relay on this machine at
+Python can be (``bench.probes.thin_relay``) in turn with the trees: what a chunk costs any relay on this machine at
 this moment (the wake-up, the read, the write, the loopback), so llmtap's own share is the difference.
 ``--gather MS`` (repeatable) runs each tree once per value of ``telemetry_gather``, in turn: the relay gathering its
 tapes for that long against not at all (0), side by side. ``--env LABEL:KEY=VALUE[,KEY=VALUE...]`` (repeatable)
@@ -25,7 +25,8 @@ does the same for any of llmtap's settings (its ``LLMTAP_*`` variables): e.g. th
 a tree with the record journal (issue 44) then journals every tape it reads, so its cost shows beside a tree without.
 
 ``--capture FILE`` (one tree, one round) keeps every byte the telemetry process reads from the relay in FILE, as it
-reads it (``CAPTURE_SHIM``), for ``python -m bench.telemetry --tapes FILE`` to play the same tapes again: what the
+reads it (``CAPTURE_SHIM``), for ``python -m bench.probes.telemetry --tapes FILE`` to play the same tapes again: what
+the
 work costs warm and paced, beside what this run measured of it in place.
 """
 
@@ -73,7 +74,7 @@ def run(argv: list[str], cpu: str) -> str:
 #: imports its intake (``llmtap.telemetry.process``, which the relay never imports), every read of the relays'
 #: channel is appended to ``BENCH_CAPTURE`` before the intake takes it.
 CAPTURE_SHIM = """\
-# Written by the benchmark (bench/relay_cpu.py --capture): keep what the telemetry process reads from its relays.
+# Written by the benchmark (bench/probes/relay_cpu.py --capture): keep what the telemetry process reads from its relays.
 import importlib.abc
 import importlib.machinery
 import os
@@ -114,7 +115,7 @@ if _path:
 """
 
 
-#: ``--floor``'s entry among the trees: the thinnest relay (``bench.thin_relay``) in place of llmtap.
+#: ``--floor``'s entry among the trees: the thinnest relay (``bench.probes.thin_relay``) in place of llmtap.
 FLOOR = "floor"
 
 
@@ -152,7 +153,7 @@ def start(
 ) -> tuple[str, Service]:
     """llmtap serve of ``tree`` (or the floor relay), its relay on the proxy's core: its URL and its service."""
     if tree == FLOOR:
-        argv = [sys.executable, "-m", "bench.thin_relay", "--upstream-port", str(up_port)]
+        argv = [sys.executable, "-m", "bench.probes.thin_relay", "--upstream-port", str(up_port)]
         svc = Service(
             "thin-relay", argv, log=work / "thin-relay.log", cpu=args.proxy_cpu, env={"PYTHONPATH": str(peers.REPO)}
         )
@@ -257,7 +258,7 @@ def measure(
 
 def parser() -> argparse.ArgumentParser:
     """The command line."""
-    p = argparse.ArgumentParser(prog="python -m bench.relay_cpu", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.relay_cpu", description=__doc__.splitlines()[0])
     p.add_argument("--tree", action="append", type=Path, help="an llmtap source tree (repeatable; default: this one)")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--chunks", type=int, default=400)
@@ -271,7 +272,9 @@ def parser() -> argparse.ArgumentParser:
         "--telemetry-cpu", help="core(s) of llmtap's telemetry process (default: the client's, beside the upstream)"
     )
     p.add_argument(
-        "--floor", action="store_true", help="measure the thinnest relay too (bench.thin_relay), in turn with the trees"
+        "--floor",
+        action="store_true",
+        help="measure the thinnest relay too (bench.probes.thin_relay), in turn with the trees",
     )
     p.add_argument(
         "--gather",
@@ -295,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="FILE",
         help="keep what the telemetry process reads from the relay in FILE (one tree, one round; for "
-        "bench.telemetry --tapes)",
+        "bench.probes.telemetry --tapes)",
     )
     return p
 

@@ -1,7 +1,7 @@
-"""``python -m bench.scale``: ``llmtap compare`` and ``llmtap slo`` at 1M and 10M records, every source, one run.
+"""``python -m bench.probes.scale``: ``llmtap compare`` and ``llmtap slo`` at 1M and 10M records, every source, one run.
 
 Per size, a week of traffic from six pods is generated in llmtap's record format and dataset layout
-(``bench.records_gen``: one file per pod and UTC hour, ``DIR/date=YYYY-MM-DD/hour=HH/pod<k>-0.parquet``,
+(``bench.probes.records_gen``: one file per pod and UTC hour, ``DIR/date=YYYY-MM-DD/hour=HH/pod<k>-0.parquet``,
 zstd, about a thousand files a week; at the sizes the plain-Python path runs at, the same rows as
 gzip JSON lines too), and the same rows are loaded into a real ClickHouse (Debian's ``clickhouse-server``,
 started on free ports as the tests start it). Then each case runs as a child process, alone:
@@ -20,8 +20,8 @@ server's peak RSS while the case ran (sampled every 50 ms) are kept. The outputs
 size must be equal (what names the source aside): the run fails loudly when they are not. ``--write``
 puts the table into bench/RESULTS.md; the data and the server's directory are deleted after.
 
-    python -m bench.scale                                             # 1M and 10M records
-    python -m bench.scale --sizes 20000 --python-sizes 20000 --repeats 1   # a quick check
+    python -m bench.probes.scale                                             # 1M and 10M records
+    python -m bench.probes.scale --sizes 20000 --python-sizes 20000 --repeats 1   # a quick check
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.records_gen import PODS, SWITCH
+from bench.probes.records_gen import PODS, SWITCH
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(__file__).resolve().parents[1] / "RESULTS.md"
 BEGIN, END = "<!-- scale begin -->", "<!-- scale end -->"
 #: What a case may take at most (a child past it is killed and the run fails).
 CASE_TIMEOUT = 1200.0
@@ -206,7 +206,7 @@ def comparable(case: Case) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, work: Path) -> tuple[list[Case], list[str]]:
     """Every case at every size; notes on the datasets."""
-    from bench import clickhouse_scale
+    from bench.probes import clickhouse_scale
     from llmtap.store import clickhouse as ch
     from tests.support.clickhouse_server import ClickHouseProcess, installed
 
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Case], list[str]]:
             with_lines = n in args.python_sizes
             started = time.perf_counter()
             # In a child: the generator's engine stays out of this process.
-            gen = [sys.executable, "-m", "bench.records_gen", str(lines) if with_lines else "-", str(n)]
+            gen = [sys.executable, "-m", "bench.probes.records_gen", str(lines) if with_lines else "-", str(n)]
             subprocess.run([*gen, "--parquet", str(parquet)], check=True, cwd=ROOT)
             made = time.perf_counter() - started
             files = sum(1 for _ in parquet.rglob("*.parquet"))
@@ -331,12 +331,12 @@ def section(cases: list[Case], notes: list[str], cpus: str, args: argparse.Names
     sizes = sorted({c.records for c in cases})
     lines = [
         BEGIN,
-        "## `llmtap compare` and `llmtap slo` at 1M and 10M records, every source (`python -m bench.scale`)",
+        "## `llmtap compare` and `llmtap slo` at 1M and 10M records, every source (`python -m bench.probes.scale`)",
         "",
         f"Machine: {cpus}; {shared}. One run, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "Records: a week of traffic from six pods in llmtap's record format (schema 2, three routes, prompt",
         "version v1 then v2), one file per pod and UTC hour as each pod's writer rotates them",
-        "(`bench.records_gen`), and the same rows loaded into ClickHouse. Each case is a child process,",
+        "(`bench.probes.records_gen`), and the same rows loaded into ClickHouse. Each case is a child process,",
         "`llmtap compare SOURCE --json` (by prompt version, and `--split-at` the change with six hours each",
         "side) or `llmtap slo SOURCE --json` (2,000 resamples), run alone: wall",
         f"time (median of {args.repeats} runs for the engine over Parquet, of {args.clickhouse_repeats} for"
@@ -419,7 +419,7 @@ def write(text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the section (and write it with ``--write``)."""
-    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.scale", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000], help="records per dataset")
     p.add_argument(
         "--python-sizes", type=int, nargs="*", default=[1_000_000], help="sizes the plain-Python path runs at"

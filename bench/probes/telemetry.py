@@ -1,4 +1,4 @@
-"""What one telemetry core can take, and where it goes: ``python -m bench.telemetry [--before REV]``.
+"""What one telemetry core can take, and where it goes: ``python -m bench.probes.telemetry [--before REV]``.
 
 Plays tapes of streamed chat requests (``chunks`` content chunks of a few tokens each, usage at the end,
 as the relay hands them over, random trace ids, 64 streams open at once) through a recorder with the SDK's
@@ -18,7 +18,7 @@ one core sustains.
 between small pieces of work runs them cold.
 
 ``--tapes FILE`` plays the messages a relay really sent in place of the made-up tapes: FILE holds the bytes a
-telemetry process read from its relays, as ``python -m bench.relay_cpu --capture FILE`` records them. They go
+telemetry process read from its relays, as ``python -m bench.probes.relay_cpu --capture FILE`` records them. They go
 through the recorder's queue and worker thread as in ``llmtap serve`` (``--pace`` and ``--batch`` as above, so a
 burst's tapes can be handed over together), with the settings the benchmark gives ``llmtap serve`` (provider
 vllm, a span per chunk where a request keeps them); per chunk is per content chunk the timelines counted. The
@@ -302,7 +302,7 @@ def _before(rev: str, requests: int, chunks: int, extra: Sequence[str] = ()) -> 
     """``measure`` in a child process against revision ``rev``'s package (``proxy/llmtap``), this ``bench``.
 
     Revisions from the rename to ``llmtap`` on: this bench imports ``llmtap``."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(root), "archive", rev, "proxy"], check=True, capture_output=True)
         archive_path = Path(tmp) / "proxy.tar"
@@ -310,7 +310,8 @@ def _before(rev: str, requests: int, chunks: int, extra: Sequence[str] = ()) -> 
         with tarfile.open(archive_path) as tar:
             tar.extractall(tmp, filter="data")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tmp) / "proxy"), str(root)])}
-        argv = [sys.executable, "-m", "bench.telemetry", "--requests", str(requests), "--chunks", str(chunks), *extra]
+        argv = [sys.executable, "-m", "bench.probes.telemetry", "--requests", str(requests), "--chunks", str(chunks)]
+        argv += extra
         out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env, cwd=tmp)
     result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
     return result
@@ -331,7 +332,7 @@ def table(runs: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Print the telemetry side's CPU per chunk by phase (JSON; with ``--before``, a table of both)."""
-    p = argparse.ArgumentParser(prog="python -m bench.telemetry", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.telemetry", description=__doc__)
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--chunks", type=int, default=50)
     p.add_argument("--before", metavar="REV", help="also measure git revision REV's proxy package, side by side")
@@ -350,7 +351,10 @@ def main(argv: list[str] | None = None) -> None:
         help="with --pace: messages taken per wake-up, back to back (tapes; with --tapes, the relay's reports too)",
     )
     p.add_argument(
-        "--tapes", type=Path, metavar="FILE", help="play the messages captured in FILE (bench.relay_cpu --capture)"
+        "--tapes",
+        type=Path,
+        metavar="FILE",
+        help="play the messages captured in FILE (bench.probes.relay_cpu --capture)",
     )
     args = p.parse_args(argv)
 

@@ -1,12 +1,12 @@
-"""The record sink into ClickHouse (``python -m bench.clickhouse_scale --sink N``), and the bulk load
-``bench.scale`` fills its tables with.
+"""The record sink into ClickHouse (``python -m bench.probes.clickhouse_scale --sink N``), and the bulk load
+``bench.probes.scale`` fills its tables with.
 
-``--sink N`` generated records (``bench.records_gen``) go through the record sink itself (``ClickHouseSink``,
+``--sink N`` generated records (``bench.probes.records_gen``) go through the record sink itself (``ClickHouseSink``,
 JSONEachRow) into a real ClickHouse (Debian's ``clickhouse-server``, started as a plain process on free ports,
 as the tests start it): the caller's cost per ``write`` and records per second. ``generate`` and ``load`` put a
 week of generated records, flattened to the table's columns (``proxy/llmtap/store/clickhouse.sql``), into a
 table with ``INSERT ... FORMAT CSV``; ``llmtap compare`` and ``llmtap slo`` over such tables are timed by
-``python -m bench.scale`` beside the other sources.
+``python -m bench.probes.scale`` beside the other sources.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.records_gen import PODS, rows_sql
+from bench.probes.records_gen import PODS, rows_sql
 from llmtap.store import clickhouse as ch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: The table's columns from a generated record (DuckDB SQL over ``rows_sql``'s columns).
 FLAT = """

@@ -1,6 +1,6 @@
 """The soak: mixed traffic with faults through llmtap, every response checked, leaks and memory watched.
 
-``python -m bench.soak`` runs ten minutes at 64 concurrent streams; ``--duration 60`` is the CI smoke
+``python -m bench.probes.soak`` runs ten minutes at 64 concurrent streams; ``--duration 60`` is the CI smoke
 (``tests/test_soak_smoke.py``). The upstream is ``tests/support/fault_upstream.py``: normal streams and bodies,
 upstream faults (resets, hang-ups, stalls cut by the idle timeout, bodies shorter or longer than their
 Content-Length, 500s, repeated usage), clients that leave mid-stream and clients that read slowly, and an
@@ -17,7 +17,8 @@ with 400, which it does not: those spans are lost and must be counted). It repor
 
 The result is one JSON object (``--json``) or a short table, and the exit code is 0 only when all hold.
 
-``python -m bench.soak --memory`` is the memory soak (``bench.soak_memory``): fast, ever-new traffic with overload
+``python -m bench.probes.soak --memory`` is the memory soak (``bench.probes.soak_memory``): fast, ever-new traffic
+with overload
 phases until every cache of llmtap is full, each process's memory sampled, its growth over the last half of the run
 held under 0.05 MB a minute (``docs/memory.md``).
 """
@@ -52,7 +53,7 @@ import httpx
 from tests.support.net import LoopbackHTTPServer, free_port, wait_http
 from tests.support.proctree import cpu_seconds
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UPSTREAM = ROOT / "tests" / "support" / "fault_upstream.py"
 CHAT = {"model": "fault", "stream": True, "messages": [{"role": "user", "content": "Soak."}]}
 IDLE_TIMEOUT = 1.0
@@ -364,7 +365,7 @@ def run(duration: float, concurrency: int, seed: int, workdir: Path) -> dict[str
         serve_args += ["--record", str(workdir / "records"), "--slo-ttft-ms", "1000"]
         with (workdir / "llmtap.log").open("wb") as log:
             proxy = subprocess.Popen(
-                [sys.executable, "-m", "bench.soak", "--serve", str(status), "--", *serve_args],
+                [sys.executable, "-m", "bench.probes.soak", "--serve", str(status), "--", *serve_args],
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.DEVNULL,
@@ -467,15 +468,15 @@ def _table(r: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m bench.soak``."""
+    """Entry point of ``python -m bench.probes.soak``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--serve"]:
         return serve_monitored(Path(argv[1]), argv[3:] if argv[2:3] == ["--"] else argv[2:])
     if argv[:1] == ["--memory"]:
-        from bench.soak_memory import main as memory
+        from bench.probes.soak_memory import main as memory
 
         return memory(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=600.0, help="seconds of measured load (600)")
     p.add_argument("--concurrency", type=int, default=64, help="concurrent streams (64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the traffic mix (0)")

@@ -1,6 +1,7 @@
 """The memory soak's probe: inside each llmtap process, how full every bounded structure is, once in a while.
 
-``python -m bench.soak --memory`` starts ``llmtap serve`` with ``bench/soak_site`` first on ``PYTHONPATH``: its
+``python -m bench.probes.soak --memory`` starts ``llmtap serve`` with ``bench/probes/soak_site`` first on
+``PYTHONPATH``: its
 ``sitecustomize`` calls ``start`` in every Python process of the tree when ``SOAK_PROBE_DIR`` is set. A daemon
 thread waits until the process holds llmtap's recorder (the telemetry process) or relay app (the relay), found
 once from the running tasks, then every ``SOAK_PROBE_EVERY`` seconds appends one JSON line of sizes to

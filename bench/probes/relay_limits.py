@@ -1,6 +1,7 @@
 """What one client can do to everyone else through the relay (issue 28), before and after its bounds.
 
-``python -m bench.relay_limits`` starts ``tests/support/fault_upstream.py`` and, per scenario, a fresh ``llmtap serve``
+``python -m bench.probes.relay_limits`` starts ``tests/support/fault_upstream.py`` and, per scenario, a fresh ``llmtap
+serve``
 of whatever code ``PYTHONPATH`` selects (the bounds' flags are passed only when that code has them), and prints
 one JSON line per scenario:
 
@@ -223,7 +224,7 @@ def big_bodies(start: Callable[..., Llmtap]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.relay_limits", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.relay_limits", description=__doc__.splitlines()[0])
     p.add_argument("--bomb-mib", type=int, default=1024)
     p.add_argument("--cap", type=float, default=20.0, help="longest wait for the next request to be served")
     p.add_argument("--only", nargs="*", default=None)

@@ -157,10 +157,10 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.records_gen DIR N [--parquet DIR]`` (``-`` as DIR: no JSON lines)."""
+    """``python -m bench.probes.records_gen DIR N [--parquet DIR]`` (``-`` as DIR: no JSON lines)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m bench.records_gen", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.records_gen", description=__doc__.split("\n")[0])
     p.add_argument("dir", help="where the JSON lines go ('-': none)")
     p.add_argument("n", type=int, help="how many records")
     p.add_argument("--parquet", type=Path, help="where the same rows go as Parquet")

@@ -1,4 +1,4 @@
-"""What one upstream connection holds in the relay's memory, plain and TLS: ``python -m bench.tls_memory``.
+"""What one upstream connection holds in the relay's memory, plain and TLS: ``python -m bench.probes.tls_memory``.
 
 A server in a child process (TLS with a private CA made for the run, or plain TCP) answers 200 bytes to every
 read. A client child process opens ``--connections`` connections to it, over TLS with the context the relay
@@ -108,7 +108,7 @@ def _child(argv: list[str]) -> None:
 def one(folder: Path, transport: str, loop_name: str, connections: int, exchanges: int) -> dict[str, Any]:
     """One kind in fresh processes: its server (on uvloop) and the measuring client."""
     port_file = folder / f"port-{transport}-{loop_name}-{time.monotonic_ns()}"
-    me = [sys.executable, "-m", "bench.tls_memory", "--child"]
+    me = [sys.executable, "-m", "bench.probes.tls_memory", "--child"]
     server = subprocess.Popen([*me, "serve", "uvloop", transport, str(folder), str(port_file)])
     try:
         deadline = time.monotonic() + 30
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["--child"]:
         _child(args[1:])
         return
-    p = argparse.ArgumentParser(prog="python -m bench.tls_memory", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.tls_memory", description=__doc__)
     p.add_argument("--connections", type=int, default=256)
     p.add_argument("--exchanges", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)

@@ -1,6 +1,6 @@
 """Micro-benchmark of the relay's request step: ``Provider.prepare`` against the full ``inspect``.
 
-``python -m bench.prepare`` prints the median CPU time per call, in µs, for a typical small chat
+``python -m bench.probes.prepare`` prints the median CPU time per call, in µs, for a typical small chat
 request (~1 KB) and for a chat request with a 6,200-token prompt (~25 KB), both streamed without
 ``stream_options`` (so usage is spliced in), and once more with a ``stream_options`` object (the path
 that scans for it). ``inspect`` (parse, params, prompt text and regions, then the same splice) and the
@@ -98,7 +98,7 @@ def _reserialize(body: bytes) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.prepare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, default=200, help="timed batches per figure (default 200)")
     args = parser.parse_args(argv)
     bodies = {}

@@ -1,6 +1,6 @@
 """An experiment: an httpx transport on raw asyncio protocols and httptools, to measure what httpcore costs the relay.
 
-Not part of llmtap. It plugs into ``create_app(transport=...)`` unchanged (``python -m bench.rawtransport
+Not part of llmtap. It plugs into ``create_app(transport=...)`` unchanged (``python -m bench.probes.rawtransport
 serve ...`` runs ``llmtap serve`` with it), so the benchmark can compare the same proxy with two
 upstream clients. Plain HTTP/1.1 only (HTTPS upstreams go to httpx's own transport); one keep-alive
 pool per host and port; the body iterator yields what one socket read carried, like httpcore's reads.

@@ -1,4 +1,4 @@
-"""What resuming TLS sessions saves a new upstream connection: ``python -m bench.tls_resume``.
+"""What resuming TLS sessions saves a new upstream connection: ``python -m bench.probes.tls_resume``.
 
 The benchmark's scripted upstream listens with TLS (a private CA made for the run) on the client's core; on the
 proxy's core, this process drives llmtap's own upstream client (``LeanTransport`` with the context
@@ -55,7 +55,7 @@ async def connections(url: str, context: tls.ResumingContext, n: int, *, resume:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.tls_resume", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.tls_resume", description=__doc__.splitlines()[0])
     p.add_argument("--connections", type=int, default=200, help="new connections per way and round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--proxy-cpu", dest="proxy_cpu", default="0", help="this process's core")
