@@ -24,6 +24,8 @@ import ssl
 import time
 from typing import Any, cast
 
+from tests.support.chunks import chat_chunk, usage_chunk
+
 WORDS = (" alpha", " beta", " gamma", " delta", " river", " sigma", " omega", " theta")  # one o200k token each
 #: The client puts ``bench-id:<id>`` in its prompt; proxies relay the prompt, so the id survives any path.
 BENCH_ID = re.compile(rb"bench-id:([A-Za-z0-9_.+-]+)")
@@ -59,26 +61,11 @@ def _chunk(payload: bytes) -> bytes:
 
 
 def _event(model: str, delta: dict[str, Any], finish: str | None = None) -> bytes:
-    body = {
-        "id": "chatcmpl-bench",
-        "object": "chat.completion.chunk",
-        "created": 1700000000,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return chat_chunk(delta, finish, model=model, ident="chatcmpl-bench")
 
 
 def _usage(model: str, prompt: int, completion: int) -> bytes:
-    body = {
-        "id": "chatcmpl-bench",
-        "object": "chat.completion.chunk",
-        "created": 1700000000,
-        "model": model,
-        "choices": [],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-    }
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return usage_chunk(prompt, completion, model=model, ident="chatcmpl-bench")
 
 
 class Upstream:

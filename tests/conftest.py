@@ -221,7 +221,8 @@ class Scripted:
 
     def __init__(self, **env: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(TESTS / "support" / "scripted_upstream.py")],
+            [sys.executable, "-m", "tests.support.scripted_upstream"],
+            cwd=TESTS.parent,
             stdout=subprocess.PIPE,
             env={**os.environ, **env},
             text=True,

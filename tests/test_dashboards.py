@@ -33,7 +33,7 @@ from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.instruments import create
 from llmtap.telemetry.prometheus import metric_name
 from tests.conftest import TOOLS, free_port, require_real
-from tests.support.net import LoopbackHTTPServer
+from tests.support.net import LoopbackHTTPServer, answer
 from tests.test_collectors import Llmtap, Proc, answers, listening, start_llmtap
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -279,7 +279,7 @@ class Misreporting(LoopbackHTTPServer):
 class _MisreportingHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", "0")))
-        answer = {
+        reply = {
             "id": "chatcmpl-misreporting",
             "object": "chat.completion",
             "created": 1700000000,
@@ -288,12 +288,8 @@ class _MisreportingHandler(BaseHTTPRequestHandler):
             "usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11},
             "metrics": {"queue_time_ms": -5.0, "time_to_first_token_ms": 9e12, "generation_time_ms": 1.0},
         }
-        payload = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        payload = json.dumps(reply).encode()
+        answer(self, payload, "application/json")
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet."""

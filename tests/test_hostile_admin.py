@@ -16,7 +16,7 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -30,7 +30,14 @@ from llmtap.config.types import Admin, ConfigError
 from llmtap.telemetry.access import Gate, is_loopback
 from llmtap.wire.tracecontext import MAX_TRACEPARENT, parse_traceparent
 from tests.conftest import PATIENCE
-from tests.support.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.support.procs import (
+    FaultUpstream,
+    Llmtap,
+    Serve,
+    metric_value,
+    serving,
+    upstream as upstream,  # the fixture
+)
 from tests.test_otlp import HTTPReceiver
 
 TOKEN = "admin-token-0123456789abcdef"
@@ -38,8 +45,6 @@ OPERATOR = "operator-secret-0123456789"
 PROTOBUF = {"content-type": "application/x-protobuf"}
 REJECTED = "llmtap_otlp_rejected_total"
 ADMIN_REFUSED = "llmtap_admin_refused_total"
-
-Serve = Callable[..., Llmtap]
 
 
 @pytest.fixture
@@ -53,7 +58,6 @@ def backend() -> Iterator[HTTPReceiver]:
 @pytest.fixture
 def serve(upstream: FaultUpstream, backend: HTTPReceiver, tmp_path: Path) -> Iterator[Serve]:
     """``serve(*flags)``: an ``llmtap serve`` exporting traces to ``backend`` with the operator's bearer token."""
-    started: list[Llmtap] = []
     env = {
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_METRICS_EXPORTER": "none",
@@ -62,15 +66,12 @@ def serve(upstream: FaultUpstream, backend: HTTPReceiver, tmp_path: Path) -> Ite
         "OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer%20{OPERATOR}",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
+    with serving(upstream.url, tmp_path, env) as start:
 
-    def start(*flags: str, extra_env: dict[str, str] | None = None) -> Llmtap:
-        proxy = Llmtap(upstream.url, tmp_path / f"llmtap-{len(started)}.log", *flags, env={**env, **(extra_env or {})})
-        started.append(proxy)
-        return proxy
+        def with_env(*flags: str, extra_env: dict[str, str] | None = None) -> Llmtap:
+            return start(*flags, env=extra_env)
 
-    yield start
-    for proxy in started:
-        proxy.close()
+        yield with_env
 
 
 def export(name: str, attribute_bytes: int = 8) -> bytes:

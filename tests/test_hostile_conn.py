@@ -11,37 +11,16 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.support.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.support.procs import Llmtap, Serve, metric_value, serve as serve, upstream as upstream  # the fixtures
 
 TIMEOUTS = "llmtap_client_timeouts_total"
 REFUSED = "llmtap_connections_refused_total"
 CHAT = {"model": "fault", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
 #: The longest any cut may take past its deadline on a busy machine.
 SLACK = 8.0
-
-
-Serve = Callable[..., Llmtap]
-
-
-@pytest.fixture
-def serve(upstream: FaultUpstream, tmp_path: Path) -> Iterator[Serve]:
-    """``serve(*flags, env=...)`` starts an ``llmtap serve`` in front of the fault upstream; all are closed after."""
-    started: list[Llmtap] = []
-
-    def start(*flags: str, env: dict[str, str] | None = None) -> Llmtap:
-        proxy = Llmtap(upstream.url, tmp_path / f"llmtap-{len(started)}.log", *flags, env=env)
-        started.append(proxy)
-        return proxy
-
-    yield start
-    for proxy in started:
-        proxy.close()
 
 
 def connect(proxy: Llmtap) -> socket.socket:

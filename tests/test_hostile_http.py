@@ -22,26 +22,17 @@ import pytest
 
 from llmtap.store.files import ReadStats, read_records
 from tests.conftest import PATIENCE
+from tests.support.chunks import chat_chunk, usage_chunk
 from tests.support.procs import Llmtap
 
 pytestmark = pytest.mark.e2e
 
 
 def _chunk(delta: dict[str, object], finish: str | None = None) -> bytes:
-    body = {
-        "id": "chatcmpl-raw",
-        "object": "chat.completion.chunk",
-        "created": 1700000000,
-        "model": "raw",
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return chat_chunk(delta, finish, model="raw", ident="chatcmpl-raw")
 
 
-USAGE_EVENT = (
-    b'data: {"id":"chatcmpl-raw","object":"chat.completion.chunk","created":1700000000,"model":"raw",'
-    b'"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}\n\n'
-)
+USAGE_EVENT = usage_chunk(9, 3, model="raw", ident="chatcmpl-raw")
 
 
 def _chunked(data: bytes) -> bytes:

@@ -17,13 +17,19 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.procs import ROOT, FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture
+from tests.support.procs import (  # the fixtures
+    ROOT,
+    FaultUpstream,
+    Llmtap,
+    Serve,
+    metric_value,
+    serve as serve,
+    upstream as upstream,
+)
 from tests.test_hostile_conn import CHAT, SLACK, counted, echo, exported, read_until_closed, request
 
 TIMEOUTS = "llmtap_client_timeouts_total"
@@ -33,23 +39,6 @@ CUT = "llmtap_responses_cut_total"
 TTFT_SLACK = 0.1
 #: Probes in the control run, and the most during the bomb.
 PROBES = 15
-
-Serve = Callable[..., Llmtap]
-
-
-@pytest.fixture
-def serve(upstream: FaultUpstream, tmp_path: Path) -> Iterator[Serve]:
-    """``serve(*flags, env=...)`` starts an ``llmtap serve`` in front of the fault upstream; all are closed after."""
-    started: list[Llmtap] = []
-
-    def start(*flags: str, env: dict[str, str] | None = None) -> Llmtap:
-        proxy = Llmtap(upstream.url, tmp_path / f"llmtap-{len(started)}.log", *flags, env=env)
-        started.append(proxy)
-        return proxy
-
-    yield start
-    for proxy in started:
-        proxy.close()
 
 
 def bomb_request(size: int) -> bytes:

@@ -31,7 +31,7 @@ from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.instruments import create
 from llmtap.telemetry.prometheus import PrometheusReader
 from tests.conftest import PATIENCE, Scripted, require_real
-from tests.support.net import LoopbackHTTPServer
+from tests.support.net import LoopbackHTTPServer, answer
 from tests.support.procs import Llmtap
 from tests.support.proctree import Service
 from tests.support.prometheus import promql, start_prometheus
@@ -195,11 +195,7 @@ class _Pages(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         reader: PrometheusReader = self.server.reader  # type: ignore[attr-defined]
         body = reader.render(full=self.path == "/full").encode()
-        self.send_response(200)
-        self.send_header("content-type", "text/plain; version=0.0.4")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        answer(self, body, "text/plain; version=0.0.4")
 
     def log_message(self, format: str, *args: object) -> None:
         """Quiet."""

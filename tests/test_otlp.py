@@ -37,7 +37,7 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tests.conftest import PATIENCE, Scripted, free_port
-from tests.support.net import LoopbackHTTPServer
+from tests.support.net import LoopbackHTTPServer, answer
 from tests.support.procs import Llmtap
 from tests.support.scripted_upstream import script
 
@@ -140,11 +140,7 @@ class _OTLPHandler(BaseHTTPRequestHandler):
         else:
             self.send_error(404)
             return
-        self.send_response(200)
-        self.send_header("content-type", "application/x-protobuf")
-        self.send_header("content-length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
+        answer(self, reply, "application/x-protobuf")
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet."""

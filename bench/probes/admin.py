@@ -50,7 +50,7 @@ from tests.support.net import LoopbackHTTPServer, free_port, wait_http
 from tests.support.proctree import Service, cpu_seconds, rss_bytes
 
 OPERATOR_TOKEN = "operator-secret-token"
-UPSTREAM = Path(__file__).resolve().parents[2] / "tests" / "support" / "fault_upstream.py"
+UPSTREAM = [sys.executable, "-m", "tests.support.fault_upstream"]
 
 
 class Backend:
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     argv_serve += ["--port", str(port), "--admin-port", str(admin_port), *args.serve_arg]
     admin = f"http://127.0.0.1:{admin_port}"
     with tempfile.TemporaryDirectory() as folder:
-        upstream = Service("upstream", [sys.executable, str(UPSTREAM)], log=Path(folder) / "upstream.log", cpu=None)
+        upstream = Service("upstream", UPSTREAM, log=Path(folder) / "upstream.log", cpu=None)
         argv_serve[argv_serve.index("--upstream") + 1] = f"http://127.0.0.1:{upstream.read_line()}"
         service = Service("llmtap", argv_serve, log=Path(folder) / "llmtap.log", env=env, cpu=None)
         traffic = Traffic(f"http://127.0.0.1:{port}")

@@ -44,7 +44,7 @@ from llmtap.analysis.stats import histogram_quantile, quantile
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.instruments import create
 from llmtap.telemetry.prometheus import PrometheusReader, metric_name
-from tests.support.net import LoopbackHTTPServer
+from tests.support.net import LoopbackHTTPServer, answer
 from tests.support.proctree import Service
 from tests.support.prometheus import promql, start_prometheus
 
@@ -147,11 +147,7 @@ class _Exposition(BaseHTTPRequestHandler):
             self.send_error(404)
             return
         body = reader.render().encode()
-        self.send_response(200)
-        self.send_header("content-type", "text/plain; version=0.0.4")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        answer(self, body, "text/plain; version=0.0.4")
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet."""

@@ -30,7 +30,7 @@ from tests.support.net import free_port, wait_http
 from tests.support.proctree import Service, by_role, rss_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
-UPSTREAM = ROOT / "tests" / "support" / "fault_upstream.py"
+UPSTREAM = [sys.executable, "-m", "tests.support.fault_upstream"]
 HOSTILE = {"model": "fault", "stream": True, "messages": [{"role": "user", "content": "Go."}]}
 COLUMNS = (
     "hostile_s",
@@ -70,7 +70,7 @@ class Bench:
 
     def __init__(self, home: Path, wait: float) -> None:
         self.wait = wait
-        self.upstream = Service("upstream", [sys.executable, str(UPSTREAM)], log=home / "upstream.log", cpu=None)
+        self.upstream = Service("upstream", UPSTREAM, log=home / "upstream.log", cpu=None)
         self.upstream_url = f"http://127.0.0.1:{self.upstream.read_line()}"
         self.records = home / "records"
         port, admin = free_port(), free_port()

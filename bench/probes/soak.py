@@ -54,7 +54,7 @@ from tests.support.net import LoopbackHTTPServer, free_port, wait_http
 from tests.support.proctree import cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
-UPSTREAM = ROOT / "tests" / "support" / "fault_upstream.py"
+UPSTREAM = [sys.executable, "-m", "tests.support.fault_upstream"]
 CHAT = {"model": "fault", "stream": True, "messages": [{"role": "user", "content": "Soak."}]}
 IDLE_TIMEOUT = 1.0
 #: How long the proxy's counts get to come back to their idle level after the load.
@@ -344,7 +344,7 @@ def _connections_to(port: int) -> int:
 def run(duration: float, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
     """One soak; returns the figures and the verdict."""
     status = workdir / "monitor.jsonl"
-    upstream = subprocess.Popen([sys.executable, str(UPSTREAM)], stdout=subprocess.PIPE, text=True)
+    upstream = subprocess.Popen(UPSTREAM, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     collector = FlakyCollector()
     proxy: subprocess.Popen[bytes] | None = None
     try:

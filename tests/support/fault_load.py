@@ -29,7 +29,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from tests.support.net import free_port
+from tests.support.net import answer, free_port
 
 #: The simulator's model, short answers: a request takes tens of milliseconds (profile ``fast``).
 CHAT: dict[str, Any] = {
@@ -205,11 +205,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             reply = ExportLogsServiceResponse().SerializeToString()
         else:  # metrics and the rest: taken, not kept
             reply = b""
-        self.send_response(200)
-        self.send_header("content-type", "application/x-protobuf")
-        self.send_header("content-length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
+        answer(self, reply, "application/x-protobuf")
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet."""

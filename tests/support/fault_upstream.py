@@ -1,6 +1,6 @@
 """A fault-injecting LLM upstream on raw asyncio streams: every way an upstream can break, chosen per request.
 
-``python tests/support/fault_upstream.py`` prints its port on stdout. ``POST .../chat/completions`` answers with
+``python -m tests.support.fault_upstream`` prints its port on stdout. ``POST .../chat/completions`` answers with
 an OpenAI chat stream (``"stream": true``) or body in vLLM's shape; the request header ``x-fault`` picks a
 fault (``FAULTS``) and ``x-fault-arg`` its size. ``x-chunks`` and ``x-gap-ms`` shape a normal stream;
 ``x-say`` makes the answer that text, one character per chunk; ``x-ignore-body`` answers a stream without
@@ -32,6 +32,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.support import chunks
+from tests.support.rawhttp import parse_head, read_body
+
 WORDS = (" alpha", " beta", " gamma", " delta", " river", " sigma", " omega", " theta")  # one o200k token each
 #: What ``x-fault`` can ask for; anything else (or nothing) is a normal answer.
 FAULTS = (
@@ -62,29 +65,12 @@ _KEEP = 4096  # records kept for /sent
 
 def chat_chunk(delta: dict[str, Any], finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
     """One ``data:`` event of a chat stream, compact as vLLM writes it."""
-    body: dict[str, Any] = {
-        "id": "chatcmpl-fault",
-        "object": "chat.completion.chunk",
-        "created": 1700000000,
-        "model": "fault",
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
-    if usage is not None:
-        body["usage"] = usage
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return chunks.chat_chunk(delta, finish, model="fault", ident="chatcmpl-fault", usage=usage)
 
 
 def usage_event(prompt: int, completion: int) -> bytes:
     """The extra usage event ``include_usage`` asks for (``choices: []``)."""
-    body = {
-        "id": "chatcmpl-fault",
-        "object": "chat.completion.chunk",
-        "created": 1700000000,
-        "model": "fault",
-        "choices": [],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-    }
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return chunks.usage_chunk(prompt, completion, model="fault", ident="chatcmpl-fault")
 
 
 @dataclass
@@ -187,19 +173,8 @@ class Upstream:
         self.open += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = lines[0].split(" ", 2)
-                headers = {}
-                for line in lines[1:]:
-                    if ":" in line:
-                        k, v = line.split(":", 1)
-                        headers[k.strip().lower()] = v.strip()
-                body = b""
-                if "content-length" in headers:
-                    body = await reader.readexactly(int(headers["content-length"]))
-                elif headers.get("transfer-encoding", "").lower() == "chunked":
-                    body = await _read_chunked(reader)
+                method, target, headers = parse_head(await reader.readuntil(b"\r\n\r\n"))
+                body = await read_body(reader, headers)
                 if not await self.respond(reader, writer, method, target, headers, body):
                     return
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
@@ -517,16 +492,6 @@ _HOSTILE: dict[str, Callable[[Exchange, int], Awaitable[None]]] = {
     "dup-usage": _dup_usage,
     "cumulative-usage": _cumulative_usage,
 }
-
-
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    out = bytearray()
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-        data = await reader.readexactly(size + 2)
-        if size == 0:
-            return bytes(out)
-        out += data[:-2]
 
 
 async def main() -> None:

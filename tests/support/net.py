@@ -93,6 +93,15 @@ class LoopbackHTTPServer(ThreadingHTTPServer):
         self.thread.join(5)
 
 
+def answer(handler: BaseHTTPRequestHandler, body: bytes, content_type: str) -> None:
+    """A whole 200 response to ``handler``'s request: ``body`` with its type and length."""
+    handler.send_response(200)
+    handler.send_header("content-type", content_type)
+    handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 def wait_http(
     url: str, timeout: float, *, alive: Callable[[], bool] | None = None, headers: Mapping[str, str] | None = None
 ) -> None:

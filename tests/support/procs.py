@@ -41,7 +41,7 @@ class FaultUpstream:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "support" / "fault_upstream.py")], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-m", "tests.support.fault_upstream"], stdout=subprocess.PIPE, text=True, cwd=ROOT
         )
         assert self.proc.stdout is not None
         self.port = int(self.proc.stdout.readline())
@@ -284,6 +284,36 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+#: ``serve(*flags, env=...)``: an ``llmtap serve`` started with ``flags`` and ``env`` over the defaults.
+Serve = Callable[..., "Llmtap"]
+
+
+@contextlib.contextmanager
+def serving(upstream: str, logs: Path, env: dict[str, str] | None = None) -> Iterator[Serve]:
+    """``serve(*flags, env=...)`` starts an ``llmtap serve`` in front of ``upstream`` with ``env`` (then the call's
+    own) in its environment, its log in ``logs``; every one started is closed on the way out."""
+    started: list[Llmtap] = []
+
+    def start(*flags: str, env: dict[str, str] | None = None) -> Llmtap:
+        proxy = Llmtap(upstream, logs / f"llmtap-{len(started)}.log", *flags, env={**defaults, **(env or {})})
+        started.append(proxy)
+        return proxy
+
+    defaults = dict(env or {})
+    try:
+        yield start
+    finally:
+        for proxy in started:
+            proxy.close()
+
+
+@pytest.fixture
+def serve(upstream: FaultUpstream, tmp_path: Path) -> Iterator[Serve]:
+    """``serve(*flags, env=...)`` starts an ``llmtap serve`` in front of the fault upstream; all are closed after."""
+    with serving(upstream.url, tmp_path) as start:
+        yield start
 
 
 def _tcp_rows(net: str = "/proc/net") -> Iterator[list[str]]:

@@ -3,7 +3,7 @@
 The script: the role-only chunk (not content) goes out at once, the first content chunk ``ttft``
 seconds after the request arrived, then one content chunk every ``gap`` seconds; every 4th chunk
 carries three tokens. Deadlines are absolute from the request's arrival, so there is no drift.
-Run ``python tests/support/scripted_upstream.py``; it prints its port on stdout.
+Run ``python -m tests.support.scripted_upstream``; it prints its port on stdout.
 
 Responses are deterministic (fixed ids and timestamps), so a direct call and a call through
 the proxy can be compared byte for byte. A request header ``x-script-delay: SECONDS`` holds its whole
@@ -28,6 +28,9 @@ import sys
 import time
 from typing import Any
 
+from tests.support import chunks
+from tests.support.rawhttp import parse_head, read_body
+
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "sigma", "omega", "theta"]  # one o200k token each
 
 
@@ -41,26 +44,11 @@ def script(ttft: float, gap: float, chunks: int) -> list[tuple[float, list[str]]
 
 
 def _chat_chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-    body = {
-        "id": "chatcmpl-scripted",
-        "object": "chat.completion.chunk",
-        "created": 1700000000,
-        "model": "scripted",
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return chunks.chat_chunk(delta, finish, model="scripted", ident="chatcmpl-scripted")
 
 
 def _usage_chunk(prompt: int, completion: int) -> bytes:
-    body = {
-        "id": "chatcmpl-scripted",
-        "object": "chat.completion.chunk",
-        "created": 1700000000,
-        "model": "scripted",
-        "choices": [],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-    }
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return chunks.usage_chunk(prompt, completion, model="scripted", ident="chatcmpl-scripted")
 
 
 def _anthropic(event: str, data: dict[str, Any]) -> bytes:
@@ -88,18 +76,8 @@ class Upstream:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 arrived = time.perf_counter()
-                lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = lines[0].split(" ", 2)
-                headers = {}
-                for line in lines[1:]:
-                    if ":" in line:
-                        k, v = line.split(":", 1)
-                        headers[k.strip().lower()] = v.strip()
-                body = b""
-                if "content-length" in headers:
-                    body = await reader.readexactly(int(headers["content-length"]))
-                elif headers.get("transfer-encoding", "").lower() == "chunked":
-                    body = await self._read_chunked(reader)
+                method, target, headers = parse_head(head)
+                body = await read_body(reader, headers)
                 if not target.startswith("/last-headers"):
                     self.last_headers = headers
                 await self.respond(writer, method, target, headers, body, arrived)
@@ -107,15 +85,6 @@ class Upstream:
             pass
         finally:
             writer.close()
-
-    async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
-        out = bytearray()
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            data = await reader.readexactly(size + 2)
-            if size == 0:
-                return bytes(out)
-            out += data[:-2]
 
     async def respond(
         self,

@@ -36,7 +36,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from tests.conftest import PATIENCE, TOOLS, require_real
-from tests.support.net import free_port
+from tests.support.net import answer, free_port
 
 VENV = TOOLS / "vllm"
 MODELS = TOOLS / "models"
@@ -163,11 +163,7 @@ class OtlpReceiver:
                 forward(body)
                 keep(decode_spans(body))
                 reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
+                answer(self, reply, "application/x-protobuf")
 
             def log_message(self, format: str, *args: Any) -> None:
                 """Quiet: a test's output is for its own findings."""
