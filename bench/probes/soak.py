@@ -1,7 +1,7 @@
 """The soak: mixed traffic with faults through llmtap, every response checked, leaks and memory watched.
 
 ``python -m bench.probes.soak`` runs ten minutes at 64 concurrent streams; ``--duration 60`` is the CI smoke
-(``tests/test_soak_smoke.py``). The upstream is ``tests/support/fault_upstream.py``: normal streams and bodies,
+(``tests/e2e/test_soak_smoke.py``). The upstream is ``tests/support/fault_upstream.py``: normal streams and bodies,
 upstream faults (resets, hang-ups, stalls cut by the idle timeout, bodies shorter or longer than their
 Content-Length, 500s, repeated usage), clients that leave mid-stream and clients that read slowly, and an
 OTLP collector that refuses a third of the exports (half of those with 503, which the exporter retries, half

@@ -17,7 +17,7 @@ from bench import accuracy
 from bench.probes import buckets
 from llmtap.telemetry.instruments import DURATION_BUCKETS
 from tests.conftest import require_real
-from tests.test_prometheus import histogram_quantile as promql_reference
+from tests.telemetry.test_prometheus import histogram_quantile as promql_reference
 
 
 def test_percentile_error_of_each_choice() -> None:

@@ -3,7 +3,7 @@
 ``python tests/support/fuzz_parsers.py -runs=N -max_len=4096`` (libFuzzer flags). Each input picks a framing and a
 provider, is cut into network chunks, decoded, and every event goes to the provider's stream parser and,
 whole, to its body parser and request inspector. Any exception is a finding: libFuzzer stops and prints it.
-``tests/test_hostile.py`` runs it where atheris installs.
+``tests/providers/test_hostile.py`` runs it where atheris installs.
 """
 
 from __future__ import annotations

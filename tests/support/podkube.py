@@ -1,4 +1,4 @@
-"""Playing the rendered chart as pods with ``podman kube play`` (podman 4.3), for tests/test_pods.py.
+"""Playing the rendered chart as pods with ``podman kube play`` (podman 4.3), for tests/deploy/test_pods.py.
 
 Everything runs in a network namespace of its own (``ip netns``), so whatever the pods listen on, and the ports
 kube play publishes for every containerPort, stay inside it: nothing listens beyond the host's loopback. podman

@@ -1,4 +1,5 @@
-"""The clients of tests/test_pods.py, run inside the pods' network namespace (``python -m tests.support.pods_client``).
+"""The clients of tests/deploy/test_pods.py, run inside the pods' network namespace
+(``python -m tests.support.pods_client``).
 
 The pods' addresses exist only in a namespace of their own (nothing of theirs listens on the host), so the test
 runs this module there with ``nsenter --net=...``; it prints one JSON line of what it saw. Standard library only.

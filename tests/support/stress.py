@@ -6,7 +6,7 @@ for as long as the runs take, and the command runs ``--runs`` times in a row. Ev
 time are printed; the exit status is 0 only when every run passed.
 
     python -m tests.support.stress --runs 5                      # the README's pytest command, five times
-    python -m tests.support.stress --runs 3 -- tests/test_e2e.py  # arguments after -- go to pytest instead
+    python -m tests.support.stress --runs 3 -- tests/e2e/test_e2e.py  # arguments after -- go to pytest instead
 
 The busy loops stop when the runs end; should this process be killed (even with SIGKILL) they notice that
 their parent is gone and stop within a fraction of a second, and in any case after ``--max-hours``. A
