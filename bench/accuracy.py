@@ -23,7 +23,7 @@ from typing import Any
 
 from bench import peers
 from bench.stats import percentile_ms
-from llmtap.telemetry.instruments import DURATION_BUCKETS
+from llmtap.telemetry.emit.instruments import DURATION_BUCKETS
 from tests.support.proctree import Service, pinned
 from tests.support.prometheus import promql
 

@@ -154,13 +154,14 @@ def litellm(work: Path, cpu: str | None, upstream_port: int) -> Endpoint:
 
 #: The placement of llmtap's whole process tree on one core (``llmtap:one-core``).
 ONE_CORE = "one-core"
+#: Records written (``llmtap:record``): ``serve --record DIR`` into a folder of the run's, hence the record journal
+#: that comes with it (its cost against plain ``llmtap``, which writes none).
+RECORD = "record"
 
 #: llmtap-side switches of ``--ablation``: extra environment and extra ``llmtap serve`` arguments.
 ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
     # The OpenTelemetry SDK off: relay, tap and summaries only, no spans or metrics built.
     "otel-off": ({"OTEL_SDK_DISABLED": "true"}, []),
-    # httpx's transport for plain-HTTP upstreams instead of llmtap's own client (HTTPS ones use httpx anyway).
-    "httpx": ({}, ["--upstream-client", "httpx"]),
     # No span per chunk (the phase spans and the metrics stay).
     "chunk-spans-off": ({"LLMTAP_CHUNK_SPANS": "off"}, []),
     # The telemetry process's workers at SCHED_IDLE (``--telemetry-scheduling idle``) or niced by 5 (``nice``).
@@ -171,11 +172,13 @@ ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
     # Not a switch but a placement: the whole tree, telemetry too, on the relay's one core (a sidecar with a
     # one-core limit, issue 29), where plain ``llmtap`` moves its telemetry process to the other core.
     ONE_CORE: ({}, []),
+    # ``--record`` with a folder of the run's (``llmtap`` adds it: the folder is made per start).
+    RECORD: ({}, []),
 }
 
 
 def ablation_names(spec: str) -> list[str]:
-    """The switches of an ablation spec (``otel-off+httpx``), each checked against ``ABLATIONS``."""
+    """The switches of an ablation spec (``otel-off+chunk-spans-off``), each checked against ``ABLATIONS``."""
     names = [n for n in spec.split("+") if n]
     unknown = [n for n in names if n not in ABLATIONS]
     if unknown:
@@ -244,7 +247,7 @@ def llmtap(
     """``llmtap serve`` with full telemetry: chunk spans on, traces and metrics exported over OTLP/gRPC to the sink.
 
     With ``certs`` the upstream is ``https://`` (its TLS port) and llmtap trusts the run's CA; ``ablation``
-    (``otel-off``, ``otel-off+httpx``, ...) applies switches of ``ABLATIONS``. Returns the endpoint and the
+    (``otel-off``, ``otel-off+chunk-spans-off``, ...) applies switches of ``ABLATIONS``. Returns the endpoint and the
     admin port (``/metrics``). ``telemetry_cpu``: the core(s) the telemetry process moves to once it runs
     (the relay stays alone on ``cpu``, as the issue's targets ask); None leaves it where it started.
     """
@@ -256,6 +259,10 @@ def llmtap(
         more_env, more_argv = ABLATIONS[switch]
         switches_env.update(more_env)
         switches_argv += more_argv
+    if RECORD in ablation_names(ablation):
+        records = work / f"records-{name}-{ablation}-{scheme}"
+        shutil.rmtree(records, ignore_errors=True)
+        switches_argv += ["--record", str(records)]
     ca_env, ca_argv = _ca_env(work, certs, module) if certs is not None else ({}, [])
     env = {
         "PYTHONPATH": str(REPO),

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import accuracy, peers, report, tlsca
+from bench import accuracy, peers, report, rps, tlsca
 from bench.peers import Endpoint
 from bench.procs import Sampler, quiesce
 from bench.stats import PathFigures, analyse, crossing, median, open_streams
@@ -706,6 +706,20 @@ def parser() -> argparse.ArgumentParser:
         help="skip llmtap:one-core (llmtap's whole tree on the proxy's core, beside llmtap with its telemetry "
         "on the client's core)",
     )
+    p.add_argument(
+        "--no-rps", dest="rps", action="store_false", help="skip requests per second beside nginx (bench.rps)"
+    )
+    p.add_argument(
+        "--rps-only", dest="rps_only", action="store_true", help="requests per second beside nginx alone (bench.rps)"
+    )
+    p.add_argument(
+        "--rps-profile",
+        dest="rps_profile",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with the rps part: also profile llmtap's two processes under it (bench.rps_profile, needs py-spy)",
+    )
     p.add_argument("--no-netns", dest="netns", action="store_false", help="do not re-run inside unshare -n")
     p.add_argument("--out", help="results folder (default bench/out/<time>)")
     p.add_argument("--proxy-cpu", default="0", help="core of the proxy under test")
@@ -718,6 +732,60 @@ def parser() -> argparse.ArgumentParser:
         "disturbs it less; 0 in smoke mode)",
     )
     return p
+
+
+def rps_part(work: Path, args: argparse.Namespace, proxy_cpu: str | None, client_cpu: str | None) -> dict[str, Any]:
+    """The requests-per-second part (``bench.rps``), with its profile when asked, and the command that runs it alone."""
+    plan = rps.SMOKE if args.smoke else rps.FULL
+    part = rps.run(work, plan, proxy_cpu, client_cpu)
+    if args.rps_profile > 0:
+        from bench import rps_profile
+
+        part["profile"] = rps_profile.run(work, plan, proxy_cpu, client_cpu, args.rps_profile)
+    part["command"] = shlex.join(["python", "-m", "bench", "--rps-only"] + (["--smoke"] if args.smoke else []))
+    return part
+
+
+def rps_markdown(part: dict[str, Any]) -> str:
+    """The rps part's tables, and its profile's when it has one."""
+    text = rps.markdown(part)
+    if "profile" in part:
+        from bench import rps_profile
+
+        text += "\n\n" + rps_profile.markdown(part["profile"])
+    return text
+
+
+def rps_alone(args: argparse.Namespace, argv: list[str]) -> int:
+    """``python -m bench --rps-only``: the rps part and nothing else, into ``results.json`` as a full run's."""
+    absent = rps.missing()
+    if absent:
+        print("missing: " + "; ".join(f"{k} ({v})" for k, v in absent.items()), file=sys.stderr)
+        return 3
+    nice = args.nice if args.nice is not None else (0 if args.smoke or os.geteuid() != 0 else -10)
+    if nice:
+        os.nice(nice)
+    work = Path(args.out).resolve() if args.out else peers.REPO / "bench" / "out" / time.strftime("%Y%m%d-%H%M%S")
+    work.mkdir(parents=True, exist_ok=True)
+    single_core = (os.cpu_count() or 1) < 2
+    proxy_cpu, client_cpu = (None, None) if single_core else (args.proxy_cpu, args.client_cpu)
+    results: dict[str, Any] = {
+        "mode": "smoke" if args.smoke else "full",
+        "command": shlex.join(["python", "-m", "bench", *argv]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "netns": bool(os.environ.get(IN_NETNS)),
+        "nice": os.nice(0),
+        "commit": _out(["git", "-C", str(peers.REPO), "rev-parse", "--short", "HEAD"]),
+        "load_before": load(),
+    }
+    try:
+        results["rps"] = rps_part(work, args, proxy_cpu, client_cpu)
+    finally:
+        results["load_after"] = load()
+        (work / "results.json").write_text(json.dumps(results, indent=1))
+    print(rps_markdown(results["rps"]))
+    print(f"results: {work / 'results.json'}")
+    return 0
 
 
 def path_specs(args: argparse.Namespace) -> list[str]:
@@ -748,11 +816,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.netns:
         _netns(argv)
+    if args.rps_only:
+        return rps_alone(args, argv)
     paths = path_specs(args)
     bases = {base_path(p) for p in paths}
     absent = {
         k: v for k, v in peers.missing().items() if k in bases or (args.accuracy and k in ("aiperf", "prometheus"))
     }
+    if args.rps:
+        absent.update(rps.missing())
     if absent:
         print("missing: " + "; ".join(f"{k} ({v})" for k, v in absent.items()), file=sys.stderr)
         return 3
@@ -819,6 +891,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.client_check()
         if args.workers and plan.workers_streams and "llmtap" in paths:
             bench.workers()
+        if args.rps:
+            results["rps"] = rps_part(work, args, bench.proxy_cpu, bench.client_cpu)
         if args.accuracy:
             results["accuracy"] = accuracy.run(
                 work,
@@ -836,6 +910,8 @@ def main(argv: list[str] | None = None) -> int:
         results["load_after"] = load()
         (work / "results.json").write_text(json.dumps(results, indent=1))
     print(report.markdown(results))
+    if "rps" in results:
+        print("\n### Requests per second beside nginx\n\n" + rps_markdown(results["rps"]))
     if args.write and not args.smoke:
         report.write_results(results, peers.REPO / "bench" / "RESULTS.md")
     print(f"results: {work / 'results.json'}")

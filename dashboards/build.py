@@ -1,7 +1,7 @@
 """Builds llmtap's Grafana dashboards from code: ``python -m dashboards.build`` writes them, ``--check`` compares.
 
 Metric and label names are derived from ``llmtap.telemetry.semconv`` through the same OpenTelemetry to
-Prometheus rules as the proxy's ``/metrics`` (``llmtap.telemetry.prometheus.metric_name``), which are also
+Prometheus rules as the proxy's ``/metrics`` (``llmtap.telemetry.exposition.prometheus.metric_name``), which are also
 what a collector's Prometheus remote-write exporter produces, so one set of queries serves both paths and a
 renamed metric changes the dashboards in the same commit. The JSON is built with grafana-foundation-sdk;
 CI runs ``--check``, which fails when the checked-in files differ from what this code builds.
@@ -22,7 +22,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as cm, dashboard as dm
 
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.prometheus import metric_name
+from llmtap.telemetry.exposition.prometheus import metric_name
 
 HERE = Path(__file__).resolve().parent
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")

@@ -28,8 +28,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from llmtap.config.types import Settings
 from llmtap.relay.app import ProxyApp
 from llmtap.serve.local import in_process
-from llmtap.telemetry.admin import AdminApp
-from llmtap.telemetry.prometheus import PrometheusReader
+from llmtap.telemetry.admin.server import AdminApp
+from llmtap.telemetry.exposition.prometheus import PrometheusReader
 from llmtap.telemetry.recorder import Recorder
 from tests.support.net import free_port as free_port  # one definition for the tests and the benchmark
 

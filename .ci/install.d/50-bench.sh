@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs the peers and the reference client of the benchmark (bench/, bench/tests/test_smoke.py):
-# nginx (Debian nginx-light, the floor for a proxy, also over an HTTPS upstream), LiteLLM's proxy and NVIDIA's aiperf, each of the two
+# Installs the peers and the reference client of the benchmark (bench/, tests/test_bench_smoke.py):
+# nginx (Debian nginx-light, the floor for a proxy, also over an HTTPS upstream), wrk, LiteLLM's proxy and NVIDIA's aiperf, each of the two
 # Python tools in its own virtual environment ("$LLMTAP_TOOLS/litellm", "$LLMTAP_TOOLS/aiperf") because
 # their pins clash with ours and with each other.
 # Idempotent: what already runs is kept.
@@ -19,6 +19,13 @@ if ! command -v nginx >/dev/null 2>&1; then
     fi
 fi
 command -v nginx >/dev/null
+# wrk: the closed-loop load of the requests-per-second part (bench/rps.py).
+if ! command -v wrk >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null
+    apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends wrk >/dev/null
+fi
+command -v wrk >/dev/null
 # The HTTPS-upstream scenarios proxy with proxy_pass https:// (nginx-light has the SSL module; say so if not).
 case "$(nginx -V 2>&1)" in
     *--with-http_ssl_module*) ;;

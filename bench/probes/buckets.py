@@ -3,7 +3,7 @@ bench.probes.buckets``.
 
 Known latency distributions (the course's shapes with lognormal spreads: TTFT of a support prompt around
 0.78 s, of the same prompt served from cache 0.12 s, of a code completion 25 ms; ITL around 22 ms; a
-support answer's E2E) are recorded through llmtap's own instruments (``llmtap.telemetry.instruments``) on
+support answer's E2E) are recorded through llmtap's own instruments (``llmtap.telemetry.emit.instruments``) on
 the OpenTelemetry SDK, once per choice:
 
 * ``standard``: the conventions' advisory buckets, the default of the ``gen_ai.*`` histograms;
@@ -12,12 +12,12 @@ the OpenTelemetry SDK, once per choice:
 * ``base2``: the SDK's base-2 exponential aggregation, what the OTLP exporter sends with
   ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram``.
 
-The explicit ones are rendered by the code behind llmtap's ``/metrics`` (``llmtap.telemetry.prometheus``, sparse:
-the bounds over the range of the values, so "one series holds" counts what a series of that shape costs),
-scraped by a real Prometheus and read back with its ``histogram_quantile``; the exponential one is read
-from the SDK's data points here (Prometheus' text format has no exponential histograms), interpolated
-geometrically inside the bucket that holds the rank and kept within the recorded min and max. Exact: the
-quantile of the raw samples (``llmtap.analysis.stats.quantile``).
+The explicit ones are rendered by the code behind llmtap's ``/metrics`` (``llmtap.telemetry.exposition.prometheus``,
+sparse: the bounds over the range of the values, so "one series holds" counts what a series of that shape costs),
+scraped by a real Prometheus and read back with its ``histogram_quantile``; the exponential one is read from the SDK's
+data points here (Prometheus' text format has no exponential histograms), interpolated geometrically inside the bucket
+that holds the rank and kept within the recorded min and max. Exact: the quantile of the raw samples
+(``llmtap.analysis.stats.quantile``).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
 
 from llmtap.analysis.stats import histogram_quantile, quantile
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.instruments import create
-from llmtap.telemetry.prometheus import PrometheusReader, metric_name
+from llmtap.telemetry.emit.instruments import create
+from llmtap.telemetry.exposition.prometheus import PrometheusReader, metric_name
 from tests.support.net import LoopbackHTTPServer, answer
 from tests.support.proctree import Service
 from tests.support.prometheus import promql, start_prometheus

@@ -61,7 +61,7 @@ def _settings() -> Any:
 
 def _finished(key: int) -> tuple[Any, Any]:
     from llmtap.analysis.summary import summarize
-    from llmtap.telemetry.replay import Playback
+    from llmtap.telemetry.intake.replay import Playback
     from llmtap.wire.messages import decode
 
     settings = _settings()
@@ -106,7 +106,7 @@ def _short() -> tuple[int, int, Any]:
 
 @size("trace_ids_known")
 def _known() -> tuple[int, int, Any]:
-    from llmtap.telemetry.peers import MAX_KNOWN, Ownership
+    from llmtap.telemetry.fleet.peers import MAX_KNOWN, Ownership
 
     owned = Ownership(1.0, lambda n: None)
     for _ in range(MAX_KNOWN):
@@ -116,7 +116,7 @@ def _known() -> tuple[int, int, Any]:
 
 @size("join_recent")
 def _recent() -> tuple[int, int, Any]:
-    from llmtap.telemetry.serverspans import MAX_RECENT, Join
+    from llmtap.telemetry.fleet.serverspans import MAX_RECENT, Join
 
     join: Join[Any] = Join(1.0, lambda outcome, n: None)
     for _ in range(MAX_RECENT):
@@ -126,7 +126,7 @@ def _recent() -> tuple[int, int, Any]:
 
 @size("join_held")
 def _held() -> tuple[int, int, Any]:
-    from llmtap.telemetry.serverspans import MAX_HELD, Join
+    from llmtap.telemetry.fleet.serverspans import MAX_HELD, Join
 
     join: Join[Any] = Join(60.0, lambda outcome, n: None)
     items = [_finished(n) for n in range(SAMPLE)]
@@ -137,8 +137,8 @@ def _held() -> tuple[int, int, Any]:
 
 @size("open_streams")
 def _open() -> tuple[int, int, Any]:
-    from llmtap.telemetry.replay import Playback
-    from llmtap.telemetry.streams import MAX_OPEN_STREAMS
+    from llmtap.telemetry.intake.replay import Playback
+    from llmtap.telemetry.intake.streams import MAX_OPEN_STREAMS
     from llmtap.wire.messages import decode
 
     settings, held = _settings(), []
@@ -154,7 +154,7 @@ def _open() -> tuple[int, int, Any]:
 
 @size("gone_streams")
 def _gone() -> tuple[int, int, Any]:
-    from llmtap.telemetry.streams import MAX_GONE, Streams
+    from llmtap.telemetry.intake.streams import MAX_GONE, Streams
 
     streams = Streams(None, None, gone_limit=MAX_GONE)  # type: ignore[arg-type]  # neither is called here
     for n in range(MAX_GONE):
@@ -165,7 +165,7 @@ def _gone() -> tuple[int, int, Any]:
 
 @size("live_samples")
 def _live() -> tuple[int, int, Any]:
-    from llmtap.telemetry.live.window import SAMPLE_BUDGET, LiveWindow
+    from llmtap.telemetry.admin.live.window import SAMPLE_BUDGET, LiveWindow
 
     window = LiveWindow(lambda tl, s: ("default", "llmtap-sim", "v1"), slo=True, traces=True)
     entries = [window.entry(*_finished(n)) for n in range(64)]
@@ -192,7 +192,7 @@ def _sdk() -> tuple[int, int, Any]:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from llmtap.telemetry.instruments import DURATION_BUCKETS
+    from llmtap.telemetry.emit.instruments import DURATION_BUCKETS
 
     limit = 2000  # the SDK's default cardinality limit per instrument
     provider = MeterProvider(metric_readers=[InMemoryMetricReader()])

@@ -24,6 +24,7 @@ from typing import Any
 
 from bench.probes.records_gen import PODS, rows_sql
 from llmtap.store import clickhouse as ch
+from llmtap.telemetry.records.clickhouse import ClickHouseSink
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,7 +86,7 @@ def sink_throughput(server: ch.Server, n: int) -> dict[str, Any]:
         con.close()
     for rec in records:
         rec.pop("date", None), rec.pop("hour", None)
-    sink = ch.ClickHouseSink(server, "sink_throughput", ttl_days=0, max_records=n + 1, max_bytes=1 << 31)
+    sink = ClickHouseSink(server, "sink_throughput", ttl_days=0, max_records=n + 1, max_bytes=1 << 31)
     try:
         sink.write(records[0])
         assert sink.drain(600)  # the table made, the connection warm

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmtap.telemetry.spool import Spool
+from llmtap.telemetry.journal.spool import Spool
 from llmtap.wire.framing import encode_frame
 from llmtap.wire.ledger import Ledger
 from llmtap.worker import Progress

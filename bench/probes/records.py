@@ -25,9 +25,9 @@ from typing import Any
 from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 
 from llmtap.store.files import ReadStats, read_records, record_files_at
-from llmtap.telemetry.dataset import DatasetWriter
 from llmtap.telemetry.identity import current
-from llmtap.telemetry.recordlogs import LogSink
+from llmtap.telemetry.records.dataset import DatasetWriter
+from llmtap.telemetry.records.logs import LogSink
 
 
 def sample_records(n: int, seed: int = 0) -> list[dict[str, Any]]:

@@ -161,11 +161,12 @@ def _sizes(table: dict[str, tuple[Callable[[], int], Callable[[], int] | None]])
 
 def _telemetry(rec: Any) -> Callable[[], dict[str, Any]]:
     from llmtap.analysis import cost, estimator, tokens
-    from llmtap.telemetry import otlp_spans, peers, serverspans
-    from llmtap.telemetry.live.window import LiveWindow
+    from llmtap.telemetry.admin.live.window import LiveWindow
+    from llmtap.telemetry.emit import otlp_spans
 
     # Both found again once in a while: the live view's window and the SDK's aggregations come after the recorder.
-    from llmtap.telemetry.prometheus import PrometheusReader
+    from llmtap.telemetry.exposition.prometheus import PrometheusReader
+    from llmtap.telemetry.fleet import peers, serverspans
 
     windows, matches, readers = [_windows(rec, LiveWindow)], [_sdk_matches(rec)], [_readers(PrometheusReader)]
     checked = [time.monotonic()]
@@ -269,11 +270,11 @@ def _sdk_matches(rec: Any) -> list[Any]:
 
 
 def _relay(app: Any) -> Callable[[], dict[str, Any]]:
-    from llmtap.relay import app as relay_app
+    from llmtap.relay import forward
 
     table: dict[str, tuple[Callable[[], int], Callable[[], int] | None]] = {
         "inflight": (lambda: app.inflight, None),
-        "targets": (lambda: len(app._targets), lambda: relay_app._TARGETS),
+        "targets": (lambda: len(app.upstreams._targets), lambda: forward.TARGETS),
         "tapes_dropped": (lambda: app.tapes_dropped, None),
     }
     return lambda: _sizes(table)

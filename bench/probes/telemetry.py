@@ -31,6 +31,7 @@ revision ``REV`` (extracted to a temporary folder, run in a child process): befo
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -58,11 +59,21 @@ from tests.support.tapes import chat_tape, content_event
 def _encode(spans: Sequence[ReadableSpan]) -> bytes:
     """A batch as OTLP protobuf, by the encoder the tree's exporters use (the SDK's, before llmtap had one)."""
     try:
-        from llmtap.telemetry.otlp_spans import encode_request
+        encode_request = _moved("llmtap.telemetry.emit.otlp_spans", "llmtap.telemetry.otlp_spans").encode_request
     except ImportError:
         data: bytes = encode_spans(spans).SerializeToString()
         return data
-    return encode_request(spans)
+    encoded: bytes = encode_request(spans)
+    return encoded
+
+
+def _moved(module: str, before: str) -> Any:
+    """A module of the tree measured: at its place in the telemetry side's rooms, or where it was before them (a
+    ``--before`` revision)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return importlib.import_module(before)
 
 
 class _Encoding(SpanExporter):
@@ -130,18 +141,22 @@ class _Phases:
     @classmethod
     def timing(cls) -> _Phases:
         """The phases of the tree's telemetry, each timed by the functions it runs (undo when done)."""
-        from llmtap.telemetry import recorder as recorder_module, replay, spans
-        from llmtap.telemetry.metrics import MetricWriter
+        spans = _moved("llmtap.telemetry.emit.spans", "llmtap.telemetry.spans")
+        metrics = _moved("llmtap.telemetry.emit.metrics", "llmtap.telemetry.metrics")
+        replay = _moved("llmtap.telemetry.intake.replay", "llmtap.telemetry.replay")
+        # The analysis of a finished request: one call since ``llmtap.analysis.finish``, the recorder's before.
+        finish = _moved("llmtap.analysis.finish", "llmtap.telemetry.recorder")
+        analysis = finish.Analysis if hasattr(finish, "Analysis") else finish.Recorder
 
         phases = cls()
         phases.wrap(replay.Playback, "__init__", "decode")
         phases.wrap(replay.Playback, "feed", "decode")
         phases.wrap(replay.Playback, "finish", "decode")
-        phases.wrap(recorder_module, "summarize", "summary")
-        phases.wrap(recorder_module.Recorder, "_diagnose", "summary")
+        phases.wrap(finish, "summarize", "summary")
+        phases.wrap(analysis, "_diagnose", "summary")
         phases.wrap(spans.SpanWriter, "root", "spans")
         phases.wrap(spans.SpanWriter, "write", "spans")
-        phases.wrap(MetricWriter, "record", "metrics")
+        phases.wrap(metrics.MetricWriter, "record", "metrics")
         return phases
 
     def undo(self) -> None:
@@ -156,9 +171,10 @@ def _meters() -> tuple[MeterProvider, Callable[[], None]]:
     The OTLP endpoint is a closed port an hour's interval away: nothing is sent during the run, and at the end
     the provider is left to the process's exit rather than shut down (its last export would wait on that port).
     """
+    from llmtap.config.types import TelemetrySettings
+
     try:
-        from llmtap.config.types import TelemetrySettings
-        from llmtap.telemetry.setup import build
+        build = _moved("llmtap.telemetry.emit.setup", "llmtap.telemetry.setup").build
     except ImportError:
         provider = MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)
         return provider, provider.shutdown
@@ -173,7 +189,7 @@ def _meters() -> tuple[MeterProvider, Callable[[], None]]:
 def measure(requests: int, chunks: int, *, pace: float = 0.0, batch: int = 1) -> dict[str, Any]:
     """CPU per chunk by phase for ``requests`` tapes of ``chunks`` chunks, default telemetry settings; with
     ``pace``, the tapes come ``batch`` at a time, ``pace`` seconds per tape apart (the process sleeps between)."""
-    from llmtap.telemetry.records import record_line
+    record_line = _moved("llmtap.telemetry.records.record", "llmtap.telemetry.records").record_line
 
     exporter = _Encoding()
     tracer_provider = TracerProvider(shutdown_on_exit=False)

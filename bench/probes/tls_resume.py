@@ -27,7 +27,7 @@ import uvloop
 
 from bench import peers, tlsca
 from llmtap.relay import tls
-from llmtap.relay.upstream_http import LeanTransport
+from llmtap.relay.upstream import LeanTransport
 
 WAYS = ("resumed", "full")
 

@@ -15,7 +15,7 @@ import pytest
 
 from bench import accuracy
 from bench.probes import buckets
-from llmtap.telemetry.instruments import DURATION_BUCKETS
+from llmtap.telemetry.emit.instruments import DURATION_BUCKETS
 from tests.conftest import require_real
 from tests.telemetry.test_prometheus import histogram_quantile as promql_reference
 

@@ -66,7 +66,7 @@ def results(out: Path) -> dict[str, Any]:
     absent = peers.missing()
     require_real(not absent, ", ".join(sorted(absent)) or "-", "; ".join(sorted(set(absent.values()))) or "-")
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--tls", "off", "--no-bursts", "--out", str(out)],
+        [sys.executable, "-m", "bench", "--smoke", "--tls", "off", "--no-bursts", "--no-rps", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -202,7 +202,7 @@ def bursts(burst_out: Path) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "bench", "--smoke", "--paths", ",".join(BURST_PATHS), "--tls", "both",
         "--bursts", ",".join(map(str, BURST_SIZES)), "--no-staggered", "--no-ramp", "--no-accuracy",
-        "--no-workers", "--out", str(burst_out),
+        "--no-workers", "--no-rps", "--out", str(burst_out),
     ]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -369,11 +369,18 @@ def test_burst_command_line_and_ablations() -> None:
     from bench.run import parser, path_specs
 
     args = parser().parse_args(["--bursts", "1,32,64", "--tls", "on", "--paths", "direct,nginx,llmtap",
-                                "--ablation", "otel-off", "--ablation", "httpx"])  # fmt: skip
+                                "--ablation", "otel-off", "--ablation", "chunk-spans-off"])  # fmt: skip
     assert args.bursts == (1, 32, 64) and args.tls == "on"
     # llmtap:one-core (the whole tree on the proxy's one core) runs by default, beside the dedicated cores.
-    assert path_specs(args) == ["direct", "nginx", "llmtap", "llmtap:one-core", "llmtap:otel-off", "llmtap:httpx"]
-    assert peers.ablation_names("otel-off+httpx") == ["otel-off", "httpx"]
+    assert path_specs(args) == [
+        "direct",
+        "nginx",
+        "llmtap",
+        "llmtap:one-core",
+        "llmtap:otel-off",
+        "llmtap:chunk-spans-off",
+    ]
+    assert peers.ablation_names("otel-off+chunk-spans-off") == ["otel-off", "chunk-spans-off"]
     with pytest.raises(ValueError):
         peers.ablation_names("no-such-switch")
     with pytest.raises(SystemExit):

@@ -1,7 +1,7 @@
 """Generates ``docs/reference.md``: every metric, span and attribute llmtap emits, from the code that emits them.
 
 ``python docs/generate/reference.py`` writes the file; with ``--check`` it fails when the file is stale. Names,
-units, instrument types, descriptions and buckets are read from ``telemetry/instruments.py`` (through a meter that
+units, instrument types, descriptions and buckets are read from ``telemetry/emit/instruments.py`` (through a meter that
 writes down what it is asked to create); which attributes each metric and span carries is
 read from a run of the real recorder over a set of requests that touch every path (stream and unary,
 server timings, errors, cancellations, rejections, folded chunks). What a name means is written here,
@@ -17,9 +17,10 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from opentelemetry.metrics import Counter, Histogram, NoOpMeter, UpDownCounter
+from opentelemetry.metrics import Counter, Histogram, NoOpMeter, ObservableCounter, ObservableGauge, UpDownCounter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -30,10 +31,12 @@ from opentelemetry.trace import SpanKind
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import SLO, Route, Settings, TelemetrySettings
 from llmtap.providers import provider_for
-from llmtap.telemetry import forward, semconv as sc
-from llmtap.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
-from llmtap.telemetry.metrics import CONVENTIONS, OWN, SHAPE
-from llmtap.telemetry.prometheus import metric_name
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.emit.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
+from llmtap.telemetry.emit.metrics import CONVENTIONS, OWN, SHAPE
+from llmtap.telemetry.emit.setup import process_metrics
+from llmtap.telemetry.exposition.prometheus import metric_name
+from llmtap.telemetry.fleet import forward
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import Facts, ServerTiming, Usage
 from llmtap.wire.messages import (
@@ -97,14 +100,24 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "(`telemetry.offline_token_usage`).",
     ),
     sc.INPUT_MESSAGES: (
-        "string",
+        "string or any",
         "The prompt (system part and messages, role and text) as JSON, at most 16 KiB of text, only when "
-        "`OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` is true.",
+        "`OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` is true. On the content event (`--content-event "
+        "input=keep` or `hash`): the messages in structured form, or `sha256:<hex>` of them.",
+    ),
+    sc.SYSTEM_INSTRUCTIONS: (
+        "any",
+        "Content event only (`--content-event system=keep` or `hash`): instructions sent apart from the chat history "
+        "(Anthropic's `system`, the Responses API's `instructions`) as parts, or `sha256:<hex>` of them.",
+    ),
+    sc.CONTENT_TRUNCATED: (
+        "string[]",
+        "Content event only: the fields (`system`, `input`, `output`) cut to `--content-event-max-bytes`.",
     ),
     sc.OUTPUT_MESSAGES: (
-        "string",
+        "string or any",
         "The completion as JSON, at most 16 KiB, only when `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` "
-        "is true.",
+        "is true. On the content event (`--content-event output=keep` or `hash`): structured, or its `sha256:<hex>`.",
     ),
     sc.ERROR_TYPE: (
         "string",
@@ -267,7 +280,6 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     sc.CHUNK_COUNT: ("int", "Content chunks in the stream."),
     sc.CHUNK_INDEX: ("int", "The chunk's position, from 0."),
     sc.CHUNK_TOKENS: ("int", "Tokens the chunk carried: usage apportioned by tiktoken counts, at least 1 each."),
-    sc.CHUNK_TOKENS_SOURCE: ("string", "Declared: how chunk tokens were counted."),
     sc.CHUNK_BYTES: ("int", "Bytes of the upstream read that carried the chunk."),
     sc.CHUNK_GAP: ("double", "Chunk gap in seconds (0 for the first): see Timing definitions."),
     sc.CHUNK_FOLDED: ("int", "How many chunks past the cap this one span or event stands for."),
@@ -317,7 +329,6 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     f"{sc.PROMPT_FINGERPRINT}.{{region}}": ("string", "A short sha256 of one prompt region, never its text."),
     f"{sc.PROMPT_REGION_TOKENS}.{{region}}": ("int", "Tokens in one prompt region."),
     sc.PROMPT_SHARED_PREFIX: ("int", "Tokens this prompt shares with the most similar recent one."),
-    sc.QUEUE_OUTCOME: ("string", "Declared: how a request left the admission queue."),
     sc.TIMING_FIELD: ("string", "Which server-reported timing field was ignored as malformed or absurd."),
     sc.TIMEOUT_KIND: (
         "string",
@@ -353,9 +364,18 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "string",
         "An `x-llmtap-property-<name>` header (name folded to `[a-z0-9_]`; at most 16 a request).",
     ),
-    sc.COST_AMOUNT: ("double", "What the request cost: its reported tokens at the price table's prices."),
+    sc.COST_AMOUNT: (
+        "double",
+        "What the request cost: the cost the response stated (a `usage.cost` field, a gateway's "
+        "`x-litellm-response-cost` header), else its reported tokens at the price table's prices; absent when "
+        "unknown, never 0 (semantic-conventions-genai #443, development, no release yet).",
+    ),
     sc.COST_CURRENCY: ("string", "`USD`."),
-    sc.COST_SOURCE: ("string", "`local`: llmtap computed the cost from the reported tokens and its prices."),
+    sc.COST_SOURCE: (
+        "string",
+        "`provider` (the response stated the cost) or `local` (llmtap computed it from the reported tokens and its "
+        "price table, named in `llmtap.cost.prices`).",
+    ),
     sc.COST_STATUS: (
         "string",
         "`priced`, `unknown_model` (no price for the model: no amount, never 0) or `no_usage` (the upstream "
@@ -371,6 +391,7 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
 #: Attributes of metrics the reference run cannot provoke (they count failures of llmtap itself).
 UNEXERCISED: dict[str, tuple[str, ...]] = {
     sc.METRIC_TELEMETRY_DROPPED: (sc.TELEMETRY_REASON,),
+    sc.METRIC_SPANS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_FACTS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_RECORDS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_SERVER_SPANS: (sc.SERVER_SPAN_OUTCOME,),
@@ -443,6 +464,10 @@ METRICS: dict[str, str] = {
     sc.METRIC_JOURNAL_SIZE: "Each scrape or export, with a record journal: the bytes of tapes it holds now.",
     sc.METRIC_JOURNAL_RECORDS: "Each scrape or export, with a record journal: the requests it keeps until every "
     "record sink has their record.",
+    sc.METRIC_SPANS_DROPPED: "Each scrape or export, with an OTLP trace exporter: the spans dropped so far, by "
+    "`llmtap.telemetry.reason`.",
+    sc.METRIC_EXPORTS_FAILED: "Each scrape or export, with an OTLP metric exporter: metric exports the collector did "
+    "not take so far.",
     sc.METRIC_START_TIME: "Each scrape or export: when the telemetry process started (a restart shows as a new value; "
     "its counters start from 0 then).",
     sc.METRIC_MALFORMED: "Streams with events llmtap could not parse; every route reads 0 from the start.",
@@ -549,15 +574,29 @@ class _CatalogMeter(NoOpMeter):
             name, unit, description, explicit_bucket_boundaries_advisory=explicit_bucket_boundaries_advisory
         )
 
+    def create_observable_gauge(
+        self, name: str, callbacks: Any = None, unit: str = "", description: str = ""
+    ) -> ObservableGauge:
+        self.created.append(Instrument(name, "gauge", unit, description))
+        return super().create_observable_gauge(name, callbacks, unit, description)
+
+    def create_observable_counter(
+        self, name: str, callbacks: Any = None, unit: str = "", description: str = ""
+    ) -> ObservableCounter:
+        self.created.append(Instrument(name, "counter", unit, description))
+        return super().create_observable_counter(name, callbacks, unit, description)
+
 
 def instruments(*, latest: bool) -> list[Instrument]:
     """Every instrument of one naming flavour (the opt-in ``gen_ai.server.*`` ones too), with the buckets of
-    either ``telemetry.histogram_buckets`` setting."""
+    either ``telemetry.histogram_buckets`` setting; then the telemetry process's own (``setup.process_metrics``)."""
     standard, fine = _CatalogMeter(), _CatalogMeter()
     create(standard, latest=latest, server=True)
     create(fine, latest=latest, fine=True, server=True)
     for ins, other in zip(standard.created, fine.created, strict=True):
         ins.fine_buckets = other.buckets
+    exporters: Any = SimpleNamespace(observe=None)  # present: their instruments are made
+    process_metrics(standard, 0.0, exporters, exporters)
     return standard.created
 
 
@@ -565,7 +604,9 @@ def instruments(*, latest: bool) -> list[Instrument]:
 
 _T0 = 100.0
 _WALL = 1_700_000_000_000_000_000
-_ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default", provider="vllm")
+_ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default", provider="vllm", server_slots=4)
+#: Who sent the first request: every attribution dimension (``llmtap.analysis.attribution``).
+_ATTRIBUTION = {"tenant": "acme", "user": "user-7", "api_key": "0123456789ab", "property.team": "search"}
 _BODY: dict[str, Any] = {
     "model": "example-model",
     "messages": [
@@ -619,6 +660,7 @@ def _timeline(
         tl.request = provider.inspect(content, inject_usage=True)
     for i in range(chunks):
         tl.add_chunk(at + 0.2 + i * 0.02, 40, f" word{i}")
+        tl.relay_delays.append(0.00002 * (i + 1))  # what the relay added to each read
     tl.end = at + 0.2 + chunks * 0.02
     tl.response_bytes = 40 * chunks + 100
     return tl
@@ -630,7 +672,7 @@ def _requests() -> Iterable[Timeline]:
     full.apply(
         Facts(
             usage=Usage(input_tokens=120, output_tokens=11, cache_read_tokens=96, cache_write_tokens=8,
-                        reasoning_tokens=2),
+                        reasoning_tokens=2, cost=0.00042),
             finish_reasons=["stop", "stop"],
             response_id="chatcmpl-1",
             response_model="example-model-2025",
@@ -639,12 +681,14 @@ def _requests() -> Iterable[Timeline]:
         )
     )  # fmt: skip
     full.malformed_events, full.oversized_events, full.rejected_timings = 1, 1, ["decode"]
+    full.attribution = dict(_ATTRIBUTION)
     yield full
     again = _timeline()
     # The server's own timing in full, its decode too (``llmtap.decode.server.duration``).
     again.apply(
         Facts(
             usage=Usage(input_tokens=120, output_tokens=10),
+            response_model="gpt-4o",  # priced by the shipped table: a local cost
             finish_reasons=["length"],
             server_timing=ServerTiming(queue=0.01, prefill=0.15, decode=0.08),
         )
@@ -679,9 +723,12 @@ def _requests() -> Iterable[Timeline]:
             usage=Usage(input_tokens=120, output_tokens=10),
             finish_reasons=["stop"],
             response_id="chatcmpl-2",
-            response_model="example-model-2025",
+            response_model="gpt-4o",
+            system_fingerprint="fp_example",
+            server_timing=ServerTiming(queue=0.02),
         )
     )
+    hop.attribution = dict(_ATTRIBUTION)
     yield hop
     # No prompt version and another system prompt (the cache diagnosis names the changed region), and a
     # body that is not JSON at all: no model, relayed unchanged.
@@ -719,7 +766,8 @@ def _type(value: Any) -> str:
     if isinstance(value, float):
         return "double"
     if isinstance(value, list | tuple):
-        return "string[]"
+        # Structured content (the content event's messages: maps in a list) is OTLP's AnyValue.
+        return "any" if any(isinstance(v, dict) for v in value) else "string[]"
     return "string"
 
 
@@ -789,6 +837,37 @@ def exercise(*, latest: bool, chunk_mode: str, out: Observed) -> None:
         recorder.close()
         tracer_provider.shutdown()
         meter_provider.shutdown()
+    content_events(out)
+
+
+def content_events(out: Observed) -> None:
+    """The content event of a chat request and of an Anthropic one (instructions sent apart), every field kept,
+    with a bound the chat's input exceeds: what the event carries at most."""
+    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
+
+    from llmtap.analysis.finish import Finished
+    from llmtap.analysis.summary import Summary
+    from llmtap.config.types import ContentEvent
+    from llmtap.telemetry.records.content import ContentEmitter
+
+    exporter = InMemoryLogRecordExporter()  # type: ignore[no-untyped-call]
+    rules = ContentEvent(rules=(("system", "keep"), ("input", "keep"), ("output", "keep")), max_bytes=256)
+    emitter = ContentEmitter(rules, exporter)
+    chat = _timeline()
+    chat.apply(Facts(finish_reasons=["stop"], response_id="chatcmpl-3", response_model="example-model-2025"))
+    messages = provider_for("POST", "/v1/messages")
+    assert messages is not None
+    anthropic = _timeline()
+    anthropic.protocol = messages.name
+    body = {"model": "example-model", "system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]}
+    anthropic.request = messages.inspect(json.dumps(body).encode(), inject_usage=False)
+    for tl in (chat, anthropic):
+        tl.trace_id, tl.span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        emitter.emit(Finished(tl, Summary(), None))
+    emitter.close()
+    for data in exporter.get_finished_logs():
+        out.span_kinds[CONTENT_EVENT] = "log record"
+        out.span_attrs.setdefault(CONTENT_EVENT, set()).update(_note(out, data.log_record.attributes))
 
 
 # --- writing the reference -----------------------------------------------------------------------
@@ -840,7 +919,7 @@ def _lines(bounds: Sequence[float] | None) -> int:
     return len(bounds or ()) + 3
 
 
-#: The attribute sets of metrics (``llmtap.telemetry.metrics``), as the reference names them.
+#: The attribute sets of metrics (``llmtap.telemetry.emit.metrics``), as the reference names them.
 SET_CONVENTIONS = "the conventions'"
 SET_OWN = "llmtap's"
 SET_SHAPED = "llmtap's, by request shape"
@@ -941,7 +1020,7 @@ def render(observed: Observed, released: list[Instrument], latest: list[Instrume
         )
     for name, seen in observed.types.items():
         declared = ATTRIBUTES[name][0]
-        if seen != {declared}:
+        if seen != set(declared.split(" or ")):
             raise SystemExit(
                 f"docs/generate/reference.py: {name} is declared {declared} but emitted as {', '.join(sorted(seen))}"
             )
@@ -949,7 +1028,7 @@ def render(observed: Observed, released: list[Instrument], latest: list[Instrume
         "# Telemetry reference",
         "",
         "<!-- Generated by `python docs/generate/reference.py` from proxy/llmtap/telemetry/semconv.py,",
-        "     proxy/llmtap/telemetry/instruments.py and a run of the recorder. Do not edit:",
+        "     proxy/llmtap/telemetry/emit/instruments.py and a run of the recorder. Do not edit:",
         "     CI runs `python docs/generate/reference.py --check`. -->",
         "",
         "Every metric, span and attribute llmtap emits. Names follow the OpenTelemetry GenAI semantic conventions",
@@ -1040,7 +1119,11 @@ def _latest_cell(name: str, released: set[str]) -> str:
     return "same"
 
 
+#: The content event, as the reference lists it (a log record, not a span: ``llmtap.telemetry.records.content``).
+CONTENT_EVENT = f"log {sc.EVENT_OPERATION_DETAILS}"
+
 SPAN_TITLES = {
+    CONTENT_EVENT: f"`{sc.EVENT_OPERATION_DETAILS}`, opt-in (`--content-event`), severity DEBUG",
     "root": "root: `{gen_ai.operation.name} {gen_ai.request.model}`",
     "relay": "root of a plain relay (no LLM protocol): `{http.request.method}`",
     "hop": "root under a traced client (`telemetry.span_role` hop, or auto with a `traceparent`): "
@@ -1050,7 +1133,7 @@ SPAN_TITLES = {
 
 def _span_order(name: str) -> int:
     order = ["root", "hop", sc.SPAN_QUEUE, sc.SPAN_UNATTRIBUTED, sc.SPAN_PREFILL, sc.SPAN_DECODE, sc.SPAN_CHUNK]
-    order += [f"event {sc.EVENT_CHUNK}", "relay"]
+    order += [f"event {sc.EVENT_CHUNK}", "relay", CONTENT_EVENT]
     return order.index(name) if name in order else len(order)
 
 

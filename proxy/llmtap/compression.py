@@ -25,6 +25,8 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 
+from llmtap.errors import LlmtapError
+
 __all__ = ["CODINGS", "PIECE", "InflateLimit", "Inflater", "decodable"]
 
 #: The most one decompression step produces, unless the caller asks for other pieces.
@@ -33,7 +35,7 @@ PIECE = 16 << 10
 CODINGS: dict[str, int | None] = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": None}
 
 
-class InflateLimit(Exception):
+class InflateLimit(LlmtapError):
     """The body decompressed past its bound."""
 
 

@@ -42,6 +42,12 @@ class Usage:
     cache_read_tokens: int | None = None
     cache_write_tokens: int | None = None
     reasoning_tokens: int | None = None
+    #: Of ``cache_write_tokens``, those written for an hour (Anthropic's ``ephemeral_1h_input_tokens``, priced
+    #: above the 5-minute writes); None where the upstream does not split its writes by lifetime.
+    cache_write_1h_tokens: int | None = None
+    #: What the upstream or a gateway before it said the request cost, in USD (``usage.cost`` as OpenRouter and
+    #: LiteLLM send it); None when the response names no cost.
+    cost: float | None = None
 
 
 @dataclass(slots=True)

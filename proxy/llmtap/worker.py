@@ -28,8 +28,8 @@ class Progress:
     """How far a record sink got with what it was given: the records it holds, oldest first, until each is settled
     (sent, or dropped and counted); ``settled`` counts the first records given that are all settled.
 
-    The record journal (``llmtap.telemetry.spool``) reads it to know which records every sink has. One thread gives
-    (``hold``, ``settle_now``, ``withdraw``: the recorder's worker, which also reads ``settled``); any thread may
+    The record journal (``llmtap.telemetry.journal.spool``) reads it to know which records every sink has. One thread
+    gives (``hold``, ``settle_now``, ``withdraw``: the recorder's worker, which also reads ``settled``); any thread may
     ``release`` the oldest held in the order they were given (a sink's own thread, as it sends them).
     """
 

@@ -110,6 +110,7 @@ def test_tenant_cost_and_embeddings_on_spans_records_and_metrics(simulator: Simu
             + tokens["output"] * SIM_PRICES["output"]
         ) / 1e6
         assert chat_rec["cost"]["status"] == "priced" and chat_rec["cost"]["prices"] == "file"
+        assert chat_rec["cost"]["source"] == "local"
         assert chat_rec["cost"]["amount"] == pytest.approx(expected) and expected > 0
         # Embeddings: recognised, with their tokens; the shipped table prices OpenAI's model, not an unknown one.
         assert (embed_rec["protocol"], embed_rec["operation"]) == ("openai_embeddings", "embeddings")
@@ -120,6 +121,7 @@ def test_tenant_cost_and_embeddings_on_spans_records_and_metrics(simulator: Simu
             "currency": "USD",
             "status": "priced",
             "prices": f"default {shipped.date}",
+            "source": "local",
         }
         assert embed_rec["attribution"] == {"tenant": "acme"}
         assert (ollama_rec["protocol"], ollama_rec["operation"]) == ("ollama_embed", "embeddings")

@@ -8,13 +8,26 @@ from pathlib import Path
 import pytest
 
 from llmtap.analysis.attribution import MAX_PROPERTIES, VALUE_CAP, dimensions, record_part
-from llmtap.analysis.cost import NO_USAGE, PRICED, UNKNOWN_MODEL, PriceTable, normalize
+from llmtap.analysis.cost import (
+    LOCAL,
+    NO_USAGE,
+    PRICED,
+    PROVIDER,
+    UNKNOWN_MODEL,
+    PriceTable,
+    header_cost,
+    normalize,
+    request_cost,
+)
+from llmtap.analysis.summary import Summary
+from llmtap.analysis.timeline import Timeline
 from llmtap.config.kinds import Invalid, dimension_names
 from llmtap.config.prices import PriceError
 from llmtap.providers import provider_for
 from llmtap.providers.anthropic import AnthropicMessages
 from llmtap.providers.embeddings import OllamaEmbed, OpenAIEmbeddings
 from llmtap.providers.openai_chat import OpenAIChat
+from llmtap.providers.sse import Event
 from llmtap.relay.fingerprint import FINGERPRINT_CHARS, fingerprint, install_secret
 from llmtap.relay.forward import request_headers
 from llmtap.telemetry import semconv as sc
@@ -135,7 +148,7 @@ def test_shipped_prices_price_well_known_models_by_their_release_names() -> None
     cost = table.cost(("gpt-4o-mini",), input_tokens=1_000_000, output_tokens=1_000_000, cache_read_tokens=500_000)
     # 0.5M uncached at 0.15, 0.5M cached at 0.075, 1M output at 0.60 (per million).
     assert cost.status == PRICED and cost.amount == pytest.approx(0.075 + 0.0375 + 0.6)
-    assert cost.source == f"default {table.date}"
+    assert cost.prices == f"default {table.date}" and cost.source == LOCAL
     # Anthropic's input counts the cache's reads and writes: each at its own price.
     cost = table.cost(
         ("claude-sonnet-4-20250514",),
@@ -145,6 +158,102 @@ def test_shipped_prices_price_well_known_models_by_their_release_names() -> None
         cache_write_tokens=1_000_000,
     )
     assert cost.amount == pytest.approx(3.0 + 0.3 + 3.75)
+
+
+def test_anthropic_cache_writes_are_priced_by_their_lifetime() -> None:
+    """5-minute writes at 1.25 times the input price, hour-long ones at twice it (Anthropic's pricing)."""
+    parser = AnthropicMessages().stream_parser()
+    start = {
+        "type": "message_start",
+        "message": {
+            "id": "msg_1",
+            "model": "claude-sonnet-4-5",
+            "usage": {
+                "input_tokens": 1_000_000,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 3_000_000,
+                "cache_creation": {"ephemeral_5m_input_tokens": 1_000_000, "ephemeral_1h_input_tokens": 2_000_000},
+                "output_tokens": 1,
+            },
+        },
+    }
+    facts = parser.feed(Event(event="message_start", data=json.dumps(start)))
+    assert facts is not None and facts.usage is not None
+    usage = facts.usage
+    assert usage.cache_write_tokens == 3_000_000 and usage.cache_write_1h_tokens == 2_000_000
+    table = PriceTable()
+    cost = table.cost(
+        ("claude-sonnet-4-5",),
+        input_tokens=usage.input_tokens,
+        output_tokens=0,
+        cache_write_tokens=usage.cache_write_tokens,
+        cache_write_1h_tokens=usage.cache_write_1h_tokens,
+    )
+    # 1M uncached at 3.00, 1M 5-minute writes at 3.75 (1.25x), 2M hour-long writes at 6.00 (2x), per million.
+    assert cost.amount == pytest.approx(3.0 + 3.75 + 2 * 6.0)
+    found = table.lookup("claude-sonnet-4-5")
+    assert found is not None
+    price = found[1]
+    assert price.cache_write == pytest.approx(1.25 * price.input) and price.cache_write_1h == pytest.approx(
+        2 * price.input
+    )
+
+
+def _chat_timeline(**usage: object) -> Timeline:
+    """A finished chat request whose final chunk carried ``usage``."""
+    tl = Timeline(
+        method="POST",
+        path="/v1/chat/completions",
+        route="default",
+        upstream="",
+        server_address="",
+        server_port=0,
+        protocol="openai_chat",
+        provider_name="openai",
+        received=0.0,
+        received_wall_ns=0,
+    )
+    tl.request = OpenAIChat().inspect(b'{"model": "gpt-4o", "stream": true}', inject_usage=False)
+    parser = OpenAIChat().stream_parser()
+    facts = parser.feed(Event(event="", data=json.dumps({"id": "c", "model": "gpt-4o", "choices": [], "usage": usage})))
+    assert facts is not None and facts.usage is not None
+    tl.usage = facts.usage
+    return tl
+
+
+def _summary(tl: Timeline) -> Summary:
+    s = Summary()
+    assert tl.usage is not None
+    s.input_tokens, s.input_source = tl.usage.input_tokens, "usage"
+    s.output_tokens, s.output_source = tl.usage.output_tokens, "usage"
+    return s
+
+
+def test_a_cost_the_response_states_wins_over_the_table() -> None:
+    """OpenRouter and LiteLLM put ``usage.cost`` in the final chunk: taken as it is, ``source`` provider."""
+    tl = _chat_timeline(prompt_tokens=1000, completion_tokens=10, cost=0.0125)
+    cost = request_cost(PriceTable(), tl, _summary(tl))
+    assert (cost.status, cost.amount, cost.source, cost.prices) == (PRICED, 0.0125, PROVIDER, None)
+    # Without a stated cost, the table prices it: source local, the table named with its date.
+    tl = _chat_timeline(prompt_tokens=1000, completion_tokens=10)
+    cost = request_cost(PriceTable(), tl, _summary(tl))
+    assert cost.source == LOCAL and cost.prices is not None and cost.prices.startswith("default 20")
+    assert cost.amount == pytest.approx((1000 * 2.5 + 10 * 10.0) / 1e6)
+
+
+def test_a_gateway_cost_header_is_read_and_a_malformed_cost_is_never_taken() -> None:
+    assert header_cost({"x-litellm-response-cost": "0.00042"}) == pytest.approx(0.00042)
+    assert header_cost({"x-litellm-response-cost": "free"}) is None
+    assert header_cost({"x-litellm-response-cost": "-1"}) is None
+    assert header_cost({}) is None
+    tl = _chat_timeline(prompt_tokens=1000, completion_tokens=10)
+    tl.header_cost = 0.5
+    cost = request_cost(PriceTable(), tl, _summary(tl))
+    assert (cost.amount, cost.source) == (0.5, PROVIDER)
+    # A body's usage.cost that is not a number: not a cost; the table prices the request instead.
+    tl = _chat_timeline(prompt_tokens=1000, completion_tokens=10, cost="n/a")
+    assert tl.usage is not None and tl.usage.cost is None
+    assert request_cost(PriceTable(), tl, _summary(tl)).source == LOCAL
 
 
 def test_an_unknown_model_is_priced_as_unknown_never_zero() -> None:
@@ -164,7 +273,8 @@ def test_a_user_file_wins_and_prices_anything(tmp_path: Path) -> None:
     )
     table = PriceTable(str(path))
     mine = table.cost(("gpt-4o",), input_tokens=1_000_000, output_tokens=1_000_000, cache_read_tokens=1_000_000)
-    assert mine.amount == pytest.approx(1.0 + 2.0) and mine.source == "file"  # cached at the input price
+    # cached at the input price
+    assert mine.amount == pytest.approx(1.0 + 2.0) and mine.prices == "file" and mine.source == LOCAL
     free = table.cost(("qwen/qwen2.5-0.5b-instruct",), input_tokens=5, output_tokens=5)
     assert free.status == PRICED and free.amount == 0.0
     assert table.cost(("claude-3-haiku",), input_tokens=1, output_tokens=1).status == PRICED  # the rest stay

@@ -20,6 +20,7 @@ from llmtap.analysis.cachediag import (
     UNKNOWN,
     classify,
     min_cacheable_tokens,
+    self_hosted,
 )
 from llmtap.analysis.fingerprint import PrefixMatch
 from llmtap.config.types import Route, Settings
@@ -55,14 +56,46 @@ def test_classes(
 
 
 def test_the_least_a_server_caches() -> None:
-    def route(**kw: Any) -> Route:
-        return Route(prefix="/", upstream="http://u", name="r", **kw)
+    def route(upstream: str = "https://api.openai.com", **kw: Any) -> Route:
+        return Route(prefix="/", upstream=upstream, name="r", **kw)
 
     assert min_cacheable_tokens(route(provider="vllm")) == BLOCK_MIN_TOKENS == 16
     assert min_cacheable_tokens(route(provider="openai")) == HOSTED_MIN_TOKENS == 1024
     assert min_cacheable_tokens(route()) == 1024
     assert min_cacheable_tokens(route(provider="anthropic", cache_min_tokens=2048)) == 2048
     assert min_cacheable_tokens(None) == 1024
+    # The provider named decides, whatever the address.
+    assert min_cacheable_tokens(route("http://127.0.0.1:8000", provider="openai")) == 1024
+    assert min_cacheable_tokens(route("https://vllm.example.com", provider="vLLM")) == 16
+
+
+@pytest.mark.parametrize(
+    ("upstream", "local"),
+    [
+        ("http://127.0.0.1:8000", True),
+        ("http://[::1]:8000", True),
+        ("http://localhost:11434", True),
+        ("http://10.2.3.4:8000", True),
+        ("http://172.20.0.5", True),
+        ("http://192.168.1.20:8080", True),
+        ("http://[fd12:3456::1]:8000", True),  # RFC 4193 unique local
+        ("http://169.254.10.1", True),  # link-local
+        ("http://100.72.0.9:8000", True),  # RFC 6598 shared address space
+        ("http://vllm:8000", True),  # a name without dots: a container's or a pod's peer
+        ("http://vllm.ml.svc.cluster.local:8000", True),
+        ("http://gpu-box.local:8000", True),
+        ("http://llm.corp.internal", True),
+        ("https://api.openai.com", False),
+        ("https://api.anthropic.com", False),
+        ("https://openrouter.ai/api", False),
+        ("http://8.8.8.8", False),
+        ("https://[2001:4860:4860::8888]", False),
+    ],
+)
+def test_a_route_without_a_provider_is_self_hosted_by_its_address(upstream: str, local: bool) -> None:
+    route = Route(prefix="/", upstream=upstream, name="r")
+    assert self_hosted(route) is local
+    assert min_cacheable_tokens(route) == (BLOCK_MIN_TOKENS if local else HOSTED_MIN_TOKENS)
 
 
 @pytest.fixture
@@ -82,6 +115,8 @@ def test_each_class_through_the_proxy(sims: tuple[str, str], proxy_factory: Any,
         Route(prefix="/roomy", upstream=roomy, name="roomy", provider="llmtap-sim", strip_prefix=True),
         Route(prefix="/tiny", upstream=tiny, name="tiny", provider="llmtap-sim", strip_prefix=True),
         Route(prefix="/hosted", upstream=roomy, name="hosted", strip_prefix=True, cache_min_tokens=1024),
+        # No provider named: the upstream's loopback address makes it self-hosted (a block of 16 tokens).
+        Route(prefix="/local", upstream=tiny, name="local", strip_prefix=True),
     )
     proxy = proxy_factory(Settings(routes=routes))
     vocab = Vocabulary("o200k_base")
@@ -109,6 +144,9 @@ def test_each_class_through_the_proxy(sims: tuple[str, str], proxy_factory: Any,
     send("tiny", other, text("q1", 50), "b")  # changed, and evicts the first prompt's 8 blocks
     send("tiny", fixed, text("q1", 50), "a")  # unchanged, yet nothing cached: evicted
     send("hosted", text("short", 100), "hi", "a")  # under the 1,024 tokens a hosted API caches
+    # Under 1,024 tokens, on a local server with no provider named: a hit of what its 8 blocks still hold, and
+    # the whole prompt sent before is the expected prefix (a 1,024-token minimum would expect none).
+    send("local", fixed, text("q1", 50), "a")
     proxy.flush()
 
     roots = sorted((s for s in telemetry.finished() if s.name.startswith("chat")), key=lambda s: s.start_time or 0)
@@ -133,7 +171,9 @@ def test_each_class_through_the_proxy(sims: tuple[str, str], proxy_factory: Any,
         ("tiny", MISS_EVICTED, None, system_tokens + 50, 0),
         # The same upstream and model as "roomy": its prompts are known there, but this one is short.
         ("hosted", TOO_SHORT, "system", 0, 0),
+        ("local", HIT, None, system_tokens + 50, 8 * 16),
     ], got
+    assert system_tokens + 50 < HOSTED_MIN_TOKENS
     first = dict(roots[0].attributes or {})
     assert first[f"{sc.PROMPT_REGION_TOKENS}.system"] == system_tokens
     assert first[sc.PROMPT_SHARED_PREFIX] == 0
@@ -156,4 +196,5 @@ def test_each_class_through_the_proxy(sims: tuple[str, str], proxy_factory: Any,
         ("tiny", MISS_CHANGED, "b", "system", "llmtap-sim"): 1,
         ("tiny", MISS_EVICTED, "a", None, "llmtap-sim"): 1,
         ("hosted", TOO_SHORT, "a", None, "llmtap-sim"): 1,
+        ("local", HIT, "a", None, "llmtap-sim"): 1,
     }

@@ -31,7 +31,7 @@ from llmtap.analysis.compare import Side, analyze
 from llmtap.analysis.stats import Distribution, quantile, quantile_estimate
 from llmtap.simulator.text import Vocabulary
 from llmtap.store.files import ReadStats, read_records
-from llmtap.telemetry.records import SCHEMA_KEY
+from llmtap.telemetry.records.record import SCHEMA_KEY
 from tests.conftest import PATIENCE, free_port, require_real
 from tests.support.procs import stop
 from tests.telemetry.test_prometheus import histogram_quantile

@@ -95,7 +95,7 @@ def scrape(proxy: Llmtap) -> httpx.Response:
     return answer
 
 
-#: The reasons a tape is lost in whole (``llmtap.telemetry.relays.TAPE_DROP_REASONS``): not a request recorded.
+#: The reasons a tape is lost in whole (``llmtap.telemetry.intake.relays.TAPE_DROP_REASONS``): not a request recorded.
 WHOLE_TAPE_LOST = ("channel_full", "queue_full", "evicted")
 
 

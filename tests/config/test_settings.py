@@ -11,7 +11,8 @@ import pytest
 from llmtap.config.load import build
 from llmtap.config.otel import telemetry_from_env
 from llmtap.config.types import ConfigError, Route
-from llmtap.relay.forward import Router, request_headers, response_headers, upstream_url
+from llmtap.relay.app import Router
+from llmtap.relay.forward import request_headers, response_headers, upstream_url
 
 UP = "http://127.0.0.1:9"
 

@@ -23,7 +23,7 @@ from llmtap.config.types import Route
 from llmtap.listener import LOG_EVERY
 from llmtap.relay.breaks import StreamBreaks
 from llmtap.serve.sockets import ADMIN_LISTENER, PROXY_LISTENER, bind_failure
-from llmtap.telemetry.reach import TIMEOUT, Reach, Reachability, verbose
+from llmtap.telemetry.fleet.reach import TIMEOUT, Reach, Reachability, verbose
 from llmtap.wire.tape import Tape, now
 from tests.conftest import PATIENCE, free_port, unanswered_port
 from tests.support.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture

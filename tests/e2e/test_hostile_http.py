@@ -169,16 +169,12 @@ def raw_upstream() -> Iterator[RawUpstream]:
     up.close()
 
 
-@pytest.fixture(scope="module", params=["lean", "httpx"])
-def proxy(
-    request: pytest.FixtureRequest, raw_upstream: RawUpstream, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Llmtap]:
+@pytest.fixture(scope="module")
+def proxy(raw_upstream: RawUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Llmtap]:
     home = tmp_path_factory.mktemp("hostile-http")
     p = Llmtap(
         raw_upstream.url,
         home / "llmtap.log",
-        "--upstream-client",
-        request.param,
         "--log-level",
         "info",
         "--record",

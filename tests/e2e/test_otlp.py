@@ -22,6 +22,10 @@ from typing import Any
 import grpc  # type: ignore[import-untyped]
 import httpx
 import pytest
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
+    ExportLogsServiceRequest,
+    ExportLogsServiceResponse,
+)
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
@@ -33,6 +37,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
@@ -69,6 +74,8 @@ def value(v: AnyValue) -> Any:
         return None
     if kind == "array_value":
         return [value(x) for x in v.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: value(kv.value) for kv in v.kvlist_value.values}
     return getattr(v, kind)
 
 
@@ -82,14 +89,21 @@ class Received:
 
     traces: list[ExportTraceServiceRequest] = field(default_factory=list)
     metrics: list[ExportMetricsServiceRequest] = field(default_factory=list)
+    logs: list[ExportLogsServiceRequest] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     arrived: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, request: ExportTraceServiceRequest | ExportMetricsServiceRequest, headers: dict[str, str]) -> None:
+    def add(
+        self,
+        request: ExportTraceServiceRequest | ExportMetricsServiceRequest | ExportLogsServiceRequest,
+        headers: dict[str, str],
+    ) -> None:
         with self.lock:
             if isinstance(request, ExportTraceServiceRequest):
                 self.traces.append(request)
+            elif isinstance(request, ExportLogsServiceRequest):
+                self.logs.append(request)
             else:
                 self.metrics.append(request)
             self.headers.append({k.lower(): v for k, v in headers.items()})
@@ -103,6 +117,17 @@ class Received:
                 for rs in request.resource_spans
                 for ss in rs.scope_spans
                 for span in ss.spans
+            ]
+
+    def log_records(self) -> list[LogRecord]:
+        """Every log record received."""
+        with self.lock:
+            return [
+                lr
+                for request in self.logs
+                for rl in request.resource_logs
+                for sl in rl.scope_logs
+                for lr in sl.log_records
             ]
 
     def latest_metrics(self) -> dict[str, tuple[dict[str, Any], Metric]]:
@@ -137,6 +162,9 @@ class _OTLPHandler(BaseHTTPRequestHandler):
         elif self.path == "/v1/metrics":
             self.server.received.add(ExportMetricsServiceRequest.FromString(body), dict(self.headers.items()))
             reply = ExportMetricsServiceResponse().SerializeToString()
+        elif self.path == "/v1/logs":
+            self.server.received.add(ExportLogsServiceRequest.FromString(body), dict(self.headers.items()))
+            reply = ExportLogsServiceResponse().SerializeToString()
         else:
             self.send_error(404)
             return
@@ -147,7 +175,7 @@ class _OTLPHandler(BaseHTTPRequestHandler):
 
 
 class HTTPReceiver(LoopbackHTTPServer):
-    """OTLP/HTTP (protobuf) on a free port: POST /v1/traces and /v1/metrics."""
+    """OTLP/HTTP (protobuf) on a free port: POST /v1/traces, /v1/metrics and /v1/logs."""
 
     def __init__(self, delay: float = 0.0) -> None:
         self.delay = delay

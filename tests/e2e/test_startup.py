@@ -129,7 +129,7 @@ def test_a_bad_access_log_path_stops_the_start(tmp_path: Path) -> None:
 
 def test_an_access_line_stays_one_line_and_says_what_it_does_not_know() -> None:
     from llmtap.analysis.summary import Summary
-    from llmtap.telemetry.access_log import PATH_CAP, access_line
+    from llmtap.telemetry.records.access_log import PATH_CAP, access_line
     from tests.analysis.test_summary import make
 
     hostile = make(path="/v1/chat\r\nGET /forged HTTP/1.1 x", status_code=None, error_type="client_gone")

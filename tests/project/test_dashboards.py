@@ -30,8 +30,8 @@ import pytest
 from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, UpDownCounter
 
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.instruments import create
-from llmtap.telemetry.prometheus import metric_name
+from llmtap.telemetry.emit.instruments import create
+from llmtap.telemetry.exposition.prometheus import metric_name
 from tests.conftest import TOOLS, free_port, require_real
 from tests.real.test_collectors import Llmtap, Proc, answers, listening, start_llmtap
 from tests.support.net import LoopbackHTTPServer, answer

@@ -11,7 +11,7 @@ import pytest
 
 from llmtap.analysis import compare
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.prometheus import metric_name
+from llmtap.telemetry.exposition.prometheus import metric_name
 from tests.support.generators import load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +71,14 @@ def test_a_wrong_type_stops_the_generator(monkeypatch: pytest.MonkeyPatch) -> No
 def test_hand_written_docs_are_linked_and_their_links_resolve() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "docs/" in readme
-    for name in ("reference.md", "reading-the-numbers.md", "recipes.md", "reference-comparison.md", "memory.md"):
+    for name in (
+        "reference.md",
+        "reading-the-numbers.md",
+        "recipes.md",
+        "reference-comparison.md",
+        "memory.md",
+        "performance.md",
+    ):
         page = ROOT / "docs" / name
         assert page.stat().st_size > 2000, name
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):

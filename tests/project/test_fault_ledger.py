@@ -52,8 +52,8 @@ def test_a_counter_that_falls_was_reset_and_counts_again_from_zero() -> None:
 
 
 def test_a_new_start_time_is_a_restart_whose_counters_go_on() -> None:
-    """llmtap's loss counters go on across a telemetry restart (``llmtap.telemetry.losses``): only the rise counts,
-    as Prometheus' ``increase()`` reads it; the restart is noted."""
+    """llmtap's loss counters go on across a telemetry restart (``llmtap.telemetry.journal.losses``): only the rise
+    counts, as Prometheus' ``increase()`` reads it; the restart is noted."""
     restarted = PAGE.replace("} 3.0", "} 4.0").replace("_seconds 100.0", "_seconds 200.0")
     counters = _counters(PAGE, restarted)
     assert counters.value(TAPES, llmtap_telemetry_reason="channel_full") == 4

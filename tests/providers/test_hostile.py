@@ -34,7 +34,7 @@ from llmtap.providers import PROVIDERS, UsageEventFilter
 from llmtap.providers.base import Provider
 from llmtap.providers.sse import Event, decoder_for
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.tap import Tap
+from llmtap.telemetry.intake.tap import Tap
 from tests.conftest import Running, Telemetry, require_real
 from tests.e2e.test_otlp import HTTPReceiver, attributes
 from tests.support.procs import FaultUpstream, Llmtap, metric_value, upstream as upstream  # the fixture

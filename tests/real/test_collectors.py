@@ -31,7 +31,7 @@ from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
 
 from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.chunkdetail import REASONS
+from llmtap.telemetry.emit.chunkdetail import REASONS
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
 from tests.support.procs import stop
 from tests.support.scripted_upstream import script

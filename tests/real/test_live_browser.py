@@ -43,8 +43,8 @@ from llmtap.config.types import SLO, Route, Settings
 from llmtap.relay.app import ProxyApp
 from llmtap.serve.local import in_process
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.admin import AdminApp
-from llmtap.telemetry.prometheus import PrometheusReader
+from llmtap.telemetry.admin.server import AdminApp
+from llmtap.telemetry.exposition.prometheus import PrometheusReader
 from tests.conftest import PATIENCE, ServerThread, require_real
 from tests.telemetry.test_live import HISTOGRAMS, initial, prom_buckets, prom_sum
 

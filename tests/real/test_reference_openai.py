@@ -33,7 +33,7 @@ import pytest
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from llmtap.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS
+from llmtap.telemetry.emit.instruments import DURATION_BUCKETS, TOKEN_BUCKETS
 from tests.conftest import PATIENCE, TOOLS, free_port, require_real
 from tests.e2e.test_otlp import HTTPReceiver, attributes
 from tests.real.test_collectors import Proc, clean_env, listening, start_llmtap

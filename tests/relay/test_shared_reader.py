@@ -1,6 +1,6 @@
 """``/metrics`` and the OTLP metric export from one reader: each sample aggregated once, every exemplar to both.
 
-Through the SDK's real meter provider and the telemetry settings' own wiring (``llmtap.telemetry.setup.build``);
+Through the SDK's real meter provider and the telemetry settings' own wiring (``llmtap.telemetry.emit.setup.build``);
 the exporter under test keeps what it is given.
 """
 
@@ -26,8 +26,8 @@ from opentelemetry.sdk.metrics.view import Aggregation, ExponentialBucketHistogr
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from llmtap.config.otel import telemetry_from_env
-from llmtap.telemetry.prometheus import PrometheusReader
-from llmtap.telemetry.setup import build
+from llmtap.telemetry.emit.setup import build
+from llmtap.telemetry.exposition.prometheus import PrometheusReader
 from tests.conftest import PATIENCE
 from tests.e2e.test_otlp import HTTPReceiver
 

@@ -1,4 +1,4 @@
-"""HTTPS upstreams: the lean client and the httpx fallback over real TLS sockets, and the ``tls_*`` settings.
+"""HTTPS upstreams: the lean client over real TLS sockets, and the ``tls_*`` settings.
 
 A CA, server and client certificates come from ``trustme``; the upstreams are blocking ``ssl`` servers in
 threads (OpenSSL sends its alerts as a real server does, TLS 1.3's ``certificate required`` included), so
@@ -31,11 +31,10 @@ from llmtap.config.load import build
 from llmtap.config.types import ConfigError, Route, Settings
 from llmtap.relay import tls
 from llmtap.relay.forward import Upstreams
-from llmtap.relay.upstream_http import SURPLUS, LeanTransport
+from llmtap.relay.upstream import SURPLUS, LeanTransport
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry
 
-CLIENTS = ("lean", "httpx")
 # Every byte value, and a length that spans several TLS records.
 BODY = bytes(range(256)) * 300
 
@@ -212,26 +211,28 @@ class TLSServer:
                     self.handler(sock, self)
 
 
+def _client(upstreams: Upstreams, r: Route) -> httpx.AsyncClient:
+    """httpx's client over a route's pool of llmtap's own client (an httpx transport too)."""
+    return httpx.AsyncClient(transport=upstreams.pool(r), timeout=5, trust_env=False, follow_redirects=False)
+
+
 def route(url: str, **tls: Any) -> Route:
     return Route(prefix="/", upstream=url, name="tls", **tls)
 
 
-async def get(kind: str, upstream_route: Route, path: str = "/v1/x", **kwargs: Any) -> httpx.Response:
-    upstreams = Upstreams(Settings(routes=(upstream_route,), upstream_client=kind))
+async def get(upstream_route: Route, path: str = "/v1/x", **kwargs: Any) -> httpx.Response:
+    upstreams = Upstreams(Settings(routes=(upstream_route,)))
     try:
-        client = upstreams.client(upstream_route)
+        client = _client(upstreams, upstream_route)
         return await client.get(upstream_route.upstream + path, **kwargs)
     finally:
         await upstreams.aclose()
 
 
-# --- the lean client and the httpx fallback --------------------------------------------------------------
+# --- the lean client ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", CLIENTS)
-def test_https_upstream_with_a_private_ca_bytes_identical_and_connection_reused(
-    run: Any, pki: Files, kind: str
-) -> None:
+def test_https_upstream_with_a_private_ca_bytes_identical_and_connection_reused(run: Any, pki: Files) -> None:
     chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
 
     def handle(sock: ssl.SSLSocket, server: TLSServer) -> None:
@@ -246,13 +247,13 @@ def test_https_upstream_with_a_private_ca_bytes_identical_and_connection_reused(
         r = route(up.url(), tls_ca=pki.ca)
 
         async def scenario() -> None:
-            upstreams = Upstreams(Settings(routes=(r,), upstream_client=kind))
+            upstreams = Upstreams(Settings(routes=(r,)))
             try:
-                client = upstreams.client(r)
+                client = _client(upstreams, r)
                 first = await client.get(up.url() + "/a")
                 second = await client.post(up.url() + "/b", content=b"{}")
                 assert first.content == BODY and second.content == BODY
-                assert (SURPLUS in first.extensions) is (kind == "lean")
+                assert SURPLUS in first.extensions
             finally:
                 await upstreams.aclose()
 
@@ -269,8 +270,8 @@ def test_lean_client_reaches_https_upstreams_by_default(run: Any, pki: Files) ->
         async def scenario() -> None:
             upstreams = Upstreams(Settings(routes=(r,)))
             try:
-                assert isinstance(upstreams.client(r)._transport, LeanTransport)
-                assert (await upstreams.client(r).get(up.url())).content == BODY
+                assert isinstance(upstreams.pool(r), LeanTransport)
+                assert (await _client(upstreams, r).get(up.url())).content == BODY
             finally:
                 await upstreams.aclose()
 
@@ -326,7 +327,7 @@ def test_a_new_connection_resumes_the_tls_session_of_the_last(run: Any, pki: Fil
             upstreams = Upstreams(Settings(routes=(r,)))
             try:
                 for _ in range(3):
-                    assert (await upstreams.client(r).get(up.url() + "/v1/x")).content == b"ok"
+                    assert (await _client(upstreams, r).get(up.url() + "/v1/x")).content == b"ok"
             finally:
                 await upstreams.aclose()
 
@@ -350,7 +351,7 @@ def test_a_server_that_cannot_resume_the_session_gets_a_full_handshake(run: Any,
             for r in (*routes, routes[1]):
                 upstreams = Upstreams(Settings(routes=(r,)))
                 try:
-                    assert (await upstreams.client(r).get(r.upstream + "/v1/x")).content == b"ok"
+                    assert (await _client(upstreams, r).get(r.upstream + "/v1/x")).content == b"ok"
                 finally:
                     await upstreams.aclose()
 
@@ -369,8 +370,7 @@ def test_ssl_cert_file_is_honoured_when_no_tls_ca_is_given(
         assert settings.routes[0].tls_ca is None
 
         async def scenario() -> None:
-            for kind in CLIENTS:
-                assert (await get(kind, settings.routes[0])).content == BODY
+            assert (await get(settings.routes[0])).content == BODY
 
         run(scenario())
         # Without it, the same upstream is one nobody vouches for.
@@ -381,55 +381,52 @@ def test_ssl_cert_file_is_honoured_when_no_tls_ca_is_given(
 
         async def refused() -> None:
             with pytest.raises(httpx.ConnectError, match=r"^certificate verify failed: "):
-                await get("lean", build({"upstream": up.url()}, env={}).routes[0])
+                await get(build({"upstream": up.url()}, env={}).routes[0])
 
         run(refused())
 
 
-@pytest.mark.parametrize("kind", CLIENTS)
-def test_wrong_host_name_is_named_and_tls_server_name_fixes_it(run: Any, pki: Files, kind: str) -> None:
+def test_wrong_host_name_is_named_and_tls_server_name_fixes_it(run: Any, pki: Files) -> None:
     with TLSServer(pki.other_cert) as up:
 
         async def scenario() -> None:
             with pytest.raises(httpx.ConnectError) as caught:
-                await get(kind, route(up.url(), tls_ca=pki.ca))
+                await get(route(up.url(), tls_ca=pki.ca))
             assert str(caught.value) == (
                 "certificate verify failed: Hostname mismatch, certificate is not valid for 'localhost'."
             )
             fixed = route(up.url(), tls_ca=pki.ca, tls_server_name="upstream.internal")
-            response = await get(kind, fixed)
+            response = await get(fixed)
             assert response.content == BODY
             assert b"\r\nHost: localhost:" in up.heads[-1]  # the name verified is not the Host header
 
         run(scenario())
 
 
-@pytest.mark.parametrize("kind", CLIENTS)
-def test_mutual_tls(run: Any, pki: Files, kind: str) -> None:
+def test_mutual_tls(run: Any, pki: Files) -> None:
     with TLSServer(pki.server_cert, client_ca=pki.ca) as up:
 
         async def scenario() -> None:
             with pytest.raises(httpx.ConnectError) as caught:
-                await get(kind, route(up.url(), tls_ca=pki.ca))
+                await get(route(up.url(), tls_ca=pki.ca))
             assert str(caught.value) == "TLS handshake failed: tlsv13 alert certificate required"
             separate = route(up.url(), tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key)
-            assert (await get(kind, separate)).content == BODY
+            assert (await get(separate)).content == BODY
             together = route(up.url(), tls_ca=pki.ca, tls_cert=pki.client_both)
-            assert (await get(kind, together)).content == BODY
+            assert (await get(together)).content == BODY
 
         run(scenario())
         assert up.peers == ["llmtap-client", "llmtap-client"]
 
 
-@pytest.mark.parametrize("kind", CLIENTS)
-def test_tls_verify_false_connects_and_warns(run: Any, pki: Files, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_tls_verify_false_connects_and_warns(run: Any, pki: Files, caplog: pytest.LogCaptureFixture) -> None:
     with TLSServer(pki.self_signed) as up:
         settings = build({"upstream": up.url(), "upstream_insecure": True}, env={})
         assert settings.routes[0].tls_verify is False
 
         async def scenario() -> None:
             with caplog.at_level(logging.WARNING, logger="llmtap.upstream"):
-                assert (await get(kind, settings.routes[0])).content == BODY
+                assert (await get(settings.routes[0])).content == BODY
 
         run(scenario())
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -1,4 +1,4 @@
-"""The lean upstream client (``llmtap.relay.upstream_http``) against scripted HTTP/1.1 servers on real sockets.
+"""The lean upstream client (``llmtap.relay.upstream``) against scripted HTTP/1.1 servers on real sockets.
 
 Every scenario runs on asyncio's own loop and on uvloop (what ``llmtap serve`` runs on). The servers are
 raw asyncio streams on free ports of 127.0.0.1, so each byte on the wire is the test's choice; a few that
@@ -24,13 +24,13 @@ import httpx
 import pytest
 import uvloop
 
-from llmtap.config.load import build
-from llmtap.config.types import ConfigError, Route, Settings
-from llmtap.relay import upstream_http
-from llmtap.relay.forward import Upstreams, close_if_surplus
+from llmtap.config.types import Route, Settings
+from llmtap.relay.forward import Upstreams
 from llmtap.relay.heads import BadHead
 from llmtap.relay.pipe import Pipe
-from llmtap.relay.upstream_http import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
+from llmtap.relay.upstream import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
+from llmtap.relay.upstream.connection import Connection
+from llmtap.relay.upstream.pool import Pool
 from llmtap.wire.tape import Tape
 from tests.conftest import PATIENCE, TESTS, free_port, unanswered_port
 
@@ -705,16 +705,16 @@ def test_bytes_past_the_end_are_counted_and_never_answer_a_request(run: Any) -> 
         async with Upstream(script) as up, client(LeanTransport()) as c:
             response = await c.send(c.build_request("GET", up.url + "/same-write"), stream=True)
             assert await response.aread() == b"body"
-            assert await close_if_surplus(response) == len(SMUGGLED)
+            assert response.extensions[SURPLUS]() == len(SMUGGLED)
             await response.aclose()
             response = await c.send(c.build_request("GET", up.url + "/chunked-split"), stream=True)
             assert [part async for part in response.aiter_raw()] == [b"body"]
-            assert await close_if_surplus(response) == len(SMUGGLED)
+            assert response.extensions[SURPLUS]() == len(SMUGGLED)
             await response.aclose()
             for _ in range(2):
                 clean = await c.get(up.url + "/clean")
                 assert clean.content == b"clean"
-                assert await close_if_surplus(clean) == 0
+                assert clean.extensions[SURPLUS]() == 0
             assert up.connections == 3  # each surplus closed its connection; the clean ones share one
 
     run(scenario())
@@ -876,48 +876,28 @@ def test_unsolicited_bytes_on_an_idle_connection_close_it(run: Any) -> None:
 # --- wiring: the setting and the upstream pools ---------------------------------------------------------------
 
 
-def test_upstream_client_setting(tmp_path: Any) -> None:
-    assert build({"upstream": "http://u"}, env={}).upstream_client == "lean"
-    assert build({"upstream": "http://u"}, env={"LLMTAP_UPSTREAM_CLIENT": "httpx"}).upstream_client == "httpx"
-    assert (
-        build(
-            {"upstream": "http://u", "upstream_client": "lean"}, env={"LLMTAP_UPSTREAM_CLIENT": "httpx"}
-        ).upstream_client
-        == "lean"
-    )
-    config = tmp_path / "llmtap.yaml"
-    config.write_text("upstream: http://u\nupstream_client: httpx\n")
-    assert build({"config": str(config)}, env={}).upstream_client == "httpx"
-    with pytest.raises(ConfigError, match=r"^LLMTAP_UPSTREAM_CLIENT=curl: expected one of lean, httpx$"):
-        build({"upstream": "http://u"}, env={"LLMTAP_UPSTREAM_CLIENT": "curl"})
-
-
 def _routes(*upstreams: str) -> tuple[Route, ...]:
     return tuple(Route(prefix=f"/{i}", upstream=u, name=str(i)) for i, u in enumerate(upstreams))
 
 
-def test_upstreams_use_the_lean_client_unless_told_otherwise(run: Any) -> None:
-    """HTTP and HTTPS alike (tests/relay/test_tls.py runs the HTTPS ones); ``httpx`` sends both through httpx."""
+def test_upstreams_give_every_route_a_pool_of_the_lean_client(run: Any) -> None:
+    """HTTP and HTTPS alike (tests/relay/test_tls.py runs the HTTPS ones); routes to one upstream share its pool."""
 
     async def scenario() -> None:
         async with Upstream(answer(OK, OK)) as up:
-            routes = _routes(up.url, "https://api.example.com")
-            for kind, lean in (("lean", True), ("httpx", False)):
-                upstreams = Upstreams(Settings(routes=routes, upstream_client=kind))
-                try:
-                    response = await upstreams.client(routes[0]).get(up.url)
-                    assert response.content == b"ok"
-                    assert (SURPLUS in response.extensions) is lean
-                    assert isinstance(upstreams.client(routes[1])._transport, LeanTransport) is lean
-                    # The relay calls the lean client directly, for HTTP and HTTPS routes alike.
-                    assert all((upstreams.lean(r) is not None) is lean for r in routes)
-                finally:
-                    await upstreams.aclose()
-            injected = httpx.MockTransport(lambda request: httpx.Response(200, content=b"mock"))
-            upstreams = Upstreams(Settings(routes=routes), injected)
+            routes = (
+                *_routes(up.url, "https://api.example.com"),
+                Route(prefix="/again", upstream=up.url, name="again"),
+            )
+            upstreams = Upstreams(Settings(routes=routes))
             try:
-                assert (await upstreams.client(routes[0]).get(up.url)).content == b"mock"
-                assert upstreams.lean(routes[0]) is None  # an injected transport is called through httpx
+                assert all(isinstance(upstreams.pool(r), LeanTransport) for r in routes)
+                assert upstreams.pool(routes[0]) is upstreams.pool(routes[2])
+                assert upstreams.pool(routes[0]) is not upstreams.pool(routes[1])
+                async with client(upstreams.pool(routes[0])) as c:
+                    response = await c.get(up.url)
+                assert response.content == b"ok"
+                assert SURPLUS in response.extensions
             finally:
                 await upstreams.aclose()
 
@@ -955,7 +935,7 @@ def _piped(reads: list[bytes], *, whole: bool) -> tuple[list[tuple[int, bytes]],
     the exchange's end state. ``whole=False`` turns the parser-free path for whole chunks off (the reference)."""
     loop = asyncio.new_event_loop()
     try:
-        conn = upstream_http._Connection(upstream_http._Pool(1), loop)
+        conn = Connection(Pool(1), loop)
         conn.connection_made(_Socket())  # type: ignore[arg-type]
         conn.begin(head_only=False)
         parts: list[tuple[int, bytes]] = []
@@ -1154,7 +1134,7 @@ def test_a_pipe_whose_client_is_full_from_the_first_part_holds_the_upstream_unti
                         received_wall_ns=0)  # fmt: skip
             cycle = _Client()
             pipe = Pipe(tape, cycle, None, lambda _: None)
-            relayed = asyncio.create_task(pipe.run(response.extensions[PIPE], lambda: 5.0))
+            relayed = asyncio.create_task(pipe.run(response.extensions[PIPE].connection, {"read": 5.0}))
             await asyncio.sleep(0.05)
             assert cycle.written == [b"5\r\nfirst\r\n"] and response.extensions[PIPE].connection.held
             gate.set()

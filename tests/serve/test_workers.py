@@ -26,7 +26,7 @@ import pytest
 from llmtap.simulator import get_profile, run_in_thread
 from llmtap.simulator.server import Background
 from llmtap.store.files import ReadStats, read_records, record_files_at
-from llmtap.telemetry.prometheus import merge_metrics
+from llmtap.telemetry.exposition.prometheus import merge_metrics
 from llmtap.wire.tape import shard_of
 from tests.conftest import PATIENCE, Scripted, free_port, require_real
 from tests.support.procs import stop, stop_clean, wait_ready

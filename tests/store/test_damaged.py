@@ -445,6 +445,60 @@ def test_a_record_read_twice_counts_once_wherever_the_copy_is(tmp_path: Path, mo
     assert code == 0 and _comparable(out) == _comparable(want) and json.loads(out)["skipped"] == {"duplicate": 120}
 
 
+def _untraced(recs: list[dict[str, Any]], seed: int, *, record_ids: bool = True) -> list[dict[str, Any]]:
+    """``recs`` as a proxy with tracing off writes them: trace and span ids all zeros (W3C's invalid ids), each with
+    its own ``record_id`` (none in a record of an older version), and an objective for ``slo`` to judge by."""
+    for i, rec in enumerate(recs):
+        rec["trace_id"], rec["span_id"] = "0" * 32, "0" * 16
+        if record_ids:
+            rec["record_id"] = f"{seed:08x}{i:024x}"
+        rec["objective"] = {"shape": rec["shape"], "percentile": 0.95, "ttft": 0.4}
+        rec["slo"] = "met" if rec["outcome"] == "ok" and rec["ttft"] <= 0.4 else "missed"
+    return recs
+
+
+def test_records_without_tracing_read_twice_count_once_by_their_record_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tracing off, every record has the same (invalid) trace and span ids: what tells a journal's replayed copy
+    from another request is the record_id. Copies in a later file, the same file, a gzip and Parquet count once in
+    either engine, for compare and slo alike; records of an older version without ids count as they are, each
+    time (nothing tells their copies apart)."""
+    recs = _untraced(make(400, seed=11), seed=11)
+    old = _untraced(make(6, seed=12), seed=12, record_ids=False)
+    once = tmp_path / "once"
+    once.mkdir()
+    (once / "all.jsonl").write_bytes(lines(recs + old + old))
+    twice = tmp_path / "twice"
+    twice.mkdir()
+    (twice / "a.jsonl.gz").write_bytes(gzip.compress(lines(recs[:300] + old + recs[10:20])))  # ten in one file
+    (twice / "b.jsonl").write_bytes(lines(recs[200:] + old))  # a hundred again in a later file
+    for i in range(12):  # many small files: the engine's parts and buckets, a copy in each
+        (twice / f"d{i:02d}.jsonl").write_bytes(lines([recs[i * 30]]))
+    monkeypatch.setattr(engine_module, "PART_FILES", 8)
+    monkeypatch.setattr(engine_module, "BUCKET", 3)
+    monkeypatch.setattr(engine_sql, "BUCKET", 3)
+    slo = ["slo", "--json", "--resamples", "200", "--engine"]
+    _, want, _ = run([*COMPARE, "--engine", "python", str(once)])
+    _, want_slo, _ = run([*slo, "python", str(once)])
+    assert json.loads(want)["before"]["requests"] + json.loads(want)["after"]["requests"] == 412
+    for engine in store.ENGINES:
+        code, out, err = run([*COMPARE, "--engine", engine, str(twice)])
+        assert code == 0 and _comparable(out) == _comparable(want), err
+        assert json.loads(out)["skipped"] == {"duplicate": 10 + 100 + 12}, err
+        assert "counted once 122 records read more than once (the same record id)" in err
+        code, out, err = run([*slo, engine, str(twice)])
+        assert code in (0, 1) and _comparable(out) == _comparable(want_slo), err
+        assert "counted once 122 records read more than once" in err
+    parquet = tmp_path / "parquet"
+    parquet.mkdir()
+    write_parquet(parquet / "a.parquet", recs[:300] + old)
+    write_parquet(parquet / "b.parquet", recs[200:] + old)
+    (parquet / "c.jsonl").write_bytes(lines(recs[290:310]))
+    code, out, err = run([*COMPARE, "--engine", "duckdb", str(parquet)])
+    assert code == 0 and _comparable(out) == _comparable(want) and json.loads(out)["skipped"] == {"duplicate": 120}
+
+
 _ODD_BYTES = [
     b"\r",
     b"\x01",

@@ -34,8 +34,8 @@ import httpx
 from llmtap.store.files import ReadStats, read_records
 from tests.support.fault_load import Outcome
 
-#: Tapes that never became a request, so no sink has its record (``llmtap.telemetry.relays``): every reason of this
-#: counter but those of a tape that lost a part and still made its record (so a reason llmtap adds, such as a
+#: Tapes that never became a request, so no sink has its record (``llmtap.telemetry.intake.relays``): every reason of
+#: this counter but those of a tape that lost a part and still made its record (so a reason llmtap adds, such as a
 #: journal's ``in_transit``, counts as a whole tape lost).
 TAPES = "llmtap_telemetry_tapes_dropped_total"
 PARTIAL_TAPE_REASONS = ("partial", "inflate_limit", "body_limit")
@@ -129,7 +129,8 @@ class Counters:
             self.scrapes += 1
             last = self._last.setdefault(url, {})
             # A telemetry process that says when it started: a new start, noted. Its loss counters go on from the last
-            # run's totals (``llmtap.telemetry.losses``), so, as for Prometheus' ``increase()``, only a fall is a reset.
+            # run's totals (``llmtap.telemetry.journal.losses``), so, as for Prometheus' ``increase()``, only a fall is
+            # a reset.
             if started is not None and self._started.get(url, started) != started:
                 self.restarts += 1
             self._started[url] = started

@@ -58,10 +58,12 @@ def begun_after(outcomes: list[Outcome], instant: float) -> list[Outcome]:
     return [dataclasses.replace(o, kind="refused") if o.kind == "cut" and o.began > instant else o for o in outcomes]
 
 
-def _one(client: httpx.Client, url: str, body: dict[str, Any], extra: dict[str, str]) -> Outcome:
+def _one(client: httpx.Client, url: str, body: dict[str, Any], extra: dict[str, str], tag: str | None) -> Outcome:
     trace_id = secrets.token_hex(16)
     began = time.monotonic()
     headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01", **extra}
+    if tag is not None:
+        headers[tag] = trace_id
     status: int | None = None
     try:
         with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
@@ -77,7 +79,8 @@ def _one(client: httpx.Client, url: str, body: dict[str, Any], extra: dict[str, 
 
 class Load:
     """``total`` chat requests, ``concurrency`` at a time, at most ``rate`` a second, in daemon threads; each with
-    ``headers`` besides its own ``traceparent``.
+    ``headers`` besides its own ``traceparent``; with ``tag``, its trace id in that header too (a record keeps no trace
+    id when tracing is off: ``x-llmtap-prompt-version`` finds it by its prompt version instead).
 
     ``url`` is called for each request, so a load can follow an llmtap started again on other ports."""
 
@@ -90,9 +93,11 @@ class Load:
         rate: float | None = None,
         body: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
+        tag: str | None = None,
     ) -> None:
         self._url = url if callable(url) else (lambda: url)
         self.headers = headers or {}
+        self.tag = tag
         self.total = total
         self.rate = rate
         self.body = body or CHAT
@@ -133,7 +138,7 @@ class Load:
     def _work(self) -> None:
         with httpx.Client(timeout=30) as client:
             while self._take():
-                outcome = _one(client, self._url(), self.body, self.headers)
+                outcome = _one(client, self._url(), self.body, self.headers, self.tag)
                 with self._lock:
                     self.outcomes.append(outcome)
 

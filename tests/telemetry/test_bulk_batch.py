@@ -22,7 +22,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from llmtap.telemetry.bulk import Batch, _flat, _flat_key
+from llmtap.telemetry.emit.bulk import Batch, _flat, _flat_key
 
 
 def _point(name: str, p: Any) -> tuple[Any, ...]:

@@ -28,8 +28,8 @@ from llmtap.analysis.timeline import Timeline
 from llmtap.config.kinds import Invalid, share
 from llmtap.config.types import TelemetrySettings
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.bulk import record_many
-from llmtap.telemetry.chunkdetail import MIN_HISTORY, ChunkDetail
+from llmtap.telemetry.emit.bulk import record_many
+from llmtap.telemetry.emit.chunkdetail import MIN_HISTORY, ChunkDetail
 from tests.e2e.test_otlp import OTEL_ENV, HTTPReceiver, Received, attributes, wait_for
 from tests.support.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
 

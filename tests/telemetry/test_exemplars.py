@@ -20,8 +20,8 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_s
 from llmtap.simulator import get_profile, run_in_thread
 from llmtap.simulator.server import Background
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.instruments import create
-from llmtap.telemetry.prometheus import PrometheusReader, merge_metrics
+from llmtap.telemetry.emit.instruments import create
+from llmtap.telemetry.exposition.prometheus import PrometheusReader, merge_metrics
 from tests.conftest import PATIENCE, free_port, require_real
 from tests.serve.test_workers import _serve, two_routes
 from tests.support.procs import stop, stop_clean, wait_ready

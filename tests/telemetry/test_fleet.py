@@ -29,10 +29,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from llmtap.config.otel import telemetry_from_env
 from llmtap.config.types import ConfigError, Records as RecordSettings, Route, Settings, TelemetrySettings
 from llmtap.store.files import ReadStats, read_records
-from llmtap.telemetry import peers, semconv as sc
-from llmtap.telemetry.admin import AdminApp
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.admin.server import AdminApp
+from llmtap.telemetry.fleet import peers
+from llmtap.telemetry.fleet.upstreams import UpstreamWatch
 from llmtap.telemetry.recorder import Recorder
-from llmtap.telemetry.upstreams import UpstreamWatch
 from llmtap.wire.tape import shard_of
 from llmtap.wire.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry, free_port

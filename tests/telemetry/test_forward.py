@@ -16,8 +16,9 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from llmtap.config.otel import telemetry_from_env
 from llmtap.config.types import ConfigError, Route, Settings, TelemetrySettings
-from llmtap.telemetry import forward, semconv as sc
-from llmtap.telemetry.admin import AdminApp
+from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.admin.server import AdminApp
+from llmtap.telemetry.fleet import forward
 from llmtap.telemetry.recorder import Recorder
 from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry
 from tests.e2e.test_otlp import OTEL_ENV, GRPCReceiver, HTTPReceiver, Received, attributes

@@ -4,7 +4,7 @@ bomb, thousands of idle connections, hundreds of live-view subscribers, over-lon
 Telling loopback from the network needs a second address, and these tests listen on 127.0.0.1 only. So where a
 test needs a sender that counts as an outsider it runs the proxy with ``--admin-loopback-token``, which asks the
 token of loopback peers too: the gate then takes the same decision it takes for a peer beyond loopback
-(``llmtap.telemetry.access.Gate``), and the peer-address rule itself is checked on its own below.
+(``llmtap.telemetry.admin.access.Gate``), and the peer-address rule itself is checked on its own below.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from starlette.requests import Request
 
 from llmtap.config.load import build
 from llmtap.config.types import Admin, ConfigError
-from llmtap.telemetry.access import Gate, is_loopback
+from llmtap.telemetry.admin.access import Gate, is_loopback
 from llmtap.wire.tracecontext import MAX_TRACEPARENT, parse_traceparent
 from tests.conftest import PATIENCE
 from tests.e2e.test_otlp import HTTPReceiver

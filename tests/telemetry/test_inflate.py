@@ -11,9 +11,9 @@ import pytest
 from llmtap.analysis.timeline import Timeline
 from llmtap.compression import PIECE, InflateLimit, Inflater, decodable
 from llmtap.providers import provider_for
-from llmtap.telemetry import tap as tap_module
-from llmtap.telemetry.serverspans import BadBody, inflate
-from llmtap.telemetry.tap import Tap
+from llmtap.telemetry.fleet.serverspans import BadBody, inflate
+from llmtap.telemetry.intake import tap as tap_module
+from llmtap.telemetry.intake.tap import Tap
 from tests.support.fault_upstream import WORDS, chat_chunk, usage_event
 
 EVENTS = b"".join(b'data: {"choices":[{"index":0,"delta":{"content":"%d"}}]}\n\n' % i for i in range(3000))

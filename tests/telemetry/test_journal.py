@@ -19,8 +19,8 @@ from llmtap.config.load import build
 from llmtap.config.types import Records, Route, Settings
 from llmtap.serve.lines import startup_lines
 from llmtap.store.files import ReadStats, read_records
-from llmtap.telemetry import spool as spool_module
-from llmtap.telemetry.journal import (
+from llmtap.telemetry.journal import spool as spool_module
+from llmtap.telemetry.journal.files import (
     CHUNK,
     EMITTED,
     SETTLED,
@@ -31,10 +31,11 @@ from llmtap.telemetry.journal import (
     segment_name,
     take_slot,
 )
-from llmtap.telemetry.losses import STATE_FILE, Losses
+from llmtap.telemetry.journal.losses import STATE_FILE, Losses
+from llmtap.telemetry.journal.sequences import Sequences
+from llmtap.telemetry.journal.spool import Spool
+from llmtap.telemetry.journal.start import open_spool
 from llmtap.telemetry.recorder import Recorder
-from llmtap.telemetry.sequences import Sequences
-from llmtap.telemetry.spool import Spool, open_spool
 from llmtap.wire.framing import encode_frame
 from llmtap.wire.ledger import Ledger
 from llmtap.wire.messages import END, SEGMENT

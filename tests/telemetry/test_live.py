@@ -27,13 +27,13 @@ from llmtap.analysis.summary import Summary, summarize
 from llmtap.analysis.timeline import CANCELLED, ERROR, OK, Timeline
 from llmtap.commands.demo import FIXED_FIRST, VARIABLE_FIRST, default_workloads
 from llmtap.config.types import SLO, Route, Settings
-from llmtap.telemetry.admin import AdminApp
-from llmtap.telemetry.instruments import DURATION_BUCKETS
-from llmtap.telemetry.live import LiveView
-from llmtap.telemetry.live.view import embed, recorder_labels
-from llmtap.telemetry.live.waterfall import TICK_CAP, waterfall
-from llmtap.telemetry.live.window import HISTORY, HORIZON, SLOT, TICK, Busy, Hist, LiveWindow, Samples
-from llmtap.telemetry.prometheus import PrometheusReader
+from llmtap.telemetry.admin.live import LiveView
+from llmtap.telemetry.admin.live.view import embed, recorder_labels
+from llmtap.telemetry.admin.live.waterfall import TICK_CAP, waterfall
+from llmtap.telemetry.admin.live.window import HISTORY, HORIZON, SLOT, TICK, Busy, Hist, LiveWindow, Samples
+from llmtap.telemetry.admin.server import AdminApp
+from llmtap.telemetry.emit.instruments import DURATION_BUCKETS
+from llmtap.telemetry.exposition.prometheus import PrometheusReader
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import RequestInfo, ServerTiming, Usage
 from tests.conftest import PATIENCE, Running
@@ -468,7 +468,7 @@ def test_trace_ids_only_with_a_tracing_backend() -> None:
 
 def test_buckets_match_the_sdk() -> None:
     # A value on a boundary falls in that boundary's bucket (le), as the SDK and Prometheus count it.
-    from llmtap.telemetry.live.window import Hist
+    from llmtap.telemetry.admin.live.window import Hist
 
     h = Hist()
     for v in (DURATION_BUCKETS[0], DURATION_BUCKETS[10], DURATION_BUCKETS[10] * 1.0001, 1e6):
@@ -568,7 +568,7 @@ def test_embedded_data_cannot_close_its_block() -> None:
 
 
 def test_assets_name_no_other_host() -> None:
-    static = resources.files("llmtap.telemetry.live").joinpath("static")
+    static = resources.files("llmtap.telemetry.admin.live").joinpath("static")
     for name in ("index.html", "live.js", "live.css"):
         text = static.joinpath(name).read_text()
         # The SVG namespace is a name, not an address the browser fetches.

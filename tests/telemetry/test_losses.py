@@ -1,5 +1,5 @@
 """The loss counters' totals across telemetry restarts, and the lines that say losses with their count
-(``llmtap.telemetry.losses``, issue 44)."""
+(``llmtap.telemetry.journal.losses``, issue 44)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from llmtap.telemetry import losses as losses_module
-from llmtap.telemetry.losses import STATE_FILE, Losses
+from llmtap.telemetry.journal import losses as losses_module
+from llmtap.telemetry.journal.losses import STATE_FILE, Losses
 
 
 class FakeCounter:

@@ -28,8 +28,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 
 from llmtap.analysis.stats import quantile
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.instruments import create
-from llmtap.telemetry.prometheus import PrometheusReader
+from llmtap.telemetry.emit.instruments import create
+from llmtap.telemetry.exposition.prometheus import PrometheusReader
 from tests.conftest import PATIENCE, Scripted, require_real
 from tests.support.net import LoopbackHTTPServer, answer
 from tests.support.procs import Llmtap

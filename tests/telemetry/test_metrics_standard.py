@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.instruments import DURATION_BUCKETS, OVERHEAD_BUCKETS, TOKEN_BUCKETS
+from llmtap.telemetry.emit.instruments import DURATION_BUCKETS, OVERHEAD_BUCKETS, TOKEN_BUCKETS
 from tests.conftest import PATIENCE, Scripted
 from tests.e2e.test_otlp import HTTPReceiver
 from tests.support.procs import ROOT, Llmtap

@@ -19,8 +19,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import TraceState
 
-from llmtap.telemetry import otlp_spans
-from llmtap.telemetry.otlp_spans import encode_request
+from llmtap.telemetry.emit import otlp_spans
+from llmtap.telemetry.emit.otlp_spans import encode_request
 
 
 class Keep(SpanExporter):

@@ -14,8 +14,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 
 from llmtap.analysis.stats import quantile
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, Instruments, create
-from llmtap.telemetry.prometheus import PrometheusReader, merge_metrics, metric_name, render
+from llmtap.telemetry.emit.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, Instruments, create
+from llmtap.telemetry.exposition.prometheus import PrometheusReader, merge_metrics, metric_name, render
 
 LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
 LABEL = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')

@@ -20,7 +20,7 @@ from typing import Any
 
 from llmtap.analysis.summary import summarize
 from llmtap.telemetry import identity
-from llmtap.telemetry.records import record_line
+from llmtap.telemetry.records.record import record_line
 from tests.conftest import PATIENCE
 from tests.telemetry.test_recorder import timeline
 

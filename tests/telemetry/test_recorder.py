@@ -17,12 +17,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from llmtap.analysis.finish import Finished
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.load import build
 from llmtap.config.types import SLO, Route, Settings, TelemetrySettings
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.finished import Finished
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import Facts, RequestInfo, Usage
 from llmtap.wire.messages import STATS, Stats, encode_stats
@@ -992,7 +992,7 @@ def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: Harnes
 def test_relays_that_come_and_go_leave_a_bounded_trace(harness: HarnessFactory) -> None:
     """Each relay connection is a source of its own: one that restarts again and again leaves no gauges behind, and
     the readiness (not ready) of the last ``GONE_KEPT`` only (issue 44). Its streams still open are dropped, counted."""
-    from llmtap.telemetry.relays import GONE_KEPT
+    from llmtap.telemetry.intake.relays import GONE_KEPT
 
     h = harness()
     rec = h.recorder

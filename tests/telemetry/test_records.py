@@ -26,11 +26,11 @@ from llmtap.config.load import build
 from llmtap.config.types import ConfigError, Records, Route, Settings
 from llmtap.simulator import get_profile, run_in_thread
 from llmtap.store.files import ReadStats, read_records, record_files_at
-from llmtap.telemetry.dataset import DatasetWriter
 from llmtap.telemetry.identity import Identity, current
 from llmtap.telemetry.recorder import Recorder
-from llmtap.telemetry.recordlogs import LogSink
-from llmtap.telemetry.records import SCHEMA_KEY
+from llmtap.telemetry.records.dataset import DatasetWriter
+from llmtap.telemetry.records.logs import LogSink
+from llmtap.telemetry.records.record import SCHEMA_KEY
 from tests.conftest import PATIENCE, Telemetry, free_port
 from tests.telemetry.test_recorder import timeline
 
@@ -138,6 +138,7 @@ def test_a_record_holds_the_figures_and_never_content_or_secrets(
         "output_source": "usage",
         "cache_read": 0,
         "cache_write": None,
+        "cache_write_1h": None,
         "reasoning": None,
     }
     assert [r["name"] for r in streamed["prompt"]["regions"]] == ["m0"]
@@ -467,6 +468,7 @@ def test_closed_files_can_become_parquet_and_read_back_as_the_lines_were(tmp_pat
     every = dict.fromkeys(json.loads((ROOT / "docs" / "record.schema.json").read_text())["required"])
     lines = [
         every | {SCHEMA_KEY: 2, "time": "2026-01-01T00:00:00.000+00:00", "span_id": "1234567890123456", "pid": i,
+         "record_id": f"{i + 1:032d}",
          "gaps": {"n": 0} if i % 2 else {"n": 3, "p50": 0.01, "p95": 0.02, "max": 0.03},
          "objective": None if i % 3 else {"shape": "short", "percentile": 95, "ttft": 0.5}}
         for i in range(50)

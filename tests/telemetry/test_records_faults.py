@@ -27,6 +27,8 @@ import httpx
 import pytest
 
 from llmtap.relay.app import STATS_EVERY
+from llmtap.store.files import ReadStats, find, read_file, read_records
+from llmtap.store.skips import Skips
 from tests.conftest import PATIENCE, require_real
 from tests.support.clickhouse_server import ClickHouseProcess, installed
 from tests.support.fault_ledger import REASON, Counters, Ledger, changes, check, ledger, loss_lines, read_folder
@@ -142,31 +144,39 @@ def ready_telemetry(proxy: Llmtap, other_than: int | None) -> int:
     return found
 
 
+def kill_under_load(proxy: Llmtap, load: Load) -> list[int]:
+    """SIGKILL to the telemetry process ``KILLS`` times during ``load`` (``SENT`` requests); the requests issued
+    at each kill.
+
+    Each kill lands with requests in flight, and requests go on while the process is away (``AWAY`` of them), then
+    the load waits for the new process: however slow its start on a busy machine, every kill comes under load."""
+    pid = ready_telemetry(proxy, None)
+    at: list[int] = []
+    for k in range(1, KILLS + 1):
+        turn = k * SENT // (KILLS + 1)
+        wait_for(f"kill {k}'s turn", lambda: load.issued >= turn, PATIENCE)  # noqa: B023 (waited for here)
+        assert load.running, f"the load ended before kill {k}"
+        os.kill(pid, signal.SIGKILL)
+        at.append(load.issued)
+        wait_for("requests while it is away", lambda: load.issued >= turn + AWAY, PATIENCE)  # noqa: B023
+        load.pause()
+        pid = ready_telemetry(proxy, pid)
+        load.resume()
+    return at
+
+
 # --- the faults ------------------------------------------------------------------------------------------------
 
 
 def test_telemetry_process_killed_six_times_under_load(simulator: Simulator, tmp_path: Path) -> None:
-    """SIGKILL to the telemetry process six times during 400 requests; ``llmtap serve`` starts it again each time.
-
-    Each kill lands with requests in flight, and requests go on while the process is away (``AWAY`` of them), then
-    the load waits for the new process: however slow its start on a busy machine, all six kills come under load."""
+    """SIGKILL to the telemetry process six times during 400 requests; ``llmtap serve`` starts it again each time
+    (``kill_under_load``)."""
     records = tmp_path / "records"
     proxy = serve(simulator, tmp_path, "llmtap", "--record", str(records))
     try:
         with Counters(lambda: [proxy.admin_url]) as counters:
             load = Load(proxy.url, SENT, concurrency=8).start()
-            pid = ready_telemetry(proxy, None)
-            at: list[int] = []
-            for k in range(1, KILLS + 1):
-                turn = k * SENT // (KILLS + 1)
-                wait_for(f"kill {k}'s turn", lambda: load.issued >= turn, PATIENCE)  # noqa: B023 (waited for here)
-                assert load.running, f"the load ended before kill {k}"
-                os.kill(pid, signal.SIGKILL)
-                at.append(load.issued)
-                wait_for("requests while it is away", lambda: load.issued >= turn + AWAY, PATIENCE)  # noqa: B023
-                load.pause()
-                pid = ready_telemetry(proxy, pid)
-                load.resume()
+            at = kill_under_load(proxy, load)
             outcomes = load.join(PATIENCE)
 
             def progress() -> int:
@@ -187,6 +197,53 @@ def test_telemetry_process_killed_six_times_under_load(simulator: Simulator, tmp
         "losses": changes(counters.history),
     }
     check(book)
+
+
+#: A request's own id, where a record keeps it when tracing is off (its trace and span ids are then zeros).
+TAG = "x-llmtap-prompt-version"
+
+
+def untraced_records(folder: Path) -> tuple[dict[str, set[str]], int, int]:
+    """The records in ``folder`` read as ``read_folder`` reads them: record ids by the request's tag (its prompt
+    version), the copies the reader counted once, and the records the files hold (copies included)."""
+    stats = ReadStats()
+    kept: dict[str, set[str]] = {}
+    for record in read_records(folder, stats):
+        assert record["trace_id"] == "0" * 32 and record["span_id"] == "0" * 16, record  # tracing was off
+        kept.setdefault(str(record["prompt_version"]), set()).add(str(record["record_id"]))
+    lines = sum(1 for file in find([folder]).files for _ in read_file(file, Skips()))
+    return kept, stats.skips.counts.get("duplicate", 0), lines
+
+
+def test_telemetry_killed_under_load_with_tracing_off_records_each_request_once(
+    simulator: Simulator, tmp_path: Path
+) -> None:
+    """Tracing off (``OTEL_SDK_DISABLED``): every record's trace and span ids are zeros, and the journal's replay after
+    each of six kills can write a record again. Each request has one record all the same, told by its record_id:
+    the reader keeps one copy of each, and no request has two records.
+
+    With the SDK off there is no ``/metrics`` to count losses on (their log lines stay): the books of what was lost
+    are the test above's; this one checks that what was kept is kept once."""
+    records = tmp_path / "records"
+    proxy = serve(simulator, tmp_path, "llmtap", "--record", str(records), env={"OTEL_SDK_DISABLED": "true"})
+    try:
+        with Counters(lambda: [proxy.admin_url]) as counters:
+            load = Load(proxy.url, SENT, concurrency=8, tag=TAG).start()
+            at = kill_under_load(proxy, load)
+            outcomes = load.join(PATIENCE)
+
+            settle(lambda: len(untraced_records(records)[0]), len(outcomes))
+        stop_gracefully(proxy)
+    finally:
+        proxy.close()
+    kept, copies, lines = untraced_records(records)
+    twice = {tag: ids for tag, ids in kept.items() if len(ids) > 1}
+    assert not twice, f"requests with more than one record: {twice}"
+    book = ledger("telemetry SIGKILL x6, tracing off", "files", outcomes, kept, counters, proxy.logs(), copies)
+    book.notes |= {"kills_at_request": at, "records_in_files": lines}
+    book.publish()
+    assert book.foreign == 0 and book.sent == SENT and book.recorded > 0, book.row()
+    assert lines == book.recorded + copies, book.row()  # every record in the files is a request's or a counted copy
 
 
 #: Seconds a restarted telemetry process may take to hear the relay is ready: a few of its report intervals

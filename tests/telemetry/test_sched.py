@@ -106,7 +106,7 @@ def test_playing_back_a_long_stream_pauses_at_every_read(monkeypatch: pytest.Mon
         clock.now += 100e-6  # each read's work takes the whole interval
         ticking()
 
-    monkeypatch.setattr("llmtap.telemetry.replay.checkpoint", checkpoint)
+    monkeypatch.setattr("llmtap.telemetry.intake.replay.checkpoint", checkpoint)
     tl = play(messages)
     assert len(tl.chunk_times) == 300
     assert clock.yields >= 300

@@ -19,9 +19,8 @@ from llmtap.analysis.slots import FROM_METRICS, SlotLearner, Slots, load
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.admin import AdminApp
-from llmtap.telemetry.recorder import Recorder
-from llmtap.telemetry.serverspans import (
+from llmtap.telemetry.admin.server import AdminApp
+from llmtap.telemetry.fleet.serverspans import (
     MAX_BODY_BYTES,
     PROBE,
     RATIO_FLOOR,
@@ -31,7 +30,8 @@ from llmtap.telemetry.serverspans import (
     inflate,
     parse,
 )
-from llmtap.telemetry.upstreams import UpstreamWatch
+from llmtap.telemetry.fleet.upstreams import UpstreamWatch
+from llmtap.telemetry.recorder import Recorder
 from llmtap.types import ServerTiming
 from llmtap.wire.messages import Stats, encode_stats
 from tests.conftest import PATIENCE, ServerThread, Telemetry
@@ -196,7 +196,7 @@ def test_requests_remembered_after_their_wait_are_bounded_when_an_upstream_trace
     """An upstream that sends the span of every other request (its own sampling, or spans lost on the way) is still
     waited for, and each request whose span never came is remembered so that the span counts as late if it does:
     those memories stay within ``MAX_RECENT`` however long it goes on (issue 44)."""
-    from llmtap.telemetry import serverspans
+    from llmtap.telemetry.fleet import serverspans
 
     counts = Counts()
     join: Join[int] = Join(1.0, counts)
@@ -217,7 +217,7 @@ def test_requests_remembered_after_their_wait_are_bounded_when_an_upstream_trace
 def test_requests_waiting_for_their_span_are_bounded_by_their_prompts_size_too() -> None:
     """A waiting request keeps its prompt (the cache diagnosis needs it): long prompts at a high rate would fill
     ``MAX_HELD`` with gigabytes, so the prompts' characters are bounded too; the oldest is recorded at once."""
-    from llmtap.telemetry import serverspans
+    from llmtap.telemetry.fleet import serverspans
 
     counts = Counts()
     join: Join[int] = Join(60.0, counts)
@@ -232,7 +232,7 @@ def test_requests_waiting_for_their_span_are_bounded_by_their_prompts_size_too()
 
 def test_join_is_bounded_and_release_empties_it() -> None:
     join: Join[int] = Join(60.0, Counts())
-    from llmtap.telemetry import serverspans
+    from llmtap.telemetry.fleet import serverspans
 
     for i in range(serverspans.MAX_HELD + 3):
         out = join.hold(f"{i:016x}", UPSTREAM, i, 0.0)

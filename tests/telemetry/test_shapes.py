@@ -40,12 +40,12 @@ from llmtap.serve.local import in_process
 from llmtap.simulator.text import Vocabulary
 from llmtap.store.files import ReadStats, read_records as read_record_lines
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.admin import AdminApp
-from llmtap.telemetry.bulk import Batch
-from llmtap.telemetry.instruments import create
-from llmtap.telemetry.live.window import SLOWEST
-from llmtap.telemetry.metrics import _record_samples
-from llmtap.telemetry.prometheus import PrometheusReader, wants_openmetrics
+from llmtap.telemetry.admin.live.window import SLOWEST
+from llmtap.telemetry.admin.server import AdminApp
+from llmtap.telemetry.emit.bulk import Batch
+from llmtap.telemetry.emit.instruments import create
+from llmtap.telemetry.emit.metrics import _record_samples
+from llmtap.telemetry.exposition.prometheus import PrometheusReader, wants_openmetrics
 from tests.conftest import PATIENCE, ServerThread, require_real
 
 # -- shapes and objectives from the configuration -------------------------------------------------

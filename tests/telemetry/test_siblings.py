@@ -21,8 +21,8 @@ from llmtap.analysis.estimator import Estimator, QueuePrefill
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Route, Settings
+from llmtap.telemetry.fleet.siblings import by_process
 from llmtap.telemetry.recorder import Recorder
-from llmtap.telemetry.siblings import by_process
 from llmtap.types import PromptRegion
 from llmtap.wire.messages import FACTS, Facts, WireError, decode, encode
 from llmtap.wire.tape import shard_of
@@ -167,7 +167,7 @@ def test_a_prompt_another_process_indexed_is_known_here() -> None:
     ]
     assert got[1] is not None and got[1].shared_prefix_tokens > 700  # process 1 knew process 0's prompt
     with pytest.raises(ValueError):
-        shards[0].learn(("prefix", ("not bytes",), 1.0))
+        shards[0].learn(("prefix", ("not bytes",), 1.0))  # type: ignore[arg-type]
 
 
 def test_lessons_cross_as_facts_and_a_recorder_refuses_bad_ones_without_harm() -> None:

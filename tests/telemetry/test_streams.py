@@ -8,11 +8,11 @@ from typing import Any
 
 from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.losses import Losses
+from llmtap.telemetry.intake.relays import Drops
+from llmtap.telemetry.intake.replay import Playback
+from llmtap.telemetry.intake.streams import Streams
+from llmtap.telemetry.journal.losses import Losses
 from llmtap.telemetry.recorder import Recorder
-from llmtap.telemetry.relays import Drops
-from llmtap.telemetry.replay import Playback
-from llmtap.telemetry.streams import Streams
 from llmtap.wire.messages import END, SEGMENT, End, Head, Segment, decode
 from tests.conftest import PATIENCE
 from tests.support.tapes import chat_tape
@@ -146,8 +146,8 @@ def test_an_end_whose_stream_is_unknown_is_counted() -> None:
 
 def test_the_recorder_under_overload_keeps_no_stream_it_cannot_record() -> None:
     """The queue full: a stream's end turned away after its first segment was queued (a later segment would become
-    a hole, ``llmtap.telemetry.holes``, and the end of a stream with a hole may use the queue's reserve). Its loss
-    is counted once, its playback let go as soon as the worker goes on, and the requests around it are recorded. A
+    a hole, ``llmtap.telemetry.intake.holes``, and the end of a stream with a hole may use the queue's reserve). Its
+    loss is counted once, its playback let go as soon as the worker goes on, and the requests around it are recorded. A
     stream of one message turned away is counted, and leaves no entry."""
     recorder = Recorder(Settings(routes=ROUTES, telemetry=TelemetrySettings(queue_size=1)))
     entered, gate = threading.Event(), threading.Event()

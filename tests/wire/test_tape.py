@@ -16,7 +16,7 @@ from llmtap.analysis import tokens
 from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.relay.channel import LocalChannel, SocketChannel
 from llmtap.serve.relay import tape_gather
-from llmtap.telemetry.replay import Playback
+from llmtap.telemetry.intake.replay import Playback
 from llmtap.wire.framing import frames
 from llmtap.wire.messages import END, SEGMENT, STATS, End, Segment, decode
 from llmtap.wire.socketchannel import GATHER_BYTES
@@ -373,9 +373,9 @@ def test_segments_the_channel_cannot_take_become_a_hole_and_the_stream_keeps_its
             full = tape.read(t, read)
             tape.delivered(t + 0.0001)
             if full:
-                app._segment(tape)
+                app.handover.segment(tape)
         tape.end = 10.1 + 0.02 * len(reads)
-        app._hand_over(tape)
+        app.handover.hand_over(tape)
 
     asyncio.run(stream())
     assert app.tapes_dropped == 0

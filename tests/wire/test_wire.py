@@ -189,6 +189,7 @@ def test_the_tape_builds_each_field_where_its_name_says() -> None:
         "upstream_ahead": 3,
         "attribution": [(b"x-llmtap-team", b"a")],
         "key_fingerprint": "kf",
+        "record_id": 0xFEED,
         "end": 2.5,
         "error_type": "idle_timeout",
         "error_message": "m",
@@ -203,7 +204,7 @@ def test_the_tape_builds_each_field_where_its_name_says() -> None:
     assert isinstance(m, End) and m.key == 9 and m.head is not None
     for name in Head._fields:
         expected = getattr(tape, name)
-        if name == "trace_id":
+        if name in ("trace_id", "record_id"):
             expected = expected.to_bytes(16, "big")
         elif name == "span_id":
             expected = expected.to_bytes(8, "big")
@@ -237,7 +238,7 @@ def test_a_message_of_another_build_fails_loudly_naming_the_mismatch() -> None:
         decode(good[:-1])
     _, raws = chat_tape(1, [b"x"])
     end = raws[0]
-    with pytest.raises(WireError, match="message head of 27 fields where this build has 26"):
+    with pytest.raises(WireError, match="message head of 28 fields where this build has 27"):
         decode((*end[:2], (*end[2], "new field"), *end[3:]))
     with pytest.raises(WireError, match="message tail of 5 fields"):
         decode((*end[:4], end[4][:5], *end[5:]))

@@ -13,7 +13,7 @@ Everything here is bounded whatever the caller sends: a value is cleaned (valid 
 characters, not even on a span) and cut at ``VALUE_CAP`` characters, a property's name is folded to
 ``[a-z0-9_]`` and cut at ``NAME_CAP``, and a request keeps ``MAX_PROPERTIES`` properties at most (the
 others are counted as dropped). Spans and records carry every dimension; metrics only those the operator
-allows, each through a ``LabelGuard`` (``llmtap.telemetry.metrics``).
+allows, each through a ``LabelGuard`` (``llmtap.telemetry.emit.metrics``).
 """
 
 from __future__ import annotations

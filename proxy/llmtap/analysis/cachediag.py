@@ -18,6 +18,7 @@ Runs on the recorder's worker thread (it counts tokens).
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from llmtap.analysis.fingerprint import (
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Route
+from llmtap.wire.lessons import Prefix
 
 __all__ = [
     "BLOCK_MIN_TOKENS",
@@ -43,13 +45,14 @@ __all__ = [
     "HOSTED_MIN_TOKENS",
     "MISS_CHANGED",
     "MISS_EVICTED",
-    "PREFIX",
     "TOO_SHORT",
     "UNKNOWN",
     "CacheDiagnoser",
     "Diagnosis",
     "classify",
     "min_cacheable_tokens",
+    "self_hosted",
+    "site_address",
 ]
 
 HIT, COLD, MISS_CHANGED, MISS_EVICTED, TOO_SHORT, UNKNOWN = (
@@ -61,8 +64,6 @@ HIT, COLD, MISS_CHANGED, MISS_EVICTED, TOO_SHORT, UNKNOWN = (
     "unknown",
 )
 CLASSES = (HIT, COLD, MISS_CHANGED, MISS_EVICTED, TOO_SHORT, UNKNOWN)
-#: The kind of the lesson a prompt's index entry is for the other telemetry processes (``CacheDiagnoser.learned``).
-PREFIX = "prefix"
 
 #: Servers whose prefix cache works in blocks of tokens: one full block (vLLM's default ``--block-size``
 #: on GPUs is 16) is the least they cache.
@@ -71,15 +72,47 @@ BLOCK_MIN_TOKENS = 16
 #: OpenAI and Anthropic cache prompts of 1,024 tokens and more (Anthropic's smaller models need more:
 #: set ``cache_min_tokens`` on their route).
 HOSTED_MIN_TOKENS = 1024
+#: Host names that only resolve inside a site: a Kubernetes service (``vllm.ml.svc.cluster.local``), mDNS.
+_SITE_SUFFIXES = (".svc", ".svc.cluster.local", ".cluster.local", ".local", ".internal", ".localhost")
 
 
 def min_cacheable_tokens(route: Route | None) -> int:
-    """The shortest prompt the route's upstream caches: configured, else by the kind of server."""
+    """The shortest prompt the route's upstream caches: configured, else by the kind of server (``self_hosted``)."""
     if route is None:
         return HOSTED_MIN_TOKENS
     if route.cache_min_tokens is not None:
         return route.cache_min_tokens
-    return BLOCK_MIN_TOKENS if (route.provider or "").lower() in SELF_HOSTED else HOSTED_MIN_TOKENS
+    return BLOCK_MIN_TOKENS if self_hosted(route) else HOSTED_MIN_TOKENS
+
+
+def self_hosted(route: Route) -> bool:
+    """Whether the route's upstream is a server run on the user's own machines (a block-sized cache minimum).
+
+    The route's ``provider`` decides when it is set: a self-hosted server's name (``SELF_HOSTED``) or not.
+    Without one, the upstream's address does: a loopback, private (RFC 1918, RFC 4193), link-local or
+    shared-address-space IP, or a name that resolves only inside a site (``localhost``, a name without dots,
+    a Kubernetes service, ``.local``, ``.internal``). A hosted API is reached by a public name. A gateway
+    on a private address in front of a hosted API is the case this cannot tell: name its provider, or set
+    ``cache_min_tokens``."""
+    if route.provider:
+        return route.provider.lower() in SELF_HOSTED
+    return site_address(route.host)
+
+
+def site_address(host: str) -> bool:
+    """Whether ``host`` (an IP or a name) can only be reached inside the user's own network."""
+    name = host.strip("[]").rstrip(".").lower()
+    if not name:
+        return False
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return name == "localhost" or "." not in name or name.endswith(_SITE_SUFFIXES)
+    return ip.is_loopback or ip.is_private or ip.is_link_local or ip in _SHARED_SPACE
+
+
+#: RFC 6598's shared address space (carrier-grade NAT, some clusters' pod networks): not public either.
+_SHARED_SPACE = ipaddress.ip_network("100.64.0.0/10")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,17 +156,15 @@ class CacheDiagnoser:
         self._index = PrefixIndex(capacity)
         self._counts = TokenCounts()
         #: Where several telemetry processes share an upstream's requests: each prompt this one indexes, as
-        #: ``(PREFIX, digests, ready)`` for the others to ``learn`` (None: nobody to tell).
-        self.learned: list[tuple[str, tuple[bytes, ...], float]] | None = None
+        #: a ``Prefix`` lesson for the others to ``learn`` (None: nobody to tell).
+        self.learned: list[Prefix] | None = None
 
-    def learn(self, lesson: tuple[object, ...]) -> None:
-        """A prompt another telemetry process indexed (``learned``); ``ValueError`` for one this build cannot read."""
-        if len(lesson) != 3 or lesson[0] != PREFIX or not isinstance(lesson[1], tuple):
-            raise ValueError("not a prefix lesson")
-        digests, ready = lesson[1], lesson[2]
-        if not all(isinstance(d, bytes) for d in digests) or not isinstance(ready, (int, float)):
-            raise ValueError("a prefix lesson's hashes or time are of the wrong type")
-        self._index.add_chain(digests, float(ready))
+    def learn(self, lesson: Prefix) -> None:
+        """A prompt another telemetry process indexed (``learned``, checked as it was decoded,
+        ``llmtap.wire.lessons``); ``ValueError`` for anything else."""
+        if type(lesson) is not Prefix:
+            raise ValueError(f"not a prefix lesson: {type(lesson).__name__}")
+        self._index.add_chain(lesson.digests, float(lesson.ready))
 
     def diagnose(self, tl: Timeline, s: Summary) -> Diagnosis | None:
         """The diagnosis of one LLM request (None for plain relays); updates the index of recent prompts."""
@@ -152,7 +183,7 @@ class CacheDiagnoser:
                 # The prefill is over once the first token is out: from then on the server holds the prefix.
                 self._index.add(fp, tl.first_content)
                 if self.learned is not None:
-                    self.learned.append((PREFIX, tuple(chain_digests(fp, SHARED_LINKS)), tl.first_content))
+                    self.learned.append(Prefix(tuple(chain_digests(fp, SHARED_LINKS)), tl.first_content))
         cache_class, expected = classify(
             input_tokens=s.input_tokens, cached_tokens=s.cache_read_tokens, match=match, min_tokens=min_tokens
         )

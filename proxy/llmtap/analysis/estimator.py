@@ -31,9 +31,10 @@ import math
 from bisect import bisect_left, bisect_right, insort_right
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from llmtap.analysis.timeline import Timeline
+from llmtap.wire.lessons import Decoding, Ended, Idle
 
 __all__ = ["ESTIMATED", "MAX_COMPLETIONS", "MAX_MODELS", "Envelope", "Estimator", "Lesson", "QueuePrefill", "SlotLog"]
 
@@ -217,17 +218,15 @@ class _Upstream:
     envelopes: OrderedDict[str, Envelope]
 
 
-#: What a request taught the estimator, as ``Estimator.learned`` holds it for the other telemetry processes:
-#: ``(DECODING, upstream, first, end)``, ``(ENDED, upstream, written, end)``, ``(IDLE, upstream, model, tokens, ttft,
-#: rate)``. Plain tuples: they travel as they are (``llmtap.wire.messages.Facts``).
-DECODING, ENDED, IDLE = "decoding", "ended", "idle"
-Lesson = tuple[Any, ...]
+#: What a request taught the estimator, as ``Estimator.learned`` holds it for the other telemetry processes (named
+#: lessons, ``llmtap.wire.lessons``: they travel encoded in ``llmtap.wire.messages.Facts``).
+Lesson: TypeAlias = Decoding | Ended | Idle
 
 
 class Estimator:
     """Bounded per-upstream state for splitting upstream TTFT; one per recorder, used on its thread.
 
-    Where several telemetry processes share an upstream's requests (``llmtap.telemetry.siblings``), ``learned``
+    Where several telemetry processes share an upstream's requests (``llmtap.telemetry.fleet.siblings``), ``learned``
     is a list: each lesson a request taught goes there too, and the other processes ``learn`` it, so every
     process's slot log and envelopes hold all the upstream's requests.
     """
@@ -251,7 +250,7 @@ class Estimator:
         if tl.first_content is not None and tl.end is not None:
             up.log.decoding(tl.first_content, tl.end)
             if self.learned is not None:
-                self.learned.append((DECODING, tl.upstream, tl.first_content, tl.end))
+                self.learned.append(Decoding(tl.upstream, tl.first_content, tl.end))
         return up.log.decoding_peak
 
     def learn(self, lesson: Lesson) -> None:
@@ -259,21 +258,15 @@ class Estimator:
 
         Raises ``ValueError`` for a lesson this build cannot read.
         """
-        kind, upstream = lesson[0], lesson[1]
-        if not isinstance(upstream, str):
-            raise ValueError(f"a lesson's upstream is {type(upstream).__name__}")
-        if kind == DECODING and len(lesson) == 4:
-            first, end = float(lesson[2]), float(lesson[3])
-            self._upstream(upstream).log.decoding(first, end, count=False)
-        elif kind == ENDED and len(lesson) == 4:
-            self._upstream(upstream).log.add(float(lesson[2]), float(lesson[3]))
-        elif kind == IDLE and len(lesson) == 6:
-            model, tokens, ttft, rate = lesson[2], int(lesson[3]), float(lesson[4]), lesson[5]
-            if not isinstance(model, str) or not (rate is None or isinstance(rate, (int, float))):
-                raise ValueError("an idle lesson's model or rate is of the wrong type")
-            self.envelope(upstream, model, None if rate is None else float(rate)).add(tokens, ttft)
+        if type(lesson) is Decoding:
+            self._upstream(lesson.upstream).log.decoding(float(lesson.first), float(lesson.end), count=False)
+        elif type(lesson) is Ended:
+            self._upstream(lesson.upstream).log.add(float(lesson.written), float(lesson.end))
+        elif type(lesson) is Idle:
+            rate = None if lesson.rate is None else float(lesson.rate)
+            self.envelope(lesson.upstream, lesson.model, rate).add(int(lesson.tokens), float(lesson.ttft))
         else:
-            raise ValueError(f"a lesson {kind!r} of {len(lesson)} fields")
+            raise ValueError(f"not a lesson of the estimator: {type(lesson).__name__}")
 
     def envelope(self, upstream: str, model: str, rate: float | None = None) -> Envelope:
         """The envelope of one upstream and model, created on first use; least recently used forgotten."""
@@ -320,7 +313,7 @@ class Estimator:
         if tl.end is not None:
             up.log.add(written, tl.end)
             if self.learned is not None:
-                self.learned.append((ENDED, tl.upstream, written, tl.end))
+                self.learned.append(Ended(tl.upstream, written, tl.end))
         first = tl.first_content
         if first is None or uncached_tokens is None:
             return None
@@ -343,5 +336,5 @@ class Estimator:
         if idle:
             env.add(uncached_tokens, ttft)
             if self.learned is not None:
-                self.learned.append((IDLE, tl.upstream, model, uncached_tokens, ttft, rate))
+                self.learned.append(Idle(tl.upstream, model, uncached_tokens, ttft, rate))
         return split

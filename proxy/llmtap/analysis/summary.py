@@ -34,8 +34,10 @@ __all__ = [
     "apportion",
     "drift_possible",
     "input_size_class",
+    "proxy_added",
     "reached_model",
     "slo_outcome",
+    "spread",
     "summarize",
 ]
 
@@ -99,19 +101,17 @@ class Summary:
     objective: SLO | None = None
     #: Server timing fields ignored as malformed or absurd: the relay's (headers), the provider's and validation's.
     rejected_timings: list[str] = field(default_factory=list)
-    #: ``llmtap.cache.class`` of the prompt-cache diagnosis, when the recorder made one.
+    #: ``llmtap.cache.class`` of the prompt-cache diagnosis, when one was made (``llmtap.analysis.finish``).
     cache_class: str | None = None
-    #: What the request cost (``llmtap.analysis.cost``), when the recorder priced it.
+    #: What the request cost (``llmtap.analysis.cost``), when the request was priced (``llmtap.analysis.finish``).
     cost: Cost | None = None
+    #: The proxy's own time in the user's TTFT (``proxy_added``), once the request was sent upstream.
+    proxy_added: float | None = None
 
     @property
     def gap_samples(self) -> list[float]:
         """The chunk gaps a histogram records: all of them, or ``MAX_SAMPLES`` spread evenly over them."""
-        gaps = self.gaps
-        if len(gaps) <= MAX_SAMPLES:
-            return gaps
-        step = len(gaps) / MAX_SAMPLES
-        return [gaps[int(k * step)] for k in range(MAX_SAMPLES)]
+        return list(spread(self.gaps)) if len(self.gaps) > MAX_SAMPLES else self.gaps
 
     @property
     def itl_per_token(self) -> list[float]:
@@ -172,6 +172,28 @@ def _drift(counted: int, reported: int | None) -> float | None:
     return (counted - reported) / reported
 
 
+def proxy_added(tl: Timeline) -> float:
+    """The proxy's own time in the user's TTFT: from the request's first byte to its send upstream (less the
+    admission line, a measured queue of its own), plus from the first content's arrival to its hand-over
+    to the client. A saturated proxy shows here, in its own numbers."""
+    start = tl.admitted if tl.admitted is not None else tl.received
+    added = max((tl.sent or start) - start, 0.0)
+    if tl.admitted is not None and tl.body_read is not None:
+        added += max(tl.body_read - tl.received, 0.0)
+    if tl.first_content is not None and tl.first_content_delivered is not None:
+        added += max(tl.first_content_delivered - tl.first_content, 0.0)
+    return added
+
+
+def spread(samples: Sequence[float]) -> Sequence[float]:
+    """All of ``samples``, or ``MAX_SAMPLES`` of them spread evenly (a stream of a million reads would hold the
+    telemetry process for half a minute, at tens of microseconds a histogram sample)."""
+    if len(samples) <= MAX_SAMPLES:
+        return samples
+    step = len(samples) / MAX_SAMPLES
+    return [samples[int(k * step)] for k in range(MAX_SAMPLES)]
+
+
 def drift_possible(tl: Timeline) -> bool:
     """Whether ``summarize`` can measure tiktoken's drift on ``tl``: usage reports the input and there is a prompt,
     or it reports the output and there is generated text."""
@@ -213,6 +235,8 @@ def summarize(
             s.upstream_ttft = tl.first_content - tl.sent
     if tl.first_byte is not None:
         s.ttfb = tl.first_byte - tl.received
+    if tl.sent is not None:
+        s.proxy_added = proxy_added(tl)
     if tl.end is not None:
         s.e2e = tl.end - tl.received
     times = tl.chunk_times

@@ -1,6 +1,6 @@
 """The per-request record: monotonic timestamps, content chunks and what the stream said.
 
-Built on the telemetry side from the relay's tape (``llmtap.telemetry.replay``) and read once, after the
+Built on the telemetry side from the relay's tape (``llmtap.telemetry.intake.replay``) and read once, after the
 stream ends, by the recorder. It holds no OpenTelemetry objects and does no I/O.
 
 Its memory is bounded whatever the response's length: the generated text is counted as it arrives
@@ -11,11 +11,14 @@ is folded into the last.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import TypeVar
 
 from llmtap.analysis import tokens
 from llmtap.types import Facts, RequestInfo, ServerTiming, Usage
 from llmtap.wire.tape import now as tape_now
+
+T = TypeVar("T")
 
 __all__ = ["CANCELLED", "COUNT_CHARS", "ERROR", "KEEP_CHARS", "OK", "Output", "Timeline"]
 
@@ -132,6 +135,8 @@ class Timeline:
     unread: str | None = None
     response_bytes: int = 0
     usage: Usage | None = None
+    #: The cost a gateway before the upstream put in a response header (LiteLLM's ``x-litellm-response-cost``), USD.
+    header_cost: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
     response_id: str | None = None
     #: The protocol's last event (``[DONE]``, ``message_stop``, ``response.completed``, ``done: true``) or a
@@ -154,6 +159,8 @@ class Timeline:
     # Names of timing headers the relay found malformed or inconsistent, and so ignored.
     rejected_timings: list[str] = field(default_factory=list)
     span_id: str | None = None
+    # What identifies the request's record (32 hex), traced or not: the relay makes it with the tape.
+    record_id: str | None = None
     # Whether the relay marked the trace sampled, and the client's traceparent and tracestate (or None).
     sampled: bool = True
     parent: tuple[str, str] | None = None
@@ -236,16 +243,12 @@ class Timeline:
 def merge_usage(old: Usage | None, new: Usage) -> Usage:
     """Later usage replaces earlier usage field by field: streams report cumulative counts, never deltas."""
     if old is None:
-        return Usage(
-            new.input_tokens, new.output_tokens, new.cache_read_tokens, new.cache_write_tokens, new.reasoning_tokens
-        )
-    return Usage(
-        new.input_tokens if new.input_tokens is not None else old.input_tokens,
-        new.output_tokens if new.output_tokens is not None else old.output_tokens,
-        new.cache_read_tokens if new.cache_read_tokens is not None else old.cache_read_tokens,
-        new.cache_write_tokens if new.cache_write_tokens is not None else old.cache_write_tokens,
-        new.reasoning_tokens if new.reasoning_tokens is not None else old.reasoning_tokens,
-    )
+        return replace(new)
+    return Usage(**{f.name: _later(getattr(old, f.name), getattr(new, f.name)) for f in fields(Usage)})
+
+
+def _later(old: T, new: T) -> T:
+    return new if new is not None else old
 
 
 now = tape_now  # the relay's clock: one monotonic clock for both processes

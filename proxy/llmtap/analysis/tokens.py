@@ -11,6 +11,7 @@ changes no count; a run with no such place in it is cut at the bound (at most a 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import threading
@@ -22,7 +23,9 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
 __all__ = [
+    "DEFAULT_ENCODING",
     "ENCODINGS",
+    "MODEL_KEPT_CHARS",
     "PIECE_CHARS",
     "SHORT_CHARS",
     "SHORT_KEPT",
@@ -104,14 +107,29 @@ def get_encoding(name: str = DEFAULT_ENCODING) -> Any:
 
 def encoding_for_model(model: str | None) -> str:
     """The encoding name for a model: OpenAI's own mapping, else the default (o200k_base)."""
-    if model:
-        try:
-            name = str(tiktoken.encoding_name_for_model(model))
-        except KeyError:
-            return DEFAULT_ENCODING
-        if name in _SHA256:
-            return name
-    return DEFAULT_ENCODING
+    if not model:
+        return DEFAULT_ENCODING
+    if len(model) > MODEL_KEPT_CHARS:
+        return _encoding_for(model)
+    return _remembered(model)
+
+
+#: Model names up to this long have their encoding remembered (``_remembered``); longer ones are looked up each time.
+MODEL_KEPT_CHARS = 256
+
+
+def _encoding_for(model: str) -> str:
+    try:
+        name = str(tiktoken.encoding_name_for_model(model))
+    except KeyError:
+        return DEFAULT_ENCODING
+    return name if name in _SHA256 else DEFAULT_ENCODING
+
+
+#: tiktoken's lookup tries every prefix it knows and raises for a model it does not (any open model): 1 to 2
+#: microseconds a call, and a request asks up to three times. A deployment serves a handful of models; the bound
+#: holds whatever names clients send.
+_remembered = functools.lru_cache(maxsize=256)(_encoding_for)
 
 
 #: The longest string tiktoken is given at once; a cut is looked for in its second half.

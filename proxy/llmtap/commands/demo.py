@@ -40,8 +40,8 @@ from llmtap.commands.demo_report import ProgressLine, render as render  # render
 from llmtap.config.otel import telemetry_from_env
 from llmtap.config.types import SLO, Records, Route, Settings, TelemetrySettings
 from llmtap.simulator.text import Vocabulary
-from llmtap.telemetry import setup
-from llmtap.telemetry.prometheus import PrometheusReader
+from llmtap.telemetry.emit import setup
+from llmtap.telemetry.exposition.prometheus import PrometheusReader
 
 if TYPE_CHECKING:
     from uvicorn import Server
@@ -314,7 +314,7 @@ async def run(
     from llmtap.serve.local import in_process
     from llmtap.serve.server import uvicorn_config
     from llmtap.serve.sockets import bind
-    from llmtap.telemetry.admin import AdminApp
+    from llmtap.telemetry.admin.server import AdminApp
 
     env = dict(os.environ if env is None else env)
     out = DemoRun()

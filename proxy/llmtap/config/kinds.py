@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 from llmtap.labels import INVALID_VERSION, LABEL_CAP, VERSION_MAX_BYTES, clean, version_label
 
 __all__ = [
+    "CONTENT_FIELDS",
+    "CONTENT_RULES",
     "METRIC_MODELS_MAX",
     "Invalid",
     "Kind",
@@ -28,6 +30,7 @@ __all__ = [
     "byte_size",
     "check_url",
     "choice",
+    "content_rules",
     "dimension_names",
     "host_name",
     "integer",
@@ -374,3 +377,40 @@ def dimension_names() -> Kind:
 
     schema = {"type": "array", "items": {"type": "string"}, "maxItems": METRIC_DIMENSIONS_MAX}
     return Kind(expected, parse, schema, "D,E", lambda v: ",".join(v) or "none")
+
+
+#: The content event's fields (``gen_ai.system_instructions``, ``gen_ai.input.messages``, ``gen_ai.output.messages``)
+#: and what may become of each: carried as it is, replaced by its SHA-256, or left out.
+CONTENT_FIELDS = ("system", "input", "output")
+CONTENT_RULES = ("keep", "hash", "drop")
+
+
+def content_rules() -> Kind:
+    """The content event's rule per field: ``input=keep,output=hash`` in a flag or variable, a mapping in the file.
+
+    Nothing named: no event. A field not named is dropped, so each field that leaves is one the operator named."""
+    expected = (
+        f"FIELD=RULE pairs, comma-separated, FIELD one of {', '.join(CONTENT_FIELDS)}, RULE {', '.join(CONTENT_RULES)}"
+    )
+
+    def parse(value: Any) -> tuple[tuple[str, str], ...]:
+        if isinstance(value, Mapping):
+            pairs = [(str(k), str(v)) for k, v in value.items()]
+        elif isinstance(value, str):
+            pairs = [tuple(p.split("=", 1)) if "=" in p else (p, "") for p in value.split(",") if p.strip()]  # type: ignore[misc]
+        else:
+            raise Invalid(f"expected {expected}")
+        rules: dict[str, str] = {}
+        for name, rule in pairs:
+            name, rule = name.strip().lower(), rule.strip().lower()
+            if name not in CONTENT_FIELDS or rule not in CONTENT_RULES:
+                raise Invalid(f"{name[:40]}={rule[:40]}: expected {expected}")
+            rules[name] = rule
+        return tuple((f, rules[f]) for f in CONTENT_FIELDS if f in rules)
+
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {f: {"enum": list(CONTENT_RULES)} for f in CONTENT_FIELDS},
+    }
+    return Kind(expected, parse, schema, "FIELD=RULE,..", lambda v: ",".join(f"{f}={r}" for f, r in v) or "off")

@@ -24,6 +24,7 @@ from llmtap.config.types import (
     Attribution,
     ClickHouseRecords,
     ConfigError,
+    ContentEvent,
     Records,
     Settings,
     Timeouts,
@@ -138,7 +139,6 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         max_client_connections=values["max_client_connections"],
         max_connections_per_client=values["max_connections_per_client"],
         max_inflate_bytes=values["max_inflate_bytes"],
-        upstream_client=values["upstream_client"],
         log_level=values["log_level"],
         access_log=values["access_log"],
         record=Records(
@@ -159,6 +159,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         telemetry_yield=values["telemetry_yield"],
         telemetry_gather=values["telemetry_gather"],
         attribution=_attribution(values),
+        content=ContentEvent(rules=values["content_event"] or (), max_bytes=values["content_event_max_bytes"]),
     )
 
 

@@ -26,6 +26,7 @@ from llmtap.config.kinds import (
     byte_size,
     check_url,
     choice,
+    content_rules,
     dimension_names,
     host_name,
     integer,
@@ -51,7 +52,6 @@ __all__ = [
     "ROUTE_OPTIONS",
     "SPAN_ROLES",
     "STANDARD_VARIABLES",
-    "UPSTREAM_CLIENTS",
     "Invalid",
     "Kind",
     "Option",
@@ -187,8 +187,6 @@ CHUNK_SPAN_MODES = ("spans", "events", "off")
 TELEMETRY_SCHEDULING = ("idle", "nice", "normal")
 #: What the proxy's span is in a trace (``auto``: the hop when a request arrives with a ``traceparent``).
 SPAN_ROLES = ("auto", "generation", "hop")
-#: The client for upstreams: llmtap's own HTTP/1.1 one (``llmtap.relay.upstream_http``), or httpx's.
-UPSTREAM_CLIENTS = ("lean", "httpx")
 #: Buckets of the ``gen_ai.*`` histograms: the conventions' advisory ones, or llmtap's fine ones.
 HISTOGRAM_BUCKETS = ("standard", "fine")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -323,13 +321,6 @@ _TABLE = (
         default_text="from the API the request speaks",
     ),
     option("config", path(), None, "YAML file with routes and settings", "upstream", key=None),
-    option(
-        "upstream_client",
-        choice(*UPSTREAM_CLIENTS),
-        "lean",
-        "client for upstreams: llmtap's own HTTP/1.1 one, or httpx's",
-        "upstream",
-    ),
     # HTTPS upstreams
     _tls("upstream_ca", "tls_ca", path(), "CA bundle to verify the upstream with instead of the default roots"),
     _tls("upstream_ca_dir", "tls_ca_dir", path("DIR"), "directory of hashed CA certificates"),
@@ -500,7 +491,7 @@ _TABLE = (
         "telemetry",
         key="telemetry.chunk_span_cap",
     ),
-    # chunk detail decided in the proxy (issue 31; llmtap.telemetry.chunkdetail)
+    # chunk detail decided in the proxy (issue 31; llmtap.telemetry.emit.chunkdetail)
     option(
         "chunk_detail_sample",
         share(),
@@ -773,6 +764,26 @@ _TABLE = (
         key="record.logs",
     ),
     option(
+        "content_event",
+        content_rules(),
+        None,
+        "emit the content event gen_ai.client.inference.operation.details (an OTLP log record: system instructions, "
+        "input and output messages) with a rule per field, keep, hash or drop, e.g. input=keep,output=hash; a field "
+        "not named is dropped; no event unless named here",
+        "records",
+        key="content.event",
+        default_text="off",
+    ),
+    option(
+        "content_event_max_bytes",
+        byte_size(256),
+        16 << 10,
+        "the most of each field the content event carries (its JSON, UTF-8); a longer field is cut and the event "
+        "names it in llmtap.content.truncated",
+        "records",
+        key="content.max_bytes",
+    ),
+    option(
         "record_clickhouse",
         url(),
         None,
@@ -855,7 +866,8 @@ _TABLE = (
         None,
         "shortest prompt the upstream caches",
         "records",
-        default_text="16 for self-hosted servers, 1024 for hosted APIs",
+        default_text="16 for a self-hosted server (its provider, else a loopback, private or in-cluster address), "
+        "1024 for a hosted API",
     ),
     # attribution and cost (issue 31)
     option(

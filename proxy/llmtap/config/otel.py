@@ -4,7 +4,7 @@ The SDK's OTLP exporters read the ``OTEL_EXPORTER_OTLP_*`` variables themselves;
 what it must know at start, and checks the rest so that a typo stops the start (the SDK would warn and go on):
 
 * the endpoints: whether a signal is exported at all (not until a backend is named), the start-up line, and
-  the server-span forwarder (``llmtap.telemetry.forward``); given to the exporters so that the endpoint printed
+  the server-span forwarder (``llmtap.telemetry.fleet.forward``); given to the exporters so that the endpoint printed
   is the one used;
 * the protocols: they pick the exporter (the SDK has one per protocol);
 * the traces' headers and timeout: the forwarder sends with them. Every signal's headers are checked here,

@@ -20,7 +20,7 @@ import yaml
 
 __all__ = ["Price", "PriceError", "load", "load_file", "parse_table"]
 
-_FIELDS = ("input", "cached_input", "cache_write", "output")
+_FIELDS = ("input", "cached_input", "cache_write", "cache_write_1h", "output")
 
 
 class PriceError(ValueError):
@@ -35,6 +35,8 @@ class Price:
     output: float
     cached_input: float
     cache_write: float
+    #: Hour-long cache writes (Anthropic: twice the input price); the ``cache_write`` price when left out.
+    cache_write_1h: float
     #: Where the price came from: ``default <date>`` (the shipped table) or ``file``.
     source: str
 
@@ -73,6 +75,7 @@ def parse_table(data: Any, source: str, where: str) -> dict[str, Price]:
             output=values["output"],
             cached_input=values.get("cached_input", values["input"]),
             cache_write=values.get("cache_write", values["input"]),
+            cache_write_1h=values.get("cache_write_1h", values.get("cache_write", values["input"])),
             source=source,
         )
     return out

@@ -24,6 +24,7 @@ __all__ = [
     "Attribution",
     "ClickHouseRecords",
     "ConfigError",
+    "ContentEvent",
     "Records",
     "Route",
     "Settings",
@@ -217,7 +218,7 @@ class TelemetrySettings:
     capture_content: bool = False
     chunk_spans: str = default("chunk_spans")
     chunk_span_cap: int = default("chunk_span_cap")
-    #: Which requests keep their chunk spans (``llmtap.telemetry.chunkdetail``): a sampled share, and the tail.
+    #: Which requests keep their chunk spans (``llmtap.telemetry.emit.chunkdetail``): a sampled share, and the tail.
     chunk_detail_sample: float = default("chunk_detail_sample")
     chunk_detail_tail: float = default("chunk_detail_tail")
     queue_size: int = default("telemetry_queue")
@@ -241,12 +242,12 @@ class TelemetrySettings:
     #: ``--otlp-traces-endpoint`` pointed at the admin listener's ``/v1/traces``) waits for its span, seconds;
     #: 0: never (the span then counts as late). Covers vLLM's default batch delay of 5 s.
     server_spans_wait: float = default("server_spans_wait")
-    #: Forward the spans ``/v1/traces`` took to the OTLP traces endpoint, as they came (``llmtap.telemetry.forward``);
-    #: only when traces go out over OTLP.
+    #: Forward the spans ``/v1/traces`` took to the OTLP traces endpoint, as they came
+    #: (``llmtap.telemetry.fleet.forward``); only when traces go out over OTLP.
     forward_server_spans: bool = default("forward_server_spans")
     #: This replica's admin listener as its peers reach it (``host:port``), and the secret they share: the
     #: relay names the replica in the ``tracestate`` it sends upstream, and a server span that names another
-    #: replica is passed there (``llmtap.telemetry.peers``). None: one replica, no routing.
+    #: replica is passed there (``llmtap.telemetry.fleet.peers``). None: one replica, no routing.
     peer_address: str | None = None
     peer_token: str | None = field(default=None, repr=False)
 
@@ -266,10 +267,10 @@ class ClickHouseRecords:
 
 @dataclass(frozen=True, slots=True)
 class Records:
-    """Request records (``--record DIR``): a dataset of JSON-lines files (``llmtap.telemetry.dataset``).
+    """Request records (``--record DIR``): a dataset of JSON-lines files (``llmtap.telemetry.records.dataset``).
 
     A new file past ``max_bytes`` or ``rotate_s`` seconds; closed files kept within ``keep_bytes`` and ``keep_s``;
-    ``logs``: each record also goes out as an OTLP log record (``llmtap.telemetry.sinks``)."""
+    ``logs``: each record also goes out as an OTLP log record (``llmtap.telemetry.records.sinks``)."""
 
     path: str | None = None
     max_bytes: int = int(default("record_max_mb") * MIB)
@@ -281,8 +282,8 @@ class Records:
     logs: bool = default("record_logs")
     #: ``--record-clickhouse URL``: the records also go to this ClickHouse (``llmtap.store.clickhouse``).
     clickhouse: ClickHouseRecords | None = None
-    #: ``--record-journal DIR``: the folder of the record journal (``llmtap.telemetry.spool``), None: no journal;
-    #: ``journal_bytes``: its bound per telemetry process.
+    #: ``--record-journal DIR``: the folder of the record journal (``llmtap.telemetry.journal.spool``), None: no
+    #: journal; ``journal_bytes``: its bound per telemetry process.
     journal: str | None = None
     journal_bytes: int = int(default("record_journal_mb") * MIB)
 
@@ -327,6 +328,21 @@ class Attribution:
 
 
 @dataclass(frozen=True, slots=True)
+class ContentEvent:
+    """The opt-in content event (``gen_ai.client.inference.operation.details``): each field's rule and its bound.
+
+    ``rules`` empty (the default) means no event; a field it does not name is dropped."""
+
+    rules: tuple[tuple[str, str], ...] = ()
+    max_bytes: int = default("content_event_max_bytes")
+
+    @property
+    def on(self) -> bool:
+        """Whether the event is emitted at all: only when a field was named."""
+        return bool(self.rules)
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything the proxy needs to run; immutable, passed down by constructors."""
 
@@ -362,9 +378,6 @@ class Settings:
     max_connections_per_client: int | None = None
     #: The most bytes the relay decompresses of one response (``llmtap.compression``); past it the stream is cut.
     max_inflate_bytes: int = default("max_inflate_bytes")
-    #: ``lean``: upstreams, HTTP and HTTPS, go through ``llmtap.relay.upstream_http`` (less CPU per chunk); ``httpx``:
-    #: through httpx's own transport (with the same TLS context).
-    upstream_client: str = default("upstream_client")
     log_level: str = default("log_level")
     #: ``--access-log PATH``: one line per finished request, by the telemetry process (``-``: its stderr).
     access_log: str | None = default("access_log")
@@ -372,7 +385,7 @@ class Settings:
     #: Relay processes sharing the proxy port (SO_REUSEPORT).
     workers: int = default("workers")
     #: Telemetry processes; each request's tape goes to one of them by its trace id, and they tell each other what
-    #: must stay whole per upstream (``llmtap.telemetry.siblings``).
+    #: must stay whole per upstream (``llmtap.telemetry.fleet.siblings``).
     telemetry_workers: int = default("telemetry_workers")
     #: ``TELEMETRY_SCHEDULING``: how the telemetry processes yield the CPU to the relays.
     telemetry_scheduling: str = default("telemetry_scheduling")
@@ -382,3 +395,5 @@ class Settings:
     telemetry_gather: int = default("telemetry_gather")
     #: Attribution dimensions and prices (issue 31).
     attribution: Attribution = field(default_factory=Attribution)
+    #: The opt-in content event (off unless ``--content-event`` names a field).
+    content: ContentEvent = field(default_factory=ContentEvent)

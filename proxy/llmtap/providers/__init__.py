@@ -18,6 +18,7 @@ from llmtap.providers.openai_responses import OpenAIResponses
 from llmtap.providers.usage_filter import UsageEventFilter
 
 __all__ = [
+    "CHOSEN_MAX",
     "PROVIDERS",
     "AnthropicMessages",
     "Framing",
@@ -49,9 +50,24 @@ PROVIDERS: tuple[Provider, ...] = (
 )
 
 
+#: ``provider_for``'s answers by method and path: a deployment's clients use a handful of paths, and asking every
+#: provider in turn costs a few microseconds a request (ten suffix tests for an embeddings path). Emptied when
+#: full, so paths that differ request by request (a model in a Gemini path, a hostile client) hold no more than
+#: this many entries.
+_CHOSEN: dict[tuple[str, str], Provider | None] = {}
+CHOSEN_MAX = 512
+
+
 def provider_for(method: str, path: str) -> Provider | None:
     """The provider whose protocol ``method path`` speaks, or None when no provider speaks it."""
-    for provider in PROVIDERS:
-        if provider.matches(method, path):
-            return provider
-    return None
+    key = (method, path)
+    try:
+        return _CHOSEN[key]
+    except KeyError:
+        pass
+    found = next((p for p in PROVIDERS if p.matches(method, path)), None)
+    if len(key[1]) <= 1024:  # a long path is looked up each time rather than kept
+        if len(_CHOSEN) >= CHOSEN_MAX:
+            _CHOSEN.clear()
+        _CHOSEN[key] = found
+    return found

@@ -46,6 +46,10 @@ def merge_usage(reported: dict[str, int], raw: object) -> Usage | None:
     thinking = as_count(as_dict(obj.get("output_tokens_details")).get("thinking_tokens"))
     if thinking is not None:
         reported["thinking_tokens"] = thinking
+    # Writes split by lifetime (``usage.cache_creation``): the hour-long ones are priced above the 5-minute ones.
+    hour = as_count(as_dict(obj.get("cache_creation")).get("ephemeral_1h_input_tokens"))
+    if hour is not None:
+        reported["cache_write_1h"] = hour
     if not reported:
         return None
     cache_read = reported.get("cache_read_input_tokens")
@@ -57,6 +61,7 @@ def merge_usage(reported: dict[str, int], raw: object) -> Usage | None:
         cache_read_tokens=cache_read,
         cache_write_tokens=cache_write,
         reasoning_tokens=reported.get("thinking_tokens"),
+        cache_write_1h_tokens=reported.get("cache_write_1h"),
     )
 
 
@@ -112,6 +117,8 @@ class AnthropicMessages:
     name: str = "anthropic"
     family: str = "anthropic"
     framing: Framing = "sse"
+    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
+    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/messages``, except OpenAI Assistants' ``…/threads/{id}/messages``."""

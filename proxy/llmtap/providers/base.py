@@ -37,6 +37,10 @@ class Provider(Protocol):
     family: str
     #: How a streamed response body is framed.
     framing: Framing
+    #: True when ``prepare`` asks a stream for usage by splicing bytes into the body (``providers/splice.py``): the
+    #: relay then scans a large body as it arrives (``providers/bodyscan.py``) and splices between its pieces,
+    #: never parsing or copying it whole. False: ``prepare`` changes nothing and the relay need not scan.
+    splices_usage: bool
 
     def matches(self, method: str, path: str) -> bool:
         """True when this provider speaks the protocol of ``method path`` (path without query)."""

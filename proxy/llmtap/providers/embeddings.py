@@ -89,6 +89,8 @@ class OpenAIEmbeddings:
     name: str = "openai_embeddings"
     family: str = "openai"
     framing: Framing = "sse"
+    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
+    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/embeddings``, except Ollama's ``…/api/embeddings``."""
@@ -126,6 +128,8 @@ class OllamaEmbed:
     name: str = "ollama_embed"
     family: str = "ollama"
     framing: Framing = "ndjson"
+    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
+    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/api/embed`` or ``…/api/embeddings``."""

@@ -229,6 +229,8 @@ class Gemini:
     name: str = "gemini"
     # A stream without ``alt=sse`` is an ``application/json`` array sent piece by piece.
     framing: Framing = "json-array"
+    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
+    splices_usage: bool = False
 
     def __init__(self, *, vertex: bool) -> None:
         self._vertex = vertex

@@ -119,6 +119,8 @@ class Ollama:
 
     family: str = "ollama"
     framing: Framing = "ndjson"
+    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
+    splices_usage: bool = False
 
     def __init__(self, *, generate: bool) -> None:
         self._generate = generate

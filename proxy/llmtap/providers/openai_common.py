@@ -31,6 +31,7 @@ __all__ = [
     "parse_choices_body",
     "prompt_regions",
     "prompt_text",
+    "reported_cost",
     "request_params",
     "usage_from_openai",
 ]
@@ -118,8 +119,21 @@ def usage_from_openai(raw: object) -> Usage | None:
         cache_read_tokens=as_count(in_details.get("cached_tokens")),
         cache_write_tokens=as_count(in_details.get("cache_write_tokens")),
         reasoning_tokens=as_count(out_details.get("reasoning_tokens")),
+        cost=reported_cost(raw.get("cost")),
     )
     return None if usage == Usage() else usage
+
+
+def reported_cost(value: object) -> float | None:
+    """A cost the response states (OpenRouter's and LiteLLM's ``usage.cost``, USD): a finite number >= 0, a
+    numeric string read as one; anything else None, so a malformed cost is never taken for a price."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return None
+    number = _as_float(value)
+    return number if number is not None and number >= 0 else None
 
 
 def _label(value: object) -> str | None:

@@ -117,6 +117,8 @@ class OpenAIResponses:
     name: str = "openai_responses"
     family: str = "openai"
     framing: Framing = "sse"
+    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
+    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/responses``."""

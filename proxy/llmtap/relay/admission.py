@@ -18,6 +18,7 @@ import asyncio
 import time
 from collections import deque
 
+from llmtap.errors import LlmtapError
 from llmtap.relay.shared import Table, line_columns
 
 __all__ = ["POLL", "Admission", "QueueFull"]
@@ -26,7 +27,7 @@ __all__ = ["POLL", "Admission", "QueueFull"]
 POLL = 0.002
 
 
-class QueueFull(Exception):
+class QueueFull(LlmtapError):
     """The line is at its bound, or the wait passed its limit; the request is refused, not relayed."""
 
     def __init__(self, reason: str) -> None:

@@ -18,10 +18,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from llmtap.errors import ClientGone, LlmtapError
 from llmtap.providers.bodyscan import BodyScan
 from llmtap.types import Receive
 
-__all__ = ["SCAN_FROM", "Body", "ClientGone", "RequestTooLarge", "UploadStalled", "prepend", "read_body", "spliced"]
+__all__ = ["SCAN_FROM", "Body", "RequestTooLarge", "UploadStalled", "prepend", "read_body", "spliced"]
 
 #: A request body as read: its bytes, or past ``SCAN_FROM`` the pieces it came in, in order.
 Body = bytes | tuple[bytes, ...]
@@ -34,15 +35,11 @@ SCAN_SLICE = 16 * 1024
 SCAN_TURN = 0.001
 
 
-class ClientGone(Exception):
-    """The client disconnected; the upstream request is cancelled."""
-
-
-class RequestTooLarge(Exception):
+class RequestTooLarge(LlmtapError):
     """The request body grew past ``max_request_bytes`` while it was being read."""
 
 
-class UploadStalled(Exception):
+class UploadStalled(LlmtapError):
     """A request body still arriving while its request holds an admission slot fell silent too long."""
 
 

@@ -21,7 +21,7 @@ import secrets
 import time
 from pathlib import Path
 
-__all__ = ["FINGERPRINT_CHARS", "KEY_HEADERS", "fingerprint", "install_secret"]
+__all__ = ["FINGERPRINT_CHARS", "KEY_HEADERS", "Fingerprints", "fingerprint", "install_secret"]
 
 log = logging.getLogger("llmtap.relay")
 
@@ -79,3 +79,17 @@ def install_secret(directory: Path | None = None) -> bytes:
             exc,
         )
         return secrets.token_bytes(32)
+
+
+class Fingerprints:
+    """The relay's fingerprints of the API keys it sees: the operator's secret, else the install's, read (or made)
+    at the first key seen, once per process."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self._secret = secret
+
+    def of(self, value: bytes) -> str:
+        """The fingerprint of a credential header's value."""
+        if self._secret is None:
+            self._secret = install_secret()
+        return fingerprint(self._secret, value)

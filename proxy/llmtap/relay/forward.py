@@ -1,26 +1,23 @@
-"""The upstream side of the relay: routing, one connection pool per upstream, and header hygiene."""
+"""The upstream side of the relay: one pool of llmtap's own client per upstream, and header hygiene."""
 
 from __future__ import annotations
 
 import logging
-import socket
-import ssl
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from urllib.parse import urlsplit
 
-import h11
 import httpx
 
 from llmtap.config.types import Route, Settings
 from llmtap.relay import tls
 from llmtap.relay.tls import TLSOptions
-from llmtap.relay.upstream_http import SURPLUS, LeanTransport
+from llmtap.relay.upstream import Answer, LeanTransport, Origin, Pieces
+from llmtap.types import Scope
 
 __all__ = [
     "PRIVATE_PREFIX",
-    "Router",
+    "TARGETS",
     "Upstreams",
-    "close_if_surplus",
     "request_headers",
     "response_headers",
     "upstream_url",
@@ -29,7 +26,7 @@ __all__ = [
 log = logging.getLogger("llmtap.upstream")
 
 # RFC 9110 section 7.6.1: connection-specific fields never travel past one hop. Host is the
-# upstream's, set by httpx from the configured URL; Content-Length is recomputed when a body changes.
+# upstream's, set by the client from the configured URL; Content-Length is recomputed when a body changes.
 HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -112,22 +109,6 @@ def response_headers(
     return [(k, v) for k, v in headers if k.lower() not in drop]
 
 
-class Router:
-    """Picks the route of a request path; the upstream host comes only from configuration."""
-
-    def __init__(self, routes: tuple[Route, ...]) -> None:
-        # Settings sorts routes longest prefix first.
-        self.routes = routes
-
-    def match(self, path: str) -> Route | None:
-        """The route whose prefix is the longest one that ``path`` starts with, on a segment boundary."""
-        for route in self.routes:
-            prefix = route.prefix
-            if prefix == "/" or path == prefix or path.startswith(prefix + "/"):
-                return route
-        return None
-
-
 def upstream_url(route: Route, raw_path: bytes, query: bytes) -> str:
     """The upstream URL: the route's base URL joined with the request's path, never another host.
 
@@ -148,84 +129,30 @@ def upstream_url(route: Route, raw_path: bytes, query: bytes) -> str:
     return url
 
 
-async def close_if_surplus(response: httpx.Response) -> int:
-    """Close the connection of a finished response when the upstream sent bytes past its end; return their count.
-
-    RFC 9112 section 6.3: a client "MUST NOT process, cache, or forward such extra data as a separate
-    response". httpcore returns the connection to its pool with those bytes still buffered in h11, where
-    they would answer the next request on it (another client's). Reaching the h11 state takes httpx's and
-    httpcore's internal attributes; if their shape changes this does nothing, and tests/test_faults.py
-    (the Content-Length fault) fails. Runs once per response, never per chunk.
-    """
-    counted = response.extensions.get(SURPLUS)
-    if callable(counted):
-        # llmtap.relay.upstream_http counts these bytes itself, never parses them, and has closed the connection.
-        return int(counted())
-    stream = getattr(getattr(response.stream, "_stream", None), "_httpcore_stream", None)
-    connection = getattr(getattr(stream, "_stream", None), "_connection", None)
-    state = getattr(connection, "_h11_state", None)
-    if not isinstance(state, h11.Connection):
-        return 0
-    surplus, _ = state.trailing_data
-    if surplus:
-        await connection.aclose()  # type: ignore[union-attr]
-    return len(surplus)
-
-
-class _HttpxTLS(httpx.AsyncBaseTransport):
-    """httpx's transport to an HTTPS upstream: a route's ``tls_server_name`` as every request's SNI (and the
-    name verified), and TLS failures before the response named as ``llmtap.relay.upstream_http`` names them
-    (httpcore wraps a certificate failure in ``ConnectError`` with OpenSSL's text, and lets an alert that
-    comes after the handshake, TLS 1.3's certificate required, out as a bare ``ssl.SSLError``)."""
-
-    def __init__(self, inner: httpx.AsyncBaseTransport, server_name: str | None) -> None:
-        self._inner = inner
-        self._name = server_name
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self._name is not None:
-            request.extensions["sni_hostname"] = self._name
-        try:
-            return await self._inner.handle_async_request(request)
-        except ssl.SSLError as exc:
-            raise httpx.ConnectError(tls.describe(exc)) from exc
-        except httpx.ConnectError as exc:
-            cause: BaseException | None = exc
-            while cause is not None and not isinstance(cause, ssl.SSLError):
-                cause = cause.__cause__ or cause.__context__  # httpx's error, from httpcore's, from ssl's
-            if isinstance(cause, ssl.SSLError):
-                raise httpx.ConnectError(tls.describe(cause)) from cause
-            raise
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
 def _pool_key(route: Route) -> tuple[str, TLSOptions | None]:
     return route.upstream, TLSOptions.of(route) if route.upstream.startswith("https://") else None
 
 
 class Upstreams:
-    """One shared ``httpx.AsyncClient`` (one connection pool) per upstream base URL and TLS settings."""
+    """One pool of llmtap's own HTTP/1.1 client (``llmtap.relay.upstream``) per upstream base URL and TLS
+    settings, and the requests the relay sends through them."""
 
-    def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        t = settings.timeouts
-        self._clients: dict[tuple[str, TLSOptions | None], httpx.AsyncClient] = {}
-        #: The pools the relay calls directly, without httpx's request machinery (llmtap's own client).
-        self._lean: dict[tuple[str, TLSOptions | None], LeanTransport] = {}
-        limits = httpx.Limits(
-            max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
-        )
-        timeout = httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool)
+    def __init__(self, settings: Settings) -> None:
+        self._pools: dict[tuple[str, TLSOptions | None], LeanTransport] = {}
+        #: The caller's ``x-llmtap-*`` headers go upstream too (``forward_llmtap_headers``).
+        self._private = settings.attribution.forward_headers
+        #: Per route: its pool and the upstream's origin, parsed at the route's first request.
+        self._origins: dict[str, tuple[LeanTransport, Origin]] = {}
+        #: Upstream URL -> its request target, percent-encoded and normalized (``_target``).
+        self._targets: dict[str, bytes] = {}
         # Backpressure: when a client reads slower than its upstream writes, the relay stops reading, but
         # the event loop may already have drained the socket's whole receive buffer (uvloop reads up to
         # 32 times per wake-up), and Linux grows that buffer to megabytes. A fixed SO_RCVBUF bounds what
         # one stream can make the proxy hold (tests/test_faults.py measures it).
         buffer = settings.stream_buffer_bytes
-        options = [(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)] if buffer else None
         for route in settings.routes:
             key = _pool_key(route)
-            if key in self._clients:
+            if key in self._pools:
                 continue
             tls_options = key[1]
             # Built here, once per TLS settings (cached): ``llmtap.relay.tls.check`` may have built it at start.
@@ -237,42 +164,62 @@ class Upstreams:
                     route.name,
                     route.upstream,
                 )
-            # trust_env=False: an HTTP_PROXY variable must not silently reroute traffic (nor SSL_CERT_FILE
-            # be read by httpx: llmtap.relay.tls read it for the context), and redirects are relayed to the
-            # client, never followed here.
-            pool: httpx.AsyncBaseTransport
-            if transport is not None:
-                pool = transport
-            elif settings.upstream_client == "lean":
-                pool = LeanTransport(
-                    max_connections=settings.max_connections,
-                    receive_buffer=buffer,
-                    ssl_context=context,
-                    server_hostname=route.tls_server_name,
-                )
-                self._lean[key] = pool
-            else:
-                pool = httpx.AsyncHTTPTransport(
-                    verify=context if context is not None else True,
-                    limits=limits,
-                    trust_env=False,
-                    socket_options=options,
-                )
-                if context is not None:
-                    pool = _HttpxTLS(pool, route.tls_server_name)
-            self._clients[key] = httpx.AsyncClient(
-                transport=pool, timeout=timeout, trust_env=False, follow_redirects=False
+            # No proxy variable (HTTP_PROXY) reroutes this traffic, and redirects are relayed to the client, never
+            # followed here.
+            self._pools[key] = LeanTransport(
+                max_connections=settings.max_connections,
+                receive_buffer=buffer,
+                ssl_context=context,
+                server_hostname=route.tls_server_name,
             )
 
-    def client(self, route: Route) -> httpx.AsyncClient:
+    def pool(self, route: Route) -> LeanTransport:
         """The pool for a route's upstream."""
-        return self._clients[_pool_key(route)]
+        return self._pools[_pool_key(route)]
 
-    def lean(self, route: Route) -> LeanTransport | None:
-        """A route's pool when it is llmtap's own client, which the relay then calls directly; else None."""
-        return self._lean.get(_pool_key(route))
+    async def send(
+        self,
+        route: Route,
+        scope: Scope,
+        headers: list[tuple[bytes, bytes]],
+        content: bytes | Pieces | AsyncIterator[bytes],
+        timeouts: dict[str, float | None],
+        leaving: Callable[[], None],
+        *,
+        trace: list[tuple[bytes, bytes]] | None,
+        body_changed: bool,
+        plain: bool,
+    ) -> Answer:
+        """The request of ``scope`` to its route's upstream, its response's head read.
+
+        ``headers`` are the client's, sent as ``request_headers`` makes them; ``leaving`` is called as the request's
+        first byte is about to be written; ``timeouts`` is read at every wait (the relay changes its read timeout
+        once the head is in).
+        """
+        known = self._origins.get(route.name)
+        if known is None:
+            pool = self.pool(route)
+            known = self._origins[route.name] = (pool, pool.origin(route.upstream))
+        pool, origin = known
+        url = upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b""))
+        out = request_headers(headers, trace=trace, body_changed=body_changed, plain=plain, private=self._private)
+        return await pool.send(origin, scope["method"], self._target(url), out, content, timeouts, leaving)
+
+    def _target(self, url: str) -> bytes:
+        """The request target of ``url`` (its path and query, percent-encoded and normalized as httpx's URL does),
+        remembered: a relay sees the same few paths again and again."""
+        target = self._targets.get(url)
+        if target is None:
+            if len(self._targets) >= TARGETS:
+                self._targets.clear()
+            target = self._targets[url] = httpx.URL(url).raw_path
+        return target
 
     async def aclose(self) -> None:
         """Close every pool."""
-        for client in self._clients.values():
-            await client.aclose()
+        for pool in self._pools.values():
+            await pool.aclose()
+
+
+#: Request targets ``Upstreams._target`` remembers, past which it starts again.
+TARGETS = 1024

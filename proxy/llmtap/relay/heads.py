@@ -29,6 +29,8 @@ from collections.abc import Iterable
 import h11
 import httpx
 
+from llmtap.errors import LlmtapError
+
 __all__ = ["BadHead", "malformed_head", "unrelayable"]
 
 # RFC 9110 section 5.6.2: a field name is a token. What the listener (uvicorn) refuses to write as a name or value.
@@ -36,7 +38,7 @@ _BAD_NAME = re.compile(rb'[\x00-\x20\x7f()<>@,;:\[\]={}\\"/?]|^$')
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
-class BadHead(httpx.RemoteProtocolError):
+class BadHead(LlmtapError, httpx.RemoteProtocolError):
     """The upstream's response head cannot be read (malformed, too long, a protocol switch nobody asked for)."""
 
 

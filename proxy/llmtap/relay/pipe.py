@@ -3,7 +3,7 @@
 Before this, a relayed chunk went from the upstream protocol's queue to a waiting task (a future woken, a
 task step), through httpx's body iterator, then through ASGI ``send`` into uvicorn, which awaited its flow
 control before writing: about three quarters of the relay's CPU per chunk (issue 29). Here the lean
-upstream client hands each part to ``Pipe`` while it is still in ``data_received`` (``_Body.pipe``): one
+upstream client hands each part to ``Pipe`` while it is still in ``data_received`` (``Connection.attach``): one
 timestamp of the read, the tape's append, the usage filter when it runs, one ``transport.write`` in the
 framing uvicorn chose for the response (chunked, or counted against its Content-Length), one timestamp of
 the write. The relay's task sleeps until the response ends, fails, or the client stops taking bytes.
@@ -18,36 +18,18 @@ still routes the request and uvicorn still writes the head and the response's en
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from llmtap.errors import ClientGone
 from llmtap.providers.usage_filter import UsageEventFilter
+from llmtap.relay.strip import strip_part
 from llmtap.wire.tape import Tape, now
 
-__all__ = ["ClientLeft", "Pipe", "strip_part"]
-
-log = logging.getLogger("llmtap.proxy")
+__all__ = ["Pipe"]
 
 #: How long the relay waits for the disconnect watch's cancellation once it saw the client gone itself.
 GONE_WAIT = 1.0
-
-
-class ClientLeft(Exception):
-    """The client's connection closed while the pipe relayed (the disconnect watch cancels the relay too)."""
-
-
-def strip_part(strip: UsageEventFilter, chunk: bytes | None) -> tuple[bytes, UsageEventFilter | None]:
-    """The bytes to send for ``chunk`` (None: the end) with the injected usage event cut out.
-
-    A filter that fails is dropped for the rest of the stream, its held bytes sent as they are: the
-    client may then see the usage event it did not ask for, never lose a byte.
-    """
-    try:
-        return (strip.feed(chunk) if chunk is not None else strip.flush()), strip
-    except Exception:
-        log.exception("usage filter failed; relaying the rest unfiltered")
-        return strip.flush(), None
 
 
 class Pipe:
@@ -95,26 +77,27 @@ class Pipe:
             self.error = exc
             self._conn.hold()
 
-    async def run(self, body: Any, read_timeout: Callable[[], float | None]) -> UsageEventFilter | None:
+    async def run(self, conn: Any, timeouts: Mapping[str, float | None]) -> UsageEventFilter | None:
         """Relay the whole body; returns the usage filter as it stands at the end (None once it failed).
 
-        Raises what the upstream's read raised (``httpx`` errors), ``ClientLeft``, or a failure of the sink.
+        Raises what the upstream's read raised (``httpx`` errors), ``ClientGone``, or a failure of the sink.
         """
-        # Known before the first part comes: parts queued already go to the sink inside ``pipe``.
-        self._conn = body.connection
-        conn = body.pipe(self)
+        # Known before the first part comes: parts queued already go to the sink inside ``attach``.
+        self._conn = conn
+        conn.attach(self)
         try:
-            return await self._relay(conn, read_timeout)
+            return await self._relay(conn, timeouts)
         except BaseException:
             # Failed, cut or cancelled: what the upstream still sends is no longer the client's (it queues on the
             # connection, bounded, until the relay closes it).
             conn.sink = None
             raise
 
-    async def _relay(self, conn: Any, read_timeout: Callable[[], float | None]) -> UsageEventFilter | None:
+    async def _relay(self, conn: Any, timeouts: Mapping[str, float | None]) -> UsageEventFilter | None:
         cycle = self._cycle
         while True:
-            await conn.until_moved(read_timeout())
+            # Read at every wait: the relay switches to its idle timeout once the head is in.
+            await conn.until_moved(timeouts.get("read"))
             if self.error is not None:
                 raise self.error
             if conn.done:
@@ -127,5 +110,5 @@ class Pipe:
             if cycle.disconnected:
                 # The disconnect watch cancels this task in a moment; in case it does not, say so ourselves.
                 await asyncio.sleep(GONE_WAIT)
-                raise ClientLeft
+                raise ClientGone
             conn.release()

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-import httpx
-
 from llmtap.config.types import Settings
 from llmtap.relay.app import ProxyApp, create_app
 from llmtap.relay.channel import LocalChannel
@@ -46,7 +44,6 @@ def in_process(
     *,
     tracer_provider: TracerProvider | None = None,
     meter_provider: MeterProvider | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
 ) -> InProcess:
     """The relay with its telemetry in this process: a recorder over the given providers (the global ones
     when None), behind a ``LocalChannel``. Closing the app (its shutdown) drains and closes the recorder."""
@@ -55,4 +52,4 @@ def in_process(
     recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
     # Load the default encoding now, not on the first request's playback.
     tokens.get_encoding()
-    return InProcess(create_app(settings, channel=LocalChannel(recorder), transport=transport), recorder)
+    return InProcess(create_app(settings, channel=LocalChannel(recorder)), recorder)

@@ -50,7 +50,7 @@ class TelemetryProcess:
         self.admin_sock = bind(settings.admin_host, settings.admin_port, "admin listener", options=ADMIN_LISTENER)
         self.channel_socks = [bind_unix(path) for path in channel_paths(channel_path, count)]
         # With several processes, each request goes to one of them, and each takes the others' lessons on a
-        # socket of its own (``llmtap.telemetry.siblings``).
+        # socket of its own (``llmtap.telemetry.fleet.siblings``).
         self.facts_paths = facts_paths(channel_path, count)
         self.facts_socks = [bind_unix(path) for path in self.facts_paths]
         self.peer_paths = tuple(f"{channel_path}.admin.{i}" for i in range(1, count))
@@ -166,7 +166,7 @@ def main() -> None:
 
 async def serve(launch: Launch) -> None:
     """Take the relays' tapes and serve the admin listener until SIGTERM; then drain and flush."""
-    from llmtap.telemetry.admin_conn import AdminProtocol
+    from llmtap.telemetry.admin.connections import AdminProtocol
 
     async with process.running(launch) as running:
         label_uvicorn("admin" if launch.index == 0 else f"admin.{launch.index}")

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from llmtap.errors import ClientGone
 from llmtap.simulator.cache import CacheHit, PrefixCache
 from llmtap.simulator.embeddings import embeddings_endpoint
 from llmtap.simulator.native import GeminiFormat, OllamaFormat
@@ -64,16 +65,12 @@ class SimState:
     wall_clock: Callable[[], float]
 
 
-class _ClientGone(Exception):
-    """``send`` failed: the client is no longer there."""
-
-
 async def _send_all(send: Send, events: list[bytes]) -> None:
     try:
         for event in events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
     except Exception as exc:  # any failure to write means the peer is gone; the caller records a cancel
-        raise _ClientGone from exc
+        raise ClientGone from exc
 
 
 class _StreamWriter:
@@ -138,7 +135,7 @@ async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) -
             pending.cancel()
         # Wait for the work's ``finally`` (the slot release) before the record is closed.
         await asyncio.gather(task, watch, return_exceptions=True)
-    if task.cancelled() or isinstance(task.exception(), _ClientGone):
+    if task.cancelled() or isinstance(task.exception(), ClientGone):
         return False
     task.result()  # a real failure propagates
     return True

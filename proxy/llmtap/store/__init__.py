@@ -10,12 +10,14 @@ The facts are defined over the flat columns of a record (``COLUMNS``): ``time_s`
 ``model``, ``shape``, ``prompt_version``, ``outcome``, ``stream``, ``slo``, ``ttft``, ``tpot``,
 ``e2e``, ``prefill``, ``prefill_source``, ``input_tokens``, ``cache_read_tokens``, ``cache_class``,
 ``obj_shape``, ``obj_percentile``, ``obj_ttft``, ``obj_tpot``, ``obj_e2e``, ``trace_id``, ``span_id``,
-``instance_id``, ``cost``. A record without a readable time belongs to no window and is left out (counted).
+``record_id``, ``instance_id``, ``cost``. A record without a readable time belongs to no window and is left out
+(counted).
 
 Every source skips, names and counts what it cannot read (a damaged file, a line that is not a record: the
 causes are ``llmtap.store.skips.CAUSES``) and answers from the rest; and each source counts a record once by
-its identity, its ``trace_id`` and ``span_id`` (a journal replays records at least once: the first copy read
-counts, a record without both ids counts as it is).
+its identity, its ``record_id``, or in a record of an older version that has none its ``trace_id`` and ``span_id``
+(a journal replays records at least once: the first copy read counts, a record without an identity counts as it
+is; ``llmtap.store.files.identity``).
 
 Sources:
 
@@ -86,7 +88,8 @@ COLUMNS: dict[str, str] = {
     "obj_tpot": "float",
     "obj_e2e": "float",
     "trace_id": "str",
-    "span_id": "str",  # with trace_id, what identifies a record (counted once)
+    "span_id": "str",  # with trace_id, what identifies a record without a record_id (counted once)
+    "record_id": "str",  # what identifies a record, traced or not (counted once)
     "instance_id": "str",
     "cost": "float",  # cost.amount (issue 31): null when unpriced
 }

@@ -8,10 +8,11 @@
 -- and later, and says in its log that it cannot on an older server. A table made by an earlier version gets
 -- the columns added since (ALTER TABLE ... ADD COLUMN), so its older rows read null there.
 -- One row per record (issue 44): a journal replays records at least once, so the same record can be inserted
--- twice. The table replaces rows of one sorting key, which ends with record_id (the record's trace and span ids;
--- a record without both has a random one): copies merge into one row in the background. Until they have, and in
--- a table of an earlier version (a MergeTree, which keeps every row: an engine cannot be changed in place), the
--- readers count each record once (llmtap.store.clickhouse_read: LIMIT 1 BY trace_id, span_id).
+-- twice. The table replaces rows of one sorting key, which ends with record_id (the record's own id, made with the
+-- request whether or not it is traced; for a record of an older version its trace and span ids; a record with
+-- neither has a random one, starting with '-'): copies merge into one row in the background. Until they have, and
+-- in a table of an earlier version (a MergeTree, which keeps every row: an engine cannot be changed in place), the
+-- readers count each record once (llmtap.store.clickhouse_read: LIMIT 1 BY the record's identity).
 CREATE TABLE IF NOT EXISTS {table}
 (
     schema UInt8,

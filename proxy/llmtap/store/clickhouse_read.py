@@ -2,12 +2,14 @@
 ``llmtap.store.Source`` (``ClickHouseSource``), where ClickHouse filters, groups and sorts.
 
 Each record counts once (issue 44): a journal replays records at least once, so one can reach the table twice.
-What identifies it is its ``trace_id`` and ``span_id`` (neither empty nor all zeros). A table made by this
-version keeps one row per record in the end (``ReplacingMergeTree`` on ``record_id``, ``clickhouse.sql``), but
-rows merge in the background, whenever ClickHouse gets to it; so the source first counts the copies in the
-table (``uniqExact`` of the identities, one pass over two columns), and when there are some, every query reads
-the table through ``LIMIT 1 BY trace_id, span_id`` (rows without both ids as they are), which any ClickHouse
-from 18.16 runs, and on a table of an earlier version (a ``MergeTree``) as well. A column such a table lacks
+What identifies it is its ``record_id`` column (the record's own id, made with the request whether or not it is
+traced; ``llmtap.store.clickhouse_rows.record_id``), and in a row without one (a table of an earlier version) its
+``trace_id`` and ``span_id`` (neither empty nor all zeros). A table made by this version keeps one row per record in
+the end (``ReplacingMergeTree`` on ``record_id``, ``clickhouse.sql``), but rows merge in the background, whenever
+ClickHouse gets to it; so the source first counts the copies in the table (``uniqExact`` of the identities, one
+pass), and when there are some, every query reads the table through ``LIMIT 1 BY`` the identity (rows without one
+as they are), which any ClickHouse from 18.16 runs, and on a table of an earlier version (a ``MergeTree``) as
+well. A column such a table lacks
 reads as null, and a row of a schema version this llmtap does not know is counted and left out, as the file
 readers do.
 """
@@ -59,17 +61,24 @@ _INTS = {"input_tokens", "cache_read_tokens"}
 _READ = (
     "time_s route prompt_version shape model outcome slo stream ttft tpot e2e prefill prefill_source tokens_input "
     "tokens_cache_read cache_class objective_shape objective_percentile objective_ttft objective_tpot objective_e2e "
-    "cost_amount trace_id span_id instance_id"
+    "cost_amount trace_id span_id record_id instance_id"
 ).split()
 #: Seconds one query of the source may take.
 READ_TIMEOUT = 600.0
 #: A row of a record schema version this llmtap reads.
 _KNOWN = "schema IN (1, 2)"
-#: A row with both ids, neither empty nor all zeros (W3C's invalid id): what is counted once.
-_IDS = (
+#: A row with both trace and span ids, neither empty nor all zeros (W3C's invalid id): what is counted once in a table
+#: without ``record_id``, and in a row without one.
+_TRACE_IDS = (
     "trace_id != '' AND NOT match(trace_id, '^0+$') "
     "AND isNotNull(span_id) AND NOT match(assumeNotNull(span_id), '^0*$')"
 )
+#: A row with an identity: a ``record_id`` that is not a random stand-in (a leading ``-``), or, where it is empty
+#: (a row written before the column was), both trace and span ids.
+_IDS = f"(record_id != '' AND substring(record_id, 1, 1) != '-') OR (record_id = '' AND {_TRACE_IDS})"
+#: A row's identity (``_IDS`` says whether it has one): its ``record_id``, else its trace and span ids as the
+#: table's earlier versions made ``record_id`` of them.
+_IDENTITY = "if(record_id != '', record_id, concat(trace_id, '-', ifNull(span_id, '')))"
 
 _ESCAPES = {"\\": "\\", "t": "\t", "n": "\n", "r": "\r", "0": "\0", "b": "\b", "f": "\f", "'": "'", "a": "\a"}
 _ESCAPED = re.compile(r"\\(.)", re.S)
@@ -111,7 +120,7 @@ def select(
     columns = ", ".join(f"{sql} AS {name}" if sql != name else name for name, sql in COLUMNS.items())
     table, cond, read = table_name(table), " AND ".join(where), ", ".join(_READ)
     rows = (
-        f"(SELECT {read} FROM {table} WHERE {cond} AND {_IDS} LIMIT 1 BY trace_id, span_id "
+        f"(SELECT {read} FROM {table} WHERE {cond} AND ({_IDS}) LIMIT 1 BY {_IDENTITY} "
         f"UNION ALL SELECT {read} FROM {table} WHERE {cond} AND NOT ({_IDS}))"
     )
     return f"SELECT {columns} FROM {rows} ORDER BY time_s, trace_id FORMAT TabSeparated"
@@ -210,7 +219,7 @@ class ClickHouseSource:
         #: The table's census, taken once: its records, copies and rows of other schema versions.
         self._census: tuple[int, int, int] | None = None
         self._columns: str | None = None
-        self._ids, self._known = _IDS, _KNOWN
+        self._ids, self._known, self._identity = _IDS, _KNOWN, _IDENTITY
 
     def describe(self) -> str:
         """How a report names the source."""
@@ -234,8 +243,10 @@ class ClickHouseSource:
             }
             kinds = column_kinds()
             self._columns = ", ".join(name if name in have else f"{_null(kinds[name])} AS {name}" for name in _READ)
-            if not {"trace_id", "span_id"} <= have:
-                self._ids = "0"
+            if "record_id" not in have:
+                self._ids, self._identity = _TRACE_IDS, "trace_id, assumeNotNull(span_id)"
+                if not {"trace_id", "span_id"} <= have:
+                    self._ids = "0"
             if "schema" not in have:
                 self._known = "1"
         return self._columns
@@ -244,13 +255,9 @@ class ClickHouseSource:
         """The records in the table (each once), the copies counted once, and the rows of other schema versions."""
         if self._census is None:
             self._look()
-            unique = (
-                "0"
-                if self._ids == "0"
-                else f"uniqExactIf(trace_id, assumeNotNull(span_id), {self._known} AND {self._ids})"
-            )
+            unique = "0" if self._ids == "0" else f"uniqExactIf({self._identity}, {self._known} AND ({self._ids}))"
             data = self._query(
-                f"SELECT count(), countIf(NOT ({self._known})), countIf({self._known} AND {self._ids}), {unique} "
+                f"SELECT count(), countIf(NOT ({self._known})), countIf({self._known} AND ({self._ids})), {unique} "
                 f"FROM {self.table}"
             )
             total, other, with_ids, once = (int(v or 0) for v in next(_tsv(data), [0, 0, 0, 0]))
@@ -265,7 +272,7 @@ class ClickHouseSource:
         if not copies:
             return f"(SELECT {columns} FROM {self.table} WHERE {cond})"
         return (
-            f"(SELECT {columns} FROM {self.table} WHERE {cond} AND {self._ids} LIMIT 1 BY trace_id, span_id "
+            f"(SELECT {columns} FROM {self.table} WHERE {cond} AND ({self._ids}) LIMIT 1 BY {self._identity} "
             f"UNION ALL SELECT {columns} FROM {self.table} WHERE {cond} AND NOT ({self._ids}))"
         )
 

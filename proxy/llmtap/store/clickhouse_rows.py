@@ -39,8 +39,13 @@ def _part(record: Mapping[str, Any], key: str) -> Mapping[str, Any]:
 
 
 def record_id(record: Mapping[str, Any]) -> str:
-    """What the table keeps one row of: the record's trace and span ids (each a string neither empty nor all
-    zeros); a random id for a record without both, so that no other is taken for it."""
+    """What the table keeps one row of: the record's identity as ``llmtap.store.files.identity`` has it, its
+    ``record_id`` (made with the request, traced or not), else (a record of an older version) its trace and span ids
+    (each a string neither empty nor all zeros); a random id, marked by a leading ``-``, for a record without one,
+    so that no other is taken for it."""
+    rid = record.get("record_id")
+    if isinstance(rid, str):
+        return rid if rid.strip("0") and not rid.startswith("-") else "-" + uuid.uuid4().hex
     trace, span = record.get("trace_id"), record.get("span_id")
     if isinstance(trace, str) and isinstance(span, str) and trace.strip("0") and span.strip("0"):
         return f"{trace}-{span}"

@@ -18,9 +18,10 @@ lines DuckDB's CSV reader cannot take, a stray carriage return or delimiter, set
 them) into a plain copy that DuckDB then reads. What ``read_csv`` refuses is counted from its rejects table.
 
 Each record counts once (a journal replays at least once): the statement also lists the hash of each record's
-(trace_id, span_id); when a hash is seen twice over the whole scan, the parts that hold it are read once more
-for those records' positions and ids, every copy after the first is marked, and those parts grouped again
-without them. Without a duplicate that costs one hash per record.
+identity (its record_id, or in a record of an older version its trace_id and span_id); when a hash is seen twice
+over the whole scan, the parts that hold it are read once more for those records' positions and identities, every
+copy after the first is marked, and those parts grouped again without them. Without a duplicate that costs one
+hash per record.
 
 Why DuckDB rather than chDB (ClickHouse embedded): measured on the same 300,000 generated records
 (grouped counts and sorted TTFTs by version and route), the two took about the same time on gzip JSON
@@ -357,7 +358,7 @@ class EngineSource:
         self._keep(gk, {name: _cell(got, name, r) for name in LISTS}, facts.kept, facts.ok)
 
     def _dedupe(self, facts: list[_Facts], sql: str, params: list[Any]) -> None:
-        """Each identity once: when a hash of (trace_id, span_id) was read more than once, the buckets of files that
+        """Each identity once: when the hash of an identity was read more than once, the buckets of files that
         hold it are located (positions and ids of those records, in the order read), every copy after the first
         marked, and those buckets grouped again without them (``sql``, the grouping with ``llmtap_drop``)."""
         import numpy as np
@@ -366,15 +367,16 @@ class EngineSource:
         every.sort()
         dups = np.unique(every[1:][every[1:] == every[:-1]])
         del every
-        # The ids a record holds when no span was made (tracing off): no identity, and the same in every record.
-        none = self._con.execute("SELECT hash(?, ?)", ["0" * 32, "0" * 16]).fetchone()
+        # What a record of an older version holds when no span was made (tracing off): no identity, and the same in
+        # every such record.
+        none = self._con.execute("SELECT hash(?)", ["0" * 32 + ":" + "0" * 16]).fetchone()
         dups = dups[dups != np.uint64(none[0] if none else 0)]
         if not len(dups):
             return
         self._con.execute(
             "CREATE OR REPLACE TEMP TABLE llmtap_dups AS SELECT unnest(?::UBIGINT[]) AS h", [dups.tolist()]
         )
-        seen: set[tuple[str, str]] = set()
+        seen: set[str] = set()
         again: dict[int, list[_Facts]] = {}  # the facts read again, by the index of those they replace
         # Positions follow the order of the files' lines only while the engine keeps the order it read.
         self._con.execute("SET preserve_insertion_order = true")
@@ -386,10 +388,10 @@ class EngineSource:
                 # Where the copies are: a JSON-lines part read for its ids alone (Parquet reads only the columns asked).
                 ids = read() if f.part.parquet else json_ids(f.part.files)
                 drop = []
-                for pos, trace, span in self._con.execute(locate(ids)).fetchall():
-                    if (trace, span) in seen:
+                for pos, ident in self._con.execute(locate(ids)).fetchall():
+                    if ident in seen:
                         drop.append(pos)
-                    seen.add((trace, span))
+                    seen.add(ident)
                 if drop:
                     self._con.execute(
                         "CREATE OR REPLACE TEMP TABLE llmtap_drop AS SELECT unnest(?::BIGINT[]) AS pos", [drop]

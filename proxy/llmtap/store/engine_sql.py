@@ -52,9 +52,10 @@ _PATHS = (
     "$.objective.ttft",
     "$.objective.tpot",
     "$.objective.e2e",
-    "$.trace_id",  # the slowest requests' names (Group.slowest), and with span_id a record's identity
+    "$.trace_id",  # the slowest requests' names (Group.slowest), and with span_id an older record's identity
     "$.cost.amount",
     "$.span_id",
+    "$.record_id",  # a record's identity (``_IDENT``)
 )
 #: A value's JSON type read from its first character (the extracted text is minimal JSON): cheaper than
 #: parsing it again, and exactly Python's view (a string is never a number, a boolean never a number).
@@ -98,6 +99,7 @@ _JSON_COLUMNS = {
     "trace_id": "j_str(j[23])",
     "cost": "j_num(j[24])",
     "span_id": "j_str(j[25])",
+    "record_id": "j_str(j[26])",
 }
 _KINDS = {"float": "DOUBLE", "str": "VARCHAR", "int": "BIGINT", "bool": "BOOLEAN"}
 #: Where each flat column sits in a Parquet file of nested records (a flat one names them as COLUMNS).
@@ -116,8 +118,17 @@ _NESTED = {
 _NUMERIC = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT")
 _FLOATS = ("FLOAT", "DOUBLE", "DECIMAL")
 _OBJ_VALID = "obj_percentile > 0 AND obj_percentile < 1 AND coalesce(obj_ttft, obj_tpot, obj_e2e) IS NOT NULL"
-#: A record with both ids (neither empty nor all zeros, W3C's invalid id): what can be read twice, counted once.
-_HAS_IDS = "trim(coalesce(trace_id, ''), '0') <> '' AND trim(coalesce(span_id, ''), '0') <> ''"
+#: What a record's identity is hashed from: its ``record_id``, else (a record of an older version) its trace and span
+#: ids; cheap enough for every row, and equal for two copies of one record (``llmtap.store.files.identity``).
+_HASHED = "coalesce(record_id, trace_id || ':' || span_id)"
+#: A record's identity exactly as ``llmtap.store.files.identity`` has it: its ``record_id`` string when it has one
+#: (none when that is empty or all zeros), else both its trace and span ids (neither empty nor all zeros, W3C's
+#: invalid id); NULL for a record that has none, which counts as it is.
+_IDENT = (
+    "CASE WHEN record_id IS NOT NULL THEN CASE WHEN trim(record_id, '0') <> '' THEN record_id END "
+    "WHEN trim(coalesce(trace_id, ''), '0') <> '' AND trim(coalesce(span_id, ''), '0') <> '' "
+    "THEN trace_id || ':' || span_id END"
+)
 
 
 def q(text: str) -> str:
@@ -167,9 +178,9 @@ def json_ids(files: list[Path]) -> str:
     paths to extract), the positions those of ``json_read``'s."""
     return f"""
 SELECT CASE WHEN j[1]::VARCHAR IN ('1', '2') THEN 'record' ELSE 'other' END AS kind, pos,
-  t_epoch(j_str(j[2])) AS time_s, j_str(j[3]) AS trace_id, j_str(j[4]) AS span_id
+  t_epoch(j_str(j[2])) AS time_s, j_str(j[3]) AS trace_id, j_str(j[4]) AS span_id, j_str(j[5]) AS record_id
 FROM (
-  SELECT try(json_extract(line, ['$.llmtap_record', '$.time', '$.trace_id', '$.span_id'])) AS j, pos
+  SELECT try(json_extract(line, ['$.llmtap_record', '$.time', '$.trace_id', '$.span_id', '$.record_id'])) AS j, pos
   FROM ({_lines(files, True)})
 )"""
 
@@ -312,8 +323,8 @@ LISTS = {
 def grouping(key: str, cond: str, *, dedupe: bool = False) -> str:
     """The statement that groups one part's rows (``__READ__`` is its read), each ``BUCKET`` of its files apart:
     the records that pass ``cond`` by side ``key``, route and shape, with their figures as lists and the hashes of
-    their ids (``ids``, the records outside ``cond`` too; ids that identify nothing, empty or all zeros, are told
-    apart only when their hash comes twice: a check on every row cost a fifth of the read); every other row by its
+    their identities (``ids``, the records outside ``cond`` too; ids that identify nothing, empty or all zeros, are
+    told apart only when their hash comes twice: a check on every row cost a fifth of the read); every other row by its
     kind and file. With ``dedupe``, the rows whose position is in the temporary table ``llmtap_drop`` are of kind
     ``duplicate``."""
     ok_stream = "outcome = 'ok' AND stream AND ttft IS NOT NULL"
@@ -337,8 +348,7 @@ SELECT kind, key, route, shape, fi, bucket,
   count(*) FILTER (kind IN ('record', 'out') AND wrong) AS wrong,
   min_by({{'t': ttft, 'id': coalesce(trace_id, '')}}, {{'a': -ttft, 'b': coalesce(trace_id, '')}}, {SLOWEST})
     FILTER (kind = 'record' AND {ok_stream}) AS slowest,
-  list(hash(trace_id, span_id)) FILTER (kind IN ('record', 'out') AND trace_id IS NOT NULL AND span_id IS NOT NULL)
-    AS ids,
+  list(hash({_HASHED})) FILTER (kind IN ('record', 'out') AND {_HASHED} IS NOT NULL) AS ids,
   {", ".join(f"{expr} FILTER (kind = 'record') AS {name}" for name, expr in LISTS.items())}
 FROM (
   SELECT * EXCLUDE (kind, key, route, shape, fi), {on_record}, kind,
@@ -355,9 +365,11 @@ GROUP BY ALL"""
 
 def locate(read: str) -> str:
     """The records of a read (with positions) whose identity's hash is in the temporary table ``llmtap_dups``:
-    their position and ids, in the order read."""
+    their position and identity (``_IDENT``), in the order read."""
     return f"""
-SELECT pos, trace_id, span_id FROM ({read})
-WHERE kind = 'record' AND time_s IS NOT NULL AND {_HAS_IDS}
-  AND hash(trace_id, span_id) IN (SELECT h FROM llmtap_dups)
+SELECT pos, ident FROM (
+  SELECT pos, {_IDENT} AS ident FROM ({read})
+  WHERE kind = 'record' AND time_s IS NOT NULL AND hash({_HASHED}) IN (SELECT h FROM llmtap_dups)
+)
+WHERE ident IS NOT NULL
 ORDER BY pos"""

@@ -11,8 +11,8 @@ steps sees both).
 Reading never stops at a damaged file (issue 44): a file that cannot be opened, an empty or foreign one, compressed
 data cut short or corrupt, a line that is not UTF-8, longer than ``MAX_LINE`` or not a record are passed over and
 counted by cause with the file they were in (``llmtap.store.skips``), the rows before a damage read. What names a
-record is its ``trace_id`` and ``span_id`` (``identity``): a journal replays records at least once, so a reader
-counts each identity once, the first copy read.
+record is its ``record_id``, or in a record of an older version its ``trace_id`` and ``span_id`` (``identity``): a
+journal replays records at least once, so a reader counts each identity once, the first copy read.
 """
 
 from __future__ import annotations
@@ -473,8 +473,13 @@ class ReadStats:
 
 
 def identity(record: dict[str, Any]) -> str | None:
-    """What identifies a record (its ``trace_id`` and ``span_id``), as one key; None when it has not both: each
-    a string neither empty nor all zeros (W3C's invalid id: what a record holds when no span was made)."""
+    """What identifies a record, as one key: its ``record_id`` (made with the request, traced or not) when it has
+    one, a string; else (a record of an older version) its ``trace_id`` and ``span_id``. None when that is not an
+    identity: an empty or all-zero id (W3C's invalid id, what a record holds when no span was made). A ``record_id``
+    string decides alone, as the engine reads it (``llmtap.store.engine_sql``)."""
+    rid = record.get("record_id")
+    if isinstance(rid, str):
+        return rid if rid.strip("0") else None
     trace, span = record.get("trace_id"), record.get("span_id")
     if isinstance(trace, str) and isinstance(span, str) and trace.strip("0") and span.strip("0"):
         return f"{len(trace)}:{trace}{span}"

@@ -5,8 +5,8 @@ flattened to the columns analysis reads (``llmtap.store.COLUMNS``: a wrong-typed
 folded into its group at once; only the figures' values are kept, as ``array('d')``, and sorted at the
 end. What is not read is counted as ``llmtap.store.files`` counts it (``llmtap.store.skips.CAUSES``: damaged
 and unreadable files, lines that are not records, records without a time), and a record read again (the same
-``trace_id`` and ``span_id``) counts once. Reads ``.jsonl``, ``.jsonl.gz`` and rotated files; a Parquet file is
-named and passed over (the engine reads it).
+identity, ``llmtap.store.files.identity``) counts once. Reads ``.jsonl``, ``.jsonl.gz`` and rotated files; a
+Parquet file is named and passed over (the engine reads it).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ _FIELDS: tuple[tuple[tuple[str, ...], Any], ...] = (
     *((("objective", name), _num) for name in ("percentile", "ttft", "tpot", "e2e")),
     (("trace_id",), _str),
     (("span_id",), _str),
+    (("record_id",), _str),
     (("cost", "amount"), _num),
 )
 

@@ -45,8 +45,8 @@ CAUSES: dict[str, tuple[str, str, str]] = {
     ),
     "duplicate": (
         "record",
-        "counted once {n} record read more than once (the same trace_id and span_id)",
-        "counted once {n} records read more than once (the same trace_id and span_id)",
+        "counted once {n} record read more than once (the same record id)",
+        "counted once {n} records read more than once (the same record id)",
     ),
     "damaged": ("file", "read {n} damaged file up to the damage", "read {n} damaged files up to the damage"),
     "wrong_schema": ("file", "skipped {n} file holding no records", "skipped {n} files holding no records"),

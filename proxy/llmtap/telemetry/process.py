@@ -28,10 +28,10 @@ from llmtap.wire.framing import FrameReader
 from llmtap.wire.messages import ready_of
 
 if TYPE_CHECKING:
-    from llmtap.telemetry.admin import AdminApp
-    from llmtap.telemetry.admin_conn import AdminLimits
+    from llmtap.telemetry.admin.connections import AdminLimits
+    from llmtap.telemetry.admin.server import AdminApp
+    from llmtap.telemetry.fleet.siblings import Siblings
     from llmtap.telemetry.recorder import Recorder
-    from llmtap.telemetry.siblings import Siblings
 
 __all__ = ["Launch", "peer_pid", "prepare", "running"]
 
@@ -57,7 +57,7 @@ class Launch:
     index: int = 0
     peers: tuple[str, ...] = ()
     #: With several processes: the socket this one takes the others' lessons on, and every process's, by index
-    #: (``llmtap.telemetry.siblings``); -1 and none for one process.
+    #: (``llmtap.telemetry.fleet.siblings``); -1 and none for one process.
     facts_fd: int = -1
     siblings: tuple[str, ...] = ()
 
@@ -70,7 +70,7 @@ class _Intake(asyncio.Protocol):
         self.source = source
         self.connected = connected
         # The record journal keeps what each read gave, before the recorder's queue: a kill of this process
-        # loses none of it (``llmtap.telemetry.spool``).
+        # loses none of it (``llmtap.telemetry.journal.spool``).
         self._spool = recorder.spool
         self._frames = FrameReader(keep=self._spool is not None)
         self._transport: asyncio.BaseTransport | None = None
@@ -126,7 +126,7 @@ def peer_pid(transport: asyncio.BaseTransport) -> int:
 
 
 class _Lessons(asyncio.Protocol):
-    """Another telemetry process's lessons (``llmtap.telemetry.siblings``) into the recorder's queue."""
+    """Another telemetry process's lessons (``llmtap.telemetry.fleet.siblings``) into the recorder's queue."""
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
@@ -206,11 +206,10 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
     """
     # Only this process loads OpenTelemetry and the tokenizer.
     from llmtap.analysis import tokens
-    from llmtap.telemetry import setup
-    from llmtap.telemetry.admin import AdminApp
-    from llmtap.telemetry.admin_conn import AdminLimits
+    from llmtap.telemetry.admin.connections import AdminLimits
+    from llmtap.telemetry.admin.server import AdminApp
+    from llmtap.telemetry.emit import setup
     from llmtap.telemetry.recorder import Recorder
-    from llmtap.telemetry.siblings import Siblings
 
     settings = launch.settings
     channel_sock = socket.socket(fileno=launch.channel_fd)
@@ -237,15 +236,7 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
     intake = await loop.create_unix_server(
         lambda: _Intake(recorder, next(sources), connected), sock=channel_sock, start_serving=True
     )
-    siblings: Siblings | None = None
-    lessons: asyncio.Server | None = None
-    if launch.facts_fd >= 0:
-        siblings = Siblings(launch.siblings, launch.index, loop, recorder.count_facts_dropped)
-        recorder.share_with(siblings)
-        lessons = await loop.create_unix_server(
-            lambda: _Lessons(recorder), sock=socket.socket(fileno=launch.facts_fd), start_serving=True
-        )
-        await siblings.start()
+    siblings, lessons = await _siblings(launch, recorder, loop)
     _say(launch.started_fd, "ready")
     sched.idle_others()  # the SDK's exporter threads and the executor's, all started by now
     state = TelemetryState(recorder, settings, launch.relays, connected)
@@ -262,6 +253,23 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
             await siblings.aclose()
         await asyncio.to_thread(providers.shutdown, settings.timeouts.flush)
         recorder.losses.tick(final=True)  # the spans the flush could not send, said with their count
+
+
+async def _siblings(
+    launch: Launch, recorder: Recorder, loop: asyncio.AbstractEventLoop
+) -> tuple[Siblings | None, asyncio.Server | None]:
+    """With several telemetry processes: the others, told what this one learns, and the server of what they tell."""
+    from llmtap.telemetry.fleet.siblings import Siblings
+
+    if launch.facts_fd < 0:
+        return None, None
+    siblings = Siblings(launch.siblings, launch.index, loop, recorder.count_facts_dropped)
+    recorder.share_with(siblings)
+    lessons = await loop.create_unix_server(
+        lambda: _Lessons(recorder), sock=socket.socket(fileno=launch.facts_fd), start_serving=True
+    )
+    await siblings.start()
+    return siblings, lessons
 
 
 def _say(fd: int, line: str) -> None:

@@ -29,8 +29,8 @@ __all__ = [
     "CHUNK_GAP",
     "CHUNK_INDEX",
     "CHUNK_TOKENS",
-    "CHUNK_TOKENS_SOURCE",
     "CLICKHOUSE_OUTCOME",
+    "CONTENT_TRUNCATED",
     "COST_AMOUNT",
     "COST_CURRENCY",
     "COST_PRICES",
@@ -50,6 +50,7 @@ __all__ = [
     "E2E",
     "ERROR_TYPE",
     "EVENT_CHUNK",
+    "EVENT_OPERATION_DETAILS",
     "HOP_COST_AMOUNT",
     "HOP_FINISH_REASONS",
     "HOP_OPERATION",
@@ -136,7 +137,6 @@ __all__ = [
     "PROVIDER_NAME",
     "PROXY_OVERHEAD",
     "QUEUE_DURATION",
-    "QUEUE_OUTCOME",
     "QUEUE_PROXY_DURATION",
     "QUEUE_SOURCE",
     "QUEUE_UPSTREAM_DURATION",
@@ -179,6 +179,7 @@ __all__ = [
     "SPAN_ROLE",
     "SPAN_UNATTRIBUTED",
     "STREAM_UNREAD",
+    "SYSTEM_INSTRUCTIONS",
     "TELEMETRY_ATTRIBUTE",
     "TELEMETRY_REASON",
     "TENANT",
@@ -247,6 +248,12 @@ TOKEN_TYPE = "gen_ai.token.type"
 TOKEN_MODALITY = "gen_ai.token.modality"
 INPUT_MESSAGES = "gen_ai.input.messages"
 OUTPUT_MESSAGES = "gen_ai.output.messages"
+SYSTEM_INSTRUCTIONS = "gen_ai.system_instructions"
+#: The content event (semantic-conventions-genai ``model/gen-ai/events.yaml``), opt-in:
+#: ``llmtap.telemetry.records.content``.
+EVENT_OPERATION_DETAILS = "gen_ai.client.inference.operation.details"
+#: The content event's fields cut to its bound (``system``, ``input``, ``output``).
+CONTENT_TRUNCATED = "llmtap.content.truncated"
 ERROR_TYPE = "error.type"
 SERVER_ADDRESS = "server.address"
 SERVER_PORT = "server.port"
@@ -304,7 +311,6 @@ RELAY_CHUNK_DELAY_MAX = "llmtap.relay.chunk_delay.max"
 CHUNK_COUNT = "llmtap.decode.chunks"
 CHUNK_INDEX = "llmtap.chunk.index"
 CHUNK_TOKENS = "llmtap.chunk.tokens"
-CHUNK_TOKENS_SOURCE = "llmtap.chunk.tokens.source"
 CHUNK_BYTES = "llmtap.chunk.bytes"
 CHUNK_GAP = "llmtap.chunk.gap"
 CHUNK_FOLDED = "llmtap.chunk.folded"
@@ -338,7 +344,6 @@ PROMPT_FINGERPRINT = "llmtap.prompt.fingerprint"  # + ".{region}": the region's 
 PROMPT_REGION_TOKENS = "llmtap.prompt.tokens"  # + ".{region}": the region's token length
 PROMPT_SHARED_PREFIX = "llmtap.prompt.shared_prefix_tokens"
 # The admission queue and timings a server reported but llmtap could not trust.
-QUEUE_OUTCOME = "llmtap.queue.outcome"
 TIMING_FIELD = "llmtap.server_timing.field"
 # Client connections the relay cut for a timeout, or refused.
 TIMEOUT_KIND = "llmtap.timeout.kind"
@@ -492,8 +497,9 @@ TENANT = "llmtap.tenant"
 USER_ID = "user.id"
 API_KEY_FINGERPRINT = "llmtap.api_key.fingerprint"
 PROPERTY_PREFIX = "llmtap.property."
-#: A request's cost, by the proposed GenAI convention (open-telemetry/semantic-conventions-genai#443):
-#: the amount, its ISO 4217 currency, and ``local`` (computed by the proxy from reported tokens and its prices).
+#: A request's cost, by the GenAI convention of open-telemetry/semantic-conventions-genai#443 (in its
+#: ``model/gen-ai/registry.yaml``, status development; that repository has no release yet): the amount, its
+#: ISO 4217 currency, and ``provider`` (the response stated it) or ``local`` (the proxy's price table).
 COST_AMOUNT = "gen_ai.usage.cost.amount"
 COST_CURRENCY = "gen_ai.usage.cost.currency"
 COST_SOURCE = "gen_ai.usage.cost.source"

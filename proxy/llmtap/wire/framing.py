@@ -114,7 +114,7 @@ class FrameReader:
         #: Why the framing was lost (None: it was not); nothing more is read once it is set.
         self.broken: WireError | None = None
         #: With ``keep``: the bytes of the complete frames the last ``feed`` gave, as they came (the record journal
-        #: keeps them so, ``llmtap.telemetry.spool``).
+        #: keeps them so, ``llmtap.telemetry.journal.spool``).
         self.taken = b""
         self._keep: list[bytes] | None = [] if keep else None
 

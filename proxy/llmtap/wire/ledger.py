@@ -8,7 +8,8 @@ telemetry process the sequence number of the last stream end it handed over (``l
 file is ``mmap``'d: an update is a store into memory the kernel shares with the file (no system call on the relay's
 path; the kernel writes it out, and keeps it through a kill of the process). The relay holds an ``flock`` on it
 while it lives. At the next start each telemetry process reads the ledgers no live relay holds (``dead``),
-compares with what its journal last saw of that relay, and says what never reached it (``llmtap.telemetry.spool``).
+compares with what its journal last saw of that relay, and says what never reached it
+(``llmtap.telemetry.journal.spool``).
 """
 
 from __future__ import annotations

@@ -112,6 +112,8 @@ class Head(NamedTuple):
     #: The caller's other ``x-llmtap-*`` headers (lower-case name, value), and its API key's fingerprint.
     attribution: tuple[tuple[bytes, bytes], ...]
     key_fingerprint: str | None
+    #: What identifies the request's record, traced or not (16 bytes, big-endian; ``llmtap.wire.tape.new_record_id``).
+    record_id: bytes
 
 
 class Reads(NamedTuple):
@@ -147,7 +149,8 @@ class Segment(NamedTuple):
 class End(NamedTuple):
     """A stream's last message: the head unless a segment carried it, the last reads, the tail; and which relay
     handed it over (a random id, ``llmtap.wire.ledger.new_relay_id``) as its ``seq``-th end to this telemetry
-    process: the record journal counts the ends that never reached it by the gaps (``llmtap.telemetry.spool``)."""
+    process: the record journal counts the ends that never reached it by the gaps
+    (``llmtap.telemetry.journal.spool``)."""
 
     key: int
     head: Head | None
@@ -171,13 +174,13 @@ class Stats(NamedTuple):
     refused: Counts
     cuts: Counts
     #: Which relay (its random id, ``llmtap.wire.ledger.new_relay_id``): its totals are kept by id across telemetry
-    #: restarts (``llmtap.telemetry.losses``); 0: not said.
+    #: restarts (``llmtap.telemetry.journal.losses``); 0: not said.
     relay: int = 0
 
 
 class Facts(NamedTuple):
     """What requests one telemetry process recorded taught it that the others must learn too (the state kept whole
-    per upstream, ``llmtap.telemetry.siblings``): each lesson a plain tuple, its kind first."""
+    per upstream, ``llmtap.telemetry.fleet.siblings``): each lesson a plain tuple, its kind first."""
 
     lessons: tuple[tuple[Any, ...], ...]
 

@@ -1,10 +1,10 @@
 """A channel to a telemetry process over a Unix socket: bounded, reconnecting, and it never makes its caller wait.
 
 The relays send their tapes through one (``llmtap.relay.channel``), the telemetry processes their lessons to one
-another (``llmtap.telemetry.siblings``). Messages go in frames (``llmtap.wire.framing``); those sent in one turn of
-the event loop leave in one write, or, with ``gather``, those sent within that many seconds of the first. Bounded by
-the bytes waiting in the socket's write buffer and here; while the other process is away, messages are dropped
-(counted) and the channel connects again.
+another (``llmtap.telemetry.fleet.siblings``). Messages go in frames (``llmtap.wire.framing``); those sent in one turn
+of the event loop leave in one write, or, with ``gather``, those sent within that many seconds of the first. Bounded by
+the bytes waiting in the socket's write buffer and here; while the other process is away, messages are dropped (counted)
+and the channel connects again.
 
 Why gather: the telemetry process wakes for each write it reads. Woken for each finished stream's tape (one every
 16 ms at 64 streams of one second each), a process that idles in between runs its work cold, at nearly twice the

@@ -1,7 +1,7 @@
 """The tape: what the relay saw of one request, in the compact form it hands to the telemetry side.
 
 The relay does only what must happen while bytes flow; everything it learns is appended here and read
-once, elsewhere (``llmtap.telemetry.replay``): the request's head and its body up to the inspect limit,
+once, elsewhere (``llmtap.telemetry.intake.replay``): the request's head and its body up to the inspect limit,
 the times of admission and send, the response's status and headers, and each upstream read as it came,
 with the moment it arrived and the moment it was handed to the client's socket. No parsing, no
 OpenTelemetry, no tokenizer: appending a read costs three array appends and a ``bytearray`` extend.
@@ -29,7 +29,17 @@ from array import array
 
 from llmtap.wire.messages import END, SEGMENT, Raw
 
-__all__ = ["END", "SEGMENT", "SEGMENT_BYTES", "Tape", "new_span_id", "new_trace_id", "now", "shard_of"]
+__all__ = [
+    "END",
+    "SEGMENT",
+    "SEGMENT_BYTES",
+    "Tape",
+    "new_record_id",
+    "new_span_id",
+    "new_trace_id",
+    "now",
+    "shard_of",
+]
 
 #: Reads held before they leave as a segment (the relay's per-stream response memory).
 SEGMENT_BYTES = 32 * 1024
@@ -52,6 +62,15 @@ def new_span_id() -> int:
     """A random, valid (non-zero) 64-bit span id."""
     while True:
         value = _ids.getrandbits(64)
+        if value:
+            return value
+
+
+def new_record_id() -> int:
+    """A random, non-zero 128-bit id for a request's record: made with its tape, whether or not it is traced, and
+    carried in the tape's head, so a record the journal replays has the id its first copy had (readers keep one)."""
+    while True:
+        value = _ids.getrandbits(128)
         if value:
             return value
 
@@ -96,6 +115,7 @@ class Tape:
         "protocol",
         "received",
         "received_wall_ns",
+        "record_id",
         "response_bytes",
         "response_headers",
         "route",
@@ -132,6 +152,8 @@ class Tape:
         self.protocol = protocol
         self.received = received
         self.received_wall_ns = received_wall_ns
+        #: What identifies the request's record, traced or not (``new_record_id``).
+        self.record_id = new_record_id()
         self.prompt_version: bytes | None = None
         #: The caller's other ``x-llmtap-*`` headers (lower-case name, value), and its API key's fingerprint.
         self.attribution: list[tuple[bytes, bytes]] = []
@@ -226,6 +248,7 @@ class Tape:
             self.upstream_ahead,
             tuple(self.attribution),
             self.key_fingerprint,
+            self.record_id.to_bytes(16, "big"),
         )
 
     def take_reads(self) -> tuple[bytes, bytes, bytes, bytes]:

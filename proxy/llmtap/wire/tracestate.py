@@ -4,7 +4,7 @@ A tracing model server nests its span of a request under the ``traceparent`` llm
 OpenTelemetry SDK gives the child the parent's ``tracestate`` (its sampler keeps the parent's trace state),
 which OTLP exports as ``Span.trace_state``. So when the relay adds ``llmtap=<admin address>~<tag>``, the
 server's span says which replica's admin listener relayed the request, wherever the server sent it; the
-replica that receives it passes it there (``llmtap.telemetry.peers``).
+replica that receives it passes it there (``llmtap.telemetry.fleet.peers``).
 
 The tag is an HMAC of the address under the replicas' shared token: a replica sends a span (and its
 token) only to an address a replica signed, never to one a forged span names. The entry goes first and

@@ -1,0 +1,68 @@
+"""Short requests through two checkouts of llmtap, side by side: ``python -m bench.probes.rps_ab``.
+
+What a change to the per-request path bought, measured as the requests-per-second part measures it
+(``bench.rps``): the fixed 160-byte upstream and ``wrk`` on the client's core, ``llmtap serve`` from each checkout
+(``--base``, ``--new``: each a tree with ``proxy/``) with its whole tree on the proxy's core, both running
+throughout. Rounds alternate the checkouts (base, new, base, new, ...), so a busy machine weighs on both alike;
+each round is ``wrk`` at ``--connections`` for ``--seconds``, with each tree's CPU per request (relay and telemetry
+apart, read until its telemetry drained). Prints one JSON line per round and one per checkout with the medians.
+
+    git archive HEAD~1 proxy | tar -x -C /tmp/base && python -m bench.probes.rps_ab --base /tmp/base --new .
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import peers
+from bench.rps import Rig, RpsPlan
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the rounds; print each and the medians."""
+    p = argparse.ArgumentParser(prog="python -m bench.probes.rps_ab", description=__doc__.splitlines()[0])
+    p.add_argument("--base", type=Path, required=True)
+    p.add_argument("--new", type=Path, required=True)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--connections", type=int, default=16)
+    p.add_argument("--proxy-cpu", default="0")
+    p.add_argument("--client-cpu", default="1")
+    args = p.parse_args(argv)
+    work = peers.REPO / "bench" / "out" / time.strftime("rps-ab-%Y%m%d-%H%M%S")
+    work.mkdir(parents=True, exist_ok=True)
+    rig = Rig(work, RpsPlan(paths=()), args.proxy_cpu, args.client_cpu)
+    trees = {"base": args.base.resolve(), "new": args.new.resolve()}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    try:
+        port = rig.upstream()
+        for name, tree in trees.items():
+            rig.keep(name, *rig.llmtap(port, tree, name=f"llmtap-{name}"))
+        for name in trees:
+            rig.wrk(rig.urls[name], args.connections, 1.0)
+        for k in range(args.rounds):
+            for name in trees:
+                run = functools.partial(rig.wrk, rig.urls[name], args.connections, args.seconds)
+                row = rig.measured(name, run)
+                row.update(tree=name, round=k, load=os.getloadavg()[0])
+                rows[name].append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        rig.stop()
+    for name, mine in rows.items():
+        keys = ("requests_per_s", "p50_ms", "p99_ms", "cpu_us_per_request", "cpu_relay_us_per_request",
+                "cpu_telemetry_us_per_request")  # fmt: skip
+        medians = {k: statistics.median(r[k] for r in mine) for k in keys if mine}
+        print(json.dumps({"tree": name, "path": str(trees[name]), "rounds": len(mine), "median": medians}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

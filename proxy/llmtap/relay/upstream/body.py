@@ -1,0 +1,99 @@
+"""A response as the relay takes it: its head, and its body read part by part or piped to a sink."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+
+from llmtap.relay.upstream.connection import Connection, Timeouts
+from llmtap.relay.upstream.http11 import Sink
+
+__all__ = ["Answer", "Body"]
+
+
+class Body(httpx.AsyncByteStream):
+    """A response body: what each socket read carried, in order; the connection is released exactly once."""
+
+    def __init__(self, conn: Connection, timeouts: Timeouts) -> None:
+        self._conn = conn
+        self._timeouts = timeouts
+        self._released = False
+        self._surplus = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        timeouts = self._timeouts
+        while not self._released:
+            if conn.parts:
+                yield conn.take()
+            elif conn.done:
+                return  # httpx closes the response at the end of the body: the connection is released then
+            elif conn.error is not None:
+                raise conn.error
+            else:
+                await conn.wait_readable(timeouts.get("read"))
+
+    async def aclose(self) -> None:
+        self._release()
+
+    @property
+    def connection(self) -> Connection:
+        """The connection this body arrives on (a sink holds and releases it, the relay waits on it)."""
+        return self._conn
+
+    def pipe(self, sink: Sink) -> Connection:
+        """From now on each body part goes to ``sink`` in the read callback (those queued already, at once);
+        the relay then waits on the returned connection's ``until_moved`` and ``hold``/``release``."""
+        self._conn.attach(sink)
+        return self._conn
+
+    def surplus(self) -> int:
+        """Bytes the upstream sent past this response's end (its connection was closed for them)."""
+        return self._surplus if self._released else self._conn.surplus
+
+    def close(self) -> None:
+        """Release the connection (``aclose`` without the wait): exactly once, whoever asks."""
+        self._release()
+
+    def _release(self) -> None:
+        if self._released:
+            return  # a second close must not touch a connection that may serve another response by now
+        self._released = True
+        conn = self._conn
+        self._surplus = conn.surplus
+        conn.pool.release(conn)
+
+
+class Answer:
+    """A response as the relay takes it from ``LeanTransport.send``: status, head and body, nothing else."""
+
+    __slots__ = ("body", "connection", "headers", "status_code")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: Body) -> None:
+        self.status_code = status
+        self.headers = headers
+        #: The body, to read (``aiter_raw``), or its connection, whose parts a sink takes in the read callback
+        #: (``Connection.attach``).
+        self.body = body
+        self.connection = body.connection
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body parts as they arrive, the connection released at the body's end (as ``httpx.Response.aiter_raw``
+        yields them over this client, and closes the response)."""
+        async for part in self.body:
+            yield part
+        self.body.close()
+
+    async def surplus(self) -> int:
+        """Bytes the upstream sent past the response's end (its connection is closed for them)."""
+        return self.body.surplus()
+
+    async def aclose(self) -> None:
+        """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits."""
+        self.body.close()
+
+    def abandon(self) -> None:
+        """Release the connection closed, however cleanly the exchange ended: the relay refused this response."""
+        self.body.connection.keep_alive = False
+        self.body.close()

@@ -1,0 +1,356 @@
+"""One upstream connection: an asyncio protocol that owns the socket, reads it, writes the request, and waits.
+
+Body parts queue on the connection until the relay reads them (``take``), or go to a sink in the read callback
+(``attach``: the relay's pipe), stamped once per socket read; the relay's task wakes only when the response ends,
+fails or is held (``hold``: its client stopped taking bytes, so the socket stops being read until ``release``).
+Backpressure: past ``QUEUE_BYTES`` unread, the socket stops being read, and ``SO_RCVBUF`` bounds the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import ssl
+import time
+from collections.abc import AsyncIterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import httptools
+import httpx
+
+from llmtap.relay import tls
+from llmtap.relay.upstream.http11 import Http11, Pieces, Sink
+
+if TYPE_CHECKING:
+    from llmtap.relay.upstream.pool import Pool
+
+__all__ = ["QUEUE_BYTES", "WRITE_SLICE", "Connection", "Timeouts"]
+
+#: Body bytes queued and not yet taken by the relay past which the socket stops being read.
+QUEUE_BYTES = 64 * 1024
+#: A request body past this is written beside its head rather than joined to it.
+_JOINED_BYTES = 64 * 1024
+WRITE_SLICE = 256 * 1024
+#: ``request.extensions["timeout"]``: connect, read, write and pool, in seconds or None.
+Timeouts = Mapping[str, Any]
+
+
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
+def _wake(waiter: asyncio.Future[bool] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(True)
+
+
+def _readable(fd: int) -> bool:
+    """True when an idle connection has something to read: the server closed it, or sent what nobody asked for."""
+    # poll, not select: select cannot watch a descriptor numbered past 1023, which a busy proxy reaches.
+    poller = select.poll()
+    try:
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
+
+
+class Connection(Http11, asyncio.Protocol):
+    """One upstream connection and the exchange running on it; body parts queue here until the relay reads them."""
+
+    def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
+        self.pool = pool
+        self.idle = False
+        self.closed = False
+        self._loop = loop
+        self._transport: asyncio.Transport | None = None
+        self._fd = -1
+        self._parser = httptools.HttpResponseParser(self)
+        self._reader: asyncio.Future[bool] | None = None
+        self._writer: asyncio.Future[bool] | None = None
+        self._writing_paused = False
+        self._reading_paused = False
+        self.active = False
+        #: Where body parts go as they arrive (``Body.pipe``); None: they queue in ``parts``.
+        self.sink: Sink | None = None
+        #: Reading is paused because the sink's client takes no more (``hold``).
+        self.held = False
+        #: When the socket last brought anything, under a sink (its idle timeout counts from here).
+        self.heard = 0.0
+        #: A TLS connection's TLS object, until its session is handed to its context (``tls.ResumingContext``).
+        self.unkept: ssl.SSLObject | None = None
+        self._reset(head_only=False)
+
+    def begin(self, *, head_only: bool) -> None:
+        """A new exchange: the previous response ended exactly where the parser stopped."""
+        self.active = True
+        self._reset(head_only=head_only)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
+        self.unkept = transport.get_extra_info("ssl_object")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.active and not self.done and self.error is None:
+            if isinstance(exc, ssl.SSLError) and self._head_bytes == 0:
+                # TLS 1.3: the server checks our certificate after our side of the handshake is done, so
+                # its refusal (an alert) comes in place of the response.
+                self.error = httpx.ConnectError(tls.describe(exc))
+            elif exc is not None:
+                self.error = httpx.ReadError(f"upstream reset the connection: {exc}")
+            elif self.head_done and not self._chunked and self._remaining is None and not self._interim:
+                self.done = True  # a body delimited by the end of the connection (RFC 9112 section 6.3, item 8)
+            else:
+                what = "mid-response" if self.head_done else "before the response headers"
+                self.error = httpx.RemoteProtocolError(f"upstream closed the connection {what}")
+        _wake(self._reader)
+        _wake(self._writer)
+        if self.idle:
+            self.pool.lost(self)
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too; connection_lost follows
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        _wake(self._writer)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active or self.done:
+            self._past_end(len(data))
+            return
+        sink = self.sink
+        if sink is not None:
+            self._sink_read(sink, data)
+            return
+        size = len(data)
+        start = 0
+        while start < size and not self.done and self.error is None:
+            end = self._piece_end(data, start)
+            piece: bytes | memoryview = data if start == 0 and end == size else memoryview(data)[start:end]
+            self._feed(piece)
+            start = end
+        if self._pending:
+            self._flush()
+        if self._queued > QUEUE_BYTES and not self._reading_paused and not self.closed:
+            assert self._transport is not None
+            self._transport.pause_reading()
+            self._reading_paused = True
+        if start < size and self.done:
+            self._past_end(size - start)
+        _wake(self._reader)
+
+    def _sink_read(self, sink: Sink, data: bytes) -> None:
+        """``data_received`` under a sink: parse, hand each part over with the read's one timestamp, wake
+        the relay's task only when the response ended, failed or is held."""
+        self.heard = t = time.perf_counter()
+        size = len(data)
+        start = 0
+        if self._boundary and self.error is None:
+            # Whole chunks of a chunked body, the usual read of a stream, go without the parser (see ``_whole``).
+            start = self._whole(sink, t, data)
+            if start == size:
+                self._tail = data[-3:]
+                if self.held:
+                    _wake(self._reader)
+                return
+        while start < size and not self.done and self.error is None:
+            end = self._piece_end(data, start)
+            self._feed(data if start == 0 and end == size else memoryview(data)[start:end])
+            start = end
+        if self._pending:
+            self._flush()
+        parts = self.parts
+        while parts:
+            sink(t, parts.popleft())
+        self._queued = 0
+        if start < size and self.done:
+            self._past_end(size - start)
+        if self.done or self.error is not None or self.held:
+            _wake(self._reader)
+
+    def hold(self) -> None:
+        """Stop reading the socket until ``release`` (the sink's client stopped taking bytes); wakes the relay."""
+        if not self.held:
+            self.held = True
+            if self._transport is not None and not self.closed:
+                self._transport.pause_reading()
+        _wake(self._reader)
+
+    def release(self) -> None:
+        """Read the socket again after ``hold``; the silence the hold caused does not count as the upstream's."""
+        self.heard = time.perf_counter()
+        if self.held:
+            self.held = False
+            if self._transport is not None and not self.closed:
+                self._transport.resume_reading()
+
+    async def until_moved(self, seconds: float | None) -> None:
+        """Under a sink: until the response ends, fails or is held; ``httpx.ReadTimeout`` once the socket
+        brought nothing for ``seconds`` (one timer for the wait, checked against ``heard`` when it fires)."""
+        remaining = seconds
+        while not (self.done or self.error is not None or self.held):
+            self._reader = self._loop.create_future()
+            try:
+                moved = await self._until(self._reader, remaining)
+            finally:
+                self._reader = None
+            if not moved and seconds is not None:
+                silence = time.perf_counter() - self.heard
+                if silence >= seconds:
+                    raise httpx.ReadTimeout(f"upstream sent nothing for {seconds:g} s")
+                remaining = seconds - silence
+
+    def usable(self) -> bool:
+        """An idle connection still open, with nothing unread on it.
+
+        The descriptor polled is the TCP socket's, under TLS too: the TLS transport reads all the socket
+        has whenever the loop runs, so on an idle connection anything there is news (a close_notify, a
+        FIN, bytes nobody asked for) and the connection is not trusted with a request.
+        """
+        return (
+            not self.closed
+            and self._transport is not None
+            and not self._transport.is_closing()
+            and not (self._fd >= 0 and _readable(self._fd))
+        )
+
+    def reusable(self) -> bool:
+        """The exchange ended cleanly: whole request sent, whole response read, nothing past its end."""
+        return (
+            self.done
+            and self.keep_alive
+            and self.sent_all
+            and self.error is None
+            and self.surplus == 0
+            and not self.closed
+        )
+
+    def keep_session(self) -> None:
+        """Hand the TLS session to the context, for the next connection's handshake: once, after the first
+        exchange (by then a TLS 1.3 server's tickets have been read)."""
+        connection, self.unkept = self.unkept, None
+        keep = getattr(getattr(connection, "context", None), "keep", None)
+        if keep is not None:
+            keep(connection)
+
+    def park(self) -> None:
+        """Between exchanges in the pool."""
+        self.active = False
+        self.sink = None
+        self.parts.clear()
+        self._queued = 0
+        if (self._reading_paused or self.held) and self._transport is not None:
+            self._transport.resume_reading()
+        self._reading_paused = self.held = False
+
+    def abort(self) -> None:
+        """Close at once (the server sees the client leave), dropping anything unsent."""
+        if self._transport is not None and not self.closed:
+            self._transport.abort()
+
+    def write(self, data: bytes, more: bytes = b"") -> None:
+        """``data`` and then ``more`` onto the connection; a large ``more`` is written without copying it into one
+        buffer with ``data`` first (a request body of megabytes: a copy of milliseconds on the relay's loop)."""
+        if self.closed or self._transport is None or self._transport.is_closing():
+            raise httpx.RemoteProtocolError("upstream closed the connection before the request was sent")
+        if len(more) > _JOINED_BYTES:
+            self._transport.writelines((data, more))
+        else:
+            self._transport.write(data + more)
+
+    async def send_pieces(self, pieces: Pieces, timeouts: Timeouts) -> None:
+        """A body in memory, a slice at a time: the kernel's copy of a body of megabytes never holds the loop."""
+        assert self._transport is not None
+        transport = self._transport
+        for piece in pieces:
+            view = memoryview(piece)
+            for at in range(0, len(view), WRITE_SLICE):
+                if self.closed or self.head_done:
+                    return  # the upstream answered (or left) before the body's end: read what it said
+                transport.write(view[at : at + WRITE_SLICE])
+                if self._writing_paused:
+                    await self._drain(timeouts.get("write"))
+                else:
+                    await asyncio.sleep(0)
+        if not self.closed and not self.head_done:
+            self.sent_all = True
+
+    async def send_stream(self, stream: AsyncIterable[bytes], *, chunked: bool, timeouts: Timeouts) -> None:
+        """A streamed body, in chunked framing when the head says so, at the pace the upstream takes it."""
+        assert self._transport is not None
+        transport = self._transport
+        async for part in stream:
+            if self.closed or self.head_done:
+                return  # the upstream answered (or left) before the body's end: read what it said
+            if part:
+                if chunked:
+                    transport.writelines((b"%x\r\n" % len(part), part, b"\r\n"))
+                else:
+                    transport.write(part)
+            if self._writing_paused:
+                await self._drain(timeouts.get("write"))
+        if not self.closed and not self.head_done:
+            if chunked:
+                transport.write(b"0\r\n\r\n")
+            self.sent_all = True
+
+    async def _drain(self, seconds: float | None) -> None:
+        while self._writing_paused and not self.closed and not self.head_done:
+            self._writer = self._loop.create_future()
+            try:
+                taken = await self._until(self._writer, seconds)
+            finally:
+                self._writer = None
+            if not taken:
+                raise httpx.WriteTimeout(f"upstream took no request body for {seconds:g} s")
+
+    async def wait_readable(self, seconds: float | None) -> None:
+        """Until the response moves on (a part, its end, an error); ``httpx.ReadTimeout`` after ``seconds``."""
+        self._reader = self._loop.create_future()
+        try:
+            moved = await self._until(self._reader, seconds)
+        finally:
+            self._reader = None
+        if not moved:
+            raise httpx.ReadTimeout(f"upstream sent nothing for {seconds:g} s")
+
+    async def _until(self, waiter: asyncio.Future[bool], seconds: float | None) -> bool:
+        if seconds is None:
+            return await waiter
+        timer = self._loop.call_later(seconds, _expire, waiter)
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+
+    def take(self) -> bytes:
+        """The oldest queued body part; reading resumes once the queue has drained to half its bound."""
+        part = self.parts.popleft()
+        self._queued -= len(part)
+        if self._reading_paused and self._queued <= QUEUE_BYTES // 2 and not self.closed:
+            assert self._transport is not None
+            self._transport.resume_reading()
+            self._reading_paused = False
+        return part
+
+    def attach(self, sink: Sink) -> None:
+        """From now on each body part goes to ``sink`` in the read callback (those queued already, at once)."""
+        self.heard = t = time.perf_counter()
+        self.sink = sink
+        parts = self.parts
+        while parts:
+            sink(t, parts.popleft())
+        self._queued = 0
+        if self._reading_paused:
+            # Paused for a full queue before the pipe: the queue is gone (a hold by the sink keeps its own pause).
+            self._reading_paused = False
+            if not self.held and self._transport is not None and not self.closed:
+                self._transport.resume_reading()

@@ -1,0 +1,187 @@
+"""From tape to timeline: the telemetry side plays back what the relay recorded, read by read.
+
+The relay hands over the request's head, its body up to the inspect limit, and every upstream read with
+the moment it arrived and the moment it reached the client's socket (``llmtap.wire.messages``). Here the body is
+inspected by its provider, the reads are decoded (SSE, NDJSON, JSON array, gzip) and turned into facts
+exactly as if they were arriving now, at the times they really arrived: the same ``Tap`` the relay ran
+before the split, now in the telemetry process. A stream is played back as its segments come, so a
+long response never waits here whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from array import array
+
+from llmtap.analysis.attribution import dimensions
+from llmtap.analysis.cost import header_cost
+from llmtap.analysis.timeline import KEEP_CHARS, Timeline
+from llmtap.config.types import Route, Settings
+from llmtap.labels import version_label
+from llmtap.providers import PROVIDERS
+from llmtap.providers.base import Provider
+from llmtap.providers.timing import from_headers
+from llmtap.telemetry.intake.tap import Tap
+from llmtap.telemetry.sched import checkpoint
+from llmtap.types import RequestInfo
+from llmtap.wire.messages import Head, Reads, Tail
+
+__all__ = ["Playback"]
+
+log = logging.getLogger("llmtap.telemetry")
+
+_BY_NAME: dict[str, Provider] = {}
+for _p in PROVIDERS:
+    _BY_NAME.setdefault(_p.name, _p)
+
+
+def provider_named(name: str | None, method: str, path: str) -> Provider | None:
+    """The provider the relay matched (by its name, the path deciding between same-named ones)."""
+    if name is None:
+        return None
+    for provider in PROVIDERS:
+        if provider.name == name and provider.matches(method, path):
+            return provider
+    return _BY_NAME.get(name)
+
+
+def relay_delays(times: array[float], delivered: array[float], out: array[float]) -> None:
+    """Append each read's delay in the relay, arrival to the client's socket (reads never delivered: none)."""
+    out.extend([d - t for t, d in zip(times, delivered, strict=True) if d == d])  # d != d: NaN, not delivered
+
+
+class Playback:
+    """One stream being played back: created from its head, fed its reads, finished with its tail."""
+
+    __slots__ = ("_delivered_first", "_last_delivered", "_tap", "partial", "tl")
+
+    def __init__(self, head: Head, settings: Settings, routes: dict[str, Route]) -> None:
+        """The timeline of ``head``'s request, every field the head gives set once. Long on purpose: the head's
+        fields, one assignment each, in its order (``llmtap.wire.messages.Head``)."""
+        route_name, inner_path, received = head.route, head.inner_path, head.received
+        route = routes.get(route_name)
+        provider = provider_named(head.protocol, head.method, inner_path)
+        tl = Timeline(
+            method=head.method,
+            path=head.path,
+            route=route_name,
+            upstream=route.upstream if route else "",
+            server_address=route.host if route else "",
+            server_port=route.port if route else 0,
+            protocol=provider.name if provider else None,
+            provider_name=(route.provider if route and route.provider else None)
+            or (provider.family if provider else "_OTHER"),
+            received=received,
+            received_wall_ns=head.received_wall_ns,
+            # The output's text is kept only where a span may show it.
+            keep_chars=KEEP_CHARS if settings.telemetry.capture_content or settings.content.on else 0,
+        )
+        self.tl = tl
+        if head.prompt_version is not None:
+            tl.prompt_version = version_label(head.prompt_version)
+        elif route is not None:
+            tl.prompt_version = route.prompt_version
+        tl.trace_id = format(int.from_bytes(head.trace_id, "big"), "032x")
+        tl.span_id = format(int.from_bytes(head.span_id, "big"), "016x")
+        tl.record_id = format(int.from_bytes(head.record_id, "big"), "032x")
+        tl.sampled = head.sampled
+        tl.parent = head.parent
+        tl.body_read, tl.admitted, tl.sent, tl.headers = head.body_read, head.admitted, head.sent, head.headers_at
+        tl.written = head.written
+        tl.status_code = status_code = head.status_code
+        tl.upstream_seq, tl.upstream_ahead = head.upstream_seq, head.upstream_ahead
+        info: RequestInfo | None = None
+        if provider is not None:
+            if head.body_complete:
+                info = provider.inspect(head.body, inject_usage=False, path=inner_path)
+            else:
+                info = provider.inspect(b"{}", inject_usage=False, path=inner_path)
+                info.parse_error = "body_not_inspected"
+            info.strip_usage = head.strip_usage
+            tl.request = info
+        attribution, key_fingerprint = head.attribution, head.key_fingerprint
+        if attribution or key_fingerprint or (info is not None and info.end_user):
+            tl.attribution, tl.attribution_dropped = dimensions(
+                attribution, body_user=info.end_user if info else None, key_fingerprint=key_fingerprint
+            )
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in head.response_headers}
+        tl.header_cost = header_cost(headers)
+        if "x-queue-time" in headers:
+            # TGI reports its queue time in headers (non-streamed responses).
+            tl.server_timing, bad = from_headers(headers)
+            tl.rejected_timings.extend(bad)
+        self._tap: Tap | None = None
+        if status_code is not None:
+            self._tap = Tap(
+                tl,
+                provider,
+                content_type=headers.get("content-type", ""),
+                content_encoding=headers.get("content-encoding", ""),
+                stream_requested=bool(info and info.stream),
+            )
+        self._delivered_first = False
+        self._last_delivered = False  # the last read so far reached the client's socket
+        #: Some reads came without their bytes (the relay's channel was full): timing only.
+        self.partial = False
+
+    def feed(self, reads: Reads) -> None:
+        """Play back a run of reads: times of arrival, of delivery, sizes, and the bytes themselves."""
+        tap = self._tap
+        if tap is None:
+            return
+        times, delivered, sizes, data = array("d"), array("d"), array("l"), reads.data
+        times.frombytes(reads.times)
+        delivered.frombytes(reads.delivered)
+        sizes.frombytes(reads.sizes)
+        tl = self.tl
+        gap = not data and any(sizes)
+        self.partial = self.partial or gap
+        at = 0
+        for i, t in enumerate(times):
+            checkpoint()
+            size = sizes[i]
+            if gap:
+                tap.skip(size, t)
+            else:
+                tap.feed(data[at : at + size], t)
+            at += size
+            if not self._delivered_first and tl.first_content is not None:
+                self._delivered_first = True
+                when = delivered[i]
+                tl.first_content_delivered = when if not math.isnan(when) else None
+            if tl.completed and not tl.completed_delivered:
+                # The read that brought the protocol's last event: did it reach the client's socket?
+                tl.completed_delivered = not math.isnan(delivered[i])
+        self._last_delivered = not math.isnan(delivered[-1]) if len(delivered) else self._last_delivered
+        relay_delays(times, delivered, tl.relay_delays)
+
+    def skip(self, size: int, at: float) -> None:
+        """Reads of ``size`` bytes in all, the last arriving at ``at``, that never came here (a hole): counted, the
+        stream's decoding starts over after them, and the stream is partial."""
+        self.partial = True
+        if self._tap is not None:
+            self._tap.skip(size, at)
+
+    def finish(self, tail: Tail) -> Timeline:
+        """The stream's end: the relay's own verdict applied after what the stream itself said."""
+        end, error_type, cancelled, surplus = tail.end, tail.error_type, tail.cancelled, tail.surplus
+        tl = self.tl
+        if self._tap is not None:
+            self._tap.finish(end if end is not None else tl.received)
+        if tl.completed and not tl.completed_delivered and self._last_delivered:
+            # Completed at the end (a whole body parsed, a last event flushed): its bytes were the last read.
+            tl.completed_delivered = True
+        tl.end = end
+        tl.response_bytes = tail.response_bytes
+        # The first failure wins: what the stream said, then what the relay saw, then the status code.
+        if error_type is not None and not cancelled:
+            tl.fail(error_type, tail.error_message)
+        if tl.status_code is not None and tl.status_code >= 400:
+            tl.fail(tl.error_type or str(tl.status_code))
+        if surplus:
+            tl.fail("upstream_protocol_error", f"{surplus} bytes past the end of the response; connection closed")
+        if cancelled and not tl.completed_delivered:
+            # A client that hangs up once it has the last event (many do, at [DONE]) got the whole answer.
+            tl.fail("cancelled", cancelled=True)
+        return tl
