@@ -8,7 +8,7 @@ import difflib
 import re
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from llmtap import __version__, logs
 from llmtap.config import options
@@ -16,6 +16,9 @@ from llmtap.config.load import build
 from llmtap.config.options import GROUPS, OPTIONS, Option, by_group
 from llmtap.config.types import ConfigError
 from llmtap.store import ENGINES
+
+if TYPE_CHECKING:
+    from llmtap.simulator.faults import FaultPlan
 
 __all__ = ["main", "parser"]
 
@@ -172,6 +175,33 @@ def _simulate_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--port", type=int, default=8000, help="listen port")
     p.add_argument("--profile", default="support", metavar="NAME", help="timing and capacity profile, listed below")
     p.add_argument("--list-profiles", action=_ProfilesAction, help="print the profiles and what each models, then exit")
+    p.add_argument(
+        "--fault",
+        metavar="SPEC",
+        help="a fault to play on --fault-rate of requests: status=503, cut-after=N (chunks), first-byte-delay=S, "
+        "terms joined by ';' (a request asks for its own with the x-sim-fault header)",
+    )
+    p.add_argument("--fault-rate", type=float, default=0.0, metavar="P", help="share of requests --fault is played on")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="export each request's span as vLLM does (llm_request, gen_ai.latency.*) over OTLP/HTTP protobuf to URL "
+        "(/v1/traces added when it names no path), e.g. llmtap's admin listener",
+    )
+
+
+def _fault_plan(args: argparse.Namespace) -> FaultPlan:
+    """``--fault`` and ``--fault-rate`` as the simulator's plan; ``ConfigError`` for a spec or rate it cannot use."""
+    from llmtap.simulator.faults import FaultPlan, parse_fault
+    from llmtap.simulator.requests import SimError
+
+    try:
+        fault = parse_fault(args.fault) if args.fault else None
+        return FaultPlan(fault, args.fault_rate)
+    except SimError as exc:
+        raise ConfigError(f"--fault: {exc.message}") from None
+    except ValueError as exc:
+        raise ConfigError(f"--fault-rate: {exc}") from None
 
 
 def _demo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
@@ -328,7 +358,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile = simulator.PROFILES.get(args.profile)
             if profile is None:
                 raise ConfigError(f"unknown profile {args.profile!r}; known: {', '.join(sorted(simulator.PROFILES))}")
-            asyncio.run(simulator.serve(args.host, args.port, profile))
+            if args.otlp_traces_endpoint:
+                from llmtap.simulator.spans import traces_url
+
+                try:
+                    traces_url(args.otlp_traces_endpoint)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+            plan = _fault_plan(args)
+            asyncio.run(
+                simulator.serve(
+                    args.host, args.port, profile, faults=plan, otlp_traces_endpoint=args.otlp_traces_endpoint
+                )
+            )
         elif args.command == "demo":
             logs.setup("warning", stamp=False)
             from llmtap.commands import demo

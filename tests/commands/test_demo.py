@@ -61,6 +61,17 @@ def test_support_assistant_matches_the_course(results: dict[tuple[str, str], dem
     assert cold.slo_met_share == 0.0 and warm.slo_met_share == 1.0
 
 
+def test_queue_and_prefill_come_from_the_servers_own_spans(results: dict[tuple[str, str], demo.PhaseResult]) -> None:
+    # The simulators export vLLM's llm_request spans to the demo's admin listener; llmtap joins each to its request
+    # and takes the server's queue and prefill, never an estimate.
+    for r in results.values():
+        assert (r.queue_source, r.prefill_source) == ("server", "server"), (r.workload, r.layout)
+    # The server's prefill is the profile's: 6,200 tokens read at ~7,950 tokens/s; 200 tokens in 25 ms.
+    assert within(results[("support assistant", demo.VARIABLE_FIRST)].prefill_p50, 0.78)
+    code = results[("code completion", demo.VARIABLE_FIRST)].prefill_p50
+    assert code is not None and 0.025 * 0.9 <= code < 0.1, code
+
+
 def test_code_completion_gains_almost_nothing(
     results: dict[tuple[str, str], demo.PhaseResult], demo_run: demo.DemoRun
 ) -> None:

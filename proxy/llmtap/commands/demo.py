@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from llmtap.commands.compare import compare_records
 from llmtap.commands.demo_report import ProgressLine, render as render  # render is part of the demo's API
 from llmtap.config.otel import telemetry_from_env
 from llmtap.config.types import SLO, Records, Route, Settings, TelemetrySettings
+from llmtap.simulator.spans import SpanExporter
 from llmtap.simulator.text import Vocabulary
 from llmtap.telemetry.emit import setup
 from llmtap.telemetry.exposition.prometheus import PrometheusReader
@@ -61,6 +63,8 @@ __all__ = [
 
 VARIABLE_FIRST, FIXED_FIRST = "variable-first", "fixed-first"
 WARMUP = "warmup"
+#: Longest wait, after a phase's warm-up, for the simulator's span of it to reach llmtap.
+SPAN_SETTLE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,8 +218,10 @@ async def _drive(
     vocab: Vocabulary,
     progress: Callable[[Progress], None],
     offset: int,
+    warmed: Callable[[], Awaitable[None]],
 ) -> float:
-    """Send one phase's requests at the workload's concurrency; returns the phase's wall time."""
+    """Send one phase's requests at the workload's concurrency; returns the phase's wall time. ``warmed`` is
+    awaited after the warm-up request (the server's span of it reaches llmtap first)."""
     url = f"{base}/{w.route}/v1/chat/completions"
     began = time.perf_counter()
     started = done = 0
@@ -246,6 +252,7 @@ async def _drive(
     try:
         # One short request first, so the phase measures a warm cache as steady traffic would see it.
         await one(offset + 10_000, WARMUP, 1)
+        await warmed()
         sem = asyncio.Semaphore(w.concurrency)
 
         async def limited(i: int) -> None:
@@ -318,7 +325,15 @@ async def run(
 
     env = dict(os.environ if env is None else env)
     out = DemoRun()
-    sims = {w.profile: simulator.run_in_thread(simulator.get_profile(w.profile)) for w in workloads}
+    # The admin listener's port first: each simulator exports its spans there, as a vLLM with
+    # --otlp-traces-endpoint would, and llmtap joins them to the requests it relayed.
+    admin_sock = bind("127.0.0.1", 0, "demo admin listener")
+    traces = f"http://127.0.0.1:{admin_sock.getsockname()[1]}/v1/traces"
+    exporters = {w.profile: SpanExporter(traces, interval=0.2) for w in workloads}
+    sims = {
+        w.profile: simulator.run_in_thread(simulator.get_profile(w.profile), spans=exporters[w.profile])
+        for w in workloads
+    }
     tel: TelemetrySettings = telemetry_from_env(env)
     files: list[IO[str]] = []
     directory = telemetry_dir or Path(tempfile.gettempdir()) / f"llmtap-demo-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -361,19 +376,14 @@ async def run(
     sock = bind("127.0.0.1", 0, "demo proxy")
     server = uvicorn.Server(uvicorn_config(app, settings))
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    # The live view must see the tables' traffic too, so its listener is subscribed before any request.
-    admin: AdminApp | None = None
-    admin_server: uvicorn.Server | None = None
-    admin_task: asyncio.Task[None] | None = None
-    if serve is not None:
-        # The page agrees with the tables: the same objectives (the routes'), no warm-ups, and rates over the
-        # time requests were in flight, as the tables' rates are over each phase's time.
-        admin = AdminApp(local, prometheus, traces=True, busy=True, skip=lambda tl: tl.prompt_version == WARMUP)
-        admin_sock = bind("127.0.0.1", 0, "demo admin listener")
-        admin_server = uvicorn.Server(uvicorn_config(admin, settings))
-        admin_task = asyncio.create_task(admin_server.serve(sockets=[admin_sock]))
+    # The admin listener takes the simulators' spans; the live view must see the tables' traffic too, so its
+    # listener is subscribed before any request. The page agrees with the tables: the same objectives (the
+    # routes'), no warm-ups, and rates over the time requests were in flight, as the tables' rates are.
+    admin = AdminApp(local, prometheus, traces=True, busy=True, skip=lambda tl: tl.prompt_version == WARMUP)
+    admin_server = uvicorn.Server(uvicorn_config(admin, settings))
+    admin_task = asyncio.create_task(admin_server.serve(sockets=[admin_sock]))
     try:
-        while not server.started or (admin_server is not None and not admin_server.started):
+        while not server.started or not admin_server.started:
             for t in (task, admin_task):
                 if t is not None and t.done():
                     t.result()
@@ -384,21 +394,20 @@ async def run(
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             for n, w in enumerate(workloads):
                 for layout in (VARIABLE_FIRST, FIXED_FIRST):
-                    seconds = await _drive(
-                        client, base, w, layout, vocab, progress, offset=n * 100_000 + (layout == FIXED_FIRST) * 50_000
-                    )
-                    await asyncio.to_thread(app.flush)
+                    offset = n * 100_000 + (layout == FIXED_FIRST) * 50_000
+                    warmed = partial(_span_arrived, exporters[w.profile], app)
+                    seconds = await _drive(client, base, w, layout, vocab, progress, offset, warmed)
+                    await warmed()  # the phase's last spans joined before the flush writes what still waits
                     out.results.append(phase_result(w, layout, collector.take(w.route, layout), seconds))
-        if serve is not None and admin_server is not None:
+        if serve is not None:
             _compare(out, workloads, records, min_gain_ms)
             view = f"http://127.0.0.1:{admin_sock.getsockname()[1]}/?window=all"
             await _until_stopped(serve(out, view, base), [server, admin_server])
     finally:
-        if admin is not None and admin_server is not None and admin_task is not None:
-            # Open event streams would hold the admin listener's shutdown: end them first.
-            admin.live.close()
-            admin_server.should_exit = True
-            await admin_task
+        # Open event streams would hold the admin listener's shutdown: end them first.
+        admin.live.close()
+        admin_server.should_exit = True
+        await admin_task
         server.should_exit = True
         await task
         for sim in sims.values():
@@ -409,6 +418,14 @@ async def run(
     if serve is None:
         _compare(out, workloads, records, min_gain_ms)
     return out
+
+
+async def _span_arrived(spans: SpanExporter, app: Any) -> None:
+    """Wait until the simulator has exported its spans so far (at most a few seconds), then flush llmtap, which
+    joins them first: llmtap learns that an upstream traces from its first span (the warm-up's), and a flush
+    writes a request still waiting for its span at once, estimated."""
+    await asyncio.to_thread(spans.drain, SPAN_SETTLE_S)
+    await asyncio.to_thread(app.flush)
 
 
 async def _until_stopped(keep: Awaitable[None], servers: list[Server]) -> None:

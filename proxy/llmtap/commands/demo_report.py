@@ -69,7 +69,7 @@ def _table(rows: list[PhaseResult]) -> list[str]:
 
 #: What each source of a queue or prefill figure means.
 _SOURCES = {
-    "server": "reported by the server",
+    "server": "reported by the server (its own span of the request, joined by llmtap)",
     "proxy": "measured here",
     "estimated": "inferred from the server's slots and what the proxy saw",
     "upstream_ttft": "request sent to first token, server queueing included",

@@ -10,12 +10,27 @@ it reads the blank line that ends it (WHATWG HTML, "Interpreting an event stream
 dispatches; a stream that ends mid-event dispatches nothing). Bytes up to the last complete event boundary
 leave immediately, and the held bytes go out in the same ``feed`` call that brings their blank line, so
 every event reaches the client at the moment it would have without the filter.
+
+Asking for usage changes more than that one event, and the filter undoes each change it can, so the client
+receives what it would have received had llmtap not asked (README "What the client receives"):
+  * OpenAI adds ``"usage":null`` to every other chunk once asked ("All other chunks will also include a
+    ``usage`` field, but with a null value", standards D.1): that top-level member is cut out of each chunk
+    (``strip_null_usage``), with one of its commas, so the rest of the chunk is byte for byte as sent.
+  * vLLM stamps ``system_fingerprint`` on a chat stream's terminal chunks (those with a ``finish_reason``)
+    only when usage was not asked for; asked, it moves the field to the usage chunk. So a run of terminal
+    chat chunks without the field is held until the next event; when that is the usage chunk, its
+    fingerprint is put back as each held chunk's last member (``graft_fingerprint``), where vLLM writes it.
+    The wait is for bytes vLLM writes back to back (the usage chunk follows the last terminal chunk in the
+    same generator step), so nothing arrives later than it would have; with ``n`` > 1, a choice that ends
+    before another is released by the other's next chunk, unstamped (the fingerprint is not known yet).
+``--no-inject-usage`` leaves the request, and so every byte of the answer, exactly as the upstream wrote it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 __all__ = ["MAX_HELD_BYTES", "UsageEventFilter"]
 
@@ -30,29 +45,87 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 # The cheap test that picks candidates; only a block that passes it is parsed as JSON. Servers write the
 # empty array compactly (OpenAI, vLLM) or with spaces, and text content cannot match it unescaped.
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+# Any block the filter may act on: a usage chunk, a chunk with a null usage, a terminal chunk. Inside a JSON
+# string every quote is escaped, so none of these can match text content.
+_CANDIDATE = re.compile(rb'"choices"\s*:\s*\[\s*\]|"usage"\s*:\s*null|"finish_reason"\s*:\s*"')
+_USAGE_KEY = b'"usage"'
+_NULL_MEMBER = re.compile(rb'"usage"[ \t\r\n]*:[ \t\r\n]*null')
+# What may follow a top-level null usage up to the end of its one-line event: OpenAI's obfuscation, the object's end.
+_LAST_MEMBER = re.compile(rb'[ \t]*(?:,[ \t]*"obfuscation"[ \t]*:[ \t]*"[^"\\\r\n]*"[ \t]*)?\}[ \t]*(?:\r\n|\r|\n)+')
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
+_FINGERPRINT = b'"system_fingerprint"'
+_CHAT_CHUNK = "chat.completion.chunk"
 _CR_LF = (b"\r", b"\n")
 # A boundary is at most four bytes long, so one that completes inside a new chunk starts at most three
 # bytes before the chunk in the held buffer.
 _BOUNDARY_REACH = 3
 
 
-def _is_usage_event(block: bytes) -> bool:
-    """True when ``block`` is exactly one plain ``data:`` event whose JSON is the extra usage chunk."""
+def _event_json(block: bytes) -> dict[str, Any] | None:
+    """The JSON object of ``block`` when it is exactly one plain ``data:`` event holding one; else None."""
     data: list[bytes] = []
     for line in _LINE_END.split(block):
         if not line:
             continue
         if not line.startswith(b"data:"):
-            return False  # event:, id:, retry: or a comment: not the plain usage chunk, so keep it
+            return None  # event:, id:, retry: or a comment: not a plain chunk, so leave it as it is
         value = line[5:]
         data.append(value[1:] if value.startswith(b" ") else value)
     if not data:
-        return False
+        return None
     try:
         obj = json.loads(b"\n".join(data))
     except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _is_usage_event(block: bytes) -> bool:
+    """True when ``block`` is exactly one plain ``data:`` event whose JSON is the extra usage chunk."""
+    obj = _event_json(block)
+    return obj is not None and obj.get("choices") == [] and obj.get("usage") is not None
+
+
+def strip_null_usage(block: bytes) -> bytes:
+    """``block`` without its chunk's top-level ``"usage": null`` member and the comma before it, else unchanged.
+
+    Cut only where it is certain, without parsing (this runs on every OpenAI chunk): the block is one ``data:``
+    line with choices, ``"usage"`` occurs in it once (a key cannot hide inside a string: its quotes would be
+    escaped), a comma comes before it, and after ``null`` only the object's end follows (OpenAI's ``obfuscation``
+    member at most), so it is the top-level object's member.
+    """
+    at = block.find(_USAGE_KEY)
+    if at < 0 or block.find(_USAGE_KEY, at + len(_USAGE_KEY)) >= 0 or not block.startswith(b"data:"):
+        return block
+    member = _NULL_MEMBER.match(block, at)
+    if member is None or _LAST_MEMBER.fullmatch(block, member.end()) is None or _EMPTY_CHOICES.search(block):
+        return block  # not the null usage member, or a chunk without choices (not one OpenAI writes)
+    comma = len(block[:at].rstrip(b" \t\r\n")) - 1
+    if comma < 0 or block[comma : comma + 1] != b",":
+        return block
+    return block[:comma] + block[member.end() :]
+
+
+def is_unstamped_terminal(block: bytes) -> bool:
+    """True for a chat chunk with a ``finish_reason`` and no ``system_fingerprint``: one vLLM would have stamped."""
+    if _FINGERPRINT in block or not _FINISHED.search(block):
         return False
-    return isinstance(obj, dict) and obj.get("choices") == [] and obj.get("usage") is not None
+    obj = _event_json(block)
+    return obj is not None and obj.get("object") == _CHAT_CHUNK and "system_fingerprint" not in obj
+
+
+def graft_fingerprint(block: bytes, fingerprint: str) -> bytes:
+    """``block`` (one ``data:`` line and its blank line) with ``system_fingerprint`` as its chunk's last member."""
+    close = block.rfind(b"}")
+    member = b',"system_fingerprint":' + json.dumps(fingerprint, ensure_ascii=False).encode()
+    return block[:close] + member + block[close:]
+
+
+def _fingerprint_of(block: bytes) -> str | None:
+    """The usage chunk's ``system_fingerprint`` when it is a string."""
+    obj = _event_json(block)
+    value = obj.get("system_fingerprint") if obj is not None else None
+    return value if isinstance(value, str) else None
 
 
 def _last_boundary_end(buf: bytearray, start: int) -> int:
@@ -76,12 +149,15 @@ def _last_boundary_end(buf: bytearray, start: int) -> int:
 
 
 class UsageEventFilter:
-    """Passes an SSE byte stream through, minus the usage event(s) the client did not ask for."""
+    """Passes an SSE byte stream through, minus the usage event(s) the client did not ask for and the changes
+    asking made to the other events."""
 
     def __init__(self, max_held: int = MAX_HELD_BYTES) -> None:
         self._held = bytearray()
         self._max_held = max_held
         self._passthrough = False
+        #: Complete terminal chat chunks waiting for the next event, which may bring their fingerprint.
+        self._terminal: list[bytes] = []
         #: How many events were removed; 1 for a well-behaved server.
         self.removed = 0
 
@@ -95,10 +171,16 @@ class UsageEventFilter:
         if self._passthrough:
             return chunk
         held = self._held
-        if not held and chunk[-3:-2] not in _CR_LF and chunk.endswith(b"\n\n") and not _EMPTY_CHOICES.search(chunk):
-            # The common case, whole events with nothing held and no usage event among them: the last boundary is
-            # the chunk's own end (a run of exactly two LFs), so all of it goes, as the general path would send it.
-            return chunk
+        if not held and not self._terminal and chunk[-3:-2] not in _CR_LF and chunk.endswith(b"\n\n"):
+            # The common case, whole events with nothing held: the last boundary is the chunk's own end (a run of
+            # exactly two LFs), so all of it goes, as the general path would send it; with nothing to act on, as is.
+            found = _CANDIDATE.search(chunk)
+            if found is None:
+                return chunk
+            if found[0].startswith(_USAGE_KEY) and chunk.find(b"\n\n") == len(chunk) - 2:
+                # One OpenAI chunk with its "usage": null, and nothing else to act on (a null usage comes after the
+                # choices, so a usage chunk or a finish_reason would have matched first).
+                return strip_null_usage(chunk)
         start = max(0, len(held) - _BOUNDARY_REACH)
         held += chunk
         cut = _last_boundary_end(held, start)
@@ -106,14 +188,16 @@ class UsageEventFilter:
             return self._give_up() if len(held) > self._max_held else b""
         complete = bytes(held[:cut])
         del held[:cut]
-        out = self._drop_usage(complete)
+        out = self._rewrite(complete)
         if len(held) > self._max_held:
             return out + self._give_up()
         return out
 
     def flush(self) -> bytes:
-        """The held tail at stream end, unchanged: an event without its blank line is never dispatched."""
-        rest = bytes(self._held)
+        """Held terminal chunks and the held tail at stream end, unchanged: an event without its blank line is never
+        dispatched."""
+        rest = b"".join(self._terminal) + bytes(self._held)
+        self._terminal.clear()
         self._held.clear()
         return rest
 
@@ -121,17 +205,34 @@ class UsageEventFilter:
         self._passthrough = True
         return self.flush()
 
-    def _drop_usage(self, complete: bytes) -> bytes:
+    def _rewrite(self, complete: bytes) -> bytes:
         # ``complete`` starts and ends on event boundaries, so its events are the blocks between matches.
-        if not _EMPTY_CHOICES.search(complete):
+        if not self._terminal and not _CANDIDATE.search(complete):
             return complete
-        kept: list[bytes] = []
+        out: list[bytes] = []
         pos = 0
         for match in _BOUNDARY.finditer(complete):
-            block = complete[pos : match.start()]
-            if _EMPTY_CHOICES.search(block) and _is_usage_event(block):
-                self.removed += 1
-            else:
-                kept.append(complete[pos : match.end()])
+            self._event(complete[pos : match.start()], complete[pos : match.end()], out)
             pos = match.end()
-        return b"".join(kept)
+        return b"".join(out)
+
+    def _event(self, block: bytes, event: bytes, out: list[bytes]) -> None:
+        """Act on one complete event (``block`` without its blank line, ``event`` with it): drop, rewrite, hold."""
+        if _EMPTY_CHOICES.search(block) and _is_usage_event(block):
+            self.removed += 1
+            fingerprint = _fingerprint_of(block)
+            held, self._terminal = self._terminal, []
+            out.extend(held if fingerprint is None else (graft_fingerprint(e, fingerprint) for e in held))
+            return
+        if not _CANDIDATE.search(block):
+            out.extend(self._terminal)
+            self._terminal.clear()
+            out.append(event)
+            return
+        event = strip_null_usage(event)
+        if is_unstamped_terminal(block) and sum(map(len, self._terminal)) + len(event) <= self._max_held:
+            self._terminal.append(event)
+            return
+        out.extend(self._terminal)
+        self._terminal.clear()
+        out.append(event)

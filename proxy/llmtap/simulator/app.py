@@ -24,11 +24,22 @@ from starlette.routing import Route
 from llmtap.errors import ClientGone
 from llmtap.simulator.cache import CacheHit, PrefixCache
 from llmtap.simulator.embeddings import embeddings_endpoint
+from llmtap.simulator.faults import FAULT_HEADER, Fault, FaultPlan
 from llmtap.simulator.native import GeminiFormat, OllamaFormat
+from llmtap.simulator.parts import reasoning_split
 from llmtap.simulator.profiles import Profile
-from llmtap.simulator.requests import Route as GenRoute, SimError, output_tokens, parse_json, parse_request
+from llmtap.simulator.requests import (
+    GenRequest,
+    Route as GenRoute,
+    SimError,
+    output_tokens,
+    parse_json,
+    parse_request,
+)
+from llmtap.simulator.responses import ResponsesFormat
 from llmtap.simulator.scheduler import Engine, Job
-from llmtap.simulator.shapes import ChatFormat, CompletionsFormat, Format, MessagesFormat, Reply, ResponsesFormat
+from llmtap.simulator.shapes import ChatFormat, CompletionsFormat, Format, MessagesFormat, Reply
+from llmtap.simulator.spans import SpanExporter
 from llmtap.simulator.text import Vocabulary, block_hashes_async, tokenize
 from llmtap.simulator.truth import RequestRecord, TruthLog, render_metrics
 from llmtap.types import Receive, Scope, Send
@@ -63,6 +74,13 @@ class SimState:
     log: TruthLog
     ids: IdSource
     wall_clock: Callable[[], float]
+    faults: FaultPlan
+    #: Where finished requests' spans go, as vLLM's ``--otlp-traces-endpoint``; None: nowhere.
+    spans: SpanExporter | None = None
+
+
+class _Cut(Exception):
+    """A fault asked for the stream to die here: the connection is dropped without an end of body."""
 
 
 async def _send_all(send: Send, events: list[bytes]) -> None:
@@ -76,21 +94,33 @@ async def _send_all(send: Send, events: list[bytes]) -> None:
 class _StreamWriter:
     """Writes one streamed response as the engine produces it."""
 
-    def __init__(self, send: Send, fmt: Format, reply: Reply, pieces: list[str], early_prelude: bool) -> None:
+    def __init__(
+        self, send: Send, fmt: Format, reply: Reply, pieces: list[str], early_prelude: bool, cut_after: int | None
+    ) -> None:
         self.send, self.fmt, self.reply, self.pieces, self.early = send, fmt, reply, pieces, early_prelude
+        self.cut_after, self.chunks = cut_after, 0
 
     async def admitted(self, hit: CacheHit) -> None:
         """Fill in the cache facts; send the prelude now if the profile says so."""
         self.reply.cached_tokens, self.reply.created_cache_tokens = hit.cached_tokens, hit.created_tokens
         if self.early:
             await _send_all(self.send, self.fmt.prelude(self.reply))
+        if self.cut_after == 0:
+            raise _Cut
 
     async def tokens(self, start: int, end: int) -> None:
-        """One chunk of text; the tail follows the last chunk at once."""
+        """One chunk of text; the tail follows the last chunk at once. A ``cut-after`` fault ends here."""
         events = [] if self.early or start else self.fmt.prelude(self.reply)
-        events += self.fmt.chunk(self.reply, "".join(self.pieces[start:end]), end)
+        split = self.reply.reasoning_tokens
+        # A chunk that holds the last reasoning tokens and the first answer tokens is written as two events.
+        for a, b in ((start, split), (split, end)) if start < split < end else ((start, end),):
+            events += self.fmt.chunk(self.reply, "".join(self.pieces[a:b]), b)
+        self.chunks += 1
+        if self.chunks == self.cut_after:
+            await _send_all(self.send, events)
+            raise _Cut
         if end == self.reply.output_tokens:
-            events += self.fmt.tail(self.reply, "".join(self.pieces[:end]))
+            events += self.fmt.tail(self.reply, "".join(self.pieces[split:end]))
         await _send_all(self.send, events)
 
 
@@ -146,6 +176,17 @@ async def _send_json(send: Send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+@dataclass(slots=True)
+class _Work:
+    """One admitted generation: its record, the reply's facts, its text, the engine's job and the wire shape."""
+
+    record: RequestRecord
+    reply: Reply
+    pieces: list[str]
+    job: Job
+    fmt: Format
+
+
 class GenerateEndpoint:
     """One generation route (chat, completions, responses, messages, Ollama's, Gemini's) as a pure ASGI app."""
 
@@ -169,6 +210,8 @@ class GenerateEndpoint:
             raise
         finally:
             self.state.log.finish(record)
+            if self.state.spans is not None:
+                self.state.spans.finished(record, _header(scope, b"traceparent"))
 
     async def _serve(self, record: RequestRecord, scope: Scope, receive: Receive, send: Send) -> None:
         st, profile, fmt = self.state, self.state.profile, self.format_for(scope)
@@ -177,17 +220,13 @@ class GenerateEndpoint:
             record.outcome = "cancelled"
             return
         try:
-            # A multi-megabyte body takes tens of ms to decode: off the loop, like the tokenizing below.
-            payload = await asyncio.to_thread(parse_json, body) if len(body) > _BIG_BODY else parse_json(body)
-            req = parse_request(self.route, payload, profile, path_model=scope.get("path_params", {}).get("model"))
-            record.model, record.stream = req.model, req.stream
-            ids = await tokenize(req.prompt_text, profile.encoding)
-            record.prompt_tokens = len(ids)
-            record.max_tokens = n = output_tokens(req, len(ids), profile)
-            hashes = await block_hashes_async(ids, profile.block_size)
+            fault = st.faults.for_request(_header(scope, FAULT_HEADER))
+            req, ids, n, hashes = await self._read(record, scope, body)
         except SimError as err:
             record.status, record.outcome, record.error = err.status, "error", err.message
             await _send_json(send, err.status, fmt.error(err))
+            return
+        if fault is not None and not await _fault_first(record, fault, fmt, receive, send):
             return
         reply = Reply(
             id=st.ids.next(fmt.id_prefix),
@@ -199,24 +238,75 @@ class GenerateEndpoint:
             include_usage=req.include_usage,
             continuous_usage=req.continuous_usage,
             truth=record,
+            openai_chunks=profile.openai_chunks,
+            choices=req.parts.choices,
+            reasoning_tokens=reasoning_split(n, req.parts.reasoning),
+            tool=req.parts.tool,
         )
         record.id = reply.id
         pieces = st.vocab.generate(req.prompt_text, n)
+        reply.reasoning_text = "".join(pieces[: reply.reasoning_tokens])
         job = Job(prompt_tokens=len(ids), block_hashes=hashes, output_tokens=n)
         if req.stream:
-            # Headers go out before the request is even admitted, as vLLM's StreamingResponse does.
-            headers = [(b"content-type", fmt.stream_type)]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            writer = _StreamWriter(send, fmt, reply, pieces, profile.prelude_on_admit)
-            if not await _until_disconnect(receive, st.engine.run(job, record, writer)):
-                record.outcome = "cancelled"
-                return
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._stream(_Work(record, reply, pieces, job, fmt), fault, receive, send)
         else:
             if not await _until_disconnect(receive, st.engine.run(job, record, _BodyWriter(reply))):
                 record.outcome = "cancelled"
                 return
-            await _send_json(send, 200, fmt.body(reply, "".join(pieces)))
+            await _send_json(send, 200, fmt.body(reply, "".join(pieces[reply.reasoning_tokens :])))
+
+    async def _read(
+        self, record: RequestRecord, scope: Scope, body: bytes
+    ) -> tuple[GenRequest, list[int], int, list[bytes]]:
+        """The request, its prompt's token ids, the tokens to write and the prompt's block hashes; or ``SimError``."""
+        profile = self.state.profile
+        # A multi-megabyte body takes tens of ms to decode: off the loop, like the tokenizing below.
+        payload = await asyncio.to_thread(parse_json, body) if len(body) > _BIG_BODY else parse_json(body)
+        req = parse_request(self.route, payload, profile, path_model=scope.get("path_params", {}).get("model"))
+        record.model, record.stream = req.model, req.stream
+        ids = await tokenize(req.prompt_text, profile.encoding)
+        record.prompt_tokens = len(ids)
+        record.max_tokens = n = output_tokens(req, len(ids), profile)
+        hashes = await block_hashes_async(ids, profile.block_size)
+        return req, ids, n, hashes
+
+    async def _stream(self, work: _Work, fault: Fault | None, receive: Receive, send: Send) -> None:
+        """Write a streamed answer; a ``cut-after`` fault returns mid-body, so the server drops the connection."""
+        st, record, fmt = self.state, work.record, work.fmt
+        # Headers go out before the request is even admitted, as vLLM's StreamingResponse does.
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", fmt.stream_type)]})
+        cut = fault.cut_after if fault is not None else None
+        writer = _StreamWriter(send, fmt, work.reply, work.pieces, st.profile.prelude_on_admit, cut)
+        try:
+            if not await _until_disconnect(receive, st.engine.run(work.job, record, writer)):
+                record.outcome = "cancelled"
+                return
+        except _Cut:
+            record.outcome, record.error = "error", f"fault: cut-after={cut}"
+            return  # uvicorn closes a connection whose response did not complete: no end of body reaches the client
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    """The request header ``name`` (lower case), or None."""
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+async def _fault_first(record: RequestRecord, fault: Fault, fmt: Format, receive: Receive, send: Send) -> bool:
+    """Play what a fault does before any work: wait the first-byte delay, then answer its status. False when the
+    request ends here (answered, or the client left during the delay)."""
+    if fault.first_byte_delay and not await _until_disconnect(receive, asyncio.sleep(fault.first_byte_delay)):
+        record.outcome = "cancelled"
+        return False
+    if fault.status is None:
+        return True
+    err = SimError(fault.status, f"simulated fault ({fault.describe()})", kind="InternalServerError")
+    record.status, record.outcome, record.error = fault.status, "error", f"fault: {fault.describe()}"
+    await _send_json(send, fault.status, fmt.error(err))
+    return False
 
 
 class GeminiStreamEndpoint(GenerateEndpoint):
@@ -291,8 +381,17 @@ async def _health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-def create_app(profile: Profile, *, seed: int | None = None, clock: Callable[[], float] = time.time) -> Starlette:
-    """The simulated server for ``profile``; ``seed`` fixes the id sequence, ``clock`` the ``created`` times."""
+def create_app(
+    profile: Profile,
+    *,
+    seed: int | None = None,
+    clock: Callable[[], float] = time.time,
+    faults: FaultPlan | None = None,
+    spans: SpanExporter | None = None,
+) -> Starlette:
+    """The simulated server for ``profile``; ``seed`` fixes the id sequence, ``clock`` the ``created`` times,
+    ``faults`` what goes wrong on requests that do not ask (``llmtap.simulator.faults``), ``spans`` where each
+    request's span goes (``llmtap.simulator.spans``)."""
     cache = PrefixCache(profile.block_size, profile.cache_blocks)
     state = SimState(
         profile=profile,
@@ -302,6 +401,8 @@ def create_app(profile: Profile, *, seed: int | None = None, clock: Callable[[],
         log=TruthLog(profile.history),
         ids=IdSource(seed),
         wall_clock=clock,
+        faults=faults or FaultPlan(seed=seed),
+        spans=spans,
     )
     ollama_chat = OllamaFormat(generate=False, clock=clock)
     ollama_generate = OllamaFormat(generate=True, clock=clock)

@@ -46,6 +46,9 @@ class Profile:
     #: APIs do; so a client sees the first byte before the first token and must not confuse them.
     prelude_on_admit: bool = True
     system_fingerprint: str = "llmtap-sim-0.1"
+    #: Chat chunks as OpenAI's own API writes them rather than vLLM: ``system_fingerprint`` on every chunk, and
+    #: once usage is asked for, ``"usage": null`` on every chunk but the usage chunk (standards D.1).
+    openai_chunks: bool = False
     #: Finished requests kept for ``GET /debug/requests`` (bounded memory).
     history: int = 1024
 

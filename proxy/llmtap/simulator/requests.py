@@ -19,12 +19,12 @@ exactly ``tokens.count(prompt_text)``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llmtap.simulator.profiles import Profile
 
-__all__ = ["Route", "SimError", "output_tokens", "parse_json", "parse_request"]
+__all__ = ["AnswerParts", "GenRequest", "Route", "SimError", "output_tokens", "parse_json", "parse_request"]
 
 Route = Literal[
     "chat", "completions", "messages", "responses", "ollama_chat", "ollama_generate", "gemini", "gemini_stream"
@@ -53,6 +53,20 @@ class GenRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    #: What the answer holds beyond text (``answer_parts``): choices (chat ``n``), reasoning first, a tool call.
+    parts: AnswerParts = field(default_factory=lambda: AnswerParts())
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerParts:
+    """The shapes an answer takes beyond plain text, as the request asks for them."""
+
+    #: Chat ``n``: this many choices, each with the same tokens (the simulator draws one sequence).
+    choices: int = 1
+    #: Reasoning tokens come first: chat ``reasoning_effort``, Messages ``thinking``, Responses ``reasoning``.
+    reasoning: bool = False
+    #: The function the answer calls (its arguments are the answer's tokens), or None for text.
+    tool: str | None = None
 
 
 # Part types whose ``text`` is prompt text: chat and Messages say "text", Responses input_/output_text.
@@ -211,6 +225,48 @@ def _gemini_request(route: Route, payload: dict[str, Any], profile: Profile, pat
     return GenRequest(route, path_model, "\n".join(pieces), limit, route == "gemini_stream", True, False)
 
 
+_MAX_CHOICES = 16
+
+
+def _tool_name(tools: Any, choice: Any, route: Route) -> str | None:
+    """The function a request with ``tools`` is answered with: the named one, else the first; None when ``tool_choice``
+    says none (or there are no tools)."""
+    if not isinstance(tools, list) or not tools:
+        return None
+    if choice == "none" or (isinstance(choice, dict) and choice.get("type") == "none"):
+        return None
+    if isinstance(choice, dict):  # chat {"type":"function","function":{"name":..}}; Messages and Responses {"name":..}
+        named = choice.get("name") or (choice.get("function") or {}).get("name")
+        if isinstance(named, str) and named:
+            return named
+    first = tools[0] if isinstance(tools[0], dict) else {}
+    name = (first.get("function") or {}).get("name") if route == "chat" else first.get("name")
+    if not isinstance(name, str) or not name:
+        raise _invalid("tools", "each tool needs a function name")
+    return name
+
+
+def answer_parts(route: Route, payload: dict[str, Any]) -> AnswerParts:
+    """What the answer holds beyond text: chat's ``n``, reasoning first, a tool call (chat, Messages, Responses)."""
+    if route not in ("chat", "messages", "responses"):
+        return AnswerParts()
+    choices = 1
+    if route == "chat" and payload.get("n") is not None:
+        choices = _positive_int(payload, "n") or 1
+        if choices > _MAX_CHOICES:
+            raise _invalid("n", f"n must be at most {_MAX_CHOICES}")
+    if route == "chat":
+        effort = payload.get("reasoning_effort")
+        reasoning = isinstance(effort, str) and effort not in ("none", "")
+    elif route == "messages":
+        thinking = payload.get("thinking")
+        reasoning = isinstance(thinking, dict) and thinking.get("type") == "enabled"
+    else:
+        options = payload.get("reasoning")
+        reasoning = isinstance(options, dict) and options.get("effort") not in (None, "none")
+    return AnswerParts(choices, reasoning, _tool_name(payload.get("tools"), payload.get("tool_choice"), route))
+
+
 def parse_request(
     route: Route, payload: dict[str, Any], profile: Profile, *, path_model: str | None = None
 ) -> GenRequest:
@@ -254,7 +310,7 @@ def parse_request(
         if max_tokens is None:
             raise _missing("max_tokens")  # required by the Messages API
         stream, include, continuous = payload.get("stream") is True, True, False
-    return GenRequest(route, model, text, max_tokens, stream, include, continuous)
+    return GenRequest(route, model, text, max_tokens, stream, include, continuous, answer_parts(route, payload))
 
 
 def output_tokens(req: GenRequest, prompt_tokens: int, profile: Profile) -> int:

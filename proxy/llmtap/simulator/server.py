@@ -14,7 +14,9 @@ from typing import Any, NamedTuple
 import uvicorn
 
 from llmtap.simulator.app import create_app
+from llmtap.simulator.faults import FaultPlan
 from llmtap.simulator.profiles import Profile
+from llmtap.simulator.spans import SpanExporter
 
 __all__ = ["Background", "announce", "run_in_thread", "serve"]
 
@@ -35,12 +37,20 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-async def serve(host: str, port: int, profile: Profile) -> None:
-    """Serve the simulator on ``host:port`` until the process is told to stop."""
-    app = create_app(profile)
+async def serve(
+    host: str, port: int, profile: Profile, *, faults: FaultPlan | None = None, otlp_traces_endpoint: str | None = None
+) -> None:
+    """Serve the simulator on ``host:port`` until the process is told to stop; with ``otlp_traces_endpoint``, each
+    request's span is exported there as vLLM's are."""
+    spans = SpanExporter(otlp_traces_endpoint) if otlp_traces_endpoint else None
+    app = create_app(profile, faults=faults, spans=spans)
     _freeze_heap()
     log.info("%s", announce(profile, host, port))
-    await uvicorn.Server(_config(app, host=host, port=port, log_level="info")).serve()
+    try:
+        await uvicorn.Server(_config(app, host=host, port=port, log_level="info")).serve()
+    finally:
+        if spans is not None:
+            await asyncio.to_thread(spans.close)
 
 
 def announce(profile: Profile, host: str, port: int) -> str:
@@ -72,8 +82,11 @@ def run_in_thread(
     seed: int | None = None,
     clock: Callable[[], float] = time.time,
     timeout: float = 10.0,
+    faults: FaultPlan | None = None,
+    spans: SpanExporter | None = None,
 ) -> Background:
-    """Start the simulator on a free port in a daemon thread; returns once it accepts connections."""
+    """Start the simulator on a free port in a daemon thread; returns once it accepts connections. ``spans``
+    exports each request's span (and is closed by ``stop``)."""
     # Binding the socket here, not in uvicorn, gives the port before the thread starts and no race.
     # proto must say TCP: asyncio sets TCP_NODELAY on accepted sockets only then, and without it
     # Nagle holds each small SSE write until the client's delayed ACK, 40 ms later.
@@ -81,7 +94,9 @@ def run_in_thread(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(_config(create_app(profile, seed=seed, clock=clock), log_level="warning"))
+    server = uvicorn.Server(
+        _config(create_app(profile, seed=seed, clock=clock, faults=faults, spans=spans), log_level="warning")
+    )
     _freeze_heap()
     thread = threading.Thread(
         target=lambda: asyncio.run(server.serve(sockets=[sock])), name=f"llmtap-sim-{port}", daemon=True
@@ -98,5 +113,7 @@ def run_in_thread(
         server.should_exit = True
         thread.join(timeout)
         sock.close()
+        if spans is not None:
+            spans.close()
 
     return Background(f"http://{host}:{port}", stop)

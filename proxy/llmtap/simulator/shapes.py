@@ -6,8 +6,8 @@ last content chunk; the usage chunk (``"choices": []``) comes before ``data: [DO
 ``stream_options.include_usage``. One addition on /v1/messages: a ``ping`` after ``content_block_start``,
 as Anthropic's own API sends (standards D.4), so clients' ping handling is exercised. The Responses
 stream names its events (``event: response.created`` ...) and numbers them (``sequence_number``); its
-only usage rides on the terminal ``response.completed``. Ollama's and Gemini's own shapes are in
-``llmtap.simulator.native``.
+only usage rides on the terminal ``response.completed`` (``llmtap.simulator.responses``). Ollama's and Gemini's
+own shapes are in ``llmtap.simulator.native``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,21 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from llmtap.simulator.parts import ARGUMENT_KEY, arguments_piece, signature, tool_call_id
 from llmtap.simulator.requests import SimError
 from llmtap.simulator.truth import RequestRecord
 
-__all__ = ["ChatFormat", "CompletionsFormat", "Format", "MessagesFormat", "Reply", "ResponsesFormat", "dumps"]
+__all__ = [
+    "SSE_TYPE",
+    "ChatFormat",
+    "CompletionsFormat",
+    "Format",
+    "MessagesFormat",
+    "Reply",
+    "dumps",
+    "openai_error",
+    "sse",
+]
 
 # We never see an EOS token (ignore_eos in effect), so every answer stops on its length limit.
 _FINISH = "length"
@@ -60,6 +71,27 @@ class Reply:
     created_cache_tokens: int = 0
     #: Events written so far: the Responses API numbers them, a Gemini array puts commas between them.
     events: int = 0
+    #: Chat chunks in OpenAI's own shape (``Profile.openai_chunks``).
+    openai_chunks: bool = False
+    #: Chat ``n``; the leading reasoning tokens; the function called with the answer's tokens (``parts``).
+    choices: int = 1
+    reasoning_tokens: int = 0
+    tool: str | None = None
+    #: The reasoning text, for a whole body (a stream writes it as it goes).
+    reasoning_text: str = ""
+    #: A stream has written its first answer (non-reasoning) chunk.
+    answering: bool = False
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated over all choices (usage counts them all, reasoning included)."""
+        return self.output_tokens * self.choices
+
+    def part(self, done: int) -> str:
+        """What the chunk that ends at token ``done`` is: ``reasoning``, ``tool`` (arguments) or ``content``."""
+        if done <= self.reasoning_tokens:
+            return "reasoning"
+        return "tool" if self.tool is not None else "content"
 
 
 class Format(Protocol):
@@ -104,74 +136,121 @@ def _running_usage(r: Reply, done: int) -> dict[str, Any]:
 
 
 class ChatFormat:
-    """OpenAI Chat Completions as vLLM serves it."""
+    """OpenAI Chat Completions as vLLM serves it: text, reasoning (``reasoning`` deltas), a tool call with streamed
+    arguments, and ``n`` choices (each chunk once per choice, with its ``index``)."""
 
     id_prefix = "chatcmpl-"
     stream_type = SSE_TYPE
     error = staticmethod(openai_error)
 
     def _usage(self, r: Reply) -> dict[str, Any]:
-        return _running_usage(r, r.output_tokens) | {
+        return _running_usage(r, r.generated) | {
             "prompt_tokens_details": {"cached_tokens": r.cached_tokens, "created_cache_tokens": r.created_cache_tokens}
         }
 
     def prelude(self, r: Reply) -> list[bytes]:
-        """The role-only first chunk."""
+        """The role-only first chunk, one per choice."""
+        return [self._prelude_chunk(r, i) for i in range(r.choices)]
+
+    def _prelude_chunk(self, r: Reply, index: int) -> bytes:
+        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        if r.openai_chunks:
+            return sse(self._openai_chunk(r, role))
         obj = _head(r, "chat.completion.chunk")
-        obj["choices"] = [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        ]
+        obj["choices"] = [role]
         if r.continuous_usage:
             obj["usage"] = _running_usage(r, 0) | {"completion_tokens_details": None}
         obj |= {"prompt_token_ids": None, "prompt_text": None}
-        return [sse(obj)]
+        return sse(obj)
+
+    def _delta(self, r: Reply, text: str, done: int) -> dict[str, Any]:
+        part = r.part(done)
+        if part == "reasoning":
+            return {"reasoning": text}
+        if part == "content":
+            return {"content": text}
+        first, last = not r.answering, done == r.output_tokens
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments_piece(text, first=first, last=last)}}
+        if first:
+            call = {"id": tool_call_id(r.id, "chatcmpl-tool-"), "type": "function", "index": 0}
+            call["function"] = {"name": r.tool, "arguments": arguments_piece(text, first=True, last=last)}
+        return {"tool_calls": [call]}
+
+    def _finish(self, r: Reply) -> str:
+        return "tool_calls" if r.tool is not None else _FINISH
 
     def chunk(self, r: Reply, text: str, done: int) -> list[bytes]:
-        """A content delta; the last one carries ``finish_reason``."""
+        """A delta per choice (reasoning, content or tool-call arguments); the last ones carry ``finish_reason``."""
+        delta = self._delta(r, text, done)
+        r.answering = r.answering or r.part(done) != "reasoning"
+        return [self._chunk(r, i, delta, done) for i in range(r.choices)]
+
+    def _chunk(self, r: Reply, index: int, delta: dict[str, Any], done: int) -> bytes:
         last = done == r.output_tokens
-        choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None}
-        choice |= {"finish_reason": _FINISH, "stop_reason": None} if last else {"finish_reason": None}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None}
+        choice |= {"finish_reason": self._finish(r), "stop_reason": None} if last else {"finish_reason": None}
         choice["token_ids"] = None
+        if r.openai_chunks:
+            return sse(self._openai_chunk(r, choice))
         obj = _head(r, "chat.completion.chunk") | {"choices": [choice]}
         if r.continuous_usage:
             obj["usage"] = _running_usage(r, done) | {"completion_tokens_details": None}
         if last and not r.include_usage:
             obj["system_fingerprint"] = r.fingerprint
-        return [sse(obj)]
+        return sse(obj)
+
+    def _openai_chunk(self, r: Reply, choice: dict[str, Any]) -> dict[str, Any]:
+        """A chunk as OpenAI writes it: the fingerprint on each, ``"usage": null`` on each once usage is asked."""
+        obj = _head(r, "chat.completion.chunk") | {"system_fingerprint": r.fingerprint, "choices": [choice]}
+        return obj | {"usage": None} if r.include_usage else obj
 
     def tail(self, r: Reply, text: str) -> list[bytes]:
         """The usage chunk when asked for, then ``[DONE]``."""
         out = []
-        if r.include_usage:
+        if r.include_usage and r.openai_chunks:
+            out.append(sse(self._openai_chunk(r, {}) | {"choices": [], "usage": self._usage(r)}))
+        elif r.include_usage:
             obj = _head(r, "chat.completion.chunk") | {"choices": [], "usage": self._usage(r)}
             out.append(sse(obj | {"system_fingerprint": r.fingerprint}))
         return [*out, DONE]
 
-    def body(self, r: Reply, text: str) -> bytes:
-        """A ``chat.completion`` object."""
+    def _message(self, r: Reply, text: str) -> dict[str, Any]:
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": text,
+            "content": None if r.tool is not None else text,
             "refusal": None,
             "annotations": None,
             "audio": None,
             "function_call": None,
-            "reasoning": None,
         }
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": _FINISH,
-            "stop_reason": None,
-            "token_ids": None,
-            "routed_experts": None,
-        }
+        if r.tool is not None:
+            arguments = arguments_piece(text, first=True, last=True)
+            function = {"name": r.tool, "arguments": arguments}
+            message["tool_calls"] = [
+                {"id": tool_call_id(r.id, "chatcmpl-tool-"), "type": "function", "function": function}
+            ]
+        message["reasoning"] = r.reasoning_text or None
+        return message
+
+    def body(self, r: Reply, text: str) -> bytes:
+        """A ``chat.completion`` object, one choice per ``n``."""
+        choices = [
+            {
+                "index": i,
+                "message": self._message(r, text),
+                "logprobs": None,
+                "finish_reason": self._finish(r),
+                "stop_reason": None,
+                "token_ids": None,
+                "routed_experts": None,
+            }
+            for i in range(r.choices)
+        ]
         usage = self._usage(r)
         usage["prompt_tokens_details"]["multimodal_tokens"] = None
         usage["completion_tokens_details"] = None
         obj = _head(r, "chat.completion") | {
-            "choices": [choice],
+            "choices": choices,
             "service_tier": None,
             "system_fingerprint": r.fingerprint,
             "usage": usage,
@@ -237,129 +316,6 @@ class CompletionsFormat:
         return dumps(obj)
 
 
-class ResponsesFormat:
-    """OpenAI Responses as vLLM serves it: named, numbered events; usage only on ``response.completed``.
-
-    An answer that stops on its length is ``status: incomplete`` with ``incomplete_details.reason``
-    ``max_output_tokens``, yet vLLM still ends the stream with ``response.completed`` (as recorded).
-    """
-
-    id_prefix = "resp_"
-    stream_type = SSE_TYPE
-    error = staticmethod(openai_error)
-
-    def _item_id(self, r: Reply) -> str:
-        # The message item's id shares the response's hex digits: unique per response, no second draw.
-        return "msg_" + r.id.removeprefix(self.id_prefix)
-
-    def _event(self, r: Reply, kind: str, fields: dict[str, Any]) -> bytes:
-        obj = fields | {"sequence_number": r.events, "type": kind}
-        r.events += 1
-        return sse(dict(sorted(obj.items())), kind)
-
-    def _usage(self, r: Reply) -> dict[str, Any]:
-        return {
-            "input_tokens": r.prompt_tokens,
-            "input_tokens_details": {
-                "cached_tokens": r.cached_tokens,
-                # No cache writes are billed by automatic prefix caching (0 in the recording too).
-                "cache_write_tokens": 0,
-                "input_tokens_per_turn": [],
-                "cached_tokens_per_turn": [],
-            },
-            "output_tokens": r.output_tokens,
-            "output_tokens_details": {
-                "reasoning_tokens": 0,
-                "tool_output_tokens": 0,
-                "output_tokens_per_turn": [],
-                "tool_output_tokens_per_turn": [],
-            },
-            "total_tokens": r.prompt_tokens + r.output_tokens,
-        }
-
-    def _part(self, text: str, logprobs: list[Any] | None) -> dict[str, Any]:
-        return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
-
-    def _item(self, r: Reply, text: str | None) -> dict[str, Any]:
-        content = [] if text is None else [self._part(text, None)]
-        status = "in_progress" if text is None else "completed"
-        return {
-            "id": self._item_id(r),
-            "content": content,
-            "role": "assistant",
-            "status": status,
-            "type": "message",
-            "phase": None,
-        }
-
-    def _response(self, r: Reply, text: str | None) -> dict[str, Any]:
-        """The ``response`` object: in progress (no output, no usage) or done (``text`` given)."""
-        done = text is not None
-        return {
-            "id": r.id,
-            "created_at": r.created,
-            "incomplete_details": {"reason": "max_output_tokens"} if done else None,
-            "instructions": None,
-            "metadata": None,
-            "model": r.model,
-            "object": "response",
-            "output": [self._item(r, text)] if done else [],
-            "parallel_tool_calls": True,
-            "temperature": 1.0,
-            "tool_choice": "none",
-            "tools": [],
-            "top_p": 1.0,
-            "background": False,
-            "max_output_tokens": r.output_tokens,
-            "max_tool_calls": None,
-            "previous_response_id": None,
-            "prompt": None,
-            "reasoning": None,
-            "service_tier": "auto",
-            "status": "incomplete" if done else "in_progress",
-            "text": None,
-            "top_logprobs": None,
-            "truncation": "disabled",
-            "usage": self._usage(r) if done else None,
-            "user": None,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "input_messages": None,
-            "output_messages": None,
-        }
-
-    def prelude(self, r: Reply) -> list[bytes]:
-        """response.created and .in_progress, then the message item and its text part, both empty."""
-        where = {"item_id": self._item_id(r), "output_index": 0}
-        return [
-            self._event(r, "response.created", {"response": self._response(r, None)}),
-            self._event(r, "response.in_progress", {"response": self._response(r, None)}),
-            self._event(r, "response.output_item.added", {"item": self._item(r, None), "output_index": 0}),
-            self._event(r, "response.content_part.added", where | {"content_index": 0, "part": self._part("", [])}),
-        ]
-
-    def chunk(self, r: Reply, text: str, done: int) -> list[bytes]:
-        """One ``response.output_text.delta``."""
-        where = {"content_index": 0, "item_id": self._item_id(r), "output_index": 0}
-        return [self._event(r, "response.output_text.delta", where | {"delta": text, "logprobs": []})]
-
-    def tail(self, r: Reply, text: str) -> list[bytes]:
-        """The text, part and item marked done, then ``response.completed`` with the usage."""
-        where = {"content_index": 0, "item_id": self._item_id(r), "output_index": 0}
-        return [
-            self._event(r, "response.output_text.done", where | {"logprobs": [], "text": text}),
-            self._event(r, "response.content_part.done", where | {"part": self._part(text, None)}),
-            self._event(r, "response.output_item.done", {"item": self._item(r, text), "output_index": 0}),
-            self._event(r, "response.completed", {"response": self._response(r, text)}),
-        ]
-
-    def body(self, r: Reply, text: str) -> bytes:
-        """A ``response`` object."""
-        return dumps(self._response(r, text))
-
-
 def anthropic_error(err: SimError) -> bytes:
     """Anthropic's error body: ``{"type": "error", "error": {type, message}}``."""
     kind = _ANTHROPIC_ERRORS.get(err.status, "api_error")
@@ -383,8 +339,20 @@ class MessagesFormat:
             "cache_read_input_tokens": r.cached_tokens,
         }
 
+    def _block(self, r: Reply, answer: bool) -> dict[str, Any]:
+        """The empty block a ``content_block_start`` opens: thinking, a tool_use, or text."""
+        if not answer:
+            return {"type": "thinking", "thinking": "", "signature": ""}
+        if r.tool is not None:
+            return {"type": "tool_use", "id": tool_call_id(r.id, "toolu_"), "name": r.tool, "input": {}}
+        return {"type": "text", "text": ""}
+
+    def _start(self, r: Reply, index: int, answer: bool) -> bytes:
+        start = {"type": "content_block_start", "content_block": self._block(r, answer), "index": index}
+        return sse(start, "content_block_start")
+
     def prelude(self, r: Reply) -> list[bytes]:
-        """message_start, content_block_start and a ping."""
+        """message_start, the first block's content_block_start (thinking when asked for) and a ping."""
         message: dict[str, Any] = {
             "id": r.id,
             "type": "message",
@@ -397,26 +365,55 @@ class MessagesFormat:
         }
         return [
             sse({"type": "message_start", "message": message}, "message_start"),
-            sse(
-                {"type": "content_block_start", "content_block": {"type": "text", "text": ""}, "index": 0},
-                "content_block_start",
-            ),
+            self._start(r, 0, answer=not r.reasoning_tokens),
             sse({"type": "ping"}, "ping"),
         ]
 
     def chunk(self, r: Reply, text: str, done: int) -> list[bytes]:
-        """A text_delta."""
-        delta = {"type": "content_block_delta", "delta": {"type": "text_delta", "text": text}, "index": 0}
-        return [sse(delta, "content_block_delta")]
+        """A thinking_delta, text_delta or input_json_delta; the thinking block is signed and closed before the
+        answer's block opens."""
+        part = r.part(done)
+        index = 1 if r.reasoning_tokens else 0
+        out: list[bytes] = []
+        if part == "reasoning":
+            delta: dict[str, Any] = {"type": "thinking_delta", "thinking": text}
+            index = 0
+        elif part == "content":
+            delta = {"type": "text_delta", "text": text}
+        else:
+            json_text = arguments_piece(text, first=not r.answering, last=done == r.output_tokens)
+            delta = {"type": "input_json_delta", "partial_json": json_text}
+        if part != "reasoning" and not r.answering:
+            r.answering = True
+            if r.reasoning_tokens:
+                sign = {"type": "signature_delta", "signature": signature(r.id)}
+                out.append(sse({"type": "content_block_delta", "delta": sign, "index": 0}, "content_block_delta"))
+                out.append(sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
+                out.append(self._start(r, 1, answer=True))
+        out.append(sse({"type": "content_block_delta", "delta": delta, "index": index}, "content_block_delta"))
+        return out
+
+    def _stop_reason(self, r: Reply) -> str:
+        return "tool_use" if r.tool is not None else _ANTHROPIC_FINISH
 
     def tail(self, r: Reply, text: str) -> list[bytes]:
         """content_block_stop, message_delta with the usage, message_stop."""
-        delta = {"stop_reason": _ANTHROPIC_FINISH, "stop_sequence": None}
+        delta = {"stop_reason": self._stop_reason(r), "stop_sequence": None}
         return [
-            sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+            sse({"type": "content_block_stop", "index": 1 if r.reasoning_tokens else 0}, "content_block_stop"),
             sse({"type": "message_delta", "delta": delta, "usage": self._usage(r)}, "message_delta"),
             sse({"type": "message_stop"}, "message_stop"),
         ]
+
+    def _content(self, r: Reply, text: str) -> list[dict[str, Any]]:
+        blocks: list[dict[str, Any]] = []
+        if r.reasoning_tokens:
+            blocks.append({"type": "thinking", "thinking": r.reasoning_text, "signature": signature(r.id)})
+        if r.tool is not None:
+            blocks.append(self._block(r, answer=True) | {"input": {ARGUMENT_KEY: text}})
+        else:
+            blocks.append({"type": "text", "text": text})
+        return blocks
 
     def body(self, r: Reply, text: str) -> bytes:
         """A ``message`` object."""
@@ -424,9 +421,9 @@ class MessagesFormat:
             "id": r.id,
             "type": "message",
             "role": "assistant",
-            "content": [{"type": "text", "text": text}],
+            "content": self._content(r, text),
             "model": r.model,
-            "stop_reason": _ANTHROPIC_FINISH,
+            "stop_reason": self._stop_reason(r),
             "usage": self._usage(r),
         }
         return dumps(obj)
