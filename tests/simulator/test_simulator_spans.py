@@ -21,7 +21,7 @@ from llmtap.simulator.spans import SpanExporter, parse_traceparent, request_span
 from llmtap.simulator.truth import RequestRecord
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Telemetry
-from tests.test_serverspans import _Forward
+from tests.telemetry.test_serverspans import _Forward
 
 
 def test_traceparent_and_endpoint_are_read_as_vllm_reads_them() -> None:
