@@ -20,7 +20,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from opentelemetry.metrics import Counter, Histogram, NoOpMeter, ObservableCounter, ObservableGauge, UpDownCounter
+from opentelemetry.metrics import (
+    CallbackT,
+    Counter,
+    Histogram,
+    NoOpMeter,
+    ObservableCounter,
+    ObservableGauge,
+    UpDownCounter,
+)
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -28,11 +36,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from llmtap.analysis.objectives import RequestObjective
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import SLO, Route, Settings, TelemetrySettings
 from llmtap.providers import provider_for
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.emit.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create
+from llmtap.telemetry.emit.instruments import DURATION_BUCKETS, TOKEN_BUCKETS, create, objective_gauge
 from llmtap.telemetry.emit.metrics import CONVENTIONS, OWN, SHAPE
 from llmtap.telemetry.emit.setup import process_metrics
 from llmtap.telemetry.exposition.prometheus import metric_name
@@ -159,6 +168,16 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     ),
     sc.REQUEST_PARSE_ERROR: ("string", "Why the request body could not be read (it was relayed unchanged)."),
     sc.TTFB: ("double", "TTFB in seconds: request received to the first response body byte."),
+    sc.TTFOT: (
+        "double",
+        "Time to the first output token, seconds: request received to the first chunk of the answer itself, after "
+        "any reasoning (OpenAI-style `reasoning_content`/`reasoning`, Anthropic `thinking`, Responses reasoning "
+        "events); equal to TTFT when the first content is answer content (streams only).",
+    ),
+    sc.TTST: (
+        "double",
+        "Time to the second token, seconds: the first content chunk to the second (AIPerf's TTST; streams only).",
+    ),
     sc.UPSTREAM_TTFT: ("double", "Seconds from sending the request upstream to the first content chunk."),
     sc.TPOT: ("double", "TPOT in seconds: see Timing definitions."),
     sc.E2E: ("double", "Seconds from request received to the end of the stream."),
@@ -349,6 +368,29 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
         "the usage event it asked for).",
     ),
     # Attribution and cost (issue 31; docs/attribution.md)
+    sc.OBJECTIVE_TTFT_LIMIT: (
+        "double",
+        "The TTFT the caller asked for this request, in seconds: its `x-slo-ttft-ms` header (the Gateway API "
+        "Inference Extension's name) when valid.",
+    ),
+    sc.OBJECTIVE_TPOT_LIMIT: ("double", "The TPOT the caller asked for, in seconds: its `x-slo-tpot-ms` header."),
+    sc.OBJECTIVE_TTFT_OUTCOME: (
+        "string",
+        "`met` or `violated`: the request's TTFT against `llmtap.objective.ttft_limit` (a failed or cancelled "
+        "request violated it; a non-streamed answer is not judged).",
+    ),
+    sc.OBJECTIVE_TPOT_OUTCOME: (
+        "string",
+        "`met` or `violated`: the request's TPOT against `llmtap.objective.tpot_limit` (a failed or cancelled "
+        "request violated it; an answer of one chunk met it).",
+    ),
+    sc.OBJECTIVE_IGNORED: (
+        "string[]",
+        "The figures (`ttft`, `tpot`) whose `x-slo-*` header was ignored: not a plain number of milliseconds "
+        "above 0 and at most an hour.",
+    ),
+    sc.OBJECTIVE_FIGURE: ("string", "The figure a per-request objective bounds: `ttft` or `tpot`."),
+    sc.OBJECTIVE_OUTCOME: ("string", "Whether the request met its own objective for the figure: `met`, `violated`."),
     sc.TENANT: ("string", "The caller's `x-llmtap-tenant` header (at most 256 characters, cleaned)."),
     sc.USER_ID: (
         "string",
@@ -433,6 +475,8 @@ METRICS: dict[str, str] = {
     "`gen_ai.client.operation.time_to_first_chunk`.",
     sc.METRIC_TPOT: "Successful requests with a decode to time: two content chunks or more, two output tokens or more.",
     sc.METRIC_TTFB: "Every LLM request that got a response body byte.",
+    sc.METRIC_TTFOT: "Streamed requests that got answer content.",
+    sc.METRIC_TTST: "Streamed requests of two content chunks or more.",
     sc.METRIC_UPSTREAM_TTFT: "Streamed requests that got a first content chunk.",
     sc.METRIC_ITL: "Streamed requests: one sample per output token after the first chunk (past 8192, that many spread evenly).",  # noqa: E501
     sc.METRIC_QUEUE: "Every LLM request whose queue time is known.",
@@ -497,6 +541,11 @@ METRICS: dict[str, str] = {
     "outcome reads 0 from the start.",
     sc.METRIC_COST: "Each priced LLM request, by its cost; with the attribution dimensions `metric_dimensions` allows.",
     sc.METRIC_COST_UNPRICED: "Each LLM request without a cost (no price for its model, or no reported usage).",
+    sc.METRIC_SLO_OBJECTIVE: "Each scrape or export: one series per route and shape with an objective (the "
+    "burn-rate rules of `llmtap slo --rules` read their budget from it).",
+    sc.METRIC_OBJECTIVE_REQUESTS: "Each request with a valid `x-slo-ttft-ms` or `x-slo-tpot-ms` header, once per "
+    "figure judged.",
+    sc.METRIC_OBJECTIVE_IGNORED: "Each `x-slo-*` header ignored as invalid.",
     sc.METRIC_ATTRIBUTION_DROPPED: "Each request with more than 16 `x-llmtap-property-*` headers, by those dropped.",
 }
 
@@ -505,6 +554,9 @@ TIMINGS: tuple[tuple[str, str], ...] = (
     ("TTFT", "Request received by the proxy to the first chunk that carries generated content: text, tool-call "
      "arguments or reasoning. Role-only deltas, `response.created`, `message_start` and `ping` do not count."),
     ("TTFB", "Request received to the first response body byte; reported beside TTFT, never instead of it."),
+    ("TTFOT", "Time to the first output token: request received to the first chunk of the answer itself, after a "
+     "reasoning model's thinking (reasoning deltas, Anthropic `thinking` blocks); TTFT when there is no reasoning."),
+    ("TTST", "Time to the second token: the first content chunk to the second (AIPerf's definition)."),
     ("upstream TTFT", "Request sent upstream to the first content chunk."),
     ("content chunk", "All generated content that arrived in one read from the upstream connection."),
     ("chunk gap", "End of the previous content chunk to the end of this one."),
@@ -557,6 +609,16 @@ class _CatalogMeter(NoOpMeter):
         self.created.append(Instrument(name, "counter", unit, description))
         return super().create_counter(name, unit, description)
 
+    def create_observable_gauge(
+        self,
+        name: str,
+        callbacks: Sequence[CallbackT] | None = None,
+        unit: str = "",
+        description: str = "",
+    ) -> ObservableGauge:
+        self.created.append(Instrument(name, "gauge", unit, description))
+        return super().create_observable_gauge(name, callbacks, unit, description)
+
     def create_up_down_counter(self, name: str, unit: str = "", description: str = "") -> UpDownCounter:
         self.created.append(Instrument(name, "up-down counter", unit, description))
         return super().create_up_down_counter(name, unit, description)
@@ -574,12 +636,6 @@ class _CatalogMeter(NoOpMeter):
             name, unit, description, explicit_bucket_boundaries_advisory=explicit_bucket_boundaries_advisory
         )
 
-    def create_observable_gauge(
-        self, name: str, callbacks: Any = None, unit: str = "", description: str = ""
-    ) -> ObservableGauge:
-        self.created.append(Instrument(name, "gauge", unit, description))
-        return super().create_observable_gauge(name, callbacks, unit, description)
-
     def create_observable_counter(
         self, name: str, callbacks: Any = None, unit: str = "", description: str = ""
     ) -> ObservableCounter:
@@ -593,6 +649,8 @@ def instruments(*, latest: bool) -> list[Instrument]:
     standard, fine = _CatalogMeter(), _CatalogMeter()
     create(standard, latest=latest, server=True)
     create(fine, latest=latest, fine=True, server=True)
+    for meter in (standard, fine):
+        objective_gauge(meter, lambda: ())
     for ins, other in zip(standard.created, fine.created, strict=True):
         ins.fine_buckets = other.buckets
     exporters: Any = SimpleNamespace(observe=None)  # present: their instruments are made
@@ -682,6 +740,7 @@ def _requests() -> Iterable[Timeline]:
     )  # fmt: skip
     full.malformed_events, full.oversized_events, full.rejected_timings = 1, 1, ["decode"]
     full.attribution = dict(_ATTRIBUTION)
+    full.request_objective = RequestObjective(ttft=0.5, tpot=0.05)
     yield full
     again = _timeline()
     # The server's own timing in full, its decode too (``llmtap.decode.server.duration``).
@@ -693,6 +752,7 @@ def _requests() -> Iterable[Timeline]:
             server_timing=ServerTiming(queue=0.01, prefill=0.15, decode=0.08),
         )
     )
+    again.request_objective = RequestObjective(tpot=0.001, invalid=["ttft"])
     yield again
     yield _timeline(chunks=3)  # no usage: tiktoken counts
     unary = _timeline(stream=False, chunks=1)

@@ -322,6 +322,26 @@ def _slo_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed, for repeatable intervals (0)")
     p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     p.add_argument("--check", action="store_true", help="exit 1 when any objective is missed")
+    p.add_argument(
+        "--rules",
+        action="store_true",
+        help="print Prometheus burn-rate alerting rules for the objectives (multi-window, multi-burn-rate) and exit; "
+        "with --config, the objectives they will read are listed at the top",
+    )
+    p.add_argument(
+        "--rules-selector",
+        dest="rules_selector",
+        default="",
+        metavar="MATCHERS",
+        help='label matchers of this deployment\'s series in the rules, e.g. job="llmtap" (none)',
+    )
+    p.add_argument(
+        "--rules-by",
+        dest="rules_by",
+        default="",
+        metavar="LABELS",
+        help="labels the rules keep beside route and shape, e.g. namespace,job (one alert per deployment)",
+    )
 
 
 def parser() -> argparse.ArgumentParser:

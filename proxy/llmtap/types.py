@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "OBJECTIVE_HEADERS",
     "UNCHANGED",
     "ASGIApp",
     "Facts",
@@ -26,6 +27,10 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: A request's own latency objectives, by the Gateway API Inference Extension's header names (lower case): the
+#: relay passes them to the telemetry side and keeps them from the upstream; ``llmtap.analysis.objectives`` reads them.
+OBJECTIVE_HEADERS = {b"x-slo-ttft-ms": "ttft", b"x-slo-tpot-ms": "tpot"}
 
 
 @dataclass(slots=True)
@@ -75,6 +80,9 @@ class Facts:
 
     has_content: bool = False
     content: str = ""
+    #: The content is reasoning alone (OpenAI-style ``reasoning_content``, Anthropic ``thinking``): it ends TTFT,
+    #: not the time to the first output token (the answer's first token, after the thinking).
+    reasoning: bool = False
     usage: Usage | None = None
     finish_reasons: list[str] = field(default_factory=list)
     response_id: str | None = None

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from llmtap.analysis.burnrate import rule_groups
 from tests.conftest import require_real
 from tests.deploy.test_helm import CHART, by_kind, manifests, values_of
 
@@ -195,27 +196,48 @@ def _promtool() -> str:
     return found
 
 
+def test_the_chart_renders_the_rules_llmtap_slo_prints() -> None:
+    """The chart's PrometheusRule is ``llmtap slo --rules`` for its selector and labels: one source of the rules."""
+    values = values_of(CHART / "ci" / "alerts-values.yaml")
+    (rule,) = by_kind(manifests(values))["PrometheusRule"]
+    selector = 'namespace="llm",job="rel-llmtap"'
+    assert rule["spec"]["groups"][0]["rules"][0]["expr"].count(selector) == 3  # the release's own series
+    expected = rule_groups(selector=selector, by="namespace, job", page="critical", ticket="warning")
+
+    def flat(groups: Any) -> Any:
+        # The same PromQL and YAML whatever the indentation of its lines.
+        if isinstance(groups, dict):
+            return {k: flat(v) for k, v in groups.items()}
+        if isinstance(groups, list):
+            return [flat(v) for v in groups]
+        return " ".join(groups.split()) if isinstance(groups, str) else groups
+
+    assert flat(rule["spec"]["groups"]) == flat(expected)
+
+
 def test_the_rules_pass_promtool(tmp_path: Path) -> None:
     path = _rule_file(tmp_path, values_of(CHART / "ci" / "alerts-values.yaml"))
     done = subprocess.run([_promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 9 rules found" in done.stdout
+    assert "SUCCESS: 10 rules found" in done.stdout
 
 
 def _series(missed_per_min: int, met_per_min: int, minutes: int) -> list[dict[str, str]]:
-    labels = 'namespace="llm",job="rel-llmtap",llmtap_route="default"'
+    labels = 'namespace="llm",job="rel-llmtap",llmtap_route="default",llmtap_request_shape="short_prompt"'
     return [
         {"series": f'llmtap_requests_total{{llmtap_slo="missed",{labels}}}', "values": f"0+{missed_per_min}x{minutes}"},
         {"series": f'llmtap_requests_total{{llmtap_slo="met",{labels}}}', "values": f"0+{met_per_min}x{minutes}"},
         # Requests without an objective never count.
         {"series": f'llmtap_requests_total{{llmtap_slo="none",{labels}}}', "values": f"0+1000x{minutes}"},
+        # The objective the pods export (config.slo.percentile): the budget is the rest.
+        {"series": f"llmtap_slo_objective_ratio{{{labels}}}", "values": f"0.995x{minutes}"},
     ]
 
 
 def test_the_alerts_fire_on_a_burning_budget_and_only_then(tmp_path: Path) -> None:
     """A route missing 20% of its requests against a 99.5% objective burns 40x: the fast alert fires within the
     ten minutes; missing 0.1% burns 0.2x: nothing fires, even after three days."""
-    values = {"config": {"slo": {"ttft_ms": 500}}, "prometheusRule": {"enabled": True, "objective": 0.995}}
+    values = {"config": {"slo": {"ttft_ms": 500, "percentile": 0.995}}, "prometheusRule": {"enabled": True}}
     rules = _rule_file(tmp_path, values)
     fast = {
         "interval": "1m",
@@ -231,11 +253,12 @@ def test_the_alerts_fire_on_a_burning_budget_and_only_then(tmp_path: Path) -> No
                             "namespace": "llm",
                             "job": "rel-llmtap",
                             "llmtap_route": "default",
+                            "llmtap_request_shape": "short_prompt",
                         },
                         "exp_annotations": {
-                            "summary": "llmtap route default burns its SLO error budget fast",
-                            "description": "Requests missing the objectives (TTFT, TPOT, end to end) burn the "
-                            "0.005 budget at 6x to 14.4x: at this rate a 30-day budget lasts 2 to 5 days.",
+                            "summary": "llmtap route default (short_prompt) burns its SLO error budget fast",
+                            "description": "Requests missing their objectives (TTFT, TPOT, end to end) burn the error "
+                            "budget at 6x to 14.4x: at this rate a 30-day budget lasts 2 to 5 days.",
                         },
                     }
                 ],

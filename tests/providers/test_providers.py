@@ -186,7 +186,8 @@ def test_responses_reasoning_and_tool_deltas_are_content() -> None:
         facts = parser.feed(
             Event(f"response.{kind}.delta", json.dumps({"type": f"response.{kind}.delta", "delta": "d"}))
         )
-        assert facts == Facts(has_content=True, content="d")
+        # Reasoning ends TTFT, not the time to the first output token.
+        assert facts == Facts(has_content=True, content="d", reasoning=kind.startswith("reasoning"))
     added = {"type": "response.output_item.added", "item": {"type": "message"}}
     assert parser.feed(Event("response.output_item.added", json.dumps(added))) is None
 
@@ -261,7 +262,7 @@ def test_anthropic_delta_kinds() -> None:
     got = [
         parser.feed(Event("content_block_delta", json.dumps({"delta": {"type": t, k: "v"}}))) for t, k in kinds.items()
     ]
-    assert got == [Facts(has_content=True, content="v"), Facts(has_content=True, content="v"), None]
+    assert got == [Facts(has_content=True, content="v", reasoning=True), Facts(has_content=True, content="v"), None]
     block_start = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     assert parser.feed(Event("content_block_start", json.dumps(block_start))) is None
     assert parser.feed(Event("future_event", "{}")) is None

@@ -30,7 +30,18 @@ from llmtap.config.types import SLO, Route, Settings
 from llmtap.telemetry.admin.live import LiveView
 from llmtap.telemetry.admin.live.view import embed, recorder_labels
 from llmtap.telemetry.admin.live.waterfall import TICK_CAP, waterfall
-from llmtap.telemetry.admin.live.window import HISTORY, HORIZON, SLOT, TICK, Busy, Hist, LiveWindow, Samples
+from llmtap.telemetry.admin.live.window import (
+    HISTORY,
+    HORIZON,
+    SLOT,
+    TICK,
+    Busy,
+    Hist,
+    LiveWindow,
+    Samples,
+    Tally,
+    verdict,
+)
 from llmtap.telemetry.admin.server import AdminApp
 from llmtap.telemetry.emit.instruments import DURATION_BUCKETS
 from llmtap.telemetry.exposition.prometheus import PrometheusReader
@@ -713,3 +724,19 @@ def test_a_histogram_takes_many_values_as_it_takes_each() -> None:
         one.low,
         one.high,
     )
+
+
+def test_a_verdict_that_waits_says_how_many_requests_it_needs() -> None:
+    """As ``llmtap slo`` says "18 of 20 requests": each check carries its count and what its percentile needs."""
+    tally = Tally()
+    for v in (0.01, 0.02, 0.03):
+        tally.ttft.add(v)
+    waiting = verdict(tally, SLO(ttft=0.5, percentile=0.99), {"ttft": [0.01, 0.02, 0.03]})
+    assert waiting is not None and waiting["verdict"] == "insufficient"
+    (check,) = waiting["checks"]
+    assert (check["count"], check["needed"]) == (3, 100)
+    for v in [0.01] * 17:
+        tally.ttft.add(v)
+    judged = verdict(tally, SLO(ttft=0.5, percentile=0.95), {"ttft": None})
+    assert judged is not None and judged["checks"][0] == judged["checks"][0] | {"count": 20, "needed": 20}
+    assert judged["verdict"] == "met"

@@ -50,12 +50,14 @@ __all__ = [
     "Objectives",
     "Report",
     "Verdict",
+    "attach_request_objectives",
     "bucket_queries",
     "config_objectives",
     "judge",
     "limits_of",
     "prometheus_groups",
     "prometheus_selector",
+    "request_objectives_query",
     "requests_query",
     "store_groups",
     "verdicts",
@@ -73,6 +75,7 @@ PROM_BUCKETS = {
     "tpot": "llmtap_time_per_output_token_seconds_bucket",
 }
 PROM_REQUESTS = "llmtap_requests_total"
+PROM_REQUEST_OBJECTIVES = "llmtap_objective_requests_total"
 ROUTE_LABEL, SHAPE_LABEL = "llmtap_route", "llmtap_request_shape"
 
 #: The objective of one route and shape (None: none applies).
@@ -125,6 +128,9 @@ class Verdict:
     verdict: str
     #: The slowest successful streams past the TTFT limit, as (ttft, trace id), slowest first (records only).
     slowest: list[tuple[float, str]] = field(default_factory=list)
+    #: Requests judged by their own objectives (``x-slo-*`` headers), by figure and outcome: ``{"ttft": {"met": 12,
+    #: "violated": 3}}`` (from Prometheus: ``llmtap_objective_requests_total``).
+    request_objectives: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -275,6 +281,25 @@ def prometheus_selector(
 def requests_query(sel: str) -> str:
     """The request counters by route, shape, SLO outcome and outcome."""
     return f"sum by ({ROUTE_LABEL}, {SHAPE_LABEL}, llmtap_slo, llmtap_outcome) ({PROM_REQUESTS}{{{sel}}})"
+
+
+def request_objectives_query(sel: str) -> str:
+    """The per-request objective counters (``x-slo-*`` headers) by route, shape, figure and outcome."""
+    keys = f"{ROUTE_LABEL}, {SHAPE_LABEL}, llmtap_objective_figure, llmtap_objective_outcome"
+    return f"sum by ({keys}) ({PROM_REQUEST_OBJECTIVES}{{{sel}}})"
+
+
+def attach_request_objectives(verdicts: Iterable[Verdict], grown: Grown) -> None:
+    """Each verdict's per-request objective counts, from what ``request_objectives_query``'s counters grew by."""
+    by_key = {(v.route, v.shape): v for v in verdicts}
+    for key, value in grown.items():
+        labels = dict(key)
+        v = by_key.get((labels.get(ROUTE_LABEL, ""), labels.get(SHAPE_LABEL, "")))
+        figure, outcome = labels.get("llmtap_objective_figure"), labels.get("llmtap_objective_outcome")
+        if v is None or figure is None or outcome is None or round(value) <= 0:
+            continue
+        counts = v.request_objectives.setdefault(figure, {})
+        counts[outcome] = counts.get(outcome, 0) + round(value)
 
 
 def bucket_queries(sel: str) -> dict[str, str]:

@@ -16,6 +16,7 @@ from itertools import accumulate
 from llmtap.analysis import tokens
 from llmtap.analysis.cost import Cost
 from llmtap.analysis.estimator import ESTIMATED, Estimator, QueuePrefill
+from llmtap.analysis.objectives import judge_request
 from llmtap.analysis.shapes import classify, objective
 from llmtap.analysis.slots import CONFIGURED, Slots
 from llmtap.analysis.timeline import OK, Timeline
@@ -33,6 +34,7 @@ __all__ = [
     "adopt_server_timing",
     "apportion",
     "drift_possible",
+    "first_output_and_second_token",
     "input_size_class",
     "proxy_added",
     "reached_model",
@@ -61,6 +63,11 @@ class Summary:
     """Every figure the telemetry reports about one request, in seconds and tokens."""
 
     ttft: float | None = None
+    #: Time to the first output token: to the first chunk of the answer itself, after any reasoning (a reasoning
+    #: model's thinking arrives first and ends TTFT; AIPerf's and guidellm's TTFOT). Equals TTFT without reasoning.
+    ttfot: float | None = None
+    #: Time to the second token: the first content chunk to the second (AIPerf's TTST): the first decode step.
+    ttst: float | None = None
     ttfb: float | None = None
     upstream_ttft: float | None = None
     e2e: float | None = None
@@ -99,6 +106,8 @@ class Summary:
     slo: str = "none"
     #: The objective ``slo`` judged the request by (its route's for its shape, else the global one).
     objective: SLO | None = None
+    #: The request's own objectives judged (``llmtap.analysis.objectives``): figure to ``met`` or ``violated``.
+    request_outcomes: dict[str, str] = field(default_factory=dict)
     #: Server timing fields ignored as malformed or absurd: the relay's (headers), the provider's and validation's.
     rejected_timings: list[str] = field(default_factory=list)
     #: ``llmtap.cache.class`` of the prompt-cache diagnosis, when one was made (``llmtap.analysis.finish``).
@@ -233,6 +242,7 @@ def summarize(
         s.ttft = max(shown, tl.first_content) - tl.received
         if tl.sent is not None:
             s.upstream_ttft = tl.first_content - tl.sent
+    first_output_and_second_token(tl, s, streamed)
     if tl.first_byte is not None:
         s.ttfb = tl.first_byte - tl.received
     if tl.sent is not None:
@@ -287,7 +297,25 @@ def summarize(
     s.shape = classify(shapes, s.input_tokens, s.output_tokens)
     s.objective = objective(route, s.shape, slo)
     s.slo = slo_outcome(tl, s, s.objective)
+    s.request_outcomes = judge_request(
+        tl.request_objective, ok=tl.outcome == OK, streamed=streamed, ttft=s.ttft, tpot=s.tpot
+    )
     return s
+
+
+def first_output_and_second_token(tl: Timeline, s: Summary, streamed: bool) -> None:
+    """TTFOT and TTST of a stream (a whole body has neither, as it has no TTFT). TTFOT is TTFT when the first
+    content was answer content; after reasoning it is the answer's first chunk's arrival. TTST is the gap between
+    the first two content chunks, reasoning or not, as AIPerf reads it: a first chunk of several tokens brought the
+    second token with it, and TTST then times the chunk after it, as the client sees it."""
+    if not streamed or s.ttft is None:
+        return
+    first, output = tl.first_content, tl.first_output
+    if output is not None:
+        s.ttfot = s.ttft if output == first else output - tl.received
+    times = tl.chunk_times
+    if len(times) > 1:
+        s.ttst = times[1] - times[0]
 
 
 def reached_model(tl: Timeline) -> bool:

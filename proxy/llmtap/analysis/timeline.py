@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TypeVar
 
 from llmtap.analysis import tokens
+from llmtap.analysis.objectives import RequestObjective
 from llmtap.types import Facts, RequestInfo, ServerTiming, Usage
 from llmtap.wire.tape import now as tape_now
 
@@ -108,6 +109,8 @@ class Timeline:
     attribution: dict[str, str] = field(default_factory=dict)
     #: Properties past the per-request bound, dropped.
     attribution_dropped: int = 0
+    #: The latency the caller asked for this request (``x-slo-*`` headers; ``llmtap.analysis.objectives``).
+    request_objective: RequestObjective | None = None
     body_read: float | None = None
     admitted: float | None = None
     sent: float | None = None
@@ -117,6 +120,8 @@ class Timeline:
     headers: float | None = None
     first_byte: float | None = None
     first_content: float | None = None
+    #: The first chunk with answer content (not reasoning alone): the first output token's arrival.
+    first_output: float | None = None
     last_content: float | None = None
     end: float | None = None
     status_code: int | None = None
@@ -208,14 +213,16 @@ class Timeline:
             out = self.output = Output(tokens.encoding_for_model(model), keep=self.keep_chars)
         out.add(text)
 
-    def add_chunk(self, t: float, nbytes: int, text: str = "") -> None:
+    def add_chunk(self, t: float, nbytes: int, text: str = "", *, output: bool = True) -> None:
         """Record one content chunk: all content that arrived in one upstream read (``text``, or given before
-        through ``add_text``)."""
+        through ``add_text``). ``output``: it carried answer content, not reasoning alone."""
         if text:
             self.add_text(text)
         n = self.output.end_chunk() if self.output is not None else 0
         if self.first_content is None:
             self.first_content = t
+        if output and self.first_output is None:
+            self.first_output = t
         self.last_content = t
         if len(self.chunk_times) >= MAX_CHUNKS:
             # One more gap would be one more entry for ever: the chunk joins the last, its gap and tokens too.

@@ -130,6 +130,7 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         ),
         shapes=shape_classes,
         inject_usage=values["inject_usage"],
+        forward_slo_headers=values["forward_slo_headers"],
         server_timing=values["server_timing"],
         max_inspect_bytes=values["max_inspect_bytes"],
         max_request_bytes=values["max_request_bytes"],

@@ -644,6 +644,16 @@ _TABLE = (
         key="slo.percentile",
     ),
     option(
+        "forward_slo_headers",
+        boolean(),
+        False,
+        "send the caller's per-request objectives (x-slo-ttft-ms, x-slo-tpot-ms) upstream too, for an upstream "
+        "or gateway that schedules by them; llmtap reads and judges them either way",
+        "slo",
+        key="slo.forward_headers",
+        switch=True,
+    ),
+    option(
         "shapes",
         structure("a mapping of shape names to token bounds", (Mapping,), SHAPES_SCHEMA),
         None,

@@ -358,6 +358,8 @@ class Settings:
     #: The request shapes (``shapes:``), matched in order; a request none takes is ``OTHER_SHAPE``.
     shapes: tuple[Shape, ...] = DEFAULT_SHAPES
     inject_usage: bool = default("inject_usage")
+    #: Send the caller's ``x-slo-*`` headers upstream too (they are read and judged either way).
+    forward_slo_headers: bool = default("forward_slo_headers")
     #: Add a ``Server-Timing`` header to relayed responses (``llmtap.relay.timing``).
     server_timing: bool = default("server_timing")
     max_inspect_bytes: int = default("max_inspect_bytes")

@@ -88,8 +88,9 @@ class AnthropicStreamParser:
         event_type = event.event or as_str(obj.get("type"))
         if event_type == "content_block_delta":
             delta = as_dict(obj.get("delta"))
-            text = as_str(delta.get(_DELTA_TEXT.get(as_str(delta.get("type")) or "", "")))
-            return Facts(has_content=True, content=text) if text else None
+            kind = as_str(delta.get("type")) or ""
+            text = as_str(delta.get(_DELTA_TEXT.get(kind, "")))
+            return Facts(has_content=True, content=text, reasoning=kind == "thinking_delta") if text else None
         if event_type == "message_start":
             message = as_dict(obj.get("message"))
             return Facts(

@@ -50,6 +50,16 @@ def _message_text(message: JSONObject) -> str:
     return "".join(out)
 
 
+def chat_choice_reasoning(choice: JSONObject) -> bool:
+    """Whether a streamed choice's delta carries reasoning alone (no answer text, refusal or tool call yet)."""
+    message = choice.get("delta")
+    if not isinstance(message, dict) or not (message.get("reasoning_content") or message.get("reasoning")):
+        return False
+    return not (
+        message.get("content") or message.get("refusal") or message.get("tool_calls") or message.get("function_call")
+    )
+
+
 def chat_choice_text(choice: JSONObject) -> str:
     """The generated text of one choice, streamed (``delta``) or whole (``message``)."""
     message = choice.get("delta")
@@ -104,7 +114,7 @@ class OpenAIChat:
 
     def stream_parser(self) -> StreamParser:
         """A parser for one ``chat.completion.chunk`` stream."""
-        return ChoicesStreamParser(chat_choice_text)
+        return ChoicesStreamParser(chat_choice_text, chat_choice_reasoning)
 
     def parse_body(self, body: bytes) -> Facts:
         """Facts of a ``chat.completion`` body or a JSON error body."""

@@ -333,9 +333,13 @@ def choices_facts(obj: JSONObject, choice_text: Callable[[JSONObject], str]) -> 
 class ChoicesStreamParser:
     """Reads the ``data:`` chunks of a Chat Completions or legacy Completions stream (D.1, D.2)."""
 
-    def __init__(self, choice_text: Callable[[JSONObject], str]) -> None:
+    def __init__(
+        self, choice_text: Callable[[JSONObject], str], reasoning: Callable[[JSONObject], bool] | None = None
+    ) -> None:
         self.malformed = 0
         self._choice_text = choice_text
+        #: Whether a choice's delta is reasoning alone (chat completions); None: never.
+        self._reasoning = reasoning
 
     def feed(self, event: Event) -> Facts | None:
         """Facts of one chunk; ``done`` on ``[DONE]``; None for an empty or malformed event."""
@@ -348,7 +352,17 @@ class ChoicesStreamParser:
         if obj is None:
             self.malformed += 1
             return None
-        return choices_facts(obj, self._choice_text)
+        facts = choices_facts(obj, self._choice_text)
+        if facts.has_content and self._reasoning is not None:
+            facts.reasoning = _reasoning_only(obj, self._reasoning)
+        return facts
+
+
+def _reasoning_only(obj: JSONObject, reasoning: Callable[[JSONObject], bool]) -> bool:
+    """Every choice of the chunk that carries text carries reasoning alone."""
+    choices = obj.get("choices")
+    listed = [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+    return bool(listed) and all(reasoning(c) for c in listed if c.get("delta"))
 
 
 def parse_choices_body(body: bytes, choice_text: Callable[[JSONObject], str]) -> Facts:

@@ -68,7 +68,7 @@ def _delta_facts(event_type: str, obj: JSONObject) -> Facts | None:
         return None
     if "audio" in event_type and "transcript" not in event_type:
         return Facts(has_content=True)  # base64 audio is generated content but not text to count
-    return Facts(has_content=True, content=delta)
+    return Facts(has_content=True, content=delta, reasoning=event_type.startswith("response.reasoning"))
 
 
 class ResponsesStreamParser:

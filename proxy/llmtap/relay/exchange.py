@@ -38,7 +38,7 @@ from llmtap.relay.strip import strip_part
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.upstream import Answer, Pieces
 from llmtap.relay.watch import DisconnectWatch
-from llmtap.types import Receive, Scope, Send
+from llmtap.types import OBJECTIVE_HEADERS, Receive, Scope, Send
 from llmtap.wire.tape import Tape, now
 from llmtap.wire.tracecontext import begin
 from llmtap.wire.tracestate import upstream_tracestate
@@ -172,6 +172,9 @@ class Exchange:
                 else:
                     # Attribution (tenant, user, properties): read and bounded in the telemetry process.
                     tape.attribution.append((lowered, value))
+            elif lowered in OBJECTIVE_HEADERS:
+                # Per-request objectives ride with the attribution headers: read in the telemetry process.
+                tape.attribution.append((lowered, value))
             elif lowered in KEY_HEADERS and tape.key_fingerprint is None:
                 tape.key_fingerprint = app.keys_seen.of(value)
             elif lowered == b"traceparent":

@@ -12,7 +12,7 @@ from llmtap.config.types import Route, Settings
 from llmtap.relay import tls
 from llmtap.relay.tls import TLSOptions
 from llmtap.relay.upstream import Answer, LeanTransport, Origin, Pieces
-from llmtap.types import Scope
+from llmtap.types import OBJECTIVE_HEADERS, Scope
 
 __all__ = [
     "PRIVATE_PREFIX",
@@ -60,6 +60,7 @@ def request_headers(
     body_changed: bool,
     plain: bool = False,
     private: bool = False,
+    objectives: bool = False,
 ) -> list[tuple[bytes, bytes]]:
     """Client headers as they go upstream: hop-by-hop, Host and llmtap's own removed; our trace context added.
 
@@ -67,9 +68,12 @@ def request_headers(
     ``trace`` replaces the client's trace headers; None (tracing off) lets them pass as sent. ``plain``
     asks for an uncompressed response (``accept-encoding: identity``, which every client accepts): llmtap
     must read the events of a stream whose usage event it removes. ``private``: the caller's ``x-llmtap-*``
-    headers go too (the operator's ``forward_llmtap_headers``).
+    headers go too (the operator's ``forward_llmtap_headers``). ``objectives``: the caller's per-request objectives
+    (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) go too (``forward_slo_headers``: an upstream that routes by them).
     """
     drop = HOP_BY_HOP | _connection_listed(headers) | {b"host"}
+    if not objectives:
+        drop |= OBJECTIVE_HEADERS.keys()
     if trace is not None:
         drop |= TRACE_HEADERS
     if body_changed:
@@ -141,6 +145,8 @@ class Upstreams:
         self._pools: dict[tuple[str, TLSOptions | None], LeanTransport] = {}
         #: The caller's ``x-llmtap-*`` headers go upstream too (``forward_llmtap_headers``).
         self._private = settings.attribution.forward_headers
+        #: The caller's ``x-slo-*`` objectives go upstream too (read either way).
+        self._objectives = settings.forward_slo_headers
         #: Per route: its pool and the upstream's origin, parsed at the route's first request.
         self._origins: dict[str, tuple[LeanTransport, Origin]] = {}
         #: Upstream URL -> its request target, percent-encoded and normalized (``_target``).
@@ -202,7 +208,14 @@ class Upstreams:
             known = self._origins[route.name] = (pool, pool.origin(route.upstream))
         pool, origin = known
         url = upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b""))
-        out = request_headers(headers, trace=trace, body_changed=body_changed, plain=plain, private=self._private)
+        out = request_headers(
+            headers,
+            trace=trace,
+            body_changed=body_changed,
+            plain=plain,
+            private=self._private,
+            objectives=self._objectives,
+        )
         return await pool.send(origin, scope["method"], self._target(url), out, content, timeouts, leaving)
 
     def _target(self, url: str) -> bytes:

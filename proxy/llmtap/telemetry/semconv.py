@@ -89,6 +89,8 @@ __all__ = [
     "METRIC_LABELS_EVICTED",
     "METRIC_LIVE_SAMPLES_DROPPED",
     "METRIC_MALFORMED",
+    "METRIC_OBJECTIVE_IGNORED",
+    "METRIC_OBJECTIVE_REQUESTS",
     "METRIC_OTLP_FORWARDED",
     "METRIC_OTLP_REJECTED",
     "METRIC_OTLP_ROUTED",
@@ -104,6 +106,7 @@ __all__ = [
     "METRIC_REQUESTS",
     "METRIC_RESPONSES_CUT",
     "METRIC_SERVER_SPANS",
+    "METRIC_SLO_OBJECTIVE",
     "METRIC_SPANS_DROPPED",
     "METRIC_START_TIME",
     "METRIC_TELEMETRY_DROPPED",
@@ -112,9 +115,18 @@ __all__ = [
     "METRIC_TPOT",
     "METRIC_TRACE_CONTEXT_IGNORED",
     "METRIC_TTFB",
+    "METRIC_TTFOT",
     "METRIC_TTFT",
+    "METRIC_TTST",
     "METRIC_UNATTRIBUTED",
     "METRIC_UPSTREAM_TTFT",
+    "OBJECTIVE_FIGURE",
+    "OBJECTIVE_IGNORED",
+    "OBJECTIVE_OUTCOME",
+    "OBJECTIVE_TPOT_LIMIT",
+    "OBJECTIVE_TPOT_OUTCOME",
+    "OBJECTIVE_TTFT_LIMIT",
+    "OBJECTIVE_TTFT_OUTCOME",
     "OPENAI_API_TYPE",
     "OPENAI_SYSTEM_FINGERPRINT",
     "OPERATION_NAME",
@@ -190,6 +202,8 @@ __all__ = [
     "TPOT",
     "TRACE_CONTEXT_REASON",
     "TTFB",
+    "TTFOT",
+    "TTST",
     "UNCACHED_INPUT_TOKENS",
     "UPSTREAM_SLOTS",
     "UPSTREAM_SLOTS_CONFIDENCE",
@@ -279,6 +293,10 @@ SHAPE = "llmtap.request.shape"
 PROMPT_VERSION = "llmtap.prompt.version"
 REQUEST_PARSE_ERROR = "llmtap.request.parse_error"
 TTFB = "llmtap.time_to_first_byte"
+#: After a reasoning model's thinking: the answer's first chunk (AIPerf's time to first output token), and the gap
+#: from the first content chunk to the second (AIPerf's time to second token), seconds.
+TTFOT = "llmtap.time_to_first_output_token"
+TTST = "llmtap.time_to_second_token"
 UPSTREAM_TTFT = "llmtap.upstream.time_to_first_chunk"
 TPOT = "llmtap.time_per_output_token"
 E2E = "llmtap.duration"
@@ -444,6 +462,8 @@ BUCKETS_SERVER_TPOT: tuple[float, ...] = (
 METRIC_TTFT = "llmtap.time_to_first_token"  # TTFT by route, request shape and prompt version, fine buckets
 METRIC_TPOT = "llmtap.time_per_output_token"
 METRIC_TTFB = "llmtap.time_to_first_byte"
+METRIC_TTFOT = "llmtap.time_to_first_output_token"  # by route and request shape, fine buckets
+METRIC_TTST = "llmtap.time_to_second_token"
 METRIC_UPSTREAM_TTFT = "llmtap.upstream.time_to_first_chunk"
 METRIC_ITL = "llmtap.inter_token_latency"
 METRIC_QUEUE = "llmtap.queue.duration"
@@ -510,6 +530,19 @@ HOP_COST_AMOUNT = "llmtap.cost.amount"  # a hop span's cost (its client's span i
 METRIC_COST = "llmtap.cost.usd"  # the sum of priced requests' cost, USD, by model, route and the allowed dimensions
 METRIC_COST_UNPRICED = "llmtap.cost.unpriced"  # requests with no cost, by llmtap.cost.status
 METRIC_ATTRIBUTION_DROPPED = "llmtap.attribution.dropped"  # x-llmtap-property-* headers past the per-request bound
+
+# Per-request objectives: the latency a caller asked for one request in its x-slo-ttft-ms and x-slo-tpot-ms headers
+# (the Gateway API Inference Extension's names; ``llmtap.analysis.objectives``), and whether the request met it.
+OBJECTIVE_TTFT_LIMIT = "llmtap.objective.ttft_limit"  # seconds
+OBJECTIVE_TPOT_LIMIT = "llmtap.objective.tpot_limit"  # seconds
+OBJECTIVE_TTFT_OUTCOME = "llmtap.objective.ttft_outcome"  # met or violated
+OBJECTIVE_TPOT_OUTCOME = "llmtap.objective.tpot_outcome"
+OBJECTIVE_IGNORED = "llmtap.objective.ignored"  # the figures whose header was ignored as invalid
+OBJECTIVE_FIGURE = "llmtap.objective.figure"  # ttft or tpot (metric attribute)
+OBJECTIVE_OUTCOME = "llmtap.objective.outcome"  # met or violated (metric attribute)
+METRIC_SLO_OBJECTIVE = "llmtap.slo.objective"  # each route and shape's objective percentile (burn-rate budgets)
+METRIC_OBJECTIVE_REQUESTS = "llmtap.objective.requests"  # requests judged by their own objective, by figure, outcome
+METRIC_OBJECTIVE_IGNORED = "llmtap.objective.headers_ignored"  # x-slo-* headers ignored as invalid, by figure
 
 
 def dimension_attribute(dimension: str) -> str:

@@ -109,7 +109,8 @@ class Head(NamedTuple):
     response_headers: tuple[tuple[bytes, bytes], ...]
     upstream_seq: int | None
     upstream_ahead: int
-    #: The caller's other ``x-llmtap-*`` headers (lower-case name, value), and its API key's fingerprint.
+    #: The caller's other ``x-llmtap-*`` headers and its ``x-slo-*`` objectives (lower-case name, value), and its
+    #: API key's fingerprint.
     attribution: tuple[tuple[bytes, bytes], ...]
     key_fingerprint: str | None
     #: What identifies the request's record, traced or not (16 bytes, big-endian; ``llmtap.wire.tape.new_record_id``).

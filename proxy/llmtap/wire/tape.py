@@ -155,7 +155,8 @@ class Tape:
         #: What identifies the request's record, traced or not (``new_record_id``).
         self.record_id = new_record_id()
         self.prompt_version: bytes | None = None
-        #: The caller's other ``x-llmtap-*`` headers (lower-case name, value), and its API key's fingerprint.
+        #: The caller's other ``x-llmtap-*`` and its ``x-slo-*`` headers (lower-case name, value), and its API key's
+        #: fingerprint.
         self.attribution: list[tuple[bytes, bytes]] = []
         self.key_fingerprint: str | None = None
         #: The client's ``traceparent`` and ``tracestate`` as sent (the telemetry side parses them).

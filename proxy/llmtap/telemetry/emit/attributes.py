@@ -220,6 +220,8 @@ def end_attributes(
         # sampling rule keys on, whatever the span's role.
         _put(attrs, sc.HOP_TIME_TO_FIRST_CHUNK, s.ttft)
     _put(attrs, sc.TTFB, s.ttfb)
+    _put(attrs, sc.TTFOT, s.ttfot)
+    _put(attrs, sc.TTST, s.ttst)
     _put(attrs, sc.UPSTREAM_TTFT, s.upstream_ttft)
     _put(attrs, sc.TPOT, s.tpot)
     _put(attrs, sc.E2E, s.e2e)
@@ -236,6 +238,8 @@ def end_attributes(
         attrs[sc.UPSTREAM_SLOTS_CONFIDENCE] = s.slots.confidence
     attrs[sc.OUTCOME] = tl.outcome
     attrs[sc.SLO_OUTCOME] = s.slo
+    if tl.request_objective is not None:
+        attrs.update(objective_attributes(tl, s))
     attrs[sc.INPUT_SIZE] = s.input_size
     attrs[sc.SHAPE] = s.shape
     attrs[sc.RESPONSE_BYTES] = tl.response_bytes
@@ -274,3 +278,24 @@ def cost_attributes(cost: Cost, *, hop: bool = False) -> dict[str, Any]:
         _put(attrs, sc.COST_SOURCE, cost.source)
     _put(attrs, sc.COST_PRICES, cost.prices)
     return as_hop(attrs) if hop else attrs
+
+
+# -- per-request objectives --------------------------------------------------------------------------
+
+
+def objective_attributes(tl: Timeline, s: Summary) -> dict[str, Any]:
+    """The request's own objectives (``x-slo-*`` headers, in seconds), each one's outcome, the headers ignored."""
+    objective = tl.request_objective
+    attrs: dict[str, Any] = {}
+    if objective is None:
+        return attrs
+    limits = ((objective.ttft, sc.OBJECTIVE_TTFT_LIMIT, "ttft", sc.OBJECTIVE_TTFT_OUTCOME),
+              (objective.tpot, sc.OBJECTIVE_TPOT_LIMIT, "tpot", sc.OBJECTIVE_TPOT_OUTCOME))  # fmt: skip
+    for limit, limit_name, figure, outcome_name in limits:
+        if limit is not None:
+            attrs[limit_name] = limit
+        if figure in s.request_outcomes:
+            attrs[outcome_name] = s.request_outcomes[figure]
+    if objective.invalid:
+        attrs[sc.OBJECTIVE_IGNORED] = list(objective.invalid)
+    return attrs

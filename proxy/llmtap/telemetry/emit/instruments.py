@@ -21,14 +21,22 @@ The proxy's own cost (overhead, the relay's delay per chunk) lives under a milli
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from opentelemetry.metrics import Counter, Histogram, Meter, UpDownCounter
+from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation, UpDownCounter
 
 from llmtap.telemetry import semconv as sc
 
-__all__ = ["DURATION_BUCKETS", "OVERHEAD_BUCKETS", "TOKEN_BUCKETS", "Instruments", "create"]
+__all__ = [
+    "DURATION_BUCKETS",
+    "OVERHEAD_BUCKETS",
+    "TOKEN_BUCKETS",
+    "Instruments",
+    "Objectives",
+    "create",
+    "objective_gauge",
+]
 
 #: Fine duration buckets: 1 ms to ~131 s in steps of 2^(1/8).
 DURATION_BUCKETS: tuple[float, ...] = tuple(round(0.001 * 2 ** (i / 8), 7) for i in range(137))
@@ -63,6 +71,8 @@ class Instruments:
     ttft: Histogram
     tpot: Histogram
     ttfb: Histogram
+    ttfot: Histogram
+    ttst: Histogram
     upstream_ttft: Histogram
     itl: Histogram
     queue: Histogram
@@ -104,6 +114,9 @@ class Instruments:
     cost: Counter
     cost_unpriced: Counter
     attribution_dropped: Counter
+    # Per-request objectives (x-slo-* headers)
+    objective_requests: Counter
+    objective_ignored: Counter
 
 
 def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Sequence[float]) -> Histogram:
@@ -113,6 +126,27 @@ def _histogram(meter: Meter, name: str, unit: str, description: str, buckets: Se
 def _seconds(meter: Meter, name: str, description: str) -> Histogram:
     """One of llmtap's own latency histograms: fine buckets, whatever the setting."""
     return _histogram(meter, name, "s", description, DURATION_BUCKETS)
+
+
+#: Each route and shape's objective as the gauge shows it: (percentile, attributes).
+Objectives = Callable[[], Iterable[tuple[float, dict[str, str]]]]
+
+
+def objective_gauge(meter: Meter, objectives: Objectives) -> None:
+    """The objectives' percentiles by route and shape, for burn-rate rules to read their budget from
+    (``llmtap.analysis.burnrate``): observed at each scrape or export, so they never go stale."""
+
+    def observe(_: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(value, attrs) for value, attrs in objectives()]
+
+    meter.create_observable_gauge(
+        sc.METRIC_SLO_OBJECTIVE,
+        callbacks=[observe],
+        unit="1",
+        description="The share of requests each route and shape's objective asks to meet (its percentile: 0.99 for "
+        "p99; routes[].slo, else the global slo), by llmtap.route and llmtap.request.shape; the error budget is the "
+        "rest.",
+    )
 
 
 def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = False) -> Instruments:
@@ -180,6 +214,15 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             "(last content chunk - first content chunk) / (output tokens - 1), by route and request shape.",
         ),
         ttfb=_seconds(meter, sc.METRIC_TTFB, "Request received to the first response body byte."),
+        ttfot=_seconds(
+            meter,
+            sc.METRIC_TTFOT,
+            "Request received to the first chunk of the answer itself, after any reasoning (streaming); TTFT "
+            "without reasoning.",
+        ),
+        ttst=_seconds(
+            meter, sc.METRIC_TTST, "The first content chunk to the second: the first decode step (streaming)."
+        ),
         upstream_ttft=_seconds(meter, sc.METRIC_UPSTREAM_TTFT, "Request sent upstream to the first content chunk."),
         itl=_seconds(
             meter, sc.METRIC_ITL, "A chunk gap divided over the tokens its chunk carried; one sample per token."
@@ -368,5 +411,17 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             sc.METRIC_ATTRIBUTION_DROPPED,
             unit="{header}",
             description="x-llmtap-property-* headers dropped past the 16 a request keeps.",
+        ),
+        objective_requests=meter.create_counter(
+            sc.METRIC_OBJECTIVE_REQUESTS,
+            unit="{request}",
+            description="Requests that carried their own objective (x-slo-ttft-ms, x-slo-tpot-ms), by route, shape, "
+            "llmtap.objective.figure and llmtap.objective.outcome (met or violated).",
+        ),
+        objective_ignored=meter.create_counter(
+            sc.METRIC_OBJECTIVE_IGNORED,
+            unit="{header}",
+            description="x-slo-ttft-ms and x-slo-tpot-ms headers ignored as invalid (not a number, not above 0, "
+            "past an hour), by route and llmtap.objective.figure; the request went on without them.",
         ),
     )

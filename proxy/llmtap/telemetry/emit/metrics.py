@@ -20,6 +20,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from llmtap import __version__
 from llmtap.analysis.cachediag import MISS_CHANGED, Diagnosis
+from llmtap.analysis.shapes import names as shape_names, objective as shape_objective
 from llmtap.analysis.summary import USAGE, Summary, spread
 from llmtap.analysis.timeline import OK, Timeline
 from llmtap.config.types import Settings
@@ -28,12 +29,12 @@ from llmtap.providers.timing import PHASES
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.emit.attributes import is_hop, usage_value
 from llmtap.telemetry.emit.bulk import Batch
-from llmtap.telemetry.emit.instruments import Instruments, create
+from llmtap.telemetry.emit.instruments import Instruments, create, objective_gauge
 
 if TYPE_CHECKING:
     from llmtap.analysis.finish import Finished
 
-__all__ = ["CONVENTIONS", "OWN", "SHAPE", "MetricWriter"]
+__all__ = ["CONVENTIONS", "OWN", "SHAPE", "MetricWriter", "objective_series"]
 
 log = logging.getLogger("llmtap.telemetry")
 #: How the admission queue refuses a request (``error.type``).
@@ -73,6 +74,17 @@ class Labels(NamedTuple):
     own: dict[str, Any]
 
 
+def objective_series(settings: Settings) -> list[tuple[float, dict[str, str]]]:
+    """Each route and shape's objective percentile (the objective its requests are judged by), with its labels."""
+    out: list[tuple[float, dict[str, str]]] = []
+    for route in settings.routes:
+        for shape in shape_names(settings.shapes):
+            goal = shape_objective(route, shape, settings.slo)
+            if goal is not None:
+                out.append((goal.percentile, {sc.ROUTE: route.name, sc.SHAPE: shape}))
+    return out
+
+
 class MetricWriter:
     """Records each finished request on the instruments; the values clients and upstreams choose bounded.
 
@@ -106,6 +118,8 @@ class MetricWriter:
             name: self._guard(sc.dimension_attribute(name), values, trial=values, candidates=4 * values)
             for name in settings.attribution.metric_dimensions
         }
+        observed = objective_series(settings)
+        objective_gauge(meter, lambda: observed)
         # Every route's admission refusals, ignored server timings (by phase) and unparsable events: their panels
         # show a line at 0, not "No data", until the first one.
         ins = self.instruments
@@ -221,6 +235,7 @@ class MetricWriter:
             if client:
                 batch.record(ins.time_to_first_chunk, s.ttft, attrs, ctx)
             batch.record(ins.ttft, s.ttft, shaped, ctx)
+            self._first_tokens(batch, s, shaped, ctx)
             # Per chunk and per token, only the request's slowest sample carries its span context: an exemplar
             # costs about a third of a sample again (10 against 14 us a sample here), and a stream has thousands;
             # the bucket of its worst stall still leads to it.
@@ -244,12 +259,31 @@ class MetricWriter:
         if s.upstream_unattributed is not None:
             batch.record(ins.unattributed, s.upstream_unattributed, own, ctx)
         self._token_metrics(batch, s, attrs, outcome, counted, client=client)
+        if tl.request_objective is not None:
+            self._objective_metrics(batch, tl, s)
         if tl.relay_delays:
             # One per read: at a bucket lookup each (``bulk``), none an exemplar.
             batch.many(ins.relay_chunk_delay, list(spread(tl.relay_delays)), {sc.ROUTE: tl.route}, _NO_SPAN)
         if s.proxy_added is not None:
             # The request's last instrument (tests wait for it).
             batch.record(ins.overhead, s.proxy_added, {sc.ROUTE: tl.route})
+
+    def _first_tokens(self, batch: Batch, s: Summary, shaped: dict[str, Any], ctx: Context | None) -> None:
+        """A stream's time to its first output token and to its second token, beside its TTFT."""
+        if s.ttfot is not None:
+            batch.record(self.instruments.ttfot, s.ttfot, shaped, ctx)
+        if s.ttst is not None:
+            batch.record(self.instruments.ttst, s.ttst, shaped, ctx)
+
+    def _objective_metrics(self, batch: Batch, tl: Timeline, s: Summary) -> None:
+        """The request's own objectives, judged (by route and shape: both bounded by the configuration), and the
+        headers ignored as invalid."""
+        ins = self.instruments
+        for figure, verdict in s.request_outcomes.items():
+            labels = {sc.ROUTE: tl.route, sc.SHAPE: s.shape, sc.OBJECTIVE_FIGURE: figure, sc.OBJECTIVE_OUTCOME: verdict}
+            batch.add(ins.objective_requests, 1, labels)
+        for figure in tl.request_objective.invalid if tl.request_objective is not None else ():
+            batch.add(ins.objective_ignored, 1, {sc.ROUTE: tl.route, sc.OBJECTIVE_FIGURE: figure})
 
     def _cost_metrics(self, batch: Batch, tl: Timeline, s: Summary, counted: dict[str, Any]) -> None:
         """The request's cost on ``llmtap.cost``, or its status on ``llmtap.cost.unpriced``."""

@@ -16,6 +16,7 @@ from array import array
 
 from llmtap.analysis.attribution import dimensions
 from llmtap.analysis.cost import header_cost
+from llmtap.analysis.objectives import parse_objective
 from llmtap.analysis.timeline import KEEP_CHARS, Timeline
 from llmtap.config.types import Route, Settings
 from llmtap.labels import version_label
@@ -105,6 +106,8 @@ class Playback:
             tl.attribution, tl.attribution_dropped = dimensions(
                 attribution, body_user=info.end_user if info else None, key_fingerprint=key_fingerprint
             )
+        if attribution:
+            tl.request_objective = parse_objective(attribution)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in head.response_headers}
         tl.header_cost = header_cost(headers)
         if "x-queue-time" in headers:

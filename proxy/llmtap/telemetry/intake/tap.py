@@ -72,6 +72,7 @@ class Tap:
         self._inflate: Inflater | None = None
         self._framing: str | None = None
         self._content = False  # whether the read being observed carried content
+        self._output = False  # ... and whether any of it was answer content, not reasoning alone
         self._oversized = 0  # counted by decoders that a gap in the bytes replaced
         if decodable(encoding):
             # Compressed bodies are relayed compressed; the tap reads a decompressed copy.
@@ -131,7 +132,8 @@ class Tap:
             self._take_compressed(chunk)
         if self._content:
             self._content = False
-            self.tl.add_chunk(t, len(chunk), "")
+            self.tl.add_chunk(t, len(chunk), "", output=self._output)
+            self._output = False
 
     def _take_compressed(self, chunk: bytes) -> None:
         """Inflate one read step by step, each step decoded before the next; stop at the bounds."""
@@ -174,6 +176,7 @@ class Tap:
             tl.apply(facts)
             if facts.has_content:
                 self._content = True
+                self._output = self._output or not facts.reasoning
                 tl.add_text(facts.content)
 
     def _stop(self, reason: str) -> None:

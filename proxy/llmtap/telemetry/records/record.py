@@ -57,6 +57,20 @@ def objective_line(slo: SLO | None) -> dict[str, Any] | None:
     return {"shape": slo.shape, "percentile": slo.percentile, **slo.limits()}
 
 
+def request_objective_part(tl: Timeline, s: Summary) -> dict[str, Any] | None:
+    """The request's own objectives (``x-slo-*``), their outcomes and the headers ignored; None without any."""
+    objective = tl.request_objective
+    if objective is None:
+        return None
+    return {
+        "ttft": objective.ttft,
+        "tpot": objective.tpot,
+        "ttft_outcome": s.request_outcomes.get("ttft"),
+        "tpot_outcome": s.request_outcomes.get("tpot"),
+        "invalid": list(objective.invalid),
+    }
+
+
 def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identity) -> dict[str, Any]:
     """The record of one finished request (schema version 2), written by ``writer``.
 
@@ -90,6 +104,8 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
         "objective": objective_line(s.objective),
         "prompt_version": tl.prompt_version,
         "ttft": _round(s.ttft),
+        "ttfot": _round(s.ttfot),
+        "ttst": _round(s.ttst),
         "ttfb": _round(s.ttfb),
         "upstream_ttft": _round(s.upstream_ttft),
         "tpot": _round(s.tpot),
@@ -118,6 +134,7 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
     }
     # Attribution and cost (issue 31): who sent it (bounded values), and what it cost or why that is unknown.
     out["attribution"] = record_part(tl.attribution)
+    out["request_objective"] = request_objective_part(tl, s)
     cost = s.cost
     out["cost"] = (
         None

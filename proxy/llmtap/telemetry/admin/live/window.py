@@ -52,6 +52,8 @@ __all__ = [
     "Labels",
     "LiveWindow",
     "Samples",
+    "Tally",
+    "verdict",
 ]
 
 #: The windows the page offers: a name and its length in seconds (None: since start).
@@ -88,14 +90,15 @@ def samples(tl: Timeline, s: Summary) -> dict[str, list[float]]:
     return out
 
 
-#: A request's outcome, SLO verdict, and input, output and cache-read tokens (0 where unknown), as ``Tally`` counts
-#: them.
-Counts = tuple[str, str | None, int, int, int]
+#: A request's outcome, SLO verdict, input, output and cache-read tokens (0 where unknown), and its own objectives'
+#: outcomes (``x-slo-*`` headers: ``"ttft:met"``, ...), as ``Tally`` counts them.
+Counts = tuple[str, str | None, int, int, int, tuple[str, ...]]
 
 
 def counts(tl: Timeline, s: Summary) -> Counts:
     """What a request adds to a tally beside its latencies."""
-    return (tl.outcome, s.slo, s.input_tokens or 0, s.output_tokens or 0, s.cache_read_tokens or 0)
+    asked = tuple(f"{figure}:{outcome}" for figure, outcome in s.request_outcomes.items())
+    return (tl.outcome, s.slo, s.input_tokens or 0, s.output_tokens or 0, s.cache_read_tokens or 0, asked)
 
 
 #: One finished request as the window takes it, in plain values (``LiveWindow.entry``): it may come from another
@@ -174,6 +177,8 @@ class Tally:
     errors: int = 0
     cancelled: int = 0
     slo_met: int = 0
+    #: Requests judged by their own objectives, by ``"figure:outcome"`` (``llmtap.objective.requests``).
+    asked: dict[str, int] = field(default_factory=dict)
     input_tokens: int = 0
     output_tokens: int = 0
     cache_read_tokens: int = 0
@@ -186,8 +191,10 @@ class Tally:
     def add_request(self, counts: Counts, values: dict[str, list[float]]) -> None:
         """Count one request exactly as ``MetricWriter.record`` records it; ``counts``: its ``counts``, ``values``:
         its ``samples``."""
-        outcome, slo, input_tokens, output_tokens, cache_read_tokens = counts
+        outcome, slo, input_tokens, output_tokens, cache_read_tokens, asked = counts
         self.requests += 1  # llmtap.requests
+        for key in asked:
+            self.asked[key] = self.asked.get(key, 0) + 1  # llmtap.objective.requests
         self.errors += outcome == ERROR
         self.cancelled += outcome == CANCELLED
         self.slo_met += slo == "met"
@@ -204,6 +211,8 @@ class Tally:
         self.errors += other.errors
         self.cancelled += other.cancelled
         self.slo_met += other.slo_met
+        for key, n in other.asked.items():
+            self.asked[key] = self.asked.get(key, 0) + n
         self.input_tokens += other.input_tokens
         self.output_tokens += other.output_tokens
         self.cache_read_tokens += other.cache_read_tokens
@@ -234,7 +243,16 @@ class Tally:
             "ttft": self.ttft.figures(exact["ttft"]),
             "itl": self.itl.figures(exact["itl"]),
             "tpot": self.tpot.figures(exact["tpot"]),
+            "request_objectives": self.request_objectives(),
         }
+
+    def request_objectives(self) -> dict[str, dict[str, int]]:
+        """The requests judged by their own objectives: ``{"ttft": {"met": 12, "violated": 3}}``."""
+        out: dict[str, dict[str, int]] = {}
+        for key, n in sorted(self.asked.items()):
+            figure, _, outcome = key.partition(":")
+            out.setdefault(figure, {})[outcome] = n
+        return out
 
 
 def verdict(tally: Tally, objective: SLO | None, exact: dict[str, list[float] | None]) -> dict[str, Any] | None:
@@ -242,7 +260,8 @@ def verdict(tally: Tally, objective: SLO | None, exact: dict[str, list[float] | 
     from the buckets as ``Hist.figures`` reads it) against its limit.
 
     ``met`` or ``missed`` by the percentile itself (the page has no intervals; ``llmtap slo`` gives them),
-    ``insufficient`` below the requests the percentile needs (``llmtap.analysis.shapes.needed``)."""
+    ``insufficient`` below the requests the percentile needs (``llmtap.analysis.shapes.needed``), each check
+    saying how many it has and needs."""
     if objective is None:
         return None
     checks = []
@@ -265,6 +284,8 @@ def verdict(tally: Tally, objective: SLO | None, exact: dict[str, list[float] | 
                 "limit": limit,
                 "value": value,
                 "count": hist.count,
+                # The requests the percentile needs to have a tail (p99: 100): the page says "8 of 100 requests".
+                "needed": needed(objective.percentile),
                 "exact": values is not None,
                 "verdict": result,
             }

@@ -219,8 +219,24 @@
   function verdictText(v) {
     if (!v) return "";
     return v.checks
-      .map((k) => `p${+(k.percentile * 100).toFixed(2)} ${FIGURE_NAMES[k.figure]} ≤ ${dur(k.limit)}: ${approx(k.value, k.exact)} ${k.verdict}`)
+      .map((k) => `p${+(k.percentile * 100).toFixed(2)} ${FIGURE_NAMES[k.figure]} ≤ ${dur(k.limit)}: ${approx(k.value, k.exact)} ${k.verdict}${shortOf(k)}`)
       .join(" · ");
+  }
+
+  // The requests' own objectives (x-slo-ttft-ms, x-slo-tpot-ms headers): how many got what they asked.
+  function askedText(asked) {
+    if (!asked) return "";
+    return Object.entries(asked)
+      .map(([figure, n]) => {
+        const all = (n.met || 0) + (n.violated || 0);
+        return `own ${FIGURE_NAMES[figure]} objective met by ${n.met || 0} of ${all} requests`;
+      })
+      .join(" · ");
+  }
+
+  // Why a verdict waits, as `llmtap slo` says it: the requests with the figure against those the percentile needs.
+  function shortOf(k) {
+    return k.verdict === "insufficient" && k.needed ? ` (${k.count} of ${k.needed} requests)` : "";
   }
 
   // A percentile over every value in the window is exact; past the values kept it is read from buckets,
@@ -271,7 +287,7 @@
     }
     c.slowest = s.slowest;
     const goal = c.querySelector('[data-fig="verdict"]');
-    goal.textContent = verdictText(s.verdict);
+    goal.textContent = [verdictText(s.verdict), askedText(s.request_objectives)].filter((t) => t).join(" · ");
     goal.dataset.verdict = s.verdict ? s.verdict.verdict : "none";
   }
 
