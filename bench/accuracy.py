@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import peers
-from bench.procs import Service, pinned
 from bench.stats import percentile_ms
 from llmtap.telemetry.emit.instruments import DURATION_BUCKETS
+from tests.support.proctree import Service, pinned
+from tests.support.prometheus import promql
 
 TTFT_ATTR = "gen_ai.response.time_to_first_chunk"
 TPOT_ATTR = "llmtap.time_per_output_token"
@@ -124,7 +125,7 @@ def _wait_prometheus(port: int, count: int, timeout: float = 30.0) -> float | No
     deadline = time.monotonic() + timeout
     seen = None
     while time.monotonic() < deadline:
-        seen = peers.promql(port, f"sum({TTFT_METRIC}_count)")
+        seen = promql(port, f"sum({TTFT_METRIC}_count)")
         if seen is not None and seen >= count:
             return seen
         time.sleep(0.5)
@@ -189,7 +190,7 @@ def _figures(
         ref = float(aiperf["time_to_first_token"][f"p{q}"])
         exact = percentile_ms(prof_ttft, q)
         exact_all = percentile_ms(all_ttft, q)
-        hist = peers.promql(prom_port, f"histogram_quantile({q / 100}, sum by (le) ({TTFT_METRIC}_bucket))")
+        hist = promql(prom_port, f"histogram_quantile({q / 100}, sum by (le) ({TTFT_METRIC}_bucket))")
         hist_ms = hist * ms if hist is not None else None
         rows.append(
             {

@@ -19,14 +19,15 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from string import Template
 
-from bench.procs import Service, free_port, pin_threads, wait_http
 from bench.tlsca import SERVER_NAME, Certs
+from tests.support.net import free_port, wait_http
+from tests.support.proctree import Service, pin_threads
+from tests.support.prometheus import start_prometheus
 
 HERE = Path(__file__).parent
 REPO = HERE.parent
@@ -97,7 +98,7 @@ def upstreams(
 
 def records(port: int) -> list[dict[str, object]]:
     """The upstream's records of finished requests since the last call."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/bench/records", timeout=30) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/bench/probes/records", timeout=30) as r:
         data: list[dict[str, object]] = json.load(r)
     return data
 
@@ -330,41 +331,6 @@ def prometheus(work: Path, cpu: str | None, admin_port: int) -> tuple[Service, i
     """Debian's Prometheus as a plain process, scraping llmtap's ``/metrics`` every second."""
     job = f"  - job_name: llmtap\n    static_configs: [{{targets: ['127.0.0.1:{admin_port}']}}]\n"
     return start_prometheus(work / "prometheus", job, cpu=cpu, log=work / "prometheus.log")
-
-
-def start_prometheus(
-    d: Path, jobs: str, *, cpu: str | None, log: Path, flags: Sequence[str] = ()
-) -> tuple[Service, int]:
-    """Debian's Prometheus on a free port with its files under ``d``, scraping ``jobs`` (YAML scrape configs)
-    every second, with any further ``flags`` (``--enable-feature=exemplar-storage``); returned once it is ready."""
-    (d / "data").mkdir(parents=True, exist_ok=True)
-    conf = d / "prometheus.yml"
-    conf.write_text(f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nscrape_configs:\n{jobs}")
-    port = free_port()
-    argv = [
-        "prometheus",
-        f"--config.file={conf}",
-        f"--storage.tsdb.path={d / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-        *flags,
-    ]
-    svc = Service("prometheus", argv, log=log, cpu=cpu)
-    svc.ready(lambda: wait_http(f"http://127.0.0.1:{port}/-/ready", 60, alive=lambda: svc.proc.poll() is None))
-    return svc, port
-
-
-def promql(port: int, query: str, at: float | None = None) -> float | None:
-    """The value of an instant PromQL query with one result (at the epoch time ``at``, else now), or None when it
-    has none."""
-    params = {"query": query} if at is None else {"query": query, "time": f"{at:.3f}"}
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode(params)
-    with urllib.request.urlopen(url, timeout=10) as r:
-        data = json.load(r)
-    result = data["data"]["result"]
-    if not result:
-        return None
-    value = float(result[0]["value"][1])
-    return None if value != value else value  # NaN: no data in the buckets
 
 
 def tiktoken_cache(work: Path) -> Path:

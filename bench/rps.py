@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import peers
-from bench.procs import Service, free_port, pinned, quiesce, wait_http
+from bench.procs import quiesce
+from tests.support.net import free_port, wait_http
+from tests.support.proctree import Service, pinned
 
 #: The request every path gets: an embeddings call, as short as the answer.
 BODY = '{"model":"bench","input":"the quick brown fox"}'

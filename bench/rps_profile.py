@@ -32,8 +32,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.procs import pin_threads, pinned, quiesce
+from bench.procs import quiesce
 from bench.rps import Rig, RpsPlan
+from tests.support.proctree import pin_threads, pinned
 
 LOOP = "event loop (uvloop, C: reads, callbacks)"
 #: (stage, substrings of a frame): a sample's stage is the first rule matched by its innermost matching frame.

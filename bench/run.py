@@ -32,9 +32,10 @@ from typing import Any
 
 from bench import accuracy, peers, report, rps, tlsca
 from bench.peers import Endpoint
-from bench.procs import Sampler, Service, pinned, quiesce
+from bench.procs import Sampler, quiesce
 from bench.stats import PathFigures, analyse, crossing, median, open_streams
 from llmtap.analysis.stats import quantile
+from tests.support.proctree import Service, pinned
 
 PATHS = ("direct", "nginx", "llmtap", "litellm")
 IN_NETNS = "BENCH_IN_NETNS"

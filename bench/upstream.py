@@ -7,7 +7,7 @@ up), then the finish, usage and ``[DONE]`` events. Each content chunk is its own
 clock every process on the machine shares), so the harness can subtract what the upstream really did
 from what a client saw, request by request, chunk by chunk.
 
-``GET /bench/records`` returns (and forgets) every finished request's record. Run
+``GET /bench/probes/records`` returns (and forgets) every finished request's record. Run
 ``python -m bench.upstream --port 0``: it prints its port on stdout. With ``--tls-cert`` and ``--tls-key``
 the same process also listens with TLS (``--tls-port``, 0 for any) and prints that port on a second line;
 both listeners share the script and the records, so one upstream serves plain and HTTPS paths of a run.
@@ -23,6 +23,8 @@ import re
 import ssl
 import time
 from typing import Any, cast
+
+from tests.support.chunks import chat_chunk, usage_chunk
 
 WORDS = (" alpha", " beta", " gamma", " delta", " river", " sigma", " omega", " theta")  # one o200k token each
 #: The client puts ``bench-id:<id>`` in its prompt; proxies relay the prompt, so the id survives any path.
@@ -59,26 +61,11 @@ def _chunk(payload: bytes) -> bytes:
 
 
 def _event(model: str, delta: dict[str, Any], finish: str | None = None) -> bytes:
-    body = {
-        "id": "chatcmpl-bench",
-        "object": "chat.completion.chunk",
-        "created": 1700000000,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return chat_chunk(delta, finish, model=model, ident="chatcmpl-bench")
 
 
 def _usage(model: str, prompt: int, completion: int) -> bytes:
-    body = {
-        "id": "chatcmpl-bench",
-        "object": "chat.completion.chunk",
-        "created": 1700000000,
-        "model": model,
-        "choices": [],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-    }
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return usage_chunk(prompt, completion, model=model, ident="chatcmpl-bench")
 
 
 class Upstream:
@@ -140,7 +127,7 @@ class _Conn(asyncio.Protocol):
             return
         body, self.buf = self.buf[head_end + 4 : end], self.buf[end:]
         method, target = head.split(" ", 2)[:2]
-        if method == "GET" and target.startswith("/bench/records"):
+        if method == "GET" and target.startswith("/bench/probes/records"):
             records, self.up.records = self.up.records, []
             self._respond(200, "application/json", json.dumps(records).encode())
         elif method == "POST" and target.endswith("/chat/completions"):

@@ -25,13 +25,13 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bench.procs import free_port as free_port  # one definition for the tests and the benchmark
 from llmtap.config.types import Settings
 from llmtap.relay.app import ProxyApp
 from llmtap.serve.local import in_process
 from llmtap.telemetry.admin.server import AdminApp
 from llmtap.telemetry.exposition.prometheus import PrometheusReader
 from llmtap.telemetry.recorder import Recorder
+from tests.support.net import free_port as free_port  # one definition for the tests and the benchmark
 
 TESTS = Path(__file__).parent
 #: What an install remembers (the attribution key, proxy/llmtap/relay/fingerprint.py) goes to a folder of this run's
@@ -56,7 +56,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             name = Path(path).name
-            return "core-0" if name.startswith("test_real_vllm") or name == "test_bench_smoke.py" else path
+            return "core-0" if name.startswith("test_real_vllm") or path.endswith("bench/tests/test_smoke.py") else path
 
     return ByFile(config, log)
 
@@ -67,7 +67,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
     if report.failed and "vllm_medium" in getattr(item, "fixturenames", ()):
-        from tests.vllm_server import log_tail
+        from tests.support.vllm_server import log_tail
 
         tail = log_tail()
         if tail is not None:
@@ -221,7 +221,8 @@ class Scripted:
 
     def __init__(self, **env: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(TESTS / "scripted_upstream.py")],
+            [sys.executable, "-m", "tests.support.scripted_upstream"],
+            cwd=TESTS.parent,
             stdout=subprocess.PIPE,
             env={**os.environ, **env},
             text=True,
@@ -234,7 +235,7 @@ class Scripted:
         return f"http://127.0.0.1:{self.port}"
 
     def close(self) -> None:
-        from tests.procs import stop  # tests.procs imports this module
+        from tests.support.procs import stop  # tests.support.procs imports this module
 
         stop(self.proc)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Arize Phoenix, a real OTLP trace backend, into its own virtual environment ("$LLMTAP_TOOLS/phoenix"):
-# its many pins must not meet ours. tests/test_phoenix.py starts `phoenix serve` offline from there.
+# its many pins must not meet ours. tests/real/test_phoenix.py starts `phoenix serve` offline from there.
 # Idempotent: a venv that already has arize-phoenix and its `phoenix` command is kept. About 2 minutes, 850 MB.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Derives the Grafana dashboard JSON Schema from npm's @grafana/schema (its TypeScript `Dashboard` type, through
-# ts-json-schema-generator) into "$LLMTAP_TOOLS/npm/dashboard-<version>.schema.json"; tests/test_dashboards.py
+# ts-json-schema-generator) into "$LLMTAP_TOOLS/npm/dashboard-<version>.schema.json"; tests/project/test_dashboards.py
 # validates every generated dashboard against it. Derived here rather than checked in: the file is a pure function
 # of the pinned package, so bumping GRAFANA_SCHEMA below is the whole upgrade, and no stale copy can linger.
 # Idempotent: a schema already derived for this version is kept.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the independent reference for tests/test_reference_openai.py into its own virtual environment
+# Installs the independent reference for tests/real/test_reference_openai.py into its own virtual environment
 # ("$LLMTAP_TOOLS/openai-reference"): the `openai` SDK under the official OpenTelemetry instrumentation,
 # opentelemetry-instrumentation-openai-v2. The set is pinned to versions that import together: the
 # instrumentation reads the SDK's base URL as an httpx URL, so `openai` stays on 2.x (3.x moved to httpx2,

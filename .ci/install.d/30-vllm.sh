@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the CPU build of vLLM (pinned, in its own venv) and the two local models the real-vLLM tier serves:
 # "tiny" (random weights, 4 MB) and "medium" (tiny's tokenizer with a 140M-parameter config, served with dummy
-# weights and cut to 2 layers by tests/vllm_server.py, so its prefill and decode take long enough to measure
+# weights and cut to 2 layers by tests/support/vllm_server.py, so its prefill and decode take long enough to measure
 # queueing and short enough for a test). Offline except for PyPI.
 # Idempotent: a venv that already imports vllm and models that already have their config are kept.
 set -euo pipefail

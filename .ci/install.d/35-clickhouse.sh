@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs ClickHouse (Debian's package, 18.16: clickhouse-server and clickhouse-client) for the real tier:
 # the record sink (`serve --record-clickhouse URL`) and `llmtap compare/slo --clickhouse URL`. The tests start
-# it as a plain process on free ports with a generated config (tests/clickhouse_server.py); no systemd here.
+# it as a plain process on free ports with a generated config (tests/support/clickhouse_server.py); no systemd here.
 # A current ClickHouse is checked too, embedded: chDB from PyPI (the `test` extra). Idempotent: an installed
 # clickhouse-server is kept.
 set -euo pipefail

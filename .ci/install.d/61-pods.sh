@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What `podman kube play` needs beyond the image build (tests/test_pods.py plays the chart as pods): catatonit,
+# What `podman kube play` needs beyond the image build (tests/deploy/test_pods.py plays the chart as pods): catatonit,
 # the init podman makes each pod's infra (pause) image from, and iproute2 for the pods' own network namespace.
 # Idempotent: what is installed is kept.
 set -euo pipefail

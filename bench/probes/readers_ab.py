@@ -3,7 +3,7 @@
 Issue 44 made the readers skip and count damaged input and count each record once. This probe runs
 ``llmtap compare`` from two checkouts of llmtap (``--base``, ``--new``: each a tree with ``proxy/``), alternating
 them round after round on the same data, so a busy machine weighs on both alike: a week of generated records
-(``bench.records_gen``) as Parquet and as gzip JSON lines, read by the engine and by plain Python, and the same
+(``bench.probes.records_gen``) as Parquet and as gzip JSON lines, read by the engine and by plain Python, and the same
 rows in a real ClickHouse (Debian's ``clickhouse-server``). The new checkout also reads the data with copies:
 every 20th file again under another name (spread over every part of the engine), the last three files again
 (what a journal's replay after a crash writes), and the table with 5% of its rows inserted again. It prints each
@@ -47,7 +47,7 @@ def data(new: Path, work: Path, records: int, lines: int) -> dict[str, Path]:
     env = {**os.environ, "PYTHONPATH": f"{new}/proxy:{new}"}
     out = {"parquet": work / "parquet", "jsonl": work / "jsonl"}
     if not out["parquet"].exists():
-        gen = [PY, "-m", "bench.records_gen"]
+        gen = [PY, "-m", "bench.probes.records_gen"]
         subprocess.run([*gen, "-", str(records), "--parquet", str(out["parquet"])], check=True, cwd=new, env=env)
         subprocess.run([*gen, str(out["jsonl"]), str(lines)], check=True, cwd=new, env=env)
     for kind, pattern in (("parquet", "*.parquet"), ("jsonl", "*.jsonl.gz")):
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     base, new = args.base.resolve(), args.new.resolve()
     sys.path[:0] = [str(new / "proxy"), str(new)]
-    from bench import clickhouse_scale
+    from bench.probes import clickhouse_scale
     from llmtap.store import clickhouse as ch
-    from tests.clickhouse_server import ClickHouseProcess
+    from tests.support.clickhouse_server import ClickHouseProcess
 
     folders = data(new, args.work, args.records, args.lines)
     shutil.rmtree(args.work / "clickhouse", ignore_errors=True)

@@ -6,7 +6,7 @@ the key's path, its type (the schema's, where the default is null), its default 
 goes between the two markers of ``helm/llmtap/README.md``; the prose around it is the README's own.
 
 ``python docs/generate/chart.py`` rewrites the table; with ``--check`` it only says whether it is current
-(tests/test_helm_docs.py runs that). No dependency beyond PyYAML, which llmtap already needs.
+(tests/deploy/test_helm_docs.py runs that). No dependency beyond PyYAML, which llmtap already needs.
 """
 
 from __future__ import annotations

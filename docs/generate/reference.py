@@ -1031,8 +1031,8 @@ def _histogram_section(released: list[Instrument]) -> list[str]:
         "  `explicit_bucket_histogram` stops the start. `/metrics` keeps explicit buckets: the Prometheus text",
         "  format has no native histograms.",
         "",
-        "How far a percentile read back from each lies from the exact value: `python -m bench.buckets` and",
-        "`python -m bench.page` (`bench/RESULTS.md`); what each backend gets: docs/reading-the-numbers.md.",
+        "How far a percentile read back from each lies from the exact value: `python -m bench.probes.buckets` and",
+        "`python -m bench.probes.page` (`bench/RESULTS.md`); what each backend gets: docs/reading-the-numbers.md.",
         "",
     ]
 

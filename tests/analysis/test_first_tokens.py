@@ -1,0 +1,261 @@
+"""Time to first output token and time to second token beside TTFT, and the ITL rule for multi-token chunks.
+
+A reasoning model's thinking arrives first: TTFT stops at it, TTFOT at the answer's first chunk. The providers mark
+reasoning-only events (OpenAI-style ``reasoning_content`` and ``reasoning`` deltas, Anthropic ``thinking_delta``,
+Responses reasoning events); ``llmtap serve`` in front of a scripted upstream that thinks for a set time, called with
+the ``openai`` and ``anthropic`` SDKs, records both figures on the record, the span and the histograms. Last, the ITL
+rule (a gap spread over its chunk's tokens, one sample per token) against each benchmark tool's definition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from llmtap.analysis.summary import summarize
+from llmtap.analysis.timeline import Timeline
+from llmtap.providers import provider_for
+from llmtap.providers.sse import Event
+from llmtap.types import Usage
+from tests.analysis.test_attribution import records
+from tests.conftest import ServerThread
+from tests.support.procs import Llmtap
+from tests.telemetry.test_metrics_standard import total, wait_for
+
+# --- providers: which events are reasoning alone ---------------------------------------------------------
+
+
+def _chat_facts(delta: dict[str, Any]) -> Any:
+    provider = provider_for("POST", "/v1/chat/completions")
+    assert provider is not None
+    chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
+    return provider.stream_parser().feed(Event("", json.dumps(chunk)))
+
+
+@pytest.mark.parametrize(
+    ("delta", "reasoning"),
+    [
+        ({"reasoning_content": "Let me think"}, True),  # vLLM before 0.10, DeepSeek
+        ({"reasoning": "Let me think"}, True),  # vLLM since
+        ({"reasoning_content": "", "content": "Paris"}, False),
+        ({"content": "Paris"}, False),
+        ({"reasoning": "so", "content": "Paris"}, False),  # the answer has begun
+        ({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}, False),
+    ],
+)
+def test_openai_reasoning_deltas_are_marked(delta: dict[str, Any], reasoning: bool) -> None:
+    facts = _chat_facts(delta)
+    assert facts.has_content and facts.reasoning is reasoning
+
+
+def test_anthropic_thinking_is_marked_and_text_is_not() -> None:
+    provider = provider_for("POST", "/v1/messages")
+    assert provider is not None
+    parser = provider.stream_parser()
+
+    def delta(kind: str, key: str) -> Any:
+        body = {"type": "content_block_delta", "index": 0, "delta": {"type": kind, key: "x"}}
+        return parser.feed(Event(event="content_block_delta", data=json.dumps(body)))
+
+    assert delta("thinking_delta", "thinking").reasoning is True
+    assert delta("text_delta", "text").reasoning is False
+    assert delta("input_json_delta", "partial_json").reasoning is False
+
+
+# --- the summary ----------------------------------------------------------------------------------------
+
+
+def _timeline(chunks: list[tuple[float, int, bool]], *, output_tokens: int | None = None) -> Timeline:
+    """A streamed chat request received at 0: each chunk's arrival, token count and whether it is answer content."""
+    provider = provider_for("POST", "/v1/chat/completions")
+    assert provider is not None
+    tl = Timeline("POST", "/v1/chat/completions", "default", "u", "h", 1, provider.name, "openai", 0.0, 0)
+    tl.request = provider.inspect(b'{"model":"gpt-4o","stream":true,"messages":[]}', inject_usage=False)
+    tl.sent = tl.headers = tl.first_byte = 0.001
+    tl.status_code = 200
+    for t, tokens, output in chunks:
+        tl.add_chunk(t, 10, " go" * tokens, output=output)
+    tl.end = chunks[-1][0] + 0.001
+    if output_tokens is not None:
+        tl.usage = Usage(input_tokens=5, output_tokens=output_tokens)
+    return tl
+
+
+def test_ttfot_is_the_answers_first_chunk_and_ttst_the_second_chunk() -> None:
+    thinking = summarize(_timeline([(0.2, 1, False), (0.25, 1, False), (0.7, 1, True), (0.75, 1, True)]))
+    assert thinking.ttft == pytest.approx(0.2) and thinking.ttfot == pytest.approx(0.7)
+    assert thinking.ttst == pytest.approx(0.05)
+    plain = summarize(_timeline([(0.2, 1, True), (0.3, 1, True)]))
+    assert plain.ttfot == plain.ttft == pytest.approx(0.2) and plain.ttst == pytest.approx(0.1)
+    only = summarize(_timeline([(0.2, 1, False)]))  # reasoning alone, one chunk: neither
+    assert only.ttft == pytest.approx(0.2) and only.ttfot is None and only.ttst is None
+
+
+def test_the_itl_rule_against_each_benchmark_tools_definition() -> None:
+    """One stream of multi-token chunks, each tool's ITL computed from the raw (arrival, tokens) list as its source
+    computes it, against the llmtap figure that equals it."""
+    raw = [(0.30, 1), (0.34, 3), (0.36, 1), (0.46, 5), (0.50, 2)]  # (arrival, tokens), request sent at 0
+    n = sum(k for _, k in raw)
+    s = summarize(_timeline([(t, k, True) for t, k in raw], output_tokens=n))
+    ttft, first, last = raw[0][0], raw[0][0], raw[-1][0]
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(raw)]
+    # vllm bench serve: one ITL sample per chunk after the first; AIPerf's ICL the same: llmtap's chunk gaps.
+    assert s.gaps == pytest.approx(gaps)
+    # AIPerf and GenAI-Perf ITL, (latency - TTFT) / (OSL - 1), and guidellm's (last - first) / (n - 1): TPOT.
+    assert s.tpot == pytest.approx((last - ttft) / (n - 1)) == pytest.approx((last - first) / (n - 1))
+    # GenAI-Perf's chunked ITL, (t2 - t1) / tokens in the chunk, once per chunk; llmtap repeats it per token.
+    chunked = [g / k for g, (_, k) in zip(gaps, raw[1:], strict=True)]
+    repeated = [g / k for g, (_, k) in zip(gaps, raw[1:], strict=True) for _ in range(k)]
+    assert s.itl_per_token == pytest.approx(repeated)
+    assert sorted(set(round(v, 9) for v in s.itl_per_token)) == sorted(set(round(v, 9) for v in chunked))
+    # The mean of llmtap's samples is the decode after the first chunk over the tokens after it.
+    assert sum(s.itl_per_token) / len(s.itl_per_token) == pytest.approx((last - first) / (n - raw[0][1]))
+    # LLMPerf: sum([ttft] + gaps) / output tokens, first token included: (TTFT + decode) / n from llmtap's figures.
+    assert s.ttft is not None and s.decode is not None
+    assert (ttft + sum(gaps)) / n == pytest.approx((s.ttft + s.decode) / n)
+
+
+# --- end to end: a reasoning upstream, through llmtap serve ----------------------------------------------
+
+THINK_S, ANSWER_AT_S = 0.05, 0.4  # two thinking chunks 50 ms apart, the answer 400 ms after the request
+
+
+def _sse(data: dict[str, Any], event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return (head + "data: " + json.dumps(data, separators=(",", ":")) + "\n\n").encode()
+
+
+def _openai_stream() -> list[tuple[float, bytes]]:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return _sse(
+            {"id": "r", "object": "chat.completion.chunk", "created": 1, "model": "thinker", "choices": [choice]}
+        )
+
+    usage = {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    return [
+        (0.0, chunk({"role": "assistant", "content": ""})),
+        (0.1, chunk({"reasoning_content": "The user"})),
+        (0.1 + THINK_S, chunk({"reasoning_content": " asks."})),
+        (ANSWER_AT_S, chunk({"content": "Paris"})),
+        (ANSWER_AT_S + 0.02, chunk({"content": "."}, "stop")),
+        (
+            ANSWER_AT_S + 0.02,
+            _sse(
+                {
+                    "id": "r",
+                    "object": "chat.completion.chunk",
+                    "created": 1,
+                    "model": "thinker",
+                    "choices": [],
+                    "usage": usage,
+                }
+            ),
+        ),
+        (ANSWER_AT_S + 0.02, b"data: [DONE]\n\n"),
+    ]
+
+
+def _anthropic_stream() -> list[tuple[float, bytes]]:
+    message: dict[str, Any] = {"id": "msg_1", "type": "message", "role": "assistant", "model": "thinker"}
+    message |= {"content": [], "stop_reason": None, "stop_sequence": None}
+    message["usage"] = {"input_tokens": 5, "output_tokens": 1}
+
+    def delta(index: int, kind: str, key: str, text: str) -> bytes:
+        body = {"type": "content_block_delta", "index": index, "delta": {"type": kind, key: text}}
+        return _sse(body, "content_block_delta")
+
+    thinking = {"type": "thinking", "thinking": "", "signature": ""}
+    return [
+        (0.0, _sse({"type": "message_start", "message": message}, "message_start")),
+        (0.0, _sse({"type": "content_block_start", "index": 0, "content_block": thinking}, "content_block_start")),
+        (0.1, delta(0, "thinking_delta", "thinking", "The user")),
+        (0.1 + THINK_S, delta(0, "thinking_delta", "thinking", " asks.")),
+        (0.1 + THINK_S, delta(0, "signature_delta", "signature", "sig")),
+        (0.1 + THINK_S, _sse({"type": "content_block_stop", "index": 0}, "content_block_stop")),
+        (
+            0.1 + THINK_S,
+            _sse(
+                {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
+                "content_block_start",
+            ),
+        ),
+        (ANSWER_AT_S, delta(1, "text_delta", "text", "Paris")),
+        (ANSWER_AT_S + 0.02, delta(1, "text_delta", "text", ".")),
+        (ANSWER_AT_S + 0.02, _sse({"type": "content_block_stop", "index": 1}, "content_block_stop")),
+        (
+            ANSWER_AT_S + 0.02,
+            _sse(
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                    "usage": {"output_tokens": 4},
+                },
+                "message_delta",
+            ),
+        ),
+        (ANSWER_AT_S + 0.02, _sse({"type": "message_stop"}, "message_stop")),
+    ]
+
+
+async def _thinker(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A reasoning upstream: each event at its set offset from the request's arrival (absolute: no drift)."""
+    if scope["type"] != "http":
+        return
+    start = time.perf_counter()
+    while (await receive()).get("more_body"):
+        pass
+    plan = _anthropic_stream() if scope["path"].endswith("/messages") else _openai_stream()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for at, data in plan:
+        await asyncio.sleep(max(at - (time.perf_counter() - start), 0))
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def test_reasoning_streams_through_serve_with_both_sdks(tmp_path: Path) -> None:
+    folder = tmp_path / "records"
+    with ServerThread(_thinker, lifespan="off") as upstream:
+        proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--record", str(folder), "--no-inject-usage")
+        try:
+            chat = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0)
+            stream = chat.chat.completions.create(
+                model="thinker", messages=[{"role": "user", "content": "Capital of France?"}], stream=True
+            )
+            answer = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert answer == "Paris."
+            claude = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
+            with claude.messages.stream(
+                model="thinker",
+                max_tokens=64,
+                thinking={"type": "enabled", "budget_tokens": 32},
+                messages=[{"role": "user", "content": "Capital of France?"}],
+            ) as events:
+                assert events.get_final_text() == "Paris."
+            got = sorted(records(folder, 2, proxy), key=lambda r: r["time"])
+            for rec in got:
+                # Thinking began 100 ms in, the answer 400 ms in: TTFOT waits for the answer (the upstream's sleeps
+                # are floors, so these hold however busy the machine), and the second token was the second thought.
+                assert rec["ttft"] >= 0.1 and rec["ttfot"] >= ANSWER_AT_S and rec["ttft"] < rec["ttfot"], rec
+                assert 0 < rec["ttst"] <= rec["ttfot"] - rec["ttft"] + 1e-6, rec
+            assert [r["protocol"] for r in got] == ["openai_chat", "anthropic"]
+            wait_for(
+                "both on /metrics",
+                lambda: total(proxy.metrics(), "llmtap_time_to_first_output_token_seconds_count") == 2,
+                proxy,
+            )
+            text = proxy.metrics()
+            assert total(text, "llmtap_time_to_second_token_seconds_count") == 2
+            assert total(text, "llmtap_time_to_first_output_token_seconds_sum") == pytest.approx(
+                sum(r["ttfot"] for r in got), rel=1e-3
+            )
+        finally:
+            proxy.close()
