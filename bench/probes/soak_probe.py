@@ -170,7 +170,7 @@ def _telemetry(rec: Any) -> Callable[[], dict[str, Any]]:
 
     windows, matches, readers = [_windows(rec, LiveWindow)], [_sdk_matches(rec)], [_readers(PrometheusReader)]
     checked = [time.monotonic()]
-    join, est, streams, cache = rec.wait.join, rec.estimator, rec.streams, rec.cache
+    join, est, streams, cache = rec.wait.join, rec.estimator, rec.streams, rec.analysis.cache
     table: dict[str, tuple[Callable[[], int], Callable[[], int] | None]] = {
         "queue": (rec._queue.qsize, lambda: rec._queue.maxsize),
         "open_streams": (lambda: streams.open, lambda: streams._limit),
@@ -193,7 +193,7 @@ def _telemetry(rec: Any) -> Callable[[], dict[str, Any]]:
             lambda: sum(len(u.log._ends) + len(u.log._decoding) for u in est._upstreams.values()),
             lambda: sum(2 * u.log.maxlen for u in est._upstreams.values()),
         ),
-        "price_memo": (lambda: len(rec.prices._memo), lambda: cost.MEMO),
+        "price_memo": (lambda: len(rec.analysis.prices._memo), lambda: cost.MEMO),
         "otlp_keys": (lambda: len(otlp_spans._KEYS), lambda: otlp_spans._KEYS_KEPT),
         "live_samples": (lambda: sum(w._kept for w in windows[0]), lambda: sum(w._budget for w in windows[0])),
         "live_requests": (

@@ -245,7 +245,9 @@ def test_reasoning_streams_through_serve_with_both_sdks(tmp_path: Path) -> None:
                 # Thinking began 100 ms in, the answer 400 ms in: TTFOT waits for the answer (the upstream's sleeps
                 # are floors, so these hold however busy the machine), and the second token was the second thought.
                 assert rec["ttft"] >= 0.1 and rec["ttfot"] >= ANSWER_AT_S and rec["ttft"] < rec["ttfot"], rec
-                assert 0 < rec["ttst"] <= rec["ttfot"] - rec["ttft"] + 1e-6, rec
+                # TTFT counts to when the first content was shown to the client, TTST between chunk arrivals: on a
+                # busy machine the answer's head can go out after the first chunk arrived, so allow that gap.
+                assert 0 < rec["ttst"] <= rec["ttfot"] - rec["ttft"] + 0.05, rec
             assert [r["protocol"] for r in got] == ["openai_chat", "anthropic"]
             wait_for(
                 "both on /metrics",

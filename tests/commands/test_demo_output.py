@@ -187,7 +187,8 @@ def test_demo_progress_on_a_terminal_moves_from_the_first_request_on() -> None:
     assert states[0] == "warm-up request, 0 s", states
     # Each request's start shows before any request ends (the old progress counted finished ones only).
     first_done = next(i for i, s in enumerate(states) if re.search(r", [1-9]\d* done", s))
-    waiting = states[1:first_done]
+    # The warm-up may tick on a busy machine before the first request starts.
+    waiting = [s for s in states[1:first_done] if not s.startswith("warm-up request, ")]
     assert waiting and waiting[0].startswith("1/2 started, 0 done"), states
     # Waiting on the first token and the decode (~1.7 s), the line still moves every second: the start of
     # the second request, then at least one tick before the first answer ends.
