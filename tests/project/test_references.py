@@ -79,6 +79,23 @@ def test_every_module_and_path_the_docs_name_is_there() -> None:
     assert named((ROOT / "docs" / "development.md").read_text(encoding="utf-8")) > 10
 
 
+def test_every_module_the_code_says_to_run_is_there() -> None:
+    # Docstrings and comments say how a figure was measured (``python -m bench.probes.journal``), often across a
+    # line break; ``.ci/`` runs modules too.
+    sources = [*(ROOT / "proxy").rglob("*.py"), *(ROOT / ".ci").rglob("*")]
+    sources += [path for path in (ROOT / "bench").rglob("*.py") if "archive" not in path.parts]
+    seen, missing = 0, []
+    for path in sources:
+        if path.is_file():
+            text = re.sub(r"(python3? -m)\s+", r"\1 ", path.read_text(encoding="utf-8", errors="replace"))
+            for module in _RUN.findall(text):
+                seen += 1
+                if module.split(".")[0] in PACKAGES and not placeholder(module) and not runnable(module):
+                    missing.append(f"{path.relative_to(ROOT)}: python -m {module}")
+    assert missing == []
+    assert seen > 10
+
+
 def test_a_moved_module_or_path_is_named_stale() -> None:
     text = (
         "Run `python -m bench.yield_cpu --staggered` and `python -m bench.probes.yield_cpu`; "
