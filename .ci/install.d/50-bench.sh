@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the peers and the reference client of the benchmark (bench/, tests/test_bench_smoke.py):
+# Installs the peers and the reference client of the benchmark (bench/, bench/tests/test_smoke.py):
 # nginx (Debian nginx-light, the floor for a proxy, also over an HTTPS upstream), wrk, LiteLLM's proxy and NVIDIA's aiperf, each of the two
 # Python tools in its own virtual environment ("$LLMTAP_TOOLS/litellm", "$LLMTAP_TOOLS/aiperf") because
 # their pins clash with ours and with each other.

@@ -1,5 +1,5 @@
 """How option values are read, checked and described: a ``Kind`` per sort of value (``integer(0, 65535)``,
-``choice("lean", "httpx")``, ``url()``...), used by the option table (``llmtap.config.options``).
+``choice("idle", "nice", "normal")``, ``url()``...), used by the option table (``llmtap.config.options``).
 
 A value that does not fit raises ``Invalid`` with what was expected (``expected an integer from 0 to
 65535``); ``llmtap.config.sources`` adds where the value came from.

@@ -7,15 +7,15 @@ keeps the GIL. ``BodyScan`` is fed each piece of the body as the listener hands 
 that reads the JSON grammar as it goes and keeps only what the splice needs, so each piece costs time in
 proportion to its size, and little is left to do once the last one came (``prepared``).
 
-What it keeps: whether the body is one JSON object, its top-level ``stream`` (the last one, as ``json.loads`` keeps
-it), its top-level ``stream_options`` (the last one: whether it is an object, where that object closes, whether
-it is empty, its ``include_usage`` and ``continuous_usage_stats``), and where the body's object closes. From that,
-``prepared`` gives exactly what ``prepare_usage(body, inject_usage=True)`` gives (``tests/test_bodyscan.py`` holds
-the two to each other on generated bodies cut at every byte). What ``json.loads`` refuses is refused, by json's own
-pieces where it matters: each piece is decoded as UTF-8 (with or without a BOM; no other encoding is spliced),
-strings with escapes are read by json's C ``scanstring`` (controls and escapes as it checks them), plain text up to
-a quote at memchr speed; numbers follow JSON's grammar with Python's digit limit, literals are those ``json.loads``
-takes (``NaN`` and ``Infinity`` too), and only whitespace may follow the value.
+What it keeps: whether the body is one JSON object, its top-level ``stream`` (the last one, as ``json.loads`` keeps it),
+its top-level ``stream_options`` (the last one: whether it is an object, where that object closes, whether it is empty,
+its ``include_usage`` and ``continuous_usage_stats``), and where the body's object closes. From that, ``prepared`` gives
+exactly what ``prepare_usage(body, inject_usage=True)`` gives (``tests/providers/test_bodyscan.py`` holds the two to
+each other on generated bodies cut at every byte). What ``json.loads`` refuses is refused, by json's own pieces where it
+matters: each piece is decoded as UTF-8 (with or without a BOM; no other encoding is spliced), strings with escapes are
+read by json's C ``scanstring`` (controls and escapes as it checks them), plain text up to a quote at memchr speed;
+numbers follow JSON's grammar with Python's digit limit, literals are those ``json.loads`` takes (``NaN`` and
+``Infinity`` too), and only whitespace may follow the value.
 
 Where it is cheaper than exact, it errs towards forwarding the body unchanged, which is always safe: a body
 nested deeper than ``MAX_DEPTH`` (``json.loads`` stops near a thousand), a number or literal longer than

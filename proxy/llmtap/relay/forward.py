@@ -154,7 +154,7 @@ class Upstreams:
         # Backpressure: when a client reads slower than its upstream writes, the relay stops reading, but
         # the event loop may already have drained the socket's whole receive buffer (uvloop reads up to
         # 32 times per wake-up), and Linux grows that buffer to megabytes. A fixed SO_RCVBUF bounds what
-        # one stream can make the proxy hold (tests/test_faults.py measures it).
+        # one stream can make the proxy hold (tests/e2e/test_faults.py measures it).
         buffer = settings.stream_buffer_bytes
         for route in settings.routes:
             key = _pool_key(route)

@@ -4,7 +4,7 @@ Every method and every path goes to the relay, which answers its own errors (a t
 ``*`` or an absolute form included: its guard refuses it with its own 400), so there is nothing to route: an HTTP
 scope goes to the relay at once, without Starlette's error and exception middleware, its router's match of a
 catch-all pattern and the two ``send`` wrappers those put around every message (5 µs a request and 0.4 µs a
-relayed message, ``python -m bench.frame``). An exception that escapes the relay meets uvicorn, which logs it
+relayed message, ``python -m bench.probes.frame``). An exception that escapes the relay meets uvicorn, which logs it
 and answers 500 when no head was sent, as Starlette's error middleware did. Starlette still runs the relay's
 lifespan (start-up and shutdown), and anything else (a WebSocket scope, should a server hand one over) goes
 through its router to the relay too.

@@ -32,7 +32,7 @@ A new source (ClickHouse, say) plugs in by implementing ``Source``: a class with
 ``count_met`` for ``--config``) that computes the same ``Group`` facts from its own store, typically one
 ``GROUP BY side, route, shape`` query producing the flat columns' aggregates, plus one ordered query per
 figure for the sorted values; then ``llmtap.store.open_source`` (or the command) picks it. The
-definitions each aggregate must follow are on ``Group``'s fields; ``tests/test_store.py`` holds a
+definitions each aggregate must follow are on ``Group``'s fields; ``tests/store/test_store.py`` holds a
 source to the reference.
 """
 

@@ -16,19 +16,19 @@ becomes ``nice``.
 A thread enters the class itself (``idle_here``) when it starts; threads the OpenTelemetry SDK starts are moved
 once they exist (``idle_others``).
 
-The class alone does not keep the relay's waits short. Once a telemetry thread has the core, Linux gives it
-back to a runnable relay at its next scheduler tick (4 ms at HZ=250) or another wake-up: a relay that just ran
-is not yet eligible when the kernel picks, and nothing makes it pick again sooner, SCHED_IDLE or niced alike.
-So, in ``idle`` and ``nice``, the telemetry threads hand the core back themselves when a relay waits for it
-(``checkpoint``, at every tape message, read played back, emitter, chunk span and span encoded): once the
-process has worked ``telemetry_yield`` microseconds (500 by default; 0: never) since the last look, it reads the
-run state of each relay's event-loop thread (``/proc/PID/task/PID/stat``, kept open: one ``pread``, about 4 µs)
-and calls ``sched_yield`` when one is runnable on the CPU this thread is running on, so waiting behind it. A
-relay running on another CPU, or asleep, costs nothing but the look. Measured with the whole tree on one core
-and 64 staggered keep-alive streams (``python -m bench.yield_cpu --staggered``, ``bench/RESULTS.md``): the
-relay's wait for the core each time it ran fell from 0.06 to 0.08 ms to 0.01 to 0.02, and llmtap's added TTFT
-p99 from about 4 ms to under 2.2, at any interval from 100 to 1,000 µs. The looks cost telemetry CPU while it is
-busy: about 15% more at 100 µs, 5% at 500 (``bench.telemetry`` with a relay watched).
+The class alone does not keep the relay's waits short. Once a telemetry thread has the core, Linux gives it back to a
+runnable relay at its next scheduler tick (4 ms at HZ=250) or another wake-up: a relay that just ran is not yet eligible
+when the kernel picks, and nothing makes it pick again sooner, SCHED_IDLE or niced alike. So, in ``idle`` and ``nice``,
+the telemetry threads hand the core back themselves when a relay waits for it (``checkpoint``, at every tape message,
+read played back, emitter, chunk span and span encoded): once the process has worked ``telemetry_yield`` microseconds
+(500 by default; 0: never) since the last look, it reads the run state of each relay's event-loop thread
+(``/proc/PID/task/PID/stat``, kept open: one ``pread``, about 4 µs) and calls ``sched_yield`` when one is runnable on
+the CPU this thread is running on, so waiting behind it. A relay running on another CPU, or asleep, costs nothing but
+the look. Measured with the whole tree on one core and 64 staggered keep-alive streams (``python -m
+bench.probes.yield_cpu --staggered``, ``bench/archive/RESULTS-2026-12.md``): the relay's wait for the core each time it
+ran fell from 0.06 to 0.08 ms to 0.01 to 0.02, and llmtap's added TTFT p99 from about 4 ms to under 2.2, at any interval
+from 100 to 1,000 µs. The looks cost telemetry CPU while it is busy: about 15% more at 100 µs, 5% at 500
+(``bench.probes.telemetry`` with a relay watched).
 
 Only a waiting relay is yielded to. ``sched_yield`` hands the core to whatever else waits for it: an
 earlier version yielded whenever the process might run on one CPU only, and on a test machine busy with other

@@ -4,7 +4,7 @@ Much of what the telemetry process allocates is larger than Python's own small-o
 the caches, the tapes' bytes, protobuf messages) and comes from the C allocator. glibc returns freed memory to the
 system only from the top of its heaps: what a backlog took (a queue of 4,096 tapes after a stall, their
 decoded bodies) stays resident as free space inside the heaps once it is freed, and each larger backlog adds to
-it. In the memory soak (``bench.soak_memory``) that free space rose from 7 to 56 MB over 45 minutes, in steps at
+it. In the memory soak (``bench.probes.soak_memory``) that free space rose from 7 to 56 MB over 45 minutes, in steps at
 each overload phase, while what was in use stayed flat. ``malloc_trim(0)`` releases the free pages of every heap;
 ``Trimmer.idle`` calls it when the recorder's worker finds its queue empty, at most once per ``TRIM_EVERY`` seconds.
 Where the C library has no ``malloc_trim`` (musl) it does nothing.

@@ -6,11 +6,11 @@ of the event loop leave in one write, or, with ``gather``, those sent within tha
 the bytes waiting in the socket's write buffer and here; while the other process is away, messages are dropped (counted)
 and the channel connects again.
 
-Why gather: the telemetry process wakes for each write it reads. Woken for each finished stream's tape (one every
-16 ms at 64 streams of one second each), a process that idles in between runs its work cold, at nearly twice the
-CPU a chunk it spends on the same tapes taken together (``bench.telemetry --pace``); a relay that gathers for 50 ms
-cut the telemetry process's CPU a chunk by a sixth (``bench.relay_cpu``, ``bench/RESULTS.md``). Gathering costs
-the records and metrics that delay; what must not wait (a relay's change of readiness) is sent ``at_once``, and
+Why gather: the telemetry process wakes for each write it reads. Woken for each finished stream's tape (one every 16 ms
+at 64 streams of one second each), a process that idles in between runs its work cold, at nearly twice the CPU a chunk
+it spends on the same tapes taken together (``bench.probes.telemetry --pace``); a relay that gathers for 50 ms cut the
+telemetry process's CPU a chunk by a sixth (``bench.probes.relay_cpu``, ``bench/archive/RESULTS-2026-12.md``). Gathering
+costs the records and metrics that delay; what must not wait (a relay's change of readiness) is sent ``at_once``, and
 everything gathered before it leaves with it, in order. With several relays the relay process gathers nothing
 (``llmtap.serve.relay``): two relays' gathers would reorder their tapes by up to the gather.
 """

@@ -16,7 +16,7 @@ last reads at the end; the telemetry side plays it as a gap, and the stream's re
 What leaves is a ``Segment`` or an ``End`` message (``llmtap.wire.messages``), in its encoded form. The tape
 builds that form itself, field by field in the order its named form declares (``Head``, ``Reads``, ``Tail``),
 rather than building the named form and encoding it: this runs on the relay for every stream, and a
-``NamedTuple`` made and then copied to a plain tuple costs about three times as much. ``tests/test_wire.py``
+``NamedTuple`` made and then copied to a plain tuple costs about three times as much. ``tests/wire/test_wire.py``
 decodes a tape's messages and compares every named field with the tape's own attribute of that name.
 """
 

@@ -1,6 +1,6 @@
 """A lean HTTP/1.1 client for HTTP and HTTPS upstreams: asyncio protocols, httptools parsing; what the relay calls.
 
-httpcore's pool, anyio and h11 cost about a third of the relay's CPU per chunk (bench/RESULTS.md, "Where
+httpcore's pool, anyio and h11 cost about a third of the relay's CPU per chunk (bench/archive/RESULTS-2026-12.md, "Where
 the time goes"); here one protocol object per connection parses the response as it arrives and queues its
 body parts. The relay calls it directly (``LeanTransport.send``: an ``Answer``, no httpx ``Request`` or
 ``Response``, which cost the relay about 150 µs of CPU a request, issue 29); as an httpx transport it

@@ -3,7 +3,7 @@
 On the recorder's worker, requests made final while more messages wait in the queue are held, and emitted together
 once it is empty or ``STAGED`` are held; a call on another thread (a direct ``record``) emits at once. A batch goes
 emitter by emitter rather than request by request: one emitter's code and data stay in the CPU's caches for the
-whole batch. Tapes captured in place and played again (``bench.telemetry --tapes --before``) cost 21.6 against
+whole batch. Tapes captured in place and played again (``bench.probes.telemetry --tapes --before``) cost 21.6 against
 19.5 µs a chunk back to back, and 22.8 against 21.3 and 25.1 against 21.0 handed over 32 messages at a time, 0.32 s
 apart. Each emitter still sees the requests in order, the spans first (they give ids to a timeline that came
 without any).

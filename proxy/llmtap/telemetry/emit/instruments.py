@@ -1,13 +1,12 @@
 """The metric instruments: names from ``semconv``, units, descriptions and bucket boundaries.
 
-Bucket scheme (one for every latency histogram). Every histogram in seconds takes ``DURATION_BUCKETS``: bounds
-2^(1/8) (about 9%) apart from 1 ms to about 131 s, so ``histogram_quantile`` lands within a few percent of the
-exact value wherever the data is (``python -m bench.buckets``, ``python -m bench.page``); token counts take
-``TOKEN_BUCKETS``, 2^(1/4) apart. The ``gen_ai.*`` histograms take them too by default
-(``telemetry.histogram_buckets: fine``); ``standard`` gives those the conventions' advisory boundaries
-(``semconv.BUCKETS_*``, which double at each step: a p99 read from them can be half again high), for
-dashboards keyed on those ``le`` values. llmtap's own latency histograms keep the fine buckets whatever the
-setting: the dashboards, the live view and ``llmtap compare`` read them.
+Bucket scheme (one for every latency histogram). Every histogram in seconds takes ``DURATION_BUCKETS``: bounds 2^(1/8)
+(about 9%) apart from 1 ms to about 131 s, so ``histogram_quantile`` lands within a few percent of the exact value
+wherever the data is (``python -m bench.probes.buckets``, ``python -m bench.probes.page``); token counts take
+``TOKEN_BUCKETS``, 2^(1/4) apart. The ``gen_ai.*`` histograms take them too by default (``telemetry.histogram_buckets:
+fine``); ``standard`` gives those the conventions' advisory boundaries (``semconv.BUCKETS_*``, which double at each
+step: a p99 read from them can be half again high), for dashboards keyed on those ``le`` values. llmtap's own latency
+histograms keep the fine buckets whatever the setting: the dashboards, the live view and ``llmtap compare`` read them.
 
 So many bounds cost little on ``/metrics``: the reader writes a histogram sparse, only the bounds over the range
 of the values its series hold (``prometheus``). Over OTLP each point carries every bound, or with

@@ -4,7 +4,7 @@ The SDK's OTLP encoder builds a protobuf message per span, per attribute and per
 classes' Python constructors: the telemetry process's profile put that at a fifth of its CPU, most of it the
 attributes of the few spans every request has. Here each field is written as its wire bytes (tag, length,
 value), an attribute's key and tag are encoded once and remembered, and the resource and scope once per batch.
-The bytes parse to the message the SDK's encoder builds for the same spans (``tests/test_otlp_spans.py``
+The bytes parse to the message the SDK's encoder builds for the same spans (``tests/telemetry/test_otlp_spans.py``
 compares them span by span, every value type included); ``exporter`` gives the SDK's OTLP exporters this
 encoder and leaves them everything else (transport, retries, headers, compression, limits).
 

@@ -118,7 +118,7 @@ class ChunkSpanWriter:
 
     A chunk span is born finished: its times, parent and attributes are known when the request is
     recorded. ``Tracer.start_span`` and ``end`` (context lookup, sampler, attribute validation, a lock per
-    end) cost about 25 µs a span, the constructed span about 4 µs (bench/RESULTS.md), and a stream has a
+    end) cost about 25 µs a span, the constructed span about 4 µs (bench/archive/RESULTS-2026-12.md), and a stream has a
     span per chunk. Sampling follows the parent (the decode span), as the SDK's default sampler decides;
     ``on_start`` is not called, as nothing can be added to a finished span. Reaching the processors takes
     two SDK attributes that are not public: without them (another SDK version, another provider) ``of``

@@ -31,7 +31,7 @@ up (above the highest: ``+Inf``, read as the highest bound written, its own); wi
 One aggregation for both. When llmtap also exports metrics over OTLP and the exporter wants what this reader
 collects (cumulative sums, explicit buckets: the defaults), the exporter is fed from this reader's own
 collections (``feed``) rather than from a second reader: the SDK then aggregates each sample once, not once per
-reader (a second reader cost the telemetry process 1.7 to 2 µs of its 21 a chunk, ``bench.telemetry``). Each
+reader (a second reader cost the telemetry process 1.7 to 2 µs of its 21 a chunk, ``bench.probes.telemetry``). Each
 collection, a scrape's or an export's, empties the SDK's reservoirs, so the exemplars a scrape took wait here
 for the next export (the newest per bucket): both see every exemplar.
 """

@@ -2,7 +2,7 @@
 
 ``RelayGauges`` takes each relay's ``Stats`` (``llmtap.wire.messages``): absolute gauges and counts, turned into
 additions to the instruments as the change since that relay's last report, and its readiness for ``/readyz``.
-``Drops`` counts tapes lost in whole or in part, by reason, on ``llmtap.telemetry.dropped``. Both run on the
+``Drops`` counts tapes lost in whole or in part, by reason, on ``llmtap.telemetry.tapes.dropped``. Both run on the
 recorder's worker thread, except where a method says otherwise.
 """
 

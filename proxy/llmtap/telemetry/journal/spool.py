@@ -43,13 +43,13 @@ What never reaches the journal is counted (``llmtap.telemetry.journal.sequences`
 they hand over, and a gap is an end lost on its way (``in_transit``); after a kill of the whole tree the relays' ledgers
 (``llmtap.wire.ledger``) say what each had handed over and was still relaying (``in_flight``).
 
-Durability, and its price. No ``fsync`` per write: a process kill (SIGKILL, the OOM killer) loses nothing written,
-since the kernel holds it; a crash of the node loses what was written since the last sync (every ``SYNC_EVERY``
-seconds and at each segment's close), and the chunks' CRC finds what it cut short. Measured (``python -m
-bench.journal``, 50-chunk streams, 8 a read; 2026-12-07 on this 2-core machine under a load of 10+): 0.13 µs a chunk
-on the event loop (the write of what was read) and 0.12 µs on the worker (references, acknowledgements), about 12 µs
-a request together, against the 20 to 50 µs a chunk the telemetry process spends; the relay's part is a sequence
-number in each end and three stores into its ledger per request, 0.2 to 0.3 µs a request.
+Durability, and its price. No ``fsync`` per write: a process kill (SIGKILL, the OOM killer) loses nothing written, since
+the kernel holds it; a crash of the node loses what was written since the last sync (every ``SYNC_EVERY`` seconds and at
+each segment's close), and the chunks' CRC finds what it cut short. Measured (``python -m bench.probes.journal``,
+50-chunk streams, 8 a read; 2026-12-07 on this 2-core machine under a load of 10+): 0.13 µs a chunk on the event loop
+(the write of what was read) and 0.12 µs on the worker (references, acknowledgements), about 12 µs a request together,
+against the 20 to 50 µs a chunk the telemetry process spends; the relay's part is a sequence number in each end and
+three stores into its ledger per request, 0.2 to 0.3 µs a request.
 
 Counters. The loss counters go on across a telemetry restart: their totals, and each relay's last reported total
 of ``channel_full`` drops (by relay id), are kept in the slot's ``counters.json`` (``llmtap.telemetry.journal.losses``),
