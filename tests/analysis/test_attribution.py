@@ -206,7 +206,7 @@ def test_ten_thousand_tenants_leave_metrics_bounded(tmp_path: Path) -> None:
         with httpx.Client(timeout=30) as client:
             assert client.post(url, json=chat, headers={"x-llmtap-tenant": "first"}).status_code == 200
         wait_for("the first request", lambda: total(proxy.metrics(), "llmtap_requests_total") == 1, proxy)
-        control = len(proxy.metrics().splitlines())
+        control = proxy.metrics().splitlines()
 
         deadline = time.monotonic() + 30 * PATIENCE
         failures: list[int] = []
@@ -244,9 +244,13 @@ def test_ten_thousand_tenants_leave_metrics_bounded(tmp_path: Path) -> None:
         recorded = total(text, "llmtap_requests_total")
         assert recorded >= 1 + values
         assert total(text, "llmtap_requests_total", llmtap_tenant="_OTHER") >= recorded - values - 1
-        # Each kept tenant adds a few counter series, never one per request.
-        grown = len(text.splitlines()) - control
-        assert grown < 40 * (values + 1), grown
+        # Each kept tenant adds a few counter series, never one per request; the rest of the page grows only as
+        # the histograms' sparse buckets widen to the load's spread of values (a bound far below one per request).
+        lines = text.splitlines()
+        tenant_lines = sum("llmtap_tenant=" in line for line in lines) - sum("llmtap_tenant=" in x for x in control)
+        assert tenant_lines < 40 * (values + 1), tenant_lines
+        grown = len(lines) - len(control)
+        assert grown < 1000, grown
     finally:
         proxy.close()
         upstream.close()
