@@ -354,35 +354,48 @@ def analyze(
     )
     if strata:
         c.mix = mix_of(strata)
-        for (route, shape), (sb, sa) in strata.items():
-            xb, xa = figures(sb, rng, resamples, QUANTILES[:1]), figures(sa, rng, resamples, QUANTILES[:1])
-            est = change_estimates(sb.ttft, sa.ttft, 0.5, rng, resamples)
-            k, v = verdict(xb, xa, est, **rules)
-            c.strata.append(
-                Stratum(
-                    route,
-                    shape,
-                    xb.ttft_requests,
-                    xa.ttft_requests,
-                    xb.ttft["p50"],
-                    xa.ttft["p50"],
-                    None if est is None else {"seconds": est[0], "relative": est[1]},
-                    k,
-                    v,
-                )
-            )
+        c.strata = [stratum_verdict(k, sb, sa, rng, resamples, rules) for k, (sb, sa) in strata.items()]
         if c.mix.moved:
-            moved = ", ".join(
-                f"{stratum_name(s.route, s.shape)} {share_text(s.before_share)} to {share_text(s.after_share)}"
-                for s in c.mix.shares
-                if s.before_share != s.after_share
-            )
-            c.kind = "mix_moved"
-            c.verdict = (
-                f"no pooled verdict: the mix of routes and shapes moved ({moved} of requests with a TTFT): "
-                "the verdicts by route and shape compare like with like"
-            )
+            c.kind, c.verdict = "mix_moved", _mix_moved(c.mix)
     return c
+
+
+def stratum_verdict(
+    key: tuple[str | None, str | None],
+    before: Side,
+    after: Side,
+    rng: random.Random,
+    resamples: int,
+    rules: dict[str, Any],
+) -> Stratum:
+    """One route and shape's own verdict: its p50 on each side and the change, by the same ``rules``."""
+    xb, xa = figures(before, rng, resamples, QUANTILES[:1]), figures(after, rng, resamples, QUANTILES[:1])
+    est = change_estimates(before.ttft, after.ttft, 0.5, rng, resamples)
+    k, v = verdict(xb, xa, est, **rules)
+    return Stratum(
+        key[0],
+        key[1],
+        xb.ttft_requests,
+        xa.ttft_requests,
+        xb.ttft["p50"],
+        xa.ttft["p50"],
+        None if est is None else {"seconds": est[0], "relative": est[1]},
+        k,
+        v,
+    )
+
+
+def _mix_moved(mix: Mix) -> str:
+    """The verdict in place of a pooled one when the mix moved: which routes and shapes moved, by how much."""
+    moved = ", ".join(
+        f"{stratum_name(s.route, s.shape)} {share_text(s.before_share)} to {share_text(s.after_share)}"
+        for s in mix.shares
+        if s.before_share != s.after_share
+    )
+    return (
+        f"no pooled verdict: the mix of routes and shapes moved ({moved} of requests with a TTFT): "
+        "the verdicts by route and shape compare like with like"
+    )
 
 
 def mix_of(strata: dict[tuple[str | None, str | None], tuple[Side, Side]]) -> Mix:
