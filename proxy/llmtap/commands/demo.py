@@ -211,6 +211,16 @@ class Progress:
     finished: bool = False
 
 
+async def _send(
+    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], version: str, max_tokens: int
+) -> None:
+    """One streamed chat request under prompt ``version``, its answer read to the end."""
+    body = {"model": "llmtap-sim", "messages": messages, "max_tokens": max_tokens, "stream": True}
+    async with client.stream("POST", url, json=body, headers={"x-llmtap-prompt-version": version}) as r:
+        async for _ in r.aiter_raw():
+            pass
+
+
 async def _drive(
     client: httpx.AsyncClient,
     base: str,
@@ -232,15 +242,7 @@ async def _drive(
         progress(Progress(w.name, layout, w.requests, w.concurrency, started, done, seconds, finished))
 
     async def one(index: int, version: str, max_tokens: int) -> None:
-        body = {
-            "model": "llmtap-sim",
-            "messages": _messages(w, layout, index, vocab),
-            "max_tokens": max_tokens,
-            "stream": True,
-        }
-        async with client.stream("POST", url, json=body, headers={"x-llmtap-prompt-version": version}) as r:
-            async for _ in r.aiter_raw():
-                pass
+        await _send(client, url, _messages(w, layout, index, vocab), version, max_tokens)
 
     async def tick() -> None:
         # A long answer takes seconds: the line moves every second, not only when a request ends.
@@ -456,9 +458,8 @@ async def run(
     tel: TelemetrySettings = telemetry_from_env(env)
     directory, records = _records_dir(telemetry_dir, out)
     otel = _telemetry(tel, env, directory, out, live=serve is not None)
-    settings = Settings(
-        routes=_routes(workloads, sims), telemetry=tel, log_level="warning", record=Records(path=str(records))
-    )
+    routes = _routes(workloads, sims)
+    settings = Settings(routes=routes, telemetry=tel, log_level="warning", record=Records(path=str(records)))
     local = in_process(settings, tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
     app, recorder = local
     collector = _Collector()
