@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -210,6 +211,16 @@ class Progress:
     finished: bool = False
 
 
+async def _send(
+    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], version: str, max_tokens: int
+) -> None:
+    """One streamed chat request under prompt ``version``, its answer read to the end."""
+    body = {"model": "llmtap-sim", "messages": messages, "max_tokens": max_tokens, "stream": True}
+    async with client.stream("POST", url, json=body, headers={"x-llmtap-prompt-version": version}) as r:
+        async for _ in r.aiter_raw():
+            pass
+
+
 async def _drive(
     client: httpx.AsyncClient,
     base: str,
@@ -231,15 +242,7 @@ async def _drive(
         progress(Progress(w.name, layout, w.requests, w.concurrency, started, done, seconds, finished))
 
     async def one(index: int, version: str, max_tokens: int) -> None:
-        body = {
-            "model": "llmtap-sim",
-            "messages": _messages(w, layout, index, vocab),
-            "max_tokens": max_tokens,
-            "stream": True,
-        }
-        async with client.stream("POST", url, json=body, headers={"x-llmtap-prompt-version": version}) as r:
-            async for _ in r.aiter_raw():
-                pass
+        await _send(client, url, _messages(w, layout, index, vocab), version, max_tokens)
 
     async def tick() -> None:
         # A long answer takes seconds: the line moves every second, not only when a request ends.
@@ -301,6 +304,129 @@ def _file_providers(
     return tp, MeterProvider(resource=setup.resource(), metric_readers=[reader, *readers]), [traces, metrics]
 
 
+def _simulators(
+    workloads: list[Workload], traces: str
+) -> tuple[dict[str, SpanExporter], dict[str, simulator.Background]]:
+    """A simulator per workload profile, each exporting its spans to ``traces``, and their span exporters."""
+    exporters = {w.profile: SpanExporter(traces, interval=0.2) for w in workloads}
+    sims = {
+        w.profile: simulator.run_in_thread(simulator.get_profile(w.profile), spans=exporters[w.profile])
+        for w in workloads
+    }
+    return exporters, sims
+
+
+def _serving(server: Server, sock: socket.socket) -> tuple[Server, asyncio.Task[None]]:
+    """``server`` serving on ``sock`` in a task of its own."""
+    return server, asyncio.create_task(server.serve(sockets=[sock]))
+
+
+async def _stop(
+    servers: list[tuple[Server, asyncio.Task[None]]], sims: dict[str, simulator.Background], otel: _Telemetry
+) -> None:
+    """Stop each server in turn and wait for it, then the simulators, then the telemetry (its last export)."""
+    for server, task in servers:
+        server.should_exit = True
+        await task
+    for sim in sims.values():
+        sim.stop()
+    await asyncio.to_thread(otel.shutdown)
+    for f in otel.files:
+        f.close()
+
+
+@dataclass(slots=True)
+class _Telemetry:
+    """Where the demo's telemetry goes: the providers, how to shut them down, the files they write, and the
+    reader the live view's Prometheus text comes from (None without ``serve``)."""
+
+    tracer_provider: TracerProvider
+    meter_provider: MeterProvider
+    shutdown: Callable[[], None]
+    prometheus: PrometheusReader | None
+    files: list[IO[str]] = field(default_factory=list)
+
+
+def _telemetry(tel: TelemetrySettings, env: dict[str, str], directory: Path, out: DemoRun, live: bool) -> _Telemetry:
+    """The providers ``OTEL_*`` asks for; with no exporter named, JSON-lines files in ``directory`` (their paths
+    go into ``out``)."""
+    prometheus = PrometheusReader() if live else None
+    if tel.traces_exporter == "none" and tel.metrics_exporter == "none" and not tel.sdk_disabled:
+        tracer_provider, meter_provider, files = _file_providers(directory, [prometheus] if prometheus else [])
+        out.telemetry_files = [str(directory / "traces.jsonl"), str(directory / "metrics.jsonl")]
+
+        def shutdown() -> None:
+            tracer_provider.shutdown()
+            meter_provider.shutdown()
+
+        return _Telemetry(tracer_provider, meter_provider, shutdown, prometheus, files)
+    providers = setup.build(tel, env)
+    return _Telemetry(
+        providers.tracer_provider,  # type: ignore[arg-type]
+        providers.meter_provider,  # type: ignore[arg-type]
+        providers.shutdown,
+        providers.prometheus if live else None,
+    )
+
+
+def _records_dir(telemetry_dir: Path | None, out: DemoRun) -> tuple[Path, Path]:
+    """The run's telemetry folder and its records folder, emptied of an earlier run's records."""
+    directory = telemetry_dir or Path(tempfile.gettempdir()) / f"llmtap-demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    records = directory / "records"
+    if records.is_dir():
+        shutil.rmtree(records)  # a folder of an earlier run under the same name: this run's records only
+    out.records_file = str(records)
+    return directory, records
+
+
+def _routes(workloads: list[Workload], sims: dict[str, simulator.Background]) -> tuple[Route, ...]:
+    """One route per workload, to its profile's simulator."""
+    return tuple(
+        Route(
+            prefix=f"/{w.route}",
+            upstream=sims[w.profile].url,
+            name=w.route,
+            provider="llmtap-sim",
+            strip_prefix=True,
+            # The simulator's batch size, as a user would pass vLLM's --max-num-seqs: queueing is inferred.
+            server_slots=simulator.get_profile(w.profile).max_num_seqs,
+            # Each request is judged by its workload's objective (the records carry it, for ``llmtap slo``).
+            slo=(w.slo,),
+        )
+        for w in workloads
+    )
+
+
+async def _started(servers: list[tuple[Server, asyncio.Task[None]]]) -> None:
+    """Wait until every server listens; a server that stopped first raises its error here."""
+    while not all(server.started for server, _ in servers):
+        for _, t in servers:
+            if t.done():
+                t.result()
+        await asyncio.sleep(0.01)
+
+
+async def _phases(
+    out: DemoRun,
+    workloads: list[Workload],
+    base: str,
+    settle: Callable[[str], Callable[[], Awaitable[None]]],
+    collector: _Collector,
+    progress: Callable[[Progress], None],
+) -> None:
+    """Drive each workload through the proxy in both layouts, and keep each phase's figures in ``out``."""
+    vocab = Vocabulary("o200k_base")
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        for n, w in enumerate(workloads):
+            for layout in (VARIABLE_FIRST, FIXED_FIRST):
+                offset = n * 100_000 + (layout == FIXED_FIRST) * 50_000
+                warmed = settle(w.profile)
+                seconds = await _drive(client, base, w, layout, vocab, progress, offset, warmed)
+                await warmed()  # the phase's last spans joined before the flush writes what still waits
+                out.results.append(phase_result(w, layout, collector.take(w.route, layout), seconds))
+
+
 async def run(
     workloads: list[Workload],
     *,
@@ -328,77 +454,27 @@ async def run(
     # The admin listener's port first: each simulator exports its spans there, as a vLLM with
     # --otlp-traces-endpoint would, and llmtap joins them to the requests it relayed.
     admin_sock = bind("127.0.0.1", 0, "demo admin listener")
-    traces = f"http://127.0.0.1:{admin_sock.getsockname()[1]}/v1/traces"
-    exporters = {w.profile: SpanExporter(traces, interval=0.2) for w in workloads}
-    sims = {
-        w.profile: simulator.run_in_thread(simulator.get_profile(w.profile), spans=exporters[w.profile])
-        for w in workloads
-    }
+    exporters, sims = _simulators(workloads, f"http://127.0.0.1:{admin_sock.getsockname()[1]}/v1/traces")
     tel: TelemetrySettings = telemetry_from_env(env)
-    files: list[IO[str]] = []
-    directory = telemetry_dir or Path(tempfile.gettempdir()) / f"llmtap-demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    records = directory / "records"
-    if records.is_dir():
-        shutil.rmtree(records)  # a folder of an earlier run under the same name: this run's records only
-    out.records_file = str(records)
-    prometheus = PrometheusReader() if serve is not None else None
-    if tel.traces_exporter == "none" and tel.metrics_exporter == "none" and not tel.sdk_disabled:
-        tracer_provider, meter_provider, files = _file_providers(directory, [prometheus] if prometheus else [])
-        out.telemetry_files = [str(directory / "traces.jsonl"), str(directory / "metrics.jsonl")]
-
-        def shutdown() -> None:
-            tracer_provider.shutdown()
-            meter_provider.shutdown()
-    else:
-        providers = setup.build(tel, env)
-        tracer_provider, meter_provider = providers.tracer_provider, providers.meter_provider  # type: ignore[assignment]
-        shutdown = providers.shutdown
-        prometheus = providers.prometheus if serve is not None else None
-    routes = tuple(
-        Route(
-            prefix=f"/{w.route}",
-            upstream=sims[w.profile].url,
-            name=w.route,
-            provider="llmtap-sim",
-            strip_prefix=True,
-            # The simulator's batch size, as a user would pass vLLM's --max-num-seqs: queueing is inferred.
-            server_slots=simulator.get_profile(w.profile).max_num_seqs,
-            # Each request is judged by its workload's objective (the records carry it, for ``llmtap slo``).
-            slo=(w.slo,),
-        )
-        for w in workloads
-    )
+    directory, records = _records_dir(telemetry_dir, out)
+    otel = _telemetry(tel, env, directory, out, live=serve is not None)
+    routes = _routes(workloads, sims)
     settings = Settings(routes=routes, telemetry=tel, log_level="warning", record=Records(path=str(records)))
-    local = in_process(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    local = in_process(settings, tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
     app, recorder = local
     collector = _Collector()
     recorder.listeners.append(collector)
     sock = bind("127.0.0.1", 0, "demo proxy")
-    server = uvicorn.Server(uvicorn_config(app, settings))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    server, task = _serving(uvicorn.Server(uvicorn_config(app, settings)), sock)
     # The admin listener takes the simulators' spans; the live view must see the tables' traffic too, so its
     # listener is subscribed before any request. The page agrees with the tables: the same objectives (the
     # routes'), no warm-ups, and rates over the time requests were in flight, as the tables' rates are.
-    admin = AdminApp(local, prometheus, traces=True, busy=True, skip=lambda tl: tl.prompt_version == WARMUP)
-    admin_server = uvicorn.Server(uvicorn_config(admin, settings))
-    admin_task = asyncio.create_task(admin_server.serve(sockets=[admin_sock]))
+    admin = AdminApp(local, otel.prometheus, traces=True, busy=True, skip=lambda tl: tl.prompt_version == WARMUP)
+    admin_server, admin_task = _serving(uvicorn.Server(uvicorn_config(admin, settings)), admin_sock)
     try:
-        while not server.started or not admin_server.started:
-            for t in (task, admin_task):
-                if t is not None and t.done():
-                    t.result()
-            await asyncio.sleep(0.01)
+        await _started([(server, task), (admin_server, admin_task)])
         base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        vocab = Vocabulary("o200k_base")
-        limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            for n, w in enumerate(workloads):
-                for layout in (VARIABLE_FIRST, FIXED_FIRST):
-                    offset = n * 100_000 + (layout == FIXED_FIRST) * 50_000
-                    warmed = partial(_span_arrived, exporters[w.profile], app)
-                    seconds = await _drive(client, base, w, layout, vocab, progress, offset, warmed)
-                    await warmed()  # the phase's last spans joined before the flush writes what still waits
-                    out.results.append(phase_result(w, layout, collector.take(w.route, layout), seconds))
+        await _phases(out, workloads, base, lambda p: partial(_span_arrived, exporters[p], app), collector, progress)
         if serve is not None:
             _compare(out, workloads, records, min_gain_ms)
             view = f"http://127.0.0.1:{admin_sock.getsockname()[1]}/?window=all"
@@ -406,15 +482,7 @@ async def run(
     finally:
         # Open event streams would hold the admin listener's shutdown: end them first.
         admin.live.close()
-        admin_server.should_exit = True
-        await admin_task
-        server.should_exit = True
-        await task
-        for sim in sims.values():
-            sim.stop()
-        await asyncio.to_thread(shutdown)
-        for f in files:
-            f.close()
+        await _stop([(admin_server, admin_task), (server, task)], sims, otel)
     if serve is None:
         _compare(out, workloads, records, min_gain_ms)
     return out

@@ -190,8 +190,37 @@ def end_attributes(
 ) -> dict[str, Any]:
     """Attributes known when the stream ends.
 
-    Long on purpose: one attribute per line, in the order the conventions list them."""
+    One attribute per line, in the order the conventions list them: the response, the usage, the timings, then
+    llmtap's outcome, shape and content."""
     attrs: dict[str, Any] = {}
+    _put_response(attrs, tl)
+    _put_usage(attrs, s, latest=latest, offline=offline)
+    _put_timings(attrs, tl, s)
+    attrs[sc.OUTCOME] = tl.outcome
+    attrs[sc.SLO_OUTCOME] = s.slo
+    if tl.request_objective is not None:
+        attrs.update(objective_attributes(tl, s))
+    attrs[sc.INPUT_SIZE] = s.input_size
+    attrs[sc.SHAPE] = s.shape
+    attrs[sc.RESPONSE_BYTES] = tl.response_bytes
+    if tl.malformed_events:
+        attrs[sc.MALFORMED_EVENTS] = tl.malformed_events
+    if tl.oversized_events:
+        attrs[sc.OVERSIZED_EVENTS] = tl.oversized_events
+    if tl.unread is not None:
+        attrs[sc.STREAM_UNREAD] = tl.unread
+    if capture and tl.request is not None and tl.request.regions:
+        attrs[sc.INPUT_MESSAGES] = input_messages(tl.request.regions, CONTENT_CAP)
+    if capture and tl.output is not None:
+        text = clean(tl.output.text[:CONTENT_CAP], CONTENT_CAP)
+        attrs[sc.OUTPUT_MESSAGES] = json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": text}]}])
+    if tl.outcome == CANCELLED:
+        attrs[sc.ERROR_TYPE] = "cancelled"
+    return attrs
+
+
+def _put_response(attrs: dict[str, Any], tl: Timeline) -> None:
+    """The response's id, model, fingerprint and finish reasons."""
     _put(attrs, sc.RESPONSE_ID, clean_or_none(tl.response_id))
     _put(attrs, sc.RESPONSE_MODEL, clean_or_none(tl.response_model))
     _put(attrs, sc.OPENAI_SYSTEM_FINGERPRINT, clean_or_none(tl.system_fingerprint))
@@ -200,6 +229,10 @@ def end_attributes(
     elif tl.outcome != OK and tl.request is not None:
         # semantic-conventions-genai: a missing or aborted finish is reported as "error".
         attrs[sc.RESPONSE_FINISH_REASONS] = ["error"]
+
+
+def _put_usage(attrs: dict[str, Any], s: Summary, *, latest: bool, offline: bool) -> None:
+    """The token counts: ``gen_ai.usage.*`` as the conventions define them, and llmtap's with their sources."""
     # gen_ai.usage.* is what the upstream reported (or, when the user enabled offline counting, tiktoken's
     # count where it reported nothing); every count is under llmtap.usage.* with its source.
     _put(attrs, sc.USAGE_INPUT_TOKENS, usage_value(s.input_tokens, s.input_source, offline))
@@ -214,6 +247,10 @@ def end_attributes(
     if s.output_tokens is not None:
         attrs[sc.OUTPUT_TOKENS] = s.output_tokens
         attrs[sc.OUTPUT_TOKENS_SOURCE] = s.output_source
+
+
+def _put_timings(attrs: dict[str, Any], tl: Timeline, s: Summary) -> None:
+    """Where the request's time went (the latencies, the queue, prefill and decode) and the server's slots."""
     if tl.request is not None and tl.request.stream:
         _put(attrs, sc.RESPONSE_TIME_TO_FIRST_CHUNK, s.ttft)
         # Under llmtap's name too, on every root span (a hop's keeps only this one): what a collector's
@@ -236,27 +273,6 @@ def end_attributes(
         attrs[sc.UPSTREAM_SLOTS] = s.slots.slots
         attrs[sc.UPSTREAM_SLOTS_SOURCE] = s.slots.source
         attrs[sc.UPSTREAM_SLOTS_CONFIDENCE] = s.slots.confidence
-    attrs[sc.OUTCOME] = tl.outcome
-    attrs[sc.SLO_OUTCOME] = s.slo
-    if tl.request_objective is not None:
-        attrs.update(objective_attributes(tl, s))
-    attrs[sc.INPUT_SIZE] = s.input_size
-    attrs[sc.SHAPE] = s.shape
-    attrs[sc.RESPONSE_BYTES] = tl.response_bytes
-    if tl.malformed_events:
-        attrs[sc.MALFORMED_EVENTS] = tl.malformed_events
-    if tl.oversized_events:
-        attrs[sc.OVERSIZED_EVENTS] = tl.oversized_events
-    if tl.unread is not None:
-        attrs[sc.STREAM_UNREAD] = tl.unread
-    if capture and tl.request is not None and tl.request.regions:
-        attrs[sc.INPUT_MESSAGES] = input_messages(tl.request.regions, CONTENT_CAP)
-    if capture and tl.output is not None:
-        text = clean(tl.output.text[:CONTENT_CAP], CONTENT_CAP)
-        attrs[sc.OUTPUT_MESSAGES] = json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": text}]}])
-    if tl.outcome == CANCELLED:
-        attrs[sc.ERROR_TYPE] = "cancelled"
-    return attrs
 
 
 # -- attribution and cost (issue 31) ----------------------------------------------------------------

@@ -232,16 +232,56 @@ class MetricWriter:
         if s.ttfb is not None:
             batch.record(ins.ttfb, s.ttfb, own, ctx)
         if stream and s.ttft is not None:
-            if client:
-                batch.record(ins.time_to_first_chunk, s.ttft, attrs, ctx)
-            batch.record(ins.ttft, s.ttft, shaped, ctx)
-            self._first_tokens(batch, s, shaped, ctx)
-            # Per chunk and per token, only the request's slowest sample carries its span context: an exemplar
-            # costs about a third of a sample again (10 against 14 us a sample here), and a stream has thousands;
-            # the bucket of its worst stall still leads to it.
-            if client:
-                _record_samples(batch, ins.time_per_output_chunk, s.gap_samples, attrs, ctx)
-            _record_samples(batch, ins.itl, s.itl_per_token, shaped, ctx)
+            self._stream_metrics(batch, s, s.ttft, attrs, shaped, ctx, client=client)
+        self._phase_metrics(batch, s, own, attrs, shaped, ctx, ok=ok, stream=stream)
+        self._token_metrics(batch, s, attrs, outcome, counted, client=client)
+        if tl.request_objective is not None:
+            self._objective_metrics(batch, tl, s)
+        if tl.relay_delays:
+            # One per read: at a bucket lookup each (``bulk``), none an exemplar.
+            batch.many(ins.relay_chunk_delay, list(spread(tl.relay_delays)), {sc.ROUTE: tl.route}, _NO_SPAN)
+        if s.proxy_added is not None:
+            # The request's last instrument (tests wait for it).
+            batch.record(ins.overhead, s.proxy_added, {sc.ROUTE: tl.route})
+
+    def _stream_metrics(
+        self,
+        batch: Batch,
+        s: Summary,
+        ttft: float,
+        attrs: dict[str, Any],
+        shaped: dict[str, Any],
+        ctx: Context | None,
+        *,
+        client: bool,
+    ) -> None:
+        """A stream's time to its first chunk and tokens, and its per-chunk and per-token gaps."""
+        ins = self.instruments
+        if client:
+            batch.record(ins.time_to_first_chunk, ttft, attrs, ctx)
+        batch.record(ins.ttft, ttft, shaped, ctx)
+        self._first_tokens(batch, s, shaped, ctx)
+        # Per chunk and per token, only the request's slowest sample carries its span context: an exemplar
+        # costs about a third of a sample again (10 against 14 us a sample here), and a stream has thousands;
+        # the bucket of its worst stall still leads to it.
+        if client:
+            _record_samples(batch, ins.time_per_output_chunk, s.gap_samples, attrs, ctx)
+        _record_samples(batch, ins.itl, s.itl_per_token, shaped, ctx)
+
+    def _phase_metrics(
+        self,
+        batch: Batch,
+        s: Summary,
+        own: dict[str, Any],
+        attrs: dict[str, Any],
+        shaped: dict[str, Any],
+        ctx: Context | None,
+        *,
+        ok: bool,
+        stream: bool,
+    ) -> None:
+        """Where the request's time went: upstream and server TTFT, TPOT, queue, prefill, decode, the rest."""
+        ins = self.instruments
         if s.upstream_ttft is not None and stream:
             batch.record(ins.upstream_ttft, s.upstream_ttft, own, ctx)
         if ok and s.ttft is not None and stream and ins.server_ttft is not None:
@@ -258,15 +298,6 @@ class MetricWriter:
             batch.record(ins.decode, s.decode, own, ctx)
         if s.upstream_unattributed is not None:
             batch.record(ins.unattributed, s.upstream_unattributed, own, ctx)
-        self._token_metrics(batch, s, attrs, outcome, counted, client=client)
-        if tl.request_objective is not None:
-            self._objective_metrics(batch, tl, s)
-        if tl.relay_delays:
-            # One per read: at a bucket lookup each (``bulk``), none an exemplar.
-            batch.many(ins.relay_chunk_delay, list(spread(tl.relay_delays)), {sc.ROUTE: tl.route}, _NO_SPAN)
-        if s.proxy_added is not None:
-            # The request's last instrument (tests wait for it).
-            batch.record(ins.overhead, s.proxy_added, {sc.ROUTE: tl.route})
 
     def _first_tokens(self, batch: Batch, s: Summary, shaped: dict[str, Any], ctx: Context | None) -> None:
         """A stream's time to its first output token and to its second token, beside its TTFT."""

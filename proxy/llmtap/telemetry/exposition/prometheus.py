@@ -407,58 +407,70 @@ def render(
     """Prometheus text for one collection; OpenMetrics (families named without ``_total``, bucket exemplars,
     ``# EOF``) when asked. ``exemplars`` are the kept ones by (metric name, labels); without them, the
     collection's own. ``shown``: the bounds (indices) written per histogram, a superset of this collection's
-    ``shown_bounds``; None writes every bound. Long on purpose: one pass over the collection, the format's
-    cases (counter, gauge, histogram) side by side, as the exposition format lists them."""
+    ``shown_bounds``; None writes every bound. One pass over the collection, the format's cases (counter,
+    gauge, histogram) side by side, as the exposition format lists them."""
     lines: list[str] = []
     end = "# EOF\n" if openmetrics else ""
     if data is None:
         return end or "# no metrics (OpenTelemetry SDK disabled or nothing recorded yet)\n"
-    for rm in data.resource_metrics:
-        for sm in rm.scope_metrics:
-            for metric in sm.metrics:
-                points = metric.data
-                help_text = (metric.description or metric.name).replace("\\", "\\\\").replace("\n", " ")
-                if openmetrics:
-                    help_text = help_text.replace('"', '\\"')
-                if isinstance(points, HistogramData):
-                    name = metric_name(metric.name, metric.unit or "")
-                    lines.append(f"# HELP {name} {help_text}")
-                    lines.append(f"# TYPE {name} histogram")
-                    for p in points.data_points:
-                        marks = None
-                        if openmetrics:
-                            kept = (
-                                exemplars.get((metric.name, _labels(p.attributes)), {})
-                                if exemplars is not None
-                                else _bucket_exemplars(p.explicit_bounds, p.exemplars)
-                            )
-                            marks = {i: text for i, (_, text) in kept.items()}
-                        lines.extend(
-                            _buckets(
-                                name,
-                                p.attributes,
-                                p.explicit_bounds,
-                                p.bucket_counts,
-                                p.count,
-                                marks,
-                                None if shown is None else shown.get(metric.name, set()),
-                            )
-                        )
-                        lines.append(f"{name}_sum{_labels(p.attributes)} {_number(p.sum)}")
-                        lines.append(f"{name}_count{_labels(p.attributes)} {p.count}")
-                elif isinstance(points, Sum):
-                    counter = points.is_monotonic
-                    name = metric_name(metric.name, metric.unit or "", counter=counter)
-                    # OpenMetrics names a counter's family without the ``_total`` its samples carry.
-                    family = name.removesuffix("_total") if openmetrics and counter else name
-                    lines.append(f"# HELP {family} {help_text}")
-                    lines.append(f"# TYPE {family} {'counter' if counter else 'gauge'}")
-                    for sp in points.data_points:
-                        lines.append(f"{name}{_labels(sp.attributes)} {_number(sp.value)}")
-                elif isinstance(points, Gauge):
-                    name = metric_name(metric.name, metric.unit or "")
-                    lines.append(f"# HELP {name} {help_text}")
-                    lines.append(f"# TYPE {name} gauge")
-                    for gp in points.data_points:
-                        lines.append(f"{name}{_labels(gp.attributes)} {_number(gp.value)}")
+    for metric in _metrics(data):
+        points = metric.data
+        help_text = _help(metric, openmetrics)
+        if isinstance(points, HistogramData):
+            shown_here = None if shown is None else shown.get(metric.name, set())
+            _histogram_lines(lines, metric, help_text, openmetrics, exemplars, shown_here)
+        elif isinstance(points, Sum):
+            _sum_lines(lines, metric, help_text, openmetrics)
+        elif isinstance(points, Gauge):
+            name = metric_name(metric.name, metric.unit or "")
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} gauge")
+            for gp in points.data_points:
+                lines.append(f"{name}{_labels(gp.attributes)} {_number(gp.value)}")
     return "\n".join(lines) + "\n" + end
+
+
+def _help(metric: Any, openmetrics: bool) -> str:
+    """A metric's ``# HELP`` text, escaped as the format asks (OpenMetrics escapes quotes too)."""
+    help_text: str = (metric.description or metric.name).replace("\\", "\\\\").replace("\n", " ")
+    if openmetrics:
+        help_text = help_text.replace('"', '\\"')
+    return help_text
+
+
+def _histogram_lines(
+    lines: list[str],
+    metric: Any,
+    help_text: str,
+    openmetrics: bool,
+    exemplars: Mapping[tuple[str, str], Mapping[int, tuple[int, str]]] | None,
+    shown: set[int] | None,
+) -> None:
+    """A histogram's family: its buckets (with exemplars in OpenMetrics), sum and count per series."""
+    name = metric_name(metric.name, metric.unit or "")
+    lines.append(f"# HELP {name} {help_text}")
+    lines.append(f"# TYPE {name} histogram")
+    for p in metric.data.data_points:
+        marks = None
+        if openmetrics:
+            kept = (
+                exemplars.get((metric.name, _labels(p.attributes)), {})
+                if exemplars is not None
+                else _bucket_exemplars(p.explicit_bounds, p.exemplars)
+            )
+            marks = {i: text for i, (_, text) in kept.items()}
+        lines.extend(_buckets(name, p.attributes, p.explicit_bounds, p.bucket_counts, p.count, marks, shown))
+        lines.append(f"{name}_sum{_labels(p.attributes)} {_number(p.sum)}")
+        lines.append(f"{name}_count{_labels(p.attributes)} {p.count}")
+
+
+def _sum_lines(lines: list[str], metric: Any, help_text: str, openmetrics: bool) -> None:
+    """A sum's family: a counter when monotonic, else a gauge."""
+    counter = metric.data.is_monotonic
+    name = metric_name(metric.name, metric.unit or "", counter=counter)
+    # OpenMetrics names a counter's family without the ``_total`` its samples carry.
+    family = name.removesuffix("_total") if openmetrics and counter else name
+    lines.append(f"# HELP {family} {help_text}")
+    lines.append(f"# TYPE {family} {'counter' if counter else 'gauge'}")
+    for sp in metric.data.data_points:
+        lines.append(f"{name}{_labels(sp.attributes)} {_number(sp.value)}")

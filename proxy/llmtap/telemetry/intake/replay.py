@@ -52,70 +52,98 @@ def relay_delays(times: array[float], delivered: array[float], out: array[float]
     out.extend([d - t for t, d in zip(times, delivered, strict=True) if d == d])  # d != d: NaN, not delivered
 
 
+def _timeline(head: Head, settings: Settings, route: Route | None, provider: Provider | None) -> Timeline:
+    """A timeline for ``head``'s request: its request line, route and upstream, and when it was received."""
+    return Timeline(
+        method=head.method,
+        path=head.path,
+        route=head.route,
+        upstream=route.upstream if route else "",
+        server_address=route.host if route else "",
+        server_port=route.port if route else 0,
+        protocol=provider.name if provider else None,
+        provider_name=(route.provider if route and route.provider else None)
+        or (provider.family if provider else "_OTHER"),
+        received=head.received,
+        received_wall_ns=head.received_wall_ns,
+        # The output's text is kept only where a span may show it.
+        keep_chars=KEEP_CHARS if settings.telemetry.capture_content or settings.content.on else 0,
+    )
+
+
+def _set_moments(tl: Timeline, head: Head, route: Route | None) -> None:
+    """The head's prompt version, trace, span and record ids, sampling, and the relay's moments."""
+    if head.prompt_version is not None:
+        tl.prompt_version = version_label(head.prompt_version)
+    elif route is not None:
+        tl.prompt_version = route.prompt_version
+    tl.trace_id = format(int.from_bytes(head.trace_id, "big"), "032x")
+    tl.span_id = format(int.from_bytes(head.span_id, "big"), "016x")
+    tl.record_id = format(int.from_bytes(head.record_id, "big"), "032x")
+    tl.sampled = head.sampled
+    tl.parent = head.parent
+    tl.body_read, tl.admitted, tl.sent, tl.headers = head.body_read, head.admitted, head.sent, head.headers_at
+    tl.written = head.written
+    tl.status_code = head.status_code
+    tl.upstream_seq, tl.upstream_ahead = head.upstream_seq, head.upstream_ahead
+
+
+def _request_info(head: Head, provider: Provider | None) -> RequestInfo | None:
+    """What the provider reads from the request's body (an empty body's, marked, when the relay kept only part)."""
+    if provider is None:
+        return None
+    if head.body_complete:
+        info = provider.inspect(head.body, inject_usage=False, path=head.inner_path)
+    else:
+        info = provider.inspect(b"{}", inject_usage=False, path=head.inner_path)
+        info.parse_error = "body_not_inspected"
+    info.strip_usage = head.strip_usage
+    return info
+
+
+def _set_attribution(tl: Timeline, head: Head, info: RequestInfo | None) -> None:
+    """Who sent the request (bounded dimensions) and the objectives it asked for."""
+    attribution, key_fingerprint = head.attribution, head.key_fingerprint
+    if attribution or key_fingerprint or (info is not None and info.end_user):
+        tl.attribution, tl.attribution_dropped = dimensions(
+            attribution, body_user=info.end_user if info else None, key_fingerprint=key_fingerprint
+        )
+    if attribution:
+        tl.request_objective = parse_objective(attribution)
+
+
+def _set_response_headers(tl: Timeline, head: Head) -> dict[str, str]:
+    """The response's headers, lower-cased; the cost and server timings they state go into ``tl``."""
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in head.response_headers}
+    tl.header_cost = header_cost(headers)
+    if "x-queue-time" in headers:
+        # TGI reports its queue time in headers (non-streamed responses).
+        tl.server_timing, bad = from_headers(headers)
+        tl.rejected_timings.extend(bad)
+    return headers
+
+
 class Playback:
     """One stream being played back: created from its head, fed its reads, finished with its tail."""
 
     __slots__ = ("_delivered_first", "_last_delivered", "_tap", "partial", "tl")
 
     def __init__(self, head: Head, settings: Settings, routes: dict[str, Route]) -> None:
-        """The timeline of ``head``'s request, every field the head gives set once. Long on purpose: the head's
-        fields, one assignment each, in its order (``llmtap.wire.messages.Head``)."""
-        route_name, inner_path, received = head.route, head.inner_path, head.received
-        route = routes.get(route_name)
-        provider = provider_named(head.protocol, head.method, inner_path)
-        tl = Timeline(
-            method=head.method,
-            path=head.path,
-            route=route_name,
-            upstream=route.upstream if route else "",
-            server_address=route.host if route else "",
-            server_port=route.port if route else 0,
-            protocol=provider.name if provider else None,
-            provider_name=(route.provider if route and route.provider else None)
-            or (provider.family if provider else "_OTHER"),
-            received=received,
-            received_wall_ns=head.received_wall_ns,
-            # The output's text is kept only where a span may show it.
-            keep_chars=KEEP_CHARS if settings.telemetry.capture_content or settings.content.on else 0,
-        )
+        """The timeline of ``head``'s request, every field the head gives set once, in its order
+        (``llmtap.wire.messages.Head``): the request line and route, the ids and moments, the request's body,
+        who sent it, and the response's headers."""
+        route = routes.get(head.route)
+        provider = provider_named(head.protocol, head.method, head.inner_path)
+        tl = _timeline(head, settings, route, provider)
         self.tl = tl
-        if head.prompt_version is not None:
-            tl.prompt_version = version_label(head.prompt_version)
-        elif route is not None:
-            tl.prompt_version = route.prompt_version
-        tl.trace_id = format(int.from_bytes(head.trace_id, "big"), "032x")
-        tl.span_id = format(int.from_bytes(head.span_id, "big"), "016x")
-        tl.record_id = format(int.from_bytes(head.record_id, "big"), "032x")
-        tl.sampled = head.sampled
-        tl.parent = head.parent
-        tl.body_read, tl.admitted, tl.sent, tl.headers = head.body_read, head.admitted, head.sent, head.headers_at
-        tl.written = head.written
-        tl.status_code = status_code = head.status_code
-        tl.upstream_seq, tl.upstream_ahead = head.upstream_seq, head.upstream_ahead
-        info: RequestInfo | None = None
-        if provider is not None:
-            if head.body_complete:
-                info = provider.inspect(head.body, inject_usage=False, path=inner_path)
-            else:
-                info = provider.inspect(b"{}", inject_usage=False, path=inner_path)
-                info.parse_error = "body_not_inspected"
-            info.strip_usage = head.strip_usage
+        _set_moments(tl, head, route)
+        info = _request_info(head, provider)
+        if info is not None:
             tl.request = info
-        attribution, key_fingerprint = head.attribution, head.key_fingerprint
-        if attribution or key_fingerprint or (info is not None and info.end_user):
-            tl.attribution, tl.attribution_dropped = dimensions(
-                attribution, body_user=info.end_user if info else None, key_fingerprint=key_fingerprint
-            )
-        if attribution:
-            tl.request_objective = parse_objective(attribution)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in head.response_headers}
-        tl.header_cost = header_cost(headers)
-        if "x-queue-time" in headers:
-            # TGI reports its queue time in headers (non-streamed responses).
-            tl.server_timing, bad = from_headers(headers)
-            tl.rejected_timings.extend(bad)
+        _set_attribution(tl, head, info)
+        headers = _set_response_headers(tl, head)
         self._tap: Tap | None = None
-        if status_code is not None:
+        if head.status_code is not None:
             self._tap = Tap(
                 tl,
                 provider,

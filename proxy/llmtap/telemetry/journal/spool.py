@@ -145,8 +145,8 @@ class Spool:
         on_tapes_lost: Callable[[str, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """The journal's state, declared once with what each part holds; long on purpose (one assignment per
-        part, then the last run's segments found for the replay)."""
+        """The journal's state, declared once with what each part holds: its settings, its slot and the last
+        run's segments found for the replay (``_open_slot``), the live state (``_live_state``), the counts."""
         self.root = Path(root)
         self.sinks = list(sinks)
         self.max_bytes = max(max_bytes, 2 * segment_bytes)
@@ -158,6 +158,21 @@ class Spool:
         #: What a request needs to be done: every sink's bit, and its spans and metrics made.
         self.need = EMITTED | sum(set(self._bits))
         self._lock = threading.Lock()
+        self._open_slot(index)
+        self._live_state(clock)
+        #: The relays' numbers of the stream ends the journal saw, and what never reached it (counted as tapes lost).
+        self.sequences = Sequences(self.slot.path / SEQUENCES_FILE, index, self.run, on_tapes_lost)
+        self.replay = Replay(self)
+        #: Counts since start: requests journaled, done, let go by the bound; and of the last run: recovered.
+        self.journaled = 0
+        self.done = 0
+        self.recovered = 0
+        self.unkept = 0
+        #: Requests begun while the journal could not be written (its disk full): never kept for a restart.
+        self.unjournaled = 0
+
+    def _open_slot(self, index: int) -> None:
+        """Take the slot, find the last run's segments and number this run after every run the slot remembers."""
         self.slot: Slot = take_slot(self.root, index)
         self._old = self.slot.segments()
         # One past every run this slot remembers, not only those whose segments are left: a run number used again
@@ -170,6 +185,9 @@ class Spool:
         for run, number, path in self._old:
             with contextlib.suppress(OSError):
                 self._segs[(run, number)] = Seg((run, number), path, path.stat().st_size, run * _REF_RUN, None)
+
+    def _live_state(self, clock: Callable[[], float]) -> None:
+        """The segments, requests and acknowledgements in flight, and the disk's state, as a run starts."""
         self._number = 0
         self._current: Seg | None = None
         self._to_close: list[Seg] = []
@@ -190,16 +208,6 @@ class Spool:
         self._full_since: float | None = None
         self._room_at = 0.0
         self._closed = False
-        #: The relays' numbers of the stream ends the journal saw, and what never reached it (counted as tapes lost).
-        self.sequences = Sequences(self.slot.path / SEQUENCES_FILE, index, self.run, on_tapes_lost)
-        self.replay = Replay(self)
-        #: Counts since start: requests journaled, done, let go by the bound; and of the last run: recovered.
-        self.journaled = 0
-        self.done = 0
-        self.recovered = 0
-        self.unkept = 0
-        #: Requests begun while the journal could not be written (its disk full): never kept for a restart.
-        self.unjournaled = 0
 
     # -- the event loop's side ------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from llmtap.analysis.attribution import record_part
 from llmtap.analysis.cachediag import Diagnosis
+from llmtap.analysis.cost import Cost
 from llmtap.analysis.stats import sorted_quantile
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
@@ -75,8 +76,8 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
     """The record of one finished request (schema version 2), written by ``writer``.
 
     The strings a client or an upstream chose are ``clean``: a lone surrogate cannot be written as UTF-8,
-    and the whole line would be lost. Long on purpose: the record's fields in the order of its schema, one line
-    each, so the line and ``docs/records.md`` read side by side."""
+    and the whole line would be lost. The record's fields in the order of its schema, one line each (the nested
+    parts by name), so the line and ``docs/records.md`` read side by side."""
     req = tl.request
     out: dict[str, Any] = {
         SCHEMA_KEY: SCHEMA_VERSION,
@@ -117,54 +118,72 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
         "decode": _round(s.decode),
         "server_decode": _round(s.server_decode),
         "upstream_unattributed": _round(s.upstream_unattributed),
-        "slots": None
-        if s.slots is None
-        else {"value": s.slots.slots, "source": s.slots.source, "confidence": s.slots.confidence},
+        "slots": _slots_part(s),
         "gaps": _gaps(s.gaps),
-        "tokens": {
-            "input": s.input_tokens,
-            "input_source": s.input_source or None,
-            "output": s.output_tokens,
-            "output_source": s.output_source or None,
-            "cache_read": s.cache_read_tokens,
-            "cache_write": s.cache_write_tokens,
-            "cache_write_1h": tl.usage.cache_write_1h_tokens if tl.usage is not None else None,
-            "reasoning": s.reasoning_tokens,
-        },
+        "tokens": _tokens_part(tl, s),
     }
     # Attribution and cost (issue 31): who sent it (bounded values), and what it cost or why that is unknown.
     out["attribution"] = record_part(tl.attribution)
     out["request_objective"] = request_objective_part(tl, s)
-    cost = s.cost
-    out["cost"] = (
-        None
-        if cost is None
-        else {
-            "amount": cost.amount,
-            "currency": cost.currency,
-            "status": cost.status,
-            "prices": cost.prices,
-            "source": cost.source,
-        }
-    )
-    fp = diag.fingerprint if diag is not None else None
-    out["prompt"] = (
-        None
-        if fp is None
-        else {
-            "regions": [{"name": r.name, "hash": r.digest, "tokens": r.tokens} for r in fp.regions],
-            "shared_prefix_tokens": diag.shared_prefix_tokens if diag else 0,
-        }
-    )
-    out["cache"] = (
-        None
-        if diag is None
-        else {
-            "class": diag.cache_class,
-            "changed_region": diag.changed_region,
-            "expected_prefix_tokens": diag.expected_prefix_tokens,
-            "cached_tokens": diag.cached_tokens,
-            "min_tokens": diag.min_tokens,
-        }
-    )
+    out["cost"] = _cost_part(s.cost)
+    out["prompt"] = _prompt_part(diag)
+    out["cache"] = _cache_part(diag)
     return out
+
+
+def _slots_part(s: Summary) -> dict[str, Any] | None:
+    """The server's concurrent slots as the request saw them, with their source; None when unknown."""
+    if s.slots is None:
+        return None
+    return {"value": s.slots.slots, "source": s.slots.source, "confidence": s.slots.confidence}
+
+
+def _tokens_part(tl: Timeline, s: Summary) -> dict[str, Any]:
+    """The request's token counts and where each came from."""
+    return {
+        "input": s.input_tokens,
+        "input_source": s.input_source or None,
+        "output": s.output_tokens,
+        "output_source": s.output_source or None,
+        "cache_read": s.cache_read_tokens,
+        "cache_write": s.cache_write_tokens,
+        "cache_write_1h": tl.usage.cache_write_1h_tokens if tl.usage is not None else None,
+        "reasoning": s.reasoning_tokens,
+    }
+
+
+def _cost_part(cost: Cost | None) -> dict[str, Any] | None:
+    """What the request cost, or why that is unknown (its status); None when nothing was priced."""
+    if cost is None:
+        return None
+    return {
+        "amount": cost.amount,
+        "currency": cost.currency,
+        "status": cost.status,
+        "prices": cost.prices,
+        "source": cost.source,
+    }
+
+
+def _prompt_part(diag: Diagnosis | None) -> dict[str, Any] | None:
+    """The prompt's regions by hash and token count (never its text), and the prefix it shares."""
+    fp = diag.fingerprint if diag is not None else None
+    if fp is None:
+        return None
+    return {
+        "regions": [{"name": r.name, "hash": r.digest, "tokens": r.tokens} for r in fp.regions],
+        "shared_prefix_tokens": diag.shared_prefix_tokens if diag else 0,
+    }
+
+
+def _cache_part(diag: Diagnosis | None) -> dict[str, Any] | None:
+    """The request's cache class and what decided it; None without a diagnosis."""
+    if diag is None:
+        return None
+    return {
+        "class": diag.cache_class,
+        "changed_region": diag.changed_region,
+        "expected_prefix_tokens": diag.expected_prefix_tokens,
+        "cached_tokens": diag.cached_tokens,
+        "min_tokens": diag.min_tokens,
+    }
