@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -51,12 +51,14 @@ from llmtap.telemetry.journal.spool import JOURNAL_DROP_REASONS, Spool
 from llmtap.telemetry.journal.start import open_spool
 from llmtap.telemetry.loop import Worker
 from llmtap.telemetry.records.access_log import AccessLog
-from llmtap.telemetry.records.content import content_emitter
 from llmtap.telemetry.records.emitter import RecordEmitter
 from llmtap.telemetry.records.sinks import Sink, build_sinks
 from llmtap.telemetry.trim import Trimmer
 from llmtap.wire.lessons import Decoding, Ended, Idle, Lesson, LiveEntry, PassedSpans, Prefix, SlotCount
 from llmtap.wire.messages import END, End, Facts, Head, Raw, Stats, WireError, decode
+
+if TYPE_CHECKING:
+    from llmtap.telemetry.records.content import ContentEmitter
 
 __all__ = ["MAX_QUEUED_BYTES", "Recorder"]
 
@@ -144,7 +146,15 @@ class Recorder:
             self.listeners.append(self.access_log.write)
         emitters: tuple[Emitter, ...] = (self.spans, self.metrics, self.records, self._listeners)
         #: The opt-in content event (``--content-event``), after the others: None unless a field is named.
-        self.content = content_emitter(settings)
+        self.content: ContentEmitter | None = None
+        if settings.content.on:
+            # The OpenTelemetry logs SDK it needs is loaded only when asked for (as the record logs' is).
+            try:
+                from llmtap.telemetry.records.content import content_emitter
+            except ImportError as exc:
+                log.error("telemetry: --content-event needs a newer opentelemetry-sdk (%s); no content event", exc)
+            else:
+                self.content = content_emitter(settings)
         if self.content is not None:
             emitters += (self.content,)
         self.emission = Emission(emitters, self.records)
