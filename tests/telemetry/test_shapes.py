@@ -33,7 +33,8 @@ from llmtap import cli, simulator
 from llmtap.analysis import shapes
 from llmtap.analysis.slo import INSUFFICIENT, MET, MISSED, UNCERTAIN, judge
 from llmtap.analysis.stats import Distribution
-from llmtap.commands.demo import FIXED_FIRST, Workload, _messages, default_workloads
+from llmtap.commands.demo import FIXED_FIRST, Workload, default_workloads
+from llmtap.commands.demo_workloads import messages as _messages
 from llmtap.config.load import build
 from llmtap.config.types import DEFAULT_SHAPES, SLO, ConfigError, Records, Route, Settings, Shape
 from llmtap.serve.local import in_process

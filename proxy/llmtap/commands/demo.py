@@ -34,13 +34,21 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 from llmtap import simulator
 from llmtap.analysis.compare import MIN_GAIN_MS, Comparison, Split
-from llmtap.analysis.stats import quantile
-from llmtap.analysis.summary import Summary, slo_outcome
-from llmtap.analysis.timeline import OK, Timeline
+from llmtap.analysis.summary import Summary
+from llmtap.analysis.timeline import Timeline
 from llmtap.commands.compare import compare_records
 from llmtap.commands.demo_report import ProgressLine, render as render  # render is part of the demo's API
+from llmtap.commands.demo_workloads import (  # the workloads are part of the demo's API
+    FIXED_FIRST as FIXED_FIRST,
+    VARIABLE_FIRST as VARIABLE_FIRST,
+    PhaseResult as PhaseResult,
+    Workload as Workload,
+    default_workloads as default_workloads,
+    messages as _messages,
+    phase_result,
+)
 from llmtap.config.otel import telemetry_from_env
-from llmtap.config.types import SLO, Records, Route, Settings, TelemetrySettings
+from llmtap.config.types import Records, Route, Settings, TelemetrySettings
 from llmtap.simulator.spans import SpanExporter
 from llmtap.simulator.text import Vocabulary
 from llmtap.telemetry.emit import setup
@@ -62,115 +70,9 @@ __all__ = [
     "run",
 ]
 
-VARIABLE_FIRST, FIXED_FIRST = "variable-first", "fixed-first"
 WARMUP = "warmup"
 #: Longest wait, after a phase's warm-up, for the simulator's span of it to reach llmtap.
 SPAN_SETTLE_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """One request shape, agreed before measuring: prompt parts, output length, load and SLOs."""
-
-    name: str
-    route: str
-    profile: str
-    fixed_tokens: int
-    variable_tokens: int
-    output_tokens: int
-    requests: int
-    concurrency: int
-    slo: SLO
-
-
-def default_workloads(requests: int | None = None, concurrency: int | None = None) -> list[Workload]:
-    """The course's two workloads (support assistant, code completion), with optional load overrides."""
-    return [
-        Workload(
-            name="support assistant",
-            route="support",
-            profile="support",
-            fixed_tokens=5250,
-            variable_tokens=950,
-            output_tokens=300,
-            requests=requests or 8,
-            concurrency=concurrency or 4,
-            # The course's objectives: the percentile that counts, for the shape it holds for.
-            slo=SLO(ttft=0.5, tpot=0.030, e2e=None, percentile=0.95, shape="long_prompt"),
-        ),
-        Workload(
-            name="code completion",
-            route="code",
-            profile="code",
-            fixed_tokens=120,
-            variable_tokens=80,
-            output_tokens=64,
-            requests=requests or 16,
-            concurrency=concurrency or 4,
-            slo=SLO(ttft=0.1, tpot=0.015, e2e=None, percentile=0.99, shape="short_prompt"),
-        ),
-    ]
-
-
-@dataclass(slots=True)
-class PhaseResult:
-    """The figures of one workload in one prompt layout, all from the proxy's own measurements."""
-
-    workload: str
-    layout: str
-    requests: int = 0
-    errors: int = 0
-    seconds: float = 0.0
-    ttft_p50: float | None = None
-    ttft_p95: float | None = None
-    itl_p50: float | None = None
-    itl_p95: float | None = None
-    tpot_p50: float | None = None
-    #: One stream's decode rate, output tokens per second after the first token (1 / TPOT): p50 over requests.
-    stream_tokens_per_s_p50: float | None = None
-    #: Output tokens of all streams together over the phase's wall time (at the workload's concurrency).
-    output_tokens_per_s: float = 0.0
-    requests_per_s: float = 0.0
-    goodput_per_s: float = 0.0
-    slo_met_share: float = 0.0
-    queue_p50: float | None = None
-    queue_source: str = ""
-    prefill_p50: float | None = None
-    prefill_source: str = ""
-    decode_p50: float | None = None
-    cached_share: float = 0.0
-    input_tokens_p50: float | None = None
-    output_tokens_p50: float | None = None
-
-
-def phase_result(w: Workload, layout: str, rows: list[tuple[Timeline, Summary]], seconds: float) -> PhaseResult:
-    """Aggregate the summaries of one phase; goodput against the workload's own SLOs."""
-    r = PhaseResult(workload=w.name, layout=layout, requests=len(rows), seconds=seconds)
-    ok = [s for tl, s in rows if tl.outcome == OK]
-    r.errors = len(rows) - len(ok)
-    r.ttft_p50 = quantile([s.ttft for s in ok if s.ttft is not None], 0.5)
-    r.ttft_p95 = quantile([s.ttft for s in ok if s.ttft is not None], 0.95)
-    itl = [x for s in ok for x in s.itl_per_token]
-    r.itl_p50, r.itl_p95 = quantile(itl, 0.5), quantile(itl, 0.95)
-    r.tpot_p50 = quantile([s.tpot for s in ok if s.tpot is not None], 0.5)
-    r.stream_tokens_per_s_p50 = quantile([1 / s.tpot for s in ok if s.tpot], 0.5)
-    out = sum(s.output_tokens or 0 for s in ok)
-    good = sum(1 for tl, s in rows if slo_outcome(tl, s, w.slo) == "met")
-    if seconds > 0:
-        r.output_tokens_per_s = out / seconds
-        r.requests_per_s = len(ok) / seconds
-        r.goodput_per_s = good / seconds
-    r.slo_met_share = good / len(rows) if rows else 0.0
-    r.queue_p50 = quantile([s.queue for s in ok if s.queue is not None], 0.5)
-    r.queue_source = ",".join(sorted({s.queue_source for s in ok if s.queue is not None}))
-    r.prefill_p50 = quantile([s.prefill for s in ok if s.prefill is not None], 0.5)
-    r.prefill_source = ",".join(sorted({s.prefill_source for s in ok if s.prefill is not None}))
-    r.decode_p50 = quantile([s.decode for s in ok if s.decode is not None], 0.5)
-    inputs = sum(s.input_tokens or 0 for s in ok)
-    r.cached_share = sum(s.cache_read_tokens or 0 for s in ok) / inputs if inputs else 0.0
-    r.input_tokens_p50 = quantile([float(s.input_tokens) for s in ok if s.input_tokens is not None], 0.5)
-    r.output_tokens_p50 = quantile([float(s.output_tokens) for s in ok if s.output_tokens is not None], 0.5)
-    return r
 
 
 class _Collector:
@@ -187,13 +89,6 @@ class _Collector:
     def take(self, route: str, layout: str) -> list[tuple[Timeline, Summary]]:
         with self.lock:
             return [(tl, s) for tl, s in self.rows if tl.route == route and tl.prompt_version == layout]
-
-
-def _messages(w: Workload, layout: str, index: int, vocab: Vocabulary) -> list[dict[str, str]]:
-    fixed = "".join(vocab.generate(f"{w.route}:fixed", w.fixed_tokens))
-    variable = "".join(vocab.generate(f"{w.route}:request:{index}", w.variable_tokens))
-    first, second = (fixed, variable) if layout == FIXED_FIRST else (variable, fixed)
-    return [{"role": "system", "content": first}, {"role": "user", "content": second}]
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from llmtap.commands.demo import PhaseResult, Progress, Workload
+    from llmtap.commands.demo import Progress
+    from llmtap.commands.demo_workloads import PhaseResult, Workload
 
 __all__ = ["ProgressLine", "render"]
 
