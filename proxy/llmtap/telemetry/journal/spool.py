@@ -67,7 +67,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import Meter, Observation
 
@@ -87,7 +87,9 @@ from llmtap.telemetry.journal.files import (
 from llmtap.telemetry.journal.replay import Replay
 from llmtap.telemetry.journal.sequences import SEQUENCES_FILE, Sequences, last_run
 from llmtap.wire.messages import END, SEGMENT, Raw
-from llmtap.worker import Progress
+
+if TYPE_CHECKING:
+    from llmtap.telemetry.journal.start import SinkLike
 
 __all__ = [
     "EMITTED",
@@ -95,7 +97,6 @@ __all__ = [
     "ROOM_EVERY",
     "SEGMENT_BYTES",
     "SINK_BITS",
-    "SinkLike",
     "Spool",
 ]
 
@@ -116,13 +117,6 @@ _REF_RUN = 1 << 40
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 #: Seconds between two looks for room again on a full disk.
 ROOM_EVERY = 5.0
-
-
-class SinkLike(Protocol):
-    """What the journal reads of a record sink."""
-
-    kind: str
-    progress: Progress
 
 
 class Spool:

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from llmtap.telemetry.journal.spool import SinkLike, Spool
+from llmtap.telemetry.journal.spool import Spool
+from llmtap.worker import Progress
 
-__all__ = ["open_spool"]
+__all__ = ["SinkLike", "open_spool"]
 
 log = logging.getLogger("llmtap.telemetry")
+
+
+class SinkLike(Protocol):
+    """What the journal reads of a record sink."""
+
+    kind: str
+    progress: Progress
 
 
 def open_spool(
