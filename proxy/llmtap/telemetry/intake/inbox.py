@@ -108,8 +108,9 @@ class Inbox:
         """Queue every message of one read from relay ``source`` in order, each as ``submit`` would, under one hold
         of the queue's lock and with one wake-up of the worker: a read carries the ends of several requests when
         they come fast, and a put each cost a lock and a notification each. Never blocks, never raises."""
-        if len(messages) == 1:
-            self.submit(messages[0], source)
+        if len(messages) <= 1:
+            if messages:
+                self.submit(messages[0], source)
             return
         try:
             self._wake()
