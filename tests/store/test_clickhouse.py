@@ -32,22 +32,13 @@ from llmtap.store import clickhouse as ch, clickhouse_read as chread
 from llmtap.telemetry.records.clickhouse import ClickHouseSink
 from llmtap.telemetry.records.record import SCHEMA_VERSION
 from tests.conftest import PATIENCE, free_port, require_real
-from tests.support.clickhouse_server import PASSWORD, USER, ClickHouseProcess, installed
-
-HOW = "apt-get install clickhouse-server clickhouse-client (.ci/install.d/35-clickhouse.sh)"
+from tests.support.clickhouse_server import HOW, PASSWORD, USER, ClickHouseProcess, installed, started
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClickHouseProcess]:
-    require_real(installed(), "ClickHouse (clickhouse-server)", HOW)
-    proc = ClickHouseProcess(tmp_path_factory.mktemp("clickhouse"))
-    proc.start(PATIENCE)
-    yield proc
-    proc.stop()
-
-
-def _count(proc: ClickHouseProcess, table: str) -> int:
-    return int(proc.query(f"SELECT count() FROM {table}").strip())
+    with started(tmp_path_factory.mktemp("clickhouse")) as proc:
+        yield proc
 
 
 def _wait_for(what: str, check: Any) -> Any:
@@ -337,7 +328,7 @@ def test_compare_and_slo_read_the_same_verdicts_from_clickhouse_as_from_the_file
     path.write_text("".join(lines), encoding="utf-8")  # a record file as an earlier llmtap wrote it
     assert sink.drain(PATIENCE)
     sink.close()
-    assert sink.written == 400 and _count(server, "same_verdicts") == 400
+    assert sink.written == 400 and server.count("same_verdicts") == 400
     env = {"LLMTAP_RECORD_CLICKHOUSE_USER": USER, "LLMTAP_RECORD_CLICKHOUSE_PASSWORD": PASSWORD}
     source = ["--clickhouse", server.url, "--clickhouse-table", "same_verdicts"]
     for command in (
@@ -506,13 +497,13 @@ def test_clickhouse_down_the_proxy_serves_counts_its_drops_and_catches_up(sim: s
     later = ClickHouseProcess(tmp_path / "later")  # its ports chosen, nothing listening yet
     serve = Serve(sim, "--record-clickhouse", later.url, "--record-clickhouse-queue", "3")
     try:
-        started = time.monotonic()
+        began = time.monotonic()
         for _ in range(6):
             r = serve.ask("v1")
             assert r.is_success and "data: [DONE]" in r.text
         _wait_for("a failed insert on /metrics", lambda: serve.metric(INSERTS, 'outcome="failed"') >= 1)
         _wait_for("3 drops on /metrics", lambda: serve.metric(DROPPED, 'reason="clickhouse_queue_full"') == 3)
-        assert time.monotonic() - started < PATIENCE
+        assert time.monotonic() - began < PATIENCE
         later.start(PATIENCE)
         try:
             # The three queued records arrive once ClickHouse is back; later ones follow.
@@ -533,7 +524,7 @@ def test_clickhouse_down_the_proxy_serves_counts_its_drops_and_catches_up(sim: s
 
 def _table_count(proc: ClickHouseProcess, table: str) -> int:
     try:
-        return _count(proc, table)
+        return proc.count(table)
     except OSError:  # the table is not there yet
         return -1
 
