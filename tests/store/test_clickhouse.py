@@ -33,22 +33,13 @@ from llmtap.telemetry.records.clickhouse import ClickHouseSink
 from llmtap.telemetry.records.record import SCHEMA_VERSION
 from tests.conftest import PATIENCE, free_port, require_real
 from tests.support.clickhouse_server import HOW, PASSWORD, USER, ClickHouseProcess, installed, started
+from tests.support.fault_load import wait_for
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClickHouseProcess]:
     with started(tmp_path_factory.mktemp("clickhouse")) as proc:
         yield proc
-
-
-def _wait_for(what: str, check: Any) -> Any:
-    deadline = time.monotonic() + PATIENCE
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} did not happen within {PATIENCE:.0f} s"
-        time.sleep(0.1)
 
 
 def make_records(n: int, seed: int = 7, start: float = 1_790_000_000.0) -> list[dict[str, Any]]:
@@ -213,7 +204,7 @@ def test_the_sink_never_blocks_and_counts_what_it_drops_when_clickhouse_is_away(
         sink.write(rec)
     sink.flush()
     assert sink.queued == 5 and drops == {"clickhouse_queue_full": 7}
-    _wait_for("a failed insert", lambda: inserts.get("failed", 0) >= 2)
+    wait_for("a failed insert", lambda: inserts.get("failed", 0) >= 2, PATIENCE)
     sink.write({"time": "yesterday-ish", "ttft": 0.1})  # no moment to file it under
     assert drops["invalid"] == 1
     sink.write({"time": datetime.now(UTC).isoformat(), "ttft": float("nan")})  # NaN reads as null, as anywhere
@@ -476,7 +467,7 @@ def test_the_proxys_records_land_in_clickhouse(server: ClickHouseProcess, sim: s
     try:
         for version in ("v1", "v1", "v2"):
             assert serve.ask(version).is_success
-        _wait_for("3 rows in ClickHouse", lambda: _table_count(server, "from_proxy") == 3)
+        wait_for("3 rows in ClickHouse", lambda: _table_count(server, "from_proxy") == 3, PATIENCE)
         assert serve.metric(INSERTS, 'outcome="ok"') >= 1
         assert serve.metric(INSERTS, 'outcome="failed"') == 0
         assert serve.metric(DROPPED, 'reason="clickhouse_queue_full"') == 0
@@ -501,15 +492,15 @@ def test_clickhouse_down_the_proxy_serves_counts_its_drops_and_catches_up(sim: s
         for _ in range(6):
             r = serve.ask("v1")
             assert r.is_success and "data: [DONE]" in r.text
-        _wait_for("a failed insert on /metrics", lambda: serve.metric(INSERTS, 'outcome="failed"') >= 1)
-        _wait_for("3 drops on /metrics", lambda: serve.metric(DROPPED, 'reason="clickhouse_queue_full"') == 3)
+        wait_for("a failed insert on /metrics", lambda: serve.metric(INSERTS, 'outcome="failed"') >= 1, PATIENCE)
+        wait_for("3 drops on /metrics", lambda: serve.metric(DROPPED, 'reason="clickhouse_queue_full"') == 3, PATIENCE)
         assert time.monotonic() - began < PATIENCE
         later.start(PATIENCE)
         try:
             # The three queued records arrive once ClickHouse is back; later ones follow.
-            _wait_for("the queued records", lambda: _table_count(later, "llmtap_records") == 3)
+            wait_for("the queued records", lambda: _table_count(later, "llmtap_records") == 3, PATIENCE)
             assert serve.ask("v2").is_success
-            _wait_for("the next record", lambda: _table_count(later, "llmtap_records") == 4)
+            wait_for("the next record", lambda: _table_count(later, "llmtap_records") == 4, PATIENCE)
             assert serve.metric(INSERTS, 'outcome="ok"') >= 2
             assert serve.metric(DROPPED, 'reason="clickhouse_queue_full"') == 3
         finally:
