@@ -17,8 +17,6 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import httpx
-
 from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.config.types import Route
 from llmtap.errors import ClientGone, LlmtapError
@@ -37,6 +35,7 @@ from llmtap.relay.pipe import Pipe
 from llmtap.relay.strip import strip_part
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.upstream import Answer, Pieces
+from llmtap.relay.upstream.errors import UpstreamError, UpstreamTimeout
 from llmtap.relay.watch import DisconnectWatch
 from llmtap.types import OBJECTIVE_HEADERS, Receive, Scope, Send
 from llmtap.wire.tape import Tape, now
@@ -251,7 +250,7 @@ class Exchange:
         except asyncio.CancelledError:
             if not await self._cancelled():
                 raise
-        except (ClientGone, OSError, InflateLimit, zlib.error, httpx.HTTPError) as exc:
+        except (ClientGone, OSError, InflateLimit, zlib.error, UpstreamError) as exc:
             if not await self._broke(exc):
                 raise
         finally:
@@ -331,7 +330,7 @@ class Exchange:
                 body_changed=self.rewritten is not None,
                 plain=tape.strip_usage,
             )
-        except httpx.TransportError as exc:
+        except UpstreamError as exc:
             if await upstream_failed(self.send, route, tape, exc):
                 app.gauges.bad_head(route.upstream, tape.error_message)
             return False
@@ -499,18 +498,19 @@ class Exchange:
             tape.fail("upstream_error", f"the upstream's compressed body is corrupt: {exc}")
             log.warning("upstream %s sent a corrupt compressed body: %s", route.upstream, exc)
             await self._cut()
-        elif isinstance(exc, httpx.TimeoutException):
+        elif isinstance(exc, UpstreamTimeout):
             tape.fail("idle_timeout", "upstream stopped sending")
             if self.started:
                 app.gauges.breaks.broke(route.name, route.upstream, tape, str(exc) or "upstream stopped sending")
                 await self._cut()
         else:
-            what = f"{type(exc).__name__}: {exc}"
+            assert isinstance(exc, UpstreamError)
+            what = f"{exc.label}: {exc}"
             tape.fail("upstream_closed" if self.started else "upstream_error", what)
             if self.started:
                 app.gauges.breaks.broke(route.name, route.upstream, tape, what)
                 await self._cut()
-            await send_json(self.send, 502, "upstream_error", f"upstream {route.upstream}: {type(exc).__name__}")
+            await send_json(self.send, 502, "upstream_error", f"upstream {route.upstream}: {exc.label}")
         return True
 
     async def _cut(self) -> NoReturn:

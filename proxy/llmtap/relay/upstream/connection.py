@@ -16,9 +16,9 @@ from collections.abc import AsyncIterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import httptools
-import httpx
 
 from llmtap.relay import tls
+from llmtap.relay.upstream.errors import ConnectFailed, ReadTimeout, UpstreamClosed, UpstreamReset, WriteTimeout
 from llmtap.relay.upstream.http11 import Http11, Pieces, Sink
 
 if TYPE_CHECKING:
@@ -99,14 +99,14 @@ class Connection(Http11, asyncio.Protocol):
             if isinstance(exc, ssl.SSLError) and self._head_bytes == 0:
                 # TLS 1.3: the server checks our certificate after our side of the handshake is done, so
                 # its refusal (an alert) comes in place of the response.
-                self.error = httpx.ConnectError(tls.describe(exc))
+                self.error = ConnectFailed(tls.describe(exc))
             elif exc is not None:
-                self.error = httpx.ReadError(f"upstream reset the connection: {exc}")
+                self.error = UpstreamReset(f"upstream reset the connection: {exc}")
             elif self.head_done and not self._chunked and self._remaining is None and not self._interim:
                 self.done = True  # a body delimited by the end of the connection (RFC 9112 section 6.3, item 8)
             else:
                 what = "mid-response" if self.head_done else "before the response headers"
-                self.error = httpx.RemoteProtocolError(f"upstream closed the connection {what}")
+                self.error = UpstreamClosed(f"upstream closed the connection {what}")
         _wake(self._reader)
         _wake(self._writer)
         if self.idle:
@@ -193,7 +193,7 @@ class Connection(Http11, asyncio.Protocol):
                 self._transport.resume_reading()
 
     async def until_moved(self, seconds: float | None) -> None:
-        """Under a sink: until the response ends, fails or is held; ``httpx.ReadTimeout`` once the socket
+        """Under a sink: until the response ends, fails or is held; ``ReadTimeout`` once the socket
         brought nothing for ``seconds`` (one timer for the wait, checked against ``heard`` when it fires)."""
         remaining = seconds
         while not (self.done or self.error is not None or self.held):
@@ -205,7 +205,7 @@ class Connection(Http11, asyncio.Protocol):
             if not moved and seconds is not None:
                 silence = time.perf_counter() - self.heard
                 if silence >= seconds:
-                    raise httpx.ReadTimeout(f"upstream sent nothing for {seconds:g} s")
+                    raise ReadTimeout(f"upstream sent nothing for {seconds:g} s")
                 remaining = seconds - silence
 
     def usable(self) -> bool:
@@ -260,7 +260,7 @@ class Connection(Http11, asyncio.Protocol):
         """``data`` and then ``more`` onto the connection; a large ``more`` is written without copying it into one
         buffer with ``data`` first (a request body of megabytes: a copy of milliseconds on the relay's loop)."""
         if self.closed or self._transport is None or self._transport.is_closing():
-            raise httpx.RemoteProtocolError("upstream closed the connection before the request was sent")
+            raise UpstreamClosed("upstream closed the connection before the request was sent")
         if len(more) > _JOINED_BYTES:
             self._transport.writelines((data, more))
         else:
@@ -310,17 +310,17 @@ class Connection(Http11, asyncio.Protocol):
             finally:
                 self._writer = None
             if not taken:
-                raise httpx.WriteTimeout(f"upstream took no request body for {seconds:g} s")
+                raise WriteTimeout(f"upstream took no request body for {seconds:g} s")
 
     async def wait_readable(self, seconds: float | None) -> None:
-        """Until the response moves on (a part, its end, an error); ``httpx.ReadTimeout`` after ``seconds``."""
+        """Until the response moves on (a part, its end, an error); ``ReadTimeout`` after ``seconds``."""
         self._reader = self._loop.create_future()
         try:
             moved = await self._until(self._reader, seconds)
         finally:
             self._reader = None
         if not moved:
-            raise httpx.ReadTimeout(f"upstream sent nothing for {seconds:g} s")
+            raise ReadTimeout(f"upstream sent nothing for {seconds:g} s")
 
     async def _until(self, waiter: asyncio.Future[bool], seconds: float | None) -> bool:
         if seconds is None:
