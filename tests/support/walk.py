@@ -5,7 +5,8 @@ another llmtap module is one entry into the first. What is counted is the reques
 make: a coroutine or generator resumed is the same entry going on, not a new one; calls from outside llmtap (the
 server calling the application) are where the walk starts; calls within a module are not entries. The upstream's
 read callbacks run outside any task, once per socket read, and are counted apart (``reads``): the path of a
-chunk, not of a request.
+chunk, not of a request; so are calls of a body's sink (``PART_SINKS``), which the client also makes from the
+request's task for the parts that came before the sink was attached.
 
 ``relay_walk`` serves the relay in this thread's event loop (llmtap's listener over uvicorn, a loopback upstream,
 a raw client), warms it with one request of each kind, then walks one non-streamed and one streamed request
@@ -30,8 +31,10 @@ from llmtap.relay.app import create_app
 from llmtap.relay.channel import LocalChannel
 from llmtap.serve.server import uvicorn_config
 
-__all__ = ["Walk", "Walks", "relay_walk"]
+__all__ = ["PART_SINKS", "Walk", "Walks", "relay_walk"]
 
+#: Functions called once per body part (``module:qualname``): counted apart, in ``parts``.
+PART_SINKS = frozenset({"llmtap.relay.pipe:Pipe.__call__"})
 _RESUMABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 
 _ANSWER = b'{"id":"x","object":"chat.completion","choices":[{"message":{"role":"assistant","content":"hi"}}]}'
@@ -51,6 +54,8 @@ class Walk:
         self.pairs: Counter[tuple[str, str]] = Counter()
         #: Entries made in callbacks outside any task (the upstream's socket reads), per (caller, callee) pair.
         self.reads: Counter[tuple[str, str]] = Counter()
+        #: Calls of a body part's sink made in the request's tasks.
+        self.parts = 0
         self._started: set[FrameType] = set()
 
     def __enter__(self) -> Walk:
@@ -81,6 +86,9 @@ class Walk:
             return
         if asyncio.current_task() is None:
             self.reads[(caller, callee)] += 1
+            return
+        if f"{callee}:{frame.f_code.co_qualname}" in PART_SINKS:
+            self.parts += 1
             return
         self.entries[callee] += 1
         self.pairs[(caller, callee)] += 1

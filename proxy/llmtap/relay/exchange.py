@@ -15,6 +15,7 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from llmtap.compression import InflateLimit, Inflater, decodable
@@ -68,7 +69,6 @@ class Exchange:
         "answer",
         "app",
         "body",
-        "counted",
         "cycle",
         "headers",
         "inflater",
@@ -132,7 +132,7 @@ class Exchange:
         self.rewritten: bytes | Pieces | None = None
         self.timeouts: dict[str, float | None] = {}
         self.admission: Admission | None = app.admissions.get(route.name)
-        self.admitted = self.sent = self.counted = self.started = False
+        self.admitted = self.sent = self.started = False
         self.task: asyncio.Task[Any] | None = None
         self.watch: DisconnectWatch | None = None
         self.answer: Answer | None = None
@@ -300,13 +300,6 @@ class Exchange:
             [(b"retry-after", str(route.retry_after).encode())],
         )
 
-    def _leaving(self) -> None:
-        """The request's head goes onto the upstream connection now, after any connect: the upstream sees the
-        requests in this order, and those already in flight, whichever relay wrote them, are ahead of it."""
-        self.tape.written = now()
-        self.tape.upstream_ahead = self.app.upstream_inflight.begin(self.route.upstream)
-        self.counted = True
-
     async def _call_upstream(self) -> bool:
         """Send the request upstream and wait for the response's head; False when it ended without one."""
         app, route, tape = self.app, self.route, self.tape
@@ -325,7 +318,8 @@ class Exchange:
                 self.headers,
                 content,
                 self.timeouts,
-                self._leaving,
+                # Called by the upstream client, not by this exchange: ``tape.written`` then says it was counted.
+                partial(app.upstream_inflight.leaving, route.upstream, tape),
                 trace=self.trace,
                 body_changed=self.rewritten is not None,
                 plain=tape.strip_usage,
@@ -532,7 +526,7 @@ class Exchange:
             # Closing the answer closes the upstream connection mid-stream: the server sees the client leave and
             # stops generating. A cancellation cannot skip it (``aclose``).
             await self.answer.aclose()
-        if self.counted:
+        if self.tape.written is not None:
             self.app.upstream_inflight.end(self.route.upstream)
         if self.sent and self.tape.end is None:
             self.tape.end = now()

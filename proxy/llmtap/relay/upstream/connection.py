@@ -12,7 +12,7 @@ import asyncio
 import select
 import ssl
 import time
-from collections.abc import AsyncIterable, Mapping
+from collections.abc import AsyncIterable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import httptools
@@ -86,6 +86,36 @@ class Connection(Http11, asyncio.Protocol):
         """A new exchange: the previous response ended exactly where the parser stopped."""
         self.active = True
         self._reset(head_only=head_only)
+
+    async def exchange(
+        self,
+        head: bytes,
+        content: bytes | Pieces | AsyncIterable[bytes],
+        timeouts: Timeouts,
+        leaving: Callable[[], None] | None,
+        *,
+        chunked: bool,
+        head_only: bool,
+    ) -> None:
+        """One request on this connection, up to its response's head: the head and body written (``leaving``
+        called just before the first byte), then the wait until the head is read. One call from the transport
+        for the whole of it (raises what failed: the connection is then the caller's to release)."""
+        self.begin(head_only=head_only)
+        if leaving is not None:
+            leaving()
+        if isinstance(content, bytes):
+            self.write(head, content)  # one write: the head and a body already in memory
+            self.sent_all = True
+        elif isinstance(content, tuple):
+            self.write(head)
+            await self.send_pieces(content, timeouts)
+        else:
+            self.write(head)
+            await self.send_stream(content, chunked=chunked, timeouts=timeouts)
+        while not self.head_done:
+            if self.error is not None:
+                raise self.error
+            await self.wait_readable(timeouts.get("read"))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -232,6 +262,14 @@ class Connection(Http11, asyncio.Protocol):
             and self.surplus == 0
             and not self.closed
         )
+
+    def settle(self) -> bool:
+        """The exchange is over: parked for the next when it ended cleanly (``reusable``, True), else closed."""
+        if self.reusable():
+            self.park()
+            return True
+        self.abort()
+        return False
 
     def keep_session(self) -> None:
         """Hand the TLS session to the context, for the next connection's handshake: once, after the first

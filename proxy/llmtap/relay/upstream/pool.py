@@ -72,12 +72,10 @@ class Pool:
         """An exchange is over: its connection goes back idle when clean, else it is closed."""
         if conn.unkept is not None:
             conn.keep_session()
-        if conn.reusable():
-            conn.park()
+        if conn.settle():
             conn.idle = True
             self.idle.append(conn)
         else:
-            conn.abort()
             self._forget(conn)
         self._next()
 

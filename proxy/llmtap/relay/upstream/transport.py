@@ -90,7 +90,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         """
         head, chunked = request_head(method, target, origin.host, headers, content)
         conn = await self._exchange(origin.key, head, content, chunked, method == "HEAD", timeouts, leaving)
-        return Answer(conn.status, conn.headers, Body(conn, timeouts))
+        return Answer(conn, timeouts)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
@@ -144,22 +144,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 raise
             pool.added(conn)
         try:
-            conn.begin(head_only=head_only)
-            if leaving is not None:
-                leaving()
-            if isinstance(content, bytes):
-                conn.write(head, content)  # one write: the head and a body already in memory
-                conn.sent_all = True
-            elif isinstance(content, tuple):
-                conn.write(head)
-                await conn.send_pieces(content, timeouts)
-            else:
-                conn.write(head)
-                await conn.send_stream(content, chunked=chunked, timeouts=timeouts)
-            while not conn.head_done:
-                if conn.error is not None:
-                    raise conn.error
-                await conn.wait_readable(timeouts.get("read"))
+            await conn.exchange(head, content, timeouts, leaving, chunked=chunked, head_only=head_only)
         except BaseException:
             # Failed or cancelled mid-exchange (a body iterator's own error included, which goes on as is).
             pool.release(conn)
