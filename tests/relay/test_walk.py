@@ -18,9 +18,10 @@ from tests.support.walk import Walk, Walks, relay_walk
 LEFT = {"llmtap.relay.upstream.connection": 5, "llmtap.relay.upstream.body": 3}
 
 
-@pytest.fixture(scope="module")
-def walks() -> Walks:
-    return relay_walk()
+@pytest.fixture(scope="module", params=[False, True], ids=["as-sent", "usage-spliced"])
+def walks(request: pytest.FixtureRequest) -> Walks:
+    """As sent, and with the usage request spliced in (the stream's usage event is then cut out)."""
+    return relay_walk(inject_usage=request.param)
 
 
 @pytest.mark.parametrize("kind", ["plain", "streamed"])

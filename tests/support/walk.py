@@ -5,8 +5,8 @@ another llmtap module is one entry into the first. What is counted is the reques
 make: a coroutine or generator resumed is the same entry going on, not a new one; calls from outside llmtap (the
 server calling the application) are where the walk starts; calls within a module are not entries. The upstream's
 read callbacks run outside any task, once per socket read, and are counted apart (``reads``): the path of a
-chunk, not of a request; so are calls of a body's sink (``PART_SINKS``), which the client also makes from the
-request's task for the parts that came before the sink was attached.
+chunk, not of a request; so are calls of a body's sink (``PART_SINKS``) and all they call, which the client also
+makes from the request's task for the parts that came before the sink was attached.
 
 ``relay_walk`` serves the relay in this thread's event loop (llmtap's listener over uvicorn, a loopback upstream,
 a raw client), warms it with one request of each kind, then walks one non-streamed and one streamed request
@@ -56,6 +56,7 @@ class Walk:
         self.reads: Counter[tuple[str, str]] = Counter()
         #: Calls of a body part's sink made in the request's tasks.
         self.parts = 0
+        self._part: FrameType | None = None
         self._started: set[FrameType] = set()
 
     def __enter__(self) -> Walk:
@@ -71,6 +72,10 @@ class Walk:
         return {name: count for name, count in sorted(self.entries.items()) if name.startswith("llmtap.relay.")}
 
     def _event(self, frame: FrameType, event: str, arg: Any) -> None:
+        if self._part is not None:
+            if event == "return" and frame is self._part:
+                self._part = None
+            return
         if event != "call":
             return
         callee = frame.f_globals.get("__name__", "")
@@ -89,6 +94,7 @@ class Walk:
             return
         if f"{callee}:{frame.f_code.co_qualname}" in PART_SINKS:
             self.parts += 1
+            self._part = frame
             return
         self.entries[callee] += 1
         self.pairs[(caller, callee)] += 1
