@@ -152,8 +152,9 @@ class InFlight:
         """The request of ``tape`` goes onto its upstream connection now, after any connect (the upstream client
         calls this just before the first byte): the upstream sees the requests in this order, and those already
         in flight, whichever relay wrote them, are ahead of it. ``tape.written`` says it was counted."""
-        tape.written = now()
+        written = now()
         tape.upstream_ahead = self.begin(upstream)
+        tape.written = written  # set once counted: the count's end goes by it
 
     def end(self, upstream: str) -> None:
         """A request ``begin`` counted is over (answered, failed or cut)."""
