@@ -5,7 +5,8 @@ either as the relay sends a stream, through uvicorn's ASGI ``send`` (the head, t
 at once (``llmtap.relay.oneshot``: its head built as uvicorn builds it, one ``transport.write``). This measures
 both on uvicorn's own request cycle over a transport that sends each write on a socket pair at once (as the loop's
 transport does while the socket takes everything), in process CPU time per answer, the cycle's making and the
-client end's reads measured alone and taken off: medians of several rounds, the two ways alternating.
+client end's reads measured alone and taken off: medians of several rounds, the two ways alternating. Then, for
+the same request, what its tape (made, its one read and delivery, its end message) and its frame's encoding cost.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from llmtap.relay.oneshot import head_of, write_whole
+from llmtap.wire.framing import encode_frames
+from llmtap.wire.tape import Tape
 
 BODY = b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.1,0.2,0.3]}],"model":"m","usage":{}}'
 HEADERS = [
@@ -116,6 +119,46 @@ async def _at_once(answers: int) -> float:
     return (time.process_time() - started) / answers
 
 
+def _tape() -> Tape:
+    """A one-read request's tape as the relay fills it."""
+    tape = Tape(
+        1,
+        method="POST",
+        path="/v1/embeddings",
+        inner_path="/v1/embeddings",
+        route="default",
+        protocol="openai",
+        received=1.0,
+        received_wall_ns=1,
+    )
+    tape.body = b'{"input":"hello world","model":"text-embedding-3-small"}'
+    tape.status_code = 200
+    tape.response_headers = list(HEADERS)
+    tape.read(2.0, BODY)
+    tape.delivered(2.1)
+    tape.end = 2.2
+    return tape
+
+
+def _tapes(answers: int, encode: bool) -> float:
+    started = time.process_time()
+    for _ in range(answers):
+        message = _tape().end_message(0, 1)
+        if encode:
+            encode_frames(message)
+    return (time.process_time() - started) / answers
+
+
+def tape_cost(answers: int, rounds: int) -> dict[str, Any]:
+    """Median CPU µs of a one-read request's tape (made, filled, its end message built) and of its frame."""
+    built = [_tapes(answers, False) for _ in range(rounds)]
+    framed = [_tapes(answers, True) for _ in range(rounds)]
+    return {
+        "tape_us_per_request": round(statistics.median(built) * 1e6, 2),
+        "frame_us_per_request": round((statistics.median(framed) - statistics.median(built)) * 1e6, 2),
+    }
+
+
 def measure(answers: int, rounds: int) -> dict[str, Any]:
     """Median CPU µs per answer each way, the making of the cycle (measured alone) taken off both."""
     made: list[float] = []
@@ -136,12 +179,13 @@ def measure(answers: int, rounds: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print both ways' CPU per answer."""
+    """Print both ways' CPU per answer, then what the answer's tape and its frame cost."""
     p = argparse.ArgumentParser(prog="python -m bench.probes.oneshot", description=__doc__)
     p.add_argument("--answers", type=int, default=20_000)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     print(json.dumps(measure(args.answers, args.rounds)))
+    print(json.dumps(tape_cost(args.answers, args.rounds)))
 
 
 if __name__ == "__main__":
