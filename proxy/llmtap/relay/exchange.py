@@ -3,7 +3,8 @@
 ``ProxyApp`` routes a request and makes its ``Exchange``; ``Exchange.run`` walks it through, one short step
 each: read the request (its head: attribution, the key's fingerprint, the trace; its body, the usage splice),
 wait for admission, call the upstream, relay its head, relay its body (the pipe in the upstream's read callback,
-or a loop over its parts, decompressed when the usage event must be cut out of a compressed stream), and end.
+or a loop over its parts, decompressed when the usage event must be cut out of a compressed stream), and end;
+a short answer read whole with its head goes out in one write, head and body (``llmtap.relay.oneshot``).
 Whatever the way out (the end, a failure, the client leaving, the drain deadline), ``finally`` releases the
 upstream answer and the admission slot, and the tape is handed over once.
 """
