@@ -51,6 +51,7 @@ from llmtap.telemetry.journal.spool import JOURNAL_DROP_REASONS, Spool
 from llmtap.telemetry.journal.start import open_spool
 from llmtap.telemetry.loop import Worker
 from llmtap.telemetry.records.access_log import AccessLog
+from llmtap.telemetry.records.content_drops import ContentUnavailable
 from llmtap.telemetry.records.emitter import RecordEmitter
 from llmtap.telemetry.records.sinks import Sink, build_sinks
 from llmtap.telemetry.trim import Trimmer
@@ -146,15 +147,17 @@ class Recorder:
             self.listeners.append(self.access_log.write)
         emitters: tuple[Emitter, ...] = (self.spans, self.metrics, self.records, self._listeners)
         #: The opt-in content event (``--content-event``), after the others: None unless a field is named.
-        self.content: ContentEmitter | None = None
+        self.content: ContentEmitter | ContentUnavailable | None = None
         if settings.content.on:
             # The OpenTelemetry logs SDK it needs is loaded only when asked for (as the record logs' is).
             try:
                 from llmtap.telemetry.records.content import content_emitter
             except ImportError as exc:
                 log.error("telemetry: --content-event needs a newer opentelemetry-sdk (%s); no content event", exc)
+                cause = f"the opentelemetry-sdk installed is too old ({exc})"
+                self.content = ContentUnavailable(cause, self.counts.content_drop)
             else:
-                self.content = content_emitter(settings)
+                self.content = content_emitter(settings, self.counts.content_drop)
         if self.content is not None:
             emitters += (self.content,)
         self.emission = Emission(emitters, self.records)
