@@ -551,6 +551,12 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(
         amount = (i % 50) / 2**20 if i % 4 else None
         rec["cost"] = {"amount": amount, "currency": "USD", "status": "priced" if amount is not None else "unknown"}
     records[10]["cost"] = {"amount": "cheap"}
+    # The requests' own objectives (x-slo-*): outcomes of both figures, one missing, one no outcome llmtap writes.
+    outcomes = ("met", "violated", None, "met", "unknown")
+    for i, rec in enumerate(records):
+        if i % 3:
+            ttft, tpot = outcomes[i % 5], outcomes[(i // 5) % 4]
+            rec["request_objective"] = {"ttft": 0.5, "tpot": 0.05, "ttft_outcome": ttft, "tpot_outcome": tpot}
     path = tmp_path / "records.jsonl"
     lines: list[str] = []
     sink = ClickHouseSink(ch.Server.parse(server.url), table, ttl_days=0)
@@ -575,6 +581,8 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(
             assert keyed(got.groups) == keyed(want.groups), (where, by)
             assert got.records == 300
             assert source.count_met(where, by, limits) == reference.count_met(where, by, limits)
+    violated = [g.request_objectives.get("ttft", {}).get("violated", 0) for g in reference.scan(Filter(), None).groups]
+    assert sum(violated) > 10  # the counts compared above are there
     tied = [g for g in reference.scan(Filter(), None).groups if g.objective and g.objective.percentile == 0.99]
     assert len(tied) == 1  # the tie is in the data, and both sources broke it the same way
 
@@ -685,9 +693,10 @@ def test_records_without_tracing_inserted_twice_count_once_by_their_record_id(
 
 
 def earlier_table(remote: ch.Server, table: str) -> None:
-    """The table as llmtap made it before the cost columns (issue 31) and before one row per record (issue 44):
-    a MergeTree without cost_* and record_id."""
-    old = "\n".join(line for line in ch.ddl(table).splitlines() if not line.strip().startswith(("cost_", "record_id")))
+    """The table as llmtap made it before the cost columns (issue 31), before one row per record (issue 44) and
+    before the requests' own objectives: a MergeTree without cost_*, record_id and request_*."""
+    made_since = ("cost_", "record_id", "request_")
+    old = "\n".join(line for line in ch.ddl(table).splitlines() if not line.strip().startswith(made_since))
     old = old.replace("cache_min_tokens Nullable(Int64),", "cache_min_tokens Nullable(Int64)")
     old = old.replace("ReplacingMergeTree", "MergeTree").replace(", record_id)", ")")
     try:
@@ -704,7 +713,15 @@ def test_a_table_of_an_earlier_version_gets_the_columns_added_since(server: Clic
     table = "before_cost"
     earlier_table(remote, table)
     assert "cost_amount" not in remote.query(f"DESCRIBE TABLE {table}").decode()
-    assert ch.add_missing_columns(remote, table) == ["cost_amount", "cost_status", "record_id"]
+    assert ch.add_missing_columns(remote, table) == [
+        "cost_amount",
+        "cost_status",
+        "request_ttft",
+        "request_tpot",
+        "request_ttft_outcome",
+        "request_tpot_outcome",
+        "record_id",
+    ]
     assert ch.add_missing_columns(remote, table) == []
     record = make_records(1, seed=3)[0]
     record["cost"] = {"amount": 0.25, "currency": "USD", "status": "priced", "prices": "file"}

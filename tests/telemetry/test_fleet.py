@@ -462,7 +462,9 @@ def test_two_replicas_each_get_the_server_truth_of_their_own_requests(fleet: Fle
     why = (joined, routed, fleet.service.sent, fleet.owner)
     for trace, line in lines.items():
         assert (line["queue_source"], line["prefill_source"]) == ("server", "server"), (trace, line, why)
-        assert line["queue"] >= 0.0625 and line["prefill"] == pytest.approx(line["upstream_ttft"] - 0.0625, abs=0.05)
+        # The server's prefill is its own first token less its queue; the relay's upstream TTFT holds it and both
+        # trips between them, which grow without bound on a busy machine: an upper bound, not a margin.
+        assert line["queue"] >= 0.0625 and 0.0 <= line["prefill"] <= line["upstream_ttft"] - 0.0625 + 0.005
         # Written when its span came, never past the wait (1.5 s over it allowed for the telemetry queue).
         assert fleet.seen[trace] - fleet.ended[trace] < WAIT + 1.5, (trace, fleet.seen[trace] - fleet.ended[trace])
     # The shared address sent some spans to the replica that did not relay them: each was passed on, once.
