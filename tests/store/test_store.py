@@ -421,11 +421,13 @@ def test_compare_and_slo_read_ttfot_and_ttst_beside_ttft(tmp_path: Path, kind: s
         assert side.ttfot_requests == len(mine) == side.ttft_requests
         assert side.ttst_requests == len([r for r in mine if r["ttst"] is not None]) < len(mine)
         for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
-            assert side.ttfot[name] is not None and side.ttst[name] is not None
-            assert side.ttfot[name].value == pytest.approx(_exact(recs, "ttfot", version, q))
-            assert side.ttst[name].value == pytest.approx(_exact(recs, "ttst", version, q))
+            ttfot, ttst = side.ttfot[name], side.ttst[name]
+            assert ttfot is not None and ttst is not None
+            assert ttfot.value == pytest.approx(_exact(recs, "ttfot", version, q))
+            assert ttst.value == pytest.approx(_exact(recs, "ttst", version, q))
         # Reasoning first: the answer's first token comes after the first token.
-        assert side.ttfot["p95"].value > side.ttft["p95"].value
+        ttfot95, ttft95 = side.ttfot["p95"], side.ttft["p95"]
+        assert ttfot95 is not None and ttft95 is not None and ttfot95.value > ttft95.value
     assert c.change["ttfot_p50"] is not None and c.change["ttfot_p50"]["seconds"].value < 0
     text = compare.render(c)
     assert "TTFOT p50" in text and "TTST p99" in text and "a stream of one chunk has none" in text
