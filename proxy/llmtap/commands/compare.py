@@ -53,7 +53,7 @@ from llmtap.commands.prometheus import Prometheus
 from llmtap.config.load import build
 from llmtap.config.types import ConfigError
 
-__all__ = ["compare_records", "main", "record_sides"]
+__all__ = ["compare_records", "main", "record_sides", "render"]
 
 # -- record files ----------------------------------------------------------------------------------
 
