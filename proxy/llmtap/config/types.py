@@ -51,13 +51,14 @@ class SLO:
     ttft: float | None = None
     tpot: float | None = None
     e2e: float | None = None
-    #: Time to the first output token (the answer's first chunk, after any reasoning) and to the second token.
-    ttfot: float | None = None
-    ttst: float | None = None
     #: The percentile that counts (0.95: p95), for the verdict over many requests (``llmtap.analysis.slo``).
     percentile: float = default("slo_percentile")
     #: The request shape this objective holds for (``Shape.name``); None: every shape.
     shape: str | None = None
+    #: Time to the first output token (the answer's first chunk, after any reasoning) and to the second token (after
+    #: ``shape``: positional constructions of the first three figures keep their meaning).
+    ttfot: float | None = None
+    ttst: float | None = None
 
     @property
     def configured(self) -> bool:
