@@ -1,8 +1,7 @@
 """The base of llmtap's own errors, at the bottom of the layers so that every package can raise and catch them.
 
-``except LlmtapError`` catches what llmtap itself decided to raise (a bound passed, a client gone, a line full), and
-never a library's error or a bug. Errors a library defines stay that library's (``httpx``'s transport errors); a
-class of llmtap's that must also be caught as one of those derives from both.
+``except LlmtapError`` catches what llmtap itself decided to raise (a bound passed, a client gone, a line full, an
+upstream that failed: ``llmtap.relay.upstream.errors``), and never a library's error or a bug.
 """
 
 from __future__ import annotations

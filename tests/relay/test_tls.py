@@ -31,7 +31,7 @@ from llmtap.config.load import build
 from llmtap.config.types import ConfigError, Route, Settings
 from llmtap.relay import tls
 from llmtap.relay.forward import Upstreams
-from llmtap.relay.upstream import SURPLUS, LeanTransport
+from llmtap.relay.upstream import SURPLUS, LeanTransport, errors
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE, Running, Telemetry
 
@@ -380,7 +380,7 @@ def test_ssl_cert_file_is_honoured_when_no_tls_ca_is_given(
         monkeypatch.setenv("SSL_CERT_DIR", str(Path(pki.ca).parent / "none"))
 
         async def refused() -> None:
-            with pytest.raises(httpx.ConnectError, match=r"^certificate verify failed: "):
+            with pytest.raises(errors.ConnectFailed, match=r"^certificate verify failed: "):
                 await get(build({"upstream": up.url()}, env={}).routes[0])
 
         run(refused())
@@ -390,7 +390,7 @@ def test_wrong_host_name_is_named_and_tls_server_name_fixes_it(run: Any, pki: Fi
     with TLSServer(pki.other_cert) as up:
 
         async def scenario() -> None:
-            with pytest.raises(httpx.ConnectError) as caught:
+            with pytest.raises(errors.ConnectFailed) as caught:
                 await get(route(up.url(), tls_ca=pki.ca))
             assert str(caught.value) == (
                 "certificate verify failed: Hostname mismatch, certificate is not valid for 'localhost'."
@@ -407,7 +407,7 @@ def test_mutual_tls(run: Any, pki: Files) -> None:
     with TLSServer(pki.server_cert, client_ca=pki.ca) as up:
 
         async def scenario() -> None:
-            with pytest.raises(httpx.ConnectError) as caught:
+            with pytest.raises(errors.ConnectFailed) as caught:
                 await get(route(up.url(), tls_ca=pki.ca))
             assert str(caught.value) == "TLS handshake failed: tlsv13 alert certificate required"
             separate = route(up.url(), tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key)
@@ -474,7 +474,7 @@ def test_failed_handshakes_leave_no_descriptor_behind(run: Any, pki: Files) -> N
             async with httpx.AsyncClient(transport=transport, timeout=5) as c:
                 before = len(os.listdir("/proc/self/fd"))
                 for _ in range(20):
-                    with pytest.raises(httpx.ConnectError, match="self-signed certificate"):
+                    with pytest.raises(errors.ConnectFailed, match="self-signed certificate"):
                         await c.get(up.url())
                 await asyncio.sleep(0.05)
                 assert len(os.listdir("/proc/self/fd")) <= before + 1

@@ -26,9 +26,8 @@ import uvloop
 
 from llmtap.config.types import Route, Settings
 from llmtap.relay.forward import Upstreams
-from llmtap.relay.heads import BadHead
 from llmtap.relay.pipe import Pipe
-from llmtap.relay.upstream import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport
+from llmtap.relay.upstream import MAX_HEAD_BYTES, PIPE, SURPLUS, LeanTransport, errors
 from llmtap.relay.upstream.connection import Connection
 from llmtap.relay.upstream.pool import Pool
 from llmtap.wire.tape import Tape
@@ -233,7 +232,7 @@ def test_a_header_cannot_carry_a_line_of_its_own(run: Any) -> None:
     async def scenario() -> None:
         async with Upstream(answer(OK)) as up, client(LeanTransport()) as c:
             request = c.build_request("GET", up.url, headers={"x-a": "1\r\nx-smuggled: 1"})
-            with pytest.raises(httpx.LocalProtocolError):
+            with pytest.raises(errors.BadRequestHead):
                 await c.send(request)
 
     run(scenario())
@@ -256,7 +255,7 @@ def test_pool_holds_max_connections_then_times_out(run: Any) -> None:
         async with Upstream(script) as up, client(LeanTransport(max_connections=2), pool=0.2) as c:
             busy = [await c.send(c.build_request("GET", up.url), stream=True) for _ in range(2)]
             started = time.monotonic()
-            with pytest.raises(httpx.PoolTimeout):
+            with pytest.raises(errors.PoolTimeout):
                 await c.get(up.url)
             # uvloop's timers have millisecond resolution and may fire up to a millisecond early.
             assert 0.199 <= time.monotonic() - started < 1.0
@@ -359,11 +358,11 @@ def test_socket_options_set_before_connect(run: Any) -> None:
 def test_connect_refused_and_timed_out(run: Any) -> None:
     async def scenario() -> None:
         async with client(LeanTransport(), connect=0.3) as c:
-            with pytest.raises(httpx.ConnectError):
+            with pytest.raises(errors.ConnectFailed):
                 await c.get(f"http://127.0.0.1:{free_port()}/")
             with unanswered_port() as port:
                 started = time.monotonic()
-                with pytest.raises(httpx.ConnectTimeout):
+                with pytest.raises(errors.ConnectTimeout):
                     await c.get(f"http://127.0.0.1:{port}/")
                 assert 0.3 <= time.monotonic() - started < 1.0
 
@@ -384,7 +383,7 @@ def test_read_timeout_is_read_again_at_every_wait(run: Any) -> None:
     async def scenario() -> None:
         async with Upstream(script) as up, client(LeanTransport(), read=0.2) as c:
             started = time.monotonic()
-            with pytest.raises(httpx.ReadTimeout):
+            with pytest.raises(errors.ReadTimeout):
                 await c.get(up.url + "/slow-head")
             assert 0.2 <= time.monotonic() - started < 0.6
             request = c.build_request("GET", up.url, timeout=httpx.Timeout(5.0, read=2.0))
@@ -392,7 +391,7 @@ def test_read_timeout_is_read_again_at_every_wait(run: Any) -> None:
             request.extensions["timeout"]["read"] = 0.15  # what the relay does once the headers are in
             parts = []
             started = time.monotonic()
-            with pytest.raises(httpx.ReadTimeout):
+            with pytest.raises(errors.ReadTimeout):
                 async for part in response.aiter_raw():
                     parts.append(part)
             assert parts == [b"a"]
@@ -418,7 +417,7 @@ def test_body_that_the_upstream_does_not_take_times_out_without_piling_up(run: A
     async def scenario() -> None:
         async with Upstream(script) as up, client(LeanTransport(), write=0.3) as c:
             started = time.monotonic()
-            with pytest.raises(httpx.WriteTimeout):
+            with pytest.raises(errors.WriteTimeout):
                 await c.post(up.url, content=body())
             assert time.monotonic() - started < 2.5
             # Flow control: what left the iterator is what the kernel's buffers hold, not the whole body.
@@ -791,7 +790,7 @@ def test_transport_close_closes_every_connection(run: Any) -> None:
             assert (await c.get(up.url + "/idle")).content == b"ok"
             await c.aclose()
             await up.wait_gone(2)
-            with pytest.raises(httpx.HTTPError):
+            with pytest.raises(errors.UpstreamError):
                 await busy.aread()
             await busy.aclose()
 
@@ -807,26 +806,30 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-FAILURES: dict[str, tuple[bytes, bool, type[httpx.TransportError]]] = {
+FAILURES: dict[str, tuple[bytes, bool, type[errors.UpstreamError]]] = {
     # what the server writes, then whether it resets (else closes); the error; in every case after the bytes
-    "close-before-head": (b"", False, httpx.RemoteProtocolError),
-    "reset-before-head": (b"", True, httpx.ReadError),
-    "close-mid-head": (b"HTTP/1.1 200 OK\r\ncontent-le", False, httpx.RemoteProtocolError),
-    "close-mid-body": (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", False, httpx.RemoteProtocolError),
-    "reset-mid-body": (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n", True, httpx.ReadError),
-    # A head that cannot be read is its own error (a RemoteProtocolError): the relay answers it 502, saying so.
-    "malformed-status": (b"HTTP/1.1 2x0 OK\r\n\r\n", False, BadHead),
+    "close-before-head": (b"", False, errors.UpstreamClosed),
+    "reset-before-head": (b"", True, errors.UpstreamReset),
+    "close-mid-head": (b"HTTP/1.1 200 OK\r\ncontent-le", False, errors.UpstreamClosed),
+    "close-mid-body": (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", False, errors.UpstreamClosed),
+    "reset-mid-body": (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n",
+        True,
+        errors.UpstreamReset,
+    ),
+    # A head that cannot be read is its own error (a protocol error): the relay answers it 502, saying so.
+    "malformed-status": (b"HTTP/1.1 2x0 OK\r\n\r\n", False, errors.BadHead),
     "malformed-chunk": (
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
         False,
-        httpx.RemoteProtocolError,
+        errors.UpstreamProtocolError,
     ),
     "switch-protocols": (
         b"HTTP/1.1 101 Switching\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n",
         False,
-        BadHead,
+        errors.BadHead,
     ),
-    "endless-head": (b"HTTP/1.1 200 OK\r\n" + b"x-a: b\r\n" * (MAX_HEAD_BYTES // 8), False, BadHead),
+    "endless-head": (b"HTTP/1.1 200 OK\r\n" + b"x-a: b\r\n" * (MAX_HEAD_BYTES // 8), False, errors.BadHead),
 }
 
 
@@ -845,7 +848,7 @@ def test_upstream_failures_are_the_errors_the_relay_maps(run: Any, failure: str)
     async def scenario() -> None:
         async with Upstream(script) as up, client(LeanTransport()) as c:
             got = b""
-            with pytest.raises(httpx.TransportError) as caught:
+            with pytest.raises(errors.UpstreamError) as caught:
                 async with c.stream("GET", up.url) as response:
                     async for part in response.aiter_raw():
                         got += part
@@ -991,7 +994,7 @@ def test_whole_chunks_skip_the_parser_and_give_what_it_gives(body: str) -> None:
     elif body == "past the end":
         assert end[3] == len(b"HTTP/1.1 200 OK\r\n")
     elif body != "upper hex, leading zeros" and body != "extension, trailer":
-        assert end[2] is not None and end[2][0] is httpx.RemoteProtocolError
+        assert end[2] is not None and end[2][0] is errors.UpstreamProtocolError
 
 
 def test_a_chunk_after_the_parser_read_part_of_its_size_line_goes_to_the_parser() -> None:
@@ -1075,7 +1078,7 @@ def test_a_piped_body_that_falls_silent_times_out_from_its_last_read(run: Any) -
             got: list[bytes] = []
             conn = response.extensions[PIPE].pipe(lambda t, part: got.append(part))
             started = time.monotonic()
-            with pytest.raises(httpx.ReadTimeout):
+            with pytest.raises(errors.ReadTimeout):
                 await conn.until_moved(0.25)
             waited = time.monotonic() - started
             assert got == [b"x"] * 4

@@ -12,12 +12,10 @@ import logging
 import time
 from typing import Any
 
-import httpx
-
 from llmtap.config.types import Route
 from llmtap.listener import LOG_EVERY
 from llmtap.relay.guard import Refusal
-from llmtap.relay.heads import malformed_head
+from llmtap.relay.upstream.errors import BadHead, ConnectFailed, ConnectTimeout, UpstreamError, UpstreamTimeout
 from llmtap.types import Send
 from llmtap.wire.tape import Tape
 
@@ -69,22 +67,22 @@ async def bad_head(send: Send, route: Route, tape: Tape, why: str) -> None:
     await send_json(send, 502, "upstream_protocol_error", message)
 
 
-async def upstream_failed(send: Send, route: Route, tl: Tape, exc: httpx.TransportError) -> bool:
+async def upstream_failed(send: Send, route: Route, tl: Tape, exc: UpstreamError) -> bool:
     """No response headers came: 502 when the upstream could not be reached, hung up or sent a head that cannot be
     read, 504 when it was too slow. True when that head was the failure (the caller logs it, rate-limited)."""
-    what = type(exc).__name__
+    what = exc.label
     detail = str(exc) or what
-    if malformed_head(exc):
+    if isinstance(exc, BadHead):
         await bad_head(send, route, tl, detail)
         return True
-    if isinstance(exc, httpx.TimeoutException):
-        kind = "connect_timeout" if isinstance(exc, httpx.ConnectTimeout) else "timeout"
+    if isinstance(exc, UpstreamTimeout):
+        kind = "connect_timeout" if isinstance(exc, ConnectTimeout) else "timeout"
         reason = f"{what}: {exc}" if str(exc) else what
         message = f"upstream {route.upstream} timed out ({reason})"
         tl.fail(kind, f"upstream timed out: {what}")
         log.warning("%s", message)
         await send_json(send, 504, "upstream_timeout", message)
-    elif isinstance(exc, httpx.ConnectError):
+    elif isinstance(exc, ConnectFailed):
         message = f"upstream {route.upstream} unreachable: {detail}"
         tl.fail("upstream_unreachable", detail)
         log.warning("%s", message)

@@ -15,9 +15,8 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
-
-import httpx
 
 from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.config.types import Route
@@ -37,6 +36,7 @@ from llmtap.relay.pipe import Pipe
 from llmtap.relay.strip import strip_part
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.upstream import Answer, Pieces
+from llmtap.relay.upstream.errors import UpstreamError, UpstreamTimeout
 from llmtap.relay.watch import DisconnectWatch
 from llmtap.types import OBJECTIVE_HEADERS, Receive, Scope, Send
 from llmtap.wire.tape import Tape, now
@@ -69,7 +69,6 @@ class Exchange:
         "answer",
         "app",
         "body",
-        "counted",
         "cycle",
         "headers",
         "inflater",
@@ -133,7 +132,7 @@ class Exchange:
         self.rewritten: bytes | Pieces | None = None
         self.timeouts: dict[str, float | None] = {}
         self.admission: Admission | None = app.admissions.get(route.name)
-        self.admitted = self.sent = self.counted = self.started = False
+        self.admitted = self.sent = self.started = False
         self.task: asyncio.Task[Any] | None = None
         self.watch: DisconnectWatch | None = None
         self.answer: Answer | None = None
@@ -251,7 +250,7 @@ class Exchange:
         except asyncio.CancelledError:
             if not await self._cancelled():
                 raise
-        except (ClientGone, OSError, InflateLimit, zlib.error, httpx.HTTPError) as exc:
+        except (ClientGone, OSError, InflateLimit, zlib.error, UpstreamError) as exc:
             if not await self._broke(exc):
                 raise
         finally:
@@ -301,13 +300,6 @@ class Exchange:
             [(b"retry-after", str(route.retry_after).encode())],
         )
 
-    def _leaving(self) -> None:
-        """The request's head goes onto the upstream connection now, after any connect: the upstream sees the
-        requests in this order, and those already in flight, whichever relay wrote them, are ahead of it."""
-        self.tape.written = now()
-        self.tape.upstream_ahead = self.app.upstream_inflight.begin(self.route.upstream)
-        self.counted = True
-
     async def _call_upstream(self) -> bool:
         """Send the request upstream and wait for the response's head; False when it ended without one."""
         app, route, tape = self.app, self.route, self.tape
@@ -326,12 +318,13 @@ class Exchange:
                 self.headers,
                 content,
                 self.timeouts,
-                self._leaving,
+                # Called by the upstream client, not by this exchange: ``tape.written`` then says it was counted.
+                partial(app.upstream_inflight.leaving, route.upstream, tape),
                 trace=self.trace,
                 body_changed=self.rewritten is not None,
                 plain=tape.strip_usage,
             )
-        except httpx.TransportError as exc:
+        except UpstreamError as exc:
             if await upstream_failed(self.send, route, tape, exc):
                 app.gauges.bad_head(route.upstream, tape.error_message)
             return False
@@ -499,18 +492,19 @@ class Exchange:
             tape.fail("upstream_error", f"the upstream's compressed body is corrupt: {exc}")
             log.warning("upstream %s sent a corrupt compressed body: %s", route.upstream, exc)
             await self._cut()
-        elif isinstance(exc, httpx.TimeoutException):
+        elif isinstance(exc, UpstreamTimeout):
             tape.fail("idle_timeout", "upstream stopped sending")
             if self.started:
                 app.gauges.breaks.broke(route.name, route.upstream, tape, str(exc) or "upstream stopped sending")
                 await self._cut()
         else:
-            what = f"{type(exc).__name__}: {exc}"
+            assert isinstance(exc, UpstreamError)
+            what = f"{exc.label}: {exc}"
             tape.fail("upstream_closed" if self.started else "upstream_error", what)
             if self.started:
                 app.gauges.breaks.broke(route.name, route.upstream, tape, what)
                 await self._cut()
-            await send_json(self.send, 502, "upstream_error", f"upstream {route.upstream}: {type(exc).__name__}")
+            await send_json(self.send, 502, "upstream_error", f"upstream {route.upstream}: {exc.label}")
         return True
 
     async def _cut(self) -> NoReturn:
@@ -532,7 +526,7 @@ class Exchange:
             # Closing the answer closes the upstream connection mid-stream: the server sees the client leave and
             # stops generating. A cancellation cannot skip it (``aclose``).
             await self.answer.aclose()
-        if self.counted:
+        if self.tape.written is not None:
             self.app.upstream_inflight.end(self.route.upstream)
         if self.sent and self.tape.end is None:
             self.tape.end = now()

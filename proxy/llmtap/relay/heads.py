@@ -13,12 +13,12 @@ logged, and recorded with that ``error.type``:
   ``TE``), decodes only ``chunked``, and does not decode others (``gzip, chunked`` relayed as ``chunked`` alone
   reached the client as gzip bytes nobody labelled);
 * both ``Transfer-Encoding`` and ``Content-Length`` (RFC 9112 section 6.3: ambiguous framing, the mark of request
-  smuggling; httpx's client accepts it, llmtap's refuses it);
+  smuggling; llmtap's client refuses it);
 * a header name that is not a token or a value with a control character (RFC 9110 section 5.5), which the
   listener would refuse to write.
 
 A malformed head (a status line or header block the parser refuses) is the same failure, seen earlier: llmtap's
-client raises ``BadHead`` for it, and under httpx's client h11's refusal is recognised (``malformed_head``).
+client raises ``BadHead`` for it (``llmtap.relay.upstream.errors``).
 """
 
 from __future__ import annotations
@@ -26,20 +26,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-import h11
-import httpx
-
-from llmtap.errors import LlmtapError
-
-__all__ = ["BadHead", "malformed_head", "unrelayable"]
+__all__ = ["unrelayable"]
 
 # RFC 9110 section 5.6.2: a field name is a token. What the listener (uvicorn) refuses to write as a name or value.
 _BAD_NAME = re.compile(rb'[\x00-\x20\x7f()<>@,;:\[\]={}\\"/?]|^$')
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-
-
-class BadHead(LlmtapError, httpx.RemoteProtocolError):
-    """The upstream's response head cannot be read (malformed, too long, a protocol switch nobody asked for)."""
 
 
 def unrelayable(status: int, headers: Iterable[tuple[bytes, bytes]]) -> str | None:
@@ -64,14 +55,3 @@ def unrelayable(status: int, headers: Iterable[tuple[bytes, bytes]]) -> str | No
     if codings and length:
         return "both Transfer-Encoding and Content-Length (RFC 9112 section 6.3)"
     return None
-
-
-def malformed_head(exc: BaseException) -> bool:
-    """Whether a failure before the response's head came from the head itself: llmtap's client's ``BadHead``, or
-    h11's refusal of it under httpx's client (httpx's error, from httpcore's, from h11's)."""
-    cause: BaseException | None = exc
-    while cause is not None:
-        if isinstance(cause, (BadHead, h11.RemoteProtocolError)):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False

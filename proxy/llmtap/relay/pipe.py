@@ -80,7 +80,7 @@ class Pipe:
     async def run(self, conn: Any, timeouts: Mapping[str, float | None]) -> UsageEventFilter | None:
         """Relay the whole body; returns the usage filter as it stands at the end (None once it failed).
 
-        Raises what the upstream's read raised (``httpx`` errors), ``ClientGone``, or a failure of the sink.
+        Raises what the upstream's read raised (``UpstreamError``), ``ClientGone``, or a failure of the sink.
         """
         # Known before the first part comes: parts queued already go to the sink inside ``attach``.
         self._conn = conn

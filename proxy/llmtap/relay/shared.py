@@ -27,8 +27,11 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from llmtap.wire.tape import now
+
 if TYPE_CHECKING:
     from llmtap.config.types import Settings
+    from llmtap.wire.tape import Tape
 
 __all__ = ["InFlight", "Table", "line_columns", "table_columns"]
 
@@ -144,6 +147,14 @@ class InFlight:
         ahead = table.total(column)
         table.add(column, 1)
         return ahead
+
+    def leaving(self, upstream: str, tape: Tape) -> None:
+        """The request of ``tape`` goes onto its upstream connection now, after any connect (the upstream client
+        calls this just before the first byte): the upstream sees the requests in this order, and those already
+        in flight, whichever relay wrote them, are ahead of it. ``tape.written`` says it was counted."""
+        written = now()
+        tape.upstream_ahead = self.begin(upstream)
+        tape.written = written  # set once counted: the count's end goes by it
 
     def end(self, upstream: str) -> None:
         """A request ``begin`` counted is over (answered, failed or cut)."""

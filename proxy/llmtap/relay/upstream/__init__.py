@@ -6,6 +6,7 @@ body parts. The relay calls it directly (``LeanTransport.send``: an ``Answer``, 
 ``Response``, which cost the relay about 150 µs of CPU a request, issue 29); as an httpx transport it
 serves httpx's client the same way (tests, tools). Split as httpcore splits the job:
 
+* ``errors``: the client's errors, one family under ``UpstreamError``;
 * ``http11``: HTTP/1.1 on the wire: the request's head, the response parsed (httptools' callbacks);
 * ``connection``: one connection, its socket, reads, writes, waits and backpressure;
 * ``pool``: the connections to one host and port;
@@ -14,8 +15,9 @@ serves httpx's client the same way (tests, tools). Split as httpcore splits the 
 
 What the relay relies on, and this package keeps:
 
-* the errors it maps: ``ConnectError``, ``ConnectTimeout``, ``PoolTimeout``, ``ReadTimeout``,
-  ``WriteTimeout``, ``ReadError`` (reset), ``RemoteProtocolError`` (closed early, malformed);
+* the errors it maps, llmtap's own (``errors``: ``UpstreamError`` and its kinds): ``ConnectFailed``,
+  ``ConnectTimeout``, ``PoolTimeout``, ``ReadTimeout``, ``WriteTimeout``, ``UpstreamReset``, ``UpstreamClosed``
+  (closed early), ``UpstreamProtocolError`` and ``BadHead`` (malformed);
 * timeouts read from the request's timeout mapping at every wait, so its switch to the idle timeout after the
   headers applies;
 * body parts as they arrive, never merged or held back: one per socket read, and within a read one per
@@ -30,7 +32,7 @@ held. No queue, no task switch per chunk (issue 29).
 
 HTTPS is the event loop's own TLS transport (``create_connection(ssl=...)``, asyncio's or uvloop's) under
 the same protocol, with the context of ``llmtap.relay.tls``: certificate and handshake failures are
-``ConnectError``s that say what failed (``certificate verify failed: self-signed certificate``). asyncio
+``ConnectFailed`` errors that say what failed (``certificate verify failed: self-signed certificate``). asyncio
 cannot hand a TLS session to ``create_connection`` for resumption; keeping connections alive in the pool
 is the session reuse: one handshake per connection, and a connection serves request after request.
 """

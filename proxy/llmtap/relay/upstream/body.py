@@ -70,13 +70,14 @@ class Answer:
 
     __slots__ = ("body", "connection", "headers", "status_code")
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: Body) -> None:
-        self.status_code = status
-        self.headers = headers
+    def __init__(self, conn: Connection, timeouts: Timeouts) -> None:
+        """The response whose head ``conn`` has read; its body arrives on ``conn``, read under ``timeouts``."""
+        self.status_code = conn.status
+        self.headers = conn.headers
         #: The body, to read (``aiter_raw``), or its connection, whose parts a sink takes in the read callback
         #: (``Connection.attach``).
-        self.body = body
-        self.connection = body.connection
+        self.body = Body(conn, timeouts)
+        self.connection = conn
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body parts as they arrive, the connection released at the body's end (as ``httpx.Response.aiter_raw``

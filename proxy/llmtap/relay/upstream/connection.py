@@ -12,13 +12,13 @@ import asyncio
 import select
 import ssl
 import time
-from collections.abc import AsyncIterable, Mapping
+from collections.abc import AsyncIterable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import httptools
-import httpx
 
 from llmtap.relay import tls
+from llmtap.relay.upstream.errors import ConnectFailed, ReadTimeout, UpstreamClosed, UpstreamReset, WriteTimeout
 from llmtap.relay.upstream.http11 import Http11, Pieces, Sink
 
 if TYPE_CHECKING:
@@ -87,6 +87,36 @@ class Connection(Http11, asyncio.Protocol):
         self.active = True
         self._reset(head_only=head_only)
 
+    async def exchange(
+        self,
+        head: bytes,
+        content: bytes | Pieces | AsyncIterable[bytes],
+        timeouts: Timeouts,
+        leaving: Callable[[], None] | None,
+        *,
+        chunked: bool,
+        head_only: bool,
+    ) -> None:
+        """One request on this connection, up to its response's head: the head and body written (``leaving``
+        called just before the first byte), then the wait until the head is read. One call from the transport
+        for the whole of it (raises what failed: the connection is then the caller's to release)."""
+        self.begin(head_only=head_only)
+        if leaving is not None:
+            leaving()
+        if isinstance(content, bytes):
+            self.write(head, content)  # one write: the head and a body already in memory
+            self.sent_all = True
+        elif isinstance(content, tuple):
+            self.write(head)
+            await self.send_pieces(content, timeouts)
+        else:
+            self.write(head)
+            await self.send_stream(content, chunked=chunked, timeouts=timeouts)
+        while not self.head_done:
+            if self.error is not None:
+                raise self.error
+            await self.wait_readable(timeouts.get("read"))
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
@@ -99,14 +129,14 @@ class Connection(Http11, asyncio.Protocol):
             if isinstance(exc, ssl.SSLError) and self._head_bytes == 0:
                 # TLS 1.3: the server checks our certificate after our side of the handshake is done, so
                 # its refusal (an alert) comes in place of the response.
-                self.error = httpx.ConnectError(tls.describe(exc))
+                self.error = ConnectFailed(tls.describe(exc))
             elif exc is not None:
-                self.error = httpx.ReadError(f"upstream reset the connection: {exc}")
+                self.error = UpstreamReset(f"upstream reset the connection: {exc}")
             elif self.head_done and not self._chunked and self._remaining is None and not self._interim:
                 self.done = True  # a body delimited by the end of the connection (RFC 9112 section 6.3, item 8)
             else:
                 what = "mid-response" if self.head_done else "before the response headers"
-                self.error = httpx.RemoteProtocolError(f"upstream closed the connection {what}")
+                self.error = UpstreamClosed(f"upstream closed the connection {what}")
         _wake(self._reader)
         _wake(self._writer)
         if self.idle:
@@ -193,7 +223,7 @@ class Connection(Http11, asyncio.Protocol):
                 self._transport.resume_reading()
 
     async def until_moved(self, seconds: float | None) -> None:
-        """Under a sink: until the response ends, fails or is held; ``httpx.ReadTimeout`` once the socket
+        """Under a sink: until the response ends, fails or is held; ``ReadTimeout`` once the socket
         brought nothing for ``seconds`` (one timer for the wait, checked against ``heard`` when it fires)."""
         remaining = seconds
         while not (self.done or self.error is not None or self.held):
@@ -205,7 +235,7 @@ class Connection(Http11, asyncio.Protocol):
             if not moved and seconds is not None:
                 silence = time.perf_counter() - self.heard
                 if silence >= seconds:
-                    raise httpx.ReadTimeout(f"upstream sent nothing for {seconds:g} s")
+                    raise ReadTimeout(f"upstream sent nothing for {seconds:g} s")
                 remaining = seconds - silence
 
     def usable(self) -> bool:
@@ -232,6 +262,14 @@ class Connection(Http11, asyncio.Protocol):
             and self.surplus == 0
             and not self.closed
         )
+
+    def settle(self) -> bool:
+        """The exchange is over: parked for the next when it ended cleanly (``reusable``, True), else closed."""
+        if self.reusable():
+            self.park()
+            return True
+        self.abort()
+        return False
 
     def keep_session(self) -> None:
         """Hand the TLS session to the context, for the next connection's handshake: once, after the first
@@ -260,7 +298,7 @@ class Connection(Http11, asyncio.Protocol):
         """``data`` and then ``more`` onto the connection; a large ``more`` is written without copying it into one
         buffer with ``data`` first (a request body of megabytes: a copy of milliseconds on the relay's loop)."""
         if self.closed or self._transport is None or self._transport.is_closing():
-            raise httpx.RemoteProtocolError("upstream closed the connection before the request was sent")
+            raise UpstreamClosed("upstream closed the connection before the request was sent")
         if len(more) > _JOINED_BYTES:
             self._transport.writelines((data, more))
         else:
@@ -310,17 +348,17 @@ class Connection(Http11, asyncio.Protocol):
             finally:
                 self._writer = None
             if not taken:
-                raise httpx.WriteTimeout(f"upstream took no request body for {seconds:g} s")
+                raise WriteTimeout(f"upstream took no request body for {seconds:g} s")
 
     async def wait_readable(self, seconds: float | None) -> None:
-        """Until the response moves on (a part, its end, an error); ``httpx.ReadTimeout`` after ``seconds``."""
+        """Until the response moves on (a part, its end, an error); ``ReadTimeout`` after ``seconds``."""
         self._reader = self._loop.create_future()
         try:
             moved = await self._until(self._reader, seconds)
         finally:
             self._reader = None
         if not moved:
-            raise httpx.ReadTimeout(f"upstream sent nothing for {seconds:g} s")
+            raise ReadTimeout(f"upstream sent nothing for {seconds:g} s")
 
     async def _until(self, waiter: asyncio.Future[bool], seconds: float | None) -> bool:
         if seconds is None:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterable, Callable
 import httptools
 import httpx
 
-from llmtap.relay.heads import BadHead
+from llmtap.relay.upstream.errors import BadHead, BadRequestHead, UpstreamError, UpstreamProtocolError
 
 __all__ = ["MAX_HEAD_BYTES", "Http11", "Pieces", "Sink", "chunked_of", "head_of", "request_head"]
 
@@ -51,7 +51,7 @@ class Http11:
         self.done = False
         self.keep_alive = False
         self.sent_all = False
-        self.error: httpx.TransportError | None = None
+        self.error: UpstreamError | None = None
         self.surplus = 0
         self.parts: deque[bytes] = deque()
         self._pending: list[bytes] = []
@@ -119,7 +119,7 @@ class Http11:
             self._fail(BadHead("upstream switched protocols unasked"))
         except httptools.HttpParserError as exc:
             # In the head, what the relay cannot pass on (``llmtap.relay.heads``); in the body, a stream broken.
-            error = BadHead if not self.head_done else httpx.RemoteProtocolError
+            error = BadHead if not self.head_done else UpstreamProtocolError
             self._fail(error(f"malformed response from upstream: {exc}"))
         self._tail = bytes(piece[-3:]) if len(piece) >= 3 else (self._tail + bytes(piece))[-3:]
         if self._boundary and not self._tail.endswith(b"\r\n"):
@@ -185,7 +185,7 @@ class Http11:
         self.keep_alive = self._parser.should_keep_alive() and not self.head_only
         self.done = True
 
-    def _fail(self, error: httpx.TransportError) -> None:
+    def _fail(self, error: UpstreamError) -> None:
         if self.error is None:
             self.error = error
         self.abort()
@@ -239,7 +239,7 @@ def request_head(
     head = b"\r\n".join(lines) + b"\r\n\r\n"
     # One CR and one LF per line and no more: a header cannot smuggle a line of its own.
     if head.count(b"\n") != len(lines) + 1 or head.count(b"\r") != len(lines) + 1:
-        raise httpx.LocalProtocolError("CR or LF inside a request header")
+        raise BadRequestHead("CR or LF inside a request header")
     codings = b", ".join(value for name, value in (*headers, *extra) if name.lower() == b"transfer-encoding")
     return head, codings.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
 
@@ -251,7 +251,7 @@ def head_of(request: httpx.Request) -> bytes:
     head = b"\r\n".join(lines) + b"\r\n\r\n"
     # One CR and one LF per line and no more: a header cannot smuggle a line of its own.
     if head.count(b"\n") != len(lines) + 1 or head.count(b"\r") != len(lines) + 1:
-        raise httpx.LocalProtocolError("CR or LF inside a request header")
+        raise BadRequestHead("CR or LF inside a request header")
     return head
 
 

@@ -6,7 +6,7 @@ import asyncio
 from collections import deque
 from typing import TYPE_CHECKING
 
-import httpx
+from llmtap.relay.upstream.errors import PoolTimeout
 
 if TYPE_CHECKING:
     from llmtap.relay.upstream.connection import Connection
@@ -25,7 +25,7 @@ class Pool:
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     async def acquire(self, seconds: float | None) -> Connection | None:
-        """An idle connection, or None when a slot for a new one is reserved; ``httpx.PoolTimeout`` when none frees."""
+        """An idle connection, or None when a slot for a new one is reserved; ``PoolTimeout`` when none frees."""
         while True:
             while self.idle:
                 conn = self.idle.pop()  # the most recently used: the likeliest to be open
@@ -50,7 +50,7 @@ class Pool:
                 self._next()  # woken just as we gave up: the turn goes on to the next in line
             waiter.cancel()
             if isinstance(exc, TimeoutError):
-                raise httpx.PoolTimeout(f"no upstream connection free within {seconds:g} s") from None
+                raise PoolTimeout(f"no upstream connection free within {seconds:g} s") from None
             raise
 
     def _next(self) -> None:
@@ -72,12 +72,10 @@ class Pool:
         """An exchange is over: its connection goes back idle when clean, else it is closed."""
         if conn.unkept is not None:
             conn.keep_session()
-        if conn.reusable():
-            conn.park()
+        if conn.settle():
             conn.idle = True
             self.idle.append(conn)
         else:
-            conn.abort()
             self._forget(conn)
         self._next()
 

@@ -16,6 +16,7 @@ import httpx
 from llmtap.relay import tls
 from llmtap.relay.upstream.body import Answer, Body
 from llmtap.relay.upstream.connection import Connection, Timeouts
+from llmtap.relay.upstream.errors import ConnectFailed, ConnectTimeout, UnsupportedScheme
 from llmtap.relay.upstream.http11 import Pieces, chunked_of, head_of, request_head
 from llmtap.relay.upstream.pool import Pool
 
@@ -67,7 +68,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         """Where requests to ``url`` go (its scheme, host and port), parsed once: what ``send`` takes."""
         parsed = httpx.URL(url)
         if parsed.scheme not in _PORTS:
-            raise httpx.UnsupportedProtocol(f"{parsed.scheme!r} upstreams are not HTTP")
+            raise UnsupportedScheme(f"{parsed.scheme!r} upstreams are not HTTP")
         name = (self._server_hostname or parsed.host) if parsed.scheme == "https" else None
         return Origin((parsed.scheme, parsed.host, parsed.port or _PORTS[parsed.scheme], name), parsed.netloc)
 
@@ -89,12 +90,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
         """
         head, chunked = request_head(method, target, origin.host, headers, content)
         conn = await self._exchange(origin.key, head, content, chunked, method == "HEAD", timeouts, leaving)
-        return Answer(conn.status, conn.headers, Body(conn, timeouts))
+        return Answer(conn, timeouts)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         if url.scheme not in _PORTS:
-            raise httpx.UnsupportedProtocol(f"{url.scheme!r} upstreams are not HTTP")
+            raise UnsupportedScheme(f"{url.scheme!r} upstreams are not HTTP")
         timeouts: Timeouts = request.extensions.get("timeout", {})
         name = None
         if url.scheme == "https":
@@ -143,22 +144,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 raise
             pool.added(conn)
         try:
-            conn.begin(head_only=head_only)
-            if leaving is not None:
-                leaving()
-            if isinstance(content, bytes):
-                conn.write(head, content)  # one write: the head and a body already in memory
-                conn.sent_all = True
-            elif isinstance(content, tuple):
-                conn.write(head)
-                await conn.send_pieces(content, timeouts)
-            else:
-                conn.write(head)
-                await conn.send_stream(content, chunked=chunked, timeouts=timeouts)
-            while not conn.head_done:
-                if conn.error is not None:
-                    raise conn.error
-                await conn.wait_readable(timeouts.get("read"))
+            await conn.exchange(head, content, timeouts, leaving, chunked=chunked, head_only=head_only)
         except BaseException:
             # Failed or cancelled mid-exchange (a body iterator's own error included, which goes on as is).
             pool.release(conn)
@@ -172,9 +158,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
             async with asyncio.timeout(seconds):
                 return await self._open(pool, key, loop)
         except TimeoutError:
-            raise httpx.ConnectTimeout(f"no connection to {host}:{port} within {seconds:g} s") from None
+            raise ConnectTimeout(f"no connection to {host}:{port} within {seconds:g} s") from None
         except OSError as exc:
-            raise httpx.ConnectError(f"{host}:{port}: {exc}") from exc
+            raise ConnectFailed(f"{host}:{port}: {exc}") from exc
 
     def _context(self) -> ssl.SSLContext:
         if self._ssl is None:
@@ -209,10 +195,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     lambda: Connection(pool, loop), sock=sock, ssl=self._context(), server_hostname=name
                 )
             except ssl.SSLError as exc:
-                raise httpx.ConnectError(tls.describe(exc)) from exc
+                raise ConnectFailed(tls.describe(exc)) from exc
             except OSError as exc:
                 # Connected, then the handshake broke off (the server reset or closed the connection).
-                raise httpx.ConnectError(f"TLS handshake failed: {exc.strerror or exc}") from exc
+                raise ConnectFailed(f"TLS handshake failed: {exc.strerror or exc}") from exc
             return conn
         raise error
 
