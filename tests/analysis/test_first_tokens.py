@@ -100,6 +100,26 @@ def test_ttfot_is_the_answers_first_chunk_and_ttst_the_second_chunk() -> None:
     assert only.ttft == pytest.approx(0.2) and only.ttfot is None and only.ttst is None
 
 
+def test_an_objective_on_ttfot_or_ttst_judges_each_request_as_a_ttft_or_tpot_one_does() -> None:
+    """TTFOT as TTFT: a stream that never reached its answer misses it. TTST as TPOT: a stream of one chunk has
+    none, and that limit does not apply to it (absent, not a 0 that meets or misses by chance)."""
+    from llmtap.analysis.summary import slo_outcome
+    from llmtap.config.types import SLO
+
+    def judged(chunks: list[tuple[float, int, bool]], slo: SLO) -> str:
+        tl = _timeline(chunks)
+        tl.outcome = "ok"
+        return slo_outcome(tl, summarize(tl), slo)
+
+    thinking = [(0.2, 1, False), (0.25, 1, False), (0.7, 1, True), (0.75, 1, True)]
+    assert judged(thinking, SLO(ttft=0.5)) == "met"
+    assert judged(thinking, SLO(ttfot=0.5)) == "missed" and judged(thinking, SLO(ttfot=0.8)) == "met"
+    assert judged(thinking, SLO(ttst=0.01)) == "missed" and judged(thinking, SLO(ttst=0.1)) == "met"
+    assert judged([(0.2, 1, False)], SLO(ttfot=5.0)) == "missed"  # reasoning alone: no answer at all
+    assert judged([(0.2, 3, True)], SLO(ttst=0.001)) == "met"  # one chunk: no second token to judge
+    assert SLO(ttfot=0.5).limits() == {"ttfot": 0.5} and SLO(ttst=0.1).configured
+
+
 def test_the_itl_rule_against_each_benchmark_tools_definition() -> None:
     """One stream of multi-token chunks, each tool's ITL computed from the raw (arrival, tokens) list as its source
     computes it, against the llmtap figure that equals it."""

@@ -407,7 +407,7 @@ def slo_outcome(tl: Timeline, s: Summary, slo: SLO | None) -> str:
     streamed = bool(tl.request is not None and tl.request.stream)
     ttft = s.ttft if s.ttft is not None or streamed else 0.0
     # TTFOT as TTFT (a stream that never reached its answer misses it); no second token (one chunk) as no TPOT.
-    ttfot = s.ttfot if s.ttfot is not None or not streamed else 0.0
+    ttfot = s.ttfot if s.ttfot is not None or streamed else 0.0
     checks = (
         (slo.ttft, ttft),
         (slo.tpot, s.tpot if s.tpot is not None else 0.0),
