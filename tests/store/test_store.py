@@ -65,6 +65,14 @@ def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
         "objective": {"shape": "long", "percentile": 0.95, "ttft": rng.choice((0.5, 0.8)), "tpot": 0.05},
         "trace_id": f"{rng.getrandbits(128):032x}",
     }
+    if i % 3:  # the request's own objectives (x-slo-*): outcomes of both figures, one missing, one of a wrong type
+        outcomes = ("met", "violated", None, "met", 5)
+        rec["request_objective"] = {
+            "ttft": 0.5,
+            "tpot": 0.05,
+            "ttft_outcome": outcomes[i % 5],
+            "tpot_outcome": outcomes[(i // 5) % 4],
+        }
     odd = rng.random()
     if odd < 0.02:
         rec["ttft"] = "0.5"  # a string is not a number
@@ -206,6 +214,7 @@ def facts(scan: store.Scan) -> list[tuple[Any, ...]]:
             g.cost,
             [list(getattr(g, a)) for a in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e", "ttfot", "ttst")],
             g.slowest,
+            g.request_objectives,
         )
         for g in scan.groups
     )
@@ -322,6 +331,7 @@ def test_parquet_reads_as_its_json_lines(tmp_path: Path) -> None:
         and {"shape", "percentile", "ttft", "tpot"} <= set(r["objective"])
         and isinstance(r.get("ttst"), float | type(None))
         and not isinstance((r.get("cost") or {}).get("amount"), str)
+        and not any(isinstance(v, int) for v in (r.get("request_objective") or {}).values())
     ]
     lines = write_records(tmp_path / "a.jsonl", typed)
     con = duckdb.connect()

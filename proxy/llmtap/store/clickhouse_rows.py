@@ -57,6 +57,16 @@ def _json(value: Any) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"))
 
 
+def _request_objective(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The request's own objectives (``x-slo-*``): each limit and its outcome, as columns."""
+    asked = _part(record, "request_objective")
+    return {
+        f"request_{figure}{suffix}": asked.get(f"{figure}{suffix}")
+        for figure in ("ttft", "tpot")
+        for suffix in ("", "_outcome")
+    }
+
+
 def flat_row(record: Mapping[str, Any]) -> dict[str, Any] | None:
     """A record as a row of the table; None for one without a readable time."""
     t = _epoch(record.get("time"))
@@ -124,6 +134,7 @@ def flat_row(record: Mapping[str, Any]) -> dict[str, Any] | None:
         "cost_source": cost.get("source"),
         "cost_prices": cost.get("prices"),
         "attribution_json": _json(attribution),
+        **_request_objective(record),
         "record_id": record_id(record),
     }
     for name in ("ttft", "ttfot", "ttst", "ttfb", "upstream_ttft", "tpot", "e2e", "queue", "queue_source", "prefill"):
