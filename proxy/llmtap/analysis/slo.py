@@ -12,7 +12,11 @@ interval (``llmtap.analysis.stats``), and says for each:
 - ``insufficient``: fewer requests than the percentile needs to have a tail at all (20 for p95, 100 for p99).
 
 A percentile reads the requests that have the figure, as the latency histograms record them (TTFT: streams
-that got a first token; TPOT: successful streams of two tokens or more). Goodput counts every request, and
+that got a first token; TPOT: successful streams of two tokens or more). TTFOT (time to the first output token:
+the answer's first chunk, after any reasoning; TTFT for a request without reasoning) and TTST (time to the second
+token: the first content chunk to the second) read the successful streams that have them from records, and every
+stream that has them from Prometheus (as the histograms record them); a stream of one content chunk has no TTST:
+it is absent from the percentile, never counted as 0. Goodput counts every request, and
 errors and cancellations count as missed. Records carry the objective each request was judged by, so a
 record file needs no configuration; ``--config`` judges them by another.
 
@@ -49,11 +53,14 @@ __all__ = [
     "UNCERTAIN",
     "Objectives",
     "Report",
+    "RequestCheck",
     "Verdict",
     "attach_request_objectives",
     "bucket_queries",
     "config_objectives",
     "judge",
+    "judge_request_objectives",
+    "judge_share",
     "limits_of",
     "prometheus_groups",
     "prometheus_selector",
@@ -64,7 +71,7 @@ __all__ = [
 ]
 
 #: The figures an objective can bound, as records and reports name them.
-FIGURES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E"}
+FIGURES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E", "ttfot": "TTFOT", "ttst": "TTST"}
 MET, MISSED, UNCERTAIN, INSUFFICIENT, NONE = "met", "missed", "uncertain", "insufficient", "none"
 #: The verdict of several checks: the worst of them, in this order.
 _WORST = (MISSED, UNCERTAIN, INSUFFICIENT, MET)
@@ -73,6 +80,8 @@ RESAMPLES = 2000
 PROM_BUCKETS = {
     "ttft": "llmtap_time_to_first_token_seconds_bucket",
     "tpot": "llmtap_time_per_output_token_seconds_bucket",
+    "ttfot": "llmtap_time_to_first_output_token_seconds_bucket",
+    "ttst": "llmtap_time_to_second_token_seconds_bucket",
 }
 PROM_REQUESTS = "llmtap_requests_total"
 PROM_REQUEST_OBJECTIVES = "llmtap_objective_requests_total"
@@ -111,6 +120,28 @@ class RouteShape:
     figures: dict[str, Distribution] = field(default_factory=dict)
     #: The slowest successful streams by TTFT, as (ttft, trace id) (records only: ``store.Group.slowest``).
     slowest: list[tuple[float, str]] = field(default_factory=list)
+    #: Requests judged by their own objectives, by figure and outcome (``Verdict.request_objectives``).
+    request_objectives: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestCheck:
+    """One figure of the requests' own objectives (``x-slo-*``) over a route and shape: how many asked, how many
+    got what they asked, and whether that share reaches the percentile the route's tail is held to."""
+
+    figure: str
+    asked: int
+    met: int
+    violated: int
+    #: The share that met, with its 95% interval (Wilson's score interval).
+    share: float
+    low: float
+    high: float
+    #: The share asked for: the route and shape's objective percentile (without one, the default percentile).
+    percentile: float
+    #: Requests the percentile needs before a verdict (``llmtap.analysis.shapes.needed``).
+    needed: int
+    verdict: str
 
 
 @dataclass(slots=True)
@@ -129,8 +160,10 @@ class Verdict:
     #: The slowest successful streams past the TTFT limit, as (ttft, trace id), slowest first (records only).
     slowest: list[tuple[float, str]] = field(default_factory=list)
     #: Requests judged by their own objectives (``x-slo-*`` headers), by figure and outcome: ``{"ttft": {"met": 12,
-    #: "violated": 3}}`` (from Prometheus: ``llmtap_objective_requests_total``).
+    #: "violated": 3}}`` (from records: ``request_objective``; from Prometheus: ``llmtap_objective_requests_total``).
     request_objectives: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Each figure of ``request_objectives`` judged (``judge_request_objectives``), TTFT first.
+    request_checks: list[RequestCheck] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -208,9 +241,53 @@ def verdicts(
                 checks=checks,
                 verdict=verdict,
                 slowest=_past(g.slowest, g.objective.ttft if g.objective is not None else None),
+                request_objectives={k: dict(c) for k, c in g.request_objectives.items()},
             )
         )
+    judge_request_objectives(out)
     return out
+
+
+# -- per-request objectives ------------------------------------------------------------------------
+
+#: The normal quantile of a two-sided 95% interval.
+_Z95 = 1.959963984540054
+
+
+def _wilson(met: int, n: int) -> tuple[float, float]:
+    """The 95% score interval of a share of ``met`` in ``n`` (Wilson): within [0, 1] and never empty at 0 or n."""
+    p = met / n
+    centre = (p + _Z95**2 / (2 * n)) / (1 + _Z95**2 / n)
+    half = _Z95 * math.sqrt(p * (1 - p) / n + _Z95**2 / (4 * n * n)) / (1 + _Z95**2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def judge_share(figure: str, met: int, violated: int, percentile: float) -> RequestCheck:
+    """The requests that asked for a limit on ``figure``, judged as a percentile objective is: ``met`` when the
+    whole interval of the share that got what it asked is at or above ``percentile``, ``missed`` when the whole
+    interval is below it, ``uncertain`` when it holds it, ``insufficient`` below the requests the percentile needs
+    (a share of 19 in 20 can only tell p95 apart from 100%)."""
+    asked, want = met + violated, needed(percentile)
+    share = met / asked if asked else 0.0
+    low, high = _wilson(met, asked) if asked else (0.0, 1.0)
+    if asked < want:
+        verdict = INSUFFICIENT
+    else:
+        verdict = MET if low >= percentile else MISSED if high < percentile else UNCERTAIN
+    return RequestCheck(figure, asked, met, violated, share, low, high, percentile, want, verdict)
+
+
+def judge_request_objectives(judged: Iterable[Verdict]) -> None:
+    """Each verdict's per-request objective counts judged (``Verdict.request_checks``) at its objective's percentile
+    (a route and shape without one: the default percentile); records and Prometheus both end here."""
+    fallback = SLO().percentile
+    for v in judged:
+        percentile = v.checks[0].percentile if v.checks else fallback
+        v.request_checks = [
+            judge_share(figure, counts.get("met", 0), counts.get("violated", 0), percentile)
+            for figure, counts in sorted(v.request_objectives.items(), key=lambda kv: (kv[0] != "ttft", kv[0]))
+            if sum(counts.values()) > 0
+        ]
 
 
 # -- record files ----------------------------------------------------------------------------------
@@ -250,8 +327,11 @@ def store_groups(
             "ttft": Distribution.of_sorted(merged([f.ttft_ok, f.ttft_failed])),
             "tpot": Distribution.of_sorted(f.tpot),
             "e2e": Distribution.of_sorted(f.e2e),
+            "ttfot": Distribution.of_sorted(f.ttfot),
+            "ttst": Distribution.of_sorted(f.ttst),
         }
         g.slowest = list(f.slowest)
+        g.request_objectives = {k: dict(c) for k, c in f.request_objectives.items()}
         out.append(g)
     return out
 
@@ -303,7 +383,7 @@ def attach_request_objectives(verdicts: Iterable[Verdict], grown: Grown) -> None
 
 
 def bucket_queries(sel: str) -> dict[str, str]:
-    """Each figure's fine-bucket histogram by route and shape (TTFT and TPOT: E2E has none by route)."""
+    """Each figure's fine-bucket histogram by route and shape (TTFT, TPOT, TTFOT, TTST: E2E has none by route)."""
     return {
         figure: f"sum by (le, {ROUTE_LABEL}, {SHAPE_LABEL}) ({metric}{{{sel}}})"
         for figure, metric in PROM_BUCKETS.items()

@@ -8,10 +8,10 @@ bootstrap from the sorted values, so every source gives the same figures, interv
 
 The facts are defined over the flat columns of a record (``COLUMNS``): ``time_s``, ``route``,
 ``model``, ``shape``, ``prompt_version``, ``outcome``, ``stream``, ``slo``, ``ttft``, ``tpot``,
-``e2e``, ``prefill``, ``prefill_source``, ``input_tokens``, ``cache_read_tokens``, ``cache_class``,
-``obj_shape``, ``obj_percentile``, ``obj_ttft``, ``obj_tpot``, ``obj_e2e``, ``trace_id``, ``span_id``,
-``record_id``, ``instance_id``, ``cost``. A record without a readable time belongs to no window and is left out
-(counted).
+``e2e``, ``ttfot``, ``ttst``, ``prefill``, ``prefill_source``, ``input_tokens``, ``cache_read_tokens``,
+``cache_class``, ``obj_shape``, ``obj_percentile``, ``obj_ttft``, ``obj_tpot``, ``obj_e2e``, ``obj_ttfot``,
+``obj_ttst``, ``trace_id``, ``span_id``, ``record_id``, ``instance_id``, ``cost``, ``ro_ttft``, ``ro_tpot``. A record
+without a readable time belongs to no window and is left out (counted).
 
 Every source skips, names and counts what it cannot read (a damaged file, a line that is not a record: the
 causes are ``llmtap.store.skips.CAUSES``) and answers from the rest; and each source counts a record once by
@@ -49,6 +49,8 @@ __all__ = [
     "ANALYSIS_EXTRA",
     "COLUMNS",
     "ENGINES",
+    "REQUEST_OBJECTIVES",
+    "REQUEST_OUTCOMES",
     "SLOWEST",
     "VERSION",
     "By",
@@ -58,6 +60,7 @@ __all__ = [
     "Scan",
     "Skips",
     "Source",
+    "count_request_objective",
     "default_engine",
     "engine_installed",
     "open_source",
@@ -77,6 +80,8 @@ COLUMNS: dict[str, str] = {
     "ttft": "float",
     "tpot": "float",
     "e2e": "float",
+    "ttfot": "float",  # time to the first output token (after any reasoning); TTFT without reasoning
+    "ttst": "float",  # time to the second token; null for a stream of one content chunk (absent, never 0)
     "prefill": "float",
     "prefill_source": "str",
     "input_tokens": "int",  # tokens.input
@@ -87,16 +92,24 @@ COLUMNS: dict[str, str] = {
     "obj_ttft": "float",  # objective.ttft
     "obj_tpot": "float",
     "obj_e2e": "float",
+    "obj_ttfot": "float",
+    "obj_ttst": "float",
     "trace_id": "str",
     "span_id": "str",  # with trace_id, what identifies a record without a record_id (counted once)
     "record_id": "str",  # what identifies a record, traced or not (counted once)
     "instance_id": "str",
     "cost": "float",  # cost.amount (issue 31): null when unpriced
+    "ro_ttft": "str",  # request_objective.ttft_outcome: 'met' / 'violated' / null (the request's own x-slo-ttft-ms)
+    "ro_tpot": "str",  # request_objective.tpot_outcome
 }
 #: A value of the wrong type (a string where a number belongs, a boolean for a number) reads as null.
 
 #: The figures of an objective.
-FIGURES = ("ttft", "tpot", "e2e")
+FIGURES = ("ttft", "tpot", "e2e", "ttfot", "ttst")
+#: The figures a request's own objective bounds (``x-slo-*`` headers), each the column of its outcome, and the
+#: outcomes a group counts (any other value is counted as neither).
+REQUEST_OBJECTIVES = {"ttft": "ro_ttft", "tpot": "ro_tpot"}
+REQUEST_OUTCOMES = ("met", "violated")
 #: The slowest requests a group names by trace id (``Group.slowest``): what "which requests are the p99" reads.
 SLOWEST = 5
 
@@ -123,10 +136,12 @@ class Objective:
     ttft: float | None
     tpot: float | None
     e2e: float | None
+    ttfot: float | None = None
+    ttst: float | None = None
 
-    def order(self) -> tuple[float, float, float, float, str]:
+    def order(self) -> tuple[float, float, float, float, float, float, str]:
         """How two objectives of records at the same moment are ranked (the greater wins)."""
-        limits = (-1.0 if v is None else v for v in (self.ttft, self.tpot, self.e2e))
+        limits = (-1.0 if v is None else v for v in (self.ttft, self.tpot, self.e2e, self.ttfot, self.ttst))
         return (self.percentile, *limits, self.shape or "")  # type: ignore[return-value]
 
 
@@ -146,7 +161,7 @@ class Group:
     input_tokens: int = 0
     cached_tokens: int = 0
     #: The objective of the newest record whose objective is valid (0 < obj_percentile < 1 and at least one
-    #: limit): greatest time_s, ties broken by the greatest (percentile, ttft, tpot, e2e, shape), a null
+    #: limit): greatest time_s, ties broken by the greatest (percentile, ttft, tpot, e2e, ttfot, ttst, shape), a null
     #: limit as -1 and a null shape as ''; and that record's time_s.
     objective: Objective | None = None
     objective_time: float = 0.0
@@ -154,6 +169,9 @@ class Group:
     #: Records with a cost (not null, whatever their outcome), and the sum of it (issue 31).
     priced: int = 0
     cost: float = 0.0
+    #: Records judged by their own objectives, by figure and outcome (``REQUEST_OBJECTIVES``, ``REQUEST_OUTCOMES``;
+    #: a count of 0 left out): ``{"ttft": {"met": 12, "violated": 3}}``.
+    request_objectives: dict[str, dict[str, int]] = field(default_factory=dict)
     #: prefill_source (null as 'unknown') of ok streams with a TTFT and a prefill.
     prefill_sources: set[str] = field(default_factory=set)
     # Sorted values:
@@ -162,6 +180,10 @@ class Group:
     prefill: array[float] = field(default_factory=lambda: array("d"))  # prefill of ok streams with a ttft
     tpot: array[float] = field(default_factory=lambda: array("d"))  # ok records' tpot
     e2e: array[float] = field(default_factory=lambda: array("d"))  # every record's e2e
+    #: ok streams' (stream true) ttfot and ttst where the record has one, whatever its ttft (a stream of one
+    #: content chunk has no ttst: absent, not 0; a stream without reasoning has its ttft as ttfot).
+    ttfot: array[float] = field(default_factory=lambda: array("d"))
+    ttst: array[float] = field(default_factory=lambda: array("d"))
     #: The ``SLOWEST`` ok streams of greatest ttft (those of ``ttft_ok``), as (ttft, trace_id): the slowest
     #: first, ties by trace id (a null trace id as ''), so every source names the same requests.
     slowest: list[tuple[float, str]] = field(default_factory=list)
@@ -208,6 +230,13 @@ class Source(Protocol):
         (a null tpot counts as 0, so does a null ttft of a record that is not a stream; any other null as
         missed): how the proxy would judge them by other objectives."""
         ...
+
+
+def count_request_objective(g: Group, figure: str, outcome: str | None, n: int = 1) -> None:
+    """Add ``n`` records of ``figure``'s request objective with ``outcome`` to the group (none: not counted)."""
+    if outcome in REQUEST_OUTCOMES and n > 0:
+        counts = g.request_objectives.setdefault(figure, {})
+        counts[outcome] = counts.get(outcome, 0) + n
 
 
 def slowest(parts: list[list[tuple[float, str]]], n: int = SLOWEST) -> list[tuple[float, str]]:

@@ -37,6 +37,7 @@ from llmtap.telemetry.journal.spool import JOURNAL_DROP_REASONS, Spool
 from llmtap.telemetry.journal.start import open_spool
 from llmtap.telemetry.loop import Dispatch, Worker
 from llmtap.telemetry.records.access_log import AccessLog
+from llmtap.telemetry.records.content_drops import ContentUnavailable
 from llmtap.telemetry.records.emitter import RecordEmitter
 from llmtap.telemetry.records.sinks import build_sinks
 from llmtap.telemetry.trim import Trimmer
@@ -90,7 +91,7 @@ class Outputs:
     #: ``--access-log PATH``: one line per request, after the record (None: not asked).
     access_log: AccessLog | None
     #: The opt-in content event (``--content-event``), after the others (None: no field named).
-    content: ContentEmitter | None
+    content: ContentEmitter | ContentUnavailable | None
     emission: Emission
 
 
@@ -211,13 +212,13 @@ def _outputs(
         access_log = AccessLog(settings.access_log)
         listeners.callables.append(access_log.write)
     emitters: tuple[Emitter, ...] = (spans, metrics, records, listeners)
-    content = _content(settings)
+    content = _content(settings, counts)
     if content is not None:
         emitters += (content,)
     return Outputs(spans, metrics, who, records, listeners, access_log, content, Emission(emitters, records))
 
 
-def _content(settings: Settings) -> ContentEmitter | None:
+def _content(settings: Settings, counts: Counts) -> ContentEmitter | ContentUnavailable | None:
     """The content event's emitter when a field is named; its OpenTelemetry logs SDK is loaded only then (as the
     record logs' is)."""
     if not settings.content.on:
@@ -226,8 +227,8 @@ def _content(settings: Settings) -> ContentEmitter | None:
         from llmtap.telemetry.records.content import content_emitter
     except ImportError as exc:
         log.error("telemetry: --content-event needs a newer opentelemetry-sdk (%s); no content event", exc)
-        return None
-    return content_emitter(settings)
+        return ContentUnavailable(f"the opentelemetry-sdk installed is too old ({exc})", counts.content_drop)
+    return content_emitter(settings, counts.content_drop)
 
 
 def _fleet(settings: Settings, counts: Counts, analysis: Analysis, owner: Owner) -> Fleet:
