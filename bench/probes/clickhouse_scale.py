@@ -50,7 +50,13 @@ FLAT = """
   cache.expected_prefix_tokens AS cache_expected_prefix_tokens, cache.cached_tokens AS cache_cached_tokens,
   cache.min_tokens AS cache_min_tokens,
   NULL::DOUBLE AS cost_amount, NULL::VARCHAR AS cost_status,
-  trace_id || '-' || span_id AS record_id
+  NULL::DOUBLE AS request_ttft, NULL::DOUBLE AS request_tpot,
+  NULL::VARCHAR AS request_ttft_outcome, NULL::VARCHAR AS request_tpot_outcome,
+  trace_id || '-' || span_id AS record_id,
+  ttft AS ttfot, NULL::DOUBLE AS ttst, NULL::DOUBLE AS objective_ttfot, NULL::DOUBLE AS objective_ttst,
+  NULL::DOUBLE AS upstream_unattributed, NULL::BIGINT AS tokens_cache_write_1h,
+  NULL::VARCHAR AS cost_currency, NULL::VARCHAR AS cost_source, NULL::VARCHAR AS cost_prices,
+  NULL::VARCHAR AS attribution_json
 """
 
 
