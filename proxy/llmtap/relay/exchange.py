@@ -447,8 +447,9 @@ class Exchange:
             # again the moment its answer ends is never refused for its own finished request.
             self.admitted = False
             self.admission.release()
-        assert self.answer is not None
-        self.tape.surplus = await self.answer.surplus()
+        answer, self.answer = self.answer, None  # released here, and only here
+        assert answer is not None
+        self.tape.surplus = await answer.aclose()
         if self.watch is not None:
             # Before the last byte goes: the disconnect the server reports after it is not a cancellation.
             self.watch.stop()

@@ -86,13 +86,12 @@ class Answer:
             yield part
         self.body.close()
 
-    async def surplus(self) -> int:
-        """Bytes the upstream sent past the response's end (its connection is closed for them)."""
-        return self.body.surplus()
-
-    async def aclose(self) -> None:
-        """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits."""
+    async def aclose(self) -> int:
+        """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits.
+        Returns the bytes the upstream sent past the response's end (its connection is closed for them): the
+        relay takes both at the response's end in one call."""
         self.body.close()
+        return self.body.surplus()
 
     def abandon(self) -> None:
         """Release the connection closed, however cleanly the exchange ended: the relay refused this response."""

@@ -24,7 +24,7 @@ from llmtap.relay.upstream.http11 import Http11, Pieces, Sink
 if TYPE_CHECKING:
     from llmtap.relay.upstream.pool import Pool
 
-__all__ = ["QUEUE_BYTES", "WRITE_SLICE", "Connection", "Timeouts"]
+__all__ = ["QUEUE_BYTES", "WRITE_SLICE", "Connection", "Stale", "Timeouts"]
 
 #: Body bytes queued and not yet taken by the relay past which the socket stops being read.
 QUEUE_BYTES = 64 * 1024
@@ -33,6 +33,11 @@ _JOINED_BYTES = 64 * 1024
 WRITE_SLICE = 256 * 1024
 #: ``request.extensions["timeout"]``: connect, read, write and pool, in seconds or None.
 Timeouts = Mapping[str, Any]
+
+
+class Stale(Exception):
+    """An idle connection found unfit as an exchange began on it (``Connection.exchange``): closed, nothing
+    written; the transport takes another. Never leaves the upstream client."""
 
 
 def _expire(waiter: asyncio.Future[bool]) -> None:
@@ -72,6 +77,8 @@ class Connection(Http11, asyncio.Protocol):
         self._writing_paused = False
         self._reading_paused = False
         self.active = False
+        #: Parked in the pool since its last exchange: checked (``usable``) before the next is written.
+        self.parked = False
         #: Where body parts go as they arrive (``Body.pipe``); None: they queue in ``parts``.
         self.sink: Sink | None = None
         #: Reading is paused because the sink's client takes no more (``hold``).
@@ -99,7 +106,13 @@ class Connection(Http11, asyncio.Protocol):
     ) -> None:
         """One request on this connection, up to its response's head: the head and body written (``leaving``
         called just before the first byte), then the wait until the head is read. One call from the transport
-        for the whole of it (raises what failed: the connection is then the caller's to release)."""
+        for the whole of it (raises what failed: the connection is then the caller's to release). An idle
+        connection from the pool is checked first: ``Stale``, closed and nothing written, when it is not usable."""
+        if self.parked:
+            self.parked = False
+            if not self.usable():
+                self.abort()
+                raise Stale
         self.begin(head_only=head_only)
         if leaving is not None:
             leaving()
@@ -222,6 +235,12 @@ class Connection(Http11, asyncio.Protocol):
             if self._transport is not None and not self.closed:
                 self._transport.resume_reading()
 
+    async def carry(self, sink: Sink, seconds: float | None) -> None:
+        """Hand the body to ``sink`` (``attach``) and wait until the response ends, fails or is held
+        (``until_moved``): the relay's pipe starts its body in one call."""
+        self.attach(sink)
+        await self.until_moved(seconds)
+
     async def until_moved(self, seconds: float | None) -> None:
         """Under a sink: until the response ends, fails or is held; ``ReadTimeout`` once the socket
         brought nothing for ``seconds`` (one timer for the wait, checked against ``heard`` when it fires)."""
@@ -264,7 +283,10 @@ class Connection(Http11, asyncio.Protocol):
         )
 
     def settle(self) -> bool:
-        """The exchange is over: parked for the next when it ended cleanly (``reusable``, True), else closed."""
+        """The exchange is over: parked for the next when it ended cleanly (``reusable``, True), else closed.
+        A TLS connection's session goes to its context after its first exchange (``keep_session``)."""
+        if self.unkept is not None:
+            self.keep_session()
         if self.reusable():
             self.park()
             return True
@@ -282,6 +304,7 @@ class Connection(Http11, asyncio.Protocol):
     def park(self) -> None:
         """Between exchanges in the pool."""
         self.active = False
+        self.parked = True
         self.sink = None
         self.parts.clear()
         self._queued = 0
