@@ -79,6 +79,8 @@ class Connection(Http11, asyncio.Protocol):
         self.active = False
         #: Parked in the pool since its last exchange: checked (``usable``) before the next is written.
         self.parked = False
+        #: Exchanges begun on it, the current one included: a body knows by it whether its exchange is settled.
+        self.exchanges = 0
         #: Where body parts go as they arrive (``Body.pipe``); None: they queue in ``parts``.
         self.sink: Sink | None = None
         #: Reading is paused because the sink's client takes no more (``hold``).
@@ -108,6 +110,7 @@ class Connection(Http11, asyncio.Protocol):
         called just before the first byte), then the wait until the head is read. One call from the transport
         for the whole of it (raises what failed: the connection is then the caller's to release). An idle
         connection from the pool is checked first: ``Stale``, closed and nothing written, when it is not usable."""
+        self.exchanges += 1
         if self.parked:
             self.parked = False
             if not self.usable():
@@ -237,9 +240,12 @@ class Connection(Http11, asyncio.Protocol):
 
     async def carry(self, sink: Sink, seconds: float | None) -> None:
         """Hand the body to ``sink`` (``attach``) and wait until the response ends, fails or is held
-        (``until_moved``): the relay's pipe starts its body in one call."""
+        (``until_moved``): the relay's pipe starts its body in one call. A body that ended cleanly puts its
+        connection back in the pool at once, as a body read to its end does (its ``Body`` sees it settled)."""
         self.attach(sink)
         await self.until_moved(seconds)
+        if self.reusable():
+            self.settle()
 
     async def until_moved(self, seconds: float | None) -> None:
         """Under a sink: until the response ends, fails or is held; ``ReadTimeout`` once the socket
@@ -282,16 +288,17 @@ class Connection(Http11, asyncio.Protocol):
             and not self.closed
         )
 
-    def settle(self) -> bool:
-        """The exchange is over: parked for the next when it ended cleanly (``reusable``, True), else closed.
+    def settle(self) -> None:
+        """The exchange is over: parked in the pool for the next when it ended cleanly (``reusable``), else closed.
         A TLS connection's session goes to its context after its first exchange (``keep_session``)."""
         if self.unkept is not None:
             self.keep_session()
-        if self.reusable():
+        kept = self.reusable()
+        if kept:
             self.park()
-            return True
-        self.abort()
-        return False
+        else:
+            self.abort()
+        self.pool.release(self, kept=kept)
 
     def keep_session(self) -> None:
         """Hand the TLS session to the context, for the next connection's handshake: once, after the first

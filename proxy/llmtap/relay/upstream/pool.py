@@ -66,9 +66,9 @@ class Pool:
         self.size -= 1
         self._next()
 
-    def release(self, conn: Connection) -> None:
-        """An exchange is over: its connection goes back idle when clean, else it is closed."""
-        if conn.settle():
+    def release(self, conn: Connection, *, kept: bool) -> None:
+        """An exchange is over (``Connection.settle``): its connection goes back idle when kept, else it is gone."""
+        if kept:
             conn.idle = True
             self.idle.append(conn)
         else:

@@ -151,7 +151,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 continue
             except BaseException:
                 # Failed or cancelled mid-exchange (a body iterator's own error included, which goes on as is).
-                pool.release(conn)
+                conn.settle()
                 raise
             return conn
 
