@@ -126,16 +126,36 @@ class Load:
             self.free.put_nowait(conn)
 
 
+#: The options of the load's shape, as ``argparse`` names them: the memory soak takes them and passes them on.
+SHAPE = ("rate", "overload_rate", "period", "burst", "tenants")
+
+
+def add_shape(p: argparse.ArgumentParser) -> None:
+    """The load's shape: its rates, its overload phases and its tenants (``SHAPE``), the same options here and in the
+    memory soak (``bench.probes.soak_memory``), which runs this load with them."""
+    p.add_argument("--rate", type=float, default=200.0, help="requests per second (200)")
+    p.add_argument("--overload-rate", type=float, default=400.0, help="requests per second in overload (400)")
+    p.add_argument("--period", type=float, default=300.0, help="seconds from one overload phase to the next (300)")
+    p.add_argument(
+        "--burst", type=float, default=30.0, help="seconds of overload at the end of each period (30; 0: none)"
+    )
+    p.add_argument("--tenants", type=int, default=3000, help="tenants in turn (3000)")
+
+
+def shape_argv(args: argparse.Namespace) -> list[str]:
+    """The load's shape in ``args`` (parsed with ``add_shape``) as this probe's command line."""
+    argv: list[str] = []
+    for name in SHAPE:
+        argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return argv
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.probes.soak_load", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="the proxy's chat completions URL")
     p.add_argument("--duration", type=float, required=True, help="seconds of load")
-    p.add_argument("--rate", type=float, default=200.0, help="requests per second (200)")
-    p.add_argument("--overload-rate", type=float, default=400.0, help="requests per second in overload (400)")
-    p.add_argument("--period", type=float, default=300.0, help="seconds from one overload phase to the next (300)")
-    p.add_argument("--burst", type=float, default=30.0, help="seconds of overload at the end of each period (30)")
+    add_shape(p)
     p.add_argument("--connections", type=int, default=64, help="keep-alive connections at most (64)")
-    p.add_argument("--tenants", type=int, default=3000, help="tenants in turn (3000)")
     p.add_argument("--model", default="llmtap-sim", help="the model asked for (llmtap-sim)")
     p.add_argument("--max-tokens", type=int, default=4, help="tokens of a short answer (4)")
     p.add_argument("--long-tokens", type=int, default=600, help="tokens of a long answer, in overload (600)")

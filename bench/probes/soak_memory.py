@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.probes.soak_load import add_shape, shape_argv
 from tests.support.net import free_port, wait_http
 from tests.support.proctree import Service, by_role, descendants
 
@@ -176,9 +177,8 @@ class Soak:
             llmtap, port, admin = self.launch()
             start = self.started = time.monotonic() + 2.0
             load = self.start("load", [sys.executable, "-m", "bench.probes.soak_load", "--url",
-                f"http://127.0.0.1:{port}/v1/chat/completions", "--duration", str(a.duration),
-                "--rate", str(a.rate), "--overload-rate", str(a.overload_rate), "--period", str(a.period),
-                "--burst", str(a.burst), "--tenants", str(a.tenants), "--start-at", str(start)])  # fmt: skip
+                f"http://127.0.0.1:{port}/v1/chat/completions", "--duration", str(a.duration), *shape_argv(a),
+                "--start-at", str(start)])  # fmt: skip
             scrapes = self.watch(llmtap, admin, load, start)
             counts = json.loads(load.read_line(timeout=180))
             time.sleep(a.sample)
@@ -325,12 +325,8 @@ def table(r: dict[str, Any]) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.probes.soak --memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=2400.0, help="seconds of load (2400)")
-    p.add_argument("--rate", type=float, default=200.0, help="requests per second (200)")
-    p.add_argument("--overload-rate", type=float, default=400.0, help="requests per second in overload (400)")
-    p.add_argument("--period", type=float, default=300.0, help="seconds from one overload phase to the next (300)")
-    p.add_argument("--burst", type=float, default=30.0, help="seconds of overload in each period (30; 0: none)")
-    p.add_argument("--stall", type=float, default=8.0, help="seconds the telemetry is stopped in each (8)")
-    p.add_argument("--tenants", type=int, default=3000, help="tenants in turn (3000)")
+    add_shape(p)
+    p.add_argument("--stall", type=float, default=8.0, help="seconds the telemetry is stopped in each period (8)")
     p.add_argument("--scheduling", default="normal", help="the telemetry's --telemetry-scheduling (normal)")
     p.add_argument("--sample", type=float, default=5.0, help="seconds between memory samples (5)")
     p.add_argument("--out", type=Path, help="keep samples, probes, logs and result.json here")

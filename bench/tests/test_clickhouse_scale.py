@@ -11,23 +11,13 @@ import pytest
 
 from bench.probes import clickhouse_scale, scale
 from llmtap.store import clickhouse as ch
-from tests.conftest import PATIENCE, require_real
-from tests.support.clickhouse_server import ClickHouseProcess, installed
-
-HOW = "apt-get install clickhouse-server clickhouse-client (.ci/install.d/35-clickhouse.sh)"
+from tests.support.clickhouse_server import ClickHouseProcess, started
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClickHouseProcess]:
-    require_real(installed(), "ClickHouse (clickhouse-server)", HOW)
-    proc = ClickHouseProcess(tmp_path_factory.mktemp("clickhouse"))
-    proc.start(PATIENCE)
-    yield proc
-    proc.stop()
-
-
-def _count(proc: ClickHouseProcess, table: str) -> int:
-    return int(proc.query(f"SELECT count() FROM {table}").strip())
+    with started(tmp_path_factory.mktemp("clickhouse")) as proc:
+        yield proc
 
 
 def test_the_scale_benchmark_runs_end_to_end_at_a_small_size(server: ClickHouseProcess, tmp_path: Path) -> None:
@@ -37,7 +27,7 @@ def test_the_scale_benchmark_runs_end_to_end_at_a_small_size(server: ClickHouseP
     rows = tmp_path / "rows.csv"
     _, columns = clickhouse_scale.generate(rows, 6000)
     clickhouse_scale.load(remote, "bench_small", columns, rows, chunk=256 << 10)  # several INSERTs
-    assert _count(server, "bench_small") == 6000
+    assert server.count("bench_small") == 6000
     # Every column the table has came from the generator, by name.
     assert sorted(columns) == sorted(ch.column_kinds())
     source = ["--clickhouse", server.url, "--clickhouse-table", "bench_small", "--json"]

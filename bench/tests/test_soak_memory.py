@@ -93,3 +93,20 @@ def test_a_short_memory_soak_samples_both_processes_and_finds_every_bound(tmp_pa
     assert all(f["last"] <= f["bound"] for f in fills.values() if f["bound"] is not None), fills
     assert fills["prefix_index"]["max"] > 0 and fills["live_samples"]["max"] > 0
     assert "targets" in result["fills"]["relay"]
+
+
+def test_the_memory_soak_runs_the_load_with_the_shape_it_was_given() -> None:
+    """The load's shape options are one set (``soak_load.add_shape``): what the memory soak parsed reaches the load
+    as it was, and a shape option the memory soak does not name keeps the load's default."""
+    from bench.probes import soak_load, soak_memory
+
+    given = soak_memory.parser().parse_args(["--rate", "50", "--burst", "0", "--tenants", "7"])
+    argv = ["--url", "http://127.0.0.1:1/v1/chat/completions", "--duration", "3", *soak_load.shape_argv(given)]
+    load = soak_load.parser().parse_args(argv)
+    assert {name: getattr(load, name) for name in soak_load.SHAPE} == {
+        "rate": 50.0,
+        "overload_rate": 400.0,
+        "period": 300.0,
+        "burst": 0.0,
+        "tenants": 7,
+    }

@@ -436,6 +436,7 @@ UNEXERCISED: dict[str, tuple[str, ...]] = {
     sc.METRIC_SPANS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_FACTS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_RECORDS_DROPPED: (sc.TELEMETRY_REASON,),
+    sc.METRIC_CONTENT_EVENTS_DROPPED: (sc.TELEMETRY_REASON,),
     sc.METRIC_SERVER_SPANS: (sc.SERVER_SPAN_OUTCOME,),
     sc.METRIC_OTLP_REJECTED: (sc.OTLP_REJECT_REASON,),
     sc.METRIC_OTLP_FORWARDED: (sc.OTLP_FORWARD_OUTCOME,),
@@ -503,6 +504,10 @@ METRICS: dict[str, str] = {
     sc.METRIC_RECORDS_DROPPED: "Each request record that a failed write (`--record`), a full queue or failed "
     "export of its log record (`--record-logs`), ClickHouse, or the record journal's bound (`journal_full`) lost; "
     "0 per reason from the start.",
+    sc.METRIC_CONTENT_EVENTS_DROPPED: "With `--content-event`: each content event the export queue's bound "
+    "(`otlp_queue_full`), a refused or unanswered export (`otlp_export_failed`), a failure to make it (`unmade`) or "
+    "a logs SDK too old (`sdk_too_old`) lost; 0 per reason from the start. A field past "
+    "`--content-event-max-bytes` is cut, not dropped (`llmtap.content.truncated`).",
     sc.METRIC_RECORDS_RECOVERED: "Once the record journal's replay at start is done (`--record-journal`): the "
     "records of the last run it made again; reads 0 from the start with a journal.",
     sc.METRIC_JOURNAL_SIZE: "Each scrape or export, with a record journal: the bytes of tapes it holds now.",

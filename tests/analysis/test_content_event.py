@@ -4,21 +4,30 @@ accident; end to end, ``llmtap serve`` in front of the simulator exports it to a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import logging
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 
 from llmtap.analysis.content import bound, content_of, digest
+from llmtap.analysis.finish import Finished
+from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Output, Timeline
 from llmtap.config.load import build
-from llmtap.config.types import ConfigError
+from llmtap.config.types import ConfigError, ContentEvent
 from llmtap.providers.anthropic import AnthropicMessages
 from llmtap.telemetry import semconv as sc
+from llmtap.telemetry.records import content as content_module
+from llmtap.telemetry.records.content import ContentEmitter
+from llmtap.telemetry.records.content_drops import ContentUnavailable
 from tests.e2e.test_otlp import HTTPReceiver, attributes
+from tests.support.net import free_port
 from tests.support.procs import Llmtap, Simulator
-from tests.telemetry.test_metrics_standard import otlp_env, wait_for
+from tests.telemetry.test_metrics_standard import otlp_env, total, wait_for
 
 SYSTEM_TEXT = "You are terse."
 USER_TEXT = "Name three rivers."
@@ -165,3 +174,124 @@ def test_the_event_reaches_a_real_receiver_only_when_named(simulator: Simulator,
     assert output[0]["role"] == "assistant" and output[0]["parts"][0]["content"]
     assert sc.SYSTEM_INSTRUCTIONS not in attrs  # hashed, but the OpenAI chat request has no separate system prompt
     assert sc.CONTENT_TRUNCATED not in attrs
+
+
+class _Held(LogRecordExporter):
+    """An exporter whose every export waits until ``release`` is set, then answers ``result``."""
+
+    def __init__(self, result: LogRecordExportResult) -> None:
+        self.release = threading.Event()
+        self.result = result
+        self.exported = 0
+
+    def export(self, batch: Sequence[Any]) -> LogRecordExportResult:
+        self.release.wait(30)
+        self.exported += len(batch)
+        return self.result
+
+    def shutdown(self) -> None:
+        self.release.set()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+
+def _finished(protocol: str | None = "anthropic") -> Finished:
+    tl = anthropic_timeline("Nile.")
+    tl.protocol = protocol
+    tl.trace_id, tl.span_id = "1" * 32, "2" * 16
+    return Finished(tl, Summary(), None)
+
+
+@pytest.mark.parametrize("result", [LogRecordExportResult.SUCCESS, LogRecordExportResult.FAILURE])
+def test_events_past_the_queue_or_refused_are_counted_by_reason_and_said_once(
+    result: LogRecordExportResult, caplog: pytest.LogCaptureFixture
+) -> None:
+    refused = result == LogRecordExportResult.FAILURE
+    lost: list[tuple[str, int]] = []
+    held = _Held(result)
+    emitter = ContentEmitter(_rules(), held, capacity=2, on_drop=lambda r, n: lost.append((r, n)))
+    with caplog.at_level(logging.WARNING, logger="llmtap.telemetry"):
+        for _ in range(5):  # two wait for export; the three past the bound are dropped at once
+            emitter.emit(_finished())
+        emitter.emit(_finished(protocol=None))  # a request no protocol names has no event: not a loss
+        assert lost == [("otlp_queue_full", 1)] * 3
+        held.release.set()
+        emitter.close()
+    assert held.exported == 2
+    assert lost[3:] == ([("otlp_export_failed", 2)] if refused else [])
+    assert emitter.exported == (0 if refused else 2)
+    said = [r.getMessage() for r in caplog.records if "content events lost" in r.getMessage()]
+    assert len(said) == (2 if refused else 1), said  # each reason once, with its cause
+    assert "otlp_queue_full" in said[0] and "2 events already wait for export" in said[0]
+
+
+def _rules() -> ContentEvent:
+    return build(
+        {"upstream": "http://127.0.0.1:1", "content_event": "input=keep"},
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"},
+    ).content
+
+
+def test_an_event_that_cannot_be_made_and_an_sdk_too_old_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    lost: list[tuple[str, int]] = []
+    held = _Held(LogRecordExportResult.SUCCESS)
+    held.release.set()
+    emitter = ContentEmitter(_rules(), held, capacity=2, on_drop=lambda r, n: lost.append((r, n)))
+
+    def unmakeable(request: Finished, rules: ContentEvent) -> dict[str, Any]:
+        raise ValueError("a field that cannot be read")
+
+    monkeypatch.setattr(content_module, "details", unmakeable)
+    for _ in range(3):  # its room freed each time: never queue_full
+        emitter.emit(_finished())
+    emitter.close()
+    assert lost == [("unmade", 1)] * 3 and held.exported == 0
+    lost.clear()
+    unavailable = ContentUnavailable("the opentelemetry-sdk installed is too old", lambda r, n: lost.append((r, n)))
+    unavailable.emit(_finished())
+    unavailable.emit(_finished(protocol=None))
+    assert lost == [("sdk_too_old", 1)]
+
+
+@pytest.mark.e2e
+def test_events_a_dead_endpoint_never_took_are_counted_and_a_live_receiver_loses_none(
+    simulator: Simulator, tmp_path: Path
+) -> None:
+    dropped = "llmtap_telemetry_content_events_dropped_total"
+    args = ("--content-event", "input=keep,output=keep")
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": dead,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "1",
+        "OTEL_BLRP_SCHEDULE_DELAY": "50",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_METRICS_EXPORTER": "none",
+    }
+    proxy = Llmtap(simulator.url, tmp_path / "dead.log", *args, env=env)
+    try:
+        text = proxy.metrics()
+        for reason in sc.CONTENT_DROP_REASONS:  # every reason reads 0 from the start
+            assert total(text, dropped, llmtap_telemetry_reason=reason) == 0, reason
+        for _ in range(2):
+            _chat(proxy)
+        failed = {"llmtap_telemetry_reason": "otlp_export_failed"}
+        wait_for("two events counted lost", lambda: total(proxy.metrics(), dropped, **failed) == 2, proxy)
+        assert total(proxy.metrics(), dropped) == 2
+    finally:
+        proxy.close()
+    said = (tmp_path / "dead.log").read_text(encoding="utf-8")
+    assert said.count("content events lost (otlp_export_failed)") == 1, said
+
+    receiver = HTTPReceiver()
+    proxy = Llmtap(simulator.url, tmp_path / "live.log", *args, env=otlp_env(receiver, OTEL_BLRP_SCHEDULE_DELAY="50"))
+    try:
+        for _ in range(2):
+            _chat(proxy)
+        wait_for("two events", lambda: len(_events(receiver, sc.EVENT_OPERATION_DETAILS)) == 2, proxy)
+        assert total(proxy.metrics(), dropped) == 0
+    finally:
+        proxy.close()
+        receiver.close()
+    assert "content events lost" not in (tmp_path / "live.log").read_text(encoding="utf-8")

@@ -9,6 +9,7 @@ upstream only when ``--forward-slo-headers`` asks for it.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,14 @@ import openai
 import pytest
 
 from llmtap.analysis.objectives import MET, VIOLATED, RequestObjective, judge_request, parse_objective
+from llmtap.analysis.slo import Report, config_objectives, judge_share
+from llmtap.commands.slo import from_prometheus, from_records, render
+from llmtap.config.load import build
 from tests.analysis.test_attribution import records
-from tests.conftest import Scripted
+from tests.conftest import Scripted, require_real
 from tests.e2e.test_otlp import HTTPReceiver, attributes
 from tests.support.procs import Llmtap
+from tests.support.prometheus import promql, start_prometheus
 from tests.telemetry.test_metrics_standard import otlp_env, total, wait_for
 
 
@@ -91,6 +96,16 @@ def _snapshot(proxy: Llmtap) -> dict[str, Any]:
                 out: dict[str, Any] = json.loads(line[len("data: ") :])
                 return out
     raise AssertionError("no snapshot on /events")
+
+
+def test_the_share_that_got_its_objective_is_judged_as_a_percentile_is() -> None:
+    # p95 needs 20 requests; 19 of 19 is still too few, 100 of 100 is met, 90 of 100 missed, 19 of 20 uncertain.
+    assert judge_share("ttft", 19, 0, 0.95).verdict == "insufficient"
+    assert judge_share("ttft", 100, 0, 0.95).verdict == "met"
+    assert judge_share("ttft", 90, 10, 0.95).verdict == "missed"
+    check = judge_share("tpot", 19, 1, 0.95)
+    assert (check.verdict, check.asked, check.needed, check.share) == ("uncertain", 20, 20, 0.95)
+    assert 0.0 <= check.low < 0.95 < check.high <= 1.0
 
 
 def test_objectives_through_serve_with_the_openai_sdk(tmp_path: Path) -> None:
@@ -171,4 +186,76 @@ def test_objectives_through_serve_with_the_openai_sdk(tmp_path: Path) -> None:
         proxy.close()
         forwarding.close()
         receiver.close()
+        upstream.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.real
+def test_slo_over_records_and_over_prometheus_say_the_same_of_one_run(tmp_path: Path) -> None:
+    """One run of ``llmtap serve`` with records on, scraped by a real Prometheus: ``llmtap slo`` over the records and
+    over Prometheus count and judge the requests' own objectives alike, route by route, figure by figure."""
+    require_real(shutil.which("prometheus") is not None, "prometheus", "Debian's prometheus package")
+    # TTFT 50 ms: a 1 ms TTFT cannot be met however idle the machine, a 10-minute one cannot be missed however busy.
+    upstream = Scripted(SCRIPT_TTFT="0.05", SCRIPT_GAP="0.01", SCRIPT_CHUNKS="3")
+    config = tmp_path / "llmtap.yaml"
+    # p50 objectives: 12 requests are enough for a verdict (``needed``), and 12 of 12 (or 0 of 12) settle it.
+    config.write_text(
+        "routes:\n"
+        + "".join(
+            f"  - {{prefix: /{name}, upstream: '{upstream.url}', strip_prefix: true, name: {name},"
+            " slo: {e2e_ms: 600000, percentile: 0.5}}\n"
+            for name in ("burn", "calm")
+        ),
+        encoding="utf-8",
+    )
+    folder = tmp_path / "records"
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--config", str(config), "--record", str(folder))
+    target = proxy.admin_url.removeprefix("http://")
+    jobs = f"  - {{job_name: llmtap, static_configs: [{{targets: ['{target}']}}]}}\n"
+    prom, port = start_prometheus(tmp_path / "prom", jobs, cpu=None, log=tmp_path / "prometheus.log")
+    try:
+        chat = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+        sent = 0
+        for i in range(12):
+            for prefix, ttft in (("/burn", "1"), ("/calm", "600000")):
+                headers = {"x-slo-ttft-ms": ttft}
+                if i < 2:
+                    headers["x-slo-tpot-ms"] = "10000"  # two requests: too few for a verdict on TPOT
+                r = httpx.post(proxy.url + prefix + "/v1/chat/completions", json=chat, headers=headers, timeout=30)
+                assert r.status_code == 200
+                sent += 1
+        records(folder, sent, proxy)
+        asked = "sum(llmtap_objective_requests_total{llmtap_objective_figure='ttft'})"
+        wait_for("the objectives scraped", lambda: promql(port, asked) == sent, proxy)
+
+        from_files = from_records([folder], engine="python", resamples=100)
+        from_prom = from_prometheus(
+            f"http://127.0.0.1:{port}", config_objectives(build({"config": str(config)}, env={})), resamples=100
+        )
+
+        def judged(report: Report) -> dict[tuple[str, str], Any]:
+            return {(v.route, v.shape): (v.request_objectives, v.request_checks) for v in report.verdicts}
+
+        assert judged(from_files) == judged(from_prom)
+        counts, checks = judged(from_files)[("burn", "short_prompt")]
+        assert counts == {"ttft": {"violated": 12}, "tpot": {"met": 2}}
+        assert [(c.figure, c.verdict, c.needed) for c in checks] == [("ttft", "missed", 3), ("tpot", "insufficient", 3)]
+        counts, checks = judged(from_files)[("calm", "short_prompt")]
+        assert counts == {"ttft": {"met": 12}, "tpot": {"met": 2}}
+        assert [(c.figure, c.verdict) for c in checks] == [("ttft", "met"), ("tpot", "insufficient")]
+
+        def lines(report: Report) -> list[str]:
+            return render(report).partition("per-request objectives")[2].splitlines()[1:]
+
+        assert lines(from_files) == lines(from_prom)
+        assert "  burn short_prompt  TTFT: 0 of 12 met (0%), 12 violated; p50 [0%, 24%]  missed" in lines(from_files)
+        tpot = (
+            "  calm short_prompt  TPOT: 2 of 2 met (100%), 0 violated; p50 [34%, 100%]  insufficient (2 of 3 requests)"
+        )
+        assert tpot in lines(from_files)
+        as_json = from_files.to_json()["verdicts"]
+        assert {v["route"]: v["request_checks"][0]["verdict"] for v in as_json} == {"burn": "missed", "calm": "met"}
+    finally:
+        prom.stop()
+        proxy.close()
         upstream.close()

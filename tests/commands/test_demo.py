@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -126,7 +127,12 @@ def test_render_and_json_cli(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env={"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path)},
+        # The package of the checkout under test (PYTHONPATH), where it is not the one installed.
+        env={
+            "PATH": "/usr/bin:/bin",
+            "TMPDIR": str(tmp_path),
+            **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ},
+        },
         cwd=Path(__file__).parents[2],
     )
     assert out.returncode == 0, out.stderr
@@ -136,3 +142,12 @@ def test_render_and_json_cli(tmp_path: Path) -> None:
     assert all(r["requests"] == 2 and r["errors"] == 0 for r in data["results"])
     assert all(Path(p).exists() for p in data["telemetry_files"])
     assert data["verdicts"]["code completion"]["before"]["requests"] == 2
+    # One request of each phase asked for a tight TTFT, the other for loose limits: each counted once, by limit.
+    for r in data["results"]:
+        assert [(o["figure"], o["limit"]) for o in r["request_objectives"]] == [
+            ("ttft", 0.02),
+            ("ttft", 60.0),
+            ("tpot", 1.0),
+        ]
+        assert [o["met"] + o["violated"] for o in r["request_objectives"]] == [1, 1, 1]
+        assert [o["violated"] for o in r["request_objectives"][1:]] == [0, 0]

@@ -251,6 +251,24 @@ CHAT = json.dumps({"model": "raw", "stream": True, "messages": [{"role": "user",
 # --- what reaches the upstream ---------------------------------------------------------------------------
 
 
+def test_short_answers_written_at_once_keep_the_connection_framed_and_close_it_when_asked(proxy: Llmtap) -> None:
+    """A short answer read whole goes to the client in one write (``llmtap.relay.oneshot``): pipelined on one
+    connection, each answer is framed by its length and the next one follows; ``connection: close`` ends the
+    connection after its answer (the request behind it is not served), and an HTTP/1.0 client is told so."""
+    asked = request(b"/status/200") + request(b"/status/404") + request(b"/status/201", extra=b"connection: close\r\n")
+    got = exchange(proxy.port, asked + request(b"/status/200"), responses=4)
+    answers = parse(got)
+    assert [status for status, _, _ in answers] == [200, 404, 201], got[:600]
+    assert [body for _, _, body in answers] == [b"x" * 42] * 3
+    assert [fields.get(b"connection") for _, fields, _ in answers] == [None, None, b"close"]
+    assert all(fields[b"etag"] == b'"v1"' for _, fields, _ in answers)
+    assert got.endswith(b"\r\n\r\n" + b"x" * 42)  # the connection closed after the third answer
+    old = exchange(proxy.port, b"POST /status/200 HTTP/1.0\r\ncontent-length: 0\r\n\r\n")
+    [(status, fields, body)] = parse(old)
+    assert (status, fields.get(b"connection"), body) == (200, b"close", b"x" * 42), old
+    no_traceback(proxy)
+
+
 def test_upstream_receives_only_the_headers_the_client_sent(proxy: Llmtap, raw_upstream: RawUpstream) -> None:
     before = len(raw_upstream.heads)
     got = exchange(proxy.port, request(b"/v1/chat/completions", CHAT, extra=b"x-client-thing: 1\r\n"))

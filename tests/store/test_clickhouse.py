@@ -32,32 +32,14 @@ from llmtap.store import clickhouse as ch, clickhouse_read as chread
 from llmtap.telemetry.records.clickhouse import ClickHouseSink
 from llmtap.telemetry.records.record import SCHEMA_VERSION
 from tests.conftest import PATIENCE, free_port, require_real
-from tests.support.clickhouse_server import PASSWORD, USER, ClickHouseProcess, installed
-
-HOW = "apt-get install clickhouse-server clickhouse-client (.ci/install.d/35-clickhouse.sh)"
+from tests.support.clickhouse_server import HOW, PASSWORD, USER, ClickHouseProcess, installed, started
+from tests.support.fault_load import wait_for
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClickHouseProcess]:
-    require_real(installed(), "ClickHouse (clickhouse-server)", HOW)
-    proc = ClickHouseProcess(tmp_path_factory.mktemp("clickhouse"))
-    proc.start(PATIENCE)
-    yield proc
-    proc.stop()
-
-
-def _count(proc: ClickHouseProcess, table: str) -> int:
-    return int(proc.query(f"SELECT count() FROM {table}").strip())
-
-
-def _wait_for(what: str, check: Any) -> Any:
-    deadline = time.monotonic() + PATIENCE
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} did not happen within {PATIENCE:.0f} s"
-        time.sleep(0.1)
+    with started(tmp_path_factory.mktemp("clickhouse")) as proc:
+        yield proc
 
 
 def make_records(n: int, seed: int = 7, start: float = 1_790_000_000.0) -> list[dict[str, Any]]:
@@ -222,7 +204,7 @@ def test_the_sink_never_blocks_and_counts_what_it_drops_when_clickhouse_is_away(
         sink.write(rec)
     sink.flush()
     assert sink.queued == 5 and drops == {"clickhouse_queue_full": 7}
-    _wait_for("a failed insert", lambda: inserts.get("failed", 0) >= 2)
+    wait_for("a failed insert", lambda: inserts.get("failed", 0) >= 2, PATIENCE)
     sink.write({"time": "yesterday-ish", "ttft": 0.1})  # no moment to file it under
     assert drops["invalid"] == 1
     sink.write({"time": datetime.now(UTC).isoformat(), "ttft": float("nan")})  # NaN reads as null, as anywhere
@@ -337,7 +319,7 @@ def test_compare_and_slo_read_the_same_verdicts_from_clickhouse_as_from_the_file
     path.write_text("".join(lines), encoding="utf-8")  # a record file as an earlier llmtap wrote it
     assert sink.drain(PATIENCE)
     sink.close()
-    assert sink.written == 400 and _count(server, "same_verdicts") == 400
+    assert sink.written == 400 and server.count("same_verdicts") == 400
     env = {"LLMTAP_RECORD_CLICKHOUSE_USER": USER, "LLMTAP_RECORD_CLICKHOUSE_PASSWORD": PASSWORD}
     source = ["--clickhouse", server.url, "--clickhouse-table", "same_verdicts"]
     for command in (
@@ -485,7 +467,7 @@ def test_the_proxys_records_land_in_clickhouse(server: ClickHouseProcess, sim: s
     try:
         for version in ("v1", "v1", "v2"):
             assert serve.ask(version).is_success
-        _wait_for("3 rows in ClickHouse", lambda: _table_count(server, "from_proxy") == 3)
+        wait_for("3 rows in ClickHouse", lambda: _table_count(server, "from_proxy") == 3, PATIENCE)
         assert serve.metric(INSERTS, 'outcome="ok"') >= 1
         assert serve.metric(INSERTS, 'outcome="failed"') == 0
         assert serve.metric(DROPPED, 'reason="clickhouse_queue_full"') == 0
@@ -506,19 +488,19 @@ def test_clickhouse_down_the_proxy_serves_counts_its_drops_and_catches_up(sim: s
     later = ClickHouseProcess(tmp_path / "later")  # its ports chosen, nothing listening yet
     serve = Serve(sim, "--record-clickhouse", later.url, "--record-clickhouse-queue", "3")
     try:
-        started = time.monotonic()
+        began = time.monotonic()
         for _ in range(6):
             r = serve.ask("v1")
             assert r.is_success and "data: [DONE]" in r.text
-        _wait_for("a failed insert on /metrics", lambda: serve.metric(INSERTS, 'outcome="failed"') >= 1)
-        _wait_for("3 drops on /metrics", lambda: serve.metric(DROPPED, 'reason="clickhouse_queue_full"') == 3)
-        assert time.monotonic() - started < PATIENCE
+        wait_for("a failed insert on /metrics", lambda: serve.metric(INSERTS, 'outcome="failed"') >= 1, PATIENCE)
+        wait_for("3 drops on /metrics", lambda: serve.metric(DROPPED, 'reason="clickhouse_queue_full"') == 3, PATIENCE)
+        assert time.monotonic() - began < PATIENCE
         later.start(PATIENCE)
         try:
             # The three queued records arrive once ClickHouse is back; later ones follow.
-            _wait_for("the queued records", lambda: _table_count(later, "llmtap_records") == 3)
+            wait_for("the queued records", lambda: _table_count(later, "llmtap_records") == 3, PATIENCE)
             assert serve.ask("v2").is_success
-            _wait_for("the next record", lambda: _table_count(later, "llmtap_records") == 4)
+            wait_for("the next record", lambda: _table_count(later, "llmtap_records") == 4, PATIENCE)
             assert serve.metric(INSERTS, 'outcome="ok"') >= 2
             assert serve.metric(DROPPED, 'reason="clickhouse_queue_full"') == 3
         finally:
@@ -533,7 +515,7 @@ def test_clickhouse_down_the_proxy_serves_counts_its_drops_and_catches_up(sim: s
 
 def _table_count(proc: ClickHouseProcess, table: str) -> int:
     try:
-        return _count(proc, table)
+        return proc.count(table)
     except OSError:  # the table is not there yet
         return -1
 
@@ -569,6 +551,12 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(
         amount = (i % 50) / 2**20 if i % 4 else None
         rec["cost"] = {"amount": amount, "currency": "USD", "status": "priced" if amount is not None else "unknown"}
     records[10]["cost"] = {"amount": "cheap"}
+    # The requests' own objectives (x-slo-*): outcomes of both figures, one missing, one no outcome llmtap writes.
+    outcomes = ("met", "violated", None, "met", "unknown")
+    for i, rec in enumerate(records):
+        if i % 3:
+            ttft, tpot = outcomes[i % 5], outcomes[(i // 5) % 4]
+            rec["request_objective"] = {"ttft": 0.5, "tpot": 0.05, "ttft_outcome": ttft, "tpot_outcome": tpot}
     path = tmp_path / "records.jsonl"
     lines: list[str] = []
     sink = ClickHouseSink(ch.Server.parse(server.url), table, ttl_days=0)
@@ -593,6 +581,8 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(
             assert keyed(got.groups) == keyed(want.groups), (where, by)
             assert got.records == 300
             assert source.count_met(where, by, limits) == reference.count_met(where, by, limits)
+    violated = [g.request_objectives.get("ttft", {}).get("violated", 0) for g in reference.scan(Filter(), None).groups]
+    assert sum(violated) > 10  # the counts compared above are there
     tied = [g for g in reference.scan(Filter(), None).groups if g.objective and g.objective.percentile == 0.99]
     assert len(tied) == 1  # the tie is in the data, and both sources broke it the same way
 
@@ -703,9 +693,10 @@ def test_records_without_tracing_inserted_twice_count_once_by_their_record_id(
 
 
 def earlier_table(remote: ch.Server, table: str) -> None:
-    """The table as llmtap made it before the cost columns (issue 31) and before one row per record (issue 44):
-    a MergeTree without cost_* and record_id."""
-    old = "\n".join(line for line in ch.ddl(table).splitlines() if not line.strip().startswith(("cost_", "record_id")))
+    """The table as llmtap made it before the cost columns (issue 31), before one row per record (issue 44) and
+    before the requests' own objectives: a MergeTree without cost_*, record_id and request_*."""
+    made_since = ("cost_", "record_id", "request_")
+    old = "\n".join(line for line in ch.ddl(table).splitlines() if not line.strip().startswith(made_since))
     old = old.replace("cache_min_tokens Nullable(Int64),", "cache_min_tokens Nullable(Int64)")
     old = old.replace("ReplacingMergeTree", "MergeTree").replace(", record_id)", ")")
     try:
@@ -722,7 +713,15 @@ def test_a_table_of_an_earlier_version_gets_the_columns_added_since(server: Clic
     table = "before_cost"
     earlier_table(remote, table)
     assert "cost_amount" not in remote.query(f"DESCRIBE TABLE {table}").decode()
-    assert ch.add_missing_columns(remote, table) == ["cost_amount", "cost_status", "record_id"]
+    assert ch.add_missing_columns(remote, table) == [
+        "cost_amount",
+        "cost_status",
+        "request_ttft",
+        "request_tpot",
+        "request_ttft_outcome",
+        "request_tpot_outcome",
+        "record_id",
+    ]
     assert ch.add_missing_columns(remote, table) == []
     record = make_records(1, seed=3)[0]
     record["cost"] = {"amount": 0.25, "currency": "USD", "status": "priced", "prices": "file"}

@@ -65,6 +65,14 @@ def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
         "objective": {"shape": "long", "percentile": 0.95, "ttft": rng.choice((0.5, 0.8)), "tpot": 0.05},
         "trace_id": f"{rng.getrandbits(128):032x}",
     }
+    if i % 3:  # the request's own objectives (x-slo-*): outcomes of both figures, one missing, one of a wrong type
+        outcomes = ("met", "violated", None, "met", 5)
+        rec["request_objective"] = {
+            "ttft": 0.5,
+            "tpot": 0.05,
+            "ttft_outcome": outcomes[i % 5],
+            "tpot_outcome": outcomes[(i // 5) % 4],
+        }
     odd = rng.random()
     if odd < 0.02:
         rec["ttft"] = "0.5"  # a string is not a number
@@ -189,6 +197,7 @@ def facts(scan: store.Scan) -> list[tuple[Any, ...]]:
             g.cost,
             [list(getattr(g, a)) for a in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e")],
             g.slowest,
+            g.request_objectives,
         )
         for g in scan.groups
     )
@@ -299,6 +308,7 @@ def test_parquet_reads_as_its_json_lines(tmp_path: Path) -> None:
         and "route" in r
         and set(r["objective"]) == {"shape", "percentile", "ttft", "tpot"}
         and not isinstance((r.get("cost") or {}).get("amount"), str)
+        and not any(isinstance(v, int) for v in (r.get("request_objective") or {}).values())
     ]
     lines = write_records(tmp_path / "a.jsonl", typed)
     con = duckdb.connect()

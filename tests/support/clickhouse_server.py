@@ -13,13 +13,17 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
+from tests.conftest import PATIENCE, require_real
 from tests.support.net import free_port
 from tests.support.procs import stop
 
 USER = "llmtap"
 PASSWORD = "s3cret-for-tests"
+#: How a machine without it gets the server (what a real tier that cannot run says).
+HOW = "apt-get install clickhouse-server clickhouse-client (.ci/install.d/35-clickhouse.sh)"
 
 _CONFIG = """<?xml version="1.0"?>
 <yandex>
@@ -131,6 +135,10 @@ class ClickHouseProcess:
         with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=30) as r:
             return str(r.read().decode())
 
+    def count(self, table: str) -> int:
+        """The rows of ``table``."""
+        return int(self.query(f"SELECT count() FROM {table}").strip())
+
     def log_tail(self, lines: int = 30) -> str:
         """The end of the server's error log and stdout, for a failed start."""
         out: list[str] = []
@@ -139,3 +147,16 @@ class ClickHouseProcess:
             if path.exists():
                 out += path.read_text(errors="replace").splitlines()[-lines:]
         return "\n".join(out)
+
+
+@contextlib.contextmanager
+def started(directory: Path) -> Iterator[ClickHouseProcess]:
+    """A server in ``directory``, answering, stopped on the way out; a real tier that cannot run says why
+    (``require_real``): what a test module's ``server`` fixture yields."""
+    require_real(installed(), "ClickHouse (clickhouse-server)", HOW)
+    proc = ClickHouseProcess(directory)
+    proc.start(PATIENCE)
+    try:
+        yield proc
+    finally:
+        proc.stop()

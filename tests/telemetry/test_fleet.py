@@ -27,20 +27,19 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from llmtap.config.otel import telemetry_from_env
-from llmtap.config.types import ConfigError, Records as RecordSettings, Route, Settings, TelemetrySettings
+from llmtap.config.types import ConfigError
 from llmtap.store.files import ReadStats, read_records
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.admin.server import AdminApp
 from llmtap.telemetry.fleet import peers
 from llmtap.telemetry.fleet.upstreams import UpstreamWatch
 from llmtap.telemetry.recorder import Recorder
 from llmtap.wire.tape import shard_of
 from llmtap.wire.tracestate import MAX_LENGTH, MAX_MEMBERS, entry, owner, upstream_tracestate
-from tests.conftest import PATIENCE, Scripted, ServerThread, Telemetry, free_port
+from tests.conftest import PATIENCE, Scripted, Telemetry, free_port
 from tests.e2e.test_otlp import HTTPReceiver
 from tests.support.procs import stop, wait_ready
-from tests.telemetry.test_forward import PROTOBUF, _Source, vllm_export, wait_for
-from tests.telemetry.test_serverspans import TRACE, UPSTREAM, counter, traced
+from tests.telemetry.test_forward import PROTOBUF, admins, vllm_export, wait_for
+from tests.telemetry.test_serverspans import TRACE, counter, traced
 
 TOKEN = "replicas-share-this"
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,23 +141,8 @@ def test_spans_of_unknown_traces_wait_within_a_bound_of_bytes_too() -> None:
 @pytest.fixture
 def make_admin(telemetry: Telemetry) -> Iterator[Callable[..., tuple[Recorder, str]]]:
     """An admin listener over a recorder: (recorder, its /v1/traces URL)."""
-    opened: list[tuple[Recorder, ServerThread]] = []
-
-    def make(record: str | None = None, **telemetry_settings: Any) -> tuple[Recorder, str]:
-        settings = Settings(
-            routes=(Route(prefix="/", upstream=UPSTREAM, name="default"),),
-            telemetry=TelemetrySettings(**telemetry_settings),
-            record=RecordSettings(path=record),
-        )
-        rec = Recorder(settings, tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
-        server = ServerThread(AdminApp(_Source(rec), None)).__enter__()
-        opened.append((rec, server))
-        return rec, server.url + "/v1/traces"
-
-    yield make
-    for rec, server in opened:
-        server.__exit__(None, None, None)
-        rec.close(5)
+    with admins(telemetry, None) as make:
+        yield make
 
 
 def test_a_span_of_a_trace_nobody_relayed_is_not_forwarded_and_is_counted(
@@ -478,7 +462,9 @@ def test_two_replicas_each_get_the_server_truth_of_their_own_requests(fleet: Fle
     why = (joined, routed, fleet.service.sent, fleet.owner)
     for trace, line in lines.items():
         assert (line["queue_source"], line["prefill_source"]) == ("server", "server"), (trace, line, why)
-        assert line["queue"] >= 0.0625 and line["prefill"] == pytest.approx(line["upstream_ttft"] - 0.0625, abs=0.05)
+        # The server's prefill is its own first token less its queue; the relay's upstream TTFT holds it and both
+        # trips between them, which grow without bound on a busy machine: an upper bound, not a margin.
+        assert line["queue"] >= 0.0625 and 0.0 <= line["prefill"] <= line["upstream_ttft"] - 0.0625 + 0.005
         # Written when its span came, never past the wait (1.5 s over it allowed for the telemetry queue).
         assert fleet.seen[trace] - fleet.ended[trace] < WAIT + 1.5, (trace, fleet.seen[trace] - fleet.ended[trace])
     # The shared address sent some spans to the replica that did not relay them: each was passed on, once.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +16,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationSc
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from llmtap.config.otel import telemetry_from_env
-from llmtap.config.types import ConfigError, Route, Settings, TelemetrySettings
+from llmtap.config.types import ConfigError, Records as RecordSettings, Route, Settings, TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.admin.server import AdminApp
 from llmtap.telemetry.fleet import forward
@@ -46,25 +47,36 @@ class _Source:
         self.ready = True
 
 
-@pytest.fixture
-def make_admin(telemetry: Telemetry) -> Iterator[Callable[..., tuple[Recorder, str]]]:
-    """An admin listener over a recorder with the given telemetry settings: (recorder, its /v1/traces URL)."""
+@contextlib.contextmanager
+def admins(telemetry: Telemetry, prometheus: Any) -> Iterator[Callable[..., tuple[Recorder, str]]]:
+    """Admin listeners, each over a recorder of the given record path and telemetry settings, made by the callable
+    yielded (it gives the recorder and its /v1/traces URL); all closed on the way out."""
     opened: list[tuple[Recorder, ServerThread]] = []
 
-    def make(**telemetry_settings: Any) -> tuple[Recorder, str]:
+    def make(record: str | None = None, **telemetry_settings: Any) -> tuple[Recorder, str]:
         settings = Settings(
             routes=(Route(prefix="/", upstream=UPSTREAM, name="default"),),
             telemetry=TelemetrySettings(**telemetry_settings),
+            record=RecordSettings(path=record),
         )
         rec = Recorder(settings, tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
-        server = ServerThread(AdminApp(_Source(rec), telemetry.prometheus)).__enter__()
+        server = ServerThread(AdminApp(_Source(rec), prometheus)).__enter__()
         opened.append((rec, server))
         return rec, server.url + "/v1/traces"
 
-    yield make
-    for rec, server in opened:
-        server.__exit__(None, None, None)
-        rec.close(5)
+    try:
+        yield make
+    finally:
+        for rec, server in opened:
+            server.__exit__(None, None, None)
+            rec.close(5)
+
+
+@pytest.fixture
+def make_admin(telemetry: Telemetry) -> Iterator[Callable[..., tuple[Recorder, str]]]:
+    """An admin listener (with the Prometheus exposition) over a recorder with the given telemetry settings."""
+    with admins(telemetry, telemetry.prometheus) as make:
+        yield make
 
 
 def wait_for(received: Received, count: int) -> None:

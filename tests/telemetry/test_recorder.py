@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -1094,3 +1095,31 @@ def test_no_secret_from_request_headers_in_telemetry(
     text = "\n".join(dumped)
     assert "chat scripted" in text and "gen_ai_client_operation_duration_seconds" in text
     assert "LLMTAP-SECRET" not in text
+
+
+def test_with_a_logs_sdk_too_old_each_content_event_is_counted_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--content-event`` where the content event's module cannot be imported (the SDK lacks what it needs): the
+    requests still get their telemetry, and each one's event is counted as lost, ``sdk_too_old``."""
+    monkeypatch.setitem(sys.modules, "llmtap.telemetry.records.content", None)  # its import raises ImportError
+    settings = build(
+        {"upstream": "http://127.0.0.1:1", "content_event": "input=keep"},
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"},
+    )
+    reader = InMemoryMetricReader()
+    recorder = Recorder(settings, meter_provider=MeterProvider(metric_readers=[reader], shutdown_on_exit=False))
+    try:
+        recorder.counts.start(settings, forwarding=False, routing=False)
+        for _ in range(2):
+            recorder.record_timeline(timeline(3))
+        assert recorder.flush(PATIENCE)
+    finally:
+        recorder.close()
+    found = {
+        m.name: m
+        for rm in reader.get_metrics_data().resource_metrics  # type: ignore[union-attr]
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+    }
+    assert point(found, sc.METRIC_REQUESTS).value == 2
+    lost = {p.attributes[sc.TELEMETRY_REASON]: p.value for p in points(found[sc.METRIC_CONTENT_EVENTS_DROPPED])}
+    assert lost == {"sdk_too_old": 2, "otlp_queue_full": 0, "otlp_export_failed": 0, "unmade": 0}

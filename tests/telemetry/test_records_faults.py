@@ -30,7 +30,7 @@ from llmtap.relay.app import STATS_EVERY
 from llmtap.store.files import ReadStats, find, read_file, read_records
 from llmtap.store.skips import Skips
 from tests.conftest import PATIENCE, require_real
-from tests.support.clickhouse_server import ClickHouseProcess, installed
+from tests.support.clickhouse_server import HOW, ClickHouseProcess, installed
 from tests.support.fault_ledger import REASON, Counters, Ledger, changes, check, ledger, loss_lines, read_folder
 from tests.support.fault_load import Load, OTLPBackend, Outcome, begun_after, wait_for
 from tests.support.procs import Llmtap, Simulator
@@ -53,9 +53,6 @@ def simulator() -> Iterator[Simulator]:
     sim = Simulator("fast")
     yield sim
     sim.close()
-
-
-CLICKHOUSE_HOW = "apt-get install clickhouse-server clickhouse-client (.ci/install.d/35-clickhouse.sh)"
 
 
 def serve(
@@ -329,7 +326,7 @@ def test_whole_tree_killed_and_started_again_on_the_same_folder(simulator: Simul
 def test_clickhouse_down_across_a_restart(simulator: Simulator, tmp_path: Path) -> None:
     """ClickHouse stops; requests go on; llmtap is stopped (SIGTERM, a rolling restart) and started again; ClickHouse
     comes back: every row arrives, or each missing one is counted."""
-    require_real(installed(), "ClickHouse (clickhouse-server)", CLICKHOUSE_HOW)
+    require_real(installed(), "ClickHouse (clickhouse-server)", HOW)
     ch = ClickHouseProcess(tmp_path / "clickhouse")
     ch.start(PATIENCE)
     table = f"faults_{secrets.token_hex(4)}"

@@ -210,7 +210,7 @@ def test_the_intake_watches_the_relay_on_the_other_end(tmp_path: Path) -> None:
         intakes: list[_Intake] = []
 
         def intake() -> _Intake:
-            made = _Intake(receiver, 0, set())  # type: ignore[arg-type]
+            made = _Intake(receiver, 0, set())
             intakes.append(made)
             return made
 

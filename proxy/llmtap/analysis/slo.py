@@ -49,11 +49,14 @@ __all__ = [
     "UNCERTAIN",
     "Objectives",
     "Report",
+    "RequestCheck",
     "Verdict",
     "attach_request_objectives",
     "bucket_queries",
     "config_objectives",
     "judge",
+    "judge_request_objectives",
+    "judge_share",
     "limits_of",
     "prometheus_groups",
     "prometheus_selector",
@@ -111,6 +114,28 @@ class RouteShape:
     figures: dict[str, Distribution] = field(default_factory=dict)
     #: The slowest successful streams by TTFT, as (ttft, trace id) (records only: ``store.Group.slowest``).
     slowest: list[tuple[float, str]] = field(default_factory=list)
+    #: Requests judged by their own objectives, by figure and outcome (``Verdict.request_objectives``).
+    request_objectives: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestCheck:
+    """One figure of the requests' own objectives (``x-slo-*``) over a route and shape: how many asked, how many
+    got what they asked, and whether that share reaches the percentile the route's tail is held to."""
+
+    figure: str
+    asked: int
+    met: int
+    violated: int
+    #: The share that met, with its 95% interval (Wilson's score interval).
+    share: float
+    low: float
+    high: float
+    #: The share asked for: the route and shape's objective percentile (without one, the default percentile).
+    percentile: float
+    #: Requests the percentile needs before a verdict (``llmtap.analysis.shapes.needed``).
+    needed: int
+    verdict: str
 
 
 @dataclass(slots=True)
@@ -129,8 +154,10 @@ class Verdict:
     #: The slowest successful streams past the TTFT limit, as (ttft, trace id), slowest first (records only).
     slowest: list[tuple[float, str]] = field(default_factory=list)
     #: Requests judged by their own objectives (``x-slo-*`` headers), by figure and outcome: ``{"ttft": {"met": 12,
-    #: "violated": 3}}`` (from Prometheus: ``llmtap_objective_requests_total``).
+    #: "violated": 3}}`` (from records: ``request_objective``; from Prometheus: ``llmtap_objective_requests_total``).
     request_objectives: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Each figure of ``request_objectives`` judged (``judge_request_objectives``), TTFT first.
+    request_checks: list[RequestCheck] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -208,9 +235,53 @@ def verdicts(
                 checks=checks,
                 verdict=verdict,
                 slowest=_past(g.slowest, g.objective.ttft if g.objective is not None else None),
+                request_objectives={k: dict(c) for k, c in g.request_objectives.items()},
             )
         )
+    judge_request_objectives(out)
     return out
+
+
+# -- per-request objectives ------------------------------------------------------------------------
+
+#: The normal quantile of a two-sided 95% interval.
+_Z95 = 1.959963984540054
+
+
+def _wilson(met: int, n: int) -> tuple[float, float]:
+    """The 95% score interval of a share of ``met`` in ``n`` (Wilson): within [0, 1] and never empty at 0 or n."""
+    p = met / n
+    centre = (p + _Z95**2 / (2 * n)) / (1 + _Z95**2 / n)
+    half = _Z95 * math.sqrt(p * (1 - p) / n + _Z95**2 / (4 * n * n)) / (1 + _Z95**2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def judge_share(figure: str, met: int, violated: int, percentile: float) -> RequestCheck:
+    """The requests that asked for a limit on ``figure``, judged as a percentile objective is: ``met`` when the
+    whole interval of the share that got what it asked is at or above ``percentile``, ``missed`` when the whole
+    interval is below it, ``uncertain`` when it holds it, ``insufficient`` below the requests the percentile needs
+    (a share of 19 in 20 can only tell p95 apart from 100%)."""
+    asked, want = met + violated, needed(percentile)
+    share = met / asked if asked else 0.0
+    low, high = _wilson(met, asked) if asked else (0.0, 1.0)
+    if asked < want:
+        verdict = INSUFFICIENT
+    else:
+        verdict = MET if low >= percentile else MISSED if high < percentile else UNCERTAIN
+    return RequestCheck(figure, asked, met, violated, share, low, high, percentile, want, verdict)
+
+
+def judge_request_objectives(judged: Iterable[Verdict]) -> None:
+    """Each verdict's per-request objective counts judged (``Verdict.request_checks``) at its objective's percentile
+    (a route and shape without one: the default percentile); records and Prometheus both end here."""
+    fallback = SLO().percentile
+    for v in judged:
+        percentile = v.checks[0].percentile if v.checks else fallback
+        v.request_checks = [
+            judge_share(figure, counts.get("met", 0), counts.get("violated", 0), percentile)
+            for figure, counts in sorted(v.request_objectives.items(), key=lambda kv: (kv[0] != "ttft", kv[0]))
+            if sum(counts.values()) > 0
+        ]
 
 
 # -- record files ----------------------------------------------------------------------------------
@@ -252,6 +323,7 @@ def store_groups(
             "e2e": Distribution.of_sorted(f.e2e),
         }
         g.slowest = list(f.slowest)
+        g.request_objectives = {k: dict(c) for k, c in f.request_objectives.items()}
         out.append(g)
     return out
 

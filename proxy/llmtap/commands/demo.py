@@ -45,6 +45,7 @@ from llmtap.commands.demo_workloads import (  # the workloads are part of the de
     Workload as Workload,
     default_workloads as default_workloads,
     messages as _messages,
+    objective_headers,
     phase_result,
 )
 from llmtap.config.otel import telemetry_from_env
@@ -107,11 +108,17 @@ class Progress:
 
 
 async def _send(
-    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], version: str, max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    messages: list[dict[str, str]],
+    version: str,
+    max_tokens: int,
+    objective: dict[str, str],
 ) -> None:
-    """One streamed chat request under prompt ``version``, its answer read to the end."""
+    """One streamed chat request under prompt ``version`` with its own ``objective`` headers, read to the end."""
     body = {"model": "llmtap-sim", "messages": messages, "max_tokens": max_tokens, "stream": True}
-    async with client.stream("POST", url, json=body, headers={"x-llmtap-prompt-version": version}) as r:
+    headers = {"x-llmtap-prompt-version": version, **objective}
+    async with client.stream("POST", url, json=body, headers=headers) as r:
         async for _ in r.aiter_raw():
             pass
 
@@ -136,8 +143,8 @@ async def _drive(
         seconds = time.perf_counter() - began
         progress(Progress(w.name, layout, w.requests, w.concurrency, started, done, seconds, finished))
 
-    async def one(index: int, version: str, max_tokens: int) -> None:
-        await _send(client, url, _messages(w, layout, index, vocab), version, max_tokens)
+    async def one(index: int, version: str, max_tokens: int, objective: dict[str, str]) -> None:
+        await _send(client, url, _messages(w, layout, index, vocab), version, max_tokens, objective)
 
     async def tick() -> None:
         # A long answer takes seconds: the line moves every second, not only when a request ends.
@@ -149,7 +156,7 @@ async def _drive(
     ticker = asyncio.create_task(tick())
     try:
         # One short request first, so the phase measures a warm cache as steady traffic would see it.
-        await one(offset + 10_000, WARMUP, 1)
+        await one(offset + 10_000, WARMUP, 1, {})
         await warmed()
         sem = asyncio.Semaphore(w.concurrency)
 
@@ -158,7 +165,7 @@ async def _drive(
             async with sem:
                 started += 1
                 report()
-                await one(offset + i, layout, w.output_tokens)
+                await one(offset + i, layout, w.output_tokens, objective_headers(w, i))
             done += 1
             report()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from llmtap.commands.demo import Progress
@@ -90,6 +90,7 @@ def render(results: list[PhaseResult], workloads: list[Workload], verdicts: dict
             f"{w.output_tokens} output tokens, {w.requests} requests at concurrency {w.concurrency}; SLO {slo}"
         )
         lines += _table(rows)
+    lines += _request_objectives(results, workloads)
     lines.append("")
     for w in workloads:
         if w.name in verdicts:
@@ -103,6 +104,33 @@ def render(results: list[PhaseResult], workloads: list[Workload], verdicts: dict
     ) + (f" Queue and prefill: {sources}." if sources else "")
     lines += ["", *textwrap.wrap(legend, 110)]
     return "\n".join(lines)
+
+
+def _objective(o: dict[str, Any]) -> str:
+    return f"{o['figure'].upper()} <= {_ms(o['limit'])}"
+
+
+def _request_objectives(results: list[PhaseResult], workloads: list[Workload]) -> list[str]:
+    """The requests' own objectives (``x-slo-*`` headers), met and violated, per route, layout and limit."""
+    routes = {w.name: w.route for w in workloads}
+    head = ("route", "layout", "objective", "met", "violated")
+    rows = [
+        (routes.get(r.workload, r.workload), r.layout, _objective(o), str(o["met"]), str(o["violated"]))
+        for r in results
+        for o in r.request_objectives
+    ]
+    if not rows:
+        return []
+    widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
+    rule = tuple("-" * w for w in widths)
+    intro = (
+        "Per-request objectives (x-slo-ttft-ms, x-slo-tpot-ms headers): every other request asks for a tight TTFT, "
+        "the rest for limits no answer comes near; each request is judged alone, met or violated."
+    )
+    table = [
+        ("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))).rstrip() for row in (head, rule, *rows)
+    ]
+    return ["", *textwrap.wrap(intro, 110), *table]
 
 
 class ProgressLine:

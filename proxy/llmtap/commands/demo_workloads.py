@@ -3,7 +3,8 @@ prompts each request sends (the variable part first, or the unchanging part firs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from llmtap.analysis.stats import quantile
 from llmtap.analysis.summary import Summary, slo_outcome
@@ -11,9 +12,21 @@ from llmtap.analysis.timeline import OK, Timeline
 from llmtap.config.types import SLO
 from llmtap.simulator.text import Vocabulary
 
-__all__ = ["FIXED_FIRST", "VARIABLE_FIRST", "PhaseResult", "Workload", "default_workloads", "messages", "phase_result"]
+__all__ = [
+    "FIXED_FIRST",
+    "LOOSE_OBJECTIVE",
+    "VARIABLE_FIRST",
+    "PhaseResult",
+    "Workload",
+    "default_workloads",
+    "messages",
+    "objective_headers",
+    "phase_result",
+]
 
 VARIABLE_FIRST, FIXED_FIRST = "variable-first", "fixed-first"
+#: The per-request objective every other request asks for: limits no simulated answer comes near, on any machine.
+LOOSE_OBJECTIVE = {"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "1000"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +42,9 @@ class Workload:
     requests: int
     concurrency: int
     slo: SLO
+    #: The tight TTFT (ms) every other request asks for by its ``x-slo-ttft-ms`` header: between what the simulator
+    #: takes for an uncached prompt and a cached one, so which requests miss it shows what caching buys.
+    request_ttft_ms: int = 300
 
 
 def default_workloads(requests: int | None = None, concurrency: int | None = None) -> list[Workload]:
@@ -45,6 +61,8 @@ def default_workloads(requests: int | None = None, concurrency: int | None = Non
             concurrency=concurrency or 4,
             # The course's objectives: the percentile that counts, for the shape it holds for.
             slo=SLO(ttft=0.5, tpot=0.030, e2e=None, percentile=0.95, shape="long_prompt"),
+            # ~780 ms uncached, ~120 ms with the unchanging part cached.
+            request_ttft_ms=300,
         ),
         Workload(
             name="code completion",
@@ -56,6 +74,8 @@ def default_workloads(requests: int | None = None, concurrency: int | None = Non
             requests=requests or 16,
             concurrency=concurrency or 4,
             slo=SLO(ttft=0.1, tpot=0.015, e2e=None, percentile=0.99, shape="short_prompt"),
+            # ~27 ms uncached, ~18 ms cached: a limit some requests of either layout miss.
+            request_ttft_ms=20,
         ),
     ]
 
@@ -89,6 +109,27 @@ class PhaseResult:
     cached_share: float = 0.0
     input_tokens_p50: float | None = None
     output_tokens_p50: float | None = None
+    #: The requests' own objectives (``x-slo-*`` headers), one entry per figure and limit asked for: ``{"figure":
+    #: "ttft", "limit": 0.3, "met": 2, "violated": 2}``, TTFT first, the tighter limit first.
+    request_objectives: list[dict[str, Any]] = field(default_factory=list)
+
+
+def objective_headers(w: Workload, index: int) -> dict[str, str]:
+    """The per-request objective of a phase's request ``index``: a tight TTFT for even ones, loose limits else."""
+    return {"x-slo-ttft-ms": str(w.request_ttft_ms)} if index % 2 == 0 else dict(LOOSE_OBJECTIVE)
+
+
+def request_objective_counts(rows: list[tuple[Timeline, Summary]]) -> list[dict[str, Any]]:
+    """How many requests met and violated each objective they asked for, by figure and limit."""
+    counts: dict[tuple[str, float], dict[str, int]] = {}
+    for tl, s in rows:
+        limits = tl.request_objective.limits() if tl.request_objective is not None else {}
+        for figure, outcome in s.request_outcomes.items():
+            if figure in limits:
+                tally = counts.setdefault((figure, limits[figure]), {"met": 0, "violated": 0})
+                tally[outcome] = tally.get(outcome, 0) + 1
+    order = sorted(counts, key=lambda k: (k[0] != "ttft", k[0], k[1]))
+    return [{"figure": f, "limit": limit, **counts[(f, limit)]} for f, limit in order]
 
 
 def phase_result(w: Workload, layout: str, rows: list[tuple[Timeline, Summary]], seconds: float) -> PhaseResult:
@@ -118,6 +159,7 @@ def phase_result(w: Workload, layout: str, rows: list[tuple[Timeline, Summary]],
     r.cached_share = sum(s.cache_read_tokens or 0 for s in ok) / inputs if inputs else 0.0
     r.input_tokens_p50 = quantile([float(s.input_tokens) for s in ok if s.input_tokens is not None], 0.5)
     r.output_tokens_p50 = quantile([float(s.output_tokens) for s in ok if s.output_tokens is not None], 0.5)
+    r.request_objectives = request_objective_counts(rows)
     return r
 
 

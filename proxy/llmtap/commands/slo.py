@@ -34,6 +34,7 @@ from llmtap.analysis.slo import (
     attach_request_objectives,
     bucket_queries,
     config_objectives,
+    judge_request_objectives,
     limits_of,
     prometheus_groups,
     prometheus_selector,
@@ -222,6 +223,7 @@ def from_prometheus(
         prom.close()
     judged = verdicts(prometheus_groups(counts, buckets, objectives), window, resamples=resamples, seed=seed)
     attach_request_objectives(judged, asked)
+    judge_request_objectives(judged)
     return Report(source=f"Prometheus at {prom.url}", window=_describe(window, until), seconds=window, verdicts=judged)
 
 
@@ -300,14 +302,20 @@ def _pname(percentile: float) -> str:
 
 
 def _request_objective_lines(report: Report) -> list[str]:
-    """The per-request objectives (``x-slo-*`` headers) each route and shape's requests asked for, and how many got
-    what they asked."""
+    """The per-request objectives (``x-slo-*`` headers) each route and shape's requests asked for, how many got
+    what they asked, and the verdict on that share at the route's percentile (``judge_share``)."""
     rows = []
     for v in report.verdicts:
-        for figure, counts in sorted(v.request_objectives.items(), key=lambda kv: kv[0] != "ttft"):
-            met, asked = counts.get(MET, 0), sum(counts.values())
-            rows.append(f"  {v.route} {v.shape}  {figure.upper()}: {met} of {asked} met ({met / asked:.0%})")
-    return ["", "per-request objectives (x-slo-ttft-ms, x-slo-tpot-ms):", *rows] if rows else []
+        for c in v.request_checks:
+            verdict = c.verdict
+            if verdict == INSUFFICIENT:
+                verdict += f" ({c.asked} of {c.needed} requests)"
+            rows.append(
+                f"  {v.route} {v.shape}  {c.figure.upper()}: {c.met} of {c.asked} met ({c.share:.0%}), "
+                f"{c.violated} violated; {_pname(c.percentile)} [{c.low:.0%}, {c.high:.0%}]  {verdict}"
+            )
+    head = "per-request objectives (x-slo-ttft-ms, x-slo-tpot-ms): the share met, at the route's percentile"
+    return ["", head, *rows] if rows else []
 
 
 def main(args: Any) -> int:

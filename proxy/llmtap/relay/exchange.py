@@ -3,7 +3,8 @@
 ``ProxyApp`` routes a request and makes its ``Exchange``; ``Exchange.run`` walks it through, one short step
 each: read the request (its head: attribution, the key's fingerprint, the trace; its body, the usage splice),
 wait for admission, call the upstream, relay its head, relay its body (the pipe in the upstream's read callback,
-or a loop over its parts, decompressed when the usage event must be cut out of a compressed stream), and end.
+or a loop over its parts, decompressed when the usage event must be cut out of a compressed stream), and end;
+a short answer read whole with its head goes out in one write, head and body (``llmtap.relay.oneshot``).
 Whatever the way out (the end, a failure, the client leaving, the drain deadline), ``finally`` releases the
 upstream answer and the admission slot, and the tape is handed over once.
 """
@@ -32,6 +33,7 @@ from llmtap.relay.fingerprint import KEY_HEADERS
 from llmtap.relay.forward import PRIVATE_PREFIX, response_headers
 from llmtap.relay.guard import Refusal
 from llmtap.relay.heads import unrelayable
+from llmtap.relay.oneshot import head_of, write_whole
 from llmtap.relay.pipe import Pipe
 from llmtap.relay.strip import strip_part
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
@@ -349,7 +351,8 @@ class Exchange:
         await refuse_request(self.send, Refusal(408, "upload_timeout", f"request body stalled for {quiet:g} s; retry"))
 
     async def _start_response(self) -> bool:
-        """Relay the upstream's head, with the body path set up; False when it cannot be relayed (a 502 went)."""
+        """Relay the upstream's head, with the body path set up; False when nothing more is to relay: the answer
+        went whole (``_whole``), or it cannot be relayed (a 502 went)."""
         answer, tape, route, app = self.answer, self.tape, self.route, self.app
         assert answer is not None
         if self.watch is None and self.task is not None:
@@ -378,8 +381,35 @@ class Exchange:
         )
         if app.settings.server_timing:
             out.append((TIMING_HEADER, server_timing(tape, queued=self.admission is not None)))
+        if self.cycle is not None and self.strip is None and self.inflater is None and await self._whole(status, out):
+            return False
         await self.send({"type": "http.response.start", "status": status, "headers": out})
         self.started = True
+        return True
+
+    async def _whole(self, status: int, out: list[tuple[bytes, bytes]]) -> bool:
+        """A short answer read whole with its head goes to the client in one write, head and body, and the
+        response ends here (``llmtap.relay.oneshot``); False: it takes the ordinary path."""
+        conn = self.answer.connection if self.answer is not None else None
+        if conn is None or not conn.done or conn.error is not None or len(conn.parts) > 1:
+            return False
+        body: bytes = conn.parts[0] if conn.parts else b""
+        whole = head_of(self.cycle, status, out, len(body))
+        if whole is None:
+            return False
+        tape = self.tape
+        full = False
+        if body:
+            conn.take()
+            full = tape.read(now(), body)
+        await self._answered()
+        write_whole(self.cycle, whole, status, body)
+        self.started = True
+        tape.end = now()
+        if body:
+            tape.delivered(tape.end)
+            if full:
+                self.app.handover.segment(tape)
         return True
 
     def _filter(self, headers: list[tuple[bytes, bytes]]) -> None:
@@ -442,9 +472,15 @@ class Exchange:
             end, _ = strip_part(self.strip, None)
             tail += end
         self.tape.end = now()
+        await self._answered()
+        await self.send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _answered(self) -> None:
+        """The upstream has answered in full and the response's last byte is about to go: the slot and the watch
+        are let go before it."""
         if self.admitted and self.admission is not None:
-            # The upstream has answered in full: its slot is free before the last send, so a client that asks
-            # again the moment its answer ends is never refused for its own finished request.
+            # The slot is free before the last send, so a client that asks again the moment its answer ends is
+            # never refused for its own finished request.
             self.admitted = False
             self.admission.release()
         answer, self.answer = self.answer, None  # released here, and only here
@@ -454,7 +490,6 @@ class Exchange:
             # Before the last byte goes: the disconnect the server reports after it is not a cancellation.
             self.watch.stop()
             self.watch = None
-        await self.send({"type": "http.response.body", "body": tail, "more_body": False})
 
     # The ways out.
 

@@ -10,8 +10,8 @@ The facts are defined over the flat columns of a record (``COLUMNS``): ``time_s`
 ``model``, ``shape``, ``prompt_version``, ``outcome``, ``stream``, ``slo``, ``ttft``, ``tpot``,
 ``e2e``, ``prefill``, ``prefill_source``, ``input_tokens``, ``cache_read_tokens``, ``cache_class``,
 ``obj_shape``, ``obj_percentile``, ``obj_ttft``, ``obj_tpot``, ``obj_e2e``, ``trace_id``, ``span_id``,
-``record_id``, ``instance_id``, ``cost``. A record without a readable time belongs to no window and is left out
-(counted).
+``record_id``, ``instance_id``, ``cost``, ``ro_ttft``, ``ro_tpot``. A record without a readable time belongs to
+no window and is left out (counted).
 
 Every source skips, names and counts what it cannot read (a damaged file, a line that is not a record: the
 causes are ``llmtap.store.skips.CAUSES``) and answers from the rest; and each source counts a record once by
@@ -49,6 +49,8 @@ __all__ = [
     "ANALYSIS_EXTRA",
     "COLUMNS",
     "ENGINES",
+    "REQUEST_OBJECTIVES",
+    "REQUEST_OUTCOMES",
     "SLOWEST",
     "VERSION",
     "By",
@@ -58,6 +60,7 @@ __all__ = [
     "Scan",
     "Skips",
     "Source",
+    "count_request_objective",
     "default_engine",
     "engine_installed",
     "open_source",
@@ -92,11 +95,17 @@ COLUMNS: dict[str, str] = {
     "record_id": "str",  # what identifies a record, traced or not (counted once)
     "instance_id": "str",
     "cost": "float",  # cost.amount (issue 31): null when unpriced
+    "ro_ttft": "str",  # request_objective.ttft_outcome: 'met' / 'violated' / null (the request's own x-slo-ttft-ms)
+    "ro_tpot": "str",  # request_objective.tpot_outcome
 }
 #: A value of the wrong type (a string where a number belongs, a boolean for a number) reads as null.
 
 #: The figures of an objective.
 FIGURES = ("ttft", "tpot", "e2e")
+#: The figures a request's own objective bounds (``x-slo-*`` headers), each the column of its outcome, and the
+#: outcomes a group counts (any other value is counted as neither).
+REQUEST_OBJECTIVES = {"ttft": "ro_ttft", "tpot": "ro_tpot"}
+REQUEST_OUTCOMES = ("met", "violated")
 #: The slowest requests a group names by trace id (``Group.slowest``): what "which requests are the p99" reads.
 SLOWEST = 5
 
@@ -154,6 +163,9 @@ class Group:
     #: Records with a cost (not null, whatever their outcome), and the sum of it (issue 31).
     priced: int = 0
     cost: float = 0.0
+    #: Records judged by their own objectives, by figure and outcome (``REQUEST_OBJECTIVES``, ``REQUEST_OUTCOMES``;
+    #: a count of 0 left out): ``{"ttft": {"met": 12, "violated": 3}}``.
+    request_objectives: dict[str, dict[str, int]] = field(default_factory=dict)
     #: prefill_source (null as 'unknown') of ok streams with a TTFT and a prefill.
     prefill_sources: set[str] = field(default_factory=set)
     # Sorted values:
@@ -208,6 +220,13 @@ class Source(Protocol):
         (a null tpot counts as 0, so does a null ttft of a record that is not a stream; any other null as
         missed): how the proxy would judge them by other objectives."""
         ...
+
+
+def count_request_objective(g: Group, figure: str, outcome: str | None, n: int = 1) -> None:
+    """Add ``n`` records of ``figure``'s request objective with ``outcome`` to the group (none: not counted)."""
+    if outcome in REQUEST_OUTCOMES and n > 0:
+        counts = g.request_objectives.setdefault(figure, {})
+        counts[outcome] = counts.get(outcome, 0) + n
 
 
 def slowest(parts: list[list[tuple[float, str]]], n: int = SLOWEST) -> list[tuple[float, str]]:

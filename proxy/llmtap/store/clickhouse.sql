@@ -76,6 +76,10 @@ CREATE TABLE IF NOT EXISTS {table}
     cache_min_tokens Nullable(Int64),
     cost_amount Nullable(Float64),
     cost_status Nullable(String),
+    request_ttft Nullable(Float64),
+    request_tpot Nullable(Float64),
+    request_ttft_outcome Nullable(String),
+    request_tpot_outcome Nullable(String),
     record_id String
 )
 ENGINE = ReplacingMergeTree

@@ -23,7 +23,19 @@ from dataclasses import replace
 from typing import Any
 
 from llmtap.config.types import ConfigError
-from llmtap.store import SLOWEST, VERSION, By, Filter, Group, Objective, Scan, Skips
+from llmtap.store import (
+    REQUEST_OBJECTIVES,
+    REQUEST_OUTCOMES,
+    SLOWEST,
+    VERSION,
+    By,
+    Filter,
+    Group,
+    Objective,
+    Scan,
+    Skips,
+    count_request_objective,
+)
 from llmtap.store.clickhouse import ClickHouseError, Server, column_kinds, table_name
 
 __all__ = ["COLUMNS", "ClickHouseSource", "parse_rows", "query", "select"]
@@ -54,6 +66,8 @@ COLUMNS: dict[str, str] = {
     "trace_id": "trace_id",
     "instance_id": "instance_id",
     "cost": "cost_amount",
+    "ro_ttft": "request_ttft_outcome",
+    "ro_tpot": "request_tpot_outcome",
 }
 _FLOATS = {"time_s", "ttft", "tpot", "e2e", "prefill", "obj_percentile", "obj_ttft", "obj_tpot", "obj_e2e", "cost"}
 _INTS = {"input_tokens", "cache_read_tokens"}
@@ -61,8 +75,11 @@ _INTS = {"input_tokens", "cache_read_tokens"}
 _READ = (
     "time_s route prompt_version shape model outcome slo stream ttft tpot e2e prefill prefill_source tokens_input "
     "tokens_cache_read cache_class objective_shape objective_percentile objective_ttft objective_tpot objective_e2e "
-    "cost_amount trace_id span_id record_id instance_id"
+    "cost_amount trace_id span_id record_id instance_id request_ttft_outcome request_tpot_outcome"
 ).split()
+#: Each group's records judged by their own objectives, by figure and outcome (``Group.request_objectives``).
+_REQUEST_KEYS = [(figure, outcome) for figure in REQUEST_OBJECTIVES for outcome in REQUEST_OUTCOMES]
+_REQUEST_COUNTS = ", ".join(f"countIf(request_{figure}_outcome = '{outcome}')" for figure, outcome in _REQUEST_KEYS)
 #: Seconds one query of the source may take.
 READ_TIMEOUT = 600.0
 #: A row of a record schema version this llmtap reads.
@@ -323,14 +340,16 @@ class ClickHouseSource:
             f"sumIf(tokens_input, {_OK} AND tokens_input IS NOT NULL), "
             f"sumIf(ifNull(tokens_cache_read, 0), {_OK} AND tokens_input IS NOT NULL), "
             f"groupUniqArrayIf(ifNull(prefill_source, 'unknown'), {_STREAM_TTFT} AND {_OK} AND prefill IS NOT NULL), "
-            f"countIf(cost_amount IS NOT NULL), sumIf(assumeNotNull(cost_amount), cost_amount IS NOT NULL) "
-            f"FROM {rows} GROUP BY k, r, s"
+            f"countIf(cost_amount IS NOT NULL), sumIf(assumeNotNull(cost_amount), cost_amount IS NOT NULL), "
+            f"{_REQUEST_COUNTS} FROM {rows} GROUP BY k, r, s"
         )
-        for k, r, s, n, errors, met, first, last, inp, cached, sources, priced, cost in _tsv(facts):
+        for k, r, s, n, errors, met, first, last, inp, cached, sources, priced, cost, *asked in _tsv(facts):
             g = Group(k, r, s, int(n or 0), int(errors or 0), int(met or 0), float(first or 0), float(last or 0))
             g.input_tokens, g.cached_tokens = int(inp or 0), int(cached or 0)
             g.priced, g.cost = int(priced or 0), float(cost or 0)
             g.prefill_sources = set(_array(sources or "[]"))
+            for (figure, outcome), count in zip(_REQUEST_KEYS, asked, strict=True):
+                count_request_objective(g, figure, outcome, int(count or 0))
             groups[(k, r, s)] = g
         return groups
 

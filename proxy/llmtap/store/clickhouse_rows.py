@@ -52,6 +52,16 @@ def record_id(record: Mapping[str, Any]) -> str:
     return "-" + uuid.uuid4().hex
 
 
+def _request_objective(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The request's own objectives (``x-slo-*``): each limit and its outcome, as columns."""
+    asked = _part(record, "request_objective")
+    return {
+        f"request_{figure}{suffix}": asked.get(f"{figure}{suffix}")
+        for figure in ("ttft", "tpot")
+        for suffix in ("", "_outcome")
+    }
+
+
 def flat_row(record: Mapping[str, Any]) -> dict[str, Any] | None:
     """A record as a row of the table; None for one without a readable time."""
     t = _epoch(record.get("time"))
@@ -111,6 +121,7 @@ def flat_row(record: Mapping[str, Any]) -> dict[str, Any] | None:
         "cache_min_tokens": cache.get("min_tokens"),
         "cost_amount": _part(record, "cost").get("amount"),
         "cost_status": _part(record, "cost").get("status"),
+        **_request_objective(record),
         "record_id": record_id(record),
     }
     for name in ("ttft", "ttfb", "upstream_ttft", "tpot", "e2e", "queue", "queue_source", "prefill"):

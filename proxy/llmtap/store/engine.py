@@ -44,7 +44,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from llmtap.store import VERSION, By, Filter, Group, Objective, Scan, Skips, slowest
+from llmtap.store import (
+    REQUEST_OBJECTIVES,
+    REQUEST_OUTCOMES,
+    VERSION,
+    By,
+    Filter,
+    Group,
+    Objective,
+    Scan,
+    Skips,
+    count_request_objective,
+    slowest,
+)
 from llmtap.store.engine_sql import BUCKET, LISTS, MACROS, grouping, json_ids, json_read, locate, parquet_read, q
 from llmtap.store.files import file_lines, find, inspect, settle
 
@@ -351,6 +363,9 @@ class EngineSource:
             g.prefill_sources.update(str(v) for v in sources)
         g.priced = int(_cell(got, "priced", r))
         g.cost = float(_cell(got, "cost_sum", r))
+        for figure, column in REQUEST_OBJECTIVES.items():
+            for outcome in REQUEST_OUTCOMES:
+                count_request_objective(g, figure, outcome, int(_cell(got, f"{column}_{outcome}", r)))
         # The part's slowest ok streams of the group, with their trace ids (merged with the parts' after).
         top = _cell(got, "slowest", r)
         if top is not None:
@@ -476,6 +491,9 @@ class EngineSource:
                 g.prefill_sources |= part.prefill_sources
                 g.priced += part.priced
                 g.cost += part.cost
+                for figure, outcomes in part.request_objectives.items():
+                    for outcome, n in outcomes.items():
+                        count_request_objective(g, figure, outcome, n)
                 g.slowest.extend(part.slowest)
             for k, chunks in f.kept.items():
                 kept.setdefault(k, []).extend(chunks)

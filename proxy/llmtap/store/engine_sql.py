@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from llmtap.store import COLUMNS, SLOWEST
+from llmtap.store import COLUMNS, REQUEST_OBJECTIVES, REQUEST_OUTCOMES, SLOWEST
 from llmtap.store.files import SCHEMA_KEY
 from llmtap.store.skips import MAX_LINE
 
@@ -56,6 +56,8 @@ _PATHS = (
     "$.cost.amount",
     "$.span_id",
     "$.record_id",  # a record's identity (``_IDENT``)
+    "$.request_objective.ttft_outcome",
+    "$.request_objective.tpot_outcome",
 )
 #: A value's JSON type read from its first character (the extracted text is minimal JSON): cheaper than
 #: parsing it again, and exactly Python's view (a string is never a number, a boolean never a number).
@@ -100,6 +102,8 @@ _JSON_COLUMNS = {
     "cost": "j_num(j[24])",
     "span_id": "j_str(j[25])",
     "record_id": "j_str(j[26])",
+    "ro_ttft": "j_str(j[27])",
+    "ro_tpot": "j_str(j[28])",
 }
 _KINDS = {"float": "DOUBLE", "str": "VARCHAR", "int": "BIGINT", "bool": "BOOLEAN"}
 #: Where each flat column sits in a Parquet file of nested records (a flat one names them as COLUMNS).
@@ -114,6 +118,8 @@ _NESTED = {
     "obj_tpot": ("objective", "tpot"),
     "obj_e2e": ("objective", "e2e"),
     "cost": ("cost", "amount"),
+    "ro_ttft": ("request_objective", "ttft_outcome"),
+    "ro_tpot": ("request_objective", "tpot_outcome"),
 }
 _NUMERIC = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT")
 _FLOATS = ("FLOAT", "DOUBLE", "DECIMAL")
@@ -320,6 +326,14 @@ LISTS = {
 }
 
 
+#: Each group's records judged by their own objectives, by figure and outcome (``ro_ttft_met``, ...).
+_REQUEST_COUNTS = ", ".join(
+    f"count(*) FILTER ({column} = '{outcome}') AS {column}_{outcome}"
+    for column in REQUEST_OBJECTIVES.values()
+    for outcome in REQUEST_OUTCOMES
+)
+
+
 def grouping(key: str, cond: str, *, dedupe: bool = False) -> str:
     """The statement that groups one part's rows (``__READ__`` is its read), each ``BUCKET`` of its files apart:
     the records that pass ``cond`` by side ``key``, route and shape, with their figures as lists and the hashes of
@@ -345,6 +359,7 @@ SELECT kind, key, route, shape, fi, bucket,
   histogram(cache_class) FILTER (cache_class IS NOT NULL) AS classes,
   list(DISTINCT coalesce(prefill_source, 'unknown')) FILTER ({ok_stream} AND prefill IS NOT NULL) AS sources,
   count(cost) AS priced, coalesce(sum(cost), 0) AS cost_sum,
+  {_REQUEST_COUNTS},
   count(*) FILTER (kind IN ('record', 'out') AND wrong) AS wrong,
   min_by({{'t': ttft, 'id': coalesce(trace_id, '')}}, {{'a': -ttft, 'b': coalesce(trace_id, '')}}, {SLOWEST})
     FILTER (kind = 'record' AND {ok_stream}) AS slowest,

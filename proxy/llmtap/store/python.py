@@ -18,7 +18,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from llmtap.store import SLOWEST, VERSION, By, Filter, Group, Objective, Scan, Skips, slowest
+from llmtap.store import (
+    REQUEST_OBJECTIVES,
+    SLOWEST,
+    VERSION,
+    By,
+    Filter,
+    Group,
+    Objective,
+    Scan,
+    Skips,
+    count_request_objective,
+    slowest,
+)
 from llmtap.store.files import find, identity, inspect, read_file
 
 __all__ = ["PythonSource"]
@@ -63,6 +75,7 @@ _FIELDS: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("span_id",), _str),
     (("record_id",), _str),
     (("cost", "amount"), _num),
+    *((("request_objective", f"{figure}_outcome"), _str) for figure in REQUEST_OBJECTIVES),
 )
 
 
@@ -219,6 +232,9 @@ class PythonSource:
                     ranks[gk] = rank
                     g.objective, g.objective_time = obj, t
             _figures(g, rec, ok, stream)
+            asked = _dict(rec.get("request_objective"))
+            for figure in REQUEST_OBJECTIVES:
+                count_request_objective(g, figure, _str(asked.get(f"{figure}_outcome")))
             cost = _num(_dict(rec.get("cost")).get("amount"))
             if cost is not None:
                 g.priced += 1

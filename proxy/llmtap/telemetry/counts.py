@@ -40,6 +40,9 @@ class Counts:
         """Every reason and outcome at 0 (``forwarding``: spans go on to a traces backend; ``routing``: to peers)."""
         for reason in drop_reasons(settings):
             self.record_drop(reason, 0)
+        if settings.content.on:
+            for reason in sc.CONTENT_DROP_REASONS:
+                self.content_drop(reason, 0)
         if forwarding:
             for outcome in FORWARD_OUTCOMES:
                 self.forward(outcome, 0)
@@ -112,6 +115,10 @@ class Counts:
     def join(self, outcome: str, n: int) -> None:
         """A request's wait for its server span, by outcome."""
         self._add(self.instruments.server_spans, n, {sc.SERVER_SPAN_OUTCOME: outcome}, "a server span")
+
+    def content_drop(self, reason: str, n: int) -> None:
+        """Content events lost (``--content-event``), by reason (``semconv.CONTENT_DROP_REASONS``)."""
+        self._add(self.instruments.content_events_dropped, n, {sc.TELEMETRY_REASON: reason}, "a lost content event")
 
     def record_drop(self, reason: str, n: int) -> None:
         """Records a sink lost."""

@@ -20,20 +20,21 @@ import socket
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from llmtap.config.types import ConfigError, Settings
 from llmtap.telemetry import identity, sched
 from llmtap.wire.framing import FrameReader
-from llmtap.wire.messages import ready_of
+from llmtap.wire.messages import Raw, ready_of
 
 if TYPE_CHECKING:
     from llmtap.telemetry.admin.connections import AdminLimits
     from llmtap.telemetry.admin.server import AdminApp
     from llmtap.telemetry.fleet.siblings import Siblings
+    from llmtap.telemetry.journal.spool import Spool
     from llmtap.telemetry.recorder import Recorder
 
-__all__ = ["Launch", "peer_pid", "prepare", "running"]
+__all__ = ["Launch", "Receiver", "peer_pid", "prepare", "running"]
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -62,10 +63,27 @@ class Launch:
     siblings: tuple[str, ...] = ()
 
 
+class Receiver(Protocol):
+    """What a relay's channel hands its messages to: the recorder (a test's stand-in is a few lines)."""
+
+    @property
+    def spool(self) -> Spool | None:
+        """The record journal each read goes to first (None: not kept)."""
+
+    def submit(self, message: Raw, source: int = 0) -> bool:
+        """Queue one encoded message; False when the queue is full."""
+
+    def relay_ready(self, source: int, ready: bool) -> None:
+        """The relay reported its readiness."""
+
+    def relay_gone(self, source: int) -> None:
+        """The relay disconnected."""
+
+
 class _Intake(asyncio.Protocol):
     """One relay's channel: length-prefixed messages into the recorder's queue."""
 
-    def __init__(self, recorder: Recorder, source: int, connected: set[int]) -> None:
+    def __init__(self, recorder: Receiver, source: int, connected: set[int]) -> None:
         self.recorder = recorder
         self.source = source
         self.connected = connected

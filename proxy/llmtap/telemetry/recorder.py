@@ -10,8 +10,8 @@ class), may wait for its server span, and goes as that one ``Finished`` request 
 (``emit.batch``): spans, metrics, the record line and the listeners. The spans carry the ids the relay made and
 sent upstream as ``traceparent``. A failure here never reaches a client's stream.
 
-The recorder builds its parts (one per process) and dispatches; each part keeps its own state, its counts go
-through ``llmtap.telemetry.counts``.
+The recorder only dispatches: its parts (one per process) are made and wired by ``llmtap.telemetry.assemble``; each
+keeps its own state, its counts go through ``llmtap.telemetry.counts``.
 """
 
 from __future__ import annotations
@@ -26,39 +26,25 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.trace import TracerProvider
 
 from llmtap.analysis.estimator import Estimator
-from llmtap.analysis.finish import Analysis
 from llmtap.analysis.slots import Slots
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Settings
-from llmtap.telemetry import identity, sched, semconv as sc
-from llmtap.telemetry.counts import Counts
-from llmtap.telemetry.emit.batch import Emission
-from llmtap.telemetry.emit.finished import Emitter, Listener, Listeners
-from llmtap.telemetry.emit.metrics import MetricWriter
-from llmtap.telemetry.emit.spans import SpanWriter
-from llmtap.telemetry.fleet import forward, peers
-from llmtap.telemetry.fleet.serverspans import Finishing, Join, ServerSpan, ServerSpanWait, server_spans
-from llmtap.telemetry.fleet.siblings import Lessons, Siblings
+from llmtap.telemetry import sched
+from llmtap.telemetry.assemble import assemble
+from llmtap.telemetry.emit.finished import Emitter, Listener
+from llmtap.telemetry.fleet.serverspans import Finishing, Join, ServerSpan, server_spans
+from llmtap.telemetry.fleet.siblings import Siblings
 from llmtap.telemetry.fleet.upstreams import UpstreamWatch
 from llmtap.telemetry.intake.holes import Hole, Holed, Holes
-from llmtap.telemetry.intake.inbox import MAX_QUEUED_BYTES, Gone, Inbox, Spans
-from llmtap.telemetry.intake.relays import Drops, RelayGauges
+from llmtap.telemetry.intake.inbox import MAX_QUEUED_BYTES, Gone, Spans
 from llmtap.telemetry.intake.replay import Playback
-from llmtap.telemetry.intake.streams import MAX_OPEN_STREAMS, Streams
-from llmtap.telemetry.journal.losses import STATE_FILE, Losses
-from llmtap.telemetry.journal.spool import JOURNAL_DROP_REASONS, Spool
-from llmtap.telemetry.journal.start import open_spool
-from llmtap.telemetry.loop import Worker
-from llmtap.telemetry.records.access_log import AccessLog
-from llmtap.telemetry.records.emitter import RecordEmitter
-from llmtap.telemetry.records.sinks import Sink, build_sinks
-from llmtap.telemetry.trim import Trimmer
-from llmtap.wire.lessons import Decoding, Ended, Idle, Lesson, LiveEntry, PassedSpans, Prefix, SlotCount
+from llmtap.telemetry.records.sinks import Sink
+from llmtap.wire.lessons import Lesson, LiveEntry, PassedSpans, SlotCount
 from llmtap.wire.messages import END, End, Facts, Head, Raw, Stats, WireError, decode
 
 if TYPE_CHECKING:
-    from llmtap.telemetry.records.content import ContentEmitter
+    from llmtap.telemetry.assemble import Parts
 
 __all__ = ["MAX_QUEUED_BYTES", "Recorder"]
 
@@ -77,7 +63,10 @@ class Recorder:
         logger_provider: Any = None,
         journal: int | None = None,
     ) -> None:
-        """``journal``: this telemetry process's index, when it keeps a record journal (``--record-journal``)."""
+        """``journal``: this telemetry process's index, when it keeps a record journal (``--record-journal``).
+
+        Its parts are made by ``llmtap.telemetry.assemble``; the recorder holds them under the names its callers
+        know."""
         self.settings = settings
         self._routes = {r.name: r for r in settings.routes}
         #: Requests whose timeline could not be made telemetry (logged where it failed).
@@ -85,151 +74,49 @@ class Recorder:
         self.recorded = 0
         #: Messages and lessons dropped because they could not be decoded (``llmtap.wire.messages.WireError``).
         self.unreadable = 0
-        #: The request's spans, and its metrics: two of the emitters.
-        self.spans = SpanWriter(settings, tracer_provider)
-        self.metrics = MetricWriter(settings, meter_provider)
-        self.instruments = self.metrics.instruments
-        #: Every loss counted: its totals kept across restarts (with a journal), and said in the log with its count.
-        self.losses = Losses(
-            {
-                "tapes": self.instruments.telemetry_dropped,
-                "records": self.instruments.records_dropped,
-                "recovered": self.instruments.records_recovered,
-            },
-            sc.TELEMETRY_REASON,
-        )
-        self.counts = Counts(self.instruments, self.losses)
-        self.spans.on_ignored = self.counts.trace_context
-        # The admin listener's and the live view's counters, under the names they call.
-        self.count_rejected = self.counts.rejected
-        self.count_admin = self.counts.admin
-        self.live_samples_dropped = self.counts.live_samples_dropped
-        self.event_streams = self.counts.event_streams
-        self.count_facts_dropped = self.counts.facts_dropped
-        #: The summary, cost and cache diagnosis of each request; only the worker thread touches it.
-        self.analysis = Analysis(settings)
-        self._build_outputs(
-            settings, logger_provider, keep_unsent=journal is not None and settings.record.journal is not None
-        )
-        self._build_fleet(settings)
-        self._build_intake(settings)
-        #: The record journal: each tape kept until every sink has its record (None: not kept).
-        self.spool = None if journal is None else self._open_spool(journal)
-        self.streams.spool = self.inbox.spool = self.emission.spool = self.spool
-        self.counts.start(settings, forwarding=self.forwarder is not None, routing=self.peers is not None)
-        self.losses.start()
-        if self.spool is not None and self.spool.replay is not None:
-            self.worker.start()  # the last run's records are made again now, whether tapes come or not
-
-    def _build_outputs(self, settings: Settings, logger_provider: Any, *, keep_unsent: bool) -> None:
-        """The records, the listeners and the order of the emitters."""
-        #: Who writes this process's records (``service.instance.id`` and the rest).
-        self.identity = identity.current()
-        #: Where records go (``--record DIR``, ``--record-logs``), written by the worker thread.
-        sinks = build_sinks(
-            settings,
-            self.identity,
-            self.counts.record_drop,
-            logger_provider=logger_provider,
-            on_insert=self.counts.clickhouse_insert,
-            keep_unsent=keep_unsent,
-        )
-        self.records = RecordEmitter(sinks, self.identity)
-        #: The listeners emitter: each is called on the worker thread with each finished request's timeline and
-        #: summary (the live view, the demo's tables); a listener that raises is logged and skipped.
-        self._listeners = Listeners()
-        self.listeners: list[Listener] = self._listeners.callables
-        #: ``--access-log PATH``: one line per request, written by the worker thread after the record.
-        self.access_log: AccessLog | None = None
-        if settings.access_log:
-            self.access_log = AccessLog(settings.access_log)
-            self.listeners.append(self.access_log.write)
-        emitters: tuple[Emitter, ...] = (self.spans, self.metrics, self.records, self._listeners)
-        #: The opt-in content event (``--content-event``), after the others: None unless a field is named.
-        self.content: ContentEmitter | None = None
-        if settings.content.on:
-            # The OpenTelemetry logs SDK it needs is loaded only when asked for (as the record logs' is).
-            try:
-                from llmtap.telemetry.records.content import content_emitter
-            except ImportError as exc:
-                log.error("telemetry: --content-event needs a newer opentelemetry-sdk (%s); no content event", exc)
-            else:
-                self.content = content_emitter(settings)
-        if self.content is not None:
-            emitters += (self.content,)
-        self.emission = Emission(emitters, self.records)
-
-    def _build_fleet(self, settings: Settings) -> None:
-        """The upstreams' spans and gauges, the other replicas, the other telemetry processes."""
-        #: Whether a finished request waits for its upstream's own span; only the worker thread touches it.
-        self.wait = ServerSpanWait(settings, UpstreamWatch(), self.counts.join)
-        #: Passes the spans ``/v1/traces`` took on to the OTLP traces backend (None: traces do not go out over OTLP).
-        self.forwarder = forward.from_settings(settings.telemetry, self.counts.forward)
-        #: The traces this process relayed: only their spans go to the backend; only the worker thread touches it.
-        self.owned = peers.Ownership(settings.telemetry.server_spans_wait, self.counts.unowned)
-        #: Passes spans another replica owns to that replica's admin listener (None: no peers).
-        self.peers = peers.peer_forwarder(settings.telemetry, self.counts.routed)
         #: The other telemetry processes, told what must stay whole per upstream (None: this is the only one).
         self.siblings: Siblings | None = None
         #: Where the other processes' finished requests go in process 0 (its live view's window), if anywhere.
         self.live_entries: Callable[[Any], None] | None = None
         # Slot counts the siblings learned from upstreams' gauges this process does not read (only the worker).
         self._sibling_slots: dict[str, Slots] = {}
-        #: What the siblings tell, each kind to the one that learns it.
-        self.lessons = Lessons(
-            {
-                Decoding: self.estimator.learn,
-                Ended: self.estimator.learn,
-                Idle: self.estimator.learn,
-                Prefix: self.analysis.cache.learn,
-                SlotCount: self._learn_slots,
-                LiveEntry: self._learn_live,
-                PassedSpans: self._learn_spans,
-            },
-            self._unreadable_lesson,
+        self._hold(
+            assemble(
+                settings,
+                self,
+                tracer_provider=tracer_provider,
+                meter_provider=meter_provider,
+                logger_provider=logger_provider,
+                journal=journal,
+            )
         )
+        if self.spool is not None and self.spool.replay is not None:
+            self.worker.start()  # the last run's records are made again now, whether tapes come or not
 
-    def _build_intake(self, settings: Settings) -> None:
-        """From the relays' messages to finished timelines: the inbox, its worker, the streams, the relays."""
-        #: Tapes lost, and the relays' gauges and readiness.
-        self.drops = Drops(self.instruments, self.losses)
-        #: Streams being played back, and those a message of which the full queue turned away; bounded.
-        self.streams = Streams(self.drops, self._playback, limit=MAX_OPEN_STREAMS)
-        self.inbox = Inbox(
-            settings.telemetry.queue_size, self.drops, self.streams, self.counts.facts_dropped, self._start
-        )
+    def _hold(self, parts: Parts) -> None:
+        """Hold ``parts`` under the names the dispatch, its callers and the tests use (one attribute read each)."""
+        self.parts = parts
+        out, fleet, intake = parts.outputs, parts.fleet, parts.intake
+        #: The emitters and what they write to (``assemble.Outputs``).
+        self.spans, self.metrics, self.records, self.emission = out.spans, out.metrics, out.records, out.emission
+        self.instruments = out.metrics.instruments
+        self.identity, self.access_log, self.content = out.identity, out.access_log, out.content
+        #: Each is called on the worker thread with each finished request's timeline and summary.
+        self.listeners: list[Listener] = out.listeners.callables
+        self.losses, self.counts, self.analysis = parts.losses, parts.counts, parts.analysis
+        # The admin listener's and the live view's counters, under the names they call.
+        self.count_rejected = self.counts.rejected
+        self.count_admin = self.counts.admin
+        self.live_samples_dropped = self.counts.live_samples_dropped
+        self.event_streams = self.counts.event_streams
+        self.count_facts_dropped = self.counts.facts_dropped
+        #: The upstreams' spans and gauges, the other replicas, the other processes (``assemble.Fleet``).
+        self.wait, self.forwarder, self.owned, self.peers = fleet.wait, fleet.forwarder, fleet.owned, fleet.peers
+        self.lessons = fleet.lessons
+        #: From the relays' messages to finished timelines (``assemble.Intake``).
+        self.drops, self.streams, self.inbox, self.relays = intake.drops, intake.streams, intake.inbox, intake.relays
         self._queue = self.inbox.queue
-        self.worker = Worker(self.inbox, self, self.emission)
-        #: Gives the C allocator's free memory back to the system while the worker is idle (only the worker).
-        self.trimmer = Trimmer()
-        self.relays = RelayGauges(self.instruments, self.drops, self._busy)
-
-    def _open_spool(self, index: int) -> Spool | None:
-        """The record journal of telemetry process ``index``, its counts and gauges (None: not asked, or no sink)."""
-        rec = self.settings.record
-        spool = open_spool(
-            rec.journal,
-            self.records.sinks,
-            index=index,
-            max_bytes=rec.journal_bytes,
-            on_lost=self.counts.journal_drop,
-            on_recovered=self.counts.recovered,
-            on_tapes_lost=self.drops.journal,
-        )
-        self.records.spool = spool
-        if spool is None:
-            return None
-        # Before the last run's replay counts anything: the counters go on from the last run's totals.
-        self.losses.keep(spool.slot.path / STATE_FILE)
-        # Ends the last run counted in sequences.json and was killed before the counters had them: counted now.
-        for reason, n in sorted(spool.sequences.unmarked(self.losses.marks).items()):
-            log.warning("record journal: %d tapes lost (%s) counted by the last run, added to the counters", n, reason)
-            self.drops.journal(reason, n)
-        for reason in JOURNAL_DROP_REASONS:
-            self.counts.record_drop(reason, 0)
-        self.counts.recovered(0)
-        spool.observe(self.metrics.meter)
-        return spool
+        self.worker, self.trimmer, self.spool = parts.worker, parts.trimmer, parts.spool
 
     # -- what the recorder's parts are, as its callers and the tests know them --------------------------------
 
@@ -366,7 +253,8 @@ class Recorder:
 
     # -- the worker's side (``llmtap.telemetry.loop``) ---------------------------------------------------------
 
-    def _start(self) -> None:
+    def wake(self) -> None:
+        """The inbox took its first item: the worker starts."""
         self.worker.start()
 
     def dispatch(self, source: int, item: Any) -> None:
@@ -479,7 +367,7 @@ class Recorder:
             self.drops.count(tl.unread)
         self._record_counted(tl)
 
-    def _playback(self, head: Head) -> Playback:
+    def playback(self, head: Head) -> Playback:
         """A stream's playback, from its first message's head."""
         playback = Playback(head, self.settings, self._routes)
         self._relayed(playback.tl.trace_id)
@@ -537,25 +425,29 @@ class Recorder:
             lessons.append(SlotCount(upstream, slots.slots, slots.source, slots.confidence))
         self.siblings.offer(lessons)
 
-    def _learn_slots(self, lesson: SlotCount) -> None:
+    def learn_slots(self, lesson: SlotCount) -> None:
+        """Another process read an upstream's slot count: kept for requests to it (bounded)."""
         if len(self._sibling_slots) >= 4096:
             self._sibling_slots.clear()
         self._sibling_slots[lesson.upstream] = Slots(lesson.slots, lesson.source, float(lesson.confidence))
 
-    def _learn_live(self, lesson: LiveEntry) -> None:
+    def learn_live(self, lesson: LiveEntry) -> None:
+        """Another process finished a request: to the live view's window, where it has one."""
         if self.live_entries is not None:
             self.live_entries(lesson.entry)
 
-    def _learn_spans(self, lesson: PassedSpans) -> None:
+    def learn_spans(self, lesson: PassedSpans) -> None:
+        """Another process passed spans of requests this one recorded: joined as this one's own."""
         export = ExportTraceServiceRequest.FromString(lesson.export)
         self._join_spans(Spans(server_spans(export), export))
 
-    def _unreadable_lesson(self, exc: Exception) -> None:
+    def unreadable_lesson(self, exc: Exception) -> None:
+        """A lesson that cannot be decoded: counted, and said at the 1st, 2nd, 4th, ..."""
         self.unreadable += 1
         if self.unreadable & (self.unreadable - 1) == 0:
             log.error("telemetry: dropped a lesson of another telemetry process that cannot be read: %s", exc)
 
-    def _busy(self, route: str) -> None:
+    def busy(self, route: str) -> None:
         """Two requests of ``route`` in flight at once: its upstream's slot count matters; read its gauges."""
         if route in self._routes:
             self.upstreams.watch(self._routes[route].upstream)

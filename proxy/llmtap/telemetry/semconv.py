@@ -30,6 +30,7 @@ __all__ = [
     "CHUNK_INDEX",
     "CHUNK_TOKENS",
     "CLICKHOUSE_OUTCOME",
+    "CONTENT_DROP_REASONS",
     "CONTENT_TRUNCATED",
     "COST_AMOUNT",
     "COST_CURRENCY",
@@ -76,6 +77,7 @@ __all__ = [
     "METRIC_CLICKHOUSE_INSERTS",
     "METRIC_CLIENT_TIMEOUTS",
     "METRIC_CONNECTIONS_REFUSED",
+    "METRIC_CONTENT_EVENTS_DROPPED",
     "METRIC_COST",
     "METRIC_COST_UNPRICED",
     "METRIC_DECODE",
@@ -483,6 +485,11 @@ METRIC_TELEMETRY_DROPPED = "llmtap.telemetry.tapes.dropped"  # tapes that never 
 METRIC_FACTS_DROPPED = "llmtap.telemetry.facts.dropped"  # lessons one telemetry process could not pass to another
 METRIC_SPANS_DROPPED = "llmtap.telemetry.spans.dropped"  # never reached the collector, by reason
 METRIC_RECORDS_DROPPED = "llmtap.telemetry.records.dropped"  # request records never written (--record), by reason
+#: Content events (``--content-event``) that never left, by reason: ``CONTENT_DROP_REASONS``.
+METRIC_CONTENT_EVENTS_DROPPED = "llmtap.telemetry.content_events.dropped"
+#: Why a content event was lost: the export queue was full, the collector refused or could not be reached, the
+#: event could not be made, or the OpenTelemetry SDK installed has no logs API llmtap can use.
+CONTENT_DROP_REASONS = ("otlp_queue_full", "otlp_export_failed", "unmade", "sdk_too_old")
 # The record journal (issue 44): records of the last run made again at start, and what the journal holds now.
 METRIC_RECORDS_RECOVERED = "llmtap.telemetry.records.recovered"
 METRIC_JOURNAL_SIZE = "llmtap.telemetry.journal.size"  # bytes of tapes on disk

@@ -91,6 +91,7 @@ class Instruments:
     facts_dropped: Counter
     labels_evicted: Counter
     records_dropped: Counter
+    content_events_dropped: Counter
     records_recovered: Counter
     malformed: Counter
     queue_waiting: UpDownCounter
@@ -296,6 +297,13 @@ def create(meter: Meter, *, latest: bool, fine: bool = False, server: bool = Fal
             description="Request records lost (--record files, ClickHouse, --record-logs log records, the record "
             "journal), by llmtap.telemetry.reason; with a record journal it goes on across telemetry restarts (kept "
             "in the journal's counters.json).",
+        ),
+        content_events_dropped=meter.create_counter(
+            sc.METRIC_CONTENT_EVENTS_DROPPED,
+            unit="{event}",
+            description="Content events (gen_ai.client.inference.operation.details, --content-event) that never "
+            "reached the OTLP logs endpoint, by llmtap.telemetry.reason: otlp_queue_full, otlp_export_failed (refused "
+            "or unreachable), unmade (could not be made), sdk_too_old (the logs SDK installed cannot send them).",
         ),
         records_recovered=meter.create_counter(
             sc.METRIC_RECORDS_RECOVERED,

@@ -11,13 +11,19 @@ event names the cut fields in ``llmtap.content.truncated``. The log record carri
 span ids, so a backend links it to the trace.
 
 Log records go through the SDK's batch processor to the OTLP logs endpoint the ``OTEL_EXPORTER_OTLP_[LOGS_]*``
-variables configure, on the SDK's thread; past its queue the SDK drops them.
+variables configure, on the SDK's thread. What waits for export is bounded (the telemetry queue's size): past it
+an event is dropped, and so is one the collector refused or never answered, one that could not be made, and every
+one when the SDK installed is too old (``llmtap.telemetry.recorder``); each is counted by reason
+(``llmtap_telemetry_content_events_dropped_total``, ``semconv.CONTENT_DROP_REASONS``) and each reason said once in
+the log. A field past ``--content-event-max-bytes`` is cut, not dropped: the event says which.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import trace
@@ -33,6 +39,8 @@ from llmtap.analysis.finish import Finished
 from llmtap.config.types import ContentEvent, Settings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.emit.setup import resource
+from llmtap.telemetry.records.content_drops import DropLog
+from llmtap.telemetry.records.logs import CountingExporter
 
 __all__ = ["ContentEmitter", "content_emitter"]
 
@@ -42,13 +50,15 @@ log = logging.getLogger("llmtap.telemetry")
 ATTRIBUTE = {SYSTEM: sc.SYSTEM_INSTRUCTIONS, INPUT: sc.INPUT_MESSAGES, OUTPUT: sc.OUTPUT_MESSAGES}
 
 
-def content_emitter(settings: Settings) -> ContentEmitter | None:
-    """The content event's emitter when ``--content-event`` names a field, else None (no event, no exporter)."""
+def content_emitter(settings: Settings, on_drop: Callable[[str, int], None] | None = None) -> ContentEmitter | None:
+    """The content event's emitter when ``--content-event`` names a field, else None (no event, no exporter);
+    ``on_drop`` counts the events lost, by reason."""
     if not settings.content.on:
         return None
     from llmtap.telemetry.records.logs import log_exporter
 
-    return ContentEmitter(settings.content, log_exporter(settings.telemetry), capacity=settings.telemetry.queue_size)
+    exporter = log_exporter(settings.telemetry)
+    return ContentEmitter(settings.content, exporter, capacity=settings.telemetry.queue_size, on_drop=on_drop)
 
 
 class ContentEmitter:
@@ -61,17 +71,35 @@ class ContentEmitter:
         *,
         capacity: int = 2048,
         provider: LoggerProvider | None = None,
+        on_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         self.rules = rules
+        self.capacity = max(capacity, 1)
+        self.dropped = DropLog(on_drop)
+        self._lock = threading.Lock()
+        #: Events given to the batch processor whose export has not returned (the bound: ``capacity``).
+        self._pending = 0
+        self.exported = 0
         self.provider = provider or LoggerProvider(resource=resource(), shutdown_on_exit=False)  # closed by close()
-        self.provider.add_log_record_processor(BatchLogRecordProcessor(exporter, max_queue_size=max(capacity, 1)))
+        batch = self.capacity if self.capacity < 512 else None
+        counting = CountingExporter(exporter, self._done)
+        self.provider.add_log_record_processor(
+            BatchLogRecordProcessor(counting, max_queue_size=self.capacity, max_export_batch_size=batch)
+        )
         self._logger = self.provider.get_logger("llmtap.content", __version__)
-        self._said = False
 
     def emit(self, request: Finished) -> None:
-        """The request's content event (none for a request no protocol names)."""
+        """The request's content event (none for a request no protocol names); past ``capacity`` waiting, dropped
+        and counted. Never raises."""
         tl = request.tl
         if tl.protocol is None:
+            return
+        with self._lock:
+            full = self._pending >= self.capacity
+            if not full:
+                self._pending += 1
+        if full:
+            self.dropped("otlp_queue_full", 1, f"{self.capacity} events already wait for export")
             return
         try:
             self._logger.emit(
@@ -84,10 +112,20 @@ class ContentEmitter:
                     attributes=details(request, self.rules),
                 )
             )
-        except Exception:
-            if not self._said:
-                self._said = True
-                log.exception("telemetry: a content event could not be made; such events are left out")
+        except Exception as exc:
+            with self._lock:
+                self._pending -= 1
+            log.debug("telemetry: a content event could not be made", exc_info=True)
+            self.dropped("unmade", 1, f"it could not be made ({type(exc).__name__}: {exc})")
+
+    def _done(self, n: int, ok: bool) -> None:
+        """A batch's export returned: its room is free; a failed one is lost."""
+        with self._lock:
+            self._pending -= n
+            if ok:
+                self.exported += n
+        if not ok:
+            self.dropped("otlp_export_failed", n, "the OTLP logs endpoint refused the export or could not be reached")
 
     def close(self) -> None:
         """Export what waits (the process is ending)."""

@@ -34,7 +34,7 @@ from llmtap.telemetry.emit.setup import http_endpoint, resource
 from llmtap.telemetry.identity import INSTANCE_KEY
 from llmtap.worker import Progress
 
-__all__ = ["LOG_DROP_REASONS", "LogSink", "log_exporter"]
+__all__ = ["LOG_DROP_REASONS", "CountingExporter", "LogSink", "log_exporter"]
 
 #: The log record's event name.
 EVENT_NAME = "llmtap.request"
@@ -61,7 +61,7 @@ def log_exporter(t: TelemetrySettings) -> LogRecordExporter:
     return GRPCLogExporter(endpoint=t.logs_endpoint, insecure=t.logs_endpoint.startswith("http://"))
 
 
-class _Counting(LogRecordExporter):
+class CountingExporter(LogRecordExporter):
     """Wraps the exporter: every returned batch frees its room at the gate; a failed one is counted."""
 
     def __init__(self, inner: LogRecordExporter, done: Callable[[int, bool], None]) -> None:
@@ -127,7 +127,7 @@ class LogSink:
         batch = self.capacity if self.capacity < 512 else None
         self.provider.add_log_record_processor(
             BatchLogRecordProcessor(
-                _Counting(exporter, self._done), max_queue_size=self.capacity, max_export_batch_size=batch
+                CountingExporter(exporter, self._done), max_queue_size=self.capacity, max_export_batch_size=batch
             )
         )
         self._logger = self.provider.get_logger("llmtap.records", __version__)

@@ -1,0 +1,113 @@
+"""A short answer that came whole, written to the client at once: its head and its body in one write.
+
+An embeddings call, a classifier, a tool call: the upstream's answer, counted by its Content-Length, is often
+read whole with its head. Relayed the way a stream is, it costs two ASGI ``send``s through uvicorn (the head,
+then the end) and the pipe's setup and wait, about a fifth of the relay's CPU for such a request
+(docs/performance.md). Here the head uvicorn would write and the body go in one ``transport.write``, and the
+server's request cycle is left as uvicorn's own ``send`` leaves it after the end (started, complete, the
+connection kept or closed, the next request's turn), so the server goes on exactly as after a streamed relay.
+
+Only an answer uvicorn frames by its Content-Length goes here: a HEAD request, a 204 or 304, an answer without
+Content-Length (chunked framing), a header uvicorn would refuse, a client gone or not taking bytes: ``head_of``
+says None and the relay takes its ordinary path, which behaves as it always did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
+
+__all__ = ["Whole", "head_of", "write_whole"]
+
+#: A body up to this is joined to its head (one buffer, one write); a larger one is written beside it, not copied.
+_JOINED_BYTES = 16 * 1024
+#: Statuses whose answer never has a body, whatever it says: uvicorn frames them apart.
+_BODILESS = frozenset({204, 304})
+
+
+class Whole:
+    """The head of an answer that goes at once, and whether the connection is kept after it."""
+
+    __slots__ = ("head", "keep_alive")
+
+    def __init__(self, head: bytes, keep_alive: bool) -> None:
+        self.head = head
+        self.keep_alive = keep_alive
+
+
+def head_of(cycle: Any, status: int, headers: Iterable[tuple[bytes, bytes]], size: int) -> Whole | None:
+    """The head uvicorn's cycle would write for this answer of ``size`` bytes, as uvicorn writes it (its default
+    headers first, names lower-cased, ``connection: close`` when the connection is not kept); None when the
+    answer cannot go at once."""
+    if (
+        cycle.response_started
+        or cycle.disconnected
+        or cycle.flow.write_paused
+        or status in _BODILESS
+        or cycle.scope["method"] == "HEAD"
+    ):
+        return None
+    out = [STATUS_LINE[status]]
+    length: bytes | None = None
+    keep_alive = cycle.keep_alive
+    closing = False
+    for name, value in (*cycle.default_headers, *headers):
+        if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+            return None  # uvicorn refuses it: the ordinary path fails as it always did
+        name = name.lower()
+        if name == b"content-length":
+            if length is None:
+                length = value
+        elif name == b"transfer-encoding" and value.lower() == b"chunked":
+            return None
+        elif name == b"connection" and b"close" in [token.lower().strip() for token in value.split(b",")]:
+            keep_alive = False
+            closing = True
+        out += (name, b": ", value, b"\r\n")
+    if length is None or not _counts(length, size):
+        return None
+    if not keep_alive and not closing:
+        out.append(b"connection: close\r\n")
+    out.append(b"\r\n")
+    return Whole(b"".join(out), keep_alive)
+
+
+def _counts(length: bytes, size: int) -> bool:
+    """The Content-Length names exactly the body there is."""
+    try:
+        return int(length.decode()) == size
+    except ValueError:
+        return False
+
+
+def write_whole(cycle: Any, whole: Whole, status: int, body: bytes) -> None:
+    """Write the answer and end the response, leaving the cycle as uvicorn's ``send`` of its head and its end
+    would: the access line logged, the response complete, the connection closed unless kept, the server told."""
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    cycle.chunked_encoding = False
+    cycle.expected_content_length = 0
+    cycle.keep_alive = whole.keep_alive
+    if cycle.access_log:
+        scope = cycle.scope
+        cycle.access_logger.info(
+            '%s - "%s %s HTTP/%s" %d',
+            get_client_addr(scope),
+            scope["method"],
+            get_path_with_query_string(scope),
+            scope["http_version"],
+            status,
+        )
+    transport = cycle.transport
+    if len(body) <= _JOINED_BYTES:
+        transport.write(whole.head + body)
+    else:
+        transport.writelines((whole.head, body))
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not whole.keep_alive:
+        transport.close()
+    cycle.on_response()
