@@ -399,8 +399,8 @@ class Exchange:
             return False
         tape = self.tape
         full = False
+        conn.take_whole()
         if body:
-            conn.take()
             full = tape.read(now(), body)
         await self._answered()
         write_whole(self.cycle, whole, status, body)

@@ -58,8 +58,8 @@ class Body(httpx.AsyncByteStream):
         self._release()
 
     def _settled(self) -> bool:
-        """The connection went back to the pool at this body's clean end (``Connection.carry``): parked, or
-        serving another exchange by now."""
+        """The connection went back to the pool at this body's clean end (``Connection.carry``, ``take_whole``):
+        parked, or serving another exchange by now."""
         return self._conn.parked or self._conn.exchanges != self._exchange
 
     def _release(self) -> None:

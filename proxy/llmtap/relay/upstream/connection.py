@@ -409,6 +409,15 @@ class Connection(Http11, asyncio.Protocol):
             self._reading_paused = False
         return part
 
+    def take_whole(self) -> bytes:
+        """The body of a response read whole with its head (one part at most), its connection back in the pool at
+        once when the exchange ended cleanly (its ``Body`` sees it settled): the relay takes both in one call."""
+        part = self.parts.popleft() if self.parts else b""
+        self._queued = 0
+        if self.reusable():
+            self.settle()
+        return part
+
     def attach(self, sink: Sink) -> None:
         """From now on each body part goes to ``sink`` in the read callback (those queued already, at once)."""
         self.heard = t = time.perf_counter()
