@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,26 @@ def test_ttfot_is_the_answers_first_chunk_and_ttst_the_second_chunk() -> None:
     assert plain.ttfot == plain.ttft == pytest.approx(0.2) and plain.ttst == pytest.approx(0.1)
     only = summarize(_timeline([(0.2, 1, False)]))  # reasoning alone, one chunk: neither
     assert only.ttft == pytest.approx(0.2) and only.ttfot is None and only.ttst is None
+
+
+def test_an_objective_on_ttfot_or_ttst_judges_each_request_as_a_ttft_or_tpot_one_does() -> None:
+    """TTFOT as TTFT: a stream that never reached its answer misses it. TTST as TPOT: a stream of one chunk has
+    none, and that limit does not apply to it (absent, not a 0 that meets or misses by chance)."""
+    from llmtap.analysis.summary import slo_outcome
+    from llmtap.config.types import SLO
+
+    def judged(chunks: list[tuple[float, int, bool]], slo: SLO) -> str:
+        tl = _timeline(chunks)
+        tl.outcome = "ok"
+        return slo_outcome(tl, summarize(tl), slo)
+
+    thinking = [(0.2, 1, False), (0.25, 1, False), (0.7, 1, True), (0.75, 1, True)]
+    assert judged(thinking, SLO(ttft=0.5)) == "met"
+    assert judged(thinking, SLO(ttfot=0.5)) == "missed" and judged(thinking, SLO(ttfot=0.8)) == "met"
+    assert judged(thinking, SLO(ttst=0.01)) == "missed" and judged(thinking, SLO(ttst=0.1)) == "met"
+    assert judged([(0.2, 1, False)], SLO(ttfot=5.0)) == "missed"  # reasoning alone: no answer at all
+    assert judged([(0.2, 3, True)], SLO(ttst=0.001)) == "met"  # one chunk: no second token to judge
+    assert SLO(ttfot=0.5).limits() == {"ttfot": 0.5} and SLO(ttst=0.1).configured
 
 
 def test_the_itl_rule_against_each_benchmark_tools_definition() -> None:
@@ -260,4 +281,88 @@ def test_reasoning_streams_through_serve_with_both_sdks(tmp_path: Path) -> None:
                 sum(r["ttfot"] for r in got), rel=1e-3
             )
         finally:
+            proxy.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.real
+def test_ttfot_and_ttst_objectives_judge_requests_and_slo_reads_them_from_records_and_a_live_prometheus(
+    tmp_path: Path,
+) -> None:
+    """A route whose objectives bound TTFOT (200 ms: the answer comes 400 ms in, after thinking) and TTST (10 s):
+    each request misses (its record says so, with the objective it was judged by), and ``llmtap slo`` reads the
+    TTFOT objective missed and the TTST one met, from the records and from a Prometheus scraping the proxy."""
+    import httpx
+
+    from llmtap.analysis.slo import config_objectives
+    from llmtap.commands.slo import from_prometheus, from_records, render
+    from llmtap.config.load import build
+    from tests.analysis.test_burnrate import _tool
+    from tests.analysis.test_compare import wait_until_up
+    from tests.conftest import free_port
+    from tests.support.procs import stop
+
+    binary = _tool("prometheus")
+    folder, config = tmp_path / "records", tmp_path / "llmtap.yaml"
+    sent = 8
+    with ServerThread(_thinker, lifespan="off") as upstream:
+        config.write_text(
+            "routes:\n"
+            f"  - {{prefix: /think, upstream: '{upstream.url}', strip_prefix: true, name: think,"
+            " slo: {ttfot_ms: 200, ttst_ms: 10000, percentile: 0.5}}\n",
+            encoding="utf-8",
+        )
+        proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--config", str(config), "--record", str(folder))
+        port = free_port()
+        prom_config = tmp_path / "prometheus.yml"
+        target = proxy.admin_url.removeprefix("http://")
+        prom_config.write_text(
+            "global: {scrape_interval: 1s}\n"
+            f"scrape_configs: [{{job_name: llmtap, static_configs: [{{targets: ['{target}']}}]}}]\n",
+            encoding="utf-8",
+        )
+        prom = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={prom_config}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_up(url + "/-/ready", prom, "Prometheus")
+            chat = openai.OpenAI(base_url=proxy.url + "/think/v1", api_key="sk-test", max_retries=0)
+            for _ in range(sent):
+                stream = chat.chat.completions.create(
+                    model="thinker", messages=[{"role": "user", "content": "Capital of France?"}], stream=True
+                )
+                assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Paris."
+            got = records(folder, sent, proxy)
+            assert {r["slo"] for r in got} == {"missed"}
+            assert all(r["objective"]["ttfot"] == 0.2 and r["objective"]["ttst"] == 10.0 for r in got), got[0]
+            assert all(r["ttfot"] >= ANSWER_AT_S and 0 < r["ttst"] < 10.0 for r in got)
+
+            def judged(report: Any) -> dict[str, str]:
+                (verdict,) = report.verdicts
+                assert (verdict.route, verdict.requests) == ("think", sent)
+                return {c.figure: c.verdict for c in verdict.checks}
+
+            from_files = from_records([folder], resamples=200)
+            assert judged(from_files) == {"ttfot": "missed", "ttst": "met"}
+            assert "p50 TTFOT <= 200 ms" in render(from_files)
+
+            def scraped() -> float:
+                query = "sum(llmtap_time_to_second_token_seconds_count)"
+                result = httpx.get(url + "/api/v1/query", params={"query": query}, timeout=10).json()["data"]["result"]
+                return float(result[0]["value"][1]) if result else 0.0
+
+            wait_for("the histograms scraped", lambda: scraped() == sent, proxy)
+            settings = build({"config": str(config)}, env={})
+            from_prom = from_prometheus(url, config_objectives(settings), resamples=200)
+            assert judged(from_prom) == {"ttfot": "missed", "ttst": "met"}
+        finally:
+            stop(prom)
             proxy.close()

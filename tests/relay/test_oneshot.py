@@ -16,7 +16,7 @@ import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from llmtap.relay.oneshot import head_of, write_whole
+from llmtap.relay.oneshot import MIRRORED, _mirrored, head_of, write_whole
 
 BODY = b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.1,0.2]}],"model":"m"}'
 DEFAULTS = [(b"server", b"uvicorn"), (b"date", b"Mon, 07 Dec 2026 08:00:00 GMT")]
@@ -61,6 +61,7 @@ class Cycle:
             "path": "/v1/embeddings",
             "raw_path": b"/v1/embeddings",
             "query_string": b"",
+            "headers": [],
             "client": ("127.0.0.1", 5000),
         }
         self.cycle = RequestResponseCycle(
@@ -109,6 +110,9 @@ def _through_uvicorn(cycle: Cycle, status: int, headers: list[tuple[bytes, bytes
 
 def _at_once(cycle: Cycle, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[Any, ...]:
     whole = head_of(cycle.cycle, status, headers, len(body))
+    if not MIRRORED:  # an older uvicorn frames the head its own way: every answer takes the ordinary path
+        assert whole is None
+        return _through_uvicorn(cycle, status, headers, body)
     assert whole is not None
     write_whole(cycle.cycle, whole, status, body)
     return cycle.state()
@@ -124,7 +128,13 @@ def _length(body: bytes) -> tuple[bytes, bytes]:
         (200, [(b"Content-Type", b"application/json"), _length(BODY)], BODY, True),
         (200, [(b"content-type", b"application/json"), _length(BODY)], BODY, False),  # an HTTP/1.0 client
         (200, [_length(BODY), (b"Connection", b"keep-alive, Close")], BODY, True),
-        (200, [_length(BODY), (b"content-encoding", b"gzip"), (b"x-Trace", b"a b\tc")], BODY, True),
+        pytest.param(
+            200,
+            [_length(BODY), (b"content-encoding", b"gzip"), (b"x-Trace", b"a b\tc")],
+            BODY,
+            True,
+            marks=pytest.mark.skipif(not MIRRORED, reason="an older uvicorn refuses a tab in a header value itself"),
+        ),
         (404, [(b"content-length", b"0")], b"", True),
         (418, [_length(BODY)], BODY, True),
         (599, [_length(BODY)], BODY, True),  # no reason phrase
@@ -179,3 +189,12 @@ def test_a_client_gone_or_not_reading_takes_the_ordinary_path(state: str) -> Non
     else:
         setattr(cycle.cycle, state, True)
     assert head_of(cycle.cycle, 200, [_length(BODY)], len(BODY)) is None
+
+
+@pytest.mark.parametrize(
+    ("version", "mirrored"),
+    [("0.55.0", True), ("0.53.1", True), ("1.0", True), ("0.52.0", False), ("0.30.6", False), ("dev", False)],
+)
+def test_answers_go_at_once_only_under_a_uvicorn_whose_head_is_the_one_built(version: str, mirrored: bool) -> None:
+    """uvicorn before 0.53 copies a client's ``Connection: close`` and never says ``close`` to an HTTP/1.0 client."""
+    assert _mirrored(version) is mirrored

@@ -692,18 +692,63 @@ def test_records_without_tracing_inserted_twice_count_once_by_their_record_id(
             assert int(remote.query(f"SELECT count() FROM {table}").decode()) == 130
 
 
-def earlier_table(remote: ch.Server, table: str) -> None:
-    """The table as llmtap made it before the cost columns (issue 31), before one row per record (issue 44) and
-    before the requests' own objectives: a MergeTree without cost_*, record_id and request_*."""
-    made_since = ("cost_", "record_id", "request_")
-    old = "\n".join(line for line in ch.ddl(table).splitlines() if not line.strip().startswith(made_since))
-    old = old.replace("cache_min_tokens Nullable(Int64),", "cache_min_tokens Nullable(Int64)")
-    old = old.replace("ReplacingMergeTree", "MergeTree").replace(", record_id)", ")")
+#: The columns each version of the table added, oldest first: cost (issue 31), the requests' own objectives and the
+#: record id (issue 44), then
+#: the first tokens, the cost's source and currency, the 1-hour cache writes and the attribution.
+ADDED = {
+    "cost": [
+        "cost_amount",
+        "cost_status",
+        "request_ttft",
+        "request_tpot",
+        "request_ttft_outcome",
+        "request_tpot_outcome",
+        "record_id",
+    ],
+    "first_tokens": [
+        "ttfot",
+        "ttst",
+        "objective_ttfot",
+        "objective_ttst",
+        "upstream_unattributed",
+        "tokens_cache_write_1h",
+        "cost_currency",
+        "cost_source",
+        "cost_prices",
+        "attribution_json",
+    ],
+}
+
+
+def added_since(version: str) -> list[str]:
+    """The columns added by the versions after ``version`` ('' for the first table)."""
+    names = list(ADDED)
+    return [c for v in names[names.index(version) + 1 if version else 0 :] for c in ADDED[v]]
+
+
+def previous_table(remote: ch.Server, table: str) -> None:
+    """The table as the version before the first-token columns made it: with record_id, without those."""
+    old = "\n".join(
+        line for line in ch.ddl(table).splitlines() if line.strip().split(" ")[0] not in added_since("cost")
+    )
+    _create(remote, old.replace("record_id String,", "record_id String"))
+
+
+def _create(remote: ch.Server, sql: str) -> None:
     try:
-        remote.query(old)
+        remote.query(sql)
     except ch.ClickHouseError as exc:  # ClickHouse before 19 wants LowCardinality asked for (as create_table does)
         assert "allow_experimental_low_cardinality_type" in str(exc)
-        remote.query(old, settings={"allow_experimental_low_cardinality_type": 1})
+        remote.query(sql, settings={"allow_experimental_low_cardinality_type": 1})
+
+
+def earlier_table(remote: ch.Server, table: str) -> None:
+    """The table as llmtap made it before the cost columns (issue 31), before one row per record (issue 44) and
+    before the requests' own objectives: a MergeTree without any column added since (``ADDED``)."""
+    old = "\n".join(line for line in ch.ddl(table).splitlines() if line.strip().split(" ")[0] not in added_since(""))
+    old = old.replace("cache_min_tokens Nullable(Int64),", "cache_min_tokens Nullable(Int64)")
+    old = old.replace("ReplacingMergeTree", "MergeTree").replace(", record_id)", ")")
+    _create(remote, old)
 
 
 def test_a_table_of_an_earlier_version_gets_the_columns_added_since(server: ClickHouseProcess) -> None:
@@ -713,15 +758,7 @@ def test_a_table_of_an_earlier_version_gets_the_columns_added_since(server: Clic
     table = "before_cost"
     earlier_table(remote, table)
     assert "cost_amount" not in remote.query(f"DESCRIBE TABLE {table}").decode()
-    assert ch.add_missing_columns(remote, table) == [
-        "cost_amount",
-        "cost_status",
-        "request_ttft",
-        "request_tpot",
-        "request_ttft_outcome",
-        "request_tpot_outcome",
-        "record_id",
-    ]
+    assert ch.add_missing_columns(remote, table) == added_since("")
     assert ch.add_missing_columns(remote, table) == []
     record = make_records(1, seed=3)[0]
     record["cost"] = {"amount": 0.25, "currency": "USD", "status": "priced", "prices": "file"}
@@ -730,3 +767,97 @@ def test_a_table_of_an_earlier_version_gets_the_columns_added_since(server: Clic
     sink.close(PATIENCE)
     assert sink.written == 1, sink.dropped
     assert remote.query(f"SELECT cost_amount, cost_status FROM {table}").decode() == "0.25\tpriced\n"
+
+
+def first_token_records(n: int) -> list[dict[str, Any]]:
+    """``make_records`` with what a reasoning model's records carry: every third stream reasons first (TTFOT past
+    TTFT), every fifth is one chunk (no TTST); objectives on both; a provider's cost, 1-hour cache writes and an
+    attribution."""
+    records = make_records(n, seed=5)
+    for i, rec in enumerate(records):
+        ttft = rec["ttft"]
+        rec["ttfot"] = None if ttft is None else round(ttft + 0.4, 6) if i % 3 == 0 else ttft
+        rec["ttst"] = None if ttft is None or i % 5 == 0 else round(0.015 + (i % 9) / 1000, 6)
+        rec["objective"] = {**rec["objective"], "ttfot": 0.7, "ttst": 0.02}
+        rec["upstream_unattributed"] = 0.003
+        rec["tokens"]["cache_write_1h"] = 2048 if i % 2 else None
+        rec["cost"] = {"amount": i / 2**16, "currency": "USD", "status": "priced", "prices": None, "source": "provider"}
+        rec["attribution"] = {"tenant": "acme", "properties": {"feature": "chat"}}
+    return records
+
+
+def test_first_tokens_and_the_costs_source_land_in_columns_of_a_new_table_and_a_previous_ones(
+    server: ClickHouseProcess, tmp_path: Path
+) -> None:
+    """TTFOT, TTST, their objectives, the cost's source and currency, 1-hour cache writes, the unattributed time and
+    the attribution reach columns of their own, in a new table and in one a previous version made (which gains
+    them at start, its older rows null there); ``compare`` and ``slo`` read TTFOT and TTST from ClickHouse as from
+    the record file."""
+    from llmtap.store import Filter
+    from llmtap.store.python import PythonSource
+
+    remote = ch.Server.parse(server.url)
+    previous_table(remote, "before_first_tokens")
+    old = make_records(1, seed=9)[0]
+    old["trace_id"] = "f" * 32  # apart from the records written after
+    flat = ch.flat_row(old)
+    assert flat is not None
+    kept = {k: v for k, v in flat.items() if k not in added_since("cost")}
+    remote.query("INSERT INTO before_first_tokens FORMAT JSONEachRow", (json.dumps(kept) + "\n").encode())
+    records = first_token_records(300)
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    for table in ("first_tokens", "before_first_tokens"):
+        sink = ClickHouseSink(remote, table, ttl_days=0)
+        for rec in records:
+            sink.write(rec)
+        sink.close(PATIENCE)
+        assert sink.written == 300, sink.dropped
+        described = remote.query(f"DESCRIBE TABLE {table}").decode()
+        assert all(f"\n{name}\t" in "\n" + described for name in added_since("cost")), described
+    rid = ch.record_id(records[3])
+    row = remote.query(
+        "SELECT ttfot, ttst, objective_ttfot, objective_ttst, cost_source, cost_currency, tokens_cache_write_1h, "
+        f"upstream_unattributed, attribution_json FROM first_tokens WHERE record_id = '{rid}' FORMAT JSONEachRow"
+    )
+    got = json.loads(row)
+    want = records[3]
+    assert (got["ttfot"], got["ttst"]) == (want["ttfot"], want["ttst"]) and want["ttst"] is not None
+    assert want["ttfot"] > want["ttft"]  # the third record reasons first
+    assert (got["objective_ttfot"], got["objective_ttst"]) == (0.7, 0.02)
+    # An Int64 reads as a string in JSON (ClickHouse quotes 64-bit integers by default).
+    assert (got["cost_source"], got["cost_currency"], int(got["tokens_cache_write_1h"])) == ("provider", "USD", 2048)
+    assert got["upstream_unattributed"] == 0.003
+    assert json.loads(got["attribution_json"]) == {"tenant": "acme", "properties": {"feature": "chat"}}
+    one_chunk = remote.query("SELECT count() FROM first_tokens WHERE stream = 1 AND ttst IS NULL").decode()
+    assert int(one_chunk) == sum(1 for r in records if r["stream"] and r["ttst"] is None) > 0
+    # The previous table's older row reads null in the new columns.
+    nulls = remote.query(
+        f"SELECT ttfot, cost_source FROM before_first_tokens WHERE trace_id = '{old['trace_id']}' FORMAT TabSeparated"
+    )
+    assert nulls.decode() == "\\N\t\\N\n"
+
+    # The source's facts are the reference's, TTFOT and TTST included.
+    reference = PythonSource([path]).scan(Filter(), None)
+    facts = chread.ClickHouseSource(remote, "first_tokens").scan(Filter(), None)
+    by_key = {(g.route, g.shape): g for g in reference.groups}
+    assert facts.groups and all(
+        (list(g.ttfot), list(g.ttst)) == (list(by_key[(g.route, g.shape)].ttfot), list(by_key[(g.route, g.shape)].ttst))
+        for g in facts.groups
+    )
+    assert all(len(g.ttfot) > len(g.ttst) > 0 for g in facts.groups)
+    env = {"LLMTAP_RECORD_CLICKHOUSE_USER": USER, "LLMTAP_RECORD_CLICKHOUSE_PASSWORD": PASSWORD}
+    source = ["--clickhouse", server.url, "--clickhouse-table", "first_tokens"]
+    for command in (["compare", "--json", "--resamples", "200"], ["slo", "--json", "--resamples", "200"]):
+        code_file, from_file = _run([*command, str(path)])
+        code_ch, from_ch = _run([*command, *source], env)
+        a, b = json.loads(from_file), json.loads(from_ch)
+        assert a.pop("source").endswith("records)") and "ClickHouse" in b.pop("source")
+        a.pop("skipped", None), b.pop("skipped", None)
+        assert a == b and code_file == code_ch, command
+        if command[0] == "compare":
+            assert a["before"]["ttfot_requests"] > a["before"]["ttst_requests"] > 10
+            assert a["before"]["ttfot"]["p95"]["value"] > a["before"]["ttft"]["p95"]["value"]
+        else:
+            figures = {c["figure"] for v in a["verdicts"] for c in v["checks"]}
+            assert {"ttfot", "ttst"} <= figures

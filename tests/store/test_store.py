@@ -110,6 +110,7 @@ def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
         rec["trace_id"] = None if odd < 0.255 else 12  # no trace id (either reads as ''): named anyway
     elif odd < 0.29:
         rec["ttft"] = 2.5  # slowest of its group, tied with others: the trace id breaks the tie
+    first_tokens(rec, i)
     # A cost (issue 31) from the record's index, not the generator, so the other fields stay as they were:
     # priced (amounts exact in binary, so any order of summing agrees), unknown, absent, or wrong-typed.
     kind = i % 6
@@ -120,6 +121,22 @@ def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
     elif kind == 4 and i % 4 == 0:
         rec["cost"] = {"amount": "0.5"}
     return rec
+
+
+def first_tokens(rec: dict[str, Any], i: int) -> None:
+    """A stream's TTFOT and TTST from the record's index (the generator's draws stay as they were): a third reason
+    first (TTFOT past TTFT), a fifth is one chunk (no TTST), a few hold a wrong type; some routes' objectives bound
+    them."""
+    ttft = rec.get("ttft")
+    if not isinstance(ttft, float) or ttft != ttft:
+        rec["ttfot"] = rec["ttst"] = None
+        return
+    rec["ttfot"] = round(ttft + 0.2 + (i % 13) / 50, 6) if i % 3 == 0 else ttft
+    rec["ttst"] = None if i % 5 == 0 else round(0.01 + (i % 17) / 400, 6)
+    if i % 61 == 0:
+        rec["ttst"] = "0.02"  # a string is not a number
+    if rec.get("route") == "completion" and isinstance(rec.get("objective"), dict) and i % 2:
+        rec["objective"] = {**rec["objective"], "ttfot": 0.6, "ttst": 0.04}
 
 
 def odd_lines() -> str:
@@ -195,7 +212,7 @@ def facts(scan: store.Scan) -> list[tuple[Any, ...]]:
             g.prefill_sources,
             g.priced,
             g.cost,
-            [list(getattr(g, a)) for a in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e")],
+            [list(getattr(g, a)) for a in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e", "ttfot", "ttst")],
             g.slowest,
             g.request_objectives,
         )
@@ -221,7 +238,11 @@ def test_the_engine_finds_the_same_facts_as_plain_python(dataset: Path) -> None:
         no_time, wrong = skipped.pop("no_time"), skipped.pop("wrong_type")  # wrong-typed fields: read as null
         assert a.records + no_time == 1500 and no_time > 10 and 100 < wrong < a.records and a.files == 5
         assert skipped == {"truncated": 3, "foreign": 6, "other_schema": 4}
-        limits = {("support", "long"): {"ttft": 0.6, "tpot": 0.04}, ("chat", "short"): {"e2e": 2.0}}
+        limits = {
+            ("support", "long"): {"ttft": 0.6, "tpot": 0.04},
+            ("chat", "short"): {"e2e": 2.0},
+            ("completion", "short"): {"ttfot": 0.5, "ttst": 0.04},
+        }
         assert engine.count_met(store.Filter(), store.VERSION, limits) == python.count_met(
             store.Filter(), store.VERSION, limits
         )
@@ -306,7 +327,9 @@ def test_parquet_reads_as_its_json_lines(tmp_path: Path) -> None:
         and isinstance(r.get("e2e"), float)
         and isinstance(r.get("cache"), dict)
         and "route" in r
-        and set(r["objective"]) == {"shape", "percentile", "ttft", "tpot"}
+        and set(r["objective"]) <= {"shape", "percentile", "ttft", "tpot", "ttfot", "ttst"}
+        and {"shape", "percentile", "ttft", "tpot"} <= set(r["objective"])
+        and isinstance(r.get("ttst"), float | type(None))
         and not isinstance((r.get("cost") or {}).get("amount"), str)
         and not any(isinstance(v, int) for v in (r.get("request_objective") or {}).values())
     ]
@@ -347,3 +370,101 @@ def test_without_the_analysis_extra_plain_python_reads_and_naming_duckdb_says_wh
     assert cli.main(["slo", str(dataset), "--engine", "duckdb"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'llmtap[analysis]'" in err and "Traceback" not in err, err
+
+
+def reasoning_records(n: int = 240) -> list[dict[str, Any]]:
+    """Successful streams of two versions, every third reasoning first (its TTFOT 0.5 s past its TTFT), every fifth
+    of one content chunk (no TTST); and non-streams, which have neither. v2 answers faster."""
+    out: list[dict[str, Any]] = []
+    for i in range(n):
+        version = "v1" if i < n // 2 else "v2"
+        stream = i % 8 != 7
+        ttft = (0.30 if version == "v1" else 0.20) + (i % 10) / 100
+        rec: dict[str, Any] = {
+            "llmtap_record": 2,
+            "time": iso(T0 + i),
+            "record_id": f"r{i:06d}",
+            "route": "support",
+            "model": "m1",
+            "shape": "long",
+            "prompt_version": version,
+            "outcome": "ok",
+            "stream": stream,
+            "ttft": round(ttft, 6) if stream else None,
+            "ttfot": (round(ttft + 0.5, 6) if i % 3 == 0 else round(ttft, 6)) if stream else None,
+            "ttst": round(0.02 + (i % 7) / 1000, 6) if stream and i % 5 else None,
+            "tpot": 0.02,
+            "e2e": round(ttft + 1.0, 6),
+            "tokens": {"input": 1000, "cache_read": 0},
+            "objective": {"shape": "long", "percentile": 0.9, "ttft": 1.0, "ttfot": 0.6, "ttst": 0.05},
+        }
+        out.append(rec)
+    return out
+
+
+def _exact(recs: list[dict[str, Any]], figure: str, version: str, q: float) -> float | None:
+    from llmtap.analysis.stats import sorted_quantile
+
+    values = sorted(r[figure] for r in recs if r["prompt_version"] == version and r[figure] is not None)
+    return sorted_quantile(values, q)
+
+
+@pytest.mark.parametrize("kind", ["python", "duckdb", "parquet"])
+def test_compare_and_slo_read_ttfot_and_ttst_beside_ttft(tmp_path: Path, kind: str) -> None:
+    """TTFOT and TTST percentiles stand beside TTFT in ``compare`` and can be objectives of ``slo``: exact at the
+    point estimate on each engine and from Parquet; a stream of one chunk has no TTST (left out, not a 0), a
+    non-stream neither."""
+    recs = reasoning_records()
+    path = write_records(tmp_path / "r.jsonl", recs)
+    engine = "python" if kind == "python" else "duckdb"
+    if kind == "parquet":
+        import duckdb
+
+        con = duckdb.connect()
+        con.execute(f"COPY (SELECT * FROM read_json_auto('{path}')) TO '{tmp_path / 'r.parquet'}' (FORMAT parquet)")
+        con.close()
+        path = tmp_path / "r.parquet"
+    c = compare.record_sides([path], Split(before="v1", after="v2"), engine=engine).compare(seed=1, resamples=300)
+    streams = [r for r in recs if r["stream"]]
+    for side, version in ((c.before, "v1"), (c.after, "v2")):
+        mine = [r for r in streams if r["prompt_version"] == version]
+        assert side.ttfot_requests == len(mine) == side.ttft_requests
+        assert side.ttst_requests == len([r for r in mine if r["ttst"] is not None]) < len(mine)
+        for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+            ttfot, ttst = side.ttfot[name], side.ttst[name]
+            assert ttfot is not None and ttst is not None
+            assert ttfot.value == pytest.approx(_exact(recs, "ttfot", version, q))
+            assert ttst.value == pytest.approx(_exact(recs, "ttst", version, q))
+        # Reasoning first: the answer's first token comes after the first token.
+        ttfot95, ttft95 = side.ttfot["p95"], side.ttft["p95"]
+        assert ttfot95 is not None and ttft95 is not None and ttfot95.value > ttft95.value
+    assert c.change["ttfot_p50"] is not None and c.change["ttfot_p50"]["seconds"].value < 0
+    text = compare.render(c)
+    assert "TTFOT p50" in text and "TTST p99" in text and "a stream of one chunk has none" in text
+    # The TTFT figures and the verdict are the same with or without the first-token figures beside them.
+    plain = [{k: v for k, v in r.items() if k not in ("ttfot", "ttst")} for r in recs]
+    plain_path = write_records(tmp_path / "plain.jsonl", plain)
+    without = compare.record_sides([plain_path], Split(before="v1", after="v2"), engine="python")
+    bare = without.compare(seed=1, resamples=300)
+    assert bare.before.ttfot_requests == 0 and "TTFOT p50" not in compare.render(bare)
+    assert (bare.before.ttft, bare.after.ttft, bare.verdict) == (c.before.ttft, c.after.ttft, c.verdict)
+
+    # slo: the records' objective bounds TTFOT (p90 <= 600 ms: a third of the streams reason for 500 ms) and TTST.
+    report = slo.from_records([path], resamples=300, seed=2, engine=engine)
+    (verdict,) = report.verdicts
+    checks = {c.figure: c for c in verdict.checks}
+    assert set(checks) == {"ttft", "ttfot", "ttst"}
+    assert checks["ttfot"].requests == len(streams) and checks["ttst"].requests == len(
+        [r for r in streams if r["ttst"] is not None]
+    )
+    assert checks["ttfot"].verdict == "missed" and checks["ttst"].verdict == "met" and checks["ttft"].verdict == "met"
+    assert verdict.verdict == "missed"
+    assert "p90 TTFOT <= 600 ms" in slo.render(report)
+    # --config's objectives on them: the source counts the requests that met them as the proxy judges them.
+    lenient = slo.from_records(
+        [path], resamples=300, seed=2, engine=engine, objectives=lambda r, s: SLO(ttfot=1.0, ttst=0.022, percentile=0.9)
+    )
+    (judged,) = lenient.verdicts
+    assert [(c.figure, c.verdict) for c in judged.checks] == [("ttfot", "met"), ("ttst", "missed")]
+    within = [r for r in recs if (r["ttst"] or 0.0) <= 0.022 and (r["ttfot"] or 0.0) <= 1.0]
+    assert judged.met == len(within) < len(recs)

@@ -3,7 +3,8 @@
 Reads request records (``--record``: any number of files, globs and directories, read by the embedded
 engine, ``llmtap.store``) or a Prometheus server's HTTP API, splits the requests into
 before and after (by prompt version, or at a moment in time) and prints, for each side, TTFT
-p50/p95/p99 with bootstrap 95% confidence intervals, prefill time, the cached-token share, the cache
+p50/p95/p99 with bootstrap 95% confidence intervals (and beside it, where records have them, the time to the
+first output token, TTFOT, and to the second token, TTST), prefill time, the cached-token share, the cache
 classes and the request counts, then a one-line verdict. The verdict rests on the confidence interval
 of the change in TTFT p50: a gain must be real (the interval excludes zero) and large enough to
 matter (a share of the before side's p50, ``--min-gain-share``, and at least ``--min-gain-ms``); with
@@ -45,7 +46,7 @@ from llmtap.analysis.sides import (
     strata_query,
 )
 from llmtap.analysis.slo import Verdict
-from llmtap.analysis.stats import Estimate, change_estimates, homogeneity, quantile_estimate
+from llmtap.analysis.stats import Distribution, Estimate, change_estimates, homogeneity, quantile_estimate
 from llmtap.analysis.units import seconds
 from llmtap.config.types import ConfigError
 
@@ -54,6 +55,7 @@ if TYPE_CHECKING:  # the facts a source gives (analysis reads them; it never ope
 
 __all__ = [
     "CACHED_SHARE_RISE",
+    "FIRST_TOKENS",
     "MIN_GAIN_MS",
     "MIN_GAIN_SHARE",
     "MIN_REQUESTS",
@@ -117,6 +119,12 @@ class SideFigures:
     #: The requests at or above the side's TTFT p99, slowest first (at most ``SLOWEST``), and how many.
     slowest: list[Slow] = field(default_factory=list)
     at_or_above_p99: int = 0
+    #: TTFOT and TTST percentiles (``QUANTILES``) of the successful streams that have them, and how many have them
+    #: (``first_tokens``): empty for a side read from Prometheus.
+    ttfot_requests: int = 0
+    ttfot: dict[str, Estimate | None] = field(default_factory=dict)
+    ttst_requests: int = 0
+    ttst: dict[str, Estimate | None] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -352,12 +360,33 @@ def analyze(
         min_gain=least,
         min_gain_reason=why,
     )
+    first_tokens(c, before, after, seed=seed, resamples=resamples)
     if strata:
         c.mix = mix_of(strata)
         c.strata = [stratum_verdict(k, sb, sa, rng, resamples, rules) for k, (sb, sa) in strata.items()]
         if c.mix.moved:
             c.kind, c.verdict = "mix_moved", _mix_moved(c.mix)
     return c
+
+
+#: The figures read beside TTFT (no verdict rests on them), as ``SideFigures`` and ``Comparison.change`` name them.
+FIRST_TOKENS = ("ttfot", "ttst")
+
+
+def first_tokens(c: Comparison, before: Side, after: Side, *, seed: int | None, resamples: int) -> None:
+    """Each side's TTFOT and TTST percentiles, and their changes, where either side has them. Drawn from a
+    generator of their own, so the TTFT figures and the verdict are the same with or without them."""
+    rng = random.Random(seed)
+    for figure in FIRST_TOKENS:
+        dists: tuple[Distribution, Distribution] = (getattr(before, figure), getattr(after, figure))
+        if not any(d.n for d in dists):
+            continue
+        for side, dist in zip((c.before, c.after), dists, strict=True):
+            setattr(side, f"{figure}_requests", dist.n)
+            setattr(side, figure, {name: quantile_estimate(dist, q, rng, resamples) for name, q in QUANTILES})
+        for name, q in QUANTILES:
+            est = change_estimates(*dists, q, rng, resamples)
+            c.change[f"{figure}_{name}"] = None if est is None else {"seconds": est[0], "relative": est[1]}
 
 
 def stratum_verdict(

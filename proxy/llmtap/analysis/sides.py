@@ -56,6 +56,10 @@ class Side:
     requests: int = 0
     errors: int = 0
     ttft: Distribution = field(default_factory=Distribution)
+    #: Time to the first output token and to the second token of successful streams that have them (a stream
+    #: of one content chunk has no TTST: absent, never 0).
+    ttfot: Distribution = field(default_factory=Distribution)
+    ttst: Distribution = field(default_factory=Distribution)
     prefill: Distribution = field(default_factory=Distribution)
     prefill_sources: set[str] = field(default_factory=set)
     input_tokens: int = 0
@@ -73,7 +77,8 @@ class Side:
 
 
 def side_from_groups(label: str, groups: Iterable[store.Group]) -> Side:
-    """A side from a source's groups: TTFT and prefill of successful streams, tokens of successful requests."""
+    """A side from a source's groups: TTFT, TTFOT, TTST and prefill of successful streams, tokens of successful
+    requests."""
     groups = list(groups)
     side = Side(label)
     for g in groups:
@@ -87,6 +92,8 @@ def side_from_groups(label: str, groups: Iterable[store.Group]) -> Side:
         side.cost += g.cost
     side.ttft = Distribution.of_sorted(merged([g.ttft_ok for g in groups]))
     side.prefill = Distribution.of_sorted(merged([g.prefill for g in groups]))
+    side.ttfot = Distribution.of_sorted(merged([g.ttfot for g in groups]))
+    side.ttst = Distribution.of_sorted(merged([g.ttst for g in groups]))
     slow = [Slow(v, trace, g.route, g.shape) for g in groups for v, trace in g.slowest]
     side.slowest = sorted(slow, key=lambda s: (-s.ttft, s.trace_id, s.route or "", s.shape or ""))[:SLOWEST]
     return side

@@ -12,7 +12,11 @@ interval (``llmtap.analysis.stats``), and says for each:
 - ``insufficient``: fewer requests than the percentile needs to have a tail at all (20 for p95, 100 for p99).
 
 A percentile reads the requests that have the figure, as the latency histograms record them (TTFT: streams
-that got a first token; TPOT: successful streams of two tokens or more). Goodput counts every request, and
+that got a first token; TPOT: successful streams of two tokens or more). TTFOT (time to the first output token:
+the answer's first chunk, after any reasoning; TTFT for a request without reasoning) and TTST (time to the second
+token: the first content chunk to the second) read the successful streams that have them from records, and every
+stream that has them from Prometheus (as the histograms record them); a stream of one content chunk has no TTST:
+it is absent from the percentile, never counted as 0. Goodput counts every request, and
 errors and cancellations count as missed. Records carry the objective each request was judged by, so a
 record file needs no configuration; ``--config`` judges them by another.
 
@@ -67,7 +71,7 @@ __all__ = [
 ]
 
 #: The figures an objective can bound, as records and reports name them.
-FIGURES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E"}
+FIGURES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E", "ttfot": "TTFOT", "ttst": "TTST"}
 MET, MISSED, UNCERTAIN, INSUFFICIENT, NONE = "met", "missed", "uncertain", "insufficient", "none"
 #: The verdict of several checks: the worst of them, in this order.
 _WORST = (MISSED, UNCERTAIN, INSUFFICIENT, MET)
@@ -76,6 +80,8 @@ RESAMPLES = 2000
 PROM_BUCKETS = {
     "ttft": "llmtap_time_to_first_token_seconds_bucket",
     "tpot": "llmtap_time_per_output_token_seconds_bucket",
+    "ttfot": "llmtap_time_to_first_output_token_seconds_bucket",
+    "ttst": "llmtap_time_to_second_token_seconds_bucket",
 }
 PROM_REQUESTS = "llmtap_requests_total"
 PROM_REQUEST_OBJECTIVES = "llmtap_objective_requests_total"
@@ -321,6 +327,8 @@ def store_groups(
             "ttft": Distribution.of_sorted(merged([f.ttft_ok, f.ttft_failed])),
             "tpot": Distribution.of_sorted(f.tpot),
             "e2e": Distribution.of_sorted(f.e2e),
+            "ttfot": Distribution.of_sorted(f.ttfot),
+            "ttst": Distribution.of_sorted(f.ttst),
         }
         g.slowest = list(f.slowest)
         g.request_objectives = {k: dict(c) for k, c in f.request_objectives.items()}
@@ -375,7 +383,7 @@ def attach_request_objectives(verdicts: Iterable[Verdict], grown: Grown) -> None
 
 
 def bucket_queries(sel: str) -> dict[str, str]:
-    """Each figure's fine-bucket histogram by route and shape (TTFT and TPOT: E2E has none by route)."""
+    """Each figure's fine-bucket histogram by route and shape (TTFT, TPOT, TTFOT, TTST: E2E has none by route)."""
     return {
         figure: f"sum by (le, {ROUTE_LABEL}, {SHAPE_LABEL}) ({metric}{{{sel}}})"
         for figure, metric in PROM_BUCKETS.items()

@@ -406,7 +406,15 @@ def slo_outcome(tl: Timeline, s: Summary, slo: SLO | None) -> str:
     # A non-streamed request has no TTFT to judge (as a single chunk has no TPOT): its E2E limit judges it.
     streamed = bool(tl.request is not None and tl.request.stream)
     ttft = s.ttft if s.ttft is not None or streamed else 0.0
-    checks = ((slo.ttft, ttft), (slo.tpot, s.tpot if s.tpot is not None else 0.0), (slo.e2e, s.e2e))
+    # TTFOT as TTFT (a stream that never reached its answer misses it); no second token (one chunk) as no TPOT.
+    ttfot = s.ttfot if s.ttfot is not None or streamed else 0.0
+    checks = (
+        (slo.ttft, ttft),
+        (slo.tpot, s.tpot if s.tpot is not None else 0.0),
+        (slo.e2e, s.e2e),
+        (slo.ttfot, ttfot),
+        (slo.ttst, s.ttst if s.ttst is not None else 0.0),
+    )
     for limit, value in checks:
         if limit is not None and (value is None or value > limit):
             return "missed"

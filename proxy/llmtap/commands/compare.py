@@ -23,6 +23,7 @@ from typing import Any
 from llmtap import store
 from llmtap.analysis import slo as slo_report
 from llmtap.analysis.compare import (
+    FIRST_TOKENS,
     MIN_GAIN_MS,
     MIN_GAIN_SHARE,
     MIN_REQUESTS,
@@ -52,7 +53,7 @@ from llmtap.commands.prometheus import Prometheus
 from llmtap.config.load import build
 from llmtap.config.types import ConfigError
 
-__all__ = ["compare_records", "main", "record_sides"]
+__all__ = ["compare_records", "main", "record_sides", "render"]
 
 # -- record files ----------------------------------------------------------------------------------
 
@@ -264,6 +265,22 @@ def _classes(classes: dict[str, int]) -> str:
     return ", ".join(f"{name} {n}" for name, n in classes.items()) or "-"
 
 
+def _first_token_rows(c: Comparison) -> list[tuple[str, str, str, str]]:
+    """The TTFOT and TTST rows, for the figures either side has (none from Prometheus)."""
+    rows: list[tuple[str, str, str, str]] = []
+    b, a = c.before, c.after
+    for figure in FIRST_TOKENS:
+        fb, fa = getattr(b, figure), getattr(a, figure)
+        if not fb and not fa:
+            continue
+        for name, _ in QUANTILES:
+            change = c.change.get(f"{figure}_{name}")
+            rows.append(
+                (f"{figure.upper()} {name}", _estimate(fb.get(name)), _estimate(fa.get(name)), _relative(change))
+            )
+    return rows
+
+
 def render(c: Comparison) -> str:
     """The report: what was read, a table of both sides and the change, and the verdict."""
     b, a = c.before, c.after
@@ -275,6 +292,7 @@ def render(c: Comparison) -> str:
         rows.append(
             (f"TTFT {name}", _estimate(b.ttft[name]), _estimate(a.ttft[name]), _relative(c.change[f"ttft_{name}"]))
         )
+    rows += _first_token_rows(c)
     rows.append(
         (
             "prefill p50",
@@ -294,6 +312,12 @@ def render(c: Comparison) -> str:
     for r in rows:
         lines.append("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip())
     lines.append("  (95% bootstrap confidence intervals in brackets; TTFT of successful streams)")
+    if any(side.ttfot_requests or side.ttst_requests for side in (b, a)):
+        lines.append(
+            f"  (TTFOT: to the answer's first chunk, after any reasoning, TTFT without reasoning; "
+            f"{b.ttfot_requests} before, {a.ttfot_requests} after. TTST: the first content chunk to the second; "
+            f"{b.ttst_requests} before, {a.ttst_requests} after: a stream of one chunk has none)"
+        )
     few = [name for name, q in QUANTILES[1:] if min(b.ttft_requests, a.ttft_requests) < 2 / (1 - q)]
     if few:
         lines.append(f"  ({' and '.join(few)} rest on few requests: read them as rough)")

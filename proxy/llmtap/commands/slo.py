@@ -208,8 +208,8 @@ def from_prometheus(
     matchers: dict[str, str] | None = None,
 ) -> Report:
     """The verdicts from the proxy's metrics in Prometheus: the request counters by route, shape and SLO
-    outcome, and the fine-bucket TTFT and TPOT histograms by route and shape (E2E has no histogram by
-    route; an E2E objective reads as insufficient here)."""
+    outcome, and the fine-bucket TTFT, TPOT, TTFOT and TTST histograms by route and shape (E2E has no histogram
+    by route; an E2E objective reads as insufficient here)."""
     sel = prometheus_selector(route, shape, matchers)
     end = until if until is not None else time.time()
     if start is None and window is not None:

@@ -126,7 +126,12 @@ def build(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Set
         ),
         telemetry=telemetry_from_env(env, sources=sources),
         slo=SLO(
-            ttft=ms("slo_ttft_ms"), tpot=ms("slo_tpot_ms"), e2e=ms("slo_e2e_ms"), percentile=values["slo_percentile"]
+            ttft=ms("slo_ttft_ms"),
+            tpot=ms("slo_tpot_ms"),
+            e2e=ms("slo_e2e_ms"),
+            ttfot=ms("slo_ttfot_ms"),
+            ttst=ms("slo_ttst_ms"),
+            percentile=values["slo_percentile"],
         ),
         shapes=shape_classes,
         inject_usage=values["inject_usage"],

@@ -213,6 +213,8 @@ _OBJECTIVE: Mapping[str, Any] = {
         "ttft_ms": {"type": "number", "minimum": 0},
         "tpot_ms": {"type": "number", "minimum": 0},
         "e2e_ms": {"type": "number", "minimum": 0},
+        "ttfot_ms": {"type": "number", "minimum": 0},
+        "ttst_ms": {"type": "number", "minimum": 0},
     },
 }
 ROUTE_SLO_SCHEMA: Mapping[str, Any] = {"oneOf": [_OBJECTIVE, {"type": "array", "items": _OBJECTIVE}]}
@@ -636,6 +638,15 @@ _TABLE = (
     option("slo_tpot_ms", MS, None, "time-per-output-token objective", "slo", key="slo.tpot_ms"),
     option("slo_e2e_ms", MS, None, "end-to-end objective", "slo", key="slo.e2e_ms"),
     option(
+        "slo_ttfot_ms",
+        MS,
+        None,
+        "time-to-first-output-token objective (the answer's first chunk, after any reasoning)",
+        "slo",
+        key="slo.ttfot_ms",
+    ),
+    option("slo_ttst_ms", MS, None, "time-to-second-token objective", "slo", key="slo.ttst_ms"),
+    option(
         "slo_percentile",
         percentile(),
         0.99,
@@ -1009,7 +1020,8 @@ _TABLE = (
         "route_slo",
         structure("an objective or a list of them", (Mapping, list), ROUTE_SLO_SCHEMA),
         None,
-        "the route's objectives: [{shape, percentile, ttft_ms, tpot_ms, e2e_ms}], the first for a request's shape "
+        "the route's objectives: [{shape, percentile, ttft_ms, tpot_ms, e2e_ms, ttfot_ms, ttst_ms}], the first for a "
+        "request's shape "
         "(none: every shape) judges it",
         "route",
         flag=None,

@@ -92,7 +92,7 @@ def _route(
 
 
 _SHAPE_KEYS = ("min_input_tokens", "max_input_tokens", "min_output_tokens", "max_output_tokens")
-_OBJECTIVE_KEYS = ("shape", "percentile", "ttft_ms", "tpot_ms", "e2e_ms")
+_OBJECTIVE_KEYS = ("shape", "percentile", "ttft_ms", "tpot_ms", "e2e_ms", "ttfot_ms", "ttst_ms")
 
 
 def objectives(raw: Any, what: str) -> tuple[SLO, ...]:
@@ -112,11 +112,11 @@ def objectives(raw: Any, what: str) -> tuple[SLO, ...]:
                 raise unknown(f"{where}: ", key, _OBJECTIVE_KEYS)
         limits = {
             k: checked(options.number(unit="milliseconds"), item[f"{k}_ms"], f"{where}.{k}_ms") / 1000
-            for k in ("ttft", "tpot", "e2e")
+            for k in ("ttft", "tpot", "e2e", "ttfot", "ttst")
             if item.get(f"{k}_ms") is not None
         }
         if not limits:
-            raise ConfigError(f"{where}: give at least one of ttft_ms, tpot_ms, e2e_ms")
+            raise ConfigError(f"{where}: give at least one of ttft_ms, tpot_ms, e2e_ms, ttfot_ms, ttst_ms")
         shape = item.get("shape")
         if shape is not None:
             shape = str(shape)

@@ -55,15 +55,20 @@ class SLO:
     percentile: float = default("slo_percentile")
     #: The request shape this objective holds for (``Shape.name``); None: every shape.
     shape: str | None = None
+    #: Time to the first output token (the answer's first chunk, after any reasoning) and to the second token (after
+    #: ``shape``: positional constructions of the first three figures keep their meaning).
+    ttfot: float | None = None
+    ttst: float | None = None
 
     @property
     def configured(self) -> bool:
         """True when at least one objective is set."""
-        return any(v is not None for v in (self.ttft, self.tpot, self.e2e))
+        return any(v is not None for v in self.limits().values())
 
     def limits(self) -> dict[str, float]:
-        """The configured objectives by figure (``ttft``, ``tpot``, ``e2e``), in seconds."""
-        return {k: v for k, v in (("ttft", self.ttft), ("tpot", self.tpot), ("e2e", self.e2e)) if v is not None}
+        """The configured objectives by figure (``ttft``, ``tpot``, ``e2e``, ``ttfot``, ``ttst``), in seconds."""
+        pairs = (self.ttft, self.tpot, self.e2e, self.ttfot, self.ttst)
+        return {k: v for k, v in zip(("ttft", "tpot", "e2e", "ttfot", "ttst"), pairs, strict=True) if v is not None}
 
 
 #: The shape of a request no configured class takes (or whose input tokens are unknown).

@@ -71,7 +71,7 @@ def request_headers(
     headers go too (the operator's ``forward_llmtap_headers``). ``objectives``: the caller's per-request objectives
     (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) go too (``forward_slo_headers``: an upstream that routes by them).
     """
-    drop = HOP_BY_HOP | _connection_listed(headers) | {b"host"}
+    drop = _connection_listed(headers) | HOP_BY_HOP | {b"host"}
     if not objectives:
         drop |= OBJECTIVE_HEADERS.keys()
     if trace is not None:
@@ -105,7 +105,7 @@ def response_headers(
     relay sends the body decompressed, so without its Content-Encoding.
     """
     headers = list(headers)
-    drop = HOP_BY_HOP | _connection_listed(headers)
+    drop = _connection_listed(headers) | HOP_BY_HOP
     if body_changed or status in BODILESS:
         drop |= {b"content-length"}
     if decoded:

@@ -9,7 +9,9 @@ connection kept or closed, the next request's turn), so the server goes on exact
 
 Only an answer uvicorn frames by its Content-Length goes here: a HEAD request, a 204 or 304, an answer without
 Content-Length (chunked framing), a header uvicorn would refuse, a client gone or not taking bytes: ``head_of``
-says None and the relay takes its ordinary path, which behaves as it always did.
+says None and the relay takes its ordinary path, which behaves as it always did. So does every request under a
+uvicorn older than 0.53, whose ``send`` frames the head otherwise (it copies a client's ``Connection: close`` and
+never says ``close`` to an HTTP/1.0 client): the head built here is 0.53's and later's.
 """
 
 from __future__ import annotations
@@ -17,15 +19,29 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
-__all__ = ["Whole", "head_of", "write_whole"]
+__all__ = ["MIRRORED", "Whole", "head_of", "write_whole"]
 
 #: A body up to this is joined to its head (one buffer, one write); a larger one is written beside it, not copied.
 _JOINED_BYTES = 16 * 1024
 #: Statuses whose answer never has a body, whatever it says: uvicorn frames them apart.
 _BODILESS = frozenset({204, 304})
+
+
+def _mirrored(version: str) -> bool:
+    """Whether this uvicorn's ``send`` writes the head ``head_of`` builds (0.53 and later)."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (0, 53)
+
+
+#: Whether answers go at once under the uvicorn installed; when not, every answer takes the ordinary path.
+MIRRORED = _mirrored(uvicorn.__version__)
 
 
 class Whole:
@@ -43,7 +59,8 @@ def head_of(cycle: Any, status: int, headers: Iterable[tuple[bytes, bytes]], siz
     headers first, names lower-cased, ``connection: close`` when the connection is not kept); None when the
     answer cannot go at once."""
     if (
-        cycle.response_started
+        not MIRRORED
+        or cycle.response_started
         or cycle.disconnected
         or cycle.flow.write_paused
         or status in _BODILESS

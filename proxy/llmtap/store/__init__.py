@@ -8,10 +8,10 @@ bootstrap from the sorted values, so every source gives the same figures, interv
 
 The facts are defined over the flat columns of a record (``COLUMNS``): ``time_s``, ``route``,
 ``model``, ``shape``, ``prompt_version``, ``outcome``, ``stream``, ``slo``, ``ttft``, ``tpot``,
-``e2e``, ``prefill``, ``prefill_source``, ``input_tokens``, ``cache_read_tokens``, ``cache_class``,
-``obj_shape``, ``obj_percentile``, ``obj_ttft``, ``obj_tpot``, ``obj_e2e``, ``trace_id``, ``span_id``,
-``record_id``, ``instance_id``, ``cost``, ``ro_ttft``, ``ro_tpot``. A record without a readable time belongs to
-no window and is left out (counted).
+``e2e``, ``ttfot``, ``ttst``, ``prefill``, ``prefill_source``, ``input_tokens``, ``cache_read_tokens``,
+``cache_class``, ``obj_shape``, ``obj_percentile``, ``obj_ttft``, ``obj_tpot``, ``obj_e2e``, ``obj_ttfot``,
+``obj_ttst``, ``trace_id``, ``span_id``, ``record_id``, ``instance_id``, ``cost``, ``ro_ttft``, ``ro_tpot``. A record
+without a readable time belongs to no window and is left out (counted).
 
 Every source skips, names and counts what it cannot read (a damaged file, a line that is not a record: the
 causes are ``llmtap.store.skips.CAUSES``) and answers from the rest; and each source counts a record once by
@@ -80,6 +80,8 @@ COLUMNS: dict[str, str] = {
     "ttft": "float",
     "tpot": "float",
     "e2e": "float",
+    "ttfot": "float",  # time to the first output token (after any reasoning); TTFT without reasoning
+    "ttst": "float",  # time to the second token; null for a stream of one content chunk (absent, never 0)
     "prefill": "float",
     "prefill_source": "str",
     "input_tokens": "int",  # tokens.input
@@ -90,6 +92,8 @@ COLUMNS: dict[str, str] = {
     "obj_ttft": "float",  # objective.ttft
     "obj_tpot": "float",
     "obj_e2e": "float",
+    "obj_ttfot": "float",
+    "obj_ttst": "float",
     "trace_id": "str",
     "span_id": "str",  # with trace_id, what identifies a record without a record_id (counted once)
     "record_id": "str",  # what identifies a record, traced or not (counted once)
@@ -101,7 +105,7 @@ COLUMNS: dict[str, str] = {
 #: A value of the wrong type (a string where a number belongs, a boolean for a number) reads as null.
 
 #: The figures of an objective.
-FIGURES = ("ttft", "tpot", "e2e")
+FIGURES = ("ttft", "tpot", "e2e", "ttfot", "ttst")
 #: The figures a request's own objective bounds (``x-slo-*`` headers), each the column of its outcome, and the
 #: outcomes a group counts (any other value is counted as neither).
 REQUEST_OBJECTIVES = {"ttft": "ro_ttft", "tpot": "ro_tpot"}
@@ -132,10 +136,12 @@ class Objective:
     ttft: float | None
     tpot: float | None
     e2e: float | None
+    ttfot: float | None = None
+    ttst: float | None = None
 
-    def order(self) -> tuple[float, float, float, float, str]:
+    def order(self) -> tuple[float, float, float, float, float, float, str]:
         """How two objectives of records at the same moment are ranked (the greater wins)."""
-        limits = (-1.0 if v is None else v for v in (self.ttft, self.tpot, self.e2e))
+        limits = (-1.0 if v is None else v for v in (self.ttft, self.tpot, self.e2e, self.ttfot, self.ttst))
         return (self.percentile, *limits, self.shape or "")  # type: ignore[return-value]
 
 
@@ -155,7 +161,7 @@ class Group:
     input_tokens: int = 0
     cached_tokens: int = 0
     #: The objective of the newest record whose objective is valid (0 < obj_percentile < 1 and at least one
-    #: limit): greatest time_s, ties broken by the greatest (percentile, ttft, tpot, e2e, shape), a null
+    #: limit): greatest time_s, ties broken by the greatest (percentile, ttft, tpot, e2e, ttfot, ttst, shape), a null
     #: limit as -1 and a null shape as ''; and that record's time_s.
     objective: Objective | None = None
     objective_time: float = 0.0
@@ -174,6 +180,10 @@ class Group:
     prefill: array[float] = field(default_factory=lambda: array("d"))  # prefill of ok streams with a ttft
     tpot: array[float] = field(default_factory=lambda: array("d"))  # ok records' tpot
     e2e: array[float] = field(default_factory=lambda: array("d"))  # every record's e2e
+    #: ok streams' (stream true) ttfot and ttst where the record has one, whatever its ttft (a stream of one
+    #: content chunk has no ttst: absent, not 0; a stream without reasoning has its ttft as ttfot).
+    ttfot: array[float] = field(default_factory=lambda: array("d"))
+    ttst: array[float] = field(default_factory=lambda: array("d"))
     #: The ``SLOWEST`` ok streams of greatest ttft (those of ``ttft_ok``), as (ttft, trace_id): the slowest
     #: first, ties by trace id (a null trace id as ''), so every source names the same requests.
     slowest: list[tuple[float, str]] = field(default_factory=list)

@@ -1,6 +1,7 @@
 -- llmtap request records in ClickHouse: one row per finished request, every request (unsampled).
 -- The record's fields are columns (nested ones flattened with a prefix: objective_*, slots_*, gaps_*,
--- tokens_*, cache_*); the prompt's regions stay one JSON string (prompt_json). Runs on ClickHouse 18.16
+-- tokens_*, cache_*, cost_*); the prompt's regions and the attribution stay JSON strings (prompt_json,
+-- attribution_json). Runs on ClickHouse 18.16
 -- (Debian's package) and later: no DateTime64 (time_s keeps the milliseconds), no Nullable key columns.
 -- Partitioned by day; ordered for the questions asked: a route, a prompt version, a time range.
 -- {table} is the table's name; llmtap runs this statement when it starts (CREATE ... IF NOT EXISTS),
@@ -80,7 +81,17 @@ CREATE TABLE IF NOT EXISTS {table}
     request_tpot Nullable(Float64),
     request_ttft_outcome Nullable(String),
     request_tpot_outcome Nullable(String),
-    record_id String
+    record_id String,
+    ttfot Nullable(Float64),
+    ttst Nullable(Float64),
+    objective_ttfot Nullable(Float64),
+    objective_ttst Nullable(Float64),
+    upstream_unattributed Nullable(Float64),
+    tokens_cache_write_1h Nullable(Int64),
+    cost_currency Nullable(String),
+    cost_source Nullable(String),
+    cost_prices Nullable(String),
+    attribution_json Nullable(String)
 )
 ENGINE = ReplacingMergeTree
 PARTITION BY toDate(time)

@@ -53,6 +53,8 @@ COLUMNS: dict[str, str] = {
     "ttft": "ttft",
     "tpot": "tpot",
     "e2e": "e2e",
+    "ttfot": "ttfot",
+    "ttst": "ttst",
     "prefill": "prefill",
     "prefill_source": "prefill_source",
     "input_tokens": "tokens_input",
@@ -63,19 +65,25 @@ COLUMNS: dict[str, str] = {
     "obj_ttft": "objective_ttft",
     "obj_tpot": "objective_tpot",
     "obj_e2e": "objective_e2e",
+    "obj_ttfot": "objective_ttfot",
+    "obj_ttst": "objective_ttst",
     "trace_id": "trace_id",
     "instance_id": "instance_id",
     "cost": "cost_amount",
     "ro_ttft": "request_ttft_outcome",
     "ro_tpot": "request_tpot_outcome",
 }
-_FLOATS = {"time_s", "ttft", "tpot", "e2e", "prefill", "obj_percentile", "obj_ttft", "obj_tpot", "obj_e2e", "cost"}
+_FLOATS = {
+    *("time_s", "ttft", "tpot", "e2e", "ttfot", "ttst", "prefill", "cost"),
+    *("obj_percentile", "obj_ttft", "obj_tpot", "obj_e2e", "obj_ttfot", "obj_ttst"),
+}
 _INTS = {"input_tokens", "cache_read_tokens"}
 #: The table's columns the source reads.
 _READ = (
     "time_s route prompt_version shape model outcome slo stream ttft tpot e2e prefill prefill_source tokens_input "
     "tokens_cache_read cache_class objective_shape objective_percentile objective_ttft objective_tpot objective_e2e "
-    "cost_amount trace_id span_id record_id instance_id request_ttft_outcome request_tpot_outcome"
+    "cost_amount trace_id span_id record_id instance_id request_ttft_outcome request_tpot_outcome "
+    "ttfot ttst objective_ttfot objective_ttst"
 ).split()
 #: Each group's records judged by their own objectives, by figure and outcome (``Group.request_objectives``).
 _REQUEST_KEYS = [(figure, outcome) for figure in REQUEST_OBJECTIVES for outcome in REQUEST_OUTCOMES]
@@ -184,10 +192,16 @@ _OK = "outcome = 'ok'"
 _STREAM_TTFT = "stream = 1 AND ttft IS NOT NULL"
 _VALID_OBJECTIVE = (
     "objective_percentile > 0 AND objective_percentile < 1 AND "
-    "(objective_ttft IS NOT NULL OR objective_tpot IS NOT NULL OR objective_e2e IS NOT NULL)"
+    "(objective_ttft IS NOT NULL OR objective_tpot IS NOT NULL OR objective_e2e IS NOT NULL "
+    "OR objective_ttfot IS NOT NULL OR objective_ttst IS NOT NULL)"
 )
-#: How count_met reads a figure: no TPOT (one chunk) or no TTFT (not streamed) is within any limit.
-_LIMITED = {"tpot": "ifNull(tpot, 0)", "ttft": "if(stream = 1, ttft, ifNull(ttft, 0))"}
+#: How count_met reads a figure: no TPOT or TTST (one chunk) or no TTFT or TTFOT (not streamed) is within any limit.
+_LIMITED = {
+    "tpot": "ifNull(tpot, 0)",
+    "ttst": "ifNull(ttst, 0)",
+    "ttft": "if(stream = 1, ttft, ifNull(ttft, 0))",
+    "ttfot": "if(stream = 1, ttfot, ifNull(ttfot, 0))",
+}
 #: A group's key with its nulls as a value, so IN matches them (NULL equals nothing in SQL).
 _NOT_NULL = "ifNull(k, '\\0'), ifNull(r, '\\0'), ifNull(s, '\\0')"
 #: The sorted values of a group: each figure's name in ``Group``, its column and the records it takes.
@@ -197,6 +211,8 @@ _FIGURE_QUERIES = (
     ("prefill", "prefill", f"{_STREAM_TTFT} AND {_OK} AND prefill IS NOT NULL"),
     ("tpot", "tpot", f"{_OK} AND tpot IS NOT NULL"),
     ("e2e", "e2e", "e2e IS NOT NULL"),
+    ("ttfot", "ttfot", f"{_OK} AND stream = 1 AND ttfot IS NOT NULL"),
+    ("ttst", "ttst", f"{_OK} AND stream = 1 AND ttst IS NOT NULL"),
 )
 _GroupKey = tuple[str | None, str | None, str | None]
 
@@ -367,15 +383,16 @@ class ClickHouseSource:
         reference ranks them (ties are rare, and only they come back more than once)."""
         newest = self._query(
             f"SELECT {group_by}, time_s, objective_shape, objective_percentile, objective_ttft, objective_tpot, "
-            f"objective_e2e FROM {rows} WHERE {_VALID_OBJECTIVE} AND ({_NOT_NULL}, time_s) IN "
+            f"objective_e2e, objective_ttfot, objective_ttst FROM {rows} "
+            f"WHERE {_VALID_OBJECTIVE} AND ({_NOT_NULL}, time_s) IN "
             f"(SELECT {_NOT_NULL}, max(time_s) FROM (SELECT {group_by}, time_s FROM {rows} "
             f"WHERE {_VALID_OBJECTIVE}) GROUP BY k, r, s)"
         )
-        for k, r, s, t, shape, pct, ttft, tpot, e2e in _tsv(newest):
+        for k, r, s, t, shape, pct, *limits in _tsv(newest):
             held = groups.get((k, r, s))
             if held is None or t is None or pct is None:
                 continue
-            obj = Objective(shape, _round(pct), *(None if v is None else _round(v) for v in (ttft, tpot, e2e)))
+            obj = Objective(shape, _round(pct), *(None if v is None else _round(v) for v in limits))
             if held.objective is None or obj.order() > held.objective.order():
                 held.objective, held.objective_time = obj, _round(t)
 

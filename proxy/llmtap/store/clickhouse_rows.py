@@ -52,6 +52,11 @@ def record_id(record: Mapping[str, Any]) -> str:
     return "-" + uuid.uuid4().hex
 
 
+def _json(value: Any) -> str | None:
+    """A nested part kept whole as compact JSON (None stays null)."""
+    return None if value is None else json.dumps(value, separators=(",", ":"))
+
+
 def _request_objective(record: Mapping[str, Any]) -> dict[str, Any]:
     """The request's own objectives (``x-slo-*``): each limit and its outcome, as columns."""
     asked = _part(record, "request_objective")
@@ -69,7 +74,8 @@ def flat_row(record: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     objective, slots, gaps = _part(record, "objective"), _part(record, "slots"), _part(record, "gaps")
     tokens, cache = _part(record, "tokens"), _part(record, "cache")
-    prompt = record.get("prompt")
+    prompt, attribution = record.get("prompt"), record.get("attribution")
+    cost = _part(record, "cost")
     row = {
         "schema": record.get("llmtap_record"),
         "time": int(t),
@@ -98,6 +104,8 @@ def flat_row(record: Mapping[str, Any]) -> dict[str, Any] | None:
         "objective_ttft": objective.get("ttft"),
         "objective_tpot": objective.get("tpot"),
         "objective_e2e": objective.get("e2e"),
+        "objective_ttfot": objective.get("ttfot"),
+        "objective_ttst": objective.get("ttst"),
         "prompt_version": record.get("prompt_version") or "",
         "slots_value": slots.get("value"),
         "slots_source": slots.get("source"),
@@ -113,20 +121,25 @@ def flat_row(record: Mapping[str, Any]) -> dict[str, Any] | None:
         "tokens_cache_read": tokens.get("cache_read"),
         "tokens_cache_write": tokens.get("cache_write"),
         "tokens_reasoning": tokens.get("reasoning"),
-        "prompt_json": None if prompt is None else json.dumps(prompt, separators=(",", ":")),
+        "tokens_cache_write_1h": tokens.get("cache_write_1h"),
+        "prompt_json": _json(prompt),
         "cache_class": cache.get("class"),
         "cache_changed_region": cache.get("changed_region"),
         "cache_expected_prefix_tokens": cache.get("expected_prefix_tokens"),
         "cache_cached_tokens": cache.get("cached_tokens"),
         "cache_min_tokens": cache.get("min_tokens"),
-        "cost_amount": _part(record, "cost").get("amount"),
-        "cost_status": _part(record, "cost").get("status"),
+        "cost_amount": cost.get("amount"),
+        "cost_status": cost.get("status"),
+        "cost_currency": cost.get("currency"),
+        "cost_source": cost.get("source"),
+        "cost_prices": cost.get("prices"),
+        "attribution_json": _json(attribution),
         **_request_objective(record),
         "record_id": record_id(record),
     }
-    for name in ("ttft", "ttfb", "upstream_ttft", "tpot", "e2e", "queue", "queue_source", "prefill"):
+    for name in ("ttft", "ttfot", "ttst", "ttfb", "upstream_ttft", "tpot", "e2e", "queue", "queue_source", "prefill"):
         row[name] = record.get(name)
-    for name in ("prefill_source", "decode", "server_decode"):
+    for name in ("prefill_source", "decode", "server_decode", "upstream_unattributed"):
         row[name] = record.get(name)
     # A value of the wrong type reads as null (as every source reads it), so one odd record cannot make
     # ClickHouse refuse its whole batch. Plain type checks, no call per column: this runs for every record.

@@ -153,8 +153,8 @@ class EngineSource:
         for statement in settings:
             self._con.execute(statement)
         self._con.execute(MACROS)
-        #: Per group, each part's (ok, ttft, tpot, e2e) as fetched: what count_met reads (unsorted).
-        self._ok: dict[_GroupKey, list[tuple[Any, Any, Any, Any]]] = {}
+        #: Per group, each part's (ok, ttft, tpot, e2e, ttfot, ttst) as fetched: what count_met reads (unsorted).
+        self._ok: dict[_GroupKey, list[tuple[Any, ...]]] = {}
         self._ok_of: tuple[Filter, By, dict[_GroupKey, _GroupKey]] | None = None
         #: Files DuckDB could not read: a plain copy of what Python read of them (None: nothing), and what that
         #: read counted; kept for the next scan.
@@ -353,8 +353,8 @@ class EngineSource:
         o = _cell(got, "objective", r)
         if o is not None:
             # The rank the part's arg_max chose by, again: the newest, then the objective's order.
-            facts.ranks[gk] = (o["at"], o["p"], *(-1 if o[f] is None else o[f] for f in "toe"), o["s"] or "")
-            g.objective = Objective(o["s"], float(o["p"]), o["t"], o["o"], o["e"])
+            facts.ranks[gk] = (o["at"], o["p"], *(-1 if o[f] is None else o[f] for f in "toefn"), o["s"] or "")
+            g.objective = Objective(o["s"], float(o["p"]), o["t"], o["o"], o["e"], o["f"], o["n"])
             g.objective_time = float(o["at"])
         for cls, n in (_cell(got, "classes", r) or {}).items():
             g.classes[str(cls)] = g.classes.get(str(cls), 0) + int(n)
@@ -515,7 +515,7 @@ class EngineSource:
         gk: _GroupKey,
         got: dict[str, Any],
         kept: dict[tuple[_GroupKey, str], list[Any]],
-        ok_values: dict[_GroupKey, list[tuple[Any, Any, Any, Any]]],
+        ok_values: dict[_GroupKey, list[tuple[Any, ...]]],
     ) -> None:
         """A group's values in one part, as numpy buffers (a null as NaN), appended per figure; and the
         part's columns as they are, for ``count_met`` (which picks the ok records' only when asked)."""
@@ -527,6 +527,7 @@ class EngineSource:
         ok, stream = (flags & 2) != 0, (flags & 1) != 0
         ttft, tpot = np.asarray(got["ttft"], dtype=np.float64), np.asarray(got["tpot"], dtype=np.float64)
         e2e, prefill = np.asarray(got["e2e"], dtype=np.float64), np.asarray(got["prefill"], dtype=np.float64)
+        ttfot, ttst = np.asarray(got["ttfot"], dtype=np.float64), np.asarray(got["ttst"], dtype=np.float64)
         streamed = stream & ~np.isnan(ttft)
         ttft_ok = streamed & ok
         masks = {
@@ -535,9 +536,21 @@ class EngineSource:
             "prefill": (prefill, ttft_ok & ~np.isnan(prefill)),
             "tpot": (tpot, ok & ~np.isnan(tpot)),
             "e2e": (e2e, ~np.isnan(e2e)),
+            "ttfot": (ttfot, ok & stream & ~np.isnan(ttfot)),
+            "ttst": (ttst, ok & stream & ~np.isnan(ttst)),
         }
-        # count_met's TTFT: a non-stream has none, and its TTFT limit does not apply (as the proxy judges it).
-        ok_values.setdefault(gk, []).append((ok, np.where(~stream & np.isnan(ttft), 0.0, ttft), tpot, e2e))
+        # count_met's TTFT and TTFOT: a non-stream has none, and those limits do not apply (as the proxy judges it).
+        unstreamed = ~stream
+        ok_values.setdefault(gk, []).append(
+            (
+                ok,
+                np.where(unstreamed & np.isnan(ttft), 0.0, ttft),
+                tpot,
+                e2e,
+                np.where(unstreamed & np.isnan(ttfot), 0.0, ttfot),
+                ttst,
+            )
+        )
         for attr, (column, mask) in masks.items():
             picked = column[mask]
             if len(picked):
@@ -563,14 +576,18 @@ class EngineSource:
             parts = self._ok.get(gh)
             if not parts:
                 continue
-            ttft, tpot, e2e = (np.concatenate([p[i][p[0]] for p in parts]) for i in (1, 2, 3))
+            ttft, tpot, e2e, ttfot, ttst = (np.concatenate([p[i][p[0]] for p in parts]) for i in (1, 2, 3, 4, 5))
+            # A null TPOT or TTST (one chunk) is within any limit; any other null (NaN) is past it.
+            values = {
+                "ttft": ttft,
+                "tpot": np.nan_to_num(tpot, nan=0.0),
+                "e2e": e2e,
+                "ttfot": ttfot,
+                "ttst": np.nan_to_num(ttst, nan=0.0),
+            }
             met = np.ones(len(ttft), dtype=bool)
-            if lim.get("ttft") is not None:
-                met &= ttft <= lim["ttft"]
-            if lim.get("tpot") is not None:
-                met &= np.nan_to_num(tpot, nan=0.0) <= lim["tpot"]
-            if lim.get("e2e") is not None:
-                met &= e2e <= lim["e2e"]
+            for figure, limit in lim.items():
+                met &= values[figure] <= limit
             n = int(np.count_nonzero(met))
             if n:
                 out[(key, route, shape)] = n

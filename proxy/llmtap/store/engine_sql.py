@@ -58,6 +58,10 @@ _PATHS = (
     "$.record_id",  # a record's identity (``_IDENT``)
     "$.request_objective.ttft_outcome",
     "$.request_objective.tpot_outcome",
+    "$.ttfot",
+    "$.ttst",
+    "$.objective.ttfot",
+    "$.objective.ttst",
 )
 #: A value's JSON type read from its first character (the extracted text is minimal JSON): cheaper than
 #: parsing it again, and exactly Python's view (a string is never a number, a boolean never a number).
@@ -104,6 +108,10 @@ _JSON_COLUMNS = {
     "record_id": "j_str(j[26])",
     "ro_ttft": "j_str(j[27])",
     "ro_tpot": "j_str(j[28])",
+    "ttfot": "j_num(j[29])",
+    "ttst": "j_num(j[30])",
+    "obj_ttfot": "j_num(j[31])",
+    "obj_ttst": "j_num(j[32])",
 }
 _KINDS = {"float": "DOUBLE", "str": "VARCHAR", "int": "BIGINT", "bool": "BOOLEAN"}
 #: Where each flat column sits in a Parquet file of nested records (a flat one names them as COLUMNS).
@@ -117,13 +125,18 @@ _NESTED = {
     "obj_ttft": ("objective", "ttft"),
     "obj_tpot": ("objective", "tpot"),
     "obj_e2e": ("objective", "e2e"),
+    "obj_ttfot": ("objective", "ttfot"),
+    "obj_ttst": ("objective", "ttst"),
     "cost": ("cost", "amount"),
     "ro_ttft": ("request_objective", "ttft_outcome"),
     "ro_tpot": ("request_objective", "tpot_outcome"),
 }
 _NUMERIC = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT")
 _FLOATS = ("FLOAT", "DOUBLE", "DECIMAL")
-_OBJ_VALID = "obj_percentile > 0 AND obj_percentile < 1 AND coalesce(obj_ttft, obj_tpot, obj_e2e) IS NOT NULL"
+_OBJ_VALID = (
+    "obj_percentile > 0 AND obj_percentile < 1 "
+    "AND coalesce(obj_ttft, obj_tpot, obj_e2e, obj_ttfot, obj_ttst) IS NOT NULL"
+)
 #: What a record's identity is hashed from: its ``record_id``, else (a record of an older version) its trace and span
 #: ids; cheap enough for every row, and equal for two copies of one record (``llmtap.store.files.identity``).
 _HASHED = "coalesce(record_id, trace_id || ':' || span_id)"
@@ -322,7 +335,7 @@ BUCKET = 32
 #: Each group's records as lists (a null figure as NaN: no figure is NaN), split by numpy after.
 LISTS = {
     "flags": "list(coalesce(outcome = 'ok', false)::UTINYINT * 2 + coalesce(stream, false)::UTINYINT)",
-    **{name: f"list(coalesce({name}, 'nan'::DOUBLE))" for name in ("ttft", "tpot", "e2e", "prefill")},
+    **{name: f"list(coalesce({name}, 'nan'::DOUBLE))" for name in ("ttft", "tpot", "e2e", "prefill", "ttfot", "ttst")},
 }
 
 
@@ -344,7 +357,7 @@ def grouping(key: str, cond: str, *, dedupe: bool = False) -> str:
     ok_stream = "outcome = 'ok' AND stream AND ttft IS NOT NULL"
     rank = (
         "(time_s, obj_percentile, coalesce(obj_ttft, -1), coalesce(obj_tpot, -1), coalesce(obj_e2e, -1),"
-        " coalesce(obj_shape, ''))"
+        " coalesce(obj_ttfot, -1), coalesce(obj_ttst, -1), coalesce(obj_shape, ''))"
     )
     on_record = ", ".join(f"CASE WHEN kind = 'record' THEN {c} END AS {c}" for c in ("key", "route", "shape"))
     dropped = "WHEN pos IN (SELECT pos FROM llmtap_drop) THEN 'duplicate'" if dedupe else ""
@@ -354,7 +367,8 @@ SELECT kind, key, route, shape, fi, bucket,
   min(time_s) AS first, max(time_s) AS last,
   coalesce(sum(input_tokens) FILTER (outcome = 'ok' AND input_tokens IS NOT NULL), 0) AS input_tokens,
   coalesce(sum(coalesce(cache_read_tokens, 0)) FILTER (outcome = 'ok' AND input_tokens IS NOT NULL), 0) AS cached,
-  arg_max({{'s': obj_shape, 'p': obj_percentile, 't': obj_ttft, 'o': obj_tpot, 'e': obj_e2e, 'at': time_s}},
+  arg_max({{'s': obj_shape, 'p': obj_percentile, 't': obj_ttft, 'o': obj_tpot, 'e': obj_e2e, 'f': obj_ttfot,
+           'n': obj_ttst, 'at': time_s}},
           {rank}) FILTER ({_OBJ_VALID}) AS objective,
   histogram(cache_class) FILTER (cache_class IS NOT NULL) AS classes,
   list(DISTINCT coalesce(prefill_source, 'unknown')) FILTER ({ok_stream} AND prefill IS NOT NULL) AS sources,

@@ -36,6 +36,9 @@ from llmtap.store.files import find, identity, inspect, read_file
 __all__ = ["PythonSource"]
 
 _INT64 = 2**63
+_Order = tuple[float, float, float, float, float, float, str]
+#: The limits a record's objective may hold, in ``Objective``'s order.
+OBJECTIVE_FIGURES = ("ttft", "tpot", "e2e", "ttfot", "ttst")
 
 
 def _num(value: Any) -> float | None:
@@ -65,12 +68,12 @@ def _dict(value: Any) -> dict[str, Any]:
 #: The fields a record is read by (as ``llmtap.store.COLUMNS``), each with what reads it; time apart.
 _FIELDS: tuple[tuple[tuple[str, ...], Any], ...] = (
     *(((name,), _str) for name in ("route", "model", "shape", "prompt_version", "outcome", "slo", "prefill_source")),
-    *(((name,), _num) for name in ("ttft", "tpot", "e2e", "prefill")),
+    *(((name,), _num) for name in ("ttft", "tpot", "e2e", "ttfot", "ttst", "prefill")),
     (("tokens", "input"), _int),
     (("tokens", "cache_read"), _int),
     (("cache", "class"), _str),
     (("objective", "shape"), _str),
-    *((("objective", name), _num) for name in ("percentile", "ttft", "tpot", "e2e")),
+    *((("objective", name), _num) for name in ("percentile", *OBJECTIVE_FIGURES)),
     (("trace_id",), _str),
     (("span_id",), _str),
     (("record_id",), _str),
@@ -110,7 +113,7 @@ def objective(raw: Any) -> Objective | None:
     """A record's objective, when valid: 0 < percentile < 1 and at least one limit."""
     obj = _dict(raw)
     share = _num(obj.get("percentile"))
-    limits = [_num(obj.get(k)) for k in ("ttft", "tpot", "e2e")]
+    limits = [_num(obj.get(k)) for k in OBJECTIVE_FIGURES]
     if share is None or not 0 < share < 1 or all(v is None for v in limits):
         return None
     return Objective(_str(obj.get("shape")), share, *limits)
@@ -128,6 +131,11 @@ def _figures(g: Group, rec: dict[str, Any], ok: bool, stream: bool) -> None:
         if ok and prefill is not None:
             g.prefill.append(prefill)
             g.prefill_sources.add(_str(rec.get("prefill_source")) or "unknown")
+    ttfot, ttst = _num(rec.get("ttfot")), _num(rec.get("ttst"))
+    if ok and stream and ttfot is not None:
+        g.ttfot.append(ttfot)
+    if ok and stream and ttst is not None:
+        g.ttst.append(ttst)
     tpot, e2e = _num(rec.get("tpot")), _num(rec.get("e2e"))
     if ok and tpot is not None:
         g.tpot.append(tpot)
@@ -201,7 +209,7 @@ class PythonSource:
         skips = Skips()
         counts = [0]
         groups: dict[tuple[str | None, str | None, str | None], Group] = {}
-        ranks: dict[tuple[str | None, str | None, str | None], tuple[float, tuple[float, float, float, float, str]]]
+        ranks: dict[tuple[str | None, str | None, str | None], tuple[float, _Order]]
         ranks = {}
         for rec in self._rows(where, skips, counts):
             t: float = rec["time_s"]
@@ -244,7 +252,7 @@ class PythonSource:
                 g.input_tokens += inp
                 g.cached_tokens += _int(tokens.get("cache_read")) or 0
         for g in groups.values():
-            for name in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e"):
+            for name in ("ttft_ok", "ttft_failed", "prefill", "tpot", "e2e", "ttfot", "ttst"):
                 setattr(g, name, array("d", sorted(getattr(g, name))))
             g.slowest = slowest([g.slowest])
         return Scan(list(groups.values()), self.describe(), counts[0], len(self.files), skips)
@@ -261,8 +269,10 @@ class PythonSource:
             met = True
             for figure, limit in limits[(route, shape)].items():
                 value = _num(rec.get(figure))
-                if value is None and (figure == "tpot" or (figure == "ttft" and rec.get("stream") is not True)):
-                    value = 0.0  # no TPOT (one chunk), or no TTFT (not streamed): that limit does not apply
+                if value is None and (
+                    figure in ("tpot", "ttst") or (figure in ("ttft", "ttfot") and rec.get("stream") is not True)
+                ):
+                    value = 0.0  # no TPOT or TTST (one chunk), or no TTFT (not streamed): that limit does not apply
                 if value is None or value > limit:
                     met = False
             if met:

@@ -255,6 +255,10 @@ class Tally:
         return out
 
 
+#: The figures whose objectives the page judges: those a tally keeps.
+LIVE_FIGURES = ("ttft", "tpot", "e2e")
+
+
 def verdict(tally: Tally, objective: SLO | None, exact: dict[str, list[float] | None]) -> dict[str, Any] | None:
     """The objective's checks over a tally: each percentile (exact where ``exact`` holds the values, else read
     from the buckets as ``Hist.figures`` reads it) against its limit.
@@ -266,6 +270,8 @@ def verdict(tally: Tally, objective: SLO | None, exact: dict[str, list[float] | 
         return None
     checks = []
     for figure, limit in objective.limits().items():
+        if figure not in LIVE_FIGURES:
+            continue  # not tallied here (TTFOT, TTST): ``llmtap slo`` judges them from records or Prometheus
         hist: Hist = getattr(tally, figure)
         values = exact[figure]
         if values is not None:
