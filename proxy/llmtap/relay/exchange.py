@@ -399,8 +399,8 @@ class Exchange:
             return False
         tape = self.tape
         full = False
+        conn.take_whole()
         if body:
-            conn.take()
             full = tape.read(now(), body)
         await self._answered()
         write_whole(self.cycle, whole, status, body)
@@ -483,8 +483,9 @@ class Exchange:
             # never refused for its own finished request.
             self.admitted = False
             self.admission.release()
-        assert self.answer is not None
-        self.tape.surplus = await self.answer.surplus()
+        answer, self.answer = self.answer, None  # released here, and only here
+        assert answer is not None
+        self.tape.surplus = await answer.aclose()
         if self.watch is not None:
             # Before the last byte goes: the disconnect the server reports after it is not a cancellation.
             self.watch.stop()

@@ -3,7 +3,7 @@
 Before this, a relayed chunk went from the upstream protocol's queue to a waiting task (a future woken, a
 task step), through httpx's body iterator, then through ASGI ``send`` into uvicorn, which awaited its flow
 control before writing: about three quarters of the relay's CPU per chunk (issue 29). Here the lean
-upstream client hands each part to ``Pipe`` while it is still in ``data_received`` (``Connection.attach``): one
+upstream client hands each part to ``Pipe`` while it is still in ``data_received`` (``Connection.carry``): one
 timestamp of the read, the tape's append, the usage filter when it runs, one ``transport.write`` in the
 framing uvicorn chose for the response (chunked, or counted against its Content-Length), one timestamp of
 the write. The relay's task sleeps until the response ends, fails, or the client stops taking bytes.
@@ -82,9 +82,7 @@ class Pipe:
 
         Raises what the upstream's read raised (``UpstreamError``), ``ClientGone``, or a failure of the sink.
         """
-        # Known before the first part comes: parts queued already go to the sink inside ``attach``.
-        self._conn = conn
-        conn.attach(self)
+        self._conn = conn  # known before the first part comes: parts queued already go to the sink in ``carry``
         try:
             return await self._relay(conn, timeouts)
         except BaseException:
@@ -95,9 +93,9 @@ class Pipe:
 
     async def _relay(self, conn: Any, timeouts: Mapping[str, float | None]) -> UsageEventFilter | None:
         cycle = self._cycle
+        # Read at every wait: the relay switches to its idle timeout once the head is in.
+        await conn.carry(self, timeouts.get("read"))
         while True:
-            # Read at every wait: the relay switches to its idle timeout once the head is in.
-            await conn.until_moved(timeouts.get("read"))
             if self.error is not None:
                 raise self.error
             if conn.done:
@@ -112,3 +110,4 @@ class Pipe:
                 await asyncio.sleep(GONE_WAIT)
                 raise ClientGone
             conn.release()
+            await conn.until_moved(timeouts.get("read"))

@@ -20,6 +20,7 @@ class Body(httpx.AsyncByteStream):
         self._timeouts = timeouts
         self._released = False
         self._surplus = 0
+        self._exchange = conn.exchanges
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn = self._conn
@@ -50,19 +51,26 @@ class Body(httpx.AsyncByteStream):
 
     def surplus(self) -> int:
         """Bytes the upstream sent past this response's end (its connection was closed for them)."""
-        return self._surplus if self._released else self._conn.surplus
+        return self._surplus if self._released or self._settled() else self._conn.surplus
 
     def close(self) -> None:
         """Release the connection (``aclose`` without the wait): exactly once, whoever asks."""
         self._release()
+
+    def _settled(self) -> bool:
+        """The connection went back to the pool at this body's clean end (``Connection.carry``, ``take_whole``):
+        parked, or serving another exchange by now."""
+        return self._conn.parked or self._conn.exchanges != self._exchange
 
     def _release(self) -> None:
         if self._released:
             return  # a second close must not touch a connection that may serve another response by now
         self._released = True
         conn = self._conn
+        if self._settled():
+            return  # in the pool already, nothing past its end
         self._surplus = conn.surplus
-        conn.pool.release(conn)
+        conn.settle()
 
 
 class Answer:
@@ -86,13 +94,12 @@ class Answer:
             yield part
         self.body.close()
 
-    async def surplus(self) -> int:
-        """Bytes the upstream sent past the response's end (its connection is closed for them)."""
-        return self.body.surplus()
-
-    async def aclose(self) -> None:
-        """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits."""
+    async def aclose(self) -> int:
+        """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits.
+        Returns the bytes the upstream sent past the response's end (its connection is closed for them): the
+        relay takes both at the response's end in one call."""
         self.body.close()
+        return self.body.surplus()
 
     def abandon(self) -> None:
         """Release the connection closed, however cleanly the exchange ended: the relay refused this response."""

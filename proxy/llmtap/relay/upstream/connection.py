@@ -24,7 +24,7 @@ from llmtap.relay.upstream.http11 import Http11, Pieces, Sink
 if TYPE_CHECKING:
     from llmtap.relay.upstream.pool import Pool
 
-__all__ = ["QUEUE_BYTES", "WRITE_SLICE", "Connection", "Timeouts"]
+__all__ = ["QUEUE_BYTES", "WRITE_SLICE", "Connection", "Stale", "Timeouts"]
 
 #: Body bytes queued and not yet taken by the relay past which the socket stops being read.
 QUEUE_BYTES = 64 * 1024
@@ -33,6 +33,11 @@ _JOINED_BYTES = 64 * 1024
 WRITE_SLICE = 256 * 1024
 #: ``request.extensions["timeout"]``: connect, read, write and pool, in seconds or None.
 Timeouts = Mapping[str, Any]
+
+
+class Stale(Exception):
+    """An idle connection found unfit as an exchange began on it (``Connection.exchange``): closed, nothing
+    written; the transport takes another. Never leaves the upstream client."""
 
 
 def _expire(waiter: asyncio.Future[bool]) -> None:
@@ -72,6 +77,10 @@ class Connection(Http11, asyncio.Protocol):
         self._writing_paused = False
         self._reading_paused = False
         self.active = False
+        #: Parked in the pool since its last exchange: checked (``usable``) before the next is written.
+        self.parked = False
+        #: Exchanges begun on it, the current one included: a body knows by it whether its exchange is settled.
+        self.exchanges = 0
         #: Where body parts go as they arrive (``Body.pipe``); None: they queue in ``parts``.
         self.sink: Sink | None = None
         #: Reading is paused because the sink's client takes no more (``hold``).
@@ -99,7 +108,14 @@ class Connection(Http11, asyncio.Protocol):
     ) -> None:
         """One request on this connection, up to its response's head: the head and body written (``leaving``
         called just before the first byte), then the wait until the head is read. One call from the transport
-        for the whole of it (raises what failed: the connection is then the caller's to release)."""
+        for the whole of it (raises what failed: the connection is then the caller's to release). An idle
+        connection from the pool is checked first: ``Stale``, closed and nothing written, when it is not usable."""
+        self.exchanges += 1
+        if self.parked:
+            self.parked = False
+            if not self.usable():
+                self.abort()
+                raise Stale
         self.begin(head_only=head_only)
         if leaving is not None:
             leaving()
@@ -222,6 +238,15 @@ class Connection(Http11, asyncio.Protocol):
             if self._transport is not None and not self.closed:
                 self._transport.resume_reading()
 
+    async def carry(self, sink: Sink, seconds: float | None) -> None:
+        """Hand the body to ``sink`` (``attach``) and wait until the response ends, fails or is held
+        (``until_moved``): the relay's pipe starts its body in one call. A body that ended cleanly puts its
+        connection back in the pool at once, as a body read to its end does (its ``Body`` sees it settled)."""
+        self.attach(sink)
+        await self.until_moved(seconds)
+        if self.reusable():
+            self.settle()
+
     async def until_moved(self, seconds: float | None) -> None:
         """Under a sink: until the response ends, fails or is held; ``ReadTimeout`` once the socket
         brought nothing for ``seconds`` (one timer for the wait, checked against ``heard`` when it fires)."""
@@ -263,13 +288,17 @@ class Connection(Http11, asyncio.Protocol):
             and not self.closed
         )
 
-    def settle(self) -> bool:
-        """The exchange is over: parked for the next when it ended cleanly (``reusable``, True), else closed."""
-        if self.reusable():
+    def settle(self) -> None:
+        """The exchange is over: parked in the pool for the next when it ended cleanly (``reusable``), else closed.
+        A TLS connection's session goes to its context after its first exchange (``keep_session``)."""
+        if self.unkept is not None:
+            self.keep_session()
+        kept = self.reusable()
+        if kept:
             self.park()
-            return True
-        self.abort()
-        return False
+        else:
+            self.abort()
+        self.pool.release(self, kept=kept)
 
     def keep_session(self) -> None:
         """Hand the TLS session to the context, for the next connection's handshake: once, after the first
@@ -282,6 +311,7 @@ class Connection(Http11, asyncio.Protocol):
     def park(self) -> None:
         """Between exchanges in the pool."""
         self.active = False
+        self.parked = True
         self.sink = None
         self.parts.clear()
         self._queued = 0
@@ -377,6 +407,15 @@ class Connection(Http11, asyncio.Protocol):
             assert self._transport is not None
             self._transport.resume_reading()
             self._reading_paused = False
+        return part
+
+    def take_whole(self) -> bytes:
+        """The body of a response read whole with its head (one part at most), its connection back in the pool at
+        once when the exchange ended cleanly (its ``Body`` sees it settled): the relay takes both in one call."""
+        part = self.parts.popleft() if self.parts else b""
+        self._queued = 0
+        if self.reusable():
+            self.settle()
         return part
 
     def attach(self, sink: Sink) -> None:

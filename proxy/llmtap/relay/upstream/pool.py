@@ -25,15 +25,13 @@ class Pool:
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     async def acquire(self, seconds: float | None) -> Connection | None:
-        """An idle connection, or None when a slot for a new one is reserved; ``PoolTimeout`` when none frees."""
+        """An idle connection, or None when a slot for a new one is reserved; ``PoolTimeout`` when none frees.
+        The idle connection is checked as its exchange begins (``Connection.exchange``; ``drop`` when unfit)."""
         while True:
-            while self.idle:
+            if self.idle:
                 conn = self.idle.pop()  # the most recently used: the likeliest to be open
                 conn.idle = False
-                if conn.usable():
-                    return conn
-                conn.abort()
-                self._forget(conn)
+                return conn
             if self.size < self.limit:
                 self.size += 1
                 return None
@@ -68,16 +66,18 @@ class Pool:
         self.size -= 1
         self._next()
 
-    def release(self, conn: Connection) -> None:
-        """An exchange is over: its connection goes back idle when clean, else it is closed."""
-        if conn.unkept is not None:
-            conn.keep_session()
-        if conn.settle():
+    def release(self, conn: Connection, *, kept: bool) -> None:
+        """An exchange is over (``Connection.settle``): its connection goes back idle when kept, else it is gone."""
+        if kept:
             conn.idle = True
             self.idle.append(conn)
         else:
             self._forget(conn)
         self._next()
+
+    def drop(self, conn: Connection) -> None:
+        """An idle connection taken and found unfit (closed by then): its slot is free for the taker."""
+        self._forget(conn)
 
     def lost(self, conn: Connection) -> None:
         """An idle connection the server closed."""

@@ -15,7 +15,7 @@ import httpx
 
 from llmtap.relay import tls
 from llmtap.relay.upstream.body import Answer, Body
-from llmtap.relay.upstream.connection import Connection, Timeouts
+from llmtap.relay.upstream.connection import Connection, Stale, Timeouts
 from llmtap.relay.upstream.errors import ConnectFailed, ConnectTimeout, UnsupportedScheme
 from llmtap.relay.upstream.http11 import Pieces, chunked_of, head_of, request_head
 from llmtap.relay.upstream.pool import Pool
@@ -135,21 +135,25 @@ class LeanTransport(httpx.AsyncBaseTransport):
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = Pool(self._limit)
-        conn = await pool.acquire(timeouts.get("pool"))
-        if conn is None:
+        while True:
+            conn = await pool.acquire(timeouts.get("pool"))
+            if conn is None:
+                try:
+                    conn = await self._connect(pool, key, timeouts.get("connect"))
+                except BaseException:
+                    pool.unreserve()
+                    raise
+                pool.added(conn)
             try:
-                conn = await self._connect(pool, key, timeouts.get("connect"))
+                await conn.exchange(head, content, timeouts, leaving, chunked=chunked, head_only=head_only)
+            except Stale:
+                pool.drop(conn)  # an idle connection the server closed meanwhile: nothing was sent on it
+                continue
             except BaseException:
-                pool.unreserve()
+                # Failed or cancelled mid-exchange (a body iterator's own error included, which goes on as is).
+                conn.settle()
                 raise
-            pool.added(conn)
-        try:
-            await conn.exchange(head, content, timeouts, leaving, chunked=chunked, head_only=head_only)
-        except BaseException:
-            # Failed or cancelled mid-exchange (a body iterator's own error included, which goes on as is).
-            pool.release(conn)
-            raise
-        return conn
+            return conn
 
     async def _connect(self, pool: Pool, key: _Key, seconds: float | None) -> Connection:
         loop = asyncio.get_running_loop()
