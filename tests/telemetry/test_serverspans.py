@@ -20,6 +20,7 @@ from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Route, Settings, TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.admin.server import AdminApp
+from llmtap.telemetry.emit.spans import wall_ns
 from llmtap.telemetry.fleet.serverspans import (
     MAX_BODY_BYTES,
     PROBE,
@@ -514,7 +515,7 @@ def test_time_the_servers_phases_leave_out_is_a_part_of_its_own(recorder: Record
     assert (gap.attributes or {})[sc.UPSTREAM_UNATTRIBUTED_DURATION] == 0.09375
     # One after the other, from the request going upstream to its first content chunk.
     assert queue.end_time == gap.start_time and gap.end_time == prefill.start_time
-    assert prefill.end_time == tl.wall_ns(0.5 + tl.received)
+    assert prefill.end_time == wall_ns(tl, 0.5 + tl.received)
     assert seconds_of(queue) == pytest.approx(1 / 32 + 0.125, abs=1e-6)  # received, sent, the server's queue
     assert seconds_of(gap) == pytest.approx(0.09375, abs=1e-6)
     assert seconds_of(prefill) == pytest.approx(0.25, abs=1e-6)

@@ -19,6 +19,7 @@ from llmtap.analysis.estimator import ESTIMATED, Estimator, QueuePrefill
 from llmtap.analysis.objectives import judge_request
 from llmtap.analysis.shapes import classify, objective
 from llmtap.analysis.slots import CONFIGURED, Slots
+from llmtap.analysis.stats import sorted_quantile
 from llmtap.analysis.timeline import OK, Timeline
 from llmtap.config.types import DEFAULT_SHAPES, OTHER_SHAPE, SLO, Route, Shape
 from llmtap.providers.timing import validate
@@ -36,8 +37,10 @@ __all__ = [
     "drift_possible",
     "first_output_and_second_token",
     "input_size_class",
+    "itl_samples",
     "proxy_added",
     "reached_model",
+    "settle",
     "slo_outcome",
     "spread",
     "summarize",
@@ -117,22 +120,56 @@ class Summary:
     #: The proxy's own time in the user's TTFT (``proxy_added``), once the request was sent upstream.
     proxy_added: float | None = None
 
-    @property
-    def gap_samples(self) -> list[float]:
-        """The chunk gaps a histogram records: all of them, or ``MAX_SAMPLES`` spread evenly over them."""
-        return list(spread(self.gaps)) if len(self.gaps) > MAX_SAMPLES else self.gaps
+    #: The figures the emitters read, made here once so that they only read (``settle``): the chunk gaps a
+    #: histogram records (all, or ``MAX_SAMPLES`` spread evenly over them), their p50, p95 and p99.
+    gap_samples: list[float] = field(default_factory=list)
+    gap_p50: float | None = None
+    gap_p95: float | None = None
+    gap_p99: float | None = None
+    #: Each chunk gap divided over the tokens its chunk carried, one sample per token (``itl_samples``), and
+    #: their p50 and p99.
+    itl_per_token: list[float] = field(default_factory=list)
+    itl_p50: float | None = None
+    itl_p99: float | None = None
+    #: The relay's delay of each read that a histogram records (all, or ``MAX_SAMPLES`` spread evenly over them),
+    #: and their p99.
+    relay_delay_samples: list[float] = field(default_factory=list)
+    relay_delay_p99: float | None = None
+    #: Whether the request reached the model (``reached_model``).
+    reached_model: bool = False
 
-    @property
-    def itl_per_token(self) -> list[float]:
-        """Each chunk gap divided over the tokens its chunk carried, one sample per token; past ``MAX_SAMPLES``
-        tokens, the samples of tokens spread evenly over the stream (usage may claim millions)."""
-        per_chunk = [(gap / n, n) for gap, n in zip(self.gaps, self.chunk_tokens[1:], strict=False) if n > 0]
-        total = sum(n for _, n in per_chunk)
-        if total <= MAX_SAMPLES:
-            return [itl for itl, n in per_chunk for _ in range(n)]
-        ends = list(accumulate(n for _, n in per_chunk))
-        step = total / MAX_SAMPLES
-        return [per_chunk[bisect_right(ends, int(k * step))][0] for k in range(MAX_SAMPLES)]
+
+def itl_samples(gaps: Sequence[float], chunk_tokens: Sequence[int]) -> list[float]:
+    """Each chunk gap divided over the tokens its chunk carried, one sample per token; past ``MAX_SAMPLES``
+    tokens, the samples of tokens spread evenly over the stream (usage may claim millions)."""
+    per_chunk = [(gap / n, n) for gap, n in zip(gaps, chunk_tokens[1:], strict=False) if n > 0]
+    total = sum(n for _, n in per_chunk)
+    if total <= MAX_SAMPLES:
+        return [itl for itl, n in per_chunk for _ in range(n)]
+    ends = list(accumulate(n for _, n in per_chunk))
+    step = total / MAX_SAMPLES
+    return [per_chunk[bisect_right(ends, int(k * step))][0] for k in range(MAX_SAMPLES)]
+
+
+def settle(tl: Timeline, s: Summary) -> None:
+    """Fill in the samples and quantiles the emitters read, once per request: the emitters then call nothing of
+    the analysis (each of them sorted or spread the same samples again before)."""
+    gaps = s.gaps
+    if gaps:
+        s.gap_samples = list(spread(gaps)) if len(gaps) > MAX_SAMPLES else gaps
+        ordered = sorted(gaps)
+        s.gap_p50 = sorted_quantile(ordered, 0.5)
+        s.gap_p95 = sorted_quantile(ordered, 0.95)
+        s.gap_p99 = sorted_quantile(ordered, 0.99)
+        s.itl_per_token = itl = itl_samples(gaps, s.chunk_tokens)
+        if itl:
+            ordered = sorted(itl)
+            s.itl_p50 = sorted_quantile(ordered, 0.5)
+            s.itl_p99 = sorted_quantile(ordered, 0.99)
+    if tl.relay_delays:
+        s.relay_delay_samples = delays = list(spread(tl.relay_delays))
+        s.relay_delay_p99 = sorted_quantile(sorted(delays), 0.99)
+    s.reached_model = reached_model(tl)
 
 
 def input_size_class(n: int | None) -> str:
@@ -300,6 +337,7 @@ def summarize(
     s.request_outcomes = judge_request(
         tl.request_objective, ok=tl.outcome == OK, streamed=streamed, ttft=s.ttft, tpot=s.tpot
     )
+    settle(tl, s)
     return s
 
 

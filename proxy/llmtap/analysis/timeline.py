@@ -178,10 +178,6 @@ class Timeline:
     #: reference; None: not kept). Opaque here.
     ref: int | None = None
 
-    def wall_ns(self, t: float) -> int:
-        """Epoch nanoseconds of monotonic time ``t`` (span timestamps need wall-clock time)."""
-        return self.received_wall_ns + round((t - self.received) * 1e9)
-
     def apply(self, facts: Facts) -> None:
         """Fold one event's facts (not its content: see ``add_chunk``) into the record."""
         if facts.usage is not None:

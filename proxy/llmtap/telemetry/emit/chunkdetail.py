@@ -106,19 +106,17 @@ def chunk_stats(s: Summary, times: Sequence[float]) -> dict[str, Any]:
     if not gaps or len(times) < 2:
         return {}
     largest = max(range(len(gaps)), key=gaps.__getitem__)
-    ordered = sorted(gaps)
     attrs: dict[str, Any] = {
-        sc.DECODE_GAP_P50: sorted_quantile(ordered, 0.5),
-        sc.DECODE_GAP_P99: sorted_quantile(ordered, 0.99),
+        sc.DECODE_GAP_P50: s.gap_p50,
+        sc.DECODE_GAP_P99: s.gap_p99,
         sc.DECODE_GAP_MAX: gaps[largest],
         # gaps[i] is the gap that chunk i + 1 ended (``summarize``: from the first content chunk on).
         sc.DECODE_GAP_MAX_INDEX: largest + 1,
         sc.DECODE_GAP_MAX_AT: times[min(largest + 1, len(times) - 1)] - times[0],
     }
-    itl = sorted(s.itl_per_token)
-    if itl:
-        attrs[sc.DECODE_ITL_P50] = sorted_quantile(itl, 0.5)
-        attrs[sc.DECODE_ITL_P99] = sorted_quantile(itl, 0.99)
+    if s.itl_p50 is not None:
+        attrs[sc.DECODE_ITL_P50] = s.itl_p50
+        attrs[sc.DECODE_ITL_P99] = s.itl_p99
     return attrs
 
 

@@ -21,7 +21,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from llmtap import __version__
 from llmtap.analysis.cachediag import MISS_CHANGED, Diagnosis
 from llmtap.analysis.shapes import names as shape_names, objective as shape_objective
-from llmtap.analysis.summary import USAGE, Summary, spread
+from llmtap.analysis.summary import USAGE, Summary
 from llmtap.analysis.timeline import OK, Timeline
 from llmtap.config.types import Settings
 from llmtap.labels import OTHER, LabelGuard
@@ -241,7 +241,7 @@ class MetricWriter:
             self._objective_metrics(batch, tl, s)
         if tl.relay_delays:
             # One per read: at a bucket lookup each (``bulk``), none an exemplar.
-            batch.many(ins.relay_chunk_delay, list(spread(tl.relay_delays)), {sc.ROUTE: tl.route}, _NO_SPAN)
+            batch.many(ins.relay_chunk_delay, s.relay_delay_samples, {sc.ROUTE: tl.route}, _NO_SPAN)
         if s.proxy_added is not None:
             # The request's last instrument (tests wait for it).
             batch.record(ins.overhead, s.proxy_added, {sc.ROUTE: tl.route})

@@ -34,8 +34,7 @@ from opentelemetry.trace import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from llmtap import __version__
-from llmtap.analysis.stats import quantile
-from llmtap.analysis.summary import Summary, spread
+from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import OK, Timeline
 from llmtap.config.types import Settings
 from llmtap.labels import OTHER, clean
@@ -57,7 +56,7 @@ from llmtap.telemetry.sched import checkpoint
 if TYPE_CHECKING:
     from llmtap.analysis.finish import Finished
 
-__all__ = ["SpanWriter"]
+__all__ = ["SpanWriter", "wall_ns"]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 #: The longest ``traceparent`` and ``tracestate`` the SDK's propagator reads (W3C Trace Context, section 3.3.1.1:
@@ -278,7 +277,7 @@ class SpanWriter:
             root.set_status(Status(StatusCode.ERROR, clean(message) if message else None))
         if tl.protocol is not None:
             self._phase_spans(tl, s, self._phases(root))
-        root.end(end_time=tl.wall_ns(end))
+        root.end(end_time=wall_ns(tl, end))
 
     def _phases(self, root: Span) -> Callable[[str, int], Any]:
         """How the root's phase spans start: born finished and handed to the span processors when the provider
@@ -305,13 +304,13 @@ class SpanWriter:
             queue_end = start + s.upstream_queue
             start = queue_end
         if queue_end is not None:
-            span = start_span(sc.SPAN_QUEUE, tl.wall_ns(tl.received))
+            span = start_span(sc.SPAN_QUEUE, wall_ns(tl, tl.received))
             span.set_attributes(queue_attributes(s))
-            span.end(end_time=tl.wall_ns(queue_end))
+            span.end(end_time=wall_ns(tl, queue_end))
         if start is not None and tl.first_content is not None and s.upstream_unattributed is not None:
             start = self._unattributed_span(tl, s, start_span, start)
         if start is not None and tl.first_content is not None:
-            span = start_span(sc.SPAN_PREFILL, tl.wall_ns(start))
+            span = start_span(sc.SPAN_PREFILL, wall_ns(tl, start))
             attrs: dict[str, Any] = {sc.PREFILL_SOURCE: s.prefill_source}
             if s.prefill is not None:
                 attrs[sc.PREFILL_DURATION] = s.prefill
@@ -322,10 +321,10 @@ class SpanWriter:
             if s.cache_read_tokens is not None:
                 attrs[sc.CACHE_READ_TOKENS] = s.cache_read_tokens
             span.set_attributes(attrs)
-            span.end(end_time=tl.wall_ns(tl.first_content))
+            span.end(end_time=wall_ns(tl, tl.first_content))
         if tl.first_content is None or tl.last_content is None:
             return
-        decode = start_span(sc.SPAN_DECODE, tl.wall_ns(tl.first_content))
+        decode = start_span(sc.SPAN_DECODE, wall_ns(tl, tl.first_content))
         attrs = {sc.CHUNK_COUNT: len(tl.chunk_times) + tl.folded_chunks, sc.DECODE_DURATION: s.decode or 0.0}
         if s.output_tokens is not None:
             attrs[sc.OUTPUT_TOKENS] = s.output_tokens
@@ -339,7 +338,7 @@ class SpanWriter:
         mode = self.settings.telemetry.chunk_spans
         if mode != "off" and keep is not None:
             self._chunks(tl, s, decode, mode)
-        decode.end(end_time=tl.wall_ns(tl.last_content))
+        decode.end(end_time=wall_ns(tl, tl.last_content))
 
     def _unattributed_span(
         self, tl: Timeline, s: Summary, start_span: Callable[[str, int], Any], start: float
@@ -349,9 +348,9 @@ class SpanWriter:
         content chunk, never stretched over this part."""
         assert tl.first_content is not None and s.upstream_unattributed is not None
         begin = max(tl.first_content - (s.prefill or 0.0), start)
-        span = start_span(sc.SPAN_UNATTRIBUTED, tl.wall_ns(start))
+        span = start_span(sc.SPAN_UNATTRIBUTED, wall_ns(tl, start))
         span.set_attribute(sc.UPSTREAM_UNATTRIBUTED_DURATION, s.upstream_unattributed)
-        span.end(end_time=tl.wall_ns(begin))
+        span.end(end_time=wall_ns(tl, begin))
         return begin
 
     def _chunks(self, tl: Timeline, s: Summary, decode: Any, mode: str) -> None:
@@ -368,9 +367,9 @@ class SpanWriter:
             if i < len(s.chunk_tokens):
                 attrs[sc.CHUNK_TOKENS] = s.chunk_tokens[i]
             if mode == "events":
-                decode.add_event(sc.EVENT_CHUNK, attrs, timestamp=tl.wall_ns(times[i]))
+                decode.add_event(sc.EVENT_CHUNK, attrs, timestamp=wall_ns(tl, times[i]))
             else:
-                emit(tl.wall_ns(times[i - 1] if i else times[i]), tl.wall_ns(times[i]), attrs)
+                emit(wall_ns(tl, times[i - 1] if i else times[i]), wall_ns(tl, times[i]), attrs)
         if shown < n:
             # Past the cap, the tail folds into one span so a 10,000-chunk stream stays cheap.
             attrs = {
@@ -382,9 +381,9 @@ class SpanWriter:
             if len(s.chunk_tokens) == n:
                 attrs[sc.CHUNK_TOKENS] = sum(s.chunk_tokens[shown:])
             if mode == "events":
-                decode.add_event(sc.EVENT_CHUNK, attrs, timestamp=tl.wall_ns(times[-1]))
+                decode.add_event(sc.EVENT_CHUNK, attrs, timestamp=wall_ns(tl, times[-1]))
             else:
-                emit(tl.wall_ns(times[shown - 1] if shown else times[0]), tl.wall_ns(times[-1]), attrs)
+                emit(wall_ns(tl, times[shown - 1] if shown else times[0]), wall_ns(tl, times[-1]), attrs)
 
     def _chunk_emitter(self, decode: Any, ctx: otel_context.Context) -> Callable[[int, int, dict[str, Any]], None]:
         """How this request's chunk spans are written: straight to the processors, or through the tracer."""
@@ -397,6 +396,12 @@ class SpanWriter:
             self._tracer.start_span(sc.SPAN_CHUNK, context=ctx, start_time=start, attributes=attrs).end(end_time=end)
 
         return through_tracer
+
+
+def wall_ns(tl: Timeline, t: float) -> int:
+    """Epoch nanoseconds of the request's monotonic time ``t``: span timestamps need wall-clock time, and the
+    timeline carries the wall clock of its arrival alone."""
+    return tl.received_wall_ns + round((t - tl.received) * 1e9)
 
 
 class _Born:
@@ -436,6 +441,6 @@ def relay_cost(tl: Timeline, s: Summary) -> dict[str, float]:
     delays = tl.relay_delays
     if delays:
         # The p99 of the samples the histogram got (all, or an even spread of a very long stream's); the max of all.
-        out[sc.RELAY_CHUNK_DELAY_P99] = quantile(spread(delays), 0.99) or 0.0
+        out[sc.RELAY_CHUNK_DELAY_P99] = s.relay_delay_p99 or 0.0
         out[sc.RELAY_CHUNK_DELAY_MAX] = max(delays)
     return out

@@ -31,7 +31,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from llmtap.analysis.finish import Finished
-from llmtap.analysis.summary import adopt_server_timing, reached_model
+from llmtap.analysis.summary import Summary, adopt_server_timing
 from llmtap.analysis.timeline import Timeline
 from llmtap.compression import InflateLimit, Inflater, decodable
 from llmtap.config.types import Settings
@@ -438,7 +438,7 @@ class ServerSpanWait:
     def offer(self, request: Finishing, now: float) -> list[Finishing]:
         """``request`` finished: what to emit now (itself, unless it waits, and any request its wait pushed out)."""
         tl, s = request.tl, request.summary
-        if not self._joinable(tl):
+        if not self._joinable(tl, s):
             return [request]
         assert tl.span_id is not None
         span = self.join.early(tl.span_id, now)
@@ -479,7 +479,7 @@ class ServerSpanWait:
         declared = route is not None and (route.provider or "").lower() in TRACING_PROVIDERS
         return self.upstreams.compatible(tl.upstream, wait=FIRST_READ if declared else 0.0)
 
-    def _joinable(self, tl: Timeline) -> bool:
+    def _joinable(self, tl: Timeline, s: Summary) -> bool:
         """Whether a server span of ``tl`` can come: it reached the model, in a sampled trace, with no phase
         reported in the stream itself."""
         st = tl.server_timing
@@ -487,6 +487,6 @@ class ServerSpanWait:
             tl.span_id is not None
             and tl.sampled
             and tl.protocol is not None
-            and reached_model(tl)
+            and s.reached_model
             and (st is None or (st.queue is None and st.prefill is None))
         )

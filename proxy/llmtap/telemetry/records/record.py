@@ -18,7 +18,6 @@ from typing import Any
 from llmtap.analysis.attribution import record_part
 from llmtap.analysis.cachediag import Diagnosis
 from llmtap.analysis.cost import Cost
-from llmtap.analysis.stats import sorted_quantile
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import SLO
@@ -39,16 +38,11 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
 
 
-def _gaps(gaps: list[float]) -> dict[str, Any]:
+def _gaps(s: Summary) -> dict[str, Any]:
+    gaps = s.gaps
     if not gaps:
         return {"n": 0}
-    ordered = sorted(gaps)
-    return {
-        "n": len(ordered),
-        "p50": _round(sorted_quantile(ordered, 0.5)),
-        "p95": _round(sorted_quantile(ordered, 0.95)),
-        "max": _round(ordered[-1]),
-    }
+    return {"n": len(gaps), "p50": _round(s.gap_p50), "p95": _round(s.gap_p95), "max": _round(max(gaps))}
 
 
 def objective_line(slo: SLO | None) -> dict[str, Any] | None:
@@ -119,7 +113,7 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
         "server_decode": _round(s.server_decode),
         "upstream_unattributed": _round(s.upstream_unattributed),
         "slots": _slots_part(s),
-        "gaps": _gaps(s.gaps),
+        "gaps": _gaps(s),
         "tokens": _tokens_part(tl, s),
     }
     # Attribution and cost (issue 31): who sent it (bounded values), and what it cost or why that is unknown.
