@@ -309,6 +309,9 @@ def measure_tapes(path: Path, *, pace: float = 0.0, batch: int = 1) -> dict[str,
         "spans_per_request": round(exporter.spans / requests, 2),
         "us_per_chunk": {p: round(ns[p] / 1000 / total, 1) for p in PHASES},
         "us_per_chunk_total": round(cpu / 1000 / total, 1),
+        # Short requests (no chunks, e.g. embeddings): what each request costs, by phase.
+        "us_per_request": {p: round(ns[p] / 1000 / requests, 1) for p in PHASES},
+        "us_per_request_total": round(cpu / 1000 / requests, 1),
         "chunks_per_s_per_core": round(total / (cpu / 1e9)),
         "wall_s": round(wall, 2),
     }
@@ -334,13 +337,17 @@ def _before(rev: str, requests: int, chunks: int, extra: Sequence[str] = ()) -> 
 
 
 def table(runs: dict[str, dict[str, Any]]) -> str:
-    """The runs side by side as a Markdown table: µs of CPU per chunk by phase, spans per request."""
+    """The runs side by side as a Markdown table: µs of CPU per chunk (per request for tapes of short requests) by
+    phase, spans per request."""
     names = list(runs)
-    lines = ["| µs of CPU per chunk | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    # Tapes of short requests (no chunks): per request.
+    short = all(runs[n]["chunks_per_request"] == 0 and "us_per_request" in runs[n] for n in names)
+    per = "request" if short else "chunk"
+    lines = [f"| µs of CPU per {per} | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
     for phase in PHASES:
         label = "records (with --record; not in the total)" if phase == "records" else phase
-        lines.append(f"| {label} | " + " | ".join(str(runs[n]["us_per_chunk"][phase]) for n in names) + " |")
-    lines.append("| **total** | " + " | ".join(f"**{runs[n]['us_per_chunk_total']}**" for n in names) + " |")
+        lines.append(f"| {label} | " + " | ".join(str(runs[n][f"us_per_{per}"][phase]) for n in names) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{runs[n][f'us_per_{per}_total']}**" for n in names) + " |")
     lines.append("| chunks/s per core | " + " | ".join(str(runs[n]["chunks_per_s_per_core"]) for n in names) + " |")
     lines.append("| spans per request | " + " | ".join(str(runs[n]["spans_per_request"]) for n in names) + " |")
     return "\n".join(lines)

@@ -143,10 +143,11 @@ def test_sigterm_cuts_streams_at_the_drain_deadline(
         proxy.terminate()
         stream.join(10)
         end = exited(proxy, 10)
-        # Cut at the deadline (uvicorn checks every 0.1 s), never before it.
+        # Cut at the deadline (uvicorn checks every 0.1 s), never before it, and long before the stream's own end
+        # (about 10 s after the signal): the upper bounds leave room for a busy machine, not for a missed cut.
         assert isinstance(stream.error, httpx.RemoteProtocolError), stream.error
-        assert 1.0 <= stream.ended - signalled < 1.8, stream.ended - signalled
-        assert end - signalled < 3.0
+        assert 1.0 <= stream.ended - signalled < 5.0, stream.ended - signalled
+        assert end - signalled < 8.0, end - signalled
         assert proxy.proc.returncode == 0, proxy.logs()
         # What the client got is what the upstream wrote up to the cut (a prefix of it, unchanged).
         assert stream.received.startswith(b"data: ") and b"[DONE]" not in stream.received

@@ -22,7 +22,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from llmtap.telemetry.emit.bulk import Batch, _flat, _flat_key
+from llmtap.telemetry.emit.bulk import Batch, Kept, _flat, _flat_key
 
 
 def _point(name: str, p: Any) -> tuple[Any, ...]:
@@ -43,7 +43,7 @@ def _point(name: str, p: Any) -> tuple[Any, ...]:
     return (name, attributes, p.count, round(p.sum, 9), p.min, p.max, buckets, exemplars)
 
 
-def _points(temporality: AggregationTemporality, exponential: bool, batched: bool) -> list[Any]:
+def _points(temporality: AggregationTemporality, exponential: bool, batched: bool, kept: bool = False) -> list[Any]:
     views = [View(instrument_name="h", aggregation=ExponentialBucketHistogramAggregation())] if exponential else []
     # Views that keep some attributes only: their series add up several attribute sets.
     views += [
@@ -61,6 +61,8 @@ def _points(temporality: AggregationTemporality, exponential: bool, batched: boo
     hist = meter.create_histogram("h", explicit_bucket_boundaries_advisory=[0.01, 0.02, 0.05])
     other_hist = meter.create_histogram("g")
     counter = meter.create_counter("c")
+    # Kept sets across requests: a limit of 3 empties it now and then.
+    keep = Kept(limit=3) if kept else None
     rng = random.Random(5)
     # Counters keep exemplars by reservoir sampling on the global generator: the same seed, the same choices.
     random.seed(11)
@@ -72,13 +74,18 @@ def _points(temporality: AggregationTemporality, exponential: bool, batched: boo
             ctx: Context | None = trace.set_span_in_context(span) if request % 4 else None
             shared = {"a": "x" if request % 2 else "y", "n": request % 3}
             wider = {**shared, "m": "model", "stream": True}
-            batch = Batch()
+            batch = Batch(keep)
             calls: list[tuple[Any, ...]] = [
                 ("record", hist, rng.uniform(0, 0.08), shared),
                 ("record", hist, rng.uniform(0, 0.08), wider),
                 ("record", other_hist, rng.uniform(0, 3), shared),
                 ("add", counter, rng.randint(0, 50), wider),
                 ("add", counter, 1, {**wider, "outcome": "ok"}),
+                # Equal in Python, not to the SDK: each its own series.
+                ("add", counter, 1, {"a": "x", "n": 1}),
+                ("add", counter, 1, {"a": "x", "n": True}),
+                ("add", counter, 1, {"a": "x", "n": 1.0}),
+                ("record", other_hist, rng.uniform(0, 3), {"a": ["x", "y"]}),  # not flat: cleaned per request
                 ("record", hist, rng.uniform(0, 0.08), shared),  # the same set again
             ]
             for kind, instrument, value, attributes in calls:
@@ -106,6 +113,26 @@ def test_a_batch_gives_the_points_and_exemplars_of_the_public_api(
     assert len(public) >= 20
     assert any(p[-1] for p in public), "no exemplar was kept: the comparison would not show their loss"
     assert _points(temporality, exponential, batched=True) == public
+    assert _points(temporality, exponential, batched=True, kept=True) == public
+
+
+def test_kept_sets_are_taken_by_content_and_bounded() -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    counter = provider.get_meter("t").create_counter("c")
+    kept = Kept(limit=4)
+    first = kept.held({"a": "x", "n": 1})
+    assert first is not None
+    assert kept.held({"a": "x", "n": 1}) is first  # another dict, the same content
+    assert kept.held({"a": "x", "n": True}) is not first  # the same in Python, not to the SDK
+    assert kept.held({"n": 1, "a": "x"}) is not first  # another order: another set, as the SDK keeps it
+    assert kept.held({"a": ["x"]}) is not kept.held({"a": ["x"]})  # not flat: cleaned each time
+    kept.held({"a": "y"})  # the fourth flat set fills it ...
+    assert kept.held({"a": "x", "n": 1}) is first
+    kept.held({"a": "z"})  # ... and the fifth empties it first
+    assert kept.held({"a": "x", "n": 1}) is not first
+    assert kept.matches(counter) is kept.matches(counter)
+    provider.shutdown()
 
 
 def test_values_the_sdk_refuses_take_the_public_path(caplog: pytest.LogCaptureFixture) -> None:

@@ -930,6 +930,30 @@ def test_queue_full_drops_are_counted(harness: HarnessFactory) -> None:
     assert point(h.metrics(), sc.METRIC_REQUESTS).value == 2
 
 
+def test_one_reads_messages_are_queued_together_and_turned_away_as_one_by_one(harness: HarnessFactory) -> None:
+    blocking = Blocking()
+    h = harness(blocking, queue_size=2)
+    rec = h.recorder
+    assert rec.submit(tape_end(1))
+    assert blocking.entered.wait(PATIENCE)  # the worker is stuck inside the first record
+    try:
+        rec.submit_all([tape_end(key) for key in range(2, 6)])  # two fit in the queue, two do not
+        assert rec.dropped == 2
+        assert rec.inbox.queue.qsize() == 2
+        dropped = point(h.metrics(), sc.METRIC_TELEMETRY_DROPPED, **{sc.TELEMETRY_REASON: "queue_full"})
+        assert dropped.value == 2
+    finally:
+        blocking.release.set()
+    assert rec.flush(5)
+    assert rec.recorded == 3
+    rec.submit_all([tape_end(6)])  # a read of one message: as ``submit``
+    assert rec.flush(5)
+    rec.submit_all([tape_end(7), tape_end(8)])  # the worker waits for them: woken once, it takes both
+    assert rec.flush(5)
+    assert (rec.recorded, rec.dropped, rec.failed) == (6, 2, 0)
+    assert point(h.metrics(), sc.METRIC_REQUESTS).value == 6
+
+
 class _Seen:
     """An emitter that notes what it was given, and the summary's cache class at that moment."""
 

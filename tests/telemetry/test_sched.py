@@ -194,6 +194,9 @@ class _Receiver:
     def submit(self, message: Any, source: int = 0) -> bool:
         return True
 
+    def submit_all(self, messages: Any, source: int = 0) -> None:
+        """Taking messages is not this test's."""
+
     def relay_ready(self, source: int, ready: bool) -> None:
         """Readiness is not this test's."""
 

@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -73,6 +73,9 @@ class Receiver(Protocol):
     def submit(self, message: Raw, source: int = 0) -> bool:
         """Queue one encoded message; False when the queue is full."""
 
+    def submit_all(self, messages: Sequence[Raw], source: int = 0) -> None:
+        """Queue every message of one read, in order (the worker woken once)."""
+
     def relay_ready(self, source: int, ready: bool) -> None:
         """The relay reported its readiness."""
 
@@ -107,14 +110,14 @@ class _Intake(asyncio.Protocol):
         messages = self._frames.feed(data)
         if self._spool is not None and messages:
             self._spool.append(self.source, self._frames.taken, messages)
-        submit = self.recorder.submit
         for message in messages:
             sched.checkpoint()
             ready = ready_of(message)
             if ready is not None:
                 # Readiness is read here, not after the queue: /readyz follows a drain's start at once.
                 self.recorder.relay_ready(self.source, ready)
-            submit(message, self.source)
+        # The read's messages queued together: the worker is woken once for them all.
+        self.recorder.submit_all(messages, self.source)
         if self._frames.broken is not None and self._transport is not None:
             # Only relays of this server can connect (the socket is private): a bad frame is a bug. Nothing after
             # it can be read, so the connection goes (said once); the relay connects again.

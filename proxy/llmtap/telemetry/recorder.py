@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import MeterProvider
@@ -189,6 +189,10 @@ class Recorder:
         Never blocks, never raises. A dropped segment or end makes its stream's record a dropped tape.
         """
         return self.inbox.submit(message, source)
+
+    def submit_all(self, messages: Sequence[Raw], source: int = 0) -> None:
+        """``submit`` each of one read's ``messages`` from relay ``source``, in order, waking the worker once."""
+        self.inbox.submit_all(messages, source)
 
     def submit_spans(
         self, spans: list[ServerSpan], export: ExportTraceServiceRequest | None = None, size: int = 0

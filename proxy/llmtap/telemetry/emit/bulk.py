@@ -23,7 +23,7 @@ from typing import Any
 from opentelemetry.context import Context, get_current
 from opentelemetry.metrics import Histogram
 
-__all__ = ["Batch", "record_many"]
+__all__ = ["Batch", "Kept", "record_many"]
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -113,6 +113,64 @@ def _flat_key(attributes: dict[str, Any]) -> Any:
     return ("mapping", tuple([(k, (type(v).__name__, v)) for k, v in sorted(attributes.items())]))
 
 
+#: An attribute set as held: cleaned, and its aggregation key and attributes per view (made on first use).
+Held = tuple[dict[str, Any], dict[int, tuple[Any, Any, dict[str, Any]]]]
+
+
+def _cleaned(attributes: dict[str, Any]) -> Held | None:
+    """``attributes`` cleaned as the SDK cleans them, with no view's key yet; None when the SDK would not take it."""
+    if _flat(attributes):
+        return dict(attributes), {}  # what cleaning gives such a set: a copy
+    cleaned = _clean_attribute_value(attributes, None)
+    return (cleaned, {}) if isinstance(cleaned, dict) else None
+
+
+class Kept:
+    """Attribute sets cleaned and hashed once for many requests, and each instrument's views, for one meter provider.
+
+    A short request's attribute sets are few and the same from one request to the next (its route, model,
+    outcome and shape): a batch given these keeps each flat set (``_flat``) by its content, so the next request
+    with the same set skips the cleaning, the copy and the per-view keys, at the cost of one tuple built and
+    looked up. The content key holds each value's type beside it, as the SDK's key does: ``True``, ``1`` and
+    ``1.0`` are equal in Python, not to the SDK. A set that is not flat is cleaned per request as before (the SDK
+    warns of what it drops each time). Bounded: emptied when ``limit`` sets are held (a set then costs what it
+    did once more). For one meter provider (its views are the keys' views), used from one thread at a time.
+    """
+
+    __slots__ = ("_matches", "_sets", "limit")
+
+    def __init__(self, limit: int = 1024) -> None:
+        self.limit = limit
+        self._sets: dict[tuple[Any, ...], Held] = {}
+        # id of an instrument -> (the instrument, kept alive so its id is not reused; its views, or None)
+        self._matches: dict[int, tuple[Any, list[Any] | None]] = {}
+
+    def held(self, attributes: dict[str, Any]) -> Held | None:
+        """``attributes`` held: the kept set of the same content, or a new one (kept when flat)."""
+        try:
+            key = (*attributes.items(), *map(type, attributes.values()))
+            held = self._sets.get(key)
+        except TypeError:  # a value that cannot be hashed (a list): not flat, cleaned for this request alone
+            return _cleaned(attributes)
+        if held is not None:
+            return held
+        if not _flat(attributes):
+            return _cleaned(attributes)
+        if len(self._sets) >= self.limit:
+            self._sets.clear()
+        held = self._sets[key] = (dict(attributes), {})
+        return held
+
+    def matches(self, instrument: Any) -> list[Any] | None:
+        """``_matches(instrument)``, found once per instrument (a provider's readers and views are fixed)."""
+        found = self._matches.get(id(instrument))
+        if found is None or found[0] is not instrument:
+            if len(self._matches) >= self.limit:
+                self._matches.clear()
+            found = self._matches[id(instrument)] = (instrument, _matches(instrument))
+        return found[1]
+
+
 class Batch:
     """One finished request's measurements, each attribute set cleaned and hashed once for all its instruments.
 
@@ -124,14 +182,16 @@ class Batch:
     its lock where the reader resets on collect, and given the measurement with the exemplar filter's verdict,
     so exemplars are kept as the public API keeps them. A value the SDK would refuse or warn of (negative, not
     finite), a disabled instrument, or SDK internals out of reach: the public API, as before. Use one batch per
-    request, on one thread; it holds the request's attribute sets until it is dropped.
+    request, on one thread; it holds the request's attribute sets until it is dropped. Given ``kept`` (``Kept``, one
+    per meter provider), the sets and each instrument's views are taken from it and left in it for the next request.
     """
 
-    __slots__ = ("_sets",)
+    __slots__ = ("_kept", "_sets")
 
-    def __init__(self) -> None:
-        # id of an attribute set -> (the set, kept alive so its id is not reused; cleaned; per kept keys: key, attrs)
-        self._sets: dict[int, tuple[Any, Any, dict[int, tuple[Any, dict[str, Any]]]]] = {}
+    def __init__(self, kept: Kept | None = None) -> None:
+        self._kept = kept
+        # id of an attribute set -> (the set, kept alive so its id is not reused; the set held)
+        self._sets: dict[int, tuple[dict[str, Any], Held]] = {}
 
     def record(self, hist: Any, value: float, attributes: dict[str, Any], context: Context | None = None) -> None:
         """``hist.record(value, attributes, context=context)``."""
@@ -149,41 +209,43 @@ class Batch:
         if not values:
             return
         enabled = getattr(hist, "_is_enabled", None)
-        matches = _matches(hist) if enabled is not None and enabled() else None
+        matches = self._matches(hist) if enabled is not None and enabled() else None
         total = _total(values)
         held = self._held(attributes) if matches is not None and total is not None else None
         if matches is None or total is None or held is None:
             for value in values:
                 hist.record(value, attributes, context=context)
             return
-        sample = _Sample(hist, context, held[1])
+        sample = _Sample(hist, context, held[0])
         self._feed(held, matches, lambda aggregation: _aggregate(aggregation, sample, values, total))
 
-    def _held(self, attributes: dict[str, Any]) -> tuple[Any, Any, dict[int, tuple[Any, dict[str, Any]]]] | None:
+    def _matches(self, instrument: Any) -> list[Any] | None:
+        """The instrument's views (``_matches``), from ``kept`` where given."""
+        return _matches(instrument) if self._kept is None else self._kept.matches(instrument)
+
+    def _held(self, attributes: dict[str, Any]) -> Held | None:
         """The set, cleaned, and its per-view keys (made on first use); None when the SDK would not take it."""
-        held = self._sets.get(id(attributes))
-        if held is None or held[0] is not attributes:
-            if _flat(attributes):
-                cleaned = dict(attributes)  # what cleaning gives such a set: a copy
-            else:
-                cleaned = _clean_attribute_value(attributes, None)
-                if not isinstance(cleaned, dict):
-                    return None
-            held = self._sets[id(attributes)] = (attributes, cleaned, {})
+        mine = self._sets.get(id(attributes))
+        if mine is not None and mine[0] is attributes:
+            return mine[1]
+        held = _cleaned(attributes) if self._kept is None else self._kept.held(attributes)
+        if held is not None:
+            self._sets[id(attributes)] = (attributes, held)
         return held
 
     @staticmethod
-    def _view(held: tuple[Any, Any, dict[int, tuple[Any, dict[str, Any]]]], match: Any) -> tuple[Any, dict[str, Any]]:
+    def _view(held: Held, match: Any) -> tuple[Any, dict[str, Any]]:
         """The aggregation key and attributes of a held set in one view (``match``)."""
-        _, cleaned, views = held
-        # Every view that keeps all attributes hashes the set alike (key 0); one that keeps some, by its keys.
+        cleaned, views = held
+        # Every view that keeps all attributes hashes the set alike (key 0); one that keeps some, by its keys
+        # (held beside the key, so that their id is not reused while the set is kept).
         view_keys = match._view._attribute_keys
         view = views.get(0 if view_keys is None else id(view_keys))
-        if view is None:
+        if view is None or view[0] is not view_keys:
             own = dict(cleaned) if view_keys is None else {k: v for k, v in cleaned.items() if k in view_keys}
             key = _flat_key(own) if _flat(own) else _hash_attributes(own)
-            view = views[0 if view_keys is None else id(view_keys)] = (key, own)
-        return view
+            view = views[0 if view_keys is None else id(view_keys)] = (view_keys, key, own)
+        return view[1], view[2]
 
     def _direct(self, instrument: Any, value: float, attributes: dict[str, Any], context: Context | None) -> bool:
         if value < 0 or not math.isfinite(value):
@@ -193,13 +255,13 @@ class Batch:
         exemplars = getattr(getattr(consumer, "_sdk_config", None), "exemplar_filter", None)
         if enabled is None or exemplars is None or not enabled():
             return False
-        matches = _matches(instrument)
+        matches = self._matches(instrument)
         if matches is None:
             return False
         held = self._held(attributes)
         if held is None:
             return False
-        cleaned = held[1]
+        cleaned = held[0]
         sample = _Sample(instrument, context if context is not None else get_current(), cleaned)
         sample.value = value
         keep = exemplars.should_sample(value, sample.time_unix_nano, cleaned, sample.context)
@@ -207,9 +269,7 @@ class Batch:
         return True
 
     @classmethod
-    def _feed(
-        cls, held: tuple[Any, Any, dict[int, tuple[Any, dict[str, Any]]]], matches: Any, feed: Callable[[Any], None]
-    ) -> None:
+    def _feed(cls, held: Held, matches: Any, feed: Callable[[Any], None]) -> None:
         """Hands each view's aggregation of a held set to ``feed``, made where it is new."""
         for match in matches:
             key, own = cls._view(held, match)

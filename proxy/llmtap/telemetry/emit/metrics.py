@@ -28,7 +28,7 @@ from llmtap.labels import OTHER, LabelGuard
 from llmtap.providers.timing import PHASES
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.emit.attributes import is_hop, usage_value
-from llmtap.telemetry.emit.bulk import Batch
+from llmtap.telemetry.emit.bulk import Batch, Kept
 from llmtap.telemetry.emit.instruments import Instruments, create, objective_gauge
 
 if TYPE_CHECKING:
@@ -105,6 +105,8 @@ class MetricWriter:
         )
         self._offline = t.offline_token_usage
         self._role = t.span_role
+        # The attribute sets requests repeat, cleaned and hashed once for this provider's views (``bulk.Kept``).
+        self._kept = Kept()
         self._models = self._guard(
             sc.REQUEST_MODEL, 64, trial=8, candidates=256, pinned=settings.telemetry.metric_models
         )
@@ -207,7 +209,7 @@ class MetricWriter:
     def record(self, tl: Timeline, s: Summary) -> None:
         """Record one finished request's latency, token and outcome metrics."""
         ins = self.instruments
-        batch = Batch()  # the request's attribute sets cleaned and hashed once
+        batch = Batch(self._kept)  # the request's attribute sets cleaned and hashed once, or kept from before
         attrs, outcome, own = self.metric_attributes(tl, s)
         # llmtap's counters (requests, tokens, cost) carry the allowed attribution dimensions; histograms do not.
         counted = {**own, **self.dimension_labels(tl)}

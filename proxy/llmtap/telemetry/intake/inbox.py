@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -94,33 +94,78 @@ class Inbox:
         raises. A dropped segment or end makes its stream's record a dropped tape."""
         try:
             self._wake()
+            item = self._admitted(message, source, 0)
+            if item is None or isinstance(item, bool):
+                return item is None
+            self.queue.put_nowait(item)
+            self.queued_in += item[2]
+            return True
+        except Exception:
+            log.exception("telemetry: could not queue a tape message")
+            return False
+
+    def submit_all(self, messages: Sequence[Raw], source: int = 0) -> None:
+        """Queue every message of one read from relay ``source`` in order, each as ``submit`` would, under one hold
+        of the queue's lock and with one wake-up of the worker: a read carries the ends of several requests when
+        they come fast, and a put each cost a lock and a notification each. Never blocks, never raises."""
+        if len(messages) <= 1:
+            if messages:
+                self.submit(messages[0], source)
+            return
+        try:
+            self._wake()
+            items: list[tuple[int, Any, int]] = []
+            for message in messages:
+                item = self._admitted(message, source, len(items))
+                if isinstance(item, tuple):
+                    items.append(item)
+                    # What ``submit`` counts once its message is queued: the bound on bytes sees the batch's.
+                    self.queued_in += item[2]
+            self._put_all(items)
+        except Exception:
+            log.exception("telemetry: could not queue a tape message")
+
+    def _admitted(self, message: Raw, source: int, pending: int) -> tuple[int, Any, int] | bool | None:
+        """The queue item of ``message`` (``pending`` items not yet put ahead of it); None when its segment became
+        a hole; False when the full queue turned it away (counted here)."""
+        q = self.queue
+        try:
             size = data_size(message)
             if size and self.queued_in + size - self.queued_out > MAX_QUEUED_BYTES:
                 message = without_bytes(message) or message
                 size = 0
             kind = message[0]
             item: Raw | Holed = message
+            queued = q.qsize() + pending
             if kind == SEGMENT or kind == END:
                 key = (source, message[1])
-                if self.queue.qsize() >= self._tape_room and not (kind == END and self.holes.holed(key)):
+                if queued >= self._tape_room and not (kind == END and self.holes.holed(key)):
                     # The end of a stream with a hole may use the reserve; a later segment becomes a hole.
                     if kind == SEGMENT and self.holes.punch(key, message):
-                        return True
+                        return None
                     raise queue.Full
                 item = self.holes.carry(key, message)
                 if kind == END:
                     self.holes.ended(key)
-            elif kind != FACTS and self.queue.qsize() >= self._tape_room:
+            elif kind != FACTS and queued >= self._tape_room:
                 raise queue.Full
-            self.queue.put_nowait((source, item, size))
-            self.queued_in += size
-            return True
+            if queued >= q.maxsize:  # what ``put_nowait`` refuses
+                raise queue.Full
+            return (source, item, size)
         except queue.Full:
             self._turned_away(source, message)
             return False
-        except Exception:
-            log.exception("telemetry: could not queue a tape message")
-            return False
+
+    def _put_all(self, items: list[tuple[int, Any, int]]) -> None:
+        """``put_nowait`` of each item (their room is checked), the lock held once and the worker woken once."""
+        if not items:
+            return
+        q = self.queue
+        with q.mutex:
+            for item in items:
+                q._put(item)
+            q.unfinished_tasks += len(items)
+            q.not_empty.notify()
 
     def _turned_away(self, source: int, message: Raw) -> None:
         if message[0] == END:
