@@ -15,7 +15,9 @@ counted before the read (``llmtap.store.files.inspect``). A part whose statement
 down to the file that fails: a Parquet file that DuckDB cannot read is counted as damaged; a JSON-lines file is
 read by Python instead (``llmtap.store.files.file_lines``: up to the damage of a compressed file, and with the
 lines DuckDB's CSV reader cannot take, a stray carriage return or delimiter, settled as the reference settles
-them) into a plain copy that DuckDB then reads. What ``read_csv`` refuses is counted from its rejects table.
+them) into a plain copy that DuckDB then reads; so is a file with a carriage return and no newline from the
+start, whose one line ``read_csv`` would end at the carriage return without failing (``files.splits_at_cr``).
+What ``read_csv`` refuses is counted from its rejects table.
 
 Each record counts once (a journal replays at least once): the statement also lists the hash of each record's
 identity (its record_id, or in a record of an older version its trace_id and span_id); when a hash is seen twice
