@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 
 from llmtap import cli, store
 from llmtap.store import engine as engine_module, engine_sql
@@ -535,8 +535,40 @@ def _line(draw: st.DrawFn) -> bytes:
     return b"".join(draw(st.lists(st.sampled_from(_ODD_BYTES), max_size=12)))
 
 
+#: Lines where the engine's CSV reader ends a line at a carriage return that Python reads on past: the file's one
+#: line (no newline in it), or a carriage return with only whitespace on one side of it.
+_CR_LINES = [
+    (b"{\rx", b""),
+    (b'{\r"llmtap_record": 2', b""),
+    (b"\r{", b""),
+    (b"{\r{", b""),
+    (b"{\r ", b"\n"),
+    (b"{\r\t", b"\r\n"),
+    (b" \r{", b""),
+    (b' \r{"llmtap_record":', b"\n"),
+    (b"\t\r{", b"\n"),
+]
+
+
+@pytest.mark.parametrize(("line", "end"), _CR_LINES)
+def test_a_line_with_a_carriage_return_is_of_one_kind_in_either_engine(line: bytes, end: bytes, tmp_path: Path) -> None:
+    """A carriage return in a line never makes two lines of it: the kind (``truncated`` when its JSON, without
+    the whitespace around it, starts with the record key or is cut short within it, else ``foreign``) and the
+    count are the same whichever engine reads it."""
+    (tmp_path / "m.jsonl").write_bytes(b"\n" + line + end if line.startswith(b" ") else line + end)
+    (tmp_path / "good.jsonl").write_bytes(lines(make(5, seed=11)))
+    own = line.strip(b" \t\r")
+    want = "truncated" if b'{"llmtap_record":'.startswith(own) else "foreign"
+    for engine in store.ENGINES:
+        scan = _scan(engine, tmp_path)
+        assert (scan.records, scan.skipped) == (5, {want: 1}), engine
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=st.lists(_line(), min_size=1, max_size=30), gz=st.booleans(), end=st.sampled_from((b"\n", b"\r\n", b"")))
+@example(body=[b"{\rx"], gz=False, end=b"")
+@example(body=[b"{\r "], gz=True, end=b"\n")
+@example(body=[b"[1]", b" \r{"], gz=False, end=b"")
 def test_any_mix_of_lines_reads_the_same_in_either_engine(
     body: list[bytes], gz: bool, end: bytes, tmp_path: Path
 ) -> None:

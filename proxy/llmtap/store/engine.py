@@ -15,7 +15,9 @@ counted before the read (``llmtap.store.files.inspect``). A part whose statement
 down to the file that fails: a Parquet file that DuckDB cannot read is counted as damaged; a JSON-lines file is
 read by Python instead (``llmtap.store.files.file_lines``: up to the damage of a compressed file, and with the
 lines DuckDB's CSV reader cannot take, a stray carriage return or delimiter, settled as the reference settles
-them) into a plain copy that DuckDB then reads. What ``read_csv`` refuses is counted from its rejects table.
+them) into a plain copy that DuckDB then reads; so is a file with a carriage return and no newline from the
+start, whose one line ``read_csv`` would end at the carriage return without failing (``files.splits_at_cr``).
+What ``read_csv`` refuses is counted from its rejects table.
 
 Each record counts once (a journal replays at least once): the statement also lists the hash of each record's
 identity (its record_id, or in a record of an older version its trace_id and span_id); when a hash is seen twice
@@ -58,7 +60,7 @@ from llmtap.store import (
     slowest,
 )
 from llmtap.store.engine_sql import BUCKET, LISTS, MACROS, grouping, json_ids, json_read, locate, parquet_read, q
-from llmtap.store.files import file_lines, find, inspect, settle
+from llmtap.store.files import file_lines, find, inspect, settle, splits_at_cr
 
 __all__ = ["EngineSource"]
 
@@ -219,6 +221,11 @@ class EngineSource:
                 skips.add(bad[0], str(f), why=bad[1])
             elif f.name.endswith(".parquet"):
                 parquet.append(f)
+            elif _size(f) and splits_at_cr(f):  # read_csv would end its one line at a carriage return
+                copy, counted = self._settled[f] = self._copy(f, str(f))
+                skips.merge(counted)
+                flush()
+                parts.append(_Part([copy], [str(f)], False))
             elif _size(f):  # an empty file (one just opened) has no line
                 lines.append(f)
             elif not f.exists():
@@ -289,20 +296,28 @@ class EngineSource:
         elif file in self._settled or file.parent == Path(self._dir):
             counted.add("unreadable", name, why=error[:200])
         else:
-            copy = Path(self._dir) / f"copy-{len(self._settled)}.jsonl"
-            with copy.open("wb") as out:
-                for line in file_lines(file, counted):
-                    if b"\r" in line or b"\x01" in line:  # what read_csv may split: settled as Python reads it
-                        obj = settle(line, counted, name)
-                        if obj is None:
-                            continue
-                        line = json.dumps(obj).encode()
-                    out.write(line + b"\n")
+            copy, counted = self._copy(file, name)
         self._settled[file] = (copy, counted)
         skips.merge(counted)
         if copy is None:
             return []
         return self._read(_Part([copy], [name], False), sql, params, skips)
+
+    def _copy(self, file: Path, name: str) -> tuple[Path, Skips]:
+        """A plain copy of what Python reads of a JSON-lines file, that DuckDB can read as Python reads it, and what
+        that read counted: a line with a byte ``read_csv`` may end a line at is settled here, and written as JSON
+        again (or left out, counted)."""
+        counted = Skips()
+        copy = Path(self._dir) / f"copy-{len(self._settled)}.jsonl"
+        with copy.open("wb") as out:
+            for line in file_lines(file, counted):
+                if b"\r" in line or b"\x01" in line:  # what read_csv may split: settled as Python reads it
+                    obj = settle(line, counted, name)
+                    if obj is None:
+                        continue
+                    line = json.dumps(obj).encode()
+                out.write(line + b"\n")
+        return copy, counted
 
     def _fold(self, part: _Part, got: dict[str, Any], rejected: Skips) -> list[_Facts]:
         """A part's statement's rows as facts, one per ``BUCKET`` of its files (what a record's copies read again):

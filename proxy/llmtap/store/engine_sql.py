@@ -77,7 +77,8 @@ CREATE OR REPLACE TEMP MACRO t_epoch(s) AS
   epoch_us(CASE WHEN ends_with(s, '+00:00') AND NOT contains(s, 'Z') AND s[1] BETWEEN '0' AND '9'
                 THEN TRY_CAST(s AS TIMESTAMPTZ)
                 ELSE TRY_CAST(replace(trim(s, ' \t\n\r'), 'Z', '+00:00') AS TIMESTAMPTZ) END) / 1e6;
-CREATE OR REPLACE TEMP MACRO own_line(s) AS starts_with(s, __OWN__) OR starts_with(__OWN__, rtrim(s, chr(13)));
+CREATE OR REPLACE TEMP MACRO own_text(t) AS starts_with(t, __OWN__) OR (t <> '' AND starts_with(__OWN__, t));
+CREATE OR REPLACE TEMP MACRO own_line(s) AS own_text(trim(s, ' \t\r'));
 """.replace("__OWN__", "'" + _SCHEMA_PREFIX + "'")
 #: The flat columns analysis reads, with a line's extracted values ``j`` (1-based, as ``_PATHS``).
 _JSON_COLUMNS = {

@@ -46,6 +46,7 @@ __all__ = [
     "record_files",
     "record_files_at",
     "settle",
+    "splits_at_cr",
 ]
 
 #: The key that marks a line as a request record; its value is the schema version.
@@ -366,9 +367,32 @@ def file_lines(file: Path, skips: Skips) -> Iterator[bytes]:
         yield tail
 
 
+#: The whitespace JSON allows around a value that a line may hold (a newline ends the line), and that the engine's
+#: CSV reader may take for a line's end when a carriage return is in it: the kind of a line is that of its JSON.
+_JSON_SPACE = b" \t\r"
+
+
 def _is_own(raw: bytes) -> bool:
-    """A line llmtap began to write: it starts with the record key, or is cut short within it."""
-    return raw.startswith(_OWN_PREFIX) or _OWN_PREFIX.startswith(raw.rstrip(b"\r"))
+    """A line llmtap began to write: its JSON starts with the record key, or is cut short within it. The
+    whitespace around it is no part of it (a stray carriage return may make the engine read it without)."""
+    text = raw.strip(_JSON_SPACE)
+    return text.startswith(_OWN_PREFIX) or (text != b"" and _OWN_PREFIX.startswith(text))
+
+
+def splits_at_cr(file: Path) -> bool:
+    """Whether the engine's CSV reader would end lines at a carriage return where this module reads one line: a
+    file with a carriage return and no newline in its first ``MAX_LINE`` bytes (the reader then takes the
+    carriage return for the file's line end). Cheap: the first line only; a file that fails to read says no
+    (its damage is counted when it is read)."""
+    seen = b""
+    try:
+        for piece in _pieces(file):
+            seen += piece
+            if b"\n" in seen or len(seen) >= MAX_LINE:
+                break
+    except (OSError, EOFError, zlib.error):
+        return False
+    return b"\r" in seen[:MAX_LINE] and b"\n" not in seen[:MAX_LINE]
 
 
 def readable(obj: Any, skips: Skips, file: str | None = None) -> bool:
@@ -387,8 +411,9 @@ def read_file(file: Path, skips: Skips) -> Iterator[dict[str, Any]]:
     """The records of one file (JSON lines, plain or gzip; Parquet through ``pyarrow``); whatever is not a record
     counted in ``skips`` by cause (``llmtap.store.skips.CAUSES``), and never a reason to stop.
 
-    A line that does not parse is ``truncated`` when it is one of ours (it starts with the record key, or is
-    cut short within it: the proxy was killed, or is writing it now), else ``foreign``.
+    A line that does not parse is ``truncated`` when it is one of ours (its JSON, without the whitespace
+    around it, starts with the record key, or is cut short within it: the proxy was killed, or is writing it
+    now), else ``foreign``.
     """
     if file.name.endswith(".parquet"):
         yield from _read_parquet(file, skips)
