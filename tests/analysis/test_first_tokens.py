@@ -3,17 +3,22 @@
 A reasoning model's thinking arrives first: TTFT stops at it, TTFOT at the answer's first chunk. The providers mark
 reasoning-only events (OpenAI-style ``reasoning_content`` and ``reasoning`` deltas, Anthropic ``thinking_delta``,
 Responses reasoning events); ``llmtap serve`` in front of a scripted upstream that thinks for a set time, called with
-the ``openai`` and ``anthropic`` SDKs, records both figures on the record, the span and the histograms. Last, the ITL
-rule (a gap spread over its chunk's tokens, one sample per token) against each benchmark tool's definition.
+the ``openai`` and ``anthropic`` SDKs, records both figures on the record, the span and the histograms; ``llmtap slo``
+and ``llmtap compare`` read them from the records and from a real Prometheus alike. Last, the ITL rule (a gap spread
+over its chunk's tokens, one sample per token) against each benchmark tool's definition.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import json
+import math
 import subprocess
 import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,8 @@ import anthropic
 import openai
 import pytest
 
+from llmtap import cli
+from llmtap.analysis.stats import quantile
 from llmtap.analysis.summary import summarize
 from llmtap.analysis.timeline import Timeline
 from llmtap.providers import provider_for
@@ -154,35 +161,41 @@ def _sse(data: dict[str, Any], event: str | None = None) -> bytes:
     return (head + "data: " + json.dumps(data, separators=(",", ":")) + "\n\n").encode()
 
 
-def _openai_stream() -> list[tuple[float, bytes]]:
+def _chat_stream(
+    thoughts: Sequence[tuple[float, str]], answer: Sequence[tuple[float, str]]
+) -> list[tuple[float, bytes]]:
+    """An OpenAI-style chat stream: a role-only chunk at once, a reasoning delta at each of ``thoughts`` and an answer
+    chunk at each of ``answer`` (offsets in seconds from the request, and their text), then the usage and ``[DONE]``."""
+
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return _sse(
             {"id": "r", "object": "chat.completion.chunk", "created": 1, "model": "thinker", "choices": [choice]}
         )
 
-    usage = {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
-    return [
-        (0.0, chunk({"role": "assistant", "content": ""})),
-        (0.1, chunk({"reasoning_content": "The user"})),
-        (0.1 + THINK_S, chunk({"reasoning_content": " asks."})),
-        (ANSWER_AT_S, chunk({"content": "Paris"})),
-        (ANSWER_AT_S + 0.02, chunk({"content": "."}, "stop")),
-        (
-            ANSWER_AT_S + 0.02,
-            _sse(
-                {
-                    "id": "r",
-                    "object": "chat.completion.chunk",
-                    "created": 1,
-                    "model": "thinker",
-                    "choices": [],
-                    "usage": usage,
-                }
-            ),
-        ),
-        (ANSWER_AT_S + 0.02, b"data: [DONE]\n\n"),
+    out = [(0.0, chunk({"role": "assistant", "content": ""}))]
+    out += [(at, chunk({"reasoning_content": text})) for at, text in thoughts]
+    out += [
+        (at, chunk({"content": text}, "stop" if i == len(answer) - 1 else None)) for i, (at, text) in enumerate(answer)
     ]
+    n = len(thoughts) + len(answer)
+    usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+    last = answer[-1][0]
+    body = {
+        "id": "r",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "thinker",
+        "choices": [],
+        "usage": usage,
+    }
+    return [*out, (last, _sse(body)), (last, b"data: [DONE]\n\n")]
+
+
+def _openai_stream() -> list[tuple[float, bytes]]:
+    return _chat_stream(
+        [(0.1, "The user"), (0.1 + THINK_S, " asks.")], [(ANSWER_AT_S, "Paris"), (ANSWER_AT_S + 0.02, ".")]
+    )
 
 
 def _anthropic_stream() -> list[tuple[float, bytes]]:
@@ -227,19 +240,23 @@ def _anthropic_stream() -> list[tuple[float, bytes]]:
     ]
 
 
-async def _thinker(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """A reasoning upstream: each event at its set offset from the request's arrival (absolute: no drift)."""
-    if scope["type"] != "http":
-        return
-    start = time.perf_counter()
-    while (await receive()).get("more_body"):
-        pass
-    plan = _anthropic_stream() if scope["path"].endswith("/messages") else _openai_stream()
+async def _play(plan: list[tuple[float, bytes]], send: Any, start: float) -> None:
+    """Each event of ``plan`` at its set offset from ``start``, the request's arrival (absolute: no drift)."""
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
     for at, data in plan:
         await asyncio.sleep(max(at - (time.perf_counter() - start), 0))
         await send({"type": "http.response.body", "body": data, "more_body": True})
     await send({"type": "http.response.body", "body": b""})
+
+
+async def _thinker(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A reasoning upstream, for OpenAI's chat and Anthropic's messages."""
+    if scope["type"] != "http":
+        return
+    start = time.perf_counter()
+    while (await receive()).get("more_body"):
+        pass
+    await _play(_anthropic_stream() if scope["path"].endswith("/messages") else _openai_stream(), send, start)
 
 
 def test_reasoning_streams_through_serve_with_both_sdks(tmp_path: Path) -> None:
@@ -365,4 +382,197 @@ def test_ttfot_and_ttst_objectives_judge_requests_and_slo_reads_them_from_record
             assert judged(from_prom) == {"ttfot": "missed", "ttst": "met"}
         finally:
             stop(prom)
+            proxy.close()
+
+
+# --- compare over Prometheus: TTFOT and TTST from the histograms, as from the records ----------------------
+
+
+def test_a_side_read_from_prometheus_has_ttfot_and_ttst_and_lacks_what_no_stream_gave() -> None:
+    """Each figure from its own histogram's buckets as grown in the window, under the side's matchers; a histogram
+    that did not grow (no stream of two chunks) leaves its figure empty: ``-`` in the rows, never a 0."""
+    from llmtap.analysis.compare import Sides, side_from_counters, side_queries
+    from llmtap.analysis.promql import Grown
+    from llmtap.commands.compare import render
+
+    def buckets(*pairs: tuple[str, float]) -> Grown:
+        return {(("le", le),): count for le, count in pairs}
+
+    queries = side_queries({"llmtap_prompt_version": "v1"})
+    for figure, name in (("ttfot", "first_output_token"), ("ttst", "second_token")):
+        assert f'__name__="llmtap_time_to_{name}_seconds_bucket"' in queries[figure]
+        assert 'llmtap_prompt_version="v1"' in queries[figure] and queries[figure].startswith("sum by (le)")
+    grown: dict[str, Grown] = {key: {} for key in queries} | {"outcomes": {(("llmtap_outcome", "ok"),): 4.0}}
+    quick = buckets(("0.1", 0.0), ("0.2", 4.0), ("+Inf", 4.0))
+    before = side_from_counters(
+        "v1",
+        grown
+        | {
+            "ttft": quick,
+            "ttfot": buckets(("0.4", 0.0), ("0.5", 4.0), ("+Inf", 4.0)),
+            "ttst": buckets(("0.05", 0.0), ("0.06", 4.0), ("+Inf", 4.0)),
+        },
+    )
+    after = side_from_counters(
+        "v2", grown | {"ttft": quick, "ttfot": quick, "ttst": buckets(("0.06", 0.0), ("+Inf", 0.0))}
+    )
+    c = Sides(before, after, source="Prometheus", split="v1 against v2").compare(resamples=200)
+    counts = (c.before.ttfot_requests, c.after.ttfot_requests, c.before.ttst_requests, c.after.ttst_requests)
+    assert counts == (4, 4, 4, 0)
+    p50 = c.before.ttfot["p50"]
+    assert p50 is not None and p50.value == pytest.approx(0.45)  # rank 2 of 4, linear inside (0.4, 0.5]
+    assert c.after.ttfot["p50"] is not None and c.after.ttfot["p50"].value == pytest.approx(0.15)
+    assert c.after.ttst == {"p50": None, "p95": None, "p99": None} and c.change["ttst_p50"] is None
+    assert c.change["ttfot_p50"] is not None
+    rows = [line.strip() for line in render(c).splitlines() if line.strip().startswith("TTST ")]
+    assert len(rows) == 3 and all(row.endswith("  -") for row in rows), rows
+
+
+#: What the compare test's upstream plays for each model: ``thinker`` reasons first (TTFT 100 ms, TTST the 50 ms
+#: between its two thoughts, TTFOT 400 ms); ``quick`` answers in one chunk at 200 ms (TTFOT = TTFT, and no TTST);
+#: ``slow`` is a thinker at the far end of every figure (TTFT 1 s, TTST 500 ms, TTFOT 2 s).
+PLANS: dict[str, Callable[[], list[tuple[float, bytes]]]] = {
+    "thinker": _openai_stream,
+    "quick": lambda: _chat_stream([], [(0.2, "Paris.")]),
+    "slow": lambda: _chat_stream([(1.0, "Hm"), (1.5, " so.")], [(2.0, "Paris"), (2.02, ".")]),
+}
+
+
+async def _by_model(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A chat upstream that plays the ``PLANS`` entry of the model asked for."""
+    if scope["type"] != "http":
+        return
+    start = time.perf_counter()
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await _play(PLANS[json.loads(body)["model"]](), send, start)
+
+
+def _within_resolution(read: float, samples: Sequence[float], q: float) -> bool:
+    """Whether a percentile read from the fine buckets lies inside the buckets of the two samples the exact one
+    (linear between closest ranks) lies between: Prometheus interpolates inside the bucket of rank q * n, which is
+    one of those two, so this is as close as buckets can tell."""
+    from llmtap.telemetry.emit.instruments import DURATION_BUCKETS
+
+    def bucket(value: float) -> tuple[float, float]:
+        i = bisect.bisect_left(DURATION_BUCKETS, value)
+        return (DURATION_BUCKETS[i - 1] if i else 0.0), (DURATION_BUCKETS[i] if i < len(DURATION_BUCKETS) else math.inf)
+
+    ordered = sorted(samples)
+    k = math.floor(q * (len(ordered) - 1))
+    return bucket(ordered[k])[0] <= read <= bucket(ordered[min(k + 1, len(ordered) - 1)])[1]
+
+
+@pytest.mark.e2e
+@pytest.mark.real
+def test_compare_over_prometheus_reads_ttfot_and_ttst_as_the_records_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reasoning version (v1) against a quick one (v2, one chunk: no TTST), through ``llmtap serve`` with records
+    and a real Prometheus scraping it: ``compare --prometheus`` gives TTFOT and TTST rows beside TTFT, with the same
+    names, counts and route filter as ``compare`` over the records, by version and at a moment in time, each
+    percentile within the histogram's bucket resolution of the records' exact one, and the after side's TTST
+    absent (none of its streams has a second chunk), never 0."""
+    from llmtap.analysis.compare import QUANTILES
+    from tests.analysis.test_burnrate import _tool
+    from tests.support.prometheus import promql, start_prometheus
+
+    _tool("prometheus")
+    folder, config = tmp_path / "records", tmp_path / "llmtap.yaml"
+    per_side = 6
+    with ServerThread(_by_model, lifespan="off") as upstream:
+        config.write_text(
+            f"routes:\n  - {{prefix: /think, upstream: '{upstream.url}', strip_prefix: true, name: think}}\n",
+            encoding="utf-8",
+        )
+        proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--config", str(config), "--record", str(folder))
+        target = proxy.admin_url.removeprefix("http://")
+        jobs = f"  - {{job_name: llmtap, static_configs: [{{targets: ['{target}']}}]}}\n"
+        prom, port = start_prometheus(tmp_path / "prom", jobs, cpu=None, log=tmp_path / "prometheus.log")
+        chat = openai.OpenAI(base_url=proxy.url + "/think/v1", api_key="sk-test", max_retries=0)
+        sent = 0
+
+        def ask(model: str, version: str, times: int) -> None:
+            """``times`` streams of ``model`` tagged ``version``, then their records written and scraped."""
+            nonlocal sent
+            for _ in range(times):
+                stream = chat.chat.completions.create(
+                    model=model,
+                    messages=[{"role": "user", "content": "Capital of France?"}],
+                    stream=True,
+                    extra_headers={"x-llmtap-prompt-version": version},
+                )
+                assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Paris."
+                sent += 1
+            records(folder, sent, proxy)
+            counts = ("sum(llmtap_requests_total)", "sum(llmtap_time_to_first_output_token_seconds_count)")
+            wait_for("the requests scraped", lambda: all(promql(port, q) == sent for q in counts), proxy)
+
+        def compare(*args: str, json_out: bool = True) -> Any:
+            code = cli.main(["compare", *args, "--route", "think", *(["--json"] if json_out else [])])
+            out = capsys.readouterr()
+            assert code == 0, out.err
+            return json.loads(out.out) if json_out else out.out
+
+        try:
+            # The far end of every histogram first: a bound first written inside a window hides the value that made
+            # it appear from that window (llmtap.telemetry.exposition.prometheus), so the time split below must
+            # not see one appear above what v1 set. No version split counts this request.
+            ask("slow", "warmup", 1)
+            ask("thinker", "v1", per_side)
+            moment = time.time()  # every v1 request scraped by now
+            time.sleep(2)  # and no scrape at or before the moment can have seen a v2 request
+            ask("quick", "v2", per_side)
+            got = records(folder, sent, proxy)
+            url = f"http://127.0.0.1:{port}"
+            at = datetime.fromtimestamp(moment, UTC).isoformat()
+            # Each split and the models of each side's requests.
+            splits = {
+                "by version": (["--before", "v1", "--after", "v2"], {"before": {"thinker"}, "after": {"quick"}}),
+                "at a moment": (
+                    ["--split-at", at, "--window", "10m"],
+                    {"before": {"slow", "thinker"}, "after": {"quick"}},
+                ),
+            }
+            for name, (split, models) in splits.items():
+                exact, read = compare(str(folder), *split), compare("--prometheus", url, *split)
+                for side in ("before", "after"):
+                    mine = [r for r in got if r["model"] in models[side]]
+                    for figure in ("ttft", "ttfot", "ttst"):
+                        samples = [r[figure] for r in mine if r[figure] is not None]
+                        key = f"{figure}_requests"
+                        assert read[side][key] == exact[side][key] == len(samples), (name, side, figure)
+                        for q_name, q in QUANTILES:
+                            e, p = exact[side][figure][q_name], read[side][figure][q_name]
+                            if not samples:  # v2's streams have one chunk each: no TTST, absent from both
+                                assert e is None and p is None, (name, side, figure, q_name, p)
+                                continue
+                            assert e["value"] == pytest.approx(quantile(samples, q), abs=1e-9)
+                            assert _within_resolution(p["value"], samples, q), (name, side, figure, q_name, p, samples)
+                assert exact["after"]["ttst_requests"] == 0 and exact["before"]["ttst_requests"] > 0, name
+                for q_name, _ in QUANTILES:
+                    assert read["change"][f"ttfot_{q_name}"] is not None, name
+                    assert read["change"][f"ttst_{q_name}"] is None and exact["change"][f"ttst_{q_name}"] is None
+            # The text: the same rows, and the same note with each side's counts; TTST after reads "-", not 0.
+            by_version = splits["by version"][0]
+            texts = [
+                compare(str(folder), *by_version, json_out=False),
+                compare("--prometheus", url, *by_version, json_out=False),
+            ]
+            print(texts[1])
+            rows = [
+                [line.strip() for line in text.splitlines() if line.strip().startswith(("TTFOT ", "TTST "))]
+                for text in texts
+            ]
+            names = [[row.split("  ")[0] for row in found] for found in rows]
+            assert names[0] == names[1] == [f"{f} {q}" for f in ("TTFOT", "TTST") for q, _ in QUANTILES], texts[1]
+            assert all(row.endswith("  -") for row in rows[1] if row.startswith("TTST")), rows[1]
+            notes = [[line for line in text.splitlines() if "(TTFOT:" in line] for text in texts]
+            assert notes[0] == notes[1] and f"{per_side} before, 0 after" in notes[1][0], notes
+        finally:
+            prom.stop()
             proxy.close()

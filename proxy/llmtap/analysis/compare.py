@@ -3,8 +3,8 @@
 Reads request records (``--record``: any number of files, globs and directories, read by the embedded
 engine, ``llmtap.store``) or a Prometheus server's HTTP API, splits the requests into
 before and after (by prompt version, or at a moment in time) and prints, for each side, TTFT
-p50/p95/p99 with bootstrap 95% confidence intervals (and beside it, where records have them, the time to the
-first output token, TTFOT, and to the second token, TTST), prefill time, the cached-token share, the cache
+p50/p95/p99 with bootstrap 95% confidence intervals (and beside it, where the requests have them, the time to
+the first output token, TTFOT, and to the second token, TTST), prefill time, the cached-token share, the cache
 classes and the request counts, then a one-line verdict. The verdict rests on the confidence interval
 of the change in TTFT p50: a gain must be real (the interval excludes zero) and large enough to
 matter (a share of the before side's p50, ``--min-gain-share``, and at least ``--min-gain-ms``); with
@@ -120,7 +120,7 @@ class SideFigures:
     slowest: list[Slow] = field(default_factory=list)
     at_or_above_p99: int = 0
     #: TTFOT and TTST percentiles (``QUANTILES``) of the successful streams that have them, and how many have them
-    #: (``first_tokens``): empty for a side read from Prometheus.
+    #: (``first_tokens``); from Prometheus, read from their histograms as TTFT is.
     ttfot_requests: int = 0
     ttfot: dict[str, Estimate | None] = field(default_factory=dict)
     ttst_requests: int = 0

@@ -123,6 +123,8 @@ PROM_INPUT = "llmtap_usage_input_tokens_total"
 PROM_CACHED = "llmtap_usage_cache_read_input_tokens_total"
 PROM_CLASSES = "llmtap_cache_requests_total"
 PROM_REQUESTS = "llmtap_requests_total"
+#: The histograms of the figures read beside TTFT, by figure: the same labels as TTFT's (route, shape, version).
+PROM_FIRST_TOKENS = {figure: slo_report.PROM_BUCKETS[figure] for figure in ("ttfot", "ttst")}
 
 
 def side_queries(matchers: Mapping[str, str]) -> dict[str, str]:
@@ -138,6 +140,7 @@ def side_queries(matchers: Mapping[str, str]) -> dict[str, str]:
 
     return {
         "ttft": buckets(f'__name__="{PROM_TTFT}"'),
+        **{figure: buckets(f'__name__="{name}"') for figure, name in PROM_FIRST_TOKENS.items()},
         "prefill": buckets(f'__name__="{PROM_PREFILL}"'),
         "prefill_sources": total("llmtap_prefill_duration_seconds_count", "llmtap_prefill_source"),
         "input": total(PROM_INPUT),
@@ -148,8 +151,9 @@ def side_queries(matchers: Mapping[str, str]) -> dict[str, str]:
 
 
 def side_from_counters(label: str, grown: Mapping[str, Grown]) -> Side:
-    """A side from what each of ``side_queries`` grew by in its window: TTFT and prefill histograms, token
-    and request counters."""
+    """A side from what each of ``side_queries`` grew by in its window: TTFT, TTFOT, TTST and prefill histograms,
+    token and request counters. A histogram that grew by nothing (no stream of two chunks: no TTST) leaves its
+    figure empty, so it reads as absent, never as 0."""
 
     def buckets(found: Grown) -> Distribution:
         pairs = [(float(dict(k)["le"]), v) for k, v in found.items() if "le" in dict(k)]
@@ -160,6 +164,8 @@ def side_from_counters(label: str, grown: Mapping[str, Grown]) -> Side:
 
     side = Side(label)
     side.ttft = buckets(grown["ttft"])
+    side.ttfot = buckets(grown["ttfot"])
+    side.ttst = buckets(grown["ttst"])
     side.prefill = buckets(grown["prefill"])
     sources = total(grown["prefill_sources"], "llmtap_prefill_source")
     side.prefill_sources = {k for k, v in sources.items() if v > 0 and k}

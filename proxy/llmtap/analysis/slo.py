@@ -47,6 +47,7 @@ __all__ = [
     "MET",
     "MISSED",
     "NONE",
+    "PROM_BUCKETS",
     "RESAMPLES",
     "ROUTE_LABEL",
     "SHAPE_LABEL",

@@ -162,7 +162,8 @@ def unknown_versions(groups: Sequence[store.Group], split: Split, where: store.F
 def side_from_prometheus(
     prom: Prometheus, label: str, matchers: dict[str, str], start: float | None, end: float
 ) -> Side:
-    """A side from the proxy's metrics in Prometheus: TTFT and prefill histograms, token and request counters."""
+    """A side from the proxy's metrics in Prometheus: TTFT, TTFOT, TTST and prefill histograms, token and request
+    counters."""
     return side_from_counters(label, {k: prom.increase(q, start, end) for k, q in side_queries(matchers).items()})
 
 
@@ -266,7 +267,7 @@ def _classes(classes: dict[str, int]) -> str:
 
 
 def _first_token_rows(c: Comparison) -> list[tuple[str, str, str, str]]:
-    """The TTFOT and TTST rows, for the figures either side has (none from Prometheus)."""
+    """The TTFOT and TTST rows, for the figures either side has (from records or from Prometheus' histograms)."""
     rows: list[tuple[str, str, str, str]] = []
     b, a = c.before, c.after
     for figure in FIRST_TOKENS:
