@@ -21,9 +21,7 @@ Each record counts once (a journal replays at least once): the statement also li
 identity (its record_id, or in a record of an older version its trace_id and span_id); when a hash is seen twice
 over the whole scan, the parts that hold it are read once more for those records' positions and identities, every
 copy after the first is marked, and those parts grouped again without them. Without a duplicate that costs one
-hash per record.
-
-ClickHouse itself, for the fleet, is a ``Source`` of its own.
+hash per record. (ClickHouse, for the fleet, is a ``Source`` of its own.)
 """
 
 from __future__ import annotations
