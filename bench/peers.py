@@ -170,7 +170,7 @@ ABLATIONS: dict[str, tuple[dict[str, str], list[str]]] = {
     # The telemetry threads never hand the core to a waiting relay (``--telemetry-yield 0``; they look every 500 µs).
     "telemetry-yield-off": ({"LLMTAP_TELEMETRY_YIELD": "0"}, []),
     # Not a switch but a placement: the whole tree, telemetry too, on the relay's one core (a sidecar with a
-    # one-core limit, issue 29), where plain ``llmtap`` moves its telemetry process to the other core.
+    # one-core limit), where plain ``llmtap`` moves its telemetry process to the other core.
     ONE_CORE: ({}, []),
     # ``--record`` with a folder of the run's (``llmtap`` adds it: the folder is made per start).
     RECORD: ({}, []),

@@ -317,8 +317,8 @@ def markdown(results: dict[str, Any]) -> str:
             "### The one-core budget: llmtap against nginx, each on one core",
             "",
             "`llmtap:one-core`: llmtap's whole process tree (relay and telemetry) pinned to the one core nginx's "
-            "worker has; `llmtap`: its relay alone there, its telemetry process on the client's core. Targets "
-            "(issue 29): added TTFT p50 within nginx's + 3 ms and p99 within + 10 ms, gap p99 within + 2 ms, "
+            "worker has; `llmtap`: its relay alone there, its telemetry process on the client's core. Targets"
+            ": added TTFT p50 within nginx's + 3 ms and p99 within + 10 ms, gap p99 within + 2 ms, "
             "0 merged; relay 25 µs and telemetry 30 µs of CPU per chunk. Merged: by the path, then (+N by the "
             "upstream) pairs the upstream itself wrote less than half a gap apart, late on its busy core (with "
             "`llmtap`, the telemetry process shares that core): no path keeps those apart.",

@@ -3,7 +3,7 @@
 One run, one upstream, four paths: direct, nginx, LiteLLM and llmtap with full telemetry. The proxy under
 test is pinned to one core and everything else (client, upstream, OTLP sink, Prometheus, aiperf) to the
 other; llmtap runs twice: with its relay alone on that core (its telemetry process moved to the other), and
-as ``llmtap:one-core``, its whole tree on the one core nginx has (the one-core budget, issue 29). Each path's
+as ``llmtap:one-core``, its whole tree on the one core nginx has (the one-core budget). Each path's
 staggered phases run with it alone; the bursts run with every path up, taken in turn burst by burst
 (``Bench.run_bursts``), so paths compared on one core are measured over the same minutes. As root,
 the run re-executes itself inside ``unshare -n`` (loopback only), so nothing can leave
@@ -793,7 +793,7 @@ def path_specs(args: argparse.Namespace) -> list[str]:
     specs = [p for p in args.paths.split(",") if p]
     one_core = f"llmtap:{peers.ONE_CORE}"
     if getattr(args, "one_core", False) and "llmtap" in specs and one_core not in specs:
-        # The one-core budget beside the dedicated-core one: every run measures both (issue 29).
+        # The one-core budget beside the dedicated-core one: every run measures both.
         specs.insert(specs.index("llmtap") + 1, one_core)
     for name in args.ablation:
         spec = f"llmtap:{name}"

@@ -389,7 +389,7 @@ def caching_panels() -> list[Builder[dm.Panel]]:
 
 
 def cost_panels() -> list[Builder[dm.Panel]]:
-    """What requests cost and who sent them (issue 31). Tenants appear when ``metric_dimensions`` allows them
+    """What requests cost and who sent them. Tenants appear when ``metric_dimensions`` allows them
     (their most used values; the rest read _OTHER); cost is reported tokens at the price table's prices."""
     by_model = f"sum by ({MODEL}) (rate({COST}{{{SELECTED}}}{RATE})) * 3600"
     by_tenant = f"sum by ({TENANT}) (rate({COST}{{{SELECTED}}}{RATE})) * 3600"

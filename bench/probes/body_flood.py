@@ -1,4 +1,4 @@
-"""Other clients' latency while one client floods the relay with large chat bodies (issue 44).
+"""Other clients' latency while one client floods the relay with large chat bodies.
 
 ``python -m bench.probes.body_flood`` starts two ``tests/support/fault_upstream.py`` and one ``llmtap serve`` of
 whatever code

@@ -1,4 +1,4 @@
-"""What the record journal costs (issue 44): ``python -m bench.probes.journal [--requests N] [--chunks N] [--dir DIR]``.
+"""What the record journal costs: ``python -m bench.probes.journal [--requests N] [--chunks N] [--dir DIR]``.
 
 The telemetry side's part, measured in place of the whole process (whose figures on a shared machine drown a few
 microseconds): the tapes of ``--requests`` streamed chat requests of ``--chunks`` chunks each, their frames as a

@@ -1,4 +1,4 @@
-"""The relay's CPU per chunk alone (issue 29): ``python -m bench.probes.relay_cpu [--tree DIR ...] [--floor]``.
+"""The relay's CPU per chunk alone: ``python -m bench.probes.relay_cpu [--tree DIR ...] [--floor]``.
 
 For each llmtap source tree given (default: this one), starts the benchmark's scripted upstream and the OTLP
 sink on the client's core, ``llmtap serve`` with its relay alone on the proxy's core (its telemetry process
@@ -22,7 +22,7 @@ does the same for any of llmtap's settings (its ``LLMTAP_*`` variables): e.g. th
 (``--env on:LLMTAP_RECORD_JOURNAL_MB=256 --env off:LLMTAP_RECORD_JOURNAL=off --record``).
 
 ``--record`` has each tree write request records (``--record`` into a folder of its own, emptied before each run):
-a tree with the record journal (issue 44) then journals every tape it reads, so its cost shows beside a tree without.
+a tree with the record journal then journals every tape it reads, so its cost shows beside a tree without.
 
 ``--capture FILE`` (one tree, one round) keeps every byte the telemetry process reads from the relay in FILE, as it
 reads it (``CAPTURE_SHIM``), for ``python -m bench.probes.telemetry --tapes FILE`` to play the same tapes again: what

@@ -1,4 +1,4 @@
-"""What one client can do to everyone else through the relay (issue 28), before and after its bounds.
+"""What one client can do to everyone else through the relay, before and after its bounds.
 
 ``python -m bench.probes.relay_limits`` starts ``tests/support/fault_upstream.py`` and, per scenario, a fresh ``llmtap
 serve``

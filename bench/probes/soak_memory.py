@@ -41,7 +41,7 @@ from tests.support.proctree import Service, by_role, descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = Path(__file__).resolve().parent / "soak_site"
-#: Growth over the last half of a run that counts as flat (issue 44).
+#: Growth over the last half of a run that counts as flat.
 TARGET_MB_PER_MIN = 0.05
 MB = 1 << 20
 

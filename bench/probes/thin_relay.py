@@ -1,4 +1,4 @@
-"""The floor: the thinnest relay Python can be, to measure llmtap's relay against in the same run (issue 29).
+"""The floor: the thinnest relay Python can be, to measure llmtap's relay against in the same run.
 
 ``python -m bench.probes.thin_relay --upstream-port N`` prints its port, then relays each client connection to a
 keep-alive connection of its own to the upstream: the client's bytes go up as they are, and each upstream

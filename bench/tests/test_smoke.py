@@ -36,7 +36,7 @@ RUN_PATHS = (*PATHS[: PATHS.index("llmtap") + 1], "llmtap:one-core", *PATHS[PATH
 
 
 def test_the_one_core_budget_runs_beside_the_dedicated_cores_and_is_reported_against_nginx() -> None:
-    """``python -m bench`` runs llmtap twice (relay alone on its core; the whole tree on one core, issue 29) unless
+    """``python -m bench`` runs llmtap twice (relay alone on its core; the whole tree on one core) unless
     told not to, and reports each against nginx's row of the same scenario, relay and telemetry CPU apart."""
     assert path_specs(parser().parse_args([])) == list(RUN_PATHS)
     assert path_specs(parser().parse_args(["--no-one-core"])) == list(PATHS)

@@ -9,7 +9,7 @@ Codings (RFC 9110 section 8.4.1), one per body:
 
 Brotli and zstd are not read: a body in either is relayed as it came and its telemetry is not parsed.
 
-Inflating is bounded (issue 28), since a small compressed read can inflate to gigabytes (deflate reaches
+Inflating is bounded, since a small compressed read can inflate to gigabytes (deflate reaches
 about 1032:1) and inflating costs CPU on a loop other streams share:
 
 * per step: each step produces at most ``piece`` bytes (zlib's ``max_length``), and the caller may let its

@@ -225,7 +225,7 @@ def test_too_few_requests_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert out.strip().splitlines()[-1].startswith("no verdict: too few requests with a TTFT (1 before, 2 after")
 
 
-# -- issue 30: like with like, a relative least gain, unknown versions, the slowest requests by trace id ---
+# -- like with like, a relative least gain, unknown versions, the slowest requests by trace id ---
 
 
 def shaped(version: str, ttft: float, t: float, shape: str, trace: int) -> dict[str, Any]:

@@ -82,7 +82,7 @@ def test_code_completion_gains_almost_nothing(
     assert cold.ttft_p50 is not None and 0.025 * 0.9 <= cold.ttft_p50 < 0.1, cold.ttft_p50
     # The verdicts are llmtap compare's, over the demo's own request records.
     code = demo_run.comparisons["code completion"]
-    # A few ms to gain: the least that counts is a tenth of the before p50 (issue 30), so it is a gain when real,
+    # A few ms to gain: the least that counts is a tenth of the before p50, so it is a gain when real,
     # and whether 16 requests a side make it real depends on the machine's load: the verdict follows its rule.
     change = code.change["ttft_p50"]
     assert change is not None and code.before.ttft["p50"] is not None

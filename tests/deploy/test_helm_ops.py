@@ -1,4 +1,4 @@
-"""helm/llmtap: what the chart gives an operator beyond the proxy (issue 43).
+"""helm/llmtap: what the chart gives an operator beyond the proxy.
 
 The values every replica must share (the attribution key, the admin and peer tokens) come from one Secret; the
 grace period is the shutdown budget, and a shorter one is refused; the collector sidecar's health check answers

@@ -23,7 +23,7 @@ from tests.support import podman as pm
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-#: The serve image's size at most (issue 43), in bytes as podman counts them.
+#: The serve image's size at most, in bytes as podman counts them.
 TARGET_BYTES = 250_000_000
 #: How the tests run a container: a read-only root and no network; /tmp a tmpfs; no capability, no privilege.
 LOCKED = (

@@ -1,4 +1,4 @@
-"""The chart run as pods (real tier, issue 43): the rendered chart played with ``podman kube play``, with the image
+"""The chart run as pods (real tier): the rendered chart played with ``podman kube play``, with the image
 CI builds (``.ci/image.sh``, tagged ``localhost/llmtap:<version>``), in front of a simulator pod.
 
 Two replicas (``helm/llmtap/ci/pods-values.yaml``), their ConfigMap, the chart's Secret (the admin token) and an

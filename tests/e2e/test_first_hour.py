@@ -1,4 +1,4 @@
-"""What a newcomer meets in the first hour of ``llmtap serve`` (issue 43): a port another server holds, an upstream
+"""What a newcomer meets in the first hour of ``llmtap serve``: a port another server holds, an upstream
 that is down at start, an upstream that dies in the middle of a stream. Each answer names what to do about it."""
 
 from __future__ import annotations

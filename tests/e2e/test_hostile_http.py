@@ -376,7 +376,7 @@ def test_http11_without_host_is_a_400(proxy: Llmtap, raw_upstream: RawUpstream) 
 def test_an_expectation_other_than_100_continue_gets_417(
     proxy: Llmtap, raw_upstream: RawUpstream, expect: bytes
 ) -> None:
-    """RFC 9110 section 10.1.1: an expectation nobody on the path meets is refused, never forwarded (issue 44)."""
+    """RFC 9110 section 10.1.1: an expectation nobody on the path meets is refused, never forwarded."""
     before = len(raw_upstream.heads)
     got = exchange(proxy.port, request(b"/v1/chat/completions", CHAT, extra=b"expect: %s\r\n" % expect))
     [(status, fields, body)] = parse(got)
@@ -404,7 +404,7 @@ def test_100_continue_is_met_before_the_body_is_sent(proxy: Llmtap, raw_upstream
     no_traceback(proxy)
 
 
-# --- response heads llmtap cannot relay faithfully (issue 44) ----------------------------------------------
+# --- response heads llmtap cannot relay faithfully ----------------------------------------------
 
 
 def record_of(proxy: Llmtap, model: str) -> dict[str, object]:
@@ -445,7 +445,7 @@ def test_a_final_answer_after_interim_ones_is_still_relayed(proxy: Llmtap) -> No
 def test_a_body_of_megabytes_is_read_as_it_arrives_and_spliced_as_a_small_one_is(
     proxy: Llmtap, raw_upstream: RawUpstream, options: bytes
 ) -> None:
-    """Past ``SCAN_FROM`` the relay reads the body piece by piece (``llmtap.providers.bodyscan``, issue 44): the
+    """Past ``SCAN_FROM`` the relay reads the body piece by piece (``llmtap.providers.bodyscan``): the
     upstream gets exactly what ``prepare_usage`` makes of it, and the client no usage event it did not ask for."""
     from llmtap.providers.splice import prepare_usage
     from llmtap.relay.bodyread import SCAN_FROM

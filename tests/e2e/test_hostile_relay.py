@@ -1,4 +1,4 @@
-"""Hostile clients and upstreams against the relay's own work, through a real ``llmtap serve`` (issue 28).
+"""Hostile clients and upstreams against the relay's own work, through a real ``llmtap serve``.
 
 Nobody in, nobody stuck: a compressed response the relay inflates (to remove the usage event it asked
 for) never stalls other streams and is inflated only to ``--max-inflate-bytes``; a client that reads

@@ -298,7 +298,7 @@ def test_otlp_export(protocol: str, latest: bool, upstream: Scripted, tmp_path: 
         assert attrs["gen_ai.provider.name"] == "openai"
         assert attrs["gen_ai.request.model"] == "scripted"
         assert attrs["gen_ai.usage.output_tokens"] == TOKENS
-        # The proxy's own cost (issue 29/31): its overhead, and the delay it added to each chunk, p99 and most.
+        # The proxy's own cost: its overhead, and the delay it added to each chunk, p99 and most.
         assert 0 < attrs["llmtap.proxy.overhead"] < attrs["llmtap.duration"]
         assert 0 <= attrs["llmtap.relay.chunk_delay.p99"] <= attrs["llmtap.relay.chunk_delay.max"]
         assert attrs["llmtap.relay.chunk_delay.max"] < attrs["llmtap.duration"]

@@ -1,4 +1,4 @@
-"""The telemetry process yields the CPU to the relays (issue 29): its worker threads run at SCHED_IDLE and its main
+"""The telemetry process yields the CPU to the relays: its worker threads run at SCHED_IDLE and its main
 thread (the admin listener: health probes, scrapes) in the normal class, niced; and
 when it cannot keep up at all (stopped), what the relay's channel cannot hold is dropped and counted while streams
 go on undelayed."""

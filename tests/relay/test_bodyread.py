@@ -69,7 +69,7 @@ def test_past_the_inspect_limit_the_rest_streams_after_the_pieces() -> None:
     assert asyncio.run(run()) == b"".join(pieces)
 
 
-# --- the relay's loop while a body of megabytes comes in (issue 44) ----------------------------------------
+# --- the relay's loop while a body of megabytes comes in ----------------------------------------
 
 
 class _Upstream(threading.Thread):

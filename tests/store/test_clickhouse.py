@@ -546,7 +546,7 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(
     records[-2]["route"], records[-2]["shape"] = records[-1]["route"], records[-1]["shape"]
     records[7]["cache"] = None
     records[8]["prefill_source"] = None
-    # Costs (issue 31): priced (amounts exact in binary, so any order of summing agrees), unknown, wrong-typed.
+    # Costs: priced (amounts exact in binary, so any order of summing agrees), unknown, wrong-typed.
     for i, rec in enumerate(records):
         amount = (i % 50) / 2**20 if i % 4 else None
         rec["cost"] = {"amount": amount, "currency": "USD", "status": "priced" if amount is not None else "unknown"}
@@ -591,7 +591,7 @@ def test_the_clickhouse_source_gives_the_reference_sources_facts(
 def test_a_record_inserted_twice_counts_once_on_either_clickhouse(
     made: str, server: ClickHouseProcess, chdb_server: Chdb, tmp_path: Path
 ) -> None:
-    """A journal's replay sends records again (issue 44): every record twice and some three times, into a table
+    """A journal's replay sends records again: every record twice and some three times, into a table
     made now (one row per record once merged) and into one of an earlier version (a MergeTree without the newest
     columns, read as it is), on Debian's 18.16 and on a current ClickHouse: the same facts as the file read once."""
     from llmtap.store import VERSION, Filter
@@ -692,8 +692,8 @@ def test_records_without_tracing_inserted_twice_count_once_by_their_record_id(
             assert int(remote.query(f"SELECT count() FROM {table}").decode()) == 130
 
 
-#: The columns each version of the table added, oldest first: cost (issue 31), the requests' own objectives and the
-#: record id (issue 44), then
+#: The columns each version of the table added, oldest first: cost, the requests' own objectives and the
+#: record id, then
 #: the first tokens, the cost's source and currency, the 1-hour cache writes and the attribution.
 ADDED = {
     "cost": [
@@ -743,7 +743,7 @@ def _create(remote: ch.Server, sql: str) -> None:
 
 
 def earlier_table(remote: ch.Server, table: str) -> None:
-    """The table as llmtap made it before the cost columns (issue 31), before one row per record (issue 44) and
+    """The table as llmtap made it before the cost columns, before one row per record and
     before the requests' own objectives: a MergeTree without any column added since (``ADDED``)."""
     old = "\n".join(line for line in ch.ddl(table).splitlines() if line.strip().split(" ")[0] not in added_since(""))
     old = old.replace("cache_min_tokens Nullable(Int64),", "cache_min_tokens Nullable(Int64)")
@@ -752,7 +752,7 @@ def earlier_table(remote: ch.Server, table: str) -> None:
 
 
 def test_a_table_of_an_earlier_version_gets_the_columns_added_since(server: ClickHouseProcess) -> None:
-    """A table made before the cost columns (issue 31) and the record id (issue 44) gets them at start; its older
+    """A table made before the cost columns and the record id gets them at start; its older
     rows read null there, and a new record's cost lands in them."""
     remote = ch.Server.parse(server.url)
     table = "before_cost"

@@ -1,4 +1,4 @@
-"""Damaged record files (issue 44): every kind of damage a record folder can hold, read by either engine.
+"""Damaged record files: every kind of damage a record folder can hold, read by either engine.
 
 Each case is a folder of good records plus one damaged thing. Either engine must answer with exit 0, no
 traceback, one line on standard error for the cause that names the damaged file, and the comparison of the

@@ -111,7 +111,7 @@ def hostile_record(rng: random.Random, i: int) -> dict[str, Any]:
     elif odd < 0.29:
         rec["ttft"] = 2.5  # slowest of its group, tied with others: the trace id breaks the tie
     first_tokens(rec, i)
-    # A cost (issue 31) from the record's index, not the generator, so the other fields stay as they were:
+    # A cost from the record's index, not the generator, so the other fields stay as they were:
     # priced (amounts exact in binary, so any order of summing agrees), unknown, absent, or wrong-typed.
     kind = i % 6
     if kind < 3:

@@ -1,4 +1,4 @@
-"""The fault suite's ledger: requests sent, records read back, and every loss llmtap counted (issue 44).
+"""The fault suite's ledger: requests sent, records read back, and every loss llmtap counted.
 
 DESIGN.md, "Records are never lost silently": each fault must end with a record for every request sent, or the
 difference counted on a ``/metrics`` counter and said in the log with its cause. The ledger holds the three
@@ -191,7 +191,7 @@ def read_folder(folder: Path) -> Records:
     out = Records()
     for record in read_records(folder, out.stats):
         out.add(record.get("trace_id"), record.get("span_id"))
-    skips = getattr(out.stats, "skips", None)  # a reader before issue 44's counted nothing it skipped
+    skips = getattr(out.stats, "skips", None)  # a reader of an earlier version counted nothing it skipped
     out.copies += skips.counts.get("duplicate", 0) if skips is not None else 0
     return out
 

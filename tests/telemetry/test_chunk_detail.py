@@ -1,4 +1,4 @@
-"""Chunk detail decided in the proxy (issue 31), and per-chunk samples recorded in bulk (issue 29).
+"""Chunk detail decided in the proxy, and per-chunk samples recorded in bulk.
 
 End to end against real OTLP receivers (``tests/e2e/test_otlp.py``): with default settings a normal streamed
 request exports at most 6 spans, its chunk statistics on the decode span; a failed one keeps a span for

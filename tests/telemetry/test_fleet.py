@@ -117,7 +117,7 @@ def test_ownership_passes_spans_of_relayed_traces_holds_unknown_ones_and_drops_t
 
 def test_spans_of_unknown_traces_wait_within_a_bound_of_bytes_too() -> None:
     """Few spans of many bytes each (a body of megabytes is allowed in) cannot hold more than ``MAX_WAITING_BYTES``
-    while they wait for their trace: the oldest trace's spans go first, counted (issue 44)."""
+    while they wait for their trace: the oldest trace's spans go first, counted."""
     dropped: list[int] = []
     owned = peers.Ownership(3.0, dropped.append)
     big = ExportTraceServiceRequest.FromString(vllm_export("aaaaaaaaaaaaaaaa"))

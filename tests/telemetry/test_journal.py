@@ -1,4 +1,4 @@
-"""The record journal (issue 44): its files, and the spool that keeps each tape until every sink has its record."""
+"""The record journal: its files, and the spool that keeps each tape until every sink has its record."""
 
 from __future__ import annotations
 

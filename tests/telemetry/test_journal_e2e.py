@@ -1,4 +1,4 @@
-"""The record journal end to end (issue 44): ``llmtap serve`` in front of the simulator, killed and stopped as
+"""The record journal end to end: ``llmtap serve`` in front of the simulator, killed and stopped as
 production kills and stops it; every request sent ends as a record or as a loss counted with its cause."""
 
 from __future__ import annotations

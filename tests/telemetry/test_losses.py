@@ -1,5 +1,5 @@
 """The loss counters' totals across telemetry restarts, and the lines that say losses with their count
-(``llmtap.telemetry.journal.losses``, issue 44)."""
+(``llmtap.telemetry.journal.losses``)."""
 
 from __future__ import annotations
 

@@ -1016,7 +1016,7 @@ def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: Harnes
 
 def test_relays_that_come_and_go_leave_a_bounded_trace(harness: HarnessFactory) -> None:
     """Each relay connection is a source of its own: one that restarts again and again leaves no gauges behind, and
-    the readiness (not ready) of the last ``GONE_KEPT`` only (issue 44). Its streams still open are dropped, counted."""
+    the readiness (not ready) of the last ``GONE_KEPT`` only. Its streams still open are dropped, counted."""
     from llmtap.telemetry.intake.relays import GONE_KEPT
 
     h = harness()

@@ -116,7 +116,7 @@ def test_a_record_holds_the_figures_and_never_content_or_secrets(
     for key in ("ttft", "ttfb", "upstream_ttft", "tpot", "e2e", "queue", "prefill", "decode"):
         assert isinstance(streamed[key], float) and streamed[key] >= 0, key
     assert streamed["ttfb"] <= streamed["ttft"] <= streamed["e2e"]
-    # A non-streamed answer arrives whole: no TTFT (issue 30: it said its whole duration), in its record, on its
+    # A non-streamed answer arrives whole: no TTFT (it said its whole duration), in its record, on its
     # span and in the time-to-first-chunk metrics; its E2E is its latency.
     assert whole["ttft"] is None and whole["upstream_ttft"] is None and whole["e2e"] > 0
     ttft_attr = "gen_ai.response.time_to_first_chunk"

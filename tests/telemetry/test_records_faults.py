@@ -1,4 +1,4 @@
-"""The faults a production proxy meets, end to end: no record is lost silently (DESIGN.md; issue 44).
+"""The faults a production proxy meets, end to end: no record is lost silently (DESIGN.md).
 
 ``llmtap serve --record DIR`` (with ClickHouse or an OTLP backend where the fault needs one) runs in front of the
 offline simulator; a bounded client load goes through it while the fault happens; then the ledger

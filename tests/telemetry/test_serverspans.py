@@ -196,7 +196,7 @@ def test_join_stops_waiting_for_an_upstream_that_sends_no_spans() -> None:
 def test_requests_remembered_after_their_wait_are_bounded_when_an_upstream_traces_some() -> None:
     """An upstream that sends the span of every other request (its own sampling, or spans lost on the way) is still
     waited for, and each request whose span never came is remembered so that the span counts as late if it does:
-    those memories stay within ``MAX_RECENT`` however long it goes on (issue 44)."""
+    those memories stay within ``MAX_RECENT`` however long it goes on."""
     from llmtap.telemetry.fleet import serverspans
 
     counts = Counts()

@@ -1,4 +1,4 @@
-"""The recorder's open and gone streams: each loss counted once, nothing of a lost stream kept long (issue 44)."""
+"""The recorder's open and gone streams: each loss counted once, nothing of a lost stream kept long."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Giving the C allocator's free memory back while the telemetry process is idle (issue 44)."""
+"""Giving the C allocator's free memory back while the telemetry process is idle."""
 
 from __future__ import annotations
 

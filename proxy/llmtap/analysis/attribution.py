@@ -1,6 +1,6 @@
 """Who sent a request: its attribution dimensions, from the caller's headers and the request body, bounded.
 
-The dimensions (issue 31):
+The dimensions:
 
 * ``tenant``: the ``x-llmtap-tenant`` header;
 * ``user``: the ``x-llmtap-user`` header, else what the protocol carries in the body (OpenAI's

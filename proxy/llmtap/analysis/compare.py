@@ -515,7 +515,7 @@ class Sides:
 
 
 def cost_change(before: Side, after: Side) -> dict[str, Any] | None:
-    """Cost per request before and after (issue 31), when records were read (Prometheus sides have none)."""
+    """Cost per request before and after, when records were read (Prometheus sides have none)."""
     if not before.priced and not after.priced:
         return None
     of = costreport.CostFigures.of_counts

@@ -1,4 +1,4 @@
-"""Cost per request in ``llmtap compare`` and ``llmtap slo`` (issue 31): from the records' costs, apart from
+"""Cost per request in ``llmtap compare`` and ``llmtap slo``: from the records' costs, apart from
 the latency verdicts.
 
 A record's cost is its reported tokens at the price table's prices (``llmtap.analysis.cost``); a record

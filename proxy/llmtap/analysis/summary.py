@@ -270,8 +270,8 @@ def summarize(
     for 100 tokens: the token figures do not need them, and the caller may ask for them on a share of requests).
     """
     s = Summary(rejected_timings=list(tl.rejected_timings))
-    # A non-streamed answer arrives whole: its "first chunk" is the whole body, so it has no TTFT (issue 30;
-    # the conventions' time_to_first_chunk "SHOULD NOT be reported" for it). Its E2E is its latency.
+    # A non-streamed answer arrives whole: its "first chunk" is the whole body, so it has no TTFT (the
+    # conventions' time_to_first_chunk "SHOULD NOT be reported" for it). Its E2E is its latency.
     streamed = bool(tl.request is not None and tl.request.stream)
     if tl.first_content is not None and streamed:
         # As the client sees it: until the first content was handed to its socket, when the relay knows.

@@ -172,7 +172,7 @@ class Timeline:
     # When the first content chunk was handed to the client's socket: the end of TTFT as the client sees it.
     first_content_delivered: float | None = None
     #: Per upstream read that reached the client: seconds from its arrival to its write to the client's socket
-    #: (the relay's own delay of each chunk, issue 31).
+    #: (the relay's own delay of each chunk).
     relay_delays: array[float] = field(default_factory=lambda: array("d"))
     #: What the telemetry side keeps the request's tape under until every record sink has it (its record journal's
     #: reference; None: not kept). Opaque here.

@@ -349,7 +349,7 @@ def structure(expected: str, types: tuple[type, ...], schema: Mapping[str, Any])
     return Kind(expected, parse, schema, "YAML", lambda v: "see the file")
 
 
-# -- attribution (issue 31) ------------------------------------------------------------------------
+# -- attribution ------------------------------------------------------------------------
 
 #: Request dimensions a client names (``proxy.attribution``): the operator lists the ones metrics may carry.
 DIMENSIONS = ("tenant", "user", "api_key")

@@ -417,7 +417,7 @@ _TABLE = (
         "clients",
         default_text="from the descriptor limit, at most 4096",
     ),
-    # -- relay: what one client may hold (issue 28); one block, kept together --
+    # -- relay: what one client may hold; one block, kept together --
     option(
         "client_send_timeout",
         POSITIVE_SECONDS,
@@ -493,7 +493,7 @@ _TABLE = (
         "telemetry",
         key="telemetry.chunk_span_cap",
     ),
-    # chunk detail decided in the proxy (issue 31; llmtap.telemetry.emit.chunkdetail)
+    # chunk detail decided in the proxy (llmtap.telemetry.emit.chunkdetail)
     option(
         "chunk_detail_sample",
         share(),
@@ -890,7 +890,7 @@ _TABLE = (
         default_text="16 for a self-hosted server (its provider, else a loopback, private or in-cluster address), "
         "1024 for a hosted API",
     ),
-    # attribution and cost (issue 31)
+    # attribution and cost
     option(
         "metric_dimensions",
         dimension_names(),

@@ -315,7 +315,7 @@ class Admin:
 
 @dataclass(frozen=True, slots=True)
 class Attribution:
-    """Who sent a request and what it cost (issue 31): what metrics may carry, what goes upstream, the
+    """Who sent a request and what it cost: what metrics may carry, what goes upstream, the
     fingerprints' secret and the user's price table."""
 
     #: Dimensions llmtap's request, token and cost counters carry (``tenant``, ``user``, ``api_key``,
@@ -400,7 +400,7 @@ class Settings:
     telemetry_yield: int = default("telemetry_yield")
     #: Milliseconds a relay gathers its tapes before writing them to the telemetry process (``SocketChannel``).
     telemetry_gather: int = default("telemetry_gather")
-    #: Attribution dimensions and prices (issue 31).
+    #: Attribution dimensions and prices.
     attribution: Attribution = field(default_factory=Attribution)
     #: The opt-in content event (off unless ``--content-event`` names a field).
     content: ContentEvent = field(default_factory=ContentEvent)

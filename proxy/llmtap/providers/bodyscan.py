@@ -1,4 +1,4 @@
-"""What the usage splice needs from a large request body, read piece by piece as the body arrives (issue 44).
+"""What the usage splice needs from a large request body, read piece by piece as the body arrives.
 
 ``splice.prepare_usage`` parses the whole body with ``json.loads`` and then splices. On the relay that is one
 call of tens of milliseconds for a body of megabytes, and every other stream waits for it (a flood of 8 MiB chat

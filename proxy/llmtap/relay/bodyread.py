@@ -2,7 +2,7 @@
 
 A body the usage splice may change is read by ``llmtap.providers.bodyscan`` as its pieces arrive, once it passes
 ``SCAN_FROM`` bytes, so that nothing is left to parse once its last byte came: a body of megabytes never holds the
-event loop for the milliseconds ``json.loads`` takes on it (issue 44). A piece that takes the reader long gives the
+event loop for the milliseconds ``json.loads`` takes on it. A piece that takes the reader long gives the
 loop a turn every ``SCAN_SLICE`` bytes. A smaller body is parsed at the end, by one ``json.loads``
 (``Provider.prepare``), which is quicker for it.
 

@@ -1,4 +1,4 @@
-"""The log line of a stream the upstream broke off after its headers (issue 43).
+"""The log line of a stream the upstream broke off after its headers.
 
 The client sees its response end without a clean end and the span says ``upstream_closed`` or ``idle_timeout``;
 the operator reading the proxy's log sees one line: which route and upstream, how many bytes had been relayed

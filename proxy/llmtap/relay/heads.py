@@ -1,4 +1,4 @@
-"""An upstream's response head the relay can pass on faithfully, or why it cannot (issue 44).
+"""An upstream's response head the relay can pass on faithfully, or why it cannot.
 
 The relay sends the client the upstream's status and headers as they came (hop-by-hop ones aside) and the body
 as it came, re-framed by the listener. Some heads cannot be passed on that way, and forwarding them leaves the

@@ -2,7 +2,7 @@
 
 Before this, a relayed chunk went from the upstream protocol's queue to a waiting task (a future woken, a
 task step), through httpx's body iterator, then through ASGI ``send`` into uvicorn, which awaited its flow
-control before writing: about three quarters of the relay's CPU per chunk (issue 29). Here the lean
+control before writing: about three quarters of the relay's CPU per chunk. Here the lean
 upstream client hands each part to ``Pipe`` while it is still in ``data_received`` (``Connection.carry``): one
 timestamp of the read, the tape's append, the usage filter when it runs, one ``transport.write`` in the
 framing uvicorn chose for the response (chunked, or counted against its Content-Length), one timestamp of

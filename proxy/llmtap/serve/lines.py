@@ -78,7 +78,7 @@ def startup_lines(settings: Settings, port: int, admin_port: int) -> list[str]:
 
         records += f"; ClickHouse {Server.parse(rec.clickhouse.url).url} table {rec.clickhouse.table}"
     if rec.on:
-        # What a kill or a restart with a sink down does to them (issue 44).
+        # What a kill or a restart with a sink down does to them.
         records += (
             f"; journal {rec.journal}/ ({binary(rec.journal_bytes)} per telemetry process)"
             if rec.journal

@@ -98,7 +98,7 @@ COLUMNS: dict[str, str] = {
     "span_id": "str",  # with trace_id, what identifies a record without a record_id (counted once)
     "record_id": "str",  # what identifies a record, traced or not (counted once)
     "instance_id": "str",
-    "cost": "float",  # cost.amount (issue 31): null when unpriced
+    "cost": "float",  # cost.amount: null when unpriced
     "ro_ttft": "str",  # request_objective.ttft_outcome: 'met' / 'violated' / null (the request's own x-slo-ttft-ms)
     "ro_tpot": "str",  # request_objective.tpot_outcome
 }
@@ -166,7 +166,7 @@ class Group:
     objective: Objective | None = None
     objective_time: float = 0.0
     classes: dict[str, int] = field(default_factory=dict)  # cache_class counts (null left out)
-    #: Records with a cost (not null, whatever their outcome), and the sum of it (issue 31).
+    #: Records with a cost (not null, whatever their outcome), and the sum of it.
     priced: int = 0
     cost: float = 0.0
     #: Records judged by their own objectives, by figure and outcome (``REQUEST_OBJECTIVES``, ``REQUEST_OUTCOMES``;

@@ -4,7 +4,7 @@ Both sides use this: the sink the telemetry process sends records through (``Cli
 ``llmtap.telemetry.records.clickhouse``) and the source ``compare`` and ``slo`` read them back from
 (``llmtap.store.clickhouse_read``).
 
-The table keeps one row per record in the end (issue 44: a journal replays records at least once): it is a
+The table keeps one row per record in the end (a journal replays records at least once): it is a
 ``ReplacingMergeTree`` whose sorting key ends with ``record_id``, the record's trace and span ids (a record
 without both gets a random one, so it is never taken for another). Reading the table back, each record once, is
 ``llmtap.store.clickhouse_read``. Only the standard library is used: ClickHouse's HTTP interface is plain HTTP.

@@ -8,7 +8,7 @@
 -- then applies the TTL (--record-clickhouse-ttl-days) with ALTER TABLE ... MODIFY TTL on ClickHouse 19.6
 -- and later, and says in its log that it cannot on an older server. A table made by an earlier version gets
 -- the columns added since (ALTER TABLE ... ADD COLUMN), so its older rows read null there.
--- One row per record (issue 44): a journal replays records at least once, so the same record can be inserted
+-- One row per record: a journal replays records at least once, so the same record can be inserted
 -- twice. The table replaces rows of one sorting key, which ends with record_id (the record's own id, made with the
 -- request whether or not it is traced; for a record of an older version its trace and span ids; a record with
 -- neither has a random one, starting with '-'): copies merge into one row in the background. Until they have, and

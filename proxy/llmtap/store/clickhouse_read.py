@@ -1,7 +1,7 @@
 """Records read back from ClickHouse: the flat columns of a time range (``select``), and a table as a
 ``llmtap.store.Source`` (``ClickHouseSource``), where ClickHouse filters, groups and sorts.
 
-Each record counts once (issue 44): a journal replays records at least once, so one can reach the table twice.
+Each record counts once: a journal replays records at least once, so one can reach the table twice.
 What identifies it is its ``record_id`` column (the record's own id, made with the request whether or not it is
 traced; ``llmtap.store.clickhouse_rows.record_id``), and in a row without one (a table of an earlier version) its
 ``trace_id`` and ``span_id`` (neither empty nor all zeros). A table made by this version keeps one row per record in

@@ -2,7 +2,7 @@
 
 Every column of the table comes from ``flat_row``: nested fields flattened with a prefix, a value of the wrong type
 as null (or the type's zero where the column takes none), so one odd record cannot make ClickHouse refuse its
-batch; and ``record_id``, what the table keeps one row of (issue 44).
+batch; and ``record_id``, what the table keeps one row of.
 """
 
 from __future__ import annotations

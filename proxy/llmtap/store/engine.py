@@ -6,32 +6,22 @@ files by their columns. They are read in parts of ``PART_FILES`` files, one stat
 part's records (and its other lines by kind and file, for the counts) and gathers each group's figures as lists
 that come back as numpy buffers (masked by numpy into the figures); the parts' facts are merged at the end, where
 each figure is sorted once and handed over as ``array('d')``. ``count_met`` reads the values the scan kept, not
-the files again. (A table of each part's rows, written first and queried twice after, cost twice the time of the
-one statement: measured at 1M records from Parquet, 4.8 s of CPU against 2.8 s; a table of all the rows, 52 s to
-write at 10M against 17 s to read the same columns.)
+the files again (why one statement, and why DuckDB: docs/development.md, "The record engine").
 
-A damaged input never stops the scan (issue 44). A file that cannot be opened or is not what its name says is
-counted before the read (``llmtap.store.files.inspect``). A part whose statement fails is read again in halves
-down to the file that fails: a Parquet file that DuckDB cannot read is counted as damaged; a JSON-lines file is
-read by Python instead (``llmtap.store.files.file_lines``: up to the damage of a compressed file, and with the
-lines DuckDB's CSV reader cannot take, a stray carriage return or delimiter, settled as the reference settles
-them) into a plain copy that DuckDB then reads; so is a file with a carriage return and no newline from the
-start, whose one line ``read_csv`` would end at the carriage return without failing (``files.splits_at_cr``).
-What ``read_csv`` refuses is counted from its rejects table.
+A damaged input never stops the scan. A file that cannot be opened or is not what its name says is counted
+before the read (``llmtap.store.files.inspect``). A part whose statement fails is read again in halves down to
+the file that fails: a Parquet file that DuckDB cannot read is counted as damaged; a JSON-lines file is read by
+Python instead (``llmtap.store.files.file_lines``: up to the damage of a compressed file, and with the lines
+DuckDB's CSV reader cannot take, a stray carriage return or delimiter, settled as the reference settles them)
+into a plain copy that DuckDB then reads; so is a file with a carriage return and no newline from the start,
+whose one line ``read_csv`` ends at the carriage return without failing (``files.splits_at_cr``). What
+``read_csv`` refuses is counted from its rejects table.
 
 Each record counts once (a journal replays at least once): the statement also lists the hash of each record's
 identity (its record_id, or in a record of an older version its trace_id and span_id); when a hash is seen twice
 over the whole scan, the parts that hold it are read once more for those records' positions and identities, every
 copy after the first is marked, and those parts grouped again without them. Without a duplicate that costs one
-hash per record.
-
-Why DuckDB rather than chDB (ClickHouse embedded): measured on the same 300,000 generated records
-(grouped counts and sorted TTFTs by version and route), the two took about the same time on gzip JSON
-lines (15-25 s against 16-18 s on two busy shared cores) and on Parquet (1.4-2.0 s against 1.5-2.1 s),
-so speed did not decide it; size and fit did: DuckDB is one wheel of a few tens of MB with no
-dependencies, chDB 4.4 installs 887 MB (its engine, and numpy and more of its own); DuckDB's Python API
-hands results over as numpy buffers, and its SQL has the typed JSON access and ``arg_max`` over a
-tuple that the facts need. ClickHouse itself, for the fleet, is a ``Source`` of its own.
+hash per record. (ClickHouse, for the fleet, is a ``Source`` of its own.)
 """
 
 from __future__ import annotations

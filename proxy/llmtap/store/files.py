@@ -8,7 +8,7 @@ directories). Of one file stem, one copy is read: ``X.parquet`` over ``X.jsonl.g
 (a closed file is compressed to ``.gz`` and the ``.jsonl`` removed after; a reader between the two
 steps sees both).
 
-Reading never stops at a damaged file (issue 44): a file that cannot be opened, an empty or foreign one, compressed
+Reading never stops at a damaged file: a file that cannot be opened, an empty or foreign one, compressed
 data cut short or corrupt, a line that is not UTF-8, longer than ``MAX_LINE`` or not a record are passed over and
 counted by cause with the file they were in (``llmtap.store.skips``), the rows before a damage read. What names a
 record is its ``record_id``, or in a record of an older version its ``trace_id`` and ``span_id`` (``identity``): a

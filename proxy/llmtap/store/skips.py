@@ -1,4 +1,4 @@
-"""What a reader could not read, or read twice: counted by cause and named by file (issue 44).
+"""What a reader could not read, or read twice: counted by cause and named by file.
 
 Records are the product's data, so a reader never stops at a damaged file and never drops a line in silence.
 Whatever it passes over it counts here under one of ``CAUSES``, with the files it was found in; ``compare`` and

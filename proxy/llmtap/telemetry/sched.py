@@ -1,4 +1,4 @@
-"""Where the telemetry process's threads run beside the relays on a shared core (issue 29).
+"""Where the telemetry process's threads run beside the relays on a shared core.
 
 ``nice`` (the default): every thread niced by ``NICE``; on a core the relays keep busy telemetry still gets a
 share. ``idle``: every worker thread (the recorder's, the record writers', the exporters') runs at

@@ -290,7 +290,7 @@ PROTOCOL = "llmtap.protocol"
 OUTCOME = "llmtap.outcome"
 SLO_OUTCOME = "llmtap.slo"
 INPUT_SIZE = "llmtap.request.input_size"
-#: The request shape class by input and output tokens (``shapes:``; issue 18).
+#: The request shape class by input and output tokens (``shapes:``).
 SHAPE = "llmtap.request.shape"
 PROMPT_VERSION = "llmtap.prompt.version"
 REQUEST_PARSE_ERROR = "llmtap.request.parse_error"
@@ -312,7 +312,7 @@ PREFILL_SOURCE = "llmtap.prefill.source"
 DECODE_DURATION = "llmtap.decode.duration"
 DECODE_SERVER_DURATION = "llmtap.decode.server.duration"  # the server's own decode time, from its span
 # Upstream TTFT that the server's own queue and prefill (both reported) leave out: its own part, never folded
-# into either (issue 30).
+# into either.
 UPSTREAM_UNATTRIBUTED_DURATION = "llmtap.upstream.unattributed.duration"
 UPSTREAM_SLOTS = "llmtap.upstream.slots"  # the slot count the estimator replayed with
 UPSTREAM_SLOTS_SOURCE = "llmtap.upstream.slots.source"  # configured, or server_metrics (learned)
@@ -324,7 +324,7 @@ INPUT_TOKENS_SOURCE = "llmtap.usage.input_tokens.source"
 OUTPUT_TOKENS_SOURCE = "llmtap.usage.output_tokens.source"
 UNCACHED_INPUT_TOKENS = "llmtap.usage.uncached_input_tokens"
 #: The request's proxy overhead (as ``llmtap.proxy.overhead`` records it), and the p99 and largest delay the
-#: relay added to a chunk (upstream read to client write), in seconds, on the request's span (issue 31).
+#: relay added to a chunk (upstream read to client write), in seconds, on the request's span.
 PROXY_OVERHEAD = "llmtap.proxy.overhead"
 RELAY_CHUNK_DELAY_P99 = "llmtap.relay.chunk_delay.p99"
 RELAY_CHUNK_DELAY_MAX = "llmtap.relay.chunk_delay.max"
@@ -334,7 +334,7 @@ CHUNK_TOKENS = "llmtap.chunk.tokens"
 CHUNK_BYTES = "llmtap.chunk.bytes"
 CHUNK_GAP = "llmtap.chunk.gap"
 CHUNK_FOLDED = "llmtap.chunk.folded"
-# The decode span's chunk statistics, on every request (issue 31): whether its chunk spans were kept, and why.
+# The decode span's chunk statistics, on every request: whether its chunk spans were kept, and why.
 CHUNK_DETAIL = "llmtap.chunk.detail"  # error, cancelled, slo_missed, tail, sampled; or summary
 DECODE_GAP_P50 = "llmtap.decode.gap.p50"  # chunk gaps (time per output chunk), seconds
 DECODE_GAP_P99 = "llmtap.decode.gap.p99"
@@ -490,7 +490,7 @@ METRIC_CONTENT_EVENTS_DROPPED = "llmtap.telemetry.content_events.dropped"
 #: Why a content event was lost: the export queue was full, the collector refused or could not be reached, the
 #: event could not be made, or the OpenTelemetry SDK installed has no logs API llmtap can use.
 CONTENT_DROP_REASONS = ("otlp_queue_full", "otlp_export_failed", "unmade", "sdk_too_old")
-# The record journal (issue 44): records of the last run made again at start, and what the journal holds now.
+# The record journal: records of the last run made again at start, and what the journal holds now.
 METRIC_RECORDS_RECOVERED = "llmtap.telemetry.records.recovered"
 METRIC_JOURNAL_SIZE = "llmtap.telemetry.journal.size"  # bytes of tapes on disk
 METRIC_JOURNAL_RECORDS = "llmtap.telemetry.journal.records"  # requests kept until every sink has their record
@@ -517,7 +517,7 @@ METRIC_EVENT_STREAMS = "llmtap.admin.event_streams"  # the live view's /events s
 METRIC_LIVE_SAMPLES_DROPPED = "llmtap.admin.live_samples.dropped"
 METRIC_CLICKHOUSE_INSERTS = "llmtap.telemetry.clickhouse.inserts"  # batches of records sent to ClickHouse, by outcome
 
-# Attribution and cost (issue 31)
+# Attribution and cost
 #: Who sent a request (``llmtap.analysis.attribution``): on spans always, on metrics when the operator allows.
 TENANT = "llmtap.tenant"
 #: The end user: the general registry's ``user.id`` (https://opentelemetry.io/docs/specs/semconv/registry/attributes/user/).

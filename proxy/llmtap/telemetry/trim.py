@@ -1,4 +1,4 @@
-"""Giving the C allocator's free memory back to the system while the telemetry process is idle (issue 44).
+"""Giving the C allocator's free memory back to the system while the telemetry process is idle.
 
 Much of what the telemetry process allocates is larger than Python's own small-object allocator takes (tables of
 the caches, the tapes' bytes, protobuf messages) and comes from the C allocator. glibc returns freed memory to the

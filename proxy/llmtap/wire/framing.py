@@ -41,7 +41,7 @@ def encode_frame(message: Raw) -> tuple[bytes, bytes]:
 def encode_frames(message: Raw) -> list[bytes]:
     """``encode_frame``'s length prefix and body, and after them, for a message carrying a request body past
     ``BESIDE_BYTES``, the body in a raw frame of its own: the relay writes it as it is, never copied into the message's
-    frame (a copy of milliseconds on its loop for a body of megabytes, issue 44)."""
+    frame (a copy of milliseconds on its loop for a body of megabytes)."""
     message, body = lift_body(message, BESIDE_BYTES)
     prefix, data = encode_frame(message)
     if body is None:

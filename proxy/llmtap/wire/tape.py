@@ -8,10 +8,10 @@ OpenTelemetry, no tokenizer: appending a read costs three array appends and a ``
 
 A tape's memory is bounded whatever the response's length: once the reads it holds pass ``SEGMENT_BYTES``
 they leave as a segment through the channel and the tape starts again empty, so an open stream holds at
-most about that many bytes of response in the relay (issue 14: 64 KiB resident per stream). A segment the
+most about that many bytes of response in the relay (64 KiB resident per stream). A segment the
 channel cannot take, even without its bytes, becomes a hole (``punch``): its reads' bytes and the last one's
 arrival, sent as a read without bytes ahead of the stream's next message (``hole_message``), or in front of its
-last reads at the end; the telemetry side plays it as a gap, and the stream's record survives, partial (issue 44).
+last reads at the end; the telemetry side plays it as a gap, and the stream's record survives, partial.
 
 What leaves is a ``Segment`` or an ``End`` message (``llmtap.wire.messages``), in its encoded form. The tape
 builds that form itself, field by field in the order its named form declares (``Head``, ``Reads``, ``Tail``),

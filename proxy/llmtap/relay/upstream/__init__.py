@@ -3,7 +3,7 @@
 httpcore's pool, anyio and h11 cost about a third of the relay's CPU per chunk (bench/archive/RESULTS-2026-12.md, "Where
 the time goes"); here one protocol object per connection parses the response as it arrives and queues its
 body parts. The relay calls it directly (``LeanTransport.send``: an ``Answer``, no httpx ``Request`` or
-``Response``, which cost the relay about 150 µs of CPU a request, issue 29); as an httpx transport it
+``Response``, which cost the relay about 150 µs of CPU a request); as an httpx transport it
 serves httpx's client the same way (tests, tools). Split as httpcore splits the job:
 
 * ``errors``: the client's errors, one family under ``UpstreamError``;
@@ -28,7 +28,7 @@ What the relay relies on, and this package keeps:
 
 A relay may instead take the body in the read callback (``Body.pipe``): each part goes to its sink the moment the
 parser has it, stamped once per socket read, and the relay's task wakes only when the response ends, fails or is
-held. No queue, no task switch per chunk (issue 29).
+held. No queue, no task switch per chunk.
 
 HTTPS is the event loop's own TLS transport (``create_connection(ssl=...)``, asyncio's or uvloop's) under
 the same protocol, with the context of ``llmtap.relay.tls``: certificate and handshake failures are

@@ -72,7 +72,7 @@ class Http11:
 
         Only what the parser would read the same way is taken (RFC 9112 section 7.1: hex digits, CRLF, that
         many bytes, CRLF), and the parser is left where it would stand after it: between two chunks. So the
-        parts are those the parser would give, with no callback per chunk (issue 29).
+        parts are those the parser would give, with no callback per chunk.
         """
         at = 0
         size = len(data)

@@ -82,7 +82,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         timeouts: Timeouts,
         leaving: Callable[[], None] | None = None,
     ) -> Answer:
-        """One request, straight from the relay: no ``httpx.Request`` or ``Response`` is built (issue 29).
+        """One request, straight from the relay: no ``httpx.Request`` or ``Response`` is built.
 
         The bytes on the wire are those ``handle_async_request`` sends for the ``httpx.Request`` made of the
         same parts (``request_head``); ``target`` is the request target as httpx encodes it (``raw_path``).

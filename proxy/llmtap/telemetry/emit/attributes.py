@@ -275,7 +275,7 @@ def _put_timings(attrs: dict[str, Any], tl: Timeline, s: Summary) -> None:
         attrs[sc.UPSTREAM_SLOTS_CONFIDENCE] = s.slots.confidence
 
 
-# -- attribution and cost (issue 31) ----------------------------------------------------------------
+# -- attribution and cost ----------------------------------------------------------------
 
 
 def attribution_attributes(tl: Timeline) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Many samples of one histogram with one attribute set, at the cost of a bucket lookup each (issue 29).
+"""Many samples of one histogram with one attribute set, at the cost of a bucket lookup each.
 
 A stream records a chunk gap per chunk and an inter-token latency per token, all with the request's one
 attribute set. Through ``Histogram.record`` each sample is cleaned, copied, hashed and routed again: about

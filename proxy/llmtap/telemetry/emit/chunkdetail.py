@@ -1,4 +1,4 @@
-"""Which finished requests keep a span per chunk, decided in the proxy when the request is recorded (issue 31).
+"""Which finished requests keep a span per chunk, decided in the proxy when the request is recorded.
 
 A span per chunk is about 100 spans for a typical streamed answer: most backends bill per span, and a
 collector that tail-samples can only drop them after they were built and shipped. The telemetry process holds

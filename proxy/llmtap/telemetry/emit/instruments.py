@@ -40,7 +40,7 @@ __all__ = [
 #: Fine duration buckets: 1 ms to ~131 s in steps of 2^(1/8).
 DURATION_BUCKETS: tuple[float, ...] = tuple(round(0.001 * 2 ** (i / 8), 7) for i in range(137))
 #: The proxy's own cost (``llmtap.proxy.overhead``, ``llmtap.relay.chunk_delay``): 10 us to 100 ms in steps
-#: of 2^(1/3) (41 bounds), since a healthy relay adds well under a millisecond (issue 31).
+#: of 2^(1/3) (41 bounds), since a healthy relay adds well under a millisecond.
 OVERHEAD_BUCKETS: tuple[float, ...] = (*(round(1e-5 * 2 ** (i / 3), 9) for i in range(40)), 0.1)
 #: Fine token buckets: 1 to ~2M tokens in steps of 2^(1/4), rounded to distinct integers.
 TOKEN_BUCKETS: tuple[float, ...] = tuple(sorted({float(round(2 ** (i / 4))) for i in range(85)}))
@@ -110,7 +110,7 @@ class Instruments:
     event_streams: UpDownCounter
     live_samples_dropped: Counter
     clickhouse_inserts: Counter
-    # Attribution and cost (issue 31)
+    # Attribution and cost
     cost: Counter
     cost_unpriced: Counter
     attribution_dropped: Counter

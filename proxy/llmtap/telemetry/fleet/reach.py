@@ -1,6 +1,6 @@
 """Whether each route's upstream takes a TCP connection: said once after start-up, and on ``/readyz?verbose``.
 
-What readiness means (issue 43): ``/readyz`` answers for llmtap itself, its relays connected and ready to relay.
+What readiness means: ``/readyz`` answers for llmtap itself, its relays connected and ready to relay.
 An upstream that is down does not make a replica unready. Every replica shares that upstream, so every replica
 would leave the Service at once: clients would meet refused connections instead of a 502 that names the upstream,
 no span or metric would record the outage, and on a server of several routes one dead upstream would take the

@@ -1,4 +1,4 @@
-"""Holes in a stream: the reads of segments the recorder's full queue turned away, played as a gap (issue 44).
+"""Holes in a stream: the reads of segments the recorder's full queue turned away, played as a gap.
 
 The recorder's queue is bounded in messages (``telemetry.queue_size``) as well as in response bytes. A fast long
 stream sends a segment every 32 KiB of response (a 1 GiB stream, 32,768 of them), and when the worker fell that

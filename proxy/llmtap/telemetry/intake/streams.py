@@ -9,7 +9,7 @@ ignores the rest of its messages. A gone stream is counted once: when its end co
 when the end itself was turned away (``Drops.end``, by the reader) or the stream was evicted. Its entry then waits
 for messages still in the queue, and is forgotten when its end comes, after ``GONE_SECONDS``, or once
 ``MAX_GONE`` streams were lost after it: an end that never comes (turned away under overload) leaves nothing behind
-for long (issue 44).
+for long.
 
 With a record journal (``spool``), every end that reaches the worker takes its request's reference from it, and an end
 that cannot become a record settles it: ``queue_full`` for a gone stream not yet counted, nothing more for one counted

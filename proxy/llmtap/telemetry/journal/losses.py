@@ -1,4 +1,4 @@
-"""Every loss a telemetry process counts: kept across its restarts, and said in the log with its count (issue 44).
+"""Every loss a telemetry process counts: kept across its restarts, and said in the log with its count.
 
 Counters that survive a restart. The loss counters (``llmtap_telemetry_tapes_dropped_total`` and
 ``llmtap_telemetry_records_dropped_total`` by reason, ``llmtap_telemetry_records_recovered_total``) and, per relay

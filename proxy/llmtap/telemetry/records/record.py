@@ -116,7 +116,7 @@ def record_line(tl: Timeline, s: Summary, diag: Diagnosis | None, writer: Identi
         "gaps": _gaps(s),
         "tokens": _tokens_part(tl, s),
     }
-    # Attribution and cost (issue 31): who sent it (bounded values), and what it cost or why that is unknown.
+    # Attribution and cost: who sent it (bounded values), and what it cost or why that is unknown.
     out["attribution"] = record_part(tl.attribution)
     out["request_objective"] = request_objective_part(tl, s)
     out["cost"] = _cost_part(s.cost)

@@ -112,7 +112,7 @@ def waterfall(seq: int, tl: Timeline, s: Summary, *, route: str, model: str, tra
         "shape": s.shape,
         "cache_class": s.cache_class,
         "prompt_version": tl.prompt_version,
-        # Who sent it and what it cost (issue 31): the tenant and user as bounded on the span; USD or why none.
+        # Who sent it and what it cost: the tenant and user as bounded on the span; USD or why none.
         "tenant": tl.attribution.get("tenant"),
         "user": tl.attribution.get("user"),
         "cost": s.cost.amount if s.cost is not None else None,
