@@ -133,8 +133,9 @@ def test_upstream_fault(
         assert error is None
         assert json.loads(received)["error"]["type"] == {502: "upstream_closed", 504: "upstream_timeout"}[status]
     if fault == "stall-headers":
-        # The wait for headers is bounded by the read timeout, not by the (shorter) idle one.
-        assert READ <= elapsed < READ + 0.5, elapsed
+        # The wait for headers is bounded by the read timeout, not by the (shorter) idle one; the upper bound is the
+        # next bound in line, the client's own 10 s, with room left for a machine whose load stalls the loop.
+        assert READ <= elapsed < READ + 5.0, elapsed
     if fault == "stall-body":
         # The wait for the next chunk is bounded by the idle timeout, not by the (far longer) read timeout.
         assert IDLE <= elapsed < STALL_READ, elapsed
@@ -162,7 +163,7 @@ def test_connect_timeout(proxy_factory: Any, telemetry: Telemetry) -> None:
         status, received, _, _ = request(running.url)
         elapsed = time.monotonic() - started
     assert status == 504 and json.loads(received)["error"]["type"] == "upstream_timeout"
-    assert 0.3 <= elapsed < 1.0, elapsed
+    assert 0.3 <= elapsed < 5.0, elapsed  # the connect timeout cut it: the client's own 10 s comes far later
     running.flush()
     assert root(telemetry).attributes[sc.ERROR_TYPE] == "connect_timeout"  # type: ignore[index]
 
