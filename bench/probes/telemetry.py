@@ -249,9 +249,27 @@ def captured(path: Path) -> list[Any]:
     return messages
 
 
-def measure_tapes(path: Path, *, pace: float = 0.0, batch: int = 1) -> dict[str, Any]:
+def _served(settings: Settings) -> tuple[Any, Any, Callable[[], None]]:
+    """The tracer and meter providers ``llmtap serve``'s telemetry process builds from ``settings`` (by default: no
+    span exporter, ``/metrics``), and how to stop them."""
+    setup = _moved("llmtap.telemetry.emit.setup", "llmtap.telemetry.setup")
+    providers = setup.build(settings.telemetry)
+    return providers.tracer_provider, providers.meter_provider, providers.meter_provider.shutdown
+
+
+def _live_view(recorder: Recorder, settings: Settings) -> None:
+    """The admin listener's live view, subscribed to the recorder as ``llmtap serve`` subscribes it."""
+    view = _moved("llmtap.telemetry.admin.live.view", "llmtap.telemetry.live")
+    view.LiveView(recorder, settings)
+
+
+def measure_tapes(
+    path: Path, *, pace: float = 0.0, batch: int = 1, serve: bool = False, phases_on: bool = True
+) -> dict[str, Any]:
     """CPU per content chunk by phase for the messages captured in ``path``, through the recorder's queue and
-    worker; with ``pace``, ``batch`` messages at a time, ``pace`` seconds per message apart."""
+    worker; with ``pace``, ``batch`` messages at a time, ``pace`` seconds per message apart. ``serve``: with the
+    providers and live view ``llmtap serve`` has under its default settings (no span exporter); ``phases_on``
+    False: the total alone (no function wrapped to time it, so a phase skipped does not skip its timer too)."""
     from llmtap.analysis import tokens
     from llmtap.config.load import build
     from llmtap.wire.messages import END
@@ -266,10 +284,16 @@ def measure_tapes(path: Path, *, pace: float = 0.0, batch: int = 1) -> dict[str,
         {"LLMTAP_CHUNK_SPANS": "spans", "OTEL_SERVICE_NAME": "llmtap"},
     )
     exporter = _Encoding()
-    tracer_provider = TracerProvider(shutdown_on_exit=False)
-    tracer_provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=1 << 16))
-    meter_provider, stop_meters = _meters()
+    if serve:
+        settings = build({"upstream": "http://127.0.0.1:9", "provider": "vllm"}, {"OTEL_SERVICE_NAME": "llmtap"})
+        tracer_provider, meter_provider, stop_meters = _served(settings)
+    else:
+        tracer_provider = TracerProvider(shutdown_on_exit=False)
+        tracer_provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=1 << 16))
+        meter_provider, stop_meters = _meters()
     recorder = Recorder(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
+    if serve:
+        _live_view(recorder, settings)
     tokens.get_encoding()
     chunks = [0]
     recorder.listeners.append(lambda tl, s: chunks.__setitem__(0, chunks[0] + len(tl.chunk_times)))
@@ -282,7 +306,7 @@ def measure_tapes(path: Path, *, pace: float = 0.0, batch: int = 1) -> dict[str,
     chunks[0] = 0
     rest = messages[ends[0] + 1 :]
     requests = len(ends) - 1
-    phases = _Phases.timing()
+    phases = _Phases.timing() if phases_on else _Phases()
     step = batch if pace else len(rest)
     cpu, wall = time.process_time_ns(), time.perf_counter()
     for start in range(0, len(rest), step):
@@ -304,6 +328,7 @@ def measure_tapes(path: Path, *, pace: float = 0.0, batch: int = 1) -> dict[str,
     ns["other"] = max(cpu - sum(ns[p] for p in PHASES[:5]), 0)
     return {
         "tapes": str(path),
+        "serve": serve,
         "requests": requests,
         "chunks_per_request": round(total / requests, 1),
         "spans_per_request": round(exporter.spans / requests, 2),
@@ -379,11 +404,19 @@ def main(argv: list[str] | None = None) -> None:
         metavar="FILE",
         help="play the messages captured in FILE (bench.probes.relay_cpu --capture)",
     )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="with --tapes: the providers and live view llmtap serve has by default (no span exporter)",
+    )
+    p.add_argument("--total", action="store_true", help="with --tapes: the total CPU alone, no phase timed")
     args = p.parse_args(argv)
 
     def one() -> dict[str, Any]:
         if args.tapes is not None:
-            return measure_tapes(args.tapes, pace=args.pace, batch=args.batch)
+            return measure_tapes(
+                args.tapes, pace=args.pace, batch=args.batch, serve=args.serve, phases_on=not args.total
+            )
         return measure(args.requests, args.chunks, pace=args.pace, batch=args.batch)
 
     if args.before is None:
@@ -392,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     extra = ["--pace", str(args.pace), "--batch", str(args.batch)]
     if args.tapes is not None:
         extra += ["--tapes", str(args.tapes.resolve())]
+        extra += ["--serve"] if args.serve else []
+        extra += ["--total"] if args.total else []
     runs = {f"before ({args.before})": _before(args.before, args.requests, args.chunks, extra)}
     runs["after (this tree)"] = one()
     print(json.dumps(runs))

@@ -56,7 +56,7 @@ from llmtap.telemetry.sched import checkpoint
 if TYPE_CHECKING:
     from llmtap.analysis.finish import Finished
 
-__all__ = ["SpanWriter", "wall_ns"]
+__all__ = ["MAX_TRACE_CONTEXT", "SpanWriter", "wall_ns"]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 #: The longest ``traceparent`` and ``tracestate`` the SDK's propagator reads (W3C Trace Context, section 3.3.1.1:
@@ -183,6 +183,8 @@ class SpanWriter:
         )
         #: Chunk spans straight to the SDK's processors when the provider is the SDK's; None otherwise.
         self.chunk_writer = ChunkSpanWriter.of(tracer_provider, self._tracer)
+        # The SDK provider's span processors, read at each request (one may be added later); None: not the SDK's.
+        self._processors = getattr(tracer_provider, "_active_span_processor", None)
         #: Which requests keep their chunk spans; the others get their chunk statistics only.
         self.chunk_detail = ChunkDetail(settings.telemetry)
         #: Called with ``traceparent_too_long`` or ``tracestate_too_long`` for each client header ignored.
@@ -213,6 +215,9 @@ class SpanWriter:
         A failure is logged, never raised: a broken trace pipeline costs the spans, nothing else."""
         tl, s, diag = request.tl, request.summary, request.diagnosis
         try:
+            if self.unread(tl):
+                self.unwritten(tl, s)
+                return
             root = self.root(tl)
             if diag is not None:
                 root.set_attributes(cache_attributes(diag))
@@ -221,6 +226,29 @@ class SpanWriter:
             self.write(tl, s, root)
         except Exception:
             log.exception("telemetry: could not write the spans of %s %s", tl.method, tl.path)
+
+    def unread(self, tl: Timeline) -> bool:
+        """Whether nothing would read ``tl``'s spans: the SDK's provider has no span processor (no traces endpoint,
+        none added since) and the relay gave the request its ids (the root span gives none to ``tl``).
+
+        Then the spans are not built: with no processor the SDK ends each span into nothing, and the live view,
+        the records and the metrics' exemplars read the timeline, not the spans. What building them does beyond
+        them is done by ``unwritten``."""
+        processors = self._processors
+        return tl.span_id is not None and processors is not None and not getattr(processors, "_span_processors", True)
+
+    def unwritten(self, tl: Timeline, s: Summary) -> None:
+        """What ``emit`` does beyond the spans themselves, for a request whose spans nothing reads (``unread``): a
+        client's trace header too long to read is counted, and the chunk-detail tail sees the request, so a span
+        processor added later finds both as it would have had every span been built."""
+        if tl.parent is not None:
+            traceparent, tracestate = tl.parent
+            if len(traceparent) > MAX_TRACE_CONTEXT:
+                self._ignore("traceparent_too_long", len(traceparent))
+            elif len(tracestate) > MAX_TRACE_CONTEXT:
+                self._ignore("tracestate_too_long", len(tracestate))
+        if tl.protocol is not None and tl.first_content is not None and tl.last_content is not None:
+            self.chunk_detail.decide(tl, s, largest_gap(s))
 
     def root(self, tl: Timeline) -> Span:
         """The request's root span, with the ids the relay made (a child of the client's ``traceparent``)."""
