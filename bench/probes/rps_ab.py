@@ -6,6 +6,8 @@ What a change to the per-request path bought, measured as the requests-per-secon
 throughout. Rounds alternate the checkouts (base, new, base, new, ...), so a busy machine weighs on both alike;
 each round is ``wrk`` at ``--connections`` for ``--seconds``, with each tree's CPU per request (relay and telemetry
 apart, read until its telemetry drained). Prints one JSON line per round and one per checkout with the medians.
+``--rate R``: each round is an open-loop run at R requests/s (``bench.openloop``, 64 connections) in place of
+``wrk``: what the telemetry keeps up with at a fixed rate (``tapes_dropped`` and its share of the requests).
 
     git archive HEAD~1 proxy | tar -x -C /tmp/base && python -m bench.probes.rps_ab --base /tmp/base --new .
 """
@@ -35,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--proxy-cpu", default="0")
     p.add_argument("--client-cpu", default="1")
+    p.add_argument("--rate", type=int, help="open loop at this many requests/s in place of wrk's closed loop")
     args = p.parse_args(argv)
     work = peers.REPO / "bench" / "out" / time.strftime("rps-ab-%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
@@ -49,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             rig.wrk(rig.urls[name], args.connections, 1.0)
         for k in range(args.rounds):
             for name in trees:
-                run = functools.partial(rig.wrk, rig.urls[name], args.connections, args.seconds)
-                row = rig.measured(name, run)
+                if args.rate:
+                    run = functools.partial(rig.openloop, rig.urls[name], args.rate, args.seconds)
+                else:
+                    run = functools.partial(rig.wrk, rig.urls[name], args.connections, args.seconds)
+                row = _flat(rig.measured(name, run))
                 row.update(tree=name, round=k, load=os.getloadavg()[0])
                 rows[name].append(row)
                 print(json.dumps(row), flush=True)
@@ -58,10 +64,23 @@ def main(argv: list[str] | None = None) -> int:
         rig.stop()
     for name, mine in rows.items():
         keys = ("requests_per_s", "p50_ms", "p99_ms", "cpu_us_per_request", "cpu_relay_us_per_request",
-                "cpu_telemetry_us_per_request")  # fmt: skip
-        medians = {k: statistics.median(r[k] for r in mine) for k in keys if mine}
+                "cpu_telemetry_us_per_request", "tapes_dropped", "tapes_dropped_share")  # fmt: skip
+        medians = {
+            k: statistics.median(r[k] for r in mine) for k in keys if mine and all(r.get(k) is not None for r in mine)
+        }
         print(json.dumps({"tree": name, "path": str(trees[name]), "rounds": len(mine), "median": medians}))
     return 0
+
+
+def _flat(row: dict[str, Any]) -> dict[str, Any]:
+    """A round's figures under the closed loop's names (an open-loop run's achieved rate and latency), with the
+    share of its requests whose tapes the telemetry turned away."""
+    if "achieved_rate" in row:
+        row.update(requests=row["completed"], requests_per_s=row["achieved_rate"])
+        row.update(p50_ms=row["latency_ms"]["p50"], p99_ms=row["latency_ms"]["p99"])
+    done, dropped = row.get("requests") or 0, row.get("tapes_dropped")
+    row["tapes_dropped_share"] = dropped / done if done and dropped is not None else None
+    return row
 
 
 if __name__ == "__main__":

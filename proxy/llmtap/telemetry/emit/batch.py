@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from llmtap.analysis.finish import Finished
 from llmtap.telemetry import sched
@@ -82,16 +83,27 @@ class Emission:
         # Requests of the last run whose spans, metrics and listeners it made already: their records only.
         made = set() if spool is None else {i for i, r in enumerate(requests) if spool.mask_of(r.tl.ref) & EMITTED}
         for emitter in self.emitters:
+            # An emitter that takes a batch whole (the metrics: ``MetricWriter.batch``) is given each request in
+            # turn and records them all when the batch is closed.
+            batched = getattr(emitter, "batch", None)
+            sink: Any = batched() if batched is not None and len(requests) > 1 else emitter
             for i, request in enumerate(requests):
                 sched.checkpoint()
                 if made and i in made and emitter is not self.records:
                     continue
                 try:
-                    emitter.emit(request)
+                    sink.emit(request)
                 except Exception:
                     failed.add(i)
                     tl = request.tl
                     log.exception("telemetry: %s failed on %s %s", type(emitter).__name__, tl.method, tl.path)
+            if sink is not emitter:
+                try:
+                    sink.close()
+                except Exception:
+                    failed.update(range(len(requests)))
+                    name = type(emitter).__name__
+                    log.exception("telemetry: %s failed on a batch of %d requests", name, len(requests))
         self.failed += len(failed)
         if spool is not None:
             for request in requests:

@@ -17,6 +17,7 @@ import logging
 import math
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
+from functools import partial
 from time import time_ns
 from typing import Any
 
@@ -30,9 +31,13 @@ log = logging.getLogger("llmtap.telemetry")
 try:  # the SDK's internals this module reads; absent: the public path only
     from opentelemetry.attributes import _clean_attribute_value
     from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes
-    from opentelemetry.sdk.metrics._internal.aggregation import _ExplicitBucketHistogramAggregation
+    from opentelemetry.sdk.metrics._internal.aggregation import (
+        _ExplicitBucketHistogramAggregation,
+        _SumAggregation,
+    )
 except ImportError:  # pragma: no cover - another SDK version
-    _clean_attribute_value = _hash_attributes = _ExplicitBucketHistogramAggregation = None  # type: ignore[assignment,misc]
+    _clean_attribute_value = _hash_attributes = None  # type: ignore[assignment]
+    _ExplicitBucketHistogramAggregation = _SumAggregation = None  # type: ignore[assignment,misc]
 
 
 class _Sample:
@@ -97,6 +102,15 @@ def _aggregate(aggregation: Any, sample: _Sample, values: Sequence[float], total
 
 
 _PLAIN = frozenset((str, bool, int, float))
+
+try:  # the SDK's exemplar filters whose verdict depends on the measurement's context alone
+    from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, AlwaysOnExemplarFilter, TraceBasedExemplarFilter
+
+    _CONTEXT_FILTERS: frozenset[type] = frozenset(
+        (AlwaysOffExemplarFilter, AlwaysOnExemplarFilter, TraceBasedExemplarFilter)
+    )
+except ImportError:  # pragma: no cover - another SDK version
+    _CONTEXT_FILTERS = frozenset()
 
 
 def _flat(attributes: dict[str, Any]) -> bool:
@@ -171,6 +185,70 @@ class Kept:
         return found[1]
 
 
+#: One deferred measurement: a value, or many values (``many``) with their sum; and, when the exemplar filter kept
+#: it, the measurement the reservoir is offered (None: not offered).
+_Entry = tuple[float, Sequence[float] | None, "_Sample | None"]
+
+
+class _Group:
+    """The measurements of one instrument with one held attribute set deferred in a batch, in the order made."""
+
+    __slots__ = ("entries", "held", "instrument", "matches")
+
+    def __init__(self, instrument: Any, held: Held, matches: list[Any]) -> None:
+        self.instrument = instrument  # kept alive: its id is the group's key
+        self.held = held
+        self.matches = matches
+        self.entries: list[_Entry] = []
+
+
+def _aggregate_entries(aggregation: Any, group: _Group) -> None:
+    """What ``aggregate`` (and ``_aggregate`` for many values) does per entry, in order, the lock held once for
+    all: the same bucket counts, the same sum (the same additions in the same order), min, max and count; then
+    the kept entries offered to the reservoir in order, as ``aggregate`` offers each."""
+    entries = group.entries
+    kind = type(aggregation)
+    agg: Any = aggregation
+    if kind is _ExplicitBucketHistogramAggregation:
+        with agg._lock:
+            if agg._value is None:
+                agg._value = agg._get_empty_bucket_counts()
+            counts, bounds, record_min_max = agg._value, agg._boundaries, agg._record_min_max
+            for value, values, _ in entries:
+                agg._sum += value
+                if values is None:
+                    if record_min_max:
+                        agg._min = min(agg._min, value)
+                        agg._max = max(agg._max, value)
+                    counts[bisect_left(bounds, value)] += 1
+                    continue
+                for one in values:
+                    counts[bisect_left(bounds, one)] += 1
+                if record_min_max:
+                    agg._min = min(agg._min, *values)
+                    agg._max = max(agg._max, *values)
+    elif kind is _SumAggregation and all(values is None for _, values, _ in entries):
+        with agg._lock:
+            if agg._value is None:
+                agg._value = 0
+            for value, _, _ in entries:
+                agg._value = agg._value + value
+    else:
+        sample = _Sample(group.instrument, get_current(), group.held[0])
+        for value, values, kept in entries:
+            if values is not None:
+                _aggregate(aggregation, sample, values, value)
+            elif kept is not None:
+                aggregation.aggregate(kept, True)
+            else:
+                sample.value = value
+                aggregation.aggregate(sample, False)
+        return
+    for _, _, kept in entries:
+        if kept is not None:
+            agg._sample_exemplar(kept, True)
+
+
 class Batch:
     """One finished request's measurements, each attribute set cleaned and hashed once for all its instruments.
 
@@ -184,24 +262,74 @@ class Batch:
     finite), a disabled instrument, or SDK internals out of reach: the public API, as before. Use one batch per
     request, on one thread; it holds the request's attribute sets until it is dropped. Given ``kept`` (``Kept``, one
     per meter provider), the sets and each instrument's views are taken from it and left in it for the next request.
+
+    ``defer``: the measurements wait in the batch, grouped by instrument and attribute set, until ``flush``; a
+    batch then serves many requests (``MetricWriter.batch``). A group's values go to each of its aggregations
+    at once, the lock held once, the aggregation and its view's key found once: what each request's values add
+    up to is what they would have added up to one by one (the same additions in the same order in each
+    aggregation), and each value the exemplar filter keeps is offered to the reservoir in its turn. Anything
+    that takes the public API meanwhile flushes first, so nothing is taken out of its order.
     """
 
-    __slots__ = ("_kept", "_sets")
+    __slots__ = ("_groups", "_kept", "_reached", "_sets", "_verdicts", "defer")
 
-    def __init__(self, kept: Kept | None = None) -> None:
+    def __init__(self, kept: Kept | None = None, *, defer: bool = False) -> None:
         self._kept = kept
+        self.defer = defer
         # id of an attribute set -> (the set, kept alive so its id is not reused; the set held)
         self._sets: dict[int, tuple[dict[str, Any], Held]] = {}
+        # (id of the instrument, id of the held set) -> its deferred measurements, in the order first made
+        self._groups: dict[tuple[int, int], _Group] = {}
+        # id of an instrument -> (the instrument, kept alive so its id is not reused; what ``_reach`` found)
+        self._reached: dict[int, tuple[Any, Callable[[], bool] | None, Any, list[Any] | None]] = {}
+        # id of a context -> (the context, kept alive so its id is not reused; the filter; its verdict)
+        self._verdicts: dict[int, tuple[Context, Any, bool]] = {}
 
     def record(self, hist: Any, value: float, attributes: dict[str, Any], context: Context | None = None) -> None:
         """``hist.record(value, attributes, context=context)``."""
         if not self._direct(hist, value, attributes, context):
+            self.flush()
             hist.record(value, attributes, context=context)
 
     def add(self, counter: Any, value: float, attributes: dict[str, Any], context: Context | None = None) -> None:
         """``counter.add(value, attributes, context=context)``."""
         if not self._direct(counter, value, attributes, context):
+            self.flush()
             counter.add(value, attributes, context=context)
+
+    def flush(self) -> None:
+        """Every deferred measurement to its aggregations, group by group in the order the groups were made."""
+        groups = self._groups
+        if not groups:
+            return
+        self._groups = {}
+        for group in groups.values():
+            self._feed(group.held, group.matches, partial(_aggregate_entries, group=group))
+
+    def _verdict(self, exemplars: Any, value: float, attributes: dict[str, Any], context: Context) -> bool:
+        """The exemplar filter's verdict on a measurement; the SDK's own filters, which read the context alone
+        (whether its span is sampled) or nothing, asked once per context in a batch."""
+        if type(exemplars) not in _CONTEXT_FILTERS:
+            return bool(exemplars.should_sample(value, time_ns(), attributes, context))
+        verdicts = self._verdicts
+        found = verdicts.get(id(context))
+        if found is None or found[0] is not context or found[1] is not exemplars:
+            found = verdicts[id(context)] = (context, exemplars, exemplars.should_sample(value, 0, attributes, context))
+        return bool(found[2])
+
+    def _group(self, instrument: Any, held: Held, matches: list[Any]) -> _Group | None:
+        """The group deferred measurements of ``instrument`` with ``held`` join (made here), or None when this batch
+        does not defer them: not asked, SDK internals out of reach, or a view that keeps some attributes alone
+        (two sets may then share an aggregation, whose order only one group would keep)."""
+        if not self.defer or _SumAggregation is None:
+            return None
+        key = (id(instrument), id(held))
+        group = self._groups.get(key)
+        if group is None:
+            if any(match._view._attribute_keys is not None for match in matches):
+                return None
+            group = self._groups[key] = _Group(instrument, held, matches)
+        return group
 
     def many(self, hist: Histogram, values: Sequence[float], attributes: dict[str, Any], context: Context) -> None:
         """``record_many(hist, values, attributes, context)``, the attribute set cleaned and hashed once with the
@@ -213,9 +341,15 @@ class Batch:
         total = _total(values)
         held = self._held(attributes) if matches is not None and total is not None else None
         if matches is None or total is None or held is None:
+            self.flush()
             for value in values:
                 hist.record(value, attributes, context=context)
             return
+        group = self._group(hist, held, matches)
+        if group is not None:
+            group.entries.append((total, values, None))
+            return
+        self.flush()
         sample = _Sample(hist, context, held[0])
         self._feed(held, matches, lambda aggregation: _aggregate(aggregation, sample, values, total))
 
@@ -247,21 +381,41 @@ class Batch:
             view = views[0 if view_keys is None else id(view_keys)] = (view_keys, key, own)
         return view[1], view[2]
 
+    def _reach(self, instrument: Any) -> tuple[Any, Callable[[], bool] | None, Any, list[Any] | None]:
+        """What ``_direct`` reads of an instrument: whether it is enabled (a call), its exemplar filter and its views;
+        found once per instrument in a deferring batch (a batch lives a few milliseconds)."""
+        reach = self._reached.get(id(instrument)) if self.defer else None
+        if reach is None or reach[0] is not instrument:
+            enabled = getattr(instrument, "_is_enabled", None)
+            consumer = getattr(instrument, "_measurement_consumer", None)
+            exemplars = getattr(getattr(consumer, "_sdk_config", None), "exemplar_filter", None)
+            matches = self._matches(instrument) if enabled is not None and exemplars is not None else None
+            reach = (instrument, enabled, exemplars, matches)
+            if self.defer:
+                self._reached[id(instrument)] = reach
+        return reach
+
     def _direct(self, instrument: Any, value: float, attributes: dict[str, Any], context: Context | None) -> bool:
         if value < 0 or not math.isfinite(value):
             return False
-        enabled = getattr(instrument, "_is_enabled", None)
-        consumer = getattr(instrument, "_measurement_consumer", None)
-        exemplars = getattr(getattr(consumer, "_sdk_config", None), "exemplar_filter", None)
-        if enabled is None or exemplars is None or not enabled():
-            return False
-        matches = self._matches(instrument)
-        if matches is None:
+        _, enabled, exemplars, matches = self._reach(instrument)
+        if enabled is None or exemplars is None or not enabled() or matches is None:
             return False
         held = self._held(attributes)
         if held is None:
             return False
         cleaned = held[0]
+        group = self._group(instrument, held, matches)
+        if group is not None:
+            context = context if context is not None else get_current()
+            keep = self._verdict(exemplars, value, cleaned, context)
+            kept = None
+            if keep:
+                kept = _Sample(instrument, context, cleaned)
+                kept.value = value
+            group.entries.append((value, None, kept))
+            return True
+        self.flush()
         sample = _Sample(instrument, context if context is not None else get_current(), cleaned)
         sample.value = value
         keep = exemplars.should_sample(value, sample.time_unix_nano, cleaned, sample.context)

@@ -34,7 +34,7 @@ from llmtap.telemetry.emit.instruments import Instruments, create, objective_gau
 if TYPE_CHECKING:
     from llmtap.analysis.finish import Finished
 
-__all__ = ["CONVENTIONS", "OWN", "SHAPE", "MetricWriter", "objective_series"]
+__all__ = ["CONVENTIONS", "OWN", "SHAPE", "Batched", "MetricWriter", "objective_series"]
 
 log = logging.getLogger("llmtap.telemetry")
 #: How the admission queue refuses a request (``error.type``).
@@ -191,9 +191,19 @@ class MetricWriter:
             if name in tl.attribution
         }
 
+    def batch(self) -> Batched:
+        """A sink for many finished requests' metrics, each given to it as to ``emit``, recorded when it is
+        closed: each instrument's values with one attribute set go to their aggregation at once (``bulk.Batch``'s
+        ``defer``), with the figures recording them one by one gives. For one thread."""
+        return Batched(self)
+
     def emit(self, request: Finished) -> None:
         """Every metric of a finished request: admission refusals, ignored server timings, the request's own
         metrics (a request of a known protocol) and its cache class."""
+        self.emit_into(request, Batch(self._kept), None)
+
+    def emit_into(self, request: Finished, batch: Batch, last: Batch | None) -> None:
+        """``emit``, its request's own metrics into ``batch``, its overhead into ``last`` (None: ``batch``)."""
         tl, s, diag = request.tl, request.summary, request.diagnosis
         ins = self.instruments
         if tl.error_type in QUEUE_REFUSALS:
@@ -202,14 +212,16 @@ class MetricWriter:
             log.debug("ignored server timing %s of %s %s", name, tl.method, tl.path)
             ins.timing_rejected.add(1, {sc.ROUTE: tl.route, sc.TIMING_FIELD: name})
         if tl.protocol is not None:
-            self.record(tl, s)
+            self.record(tl, s, batch, last)
             if diag is not None:
-                ins.cache_requests.add(1, self.cache_attributes(tl, diag))
+                batch.add(ins.cache_requests, 1, self.cache_attributes(tl, diag))
 
-    def record(self, tl: Timeline, s: Summary) -> None:
-        """Record one finished request's latency, token and outcome metrics."""
+    def record(self, tl: Timeline, s: Summary, batch: Batch | None = None, last: Batch | None = None) -> None:
+        """Record one finished request's latency, token and outcome metrics (into ``batch``, its overhead into
+        ``last``, when given: recorded when they are flushed)."""
         ins = self.instruments
-        batch = Batch(self._kept)  # the request's attribute sets cleaned and hashed once, or kept from before
+        if batch is None:
+            batch = Batch(self._kept)  # the request's attribute sets cleaned and hashed once, or kept from before
         attrs, outcome, own = self.metric_attributes(tl, s)
         # llmtap's counters (requests, tokens, cost) carry the allowed attribution dimensions; histograms do not.
         counted = {**own, **self.dimension_labels(tl)}
@@ -243,8 +255,8 @@ class MetricWriter:
             # One per read: at a bucket lookup each (``bulk``), none an exemplar.
             batch.many(ins.relay_chunk_delay, s.relay_delay_samples, {sc.ROUTE: tl.route}, _NO_SPAN)
         if s.proxy_added is not None:
-            # The request's last instrument (tests wait for it).
-            batch.record(ins.overhead, s.proxy_added, {sc.ROUTE: tl.route})
+            # The request's last instrument (tests wait for it): in a batch, flushed after the others.
+            (last or batch).record(ins.overhead, s.proxy_added, {sc.ROUTE: tl.route})
 
     def _stream_metrics(
         self,
@@ -409,6 +421,29 @@ class MetricWriter:
         if diag.cache_class == MISS_CHANGED and diag.changed_region:
             attrs[sc.CACHE_CHANGED_REGION] = diag.changed_region
         return attrs
+
+
+class Batched:
+    """Many finished requests' metrics, recorded at ``close`` (``MetricWriter.batch``): the overhead last, as each
+    request records it last."""
+
+    __slots__ = ("_batch", "_last", "_writer")
+
+    def __init__(self, writer: MetricWriter) -> None:
+        self._writer = writer
+        self._batch = Batch(writer._kept, defer=True)
+        self._last = Batch(writer._kept, defer=True)
+
+    def emit(self, request: Finished) -> None:
+        """``MetricWriter.emit``, recorded at ``close``."""
+        self._writer.emit_into(request, self._batch, self._last)
+
+    def close(self) -> None:
+        """Record what was given."""
+        try:
+            self._batch.flush()
+        finally:
+            self._last.flush()
 
 
 def _record_samples(

@@ -1,0 +1,122 @@
+"""Metrics recorded a batch of requests at a time equal those recorded one request at a time: every bucket, sum,
+count, min, max, counter value and exemplar, whatever the readers' aggregation and temporality."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, UpDownCounter
+from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
+from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
+
+from llmtap.analysis.finish import Finished
+from llmtap.analysis.timeline import Timeline
+from llmtap.config.types import Settings, TelemetrySettings
+from llmtap.telemetry.emit.bulk import Batch, Kept
+from llmtap.telemetry.recorder import Recorder
+from llmtap.types import Usage
+from tests.telemetry.test_recorder import ROUTES, timeline
+from tests.telemetry.test_unread_spans import metric_view
+
+DELTA: dict[type, AggregationTemporality] = {
+    Counter: AggregationTemporality.DELTA,
+    Histogram: AggregationTemporality.DELTA,
+}
+READERS: dict[str, Callable[[], InMemoryMetricReader]] = {
+    "cumulative": InMemoryMetricReader,
+    "delta": lambda: InMemoryMetricReader(preferred_temporality=DELTA),
+    "exponential": lambda: InMemoryMetricReader(
+        preferred_aggregation={Histogram: ExponentialBucketHistogramAggregation()}
+    ),
+}
+
+
+def requests() -> list[Timeline]:
+    """Streamed and not, several models, failures, costs in fractions (float sums whose order shows), sampled
+    and not: each request with the relay's ids."""
+    out: list[Timeline] = []
+    for i in range(40):
+        usage = Usage(input_tokens=17 + i * 13, output_tokens=1 + i % 9)
+        tl = timeline(1 + i % 11, stream=i % 3 != 0, model=f"m{i % 4}", response_model=None, usage=usage)
+        tl.trace_id = f"{0x0AF7651916CD43DD8448EB211C800000 + i * 104729:032x}"
+        tl.span_id = f"{0x00B7AD6B71690000 + i:016x}"
+        tl.sampled = i % 4 != 1
+        tl.relay_delays = array("d", [0.0001 * (j + 1) * (1 + i % 3) for j in range(1 + i % 5)])
+        if i % 7 == 4:
+            tl.outcome, tl.error_type = "error", "upstream_error"
+        out.append(tl)
+    return out
+
+
+def recorder(reader: InMemoryMetricReader, views: tuple[View, ...] = ()) -> tuple[Recorder, MeterProvider]:
+    provider = MeterProvider(metric_readers=[reader], views=list(views), shutdown_on_exit=False)
+    settings = Settings(routes=ROUTES, telemetry=TelemetrySettings())
+    return Recorder(settings, meter_provider=provider), provider
+
+
+def finished(rec: Recorder) -> list[Finished]:
+    """Each request made whole by this recorder's analysis (its state as the recorder's worker would carry it)."""
+    return [rec.analysis.finish(tl, None) for tl in requests()]
+
+
+@pytest.mark.parametrize("readers", sorted(READERS))
+@pytest.mark.parametrize("size", [2, 7, 64])
+def test_a_batch_records_what_its_requests_record_one_by_one(readers: str, size: int) -> None:
+    one_reader, batch_reader = READERS[readers](), READERS[readers]()
+    one, one_provider = recorder(one_reader)
+    batched, batch_provider = recorder(batch_reader)
+    try:
+        for request in finished(one):
+            one.emission.emit([request])
+        done = finished(batched)
+        for start in range(0, len(done), size):
+            batched.emission.emit(done[start : start + size])
+        view = metric_view(one_reader)
+        assert view == metric_view(batch_reader)
+        assert one.failed == batched.failed == 0
+        # The requests' own figures are there, exemplars too (the sampled requests' trace ids).
+        assert sum(len(row[2]) for rows in view.values() for row in rows) > 0
+        assert len(view) > 10
+    finally:
+        for rec, provider in ((one, one_provider), (batched, batch_provider)):
+            rec.close()
+            provider.shutdown()
+
+
+def test_a_view_that_keeps_some_attributes_is_recorded_in_order() -> None:
+    """Two attribute sets that such a view folds into one series: their values still go in in their order."""
+    views = (View(instrument_name="*", attribute_keys={"llmtap.route"}),)
+    one_reader, batch_reader = InMemoryMetricReader(), InMemoryMetricReader()
+    one, one_provider = recorder(one_reader, views)
+    batched, batch_provider = recorder(batch_reader, views)
+    try:
+        for request in finished(one):
+            one.emission.emit([request])
+        batched.emission.emit(finished(batched))
+        assert metric_view(one_reader) == metric_view(batch_reader)
+    finally:
+        for rec, provider in ((one, one_provider), (batched, batch_provider)):
+            rec.close()
+            provider.shutdown()
+
+
+def test_a_value_the_sdk_refuses_keeps_its_place() -> None:
+    """A value taken by the public API (negative, not finite) flushes what waits first."""
+    readers = InMemoryMetricReader(), InMemoryMetricReader()
+    providers = [MeterProvider(metric_readers=[r], shutdown_on_exit=False) for r in readers]
+    values: list[Any] = [0.5, 1.25, -1.0, 3.0, float("inf"), 0.1, 0.2]
+    for provider, defer in zip(providers, (False, True), strict=True):
+        meter = provider.get_meter("t")
+        hist, counter = meter.create_histogram("h"), meter.create_up_down_counter("c")
+        assert isinstance(counter, UpDownCounter)
+        batch = Batch(Kept(), defer=defer)
+        for value in values:
+            batch.record(hist, value, {"a": "x"})
+            batch.add(counter, value, {"a": "x"})
+        batch.flush()
+    assert metric_view(readers[0]) == metric_view(readers[1])
+    for provider in providers:
+        provider.shutdown()
