@@ -24,6 +24,11 @@ burst's tapes can be handed over together), with the settings the benchmark give
 vllm, a span per chunk where a request keeps them); per chunk is per content chunk the timelines counted. The
 same tapes then cost what the work costs warm, against what the relay's run measured of the telemetry process.
 
+``--serve`` (with ``--tapes``) gives the recorder the providers and live view ``llmtap serve`` has by default in
+place of the exporting ones: no span exporter (no OTLP endpoint), ``/metrics``; what a short request costs the
+default telemetry. ``--total`` times no phase (a wrapped function costs a timer read each call, and a phase one
+tree skips would skip its timer too): the total alone.
+
 ``--before REV`` runs the same measurement, in the same run, against the ``proxy`` package of git
 revision ``REV`` (extracted to a temporary folder, run in a child process): before and after side by side.
 """
