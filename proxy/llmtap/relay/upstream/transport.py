@@ -92,6 +92,21 @@ class LeanTransport(httpx.AsyncBaseTransport):
         conn = await self._exchange(origin.key, head, content, chunked, method == "HEAD", timeouts, leaving)
         return Answer(conn, timeouts)
 
+    async def send_head(
+        self,
+        origin: Origin,
+        head: bytes,
+        chunked: bool,
+        head_only: bool,
+        content: bytes | Pieces | AsyncIterable[bytes],
+        timeouts: Timeouts,
+        leaving: Callable[[], None] | None = None,
+    ) -> Answer:
+        """``send`` with the request's head already built (``llmtap.relay.forward.upstream_head``: the bytes
+        ``request_head`` makes); ``head_only``: the request is HEAD, its response has no body."""
+        conn = await self._exchange(origin.key, head, content, chunked, head_only, timeouts, leaving)
+        return Answer(conn, timeouts)
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         if url.scheme not in _PORTS:
