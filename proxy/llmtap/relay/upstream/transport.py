@@ -151,7 +151,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
         if pool is None:
             pool = self._pools[key] = Pool(self._limit)
         while True:
-            conn = await pool.acquire(timeouts.get("pool"))
+            # An idle connection is taken at once; ``acquire`` (a coroutine) only when a slot or a wait is needed.
+            conn = pool.take_idle() or await pool.acquire(timeouts.get("pool"))
             if conn is None:
                 try:
                     conn = await self._connect(pool, key, timeouts.get("connect"))
