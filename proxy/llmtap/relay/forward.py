@@ -145,7 +145,8 @@ def upstream_head(
     pieces = [b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method.encode("ascii"), target, host)]
     lines = 2
     length = False
-    for (name, value), low in zip(headers, lowered, strict=True):
+    for at, (name, value) in enumerate(headers):
+        low = lowered[at]  # indexed: a strict ``zip`` costs a tenth of this loop
         if low in drop or (not private and low.startswith(PRIVATE_PREFIX)):
             continue
         length = length or low == b"content-length"
