@@ -3,8 +3,10 @@
 ``python -m bench --rps-only`` (or a part of ``python -m bench``): a fixed 160-byte JSON answer (an embeddings call,
 ``bench.fixed_upstream``) from an upstream that answers at once; nginx (one worker) on the proxy's core, llmtap's
 whole process tree (relay and telemetry, default settings: no OTLP endpoint, no records) on the same core, the
-upstream and the load generators on the other core. The paths take each measurement in turn (direct, nginx,
-llmtap, then the next measurement), so a shared machine's drift lands on all of them alike.
+upstream and the load generators on the other core; ``llmtap:spare`` is the same llmtap with a core to spare, its
+telemetry process moved to the other core (beside the client), as a deployment without a one-core limit runs it.
+The paths take each measurement in turn (direct, nginx, llmtap, llmtap:spare, then the next measurement), so a
+shared machine's drift lands on all of them alike.
 
 - Closed loop (``wrk``, one thread, keep-alive): 1 and 16 connections, each for ``seconds``: requests/s, and
   ``wrk``'s latency p50 and p99. Beside each path's figures, its tree's CPU per request (from ``/proc``, read until
@@ -34,12 +36,12 @@ from typing import Any
 from bench import peers
 from bench.procs import quiesce
 from tests.support.net import free_port, wait_http
-from tests.support.proctree import Service, pinned
+from tests.support.proctree import Service, pin_threads, pinned
 
 #: The request every path gets: an embeddings call, as short as the answer.
 BODY = '{"model":"bench","input":"the quick brown fox"}'
 PATH = "/v1/embeddings"
-RPS_PATHS = ("direct", "nginx", "llmtap")
+RPS_PATHS = ("direct", "nginx", "llmtap", "llmtap:spare")
 #: The direct path's open loop must answer every request, at the rate asked within this share.
 RATE_SLACK = 0.02
 
@@ -113,6 +115,12 @@ class Rig:
                 self.keep(path, ep.service, ep.url.replace("/v1/chat/completions", PATH))
             elif path == "llmtap":
                 self.keep(path, *self.llmtap(port))
+            elif path == "llmtap:spare":
+                svc, url = self.llmtap(port, name="llmtap-rps-spare")
+                if self.client_cpu is not None:  # the telemetry process on the other core: a core to spare
+                    for pid in svc.roles()["telemetry"]:
+                        pin_threads(pid, {int(c) for c in self.client_cpu.split(",")})
+                self.keep(path, svc, url)
             else:
                 raise ValueError(f"unknown path {path!r} (paths: {', '.join(RPS_PATHS)})")
 

@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import require_real
 
 ROOT = Path(__file__).parents[2]
-PATHS = ("direct", "nginx", "llmtap")
+PATHS = ("direct", "nginx", "llmtap", "llmtap:spare")
 #: The smoke plan's connection counts and rates (bench/rps.py's SMOKE).
 CONNECTIONS = (1, 4)
 RATES = (300,)

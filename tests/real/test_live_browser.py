@@ -260,8 +260,8 @@ def count(text: str) -> int:
 
 def values_of(summaries: list[tuple[Timeline, Summary]], route: str, model: str) -> dict[str, list[float]]:
     """One card's latency values from the requests' own summaries, each under its ``llmtap.*`` histogram's
-    condition: TTFT and ITL of streams, TPOT of successful requests (the model: the request's, else the
-    response's)."""
+    condition: TTFT, ITL, TTFOT and TTST of streams, TPOT of successful requests (the model: the request's, else
+    the response's)."""
     mine = []
     for tl, s in summaries:
         named = tl.request.model if tl.request is not None and tl.request.model else tl.response_model
@@ -272,6 +272,8 @@ def values_of(summaries: list[tuple[Timeline, Summary]], route: str, model: str)
         "ttft": [s.ttft for s in streams if s.ttft is not None],
         "itl": [x for s in streams for x in s.itl_per_token],
         "tpot": [s.tpot for tl, s in mine if tl.outcome == "ok" and s.tpot is not None],
+        "ttfot": [s.ttfot for s in streams if s.ttfot is not None],
+        "ttst": [s.ttst for s in streams if s.ttst is not None],
     }
 
 

@@ -585,3 +585,57 @@ def test_any_mix_of_lines_reads_the_same_in_either_engine(
     a, b = (_scan(engine, folder) for engine in store.ENGINES)
     assert (a.records, a.skipped, _facts(a)) == (b.records, b.skipped, _facts(b))
     assert a.records >= 5
+
+
+@st.composite
+def _time_text(draw: st.DrawFn) -> str:
+    """A record's ``time`` as writers spell it, well or badly: ISO 8601's extended and basic forms, week dates,
+    a space or ``t`` for ``T``, hours to 24, seconds to 60, fractions of any length with a dot or a comma, zones as
+    ``Z``/``z``, ``+HH``, ``+HHMM``, ``+HH:MM`` or a name, whitespace around, and any one character changed."""
+    well = draw(st.integers(0, 3)) > 0  # most values well formed, so both engines' readings are compared often
+    year = draw(st.sampled_from(("2026", "1999", "0001", "9999") if well else ("0000", "20261", "2026")))
+    month = draw(st.integers(1, 12) if well else st.integers(0, 13))
+    day = draw(st.integers(1, 28) if well else st.integers(0, 32))
+    hour = draw(st.integers(0, 23) if well else st.integers(0, 25))
+    minute, second = (draw(st.integers(0, 59) if well else st.integers(0, 61)) for _ in range(2))
+    date = f"{year}-{month:02d}-{day:02d}"
+    if not well:
+        date = draw(st.sampled_from((date, f"{year}{month:02d}{day:02d}", f"{year}-W49-1", f"{year}-{month:02d}")))
+    clocks = ["", f"{hour:02d}:{minute:02d}", f"{hour:02d}:{minute:02d}:{second:02d}"]
+    clock = draw(st.sampled_from(clocks + ([f"{hour:02d}", f"{hour:02d}{minute:02d}"] if not well else [])))
+    if clock.count(":") == 2 and draw(st.booleans()):
+        comma = not well and draw(st.booleans())
+        clock += ("," if comma else ".") + draw(st.text("0123456789", min_size=0 if not well else 1, max_size=10))
+    zones = ["", "Z", "+00:00", "-05:30", "+0530", "+05", "-00:00"]
+    zone = draw(st.sampled_from(zones + ([] if well else ["z", "+24:00", " UTC", "+5:30"])))
+    apart = draw(st.sampled_from(("T", " ") if well else ("T", " ", "t")))
+    text = date + (apart + clock + zone if clock else zone * (not well and draw(st.booleans())))
+    if not well and draw(st.booleans()):
+        at = draw(st.integers(0, len(text) - 1))
+        text = text[:at] + draw(st.sampled_from("0 9:-+.TZ\t\u00a0x")) + text[at + 1 :]
+    pad = draw(st.sampled_from(("", " ", "\t", "\r", "\n", "\u00a0", "\u2003")))
+    return draw(st.sampled_from((pad + text, text + pad)))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_time_text())
+@example(text="2026-12-07T24:00:00+00:00")
+@example(text="20261207T100000Z")
+@example(text="2026-12-07T10:00:00 UTC")
+@example(text="2026-12-07T10:00:00,5+00:00")
+@example(text="2026-12-07T10:00:00\u00a0")
+@example(text="0000-01-01T00:00:00+00:00")
+def test_any_time_is_read_alike_or_counted_alike_in_either_engine(text: str, tmp_path: Path) -> None:
+    """A record's ``time`` is one grammar (``store.TIME_GRAMMAR``) whichever engine reads it: both read the same
+    records at the same moment, or both count them as without a readable time."""
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))
+    recs = make(3, seed=17)
+    for rec in recs:
+        rec["time"] = text
+    (folder / "t.jsonl").write_bytes(lines(recs))
+    a, b = (_scan(engine, folder) for engine in store.ENGINES)
+    assert (a.records, a.skipped) == (b.records, b.skipped)
+    groups = [sorted(s.groups, key=lambda g: (g.key or "", g.route or "", g.shape or "")) for s in (a, b)]
+    assert [(g.key, g.route, g.shape) for g in groups[0]] == [(g.key, g.route, g.shape) for g in groups[1]]
+    moments = [[t for g in gs for t in (g.first, g.last)] for gs in groups]
+    assert moments[0] == pytest.approx(moments[1], abs=1e-6)

@@ -181,6 +181,8 @@ HISTOGRAMS = {
     "ttft": "llmtap_time_to_first_token_seconds",
     "itl": "llmtap_inter_token_latency_seconds",
     "tpot": "llmtap_time_per_output_token_seconds",
+    "ttfot": "llmtap_time_to_first_output_token_seconds",
+    "ttst": "llmtap_time_to_second_token_seconds",
 }
 
 
@@ -197,6 +199,8 @@ def exact_values(seen: list[tuple[Timeline, Summary]], route: str, model: str, v
         "ttft": [s.ttft for s in streams],
         "itl": [x for s in streams for x in s.itl_per_token],
         "tpot": [s.tpot for tl, s in mine if tl.outcome == OK and s.tpot is not None],
+        "ttfot": [s.ttfot for s in streams if s.ttfot is not None],
+        "ttst": [s.ttst for s in streams if s.ttst is not None],
     }
 
 
@@ -266,17 +270,18 @@ def test_prompt_versions_are_series_of_their_own(harness: Harness) -> None:
 
 def test_past_the_budget_percentiles_come_from_buckets_marked_and_within_the_values() -> None:
     now = [0.0]
-    # Room for 70 latency values; each request below has 1 TTFT, 4 ITL, 1 TPOT and 1 E2E value (84 in all).
-    h = Harness(clock=lambda: now[0], budget=70)
+    # Room for 94 latency values; each request below has 1 TTFT, 4 ITL, 1 TPOT, 1 E2E, 1 TTFOT and 1 TTST value
+    # (108 in all).
+    h = Harness(clock=lambda: now[0], budget=94)
     try:
         for i in range(12):
             now[0] = 10.0 * i
             h.run(make_timeline(i, ttft=0.2 + 0.01 * i, chunks=3, gap=0.01 + 0.003 * i))
         kept = sum(len(x.values) for series in h.window._series.values() for x in series.samples.values())
-        assert kept <= 70
+        assert kept <= 94
         # What went is counted on /metrics.
         text = h.prometheus.render()
-        assert sum(v for _, v in samples(text, "llmtap_admin_live_samples_dropped_total")) == 84 - kept
+        assert sum(v for _, v in samples(text, "llmtap_admin_live_samples_dropped_total")) == 108 - kept
         values = exact_values(h.seen, "chat", "m1")
         (whole,) = h.window.snapshot(None)["series"]
         # The ITL values, the most numerous, gave up their oldest: read from buckets, marked, within the values.
@@ -740,3 +745,17 @@ def test_a_verdict_that_waits_says_how_many_requests_it_needs() -> None:
     judged = verdict(tally, SLO(ttft=0.5, percentile=0.95), {"ttft": None})
     assert judged is not None and judged["checks"][0] == judged["checks"][0] | {"count": 20, "needed": 20}
     assert judged["verdict"] == "met"
+
+
+def test_objectives_on_the_first_answer_token_and_the_second_token_are_judged_on_the_page() -> None:
+    """Every figure an objective can bound is tallied, so a TTFOT or TTST objective gets a verdict as TTFT does."""
+    tally = Tally()
+    for v in [0.1] * 19 + [0.9]:
+        tally.ttfot.add(v)
+        tally.ttst.add(v / 2)
+    objective = SLO(ttfot=0.5, ttst=0.3, percentile=0.95)
+    judged = verdict(tally, objective, {"ttfot": None, "ttst": None})
+    assert judged is not None
+    assert {c["figure"]: c["verdict"] for c in judged["checks"]} == {"ttfot": "met", "ttst": "met"}
+    missed = verdict(tally, SLO(ttfot=0.05, percentile=0.95), {"ttfot": [0.1] * 19 + [0.9]})
+    assert missed is not None and missed["verdict"] == "missed" and missed["checks"][0]["value"] > 0.05

@@ -241,12 +241,13 @@ class Exchange:
 
     async def _relay(self) -> None:
         """From admission to the response's end; every way out releases what the request holds."""
-        self.task = asyncio.current_task()
+        self.task = _current_task(self.app.lifecycle.loop)
         # Only once the body is read can disconnects be watched: both need ``receive``.
         if self.more is None and self.task is not None:
             self.watch = DisconnectWatch(self.receive, self.task, self.cycle)
         try:
-            if await self._admit() and await self._call_upstream() and await self._start_response():
+            admitted = self._let_in() if self.admission is None else await self._admit()
+            if admitted and await self._call_upstream() and await self._start_response():
                 await self._relay_body()
                 await self._finish()
         except asyncio.CancelledError:
@@ -256,7 +257,7 @@ class Exchange:
             if not await self._broke(exc):
                 raise
         finally:
-            await self._release()
+            self._release()
 
     async def _admit(self) -> bool:
         """Wait in the route's line, if it has one; False when refused (the line is full, or the wait too long)."""
@@ -279,6 +280,10 @@ class Exchange:
                 await self._refuse(exc.reason)
                 return False
             self.admitted = True
+        return self._let_in()
+
+    def _let_in(self) -> bool:
+        """Admitted (at once on a route without a line): the request goes upstream now."""
         tape = self.tape
         tape.admitted = now()
         tape.upstream_seq = next(self.app.upstream_seqs)
@@ -402,7 +407,7 @@ class Exchange:
         conn.take_whole()
         if body:
             full = tape.read(now(), body)
-        await self._answered()
+        self._answered()
         write_whole(self.cycle, whole, status, body)
         self.started = True
         tape.end = now()
@@ -472,10 +477,10 @@ class Exchange:
             end, _ = strip_part(self.strip, None)
             tail += end
         self.tape.end = now()
-        await self._answered()
+        self._answered()
         await self.send({"type": "http.response.body", "body": tail, "more_body": False})
 
-    async def _answered(self) -> None:
+    def _answered(self) -> None:
         """The upstream has answered in full and the response's last byte is about to go: the slot and the watch
         are let go before it."""
         if self.admitted and self.admission is not None:
@@ -485,7 +490,7 @@ class Exchange:
             self.admission.release()
         answer, self.answer = self.answer, None  # released here, and only here
         assert answer is not None
-        self.tape.surplus = await answer.aclose()
+        self.tape.surplus = answer.close()
         if self.watch is not None:
             # Before the last byte goes: the disconnect the server reports after it is not a cancellation.
             self.watch.stop()
@@ -554,20 +559,27 @@ class Exchange:
         self.tape.end = now()
         raise Truncated
 
-    async def _release(self) -> None:
+    def _release(self) -> None:
         """Whatever the way out: the watch stops, the upstream's answer is released, the slot goes back."""
         if self.watch is not None:
             self.watch.stop()
         if self.answer is not None:
             # Closing the answer closes the upstream connection mid-stream: the server sees the client leave and
-            # stops generating. A cancellation cannot skip it (``aclose``).
-            await self.answer.aclose()
+            # stops generating. Nothing here waits, so a cancellation cannot skip it.
+            self.answer.close()
         if self.tape.written is not None:
             self.app.upstream_inflight.end(self.route.upstream)
         if self.sent and self.tape.end is None:
             self.tape.end = now()
         if self.admitted and self.admission is not None:
             self.admission.release()
+
+
+def _current_task(loop: asyncio.AbstractEventLoop | None) -> asyncio.Task[Any] | None:
+    """The task running this exchange: asked of the relay's loop when it is known (no lookup of the running loop,
+    a system call under Python 3.11), else as ``asyncio.current_task`` finds it."""
+    task = asyncio.current_task(loop) if loop is not None else None
+    return task if task is not None else asyncio.current_task()
 
 
 def _content_encoding(headers: list[tuple[bytes, bytes]]) -> bytes | None:

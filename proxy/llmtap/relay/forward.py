@@ -12,14 +12,18 @@ from llmtap.config.types import Route, Settings
 from llmtap.relay import tls
 from llmtap.relay.tls import TLSOptions
 from llmtap.relay.upstream import Answer, LeanTransport, Origin, Pieces
+from llmtap.relay.upstream.errors import BadRequestHead
+from llmtap.relay.upstream.http11 import request_head
 from llmtap.types import OBJECTIVE_HEADERS, Scope
 
 __all__ = [
     "PRIVATE_PREFIX",
     "TARGETS",
     "Upstreams",
+    "dropped",
     "request_headers",
     "response_headers",
+    "upstream_head",
     "upstream_url",
 ]
 
@@ -91,6 +95,101 @@ def request_headers(
     return out
 
 
+def dropped(*, trace: bool, body_changed: bool, plain: bool, objectives: bool) -> frozenset[bytes]:
+    """The client headers ``request_headers`` never sends upstream for these flags, the ``Connection`` field's own
+    list aside (``upstream_head`` takes them once per relay, per set of flags)."""
+    drop = HOP_BY_HOP | {b"host"}
+    if not objectives:
+        drop |= OBJECTIVE_HEADERS.keys()
+    if trace:
+        drop |= TRACE_HEADERS
+    if body_changed:
+        drop |= {b"content-length"}
+    if plain:
+        drop |= {b"accept-encoding"}
+    return frozenset(drop)
+
+
+#: Methods whose empty body is announced with ``Content-Length: 0`` (as ``request_head`` does).
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def upstream_head(
+    method: str,
+    target: bytes,
+    host: bytes,
+    headers: list[tuple[bytes, bytes]],
+    content: bytes | Pieces | AsyncIterator[bytes],
+    *,
+    drop: frozenset[bytes],
+    trace: list[tuple[bytes, bytes]] | None,
+    plain: bool,
+    private: bool,
+) -> tuple[bytes, bool]:
+    """The upstream request's head and whether its body goes chunked: the bytes ``request_head`` makes of
+    ``request_headers``'s output, in one pass over the client's headers (``drop``: ``dropped`` for the flags).
+
+    A short request's head is built in one buffer rather than its headers first and its head from them: each
+    client field is lowered once, and the set of fields never sent is the relay's, not one made per request.
+    Host and Transfer-Encoding are among them, so the head always names the upstream's Host and says a body's
+    length itself: only the client's Content-Length is looked for.
+    """
+    lowered = [name.lower() for name, _ in headers]
+    if b"connection" in lowered:
+        drop = drop | _connection_listed(headers)
+    if not _ALWAYS_DROPPED <= drop:
+        kept = [(k, v) for (k, v), low in zip(headers, lowered, strict=True) if low not in drop]
+        kept = [(k, v) for k, v in kept if private or not k.lower().startswith(PRIVATE_PREFIX)]
+        return request_head(method, target, host, [*kept, *_added(plain, trace)], content)
+    method = method.upper()
+    pieces = [b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method.encode("ascii"), target, host)]
+    lines = 2
+    length = False
+    for at, (name, value) in enumerate(headers):
+        low = lowered[at]  # indexed: a strict ``zip`` costs a tenth of this loop
+        if low in drop or (not private and low.startswith(PRIVATE_PREFIX)):
+            continue
+        length = length or low == b"content-length"
+        pieces += (name, b": ", value, b"\r\n")
+        lines += 1
+    for name, value in _added(plain, trace):
+        pieces += (name, b": ", value, b"\r\n")
+        lines += 1
+    chunked = False
+    if isinstance(content, (bytes, tuple)):
+        size = len(content) if isinstance(content, bytes) else sum(map(len, content))
+        if size and not length:
+            pieces.append(b"Content-Length: %d\r\n" % size)
+            lines += 1
+            length = True
+    elif not length:
+        pieces.append(b"Transfer-Encoding: chunked\r\n")
+        lines += 1
+        chunked = True
+    if not length and not chunked and method in _BODY_METHODS:
+        # Where ``request_head`` puts it: right after Host.
+        pieces[0] += b"Content-Length: 0\r\n"
+        lines += 1
+    pieces.append(b"\r\n")
+    head = b"".join(pieces)
+    # One CR and one LF per line and no more: a header cannot smuggle a line of its own.
+    if head.count(b"\n") != lines + 1 or head.count(b"\r") != lines + 1:
+        raise BadRequestHead("CR or LF inside a request header")
+    return head, chunked
+
+
+#: What ``dropped`` always holds, which ``upstream_head``'s one pass relies on.
+_ALWAYS_DROPPED = frozenset({b"host", b"transfer-encoding"})
+
+
+def _added(plain: bool, trace: list[tuple[bytes, bytes]] | None) -> list[tuple[bytes, bytes]]:
+    """The fields the relay adds after the client's (``request_headers``): plain answers asked for, the trace."""
+    added = [(b"accept-encoding", b"identity")] if plain else []
+    if trace:
+        added.extend(trace)
+    return added
+
+
 #: Statuses whose responses never have a body (RFC 9110 sections 15.3.5 and 15.4.5).
 BODILESS = frozenset({204, 304})
 
@@ -149,8 +248,10 @@ class Upstreams:
         self._objectives = settings.forward_slo_headers
         #: Per route: its pool and the upstream's origin, parsed at the route's first request.
         self._origins: dict[str, tuple[LeanTransport, Origin]] = {}
-        #: Upstream URL -> its request target, percent-encoded and normalized (``_target``).
-        self._targets: dict[str, bytes] = {}
+        #: Route, raw path and query -> the request target, percent-encoded and normalized (``_target``).
+        self._targets: dict[tuple[str, bytes, bytes], bytes] = {}
+        #: The client headers never sent upstream, per (trace, body changed, plain) (``dropped``).
+        self._drops: dict[tuple[bool, bool, bool], frozenset[bytes]] = {}
         # Backpressure: when a client reads slower than its upstream writes, the relay stops reading, but
         # the event loop may already have drained the socket's whole receive buffer (uvloop reads up to
         # 32 times per wake-up), and Linux grows that buffer to megabytes. A fixed SO_RCVBUF bounds what
@@ -207,25 +308,28 @@ class Upstreams:
             pool = self.pool(route)
             known = self._origins[route.name] = (pool, pool.origin(route.upstream))
         pool, origin = known
-        url = upstream_url(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b""))
-        out = request_headers(
-            headers,
-            trace=trace,
-            body_changed=body_changed,
-            plain=plain,
-            private=self._private,
-            objectives=self._objectives,
+        method: str = scope["method"]
+        flags = (trace is not None, body_changed, plain)
+        drop = self._drops.get(flags)
+        if drop is None:
+            drop = self._drops[flags] = dropped(
+                trace=flags[0], body_changed=body_changed, plain=plain, objectives=self._objectives
+            )
+        target = self._target(route, scope.get("raw_path") or scope["path"].encode(), scope.get("query_string", b""))
+        head, chunked = upstream_head(
+            method, target, origin.host, headers, content, drop=drop, trace=trace, plain=plain, private=self._private
         )
-        return await pool.send(origin, scope["method"], self._target(url), out, content, timeouts, leaving)
+        return await pool.send_head(origin, head, chunked, method == "HEAD", content, timeouts, leaving)
 
-    def _target(self, url: str) -> bytes:
-        """The request target of ``url`` (its path and query, percent-encoded and normalized as httpx's URL does),
-        remembered: a relay sees the same few paths again and again."""
-        target = self._targets.get(url)
+    def _target(self, route: Route, raw_path: bytes, query: bytes) -> bytes:
+        """The request target of the route's upstream URL for this path and query (percent-encoded and normalized
+        as httpx's URL does), remembered: a relay sees the same few paths again and again."""
+        key = (route.name, raw_path, query)
+        target = self._targets.get(key)
         if target is None:
             if len(self._targets) >= TARGETS:
                 self._targets.clear()
-            target = self._targets[url] = httpx.URL(url).raw_path
+            target = self._targets[key] = httpx.URL(upstream_url(route, raw_path, query)).raw_path
         return target
 
     async def aclose(self) -> None:

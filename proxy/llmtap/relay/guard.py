@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from itertools import chain
 
 from llmtap.config.types import Route
 from llmtap.types import Scope
@@ -36,6 +37,13 @@ IGNORABLE_UPGRADES = frozenset({b"h2c"})
 #: The one expectation HTTP defines (RFC 9110 section 10.1.1), which the listener meets: it says ``100 Continue``
 #: once the relay reads the body.
 CONTINUE = b"100-continue"
+#: Host values found valid (``_valid_host``): at most ``_KEPT_HOSTS`` of them, each up to ``_KEPT_HOST_BYTES``,
+#: emptied when full.
+_VALID_HOSTS: set[bytes] = set()
+_KEPT_HOSTS = 256
+_KEPT_HOST_BYTES = 256
+#: The fields the checks read (names as the server gives them, lower-cased); every other field is only measured.
+_WATCHED = frozenset({b"content-length", b"host", b"upgrade", b"connection", b"transfer-encoding", b"expect"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,19 +63,24 @@ def check_request(scope: Scope, *, max_header_bytes: int, max_request_bytes: int
     raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
     if not raw_path.startswith(b"/"):
         return Refusal(400, "bad_target", "the request target must be a path starting with '/'")
-    if _DOT_SEGMENT.search(scope["path"]):
+    path: str = scope["path"]
+    if "." in path and _DOT_SEGMENT.search(path):
         return Refusal(400, "bad_target", "the path holds a '.' or '..' segment")
-    size = len(raw_path) + len(scope.get("query_string", b""))
+    headers = scope["headers"]
+    # Every name and value in one buffer: one search finds a bad byte in any of them, and its length is theirs.
+    fields = b"".join(chain.from_iterable(headers))
+    if _BAD_FIELD_BYTES.search(fields):
+        return Refusal(400, "bad_header", "a header holds CR, LF or NUL")
+    size = len(raw_path) + len(scope.get("query_string", b"")) + len(fields) + 4 * len(headers)  # ": " and CRLF
     length = b""
     hosts: list[bytes] = []
     upgrade: bytes | None = None
     connection = b""
     chunked = False
     expect: list[bytes] = []
-    for name, value in scope["headers"]:
-        size += len(name) + len(value) + 4  # ": " and CRLF
-        if _BAD_FIELD_BYTES.search(value) or _BAD_FIELD_BYTES.search(name):
-            return Refusal(400, "bad_header", "a header holds CR, LF or NUL")
+    for name, value in headers:
+        if name not in _WATCHED:
+            continue
         if name == b"content-length":
             length = value
         elif name == b"host":
@@ -78,11 +91,11 @@ def check_request(scope: Scope, *, max_header_bytes: int, max_request_bytes: int
             connection += b"," + value
         elif name == b"transfer-encoding":
             chunked = True
-        elif name == b"expect":
+        else:
             expect.append(value)
     if size > max_header_bytes:
         return Refusal(431, "headers_too_large", f"request line and headers exceed {max_header_bytes} bytes")
-    if len(hosts) > 1 or (hosts and not _HOST.fullmatch(hosts[0].strip())):
+    if len(hosts) > 1 or (hosts and not _valid_host(hosts[0])):
         return Refusal(400, "bad_host", "the request has more than one Host header, or an invalid one")
     if not hosts and scope.get("http_version") == "1.1":
         return Refusal(400, "missing_host", "an HTTP/1.1 request must have a Host header (RFC 9112 section 3.2)")
@@ -105,6 +118,19 @@ def check_request(scope: Scope, *, max_header_bytes: int, max_request_bytes: int
     if length.isdigit() and int(length) > max_request_bytes:
         return Refusal(413, "request_too_large", f"request body exceeds {max_request_bytes} bytes")
     return None
+
+
+def _valid_host(value: bytes) -> bool:
+    """Host is ``uri-host [ ":" port ]``; the values found valid are kept (a relay sees the same few)."""
+    if value in _VALID_HOSTS:
+        return True
+    if not _HOST.fullmatch(value.strip()):
+        return False
+    if len(value) <= _KEPT_HOST_BYTES:
+        if len(_VALID_HOSTS) >= _KEPT_HOSTS:
+            _VALID_HOSTS.clear()
+        _VALID_HOSTS.add(value)
+    return True
 
 
 def _expectation(fields: list[bytes]) -> Refusal | None:

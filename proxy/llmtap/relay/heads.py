@@ -30,6 +30,8 @@ __all__ = ["unrelayable"]
 
 # RFC 9110 section 5.6.2: a field name is a token. What the listener (uvicorn) refuses to write as a name or value.
 _BAD_NAME = re.compile(rb'[\x00-\x20\x7f()<>@,;:\[\]={}\\"/?]|^$')
+#: ``_BAD_NAME``'s bytes alone: searched over every name at once (an empty name is looked for apart).
+_BAD_NAME_BYTE = re.compile(rb'[\x00-\x20\x7f()<>@,;:\[\]={}\\"/?]')
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
@@ -39,11 +41,17 @@ def unrelayable(status: int, headers: Iterable[tuple[bytes, bytes]]) -> str | No
         if 100 <= status < 200:
             return f"status {status} is interim (1xx) and no final response followed it"
         return f"status {status} is not an HTTP status (100-599)"
+    headers = list(headers)
+    names = [name for name, _ in headers]
+    if (
+        _BAD_NAME_BYTE.search(b"".join(names))
+        or not all(names)
+        or _BAD_VALUE.search(b"".join([value for _, value in headers]))
+    ):
+        return _unwritable(headers)
     codings: list[bytes] = []
     length = False
     for name, value in headers:
-        if _BAD_NAME.search(name) or _BAD_VALUE.search(value):
-            return f"header {name[:64]!r} cannot be written as sent (RFC 9110 section 5.5)"
         lowered = name.lower()
         if lowered == b"transfer-encoding":
             codings.extend(c for c in (c.strip().lower() for c in value.split(b",")) if c)
@@ -55,3 +63,11 @@ def unrelayable(status: int, headers: Iterable[tuple[bytes, bytes]]) -> str | No
     if codings and length:
         return "both Transfer-Encoding and Content-Length (RFC 9112 section 6.3)"
     return None
+
+
+def _unwritable(headers: list[tuple[bytes, bytes]]) -> str:
+    """The reason naming the first header that cannot be written (the joined search said one of them)."""
+    for name, value in headers:
+        if _BAD_NAME.search(name) or _BAD_VALUE.search(value):
+            return f"header {name[:64]!r} cannot be written as sent (RFC 9110 section 5.5)"
+    raise AssertionError("no header is unwritable")

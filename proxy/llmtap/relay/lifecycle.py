@@ -33,9 +33,13 @@ class Lifecycle:
         self.inflight = 0
         self._idle = asyncio.Event()  # set while ``inflight`` is 0
         self._idle.set()
+        #: The loop the relay serves on, from start-up (``Exchange`` asks it for its task without a lookup of the
+        #: running loop, which costs a system call a request); None until then.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self) -> None:
         """Ready to relay; the gauges' values go to the telemetry side from now on."""
+        self.loop = asyncio.get_running_loop()
         self.ready = self._gauges.ready = True
         self._gauges.start()
 

@@ -52,6 +52,7 @@ __all__ = [
     "REQUEST_OBJECTIVES",
     "REQUEST_OUTCOMES",
     "SLOWEST",
+    "TIME_GRAMMAR",
     "VERSION",
     "By",
     "Filter",
@@ -112,6 +113,16 @@ REQUEST_OBJECTIVES = {"ttft": "ro_ttft", "tpot": "ro_tpot"}
 REQUEST_OUTCOMES = ("met", "violated")
 #: The slowest requests a group names by trace id (``Group.slowest``): what "which requests are the p99" reads.
 SLOWEST = 5
+#: What a record's ``time`` may be, for every engine alike (each parser on its own accepts forms the other refuses:
+#: ISO week dates, basic format and a decimal comma in Python, ``24:00`` and a zone name in DuckDB): an ISO 8601
+#: extended date, optionally a time (``T`` or a space, minutes, seconds, any fraction) and a zone (``Z``, ``+HH``,
+#: ``+HHMM``, ``+HH:MM``); without a zone, UTC. Around it only space, tab, CR and LF are ignored. A regular expression
+#: both Python's ``re`` and DuckDB's RE2 read the same way.
+TIME_GRAMMAR = (
+    "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-[0-9]{2}-[0-9]{2}"
+    "(?:[T ](?:[01][0-9]|2[0-3]):[0-5][0-9](?::[0-5][0-9](?:[.][0-9]+)?)?"
+    "(?:Z|[+-](?:[01][0-9]|2[0-3])(?::?[0-5][0-9])?)?)?"
+)
 
 
 @dataclass(frozen=True, slots=True)

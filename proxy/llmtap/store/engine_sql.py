@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from llmtap.store import COLUMNS, REQUEST_OBJECTIVES, REQUEST_OUTCOMES, SLOWEST
+from llmtap.store import COLUMNS, REQUEST_OBJECTIVES, REQUEST_OUTCOMES, SLOWEST, TIME_GRAMMAR
 from llmtap.store.files import SCHEMA_KEY
 from llmtap.store.skips import MAX_LINE
 
@@ -74,12 +74,15 @@ CREATE OR REPLACE TEMP MACRO j_int(x) AS
 CREATE OR REPLACE TEMP MACRO j_str(x) AS CASE WHEN starts_with(x::VARCHAR, '"') THEN x ->> '$' END;
 CREATE OR REPLACE TEMP MACRO j_true(x) AS coalesce(x::VARCHAR = 'true', false);
 CREATE OR REPLACE TEMP MACRO t_epoch(s) AS
-  epoch_us(CASE WHEN ends_with(s, '+00:00') AND NOT contains(s, 'Z') AND s[1] BETWEEN '0' AND '9'
+  epoch_us(CASE WHEN s[1] BETWEEN '0' AND '9' AND s[1:4] <> '0000' AND s[12:13] < '24' AND NOT contains(s, ' ')
+                     AND (s LIKE '____-__-__T__:__:__+00:00' OR s LIKE '____-__-__T__:__:__.___+00:00'
+                          OR s LIKE '____-__-__T__:__:__.______+00:00')
                 THEN TRY_CAST(s AS TIMESTAMPTZ)
-                ELSE TRY_CAST(replace(trim(s, ' \t\n\r'), 'Z', '+00:00') AS TIMESTAMPTZ) END) / 1e6;
+                WHEN regexp_full_match(trim(s, ' \t\n\r'), '__TIME__')
+                THEN TRY_CAST(replace(trim(s, ' \t\n\r'), 'Z', '+00:00') AS TIMESTAMPTZ) END) / 1e6;
 CREATE OR REPLACE TEMP MACRO own_text(t) AS starts_with(t, __OWN__) OR (t <> '' AND starts_with(__OWN__, t));
 CREATE OR REPLACE TEMP MACRO own_line(s) AS own_text(trim(s, ' \t\r'));
-""".replace("__OWN__", "'" + _SCHEMA_PREFIX + "'")
+""".replace("__OWN__", "'" + _SCHEMA_PREFIX + "'").replace("__TIME__", TIME_GRAMMAR)
 #: The flat columns analysis reads, with a line's extracted values ``j`` (1-based, as ``_PATHS``).
 _JSON_COLUMNS = {
     "time_s": "t_epoch(j_str(j[2]))",

@@ -12,6 +12,7 @@ Parquet file is named and passed over (the engine reads it).
 from __future__ import annotations
 
 import math
+import re
 from array import array
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
@@ -21,6 +22,7 @@ from typing import Any
 from llmtap.store import (
     REQUEST_OBJECTIVES,
     SLOWEST,
+    TIME_GRAMMAR,
     VERSION,
     By,
     Filter,
@@ -34,6 +36,8 @@ from llmtap.store import (
 from llmtap.store.files import find, identity, inspect, read_file
 
 __all__ = ["PythonSource"]
+
+_TIME = re.compile(TIME_GRAMMAR)
 
 _INT64 = 2**63
 _Order = tuple[float, float, float, float, float, float, str]
@@ -97,12 +101,15 @@ def wrong_typed(rec: dict[str, Any]) -> bool:
 
 
 def time_s(value: Any) -> float | None:
-    """Epoch seconds of a record's ``time`` (ISO 8601; without a zone, UTC), or None."""
+    """Epoch seconds of a record's ``time`` (``TIME_GRAMMAR``; without a zone, UTC), or None."""
     if not isinstance(value, str):
         return None
+    text = value.strip(" \t\n\r")
+    if _TIME.fullmatch(text) is None:
+        return None
     try:
-        moment = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
-    except ValueError:
+        moment = datetime.fromisoformat(text)
+    except ValueError:  # a date the calendar has not (February 30th)
         return None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)

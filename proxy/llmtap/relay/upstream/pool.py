@@ -28,14 +28,22 @@ class Pool:
         """An idle connection, or None when a slot for a new one is reserved; ``PoolTimeout`` when none frees.
         The idle connection is checked as its exchange begins (``Connection.exchange``; ``drop`` when unfit)."""
         while True:
-            if self.idle:
-                conn = self.idle.pop()  # the most recently used: the likeliest to be open
-                conn.idle = False
+            conn = self.take_idle()
+            if conn is not None:
                 return conn
             if self.size < self.limit:
                 self.size += 1
                 return None
             await self._wait(seconds)
+
+    def take_idle(self) -> Connection | None:
+        """An idle connection, the most recently used (the likeliest to be open), without waiting; None when
+        none is idle (``acquire`` then reserves a slot or waits)."""
+        if not self.idle:
+            return None
+        conn = self.idle.pop()
+        conn.idle = False
+        return conn
 
     async def _wait(self, seconds: float | None) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -92,6 +92,21 @@ class LeanTransport(httpx.AsyncBaseTransport):
         conn = await self._exchange(origin.key, head, content, chunked, method == "HEAD", timeouts, leaving)
         return Answer(conn, timeouts)
 
+    async def send_head(
+        self,
+        origin: Origin,
+        head: bytes,
+        chunked: bool,
+        head_only: bool,
+        content: bytes | Pieces | AsyncIterable[bytes],
+        timeouts: Timeouts,
+        leaving: Callable[[], None] | None = None,
+    ) -> Answer:
+        """``send`` with the request's head already built (``llmtap.relay.forward.upstream_head``: the bytes
+        ``request_head`` makes); ``head_only``: the request is HEAD, its response has no body."""
+        conn = await self._exchange(origin.key, head, content, chunked, head_only, timeouts, leaving)
+        return Answer(conn, timeouts)
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         if url.scheme not in _PORTS:
@@ -136,7 +151,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
         if pool is None:
             pool = self._pools[key] = Pool(self._limit)
         while True:
-            conn = await pool.acquire(timeouts.get("pool"))
+            # An idle connection is taken at once; ``acquire`` (a coroutine) only when a slot or a wait is needed.
+            conn = pool.take_idle() or await pool.acquire(timeouts.get("pool"))
             if conn is None:
                 try:
                     conn = await self._connect(pool, key, timeouts.get("connect"))

@@ -98,6 +98,8 @@ def waterfall(seq: int, tl: Timeline, s: Summary, *, route: str, model: str, tra
         "ttft": _ms(s.ttft),
         "tpot": _ms(s.tpot),
         "e2e": _ms(s.e2e),
+        "ttfot": _ms(s.ttfot),
+        "ttst": _ms(s.ttst),
         "upstream_unattributed": _ms(s.upstream_unattributed),
         "phases": _phases(tl, s),
         "chunks": len(tl.chunk_times),

@@ -64,13 +64,11 @@ HISTORY = 200
 #: The route, model and prompt version labels a request's metrics carry ("" for no version).
 Labels = Callable[[Timeline, Summary], tuple[str, str, str]]
 #: The latencies whose values are kept for exact percentiles.
-LATENCIES = ("ttft", "itl", "tpot", "e2e")
+LATENCIES = ("ttft", "itl", "tpot", "e2e", "ttfot", "ttst")
 #: Latency values kept over all series at most (8 bytes each, 2 MB): past it the series holding the most gives
 #: up its oldest quarter, and windows reaching back that far read their percentiles from buckets. It also bounds
 #: a snapshot's sorting, which holds the GIL (the recorder's thread waits meanwhile).
 SAMPLE_BUDGET = 250_000
-#: The figures an objective can bound, and the request's own field for each in its waterfall (ms).
-OBJECTIVE_FIGURES = ("ttft", "tpot", "e2e")
 #: Requests behind a percentile the page links to, slowest first.
 SLOWEST = 5
 
@@ -79,10 +77,14 @@ def samples(tl: Timeline, s: Summary) -> dict[str, list[float]]:
     """A request's latency values, each under the condition its ``llmtap.*`` histogram records it
     (``MetricWriter.record``); E2E, which has no histogram of its own, for every request that has one."""
     stream = bool(tl.request and tl.request.stream)
-    out: dict[str, list[float]] = {"ttft": [], "itl": [], "tpot": [], "e2e": []}
+    out: dict[str, list[float]] = {figure: [] for figure in LATENCIES}
     if stream and s.ttft is not None:  # llmtap.time_to_first_token
         out["ttft"].append(s.ttft)
         out["itl"].extend(s.itl_per_token)  # llmtap.inter_token_latency
+        if s.ttfot is not None:  # llmtap.time_to_first_output_token
+            out["ttfot"].append(s.ttfot)
+        if s.ttst is not None:  # llmtap.time_to_second_token
+            out["ttst"].append(s.ttst)
     if tl.outcome == OK and s.tpot is not None:  # llmtap.time_per_output_token
         out["tpot"].append(s.tpot)
     if s.e2e is not None:
@@ -187,6 +189,8 @@ class Tally:
     tpot: Hist = field(default_factory=Hist)
     #: Every request's E2E (no ``llmtap.*`` histogram of its own: for E2E objectives only).
     e2e: Hist = field(default_factory=Hist)
+    ttfot: Hist = field(default_factory=Hist)
+    ttst: Hist = field(default_factory=Hist)
 
     def add_request(self, counts: Counts, values: dict[str, list[float]]) -> None:
         """Count one request exactly as ``MetricWriter.record`` records it; ``counts``: its ``counts``, ``values``:
@@ -216,10 +220,9 @@ class Tally:
         self.input_tokens += other.input_tokens
         self.output_tokens += other.output_tokens
         self.cache_read_tokens += other.cache_read_tokens
-        self.ttft.merge(other.ttft)
-        self.itl.merge(other.itl)
-        self.tpot.merge(other.tpot)
-        self.e2e.merge(other.e2e)
+        for figure in LATENCIES:
+            mine: Hist = getattr(self, figure)
+            mine.merge(getattr(other, figure))
 
     def figures(self, seconds: float, *, slo: bool, exact: dict[str, list[float] | None]) -> dict[str, Any]:
         """Counts, rates over ``seconds`` and percentiles (``exact``: each latency's values, as ``Samples.since``
@@ -243,6 +246,8 @@ class Tally:
             "ttft": self.ttft.figures(exact["ttft"]),
             "itl": self.itl.figures(exact["itl"]),
             "tpot": self.tpot.figures(exact["tpot"]),
+            "ttfot": self.ttfot.figures(exact["ttfot"]),
+            "ttst": self.ttst.figures(exact["ttst"]),
             "request_objectives": self.request_objectives(),
         }
 
@@ -255,8 +260,8 @@ class Tally:
         return out
 
 
-#: The figures whose objectives the page judges: those a tally keeps.
-LIVE_FIGURES = ("ttft", "tpot", "e2e")
+#: The figures whose objectives the page judges: those a tally keeps (every figure an objective can bound).
+LIVE_FIGURES = ("ttft", "tpot", "e2e", "ttfot", "ttst")
 
 
 def verdict(tally: Tally, objective: SLO | None, exact: dict[str, list[float] | None]) -> dict[str, Any] | None:
@@ -271,7 +276,7 @@ def verdict(tally: Tally, objective: SLO | None, exact: dict[str, list[float] | 
     checks = []
     for figure, limit in objective.limits().items():
         if figure not in LIVE_FIGURES:
-            continue  # not tallied here (TTFOT, TTST): ``llmtap slo`` judges them from records or Prometheus
+            continue  # a figure no tally keeps
         hist: Hist = getattr(tally, figure)
         values = exact[figure]
         if values is not None:
@@ -351,7 +356,7 @@ def _slowest(row: dict[str, Any], mine: list[dict[str, Any]]) -> dict[str, dict[
     on, slowest first (their ids): those at the percentile or above, or, for a percentile read from buckets, in
     its bucket or above (such a reading may lie past every request in its bucket)."""
     out: dict[str, dict[str, list[int]]] = {}
-    for figure in ("ttft", "tpot"):
+    for figure in ("ttft", "tpot", "ttfot", "ttst"):
         timed = sorted((r for r in mine if r[figure] is not None), key=lambda r: r[figure], reverse=True)
         out[figure] = {}
         for q in QUANTILES:
@@ -433,7 +438,7 @@ class LiveWindow:
         objective = None
         if s.objective is not None:
             o = s.objective
-            objective = (o.ttft, o.tpot, o.e2e, o.percentile, o.shape)
+            objective = (o.ttft, o.tpot, o.e2e, o.percentile, o.shape, o.ttfot, o.ttst)
         record = waterfall(0, tl, s, route=route, model=model, trace=self.traces)
         return ((route, model, s.shape, version), objective, counts(tl, s), samples(tl, s), tl.received, end, record)
 

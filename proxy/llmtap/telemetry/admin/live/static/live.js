@@ -158,6 +158,8 @@
     ["ttft", "TTFT", "first token"],
     ["itl", "ITL", "per token"],
     ["tpot", "TPOT", "per output token"],
+    ["ttfot", "TTFOT", "first answer token"],
+    ["ttst", "TTST", "second token"],
   ];
 
   function card(route, model, shape, version) {
@@ -214,7 +216,7 @@
     return c;
   }
 
-  const FIGURE_NAMES = { ttft: "TTFT", tpot: "TPOT", e2e: "E2E" };
+  const FIGURE_NAMES = { ttft: "TTFT", tpot: "TPOT", e2e: "E2E", ttfot: "TTFOT", ttst: "TTST" };
 
   function verdictText(v) {
     if (!v) return "";
@@ -450,6 +452,8 @@
     put("TTFT", r.ttft === null ? null : dur(r.ttft / 1000));
     put("TTFB", r.ttfb === null ? null : dur(r.ttfb / 1000));
     put("TPOT", r.tpot === null ? null : dur(r.tpot / 1000));
+    put("TTFOT", r.ttfot === null || r.ttfot === undefined ? null : dur(r.ttfot / 1000));
+    put("TTST", r.ttst === null || r.ttst === undefined ? null : dur(r.ttst / 1000));
     put("total", r.e2e === null ? null : dur(r.e2e / 1000));
     for (const name of ["queue", "prefill", "decode"]) {
       const p = phase(name);
