@@ -5,8 +5,9 @@ read. A client child process opens ``--connections`` connections to it, over TLS
 builds for an upstream (``llmtap.relay.tls``), on uvloop (the relay's event loop) or on asyncio's own, and
 reads its resident memory (``/proc/self/statm``) before them, once they are connected, and after
 ``--exchanges`` request/answer turns on each of them: KiB per connection, less one connection made before
-(warm-up). Each kind runs in a fresh process, ``--rounds`` times in turn; medians with the range. Prints JSON
-lines and a Markdown table.
+(warm-up). ``--together`` opens them all at once, as a burst of new streams makes the relay open its upstream
+connections (every handshake in flight together), where by default each waits for the one before. Each kind runs
+in a fresh process, ``--rounds`` times in turn; medians with the range. Prints JSON lines and a Markdown table.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ async def _serve(port_file: Path, folder: Path, tls: bool) -> None:
     await asyncio.sleep(3600)
 
 
-async def _measure(port: int, folder: Path, tls: bool, connections: int, exchanges: int) -> dict[str, float]:
+async def _measure(
+    port: int, folder: Path, tls: bool, connections: int, exchanges: int, together: bool = False
+) -> dict[str, float]:
     from llmtap.relay import tls as relay_tls
 
     loop = asyncio.get_running_loop()
@@ -81,7 +84,10 @@ async def _measure(port: int, folder: Path, tls: bool, connections: int, exchang
 
     await turn([await connect()])  # warm-up: the context, the loop's first buffers
     before = _rss()
-    protocols = [await connect() for _ in range(connections)]
+    if together:
+        protocols = list(await asyncio.gather(*(connect() for _ in range(connections))))
+    else:
+        protocols = [await connect() for _ in range(connections)]
     connected = _rss()
     for _ in range(exchanges):
         await turn(protocols)
@@ -101,12 +107,16 @@ def _child(argv: list[str]) -> None:
     if role == "serve":
         asyncio.run(_serve(Path(argv[4]), folder, transport == "tls"))
         return
-    result = asyncio.run(_measure(int(argv[4]), folder, transport == "tls", int(argv[5]), int(argv[6])))
+    together = argv[7:8] == ["together"]
+    result = asyncio.run(_measure(int(argv[4]), folder, transport == "tls", int(argv[5]), int(argv[6]), together))
     print(json.dumps(result))
 
 
-def one(folder: Path, transport: str, loop_name: str, connections: int, exchanges: int) -> dict[str, Any]:
-    """One kind in fresh processes: its server (on uvloop) and the measuring client."""
+def one(
+    folder: Path, transport: str, loop_name: str, connections: int, exchanges: int, *, together: bool = False
+) -> dict[str, Any]:
+    """One kind in fresh processes: its server (on uvloop) and the measuring client (``together``: its connections
+    opened at once)."""
     port_file = folder / f"port-{transport}-{loop_name}-{time.monotonic_ns()}"
     me = [sys.executable, "-m", "bench.probes.tls_memory", "--child"]
     server = subprocess.Popen([*me, "serve", "uvloop", transport, str(folder), str(port_file)])
@@ -117,7 +127,8 @@ def one(folder: Path, transport: str, loop_name: str, connections: int, exchange
                 raise RuntimeError("the server did not start")
             time.sleep(0.05)
         argv = [*me, "measure", loop_name, transport, str(folder), port_file.read_text()]
-        out = subprocess.run([*argv, str(connections), str(exchanges)], check=True, capture_output=True, text=True)
+        argv += [str(connections), str(exchanges), "together" if together else "one-by-one"]
+        out = subprocess.run(argv, check=True, capture_output=True, text=True)
     finally:
         server.terminate()
         server.wait(10)
@@ -134,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--connections", type=int, default=256)
     p.add_argument("--exchanges", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--together", action="store_true", help="open the connections at once (a burst's handshakes)")
     opts = p.parse_args(args)
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {kind: [] for kind in KINDS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,10 +153,11 @@ def main(argv: list[str] | None = None) -> None:
         tlsca.make(folder)
         for _ in range(opts.rounds):
             for transport, loop_name in KINDS:
-                result = one(folder, transport, loop_name, opts.connections, opts.exchanges)
+                result = one(folder, transport, loop_name, opts.connections, opts.exchanges, together=opts.together)
                 runs[(transport, loop_name)].append(result)
                 print(json.dumps(result), flush=True)
-    head = f"{opts.connections} connections, {opts.exchanges} exchanges each, {opts.rounds} rounds"
+    opened = "opened at once" if opts.together else "opened one by one"
+    head = f"{opts.connections} connections {opened}, {opts.exchanges} exchanges each, {opts.rounds} rounds"
     print(f"\n{head}: KiB per connection")
     print("\n| connection | event loop | connected (median, range) | after the exchanges (median, range) |")
     print("| --- | --- | ---: | ---: |")
