@@ -111,6 +111,9 @@ def test_the_profile_of_both_processes_adds_up_to_their_cpu(rps: tuple[dict[str,
         stages = {s["name"] for s in p["stages"]}
         assert named <= stages, (role, named - stages)
         assert p["top"] and all(0 < t["share"] <= 1 for t in p["top"]), (role, p["top"])
+    # The telemetry's CPU over the tapes it recorded: never below its CPU over the requests relayed.
+    assert profile["tapes_dropped"] >= 0
+    assert profile["telemetry"]["us_per_tape"] >= profile["telemetry"]["us_per_request"] > 0
 
 
 @pytest.mark.real
