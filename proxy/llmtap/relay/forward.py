@@ -155,27 +155,33 @@ def upstream_head(
     for name, value in _added(plain, trace):
         pieces += (name, b": ", value, b"\r\n")
         lines += 1
-    chunked = False
-    if isinstance(content, (bytes, tuple)):
-        size = len(content) if isinstance(content, bytes) else sum(map(len, content))
-        if size and not length:
-            pieces.append(b"Content-Length: %d\r\n" % size)
-            lines += 1
-            length = True
-    elif not length:
-        pieces.append(b"Transfer-Encoding: chunked\r\n")
-        lines += 1
-        chunked = True
-    if not length and not chunked and method in _BODY_METHODS:
-        # Where ``request_head`` puts it: right after Host.
-        pieces[0] += b"Content-Length: 0\r\n"
-        lines += 1
+    added, chunked = _frame_body(pieces, content, method, length=length)
+    lines += added
     pieces.append(b"\r\n")
     head = b"".join(pieces)
     # One CR and one LF per line and no more: a header cannot smuggle a line of its own.
     if head.count(b"\n") != lines + 1 or head.count(b"\r") != lines + 1:
         raise BadRequestHead("CR or LF inside a request header")
     return head, chunked
+
+
+def _frame_body(
+    pieces: list[bytes], content: bytes | Pieces | AsyncIterator[bytes], method: str, *, length: bool
+) -> tuple[int, bool]:
+    """The fields that say the body's length, added to ``pieces`` where ``request_head`` puts them (``length``: the
+    client named a Content-Length); the lines added, and whether the body goes chunked."""
+    if isinstance(content, (bytes, tuple)):
+        size = len(content) if isinstance(content, bytes) else sum(map(len, content))
+        if size and not length:
+            pieces.append(b"Content-Length: %d\r\n" % size)
+            return 1, False
+    elif not length:
+        pieces.append(b"Transfer-Encoding: chunked\r\n")
+        return 1, True
+    if not length and method in _BODY_METHODS:
+        pieces[0] += b"Content-Length: 0\r\n"  # right after Host
+        return 1, False
+    return 0, False
 
 
 #: What ``dropped`` always holds, which ``upstream_head``'s one pass relies on.

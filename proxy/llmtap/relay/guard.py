@@ -103,20 +103,31 @@ def check_request(scope: Scope, *, max_header_bytes: int, max_request_bytes: int
         refusal = _expectation(expect)
         if refusal is not None:
             return refusal
-    if upgrade is not None and b"upgrade" in {t.strip().lower() for t in connection.split(b",")}:
-        offered = {t.strip().split(b"/")[0].lower() for t in upgrade.split(b",") if t.strip()}
-        what = upgrade.decode("latin-1")[:64]
-        if not offered <= IGNORABLE_UPGRADES:
-            return Refusal(
-                400, "upgrade_not_supported", f"llmtap relays HTTP requests only; it does not upgrade to {what!r}"
-            )
-        if length.strip(b"0") or chunked:
-            # The parser takes what follows an Upgrade request's head for the new protocol, not for its body.
-            return Refusal(
-                400, "upgrade_not_supported", f"llmtap cannot read a request body sent with an upgrade to {what!r}"
-            )
+    if upgrade is not None:
+        refusal = _upgrade(upgrade, connection, body=bool(length.strip(b"0")) or chunked)
+        if refusal is not None:
+            return refusal
     if length.isdigit() and int(length) > max_request_bytes:
         return Refusal(413, "request_too_large", f"request body exceeds {max_request_bytes} bytes")
+    return None
+
+
+def _upgrade(upgrade: bytes, connection: bytes, *, body: bool) -> Refusal | None:
+    """Why an ``Upgrade`` the ``Connection`` header asks for is refused, or None (no upgrade asked, or one the relay
+    may ignore and answer in HTTP/1.1); ``body``: the request announces a body."""
+    if b"upgrade" not in {t.strip().lower() for t in connection.split(b",")}:
+        return None
+    offered = {t.strip().split(b"/")[0].lower() for t in upgrade.split(b",") if t.strip()}
+    what = upgrade.decode("latin-1")[:64]
+    if not offered <= IGNORABLE_UPGRADES:
+        return Refusal(
+            400, "upgrade_not_supported", f"llmtap relays HTTP requests only; it does not upgrade to {what!r}"
+        )
+    if body:
+        # The parser takes what follows an Upgrade request's head for the new protocol, not for its body.
+        return Refusal(
+            400, "upgrade_not_supported", f"llmtap cannot read a request body sent with an upgrade to {what!r}"
+        )
     return None
 
 
