@@ -35,6 +35,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from llmtap import simulator
+from llmtap.analysis.finish import Finished
 from llmtap.analysis.stats import quantile
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
@@ -69,10 +70,12 @@ FIXED = "You complete code for a Python service. Answer with code only. " * 12
 
 
 class Gate:
-    """A listener placed last: when shut, it holds the recorder's worker after one more request.
+    """Around the recorder's emission: when shut, it holds the recorder's worker once one more batch of finished
+    requests has gone to every emitter.
 
-    While it holds, ``/metrics`` and the live window cover exactly the same requests, however many
-    more finish meanwhile (they wait in the recorder's queue): the page can be compared with
+    The emitters take a batch one after another (the metrics all of it, then the listeners all of it), so only
+    between batches do ``/metrics`` and the live window cover exactly the same requests. While it holds they do,
+    however many more finish meanwhile (they wait in the recorder's queue): the page can be compared with
     ``/metrics`` while traffic keeps flowing.
     """
 
@@ -81,10 +84,16 @@ class Gate:
         self.holding = threading.Event()
         self.release = threading.Event()
 
-    def __call__(self, tl: Timeline, s: Summary) -> None:
-        if self.shut.is_set():
-            self.holding.set()
-            self.release.wait(20)
+    def around(self, emit: Callable[[list[Finished]], None]) -> Callable[[list[Finished]], None]:
+        """``emit``, then the hold when the gate is shut."""
+
+        def emit_then_hold(requests: list[Finished]) -> None:
+            emit(requests)
+            if self.shut.is_set():
+                self.holding.set()
+                self.release.wait(20)
+
+        return emit_then_hold
 
     def close(self, flowing: Callable[[], bool]) -> None:
         """Shut the gate and wait until it holds a request, while ``flowing`` says requests still come; else open it
@@ -164,7 +173,9 @@ def stack() -> Iterator[Stack]:
     admin = AdminApp(local, prometheus, traces=True)  # spans go to a backend (in memory): show trace ids
     gate = Gate()
     out = Stack(app, "", "", spans, gate)
-    local.recorder.listeners.extend([lambda tl, s: out.summaries.append((tl, s)), gate])
+    local.recorder.listeners.append(lambda tl, s: out.summaries.append((tl, s)))
+    emission = local.recorder.emission
+    emission.emit = gate.around(emission.emit)  # type: ignore[method-assign,assignment]
     with ServerThread(app) as proxy_server, ServerThread(admin) as admin_server:
         out.proxy_url, out.admin_url = proxy_server.url, admin_server.url
         yield out
