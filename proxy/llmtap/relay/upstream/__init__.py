@@ -24,7 +24,7 @@ What the relay relies on, and this package keeps:
   HTTP chunk of a chunked body (as httpcore yields them: the relay's tap counts each as an upstream chunk);
 * backpressure: past ``QUEUE_BYTES`` unread, the socket stops being read, and ``SO_RCVBUF`` bounds the rest;
 * RFC 9112 section 6.3: bytes past the end of a response never reach the parser, are counted
-  (returned by ``Answer.aclose``, ``response.extensions[SURPLUS]`` through httpx) and close the connection.
+  (returned by ``Answer.close``, ``response.extensions[SURPLUS]`` through httpx) and close the connection.
 
 A relay may instead take the body in the read callback (``Body.pipe``): each part goes to its sink the moment the
 parser has it, stamped once per socket read, and the relay's task wakes only when the response ends, fails or is

@@ -94,10 +94,6 @@ class Answer:
             yield part
         self.body.close()
 
-    async def aclose(self) -> int:
-        """``close``, as a coroutine."""
-        return self.close()
-
     def close(self) -> int:
         """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits.
         Returns the bytes the upstream sent past the response's end (its connection is closed for them): the

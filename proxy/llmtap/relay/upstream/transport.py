@@ -89,8 +89,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         ``leaving`` is called once a connection is ready, just before the request's first byte is written to it.
         """
         head, chunked = request_head(method, target, origin.host, headers, content)
-        conn = await self._exchange(origin.key, head, content, chunked, method == "HEAD", timeouts, leaving)
-        return Answer(conn, timeouts)
+        return await self.send_head(origin, head, chunked, method == "HEAD", content, timeouts, leaving)
 
     async def send_head(
         self,
