@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from llmtap.analysis.cost import PriceTable
-from llmtap.store.files import NoRecords, record_files
 from tests.conftest import PATIENCE, Scripted
 from tests.e2e.test_otlp import HTTPReceiver, attributes
 from tests.support.procs import Llmtap, Simulator
+from tests.support.records import written
 from tests.telemetry.test_metrics_standard import labels, otlp_env, series, total, wait_for
 
 #: What the user's price file says the simulator's model costs, per million tokens.
@@ -45,14 +45,7 @@ def records(folder: Path, n: int, proxy: Llmtap) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
     def enough() -> bool:
-        out.clear()
-        try:
-            paths = record_files([folder])
-        except NoRecords:  # the folder is made with the first record
-            return False
-        for path in paths:
-            with path.open(encoding="utf-8") as f:
-                out.extend(json.loads(line) for line in f if line.strip())
+        out[:] = written(folder)  # an hour closing meanwhile: its file compressed under the reader
         return len(out) >= n
 
     wait_for(f"{n} records", enough, proxy)

@@ -20,7 +20,6 @@ chart's collector config names, its health check answering and its OTLP port hol
 
 from __future__ import annotations
 
-import gzip
 import json
 import subprocess
 import time
@@ -37,6 +36,7 @@ import yaml
 from tests.conftest import require_real
 from tests.deploy.test_helm import CHART, ROOT, by_kind, manifests, values_of
 from tests.support.podkube import Pods, b64, missing_tools, playable, secrets_of
+from tests.support.records import written
 
 NAMESPACE = "llm"
 UID = values_of(CHART / "values.yaml")["runAsUser"]
@@ -76,25 +76,11 @@ class Fleet:
         return [f"http://{ip}:{port}" for ip in self.replicas.values()]
 
 
-def read_records(folder: Path) -> list[dict[str, Any]]:
-    """Every record in the folder: closed files (gzip) and open ones (lines so far)."""
-    out = []
-    for path in sorted(folder.rglob("*.jsonl*")):
-        opener = gzip.open if path.suffix == ".gz" else open
-        try:
-            with opener(path, "rt", encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except (OSError, EOFError):
-            continue  # a file being compressed this moment: read at the next look
-        out += [json.loads(line) for line in lines if line.strip().endswith("}")]
-    return out
-
-
 def wait_records(folder: Path, n: int, deadline_s: float = 60) -> list[dict[str, Any]]:
     """Until the folder holds at least ``n`` records."""
     deadline = time.monotonic() + deadline_s
     while True:
-        found = read_records(folder)
+        found = written(folder)
         if len(found) >= n or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
@@ -213,11 +199,11 @@ def test_the_collector_health_check_answers_on_the_pods_address(fleet: Fleet) ->
 
 def test_a_restarted_replica_keeps_the_fingerprint(fleet: Fleet) -> None:
     name = sorted(fleet.replicas)[0]
-    before = {(r.get("attribution") or {}).get("api_key") for r in read_records(fleet.records)}
+    before = {(r.get("attribution") or {}).get("api_key") for r in written(fleet.records)}
     fleet.pods.podman("restart", "-t", str(fleet.grace), f"{name}-llmtap", timeout=fleet.grace + 60)
     url = f"http://{fleet.replicas[name]}"
     fleet.pods.wait_http(f"{url}:9464/readyz", 90)
-    count = len(read_records(fleet.records))
+    count = len(written(fleet.records))
     assert fleet.pods.client("drive", f"{url}:8080", "10", KEY)["answered"] == 10
     after = wait_records(fleet.records, count + 10)
     fingerprints = {(r.get("attribution") or {}).get("api_key") for r in after}
@@ -227,7 +213,7 @@ def test_a_restarted_replica_keeps_the_fingerprint(fleet: Fleet) -> None:
 def test_a_graceful_stop_finishes_20_streams_and_flushes_within_the_grace_period(fleet: Fleet) -> None:
     name = sorted(fleet.replicas)[-1]
     url = f"http://{fleet.replicas[name]}:8080"
-    count = len(read_records(fleet.records))
+    count = len(written(fleet.records))
     # 20 streams of 1,500 tokens (about 5 s each on the simulator's fast profile), the stop in their midst.
     streams = fleet.pods.client_in_background("streams", url, "20", KEY, "1500")
     time.sleep(2.0)

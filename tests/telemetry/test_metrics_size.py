@@ -10,8 +10,6 @@ records (``--record``).
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 import shutil
 import time
@@ -35,6 +33,7 @@ from tests.support.net import LoopbackHTTPServer, answer
 from tests.support.procs import Llmtap
 from tests.support.proctree import Service
 from tests.support.prometheus import promql, start_prometheus
+from tests.support.records import written
 
 CHAT = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
 GEN_AI_TTFT = "gen_ai_client_operation_time_to_first_chunk_seconds"
@@ -90,11 +89,7 @@ def per_key(text: str) -> dict[tuple[str, ...], int]:
 
 
 def records_ttft(directory: Path) -> list[float]:
-    out = []
-    for path in sorted(directory.rglob("*.jsonl*")):
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-        out += [json.loads(line)["ttft"] for line in raw.decode().splitlines() if line.strip()]
-    return [v for v in out if v is not None]
+    return [r["ttft"] for r in written(directory) if r.get("ttft") is not None]
 
 
 @pytest.fixture(scope="module")
