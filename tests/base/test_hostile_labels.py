@@ -22,12 +22,12 @@ import pytest
 from llmtap.config.load import build
 from llmtap.config.types import ConfigError
 from llmtap.labels import LABEL_CAP, OTHER, LabelGuard, clean
-from llmtap.store.files import record_files_at
 from llmtap.telemetry import semconv as sc
 from tests.conftest import PATIENCE
 from tests.e2e.test_otlp import HTTPReceiver, attributes
 from tests.support.net import LoopbackHTTPServer
 from tests.support.procs import Llmtap, metric_value
+from tests.support.records import plain
 from tests.telemetry.test_live import sse
 
 #: What a lone surrogate and a NUL or an escape character become on a label.
@@ -200,7 +200,7 @@ def test_a_lone_surrogate_or_a_nul_becomes_a_replacement_character_everywhere(
         time.sleep(0.05)
 
     # The record file keeps every line, and every line is UTF-8.
-    raw = b"".join(f.read_bytes() for f in record_files_at(records))
+    raw = plain(records)
     lines = [json.loads(line) for line in raw.decode("utf-8").splitlines()]
     assert [r["model"] for r in lines] == [SURROGATE_LABEL, CONTROL_MODEL, "plain"]
     assert lines[2]["error_type"] == "\ufffdbad"

@@ -19,10 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmtap.store.files import record_files_at
 from tests.conftest import PATIENCE
 from tests.e2e.test_otlp import HTTPReceiver, attributes, receiver as receiver  # the fixture
 from tests.support.procs import FaultUpstream, Llmtap, upstream as upstream  # the fixture
+from tests.support.records import plain
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +52,7 @@ def everything_exported(proxy: Llmtap, receiver: HTTPReceiver, records: Path) ->
         "metrics": proxy.metrics().encode(),
         "live": live + httpx.get(proxy.admin_url + "/", timeout=5).content,
         "log": proxy.log_path.read_bytes(),
-        "records": b"".join(p.read_bytes() for p in record_files_at(records)),
+        "records": plain(records),
     }
 
 
