@@ -16,7 +16,7 @@ from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
 from llmtap.analysis.finish import Finished
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Attribution, Settings, TelemetrySettings
-from llmtap.telemetry.emit.bulk import Batch, Kept
+from llmtap.telemetry.emit.bulk import Batch, Fixed, Kept
 from llmtap.telemetry.emit.sets import NONE, Sets
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import Usage
@@ -190,3 +190,22 @@ def test_a_set_made_from_equal_values_of_other_types_is_its_own() -> None:
     assert made[0] == {"r": "a", "k": 1} and list(made[0]) == ["r", "k"]
     assert sets.plus(NONE, "x", ["not", "hashable"]) == {"x": ["not", "hashable"]}
     assert NONE == {}
+
+
+def test_a_fixed_set_is_held_by_its_identity_and_its_content() -> None:
+    kept = Kept(limit=2)
+    fixed, plain = Fixed({"a": "x", "n": 1}), {"a": "x", "n": 1}
+    held = kept.held(fixed)
+    assert held is not None and held is kept.held(fixed) and held is kept.held(plain)
+    assert type(held[0]) is dict and held[0] == plain
+    # Equal content of another type is another set, whichever way it is found.
+    other = kept.held(Fixed({"a": "x", "n": True}))
+    assert other is not None and other is not held and type(other[0]["n"]) is bool
+    # Past the limit, what is held is emptied and made again: still the same content.
+    again = [kept.held(Fixed({"a": str(i)})) for i in range(5)]
+    assert [h[0] if h else None for h in again] == [{"a": str(i)} for i in range(5)]
+    assert kept.held(fixed) == held
+    # A set the SDK cleans (a list) is cleaned each time, never held by identity.
+    listed = Fixed({"a": ["x", "y"]})
+    first, second = kept.held(listed), kept.held(listed)
+    assert first is not None and second is not None and first is not second and first[0] == {"a": ("x", "y")}

@@ -28,7 +28,7 @@ from llmtap.labels import OTHER, LabelGuard
 from llmtap.providers.timing import PHASES
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.emit.attributes import is_hop, usage_value
-from llmtap.telemetry.emit.bulk import Batch, Kept
+from llmtap.telemetry.emit.bulk import Batch, Fixed, Kept
 from llmtap.telemetry.emit.instruments import Instruments, create, objective_gauge
 from llmtap.telemetry.emit.sets import NONE, Sets, SetsCache
 
@@ -214,7 +214,8 @@ class MetricWriter:
             own[sc.REQUEST_STREAM] = True
         if version_label is not None:
             own[sc.PROMPT_VERSION] = version_label
-        return self._sets.keep(values, Sets(attrs, outcome, own, self._sets.limit))
+        made = Sets(Fixed(attrs), Fixed(outcome), Fixed(own), self._sets.limit)
+        return self._sets.keep(values, made)
 
     def dimension_labels(self, tl: Timeline) -> dict[str, str]:
         """The allowed attribution dimensions of a request as labels (counts one use of each value)."""

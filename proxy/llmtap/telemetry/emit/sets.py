@@ -5,7 +5,7 @@ same with ``error.type``, llmtap's own with the route, the stream flag and the p
 the shape, the outcome, a token source or a queue source on top. Short requests at a high rate repeat the same
 few: the same route, model, outcome and shape from one request to the next. Built per request, each set is a
 dict made and then found again by its content (``bulk.Kept``); kept here by the values it is made of, the same
-dict object comes back, which a batch finds by its identity at once (``bulk.Batch``).
+dict object comes back (a ``bulk.Fixed``), which a batch and ``bulk.Kept`` find by its identity at once.
 
 The dicts handed out are shared by every request with the same values: nothing may change them once made
 (``bulk.Batch`` and the SDK read them and copy what they keep). Each is made by the same expression, in the
@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmtap.telemetry.emit.bulk import Fixed
+
 __all__ = ["NONE", "Sets", "SetsCache"]
 
 #: The empty base: ``Sets.plus(NONE, k, v)`` is ``{k: v}``.
-NONE: dict[str, Any] = {}
+NONE: dict[str, Any] = Fixed()
 
 
 class Sets:
@@ -57,7 +59,7 @@ class Sets:
 
 
 def _made(base: dict[str, Any], pairs: tuple[Any, ...]) -> dict[str, Any]:
-    made = dict(base)
+    made = Fixed(base)
     for i in range(0, len(pairs), 2):
         made[pairs[i]] = pairs[i + 1]
     return made
