@@ -242,19 +242,3 @@ def test_the_intake_watches_the_relay_on_the_other_end(tmp_path: Path) -> None:
     assert watched
     assert gone == [0]
     assert not still
-
-
-def test_the_telemetry_process_collects_young_objects_less_often() -> None:
-    """``prepare`` sets the process's collector thresholds (in a process of its own: they are the process's)."""
-    code = (
-        "import gc\n"
-        "from llmtap.config.types import Settings\n"
-        "from llmtap.telemetry.process import COLLECT, Launch, prepare\n"
-        "before = gc.get_threshold()\n"
-        "prepare(Launch(Settings(routes=()), channel_fd=-1, admin_fd=-1, relays=1, started_fd=-1))\n"
-        "print(before, gc.get_threshold(), COLLECT)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    before, after, wanted = done.stdout.strip().split(") (")
-    assert before == "(700, 10, 10"
-    assert after == wanted.rstrip(")") == "20000, 20, 20"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import logging
 import os
@@ -38,12 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["Launch", "Receiver", "peer_pid", "prepare", "running"]
 
 log = logging.getLogger("llmtap.telemetry")
-#: The cyclic collector's thresholds in this process (``gc.set_threshold``; Python's own: 700, 10, 10). Each
-#: finished request makes a few hundred container objects (its timeline, summary, record, live-view entry) that
-#: its reference counts free, and the collector ran every 700 of them, each time scanning what was young: about a
-#: tenth of a short request's CPU here. Every 20,000, a tenth of that less; reference cycles among them (which
-#: only the collector frees) wait longer for it.
-COLLECT = (20_000, 20, 20)
 
 #: ``struct ucred``: pid, uid, gid.
 _UCRED = struct.Struct("3i")
@@ -208,11 +201,10 @@ class Running:
 
 
 def prepare(launch: Launch) -> None:
-    """Before the loop and any thread start: this process's OTLP identity, its scheduling and its collector.
+    """Before the loop and any thread start: this process's OTLP identity, and its scheduling.
 
     Threads started later inherit the main thread's nice value, so the scheduling is applied first.
     """
-    gc.set_threshold(*COLLECT)
     several = launch.settings.telemetry_workers > 1
     if several or identity.configured_instance_id() is None:
         # One OTLP identity per process: cumulative series of two processes must not look like one, and the
