@@ -1,5 +1,4 @@
-"""The recorder's worker thread: it takes what the inbox holds, up to a batch at once, and hands each item to the
-recorder's dispatch.
+"""The recorder's worker thread: it takes each item off the inbox and hands it to the recorder's dispatch.
 
 Between items it keeps time for what is due (the server-span waits, the siblings' batches, the journal's
 acknowledgements), plays the last run's journal back a slice at a time, emits what the recorder held
@@ -108,56 +107,48 @@ class Worker:
         taken = 0
         q = self.inbox.queue
         while True:
-            held = self.emission.held
-            if held and (held >= STAGED or q.empty()):
+            if self.emission.held and (self.emission.held >= STAGED or q.empty()):
                 self.emission.release()
-                held = 0
             replay = self.owner.replay()
             if replay is not None and (q.empty() or taken >= REPLAY_EVERY):
                 # The last run's tapes, a slice at a time: between the relays' messages, never before them all.
                 taken = 0
                 self.owner.take_replayed(replay)
                 continue
-            # No more at once than keeps the emitters' batch to ``STAGED`` and the replay's turn to ``REPLAY_EVERY``.
-            most = max(STAGED - held, 1) if replay is None else max(min(STAGED - held, REPLAY_EVERY - taken), 1)
-            took = self._take_some(q, most)
-            if took < 0:
+            taken += 1
+            if not self._take_one(q):
                 return
-            taken += max(took, 1)
 
-    def _take_some(self, q: queue.Queue[Any], most: int) -> int:
-        """Take up to ``most`` items the queue holds at once (or time out for what is due): how many, -1 once the
-        stop signal came. What is due is looked at after each item, by the deadline read before the batch (a
-        deadline set meanwhile is read with the next); the idle work runs once the batch leaves the queue empty."""
+    def _take_one(self, q: queue.Queue[Any]) -> bool:
+        """Take the next item (or time out for what is due); False once the stop signal came."""
         deadline = self.owner.next_deadline()
-        items = self.inbox.take(most, None if deadline is None else max(deadline - time.monotonic(), 0.0))
-        if not items:
+        try:
+            item = q.get() if deadline is None else q.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
             # A wait ran out with nothing else to do: what it released is written now, not with the next request
             # (the record line included).
             self.owner.due()
             self.owner.idle(trim=False)
-            return 0
-        for item in items:
-            if item is STOP:
-                self.owner.settle(write=False)
-                return -1
-            if isinstance(item, Marker):
-                # Flushed means written: what waits for its server span is written as it is.
-                self.owner.settle(write=True)
-                item.event.set()
-                continue
-            source, message, size = item
-            self.inbox.taken(size)
-            try:
-                self.owner.dispatch(source, message)
-            except Exception:
-                log.exception("telemetry: could not take a tape message")
-            if deadline is not None and deadline <= time.monotonic():
-                self.owner.due()
-                deadline = self.owner.next_deadline()
-            sched.checkpoint()
+            return True
+        if item is STOP:
+            self.owner.settle(write=False)
+            return False
+        if isinstance(item, Marker):
+            # Flushed means written: what waits for its server span is written as it is.
+            self.owner.settle(write=True)
+            item.event.set()
+            return True
+        source, message, size = item
+        self.inbox.taken(size)
+        try:
+            self.owner.dispatch(source, message)
+        except Exception:
+            log.exception("telemetry: could not take a tape message")
+        if deadline is not None and deadline <= time.monotonic():
+            self.owner.due()
+        sched.checkpoint()
         if q.empty():
             # Idle: push record lines out now, so ``llmtap compare`` can read a live file; and now and then give
             # what a backlog left free back to the system.
             self.owner.idle(trim=True)
-        return len(items)
+        return True

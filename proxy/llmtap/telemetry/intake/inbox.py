@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -167,28 +166,6 @@ class Inbox:
                 q._put(item)
             q.unfinished_tasks += len(items)
             q.not_empty.notify()
-
-    def take(self, most: int, timeout: float | None) -> list[Any]:
-        """Up to ``most`` queued items in their order, the lock held once: waits for the first up to ``timeout``
-        seconds (None: until one comes); empty when the wait ran out. What ``get`` does for each, once for all:
-        each producer waiting for room is woken once per item taken."""
-        q = self.queue
-        with q.not_empty:
-            if not q._qsize():
-                if timeout is None:
-                    while not q._qsize():
-                        q.not_empty.wait()
-                else:
-                    end = time.monotonic() + timeout
-                    while not q._qsize():
-                        left = end - time.monotonic()
-                        if left <= 0.0:
-                            return []
-                        q.not_empty.wait(left)
-            held = q.queue
-            items = [held.popleft() for _ in range(min(most, len(held)))]
-            q.not_full.notify(len(items))
-            return items
 
     def _turned_away(self, source: int, message: Raw) -> None:
         if message[0] == END:
