@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
+from llmtap.analysis.shapes import configured_slo, objective
 from llmtap.analysis.summary import Summary, summarize
 from llmtap.analysis.timeline import Output, Timeline
 from llmtap.config.load import build
+from llmtap.config.types import SLO
 from llmtap.telemetry.intake.replay import Playback
 from llmtap.wire.messages import End, decode
 from llmtap.wire.tape import Tape
@@ -194,3 +196,26 @@ def test_a_route_changed_under_its_name_gives_its_own_place() -> None:
         8443,
         "https://models.example:8443",
     )
+
+
+@pytest.mark.parametrize(
+    ("trace_id", "span_id"),
+    [(bytes(range(16)), bytes(range(8))), (b"\x01\x02", b"\x03"), (b"\xff" * 17, b"\x00" * 9), (b"", b"")],
+)
+def test_ids_read_as_numbers_of_their_width(trace_id: bytes, span_id: bytes) -> None:
+    """An id of its own length reads as its hex; one of another length as its number, zero-padded to the width."""
+    m = TAPES["embeddings"]
+    assert m.head is not None
+    head = m.head._replace(trace_id=trace_id, span_id=span_id, record_id=trace_id)
+    tl = Playback(head, SETTINGS, ROUTES).tl
+    assert tl.trace_id == tl.record_id == format(int.from_bytes(trace_id, "big"), "032x")
+    assert tl.span_id == format(int.from_bytes(span_id, "big"), "016x")
+
+
+def test_each_objective_is_judged_by_its_own_limits() -> None:
+    """The remembered answer of ``configured_slo`` is that objective's: objectives asked in turn, equal or not,
+    each get their own."""
+    some, none, again = SLO(e2e=0.5), SLO(), SLO(e2e=0.5)
+    for slo, expected in [(some, True), (none, False), (some, True), (again, True), (none, False), (none, False)]:
+        assert configured_slo(slo) is expected
+        assert objective(None, "other", slo) == (slo if expected else None)

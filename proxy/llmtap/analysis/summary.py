@@ -17,7 +17,7 @@ from llmtap.analysis import tokens
 from llmtap.analysis.cost import Cost
 from llmtap.analysis.estimator import ESTIMATED, Estimator, QueuePrefill
 from llmtap.analysis.objectives import judge_request
-from llmtap.analysis.shapes import classify, objective
+from llmtap.analysis.shapes import classify, configured_slo, objective
 from llmtap.analysis.slots import CONFIGURED, Slots
 from llmtap.analysis.stats import sorted_quantile
 from llmtap.analysis.timeline import OK, Timeline
@@ -437,7 +437,7 @@ def _server_phases(tl: Timeline, s: Summary, split: QueuePrefill | None) -> None
 def slo_outcome(tl: Timeline, s: Summary, slo: SLO | None) -> str:
     """``met`` when every configured SLO holds, ``missed`` otherwise (errors and cancellations miss; a
     non-streamed request's TTFT limit does not apply)."""
-    if slo is None or not slo.configured:
+    if slo is None or not configured_slo(slo):
         return "none"
     if tl.outcome != OK:
         return "missed"

@@ -110,15 +110,23 @@ def _timeline(head: Head, settings: Settings, route: Route | None, provider: Pro
     )
 
 
+def _hex(big_endian: bytes, size: int) -> str:
+    """An id's bytes as its ``size * 2`` hex digits at least: ``bytes.hex`` when it has ``size`` bytes (a third of
+    the cost of going through an int), else the number padded with zeros, as an id of another length always was."""
+    if len(big_endian) == size:
+        return big_endian.hex()
+    return format(int.from_bytes(big_endian, "big"), f"0{size * 2}x")
+
+
 def _set_moments(tl: Timeline, head: Head, route: Route | None) -> None:
     """The head's prompt version, trace, span and record ids, sampling, and the relay's moments."""
     if head.prompt_version is not None:
         tl.prompt_version = version_label(head.prompt_version)
     elif route is not None:
         tl.prompt_version = route.prompt_version
-    tl.trace_id = format(int.from_bytes(head.trace_id, "big"), "032x")
-    tl.span_id = format(int.from_bytes(head.span_id, "big"), "016x")
-    tl.record_id = format(int.from_bytes(head.record_id, "big"), "032x")
+    tl.trace_id = _hex(head.trace_id, 16)
+    tl.span_id = _hex(head.span_id, 8)
+    tl.record_id = _hex(head.record_id, 16)
     tl.sampled = head.sampled
     tl.parent = head.parent
     tl.body_read, tl.admitted, tl.sent, tl.headers = head.body_read, head.admitted, head.sent, head.headers_at
