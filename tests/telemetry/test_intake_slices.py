@@ -113,3 +113,28 @@ def test_a_bad_frame_in_a_later_slice_resets_the_connection_after_what_came_befo
     intake.data_received(_wire(good) + struct.pack("!I", 5) + b"\x00garb" + _wire(good[:5]))
     assert [m for batch in looks.batches for m in batch] == good
     assert isinstance(transport, _Transport) and transport.closed
+
+
+class _Journal:
+    """A stand-in for the record journal: what each slice's complete frames were, as they came."""
+
+    def __init__(self) -> None:
+        self.kept: list[bytes] = []
+        self.messages: list[Raw] = []
+
+    def append(self, source: int, data: bytes, messages: Sequence[Raw]) -> None:
+        self.kept.append(data)
+        self.messages.extend(messages)
+
+
+def test_the_journal_keeps_every_frame_of_a_sliced_read_once_in_order(looks: _Receiver) -> None:
+    journal = _Journal()
+    looks.spool = journal  # type: ignore[assignment]
+    sent = [_stats(n) for n in range(3000)]
+    data = _wire(sent)
+    intake = _intake(looks)
+    intake.data_received(data[:70_000])
+    intake.data_received(data[70_000:])
+    assert b"".join(journal.kept) == data
+    assert journal.messages == sent == [m for batch in looks.batches for m in batch]
+    assert len(journal.kept) > 2
