@@ -54,6 +54,35 @@ if _path:
         end = time.perf_counter()
         os.write(_fd, b"%.6f %.6f %d %d\\n" % (_began[0], end - _began[0], info["generation"], info["collected"]))
     gc.callbacks.append(_timed)
+_gaps = os.environ.get("LLMTAP_PROBE_GAPS")
+if _gaps:
+    import builtins, sys, threading
+    _real_import, _last = builtins.__import__, threading.local()
+
+    def _patch(sched):
+        look = sched.checkpoint
+
+        def checkpoint():
+            here, now = sys._getframe(1), time.thread_time()
+            where = "%s:%d" % (here.f_code.co_filename.rsplit("llmtap/", 1)[-1], here.f_lineno)
+            before = getattr(_last, "at", None)
+            if before is not None and now - before[0] > 0.0004:
+                with open(f"{_gaps}.{os.getpid()}", "a") as sink:
+                    sink.write("%.6f %.3f %s %s\\n" % (time.perf_counter(), (now - before[0]) * 1e3, before[1], where))
+            _last.at = (now, where)
+            look()
+
+        sched.checkpoint = checkpoint
+
+    def _import(name, *args, **kwargs):
+        module = _real_import(name, *args, **kwargs)
+        sched = sys.modules.get("llmtap.telemetry.sched")
+        if sched is not None and hasattr(sched, "checkpoint") and not getattr(sched, "_probed", False):
+            sched._probed = True
+            _patch(sched)
+        return module
+
+    builtins.__import__ = _import
 """
 _WAKE = re.compile(r"\s(\d+\.\d+):\s+sched:sched_wakeup:.*?pid=(\d+) ")
 _LINE = re.compile(r"\[(\d+)\]\s+(\d+\.\d+):\s+sched:sched_switch:.*?==> next_comm=(.*?) next_pid=(\d+)")
@@ -69,6 +98,19 @@ def switches(lines: Iterable[str]) -> dict[int, list[tuple[float, str, int]]]:
     for events in cores.values():
         events.sort()
     return cores
+
+
+_YIELD = re.compile(r"^\s*\S+\s+(\d+)\s+\[\d+\]\s+(\d+\.\d+):\s+syscalls:sys_enter_sched_yield")
+
+
+def yields(lines: Iterable[str], tids: set[int]) -> list[float]:
+    """When any of ``tids`` called ``sched_yield`` (the telemetry handing the core to a waiting relay), in order."""
+    out = []
+    for line in lines:
+        m = _YIELD.search(line)
+        if m and int(m[1]) in tids:
+            out.append(float(m[2]))
+    return sorted(out)
 
 
 def wakeups(lines: Iterable[str], tid: int) -> list[float]:
@@ -88,6 +130,7 @@ def waits(
     label: dict[int, str],
     collected: Sequence[tuple[float, float, int]],
     longer: float = 0.0005,
+    yielded: Sequence[float] = (),
 ) -> dict[str, Any]:
     """Thread ``tid``'s waits for the core (woken until switched in) on one core's switches: their count and
     percentiles; for those over ``longer`` seconds, who held the core meanwhile; and the waits the telemetry
@@ -97,6 +140,8 @@ def waits(
     lengths: list[float] = []
     own: list[float] = []
     own_gc = 0
+    own_yields = 0
+    own_handed = 0
     who_ms: dict[str, float] = collections.defaultdict(float)
     for t in woken:
         k = bisect.bisect_left(ins, t)
@@ -111,13 +156,22 @@ def waits(
         if wait > 0.00005 and sum(v for n, v in who.items() if n.startswith("telemetry")) >= 0.9 * wait:
             own.append(wait)
             own_gc += any(c[0] < ins[k] and c[0] + c[1] > t for c in collected)
+            if wait > longer:
+                # The telemetry's yields while the relay waited: one within 20 µs of the relay's switch-in handed
+                # it the core; one before that did not.
+                ended = bisect.bisect_left(yielded, ins[k])
+                handed = bisect.bisect_left(yielded, ins[k] - 20e-6)
+                own_yields += handed - bisect.bisect_right(yielded, t)
+                own_handed += ended > handed
     long_total = sum(w for w in lengths if w > longer)
     return {
         "wakeups": len(lengths), **_percentiles(lengths),
         "over_0.5ms": sum(w > longer for w in lengths), "over_0.5ms_total_ms": round(long_total * 1000, 2),
         "over_0.5ms_held_by_ms": {k: round(v, 2) for k, v in sorted(who_ms.items(), key=lambda kv: -kv[1])[:6]},
         "telemetry_held": {"count": len(own), **_percentiles(own), "total_ms": round(sum(own) * 1000, 2),
-                           "over_0.5ms": sum(w > longer for w in own), "in_telemetry_gc": own_gc},
+                           "over_0.5ms": sum(w > longer for w in own), "in_telemetry_gc": own_gc,
+                           "over_0.5ms_ended_by_a_yield": own_handed,
+                           "yields_that_did_not_hand_over": own_yields},
     }  # fmt: skip
 
 
@@ -439,20 +493,8 @@ def _round(
     trace, data = work / f"times-{k}.json", work / f"sched-{k}.data"
     perf = None
     if not args.no_perf and shutil.which("perf"):
-        argv = [
-            "perf",
-            "record",
-            "-q",
-            "-e",
-            "sched:sched_switch",
-            "-e",
-            "sched:sched_wakeup",
-            "-a",
-            "-k",
-            "CLOCK_MONOTONIC",
-            "-o",
-            str(data),
-        ]
+        events = ("sched:sched_switch", "sched:sched_wakeup", "syscalls:sys_enter_sched_yield")
+        argv = ["perf", "record", "-q", *(f"-e{e}" for e in events), "-a", "-k", "CLOCK_MONOTONIC", "-o", str(data)]
         perf = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
         time.sleep(1.0)
     load = os.getloadavg()[0]
@@ -478,7 +520,10 @@ def _round(
     got = analyse(json.loads(trace.read_text()), cores, collected, label)
     if cores and relay is not None:
         cpu = int(args.proxy_cpu.split(",")[0])
-        got["relay_waits"] = waits(cores[cpu], wakeups(lines, relay), relay, label, collected["telemetry"])
+        mine = {t for t, who in label.items() if who.startswith("telemetry")}
+        got["relay_waits"] = waits(
+            cores[cpu], wakeups(lines, relay), relay, label, collected["telemetry"], yielded=yields(lines, mine)
+        )
     return {"round": k, "path": name, "load": load, "latency_ms": summary["latency_ms"], **got}
 
 
