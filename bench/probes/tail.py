@@ -1,20 +1,25 @@
-"""What the slowest short requests at a fixed rate have in common: ``python -m bench.probes.tail``.
+"""What holds the relay when a short request at a fixed rate is slow: ``python -m bench.probes.tail``.
 
 The open loop at a fixed rate (``bench.openloop``) gives a p99, not its cause. This probe runs the same rig as the
 requests-per-second part (the fixed 160-byte upstream and the generator on the client's core, ``llmtap serve``
-from ``--tree`` with its whole tree on the proxy's core; ``--direct`` adds the upstream straight, the client's
-floor) and, for each request, keeps its scheduled, sent and answered times on the monotonic clock. Around the
-run it records, on the same clock:
+from ``--tree`` with its whole tree on the proxy's core, ``--env NAME=VALUE`` for it; ``--direct`` adds a round
+straight to the upstream, the client's floor; ``--alone`` rounds of the relay alone, its tapes dropped in process)
+and, for each request, keeps its scheduled, sent and answered times on the monotonic clock. Around each round it
+records, on the same clock:
 
-* ``perf record -e sched:sched_switch`` on both cores (root, or perf events allowed): who had each core, so each
-  request's window (scheduled to answered) splits into the relay's, the telemetry's, the client's and upstream's,
-  other processes' and idle time on each core;
-* the relay's cyclic garbage collections (``gc.callbacks``, installed by a ``sitecustomize`` this probe puts on the
-  tree's path; nothing in llmtap changes): when each began, how long it took, its generation.
+* ``perf record`` of ``sched_switch``, ``sched_wakeup`` and ``sched_yield`` on both cores (root, or perf events
+  allowed): who had each core, when the relay's event loop was woken and got the core, when the telemetry yielded;
+* both processes' cyclic garbage collections (``gc.callbacks``, installed by a ``sitecustomize`` this probe puts on
+  the tree's path; nothing in llmtap changes): when each began, how long it took, its generation; and with
+  ``--env LLMTAP_PROBE_GAPS=PATH`` the telemetry's stretches of more than 0.4 ms of thread CPU between two looks at
+  the relays (``sched.checkpoint``), with where each began and ended (``PATH.PID``).
 
-Then the slowest 1% (latency over the run's p99) against the middle (p40-p60): the mean of each share of their
-windows, the share of them a collection of the relay overlaps, and the collections themselves by generation.
-``--seconds``, ``--rate``, ``--rounds`` as in ``bench.probes.rps_ab``; prints one JSON line per round.
+Then: every wait of the relay for the core (woken until switched in) and who held the core meanwhile; those the
+tree's own telemetry held alone (90% of the wait or more: no other process's load explains them), with how many
+overlapped its collections and ended on its yield; and the slowest 1% of requests against the middle (p40-p60),
+each window split by core and holder. ``--intake`` alone: the telemetry intake's longest stretch without a look
+while it takes one gathered read of short requests' tapes. ``--worker-nice`` and ``--relay-slice-us`` try other
+scheduling on a running tree. Prints one JSON line per round.
 """
 
 from __future__ import annotations
