@@ -218,7 +218,8 @@ class Playback:
 
     def _feed_whole(self, tap: Tap, reads: Reads) -> None:
         """The one read of a body parsed whole, all its bytes here: its bytes to the tap; its delivery for the
-        completion (the body is parsed only at the end, so no content came yet) and for the relay's delay."""
+        completion (the body is parsed only at the end, so no content came yet) and for the relay's delay. No
+        ``checkpoint``: one read is a moment's work, and the worker looks once per message anyway."""
         (t,) = _TIME.unpack(reads.times)
         (delivered,) = _TIME.unpack(reads.delivered)
         tap.feed(reads.data, t)  # the read's size is its bytes' length: they came
