@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from llmtap.analysis.shapes import configured_slo, objective
-from llmtap.analysis.summary import Summary, summarize
+from llmtap.analysis.stats import sorted_quantile
+from llmtap.analysis.summary import Summary, spread, summarize
 from llmtap.analysis.timeline import Output, Timeline
 from llmtap.config.load import build
 from llmtap.config.types import SLO
@@ -219,3 +220,26 @@ def test_each_objective_is_judged_by_its_own_limits() -> None:
     for slo, expected in [(some, True), (none, False), (some, True), (again, True), (none, False), (none, False)]:
         assert configured_slo(slo) is expected
         assert objective(None, "other", slo) == (slo if expected else None)
+
+
+@pytest.mark.parametrize("name", list(TAPES))
+def test_one_reads_figures_are_the_general_formulas(name: str) -> None:
+    """A single read's delay is its sample and its p99, and a whole body has no gaps: what the formulas for many
+    give (``summarize`` takes them directly for one)."""
+    tl = _played_plain(TAPES[name])
+    s = summarize(tl, SETTINGS.slo)
+    delays = list(spread(tl.relay_delays))
+    assert (type(s.relay_delay_samples), s.relay_delay_samples) == (list, delays)
+    assert s.relay_delay_p99 == sorted_quantile(sorted(delays), 0.99)
+    times = tl.chunk_times
+    assert s.gaps == [times[i] - times[i - 1] for i in range(1, len(times))] == []
+
+
+def test_a_stream_of_reads_keeps_its_gaps_and_delays() -> None:
+    """Reads past the first: the general formulas, unchanged."""
+    tl = _played_plain(TAPES["chat with usage"])
+    tl.chunk_times.extend([500.06, 500.09])
+    tl.relay_delays.extend([0.002, 0.0001])
+    s = summarize(tl, SETTINGS.slo)
+    assert s.gaps == [pytest.approx(0.009), pytest.approx(0.03)] and len(s.relay_delay_samples) == 3
+    assert s.relay_delay_p99 == sorted_quantile(sorted(tl.relay_delays), 0.99)
