@@ -413,10 +413,22 @@ class Connection(Http11, asyncio.Protocol):
             self._reading_paused = False
         return part
 
+    def still_to_come(self) -> int | None:
+        """Body bytes of the response not yet read when its body is counted by its Content-Length; None when it
+        is not (chunked, or delimited by the connection's close) or its head is not in."""
+        if not self.head_done or self._chunked:
+            return None
+        return self._remaining
+
     def take_whole(self) -> bytes:
-        """The body of a response read whole with its head (one part at most), its connection back in the pool at
-        once when the exchange ended cleanly (its ``Body`` sees it settled): the relay takes both in one call."""
-        part = self.parts.popleft() if self.parts else b""
+        """The body of a response read whole (its parts joined), its connection back in the pool at once when the
+        exchange ended cleanly (its ``Body`` sees it settled): the relay takes both in one call."""
+        parts = self.parts
+        if len(parts) > 1:
+            part = b"".join(parts)
+            parts.clear()
+        else:
+            part = parts.popleft() if parts else b""
         self._queued = 0
         if self.reusable():
             self.settle()
