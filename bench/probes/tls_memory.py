@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import tlsca
+from llmtap.relay.upstream.connection import BUFFER
 
 #: (transport, event loop) of each kind measured.
 KINDS = (("plain", "uvloop"), ("tls", "uvloop"), ("tls", "asyncio"))
@@ -81,14 +82,10 @@ class _SharedAsk(asyncio.BufferedProtocol):
         self.transport: Any = transport
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        from llmtap.relay.upstream import connection
-
-        return connection.BUFFER.get(sizehint)
+        return BUFFER.get(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        from llmtap.relay.upstream import connection
-
-        bytes(connection.BUFFER.view[:nbytes])
+        bytes(BUFFER.view[:nbytes])
         if not self.answered.done():
             self.answered.set_result(None)
 
