@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
+from pathlib import Path
 from typing import Any, cast
 
 from llmtap.analysis.stats import quantile
@@ -43,6 +44,8 @@ class Pool:
         self.latency: list[float] = []
         self.service: list[float] = []
         self.late: list[float] = []
+        #: Each answered request's scheduled, sent and answered times (``perf_counter``: the monotonic clock).
+        self.times: list[tuple[float, float, float]] = []
         self.errors = 0
         self.done = asyncio.get_running_loop().create_future()
 
@@ -81,6 +84,7 @@ class Pool:
             self.latency.append(now - scheduled)
             self.service.append(now - sent)
             self.late.append(sent - scheduled)
+            self.times.append((scheduled, sent, now))
         else:
             self.errors += 1
         if len(self.latency) + self.errors >= self.total and not self.done.done():
@@ -168,8 +172,11 @@ def build_request(url: str, body: bytes) -> tuple[str, int, bytes]:
     return host, port, head.encode() + body
 
 
-async def run(url: str, body: bytes, rate: float, seconds: float, connections: int) -> dict[str, Any]:
-    """Open the pool, send ``rate * seconds`` requests on schedule, wait for every answer (or a deadline)."""
+async def run(
+    url: str, body: bytes, rate: float, seconds: float, connections: int, trace: bool = False
+) -> dict[str, Any]:
+    """Open the pool, send ``rate * seconds`` requests on schedule, wait for every answer (or a deadline);
+    ``trace``: with each answered request's times (``times``, for ``--trace``)."""
     host, port, request = build_request(url, body)
     total = max(1, round(rate * seconds))
     pool = Pool(request, rate, total)
@@ -194,7 +201,10 @@ async def run(url: str, body: bytes, rate: float, seconds: float, connections: i
     for conn in list(pool.idle):
         if conn.transport is not None:
             conn.transport.close()
-    return summary(pool, elapsed, cpu)
+    result = summary(pool, elapsed, cpu)
+    if trace:
+        result["times"] = pool.times
+    return result
 
 
 def summary(pool: Pool, elapsed: float, cpu: float) -> dict[str, Any]:
@@ -228,13 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--connections", type=int, default=64, help="keep-alive connections opened before the start")
     p.add_argument("--body", default='{"model":"bench","input":"the quick brown fox"}')
+    p.add_argument(
+        "--trace",
+        help="write each answered request's scheduled, sent and answered times (the "
+        "monotonic clock, s) to this file as JSON",
+    )
     args = p.parse_args(argv)
     if args.rate <= 0 or args.seconds <= 0 or args.connections < 1:
         p.error("--rate, --seconds and --connections must be positive")
     import uvloop
 
-    result = uvloop.run(run(args.url, args.body.encode(), args.rate, args.seconds, args.connections))
+    result = uvloop.run(run(args.url, args.body.encode(), args.rate, args.seconds, args.connections, bool(args.trace)))
     result["pid"] = os.getpid()
+    if args.trace:
+        Path(args.trace).write_text(json.dumps(result.pop("times")))
     json.dump(result, sys.stdout)
     print()
     return 0

@@ -7,7 +7,9 @@ throughout. Rounds alternate the checkouts (base, new, base, new, ...), so a bus
 each round is ``wrk`` at ``--connections`` for ``--seconds``, with each tree's CPU per request (relay and telemetry
 apart, read until its telemetry drained). Prints one JSON line per round and one per checkout with the medians.
 ``--rate R``: each round is an open-loop run at R requests/s (``bench.openloop``, 64 connections) in place of
-``wrk``: what the telemetry keeps up with at a fixed rate (``tapes_dropped`` and its share of the requests).
+``wrk``: what the telemetry keeps up with at a fixed rate (``tapes_dropped`` and its share of the requests), and the
+latency each checkout adds: every round first runs the same rate straight to the upstream (``direct``: the client's
+floor), and each checkout's p50 and p99 less that round's direct ones are its ``added_p50_ms`` and ``added_p99_ms``.
 
     git archive HEAD~1 proxy | tar -x -C /tmp/base && python -m bench.probes.rps_ab --base /tmp/base --new .
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import peers
-from bench.rps import Rig, RpsPlan
+from bench.rps import PATH, Rig, RpsPlan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
             rig.keep(name, *rig.llmtap(port, tree, name=f"llmtap-{name}"))
         for name in trees:
             rig.wrk(rig.urls[name], args.connections, 1.0)
+        direct_url = f"http://127.0.0.1:{port}{PATH}"
         for k in range(args.rounds):
+            direct = None
+            if args.rate:
+                direct = _flat(rig.openloop(direct_url, args.rate, args.seconds))
+                print(json.dumps({"tree": "direct", "round": k, "load": os.getloadavg()[0], **direct}), flush=True)
             for name in trees:
                 if args.rate:
                     run = functools.partial(rig.openloop, rig.urls[name], args.rate, args.seconds)
@@ -58,13 +65,18 @@ def main(argv: list[str] | None = None) -> int:
                     run = functools.partial(rig.wrk, rig.urls[name], args.connections, args.seconds)
                 row = _flat(rig.measured(name, run))
                 row.update(tree=name, round=k, load=os.getloadavg()[0])
+                if direct is not None:
+                    row.update(
+                        added_p50_ms=row["p50_ms"] - direct["p50_ms"], added_p99_ms=row["p99_ms"] - direct["p99_ms"]
+                    )
                 rows[name].append(row)
                 print(json.dumps(row), flush=True)
     finally:
         rig.stop()
     for name, mine in rows.items():
-        keys = ("requests_per_s", "p50_ms", "p99_ms", "cpu_us_per_request", "cpu_relay_us_per_request",
-                "cpu_telemetry_us_per_request", "tapes_dropped", "tapes_dropped_share")  # fmt: skip
+        keys = ("requests_per_s", "p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms", "cpu_us_per_request",
+                "cpu_relay_us_per_request", "cpu_telemetry_us_per_request", "tapes_dropped", "tapes_dropped_share",
+                "load")  # fmt: skip
         medians = {
             k: statistics.median(r[k] for r in mine) for k in keys if mine and all(r.get(k) is not None for r in mine)
         }

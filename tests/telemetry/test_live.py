@@ -759,3 +759,28 @@ def test_objectives_on_the_first_answer_token_and_the_second_token_are_judged_on
     assert {c["figure"]: c["verdict"] for c in judged["checks"]} == {"ttfot": "met", "ttst": "met"}
     missed = verdict(tally, SLO(ttfot=0.05, percentile=0.95), {"ttfot": [0.1] * 19 + [0.9]})
     assert missed is not None and missed["verdict"] == "missed" and missed["checks"][0]["value"] > 0.05
+
+
+def test_a_series_judges_by_its_newest_requests_objective_whatever_came_before() -> None:
+    """The objective a series shows is the newest request's, made once per change: the same again, another, none,
+    and 1 against 1.0 (equal in Python, not on the page)."""
+    window = LiveWindow(lambda tl, s: (tl.route, "m1", ""), slo=True, traces=False)
+    objectives: list[tuple[Any, ...] | None] = [
+        (0.5, None, None, 0.9, "other", None, None),
+        (0.5, None, None, 0.9, "other", None, None),
+        (1, None, None, 0.9, "other", None, None),
+        (1.0, None, None, 0.9, "other", None, None),
+        None,
+        (None, 0.05, 2.0, 0.99, "other", 0.3, None),
+        (None, 0.05, 2.0, 0.99, "other", 0.3, None),
+    ]
+    for i, objective in enumerate(objectives):
+        tl = make_timeline(i)
+        entry = window.entry(tl, summarize(tl))
+        assert entry is not None
+        window.take((entry[0], objective, *entry[2:]))
+        (row,) = window.snapshot(None)["series"]
+        goal = None if objective is None else SLO(*objective)
+        wanted = None if goal is None else {**goal.limits(), "percentile": goal.percentile}
+        assert repr(row["objective"]) == repr(wanted)
+        assert row["requests"] == i + 1

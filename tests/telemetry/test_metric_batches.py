@@ -3,6 +3,7 @@ count, min, max, counter value and exemplar, whatever the readers' aggregation a
 
 from __future__ import annotations
 
+import random
 from array import array
 from collections.abc import Callable
 from typing import Any
@@ -14,8 +15,9 @@ from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
 
 from llmtap.analysis.finish import Finished
 from llmtap.analysis.timeline import Timeline
-from llmtap.config.types import Settings, TelemetrySettings
-from llmtap.telemetry.emit.bulk import Batch, Kept
+from llmtap.config.types import Attribution, Settings, TelemetrySettings
+from llmtap.telemetry.emit.bulk import Batch, Fixed, Kept
+from llmtap.telemetry.emit.sets import NONE, Sets
 from llmtap.telemetry.recorder import Recorder
 from llmtap.types import Usage
 from tests.telemetry.test_recorder import ROUTES, timeline
@@ -120,3 +122,90 @@ def test_a_value_the_sdk_refuses_keeps_its_place() -> None:
     assert metric_view(readers[0]) == metric_view(readers[1])
     for provider in providers:
         provider.shutdown()
+
+
+def varied() -> list[Timeline]:
+    """Requests whose attribute sets repeat and vary: the batch's requests, and the same again with prompt
+    versions, tenants, server ports of other types, drift, cost and over more models than the model label keeps
+    (its guard then turns later ones into ``_OTHER``, changing a set the values made before)."""
+    out = requests()
+    for i, tl in enumerate(requests()):
+        tl.prompt_version = f"v{i % 3}" if i % 5 else None
+        tl.attribution = {"tenant": f"t{i % 6}"} if i % 2 else {}
+        tl.server_port = "8000" if i % 9 == 3 else 8000  # type: ignore[assignment]
+        if tl.request is not None:
+            tl.request.model = f"model-{i}" if i % 4 == 0 else tl.request.model
+        out.append(tl)
+    # Equal in Python, apart as attribute values: 1, True and 1.0 are three series of otherwise equal requests.
+    for port in (1, True, 1.0, 1):
+        for tl in requests()[:3]:
+            tl.server_port = port  # type: ignore[assignment]
+            out.append(tl)
+    return out * 2
+
+
+def kept_or_not(reader: InMemoryMetricReader, limit: int) -> tuple[Recorder, MeterProvider]:
+    provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    attribution = Attribution(metric_dimensions=("tenant",), metric_values=3)
+    settings = Settings(routes=ROUTES, telemetry=TelemetrySettings(metric_models=("m0",)), attribution=attribution)
+    rec = Recorder(settings, meter_provider=provider)
+    rec.metrics._sets.limit = limit
+    return rec, provider
+
+
+@pytest.mark.parametrize("readers", sorted(READERS))
+@pytest.mark.parametrize("size", [1, 64])
+def test_attribute_sets_kept_by_their_values_record_what_sets_made_per_request_record(readers: str, size: int) -> None:
+    """A request's group of sets kept by the values that make it (``emit.sets``) against each request's sets
+    made anew (a cache that keeps none): the same figures, series, exemplars and label evictions."""
+    fresh_reader, kept_reader = READERS[readers](), READERS[readers]()
+    fresh, fresh_provider = kept_or_not(fresh_reader, 0)
+    kept, kept_provider = kept_or_not(kept_reader, 256)
+    try:
+        for rec in (fresh, kept):
+            # An exponential histogram's reservoir keeps one exemplar of many at random: the same draws for both.
+            random.seed(47)
+            done = [rec.analysis.finish(tl, None) for tl in varied()]
+            for start in range(0, len(done), size):
+                rec.emission.emit(done[start : start + size])
+        view = metric_view(fresh_reader)
+        # By repr too: 1, True and 1.0 are equal in Python, not in a series' attributes.
+        assert repr(view) == repr(metric_view(kept_reader))
+        assert fresh.failed == kept.failed == 0
+        models = {dict(row[0]).get("gen_ai.request.model") for row in view["llmtap.requests"]}
+        assert "_OTHER" in models and "m0" in models
+        assert {dict(row[0]).get("llmtap.tenant") for row in view["llmtap.requests"]} >= {"t1", "t3"}
+        assert len(kept.metrics._sets._groups) > 1
+    finally:
+        for rec, provider in ((fresh, fresh_provider), (kept, kept_provider)):
+            rec.close()
+            provider.shutdown()
+
+
+def test_a_set_made_from_equal_values_of_other_types_is_its_own() -> None:
+    sets = Sets({}, {}, {"r": "a"}, limit=8)
+    made = [sets.plus(sets.own, "k", value) for value in (1, True, 1.0, 1)]
+    assert [type(m["k"]) for m in made] == [int, bool, float, int]
+    assert made[0] is made[3] and made[0] is not made[1] and made[1] is not made[2]
+    assert made[0] == {"r": "a", "k": 1} and list(made[0]) == ["r", "k"]
+    assert sets.plus(NONE, "x", ["not", "hashable"]) == {"x": ["not", "hashable"]}
+    assert NONE == {}
+
+
+def test_a_fixed_set_is_held_by_its_identity_and_its_content() -> None:
+    kept = Kept(limit=2)
+    fixed, plain = Fixed({"a": "x", "n": 1}), {"a": "x", "n": 1}
+    held = kept.held(fixed)
+    assert held is not None and held is kept.held(fixed) and held is kept.held(plain)
+    assert type(held[0]) is dict and held[0] == plain
+    # Equal content of another type is another set, whichever way it is found.
+    other = kept.held(Fixed({"a": "x", "n": True}))
+    assert other is not None and other is not held and type(other[0]["n"]) is bool
+    # Past the limit, what is held is emptied and made again: still the same content.
+    again = [kept.held(Fixed({"a": str(i)})) for i in range(5)]
+    assert [h[0] if h else None for h in again] == [{"a": str(i)} for i in range(5)]
+    assert kept.held(fixed) == held
+    # A set the SDK cleans (a list) is cleaned each time, never held by identity.
+    listed = Fixed({"a": ["x", "y"]})
+    first, second = kept.held(listed), kept.held(listed)
+    assert first is not None and second is not None and first is not second and first[0] == {"a": ("x", "y")}

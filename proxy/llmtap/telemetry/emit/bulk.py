@@ -24,7 +24,7 @@ from typing import Any
 from opentelemetry.context import Context, get_current
 from opentelemetry.metrics import Histogram
 
-__all__ = ["Batch", "Kept", "record_many"]
+__all__ = ["Batch", "Fixed", "Kept", "record_many"]
 
 log = logging.getLogger("llmtap.telemetry")
 
@@ -139,6 +139,13 @@ def _cleaned(attributes: dict[str, Any]) -> Held | None:
     return (cleaned, {}) if isinstance(cleaned, dict) else None
 
 
+class Fixed(dict[str, Any]):
+    """An attribute set its maker never changes once made (``emit.sets``): ``Kept`` holds it by its identity, and
+    finds it again without building its key. A plain ``dict`` is held by its content alone."""
+
+    __slots__ = ()
+
+
 class Kept:
     """Attribute sets cleaned and hashed once for many requests, and each instrument's views, for one meter provider.
 
@@ -151,16 +158,34 @@ class Kept:
     did once more). For one meter provider (its views are the keys' views), used from one thread at a time.
     """
 
-    __slots__ = ("_matches", "_sets", "limit")
+    __slots__ = ("_fixed", "_matches", "_reached", "_sets", "limit")
 
     def __init__(self, limit: int = 1024) -> None:
         self.limit = limit
         self._sets: dict[tuple[Any, ...], Held] = {}
+        # id of a ``Fixed`` set -> (the set, kept alive so its id is not reused; the set held)
+        self._fixed: dict[int, tuple[Fixed, Held]] = {}
+        # id of an instrument -> what a batch reads of it (``_reach``)
+        self._reached: dict[int, Reach] = {}
         # id of an instrument -> (the instrument, kept alive so its id is not reused; its views, or None)
         self._matches: dict[int, tuple[Any, list[Any] | None]] = {}
 
     def held(self, attributes: dict[str, Any]) -> Held | None:
-        """``attributes`` held: the kept set of the same content, or a new one (kept when flat)."""
+        """``attributes`` held: the kept set of the same content, or a new one (kept when flat); a ``Fixed`` set
+        found by its identity first."""
+        if type(attributes) is Fixed:
+            fixed = self._fixed.get(id(attributes))
+            if fixed is not None and fixed[0] is attributes:
+                return fixed[1]
+            held = self._by_content(attributes)
+            if held is not None and _flat(attributes):
+                if len(self._fixed) >= self.limit:
+                    self._fixed.clear()
+                self._fixed[id(attributes)] = (attributes, held)
+            return held
+        return self._by_content(attributes)
+
+    def _by_content(self, attributes: dict[str, Any]) -> Held | None:
         try:
             key = (*attributes.items(), *map(type, attributes.values()))
             held = self._sets.get(key)
@@ -175,6 +200,15 @@ class Kept:
         held = self._sets[key] = (dict(attributes), {})
         return held
 
+    def reach(self, instrument: Any) -> Reach:
+        """``_reach(instrument)``, found once per instrument, its views by ``matches``."""
+        found = self._reached.get(id(instrument))
+        if found is None or found[0] is not instrument:
+            if len(self._reached) >= self.limit:
+                self._reached.clear()
+            found = self._reached[id(instrument)] = _reach(instrument, self.matches)
+        return found
+
     def matches(self, instrument: Any) -> list[Any] | None:
         """``_matches(instrument)``, found once per instrument (a provider's readers and views are fixed)."""
         found = self._matches.get(id(instrument))
@@ -183,6 +217,20 @@ class Kept:
                 self._matches.clear()
             found = self._matches[id(instrument)] = (instrument, _matches(instrument))
         return found[1]
+
+
+#: What ``Batch`` reads of an instrument: the instrument (kept alive: its id is the key), its ``_is_enabled``, its
+#: exemplar filter and its views; None where out of reach.
+Reach = tuple[Any, Callable[[], bool] | None, Any, list[Any] | None]
+
+
+def _reach(instrument: Any, matches: Callable[[Any], list[Any] | None]) -> Reach:
+    """What ``Batch`` reads of ``instrument``, its views found by ``matches``."""
+    enabled = getattr(instrument, "_is_enabled", None)
+    consumer = getattr(instrument, "_measurement_consumer", None)
+    exemplars = getattr(getattr(consumer, "_sdk_config", None), "exemplar_filter", None)
+    views = matches(instrument) if enabled is not None and exemplars is not None else None
+    return instrument, enabled, exemplars, views
 
 
 #: One deferred measurement: a value, or many values (``many``) with their sum; and, when the exemplar filter kept
@@ -281,7 +329,7 @@ class Batch:
         # (id of the instrument, id of the held set) -> its deferred measurements, in the order first made
         self._groups: dict[tuple[int, int], _Group] = {}
         # id of an instrument -> (the instrument, kept alive so its id is not reused; what ``_reach`` found)
-        self._reached: dict[int, tuple[Any, Callable[[], bool] | None, Any, list[Any] | None]] = {}
+        self._reached: dict[int, Reach] = {}
         # id of a context -> (the context, kept alive so its id is not reused; the filter; its verdict)
         self._verdicts: dict[int, tuple[Context, Any, bool]] = {}
 
@@ -381,16 +429,13 @@ class Batch:
             view = views[0 if view_keys is None else id(view_keys)] = (view_keys, key, own)
         return view[1], view[2]
 
-    def _reach(self, instrument: Any) -> tuple[Any, Callable[[], bool] | None, Any, list[Any] | None]:
+    def _reach(self, instrument: Any) -> Reach:
         """What ``_direct`` reads of an instrument: whether it is enabled (a call), its exemplar filter and its views;
-        found once per instrument in a deferring batch (a batch lives a few milliseconds)."""
+        found once per instrument in a deferring batch (a batch lives a few milliseconds), and kept in ``kept``
+        where given (a provider's instruments, readers and exemplar filter are fixed)."""
         reach = self._reached.get(id(instrument)) if self.defer else None
         if reach is None or reach[0] is not instrument:
-            enabled = getattr(instrument, "_is_enabled", None)
-            consumer = getattr(instrument, "_measurement_consumer", None)
-            exemplars = getattr(getattr(consumer, "_sdk_config", None), "exemplar_filter", None)
-            matches = self._matches(instrument) if enabled is not None and exemplars is not None else None
-            reach = (instrument, enabled, exemplars, matches)
+            reach = _reach(instrument, _matches) if self._kept is None else self._kept.reach(instrument)
             if self.defer:
                 self._reached[id(instrument)] = reach
         return reach

@@ -28,8 +28,9 @@ from llmtap.labels import OTHER, LabelGuard
 from llmtap.providers.timing import PHASES
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.emit.attributes import is_hop, usage_value
-from llmtap.telemetry.emit.bulk import Batch, Kept
+from llmtap.telemetry.emit.bulk import Batch, Fixed, Kept
 from llmtap.telemetry.emit.instruments import Instruments, create, objective_gauge
+from llmtap.telemetry.emit.sets import NONE, Sets, SetsCache
 
 if TYPE_CHECKING:
     from llmtap.analysis.finish import Finished
@@ -107,6 +108,8 @@ class MetricWriter:
         self._role = t.span_role
         # The attribute sets requests repeat, cleaned and hashed once for this provider's views (``bulk.Kept``).
         self._kept = Kept()
+        # A request's group of attribute sets by the values that make them (``emit.sets``).
+        self._sets = SetsCache()
         self._models = self._guard(
             sc.REQUEST_MODEL, 64, trial=8, candidates=256, pinned=settings.telemetry.metric_models
         )
@@ -156,30 +159,63 @@ class MetricWriter:
 
     def metric_attributes(self, tl: Timeline, s: Summary) -> Labels:
         """A request's attribute sets, bounded subsets of its span's; counts one use of each guarded value."""
+        sets = self.sets(tl)
+        return Labels(sets.attrs, sets.outcome, sets.own)
+
+    def sets(self, tl: Timeline) -> Sets:
+        """A request's group of attribute sets (``emit.sets``): the one kept for the same values, or made; counts
+        one use of each guarded value."""
         req = tl.request
+        model = req.model if req is not None else None
+        model_label = self._models(model) if model else None
+        response_label = None
+        if tl.response_model:
+            # The same name in request and response is one use of it, not two.
+            same = tl.response_model == model
+            response_label = model_label if same else self._models(tl.response_model)
+        error_label = None
+        if tl.outcome != OK:
+            error_label = self._errors(tl.error_type) if tl.error_type else OTHER
+        stream = req is not None and req.stream
+        version_label = self._versions(tl.prompt_version) if tl.prompt_version else None
+        operation = req.operation if req else sc.OP_CHAT
+        values = (
+            operation,
+            tl.provider_name,
+            tl.server_address,
+            tl.server_port,
+            model_label,
+            response_label,
+            error_label,
+            tl.outcome != OK,
+            tl.route,
+            bool(stream),
+            version_label,
+        )
+        group = self._sets.get(values)
+        if group is not None:
+            return group
         attrs: dict[str, Any] = {
-            sc.OPERATION_NAME: req.operation if req else sc.OP_CHAT,
+            sc.OPERATION_NAME: operation,
             sc.PROVIDER_NAME: tl.provider_name,
             sc.SERVER_ADDRESS: tl.server_address,
             sc.SERVER_PORT: tl.server_port,
         }
-        model = req.model if req is not None else None
-        if model:
-            attrs[sc.REQUEST_MODEL] = self._models(model)
-        if tl.response_model:
-            # The same name in request and response is one use of it, not two.
-            same = tl.response_model == model
-            attrs[sc.RESPONSE_MODEL] = attrs[sc.REQUEST_MODEL] if same else self._models(tl.response_model)
+        if model_label is not None:
+            attrs[sc.REQUEST_MODEL] = model_label
+        if response_label is not None:
+            attrs[sc.RESPONSE_MODEL] = response_label
         outcome = dict(attrs)
         if tl.outcome != OK:
-            outcome[sc.ERROR_TYPE] = self._errors(tl.error_type) if tl.error_type else OTHER
+            outcome[sc.ERROR_TYPE] = error_label
         own = {**outcome, sc.ROUTE: tl.route}
-        if req is not None and req.stream:
+        if stream:
             # As on the span: set if and only if the request streams (gen-ai-spans.md).
             own[sc.REQUEST_STREAM] = True
-        if tl.prompt_version:
-            own[sc.PROMPT_VERSION] = self._versions(tl.prompt_version)
-        return Labels(attrs, outcome, own)
+        if version_label is not None:
+            own[sc.PROMPT_VERSION] = version_label
+        made = Sets(Fixed(attrs), Fixed(outcome), Fixed(own), self._sets.limit)
+        return self._sets.keep(values, made)
 
     def dimension_labels(self, tl: Timeline) -> dict[str, str]:
         """The allowed attribution dimensions of a request as labels (counts one use of each value)."""
@@ -222,17 +258,19 @@ class MetricWriter:
         ins = self.instruments
         if batch is None:
             batch = Batch(self._kept)  # the request's attribute sets cleaned and hashed once, or kept from before
-        attrs, outcome, own = self.metric_attributes(tl, s)
+        sets = self.sets(tl)
+        attrs, outcome, own = sets.attrs, sets.outcome, sets.own
         # llmtap's counters (requests, tokens, cost) carry the allowed attribution dimensions; histograms do not.
-        counted = {**own, **self.dimension_labels(tl)}
-        self._cost_metrics(batch, tl, s, counted)
+        dimensions = self.dimension_labels(tl)
+        counted = sets.plus(own, *[item for pair in dimensions.items() for item in pair]) if dimensions else own
+        self._cost_metrics(batch, sets, tl, s, counted)
         # A hop's generation is its client's to report (``attributes.is_hop``): the client's instrumentation
         # records it in the gen_ai.client.* metrics, so llmtap's own (llmtap.*) alone count this request.
         client = not is_hop(tl, self._role)
         # Recorded in the request's span context: the SDK's exemplar reservoirs keep its trace id beside the
         # bucket the value fell in (the default trace-based filter: only for sampled traces).
         ctx = request_context(tl)
-        shaped = {**own, sc.INPUT_SIZE: s.input_size, sc.SHAPE: s.shape}
+        shaped = sets.plus(own, sc.INPUT_SIZE, s.input_size, sc.SHAPE, s.shape)
         ok = tl.outcome == OK
         stream = bool(tl.request and tl.request.stream)
         if s.e2e is not None:
@@ -240,23 +278,25 @@ class MetricWriter:
                 batch.record(ins.operation_duration, s.e2e, outcome, ctx)
             if ins.server_duration is not None:
                 batch.record(ins.server_duration, s.e2e, outcome, ctx)
-        batch.add(ins.requests, 1, {**counted, sc.OUTCOME: tl.outcome, sc.SLO_OUTCOME: s.slo, sc.SHAPE: s.shape})
+        requests = sets.plus(counted, sc.OUTCOME, tl.outcome, sc.SLO_OUTCOME, s.slo, sc.SHAPE, s.shape)
+        batch.add(ins.requests, 1, requests)
+        route = sets.plus(NONE, sc.ROUTE, tl.route)
         if tl.malformed_events:
-            batch.add(ins.malformed, tl.malformed_events, {sc.ROUTE: tl.route})
+            batch.add(ins.malformed, tl.malformed_events, route)
         if s.ttfb is not None:
             batch.record(ins.ttfb, s.ttfb, own, ctx)
         if stream and s.ttft is not None:
             self._stream_metrics(batch, s, s.ttft, attrs, shaped, ctx, client=client)
-        self._phase_metrics(batch, s, own, attrs, shaped, ctx, ok=ok, stream=stream)
-        self._token_metrics(batch, s, attrs, outcome, counted, client=client)
+        self._phase_metrics(batch, sets, s, shaped, ctx, ok=ok, stream=stream)
+        self._token_metrics(batch, sets, s, counted, client=client)
         if tl.request_objective is not None:
             self._objective_metrics(batch, tl, s)
         if tl.relay_delays:
             # One per read: at a bucket lookup each (``bulk``), none an exemplar.
-            batch.many(ins.relay_chunk_delay, s.relay_delay_samples, {sc.ROUTE: tl.route}, _NO_SPAN)
+            batch.many(ins.relay_chunk_delay, s.relay_delay_samples, route, _NO_SPAN)
         if s.proxy_added is not None:
             # The request's last instrument (tests wait for it): in a batch, flushed after the others.
-            (last or batch).record(ins.overhead, s.proxy_added, {sc.ROUTE: tl.route})
+            (last or batch).record(ins.overhead, s.proxy_added, route)
 
     def _stream_metrics(
         self,
@@ -285,9 +325,8 @@ class MetricWriter:
     def _phase_metrics(
         self,
         batch: Batch,
+        sets: Sets,
         s: Summary,
-        own: dict[str, Any],
-        attrs: dict[str, Any],
         shaped: dict[str, Any],
         ctx: Context | None,
         *,
@@ -296,6 +335,7 @@ class MetricWriter:
     ) -> None:
         """Where the request's time went: upstream and server TTFT, TPOT, queue, prefill, decode, the rest."""
         ins = self.instruments
+        attrs, own = sets.attrs, sets.own
         if s.upstream_ttft is not None and stream:
             batch.record(ins.upstream_ttft, s.upstream_ttft, own, ctx)
         if ok and s.ttft is not None and stream and ins.server_ttft is not None:
@@ -305,9 +345,9 @@ class MetricWriter:
             if ins.server_tpot is not None:
                 batch.record(ins.server_tpot, s.tpot, attrs, ctx)
         if s.queue is not None:
-            batch.record(ins.queue, s.queue, {**own, sc.QUEUE_SOURCE: s.queue_source}, ctx)
+            batch.record(ins.queue, s.queue, sets.plus(own, sc.QUEUE_SOURCE, s.queue_source), ctx)
         if s.prefill is not None and stream:
-            batch.record(ins.prefill, s.prefill, {**own, sc.PREFILL_SOURCE: s.prefill_source}, ctx)
+            batch.record(ins.prefill, s.prefill, sets.plus(own, sc.PREFILL_SOURCE, s.prefill_source), ctx)
         if s.decode is not None and stream:
             batch.record(ins.decode, s.decode, own, ctx)
         if s.upstream_unattributed is not None:
@@ -330,52 +370,50 @@ class MetricWriter:
         for figure in tl.request_objective.invalid if tl.request_objective is not None else ():
             batch.add(ins.objective_ignored, 1, {sc.ROUTE: tl.route, sc.OBJECTIVE_FIGURE: figure})
 
-    def _cost_metrics(self, batch: Batch, tl: Timeline, s: Summary, counted: dict[str, Any]) -> None:
+    def _cost_metrics(self, batch: Batch, sets: Sets, tl: Timeline, s: Summary, counted: dict[str, Any]) -> None:
         """The request's cost on ``llmtap.cost``, or its status on ``llmtap.cost.unpriced``."""
         ins = self.instruments
         if tl.attribution_dropped:
-            batch.add(ins.attribution_dropped, tl.attribution_dropped, {sc.ROUTE: tl.route})
+            batch.add(ins.attribution_dropped, tl.attribution_dropped, sets.plus(NONE, sc.ROUTE, tl.route))
         cost = s.cost
         if cost is None:
             return
         if cost.amount is not None:
             batch.add(ins.cost, cost.amount, counted)
         else:
-            batch.add(ins.cost_unpriced, 1, {**counted, sc.COST_STATUS: cost.status})
+            batch.add(ins.cost_unpriced, 1, sets.plus(counted, sc.COST_STATUS, cost.status))
 
     def _token_metrics(
         self,
         batch: Batch,
+        sets: Sets,
         s: Summary,
-        attrs: dict[str, Any],
-        outcome: dict[str, Any],
         own: dict[str, Any],
         *,
         client: bool,
     ) -> None:
-        """The token metrics: llmtap's own always, the gen_ai.client.* ones when ``client`` (not a hop)."""
+        """The token metrics: llmtap's own always (``own``: the counted set), the gen_ai.client.* ones when
+        ``client`` (not a hop)."""
         ins = self.instruments
         for kind, value, source, drift in (
             ("input", s.input_tokens, s.input_source, s.input_drift),
             ("output", s.output_tokens, s.output_source, s.output_drift),
         ):
             if client:
-                self._client_tokens(batch, kind, usage_value(value, source, self._offline), source, attrs, outcome)
+                self._client_tokens(batch, sets, kind, usage_value(value, source, self._offline), source)
             if value is None:
                 continue
             mine = ins.input_tokens if kind == "input" else ins.output_tokens
-            batch.add(
-                mine, value, {**own, sc.INPUT_TOKENS_SOURCE if kind == "input" else sc.OUTPUT_TOKENS_SOURCE: source}
-            )
+            source_key = sc.INPUT_TOKENS_SOURCE if kind == "input" else sc.OUTPUT_TOKENS_SOURCE
+            batch.add(mine, value, sets.plus(own, source_key, source))
             if drift is not None:
                 # OTel histograms take no negative values: the size goes in the value, the sign in an attribute.
                 direction = "over" if drift > 0 else "under" if drift < 0 else "exact"
-                batch.record(
-                    ins.drift, abs(drift), {sc.TOKEN_TYPE: kind, sc.ROUTE: own[sc.ROUTE], sc.DRIFT_DIRECTION: direction}
-                )
+                drifted = sets.plus(NONE, sc.TOKEN_TYPE, kind, sc.ROUTE, own[sc.ROUTE], sc.DRIFT_DIRECTION, direction)
+                batch.record(ins.drift, abs(drift), drifted)
         # Providers report no breakdown by modality that llmtap reads: reported counts are ``unknown``
         # (gen-ai-token-metrics.md), as is the 0 of a response without usage.
-        unknown = {**attrs, sc.TOKEN_MODALITY: "unknown"}
+        unknown = sets.plus(sets.attrs, sc.TOKEN_MODALITY, "unknown")
         if s.cache_read_tokens is not None:
             batch.add(ins.cache_read, s.cache_read_tokens, own)
             if client and ins.cache_read_counter is not None:
@@ -388,26 +426,25 @@ class MetricWriter:
             # Recorded for every generation, 0 when the usage names no reasoning tokens.
             batch.add(ins.reasoning_counter, s.reasoning_tokens or 0, unknown)
 
-    def _client_tokens(
-        self, batch: Batch, kind: str, usage: int | None, source: str, attrs: dict[str, Any], outcome: dict[str, Any]
-    ) -> None:
+    def _client_tokens(self, batch: Batch, sets: Sets, kind: str, usage: int | None, source: str) -> None:
         """One token type's ``gen_ai.client.*`` token metrics (``usage``: as ``gen_ai.usage.*`` shows it)."""
         ins = self.instruments
+        attrs = sets.attrs
         counter = ins.input_tokens_counter if kind == "input" else ins.output_tokens_counter
         if usage is None:
             # gen-ai-token-metrics.md: a response without usage records 0, with modality unknown.
             if counter is not None:
-                batch.add(counter, 0, {**attrs, sc.TOKEN_MODALITY: "unknown"})
+                batch.add(counter, 0, sets.plus(attrs, sc.TOKEN_MODALITY, "unknown"))
             return
         if ins.token_usage is not None:
-            batch.record(ins.token_usage, usage, {**attrs, sc.TOKEN_TYPE: kind})
+            batch.record(ins.token_usage, usage, sets.plus(attrs, sc.TOKEN_TYPE, kind))
         hist = ins.input_tokens_histogram if kind == "input" else ins.output_tokens_histogram
         if hist is not None:
-            batch.record(hist, usage, outcome)
+            batch.record(hist, usage, sets.outcome)
         if counter is not None:
             # Counted by llmtap's tokenizer (offline usage): text it read; reported: no breakdown, ``unknown``.
             modality = "unknown" if source == USAGE else "text"
-            batch.add(counter, usage, {**attrs, sc.TOKEN_MODALITY: modality})
+            batch.add(counter, usage, sets.plus(attrs, sc.TOKEN_MODALITY, modality))
 
     def cache_attributes(self, tl: Timeline, diag: Diagnosis) -> dict[str, Any]:
         """The attributes of ``llmtap.cache.requests``."""

@@ -315,6 +315,8 @@ class _Series:
     samples: dict[str, Samples] = field(default_factory=lambda: {figure: Samples() for figure in LATENCIES})
     #: The objective the series' requests are judged by (the newest request's).
     objective: SLO | None = None
+    #: ``objective``'s fields as an entry carries them: a request with the same makes none anew.
+    objective_fields: tuple[Any, ...] | None = None
 
 
 class Subscription:
@@ -449,8 +451,14 @@ class LiveWindow:
         slot = math.floor(now / SLOT)
         with self._lock:
             self._lag = min(self._lag, now - end)
-            series = self._series.setdefault(key, _Series())
-            series.objective = SLO(*objective) if objective is not None else None
+            series = self._series.get(key)
+            if series is None:
+                series = self._series[key] = _Series()
+            # By value and type: an objective of 1 and one of 1.0 read alike in Python, not on the page.
+            fields = None if objective is None else (*objective, *map(type, objective))
+            if fields != series.objective_fields:
+                series.objective = SLO(*objective) if objective is not None else None
+                series.objective_fields = fields
             series.total.add_request(tally_counts, values)
             series.busy.add(received, end)
             tally = series.slots.get(slot)
