@@ -10,6 +10,9 @@ system) over ``--requests`` requests through the relay, less the same client's C
 straight to the upstream, is the relay's CPU per request: its parse, exchange, upstream client, the writes and
 the loop's turns, with the kernel's loopback in both.
 
+With ``--split`` the upstream writes each answer's head, then its body a millisecond later (as an upstream
+under uvicorn writes them apart): the relay reads them in two reads.
+
 Each ``--tree`` (a checkout with ``proxy/``) runs in a process of its own, the trees in turn, ``--rounds``
 times; prints one JSON line per run and each tree's median and range. Pin it (``taskset -c 1``).
 """
@@ -43,13 +46,23 @@ def _request(port: int) -> bytes:
     )
 
 
+#: With ``--split``, how long after its head an answer's body is written (a millisecond: the relay has read the
+#: head by then, so the body is a read of its own).
+SPLIT_DELAY = 0.001
+
+
 class _Upstream(asyncio.Protocol):
-    """Answers each request (a head and its 47-byte body, in one read) with the fixed answer."""
+    """Answers each request (a head and its 47-byte body, in one read) with the fixed answer; in one write, or
+    (``split``) its head and then its body."""
 
     answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
         len(ANSWER),
         ANSWER,
     )
+
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(ANSWER)
+    #: Whether the head and the body go in two writes (``--split``).
+    split = False
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -62,7 +75,17 @@ class _Upstream(asyncio.Protocol):
             if end < 0 or len(self.buffer) < end + 4 + len(BODY):
                 return
             self.buffer = self.buffer[end + 4 + len(BODY) :]
-            self.transport.write(self.answer)
+            if self.split:
+                # The head now, the body on a later turn of the loop: two reads at the relay, as from an upstream
+                # that writes its head and its body apart (uvicorn does).
+                self.transport.write(self.head)
+                asyncio.get_running_loop().call_later(SPLIT_DELAY, self._body)
+            else:
+                self.transport.write(self.answer)
+
+    def _body(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(ANSWER)
 
 
 class _Client(asyncio.Protocol):
@@ -170,8 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", type=Path, action="append", default=[], help="a checkout with proxy/ (repeatable)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--requests", type=int, default=20000)
+    p.add_argument(
+        "--split", action="store_true", help="the upstream writes each answer's head, then its body 1 ms later"
+    )
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    _Upstream.split = args.split
     if args.one:
         import uvloop
 
@@ -183,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         for tree in trees:
             env = {**os.environ, "PYTHONPATH": f"{tree.resolve() / 'proxy'}{os.pathsep}{peers.REPO}"}
             argv = [sys.executable, "-m", "bench.probes.short_exchange", "--one", "--requests", str(args.requests)]
+            argv += ["--split"] if args.split else []
             done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True, cwd=peers.REPO)
             row = json.loads(done.stdout.strip().splitlines()[-1])
             row.update(tree=str(tree), round=k)

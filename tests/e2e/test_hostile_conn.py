@@ -135,6 +135,23 @@ def test_an_idle_connection_is_closed_new_or_between_requests(serve: Serve) -> N
     assert counted(proxy, TIMEOUTS, "llmtap_timeout_kind", "idle", 2) == 2
 
 
+def test_the_idle_deadline_runs_from_the_last_response_not_an_earlier_one(serve: Serve) -> None:
+    # The connection keeps one idle timer: set for the first response's deadline, it fires while the connection
+    # is idle after the second, and must then wait for the second's deadline.
+    proxy = serve("--keep-alive-timeout", "2", "--client-header-timeout", "30")
+    sock = connect(proxy)
+    assert echo(sock).startswith(b"HTTP/1.1 200 ")
+    first = time.monotonic()
+    time.sleep(1.2)
+    assert echo(sock).startswith(b"HTTP/1.1 200 ")
+    time.sleep(max(0.0, first + 2.2 - time.monotonic()))  # the first response's deadline has passed
+    assert echo(sock).startswith(b"HTTP/1.1 200 ")  # still open
+    answered = time.monotonic()
+    got, closed_at = read_until_closed(sock, 2 + SLACK)
+    sock.close()
+    assert got == b"" and 1.9 <= closed_at - answered <= 2 + SLACK
+
+
 def test_a_stalled_upload_gets_408_and_lets_go_of_its_admission_slot(serve: Serve) -> None:
     # The proxy reads 1 KiB of a body before admitting it, so a body that stalls past that holds the one slot.
     proxy = serve(

@@ -401,6 +401,34 @@ def test_read_timeout_is_read_again_at_every_wait(run: Any) -> None:
     run(scenario())
 
 
+def test_the_connections_read_timer_kept_from_a_wait_never_cuts_a_later_wait_short(run: Any) -> None:
+    """The timer one wait armed fires during the next one's wait on the same connection: it sets itself again
+    for the later deadline, and a wait whose deadline passes still times out."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head, _ = await read_request(reader)
+            if b"/never" in head:
+                await reader.read()
+                return
+            if b"/late" in head:
+                await asyncio.sleep(0.5)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    async def scenario() -> None:
+        async with Upstream(script) as up, client(LeanTransport(), read=1.0) as c:
+            assert (await c.get(up.url + "/soon")).content == b"ok"
+            await asyncio.sleep(0.8)  # the first wait's timer fires 0.2 s into the next wait
+            assert (await c.get(up.url + "/late")).content == b"ok"
+            assert up.connections == 1  # one connection, so one timer, served both
+            started = time.monotonic()
+            with pytest.raises(errors.ReadTimeout):
+                await c.get(up.url + "/never")
+            assert time.monotonic() - started >= 0.9
+
+    run(scenario())
+
+
 def test_body_that_the_upstream_does_not_take_times_out_without_piling_up(run: Any) -> None:
     sent = [0]
 

@@ -372,7 +372,7 @@ async def run(
     # listener is subscribed before any request. The page agrees with the tables: the same objectives (the
     # routes'), no warm-ups, and rates over the time requests were in flight, as the tables' rates are.
     admin = AdminApp(local, otel.prometheus, traces=True, busy=True, skip=lambda tl: tl.prompt_version == WARMUP)
-    admin_server, admin_task = _serving(uvicorn.Server(uvicorn_config(admin, settings)), admin_sock)
+    admin_server, admin_task = _serving(uvicorn.Server(uvicorn_config(admin, settings, forwarded=True)), admin_sock)
     try:
         await _started([(server, task), (admin_server, admin_task)])
         base = f"http://127.0.0.1:{sock.getsockname()[1]}"

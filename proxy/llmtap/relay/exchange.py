@@ -4,7 +4,8 @@
 each: read the request (its head: attribution, the key's fingerprint, the trace; its body, the usage splice),
 wait for admission, call the upstream, relay its head, relay its body (the pipe in the upstream's read callback,
 or a loop over its parts, decompressed when the usage event must be cut out of a compressed stream), and end;
-a short answer read whole with its head goes out in one write, head and body (``llmtap.relay.oneshot``).
+a short answer read whole (with its head, or its counted rest waited for) goes out in one write, head and body
+(``llmtap.relay.oneshot``).
 Whatever the way out (the end, a failure, the client leaving, the drain deadline), ``finally`` releases the
 upstream answer and the admission slot, and the tape is handed over once.
 """
@@ -33,12 +34,12 @@ from llmtap.relay.fingerprint import KEY_HEADERS
 from llmtap.relay.forward import PRIVATE_PREFIX, response_headers
 from llmtap.relay.guard import Refusal
 from llmtap.relay.heads import unrelayable
-from llmtap.relay.oneshot import head_of, write_whole
+from llmtap.relay.oneshot import REST_BYTES, REST_WAIT, head_of, write_whole
 from llmtap.relay.pipe import Pipe
 from llmtap.relay.strip import strip_part
 from llmtap.relay.timing import HEADER as TIMING_HEADER, server_timing
 from llmtap.relay.upstream import Answer, Pieces
-from llmtap.relay.upstream.errors import UpstreamError, UpstreamTimeout
+from llmtap.relay.upstream.errors import ReadTimeout, UpstreamError, UpstreamTimeout
 from llmtap.relay.watch import DisconnectWatch
 from llmtap.types import OBJECTIVE_HEADERS, Receive, Scope, Send
 from llmtap.wire.tape import Tape, now
@@ -47,6 +48,7 @@ from llmtap.wire.tracestate import upstream_tracestate
 
 if TYPE_CHECKING:
     from llmtap.relay.app import ProxyApp
+    from llmtap.relay.upstream.connection import Connection
 
 __all__ = ["Exchange", "Truncated"]
 
@@ -393,29 +395,56 @@ class Exchange:
         return True
 
     async def _whole(self, status: int, out: list[tuple[bytes, bytes]]) -> bool:
-        """A short answer read whole with its head goes to the client in one write, head and body, and the
-        response ends here (``llmtap.relay.oneshot``); False: it takes the ordinary path."""
+        """A short answer read whole goes to the client in one write, head and body, and the response ends here
+        (``llmtap.relay.oneshot``): read with its head, or its counted rest waited for (``_rest``); False: it
+        takes the ordinary path."""
         conn = self.answer.connection if self.answer is not None else None
-        if conn is None or not conn.done or conn.error is not None or len(conn.parts) > 1:
+        if conn is None or conn.error is not None or (not conn.done and not await self._rest(conn)):
             return False
-        body: bytes = conn.parts[0] if conn.parts else b""
-        whole = head_of(self.cycle, status, out, len(body))
+        parts = conn.parts
+        size = len(parts[0]) if len(parts) == 1 else sum(map(len, parts))
+        whole = head_of(self.cycle, status, out, size)
         if whole is None:
             return False
         tape = self.tape
+        # Each upstream read stays a read of its own on the tape, as the pipe would have taken it.
+        reads = tuple(parts) if len(parts) > 1 else None
         full = False
-        conn.take_whole()
-        if body:
+        body = conn.take_whole()
+        if reads is not None:
+            t = now()
+            for part in reads:
+                full = tape.read(t, part)
+        elif body:
             full = tape.read(now(), body)
         self._answered()
         write_whole(self.cycle, whole, status, body)
         self.started = True
         tape.end = now()
         if body:
-            tape.delivered(tape.end)
+            for _ in reads or (body,):
+                tape.delivered(tape.end)
             if full:
                 self.app.handover.segment(tape)
         return True
+
+    async def _rest(self, conn: Connection) -> bool:
+        """Wait for the rest of a short counted body whose head came first (an upstream that writes its head and
+        its body apart, as uvicorn does): True once it is all read, within ``REST_WAIT`` seconds (the relay's
+        read timeout when shorter). False, nothing written yet, for a body not counted, past ``REST_BYTES``, a
+        failure or a rest that is late: the ordinary path then relays it as it would have, the head at once."""
+        left = conn.still_to_come()
+        if left is None or left + sum(map(len, conn.parts)) > REST_BYTES:
+            return False
+        seconds = self.timeouts.get("read")
+        bound = REST_WAIT if seconds is None else min(REST_WAIT, seconds)
+        deadline = now() + bound
+        try:
+            while not conn.done and conn.error is None:
+                await conn.wait_readable(max(deadline - now(), 0.0))
+        except ReadTimeout:
+            return False
+        return conn.error is None
 
     def _filter(self, headers: list[tuple[bytes, bytes]]) -> None:
         """The usage event the relay asked for is cut out of the stream. The filter reads SSE framing: the

@@ -6,6 +6,10 @@ then the end) and the pipe's setup and wait, about a fifth of the relay's CPU fo
 (docs/performance.md). Here the head uvicorn would write and the body go in one ``transport.write``, and the
 server's request cycle is left as uvicorn's own ``send`` leaves it after the end (started, complete, the
 connection kept or closed, the next request's turn), so the server goes on exactly as after a streamed relay.
+An upstream that writes its head and its body apart (uvicorn does) often brings them in two reads: the relay
+then waits for the rest of a counted body of up to ``REST_BYTES`` for at most ``REST_WAIT`` seconds
+(``Exchange._rest``), and writes head and body at once; a rest later than that, a larger body or a failure
+takes the ordinary path, the head relayed at once, as before.
 
 Only an answer uvicorn frames by its Content-Length goes here: a HEAD request, a 204 or 304, an answer without
 Content-Length (chunked framing), a header uvicorn would refuse, a client gone or not taking bytes: ``head_of``
@@ -24,10 +28,15 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
-__all__ = ["MIRRORED", "Whole", "head_of", "write_whole"]
+__all__ = ["MIRRORED", "REST_BYTES", "REST_WAIT", "Whole", "head_of", "write_whole"]
 
 #: A body up to this is joined to its head (one buffer, one write); a larger one is written beside it, not copied.
 _JOINED_BYTES = 16 * 1024
+#: A counted body whose head came first is waited for, to go at once with it, up to this many bytes in all...
+REST_BYTES = 64 * 1024
+#: ...and for at most this many seconds (the rest of a short answer follows its head within a millisecond, unless
+#: the upstream is stalled); past either bound the answer takes the ordinary path, its head relayed at once.
+REST_WAIT = 0.25
 #: Statuses whose answer never has a body, whatever it says: uvicorn frames them apart.
 _BODILESS = frozenset({204, 304})
 

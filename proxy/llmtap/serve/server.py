@@ -138,8 +138,15 @@ def uvicorn_config(
     access_log: bool = False,
     limits: ClientLimits | None = None,
     protocol: type[BoundedHeadProtocol] = BoundedHeadProtocol,
+    forwarded: bool = False,
 ) -> uvicorn.Config:
     """uvicorn settings shared by every listener: no Server or Date header of its own (the upstream's pass through).
+
+    A request's client address is its connection's peer (behind a load balancer, the balancer's), in everything
+    the relay logs or counts, as the listener's bounds read it: uvicorn's rewrite of the scope's client and scheme
+    from ``X-Forwarded-For`` and ``X-Forwarded-Proto`` (a coroutine and a search of the headers per request) runs
+    only with ``forwarded``, for the admin listener, whose loopback check then sees the address a local proxy
+    forwards. The relay reads neither and relays those headers as sent.
 
     A request head is bounded by ``max_header_bytes``, and clients by ``limits`` (``BoundedHeadProtocol``;
     by default the settings' own, counted where nobody reads them); on SIGTERM, requests in flight get
@@ -159,6 +166,7 @@ def uvicorn_config(
         lifespan="on",
         http=http,  # type: ignore[arg-type]
         ws="none",
+        proxy_headers=forwarded,
         timeout_keep_alive=settings.timeouts.keep_alive,  # type: ignore[arg-type]
         timeout_graceful_shutdown=math.ceil(settings.timeouts.drain),
         h11_max_incomplete_event_size=settings.max_header_bytes,

@@ -170,7 +170,9 @@ async def serve(launch: Launch) -> None:
 
     async with process.running(launch) as running:
         label_uvicorn("admin" if launch.index == 0 else f"admin.{launch.index}")
-        config = uvicorn_config(running.admin, launch.settings, limits=running.limits, protocol=AdminProtocol)
+        config = uvicorn_config(
+            running.admin, launch.settings, limits=running.limits, protocol=AdminProtocol, forwarded=True
+        )
         server = Server(config)
 
         def stop() -> None:
