@@ -31,6 +31,9 @@ from tests.support.prometheus import start_prometheus
 
 HERE = Path(__file__).parent
 REPO = HERE.parent
+#: llmtap's processes import this checkout's ``llmtap`` (``proxy/``), not whichever one the environment installed
+#: (an editable install points at its own checkout), and ``bench`` beside it.
+LLMTAP_PATH = f"{REPO / 'proxy'}{os.pathsep}{REPO}"
 TOOLS = Path(os.environ.get("LLMTAP_TOOLS", REPO / ".tools"))
 LITELLM = TOOLS / "litellm" / "bin" / "litellm"
 AIPERF = TOOLS / "aiperf" / "bin" / "aiperf"
@@ -111,8 +114,11 @@ def sink(work: Path, cpu: str | None) -> tuple[Service, int, Path]:
     return svc, svc.ready(lambda: int(svc.read_line())), out
 
 
-#: nginx's side of an HTTPS upstream: verify the run's CA, send and check the name, reuse sessions.
+#: nginx's side of an HTTPS upstream: verify the run's CA, send and check the name, reuse sessions, and TLS 1.3 as
+#: llmtap speaks it (nginx before 1.23.4 offers an upstream TLS 1.2 at most unless told: a cheaper resumption, with
+#: no key exchange, than the one TLS 1.3 makes).
 NGINX_TLS = """
+            proxy_ssl_protocols TLSv1.2 TLSv1.3;
             proxy_ssl_trusted_certificate ${ca};
             proxy_ssl_verify on;
             proxy_ssl_verify_depth 2;
@@ -198,7 +204,7 @@ def llmtap_has_upstream_ca(module: str = "llmtap") -> bool:
             capture_output=True,
             text=True,
             timeout=60,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={**os.environ, "PYTHONPATH": LLMTAP_PATH},
         )
         _UPSTREAM_CA_FLAG = "--upstream-ca" in done.stdout
     return _UPSTREAM_CA_FLAG
@@ -226,7 +232,11 @@ def _ca_env(work: Path, certs: Certs, module: str) -> tuple[dict[str, str], list
     shim = work / "ca-shim"
     shim.mkdir(exist_ok=True)
     (shim / "sitecustomize.py").write_text(CA_SHIM)
-    env = {"SSL_CERT_FILE": str(certs.ca), "BENCH_UPSTREAM_CA": str(certs.ca), "PYTHONPATH": f"{shim}:{REPO}"}
+    env = {
+        "SSL_CERT_FILE": str(certs.ca),
+        "BENCH_UPSTREAM_CA": str(certs.ca),
+        "PYTHONPATH": f"{shim}{os.pathsep}{LLMTAP_PATH}",
+    }
     return env, []
 
 
@@ -265,7 +275,7 @@ def llmtap(
         switches_argv += ["--record", str(records)]
     ca_env, ca_argv = _ca_env(work, certs, module) if certs is not None else ({}, [])
     env = {
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": LLMTAP_PATH,
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
         "OTEL_SERVICE_NAME": name,
         "LLMTAP_CHUNK_SPANS": "spans",

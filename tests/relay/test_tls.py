@@ -263,6 +263,40 @@ def test_https_upstream_with_a_private_ca_bytes_identical_and_connection_reused(
         assert up.failures == []
 
 
+def test_tls_streams_at_once_each_byte_identical_through_the_shared_read_buffer(run: Any, pki: Files) -> None:
+    """Every upstream connection reads into the process's one buffer: streams interleaved read by read, each
+    connection's answer is still its own, byte for byte (a read left in the buffer would show in another's)."""
+    streams = 6
+    bodies = {f"/s{i}": bytes([i]) * 7 + BODY[i * 97 :] for i in range(streams)}
+
+    def handle(sock: ssl.SSLSocket, server: TLSServer) -> None:
+        head = read_request(sock, bytearray())
+        if head is None:
+            return
+        body = bodies[head.split(b" ")[1].decode()]
+        sock.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for start in range(0, len(body), 4099):  # several TLS records a piece, pieces apart in time
+            piece = body[start : start + 4099]
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            time.sleep(0.002)
+        sock.sendall(b"0\r\n\r\n")
+
+    with TLSServer(pki.server_cert, handle) as up:
+        r = route(up.url(), tls_ca=pki.ca)
+
+        async def scenario() -> None:
+            upstreams = Upstreams(Settings(routes=(r,)))
+            try:
+                client = _client(upstreams, r)
+                answers = await asyncio.gather(*(client.get(up.url() + path) for path in bodies))
+                assert [a.content for a in answers] == list(bodies.values())
+            finally:
+                await upstreams.aclose()
+
+        run(scenario())
+        assert up.connections == streams and up.failures == []
+
+
 def test_lean_client_reaches_https_upstreams_by_default(run: Any, pki: Files) -> None:
     with TLSServer(pki.server_cert) as up:
         r = route(up.url(), tls_ca=pki.ca)

@@ -25,6 +25,7 @@ from llmtap.listener import ClientLimits
 from llmtap.relay.app import create_app
 from llmtap.relay.channel import ShardedChannel, SocketChannel
 from llmtap.relay.shared import Table, table_columns
+from llmtap.serve.heap import fix_mmap_threshold
 from llmtap.serve.lines import startup_lines
 from llmtap.serve.server import Server, die_with_parent, label_uvicorn, run_loop, set_name, uvicorn_config
 from llmtap.serve.sockets import PROXY_LISTENER, bind, channel_paths
@@ -105,6 +106,7 @@ async def serve(
     ``on_started``: called once the relay listens.
     """
     set_name(RELAY_NAME)
+    fix_mmap_threshold()  # each upstream TLS connection's read buffer a mapping of its own (llmtap.serve.heap)
     paths = channel_paths(channel_path, settings.telemetry_workers)
     channels = [SocketChannel(path, gather=tape_gather(settings)) for path in paths]
     channel: SocketChannel | ShardedChannel = channels[0] if len(channels) == 1 else ShardedChannel(channels)

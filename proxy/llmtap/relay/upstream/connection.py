@@ -24,13 +24,16 @@ from llmtap.relay.upstream.http11 import Http11, Pieces, Sink
 if TYPE_CHECKING:
     from llmtap.relay.upstream.pool import Pool
 
-__all__ = ["QUEUE_BYTES", "WRITE_SLICE", "Connection", "Stale", "Timeouts"]
+__all__ = ["BUFFER", "QUEUE_BYTES", "READ_BYTES", "WRITE_SLICE", "Connection", "ReadBuffer", "Stale", "Timeouts"]
 
 #: Body bytes queued and not yet taken by the relay past which the socket stops being read.
 QUEUE_BYTES = 64 * 1024
 #: A request body past this is written beside its head rather than joined to it.
 _JOINED_BYTES = 64 * 1024
 WRITE_SLICE = 256 * 1024
+#: The size of the one buffer every upstream connection of the process reads into (``ReadBuffer``): as much as the
+#: event loop's TLS transport reads at once (uvloop's and asyncio's 256 KiB), so a read is never split in two.
+READ_BYTES = 256 * 1024
 #: ``request.extensions["timeout"]``: connect, read, write and pool, in seconds or None.
 Timeouts = Mapping[str, Any]
 
@@ -61,8 +64,35 @@ def _readable(fd: int) -> bool:
         return True
 
 
-class Connection(Http11, asyncio.Protocol):
-    """One upstream connection and the exchange running on it; body parts queue here until the relay reads them."""
+class ReadBuffer:
+    """The buffer the event loop reads an upstream connection's bytes into, one for all of a process's connections.
+
+    A read fills it and is handed over (``Connection.buffer_updated``) in the same callback, before the loop reads
+    anything else, so one buffer serves every connection. Without it, the TLS transport of uvloop (and of asyncio)
+    decrypts each read into a new 256 KiB ``bytes`` shrunk to the read's size: a 256 KiB allocation per read,
+    which under the relay's malloc settings (``llmtap.serve.heap``) would be a mapping made and unmade each time.
+    """
+
+    def __init__(self, size: int = READ_BYTES) -> None:
+        self.view = memoryview(bytearray(size))
+
+    def get(self, hint: int) -> memoryview:
+        """A writable buffer of at least ``hint`` bytes (a larger one replaces it for good, which never happens
+        under uvloop's or asyncio's TLS: they ask for what is pending, at most 256 KiB and a little more)."""
+        if hint > len(self.view):
+            self.view = memoryview(bytearray(hint))
+        return self.view
+
+
+#: The buffer every upstream connection of the process reads into.
+BUFFER = ReadBuffer()
+
+
+class Connection(Http11, asyncio.BufferedProtocol):
+    """One upstream connection and the exchange running on it; body parts queue here until the relay reads them.
+
+    The loop reads into the process's one ``ReadBuffer`` (``get_buffer``); ``buffer_updated`` copies the read out
+    as ``bytes``, the object the rest reads as before (``data_received``)."""
 
     def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
@@ -175,7 +205,14 @@ class Connection(Http11, asyncio.Protocol):
         self._writing_paused = False
         _wake(self._writer)
 
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return BUFFER.get(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(BUFFER.view[:nbytes]))
+
     def data_received(self, data: bytes) -> None:
+        """One read's bytes (``buffer_updated``): parsed, queued or handed to the sink."""
         if not self.active or self.done:
             self._past_end(len(data))
             return
