@@ -17,7 +17,7 @@ from llmtap.analysis import tokens
 from llmtap.analysis.cost import Cost
 from llmtap.analysis.estimator import ESTIMATED, Estimator, QueuePrefill
 from llmtap.analysis.objectives import judge_request
-from llmtap.analysis.shapes import classify, objective
+from llmtap.analysis.shapes import classify, configured_slo, objective
 from llmtap.analysis.slots import CONFIGURED, Slots
 from llmtap.analysis.stats import sorted_quantile
 from llmtap.analysis.timeline import OK, Timeline
@@ -166,7 +166,11 @@ def settle(tl: Timeline, s: Summary) -> None:
             ordered = sorted(itl)
             s.itl_p50 = sorted_quantile(ordered, 0.5)
             s.itl_p99 = sorted_quantile(ordered, 0.99)
-    if tl.relay_delays:
+    if len(tl.relay_delays) == 1:
+        # One read (a short answer, whole): its delay is the sample and every quantile of it.
+        delay = tl.relay_delays[0]
+        s.relay_delay_samples, s.relay_delay_p99 = [delay], delay
+    elif tl.relay_delays:
         s.relay_delay_samples = delays = list(spread(tl.relay_delays))
         s.relay_delay_p99 = sorted_quantile(sorted(delays), 0.99)
     s.reached_model = reached_model(tl)
@@ -287,7 +291,8 @@ def summarize(
     if tl.end is not None:
         s.e2e = tl.end - tl.received
     times = tl.chunk_times
-    s.gaps = [times[i] - times[i - 1] for i in range(1, len(times))]
+    if len(times) > 1:  # else none: a whole body, or a stream of one chunk
+        s.gaps = [times[i] - times[i - 1] for i in range(1, len(times))]
     if tl.first_content is not None and tl.last_content is not None:
         s.decode = tl.last_content - tl.first_content
 
@@ -437,7 +442,7 @@ def _server_phases(tl: Timeline, s: Summary, split: QueuePrefill | None) -> None
 def slo_outcome(tl: Timeline, s: Summary, slo: SLO | None) -> str:
     """``met`` when every configured SLO holds, ``missed`` otherwise (errors and cancellations miss; a
     non-streamed request's TTFT limit does not apply)."""
-    if slo is None or not slo.configured:
+    if slo is None or not configured_slo(slo):
         return "none"
     if tl.outcome != OK:
         return "missed"

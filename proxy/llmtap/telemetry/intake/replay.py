@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 from array import array
 
 from llmtap.analysis.attribution import dimensions
@@ -32,19 +33,56 @@ __all__ = ["Playback"]
 
 log = logging.getLogger("llmtap.telemetry")
 
+#: One read's time as the relay's arrays hold it (``array('d')``), and the bytes of one read's size (``array('l')``).
+_TIME = struct.Struct(array("d").typecode)
+_SIZE = struct.Struct(array("l").typecode)
+
 _BY_NAME: dict[str, Provider] = {}
 for _p in PROVIDERS:
     _BY_NAME.setdefault(_p.name, _p)
+
+
+#: Providers found, by name, method and path (a request's are those of the last one nearly always; the path is
+#: the client's, so the dict is emptied when full).
+_FOUND: dict[tuple[str, str, str], Provider | None] = {}
+MAX_FOUND = 1024
+#: Each route's upstream host and port, by its name, beside the route they were read from (parsing the URL twice a
+#: request cost about 3 µs).
+_PLACES: dict[str, tuple[Route, str, int]] = {}
+MAX_PLACES = 256
 
 
 def provider_named(name: str | None, method: str, path: str) -> Provider | None:
     """The provider the relay matched (by its name, the path deciding between same-named ones)."""
     if name is None:
         return None
+    key = (name, method, path)
+    try:
+        return _FOUND[key]
+    except KeyError:
+        pass
+    found = _provider_named(name, method, path)
+    if len(_FOUND) >= MAX_FOUND:
+        _FOUND.clear()
+    _FOUND[key] = found
+    return found
+
+
+def _provider_named(name: str, method: str, path: str) -> Provider | None:
     for provider in PROVIDERS:
         if provider.name == name and provider.matches(method, path):
             return provider
     return _BY_NAME.get(name)
+
+
+def _place(route: Route) -> tuple[str, int]:
+    """``route``'s upstream host and port, read once per route."""
+    kept = _PLACES.get(route.name)
+    if kept is None or kept[0] is not route:
+        if len(_PLACES) >= MAX_PLACES:
+            _PLACES.clear()
+        kept = _PLACES[route.name] = (route, route.host, route.port)
+    return kept[1], kept[2]
 
 
 def relay_delays(times: array[float], delivered: array[float], out: array[float]) -> None:
@@ -54,13 +92,14 @@ def relay_delays(times: array[float], delivered: array[float], out: array[float]
 
 def _timeline(head: Head, settings: Settings, route: Route | None, provider: Provider | None) -> Timeline:
     """A timeline for ``head``'s request: its request line, route and upstream, and when it was received."""
+    host, port = _place(route) if route else ("", 0)
     return Timeline(
         method=head.method,
         path=head.path,
         route=head.route,
         upstream=route.upstream if route else "",
-        server_address=route.host if route else "",
-        server_port=route.port if route else 0,
+        server_address=host,
+        server_port=port,
         protocol=provider.name if provider else None,
         provider_name=(route.provider if route and route.provider else None)
         or (provider.family if provider else "_OTHER"),
@@ -71,15 +110,23 @@ def _timeline(head: Head, settings: Settings, route: Route | None, provider: Pro
     )
 
 
+def _hex(big_endian: bytes, size: int) -> str:
+    """An id's bytes as its ``size * 2`` hex digits at least: ``bytes.hex`` when it has ``size`` bytes (a third of
+    the cost of going through an int), else the number padded with zeros, as an id of another length always was."""
+    if len(big_endian) == size:
+        return big_endian.hex()
+    return format(int.from_bytes(big_endian, "big"), f"0{size * 2}x")
+
+
 def _set_moments(tl: Timeline, head: Head, route: Route | None) -> None:
     """The head's prompt version, trace, span and record ids, sampling, and the relay's moments."""
     if head.prompt_version is not None:
         tl.prompt_version = version_label(head.prompt_version)
     elif route is not None:
         tl.prompt_version = route.prompt_version
-    tl.trace_id = format(int.from_bytes(head.trace_id, "big"), "032x")
-    tl.span_id = format(int.from_bytes(head.span_id, "big"), "016x")
-    tl.record_id = format(int.from_bytes(head.record_id, "big"), "032x")
+    tl.trace_id = _hex(head.trace_id, 16)
+    tl.span_id = _hex(head.span_id, 8)
+    tl.record_id = _hex(head.record_id, 16)
     tl.sampled = head.sampled
     tl.parent = head.parent
     tl.body_read, tl.admitted, tl.sent, tl.headers = head.body_read, head.admitted, head.sent, head.headers_at
@@ -157,7 +204,31 @@ class Playback:
         self.partial = False
 
     def feed(self, reads: Reads) -> None:
-        """Play back a run of reads: times of arrival, of delivery, sizes, and the bytes themselves."""
+        """Play back a run of reads: times of arrival, of delivery, sizes, and the bytes themselves.
+
+        A body parsed whole that came in one read, with its bytes, before any other (a short answer, head and
+        body read at once) takes ``_feed_whole``: what ``feed_each`` would do to it, without its loop."""
+        tap = self._tap
+        if tap is None:
+            return
+        if len(reads.sizes) == _SIZE.size and _SIZE.unpack(reads.sizes)[0] == len(reads.data) and tap.whole_pending():
+            self._feed_whole(tap, reads)
+        else:
+            self.feed_each(reads)
+
+    def _feed_whole(self, tap: Tap, reads: Reads) -> None:
+        """The one read of a body parsed whole, all its bytes here: its bytes to the tap; its delivery for the
+        completion (the body is parsed only at the end, so no content came yet) and for the relay's delay. No
+        ``checkpoint``: one read is a moment's work, and the worker looks once per message anyway."""
+        (t,) = _TIME.unpack(reads.times)
+        (delivered,) = _TIME.unpack(reads.delivered)
+        tap.feed(reads.data, t)  # the read's size is its bytes' length: they came
+        self._last_delivered = delivered == delivered  # not NaN: it reached the client's socket
+        if self._last_delivered:
+            self.tl.relay_delays.append(delivered - t)
+
+    def feed_each(self, reads: Reads) -> None:
+        """Play back a run of reads one by one (any run of reads; ``feed`` takes a shorter way for some)."""
         tap = self._tap
         if tap is None:
             return

@@ -94,6 +94,11 @@ class Tap:
         else:
             self._body = bytearray()
 
+    def whole_pending(self) -> bool:
+        """Whether the tap reads a body parsed whole, uncompressed, and has had none of its bytes yet: one read
+        of it is then only kept until ``finish`` (``Playback.feed`` skips its loop for it)."""
+        return self.active and self._inflate is None and self._body is not None and not self._body
+
     def feed(self, chunk: bytes, t: float) -> None:
         """Observe one upstream chunk that arrived at ``t``."""
         tl = self.tl
