@@ -21,7 +21,8 @@ from llmtap.relay import exchange
 from llmtap.relay.app import create_app
 from llmtap.relay.oneshot import write_whole
 from llmtap.serve.server import uvicorn_config
-from llmtap.wire.messages import End, Raw, decode
+from llmtap.wire.messages import End, decode
+from tests.support.tapes import KeptChannel
 
 BODY = b'{"model":"m","input":"the quick brown fox"}'
 ANSWER = b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5]}],"model":"m"}'
@@ -35,23 +36,6 @@ FIELDS = [
     (b"authorization", b"Bearer sk-test"),
     (b"content-length", b"%d" % len(BODY)),
 ]
-
-
-class _Channel:
-    """Keeps every message the relay hands over."""
-
-    dropped = 0
-    shards = 1
-
-    def __init__(self) -> None:
-        self.messages: list[Raw] = []
-
-    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0, at_once: bool = False) -> bool:
-        self.messages.append(message)
-        return True
-
-    async def aclose(self) -> None:
-        return None
 
 
 class _Upstream:
@@ -81,7 +65,7 @@ def _settings(port: int) -> Any:
     return build(vars(parser().parse_args(["serve", "--upstream", f"http://127.0.0.1:{port}"])))
 
 
-async def _short(port: int, channel: _Channel) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+async def _short(port: int, channel: KeptChannel) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """Through llmtap's listener: the answer read whole goes out at once."""
     server = uvicorn.Server(uvicorn_config(create_app(_settings(port), channel=channel), _settings(port)))
     sock = socket.socket()
@@ -104,7 +88,7 @@ async def _short(port: int, channel: _Channel) -> tuple[int, list[tuple[bytes, b
     return int(lines[0].split()[1]), headers, body
 
 
-async def _ordinary(port: int, channel: _Channel) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+async def _ordinary(port: int, channel: KeptChannel) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """Straight into the application, as another server would call it: no listener's cycle, ASGI ``send``s."""
     app = create_app(_settings(port), channel=channel)
     scope = {
@@ -185,7 +169,7 @@ def test_the_short_path_and_the_ordinary_path_relay_alike(monkeypatch: pytest.Mo
         upstream = _Upstream()
         server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        short, ordinary = _Channel(), _Channel()
+        short, ordinary = KeptChannel(), KeptChannel()
         answers = [await _short(port, short)]
         taken = len(wholes)
         answers.append(await _ordinary(port, ordinary))

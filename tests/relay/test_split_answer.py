@@ -6,21 +6,21 @@ failure, a late rest or a client that leaves, the answer ends as the ordinary pa
 from __future__ import annotations
 
 import asyncio
-import socket
 from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 import pytest
-import uvicorn
 
 from llmtap.config.types import Route, Settings
 from llmtap.relay import exchange
 from llmtap.relay.app import create_app
 from llmtap.relay.oneshot import write_whole
 from llmtap.serve.server import uvicorn_config
-from llmtap.wire.messages import End, Raw, decode
+from llmtap.wire.messages import End
+from tests.support.net import uvicorn_serving
+from tests.support.tapes import KeptChannel
 
 BODY = b'{"model":"m","input":"the quick brown fox"}'
 ANSWER = b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5,0.25]}],"model":"m"}'
@@ -32,26 +32,6 @@ CUT = 30
 Script = Callable[[asyncio.StreamWriter, asyncio.Event], Awaitable[None]]
 
 
-class _Channel:
-    """Keeps every message the relay hands over."""
-
-    dropped = 0
-    shards = 1
-
-    def __init__(self) -> None:
-        self.messages: list[Raw] = []
-
-    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0, at_once: bool = False) -> bool:
-        self.messages.append(message)
-        return True
-
-    async def aclose(self) -> None:
-        return None
-
-    def ends(self) -> list[End]:
-        return [m for m in map(decode, self.messages) if isinstance(m, End)]
-
-
 class _Run:
     """One request through a relay under llmtap's listener, to an upstream that answers by ``script``."""
 
@@ -60,7 +40,7 @@ class _Run:
         self.idle = idle
         self.seen_head = asyncio.Event()
         self.upstream_closed = asyncio.Event()
-        self.channel = _Channel()
+        self.channel = KeptChannel()
 
     async def _upstream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -82,26 +62,18 @@ class _Run:
         settings = Settings(routes=(route,))
         if self.idle is not None:
             settings = replace(settings, timeouts=replace(settings.timeouts, idle=self.idle))
-        server = uvicorn.Server(uvicorn_config(create_app(settings, channel=self.channel), settings))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
         try:
-            while not server.started:  # noqa: ASYNC110 - uvicorn's flag, no event to wait on
-                await asyncio.sleep(0.01)
-            reader, writer = await asyncio.open_connection(*sock.getsockname())
-            writer.write(
-                b"POST /v1/embeddings HTTP/1.1\r\nhost: llmtap\r\ncontent-type: application/json\r\n"
-                b"content-length: %d\r\n\r\n%s" % (len(BODY), BODY)
-            )
-            try:
-                return await client(reader, writer, self)
-            finally:
-                writer.close()
+            async with uvicorn_serving(uvicorn_config(create_app(settings, channel=self.channel), settings)) as address:
+                reader, writer = await asyncio.open_connection(*address)
+                writer.write(
+                    b"POST /v1/embeddings HTTP/1.1\r\nhost: llmtap\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(BODY), BODY)
+                )
+                try:
+                    return await client(reader, writer, self)
+                finally:
+                    writer.close()
         finally:
-            server.should_exit = True
-            await serving
-            sock.close()
             up.close()
             await up.wait_closed()
 

@@ -5,13 +5,11 @@ loopback forwards, as uvicorn's rewrite gives it."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any
-
-import uvicorn
 
 from llmtap.config.types import Route, Settings
 from llmtap.serve.server import uvicorn_config
+from tests.support.net import uvicorn_serving
 
 SETTINGS = Settings(routes=(Route(prefix="/", upstream="http://127.0.0.1:9", name="r"),))
 
@@ -29,24 +27,14 @@ async def _seen(forwarded: bool | None) -> tuple[dict[str, Any], bytes]:
 
     config = uvicorn_config(app, SETTINGS) if forwarded is None else uvicorn_config(app, SETTINGS, forwarded=forwarded)
     config.lifespan = "off"
-    server = uvicorn.Server(config)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:  # noqa: ASYNC110 - uvicorn's flag, no event to wait on
-            await asyncio.sleep(0.01)
-        reader, writer = await asyncio.open_connection(*sock.getsockname())
+    async with uvicorn_serving(config) as address:
+        reader, writer = await asyncio.open_connection(*address)
         writer.write(
             b"GET / HTTP/1.1\r\nhost: llmtap\r\nx-forwarded-for: 203.0.113.7\r\nx-forwarded-proto: https\r\n\r\n"
         )
         head = await reader.readuntil(b"\r\n\r\n")
         seen["peer"] = writer.get_extra_info("sockname")
         writer.close()
-    finally:
-        server.should_exit = True
-        await serving
-        sock.close()
     return seen, head
 
 

@@ -3,15 +3,19 @@ server on 127.0.0.1 in a thread of its own, and the wait for a URL to answer."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import uvicorn
 
 #: The lowest port handed out: the ports from here to the kernel's ephemeral range are shared out among the
 #: processes that call ``free_port`` (each pytest-xdist worker its own part).
@@ -122,3 +126,21 @@ def wait_http(
             last = exc
         time.sleep(0.1)
     raise RuntimeError(f"{url} not ready after {timeout:.0f} s: {last}")
+
+
+@contextlib.asynccontextmanager
+async def uvicorn_serving(config: uvicorn.Config) -> AsyncIterator[tuple[str, int]]:
+    """A uvicorn server in this event loop on a loopback port of its own: its address once it has started; told
+    to exit and awaited afterwards."""
+    server = uvicorn.Server(config)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:  # noqa: ASYNC110 - uvicorn's flag, set by its start-up, has no event
+            await asyncio.sleep(0.01)
+        yield sock.getsockname()[:2]
+    finally:
+        server.should_exit = True
+        await serving
+        sock.close()

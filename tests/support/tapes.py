@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from llmtap.wire.messages import End, Raw, decode
 from llmtap.wire.tape import Tape
 
 
@@ -64,3 +65,24 @@ def chat_tape(
         t.fail(fail[0], fail[1], cancelled=fail[2])
     messages.append(t.end_message())
     return t, messages
+
+
+class KeptChannel:
+    """A relay's telemetry channel that keeps every message the relay hands over, for a test to read."""
+
+    dropped = 0
+    shards = 1
+
+    def __init__(self) -> None:
+        self.messages: list[Raw] = []
+
+    def send(self, message: Raw, *, reserve: bool = False, shard: int = 0, at_once: bool = False) -> bool:
+        self.messages.append(message)
+        return True
+
+    async def aclose(self) -> None:
+        return None
+
+    def ends(self) -> list[End]:
+        """The requests' end messages handed over so far."""
+        return [m for m in map(decode, self.messages) if isinstance(m, End)]

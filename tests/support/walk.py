@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import socket
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-import uvicorn
-
 from llmtap.config.types import Route, Settings
 from llmtap.relay.app import create_app
 from llmtap.relay.channel import LocalChannel
 from llmtap.serve.server import uvicorn_config
+from tests.support.net import uvicorn_serving
 
 __all__ = ["PART_SINKS", "Walk", "Walks", "relay_walk"]
 
@@ -181,28 +179,20 @@ async def _walks(inject_usage: bool) -> Walks:
     route = Route(prefix="/", upstream=f"http://127.0.0.1:{up_port}", name="walk", provider="openai")
     settings = Settings(routes=(route,), inject_usage=inject_usage)
     app = create_app(settings, channel=LocalChannel(_NoTelemetry()))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn_config(app, settings))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
     walks = Walks()
     try:
-        while not server.started:  # noqa: ASYNC110 - uvicorn's flag, set by its start-up, has no event
-            await asyncio.sleep(0.01)
-        reader, writer = await asyncio.open_connection(*sock.getsockname())
-        for stream in (False, True):  # warm: the upstream's connection, its origin, every module loaded
-            await _exchange(reader, writer, stream)
-        with walks.plain:
-            plain = await _exchange(reader, writer, False)
-        with walks.streamed:
-            streamed = await _exchange(reader, writer, True)
-        if not plain.startswith(b"HTTP/1.1 200") or not streamed.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"the relay did not answer 200: {plain[:40]!r} {streamed[:40]!r}")
-        writer.close()
+        async with uvicorn_serving(uvicorn_config(app, settings)) as address:
+            reader, writer = await asyncio.open_connection(*address)
+            for stream in (False, True):  # warm: the upstream's connection, its origin, every module loaded
+                await _exchange(reader, writer, stream)
+            with walks.plain:
+                plain = await _exchange(reader, writer, False)
+            with walks.streamed:
+                streamed = await _exchange(reader, writer, True)
+            if not plain.startswith(b"HTTP/1.1 200") or not streamed.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"the relay did not answer 200: {plain[:40]!r} {streamed[:40]!r}")
+            writer.close()
     finally:
-        server.should_exit = True
-        await serving
-        sock.close()
         up.close()
         await up.wait_closed()
     return walks
