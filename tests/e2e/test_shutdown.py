@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -157,36 +158,57 @@ def test_sigterm_cuts_streams_at_the_drain_deadline(
         proxy.close()
 
 
-def test_sigterm_with_a_dead_collector_exits_within_the_flush_bound(upstream: FaultUpstream, tmp_path: Path) -> None:
-    # gRPC to a port nobody listens on: each export retries with backoff for 10 s (the exporter's default).
+def _served_then_stopped(proxy: Llmtap) -> float:
+    """Twenty requests through ``proxy``, then SIGTERM: seconds from the signal to its exit."""
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        for _ in range(20):
+            assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    time.sleep(0.3)  # an export is now under way (stuck retrying, with a dead collector)
+    signalled = time.monotonic()
+    proxy.terminate()
+    return exited(proxy, 15) - signalled
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that takes connections and never answers (a hung server): the kernel completes the handshake into
+    the listening socket's backlog, and nobody ever reads."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("hung", ["collector", "collector and ClickHouse"])
+def test_sigterm_with_a_dead_collector_exits_within_the_flush_bound(
+    upstream: FaultUpstream, silent_port: int, tmp_path: Path, hung: str
+) -> None:
+    # gRPC to a port nobody listens on: each export retries with backoff for 10 s (the exporter's default). With a
+    # ClickHouse that never answers too, the records' sink holds its part of the exit as long as it is let: the
+    # bound is one for the whole flush, not one for each thing that flushes.
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
     env |= {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--flush-timeout", "2", env=env)
+    args = ["--flush-timeout", "2"]
+    if "ClickHouse" in hung:
+        args += ["--record-clickhouse", f"http://127.0.0.1:{silent_port}"]
+    proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", *args, env=env)
     try:
-        with httpx.Client(base_url=proxy.url, timeout=10) as client:
-            for _ in range(20):
-                assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
-        time.sleep(0.3)  # an export is now stuck retrying against the dead collector
-        signalled = time.monotonic()
-        proxy.terminate()
-        end = exited(proxy, 15)
-        took = end - signalled
-        # The control: the same proxy with no collector at all, its exit timed the same way in the same test. A
-        # wait past the flush bound for the exporter's 10 s of retries shows however slow the machine is.
+        took = _served_then_stopped(proxy)
+        # The control: the same proxy with no collector and no ClickHouse, its exit timed the same way in the same
+        # test. A wait past the flush bound (the exporter's 10 s of retries, or one bound for each part) shows
+        # however slow the machine is.
         control = Llmtap(upstream.url, tmp_path / "control.log", "--flush-timeout", "2")
         try:
-            with httpx.Client(base_url=control.url, timeout=10) as client:
-                for _ in range(20):
-                    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
-            time.sleep(0.3)
-            signalled = time.monotonic()
-            control.terminate()
-            plain = exited(control, 15) - signalled
+            plain = _served_then_stopped(control)
         finally:
             control.close()
-        print(f"\nSIGTERM with a dead collector: exited in {took:.2f} s (flush bound 2 s; no collector: {plain:.2f} s)")
+        print(f"\nSIGTERM with a hung {hung}: exited in {took:.2f} s (flush bound 2 s; none: {plain:.2f} s)")
         assert took < 2.0 + plain + max(1.0, plain), (took, plain)
         assert proxy.proc.returncode == 0
-        assert "spans dropped" in proxy.logs()
+        logs = proxy.logs()
+        assert "spans dropped" in logs
+        if "ClickHouse" in hung:
+            # What ClickHouse never took is said, not lost silently.
+            assert "ClickHouse" in logs, logs
     finally:
         proxy.close()

@@ -85,15 +85,16 @@ class Worker:
         return done.wait(timeout)
 
     def stop(self, timeout: float) -> None:
-        """Let the thread take what is queued, then stop it."""
+        """Let the thread take what is queued, then stop it, within ``timeout`` seconds."""
         if self.thread is None:
             return
+        end = time.monotonic() + timeout
         try:
             self.inbox.queue.put(STOP, timeout=timeout)
         except queue.Full:
             log.warning("telemetry: queue still full at shutdown; some records are lost")
             return
-        self.thread.join(timeout)
+        self.thread.join(max(0.0, end - time.monotonic()))
 
     def _run(self) -> None:
         sched.idle_here()

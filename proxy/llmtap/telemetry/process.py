@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -281,13 +282,15 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
         yield Running(admin, AdminLimits(settings, recorder.count_admin), admin_sock)
     finally:
         intake.close()
-        # What the relays sent before they closed is in the queue: record it, then flush within the bound.
+        # What the relays sent before they closed is in the queue: record it, then flush, all within the one bound
+        # (a drain slowed by a busy machine leaves the exporters less time, never the exit more).
+        end = time.monotonic() + settings.timeouts.flush
         await asyncio.to_thread(recorder.close, settings.timeouts.flush)
         if lessons is not None:
             lessons.close()
         if siblings is not None:
             await siblings.aclose()
-        await asyncio.to_thread(providers.shutdown, settings.timeouts.flush)
+        await asyncio.to_thread(providers.shutdown, max(0.0, end - time.monotonic()))
         recorder.losses.tick(final=True)  # the spans the flush could not send, said with their count
 
 

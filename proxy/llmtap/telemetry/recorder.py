@@ -237,16 +237,22 @@ class Recorder:
         return self.worker.flush(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Drain the queue, stop the worker and close the record file."""
+        """Drain the queue, stop the worker and close the record file, all within ``timeout`` seconds: one bound
+        for every step together, not one each (what a sink has not taken by then stays in the journal)."""
+        end = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(0.0, end - time.monotonic())
+
         try:
-            self.worker.stop(timeout)
+            self.worker.stop(left())
             self.upstreams.close()
             if self.forwarder is not None:
-                self.forwarder.close(timeout)
+                self.forwarder.close(left())
             if self.peers is not None:
-                self.peers.close(timeout)
+                self.peers.close(left())
         finally:
-            self.records.close(timeout)
+            self.records.close(left())
             if self.spool is not None:
                 self.spool.close()  # after the sinks: what they did not take stays for the next start
             self.losses.close()

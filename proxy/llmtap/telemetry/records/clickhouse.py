@@ -153,10 +153,11 @@ class ClickHouseSink(QueueWorker[bytes]):
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (within ``timeout``; not at all while ClickHouse is away, so a shutdown does not
-        wait on it), then stop; the rest is dropped and counted."""
+        wait on it), then stop, both within the one ``timeout``; the rest is dropped and counted."""
+        end = time.monotonic() + timeout
         if not self._said_down:
             self.drain(timeout)
-        self._stop(timeout)
+        self._stop(max(0.0, end - time.monotonic()))
 
     # -- the sink's thread --
 

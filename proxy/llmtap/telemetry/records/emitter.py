@@ -4,6 +4,7 @@ which sink has it."""
 from __future__ import annotations
 
 import logging
+import time
 
 from llmtap.analysis.finish import Finished
 from llmtap.telemetry.identity import Identity
@@ -64,9 +65,10 @@ class RecordEmitter:
                 log.exception("telemetry: a record sink could not flush")
 
     def close(self, timeout: float) -> None:
-        """Close every sink."""
+        """Close every sink, all within ``timeout`` seconds."""
+        end = time.monotonic() + timeout
         for sink in self.sinks:
             try:
-                sink.close(timeout)
+                sink.close(max(0.0, end - time.monotonic()))
             except Exception:
                 log.exception("telemetry: a record sink could not close")
