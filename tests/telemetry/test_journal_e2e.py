@@ -22,7 +22,7 @@ from tests.support.procs import Llmtap, Simulator, metric_value
 BODY = {"model": "llmtap-sim", "stream": True, "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
 TAPES_DROPPED = "llmtap_telemetry_tapes_dropped_total"
 #: Why a whole tape is lost (``partial`` and the tap's limits keep a record: not counted here).
-WHOLE = ("channel_full", "queue_full", "evicted", "split", "in_transit", "in_flight")
+WHOLE = ("channel_full", "queue_full", "evicted", "split", "in_transit", "in_flight", "shutdown")
 
 
 @pytest.fixture

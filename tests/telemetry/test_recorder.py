@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -954,6 +955,37 @@ def test_one_reads_messages_are_queued_together_and_turned_away_as_one_by_one(ha
     assert point(h.metrics(), sc.METRIC_REQUESTS).value == 6
 
 
+def test_requests_still_queued_when_the_flush_bound_runs_out_are_counted_lost(
+    harness: HarnessFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocking = Blocking()
+    h = harness(blocking, queue_size=8)
+    rec = h.recorder
+    assert rec.submit(tape_end(1))
+    assert blocking.entered.wait(PATIENCE)  # the worker is stuck inside the first record (a hung exporter)
+    try:
+        rec.submit_all([tape_end(key) for key in range(2, 6)])  # four requests wait behind it
+        with caplog.at_level(logging.WARNING, logger="llmtap.telemetry"):
+            rec.close(0.2)
+        dropped = point(h.metrics(), sc.METRIC_TELEMETRY_DROPPED, **{sc.TELEMETRY_REASON: "shutdown"})
+        assert dropped.value == 4
+        assert rec.dropped == 4
+        assert "4 requests not recorded within the flush bound" in caplog.text
+        assert rec.inbox.queue.qsize() == 0  # taken off: the worker, once free, records none of them twice
+    finally:
+        blocking.release.set()
+    assert rec.recorded <= 1
+
+
+def test_a_worker_done_within_the_bound_loses_nothing_at_close(harness: HarnessFactory) -> None:
+    h = harness()
+    rec = h.recorder
+    rec.submit_all([tape_end(key) for key in range(1, 6)])
+    rec.close(PATIENCE)
+    assert (rec.recorded, rec.dropped) == (5, 0)
+    assert point(h.metrics(), sc.METRIC_TELEMETRY_DROPPED, **{sc.TELEMETRY_REASON: "shutdown"}).value == 0
+
+
 class _Seen:
     """An emitter that notes what it was given, and the summary's cache class at that moment."""
 
@@ -1004,6 +1036,7 @@ def test_relay_gauges_become_additions_and_vanish_with_the_relay(harness: Harnes
         "split": 0,
         "in_transit": 0,
         "in_flight": 0,
+        "shutdown": 0,
     }
     assert rec.relays_ready == {0: True, 1: True}
     rec.take(0, encode_stats(Stats(False, 0, (("default", 1),), (("default", 0),), (), (), ())))

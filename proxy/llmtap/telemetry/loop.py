@@ -84,17 +84,18 @@ class Worker:
             return False
         return done.wait(timeout)
 
-    def stop(self, timeout: float) -> None:
-        """Let the thread take what is queued, then stop it, within ``timeout`` seconds."""
+    def stop(self, timeout: float) -> bool:
+        """Let the thread take what is queued, then stop it, within ``timeout`` seconds; False when it was still at
+        work then (what it had not taken is still queued: ``Inbox.abandon``)."""
         if self.thread is None:
-            return
+            return True
         end = time.monotonic() + timeout
         try:
             self.inbox.queue.put(STOP, timeout=timeout)
         except queue.Full:
-            log.warning("telemetry: queue still full at shutdown; some records are lost")
-            return
+            return False
         self.thread.join(max(0.0, end - time.monotonic()))
+        return not self.thread.is_alive()
 
     def _run(self) -> None:
         sched.idle_here()

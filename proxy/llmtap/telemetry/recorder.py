@@ -245,7 +245,8 @@ class Recorder:
             return max(0.0, end - time.monotonic())
 
         try:
-            self.worker.stop(left())
+            if not self.worker.stop(left()):
+                self._unfinished(self.inbox.abandon())
             self.upstreams.close()
             if self.forwarder is not None:
                 self.forwarder.close(left())
@@ -260,6 +261,20 @@ class Recorder:
                 self.access_log.close()
             if self.content is not None:
                 self.content.close()
+
+    def _unfinished(self, requests: int) -> None:
+        """``requests`` still queued when the exit's bound ran out: kept by the journal for the next start, or lost
+        and counted (``shutdown``), said either way."""
+        if not requests:
+            return
+        if self.spool is not None:
+            log.warning("telemetry: %d requests not recorded within the flush bound: the journal keeps them", requests)
+            return
+        self.drops.unfinished(requests)
+        log.warning(
+            "telemetry: %d requests not recorded within the flush bound (--flush-timeout): lost, counted as shutdown",
+            requests,
+        )
 
     # -- the worker's side (``llmtap.telemetry.loop``) ---------------------------------------------------------
 

@@ -206,6 +206,28 @@ class Inbox:
         self._wake()
         self.queue.put((-1, tl, 0))
 
+    def abandon(self) -> int:
+        """Everything still queued taken off the queue, so that the worker, still at work past the exit's bound,
+        takes no more of it; the number of requests whose ends were among it (records that will not be written)."""
+        q = self.queue
+        with q.mutex:
+            items = list(q.queue)
+            q.queue.clear()
+            q.not_full.notify_all()
+        return sum(1 for entry in items if _ends_a_request(entry))
+
     def taken(self, size: int) -> None:
         """The worker took an item of ``size`` response bytes."""
         self.queued_out += size
+
+
+def _ends_a_request(entry: Any) -> bool:
+    """Whether a queue item is a request's end (a relay's end message, or a journal's timeline played back)."""
+    if not isinstance(entry, tuple) or len(entry) != 3:
+        return False  # the worker's stop
+    item = entry[1]
+    if isinstance(item, Holed):
+        item = item.message
+    if isinstance(item, Timeline):
+        return True
+    return isinstance(item, tuple) and bool(item) and item[0] == END

@@ -35,10 +35,11 @@ log = logging.getLogger("llmtap.telemetry")
 #: was killed, and whose end came to the one started in its place. With a record journal
 #: (``llmtap.telemetry.journal.sequences``): ``in_transit``, a stream's end a relay handed over that never reached the
 #: telemetry process (in the socket when it was killed); ``in_flight``, a request a relay was relaying when it was
-#: killed with the whole tree (its tape never left it).
+#: killed with the whole tree (its tape never left it). ``shutdown``: a request still queued when the exit's flush
+#: bound (``--flush-timeout``) ran out, with no record journal to keep it for the next start.
 TAPE_DROP_REASONS = (
     "channel_full", "queue_full", "evicted", "partial", "inflate_limit", "body_limit", "split", "in_transit",
-    "in_flight",
+    "in_flight", "shutdown",
 )  # fmt: skip
 #: Relays gone whose readiness (``False``) is still told; each relay connection is a source of its own, so a relay
 #: that restarts again and again must not add one each time for as long as the process runs.
@@ -81,6 +82,11 @@ class Drops:
         self.whole += 1
         log.debug("telemetry: dropped a tape (%s) of route %s", reason, route)
         self.count(reason)
+
+    def unfinished(self, n: int) -> None:
+        """``n`` requests still queued when the exit's flush bound ran out (no journal keeps them)."""
+        self.whole += n
+        self.count("shutdown", n)
 
     def end(self) -> None:
         """A stream's end the full queue turned away (the producer's thread)."""
