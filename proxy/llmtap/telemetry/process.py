@@ -290,7 +290,8 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
             lessons.close()
         if siblings is not None:
             await siblings.aclose()
-        await asyncio.to_thread(providers.shutdown, max(0.0, end - time.monotonic()))
+        left = max(0.0, end - time.monotonic())
+        await asyncio.to_thread(providers.shutdown, left, bound=settings.timeouts.flush)
         recorder.losses.tick(final=True)  # the spans the flush could not send, said with their count
 
 

@@ -196,12 +196,13 @@ class Providers:
     span_gate: ExportGate | None = None
     metric_exporter: CountingMetricExporter | None = None
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float = 5.0, *, bound: float | None = None) -> None:
         """Flush and stop everything within ``timeout`` seconds; never raises.
 
         A dead or slow collector can hold an export for its whole timeout, with retries: past the
         deadline the flush is left to its daemon thread, what it still holds is counted as dropped,
-        and the caller goes on (the process exits).
+        and the caller goes on (the process exits). ``bound``: the whole exit's flush bound, of which
+        ``timeout`` is what is left, as the warning says it (default ``timeout``).
         """
         worker = threading.Thread(target=self._shutdown, name="llmtap-telemetry-flush", daemon=True)
         worker.start()
@@ -210,7 +211,7 @@ class Providers:
         if worker.is_alive():
             log.warning(
                 "telemetry: flush not done within %.1f s (collector slow or unreachable); %d spans dropped",
-                timeout,
+                timeout if bound is None else bound,
                 lost,
             )
 
