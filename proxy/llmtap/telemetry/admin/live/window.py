@@ -325,9 +325,10 @@ _Kept = list[Any]
 def _drawn(kept: _Kept) -> dict[str, Any]:
     """A kept request's waterfall, drawn now if it was not yet (and kept drawn). Under the window's lock."""
     record = kept[3]
-    if not isinstance(record, dict):
-        record = kept[3] = draw(kept[2], record)
-    return record  # type: ignore[no-any-return]
+    if isinstance(record, dict):
+        return record
+    drawn = kept[3] = draw(kept[2], record)
+    return drawn
 
 
 @dataclass(slots=True)
