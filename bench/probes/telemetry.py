@@ -36,6 +36,7 @@ revision ``REV`` (extracted to a temporary folder, run in a child process): befo
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -269,12 +270,21 @@ def _live_view(recorder: Recorder, settings: Settings) -> None:
 
 
 def measure_tapes(
-    path: Path, *, pace: float = 0.0, batch: int = 1, serve: bool = False, phases_on: bool = True
+    path: Path,
+    *,
+    pace: float = 0.0,
+    batch: int = 1,
+    serve: bool = False,
+    phases_on: bool = True,
+    freeze: bool = False,
 ) -> dict[str, Any]:
     """CPU per content chunk by phase for the messages captured in ``path``, through the recorder's queue and
     worker; with ``pace``, ``batch`` messages at a time, ``pace`` seconds per message apart. ``serve``: with the
     providers and live view ``llmtap serve`` has under its default settings (no span exporter); ``phases_on``
-    False: the total alone (no function wrapped to time it, so a phase skipped does not skip its timer too)."""
+    False: the total alone (no function wrapped to time it, so a phase skipped does not skip its timer too);
+    ``freeze``: the objects made before the measurement frozen out of the cyclic collector's sight, as ``llmtap
+    serve``'s telemetry process freezes what its start-up made. The collections within the measurement are counted
+    and timed (wall time) by generation either way."""
     from llmtap.analysis import tokens
     from llmtap.config.load import build
     from llmtap.wire.messages import END
@@ -311,6 +321,10 @@ def measure_tapes(
     chunks[0] = 0
     rest = messages[ends[0] + 1 :]
     requests = len(ends) - 1
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    collections = _Collections()
     phases = _Phases.timing() if phases_on else _Phases()
     step = batch if pace else len(rest)
     cpu, wall = time.process_time_ns(), time.perf_counter()
@@ -322,6 +336,7 @@ def measure_tapes(
             time.sleep(pace * step)
     tracer_provider.force_flush()
     cpu, wall = time.process_time_ns() - cpu, time.perf_counter() - wall
+    collections.stop()
     phases.undo()
     recorder.close()
     tracer_provider.shutdown()
@@ -344,7 +359,33 @@ def measure_tapes(
         "us_per_request_total": round(cpu / 1000 / requests, 1),
         "chunks_per_s_per_core": round(total / (cpu / 1e9)),
         "wall_s": round(wall, 2),
+        "frozen": freeze,
+        "collections": collections.by_generation(),
     }
+
+
+class _Collections:
+    """The cyclic collector's runs from now until ``stop``: how many of each generation, and their wall time."""
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        self.runs: dict[int, list[float]] = defaultdict(list)
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.runs[info["generation"]].append(time.perf_counter() - self._started)
+
+    def stop(self) -> None:
+        """Count no more."""
+        gc.callbacks.remove(self._callback)
+
+    def by_generation(self) -> dict[str, dict[str, float]]:
+        """Per generation: how many, and their total wall time in ms."""
+        runs = sorted(self.runs.items())
+        return {str(g): {"count": len(times), "total_ms": round(sum(times) * 1000, 1)} for g, times in runs}
 
 
 def _before(rev: str, requests: int, chunks: int, extra: Sequence[str] = ()) -> dict[str, Any]:
@@ -415,12 +456,23 @@ def main(argv: list[str] | None = None) -> None:
         help="with --tapes: the providers and live view llmtap serve has by default (no span exporter)",
     )
     p.add_argument("--total", action="store_true", help="with --tapes: the total CPU alone, no phase timed")
+    p.add_argument(
+        "--freeze",
+        action="store_true",
+        help="with --tapes: what was made before the measurement frozen out of the collector's sight, as llmtap "
+        "serve's telemetry process freezes what its start-up made",
+    )
     args = p.parse_args(argv)
 
     def one() -> dict[str, Any]:
         if args.tapes is not None:
             return measure_tapes(
-                args.tapes, pace=args.pace, batch=args.batch, serve=args.serve, phases_on=not args.total
+                args.tapes,
+                pace=args.pace,
+                batch=args.batch,
+                serve=args.serve,
+                phases_on=not args.total,
+                freeze=args.freeze,
             )
         return measure(args.requests, args.chunks, pace=args.pace, batch=args.batch)
 
@@ -432,6 +484,7 @@ def main(argv: list[str] | None = None) -> None:
         extra += ["--tapes", str(args.tapes.resolve())]
         extra += ["--serve"] if args.serve else []
         extra += ["--total"] if args.total else []
+        extra += ["--freeze"] if args.freeze else []
     runs = {f"before ({args.before})": _before(args.before, args.requests, args.chunks, extra)}
     runs["after (this tree)"] = one()
     print(json.dumps(runs))

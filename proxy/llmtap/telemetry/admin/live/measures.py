@@ -102,6 +102,10 @@ class Busy:
 
     slots: dict[int, int] = field(default_factory=dict)
     ticks: int = 0
+    #: The smallest slot in ``slots`` (None: none): the slots are looked over for those past the horizon only when
+    #: it is past it (every ``SLOT`` seconds), not at every request (with 180 slots kept, the look cost more than
+    #: the rest of ``add``); the same slots go as when they were looked over every time.
+    low: int | None = None
 
     def add(self, start: float, end: float) -> None:
         """Mark ``start`` to ``end`` (seconds) busy; at least the one tick ``start`` falls in."""
@@ -120,8 +124,13 @@ class Busy:
             new = old | (((1 << (hi - lo)) - 1) << lo)
             self.ticks += new.bit_count() - old.bit_count()
             self.slots[slot] = new
-        for k in [k for k in self.slots if k < oldest]:
-            del self.slots[k]
+        added = first // _TICKS
+        if self.low is None or added < self.low:
+            self.low = added
+        if self.low < oldest:
+            for k in [k for k in self.slots if k < oldest]:
+                del self.slots[k]
+            self.low = min(self.slots, default=None)
 
     def seconds(self, since: float | None = None) -> float:
         """Busy seconds since ``since`` (on the requests' clock), or since start (None)."""

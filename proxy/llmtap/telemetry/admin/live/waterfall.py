@@ -14,7 +14,7 @@ from llmtap.analysis.summary import PROXY, SERVER, Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.labels import clean, clean_or_none
 
-__all__ = ["TICK_CAP", "waterfall"]
+__all__ = ["TICK_CAP", "Facts", "draw", "facts", "waterfall"]
 
 #: Chunk ticks kept per request; past it the rest are counted, not drawn.
 TICK_CAP = 1000
@@ -33,7 +33,71 @@ def _ms(t: float | None) -> float | None:
     return None if t is None else round(t * 1000, 3)
 
 
-def _phases(tl: Timeline, s: Summary) -> list[dict[str, Any]]:
+#: What a waterfall is drawn from, in plain values read off a finished request (``facts``): the live view keeps
+#: these and draws the page's JSON (``draw``) only for the requests someone reads, where building the dict, its
+#: rounded milliseconds and its cleaned labels for every request cost a third of the view's work per request.
+Facts = tuple[Any, ...]
+
+
+def facts(tl: Timeline, s: Summary, *, route: str, model: str, trace: bool) -> Facts:
+    """The values ``draw`` makes one request's waterfall of, read now (the chunk times copied)."""
+    req = tl.request
+    cost = s.cost
+    attribution = tl.attribution
+    return (
+        tl.received_wall_ns,
+        route,
+        model,
+        tl.response_model,
+        req.operation if req else None,
+        tl.provider_name,
+        tl.protocol,
+        tl.path,
+        bool(req and req.stream),
+        tl.status_code,
+        tl.outcome,
+        tl.error_type,
+        s.slo,
+        (s.ttfb, s.ttft, s.tpot, s.e2e, s.ttfot, s.ttst, s.upstream_unattributed),
+        (
+            tl.received,
+            tl.sent if tl.sent is not None else tl.admitted,
+            tl.body_read,
+            tl.first_content,
+            s.proxy_queue,
+            s.upstream_queue,
+            s.upstream_queue_source,
+            s.prefill,
+            s.prefill_source,
+            s.upstream_unattributed,
+            s.decode,
+        ),
+        len(tl.chunk_times),
+        tl.chunk_times[:TICK_CAP],
+        (s.input_tokens, s.input_source, s.output_tokens, s.output_source),
+        (s.cache_read_tokens, s.cache_write_tokens, s.input_size, s.shape, s.cache_class),
+        tl.prompt_version,
+        attribution.get("tenant"),
+        attribution.get("user"),
+        (cost.amount, cost.status) if cost is not None else (None, None),
+        tl.response_id,
+        tl.trace_id if trace else None,
+    )
+
+
+def _phases(
+    r: float,
+    sent: float | None,
+    body_read: float | None,
+    first_content: float | None,
+    proxy_queue: float | None,
+    upstream_queue: float | None,
+    upstream_queue_source: str | None,
+    prefill: float | None,
+    prefill_source: str,
+    upstream_unattributed: float | None,
+    decode: float | None,
+) -> list[dict[str, Any]]:
     """Queue, prefill and decode bars, each placed where that time was spent (as the spans place them).
 
     The proxy's own queue runs from reading the body to admission; the server's queue (reported or
@@ -42,25 +106,23 @@ def _phases(tl: Timeline, s: Summary) -> list[dict[str, Any]]:
     prefill, the upstream time they leave out is a bar of its own between them (``unattributed``), as
     the spans place it.
     """
-    r = tl.received
-    sent = tl.sent if tl.sent is not None else tl.admitted
     out: list[dict[str, Any]] = []
-    if s.proxy_queue and tl.body_read is not None:
-        out.append(_bar("queue", tl.body_read - r, s.proxy_queue, PROXY))
+    if proxy_queue and body_read is not None:
+        out.append(_bar("queue", body_read - r, proxy_queue, PROXY))
     upstream_end = sent
-    if s.upstream_queue is not None and sent is not None:
-        out.append(_bar("queue", sent - r, s.upstream_queue, s.upstream_queue_source or SERVER))
-        upstream_end = sent + s.upstream_queue
-    if s.prefill is not None and tl.first_content is not None:
-        begin = tl.first_content - s.prefill
+    if upstream_queue is not None and sent is not None:
+        out.append(_bar("queue", sent - r, upstream_queue, upstream_queue_source or SERVER))
+        upstream_end = sent + upstream_queue
+    if prefill is not None and first_content is not None:
+        begin = first_content - prefill
         if upstream_end is not None:
             begin = max(begin, upstream_end)
-            if s.upstream_unattributed is not None:
+            if upstream_unattributed is not None:
                 out.append(_bar("unattributed", upstream_end - r, begin - upstream_end, SERVER))
                 out[-1]["class"] = "unattributed"
-        out.append(_bar("prefill", begin - r, tl.first_content - begin, s.prefill_source))
-    if s.decode is not None and tl.first_content is not None:
-        out.append(_bar("decode", tl.first_content - r, s.decode, PROXY))
+        out.append(_bar("prefill", begin - r, first_content - begin, prefill_source))
+    if decode is not None and first_content is not None:
+        out.append(_bar("decode", first_content - r, decode, PROXY))
     return out
 
 
@@ -76,49 +138,58 @@ def _bar(phase: str, start: float, length: float, source: str) -> dict[str, Any]
 
 def waterfall(seq: int, tl: Timeline, s: Summary, *, route: str, model: str, trace: bool) -> dict[str, Any]:
     """The JSON the page draws one request from."""
-    r = tl.received
-    ticks = [round((t - r) * 1000, 2) for t in tl.chunk_times[:TICK_CAP]]
-    req = tl.request
+    return draw(seq, facts(tl, s, route=route, model=model, trace=trace))
+
+
+def draw(seq: int, f: Facts) -> dict[str, Any]:
+    """The JSON the page draws one request from, out of its ``facts``."""
+    (at, route, model, response_model, operation, provider, protocol, path, stream, status, outcome, error_type, slo,
+     latencies, phases, chunks, chunk_times, tokens, cache, prompt_version, tenant, user, cost, response_id,
+     trace_id) = f  # fmt: skip
+    ttfb, ttft, tpot, e2e, ttfot, ttst, unattributed = latencies
+    input_tokens, input_source, output_tokens, output_source = tokens
+    cache_read_tokens, cache_write_tokens, input_size, shape, cache_class = cache
+    r = phases[0]
     return {
         "id": seq,
-        "at": tl.received_wall_ns // 1_000_000,
+        "at": at // 1_000_000,
         "route": route,
         "model": model,
-        "response_model": clean_or_none(tl.response_model),
-        "operation": req.operation if req else None,
-        "provider": tl.provider_name,
-        "protocol": tl.protocol,
-        "path": clean(tl.path),
-        "stream": bool(req and req.stream),
-        "status": tl.status_code,
-        "outcome": tl.outcome,
-        "error_type": clean_or_none(tl.error_type),
-        "slo": s.slo,
-        "ttfb": _ms(s.ttfb),
-        "ttft": _ms(s.ttft),
-        "tpot": _ms(s.tpot),
-        "e2e": _ms(s.e2e),
-        "ttfot": _ms(s.ttfot),
-        "ttst": _ms(s.ttst),
-        "upstream_unattributed": _ms(s.upstream_unattributed),
-        "phases": _phases(tl, s),
-        "chunks": len(tl.chunk_times),
-        "ticks": ticks,
-        "input_tokens": s.input_tokens,
-        "input_source": s.input_source or None,
-        "output_tokens": s.output_tokens,
-        "output_source": s.output_source or None,
-        "cache_read_tokens": s.cache_read_tokens,
-        "cache_write_tokens": s.cache_write_tokens,
-        "input_size": s.input_size,
-        "shape": s.shape,
-        "cache_class": s.cache_class,
-        "prompt_version": tl.prompt_version,
+        "response_model": clean_or_none(response_model),
+        "operation": operation,
+        "provider": provider,
+        "protocol": protocol,
+        "path": clean(path),
+        "stream": stream,
+        "status": status,
+        "outcome": outcome,
+        "error_type": clean_or_none(error_type),
+        "slo": slo,
+        "ttfb": _ms(ttfb),
+        "ttft": _ms(ttft),
+        "tpot": _ms(tpot),
+        "e2e": _ms(e2e),
+        "ttfot": _ms(ttfot),
+        "ttst": _ms(ttst),
+        "upstream_unattributed": _ms(unattributed),
+        "phases": _phases(*phases),
+        "chunks": chunks,
+        "ticks": [round((t - r) * 1000, 2) for t in chunk_times],
+        "input_tokens": input_tokens,
+        "input_source": input_source or None,
+        "output_tokens": output_tokens,
+        "output_source": output_source or None,
+        "cache_read_tokens": cache_read_tokens,
+        "cache_write_tokens": cache_write_tokens,
+        "input_size": input_size,
+        "shape": shape,
+        "cache_class": cache_class,
+        "prompt_version": prompt_version,
         # Who sent it and what it cost: the tenant and user as bounded on the span; USD or why none.
-        "tenant": tl.attribution.get("tenant"),
-        "user": tl.attribution.get("user"),
-        "cost": s.cost.amount if s.cost is not None else None,
-        "cost_status": s.cost.status if s.cost is not None else None,
-        "response_id": clean_or_none(tl.response_id),
-        "trace_id": tl.trace_id if trace else None,
+        "tenant": tenant,
+        "user": user,
+        "cost": cost[0],
+        "cost_status": cost[1],
+        "response_id": clean_or_none(response_id),
+        "trace_id": trace_id,
     }

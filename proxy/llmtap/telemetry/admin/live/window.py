@@ -34,7 +34,7 @@ from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import CANCELLED, ERROR, OK, Timeline
 from llmtap.config.types import SLO
 from llmtap.telemetry.admin.live.measures import HORIZON, QUANTILES, SLOT, TICK, Busy, Hist
-from llmtap.telemetry.admin.live.waterfall import waterfall
+from llmtap.telemetry.admin.live.waterfall import Facts, draw, facts
 from llmtap.telemetry.emit.instruments import DURATION_BUCKETS
 
 __all__ = [
@@ -203,8 +203,10 @@ class Tally:
         self.cancelled += outcome == CANCELLED
         self.slo_met += slo == "met"
         for figure in LATENCIES:
-            hist: Hist = getattr(self, figure)
-            hist.add_many(values[figure])
+            figure_values = values[figure]
+            if figure_values:  # a short request has one or two of the six
+                hist: Hist = getattr(self, figure)
+                hist.add_many(figure_values)
         self.input_tokens += input_tokens  # llmtap.usage.input_tokens
         self.output_tokens += output_tokens  # llmtap.usage.output_tokens
         self.cache_read_tokens += cache_read_tokens  # llmtap.usage.cache_read.input_tokens
@@ -304,6 +306,29 @@ def verdict(tally: Tally, objective: SLO | None, exact: dict[str, list[float] | 
     results = {c["verdict"] for c in checks}
     overall = next((v for v in ("missed", "insufficient", "met") if v in results), "none")
     return {"verdict": overall, "checks": checks}
+
+
+#: ``Entry`` as this process's own requests are taken: the waterfall's ``Facts`` in place of the drawn waterfall.
+_Local = tuple[
+    tuple[str, str, str, str],
+    tuple[Any, ...] | None,
+    Counts,
+    dict[str, list[float]],
+    float,
+    float,
+    Facts,
+]
+#: A kept request: its slot, its series, its id, and its waterfall (drawn, or its facts until first read).
+_Kept = list[Any]
+
+
+def _drawn(kept: _Kept) -> dict[str, Any]:
+    """A kept request's waterfall, drawn now if it was not yet (and kept drawn). Under the window's lock."""
+    record = kept[3]
+    if isinstance(record, dict):
+        return record
+    drawn = kept[3] = draw(kept[2], record)
+    return drawn
 
 
 @dataclass(slots=True)
@@ -412,9 +437,9 @@ class LiveWindow:
         # Latency values kept over all series, and at most.
         self._kept = 0
         self._budget = budget
-        # The kept waterfalls, each with the slot it was recorded in and its series (for the requests behind a
-        # percentile).
-        self._requests: deque[tuple[int, tuple[str, str, str, str], dict[str, Any]]] = deque(maxlen=history)
+        # The kept requests, each with the slot it was recorded in, its series (for the requests behind a
+        # percentile), its id, and its waterfall: drawn when first read, its ``facts`` until then (``_drawn``).
+        self._requests: deque[_Kept] = deque(maxlen=history)
         self._seq = 0
         self._lock = threading.Lock()
         self._subscribers: set[Subscription] = set()
@@ -423,14 +448,23 @@ class LiveWindow:
     # -- the recorder's worker thread ------------------------------------------------------------
 
     def __call__(self, tl: Timeline, s: Summary) -> None:
-        """Count one finished request and keep its waterfall (the listener; the recorder's thread)."""
-        entry = self.entry(tl, s)
-        if entry is not None:
-            self.take(entry)
+        """Count one finished request and keep its waterfall's facts, drawn when read (the listener; the recorder's
+        thread)."""
+        local = self._entry(tl, s)
+        if local is not None:
+            self.take(local)
 
     def entry(self, tl: Timeline, s: Summary) -> Entry | None:
         """What one finished request adds to the window (None: nothing), in values that can travel between
         processes: another telemetry process's requests reach the first one's window so (``take``)."""
+        local = self._entry(tl, s)
+        if local is None:
+            return None
+        key, objective, tally_counts, values, received, end, record = local
+        return key, objective, tally_counts, values, received, end, draw(0, record)
+
+    def _entry(self, tl: Timeline, s: Summary) -> _Local | None:
+        """``entry``, the waterfall as its facts."""
         if tl.protocol is None:
             return None  # a plain relay: no LLM figures, and no metrics either
         if self._skip is not None and self._skip(tl):
@@ -441,11 +475,12 @@ class LiveWindow:
         if s.objective is not None:
             o = s.objective
             objective = (o.ttft, o.tpot, o.e2e, o.percentile, o.shape, o.ttfot, o.ttst)
-        record = waterfall(0, tl, s, route=route, model=model, trace=self.traces)
+        record = facts(tl, s, route=route, model=model, trace=self.traces)
         return ((route, model, s.shape, version), objective, counts(tl, s), samples(tl, s), tl.received, end, record)
 
-    def take(self, entry: Entry) -> None:
-        """Count one request's ``entry`` and keep its waterfall (the recorder's thread)."""
+    def take(self, entry: Entry | _Local) -> None:
+        """Count one request's ``entry`` and keep its waterfall (the recorder's thread): drawn already (an entry of
+        another process) or as its facts (this process's own, drawn when read)."""
         key, objective, tally_counts, values, received, end, record = entry
         now = self._clock()
         slot = math.floor(now / SLOT)
@@ -467,12 +502,15 @@ class LiveWindow:
                 self._prune(series, slot)
             tally.add_request(tally_counts, values)
             for figure in LATENCIES:
-                series.samples[figure].add(slot, values[figure])
-                self._kept += len(values[figure])
+                figure_values = values[figure]
+                if figure_values:
+                    series.samples[figure].add(slot, figure_values)
+                    self._kept += len(figure_values)
             dropped = self._trim() if self._kept > self._budget else 0
             self._seq += 1
-            record["id"] = self._seq
-            self._requests.append((slot, key, record))
+            if isinstance(record, dict):
+                record["id"] = self._seq
+            self._requests.append([slot, key, self._seq, record])
             subscribers = list(self._subscribers)
         if dropped and self._on_drop is not None:
             self._on_drop(dropped)
@@ -537,7 +575,7 @@ class LiveWindow:
                     start = None if window is None else first
                     values = {f: kept.since(start) for f, kept in series.samples.items()}
                     taken.append((key, series, tally, rate_seconds, values))
-            requests = [(key, r) for slot, key, r in self._requests if slot >= first]
+            requests = [(kept[1], _drawn(kept)) for kept in self._requests if kept[0] >= first]
             last = self._seq
         rows: list[dict[str, Any]] = []
         for (route, model, shape, version), series, tally, rate_seconds, values in taken:
@@ -563,12 +601,12 @@ class LiveWindow:
     def since(self, seq: int) -> list[dict[str, Any]]:
         """The kept requests recorded after ``seq``, oldest first."""
         with self._lock:
-            return [r for _, _, r in self._requests if r["id"] > seq]
+            return [_drawn(kept) for kept in self._requests if kept[2] > seq]
 
     def latest(self) -> int:
         """The id of the newest kept request (0: none yet)."""
         with self._lock:
-            return self._requests[-1][2]["id"] if self._requests else 0
+            return self._requests[-1][2] if self._requests else 0
 
     def subscribe(self, loop: asyncio.AbstractEventLoop) -> Subscription:
         """A new stream's wake-up handle."""
