@@ -198,3 +198,34 @@ def test_a_client_gone_or_not_reading_takes_the_ordinary_path(state: str) -> Non
 def test_answers_go_at_once_only_under_a_uvicorn_whose_head_is_the_one_built(version: str, mirrored: bool) -> None:
     """uvicorn before 0.53 copies a client's ``Connection: close`` and never says ``close`` to an HTTP/1.0 client."""
     assert _mirrored(version) is mirrored
+
+
+def test_uvicorn_writes_every_field_unrelayable_passes() -> None:
+    """``Exchange._whole`` vouches (``head_of(writable=True)``) for an answer ``heads.unrelayable`` passed: every
+    byte uvicorn refuses in a name or a value, ``unrelayable`` refuses too."""
+    from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
+
+    from llmtap.relay.heads import unrelayable
+
+    for byte in range(256):
+        one = bytes([byte])
+        if HEADER_RE.search(one):
+            assert unrelayable(200, [(b"x" + one, b"v")]) is not None, one
+        if HEADER_VALUE_RE.search(one):
+            assert unrelayable(200, [(b"x", b"v" + one)]) is not None, one
+
+
+@pytest.mark.skipif(not MIRRORED, reason="an older uvicorn frames the head its own way: no answer goes at once")
+@pytest.mark.parametrize("defaults", [[], DEFAULTS, [(b"x-bad", b"a\nb")]])
+def test_a_head_vouched_for_is_the_head_checked(defaults: list[tuple[bytes, bytes]]) -> None:
+    """With ``writable`` only the server's default headers are searched: the same head, or the same refusal when a
+    default header is one uvicorn refuses."""
+    headers = [(b"Content-Type", b"application/json"), _length(BODY), (b"server-timing", b'llmtap;dur=0.1;desc="p"')]
+    checked, vouched = Cycle(), Cycle()
+    checked.cycle.default_headers = vouched.cycle.default_headers = defaults
+    plain = head_of(checked.cycle, 200, headers, len(BODY))
+    fast = head_of(vouched.cycle, 200, headers, len(BODY), writable=True)
+    if plain is None:
+        assert fast is None and defaults[0][0] == b"x-bad"
+    else:
+        assert fast is not None and (fast.head, fast.keep_alive) == (plain.head, plain.keep_alive)

@@ -21,7 +21,7 @@ from llmtap.wire.framing import frames
 from llmtap.wire.messages import END, SEGMENT, STATS, End, Segment, decode
 from llmtap.wire.socketchannel import GATHER_BYTES
 from llmtap.wire.tape import SEGMENT_BYTES, Tape
-from llmtap.wire.tracecontext import Sampler, begin, parse_traceparent
+from llmtap.wire.tracecontext import Sampler, TraceIds, begin, parse_traceparent
 from tests.support.tapes import chat_tape
 
 ROUTE = Route(prefix="/", upstream="http://upstream:8000", name="default")
@@ -310,6 +310,9 @@ def test_the_relay_continues_the_clients_trace_or_starts_one() -> None:
     root = begin("not a traceparent", sampler)
     assert root.trace_id != child.trace_id and root.sampled
     assert len({begin(None, sampler).span_id for _ in range(1000)}) == 1000
+    # Small ids keep their leading zeros, and the sampled flag reads 01.
+    assert TraceIds(1, 2, True).traceparent == b"00-" + b"0" * 31 + b"1-" + b"0" * 15 + b"2-01"
+    assert parse_traceparent(root.traceparent.decode()) == (root.trace_id, root.span_id, 1)
 
 
 def test_the_relays_sampling_matches_the_sdks() -> None:

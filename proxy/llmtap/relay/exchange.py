@@ -403,7 +403,8 @@ class Exchange:
             return False
         parts = conn.parts
         size = len(parts[0]) if len(parts) == 1 else sum(map(len, parts))
-        whole = head_of(self.cycle, status, out, size)
+        # Every field of ``out`` is writable: the answer's passed ``unrelayable``; the relay's Server-Timing is ASCII.
+        whole = head_of(self.cycle, status, out, size, writable=True)
         if whole is None:
             return False
         tape = self.tape

@@ -21,7 +21,7 @@ never says ``close`` to an HTTP/1.0 client): the head built here is 0.53's and l
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import uvicorn
@@ -64,10 +64,17 @@ class Whole:
         self.keep_alive = keep_alive
 
 
-def head_of(cycle: Any, status: int, headers: Iterable[tuple[bytes, bytes]], size: int) -> Whole | None:
+def head_of(
+    cycle: Any, status: int, headers: Iterable[tuple[bytes, bytes]], size: int, *, writable: bool = False
+) -> Whole | None:
     """The head uvicorn's cycle would write for this answer of ``size`` bytes, as uvicorn writes it (its default
     headers first, names lower-cased, ``connection: close`` when the connection is not kept); None when the
-    answer cannot go at once."""
+    answer cannot go at once.
+
+    ``writable``: the caller vouches that uvicorn writes every field of ``headers`` (the relay's answer passed
+    ``llmtap.relay.heads.unrelayable``, whose checks are uvicorn's and more, and its own Server-Timing is printable
+    ASCII), so only the server's default headers are looked for a field uvicorn refuses: the same answer, a search of
+    each field fewer."""
     if (
         not MIRRORED
         or cycle.response_started
@@ -77,8 +84,10 @@ def head_of(cycle: Any, status: int, headers: Iterable[tuple[bytes, bytes]], siz
         or cycle.scope["method"] == "HEAD"
     ):
         return None
-    fields = (*cycle.default_headers, *headers)
-    if _refused(fields):
+    defaults = cycle.default_headers
+    fields = (*defaults, *headers)
+    looked_at = defaults if writable else fields
+    if looked_at and _refused(looked_at):
         return None  # uvicorn refuses it: the ordinary path fails as it always did
     out = [STATUS_LINE[status]]
     length: bytes | None = None
@@ -114,7 +123,7 @@ def _one_class(pattern: re.Pattern[bytes]) -> bool:
 _JOINABLE = _one_class(HEADER_RE) and _one_class(HEADER_VALUE_RE)
 
 
-def _refused(fields: tuple[tuple[bytes, bytes], ...]) -> bool:
+def _refused(fields: Sequence[tuple[bytes, bytes]]) -> bool:
     """A field uvicorn would refuse to write (its ``send`` raises for it)."""
     if _JOINABLE:
         return (

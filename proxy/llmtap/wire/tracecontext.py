@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from llmtap.wire.tape import new_span_id, new_trace_id
 
-__all__ = ["MAX_TRACEPARENT", "Sampler", "begin", "parse_traceparent"]
+__all__ = ["MAX_TRACEPARENT", "Sampler", "TraceIds", "begin", "parse_traceparent"]
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
 #: The longest ``traceparent`` taken (the OpenTelemetry SDK's propagator ignores a longer one).
@@ -94,8 +94,9 @@ class TraceIds:
 
     @property
     def traceparent(self) -> bytes:
-        """The header value naming this request's root span as the upstream's parent."""
-        return f"00-{self.trace_id:032x}-{self.span_id:016x}-{'01' if self.sampled else '00'}".encode()
+        """The header value naming this request's root span as the upstream's parent (formatted as bytes at once: half
+        the CPU of a ``str`` formatted and then encoded)."""
+        return b"00-%032x-%016x-%s" % (self.trace_id, self.span_id, b"01" if self.sampled else b"00")
 
 
 def begin(traceparent: str | None, sampler: Sampler) -> TraceIds:
