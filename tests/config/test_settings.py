@@ -454,6 +454,20 @@ def test_response_headers_hygiene() -> None:
     assert b"content-length" not in names(response_headers(upstream, body_changed=True))
 
 
+def test_response_headers_with_nothing_to_drop_are_a_copy_of_the_answers() -> None:
+    upstream = [(b"Content-Type", b"application/json"), (b"content-length", b"2"), (b"x-a", b"1")]
+    out = response_headers(upstream, body_changed=False)
+    assert out == upstream and out is not upstream
+    out.append((b"server-timing", b"x"))  # the relay appends to it: the answer's own list stays as it came
+    assert len(upstream) == 3
+    assert names(response_headers(upstream, body_changed=False, status=204)) == [b"content-type", b"x-a"]
+    assert names(response_headers(upstream, body_changed=False, status=304)) == [b"content-type", b"x-a"]
+    encoded = [*upstream, (b"Content-Encoding", b"gzip")]
+    assert names(response_headers(encoded, body_changed=False, decoded=True)) == names(upstream)
+    listed = [*upstream, (b"CONNECTION", b"X-A"), (b"Keep-Alive", b"timeout=5")]
+    assert names(response_headers(listed, body_changed=False)) == [b"content-type", b"content-length"]
+
+
 # --- forward: router ----------------------------------------------------------------------------
 
 

@@ -208,14 +208,24 @@ def response_headers(
     A 204 or 304 goes without Content-Length: a 204 must never carry one (RFC 9110 section 8.6), and a
     304's describes a body that is not sent, which the server below would wait for. ``decoded``: the
     relay sends the body decompressed, so without its Content-Encoding.
+
+    Each name is lowered once; the Connection field's list is read only when there is one, and when no field is to
+    be dropped (a short answer's usual head) the copy goes as it is, without a second pass.
     """
     headers = list(headers)
-    drop = _connection_listed(headers) | HOP_BY_HOP
+    lowered = [name.lower() for name, _ in headers]
+    drop = _connection_listed(headers) | HOP_BY_HOP if b"connection" in lowered else HOP_BY_HOP
     if body_changed or status in BODILESS:
-        drop |= {b"content-length"}
+        drop = drop | _LENGTH
     if decoded:
-        drop |= {b"content-encoding"}
-    return [(k, v) for k, v in headers if k.lower() not in drop]
+        drop = drop | _ENCODING
+    if drop.isdisjoint(lowered):
+        return headers
+    return [field for field, low in zip(headers, lowered, strict=True) if low not in drop]
+
+
+_LENGTH = frozenset({b"content-length"})
+_ENCODING = frozenset({b"content-encoding"})
 
 
 def upstream_url(route: Route, raw_path: bytes, query: bytes) -> str:
