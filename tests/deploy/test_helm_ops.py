@@ -100,16 +100,16 @@ def test_notes_warn_when_replicas_share_no_attribution_key() -> None:
 
 def test_the_grace_period_is_the_shutdown_budget() -> None:
     timeouts = DEFAULTS["config"]["timeouts"]
-    budget = DEFAULTS["preStopSleepSeconds"] + timeouts["drain"] + 2 * timeouts["flush"] + 5
+    budget = DEFAULTS["preStopSleepSeconds"] + timeouts["drain"] + timeouts["flush"] + 5
     assert DEFAULTS["terminationGracePeriodSeconds"] is None
     assert _pod({})["terminationGracePeriodSeconds"] == budget
     # It follows the values it is made of.
     longer = {"preStopSleepSeconds": 10, "config": {"timeouts": {"drain": 120, "flush": 2.5}}}
-    assert _pod(longer)["terminationGracePeriodSeconds"] == 10 + 120 + 2 * 3 + 5
+    assert _pod(longer)["terminationGracePeriodSeconds"] == 10 + 120 + 3 + 5
     # A value at least the budget is kept; a shorter one is refused with the sum named.
     assert _pod({"terminationGracePeriodSeconds": budget + 30})["terminationGracePeriodSeconds"] == budget + 30
-    with pytest.raises(Exception, match=f"terminationGracePeriodSeconds 45 is less than the shutdown budget {budget}"):
-        manifests({"terminationGracePeriodSeconds": 45})
+    with pytest.raises(Exception, match=f"terminationGracePeriodSeconds 44 is less than the shutdown budget {budget}"):
+        manifests({"terminationGracePeriodSeconds": 44})
 
 
 def test_the_budget_is_what_llmtap_reads() -> None:

@@ -114,12 +114,12 @@ key: {{ index . 4 }}
 {{- end }}
 
 {{/* The shutdown budget, seconds: the pre-stop wait, llmtap's drain of open streams, its telemetry flush (recording
-what the relays handed over, then the exporters, each bounded by timeouts.flush: so twice that when the collector
-does not answer) and 5 s of margin for the processes' own exit. terminationGracePeriodSeconds is this when null,
+what the relays handed over, then the exporters, all within the one bound timeouts.flush, however many parts do not
+answer) and 5 s of margin for the processes' own exit. terminationGracePeriodSeconds is this when null,
 and may not be less when given. */}}
 {{- define "llmtap.shutdownBudget" -}}
 {{- $timeouts := .Values.config.timeouts }}
-{{- add .Values.preStopSleepSeconds (ceil $timeouts.drain) (mul 2 (ceil $timeouts.flush)) 5 }}
+{{- add .Values.preStopSleepSeconds (ceil $timeouts.drain) (ceil $timeouts.flush) 5 }}
 {{- end }}
 
 {{/* terminationGracePeriodSeconds: the value given (checked against the budget) or the budget. */}}
@@ -129,7 +129,7 @@ and may not be less when given. */}}
 {{- if kindIs "invalid" $given }}
 {{- $budget }}
 {{- else if lt (int $given) $budget }}
-{{- fail (printf "terminationGracePeriodSeconds %v is less than the shutdown budget %v s: preStopSleepSeconds %v + config.timeouts.drain %v + 2 x config.timeouts.flush %v + 5 s of margin (null: the budget)" $given $budget .Values.preStopSleepSeconds .Values.config.timeouts.drain .Values.config.timeouts.flush) }}
+{{- fail (printf "terminationGracePeriodSeconds %v is less than the shutdown budget %v s: preStopSleepSeconds %v + config.timeouts.drain %v + config.timeouts.flush %v + 5 s of margin (null: the budget)" $given $budget .Values.preStopSleepSeconds .Values.config.timeouts.drain .Values.config.timeouts.flush) }}
 {{- else }}
 {{- $given }}
 {{- end }}
