@@ -8,6 +8,7 @@ than the test), so a span that arrives proves the flush ran after the stream end
 from __future__ import annotations
 
 import hashlib
+import re
 import socket
 import threading
 import time
@@ -208,7 +209,8 @@ def test_sigterm_with_a_dead_collector_exits_within_the_flush_bound(
         logs = proxy.logs()
         assert "spans dropped" in logs
         if "ClickHouse" in hung:
-            # What ClickHouse never took is said, not lost silently.
-            assert "ClickHouse" in logs, logs
+            # What ClickHouse never took is counted and said, not lost silently: the records its sink held (or, on a
+            # machine too busy for the recorder to reach them within the bound, the requests still queued).
+            assert re.search(r"[1-9]\d* (records lost \(clickhouse_unsent\)|tapes lost \(shutdown\))", logs), logs
     finally:
         proxy.close()

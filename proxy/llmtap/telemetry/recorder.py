@@ -238,7 +238,8 @@ class Recorder:
 
     def close(self, timeout: float = 5.0) -> None:
         """Drain the queue, stop the worker and close the record file, all within ``timeout`` seconds: one bound
-        for every step together, not one each (what a sink has not taken by then stays in the journal)."""
+        for every step together, not one each (what a sink has not taken by then is counted lost by the sink, or
+        stays in the record journal when there is one)."""
         end = time.monotonic() + timeout
 
         def left() -> float:
