@@ -21,8 +21,9 @@ from llmtap.providers.openai_common import (
     prompt_text,
     request_params,
 )
+from llmtap.providers.protocol import ForwardsUnchanged
 from llmtap.providers.sse import Event
-from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
+from llmtap.types import Facts, RequestInfo, Usage
 
 __all__ = ["AnthropicMessages"]
 
@@ -112,22 +113,16 @@ def _prompt(obj: JSONObject) -> str:
     return prompt_text(system=obj.get("system"), messages=obj.get("messages"), tools=obj.get("tools"))
 
 
-class AnthropicMessages:
-    """The Anthropic Messages protocol."""
+class AnthropicMessages(ForwardsUnchanged):
+    """The Anthropic Messages protocol; its streams always carry usage (D.4), so requests go unchanged."""
 
     name: str = "anthropic"
     family: str = "anthropic"
     framing: Framing = "sse"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/messages``, except OpenAI Assistants' ``…/threads/{id}/messages``."""
         return matches_suffix(method, path, "/messages") and "/threads/" not in path
-
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """Messages streams always carry usage: never changed."""
-        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag, params (top_k included) and prompt text; never rewritten."""

@@ -23,9 +23,10 @@ from llmtap.providers.openai_common import (
     matches_suffix,
     openai_end_user,
 )
+from llmtap.providers.protocol import ForwardsUnchanged
 from llmtap.providers.sse import Event
 from llmtap.providers.timing import from_body
-from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
+from llmtap.types import Facts, RequestInfo, Usage
 
 __all__ = ["OllamaEmbed", "OpenAIEmbeddings"]
 
@@ -83,22 +84,19 @@ def _ollama_facts(obj: JSONObject) -> Facts:
     )
 
 
-class OpenAIEmbeddings:
-    """OpenAI's Embeddings API (and every server that copies it: vLLM, llama.cpp, TEI's OpenAI route)."""
+class OpenAIEmbeddings(ForwardsUnchanged):
+    """OpenAI's Embeddings API (and every server that copies it: vLLM, llama.cpp, TEI's OpenAI route).
+
+    The answer always carries its usage, so requests go unchanged.
+    """
 
     name: str = "openai_embeddings"
     family: str = "openai"
     framing: Framing = "sse"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/embeddings``, except Ollama's ``…/api/embeddings``."""
         return matches_suffix(method, path, "/embeddings") and not matches_suffix(method, path, "/api/embeddings")
-
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """Never changed: the answer always carries its usage."""
-        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, the input's text and the end user; never a stream."""
@@ -122,22 +120,16 @@ class OpenAIEmbeddings:
         return Facts() if obj is None else _openai_facts(obj)
 
 
-class OllamaEmbed:
-    """Ollama's ``/api/embed`` (and its older ``/api/embeddings``)."""
+class OllamaEmbed(ForwardsUnchanged):
+    """Ollama's ``/api/embed`` (and its older ``/api/embeddings``); its requests go unchanged, like its generation's."""
 
     name: str = "ollama_embed"
     family: str = "ollama"
     framing: Framing = "ndjson"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/api/embed`` or ``…/api/embeddings``."""
         return matches_suffix(method, path, "/api/embed") or matches_suffix(method, path, "/api/embeddings")
-
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """Never changed."""
-        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model and the input's text (``input``, or the older endpoint's ``prompt``); never a stream."""

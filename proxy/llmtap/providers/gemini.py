@@ -35,8 +35,9 @@ from llmtap.providers.openai_common import (
     matches_suffix,
     request_params,
 )
+from llmtap.providers.protocol import ForwardsUnchanged
 from llmtap.providers.sse import Event
-from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
+from llmtap.types import Facts, RequestInfo, Usage
 
 __all__ = ["Gemini", "model_from_path"]
 
@@ -223,14 +224,15 @@ class GeminiStreamParser:
         return response_facts(obj, self._usage)
 
 
-class Gemini:
-    """The generateContent protocol, as the Gemini API (``gcp.gemini``) or Vertex AI (``gcp.vertex_ai``)."""
+class Gemini(ForwardsUnchanged):
+    """The generateContent protocol, as the Gemini API (``gcp.gemini``) or Vertex AI (``gcp.vertex_ai``).
+
+    Gemini reports usage without being asked, so requests go unchanged.
+    """
 
     name: str = "gemini"
     # A stream without ``alt=sse`` is an ``application/json`` array sent piece by piece.
     framing: Framing = "json-array"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def __init__(self, *, vertex: bool) -> None:
         self._vertex = vertex
@@ -241,10 +243,6 @@ class Gemini:
         if not (matches_suffix(method, path, _STREAM) or matches_suffix(method, path, _WHOLE)):
             return False
         return ("/projects/" in path) == self._vertex
-
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """Gemini reports usage without being asked: never changed."""
-        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model and stream flag from the path; ``generationConfig`` params and prompt text from the body."""

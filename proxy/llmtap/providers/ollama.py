@@ -34,9 +34,10 @@ from llmtap.providers.openai_common import (
     prompt_text,
     request_params,
 )
+from llmtap.providers.protocol import ForwardsUnchanged
 from llmtap.providers.sse import Event
 from llmtap.providers.timing import NS, FieldMap, from_body
-from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
+from llmtap.types import Facts, RequestInfo, Usage
 
 __all__ = ["OLLAMA_TIMING", "Ollama"]
 
@@ -114,13 +115,14 @@ class OllamaStreamParser:
         return line_facts(obj)
 
 
-class Ollama:
-    """One of Ollama's two generation endpoints; they differ only in request shape and operation name."""
+class Ollama(ForwardsUnchanged):
+    """One of Ollama's two generation endpoints; they differ only in request shape and operation name.
+
+    Ollama reports usage in its final event, so requests go unchanged.
+    """
 
     family: str = "ollama"
     framing: Framing = "ndjson"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def __init__(self, *, generate: bool) -> None:
         self._generate = generate
@@ -131,10 +133,6 @@ class Ollama:
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/api/chat`` (or ``…/api/generate``)."""
         return matches_suffix(method, path, self._suffix)
-
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """Ollama reports usage in its final event: never changed."""
-        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag (true unless ``"stream": false``), ``options`` params and prompt text."""

@@ -23,8 +23,9 @@ from llmtap.providers.openai_common import (
     request_params,
     usage_from_openai,
 )
+from llmtap.providers.protocol import ForwardsUnchanged
 from llmtap.providers.sse import Event
-from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo
+from llmtap.types import Facts, RequestInfo
 
 __all__ = ["OpenAIResponses"]
 
@@ -111,22 +112,16 @@ def _prompt(obj: JSONObject) -> str:
     return prompt_text(system=obj.get("instructions"), messages=obj.get("input"), tools=obj.get("tools"))
 
 
-class OpenAIResponses:
-    """The Responses protocol."""
+class OpenAIResponses(ForwardsUnchanged):
+    """The Responses protocol; it has no include_usage option and needs none (usage always arrives)."""
 
     name: str = "openai_responses"
     family: str = "openai"
     framing: Framing = "sse"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/responses``."""
         return matches_suffix(method, path, "/responses")
-
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """The Responses API has no include_usage option: never changed."""
-        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag, params and prompt text; never rewritten (usage always arrives)."""
