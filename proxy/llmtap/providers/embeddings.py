@@ -9,22 +9,21 @@ counted offline. The input's text stands for the prompt (what tiktoken counts wh
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from llmtap.providers.base import Framing, StreamParser
 from llmtap.providers.ollama import OLLAMA_TIMING
 from llmtap.providers.openai_common import (
     JSONObject,
+    ObjectStreamParser,
     as_count,
     as_dict,
     as_str,
+    body_facts,
     error_facts,
     load_object,
     matches_suffix,
     openai_end_user,
 )
 from llmtap.providers.protocol import ForwardsUnchanged
-from llmtap.providers.sse import Event
 from llmtap.providers.timing import from_body
 from llmtap.types import Facts, RequestInfo, Usage
 
@@ -41,21 +40,6 @@ def _input_text(value: object) -> str:
     if isinstance(value, list):
         return "\n".join(v for v in value if isinstance(v, str))
     return ""
-
-
-class _Whole:
-    """Embeddings answers are whole bodies; a server that framed one as events gets each read as one."""
-
-    def __init__(self, facts: Callable[[JSONObject], Facts]) -> None:
-        self.malformed = 0
-        self._facts = facts
-
-    def feed(self, event: Event) -> Facts | None:
-        obj, _ = load_object(event.data)
-        if obj is None:
-            self.malformed += 1
-            return None
-        return self._facts(obj)
 
 
 def _openai_facts(obj: JSONObject) -> Facts:
@@ -112,12 +96,11 @@ class OpenAIEmbeddings(ForwardsUnchanged):
 
     def stream_parser(self) -> StreamParser:
         """Embeddings do not stream: an answer framed as events is read event by event all the same."""
-        return _Whole(_openai_facts)
+        return ObjectStreamParser(_openai_facts)
 
     def parse_body(self, body: bytes) -> Facts:
         """Facts of an ``embedding`` list (its usage and model) or of an error body."""
-        obj, _ = load_object(body)
-        return Facts() if obj is None else _openai_facts(obj)
+        return body_facts(body, _openai_facts)
 
 
 class OllamaEmbed(ForwardsUnchanged):
@@ -141,9 +124,8 @@ class OllamaEmbed(ForwardsUnchanged):
 
     def stream_parser(self) -> StreamParser:
         """Embeddings do not stream: an answer framed as lines is read line by line all the same."""
-        return _Whole(_ollama_facts)
+        return ObjectStreamParser(_ollama_facts)
 
     def parse_body(self, body: bytes) -> Facts:
         """Facts of an ``/api/embed`` answer (``prompt_eval_count``, durations) or of ``{"error": ...}``."""
-        obj, _ = load_object(body)
-        return Facts() if obj is None else _ollama_facts(obj)
+        return body_facts(body, _ollama_facts)

@@ -23,10 +23,12 @@ The Gemini API (``generativelanguage.googleapis.com``, paths ``/v1beta/models/..
 from __future__ import annotations
 
 import json
+from functools import partial
 
 from llmtap.providers.base import Framing, StreamParser
 from llmtap.providers.openai_common import (
     JSONObject,
+    ObjectStreamParser,
     as_count,
     as_dict,
     as_str,
@@ -36,7 +38,6 @@ from llmtap.providers.openai_common import (
     request_params,
 )
 from llmtap.providers.protocol import ForwardsUnchanged
-from llmtap.providers.sse import Event
 from llmtap.types import Facts, RequestInfo, Usage
 
 __all__ = ["Gemini", "model_from_path"]
@@ -208,22 +209,6 @@ def _fold(total: Facts, facts: Facts) -> None:
     total.done |= facts.done
 
 
-class GeminiStreamParser:
-    """Reads one stream's ``GenerateContentResponse`` chunks (SSE events or JSON-array elements)."""
-
-    def __init__(self) -> None:
-        self.malformed = 0
-        self._usage: dict[str, int] = {}
-
-    def feed(self, event: Event) -> Facts | None:
-        """Facts of one chunk; None for an event that is not a JSON object."""
-        obj, _ = load_object(event.data)
-        if obj is None:
-            self.malformed += 1
-            return None
-        return response_facts(obj, self._usage)
-
-
 class Gemini(ForwardsUnchanged):
     """The generateContent protocol, as the Gemini API (``gcp.gemini``) or Vertex AI (``gcp.vertex_ai``).
 
@@ -266,8 +251,11 @@ class Gemini(ForwardsUnchanged):
         )
 
     def stream_parser(self) -> StreamParser:
-        """A parser for one stream, SSE or JSON array."""
-        return GeminiStreamParser()
+        """A parser for one stream's ``GenerateContentResponse`` chunks, SSE events or JSON-array elements.
+
+        The usage reported so far is the stream's own: usage is cumulative, each chunk's folded into it.
+        """
+        return ObjectStreamParser(partial(response_facts, reported={}))
 
     def parse_body(self, body: bytes) -> Facts:
         """Facts of a whole response, of an error body, or of a whole streamed array read at once."""

@@ -25,9 +25,11 @@ import json
 from llmtap.providers.base import Framing, StreamParser
 from llmtap.providers.openai_common import (
     JSONObject,
+    ObjectStreamParser,
     as_count,
     as_dict,
     as_str,
+    body_facts,
     error_facts,
     load_object,
     matches_suffix,
@@ -35,7 +37,6 @@ from llmtap.providers.openai_common import (
     request_params,
 )
 from llmtap.providers.protocol import ForwardsUnchanged
-from llmtap.providers.sse import Event
 from llmtap.providers.timing import NS, FieldMap, from_body
 from llmtap.types import Facts, RequestInfo, Usage
 
@@ -100,21 +101,6 @@ def line_facts(obj: JSONObject) -> Facts:
     )
 
 
-class OllamaStreamParser:
-    """Reads the lines of one Ollama stream; each line stands alone, so it keeps no state."""
-
-    def __init__(self) -> None:
-        self.malformed = 0
-
-    def feed(self, event: Event) -> Facts | None:
-        """Facts of one line; None for a line that is not a JSON object."""
-        obj, _ = load_object(event.data)
-        if obj is None:
-            self.malformed += 1
-            return None
-        return line_facts(obj)
-
-
 class Ollama(ForwardsUnchanged):
     """One of Ollama's two generation endpoints; they differ only in request shape and operation name.
 
@@ -153,10 +139,9 @@ class Ollama(ForwardsUnchanged):
         )
 
     def stream_parser(self) -> StreamParser:
-        """A parser for one NDJSON stream."""
-        return OllamaStreamParser()
+        """A parser for one NDJSON stream; each line stands alone, so it keeps no state."""
+        return ObjectStreamParser(line_facts)
 
     def parse_body(self, body: bytes) -> Facts:
         """Facts of a ``"stream": false`` body or an error body ``{"error": "..."}``."""
-        obj, _ = load_object(body)
-        return Facts() if obj is None else line_facts(obj)
+        return body_facts(body, line_facts)
