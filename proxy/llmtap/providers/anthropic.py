@@ -119,6 +119,7 @@ def _regions(obj: JSONObject) -> list[PromptRegion]:
 
 
 def _end_user(obj: JSONObject) -> str | None:
+    # Messages names the end user in ``metadata.user_id``, where OpenAI has ``user``.
     return as_str(as_dict(obj.get("metadata")).get("user_id"))
 
 

@@ -104,7 +104,7 @@ class OpenAIEmbeddings(ForwardsUnchanged):
 
 
 class OllamaEmbed(ForwardsUnchanged):
-    """Ollama's ``/api/embed`` (and its older ``/api/embeddings``); its requests go unchanged, like its generation's."""
+    """Ollama's ``/api/embed`` (and its older ``/api/embeddings``); usage comes unasked, so requests go unchanged."""
 
     name: str = "ollama_embed"
     family: str = "ollama"

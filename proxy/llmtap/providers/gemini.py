@@ -253,7 +253,7 @@ class Gemini(ForwardsUnchanged):
     def stream_parser(self) -> StreamParser:
         """A parser for one stream's ``GenerateContentResponse`` chunks, SSE events or JSON-array elements.
 
-        The usage reported so far is the stream's own: usage is cumulative, each chunk's folded into it.
+        Each stream keeps its own usage so far: every chunk repeats the counts, folded field by field into it.
         """
         return ObjectStreamParser(partial(response_facts, reported={}))
 

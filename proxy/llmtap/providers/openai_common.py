@@ -1,4 +1,4 @@
-"""Helpers shared by the JSON wire protocols: tolerant parsing, usage, errors, request params, prompt text.
+"""Helpers shared by the JSON wire protocols: tolerant parsing, usage, errors, requests, prompt text, bodies.
 
 Named for the OpenAI family, whose Chat Completions and legacy Completions share a chunk shape
 (standards D.1, D.2); the tolerant-JSON, params and prompt-text helpers serve Anthropic as well.
