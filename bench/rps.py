@@ -5,8 +5,11 @@
 whole process tree (relay and telemetry, default settings: no OTLP endpoint, no records) on the same core, the
 upstream and the load generators on the other core; ``llmtap:spare`` is the same llmtap with a core to spare, its
 telemetry process moved to the other core (beside the client), as a deployment without a one-core limit runs it.
-The paths take each measurement in turn (direct, nginx, llmtap, llmtap:spare, then the next measurement), so a
-shared machine's drift lands on all of them alike.
+The floors, on the proxy's core as well, are what any Python relay pays a request on this machine, measured in the
+same run: ``floor`` the thinnest HTTP/1.1 relay (``bench.probes.thin_http``: each head parsed and written again,
+nothing else), ``floor:bytes`` bytes passed with no parsing at all (``bench.probes.thin_relay``). The paths take
+each measurement in turn (direct, nginx, the floors, llmtap, llmtap:spare, then the next measurement), so a shared
+machine's drift lands on all of them alike.
 
 - Closed loop (``wrk``, one thread, keep-alive): 1 and 16 connections, each for ``seconds``: requests/s, and
   ``wrk``'s latency p50 and p99. Beside each path's figures, its tree's CPU per request (from ``/proc``, read until
@@ -41,7 +44,9 @@ from tests.support.proctree import Service, pin_threads, pinned
 #: The request every path gets: an embeddings call, as short as the answer.
 BODY = '{"model":"bench","input":"the quick brown fox"}'
 PATH = "/v1/embeddings"
-RPS_PATHS = ("direct", "nginx", "llmtap", "llmtap:spare")
+RPS_PATHS = ("direct", "nginx", "floor", "floor:bytes", "llmtap", "llmtap:spare")
+#: The floors' modules: the thinnest HTTP/1.1 relay Python can be, and bytes passed with no parsing at all.
+FLOORS = {"floor": "bench.probes.thin_http", "floor:bytes": "bench.probes.thin_relay"}
 #: The direct path's open loop must answer every request, at the rate asked within this share.
 RATE_SLACK = 0.02
 
@@ -113,6 +118,8 @@ class Rig:
                 ep = peers.nginx(self.work, self.proxy_cpu, port)
                 assert ep.service is not None
                 self.keep(path, ep.service, ep.url.replace("/v1/chat/completions", PATH))
+            elif path in FLOORS:
+                self.keep(path, *self.floor(FLOORS[path], port))
             elif path == "llmtap":
                 self.keep(path, *self.llmtap(port))
             elif path == "llmtap:spare":
@@ -152,6 +159,14 @@ class Rig:
         svc = Service(name, argv, log=self.work / f"{name}.log", cpu=self.proxy_cpu, env=env)
         svc.ready(lambda: wait_http(f"http://127.0.0.1:{admin}/readyz", 60, alive=lambda: svc.proc.poll() is None))
         self.admins[name] = admin
+        return svc, f"http://127.0.0.1:{port}{PATH}"
+
+    def floor(self, module: str, upstream_port: int) -> tuple[Service, str]:
+        """A floor relay (``module``) on the proxy's core: what any Python relay pays a request on this machine."""
+        argv = [sys.executable, "-m", module, "--upstream-port", str(upstream_port)]
+        name = module.rsplit(".", 1)[-1].replace("_", "-")
+        svc = Service(name, argv, log=self.work / f"{name}.log", cpu=self.proxy_cpu, env=_env())
+        port = svc.ready(lambda: int(svc.read_line()))
         return svc, f"http://127.0.0.1:{port}{PATH}"
 
     def stop(self) -> None:
@@ -282,7 +297,7 @@ def _f(value: Any, digits: int = 2) -> str:
 def closed_line(row: dict[str, Any]) -> str:
     """A one-line progress report of a closed-loop measurement."""
     return (
-        f"rps {row['path']:>7} x{row['connections']:<3} {row['requests_per_s']:>9,.0f} req/s "
+        f"rps {row['path']:>12} x{row['connections']:<3} {row['requests_per_s']:>9,.0f} req/s "
         f"p50 {row['p50_ms']:.3f} p99 {row['p99_ms']:.3f} ms errors {row['errors']} "
         f"cpu/req {_f(row.get('cpu_us_per_request'), 0)} µs"
     )
@@ -292,7 +307,7 @@ def open_line(row: dict[str, Any]) -> str:
     """A one-line progress report of an open-loop measurement."""
     lat = row["latency_ms"]
     return (
-        f"rps {row['path']:>7} @{row['rate']:<5} {row['achieved_rate']:>7,.0f} req/s "
+        f"rps {row['path']:>12} @{row['rate']:<5} {row['achieved_rate']:>7,.0f} req/s "
         f"p50 {lat['p50']:.3f} p99 {lat['p99']:.3f} ms late p99 {row['late_ms']['p99']:.3f} ms "
         f"lost {row['lost']} errors {row['errors']} cpu/req {_f(row.get('cpu_us_per_request'), 0)} µs"
     )

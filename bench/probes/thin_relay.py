@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from typing import Any
 
 import uvloop
+
+__all__ = ["Down", "serve"]
 
 _LAST_CHUNK = b"0\r\n\r\n"
 
@@ -23,7 +26,7 @@ _LAST_CHUNK = b"0\r\n\r\n"
 class _Up(asyncio.Protocol):
     """The upstream side of one client connection: each read goes straight to the client."""
 
-    def __init__(self, down: _Down) -> None:
+    def __init__(self, down: Down) -> None:
         self.down = down
         self.transport: asyncio.Transport | None = None
 
@@ -43,15 +46,20 @@ class _Up(asyncio.Protocol):
             self.down.transport.close()
 
 
-class _Down(asyncio.Protocol):
-    """One client connection; its bytes go upstream as they arrive (the first ones once the upstream is open)."""
+class Down(asyncio.Protocol):
+    """One client connection; its bytes go upstream as they arrive (the first ones once the upstream is open).
+    ``bench.probes.thin_http`` keeps the connections and changes what goes up (``upstream``, ``data_received``)."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.transport: asyncio.Transport | None = None
-        self.up: _Up | None = None
+        self.up: Any = None
         self.pending: list[bytes] = []
         self.reads: list[float] = []
+
+    def upstream(self) -> asyncio.Protocol:
+        """The protocol of this connection's upstream side."""
+        return _Up(self)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -59,18 +67,21 @@ class _Down(asyncio.Protocol):
 
     async def _open(self) -> None:
         loop = asyncio.get_running_loop()
-        _, up = await loop.create_connection(lambda: _Up(self), "127.0.0.1", self.port)
-        self.up = up
-        assert up.transport is not None
+        transport, self.up = await loop.create_connection(self.upstream, "127.0.0.1", self.port)
         for data in self.pending:
-            up.transport.write(data)
+            transport.write(data)
         self.pending.clear()
 
-    def data_received(self, data: bytes) -> None:
-        if self.up is None or self.up.transport is None:
+    def send_up(self, data: bytes) -> None:
+        """``data`` to the upstream, or kept until its connection is open."""
+        up = self.up
+        if up is None or up.transport is None:
             self.pending.append(data)
         else:
-            self.up.transport.write(data)
+            up.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        self.send_up(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -81,7 +92,7 @@ class _Down(asyncio.Protocol):
 async def serve(upstream_port: int) -> None:
     """Listen on a free port of 127.0.0.1, print it, relay until killed."""
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Down(upstream_port), "127.0.0.1", 0)
+    server = await loop.create_server(lambda: Down(upstream_port), "127.0.0.1", 0)
     print(server.sockets[0].getsockname()[1], flush=True)
     await server.serve_forever()
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 
+from bench.rps import FLOORS
 from tests.conftest import require_real
 
 ROOT = Path(__file__).parents[2]
-PATHS = ("direct", "nginx", "llmtap", "llmtap:spare")
+PATHS = ("direct", "nginx", "floor", "floor:bytes", "llmtap", "llmtap:spare")
 #: The smoke plan's connection counts and rates (bench/rps.py's SMOKE).
 CONNECTIONS = (1, 4)
 RATES = (300,)
@@ -66,7 +67,7 @@ def test_closed_loop_measures_every_path_at_every_connection_count(rps: tuple[di
         assert r["cpu_relay_us_per_request"] + r["cpu_telemetry_us_per_request"] == pytest.approx(
             r["cpu_us_per_request"]
         ), r
-        if r["path"] == "nginx":
+        if r["path"] == "nginx" or r["path"] in FLOORS:
             assert r["cpu_telemetry_us_per_request"] == 0, r
         else:
             # Read off llmtap's /metrics around the measurement: a count, never below zero.

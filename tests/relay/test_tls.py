@@ -16,7 +16,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,6 @@ from typing import Any
 import httpx
 import pytest
 import trustme
-import uvloop
 
 from llmtap import cli
 from llmtap.config.load import build
@@ -37,17 +36,6 @@ from tests.conftest import PATIENCE, Running, Telemetry
 
 # Every byte value, and a length that spans several TLS records.
 BODY = bytes(range(256)) * 300
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def run(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, None]], None]:
-    def go(scenario: Coroutine[Any, Any, None]) -> None:
-        if request.param == "uvloop":
-            uvloop.run(scenario)
-        else:
-            asyncio.run(scenario)
-
-    return go
 
 
 @dataclass

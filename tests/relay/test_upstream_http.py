@@ -17,12 +17,11 @@ import threading
 import time
 import tomllib
 from array import array
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
-import uvloop
 
 from llmtap.config.types import Route, Settings
 from llmtap.relay.forward import Upstreams
@@ -35,19 +34,6 @@ from tests.conftest import PATIENCE, TESTS, free_port, unanswered_port
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def run(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, None]], None]:
-    """Runs a scenario to its end on a fresh loop of the kind the parameter names."""
-
-    def go(scenario: Coroutine[Any, Any, None]) -> None:
-        if request.param == "uvloop":
-            uvloop.run(scenario)
-        else:
-            asyncio.run(scenario)
-
-    return go
 
 
 class Upstream:
@@ -385,7 +371,8 @@ def test_read_timeout_is_read_again_at_every_wait(run: Any) -> None:
             started = time.monotonic()
             with pytest.raises(errors.ReadTimeout):
                 await c.get(up.url + "/slow-head")
-            assert 0.2 <= time.monotonic() - started < 0.6
+            # The read bound, not the head's arrival 2 s later: the margin is for a busy machine.
+            assert 0.2 <= time.monotonic() - started < 1.5
             request = c.build_request("GET", up.url, timeout=httpx.Timeout(5.0, read=2.0))
             response = await c.send(request, stream=True)
             request.extensions["timeout"]["read"] = 0.15  # what the relay does once the headers are in
@@ -395,7 +382,8 @@ def test_read_timeout_is_read_again_at_every_wait(run: Any) -> None:
                 async for part in response.aiter_raw():
                     parts.append(part)
             assert parts == [b"a"]
-            assert 0.15 <= time.monotonic() - started < 0.6
+            # The bound read again at this wait (0.15 s), not the request's 2 s.
+            assert 0.15 <= time.monotonic() - started < 1.5
             await response.aclose()
 
     run(scenario())

@@ -25,9 +25,9 @@ import select
 import signal
 import subprocess
 import sys
-import time
 
 from llmtap.config.types import ConfigError, Settings
+from llmtap.deadline import Deadline
 from llmtap.relay.shared import Table, table_columns
 from llmtap.serve.lines import startup_lines
 from llmtap.serve.server import run_loop
@@ -114,10 +114,10 @@ class Supervisor:
 
     def join(self, timeout: float) -> None:
         """Wait for the relays; kill what is left after ``timeout``."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         for proc in self.procs:
             try:
-                proc.popen.wait(max(deadline - time.monotonic(), 0.1))
+                proc.popen.wait(max(deadline.left(), 0.1))
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait()

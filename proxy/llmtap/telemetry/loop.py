@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+from llmtap.deadline import Deadline
 from llmtap.telemetry import sched
 from llmtap.telemetry.emit.batch import STAGED, Emission
 from llmtap.telemetry.intake.inbox import STOP, Inbox, Marker
@@ -89,12 +90,12 @@ class Worker:
         work then (what it had not taken is still queued: ``Inbox.abandon``)."""
         if self.thread is None:
             return True
-        end = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         try:
             self.inbox.queue.put(STOP, timeout=timeout)
         except queue.Full:
             return False
-        self.thread.join(max(0.0, end - time.monotonic()))
+        self.thread.join(deadline.left())
         return not self.thread.is_alive()
 
     def _run(self) -> None:

@@ -18,12 +18,12 @@ import logging
 import os
 import socket
 import struct
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from llmtap.config.types import ConfigError, Settings
+from llmtap.deadline import Deadline
 from llmtap.telemetry import identity, sched
 from llmtap.wire.framing import FrameReader
 from llmtap.wire.messages import Raw, ready_of
@@ -284,14 +284,13 @@ async def running(launch: Launch) -> AsyncIterator[Running]:
         intake.close()
         # What the relays sent before they closed is in the queue: record it, then flush, all within the one bound
         # (a drain slowed by a busy machine leaves the exporters less time, never the exit more).
-        end = time.monotonic() + settings.timeouts.flush
+        deadline = Deadline(settings.timeouts.flush)
         await asyncio.to_thread(recorder.close, settings.timeouts.flush)
         if lessons is not None:
             lessons.close()
         if siblings is not None:
             await siblings.aclose()
-        left = max(0.0, end - time.monotonic())
-        await asyncio.to_thread(providers.shutdown, left, bound=settings.timeouts.flush)
+        await asyncio.to_thread(providers.shutdown, deadline.left(), bound=settings.timeouts.flush)
         recorder.losses.tick(final=True)  # the spans the flush could not send, said with their count
 
 

@@ -30,6 +30,7 @@ from llmtap.analysis.slots import Slots
 from llmtap.analysis.summary import Summary
 from llmtap.analysis.timeline import Timeline
 from llmtap.config.types import Settings
+from llmtap.deadline import Deadline
 from llmtap.telemetry import sched
 from llmtap.telemetry.assemble import assemble
 from llmtap.telemetry.emit.finished import Emitter, Listener
@@ -240,11 +241,7 @@ class Recorder:
         """Drain the queue, stop the worker and close the record file, all within ``timeout`` seconds: one bound
         for every step together, not one each (what a sink has not taken by then is counted lost by the sink, or
         stays in the record journal when there is one)."""
-        end = time.monotonic() + timeout
-
-        def left() -> float:
-            return max(0.0, end - time.monotonic())
-
+        left = Deadline(timeout).left
         try:
             if not self.worker.stop(left()):
                 self._unfinished(self.inbox.abandon())

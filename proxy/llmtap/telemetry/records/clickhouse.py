@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from llmtap.config.types import ClickHouseRecords
+from llmtap.deadline import Deadline
 from llmtap.store.clickhouse import ClickHouseError, Server, create_table, table_name
 from llmtap.store.clickhouse_rows import flat_row
 from llmtap.worker import Progress, QueueWorker
@@ -139,13 +140,13 @@ class ClickHouseSink(QueueWorker[bytes]):
 
     def drain(self, timeout: float = 5.0) -> bool:
         """Wait until every record queued so far was sent or dropped; True when that happened in time."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         with self._cond:
             target = self._put_count
             self._flush_wanted = True
             self._cond.notify()
             while self._taken < target:
-                left = deadline - time.monotonic()
+                left = deadline.left()
                 if left <= 0 or not self._alive():
                     return False
                 self._cond.wait(min(left, 0.05))
@@ -154,10 +155,10 @@ class ClickHouseSink(QueueWorker[bytes]):
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (within ``timeout``; not at all while ClickHouse is away, so a shutdown does not
         wait on it), then stop, both within the one ``timeout``; the rest is dropped and counted."""
-        end = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         if not self._said_down:
             self.drain(timeout)
-        self._stop(max(0.0, end - time.monotonic()))
+        self._stop(deadline.left())
 
     # -- the sink's thread --
 

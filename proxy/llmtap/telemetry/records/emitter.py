@@ -4,9 +4,9 @@ which sink has it."""
 from __future__ import annotations
 
 import logging
-import time
 
 from llmtap.analysis.finish import Finished
+from llmtap.deadline import Deadline
 from llmtap.telemetry.identity import Identity
 from llmtap.telemetry.journal.spool import SINK_BITS, Spool
 from llmtap.telemetry.records.record import record_line
@@ -66,9 +66,9 @@ class RecordEmitter:
 
     def close(self, timeout: float) -> None:
         """Close every sink, all within ``timeout`` seconds."""
-        end = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         for sink in self.sinks:
             try:
-                sink.close(max(0.0, end - time.monotonic()))
+                sink.close(deadline.left())
             except Exception:
                 log.exception("telemetry: a record sink could not close")
