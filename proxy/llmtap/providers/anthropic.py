@@ -13,16 +13,18 @@ from llmtap.providers.openai_common import (
     as_count,
     as_dict,
     as_str,
+    body_facts,
     collect_text,
     error_facts,
     load_object,
     matches_suffix,
     prompt_regions,
     prompt_text,
-    request_params,
+    read_request,
 )
+from llmtap.providers.protocol import ForwardsUnchanged
 from llmtap.providers.sse import Event
-from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
+from llmtap.types import Facts, PromptRegion, RequestInfo, Usage
 
 __all__ = ["AnthropicMessages"]
 
@@ -112,37 +114,56 @@ def _prompt(obj: JSONObject) -> str:
     return prompt_text(system=obj.get("system"), messages=obj.get("messages"), tools=obj.get("tools"))
 
 
-class AnthropicMessages:
-    """The Anthropic Messages protocol."""
+def _regions(obj: JSONObject) -> list[PromptRegion]:
+    return prompt_regions(tools=obj.get("tools"), system=obj.get("system"), messages=obj.get("messages"))
+
+
+def _end_user(obj: JSONObject) -> str | None:
+    # Messages names the end user in ``metadata.user_id``, where OpenAI has ``user``.
+    return as_str(as_dict(obj.get("metadata")).get("user_id"))
+
+
+def _body_facts(obj: JSONObject) -> Facts:
+    """Facts of a ``message`` body or an error body (Anthropic or OpenAI shaped)."""
+    if obj.get("type") == "error" or obj.get("error") is not None:
+        return _error(obj)
+    out: list[str] = []
+    collect_text(obj.get("content"), out)
+    content = "".join(out)
+    reason = as_str(obj.get("stop_reason"))
+    return Facts(
+        has_content=bool(content),
+        content=content,
+        usage=merge_usage({}, obj.get("usage")),
+        finish_reasons=[reason] if reason else [],
+        response_id=as_str(obj.get("id")),
+        response_model=as_str(obj.get("model")),
+    )
+
+
+class AnthropicMessages(ForwardsUnchanged):
+    """The Anthropic Messages protocol; its streams always carry usage (D.4), so requests go unchanged."""
 
     name: str = "anthropic"
     family: str = "anthropic"
     framing: Framing = "sse"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/messages``, except OpenAI Assistants' ``…/threads/{id}/messages``."""
         return matches_suffix(method, path, "/messages") and "/threads/" not in path
 
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """Messages streams always carry usage: never changed."""
-        return UNCHANGED
-
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag, params (top_k included) and prompt text; never rewritten."""
-        obj, error = load_object(body)
-        if obj is None:
-            return RequestInfo(operation="chat", parse_error=error)
-        return RequestInfo(
+        info, _ = read_request(
+            body,
             operation="chat",
-            model=as_str(obj.get("model")),
-            stream=obj.get("stream") is True,
-            params=request_params(obj, max_tokens_keys=("max_tokens",), stop_key="stop_sequences"),
-            prompt_text=_prompt(obj),
-            regions=prompt_regions(tools=obj.get("tools"), system=obj.get("system"), messages=obj.get("messages")),
-            end_user=as_str(as_dict(obj.get("metadata")).get("user_id")),
+            max_tokens_keys=("max_tokens",),
+            stop_key="stop_sequences",
+            prompt=_prompt,
+            regions=_regions,
+            end_user=_end_user,
         )
+        return info
 
     def stream_parser(self) -> StreamParser:
         """A parser for one Messages event stream."""
@@ -150,20 +171,4 @@ class AnthropicMessages:
 
     def parse_body(self, body: bytes) -> Facts:
         """Facts of a ``message`` body or an error body (Anthropic or OpenAI shaped)."""
-        obj, _ = load_object(body)
-        if obj is None:
-            return Facts()
-        if obj.get("type") == "error" or obj.get("error") is not None:
-            return _error(obj)
-        out: list[str] = []
-        collect_text(obj.get("content"), out)
-        content = "".join(out)
-        reason = as_str(obj.get("stop_reason"))
-        return Facts(
-            has_content=bool(content),
-            content=content,
-            usage=merge_usage({}, obj.get("usage")),
-            finish_reasons=[reason] if reason else [],
-            response_id=as_str(obj.get("id")),
-            response_model=as_str(obj.get("model")),
-        )
+        return body_facts(body, _body_facts)

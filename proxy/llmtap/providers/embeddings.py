@@ -9,23 +9,23 @@ counted offline. The input's text stands for the prompt (what tiktoken counts wh
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from llmtap.providers.base import Framing, StreamParser
 from llmtap.providers.ollama import OLLAMA_TIMING
 from llmtap.providers.openai_common import (
     JSONObject,
+    ObjectStreamParser,
     as_count,
     as_dict,
     as_str,
+    body_facts,
     error_facts,
     load_object,
     matches_suffix,
     openai_end_user,
 )
-from llmtap.providers.sse import Event
+from llmtap.providers.protocol import ForwardsUnchanged
 from llmtap.providers.timing import from_body
-from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
+from llmtap.types import Facts, RequestInfo, Usage
 
 __all__ = ["OllamaEmbed", "OpenAIEmbeddings"]
 
@@ -40,21 +40,6 @@ def _input_text(value: object) -> str:
     if isinstance(value, list):
         return "\n".join(v for v in value if isinstance(v, str))
     return ""
-
-
-class _Whole:
-    """Embeddings answers are whole bodies; a server that framed one as events gets each read as one."""
-
-    def __init__(self, facts: Callable[[JSONObject], Facts]) -> None:
-        self.malformed = 0
-        self._facts = facts
-
-    def feed(self, event: Event) -> Facts | None:
-        obj, _ = load_object(event.data)
-        if obj is None:
-            self.malformed += 1
-            return None
-        return self._facts(obj)
 
 
 def _openai_facts(obj: JSONObject) -> Facts:
@@ -83,22 +68,19 @@ def _ollama_facts(obj: JSONObject) -> Facts:
     )
 
 
-class OpenAIEmbeddings:
-    """OpenAI's Embeddings API (and every server that copies it: vLLM, llama.cpp, TEI's OpenAI route)."""
+class OpenAIEmbeddings(ForwardsUnchanged):
+    """OpenAI's Embeddings API (and every server that copies it: vLLM, llama.cpp, TEI's OpenAI route).
+
+    The answer always carries its usage, so requests go unchanged.
+    """
 
     name: str = "openai_embeddings"
     family: str = "openai"
     framing: Framing = "sse"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/embeddings``, except Ollama's ``…/api/embeddings``."""
         return matches_suffix(method, path, "/embeddings") and not matches_suffix(method, path, "/api/embeddings")
-
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """Never changed: the answer always carries its usage."""
-        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, the input's text and the end user; never a stream."""
@@ -114,30 +96,23 @@ class OpenAIEmbeddings:
 
     def stream_parser(self) -> StreamParser:
         """Embeddings do not stream: an answer framed as events is read event by event all the same."""
-        return _Whole(_openai_facts)
+        return ObjectStreamParser(_openai_facts)
 
     def parse_body(self, body: bytes) -> Facts:
         """Facts of an ``embedding`` list (its usage and model) or of an error body."""
-        obj, _ = load_object(body)
-        return Facts() if obj is None else _openai_facts(obj)
+        return body_facts(body, _openai_facts)
 
 
-class OllamaEmbed:
-    """Ollama's ``/api/embed`` (and its older ``/api/embeddings``)."""
+class OllamaEmbed(ForwardsUnchanged):
+    """Ollama's ``/api/embed`` (and its older ``/api/embeddings``); usage comes unasked, so requests go unchanged."""
 
     name: str = "ollama_embed"
     family: str = "ollama"
     framing: Framing = "ndjson"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/api/embed`` or ``…/api/embeddings``."""
         return matches_suffix(method, path, "/api/embed") or matches_suffix(method, path, "/api/embeddings")
-
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """Never changed."""
-        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model and the input's text (``input``, or the older endpoint's ``prompt``); never a stream."""
@@ -149,9 +124,8 @@ class OllamaEmbed:
 
     def stream_parser(self) -> StreamParser:
         """Embeddings do not stream: an answer framed as lines is read line by line all the same."""
-        return _Whole(_ollama_facts)
+        return ObjectStreamParser(_ollama_facts)
 
     def parse_body(self, body: bytes) -> Facts:
         """Facts of an ``/api/embed`` answer (``prompt_eval_count``, durations) or of ``{"error": ...}``."""
-        obj, _ = load_object(body)
-        return Facts() if obj is None else _ollama_facts(obj)
+        return body_facts(body, _ollama_facts)

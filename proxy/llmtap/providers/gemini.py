@@ -23,10 +23,12 @@ The Gemini API (``generativelanguage.googleapis.com``, paths ``/v1beta/models/..
 from __future__ import annotations
 
 import json
+from functools import partial
 
 from llmtap.providers.base import Framing, StreamParser
 from llmtap.providers.openai_common import (
     JSONObject,
+    ObjectStreamParser,
     as_count,
     as_dict,
     as_str,
@@ -35,8 +37,8 @@ from llmtap.providers.openai_common import (
     matches_suffix,
     request_params,
 )
-from llmtap.providers.sse import Event
-from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
+from llmtap.providers.protocol import ForwardsUnchanged
+from llmtap.types import Facts, RequestInfo, Usage
 
 __all__ = ["Gemini", "model_from_path"]
 
@@ -207,30 +209,15 @@ def _fold(total: Facts, facts: Facts) -> None:
     total.done |= facts.done
 
 
-class GeminiStreamParser:
-    """Reads one stream's ``GenerateContentResponse`` chunks (SSE events or JSON-array elements)."""
+class Gemini(ForwardsUnchanged):
+    """The generateContent protocol, as the Gemini API (``gcp.gemini``) or Vertex AI (``gcp.vertex_ai``).
 
-    def __init__(self) -> None:
-        self.malformed = 0
-        self._usage: dict[str, int] = {}
-
-    def feed(self, event: Event) -> Facts | None:
-        """Facts of one chunk; None for an event that is not a JSON object."""
-        obj, _ = load_object(event.data)
-        if obj is None:
-            self.malformed += 1
-            return None
-        return response_facts(obj, self._usage)
-
-
-class Gemini:
-    """The generateContent protocol, as the Gemini API (``gcp.gemini``) or Vertex AI (``gcp.vertex_ai``)."""
+    Gemini reports usage without being asked, so requests go unchanged.
+    """
 
     name: str = "gemini"
     # A stream without ``alt=sse`` is an ``application/json`` array sent piece by piece.
     framing: Framing = "json-array"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def __init__(self, *, vertex: bool) -> None:
         self._vertex = vertex
@@ -241,10 +228,6 @@ class Gemini:
         if not (matches_suffix(method, path, _STREAM) or matches_suffix(method, path, _WHOLE)):
             return False
         return ("/projects/" in path) == self._vertex
-
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """Gemini reports usage without being asked: never changed."""
-        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model and stream flag from the path; ``generationConfig`` params and prompt text from the body."""
@@ -268,8 +251,11 @@ class Gemini:
         )
 
     def stream_parser(self) -> StreamParser:
-        """A parser for one stream, SSE or JSON array."""
-        return GeminiStreamParser()
+        """A parser for one stream's ``GenerateContentResponse`` chunks, SSE events or JSON-array elements.
+
+        Each stream keeps its own usage so far: every chunk repeats the counts, folded field by field into it.
+        """
+        return ObjectStreamParser(partial(response_facts, reported={}))
 
     def parse_body(self, body: bytes) -> Facts:
         """Facts of a whole response, of an error body, or of a whole streamed array read at once."""

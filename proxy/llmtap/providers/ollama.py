@@ -25,18 +25,20 @@ import json
 from llmtap.providers.base import Framing, StreamParser
 from llmtap.providers.openai_common import (
     JSONObject,
+    ObjectStreamParser,
     as_count,
     as_dict,
     as_str,
+    body_facts,
     error_facts,
     load_object,
     matches_suffix,
     prompt_text,
     request_params,
 )
-from llmtap.providers.sse import Event
+from llmtap.providers.protocol import ForwardsUnchanged
 from llmtap.providers.timing import NS, FieldMap, from_body
-from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo, Usage
+from llmtap.types import Facts, RequestInfo, Usage
 
 __all__ = ["OLLAMA_TIMING", "Ollama"]
 
@@ -99,28 +101,14 @@ def line_facts(obj: JSONObject) -> Facts:
     )
 
 
-class OllamaStreamParser:
-    """Reads the lines of one Ollama stream; each line stands alone, so it keeps no state."""
+class Ollama(ForwardsUnchanged):
+    """One of Ollama's two generation endpoints; they differ only in request shape and operation name.
 
-    def __init__(self) -> None:
-        self.malformed = 0
-
-    def feed(self, event: Event) -> Facts | None:
-        """Facts of one line; None for a line that is not a JSON object."""
-        obj, _ = load_object(event.data)
-        if obj is None:
-            self.malformed += 1
-            return None
-        return line_facts(obj)
-
-
-class Ollama:
-    """One of Ollama's two generation endpoints; they differ only in request shape and operation name."""
+    Ollama reports usage in its final event, so requests go unchanged.
+    """
 
     family: str = "ollama"
     framing: Framing = "ndjson"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def __init__(self, *, generate: bool) -> None:
         self._generate = generate
@@ -131,10 +119,6 @@ class Ollama:
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/api/chat`` (or ``…/api/generate``)."""
         return matches_suffix(method, path, self._suffix)
-
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """Ollama reports usage in its final event: never changed."""
-        return UNCHANGED
 
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag (true unless ``"stream": false``), ``options`` params and prompt text."""
@@ -155,10 +139,9 @@ class Ollama:
         )
 
     def stream_parser(self) -> StreamParser:
-        """A parser for one NDJSON stream."""
-        return OllamaStreamParser()
+        """A parser for one NDJSON stream; each line stands alone, so it keeps no state."""
+        return ObjectStreamParser(line_facts)
 
     def parse_body(self, body: bytes) -> Facts:
         """Facts of a ``"stream": false`` body or an error body ``{"error": "..."}``."""
-        obj, _ = load_object(body)
-        return Facts() if obj is None else line_facts(obj)
+        return body_facts(body, line_facts)

@@ -6,20 +6,16 @@ vLLM opens with a role-only delta and sends empty-content deltas, neither of whi
 
 from __future__ import annotations
 
-from llmtap.providers.base import Framing, StreamParser
 from llmtap.providers.openai_common import (
-    ChoicesStreamParser,
     JSONObject,
     as_dict,
     collect_text,
-    inspect_openai,
     matches_suffix,
-    parse_choices_body,
     prompt_regions,
     prompt_text,
 )
-from llmtap.providers.splice import prepare_usage
-from llmtap.types import Facts, Prepared, PromptRegion, RequestInfo
+from llmtap.providers.protocol import ChoicesProtocol
+from llmtap.types import PromptRegion
 
 __all__ = ["OpenAIChat"]
 
@@ -83,39 +79,21 @@ def _regions(obj: JSONObject) -> list[PromptRegion]:
     return prompt_regions(tools=obj.get("tools") or obj.get("functions"), system=listed[:n], messages=listed[n:])
 
 
-class OpenAIChat:
+class OpenAIChat(ChoicesProtocol):
     """The Chat Completions protocol."""
 
-    name: str = "openai_chat"
-    family: str = "openai"
-    framing: Framing = "sse"
-    #: ``prepare`` is ``splice.prepare_usage``: a relay may parse a large body its own way, then splice.
-    splices_usage: bool = True
-
-    def matches(self, method: str, path: str) -> bool:
-        """True for ``POST …/chat/completions``."""
-        return matches_suffix(method, path, "/chat/completions")
-
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """On a stream that did not ask for usage, the client's bytes with ``include_usage: true`` spliced in."""
-        return prepare_usage(body, inject_usage=inject_usage)
-
-    def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
-        """Model, stream flag, params and prompt text; ask for usage on streams that did not."""
-        return inspect_openai(
-            body,
-            inject_usage=inject_usage,
+    def __init__(self) -> None:
+        super().__init__(
+            name="openai_chat",
             operation="chat",
             # max_completion_tokens replaced max_tokens in the OpenAI API; clients send either.
             max_tokens_keys=("max_completion_tokens", "max_tokens"),
             prompt=_prompt,
             regions=_regions,
+            choice_text=chat_choice_text,
+            choice_reasoning=chat_choice_reasoning,
         )
 
-    def stream_parser(self) -> StreamParser:
-        """A parser for one ``chat.completion.chunk`` stream."""
-        return ChoicesStreamParser(chat_choice_text, chat_choice_reasoning)
-
-    def parse_body(self, body: bytes) -> Facts:
-        """Facts of a ``chat.completion`` body or a JSON error body."""
-        return parse_choices_body(body, chat_choice_text)
+    def matches(self, method: str, path: str) -> bool:
+        """True for ``POST …/chat/completions``."""
+        return matches_suffix(method, path, "/chat/completions")

@@ -1,4 +1,4 @@
-"""Helpers shared by the JSON wire protocols: tolerant parsing, usage, errors, request params, prompt text.
+"""Helpers shared by the JSON wire protocols: tolerant parsing, usage, errors, requests, prompt text, bodies.
 
 Named for the OpenAI family, whose Chat Completions and legacy Completions share a chunk shape
 (standards D.1, D.2); the tolerant-JSON, params and prompt-text helpers serve Anthropic as well.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from llmtap.providers.splice import splice_usage
@@ -19,9 +20,11 @@ from llmtap.types import Facts, PromptRegion, RequestInfo, ServerTiming, Usage
 __all__ = [
     "ChoicesStreamParser",
     "JSONObject",
+    "ObjectStreamParser",
     "as_count",
     "as_dict",
     "as_str",
+    "body_facts",
     "collect_text",
     "error_facts",
     "inspect_openai",
@@ -31,6 +34,7 @@ __all__ = [
     "parse_choices_body",
     "prompt_regions",
     "prompt_text",
+    "read_request",
     "reported_cost",
     "request_params",
     "usage_from_openai",
@@ -264,6 +268,37 @@ def openai_end_user(obj: JSONObject) -> str | None:
     return as_str(obj.get("safety_identifier")) or as_str(obj.get("user"))
 
 
+def read_request(
+    body: bytes,
+    *,
+    operation: str,
+    max_tokens_keys: tuple[str, ...],
+    stop_key: str,
+    prompt: Callable[[JSONObject], str],
+    regions: Callable[[JSONObject], list[PromptRegion]],
+    end_user: Callable[[JSONObject], str | None],
+) -> tuple[RequestInfo, JSONObject | None]:
+    """Read a request whose body names its ``model`` and asks to stream with ``"stream": true`` at the top.
+
+    OpenAI's Chat Completions, Completions and Responses and Anthropic Messages put these alike; where each keeps
+    its max-tokens, stop sequences, prompt and end user is given. Returns the parsed body too (None with
+    ``parse_error`` set when it is not a JSON object), for a caller that reads more of it.
+    """
+    obj, error = load_object(body)
+    if obj is None:
+        return RequestInfo(operation=operation, parse_error=error), None
+    info = RequestInfo(
+        operation=operation,
+        model=as_str(obj.get("model")),
+        stream=obj.get("stream") is True,
+        params=request_params(obj, max_tokens_keys=max_tokens_keys, stop_key=stop_key),
+        prompt_text=prompt(obj),
+        regions=regions(obj),
+        end_user=end_user(obj),
+    )
+    return info, obj
+
+
 def inspect_openai(
     body: bytes,
     *,
@@ -277,18 +312,17 @@ def inspect_openai(
 
     ``rewritten_body`` and ``strip_usage`` are what ``prepare`` gives for the same body.
     """
-    obj, error = load_object(body)
-    if obj is None:
-        return RequestInfo(operation=operation, parse_error=error)
-    info = RequestInfo(
+    info, obj = read_request(
+        body,
         operation=operation,
-        model=as_str(obj.get("model")),
-        stream=obj.get("stream") is True,
-        params=request_params(obj, max_tokens_keys=max_tokens_keys, stop_key="stop"),
-        prompt_text=prompt(obj),
-        regions=regions(obj),
-        end_user=openai_end_user(obj),
+        max_tokens_keys=max_tokens_keys,
+        stop_key="stop",
+        prompt=prompt,
+        regions=regions,
+        end_user=openai_end_user,
     )
+    if obj is None:
+        return info
     # Without include_usage a stream carries no usage at all (D.1); with it, one extra chunk with
     # ``choices: []`` arrives before [DONE], which UsageEventFilter removes again for this client.
     # The same splice as ``prepare`` (providers/splice.py), on the object already parsed here.
@@ -367,9 +401,33 @@ def _reasoning_only(obj: JSONObject, reasoning: Callable[[JSONObject], bool]) ->
 
 def parse_choices_body(body: bytes, choice_text: Callable[[JSONObject], str]) -> Facts:
     """Facts of a whole non-streamed body in the ``choices`` shape, or of its JSON error."""
+    return body_facts(body, partial(choices_facts, choice_text=choice_text))
+
+
+def body_facts(body: bytes, facts: Callable[[JSONObject], Facts]) -> Facts:
+    """Facts of a whole non-streamed body that should be one JSON object, as ``facts`` reads it.
+
+    A body that is not JSON (an HTML 502 page from a load balancer) says nothing; the status code does.
+    """
     obj, _ = load_object(body)
-    # A body that is not JSON (an HTML 502 page from a load balancer) says nothing; the status code does.
-    return Facts() if obj is None else choices_facts(obj, choice_text)
+    return Facts() if obj is None else facts(obj)
+
+
+class ObjectStreamParser:
+    """Reads a stream whose every event is one JSON object read alone: Ollama's lines, Gemini's chunks, an
+    embeddings answer framed as events. What a protocol keeps from event to event lives in ``facts``."""
+
+    def __init__(self, facts: Callable[[JSONObject], Facts]) -> None:
+        self.malformed = 0
+        self._facts = facts
+
+    def feed(self, event: Event) -> Facts | None:
+        """Facts of one event; None for an event that is not a JSON object (counted as malformed)."""
+        obj, _ = load_object(event.data)
+        if obj is None:
+            self.malformed += 1
+            return None
+        return self._facts(obj)
 
 
 def matches_suffix(method: str, path: str, suffix: str) -> bool:

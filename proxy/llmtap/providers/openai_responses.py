@@ -13,6 +13,7 @@ from llmtap.providers.openai_common import (
     JSONObject,
     as_dict,
     as_str,
+    body_facts,
     collect_text,
     error_facts,
     load_object,
@@ -20,11 +21,12 @@ from llmtap.providers.openai_common import (
     openai_end_user,
     prompt_regions,
     prompt_text,
-    request_params,
+    read_request,
     usage_from_openai,
 )
+from llmtap.providers.protocol import ForwardsUnchanged
 from llmtap.providers.sse import Event
-from llmtap.types import UNCHANGED, Facts, Prepared, RequestInfo
+from llmtap.types import Facts, PromptRegion, RequestInfo
 
 __all__ = ["OpenAIResponses"]
 
@@ -111,37 +113,40 @@ def _prompt(obj: JSONObject) -> str:
     return prompt_text(system=obj.get("instructions"), messages=obj.get("input"), tools=obj.get("tools"))
 
 
-class OpenAIResponses:
-    """The Responses protocol."""
+def _regions(obj: JSONObject) -> list[PromptRegion]:
+    return prompt_regions(tools=obj.get("tools"), system=obj.get("instructions"), messages=obj.get("input"))
+
+
+def _body_facts(obj: JSONObject) -> Facts:
+    """Facts of a ``response`` object or of a JSON error body."""
+    if obj.get("object") != "response" and obj.get("error") is not None:
+        return error_facts(obj["error"])
+    return response_facts(obj, with_content=True)
+
+
+class OpenAIResponses(ForwardsUnchanged):
+    """The Responses protocol; it has no include_usage option and needs none (usage always arrives)."""
 
     name: str = "openai_responses"
     family: str = "openai"
     framing: Framing = "sse"
-    #: No usage splice: ``prepare`` changes nothing, so the relay keeps the body as it reads it.
-    splices_usage: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """True for ``POST …/responses``."""
         return matches_suffix(method, path, "/responses")
 
-    def prepare(self, body: bytes, *, inject_usage: bool, path: str = "") -> Prepared:
-        """The Responses API has no include_usage option: never changed."""
-        return UNCHANGED
-
     def inspect(self, body: bytes, *, inject_usage: bool, path: str = "") -> RequestInfo:
         """Model, stream flag, params and prompt text; never rewritten (usage always arrives)."""
-        obj, error = load_object(body)
-        if obj is None:
-            return RequestInfo(operation="chat", parse_error=error)
-        return RequestInfo(
+        info, _ = read_request(
+            body,
             operation="chat",
-            model=as_str(obj.get("model")),
-            stream=obj.get("stream") is True,
-            params=request_params(obj, max_tokens_keys=("max_output_tokens",), stop_key="stop"),
-            prompt_text=_prompt(obj),
-            regions=prompt_regions(tools=obj.get("tools"), system=obj.get("instructions"), messages=obj.get("input")),
-            end_user=openai_end_user(obj),
+            max_tokens_keys=("max_output_tokens",),
+            stop_key="stop",
+            prompt=_prompt,
+            regions=_regions,
+            end_user=openai_end_user,
         )
+        return info
 
     def stream_parser(self) -> StreamParser:
         """A parser for one Responses event stream."""
@@ -149,9 +154,4 @@ class OpenAIResponses:
 
     def parse_body(self, body: bytes) -> Facts:
         """Facts of a ``response`` object or a JSON error body."""
-        obj, _ = load_object(body)
-        if obj is None:
-            return Facts()
-        if obj.get("object") != "response" and obj.get("error") is not None:
-            return error_facts(obj["error"])
-        return response_facts(obj, with_content=True)
+        return body_facts(body, _body_facts)

@@ -47,6 +47,22 @@ class Decoder(Protocol):
     def flush(self) -> list[Event]: ...
 
 
+def _end_cut_line(lines: list[bytes], held: bytearray, dropped: bool) -> bool:
+    """End a line the chunking cut with ``lines[0]``, the chunk's first LF-ended line; whether one is still dropped.
+
+    Both decoders end it alike: the part ``held`` from earlier chunks (emptied here) is joined to the first line;
+    a line not kept at all (``dropped``: too long, or in a dropped event) has its end dropped too, rather than
+    read as a line of its own. Called only when a line was cut, so a chunk of whole lines pays no call.
+    """
+    if held:
+        held += lines[0]
+        lines[0] = bytes(held)
+        held.clear()
+        return dropped
+    del lines[0]
+    return False
+
+
 class SSEDecoder:
     """Incremental ``text/event-stream`` parser following the WHATWG event stream interpretation rules.
 
@@ -113,14 +129,9 @@ class SSEDecoder:
         tail = lines.pop()
         events: list[Event] = []
         if lines:
-            if self._line:
-                self._line += lines[0]
-                lines[0] = bytes(self._line)
-                self._line.clear()
-            elif self._line_dropped:
-                # The end of a line of a dropped event: not blank, so it cannot end the discarding.
-                self._line_dropped = False
-                del lines[0]
+            if self._line or self._line_dropped:
+                # The end of a line of a dropped event is not blank, so it cannot end the discarding either.
+                self._line_dropped = _end_cut_line(lines, self._line, self._line_dropped)
             for line in lines:
                 self._process(line, events)
         if tail:
@@ -204,13 +215,8 @@ class NDJSONDecoder:
         tail = lines.pop()
         events: list[Event] = []
         if lines:
-            if self._line:
-                self._line += lines[0]
-                lines[0] = bytes(self._line)
-                self._line.clear()
-            elif self._dropped:
-                self._dropped = False
-                del lines[0]
+            if self._line or self._dropped:
+                self._dropped = _end_cut_line(lines, self._line, self._dropped)
             for line in lines:
                 # The size includes a trailing CR so that it does not depend on where the chunks split.
                 if len(line) > self._max:
