@@ -52,7 +52,7 @@ from llmtap.config.otel import telemetry_from_env
 from llmtap.config.types import Records, Route, Settings, TelemetrySettings
 from llmtap.simulator.spans import SpanExporter
 from llmtap.simulator.text import Vocabulary
-from llmtap.telemetry.emit import setup
+from llmtap.telemetry.emit import reservoir, setup
 from llmtap.telemetry.exposition.prometheus import PrometheusReader
 
 if TYPE_CHECKING:
@@ -203,7 +203,8 @@ def _file_providers(
         ConsoleMetricExporter(out=metrics, formatter=lambda m: m.to_json(indent=None) + "\n"),
         export_interval_millis=60_000,
     )
-    return tp, MeterProvider(resource=setup.resource(), metric_readers=[reader, *readers]), [traces, metrics]
+    meters = MeterProvider(resource=setup.resource(), metric_readers=[reader, *readers], views=reservoir.views())
+    return tp, meters, [traces, metrics]
 
 
 def _simulators(

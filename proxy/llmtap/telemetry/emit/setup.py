@@ -42,7 +42,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from llmtap import __version__
 from llmtap.config.types import EXPONENTIAL, TelemetrySettings
 from llmtap.telemetry import semconv as sc
-from llmtap.telemetry.emit import otlp_spans
+from llmtap.telemetry.emit import otlp_spans, reservoir
 from llmtap.telemetry.exposition.prometheus import PrometheusReader
 
 __all__ = ["ExportGate", "build", "http_endpoint", "process_metrics", "resource"]
@@ -313,7 +313,9 @@ def build(t: TelemetrySettings, env: Mapping[str, str] | None = None) -> Provide
         readers.append(
             PeriodicExportingMetricReader(metric_exporter, export_interval_millis=t.metric_export_interval_ms)
         )
-    meter_provider = MeterProvider(resource=res, metric_readers=readers, shutdown_on_exit=False)
+    # Every histogram's exemplars find their bucket by bisection (``emit.reservoir``).
+    views = reservoir.views()
+    meter_provider = MeterProvider(resource=res, metric_readers=readers, views=views, shutdown_on_exit=False)
     if shared and prometheus is not None and metric_exporter is not None:
         prometheus.feed(metric_exporter, t.metric_export_interval_ms)
     meter = meter_provider.get_meter("llmtap", __version__, schema_url=sc.schema_url(t.semconv_latest))
