@@ -17,7 +17,7 @@ from opentelemetry.sdk.metrics._internal.aggregation import (
 )
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
-from llmtap.config.types import TelemetrySettings
+from llmtap.config.types import EXPONENTIAL, TelemetrySettings
 from llmtap.telemetry import semconv as sc
 from llmtap.telemetry.emit import instruments, setup
 from llmtap.telemetry.emit.instruments import create
@@ -84,3 +84,32 @@ def test_the_built_provider_keeps_each_buckets_latest_exemplar_by_bisection() ->
         assert reservoirs and all(type(r) is BisectBucketReservoir for r in reservoirs), reservoirs
     finally:
         providers.meter_provider.shutdown()
+
+
+def test_an_exponential_export_beside_metrics_keeps_the_sdks_reservoir_for_its_aggregation() -> None:
+    """OTLP export in exponential histograms beside ``/metrics``: each reader's aggregation gets its own reservoir,
+    the explicit buckets of ``/metrics`` by bisection, the exponential ones the SDK's default."""
+    t = TelemetrySettings(
+        metrics_exporter="otlp",
+        metrics_endpoint="http://127.0.0.1:9",
+        metric_export_interval_ms=3_600_000,
+        histogram_aggregation=EXPONENTIAL,
+    )
+    providers = setup.build(t)
+    assert providers.meter_provider is not None
+    try:
+        ins = create(providers.meter_provider.get_meter("llmtap-test"), latest=False)
+        ctx = set_span_in_context(NonRecordingSpan(SpanContext(0xD, 1, False, TraceFlags(1))))
+        ins.ttft.record(0.3, {sc.ROUTE: "r"}, context=ctx)
+        kinds = sorted(
+            (type(agg).__name__, type(agg._reservoir).__name__)
+            for storage in ins.ttft._measurement_consumer._reader_storages.values()  # type: ignore[attr-defined]
+            for match in storage._instrument_view_instrument_matches[ins.ttft]
+            for agg in match._attributes_aggregation.values()
+        )
+        assert kinds == [
+            ("_ExplicitBucketHistogramAggregation", "BisectBucketReservoir"),
+            ("_ExponentialBucketHistogramAggregation", "SimpleFixedSizeExemplarReservoir"),
+        ], kinds
+    finally:
+        providers.meter_provider.shutdown(timeout_millis=100)
