@@ -30,6 +30,16 @@ def sim() -> Iterator[str]:
     running.stop()
 
 
+@pytest.fixture
+def sdks(sim: str) -> Iterator[tuple[openai.OpenAI, anthropic.Anthropic]]:
+    """Both SDKs' clients on the simulator, no retries, closed after the test (their connections with them)."""
+    with (
+        openai.OpenAI(base_url=sim + "/v1", api_key="k", max_retries=0) as client,
+        anthropic.Anthropic(base_url=sim, api_key="k", max_retries=0) as claude,
+    ):
+        yield client, claude
+
+
 def _last_record(sim: str) -> dict[str, object]:
     return dict(httpx.get(sim + "/debug/requests").json()["requests"][-1])
 
@@ -50,13 +60,14 @@ def test_specs_parse_and_bad_ones_say_which_term() -> None:
         assert caught.value.status == 400
 
 
-def test_a_5xx_reaches_each_sdk_in_its_protocols_shape(sim: str) -> None:
-    client = openai.OpenAI(base_url=sim + "/v1", api_key="k", max_retries=0)
+def test_a_5xx_reaches_each_sdk_in_its_protocols_shape(
+    sim: str, sdks: tuple[openai.OpenAI, anthropic.Anthropic]
+) -> None:
+    client, claude = sdks
     with pytest.raises(openai.InternalServerError) as caught:
         client.chat.completions.create(**CHAT, extra_headers={"x-sim-fault": "status=503"})
     assert caught.value.status_code == 503 and "simulated fault" in caught.value.message
     assert _last_record(sim)["error"] == "fault: status=503"
-    claude = anthropic.Anthropic(base_url=sim, api_key="k", max_retries=0)
     with pytest.raises(anthropic.InternalServerError) as failed:
         claude.messages.create(**CHAT, extra_headers={"x-sim-fault": "status=529"})
     assert failed.value.status_code == 529
@@ -66,8 +77,8 @@ def test_a_5xx_reaches_each_sdk_in_its_protocols_shape(sim: str) -> None:
     }
 
 
-def test_a_cut_stream_ends_without_its_end_of_body(sim: str) -> None:
-    client = openai.OpenAI(base_url=sim + "/v1", api_key="k", max_retries=0)
+def test_a_cut_stream_ends_without_its_end_of_body(sim: str, sdks: tuple[openai.OpenAI, anthropic.Anthropic]) -> None:
+    client, claude = sdks
     stream = client.chat.completions.create(**CHAT, stream=True, extra_headers={"x-sim-fault": "cut-after=3"})
     got = []
     with pytest.raises(openai.APIConnectionError) as broken:
@@ -79,7 +90,6 @@ def test_a_cut_stream_ends_without_its_end_of_body(sim: str) -> None:
     assert "incomplete chunked read" in str(broken.value.__cause__)
     record = _last_record(sim)
     assert record["error"] == "fault: cut-after=3" and record["output_tokens"] == 3
-    claude = anthropic.Anthropic(base_url=sim, api_key="k", max_retries=0)
     texts: list[str] = []
     with pytest.raises(anthropic.APIConnectionError):
         with claude.messages.stream(**CHAT, extra_headers={"x-sim-fault": "cut-after=2"}) as events:
