@@ -529,7 +529,7 @@ def test_a_direct_request_is_byte_for_byte_what_httpx_request_sends(run: Any) ->
                         origin, method, target, headers, parts() if content is None else content, timeouts
                     )
                     got_body = b"".join([part async for part in answer.aiter_raw()])
-                    assert answer.body._released  # back to the pool at the body's end, as httpx's close does
+                    assert answer._released  # back to the pool at the body's end, as httpx's close does
                     answer.close()
                     assert (answer.status_code, answer.headers, got_body) == (
                         response.status_code,

@@ -98,7 +98,7 @@ def request_headers(
 def dropped(*, trace: bool, body_changed: bool, plain: bool, objectives: bool) -> frozenset[bytes]:
     """The client headers ``request_headers`` never sends upstream for these flags, the ``Connection`` field's own
     list aside (``upstream_head`` takes them once per relay, per set of flags)."""
-    drop = HOP_BY_HOP | {b"host"}
+    drop = {b"host", *HOP_BY_HOP}
     if not objectives:
         drop |= OBJECTIVE_HEADERS.keys()
     if trace:

@@ -31,8 +31,8 @@ class Lifecycle:
         self.draining = False
         #: Requests between arrival and the hand-over of their tape.
         self.inflight = 0
-        self._idle = asyncio.Event()  # set while ``inflight`` is 0
-        self._idle.set()
+        #: What the shutdown waits on for ``inflight`` to reach 0: made only then, so a request's count is a number.
+        self._idle: asyncio.Future[None] | None = None
         #: The loop the relay serves on, from start-up (``Exchange`` asks it for its task without a lookup of the
         #: running loop, which costs a system call a request); None until then.
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -49,7 +49,9 @@ class Lifecycle:
         with contextlib.suppress(TimeoutError):
             # Requests the server just cancelled (drain deadline) hand over their tapes first.
             async with asyncio.timeout(SETTLE_SECONDS):
-                await self._idle.wait()
+                if self.inflight:
+                    self._idle = asyncio.get_running_loop().create_future()
+                    await self._idle
         await self._gauges.stop()
         await self.aclose()
 
@@ -69,7 +71,6 @@ class Lifecycle:
     def begin(self, route: str) -> None:
         """A request is relayed from now on: counted in flight and among its route's active streams."""
         self._count(+1)
-        self._idle.clear()
         self._gauges.active[route] += 1
         self._gauges.changed = True
 
@@ -80,8 +81,8 @@ class Lifecycle:
         self._gauges.active[route] -= 1
         self._handover.hand_over(tape)
         self._count(-1)
-        if not self.inflight:
-            self._idle.set()
+        if not self.inflight and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
 
     def _count(self, step: int) -> None:
         self.inflight += step

@@ -86,9 +86,14 @@ def head_of(
         return None
     defaults = cycle.default_headers
     fields = (*defaults, *headers)
-    looked_at = defaults if writable else fields
-    if looked_at and _refused(looked_at):
-        return None  # uvicorn refuses it: the ordinary path fails as it always did
+    if writable:
+        if defaults is not _CHECKED.fields:
+            # A list uvicorn makes again each second (its Date), the same for every answer meanwhile: looked at once.
+            _CHECKED.fields, _CHECKED.refused = defaults, bool(defaults) and _refused(defaults)
+        if _CHECKED.refused:
+            return None  # uvicorn refuses it: the ordinary path fails as it always did
+    elif fields and _refused(fields):
+        return None
     out = [STATUS_LINE[status]]
     length: bytes | None = None
     keep_alive = cycle.keep_alive
@@ -110,6 +115,17 @@ def head_of(
         out.append(b"connection: close\r\n")
     out.append(b"\r\n")
     return Whole(b"".join(out), keep_alive)
+
+
+class _Checked:
+    """The server's default headers last looked at by ``head_of`` (held, so that no other list takes its identity),
+    and whether uvicorn refuses one of them."""
+
+    fields: object = None
+    refused = False
+
+
+_CHECKED = _Checked()
 
 
 def _one_class(pattern: re.Pattern[bytes]) -> bool:

@@ -133,13 +133,22 @@ class InFlight:
 
     def __init__(self, table: Table) -> None:
         self._table = table
+        #: Each upstream's column, looked up once (None: not in the table).
+        self._columns: dict[str, int | None] = {}
         #: Upstreams outside the table (none when every route's upstream was known at start): this relay's own count.
         self._others: dict[str, int] = {}
+
+    def _column(self, upstream: str) -> int | None:
+        try:
+            return self._columns[upstream]
+        except KeyError:
+            column = self._columns[upstream] = self._table.column(f"upstream {upstream}")
+            return column
 
     def begin(self, upstream: str) -> int:
         """A request to ``upstream`` is about to be sent: count it, and return how many were in flight before it."""
         table = self._table
-        column = table.column(f"upstream {upstream}")
+        column = self._column(upstream)
         if column is None:
             ahead = self._others.get(upstream, 0)
             self._others[upstream] = ahead + 1
@@ -158,7 +167,7 @@ class InFlight:
 
     def end(self, upstream: str) -> None:
         """A request ``begin`` counted is over (answered, failed or cut)."""
-        column = self._table.column(f"upstream {upstream}")
+        column = self._column(upstream)
         if column is None:
             self._others[upstream] -= 1
         else:

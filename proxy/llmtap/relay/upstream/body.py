@@ -21,6 +21,8 @@ class Body(httpx.AsyncByteStream):
         self._released = False
         self._surplus = 0
         self._exchange = conn.exchanges
+        #: The connection this body arrives on (a sink holds and releases it, the relay waits on it).
+        self.connection = conn
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn = self._conn
@@ -37,11 +39,6 @@ class Body(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         self._release()
-
-    @property
-    def connection(self) -> Connection:
-        """The connection this body arrives on (a sink holds and releases it, the relay waits on it)."""
-        return self._conn
 
     def pipe(self, sink: Sink) -> Connection:
         """From now on each body part goes to ``sink`` in the read callback (those queued already, at once);
@@ -73,35 +70,31 @@ class Body(httpx.AsyncByteStream):
         conn.settle()
 
 
-class Answer:
-    """A response as the relay takes it from ``LeanTransport.send``: status, head and body, nothing else."""
-
-    __slots__ = ("body", "connection", "headers", "status_code")
+class Answer(Body):
+    """A response as the relay takes it from ``LeanTransport.send``: status, head, and the body it is (read part by
+    part, ``aiter_raw``, or taken from its ``connection`` by a sink in the read callback), nothing else."""
 
     def __init__(self, conn: Connection, timeouts: Timeouts) -> None:
         """The response whose head ``conn`` has read; its body arrives on ``conn``, read under ``timeouts``."""
+        super().__init__(conn, timeouts)
         self.status_code = conn.status
         self.headers = conn.headers
-        #: The body, to read (``aiter_raw``), or its connection, whose parts a sink takes in the read callback
-        #: (``Connection.attach``).
-        self.body = Body(conn, timeouts)
-        self.connection = conn
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body parts as they arrive, the connection released at the body's end (as ``httpx.Response.aiter_raw``
         yields them over this client, and closes the response)."""
-        async for part in self.body:
+        async for part in self.__aiter__():
             yield part
-        self.body.close()
+        self._release()
 
-    def close(self) -> int:
+    def close(self) -> int:  # type: ignore[override]
         """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits.
         Returns the bytes the upstream sent past the response's end (its connection is closed for them): the
         relay takes both at the response's end in one call."""
-        self.body.close()
-        return self.body.surplus()
+        self._release()
+        return self._surplus
 
     def abandon(self) -> None:
         """Release the connection closed, however cleanly the exchange ended: the relay refused this response."""
-        self.body.connection.keep_alive = False
-        self.body.close()
+        self._conn.keep_alive = False
+        self._release()

@@ -53,12 +53,20 @@ def _wake(waiter: asyncio.Future[bool] | None) -> None:
         waiter.set_result(True)
 
 
-def _readable(fd: int) -> bool:
-    """True when an idle connection has something to read: the server closed it, or sent what nobody asked for."""
-    # poll, not select: select cannot watch a descriptor numbered past 1023, which a busy proxy reaches.
+def _poller(fd: int) -> select.poll | None:
+    """A poll object watching ``fd`` for reading, made once per connection (``Connection.usable`` asks it before
+    each exchange but the first); None without a descriptor. poll, not select: select cannot watch a descriptor
+    numbered past 1023, which a busy proxy reaches."""
+    if fd < 0:
+        return None
     poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return poller
+
+
+def _readable(poller: select.poll) -> bool:
+    """True when an idle connection has something to read: the server closed it, or sent what nobody asked for."""
     try:
-        poller.register(fd, select.POLLIN)
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
@@ -100,7 +108,8 @@ class Connection(Http11, asyncio.BufferedProtocol):
         self.closed = False
         self._loop = loop
         self._transport: asyncio.Transport | None = None
-        self._fd = -1
+        #: Watches the socket for a read on an idle connection (``usable``); None without a descriptor.
+        self._poller: select.poll | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._reader: asyncio.Future[bool] | None = None
         #: The loop time by which the running ``wait_readable`` gives up (None outside one), and the timer that
@@ -170,7 +179,7 @@ class Connection(Http11, asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
-        self._fd = sock.fileno() if sock is not None else -1
+        self._poller = _poller(sock.fileno()) if sock is not None else None
         self.unkept = transport.get_extra_info("ssl_object")
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -289,7 +298,7 @@ class Connection(Http11, asyncio.BufferedProtocol):
         self.attach(sink)
         await self.until_moved(seconds)
         if self.reusable():
-            self.settle()
+            self.settle(kept=True)
 
     async def until_moved(self, seconds: float | None) -> None:
         """Under a sink: until the response ends, fails or is held; ``ReadTimeout`` once the socket
@@ -318,7 +327,7 @@ class Connection(Http11, asyncio.BufferedProtocol):
             not self.closed
             and self._transport is not None
             and not self._transport.is_closing()
-            and not (self._fd >= 0 and _readable(self._fd))
+            and not (self._poller is not None and _readable(self._poller))
         )
 
     def reusable(self) -> bool:
@@ -332,12 +341,14 @@ class Connection(Http11, asyncio.BufferedProtocol):
             and not self.closed
         )
 
-    def settle(self) -> None:
-        """The exchange is over: parked in the pool for the next when it ended cleanly (``reusable``), else closed.
-        A TLS connection's session goes to its context after its first exchange (``keep_session``)."""
+    def settle(self, kept: bool | None = None) -> None:
+        """The exchange is over: parked in the pool for the next when it ended cleanly (``reusable``; ``kept``: the
+        caller asked already), else closed. A TLS connection's session goes to its context after its first exchange
+        (``keep_session``)."""
         if self.unkept is not None:
             self.keep_session()
-        kept = self.reusable()
+        if kept is None:
+            kept = self.reusable()
         if kept:
             self.park()
         else:
@@ -499,7 +510,7 @@ class Connection(Http11, asyncio.BufferedProtocol):
             part = parts.popleft() if parts else b""
         self._queued = 0
         if self.reusable():
-            self.settle()
+            self.settle(kept=True)
         return part
 
     def attach(self, sink: Sink) -> None:

@@ -81,7 +81,8 @@ class Pool:
             self.idle.append(conn)
         else:
             self._forget(conn)
-        self._next()
+        if self._waiters:
+            self._next()
 
     def drop(self, conn: Connection) -> None:
         """An idle connection taken and found unfit (closed by then): its slot is free for the taker."""
