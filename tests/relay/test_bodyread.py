@@ -17,8 +17,10 @@ from llmtap.providers.bodyscan import BodyScan
 from llmtap.providers.splice import prepare_usage
 from llmtap.relay import bodyread
 from llmtap.relay.app import create_app
-from llmtap.relay.bodyread import SCAN_FROM, prepend, read_body, spliced
+from llmtap.relay.bodyread import SCAN_FROM, body_of, prepend, read_body, spliced
+from llmtap.relay.oneshot import MIRRORED
 from tests.conftest import PATIENCE
+from tests.relay.test_oneshot import BODY, Cycle
 
 
 def test_the_splice_goes_between_the_pieces_without_joining_them() -> None:
@@ -171,3 +173,34 @@ def test_a_body_of_megabytes_never_holds_the_relays_loop_for_long() -> None:
     assert sent[0]["status"] == 200 and upstream.body == prepare_usage(raw, inject_usage=True).body
     print(f"\nlongest turn {max(turns) * 1e3:.2f} ms of CPU; json.loads of the body {loads * 1e3:.1f} ms")
     assert max(turns) < loads / 4, (max(turns), loads)
+
+
+@pytest.mark.skipif(not MIRRORED, reason="an older uvicorn's cycle is not the one body_of reads")
+async def test_a_body_that_came_whole_is_taken_as_receive_would_take_it() -> None:
+    """``body_of``: the body, and the cycle left as after uvicorn's ``receive`` of it; the next ``receive`` (the
+    disconnect's) sees the same cycle either way."""
+    taken, received = Cycle(), Cycle()
+    for one in (taken, received):
+        one.cycle.body, one.cycle.more_body = bytearray(BODY), False
+        one.cycle.message_event.set()
+    assert body_of(taken.cycle, len(BODY)) == BODY
+    message: Any = await received.cycle.receive()
+    assert message == {"type": "http.request", "body": BODY, "more_body": False}
+    assert taken.state() == received.state() and taken.cycle.body == received.cycle.body == bytearray()
+
+
+@pytest.mark.parametrize("case", ["more", "larger", "disconnected", "continue", "complete"])
+def test_a_body_not_whole_or_not_to_take_is_left_to_receive(case: str) -> None:
+    """Still arriving, past the bound, a client gone, a ``100-continue`` to answer first, a response already over:
+    ``body_of`` takes nothing and changes nothing."""
+    one = Cycle()
+    c = one.cycle
+    c.body, c.more_body = bytearray(BODY), case == "more"
+    c.message_event.set()
+    most = len(BODY) - 1 if case == "larger" else len(BODY)
+    c.disconnected = case == "disconnected"
+    c.waiting_for_100_continue = case == "continue"
+    c.response_complete = case == "complete"
+    before = (one.state(), bytes(c.body))
+    assert body_of(c, most) is None
+    assert (one.state(), bytes(c.body)) == before

@@ -229,3 +229,15 @@ def test_a_head_vouched_for_is_the_head_checked(defaults: list[tuple[bytes, byte
         assert fast is None and defaults[0][0] == b"x-bad"
     else:
         assert fast is not None and (fast.head, fast.keep_alive) == (plain.head, plain.keep_alive)
+
+
+@pytest.mark.skipif(not MIRRORED, reason="an older uvicorn frames the head its own way: no answer goes at once")
+def test_the_default_headers_are_looked_at_again_whenever_the_server_makes_new_ones() -> None:
+    """uvicorn makes its default headers again each second; ``head_of`` remembers its look at the last list only:
+    a new list is looked at, a refused one refuses whichever list came before it."""
+    headers = [(b"content-type", b"application/json"), _length(BODY)]
+    good, bad = list(DEFAULTS), [(b"x-bad", b"a\nb")]
+    for defaults, goes in ((good, True), (bad, False), (list(DEFAULTS), True), (bad, False), (good, True)):
+        cycle = Cycle()
+        cycle.cycle.default_headers = defaults
+        assert (head_of(cycle.cycle, 200, headers, len(BODY), writable=True) is not None) is goes

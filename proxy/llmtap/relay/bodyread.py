@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from llmtap.errors import ClientGone, LlmtapError
 from llmtap.providers.bodyscan import BodyScan
+from llmtap.relay.oneshot import MIRRORED
 from llmtap.types import Receive
 
-__all__ = ["SCAN_FROM", "Body", "RequestTooLarge", "UploadStalled", "prepend", "read_body", "spliced"]
+__all__ = ["SCAN_FROM", "Body", "RequestTooLarge", "UploadStalled", "body_of", "prepend", "read_body", "spliced"]
 
 #: A request body as read: its bytes, or past ``SCAN_FROM`` the pieces it came in, in order.
 Body = bytes | tuple[bytes, ...]
@@ -73,6 +75,28 @@ async def read_body(
             return _body(parts, size), None
         if size > limit:
             return _body(parts, size), _rest_of_body(receive, most - size, silence)
+
+
+def body_of(cycle: Any, most: int) -> bytes | None:
+    """The request's body, taken from the server's cycle at once when it all came with its head (its end read) and
+    is at most ``most`` bytes, leaving the cycle as uvicorn's ``receive`` of it would (the body taken, reading
+    resumed, the event cleared): a short request's body without ``receive``'s coroutine and its event's wait. None:
+    the relay ``receive``s it as before (a body still arriving or larger, a client gone, a ``100-continue`` to
+    answer first, or a uvicorn whose cycle this does not mirror)."""
+    if (
+        not MIRRORED  # the cycle as uvicorn 0.53 and later makes it, as ``llmtap.relay.oneshot`` writes to it
+        or cycle.more_body
+        or cycle.disconnected
+        or cycle.response_complete
+        or cycle.waiting_for_100_continue
+        or len(cycle.body) > most
+    ):
+        return None
+    body = bytes(cycle.body)
+    cycle.body = bytearray()
+    cycle.flow.resume_reading()
+    cycle.message_event.clear()
+    return body
 
 
 def _body(parts: list[bytes], size: int) -> Body:

@@ -29,7 +29,16 @@ from llmtap.providers.bodyscan import BodyScan
 from llmtap.providers.usage_filter import UsageEventFilter
 from llmtap.relay.admission import Admission, QueueFull
 from llmtap.relay.answers import bad_head, refuse_request, send_json, too_large, upstream_failed
-from llmtap.relay.bodyread import Body, RequestTooLarge, UploadStalled, prepend, read_body, spliced
+from llmtap.relay.bodyread import (
+    SCAN_FROM,
+    Body,
+    RequestTooLarge,
+    UploadStalled,
+    body_of,
+    prepend,
+    read_body,
+    spliced,
+)
 from llmtap.relay.fingerprint import KEY_HEADERS
 from llmtap.relay.forward import PRIVATE_PREFIX, response_headers
 from llmtap.relay.guard import Refusal
@@ -212,13 +221,18 @@ class Exchange:
         silence = settings.timeouts.client_upload if self.admission is not None else None
         scan = BodyScan() if provider is not None and settings.inject_usage and provider.splices_usage else None
         limit = settings.max_inspect_bytes if provider else 0
-        try:
-            self.body, self.more = await read_body(self.receive, limit, settings.max_request_bytes, silence, scan)
-        except ClientGone:
-            return False
-        except RequestTooLarge:
-            await refuse_request(self.send, too_large(settings.max_request_bytes))
-            return False
+        # A body that came whole with its head, read as ``read_body`` would read it (nothing left to stream or scan).
+        whole = None if self.cycle is None else body_of(self.cycle, min(limit, SCAN_FROM, settings.max_request_bytes))
+        if whole is not None:
+            self.body, self.more = whole, None
+        else:
+            try:
+                self.body, self.more = await read_body(self.receive, limit, settings.max_request_bytes, silence, scan)
+            except ClientGone:
+                return False
+            except RequestTooLarge:
+                await refuse_request(self.send, too_large(settings.max_request_bytes))
+                return False
         tape.body_read = now()
         tape.body = self.body
         tape.body_complete = self.more is None
