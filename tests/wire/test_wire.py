@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import marshal
+import math
 import struct
 from array import array
 from pathlib import Path
@@ -359,3 +360,21 @@ async def test_the_telemetry_process_resets_a_relay_that_sends_garbage(tmp_path:
         server.close()
         await server.wait_closed()
         rec.close()
+
+
+def test_the_end_carries_every_read_held_whether_or_not_segments_went_before() -> None:
+    """``end_message`` takes the reads still on the tape (the last ones, ``take_reads(last=True)``): after a segment,
+    only those read since; a read never delivered carries NaN as its delivery."""
+    tape = Tape(3, method="POST", path="/v1/x", inner_path="/v1/x", route="r", protocol=None, received=0.0,
+                received_wall_ns=0)  # fmt: skip
+    tape.read(1.0, b"ab")
+    tape.delivered(1.5)
+    first = decode(tape.segment_message())
+    tape.read(2.0, b"cde")
+    tape.delivered(2.5)
+    tape.read(3.0, b"f")
+    end = decode(tape.end_message())
+    assert isinstance(first, Segment) and isinstance(end, End) and end.head is None
+    times, delivered, sizes = array("d", end.reads.times), array("d", end.reads.delivered), array("l", end.reads.sizes)
+    assert (list(times), list(sizes), end.reads.data) == ([2.0, 3.0], [3, 1], b"cdef")
+    assert delivered[0] == 2.5 and math.isnan(delivered[1])

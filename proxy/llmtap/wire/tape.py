@@ -252,12 +252,15 @@ class Tape:
             self.record_id.to_bytes(16, "big"),
         )
 
-    def take_reads(self) -> tuple[bytes, bytes, bytes, bytes]:
-        """The reads held now (``Reads``, encoded), leaving the tape empty."""
+    def take_reads(self, *, last: bool = False) -> tuple[bytes, bytes, bytes, bytes]:
+        """The reads held now (``Reads``, encoded), leaving the tape empty; ``last``: the stream's end takes them, and
+        nothing is read onto the tape after it (no empty arrays are made for reads that never come)."""
         # A read not yet handed to the client (the relay failed sending it) has no delivery time.
         while len(self._delivered) < len(self._times):
             self._delivered.append(float("nan"))
         out = (self._times.tobytes(), self._delivered.tobytes(), self._sizes.tobytes(), bytes(self._data))
+        if last:
+            return out
         self._times = array("d")
         self._delivered = array("d")
         self._sizes = array("l")
@@ -281,7 +284,7 @@ class Tape:
         which then go without their bytes."""
         head = None if self.head_sent else self.head()
         self.head_sent = True
-        reads = self.take_reads()
+        reads = self.take_reads(last=True)
         if self.hole_size:
             hole = self._hole_reads()
             reads = (hole[0] + reads[0], hole[1] + reads[1], hole[2] + reads[2], b"")
