@@ -50,9 +50,12 @@ class Body(httpx.AsyncByteStream):
         """Bytes the upstream sent past this response's end (its connection was closed for them)."""
         return self._surplus if self._released or self._settled() else self._conn.surplus
 
-    def close(self) -> None:
-        """Release the connection (``aclose`` without the wait): exactly once, whoever asks."""
+    def close(self) -> int:
+        """Release the connection (``aclose`` without the wait): exactly once, whoever asks; back to the pool when
+        the exchange ended cleanly, else closed. Never waits. Returns the bytes the upstream sent past the response's
+        end (its connection is closed for them): the relay takes both at the response's end in one call."""
         self._release()
+        return self._surplus
 
     def _settled(self) -> bool:
         """The connection went back to the pool at this body's clean end (``Connection.carry``, ``take_whole``):
@@ -86,13 +89,6 @@ class Answer(Body):
         async for part in self.__aiter__():
             yield part
         self._release()
-
-    def close(self) -> int:  # type: ignore[override]
-        """Release the connection: back to the pool when the exchange ended cleanly, else closed. Never waits.
-        Returns the bytes the upstream sent past the response's end (its connection is closed for them): the
-        relay takes both at the response's end in one call."""
-        self._release()
-        return self._surplus
 
     def abandon(self) -> None:
         """Release the connection closed, however cleanly the exchange ended: the relay refused this response."""
