@@ -12,10 +12,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 import pytest
 import uvicorn
@@ -110,6 +110,28 @@ def telemetry() -> Iterator[Telemetry]:
     yield t
     t.tracer_provider.shutdown()
     t.meter_provider.shutdown()
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=_Closable)
+
+
+@pytest.fixture
+def closing() -> Iterator[Callable[[_C], _C]]:
+    """``closing(client)``: the client, closed when the test ends however it ends (an SDK client left to the
+    garbage collector leaves its connections to be found open, a ``ResourceWarning`` in some later test)."""
+    opened: list[_Closable] = []
+
+    def keep(client: _C) -> _C:
+        opened.append(client)
+        return client
+
+    yield keep
+    for client in reversed(opened):
+        client.close()
 
 
 @contextlib.contextmanager

@@ -259,18 +259,18 @@ async def _thinker(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await _play(_anthropic_stream() if scope["path"].endswith("/messages") else _openai_stream(), send, start)
 
 
-def test_reasoning_streams_through_serve_with_both_sdks(tmp_path: Path) -> None:
+def test_reasoning_streams_through_serve_with_both_sdks(tmp_path: Path, closing: Any) -> None:
     folder = tmp_path / "records"
     with ServerThread(_thinker, lifespan="off") as upstream:
         proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--record", str(folder), "--no-inject-usage")
         try:
-            chat = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0)
+            chat = closing(openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0))
             stream = chat.chat.completions.create(
                 model="thinker", messages=[{"role": "user", "content": "Capital of France?"}], stream=True
             )
             answer = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
             assert answer == "Paris."
-            claude = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
+            claude = closing(anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0))
             with claude.messages.stream(
                 model="thinker",
                 max_tokens=64,
@@ -304,7 +304,7 @@ def test_reasoning_streams_through_serve_with_both_sdks(tmp_path: Path) -> None:
 @pytest.mark.e2e
 @pytest.mark.real
 def test_ttfot_and_ttst_objectives_judge_requests_and_slo_reads_them_from_records_and_a_live_prometheus(
-    tmp_path: Path,
+    tmp_path: Path, closing: Any
 ) -> None:
     """A route whose objectives bound TTFOT (200 ms: the answer comes 400 ms in, after thinking) and TTST (10 s):
     each request misses (its record says so, with the objective it was judged by), and ``llmtap slo`` reads the
@@ -351,7 +351,7 @@ def test_ttfot_and_ttst_objectives_judge_requests_and_slo_reads_them_from_record
         url = f"http://127.0.0.1:{port}"
         try:
             wait_until_up(url + "/-/ready", prom, "Prometheus")
-            chat = openai.OpenAI(base_url=proxy.url + "/think/v1", api_key="sk-test", max_retries=0)
+            chat = closing(openai.OpenAI(base_url=proxy.url + "/think/v1", api_key="sk-test", max_retries=0))
             for _ in range(sent):
                 stream = chat.chat.completions.create(
                     model="thinker", messages=[{"role": "user", "content": "Capital of France?"}], stream=True
@@ -470,7 +470,7 @@ def _within_resolution(read: float, samples: Sequence[float], q: float) -> bool:
 @pytest.mark.e2e
 @pytest.mark.real
 def test_compare_over_prometheus_reads_ttfot_and_ttst_as_the_records_do(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], closing: Any
 ) -> None:
     """A reasoning version (v1) against a quick one (v2, one chunk: no TTST), through ``llmtap serve`` with records
     and a real Prometheus scraping it: ``compare --prometheus`` gives TTFOT and TTST rows beside TTFT, with the same
@@ -493,7 +493,7 @@ def test_compare_over_prometheus_reads_ttfot_and_ttst_as_the_records_do(
         target = proxy.admin_url.removeprefix("http://")
         jobs = f"  - {{job_name: llmtap, static_configs: [{{targets: ['{target}']}}]}}\n"
         prom, port = start_prometheus(tmp_path / "prom", jobs, cpu=None, log=tmp_path / "prometheus.log")
-        chat = openai.OpenAI(base_url=proxy.url + "/think/v1", api_key="sk-test", max_retries=0)
+        chat = closing(openai.OpenAI(base_url=proxy.url + "/think/v1", api_key="sk-test", max_retries=0))
         sent = 0
 
         def ask(model: str, version: str, times: int) -> None:

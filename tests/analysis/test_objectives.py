@@ -108,7 +108,7 @@ def test_the_share_that_got_its_objective_is_judged_as_a_percentile_is() -> None
     assert 0.0 <= check.low < 0.95 < check.high <= 1.0
 
 
-def test_objectives_through_serve_with_the_openai_sdk(tmp_path: Path) -> None:
+def test_objectives_through_serve_with_the_openai_sdk(tmp_path: Path, closing: Any) -> None:
     # TTFT 0.3 s, then a chunk every 30 ms: a 1 ms TPOT and a 10 ms TTFT cannot be met however idle the machine,
     # a 10-minute TTFT and a 10 s TPOT cannot be missed however busy.
     upstream = Scripted(SCRIPT_TTFT="0.3", SCRIPT_GAP="0.03", SCRIPT_CHUNKS="6")
@@ -117,7 +117,7 @@ def test_objectives_through_serve_with_the_openai_sdk(tmp_path: Path) -> None:
     proxy = Llmtap(upstream.url, tmp_path / "llmtap.log", "--record", str(folder), env=otlp_env(receiver))
     forwarding = Llmtap(upstream.url, tmp_path / "forwarding.log", "--forward-slo-headers")
     try:
-        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0)
+        client = closing(openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0))
         asked = [
             {"x-slo-ttft-ms": "600000", "x-slo-tpot-ms": "10000", "x-request": "met"},
             {"x-slo-ttft-ms": "10", "x-slo-tpot-ms": "1", "x-request": "violated"},
@@ -178,7 +178,7 @@ def test_objectives_through_serve_with_the_openai_sdk(tmp_path: Path) -> None:
         assert card["request_objectives"] == {"ttft": {"met": 1, "violated": 1}, "tpot": {"met": 1, "violated": 1}}
 
         # Forwarding, when asked: the upstream gets the headers as sent.
-        forward = openai.OpenAI(base_url=forwarding.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0)
+        forward = closing(openai.OpenAI(base_url=forwarding.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0))
         _chat(forward, {"x-slo-ttft-ms": "250", "x-slo-tpot-ms": "bad"})
         seen = _upstream_saw(upstream)
         assert (seen.get("x-slo-ttft-ms"), seen.get("x-slo-tpot-ms")) == ("250", "bad")

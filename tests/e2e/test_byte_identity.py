@@ -68,12 +68,14 @@ def test_spliced_stream_reaches_the_client_byte_for_byte(
     assert got == expected
 
 
-def test_openai_sdk_events_are_equal_through_the_splice(sims: tuple[str, str], proxy_factory: Any) -> None:
+def test_openai_sdk_events_are_equal_through_the_splice(
+    sims: tuple[str, str], proxy_factory: Any, closing: Any
+) -> None:
     direct, behind = sims
     through = _proxy(proxy_factory, behind)
 
     def events(base: str) -> list[dict[str, Any]]:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+        client = closing(openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0))
         stream = client.chat.completions.create(
             model=CHAT["model"], messages=CHAT["messages"], max_tokens=CHAT["max_tokens"], stream=True
         )

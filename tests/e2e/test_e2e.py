@@ -71,9 +71,11 @@ def assert_ttft(attrs: Any, scripted: Scripted, client_ttft: float) -> None:
     assert truth - 0.001 <= upstream <= ttft <= client_ttft, (truth, upstream, ttft, client_ttft)
 
 
-def test_openai_sdk_stream_timings_match_script(proxy: Running, scripted: Scripted, telemetry: Telemetry) -> None:
+def test_openai_sdk_stream_timings_match_script(
+    proxy: Running, scripted: Scripted, telemetry: Telemetry, closing: Any
+) -> None:
     telemetry.spans.clear()
-    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0)
+    client = closing(openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0))
     sent = time.monotonic()
     stream = client.chat.completions.create(
         model="scripted", messages=[{"role": "user", "content": "Say something."}], stream=True
@@ -127,9 +129,9 @@ def test_client_bytes_equal_direct_call(proxy: Running, scripted: Scripted, tele
     assert raw(proxy.url, with_usage) == raw(scripted.url, with_usage)
 
 
-def test_anthropic_sdk_stream(proxy: Running, scripted: Scripted, telemetry: Telemetry) -> None:
+def test_anthropic_sdk_stream(proxy: Running, scripted: Scripted, telemetry: Telemetry, closing: Any) -> None:
     telemetry.spans.clear()
-    client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
+    client = closing(anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0))
     sent = time.monotonic()
     with client.messages.stream(
         model="scripted", max_tokens=100, messages=[{"role": "user", "content": "Say something."}]

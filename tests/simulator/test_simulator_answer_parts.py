@@ -39,13 +39,15 @@ def sim() -> Iterator[str]:
 
 
 @pytest.fixture
-def chat(sim: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=sim + "/v1", api_key="k", max_retries=0)
+def chat(sim: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=sim + "/v1", api_key="k", max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture
-def claude(sim: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=sim, api_key="k", max_retries=0)
+def claude(sim: str) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=sim, api_key="k", max_retries=0) as client:
+        yield client
 
 
 def test_chat_tool_call_streams_its_arguments_and_equals_the_whole_answer(chat: openai.OpenAI) -> None:
@@ -158,15 +160,20 @@ def test_responses_reasoning_summary_then_function_call_streamed_equals_whole(ch
 @pytest.mark.e2e
 def test_llmtap_reads_every_shape_as_a_whole_stream(sim: str, proxy_factory: Any, telemetry: Telemetry) -> None:
     proxy = proxy_factory(Settings(routes=(Route(prefix="/", upstream=sim, name="r", provider="llmtap-sim"),)))
-    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
-    list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, tools=[WEATHER], stream=True))
-    list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, n=2, stream=True))
-    list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, reasoning_effort="low", stream=True))
     thinking: Any = {"type": "enabled", "budget_tokens": 1024}
     tools: Any = [{"name": "get_weather", "input_schema": {"type": "object"}}]
-    claude = anthropic.Anthropic(base_url=proxy.url, api_key="k", max_retries=0)
-    with claude.messages.stream(model=MODEL, max_tokens=6, messages=USER, tools=tools, thinking=thinking) as stream:
-        stream.get_final_message()
+    with (
+        openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0) as client,
+        anthropic.Anthropic(base_url=proxy.url, api_key="k", max_retries=0) as claude,
+    ):
+        list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, tools=[WEATHER], stream=True))
+        list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, n=2, stream=True))
+        effort = client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=6, reasoning_effort="low", stream=True
+        )
+        list(effort)
+        with claude.messages.stream(model=MODEL, max_tokens=6, messages=USER, tools=tools, thinking=thinking) as stream:
+            stream.get_final_message()
     proxy.flush()
     roots: list[dict[str, Any]] = [
         dict(s.attributes or {}) for s in telemetry.finished() if sc.ROUTE in (s.attributes or {})
