@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -148,49 +147,35 @@ async def _app(layer: str, up_port: int, settings: Any) -> tuple[App, Close]:
 
 async def _one(layer: str, count: int) -> dict[str, Any]:
     """One layer's run, in this process: its CPU per request, less the direct path's."""
-    import uvicorn
-
     from llmtap.cli import parser
     from llmtap.config.load import build
     from llmtap.relay.app import create_app
-    from llmtap.serve.server import uvicorn_config
 
     loop = asyncio.get_running_loop()
     upstream = await loop.create_server(short_exchange._Upstream, "127.0.0.1", 0)
     up_port = upstream.sockets[0].getsockname()[1]
     settings = build(vars(parser().parse_args(["serve", "--upstream", f"http://127.0.0.1:{up_port}"])))
-    server: uvicorn.Server | None = None
-    serving: asyncio.Task[None] | None = None
     close: Close = _nothing
+    stop: Close
     if layer == "floor":
         floor = await loop.create_server(lambda: thin_http._Client(up_port, False), "127.0.0.1", 0)
         port = floor.sockets[0].getsockname()[1]
+
+        async def stop_floor() -> None:
+            floor.close()
+
+        stop = stop_floor
+
     else:
         if layer == "relay":
             app: Any = create_app(settings, channel=short_exchange._Drop())
         else:
             app, close = await _app(layer, up_port, settings)
-        server = uvicorn.Server(uvicorn_config(app, settings))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:  # noqa: ASYNC110 - uvicorn's flag, no event to wait on
-            await asyncio.sleep(0.01)
-    warm = max(count // 10, 200)
-    await short_exchange._cpu_of(port, warm)
-    await short_exchange._cpu_of(up_port, warm)
-    direct = await short_exchange._cpu_of(up_port, count)
-    layered = await short_exchange._cpu_of(port, count)
-    direct_after = await short_exchange._cpu_of(up_port, count)
+        port, stop = await short_exchange.serve(app, settings)
+    layered, base = await short_exchange.through_and_direct(port, up_port, count)
     await close()
-    if server is not None and serving is not None:
-        server.should_exit = True
-        await serving
-    else:
-        floor.close()
+    await stop()
     upstream.close()
-    base = (direct + direct_after) / 2
     return {
         "layer": layer,
         "requests": count,

@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,37 +148,54 @@ async def _cpu_of(port: int, count: int) -> float:
     return spent
 
 
-async def _one(count: int) -> dict[str, Any]:
-    """One tree's run, in this process: the relay's CPU per request, less the direct path's."""
+async def serve(app: Any, settings: Any) -> tuple[int, Callable[[], Awaitable[None]]]:
+    """``app`` served by uvicorn under llmtap's listener (``uvicorn_config``) on a free loopback port, once started:
+    the port, and what stops the server."""
     import uvicorn
 
+    from llmtap.serve.server import uvicorn_config
+
+    server = uvicorn.Server(uvicorn_config(app, settings))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port: int = sock.getsockname()[1]
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:  # noqa: ASYNC110 - uvicorn's flag, no event to wait on
+        await asyncio.sleep(0.01)
+
+    async def stop() -> None:
+        server.should_exit = True
+        await serving
+
+    return port, stop
+
+
+async def through_and_direct(port: int, up_port: int, count: int) -> tuple[float, float]:
+    """CPU seconds of ``count`` requests through ``port``, and of as many straight to the upstream (the mean of a run
+    before and one after), each path warmed first."""
+    warm = max(count // 10, 200)
+    await _cpu_of(port, warm)
+    await _cpu_of(up_port, warm)
+    direct = await _cpu_of(up_port, count)
+    through = await _cpu_of(port, count)
+    direct_after = await _cpu_of(up_port, count)
+    return through, (direct + direct_after) / 2
+
+
+async def _one(count: int) -> dict[str, Any]:
+    """One tree's run, in this process: the relay's CPU per request, less the direct path's."""
     from llmtap.cli import parser
     from llmtap.config.load import build
     from llmtap.relay.app import create_app
-    from llmtap.serve.server import uvicorn_config
 
     loop = asyncio.get_running_loop()
     upstream = await loop.create_server(_Upstream, "127.0.0.1", 0)
     up_port = upstream.sockets[0].getsockname()[1]
     settings = build(vars(parser().parse_args(["serve", "--upstream", f"http://127.0.0.1:{up_port}"])))
-    app = create_app(settings, channel=_Drop())
-    server = uvicorn.Server(uvicorn_config(app, settings))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    relay_port = sock.getsockname()[1]
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:  # noqa: ASYNC110 - uvicorn's flag, no event to wait on
-        await asyncio.sleep(0.01)
-    warm = max(count // 10, 200)
-    await _cpu_of(relay_port, warm)
-    await _cpu_of(up_port, warm)
-    direct = await _cpu_of(up_port, count)
-    relayed = await _cpu_of(relay_port, count)
-    direct_after = await _cpu_of(up_port, count)
-    server.should_exit = True
-    await serving
+    relay_port, stop = await serve(create_app(settings, channel=_Drop()), settings)
+    relayed, base = await through_and_direct(relay_port, up_port, count)
+    await stop()
     upstream.close()
-    base = (direct + direct_after) / 2
     return {
         "requests": count,
         "relay_us_per_request": (relayed - base) / count * 1e6,
