@@ -16,7 +16,6 @@ class Body(httpx.AsyncByteStream):
     """A response body: what each socket read carried, in order; the connection is released exactly once."""
 
     def __init__(self, conn: Connection, timeouts: Timeouts) -> None:
-        self._conn = conn
         self._timeouts = timeouts
         self._released = False
         self._surplus = 0
@@ -25,7 +24,7 @@ class Body(httpx.AsyncByteStream):
         self.connection = conn
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        conn = self._conn
+        conn = self.connection
         timeouts = self._timeouts
         while not self._released:
             if conn.parts:
@@ -43,12 +42,12 @@ class Body(httpx.AsyncByteStream):
     def pipe(self, sink: Sink) -> Connection:
         """From now on each body part goes to ``sink`` in the read callback (those queued already, at once);
         the relay then waits on the returned connection's ``until_moved`` and ``hold``/``release``."""
-        self._conn.attach(sink)
-        return self._conn
+        self.connection.attach(sink)
+        return self.connection
 
     def surplus(self) -> int:
         """Bytes the upstream sent past this response's end (its connection was closed for them)."""
-        return self._surplus if self._released or self._settled() else self._conn.surplus
+        return self._surplus if self._released or self._settled() else self.connection.surplus
 
     def close(self) -> int:
         """Release the connection (``aclose`` without the wait): exactly once, whoever asks; back to the pool when
@@ -60,13 +59,13 @@ class Body(httpx.AsyncByteStream):
     def _settled(self) -> bool:
         """The connection went back to the pool at this body's clean end (``Connection.carry``, ``take_whole``):
         parked, or serving another exchange by now."""
-        return self._conn.parked or self._conn.exchanges != self._exchange
+        return self.connection.parked or self.connection.exchanges != self._exchange
 
     def _release(self) -> None:
         if self._released:
             return  # a second close must not touch a connection that may serve another response by now
         self._released = True
-        conn = self._conn
+        conn = self.connection
         if self._settled():
             return  # in the pool already, nothing past its end
         self._surplus = conn.surplus
@@ -92,5 +91,5 @@ class Answer(Body):
 
     def abandon(self) -> None:
         """Release the connection closed, however cleanly the exchange ended: the relay refused this response."""
-        self._conn.keep_alive = False
+        self.connection.keep_alive = False
         self._release()
